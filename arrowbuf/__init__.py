@@ -1,0 +1,41 @@
+"""arrowbuf: an Apache Arrow experience store for distributed reinforcement learning.
+
+`import arrowbuf` needs only pyarrow and numpy; torch, ray, duckdb, polars and cudf are imported when used.
+"""
+
+from . import rate_limiters, samplers
+from .batch import SampleBatch
+from .errors import (
+    ArrowbufError,
+    InsertTimeout,
+    MissingDependency,
+    OutOfSpace,
+    SampleTimeout,
+    SchemaError,
+    StoreClosed,
+    StoreNotFound,
+    Unauthenticated,
+)
+from .schema import ExperienceSchema, FieldSpec, load_schema
+from .store import ExperienceStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArrowbufError",
+    "ExperienceSchema",
+    "ExperienceStore",
+    "FieldSpec",
+    "InsertTimeout",
+    "MissingDependency",
+    "OutOfSpace",
+    "SampleBatch",
+    "SampleTimeout",
+    "SchemaError",
+    "StoreClosed",
+    "StoreNotFound",
+    "Unauthenticated",
+    "load_schema",
+    "rate_limiters",
+    "samplers",
+]

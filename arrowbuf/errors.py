@@ -1,0 +1,80 @@
+"""The arrowbuf exception hierarchy.
+
+```
+ArrowbufError                       every error arrowbuf raises on purpose
+├── SchemaError(ValueError)         bad schema or bad input: names the field, what was expected, what came
+├── SampleTimeout(TimeoutError)     a sample could not be served in time (empty store, rate limiter)
+├── InsertTimeout(TimeoutError)     an insert was held back by the rate limiter past its timeout
+├── StoreClosed(RuntimeError)       the store, tier, server or client was closed
+├── StoreNotFound(LookupError)      no store of that name (attach, remote store names)
+├── OutOfSpace(MemoryError)         a tier has not enough room (/dev/shm, a byte budget)
+├── MissingDependency(ImportError)  an optional extra is not installed; names the extra
+└── Unauthenticated(PermissionError) a wrong or missing token
+```
+Every exception also inherits the matching builtin, so `except ValueError` keeps working. Callers branch on the type,
+never on the message.
+"""
+
+from __future__ import annotations
+
+
+class ArrowbufError(Exception):
+    """Base class of every error arrowbuf raises on purpose."""
+
+
+class SchemaError(ArrowbufError, ValueError):
+    """A schema is malformed, or input does not match the schema."""
+
+
+class SampleTimeout(ArrowbufError, TimeoutError):
+    """A sample could not be served within its timeout."""
+
+
+class InsertTimeout(ArrowbufError, TimeoutError):
+    """An insert was blocked by the rate limiter past its timeout."""
+
+
+class StoreClosed(ArrowbufError, RuntimeError):
+    """The object was closed and cannot serve the call."""
+
+
+class StoreNotFound(ArrowbufError, LookupError):
+    """No store of the given name exists."""
+
+
+class OutOfSpace(ArrowbufError, MemoryError):
+    """A memory tier has not enough room for what was asked."""
+
+
+class MissingDependency(ArrowbufError, ImportError):
+    """An optional dependency is missing; the message names the extra to install."""
+
+
+class Unauthenticated(ArrowbufError, PermissionError):
+    """A call came with a wrong or missing token."""
+
+
+def require(module: str, extra: str):
+    """Import an optional dependency, or raise `MissingDependency` naming the extra that provides it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise MissingDependency(
+            f"{module} is needed for this feature but is not installed: pip install 'arrowbuf[{extra}]'"
+        ) from exc
+
+
+__all__ = [
+    "ArrowbufError",
+    "SchemaError",
+    "SampleTimeout",
+    "InsertTimeout",
+    "StoreClosed",
+    "StoreNotFound",
+    "OutOfSpace",
+    "MissingDependency",
+    "Unauthenticated",
+    "require",
+]

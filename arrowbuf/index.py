@@ -1,0 +1,64 @@
+"""The ring index: per-row metadata of a store and the live range of sequence numbers.
+
+Rows are named by their global insert sequence number `seq`. The ring keeps the newest `capacity` committed rows,
+`lo <= seq < hi`; row `seq` lives at arena position `seq % arena_rows`. Per position the index keeps the row's seq
+(a generation check: a stale id never matches a recycled slot), its episode id and step, the position of its successor
+in the same episode (`next_pos`), and whether it can be sampled (`valid`: live, and its next observation is known).
+
+`next_pos` codes: >= 0 a position (>= arena_rows: a final-observation slot), PENDING: the successor has not arrived,
+ENDED: the episode ended here and the schema derives nothing from the next step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .tiers.base import Tier
+
+PENDING = -1
+ENDED = -2
+
+
+class RingIndex:
+    """Row metadata arrays and the live range; samplers read it under the store's lock."""
+
+    def __init__(self, tier: Tier, capacity: int, arena_rows: int) -> None:
+        self.capacity = int(capacity)
+        self.arena_rows = int(arena_rows)
+        self.seq = tier.allocate("index.seq", np.dtype(np.int64), arena_rows)
+        self.seq.fill(-1)
+        self.episode_id = tier.allocate("index.episode_id", np.dtype(np.int64), arena_rows)
+        self.step = tier.allocate("index.step", np.dtype(np.int64), arena_rows)
+        self.next_pos = tier.allocate("index.next_pos", np.dtype(np.int64), arena_rows)
+        self.valid = tier.allocate("index.valid", np.dtype(np.bool_), arena_rows)
+        self.valid.fill(False)
+        self.lo = 0  # oldest live seq
+        self.hi = 0  # one past the newest committed seq
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def positions(self, seqs: np.ndarray) -> np.ndarray:
+        return seqs % self.arena_rows
+
+    def seqs_of(self, positions: np.ndarray) -> np.ndarray:
+        """The live seqs at `positions` (positions of live rows only)."""
+        lo_pos = self.lo % self.arena_rows
+        return self.lo + (positions - lo_pos) % self.arena_rows
+
+    def live(self, seqs: np.ndarray) -> np.ndarray:
+        """Mask of ids that still name their row: in the live range and not recycled."""
+        seqs = np.asarray(seqs, dtype=np.int64)
+        ok = (seqs >= self.lo) & (seqs < self.hi)
+        pos = seqs % self.arena_rows
+        ok &= self.seq[pos] == seqs
+        return ok
+
+    def live_positions(self) -> np.ndarray:
+        """Positions of all live rows in seq order (O(capacity); not for the sample path)."""
+        return np.arange(self.lo, self.hi, dtype=np.int64) % self.arena_rows
+
+    def valid_seqs(self) -> np.ndarray:
+        """Seqs of every sampleable row, oldest first (O(capacity); fallback path only)."""
+        seqs = np.arange(self.lo, self.hi, dtype=np.int64)
+        return seqs[self.valid[seqs % self.arena_rows]]

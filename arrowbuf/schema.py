@@ -1,0 +1,556 @@
+"""Experience schemas: the declared layout of a step, and validation of incoming batches against it.
+
+A schema is declared once, in YAML, a dict, or a `pa.Schema`::
+
+    name: atari
+    version: 1                       # optional
+    fields:
+      obs:        {dtype: uint8, shape: [4, 84, 84]}
+      action:     {dtype: int64}
+      reward:     {dtype: float32, allow_nan: false}
+      terminated: {dtype: bool}
+      truncated:  {dtype: bool}
+    derived:
+      next_obs: {next_of: obs}      # read from the next step of the same episode, not stored twice
+    episode_end: [terminated, truncated]   # optional; default: the fields named done/terminated/truncated
+
+Usage::
+
+    schema = load_schema("schemas/atari.yaml")
+    columns, n = schema.validate_batch(batch)     # SchemaError naming the field on bad input
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import SchemaError
+
+#: Columns the store adds to every row.
+SYSTEM_COLUMNS: dict[str, pa.DataType] = {"episode_id": pa.int64(), "step": pa.int64(), "seq": pa.int64()}
+#: Keys an input batch may carry besides the schema's fields: who wrote the step.
+STREAM_KEYS = ("episode_id", "actor")
+#: Field names that end an episode unless the schema says otherwise.
+DEFAULT_EPISODE_END = ("done", "terminated", "truncated")
+
+_DTYPES = {
+    "bool": np.bool_,
+    "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
+    "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+    "float16": np.float16, "float32": np.float32, "float64": np.float64,
+}
+
+
+def _parse_dtype(where: str, value: Any) -> np.dtype:
+    if isinstance(value, np.dtype):
+        dtype = value
+    else:
+        name = str(getattr(value, "__name__", value)).lower()
+        name = {"float": "float64", "int": "int64", "double": "float64", "half": "float16",
+                "bool_": "bool", "boolean": "bool"}.get(name, name)
+        if name not in _DTYPES:
+            raise SchemaError(
+                f"{where}: unknown dtype {value!r}; expected one of {', '.join(sorted(_DTYPES))}"
+            )
+        dtype = np.dtype(_DTYPES[name])
+    if dtype.name not in _DTYPES:
+        raise SchemaError(f"{where}: unsupported dtype {dtype}; expected one of {', '.join(sorted(_DTYPES))}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One stored field of a step.
+
+    Attributes:
+        name: column name.
+        dtype: numpy dtype of one element.
+        shape: per-step shape, () for a scalar.
+        ragged: a variable-length 1-D list per step (token ids, logprobs); `shape` is then ().
+        allow_nan: when False, NaN values are rejected on ingest (floating fields only).
+    """
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...] = ()
+    ragged: bool = False
+    allow_nan: bool = True
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one step of this field takes (ragged fields: an estimate for sizing chunks)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize if not self.ragged else 64
+
+    def arrow_type(self) -> pa.DataType:
+        """The Arrow type of the stored column."""
+        value = pa.from_numpy_dtype(self.dtype)
+        if self.ragged:
+            return pa.list_(value)
+        if self.shape:
+            return pa.fixed_shape_tensor(value, list(self.shape))
+        return value
+
+    def describe(self) -> str:
+        if self.ragged:
+            return f"ragged list of {self.dtype}"
+        return f"{self.dtype} shape {list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class DerivedSpec:
+    """A field read from another step instead of stored: `next_of` names the source field."""
+
+    name: str
+    next_of: str
+
+
+@dataclass(frozen=True)
+class ExperienceSchema:
+    """The layout of one step: stored fields, derived fields and which fields end an episode.
+
+    Build one with `load_schema` (a YAML path, a dict of the same form, or a `pa.Schema`).
+    """
+
+    name: str
+    fields: dict[str, FieldSpec]
+    derived: dict[str, DerivedSpec] = field(default_factory=dict)
+    episode_end: tuple[str, ...] = ()
+    version: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.fields:
+            raise SchemaError(f"schema {self.name!r}: 'fields' is empty; declare at least one field")
+        for name in self.fields:
+            if name in SYSTEM_COLUMNS or name in STREAM_KEYS:
+                raise SchemaError(f"schema {self.name!r}: field name {name!r} is reserved for the store")
+        for d in self.derived.values():
+            if d.name in self.fields:
+                raise SchemaError(f"schema {self.name!r}: derived field {d.name!r} is also a stored field")
+            src = self.fields.get(d.next_of)
+            if src is None:
+                raise SchemaError(
+                    f"schema {self.name!r}: derived field {d.name!r} has next_of={d.next_of!r}, "
+                    f"which is not a field; expected one of {sorted(self.fields)}"
+                )
+            if src.ragged:
+                raise SchemaError(f"schema {self.name!r}: derived field {d.name!r} cannot derive from ragged field")
+        for name in self.episode_end:
+            spec = self.fields.get(name)
+            if spec is None or spec.dtype != np.bool_ or spec.shape or spec.ragged:
+                raise SchemaError(
+                    f"schema {self.name!r}: episode_end field {name!r} must be a scalar bool field"
+                )
+
+    # ---------------------------------------------------------------- views
+    def to_arrow(self) -> pa.Schema:
+        """The `pa.Schema` of the stored columns: the fields, then the system columns."""
+        cols = [pa.field(f.name, f.arrow_type(), nullable=False) for f in self.fields.values()]
+        cols += [pa.field(n, t, nullable=False) for n, t in SYSTEM_COLUMNS.items()]
+        meta = {b"arrowbuf.schema": self.name.encode(), b"arrowbuf.version": str(self.version or "").encode()}
+        if self.derived:
+            meta[b"arrowbuf.derived"] = ",".join(f"{d.name}:{d.next_of}" for d in self.derived.values()).encode()
+        if self.episode_end:
+            meta[b"arrowbuf.episode_end"] = ",".join(self.episode_end).encode()
+        return pa.schema(cols, metadata=meta)
+
+    def input_schema(self) -> pa.Schema:
+        """The `pa.Schema` a writer sends: the fields, plus the derived fields (needed on episode ends)."""
+        cols = [pa.field(f.name, f.arrow_type()) for f in self.fields.values()]
+        for d in self.derived.values():
+            cols.append(pa.field(d.name, self.fields[d.next_of].arrow_type()))
+        return pa.schema(cols)
+
+    def sample_schema(self, columns: list[str] | None = None) -> pa.Schema:
+        """The `pa.Schema` of `SampleBatch.data` for the given columns."""
+        names = self.resolve_columns(columns)
+        return pa.schema([pa.field(n, self.column_type(n)) for n in names])
+
+    def column_type(self, name: str) -> pa.DataType:
+        if name in self.fields:
+            return self.fields[name].arrow_type()
+        if name in self.derived:
+            return self.fields[self.derived[name].next_of].arrow_type()
+        if name in SYSTEM_COLUMNS:
+            return SYSTEM_COLUMNS[name]
+        raise SchemaError(f"unknown column {name!r}; expected one of {self.column_names()}")
+
+    def column_names(self) -> list[str]:
+        return [*self.fields, *self.derived, *SYSTEM_COLUMNS]
+
+    def resolve_columns(self, columns: list[str] | tuple[str, ...] | None) -> list[str]:
+        """The columns a sample returns: all fields and derived fields by default."""
+        if columns is None:
+            return [*self.fields, *self.derived]
+        if isinstance(columns, str):
+            columns = [columns]
+        out = list(dict.fromkeys(columns))
+        for c in out:
+            self.column_type(c)
+        return out
+
+    def spec_of(self, name: str) -> FieldSpec:
+        """The FieldSpec of a stored or derived column."""
+        if name in self.fields:
+            return self.fields[name]
+        d = self.derived[name]
+        src = self.fields[d.next_of]
+        return FieldSpec(d.name, src.dtype, src.shape, src.ragged, src.allow_nan)
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(f.row_bytes for f in self.fields.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The dict form `load_schema` accepts (round-trips)."""
+        fields: dict[str, Any] = {}
+        for f in self.fields.values():
+            d: dict[str, Any] = {"dtype": f.dtype.name}
+            if f.shape:
+                d["shape"] = list(f.shape)
+            if f.ragged:
+                d["ragged"] = True
+            if not f.allow_nan:
+                d["allow_nan"] = False
+            fields[f.name] = d
+        out: dict[str, Any] = {"name": self.name, "fields": fields}
+        if self.version is not None:
+            out["version"] = self.version
+        if self.derived:
+            out["derived"] = {d.name: {"next_of": d.next_of} for d in self.derived.values()}
+        out["episode_end"] = list(self.episode_end)
+        return out
+
+    # ---------------------------------------------------------------- validation
+    def validate_batch(self, batch: Any, *, single: bool = False) -> tuple[dict[str, Any], int]:
+        """Check a batch against the schema and convert it to columns.
+
+        Args:
+            batch: dict of arrays with a leading dimension, `pa.RecordBatch` or `pa.Table`; with `single=True` a
+                dict of one step's values (no leading dimension).
+            single: the batch is one step.
+
+        Returns:
+            (columns, n): numpy arrays of shape [n, *shape] for fixed fields, `pa.ListArray` for ragged fields; the
+            derived fields (final observations) and stream keys (`episode_id`, `actor`) when given.
+
+        Raises:
+            SchemaError: naming the field, what was expected and what came.
+        """
+        if isinstance(batch, (pa.RecordBatch, pa.Table)):
+            if single:
+                raise SchemaError("append takes one step as a dict; use extend for a RecordBatch or Table")
+            raw: dict[str, Any] = {name: batch.column(name) for name in batch.schema.names}
+        elif isinstance(batch, Mapping):
+            raw = dict(batch)
+        else:
+            raise SchemaError(
+                f"expected a dict of arrays, a pa.RecordBatch or a pa.Table; got {type(batch).__name__}"
+            )
+        allowed = set(self.fields) | set(self.derived) | set(STREAM_KEYS)
+        unknown = [k for k in raw if k not in allowed]
+        if unknown:
+            raise SchemaError(
+                f"unknown field(s) {unknown} for schema {self.name!r}; expected fields {sorted(self.fields)}"
+                + (f", derived {sorted(self.derived)}" if self.derived else "")
+                + f" and optional stream keys {list(STREAM_KEYS)}"
+            )
+        missing = [k for k in self.fields if k not in raw]
+        if missing:
+            raise SchemaError(f"missing field(s) {missing} for schema {self.name!r}: every step needs them")
+        out: dict[str, Any] = {}
+        n: int | None = None
+        for name, value in raw.items():
+            if name in STREAM_KEYS:
+                col = _stream_column(name, value, single)
+            else:
+                col = _convert_field(self.spec_of(name), value, single)
+            rows = len(col)
+            if n is None:
+                n = rows
+            elif rows != n:
+                first = next(iter(out))
+                raise SchemaError(
+                    f"field {name!r} has {rows} rows but {first!r} has {n}; every field needs the same leading dim"
+                )
+            out[name] = col
+        return out, int(n or 0)
+
+
+def _stream_column(name: str, value: Any, single: bool) -> np.ndarray:
+    if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        value = value.to_numpy(zero_copy_only=False)
+    arr = np.asarray(value)
+    if single:
+        arr = arr.reshape(1) if arr.ndim == 0 else arr
+    if arr.ndim != 1:
+        raise SchemaError(f"stream key {name!r}: expected one value per step, got shape {list(arr.shape)}")
+    if name == "episode_id":
+        if arr.dtype.kind not in "iu":
+            raise SchemaError(f"stream key 'episode_id': expected integers, got {arr.dtype}")
+        if len(arr) and arr.min() < 0:
+            raise SchemaError("stream key 'episode_id': expected non-negative integers, got a negative one")
+        return arr.astype(np.int64, copy=False)
+    if arr.dtype.kind not in "iuUSO":
+        raise SchemaError(f"stream key 'actor': expected ints or strings, got {arr.dtype}")
+    return arr
+
+
+def _arrow_to_numpy(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> Any:
+    if isinstance(value, pa.ChunkedArray):
+        value = value.combine_chunks() if value.num_chunks != 1 else value.chunk(0)
+    if value.null_count:
+        raise SchemaError(f"field {spec.name!r}: {value.null_count} null value(s); every step needs a value")
+    t = value.type
+    if isinstance(t, pa.ExtensionType) and isinstance(value, pa.FixedShapeTensorArray):
+        return value.to_numpy_ndarray()
+    if pa.types.is_fixed_size_list(t):
+        flat = value.flatten()
+        inner = _arrow_to_numpy(FieldSpec(spec.name, spec.dtype), flat)
+        return inner.reshape(len(value), -1)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return value
+    return value.to_numpy(zero_copy_only=False)
+
+
+def _convert_field(spec: FieldSpec, value: Any, single: bool) -> Any:
+    """Validate one field's values; return [n, *shape] numpy (fixed) or a pa.ListArray (ragged)."""
+    if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        if single:
+            raise SchemaError(f"field {spec.name!r}: append takes plain values, not Arrow arrays")
+        value = _arrow_to_numpy(spec, value)
+    if spec.ragged:
+        return _convert_ragged(spec, value, single)
+    if isinstance(value, pa.Array):
+        raise SchemaError(
+            f"field {spec.name!r}: expected fixed {spec.describe()} per step, got a list (ragged) column"
+        )
+    try:
+        arr = np.asarray(value)
+    except ValueError as exc:  # inhomogeneous nested lists
+        raise SchemaError(
+            f"field {spec.name!r}: expected fixed {spec.describe()} per step, got ragged values ({exc})"
+        ) from None
+    if arr.dtype == object:
+        raise SchemaError(
+            f"field {spec.name!r}: expected fixed {spec.describe()} per step, got ragged or object values"
+        )
+    if single:
+        arr = arr[None, ...]
+    if arr.ndim == 0:
+        raise SchemaError(f"field {spec.name!r}: expected a leading batch dimension, got a scalar (use append)")
+    if tuple(arr.shape[1:]) != spec.shape:
+        if arr.shape[1:] and int(np.prod(arr.shape[1:])) == int(np.prod(spec.shape)) and arr.ndim == 2 and spec.shape:
+            arr = arr.reshape((arr.shape[0], *spec.shape))  # flattened tensors from a FixedSizeList column
+        else:
+            got = list(arr.shape[1:]) if not single else list(arr.shape[1:])
+            raise SchemaError(
+                f"field {spec.name!r}: expected shape {list(spec.shape)} per step, got {got}"
+                + (f" (batch shape {list(arr.shape)})" if not single else "")
+                + "; reshape the input or fix the schema"
+            )
+    return _cast(spec, arr)
+
+
+def _cast(spec: FieldSpec, arr: np.ndarray) -> np.ndarray:
+    src, dst = arr.dtype, spec.dtype
+    if src == dst:
+        out = arr
+    elif dst.kind == "b":
+        if src.kind in "iu" and (arr.size == 0 or ((arr == 0) | (arr == 1)).all()):
+            out = arr.astype(np.bool_)
+        else:
+            raise SchemaError(f"field {spec.name!r}: expected bool, got {src}; pass booleans (or 0/1 integers)")
+    elif dst.kind in "iu":
+        if src.kind not in "iub":
+            raise SchemaError(
+                f"field {spec.name!r}: expected {dst}, got {src}; convert explicitly (no silent float->int rounding)"
+            )
+        if src.kind != "b" and arr.size:
+            info = np.iinfo(dst)
+            lo, hi = arr.min(), arr.max()
+            if lo < info.min or hi > info.max:
+                raise SchemaError(
+                    f"field {spec.name!r}: expected {dst}, got {src} with values in [{lo}, {hi}] outside "
+                    f"[{info.min}, {info.max}]"
+                )
+        out = arr.astype(dst)
+    elif dst.kind == "f":
+        if src.kind not in "iuf":
+            raise SchemaError(f"field {spec.name!r}: expected {dst}, got {src}")
+        out = arr.astype(dst)
+    else:  # pragma: no cover - _DTYPES has no other kinds
+        raise SchemaError(f"field {spec.name!r}: unsupported dtype {dst}")
+    if not spec.allow_nan and out.dtype.kind == "f" and np.isnan(out).any():
+        raise SchemaError(f"field {spec.name!r}: NaN values are not allowed by the schema (allow_nan: false)")
+    return out
+
+
+def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
+    value_type = pa.from_numpy_dtype(spec.dtype)
+    if isinstance(value, pa.Array):
+        arr = value
+        vt = arr.type.value_type
+        if vt != value_type:
+            inner = _cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
+            arr = pa.ListArray.from_arrays(arr.offsets, pa.array(inner, type=value_type))
+        elif isinstance(arr, pa.LargeListArray):
+            arr = arr.cast(pa.list_(value_type))
+        if not spec.allow_nan:
+            _cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
+        return arr
+    rows = [value] if single else value
+    if isinstance(rows, np.ndarray) and rows.dtype != object and rows.ndim == 2:
+        rows = list(rows)
+    try:
+        rows = list(rows)
+    except TypeError:
+        raise SchemaError(f"field {spec.name!r}: expected a ragged list per step, got {type(value).__name__}") from None
+    parts = []
+    for r in rows:
+        a = np.asarray(r)
+        if a.ndim != 1:
+            raise SchemaError(
+                f"field {spec.name!r}: expected a 1-D list of {spec.dtype} per step, got shape {list(a.shape)}"
+            )
+        parts.append(_cast(spec, a) if a.size else a.astype(spec.dtype))
+    lengths = np.fromiter((len(p) for p in parts), dtype=np.int32, count=len(parts))
+    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(parts) if parts else np.zeros(0, spec.dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(spec.dtype, copy=False), type=value_type))
+
+
+# ---------------------------------------------------------------- loading
+def load_schema(source: str | os.PathLike | Mapping[str, Any] | pa.Schema | ExperienceSchema) -> ExperienceSchema:
+    """Load an `ExperienceSchema` from a YAML path, a dict of the same form, or a `pa.Schema`.
+
+    Raises:
+        SchemaError: the file or dict is malformed; the message says where and what was expected.
+    """
+    if isinstance(source, ExperienceSchema):
+        return source
+    if isinstance(source, pa.Schema):
+        return _from_arrow(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.exists(path):
+            raise SchemaError(f"schema file {path!r} does not exist")
+        import yaml
+
+        try:
+            with open(path) as fh:
+                data = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise SchemaError(f"schema file {path!r} is not valid YAML: {exc}") from None
+        if not isinstance(data, Mapping):
+            raise SchemaError(f"schema file {path!r}: expected a mapping with 'name' and 'fields' at the top")
+        data = dict(data)
+        data.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+        return _from_dict(data, where=path)
+    if isinstance(source, Mapping):
+        return _from_dict(source, where="schema")
+    raise SchemaError(f"load_schema takes a path, a dict or a pa.Schema; got {type(source).__name__}")
+
+
+def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
+    known = {"name", "version", "fields", "derived", "episode_end", "description"}
+    extra = set(data) - known
+    if extra:
+        raise SchemaError(f"{where}: unknown top-level key(s) {sorted(extra)}; expected {sorted(known)}")
+    fields_raw = data.get("fields")
+    if not isinstance(fields_raw, Mapping) or not fields_raw:
+        raise SchemaError(f"{where}: 'fields' must be a non-empty mapping of name -> {{dtype, shape?, ragged?}}")
+    fields: dict[str, FieldSpec] = {}
+    for name, spec in fields_raw.items():
+        loc = f"{where}: field {name!r}"
+        if isinstance(spec, str):
+            spec = {"dtype": spec}
+        if not isinstance(spec, Mapping):
+            raise SchemaError(f"{loc}: expected a mapping {{dtype, shape?, ragged?}}, got {spec!r}")
+        bad = set(spec) - {"dtype", "shape", "ragged", "allow_nan", "description"}
+        if bad:
+            raise SchemaError(f"{loc}: unknown key(s) {sorted(bad)}; expected dtype, shape, ragged, allow_nan")
+        if "dtype" not in spec:
+            raise SchemaError(f"{loc}: missing 'dtype'")
+        dtype = _parse_dtype(loc, spec["dtype"])
+        shape_raw = spec.get("shape", []) or []
+        if isinstance(shape_raw, int):
+            shape_raw = [shape_raw]
+        if not isinstance(shape_raw, (list, tuple)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape_raw
+        ):
+            raise SchemaError(f"{loc}: 'shape' must be a list of positive integers, got {shape_raw!r}")
+        ragged = spec.get("ragged", False)
+        if not isinstance(ragged, bool):
+            raise SchemaError(f"{loc}: 'ragged' must be true or false, got {ragged!r}")
+        if ragged and shape_raw:
+            raise SchemaError(f"{loc}: a ragged field is a 1-D list per step; drop 'shape'")
+        allow_nan = spec.get("allow_nan", True)
+        if not isinstance(allow_nan, bool):
+            raise SchemaError(f"{loc}: 'allow_nan' must be true or false, got {allow_nan!r}")
+        fields[str(name)] = FieldSpec(str(name), dtype, tuple(shape_raw), ragged, allow_nan)
+    derived: dict[str, DerivedSpec] = {}
+    derived_raw = data.get("derived") or {}
+    if not isinstance(derived_raw, Mapping):
+        raise SchemaError(f"{where}: 'derived' must be a mapping like {{next_obs: {{next_of: obs}}}}")
+    for name, spec in derived_raw.items():
+        if not isinstance(spec, Mapping) or set(spec) != {"next_of"}:
+            raise SchemaError(f"{where}: derived field {name!r}: expected {{next_of: <field>}}, got {spec!r}")
+        derived[str(name)] = DerivedSpec(str(name), str(spec["next_of"]))
+    if "episode_end" in data:
+        ends = data["episode_end"] or []
+        if isinstance(ends, str):
+            ends = [ends]
+        if not isinstance(ends, (list, tuple)):
+            raise SchemaError(f"{where}: 'episode_end' must be a list of bool field names")
+        for e in ends:
+            if e not in fields:
+                raise SchemaError(f"{where}: episode_end names {e!r}, which is not a field")
+        episode_end = tuple(ends)
+    else:
+        episode_end = tuple(n for n in DEFAULT_EPISODE_END if n in fields and fields[n].dtype == np.bool_)
+    name = data.get("name", "experience")
+    if not isinstance(name, str) or not name:
+        raise SchemaError(f"{where}: 'name' must be a non-empty string")
+    version = data.get("version")
+    if version is not None and not isinstance(version, (int, str)):
+        raise SchemaError(f"{where}: 'version' must be an integer or string, got {version!r}")
+    return ExperienceSchema(name=name, fields=fields, derived=derived, episode_end=episode_end, version=version)
+
+
+def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
+    meta = schema.metadata or {}
+    fields: dict[str, FieldSpec] = {}
+    for f in schema:
+        if f.name in SYSTEM_COLUMNS:
+            continue
+        t = f.type
+        if isinstance(t, pa.FixedShapeTensorType):
+            fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), tuple(t.shape))
+        elif pa.types.is_fixed_size_list(t):
+            fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), (t.list_size,))
+        elif pa.types.is_list(t) or pa.types.is_large_list(t):
+            fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), (), ragged=True)
+        else:
+            try:
+                dtype = np.dtype(t.to_pandas_dtype())
+            except (NotImplementedError, TypeError):
+                raise SchemaError(f"pa.Schema field {f.name!r}: unsupported Arrow type {t}") from None
+            fields[f.name] = FieldSpec(f.name, _parse_dtype(f"field {f.name!r}", dtype))
+    derived = {}
+    if b"arrowbuf.derived" in meta:
+        for pair in meta[b"arrowbuf.derived"].decode().split(","):
+            d, src = pair.split(":")
+            derived[d] = DerivedSpec(d, src)
+    if b"arrowbuf.episode_end" in meta:
+        ends = tuple(e for e in meta[b"arrowbuf.episode_end"].decode().split(",") if e)
+    else:
+        ends = tuple(n for n in DEFAULT_EPISODE_END if n in fields and fields[n].dtype == np.bool_)
+    name = meta.get(b"arrowbuf.schema", b"experience").decode()
+    version = meta.get(b"arrowbuf.version", b"").decode() or None
+    return ExperienceSchema(name=name, fields=fields, derived=derived, episode_end=ends, version=version)

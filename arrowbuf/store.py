@@ -1,0 +1,571 @@
+"""ExperienceStore: a ring of schema-validated experience in Arrow-compatible columnar arenas.
+
+Usage::
+
+    store = ExperienceStore(load_schema("schemas/atari.yaml"), capacity=100_000, seed=0)
+    store.extend({"obs": obs, "action": a, "reward": r, "terminated": term, "truncated": trunc,
+                  "next_obs": next_obs})          # next_obs is read only on the steps that end an episode
+    batch = store.sample(256)                       # SampleBatch; batch.to_numpy()["next_obs"] is derived
+    store.sql("SELECT episode_id, sum(reward) FROM experience GROUP BY 1")
+
+Ingest is two-phase: a writer fills free arena rows (the ring keeps one spare chunk, so no live row is touched), then
+commits under the lock. Sampling selects under the lock and gathers outside it; a seqlock-style check of each row's
+seq after the gather detects a row recycled meanwhile, and such rows are drawn again, so no batch holds a torn row.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterable
+
+import numpy as np
+import pyarrow as pa
+
+from .batch import SampleBatch
+from .chunks import ChunkDirectory, default_chunk_rows
+from .episodes import EpisodeTracker, IngestPlan
+from .errors import SampleTimeout, InsertTimeout, SchemaError, StoreClosed, ArrowbufError
+from .index import ENDED, PENDING, RingIndex
+from .rate_limiters import Counters, RateLimiter
+from .samplers import Sampler, make_sampler
+from .schema import SYSTEM_COLUMNS, ExperienceSchema, FieldSpec, load_schema
+from .tiers.base import Tier
+from .tiers.host import HostTier
+
+_SMALL_FINAL_OBS_BYTES = 64 << 20
+
+
+class ExperienceStore:
+    """An in-process experience store: a FIFO ring of `capacity` rows with pluggable sampling and rate limiting.
+
+    Args:
+        schema: an `ExperienceSchema`, or anything `load_schema` takes (path, dict, `pa.Schema`).
+        capacity: rows (steps) held; the ring keeps the newest `capacity` committed rows.
+        sampler: "uniform" (default), "fifo", or an `ab.samplers` instance.
+        rate_limiter: an `ab.rate_limiters` instance, or None (sample whenever a row is sampleable).
+        seed: seed for reproducible sampling.
+        chunk_rows: rows per chunk (default: about 2 MiB of row data).
+        final_obs_capacity: slots for episodes' final observations when the schema derives `next_obs`
+            (default: enough for every row when small, else capacity // 16).
+        tier: where the arenas live ("host"; "shm" and others as tiers land), or a `Tier` instance.
+    """
+
+    def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
+                 rate_limiter: RateLimiter | None = None, seed: int | None = None, *,
+                 chunk_rows: int | None = None, final_obs_capacity: int | None = None,
+                 tier: str | Tier = "host", name: str | None = None) -> None:
+        self.schema: ExperienceSchema = load_schema(schema)
+        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be a positive number of rows, got {capacity!r}")
+        self.capacity = int(capacity)
+        self.name = name or self.schema.name
+        self._tier = _make_tier(tier)
+        self.chunk_rows = int(chunk_rows or default_chunk_rows(self.schema.row_bytes, self.capacity))
+        stored = [*self.schema.fields, *SYSTEM_COLUMNS]
+        self.directory = ChunkDirectory(self.capacity, self.chunk_rows, stored, [self._tier.name])
+        self.arena_rows = self.directory.arena_rows
+        self.index = RingIndex(self._tier, self.capacity, self.arena_rows)
+        # final observations of ended episodes, appended after the ring rows of each next_of source arena
+        self._final_sources = sorted({d.next_of for d in self.schema.derived.values()})
+        self.final_capacity = self._final_obs_capacity(final_obs_capacity) if self._final_sources else 0
+        self._arenas: dict[str, np.ndarray] = {}
+        self._ragged: dict[str, list[pa.Array]] = {}
+        for f in self.schema.fields.values():
+            if f.ragged:
+                empty = pa.nulls(self.chunk_rows, type=f.arrow_type())
+                self._ragged[f.name] = [empty] * self.directory.num_slots
+            else:
+                extra = self.final_capacity if f.name in self._final_sources else 0
+                self._arenas[f.name] = self._tier.allocate(f.name, f.dtype, self.arena_rows + extra, f.shape)
+        self._final_owner = np.full(self.final_capacity, -1, dtype=np.int64)
+        self._final_count = 0
+        self._end_fields = list(self.schema.episode_end)
+        self._episodes = EpisodeTracker()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._write_lock = threading.Lock()
+        self._rng = np.random.default_rng(seed)
+        self.sampler = make_sampler(sampler)
+        self.sampler.bind(self.index, self._rng)
+        self.rate_limiter = rate_limiter
+        self._counters = Counters()
+        self._stats = {"final_obs_dropped": 0, "torn_retries": 0, "priority_updates_ignored": 0}
+        self._closed = False
+
+    # ------------------------------------------------------------------ construction helpers
+    def _final_obs_capacity(self, requested: int | None) -> int:
+        spare = self.directory.spare_rows
+        if requested is not None:
+            if requested < 1:
+                raise ValueError(f"final_obs_capacity must be >= 1, got {requested}")
+            return max(int(requested), spare)
+        row_bytes = sum(self.schema.fields[s].row_bytes for s in self._final_sources)
+        if row_bytes * self.capacity <= _SMALL_FINAL_OBS_BYTES:
+            return max(self.capacity, spare)
+        return max(self.capacity // 16, spare)
+
+    # ------------------------------------------------------------------ properties
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __repr__(self) -> str:
+        return (f"ExperienceStore(name={self.name!r}, schema={self.schema.name!r}, size={len(self)}, "
+                f"capacity={self.capacity}, sampler={type(self.sampler).__name__})")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"store {self.name!r} is closed")
+
+    # ------------------------------------------------------------------ ingest
+    def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
+        """Add one step (a dict of scalars and arrays). Returns its seq."""
+        cols, n = self.schema.validate_batch(step, single=True)
+        return self._ingest(cols, n, timeout)
+
+    def extend(self, batch: Any, *, timeout: float | None = None) -> int:
+        """Add many steps: a dict of arrays with a leading dim, a `pa.RecordBatch` or a `pa.Table`.
+
+        Rows are visible to `sample`, `len` and `to_table` when this returns. A batch longer than the capacity keeps
+        its newest rows. Returns the seq of the first row of the batch.
+
+        Raises:
+            SchemaError: the batch does not match the schema; nothing is stored.
+            InsertTimeout: the rate limiter held the insert back past `timeout` seconds.
+        """
+        cols, n = self.schema.validate_batch(batch)
+        return self._ingest(cols, n, timeout)
+
+    def _ends(self, cols: dict[str, Any], n: int) -> np.ndarray:
+        ends = np.zeros(n, dtype=bool)
+        for name in self._end_fields:
+            ends |= cols[name]
+        return ends
+
+    def _ingest(self, cols: dict[str, Any], n: int, timeout: float | None) -> int:
+        self._check_open()
+        if n == 0:
+            return self.index.hi
+        ends = self._ends(cols, n)
+        if self.schema.derived and ends.any():
+            for d in self.schema.derived.values():
+                if d.name not in cols:
+                    raise SchemaError(
+                        f"field {d.name!r} (derived from {d.next_of!r}) is needed on the steps that end an episode: "
+                        f"pass {d.name!r} with the batch (it is read only on those steps)"
+                    )
+        with self._write_lock:
+            self._check_open()
+            self._wait_insert(n, timeout)
+            plan = self._episodes.plan(n, ends, actor=cols.get("actor"), episode_id=cols.get("episode_id"))
+            base = self.index.hi
+            skip = max(0, n - self.capacity)
+            if skip:  # a batch longer than the ring: its oldest rows are evicted as soon as they are counted
+                with self._cond:  # the batch alone fills the ring: every stored row goes
+                    self._evict_to(base + skip + self.capacity)
+                    self.index.hi = self.index.lo = base + skip
+                    self._counters.inserts += skip
+            step = self.directory.spare_rows
+            for a in range(skip, n, step):
+                b = min(n, a + step)
+                final_slots = self._write_piece(cols, plan, ends, base, a, b)
+                self._commit_piece(plan, ends, base, a, b, skip, final_slots)
+            self._episodes.apply(plan, base)
+        return base
+
+    def _segments(self, first_pos: int, count: int) -> list[tuple[int, int, int]]:
+        """Contiguous (arena_start, arena_stop, offset) pieces of `count` rows starting at `first_pos`."""
+        end = first_pos + count
+        if end <= self.arena_rows:
+            return [(first_pos, end, 0)]
+        head = self.arena_rows - first_pos
+        return [(first_pos, self.arena_rows, 0), (0, count - head, head)]
+
+    def _write_piece(self, cols: dict[str, Any], plan: IngestPlan, ends: np.ndarray, base: int, a: int,
+                     b: int) -> np.ndarray | None:
+        """Fill arena rows of batch rows [a, b); they lie in free (already evicted) positions. No lock held."""
+        idx = self.index
+        first_pos = (base + a) % self.arena_rows
+        segs = self._segments(first_pos, b - a)
+        for s0, s1, off in segs:  # invalidate first: a reader still gathering these rows sees its seq fail
+            idx.seq[s0:s1] = -1
+        for name, arena in self._arenas.items():
+            src = cols[name]
+            for s0, s1, off in segs:
+                arena[s0:s1] = src[a + off:a + off + (s1 - s0)]
+        for name in self._ragged:
+            self._write_ragged(name, cols[name].slice(a, b - a), first_pos)
+        succ = plan.succ[a:b]
+        nxt = np.where(succ >= 0, (base + succ) % self.arena_rows, np.where(succ == -2, ENDED, PENDING))
+        for s0, s1, off in segs:
+            n_seg = s1 - s0
+            idx.episode_id[s0:s1] = plan.episode_id[a + off:a + off + n_seg]
+            idx.step[s0:s1] = plan.step[a + off:a + off + n_seg]
+            idx.next_pos[s0:s1] = nxt[off:off + n_seg]
+        if not self._final_sources:
+            return None
+        end_local = np.flatnonzero(ends[a:b]) + a
+        if len(end_local) == 0:
+            return None
+        slots = (self._final_count + np.arange(len(end_local))) % self.final_capacity
+        self._final_count += len(end_local)
+        owners = self._final_owner[slots]
+        with self._lock:  # rows whose final observation is about to be overwritten stop being sampleable
+            live = owners[(owners >= idx.lo) & (owners >= 0)]
+            if len(live):
+                pos = live % self.arena_rows
+                still = pos[idx.valid[pos] & (idx.seq[pos] == live)]
+                if len(still):
+                    idx.valid[still] = False
+                    self.sampler.on_invalid(still)
+                    self._stats["final_obs_dropped"] += len(still)
+            self._final_owner[slots] = -1
+        for d in self.schema.derived.values():
+            self._arenas[d.next_of][self.arena_rows + slots] = cols[d.name][end_local]
+        idx.next_pos[(base + end_local) % self.arena_rows] = self.arena_rows + slots
+        return slots
+
+    def _write_ragged(self, name: str, values: pa.Array, first_pos: int) -> None:
+        pos, done = first_pos, 0
+        slots = self._ragged[name]
+        while done < len(values):
+            slot, off = divmod(pos, self.chunk_rows)
+            take = min(len(values) - done, self.chunk_rows - off)
+            old = slots[slot]
+            parts = [old.slice(0, off), values.slice(done, take), old.slice(off + take)]
+            slots[slot] = pa.concat_arrays([p for p in parts if len(p)])
+            done += take
+            pos = (pos + take) % self.arena_rows
+
+    def _commit_piece(self, plan: IngestPlan, ends: np.ndarray, base: int, a: int, b: int, skip: int,
+                      final_slots: np.ndarray | None) -> None:
+        idx = self.index
+        seqs = base + np.arange(a, b, dtype=np.int64)
+        pos = seqs % self.arena_rows
+        with self._cond:
+            idx.seq[pos] = seqs
+            self._evict_to(base + b)
+            idx.hi = base + b
+            if final_slots is not None:
+                self._final_owner[final_slots] = base + np.flatnonzero(ends[a:b]) + a
+            # rows that became sampleable with this piece
+            if not self.schema.derived:
+                newly = pos
+            else:
+                preds = plan.pred[a:b]
+                preds = preds[preds >= skip]  # predecessors written by this batch
+                parts = [(base + preds) % self.arena_rows, pos[ends[a:b]]]
+                newly = np.concatenate(parts)
+            for prev_seq, j in plan.patches:
+                if a <= j < b and prev_seq >= idx.lo:
+                    ppos = prev_seq % self.arena_rows
+                    if idx.seq[ppos] == prev_seq:
+                        idx.next_pos[ppos] = (base + j) % self.arena_rows
+                        if self.schema.derived:
+                            newly = np.append(newly, ppos)
+            if len(newly):
+                newly = newly[idx.seq[newly] >= idx.lo]
+                idx.valid[newly] = True
+                self.sampler.on_valid(newly)
+            self.directory.commit(base + a, b - a)
+            self._counters.inserts += b - a
+            self._counters.size = len(idx)
+            self._cond.notify_all()
+
+    def _evict_to(self, new_hi: int) -> None:
+        """Under the lock: rows older than `new_hi - capacity` stop being live."""
+        idx = self.index
+        new_lo = max(idx.lo, new_hi - self.capacity)
+        if new_lo > idx.lo:
+            gone = np.arange(idx.lo, min(new_lo, idx.hi), dtype=np.int64) % self.arena_rows
+            if len(gone):
+                was = gone[idx.valid[gone]]
+                idx.valid[gone] = False
+                if len(was):
+                    self.sampler.on_invalid(was)
+            idx.lo = new_lo
+
+    def _wait_insert(self, n: int, timeout: float | None) -> None:
+        if self.rate_limiter is None:
+            return
+        with self._cond:
+            if self.rate_limiter.can_insert(n, self._counters):
+                return
+            if not self._wait_for(lambda: self.rate_limiter.can_insert(n, self._counters), timeout):
+                raise InsertTimeout(
+                    f"insert of {n} rows held back by {self.rate_limiter!r} for {timeout}s "
+                    f"(inserts={self._counters.inserts}, samples={self._counters.samples}); sample more or raise "
+                    "the timeout"
+                )
+
+    def _wait_for(self, predicate: Any, timeout: float | None) -> bool:
+        """Wait on the condition (lock held) until `predicate()`; False on timeout. None waits not at all."""
+        if timeout is None or timeout <= 0:
+            return bool(predicate())
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed:
+                return False
+            self._cond.wait(left)
+        return True
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None,
+               **options: Any) -> SampleBatch:
+        """Sample `n` items.
+
+        Args:
+            n: batch size; uniform sampling is with replacement, so any n works once a row is sampleable.
+            columns: columns to gather (default: every field and derived field).
+            timeout: seconds to wait for the rate limiter or an empty store; None does not wait.
+            options: sampler options such as `n_step=k, gamma=g` where supported.
+
+        Raises:
+            SampleTimeout: nothing could be served within `timeout`.
+        """
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be a positive number of items, got {n!r}")
+        self._check_open()
+        names = self.schema.resolve_columns(list(columns) if columns is not None else None)
+        if options:
+            raise TypeError(f"unsupported sample options {sorted(options)} for this store")
+        with self._cond:
+            chosen = self._select(int(n), timeout)
+        seqs, weights = chosen
+        arrays = self._gather(seqs, names)
+        bad = ~self._still_valid(seqs, arrays)
+        retries = 0
+        while bad.any():  # a writer recycled some rows while they were gathered: draw those again
+            retries += 1
+            self._stats["torn_retries"] += int(bad.sum())
+            with self._cond:
+                again = self._select(int(bad.sum()), timeout)
+            fix = np.flatnonzero(bad)
+            seqs[fix] = again[0]
+            if weights is not None and again[1] is not None:
+                weights[fix] = again[1]
+            sub = self._gather(again[0], names)
+            for k in names:
+                if isinstance(arrays[k], np.ndarray):
+                    arrays[k][fix] = sub[k]
+                else:
+                    arrays[k] = _replace_rows(arrays[k], fix, sub[k])
+            bad[:] = False
+            bad[fix] = ~self._still_valid(again[0], sub)
+            if retries > 100:
+                raise ArrowbufError("sample could not read a consistent batch after 100 retries")
+        self.sampler.on_sampled(seqs)
+        return SampleBatch(arrays, seqs, weights)
+
+    def _select(self, n: int, timeout: float | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Choose items under the lock, waiting on the rate limiter and for rows."""
+        chosen: list[Any] = [None]
+
+        def ready() -> bool:
+            self._check_open()
+            self._counters.size = self.sampler.available() if self.sampler.queue else len(self.index)
+            if self.rate_limiter is not None and not self.rate_limiter.can_sample(n, self._counters):
+                return False
+            chosen[0] = self.sampler.select(n)
+            return chosen[0] is not None
+
+        if not self._wait_for(ready, timeout):
+            if self.rate_limiter is not None and not self.rate_limiter.can_sample(n, self._counters):
+                why = self.rate_limiter.blocked_reason(self._counters)
+            elif len(self.index) == 0:
+                why = "the store is empty"
+            else:
+                why = f"{type(self.sampler).__name__} cannot serve {n} items from {len(self.index)} stored rows"
+            wait = "did not wait (timeout=None)" if timeout is None else f"waited {timeout}s"
+            raise SampleTimeout(f"sample({n}) from {self.name!r}: {why}; {wait}. Add data or pass timeout= to wait")
+        self._counters.samples += n
+        self._cond.notify_all()
+        return chosen[0]
+
+    def _gather(self, seqs: np.ndarray, names: list[str]) -> dict[str, Any]:
+        """One `take` per column over the arena (the sample path: vectorised, no per-row Python)."""
+        idx = self.index
+        pos = seqs % self.arena_rows
+        out: dict[str, Any] = {}
+        nxt = None
+        for name in names:
+            if name in self._arenas:
+                out[name] = np.take(self._arenas[name], pos, axis=0)
+            elif name in self.schema.derived:
+                if nxt is None:
+                    nxt = idx.next_pos[pos]
+                out[name] = np.take(self._arenas[self.schema.derived[name].next_of], nxt, axis=0)
+            elif name in self._ragged:
+                out[name] = pa.chunked_array(self._ragged[name]).take(pa.array(pos)).combine_chunks()
+            elif name == "episode_id":
+                out[name] = idx.episode_id[pos]
+            elif name == "step":
+                out[name] = idx.step[pos]
+            elif name == "seq":
+                out[name] = seqs.copy()
+        return out
+
+    def _still_valid(self, seqs: np.ndarray, arrays: dict[str, Any]) -> np.ndarray:
+        """After a gather: rows whose slot (and final-observation slot) still hold them."""
+        idx = self.index
+        pos = seqs % self.arena_rows
+        ok = idx.seq[pos] == seqs
+        if self._final_sources:
+            nxt = idx.next_pos[pos]
+            fin = nxt >= self.arena_rows
+            if fin.any():
+                ok[fin] &= self._final_owner[nxt[fin] - self.arena_rows] == seqs[fin]
+        return ok
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
+
+        Returns the number of ids applied.
+        """
+        seqs = np.asarray(indices, dtype=np.int64).reshape(-1)
+        pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        if len(seqs) != len(pri):
+            raise ValueError(f"{len(seqs)} indices but {len(pri)} priorities; pass one priority per index")
+        if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
+            raise ValueError("priorities must be finite and >= 0")
+        with self._lock:
+            live = self.index.live(seqs)
+            self._stats["priority_updates_ignored"] += int((~live).sum())
+            if live.any():
+                self.sampler.update_priorities(seqs[live] % self.arena_rows, pri[live])
+        return int(live.sum())
+
+    # ------------------------------------------------------------------ inspection
+    def to_table(self, columns: Iterable[str] | None = None) -> pa.Table:
+        """The live rows, oldest first, as a `pa.Table` of the stored columns.
+
+        Fixed-size columns are zero-copy views of the arenas (bool columns are bit-packed copies). The views stay
+        valid until the ring overwrites those rows: keep a long-lived table with `.combine_chunks()` or pass it
+        through `pa.concat_tables` with a copy.
+        """
+        self._check_open()
+        schema = self.schema.to_arrow()
+        names = list(columns) if columns is not None else schema.names
+        for c in names:
+            if c not in schema.names:
+                raise SchemaError(f"unknown stored column {c!r}; expected one of {schema.names}")
+        out_schema = pa.schema([schema.field(c) for c in names], metadata=schema.metadata)
+        with self._lock:
+            lo, hi = self.index.lo, self.index.hi
+            ragged = {k: list(v) for k, v in self._ragged.items()}
+        idx = self.index
+        batches = []
+        for slot, p0, p1, first in self.directory.live_chunks(lo, hi):
+            arrays = []
+            for c in names:
+                if c in self._arenas:
+                    arrays.append(_column_view(self._arenas[c][p0:p1], self.schema.fields[c]))
+                elif c in ragged:
+                    off = p0 - slot * self.chunk_rows
+                    arrays.append(ragged[c][slot].slice(off, p1 - p0))
+                elif c == "seq":
+                    arrays.append(pa.array(np.arange(first, first + p1 - p0, dtype=np.int64)))
+                else:
+                    arrays.append(pa.array(getattr(idx, c)[p0:p1]))
+            batches.append(pa.RecordBatch.from_arrays(arrays, schema=out_schema))
+        if not batches:
+            return out_schema.empty_table()
+        return pa.Table.from_batches(batches, schema=out_schema)
+
+    def to_pandas(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows as a pandas DataFrame (tensor columns as arrays per row). Needs `arrowbuf[query]`."""
+        from .frames import table_to_pandas
+
+        return table_to_pandas(self.to_table(columns))
+
+    def to_polars(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows as a Polars DataFrame (tensors as Array columns). Needs `arrowbuf[query]`."""
+        from .frames import table_to_polars
+
+        return table_to_polars(self.to_table(columns))
+
+    def sql(self, query: str) -> pa.Table:
+        """Run DuckDB SQL over the live rows; the store is the table `experience`. Needs `arrowbuf[query]`."""
+        from .frames import run_sql
+
+        return run_sql(self, query)
+
+    def episodes(self) -> pa.Table:
+        """One row per episode with live rows: episode_id, length, return, first_seq, last_seq, complete."""
+        from .frames import episode_table
+
+        return episode_table(self)
+
+    def stats(self) -> dict[str, Any]:
+        """Size, counters and memory of the store."""
+        with self._lock:
+            idx = self.index
+            out = {
+                "name": self.name,
+                "schema": self.schema.name,
+                "size": len(idx),
+                "capacity": self.capacity,
+                "first_seq": idx.lo,
+                "next_seq": idx.hi,
+                "inserts": self._counters.inserts,
+                "samples": self._counters.samples,
+                "chunk_rows": self.chunk_rows,
+                "chunks": self.directory.num_slots,
+                "sealed_chunks": int((self.directory.rows == self.chunk_rows).sum()),
+                "open_episodes": self._episodes.open_episodes(),
+                "final_obs_capacity": self.final_capacity,
+                "bytes": {self._tier.name: self._tier.nbytes()},
+                **self._stats,
+                **self.sampler.describe(),
+            }
+        return out
+
+    def chunks(self) -> pa.Table:
+        """The chunk directory of the live rows: slot, first_seq, rows, sealed, tier per column."""
+        with self._lock:
+            return self.directory.table(self.index.lo, self.index.hi)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Release the store's memory; idempotent. Waiting samples and inserts raise `StoreClosed`."""
+        if self._closed:
+            return
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        with self._write_lock:
+            self._arenas.clear()
+            self._ragged.clear()
+            self._tier.close()
+
+    def __enter__(self) -> "ExperienceStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _make_tier(tier: str | Tier) -> Tier:
+    if isinstance(tier, Tier):
+        return tier
+    if tier == "host":
+        return HostTier()
+    raise ValueError(f"unknown tier {tier!r}; expected 'host' or a Tier instance")
+
+
+def _column_view(values: np.ndarray, spec: FieldSpec) -> pa.Array:
+    if spec.shape:
+        return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
+    return pa.array(values)
+
+
+def _replace_rows(arr: pa.Array, rows: np.ndarray, values: pa.Array) -> pa.Array:
+    pylist = arr.to_pylist()
+    for i, v in zip(rows.tolist(), values.to_pylist()):
+        pylist[i] = v
+    return pa.array(pylist, type=arr.type)
