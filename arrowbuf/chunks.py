@@ -22,10 +22,11 @@ import pyarrow as pa
 
 
 def default_chunk_rows(row_bytes: int, capacity: int, target_bytes: int = 2 << 20) -> int:
-    """Rows per chunk: about `target_bytes` (2 MiB) per chunk, at least 16 rows, at most the capacity."""
+    """Rows per chunk: about `target_bytes` (2 MiB) per chunk and at least 16 rows, but at most an eighth of the
+    capacity, so the spare chunk the ring keeps costs little memory."""
     rows = max(16, target_bytes // max(1, row_bytes))
-    rows = 1 << int(math.floor(math.log2(rows)))  # a power of two keeps slot math cheap
-    return int(max(1, min(rows, capacity)))
+    rows = 1 << int(math.floor(math.log2(rows)))
+    return int(max(1, min(rows, -(-capacity // 8))))
 
 
 class ChunkDirectory:

@@ -18,6 +18,12 @@ from .tiers.base import Tier
 PENDING = -1
 ENDED = -2
 
+#: Slots of the index header: the live range, then counters every process of a shared store sees.
+HEADER = {name: i for i, name in enumerate([
+    "lo", "hi", "inserts", "samples", "final_count", "next_episode_id", "final_obs_dropped", "torn_retries",
+    "priority_updates_ignored", "removed", "reserved_0", "reserved_1", "reserved_2", "reserved_3",
+])}
+
 
 class RingIndex:
     """Row metadata arrays and the live range; samplers read it under the store's lock."""
@@ -32,8 +38,34 @@ class RingIndex:
         self.next_pos = tier.allocate("index.next_pos", np.dtype(np.int64), arena_rows)
         self.valid = tier.allocate("index.valid", np.dtype(np.bool_), arena_rows)
         self.valid.fill(False)
-        self.lo = 0  # oldest live seq
-        self.hi = 0  # one past the newest committed seq
+        # counters shared by every user of the tier (another process, for shared memory): see HEADER
+        self.header = tier.allocate("index.header", np.dtype(np.int64), len(HEADER))
+        self.header.fill(0)
+
+    @property
+    def lo(self) -> int:
+        """Oldest live seq."""
+        return int(self.header[0])
+
+    @lo.setter
+    def lo(self, value: int) -> None:
+        self.header[0] = value
+
+    @property
+    def hi(self) -> int:
+        """One past the newest committed seq."""
+        return int(self.header[1])
+
+    @hi.setter
+    def hi(self, value: int) -> None:
+        self.header[1] = value
+
+    def count(self, name: str, delta: int = 1) -> None:
+        """Add `delta` to the named header counter."""
+        self.header[HEADER[name]] += delta
+
+    def counter(self, name: str) -> int:
+        return int(self.header[HEADER[name]])
 
     def __len__(self) -> int:
         return self.hi - self.lo

@@ -78,8 +78,8 @@ class ExperienceStore:
             else:
                 extra = self.final_capacity if f.name in self._final_sources else 0
                 self._arenas[f.name] = self._tier.allocate(f.name, f.dtype, self.arena_rows + extra, f.shape)
-        self._final_owner = np.full(self.final_capacity, -1, dtype=np.int64)
-        self._final_count = 0
+        self._final_owner = self._tier.allocate("index.final_owner", np.dtype(np.int64), max(1, self.final_capacity))
+        self._final_owner.fill(-1)
         self._end_fields = list(self.schema.episode_end)
         self._episodes = EpisodeTracker()
         self._lock = threading.Lock()
@@ -89,8 +89,6 @@ class ExperienceStore:
         self.sampler = make_sampler(sampler)
         self.sampler.bind(self.index, self._rng)
         self.rate_limiter = rate_limiter
-        self._counters = Counters()
-        self._stats = {"final_obs_dropped": 0, "torn_retries": 0, "priority_updates_ignored": 0}
         self._closed = False
 
     # ------------------------------------------------------------------ construction helpers
@@ -168,7 +166,7 @@ class ExperienceStore:
                 with self._cond:  # the batch alone fills the ring: every stored row goes
                     self._evict_to(base + skip + self.capacity)
                     self.index.hi = self.index.lo = base + skip
-                    self._counters.inserts += skip
+                    self.index.count("inserts", skip)
             step = self.directory.spare_rows
             for a in range(skip, n, step):
                 b = min(n, a + step)
@@ -211,8 +209,8 @@ class ExperienceStore:
         end_local = np.flatnonzero(ends[a:b]) + a
         if len(end_local) == 0:
             return None
-        slots = (self._final_count + np.arange(len(end_local))) % self.final_capacity
-        self._final_count += len(end_local)
+        slots = (idx.counter("final_count") + np.arange(len(end_local))) % self.final_capacity
+        idx.count("final_count", len(end_local))
         owners = self._final_owner[slots]
         with self._lock:  # rows whose final observation is about to be overwritten stop being sampleable
             live = owners[(owners >= idx.lo) & (owners >= 0)]
@@ -222,7 +220,7 @@ class ExperienceStore:
                 if len(still):
                     idx.valid[still] = False
                     self.sampler.on_invalid(still)
-                    self._stats["final_obs_dropped"] += len(still)
+                    idx.count("final_obs_dropped", len(still))
             self._final_owner[slots] = -1
         for d in self.schema.derived.values():
             self._arenas[d.next_of][self.arena_rows + slots] = cols[d.name][end_local]
@@ -272,8 +270,7 @@ class ExperienceStore:
                 idx.valid[newly] = True
                 self.sampler.on_valid(newly)
             self.directory.commit(base + a, b - a)
-            self._counters.inserts += b - a
-            self._counters.size = len(idx)
+            idx.count("inserts", b - a)
             self._cond.notify_all()
 
     def _evict_to(self, new_hi: int) -> None:
@@ -289,17 +286,24 @@ class ExperienceStore:
                     self.sampler.on_invalid(was)
             idx.lo = new_lo
 
+    def _counters(self) -> Counters:
+        """What the rate limiter decides on (read under the lock)."""
+        idx = self.index
+        size = self.sampler.available() if self.sampler.queue else len(idx)
+        return Counters(inserts=idx.counter("inserts"), samples=idx.counter("samples"), size=size)
+
     def _wait_insert(self, n: int, timeout: float | None) -> None:
-        if self.rate_limiter is None:
+        limiter = self.rate_limiter
+        if limiter is None:
             return
         with self._cond:
-            if self.rate_limiter.can_insert(n, self._counters):
-                return
-            if not self._wait_for(lambda: self.rate_limiter.can_insert(n, self._counters), timeout):
+            if not self._wait_for(lambda: limiter.can_insert(n, self._counters()), timeout):
+                c = self._counters()
                 raise InsertTimeout(
-                    f"insert of {n} rows held back by {self.rate_limiter!r} for {timeout}s "
-                    f"(inserts={self._counters.inserts}, samples={self._counters.samples}); sample more or raise "
-                    "the timeout"
+                    f"insert of {n} rows held back by {limiter!r} "
+                    f"(inserts={c.inserts}, samples={c.samples}, size={c.size}); "
+                    + ("did not wait (timeout=None)" if timeout is None else f"waited {timeout}s")
+                    + ": sample more, or pass a longer timeout="
                 )
 
     def _wait_for(self, predicate: Any, timeout: float | None) -> bool:
@@ -342,7 +346,7 @@ class ExperienceStore:
         retries = 0
         while bad.any():  # a writer recycled some rows while they were gathered: draw those again
             retries += 1
-            self._stats["torn_retries"] += int(bad.sum())
+            self.index.count("torn_retries", int(bad.sum()))
             with self._cond:
                 again = self._select(int(bad.sum()), timeout)
             fix = np.flatnonzero(bad)
@@ -368,22 +372,21 @@ class ExperienceStore:
 
         def ready() -> bool:
             self._check_open()
-            self._counters.size = self.sampler.available() if self.sampler.queue else len(self.index)
-            if self.rate_limiter is not None and not self.rate_limiter.can_sample(n, self._counters):
+            if self.rate_limiter is not None and not self.rate_limiter.can_sample(n, self._counters()):
                 return False
             chosen[0] = self.sampler.select(n)
             return chosen[0] is not None
 
         if not self._wait_for(ready, timeout):
-            if self.rate_limiter is not None and not self.rate_limiter.can_sample(n, self._counters):
-                why = self.rate_limiter.blocked_reason(self._counters)
+            if self.rate_limiter is not None and not self.rate_limiter.can_sample(n, self._counters()):
+                why = self.rate_limiter.blocked_reason(self._counters())
             elif len(self.index) == 0:
                 why = "the store is empty"
             else:
                 why = f"{type(self.sampler).__name__} cannot serve {n} items from {len(self.index)} stored rows"
             wait = "did not wait (timeout=None)" if timeout is None else f"waited {timeout}s"
             raise SampleTimeout(f"sample({n}) from {self.name!r}: {why}; {wait}. Add data or pass timeout= to wait")
-        self._counters.samples += n
+        self.index.count("samples", n)
         self._cond.notify_all()
         return chosen[0]
 
@@ -435,7 +438,7 @@ class ExperienceStore:
             raise ValueError("priorities must be finite and >= 0")
         with self._lock:
             live = self.index.live(seqs)
-            self._stats["priority_updates_ignored"] += int((~live).sum())
+            self.index.count("priority_updates_ignored", int((~live).sum()))
             if live.any():
                 self.sampler.update_priorities(seqs[live] % self.arena_rows, pri[live])
         return int(live.sum())
@@ -512,15 +515,17 @@ class ExperienceStore:
                 "capacity": self.capacity,
                 "first_seq": idx.lo,
                 "next_seq": idx.hi,
-                "inserts": self._counters.inserts,
-                "samples": self._counters.samples,
+                "inserts": idx.counter("inserts"),
+                "samples": idx.counter("samples"),
                 "chunk_rows": self.chunk_rows,
                 "chunks": self.directory.num_slots,
                 "sealed_chunks": int((self.directory.rows == self.chunk_rows).sum()),
                 "open_episodes": self._episodes.open_episodes(),
                 "final_obs_capacity": self.final_capacity,
                 "bytes": {self._tier.name: self._tier.nbytes()},
-                **self._stats,
+                "final_obs_dropped": idx.counter("final_obs_dropped"),
+                "torn_retries": idx.counter("torn_retries"),
+                "priority_updates_ignored": idx.counter("priority_updates_ignored"),
                 **self.sampler.describe(),
             }
         return out
