@@ -8,7 +8,6 @@ tier code; a gather groups positions by tier and does one `take` per column per 
 Usage::
 
     d = ChunkDirectory(capacity=1000, chunk_rows=128, columns=["obs", "reward"], tiers=["host"])
-    d.commit(first_seq=0, count=200)        # rows 0..199 written
     d.live_chunks(lo=0, hi=200)             # [(slot, start_pos, stop_pos, first_seq), ...] in seq order
     d.table()                               # pa.Table: slot, first_seq, rows, sealed, tier per column
 """
@@ -49,8 +48,6 @@ class ChunkDirectory:
         self.columns = list(columns)
         self.tiers = list(tiers)
         self.residency = np.zeros((len(self.columns), self.num_slots), dtype=np.int8)
-        self.first_seq = np.full(self.num_slots, -1, dtype=np.int64)
-        self.rows = np.zeros(self.num_slots, dtype=np.int64)
 
     @property
     def spare_rows(self) -> int:
@@ -60,21 +57,14 @@ class ChunkDirectory:
     def positions(self, seqs: np.ndarray) -> np.ndarray:
         return seqs % self.arena_rows
 
-    def commit(self, first_seq: int, count: int) -> None:
-        """Record that rows [first_seq, first_seq + count) are written."""
-        seq, end = int(first_seq), int(first_seq) + int(count)
-        while seq < end:
-            pos = seq % self.arena_rows
-            slot, off = divmod(pos, self.chunk_rows)
-            take = min(end - seq, self.chunk_rows - off)
-            if off == 0:
-                self.first_seq[slot] = seq
-                self.rows[slot] = 0
-            self.rows[slot] = off + take
-            seq += take
+    def sealed_chunks(self, lo: int, hi: int) -> int:
+        """Chunks of the live range [lo, hi) whose every row is written (sealed: immutable until evicted)."""
+        return sum(1 for c in self.live_chunks(lo, hi) if self.is_sealed(c, hi))
 
-    def sealed(self, slot: int) -> bool:
-        return bool(self.rows[slot] == self.chunk_rows)
+    def is_sealed(self, chunk: tuple[int, int, int, int], hi: int) -> bool:
+        """A chunk is sealed once the writer has moved past its last row."""
+        slot, p0, p1, first = chunk
+        return first - (p0 - slot * self.chunk_rows) + self.chunk_rows <= hi
 
     def live_chunks(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
         """(slot, start_pos, stop_pos, first_seq) for the live seq range [lo, hi), oldest first."""
@@ -99,7 +89,7 @@ class ChunkDirectory:
             "slot": slots,
             "first_seq": np.array([c[3] for c in chunks], dtype=np.int64),
             "rows": np.array([c[2] - c[1] for c in chunks], dtype=np.int64),
-            "sealed": np.array([self.sealed(int(s)) for s in slots], dtype=bool),
+            "sealed": np.array([self.is_sealed(c, hi) for c in chunks], dtype=bool),
         }
         for i, name in enumerate(self.columns):
             cols[f"tier:{name}"] = np.array([self.tiers[t] for t in self.residency[i, slots]], dtype=object)

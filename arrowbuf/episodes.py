@@ -121,6 +121,29 @@ class EpisodeTracker:
             )
         return IngestPlan(ep, step, succ, pred, patches, new_streams, ended, next_id)
 
+    def advance_one(self, key: Hashable, end: bool, seq: int) -> tuple[int, int, int]:
+        """The scalar fast path of plan+apply for one row of stream `key` (store-assigned episode ids).
+
+        Returns (episode_id, step, seq of the row now followed by this one, or -1).
+        """
+        st = self.streams.get(key)
+        if st is None:
+            st = _Stream(self.allocate_ids(1), 0, -1)
+            self.streams[key] = st
+        out = (st.episode_id, st.step, st.pending_seq)
+        if end:
+            del self.streams[key]
+        else:
+            st.step += 1
+            st.pending_seq = seq
+        return out
+
+    def allocate_ids(self, count: int) -> int:
+        """Reserve `count` new episode ids; returns the first."""
+        first = self.next_episode_id
+        self.next_episode_id += count
+        return first
+
     def apply(self, plan: IngestPlan, first_seq: int) -> None:
         """Make a planned batch the new state; `first_seq` is the seq of its first row."""
         for key, st in plan.streams.items():

@@ -149,7 +149,9 @@ class ExperienceSchema:
     # ---------------------------------------------------------------- views
     def to_arrow(self) -> pa.Schema:
         """The `pa.Schema` of the stored columns: the fields, then the system columns."""
-        cols = [pa.field(f.name, f.arrow_type(), nullable=False) for f in self.fields.values()]
+        cols = [pa.field(f.name, f.arrow_type(), nullable=False,
+                         metadata=None if f.allow_nan else {b"arrowbuf.allow_nan": b"false"})
+                for f in self.fields.values()]
         cols += [pa.field(n, t, nullable=False) for n, t in SYSTEM_COLUMNS.items()]
         meta = {b"arrowbuf.schema": self.name.encode(), b"arrowbuf.version": str(self.version or "").encode()}
         if self.derived:
@@ -306,7 +308,7 @@ def _arrow_to_numpy(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> Any:
     if value.null_count:
         raise SchemaError(f"field {spec.name!r}: {value.null_count} null value(s); every step needs a value")
     t = value.type
-    if isinstance(t, pa.ExtensionType) and isinstance(value, pa.FixedShapeTensorArray):
+    if isinstance(value, pa.FixedShapeTensorArray):
         return value.to_numpy_ndarray()
     if pa.types.is_fixed_size_list(t):
         flat = value.flatten()
@@ -542,6 +544,9 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
             except (NotImplementedError, TypeError):
                 raise SchemaError(f"pa.Schema field {f.name!r}: unsupported Arrow type {t}") from None
             fields[f.name] = FieldSpec(f.name, _parse_dtype(f"field {f.name!r}", dtype))
+        if (f.metadata or {}).get(b"arrowbuf.allow_nan") == b"false":
+            spec = fields[f.name]
+            fields[f.name] = FieldSpec(spec.name, spec.dtype, spec.shape, spec.ragged, allow_nan=False)
     derived = {}
     if b"arrowbuf.derived" in meta:
         for pair in meta[b"arrowbuf.derived"].decode().split(","):

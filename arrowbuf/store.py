@@ -26,7 +26,7 @@ from .batch import SampleBatch
 from .chunks import ChunkDirectory, default_chunk_rows
 from .episodes import EpisodeTracker, IngestPlan
 from .errors import SampleTimeout, InsertTimeout, SchemaError, StoreClosed, ArrowbufError
-from .index import ENDED, PENDING, RingIndex
+from .index import ENDED, HEADER, PENDING, RingIndex
 from .rate_limiters import Counters, RateLimiter
 from .samplers import Sampler, make_sampler
 from .schema import SYSTEM_COLUMNS, ExperienceSchema, FieldSpec, load_schema
@@ -34,6 +34,10 @@ from .tiers.base import Tier
 from .tiers.host import HostTier
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
+_MISSING = object()
+_INSERTS = HEADER["inserts"]
+_FINAL_COUNT = HEADER["final_count"]
+_FLOATISH = frozenset({float, int, np.float16, np.float32, np.float64})
 
 
 class ExperienceStore:
@@ -81,6 +85,8 @@ class ExperienceStore:
         self._final_owner = self._tier.allocate("index.final_owner", np.dtype(np.int64), max(1, self.final_capacity))
         self._final_owner.fill(-1)
         self._end_fields = list(self.schema.episode_end)
+        self._derived_list = list(self.schema.derived.values())
+        self._fast = self._fast_plan()
         self._episodes = EpisodeTracker()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -88,6 +94,7 @@ class ExperienceStore:
         self._rng = np.random.default_rng(seed)
         self.sampler = make_sampler(sampler)
         self.sampler.bind(self.index, self._rng)
+        self._notify = type(self.sampler).on_valid is not Sampler.on_valid  # skip no-op calls on the append path
         self.rate_limiter = rate_limiter
         self._closed = False
 
@@ -121,9 +128,125 @@ class ExperienceStore:
 
     # ------------------------------------------------------------------ ingest
     def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
-        """Add one step (a dict of scalars and arrays). Returns its seq."""
+        """Add one step (a dict of scalars and arrays). Returns its seq.
+
+        Steps that already have the schema's dtypes and shapes take a scalar fast path; anything else goes through
+        the full validation of `extend` (same errors, same result).
+        """
+        if self.rate_limiter is None and type(step) is dict and self._fast is not None:
+            seq = self._append_fast(step)
+            if seq >= 0:
+                return seq
         cols, n = self.schema.validate_batch(step, single=True)
         return self._ingest(cols, n, timeout)
+
+    def _fast_plan(self) -> list[tuple[str, Any, tuple[int, ...] | None, bool]] | None:
+        """Per-field checks for the append fast path, or None when the schema needs the general path."""
+        plan = []
+        for f in self.schema.fields.values():
+            if f.ragged:
+                return None
+            if f.shape:
+                plan.append((f.name, f.dtype, f.shape, not f.allow_nan))
+            else:
+                plan.append((f.name, f.dtype, None, not f.allow_nan))
+        return plan
+
+    def _append_fast(self, step: dict[str, Any]) -> int:
+        """One already well-typed step; returns -1 (nothing done) when the general path must handle it."""
+        values = []
+        for name, dtype, shape, no_nan in self._fast:
+            v = step.get(name, _MISSING)
+            if shape is None:
+                kind = dtype.kind
+                if kind == "b":
+                    if v.__class__ is not bool and v.__class__ is not np.bool_:
+                        return -1
+                elif kind == "f":
+                    if v.__class__ not in _FLOATISH or (no_nan and v != v):
+                        return -1
+                elif v.__class__ is not int and v.__class__ is not dtype.type or dtype.itemsize < 8:
+                    return -1
+            elif v.__class__ is not np.ndarray or v.dtype != dtype or v.shape != shape or (
+                    no_nan and np.isnan(v).any()):
+                return -1
+            values.append(v)
+        extra = len(step) - len(values)
+        actor = None
+        if extra:
+            actor = step.get("actor", _MISSING)
+            allowed = 1 if actor is not _MISSING else 0
+            for d in self._derived_list:
+                allowed += d.name in step
+            if extra != allowed or "episode_id" in step:
+                return -1
+            if actor is _MISSING:
+                actor = None
+            elif actor.__class__ is not int and actor.__class__ is not str:
+                return -1
+        end = False
+        for e in self._end_fields:
+            end = end or bool(step[e])
+        finals = []
+        if end and self._derived_list:
+            for d in self._derived_list:
+                v = step.get(d.name, _MISSING)
+                spec = self.schema.fields[d.next_of]
+                if v.__class__ is not np.ndarray or v.dtype != spec.dtype or v.shape != spec.shape:
+                    return -1
+                finals.append((d.next_of, v))
+        self._check_open()
+        idx = self.index
+        h = idx.header
+        arena_rows = self.arena_rows
+        with self._write_lock:
+            self._check_open()
+            seq = int(h[1])
+            pos = seq % arena_rows
+            ep, st, prev = self._episodes.advance_one(actor, end, seq)
+            idx.seq[pos] = -1
+            for (name, _, _, _), v in zip(self._fast, values):
+                self._arenas[name][pos] = v
+            idx.episode_id[pos] = ep
+            idx.step[pos] = st
+            nxt = ENDED if end and not self._final_sources else PENDING
+            slot = -1
+            if finals:
+                slot = int(h[_FINAL_COUNT]) % self.final_capacity
+                h[_FINAL_COUNT] += 1
+                self._release_final_slots(np.array([slot]))
+                for src, v in finals:
+                    self._arenas[src][arena_rows + slot] = v
+                nxt = arena_rows + slot
+            idx.next_pos[pos] = nxt
+            with self._cond:
+                idx.seq[pos] = seq
+                lo = int(h[0])
+                if seq - lo >= self.capacity:  # the ring is full: the oldest row goes
+                    opos = lo % arena_rows
+                    if idx.valid[opos]:
+                        idx.valid[opos] = False
+                        if self._notify:
+                            self.sampler.on_invalid(np.array([opos]))
+                    lo += 1
+                    h[0] = lo
+                h[1] = seq + 1
+                if slot >= 0:
+                    self._final_owner[slot] = seq
+                if not self._final_sources or slot >= 0:
+                    idx.valid[pos] = True
+                    if self._notify:
+                        self.sampler.on_valid(np.array([pos]))
+                if prev >= lo:
+                    ppos = prev % arena_rows
+                    idx.next_pos[ppos] = pos
+                    if self._final_sources:
+                        idx.valid[ppos] = True
+                        if self._notify:
+                            self.sampler.on_valid(np.array([ppos]))
+                h[_INSERTS] += 1
+                self._cond.notify_all()
+        return seq
 
     def extend(self, batch: Any, *, timeout: float | None = None) -> int:
         """Add many steps: a dict of arrays with a leading dim, a `pa.RecordBatch` or a `pa.Table`.
@@ -211,8 +334,17 @@ class ExperienceStore:
             return None
         slots = (idx.counter("final_count") + np.arange(len(end_local))) % self.final_capacity
         idx.count("final_count", len(end_local))
+        self._release_final_slots(slots)
+        for d in self.schema.derived.values():
+            self._arenas[d.next_of][self.arena_rows + slots] = cols[d.name][end_local]
+        idx.next_pos[(base + end_local) % self.arena_rows] = self.arena_rows + slots
+        return slots
+
+    def _release_final_slots(self, slots: np.ndarray) -> None:
+        """Free final-observation slots for reuse: rows still relying on them stop being sampleable."""
+        idx = self.index
         owners = self._final_owner[slots]
-        with self._lock:  # rows whose final observation is about to be overwritten stop being sampleable
+        with self._lock:
             live = owners[(owners >= idx.lo) & (owners >= 0)]
             if len(live):
                 pos = live % self.arena_rows
@@ -221,11 +353,7 @@ class ExperienceStore:
                     idx.valid[still] = False
                     self.sampler.on_invalid(still)
                     idx.count("final_obs_dropped", len(still))
-            self._final_owner[slots] = -1
-        for d in self.schema.derived.values():
-            self._arenas[d.next_of][self.arena_rows + slots] = cols[d.name][end_local]
-        idx.next_pos[(base + end_local) % self.arena_rows] = self.arena_rows + slots
-        return slots
+            self._final_owner[slots] = -1  # seqlock: a reader still gathering a slot sees its owner change
 
     def _write_ragged(self, name: str, values: pa.Array, first_pos: int) -> None:
         pos, done = first_pos, 0
@@ -269,7 +397,6 @@ class ExperienceStore:
                 newly = newly[idx.seq[newly] >= idx.lo]
                 idx.valid[newly] = True
                 self.sampler.on_valid(newly)
-            self.directory.commit(base + a, b - a)
             idx.count("inserts", b - a)
             self._cond.notify_all()
 
@@ -519,7 +646,7 @@ class ExperienceStore:
                 "samples": idx.counter("samples"),
                 "chunk_rows": self.chunk_rows,
                 "chunks": self.directory.num_slots,
-                "sealed_chunks": int((self.directory.rows == self.chunk_rows).sum()),
+                "sealed_chunks": self.directory.sealed_chunks(idx.lo, idx.hi),
                 "open_episodes": self._episodes.open_episodes(),
                 "final_obs_capacity": self.final_capacity,
                 "bytes": {self._tier.name: self._tier.nbytes()},

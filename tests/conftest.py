@@ -1,0 +1,100 @@
+"""Shared helpers: small schemas and reference episodes generated from plain numpy."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+import arrowbuf as ab
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCHEMAS = ROOT / "schemas"
+
+SMALL = {
+    "name": "small",
+    "fields": {
+        "obs": {"dtype": "float32", "shape": [3]},
+        "action": {"dtype": "int64"},
+        "reward": {"dtype": "float32"},
+        "terminated": {"dtype": "bool"},
+        "truncated": {"dtype": "bool"},
+    },
+    "derived": {"next_obs": {"next_of": "obs"}},
+}
+
+
+@pytest.fixture
+def small_schema() -> ab.ExperienceSchema:
+    return ab.load_schema(SMALL)
+
+
+def make_episodes(lengths, seed=0, obs_dim=3, start=0.0):
+    """Steps of consecutive episodes: obs row i encodes (global step index); next_obs exact.
+
+    Returns (batch dict, reference dict with per-row next_obs and episode number).
+    """
+    rng = np.random.default_rng(seed)
+    obs, nxt, act, rew, term, trunc, epno = [], [], [], [], [], [], []
+    g = start
+    for e, n in enumerate(lengths):
+        o = g + np.arange(n + 1, dtype=np.float32)[:, None] + np.zeros((1, obs_dim), np.float32)
+        obs.append(o[:-1])
+        nxt.append(o[1:])
+        act.append(rng.integers(0, 4, n))
+        rew.append(rng.normal(size=n).astype(np.float32))
+        t = np.zeros(n, bool)
+        tr = np.zeros(n, bool)
+        if rng.random() < 0.5:
+            t[-1] = True
+        else:
+            tr[-1] = True
+        term.append(t)
+        trunc.append(tr)
+        epno.append(np.full(n, e))
+        g += n + 1000
+    batch = {
+        "obs": np.concatenate(obs), "action": np.concatenate(act), "reward": np.concatenate(rew),
+        "terminated": np.concatenate(term), "truncated": np.concatenate(trunc), "next_obs": np.concatenate(nxt),
+    }
+    return batch, {"episode": np.concatenate(epno)}
+
+
+def store_snapshot(store: ab.ExperienceStore):
+    """Everything observable about a store's contents and episode state."""
+    t = store.to_table()
+    return (len(store), t.to_pydict() if t.num_rows < 5000 else t.num_rows, store.stats()["next_seq"],
+            {k: (v.episode_id, v.step, v.pending_seq) for k, v in store._episodes.streams.items()},
+            store._episodes.next_episode_id)
+
+
+def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
+    """p-value of a chi-square goodness-of-fit test (scipy when present, else Wilson-Hilferty)."""
+    observed = np.asarray(observed, float)
+    expected = np.asarray(expected, float)
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    df = len(observed) - 1
+    try:
+        from scipy.stats import chi2
+
+        return float(chi2.sf(stat, df))
+    except ImportError:
+        import math
+
+        z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+        return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_threads():
+    import threading
+
+    before = set(threading.enumerate())
+    yield
+    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+    assert not leaked, f"test leaked threads: {leaked}"
+
+
+os.environ.setdefault("ARROWBUF_TEST", "1")

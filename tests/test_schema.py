@@ -1,0 +1,100 @@
+import numpy as np
+import pyarrow as pa
+import pytest
+import yaml
+
+import arrowbuf as ab
+from conftest import SCHEMAS, SMALL
+
+
+@pytest.mark.parametrize("path", sorted(SCHEMAS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_schema_file_loads(path):
+    schema = ab.load_schema(path)
+    assert isinstance(schema, ab.ExperienceSchema)
+    arrow = schema.to_arrow()
+    assert {"episode_id", "step", "seq"} <= set(arrow.names)
+    # dict and pa.Schema forms round-trip
+    assert ab.load_schema(schema.to_dict()) == schema
+    back = ab.load_schema(arrow)
+    assert back.fields == schema.fields and back.derived == schema.derived
+    assert back.episode_end == schema.episode_end
+
+
+def test_atari_layout():
+    s = ab.load_schema(SCHEMAS / "atari.yaml")
+    assert s.fields["obs"].shape == (4, 84, 84) and s.fields["obs"].dtype == np.uint8
+    assert s.derived["next_obs"].next_of == "obs"
+    assert s.episode_end == ("terminated", "truncated")
+    assert isinstance(s.to_arrow().field("obs").type, pa.FixedShapeTensorType)
+
+
+def test_tokens_is_ragged():
+    s = ab.load_schema(SCHEMAS / "tokens.yaml")
+    assert s.fields["prompt_tokens"].ragged and pa.types.is_list(s.to_arrow().field("prompt_tokens").type)
+    assert s.episode_end == ("done",)
+
+
+def test_version_is_optional():
+    d = dict(SMALL)
+    d.pop("version", None)
+    assert ab.load_schema(d).version is None
+
+
+def test_episode_end_can_be_overridden():
+    d = {**SMALL, "episode_end": ["terminated"]}
+    assert ab.load_schema(d).episode_end == ("terminated",)
+    d = {**SMALL, "episode_end": []}
+    assert ab.load_schema(d).episode_end == ()
+
+
+MALFORMED = [
+    ({"name": "x"}, "fields"),
+    ({"name": "x", "fields": {}}, "fields"),
+    ({"name": "x", "fields": {"a": {"dtype": "complex64"}}}, "unknown dtype"),
+    ({"name": "x", "fields": {"a": {"shape": [2]}}}, "missing 'dtype'"),
+    ({"name": "x", "fields": {"a": {"dtype": "float32", "shape": [0]}}}, "positive integers"),
+    ({"name": "x", "fields": {"a": {"dtype": "float32", "shape": "3"}}}, "positive integers"),
+    ({"name": "x", "fields": {"a": {"dtype": "float32", "shpe": [3]}}}, "unknown key"),
+    ({"name": "x", "fields": {"a": {"dtype": "int32", "ragged": "yes"}}}, "ragged"),
+    ({"name": "x", "fields": {"a": {"dtype": "int32", "ragged": True, "shape": [2]}}}, "ragged"),
+    ({"name": "x", "fields": {"a": {"dtype": "int32"}}, "derived": {"b": {"next_of": "zz"}}}, "next_of"),
+    ({"name": "x", "fields": {"a": {"dtype": "int32"}}, "derived": {"b": "a"}}, "next_of"),
+    ({"name": "x", "fields": {"a": {"dtype": "int32"}}, "episode_end": ["done"]}, "not a field"),
+    ({"name": "x", "fields": {"a": {"dtype": "int32"}}, "episode_end": ["a"]}, "scalar bool"),
+    ({"name": "x", "fields": {"seq": {"dtype": "int32"}}}, "reserved"),
+    ({"name": "x", "fields": {"a": {"dtype": "int32"}}, "colour": "red"}, "unknown top-level"),
+    ({"name": "", "fields": {"a": {"dtype": "int32"}}}, "name"),
+]
+
+
+@pytest.mark.parametrize("spec,words", MALFORMED)
+def test_malformed_schema_dicts(spec, words):
+    with pytest.raises(ab.SchemaError, match=words):
+        ab.load_schema(spec)
+
+
+def test_malformed_files(tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("fields: {obs: [unclosed\n")
+    with pytest.raises(ab.SchemaError, match="not valid YAML"):
+        ab.load_schema(bad_yaml)
+    listy = tmp_path / "list.yaml"
+    listy.write_text(yaml.safe_dump([1, 2]))
+    with pytest.raises(ab.SchemaError, match="mapping"):
+        ab.load_schema(listy)
+    with pytest.raises(ab.SchemaError, match="does not exist"):
+        ab.load_schema(tmp_path / "missing.yaml")
+    bad_field = tmp_path / "f.yaml"
+    bad_field.write_text("fields:\n  obs: {dtype: float32, shape: [-1]}\n")
+    with pytest.raises(ab.SchemaError, match="obs"):
+        ab.load_schema(bad_field)
+    # the file name is the default schema name
+    ok = tmp_path / "mine.yaml"
+    ok.write_text("fields:\n  obs: {dtype: float32}\n")
+    assert ab.load_schema(ok).name == "mine"
+
+
+def test_schema_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        ab.load_schema({"name": "x"})
+    assert issubclass(ab.SchemaError, ab.ArrowbufError)
