@@ -51,7 +51,11 @@ def run_sql(store: "ExperienceStore", query: str) -> pa.Table:
     con = duckdb.connect()
     try:
         con.register("experience", experience)
-        return con.execute(query).fetch_arrow_table()
+        relation = con.sql(query)
+        if relation is None:  # a statement without a result (SET, CREATE ...)
+            return pa.table({})
+        fetch = getattr(relation, "to_arrow_table", None) or relation.arrow  # DuckDB >= 1.4 / older
+        return fetch()
     finally:
         con.close()
 

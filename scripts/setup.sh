@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install arrowbuf with the extras the demo, tests and benchmarks use. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+# torch is pinned: the CPU wheel 2.13.0 lies on this machine; an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q -e '.[query,dev,demo]' 'torch==2.13.0' cryptography
