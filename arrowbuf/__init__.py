@@ -16,6 +16,7 @@ from .errors import (
     StoreNotFound,
     Unauthenticated,
 )
+from .loader import Loader
 from .schema import ExperienceSchema, FieldSpec, load_schema
 from .store import ExperienceStore
 
@@ -27,6 +28,7 @@ __all__ = [
     "ExperienceStore",
     "FieldSpec",
     "InsertTimeout",
+    "Loader",
     "MissingDependency",
     "OutOfSpace",
     "SampleBatch",
