@@ -133,11 +133,179 @@ class FifoSampler(Sampler):
         return {"sampler": "FifoSampler", "cursor": self.cursor, "skipped_evicted": self.skipped}
 
 
+class LifoSampler(Sampler):
+    """The newest `n` sampleable rows (a stack when combined with `max_times_sampled=1`)."""
+
+    def select(self, n: int) -> tuple[np.ndarray, None] | None:
+        idx = self.index
+        hi, lo = idx.hi, idx.lo
+        window = n
+        while True:  # look back far enough to find n sampleable rows (pending rows are skipped)
+            start = max(lo, hi - window)
+            seqs = np.arange(start, hi, dtype=np.int64)
+            seqs = seqs[idx.valid[seqs % idx.arena_rows]]
+            if len(seqs) >= n:
+                return seqs[-n:], None
+            if start == lo:
+                return None
+            window *= 2
+
+
+class PrioritizedSampler(Sampler):
+    """Prioritized replay (Schaul et al. 2016): P(i) = p_i^alpha / sum_k p_k^alpha, with IS weights.
+
+    New rows get the largest priority seen so far. Weights are `(N * P(i))^-beta` normalised by the largest possible
+    weight, `(N * P_min)^-beta` (so max 1), N the number of sampleable rows. Selection uses a vectorised sum tree
+    (stratified draws, one segment per item) and a min tree for P_min; both are O(log N) numpy steps per batch.
+
+    Args:
+        alpha: priority exponent (0 = uniform).
+        beta: importance-sampling exponent (0 = no correction, 1 = full).
+        eps: added to every priority so none is zero.
+        stratified: one draw per equal slice of the priority mass (lower variance) instead of iid draws.
+    """
+
+    def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, stratified: bool = True) -> None:
+        if alpha < 0 or beta < 0 or eps < 0:
+            raise ValueError(f"alpha, beta and eps must be >= 0, got {alpha}, {beta}, {eps}")
+        self.alpha, self.beta, self.eps, self.stratified = float(alpha), float(beta), float(eps), stratified
+
+    def bind(self, index: RingIndex, rng: np.random.Generator) -> None:
+        from .sumtree import MinTree, SumTree
+
+        super().bind(index, rng)
+        self.sum_tree = SumTree(index.arena_rows)
+        self.min_tree = MinTree(index.arena_rows)
+        self.max_priority = 1.0
+        self.count = 0
+
+    def on_valid(self, positions: np.ndarray) -> None:
+        value = np.full(len(positions), self.max_priority ** self.alpha)
+        self.sum_tree.update(positions, value)
+        self.min_tree.update(positions, value)
+        self.count += len(positions)
+
+    def on_invalid(self, positions: np.ndarray) -> None:
+        self.sum_tree.update(positions, np.zeros(len(positions)))
+        self.min_tree.update(positions, np.full(len(positions), np.inf))
+        self.count -= len(positions)
+
+    def select(self, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+        total = self.sum_tree.total()
+        if self.count <= 0 or total <= 0:
+            return None
+        pos = self.sum_tree.sample(n, self.rng, stratified=self.stratified)
+        order = np.argsort(pos, kind="stable")
+        pos = pos[order]
+        return self.index.seqs_of(pos), self.weights(pos, total)
+
+    def weights(self, positions: np.ndarray, total: float | None = None) -> np.ndarray:
+        """Importance-sampling weights of rows at `positions` (max possible weight = 1)."""
+        total = self.sum_tree.total() if total is None else total
+        p = self.sum_tree.get(positions) / total
+        p_min = self.min_tree.min() / total
+        w = (p / p_min) ** (-self.beta)
+        return w.astype(np.float32)
+
+    def probabilities(self, positions: np.ndarray) -> np.ndarray:
+        return self.sum_tree.get(positions) / self.sum_tree.total()
+
+    def update_priorities(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        p = np.asarray(priorities, dtype=np.float64) + self.eps
+        if len(p):
+            self.max_priority = max(self.max_priority, float(p.max()))
+        valid = self.index.valid[positions]  # removed rows keep priority 0
+        value = p[valid] ** self.alpha
+        self.sum_tree.update(positions[valid], value)
+        self.min_tree.update(positions[valid], value)
+
+    def describe(self) -> dict[str, Any]:
+        return {"sampler": "PrioritizedSampler", "alpha": self.alpha, "beta": self.beta,
+                "max_priority": self.max_priority, "priority_sum": self.sum_tree.total()}
+
+
+class SequenceSampler(Sampler):
+    """Windows of consecutive steps inside one episode, never crossing an episode boundary.
+
+    A window is `burn_in + length` steps starting at a row whose step index is a multiple of `stride`; batches come
+    back shaped [B, burn_in + length, ...] (the first `burn_in` steps warm up a recurrent state). Steps follow each
+    row's successor in its episode, so interleaved actors are fine. Start rows are drawn uniformly, or by priority
+    with `priority=Prioritized(...)` (a window's priority is its start row's priority); draws whose window is not
+    (yet) complete are redrawn, so the distribution is the one over complete windows.
+    """
+
+    def __init__(self, length: int, stride: int = 1, burn_in: int = 0,
+                 priority: "PrioritizedSampler | None" = None) -> None:
+        if length < 1 or stride < 1 or burn_in < 0:
+            raise ValueError(f"need length >= 1, stride >= 1, burn_in >= 0; got {length}, {stride}, {burn_in}")
+        self.length, self.stride, self.burn_in = int(length), int(stride), int(burn_in)
+        self.window = self.length + self.burn_in
+        self.priority = priority
+
+    def bind(self, index: RingIndex, rng: np.random.Generator) -> None:
+        super().bind(index, rng)
+        self.starts: Sampler = self.priority if self.priority is not None else UniformSampler()
+        self.starts.bind(index, rng)
+
+    def on_valid(self, positions: np.ndarray) -> None:
+        self.starts.on_valid(positions)
+
+    def on_invalid(self, positions: np.ndarray) -> None:
+        self.starts.on_invalid(positions)
+
+    def update_priorities(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        self.starts.update_priorities(positions, priorities)
+
+    def windows(self, start_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Positions [B, window] following each start's successors, and a mask of complete windows."""
+        idx = self.index
+        pos = np.empty((len(start_pos), self.window), dtype=np.int64)
+        pos[:, 0] = start_pos
+        ok = idx.step[start_pos] % self.stride == 0
+        cur = start_pos
+        for j in range(1, self.window):
+            nxt = idx.next_pos[cur]
+            inside = (nxt >= 0) & (nxt < idx.arena_rows)
+            cur = np.where(inside, nxt, cur)
+            ok &= inside
+            pos[:, j] = cur
+        ok &= idx.valid[cur]
+        return pos, ok
+
+    def select(self, n: int) -> tuple[np.ndarray, np.ndarray | None] | None:
+        idx = self.index
+        out_pos = np.empty((n, self.window), dtype=np.int64)
+        out_w = np.ones(n, dtype=np.float32) if self.priority is not None else None
+        need = np.arange(n)
+        for _ in range(64):
+            got = self.starts.select(len(need))
+            if got is None:
+                return None
+            seqs, w = got
+            pos, ok = self.windows(seqs % idx.arena_rows)
+            k = int(ok.sum())
+            out_pos[need[:k]] = pos[ok]
+            if out_w is not None and w is not None:
+                out_w[need[:k]] = w[ok]
+            need = need[k:]
+            if len(need) == 0:
+                lo_pos = idx.lo % idx.arena_rows
+                return idx.lo + (out_pos - lo_pos) % idx.arena_rows, out_w
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"sampler": "SequenceSampler", "length": self.length, "stride": self.stride,
+                "burn_in": self.burn_in, **({"priority": self.priority.describe()} if self.priority else {})}
+
+
 # Short names for the namespace: ab.samplers.Uniform, ab.samplers.Fifo, ...
 Uniform = UniformSampler
 Fifo = FifoSampler
+Lifo = LifoSampler
+Prioritized = PrioritizedSampler
+Sequence = SequenceSampler
 
-_BY_NAME = {"uniform": UniformSampler, "fifo": FifoSampler}
+_BY_NAME = {"uniform": UniformSampler, "fifo": FifoSampler, "lifo": LifoSampler, "prioritized": PrioritizedSampler}
 
 
 def make_sampler(spec: str | Sampler | None) -> Sampler:
@@ -153,4 +321,5 @@ def make_sampler(spec: str | Sampler | None) -> Sampler:
     raise ValueError(f"unknown sampler {spec!r}; expected one of {sorted(_BY_NAME)} or an ab.samplers instance")
 
 
-__all__ = ["Sampler", "UniformSampler", "FifoSampler", "Uniform", "Fifo", "make_sampler"]
+__all__ = ["Sampler", "UniformSampler", "FifoSampler", "LifoSampler", "PrioritizedSampler", "SequenceSampler",
+           "Uniform", "Fifo", "Lifo", "Prioritized", "Sequence", "make_sampler"]

@@ -27,6 +27,7 @@ from .chunks import ChunkDirectory, default_chunk_rows
 from .episodes import EpisodeTracker, IngestPlan
 from .errors import SampleTimeout, InsertTimeout, SchemaError, StoreClosed, ArrowbufError
 from .index import ENDED, HEADER, PENDING, RingIndex
+from .nstep import n_step_returns
 from .rate_limiters import Counters, RateLimiter
 from .samplers import Sampler, make_sampler
 from .schema import SYSTEM_COLUMNS, ExperienceSchema, FieldSpec, load_schema
@@ -52,13 +53,15 @@ class ExperienceStore:
         chunk_rows: rows per chunk (default: about 2 MiB of row data).
         final_obs_capacity: slots for episodes' final observations when the schema derives `next_obs`
             (default: enough for every row when small, else capacity // 16).
+        max_times_sampled: an item stops being sampleable after this many deliveries (it keeps its ring slot
+            until evicted); None: no limit.
         tier: where the arenas live ("host"; "shm" and others as tiers land), or a `Tier` instance.
     """
 
     def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
                  rate_limiter: RateLimiter | None = None, seed: int | None = None, *,
                  chunk_rows: int | None = None, final_obs_capacity: int | None = None,
-                 tier: str | Tier = "host", name: str | None = None) -> None:
+                 max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None) -> None:
         self.schema: ExperienceSchema = load_schema(schema)
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity must be a positive number of rows, got {capacity!r}")
@@ -96,6 +99,12 @@ class ExperienceStore:
         self.sampler.bind(self.index, self._rng)
         self._notify = type(self.sampler).on_valid is not Sampler.on_valid  # skip no-op calls on the append path
         self.rate_limiter = rate_limiter
+        if max_times_sampled is not None and max_times_sampled < 1:
+            raise ValueError(f"max_times_sampled must be >= 1, got {max_times_sampled}")
+        self._max_times_sampled = int(max_times_sampled or 0)
+        self._times_sampled = (self._tier.allocate("index.times_sampled", np.dtype(np.int32), self.arena_rows)
+                               if self._max_times_sampled else np.zeros(0, np.int32))
+        self._times_sampled.fill(0)
         self._closed = False
 
     # ------------------------------------------------------------------ construction helpers
@@ -205,6 +214,8 @@ class ExperienceStore:
             pos = seq % arena_rows
             ep, st, prev = self._episodes.advance_one(actor, end, seq)
             idx.seq[pos] = -1
+            if self._max_times_sampled:
+                self._times_sampled[pos] = 0
             for (name, _, _, _), v in zip(self._fast, values):
                 self._arenas[name][pos] = v
             idx.episode_id[pos] = ep
@@ -314,6 +325,8 @@ class ExperienceStore:
         segs = self._segments(first_pos, b - a)
         for s0, s1, off in segs:  # invalidate first: a reader still gathering these rows sees its seq fail
             idx.seq[s0:s1] = -1
+            if self._max_times_sampled:
+                self._times_sampled[s0:s1] = 0
         for name, arena in self._arenas.items():
             src = cols[name]
             for s0, s1, off in segs:
@@ -446,15 +459,17 @@ class ExperienceStore:
         return True
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None,
-               **options: Any) -> SampleBatch:
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
+               n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
         """Sample `n` items.
 
         Args:
             n: batch size; uniform sampling is with replacement, so any n works once a row is sampleable.
             columns: columns to gather (default: every field and derived field).
             timeout: seconds to wait for the rate limiter or an empty store; None does not wait.
-            options: sampler options such as `n_step=k, gamma=g` where supported.
+            n_step: add `n_step_return`, `n_step_discount` and, per derived field, `n_step_<name>` (the bootstrap
+                observation) over `n_step` steps of the episode (see `arrowbuf.nstep`).
+            gamma: the discount for `n_step`.
 
         Raises:
             SampleTimeout: nothing could be served within `timeout`.
@@ -463,35 +478,64 @@ class ExperienceStore:
             raise ValueError(f"n must be a positive number of items, got {n!r}")
         self._check_open()
         names = self.schema.resolve_columns(list(columns) if columns is not None else None)
-        if options:
-            raise TypeError(f"unsupported sample options {sorted(options)} for this store")
+        if n_step is not None:
+            self._check_n_step(n_step, gamma)
         with self._cond:
-            chosen = self._select(int(n), timeout)
-        seqs, weights = chosen
-        arrays = self._gather(seqs, names)
-        bad = ~self._still_valid(seqs, arrays)
+            seqs, weights = self._select(int(n), timeout)
+        if seqs.ndim == 2 and n_step is not None:
+            raise ValueError("n_step returns are for transitions; a Sequence sampler returns whole windows")
+        arrays = self._gather(seqs, names, n_step, gamma)
+        bad = self._torn(seqs, arrays)
         retries = 0
         while bad.any():  # a writer recycled some rows while they were gathered: draw those again
             retries += 1
-            self.index.count("torn_retries", int(bad.sum()))
-            with self._cond:
-                again = self._select(int(bad.sum()), timeout)
+            if retries > 100:
+                raise ArrowbufError("sample could not read a consistent batch after 100 retries")
             fix = np.flatnonzero(bad)
-            seqs[fix] = again[0]
-            if weights is not None and again[1] is not None:
-                weights[fix] = again[1]
-            sub = self._gather(again[0], names)
-            for k in names:
+            self.index.count("torn_retries", len(fix))
+            with self._cond:
+                again, again_w = self._select(len(fix), timeout)
+            seqs[fix] = again
+            if weights is not None and again_w is not None:
+                weights[fix] = again_w
+            sub = self._gather(again, names, n_step, gamma)
+            for k in arrays:
                 if isinstance(arrays[k], np.ndarray):
                     arrays[k][fix] = sub[k]
                 else:
                     arrays[k] = _replace_rows(arrays[k], fix, sub[k])
             bad[:] = False
-            bad[fix] = ~self._still_valid(again[0], sub)
-            if retries > 100:
-                raise ArrowbufError("sample could not read a consistent batch after 100 retries")
-        self.sampler.on_sampled(seqs)
-        return SampleBatch(arrays, seqs, weights)
+            bad[fix] = self._torn(again, sub)
+        arrays.pop("_n_step_last", None)
+        if self._max_times_sampled or type(self.sampler).on_sampled is not Sampler.on_sampled:
+            with self._cond:
+                self.sampler.on_sampled(seqs)
+                if self._max_times_sampled:
+                    self._count_samples(seqs)
+        indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
+        return SampleBatch(arrays, indices, weights)
+
+    def _check_n_step(self, n_step: int, gamma: float) -> None:
+        if not isinstance(n_step, (int, np.integer)) or n_step < 1:
+            raise ValueError(f"n_step must be a positive integer, got {n_step!r}")
+        if "reward" not in self._arenas or self.schema.fields["reward"].shape:
+            raise SchemaError("n_step returns need a scalar 'reward' field in the schema")
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+
+    def _count_samples(self, seqs: np.ndarray) -> None:
+        """Under the lock: count deliveries; rows sampled `max_times_sampled` times stop being sampleable."""
+        idx = self.index
+        seqs = seqs.reshape(-1)
+        live = seqs[idx.live(seqs)]
+        pos = live % self.arena_rows
+        np.add.at(self._times_sampled, pos, 1)
+        done = np.unique(pos[self._times_sampled[pos] >= self._max_times_sampled])
+        done = done[idx.valid[done]]
+        if len(done):
+            idx.valid[done] = False
+            self.sampler.on_invalid(done)
+            idx.count("removed", len(done))
 
     def _select(self, n: int, timeout: float | None) -> tuple[np.ndarray, np.ndarray | None]:
         """Choose items under the lock, waiting on the rate limiter and for rows."""
@@ -517,31 +561,49 @@ class ExperienceStore:
         self._cond.notify_all()
         return chosen[0]
 
-    def _gather(self, seqs: np.ndarray, names: list[str]) -> dict[str, Any]:
-        """One `take` per column over the arena (the sample path: vectorised, no per-row Python)."""
+    def _gather(self, seqs: np.ndarray, names: list[str], n_step: int | None = None,
+                gamma: float = 0.99) -> dict[str, Any]:
+        """One `take` per column over the arena (the sample path: vectorised, no per-row Python).
+
+        `seqs` is [B] for transitions or [B, T] for sequence windows; arrays come back [B, ...] or [B, T, ...].
+        """
         idx = self.index
-        pos = seqs % self.arena_rows
+        shape = seqs.shape
+        pos = (seqs % self.arena_rows).reshape(-1)
         out: dict[str, Any] = {}
         nxt = None
         for name in names:
             if name in self._arenas:
-                out[name] = np.take(self._arenas[name], pos, axis=0)
+                col = np.take(self._arenas[name], pos, axis=0)
             elif name in self.schema.derived:
                 if nxt is None:
                     nxt = idx.next_pos[pos]
-                out[name] = np.take(self._arenas[self.schema.derived[name].next_of], nxt, axis=0)
+                col = np.take(self._arenas[self.schema.derived[name].next_of], nxt, axis=0)
             elif name in self._ragged:
+                if len(shape) > 1:
+                    raise SchemaError(f"ragged field {name!r} cannot be sampled as sequences")
                 out[name] = pa.chunked_array(self._ragged[name]).take(pa.array(pos)).combine_chunks()
+                continue
             elif name == "episode_id":
-                out[name] = idx.episode_id[pos]
+                col = idx.episode_id[pos]
             elif name == "step":
-                out[name] = idx.step[pos]
-            elif name == "seq":
-                out[name] = seqs.copy()
+                col = idx.step[pos]
+            else:  # seq
+                col = seqs.reshape(-1).copy()
+            out[name] = col.reshape(shape + col.shape[1:]) if len(shape) > 1 else col
+        if n_step is not None:
+            terminal = [self._arenas[f] for f in self._end_fields if f != "truncated"]
+            truncation = [self._arenas[f] for f in self._end_fields if f == "truncated"]
+            ret, disc, last = n_step_returns(idx, self._arenas["reward"], terminal, truncation, pos, n_step, gamma)
+            out["n_step_return"], out["n_step_discount"] = ret, disc
+            last_next = idx.next_pos[last]
+            for d in self._derived_list:
+                out[f"n_step_{d.name}"] = np.take(self._arenas[d.next_of], last_next, axis=0)
+            out["_n_step_last"] = last
         return out
 
-    def _still_valid(self, seqs: np.ndarray, arrays: dict[str, Any]) -> np.ndarray:
-        """After a gather: rows whose slot (and final-observation slot) still hold them."""
+    def _torn(self, seqs: np.ndarray, arrays: dict[str, Any]) -> np.ndarray:
+        """After a gather: per item, whether a writer recycled any row (or final-observation slot) it read."""
         idx = self.index
         pos = seqs % self.arena_rows
         ok = idx.seq[pos] == seqs
@@ -550,7 +612,13 @@ class ExperienceStore:
             fin = nxt >= self.arena_rows
             if fin.any():
                 ok[fin] &= self._final_owner[nxt[fin] - self.arena_rows] == seqs[fin]
-        return ok
+            last = arrays.get("_n_step_last")
+            if last is not None:
+                lnext = idx.next_pos[last]
+                fin = lnext >= self.arena_rows
+                if fin.any():
+                    ok[fin] &= self._final_owner[lnext[fin] - self.arena_rows] == idx.seq[last[fin]]
+        return ~ok.reshape(len(seqs), -1).all(axis=1)
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
@@ -653,6 +721,7 @@ class ExperienceStore:
                 "final_obs_dropped": idx.counter("final_obs_dropped"),
                 "torn_retries": idx.counter("torn_retries"),
                 "priority_updates_ignored": idx.counter("priority_updates_ignored"),
+                "removed": idx.counter("removed"),
                 **self.sampler.describe(),
             }
         return out

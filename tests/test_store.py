@@ -407,7 +407,7 @@ def test_concurrent_extend_and_sample_never_tears():
         t.start()
     try:
         for _ in range(400):
-            b = store.sample(128, columns=["a", "b", "seq"])
+            b = store.sample(128, columns=["a", "b", "seq"], timeout=10)
             assert (b["a"] == b["b"][:, None]).all()
             np.testing.assert_array_equal(b["b"], b.indices)
     finally:
