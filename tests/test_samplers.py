@@ -1,0 +1,265 @@
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+from conftest import SMALL, chi_square_p, make_episodes
+
+
+def store_with(sampler, capacity=1000, **kw):
+    return ab.ExperienceStore(ab.load_schema(SMALL), capacity=capacity, sampler=sampler, seed=kw.pop("seed", 0),
+                              **kw)
+
+
+# ---------------------------------------------------------------- prioritized
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("stratified", [False, True])
+def test_prioritized_frequencies_match_p_alpha(alpha, stratified):
+    store = store_with(ab.samplers.Prioritized(alpha=alpha, beta=0.4, eps=0.0, stratified=stratified), seed=11)
+    store.extend(make_episodes([40])[0])
+    pri = np.arange(1, 41, dtype=np.float64)
+    assert store.update_priorities(np.arange(40), pri) == 40
+    draws = 200_000
+    counts = np.zeros(40)
+    for _ in range(draws // 1000):
+        counts += np.bincount(store.sample(1000).indices, minlength=40)
+    expected = pri ** alpha / (pri ** alpha).sum() * draws
+    assert chi_square_p(counts, expected) > 1e-3
+    if alpha == 0.0:  # alpha = 0 is uniform
+        assert chi_square_p(counts, np.full(40, draws / 40)) > 1e-3
+
+
+def test_importance_weights_hand_computed():
+    store = store_with(ab.samplers.Prioritized(alpha=1.0, beta=0.5, eps=0.0))
+    store.extend(make_episodes([4])[0])
+    store.update_priorities([0, 1, 2, 3], [1.0, 2.0, 3.0, 4.0])
+    b = store.sample(64)
+    # P(i) = p_i / 10; w_i = (N P(i))^-beta / max_j (N P(j))^-beta = (p_i / p_min)^-0.5
+    expected = {0: 1.0, 1: 2 ** -0.5, 2: 3 ** -0.5, 3: 4 ** -0.5}
+    for i, w in zip(b.indices, b.weights):
+        assert w == pytest.approx(expected[int(i)], rel=1e-6)
+    assert b.weights.max() <= 1.0
+
+
+def test_new_items_get_max_priority():
+    sampler = ab.samplers.Prioritized(alpha=1.0, beta=1.0, eps=0.0)
+    store = store_with(sampler)
+    store.extend(make_episodes([4])[0])
+    store.update_priorities([0, 1, 2, 3], [1.0, 1.0, 1.0, 5.0])
+    store.extend(make_episodes([2], start=100.0)[0])  # rows 4, 5 come in at priority 5
+    np.testing.assert_allclose(sampler.probabilities(np.array([4, 5])), [5 / 18, 5 / 18])
+
+
+def test_updates_to_evicted_or_recycled_ids_are_ignored():
+    store = store_with(ab.samplers.Prioritized(), capacity=10, chunk_rows=4)
+    store.extend(make_episodes([10])[0])
+    old = store.sample(8).indices
+    store.extend(make_episodes([25], start=50.0)[0])  # every old row evicted and its slot recycled
+    assert store.update_priorities(old, np.full(len(old), 100.0)) == 0
+    assert store.stats()["priority_updates_ignored"] == len(old)
+    fresh = store.sample(5).indices
+    assert store.update_priorities(fresh, np.ones(5)) == 5
+    with pytest.raises(ValueError):
+        store.update_priorities(fresh, np.ones(4))
+    with pytest.raises(ValueError):
+        store.update_priorities(fresh, np.full(5, np.nan))
+
+
+def test_priorities_need_a_prioritized_sampler():
+    store = store_with("uniform")
+    store.extend(make_episodes([3])[0])
+    with pytest.raises(ab.ArrowbufError, match="Prioritized"):
+        store.update_priorities([0], [1.0])
+
+
+# ---------------------------------------------------------------- fifo, lifo, removal
+def test_fifo_each_item_once_in_order_producer_consumer():
+    store = store_with("fifo", capacity=100_000)
+    total = 3000
+    got = []
+
+    def producer():
+        for k in range(total // 30):
+            store.extend(make_episodes([30], seed=k, start=k * 100.0)[0])
+
+    t = threading.Thread(target=producer)
+    t.start()
+    try:
+        while len(got) < total:
+            got.extend(store.sample(50, timeout=10).indices.tolist())
+    finally:
+        t.join()
+    assert got == list(range(total))
+
+
+def test_lifo_returns_newest():
+    store = store_with("lifo")
+    store.extend(make_episodes([10])[0])
+    assert store.sample(3).indices.tolist() == [7, 8, 9]
+
+
+def test_max_times_sampled_removes_items():
+    store = store_with("fifo", max_times_sampled=1)
+    store.extend(make_episodes([6])[0])
+    assert store.sample(6).indices.tolist() == list(range(6))
+    store2 = store_with("uniform", max_times_sampled=2, seed=3)
+    store2.extend(make_episodes([5])[0])
+    counts = np.zeros(5, int)
+    for _ in range(5):
+        counts += np.bincount(store2.sample(2).indices, minlength=5)
+    assert counts.max() <= 2 + 1  # a batch may take the same row twice in its last allowed draw
+    assert store2.stats()["removed"] >= 3
+    with pytest.raises(ab.SampleTimeout):
+        for _ in range(20):
+            store2.sample(1)
+
+
+# ---------------------------------------------------------------- sequences
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 15), min_size=2, max_size=12), actors=st.integers(1, 3),
+       T=st.integers(1, 6), stride=st.integers(1, 3), capacity=st.integers(20, 200), seed=st.integers(0, 99))
+def test_sequences_never_cross_episodes(lengths, actors, T, stride, capacity, seed):
+    store = store_with(ab.samplers.Sequence(length=T, stride=stride), capacity=capacity, chunk_rows=8, seed=seed)
+    for i, n in enumerate(lengths):
+        batch, _ = make_episodes([n], seed=i, start=i * 1000.0)
+        batch["actor"] = np.full(n, i % actors)
+        store.extend(batch)
+    try:
+        b = store.sample(32)
+    except ab.SampleTimeout:
+        assert all(n < T for n in lengths) or stride > 1 or capacity < T
+        return
+    d = b.to_numpy()
+    ep = d.get("episode_id")
+    s = store.sample(32, columns=["episode_id", "step", "obs", "next_obs"])
+    assert s["episode_id"].shape == (32, T) and s["obs"].shape == (32, T, 3)
+    assert (s["episode_id"] == s["episode_id"][:, :1]).all()
+    assert (np.diff(s["step"], axis=1) == 1).all()
+    assert (s["step"][:, 0] % stride == 0).all()
+    # inside a window, obs[t+1] == next_obs[t]
+    np.testing.assert_array_equal(s["obs"][:, 1:], s["next_obs"][:, :-1])
+    assert ep is None
+
+
+def test_sequence_torch_shape_and_burn_in():
+    torch = pytest.importorskip("torch")
+    store = store_with(ab.samplers.Sequence(length=4, burn_in=2))
+    store.extend(make_episodes([20, 20])[0])
+    t = store.sample(8).to_torch()
+    assert tuple(t["obs"].shape) == (8, 6, 3) and t["reward"].dtype == torch.float32
+
+
+def test_prioritized_sequences():
+    store = store_with(ab.samplers.Sequence(length=3, priority=ab.samplers.Prioritized(alpha=1.0, beta=1.0)))
+    store.extend(make_episodes([10, 10])[0])
+    b = store.sample(16)
+    assert b.weights is not None and b.weights.shape == (16,)
+    store.update_priorities(b.indices, np.ones(16))
+
+
+# ---------------------------------------------------------------- n-step
+def reference_n_step(batch, t, k, gamma):
+    """Plain Python loop: returns, discount, bootstrap obs for row t of a single-actor batch."""
+    ret, disc, j = 0.0, 1.0, t
+    for i in range(k):
+        ret += disc * float(batch["reward"][j])
+        disc *= gamma
+        if batch["terminated"][j]:
+            return ret, 0.0, batch["next_obs"][j]
+        if batch["truncated"][j] or i == k - 1:
+            return ret, disc, batch["next_obs"][j]
+        j += 1
+    raise AssertionError
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=8), k=st.integers(1, 6),
+       gamma=st.floats(0.5, 1.0), seed=st.integers(0, 999))
+def test_n_step_matches_reference(lengths, k, gamma, seed):
+    batch, _ = make_episodes(lengths, seed=seed)
+    store = store_with("uniform", capacity=500, chunk_rows=8, seed=seed)
+    store.extend(batch)
+    b = store.sample(64, n_step=k, gamma=gamma)
+    for row, i in enumerate(b.indices):
+        ret, disc, boot = reference_n_step(batch, int(i), k, gamma)
+        assert b["n_step_return"][row] == pytest.approx(ret, rel=1e-4, abs=1e-4)
+        assert b["n_step_discount"][row] == pytest.approx(disc, rel=1e-5, abs=1e-6)
+        np.testing.assert_array_equal(b["n_step_next_obs"][row], boot)
+
+
+def test_n_step_stops_at_pending_successor():
+    batch, _ = make_episodes([6])
+    batch["terminated"][:] = batch["truncated"][:] = False
+    store = store_with("uniform")
+    store.extend(batch)  # rows 0..5, row 5 pending (not sampleable); row 4's window can't pass row 5
+    b = store.sample(200, n_step=3, gamma=1.0)
+    for row, i in enumerate(b.indices):
+        m = min(3, 5 - int(i))
+        assert b["n_step_return"][row] == pytest.approx(batch["reward"][i:i + m].sum(), rel=1e-5)
+        np.testing.assert_array_equal(b["n_step_next_obs"][row], batch["obs"][i + m])
+
+
+# ---------------------------------------------------------------- rate limiting
+def test_sample_to_insert_ratio_two_threads():
+    spi, buf, min_size = 2.0, 64.0, 32
+    limiter = ab.rate_limiters.SampleToInsertRatio(samples_per_insert=spi, min_size=min_size, error_buffer=buf)
+    store = store_with("uniform", capacity=100_000, rate_limiter=limiter)
+    violations = []
+    stop = threading.Event()
+
+    def check():
+        s = store.stats()
+        if s["size"] >= min_size:
+            diff = s["inserts"] * spi - s["samples"]
+            if not (limiter.min_diff - 1e-9 <= diff <= limiter.max_diff + 1e-9):
+                violations.append(diff)
+
+    def writer():
+        for k in range(200):
+            if stop.is_set():
+                return
+            store.extend(make_episodes([4], seed=k, start=k * 10.0)[0], timeout=10)
+            check()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        samples = 0
+        while samples < 200 * 4 * spi - buf:
+            samples += len(store.sample(8, timeout=10))
+            check()
+    finally:
+        stop.set()
+        t.join()
+    assert not violations
+    s = store.stats()
+    assert abs(s["inserts"] * spi - s["samples"] - spi * min_size) <= buf
+
+
+def test_timeouts_raise_the_right_errors():
+    limiter = ab.rate_limiters.SampleToInsertRatio(samples_per_insert=1.0, min_size=2, error_buffer=4.0)
+    store = store_with("uniform", rate_limiter=limiter)
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1, timeout=0.05)
+    store.extend(make_episodes([2])[0], timeout=0.05)
+    # inserts ahead of samples beyond the buffer: the next insert waits, then times out
+    with pytest.raises(ab.InsertTimeout) as err:
+        for k in range(10):
+            store.extend(make_episodes([2], start=10.0 * (k + 1))[0], timeout=0.05)
+    assert isinstance(err.value, TimeoutError)
+    size = len(store)
+    store.sample(4)  # sampling makes room again
+    store.extend(make_episodes([1], start=999.0)[0], timeout=1)
+    assert len(store) == size + 1
+
+
+def test_rate_limiter_arguments():
+    with pytest.raises(ValueError):
+        ab.rate_limiters.SampleToInsertRatio(samples_per_insert=0)
+    with pytest.raises(ValueError):
+        ab.rate_limiters.SampleToInsertRatio(samples_per_insert=4.0, min_size=1, error_buffer=1.0)
+    with pytest.raises(ValueError):
+        ab.rate_limiters.MinSize(0)
