@@ -42,14 +42,15 @@ import collections
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Self
 
 import numpy as np
 import pyarrow as pa
 
 from .batch import SampleBatch
-from .errors import ArrowbufError, SampleTimeout, SchemaError, StoreClosed, require
+from .errors import SampleTimeout, SchemaError, StoreClosed, require
 
 #: Longest single wait the background thread makes on the source before it checks for `close()`.
 _WAIT_SLICE_S = 0.05
@@ -68,7 +69,7 @@ class TorchBatch(dict):
         info: sampler extras.
     """
 
-    __slots__ = ("indices", "weights", "info")
+    __slots__ = ("indices", "info", "weights")
 
     def __init__(self, tensors: dict[str, Any], indices: np.ndarray, weights: Any, info: dict[str, Any]) -> None:
         super().__init__(tensors)
@@ -106,7 +107,7 @@ class LoaderMetrics:
         self.stale_batches_skipped = 0
         self._pending_insert_s = 0.0
 
-    def _record(self, wait_s: float, item: "_Prepared", exposed_path_s: float, stale_rows: int) -> None:
+    def _record(self, wait_s: float, item: _Prepared, exposed_path_s: float, stale_rows: int) -> None:
         insert_s, self._pending_insert_s = self._pending_insert_s, 0.0
         path_s = item.path_s
         exposed_path_s = min(max(0.0, exposed_path_s), path_s, wait_s)
@@ -131,7 +132,7 @@ class LoaderMetrics:
 
     def to_arrow(self) -> pa.Table:
         """The kept iterations as a `pa.Table`, one row per batch taken (columns as in the class docstring)."""
-        cols = list(zip(*self._rows)) if self._rows else [[] for _ in _METRIC_COLUMNS]
+        cols: list[Any] = list(zip(*self._rows)) if self._rows else [[] for _ in _METRIC_COLUMNS]
         types = [pa.int64()] + [pa.float64()] * 9 + [pa.int64(), pa.int64()]
         return pa.table([pa.array(c, type=t) for c, t in zip(cols, types)], names=list(_METRIC_COLUMNS))
 
@@ -331,7 +332,7 @@ class _Pipeline:
         with torch.cuda.stream(self._stream):
             out = {k: _map_tensors(v, lambda t: t.to(dev, non_blocking=True)) for k, v in tb.items()}
             weights = tb.weights.to(dev, non_blocking=True) if tb.weights is not None else None
-        self._stream.synchronize()
+        self._stream.synchronize()  # type: ignore[union-attr]
         return TorchBatch(out, tb.indices, weights, tb.info)
 
 
@@ -590,7 +591,7 @@ class Loader:
                 break
         self._finalizer.detach()
 
-    def __enter__(self) -> "Loader":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -667,4 +668,4 @@ def _record_stream(tb: TorchBatch) -> None:  # pragma: no cover - needs a GPU
                 t.record_stream(stream)
 
 
-__all__ = ["Loader", "LoaderMetrics", "TorchBatch", "POLICY_VERSION"]
+__all__ = ["POLICY_VERSION", "Loader", "LoaderMetrics", "TorchBatch"]
