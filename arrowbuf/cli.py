@@ -1,0 +1,97 @@
+"""The `arrowbuf` command line.
+
+    arrowbuf serve --schema schemas/atari.yaml --capacity 100000 --port 8815 [--token-file F] [--tls-cert C --tls-key K]
+
+Subcommands register themselves in `COMMANDS`: a function `add_<name>(subparsers)` that adds its parser and sets
+`func`. `serve` is here; `demo`, `inspect` and `bench` have their places below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any, Callable, Sequence
+
+
+# ---------------------------------------------------------------------------------------------------- serve
+def add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve a new store over Arrow Flight",
+                       description="Create a store from a schema and serve it over Arrow Flight until SIGINT/SIGTERM.")
+    p.add_argument("--schema", required=True, help="schema file (YAML), e.g. schemas/atari.yaml")
+    p.add_argument("--capacity", type=int, required=True, help="rows the store holds")
+    p.add_argument("--name", default=None, help="store name (default: the schema's name)")
+    p.add_argument("--sampler", default="uniform", help="uniform (default) or fifo")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=0, help="port (default 0: a free port, printed on start)")
+    p.add_argument("--token-file", default=None, help="file whose first line is the bearer token clients send")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate (with --tls-key: serve grpc+tls)")
+    p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument("--max-batch-rows", type=int, default=None, help="largest batch accepted or served")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from .flight.server import DEFAULT_MAX_BATCH_ROWS, serve
+    from .schema import load_schema
+    from .store import ExperienceStore
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("arrowbuf serve: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    token = None
+    if args.token_file:
+        with open(args.token_file) as fh:
+            token = fh.readline().strip()
+        if not token:
+            print(f"arrowbuf serve: {args.token_file} is empty; put the token on its first line", file=sys.stderr)
+            return 2
+    tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+    store = ExperienceStore(load_schema(args.schema), capacity=args.capacity, sampler=args.sampler, seed=args.seed,
+                            name=args.name)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    try:
+        with serve(store, f"grpc://{host}:{args.port}", token=token, tls=tls,
+                   max_batch_rows=args.max_batch_rows or DEFAULT_MAX_BATCH_ROWS) as server:
+            print(f"arrowbuf: serving store {store.name!r} at {server.location}", flush=True)
+            while not stop.wait(0.5):  # a short wait keeps the main thread responsive to signals
+                pass
+            print("arrowbuf: shutting down", flush=True)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        store.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- other commands
+# demo:    add_demo(sub)     -> an end-to-end actor/learner run (examples/)
+# inspect: add_inspect(sub)  -> stats, episodes and SQL over a served store (ab.connect)
+# bench:   add_bench(sub)    -> the benchmarks/ runs
+COMMANDS: list[Callable[[Any], None]] = [add_serve]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="arrowbuf", description="arrowbuf: an Arrow experience store for RL")
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    sub.required = True
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

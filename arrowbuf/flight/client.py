@@ -1,0 +1,590 @@
+"""The arrowbuf Flight client: a remote store with the local store's surface.
+
+Usage::
+
+    remote = ab.connect("grpc://127.0.0.1:41234", token="s3cret")     # store= names one of several stores
+    remote.extend(batch)                      # one DoPut, atomic, returns the first seq
+    with remote.writer(max_in_flight=8) as w:  # a stream of batches, credit-based backpressure
+        for batch in rollouts:
+            w.extend(batch)
+    batch = remote.sample(256)                # DoGet: SampleBatch with indices and weights
+    with remote.session(256, prefetch=2) as s:  # DoExchange: a learner session, batches pipelined
+        for batch in s:
+            s.update_priorities(batch.indices, new_priorities)
+    len(remote); remote.stats(); remote.to_table(); remote.sql("SELECT count(*) FROM experience")
+
+A `RemoteStore` pickles by address (send it to subprocesses and Ray actors) and reconnects by itself after the
+server restarts: a call that finds the server unreachable retries on a fresh connection for `reconnect_timeout`
+seconds, then raises `StoreClosed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any, Callable, Iterator, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from ..batch import SampleBatch
+from ..errors import SchemaError, StoreClosed
+from ..schema import ExperienceSchema, load_schema
+from . import protocol as P
+
+T = TypeVar("T")
+
+
+def connect(location: str, token: str | None = None, store: str | None = None, *,
+            tls_root_certs: bytes | str | None = None, disable_server_verification: bool = False,
+            reconnect_timeout: float = 10.0) -> "RemoteStore":
+    """Connect to a store served by `ab.serve` (or `arrowbuf serve`).
+
+    Args:
+        location: the server's location, e.g. `server.location` (`grpc://...` or `grpc+tls://...`).
+        token: the bearer token, if the server needs one.
+        store: the store's name; may be omitted when the server holds one store.
+        tls_root_certs: PEM certificate(s) (bytes, str or a file path) that sign the server's certificate.
+        disable_server_verification: accept any server certificate (testing only).
+        reconnect_timeout: seconds a call keeps trying to reach a server that went away.
+
+    Raises:
+        StoreNotFound: the server has no store of that name.
+        Unauthenticated: a wrong or missing token.
+        StoreClosed: the server cannot be reached within `reconnect_timeout`.
+    """
+    return RemoteStore(location, token, store, tls_root_certs=tls_root_certs,
+                       disable_server_verification=disable_server_verification,
+                       reconnect_timeout=reconnect_timeout)
+
+
+class RemoteStore:
+    """A store on a Flight server, with the local `ExperienceStore` surface. Build one with `ab.connect`.
+
+    Attributes:
+        location: the server's location.
+        name: the store's name on the server.
+        schema: the store's `ExperienceSchema`.
+        capacity: the store's capacity in rows.
+        max_batch_rows: the largest batch the server accepts or serves.
+    """
+
+    def __init__(self, location: str, token: str | None = None, store: str | None = None, *,
+                 tls_root_certs: bytes | str | None = None, disable_server_verification: bool = False,
+                 reconnect_timeout: float = 10.0) -> None:
+        self.location = str(location)
+        self._token = token
+        self._tls_root_certs = _pem_or_none(tls_root_certs)
+        self._disable_verification = disable_server_verification
+        self.reconnect_timeout = float(reconnect_timeout)
+        self._lock = threading.Lock()
+        self._client: flight.FlightClient | None = None
+        self._closed = False
+        headers = [(P.AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token is not None else []
+        self._options = flight.FlightCallOptions(headers=headers)
+        self._requested = store
+        self.name: str = store or ""
+        self.schema: ExperienceSchema
+        self.capacity: int | None = None
+        self.max_batch_rows: int = 0
+        self._describe()
+
+    # ------------------------------------------------------------------ connection
+    def _connection(self) -> flight.FlightClient:
+        with self._lock:
+            if self._closed:
+                raise StoreClosed(f"the client for {self.location} is closed")
+            if self._client is None:
+                kwargs: dict[str, Any] = {}
+                if self._tls_root_certs is not None:
+                    kwargs["tls_root_certs"] = self._tls_root_certs
+                if self._disable_verification:
+                    kwargs["disable_server_verification"] = True
+                self._client = flight.FlightClient(self.location, **kwargs)
+            return self._client
+
+    def _drop(self, client: flight.FlightClient) -> None:
+        with self._lock:
+            if self._client is client:
+                self._client = None
+        with contextlib.suppress(Exception):
+            client.close()
+
+    def _call(self, fn: Callable[[flight.FlightClient], T], *, retry: bool = True) -> T:
+        """Run one call, translating errors; on an unreachable server reconnect and retry (idempotent calls)."""
+        deadline: float | None = None
+        delay = 0.02
+        while True:
+            client = self._connection()
+            try:
+                with _translate():
+                    return fn(client)
+            except _Unreachable as exc:
+                self._drop(client)
+                now = time.monotonic()
+                deadline = now + self.reconnect_timeout if deadline is None else deadline
+                if not retry or now >= deadline:
+                    raise StoreClosed(f"the server at {self.location} cannot be reached: {exc.__cause__}") from None
+                time.sleep(min(delay, max(0.0, deadline - now)))  # back off while the server restarts
+                delay = min(delay * 2, 0.5)
+
+    def _describe(self) -> None:
+        info = self._action("describe")
+        self.name = info["store"]
+        self.schema = load_schema(info["schema"])
+        self.capacity = info.get("capacity")
+        self.max_batch_rows = int(info["max_batch_rows"])
+
+    def _action(self, type_: str, **body: Any) -> Any:
+        action = P.encode_action(type_, self._requested if type_ == "describe" else self.name, **body)
+
+        def call(client: flight.FlightClient) -> Any:
+            results = list(client.do_action(action, options=self._options))
+            return P.loads(results[0].body, f"{type_} result") if results else None
+
+        return self._call(call)
+
+    # ------------------------------------------------------------------ writing
+    def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
+        """Add one step (a dict of scalars and arrays). Returns its seq."""
+        cols, n = self.schema.validate_batch(step, single=True)
+        return self._put(_record_batch(self.schema, cols), timeout)
+
+    def extend(self, batch: Any, *, timeout: float | None = None) -> int:
+        """Add many steps (dict of arrays, `pa.RecordBatch` or `pa.Table`) in one atomic DoPut.
+
+        Returns the seq of the first row. Raises `SchemaError` (nothing stored) on bad input, `InsertTimeout`
+        when the server's rate limiter held the insert back past `timeout` seconds.
+        """
+        return self._put(self._to_batch(batch), timeout)
+
+    def _to_batch(self, batch: Any) -> pa.RecordBatch:
+        if isinstance(batch, pa.RecordBatch):
+            rb = batch
+        elif isinstance(batch, pa.Table):
+            rb = _table_to_batch(batch)
+        else:
+            cols, _ = self.schema.validate_batch(batch)
+            rb = _record_batch(self.schema, cols)
+        if rb.num_rows > self.max_batch_rows:
+            raise SchemaError(f"a batch of {rb.num_rows} rows is over the server's max_batch_rows "
+                              f"{self.max_batch_rows}; split it, or stream pieces through writer()")
+        return rb
+
+    def _put(self, rb: pa.RecordBatch, timeout: float | None) -> int:
+        descriptor = P.put_descriptor(self.name, timeout)
+
+        def call(client: flight.FlightClient) -> int:
+            writer, reader = client.do_put(descriptor, rb.schema, options=self._options)
+            try:
+                writer.write_batch(rb)
+                ack = reader.read()
+                writer.done_writing()
+            finally:
+                writer.close()
+            return P.decode_ack(ack)["first_seq"]
+
+        return self._call(call)
+
+    def writer(self, max_in_flight: int = 8, *, timeout: float | None = None) -> "RemoteWriter":
+        """A streaming writer over one DoPut; see `RemoteWriter`."""
+        return RemoteWriter(self, max_in_flight=max_in_flight, timeout=timeout)
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, n: int, columns: list[str] | None = None, timeout: float | None = None,
+               **options: Any) -> SampleBatch:
+        """Sample `n` items (one DoGet). Arrays are zero-copy views of the received message (read-only)."""
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be a positive number of items, got {n!r}")
+        if n > self.max_batch_rows:
+            raise SchemaError(f"sample({n}) is over the server's max_batch_rows {self.max_batch_rows}")
+        cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
+        ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options)))
+
+        def call(client: flight.FlightClient) -> Any:
+            reader = client.do_get(ticket, options=self._options)
+            chunk = reader.read_chunk()
+            with contextlib.suppress(StopIteration):
+                reader.read_chunk()
+            return chunk
+
+        chunk = self._call(call)
+        return _sample_batch(chunk.data, chunk.app_metadata)
+
+    def session(self, n: int, columns: list[str] | None = None, *, prefetch: int = 2, ahead: int = 2,
+                timeout: float | None = None, **options: Any) -> "LearnerSession":
+        """A learner session over DoExchange; see `LearnerSession`."""
+        return LearnerSession(self, n, columns, prefetch=prefetch, ahead=ahead, timeout=timeout, options=options)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """Set priorities of sampled items; returns how many ids were still live."""
+        idx, pri = _priorities(indices, priorities)
+        return int(self._action("update_priorities", indices=idx, priorities=pri)["applied"])
+
+    # ------------------------------------------------------------------ inspection
+    def __len__(self) -> int:
+        return int(self._action("len")["len"])
+
+    def stats(self) -> dict[str, Any]:
+        """The store's `stats()`, plus a `server` entry."""
+        return dict(self._action("stats"))
+
+    def _table(self, req: P.TableRequest) -> pa.Table:
+        ticket = flight.Ticket(P.encode_ticket(req))
+        return self._call(lambda client: client.do_get(ticket, options=self._options).read_all())
+
+    def to_table(self, columns: list[str] | None = None) -> pa.Table:
+        """A snapshot of the live rows, oldest first."""
+        return self._table(P.TableRequest("table", self.name, list(columns) if columns is not None else None))
+
+    def to_pandas(self, columns: list[str] | None = None) -> Any:
+        from ..frames import table_to_pandas
+
+        return table_to_pandas(self.to_table(columns))
+
+    def to_polars(self, columns: list[str] | None = None) -> Any:
+        from ..frames import table_to_polars
+
+        return table_to_polars(self.to_table(columns))
+
+    def sql(self, query: str) -> pa.Table:
+        """DuckDB SQL over the live rows, run on the server; the store is the table `experience`."""
+        return self._table(P.TableRequest("sql", self.name, query=query))
+
+    def episodes(self) -> pa.Table:
+        """The episode summary: episode_id, length, return, first_seq, last_seq, complete."""
+        return self._table(P.TableRequest("episodes", self.name))
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the connection; idempotent. The store on the server is untouched."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def __enter__(self) -> "RemoteStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # by address: the unpickled copy opens its own connection (note: the token travels with the pickle)
+        return (_reconnect, (self.location, self._token, self.name, self._tls_root_certs,
+                             self._disable_verification, self.reconnect_timeout))
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.location!r}, store={self.name!r}{', closed' if self._closed else ''})"
+
+
+def _reconnect(location: str, token: str | None, store: str, tls_root_certs: bytes | None,
+               disable_server_verification: bool, reconnect_timeout: float) -> RemoteStore:
+    return RemoteStore(location, token, store, tls_root_certs=tls_root_certs,
+                       disable_server_verification=disable_server_verification, reconnect_timeout=reconnect_timeout)
+
+
+# ---------------------------------------------------------------------------------------------------- writer
+class RemoteWriter:
+    """Streams batches into a remote store over one DoPut, each batch atomic and acknowledged.
+
+    At most `max_in_flight` batches are unacknowledged: the next `extend` waits for an ack first, so a slow store
+    slows the writer (credit-based backpressure) instead of queueing without bound. A batch whose columns differ
+    from the stream's starts a new stream. The writer does not reconnect: after an error, batches not yet
+    acknowledged may or may not be stored (each one entirely or not at all).
+
+    Usage::
+
+        with remote.writer(max_in_flight=8) as w:
+            for batch in rollouts:
+                w.extend(batch)
+        w.first_seqs        # the first seq of each batch, in order
+    """
+
+    def __init__(self, remote: RemoteStore, max_in_flight: int = 8, timeout: float | None = None) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.remote = remote
+        self.max_in_flight = int(max_in_flight)
+        self.timeout = timeout
+        self.first_seqs: list[int] = []
+        self.rows = 0
+        self._stream: tuple[Any, Any, pa.Schema] | None = None
+        self._in_flight = 0
+        self._closed = False
+
+    def append(self, step: dict[str, Any]) -> None:
+        cols, _ = self.remote.schema.validate_batch(step, single=True)
+        self._write(_record_batch(self.remote.schema, cols))
+
+    def extend(self, batch: Any) -> None:
+        """Send a batch; returns once it is on its way (at most `max_in_flight` unacknowledged)."""
+        self._write(self.remote._to_batch(batch))
+
+    def _write(self, rb: pa.RecordBatch) -> None:
+        if self._closed:
+            raise StoreClosed("this writer is closed")
+        if self._stream is not None and self._stream[2] != rb.schema:
+            self._finish()
+        if self._stream is None:
+            client = self.remote._connection()
+            with _translate(unreachable=StoreClosed):
+                writer, reader = client.do_put(P.put_descriptor(self.remote.name, self.timeout), rb.schema,
+                                               options=self.remote._options)
+            self._stream = (writer, reader, rb.schema)
+        while self._in_flight >= self.max_in_flight:
+            self._read_ack()
+        with _translate(unreachable=StoreClosed):
+            try:
+                self._stream[0].write_batch(rb)
+            except flight.FlightError:
+                raise
+            except pa.ArrowException:  # the server ended the stream (an error): its status comes with the close
+                self._abort()
+                raise
+        self._in_flight += 1
+
+    def _read_ack(self) -> None:
+        assert self._stream is not None
+        with _translate(unreachable=StoreClosed):
+            try:
+                ack = self._stream[1].read()
+            except flight.FlightError:
+                self._stream = None
+                raise
+            if ack is None:
+                self._abort()
+                raise StoreClosed("the server ended the DoPut stream without acknowledging every batch")
+        info = P.decode_ack(ack)
+        self.first_seqs.append(info["first_seq"])
+        self.rows += info["rows"]
+        self._in_flight -= 1
+
+    def _abort(self) -> None:
+        stream, self._stream = self._stream, None
+        self._in_flight = 0
+        if stream is not None:
+            with _translate(unreachable=StoreClosed):
+                stream[0].close()
+
+    def _finish(self) -> None:
+        while self._in_flight:
+            self._read_ack()
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with _translate(unreachable=StoreClosed):
+                stream[0].done_writing()
+                stream[0].close()
+
+    def flush(self) -> int:
+        """Wait until every batch sent is acknowledged; returns the rows committed by this writer so far."""
+        if self._stream is not None:
+            while self._in_flight:
+                self._read_ack()
+        return self.rows
+
+    def close(self) -> None:
+        """Flush and end the stream; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finish()
+
+    def __enter__(self) -> "RemoteWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self._abort()
+
+
+# ---------------------------------------------------------------------------------------------------- session
+class LearnerSession:
+    """A learner session over DoExchange: batches stream down, priority updates go up.
+
+    The client keeps `ahead` batch requests outstanding and the server keeps `prefetch` batches sampled ahead, so
+    the next batch is usually on the wire while the learner computes. Batches already requested were sampled with
+    the priorities of that moment (as in any asynchronous replay). An error for one request (an empty store,
+    `SampleTimeout`) is raised by the `next()` it answers, once: the same error answering requests that were
+    already in flight is not raised again. The session stays usable.
+
+    Usage::
+
+        with remote.session(256, prefetch=2) as session:
+            for step, batch in zip(range(10_000), session):
+                loss, priorities = learn(batch)
+                session.update_priorities(batch.indices, priorities)
+    """
+
+    def __init__(self, remote: RemoteStore, n: int, columns: list[str] | None = None, *, prefetch: int = 2,
+                 ahead: int = 2, timeout: float | None = None, options: dict[str, Any] | None = None) -> None:
+        if ahead < 1:
+            raise ValueError(f"ahead must be >= 1, got {ahead}")
+        self.remote = remote
+        self.n = int(n)
+        self.ahead = int(ahead)
+        cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
+        req = P.SessionRequest(self.n, remote.name, cols, timeout, int(prefetch), dict(options or {}))
+        client = remote._connection()
+        with _translate(unreachable=StoreClosed):
+            self._writer, self._reader = client.do_exchange(P.session_descriptor(req), options=remote._options)
+        self._pending = 0
+        self._stale = 0  # replies still due to requests sent before the last error was raised
+        self._closed = False
+        self._request(self.ahead)
+
+    def _request(self, count: int) -> None:
+        with _translate(unreachable=StoreClosed):
+            self._writer.write_metadata(pa.py_buffer(P.encode_exchange(P.ExchangeMessage("sample", count=count))))
+        self._pending += count
+
+    def __iter__(self) -> Iterator[SampleBatch]:
+        return self
+
+    def __next__(self) -> SampleBatch:
+        if self._closed:
+            raise StopIteration
+        while True:
+            if self._pending < self.ahead:
+                self._request(self.ahead - self._pending)
+            with _translate(unreachable=StoreClosed):
+                try:
+                    chunk = self._reader.read_chunk()
+                except StopIteration:
+                    self._closed = True
+                    raise StoreClosed("the server ended the session") from None
+            if chunk.data is not None:
+                self._pending -= 1
+                self._stale = max(0, self._stale - 1)
+                return _sample_batch(chunk.data, chunk.app_metadata)
+            exc = P.decode_error(chunk.app_metadata)  # an in-band error
+            if exc is None:
+                raise SchemaError("the server sent a DoExchange message this client does not understand")
+            if P.loads(chunk.app_metadata, "DoExchange error").get("op") == "sample":
+                self._pending -= 1
+                if self._stale:  # the same failure again, for a request sent before it was raised
+                    self._stale -= 1
+                    continue
+                self._stale = self._pending
+            raise exc
+
+    def update_priorities(self, indices: Any, priorities: Any) -> None:
+        """Send priorities up (asynchronously; an error comes back from a later `next()`)."""
+        idx, pri = _priorities(indices, priorities)
+        with _translate(unreachable=StoreClosed):
+            self._writer.write_metadata(pa.py_buffer(P.encode_priorities(idx, pri)))
+
+    def close(self) -> None:
+        """End the session; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._writer.done_writing()
+        with contextlib.suppress(Exception):
+            while True:  # drain the batches already requested, so the server's writes complete
+                self._reader.read_chunk()
+        with contextlib.suppress(Exception):
+            self._writer.close()
+
+    def __enter__(self) -> "LearnerSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+class _Unreachable(Exception):
+    """A transport failure: the server is down or restarting (no arrowbuf status detail)."""
+
+
+@contextlib.contextmanager
+def _translate(unreachable: type[Exception] = _Unreachable) -> Iterator[None]:
+    """Flight errors -> arrowbuf exceptions through `protocol.ERRORS`; transport failures -> `unreachable`."""
+    try:
+        yield
+    except flight.FlightError as exc:
+        mapped = P.from_flight_error(exc)
+        if mapped is not None:
+            raise mapped from None
+        if isinstance(exc, (flight.FlightUnavailableError, flight.FlightCancelledError)):
+            if unreachable is _Unreachable:
+                raise _Unreachable(str(exc)) from exc
+            raise unreachable(f"the connection to the server failed: {exc}") from None
+        raise
+
+
+def _priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
+    if len(idx) != len(pri):
+        raise ValueError(f"{len(idx)} indices but {len(pri)} priorities; pass one priority per index")
+    if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
+        raise ValueError("priorities must be finite and >= 0")
+    return idx, pri
+
+
+def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None) -> SampleBatch:
+    indices, weights = P.decode_sample_meta(meta, data.num_rows)
+    arrays: dict[str, Any] = {}
+    for name, col in zip(data.schema.names, data.columns):
+        t = col.type
+        if isinstance(t, pa.FixedShapeTensorType):
+            arrays[name] = col.to_numpy_ndarray()
+        elif pa.types.is_list(t) or pa.types.is_large_list(t):
+            arrays[name] = col
+        else:
+            arrays[name] = col.to_numpy(zero_copy_only=False)
+    return SampleBatch(arrays, indices, weights)
+
+
+def _record_batch(schema: ExperienceSchema, cols: dict[str, Any]) -> pa.RecordBatch:
+    """Validated columns (numpy, or Arrow lists for ragged fields) as the RecordBatch a writer sends."""
+    names, arrays = [], []
+    for name, value in cols.items():
+        names.append(name)
+        if isinstance(value, (pa.Array, pa.ChunkedArray)):
+            arrays.append(value)
+        elif value.ndim > 1:
+            if not value.flags.c_contiguous or len(value) < 2:  # one row may carry a zero leading stride
+                value = value.copy(order="C")
+            arrays.append(pa.FixedShapeTensorArray.from_numpy_ndarray(value))
+        else:
+            arrays.append(pa.array(value))
+    return pa.RecordBatch.from_arrays(arrays, names=names)
+
+
+def _table_to_batch(table: pa.Table) -> pa.RecordBatch:
+    batches = table.combine_chunks().to_batches()
+    if not batches:
+        return pa.RecordBatch.from_pylist([], schema=table.schema)
+    if len(batches) == 1:
+        return batches[0]
+    return pa.concat_batches(batches)
+
+
+def _pem_or_none(value: bytes | str | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    if "-----BEGIN" in value:
+        return value.encode()
+    with open(value, "rb") as fh:
+        return fh.read()
+
+
+__all__ = ["LearnerSession", "RemoteStore", "RemoteWriter", "connect"]

@@ -1,0 +1,515 @@
+r"""The arrowbuf Flight wire format (protocol version 1): the one module that defines what crosses the wire.
+
+docs/flight-protocol.md is the reader's version of this module, with a worked example per verb. Everything is
+UTF-8 JSON objects so that any Flight client (C++, Java, Rust, Go) can speak it:
+
+| verb | request | response |
+|---|---|---|
+| DoGet | ticket `{"v":1,"kind":"sample","store":s,"n":256,"columns":null,"timeout":null,"options":{}}` | one batch, app_metadata `{"v":1,"indices":[..],"weights":[..] or null}` |
+| DoGet | ticket `{"v":1,"kind":"table"\|"episodes"\|"sql",...}` | a table (a snapshot) |
+| DoPut | descriptor path `[store]` or command `{"v":1,"kind":"extend","store":s,"timeout":t}` | one ack per batch: `{"v":1,"batch":k,"first_seq":f,"rows":n}` |
+| DoExchange | descriptor command `{"v":1,"kind":"session","store":s,"n":256,...}`; up: metadata `{"op":"sample","count":k}` or `{"op":"update_priorities",...}` | batches with sample metadata; in-band errors |
+| DoAction | type in `ACTIONS`, body `{"v":1,"store":s,...}` (may be empty) | one JSON result |
+| ListFlights / GetFlightInfo / GetSchema | descriptor path `[store]` (`[store, "input"]`: the schema a writer sends) | per store |
+
+Errors: every error a server raises on purpose is a Flight error whose `extra_info` (Arrow's binary status detail)
+is `{"v":1,"error":<class>,"code":<status>,"message":<text>}`; `ERRORS` is the one table, in both directions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from ..errors import (
+    ArrowbufError,
+    InsertTimeout,
+    MissingDependency,
+    OutOfSpace,
+    SampleTimeout,
+    SchemaError,
+    StoreClosed,
+    StoreNotFound,
+    Unauthenticated,
+)
+
+#: The version this module speaks; requests may omit "v" (meaning this version).
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+#: The header that carries the bearer token: `authorization: Bearer <token>`.
+AUTH_HEADER = "authorization"
+#: Largest JSON request accepted (tickets, actions, descriptors, exchange messages): bounds server memory.
+MAX_JSON_BYTES = 16 << 20
+#: Most batches one DoExchange `sample` request may ask for.
+MAX_REQUEST_COUNT = 1024
+#: Most batches a session may prefetch on the server (also bounded in bytes by the server).
+MAX_PREFETCH = 16
+
+TICKET_KINDS = ("sample", "table", "episodes", "sql")
+#: DoAction types and what they do (ListActions returns this).
+ACTIONS: dict[str, str] = {
+    "describe": 'the store: {"store", "schema" (the schema dict), "capacity", "max_batch_rows", "protocol", "stores"}',
+    "stats": "the store's stats() as JSON",
+    "len": 'rows stored now: {"len": n}',
+    "update_priorities": 'body {"indices": [...], "priorities": [...]}; returns {"applied": k}',
+}
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+@dataclass(frozen=True)
+class ErrorMapping:
+    """One row of the error table: an exception class, the Flight error carrying it, and a status code name."""
+
+    cls: type[BaseException]
+    flight_error: type[flight.FlightError]
+    code: str
+
+
+#: The one error table, most specific class first. The server raises `flight_error` with extra_info naming `cls`;
+#: the client re-raises `cls`. `code` names the status for clients in other languages (pyarrow cannot send gRPC
+#: INVALID_ARGUMENT with a status detail, so invalid input travels as Flight "Failed" (gRPC UNKNOWN) + this code).
+ERRORS: tuple[ErrorMapping, ...] = (
+    ErrorMapping(Unauthenticated, flight.FlightUnauthenticatedError, "UNAUTHENTICATED"),
+    ErrorMapping(SchemaError, flight.FlightServerError, "INVALID_ARGUMENT"),
+    ErrorMapping(SampleTimeout, flight.FlightTimedOutError, "TIMED_OUT"),
+    ErrorMapping(InsertTimeout, flight.FlightTimedOutError, "TIMED_OUT"),
+    ErrorMapping(StoreNotFound, flight.FlightServerError, "NOT_FOUND"),
+    ErrorMapping(StoreClosed, flight.FlightUnavailableError, "UNAVAILABLE"),
+    ErrorMapping(OutOfSpace, flight.FlightServerError, "RESOURCE_EXHAUSTED"),
+    ErrorMapping(MissingDependency, flight.FlightServerError, "UNIMPLEMENTED"),
+    ErrorMapping(ArrowbufError, flight.FlightServerError, "FAILED"),  # raised on purpose, no finer class
+    # builtins the store raises for bad arguments (n < 1, unequal lengths, unknown sampler options)
+    ErrorMapping(ValueError, flight.FlightServerError, "INVALID_ARGUMENT"),
+    ErrorMapping(TypeError, flight.FlightServerError, "INVALID_ARGUMENT"),
+)
+_BY_NAME = {m.cls.__name__: m for m in ERRORS}
+
+
+def error_mapping(exc: BaseException) -> ErrorMapping | None:
+    """The row of `ERRORS` for an exception, or None when it is not one the protocol carries."""
+    for m in ERRORS:
+        if isinstance(exc, m.cls):
+            return m
+    return None
+
+
+def error_info(exc: BaseException) -> bytes:
+    """The JSON status detail of an error (`extra_info` and in-band exchange errors)."""
+    m = error_mapping(exc)
+    if m is None:  # unexpected: the client sees an ArrowbufError with status INTERNAL, not the server's internals
+        return _dumps({"v": PROTOCOL_VERSION, "error": "ArrowbufError", "code": "INTERNAL",
+                       "message": f"internal server error ({type(exc).__name__}); see the server log"})
+    return _dumps({"v": PROTOCOL_VERSION, "error": m.cls.__name__, "code": m.code, "message": str(exc)})
+
+
+def to_flight_error(exc: BaseException) -> flight.FlightError:
+    """The Flight error a server raises for `exc` (unexpected exceptions become Internal, message withheld)."""
+    m = error_mapping(exc)
+    if m is None:
+        return flight.FlightInternalError("internal server error; see the server log", extra_info=error_info(exc))
+    return m.flight_error(str(exc), extra_info=error_info(exc))
+
+
+def decode_error(info: bytes | pa.Buffer | None) -> BaseException | None:
+    """The exception a status detail (or an in-band error message) names, or None if it names none."""
+    if info is None:
+        return None
+    raw = info.to_pybytes() if isinstance(info, pa.Buffer) else bytes(info)
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("error"), str):
+        return None
+    m = _BY_NAME.get(obj["error"])
+    cls = m.cls if m is not None else ArrowbufError
+    return cls(str(obj.get("message", "")))
+
+
+def from_flight_error(exc: flight.FlightError) -> BaseException | None:
+    """The arrowbuf exception a Flight error carries; None for transport errors (no arrowbuf status detail)."""
+    mapped = decode_error(getattr(exc, "extra_info", None))
+    if mapped is None and isinstance(exc, flight.FlightUnauthenticatedError):
+        mapped = Unauthenticated(f"the server rejected the call: {exc}")
+    return mapped
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+def _dumps(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), default=_json_default, allow_nan=False).encode()
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)
+
+
+def dumps(obj: dict[str, Any]) -> bytes:
+    """JSON bytes as this protocol writes them (numpy scalars allowed)."""
+    return _dumps(obj)
+
+
+def loads(raw: bytes | pa.Buffer | None, where: str, *, allow_empty: bool = False) -> dict[str, Any]:
+    """Parse a JSON object from the wire; `SchemaError` saying where and what was wrong."""
+    if raw is None:
+        raw = b""
+    if isinstance(raw, pa.Buffer):
+        raw = raw.to_pybytes()
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise SchemaError(f"{where}: expected JSON bytes, got {type(raw).__name__}")
+    raw = bytes(raw)
+    if len(raw) > MAX_JSON_BYTES:
+        raise SchemaError(f"{where}: {len(raw)} bytes is over the {MAX_JSON_BYTES}-byte limit")
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise SchemaError(f"{where}: empty; expected a JSON object (see docs/flight-protocol.md)")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise SchemaError(f"{where}: not valid UTF-8 JSON ({type(exc).__name__}); expected a JSON object") from None
+    if not isinstance(obj, dict):
+        raise SchemaError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    version = obj.get("v", PROTOCOL_VERSION)
+    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+        raise SchemaError(f"{where}: protocol version {version!r} is not supported; this server speaks "
+                          f"{list(SUPPORTED_VERSIONS)}")
+    return obj
+
+
+class _Fields:
+    """Typed access to a request object; unknown keys are an error (they are usually typos)."""
+
+    def __init__(self, obj: dict[str, Any], where: str) -> None:
+        self.obj, self.where, self.used = obj, where, {"v"}
+
+    def get(self, key: str, kind: str, default: Any = None, required: bool = False) -> Any:
+        self.used.add(key)
+        if key not in self.obj or self.obj[key] is None:
+            if required:
+                raise SchemaError(f"{self.where}: missing {key!r} ({kind})")
+            return default
+        value = self.obj[key]
+        check = _CHECKS[kind]
+        if not check(value):
+            raise SchemaError(f"{self.where}: {key!r} must be {kind}, got {value!r:.80}")
+        return value
+
+    def done(self) -> None:
+        extra = sorted(set(self.obj) - self.used)
+        if extra:
+            raise SchemaError(f"{self.where}: unknown key(s) {extra}; expected {sorted(self.used - {'v'})}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_CHECKS = {
+    "a string": lambda v: isinstance(v, str),
+    "a positive integer": lambda v: _is_int(v) and v > 0,
+    "a non-negative integer": lambda v: _is_int(v) and v >= 0,
+    "a number of seconds >= 0": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    and math.isfinite(v) and v >= 0,
+    "a list of column names": lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v),
+    "an object": lambda v: isinstance(v, dict),
+    "a list of integers": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "a list of numbers": lambda v: isinstance(v, list)
+    and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v),
+}
+
+
+# ---------------------------------------------------------------------------------------------------- tickets
+@dataclass(frozen=True)
+class SampleRequest:
+    """DoGet kind "sample": sample `n` items (`timeout` seconds to wait; None does not wait)."""
+
+    n: int
+    store: str | None = None
+    columns: list[str] | None = None
+    timeout: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    kind: str = "sample"
+
+
+@dataclass(frozen=True)
+class TableRequest:
+    """DoGet kinds "table" (the live rows), "episodes" (the episode summary) and "sql" (DuckDB over `experience`)."""
+
+    kind: str
+    store: str | None = None
+    columns: list[str] | None = None
+    query: str | None = None
+
+
+def encode_ticket(req: SampleRequest | TableRequest) -> bytes:
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": req.kind}
+    if req.store is not None:
+        obj["store"] = req.store
+    if isinstance(req, SampleRequest):
+        obj.update(n=req.n, columns=req.columns, timeout=req.timeout, options=req.options)
+    else:
+        if req.columns is not None:
+            obj["columns"] = req.columns
+        if req.query is not None:
+            obj["query"] = req.query
+    return _dumps(obj)
+
+
+def decode_ticket(raw: bytes | pa.Buffer) -> SampleRequest | TableRequest:
+    obj = loads(raw, "ticket")
+    f = _Fields(obj, "ticket")
+    kind = f.get("kind", "a string", required=True)
+    if kind not in TICKET_KINDS:
+        raise SchemaError(f"ticket: unknown kind {kind!r}; expected one of {list(TICKET_KINDS)}")
+    store = f.get("store", "a string")
+    req: SampleRequest | TableRequest
+    if kind == "sample":
+        req = SampleRequest(n=f.get("n", "a positive integer", required=True), store=store,
+                            columns=f.get("columns", "a list of column names"),
+                            timeout=f.get("timeout", "a number of seconds >= 0"),
+                            options=f.get("options", "an object", default={}))
+    elif kind == "table":
+        req = TableRequest(kind, store, columns=f.get("columns", "a list of column names"))
+    elif kind == "sql":
+        req = TableRequest(kind, store, query=f.get("query", "a string", required=True))
+    else:
+        req = TableRequest(kind, store)
+    f.done()
+    return req
+
+
+# ---------------------------------------------------------------------------------------------------- descriptors
+@dataclass(frozen=True)
+class PutRequest:
+    """DoPut: write into `store`; `timeout` seconds an insert may wait on the rate limiter."""
+
+    store: str | None = None
+    timeout: float | None = None
+    kind: str = "extend"
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """DoExchange: a learner session sampling `n` items per batch, `prefetch` batches kept ready on the server."""
+
+    n: int
+    store: str | None = None
+    columns: list[str] | None = None
+    timeout: float | None = None
+    prefetch: int = 2
+    options: dict[str, Any] = field(default_factory=dict)
+    kind: str = "session"
+
+
+def store_descriptor(store: str) -> flight.FlightDescriptor:
+    """The path descriptor naming a store (ListFlights, GetFlightInfo, GetSchema, DoPut)."""
+    return flight.FlightDescriptor.for_path(store)
+
+
+def put_descriptor(store: str | None, timeout: float | None = None) -> flight.FlightDescriptor:
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": "extend"}
+    if store is not None:
+        obj["store"] = store
+    if timeout is not None:
+        obj["timeout"] = timeout
+    return flight.FlightDescriptor.for_command(_dumps(obj))
+
+
+def session_descriptor(req: SessionRequest) -> flight.FlightDescriptor:
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": "session", "n": req.n, "columns": req.columns,
+                           "timeout": req.timeout, "prefetch": req.prefetch, "options": req.options}
+    if req.store is not None:
+        obj["store"] = req.store
+    return flight.FlightDescriptor.for_command(_dumps(obj))
+
+
+def _path(descriptor: flight.FlightDescriptor, where: str) -> list[str]:
+    try:
+        parts = [p.decode("utf-8") if isinstance(p, bytes) else str(p) for p in descriptor.path]
+    except UnicodeDecodeError:
+        raise SchemaError(f"{where}: descriptor path is not UTF-8") from None
+    if not 1 <= len(parts) <= 2 or not all(parts):
+        raise SchemaError(f"{where}: expected the path [store] or [store, \"input\"], got {parts!r:.120}")
+    return parts
+
+
+def decode_path(descriptor: flight.FlightDescriptor, where: str) -> tuple[str, str]:
+    """(store, view) of a path descriptor; view is "stored" or "input"."""
+    if descriptor.descriptor_type != flight.DescriptorType.PATH:
+        raise SchemaError(f"{where}: expected a path descriptor [store]")
+    parts = _path(descriptor, where)
+    if len(parts) == 2 and parts[1] != "input":
+        raise SchemaError(f"{where}: path [store, {parts[1]!r}]: the second element can only be \"input\"")
+    return parts[0], "input" if len(parts) == 2 else "stored"
+
+
+def decode_put_descriptor(descriptor: flight.FlightDescriptor) -> PutRequest:
+    if descriptor.descriptor_type == flight.DescriptorType.PATH:
+        store, view = decode_path(descriptor, "DoPut descriptor")
+        if view != "stored":
+            raise SchemaError("DoPut descriptor: write to the path [store]")
+        return PutRequest(store=store)
+    obj = loads(descriptor.command, "DoPut descriptor command")
+    f = _Fields(obj, "DoPut descriptor command")
+    kind = f.get("kind", "a string", default="extend")
+    if kind != "extend":
+        raise SchemaError(f"DoPut descriptor command: kind must be \"extend\", got {kind!r}")
+    req = PutRequest(store=f.get("store", "a string"), timeout=f.get("timeout", "a number of seconds >= 0"))
+    f.done()
+    return req
+
+
+def decode_session_descriptor(descriptor: flight.FlightDescriptor) -> SessionRequest:
+    if descriptor.descriptor_type != flight.DescriptorType.CMD:
+        raise SchemaError("DoExchange descriptor: expected a command {\"kind\": \"session\", \"n\": ...}")
+    obj = loads(descriptor.command, "DoExchange descriptor command")
+    f = _Fields(obj, "DoExchange descriptor command")
+    kind = f.get("kind", "a string", default="session")
+    if kind != "session":
+        raise SchemaError(f"DoExchange descriptor command: kind must be \"session\", got {kind!r}")
+    prefetch = f.get("prefetch", "a non-negative integer", default=2)
+    if prefetch > MAX_PREFETCH:
+        raise SchemaError(f"DoExchange descriptor command: prefetch {prefetch} is over the limit {MAX_PREFETCH}")
+    req = SessionRequest(n=f.get("n", "a positive integer", required=True), store=f.get("store", "a string"),
+                         columns=f.get("columns", "a list of column names"),
+                         timeout=f.get("timeout", "a number of seconds >= 0"), prefetch=prefetch,
+                         options=f.get("options", "an object", default={}))
+    f.done()
+    return req
+
+
+# ---------------------------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class ActionRequest:
+    type: str
+    store: str | None = None
+    indices: list[int] | None = None
+    priorities: list[float] | None = None
+
+
+def encode_action(type_: str, store: str | None, **body: Any) -> flight.Action:
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION}
+    if store is not None:
+        obj["store"] = store
+    obj.update(body)
+    return flight.Action(type_, _dumps(obj))
+
+
+def decode_action(action: flight.Action) -> ActionRequest:
+    type_ = action.type
+    if type_ not in ACTIONS:
+        raise SchemaError(f"action {type_!r:.80} is not supported; expected one of {sorted(ACTIONS)}")
+    where = f"action {type_!r} body"
+    obj = loads(action.body, where, allow_empty=True)
+    f = _Fields(obj, where)
+    store = f.get("store", "a string")
+    if type_ == "update_priorities":
+        indices = f.get("indices", "a list of integers", required=True)
+        priorities = f.get("priorities", "a list of numbers", required=True)
+        f.done()
+        return ActionRequest(type_, store, indices, priorities)
+    f.done()
+    return ActionRequest(type_, store)
+
+
+# ---------------------------------------------------------------------------------------------------- metadata
+def encode_sample_meta(indices: np.ndarray, weights: np.ndarray | None) -> bytes:
+    """app_metadata of a sampled batch: the ids of its items (for priority updates) and their IS weights."""
+    w = None if weights is None else np.asarray(weights, dtype=np.float64).tolist()
+    return _dumps({"v": PROTOCOL_VERSION, "indices": np.asarray(indices, dtype=np.int64).tolist(), "weights": w})
+
+
+def decode_sample_meta(raw: bytes | pa.Buffer | None, rows: int) -> tuple[np.ndarray, np.ndarray | None]:
+    obj = loads(raw, "sample metadata")
+    idx = obj.get("indices")
+    if not isinstance(idx, list) or len(idx) != rows:
+        raise SchemaError(f"sample metadata: expected {rows} indices")
+    w = obj.get("weights")
+    weights = None if w is None else np.asarray(w, dtype=np.float32)
+    return np.asarray(idx, dtype=np.int64), weights
+
+
+def encode_ack(batch: int, first_seq: int, rows: int) -> bytes:
+    """DoPut acknowledgement of batch number `batch` (0-based): rows [first_seq, first_seq + rows) are committed."""
+    return _dumps({"v": PROTOCOL_VERSION, "batch": batch, "first_seq": int(first_seq), "rows": int(rows)})
+
+
+def decode_ack(raw: bytes | pa.Buffer | None) -> dict[str, int]:
+    obj = loads(raw, "DoPut acknowledgement")
+    if not all(_is_int(obj.get(k)) for k in ("batch", "first_seq", "rows")):
+        raise SchemaError(f"DoPut acknowledgement: expected batch, first_seq and rows, got {obj!r:.120}")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------- exchange
+@dataclass(frozen=True)
+class ExchangeMessage:
+    """An upstream DoExchange message: ask for `count` batches, or update priorities."""
+
+    op: str
+    count: int = 1
+    indices: list[int] | None = None
+    priorities: list[float] | None = None
+
+
+def encode_exchange(msg: ExchangeMessage) -> bytes:
+    if msg.op == "sample":
+        return _dumps({"op": "sample", "count": msg.count})
+    return _dumps({"op": msg.op, "indices": msg.indices, "priorities": msg.priorities})
+
+
+def encode_priorities(indices: Any, priorities: Any) -> bytes:
+    return _dumps({"op": "update_priorities", "indices": np.asarray(indices, dtype=np.int64).reshape(-1).tolist(),
+                   "priorities": np.asarray(priorities, dtype=np.float64).reshape(-1).tolist()})
+
+
+def decode_exchange(raw: bytes | pa.Buffer | None) -> ExchangeMessage:
+    where = "DoExchange message"
+    f = _Fields(loads(raw, where), where)
+    op = f.get("op", "a string", required=True)
+    if op == "sample":
+        count = f.get("count", "a positive integer", default=1)
+        if count > MAX_REQUEST_COUNT:
+            raise SchemaError(f"{where}: count {count} is over the limit {MAX_REQUEST_COUNT}")
+        f.done()
+        return ExchangeMessage("sample", count=count)
+    if op == "update_priorities":
+        msg = ExchangeMessage(op, indices=f.get("indices", "a list of integers", required=True),
+                              priorities=f.get("priorities", "a list of numbers", required=True))
+        f.done()
+        return msg
+    raise SchemaError(f"{where}: unknown op {op!r:.80}; expected \"sample\" or \"update_priorities\"")
+
+
+def encode_exchange_error(op: str, exc: BaseException) -> bytes:
+    """An in-band DoExchange error: the reply to one `sample` request (or a failed priority update)."""
+    obj = json.loads(error_info(exc))
+    obj["op"] = op
+    return _dumps(obj)
+
+
+__all__ = [
+    "ACTIONS", "AUTH_HEADER", "ERRORS", "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "ActionRequest", "ErrorMapping",
+    "ExchangeMessage", "PutRequest", "SampleRequest", "SessionRequest", "TableRequest", "decode_ack",
+    "decode_action", "decode_error", "decode_exchange", "decode_path", "decode_put_descriptor",
+    "decode_sample_meta", "decode_session_descriptor", "decode_ticket", "dumps", "encode_ack", "encode_action",
+    "encode_exchange", "encode_exchange_error", "encode_priorities", "encode_sample_meta", "encode_ticket",
+    "error_info", "error_mapping", "from_flight_error", "loads", "put_descriptor", "session_descriptor",
+    "store_descriptor", "to_flight_error",
+]

@@ -1,0 +1,563 @@
+"""The arrowbuf Flight server: one or more named stores behind Arrow Flight.
+
+Usage::
+
+    with ab.serve(store, "grpc://127.0.0.1:0", token="s3cret") as server:
+        print(server.location)          # grpc://127.0.0.1:<port>
+        server.wait()                   # serve until close() (from a signal handler or another thread)
+
+One server per process: the handlers are Python and hold the GIL while they parse requests, sample and commit
+(gathers and Flight I/O release it). To use more cores, run several processes, each with its own store and server
+(`arrowbuf serve` per shard, or `arrowbuf.ray.ShardedStore`), and let learners sample from all of them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import threading
+import warnings
+from collections import deque
+from typing import Any, Callable, Iterable, Mapping
+from urllib.parse import urlsplit
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from ..errors import ArrowbufError, SchemaError, StoreClosed, StoreNotFound, Unauthenticated
+from . import protocol as P
+
+log = logging.getLogger("arrowbuf.flight")
+
+DEFAULT_MAX_BATCH_ROWS = 65_536
+DEFAULT_PREFETCH_BYTES = 512 << 20
+
+
+def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str | None = None,
+          tls: Any = None, *, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
+          max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0) -> "StoreServer":
+    """Serve one or more stores over Arrow Flight.
+
+    Args:
+        store_or_stores: an `ExperienceStore`, a list of stores (named by `store.name`) or a dict name -> store.
+        location: `grpc://host:port`; port 0 picks a free port (see `server.location`). Binds 127.0.0.1 by default;
+            pass `grpc://0.0.0.0:<port>` to accept other machines (then use a token and TLS).
+        token: bearer token every call must carry (`authorization: Bearer <token>`); None accepts every caller.
+        tls: `(certificate, private_key)` as PEM bytes/str or file paths; the server then speaks `grpc+tls`.
+        max_batch_rows: the largest batch accepted by DoPut and the largest sample served.
+        max_prefetch_bytes: bytes of prefetched batches one learner session may hold on the server.
+        shutdown_timeout: seconds `close()` waits for calls in progress before it returns anyway.
+
+    Returns:
+        A running `StoreServer` (a context manager).
+    """
+    return StoreServer(store_or_stores, location, token=token, tls=tls, max_batch_rows=max_batch_rows,
+                       max_prefetch_bytes=max_prefetch_bytes, shutdown_timeout=shutdown_timeout)
+
+
+class StoreServer:
+    """A running Flight server over named stores; see `serve`.
+
+    Attributes:
+        stores: name -> store.
+        location: the bound location, e.g. `grpc://127.0.0.1:41234` (`grpc+tls://...` with TLS).
+    """
+
+    def __init__(self, store_or_stores: Any, location: str = "grpc://127.0.0.1:0", *, token: str | None = None,
+                 tls: Any = None, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
+                 max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0) -> None:
+        self.stores = _named_stores(store_or_stores)
+        if not isinstance(max_batch_rows, int) or max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be a positive integer, got {max_batch_rows!r}")
+        self.max_batch_rows = max_batch_rows
+        self.max_prefetch_bytes = int(max_prefetch_bytes)
+        self.shutdown_timeout = float(shutdown_timeout)
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ValueError("token must be a non-empty string (or None for no authentication)")
+        scheme, host, port = _parse_location(location, tls is not None)
+        certs = [flight.CertKeyPair(*_read_tls(tls))] if tls is not None else None
+        if token is None and not _is_loopback(host):
+            warnings.warn(f"serving on {host} without a token: anyone who can reach the port can read and write "
+                          "the store; pass token= (and tls=)", stacklevel=3)
+        middleware = {"auth": _TokenMiddlewareFactory(token)} if token is not None else None
+        self._closing = threading.Event()
+        self._closed = threading.Event()
+        self._close_lock = threading.Lock()
+        self._shutdown_thread: threading.Thread | None = None
+        self._service = _FlightService(self, f"{scheme}://{host}:{port}", certs, middleware)
+        self._host = host if ":" not in host else f"[{host}]"
+        self._scheme = scheme
+        self.port: int = self._service.port
+        self.location = f"{scheme}://{self._host}:{self.port}"
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed.is_set() else "serving"
+        return f"StoreServer({self.location!r}, stores={sorted(self.stores)}, {state})"
+
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server is closed (by `close()` from another thread or a signal handler)."""
+        return self._closed.wait(timeout)
+
+    def close(self) -> None:
+        """Stop serving; idempotent. Waits at most `shutdown_timeout` seconds for calls in progress.
+
+        A stalled client (an open DoPut that sends nothing, a session that reads nothing) cannot hold `close()`:
+        after the timeout the remaining calls finish in the background when their clients go away.
+        """
+        with self._close_lock:
+            if self._closing.is_set():
+                thread = self._shutdown_thread
+            else:
+                self._closing.set()
+                thread = threading.Thread(target=self._shutdown, name="arrowbuf-flight-shutdown", daemon=True)
+                self._shutdown_thread = thread
+                thread.start()
+        if thread is not None:
+            thread.join(self.shutdown_timeout)
+            if thread.is_alive():
+                log.warning("%s: calls still open after %.1fs; they end when their clients disconnect",
+                            self.location, self.shutdown_timeout)
+        self._closed.set()
+
+    def _shutdown(self) -> None:
+        try:
+            self._service.shutdown()
+        except Exception:  # pragma: no cover - shutdown of a broken server
+            log.exception("Flight server shutdown failed")
+
+    def __enter__(self) -> "StoreServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers for the service
+    def store(self, name: str | None) -> Any:
+        if name is None:
+            if len(self.stores) == 1:
+                return next(iter(self.stores.values()))
+            raise SchemaError(f"this server holds the stores {sorted(self.stores)}; name one with \"store\"")
+        try:
+            return self.stores[name]
+        except KeyError:
+            raise StoreNotFound(f"no store {name!r:.80} on this server; it holds {sorted(self.stores)}") from None
+
+    def check_open(self) -> None:
+        if self._closing.is_set():
+            raise StoreClosed(f"the server at {self.location} is shutting down")
+
+
+# ---------------------------------------------------------------------------------------------------- service
+def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Translate every exception a handler raises into the protocol's Flight error (`protocol.ERRORS`)."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(self: "_FlightService", *args: Any) -> Any:
+            try:
+                return fn(self, *args)
+            except flight.FlightError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every error goes back to the client, mapped
+                mapping = P.error_mapping(exc)
+                if isinstance(exc, pa.ArrowException) and mapping is None:
+                    log.warning("%s ended: %s", verb, exc)  # typically the client went away mid-stream
+                elif mapping is None:
+                    log.exception("unexpected error in %s", verb)
+                raise P.to_flight_error(exc) from None
+
+        inner.__name__ = fn.__name__
+        inner.__doc__ = fn.__doc__
+        return inner
+
+    return wrap
+
+
+class _FlightService(flight.FlightServerBase):
+    """The Flight methods; each parses its request with `protocol` and calls the store."""
+
+    def __init__(self, owner: StoreServer, location: str, certs: list[Any] | None,
+                 middleware: dict[str, Any] | None) -> None:
+        super().__init__(location, tls_certificates=certs, middleware=middleware)
+        self.owner = owner
+        self._sessions = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ metadata verbs
+    def _info(self, name: str, store: Any) -> flight.FlightInfo:
+        n = len(store)
+        ticket = P.encode_ticket(P.TableRequest("table", name))
+        return flight.FlightInfo(store.schema.to_arrow(), P.store_descriptor(name),
+                                 [flight.FlightEndpoint(ticket, [])], n, n * store.schema.row_bytes)
+
+    @_handler("ListFlights")
+    def list_flights(self, context: Any, criteria: bytes) -> Iterable[flight.FlightInfo]:
+        self.owner.check_open()
+        return [self._info(name, store) for name, store in self.owner.stores.items()]
+
+    @_handler("GetFlightInfo")
+    def get_flight_info(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
+        name, view = P.decode_path(descriptor, "GetFlightInfo descriptor")
+        return self._info(name, self.owner.store(name))
+
+    @_handler("GetSchema")
+    def get_schema(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.SchemaResult:
+        name, view = P.decode_path(descriptor, "GetSchema descriptor")
+        schema = self.owner.store(name).schema
+        return flight.SchemaResult(schema.input_schema() if view == "input" else schema.to_arrow())
+
+    # ------------------------------------------------------------------ DoGet
+    @_handler("DoGet")
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
+        self.owner.check_open()
+        req = P.decode_ticket(ticket.ticket)
+        store = self.owner.store(req.store)
+        if isinstance(req, P.SampleRequest):
+            self._check_rows(req.n, "sample n")
+            batch = _sample(store, req.n, req.columns, req.timeout, req.options)
+            data = batch.data
+            meta = pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights))
+            return flight.GeneratorStream(data.schema, iter([(data, meta)]))
+        if req.kind == "table":
+            table = _snapshot(store.to_table(req.columns))
+        elif req.kind == "episodes":
+            table = store.episodes()
+        else:
+            table = _sandboxed_sql(store, req.query or "")
+        return flight.RecordBatchStream(table)
+
+    def _check_rows(self, n: int, what: str) -> None:
+        if n > self.owner.max_batch_rows:
+            raise SchemaError(f"{what} of {n} rows is over this server's max_batch_rows {self.owner.max_batch_rows}; "
+                              "split it into smaller batches")
+
+    # ------------------------------------------------------------------ DoPut
+    @_handler("DoPut")
+    def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: flight.MetadataRecordBatchReader,
+               writer: flight.FlightMetadataWriter) -> None:
+        self.owner.check_open()
+        req = P.decode_put_descriptor(descriptor)
+        store = self.owner.store(req.store)
+        _check_input_schema(store.schema, reader.schema)
+        kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
+        k = 0
+        while True:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                break
+            batch = chunk.data
+            if batch is None:  # a metadata-only message carries nothing to store
+                continue
+            self.owner.check_open()
+            self._check_rows(batch.num_rows, f"batch {k}")
+            # the whole batch is in memory here: a client that dies mid-message never reaches this line
+            first = store.extend(batch, **kwargs)
+            writer.write(pa.py_buffer(P.encode_ack(k, first, batch.num_rows)))
+            k += 1
+
+    # ------------------------------------------------------------------ DoExchange
+    @_handler("DoExchange")
+    def do_exchange(self, context: Any, descriptor: flight.FlightDescriptor, reader: flight.MetadataRecordBatchReader,
+                    writer: flight.MetadataRecordBatchWriter) -> None:
+        self.owner.check_open()
+        req = P.decode_session_descriptor(descriptor)
+        store = self.owner.store(req.store)
+        self._check_rows(req.n, "session n")
+        columns = store.schema.resolve_columns(req.columns)
+        depth = min(req.prefetch, self.owner.max_prefetch_bytes // (_row_bytes(store.schema, columns) * req.n))
+
+        def draw(timeout: float | None) -> Any:
+            return _sample(store, req.n, columns, timeout, req.options)
+
+        prefetcher = _Prefetcher(draw, depth, self.owner._closing)
+        with self._lock:
+            self._sessions += 1
+        begun: pa.Schema | None = None
+        try:
+            while True:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    break
+                if chunk.data is not None:
+                    raise SchemaError("DoExchange: a learner session sends metadata messages only, not batches")
+                msg = P.decode_exchange(chunk.app_metadata)
+                if msg.op == "update_priorities":
+                    try:
+                        store.update_priorities(msg.indices, msg.priorities)
+                    except (ArrowbufError, ValueError, TypeError) as exc:
+                        writer.write_metadata(pa.py_buffer(P.encode_exchange_error("update_priorities", exc)))
+                    continue
+                for _ in range(msg.count):
+                    self.owner.check_open()
+                    try:
+                        batch = prefetcher.get(req.timeout)
+                    except (ArrowbufError, ValueError, TypeError) as exc:
+                        writer.write_metadata(pa.py_buffer(P.encode_exchange_error("sample", exc)))
+                        continue
+                    data = batch.data
+                    if begun is None:  # the first batch fixes the stream's schema (sampler options may add columns)
+                        begun = data.schema
+                        writer.begin(begun)
+                    elif data.schema != begun:
+                        data = pa.RecordBatch.from_arrays(data.columns, schema=begun)
+                    writer.write_with_metadata(data, pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights)))
+        finally:
+            prefetcher.close()
+            with self._lock:
+                self._sessions -= 1
+
+    # ------------------------------------------------------------------ DoAction
+    def list_actions(self, context: Any) -> list[tuple[str, str]]:
+        return list(P.ACTIONS.items())
+
+    @_handler("DoAction")
+    def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
+        self.owner.check_open()
+        req = P.decode_action(action)
+        store = self.owner.store(req.store)
+        if req.type == "describe":
+            out: dict[str, Any] = {"v": P.PROTOCOL_VERSION, "store": _name_of(self.owner, store),
+                                   "schema": store.schema.to_dict(), "capacity": getattr(store, "capacity", None),
+                                   "max_batch_rows": self.owner.max_batch_rows, "protocol": P.PROTOCOL_VERSION,
+                                   "stores": sorted(self.owner.stores)}
+        elif req.type == "stats":
+            out = dict(store.stats())
+            with self._lock:
+                out["server"] = {"location": self.owner.location, "sessions": self._sessions}
+        elif req.type == "len":
+            out = {"len": len(store)}
+        else:  # update_priorities
+            out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
+        return [P.dumps(out)]
+
+
+# ---------------------------------------------------------------------------------------------------- prefetch
+class _Prefetcher:
+    """Keeps up to `depth` sampled batches ready for a learner session, drawn by a background thread.
+
+    Errors are never prefetched: a speculative draw that fails (an empty store, a rate limiter saying wait) is
+    dropped and prefetching pauses; the next request then samples inline with its own timeout, so it waits or
+    fails with an error about now, not about when the draw was made.
+
+    Usage loop (what a session does)::
+
+        pre = _Prefetcher(draw, depth=2, stop=event)
+        batch = pre.get(timeout)      # a ready batch, or one drawn now
+        pre.close()
+    """
+
+    def __init__(self, draw: Callable[[float | None], Any], depth: int, stop: threading.Event) -> None:
+        self._draw = draw
+        self._depth = max(0, depth)
+        self._stop = stop
+        self._ready: deque[Any] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._paused = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if self._depth:
+            self._thread = threading.Thread(target=self._run, name="arrowbuf-prefetch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._done() and (self._paused or len(self._ready) >= self._depth):
+                    self._cond.wait(0.5)
+                if self._done():
+                    return
+                self._busy = True
+            try:
+                batch = self._draw(None)
+            except Exception:  # noqa: BLE001 - see the class docstring: errors are not prefetched
+                batch = None
+            with self._cond:
+                self._busy = False
+                if batch is None:
+                    self._paused = True
+                else:
+                    self._ready.append(batch)
+                self._cond.notify_all()
+
+    def _done(self) -> bool:
+        return self._closed or self._stop.is_set()
+
+    def get(self, timeout: float | None) -> Any:
+        with self._cond:
+            while not self._ready and self._busy:
+                self._cond.wait()
+            if self._ready:
+                batch = self._ready.popleft()
+                self._cond.notify_all()
+                return batch
+            self._paused = False
+            self._cond.notify_all()
+        return self._draw(timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._ready.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+
+# ---------------------------------------------------------------------------------------------------- auth
+class _TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
+    """Rejects every call whose `authorization` header is not `Bearer <token>` (before any handler runs)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def start_call(self, info: Any, headers: Mapping[str, list[Any]]) -> None:
+        for value in headers.get(P.AUTH_HEADER, []):
+            raw = value if isinstance(value, bytes) else str(value).encode()
+            if hmac.compare_digest(raw, self._expected):
+                return None
+        got = "a wrong token" if headers.get(P.AUTH_HEADER) else "no token"
+        exc = Unauthenticated(f"this server needs a bearer token (header 'authorization: Bearer <token>'); "
+                              f"the call came with {got}")
+        raise P.to_flight_error(exc)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _sample(store: Any, n: int, columns: list[str] | None, timeout: float | None, options: dict[str, Any]) -> Any:
+    return store.sample(n, columns=columns, timeout=timeout, **options)
+
+
+def _sandboxed_sql(store: Any, query: str) -> pa.Table:
+    """DuckDB over the live rows as `experience`, with the server's files out of reach.
+
+    A remote caller must not read or write files on the server (`read_csv('/etc/passwd')`, `COPY ... TO`), so the
+    connection has external access disabled and its configuration locked. A failing query is invalid input.
+    """
+    from ..errors import require
+    from ..frames import _plain
+
+    duckdb = require("duckdb", "query")
+    if not query.strip():
+        raise SchemaError("sql: the query is empty")
+    experience = _plain(store.to_table())
+    con = duckdb.connect(config={"enable_external_access": False, "lock_configuration": True})
+    try:
+        con.register("experience", experience)
+        try:
+            relation = con.sql(query)
+            if relation is None:  # a statement without a result
+                return pa.table({})
+            fetch = getattr(relation, "to_arrow_table", None) or relation.arrow
+            return fetch()
+        except duckdb.Error as exc:
+            raise SchemaError(f"sql: the query failed: {exc}") from None
+    finally:
+        con.close()
+
+
+def _row_bytes(schema: Any, columns: list[str]) -> int:
+    total = 0
+    for c in columns:
+        total += schema.spec_of(c).row_bytes if c in schema.fields or c in schema.derived else 8
+    return max(1, total)
+
+
+def _snapshot(table: pa.Table) -> pa.Table:
+    """A copy of a table whose buffers may be views of a ring that keeps changing while the table is sent."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return pa.ipc.open_stream(sink.getvalue()).read_all()
+
+
+def _check_input_schema(schema: Any, incoming: pa.Schema) -> None:
+    """Reject a DoPut stream whose columns the schema does not know, before any batch arrives."""
+    from ..schema import STREAM_KEYS
+
+    allowed = set(schema.fields) | set(schema.derived) | set(STREAM_KEYS)
+    unknown = [n for n in incoming.names if n not in allowed]
+    if unknown:
+        raise SchemaError(f"DoPut: unknown column(s) {unknown} for schema {schema.name!r}; expected fields "
+                          f"{sorted(schema.fields)} (GetSchema [store, \"input\"] gives the exact schema)")
+
+
+def _name_of(owner: StoreServer, store: Any) -> str:
+    return next(n for n, s in owner.stores.items() if s is store)
+
+
+def _named_stores(value: Any) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        stores = {str(k): v for k, v in value.items()}
+    elif isinstance(value, (list, tuple)):
+        stores = {}
+        for s in value:
+            name = getattr(s, "name", None) or s.schema.name
+            if name in stores:
+                raise ValueError(f"two stores are named {name!r}; pass a dict name -> store")
+            stores[name] = s
+    else:
+        stores = {getattr(value, "name", None) or value.schema.name: value}
+    if not stores:
+        raise ValueError("serve() needs at least one store")
+    for name, s in stores.items():
+        if not all(hasattr(s, a) for a in ("schema", "extend", "sample")):
+            raise TypeError(f"store {name!r}: expected an ExperienceStore, got {type(s).__name__}")
+    return stores
+
+
+def _parse_location(location: str, tls: bool) -> tuple[str, str, int]:
+    if isinstance(location, tuple):
+        host, port = location
+        location = f"grpc://{host}:{port}"
+    parts = urlsplit(str(location))
+    scheme = parts.scheme or "grpc"
+    if scheme not in ("grpc", "grpc+tcp", "grpc+tls"):
+        raise ValueError(f"location {location!r}: expected grpc://host:port or grpc+tls://host:port")
+    if scheme == "grpc+tls" and not tls:
+        raise ValueError(f"location {location!r} asks for TLS: pass tls=(certificate, private_key)")
+    if tls:
+        scheme = "grpc+tls"
+    elif scheme == "grpc+tcp":
+        scheme = "grpc"
+    host = parts.hostname or "127.0.0.1"
+    try:
+        port = parts.port or 0
+    except ValueError:
+        raise ValueError(f"location {location!r}: bad port") from None
+    return scheme, host, port
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_tls(tls: Any) -> tuple[bytes, bytes]:
+    if isinstance(tls, Mapping):
+        tls = (tls["cert"], tls["key"])
+    if not isinstance(tls, (tuple, list)) or len(tls) != 2:
+        raise ValueError("tls must be (certificate, private_key): PEM bytes/str or file paths")
+    return _pem(tls[0]), _pem(tls[1])
+
+
+def _pem(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    text = str(value)
+    if "-----BEGIN" in text:
+        return text.encode()
+    with open(text, "rb") as fh:
+        return fh.read()
+
+
+__all__ = ["StoreServer", "serve"]
