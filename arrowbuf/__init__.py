@@ -17,6 +17,7 @@ from .errors import (
     Unauthenticated,
 )
 from .loader import Loader
+from .flight import connect, serve
 from .schema import ExperienceSchema, FieldSpec, load_schema
 from .store import ExperienceStore
 
@@ -37,7 +38,9 @@ __all__ = [
     "StoreClosed",
     "StoreNotFound",
     "Unauthenticated",
+    "connect",
     "load_schema",
     "rate_limiters",
     "samplers",
+    "serve",
 ]
