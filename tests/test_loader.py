@@ -372,3 +372,28 @@ def test_metrics_add_up():
     assert m.summary().startswith("Loader: 21 iterations")
     assert LoaderMetrics().summary() == "Loader: no iterations yet"
     assert LoaderMetrics().to_arrow().num_rows == 0
+
+
+# ------------------------------------------------------------------------------------------------ real samplers, remote
+def test_prioritized_updates_through_the_loader_steer_the_next_samples():
+    store = ab.ExperienceStore(CARTPOLE, capacity=1000, sampler=ab.samplers.Prioritized(alpha=1.0, beta=1.0, eps=0.0),
+                               seed=0)
+    store.extend(cartpole_steps(200))
+    prefetch = 3
+    with ab.Loader(store, 16, prefetch=prefetch) as loader:
+        assert loader.fill(WAIT)
+        ids = np.arange(200)
+        loader.update_priorities(ids, np.where(ids == 42, 1.0, 1e-12))  # others: drawn with odds ~2e-10
+        after = [next(loader) for _ in range(prefetch + 4)]
+    assert all((b.indices == 42).all() for b in after[prefetch:])  # drawn after the update: only 42
+    assert after[-1].weights is not None
+
+
+def test_loader_over_flight_matches_local_sampling():
+    pytest.importorskip("pyarrow.flight")
+    served, local = cartpole_store(seed=11), cartpole_store(seed=11)
+    with ab.serve(served, "grpc://127.0.0.1:0") as server, ab.connect(server.location) as remote, \
+            ab.Loader(remote, 32, prefetch=2, timeout=WAIT) as loader:
+        got = [next(loader) for _ in range(4)]
+    for g in got:
+        assert_batches_equal(g, local.sample(32))
