@@ -13,6 +13,7 @@ from .errors import (
     SampleTimeout,
     SchemaError,
     StoreClosed,
+    StoreExists,
     StoreNotFound,
     Unauthenticated,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "SampleTimeout",
     "SchemaError",
     "StoreClosed",
+    "StoreExists",
     "StoreNotFound",
     "Unauthenticated",
     "connect",

@@ -19,6 +19,8 @@ import math
 import numpy as np
 import pyarrow as pa
 
+from .tiers.base import Tier
+
 
 def default_chunk_rows(row_bytes: int, capacity: int, target_bytes: int = 2 << 20) -> int:
     """Rows per chunk: about `target_bytes` (2 MiB) per chunk and at least 16 rows, but at most an eighth of the
@@ -38,7 +40,8 @@ class ChunkDirectory:
         tiers: tier names; codes are indexes into this list.
     """
 
-    def __init__(self, capacity: int, chunk_rows: int, columns: list[str], tiers: list[str]) -> None:
+    def __init__(self, capacity: int, chunk_rows: int, columns: list[str], tiers: list[str],
+                 tier: Tier | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 row, got {capacity}")
         self.capacity = int(capacity)
@@ -47,7 +50,12 @@ class ChunkDirectory:
         self.arena_rows = self.num_slots * self.chunk_rows
         self.columns = list(columns)
         self.tiers = list(tiers)
-        self.residency = np.zeros((len(self.columns), self.num_slots), dtype=np.int8)
+        if tier is None:
+            self.residency = np.zeros((len(self.columns), self.num_slots), dtype=np.int8)
+        else:  # in tier memory, so every process of a shared store sees the same residency
+            self.residency = tier.allocate("chunks.residency", np.dtype(np.int8), len(self.columns), (self.num_slots,))
+            if tier.fresh:
+                self.residency.fill(0)
 
     @property
     def spare_rows(self) -> int:

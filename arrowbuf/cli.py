@@ -72,11 +72,44 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------- shm
+def add_shm(sub: Any) -> None:
+    p = sub.add_parser("shm", help="shared-memory stores on this node: list, reclaim",
+                       description="Shared-memory stores (tier='shm') live in /dev/shm/arrowbuf.<name>/.")
+    shm_sub = p.add_subparsers(dest="shm_command", metavar="shm_command")
+    shm_sub.required = True
+    gc = shm_sub.add_parser("gc", help="remove the stores whose owner process is dead")
+    gc.add_argument("--root", default=None, help="directory of the segments (default /dev/shm or $ARROWBUF_SHM_DIR)")
+    gc.set_defaults(func=run_shm_gc)
+    ls = shm_sub.add_parser("ls", help="list the stores: owner, attached processes, bytes")
+    ls.add_argument("--root", default=None, help="directory of the segments (default /dev/shm or $ARROWBUF_SHM_DIR)")
+    ls.set_defaults(func=run_shm_ls)
+
+
+def run_shm_gc(args: argparse.Namespace) -> int:
+    from .tiers.shm import gc
+
+    names = gc(args.root)
+    print(f"arrowbuf shm gc: reclaimed {len(names)} store(s){': ' + ', '.join(names) if names else ''}")
+    return 0
+
+
+def run_shm_ls(args: argparse.Namespace) -> int:
+    from .tiers.shm import list_stores
+
+    print(f"{'name':<24} {'owner':>8} {'state':<7} {'MiB':>10}  attached")
+    for s in list_stores(args.root):
+        state = ("live" if s["alive"] else "stale") if s["sealed"] else "new"
+        print(f"{s['name']:<24} {s['owner_pid'] or '?':>8} {state:<7} {s['bytes'] / 2**20:>10.1f}  "
+              f"{' '.join(map(str, s['attached_pids']))}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- other commands
 # demo:    add_demo(sub)     -> an end-to-end actor/learner run (examples/)
 # inspect: add_inspect(sub)  -> stats, episodes and SQL over a served store (ab.connect)
 # bench:   add_bench(sub)    -> the benchmarks/ runs
-COMMANDS: list[Callable[[Any], None]] = [add_serve]
+COMMANDS: list[Callable[[Any], None]] = [add_serve, add_shm]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,10 +47,20 @@ class IngestPlan:
 class EpisodeTracker:
     """Per-stream episode state: which episode is open, its length, and its last row."""
 
-    def __init__(self) -> None:
+    def __init__(self, next_id: np.ndarray | None = None) -> None:
+        """`next_id`: a one-element int64 array holding the next episode id to hand out; pass a shared one (the
+        store's index header) so that every writer process draws ids from one sequence. Streams stay per tracker."""
         self.streams: dict[Hashable, _Stream] = {}
         self.ended: set[int] = set()
-        self.next_episode_id = 0
+        self._next_id = next_id if next_id is not None else np.zeros(1, dtype=np.int64)
+
+    @property
+    def next_episode_id(self) -> int:
+        return int(self._next_id[0])
+
+    @next_episode_id.setter
+    def next_episode_id(self, value: int) -> None:
+        self._next_id[0] = value
 
     def plan(self, n: int, ends: np.ndarray, actor: Any = None, episode_id: np.ndarray | None = None) -> IngestPlan:
         ep = np.empty(n, dtype=np.int64)

@@ -7,6 +7,7 @@ ArrowbufError                       every error arrowbuf raises on purpose
 ├── InsertTimeout(TimeoutError)     an insert was held back by the rate limiter past its timeout
 ├── StoreClosed(RuntimeError)       the store, tier, server or client was closed
 ├── StoreNotFound(LookupError)      no store of that name (attach, remote store names)
+├── StoreExists(FileExistsError)    a live shared store already has that name
 ├── OutOfSpace(MemoryError)         a tier has not enough room (/dev/shm, a byte budget)
 ├── MissingDependency(ImportError)  an optional extra is not installed; names the extra
 └── Unauthenticated(PermissionError) a wrong or missing token
@@ -42,6 +43,10 @@ class StoreNotFound(ArrowbufError, LookupError):
     """No store of the given name exists."""
 
 
+class StoreExists(ArrowbufError, FileExistsError):
+    """A store of the given name already exists (shared memory: its owner is alive)."""
+
+
 class OutOfSpace(ArrowbufError, MemoryError):
     """A memory tier has not enough room for what was asked."""
 
@@ -73,6 +78,7 @@ __all__ = [
     "InsertTimeout",
     "StoreClosed",
     "StoreNotFound",
+    "StoreExists",
     "OutOfSpace",
     "MissingDependency",
     "Unauthenticated",

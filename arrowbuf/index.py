@@ -31,16 +31,18 @@ class RingIndex:
     def __init__(self, tier: Tier, capacity: int, arena_rows: int) -> None:
         self.capacity = int(capacity)
         self.arena_rows = int(arena_rows)
+        self.tier = tier  # samplers keep their state here too (shared by every process of a shared store)
         self.seq = tier.allocate("index.seq", np.dtype(np.int64), arena_rows)
-        self.seq.fill(-1)
         self.episode_id = tier.allocate("index.episode_id", np.dtype(np.int64), arena_rows)
         self.step = tier.allocate("index.step", np.dtype(np.int64), arena_rows)
         self.next_pos = tier.allocate("index.next_pos", np.dtype(np.int64), arena_rows)
         self.valid = tier.allocate("index.valid", np.dtype(np.bool_), arena_rows)
-        self.valid.fill(False)
         # counters shared by every user of the tier (another process, for shared memory): see HEADER
         self.header = tier.allocate("index.header", np.dtype(np.int64), len(HEADER))
-        self.header.fill(0)
+        if tier.fresh:  # a process attaching to shared memory must not reset it
+            self.seq.fill(-1)
+            self.valid.fill(False)
+            self.header.fill(0)
 
     @property
     def lo(self) -> int:

@@ -98,8 +98,26 @@ class FifoSampler(Sampler):
 
     def bind(self, index: RingIndex, rng: np.random.Generator) -> None:
         super().bind(index, rng)
-        self.cursor = 0
-        self.skipped = 0
+        # [cursor, skipped] in tier memory: the processes sharing a store share one queue
+        self._state = index.tier.allocate("sampler.fifo", np.dtype(np.int64), 2)
+        if index.tier.fresh:
+            self._state[:] = 0
+
+    @property
+    def cursor(self) -> int:
+        return int(self._state[0])
+
+    @cursor.setter
+    def cursor(self, value: int) -> None:
+        self._state[0] = value
+
+    @property
+    def skipped(self) -> int:
+        return int(self._state[1])
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self._state[1] = value
 
     def _advance_past_evicted(self) -> None:
         if self.cursor < self.index.lo:

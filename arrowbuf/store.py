@@ -55,7 +55,9 @@ class ExperienceStore:
             (default: enough for every row when small, else capacity // 16).
         max_times_sampled: an item stops being sampleable after this many deliveries (it keeps its ring slot
             until evicted); None: no limit.
-        tier: where the arenas live ("host"; "shm" and others as tiers land), or a `Tier` instance.
+        tier: where the arenas live: "host" (default), "shm" (shared memory: other processes open the same store
+            with `ExperienceStore.attach(name)`; see `arrowbuf.tiers.shm`), or a `Tier` instance.
+        name: the store's name (default: the schema's); a shared store's name in /dev/shm.
     """
 
     def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
@@ -67,15 +69,16 @@ class ExperienceStore:
             raise ValueError(f"capacity must be a positive number of rows, got {capacity!r}")
         self.capacity = int(capacity)
         self.name = name or self.schema.name
-        self._tier = _make_tier(tier)
+        self._tier = _make_tier(tier, self.name, self.schema)
         self.chunk_rows = int(chunk_rows or default_chunk_rows(self.schema.row_bytes, self.capacity))
         stored = [*self.schema.fields, *SYSTEM_COLUMNS]
-        self.directory = ChunkDirectory(self.capacity, self.chunk_rows, stored, [self._tier.name])
+        self.directory = ChunkDirectory(self.capacity, self.chunk_rows, stored, [self._tier.name], self._tier)
         self.arena_rows = self.directory.arena_rows
         self.index = RingIndex(self._tier, self.capacity, self.arena_rows)
         # final observations of ended episodes, appended after the ring rows of each next_of source arena
         self._final_sources = sorted({d.next_of for d in self.schema.derived.values()})
         self.final_capacity = self._final_obs_capacity(final_obs_capacity) if self._final_sources else 0
+        self._tier.reserve(self._planned_bytes(max_times_sampled))  # a shared tier fails here if it cannot fit
         self._arenas: dict[str, np.ndarray] = {}
         self._ragged: dict[str, list[pa.Array]] = {}
         for f in self.schema.fields.values():
@@ -86,14 +89,16 @@ class ExperienceStore:
                 extra = self.final_capacity if f.name in self._final_sources else 0
                 self._arenas[f.name] = self._tier.allocate(f.name, f.dtype, self.arena_rows + extra, f.shape)
         self._final_owner = self._tier.allocate("index.final_owner", np.dtype(np.int64), max(1, self.final_capacity))
-        self._final_owner.fill(-1)
+        if self._tier.fresh:  # never re-initialise memory another process already uses
+            self._final_owner.fill(-1)
         self._end_fields = list(self.schema.episode_end)
         self._derived_list = list(self.schema.derived.values())
         self._fast = self._fast_plan()
-        self._episodes = EpisodeTracker()
-        self._lock = threading.Lock()
+        # episode ids come from the shared header, so writer processes of a shared store never hand out one twice
+        self._episodes = EpisodeTracker(self.index.header[HEADER["next_episode_id"]:HEADER["next_episode_id"] + 1])
+        self._lock = self._tier.lock("state")  # cross-process locks for a shared tier
         self._cond = threading.Condition(self._lock)
-        self._write_lock = threading.Lock()
+        self._write_lock = self._tier.lock("write")
         self._rng = np.random.default_rng(seed)
         self.sampler = make_sampler(sampler)
         self.sampler.bind(self.index, self._rng)
@@ -104,8 +109,45 @@ class ExperienceStore:
         self._max_times_sampled = int(max_times_sampled or 0)
         self._times_sampled = (self._tier.allocate("index.times_sampled", np.dtype(np.int32), self.arena_rows)
                                if self._max_times_sampled else np.zeros(0, np.int32))
-        self._times_sampled.fill(0)
+        if self._tier.fresh:
+            self._times_sampled.fill(0)
         self._closed = False
+        if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
+            self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity, "chunk_rows": self.chunk_rows,
+                             "final_obs_capacity": self.final_capacity or None, "sampler": self.sampler,
+                             "rate_limiter": self.rate_limiter, "max_times_sampled": max_times_sampled})
+
+    @classmethod
+    def attach(cls, name: str, *, seed: int | None = None, timeout: float = 0.0) -> "ExperienceStore":
+        """Open the shared store `name` (made with `tier="shm"`) from any process on the node: the same store over the
+        same memory, with the same surface (append, extend, sample, update_priorities, to_table, sql, ...).
+
+        Args:
+            name: the shared store's name.
+            seed: seed of this process's sampling.
+            timeout: seconds to wait for the store to be created and sealed.
+
+        Raises:
+            StoreNotFound: no live store of that name (its owner died: the janitor reclaimed it).
+        """
+        from .tiers.shm import SharedMemoryTier, from_spec
+
+        tier = SharedMemoryTier.attach(name, timeout=timeout)
+        try:
+            m = tier.manifest
+            return cls(m["schema"], m["capacity"], from_spec(m["sampler"]), from_spec(m["rate_limiter"]), seed,
+                       chunk_rows=m["chunk_rows"], final_obs_capacity=m["final_obs_capacity"],
+                       max_times_sampled=m["max_times_sampled"], tier=tier, name=m["name"])
+        except BaseException:
+            tier.close()
+            raise
+
+    def _planned_bytes(self, max_times_sampled: int | None) -> int:
+        """Bytes the arenas will take (checked against a shared tier's free space before anything is written)."""
+        rows = self.arena_rows
+        data = sum(f.row_bytes * (rows + (self.final_capacity if f.name in self._final_sources else 0))
+                   for f in self.schema.fields.values() if not f.ragged)
+        return data + 8 * max(1, self.final_capacity) + (4 * rows if max_times_sampled else 0)
 
     # ------------------------------------------------------------------ construction helpers
     def _final_obs_capacity(self, requested: int | None) -> int:
@@ -294,7 +336,8 @@ class ExperienceStore:
             self._check_open()
             self._wait_insert(n, timeout)
             plan = self._episodes.plan(n, ends, actor=cols.get("actor"), episode_id=cols.get("episode_id"))
-            base = self.index.hi
+            self._episodes.next_episode_id = plan.next_episode_id  # claim the ids now: a writer killed mid-batch
+            base = self.index.hi                                   # must not leave them to the next writer
             skip = max(0, n - self.capacity)
             if skip:  # a batch longer than the ring: its oldest rows are evicted as soon as they are counted
                 with self._cond:  # the batch alone fills the ring: every stored row goes
@@ -451,11 +494,16 @@ class ExperienceStore:
         if timeout is None or timeout <= 0:
             return bool(predicate())
         deadline = time.monotonic() + timeout
+        pause = 0.0005  # shared tier: other processes' commits cannot notify this condition, so poll (bounded backoff)
         while not predicate():
             left = deadline - time.monotonic()
             if left <= 0 or self._closed:
                 return False
-            self._cond.wait(left)
+            if self._tier.shared:
+                self._cond.wait(min(left, pause))
+                pause = min(2 * pause, 0.02)
+            else:
+                self._cond.wait(left)
         return True
 
     # ------------------------------------------------------------------ sampling
@@ -733,7 +781,11 @@ class ExperienceStore:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Release the store's memory; idempotent. Waiting samples and inserts raise `StoreClosed`."""
+        """Release the store's memory; idempotent. Waiting samples and inserts raise `StoreClosed`.
+
+        Shared store: releases this process's mappings and lease. The creator's close also removes the store's name
+        (as `unlink`): processes still attached keep working on their mappings until they close; new attaches fail.
+        """
         if self._closed:
             return
         with self._cond:
@@ -744,6 +796,16 @@ class ExperienceStore:
             self._ragged.clear()
             self._tier.close()
 
+    def unlink(self) -> None:
+        """Shared store: remove its name now (from any process); users keep their mappings until they close."""
+        self._tier.unlink()
+
+    def __reduce__(self) -> Any:
+        if self._tier.shared:  # a shared store pickles by name: the receiving process attaches to it
+            return (ExperienceStore.attach, (self.name,))
+        raise TypeError(f"store {self.name!r} lives in this process's heap and cannot be pickled; "
+                        "create it with tier='shm' to share it with other processes")
+
     def __enter__(self) -> "ExperienceStore":
         return self
 
@@ -751,15 +813,25 @@ class ExperienceStore:
         self.close()
 
 
-def _make_tier(tier: str | Tier) -> Tier:
+def _make_tier(tier: str | Tier, name: str, schema: ExperienceSchema) -> Tier:
     if isinstance(tier, Tier):
         return tier
     if tier == "host":
         return HostTier()
-    raise ValueError(f"unknown tier {tier!r}; expected 'host' or a Tier instance")
+    if tier == "shm":
+        ragged = [f.name for f in schema.fields.values() if f.ragged]
+        if ragged:
+            raise SchemaError(f"ragged fields are not yet supported in shared memory: {ragged}; "
+                              "use tier='host' for this schema, or make the fields fixed-shape")
+        from .tiers.shm import SharedMemoryTier
+
+        return SharedMemoryTier.create(name)
+    raise ValueError(f"unknown tier {tier!r}; expected 'host', 'shm' or a Tier instance")
 
 
 def _column_view(values: np.ndarray, spec: FieldSpec) -> pa.Array:
+    values = values.view()
+    values.flags.writeable = False  # a zero-copy view of the arena (shared memory, maybe): nobody writes through it
     if spec.shape:
         return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
     return pa.array(values)

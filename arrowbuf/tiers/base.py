@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,11 @@ class Tier(abc.ABC):
 
     #: short name used in the chunk directory and in `store.placement()`.
     name: str = "tier"
+    #: True when the memory is new (this process made it): the store initialises its arrays only then, so that a
+    #: process attaching to a shared tier never resets what the others wrote.
+    fresh: bool = True
+    #: True when other processes use the same memory (their commits do not wake this process's condition variables).
+    shared: bool = False
 
     @abc.abstractmethod
     def allocate(self, key: str, dtype: np.dtype, rows: int, shape: tuple[int, ...] = ()) -> np.ndarray:
@@ -31,9 +37,20 @@ class Tier(abc.ABC):
     def nbytes(self) -> int:
         """Bytes held by this tier's arenas."""
 
-    def lock(self, key: str) -> threading.Lock:
-        """A lock guarding `key` among the users of this tier (a thread lock for in-process tiers)."""
+    def lock(self, key: str) -> Any:
+        """A lock guarding `key` among the users of this tier: a `threading.Lock` for in-process tiers, a
+        cross-process lock (with acquire/release, usable by `threading.Condition`) for shared ones."""
         return threading.Lock()
+
+    def reserve(self, nbytes: int) -> None:
+        """Called once before a new store's allocations with the bytes they will take; tiers with a hard limit raise
+        `OutOfSpace` here, before anything is written."""
+
+    def seal(self, meta: dict[str, Any]) -> None:
+        """The store over this tier is complete; a shared tier publishes `meta` so that other processes can attach."""
+
+    def unlink(self) -> None:
+        """Remove the tier's memory from the namespace other processes find it in (shared tiers); idempotent."""
 
     def close(self) -> None:
         """Release the tier's memory; idempotent."""

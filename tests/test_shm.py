@@ -1,0 +1,356 @@
+"""The shared-memory tier with real processes (spawn): attach, concurrent writers, SIGKILL mid-extend, the janitor,
+the /dev/shm size check, zero-copy and read-only views.
+
+Every row a writer makes encodes who wrote it: obs = [writer, k, k + 1, 7], reward = writer * 1e6 + k, and the
+episode's next observation is the successor's obs, so any row read anywhere can be checked on its own.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+import arrowbuf as ab
+from arrowbuf.tiers import shm
+
+SCHEMA = {
+    "name": "shmtest",
+    "fields": {
+        "obs": {"dtype": "float32", "shape": [4]},
+        "action": {"dtype": "int64"},
+        "reward": {"dtype": "float32"},
+        "terminated": {"dtype": "bool"},
+        "truncated": {"dtype": "bool"},
+    },
+    "derived": {"next_obs": {"next_of": "obs"}},
+}
+EPISODE = 50
+CTX = mp.get_context("spawn")
+JOIN_S = 60
+
+
+def rows(writer: int, k0: int, n: int) -> dict[str, np.ndarray]:
+    """Steps k0..k0+n-1 of `writer`; an episode ends every EPISODE steps."""
+    k = np.arange(k0, k0 + n)
+    enc = lambda kk: np.stack([np.full(len(kk), writer), kk, kk + 1, np.full(len(kk), 7)], 1).astype(np.float32)  # noqa: E731
+    return {"obs": enc(k), "action": k.astype(np.int64), "reward": (writer * 1e6 + k).astype(np.float32),
+            "terminated": (k % EPISODE) == EPISODE - 1, "truncated": np.zeros(n, bool), "next_obs": enc(k + 1)}
+
+
+def check_rows(obs: np.ndarray, next_obs: np.ndarray | None = None, reward: np.ndarray | None = None) -> None:
+    """Every row is whole: its columns agree with each other (no torn or partial row)."""
+    assert (obs[:, 3] == 7).all() and (obs[:, 2] == obs[:, 1] + 1).all()
+    if reward is not None:
+        np.testing.assert_array_equal(reward, (obs[:, 0] * 1e6 + obs[:, 1]).astype(np.float32))
+    if next_obs is not None:
+        np.testing.assert_array_equal(next_obs[:, :2], np.stack([obs[:, 0], obs[:, 1] + 1], 1))
+
+
+@pytest.fixture
+def names():
+    """A factory of unique store names; afterwards kills leftover children and removes every segment."""
+    made: list[str] = []
+    procs: list[mp.Process] = []
+
+    def new() -> str:
+        name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        made.append(name)
+        return name
+
+    new.procs = procs  # type: ignore[attr-defined]
+    try:
+        yield new
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        for name in made:
+            shm.remove(name)
+        left = [n for n in os.listdir(shm.shm_root()) if any(m in n for m in made)]
+        assert not left, f"segments left in /dev/shm: {left}"
+
+
+def start(names, target, *args) -> mp.Process:
+    p = CTX.Process(target=target, args=args, daemon=True)
+    p.start()
+    names.procs.append(p)
+    return p
+
+
+def join_ok(p: mp.Process) -> None:
+    p.join(JOIN_S)
+    assert not p.is_alive(), "child process hung"
+    assert p.exitcode == 0, f"child failed with exit code {p.exitcode}"
+
+
+# ---------------------------------------------------------------------------------------------- child processes
+def _attach_and_sample(name: str, fifo_name: str, q) -> None:
+    store = ab.ExperienceStore.attach(name, seed=1)
+    b = store.sample(64)
+    q.put((b.indices, b["obs"], b["next_obs"], store.to_table(["seq"]).column("seq").to_numpy(), len(store)))
+    store.extend(rows(9, 0, 10))
+    fifo = ab.ExperienceStore.attach(fifo_name)
+    q.put(fifo.sample(30).indices)
+    fifo.close()
+    store.close()
+
+
+def _writer(name: str, writer: int, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    store = ab.ExperienceStore.attach(name)
+    k = 0
+    while k < n:
+        if rng.random() < 0.2:  # per-step appends between extends
+            store.append({key: col[0] for key, col in rows(writer, k, 1).items()})
+            k += 1
+        else:
+            m = min(n - k, int(rng.integers(1, 300)))
+            store.extend(rows(writer, k, m))
+            k += m
+    store.close()
+
+
+def _stuck_writer(name: str, where: str, ready) -> None:
+    """Extend a batch and freeze in the middle of it (the parent then SIGKILLs us)."""
+    store = ab.ExperienceStore.attach(name)
+    calls = []
+    original = getattr(store, where)
+
+    def freeze(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 or where == "_evict_to":  # second piece written, not committed / inside the commit
+            ready.set()
+            threading.Event().wait()
+        return original(*args, **kwargs)
+
+    setattr(store, where, freeze)
+    store.extend(rows(5, 0, 4 * store.directory.spare_rows))
+
+
+def _write_then_sample(name: str, writer: int, q) -> None:
+    store = ab.ExperienceStore.attach(name)
+    store.extend(rows(writer, 0, 100))
+    b = store.sample(200)
+    q.put((b["obs"], b["next_obs"], b["reward"]))
+    store.close()
+
+
+def _create_and_wait(names_: list[str], ready) -> None:
+    stores = [ab.ExperienceStore(SCHEMA, 100, tier="shm", name=n) for n in names_]
+    stores[0].extend(rows(0, 0, 10))
+    ready.set()
+    threading.Event().wait()
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def test_attach_from_another_process_samples_the_same_rows(names):
+    name, fifo_name = names(), names()
+    with ab.ExperienceStore(SCHEMA, 1000, tier="shm", name=name) as store, \
+            ab.ExperienceStore(SCHEMA, 1000, sampler="fifo", tier="shm", name=fifo_name) as fifo:
+        store.extend(rows(0, 0, 300))
+        fifo.extend(rows(0, 0, 100))
+        q = CTX.Queue()
+        p = start(names, _attach_and_sample, name, fifo_name, q)
+        idx, obs, next_obs, seqs, size = q.get(timeout=JOIN_S)
+        child_fifo = q.get(timeout=JOIN_S)
+        join_ok(p)
+        assert size == 300
+        np.testing.assert_array_equal(seqs, np.arange(300))
+        table = store.to_table(["obs", "seq"])
+        mine = table.column("obs").combine_chunks().to_numpy_ndarray()
+        np.testing.assert_array_equal(obs, mine[idx])   # the child read exactly the rows this process holds
+        check_rows(obs, next_obs)
+        # the child's append is visible here, with its own episode ids
+        assert len(store) == 310
+        t = store.to_table(["obs", "episode_id"])
+        new = t.slice(300)
+        assert (new.column("obs").combine_chunks().to_numpy_ndarray()[:, 0] == 9).all()
+        assert set(new.column("episode_id").to_numpy()).isdisjoint(t.slice(0, 300).column("episode_id").to_numpy())
+        # one queue: the child took the first 30 items of the fifo, this process gets the next ones
+        np.testing.assert_array_equal(child_fifo, np.arange(30))
+        np.testing.assert_array_equal(fifo.sample(30).indices, np.arange(30, 60))
+        assert store.stats()["inserts"] == 310
+
+
+def test_four_writer_processes_lose_and_duplicate_nothing(names):
+    name = names()
+    n = 3000
+    with ab.ExperienceStore(SCHEMA, 4 * n, tier="shm", name=name) as store:
+        procs = [start(names, _writer, name, w, n, w) for w in range(4)]
+        first = store.sample(8, timeout=JOIN_S)  # waits for another process's commit (polls: no notify across)
+        check_rows(first["obs"], first["next_obs"])
+        while any(p.is_alive() for p in procs):  # sample while they write: no torn row ever
+            b = store.sample(256)
+            check_rows(b["obs"], b["next_obs"], b["reward"])
+        for p in procs:
+            join_ok(p)
+        assert len(store) == 4 * n and store.stats()["inserts"] == 4 * n
+        t = store.to_table(["obs", "reward", "seq", "episode_id", "step"])
+        np.testing.assert_array_equal(t.column("seq").to_numpy(), np.arange(4 * n))
+        obs = t.column("obs").combine_chunks().to_numpy_ndarray()
+        check_rows(obs, reward=t.column("reward").to_numpy())
+        for w in range(4):
+            mine = obs[obs[:, 0] == w, 1]
+            np.testing.assert_array_equal(mine, np.arange(n))  # each writer's rows, once each, in its order
+        ep = t.column("episode_id").to_numpy()
+        writer_of = {}
+        for e, w, k, s in zip(ep, obs[:, 0], obs[:, 1], t.column("step").to_numpy()):
+            assert writer_of.setdefault(e, w) == w, "an episode id was handed to two writers"
+            assert s == k % EPISODE
+        assert len(writer_of) == 4 * (n // EPISODE)
+        b = store.sample(1024)
+        check_rows(b["obs"], b["next_obs"], b["reward"])
+
+
+@pytest.mark.parametrize("where", ["_commit_piece", "_evict_to"])
+def test_writer_killed_mid_extend_blocks_nobody(names, where):
+    name = names()
+    with ab.ExperienceStore(SCHEMA, 2000, tier="shm", name=name) as store:
+        store.extend(rows(0, 0, 500))
+        ready = CTX.Event()
+        p = start(names, _stuck_writer, name, where, ready)
+        assert ready.wait(JOIN_S), "the writer never reached the middle of its extend"
+        os.kill(p.pid, signal.SIGKILL)  # holding the write lock (and, in _evict_to, the state lock)
+        p.join(JOIN_S)
+        committed = len(store)
+        spare = store.directory.spare_rows
+        assert committed == 500 + (spare if where == "_commit_piece" else 0)  # whole pieces only
+        # another process writes and samples; so does this one
+        q = CTX.Queue()
+        other = start(names, _write_then_sample, name, 3, q)
+        obs, next_obs, reward = q.get(timeout=JOIN_S)
+        join_ok(other)
+        check_rows(obs, next_obs, reward)
+        done = threading.Event()
+
+        def here() -> None:
+            store.extend(rows(1, 0, 100))
+            b = store.sample(500)
+            check_rows(b["obs"], b["next_obs"], b["reward"])
+            done.set()
+
+        th = threading.Thread(target=here, daemon=True)
+        th.start()
+        th.join(JOIN_S)
+        assert done.is_set(), "a lock stayed held after its holder died"
+        assert len(store) == committed + 200
+        t = store.to_table(["obs", "reward", "seq"])
+        np.testing.assert_array_equal(t.column("seq").to_numpy(), np.arange(committed + 200))
+        check_rows(t.column("obs").combine_chunks().to_numpy_ndarray(), reward=t.column("reward").to_numpy())
+        assert not (t.column("obs").combine_chunks().to_numpy_ndarray()[committed:, 0] == 5).any()
+
+
+def test_janitor_reclaims_stores_of_dead_owners(names, capsys):
+    a, b, c = names(), names(), names()
+    ready = CTX.Event()
+    p = start(names, _create_and_wait, [a, b, c], ready)
+    assert ready.wait(JOIN_S)
+    with pytest.raises(ab.StoreExists, match="attach"):
+        ab.ExperienceStore(SCHEMA, 100, tier="shm", name=a)
+    live = {s["name"]: s for s in shm.list_stores()}
+    assert live[a]["alive"] and live[a]["owner_pid"] == p.pid and p.pid in live[a]["attached_pids"]
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(JOIN_S)
+    for n in (a, b, c):
+        assert os.path.isdir(shm.store_path(n))
+    with pytest.raises(ab.StoreNotFound):  # attach runs the janitor: every dead store goes
+        ab.ExperienceStore.attach(a)
+    for n in (a, b, c):
+        assert not os.path.exists(shm.store_path(n))
+    # and from the command line, for a store of a dead owner made again
+    ready2 = CTX.Event()
+    p2 = start(names, _create_and_wait, [b], ready2)
+    assert ready2.wait(JOIN_S)
+    os.kill(p2.pid, signal.SIGKILL)
+    p2.join(JOIN_S)
+    from arrowbuf.cli import main
+
+    assert main(["shm", "ls"]) == 0
+    assert b in capsys.readouterr().out
+    assert main(["shm", "gc"]) == 0
+    assert b in capsys.readouterr().out
+    assert not os.path.exists(shm.store_path(b))
+    # a name freed by the janitor can be created again
+    ab.ExperienceStore(SCHEMA, 100, tier="shm", name=a).close()
+
+
+def test_store_larger_than_dev_shm_fails_at_creation(names):
+    name = names()
+    vfs = os.statvfs(shm.shm_root())
+    free = vfs.f_bavail * vfs.f_frsize
+    row = 1 << 20
+    schema = {"name": "big", "fields": {"obs": {"dtype": "uint8", "shape": [row]}, "terminated": {"dtype": "bool"}}}
+    with pytest.raises(ab.OutOfSpace) as err:
+        ab.ExperienceStore(schema, free // row + 64, tier="shm", name=name)
+    msg = str(err.value)
+    assert "free" in msg and "needs" in msg and "GiB" in msg and "--shm-size" in msg
+    assert not os.path.exists(shm.store_path(name))
+    assert isinstance(err.value, MemoryError)
+
+
+def test_views_are_zero_copy_and_read_only(names):
+    name = names()
+    with ab.ExperienceStore(SCHEMA, 1000, tier="shm", name=name) as store:
+        store.extend(rows(0, 0, 200))
+        start_, size = store._tier.address_range("obs")
+        arena = store._arenas["obs"]
+        assert start_ <= arena.ctypes.data < start_ + size  # what a sample gathers from is the mapping itself
+        t = store.to_table(["obs", "reward"])
+        for chunk in t.column("obs").chunks:  # each chunk's values buffer lies inside the mapped segment
+            addr = chunk.storage.values.buffers()[1].address
+            assert start_ <= addr < start_ + size
+        view = t.column("obs").chunk(0).to_numpy_ndarray()
+        assert not view.flags.writeable
+        with pytest.raises(ValueError):
+            view[0, 0] = 1.0
+        assert not t.column("reward").chunk(0).to_numpy().flags.writeable
+        assert not t.column("obs").chunk(0).storage.values.buffers()[1].is_mutable
+
+
+def test_torch_tensors_never_alias_shared_memory(names):
+    pytest.importorskip("torch")
+    name = names()
+    with ab.ExperienceStore(SCHEMA, 1000, tier="shm", name=name) as store:
+        store.extend(rows(0, 0, 200))
+        start_, size = store._tier.address_range("obs")
+        before = store.to_table(["obs"]).column("obs").combine_chunks().to_numpy_ndarray().copy()
+        tensors = store.sample(64).to_torch()
+        tensors["obs"].add_(1.0)  # a private copy: no segfault, the store is unchanged
+        # a batch built over zero-copy (read-only) views: to_torch copies instead of aliasing the mapping
+        view = store.to_table(["obs"]).column("obs").chunk(0).to_numpy_ndarray()
+        t = ab.SampleBatch({"obs": view}, np.arange(len(view))).to_torch()["obs"]
+        assert not (start_ <= t.data_ptr() < start_ + size)
+        t.add_(1.0)
+        after = store.to_table(["obs"]).column("obs").combine_chunks().to_numpy_ndarray()
+        np.testing.assert_array_equal(before, after)
+
+
+def test_lifetime_pickling_and_errors(names):
+    name = names()
+    store = ab.ExperienceStore(SCHEMA, 100, tier="shm", name=name)
+    store.extend(rows(0, 0, 20))
+    other = pickle.loads(pickle.dumps(store))  # a shared store pickles by name
+    assert len(other) == 20 and other._tier.info()["attached_pids"] == [os.getpid(), os.getpid()]
+    with pytest.raises(TypeError, match="tier='shm'"):
+        pickle.dumps(ab.ExperienceStore(SCHEMA, 100))
+    with pytest.raises(ab.StoreNotFound, match="timeout"):
+        ab.ExperienceStore.attach(names())
+    with pytest.raises(ab.SchemaError, match="ragged"):
+        ab.ExperienceStore({"name": "r", "fields": {"tok": {"dtype": "int32", "ragged": True}}}, 10, tier="shm",
+                           name=names())
+    store.close()  # the owner's close removes the name; the attached handle keeps working on its mapping
+    assert not os.path.exists(shm.store_path(name))
+    other.extend(rows(1, 0, 5))
+    assert len(other) == 25
+    other.close()
+    other.close()
+    with pytest.raises(ab.StoreClosed):
+        other.sample(1)
