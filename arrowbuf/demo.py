@@ -1,107 +1,682 @@
-"""The end-to-end demo: actors play an environment and write experience, a learner samples, SQL summarises.
+"""The end-to-end demo: distributed DQN on CartPole-v1 with arrowbuf in the middle.
 
-Run with `python -m arrowbuf.demo` (or `bash scripts/demo.sh`). Uses gymnasium's CartPole-v1 when gymnasium is
-installed and a built-in synthetic environment otherwise.
+    python -m arrowbuf.demo [--actors 3] [--steps 24000] [--transport flight|shm|local] [--seed 0] [--out DIR]
+
+What runs (all on this machine, nothing started by hand):
+
+* the store: an `ExperienceStore` with prioritized replay (`ab.samplers.Prioritized`) and a sample-to-insert rate
+  limiter, served over Arrow Flight by the main process (`--transport flight`, default), or created in shared memory
+  (`shm`), or kept in-process (`local`: actors are threads);
+* actors: `--actors` processes (multiprocessing, spawn) each play CartPole-v1 with an epsilon-greedy torch policy and
+  write their steps to the store (`ab.connect(location).extend`, or `ExperienceStore.attach(name).extend`);
+* the learner (main process): double DQN with 3-step returns, reading batches through `ab.Loader` (prefetching in
+  the background) and sending new priorities back with `loader.update_priorities`;
+* policy weights go back to the actors through a file: the learner writes `policy.pt` (weights and version) to a
+  temporary name and `os.replace`s it into place, so an actor never reads half a file; actors reload when the file
+  changes;
+* a progress line (tqdm when installed), an episode-return summary from `store.sql` at the end, and a PNG of the
+  returns over time in `--out`.
+
+The DQN pieces (`DQNConfig`, `QNetwork`, `DQNLearner`, `epsilon_at`) are reused by `benchmarks/parity.py`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
 import pathlib
+import queue as queue_mod
 import sys
+import tempfile
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from .schema import load_schema
-from .store import ExperienceStore
+from .errors import ArrowbufError, InsertTimeout, SampleTimeout, require
 
 SCHEMAS = pathlib.Path(__file__).resolve().parent.parent / "schemas"
+#: The CartPole schema (schemas/cartpole.yaml), inlined for installs without the repository's schemas/ folder.
 CARTPOLE = {
     "name": "cartpole",
+    "version": 1,
     "fields": {"obs": {"dtype": "float32", "shape": [4]}, "action": {"dtype": "int64"},
                "reward": {"dtype": "float32"}, "terminated": {"dtype": "bool"}, "truncated": {"dtype": "bool"},
                "policy_version": {"dtype": "int64"}},
     "derived": {"next_obs": {"next_of": "obs"}},
 }
+#: What the learner reads per batch (the n-step columns come with `n_step=`).
+LEARNER_COLUMNS = ["obs", "action", "next_obs"]
+TRANSPORTS = ("flight", "shm", "local")
 
 
-class SyntheticEnv:
-    """A tiny CartPole-shaped environment (no dependency): reward 1 per step, random episode lengths."""
+def cartpole_schema() -> Any:
+    from .schema import load_schema
 
-    def __init__(self, seed: int) -> None:
+    path = SCHEMAS / "cartpole.yaml"
+    return load_schema(path if path.exists() else CARTPOLE)
+
+
+# ---------------------------------------------------------------------------------------------------------- DQN
+@dataclasses.dataclass
+class DQNConfig:
+    """Hyperparameters shared by the demo and the parity benchmark.
+
+    `train_every` is the replay ratio: one gradient step per `train_every` environment steps (across all actors).
+    """
+
+    hidden: int = 128
+    lr: float = 1e-3
+    gamma: float = 0.99
+    n_step: int = 3
+    batch_size: int = 64
+    train_every: int = 2
+    target_every: int = 250      # gradient steps between target-network syncs
+    warmup: int = 1_000          # rows stored before the first gradient step
+    eps_start: float = 1.0
+    eps_end: float = 0.02
+    eps_fraction: float = 0.3    # share of the run over which epsilon decays linearly
+    grad_clip: float = 10.0
+    alpha: float = 0.6           # prioritized replay exponents
+    beta: float = 0.4
+
+
+def epsilon_at(cfg: DQNConfig, progress: float) -> float:
+    """Linear decay from eps_start to eps_end over the first `eps_fraction` of the run (progress in [0, 1])."""
+    frac = min(1.0, max(0.0, progress) / max(cfg.eps_fraction, 1e-9))
+    return cfg.eps_start + frac * (cfg.eps_end - cfg.eps_start)
+
+
+def make_qnetwork(obs_dim: int, n_actions: int, hidden: int) -> Any:
+    torch = require("torch", "demo")
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(obs_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, n_actions))
+
+
+class EpsilonGreedy:
+    """An actor's policy: a Q-network copy, epsilon-greedy over its argmax."""
+
+    def __init__(self, cfg: DQNConfig, obs_dim: int = 4, n_actions: int = 2, seed: int = 0) -> None:
+        self.torch = require("torch", "demo")
+        self.q = make_qnetwork(obs_dim, n_actions, cfg.hidden)
+        self.q.eval()
+        self.n_actions = n_actions
         self.rng = np.random.default_rng(seed)
 
-    def reset(self, seed: int | None = None) -> tuple[np.ndarray, dict]:
-        self.t = 0
-        self.limit = int(self.rng.integers(10, 200))
-        return self.rng.normal(size=4).astype(np.float32), {}
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.q.load_state_dict(state)
 
-    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
-        self.t += 1
-        obs = self.rng.normal(size=4).astype(np.float32)
-        return obs, 1.0, self.t >= self.limit, False, {}
+    def act(self, obs: np.ndarray, eps: float) -> int:
+        if self.rng.random() < eps:
+            return int(self.rng.integers(self.n_actions))
+        with self.torch.no_grad():
+            return int(self.q(self.torch.as_tensor(obs, dtype=self.torch.float32)[None]).argmax(1).item())
+
+
+class DQNLearner:
+    """Double DQN on n-step returns (columns `obs`, `action`, `n_step_return`, `n_step_discount`,
+    `n_step_next_obs`), Huber loss weighted by importance weights when the batch carries them."""
+
+    def __init__(self, cfg: DQNConfig, obs_dim: int = 4, n_actions: int = 2, seed: int = 0) -> None:
+        torch = self.torch = require("torch", "demo")
+        torch.manual_seed(seed)
+        self.cfg = cfg
+        self.q = make_qnetwork(obs_dim, n_actions, cfg.hidden)
+        self.target = make_qnetwork(obs_dim, n_actions, cfg.hidden)
+        self.target.load_state_dict(self.q.state_dict())
+        self.opt = torch.optim.Adam(self.q.parameters(), lr=cfg.lr)
+        self.updates = 0
+
+    def train(self, batch: dict[str, Any], weights: Any = None) -> np.ndarray:
+        """One gradient step on a batch (numpy arrays); returns |TD error| per row (the new priorities)."""
+        torch = self.torch
+        t = {k: torch.as_tensor(_writable(batch[k])) for k in
+             ("obs", "action", "n_step_return", "n_step_discount", "n_step_next_obs")}
+        obs, nxt = t["obs"].float(), t["n_step_next_obs"].float()
+        act = t["action"].long().view(-1, 1)
+        q = self.q(obs).gather(1, act).squeeze(1)
+        with torch.no_grad():
+            best = self.q(nxt).argmax(1, keepdim=True)
+            target = t["n_step_return"].float() + t["n_step_discount"].float() * self.target(nxt).gather(
+                1, best).squeeze(1)
+        td = target - q
+        loss = torch.nn.functional.smooth_l1_loss(q, target, reduction="none")
+        if weights is not None:
+            loss = loss * torch.as_tensor(_writable(weights), dtype=torch.float32)
+        self.opt.zero_grad(set_to_none=True)
+        loss.mean().backward()
+        torch.nn.utils.clip_grad_norm_(self.q.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.updates += 1
+        if self.updates % self.cfg.target_every == 0:
+            self.target.load_state_dict(self.q.state_dict())
+        return td.detach().abs().numpy()
+
+    def greedy(self) -> Callable[[np.ndarray], int]:
+        torch = self.torch
+
+        def act(obs: np.ndarray) -> int:
+            with torch.no_grad():
+                return int(self.q(torch.as_tensor(obs, dtype=torch.float32)[None]).argmax(1).item())
+
+        return act
+
+
+def _writable(a: Any) -> np.ndarray:
+    """Arrays received over Flight are read-only views of the message; torch wants writable memory."""
+    a = np.asarray(a)
+    return a if a.flags.writeable else a.copy()
 
 
 def make_env(seed: int) -> Any:
+    gym = require("gymnasium", "demo")
+    env = gym.make("CartPole-v1")
+    env.action_space.seed(seed)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------------------- weights
+class PolicyFile:
+    """Policy weights from the learner to the actors through one file: written to a temporary name in the same
+    directory and `os.replace`d into place (atomic on POSIX), so a reader sees the old or the new file, never half."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = pathlib.Path(path)
+        self._seen: tuple[int, int] | None = None
+
+    def publish(self, state_dict: dict[str, Any], version: int) -> None:
+        torch = require("torch", "demo")
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".policy-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                torch.save({"version": int(version), "state_dict": state_dict}, fh)
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def poll(self) -> tuple[int, dict[str, Any]] | None:
+        """(version, state_dict) when the file changed since the last poll, else None."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns)
+        if key == self._seen:
+            return None
+        torch = require("torch", "demo")
+        with open(self.path, "rb") as fh:  # the inode we opened stays whole even if the learner replaces the name
+            blob = torch.load(fh, weights_only=True)
+        self._seen = key
+        return int(blob["version"]), blob["state_dict"]
+
+
+# ---------------------------------------------------------------------------------------------------------- actors
+@dataclasses.dataclass
+class ActorSpec:
+    actor_id: int
+    transport: str
+    address: str              # Flight location or shared-memory store name ("" for local)
+    steps: int                # environment steps this actor plays
+    seed: int
+    policy_path: str
+    cfg: DQNConfig
+    flush: int = 32           # steps per write (an episode end also flushes)
+    poll_every: int = 50      # steps between policy-file checks
+
+
+def _open_store(spec: ActorSpec, local_store: Any) -> tuple[Any, Callable[[], None]]:
+    if spec.transport == "local":
+        return local_store, lambda: None
+    if spec.transport == "flight":
+        from .flight import connect
+
+        client = connect(spec.address)
+        return client, client.close
+    from .store import ExperienceStore
+
+    shared = ExperienceStore.attach(spec.address, timeout=30.0)
+    return shared, shared.close
+
+
+def actor_main(spec: ActorSpec, events: Any, stop: Any, local_store: Any = None) -> None:
+    """One actor: play `spec.steps` CartPole steps, write them in pieces of `spec.flush`, report episodes on `events`.
+
+    Runs as a spawned process (flight, shm) or a thread (local). Puts ("episode", actor, return, length, time,
+    policy_version), then ("done", actor, steps) or ("error", actor, message) on `events`.
+    """
     try:
-        import gymnasium as gym
+        torch = require("torch", "demo")
+        if spec.transport != "local":
+            torch.set_num_threads(1)
+        store, close = _open_store(spec, local_store)
+        try:
+            _play(spec, store, events, stop)
+        finally:
+            close()
+    except BaseException as exc:  # report, never hang the learner waiting for a dead actor
+        events.put(("error", spec.actor_id, f"{type(exc).__name__}: {exc}"))
+        raise
+    events.put(("done", spec.actor_id, spec.steps))
 
-        env = gym.make("CartPole-v1")
-        env.reset(seed=seed)
-        return env
+
+def _play(spec: ActorSpec, store: Any, events: Any, stop: Any) -> None:
+    cfg = spec.cfg
+    env = make_env(spec.seed)
+    policy = EpsilonGreedy(cfg, seed=spec.seed)
+    weights = PolicyFile(spec.policy_path)
+    version = 0
+    obs, _ = env.reset(seed=spec.seed)
+    cols: dict[str, list[Any]] = {k: [] for k in ("obs", "action", "reward", "terminated", "truncated", "next_obs")}
+    versions: list[int] = []
+    ep_return, ep_len = 0.0, 0
+
+    def flush() -> None:
+        if not versions:
+            return
+        n = len(versions)
+        batch = {"obs": np.asarray(cols["obs"], np.float32), "action": np.asarray(cols["action"], np.int64),
+                 "reward": np.asarray(cols["reward"], np.float32),
+                 "terminated": np.asarray(cols["terminated"], bool), "truncated": np.asarray(cols["truncated"], bool),
+                 "next_obs": np.asarray(cols["next_obs"], np.float32),
+                 "policy_version": np.asarray(versions, np.int64), "actor": np.full(n, spec.actor_id, np.int64)}
+        while True:  # a rate limiter may hold the insert back while the learner catches up
+            try:
+                store.extend(batch, timeout=1.0)
+                break
+            except InsertTimeout:
+                if stop.is_set():
+                    return
+        for v in cols.values():
+            v.clear()
+        versions.clear()
+
+    for t in range(spec.steps):
+        if stop.is_set():
+            break
+        if t % spec.poll_every == 0:
+            got = weights.poll()
+            if got is not None:
+                version, state = got
+                policy.load_state_dict(state)
+        action = policy.act(obs, epsilon_at(cfg, t / spec.steps))
+        nxt, reward, term, trunc, _ = env.step(action)
+        for k, v in (("obs", obs), ("action", action), ("reward", reward), ("terminated", term),
+                     ("truncated", trunc), ("next_obs", nxt)):
+            cols[k].append(v)
+        versions.append(version)
+        ep_return += float(reward)
+        ep_len += 1
+        if term or trunc:
+            flush()
+            events.put(("episode", spec.actor_id, ep_return, ep_len, time.time(), version))
+            ep_return, ep_len = 0.0, 0
+            obs, _ = env.reset()
+        else:
+            obs = nxt
+            if len(versions) >= spec.flush:
+                flush()
+    flush()
+    env.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- progress
+class Progress:
+    """tqdm when installed, else one plain line a second."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total = total
+        self.enabled = enabled
+        self._bar = None
+        self._last = 0.0
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
+            except ImportError:
+                pass
+
+    def update(self, steps: int, info: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        text = ", ".join(f"{k}={v}" for k, v in info.items())
+        if self._bar is not None:
+            self._bar.n = min(steps, self.total)
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.refresh()
+            return
+        now = time.monotonic()
+        if now - self._last >= 1.0:
+            self._last = now
+            print(f"steps {steps}/{self.total} | {text}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- transports
+def _flight_available() -> str | None:
+    try:
+        from .flight import connect, serve  # noqa: F401
+    except Exception as exc:  # ImportError, or a half-landed module
+        return f"Arrow Flight transport unavailable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _probe_child(name: str) -> None:
+    from .store import ExperienceStore
+
+    s = ExperienceStore.attach(name, timeout=10.0)
+    try:
+        s.extend({"obs": np.zeros((3, 4), np.float32), "action": np.zeros(3, np.int64),
+                  "reward": np.ones(3, np.float32), "terminated": np.array([False, False, True]),
+                  "truncated": np.zeros(3, bool), "next_obs": np.ones((3, 4), np.float32),
+                  "policy_version": np.zeros(3, np.int64)})
+    finally:
+        s.close()
+
+
+def shm_prioritized_ok(ctx: Any) -> bool:
+    """True when a Prioritized store in shared memory samples rows that another process wrote.
+
+    (The sampler keeps its sum tree per process; this checks that writers' rows reach the owner's tree.)
+    """
+    from . import samplers
+    from .store import ExperienceStore
+
+    name = f"demo-probe-{os.getpid()}"
+    store = ExperienceStore(cartpole_schema(), capacity=64, sampler=samplers.Prioritized(), tier="shm", name=name)
+    try:
+        p = ctx.Process(target=_probe_child, args=(name,), daemon=True)
+        p.start()
+        p.join(30)
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+            return False
+        try:
+            store.sample(1, timeout=1.0)
+            return True
+        except (SampleTimeout, ArrowbufError):
+            return False
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- the run
+@dataclasses.dataclass
+class DemoResult:
+    transport: str
+    episodes: list[dict[str, Any]]          # actor, return, length, t (seconds since start), policy_version
+    updates: int
+    steps: int
+    wall_s: float
+    summary: Any                            # pa.Table from store.sql
+    loader_summary: str
+    learner_s: dict[str, float]             # learner loop time: wait_s (next(loader)), train_s, other_s
+    plot: str | None
+    first20: float
+    last20: float
+
+
+def run(actors: int = 3, steps: int = 24_000, transport: str = "flight", seed: int = 0,
+        out: str | os.PathLike[str] = "demo_out", cfg: DQNConfig | None = None, capacity: int | None = None,
+        progress: bool = True, log: Callable[[str], None] = print) -> DemoResult:
+    """Run the demo and return what it measured (see the module docstring)."""
+    torch = require("torch", "demo")
+    require("gymnasium", "demo")
+    from . import rate_limiters, samplers
+    from .loader import Loader
+    from .store import ExperienceStore
+
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if actors < 1 or steps < 1:
+        raise ValueError("--actors and --steps must be >= 1")
+    cfg = cfg or DQNConfig()
+    torch.set_num_threads(1)
+    out_dir = pathlib.Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    t_start = time.time()
+
+    if transport == "flight" and (why := _flight_available()):
+        log(f"note: {why}; falling back to --transport local")
+        transport = "local"
+    sampler: Any = samplers.Prioritized(alpha=cfg.alpha, beta=cfg.beta)
+    if transport == "shm":
+        try:
+            if not shm_prioritized_ok(ctx):
+                log("note: prioritized replay does not yet see rows written by other processes in shared memory; "
+                    "the shm run samples uniformly (priority updates skipped)")
+                sampler = "uniform"
+        except Exception as exc:  # no shared-memory tier in this build
+            log(f"note: shared-memory transport unavailable ({type(exc).__name__}: {exc}); "
+                "falling back to --transport local")
+            transport = "local"
+    prioritized = not isinstance(sampler, str)
+
+    per_actor = [steps // actors + (1 if i < steps % actors else 0) for i in range(actors)]
+    capacity = capacity or max(steps + 1_000, 2 * cfg.warmup)
+    spi = cfg.batch_size / cfg.train_every
+    flush = 32
+    limiter = rate_limiters.SampleToInsertRatio(
+        samples_per_insert=spi, min_size=cfg.warmup,
+        error_buffer=max(spi * flush * actors * 2, cfg.batch_size * 8.0))
+    kwargs: dict[str, Any] = {"tier": "shm", "name": f"demo-{os.getpid()}"} if transport == "shm" else {}
+    store = ExperienceStore(cartpole_schema(), capacity=capacity, sampler=sampler, rate_limiter=limiter, seed=seed,
+                            **kwargs)
+    policy_file = PolicyFile(out_dir / "policy.pt")
+    learner = DQNLearner(cfg, seed=seed)
+    version = 0
+    policy_file.publish(learner.q.state_dict(), version)
+
+    server = None
+    workers: list[Any] = []
+    events: Any = ctx.Queue() if transport != "local" else queue_mod.Queue()
+    stop: Any = ctx.Event() if transport != "local" else threading.Event()
+    loader = None
+    client = None
+    episodes: list[dict[str, Any]] = []
+    done: set[int] = set()
+    bar = Progress(steps, enabled=progress)
+    timing = {"wait_s": 0.0, "train_s": 0.0, "other_s": 0.0}  # the learner loop's time: batches, gradients, rest
+    try:
+        if transport == "flight":
+            from .flight import connect, serve
+
+            server = serve(store, "grpc://127.0.0.1:0")
+            address = server.location
+            client = connect(address)
+            source: Any = client
+            log(f"store served over Arrow Flight at {address}; {actors} actor processes; learner reads through "
+                f"ab.Loader over Flight")
+        elif transport == "shm":
+            address = store.name
+            source = store
+            log(f"store in shared memory ({address!r}); {actors} actor processes attach to it")
+        else:
+            address = ""
+            source = store
+            log(f"store in-process; {actors} actor threads")
+        for i in range(actors):
+            spec = ActorSpec(i, transport, address, per_actor[i], seed * 1000 + i, str(policy_file.path), cfg,
+                             flush=flush)
+            if transport == "local":
+                w: Any = threading.Thread(target=actor_main, args=(spec, events, stop, store), daemon=True,
+                                          name=f"actor-{i}")
+            else:
+                w = ctx.Process(target=actor_main, args=(spec, events, stop), daemon=True, name=f"actor-{i}")
+            w.start()
+            workers.append(w)
+
+        loader = Loader(source, batch_size=cfg.batch_size, prefetch=2, columns=LEARNER_COLUMNS, timeout=0.25,
+                        n_step=cfg.n_step, gamma=cfg.gamma)
+        t_train = None
+        publish_every = 50
+
+        def drain() -> None:
+            while True:
+                try:
+                    ev = events.get_nowait()
+                except queue_mod.Empty:
+                    return
+                if ev[0] == "episode":
+                    _, a, ret, length, t, v = ev
+                    episodes.append({"actor": a, "return": ret, "length": length, "t": t - t_start,
+                                     "policy_version": v})
+                elif ev[0] == "done":
+                    done.add(ev[1])
+                elif ev[0] == "error":
+                    raise ArrowbufError(f"actor {ev[1]} failed: {ev[2]}")
+
+        last_ui = 0.0
+        while True:
+            drain()
+            if len(done) == actors:
+                break
+            if not any(w.is_alive() for w in workers):
+                drain()
+                if len(done) < actors:
+                    raise ArrowbufError(f"actors {sorted(set(range(actors)) - done)} exited without finishing")
+                break
+            t0 = time.perf_counter()
+            try:
+                batch = next(loader)
+            except SampleTimeout:
+                batch = None
+            t1 = time.perf_counter()
+            timing["wait_s"] += t1 - t0
+            if batch is not None:
+                if t_train is None:
+                    t_train = t0
+                td = learner.train(batch.to_numpy(), batch.weights if prioritized else None)
+                t2 = time.perf_counter()
+                timing["train_s"] += t2 - t1
+                if prioritized:
+                    loader.update_priorities(batch, td + 1e-3)
+                if learner.updates % publish_every == 0:
+                    version += 1
+                    policy_file.publish(learner.q.state_dict(), version)
+                timing["other_s"] += time.perf_counter() - t2
+            now = time.monotonic()
+            if now - last_ui >= 0.5:
+                last_ui = now
+                recent = [e["return"] for e in episodes[-20:]]
+                m = loader.metrics
+                its = m.iterations
+                rate = (its * cfg.batch_size / (time.perf_counter() - t_train)) if t_train and its else 0.0
+                bar.update(len(store), {
+                    "episodes": len(episodes),
+                    "return(last20)": f"{np.mean(recent):.1f}" if recent else "-",
+                    "samples/s": f"{rate:,.0f}",
+                    "exposed": f"{m.totals['exposed_s'] / its * 1e3:.2f}ms/it" if its else "-",
+                    "policy": f"v{version}"})
+        bar.update(len(store), {"episodes": len(episodes)})
+    finally:
+        bar.close()
+        stop.set()
+        if loader is not None:
+            loader.close()
+        for w in workers:
+            w.join(10)
+        for w in workers:
+            if isinstance(w, mp.process.BaseProcess) and w.is_alive():
+                w.terminate()
+                w.join(5)
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.close()
+    try:
+        wall = time.time() - t_start
+        summary = _summary_sql(store)
+        total_steps = len(store)
+    finally:
+        store.close()
+        if transport == "shm":
+            try:
+                store.unlink()
+            except Exception:
+                pass
+    rets = [e["return"] for e in episodes]
+    first20 = float(np.mean(rets[:20])) if rets else float("nan")
+    last20 = float(np.mean(rets[-20:])) if rets else float("nan")
+    (out_dir / "episodes.json").write_text(json.dumps(episodes))
+    plot = _plot(episodes, out_dir / "returns.png", f"DQN on CartPole-v1, {actors} actors, transport={transport}")
+    return DemoResult(transport, episodes, learner.updates, total_steps, wall, summary,
+                      loader.metrics.summary() if loader is not None else "", timing, plot, first20, last20)
+
+
+def _summary_sql(store: Any) -> Any:
+    """Episode returns by quarter of the run (in insert order), straight from the live buffer with DuckDB."""
+    return store.sql(
+        "WITH ep AS (SELECT episode_id, count(*) AS length, sum(reward) AS ret, min(seq) AS first_seq, "
+        "bool_or(terminated OR truncated) AS complete FROM experience GROUP BY episode_id), "
+        "q AS (SELECT *, ntile(4) OVER (ORDER BY first_seq) AS quarter FROM ep WHERE complete) "
+        "SELECT quarter, count(*) AS episodes, round(avg(ret), 1) AS mean_return, max(ret) AS best_return, "
+        "round(avg(length), 1) AS mean_length FROM q GROUP BY quarter ORDER BY quarter")
+
+
+def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
     except ImportError:
-        return SyntheticEnv(seed)
-
-
-def run_actors(store: ExperienceStore, actors: int, steps: int, seed: int) -> float:
-    """Play `actors` environments round-robin with a random policy, one step each in turn."""
-    envs = [make_env(seed + i) for i in range(actors)]
-    obs = [e.reset(seed=seed + i)[0] for i, e in enumerate(envs)]
-    rng = np.random.default_rng(seed)
-    t0 = time.perf_counter()
-    for t in range(steps):
-        i = t % actors
-        action = int(rng.integers(0, 2))
-        nxt, reward, term, trunc, _ = envs[i].step(action)
-        store.append({"obs": np.asarray(obs[i], np.float32), "action": action, "reward": float(reward),
-                      "terminated": bool(term), "truncated": bool(trunc), "policy_version": 0,
-                      "next_obs": np.asarray(nxt, np.float32), "actor": i})
-        obs[i] = envs[i].reset()[0] if (term or trunc) else nxt
-    return time.perf_counter() - t0
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if episodes:
+        t = np.array([e["t"] for e in episodes])
+        r = np.array([e["return"] for e in episodes])
+        ax.scatter(t, r, s=6, alpha=0.35, label="episode return")
+        k = min(20, len(r))
+        ma = np.convolve(r, np.ones(k) / k, mode="valid")
+        ax.plot(t[k - 1:], ma, color="C1", lw=2, label=f"mean of last {k}")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("return")
+    ax.set_title(title)
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="arrowbuf demo", description=__doc__.splitlines()[0])
-    p.add_argument("--actors", type=int, default=4)
-    p.add_argument("--steps", type=int, default=20_000)
-    p.add_argument("--capacity", type=int, default=50_000)
-    p.add_argument("--batch-size", type=int, default=256)
+    p = argparse.ArgumentParser(prog="python -m arrowbuf.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--actors", type=int, default=3, help="actor processes (threads with --transport local)")
+    p.add_argument("--steps", type=int, default=24_000, help="environment steps in all (split across actors)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="flight")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.environ.get("ARROWBUF_DEMO_OUT", "demo_out"),
+                   help="folder for returns.png, episodes.json, policy.pt (default: $ARROWBUF_DEMO_OUT or demo_out)")
+    p.add_argument("--warmup", type=int, default=None, help="rows stored before learning starts")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    schema = load_schema(SCHEMAS / "cartpole.yaml") if (SCHEMAS / "cartpole.yaml").exists() else load_schema(
-        CARTPOLE)
-    with ExperienceStore(schema, capacity=args.capacity, seed=args.seed) as store:
-        secs = run_actors(store, args.actors, args.steps, args.seed)
-        print(f"ingested {len(store)} steps from {args.actors} interleaved actors in {secs:.2f}s "
-              f"({len(store) / secs:,.0f} steps/s)")
-        t0 = time.perf_counter()
-        n = 0
-        while time.perf_counter() - t0 < 1.0:
-            batch = store.sample(args.batch_size)
-            n += len(batch)
-        print(f"sampled {n / (time.perf_counter() - t0):,.0f} transitions/s (batch {args.batch_size})")
-        eps = store.episodes()
-        print(f"{eps.num_rows} episodes stored, {sum(eps.column('complete').to_pylist())} complete")
-        try:
-            summary = store.sql(
-                "SELECT count(DISTINCT episode_id) AS episodes, avg(ret) AS mean_return, max(ret) AS best "
-                "FROM (SELECT episode_id, sum(reward) AS ret FROM experience GROUP BY episode_id)")
-            print("episode returns (DuckDB over the live buffer):")
-            print(summary.to_pandas().to_string(index=False))
-        except ImportError as exc:
-            print(f"(SQL summary skipped: {exc})")
+    cfg = DQNConfig()
+    if args.warmup is not None:
+        cfg.warmup = args.warmup
+    res = run(args.actors, args.steps, args.transport, args.seed, args.out, cfg, progress=not args.no_progress)
+    print(f"\n{res.steps} steps, {len(res.episodes)} episodes, {res.updates} gradient steps in {res.wall_s:.1f}s "
+          f"(transport={res.transport})")
+    print(res.loader_summary)
+    print("learner loop: " + ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in res.learner_s.items()))
+    print("episode returns by quarter of the run (DuckDB over the live buffer, store.sql):")
+    print(res.summary.to_pandas().to_string(index=False))
+    print(f"mean return: first 20 episodes {res.first20:.1f} -> last 20 episodes {res.last20:.1f}")
+    if res.plot:
+        print(f"plot: {res.plot}")
     return 0
 
 
