@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -544,6 +543,16 @@ ticket_keys = st.sampled_from(["v", "kind", "store", "n", "columns", "timeout", 
 ticket_objects = st.dictionaries(ticket_keys, json_values | st.sampled_from(
     ["sample", "table", "sql", "episodes", "cartpole", 3, ["obs"], 1]), max_size=6)
 raw_requests = st.binary(max_size=64) | ticket_objects.map(lambda d: json.dumps(d).encode())
+numbers = st.integers(-2**70, 2**70) | st.floats()
+priority_bodies = st.fixed_dictionaries(
+    {"indices": st.lists(numbers, max_size=4), "priorities": st.lists(numbers, max_size=4)},
+    optional={"store": st.sampled_from(["cartpole", "x"]), "v": st.sampled_from([1, 2, True])},
+).map(lambda d: json.dumps(d).encode())
+sample_tickets = st.fixed_dictionaries(
+    {"kind": st.just("sample"), "n": numbers},
+    optional={"timeout": numbers, "columns": st.lists(st.sampled_from(["obs", "seq", "x"])),
+              "options": st.dictionaries(st.text(max_size=4), numbers, max_size=2)},
+).map(lambda d: json.dumps(d).encode())
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -575,14 +584,15 @@ def _expect_mapped(call, *, detail: bool = True) -> None:
 
 class TestMalformedInput:
     @PROPS
-    @given(raw=raw_requests)
+    @given(raw=raw_requests | sample_tickets)
     def test_tickets(self, target, raw):
         _expect_mapped(lambda: target[2].do_get(flight.Ticket(raw)).read_all())
 
     @PROPS
     @given(type_=st.sampled_from(["describe", "stats", "len", "update_priorities"]) | st.text(max_size=12),
-           body=raw_requests | st.dictionaries(st.sampled_from(["store", "indices", "priorities", "x"]),
-                                               json_values, max_size=3).map(lambda d: json.dumps(d).encode()))
+           body=raw_requests | priority_bodies | st.dictionaries(
+               st.sampled_from(["store", "indices", "priorities", "x"]), json_values, max_size=3
+           ).map(lambda d: json.dumps(d).encode()))
     def test_actions(self, target, type_, body):
         _expect_mapped(lambda: list(target[2].do_action(flight.Action(type_, body))))
 
@@ -628,7 +638,8 @@ class TestMalformedInput:
             assert store.to_table(["seq"]).column("seq").to_pylist()[-1] == before + rb.num_rows
 
     @PROPS
-    @given(messages=st.lists(raw_requests, min_size=1, max_size=3))
+    @given(messages=st.lists(raw_requests | priority_bodies.map(lambda b: b[:-1] + b', "op": "update_priorities"}'),
+                             min_size=1, max_size=3))
     def test_exchange_messages(self, target, messages):
         store, _, client = target
         descriptor = P.session_descriptor(P.SessionRequest(2, prefetch=1))

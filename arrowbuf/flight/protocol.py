@@ -3,14 +3,16 @@ r"""The arrowbuf Flight wire format (protocol version 1): the one module that de
 docs/flight-protocol.md is the reader's version of this module, with a worked example per verb. Everything is
 UTF-8 JSON objects so that any Flight client (C++, Java, Rust, Go) can speak it:
 
-| verb | request | response |
-|---|---|---|
-| DoGet | ticket `{"v":1,"kind":"sample","store":s,"n":256,"columns":null,"timeout":null,"options":{}}` | one batch, app_metadata `{"v":1,"indices":[..],"weights":[..] or null}` |
-| DoGet | ticket `{"v":1,"kind":"table"\|"episodes"\|"sql",...}` | a table (a snapshot) |
-| DoPut | descriptor path `[store]` or command `{"v":1,"kind":"extend","store":s,"timeout":t}` | one ack per batch: `{"v":1,"batch":k,"first_seq":f,"rows":n}` |
-| DoExchange | descriptor command `{"v":1,"kind":"session","store":s,"n":256,...}`; up: metadata `{"op":"sample","count":k}` or `{"op":"update_priorities",...}` | batches with sample metadata; in-band errors |
-| DoAction | type in `ACTIONS`, body `{"v":1,"store":s,...}` (may be empty) | one JSON result |
-| ListFlights / GetFlightInfo / GetSchema | descriptor path `[store]` (`[store, "input"]`: the schema a writer sends) | per store |
+- DoGet: ticket `{"v":1,"kind":"sample","store":s,"n":256,"columns":null,"timeout":null,"options":{}}` returns
+  one batch with app_metadata `{"v":1,"indices":[..],"weights":[..] or null}`; kinds "table", "episodes" and "sql"
+  return a table (a snapshot).
+- DoPut: descriptor path `[store]` or command `{"v":1,"kind":"extend","store":s,"timeout":t}`; one ack per batch,
+  `{"v":1,"batch":k,"first_seq":f,"rows":n}`.
+- DoExchange: descriptor command `{"v":1,"kind":"session","store":s,"n":256,...}`; up, metadata messages
+  `{"op":"sample","count":k}` and `{"op":"update_priorities",...}`; down, batches with sample metadata or in-band
+  errors.
+- DoAction: a type in `ACTIONS`, body `{"v":1,"store":s,...}` (may be empty); one JSON result.
+- ListFlights / GetFlightInfo / GetSchema: descriptor path `[store]` (`[store, "input"]`: the schema a writer sends).
 
 Errors: every error a server raises on purpose is a Flight error whose `extra_info` (Arrow's binary status detail)
 is `{"v":1,"error":<class>,"code":<status>,"message":<text>}`; `ERRORS` is the one table, in both directions.
@@ -50,6 +52,8 @@ MAX_JSON_BYTES = 16 << 20
 MAX_REQUEST_COUNT = 1024
 #: Most batches a session may prefetch on the server (also bounded in bytes by the server).
 MAX_PREFETCH = 16
+#: Longest wait a request may ask for, in seconds (about 11 days).
+MAX_TIMEOUT = 1e6
 
 TICKET_KINDS = ("sample", "table", "episodes", "sql")
 #: DoAction types and what they do (ListActions returns this).
@@ -220,15 +224,19 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_int64(v: Any) -> bool:
+    return _is_int(v) and -(2**63) <= v < 2**63
+
+
 _CHECKS = {
     "a string": lambda v: isinstance(v, str),
-    "a positive integer": lambda v: _is_int(v) and v > 0,
-    "a non-negative integer": lambda v: _is_int(v) and v >= 0,
-    "a number of seconds >= 0": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-    and math.isfinite(v) and v >= 0,
+    "a positive integer": lambda v: _is_int64(v) and v > 0,
+    "a non-negative integer": lambda v: _is_int64(v) and v >= 0,
+    "a number of seconds in [0, 1e6]": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    and math.isfinite(v) and 0 <= v <= MAX_TIMEOUT,
     "a list of column names": lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v),
     "an object": lambda v: isinstance(v, dict),
-    "a list of integers": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "a list of int64 integers": lambda v: isinstance(v, list) and all(_is_int64(x) for x in v),
     "a list of numbers": lambda v: isinstance(v, list)
     and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v),
 }
@@ -282,7 +290,7 @@ def decode_ticket(raw: bytes | pa.Buffer) -> SampleRequest | TableRequest:
     if kind == "sample":
         req = SampleRequest(n=f.get("n", "a positive integer", required=True), store=store,
                             columns=f.get("columns", "a list of column names"),
-                            timeout=f.get("timeout", "a number of seconds >= 0"),
+                            timeout=f.get("timeout", "a number of seconds in [0, 1e6]"),
                             options=f.get("options", "an object", default={}))
     elif kind == "table":
         req = TableRequest(kind, store, columns=f.get("columns", "a list of column names"))
@@ -370,7 +378,8 @@ def decode_put_descriptor(descriptor: flight.FlightDescriptor) -> PutRequest:
     kind = f.get("kind", "a string", default="extend")
     if kind != "extend":
         raise SchemaError(f"DoPut descriptor command: kind must be \"extend\", got {kind!r}")
-    req = PutRequest(store=f.get("store", "a string"), timeout=f.get("timeout", "a number of seconds >= 0"))
+    req = PutRequest(store=f.get("store", "a string"),
+                     timeout=f.get("timeout", "a number of seconds in [0, 1e6]"))
     f.done()
     return req
 
@@ -388,7 +397,7 @@ def decode_session_descriptor(descriptor: flight.FlightDescriptor) -> SessionReq
         raise SchemaError(f"DoExchange descriptor command: prefetch {prefetch} is over the limit {MAX_PREFETCH}")
     req = SessionRequest(n=f.get("n", "a positive integer", required=True), store=f.get("store", "a string"),
                          columns=f.get("columns", "a list of column names"),
-                         timeout=f.get("timeout", "a number of seconds >= 0"), prefetch=prefetch,
+                         timeout=f.get("timeout", "a number of seconds in [0, 1e6]"), prefetch=prefetch,
                          options=f.get("options", "an object", default={}))
     f.done()
     return req
@@ -420,7 +429,7 @@ def decode_action(action: flight.Action) -> ActionRequest:
     f = _Fields(obj, where)
     store = f.get("store", "a string")
     if type_ == "update_priorities":
-        indices = f.get("indices", "a list of integers", required=True)
+        indices = f.get("indices", "a list of int64 integers", required=True)
         priorities = f.get("priorities", "a list of numbers", required=True)
         f.done()
         return ActionRequest(type_, store, indices, priorities)
@@ -490,7 +499,7 @@ def decode_exchange(raw: bytes | pa.Buffer | None) -> ExchangeMessage:
         f.done()
         return ExchangeMessage("sample", count=count)
     if op == "update_priorities":
-        msg = ExchangeMessage(op, indices=f.get("indices", "a list of integers", required=True),
+        msg = ExchangeMessage(op, indices=f.get("indices", "a list of int64 integers", required=True),
                               priorities=f.get("priorities", "a list of numbers", required=True))
         f.done()
         return msg
