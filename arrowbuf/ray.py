@@ -1,0 +1,1160 @@
+"""Sharded experience stores on a Ray cluster: shard actors spread over nodes, one Flight endpoint each.
+
+Usage::
+
+    import ray, arrowbuf as ab
+    from arrowbuf.ray import ShardedStore, broadcast
+
+    ray.init()
+    sharded = ShardedStore.create(schema, num_shards=4, capacity_per_shard=1_000_000,
+                                  sampler=ab.samplers.Prioritized(alpha=0.6, beta=0.4))
+
+    @ray.remote
+    def actor(sharded):                      # the handle pickles: pass it to any task or actor
+        with sharded.writer() as w:          # the local node's shard: shared memory when it can, else Flight
+            for batch in rollouts():
+                w.extend(batch)              # an episode stays on one shard
+
+    batch = sharded.sample(256, deadline=0.05)   # every shard in parallel, proportionally to its mass
+    sharded.update_priorities(batch.indices, td)  # routed back to the owning shards
+    for part in sharded.stream(256):              # or take the per-shard parts as they arrive
+        ...
+    weights_ref = broadcast(policy.state_dict(), actors, "set_weights")   # one put, many gets
+    sharded.shutdown()
+
+Ids: `batch.indices` are global ids, `shard << 53 | generation << 45 | seq` (see `encode_ids`): the shard routes
+priority updates, the generation (a shard incarnation, 8 bits) keeps an update meant for a row of a dead incarnation
+from touching the row that replaced it after a restart, and `seq` (45 bits: 3.5e13 rows per incarnation) is the
+shard store's own id.
+
+Sampling (see docs/ray.md for the arithmetic): shard k serves `n_k` rows with `E[n_k] = n * M_k / M`, where `M_k` is
+its sampling mass (priority mass `sum p^alpha` for prioritized samplers, sampleable rows otherwise) as last reported,
+and serves them from its local distribution `p_i^alpha / M_k`, so an item's probability is `p_i^alpha / M` over all
+shards. IS weights are normalised globally: `w_i = (P_i / P_min)^-beta` with `P_min` the smallest probability over
+every shard. A straggler deadline makes a late shard's share come from the others for that call (its rows have
+probability 0 in that batch; see `sample`). A dead shard's share is served by the others at once; Ray restarts it
+(`max_restarts`) and it comes back empty (no spill or checkpoint is restored) under a new generation.
+
+Ray is imported when used; a missing ray raises `MissingDependency` naming `arrowbuf[ray]`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import fcntl
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+import warnings
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from .batch import SampleBatch
+from .errors import ArrowbufError, SampleTimeout, SchemaError, StoreClosed, require
+from .samplers import PrioritizedSampler, Sampler, SequenceSampler, make_sampler
+from .schema import ExperienceSchema, load_schema
+
+log = logging.getLogger("arrowbuf.ray")
+
+#: Bit layout of a global id: [0][shard: 10][generation: 8][seq: 45].
+SEQ_BITS = 45
+GEN_BITS = 8
+SHARD_BITS = 10
+MAX_SHARDS = 1 << SHARD_BITS
+_SEQ_MASK = (1 << SEQ_BITS) - 1
+_GEN_MASK = (1 << GEN_BITS) - 1
+#: Internal columns a shard adds to a batch for the learner's global weights (never reach the user).
+_INFO_COLUMNS = ("_mass", "_shard_mass", "_shard_min", "_shard_size")
+
+
+class ShardsLost(StoreClosed):
+    """No shard of a sharded store is left (each is dead for good or unreachable past its failure timeout)."""
+
+
+def _ray() -> Any:
+    return require("ray", "ray")
+
+
+# ---------------------------------------------------------------------------------------------------------- ids
+def encode_ids(shard: int, generation: int, seqs: np.ndarray) -> np.ndarray:
+    """Global ids of shard-local seqs: `shard << 53 | generation << 45 | seq` (int64, non-negative)."""
+    seqs = np.asarray(seqs, dtype=np.int64)
+    return (np.int64(shard) << (GEN_BITS + SEQ_BITS)) | (np.int64(generation & _GEN_MASK) << SEQ_BITS) | (
+        seqs & _SEQ_MASK)
+
+
+def decode_ids(ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(shard, generation, seq) arrays of global ids."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return ids >> (GEN_BITS + SEQ_BITS), (ids >> SEQ_BITS) & _GEN_MASK, ids & _SEQ_MASK
+
+
+def shard_of(ids: Any) -> np.ndarray:
+    """The shard of each global id."""
+    return np.asarray(ids, dtype=np.int64) >> (GEN_BITS + SEQ_BITS)
+
+
+# ---------------------------------------------------------------------------------------------------------- shard side
+def _priority_sampler(sampler: Sampler) -> PrioritizedSampler | None:
+    if isinstance(sampler, PrioritizedSampler):
+        return sampler
+    if isinstance(sampler, SequenceSampler) and isinstance(sampler.priority, PrioritizedSampler):
+        return sampler.priority
+    return None
+
+
+def shm_safe(sampler: Sampler) -> bool:
+    """Whether writers in other processes may append through shared memory: the sampler keeps no per-process state
+    of which rows are sampleable (a prioritized sampler's sum tree lives in the shard's heap, so its rows must arrive
+    through the shard's own process, over Flight)."""
+    cls = type(make_sampler(sampler))
+    return cls.on_valid is Sampler.on_valid and cls.on_invalid is Sampler.on_invalid
+
+
+class ShardStore:
+    """A shard's store as its Flight server sees it: the local store with global ids and sampling-mass reports.
+
+    `sample(..., shard_info=True)` adds the columns `_mass` (each row's `p^alpha`, or 1), `_shard_mass`,
+    `_shard_min` and `_shard_size` (this shard's mass, smallest row mass and size, repeated per row) that the
+    learner's `ShardedStore` turns into global weights and strips. Everything else is the store's surface.
+    """
+
+    def __init__(self, store: Any, shard: int, generation: int) -> None:
+        self.store = store
+        self.shard = int(shard)
+        self.generation = int(generation) & _GEN_MASK
+        self.name = store.name
+        self.schema = store.schema
+        self.capacity = store.capacity
+        self.delay_s = 0.0  # artificial slowness (benchmarks, tests): added to every sample
+        self._prio = _priority_sampler(store.sampler)
+
+    def mass(self) -> tuple[float, float, int]:
+        """(sampling mass, smallest row mass, size) now."""
+        size = len(self.store)
+        if self._prio is None:
+            return float(size), 1.0 if size else float("inf"), size
+        return float(self._prio.sum_tree.total()), float(self._prio.min_tree.min()), size
+
+    def extend(self, batch: Any, **kwargs: Any) -> int:
+        return int(encode_ids(self.shard, self.generation, np.array([self.store.extend(batch, **kwargs)]))[0])
+
+    def append(self, step: Any, **kwargs: Any) -> int:
+        return int(encode_ids(self.shard, self.generation, np.array([self.store.append(step, **kwargs)]))[0])
+
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
+               shard_info: bool = False, **options: Any) -> SampleBatch:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        b = self.store.sample(n, columns, timeout, **options)
+        ids = encode_ids(self.shard, self.generation, b.indices)
+        if not shard_info:
+            return SampleBatch({c: b[c] for c in b.columns}, ids, b.weights, b.info)
+        arrays = {c: b[c] for c in b.columns}
+        total, vmin, size = self.mass()
+        k = len(ids)
+        if self._prio is not None:
+            pos = np.asarray(b.indices, dtype=np.int64) % self.store.arena_rows
+            arrays["_mass"] = self._prio.sum_tree.get(pos).astype(np.float64)
+        else:
+            arrays["_mass"] = np.ones(k)
+        arrays["_shard_mass"] = np.full(k, total)
+        arrays["_shard_min"] = np.full(k, vmin)
+        arrays["_shard_size"] = np.full(k, size, dtype=np.int64)
+        return SampleBatch(arrays, ids, b.weights, b.info)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        shard, gen, seq = decode_ids(indices)
+        pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        if len(pri) != len(seq):
+            raise ValueError(f"{len(seq)} indices but {len(pri)} priorities; pass one priority per index")
+        mine = (shard == self.shard) & (gen == self.generation)  # ids of a dead incarnation are not ours
+        return int(self.store.update_priorities(seq[mine], pri[mine])) if mine.any() else 0
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def stats(self) -> dict[str, Any]:
+        total, vmin, size = self.mass()
+        return {**self.store.stats(), "shard": self.shard, "generation": self.generation, "mass": total,
+                "min_mass": vmin if np.isfinite(vmin) else None}
+
+    def __getattr__(self, name: str) -> Any:  # to_table, episodes, sql, chunks, ...: the store's own
+        if name == "store":
+            raise AttributeError(name)
+        return getattr(self.store, name)
+
+
+class ShardDirectory:
+    """Per sharded store: hands each shard incarnation its generation and records where the shards are.
+
+    A Ray actor (no CPU). Generations count up per shard; a directory that was itself restarted starts them at a
+    random point so an incarnation after that rarely repeats a recent generation.
+    """
+
+    def __init__(self, num_shards: int) -> None:
+        ray = _ray()
+        start = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            again = ray.get_runtime_context().was_current_actor_reconstructed
+        if again:
+            start = secrets.randbelow(1 << GEN_BITS)
+        self.generations = [start - 1] * num_shards
+        self.starts = [0] * num_shards
+        self.infos: list[dict[str, Any] | None] = [None] * num_shards
+
+    def next_generation(self, shard: int) -> tuple[int, int]:
+        self.generations[shard] = (self.generations[shard] + 1) & _GEN_MASK
+        self.starts[shard] += 1
+        return self.generations[shard], self.starts[shard]
+
+    def publish(self, shard: int, info: dict[str, Any]) -> None:
+        self.infos[shard] = info
+
+    def get(self) -> list[dict[str, Any] | None]:
+        return self.infos
+
+
+class ShardActor:
+    """One shard: a store (shared memory on its node when it can, else the heap) and a Flight server for it.
+
+    Made a Ray actor by `ShardedStore.create`; a restarted incarnation (Ray's `max_restarts`) starts empty under a
+    new generation, with a new Flight port, and publishes itself in the directory.
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from .flight import serve
+        from .store import ExperienceStore
+
+        ray = _ray()
+        ctx = ray.get_runtime_context()
+        shard = int(spec["shard"])
+        self.shard = shard
+        directory = None
+        try:
+            directory = ray.get_actor(spec["directory"])
+            gen, starts = ray.get(directory.next_generation.remote(shard), timeout=30)
+        except Exception:  # noqa: BLE001 - without the directory an incarnation still needs a generation
+            gen, starts = secrets.randbelow(1 << GEN_BITS), -1
+        tier = spec["tier"]
+        shm_name = None
+        if tier == "shm":
+            shm_name = f"{spec['uid']}-s{shard}-g{gen}-{secrets.token_hex(3)}"
+        seed = None if spec["seed"] is None else int(spec["seed"]) + 1000003 * shard + gen
+        self.store = ExperienceStore(load_schema(spec["schema"]), spec["capacity"], make_sampler(spec["sampler"]),
+                                     spec["rate_limiter"], seed, chunk_rows=spec["chunk_rows"], tier=tier,
+                                     name=shm_name or f"{spec['name']}-{shard}")
+        self.shard_store = ShardStore(self.store, shard, gen)
+        host = ray.util.get_node_ip_address() if spec["bind"] is None else spec["bind"]
+        self.server = serve(self.shard_store, f"grpc://{host}:0", token=spec["token"],
+                            max_batch_rows=spec["max_batch_rows"])
+        self.info = {"shard": shard, "generation": gen, "incarnation": starts, "location": self.server.location,
+                     "store": self.store.name, "shm": shm_name, "node_id": ctx.get_node_id(), "node_ip": host,
+                     "pid": os.getpid(), "started": time.time()}
+        if directory is not None:
+            with contextlib.suppress(Exception):
+                directory.publish.remote(shard, self.info)
+
+    def get_info(self) -> dict[str, Any]:
+        return self.info
+
+    def stats(self) -> dict[str, Any]:
+        return self.shard_store.stats()
+
+    def set_delay(self, seconds: float) -> None:
+        """Slow every sample of this shard by `seconds` (benchmarks and tests of the straggler deadline)."""
+        self.shard_store.delay_s = float(seconds)
+
+    def close(self) -> None:
+        self.server.close()
+        self.store.close()  # the creator's close removes the shared-memory name
+
+
+# ---------------------------------------------------------------------------------------------------------- learner side
+class _Shard:
+    """What a handle knows about one shard: its connection, state and the last mass it reported."""
+
+    def __init__(self, k: int, actor: Any, info: dict[str, Any] | None) -> None:
+        self.k = k
+        self.actor = actor
+        self.info = info
+        self.client: Any = None
+        self.down = info is None
+        self.down_since = time.monotonic() if self.down else 0.0
+        self.lost = False            # dead for good (restarts exhausted)
+        self.late: cf.Future | None = None  # a sample past its deadline, still running
+        self.mass = 0.0
+        self.min_mass = float("inf")
+        self.size = 0
+        self.probe: Any = None       # an outstanding actor.get_info() while down
+
+
+class ShardedStore:
+    """A handle on shards spread over a Ray cluster; see the module docstring. Create one with `create`.
+
+    The handle pickles (actor handles, token, the shards' last known locations) and opens its own connections in
+    each process. `close()` closes this process's connections; `shutdown()` ends the shards themselves.
+
+    Attributes:
+        schema: the `ExperienceSchema` of every shard.
+        num_shards: shard count.
+        actors: the shard actors (Ray actor handles), by shard.
+        deadline: default straggler deadline of `sample` in seconds (None: wait for every live shard).
+    """
+
+    def __init__(self, state: dict[str, Any], owner: bool = False) -> None:
+        self._state = state
+        self._owner = owner
+        self.schema: ExperienceSchema = load_schema(state["schema"])
+        self.num_shards = len(state["actors"])
+        self.actors = list(state["actors"])
+        self.deadline: float | None = state["deadline"]
+        self.failure_timeout = float(state["failure_timeout"])
+        self.max_restarts = int(state["max_restarts"])
+        self._token = state["token"]
+        sampler = make_sampler(state["sampler"])
+        prio = _priority_sampler(sampler)
+        self.prioritized = prio is not None
+        self.beta = prio.beta if prio is not None else 0.0
+        self._shards = [_Shard(k, a, info) for k, (a, info) in enumerate(zip(self.actors, state["infos"]))]
+        self._lock = threading.RLock()
+        self._pool: _DaemonPool | None = None
+        self._rng = np.random.default_rng()
+        self._closed = False
+        self._default_writer: ShardWriter | None = None
+        self.counters = {"late": 0, "failed": 0, "revived": 0, "topups": 0, "updates_dropped": 0}
+
+    # ------------------------------------------------------------------ creation
+    @classmethod
+    def create(cls, schema: Any, num_shards: int, capacity_per_shard: int, sampler: Any = "uniform", *,
+               rate_limiter: Any = None, seed: int | None = None, tier: str = "auto", name: str | None = None,
+               strategy: str = "SPREAD", shard_cpus: float = 0.25, max_restarts: int = -1,
+               deadline: float | None = None, failure_timeout: float = 30.0, chunk_rows: int | None = None,
+               max_batch_rows: int = 65_536, bind: str | None = None, timeout: float = 120.0) -> "ShardedStore":
+        """Start `num_shards` shard actors in a placement group and return a handle on them.
+
+        Args:
+            schema: an `ExperienceSchema`, or anything `load_schema` takes.
+            num_shards: how many shards (at most 1024).
+            capacity_per_shard: rows each shard holds (a FIFO ring, as `ExperienceStore`).
+            sampler: the sampler of every shard: a name or an `ab.samplers` instance.
+            rate_limiter: each shard's rate limiter (applies per shard).
+            seed: base seed; shard k of generation g uses `seed + 1000003 * k + g`.
+            tier: "auto" (shared memory when this arrowbuf has it and the schema fits, else "host"), "shm", "host".
+            name: the stores' base name (default: the schema's).
+            strategy: placement group strategy: "SPREAD" (default: over nodes, best effort), "STRICT_SPREAD",
+                "PACK"; None to schedule without a placement group.
+            shard_cpus: CPUs each shard reserves (its bundle).
+            max_restarts: how often Ray restarts a dead shard (-1: always). A restarted shard comes back empty.
+            deadline: default straggler deadline of `sample`, seconds.
+            failure_timeout: a shard unreachable for this long (restarts exhausted or not) no longer counts as
+                coming back, so a handle with every shard down raises `ShardsLost`.
+            chunk_rows: rows per chunk of each shard store.
+            max_batch_rows: the largest batch a shard's Flight server accepts or serves.
+            bind: host the Flight servers bind (default: the node's IP); they always require a random token.
+            timeout: seconds to wait for the shards to start.
+        """
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init()
+        schema = load_schema(schema)
+        if not 1 <= int(num_shards) <= MAX_SHARDS:
+            raise ValueError(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
+        sampler = make_sampler(sampler)
+        tier = _resolve_tier(tier, schema)
+        uid = f"ab{secrets.token_hex(4)}"
+        token = secrets.token_urlsafe(24)
+        # named, so that shards find it by name: an actor handle among a restartable actor's arguments would pin them
+        directory = ray.remote(num_cpus=0, max_restarts=-1)(ShardDirectory).options(
+            name=f"arrowbuf-{uid}-directory").remote(int(num_shards))
+        pg = None
+        if strategy is not None:
+            from ray.util.placement_group import placement_group
+
+            pg = placement_group([{"CPU": float(shard_cpus)}] * int(num_shards), strategy=strategy)
+            ready, _ = ray.wait([pg.ready()], timeout=timeout)
+            if not ready:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(pg)
+                ray.kill(directory)
+                raise ArrowbufError(f"the placement group of {num_shards} shards ({shard_cpus} CPU each, {strategy}) "
+                                    f"could not be placed within {timeout}s: add nodes or lower shard_cpus")
+        remote_cls = ray.remote(ShardActor)
+        actors = []
+        for k in range(int(num_shards)):
+            opts: dict[str, Any] = {"num_cpus": float(shard_cpus), "max_restarts": int(max_restarts),
+                                    "max_task_retries": 0, "max_concurrency": 4}
+            if pg is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=k)
+            spec = {"shard": k, "schema": schema.to_dict(), "capacity": int(capacity_per_shard),
+                    "sampler": sampler, "rate_limiter": rate_limiter, "seed": seed, "chunk_rows": chunk_rows,
+                    "tier": tier, "uid": uid, "name": name or schema.name, "token": token, "bind": bind,
+                    "directory": f"arrowbuf-{uid}-directory", "max_batch_rows": int(max_batch_rows)}
+            actors.append(remote_cls.options(**opts).remote(spec))
+        try:
+            infos = ray.get([a.get_info.remote() for a in actors], timeout=timeout)
+        except BaseException:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            ray.kill(directory)
+            if pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(pg)
+            raise
+        state = {"schema": schema.to_dict(), "actors": actors, "infos": infos, "directory": directory, "pg": pg,
+                 "token": token, "sampler": sampler, "deadline": deadline, "failure_timeout": failure_timeout,
+                 "max_restarts": max_restarts, "tier": tier, "uid": uid}
+        return cls(state, owner=True)
+
+    def __reduce__(self) -> Any:
+        with self._lock:
+            state = dict(self._state, infos=[s.info for s in self._shards])
+        return (ShardedStore, (state,))
+
+    def __repr__(self) -> str:
+        up = sum(not s.down for s in self._shards)
+        return f"ShardedStore({self.num_shards} shards, {up} up, schema={self.schema.name!r})"
+
+    # ------------------------------------------------------------------ shards
+    @property
+    def infos(self) -> list[dict[str, Any] | None]:
+        """Each shard's last known info: location, generation, node_id, pid, shm name, ..."""
+        return [s.info for s in self._shards]
+
+    def _executor(self) -> "_DaemonPool":
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = _DaemonPool(min(64, 2 * self.num_shards + 2), "arrowbuf-shards")
+        return self._pool
+
+    def _client(self, s: _Shard) -> Any:
+        """The shard's Flight client, or None while it is down."""
+        if s.down:
+            self._poll_revival(s)
+            if s.down:
+                return None
+        if s.client is None:
+            from .flight import connect
+
+            try:
+                s.client = connect(s.info["location"], token=self._token, store=s.info["store"],
+                                   reconnect_timeout=0.0)
+            except (StoreClosed, OSError, pa.ArrowException) as exc:
+                self._mark_down(s, exc)
+                return None
+        return s.client
+
+    def _mark_down(self, s: _Shard, exc: BaseException | None = None) -> None:
+        with self._lock:
+            if s.down:
+                return
+            log.info("shard %d is unreachable (%s); serving from the others", s.k, exc)
+            s.down, s.down_since = True, time.monotonic()
+            s.mass, s.size = 0.0, 0
+            client, s.client = s.client, None
+            self.counters["failed"] += 1
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def _poll_revival(self, s: _Shard) -> None:
+        """Non-blocking: has a down shard's actor come back under a new generation?"""
+        if s.lost:
+            return
+        ray = _ray()
+        with self._lock:
+            if s.probe is None:
+                s.probe = s.actor.get_info.remote()
+            probe = s.probe
+            ready, _ = ray.wait([probe], timeout=0)
+            if not ready:
+                return
+            s.probe = None
+            try:
+                info = ray.get(probe)
+            except Exception:  # noqa: BLE001 - RayActorError: restarting, or dead for good
+                if time.monotonic() - s.down_since > self.failure_timeout:
+                    s.lost = True
+                return
+            old = s.info
+            if old is not None and info["generation"] == old["generation"] and info["pid"] == old["pid"]:
+                if time.monotonic() - s.down_since < 1.0:  # the old incarnation answered; retry its endpoint later
+                    return
+            s.info, s.down, s.client = info, False, None
+            s.mass, s.min_mass, s.size = 0.0, float("inf"), 0
+            self.counters["revived"] += 1
+
+    def _live(self) -> list[_Shard]:
+        return [s for s in self._shards if self._client(s) is not None]
+
+    def _all_lost(self) -> bool:
+        now = time.monotonic()
+        return all(s.lost or (s.down and now - s.down_since > self.failure_timeout) for s in self._shards)
+
+    def wait_for_shards(self, timeout: float = 60.0) -> int:
+        """Block until every shard is reachable (e.g. after a restart) or `timeout`; returns how many are up."""
+        end = time.monotonic() + timeout
+        while True:
+            up = len(self._live())
+            if up == self.num_shards or time.monotonic() >= end:
+                return up
+            time.sleep(0.02)
+
+    def refresh(self) -> None:
+        """Ask every live shard for its mass and size now (sample does this by itself when it has no estimate)."""
+        live = self._live()
+        futs = {self._executor().submit(_stats_of, s.client): s for s in live}
+        for fut, s in futs.items():
+            try:
+                st = fut.result(timeout=self.failure_timeout)
+            except Exception as exc:  # noqa: BLE001 - a shard that fails here is down
+                self._mark_down(s, exc)
+                continue
+            s.mass = float(st["mass"])
+            s.min_mass = float(st["min_mass"]) if st.get("min_mass") is not None else float("inf")
+            s.size = int(st["size"])
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
+               deadline: float | None = ..., **options: Any) -> SampleBatch:  # type: ignore[assignment]
+        """Sample `n` items over all shards: each shard in parallel, `n_k` of them in proportion to its mass.
+
+        Args:
+            n: batch size.
+            columns: columns to gather (default: every field).
+            timeout: seconds to wait for data when every shard is empty (None: do not wait).
+            deadline: straggler deadline in seconds (default: the handle's `deadline`). Shards that have not
+                answered by then are left out of this call and their share is drawn from the shards that did answer
+                (one more round trip to them), so the batch always has `n` rows. Effect on the distribution: in that
+                batch a late shard's rows have probability 0 and every other row's probability is scaled by
+                `M / (M - M_late)`; across calls a shard that misses a fraction f of deadlines is under-sampled by
+                (1 - f). IS weights stay those of the global distribution (they do not correct for this).
+            **options: passed to each shard's `sample` (e.g. `n_step=3, gamma=0.99`).
+
+        Raises:
+            SampleTimeout: every live shard is empty (or every shard is down but may come back) past `timeout`.
+            ShardsLost: no shard is left.
+        """
+        parts = list(self.stream(n, columns, timeout, deadline=deadline, **options))
+        return parts[0] if len(parts) == 1 else _concat(parts)
+
+    def stream(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
+               deadline: float | None = ..., **options: Any) -> Iterator[SampleBatch]:  # type: ignore[assignment]
+        """The parts of `sample(n, ...)` as each shard's arrives (see `sample`): `n` rows in all."""
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be a positive number of items, got {n!r}")
+        if deadline is ...:
+            deadline = self.deadline
+        cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
+        t0 = time.monotonic()
+        live = self._wait_for_data(t0, timeout)
+        remaining = int(n)
+        first = True
+        while remaining > 0:
+            counts = _allocate(remaining, np.array([s.mass for s in live]), self._rng)
+            futs = {self._executor().submit(self._sample_one, s, int(c), cols, timeout, options): s
+                    for s, c in zip(live, counts) if c > 0}
+            answered: list[_Shard] = []
+            end = t0 + deadline if (first and deadline is not None) else None
+            for s, part in self._collect(futs, end):
+                if part is None:
+                    continue
+                answered.append(s)
+                remaining -= len(part)
+                yield part
+            first = False
+            if remaining <= 0:
+                break
+            self.counters["topups"] += 1
+            live = [s for s in answered if s.mass > 0] or self._wait_for_data(t0, timeout)
+
+    def _wait_for_data(self, t0: float, timeout: float | None) -> list[_Shard]:
+        """Live shards with data (refreshing their mass when none is known), waiting up to `timeout`."""
+        pause = 0.002
+        while True:
+            live = [s for s in self._live() if s.late is None]
+            if live and not any(s.mass > 0 for s in live):
+                self.refresh()
+                live = [s for s in live if not s.down]
+            with_data = [s for s in live if s.mass > 0]
+            if with_data:
+                return with_data
+            left = (timeout or 0.0) - (time.monotonic() - t0)
+            if not live and self._all_lost():
+                raise ShardsLost(f"no shard of {self!r} is left: every shard is dead or unreachable for more than "
+                                 f"{self.failure_timeout}s")
+            if left <= 0:
+                why = "every live shard is empty" if live else "every shard is down (restarting: they come back empty)"
+                wait = "did not wait (timeout=None)" if not timeout else f"waited {timeout}s"
+                raise SampleTimeout(f"sharded sample: {why}; {wait}. Add data or pass timeout= to wait")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
+
+    def _collect(self, futs: dict[cf.Future, _Shard], end: float | None) -> Iterator[tuple[_Shard, Any]]:
+        """(shard, part or None) as each call finishes; calls still running at `end` become late."""
+        pending = set(futs)
+        got_any = False
+        while pending:
+            wait = None if end is None else max(0.0, end - time.monotonic())
+            if got_any is False and wait is not None and wait <= 0:
+                wait = None  # nothing arrived yet: a deadline cannot leave a batch empty, wait for the first
+            if wait is None:
+                wait = self.failure_timeout
+            done, pending = cf.wait(pending, timeout=wait, return_when=cf.FIRST_COMPLETED)
+            if not done:
+                for fut in pending:
+                    self._set_late(futs[fut], fut)
+                return
+            for fut in done:
+                s = futs[fut]
+                try:
+                    part = fut.result()
+                except SampleTimeout:
+                    s.mass = 0.0  # emptied meanwhile (e.g. a restart): not a failure
+                    yield s, None
+                    continue
+                except (StoreClosed, OSError, pa.ArrowException, ConnectionError) as exc:
+                    self._mark_down(s, exc)
+                    yield s, None
+                    continue
+                got_any = True
+                yield s, self._finish_part(s, part)
+            if end is not None and got_any and time.monotonic() >= end:
+                for fut in pending:
+                    self._set_late(futs[fut], fut)
+                return
+
+    def _set_late(self, s: _Shard, fut: cf.Future) -> None:
+        self.counters["late"] += 1
+        s.late = fut
+
+        def done(f: cf.Future) -> None:
+            s.late = None
+            if not f.cancelled() and f.exception() is None:
+                self._read_mass(s, f.result())  # the late part's data is dropped; its mass report is kept
+
+        fut.add_done_callback(done)
+
+    def _sample_one(self, s: _Shard, n: int, cols: list[str] | None, timeout: float | None,
+                    options: dict[str, Any]) -> SampleBatch:
+        client = s.client
+        if client is None:
+            raise StoreClosed(f"shard {s.k} is down")
+        return client.sample(n, cols, timeout, shard_info=True, **options)
+
+    def _read_mass(self, s: _Shard, part: SampleBatch) -> None:
+        if len(part):
+            s.mass = float(part["_shard_mass"][0])
+            s.min_mass = float(part["_shard_min"][0])
+            s.size = int(part["_shard_size"][0])
+
+    def _finish_part(self, s: _Shard, part: SampleBatch) -> SampleBatch:
+        """Strip the shard's info columns; global IS weights from the masses known now."""
+        self._read_mass(s, part)
+        weights = None
+        if self.prioritized:
+            masses = [x for x in self._shards if not x.down and x.mass > 0]
+            total = sum(x.mass for x in masses) or s.mass
+            vmin = min((x.min_mass for x in masses), default=s.min_mass)
+            p = np.asarray(part["_mass"], dtype=np.float64) / total
+            pmin = vmin / total
+            weights = np.minimum((p / pmin) ** (-self.beta), 1.0).astype(np.float32) if pmin > 0 else None
+        arrays = {c: part[c] for c in part.columns if c not in _INFO_COLUMNS}
+        info = dict(part.info or {})
+        info["shard"] = s.k
+        return SampleBatch(arrays, part.indices, weights, info)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """Route priority updates to the shards that own the ids; ids of down shards or dead incarnations are
+        dropped (counted in `counters["updates_dropped"]`). Returns how many were applied."""
+        ids = np.asarray(indices, dtype=np.int64).reshape(-1)
+        pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        if len(ids) != len(pri):
+            raise ValueError(f"{len(ids)} indices but {len(pri)} priorities; pass one priority per index")
+        if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
+            raise ValueError("priorities must be finite and >= 0")
+        owner = shard_of(ids)
+        futs = {}
+        for k in np.unique(owner):
+            mask = owner == k
+            s = self._shards[int(k)] if 0 <= k < self.num_shards else None
+            client = self._client(s) if s is not None else None
+            if client is None:
+                self.counters["updates_dropped"] += int(mask.sum())
+                continue
+            futs[self._executor().submit(client.update_priorities, ids[mask], pri[mask])] = (s, int(mask.sum()))
+        applied = 0
+        for fut, (s, m) in futs.items():
+            try:
+                applied += int(fut.result(timeout=self.failure_timeout))
+            except (StoreClosed, OSError, pa.ArrowException, cf.TimeoutError) as exc:
+                self._mark_down(s, exc)
+                self.counters["updates_dropped"] += m
+        return applied
+
+    # ------------------------------------------------------------------ writing
+    def writer(self, shard: int | None = None, *, transport: str = "auto", max_in_flight: int = 8,
+               actor: Any = None) -> "ShardWriter":
+        """A writer to one shard: `shard`, else a shard on this process's node, else one picked by writer id."""
+        return ShardWriter(self, shard, transport=transport, max_in_flight=max_in_flight, actor=actor)
+
+    def extend(self, batch: Any) -> None:
+        """Write through this handle's default writer (see `writer`)."""
+        if self._default_writer is None:
+            self._default_writer = self.writer()
+        self._default_writer.extend(batch)
+        self._default_writer.flush()
+
+    def append(self, step: dict[str, Any]) -> None:
+        self.extend({k: np.asarray(v)[None] for k, v in step.items()})
+
+    # ------------------------------------------------------------------ inspection
+    def __len__(self) -> int:
+        self.refresh()
+        return int(sum(s.size for s in self._shards if not s.down))
+
+    def stats(self) -> dict[str, Any]:
+        """Per-shard stats (None for a down shard) and totals."""
+        futs = {s.k: self._executor().submit(_stats_of, s.client) for s in self._live()}
+        shards: list[dict[str, Any] | None] = [None] * self.num_shards
+        for k, fut in futs.items():
+            with contextlib.suppress(Exception):
+                shards[k] = fut.result(timeout=self.failure_timeout)
+        up = [st for st in shards if st is not None]
+        return {"shards": shards, "up": len(up), "size": sum(st["size"] for st in up),
+                "inserts": sum(st["inserts"] for st in up), "samples": sum(st["samples"] for st in up),
+                **{f"handle_{k}": v for k, v in self.counters.items()}}
+
+    def to_table(self, columns: list[str] | None = None) -> pa.Table:
+        """Every live shard's rows, with a `shard` column first."""
+        tables = []
+        for s in self._live():
+            t = s.client.to_table(columns)
+            tables.append(t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))))
+        return pa.concat_tables(tables) if tables else self.schema.to_arrow().empty_table()
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Close this process's connections and writers; the shards keep running. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._default_writer is not None:
+            with contextlib.suppress(Exception):
+                self._default_writer.close()
+        for s in self._shards:
+            if s.client is not None:
+                with contextlib.suppress(Exception):
+                    s.client.close()
+                s.client = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def shutdown(self) -> None:
+        """End the shards (their stores and shared memory), the directory and the placement group."""
+        ray = _ray()
+        self.close()
+        closes = [a.close.remote() for a in self.actors]
+        with contextlib.suppress(Exception):
+            ray.wait(closes, num_returns=len(closes), timeout=10)
+        for a in [*self.actors, self._state["directory"]]:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+        if self._state.get("pg") is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._state["pg"])
+
+    def __enter__(self) -> "ShardedStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._owner:
+            self.shutdown()
+        else:
+            self.close()
+
+
+# ---------------------------------------------------------------------------------------------------------- writers
+_writer_ids = itertools.count()
+
+
+class ShardWriter:
+    """Writes experience to one shard, re-routing to another when it dies.
+
+    Its home is the shard given, else a shard on this process's Ray node (writers on a node spread over that
+    node's shards), else one chosen by the writer's id. Transport: shared memory when the home shard is on this node,
+    keeps its store in shared memory and its sampler keeps no per-process row state (`shm_safe`), else Flight: a
+    pipelined DoPut stream with at most `max_in_flight` unacknowledged batches.
+
+    Every batch carries this writer's `actor` id (unless the batch names its own), so an episode's steps stay one
+    episode on one shard, whatever other writers do. When the shard dies the writer moves to the next live shard
+    and re-sends the batches that shard had not acknowledged; the open episode continues there as a new episode
+    (an episode never spans shards; the part on the dead shard is gone with it). Every second it checks whether its
+    home came back (a new, empty incarnation) and returns to it.
+
+    Usage::
+
+        with sharded.writer() as w:
+            w.extend(batch)   # dict of arrays, RecordBatch or Table
+        w.rows                # rows acknowledged (Flight) or committed (shared memory)
+    """
+
+    def __init__(self, sharded: ShardedStore, shard: int | None = None, *, transport: str = "auto",
+                 max_in_flight: int = 8, actor: Any = None, reroute_timeout: float | None = None) -> None:
+        if transport not in ("auto", "shm", "flight"):
+            raise ValueError(f"transport must be 'auto', 'shm' or 'flight', got {transport!r}")
+        self.sharded = sharded
+        self.transport = transport
+        self.max_in_flight = int(max_in_flight)
+        self.actor_id = actor if actor is not None else (os.getpid() << 20) + next(_writer_ids) + (
+            secrets.randbelow(1 << 20) << 42)
+        self.reroute_timeout = sharded.failure_timeout if reroute_timeout is None else float(reroute_timeout)
+        self.home = self._pick_home(shard)
+        self.rows = 0
+        self.reroutes = 0
+        self.shard: int = -1
+        self.via: str = ""
+        self._target: Any = None        # RemoteWriter or attached ExperienceStore
+        self._owner_lock: str | None = None
+        self._unacked: list[pa.RecordBatch] = []
+        self._acked = 0
+        self._probe: Any = None
+        self._probe_at = 0.0
+        self._closed = False
+        self._connect(self.home)
+
+    # ------------------------------------------------------------------ routing
+    def _node_id(self) -> str | None:
+        ray = _ray()
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+    def _pick_home(self, shard: int | None) -> int:
+        n = self.sharded.num_shards
+        if shard is not None:
+            if not 0 <= shard < n:
+                raise ValueError(f"shard must be in [0, {n}), got {shard}")
+            return int(shard)
+        node = self._node_id()
+        local = [i.get("shard") for i in self.sharded.infos if i is not None and i.get("node_id") == node]
+        pool = local or list(range(n))
+        return int(pool[hash(self.actor_id) % len(pool)])
+
+    def _connect(self, k: int) -> None:
+        """Open the transport to shard `k`, or to the next live shard after it; waits up to reroute_timeout."""
+        end = time.monotonic() + self.reroute_timeout
+        n = self.sharded.num_shards
+        pause = 0.01
+        while True:
+            for j in [k, *[(k + i) % n for i in range(1, n)]]:
+                if self._open(j):
+                    if j != self.home:
+                        self.reroutes += 1
+                    return
+            if time.monotonic() >= end:
+                raise ShardsLost(f"writer: no shard of {self.sharded!r} accepted writes within {self.reroute_timeout}s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+    def _open(self, k: int) -> bool:
+        s = self.sharded._shards[k]
+        client = self.sharded._client(s)
+        if client is None:
+            return False
+        info = s.info
+        use_shm = (self.transport != "flight" and info.get("shm") and info.get("node_id") == self._node_id()
+                   and shm_safe(self.sharded._state["sampler"]))
+        if self.transport == "shm" and not use_shm:
+            raise ArrowbufError(f"shard {k} cannot take shared-memory writes from here (node, tier or sampler): "
+                                "use transport='auto' or 'flight'")
+        try:
+            if use_shm:
+                from .store import ExperienceStore
+                from .tiers.shm import store_path
+
+                self._target = ExperienceStore.attach(info["shm"])
+                self._owner_lock = os.path.join(store_path(info["shm"]), "owner.lock")
+                self.via = "shm"
+            else:
+                self._target = client.writer(max_in_flight=self.max_in_flight)
+                self._owner_lock = None
+                self.via = "flight"
+        except (StoreClosed, ArrowbufError, OSError, pa.ArrowException) as exc:
+            self.sharded._mark_down(s, exc)
+            return False
+        self.shard = k
+        return True
+
+    def _drop_target(self) -> None:
+        target, self._target = self._target, None
+        if target is None:
+            return
+        with contextlib.suppress(Exception):
+            if self.via == "shm":
+                target.close()
+            else:
+                target._abort()
+
+    def _reroute(self, exc: BaseException) -> None:
+        log.info("writer: shard %d failed (%s); re-routing", self.shard, exc)
+        self.sharded._mark_down(self.sharded._shards[self.shard], exc)
+        self._drop_target()
+        self._connect((self.shard + 1) % self.sharded.num_shards)
+        pending, self._unacked, self._acked = self._unacked, [], 0
+        for rb in pending:
+            self._send(rb)
+
+    def _maybe_go_home(self) -> None:
+        """Every second while away from home: if the home shard is back, flush here and move home."""
+        if self.shard == self.home or time.monotonic() < self._probe_at:
+            return
+        s = self.sharded._shards[self.home]
+        self.sharded._poll_revival(s)
+        self._probe_at = time.monotonic() + 1.0
+        if not s.down:
+            self.flush()
+            self._drop_target()
+            if not self._open(self.home):
+                self._connect(self.shard)
+
+    # ------------------------------------------------------------------ writing
+    def _with_actor(self, batch: Any) -> Any:
+        if isinstance(batch, dict):
+            if "actor" in batch or "episode_id" in batch:
+                return batch
+            n = len(next(iter(batch.values()))) if batch else 0
+            return {**batch, "actor": np.full(n, self.actor_id, dtype=np.int64)}
+        if isinstance(batch, (pa.RecordBatch, pa.Table)):
+            if "actor" in batch.schema.names or "episode_id" in batch.schema.names:
+                return batch
+            return batch.append_column("actor", pa.array(np.full(batch.num_rows, self.actor_id, dtype=np.int64)))
+        raise SchemaError(f"expected a dict of arrays, a pa.RecordBatch or a pa.Table; got {type(batch).__name__}")
+
+    def extend(self, batch: Any) -> None:
+        """Write a batch (dict of arrays, RecordBatch or Table); validated here, so bad input raises `SchemaError`
+        before anything is sent."""
+        if self._closed:
+            raise StoreClosed("this writer is closed")
+        self._maybe_go_home()
+        from .flight.client import _record_batch
+
+        cols, _ = self.sharded.schema.validate_batch(self._with_actor(batch))
+        self._send(_record_batch(self.sharded.schema, cols))
+
+    def append(self, step: dict[str, Any]) -> None:
+        """Write one step (a dict of scalars and arrays)."""
+        self.extend({k: np.asarray(v)[None] for k, v in step.items()})
+
+    def _send(self, rb: pa.RecordBatch) -> None:
+        while True:
+            try:
+                if self.via == "shm":
+                    self._target.extend(rb)
+                    if _owner_dead(self._owner_lock):  # committed into a dead shard's memory: send it again
+                        raise StoreClosed(f"shard {self.shard} died")
+                    self.rows += rb.num_rows
+                else:
+                    self._unacked.append(rb)
+                    self._target.extend(rb)
+                    self._trim_acked()
+                return
+            except (StoreClosed, OSError, pa.ArrowException) as exc:
+                if self.via != "shm":
+                    self._unacked.pop()  # _reroute re-sends what is unacknowledged; this one goes after them
+                self._reroute(exc)
+                if self.via != "shm":
+                    continue
+            except ArrowbufError:
+                if self.via != "shm":
+                    self._unacked.pop()
+                raise
+
+    def _trim_acked(self) -> None:
+        acked = len(self._target.first_seqs)
+        newly = acked - self._acked
+        if newly > 0:
+            self.rows += sum(rb.num_rows for rb in self._unacked[:newly])
+            del self._unacked[:newly]
+            self._acked = acked
+
+    def flush(self) -> int:
+        """Wait until every batch sent is acknowledged (re-routing if its shard died); returns `rows`."""
+        while self.via == "flight" and self._target is not None:
+            try:
+                self._target.flush()
+                self._trim_acked()
+                return self.rows
+            except (StoreClosed, OSError, pa.ArrowException) as exc:
+                self._reroute(exc)
+        return self.rows
+
+    def close(self) -> None:
+        """Flush and close; idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+            if self.via == "flight" and self._target is not None:
+                with contextlib.suppress(Exception):
+                    self._target.close()
+                    self._trim_acked()
+            elif self._target is not None:
+                self._target.close()
+            self._target = None
+        finally:
+            self._closed = True
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._closed = True
+            self._drop_target()
+
+    def __repr__(self) -> str:
+        return f"ShardWriter(home={self.home}, shard={self.shard}, via={self.via!r}, rows={self.rows})"
+
+
+# ---------------------------------------------------------------------------------------------------------- broadcast
+def broadcast(obj: Any, actors: Iterable[Any] | None = None, method: str | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+    """Send `obj` to many actors through Ray's object store: one `ray.put`, then every actor gets the same object.
+
+    Without `actors`: returns the `ObjectRef` (pass it to tasks and actors; each node fetches it once, then its
+    processes read it from that node's shared memory). With `actors` and `method`: calls
+    `actor.<method>(obj, *args, **kwargs)` on each, all with the one ref (Ray resolves it to the object in each
+    actor), and returns their result refs. Sending `obj` by value to each instead serialises and stores it once per
+    actor (see benchmarks/bench_ray.py).
+    """
+    ray = _ray()
+    ref = obj if isinstance(obj, ray.ObjectRef) else ray.put(obj)
+    if actors is None:
+        return ref
+    if method is None:
+        raise ValueError("broadcast to actors needs the name of the method that receives the object")
+    return [getattr(a, method).remote(ref, *args, **kwargs) for a in actors]
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+class _DaemonPool:
+    """A small thread pool of daemon threads returning `concurrent.futures.Future`s.
+
+    Daemon threads: a call stuck on a hung shard must never keep a learner's process from exiting (the standard
+    executor joins its threads at exit).
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        import queue
+
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(exc)
+
+    def submit(self, fn: Any, *args: Any) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+
+def _resolve_tier(tier: str, schema: ExperienceSchema) -> str:
+    if tier not in ("auto", "shm", "host"):
+        raise ValueError(f"tier must be 'auto', 'shm' or 'host', got {tier!r}")
+    if tier == "host":
+        return tier
+    try:
+        import arrowbuf.tiers.shm  # noqa: F401 - present once the shared-memory tier is in this arrowbuf
+        ok = not any(f.ragged for f in schema.fields.values()) and os.path.isdir(
+            arrowbuf.tiers.shm.shm_root())
+    except ImportError:
+        ok = False
+    if tier == "shm" and not ok:
+        raise ArrowbufError("tier='shm' needs the shared-memory tier, /dev/shm and a schema without ragged fields")
+    return "shm" if ok else "host"
+
+
+def _owner_dead(lock_path: str | None) -> bool:
+    """Whether the process that created a shared store is gone (its owner flock is free). About 5 us."""
+    if lock_path is None:
+        return False
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _stats_of(client: Any) -> dict[str, Any]:
+    return client.stats()
+
+
+def _allocate(n: int, masses: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Counts summing to `n` with `E[count_k] = n * m_k / sum(m)` (systematic sampling: each count is within one
+    of its expectation, so a batch splits with the least variance that keeps the expectation exact)."""
+    masses = np.maximum(np.asarray(masses, dtype=np.float64), 0.0)
+    total = masses.sum()
+    if total <= 0:
+        return np.zeros(len(masses), dtype=np.int64)
+    cum = np.concatenate([[0.0], np.cumsum(masses) / total * n])
+    edges = np.floor(cum + rng.random()).astype(np.int64)
+    edges[0], edges[-1] = 0, n  # floor(u) == 0 and floor(n + u) == n for u in [0, 1), whatever the rounding
+    return np.diff(edges)
+
+
+def _concat(parts: list[SampleBatch]) -> SampleBatch:
+    arrays: dict[str, Any] = {}
+    for c in parts[0].columns:
+        vals = [p[c] for p in parts]
+        if isinstance(vals[0], (pa.Array, pa.ChunkedArray)):
+            arrays[c] = pa.concat_arrays([v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v for v in vals])
+        else:
+            arrays[c] = np.concatenate(vals)
+    weights = np.concatenate([p.weights for p in parts]) if all(p.weights is not None for p in parts) else None
+    info = {"shards": [p.info.get("shard") for p in parts], "rows_per_part": [len(p) for p in parts]}
+    return SampleBatch(arrays, np.concatenate([p.indices for p in parts]), weights, info)
+
+
+__all__ = ["ShardActor", "ShardDirectory", "ShardStore", "ShardWriter", "ShardedStore", "ShardsLost", "broadcast",
+           "decode_ids", "encode_ids", "shard_of", "shm_safe"]

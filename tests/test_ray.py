@@ -1,0 +1,327 @@
+"""Sharded stores on a real local multi-node Ray cluster (3 nodes of 1 CPU on this machine), started once for the
+module and shut down at its end. Skipped when ray is not installed."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import arrowbuf as ab
+from arrowbuf import ray as abray
+from arrowbuf.ray import ShardedStore, ShardsLost, broadcast, decode_ids, encode_ids, shard_of
+
+from conftest import SMALL
+
+ray = pytest.importorskip("ray")
+# the actors and tasks below are defined here: ship them by value (workers cannot import this test module)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+NODES = 3
+
+
+# ---------------------------------------------------------------------------------------------------- no cluster
+def test_missing_ray_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ab.MissingDependency, match=r"arrowbuf\[ray\]"):
+        abray._ray()
+    with pytest.raises(ab.MissingDependency):
+        ShardedStore.create(SMALL, 1, 10)
+
+
+def test_ids_round_trip():
+    seqs = np.array([0, 1, 12345, (1 << 45) - 1], dtype=np.int64)
+    ids = encode_ids(1023, 255, seqs)
+    assert (ids >= 0).all()
+    shard, gen, seq = decode_ids(ids)
+    assert (shard == 1023).all() and (gen == 255).all() and (seq == seqs).all()
+    assert (shard_of(encode_ids(7, 3, seqs)) == 7).all()
+
+
+def test_allocation_is_exact_in_expectation():
+    rng = np.random.default_rng(0)
+    m = np.array([1.0, 0.0, 2.5, 0.5])
+    counts = np.array([abray._allocate(10, m, rng) for _ in range(20_000)])
+    assert (counts.sum(axis=1) == 10).all()
+    assert (counts[:, 1] == 0).all()
+    assert np.allclose(counts.mean(axis=0), 10 * m / m.sum(), atol=0.03)
+    assert (np.abs(counts - 10 * m / m.sum()) < 1).all()  # systematic: within one of the expectation
+
+
+# ---------------------------------------------------------------------------------------------------- cluster
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20,
+                                                      "include_dashboard": False})
+    for _ in range(NODES - 1):
+        c.add_node(num_cpus=1, object_store_memory=80 << 20)
+    try:
+        c.wait_for_nodes()
+        ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _node_ids() -> list[str]:
+    return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+
+
+def _on(node_id: str) -> dict:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def _episodes(writer_no: int, n_episodes: int, length: int = 10, obs_dim: int = 3) -> dict:
+    """Episodes whose obs encode (writer, step): obs = writer * 1e4 + t; next_obs = obs + 1 within an episode."""
+    t = np.tile(np.arange(length, dtype=np.float32), n_episodes)
+    obs = (writer_no * 10_000 + t)[:, None] + np.zeros((1, obs_dim), np.float32)
+    ends = np.tile(np.arange(length) == length - 1, n_episodes)
+    n = len(t)
+    return {"obs": obs, "action": np.zeros(n, np.int64), "reward": np.ones(n, np.float32),
+            "terminated": ends, "truncated": np.zeros(n, bool), "next_obs": obs + 1}
+
+
+@ray.remote
+class Writer:
+    """An experience actor: writes through the handle's writer for its node."""
+
+    def __init__(self, sharded: ShardedStore, writer_no: int) -> None:
+        self.sharded = sharded
+        self.no = writer_no
+        self.w = sharded.writer()
+        self.stop = False
+
+    def where(self) -> tuple[int, str, str]:
+        return self.w.shard, self.w.via, ray.get_runtime_context().get_node_id()
+
+    def write(self, n_batches: int, n_episodes: int = 5) -> int:
+        for _ in range(n_batches):
+            self.w.extend(_episodes(self.no, n_episodes))
+        return self.w.flush()
+
+    def write_for(self, seconds: float) -> dict:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.w.extend(_episodes(self.no, 2))
+        self.w.flush()
+        return {"rows": self.w.rows, "reroutes": self.w.reroutes, "shard": self.w.shard, "home": self.w.home}
+
+    def close(self) -> int:
+        self.w.close()
+        return self.w.rows
+
+
+@pytest.fixture(scope="module")
+def uniform(cluster):
+    s = ShardedStore.create(SMALL, NODES, 20_000, seed=0, failure_timeout=20.0)
+    yield s
+    s.shutdown()
+
+
+def test_shards_land_on_different_nodes(uniform):
+    nodes = [i["node_id"] for i in uniform.infos]
+    assert sorted(nodes) == _node_ids()
+    assert len({i["location"] for i in uniform.infos}) == NODES
+
+
+def test_writers_on_each_node_and_a_learner_samples_all(uniform):
+    writers = [Writer.options(**_on(node)).remote(uniform, no) for no, node in enumerate(_node_ids())]
+    where = ray.get([w.where.remote() for w in writers])
+    by_node = {i["node_id"]: i["shard"] for i in uniform.infos}
+    for shard, via, node in where:
+        assert shard == by_node[node]  # each writer writes to its own node's shard
+        assert via == ("shm" if uniform._state["tier"] == "shm" else "flight")
+    rows = ray.get([w.write.remote(4) for w in writers])
+    assert rows == [200] * NODES
+    ray.get([w.close.remote() for w in writers])
+    assert len(uniform) == 200 * NODES
+
+    batch = uniform.sample(3000)
+    assert len(batch) == 3000
+    obs, nxt = batch["obs"][:, 0], batch["next_obs"][:, 0]
+    writer_no = (obs // 10_000).astype(int)
+    assert set(writer_no) == set(range(NODES))  # rows of every writer, so of every shard
+    assert set(shard_of(batch.indices)) == set(range(NODES))
+    assert np.array_equal(nxt, obs + 1)  # episodes stayed whole on their shard
+    counts = np.bincount(shard_of(batch.indices), minlength=NODES)
+    assert (np.abs(counts - 1000) < 2).all()  # equal sizes: an equal share each (systematic split)
+
+    with ab.Loader(uniform, batch_size=64, prefetch=2) as loader:
+        for _, b in zip(range(5), loader):
+            assert len(b) == 64
+
+
+def test_straggler_deadline(uniform):
+    if len(uniform) == 0:
+        uniform.extend(_episodes(0, 30))
+    slow = uniform.actors[0]
+    ray.get(slow.set_delay.remote(1.0))
+    try:
+        uniform.sample(8)  # may or may not involve shard 0; make sure no late call is pending below
+        uniform.wait_for_shards(5)
+        t = time.monotonic()
+        b = uniform.sample(300, deadline=0.2)
+        took = time.monotonic() - t
+        assert len(b) == 300
+        assert 0 not in set(shard_of(b.indices))  # shard 0's share came from the others
+        assert took < 0.9
+        assert uniform.counters["late"] >= 1
+    finally:
+        ray.get(slow.set_delay.remote(0.0))
+    time.sleep(1.1)  # let the late call finish (its part is dropped)
+
+
+def _chi2_sf(stat: float, dof: int) -> float:
+    """Upper tail of chi-square (Wilson-Hilferty), enough for a p-value threshold."""
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_global_prioritized_sampling_chi_square(cluster):
+    alpha, beta = 0.7, 0.5
+    s = ShardedStore.create(SMALL, NODES, 1000, sampler=ab.samplers.Prioritized(alpha=alpha, beta=beta,
+                                                                                   stratified=False), seed=1)
+    try:
+        sizes = [10, 20, 30]  # unequal shards, unequal priorities: the split must follow the mass
+        for k, m in enumerate(sizes):
+            with s.writer(shard=k) as w:
+                w.extend(_episodes(k, 1, length=m))
+        assert len(s) == sum(sizes)
+        table = s.to_table(["seq"])
+        ids = np.concatenate([encode_ids(k, s.infos[k]["generation"],
+                                         table.filter(table["shard"].to_numpy() == k)["seq"].to_numpy())
+                              for k in range(NODES)])
+        rng = np.random.default_rng(3)
+        pri = rng.uniform(0.1, 5.0, len(ids)) * np.repeat([1.0, 3.0, 0.5], sizes)
+        assert s.update_priorities(ids, pri) == len(ids)
+        expected = pri ** alpha / (pri ** alpha).sum()
+        draws = []
+        weights = {}
+        s.refresh()
+        for _ in range(60):
+            b = s.sample(500)
+            draws.append(b.indices)
+            weights.update(zip(b.indices.tolist(), b.weights.tolist()))
+        drawn = np.concatenate(draws)
+        pos = {int(i): j for j, i in enumerate(ids)}
+        counts = np.bincount([pos[int(i)] for i in drawn], minlength=len(ids))
+        exp_counts = expected * len(drawn)
+        stat = float(((counts - exp_counts) ** 2 / exp_counts).sum())
+        assert _chi2_sf(stat, len(ids) - 1) > 1e-3, stat
+        # IS weights normalised over all shards: (P_i / P_min)^-beta, the largest is 1 (the globally rarest row)
+        want = (expected / expected.min()) ** (-beta)
+        got = np.array([weights.get(int(i), np.nan) for i in ids])
+        seen = ~np.isnan(got)
+        assert np.allclose(got[seen], want[seen], rtol=1e-4)
+    finally:
+        s.shutdown()
+
+
+def test_killed_shard_under_load(cluster):
+    s = ShardedStore.create(SMALL, NODES, 50_000, seed=2, failure_timeout=30.0)
+    writers = [Writer.options(**_on(node)).remote(s, no) for no, node in enumerate(_node_ids())]
+    try:
+        ray.get([w.write.remote(2) for w in writers])
+        victim = 1
+        old = s.infos[victim]
+        running = [w.write_for.remote(12.0) for w in writers]
+        served, errors, t_first_without = 0, [], None
+        t_kill = None
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end:
+            if t_kill is None and served >= 20:
+                ray.kill(s.actors[victim], no_restart=False)  # Ray restarts it (max_restarts=-1)
+                t_kill = time.monotonic()
+            try:
+                b = s.sample(128, timeout=1.0)
+            except Exception as exc:  # noqa: BLE001 - the learner must not see any
+                errors.append(exc)
+                continue
+            served += 1
+            if t_kill is not None and t_first_without is None and victim not in set(shard_of(b.indices)):
+                t_first_without = time.monotonic() - t_kill
+        assert not errors, errors[:3]
+        assert t_first_without is not None and t_first_without < 5.0
+        results = ray.get(running, timeout=60)
+        moved = [r for r in results if r["home"] == victim]
+        assert moved and moved[0]["reroutes"] >= 1  # the victim's writer re-routed ...
+        assert all(r["rows"] > 0 for r in results)  # ... and every writer kept writing
+        # the shard came back: a new, empty incarnation under a new generation, which its writer returned to
+        assert s.wait_for_shards(30) == NODES
+        new = s.infos[victim]
+        assert new["generation"] != old["generation"] and new["pid"] != old["pid"]
+        ray.get(writers[victim].write.remote(1))
+        s.refresh()
+        st = s.stats()["shards"][victim]
+        assert st["generation"] == new["generation"] and st["size"] > 0
+        # an id of the dead incarnation never updates the row that now has its seq
+        stale = encode_ids(victim, old["generation"], np.arange(5))
+        assert s.update_priorities(stale, np.ones(5)) == 0
+    finally:
+        for w in writers:
+            ray.kill(w)
+        s.shutdown()
+
+
+def test_no_shard_left_raises(cluster):
+    s = ShardedStore.create(SMALL, 2, 100, max_restarts=0, failure_timeout=1.0, strategy="PACK")
+    try:
+        s.extend(_episodes(0, 5))
+        assert len(s.sample(10)) == 10
+        for a in s.actors:
+            ray.kill(a, no_restart=True)
+        deadline = time.monotonic() + 30
+        with pytest.raises(ShardsLost):
+            while time.monotonic() < deadline:
+                try:
+                    s.sample(10, timeout=0.2)
+                except ab.SampleTimeout:
+                    pass  # down, not yet given up on (failure_timeout)
+                time.sleep(0.2)
+    finally:
+        s.shutdown()
+
+
+def test_handle_pickles_and_samples_in_a_task(uniform):
+    if len(uniform) == 0:
+        uniform.extend(_episodes(0, 30))
+
+    @ray.remote(num_cpus=0)
+    def learner(sharded: ShardedStore) -> int:
+        return len(sharded.sample(100))
+
+    assert ray.get(learner.remote(uniform)) == 100
+
+
+@ray.remote(num_cpus=0)
+class Receiver:
+    def __init__(self) -> None:
+        self.got = None
+
+    def set_weights(self, weights: dict) -> tuple[str, int, float]:
+        self.got = weights
+        return ray.get_runtime_context().get_node_id(), os.getpid(), float(weights["w"].sum())
+
+    def same(self, weights: dict) -> bool:
+        return bool(np.array_equal(self.got["w"], weights["w"]) and self.got["version"] == weights["version"])
+
+
+def test_broadcast_delivers_the_same_object_to_every_actor(cluster):
+    receivers = [Receiver.options(**_on(node)).remote() for node in _node_ids() for _ in range(2)]
+    weights = {"w": np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32), "version": 7}
+    got = ray.get(broadcast(weights, receivers, "set_weights"))
+    assert len({g[0] for g in got}) == NODES  # actors on every node
+    assert all(g[2] == pytest.approx(float(weights["w"].sum())) for g in got)
+    ref = broadcast(weights)
+    assert all(ray.get([r.same.remote(ref) for r in receivers]))
+    for r in receivers:
+        ray.kill(r)
