@@ -282,6 +282,12 @@ class TestRemoteStore:
         assert server.closed
         client.close()
 
+    def test_a_loader_reads_from_a_remote_store(self, served):
+        _, _, remote = served
+        with ab.Loader(remote, batch_size=16, prefetch=2) as loader:
+            batches = [b for _, b in zip(range(3), loader)]
+        assert [len(b.indices) for b in batches] == [16, 16, 16]
+
     def test_closed_client_raises_store_closed(self, served):
         _, _, remote = served
         remote.close()

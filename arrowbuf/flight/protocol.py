@@ -146,7 +146,22 @@ def from_flight_error(exc: flight.FlightError) -> BaseException | None:
 
 # ---------------------------------------------------------------------------------------------------- parsing
 def _dumps(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), default=_json_default, allow_nan=False).encode()
+    try:
+        return json.dumps(obj, separators=(",", ":"), default=_json_default, allow_nan=False).encode()
+    except ValueError:  # NaN or infinity somewhere (e.g. in stats): strict JSON has no such numbers, send null
+        return json.dumps(_finite(obj), separators=(",", ":"), default=_json_default, allow_nan=False).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _finite(value.tolist())
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    return value
 
 
 def _json_default(value: Any) -> Any:
