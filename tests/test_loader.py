@@ -200,7 +200,7 @@ def test_close_with_batches_in_flight_is_prompt_and_leaks_no_thread():
     assert thread in threading.enumerate()
     t0 = time.perf_counter()
     loader.close()
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 5.0  # generous: a loaded CI host
     assert not thread.is_alive() and thread not in threading.enumerate()
     loader.close()  # idempotent
     with pytest.raises(StopIteration):
@@ -228,7 +228,7 @@ def test_close_while_the_thread_waits_for_data_and_the_learner_waits_for_a_batch
     loader.close()
     assert isinstance(out.get(timeout=WAIT), StopIteration)
     t.join(WAIT)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 5.0  # generous: a loaded CI host
     assert not loader_threads()
 
 
