@@ -192,10 +192,34 @@ class PrioritizedSampler(Sampler):
         from .sumtree import MinTree, SumTree
 
         super().bind(index, rng)
-        self.sum_tree = SumTree(index.arena_rows)
-        self.min_tree = MinTree(index.arena_rows)
-        self.max_priority = 1.0
-        self.count = 0
+        # trees and [max_priority, count] in tier memory: the processes of a shared store sample one distribution
+        tier, rows = index.tier, index.arena_rows
+        nodes = SumTree.nodes(rows)
+        self.sum_tree = SumTree(rows, tier.allocate("sampler.prioritized.sum", np.dtype(np.float64), nodes),
+                                shared=tier.shared)
+        self.min_tree = MinTree(rows, tier.allocate("sampler.prioritized.min", np.dtype(np.float64), nodes),
+                                shared=tier.shared)
+        self._state = tier.allocate("sampler.prioritized.state", np.dtype(np.float64), 2)
+        if tier.fresh:
+            self.sum_tree.clear()
+            self.min_tree.clear()
+            self._state[:] = (1.0, 0.0)
+
+    @property
+    def max_priority(self) -> float:
+        return float(self._state[0])
+
+    @max_priority.setter
+    def max_priority(self, value: float) -> None:
+        self._state[0] = value
+
+    @property
+    def count(self) -> int:
+        return int(self._state[1])
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self._state[1] = value
 
     def on_valid(self, positions: np.ndarray) -> None:
         value = np.full(len(positions), self.max_priority ** self.alpha)

@@ -80,11 +80,19 @@ class _SegmentTree:
     Args:
         capacity: Number of leaves (slots), at least 1.
         neutral: Value of an empty leaf (0.0 for sums, +inf for minima).
+        tree: Storage of `nodes(capacity)` float64 values to use instead of a new array (e.g. shared memory);
+            the caller initialises it (`clear()` does).
+        shared: Other processes update the same storage: recompute the summary on every query (no cache).
     """
 
     _combine: np.ufunc
 
-    def __init__(self, capacity: int, neutral: float) -> None:
+    @staticmethod
+    def nodes(capacity: int) -> int:
+        """Length of the storage array a tree of `capacity` slots uses."""
+        return 2 << (int(capacity) - 1).bit_length()
+
+    def __init__(self, capacity: int, neutral: float, tree: np.ndarray | None = None, shared: bool = False) -> None:
         capacity = int(capacity)
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -93,7 +101,12 @@ class _SegmentTree:
         self._leaf_base = 1 << self._depth
         self._summary_depth = min(self._depth, _SUMMARY_DEPTH)
         self._neutral = float(neutral)
-        self._tree = np.full(2 * self._leaf_base, self._neutral, dtype=np.float64)
+        if tree is None:
+            tree = np.full(2 * self._leaf_base, self._neutral, dtype=np.float64)
+        elif tree.shape != (2 * self._leaf_base,) or tree.dtype != np.float64:
+            raise ValueError(f"tree storage must be float64[{2 * self._leaf_base}], got {tree.dtype}{list(tree.shape)}")
+        self._tree = tree
+        self._shared = bool(shared)
         self._pairs = self._tree.view(np.complex128)
         # Heights of the binary levels kept below the summary level, as a column for one broadcast shift.
         self._shifts = np.arange(1, self._depth - self._summary_depth + 1, dtype=np.int64)[:, None]
@@ -244,8 +257,8 @@ class SumTree(_SegmentTree):
 
     _combine = np.add
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity, 0.0)
+    def __init__(self, capacity: int, tree: np.ndarray | None = None, shared: bool = False) -> None:
+        super().__init__(capacity, 0.0, tree, shared)
         n = self._summary_level.size
         # _prefix[j] = sum of summary nodes before node j; _prefix[n] = total.
         self._prefix = np.zeros(n + 1, dtype=np.float64)
@@ -270,7 +283,7 @@ class SumTree(_SegmentTree):
         Returns:
             The sum, as a Python float (0.0 for an empty tree).
         """
-        if self._stale:
+        if self._stale or self._shared:
             self._refresh()
         return float(self._prefix[-1])
 
@@ -422,8 +435,8 @@ class MinTree(_SegmentTree):
 
     _combine = np.minimum
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity, np.inf)
+    def __init__(self, capacity: int, tree: np.ndarray | None = None, shared: bool = False) -> None:
+        super().__init__(capacity, np.inf, tree, shared)
         self._min = np.inf
 
     def _check_values(self, values: np.ndarray) -> None:
@@ -440,6 +453,6 @@ class MinTree(_SegmentTree):
         Returns:
             The minimum as a Python float; +inf when no slot was set.
         """
-        if self._stale:
+        if self._stale or self._shared:
             self._refresh()
         return self._min

@@ -92,7 +92,7 @@ def join_ok(p: mp.Process) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- child processes
-def _attach_and_sample(name: str, fifo_name: str, q) -> None:
+def _attach_and_sample(name: str, fifo_name: str, pri_name: str, q) -> None:
     store = ab.ExperienceStore.attach(name, seed=1)
     b = store.sample(64)
     q.put((b.indices, b["obs"], b["next_obs"], store.to_table(["seq"]).column("seq").to_numpy(), len(store)))
@@ -100,6 +100,12 @@ def _attach_and_sample(name: str, fifo_name: str, q) -> None:
     fifo = ab.ExperienceStore.attach(fifo_name)
     q.put(fifo.sample(30).indices)
     fifo.close()
+    pri = ab.ExperienceStore.attach(pri_name)  # rows and priorities set here steer the creator's samples
+    pri.extend(rows(9, 0, 100))
+    first = pri.sample(10).indices
+    assert pri.update_priorities(np.arange(10), np.full(10, 1e6)) == 10
+    q.put(first)
+    pri.close()
     store.close()
 
 
@@ -152,15 +158,18 @@ def _create_and_wait(names_: list[str], ready) -> None:
 
 # ---------------------------------------------------------------------------------------------- tests
 def test_attach_from_another_process_samples_the_same_rows(names):
-    name, fifo_name = names(), names()
+    name, fifo_name, pri_name = names(), names(), names()
     with ab.ExperienceStore(SCHEMA, 1000, tier="shm", name=name) as store, \
-            ab.ExperienceStore(SCHEMA, 1000, sampler="fifo", tier="shm", name=fifo_name) as fifo:
+            ab.ExperienceStore(SCHEMA, 1000, sampler="fifo", tier="shm", name=fifo_name) as fifo, \
+            ab.ExperienceStore(SCHEMA, 1000, sampler=ab.samplers.Prioritized(alpha=1.0), tier="shm",
+                               name=pri_name) as pri:
         store.extend(rows(0, 0, 300))
         fifo.extend(rows(0, 0, 100))
         q = CTX.Queue()
-        p = start(names, _attach_and_sample, name, fifo_name, q)
+        p = start(names, _attach_and_sample, name, fifo_name, pri_name, q)
         idx, obs, next_obs, seqs, size = q.get(timeout=JOIN_S)
         child_fifo = q.get(timeout=JOIN_S)
+        child_pri = q.get(timeout=JOIN_S)
         join_ok(p)
         assert size == 300
         np.testing.assert_array_equal(seqs, np.arange(300))
@@ -178,6 +187,11 @@ def test_attach_from_another_process_samples_the_same_rows(names):
         np.testing.assert_array_equal(child_fifo, np.arange(30))
         np.testing.assert_array_equal(fifo.sample(30).indices, np.arange(30, 60))
         assert store.stats()["inserts"] == 310
+        # prioritized: one sum tree in shared memory, fed by the child's commits and priority updates
+        assert len(child_pri) == 10 and len(pri) == 100
+        b = pri.sample(1000)
+        assert (b.indices < 10).mean() > 0.95 and b.weights is not None
+        check_rows(b["obs"], b["next_obs"])
 
 
 def test_four_writer_processes_lose_and_duplicate_nothing(names):
