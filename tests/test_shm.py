@@ -224,11 +224,15 @@ def test_four_writer_processes_lose_and_duplicate_nothing(names):
         check_rows(b["obs"], b["next_obs"], b["reward"])
 
 
-@pytest.mark.parametrize("where", ["_commit_piece", "_evict_to"])
-def test_writer_killed_mid_extend_blocks_nobody(names, where):
+@pytest.mark.parametrize("where,locks", [("_commit_piece", "pthread"), ("_evict_to", "pthread"),
+                                         ("_evict_to", "flock")])
+def test_writer_killed_mid_extend_blocks_nobody(names, where, locks, monkeypatch):
+    if locks == "flock":  # the fallback where libc has no robust mutexes
+        monkeypatch.setenv("ARROWBUF_SHM_LOCKS", "flock")
     name = names()
     with ab.ExperienceStore(SCHEMA, 2000, tier="shm", name=name) as store:
         store.extend(rows(0, 0, 500))
+        assert store._tier.manifest["locks"]["kind"] == locks
         ready = CTX.Event()
         p = start(names, _stuck_writer, name, where, ready)
         assert ready.wait(JOIN_S), "the writer never reached the middle of its extend"
