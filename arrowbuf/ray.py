@@ -50,6 +50,7 @@ import secrets
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -329,6 +330,7 @@ class ShardedStore:
         self._rng = np.random.default_rng()
         self._closed = False
         self._default_writer: ShardWriter | None = None
+        self._writers: weakref.WeakSet[ShardWriter] = weakref.WeakSet()
         self.counters = {"late": 0, "failed": 0, "revived": 0, "topups": 0, "updates_dropped": 0}
 
     # ------------------------------------------------------------------ creation
@@ -709,7 +711,9 @@ class ShardedStore:
     def writer(self, shard: int | None = None, *, transport: str = "auto", max_in_flight: int = 8,
                actor: Any = None) -> "ShardWriter":
         """A writer to one shard: `shard`, else a shard on this process's node, else one picked by writer id."""
-        return ShardWriter(self, shard, transport=transport, max_in_flight=max_in_flight, actor=actor)
+        w = ShardWriter(self, shard, transport=transport, max_in_flight=max_in_flight, actor=actor)
+        self._writers.add(w)
+        return w
 
     def extend(self, batch: Any) -> None:
         """Write through this handle's default writer (see `writer`)."""
@@ -752,9 +756,9 @@ class ShardedStore:
         if self._closed:
             return
         self._closed = True
-        if self._default_writer is not None:
+        for w in list(self._writers):  # writers made by this handle (the default one among them)
             with contextlib.suppress(Exception):
-                self._default_writer.close()
+                w.close()
         for s in self._shards:
             if s.client is not None:
                 with contextlib.suppress(Exception):
@@ -805,8 +809,8 @@ class ShardWriter:
     Every batch carries this writer's `actor` id (unless the batch names its own), so an episode's steps stay one
     episode on one shard, whatever other writers do. When the shard dies the writer moves to the next live shard
     and re-sends the batches that shard had not acknowledged; the open episode continues there as a new episode
-    (an episode never spans shards; the part on the dead shard is gone with it). Every second it checks whether its
-    home came back (a new, empty incarnation) and returns to it.
+    (an episode never spans shards; the part on the dead shard is gone with it). At each write it looks (without
+    waiting) whether its home came back (a new, empty incarnation) and returns to it.
 
     Usage::
 
@@ -834,8 +838,6 @@ class ShardWriter:
         self._owner_lock: str | None = None
         self._unacked: list[pa.RecordBatch] = []
         self._acked = 0
-        self._probe: Any = None
-        self._probe_at = 0.0
         self._closed = False
         self._connect(self.home)
 
@@ -920,12 +922,11 @@ class ShardWriter:
             self._send(rb)
 
     def _maybe_go_home(self) -> None:
-        """Every second while away from home: if the home shard is back, flush here and move home."""
-        if self.shard == self.home or time.monotonic() < self._probe_at:
+        """While away from home: if the home shard is back (a non-blocking look), flush here and move home."""
+        if self.shard == self.home:
             return
         s = self.sharded._shards[self.home]
         self.sharded._poll_revival(s)
-        self._probe_at = time.monotonic() + 1.0
         if not s.down:
             self.flush()
             self._drop_target()
