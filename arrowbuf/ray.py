@@ -111,10 +111,17 @@ def _priority_sampler(sampler: Sampler) -> PrioritizedSampler | None:
 
 
 def shm_safe(sampler: Sampler) -> bool:
-    """Whether writers in other processes may append through shared memory: the sampler keeps no per-process state
-    of which rows are sampleable (a prioritized sampler's sum tree lives in the shard's heap, so its rows must arrive
-    through the shard's own process, over Flight)."""
+    """Whether writers in other processes may append through shared memory: the sampler keeps its state of which
+    rows are sampleable in the store's tier (arrowbuf's own samplers do: cursors, sum and min trees live in shared
+    memory), or keeps none. A custom sampler says so with a class attribute `shm_safe`; without one, it is safe only
+    if it does not track rows (`on_valid`/`on_invalid` not overridden), else its rows go through the shard's process,
+    over Flight."""
     cls = type(make_sampler(sampler))
+    declared = getattr(cls, "shm_safe", None)
+    if declared is not None:
+        return bool(declared)
+    if cls.__module__ == Sampler.__module__:
+        return True
     return cls.on_valid is Sampler.on_valid and cls.on_invalid is Sampler.on_invalid
 
 
