@@ -152,7 +152,7 @@ class ArrowbufBackend:
         self.pending = collections.defaultdict(list)
 
     def __len__(self) -> int:
-        return len(self.store)
+        return len(self.store) + len(self.pending.get("obs", ()))
 
     def batch(self) -> dict[str, np.ndarray]:
         import arrowbuf as ab
@@ -187,7 +187,8 @@ def make_backend(kind: str, cfg: Any, capacity: int, seed: int) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------- one run
-def run_one(kind: str, seed: int, steps: int, cfg_overrides: dict[str, Any]) -> dict[str, Any]:
+def run_one(kind: str, seed: int, steps: int, cfg_overrides: dict[str, Any],
+            eval_episodes: int = EVAL_EPISODES) -> dict[str, Any]:
     """One DQN run: `steps` environment steps with backend `kind`; returns episodes, evaluation and timings."""
     import torch
 
@@ -227,7 +228,7 @@ def run_one(kind: str, seed: int, steps: int, cfg_overrides: dict[str, Any]) -> 
         backend.close()
         env.close()
     evals = []
-    for i in range(EVAL_EPISODES):
+    for i in range(eval_episodes):
         e = make_env(10_000 + i)
         o, _ = e.reset(seed=10_000 + i)
         ret, done = 0.0, False
@@ -280,7 +281,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
         "",
         f"{args.seeds} seeds x {args.steps} environment steps per backend; double DQN, 3-step returns, uniform "
         "replay, the same seeds and hyperparameters for every backend (`arrowbuf.demo.DQNConfig`). "
-        f"Mean +- std over seeds. Greedy evaluation: {EVAL_EPISODES} episodes after training. "
+        f"Mean +- std over seeds. Greedy evaluation: {args.eval_episodes} episodes after training. "
         f"Machine: {meta['machine']}; Python {meta['python']}, torch {meta['torch']}, gymnasium {meta['gymnasium']}.",
         "",
         "| backend | seeds | return, last 20 training episodes | greedy eval return | mean training return "
@@ -338,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10_000, help="environment steps per run")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (processes)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (worker processes); 0: all in this process")
     p.add_argument("--warmup", type=int, default=None, help="steps before the first gradient step")
+    p.add_argument("--eval-episodes", type=int, default=EVAL_EPISODES, help="greedy episodes after training")
     p.add_argument("--out", default=os.environ.get("ARROWBUF_BENCH_OUT", str(OUT)))
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -352,14 +354,21 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     print(f"parity: {len(jobs)} runs ({args.seeds} seeds x {args.backends}), {args.steps} steps each, "
           f"{args.jobs} at a time", flush=True)
-    with cf.ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=mp.get_context("spawn")) as pool:
-        futs = {pool.submit(run_one, b, s, args.steps, overrides): (b, s) for b, s in jobs}
-        for f in cf.as_completed(futs):
-            r = f.result()
-            runs.append(r)
-            last = np.mean([e[1] for e in r["episodes"][-20:]]) if r["episodes"] else float("nan")
-            print(f"  {r['backend']:>6} seed {r['seed']}: last-20 return {last:6.1f}, greedy eval "
-                  f"{np.mean(r['eval']):6.1f}, {r['updates']} updates in {r['wall_s']:.1f}s", flush=True)
+
+    def report(r: dict[str, Any]) -> None:
+        runs.append(r)
+        last = np.mean([e[1] for e in r["episodes"][-20:]]) if r["episodes"] else float("nan")
+        print(f"  {r['backend']:>6} seed {r['seed']}: last-20 return {last:6.1f}, greedy eval "
+              f"{np.mean(r['eval']):6.1f}, {r['updates']} updates in {r['wall_s']:.1f}s", flush=True)
+
+    if args.jobs <= 0:  # in this process, one after another (no worker start-up: quick checks)
+        for b, s in jobs:
+            report(run_one(b, s, args.steps, overrides, args.eval_episodes))
+    else:
+        with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
+            futs = [pool.submit(run_one, b, s, args.steps, overrides, args.eval_episodes) for b, s in jobs]
+            for f in cf.as_completed(futs):
+                report(f.result())
     runs.sort(key=lambda r: (BACKENDS.index(r["backend"]), r["seed"]))
     import gymnasium
     import torch
