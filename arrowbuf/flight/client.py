@@ -15,7 +15,11 @@ Usage::
 
 A `RemoteStore` pickles by address (send it to subprocesses and Ray actors) and reconnects by itself after the
 server restarts: a call that finds the server unreachable retries on a fresh connection for `reconnect_timeout`
-seconds, then raises `StoreClosed`.
+seconds, then raises `StoreClosed`. That includes `extend`: a batch whose call failed because the server went away
+is sent again to the restarted server (each batch still lands entirely or not at all). Open writers and sessions do
+not reconnect; they raise `StoreClosed` and a new one can be opened.
+
+Sampled arrays are zero-copy views of the received Flight message, so they are read-only.
 """
 
 from __future__ import annotations
