@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from .batch import SampleBatch
 from .chunks import ChunkDirectory, default_chunk_rows
+from .columns import ColumnArenas
 from .episodes import EpisodeTracker, IngestPlan
 from .errors import SampleTimeout, InsertTimeout, SchemaError, StoreClosed, ArrowbufError
 from .index import ENDED, HEADER, PENDING, RingIndex
@@ -79,15 +80,7 @@ class ExperienceStore:
         self._final_sources = sorted({d.next_of for d in self.schema.derived.values()})
         self.final_capacity = self._final_obs_capacity(final_obs_capacity) if self._final_sources else 0
         self._tier.reserve(self._planned_bytes(max_times_sampled))  # a shared tier fails here if it cannot fit
-        self._arenas: dict[str, np.ndarray] = {}
-        self._ragged: dict[str, list[pa.Array]] = {}
-        for f in self.schema.fields.values():
-            if f.ragged:
-                empty = pa.nulls(self.chunk_rows, type=f.arrow_type())
-                self._ragged[f.name] = [empty] * self.directory.num_slots
-            else:
-                extra = self.final_capacity if f.name in self._final_sources else 0
-                self._arenas[f.name] = self._tier.allocate(f.name, f.dtype, self.arena_rows + extra, f.shape)
+        self._cols = ColumnArenas(self.schema, self.directory, self._tier, self.final_capacity, self._final_sources)
         self._final_owner = self._tier.allocate("index.final_owner", np.dtype(np.int64), max(1, self.final_capacity))
         if self._tier.fresh:  # never re-initialise memory another process already uses
             self._final_owner.fill(-1)
@@ -170,6 +163,11 @@ class ExperienceStore:
                 f"capacity={self.capacity}, sampler={type(self.sampler).__name__})")
 
     @property
+    def _arenas(self) -> dict[str, np.ndarray]:
+        """The column arrays (ring rows, then final-observation rows) of a single-tier store."""
+        return self._cols.arrays
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -250,6 +248,7 @@ class ExperienceStore:
         idx = self.index
         h = idx.header
         arena_rows = self.arena_rows
+        cols = self._cols
         with self._write_lock:
             self._check_open()
             seq = int(h[1])
@@ -258,8 +257,13 @@ class ExperienceStore:
             idx.seq[pos] = -1
             if self._max_times_sampled:
                 self._times_sampled[pos] = 0
-            for (name, _, _, _), v in zip(self._fast, values):
-                self._arenas[name][pos] = v
+            if cols.direct:
+                arrays = cols.arrays
+                for (name, _, _, _), v in zip(self._fast, values):
+                    arrays[name][pos] = v
+            else:
+                for (name, _, _, _), v in zip(self._fast, values):
+                    cols.write_row(name, pos, v)
             idx.episode_id[pos] = ep
             idx.step[pos] = st
             nxt = ENDED if end and not self._final_sources else PENDING
@@ -269,7 +273,7 @@ class ExperienceStore:
                 h[_FINAL_COUNT] += 1
                 self._release_final_slots(np.array([slot]))
                 for src, v in finals:
-                    self._arenas[src][arena_rows + slot] = v
+                    cols.write_final(src, slot, v)
                 nxt = arena_rows + slot
             idx.next_pos[pos] = nxt
             with self._cond:
@@ -366,16 +370,17 @@ class ExperienceStore:
         idx = self.index
         first_pos = (base + a) % self.arena_rows
         segs = self._segments(first_pos, b - a)
-        for s0, s1, off in segs:  # invalidate first: a reader still gathering these rows sees its seq fail
+        for s0, s1, _off in segs:  # invalidate first: a reader still gathering these rows sees its seq fail
             idx.seq[s0:s1] = -1
             if self._max_times_sampled:
                 self._times_sampled[s0:s1] = 0
-        for name, arena in self._arenas.items():
+        arenas = self._cols
+        for name in arenas.arrays:
             src = cols[name]
             for s0, s1, off in segs:
-                arena[s0:s1] = src[a + off:a + off + (s1 - s0)]
-        for name in self._ragged:
-            self._write_ragged(name, cols[name].slice(a, b - a), first_pos)
+                arenas.write(name, s0, src[a + off:a + off + (s1 - s0)])
+        for name in arenas.ragged:
+            arenas.write_ragged(name, cols[name].slice(a, b - a), first_pos)
         succ = plan.succ[a:b]
         nxt = np.where(succ >= 0, (base + succ) % self.arena_rows, np.where(succ == -2, ENDED, PENDING))
         for s0, s1, off in segs:
@@ -392,7 +397,7 @@ class ExperienceStore:
         idx.count("final_count", len(end_local))
         self._release_final_slots(slots)
         for d in self.schema.derived.values():
-            self._arenas[d.next_of][self.arena_rows + slots] = cols[d.name][end_local]
+            arenas.write_final(d.next_of, slots, cols[d.name][end_local])
         idx.next_pos[(base + end_local) % self.arena_rows] = self.arena_rows + slots
         return slots
 
@@ -410,18 +415,6 @@ class ExperienceStore:
                     self.sampler.on_invalid(still)
                     idx.count("final_obs_dropped", len(still))
             self._final_owner[slots] = -1  # seqlock: a reader still gathering a slot sees its owner change
-
-    def _write_ragged(self, name: str, values: pa.Array, first_pos: int) -> None:
-        pos, done = first_pos, 0
-        slots = self._ragged[name]
-        while done < len(values):
-            slot, off = divmod(pos, self.chunk_rows)
-            take = min(len(values) - done, self.chunk_rows - off)
-            old = slots[slot]
-            parts = [old.slice(0, off), values.slice(done, take), old.slice(off + take)]
-            slots[slot] = pa.concat_arrays([p for p in parts if len(p)])
-            done += take
-            pos = (pos + take) % self.arena_rows
 
     def _commit_piece(self, plan: IngestPlan, ends: np.ndarray, base: int, a: int, b: int, skip: int,
                       final_slots: np.ndarray | None) -> None:
@@ -566,7 +559,7 @@ class ExperienceStore:
     def _check_n_step(self, n_step: int, gamma: float) -> None:
         if not isinstance(n_step, (int, np.integer)) or n_step < 1:
             raise ValueError(f"n_step must be a positive integer, got {n_step!r}")
-        if "reward" not in self._arenas or self.schema.fields["reward"].shape:
+        if "reward" not in self._cols or self.schema.fields["reward"].shape:
             raise SchemaError("n_step returns need a scalar 'reward' field in the schema")
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {gamma}")
@@ -616,21 +609,22 @@ class ExperienceStore:
         `seqs` is [B] for transitions or [B, T] for sequence windows; arrays come back [B, ...] or [B, T, ...].
         """
         idx = self.index
+        cols = self._cols
         shape = seqs.shape
         pos = (seqs % self.arena_rows).reshape(-1)
         out: dict[str, Any] = {}
         nxt = None
         for name in names:
-            if name in self._arenas:
-                col = np.take(self._arenas[name], pos, axis=0)
+            if name in cols.arrays:
+                col = cols.take(name, pos)
             elif name in self.schema.derived:
                 if nxt is None:
                     nxt = idx.next_pos[pos]
-                col = np.take(self._arenas[self.schema.derived[name].next_of], nxt, axis=0)
-            elif name in self._ragged:
+                col = cols.take_next(self.schema.derived[name].next_of, nxt)
+            elif name in cols.ragged:
                 if len(shape) > 1:
                     raise SchemaError(f"ragged field {name!r} cannot be sampled as sequences")
-                out[name] = pa.chunked_array(self._ragged[name]).take(pa.array(pos)).combine_chunks()
+                out[name] = cols.take_ragged(name, pos)
                 continue
             elif name == "episode_id":
                 col = idx.episode_id[pos]
@@ -640,13 +634,13 @@ class ExperienceStore:
                 col = seqs.reshape(-1).copy()
             out[name] = col.reshape(shape + col.shape[1:]) if len(shape) > 1 else col
         if n_step is not None:
-            terminal = [self._arenas[f] for f in self._end_fields if f != "truncated"]
-            truncation = [self._arenas[f] for f in self._end_fields if f == "truncated"]
-            ret, disc, last = n_step_returns(idx, self._arenas["reward"], terminal, truncation, pos, n_step, gamma)
+            terminal = [cols.column(f) for f in self._end_fields if f != "truncated"]
+            truncation = [cols.column(f) for f in self._end_fields if f == "truncated"]
+            ret, disc, last = n_step_returns(idx, cols.column("reward"), terminal, truncation, pos, n_step, gamma)
             out["n_step_return"], out["n_step_discount"] = ret, disc
             last_next = idx.next_pos[last]
             for d in self._derived_list:
-                out[f"n_step_{d.name}"] = np.take(self._arenas[d.next_of], last_next, axis=0)
+                out[f"n_step_{d.name}"] = cols.take_next(d.next_of, last_next)
             out["_n_step_last"] = last
         return out
 
@@ -703,14 +697,14 @@ class ExperienceStore:
         out_schema = pa.schema([schema.field(c) for c in names], metadata=schema.metadata)
         with self._lock:
             lo, hi = self.index.lo, self.index.hi
-            ragged = {k: list(v) for k, v in self._ragged.items()}
+            ragged = self._cols.ragged_snapshot()
         idx = self.index
         batches = []
         for slot, p0, p1, first in self.directory.live_chunks(lo, hi):
             arrays = []
             for c in names:
-                if c in self._arenas:
-                    arrays.append(_column_view(self._arenas[c][p0:p1], self.schema.fields[c]))
+                if c in self._cols:
+                    arrays.append(_column_view(self._cols.view(c, p0, p1), self.schema.fields[c]))
                 elif c in ragged:
                     off = p0 - slot * self.chunk_rows
                     arrays.append(ragged[c][slot].slice(off, p1 - p0))
@@ -792,8 +786,7 @@ class ExperienceStore:
             self._closed = True
             self._cond.notify_all()
         with self._write_lock:
-            self._arenas.clear()
-            self._ragged.clear()
+            self._cols.close()
             self._tier.close()
 
     def unlink(self) -> None:
