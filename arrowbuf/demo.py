@@ -1,6 +1,6 @@
 """The end-to-end demo: distributed DQN on CartPole-v1 with arrowbuf in the middle.
 
-    python -m arrowbuf.demo [--actors 3] [--steps 24000] [--transport flight|shm|local] [--seed 0] [--out DIR]
+    python -m arrowbuf.demo [--actors 3] [--steps 15000] [--transport flight|shm|local] [--seed 0] [--out DIR]
 
 What runs (all on this machine, nothing started by hand):
 
@@ -427,7 +427,7 @@ class DemoResult:
     last20: float
 
 
-def run(actors: int = 3, steps: int = 24_000, transport: str = "flight", seed: int = 0,
+def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: int = 0,
         out: str | os.PathLike[str] = "demo_out", cfg: DQNConfig | None = None, capacity: int | None = None,
         progress: bool = True, log: Callable[[str], None] = print) -> DemoResult:
     """Run the demo and return what it measured (see the module docstring)."""
@@ -474,132 +474,134 @@ def run(actors: int = 3, steps: int = 24_000, transport: str = "flight", seed: i
     kwargs: dict[str, Any] = {"tier": "shm", "name": f"demo-{os.getpid()}"} if transport == "shm" else {}
     store = ExperienceStore(cartpole_schema(), capacity=capacity, sampler=sampler, rate_limiter=limiter, seed=seed,
                             **kwargs)
-    policy_file = PolicyFile(out_dir / "policy.pt")
-    learner = DQNLearner(cfg, seed=seed)
-    version = 0
-    policy_file.publish(learner.q.state_dict(), version)
+    try:  # whatever happens, the store is closed and a shared one removed
+        policy_file = PolicyFile(out_dir / "policy.pt")
+        learner = DQNLearner(cfg, seed=seed)
+        version = 0
+        policy_file.publish(learner.q.state_dict(), version)
 
-    server = None
-    workers: list[Any] = []
-    events: Any = ctx.Queue() if transport != "local" else queue_mod.Queue()
-    stop: Any = ctx.Event() if transport != "local" else threading.Event()
-    loader = None
-    client = None
-    episodes: list[dict[str, Any]] = []
-    done: set[int] = set()
-    bar = Progress(steps, enabled=progress)
-    timing = {"wait_s": 0.0, "train_s": 0.0, "other_s": 0.0}  # the learner loop's time: batches, gradients, rest
-    try:
-        if transport == "flight":
-            from .flight import connect, serve
+        server = None
+        workers: list[Any] = []
+        events: Any = ctx.Queue() if transport != "local" else queue_mod.Queue()
+        stop: Any = ctx.Event() if transport != "local" else threading.Event()
+        loader = None
+        client = None
+        episodes: list[dict[str, Any]] = []
+        done: set[int] = set()
+        bar = Progress(steps, enabled=progress)
+        timing = {"wait_s": 0.0, "train_s": 0.0, "other_s": 0.0}  # the learner loop's time: batches, gradients, rest
+        try:
+            if transport == "flight":
+                from .flight import connect, serve
 
-            server = serve(store, "grpc://127.0.0.1:0")
-            address = server.location
-            client = connect(address)
-            source: Any = client
-            log(f"store served over Arrow Flight at {address}; {actors} actor processes; learner reads through "
-                f"ab.Loader over Flight")
-        elif transport == "shm":
-            address = store.name
-            source = store
-            log(f"store in shared memory ({address!r}); {actors} actor processes attach to it")
-        else:
-            address = ""
-            source = store
-            log(f"store in-process; {actors} actor threads")
-        for i in range(actors):
-            spec = ActorSpec(i, transport, address, per_actor[i], seed * 1000 + i, str(policy_file.path), cfg,
-                             flush=flush)
-            if transport == "local":
-                w: Any = threading.Thread(target=actor_main, args=(spec, events, stop, store), daemon=True,
-                                          name=f"actor-{i}")
+                server = serve(store, "grpc://127.0.0.1:0")
+                address = server.location
+                client = connect(address)
+                source: Any = client
+                log(f"store served over Arrow Flight at {address}; {actors} actor processes; learner reads through "
+                    f"ab.Loader over Flight")
+            elif transport == "shm":
+                address = store.name
+                source = store
+                log(f"store in shared memory ({address!r}); {actors} actor processes attach to it")
             else:
-                w = ctx.Process(target=actor_main, args=(spec, events, stop), daemon=True, name=f"actor-{i}")
-            w.start()
-            workers.append(w)
+                address = ""
+                source = store
+                log(f"store in-process; {actors} actor threads")
+            for i in range(actors):
+                spec = ActorSpec(i, transport, address, per_actor[i], seed * 1000 + i, str(policy_file.path), cfg,
+                                 flush=flush)
+                if transport == "local":
+                    w: Any = threading.Thread(target=actor_main, args=(spec, events, stop, store), daemon=True,
+                                              name=f"actor-{i}")
+                else:
+                    w = ctx.Process(target=actor_main, args=(spec, events, stop), daemon=True, name=f"actor-{i}")
+                w.start()
+                workers.append(w)
 
-        loader = Loader(source, batch_size=cfg.batch_size, prefetch=2, columns=LEARNER_COLUMNS, timeout=0.25,
-                        n_step=cfg.n_step, gamma=cfg.gamma)
-        t_train = None
-        publish_every = 50
+            loader = Loader(source, batch_size=cfg.batch_size, prefetch=2, columns=LEARNER_COLUMNS, timeout=0.25,
+                            n_step=cfg.n_step, gamma=cfg.gamma)
+            t_train = None
+            t_learn = None
+            publish_every = 50
 
-        def drain() -> None:
+            def drain() -> None:
+                while True:
+                    try:
+                        ev = events.get_nowait()
+                    except queue_mod.Empty:
+                        return
+                    if ev[0] == "episode":
+                        _, a, ret, length, t, v = ev
+                        episodes.append({"actor": a, "return": ret, "length": length, "t": t - t_start,
+                                         "policy_version": v})
+                    elif ev[0] == "done":
+                        done.add(ev[1])
+                    elif ev[0] == "error":
+                        raise ArrowbufError(f"actor {ev[1]} failed: {ev[2]}")
+
+            last_ui = 0.0
             while True:
-                try:
-                    ev = events.get_nowait()
-                except queue_mod.Empty:
-                    return
-                if ev[0] == "episode":
-                    _, a, ret, length, t, v = ev
-                    episodes.append({"actor": a, "return": ret, "length": length, "t": t - t_start,
-                                     "policy_version": v})
-                elif ev[0] == "done":
-                    done.add(ev[1])
-                elif ev[0] == "error":
-                    raise ArrowbufError(f"actor {ev[1]} failed: {ev[2]}")
-
-        last_ui = 0.0
-        while True:
-            drain()
-            if len(done) == actors:
-                break
-            if not any(w.is_alive() for w in workers):
                 drain()
-                if len(done) < actors:
-                    raise ArrowbufError(f"actors {sorted(set(range(actors)) - done)} exited without finishing")
-                break
-            t0 = time.perf_counter()
-            try:
-                batch = next(loader)
-            except SampleTimeout:
-                batch = None
-            t1 = time.perf_counter()
-            timing["wait_s"] += t1 - t0
-            if batch is not None:
-                if t_train is None:
-                    t_train = t0
-                td = learner.train(batch.to_numpy(), batch.weights if prioritized else None)
-                t2 = time.perf_counter()
-                timing["train_s"] += t2 - t1
-                if prioritized:
-                    loader.update_priorities(batch, td + 1e-3)
-                if learner.updates % publish_every == 0:
-                    version += 1
-                    policy_file.publish(learner.q.state_dict(), version)
-                timing["other_s"] += time.perf_counter() - t2
-            now = time.monotonic()
-            if now - last_ui >= 0.5:
-                last_ui = now
-                recent = [e["return"] for e in episodes[-20:]]
-                m = loader.metrics
-                its = m.iterations
-                rate = (its * cfg.batch_size / (time.perf_counter() - t_train)) if t_train and its else 0.0
-                bar.update(len(store), {
-                    "episodes": len(episodes),
-                    "return(last20)": f"{np.mean(recent):.1f}" if recent else "-",
-                    "samples/s": f"{rate:,.0f}",
-                    "exposed": f"{m.totals['exposed_s'] / its * 1e3:.2f}ms/it" if its else "-",
-                    "policy": f"v{version}"})
-        bar.update(len(store), {"episodes": len(episodes)})
-    finally:
-        bar.close()
-        stop.set()
-        if loader is not None:
-            loader.close()
-        for w in workers:
-            w.join(10)
-        for w in workers:
-            if isinstance(w, mp.process.BaseProcess) and w.is_alive():
-                w.terminate()
+                if len(done) == actors:
+                    break
+                if not any(w.is_alive() for w in workers):
+                    drain()
+                    if len(done) < actors:
+                        raise ArrowbufError(f"actors {sorted(set(range(actors)) - done)} exited without finishing")
+                    break
+                t0 = time.perf_counter()
+                try:
+                    batch = next(loader)
+                except SampleTimeout:
+                    batch = None
+                t1 = time.perf_counter()
+                timing["wait_s"] += t1 - t0
+                if batch is not None:
+                    if t_train is None:
+                        t_train = t0
+                        t_learn = time.time() - t_start
+                    td = learner.train(batch.to_numpy(), batch.weights if prioritized else None)
+                    t2 = time.perf_counter()
+                    timing["train_s"] += t2 - t1
+                    if prioritized:
+                        loader.update_priorities(batch, td + 1e-3)
+                    if learner.updates % publish_every == 0:
+                        version += 1
+                        policy_file.publish(learner.q.state_dict(), version)
+                    timing["other_s"] += time.perf_counter() - t2
+                now = time.monotonic()
+                if now - last_ui >= 0.5:
+                    last_ui = now
+                    recent = [e["return"] for e in episodes[-20:]]
+                    m = loader.metrics
+                    its = m.iterations
+                    rate = (its * cfg.batch_size / (time.perf_counter() - t_train)) if t_train and its else 0.0
+                    bar.update(len(store), {
+                        "episodes": len(episodes),
+                        "return(last20)": f"{np.mean(recent):.1f}" if recent else "-",
+                        "samples/s": f"{rate:,.0f}",
+                        "exposed": f"{m.totals['exposed_s'] / its * 1e3:.2f}ms/it" if its else "-",
+                        "policy": f"v{version}"})
+            bar.update(len(store), {"episodes": len(episodes)})
+            wall = time.time() - t_start
+            summary = _summary_sql(store)            # every actor is done: the buffer holds the whole run
+            total_steps = len(store)
+        finally:
+            bar.close()
+            stop.set()
+            if loader is not None:
+                loader.close()
+            for w in workers:
                 w.join(5)
-        if client is not None:
-            client.close()
-        if server is not None:
-            server.close()
-    try:
-        wall = time.time() - t_start
-        summary = _summary_sql(store)
-        total_steps = len(store)
+            for w in workers:
+                if isinstance(w, mp.process.BaseProcess) and w.is_alive():
+                    w.terminate()
+                    w.join(5)
+            if client is not None:
+                client.close()
+            if server is not None:
+                server.close()
     finally:
         store.close()
         if transport == "shm":
@@ -607,11 +609,13 @@ def run(actors: int = 3, steps: int = 24_000, transport: str = "flight", seed: i
                 store.unlink()
             except Exception:
                 pass
+    episodes.sort(key=lambda e: e["t"])  # in the order they ended (the queue interleaves actors)
     rets = [e["return"] for e in episodes]
     first20 = float(np.mean(rets[:20])) if rets else float("nan")
     last20 = float(np.mean(rets[-20:])) if rets else float("nan")
     (out_dir / "episodes.json").write_text(json.dumps(episodes))
-    plot = _plot(episodes, out_dir / "returns.png", f"DQN on CartPole-v1, {actors} actors, transport={transport}")
+    plot = _plot(episodes, out_dir / "returns.png", f"DQN on CartPole-v1, {actors} actors, transport={transport}",
+                 t_learn)
     return DemoResult(transport, episodes, learner.updates, total_steps, wall, summary,
                       loader.metrics.summary() if loader is not None else "", timing, plot, first20, last20)
 
@@ -626,7 +630,7 @@ def _summary_sql(store: Any) -> Any:
         "round(avg(length), 1) AS mean_length FROM q GROUP BY quarter ORDER BY quarter")
 
 
-def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str) -> str | None:
+def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str, t_learn: float | None = None) -> str | None:
     try:
         import matplotlib
 
@@ -642,6 +646,8 @@ def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str) -> str
         k = min(20, len(r))
         ma = np.convolve(r, np.ones(k) / k, mode="valid")
         ax.plot(t[k - 1:], ma, color="C1", lw=2, label=f"mean of last {k}")
+    if t_learn is not None:
+        ax.axvline(t_learn, color="grey", ls="--", lw=1, label="first gradient step")
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("return")
     ax.set_title(title)
@@ -653,17 +659,22 @@ def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str) -> str
     return str(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m arrowbuf.demo", description=__doc__.splitlines()[0])
+def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The demo's flags on `p` (also what `arrowbuf demo` registers: `configure_parser(sub.add_parser("demo"))`
+    with `func=run_from_args`)."""
     p.add_argument("--actors", type=int, default=3, help="actor processes (threads with --transport local)")
-    p.add_argument("--steps", type=int, default=24_000, help="environment steps in all (split across actors)")
-    p.add_argument("--transport", choices=TRANSPORTS, default="flight")
+    p.add_argument("--steps", type=int, default=15_000, help="environment steps in all (split across actors)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="flight",
+                   help="how actors write: Arrow Flight (default), shared memory, or in-process threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("ARROWBUF_DEMO_OUT", "demo_out"),
                    help="folder for returns.png, episodes.json, policy.pt (default: $ARROWBUF_DEMO_OUT or demo_out)")
-    p.add_argument("--warmup", type=int, default=None, help="rows stored before learning starts")
+    p.add_argument("--warmup", type=int, default=None, help="rows stored before learning starts (default 1000)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
+    return p
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     cfg = DQNConfig()
     if args.warmup is not None:
         cfg.warmup = args.warmup
@@ -678,6 +689,11 @@ def main(argv: list[str] | None = None) -> int:
     if res.plot:
         print(f"plot: {res.plot}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo", description=__doc__.splitlines()[0]))
+    return run_from_args(p.parse_args(argv))
 
 
 if __name__ == "__main__":
