@@ -108,7 +108,6 @@ class _Pthread:
         blocking = ctypes.CDLL(name, use_errno=True)  # releases the GIL while it waits
         quick = ctypes.PyDLL(name, use_errno=True)    # keeps the GIL: cheaper for calls that never wait
         vp = ctypes.c_void_p
-        self.lock = _fn(blocking.pthread_mutex_lock, vp)
         self.timedlock = _fn(blocking.pthread_mutex_timedlock, vp, vp)
         self.trylock = _fn(quick.pthread_mutex_trylock, vp)
         self.unlock = _fn(quick.pthread_mutex_unlock, vp)
@@ -172,13 +171,15 @@ class RobustMutex:
         if r == errno.EBUSY:
             if not blocking:
                 return False
-            if timeout is None or timeout < 0:
-                r = lib.lock(self._addr)
-            else:
-                at = time.time() + timeout
+            forever = timeout is None or timeout < 0
+            deadline = time.time() + (0.0 if forever else timeout)
+            while True:  # in slices: between them Python runs signal handlers (Ctrl-C stops a blocked process)
+                at = time.time() + 0.05 if forever else min(deadline, time.time() + 0.05)
                 ts = _Timespec(int(at), int((at % 1) * 1e9))
                 r = lib.timedlock(self._addr, ctypes.addressof(ts))
-                if r == errno.ETIMEDOUT:
+                if r != errno.ETIMEDOUT:
+                    break
+                if not forever and time.time() >= deadline:
                     return False
         if r == errno.EOWNERDEAD:  # its holder died: what it guarded is in a state the store tolerates
             lib.consistent(self._addr)
