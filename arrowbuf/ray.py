@@ -72,6 +72,8 @@ _SEQ_MASK = (1 << SEQ_BITS) - 1
 _GEN_MASK = (1 << GEN_BITS) - 1
 #: Internal columns a shard adds to a batch for the learner's global weights (never reach the user).
 _INFO_COLUMNS = ("_mass", "_shard_mass", "_shard_min", "_shard_size")
+#: How often a handle asks a shard it last saw empty whether it has data now (seconds).
+_EMPTY_RECHECK_S = 0.1
 
 
 class ShardsLost(StoreClosed):
@@ -301,6 +303,8 @@ class _Shard:
         self.mass = 0.0
         self.min_mass = float("inf")
         self.size = 0
+        self.mass_at = 0.0           # when the mass was last reported
+        self.refreshing: cf.Future | None = None  # an asynchronous stats call for a shard reported empty
         self.probe: Any = None       # an outstanding actor.get_info() while down
 
 
@@ -532,9 +536,34 @@ class ShardedStore:
             except Exception as exc:  # noqa: BLE001 - a shard that fails here is down
                 self._mark_down(s, exc)
                 continue
-            s.mass = float(st["mass"])
-            s.min_mass = float(st["min_mass"]) if st.get("min_mass") is not None else float("inf")
-            s.size = int(st["size"])
+            self._set_mass(s, st)
+
+    def _set_mass(self, s: _Shard, st: dict[str, Any]) -> None:
+        s.mass = float(st["mass"])
+        s.min_mass = float(st["min_mass"]) if st.get("min_mass") is not None else float("inf")
+        s.size = int(st["size"])
+        s.mass_at = time.monotonic()
+
+    def _refresh_empty(self) -> None:
+        """Without blocking: ask shards last seen empty (new, restarted, drained) for their mass again, at most every
+        `_EMPTY_RECHECK_S`; a shard gets no share of a batch while its known mass is 0, so this is how data written
+        to it is found."""
+        now = time.monotonic()
+        for s in self._shards:
+            if (s.client is not None and not s.down and s.mass <= 0 and s.refreshing is None
+                    and now - s.mass_at > _EMPTY_RECHECK_S):
+                s.mass_at = now
+                s.refreshing = self._executor().submit(self._refresh_one, s)
+
+    def _refresh_one(self, s: _Shard) -> None:
+        client = s.client
+        try:
+            if client is not None:
+                self._set_mass(s, client.stats())
+        except Exception as exc:  # noqa: BLE001 - a shard that fails here is down
+            self._mark_down(s, exc)
+        finally:
+            s.refreshing = None
 
     # ------------------------------------------------------------------ sampling
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
@@ -569,6 +598,7 @@ class ShardedStore:
             deadline = self.deadline
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
         t0 = time.monotonic()
+        self._refresh_empty()
         live = self._wait_for_data(t0, timeout)
         remaining = int(n)
         first = True
@@ -591,22 +621,30 @@ class ShardedStore:
             live = [s for s in answered if s.mass > 0] or self._wait_for_data(t0, timeout)
 
     def _wait_for_data(self, t0: float, timeout: float | None) -> list[_Shard]:
-        """Live shards with data (refreshing their mass when none is known), waiting up to `timeout`."""
+        """Live shards with data (refreshing their mass when none is known), waiting up to `timeout`; shards whose
+        previous call is late count once it ends (waiting for that up to `failure_timeout`)."""
         pause = 0.002
         while True:
-            live = [s for s in self._live() if s.late is None]
+            up = self._live()
+            live = [s for s in up if s.late is None]
             if live and not any(s.mass > 0 for s in live):
                 self.refresh()
                 live = [s for s in live if not s.down]
             with_data = [s for s in live if s.mass > 0]
             if with_data:
                 return with_data
-            left = (timeout or 0.0) - (time.monotonic() - t0)
-            if not live and self._all_lost():
+            waited = time.monotonic() - t0
+            if not up and self._all_lost():
                 raise ShardsLost(f"no shard of {self!r} is left: every shard is dead or unreachable for more than "
                                  f"{self.failure_timeout}s")
+            late_only = bool(up) and not live
+            left = (self.failure_timeout if late_only else (timeout or 0.0)) - waited
             if left <= 0:
-                why = "every live shard is empty" if live else "every shard is down (restarting: they come back empty)"
+                if late_only:
+                    why = f"every live shard is still busy with a late call after {self.failure_timeout}s"
+                else:
+                    why = ("every live shard is empty" if up
+                           else "every shard is down (restarting: they come back empty)")
                 wait = "did not wait (timeout=None)" if not timeout else f"waited {timeout}s"
                 raise SampleTimeout(f"sharded sample: {why}; {wait}. Add data or pass timeout= to wait")
             time.sleep(min(pause, left))
@@ -624,6 +662,8 @@ class ShardedStore:
                 wait = self.failure_timeout
             done, pending = cf.wait(pending, timeout=wait, return_when=cf.FIRST_COMPLETED)
             if not done:
+                if not got_any and end is not None and time.monotonic() < end + self.failure_timeout:
+                    continue  # the deadline passed with nothing here: wait for the first part instead
                 for fut in pending:
                     self._set_late(futs[fut], fut)
                 return
@@ -669,6 +709,7 @@ class ShardedStore:
             s.mass = float(part["_shard_mass"][0])
             s.min_mass = float(part["_shard_min"][0])
             s.size = int(part["_shard_size"][0])
+            s.mass_at = time.monotonic()
 
     def _finish_part(self, s: _Shard, part: SampleBatch) -> SampleBatch:
         """Strip the shard's info columns; global IS weights from the masses known now."""
