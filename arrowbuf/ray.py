@@ -328,6 +328,7 @@ class ShardedStore:
         self.num_shards = len(state["actors"])
         self.actors = list(state["actors"])
         self.deadline: float | None = state["deadline"]
+        self.fanout: int | None = state.get("fanout")
         self.failure_timeout = float(state["failure_timeout"])
         self.max_restarts = int(state["max_restarts"])
         self._token = state["token"]
@@ -349,7 +350,8 @@ class ShardedStore:
     def create(cls, schema: Any, num_shards: int, capacity_per_shard: int, sampler: Any = "uniform", *,
                rate_limiter: Any = None, seed: int | None = None, tier: str = "auto", name: str | None = None,
                strategy: str = "SPREAD", shard_cpus: float = 0.25, max_restarts: int = -1,
-               deadline: float | None = None, failure_timeout: float = 30.0, chunk_rows: int | None = None,
+               deadline: float | None = None, fanout: int | None = None, failure_timeout: float = 30.0,
+               chunk_rows: int | None = None,
                max_batch_rows: int = 65_536, bind: str | None = None, timeout: float = 120.0) -> "ShardedStore":
         """Start `num_shards` shard actors in a placement group and return a handle on them.
 
@@ -367,6 +369,8 @@ class ShardedStore:
             shard_cpus: CPUs each shard reserves (its bundle).
             max_restarts: how often Ray restarts a dead shard (-1: always). A restarted shard comes back empty.
             deadline: default straggler deadline of `sample`, seconds.
+            fanout: default fan-out of `sample`: None asks every shard with data for every batch; k asks at most k
+                shards per batch (see `sample`).
             failure_timeout: a shard unreachable for this long (restarts exhausted or not) no longer counts as
                 coming back, so a handle with every shard down raises `ShardsLost`.
             chunk_rows: rows per chunk of each shard store.
@@ -427,7 +431,7 @@ class ShardedStore:
                 remove_placement_group(pg)
             raise
         state = {"schema": schema.to_dict(), "actors": actors, "infos": infos, "directory": directory, "pg": pg,
-                 "token": token, "sampler": sampler, "deadline": deadline, "failure_timeout": failure_timeout,
+                 "token": token, "sampler": sampler, "deadline": deadline, "fanout": fanout, "failure_timeout": failure_timeout,
                  "max_restarts": max_restarts, "tier": tier, "uid": uid}
         return cls(state, owner=True)
 
@@ -567,7 +571,8 @@ class ShardedStore:
 
     # ------------------------------------------------------------------ sampling
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
-               deadline: float | None = ..., **options: Any) -> SampleBatch:  # type: ignore[assignment]
+               deadline: float | None = ..., fanout: int | None = ...,  # type: ignore[assignment]
+               **options: Any) -> SampleBatch:
         """Sample `n` items over all shards: each shard in parallel, `n_k` of them in proportion to its mass.
 
         Args:
@@ -580,22 +585,33 @@ class ShardedStore:
                 batch a late shard's rows have probability 0 and every other row's probability is scaled by
                 `M / (M - M_late)`; across calls a shard that misses a fraction f of deadlines is under-sampled by
                 (1 - f). IS weights stay those of the global distribution (they do not correct for this).
+            fanout: ask at most this many shards for this batch (default: the handle's `fanout`; None: every shard
+                with data). The shards are drawn with replacement in proportion to their mass and each draw brings
+                `n / fanout` rows, so an item's expected count stays `n * P_i` (the same global distribution in
+                expectation; a single batch is more clustered by shard). Each request costs a shard a fixed overhead,
+                so with many learners a bounded fan-out is what lets more shards add sampling capacity
+                (benchmarks/simulate_scale.py).
             **options: passed to each shard's `sample` (e.g. `n_step=3, gamma=0.99`).
 
         Raises:
             SampleTimeout: every live shard is empty (or every shard is down but may come back) past `timeout`.
             ShardsLost: no shard is left.
         """
-        parts = list(self.stream(n, columns, timeout, deadline=deadline, **options))
+        parts = list(self.stream(n, columns, timeout, deadline=deadline, fanout=fanout, **options))
         return parts[0] if len(parts) == 1 else _concat(parts)
 
     def stream(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
-               deadline: float | None = ..., **options: Any) -> Iterator[SampleBatch]:  # type: ignore[assignment]
+               deadline: float | None = ..., fanout: int | None = ...,  # type: ignore[assignment]
+               **options: Any) -> Iterator[SampleBatch]:
         """The parts of `sample(n, ...)` as each shard's arrives (see `sample`): `n` rows in all."""
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be a positive number of items, got {n!r}")
         if deadline is ...:
             deadline = self.deadline
+        if fanout is ...:
+            fanout = self.fanout
+        if fanout is not None and (not isinstance(fanout, (int, np.integer)) or fanout < 1):
+            raise ValueError(f"fanout must be a positive number of shards or None, got {fanout!r}")
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
         t0 = time.monotonic()
         self._refresh_empty()
@@ -603,7 +619,11 @@ class ShardedStore:
         remaining = int(n)
         first = True
         while remaining > 0:
-            counts = _allocate(remaining, np.array([s.mass for s in live]), self._rng)
+            masses = np.array([s.mass for s in live])
+            if first and fanout is not None and fanout < len(live):
+                counts = _allocate_fanout(remaining, masses, int(fanout), self._rng)
+            else:
+                counts = _allocate(remaining, masses, self._rng)
             futs = {self._executor().submit(self._sample_one, s, int(c), cols, timeout, options): s
                     for s, c in zip(live, counts) if c > 0}
             answered: list[_Shard] = []
@@ -1190,6 +1210,16 @@ def _allocate(n: int, masses: np.ndarray, rng: np.random.Generator) -> np.ndarra
     edges = np.floor(cum + rng.random()).astype(np.int64)
     edges[0], edges[-1] = 0, n  # floor(u) == 0 and floor(n + u) == n for u in [0, 1), whatever the rounding
     return np.diff(edges)
+
+
+def _allocate_fanout(n: int, masses: np.ndarray, fanout: int, rng: np.random.Generator) -> np.ndarray:
+    """Counts over at most `fanout` shards: `fanout` draws of a shard with probability `m_k / sum(m)`, each bringing
+    `n / fanout` rows (the remainder spread one row each over the first draws). `E[count_k] = n * m_k / sum(m)`."""
+    masses = np.maximum(np.asarray(masses, dtype=np.float64), 0.0)
+    picks = rng.choice(len(masses), size=fanout, p=masses / masses.sum())
+    share = np.full(fanout, n // fanout, dtype=np.int64)
+    share[rng.permutation(fanout)[: n % fanout]] += 1  # which draws carry the remainder: at random (unbiased)
+    return np.bincount(picks, weights=share, minlength=len(masses)).astype(np.int64)
 
 
 def _concat(parts: list[SampleBatch]) -> SampleBatch:

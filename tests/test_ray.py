@@ -50,6 +50,9 @@ def test_allocation_is_exact_in_expectation():
     assert (counts[:, 1] == 0).all()
     assert np.allclose(counts.mean(axis=0), 10 * m / m.sum(), atol=0.03)
     assert (np.abs(counts - 10 * m / m.sum()) < 1).all()  # systematic: within one of the expectation
+    fan = np.array([abray._allocate_fanout(10, m, 2, rng) for _ in range(20_000)])
+    assert (fan.sum(axis=1) == 10).all() and ((fan > 0).sum(axis=1) <= 2).all()
+    assert np.allclose(fan.mean(axis=0), 10 * m / m.sum(), atol=0.06)  # bounded fan-out: same expectation
 
 
 # ---------------------------------------------------------------------------------------------------- cluster
