@@ -8,7 +8,8 @@ Rows, for the atari and mujoco workloads:
   ingest/extend     `remote.extend(batch)` (one DoPut per batch)     vs the same raw DoPut ceiling
 The servers (arrowbuf's and the raw one) run together in a subprocess, as a remote store would; the client is this
 process. Ceiling and arrowbuf alternate within each repeat; every number is the median over repeats. DeepMind
-Reverb is not measured here (it needs its own TF 2.15 / numpy<2 environment).
+Reverb is not measured here (it needs its own TF 2.15 / numpy<2 environment). "local sample MB/s" is
+`store.sample(B)` in the server process without any network: remote sampling cannot beat it, whatever the ceiling.
 
     python -m benchmarks.bench_flight [--repeats 3] [--quick]
 
@@ -65,6 +66,17 @@ class RawServer(flight.FlightServerBase):
     def __init__(self) -> None:
         super().__init__("grpc://127.0.0.1:0")
         self.batches: dict[str, pa.RecordBatch] = {}
+        self.stores: dict[str, Any] = {}
+
+    def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
+        """`time_sample`: seconds per local `store.sample(n)` in this process (no network): the store's bound."""
+        req = json.loads(action.body.to_pybytes())
+        store = self.stores[req["store"]]
+        store.sample(req["n"])
+        t0 = time.perf_counter()
+        for _ in range(req["reps"]):
+            store.sample(req["n"])
+        return [json.dumps((time.perf_counter() - t0) / req["reps"]).encode()]
 
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
         req = json.loads(ticket.ticket)
@@ -88,7 +100,7 @@ def serve_main(workloads: list[str]) -> None:
         pool = _steps(wl, 1024, rng, ends=True)
         for _ in range(SAMPLE_CAPACITY[wl] // 1024):
             store.extend(pool)
-        stores[wl] = store
+        stores[wl] = raw.stores[wl] = store
         stores[f"{wl}_ingest"] = ab.ExperienceStore(schema, capacity=INGEST_CAPACITY[wl], seed=0,
                                                     name=f"{wl}_ingest")
         for n in BATCHES:  # the ceiling's batches: the same columns, types and bytes as a sample
@@ -129,10 +141,11 @@ def measure(workloads: list[str], repeats: int, quick: bool) -> list[dict[str, A
         raw = flight.FlightClient(locations["raw"])
         rows: dict[tuple[str, str, int], dict[str, list[float]]] = {}
 
-        def add(wl: str, mode: str, n: int, ours: float, ceiling: float, nbytes: int) -> None:
-            r = rows.setdefault((wl, mode, n), {"ours_s": [], "ceiling_s": [], "bytes": [nbytes]})
+        def add(wl: str, mode: str, n: int, ours: float, ceiling: float, nbytes: int, local: float = 0.0) -> None:
+            r = rows.setdefault((wl, mode, n), {"ours_s": [], "ceiling_s": [], "local_s": [], "bytes": [nbytes]})
             r["ours_s"].append(ours)
             r["ceiling_s"].append(ceiling)
+            r["local_s"].append(local)
 
         rng = np.random.default_rng(1)
         for wl in workloads:
@@ -148,7 +161,9 @@ def measure(workloads: list[str], repeats: int, quick: bool) -> list[dict[str, A
                     per_call = flight.Ticket(json.dumps({"key": f"{wl}:{n}", "count": 1}).encode())
                     ceiling = _timed(lambda t=per_call: _read_one(raw.do_get(t)), reps)
                     ours = _timed(lambda r=remote, k=n: r.sample(k), reps)
-                    add(wl, "sample/doget", n, ours, ceiling, nbytes)
+                    body = json.dumps({"store": wl, "n": n, "reps": reps}).encode()
+                    local = json.loads(next(iter(raw.do_action(flight.Action("time_sample", body)))).body.to_pybytes())
+                    add(wl, "sample/doget", n, ours, ceiling, nbytes, local)
                     stream = flight.Ticket(json.dumps({"key": f"{wl}:{n}", "count": reps}).encode())
 
                     def raw_stream(t: flight.Ticket = stream) -> None:
@@ -163,7 +178,7 @@ def measure(workloads: list[str], repeats: int, quick: bool) -> list[dict[str, A
                             for _ in range(reps):
                                 next(session)
                             ours = (time.perf_counter() - t0) / reps
-                        add(wl, mode, n, ours, ceiling, nbytes)
+                        add(wl, mode, n, ours, ceiling, nbytes, local)
 
                 def raw_put(pb: list = put_batches, k: int = k_put) -> None:
                     writer, _ = raw.do_put(flight.FlightDescriptor.for_path("x"), pb[0].schema)
@@ -197,9 +212,11 @@ def measure(workloads: list[str], repeats: int, quick: bool) -> list[dict[str, A
         # the ratio of each repeat (ceiling and arrowbuf measured back to back), then the median: robust to the
         # machine's load drifting between repeats
         ratio = statistics.median(c / o for c, o in zip(r["ceiling_s"], r["ours_s"]))
+        local = statistics.median(r["local_s"])
         out.append({"workload": wl, "mode": mode, "batch_rows": n, "batch_mb": nbytes / 1e6,
                     "items_per_s": n / ours, "mb_per_s": nbytes / ours / 1e6,
                     "ceiling_items_per_s": n / ceiling, "ceiling_mb_per_s": nbytes / ceiling / 1e6,
+                    "local_sample_mb_per_s": nbytes / local / 1e6 if local else None,
                     "ratio": ratio, "repeats": len(r["ours_s"])})
     return out
 
@@ -220,10 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     elapsed = time.perf_counter() - t0
     load = (load_before, os.getloadavg()[0])
     print(f"{'workload':8} {'mode':16} {'batch':>6} {'MB/batch':>9} {'items/s':>10} {'MB/s':>8} "
-          f"{'ceiling MB/s':>13} {'ratio':>6}")
+          f"{'ceiling MB/s':>13} {'ratio':>6} {'local sample MB/s':>18}")
     for r in results:
+        local = f"{r['local_sample_mb_per_s']:18.0f}" if r["local_sample_mb_per_s"] else f"{'':18}"
         print(f"{r['workload']:8} {r['mode']:16} {r['batch_rows']:6d} {r['batch_mb']:9.2f} {r['items_per_s']:10.0f} "
-              f"{r['mb_per_s']:8.0f} {r['ceiling_mb_per_s']:13.0f} {r['ratio']:6.2f}")
+              f"{r['mb_per_s']:8.0f} {r['ceiling_mb_per_s']:13.0f} {r['ratio']:6.2f} {local}")
     print(f"({elapsed:.0f}s; medians over {args.repeats} repeats; ratio: of ceiling time / arrowbuf time per repeat; "
           f"load average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} CPUs)")
     OUT.mkdir(parents=True, exist_ok=True)
