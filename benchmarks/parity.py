@@ -36,6 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
 BACKENDS = ("numpy", "local", "shm", "flight")
 EVAL_EPISODES = 10
+STYLES = {"numpy": "-", "local": "--", "shm": ":", "flight": "-"}  # local and shm coincide run for run (same seed)
 
 
 # ---------------------------------------------------------------------------------------------------------- numpy
@@ -295,7 +296,10 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dict[st
             f"| {r['backend']} | {r['seeds']} | {r['last20_mean']:.1f} +- {r['last20_std']:.1f} "
             f"| {r['eval_mean']:.1f} +- {r['eval_std']:.1f} | {r['train_return_mean']:.1f} +- "
             f"{r['train_return_std']:.1f} | {r['wall_s']:.1f} | {r['updates_per_s']:.0f} | {ratio} |")
-    lines += ["", "Curves: parity.png (mean of the last 10 training episodes against environment steps; band = "
+    lines += ["", f"Runs went {args.jobs} at a time (0: one after another in one process); wall s/run and updates/s "
+              "include that sharing and any other load on the machine: they are not a speed benchmark. `local` and "
+              "`shm` run the same store code with the same seed, so their runs coincide batch for batch.",
+              "", "Curves: parity.png (mean of the last 10 training episodes against environment steps; band = "
               "min..max over seeds, line = mean).", ""]
     return "\n".join(lines)
 
@@ -321,7 +325,7 @@ def plot(runs: list[dict[str, Any]], backends: list[str], steps: int, path: path
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 mean, lo, hi = np.nanmean(cs, 0), np.nanmin(cs, 0), np.nanmax(cs, 0)
-        ax.plot(grid, mean, color=f"C{i}", lw=2, label=f"{b} ({len(rs)} seeds)")
+        ax.plot(grid, mean, color=f"C{i}", lw=2, ls=STYLES.get(b, "-"), label=f"{b} ({len(rs)} seeds)")
         ax.fill_between(grid, lo, hi, color=f"C{i}", alpha=0.15)
     ax.set_xlabel("environment steps")
     ax.set_ylabel("return (mean of last 10 episodes)")
@@ -339,13 +343,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10_000, help="environment steps per run")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (worker processes); 0: all in this process")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="runs in parallel (worker processes); 0: all in this process")
     p.add_argument("--warmup", type=int, default=None, help="steps before the first gradient step")
     p.add_argument("--eval-episodes", type=int, default=EVAL_EPISODES, help="greedy episodes after training")
     p.add_argument("--out", default=os.environ.get("ARROWBUF_BENCH_OUT", str(OUT)))
+    p.add_argument("--replot", action="store_true", help="redraw parity.png and parity.md from parity.json")
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        saved = json.loads((out / "parity.json").read_text())
+        for k, v in saved["args"].items():
+            if k not in ("out", "replot"):
+                setattr(args, k, v)
+        md = markdown(saved["rows"], args, saved["meta"])
+        (out / "parity.md").write_text(md)
+        print(md)
+        print(plot(saved["runs"], args.backends, args.steps, out / "parity.png"))
+        return 0
     overrides: dict[str, Any] = {}
     if args.warmup is not None:
         overrides["warmup"] = args.warmup
