@@ -186,6 +186,36 @@ class TestRemoteStore:
         assert w.first_seqs == [100 + 7 * i for i in range(10)]
         assert w.rows == 70 and len(store) == 170
 
+    def test_a_slow_store_holds_the_writer_back(self, servers):
+        class GatedStore(ab.ExperienceStore):
+            """Commits only while the gate is open: a store that cannot keep up."""
+
+            gate = threading.Event()
+
+            def extend(self, batch, **kw):
+                self.gate.wait(30)
+                return super().extend(batch, **kw)
+
+        store = GatedStore(SCHEMAS / "cartpole.yaml", capacity=1000)
+        remote = ab.connect(servers(store).location)
+        sent = []
+        done = threading.Event()
+
+        def write():
+            with remote.writer(max_in_flight=2) as w:
+                for i in range(6):
+                    w.extend(cartpole_batch(5, start=5 * i))
+                    sent.append(i)
+            done.set()
+
+        threading.Thread(target=write, daemon=True).start()
+        assert not done.wait(0.5)  # credit spent: the writer waits for acks instead of queueing
+        assert len(sent) <= 2 and len(store) == 0  # at most max_in_flight batches went out unacknowledged
+        GatedStore.gate.set()
+        assert done.wait(30)
+        assert sent == list(range(6)) and len(store) == 30
+        remote.close()
+
     def test_writer_error_keeps_earlier_batches(self, served):
         store, _, remote = served
         w = remote.writer(max_in_flight=4)
