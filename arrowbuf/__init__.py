@@ -3,7 +3,7 @@
 `import arrowbuf` needs only pyarrow and numpy; torch, ray, duckdb, polars and cudf are imported when used.
 """
 
-from . import rate_limiters, samplers
+from . import placement, rate_limiters, samplers
 from .batch import SampleBatch
 from .errors import (
     ArrowbufError,
@@ -42,6 +42,7 @@ __all__ = [
     "Unauthenticated",
     "connect",
     "load_schema",
+    "placement",
     "rate_limiters",
     "samplers",
     "serve",

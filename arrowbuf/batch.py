@@ -20,9 +20,20 @@ import pyarrow as pa
 from .errors import require
 
 
+def _is_tensor(values: Any) -> bool:
+    """A torch tensor (what a GPU tier delivers), recognised without importing torch."""
+    return type(values).__module__.startswith("torch")
+
+
+def _host(values: Any) -> Any:
+    """numpy for a torch tensor (copied from the device), anything else unchanged."""
+    return values.detach().cpu().numpy() if _is_tensor(values) else values
+
+
 def _to_arrow(values: Any) -> pa.Array:
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
         return values
+    values = _host(values)
     if values.ndim == 1:
         return pa.array(values)
     return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(values))
@@ -73,17 +84,23 @@ class SampleBatch:
             if isinstance(v, (pa.Array, pa.ChunkedArray)):
                 out[k] = [np.asarray(x) if x is not None else None for x in v.to_pylist()]
             else:
-                out[k] = v
+                out[k] = _host(v)
         return out
 
     def to_torch(self, device: str | Any = "cpu", non_blocking: bool = False) -> dict[str, Any]:
         """Columns as torch tensors on `device` (zero-copy on the CPU where the dtype allows).
 
-        Ragged columns come back as lists of 1-D tensors. Needs `pip install 'arrowbuf[torch]'`.
+        Ragged columns come back as lists of 1-D tensors; columns gathered on a GPU tier are already device tensors
+        and move only if `device` differs. Needs `pip install 'arrowbuf[torch]'`.
         """
         torch = require("torch", "torch")
         out: dict[str, Any] = {}
-        for k, v in self.to_numpy().items():
+        for k, v in self._arrays.items():
+            if _is_tensor(v):
+                out[k] = v.to(device, non_blocking=non_blocking)
+                continue
+            if isinstance(v, (pa.Array, pa.ChunkedArray)):
+                v = [np.asarray(x) if x is not None else None for x in v.to_pylist()]
             if isinstance(v, list):
                 out[k] = [torch.as_tensor(x).to(device) for x in v]
                 continue

@@ -113,3 +113,398 @@ class ColumnArenas:
     def close(self) -> None:
         self.arrays.clear()
         self.ragged.clear()
+
+
+class _TrackedColumn:
+    """`col[positions]` over a tiered column: host rows, and the read is recorded for the moved-chunk check."""
+
+    def __init__(self, arenas: "TieredColumnArenas", name: str, reads: list | None) -> None:
+        self.arenas, self.name, self.reads = arenas, name, reads
+
+    def __getitem__(self, positions: np.ndarray) -> np.ndarray:
+        return self.arenas.take(self.name, positions, self.reads, host=True)
+
+
+class TieredColumnArenas(ColumnArenas):
+    """Columns whose chunks live in several tiers; residency per (column, chunk slot).
+
+    Addressing: in a non-slotted tier (host, disk) a column's arena spans the whole ring and a row keeps its ring
+    position, so moving a chunk copies `[p0, p1)` of one arena to the same rows of another; the host tier's arenas
+    are sparse (memory is held only for resident chunks). A slotted tier (GPU) holds a fixed number of chunk slots
+    per column, found through `local[column, slot]`. A gather groups positions by tier: one take per column per tier.
+
+    Consistency: a chunk is copied while it stays readable where it was, then the slot table flips under the store's
+    lock (only if the chunk is still the same sealed, live generation), then the old copy is released. Each flip bumps
+    the column's `epoch` and stamps the chunk (`stamp[column, slot] = epoch`); a sampler notes the epochs before a
+    gather and afterwards re-gathers the rows whose chunk was stamped meanwhile, so it never returns a row read from
+    a released or reused copy. A writer starting a new generation of a slot may move it (to where new chunks should
+    go, `write_tier`), and waits for a migration of that slot in flight rather than race its copy.
+    """
+
+    direct = False
+
+    def __init__(self, schema: ExperienceSchema, directory: ChunkDirectory, meta: Tier, tiers: list[Tier],
+                 final_capacity: int, final_sources: list[str], index: Any) -> None:
+        import threading
+
+        self.index = index
+        self.schema = schema
+        self.directory = directory
+        self.chunk_rows = cr = directory.chunk_rows
+        self.arena_rows = directory.arena_rows
+        self.num_slots = directory.num_slots
+        self.final_capacity = int(final_capacity)
+        self.final_sources = list(final_sources)
+        self.tiers = list(tiers)
+        self.meta = meta
+        self.slotted = [bool(t.slotted) for t in self.tiers]
+        self.bottom = len(self.tiers) - 1
+        self.fields = [f for f in schema.fields.values()]
+        self.names = [f.name for f in self.fields]
+        self.ci = {n: directory.columns.index(n) for n in self.names}
+        self.cname = {i: n for n, i in self.ci.items()}
+        self.spec = {f.name: f for f in self.fields}
+        self.chunk_bytes = {f.name: f.row_bytes * cr for f in self.fields}
+        ncols = len(directory.columns)
+        self.res = directory.residency
+        self.local = np.zeros((ncols, self.num_slots), dtype=np.int64)
+        self.epoch = np.zeros(ncols, dtype=np.int64)
+        self.stamp = np.zeros((ncols, self.num_slots), dtype=np.int64)
+        self.moving = np.zeros((ncols, self.num_slots), dtype=bool)
+        self.write_tier = np.full(ncols, self.bottom, dtype=np.int8)
+        self.access = np.zeros(ncols, dtype=np.int64)   # rows read per column (sample, Loader)
+        self.counters = {"migrations": 0, "migrated_bytes": 0, "aborted": 0, "regathers": 0, "write_moves": 0}
+        self.cond = threading.Condition(threading.Lock())
+        self.arenas: list[dict[str, Any]] = [{} for _ in self.tiers]
+        self.free: list[dict[str, list[int]]] = [{} for _ in self.tiers]
+        for code, t in enumerate(self.tiers):
+            if not t.slotted:
+                for f in self.fields:
+                    self.arenas[code][f.name] = t.allocate_sparse(f.name, f.dtype, self.arena_rows, f.shape)
+        top = next(c for c in range(len(self.tiers)) if not self.slotted[c])
+        self.arrays = dict(self.arenas[top])  # membership and `store._arenas`: the top non-slotted arenas
+        self.ragged = {}
+        self.final = {src: meta.allocate(f"final.{src}", self.spec[src].dtype, max(1, self.final_capacity),
+                                         self.spec[src].shape) for src in self.final_sources}
+
+    # ------------------------------------------------------------------ placement at start
+    def initial_placement(self) -> None:
+        """Every slot of every column starts in a non-slotted tier: the first slots of each column (the same number
+        for every column) fill the upper tiers' budgets, the bottom tier takes the rest."""
+        cr = self.chunk_rows
+        per_slot = sum(self.chunk_bytes.values())
+        first = 0
+        for code, t in enumerate(self.tiers):
+            if self.slotted[code]:
+                continue
+            if code == self.bottom or t.budget is None:
+                n = self.num_slots - first
+            else:
+                room = t.budget - t.nbytes()
+                n = max(0, min(self.num_slots - first, room // max(1, per_slot + 2 * mmap_page() * len(self.names))))
+            for name in self.names:
+                self.res[self.ci[name], first:first + n] = code
+                t.hold(name, first * cr, (first + n) * cr, chunk=cr)
+            first += n
+            if first >= self.num_slots:
+                break
+        top = next(c for c in range(len(self.tiers)) if not self.slotted[c])
+        self.write_tier[:] = top
+
+    def check_budgets(self) -> None:
+        """Raise `OutOfSpace` when a tier holds more than its budget (tests and the policy call it)."""
+        from .errors import OutOfSpace
+        from .tiers.base import format_bytes
+
+        for t in self.tiers:
+            if t.budget is not None and t.nbytes() > t.budget:
+                raise OutOfSpace(f"{t.name} tier holds {format_bytes(t.nbytes())}, over its budget of "
+                                 f"{format_bytes(t.budget)}")
+
+    # ------------------------------------------------------------------ writes
+    def write(self, name: str, first_pos: int, values: Any) -> None:
+        ci = self.ci[name]
+        cr = self.chunk_rows
+        p, end, off = int(first_pos), int(first_pos) + len(values), 0
+        while p < end:
+            s = p // cr
+            q = min(end, (s + 1) * cr)
+            if p == s * cr or self.slotted[self.res[ci, s]]:
+                self._recycle(ci, name, s)
+            self.arenas[self.res[ci, s]][name][p:q] = values[off:off + q - p]
+            off += q - p
+            p = q
+
+    def write_row(self, name: str, pos: int, value: Any) -> None:
+        ci = self.ci[name]
+        s = pos // self.chunk_rows
+        if pos == s * self.chunk_rows or self.slotted[self.res[ci, s]]:
+            self._recycle(ci, name, s)
+        self.arenas[self.res[ci, s]][name][pos] = value
+
+    def write_final(self, name: str, slots: np.ndarray | int, values: Any) -> None:
+        self.final[name][slots] = values
+
+    def _recycle(self, ci: int, name: str, s: int) -> None:
+        """A writer starts a new generation of slot `s`. Rows of the old generation past the piece being written may
+        still be live (eviction follows the writer piece by piece), so the slot moves without a copy only once all
+        of them are evicted: then to where new chunks of this column should go, if that is higher and has room.
+        Appends never go to device memory: a slot in a slotted tier is copied out first. Waits for a migration of
+        the slot in flight."""
+        cur, want = int(self.res[ci, s]), int(self.write_tier[ci])
+        if not self.moving[ci, s] and not self.slotted[cur] and want >= cur:
+            return
+        cr = self.chunk_rows
+        p0, p1 = s * cr, (s + 1) * cr
+        with self.cond:
+            while self.moving[ci, s]:
+                self.cond.wait()
+            cur = int(self.res[ci, s])
+            if not self.slotted[cur] and want >= cur:
+                return
+            old_last = int(self.index.seq[p1 - 1])
+            if not self.slotted[cur] and old_last >= self.index.lo:
+                return  # live rows of the old generation stay readable where they are
+            for target in range(min(want, cur) if not self.slotted[cur] else want, self.bottom + 1):
+                if self.slotted[target] or target == cur:
+                    continue
+                t = self.tiers[target]
+                if target != self.bottom and not t.fits(t.hold_cost(name, p0, p1)):
+                    if not self.slotted[cur]:
+                        return  # no room above: stay
+                    continue
+                t.hold(name, p0, p1)
+                if self.slotted[cur]:  # copy what may still be read (a rare path: the oldest chunk on the device)
+                    self.arenas[target][name][p0:p1] = self._read_chunk(cur, name, ci, s)
+                else:  # a sampler may have drawn an old row just before its eviction: its seq check must fail
+                    self.index.seq[p0:p1] = -1  # now, as the data it would read is not moved along
+                self._flip(ci, s, target, -1)
+                self._release(cur, name, ci, s)
+                self.counters["write_moves"] += 1
+                return
+
+    # ------------------------------------------------------------------ reads
+    def take(self, name: str, positions: np.ndarray, reads: list | None = None, host: bool = False) -> Any:
+        """Rows at ring `positions`: one take per tier the rows live in. A device tensor when some rows are in a
+        slotted (GPU) tier, unless `host`."""
+        ci = self.ci[name]
+        if reads is not None:
+            reads.append((ci, positions))
+        slots = positions // self.chunk_rows
+        codes = self.res[ci, slots]
+        if len(codes) == 0 or (codes == codes[0]).all():
+            code = int(codes[0]) if len(codes) else self.bottom
+            return self._take_from(code, name, ci, positions, slots, host)
+        spec = self.spec[name]
+        parts = [(c, codes == c) for c in np.unique(codes).tolist()]
+        device = None if host else next((self.tiers[c] for c, _ in parts if self.slotted[c]), None)
+        if device is None:
+            out = np.empty((len(positions), *spec.shape), dtype=spec.dtype)
+            for c, m in parts:
+                out[m] = self._take_from(c, name, ci, positions[m], slots[m], True)
+            return out
+        out = device.empty((len(positions), *spec.shape), spec.dtype)
+        for c, m in parts:
+            part = self._take_from(c, name, ci, positions[m], slots[m], False)
+            if isinstance(part, np.ndarray):
+                part = device.to_device(part)
+            out[device.torch.from_numpy(np.flatnonzero(m)).to(out.device)] = part
+        return out
+
+    def _take_from(self, code: int, name: str, ci: int, positions: np.ndarray, slots: np.ndarray, host: bool) -> Any:
+        if not self.slotted[code]:
+            return np.take(self.arenas[code][name], positions, axis=0)
+        arena = self.arenas[code].get(name)
+        if arena is None:  # a stale slot table read (the stamp check re-gathers): any valid rows will do
+            return np.zeros((len(positions), *self.spec[name].shape), dtype=self.spec[name].dtype)
+        local = np.clip(self.local[ci, slots], 0, len(arena) // self.chunk_rows - 1) * self.chunk_rows
+        local += positions % self.chunk_rows
+        tier = self.tiers[code]
+        out = tier.take(arena, local, self.spec[name].dtype)
+        if host:
+            out = out.cpu().numpy()
+            dtype = self.spec[name].dtype
+            return out.view(dtype) if out.dtype != dtype and out.dtype.itemsize == dtype.itemsize else out
+        return out
+
+    def take_next(self, name: str, positions: np.ndarray, reads: list | None = None, host: bool = False) -> Any:
+        if reads is not None:  # final-observation slots (>= arena_rows) never move; `moved` skips them
+            reads.append((self.ci[name], positions))
+        fin = positions >= self.arena_rows
+        if not fin.any():
+            return self.take(name, positions, None, host)
+        final = np.take(self.final[name], positions[fin] - self.arena_rows, axis=0)
+        if fin.all():
+            return final
+        ring = self.take(name, positions[~fin], None, host)
+        if isinstance(ring, np.ndarray):
+            out = np.empty((len(positions), *ring.shape[1:]), dtype=ring.dtype)
+            out[~fin], out[fin] = ring, final
+            return out
+        import torch
+
+        out = ring.new_empty((len(positions), *ring.shape[1:]))
+        out[torch.from_numpy(np.flatnonzero(~fin)).to(out.device)] = ring
+        out[torch.from_numpy(np.flatnonzero(fin)).to(out.device)] = torch.from_numpy(final).to(out.device, out.dtype)
+        return out
+
+    def column(self, name: str, reads: list | None = None) -> Any:
+        return _TrackedColumn(self, name, reads)
+
+    def view(self, name: str, p0: int, p1: int) -> np.ndarray:
+        """Rows [p0, p1) of one chunk: zero-copy from the disk tier (its copy stays valid until the ring overwrites
+        the rows); a copy from host (a later move gives those pages back) and device memory."""
+        ci = self.ci[name]
+        s = p0 // self.chunk_rows
+        for _ in range(100):
+            e0 = int(self.epoch[ci])
+            code = int(self.res[ci, s])
+            if self.slotted[code]:
+                arena = self.arenas[code].get(name)
+                if arena is None:
+                    continue
+                off = int(self.local[ci, s]) * self.chunk_rows + p0 - s * self.chunk_rows
+                out = self.tiers[code].get(arena, off, off + p1 - p0, self.spec[name].dtype)
+            elif code == self.bottom and self.tiers[code].name == "disk":
+                out = self.arenas[code][name][p0:p1]
+            else:
+                out = np.array(self.arenas[code][name][p0:p1])
+            if self.epoch[ci] == e0 or self.stamp[ci, s] <= e0:
+                return out
+        raise RuntimeError(f"could not read a stable copy of column {name!r} rows [{p0}, {p1})")
+
+    def moved(self, e0: np.ndarray, reads: list, items: int) -> np.ndarray | None:
+        """Per item (of `items`), whether a chunk it read was moved since the epochs `e0`; None: nothing moved."""
+        changed = self.epoch != e0
+        if not changed.any():
+            return None
+        bad: np.ndarray | None = None
+        for ci, positions in reads:
+            if not changed[ci]:
+                continue
+            ring = positions < self.arena_rows
+            slots = np.where(ring, positions, 0) // self.chunk_rows
+            hit = (self.stamp[ci, slots] > e0[ci]) & ring
+            bad = hit if bad is None else bad | hit
+        if bad is None:
+            return None
+        return bad.reshape(items, -1).any(axis=1)
+
+    def count_access(self, names: list[str], rows: int) -> None:
+        for n in names:
+            ci = self.ci.get(n)
+            if ci is not None:
+                self.access[ci] += rows
+
+    # ------------------------------------------------------------------ moves
+    def ensure_arena(self, code: int, name: str, slots: int) -> bool:
+        """Allocate column `name`'s arena of `slots` chunk slots in slotted tier `code` (once). False if it does not
+        fit the budget."""
+        with self.cond:
+            if name in self.arenas[code]:
+                return True
+            t = self.tiers[code]
+            nbytes = slots * self.chunk_bytes[name]
+            if slots < 1 or not t.fits(nbytes):
+                return False
+            spec = self.spec[name]
+            self.arenas[code][name] = t.allocate(name, spec.dtype, slots * self.chunk_rows, spec.shape)
+            self.free[code][name] = list(range(slots - 1, -1, -1))
+            return True
+
+    def slots_free(self, code: int, name: str) -> int:
+        return len(self.free[code].get(name, ()))
+
+    def slots_total(self, code: int, name: str) -> int:
+        arena = self.arenas[code].get(name)
+        return 0 if arena is None else len(arena) // self.chunk_rows
+
+    def migrate(self, name: str, s: int, target: int, gen: int, index: Any, state_lock: Any) -> bool:
+        """Copy chunk slot `s` of column `name` (generation `gen`: its first seq) to tier `target` and flip the slot
+        table; False (and nothing changed) if there is no room, the slot is already moving, or the chunk stopped
+        being that sealed, live generation meanwhile."""
+        ci = self.ci[name]
+        cr = self.chunk_rows
+        p0, p1 = s * cr, (s + 1) * cr
+        t = self.tiers[target]
+        local = -1
+        seq = index.seq
+        with state_lock:  # copy only a sealed chunk: every row committed, so nobody writes it while it stays live
+            if not (seq[p0] == gen and gen >= index.lo and seq[p1 - 1] == gen + cr - 1):
+                return False
+        with self.cond:
+            cur = int(self.res[ci, s])
+            if cur == target or self.moving[ci, s]:
+                return False
+            if self.slotted[target]:
+                free = self.free[target].get(name)
+                if not free:
+                    return False
+                local = free.pop()
+            else:
+                if not t.fits(t.hold_cost(name, p0, p1)):
+                    return False
+                t.hold(name, p0, p1)
+            self.moving[ci, s] = True
+        ok = False
+        try:
+            data = self._read_chunk(cur, name, ci, s)
+            if self.slotted[target]:
+                t.put(self.arenas[target][name], local * cr, data)  # type: ignore[attr-defined]
+            else:
+                self.arenas[target][name][p0:p1] = data
+            with state_lock:  # still that generation, none of its rows evicted: the copy is exact
+                if seq[p0] == gen and gen >= index.lo and seq[p1 - 1] == gen + cr - 1:
+                    with self.cond:
+                        self._flip(ci, s, target, local)
+                        ok = True
+        finally:
+            with self.cond:
+                if ok:
+                    self._release(cur, name, ci, s)
+                    self.counters["migrations"] += 1
+                    self.counters["migrated_bytes"] += self.chunk_bytes[name]
+                else:
+                    if self.slotted[target]:
+                        self.free[target][name].append(local)
+                    else:
+                        t.release(name, p0, p1)
+                    self.counters["aborted"] += 1
+                self.moving[ci, s] = False
+                self.cond.notify_all()
+        return ok
+
+    def _read_chunk(self, code: int, name: str, ci: int, s: int) -> np.ndarray:
+        cr = self.chunk_rows
+        if self.slotted[code]:
+            off = int(self.local[ci, s]) * cr
+            return self.tiers[code].get(self.arenas[code][name], off, off + cr, self.spec[name].dtype)  # type: ignore
+        return self.arenas[code][name][s * cr:(s + 1) * cr]
+
+    def _flip(self, ci: int, s: int, target: int, local: int) -> None:
+        """Under `cond`: point slot `s` of column `ci` at `target` (and its local slot), stamp it."""
+        if local >= 0:
+            self.local[ci, s] = local
+        self.res[ci, s] = target
+        self.epoch[ci] += 1
+        self.stamp[ci, s] = self.epoch[ci]
+
+    def _release(self, code: int, name: str, ci: int, s: int) -> None:
+        """Under `cond`, after a flip: give back the copy of slot `s` in tier `code` (a slotted source keeps its
+        local slot number in `local` until the slot moves there again)."""
+        if self.slotted[code]:
+            self.free[code][name].append(int(self.local[ci, s]))
+        else:
+            self.tiers[code].release(name, s * self.chunk_rows, (s + 1) * self.chunk_rows)
+
+    def close(self) -> None:
+        for d in self.arenas:
+            d.clear()
+        self.arrays.clear()
+        self.final.clear()
+
+
+def mmap_page() -> int:
+    import mmap
+
+    return mmap.PAGESIZE

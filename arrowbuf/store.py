@@ -24,15 +24,16 @@ import pyarrow as pa
 
 from .batch import SampleBatch
 from .chunks import ChunkDirectory, default_chunk_rows
-from .columns import ColumnArenas
+from .columns import ColumnArenas, TieredColumnArenas
 from .episodes import EpisodeTracker, IngestPlan
-from .errors import SampleTimeout, InsertTimeout, SchemaError, StoreClosed, ArrowbufError
+from .errors import SampleTimeout, InsertTimeout, OutOfSpace, SchemaError, StoreClosed, ArrowbufError
 from .index import ENDED, HEADER, PENDING, RingIndex
 from .nstep import n_step_returns
+from .placement import make_placement, placement_table
 from .rate_limiters import Counters, RateLimiter
 from .samplers import Sampler, make_sampler
 from .schema import SYSTEM_COLUMNS, ExperienceSchema, FieldSpec, load_schema
-from .tiers.base import Tier
+from .tiers.base import Tier, format_bytes
 from .tiers.host import HostTier
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
@@ -59,28 +60,71 @@ class ExperienceStore:
         tier: where the arenas live: "host" (default), "shm" (shared memory: other processes open the same store
             with `ExperienceStore.attach(name)`; see `arrowbuf.tiers.shm`), or a `Tier` instance.
         name: the store's name (default: the schema's); a shared store's name in /dev/shm.
+        tiers: byte budgets per memory tier for a store whose columns live in several tiers, e.g.
+            `{"gpu": "8GiB", "host": "16GiB", "disk": "spill/"}` (disk: a spill directory, or `("spill/", "100GiB")`;
+            any value may also be a `Tier`). Residency is decided per (column, chunk) by `placement`; budgets are
+            never exceeded. The index lives on the host (within the host budget). See `arrowbuf.columns`.
+        placement: an `ab.placement` policy (default: `ab.placement.BandwidthAware()` when several tiers are given).
     """
 
     def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
                  rate_limiter: RateLimiter | None = None, seed: int | None = None, *,
                  chunk_rows: int | None = None, final_obs_capacity: int | None = None,
-                 max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None) -> None:
+                 max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None,
+                 tiers: dict[str, Any] | None = None, placement: Any = None) -> None:
         self.schema: ExperienceSchema = load_schema(schema)
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity must be a positive number of rows, got {capacity!r}")
         self.capacity = int(capacity)
         self.name = name or self.schema.name
-        self._tier = _make_tier(tier, self.name, self.schema)
+        self.placement_policy: Any = None
+        self._closed = False
+        if tiers is None:
+            self._tier = _make_tier(tier, self.name, self.schema)
+            data_tiers = [self._tier]
+        else:
+            if tier != "host":
+                raise ValueError("pass either tier= (one tier) or tiers= (budgets per tier), not both")
+            ragged = [f.name for f in self.schema.fields.values() if f.ragged]
+            if ragged:
+                raise SchemaError(f"ragged fields are not yet supported in a tiered store: {ragged}; "
+                                  "drop tiers= for this schema, or make the fields fixed-shape")
+            from .tiers import make_tiers
+
+            self._tier, data_tiers = make_tiers(tiers)
+        try:
+            self._build(data_tiers, chunk_rows, final_obs_capacity, max_times_sampled, sampler, rate_limiter, seed,
+                        placement)
+        except BaseException:
+            for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
+                if not t.shared:
+                    t.close()
+            raise
+
+    def _build(self, data_tiers: list[Tier], chunk_rows: int | None, final_obs_capacity: int | None,
+               max_times_sampled: int | None, sampler: Any, rate_limiter: Any, seed: int | None,
+               placement: Any) -> None:
+        self._data_tiers = data_tiers
+        self._data_tier = data_tiers[0]
         self.chunk_rows = int(chunk_rows or default_chunk_rows(self.schema.row_bytes, self.capacity))
         stored = [*self.schema.fields, *SYSTEM_COLUMNS]
-        self.directory = ChunkDirectory(self.capacity, self.chunk_rows, stored, [self._tier.name], self._tier)
+        self.directory = ChunkDirectory(self.capacity, self.chunk_rows, stored, [t.name for t in data_tiers],
+                                        self._tier)
         self.arena_rows = self.directory.arena_rows
         self.index = RingIndex(self._tier, self.capacity, self.arena_rows)
         # final observations of ended episodes, appended after the ring rows of each next_of source arena
         self._final_sources = sorted({d.next_of for d in self.schema.derived.values()})
         self.final_capacity = self._final_obs_capacity(final_obs_capacity) if self._final_sources else 0
         self._tier.reserve(self._planned_bytes(max_times_sampled))  # a shared tier fails here if it cannot fit
-        self._cols = ColumnArenas(self.schema, self.directory, self._tier, self.final_capacity, self._final_sources)
+        for t in data_tiers:
+            if t is not self._tier and not t.slotted:  # a whole ring of every column (a disk checks its free space)
+                t.reserve(self._planned_bytes(None) - 8 * max(1, self.final_capacity))
+        if len(data_tiers) > 1:
+            self._cols: ColumnArenas = TieredColumnArenas(self.schema, self.directory, self._tier, data_tiers,
+                                                          self.final_capacity, self._final_sources, self.index)
+        else:
+            self._cols = ColumnArenas(self.schema, self.directory, self._data_tier, self.final_capacity,
+                                      self._final_sources)
         self._final_owner = self._tier.allocate("index.final_owner", np.dtype(np.int64), max(1, self.final_capacity))
         if self._tier.fresh:  # never re-initialise memory another process already uses
             self._final_owner.fill(-1)
@@ -104,7 +148,18 @@ class ExperienceStore:
                                if self._max_times_sampled else np.zeros(0, np.int32))
         if self._tier.fresh:
             self._times_sampled.fill(0)
-        self._closed = False
+        if isinstance(self._cols, TieredColumnArenas):
+            self._cols.initial_placement()
+        for t in {id(t): t for t in [self._tier, *data_tiers]}.values():
+            if t.budget is not None and t.nbytes() > t.budget:
+                raise OutOfSpace(f"{t.name} tier: the store needs {format_bytes(t.nbytes())} there (index, samplers"
+                                 f"{', the whole ring of every column' if t is data_tiers[-1] else ''}) but its "
+                                 f"budget is {format_bytes(t.budget)}; raise the budget"
+                                 + (" or add a disk tier: tiers={..., 'disk': 'spill/'}"
+                                    if t is data_tiers[-1] and t.name != "disk" else ""))
+        self.placement_policy = make_placement(placement, len(data_tiers))
+        if self.placement_policy is not None:
+            self.placement_policy.bind(self)
         if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
             self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity, "chunk_rows": self.chunk_rows,
                              "final_obs_capacity": self.final_capacity or None, "sampler": self.sampler,
@@ -525,7 +580,9 @@ class ExperienceStore:
             seqs, weights = self._select(int(n), timeout)
         if seqs.ndim == 2 and n_step is not None:
             raise ValueError("n_step returns are for transitions; a Sequence sampler returns whole windows")
-        arrays = self._gather(seqs, names, n_step, gamma)
+        if self.placement_policy is not None:
+            self._cols.count_access(self._columns_read(names, n_step), seqs.size)
+        arrays = self._gather_stable(seqs, names, n_step, gamma)
         bad = self._torn(seqs, arrays)
         retries = 0
         while bad.any():  # a writer recycled some rows while they were gathered: draw those again
@@ -539,12 +596,9 @@ class ExperienceStore:
             seqs[fix] = again
             if weights is not None and again_w is not None:
                 weights[fix] = again_w
-            sub = self._gather(again, names, n_step, gamma)
+            sub = self._gather_stable(again, names, n_step, gamma)
             for k in arrays:
-                if isinstance(arrays[k], np.ndarray):
-                    arrays[k][fix] = sub[k]
-                else:
-                    arrays[k] = _replace_rows(arrays[k], fix, sub[k])
+                arrays[k] = _assign_rows(arrays[k], fix, sub[k])
             bad[:] = False
             bad[fix] = self._torn(again, sub)
         arrays.pop("_n_step_last", None)
@@ -602,25 +656,63 @@ class ExperienceStore:
         self._cond.notify_all()
         return chosen[0]
 
+    def _columns_read(self, names: list[str], n_step: int | None) -> list[str]:
+        """The stored columns a sample of `names` reads (what placement counts as accesses)."""
+        out = []
+        for n in names:
+            d = self.schema.derived.get(n)
+            out.append(d.next_of if d is not None else n)
+        if n_step is not None:
+            out += ["reward", *self._end_fields, *(d.next_of for d in self._derived_list)]
+        return list(dict.fromkeys(out))
+
+    def _gather_stable(self, seqs: np.ndarray, names: list[str], n_step: int | None, gamma: float,
+                       depth: int = 0) -> dict[str, Any]:
+        """`_gather`, and on a tiered store again for the items whose chunks moved meanwhile (their old copy may
+        have been released or reused while they were read): a seqlock over the slot table."""
+        cols = self._cols
+        if cols.direct:
+            return self._gather(seqs, names, n_step, gamma)
+        assert isinstance(cols, TieredColumnArenas)
+        for _ in range(100):
+            e0 = cols.epoch.copy()
+            reads: list = []
+            arrays = self._gather(seqs, names, n_step, gamma, reads)
+            moved = cols.moved(e0, reads, len(seqs))
+            if moved is None or not moved.any():
+                return arrays
+            cols.counters["regathers"] += int(moved.sum())
+            if moved.all() or depth > 8:
+                continue
+            fix = np.flatnonzero(moved)
+            sub = self._gather_stable(seqs[fix], names, n_step, gamma, depth + 1)
+            for k in arrays:
+                arrays[k] = _assign_rows(arrays[k], fix, sub[k])
+            return arrays
+        raise ArrowbufError("sample could not read a stable batch: chunks kept moving for 100 attempts")
+
     def _gather(self, seqs: np.ndarray, names: list[str], n_step: int | None = None,
-                gamma: float = 0.99) -> dict[str, Any]:
-        """One `take` per column over the arena (the sample path: vectorised, no per-row Python).
+                gamma: float = 0.99, reads: list | None = None) -> dict[str, Any]:
+        """One `take` per column per tier (the sample path: vectorised, no per-row Python).
 
         `seqs` is [B] for transitions or [B, T] for sequence windows; arrays come back [B, ...] or [B, T, ...].
+        On a tiered store, `reads` collects (column, positions) of what was read, for the moved-chunk check.
         """
         idx = self.index
         cols = self._cols
+        tracked = reads is not None
         shape = seqs.shape
         pos = (seqs % self.arena_rows).reshape(-1)
         out: dict[str, Any] = {}
         nxt = None
         for name in names:
             if name in cols.arrays:
-                col = cols.take(name, pos)
+                col = cols.take(name, pos, reads) if tracked else cols.take(name, pos)  # type: ignore[call-arg]
             elif name in self.schema.derived:
                 if nxt is None:
                     nxt = idx.next_pos[pos]
-                col = cols.take_next(self.schema.derived[name].next_of, nxt)
+                src = self.schema.derived[name].next_of
+                col = cols.take_next(src, nxt, reads) if tracked else cols.take_next(src, nxt)  # type: ignore
             elif name in cols.ragged:
                 if len(shape) > 1:
                     raise SchemaError(f"ragged field {name!r} cannot be sampled as sequences")
@@ -632,15 +724,17 @@ class ExperienceStore:
                 col = idx.step[pos]
             else:  # seq
                 col = seqs.reshape(-1).copy()
-            out[name] = col.reshape(shape + col.shape[1:]) if len(shape) > 1 else col
+            out[name] = col.reshape(shape + tuple(col.shape[1:])) if len(shape) > 1 else col
         if n_step is not None:
-            terminal = [cols.column(f) for f in self._end_fields if f != "truncated"]
-            truncation = [cols.column(f) for f in self._end_fields if f == "truncated"]
-            ret, disc, last = n_step_returns(idx, cols.column("reward"), terminal, truncation, pos, n_step, gamma)
+            column = (lambda f: cols.column(f, reads)) if tracked else cols.column  # type: ignore[call-arg]
+            terminal = [column(f) for f in self._end_fields if f != "truncated"]
+            truncation = [column(f) for f in self._end_fields if f == "truncated"]
+            ret, disc, last = n_step_returns(idx, column("reward"), terminal, truncation, pos, n_step, gamma)
             out["n_step_return"], out["n_step_discount"] = ret, disc
             last_next = idx.next_pos[last]
             for d in self._derived_list:
-                out[f"n_step_{d.name}"] = cols.take_next(d.next_of, last_next)
+                out[f"n_step_{d.name}"] = (cols.take_next(d.next_of, last_next, reads) if tracked  # type: ignore
+                                           else cols.take_next(d.next_of, last_next))
             out["_n_step_last"] = last
         return out
 
@@ -759,14 +853,42 @@ class ExperienceStore:
                 "sealed_chunks": self.directory.sealed_chunks(idx.lo, idx.hi),
                 "open_episodes": self._episodes.open_episodes(),
                 "final_obs_capacity": self.final_capacity,
-                "bytes": {self._tier.name: self._tier.nbytes()},
+                "bytes": {t.name: t.nbytes() for t in {id(t): t for t in [self._tier, *self._data_tiers]}.values()},
                 "final_obs_dropped": idx.counter("final_obs_dropped"),
                 "torn_retries": idx.counter("torn_retries"),
                 "priority_updates_ignored": idx.counter("priority_updates_ignored"),
                 "removed": idx.counter("removed"),
                 **self.sampler.describe(),
             }
+            if isinstance(self._cols, TieredColumnArenas):
+                out["placement"] = dict(self._cols.counters)
         return out
+
+    def placement(self, explain: bool = False) -> pa.Table:
+        """Where the columns live: one row per (column, tier) with the chunk slots and bytes there.
+
+        With `explain=True`, also why (from the placement policy's last step): the column's share of sampled rows
+        (`access_share`, `rows_per_s`), the share of the sampling mass in those chunks (`mass`), their value per
+        byte, the tier's read bandwidth (`read_gbps`) and a sentence (`why`). See `arrowbuf.placement`.
+        """
+        self._check_open()
+        with self._lock:
+            return placement_table(self, explain)
+
+    def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
+        tensor type: sample tensor columns with `sample(...).to_torch("cuda")` (or a GPU tier). Needs
+        `pip install 'arrowbuf[gpu]'` and a GPU."""
+        from .tiers.gpu import to_cudf
+
+        scalar = [n for n, f in self.schema.fields.items() if not f.shape and not f.ragged]
+        names = list(columns) if columns is not None else [*scalar, "episode_id", "step", "seq"]
+        tensors = [n for n in names if n in self.schema.fields and (self.schema.fields[n].shape
+                                                                     or self.schema.fields[n].ragged)]
+        if tensors:
+            raise SchemaError(f"to_cudf() takes scalar and metadata columns; {tensors} are tensor or list columns "
+                              "(cuDF has no fixed-shape tensor type): read them with sample(...).to_torch('cuda')")
+        return to_cudf(self.to_table(names))
 
     def chunks(self) -> pa.Table:
         """The chunk directory of the live rows: slot, first_seq, rows, sealed, tier per column."""
@@ -785,9 +907,12 @@ class ExperienceStore:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if self.placement_policy is not None:  # no move may run while the arenas go
+            self.placement_policy.close()
         with self._write_lock:
             self._cols.close()
-            self._tier.close()
+            for t in {id(t): t for t in [*self._data_tiers, self._tier]}.values():
+                t.close()
 
     def unlink(self) -> None:
         """Shared store: remove its name now (from any process); users keep their mappings until they close."""
@@ -828,6 +953,20 @@ def _column_view(values: np.ndarray, spec: FieldSpec) -> pa.Array:
     if spec.shape:
         return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
     return pa.array(values)
+
+
+def _assign_rows(arr: Any, rows: np.ndarray, values: Any) -> Any:
+    """`arr` with `arr[rows] = values`: in place for numpy arrays and torch tensors, a new array for Arrow."""
+    if isinstance(arr, np.ndarray):
+        arr[rows] = values
+        return arr
+    if not isinstance(arr, (pa.Array, pa.ChunkedArray)):  # a torch tensor (GPU tier)
+        import torch
+
+        arr[torch.from_numpy(np.asarray(rows)).to(arr.device)] = values.to(arr.device) if hasattr(values, "to") \
+            else torch.from_numpy(np.asarray(values)).to(arr.device)
+        return arr
+    return _replace_rows(arr, rows, values)
 
 
 def _replace_rows(arr: pa.Array, rows: np.ndarray, values: pa.Array) -> pa.Array:

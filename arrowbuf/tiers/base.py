@@ -28,6 +28,11 @@ class Tier(abc.ABC):
     fresh: bool = True
     #: True when other processes use the same memory (their commits do not wake this process's condition variables).
     shared: bool = False
+    #: Bytes this tier may hold for a tiered store (`ExperienceStore(tiers=...)`); None: no limit.
+    budget: int | None = None
+    #: True when arenas hold a limited number of chunk slots addressed through a slot table (device memory cannot be
+    #: over-committed); False when an arena spans the whole ring and rows keep their ring positions (host, disk).
+    slotted: bool = False
 
     @abc.abstractmethod
     def allocate(self, key: str, dtype: np.dtype, rows: int, shape: tuple[int, ...] = ()) -> np.ndarray:
@@ -36,6 +41,29 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def nbytes(self) -> int:
         """Bytes held by this tier's arenas."""
+
+    def allocate_sparse(self, key: str, dtype: np.dtype, rows: int, shape: tuple[int, ...] = ()) -> np.ndarray:
+        """An arena of `rows` rows whose memory is held per row range: `hold` accounts a range before it is written,
+        `release` gives its memory back. Default: a plain `allocate` (all of it counted as held)."""
+        return self.allocate(key, dtype, rows, shape)
+
+    def hold_cost(self, key: str, start: int, stop: int) -> int:
+        """Bytes that `hold(key, start, stop)` would add to `nbytes()` (0 for tiers without sparse arenas)."""
+        return 0
+
+    def hold(self, key: str, start: int, stop: int, chunk: int | None = None) -> int:
+        """Rows [start, stop) of sparse arena `key` are about to be written; returns the bytes added to `nbytes()`.
+        With `chunk`, the range is held as consecutive ranges of `chunk` rows, each released on its own later."""
+        return 0
+
+    def release(self, key: str, start: int, stop: int) -> int:
+        """Rows [start, stop) of sparse arena `key` are no longer needed: their memory goes back (contents become
+        undefined). Returns the bytes removed from `nbytes()`."""
+        return 0
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether `nbytes` more stay within the budget."""
+        return self.budget is None or self.nbytes() + nbytes <= self.budget
 
     def lock(self, key: str) -> Any:
         """A lock guarding `key` among the users of this tier: a `threading.Lock` for in-process tiers, a
@@ -60,3 +88,36 @@ class Tier(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40}
+
+
+def parse_bytes(value: Any) -> int | None:
+    """A byte size: an int, or a string such as "8GiB", "512MiB", "1.5 GB", "4096"; None stays None (no limit).
+
+    Raises:
+        ValueError: not a size.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"a byte size must be >= 0, got {value}")
+        return int(value)
+    if isinstance(value, str):
+        import re
+
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"expected a byte size such as 8GiB, 512MiB or an int, got {value!r}")
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover

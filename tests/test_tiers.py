@@ -1,0 +1,300 @@
+"""Memory tiers: one contract suite over host, shared memory, disk and GPU (the GPU cases skip without a CUDA device),
+the disk tier's Arrow IPC files, the GPU tier's error without a GPU, and `tiers=` on the store.
+
+Rows encode their own seq (obs = [seq, seq + 1, 7], reward = seq) so any row read anywhere is checked on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import arrowbuf as ab
+from arrowbuf.tiers import DiskTier, GpuTier, HostTier, make_tiers, parse_bytes
+from arrowbuf.tiers.gpu import gpu_environment
+
+SCHEMA = {
+    "name": "tiertest",
+    "fields": {
+        "obs": {"dtype": "float32", "shape": [3]},
+        "action": {"dtype": "int64"},
+        "reward": {"dtype": "float32"},
+        "terminated": {"dtype": "bool"},
+        "truncated": {"dtype": "bool"},
+    },
+    "derived": {"next_obs": {"next_of": "obs"}},
+}
+EPISODE = 37
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+needs_gpu = pytest.mark.skipif(not cuda_available(), reason=f"no CUDA device: {gpu_environment()}")
+TIERS = ["host", "shm", "disk", pytest.param("gpu", marks=needs_gpu)]
+
+
+def rows(k0: int, n: int) -> dict[str, np.ndarray]:
+    """Steps with seq k0..k0+n-1 (when written from seq k0 on); an episode ends every EPISODE steps."""
+    k = np.arange(k0, k0 + n)
+    enc = lambda kk: np.stack([kk, kk + 1, np.full(len(kk), 7)], 1).astype(np.float32)  # noqa: E731
+    return {"obs": enc(k), "action": k.astype(np.int64), "reward": k.astype(np.float32),
+            "terminated": (k % EPISODE) == EPISODE - 1, "truncated": np.zeros(n, bool), "next_obs": enc(k + 1)}
+
+
+def check_batch(batch: ab.SampleBatch) -> None:
+    """Every row is whole and is the row its id names."""
+    x = batch.to_numpy()
+    seq = batch.indices
+    np.testing.assert_array_equal(x["obs"][:, 0], seq.astype(np.float32))
+    np.testing.assert_array_equal(x["obs"][:, 1:], np.stack([seq + 1, np.full(len(seq), 7)], 1).astype(np.float32))
+    np.testing.assert_array_equal(x["reward"], seq.astype(np.float32))
+    np.testing.assert_array_equal(x["action"], seq)
+    if "next_obs" in x:
+        np.testing.assert_array_equal(x["next_obs"][:, 0], (seq + 1).astype(np.float32))
+
+
+@pytest.fixture
+def make_tier(tmp_path):
+    """A factory of fresh tiers by kind; closes them all afterwards."""
+    made: list = []
+
+    def make(kind: str):
+        if kind == "host":
+            t = HostTier()
+        elif kind == "disk":
+            t = DiskTier(tmp_path / "spill")
+        elif kind == "shm":
+            from arrowbuf.tiers.shm import SharedMemoryTier
+
+            t = SharedMemoryTier.create(f"tiertest-{uuid.uuid4().hex[:10]}")
+        else:
+            t = GpuTier()
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def to_numpy(a) -> np.ndarray:
+    return a.cpu().numpy() if hasattr(a, "cpu") else np.asarray(a)
+
+
+# ---------------------------------------------------------------------- the Tier contract
+@pytest.mark.parametrize("kind", TIERS)
+def test_tier_contract_allocate_write_read_account_close(kind, make_tier):
+    tier = make_tier(kind)
+    assert tier.name == kind and tier.nbytes() == 0
+    obs = tier.allocate("obs", np.dtype(np.float32), 100, (3,))
+    flags = tier.allocate("flags", np.dtype(np.bool_), 100)
+    assert tuple(obs.shape) == (100, 3) and tuple(flags.shape) == (100,)
+    assert tier.nbytes() >= 100 * 12 + 100
+    values = np.arange(300, dtype=np.float32).reshape(100, 3)
+    if kind == "gpu":
+        tier.put(obs, 0, values)
+        tier.put(flags, 0, values[:, 0] > 150)
+    else:
+        obs[:] = values
+        flags[:] = values[:, 0] > 150
+    np.testing.assert_array_equal(to_numpy(obs), values)
+    np.testing.assert_array_equal(to_numpy(flags), values[:, 0] > 150)
+    lock = tier.lock("state")
+    with lock:
+        pass
+    with tier:
+        pass
+    tier.close()  # idempotent
+    tier.close()
+
+
+@pytest.mark.parametrize("kind", TIERS)
+def test_a_store_returns_the_same_rows_on_every_tier(kind, tmp_path):
+    """The same data and seed give the same batches, to_table and episodes on every tier."""
+    ref = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32)
+    if kind == "host":
+        store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tier=HostTier())
+    elif kind == "shm":
+        store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tier="shm",
+                                   name=f"tiertest-{uuid.uuid4().hex[:10]}")
+    elif kind == "disk":
+        store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tier=DiskTier(tmp_path / "spill"))
+    else:  # gpu: every chunk moved to the device, then sampled there
+        store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tiers={"gpu": "64MiB", "host": None},
+                                   placement=ab.placement.BandwidthAware(interval=None))
+    with ref, store:
+        for s in (ref, store):
+            s.extend(rows(0, 700))
+        if kind == "gpu":
+            store.sample(64)
+            store.placement_policy.step()
+            assert store.placement().filter(pa.compute.equal(pa.compute.field("tier"), "gpu"))["chunks"] \
+                .to_numpy().sum() > 0
+        for _ in range(3):
+            a, b = ref.sample(64), store.sample(64)
+            np.testing.assert_array_equal(a.indices, b.indices)
+            check_batch(b)
+            for k, v in a.to_numpy().items():
+                np.testing.assert_array_equal(v, b.to_numpy()[k])
+        assert ref.to_table().equals(store.to_table())
+        assert ref.episodes().equals(store.episodes())
+
+
+# ---------------------------------------------------------------------- disk
+def test_disk_arenas_are_arrow_ipc_files_any_arrow_tool_reads(tmp_path):
+    tier = DiskTier(tmp_path / "spill", budget="1MiB")
+    obs = tier.allocate("obs", np.dtype(np.uint8), 64, (4, 5))
+    done = tier.allocate("index.valid", np.dtype(np.bool_), 64)
+    reward = tier.allocate("reward", np.dtype(np.float16), 64)
+    obs[:] = np.arange(64 * 20, dtype=np.uint8).reshape(64, 4, 5)
+    done[::3] = True
+    reward[:] = np.linspace(0, 1, 64, dtype=np.float16)
+    tier.flush()
+    t = pa.ipc.open_file(tier.path_of("obs")).read_all()
+    assert isinstance(t.schema.field("obs").type, pa.FixedShapeTensorType)
+    np.testing.assert_array_equal(t.column("obs").chunk(0).to_numpy_ndarray(), obs)
+    v = pa.ipc.open_file(tier.path_of("index.valid")).read_all()
+    assert v.schema.field(0).metadata[b"arrowbuf.dtype"] == b"|b1"
+    np.testing.assert_array_equal(v.column(0).to_numpy().astype(bool), done)
+    r = pa.ipc.open_file(tier.path_of("reward")).read_all()
+    np.testing.assert_array_equal(r.column(0).to_numpy(), reward)
+    files = [tier.path_of(k) for k in ("obs", "index.valid", "reward")]
+    assert tier.nbytes() == sum(os.path.getsize(f) for f in files)
+    with pytest.raises(ab.OutOfSpace, match="budget"):
+        tier.allocate("big", np.dtype(np.uint8), 2 << 20)
+    tier.close()
+    assert not any(os.path.exists(f) for f in files) and not os.path.exists(tier.path)
+
+
+def test_a_large_disk_arena_is_reserved_without_being_written(tmp_path):
+    """The file is a valid IPC file of zeros whose blocks are reserved (posix_fallocate), not written."""
+    with DiskTier(tmp_path) as tier:
+        arena = tier.allocate("big", np.dtype(np.uint8), 64 << 20)
+        st = os.stat(tier.path_of("big"))
+        assert st.st_blocks * 512 >= 64 << 20  # reserved: a write through the mapping cannot hit ENOSPC
+        arena[-1] = 9
+        tier.flush()
+        with pa.memory_map(tier.path_of("big")) as source:
+            col = pa.ipc.open_file(source).get_batch(0).column(0)
+            assert len(col) == 64 << 20 and col[12345].as_py() == 0 and col[-1].as_py() == 9
+            del col
+
+
+# ---------------------------------------------------------------------- host sparse arenas
+def test_host_sparse_arena_holds_exactly_the_pages_of_held_ranges():
+    tier = HostTier()
+    arena = tier.allocate_sparse("obs", np.dtype(np.float32), 10_000, (100,))  # 400 bytes a row
+    assert tier.nbytes() == 0
+    assert tier.hold_cost("obs", 0, 100) == tier.hold("obs", 0, 100) == 40_960  # 40,000 bytes: 10 pages
+    assert tier.hold("obs", 100, 200) == 40_960  # shares one page with [0, 100): that one is not counted twice
+    arena[0:200] = 1.0
+    assert tier.nbytes() == 81_920
+    assert tier.release("obs", 0, 100) == 36_864  # the shared page stays
+    np.testing.assert_array_equal(arena[100:200], 1.0)
+    assert tier.release("obs", 100, 200) == 45_056 and tier.nbytes() == 0
+    with pytest.raises(RuntimeError):
+        tier.release("obs", 0, 100)
+
+
+# ---------------------------------------------------------------------- gpu
+def test_gpu_tier_without_a_gpu_names_the_extra_and_what_was_found():
+    if cuda_available():
+        assert GpuTier("1MiB").nbytes() == 0
+        return
+    with pytest.raises(ab.MissingDependency) as err:
+        GpuTier("1MiB")
+    msg = str(err.value)
+    assert "arrowbuf[gpu]" in msg and "found:" in msg and "torch" in msg and "cudf" in msg
+    with pytest.raises(ab.MissingDependency, match=r"arrowbuf\[gpu\]"):
+        ab.ExperienceStore(SCHEMA, 100, tiers={"gpu": "1GiB", "host": "1GiB"})
+
+
+@needs_gpu
+def test_gpu_sampling_delivers_device_tensors_gathered_on_the_device():
+    import torch
+
+    with ab.ExperienceStore(SCHEMA, 2000, seed=0, chunk_rows=64, tiers={"gpu": "256MiB", "host": None},
+                            placement=ab.placement.BandwidthAware(interval=None)) as store:
+        store.extend(rows(0, 2000))
+        store.sample(256)
+        store.placement_policy.step()
+        batch = store.sample(512)
+        assert isinstance(batch["obs"], torch.Tensor) and batch["obs"].is_cuda
+        t = batch.to_torch("cuda")
+        assert t["obs"].data_ptr() == batch["obs"].data_ptr()  # no host round trip
+        check_batch(batch)
+
+
+@needs_gpu
+def test_to_cudf_has_the_scalar_and_metadata_columns():
+    with ab.ExperienceStore(SCHEMA, 500, seed=0) as store:
+        store.extend(rows(0, 300))
+        df = store.to_cudf()
+        assert list(df.columns) == ["action", "reward", "terminated", "truncated", "episode_id", "step", "seq"]
+        assert len(df) == 300
+        with pytest.raises(ab.SchemaError, match="tensor"):
+            store.to_cudf(["obs"])
+
+
+# ---------------------------------------------------------------------- tiers= on the store
+def test_parse_bytes():
+    assert parse_bytes("8GiB") == 8 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes(4096) == 4096
+    assert parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes("16k") == 16 << 10 and parse_bytes(None) is None
+    for bad in ("lots", -1, "8 parsecs", 1.5, True):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_tiers_argument_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="unknown tier"):
+        ab.ExperienceStore(SCHEMA, 100, tiers={"tape": "1TiB"})
+    with pytest.raises(ValueError, match="not both"):
+        ab.ExperienceStore(SCHEMA, 100, tier="shm", tiers={"host": "1GiB"})
+    tokens = {"name": "tok", "fields": {"tokens": {"dtype": "int32", "ragged": True}, "reward": {"dtype": "float32"},
+                                        "terminated": {"dtype": "bool"}, "truncated": {"dtype": "bool"}}}
+    with pytest.raises(ab.SchemaError, match="ragged"):
+        ab.ExperienceStore(tokens, 100, tiers={"host": "1GiB", "disk": tmp_path})
+    with pytest.raises(ab.OutOfSpace, match="add a disk tier") as err:  # host alone must hold everything
+        ab.ExperienceStore(SCHEMA, 100_000, tiers={"host": "1MiB"})
+    assert "budget is 1.0 MiB" in str(err.value)
+    with pytest.raises(ab.OutOfSpace, match="host tier"):  # the index alone does not fit
+        ab.ExperienceStore(SCHEMA, 100_000, tiers={"host": "64KiB", "disk": tmp_path / "a"})
+    with pytest.raises(ab.OutOfSpace, match="disk"):  # the bottom tier holds a whole ring of every column
+        ab.ExperienceStore(SCHEMA, 100_000, tiers={"host": "8MiB", "disk": (tmp_path / "b", "1MiB")})
+    assert not any(p.is_dir() and any(p.iterdir()) for p in tmp_path.iterdir())  # failed stores left no files
+    meta, data = make_tiers({"disk": tmp_path / "c", "host": "1GiB"})
+    assert [t.name for t in data] == ["host", "disk"] and meta is data[0] and meta.budget == 1 << 30
+    for t in data:
+        t.close()
+
+
+@pytest.mark.parametrize("spec", ["host", "disk"])
+def test_a_single_tier_store_keeps_the_direct_path(spec, tmp_path):
+    tiers = {"host": "64MiB"} if spec == "host" else {"disk": tmp_path}
+    with ab.ExperienceStore(SCHEMA, 1000, seed=0, tiers=tiers) as store:
+        assert store._cols.direct and store.placement_policy is None
+        store.extend(rows(0, 1500))
+        check_batch(store.sample(100))
+        p = store.placement()
+        assert set(p["tier"].to_pylist()) == {spec}
+        assert store.stats()["bytes"]["host"] <= 64 << 20
+
+
+def test_disk_files_go_when_the_store_closes(tmp_path):
+    store = ab.ExperienceStore(SCHEMA, 1000, tiers={"host": "4MiB", "disk": tmp_path})
+    store.extend(rows(0, 100))
+    (sub,) = list(tmp_path.iterdir())
+    assert sorted(p.name for p in sub.iterdir()) == sorted(f"{n}.arrow" for n in SCHEMA["fields"])
+    store.close()
+    assert list(tmp_path.iterdir()) == []
+    store.close()
