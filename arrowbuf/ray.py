@@ -287,7 +287,7 @@ class ShardActor:
         self.store.close()  # the creator's close removes the shared-memory name
 
 
-# ---------------------------------------------------------------------------------------------------------- learner side
+# ------------------------------------------------------------------------------------------------------ learner side
 class _Shard:
     """What a handle knows about one shard: its connection, state and the last mass it reported."""
 
@@ -431,7 +431,8 @@ class ShardedStore:
                 remove_placement_group(pg)
             raise
         state = {"schema": schema.to_dict(), "actors": actors, "infos": infos, "directory": directory, "pg": pg,
-                 "token": token, "sampler": sampler, "deadline": deadline, "fanout": fanout, "failure_timeout": failure_timeout,
+                 "token": token, "sampler": sampler, "deadline": deadline, "fanout": fanout,
+                 "failure_timeout": failure_timeout,
                  "max_restarts": max_restarts, "tier": tier, "uid": uid}
         return cls(state, owner=True)
 
@@ -466,9 +467,10 @@ class ShardedStore:
         if s.client is None:
             from .flight import connect
 
+            info = s.info
+            assert info is not None  # a shard is up only with an info
             try:
-                s.client = connect(s.info["location"], token=self._token, store=s.info["store"],
-                                   reconnect_timeout=0.0)
+                s.client = connect(info["location"], token=self._token, store=info["store"], reconnect_timeout=0.0)
             except (StoreClosed, OSError, pa.ArrowException) as exc:
                 self._mark_down(s, exc)
                 return None
@@ -762,7 +764,7 @@ class ShardedStore:
             mask = owner == k
             s = self._shards[int(k)] if 0 <= k < self.num_shards else None
             client = self._client(s) if s is not None else None
-            if client is None:
+            if s is None or client is None:
                 self.counters["updates_dropped"] += int(mask.sum())
                 continue
             futs[self._executor().submit(client.update_priorities, ids[mask], pri[mask])] = (s, int(mask.sum()))
@@ -921,7 +923,7 @@ class ShardWriter:
                 raise ValueError(f"shard must be in [0, {n}), got {shard}")
             return int(shard)
         node = self._node_id()
-        local = [i.get("shard") for i in self.sharded.infos if i is not None and i.get("node_id") == node]
+        local = [int(i["shard"]) for i in self.sharded.infos if i is not None and i.get("node_id") == node]
         pool = local or list(range(n))
         return int(pool[hash(self.actor_id) % len(pool)])
 
@@ -947,6 +949,7 @@ class ShardWriter:
         if client is None:
             return False
         info = s.info
+        assert info is not None  # the shard is up: it has an info
         use_shm = (self.transport != "flight" and info.get("shm") and info.get("node_id") == self._node_id()
                    and shm_safe(self.sharded._state["sampler"]))
         if self.transport == "shm" and not use_shm:

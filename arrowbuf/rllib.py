@@ -66,6 +66,7 @@ class _ArrowbufBuffer:
     """The arrowbuf side shared by both buffers (a mixin placed before RLlib's class)."""
 
     _sampler: Any = "uniform"
+    batch_size_B: int  # set by RLlib's __init__
 
     def _setup(self, capacity: int, store: Any, num_shards: int | None, seed: int | None,
                shard_options: dict[str, Any] | None) -> None:
@@ -91,7 +92,7 @@ class _ArrowbufBuffer:
         if discrete or (act is not None and act.dtype.kind in "iu" and act.ndim == 0):
             fields["action"] = {"dtype": "int64"}
         else:
-            fields["action"] = {"dtype": "float32", "shape": list(np.shape(act))}
+            fields["action"] = {"dtype": "float32", "shape": list(act.shape) if act is not None else []}
         fields.update(reward={"dtype": "float32"}, terminated={"dtype": "bool"}, truncated={"dtype": "bool"})
         return {"name": "rllib", "fields": fields, "derived": {"next_obs": {"next_of": "obs"}}}
 
@@ -123,7 +124,7 @@ class _ArrowbufBuffer:
             self._writer[int(k)].extend({c: v[rows] for c, v in batch.items()})
 
     # ------------------------------------------------------------------ RLlib surface
-    def add(self, episodes: Any) -> None:
+    def add(self, episodes: Any) -> None:  # type: ignore[override]
         """Append the steps of each episode chunk (stream key: the episode id)."""
         from ray.rllib.utils import force_list
 
@@ -157,7 +158,8 @@ class _ArrowbufBuffer:
 
     def sample(self, num_items: int | None = None, *, batch_size_B: int | None = None,
                batch_length_T: int | None = None, n_step: Any = None, beta: float | None = None,
-               gamma: float = 0.99, sample_episodes: bool | None = True, **kwargs: Any) -> list[SingleAgentEpisode]:
+               gamma: float = 0.99, sample_episodes: bool | None = True,
+               **kwargs: Any) -> list[SingleAgentEpisode]:  # type: ignore[override]
         """`num_items` transitions as 1-step episodes (what DQN's and SAC's learners take)."""
         if batch_length_T:
             raise NotImplementedError("arrowbuf's RLlib buffer samples transitions (batch_length_T=0); "
@@ -212,7 +214,7 @@ class _ArrowbufBuffer:
         self._sampled = int(state.get("sampled", 0))
 
 
-class ArrowbufEpisodeReplayBuffer(_ArrowbufBuffer, EpisodeReplayBuffer):
+class ArrowbufEpisodeReplayBuffer(_ArrowbufBuffer, EpisodeReplayBuffer):  # type: ignore[misc]
     """RLlib `EpisodeReplayBuffer` over an arrowbuf store, uniform sampling (see the module docstring).
 
     Args:
@@ -233,7 +235,7 @@ class ArrowbufEpisodeReplayBuffer(_ArrowbufBuffer, EpisodeReplayBuffer):
         self._setup(capacity, store, num_shards, seed, shard_options)
 
 
-class ArrowbufPrioritizedEpisodeReplayBuffer(_ArrowbufBuffer, PrioritizedEpisodeReplayBuffer):
+class ArrowbufPrioritizedEpisodeReplayBuffer(_ArrowbufBuffer, PrioritizedEpisodeReplayBuffer):  # type: ignore[misc]
     """RLlib `PrioritizedEpisodeReplayBuffer` over an arrowbuf store with `ab.samplers.Prioritized(alpha, beta)`.
 
     RLlib's DQN updates priorities with the TD errors of the last sampled batch (`update_priorities(td_errors)`);
@@ -260,7 +262,7 @@ class ArrowbufPrioritizedEpisodeReplayBuffer(_ArrowbufBuffer, PrioritizedEpisode
         beta = self._beta0 if beta is None else float(beta)
         return (w ** (beta / self._beta0)).astype(np.float32)
 
-    def sample(self, *args: Any, **kwargs: Any) -> list[SingleAgentEpisode]:
+    def sample(self, *args: Any, **kwargs: Any) -> list[SingleAgentEpisode]:  # type: ignore[override]
         out = super().sample(*args, **kwargs)
         self._last_sampled_indices = self._last_ids.tolist()
         return out

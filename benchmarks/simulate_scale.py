@@ -2,8 +2,9 @@
 
 Costs come from this machine: `--measure` times one store served over Flight on loopback (sample latency for several
 batch sizes, DoPut ingest for several batch sizes) and an in-process extend (the shared-memory writer's cost), takes
-the fastest of many runs of each, and fits `cost = fixed + per_row * rows`. Without `--measure` the costs stored in benchmarks/out/scale_costs.json (from
-the last `--measure`) are used. The model then sweeps learners, shards, network bandwidth and fan-out.
+the fastest of many runs of each, and fits `cost = fixed + per_row * rows`. Without `--measure` the costs stored in
+benchmarks/out/scale_costs.json (from the last `--measure`) are used. The model then sweeps learners, shards,
+network bandwidth and fan-out.
 
 Model (every assumption is here; none is hidden in the code):
   1. Hardware: one shard per node with one core for it, learners on their own nodes; `learners_per_node` learners
@@ -14,8 +15,10 @@ Model (every assumption is here; none is hidden in the code):
      `min(1, S * actors_per_shard_node / A)` of rows is written through shared memory, the rest over Flight.
   3. Learners: each step computes for `t_compute` and draws one batch of `batch` rows; a rate limiter holds
      samples per insert at `spi` (so ingest I fixes the sample rate spi * I). The Loader keeps `prefetch` batches in
-     flight, so the path latency it cannot hide per step is `max(0, latency / prefetch - t_compute)` ("exposed");
-     when actors, not learners, bound I, learners also wait for data (`rate_wait_ms` in the JSON).
+     flight, so the path latency it cannot hide per step is `max(0, latency / prefetch - t_compute)`; when the
+     shards, NICs or actors bound I below what the learners could consume, learners also wait for data. "exposed"
+     is the learner's whole wait per step, `1 / steps - t_compute` (the JSON splits it into `exposed_path_ms` and
+     `rate_wait_ms`).
   4. Sampling fan-out: each batch asks `g` shards (`g = S` is what arrowbuf does today: every shard, in proportion
      to its mass; `g < S` is a proposal: two-stage sampling, shards first by mass then rows, same distribution in
      expectation) for `batch / g` rows each. A request costs a shard `a_s + rows * c_s` CPU seconds and the learner
@@ -147,12 +150,14 @@ def predict(costs: dict, learners: int, shards: int, bw_gbps: float, fanout: int
         fan_wait = min(fan_wait, deadline_ms / 1e3 + service + rtt)         # cut at the deadline + a top-up
     latency = rtt + service + fan_wait + rows_per_req * s_bytes / bw + batch * s_bytes / bw + g * a_c + batch * c_c
     exposed_path = max(0.0, latency / prefetch - t_compute)                 # what prefetch cannot hide
-    period = 1.0 / steps if steps > 0 else float("inf")
-    rate_wait = max(0.0, period - t_compute - exposed_path)                 # waiting for data (rate limiter)
+    period = max(t_compute + exposed_path, 1.0 / steps if steps > 0 else float("inf"))
+    exposed = period - t_compute                                            # the learner's wait per step, all causes
+    rate_wait = max(0.0, exposed - exposed_path)                            # of which: throughput (rate limiter)
     return {"learners": L, "shards": S, "bw_gbps": bw_gbps, "fanout": g, "deadline_ms": deadline_ms,
             "offered_rows_s": limits["actors"], "ingest_rows_s": ingest, "ingest_gb_s": ingest * r_bytes / 1e9,
             "learner_steps_s": steps, "sample_rows_s": spi * ingest, "latency_ms": 1e3 * latency,
-            "exposed_ms": 1e3 * exposed_path, "rate_wait_ms": 1e3 * rate_wait, "shard_util": rho,
+            "exposed_ms": 1e3 * exposed, "exposed_path_ms": 1e3 * exposed_path, "rate_wait_ms": 1e3 * rate_wait,
+            "shard_util": rho,
             "local_write_fraction": f_local, "bottleneck": bottleneck,
             "limits_rows_s": {k: (None if math.isinf(v) else v) for k, v in limits.items()}}
 
