@@ -29,6 +29,7 @@ import multiprocessing as mp
 import os
 import pathlib
 import queue as queue_mod
+import signal
 import sys
 import tempfile
 import threading
@@ -693,7 +694,23 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo", description=__doc__.splitlines()[0]))
-    return run_from_args(p.parse_args(argv))
+    args = p.parse_args(argv)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM unwinds like Ctrl-C, so the actors are stopped and the server closed on the way out
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return run_from_args(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: actors stopped, server and store closed", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
