@@ -115,6 +115,12 @@ class ColumnArenas:
         self.ragged.clear()
 
 
+# A numpy call costs about this many seconds; an extra copy of a row this many bytes/s: the mixed-tier gather takes
+# straight into the output run by run when the calls cost less than copying every row twice.
+_RUN_COST = 3e-6
+_COPY_BW = 4e9
+
+
 class _TrackedColumn:
     """`col[positions]` over a tiered column: host rows, and the read is recorded for the moved-chunk check."""
 
@@ -164,6 +170,7 @@ class TieredColumnArenas(ColumnArenas):
         self.ci = {n: directory.columns.index(n) for n in self.names}
         self.cname = {i: n for n, i in self.ci.items()}
         self.spec = {f.name: f for f in self.fields}
+        self.row_bytes = {f.name: f.row_bytes for f in self.fields}
         self.chunk_bytes = {f.name: f.row_bytes * cr for f in self.fields}
         ncols = len(directory.columns)
         self.res = directory.residency
@@ -173,6 +180,10 @@ class TieredColumnArenas(ColumnArenas):
         self.moving = np.zeros((ncols, self.num_slots), dtype=bool)
         self.write_tier = np.full(ncols, self.bottom, dtype=np.int8)
         self.access = np.zeros(ncols, dtype=np.int64)   # rows read per column (sample, Loader)
+        self._access_idx: dict[Any, np.ndarray] = {}
+        # per column: slots in each tier, and the tier holding all of them (-1: several), for the direct take path
+        self.counts = np.zeros((ncols, len(self.tiers)), dtype=np.int64)
+        self.single = [-1] * ncols
         self.counters = {"migrations": 0, "migrated_bytes": 0, "aborted": 0, "regathers": 0, "write_moves": 0}
         self.cond = threading.Condition(threading.Lock())
         self.arenas: list[dict[str, Any]] = [{} for _ in self.tiers]
@@ -210,6 +221,11 @@ class TieredColumnArenas(ColumnArenas):
                 break
         top = next(c for c in range(len(self.tiers)) if not self.slotted[c])
         self.write_tier[:] = top
+        for name in self.names:
+            ci = self.ci[name]
+            self.counts[ci] = np.bincount(self.res[ci], minlength=len(self.tiers))
+            full = np.flatnonzero(self.counts[ci] == self.num_slots)
+            self.single[ci] = int(full[0]) if len(full) else -1
 
     def check_budgets(self) -> None:
         """Raise `OutOfSpace` when a tier holds more than its budget (tests and the policy call it)."""
@@ -290,19 +306,35 @@ class TieredColumnArenas(ColumnArenas):
         ci = self.ci[name]
         if reads is not None:
             reads.append((ci, positions))
+        single = self.single[ci]
+        if single >= 0 and not self.slotted[single]:  # the whole column in one tier: the direct path
+            return self.arenas[single][name].take(positions, axis=0)
         slots = positions // self.chunk_rows
         codes = self.res[ci, slots]
         if len(codes) == 0 or (codes == codes[0]).all():
             code = int(codes[0]) if len(codes) else self.bottom
             return self._take_from(code, name, ci, positions, slots, host)
         spec = self.spec[name]
-        parts = [(c, codes == c) for c in np.unique(codes).tolist()]
-        device = None if host else next((self.tiers[c] for c, _ in parts if self.slotted[c]), None)
+        cuts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
+        device = None if host else next((self.tiers[c] for c in np.unique(codes).tolist() if self.slotted[c]), None)
         if device is None:
             out = np.empty((len(positions), *spec.shape), dtype=spec.dtype)
-            for c, m in parts:
-                out[m] = self._take_from(c, name, ci, positions[m], slots[m], True)
+            if len(cuts) * _RUN_COST < len(positions) * self.row_bytes[name] / _COPY_BW:
+                # few runs of one tier (sorted positions, chunk-granular residency): take straight into the output
+                bounds = [0, *cuts.tolist(), len(positions)]
+                for a, b in zip(bounds[:-1], bounds[1:]):
+                    c = int(codes[a])
+                    if self.slotted[c]:
+                        out[a:b] = self._take_from(c, name, ci, positions[a:b], slots[a:b], True)
+                    else:
+                        # mode="clip": with out=, the default mode="raise" gathers into a buffer and copies it again
+                        np.take(self.arenas[c][name], positions[a:b], axis=0, out=out[a:b], mode="clip")
+                return out
+            for c in np.unique(codes).tolist():  # many short runs: one take per tier, then scatter
+                idx = np.flatnonzero(codes == c)
+                out[idx] = self._take_from(c, name, ci, positions[idx], slots[idx], True)
             return out
+        parts = [(c, codes == c) for c in np.unique(codes).tolist()]
         out = device.empty((len(positions), *spec.shape), spec.dtype)
         for c, m in parts:
             part = self._take_from(c, name, ci, positions[m], slots[m], False)
@@ -390,11 +422,13 @@ class TieredColumnArenas(ColumnArenas):
             return None
         return bad.reshape(items, -1).any(axis=1)
 
-    def count_access(self, names: list[str], rows: int) -> None:
-        for n in names:
-            ci = self.ci.get(n)
-            if ci is not None:
-                self.access[ci] += rows
+    def count_access(self, key: Any, rows: int, resolve: Any, *args: Any) -> None:
+        """Count `rows` read from the columns `resolve(*args)` names (cached under `key`: the sample path)."""
+        idx = self._access_idx.get(key)
+        if idx is None:
+            names = resolve(*args)
+            idx = self._access_idx[key] = np.array(sorted({self.ci[n] for n in names if n in self.ci}), np.int64)
+        self.access[idx] += rows
 
     # ------------------------------------------------------------------ moves
     def ensure_arena(self, code: int, name: str, slots: int) -> bool:
@@ -419,18 +453,37 @@ class TieredColumnArenas(ColumnArenas):
         arena = self.arenas[code].get(name)
         return 0 if arena is None else len(arena) // self.chunk_rows
 
-    def migrate(self, name: str, s: int, target: int, gen: int, index: Any, state_lock: Any) -> bool:
-        """Copy chunk slot `s` of column `name` (generation `gen`: its first seq) to tier `target` and flip the slot
-        table; False (and nothing changed) if there is no room, the slot is already moving, or the chunk stopped
-        being that sealed, live generation meanwhile."""
+    def migrate(self, name: str, s: int, target: int, gen: int | None, index: Any, state_lock: Any,
+                write_lock: Any = None) -> bool:
+        """Copy chunk slot `s` of column `name` to tier `target` and flip the slot table; False (and nothing changed)
+        if there is no room, the slot is already moving, or the chunk changed meanwhile.
+
+        A sealed chunk (`gen`: its first seq) is copied while writers go on: it stays that generation, unwritten,
+        as long as it is live, which the flip checks. A slot that is not sealed (being written, partly evicted or
+        empty; `gen=None`) moves only while `write_lock` is free, held for the move, so no writer touches it.
+        """
+        if gen is None:
+            if write_lock is None or self.slotted[target] or not write_lock.acquire(blocking=False):
+                return False
+            try:
+                return self._migrate(name, s, target, None, index, state_lock)
+            finally:
+                write_lock.release()
+        return self._migrate(name, s, target, gen, index, state_lock)
+
+    def _migrate(self, name: str, s: int, target: int, gen: int | None, index: Any, state_lock: Any) -> bool:
         ci = self.ci[name]
         cr = self.chunk_rows
         p0, p1 = s * cr, (s + 1) * cr
         t = self.tiers[target]
         local = -1
         seq = index.seq
+
+        def unchanged() -> bool:  # under the state lock
+            return gen is None or bool(seq[p0] == gen and gen >= index.lo and seq[p1 - 1] == gen + cr - 1)
+
         with state_lock:  # copy only a sealed chunk: every row committed, so nobody writes it while it stays live
-            if not (seq[p0] == gen and gen >= index.lo and seq[p1 - 1] == gen + cr - 1):
+            if not unchanged():
                 return False
         with self.cond:
             cur = int(self.res[ci, s])
@@ -448,13 +501,16 @@ class TieredColumnArenas(ColumnArenas):
             self.moving[ci, s] = True
         ok = False
         try:
-            data = self._read_chunk(cur, name, ci, s)
-            if self.slotted[target]:
-                t.put(self.arenas[target][name], local * cr, data)  # type: ignore[attr-defined]
+            with state_lock:  # an unsealed slot with no live row (writers are held off): nothing to copy
+                empty = gen is None and seq[p0] < index.lo and seq[p1 - 1] < index.lo
+            if empty:
+                pass
+            elif self.slotted[target]:
+                t.put(self.arenas[target][name], local * cr, self._read_chunk(cur, name, ci, s))  # type: ignore
             else:
-                self.arenas[target][name][p0:p1] = data
+                self.arenas[target][name][p0:p1] = self._read_chunk(cur, name, ci, s)
             with state_lock:  # still that generation, none of its rows evicted: the copy is exact
-                if seq[p0] == gen and gen >= index.lo and seq[p1 - 1] == gen + cr - 1:
+                if unchanged():
                     with self.cond:
                         self._flip(ci, s, target, local)
                         ok = True
@@ -463,7 +519,7 @@ class TieredColumnArenas(ColumnArenas):
                 if ok:
                     self._release(cur, name, ci, s)
                     self.counters["migrations"] += 1
-                    self.counters["migrated_bytes"] += self.chunk_bytes[name]
+                    self.counters["migrated_bytes"] += 0 if empty else self.chunk_bytes[name]
                 else:
                     if self.slotted[target]:
                         self.free[target][name].append(local)
@@ -485,7 +541,12 @@ class TieredColumnArenas(ColumnArenas):
         """Under `cond`: point slot `s` of column `ci` at `target` (and its local slot), stamp it."""
         if local >= 0:
             self.local[ci, s] = local
+        self.counts[ci, self.res[ci, s]] -= 1
+        self.counts[ci, target] += 1
+        self.single[ci] = -1
         self.res[ci, s] = target
+        if self.counts[ci, target] == self.num_slots:
+            self.single[ci] = target
         self.epoch[ci] += 1
         self.stamp[ci, s] = self.epoch[ci]
 

@@ -147,6 +147,7 @@ class BandwidthAware(Placement):
         self._seen: np.ndarray | None = None
         self._inserts: tuple[float, int] | None = None
         self._insert_rate = 0.0
+        self._inserting = False
         self._last_t: float | None = None
         self._period = 1.0
         self._explain: dict[str, Any] = {}
@@ -190,18 +191,21 @@ class BandwidthAware(Placement):
             self._rate = self.decay * self._rate + (1 - self.decay) * delta / dt  # type: ignore[operator]
         elif total > 0:
             self._rate = delta.astype(float)
+        self._inserting = self._inserts is not None and inserts > self._inserts[1]
         if self._inserts is not None and dt is not None:
             self._insert_rate = self.decay * self._insert_rate + (1 - self.decay) * (inserts - self._inserts[1]) / dt
         self._inserts = (now, inserts)
         share = self._share / self._share.sum() if self._share.sum() > 0 else self._share
-        msum = mass[sealed].sum()
-        mshare = np.where(sealed, mass, 0.0) / msum if msum > 0 else np.zeros(ns)
+        dead = (gens < lo) & (lasts < lo)  # no live row: the slot waits for the next chunk written
+        msum = mass.sum()
+        mshare = mass / msum if msum > 0 else np.zeros(ns)
         rows_left = np.maximum(0, gens + store.capacity - hi)  # rows the ring takes until the chunk is evicted
         life = np.minimum(self.horizon, rows_left / self._insert_rate) if self._insert_rate > 0 else \
             np.full(ns, self.horizon)
+        life[dead] = self.horizon
         newest = int(np.argmax(np.where(sealed, gens, -1))) if sealed.any() else -1
-        return {"lo": lo, "hi": hi, "gens": gens, "sealed": sealed, "share": share, "rate": self._rate,
-                "mass": mshare, "life": life, "newest": newest}
+        return {"lo": lo, "hi": hi, "gens": gens, "sealed": sealed, "dead": dead, "share": share,
+                "rate": self._rate, "mass": mshare, "life": life, "newest": newest}
 
     # ------------------------------------------------------------------ the round
     def step(self) -> int:
@@ -227,17 +231,20 @@ class BandwidthAware(Placement):
         cr = cols.chunk_rows
         share = obs["share"][cis]                                   # [C] access share per column
         mass = obs["mass"]                                          # [S] sampling-mass share per chunk slot
+        new_mass = mass.max() if store.sampler.queue else (mass[obs["newest"]] if obs["newest"] >= 0 else 0.0)
+        new_score = share * new_mass                                # [C] what a chunk written now is worth
+        mass = np.where(obs["dead"], new_mass, mass)                # an empty slot is worth the chunk it will get
         score = share[:, None] * mass[None, :]                      # [C, S] value per byte held (up to a constant)
         cur = cols.res[cis].astype(np.int64)                        # [C, S] tier now
         cb = np.array([cols.chunk_bytes[n] for n in names], dtype=np.int64)
         read_rate = np.asarray(obs["rate"])[cis][:, None] * mass[None, :] * (cb / cr)[:, None]  # bytes/s read
         life = obs["life"][None, :]
-        movable = obs["sealed"][None, :] & ~cols.moving[cis]
+        unsealed = np.broadcast_to(~obs["sealed"][None, :], score.shape)
+        movable = ~cols.moving[cis]                                 # unsealed ones only while no writer is busy
         desired = cur.copy()
-        assigned = ~movable                                         # unsealed and moving chunks stay put
-        new_score = share * (mass.max() if store.sampler.queue else
-                             (mass[obs["newest"]] if obs["newest"] >= 0 else 0.0))
-        insert_chunks = 1 + math.ceil(self._insert_rate * self._period / cr)  # chunks started before the next step
+        assigned = ~movable
+        # chunks writers start before the next step (none while nothing is inserted: no room is held back)
+        insert_chunks = 1 + math.ceil(self._insert_rate * self._period / cr) if self._inserting else 0
         write_tier = np.full(len(names), cols.bottom)
         top = next(c for c in range(ntiers) if not cols.slotted[c])
         for code in range(ntiers - 1):
@@ -246,6 +253,8 @@ class BandwidthAware(Placement):
             gain = read_rate * (1.0 / bw[cur] - 1.0 / bw[code]) * life   # seconds of reads saved before eviction
             cost = cb[:, None] / np.minimum(bw[cur], bw[code])            # seconds the copy takes
             cand = ~assigned & (incumbent | ((score > 0) & (gain >= cost)))
+            if cols.slotted[code]:
+                cand &= ~unsealed                                   # device memory takes sealed chunks only
             eff = np.where(incumbent, score * (1 + self.hysteresis), score)
             ci_, si_ = np.nonzero(cand)
             order = np.argsort(-eff[ci_, si_], kind="stable")
@@ -257,8 +266,8 @@ class BandwidthAware(Placement):
                 fixed = (~movable) & (cur == code)
                 budget = math.inf if t.budget is None else \
                     t.budget - _fixed_bytes(cols, t) - int((cb[:, None] * fixed).sum())
-                if code == top:  # keep room for the chunks writers start before the next step (new chunks go up)
-                    budget -= min(insert_chunks * int(cb[share > 0].sum()), budget / 4)
+                if code == top:  # room for the chunks writers start before the next step in slots now below
+                    budget -= min(self._reserve(cols, obs["hi"], insert_chunks, cur, cb, share, top), budget / 4)
                 keep = np.cumsum(cb[ci_]) <= budget
                 threshold = 0.0 if keep.all() else (eff[ci_[keep][-1], si_[keep][-1]] if keep.any() else np.inf)
             desired[ci_[keep], si_[keep]] = code
@@ -281,11 +290,13 @@ class BandwidthAware(Placement):
             if self._stop.is_set() or store.closed or spent >= limit:
                 break
             c, s_, target = int(ci_[k]), int(si_[k]), int(to[k])
-            gen = int(obs["gens"][s_])
-            ok = cols.migrate(names[c], s_, target, gen, store.index, store._lock)
+            gen = int(obs["gens"][s_]) if obs["sealed"][s_] else None
+            lock = store._write_lock
+            ok = cols.migrate(names[c], s_, target, gen, store.index, store._lock, lock)
             if not ok and target > cur[c, s_]:  # a demotion that found no room there: further down
                 for lower in range(target + 1, ntiers):
-                    if not cols.slotted[lower] and cols.migrate(names[c], s_, lower, gen, store.index, store._lock):
+                    if not cols.slotted[lower] and cols.migrate(names[c], s_, lower, gen, store.index, store._lock,
+                                                                 lock):
                         ok = True
                         break
             if ok:
@@ -293,6 +304,19 @@ class BandwidthAware(Placement):
                 spent += int(cb[c])
         self._record(names, cis, obs, score, bw)
         return done
+
+    @staticmethod
+    def _reserve(cols: "TieredColumnArenas", hi: int, chunks: int, cur: np.ndarray, cb: np.ndarray,
+                 share: np.ndarray, top: int) -> int:
+        """Bytes to keep free in the top tier so that the next `chunks` chunks written land there without a copy:
+        a new chunk reuses the slot of the oldest, so only slots now below the top tier need room (none when a
+        column fits the top tier whole)."""
+        cr = cols.chunk_rows
+        first = -(-hi // cr) * cr
+        slots = ((first + cr * np.arange(chunks)) % cols.arena_rows) // cr
+        going_up = (np.asarray(cols.write_tier)[[cols.ci[n] for n in cols.names]] == top) & (share > 0)
+        below = (cur[:, slots] > top).sum(axis=1)
+        return int((cb * below * going_up).sum())
 
     def _fit_slotted(self, cols: "TieredColumnArenas", code: int, names: list[str], cb: np.ndarray,
                      ci_: np.ndarray) -> np.ndarray:

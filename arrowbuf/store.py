@@ -581,7 +581,7 @@ class ExperienceStore:
         if seqs.ndim == 2 and n_step is not None:
             raise ValueError("n_step returns are for transitions; a Sequence sampler returns whole windows")
         if self.placement_policy is not None:
-            self._cols.count_access(self._columns_read(names, n_step), seqs.size)
+            self._cols.count_access((tuple(names), n_step is not None), seqs.size, self._columns_read, names, n_step)
         arrays = self._gather_stable(seqs, names, n_step, gamma)
         bad = self._torn(seqs, arrays)
         retries = 0

@@ -172,13 +172,26 @@ def test_hot_columns_move_up_after_the_access_pattern_changes(tmp_path):
 
 
 def test_an_alternating_pattern_does_not_thrash(tmp_path):
+    """Sampling a, then b, then a, ... : both columns are equally hot over time. Placement may settle (a chunk or two
+    changes hands while the access counts converge) but never moves a chunk back and forth, and then stops."""
     with two_column_store(tmp_path, 1.1) as store:
         store.extend(rows(0, 3000))
         sample_steps(store, ["a"], 3)
-        before = store.stats()["placement"]["migrations"]
-        moved = [sample_steps(store, ["a"] if i % 2 else ["b"], 1) for i in range(30)]
-        assert sum(moved[2:]) == 0 and sum(moved) <= 2, moved  # equally hot over time: a stays, b waits
-        assert store.stats()["placement"]["migrations"] == before + sum(moved)
+        cols = store._cols
+        moves: list[tuple[str, int]] = []
+        migrate = cols.migrate
+
+        def logged(name, s, *args):
+            ok = migrate(name, s, *args)
+            if ok:
+                moves.append((name, s))
+            return ok
+
+        cols.migrate = logged  # type: ignore[method-assign]
+        per_step = [sample_steps(store, ["a"] if i % 2 else ["b"], 1) for i in range(40)]
+        assert len(moves) == len(set(moves)) <= 8, moves  # no (column, chunk) moved twice
+        assert sum(per_step[-20:]) == 0, per_step
+        assert (tiers_of(store, "a") == "host").mean() > 0.8  # a, hot first, keeps the host
 
 
 def test_chunks_with_the_sampling_mass_move_up(tmp_path):
@@ -210,13 +223,18 @@ def test_new_chunks_are_written_where_placement_wants_them(tmp_path):
         cols = store._cols
         assert cols.write_tier[cols.ci["a"]] == 0
         assert tiers_of(store, "a")[0] == "disk"  # the oldest chunk, next to be recycled, is cold
-        for k in range(3):
-            moves = cols.counters["write_moves"]
+        landed = []
+        copies = cols.counters["migrated_bytes"]
+        for k in range(5):  # a learner loop: insert a chunk, sample, place
             store.extend(rows(CAP + k * CR, CR))
-            assert tiers_of(store, "a")[-1] == "host"
-            assert cols.counters["write_moves"] > moves
+            landed.append(str(tiers_of(store, "a")[-1]))
             assert store._tier.nbytes() <= store._tier.budget
             sample_steps(store, ["a"], 1)
+        # new chunks go straight to the host: the writer moves the slot it reuses there (no copy), or placement
+        # already moved that empty slot up (no copy either: nothing in it is live)
+        assert landed == ["host"] * 5, landed
+        assert cols.counters["write_moves"] > 0
+        assert cols.counters["migrated_bytes"] - copies <= 5 * 2 * chunk_bytes(store, "a", "b")
 
 
 # ---------------------------------------------------------------------- the same rows whatever the residency
@@ -304,7 +322,7 @@ def test_migrations_concurrent_with_sampling_and_writing_never_tear_a_row(tmp_pa
     for t in threads:
         t.start()
     try:
-        for i in range(300):
+        for i in range(150):
             check(store.sample(64, columns=["a", "b", "reward", "next_a"] if i % 3 else None))
     finally:
         stop.set()
@@ -312,7 +330,7 @@ def test_migrations_concurrent_with_sampling_and_writing_never_tear_a_row(tmp_pa
             t.join()
     assert not errors, errors
     c = store.stats()["placement"]
-    assert c["migrations"] > 50
+    assert c["migrations"] > 50 and c["write_moves"] > 0
     store.close()
 
 
