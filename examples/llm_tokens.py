@@ -31,9 +31,9 @@ VOCAB = 1000
 def completions(rng: np.random.Generator, prompts: int, group: int, version: int) -> dict:
     """`prompts` prompts x `group` sampled completions; reward: share of response tokens below VOCAB / 2."""
     rows: dict[str, list] = {k: [] for k in ("prompt_tokens", "response_tokens", "logprobs", "reward")}
-    for p in range(prompts):
+    for _ in range(prompts):
         prompt = rng.integers(0, VOCAB, int(rng.integers(4, 16)), dtype=np.int32)
-        for _ in range(group):
+        for _k in range(group):
             resp = rng.integers(0, VOCAB, int(rng.integers(5, 64)), dtype=np.int32)
             rows["prompt_tokens"].append(prompt)
             rows["response_tokens"].append(resp)
