@@ -1,6 +1,10 @@
 """The `arrowbuf` command line.
 
     arrowbuf serve --schema schemas/atari.yaml --capacity 100000 --port 8815 [--token-file F] [--tls-cert C --tls-key K]
+    arrowbuf demo [--actors 3 --steps 15000 --transport flight|shm|local]
+    arrowbuf inspect grpc://127.0.0.1:8815 | <shm store name> | experience.arrow  [--sql "SELECT ..."]
+    arrowbuf bench [--quick] [--only core sampling]
+    arrowbuf shm ls | gc
 
 Subcommands register themselves in `COMMANDS`: a function `add_<name>(subparsers)` that adds its parser and sets
 `func`. `serve` is here; `demo`, `inspect` and `bench` have their places below.
@@ -105,11 +109,121 @@ def run_shm_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------- other commands
-# demo:    add_demo(sub)     -> an end-to-end actor/learner run (examples/)
-# inspect: add_inspect(sub)  -> stats, episodes and SQL over a served store (ab.connect)
-# bench:   add_bench(sub)    -> the benchmarks/ runs
-COMMANDS: list[Callable[[Any], None]] = [add_serve, add_shm]
+# ---------------------------------------------------------------------------------------------------- demo
+def add_demo(sub: Any) -> None:
+    from . import demo
+
+    p = sub.add_parser("demo", help="the end-to-end demo: actors, a Flight-served store, a DQN learner",
+                       description=(demo.__doc__ or "").strip().splitlines()[0])
+    demo.configure_parser(p)
+    p.set_defaults(func=demo.run_from_args)
+
+
+# ---------------------------------------------------------------------------------------------------- inspect
+def add_inspect(sub: Any) -> None:
+    p = sub.add_parser("inspect", help="schema, size, episode summary and column bytes of a store",
+                       description="Inspect a store: a Flight location (grpc://host:port), the name of a shared-memory "
+                                   "store on this node, or an Arrow IPC / Parquet file of experience.")
+    p.add_argument("target", help="grpc://host:port, a shared-memory store name, or a .arrow/.parquet file")
+    p.add_argument("--token", default=None, help="bearer token for a Flight location")
+    p.add_argument("--store", default=None, help="store name when a server serves several")
+    p.add_argument("--sql", default=None, help="also run this query (the store is the table `experience`)")
+    p.set_defaults(func=run_inspect)
+
+
+def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
+    """A store-like object (stats, episodes, to_table, sql) for the target, and what it is."""
+    import os
+
+    target = args.target
+    if "://" in target:
+        from .flight.client import connect
+
+        return connect(target, token=args.token, store=args.store), f"Flight store at {target}"
+    if os.path.exists(target):
+        import pyarrow.parquet as pq
+
+        from .schema import load_schema
+        from .store import ExperienceStore
+
+        if target.endswith(".parquet"):
+            table = pq.read_table(target)
+        else:
+            import pyarrow as pa
+
+            with pa.memory_map(target) as source:
+                try:
+                    table = pa.ipc.open_file(source).read_all()
+                except pa.ArrowInvalid:
+                    table = pa.ipc.open_stream(source).read_all()
+        spec = load_schema(table.schema).to_dict()
+        spec.pop("derived", None)  # a file holds stored columns only: nothing is derived when inspecting it
+        schema = load_schema(spec)
+        store = ExperienceStore(schema, capacity=max(1, table.num_rows))
+        inputs = [c for c in table.column_names if c in schema.fields or c in ("episode_id",)]
+        if table.num_rows:
+            store.extend(table.select(inputs))
+        return store, f"file {target} (loaded into a temporary store)"
+    from .store import ExperienceStore
+
+    return ExperienceStore.attach(target), f"shared-memory store {target!r}"
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from .errors import ArrowbufError
+
+    try:
+        store, what = _open_target(args)
+    except (ArrowbufError, OSError) as exc:
+        print(f"arrowbuf inspect: cannot open {args.target!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        stats = store.stats()
+        print(f"{what}: {stats.get('name')!r}, schema {stats.get('schema')!r}")
+        print(f"size {stats.get('size'):,} of {stats.get('capacity'):,} rows; inserts {stats.get('inserts'):,}, "
+              f"samples {stats.get('samples'):,}")
+        table = store.to_table()
+        print(f"{'column':<20} {'type':<58} {'bytes':>14}")
+        for field, col in zip(table.schema, table.columns):
+            print(f"{field.name:<20} {str(field.type)[:58]:<58} {col.nbytes:>14,}")
+        eps = store.episodes()
+        if eps.num_rows:
+            import pyarrow.compute as pc
+
+            complete = eps.filter(eps.column("complete"))
+            mean = pc.mean(complete.column("return")).as_py() if complete.num_rows else None
+            print(f"episodes: {eps.num_rows} ({complete.num_rows} complete), mean return of complete episodes "
+                  + (f"{mean:.3f}" if mean is not None else "-")
+                  + f", mean length {pc.mean(eps.column('length')).as_py():.1f}")
+        else:
+            print("episodes: none")
+        if args.sql:
+            print(store.sql(args.sql).to_pandas().to_string(index=False))
+    finally:
+        store.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- bench
+def add_bench(sub: Any) -> None:
+    p = sub.add_parser("bench", help="run the benchmarks (python -m benchmarks) from a source checkout",
+                       description="Run benchmarks/ (a source checkout is needed) and write benchmarks/RESULTS.md.")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for python -m benchmarks (--quick, --only ...)")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "__main__.py").exists():
+        print("arrowbuf bench: benchmarks/ is not here; run it from a source checkout of arrowbuf", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, "-m", "benchmarks", *args.rest], cwd=root)
+
+
+COMMANDS: list[Callable[[Any], None]] = [add_serve, add_shm, add_demo, add_inspect, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
