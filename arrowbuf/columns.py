@@ -195,6 +195,7 @@ class TieredColumnArenas(ColumnArenas):
         top = next(c for c in range(len(self.tiers)) if not self.slotted[c])
         self.arrays = dict(self.arenas[top])  # membership and `store._arenas`: the top non-slotted arenas
         self.ragged = {}
+        self._final_code = len(self.tiers)  # a pseudo tier code for final-observation rows in a gather
         self.final = {src: meta.allocate(f"final.{src}", self.spec[src].dtype, max(1, self.final_capacity),
                                          self.spec[src].shape) for src in self.final_sources}
 
@@ -301,8 +302,8 @@ class TieredColumnArenas(ColumnArenas):
 
     # ------------------------------------------------------------------ reads
     def take(self, name: str, positions: np.ndarray, reads: list | None = None, host: bool = False) -> Any:
-        """Rows at ring `positions`: one take per tier the rows live in. A device tensor when some rows are in a
-        slotted (GPU) tier, unless `host`."""
+        """Rows at ring `positions`: one take per tier the rows live in (straight into the output). A device tensor
+        when some rows are in a slotted (GPU) tier, unless `host`."""
         ci = self.ci[name]
         if reads is not None:
             reads.append((ci, positions))
@@ -310,42 +311,71 @@ class TieredColumnArenas(ColumnArenas):
         if single >= 0 and not self.slotted[single]:  # the whole column in one tier: the direct path
             return self.arenas[single][name].take(positions, axis=0)
         slots = positions // self.chunk_rows
+        return self._gather(name, ci, positions, slots, self.res[ci, slots], host)
+
+    def take_next(self, name: str, positions: np.ndarray, reads: list | None = None, host: bool = False) -> Any:
+        """Rows at ring positions or final-observation slots (`arena_rows + slot`, on the host: they never move)."""
+        ci = self.ci[name]
+        if reads is not None:  # `moved` skips final-observation slots
+            reads.append((ci, positions))
+        fin = positions >= self.arena_rows
+        if not fin.any():
+            return self.take(name, positions, None, host)
+        slots = np.where(fin, 0, positions) // self.chunk_rows
         codes = self.res[ci, slots]
+        codes[fin] = self._final_code
+        return self._gather(name, ci, positions, slots, codes, host)
+
+    def _gather(self, name: str, ci: int, positions: np.ndarray, slots: np.ndarray, codes: np.ndarray,
+                host: bool) -> Any:
+        """Rows of one column from the tiers `codes` name per row (`_final_code`: final-observation rows)."""
         if len(codes) == 0 or (codes == codes[0]).all():
             code = int(codes[0]) if len(codes) else self.bottom
             return self._take_from(code, name, ci, positions, slots, host)
         spec = self.spec[name]
-        cuts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
-        device = None if host else next((self.tiers[c] for c in np.unique(codes).tolist() if self.slotted[c]), None)
+        present = np.flatnonzero(np.bincount(codes, minlength=self._final_code + 1)).tolist()
+        device = None if host else next((self.tiers[c] for c in present if self._is_slotted(c)), None)
         if device is None:
             out = np.empty((len(positions), *spec.shape), dtype=spec.dtype)
+            cuts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
             if len(cuts) * _RUN_COST < len(positions) * self.row_bytes[name] / _COPY_BW:
                 # few runs of one tier (sorted positions, chunk-granular residency): take straight into the output
                 bounds = [0, *cuts.tolist(), len(positions)]
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     c = int(codes[a])
-                    if self.slotted[c]:
+                    if self._is_slotted(c):
                         out[a:b] = self._take_from(c, name, ci, positions[a:b], slots[a:b], True)
                     else:
+                        arena, offset = self._arena_of(c, name)
                         # mode="clip": with out=, the default mode="raise" gathers into a buffer and copies it again
-                        np.take(self.arenas[c][name], positions[a:b], axis=0, out=out[a:b], mode="clip")
+                        np.take(arena, positions[a:b] - offset, axis=0, out=out[a:b], mode="clip")
                 return out
-            for c in np.unique(codes).tolist():  # many short runs: one take per tier, then scatter
+            for c in present:  # many short runs: one take per tier, then scatter
                 idx = np.flatnonzero(codes == c)
                 out[idx] = self._take_from(c, name, ci, positions[idx], slots[idx], True)
             return out
-        parts = [(c, codes == c) for c in np.unique(codes).tolist()]
         out = device.empty((len(positions), *spec.shape), spec.dtype)
-        for c, m in parts:
-            part = self._take_from(c, name, ci, positions[m], slots[m], False)
+        for c in present:
+            idx = np.flatnonzero(codes == c)
+            part = self._take_from(c, name, ci, positions[idx], slots[idx], False)
             if isinstance(part, np.ndarray):
                 part = device.to_device(part)
-            out[device.torch.from_numpy(np.flatnonzero(m)).to(out.device)] = part
+            out[device.torch.from_numpy(idx).to(out.device)] = part
         return out
 
+    def _is_slotted(self, code: int) -> bool:
+        return code < len(self.tiers) and self.slotted[code]
+
+    def _arena_of(self, code: int, name: str) -> tuple[np.ndarray, int]:
+        """A non-slotted arena and the position its row 0 has."""
+        if code == self._final_code:
+            return self.final[name], self.arena_rows
+        return self.arenas[code][name], 0
+
     def _take_from(self, code: int, name: str, ci: int, positions: np.ndarray, slots: np.ndarray, host: bool) -> Any:
-        if not self.slotted[code]:
-            return np.take(self.arenas[code][name], positions, axis=0)
+        if not self._is_slotted(code):
+            arena, offset = self._arena_of(code, name)
+            return arena.take(positions - offset if offset else positions, axis=0)
         arena = self.arenas[code].get(name)
         if arena is None:  # a stale slot table read (the stamp check re-gathers): any valid rows will do
             return np.zeros((len(positions), *self.spec[name].shape), dtype=self.spec[name].dtype)
@@ -357,27 +387,6 @@ class TieredColumnArenas(ColumnArenas):
             out = out.cpu().numpy()
             dtype = self.spec[name].dtype
             return out.view(dtype) if out.dtype != dtype and out.dtype.itemsize == dtype.itemsize else out
-        return out
-
-    def take_next(self, name: str, positions: np.ndarray, reads: list | None = None, host: bool = False) -> Any:
-        if reads is not None:  # final-observation slots (>= arena_rows) never move; `moved` skips them
-            reads.append((self.ci[name], positions))
-        fin = positions >= self.arena_rows
-        if not fin.any():
-            return self.take(name, positions, None, host)
-        final = np.take(self.final[name], positions[fin] - self.arena_rows, axis=0)
-        if fin.all():
-            return final
-        ring = self.take(name, positions[~fin], None, host)
-        if isinstance(ring, np.ndarray):
-            out = np.empty((len(positions), *ring.shape[1:]), dtype=ring.dtype)
-            out[~fin], out[fin] = ring, final
-            return out
-        import torch
-
-        out = ring.new_empty((len(positions), *ring.shape[1:]))
-        out[torch.from_numpy(np.flatnonzero(~fin)).to(out.device)] = ring
-        out[torch.from_numpy(np.flatnonzero(fin)).to(out.device)] = torch.from_numpy(final).to(out.device, out.dtype)
         return out
 
     def column(self, name: str, reads: list | None = None) -> Any:

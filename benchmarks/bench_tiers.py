@@ -17,7 +17,7 @@ Rows (ratios within one run; medians of 3 interleaved runs):
 - gpu (only with a CUDA device, `--gpu`): atari batch 4096 from GPU-resident columns vs host gather + host-to-device
   copy; gather bandwidth vs a device-to-device copy.
 
-    python -m benchmarks.bench_tiers [--quick] [--spill-dir DIR] [--gpu]
+    python -m benchmarks.bench_tiers [--quick] [--spill-dir DIR] [--gpu] [--only spill cold_columns gpu]
 
 Prints a table and writes benchmarks/out/tiers.json.
 """
@@ -71,6 +71,30 @@ def rate(store: ab.ExperienceStore, batch: int, seconds: float, columns: list[st
         dt = time.perf_counter() - t0
         if dt >= seconds or (max_batches is not None and n >= max_batches):
             return n * batch / dt
+
+
+def read_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (Linux /proc/self/io; 0 where unknown)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+class DiskRead:
+    """Wraps a cold run: the bytes it read from the disk and the seconds it took."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+
+    def run(self, fn: Callable[[], float]) -> float:
+        b0, t0 = read_bytes(), time.perf_counter()
+        r = fn()
+        self.seconds += time.perf_counter() - t0
+        self.bytes += read_bytes() - b0
+        return r
 
 
 def warmed(store: ab.ExperienceStore, batch: int, seconds: float, columns: list[str] | None = None) -> float:
@@ -155,10 +179,11 @@ def _spill_case(case: str, schema: ab.ExperienceSchema, cap: int, pool: dict, se
                 s.update_priorities(np.arange(cap), pri)
         steps = settle(tiered, None)
         drop = disk_tier(tiered).drop_cache
+        disk = DiskRead()
         res = interleaved({
             "ram": lambda: rate(ram, 256, secs),
             "warm": lambda: warmed(tiered, 256, secs),
-            "cold": lambda: rate(tiered, 256, secs, before=drop, max_batches=50),
+            "cold": lambda: disk.run(lambda: rate(tiered, 256, secs, before=drop, max_batches=50)),
         })
         from_disk = 1.0 - host_share(tiered, ["obs"])
         row = {"ram_per_s": res["ram"], "warm_per_s": res["warm"], "cold_per_s": res["cold"],
@@ -167,10 +192,9 @@ def _spill_case(case: str, schema: ab.ExperienceSchema, cap: int, pool: dict, se
                "mass_on_host": _mass_on_host(tiered), "settle_steps": steps, "host_bytes": tiered._tier.nbytes(),
                "within_budget": tiered._tier.nbytes() <= budget,
                "migrations": tiered.stats()["placement"]["migrations"]}
-        if case == "uniform":  # bytes/s the sampler reads from disk-resident chunks vs the disk's bandwidth
-            per_row = 2 * schema.fields["obs"].row_bytes  # obs and (derived) next_obs
-            row["cold_disk_gbps"] = res["cold"] * from_disk * per_row / 1e9
-            row["cold_vs_disk_bw"] = row["cold_disk_gbps"] * 1e9 / disk_bw
+        # bytes the cold runs fetched from the disk (/proc/self/io) per second, vs the disk's read bandwidth
+        row["cold_disk_gbps"] = disk.bytes / max(disk.seconds, 1e-9) / 1e9
+        row["cold_vs_disk_bw"] = row["cold_disk_gbps"] * 1e9 / disk_bw
         return row
     finally:
         ram.close()
@@ -329,9 +353,10 @@ def table(res: dict) -> str:
             add(f"spill 2x host, {label}: warm, samples/s vs RAM", r["warm_per_s"], r["ram_per_s"], r["warm_ratio"],
                 tgt)
             add(f"spill 2x host, {label}: cold disk, vs RAM", r["cold_per_s"], r["ram_per_s"], r["cold_ratio"], tgt)
-        u = sp["uniform"]
-        add("spill uniform cold: disk GB/s read vs disk bandwidth", u["cold_disk_gbps"], sp["disk_read_gbps"],
-            u["cold_vs_disk_bw"])
+        for case in ("uniform", "clustered"):
+            u = sp[case]
+            add(f"spill {case} cold: GB/s read from disk vs its bandwidth", u["cold_disk_gbps"],
+                sp["disk_read_gbps"], u["cold_vs_disk_bw"])
     cc = res.get("cold_columns")
     if cc:
         add("cold columns: sample(hot) vs store without info", cc["policy_per_s"], cc["base_per_s"], cc["ratio"],
@@ -354,16 +379,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--spill-dir", default=None, help="directory on the disk to spill to (default: a temp dir)")
     ap.add_argument("--gpu", action="store_true", help="also the GPU rows (needs a CUDA device)")
+    ap.add_argument("--only", nargs="+", choices=["spill", "cold_columns", "gpu"], help="run only these sections")
     ap.add_argument("--out", default=str(OUT / "tiers.json"))
     args = ap.parse_args(argv)
     spill_dir = args.spill_dir or tempfile.mkdtemp(prefix="arrowbuf-bench-spill-", dir=os.environ.get("TMPDIR"))
     res: dict = {"machine": {"python": sys.version.split()[0], "platform": platform.platform(),
                              "cpus": os.cpu_count(), "numpy": np.__version__, "quick": args.quick,
                              "spill_dir": spill_dir, "runs": RUNS}}
+    only = set(args.only or ["spill", "cold_columns", *(["gpu"] if args.gpu else [])])
     try:
-        res["spill"] = spill(args.quick, spill_dir)
-        res["cold_columns"] = cold_columns(args.quick, spill_dir)
-        if args.gpu:
+        if "spill" in only:
+            res["spill"] = spill(args.quick, spill_dir)
+        if "cold_columns" in only:
+            res["cold_columns"] = cold_columns(args.quick, spill_dir)
+        if "gpu" in only:
             res["gpu"] = gpu(args.quick)
     finally:
         if args.spill_dir is None:
