@@ -95,6 +95,9 @@ class ColumnArenas:
     def take_ragged(self, name: str, positions: np.ndarray) -> pa.Array:
         return pa.chunked_array(self.ragged[name]).take(pa.array(positions)).combine_chunks()
 
+    def count_access(self, key: Any, rows: int, resolve: Any, *args: Any) -> None:
+        """Placement input (tiered stores): rows read per column. Nothing to count with one tier."""
+
     def column(self, name: str) -> Any:
         """Something indexable by a position array (`col[pos]`) giving host rows: n-step returns read through it."""
         return self.arrays[name]
@@ -334,7 +337,7 @@ class TieredColumnArenas(ColumnArenas):
             return self._take_from(code, name, ci, positions, slots, host)
         spec = self.spec[name]
         present = np.flatnonzero(np.bincount(codes, minlength=self._final_code + 1)).tolist()
-        device = None if host else next((self.tiers[c] for c in present if self._is_slotted(c)), None)
+        device: Any = None if host else next((self.tiers[c] for c in present if self._is_slotted(c)), None)
         if device is None:
             out = np.empty((len(positions), *spec.shape), dtype=spec.dtype)
             cuts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
@@ -363,6 +366,10 @@ class TieredColumnArenas(ColumnArenas):
             out[device.torch.from_numpy(idx).to(out.device)] = part
         return out
 
+    def _device(self, code: int) -> Any:
+        """The slotted tier `code` (its data-movement helpers: take, put, get)."""
+        return self.tiers[code]
+
     def _is_slotted(self, code: int) -> bool:
         return code < len(self.tiers) and self.slotted[code]
 
@@ -376,13 +383,13 @@ class TieredColumnArenas(ColumnArenas):
         if not self._is_slotted(code):
             arena, offset = self._arena_of(code, name)
             return arena.take(positions - offset if offset else positions, axis=0)
-        arena = self.arenas[code].get(name)
-        if arena is None:  # a stale slot table read (the stamp check re-gathers): any valid rows will do
+        device_arena = self.arenas[code].get(name)
+        if device_arena is None:  # a stale slot table read (the stamp check re-gathers): any valid rows will do
             return np.zeros((len(positions), *self.spec[name].shape), dtype=self.spec[name].dtype)
-        local = np.clip(self.local[ci, slots], 0, len(arena) // self.chunk_rows - 1) * self.chunk_rows
+        local = np.clip(self.local[ci, slots], 0, len(device_arena) // self.chunk_rows - 1) * self.chunk_rows
         local += positions % self.chunk_rows
-        tier = self.tiers[code]
-        out = tier.take(arena, local, self.spec[name].dtype)
+        tier: Any = self.tiers[code]
+        out = tier.take(device_arena, local, self.spec[name].dtype)
         if host:
             out = out.cpu().numpy()
             dtype = self.spec[name].dtype
@@ -405,7 +412,7 @@ class TieredColumnArenas(ColumnArenas):
                 if arena is None:
                     continue
                 off = int(self.local[ci, s]) * self.chunk_rows + p0 - s * self.chunk_rows
-                out = self.tiers[code].get(arena, off, off + p1 - p0, self.spec[name].dtype)
+                out = self._device(code).get(arena, off, off + p1 - p0, self.spec[name].dtype)
             elif code == self.bottom and self.tiers[code].name == "disk":
                 out = self.arenas[code][name][p0:p1]
             else:
@@ -429,7 +436,7 @@ class TieredColumnArenas(ColumnArenas):
             bad = hit if bad is None else bad | hit
         if bad is None:
             return None
-        return bad.reshape(items, -1).any(axis=1)
+        return np.asarray(bad.reshape(items, -1).any(axis=1))
 
     def count_access(self, key: Any, rows: int, resolve: Any, *args: Any) -> None:
         """Count `rows` read from the columns `resolve(*args)` names (cached under `key`: the sample path)."""

@@ -58,7 +58,8 @@ class Placement(abc.ABC):
         self._store = weakref.ref(store)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if self.interval is not None and getattr(store._cols, "tiers", None) and len(store._cols.tiers) > 1:
+        tiers = getattr(store._cols, "tiers", None)
+        if self.interval is not None and tiers and len(tiers) > 1:
             self._thread = threading.Thread(target=_run, args=(weakref.ref(self), self._stop, self.interval),
                                             name=f"arrowbuf-placement-{store.name}", daemon=True)
             self._thread.start()
@@ -156,13 +157,13 @@ class BandwidthAware(Placement):
     def bandwidths(self) -> dict[str, float]:
         """Read bandwidth per tier (bytes/s): given, or probed once."""
         store = self._store()
-        cols: TieredColumnArenas = store._cols  # type: ignore[union-attr]
+        cols: Any = store._cols
         if self._bw is None:
             self._bw = np.array([self.given_bandwidth.get(t.name) or probe_bandwidth(t) for t in cols.tiers])
         return {t.name: float(b) for t, b in zip(cols.tiers, self._bw)}
 
     def _observe(self, store: "ExperienceStore") -> dict[str, Any]:
-        cols = store._cols
+        cols: Any = store._cols
         idx = store.index
         cr, ns = cols.chunk_rows, cols.num_slots
         first = np.arange(ns, dtype=np.int64) * cr

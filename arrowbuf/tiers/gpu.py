@@ -29,7 +29,7 @@ from ..errors import MissingDependency, OutOfSpace
 from .base import Tier, format_bytes, parse_bytes
 
 # numpy dtypes torch has no (full) support for: stored as the signed type of the same width, delivered widened.
-_SIGNED = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32),
+_SIGNED: dict[np.dtype, np.dtype] = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32),
            np.dtype(np.uint64): np.dtype(np.int64)}
 
 
