@@ -122,6 +122,7 @@ class ColumnArenas:
 # straight into the output run by run when the calls cost less than copying every row twice.
 _RUN_COST = 3e-6
 _COPY_BW = 4e9
+_PAGE = 4096
 
 
 class _TrackedColumn:
@@ -199,6 +200,7 @@ class TieredColumnArenas(ColumnArenas):
         self.arrays = dict(self.arenas[top])  # membership and `store._arenas`: the top non-slotted arenas
         self.ragged = {}
         self._final_code = len(self.tiers)  # a pseudo tier code for final-observation rows in a gather
+        self._prefetch = [hasattr(t, "prefetch") for t in self.tiers]  # tiers whose reads may wait for a disk
         self.final = {src: meta.allocate(f"final.{src}", self.spec[src].dtype, max(1, self.final_capacity),
                                          self.spec[src].shape) for src in self.final_sources}
 
@@ -312,6 +314,8 @@ class TieredColumnArenas(ColumnArenas):
             reads.append((ci, positions))
         single = self.single[ci]
         if single >= 0 and not self.slotted[single]:  # the whole column in one tier: the direct path
+            if self._prefetch[single] and self.row_bytes[name] >= _PAGE:
+                self.tiers[single].prefetch(name, np.sort(positions))  # type: ignore[attr-defined]
             return self.arenas[single][name].take(positions, axis=0)
         slots = positions // self.chunk_rows
         return self._gather(name, ci, positions, slots, self.res[ci, slots], host)
@@ -337,6 +341,10 @@ class TieredColumnArenas(ColumnArenas):
             return self._take_from(code, name, ci, positions, slots, host)
         spec = self.spec[name]
         present = np.flatnonzero(np.bincount(codes, minlength=self._final_code + 1)).tolist()
+        if self.row_bytes[name] >= _PAGE:  # rows of pages each: start every disk read of the batch at once
+            for c in present:
+                if c < len(self.tiers) and self._prefetch[c]:
+                    self.tiers[c].prefetch(name, np.sort(positions[codes == c]))  # type: ignore[attr-defined]
         device: Any = None if host else next((self.tiers[c] for c in present if self._is_slotted(c)), None)
         if device is None:
             out = np.empty((len(positions), *spec.shape), dtype=spec.dtype)

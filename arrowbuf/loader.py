@@ -318,10 +318,15 @@ class _Pipeline:
         if self.cfg.format == "batch":
             return batch
         torch = require("torch", "torch")
-        tensors = batch.to_torch("cpu")
+        # columns a GPU tier gathered on the device stay there (no round trip through the host)
+        on_device = {k: batch[k] for k in batch.columns if getattr(getattr(batch[k], "device", None), "type", "cpu")
+                     != "cpu"}
+        host = SampleBatch({k: batch[k] for k in batch.columns if k not in on_device}, batch.indices, batch.weights)
+        tensors = {**host.to_torch("cpu"), **on_device}
+        tensors = {k: tensors[k] for k in batch.columns}
         weights = torch.from_numpy(np.asarray(batch.weights)) if batch.weights is not None else None
         if self.cfg.cuda:  # pragma: no cover - needs a GPU
-            tensors = {k: _map_tensors(v, lambda t: t.pin_memory()) for k, v in tensors.items()}
+            tensors = {k: _map_tensors(v, lambda t: t if t.is_cuda else t.pin_memory()) for k, v in tensors.items()}
             weights = weights.pin_memory() if weights is not None else None
         return TorchBatch(tensors, batch.indices, weights, batch.info)
 

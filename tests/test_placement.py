@@ -237,6 +237,31 @@ def test_new_chunks_are_written_where_placement_wants_them(tmp_path):
         assert cols.counters["migrated_bytes"] - copies <= 5 * 2 * chunk_bytes(store, "a", "b")
 
 
+def test_loader_accesses_steer_placement_and_device_columns_reach_torch(tmp_path):
+    """A Loader's samples count as accesses (b goes up); columns the torch-backed tier gathered come out as tensors."""
+    pytest.importorskip("torch")
+    with two_column_store(tmp_path, 1.1) as store:
+        store.extend(rows(0, 3000))
+        sample_steps(store, ["a"], 3)
+        with ab.Loader(store, batch_size=64, prefetch=2, columns=["b", "reward"], format="torch") as loader:
+            for _ in range(3):
+                for _ in range(5):
+                    tb = next(loader)
+                    np.testing.assert_array_equal(tb["b"][:, 0].numpy(), -tb["reward"].numpy())
+                store.placement_policy.step()
+        cols = store._cols
+        assert cols.access[cols.ci["b"]] >= 15 * 64 and store.placement_policy.explain()["share"]["b"] > 0.25
+    gpu = GpuTier(budget=None, device="cpu")
+    with ab.ExperienceStore(SCHEMA, CAP, seed=0, chunk_rows=CR, tiers={"gpu": gpu, "host": None},
+                            placement=policy()) as store:
+        store.extend(rows(0, CAP))
+        sample_steps(store, ["a", "reward"], 2)
+        assert (store.placement().to_pandas().query("column == 'a' and tier == 'gpu'")["chunks"] > 0).all()
+        with ab.Loader(store, batch_size=64, prefetch=2, columns=["a", "reward"], format="torch") as loader:
+            tb = next(loader)
+            np.testing.assert_array_equal(tb["a"][:, 0].numpy(), tb["reward"].numpy())
+
+
 # ---------------------------------------------------------------------- the same rows whatever the residency
 def scramble(store: ab.ExperienceStore, rng: np.random.Generator, moves: int = 300) -> int:
     """Move random chunks of random columns to random tiers (as a policy would, through the same path)."""

@@ -168,6 +168,9 @@ def test_disk_arenas_are_arrow_ipc_files_any_arrow_tool_reads(tmp_path):
     np.testing.assert_array_equal(v.column(0).to_numpy().astype(bool), done)
     r = pa.ipc.open_file(tier.path_of("reward")).read_all()
     np.testing.assert_array_equal(r.column(0).to_numpy(), reward)
+    tier.prefetch("obs", np.array([1, 2, 3, 40, 63]))  # reads ahead (MADV_WILLNEED); the data is untouched
+    tier.load_cache()
+    np.testing.assert_array_equal(obs, np.arange(64 * 20, dtype=np.uint8).reshape(64, 4, 5))
     files = [tier.path_of(k) for k in ("obs", "index.valid", "reward")]
     assert tier.nbytes() == sum(os.path.getsize(f) for f in files)
     with pytest.raises(ab.OutOfSpace, match="budget"):
