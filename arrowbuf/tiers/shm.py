@@ -159,8 +159,10 @@ class RobustMutex:
 
     def __init__(self, mem: np.ndarray, init: bool) -> None:
         self._mem = mem  # keeps the mapping alive while the lock is used
-        self._lib = _pthread()
-        assert self._lib is not None
+        lib = _pthread()
+        if lib is None:
+            raise ArrowbufError("process-shared robust mutexes are not available here; use flock locks")
+        self._lib: _Pthread = lib
         self._addr = mem.ctypes.data
         if init:
             self._lib.init(self._addr)
