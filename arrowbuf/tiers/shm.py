@@ -38,6 +38,12 @@ Lifetime: the creator owns the segments. Its `close()` (or `unlink()` from any p
 still attached keep using their mappings, which the kernel frees when the last one unmaps; new attaches fail. If the
 creator dies, the janitor (`gc()`, run on every create and attach, and by ``arrowbuf shm gc``) removes the store.
 
+Views: `to_table()` columns are zero-copy views of the mappings, marked read-only (numpy flags, immutable Arrow
+buffers); samples are gathered copies, and `SampleBatch.to_torch()` copies any read-only array, so no tensor it makes
+aliases shared memory. The mappings themselves stay writable (a tensor over a read-only mapping segfaults on `add_`);
+torch ignores read-only flags in DLPack, so `torch.from_dlpack(column)` of a `to_table()` column aliases the store:
+copy it first.
+
 Crash safety: every cross-process lock is a robust mutex (or an flock), which the kernel hands on when its holder
 dies, so a writer killed mid-extend never blocks the others; rows it had not committed are invisible and are
 overwritten by the next writer.
