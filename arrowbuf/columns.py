@@ -13,10 +13,20 @@ store does)::
     cols.view("obs", p0, p1)                      # rows of one chunk, zero-copy where the tier allows
 
 Ragged (list) fields are kept as one Arrow array per chunk slot.
+
+`TieredColumnArenas` (a store made with `tiers=`) has the same surface over several tiers: residency per (column,
+chunk slot), moves by `migrate` (what `arrowbuf.placement` calls), and a gather that takes from each tier a row
+lives in. Why host and disk arenas span the whole ring (rows keep their positions) instead of holding a few slots
+behind a slot table: a gather then needs no position translation, a move copies `[p0, p1)` to the same rows of
+another arena, and the columns share a tier's budget freely (the bytes a column holds in the host are what it has
+resident, not a fixed share decided at construction), which is what lets a cold column leave the host whole. Host
+memory is committed and returned page by page (`HostTier.allocate_sparse`), disk space is reserved up front. Only
+device memory, which cannot be over-committed, is slotted.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -123,6 +133,7 @@ class ColumnArenas:
 _RUN_COST = 3e-6
 _COPY_BW = 4e9
 _PAGE = 4096
+_COLD_BW = 1e9  # a gather slower than this (bytes/s) read from a disk, not from memory
 
 
 class _TrackedColumn:
@@ -180,11 +191,12 @@ class TieredColumnArenas(ColumnArenas):
         self.res = directory.residency
         self.local = np.zeros((ncols, self.num_slots), dtype=np.int64)
         self.epoch = np.zeros(ncols, dtype=np.int64)
+        self.flips = 0  # every flip of any column: a sampler's fast check that nothing moved
         self.stamp = np.zeros((ncols, self.num_slots), dtype=np.int64)
         self.moving = np.zeros((ncols, self.num_slots), dtype=bool)
         self.write_tier = np.full(ncols, self.bottom, dtype=np.int8)
-        self.access = np.zeros(ncols, dtype=np.int64)   # rows read per column (sample, Loader)
-        self._access_idx: dict[Any, np.ndarray] = {}
+        self.access = [0] * ncols   # rows read per column (sample, Loader); plain ints: the sample path adds to it
+        self._access_idx: dict[Any, list[int]] = {}
         # per column: slots in each tier, and the tier holding all of them (-1: several), for the direct take path
         self.counts = np.zeros((ncols, len(self.tiers)), dtype=np.int64)
         self.single = [-1] * ncols
@@ -201,6 +213,7 @@ class TieredColumnArenas(ColumnArenas):
         self.ragged = {}
         self._final_code = len(self.tiers)  # a pseudo tier code for final-observation rows in a gather
         self._prefetch = [hasattr(t, "prefetch") for t in self.tiers]  # tiers whose reads may wait for a disk
+        self._cold = [True] * ncols  # per column: its last gather waited for a disk (prefetch the next one)
         self.final = {src: meta.allocate(f"final.{src}", self.spec[src].dtype, max(1, self.final_capacity),
                                          self.spec[src].shape) for src in self.final_sources}
 
@@ -314,9 +327,12 @@ class TieredColumnArenas(ColumnArenas):
             reads.append((ci, positions))
         single = self.single[ci]
         if single >= 0 and not self.slotted[single]:  # the whole column in one tier: the direct path
-            if self._prefetch[single] and self.row_bytes[name] >= _PAGE:
-                self.tiers[single].prefetch(name, np.sort(positions))  # type: ignore[attr-defined]
-            return self.arenas[single][name].take(positions, axis=0)
+            if not self._prefetch[single]:
+                return self.arenas[single][name].take(positions, axis=0)
+            started = self._prefetch_rows(name, ci, positions, None, [single])
+            out = self.arenas[single][name].take(positions, axis=0)
+            self._note_speed(ci, started, out.nbytes)
+            return out
         slots = positions // self.chunk_rows
         return self._gather(name, ci, positions, slots, self.res[ci, slots], host)
 
@@ -341,29 +357,32 @@ class TieredColumnArenas(ColumnArenas):
             return self._take_from(code, name, ci, positions, slots, host)
         spec = self.spec[name]
         present = np.flatnonzero(np.bincount(codes, minlength=self._final_code + 1)).tolist()
-        if self.row_bytes[name] >= _PAGE:  # rows of pages each: start every disk read of the batch at once
-            for c in present:
-                if c < len(self.tiers) and self._prefetch[c]:
-                    self.tiers[c].prefetch(name, np.sort(positions[codes == c]))  # type: ignore[attr-defined]
-        device: Any = None if host else next((self.tiers[c] for c in present if self._is_slotted(c)), None)
+        slotted = [c for c in present if self._is_slotted(c)]
+        started = self._prefetch_rows(name, ci, positions, codes, present)
+        device: Any = None if host or not slotted else self.tiers[slotted[0]]
         if device is None:
             out = np.empty((len(positions), *spec.shape), dtype=spec.dtype)
             cuts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
             if len(cuts) * _RUN_COST < len(positions) * self.row_bytes[name] / _COPY_BW:
                 # few runs of one tier (sorted positions, chunk-granular residency): take straight into the output
-                bounds = [0, *cuts.tolist(), len(positions)]
-                for a, b in zip(bounds[:-1], bounds[1:]):
-                    c = int(codes[a])
-                    if self._is_slotted(c):
-                        out[a:b] = self._take_from(c, name, ci, positions[a:b], slots[a:b], True)
-                    else:
-                        arena, offset = self._arena_of(c, name)
+                starts = [0, *cuts.tolist()]
+                stops = [*starts[1:], len(positions)]
+                if slotted:
+                    for a, b in zip(starts, stops):
+                        out[a:b] = self._take_from(int(codes[a]), name, ci, positions[a:b], slots[a:b], True)
+                else:
+                    arenas = [*(self.arenas[c].get(name) for c in range(len(self.tiers))), self.final.get(name)]
+                    pos = positions
+                    if self._final_code in present:
+                        pos = np.where(codes == self._final_code, positions - self.arena_rows, positions)
+                    for a, b, c in zip(starts, stops, codes[starts].tolist()):
                         # mode="clip": with out=, the default mode="raise" gathers into a buffer and copies it again
-                        np.take(arena, positions[a:b] - offset, axis=0, out=out[a:b], mode="clip")
-                return out
-            for c in present:  # many short runs: one take per tier, then scatter
-                idx = np.flatnonzero(codes == c)
-                out[idx] = self._take_from(c, name, ci, positions[idx], slots[idx], True)
+                        np.take(arenas[c], pos[a:b], axis=0, out=out[a:b], mode="clip")
+            else:
+                for c in present:  # many short runs: one take per tier, then scatter
+                    idx = np.flatnonzero(codes == c)
+                    out[idx] = self._take_from(c, name, ci, positions[idx], slots[idx], True)
+            self._note_speed(ci, started, out.nbytes)
             return out
         out = device.empty((len(positions), *spec.shape), spec.dtype)
         for c in present:
@@ -373,6 +392,23 @@ class TieredColumnArenas(ColumnArenas):
                 part = device.to_device(part)
             out[device.torch.from_numpy(idx).to(out.device)] = part
         return out
+
+    def _prefetch_rows(self, name: str, ci: int, positions: np.ndarray, codes: np.ndarray | None,
+                       present: list[int]) -> float:
+        """Before a gather: when this column's recent gathers waited for a disk, start every disk read of the batch
+        at once (rows of a page or more; smaller rows are read ahead with their neighbours anyway). Returns the
+        start time, for `_note_speed`."""
+        if self._cold[ci] and self.row_bytes[name] >= _PAGE:
+            for c in present:
+                if c < len(self.tiers) and self._prefetch[c]:
+                    rows = positions if codes is None else positions[codes == c]
+                    self.tiers[c].prefetch(name, np.sort(rows))  # type: ignore[attr-defined]
+        return time.perf_counter()
+
+    def _note_speed(self, ci: int, started: float, nbytes: int) -> None:
+        """A gather slower than memory speed means pages came from the disk: prefetch the next batches."""
+        if any(self._prefetch):
+            self._cold[ci] = nbytes > _COLD_BW * (time.perf_counter() - started)
 
     def _device(self, code: int) -> Any:
         """The slotted tier `code` (its data-movement helpers: take, put, get)."""
@@ -451,8 +487,10 @@ class TieredColumnArenas(ColumnArenas):
         idx = self._access_idx.get(key)
         if idx is None:
             names = resolve(*args)
-            idx = self._access_idx[key] = np.array(sorted({self.ci[n] for n in names if n in self.ci}), np.int64)
-        self.access[idx] += rows
+            idx = self._access_idx[key] = sorted({self.ci[n] for n in names if n in self.ci})
+        access = self.access
+        for ci in idx:
+            access[ci] += rows
 
     # ------------------------------------------------------------------ moves
     def ensure_arena(self, code: int, name: str, slots: int) -> bool:
@@ -573,6 +611,7 @@ class TieredColumnArenas(ColumnArenas):
             self.single[ci] = target
         self.epoch[ci] += 1
         self.stamp[ci, s] = self.epoch[ci]
+        self.flips += 1
 
     def _release(self, code: int, name: str, ci: int, s: int) -> None:
         """Under `cond`, after a flip: give back the copy of slot `s` in tier `code` (a slotted source keeps its

@@ -88,8 +88,10 @@ class Placement(abc.ABC):
 
 
 def _run(ref: "weakref.ref[Placement]", stop: threading.Event, interval: float) -> None:
-    """The background loop; holds the policy only weakly between rounds, so a forgotten store is collected."""
-    while not stop.wait(interval):
+    """The background loop; holds the policy only weakly between rounds, so a forgotten store is collected. A round
+    that took a while waits longer before the next (a quarter of one core at most, on a big store)."""
+    delay = interval
+    while not stop.wait(delay):
         policy = ref()
         if policy is None:
             return
@@ -97,7 +99,9 @@ def _run(ref: "weakref.ref[Placement]", stop: threading.Event, interval: float) 
         if store is None or store.closed:
             return
         try:
+            t0 = time.perf_counter()
             policy.step()
+            delay = max(interval, 3 * (time.perf_counter() - t0))
         except Exception as exc:  # keep serving from where the data is; the error is visible in explain()
             policy.last_error = repr(exc)  # type: ignore[attr-defined]
             if store.closed:
@@ -172,7 +176,7 @@ class BandwidthAware(Placement):
             gens = idx.seq[first].copy()
             lasts = idx.seq[first + cr - 1].copy()
             inserts = idx.counter("inserts")
-            access = cols.access.copy()
+            access = np.array(cols.access, dtype=np.int64)
         sealed = (gens >= lo) & (lasts == gens + cr - 1) & (gens + cr <= hi)
         mass = chunk_mass(store, cr, ns)
         now = time.monotonic()

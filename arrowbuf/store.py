@@ -373,9 +373,11 @@ class ExperienceStore(IngestMixin):
             return self._gather(seqs, names, n_step, gamma)
         assert isinstance(cols, TieredColumnArenas)
         for _ in range(100):
-            e0 = cols.epoch.copy()
+            flips, e0 = cols.flips, cols.epoch.copy()
             reads: list = []
             arrays = self._gather(seqs, names, n_step, gamma, reads)
+            if cols.flips == flips:  # nothing moved at all (the common case)
+                return arrays
             moved = cols.moved(e0, reads, len(seqs))
             if moved is None or not moved.any():
                 return arrays

@@ -1,6 +1,6 @@
 """Tiers and placement benchmark (issue 8): a store bigger than its host budget, cold columns, and GPU gathers.
 
-Rows (ratios within one run; medians of 3 interleaved runs):
+Rows (ratios within each run, median of 3 interleaved runs):
 
 - spill: an atari store twice its host budget (the disk tier, memory-mapped Arrow IPC files, holds the rest),
   prioritized replay where 10% of the rows hold 90% of the mass; samples/s as a ratio to the same store all in
@@ -106,13 +106,24 @@ def warmed(store: ab.ExperienceStore, batch: int, seconds: float, columns: list[
     return rate(store, batch, seconds, columns)
 
 
-def interleaved(fns: dict[str, Callable[[], float]], runs: int = RUNS) -> dict[str, float]:
-    """Median of `runs` runs of each, interleaved (A B A B ...) so that machine noise hits both alike."""
-    out: dict[str, list[float]] = {k: [] for k in fns}
+def interleaved(fns: dict[str, Callable[[], float]], base: str, runs: int = RUNS, slices: int = 1) -> dict:
+    """`runs` runs; in each, every fn measured `slices` times in turn (A B A B ...), so that machine noise hits all
+    alike. Returns the median rate per fn, `<fn>_ratio`: the median over runs of the ratio to `base` within a run,
+    and `runs`: every run's rates."""
+    rates: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(runs):
-        for k, fn in fns.items():
-            out[k].append(fn())
-    return {k: statistics.median(v) for k, v in out.items()}
+        acc = dict.fromkeys(fns, 0.0)
+        for _ in range(slices):
+            for k, fn in fns.items():
+                acc[k] += fn() / slices
+        for k in fns:
+            rates[k].append(acc[k])
+    out: dict = {k: statistics.median(v) for k, v in rates.items()}
+    for k in fns:
+        if k != base:
+            out[f"{k}_ratio"] = statistics.median(r / b for r, b in zip(rates[k], rates[base]))
+    out["runs"] = rates
+    return out
 
 
 def settle(store: ab.ExperienceStore, columns: list[str] | None, batch: int = 256, max_steps: int = 30) -> int:
@@ -187,10 +198,10 @@ def _spill_case(case: str, schema: ab.ExperienceSchema, cap: int, pool: dict, se
             "ram": lambda: rate(ram, 256, secs),
             "warm": lambda: warmed(tiered, 256, secs),
             "cold": lambda: disk.run(lambda: rate(tiered, 256, secs, before=drop, max_batches=50)),
-        })
+        }, base="ram")
         from_disk = 1.0 - host_share(tiered, ["obs"])
         row = {"ram_per_s": res["ram"], "warm_per_s": res["warm"], "cold_per_s": res["cold"],
-               "warm_ratio": res["warm"] / res["ram"], "cold_ratio": res["cold"] / res["ram"],
+               "warm_ratio": res["warm_ratio"], "cold_ratio": res["cold_ratio"], "runs": res["runs"],
                "host_budget": budget, "store_bytes": total, "obs_bytes_on_disk_share": from_disk,
                "mass_on_host": _mass_on_host(tiered), "settle_steps": steps, "host_bytes": tiered._tier.nbytes(),
                "within_budget": tiered._tier.nbytes() <= budget,
@@ -255,15 +266,20 @@ def cold_columns(quick: bool, spill_dir: str) -> dict:
             settle(s, hot)
         stores[kind] = s
     drop = disk_tier(stores["static"]).drop_cache
+    part = secs / 4  # four alternating slices per run: the two stores differ by a few percent at most
     res = interleaved({
+        "base": lambda: rate(base, 256, part, hot),
+        "policy": lambda: rate(stores["policy"], 256, part, hot),
+    }, base="base", slices=4)
+    static = interleaved({
         "base": lambda: rate(base, 256, secs, hot),
-        "policy": lambda: rate(stores["policy"], 256, secs, hot),
         "static_warm": lambda: warmed(stores["static"], 256, secs, hot),
         "static_cold": lambda: rate(stores["static"], 256, secs, hot, before=drop, max_batches=50),
-    })
+    }, base="base")
     out = {"capacity": cap, "hot_row_bytes": hot_bytes, "info_row_bytes": info_floats * 4, "host_budget": budget,
-           "base_per_s": res["base"], "policy_per_s": res["policy"], "ratio": res["policy"] / res["base"],
-           "static_warm_ratio": res["static_warm"] / res["base"], "static_cold_ratio": res["static_cold"] / res["base"],
+           "base_per_s": res["base"], "policy_per_s": res["policy"], "ratio": res["policy_ratio"],
+           "runs": res["runs"], "static_warm_ratio": static["static_warm_ratio"],
+           "static_cold_ratio": static["static_cold_ratio"],
            "hot_on_host": host_share(stores["policy"], hot), "info_on_host": host_share(stores["policy"], ["info"]),
            "static_hot_on_host": host_share(stores["static"], hot),
            "within_budget": all(s._tier.nbytes() <= budget for s in stores.values())}
@@ -323,10 +339,10 @@ def gpu(quick: bool) -> dict:
         sync()
         return 10 * batch / (time.perf_counter() - t0)
 
-    res = interleaved({"host_h2d": via_host, "device": on_device, "d2d": d2d})
+    res = interleaved({"host_h2d": via_host, "device": on_device, "d2d": d2d}, base="host_h2d")
     out = {"device": torch.cuda.get_device_name(0), "capacity": cap, "batch": batch,
            "host_gather_h2d_per_s": res["host_h2d"], "device_gather_per_s": res["device"],
-           "speedup_vs_host_h2d": res["device"] / res["host_h2d"],
+           "speedup_vs_host_h2d": res["device_ratio"],
            "device_gather_gbps": res["device"] * row_bytes / 1e9, "d2d_copy_gbps": res["d2d"] * row_bytes / 1e9,
            "gather_vs_d2d": res["device"] / res["d2d"],
            "obs_on_gpu": float(dev.placement().to_pandas().query("column == 'obs' and tier == 'gpu'")["bytes"].sum()
