@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from .errors import StoreClosed
+
 if TYPE_CHECKING:  # pragma: no cover
     from .columns import TieredColumnArenas
     from .store import ExperienceStore
@@ -161,6 +163,8 @@ class BandwidthAware(Placement):
     def bandwidths(self) -> dict[str, float]:
         """Read bandwidth per tier (bytes/s): given, or probed once."""
         store = self._store()
+        if store is None or store.closed:
+            raise StoreClosed("the store of this placement policy is closed")
         cols: Any = store._cols
         if self._bw is None:
             self._bw = np.array([self.given_bandwidth.get(t.name) or probe_bandwidth(t) for t in cols.tiers])

@@ -207,6 +207,10 @@ def test_host_sparse_arena_holds_exactly_the_pages_of_held_ranges():
     assert tier.release("obs", 100, 200) == 45_056 and tier.nbytes() == 0
     with pytest.raises(RuntimeError):
         tier.release("obs", 0, 100)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    big = tier.allocate_sparse("big", np.dtype(np.uint8), 2 * ram)  # bigger than RAM: address space, no memory
+    assert tier.hold("big", 2 * ram - 1, 2 * ram) == 4096 and tier.nbytes() == 4096
+    big[-1] = 1
 
 
 # ---------------------------------------------------------------------- gpu

@@ -1,12 +1,18 @@
 """The memory-tier interface: where the arenas of a store's columns live.
 
-A tier hands out arenas: one writable numpy array per (column, tier) holding that column's resident chunks as slots,
-so a gather over a tier is one `take`. Usage::
+A tier hands out arenas: one writable array per (column, tier) holding that column's resident chunks, so a gather
+over a tier is one `take`. Usage::
 
     with HostTier() as tier:
         arena = tier.allocate("obs", np.uint8, rows=4096, shape=(4, 84, 84))
         arena[0:10] = batch["obs"]
         tier.nbytes()   # bytes held
+
+For a store with several tiers (`ExperienceStore(tiers=...)`, see `arrowbuf.columns`): a tier has a byte `budget`;
+a non-slotted tier (host, disk) hands out `allocate_sparse` arenas spanning the whole ring, whose memory is
+accounted per row range (`hold`, `release`); a `slotted` tier (GPU) holds a fixed number of chunk slots per column.
+Implementations: `HostTier`, `SharedMemoryTier` (tiers/shm.py), `DiskTier` (memory-mapped Arrow IPC files),
+`GpuTier` (torch CUDA tensors; imports torch only when made).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ disabled on them (a huge page would commit 2 MiB behind one written row).
 from __future__ import annotations
 
 import mmap
+import sys
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,9 @@ import numpy as np
 from .base import Tier, parse_bytes
 
 PAGE = mmap.PAGESIZE
+# Reserve no swap for the whole mapping: a sparse arena spans the whole ring (more than RAM for a store that spills)
+# but only the held pages are ever written. Python < 3.13 lacks the constant; 0x4000 is its value on Linux.
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 class _SparseArena:
@@ -25,7 +29,7 @@ class _SparseArena:
     def __init__(self, dtype: np.dtype, rows: int, shape: tuple[int, ...]) -> None:
         self.row_bytes = int(np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)))
         nbytes = rows * self.row_bytes
-        self.map = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.map = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
         if hasattr(mmap, "MADV_NOHUGEPAGE"):
             self.map.madvise(mmap.MADV_NOHUGEPAGE)
         self.array = np.frombuffer(self.map, dtype=np.uint8, count=nbytes).view(dtype).reshape(rows, *shape)
