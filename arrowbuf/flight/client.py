@@ -420,8 +420,8 @@ class RemoteWriter:
 class LearnerSession:
     """A learner session over DoExchange: batches stream down, priority updates go up.
 
-    The client keeps `ahead` batch requests outstanding and the server keeps `prefetch` batches sampled ahead, so
-    the next batch is usually on the wire while the learner computes. Batches already requested were sampled with
+    The client keeps `ahead` to `2 * ahead - 1` batch requests outstanding (asking `ahead` at a time) and the server
+    keeps `prefetch` batches sampled ahead, so the next batch is usually on the wire while the learner computes. Batches already requested were sampled with
     the priorities of that moment (as in any asynchronous replay). An error for one request (an empty store,
     `SampleTimeout`) is raised by the `next()` it answers, once: the same error answering requests that were
     already in flight is not raised again. The session stays usable.
@@ -463,8 +463,8 @@ class LearnerSession:
         if self._closed:
             raise StopIteration
         while True:
-            if self._pending < self.ahead:
-                self._request(self.ahead - self._pending)
+            if self._pending < self.ahead:  # ask `ahead` at a time: one small write per `ahead` batches
+                self._request(self.ahead)
             with _translate(unreachable=StoreClosed):
                 try:
                     chunk = self._reader.read_chunk()
