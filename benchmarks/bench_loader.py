@@ -100,7 +100,7 @@ class Learner:
         return float(loss.detach())
 
 
-def time_step(learner: Learner, batch: dict[str, Any], reps: int = 8) -> float:
+def time_step(learner: Learner, batch: dict[str, Any], reps: int = 10) -> float:
     learner.step(batch)
     out = []
     for _ in range(reps):
@@ -111,19 +111,22 @@ def time_step(learner: Learner, batch: dict[str, Any], reps: int = 8) -> float:
 
 
 def calibrate(target_s: float, batch: dict[str, Any]) -> tuple[Learner, float]:
-    """A Learner whose step costs about `target_s` (step time is close to linear in the hidden width)."""
-    lo_h, hi_h = 64, 1024
-    t_lo = time_step(Learner(lo_h), batch)
-    t_hi = time_step(Learner(hi_h), batch)
-    slope = max(1e-9, (t_hi - t_lo) / (hi_h - lo_h))
-    hidden = int(np.clip(lo_h + (target_s - t_lo) / slope, 16, 16384))
-    for _ in range(3):  # refine on the measured cost
-        learner = Learner(hidden)
-        t = time_step(learner, batch)
-        if abs(t - target_s) <= 0.08 * target_s:
+    """A Learner whose step costs about `target_s`: bisection on the hidden width (the cost grows with it)."""
+    lo, hi = 16, 4096
+    best: tuple[float, int, float] | None = None
+    for _ in range(9):
+        mid = int(round((lo * hi) ** 0.5))  # geometric: the cost is between linear and quadratic in the width
+        t = time_step(Learner(mid), batch)
+        if best is None or abs(t - target_s) < best[0]:
+            best = (abs(t - target_s), mid, t)
+        if t < target_s:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= max(2, lo // 32):
             break
-        hidden = int(np.clip(hidden * (1 + (target_s - t) / max(t, 1e-6) / max(0.3, t / target_s)), 16, 16384))
-    learner = Learner(hidden)
+    assert best is not None
+    learner = Learner(best[1])
     return learner, time_step(learner, batch)
 
 
