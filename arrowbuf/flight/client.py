@@ -421,8 +421,9 @@ class LearnerSession:
     """A learner session over DoExchange: batches stream down, priority updates go up.
 
     The client keeps `ahead` to `2 * ahead - 1` batch requests outstanding (asking `ahead` at a time) and the server
-    keeps `prefetch` batches sampled ahead, so the next batch is usually on the wire while the learner computes. Batches already requested were sampled with
-    the priorities of that moment (as in any asynchronous replay). An error for one request (an empty store,
+    keeps `prefetch` batches sampled ahead, so the next batch is usually on the wire while the learner computes.
+    Batches already requested were sampled with the priorities of that moment (as in any asynchronous replay).
+    An error for one request (an empty store,
     `SampleTimeout`) is raised by the `next()` it answers, once: the same error answering requests that were
     already in flight is not raised again. The session stays usable.
 
