@@ -131,14 +131,17 @@ def calibrate(target_s: float, batch: dict[str, Any]) -> tuple[Learner, float]:
 
 
 # ---------------------------------------------------------------------------------------------------- the loops
-def path_time(source: Any, reps: int) -> float:
-    """Median time of one synchronous sample + collate to torch (the experience path of one iteration)."""
+def path_time(source: Any, reps: int, warmup: int = 30) -> float:
+    """Median time of one synchronous sample + collate to torch (the experience path of one iteration).
+
+    The warm-up matters: the first few dozen batches run ~3x slower (first touch of fresh output buffers until the
+    allocator settles on reusing them)."""
     out = []
-    for _ in range(reps + 2):
+    for _ in range(reps + warmup):
         t0 = time.perf_counter()
         source.sample(BATCH).to_torch()
         out.append(time.perf_counter() - t0)
-    return statistics.median(out[2:])
+    return statistics.median(out[warmup:])
 
 
 def run_sync(source: Any, learner: Learner, iters: int) -> dict[str, Any]:
@@ -198,7 +201,7 @@ def measure(repeats: int, iters: int, flight: bool) -> list[dict[str, Any]]:
     rows = []
     try:
         for name, source in sources.items():
-            p = path_time(source, 20)
+            p = path_time(source, 40)
             batch = source.sample(BATCH).to_torch()
             for factor in (1.0, 2.0):
                 learner, step_s = calibrate(factor * p, batch)
