@@ -131,17 +131,13 @@ def calibrate(target_s: float, batch: dict[str, Any]) -> tuple[Learner, float]:
 
 
 # ---------------------------------------------------------------------------------------------------- the loops
-def path_time(source: Any, reps: int, warmup: int = 30) -> float:
-    """Median time of one synchronous sample + collate to torch (the experience path of one iteration).
+def path_time(source: Any, iters: int = 40) -> float:
+    """Median time of one synchronous sample + collate to torch inside a learner loop (the path of one iteration).
 
-    The warm-up matters: the first few dozen batches run ~3x slower (first touch of fresh output buffers until the
-    allocator settles on reusing them)."""
-    out = []
-    for _ in range(reps + warmup):
-        t0 = time.perf_counter()
-        source.sample(BATCH).to_torch()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out[warmup:])
+    Measured in the loop with the cheapest model step, not back to back: back to back, the allocator keeps returning
+    the batch buffers to the OS and every batch first-touches fresh pages (about 2x slower than in a training loop,
+    where other allocations keep the heap in use)."""
+    return run_sync(source, Learner(16), iters)["exposed_s"]
 
 
 def run_sync(source: Any, learner: Learner, iters: int) -> dict[str, Any]:
@@ -201,7 +197,7 @@ def measure(repeats: int, iters: int, flight: bool) -> list[dict[str, Any]]:
     rows = []
     try:
         for name, source in sources.items():
-            p = path_time(source, 40)
+            p = path_time(source)
             batch = source.sample(BATCH).to_torch()
             for factor in (1.0, 2.0):
                 learner, step_s = calibrate(factor * p, batch)
