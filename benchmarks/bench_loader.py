@@ -131,13 +131,15 @@ def calibrate(target_s: float, batch: dict[str, Any]) -> tuple[Learner, float]:
 
 
 # ---------------------------------------------------------------------------------------------------- the loops
-def path_time(source: Any, iters: int = 40) -> float:
+def path_time(source: Any, iters: int = 60, warmup: int = 40) -> float:
     """Median time of one synchronous sample + collate to torch inside a learner loop (the path of one iteration).
 
     Measured in the loop with the cheapest model step, not back to back: back to back, the allocator keeps returning
     the batch buffers to the OS and every batch first-touches fresh pages (about 2x slower than in a training loop,
     where other allocations keep the heap in use)."""
-    return run_sync(source, Learner(16), iters)["exposed_s"]
+    learner = Learner(16)
+    run_sync(source, learner, warmup)  # the first batches first-touch fresh memory
+    return run_sync(source, learner, iters)["exposed_s"]
 
 
 def run_sync(source: Any, learner: Learner, iters: int) -> dict[str, Any]:
