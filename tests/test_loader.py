@@ -84,7 +84,8 @@ def test_same_batches_as_synchronous_sampling_with_the_same_seed():
         assert_batches_equal(g, w)
         np.testing.assert_array_equal(g["obs"][:, 0], g.indices.astype(np.float32))  # contents belong to the ids
     # as a multiset of (id, contents) too
-    key = lambda bs: sorted((int(i), tuple(o)) for b in bs for i, o in zip(b.indices, b["obs"]))
+    def key(bs):
+        return sorted((int(i), tuple(o)) for b in bs for i, o in zip(b.indices, b["obs"]))
     assert key(got) == key(want)
 
 
