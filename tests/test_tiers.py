@@ -16,18 +16,9 @@ import pytest
 import arrowbuf as ab
 from arrowbuf.tiers import DiskTier, GpuTier, HostTier, make_tiers, parse_bytes
 from arrowbuf.tiers.gpu import gpu_environment
+from conftest import SMALL
 
-SCHEMA = {
-    "name": "tiertest",
-    "fields": {
-        "obs": {"dtype": "float32", "shape": [3]},
-        "action": {"dtype": "int64"},
-        "reward": {"dtype": "float32"},
-        "terminated": {"dtype": "bool"},
-        "truncated": {"dtype": "bool"},
-    },
-    "derived": {"next_obs": {"next_of": "obs"}},
-}
+SCHEMA = {**SMALL, "name": "tiertest"}  # the shared small schema of conftest, under its own name
 EPISODE = 37
 
 
