@@ -14,6 +14,8 @@ Usage::
 
 from __future__ import annotations
 
+from .errors import InvalidArgument
+
 import math
 
 import numpy as np
@@ -43,7 +45,7 @@ class ChunkDirectory:
     def __init__(self, capacity: int, chunk_rows: int, columns: list[str], tiers: list[str],
                  tier: Tier | None = None) -> None:
         if capacity < 1:
-            raise ValueError(f"capacity must be >= 1 row, got {capacity}")
+            raise InvalidArgument(f"capacity must be >= 1 row, got {capacity}")
         self.capacity = int(capacity)
         self.chunk_rows = int(chunk_rows)
         self.num_slots = -(-self.capacity // self.chunk_rows) + 1

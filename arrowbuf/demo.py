@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import ArrowbufError, InsertTimeout, SampleTimeout, require
+from .errors import ArrowbufError, InsertTimeout, InvalidArgument, SampleTimeout, require
 
 SCHEMAS = pathlib.Path(__file__).resolve().parent.parent / "schemas"
 #: The CartPole schema (schemas/cartpole.yaml), inlined for installs without the repository's schemas/ folder.
@@ -439,9 +439,9 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
     from .store import ExperienceStore
 
     if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if actors < 1 or steps < 1:
-        raise ValueError("--actors and --steps must be >= 1")
+        raise InvalidArgument("--actors and --steps must be >= 1")
     cfg = cfg or DQNConfig()
     torch.set_num_threads(1)
     out_dir = pathlib.Path(out)

@@ -81,7 +81,7 @@ class EpisodeTracker:
             bounds = np.searchsorted(inverse[order], np.arange(len(uniq) + 1))
             groups = [(_key(uniq[g]), order[bounds[g]:bounds[g + 1]]) for g in range(len(uniq))]
         if explicit:
-            next_id = max(next_id, int(np.max(keys)) + 1) if n else next_id
+            next_id = max(next_id, int(np.max(np.asarray(keys))) + 1) if n else next_id
         for key, idx in groups:
             old = self.streams.get(("ep", key) if explicit else key, _Stream())
             m = len(idx)

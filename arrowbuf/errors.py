@@ -2,10 +2,13 @@
 
 ```
 ArrowbufError                       every error arrowbuf raises on purpose
-├── SchemaError(ValueError)         bad schema or bad input: names the field, what was expected, what came
+├── InvalidArgument(ValueError)     a bad request: an argument out of range, an unknown name, a wrong combination
+│   └── SchemaError                 bad schema or bad input: names the field, what was expected, what came
 ├── SampleTimeout(TimeoutError)     a sample could not be served in time (empty store, rate limiter)
 ├── InsertTimeout(TimeoutError)     an insert was held back by the rate limiter past its timeout
 ├── StoreClosed(RuntimeError)       the store, tier, server or client was closed
+│   └── ShardsLost                  every shard of a sharded store is dead or unreachable
+├── Unavailable(ConnectionError)    a server cannot be reached (refused, unreachable, deadline passed)
 ├── StoreNotFound(LookupError)      no store of that name (attach, remote store names)
 ├── StoreExists(FileExistsError)    a live shared store already has that name
 ├── OutOfSpace(MemoryError)         a tier has not enough room (/dev/shm, a byte budget)
@@ -23,7 +26,11 @@ class ArrowbufError(Exception):
     """Base class of every error arrowbuf raises on purpose."""
 
 
-class SchemaError(ArrowbufError, ValueError):
+class InvalidArgument(ArrowbufError, ValueError):
+    """A request is malformed: an argument is out of range, names something unknown, or combines badly."""
+
+
+class SchemaError(InvalidArgument):
     """A schema is malformed, or input does not match the schema."""
 
 
@@ -37,6 +44,14 @@ class InsertTimeout(ArrowbufError, TimeoutError):
 
 class StoreClosed(ArrowbufError, RuntimeError):
     """The object was closed and cannot serve the call."""
+
+
+class ShardsLost(StoreClosed):
+    """Every shard of a sharded store is dead or unreachable (and none came back in time)."""
+
+
+class Unavailable(ArrowbufError, ConnectionError):
+    """A server cannot be reached: connection refused, host unreachable, or the call's deadline passed."""
 
 
 class StoreNotFound(ArrowbufError, LookupError):
@@ -73,10 +88,13 @@ def require(module: str, extra: str):
 
 __all__ = [
     "ArrowbufError",
+    "InvalidArgument",
     "SchemaError",
     "SampleTimeout",
     "InsertTimeout",
     "StoreClosed",
+    "ShardsLost",
+    "Unavailable",
     "StoreNotFound",
     "StoreExists",
     "OutOfSpace",

@@ -50,7 +50,7 @@ import numpy as np
 import pyarrow as pa
 
 from .batch import SampleBatch
-from .errors import SampleTimeout, SchemaError, StoreClosed, require
+from .errors import InvalidArgument, SampleTimeout, SchemaError, StoreClosed, require
 
 #: Longest single wait the background thread makes on the source before it checks for `close()`.
 _WAIT_SLICE_S = 0.05
@@ -369,17 +369,17 @@ class Loader:
                  policy_version: int | Callable[[], int] | None = None, history: int = 100_000,
                  **sample_options: Any) -> None:
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive number of rows, got {batch_size!r}")
+            raise InvalidArgument(f"batch_size must be a positive number of rows, got {batch_size!r}")
         if not isinstance(prefetch, (int, np.integer)) or isinstance(prefetch, bool) or prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1 batches, got {prefetch!r}")
+            raise InvalidArgument(f"prefetch must be >= 1 batches, got {prefetch!r}")
         if format not in _FORMATS:
-            raise ValueError(f"format must be one of {_FORMATS}, got {format!r}")
+            raise InvalidArgument(f"format must be one of {_FORMATS}, got {format!r}")
         if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+            raise InvalidArgument(f"timeout must be >= 0 seconds or None, got {timeout!r}")
         if max_staleness is not None and max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0 policy versions, got {max_staleness!r}")
+            raise InvalidArgument(f"max_staleness must be >= 0 policy versions, got {max_staleness!r}")
         if max_staleness is not None and policy_version is None:
-            raise ValueError("max_staleness needs the learner's policy version: pass policy_version= (an int or a "
+            raise InvalidArgument("max_staleness needs the learner's policy version: pass policy_version= (an int or a "
                              "callable), and keep it current with loader.set_policy_version(v)")
         cols: list[str] | None = None
         if columns is not None:
@@ -390,12 +390,12 @@ class Loader:
             dev = torch.device(device)
             self._cuda = dev.type == "cuda"
             if self._cuda and not torch.cuda.is_available():
-                raise ValueError(f"device={device!r} but torch sees no CUDA device; use device='cpu'")
+                raise InvalidArgument(f"device={device!r} but torch sees no CUDA device; use device='cpu'")
             if dev.type not in ("cpu", "cuda"):
-                raise ValueError(f"device must be 'cpu' or a CUDA device, got {device!r}")
+                raise InvalidArgument(f"device must be 'cpu' or a CUDA device, got {device!r}")
             device = dev
         elif str(device) != "cpu":
-            raise ValueError(f"device={device!r} needs format='torch' (a SampleBatch holds host arrays)")
+            raise InvalidArgument(f"device={device!r} needs format='torch' (a SampleBatch holds host arrays)")
         filtered = max_staleness is not None or min_policy_version is not None
         drop_version = False
         if filtered:
@@ -526,9 +526,9 @@ class Loader:
         ids = np.asarray(_to_numpy(ids), dtype=np.int64).reshape(-1).copy()
         pri = np.asarray(_to_numpy(priorities), dtype=np.float64).reshape(-1).copy()
         if len(ids) != len(pri):
-            raise ValueError(f"{len(ids)} ids but {len(pri)} priorities; pass one priority per row of the batch")
+            raise InvalidArgument(f"{len(ids)} ids but {len(pri)} priorities; pass one priority per row of the batch")
         if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
-            raise ValueError("priorities must be finite and >= 0")
+            raise InvalidArgument("priorities must be finite and >= 0")
         s = self._shared
         with s.cond:
             if self._closed:

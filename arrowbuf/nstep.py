@@ -8,6 +8,8 @@ yet (the episode is still being written), the window stops at the last step whos
 
 from __future__ import annotations
 
+from .errors import InvalidArgument
+
 import numpy as np
 
 from .index import RingIndex
@@ -24,9 +26,9 @@ def n_step_returns(index: RingIndex, reward: np.ndarray, terminal: list[np.ndarr
         pos: arena positions of the sampled rows (each sampleable).
     """
     if k < 1:
-        raise ValueError(f"n_step must be >= 1, got {k}")
+        raise InvalidArgument(f"n_step must be >= 1, got {k}")
     if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+        raise InvalidArgument(f"gamma must be in [0, 1], got {gamma}")
     b = len(pos)
     ret = np.zeros(b, dtype=np.float64)
     scale = np.ones(b, dtype=np.float64)       # gamma^j for the current step

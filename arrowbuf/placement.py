@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from .errors import StoreClosed
+from .errors import InvalidArgument, StoreClosed
 
 if TYPE_CHECKING:  # pragma: no cover
     from .columns import TieredColumnArenas
@@ -56,7 +56,7 @@ class Placement(abc.ABC):
 
     def bind(self, store: "ExperienceStore") -> None:
         if getattr(self, "_store", None) is not None:
-            raise ValueError("a placement policy serves one store; make a new one for each store")
+            raise InvalidArgument("a placement policy serves one store; make a new one for each store")
         self._store = weakref.ref(store)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,9 +136,9 @@ class BandwidthAware(Placement):
                  bandwidth: dict[str, float] | None = None, horizon: float = 60.0,
                  max_bytes_per_step: int | None = None) -> None:
         if hysteresis < 0 or half_life <= 0 or horizon <= 0:
-            raise ValueError("need hysteresis >= 0, half_life > 0 and horizon > 0")
+            raise InvalidArgument("need hysteresis >= 0, half_life > 0 and horizon > 0")
         if interval is not None and interval <= 0:
-            raise ValueError(f"interval must be > 0 seconds or None, got {interval}")
+            raise InvalidArgument(f"interval must be > 0 seconds or None, got {interval}")
         self.interval = interval
         self.hysteresis = float(hysteresis)
         self.decay = 0.5 ** (1.0 / float(half_life))
@@ -483,7 +483,7 @@ def make_placement(spec: Any, tiers: int) -> Placement | None:
         return BandwidthAware()
     if spec == "static":
         return Static()
-    raise ValueError(f"unknown placement {spec!r}; expected an ab.placement policy, 'bandwidth_aware' or 'static'")
+    raise InvalidArgument(f"unknown placement {spec!r}; expected an ab.placement policy, 'bandwidth_aware' or 'static'")
 
 
 def placement_table(store: "ExperienceStore", explain: bool = False) -> pa.Table:

@@ -12,6 +12,8 @@ Counts are of items: a sample of n rows counts n samples, an extend of n rows n 
 
 from __future__ import annotations
 
+from .errors import InvalidArgument
+
 import abc
 from dataclasses import dataclass
 
@@ -45,7 +47,7 @@ class MinSize(RateLimiter):
 
     def __init__(self, min_size: int = 1) -> None:
         if min_size < 1:
-            raise ValueError(f"min_size must be >= 1, got {min_size}")
+            raise InvalidArgument(f"min_size must be >= 1, got {min_size}")
         self.min_size = int(min_size)
 
     def can_sample(self, n: int, c: Counters) -> bool:
@@ -66,15 +68,15 @@ class SampleToInsertRatio(RateLimiter):
 
     def __init__(self, samples_per_insert: float, min_size: int = 1, error_buffer: float | None = None) -> None:
         if samples_per_insert <= 0:
-            raise ValueError(f"samples_per_insert must be > 0, got {samples_per_insert}")
+            raise InvalidArgument(f"samples_per_insert must be > 0, got {samples_per_insert}")
         if min_size < 1:
-            raise ValueError(f"min_size must be >= 1, got {min_size}")
+            raise InvalidArgument(f"min_size must be >= 1, got {min_size}")
         self.samples_per_insert = float(samples_per_insert)
         self.min_size = int(min_size)
         if error_buffer is None:
             error_buffer = max(1.0, self.samples_per_insert) * max(1, self.min_size)
         if error_buffer < max(1.0, self.samples_per_insert):
-            raise ValueError(
+            raise InvalidArgument(
                 f"error_buffer must be >= max(1, samples_per_insert) = {max(1.0, self.samples_per_insert)}, "
                 f"got {error_buffer}: a smaller buffer can deadlock"
             )

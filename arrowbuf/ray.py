@@ -57,7 +57,7 @@ import numpy as np
 import pyarrow as pa
 
 from .batch import SampleBatch
-from .errors import ArrowbufError, SampleTimeout, SchemaError, StoreClosed, require
+from .errors import ArrowbufError, InvalidArgument, SampleTimeout, SchemaError, ShardsLost, StoreClosed, require
 from .samplers import PrioritizedSampler, Sampler, SequenceSampler, make_sampler
 from .schema import ExperienceSchema, load_schema
 
@@ -74,10 +74,6 @@ _GEN_MASK = (1 << GEN_BITS) - 1
 _INFO_COLUMNS = ("_mass", "_shard_mass", "_shard_min", "_shard_size")
 #: How often a handle asks a shard it last saw empty whether it has data now (seconds).
 _EMPTY_RECHECK_S = 0.1
-
-
-class ShardsLost(StoreClosed):
-    """No shard of a sharded store is left (each is dead for good or unreachable past its failure timeout)."""
 
 
 def _ray() -> Any:
@@ -183,7 +179,7 @@ class ShardStore:
         shard, gen, seq = decode_ids(indices)
         pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
         if len(pri) != len(seq):
-            raise ValueError(f"{len(seq)} indices but {len(pri)} priorities; pass one priority per index")
+            raise InvalidArgument(f"{len(seq)} indices but {len(pri)} priorities; pass one priority per index")
         mine = (shard == self.shard) & (gen == self.generation)  # ids of a dead incarnation are not ours
         return int(self.store.update_priorities(seq[mine], pri[mine])) if mine.any() else 0
 
@@ -383,7 +379,7 @@ class ShardedStore:
             ray.init()
         schema = load_schema(schema)
         if not 1 <= int(num_shards) <= MAX_SHARDS:
-            raise ValueError(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
+            raise InvalidArgument(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
         sampler = make_sampler(sampler)
         tier = _resolve_tier(tier, schema)
         uid = f"ab{secrets.token_hex(4)}"
@@ -607,13 +603,13 @@ class ShardedStore:
                **options: Any) -> Iterator[SampleBatch]:
         """The parts of `sample(n, ...)` as each shard's arrives (see `sample`): `n` rows in all."""
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be a positive number of items, got {n!r}")
+            raise InvalidArgument(f"n must be a positive number of items, got {n!r}")
         if deadline is ...:
             deadline = self.deadline
         if fanout is ...:
             fanout = self.fanout
         if fanout is not None and (not isinstance(fanout, (int, np.integer)) or fanout < 1):
-            raise ValueError(f"fanout must be a positive number of shards or None, got {fanout!r}")
+            raise InvalidArgument(f"fanout must be a positive number of shards or None, got {fanout!r}")
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
         t0 = time.monotonic()
         self._refresh_empty()
@@ -755,9 +751,9 @@ class ShardedStore:
         ids = np.asarray(indices, dtype=np.int64).reshape(-1)
         pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
         if len(ids) != len(pri):
-            raise ValueError(f"{len(ids)} indices but {len(pri)} priorities; pass one priority per index")
+            raise InvalidArgument(f"{len(ids)} indices but {len(pri)} priorities; pass one priority per index")
         if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
-            raise ValueError("priorities must be finite and >= 0")
+            raise InvalidArgument("priorities must be finite and >= 0")
         owner = shard_of(ids)
         futs = {}
         for k in np.unique(owner):
@@ -892,7 +888,7 @@ class ShardWriter:
     def __init__(self, sharded: ShardedStore, shard: int | None = None, *, transport: str = "auto",
                  max_in_flight: int = 8, actor: Any = None, reroute_timeout: float | None = None) -> None:
         if transport not in ("auto", "shm", "flight"):
-            raise ValueError(f"transport must be 'auto', 'shm' or 'flight', got {transport!r}")
+            raise InvalidArgument(f"transport must be 'auto', 'shm' or 'flight', got {transport!r}")
         self.sharded = sharded
         self.transport = transport
         self.max_in_flight = int(max_in_flight)
@@ -920,7 +916,7 @@ class ShardWriter:
         n = self.sharded.num_shards
         if shard is not None:
             if not 0 <= shard < n:
-                raise ValueError(f"shard must be in [0, {n}), got {shard}")
+                raise InvalidArgument(f"shard must be in [0, {n}), got {shard}")
             return int(shard)
         node = self._node_id()
         local = [int(i["shard"]) for i in self.sharded.infos if i is not None and i.get("node_id") == node]
@@ -1121,7 +1117,7 @@ def broadcast(obj: Any, actors: Iterable[Any] | None = None, method: str | None 
     if actors is None:
         return ref
     if method is None:
-        raise ValueError("broadcast to actors needs the name of the method that receives the object")
+        raise InvalidArgument("broadcast to actors needs the name of the method that receives the object")
     return [getattr(a, method).remote(ref, *args, **kwargs) for a in actors]
 
 
@@ -1166,7 +1162,7 @@ class _DaemonPool:
 
 def _resolve_tier(tier: str, schema: ExperienceSchema) -> str:
     if tier not in ("auto", "shm", "host"):
-        raise ValueError(f"tier must be 'auto', 'shm' or 'host', got {tier!r}")
+        raise InvalidArgument(f"tier must be 'auto', 'shm' or 'host', got {tier!r}")
     if tier == "host":
         return tier
     try:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SchemaError, require
+from .errors import InvalidArgument, SchemaError, require
 from .samplers import Prioritized
 
 require("ray.rllib", "ray")  # a missing RLlib is MissingDependency naming the extra, not a bare ImportError
@@ -271,7 +271,7 @@ class ArrowbufPrioritizedEpisodeReplayBuffer(_ArrowbufBuffer, PrioritizedEpisode
         """New priorities (|TD error|) for the items of the last `sample`."""
         pri = np.abs(np.asarray(priorities, dtype=np.float64).reshape(-1))
         if len(pri) != len(self._last_ids):
-            raise ValueError(f"{len(pri)} priorities for the {len(self._last_ids)} items of the last sample")
+            raise InvalidArgument(f"{len(pri)} priorities for the {len(self._last_ids)} items of the last sample")
         self.store.update_priorities(self._last_ids, np.maximum(pri, 1e-12))
         self._last_sampled_indices = []
 

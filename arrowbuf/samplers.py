@@ -16,11 +16,12 @@ Exported in `arrowbuf.samplers` as `Uniform`, `Fifo`, ...; `ExperienceStore(samp
 from __future__ import annotations
 
 import abc
-from typing import Any
+import inspect
+from typing import Any, cast
 
 import numpy as np
 
-from .errors import ArrowbufError
+from .errors import ArrowbufError, InvalidArgument
 from .index import RingIndex
 
 
@@ -185,7 +186,7 @@ class PrioritizedSampler(Sampler):
 
     def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, stratified: bool = True) -> None:
         if alpha < 0 or beta < 0 or eps < 0:
-            raise ValueError(f"alpha, beta and eps must be >= 0, got {alpha}, {beta}, {eps}")
+            raise InvalidArgument(f"alpha, beta and eps must be >= 0, got {alpha}, {beta}, {eps}")
         self.alpha, self.beta, self.eps, self.stratified = float(alpha), float(beta), float(eps), stratified
 
     def bind(self, index: RingIndex, rng: np.random.Generator) -> None:
@@ -279,7 +280,7 @@ class SequenceSampler(Sampler):
     def __init__(self, length: int, stride: int = 1, burn_in: int = 0,
                  priority: "PrioritizedSampler | None" = None) -> None:
         if length < 1 or stride < 1 or burn_in < 0:
-            raise ValueError(f"need length >= 1, stride >= 1, burn_in >= 0; got {length}, {stride}, {burn_in}")
+            raise InvalidArgument(f"need length >= 1, stride >= 1, burn_in >= 0; got {length}, {stride}, {burn_in}")
         self.length, self.stride, self.burn_in = int(length), int(stride), int(burn_in)
         self.window = self.length + self.burn_in
         self.priority = priority
@@ -356,11 +357,11 @@ def make_sampler(spec: str | Sampler | None) -> Sampler:
         return UniformSampler()
     if isinstance(spec, Sampler):
         return spec
-    if isinstance(spec, type) and issubclass(spec, Sampler):
-        return spec()
+    if isinstance(spec, type) and issubclass(spec, Sampler) and not inspect.isabstract(spec):
+        return cast(Sampler, spec())
     if isinstance(spec, str) and spec.lower() in _BY_NAME:
-        return _BY_NAME[spec.lower()]()
-    raise ValueError(f"unknown sampler {spec!r}; expected one of {sorted(_BY_NAME)} or an ab.samplers instance")
+        return cast(Sampler, cast(Any, _BY_NAME[spec.lower()])())
+    raise InvalidArgument(f"unknown sampler {spec!r}; expected one of {sorted(_BY_NAME)} or an ab.samplers instance")
 
 
 __all__ = ["Sampler", "UniformSampler", "FifoSampler", "LifoSampler", "PrioritizedSampler", "SequenceSampler",

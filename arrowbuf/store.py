@@ -28,7 +28,7 @@ from .batch import SampleBatch
 from .chunks import ChunkDirectory, default_chunk_rows
 from .columns import ColumnArenas, TieredColumnArenas
 from .episodes import EpisodeTracker
-from .errors import SampleTimeout, OutOfSpace, SchemaError, StoreClosed, ArrowbufError
+from .errors import ArrowbufError, InvalidArgument, OutOfSpace, SampleTimeout, SchemaError, StoreClosed
 from .index import HEADER, RingIndex
 from .ingest import IngestMixin
 from .nstep import n_step_returns
@@ -73,7 +73,7 @@ class ExperienceStore(IngestMixin):
                  tiers: dict[str, Any] | None = None, placement: Any = None) -> None:
         self.schema: ExperienceSchema = load_schema(schema)
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
-            raise ValueError(f"capacity must be a positive number of rows, got {capacity!r}")
+            raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
         self.capacity = int(capacity)
         self.name = name or self.schema.name
         self.placement_policy: Any = None
@@ -83,7 +83,7 @@ class ExperienceStore(IngestMixin):
             data_tiers = [self._tier]
         else:
             if tier != "host":
-                raise ValueError("pass either tier= (one tier) or tiers= (budgets per tier), not both")
+                raise InvalidArgument("pass either tier= (one tier) or tiers= (budgets per tier), not both")
             ragged = [f.name for f in self.schema.fields.values() if f.ragged]
             if ragged:
                 raise SchemaError(f"ragged fields are not yet supported in a tiered store: {ragged}; "
@@ -141,7 +141,7 @@ class ExperienceStore(IngestMixin):
         self._notify = type(self.sampler).on_valid is not Sampler.on_valid  # skip no-op calls on the append path
         self.rate_limiter = rate_limiter
         if max_times_sampled is not None and max_times_sampled < 1:
-            raise ValueError(f"max_times_sampled must be >= 1, got {max_times_sampled}")
+            raise InvalidArgument(f"max_times_sampled must be >= 1, got {max_times_sampled}")
         self._max_times_sampled = int(max_times_sampled or 0)
         self._times_sampled = (self._tier.allocate("index.times_sampled", np.dtype(np.int32), self.arena_rows)
                                if self._max_times_sampled else np.zeros(0, np.int32))
@@ -201,7 +201,7 @@ class ExperienceStore(IngestMixin):
         spare = self.directory.spare_rows
         if requested is not None:
             if requested < 1:
-                raise ValueError(f"final_obs_capacity must be >= 1, got {requested}")
+                raise InvalidArgument(f"final_obs_capacity must be >= 1, got {requested}")
             return max(int(requested), spare)
         row_bytes = sum(self.schema.fields[s].row_bytes for s in self._final_sources)
         if row_bytes * self.capacity <= _SMALL_FINAL_OBS_BYTES:
@@ -269,7 +269,7 @@ class ExperienceStore(IngestMixin):
             SampleTimeout: nothing could be served within `timeout`.
         """
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be a positive number of items, got {n!r}")
+            raise InvalidArgument(f"n must be a positive number of items, got {n!r}")
         self._check_open()
         names = self.schema.resolve_columns(list(columns) if columns is not None else None)
         if n_step is not None:
@@ -277,7 +277,7 @@ class ExperienceStore(IngestMixin):
         with self._cond:
             seqs, weights = self._select(int(n), timeout)
         if seqs.ndim == 2 and n_step is not None:
-            raise ValueError("n_step returns are for transitions; a Sequence sampler returns whole windows")
+            raise InvalidArgument("n_step returns are for transitions; a Sequence sampler returns whole windows")
         if self.placement_policy is not None:
             self._cols.count_access((tuple(names), n_step is not None), seqs.size, self._columns_read, names, n_step)
         arrays = self._gather_stable(seqs, names, n_step, gamma)
@@ -310,11 +310,11 @@ class ExperienceStore(IngestMixin):
 
     def _check_n_step(self, n_step: int, gamma: float) -> None:
         if not isinstance(n_step, (int, np.integer)) or n_step < 1:
-            raise ValueError(f"n_step must be a positive integer, got {n_step!r}")
+            raise InvalidArgument(f"n_step must be a positive integer, got {n_step!r}")
         if "reward" not in self._cols or self.schema.fields["reward"].shape:
             raise SchemaError("n_step returns need a scalar 'reward' field in the schema")
         if not 0.0 <= gamma <= 1.0:
-            raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+            raise InvalidArgument(f"gamma must be in [0, 1], got {gamma}")
 
     def _count_samples(self, seqs: np.ndarray) -> None:
         """Under the lock: count deliveries; rows sampled `max_times_sampled` times stop being sampleable."""
@@ -464,9 +464,9 @@ class ExperienceStore(IngestMixin):
         seqs = np.asarray(indices, dtype=np.int64).reshape(-1)
         pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
         if len(seqs) != len(pri):
-            raise ValueError(f"{len(seqs)} indices but {len(pri)} priorities; pass one priority per index")
+            raise InvalidArgument(f"{len(seqs)} indices but {len(pri)} priorities; pass one priority per index")
         if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
-            raise ValueError("priorities must be finite and >= 0")
+            raise InvalidArgument("priorities must be finite and >= 0")
         with self._lock:
             live = self.index.live(seqs)
             self.index.count("priority_updates_ignored", int((~live).sum()))
@@ -644,7 +644,7 @@ def _make_tier(tier: str | Tier, name: str, schema: ExperienceSchema) -> Tier:
         from .tiers.shm import SharedMemoryTier
 
         return SharedMemoryTier.create(name)
-    raise ValueError(f"unknown tier {tier!r}; expected 'host', 'shm' or a Tier instance")
+    raise InvalidArgument(f"unknown tier {tier!r}; expected 'host', 'shm' or a Tier instance")
 
 
 def _column_view(values: np.ndarray, spec: FieldSpec) -> pa.Array:

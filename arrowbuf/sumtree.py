@@ -43,6 +43,8 @@ Not thread-safe: guard a tree with a lock when several threads update or sample 
 
 from __future__ import annotations
 
+from .errors import InvalidArgument
+
 import math
 
 import numpy as np
@@ -95,7 +97,7 @@ class _SegmentTree:
     def __init__(self, capacity: int, neutral: float, tree: np.ndarray | None = None, shared: bool = False) -> None:
         capacity = int(capacity)
         if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+            raise InvalidArgument(f"capacity must be >= 1, got {capacity}")
         self._capacity = capacity
         self._depth = (capacity - 1).bit_length()  # leaves at depth L, P = 2**L
         self._leaf_base = 1 << self._depth
@@ -104,7 +106,8 @@ class _SegmentTree:
         if tree is None:
             tree = np.full(2 * self._leaf_base, self._neutral, dtype=np.float64)
         elif tree.shape != (2 * self._leaf_base,) or tree.dtype != np.float64:
-            raise ValueError(f"tree storage must be float64[{2 * self._leaf_base}], got {tree.dtype}{list(tree.shape)}")
+            raise InvalidArgument(f"tree storage must be float64[{2 * self._leaf_base}], "
+                                  f"got {tree.dtype}{list(tree.shape)}")
         self._tree = tree
         self._shared = bool(shared)
         self._pairs = self._tree.view(np.complex128)
@@ -153,7 +156,7 @@ class _SegmentTree:
         elif vals.ndim != 1 or vals.size != n:
             vals = vals.reshape(-1)
             if vals.size != n:
-                raise ValueError(f"got {n} indices but {vals.size} values")
+                raise InvalidArgument(f"got {n} indices but {vals.size} values")
         if n == 0:
             return
         self._check_values(vals)
@@ -271,7 +274,7 @@ class SumTree(_SegmentTree):
         # negatives (sign bit), inf and NaN do not: one reduction. The exact test runs only when it trips, so
         # that -0.0 still passes.
         if values.view(np.uint64).max() >= _INF_BITS and not (values.min() >= 0.0 and math.isfinite(values.sum())):
-            raise ValueError("SumTree priorities must be finite and >= 0")
+            raise InvalidArgument("SumTree priorities must be finite and >= 0")
 
     def _refresh(self) -> None:
         np.cumsum(self._summary_level, out=self._prefix[1:])
@@ -309,9 +312,9 @@ class SumTree(_SegmentTree):
         t = t.reshape(-1)
         total = self.total()
         if not total > 0.0:
-            raise ValueError("cannot search a SumTree whose total is 0")
+            raise InvalidArgument("cannot search a SumTree whose total is 0")
         if np.isnan(t).any():
-            raise ValueError("targets must not be NaN")
+            raise InvalidArgument("targets must not be NaN")
         np.maximum(t, 0.0, out=t)
         np.minimum(t, self._upper(total), out=t)
         return self._find(t).reshape(shape)
@@ -334,10 +337,10 @@ class SumTree(_SegmentTree):
         """
         n = int(n)
         if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+            raise InvalidArgument(f"n must be >= 0, got {n}")
         total = self.total()
         if not total > 0.0:
-            raise ValueError("cannot sample from a SumTree whose total is 0")
+            raise InvalidArgument("cannot sample from a SumTree whose total is 0")
         if n == 0:
             return np.empty(0, dtype=np.int64)
         if rng is None:
@@ -441,7 +444,7 @@ class MinTree(_SegmentTree):
 
     def _check_values(self, values: np.ndarray) -> None:
         if np.isnan(values.min()):
-            raise ValueError("MinTree values must not be NaN")
+            raise InvalidArgument("MinTree values must not be NaN")
 
     def _refresh(self) -> None:
         self._min = float(self._summary_level.min())

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ..batch import SampleBatch
-from ..errors import SchemaError, StoreClosed
+from ..errors import InvalidArgument, SchemaError, StoreClosed
 from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
 
@@ -201,7 +201,7 @@ class RemoteStore:
                **options: Any) -> SampleBatch:
         """Sample `n` items (one DoGet). Arrays are zero-copy views of the received message (read-only)."""
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be a positive number of items, got {n!r}")
+            raise InvalidArgument(f"n must be a positive number of items, got {n!r}")
         if n > self.max_batch_rows:
             raise SchemaError(f"sample({n}) is over the server's max_batch_rows {self.max_batch_rows}")
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
@@ -317,7 +317,7 @@ class RemoteWriter:
 
     def __init__(self, remote: RemoteStore, max_in_flight: int = 8, timeout: float | None = None) -> None:
         if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+            raise InvalidArgument(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.remote = remote
         self.max_in_flight = int(max_in_flight)
         self.timeout = timeout
@@ -438,7 +438,7 @@ class LearnerSession:
     def __init__(self, remote: RemoteStore, n: int, columns: list[str] | None = None, *, prefetch: int = 2,
                  ahead: int = 2, timeout: float | None = None, options: dict[str, Any] | None = None) -> None:
         if ahead < 1:
-            raise ValueError(f"ahead must be >= 1, got {ahead}")
+            raise InvalidArgument(f"ahead must be >= 1, got {ahead}")
         self.remote = remote
         self.n = int(n)
         self.ahead = int(ahead)
@@ -538,9 +538,9 @@ def _priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
     idx = np.asarray(indices, dtype=np.int64).reshape(-1)
     pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
     if len(idx) != len(pri):
-        raise ValueError(f"{len(idx)} indices but {len(pri)} priorities; pass one priority per index")
+        raise InvalidArgument(f"{len(idx)} indices but {len(pri)} priorities; pass one priority per index")
     if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
-        raise ValueError("priorities must be finite and >= 0")
+        raise InvalidArgument("priorities must be finite and >= 0")
     return idx, pri
 
 

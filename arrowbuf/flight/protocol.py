@@ -32,13 +32,16 @@ import pyarrow.flight as flight
 from ..errors import (
     ArrowbufError,
     InsertTimeout,
+    InvalidArgument,
     MissingDependency,
     OutOfSpace,
     SampleTimeout,
     SchemaError,
+    ShardsLost,
     StoreClosed,
     StoreNotFound,
     Unauthenticated,
+    Unavailable,
 )
 
 #: The version this module speaks; requests may omit "v" (meaning this version).
@@ -81,10 +84,13 @@ class ErrorMapping:
 ERRORS: tuple[ErrorMapping, ...] = (
     ErrorMapping(Unauthenticated, flight.FlightUnauthenticatedError, "UNAUTHENTICATED"),
     ErrorMapping(SchemaError, flight.FlightServerError, "INVALID_ARGUMENT"),
+    ErrorMapping(InvalidArgument, flight.FlightServerError, "INVALID_ARGUMENT"),
     ErrorMapping(SampleTimeout, flight.FlightTimedOutError, "TIMED_OUT"),
     ErrorMapping(InsertTimeout, flight.FlightTimedOutError, "TIMED_OUT"),
     ErrorMapping(StoreNotFound, flight.FlightServerError, "NOT_FOUND"),
+    ErrorMapping(ShardsLost, flight.FlightUnavailableError, "UNAVAILABLE"),
     ErrorMapping(StoreClosed, flight.FlightUnavailableError, "UNAVAILABLE"),
+    ErrorMapping(Unavailable, flight.FlightUnavailableError, "UNAVAILABLE"),
     ErrorMapping(OutOfSpace, flight.FlightServerError, "RESOURCE_EXHAUSTED"),
     ErrorMapping(MissingDependency, flight.FlightServerError, "UNIMPLEMENTED"),
     ErrorMapping(ArrowbufError, flight.FlightServerError, "FAILED"),  # raised on purpose, no finer class

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ..errors import ArrowbufError, SchemaError, StoreClosed, StoreNotFound, Unauthenticated
+from ..errors import ArrowbufError, InvalidArgument, SchemaError, StoreClosed, StoreNotFound, Unauthenticated
 from . import protocol as P
 
 log = logging.getLogger("arrowbuf.flight")
@@ -70,12 +70,12 @@ class StoreServer:
                  max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0) -> None:
         self.stores = _named_stores(store_or_stores)
         if not isinstance(max_batch_rows, int) or max_batch_rows < 1:
-            raise ValueError(f"max_batch_rows must be a positive integer, got {max_batch_rows!r}")
+            raise InvalidArgument(f"max_batch_rows must be a positive integer, got {max_batch_rows!r}")
         self.max_batch_rows = max_batch_rows
         self.max_prefetch_bytes = int(max_prefetch_bytes)
         self.shutdown_timeout = float(shutdown_timeout)
         if token is not None and (not isinstance(token, str) or not token):
-            raise ValueError("token must be a non-empty string (or None for no authentication)")
+            raise InvalidArgument("token must be a non-empty string (or None for no authentication)")
         scheme, host, port = _parse_location(location, tls is not None)
         certs = [flight.CertKeyPair(*_read_tls(tls))] if tls is not None else None
         if token is None and not _is_loopback(host):
@@ -527,12 +527,12 @@ def _named_stores(value: Any) -> dict[str, Any]:
         for s in value:
             name = getattr(s, "name", None) or s.schema.name
             if name in stores:
-                raise ValueError(f"two stores are named {name!r}; pass a dict name -> store")
+                raise InvalidArgument(f"two stores are named {name!r}; pass a dict name -> store")
             stores[name] = s
     else:
         stores = {getattr(value, "name", None) or value.schema.name: value}
     if not stores:
-        raise ValueError("serve() needs at least one store")
+        raise InvalidArgument("serve() needs at least one store")
     for name, s in stores.items():
         if not all(hasattr(s, a) for a in ("schema", "extend", "sample")):
             raise TypeError(f"store {name!r}: expected an ExperienceStore, got {type(s).__name__}")
@@ -546,9 +546,9 @@ def _parse_location(location: str, tls: bool) -> tuple[str, str, int]:
     parts = urlsplit(str(location))
     scheme = parts.scheme or "grpc"
     if scheme not in ("grpc", "grpc+tcp", "grpc+tls"):
-        raise ValueError(f"location {location!r}: expected grpc://host:port or grpc+tls://host:port")
+        raise InvalidArgument(f"location {location!r}: expected grpc://host:port or grpc+tls://host:port")
     if scheme == "grpc+tls" and not tls:
-        raise ValueError(f"location {location!r} asks for TLS: pass tls=(certificate, private_key)")
+        raise InvalidArgument(f"location {location!r} asks for TLS: pass tls=(certificate, private_key)")
     if tls:
         scheme = "grpc+tls"
     elif scheme == "grpc+tcp":
@@ -557,7 +557,7 @@ def _parse_location(location: str, tls: bool) -> tuple[str, str, int]:
     try:
         port = parts.port or 0
     except ValueError:
-        raise ValueError(f"location {location!r}: bad port") from None
+        raise InvalidArgument(f"location {location!r}: bad port") from None
     return scheme, host, port
 
 
@@ -574,7 +574,7 @@ def _read_tls(tls: Any) -> tuple[bytes, bytes]:
     if isinstance(tls, Mapping):
         tls = (tls["cert"], tls["key"])
     if not isinstance(tls, (tuple, list)) or len(tls) != 2:
-        raise ValueError("tls must be (certificate, private_key): PEM bytes/str or file paths")
+        raise InvalidArgument("tls must be (certificate, private_key): PEM bytes/str or file paths")
     return _pem(tls[0]), _pem(tls[1])
 
 

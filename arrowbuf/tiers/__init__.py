@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from ..errors import InvalidArgument
+
 import os
 from typing import Any
 
@@ -30,13 +32,13 @@ def make_tiers(spec: dict[str, Any]) -> tuple[HostTier, list[Tier]]:
     holds the rest (unbudgeted).
     """
     if not isinstance(spec, dict) or not spec:
-        raise ValueError(f"tiers= takes a dict of tier name -> budget, e.g. {{'host': '16GiB', 'disk': 'spill/'}}, "
+        raise InvalidArgument("tiers= takes a dict of tier name -> budget, e.g. {'host': '16GiB', 'disk': 'spill/'}, "
                          f"got {spec!r}")
     made: dict[str, Tier] = {}
     try:
         for name, value in spec.items():
             if name not in ORDER:
-                raise ValueError(f"unknown tier {name!r} in tiers=; expected some of {list(ORDER)}")
+                raise InvalidArgument(f"unknown tier {name!r} in tiers=; expected some of {list(ORDER)}")
             made[name] = _one(name, value)
     except BaseException:
         for t in made.values():
@@ -53,7 +55,7 @@ def make_tiers(spec: dict[str, Any]) -> tuple[HostTier, list[Tier]]:
 def _one(name: str, value: Any) -> Tier:
     if isinstance(value, Tier):
         if value.name != name:
-            raise ValueError(f"tiers={{{name!r}: ...}} got a {value.name!r} tier")
+            raise InvalidArgument(f"tiers={{{name!r}: ...}} got a {value.name!r} tier")
         return value
     if name == "host":
         return HostTier(budget=value)
@@ -68,7 +70,8 @@ def _one(name: str, value: Any) -> Tier:
         return DiskTier(value[0], budget=value[1])
     if isinstance(value, (str, os.PathLike)):
         return DiskTier(value)
-    raise ValueError(f"tiers={{'disk': ...}} takes a spill directory, (directory, budget) or a dict; got {value!r}")
+    raise InvalidArgument(f"tiers={{'disk': ...}} takes a spill directory, (directory, budget) or a dict; "
+                          f"got {value!r}")
 
 
 __all__ = ["Tier", "HostTier", "DiskTier", "GpuTier", "make_tiers", "parse_bytes", "format_bytes", "ORDER"]

@@ -17,6 +17,8 @@ Implementations: `HostTier`, `SharedMemoryTier` (tiers/shm.py), `DiskTier` (memo
 
 from __future__ import annotations
 
+from ..errors import InvalidArgument
+
 import abc
 import threading
 from typing import Any
@@ -110,7 +112,7 @@ def parse_bytes(value: Any) -> int | None:
         return None
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         if value < 0:
-            raise ValueError(f"a byte size must be >= 0, got {value}")
+            raise InvalidArgument(f"a byte size must be >= 0, got {value}")
         return int(value)
     if isinstance(value, str):
         import re
@@ -118,7 +120,7 @@ def parse_bytes(value: Any) -> int | None:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         if m and m.group(2).lower() in _UNITS:
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ValueError(f"expected a byte size such as 8GiB, 512MiB or an int, got {value!r}")
+    raise InvalidArgument(f"expected a byte size such as 8GiB, 512MiB or an int, got {value!r}")
 
 
 def format_bytes(n: float) -> str:

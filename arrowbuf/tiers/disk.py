@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import OutOfSpace, StoreClosed
+from ..errors import InvalidArgument, OutOfSpace, StoreClosed
 from .base import Tier, format_bytes, parse_bytes
 
 
@@ -79,7 +79,7 @@ class DiskTier(Tier):
                              f"{format_bytes(self.nbytes())} of the {format_bytes(self.budget)} budget are in use; "
                              "raise the disk budget")
         if key in self._files:
-            raise ValueError(f"disk tier: arena {key!r} already exists")
+            raise InvalidArgument(f"disk tier: arena {key!r} already exists")
         path = os.path.join(self.path, _file_name(key))
         _write_zero_ipc(path, key, dtype, int(rows), shape)
         offset = _data_offset(path) if nbytes else 0

@@ -72,7 +72,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from ..errors import ArrowbufError, OutOfSpace, StoreClosed, StoreExists, StoreNotFound
+from ..errors import ArrowbufError, InvalidArgument, OutOfSpace, StoreClosed, StoreExists, StoreNotFound
 from .base import Tier
 
 #: Version of the on-disk layout (manifest, file names); attach refuses other versions.
@@ -802,7 +802,7 @@ def from_spec(spec: str | None) -> Any:
 # ---------------------------------------------------------------------- helpers
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"shared store name {name!r}: use letters, digits, '_', '.', '-' (1-201 characters)")
+        raise InvalidArgument(f"shared store name {name!r}: use letters, digits, '_', '.', '-' (1-201 characters)")
 
 
 def _start_time(pid: int) -> int:
