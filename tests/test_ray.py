@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import arrowbuf as ab
-from arrowbuf import ray as abray
 from arrowbuf.ray import ShardedStore, ShardsLost, broadcast, decode_ids, encode_ids, shard_of
+from arrowbuf.ray._common import _ray
+from arrowbuf.ray.handle import _allocate, _allocate_fanout
 
 from conftest import SMALL
 
@@ -28,7 +29,7 @@ NODES = 3
 def test_missing_ray_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ab.MissingDependency, match=r"arrowbuf\[ray\]"):
-        abray._ray()
+        _ray()
     with pytest.raises(ab.MissingDependency):
         ShardedStore.create(SMALL, 1, 10)
 
@@ -45,12 +46,12 @@ def test_ids_round_trip():
 def test_allocation_is_exact_in_expectation():
     rng = np.random.default_rng(0)
     m = np.array([1.0, 0.0, 2.5, 0.5])
-    counts = np.array([abray._allocate(10, m, rng) for _ in range(20_000)])
+    counts = np.array([_allocate(10, m, rng) for _ in range(20_000)])
     assert (counts.sum(axis=1) == 10).all()
     assert (counts[:, 1] == 0).all()
     assert np.allclose(counts.mean(axis=0), 10 * m / m.sum(), atol=0.03)
     assert (np.abs(counts - 10 * m / m.sum()) < 1).all()  # systematic: within one of the expectation
-    fan = np.array([abray._allocate_fanout(10, m, 2, rng) for _ in range(20_000)])
+    fan = np.array([_allocate_fanout(10, m, 2, rng) for _ in range(20_000)])
     assert (fan.sum(axis=1) == 10).all() and ((fan > 0).sum(axis=1) <= 2).all()
     assert np.allclose(fan.mean(axis=0), 10 * m / m.sum(), atol=0.06)  # bounded fan-out: same expectation
 

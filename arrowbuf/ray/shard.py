@@ -1,0 +1,206 @@
+"""The shard side: a shard's store as its Flight server sees it, the shard directory and the shard actor."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+import warnings
+from typing import Any, Iterable
+
+import numpy as np
+
+from ..batch import SampleBatch
+from ..errors import InvalidArgument
+from ..samplers import PrioritizedSampler, Sampler, SequenceSampler, make_sampler
+from ..schema import load_schema
+from ._common import _ray
+from .ids import _GEN_MASK, GEN_BITS, decode_ids, encode_ids
+
+#: Internal columns a shard adds to a batch for the learner's global weights (never reach the user).
+_INFO_COLUMNS = ("_mass", "_shard_mass", "_shard_min", "_shard_size")
+
+
+def _priority_sampler(sampler: Sampler) -> PrioritizedSampler | None:
+    if isinstance(sampler, PrioritizedSampler):
+        return sampler
+    if isinstance(sampler, SequenceSampler) and isinstance(sampler.priority, PrioritizedSampler):
+        return sampler.priority
+    return None
+
+
+def shm_safe(sampler: Sampler) -> bool:
+    """Whether writers in other processes may append through shared memory: the sampler keeps its state of which
+    rows are sampleable in the store's tier (arrowbuf's own samplers do: cursors, sum and min trees live in shared
+    memory), or keeps none. A custom sampler says so with a class attribute `shm_safe`; without one, it is safe only
+    if it does not track rows (`on_valid`/`on_invalid` not overridden), else its rows go through the shard's process,
+    over Flight."""
+    cls = type(make_sampler(sampler))
+    declared = getattr(cls, "shm_safe", None)
+    if declared is not None:
+        return bool(declared)
+    if cls.__module__ == Sampler.__module__:
+        return True
+    return cls.on_valid is Sampler.on_valid and cls.on_invalid is Sampler.on_invalid
+
+
+class ShardStore:
+    """A shard's store as its Flight server sees it: the local store with global ids and sampling-mass reports.
+
+    `sample(..., shard_info=True)` adds the columns `_mass` (each row's `p^alpha`, or 1), `_shard_mass`,
+    `_shard_min` and `_shard_size` (this shard's mass, smallest row mass and size, repeated per row) that the
+    learner's `ShardedStore` turns into global weights and strips. Everything else is the store's surface.
+    """
+
+    def __init__(self, store: Any, shard: int, generation: int) -> None:
+        self.store = store
+        self.shard = int(shard)
+        self.generation = int(generation) & _GEN_MASK
+        self.name = store.name
+        self.schema = store.schema
+        self.capacity = store.capacity
+        self.delay_s = 0.0  # artificial slowness (benchmarks, tests): added to every sample
+        self._prio = _priority_sampler(store.sampler)
+
+    def mass(self) -> tuple[float, float, int]:
+        """(sampling mass, smallest row mass, size) now."""
+        size = len(self.store)
+        if self._prio is None:
+            return float(size), 1.0 if size else float("inf"), size
+        return float(self._prio.sum_tree.total()), float(self._prio.min_tree.min()), size
+
+    def extend(self, batch: Any, **kwargs: Any) -> int:
+        return int(encode_ids(self.shard, self.generation, np.array([self.store.extend(batch, **kwargs)]))[0])
+
+    def append(self, step: Any, **kwargs: Any) -> int:
+        return int(encode_ids(self.shard, self.generation, np.array([self.store.append(step, **kwargs)]))[0])
+
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
+               shard_info: bool = False, **options: Any) -> SampleBatch:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        b = self.store.sample(n, columns, timeout, **options)
+        ids = encode_ids(self.shard, self.generation, b.indices)
+        if not shard_info:
+            return SampleBatch({c: b[c] for c in b.columns}, ids, b.weights, b.info)
+        arrays = {c: b[c] for c in b.columns}
+        total, vmin, size = self.mass()
+        k = len(ids)
+        if self._prio is not None:
+            pos = np.asarray(b.indices, dtype=np.int64) % self.store.arena_rows
+            arrays["_mass"] = self._prio.sum_tree.get(pos).astype(np.float64)
+        else:
+            arrays["_mass"] = np.ones(k)
+        arrays["_shard_mass"] = np.full(k, total)
+        arrays["_shard_min"] = np.full(k, vmin)
+        arrays["_shard_size"] = np.full(k, size, dtype=np.int64)
+        return SampleBatch(arrays, ids, b.weights, b.info)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        shard, gen, seq = decode_ids(indices)
+        pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        if len(pri) != len(seq):
+            raise InvalidArgument(f"{len(seq)} indices but {len(pri)} priorities; pass one priority per index")
+        mine = (shard == self.shard) & (gen == self.generation)  # ids of a dead incarnation are not ours
+        return int(self.store.update_priorities(seq[mine], pri[mine])) if mine.any() else 0
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def stats(self) -> dict[str, Any]:
+        total, vmin, size = self.mass()
+        return {**self.store.stats(), "shard": self.shard, "generation": self.generation, "mass": total,
+                "min_mass": vmin if np.isfinite(vmin) else None}
+
+    def __getattr__(self, name: str) -> Any:  # to_table, episodes, sql, chunks, ...: the store's own
+        if name == "store":
+            raise AttributeError(name)
+        return getattr(self.store, name)
+
+
+class ShardDirectory:
+    """Per sharded store: hands each shard incarnation its generation and records where the shards are.
+
+    A Ray actor (no CPU). Generations count up per shard; a directory that was itself restarted starts them at a
+    random point so an incarnation after that rarely repeats a recent generation.
+    """
+
+    def __init__(self, num_shards: int) -> None:
+        ray = _ray()
+        start = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            again = ray.get_runtime_context().was_current_actor_reconstructed
+        if again:
+            start = secrets.randbelow(1 << GEN_BITS)
+        self.generations = [start - 1] * num_shards
+        self.starts = [0] * num_shards
+        self.infos: list[dict[str, Any] | None] = [None] * num_shards
+
+    def next_generation(self, shard: int) -> tuple[int, int]:
+        self.generations[shard] = (self.generations[shard] + 1) & _GEN_MASK
+        self.starts[shard] += 1
+        return self.generations[shard], self.starts[shard]
+
+    def publish(self, shard: int, info: dict[str, Any]) -> None:
+        self.infos[shard] = info
+
+    def get(self) -> list[dict[str, Any] | None]:
+        return self.infos
+
+
+class ShardActor:
+    """One shard: a store (shared memory on its node when it can, else the heap) and a Flight server for it.
+
+    Made a Ray actor by `ShardedStore.create`; a restarted incarnation (Ray's `max_restarts`) starts empty under a
+    new generation, with a new Flight port, and publishes itself in the directory.
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from ..flight import serve
+        from ..store import ExperienceStore
+
+        ray = _ray()
+        ctx = ray.get_runtime_context()
+        shard = int(spec["shard"])
+        self.shard = shard
+        directory = None
+        try:
+            directory = ray.get_actor(spec["directory"])
+            gen, starts = ray.get(directory.next_generation.remote(shard), timeout=30)
+        except Exception:  # noqa: BLE001 - without the directory an incarnation still needs a generation
+            gen, starts = secrets.randbelow(1 << GEN_BITS), -1
+        tier = spec["tier"]
+        shm_name = None
+        if tier == "shm":
+            shm_name = f"{spec['uid']}-s{shard}-g{gen}-{secrets.token_hex(3)}"
+        seed = None if spec["seed"] is None else int(spec["seed"]) + 1000003 * shard + gen
+        self.store = ExperienceStore(load_schema(spec["schema"]), spec["capacity"], make_sampler(spec["sampler"]),
+                                     spec["rate_limiter"], seed, chunk_rows=spec["chunk_rows"], tier=tier,
+                                     name=shm_name or f"{spec['name']}-{shard}")
+        self.shard_store = ShardStore(self.store, shard, gen)
+        host = ray.util.get_node_ip_address() if spec["bind"] is None else spec["bind"]
+        self.server = serve(self.shard_store, f"grpc://{host}:0", token=spec["token"],
+                            max_batch_rows=spec["max_batch_rows"])
+        self.info = {"shard": shard, "generation": gen, "incarnation": starts, "location": self.server.location,
+                     "store": self.store.name, "shm": shm_name, "node_id": ctx.get_node_id(), "node_ip": host,
+                     "pid": os.getpid(), "started": time.time()}
+        if directory is not None:
+            with contextlib.suppress(Exception):
+                directory.publish.remote(shard, self.info)
+
+    def get_info(self) -> dict[str, Any]:
+        return self.info
+
+    def stats(self) -> dict[str, Any]:
+        return self.shard_store.stats()
+
+    def set_delay(self, seconds: float) -> None:
+        """Slow every sample of this shard by `seconds` (benchmarks and tests of the straggler deadline)."""
+        self.shard_store.delay_s = float(seconds)
+
+    def close(self) -> None:
+        self.server.close()
+        self.store.close()  # the creator's close removes the shared-memory name
+

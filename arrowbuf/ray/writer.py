@@ -1,0 +1,282 @@
+"""Writers to a sharded store: one shard at a time, shared memory on the shard's node, else Flight."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import logging
+import os
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import ArrowbufError, InvalidArgument, SchemaError, ShardsLost, StoreClosed
+from ._common import _ray
+from .shard import shm_safe
+
+if TYPE_CHECKING:
+    from .handle import ShardedStore
+
+log = logging.getLogger("arrowbuf.ray")
+
+
+_writer_ids = itertools.count()
+
+
+class ShardWriter:
+    """Writes experience to one shard, re-routing to another when it dies.
+
+    Its home is the shard given, else a shard on this process's Ray node (writers on a node spread over that
+    node's shards), else one chosen by the writer's id. Transport: shared memory when the home shard is on this node,
+    keeps its store in shared memory and its sampler keeps no per-process row state (`shm_safe`), else Flight: a
+    pipelined DoPut stream with at most `max_in_flight` unacknowledged batches.
+
+    Every batch carries this writer's `actor` id (unless the batch names its own), so an episode's steps stay one
+    episode on one shard, whatever other writers do. When the shard dies the writer moves to the next live shard
+    and re-sends the batches that shard had not acknowledged; the open episode continues there as a new episode
+    (an episode never spans shards; the part on the dead shard is gone with it). At each write it looks (without
+    waiting) whether its home came back (a new, empty incarnation) and returns to it.
+
+    Usage::
+
+        with sharded.writer() as w:
+            w.extend(batch)   # dict of arrays, RecordBatch or Table
+        w.rows                # rows acknowledged (Flight) or committed (shared memory)
+    """
+
+    def __init__(self, sharded: ShardedStore, shard: int | None = None, *, transport: str = "auto",
+                 max_in_flight: int = 8, actor: Any = None, reroute_timeout: float | None = None) -> None:
+        if transport not in ("auto", "shm", "flight"):
+            raise InvalidArgument(f"transport must be 'auto', 'shm' or 'flight', got {transport!r}")
+        self.sharded = sharded
+        self.transport = transport
+        self.max_in_flight = int(max_in_flight)
+        self.actor_id = actor if actor is not None else (os.getpid() << 20) + next(_writer_ids) + (
+            secrets.randbelow(1 << 20) << 42)
+        self.reroute_timeout = sharded.failure_timeout if reroute_timeout is None else float(reroute_timeout)
+        self.home = self._pick_home(shard)
+        self.rows = 0
+        self.reroutes = 0
+        self.shard: int = -1
+        self.via: str = ""
+        self._target: Any = None        # RemoteWriter or attached ExperienceStore
+        self._owner_lock: str | None = None
+        self._unacked: list[pa.RecordBatch] = []
+        self._acked = 0
+        self._closed = False
+        self._connect(self.home)
+
+    # ------------------------------------------------------------------ routing
+    def _node_id(self) -> str | None:
+        ray = _ray()
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+    def _pick_home(self, shard: int | None) -> int:
+        n = self.sharded.num_shards
+        if shard is not None:
+            if not 0 <= shard < n:
+                raise InvalidArgument(f"shard must be in [0, {n}), got {shard}")
+            return int(shard)
+        node = self._node_id()
+        local = [int(i["shard"]) for i in self.sharded.infos if i is not None and i.get("node_id") == node]
+        pool = local or list(range(n))
+        return int(pool[hash(self.actor_id) % len(pool)])
+
+    def _connect(self, k: int) -> None:
+        """Open the transport to shard `k`, or to the next live shard after it; waits up to reroute_timeout."""
+        end = time.monotonic() + self.reroute_timeout
+        n = self.sharded.num_shards
+        pause = 0.01
+        while True:
+            for j in [k, *[(k + i) % n for i in range(1, n)]]:
+                if self._open(j):
+                    if j != self.home:
+                        self.reroutes += 1
+                    return
+            if time.monotonic() >= end:
+                raise ShardsLost(f"writer: no shard of {self.sharded!r} accepted writes within {self.reroute_timeout}s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+    def _open(self, k: int) -> bool:
+        s = self.sharded._shards[k]
+        client = self.sharded._client(s)
+        if client is None:
+            return False
+        info = s.info
+        assert info is not None  # the shard is up: it has an info
+        use_shm = (self.transport != "flight" and info.get("shm") and info.get("node_id") == self._node_id()
+                   and shm_safe(self.sharded._state["sampler"]))
+        if self.transport == "shm" and not use_shm:
+            raise ArrowbufError(f"shard {k} cannot take shared-memory writes from here (node, tier or sampler): "
+                                "use transport='auto' or 'flight'")
+        try:
+            if use_shm:
+                from ..store import ExperienceStore
+                from ..tiers.shm import store_path
+
+                self._target = ExperienceStore.attach(info["shm"])
+                self._owner_lock = os.path.join(store_path(info["shm"]), "owner.lock")
+                self.via = "shm"
+            else:
+                self._target = client.writer(max_in_flight=self.max_in_flight)
+                self._owner_lock = None
+                self.via = "flight"
+        except (StoreClosed, ArrowbufError, OSError, pa.ArrowException) as exc:
+            self.sharded._mark_down(s, exc)
+            return False
+        self.shard = k
+        return True
+
+    def _drop_target(self) -> None:
+        target, self._target = self._target, None
+        if target is None:
+            return
+        with contextlib.suppress(Exception):
+            if self.via == "shm":
+                target.close()
+            else:
+                target._abort()
+
+    def _reroute(self, exc: BaseException) -> None:
+        log.info("writer: shard %d failed (%s); re-routing", self.shard, exc)
+        self.sharded._mark_down(self.sharded._shards[self.shard], exc)
+        self._drop_target()
+        self._connect((self.shard + 1) % self.sharded.num_shards)
+        pending, self._unacked, self._acked = self._unacked, [], 0
+        for rb in pending:
+            self._send(rb)
+
+    def _maybe_go_home(self) -> None:
+        """While away from home: if the home shard is back (a non-blocking look), flush here and move home."""
+        if self.shard == self.home:
+            return
+        s = self.sharded._shards[self.home]
+        self.sharded._poll_revival(s)
+        if not s.down:
+            self.flush()
+            self._drop_target()
+            if not self._open(self.home):
+                self._connect(self.shard)
+
+    # ------------------------------------------------------------------ writing
+    def _with_actor(self, batch: Any) -> Any:
+        if isinstance(batch, dict):
+            if "actor" in batch or "episode_id" in batch:
+                return batch
+            n = len(next(iter(batch.values()))) if batch else 0
+            return {**batch, "actor": np.full(n, self.actor_id, dtype=np.int64)}
+        if isinstance(batch, (pa.RecordBatch, pa.Table)):
+            if "actor" in batch.schema.names or "episode_id" in batch.schema.names:
+                return batch
+            return batch.append_column("actor", pa.array(np.full(batch.num_rows, self.actor_id, dtype=np.int64)))
+        raise SchemaError(f"expected a dict of arrays, a pa.RecordBatch or a pa.Table; got {type(batch).__name__}")
+
+    def extend(self, batch: Any) -> None:
+        """Write a batch (dict of arrays, RecordBatch or Table); validated here, so bad input raises `SchemaError`
+        before anything is sent."""
+        if self._closed:
+            raise StoreClosed("this writer is closed")
+        self._maybe_go_home()
+        from ..flight.client import _record_batch
+
+        cols, _ = self.sharded.schema.validate_batch(self._with_actor(batch))
+        self._send(_record_batch(self.sharded.schema, cols))
+
+    def append(self, step: dict[str, Any]) -> None:
+        """Write one step (a dict of scalars and arrays)."""
+        self.extend({k: np.asarray(v)[None] for k, v in step.items()})
+
+    def _send(self, rb: pa.RecordBatch) -> None:
+        while True:
+            try:
+                if self.via == "shm":
+                    self._target.extend(rb)
+                    if _owner_dead(self._owner_lock):  # committed into a dead shard's memory: send it again
+                        raise StoreClosed(f"shard {self.shard} died")
+                    self.rows += rb.num_rows
+                else:
+                    self._unacked.append(rb)
+                    self._target.extend(rb)
+                    self._trim_acked()
+                return
+            except (StoreClosed, OSError, pa.ArrowException) as exc:
+                if self.via != "shm":
+                    self._unacked.pop()  # _reroute re-sends what is unacknowledged; this one goes after them
+                self._reroute(exc)
+                if self.via != "shm":
+                    continue
+            except ArrowbufError:
+                if self.via != "shm":
+                    self._unacked.pop()
+                raise
+
+    def _trim_acked(self) -> None:
+        acked = len(self._target.first_seqs)
+        newly = acked - self._acked
+        if newly > 0:
+            self.rows += sum(rb.num_rows for rb in self._unacked[:newly])
+            del self._unacked[:newly]
+            self._acked = acked
+
+    def flush(self) -> int:
+        """Wait until every batch sent is acknowledged (re-routing if its shard died); returns `rows`."""
+        while self.via == "flight" and self._target is not None:
+            try:
+                self._target.flush()
+                self._trim_acked()
+                return self.rows
+            except (StoreClosed, OSError, pa.ArrowException) as exc:
+                self._reroute(exc)
+        return self.rows
+
+    def close(self) -> None:
+        """Flush and close; idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+            if self.via == "flight" and self._target is not None:
+                with contextlib.suppress(Exception):
+                    self._target.close()
+                    self._trim_acked()
+            elif self._target is not None:
+                self._target.close()
+            self._target = None
+        finally:
+            self._closed = True
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._closed = True
+            self._drop_target()
+
+    def __repr__(self) -> str:
+        return f"ShardWriter(home={self.home}, shard={self.shard}, via={self.via!r}, rows={self.rows})"
+
+
+def _owner_dead(lock_path: str | None) -> bool:
+    """Whether the process that created a shared store is gone (its owner flock is free). About 5 us."""
+    if lock_path is None:
+        return False
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
