@@ -1,24 +1,4 @@
-"""The end-to-end demo: distributed DQN on CartPole-v1 with arrowbuf in the middle.
-
-    python -m arrowbuf.demo [--actors 3] [--steps 15000] [--transport flight|shm|local] [--seed 0] [--out DIR]
-
-What runs (all on this machine, nothing started by hand):
-
-* the store: an `ExperienceStore` with prioritized replay (`ab.samplers.Prioritized`) and a sample-to-insert rate
-  limiter, served over Arrow Flight by the main process (`--transport flight`, default), or created in shared memory
-  (`shm`), or kept in-process (`local`: actors are threads);
-* actors: `--actors` processes (multiprocessing, spawn) each play CartPole-v1 with an epsilon-greedy torch policy and
-  write their steps to the store (`ab.connect(location).extend`, or `ExperienceStore.attach(name).extend`);
-* the learner (main process): double DQN with 3-step returns, reading batches through `ab.Loader` (prefetching in
-  the background) and sending new priorities back with `loader.update_priorities`;
-* policy weights go back to the actors through a file: the learner writes `policy.pt` (weights and version) to a
-  temporary name and `os.replace`s it into place, so an actor never reads half a file; actors reload when the file
-  changes;
-* a progress line (tqdm when installed), an episode-return summary from `store.sql` at the end, and a PNG of the
-  returns over time in `--out`.
-
-The DQN pieces (`DQNConfig`, `QNetwork`, `DQNLearner`, `epsilon_at`) are reused by `benchmarks/parity.py`.
-"""
+"""The demo's run: the store, the actor processes, the learner loop, the summary and the command line."""
 
 from __future__ import annotations
 
@@ -31,16 +11,17 @@ import pathlib
 import queue as queue_mod
 import signal
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from .errors import ArrowbufError, InsertTimeout, InvalidArgument, SampleTimeout, require
+from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, require
+from .actors import ActorSpec, PolicyFile, actor_main
+from .dqn import DQNConfig, DQNLearner
 
-SCHEMAS = pathlib.Path(__file__).resolve().parent.parent / "schemas"
+SCHEMAS = pathlib.Path(__file__).resolve().parent.parent.parent / "schemas"
 #: The CartPole schema (schemas/cartpole.yaml), inlined for installs without the repository's schemas/ folder.
 CARTPOLE = {
     "name": "cartpole",
@@ -53,278 +34,14 @@ CARTPOLE = {
 #: What the learner reads per batch (the n-step columns come with `n_step=`).
 LEARNER_COLUMNS = ["obs", "action", "next_obs"]
 TRANSPORTS = ("flight", "shm", "local")
+_DESCRIPTION = "The end-to-end demo: distributed DQN on CartPole-v1 with arrowbuf in the middle."
 
 
 def cartpole_schema() -> Any:
-    from .schema import load_schema
+    from ..schema import load_schema
 
     path = SCHEMAS / "cartpole.yaml"
     return load_schema(path if path.exists() else CARTPOLE)
-
-
-# ---------------------------------------------------------------------------------------------------------- DQN
-@dataclasses.dataclass
-class DQNConfig:
-    """Hyperparameters shared by the demo and the parity benchmark.
-
-    `train_every` is the replay ratio: one gradient step per `train_every` environment steps (across all actors).
-    """
-
-    hidden: int = 128
-    lr: float = 1e-3
-    gamma: float = 0.99
-    n_step: int = 3
-    batch_size: int = 64
-    train_every: int = 2
-    target_every: int = 250      # gradient steps between target-network syncs
-    warmup: int = 1_000          # rows stored before the first gradient step
-    eps_start: float = 1.0
-    eps_end: float = 0.02
-    eps_fraction: float = 0.3    # share of the run over which epsilon decays linearly
-    grad_clip: float = 10.0
-    alpha: float = 0.6           # prioritized replay exponents
-    beta: float = 0.4
-
-
-def epsilon_at(cfg: DQNConfig, progress: float) -> float:
-    """Linear decay from eps_start to eps_end over the first `eps_fraction` of the run (progress in [0, 1])."""
-    frac = min(1.0, max(0.0, progress) / max(cfg.eps_fraction, 1e-9))
-    return cfg.eps_start + frac * (cfg.eps_end - cfg.eps_start)
-
-
-def make_qnetwork(obs_dim: int, n_actions: int, hidden: int) -> Any:
-    torch = require("torch", "demo")
-    nn = torch.nn
-    return nn.Sequential(nn.Linear(obs_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, n_actions))
-
-
-class EpsilonGreedy:
-    """An actor's policy: a Q-network copy, epsilon-greedy over its argmax."""
-
-    def __init__(self, cfg: DQNConfig, obs_dim: int = 4, n_actions: int = 2, seed: int = 0) -> None:
-        self.torch = require("torch", "demo")
-        self.q = make_qnetwork(obs_dim, n_actions, cfg.hidden)
-        self.q.eval()
-        self.n_actions = n_actions
-        self.rng = np.random.default_rng(seed)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.q.load_state_dict(state)
-
-    def act(self, obs: np.ndarray, eps: float) -> int:
-        if self.rng.random() < eps:
-            return int(self.rng.integers(self.n_actions))
-        with self.torch.no_grad():
-            return int(self.q(self.torch.as_tensor(obs, dtype=self.torch.float32)[None]).argmax(1).item())
-
-
-class DQNLearner:
-    """Double DQN on n-step returns (columns `obs`, `action`, `n_step_return`, `n_step_discount`,
-    `n_step_next_obs`), Huber loss weighted by importance weights when the batch carries them."""
-
-    def __init__(self, cfg: DQNConfig, obs_dim: int = 4, n_actions: int = 2, seed: int = 0) -> None:
-        torch = self.torch = require("torch", "demo")
-        torch.manual_seed(seed)
-        self.cfg = cfg
-        self.q = make_qnetwork(obs_dim, n_actions, cfg.hidden)
-        self.target = make_qnetwork(obs_dim, n_actions, cfg.hidden)
-        self.target.load_state_dict(self.q.state_dict())
-        self.opt = torch.optim.Adam(self.q.parameters(), lr=cfg.lr)
-        self.updates = 0
-
-    def train(self, batch: dict[str, Any], weights: Any = None) -> np.ndarray:
-        """One gradient step on a batch (numpy arrays); returns |TD error| per row (the new priorities)."""
-        torch = self.torch
-        t = {k: torch.as_tensor(_writable(batch[k])) for k in
-             ("obs", "action", "n_step_return", "n_step_discount", "n_step_next_obs")}
-        obs, nxt = t["obs"].float(), t["n_step_next_obs"].float()
-        act = t["action"].long().view(-1, 1)
-        q = self.q(obs).gather(1, act).squeeze(1)
-        with torch.no_grad():
-            best = self.q(nxt).argmax(1, keepdim=True)
-            target = t["n_step_return"].float() + t["n_step_discount"].float() * self.target(nxt).gather(
-                1, best).squeeze(1)
-        td = target - q
-        loss = torch.nn.functional.smooth_l1_loss(q, target, reduction="none")
-        if weights is not None:
-            loss = loss * torch.as_tensor(_writable(weights), dtype=torch.float32)
-        self.opt.zero_grad(set_to_none=True)
-        loss.mean().backward()
-        torch.nn.utils.clip_grad_norm_(self.q.parameters(), self.cfg.grad_clip)
-        self.opt.step()
-        self.updates += 1
-        if self.updates % self.cfg.target_every == 0:
-            self.target.load_state_dict(self.q.state_dict())
-        return td.detach().abs().numpy()
-
-    def greedy(self) -> Callable[[np.ndarray], int]:
-        torch = self.torch
-
-        def act(obs: np.ndarray) -> int:
-            with torch.no_grad():
-                return int(self.q(torch.as_tensor(obs, dtype=torch.float32)[None]).argmax(1).item())
-
-        return act
-
-
-def _writable(a: Any) -> np.ndarray:
-    """Arrays received over Flight are read-only views of the message; torch wants writable memory."""
-    a = np.asarray(a)
-    return a if a.flags.writeable else a.copy()
-
-
-def make_env(seed: int) -> Any:
-    gym = require("gymnasium", "demo")
-    env = gym.make("CartPole-v1")
-    env.action_space.seed(seed)
-    return env
-
-
-# ---------------------------------------------------------------------------------------------------------- weights
-class PolicyFile:
-    """Policy weights from the learner to the actors through one file: written to a temporary name in the same
-    directory and `os.replace`d into place (atomic on POSIX), so a reader sees the old or the new file, never half."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = pathlib.Path(path)
-        self._seen: tuple[int, int] | None = None
-
-    def publish(self, state_dict: dict[str, Any], version: int) -> None:
-        torch = require("torch", "demo")
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".policy-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save({"version": int(version), "state_dict": state_dict}, fh)
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-
-    def poll(self) -> tuple[int, dict[str, Any]] | None:
-        """(version, state_dict) when the file changed since the last poll, else None."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        key = (st.st_ino, st.st_mtime_ns)
-        if key == self._seen:
-            return None
-        torch = require("torch", "demo")
-        with open(self.path, "rb") as fh:  # the inode we opened stays whole even if the learner replaces the name
-            blob = torch.load(fh, weights_only=True)
-        self._seen = key
-        return int(blob["version"]), blob["state_dict"]
-
-
-# ---------------------------------------------------------------------------------------------------------- actors
-@dataclasses.dataclass
-class ActorSpec:
-    actor_id: int
-    transport: str
-    address: str              # Flight location or shared-memory store name ("" for local)
-    steps: int                # environment steps this actor plays
-    seed: int
-    policy_path: str
-    cfg: DQNConfig
-    flush: int = 32           # steps per write (an episode end also flushes)
-    poll_every: int = 50      # steps between policy-file checks
-
-
-def _open_store(spec: ActorSpec, local_store: Any) -> tuple[Any, Callable[[], None]]:
-    if spec.transport == "local":
-        return local_store, lambda: None
-    if spec.transport == "flight":
-        from .flight import connect
-
-        client = connect(spec.address)
-        return client, client.close
-    from .store import ExperienceStore
-
-    shared = ExperienceStore.attach(spec.address, timeout=30.0)
-    return shared, shared.close
-
-
-def actor_main(spec: ActorSpec, events: Any, stop: Any, local_store: Any = None) -> None:
-    """One actor: play `spec.steps` CartPole steps, write them in pieces of `spec.flush`, report episodes on `events`.
-
-    Runs as a spawned process (flight, shm) or a thread (local). Puts ("episode", actor, return, length, time,
-    policy_version), then ("done", actor, steps) or ("error", actor, message) on `events`.
-    """
-    try:
-        torch = require("torch", "demo")
-        if spec.transport != "local":
-            torch.set_num_threads(1)
-        store, close = _open_store(spec, local_store)
-        try:
-            _play(spec, store, events, stop)
-        finally:
-            close()
-    except BaseException as exc:  # report, never hang the learner waiting for a dead actor
-        events.put(("error", spec.actor_id, f"{type(exc).__name__}: {exc}"))
-        raise
-    events.put(("done", spec.actor_id, spec.steps))
-
-
-def _play(spec: ActorSpec, store: Any, events: Any, stop: Any) -> None:
-    cfg = spec.cfg
-    env = make_env(spec.seed)
-    policy = EpsilonGreedy(cfg, seed=spec.seed)
-    weights = PolicyFile(spec.policy_path)
-    version = 0
-    obs, _ = env.reset(seed=spec.seed)
-    cols: dict[str, list[Any]] = {k: [] for k in ("obs", "action", "reward", "terminated", "truncated", "next_obs")}
-    versions: list[int] = []
-    ep_return, ep_len = 0.0, 0
-
-    def flush() -> None:
-        if not versions:
-            return
-        n = len(versions)
-        batch = {"obs": np.asarray(cols["obs"], np.float32), "action": np.asarray(cols["action"], np.int64),
-                 "reward": np.asarray(cols["reward"], np.float32),
-                 "terminated": np.asarray(cols["terminated"], bool), "truncated": np.asarray(cols["truncated"], bool),
-                 "next_obs": np.asarray(cols["next_obs"], np.float32),
-                 "policy_version": np.asarray(versions, np.int64), "actor": np.full(n, spec.actor_id, np.int64)}
-        while True:  # a rate limiter may hold the insert back while the learner catches up
-            try:
-                store.extend(batch, timeout=1.0)
-                break
-            except InsertTimeout:
-                if stop.is_set():
-                    return
-        for v in cols.values():
-            v.clear()
-        versions.clear()
-
-    for t in range(spec.steps):
-        if stop.is_set():
-            break
-        if t % spec.poll_every == 0:
-            got = weights.poll()
-            if got is not None:
-                version, state = got
-                policy.load_state_dict(state)
-        action = policy.act(obs, epsilon_at(cfg, t / spec.steps))
-        nxt, reward, term, trunc, _ = env.step(action)
-        for k, v in (("obs", obs), ("action", action), ("reward", reward), ("terminated", term),
-                     ("truncated", trunc), ("next_obs", nxt)):
-            cols[k].append(v)
-        versions.append(version)
-        ep_return += float(reward)
-        ep_len += 1
-        if term or trunc:
-            flush()
-            events.put(("episode", spec.actor_id, ep_return, ep_len, time.time(), version))
-            ep_return, ep_len = 0.0, 0
-            obs, _ = env.reset()
-        else:
-            obs = nxt
-            if len(versions) >= spec.flush:
-                flush()
-    flush()
-    env.close()
 
 
 # ---------------------------------------------------------------------------------------------------------- progress
@@ -366,14 +83,14 @@ class Progress:
 # ---------------------------------------------------------------------------------------------------------- transports
 def _flight_available() -> str | None:
     try:
-        from .flight import connect, serve  # noqa: F401
+        from ..flight import connect, serve  # noqa: F401
     except Exception as exc:  # ImportError, or a half-landed module
         return f"Arrow Flight transport unavailable ({type(exc).__name__}: {exc})"
     return None
 
 
 def _probe_child(name: str) -> None:
-    from .store import ExperienceStore
+    from ..store import ExperienceStore
 
     s = ExperienceStore.attach(name, timeout=10.0)
     try:
@@ -390,8 +107,8 @@ def shm_prioritized_ok(ctx: Any) -> bool:
 
     (The sampler keeps its sum tree per process; this checks that writers' rows reach the owner's tree.)
     """
-    from . import samplers
-    from .store import ExperienceStore
+    from .. import samplers
+    from ..store import ExperienceStore
 
     name = f"demo-probe-{os.getpid()}"
     store = ExperienceStore(cartpole_schema(), capacity=64, sampler=samplers.Prioritized(), tier="shm", name=name)
@@ -434,9 +151,9 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
     """Run the demo and return what it measured (see the module docstring)."""
     torch = require("torch", "demo")
     require("gymnasium", "demo")
-    from . import rate_limiters, samplers
-    from .loader import Loader
-    from .store import ExperienceStore
+    from .. import rate_limiters, samplers
+    from ..loader import Loader
+    from ..store import ExperienceStore
 
     if transport not in TRANSPORTS:
         raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -493,7 +210,7 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
         timing = {"wait_s": 0.0, "train_s": 0.0, "other_s": 0.0}  # the learner loop's time: batches, gradients, rest
         try:
             if transport == "flight":
-                from .flight import connect, serve
+                from ..flight import connect, serve
 
                 server = serve(store, "grpc://127.0.0.1:0")
                 address = server.location
@@ -693,7 +410,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo", description=__doc__.splitlines()[0]))
+    p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo", description=_DESCRIPTION))
     args = p.parse_args(argv)
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -711,7 +428,3 @@ def main(argv: list[str] | None = None) -> int:
 
 def _terminate(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
