@@ -1,0 +1,176 @@
+"""The janitor: reclaims shared stores whose owner died, lists stores, removes names, tracks leases."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+from typing import Any
+
+from .paths import (_GONE_PREFIX, _GRACE_S, _MANIFEST, _NEW_PREFIX, _OWNER, _OWNER_LOCK, PREFIX, _ino, _read_json,
+                    _start_time, shm_root, store_path)
+
+
+def gc(root: str | os.PathLike[str] | None = None) -> list[str]:
+    """Reclaim the shared stores whose owner process is dead; return their names.
+
+    Also removes half-created stores of dead creators, half-removed ones, and lease files of dead processes.
+    Safe to run at any time from any process: a live owner holds its owner lock, which the janitor never gets.
+    """
+    root = shm_root(root)
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        try:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            if e.name.startswith(PREFIX):
+                if _reclaim_if_stale(e.path):
+                    out.append(e.name[len(PREFIX):])
+                else:
+                    _live_leases(e.path, prune=True)
+            elif e.name.startswith(_GONE_PREFIX):
+                shutil.rmtree(e.path, ignore_errors=True)
+            elif e.name.startswith(_NEW_PREFIX) and _owner_dead(e.path):
+                shutil.rmtree(e.path, ignore_errors=True)
+        except OSError:  # raced with another janitor or the owner
+            continue
+    return out
+
+
+def list_stores(root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """One dict per shared store under `root`: name, path, owner pid, alive, sealed, bytes, attached pids."""
+    root = shm_root(root)
+    out = []
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        if not (e.name.startswith(PREFIX) and e.is_dir(follow_symlinks=False)):
+            continue
+        try:
+            owner = _read_json(os.path.join(e.path, _OWNER))
+        except (OSError, ValueError):
+            owner = {}
+        size = 0
+        for f in os.scandir(e.path):
+            if f.name.startswith("arena."):
+                size += f.stat().st_blocks * 512
+        out.append({"name": e.name[len(PREFIX):], "path": e.path, "owner_pid": owner.get("pid"),
+                    "alive": not _owner_dead(e.path), "sealed": os.path.exists(os.path.join(e.path, _MANIFEST)),
+                    "bytes": size, "attached_pids": _live_leases(e.path)})
+    return out
+
+
+def remove(name: str, root: str | os.PathLike[str] | None = None) -> bool:
+    """Remove the shared store `name` whatever its state (for cleanup; live users keep their mappings)."""
+    path = store_path(name, root)
+    existed = os.path.isdir(path)
+    _remove_dir(path, None)
+    return existed
+
+
+def _owner_dead(path: str) -> bool:
+    """True when nobody holds the owner lock of the store directory `path` (probe with a non-blocking flock)."""
+    try:
+        fd = os.open(os.path.join(path, _OWNER_LOCK), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            return time.time() - os.stat(path).st_mtime > _GRACE_S
+        except FileNotFoundError:
+            return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _reclaim_if_stale(path: str) -> bool:
+    """Remove the store at `path` if its owner is dead; True when it did."""
+    lock = os.path.join(path, _OWNER_LOCK)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if _owner_dead(path):
+            _remove_dir(path, None)
+            return True
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        # we hold the dead owner's lock: nobody else can be reclaiming this very directory
+        return _remove_dir(path, os.fstat(fd).st_ino)
+    finally:
+        os.close(fd)
+
+
+def _remove_dir(path: str, expected_ino: int | None) -> bool:
+    """Rename the store directory away (freeing the name at once), then delete it. With `expected_ino`, only if its
+    owner lock is still that file (a newer store of the same name is put back)."""
+    root, base = os.path.split(path)
+    gone = os.path.join(root, f"{_GONE_PREFIX}{base[len(PREFIX):]}.{os.getpid()}.{os.urandom(4).hex()}")
+    try:
+        os.rename(path, gone)
+    except FileNotFoundError:
+        return False
+    if expected_ino is not None and _ino(os.path.join(gone, _OWNER_LOCK)) != expected_ino:
+        try:
+            os.rename(gone, path)
+            return False
+        except OSError:
+            pass
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
+
+
+def _take_lease(path: str) -> tuple[int, str]:
+    lease = os.path.join(path, f"lease.{os.getpid()}-{_start_time(os.getpid())}-{os.urandom(4).hex()}")
+    fd = os.open(lease, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd, lease
+
+
+def _drop_lease(fd: int, lease: str) -> None:
+    if fd < 0:
+        return
+    try:
+        os.unlink(lease)
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+
+
+def _live_leases(path: str, prune: bool = False) -> list[int]:
+    """Pids with the store open (their lease file is locked); with `prune`, delete the leases of dead ones."""
+    pids = []
+    try:
+        names = [n for n in os.listdir(path) if n.startswith("lease.")]
+    except FileNotFoundError:
+        return []
+    for n in names:
+        file = os.path.join(path, n)
+        try:
+            fd = os.open(file, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if prune:
+                os.unlink(file)
+        except BlockingIOError:
+            pids.append(int(n.split(".", 1)[1].split("-", 1)[0]))
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
+    return sorted(pids)
