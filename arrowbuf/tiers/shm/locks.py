@@ -54,7 +54,7 @@ def _fn(f: Any, *argtypes: Any) -> Any:
 _PTHREAD: list[_Pthread | None] = []
 
 
-def _pthread() -> _Pthread | None:
+def pthread_lib() -> _Pthread | None:
     """The libc binding, or None where process-shared robust mutexes are not available (then: flock)."""
     if not _PTHREAD:
         try:
@@ -79,7 +79,7 @@ class RobustMutex:
 
     def __init__(self, mem: np.ndarray, init: bool) -> None:
         self._mem = mem  # keeps the mapping alive while the lock is used
-        lib = _pthread()
+        lib = pthread_lib()
         if lib is None:
             raise ArrowbufError("process-shared robust mutexes are not available here; use flock locks")
         self._lib: _Pthread = lib

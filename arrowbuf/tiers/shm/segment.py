@@ -17,11 +17,11 @@ import numpy as np
 
 from ...errors import ArrowbufError, OutOfSpace, StoreClosed, StoreExists, StoreNotFound
 from ..base import Tier
-from .janitor import _drop_lease, _live_leases, _reclaim_if_stale, _remove_dir, _take_lease, gc
-from .locks import FlockLock, RobustMutex, _pthread
+from .janitor import drop_lease, live_leases, reclaim_if_stale, remove_dir, take_lease, gc
+from .locks import FlockLock, RobustMutex, pthread_lib
 from .manifest import to_spec
-from .paths import (_LOCK_BYTES, _LOCK_SLOTS, _MANIFEST, _NEW_PREFIX, _OWNER, _OWNER_LOCK, _PAGE, FORMAT_VERSION, _fmt,
-                    _ino, _owner_desc, _read_json, _start_time, _write_json, shm_root, store_path)
+from .paths import (FORMAT_VERSION, LOCK_BYTES, LOCK_SLOTS, MANIFEST, NEW_PREFIX, OWNER_FILE, OWNER_LOCK, PAGE,
+                    fmt_bytes, inode, owner_desc, read_json, shm_root, start_time, store_path, write_json)
 
 
 class SharedMemoryTier(Tier):
@@ -43,18 +43,18 @@ class SharedMemoryTier(Tier):
         self.manifest: dict[str, Any] = manifest or {}
         self.populate = populate
         self._owner_fd = owner_fd          # the creator holds the owner lock for its lifetime
-        self._owner_ino = _ino(os.path.join(path, _OWNER_LOCK))
+        self._owner_ino = inode(os.path.join(path, OWNER_LOCK))
         self._layout: dict[str, dict[str, Any]] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._locks: dict[str, RobustMutex | FlockLock] = {}
         info = self.manifest.get("locks", {})
-        use_flock = os.environ.get("ARROWBUF_SHM_LOCKS") == "flock" or _pthread() is None
+        use_flock = os.environ.get("ARROWBUF_SHM_LOCKS") == "flock" or pthread_lib() is None
         self._lock_kind = info.get("kind") if not fresh else ("flock" if use_flock else "pthread")
         self._lock_slots: dict[str, int] = dict(info.get("slots", {}))
         self._lock_mem: np.ndarray | None = None
         self._sealed = not fresh
         self._closed = False
-        self._lease_fd, self._lease_path = _take_lease(path)
+        self._lease_fd, self._lease_path = take_lease(path)
 
     # ------------------------------------------------------------------ create / attach
     @classmethod
@@ -73,11 +73,11 @@ class SharedMemoryTier(Tier):
         final = store_path(name, root)
         root = shm_root(root)
         gc(root)
-        tmp = tempfile.mkdtemp(prefix=_NEW_PREFIX, dir=root)
+        tmp = tempfile.mkdtemp(prefix=NEW_PREFIX, dir=root)
         try:
-            owner_fd = os.open(os.path.join(tmp, _OWNER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            owner_fd = os.open(os.path.join(tmp, OWNER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(owner_fd, fcntl.LOCK_EX)
-            _write_json(os.path.join(tmp, _OWNER), {"pid": os.getpid(), "start_time": _start_time(os.getpid()),
+            write_json(os.path.join(tmp, OWNER_FILE), {"pid": os.getpid(), "start_time": start_time(os.getpid()),
                                                     "name": name, "created": time.time()})
             for attempt in range(2):
                 try:
@@ -86,9 +86,9 @@ class SharedMemoryTier(Tier):
                 except OSError as exc:
                     if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                         raise
-                    if attempt or not _reclaim_if_stale(final):  # a dead owner's store is reclaimed, then retried
+                    if attempt or not reclaim_if_stale(final):  # a dead owner's store is reclaimed, then retried
                         raise StoreExists(
-                            f"a shared store named {name!r} already exists at {final} (owner {_owner_desc(final)}): "
+                            f"a shared store named {name!r} already exists at {final} (owner {owner_desc(final)}): "
                             f"attach to it with ExperienceStore.attach({name!r}), or pick another name"
                         ) from None
         except BaseException:
@@ -111,11 +111,11 @@ class SharedMemoryTier(Tier):
         while True:
             why = f"no shared store named {name!r} ({path} does not exist)"
             if os.path.isdir(path):
-                if _reclaim_if_stale(path):
+                if reclaim_if_stale(path):
                     why = f"the shared store {name!r} was stale (its owner died) and has been reclaimed"
                 else:
                     try:
-                        with open(os.path.join(path, _MANIFEST)) as f:
+                        with open(os.path.join(path, MANIFEST)) as f:
                             manifest = json.load(f)
                         break
                     except FileNotFoundError:
@@ -139,13 +139,13 @@ class SharedMemoryTier(Tier):
             return
         vfs = os.statvfs(self.path)
         free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
-        needed = int(nbytes) + 64 * _PAGE
+        needed = int(nbytes) + 64 * PAGE
         if needed > free:
             self._abort()
             raise OutOfSpace(
-                f"shared store {self.store_name!r} needs {_fmt(needed)} in {os.path.dirname(self.path)} but only "
-                f"{_fmt(free)} is free (of {_fmt(total)}): free space there (docker: --shm-size), or create the "
-                "store with a smaller capacity"
+                f"shared store {self.store_name!r} needs {fmt_bytes(needed)} in {os.path.dirname(self.path)} but "
+                f"only {fmt_bytes(free)} is free (of {fmt_bytes(total)}): free space there (docker: --shm-size), or "
+                "create the store with a smaller capacity"
             )
 
     def allocate(self, key: str, dtype: Any, rows: int, shape: tuple[int, ...] = ()) -> np.ndarray:
@@ -155,7 +155,7 @@ class SharedMemoryTier(Tier):
         dtype, rows, shape = np.dtype(dtype), int(rows), tuple(int(s) for s in shape)
         count = rows * int(np.prod(shape, dtype=np.int64))
         nbytes = count * dtype.itemsize
-        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        size = max(PAGE, -(-nbytes // PAGE) * PAGE)
         entry = {"file": "arena." + quote(key, safe=""), "dtype": dtype.str, "rows": rows, "shape": list(shape),
                  "bytes": size}
         file = os.path.join(self.path, entry["file"])
@@ -205,8 +205,8 @@ class SharedMemoryTier(Tier):
             self._abort()
             if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
                 raise OutOfSpace(
-                    f"shared store {self.store_name!r}: arena {key!r} needs {_fmt(size)} in "
-                    f"{os.path.dirname(self.path)} but only {_fmt(free)} is free: free space there "
+                    f"shared store {self.store_name!r}: arena {key!r} needs {fmt_bytes(size)} in "
+                    f"{os.path.dirname(self.path)} but only {fmt_bytes(free)} is free: free space there "
                     "(docker: --shm-size), or create the store with a smaller capacity"
                 ) from None
             raise
@@ -224,15 +224,15 @@ class SharedMemoryTier(Tier):
             lk: RobustMutex | FlockLock = FlockLock(os.path.join(self.path, "lock." + quote(key, safe="")))
         else:
             if self._lock_mem is None:
-                self._lock_mem = self.allocate("tier.locks", np.dtype(np.uint8), _LOCK_SLOTS * _LOCK_BYTES)
+                self._lock_mem = self.allocate("tier.locks", np.dtype(np.uint8), LOCK_SLOTS * LOCK_BYTES)
             fresh = key not in self._lock_slots
             if fresh:
-                if not self.fresh or self._sealed or len(self._lock_slots) >= _LOCK_SLOTS:
+                if not self.fresh or self._sealed or len(self._lock_slots) >= LOCK_SLOTS:
                     raise ArrowbufError(f"shared store {self.store_name!r} has no lock {key!r}; it has "
                                         f"{sorted(self._lock_slots)} (locks are made before the store is sealed)")
                 self._lock_slots[key] = len(self._lock_slots)
-            at = self._lock_slots[key] * _LOCK_BYTES
-            lk = RobustMutex(self._lock_mem[at:at + _LOCK_BYTES], init=fresh)
+            at = self._lock_slots[key] * LOCK_BYTES
+            lk = RobustMutex(self._lock_mem[at:at + LOCK_BYTES], init=fresh)
         self._locks[key] = lk
         return lk
 
@@ -242,13 +242,13 @@ class SharedMemoryTier(Tier):
         if not self.fresh or self._sealed:
             return
         try:
-            owner = _read_json(os.path.join(self.path, _OWNER))
+            owner = read_json(os.path.join(self.path, OWNER_FILE))
             manifest = {"format": FORMAT_VERSION, "name": self.store_name, **meta,
                         "owner": {"pid": owner["pid"], "start_time": owner["start_time"]},
                         "locks": {"kind": self._lock_kind, "slots": self._lock_slots},
                         "arenas": self._layout}
             manifest = json.loads(json.dumps(manifest, default=to_spec))
-            _write_json(os.path.join(self.path, _MANIFEST), manifest)
+            write_json(os.path.join(self.path, MANIFEST), manifest)
         except BaseException:
             self._abort()
             raise
@@ -264,7 +264,7 @@ class SharedMemoryTier(Tier):
     def info(self) -> dict[str, Any]:
         """Where the store lives, who owns it and which processes have it open."""
         return {"path": self.path, "owner_pid": self.manifest.get("owner", {}).get("pid", os.getpid()),
-                "attached_pids": _live_leases(self.path), "bytes": self.nbytes()}
+                "attached_pids": live_leases(self.path), "bytes": self.nbytes()}
 
     def address_range(self, key: str) -> tuple[int, int]:
         """(first address, size) of the mapping of `key` in this process (to check that views are zero-copy)."""
@@ -283,7 +283,7 @@ class SharedMemoryTier(Tier):
     def unlink(self) -> None:
         """Remove the store's name now (any process may): attached processes keep their mappings until they
         close; new attaches fail. Idempotent; never removes a newer store that took the same name."""
-        _remove_dir(self.path, self._owner_ino)
+        remove_dir(self.path, self._owner_ino)
 
     def close(self) -> None:
         """Release this process's mappings and lease; the creator also removes the name. Idempotent.
@@ -301,7 +301,7 @@ class SharedMemoryTier(Tier):
             except BufferError:  # views still alive: unmapped when the last one goes
                 pass
         self._maps.clear()
-        _drop_lease(self._lease_fd, self._lease_path)
+        drop_lease(self._lease_fd, self._lease_path)
         self._lease_fd = -1
         if self._owner_fd >= 0:
             self.unlink()
