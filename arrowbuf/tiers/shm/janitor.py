@@ -152,6 +152,24 @@ def drop_lease(fd: int, lease: str) -> None:
     os.close(fd)
 
 
+def lease_holders(path: str) -> list[tuple[int, int]]:
+    """(pid, start time) of each process with the store open (a lease file it holds locked)."""
+    live = set(live_leases(path))
+    out = []
+    try:
+        names = [n for n in os.listdir(path) if n.startswith("lease.")]
+    except FileNotFoundError:
+        return []
+    for n in names:
+        try:
+            pid, start, _ = n[len("lease."):].split("-", 2)
+            if int(pid) in live:
+                out.append((int(pid), int(start)))
+        except ValueError:
+            continue
+    return out
+
+
 def live_leases(path: str, prune: bool = False) -> list[int]:
     """Pids with the store open (their lease file is locked); with `prune`, delete the leases of dead ones."""
     pids = []

@@ -15,11 +15,12 @@ from urllib.parse import quote
 
 import numpy as np
 
-from ...errors import ArrowbufError, OutOfSpace, StoreClosed, StoreExists, StoreNotFound
+from ...errors import ArrowbufError, OutOfSpace, StoreClosed, StoreCorrupt, StoreExists, StoreNotFound
 from ..base import Tier
 from .janitor import drop_lease, live_leases, reclaim_if_stale, remove_dir, take_lease, gc
 from .locks import FlockLock, RobustMutex, pthread_lib
-from .manifest import to_spec
+from .manifest import read_manifest, to_spec
+from .trust import check_store_dir, check_store_file, open_store_file
 from .paths import (FORMAT_VERSION, LOCK_BYTES, LOCK_SLOTS, MANIFEST, NEW_PREFIX, OWNER_FILE, OWNER_LOCK, PAGE,
                     fmt_bytes, inode, owner_desc, read_json, shm_root, start_time, store_path, write_json)
 
@@ -36,7 +37,8 @@ class SharedMemoryTier(Tier):
     shared = True
 
     def __init__(self, store_name: str, path: str, *, fresh: bool, owner_fd: int = -1,
-                 manifest: dict[str, Any] | None = None, populate: bool = True) -> None:
+                 manifest: dict[str, Any] | None = None, populate: bool = True,
+                 dir_stat: os.stat_result | None = None, allow_other_owner: bool = False) -> None:
         self.store_name = store_name
         self.path = path
         self.fresh = fresh
@@ -54,6 +56,8 @@ class SharedMemoryTier(Tier):
         self._lock_mem: np.ndarray | None = None
         self._sealed = not fresh
         self._closed = False
+        self._dir_stat = dir_stat          # attach: the checked directory; every file opened is checked against it
+        self._allow_other_owner = allow_other_owner
         self._lease_fd, self._lease_path = take_lease(path)
 
     # ------------------------------------------------------------------ create / attach
@@ -98,11 +102,16 @@ class SharedMemoryTier(Tier):
 
     @classmethod
     def attach(cls, name: str, *, root: str | os.PathLike[str] | None = None, timeout: float = 0.0,
-               populate: bool = True) -> "SharedMemoryTier":
+               populate: bool = True, allow_other_owner: bool = False) -> "SharedMemoryTier":
         """Open the sealed store `name`, waiting up to `timeout` seconds for it to be created and sealed.
+
+        Only a store of this process's user is opened, unless `allow_other_owner` (see `arrowbuf.tiers.shm.trust`);
+        its manifest is checked before anything is mapped.
 
         Raises:
             StoreNotFound: no live, sealed store of that name.
+            StoreNotTrusted: the store belongs to another user (without `allow_other_owner`), or others can write it.
+            StoreCorrupt: its manifest or files are malformed or were tampered with (the message names the file).
         """
         path = store_path(name, root)
         gc(root)
@@ -110,13 +119,13 @@ class SharedMemoryTier(Tier):
         pause = 1e-3
         while True:
             why = f"no shared store named {name!r} ({path} does not exist)"
-            if os.path.isdir(path):
+            if os.path.lexists(path):
+                dir_stat = check_store_dir(path, name, allow_other_owner)
                 if reclaim_if_stale(path):
                     why = f"the shared store {name!r} was stale (its owner died) and has been reclaimed"
                 else:
                     try:
-                        with open(os.path.join(path, MANIFEST)) as f:
-                            manifest = json.load(f)
+                        manifest = read_manifest(path, name, dir_stat, allow_other_owner)
                         break
                     except FileNotFoundError:
                         why = f"the shared store {name!r} is being created and is not sealed yet"
@@ -127,10 +136,8 @@ class SharedMemoryTier(Tier):
                                     f"name={name!r}) or pass attach(..., timeout=) to wait for it")
             time.sleep(min(pause, left))
             pause = min(2 * pause, 0.05)
-        if manifest.get("format") != FORMAT_VERSION:
-            raise ArrowbufError(f"shared store {name!r} has format {manifest.get('format')!r}; this arrowbuf reads "
-                                f"format {FORMAT_VERSION}: open it with the arrowbuf version that created it")
-        return cls(name, path, fresh=False, manifest=manifest, populate=populate)
+        return cls(name, path, fresh=False, manifest=manifest, populate=populate, dir_stat=dir_stat,
+                   allow_other_owner=allow_other_owner)
 
     # ------------------------------------------------------------------ Tier interface
     def reserve(self, nbytes: int) -> None:
@@ -169,16 +176,28 @@ class SharedMemoryTier(Tier):
             finally:
                 os.close(fd)
         else:
+            manifest = os.path.join(self.path, MANIFEST)
             want = self.manifest.get("arenas", {}).get(key)
             if want is None:
-                raise ArrowbufError(f"shared store {self.store_name!r} has no arena {key!r}; it has "
-                                    f"{sorted(self.manifest.get('arenas', {}))}: was it made by another version?")
+                raise StoreCorrupt(f"shared store {self.store_name!r}: its manifest {manifest} has no arena {key!r} "
+                                   f"(it has {sorted(self.manifest.get('arenas', {}))[:20]}): made by another "
+                                   "version, or tampered with")
             if want != entry:
-                raise ArrowbufError(f"shared store {self.store_name!r}: arena {key!r} is {want}, expected {entry}")
-            fd = os.open(file, os.O_RDWR | os.O_CLOEXEC)
+                raise StoreCorrupt(f"shared store {self.store_name!r}: its manifest {manifest} says arena {key!r} is "
+                                   f"{want}, but the store's geometry needs {entry}: tampered with, or another version")
             try:
+                fd = open_store_file(file, os.O_RDWR)
+            except FileNotFoundError:
+                raise StoreCorrupt(f"shared store {self.store_name!r}: arena file {file} is missing") from None
+            except OSError as exc:
+                raise StoreCorrupt(f"shared store {self.store_name!r}: arena file {file} cannot be opened "
+                                   f"({exc.strerror}; a link?)") from None
+            try:
+                if self._dir_stat is not None:
+                    check_store_file(fd, file, self.store_name, self._dir_stat, self._allow_other_owner)
                 if os.fstat(fd).st_size != size:
-                    raise ArrowbufError(f"shared store {self.store_name!r}: {file} has the wrong size")
+                    raise StoreCorrupt(f"shared store {self.store_name!r}: arena file {file} has "
+                                       f"{os.fstat(fd).st_size} bytes, its manifest says {size}")
                 mm = self._map(fd, size)
             finally:
                 os.close(fd)
@@ -232,7 +251,9 @@ class SharedMemoryTier(Tier):
                                         f"{sorted(self._lock_slots)} (locks are made before the store is sealed)")
                 self._lock_slots[key] = len(self._lock_slots)
             at = self._lock_slots[key] * LOCK_BYTES
-            lk = RobustMutex(self._lock_mem[at:at + LOCK_BYTES], init=fresh)
+            lk = RobustMutex(self._lock_mem[at:at + LOCK_BYTES], init=fresh,
+                             where=f"lock {key!r} (slot {self._lock_slots[key]} of {self.path}/arena.tier.locks)",
+                             store_dir=self.path)
         self._locks[key] = lk
         return lk
 
