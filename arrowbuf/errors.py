@@ -8,7 +8,8 @@ ArrowbufError                       every error arrowbuf raises on purpose
 ├── InsertTimeout(TimeoutError)     an insert was held back by the rate limiter past its timeout
 ├── StoreClosed(RuntimeError)       the store, tier, server or client was closed
 │   └── ShardsLost                  every shard of a sharded store is dead or unreachable
-├── Unavailable(ConnectionError)    a server cannot be reached (refused, unreachable, deadline passed)
+├── Unavailable(ConnectionError)    a server cannot be reached (refused, unreachable)
+│   └── DeadlineExceeded(TimeoutError) a call's deadline passed before the server answered
 ├── StoreNotFound(LookupError)      no store of that name (attach, remote store names)
 ├── StoreExists(FileExistsError)    a live shared store already has that name
 ├── OutOfSpace(MemoryError)         a tier has not enough room (/dev/shm, a byte budget)
@@ -54,6 +55,13 @@ class ShardsLost(StoreClosed):
 
 class Unavailable(ArrowbufError, ConnectionError):
     """A server cannot be reached: connection refused, host unreachable, or the call's deadline passed."""
+
+
+class DeadlineExceeded(Unavailable, TimeoutError):
+    """A remote call's deadline (`rpc_timeout=`, or `timeout=` of `ab.connect`) passed before the server answered.
+
+    Not retried: the server may have acted on the call (a batch may or may not be stored).
+    """
 
 
 class StoreNotFound(ArrowbufError, LookupError):
@@ -107,6 +115,7 @@ __all__ = [
     "StoreClosed",
     "ShardsLost",
     "Unavailable",
+    "DeadlineExceeded",
     "StoreNotFound",
     "StoreExists",
     "OutOfSpace",

@@ -10,7 +10,7 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, cast
 
 import numpy as np
 import pyarrow as pa
@@ -203,6 +203,8 @@ class ShardedStore:
 
     def _client(self, s: _Shard) -> Any:
         """The shard's Flight client, or None while it is down."""
+        if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
+            raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")
         if s.down:
             self._poll_revival(s)
             if s.down:
@@ -527,6 +529,8 @@ class ShardedStore:
     def writer(self, shard: int | None = None, *, transport: str = "auto", max_in_flight: int = 8,
                actor: Any = None) -> "ShardWriter":
         """A writer to one shard: `shard`, else a shard on this process's node, else one picked by writer id."""
+        if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
+            raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")
         w = ShardWriter(self, shard, transport=transport, max_in_flight=max_in_flight, actor=actor)
         self._writers.add(w)
         return w
@@ -565,6 +569,27 @@ class ShardedStore:
             t = s.client.to_table(columns)
             tables.append(t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))))
         return pa.concat_tables(tables) if tables else self.schema.to_arrow().empty_table()
+
+    # --- contracts: the rest of the StoreSurface (arrowbuf/surface.py)
+    def sql(self, query: str) -> pa.Table:
+        """DuckDB SQL, run here, over every live shard's rows (`to_table()`, with its `shard` column) as
+        `experience`. Needs `arrowbuf[query]`."""
+        from ..frames import run_sql
+
+        return run_sql(cast(Any, self), query)  # run_sql reads only to_table()
+
+    def episodes(self) -> pa.Table:
+        """Every live shard's episode summary, with a `shard` column first (episode ids are per shard)."""
+        tables = []
+        for s in self._live():
+            t = s.client.episodes()
+            tables.append(t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))))
+        if tables:
+            return pa.concat_tables(tables)
+        return pa.schema([("shard", pa.int32()), ("episode_id", pa.int64()), ("length", pa.int64()),
+                          ("return", pa.float64()), ("first_seq", pa.int64()), ("last_seq", pa.int64()),
+                          ("complete", pa.bool_())]).empty_table()
+    # --- end contracts
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -606,6 +631,8 @@ class ShardedStore:
     def __exit__(self, *exc: object) -> None:
         if self._owner:
             self.shutdown()
+        else:  # contracts: leaving the block closes the handle (StoreSurface)
+            self.close()
 
 
 def _resolve_tier(tier: str, schema: ExperienceSchema) -> str:
