@@ -13,6 +13,8 @@ ArrowbufError                       every error arrowbuf raises on purpose
 ├── StoreNotFound(LookupError)      no store of that name (attach, remote store names)
 ├── StoreExists(FileExistsError)    a live shared store already has that name
 ├── OutOfSpace(MemoryError)         a tier has not enough room (/dev/shm, a byte budget)
+├── StoreCorrupt(RuntimeError)      a shared store's files are malformed or were tampered with; names the file
+├── StoreNotTrusted(PermissionError) a shared store belongs to another user or others can write it (attach refuses)
 ├── MissingDependency(ImportError)  an optional extra is not installed; names the extra
 └── Unauthenticated(PermissionError) a wrong or missing token
 ```
@@ -74,6 +76,16 @@ class OutOfSpace(ArrowbufError, MemoryError):
     """A memory tier has not enough room for what was asked."""
 
 
+class StoreCorrupt(ArrowbufError, RuntimeError):
+    """A shared store's files (manifest, arenas, locks) are malformed or were tampered with; the message names the
+    file. The store cannot be used safely: recreate it."""
+
+
+class StoreNotTrusted(ArrowbufError, PermissionError):
+    """A shared store belongs to another user, or users other than its owner can write its files: attaching would
+    let them feed this process rows. `attach(name, allow_other_owner=True)` accepts another owner explicitly."""
+
+
 class MissingDependency(ArrowbufError, ImportError):
     """An optional dependency is missing; the message names the extra to install."""
 
@@ -107,6 +119,8 @@ __all__ = [
     "StoreNotFound",
     "StoreExists",
     "OutOfSpace",
+    "StoreCorrupt",
+    "StoreNotTrusted",
     "MissingDependency",
     "Unauthenticated",
     "require",

@@ -307,7 +307,7 @@ class _Pipeline:
                 if self.s.stop_event.wait(backoff):
                     raise _Stopped
                 backoff = min(backoff * 2, _WAIT_SLICE_S)
-        batch = parts[0][0] if len(parts) == 1 else _concat_batches([p[0] for p in parts])
+        batch = parts[0][0] if len(parts) == 1 else SampleBatch.concat([p[0] for p in parts])
         versions = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
         if cfg.drop_version:
             batch = SampleBatch({c: batch[c] for c in batch.columns if c != POLICY_VERSION}, batch.indices,
@@ -640,22 +640,6 @@ def _select_rows(batch: SampleBatch, keep: np.ndarray) -> SampleBatch:
     arrays = {c: _take(batch[c], rows) for c in batch.columns}
     weights = batch.weights[rows] if batch.weights is not None else None
     return SampleBatch(arrays, batch.indices[rows], weights, batch.info)
-
-
-def _concat_batches(parts: list[SampleBatch]) -> SampleBatch:
-    """Rows of several batches of the same columns, in order (weights are kept as each draw normalised them)."""
-    arrays: dict[str, Any] = {}
-    for c in parts[0].columns:
-        vals = [p[c] for p in parts]
-        if isinstance(vals[0], (pa.Array, pa.ChunkedArray)):
-            arrays[c] = pa.concat_arrays([v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v
-                                          for v in vals])
-        else:
-            arrays[c] = np.concatenate(vals)
-    weights = None
-    if all(p.weights is not None for p in parts):
-        weights = np.concatenate([p.weights for p in parts])
-    return SampleBatch(arrays, np.concatenate([p.indices for p in parts]), weights, parts[0].info)
 
 
 def _map_tensors(v: Any, fn: Callable[[Any], Any]) -> Any:

@@ -168,7 +168,8 @@ class ExperienceStore(IngestMixin):
                              "rate_limiter": self.rate_limiter, "max_times_sampled": max_times_sampled})
 
     @classmethod
-    def attach(cls, name: str, *, seed: int | None = None, timeout: float = 0.0) -> "ExperienceStore":
+    def attach(cls, name: str, *, seed: int | None = None, timeout: float = 0.0,
+               allow_other_owner: bool = False) -> "ExperienceStore":
         """Open the shared store `name` (made with `tier="shm"`) from any process on the node: the same store over the
         same memory, with the same surface (append, extend, sample, update_priorities, to_table, sql, ...).
 
@@ -176,13 +177,17 @@ class ExperienceStore(IngestMixin):
             name: the shared store's name.
             seed: seed of this process's sampling.
             timeout: seconds to wait for the store to be created and sealed.
+            allow_other_owner: open a store that another local user created (refused by default: that user could
+                feed this process rows; see docs/security.md).
 
         Raises:
             StoreNotFound: no live store of that name (its owner died: the janitor reclaimed it).
+            StoreNotTrusted: the store belongs to another user (without `allow_other_owner`) or others can write it.
+            StoreCorrupt: its manifest or files are malformed or were tampered with; the message names the file.
         """
         from .tiers.shm import SharedMemoryTier, from_spec
 
-        tier = SharedMemoryTier.attach(name, timeout=timeout)
+        tier = SharedMemoryTier.attach(name, timeout=timeout, allow_other_owner=allow_other_owner)
         try:
             m = tier.manifest
             return cls(m["schema"], m["capacity"], from_spec(m["sampler"]), from_spec(m["rate_limiter"]), seed,

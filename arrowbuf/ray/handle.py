@@ -345,7 +345,10 @@ class ShardedStore:
             ShardsLost: no shard is left.
         """
         parts = list(self.stream(n, columns, timeout, deadline=deadline, fanout=fanout, **options))
-        return parts[0] if len(parts) == 1 else _concat(parts)
+        if len(parts) == 1:
+            return parts[0]
+        info = {"shards": [p.info.get("shard") for p in parts], "rows_per_part": [len(p) for p in parts]}
+        return SampleBatch.concat(parts, info)
 
     def stream(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                deadline: float | None = ..., fanout: int | None = ...,  # type: ignore[assignment]
@@ -673,17 +676,3 @@ def _allocate_fanout(n: int, masses: np.ndarray, fanout: int, rng: np.random.Gen
     share = np.full(fanout, n // fanout, dtype=np.int64)
     share[rng.permutation(fanout)[: n % fanout]] += 1  # which draws carry the remainder: at random (unbiased)
     return np.bincount(picks, weights=share, minlength=len(masses)).astype(np.int64)
-
-
-def _concat(parts: list[SampleBatch]) -> SampleBatch:
-    arrays: dict[str, Any] = {}
-    for c in parts[0].columns:
-        vals = [p[c] for p in parts]
-        if isinstance(vals[0], (pa.Array, pa.ChunkedArray)):
-            arrays[c] = pa.concat_arrays([v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v for v in vals])
-        else:
-            arrays[c] = np.concatenate(vals)
-    weights = np.concatenate([p.weights for p in parts]) if all(p.weights is not None for p in parts) else None
-    info = {"shards": [p.info.get("shard") for p in parts], "rows_per_part": [len(p) for p in parts]}
-    return SampleBatch(arrays, np.concatenate([p.indices for p in parts]), weights, info)
-

@@ -8,8 +8,8 @@ import shutil
 import time
 from typing import Any
 
-from .paths import (_GONE_PREFIX, _GRACE_S, _MANIFEST, _NEW_PREFIX, _OWNER, _OWNER_LOCK, PREFIX, _ino, _read_json,
-                    _start_time, shm_root, store_path)
+from .paths import (GONE_PREFIX, GRACE_S, MANIFEST, NEW_PREFIX, OWNER_FILE, OWNER_LOCK, PREFIX, inode, read_json,
+                    start_time, shm_root, store_path)
 
 
 def gc(root: str | os.PathLike[str] | None = None) -> list[str]:
@@ -29,13 +29,13 @@ def gc(root: str | os.PathLike[str] | None = None) -> list[str]:
             if not e.is_dir(follow_symlinks=False):
                 continue
             if e.name.startswith(PREFIX):
-                if _reclaim_if_stale(e.path):
+                if reclaim_if_stale(e.path):
                     out.append(e.name[len(PREFIX):])
                 else:
-                    _live_leases(e.path, prune=True)
-            elif e.name.startswith(_GONE_PREFIX):
+                    live_leases(e.path, prune=True)
+            elif e.name.startswith(GONE_PREFIX):
                 shutil.rmtree(e.path, ignore_errors=True)
-            elif e.name.startswith(_NEW_PREFIX) and _owner_dead(e.path):
+            elif e.name.startswith(NEW_PREFIX) and owner_dead(e.path):
                 shutil.rmtree(e.path, ignore_errors=True)
         except OSError:  # raced with another janitor or the owner
             continue
@@ -54,7 +54,7 @@ def list_stores(root: str | os.PathLike[str] | None = None) -> list[dict[str, An
         if not (e.name.startswith(PREFIX) and e.is_dir(follow_symlinks=False)):
             continue
         try:
-            owner = _read_json(os.path.join(e.path, _OWNER))
+            owner = read_json(os.path.join(e.path, OWNER_FILE))
         except (OSError, ValueError):
             owner = {}
         size = 0
@@ -62,8 +62,8 @@ def list_stores(root: str | os.PathLike[str] | None = None) -> list[dict[str, An
             if f.name.startswith("arena."):
                 size += f.stat().st_blocks * 512
         out.append({"name": e.name[len(PREFIX):], "path": e.path, "owner_pid": owner.get("pid"),
-                    "alive": not _owner_dead(e.path), "sealed": os.path.exists(os.path.join(e.path, _MANIFEST)),
-                    "bytes": size, "attached_pids": _live_leases(e.path)})
+                    "alive": not owner_dead(e.path), "sealed": os.path.exists(os.path.join(e.path, MANIFEST)),
+                    "bytes": size, "attached_pids": live_leases(e.path)})
     return out
 
 
@@ -71,19 +71,21 @@ def remove(name: str, root: str | os.PathLike[str] | None = None) -> bool:
     """Remove the shared store `name` whatever its state (for cleanup; live users keep their mappings)."""
     path = store_path(name, root)
     existed = os.path.isdir(path)
-    _remove_dir(path, None)
+    remove_dir(path, None)
     return existed
 
 
-def _owner_dead(path: str) -> bool:
-    """True when nobody holds the owner lock of the store directory `path` (probe with a non-blocking flock)."""
+def owner_dead(path: str) -> bool:
+    """True when nobody holds the owner lock of the store directory `path` (probe with a non-blocking flock; about
+    5 us): its creator died or closed it. A directory that is gone has no live owner either; one without an owner
+    lock counts as dead once it is older than `GRACE_S` (before that it may be racing its own creation)."""
     try:
-        fd = os.open(os.path.join(path, _OWNER_LOCK), os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
         try:
-            return time.time() - os.stat(path).st_mtime > _GRACE_S
+            return time.time() - os.stat(path).st_mtime > GRACE_S
         except FileNotFoundError:
-            return False
+            return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -93,14 +95,14 @@ def _owner_dead(path: str) -> bool:
         os.close(fd)
 
 
-def _reclaim_if_stale(path: str) -> bool:
+def reclaim_if_stale(path: str) -> bool:
     """Remove the store at `path` if its owner is dead; True when it did."""
-    lock = os.path.join(path, _OWNER_LOCK)
+    lock = os.path.join(path, OWNER_LOCK)
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
-        if _owner_dead(path):
-            _remove_dir(path, None)
+        if owner_dead(path):
+            remove_dir(path, None)
             return True
         return False
     try:
@@ -109,21 +111,21 @@ def _reclaim_if_stale(path: str) -> bool:
         except BlockingIOError:
             return False
         # we hold the dead owner's lock: nobody else can be reclaiming this very directory
-        return _remove_dir(path, os.fstat(fd).st_ino)
+        return remove_dir(path, os.fstat(fd).st_ino)
     finally:
         os.close(fd)
 
 
-def _remove_dir(path: str, expected_ino: int | None) -> bool:
+def remove_dir(path: str, expected_ino: int | None) -> bool:
     """Rename the store directory away (freeing the name at once), then delete it. With `expected_ino`, only if its
     owner lock is still that file (a newer store of the same name is put back)."""
     root, base = os.path.split(path)
-    gone = os.path.join(root, f"{_GONE_PREFIX}{base[len(PREFIX):]}.{os.getpid()}.{os.urandom(4).hex()}")
+    gone = os.path.join(root, f"{GONE_PREFIX}{base[len(PREFIX):]}.{os.getpid()}.{os.urandom(4).hex()}")
     try:
         os.rename(path, gone)
     except FileNotFoundError:
         return False
-    if expected_ino is not None and _ino(os.path.join(gone, _OWNER_LOCK)) != expected_ino:
+    if expected_ino is not None and inode(os.path.join(gone, OWNER_LOCK)) != expected_ino:
         try:
             os.rename(gone, path)
             return False
@@ -133,14 +135,14 @@ def _remove_dir(path: str, expected_ino: int | None) -> bool:
     return True
 
 
-def _take_lease(path: str) -> tuple[int, str]:
-    lease = os.path.join(path, f"lease.{os.getpid()}-{_start_time(os.getpid())}-{os.urandom(4).hex()}")
+def take_lease(path: str) -> tuple[int, str]:
+    lease = os.path.join(path, f"lease.{os.getpid()}-{start_time(os.getpid())}-{os.urandom(4).hex()}")
     fd = os.open(lease, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd, lease
 
 
-def _drop_lease(fd: int, lease: str) -> None:
+def drop_lease(fd: int, lease: str) -> None:
     if fd < 0:
         return
     try:
@@ -150,7 +152,25 @@ def _drop_lease(fd: int, lease: str) -> None:
     os.close(fd)
 
 
-def _live_leases(path: str, prune: bool = False) -> list[int]:
+def lease_holders(path: str) -> list[tuple[int, int]]:
+    """(pid, start time) of each process with the store open (a lease file it holds locked)."""
+    live = set(live_leases(path))
+    out = []
+    try:
+        names = [n for n in os.listdir(path) if n.startswith("lease.")]
+    except FileNotFoundError:
+        return []
+    for n in names:
+        try:
+            pid, start, _ = n[len("lease."):].split("-", 2)
+            if int(pid) in live:
+                out.append((int(pid), int(start)))
+        except ValueError:
+            continue
+    return out
+
+
+def live_leases(path: str, prune: bool = False) -> list[int]:
     """Pids with the store open (their lease file is locked); with `prune`, delete the leases of dead ones."""
     pids = []
     try:

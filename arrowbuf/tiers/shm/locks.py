@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ArrowbufError, StoreClosed
+from ...errors import ArrowbufError, StoreClosed, StoreCorrupt
 
 
 class _Pthread:
@@ -54,7 +54,7 @@ def _fn(f: Any, *argtypes: Any) -> Any:
 _PTHREAD: list[_Pthread | None] = []
 
 
-def _pthread() -> _Pthread | None:
+def pthread_lib() -> _Pthread | None:
     """The libc binding, or None where process-shared robust mutexes are not available (then: flock)."""
     if not _PTHREAD:
         try:
@@ -62,6 +62,21 @@ def _pthread() -> _Pthread | None:
         except (OSError, AttributeError):
             _PTHREAD.append(None)
     return _PTHREAD[0]
+
+
+#: glibc keeps a robust mutex's holder thread id in the first int of pthread_mutex_t (with FUTEX_WAITERS and
+#: FUTEX_OWNER_DIED as the top bits); other C libraries lay it out differently, and the stuck-holder check is off there.
+def _is_glibc() -> bool:
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")  # type: ignore[union-attr]
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+_GLIBC = sys.platform.startswith("linux") and _is_glibc()
+_FUTEX_TID_MASK = 0x3FFFFFFF
+#: Consecutive 50 ms waits with the same holder before the holder is checked (a live holder is never declared stuck).
+_STUCK_SLICES = 10
 
 
 class _Timespec(ctypes.Structure):
@@ -77,9 +92,11 @@ class RobustMutex:
     Works as the lock of a `threading.Condition`.
     """
 
-    def __init__(self, mem: np.ndarray, init: bool) -> None:
+    def __init__(self, mem: np.ndarray, init: bool, where: str = "", store_dir: str | None = None) -> None:
         self._mem = mem  # keeps the mapping alive while the lock is used
-        lib = _pthread()
+        self.where = where or "a shared-memory lock"
+        self._store_dir = store_dir  # to tell a holder that has the store open from one that cannot hold its lock
+        lib = pthread_lib()
         if lib is None:
             raise ArrowbufError("process-shared robust mutexes are not available here; use flock locks")
         self._lib: _Pthread = lib
@@ -95,6 +112,7 @@ class RobustMutex:
                 return False
             forever = timeout is None or timeout < 0
             deadline = time.time() + (0.0 if forever else timeout)
+            seen, same = -1, 0
             while True:  # in slices: between them Python runs signal handlers (Ctrl-C stops a blocked process)
                 at = time.time() + 0.05 if forever else min(deadline, time.time() + 0.05)
                 ts = _Timespec(int(at), int((at % 1) * 1e9))
@@ -103,12 +121,58 @@ class RobustMutex:
                     break
                 if not forever and time.time() >= deadline:
                     return False
+                # the same holder for many slices: make sure it is one that can ever release the lock
+                word = self._word()
+                same = same + 1 if word == seen else 0
+                seen = word
+                if same == _STUCK_SLICES:
+                    why = self._unreleasable(word)
+                    if why:
+                        raise StoreCorrupt(f"{self.where} is {why}: its memory was overwritten, nobody can ever "
+                                           "release it. The store cannot be used safely: recreate it")
+                    same = 0
         if r == errno.EOWNERDEAD:  # its holder died: what it guarded is in a state the store tolerates
             lib.consistent(self._addr)
             r = 0
         if r:
-            raise OSError(r, f"pthread_mutex_lock: {os.strerror(r)}")
+            raise StoreCorrupt(f"{self.where} cannot be locked (pthread_mutex_lock: {os.strerror(r)}): its memory "
+                               "was overwritten. The store cannot be used safely: recreate it")
         return True
+
+    def _word(self) -> int:
+        """The mutex's lock word (glibc: the holder's thread id and the FUTEX_WAITERS and FUTEX_OWNER_DIED bits; -1
+        where the layout is unknown)."""
+        return ctypes.c_uint32.from_address(self._addr).value if _GLIBC else -1
+
+    def _unreleasable(self, word: int) -> str:
+        """Why the holder named by the lock word can never release it ('' when it may, or when that is unknown).
+
+        A robust mutex's holder that dies is marked by the kernel (the next locker gets EOWNERDEAD), so a lock word
+        naming a thread that does not exist, or a thread of a process that does not have the store open, can only
+        come from overwritten memory. Checked only where every process with the store open is visible in this
+        process's /proc (one pid namespace), since thread ids are per namespace.
+        """
+        tid = word & _FUTEX_TID_MASK
+        if word < 0 or tid == 0 or self._store_dir is None:
+            return ""
+        if tid == threading.get_native_id():
+            return f"marked as held by this very thread (id {tid}), which is waiting for it"
+        from .janitor import lease_holders
+        from .paths import start_time
+
+        holders = lease_holders(self._store_dir)
+        if any(start_time(pid) != started for pid, started in holders):
+            return ""  # a process with the store open is not ours to see (another pid namespace): cannot tell
+        try:
+            with open(f"/proc/{tid}/status") as f:
+                tgid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
+        except FileNotFoundError:
+            return f"marked as held by thread {tid}, which does not exist"
+        except (OSError, StopIteration, ValueError):
+            return ""
+        if tgid not in {pid for pid, _ in holders}:
+            return f"marked as held by thread {tid} of process {tgid}, which does not have the store open"
+        return ""
 
     def release(self) -> None:
         r = self._lib.unlock(self._addr)

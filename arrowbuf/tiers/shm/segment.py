@@ -15,13 +15,14 @@ from urllib.parse import quote
 
 import numpy as np
 
-from ...errors import ArrowbufError, OutOfSpace, StoreClosed, StoreExists, StoreNotFound
+from ...errors import ArrowbufError, OutOfSpace, StoreClosed, StoreCorrupt, StoreExists, StoreNotFound
 from ..base import Tier
-from .janitor import _drop_lease, _live_leases, _reclaim_if_stale, _remove_dir, _take_lease, gc
-from .locks import FlockLock, RobustMutex, _pthread
-from .manifest import to_spec
-from .paths import (_LOCK_BYTES, _LOCK_SLOTS, _MANIFEST, _NEW_PREFIX, _OWNER, _OWNER_LOCK, _PAGE, FORMAT_VERSION, _fmt,
-                    _ino, _owner_desc, _read_json, _start_time, _write_json, shm_root, store_path)
+from .janitor import drop_lease, live_leases, reclaim_if_stale, remove_dir, take_lease, gc
+from .locks import FlockLock, RobustMutex, pthread_lib
+from .manifest import read_manifest, to_spec
+from .trust import check_store_dir, check_store_file, open_store_file
+from .paths import (FORMAT_VERSION, LOCK_BYTES, LOCK_SLOTS, MANIFEST, NEW_PREFIX, OWNER_FILE, OWNER_LOCK, PAGE,
+                    fmt_bytes, inode, owner_desc, read_json, shm_root, start_time, store_path, write_json)
 
 
 class SharedMemoryTier(Tier):
@@ -36,25 +37,28 @@ class SharedMemoryTier(Tier):
     shared = True
 
     def __init__(self, store_name: str, path: str, *, fresh: bool, owner_fd: int = -1,
-                 manifest: dict[str, Any] | None = None, populate: bool = True) -> None:
+                 manifest: dict[str, Any] | None = None, populate: bool = True,
+                 dir_stat: os.stat_result | None = None, allow_other_owner: bool = False) -> None:
         self.store_name = store_name
         self.path = path
         self.fresh = fresh
         self.manifest: dict[str, Any] = manifest or {}
         self.populate = populate
         self._owner_fd = owner_fd          # the creator holds the owner lock for its lifetime
-        self._owner_ino = _ino(os.path.join(path, _OWNER_LOCK))
+        self._owner_ino = inode(os.path.join(path, OWNER_LOCK))
         self._layout: dict[str, dict[str, Any]] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._locks: dict[str, RobustMutex | FlockLock] = {}
         info = self.manifest.get("locks", {})
-        use_flock = os.environ.get("ARROWBUF_SHM_LOCKS") == "flock" or _pthread() is None
+        use_flock = os.environ.get("ARROWBUF_SHM_LOCKS") == "flock" or pthread_lib() is None
         self._lock_kind = info.get("kind") if not fresh else ("flock" if use_flock else "pthread")
         self._lock_slots: dict[str, int] = dict(info.get("slots", {}))
         self._lock_mem: np.ndarray | None = None
         self._sealed = not fresh
         self._closed = False
-        self._lease_fd, self._lease_path = _take_lease(path)
+        self._dir_stat = dir_stat          # attach: the checked directory; every file opened is checked against it
+        self._allow_other_owner = allow_other_owner
+        self._lease_fd, self._lease_path = take_lease(path)
 
     # ------------------------------------------------------------------ create / attach
     @classmethod
@@ -73,11 +77,11 @@ class SharedMemoryTier(Tier):
         final = store_path(name, root)
         root = shm_root(root)
         gc(root)
-        tmp = tempfile.mkdtemp(prefix=_NEW_PREFIX, dir=root)
+        tmp = tempfile.mkdtemp(prefix=NEW_PREFIX, dir=root)
         try:
-            owner_fd = os.open(os.path.join(tmp, _OWNER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            owner_fd = os.open(os.path.join(tmp, OWNER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(owner_fd, fcntl.LOCK_EX)
-            _write_json(os.path.join(tmp, _OWNER), {"pid": os.getpid(), "start_time": _start_time(os.getpid()),
+            write_json(os.path.join(tmp, OWNER_FILE), {"pid": os.getpid(), "start_time": start_time(os.getpid()),
                                                     "name": name, "created": time.time()})
             for attempt in range(2):
                 try:
@@ -86,9 +90,9 @@ class SharedMemoryTier(Tier):
                 except OSError as exc:
                     if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                         raise
-                    if attempt or not _reclaim_if_stale(final):  # a dead owner's store is reclaimed, then retried
+                    if attempt or not reclaim_if_stale(final):  # a dead owner's store is reclaimed, then retried
                         raise StoreExists(
-                            f"a shared store named {name!r} already exists at {final} (owner {_owner_desc(final)}): "
+                            f"a shared store named {name!r} already exists at {final} (owner {owner_desc(final)}): "
                             f"attach to it with ExperienceStore.attach({name!r}), or pick another name"
                         ) from None
         except BaseException:
@@ -98,11 +102,16 @@ class SharedMemoryTier(Tier):
 
     @classmethod
     def attach(cls, name: str, *, root: str | os.PathLike[str] | None = None, timeout: float = 0.0,
-               populate: bool = True) -> "SharedMemoryTier":
+               populate: bool = True, allow_other_owner: bool = False) -> "SharedMemoryTier":
         """Open the sealed store `name`, waiting up to `timeout` seconds for it to be created and sealed.
+
+        Only a store of this process's user is opened, unless `allow_other_owner` (see `arrowbuf.tiers.shm.trust`);
+        its manifest is checked before anything is mapped.
 
         Raises:
             StoreNotFound: no live, sealed store of that name.
+            StoreNotTrusted: the store belongs to another user (without `allow_other_owner`), or others can write it.
+            StoreCorrupt: its manifest or files are malformed or were tampered with (the message names the file).
         """
         path = store_path(name, root)
         gc(root)
@@ -110,13 +119,13 @@ class SharedMemoryTier(Tier):
         pause = 1e-3
         while True:
             why = f"no shared store named {name!r} ({path} does not exist)"
-            if os.path.isdir(path):
-                if _reclaim_if_stale(path):
+            if os.path.lexists(path):
+                dir_stat = check_store_dir(path, name, allow_other_owner)
+                if reclaim_if_stale(path):
                     why = f"the shared store {name!r} was stale (its owner died) and has been reclaimed"
                 else:
                     try:
-                        with open(os.path.join(path, _MANIFEST)) as f:
-                            manifest = json.load(f)
+                        manifest = read_manifest(path, name, dir_stat, allow_other_owner)
                         break
                     except FileNotFoundError:
                         why = f"the shared store {name!r} is being created and is not sealed yet"
@@ -127,10 +136,8 @@ class SharedMemoryTier(Tier):
                                     f"name={name!r}) or pass attach(..., timeout=) to wait for it")
             time.sleep(min(pause, left))
             pause = min(2 * pause, 0.05)
-        if manifest.get("format") != FORMAT_VERSION:
-            raise ArrowbufError(f"shared store {name!r} has format {manifest.get('format')!r}; this arrowbuf reads "
-                                f"format {FORMAT_VERSION}: open it with the arrowbuf version that created it")
-        return cls(name, path, fresh=False, manifest=manifest, populate=populate)
+        return cls(name, path, fresh=False, manifest=manifest, populate=populate, dir_stat=dir_stat,
+                   allow_other_owner=allow_other_owner)
 
     # ------------------------------------------------------------------ Tier interface
     def reserve(self, nbytes: int) -> None:
@@ -139,13 +146,13 @@ class SharedMemoryTier(Tier):
             return
         vfs = os.statvfs(self.path)
         free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
-        needed = int(nbytes) + 64 * _PAGE
+        needed = int(nbytes) + 64 * PAGE
         if needed > free:
             self._abort()
             raise OutOfSpace(
-                f"shared store {self.store_name!r} needs {_fmt(needed)} in {os.path.dirname(self.path)} but only "
-                f"{_fmt(free)} is free (of {_fmt(total)}): free space there (docker: --shm-size), or create the "
-                "store with a smaller capacity"
+                f"shared store {self.store_name!r} needs {fmt_bytes(needed)} in {os.path.dirname(self.path)} but "
+                f"only {fmt_bytes(free)} is free (of {fmt_bytes(total)}): free space there (docker: --shm-size), or "
+                "create the store with a smaller capacity"
             )
 
     def allocate(self, key: str, dtype: Any, rows: int, shape: tuple[int, ...] = ()) -> np.ndarray:
@@ -155,7 +162,7 @@ class SharedMemoryTier(Tier):
         dtype, rows, shape = np.dtype(dtype), int(rows), tuple(int(s) for s in shape)
         count = rows * int(np.prod(shape, dtype=np.int64))
         nbytes = count * dtype.itemsize
-        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        size = max(PAGE, -(-nbytes // PAGE) * PAGE)
         entry = {"file": "arena." + quote(key, safe=""), "dtype": dtype.str, "rows": rows, "shape": list(shape),
                  "bytes": size}
         file = os.path.join(self.path, entry["file"])
@@ -169,16 +176,28 @@ class SharedMemoryTier(Tier):
             finally:
                 os.close(fd)
         else:
+            manifest = os.path.join(self.path, MANIFEST)
             want = self.manifest.get("arenas", {}).get(key)
             if want is None:
-                raise ArrowbufError(f"shared store {self.store_name!r} has no arena {key!r}; it has "
-                                    f"{sorted(self.manifest.get('arenas', {}))}: was it made by another version?")
+                raise StoreCorrupt(f"shared store {self.store_name!r}: its manifest {manifest} has no arena {key!r} "
+                                   f"(it has {sorted(self.manifest.get('arenas', {}))[:20]}): made by another "
+                                   "version, or tampered with")
             if want != entry:
-                raise ArrowbufError(f"shared store {self.store_name!r}: arena {key!r} is {want}, expected {entry}")
-            fd = os.open(file, os.O_RDWR | os.O_CLOEXEC)
+                raise StoreCorrupt(f"shared store {self.store_name!r}: its manifest {manifest} says arena {key!r} is "
+                                   f"{want}, but the store's geometry needs {entry}: tampered with, or another version")
             try:
+                fd = open_store_file(file, os.O_RDWR)
+            except FileNotFoundError:
+                raise StoreCorrupt(f"shared store {self.store_name!r}: arena file {file} is missing") from None
+            except OSError as exc:
+                raise StoreCorrupt(f"shared store {self.store_name!r}: arena file {file} cannot be opened "
+                                   f"({exc.strerror}; a link?)") from None
+            try:
+                if self._dir_stat is not None:
+                    check_store_file(fd, file, self.store_name, self._dir_stat, self._allow_other_owner)
                 if os.fstat(fd).st_size != size:
-                    raise ArrowbufError(f"shared store {self.store_name!r}: {file} has the wrong size")
+                    raise StoreCorrupt(f"shared store {self.store_name!r}: arena file {file} has "
+                                       f"{os.fstat(fd).st_size} bytes, its manifest says {size}")
                 mm = self._map(fd, size)
             finally:
                 os.close(fd)
@@ -205,8 +224,8 @@ class SharedMemoryTier(Tier):
             self._abort()
             if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
                 raise OutOfSpace(
-                    f"shared store {self.store_name!r}: arena {key!r} needs {_fmt(size)} in "
-                    f"{os.path.dirname(self.path)} but only {_fmt(free)} is free: free space there "
+                    f"shared store {self.store_name!r}: arena {key!r} needs {fmt_bytes(size)} in "
+                    f"{os.path.dirname(self.path)} but only {fmt_bytes(free)} is free: free space there "
                     "(docker: --shm-size), or create the store with a smaller capacity"
                 ) from None
             raise
@@ -224,15 +243,17 @@ class SharedMemoryTier(Tier):
             lk: RobustMutex | FlockLock = FlockLock(os.path.join(self.path, "lock." + quote(key, safe="")))
         else:
             if self._lock_mem is None:
-                self._lock_mem = self.allocate("tier.locks", np.dtype(np.uint8), _LOCK_SLOTS * _LOCK_BYTES)
+                self._lock_mem = self.allocate("tier.locks", np.dtype(np.uint8), LOCK_SLOTS * LOCK_BYTES)
             fresh = key not in self._lock_slots
             if fresh:
-                if not self.fresh or self._sealed or len(self._lock_slots) >= _LOCK_SLOTS:
+                if not self.fresh or self._sealed or len(self._lock_slots) >= LOCK_SLOTS:
                     raise ArrowbufError(f"shared store {self.store_name!r} has no lock {key!r}; it has "
                                         f"{sorted(self._lock_slots)} (locks are made before the store is sealed)")
                 self._lock_slots[key] = len(self._lock_slots)
-            at = self._lock_slots[key] * _LOCK_BYTES
-            lk = RobustMutex(self._lock_mem[at:at + _LOCK_BYTES], init=fresh)
+            at = self._lock_slots[key] * LOCK_BYTES
+            lk = RobustMutex(self._lock_mem[at:at + LOCK_BYTES], init=fresh,
+                             where=f"lock {key!r} (slot {self._lock_slots[key]} of {self.path}/arena.tier.locks)",
+                             store_dir=self.path)
         self._locks[key] = lk
         return lk
 
@@ -242,13 +263,13 @@ class SharedMemoryTier(Tier):
         if not self.fresh or self._sealed:
             return
         try:
-            owner = _read_json(os.path.join(self.path, _OWNER))
+            owner = read_json(os.path.join(self.path, OWNER_FILE))
             manifest = {"format": FORMAT_VERSION, "name": self.store_name, **meta,
                         "owner": {"pid": owner["pid"], "start_time": owner["start_time"]},
                         "locks": {"kind": self._lock_kind, "slots": self._lock_slots},
                         "arenas": self._layout}
             manifest = json.loads(json.dumps(manifest, default=to_spec))
-            _write_json(os.path.join(self.path, _MANIFEST), manifest)
+            write_json(os.path.join(self.path, MANIFEST), manifest)
         except BaseException:
             self._abort()
             raise
@@ -264,7 +285,7 @@ class SharedMemoryTier(Tier):
     def info(self) -> dict[str, Any]:
         """Where the store lives, who owns it and which processes have it open."""
         return {"path": self.path, "owner_pid": self.manifest.get("owner", {}).get("pid", os.getpid()),
-                "attached_pids": _live_leases(self.path), "bytes": self.nbytes()}
+                "attached_pids": live_leases(self.path), "bytes": self.nbytes()}
 
     def address_range(self, key: str) -> tuple[int, int]:
         """(first address, size) of the mapping of `key` in this process (to check that views are zero-copy)."""
@@ -283,7 +304,7 @@ class SharedMemoryTier(Tier):
     def unlink(self) -> None:
         """Remove the store's name now (any process may): attached processes keep their mappings until they
         close; new attaches fail. Idempotent; never removes a newer store that took the same name."""
-        _remove_dir(self.path, self._owner_ino)
+        remove_dir(self.path, self._owner_ino)
 
     def close(self) -> None:
         """Release this process's mappings and lease; the creator also removes the name. Idempotent.
@@ -301,7 +322,7 @@ class SharedMemoryTier(Tier):
             except BufferError:  # views still alive: unmapped when the last one goes
                 pass
         self._maps.clear()
-        _drop_lease(self._lease_fd, self._lease_path)
+        drop_lease(self._lease_fd, self._lease_path)
         self._lease_fd = -1
         if self._owner_fd >= 0:
             self.unlink()
