@@ -3,7 +3,6 @@
 import gc
 import queue
 import threading
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -199,9 +198,7 @@ def test_close_with_batches_in_flight_is_prompt_and_leaks_no_thread():
     assert loader.fill(WAIT) and loader.prefetched == 4
     thread = loader._thread
     assert thread in threading.enumerate()
-    t0 = time.perf_counter()
-    loader.close()
-    assert time.perf_counter() - t0 < 5.0  # generous: a loaded CI host
+    loader.close()  # joins the thread: it ends (behaviour, not wall time)
     assert not thread.is_alive() and thread not in threading.enumerate()
     loader.close()  # idempotent
     with pytest.raises(StopIteration):
@@ -225,12 +222,10 @@ def test_close_while_the_thread_waits_for_data_and_the_learner_waits_for_a_batch
     t = threading.Thread(target=learner)
     t.start()
     assert waiting.wait(WAIT)
-    t0 = time.perf_counter()
     loader.close()
-    assert isinstance(out.get(timeout=WAIT), StopIteration)
+    assert isinstance(out.get(timeout=WAIT), StopIteration)  # the waiting learner is released
     t.join(WAIT)
-    assert time.perf_counter() - t0 < 5.0  # generous: a loaded CI host
-    assert not loader_threads()
+    assert not t.is_alive() and not loader_threads()
 
 
 def test_a_forgotten_loader_stops_its_thread():
