@@ -7,6 +7,7 @@ from . import placement, rate_limiters, samplers
 from .batch import SampleBatch
 from .errors import (
     ArrowbufError,
+    DeadlineExceeded,
     InsertTimeout,
     InvalidArgument,
     MissingDependency,
@@ -15,8 +16,10 @@ from .errors import (
     SchemaError,
     ShardsLost,
     StoreClosed,
+    StoreCorrupt,
     StoreExists,
     StoreNotFound,
+    StoreNotTrusted,
     Unauthenticated,
     Unavailable,
 )
@@ -24,11 +27,13 @@ from .loader import Loader
 from .flight import connect, serve
 from .schema import ExperienceSchema, FieldSpec, load_schema
 from .store import ExperienceStore
+from .surface import StoreSurface
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArrowbufError",
+    "DeadlineExceeded",
     "ExperienceSchema",
     "ExperienceStore",
     "FieldSpec",
@@ -42,8 +47,11 @@ __all__ = [
     "SchemaError",
     "ShardsLost",
     "StoreClosed",
+    "StoreCorrupt",
     "StoreExists",
     "StoreNotFound",
+    "StoreNotTrusted",
+    "StoreSurface",
     "Unauthenticated",
     "Unavailable",
     "connect",

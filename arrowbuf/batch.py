@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .errors import require
+from .errors import InvalidArgument, require
 
 
 def _is_tensor(values: Any) -> bool:
@@ -61,6 +61,31 @@ class SampleBatch:
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    @classmethod
+    def concat(cls, parts: list["SampleBatch"], info: dict[str, Any] | None = None) -> "SampleBatch":
+        """The rows of `parts` (batches of the same columns) in order, as one batch.
+
+        Weights are kept as each part had them (None unless every part has weights); `info` defaults to the first
+        part's.
+        """
+        if not parts:
+            raise InvalidArgument("SampleBatch.concat needs at least one batch; got an empty list")
+        arrays: dict[str, Any] = {}
+        for c in parts[0].columns:
+            vals = [p[c] for p in parts]
+            if isinstance(vals[0], (pa.Array, pa.ChunkedArray)):
+                arrays[c] = pa.concat_arrays([v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v
+                                              for v in vals])
+            elif _is_tensor(vals[0]):
+                arrays[c] = require("torch", "torch").cat(vals)
+            else:
+                arrays[c] = np.concatenate(vals)
+        weights = None
+        if all(p.weights is not None for p in parts):
+            weights = np.concatenate([p.weights for p in parts])
+        return cls(arrays, np.concatenate([p.indices for p in parts]), weights,
+                   parts[0].info if info is None else info)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {getattr(v, 'shape', len(v))}" for k, v in self._arrays.items())

@@ -8,10 +8,13 @@ ArrowbufError                       every error arrowbuf raises on purpose
 ├── InsertTimeout(TimeoutError)     an insert was held back by the rate limiter past its timeout
 ├── StoreClosed(RuntimeError)       the store, tier, server or client was closed
 │   └── ShardsLost                  every shard of a sharded store is dead or unreachable
-├── Unavailable(ConnectionError)    a server cannot be reached (refused, unreachable, deadline passed)
+├── Unavailable(ConnectionError)    a server cannot be reached (refused, unreachable)
+│   └── DeadlineExceeded(TimeoutError) a call's deadline passed before the server answered
 ├── StoreNotFound(LookupError)      no store of that name (attach, remote store names)
 ├── StoreExists(FileExistsError)    a live shared store already has that name
 ├── OutOfSpace(MemoryError)         a tier has not enough room (/dev/shm, a byte budget)
+├── StoreCorrupt(RuntimeError)      a shared store's files are malformed or were tampered with; names the file
+├── StoreNotTrusted(PermissionError) a shared store belongs to another user or others can write it (attach refuses)
 ├── MissingDependency(ImportError)  an optional extra is not installed; names the extra
 └── Unauthenticated(PermissionError) a wrong or missing token
 ```
@@ -54,6 +57,13 @@ class Unavailable(ArrowbufError, ConnectionError):
     """A server cannot be reached: connection refused, host unreachable, or the call's deadline passed."""
 
 
+class DeadlineExceeded(Unavailable, TimeoutError):
+    """A remote call's deadline (`rpc_timeout=`, or `timeout=` of `ab.connect`) passed before the server answered.
+
+    Not retried: the server may have acted on the call (a batch may or may not be stored).
+    """
+
+
 class StoreNotFound(ArrowbufError, LookupError):
     """No store of the given name exists."""
 
@@ -64,6 +74,16 @@ class StoreExists(ArrowbufError, FileExistsError):
 
 class OutOfSpace(ArrowbufError, MemoryError):
     """A memory tier has not enough room for what was asked."""
+
+
+class StoreCorrupt(ArrowbufError, RuntimeError):
+    """A shared store's files (manifest, arenas, locks) are malformed or were tampered with; the message names the
+    file. The store cannot be used safely: recreate it."""
+
+
+class StoreNotTrusted(ArrowbufError, PermissionError):
+    """A shared store belongs to another user, or users other than its owner can write its files: attaching would
+    let them feed this process rows. `attach(name, allow_other_owner=True)` accepts another owner explicitly."""
 
 
 class MissingDependency(ArrowbufError, ImportError):
@@ -95,9 +115,12 @@ __all__ = [
     "StoreClosed",
     "ShardsLost",
     "Unavailable",
+    "DeadlineExceeded",
     "StoreNotFound",
     "StoreExists",
     "OutOfSpace",
+    "StoreCorrupt",
+    "StoreNotTrusted",
     "MissingDependency",
     "Unauthenticated",
     "require",

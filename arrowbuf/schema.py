@@ -428,8 +428,31 @@ def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
 
 
 # ---------------------------------------------------------------- loading
+#: The schemas shipped with arrowbuf: the repository's top-level schemas/ (arrowbuf/schemas links to it in a checkout;
+#: the wheel carries copies), so `load_schema("atari")` works from a pip install too.
+_BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas")
+
+
+def bundled_schemas() -> list[str]:
+    """Names of the schemas shipped with arrowbuf (`load_schema(name)` loads one), e.g. ['atari', 'cartpole', ...]."""
+    try:
+        return sorted(f[:-5] for f in os.listdir(_BUNDLED) if f.endswith(".yaml"))
+    except OSError:
+        return []
+
+
+def bundled_schema_path(name: str) -> str | None:
+    """The file of the shipped schema `name` ("atari" or "atari.yaml"), or None when there is no such schema."""
+    base = name[:-5] if name.endswith(".yaml") else name
+    if not base or not all(c.isalnum() or c in "_-" for c in base):
+        return None
+    path = os.path.join(_BUNDLED, base + ".yaml")
+    return path if os.path.isfile(path) else None
+
+
 def load_schema(source: str | os.PathLike | Mapping[str, Any] | pa.Schema | ExperienceSchema) -> ExperienceSchema:
-    """Load an `ExperienceSchema` from a YAML path, a dict of the same form, or a `pa.Schema`.
+    """Load an `ExperienceSchema` from a YAML path, the name of a shipped schema ("atari", see `bundled_schemas`), a
+    dict of the same form, or a `pa.Schema`.
 
     Raises:
         SchemaError: the file or dict is malformed; the message says where and what was expected.
@@ -441,7 +464,11 @@ def load_schema(source: str | os.PathLike | Mapping[str, Any] | pa.Schema | Expe
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if not os.path.exists(path):
-            raise SchemaError(f"schema file {path!r} does not exist")
+            bundled = bundled_schema_path(path)
+            if bundled is None:
+                raise SchemaError(f"schema file {path!r} does not exist, and it is not the name of a schema shipped "
+                                  f"with arrowbuf ({', '.join(bundled_schemas())}); pass a path or one of those names")
+            path = bundled
         import yaml
 
         try:

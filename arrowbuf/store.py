@@ -32,7 +32,7 @@ from .errors import ArrowbufError, InvalidArgument, OutOfSpace, SampleTimeout, S
 from .index import HEADER, PENDING, RingIndex
 from .ingest import IngestMixin
 from .nstep import n_step_returns
-from .placement import make_placement, placement_table
+from .placement import PlacementTarget, make_placement, placement_table
 from .rate_limiters import Counters, RateLimiter
 from .samplers import Sampler, make_sampler, validate_priorities
 from .schema import SYSTEM_COLUMNS, ExperienceSchema, FieldSpec, load_schema
@@ -159,16 +159,20 @@ class ExperienceStore(IngestMixin):
                                  f"budget is {format_bytes(t.budget)}; raise the budget"
                                  + (" or add a disk tier: tiers={..., 'disk': 'spill/'}"
                                     if t is data_tiers[-1] and t.name != "disk" else ""))
+        self._placement_target = PlacementTarget(self.schema, self._cols, self.directory, self.index, self.sampler,
+                                                 self._lock, self._write_lock, self.capacity, self.name,
+                                                 self._data_tier)  # what a placement policy sees of this store
         self.placement_policy = make_placement(placement, len(data_tiers))
         if self.placement_policy is not None:
-            self.placement_policy.bind(self)
+            self.placement_policy.bind(self._placement_target)
         if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
             self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity, "chunk_rows": self.chunk_rows,
                              "final_obs_capacity": self.final_capacity or None, "sampler": self.sampler,
                              "rate_limiter": self.rate_limiter, "max_times_sampled": max_times_sampled})
 
     @classmethod
-    def attach(cls, name: str, *, seed: int | None = None, timeout: float = 0.0) -> "ExperienceStore":
+    def attach(cls, name: str, *, seed: int | None = None, timeout: float = 0.0,
+               allow_other_owner: bool = False) -> "ExperienceStore":
         """Open the shared store `name` (made with `tier="shm"`) from any process on the node: the same store over the
         same memory, with the same surface (append, extend, sample, update_priorities, to_table, sql, ...).
 
@@ -176,13 +180,17 @@ class ExperienceStore(IngestMixin):
             name: the shared store's name.
             seed: seed of this process's sampling.
             timeout: seconds to wait for the store to be created and sealed.
+            allow_other_owner: open a store that another local user created (refused by default: that user could
+                feed this process rows; see docs/security.md).
 
         Raises:
             StoreNotFound: no live store of that name (its owner died: the janitor reclaimed it).
+            StoreNotTrusted: the store belongs to another user (without `allow_other_owner`) or others can write it.
+            StoreCorrupt: its manifest or files are malformed or were tampered with; the message names the file.
         """
         from .tiers.shm import SharedMemoryTier, from_spec
 
-        tier = SharedMemoryTier.attach(name, timeout=timeout)
+        tier = SharedMemoryTier.attach(name, timeout=timeout, allow_other_owner=allow_other_owner)
         try:
             m = tier.manifest
             return cls(m["schema"], m["capacity"], from_spec(m["sampler"]), from_spec(m["rate_limiter"]), seed,
@@ -596,7 +604,7 @@ class ExperienceStore(IngestMixin):
         """
         self._check_open()
         with self._lock:
-            return placement_table(self, explain)
+            return placement_table(self._placement_target, self.placement_policy, explain)
 
     def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
         """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape

@@ -138,20 +138,31 @@ def test_parity(runs: Runs, tmp_path: pathlib.Path, capsys: pytest.CaptureFixtur
 
 
 def test_demo_flight(runs: Runs) -> None:
+    # a broken Flight must fail this test: the demo exits non-zero (never falls back to an in-process run)
     r = runs["demo_flight"]
-    if "Arrow Flight transport unavailable" in r.stdout:
-        _check_demo(r, runs.out / "demo_flight", 1000, "local")
-        pytest.skip("Flight not available: the demo fell back to local")
-    assert "store served over Arrow Flight at grpc://127.0.0.1:" in r.stdout
+    assert "store served over Arrow Flight at grpc://127.0.0.1:" in r.stdout, r.stdout
     _check_demo(r, runs.out / "demo_flight", 1000, "flight")
 
 
 def test_demo_shm(runs: Runs) -> None:
+    # a broken shared-memory tier must fail this test, as above; the run is prioritized (rows written by other
+    # processes reach the owner's sum tree, or the learner never trains)
     r = runs["demo_shm"]
-    transport = "local" if "shared-memory transport unavailable" in r.stdout else "shm"
-    _check_demo(r, runs.out / "demo_shm", 600, transport)
+    assert "store in shared memory" in r.stdout, r.stdout
+    _check_demo(r, runs.out / "demo_shm", 600, "shm")
     shm_root = pathlib.Path(os.environ.get("ARROWBUF_SHM_DIR", "/dev/shm"))
     assert not list(shm_root.glob("arrowbuf.demo-*")), "the demo left a shared-memory store behind"
+
+
+def test_demo_refuses_a_broken_transport(tmp_path: pathlib.Path) -> None:
+    # shared memory unusable (its folder missing): a clear error naming the cause, not a quiet in-process run
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ARROWBUF_SHM_DIR": str(tmp_path / "no-such-dir")}
+    r = subprocess.run([sys.executable, "-m", "arrowbuf.demo", "--transport", "shm", "--steps", "50", "--actors", "1",
+                        "--no-progress", "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=TIMEOUT_S)
+    assert r.returncode != 0, r.stdout[-3000:]
+    assert "--transport shm needs a shared-memory folder" in r.stderr, r.stderr[-3000:]
+    assert "falling back" not in r.stdout + r.stderr
 
 
 def test_local_replay(runs: Runs) -> None:

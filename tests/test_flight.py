@@ -121,17 +121,25 @@ class TestRemoteStore:
         assert remote.capacity == store.capacity
         assert len(remote) == 100
 
-    def test_append_and_extend_return_committed_seqs(self, served):
+    def test_append_and_extend_return_the_rows_ids(self, served):
         store, _, remote = served
         one = {k: v[0] for k, v in cartpole_batch(1, start=100).items()}
-        assert remote.append(one) == 100
-        assert remote.extend(cartpole_batch(5, start=101)) == 101
-        assert remote.extend(pa.RecordBatch.from_pydict(_arrow_cols(store, cartpole_batch(3, start=106)))) == 106
+        first = remote.append(one)
+        assert type(first) is int and first == 100
+        ids = [remote.extend(cartpole_batch(5, start=101)),
+               remote.extend(pa.RecordBatch.from_pydict(_arrow_cols(store, cartpole_batch(3, start=106))))]
         table = pa.Table.from_batches([pa.RecordBatch.from_pydict(_arrow_cols(store, cartpole_batch(4, start=109)))])
-        assert remote.extend(table) == 109
+        ids.append(remote.extend(table))
+        for got, n in zip(ids, (5, 3, 4)):
+            assert isinstance(got, np.ndarray) and got.dtype == np.int64 and got.shape == (n,)
+        all_ids = np.concatenate([[first], *ids])
         assert len(store) == len(remote) == 113
+        seq = remote.to_table(["seq"]).column("seq").to_numpy()
+        np.testing.assert_array_equal(all_ids, seq[100:])  # the ids are the rows' seqs, in row order
         obs = store.to_table(["obs"]).column("obs").combine_chunks().to_numpy_ndarray()
         np.testing.assert_array_equal(obs[:, 0], np.arange(113, dtype=np.float32))
+        empty = remote.extend({k: v[:0] for k, v in cartpole_batch(2).items()})
+        assert empty.dtype == np.int64 and empty.shape == (0,) and len(store) == 113
 
     def test_sample_rows_match_the_store(self, served):
         store, _, remote = served
@@ -326,6 +334,98 @@ class TestRemoteStore:
             len(remote)
 
 
+class _HungServer(flight.FlightServerBase):
+    """A real Flight server whose actions hang until `release` is set (a wedged store process)."""
+
+    def __init__(self) -> None:
+        super().__init__("grpc://127.0.0.1:0")
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def do_action(self, context, action):
+        self.entered.set()
+        self.release.wait(30)
+        return []
+
+
+class TestUnavailableAndDeadlines:
+    def _serve_in_a_process(self, procs):
+        args = [PY, "-m", "arrowbuf.cli", "serve", "--schema", str(SCHEMAS / "cartpole.yaml"), "--capacity", "100",
+                "--port", "0"]
+        p = procs(args)
+        line = p.stdout.readline().decode()
+        assert " at grpc://127.0.0.1:" in line, p.stderr.read().decode()
+        return p, line.split(" at ")[1].strip()
+
+    def test_a_killed_server_is_unavailable_and_a_closed_client_is_closed(self, procs):
+        p, location = self._serve_in_a_process(procs)
+        remote = ab.connect(location, reconnect_timeout=0.3)
+        ids = remote.extend(cartpole_batch(4))
+        np.testing.assert_array_equal(ids, remote.to_table(["seq"]).column("seq").to_numpy())
+        p.kill()
+        p.wait(10)
+        for call in (lambda: len(remote), lambda: remote.sample(1), lambda: remote.extend(cartpole_batch(2)),
+                     lambda: remote.stats(), lambda: remote.to_table()):
+            with pytest.raises(ab.Unavailable) as info:
+                call()
+            assert not isinstance(info.value, ab.StoreClosed) and isinstance(info.value, ConnectionError)
+            assert location in str(info.value)
+        with pytest.raises(ab.Unavailable):
+            ab.connect(location, reconnect_timeout=0.1)
+        remote.close()
+        with pytest.raises(ab.StoreClosed):
+            len(remote)
+
+    def test_close_ends_a_reconnect_back_off(self, servers):
+        server = servers(cartpole_store())
+        remote = ab.connect(server.location, reconnect_timeout=60)
+        server.close()
+        raised: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                len(remote)
+            except BaseException as exc:  # noqa: BLE001 - recorded for the assert below
+                raised.append(exc)
+
+        t = threading.Thread(target=call)
+        t.start()
+        remote.close()
+        t.join(30)
+        assert not t.is_alive()
+        assert len(raised) == 1 and isinstance(raised[0], ab.StoreClosed)
+
+    def test_a_hung_server_hits_the_deadline(self):
+        hung = _HungServer()
+        try:
+            with pytest.raises(ab.DeadlineExceeded) as info:
+                ab.connect(f"grpc://127.0.0.1:{hung.port}", timeout=0.3)
+            assert isinstance(info.value, TimeoutError) and isinstance(info.value, ab.Unavailable)
+            assert hung.entered.is_set()  # it reached the server: a deadline, not a refused connection
+        finally:
+            hung.release.set()
+            hung.shutdown()
+
+    def test_a_per_call_deadline_bounds_a_waiting_sample(self, servers):
+        store = cartpole_store()  # empty: a sample waits for data up to its own timeout
+        server = servers(store)
+        remote = ab.connect(server.location, timeout=5.0)
+        with pytest.raises(ab.DeadlineExceeded, match="rpc_timeout"):
+            remote.sample(1, timeout=30.0, rpc_timeout=0.3)
+        with pytest.raises(ab.SampleTimeout):  # the default deadline covers the sample's own wait
+            remote.sample(1, timeout=0.2)
+        remote.extend(cartpole_batch(3))
+        assert len(remote.sample(2, timeout=1.0, rpc_timeout=10.0)) == 2
+        assert remote.to_table(rpc_timeout=10.0).num_rows == 3 and len(remote) == 3
+        with pytest.raises(ab.InvalidArgument):
+            remote.stats(rpc_timeout=-1)
+        with pytest.raises(ab.InvalidArgument):
+            ab.connect(server.location, timeout=0)
+        assert pickle.loads(pickle.dumps(remote)).timeout == 5.0
+        store.close()  # releases the sample still waiting on the server
+        remote.close()
+
+
 def _arrow_cols(store, cols: dict[str, np.ndarray]) -> dict[str, pa.Array]:
     out = {}
     for k, v in cols.items():
@@ -500,7 +600,7 @@ class TestSecurity:
         assert len(remote.sample(3)) == 3 and len(store) == 5
         (tmp_path / "ca.pem").write_bytes(cert)
         assert len(ab.connect(server.location, token="t", tls_root_certs=str(tmp_path / "ca.pem"))) == 5
-        with pytest.raises(ab.StoreClosed):  # an untrusted certificate: no connection
+        with pytest.raises(ab.Unavailable):  # an untrusted certificate: no connection
             ab.connect(server.location, token="t", reconnect_timeout=0.2)
         plain = flight.FlightClient(server.location.replace("grpc+tls", "grpc"))
         with pytest.raises(flight.FlightUnavailableError):
@@ -723,7 +823,7 @@ obs = np.arange(n * 4, dtype=np.float32).reshape(n, 4)
 first = remote.extend({"obs": obs, "action": np.zeros(n, np.int64), "reward": np.ones(n, np.float32),
                        "terminated": np.zeros(n, bool), "truncated": np.zeros(n, bool),
                        "policy_version": np.zeros(n, np.int64)})
-print(first, len(remote), len(remote.sample(4)), flush=True)
+print(first[0], len(remote), len(remote.sample(4)), flush=True)
 """
 
 
@@ -758,7 +858,7 @@ class TestProcesses:
         remote = ab.connect(server.location, reconnect_timeout=10)
         remote.extend(cartpole_batch(5))
         server.close()
-        with pytest.raises(ab.StoreClosed):
+        with pytest.raises(ab.Unavailable):
             ab.connect(server.location, reconnect_timeout=0.1)
         fresh = cartpole_store()
         fresh.extend(cartpole_batch(7))

@@ -21,16 +21,6 @@ from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, require
 from .actors import ActorSpec, PolicyFile, actor_main
 from .dqn import DQNConfig, DQNLearner
 
-SCHEMAS = pathlib.Path(__file__).resolve().parent.parent.parent / "schemas"
-#: The CartPole schema (schemas/cartpole.yaml), inlined for installs without the repository's schemas/ folder.
-CARTPOLE = {
-    "name": "cartpole",
-    "version": 1,
-    "fields": {"obs": {"dtype": "float32", "shape": [4]}, "action": {"dtype": "int64"},
-               "reward": {"dtype": "float32"}, "terminated": {"dtype": "bool"}, "truncated": {"dtype": "bool"},
-               "policy_version": {"dtype": "int64"}},
-    "derived": {"next_obs": {"next_of": "obs"}},
-}
 #: What the learner reads per batch (the n-step columns come with `n_step=`).
 LEARNER_COLUMNS = ["obs", "action", "next_obs"]
 TRANSPORTS = ("flight", "shm", "local")
@@ -40,8 +30,7 @@ _DESCRIPTION = "The end-to-end demo: distributed DQN on CartPole-v1 with arrowbu
 def cartpole_schema() -> Any:
     from ..schema import load_schema
 
-    path = SCHEMAS / "cartpole.yaml"
-    return load_schema(path if path.exists() else CARTPOLE)
+    return load_schema("cartpole")  # schemas/cartpole.yaml, shipped inside the package
 
 
 # ---------------------------------------------------------------------------------------------------------- progress
@@ -81,52 +70,21 @@ class Progress:
 
 
 # ---------------------------------------------------------------------------------------------------------- transports
-def _flight_available() -> str | None:
-    try:
-        from ..flight import connect, serve  # noqa: F401
-    except Exception as exc:  # ImportError, or a half-landed module
-        return f"Arrow Flight transport unavailable ({type(exc).__name__}: {exc})"
-    return None
-
-
-def _probe_child(name: str) -> None:
-    from ..store import ExperienceStore
-
-    s = ExperienceStore.attach(name, timeout=10.0)
-    try:
-        s.extend({"obs": np.zeros((3, 4), np.float32), "action": np.zeros(3, np.int64),
-                  "reward": np.ones(3, np.float32), "terminated": np.array([False, False, True]),
-                  "truncated": np.zeros(3, bool), "next_obs": np.ones((3, 4), np.float32),
-                  "policy_version": np.zeros(3, np.int64)})
-    finally:
-        s.close()
-
-
-def shm_prioritized_ok(ctx: Any) -> bool:
-    """True when a Prioritized store in shared memory samples rows that another process wrote.
-
-    (The sampler keeps its sum tree per process; this checks that writers' rows reach the owner's tree.)
-    """
-    from .. import samplers
-    from ..store import ExperienceStore
-
-    name = f"demo-probe-{os.getpid()}"
-    store = ExperienceStore(cartpole_schema(), capacity=64, sampler=samplers.Prioritized(), tier="shm", name=name)
-    try:
-        p = ctx.Process(target=_probe_child, args=(name,), daemon=True)
-        p.start()
-        p.join(30)
-        if p.is_alive():
-            p.terminate()
-            p.join(5)
-            return False
+def _check_transport(transport: str) -> None:
+    """Fail early, naming the cause, when the asked transport cannot work here (never fall back silently: a demo
+    that quietly runs in-process hides a broken Flight or shared-memory build)."""
+    if transport == "flight":
         try:
-            store.sample(1, timeout=1.0)
-            return True
-        except (SampleTimeout, ArrowbufError):
-            return False
-    finally:
-        store.close()
+            import pyarrow.flight  # noqa: F401 - arrowbuf.flight imports it lazily
+        except ImportError as exc:
+            raise ArrowbufError(f"--transport flight needs Arrow Flight (pyarrow.flight): {exc}; install a pyarrow "
+                                "with Flight, or run with --transport local") from exc
+    elif transport == "shm":
+        from ..tiers.shm import shm_root
+
+        if not os.path.isdir(shm_root()):
+            raise ArrowbufError(f"--transport shm needs a shared-memory folder ({shm_root()} does not exist); "
+                                "run with --transport local")
 
 
 # ---------------------------------------------------------------------------------------------------------- the run
@@ -166,21 +124,8 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
     ctx = mp.get_context("spawn")
     t_start = time.time()
 
-    if transport == "flight" and (why := _flight_available()):
-        log(f"note: {why}; falling back to --transport local")
-        transport = "local"
-    sampler: Any = samplers.Prioritized(alpha=cfg.alpha, beta=cfg.beta)
-    if transport == "shm":
-        try:
-            if not shm_prioritized_ok(ctx):
-                log("note: prioritized replay does not yet see rows written by other processes in shared memory; "
-                    "the shm run samples uniformly (priority updates skipped)")
-                sampler = "uniform"
-        except Exception as exc:  # no shared-memory tier in this build
-            log(f"note: shared-memory transport unavailable ({type(exc).__name__}: {exc}); "
-                "falling back to --transport local")
-            transport = "local"
-    prioritized = not isinstance(sampler, str)
+    _check_transport(transport)
+    sampler = samplers.Prioritized(alpha=cfg.alpha, beta=cfg.beta)
 
     per_actor = [steps // actors + (1 if i < steps % actors else 0) for i in range(actors)]
     capacity = capacity or max(steps + 1_000, 2 * cfg.warmup)
@@ -279,11 +224,10 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
                     if t_train is None:
                         t_train = t0
                         t_learn = time.time() - t_start
-                    td = learner.train(batch.to_numpy(), batch.weights if prioritized else None)
+                    td = learner.train(batch.to_numpy(), batch.weights)
                     t2 = time.perf_counter()
                     timing["train_s"] += t2 - t1
-                    if prioritized:
-                        loader.update_priorities(batch, td + 1e-3)
+                    loader.update_priorities(batch, td + 1e-3)
                     if learner.updates % publish_every == 0:
                         version += 1
                         policy_file.publish(learner.q.state_dict(), version)

@@ -2,8 +2,9 @@
 
 Usage::
 
-    remote = ab.connect("grpc://127.0.0.1:41234", token="s3cret")     # store= names one of several stores
-    remote.extend(batch)                      # one DoPut, atomic, returns the first seq
+    remote = ab.connect("grpc://127.0.0.1:41234", token="s3cret",      # store= names one of several stores
+                        timeout=30.0)                                  # every call's default deadline (seconds)
+    ids = remote.extend(batch)                # one DoPut, atomic; the new rows' ids (np.ndarray[int64])
     with remote.writer(max_in_flight=8) as w:  # a stream of batches, credit-based backpressure
         for batch in rollouts:
             w.extend(batch)
@@ -13,11 +14,18 @@ Usage::
             s.update_priorities(batch.indices, new_priorities)
     len(remote); remote.stats(); remote.to_table(); remote.sql("SELECT count(*) FROM experience")
 
-A `RemoteStore` pickles by address (send it to subprocesses and Ray actors) and reconnects by itself after the
-server restarts: a call that finds the server unreachable retries on a fresh connection for `reconnect_timeout`
-seconds, then raises `StoreClosed`. That includes `extend`: a batch whose call failed because the server went away
-is sent again to the restarted server (each batch still lands entirely or not at all). Open writers and sessions do
-not reconnect; they raise `StoreClosed` and a new one can be opened.
+A `RemoteStore` implements `ab.StoreSurface`. It pickles by address (send it to subprocesses and Ray actors) and
+reconnects by itself after the server restarts: a call that finds the server unreachable retries on a fresh
+connection for `reconnect_timeout` seconds (never past the call's deadline), then raises `ab.Unavailable`. That
+includes `extend`: a batch whose call failed because the server went away is sent again to the restarted server (each
+batch still lands entirely or not at all). Open writers and sessions do not reconnect; they raise `ab.Unavailable`
+and a new one can be opened. `ab.StoreClosed` means this client itself was closed.
+
+Deadlines: every unary call (append, extend, sample, update_priorities, len, stats, to_table, sql, episodes) has a
+deadline, `rpc_timeout=` per call or the client's `timeout` (from `connect`); one that passes raises
+`ab.DeadlineExceeded` (an `Unavailable` and a `TimeoutError`), and the call is not retried. `sample`'s own `timeout`
+is how long the server may wait for data, so the default deadline of a sample is the client's `timeout` plus that
+wait. Streams (`writer`, `session`) live as long as their user keeps them and have no overall deadline.
 
 Sampled arrays are zero-copy views of the received Flight message, so they are read-only.
 """
@@ -34,16 +42,25 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ..batch import SampleBatch
-from ..errors import InvalidArgument, SchemaError, StoreClosed
+from ..errors import DeadlineExceeded, InvalidArgument, SchemaError, StoreClosed, Unavailable
 from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
 
 T = TypeVar("T")
 
 
+class _Default:
+    def __repr__(self) -> str:
+        return "<the client's timeout>"
+
+
+#: `rpc_timeout` not given: the client's `timeout` applies (None is a valid value: no deadline).
+_DEFAULT: Any = _Default()
+
+
 def connect(location: str, token: str | None = None, store: str | None = None, *,
             tls_root_certs: bytes | str | None = None, disable_server_verification: bool = False,
-            reconnect_timeout: float = 10.0) -> "RemoteStore":
+            reconnect_timeout: float = 10.0, timeout: float | None = None) -> "RemoteStore":
     """Connect to a store served by `ab.serve` (or `arrowbuf serve`).
 
     Args:
@@ -53,15 +70,18 @@ def connect(location: str, token: str | None = None, store: str | None = None, *
         tls_root_certs: PEM certificate(s) (bytes, str or a file path) that sign the server's certificate.
         disable_server_verification: accept any server certificate (testing only).
         reconnect_timeout: seconds a call keeps trying to reach a server that went away.
+        timeout: the default deadline of every call in seconds (None: no deadline); a call's `rpc_timeout=`
+            overrides it. Also bounds this connect.
 
     Raises:
         StoreNotFound: the server has no store of that name.
         Unauthenticated: a wrong or missing token.
-        StoreClosed: the server cannot be reached within `reconnect_timeout`.
+        Unavailable: the server cannot be reached within `reconnect_timeout`.
+        DeadlineExceeded: the server did not answer within `timeout`.
     """
     return RemoteStore(location, token, store, tls_root_certs=tls_root_certs,
                        disable_server_verification=disable_server_verification,
-                       reconnect_timeout=reconnect_timeout)
+                       reconnect_timeout=reconnect_timeout, timeout=timeout)
 
 
 class RemoteStore:
@@ -73,21 +93,24 @@ class RemoteStore:
         schema: the store's `ExperienceSchema`.
         capacity: the store's capacity in rows.
         max_batch_rows: the largest batch the server accepts or serves.
+        timeout: the default deadline of every call in seconds, or None.
     """
 
     def __init__(self, location: str, token: str | None = None, store: str | None = None, *,
                  tls_root_certs: bytes | str | None = None, disable_server_verification: bool = False,
-                 reconnect_timeout: float = 10.0) -> None:
+                 reconnect_timeout: float = 10.0, timeout: float | None = None) -> None:
         self.location = str(location)
         self._token = token
         self._tls_root_certs = _pem_or_none(tls_root_certs)
         self._disable_verification = disable_server_verification
         self.reconnect_timeout = float(reconnect_timeout)
+        self.timeout = _check_timeout(timeout, "timeout")
         self._lock = threading.Lock()
         self._client: flight.FlightClient | None = None
         self._closed = False
-        headers = [(P.AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token is not None else []
-        self._options = flight.FlightCallOptions(headers=headers)
+        self._closing = threading.Event()  # set by close(): ends a reconnect back-off at once
+        self._headers = [(P.AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token is not None else []
+        self._options = flight.FlightCallOptions(headers=self._headers)  # streams: no overall deadline
         self._requested = store
         self.name: str = store or ""
         self.schema: ExperienceSchema
@@ -116,22 +139,49 @@ class RemoteStore:
         with contextlib.suppress(Exception):
             client.close()
 
-    def _call(self, fn: Callable[[flight.FlightClient], T], *, retry: bool = True) -> T:
-        """Run one call, translating errors; on an unreachable server reconnect and retry (idempotent calls)."""
-        deadline: float | None = None
+    def _deadline(self, rpc_timeout: float | None | object, wait: float | None = None) -> float | None:
+        """Seconds the call may take: `rpc_timeout` when given, else the client's `timeout` plus `wait` (the time
+        the server may wait on purpose, e.g. a sample's own timeout)."""
+        if rpc_timeout is not _DEFAULT:
+            return _check_timeout(rpc_timeout, "rpc_timeout")
+        if self.timeout is None:
+            return None
+        return self.timeout + (wait if wait is not None and wait > 0 else 0.0)
+
+    def _call(self, fn: Callable[[flight.FlightClient, flight.FlightCallOptions], T], seconds: float | None = None,
+              *, retry: bool = True) -> T:
+        """Run one call within `seconds` (None: no deadline), translating errors; on an unreachable server
+        reconnect and retry, for at most `reconnect_timeout` seconds and never past the deadline.
+
+        Raises:
+            DeadlineExceeded: the deadline passed (the call is not retried: the server may have acted on it).
+            Unavailable: the server could not be reached.
+        """
+        start = time.monotonic()
+        end = None if seconds is None else start + seconds
+        give_up = start + self.reconnect_timeout if retry else start
+        if end is not None:
+            give_up = min(give_up, end)
         delay = 0.02
         while True:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise DeadlineExceeded(f"the call to {self.location} did not complete within its deadline of "
+                                       f"{seconds:g}s; pass a larger rpc_timeout= (or timeout= to ab.connect)")
             client = self._connection()
+            options = self._options if left is None else flight.FlightCallOptions(headers=self._headers, timeout=left)
             try:
-                with _translate():
-                    return fn(client)
+                with _translate(seconds=seconds):
+                    return fn(client, options)
             except _Unreachable as exc:
                 self._drop(client)
                 now = time.monotonic()
-                deadline = now + self.reconnect_timeout if deadline is None else deadline
-                if not retry or now >= deadline:
-                    raise StoreClosed(f"the server at {self.location} cannot be reached: {exc.__cause__}") from None
-                time.sleep(min(delay, max(0.0, deadline - now)))  # back off while the server restarts
+                if now >= give_up:
+                    raise Unavailable(f"the server at {self.location} cannot be reached: {exc}; is it running "
+                                      f"and listening there? (tried for {now - start:.1f}s, reconnect_timeout="
+                                      f"{self.reconnect_timeout:g})") from None
+                if self._closing.wait(min(delay, give_up - now)):  # back off while the server restarts
+                    raise StoreClosed(f"the client for {self.location} was closed") from None
                 delay = min(delay * 2, 0.5)
 
     def _describe(self) -> None:
@@ -141,28 +191,43 @@ class RemoteStore:
         self.capacity = info.get("capacity")
         self.max_batch_rows = int(info["max_batch_rows"])
 
-    def _action(self, type_: str, **body: Any) -> Any:
+    def _action(self, type_: str, rpc_timeout: float | None | object = _DEFAULT, **body: Any) -> Any:
         action = P.encode_action(type_, self._requested if type_ == "describe" else self.name, **body)
 
-        def call(client: flight.FlightClient) -> Any:
-            results = list(client.do_action(action, options=self._options))
+        def call(client: flight.FlightClient, options: flight.FlightCallOptions) -> Any:
+            results = list(client.do_action(action, options=options))
             return P.loads(results[0].body, f"{type_} result") if results else None
 
-        return self._call(call)
+        return self._call(call, self._deadline(rpc_timeout))
 
     # ------------------------------------------------------------------ writing
-    def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
-        """Add one step (a dict of scalars and arrays). Returns its seq."""
+    def append(self, step: dict[str, Any], *, timeout: float | None = None,
+               rpc_timeout: float | None | object = _DEFAULT) -> int:
+        """Add one step (a dict of scalars and arrays). Returns the new row's id."""
         cols, n = self.schema.validate_batch(step, single=True)
-        return self._put(_record_batch(self.schema, cols), timeout)
+        return int(self._put(_record_batch(self.schema, cols), timeout, rpc_timeout)[0])
 
-    def extend(self, batch: Any, *, timeout: float | None = None) -> int:
+    def extend(self, batch: Any, *, timeout: float | None = None,
+               rpc_timeout: float | None | object = _DEFAULT) -> np.ndarray:
         """Add many steps (dict of arrays, `pa.RecordBatch` or `pa.Table`) in one atomic DoPut.
 
-        Returns the seq of the first row. Raises `SchemaError` (nothing stored) on bad input, `InsertTimeout`
-        when the server's rate limiter held the insert back past `timeout` seconds.
+        Args:
+            batch: the steps.
+            timeout: seconds the server's rate limiter may hold the insert back.
+            rpc_timeout: this call's deadline (default: the client's `timeout` plus `timeout`).
+
+        Returns:
+            The new rows' ids, a 1-D `np.ndarray[int64]` in row order (from the acknowledgement's committed range).
+
+        Raises:
+            SchemaError: bad input (nothing stored).
+            InsertTimeout: the server's rate limiter held the insert back past `timeout` seconds.
+            DeadlineExceeded: no acknowledgement within the deadline (the batch may or may not be stored).
         """
-        return self._put(self._to_batch(batch), timeout)
+        rb = self._to_batch(batch)
+        if rb.num_rows == 0:  # validated, and nothing to store
+            return np.empty(0, dtype=np.int64)
+        return self._put(rb, timeout, rpc_timeout)
 
     def _to_batch(self, batch: Any) -> pa.RecordBatch:
         if isinstance(batch, pa.RecordBatch):
@@ -177,29 +242,41 @@ class RemoteStore:
                               f"{self.max_batch_rows}; split it, or stream pieces through writer()")
         return rb
 
-    def _put(self, rb: pa.RecordBatch, timeout: float | None) -> int:
+    def _put(self, rb: pa.RecordBatch, timeout: float | None, rpc_timeout: float | None | object) -> np.ndarray:
         descriptor = P.put_descriptor(self.name, timeout)
 
-        def call(client: flight.FlightClient) -> int:
-            writer, reader = client.do_put(descriptor, rb.schema, options=self._options)
+        def call(client: flight.FlightClient, options: flight.FlightCallOptions) -> dict[str, int]:
+            writer, reader = client.do_put(descriptor, rb.schema, options=options)
             try:
                 writer.write_batch(rb)
                 ack = reader.read()
                 writer.done_writing()
             finally:
                 writer.close()
-            return P.decode_ack(ack)["first_seq"]
+            return P.decode_ack(ack)
 
-        return self._call(call)
+        return _ack_ids(self._call(call, self._deadline(rpc_timeout, timeout)), rb.num_rows)
 
     def writer(self, max_in_flight: int = 8, *, timeout: float | None = None) -> "RemoteWriter":
         """A streaming writer over one DoPut; see `RemoteWriter`."""
         return RemoteWriter(self, max_in_flight=max_in_flight, timeout=timeout)
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, n: int, columns: list[str] | None = None, timeout: float | None = None,
-               **options: Any) -> SampleBatch:
-        """Sample `n` items (one DoGet). Arrays are zero-copy views of the received message (read-only)."""
+    def sample(self, n: int, columns: list[str] | None = None, timeout: float | None = None, *,
+               rpc_timeout: float | None | object = _DEFAULT, **options: Any) -> SampleBatch:
+        """Sample `n` items (one DoGet). Arrays are zero-copy views of the received message (read-only).
+
+        Args:
+            n: batch size.
+            columns: columns to gather (default: every field).
+            timeout: seconds the server may wait for data (an empty store, a rate limiter); None: do not wait.
+            rpc_timeout: this call's deadline (default: the client's `timeout` plus `timeout`).
+            **options: sampler options, e.g. `n_step=3, gamma=0.99`.
+
+        Raises:
+            SampleTimeout: the server had nothing to serve within `timeout`.
+            DeadlineExceeded: no answer within the deadline.
+        """
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
             raise InvalidArgument(f"n must be a positive number of items, got {n!r}")
         if n > self.max_batch_rows:
@@ -207,14 +284,14 @@ class RemoteStore:
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
         ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options)))
 
-        def call(client: flight.FlightClient) -> Any:
-            reader = client.do_get(ticket, options=self._options)
+        def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
+            reader = client.do_get(ticket, options=call_options)
             chunk = reader.read_chunk()
             with contextlib.suppress(StopIteration):
                 reader.read_chunk()
             return chunk
 
-        chunk = self._call(call)
+        chunk = self._call(call, self._deadline(rpc_timeout, timeout))
         return _sample_batch(chunk.data, chunk.app_metadata)
 
     def session(self, n: int, columns: list[str] | None = None, *, prefetch: int = 2, ahead: int = 2,
@@ -222,26 +299,30 @@ class RemoteStore:
         """A learner session over DoExchange; see `LearnerSession`."""
         return LearnerSession(self, n, columns, prefetch=prefetch, ahead=ahead, timeout=timeout, options=options)
 
-    def update_priorities(self, indices: Any, priorities: Any) -> int:
+    def update_priorities(self, indices: Any, priorities: Any, *,
+                          rpc_timeout: float | None | object = _DEFAULT) -> int:
         """Set priorities of sampled items; returns how many ids were still live."""
         idx, pri = _priorities(indices, priorities)
-        return int(self._action("update_priorities", indices=idx, priorities=pri)["applied"])
+        return int(self._action("update_priorities", rpc_timeout, indices=idx, priorities=pri)["applied"])
 
     # ------------------------------------------------------------------ inspection
     def __len__(self) -> int:
-        return int(self._action("len")["len"])
+        return int(self._action("len", _DEFAULT)["len"])
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, *, rpc_timeout: float | None | object = _DEFAULT) -> dict[str, Any]:
         """The store's `stats()`, plus a `server` entry."""
-        return dict(self._action("stats"))
+        return dict(self._action("stats", rpc_timeout))
 
-    def _table(self, req: P.TableRequest) -> pa.Table:
+    def _table(self, req: P.TableRequest, rpc_timeout: float | None | object) -> pa.Table:
         ticket = flight.Ticket(P.encode_ticket(req))
-        return self._call(lambda client: client.do_get(ticket, options=self._options).read_all())
+        return self._call(lambda client, options: client.do_get(ticket, options=options).read_all(),
+                          self._deadline(rpc_timeout))
 
-    def to_table(self, columns: list[str] | None = None) -> pa.Table:
+    def to_table(self, columns: list[str] | None = None, *,
+                 rpc_timeout: float | None | object = _DEFAULT) -> pa.Table:
         """A snapshot of the live rows, oldest first."""
-        return self._table(P.TableRequest("table", self.name, list(columns) if columns is not None else None))
+        return self._table(P.TableRequest("table", self.name, list(columns) if columns is not None else None),
+                           rpc_timeout)
 
     def to_pandas(self, columns: list[str] | None = None) -> Any:
         from ..frames import table_to_pandas
@@ -253,13 +334,13 @@ class RemoteStore:
 
         return table_to_polars(self.to_table(columns))
 
-    def sql(self, query: str) -> pa.Table:
+    def sql(self, query: str, *, rpc_timeout: float | None | object = _DEFAULT) -> pa.Table:
         """DuckDB SQL over the live rows, run on the server; the store is the table `experience`."""
-        return self._table(P.TableRequest("sql", self.name, query=query))
+        return self._table(P.TableRequest("sql", self.name, query=query), rpc_timeout)
 
-    def episodes(self) -> pa.Table:
+    def episodes(self, *, rpc_timeout: float | None | object = _DEFAULT) -> pa.Table:
         """The episode summary: episode_id, length, return, first_seq, last_seq, complete."""
-        return self._table(P.TableRequest("episodes", self.name))
+        return self._table(P.TableRequest("episodes", self.name), rpc_timeout)
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -272,6 +353,7 @@ class RemoteStore:
             if self._closed:
                 return
             self._closed = True
+            self._closing.set()
             client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
@@ -286,16 +368,18 @@ class RemoteStore:
     def __reduce__(self) -> tuple[Any, ...]:
         # by address: the unpickled copy opens its own connection (note: the token travels with the pickle)
         return (_reconnect, (self.location, self._token, self.name, self._tls_root_certs,
-                             self._disable_verification, self.reconnect_timeout))
+                             self._disable_verification, self.reconnect_timeout, self.timeout))
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.location!r}, store={self.name!r}{', closed' if self._closed else ''})"
 
 
 def _reconnect(location: str, token: str | None, store: str, tls_root_certs: bytes | None,
-               disable_server_verification: bool, reconnect_timeout: float) -> RemoteStore:
+               disable_server_verification: bool, reconnect_timeout: float,
+               timeout: float | None = None) -> RemoteStore:
     return RemoteStore(location, token, store, tls_root_certs=tls_root_certs,
-                       disable_server_verification=disable_server_verification, reconnect_timeout=reconnect_timeout)
+                       disable_server_verification=disable_server_verification, reconnect_timeout=reconnect_timeout,
+                       timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------------------- writer
@@ -342,13 +426,13 @@ class RemoteWriter:
             self._finish()
         if self._stream is None:
             client = self.remote._connection()
-            with _translate(unreachable=StoreClosed):
+            with _translate(unreachable=Unavailable):
                 writer, reader = client.do_put(P.put_descriptor(self.remote.name, self.timeout), rb.schema,
                                                options=self.remote._options)
             self._stream = (writer, reader, rb.schema)
         while self._in_flight >= self.max_in_flight:
             self._read_ack()
-        with _translate(unreachable=StoreClosed):
+        with _translate(unreachable=Unavailable):
             try:
                 self._stream[0].write_batch(rb)
             except flight.FlightError:
@@ -360,7 +444,7 @@ class RemoteWriter:
 
     def _read_ack(self) -> None:
         assert self._stream is not None
-        with _translate(unreachable=StoreClosed):
+        with _translate(unreachable=Unavailable):
             try:
                 ack = self._stream[1].read()
             except flight.FlightError:
@@ -378,7 +462,7 @@ class RemoteWriter:
         stream, self._stream = self._stream, None
         self._in_flight = 0
         if stream is not None:
-            with _translate(unreachable=StoreClosed):
+            with _translate(unreachable=Unavailable):
                 stream[0].close()
 
     def _finish(self) -> None:
@@ -386,7 +470,7 @@ class RemoteWriter:
             self._read_ack()
         stream, self._stream = self._stream, None
         if stream is not None:
-            with _translate(unreachable=StoreClosed):
+            with _translate(unreachable=Unavailable):
                 stream[0].done_writing()
                 stream[0].close()
 
@@ -445,7 +529,7 @@ class LearnerSession:
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
         req = P.SessionRequest(self.n, remote.name, cols, timeout, int(prefetch), dict(options or {}))
         client = remote._connection()
-        with _translate(unreachable=StoreClosed):
+        with _translate(unreachable=Unavailable):
             self._writer, self._reader = client.do_exchange(P.session_descriptor(req), options=remote._options)
         self._pending = 0
         self._stale = 0  # replies still due to requests sent before the last error was raised
@@ -453,7 +537,7 @@ class LearnerSession:
         self._request(self.ahead)
 
     def _request(self, count: int) -> None:
-        with _translate(unreachable=StoreClosed):
+        with _translate(unreachable=Unavailable):
             self._writer.write_metadata(pa.py_buffer(P.encode_exchange(P.ExchangeMessage("sample", count=count))))
         self._pending += count
 
@@ -466,7 +550,7 @@ class LearnerSession:
         while True:
             if self._pending < self.ahead:  # ask `ahead` at a time: one small write per `ahead` batches
                 self._request(self.ahead)
-            with _translate(unreachable=StoreClosed):
+            with _translate(unreachable=Unavailable):
                 try:
                     chunk = self._reader.read_chunk()
                 except StopIteration:
@@ -490,8 +574,14 @@ class LearnerSession:
     def update_priorities(self, indices: Any, priorities: Any) -> None:
         """Send priorities up (asynchronously; an error comes back from a later `next()`)."""
         idx, pri = _priorities(indices, priorities)
-        with _translate(unreachable=StoreClosed):
+        with _translate(unreachable=Unavailable):
             self._writer.write_metadata(pa.py_buffer(P.encode_priorities(idx, pri)))
+
+    def cancel(self) -> None:
+        """Cancel the session from any thread: a `next()` blocked on the server returns with an error at once.
+        Call `close()` afterwards (from the thread that iterates)."""
+        with contextlib.suppress(Exception):
+            self._reader.cancel()
 
     def close(self) -> None:
         """End the session; idempotent."""
@@ -518,20 +608,41 @@ class _Unreachable(Exception):
     """A transport failure: the server is down or restarting (no arrowbuf status detail)."""
 
 
+def _check_timeout(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
+        raise InvalidArgument(f"{what} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
 @contextlib.contextmanager
-def _translate(unreachable: type[Exception] = _Unreachable) -> Iterator[None]:
-    """Flight errors -> arrowbuf exceptions through `protocol.ERRORS`; transport failures -> `unreachable`."""
+def _translate(unreachable: type[Exception] = _Unreachable, seconds: float | None = None) -> Iterator[None]:
+    """Flight errors -> arrowbuf exceptions through `protocol.ERRORS`; transport failures -> `unreachable`
+    (`Unavailable` for streams); a passed deadline -> `DeadlineExceeded`."""
     try:
         yield
     except flight.FlightError as exc:
         mapped = P.from_flight_error(exc)
         if mapped is not None:
             raise mapped from None
+        if isinstance(exc, flight.FlightTimedOutError):
+            within = f" of {seconds:g}s" if seconds is not None else ""
+            raise DeadlineExceeded(f"the server did not answer within the call's deadline{within}: {exc}; pass a "
+                                   "larger rpc_timeout= (or timeout= to ab.connect)") from None
         if isinstance(exc, (flight.FlightUnavailableError, flight.FlightCancelledError)):
             if unreachable is _Unreachable:
-                raise _Unreachable(str(exc)) from exc
+                raise _Unreachable(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
             raise unreachable(f"the connection to the server failed: {exc}") from None
         raise
+
+
+def _ack_ids(ack: dict[str, int], rows: int) -> np.ndarray:
+    """The ids of a batch from its DoPut acknowledgement: the committed range [first_seq, first_seq + rows)."""
+    if ack["rows"] != rows:
+        raise SchemaError(f"DoPut acknowledgement: {ack['rows']} rows committed for a batch of {rows}; "
+                          "the server and this client disagree about the protocol")
+    return np.arange(ack["first_seq"], ack["first_seq"] + rows, dtype=np.int64)
 
 
 def _priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -565,6 +676,11 @@ def _record_batch(schema: ExperienceSchema, cols: dict[str, Any]) -> pa.RecordBa
         names.append(name)
         if isinstance(value, (pa.Array, pa.ChunkedArray)):
             arrays.append(value)
+        elif value.ndim > 1 and len(value) == 0:  # from_numpy_ndarray refuses an empty array
+            typ = pa.fixed_shape_tensor(pa.from_numpy_dtype(value.dtype), value.shape[1:])
+            storage = pa.FixedSizeListArray.from_arrays(pa.array([], pa.from_numpy_dtype(value.dtype)),
+                                                        int(np.prod(value.shape[1:])))
+            arrays.append(pa.ExtensionArray.from_storage(typ, storage))
         elif value.ndim > 1:
             if not value.flags.c_contiguous or len(value) < 2:  # one row may carry a zero leading stride
                 value = value.copy(order="C")

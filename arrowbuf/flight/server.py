@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ..errors import ArrowbufError, InvalidArgument, SchemaError, StoreClosed, StoreNotFound, Unauthenticated
+from ..surface import check_surface
 from . import protocol as P
 
 log = logging.getLogger("arrowbuf.flight")
@@ -41,7 +42,8 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
     """Serve one or more stores over Arrow Flight.
 
     Args:
-        store_or_stores: an `ExperienceStore`, a list of stores (named by `store.name`) or a dict name -> store.
+        store_or_stores: a store (anything that implements `ab.StoreSurface`: an `ExperienceStore`, a shard
+            adapter, ...), a list of stores (named by `store.name`) or a dict name -> store.
         location: `grpc://host:port`; port 0 picks a free port (see `server.location`). Binds 127.0.0.1 by default;
             pass `grpc://0.0.0.0:<port>` to accept other machines (then use a token and TLS).
         token: bearer token every call must carry (`authorization: Bearer <token>`); None accepts every caller.
@@ -255,7 +257,9 @@ class _FlightService(flight.FlightServerBase):
             self.owner.check_open()
             self._check_rows(batch.num_rows, f"batch {k}")
             # the whole batch is in memory here: a client that dies mid-message never reaches this line
-            first = store.extend(batch, **kwargs)
+            # --- contracts: extend returns the rows' ids (StoreSurface); the ack carries the committed range
+            ids = np.asarray(store.extend(batch, **kwargs), dtype=np.int64).reshape(-1)
+            first = int(ids[0]) if len(ids) else 0
             writer.write(pa.py_buffer(P.encode_ack(k, first, batch.num_rows)))
             k += 1
 
@@ -533,9 +537,8 @@ def _named_stores(value: Any) -> dict[str, Any]:
         stores = {getattr(value, "name", None) or value.schema.name: value}
     if not stores:
         raise InvalidArgument("serve() needs at least one store")
-    for name, s in stores.items():
-        if not all(hasattr(s, a) for a in ("schema", "extend", "sample")):
-            raise TypeError(f"store {name!r}: expected an ExperienceStore, got {type(s).__name__}")
+    for name, s in stores.items():  # --- contracts: a store is anything that implements ab.StoreSurface
+        check_surface(s, f"serve(): store {name!r}")
     return stores
 
 

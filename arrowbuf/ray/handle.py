@@ -10,7 +10,7 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, cast
 
 import numpy as np
 import pyarrow as pa
@@ -203,6 +203,8 @@ class ShardedStore:
 
     def _client(self, s: _Shard) -> Any:
         """The shard's Flight client, or None while it is down."""
+        if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
+            raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")
         if s.down:
             self._poll_revival(s)
             if s.down:
@@ -343,7 +345,10 @@ class ShardedStore:
             ShardsLost: no shard is left.
         """
         parts = list(self.stream(n, columns, timeout, deadline=deadline, fanout=fanout, **options))
-        return parts[0] if len(parts) == 1 else _concat(parts)
+        if len(parts) == 1:
+            return parts[0]
+        info = {"shards": [p.info.get("shard") for p in parts], "rows_per_part": [len(p) for p in parts]}
+        return SampleBatch.concat(parts, info)
 
     def stream(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                deadline: float | None = ..., fanout: int | None = ...,  # type: ignore[assignment]
@@ -524,6 +529,8 @@ class ShardedStore:
     def writer(self, shard: int | None = None, *, transport: str = "auto", max_in_flight: int = 8,
                actor: Any = None) -> "ShardWriter":
         """A writer to one shard: `shard`, else a shard on this process's node, else one picked by writer id."""
+        if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
+            raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")
         w = ShardWriter(self, shard, transport=transport, max_in_flight=max_in_flight, actor=actor)
         self._writers.add(w)
         return w
@@ -562,6 +569,27 @@ class ShardedStore:
             t = s.client.to_table(columns)
             tables.append(t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))))
         return pa.concat_tables(tables) if tables else self.schema.to_arrow().empty_table()
+
+    # --- contracts: the rest of the StoreSurface (arrowbuf/surface.py)
+    def sql(self, query: str) -> pa.Table:
+        """DuckDB SQL, run here, over every live shard's rows (`to_table()`, with its `shard` column) as
+        `experience`. Needs `arrowbuf[query]`."""
+        from ..frames import run_sql
+
+        return run_sql(cast(Any, self), query)  # run_sql reads only to_table()
+
+    def episodes(self) -> pa.Table:
+        """Every live shard's episode summary, with a `shard` column first (episode ids are per shard)."""
+        tables = []
+        for s in self._live():
+            t = s.client.episodes()
+            tables.append(t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))))
+        if tables:
+            return pa.concat_tables(tables)
+        return pa.schema([("shard", pa.int32()), ("episode_id", pa.int64()), ("length", pa.int64()),
+                          ("return", pa.float64()), ("first_seq", pa.int64()), ("last_seq", pa.int64()),
+                          ("complete", pa.bool_())]).empty_table()
+    # --- end contracts
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -603,6 +631,8 @@ class ShardedStore:
     def __exit__(self, *exc: object) -> None:
         if self._owner:
             self.shutdown()
+        else:  # contracts: leaving the block closes the handle (StoreSurface)
+            self.close()
 
 
 def _resolve_tier(tier: str, schema: ExperienceSchema) -> str:
@@ -646,17 +676,3 @@ def _allocate_fanout(n: int, masses: np.ndarray, fanout: int, rng: np.random.Gen
     share = np.full(fanout, n // fanout, dtype=np.int64)
     share[rng.permutation(fanout)[: n % fanout]] += 1  # which draws carry the remainder: at random (unbiased)
     return np.bincount(picks, weights=share, minlength=len(masses)).astype(np.int64)
-
-
-def _concat(parts: list[SampleBatch]) -> SampleBatch:
-    arrays: dict[str, Any] = {}
-    for c in parts[0].columns:
-        vals = [p[c] for p in parts]
-        if isinstance(vals[0], (pa.Array, pa.ChunkedArray)):
-            arrays[c] = pa.concat_arrays([v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v for v in vals])
-        else:
-            arrays[c] = np.concatenate(vals)
-    weights = np.concatenate([p.weights for p in parts]) if all(p.weights is not None for p in parts) else None
-    info = {"shards": [p.info.get("shard") for p in parts], "rows_per_part": [len(p) for p in parts]}
-    return SampleBatch(arrays, np.concatenate([p.indices for p in parts]), weights, info)
-

@@ -70,8 +70,10 @@ class ShardStore:
             return float(size), 1.0 if size else float("inf"), size
         return float(self._prio.sum_tree.total()), float(self._prio.min_tree.min()), size
 
-    def extend(self, batch: Any, **kwargs: Any) -> int:
-        return int(encode_ids(self.shard, self.generation, np.array([self.store.extend(batch, **kwargs)]))[0])
+    # --- contracts: the StoreSurface (arrowbuf/surface.py), explicitly rather than through __getattr__
+    def extend(self, batch: Any, **kwargs: Any) -> np.ndarray:
+        """The store's `extend`; returns the rows' global ids."""
+        return encode_ids(self.shard, self.generation, np.asarray(self.store.extend(batch, **kwargs)))
 
     def append(self, step: Any, **kwargs: Any) -> int:
         return int(encode_ids(self.shard, self.generation, np.array([self.store.append(step, **kwargs)]))[0])
@@ -113,7 +115,26 @@ class ShardStore:
         return {**self.store.stats(), "shard": self.shard, "generation": self.generation, "mass": total,
                 "min_mass": vmin if np.isfinite(vmin) else None}
 
-    def __getattr__(self, name: str) -> Any:  # to_table, episodes, sql, chunks, ...: the store's own
+    def to_table(self, columns: list[str] | None = None) -> Any:
+        return self.store.to_table(columns)
+
+    def sql(self, query: str) -> Any:
+        return self.store.sql(query)
+
+    def episodes(self) -> Any:
+        return self.store.episodes()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> "ShardStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+    # --- end contracts
+
+    def __getattr__(self, name: str) -> Any:  # chunks, placement, ...: the store's own
         if name == "store":
             raise AttributeError(name)
         return getattr(self.store, name)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import logging
 import os
@@ -15,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ArrowbufError, InvalidArgument, SchemaError, ShardsLost, StoreClosed
+from ..tiers.shm.janitor import owner_dead
 from ._common import _ray
 from .shard import shm_safe
 
@@ -64,7 +64,7 @@ class ShardWriter:
         self.shard: int = -1
         self.via: str = ""
         self._target: Any = None        # RemoteWriter or attached ExperienceStore
-        self._owner_lock: str | None = None
+        self._shm_dir: str | None = None  # the shard store's directory while writing through shared memory
         self._unacked: list[pa.RecordBatch] = []
         self._acked = 0
         self._closed = False
@@ -120,11 +120,11 @@ class ShardWriter:
                 from ..tiers.shm import store_path
 
                 self._target = ExperienceStore.attach(info["shm"])
-                self._owner_lock = os.path.join(store_path(info["shm"]), "owner.lock")
+                self._shm_dir = store_path(info["shm"])
                 self.via = "shm"
             else:
                 self._target = client.writer(max_in_flight=self.max_in_flight)
-                self._owner_lock = None
+                self._shm_dir = None
                 self.via = "flight"
         except (StoreClosed, ArrowbufError, OSError, pa.ArrowException) as exc:
             self.sharded._mark_down(s, exc)
@@ -196,7 +196,7 @@ class ShardWriter:
             try:
                 if self.via == "shm":
                     self._target.extend(rb)
-                    if _owner_dead(self._owner_lock):  # committed into a dead shard's memory: send it again
+                    if self._shm_dir is not None and owner_dead(self._shm_dir):  # a dead shard's memory: send again
                         raise StoreClosed(f"shard {self.shard} died")
                     self.rows += rb.num_rows
                 else:
@@ -262,21 +262,3 @@ class ShardWriter:
 
     def __repr__(self) -> str:
         return f"ShardWriter(home={self.home}, shard={self.shard}, via={self.via!r}, rows={self.rows})"
-
-
-def _owner_dead(lock_path: str | None) -> bool:
-    """Whether the process that created a shared store is gone (its owner flock is free). About 5 us."""
-    if lock_path is None:
-        return False
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)

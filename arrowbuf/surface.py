@@ -1,0 +1,129 @@
+"""The store surface: what every store-like class offers, written down as one `typing.Protocol`.
+
+`ExperienceStore` (host, shared memory, tiered, attached), `RemoteStore` (`ab.connect`), `arrowbuf.ray.ShardedStore`
+and the shard adapter a shard's Flight server wraps (`arrowbuf.ray.ShardStore`) all implement `StoreSurface`, and
+tests/test_surface.py runs one contract suite over each of them. Code that only needs "a store" (the Loader,
+`ab.serve`, your training loop) should take a `StoreSurface` and nothing narrower.
+
+Ids: `extend` returns the new rows' ids as a 1-D `np.ndarray[int64]` and `append` the new row's id as an `int`.
+They are the ids `sample(...).indices` carries and `update_priorities` accepts: a local store's ids are its rows'
+`seq`; a sharded store's are its encoded global ids (shard, generation, seq). An id names one row for as long as it
+is stored: `update_priorities` ignores (and counts) ids whose row was evicted or recycled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol, runtime_checkable
+
+import numpy as np
+import pyarrow as pa
+
+from .batch import SampleBatch
+from .schema import ExperienceSchema
+
+
+@runtime_checkable
+class StoreSurface(Protocol):
+    """The surface a learner, an actor or a server uses, whatever the store behind it.
+
+    Usage loop (as Acme's `Adder` and `ReplayBuffer`: actors add, learners sample and feed back)::
+
+        def actor(store: ab.StoreSurface, env, policy) -> None:
+            step = env.reset()
+            while True:
+                store.append(step)                        # -> int id; or store.extend(batch) -> ids
+                step = env.step(policy(step))
+
+        def learner(store: ab.StoreSurface, model) -> None:
+            with store:                                   # close() on exit, idempotent
+                while True:
+                    batch = store.sample(256, timeout=5.0)           # ab.SampleBatch: data, indices, weights
+                    td = model.update(batch.to_torch(), batch.weights)
+                    store.update_priorities(batch.indices, td.abs())  # ids of evicted rows are ignored
+                    if model.step % 1000 == 0:
+                        print(len(store), store.stats()["inserts"])
+                        print(store.sql("SELECT count(*) FROM experience"), store.episodes())
+
+    Implementations may take more keyword arguments (`timeout=` on writes, `n_step=` on `sample`, ...); the
+    signatures below are what every one of them accepts.
+
+    Attributes:
+        schema: the `ExperienceSchema` of the stored rows.
+    """
+
+    schema: ExperienceSchema
+
+    def append(self, step: dict[str, Any]) -> int:
+        """Add one step (a dict of scalars and arrays); returns the new row's id."""
+        ...
+
+    def extend(self, batch: Any) -> np.ndarray:
+        """Add many steps (dict of arrays with a leading dim, `pa.RecordBatch`, `pa.Table`) atomically; returns the
+        new rows' ids, a 1-D `np.ndarray[int64]` in row order.
+
+        Raises:
+            SchemaError: the batch does not match the schema; nothing is stored.
+        """
+        ...
+
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None,
+               **options: Any) -> SampleBatch:
+        """`n` items as an `ab.SampleBatch` (`indices`: their ids; `weights`: IS weights or None).
+
+        Raises:
+            SampleTimeout: nothing could be served within `timeout` seconds (an empty store, a rate limiter).
+        """
+        ...
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """Set the priorities of sampled ids; returns how many ids still named a stored row."""
+        ...
+
+    def __len__(self) -> int:
+        """Rows stored now."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Size and counters; every implementation has at least `size`, `inserts` and `samples`."""
+        ...
+
+    def to_table(self, columns: list[str] | None = None) -> pa.Table:
+        """The stored rows, oldest first, as a `pa.Table` (with `seq`; a sharded store adds `shard`)."""
+        ...
+
+    def sql(self, query: str) -> pa.Table:
+        """DuckDB SQL over the stored rows; the store is the table `experience`. Needs `arrowbuf[query]`."""
+        ...
+
+    def episodes(self) -> pa.Table:
+        """One row per episode: episode_id, length, return, first_seq, last_seq, complete."""
+        ...
+
+    def close(self) -> None:
+        """Release what this object holds; idempotent. Calls after `close()` raise `StoreClosed`."""
+        ...
+
+    def __enter__(self) -> Any:
+        ...
+
+    def __exit__(self, *exc: object) -> Any:
+        ...
+
+
+#: Keys every implementation's `stats()` carries.
+STATS_KEYS = ("size", "inserts", "samples")
+
+
+def check_surface(obj: Any, what: str = "store") -> StoreSurface:
+    """`obj` if it implements `StoreSurface`, else `TypeError` naming what is missing."""
+    if isinstance(obj, StoreSurface):
+        return obj
+    missing = [m for m in _MEMBERS if not hasattr(obj, m)]
+    raise TypeError(f"{what}: expected a store (ab.StoreSurface: ExperienceStore, RemoteStore, ShardedStore, ...), "
+                    f"got {type(obj).__name__}, which lacks {missing}")
+
+
+_MEMBERS = ("schema", "append", "extend", "sample", "update_priorities", "__len__", "stats", "to_table", "sql",
+            "episodes", "close", "__enter__", "__exit__")
+
+__all__ = ["STATS_KEYS", "StoreSurface", "check_surface"]
