@@ -33,6 +33,14 @@ Semantics and the bounds this achieves (`P` = `prefetch`, `B` = `batch_size`):
   pending priority updates. An error in the background thread is raised in the learner's thread by `__next__`
   (after the batches prepared before it), with its original type.
 
+* A remote source (`ab.connect(...)`): batches come from one DoExchange learner session (`RemoteStore.session`):
+  the server keeps `P` batches sampled ahead and waits for data itself, so nothing polls; `close()` cancels the
+  session's read at once. Priority updates go up in-band. The windows above widen by what the server holds: at most
+  `P` batches prefetched there and 3 requested ones in flight, so an update can miss up to `2 * P + 3` batches drawn
+  before it, and the limiter sees the learner up to that many batches early. With a staleness filter (batches of
+  varying size) a remote source is sampled with one DoGet per draw instead. If the server goes away, one DoGet
+  (which reconnects for `reconnect_timeout`) serves the next batch and a new session follows.
+
 The exposed-latency metric (DESIGN.md, "Latency-aware scheduling") is in `loader.metrics`; see `LoaderMetrics`.
 """
 
@@ -50,10 +58,12 @@ import numpy as np
 import pyarrow as pa
 
 from .batch import SampleBatch
-from .errors import InvalidArgument, SampleTimeout, SchemaError, StoreClosed, require
+from .errors import InvalidArgument, SampleTimeout, SchemaError, StoreClosed, Unavailable, require
 
-#: Longest single wait the background thread makes on the source before it checks for `close()`.
+#: Longest single wait the background thread makes on a local source before it checks for `close()`.
 _WAIT_SLICE_S = 0.05
+#: How long the server may wait for data per request of a remote Loader's session (close() cancels the wait).
+_REMOTE_WAIT_S = 1.0
 #: The column the staleness filter reads (schemas/cartpole.yaml and schemas/tokens.yaml carry it).
 POLICY_VERSION = "policy_version"
 
@@ -204,6 +214,7 @@ class _Shared:
     error: BaseException | None = None
     pending: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     stop_event: threading.Event = field(default_factory=threading.Event)
+    cancel: Callable[[], None] | None = None  # wakes the background thread from a blocking remote read
 
 
 class _Pipeline:
@@ -214,6 +225,8 @@ class _Pipeline:
         self.cfg = cfg
         self.s = shared
         self._maintain = getattr(source, "maintain", None)
+        self._session: Any = None
+        self._remote = _is_remote(source) and not cfg.filtered  # a fixed batch size: a DoExchange session serves it
         self._stream = None
         if cfg.cuda:  # pragma: no cover - needs a GPU
             torch = require("torch", "torch")
@@ -248,17 +261,60 @@ class _Pipeline:
         except _Stopped:
             return
         except BaseException as exc:  # noqa: BLE001 - every failure is handed to the learner's thread
+            if s.stop:  # close() cancelled a remote read: not an error
+                return
             exc.add_note("(raised in the arrowbuf Loader's background thread)")
             with s.cond:
                 s.error = exc
                 s.cond.notify_all()
+        finally:
+            self._end_session()
 
     def apply_pending(self) -> None:
-        """Apply queued priority updates (the background's copy of the learner's calls, in call order)."""
+        """Apply queued priority updates (the background's copy of the learner's calls, in call order); over a
+        session they go up in-band, ahead of the next requests."""
         with self.s.cond:
             updates, self.s.pending = self.s.pending, []
         for ids, pri in updates:
-            self.source.update_priorities(ids, pri)
+            if self._session is not None:
+                self._session.update_priorities(ids, pri)
+            else:
+                self.source.update_priorities(ids, pri)
+
+    # ---------------------------------------------------------------- a remote source: one DoExchange session
+    def _open_session(self) -> Any:
+        """The learner session batches come from (server-side prefetch; no polling): `close()` cancels its read."""
+        cfg = self.cfg
+        with self.s.cond:
+            if self.s.stop:
+                raise _Stopped
+            self._session = self.source.session(cfg.batch_size, cfg.columns, prefetch=cfg.prefetch,
+                                                timeout=_REMOTE_WAIT_S, **cfg.sample_options)
+            self.s.cancel = self._session.cancel
+        return self._session
+
+    def _end_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            with self.s.cond:
+                self.s.cancel = None
+            session.close()
+
+    def _next_remote(self) -> SampleBatch:
+        session = self._session if self._session is not None else self._open_session()
+        while True:
+            if self.s.stop:
+                raise _Stopped
+            self.apply_pending()
+            try:
+                return next(session)
+            except SampleTimeout:
+                continue  # the server waited _REMOTE_WAIT_S for data in vain: ask again
+            except Unavailable:
+                if self.s.stop:
+                    raise _Stopped from None
+                self._end_session()  # the server went away: one sample (which reconnects), then a new session
+                return self._sample_polling(self.cfg.batch_size)
 
     # ---------------------------------------------------------------- one batch
     def prepare(self) -> _Prepared:
@@ -273,7 +329,13 @@ class _Pipeline:
         return _Prepared(payload, versions, len(batch), t0, t3, t1 - t0, t2 - t1, t3 - t2, stale)
 
     def _sample(self, n: int) -> SampleBatch:
-        """One `source.sample(n)`, waiting in slices so `close()` is seen; pending priority updates go first."""
+        """One `source.sample(n)`, waiting in slices so `close()` is seen; pending priority updates go first. A
+        remote source serves from its DoExchange session instead (the server waits for data: no polling)."""
+        if self._remote:
+            return self._next_remote()
+        return self._sample_polling(n)
+
+    def _sample_polling(self, n: int) -> SampleBatch:
         while True:
             if self.s.stop:
                 raise _Stopped
@@ -346,8 +408,8 @@ class Loader:
     """An iterator of prefetched batches from a store, an attached store or a remote client.
 
     Args:
-        source: anything with `sample(n, columns=, timeout=, **options)` and `update_priorities(ids, priorities)`:
-            `ExperienceStore`, an attached shared-memory store, or `ab.connect(...)`'s client.
+        source: a store (`ab.StoreSurface`: `ExperienceStore`, an attached shared-memory store, `ab.connect(...)`'s
+            client, a `ShardedStore`); only `sample` and `update_priorities` are used (and `session` of a client).
         batch_size: rows per batch.
         prefetch: batches prepared ahead (>= 1); also the rate-limiter and priority-update window (module docstring).
         columns: columns to sample (default: all).
@@ -608,7 +670,16 @@ def _stop(shared: _Shared) -> None:
     with shared.cond:
         shared.stop = True
         shared.cond.notify_all()
+        cancel = shared.cancel
     shared.stop_event.set()
+    if cancel is not None:
+        cancel()
+
+
+def _is_remote(source: Any) -> bool:
+    from .flight.client import RemoteStore
+
+    return isinstance(source, RemoteStore)
 
 
 def _weak_floor(loader: Loader) -> Callable[[], float]:

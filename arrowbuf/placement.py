@@ -7,8 +7,10 @@ Usage::
     store.placement()               # pa.Table: column, tier, chunks, bytes
     store.placement(explain=True)   # ... and why: access share, sampling mass, value per byte, bandwidth
 
-A policy is bound to one store; it runs `step()` in a background thread every `interval` seconds (or not at all with
-`interval=None`: call `step()` yourself, as the tests do). A step reads the inputs, plans, and carries out moves; each
+A policy is bound to one store through a `PlacementTarget` (what the policy sees of the store: tiers, chunk
+residency, access counts, per-chunk sampling mass, and `migrate`), which the store builds; it runs `step()` in a
+background thread every `interval` seconds (or not at all with `interval=None`: call `step()` yourself, as the tests
+do). A step reads the inputs, plans, and carries out moves; each
 move copies one chunk of one column off the sample path and flips the slot table (see `arrowbuf.columns`).
 
 `BandwidthAware` (after the Conduit paper): the value of keeping a (column, chunk) in a faster tier is the rate of
@@ -38,33 +40,162 @@ import pyarrow as pa
 from .errors import InvalidArgument, StoreClosed
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .columns import TieredColumnArenas
-    from .store import ExperienceStore
+    from .chunks import ChunkDirectory
+    from .columns import ColumnArenas
+    from .index import RingIndex
+    from .samplers import Sampler
+    from .schema import ExperienceSchema
 
 _MIB = 1 << 20
+
+
+class PlacementTarget:
+    """What a placement policy sees of its store, and the one thing it does to it (`migrate`).
+
+    The store builds it from its parts (`ExperienceStore` does, at construction) and binds its policy to it; a policy
+    reads nothing else. Columns are in `columns` order everywhere (arrays of shape [C] or [C, S], S chunk slots).
+
+    Usage loop (a policy's step)::
+
+        snap = target.snapshot()                   # lo, hi, each slot's first/last seq, inserts, access per column
+        mass = target.chunk_mass()                 # [S] sampling mass per chunk slot (Sampler.mass)
+        res = target.residency()                   # [C, S] tier code of each (column, chunk)
+        target.migrate("obs", slot, tier, gen)     # copy one chunk of one column, off the sample path
+    """
+
+    def __init__(self, schema: "ExperienceSchema", cols: "ColumnArenas", directory: "ChunkDirectory",
+                 index: "RingIndex", sampler: "Sampler", state_lock: Any, write_lock: Any, capacity: int,
+                 name: str, data_tier: Any) -> None:
+        self.schema = schema
+        self.name = name
+        self.capacity = int(capacity)
+        self.directory = directory
+        self.chunk_rows = directory.chunk_rows
+        self.num_slots = directory.num_slots
+        self.tiered = hasattr(cols, "tiers")
+        self.tiers: list[Any] = list(getattr(cols, "tiers", None) or [data_tier])
+        self.closed = False
+        self._cols: Any = cols
+        self._index = index
+        self._sampler = sampler
+        self._state_lock = state_lock
+        self._write_lock = write_lock
+        if self.tiered:
+            self.columns: list[str] = list(cols.names)  # type: ignore[attr-defined]
+            self._cis = np.array([cols.ci[n] for n in self.columns], dtype=np.int64)  # type: ignore[attr-defined]
+            self.slotted: list[bool] = list(cols.slotted)  # type: ignore[attr-defined]
+            self.bottom: int = int(cols.bottom)  # type: ignore[attr-defined]
+            self.arena_rows: int = int(cols.arena_rows)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def queue(self) -> bool:
+        """Whether the sampler is a queue (each item delivered once: new chunks hold the mass)."""
+        return bool(self._sampler.queue)
+
+    def chunk_bytes(self) -> np.ndarray:
+        """[C] bytes of one chunk of each column."""
+        return np.array([self._cols.chunk_bytes[n] for n in self.columns], dtype=np.int64)
+
+    def residency(self) -> np.ndarray:
+        """[C, S] the tier code (index into `tiers`) of each (column, chunk slot); a copy."""
+        return self._cols.res[self._cis].astype(np.int64)
+
+    def moving(self) -> np.ndarray:
+        """[C, S] whether a (column, chunk slot) is being moved or written now."""
+        return self._cols.moving[self._cis].copy()
+
+    def write_tiers(self) -> np.ndarray:
+        """[C] where writers put each column's new chunks (a tier code)."""
+        return np.asarray(self._cols.write_tier)[self._cis].astype(np.int64)
+
+    def set_write_tiers(self, codes: np.ndarray) -> None:
+        """Where writers put each column's new chunks from now on (never a slotted tier)."""
+        for i, ci in enumerate(self._cis.tolist()):
+            self._cols.write_tier[ci] = int(codes[i])
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent view under the store's state lock: `lo`, `hi` (live seqs), `gens`/`lasts` (each slot's first
+        and last seq), `inserts` and `access` ([C] rows read per column so far)."""
+        idx = self._index
+        cr = self.chunk_rows
+        first = np.arange(self.num_slots, dtype=np.int64) * cr
+        with self._state_lock:
+            return {"lo": idx.lo, "hi": idx.hi, "gens": idx.seq[first].copy(), "lasts": idx.seq[first + cr - 1].copy(),
+                    "inserts": idx.counter("inserts"),
+                    "access": np.array(self._cols.access, dtype=np.int64)[self._cis]}
+
+    def chunk_mass(self) -> np.ndarray:
+        """[S] each chunk slot's sampling mass (unnormalised): the sum of `Sampler.mass` over its rows."""
+        rows = self.num_slots * self.chunk_rows
+        positions = np.arange(rows, dtype=np.int64)
+        mass_of = getattr(self._sampler, "mass", None)
+        if mass_of is not None:
+            per_row = np.asarray(mass_of(positions), dtype=np.float64)
+        else:  # until Sampler.mass lands (owner: sampling); then this branch goes
+            per_row = _legacy_mass(self._sampler, self._index, positions)
+        return per_row.reshape(self.num_slots, self.chunk_rows).sum(axis=1)
+
+    def fixed_bytes(self, code: int) -> int:
+        """Bytes tier `code` holds besides column chunks (the index, samplers, final observations on the host)."""
+        cols = self._cols
+        data = sum(int((cols.res[cols.ci[n]] == code).sum()) * cols.chunk_bytes[n] for n in self.columns)
+        return max(0, self.tiers[code].nbytes() - data)
+
+    def slots_total(self, code: int, column: str) -> int:
+        """Chunk slots column `column` has in slotted tier `code` (0: no arena there yet)."""
+        return int(self._cols.slots_total(code, column))
+
+    # ------------------------------------------------------------------ acting
+    def ensure_arena(self, code: int, column: str, slots: int) -> bool:
+        """Give `column` an arena of `slots` chunk slots in slotted tier `code`; False if it does not fit."""
+        return bool(self._cols.ensure_arena(code, column, slots))
+
+    def migrate(self, column: str, slot: int, tier: int, gen: int | None) -> bool:
+        """Copy chunk slot `slot` of `column` to tier `tier` and flip the slot table; False (nothing changed) if there
+        is no room, it is already moving, or the chunk changed meanwhile. `gen`: the sealed chunk's first seq, or
+        None for a slot that is not sealed (moved only while no writer is busy)."""
+        return bool(self._cols.migrate(column, slot, tier, gen, self._index, self._state_lock, self._write_lock))
+
+
+def _legacy_mass(sampler: Any, index: Any, positions: np.ndarray) -> np.ndarray:
+    """Per-row sampling mass for samplers without `mass` (main before the `sampling` helper's change lands)."""
+    from .samplers import FifoSampler, PrioritizedSampler, SequenceSampler
+
+    if isinstance(sampler, SequenceSampler) and isinstance(sampler.priority, PrioritizedSampler):
+        sampler = sampler.priority
+    if isinstance(sampler, PrioritizedSampler):
+        return sampler.sum_tree.get(positions).astype(np.float64)
+    valid = index.valid[positions]
+    if isinstance(sampler, FifoSampler):
+        return (valid & (index.seq[positions] >= sampler.cursor)).astype(np.float64)
+    return valid.astype(np.float64)
 
 
 class Placement(abc.ABC):
     """Decides residency per (column, chunk) of one tiered store. Usage loop (what the store does)::
 
-        policy.bind(store)      # once, at the end of the store's construction; starts the background thread
+        policy.bind(target)     # once, at the end of the store's construction (a PlacementTarget); starts the thread
         policy.step()           # one round: observe, plan, move (the thread calls it every `interval` seconds)
         policy.close()          # stop and join the thread (store.close() calls it)
     """
 
     interval: float | None = None
 
-    def bind(self, store: "ExperienceStore") -> None:
-        if getattr(self, "_store", None) is not None:
+    def bind(self, target: PlacementTarget) -> None:
+        if getattr(self, "_target", None) is not None:
             raise InvalidArgument("a placement policy serves one store; make a new one for each store")
-        self._store = weakref.ref(store)
+        self._target: PlacementTarget | None = target
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        tiers = getattr(store._cols, "tiers", None)
-        if self.interval is not None and tiers and len(tiers) > 1:
+        if self.interval is not None and target.tiered and len(target.tiers) > 1:
             self._thread = threading.Thread(target=_run, args=(weakref.ref(self), self._stop, self.interval),
-                                            name=f"arrowbuf-placement-{store.name}", daemon=True)
+                                            name=f"arrowbuf-placement-{target.name}", daemon=True)
             self._thread.start()
+
+    def _live_target(self) -> PlacementTarget | None:
+        target = getattr(self, "_target", None)
+        return None if target is None or target.closed else target
 
     @abc.abstractmethod
     def step(self) -> int:
@@ -75,7 +206,11 @@ class Placement(abc.ABC):
         return {}
 
     def close(self) -> None:
-        """Stop the background thread and wait for it (a move in progress finishes first); idempotent."""
+        """Stop the background thread and wait for it (a move in progress finishes first); idempotent. The store
+        calls it when it closes: the target is closed too."""
+        target = getattr(self, "_target", None)
+        if target is not None:
+            target.closed = True
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
@@ -97,8 +232,8 @@ def _run(ref: "weakref.ref[Placement]", stop: threading.Event, interval: float) 
         policy = ref()
         if policy is None:
             return
-        store = policy._store()
-        if store is None or store.closed:
+        target = policy._live_target()
+        if target is None:
             return
         try:
             t0 = time.perf_counter()
@@ -106,9 +241,9 @@ def _run(ref: "weakref.ref[Placement]", stop: threading.Event, interval: float) 
             delay = max(interval, 3 * (time.perf_counter() - t0))
         except Exception as exc:  # keep serving from where the data is; the error is visible in explain()
             policy.last_error = repr(exc)  # type: ignore[attr-defined]
-            if store.closed:
+            if target.closed:
                 return
-        del policy, store
+        del policy, target
 
 
 class Static(Placement):
@@ -162,27 +297,20 @@ class BandwidthAware(Placement):
     # ------------------------------------------------------------------ inputs
     def bandwidths(self) -> dict[str, float]:
         """Read bandwidth per tier (bytes/s): given, or probed once."""
-        store = self._store()
-        if store is None or store.closed:
+        target = self._live_target()
+        if target is None:
             raise StoreClosed("the store of this placement policy is closed")
-        cols: Any = store._cols
         if self._bw is None:
-            self._bw = np.array([self.given_bandwidth.get(t.name) or probe_bandwidth(t) for t in cols.tiers])
-        return {t.name: float(b) for t, b in zip(cols.tiers, self._bw)}
+            self._bw = np.array([self.given_bandwidth.get(t.name) or probe_bandwidth(t) for t in target.tiers])
+        return {t.name: float(b) for t, b in zip(target.tiers, self._bw)}
 
-    def _observe(self, store: "ExperienceStore") -> dict[str, Any]:
-        cols: Any = store._cols
-        idx = store.index
-        cr, ns = cols.chunk_rows, cols.num_slots
-        first = np.arange(ns, dtype=np.int64) * cr
-        with store._lock:
-            lo, hi = idx.lo, idx.hi
-            gens = idx.seq[first].copy()
-            lasts = idx.seq[first + cr - 1].copy()
-            inserts = idx.counter("inserts")
-            access = np.array(cols.access, dtype=np.int64)
+    def _observe(self, target: PlacementTarget) -> dict[str, Any]:
+        cr, ns = target.chunk_rows, target.num_slots
+        snap = target.snapshot()
+        lo, hi, gens, lasts = snap["lo"], snap["hi"], snap["gens"], snap["lasts"]
+        inserts, access = snap["inserts"], snap["access"]
         sealed = (gens >= lo) & (lasts == gens + cr - 1) & (gens + cr <= hi)
-        mass = chunk_mass(store, cr, ns)
+        mass = target.chunk_mass()
         now = time.monotonic()
         dt = max(1e-6, now - self._last_t) if self._last_t is not None else None
         self._period = self.interval or dt or 1.0  # seconds until the next step, as far as we know
@@ -208,7 +336,7 @@ class BandwidthAware(Placement):
         dead = (gens < lo) & (lasts < lo)  # no live row: the slot waits for the next chunk written
         msum = mass.sum()
         mshare = mass / msum if msum > 0 else np.zeros(ns)
-        rows_left = np.maximum(0, gens + store.capacity - hi)  # rows the ring takes until the chunk is evicted
+        rows_left = np.maximum(0, gens + target.capacity - hi)  # rows the ring takes until the chunk is evicted
         life = np.minimum(self.horizon, rows_left / self._insert_rate) if self._insert_rate > 0 else \
             np.full(ns, self.horizon)
         life[dead] = self.horizon
@@ -218,76 +346,74 @@ class BandwidthAware(Placement):
 
     # ------------------------------------------------------------------ the round
     def step(self) -> int:
-        store = self._store()
-        if store is None or store.closed or not hasattr(store._cols, "tiers"):
+        target = self._live_target()
+        if target is None or not target.tiered:
             return 0
         with self._lock:
             t0 = time.perf_counter()
-            moved = self._step(store)
+            moved = self._step(target)
             self.steps += 1
             self._explain["step_seconds"] = time.perf_counter() - t0
             return moved
 
-    def _step(self, store: "ExperienceStore") -> int:
-        cols: TieredColumnArenas = store._cols  # type: ignore[assignment]
+    def _step(self, target: PlacementTarget) -> int:
         self.bandwidths()
         bw = self._bw
         assert bw is not None
-        obs = self._observe(store)
-        names = cols.names
-        cis = np.array([cols.ci[n] for n in names])
-        ntiers = len(cols.tiers)
-        cr = cols.chunk_rows
-        share = obs["share"][cis]                                   # [C] access share per column
+        obs = self._observe(target)
+        names = target.columns
+        ntiers = len(target.tiers)
+        cr = target.chunk_rows
+        share = obs["share"]                                        # [C] access share per column
         mass = obs["mass"]                                          # [S] sampling-mass share per chunk slot
-        new_mass = mass.max() if store.sampler.queue else (mass[obs["newest"]] if obs["newest"] >= 0 else 0.0)
+        new_mass = mass.max() if target.queue else (mass[obs["newest"]] if obs["newest"] >= 0 else 0.0)
         new_score = share * new_mass                                # [C] what a chunk written now is worth
         mass = np.where(obs["dead"], new_mass, mass)                # an empty slot is worth the chunk it will get
         score = share[:, None] * mass[None, :]                      # [C, S] value per byte held (up to a constant)
-        cur = cols.res[cis].astype(np.int64)                        # [C, S] tier now
-        cb = np.array([cols.chunk_bytes[n] for n in names], dtype=np.int64)
-        read_rate = np.asarray(obs["rate"])[cis][:, None] * mass[None, :] * (cb / cr)[:, None]  # bytes/s read
+        cur = target.residency()                                    # [C, S] tier now
+        cb = target.chunk_bytes()                                   # [C] bytes of one chunk
+        read_rate = np.asarray(obs["rate"])[:, None] * mass[None, :] * (cb / cr)[:, None]  # bytes/s read
         life = obs["life"][None, :]
         unsealed = np.broadcast_to(~obs["sealed"][None, :], score.shape)
-        movable = ~cols.moving[cis]                                 # unsealed ones only while no writer is busy
+        movable = ~target.moving()                                  # unsealed ones only while no writer is busy
         desired = cur.copy()
         assigned = ~movable
         # chunks writers start before the next step (none while nothing is inserted: no room is held back)
         insert_chunks = 1 + math.ceil(self._insert_rate * self._period / cr) if self._inserting else 0
-        write_tier = np.full(len(names), cols.bottom)
-        top = next(c for c in range(ntiers) if not cols.slotted[c])
+        slotted, bottom = target.slotted, target.bottom
+        write_tier = np.full(len(names), bottom)
+        top = next(c for c in range(ntiers) if not slotted[c])
         for code in range(ntiers - 1):
-            t = cols.tiers[code]
+            t = target.tiers[code]
             incumbent = cur <= code                                 # here, or above and on the way down
             gain = read_rate * (1.0 / bw[cur] - 1.0 / bw[code]) * life   # seconds of reads saved before eviction
             cost = cb[:, None] / np.minimum(bw[cur], bw[code])            # seconds the copy takes
             cand = ~assigned & (incumbent | ((score > 0) & (gain >= cost)))
-            if cols.slotted[code]:
+            if slotted[code]:
                 cand &= ~unsealed                                   # device memory takes sealed chunks only
             eff = np.where(incumbent, score * (1 + self.hysteresis), score)
             ci_, si_ = np.nonzero(cand)
             order = np.argsort(-eff[ci_, si_], kind="stable")
             ci_, si_ = ci_[order], si_[order]
-            if cols.slotted[code]:
-                keep = self._fit_slotted(cols, code, names, cb, ci_)
+            if slotted[code]:
+                keep = self._fit_slotted(target, code, names, cb, ci_)
                 threshold = np.inf
             else:
                 fixed = (~movable) & (cur == code)
                 budget = math.inf if t.budget is None else \
-                    t.budget - _fixed_bytes(cols, t) - int((cb[:, None] * fixed).sum())
+                    t.budget - target.fixed_bytes(code) - int((cb[:, None] * fixed).sum())
                 if code == top:  # room for the chunks writers start before the next step in slots now below
-                    budget -= min(self._reserve(cols, obs["hi"], insert_chunks, cur, cb, share, top), budget / 4)
+                    budget -= min(self._reserve(target, obs["hi"], insert_chunks, cur, cb, share, top), budget / 4)
                 keep = np.cumsum(cb[ci_]) <= budget
                 threshold = 0.0 if keep.all() else (eff[ci_[keep][-1], si_[keep][-1]] if keep.any() else np.inf)
             desired[ci_[keep], si_[keep]] = code
             assigned[ci_[keep], si_[keep]] = True
             self._explain.setdefault("threshold", {})[t.name] = float(threshold)
-            if not cols.slotted[code]:
-                better = (write_tier == cols.bottom) & (new_score > 0) & (new_score >= threshold)
+            if not slotted[code]:
+                better = (write_tier == bottom) & (new_score > 0) & (new_score >= threshold)
                 write_tier[better] = code
-        desired[~assigned] = cols.bottom
-        for i, n in enumerate(names):  # where writers put new chunks (never a slotted tier)
-            cols.write_tier[cols.ci[n]] = write_tier[i]
+        desired[~assigned] = bottom
+        target.set_write_tiers(write_tier)  # where writers put new chunks (never a slotted tier)
         ci_, si_ = np.nonzero(desired != cur)
         to = desired[ci_, si_]
         down = np.flatnonzero(to > cur[ci_, si_])
@@ -296,44 +422,42 @@ class BandwidthAware(Placement):
         up = up[np.argsort(-score[ci_[up], si_[up]], kind="stable")]         # then the most valuable promotions
         done, spent, limit = 0, 0, self._limit(bw)
         for k in [*down.tolist(), *up.tolist()]:
-            if self._stop.is_set() or store.closed or spent >= limit:
+            if self._stop.is_set() or target.closed or spent >= limit:
                 break
-            c, s_, target = int(ci_[k]), int(si_[k]), int(to[k])
+            c, s_, tier = int(ci_[k]), int(si_[k]), int(to[k])
             gen = int(obs["gens"][s_]) if obs["sealed"][s_] else None
-            lock = store._write_lock
-            ok = cols.migrate(names[c], s_, target, gen, store.index, store._lock, lock)
-            if not ok and target > cur[c, s_]:  # a demotion that found no room there: further down
-                for lower in range(target + 1, ntiers):
-                    if not cols.slotted[lower] and cols.migrate(names[c], s_, lower, gen, store.index, store._lock,
-                                                                 lock):
+            ok = target.migrate(names[c], s_, tier, gen)
+            if not ok and tier > cur[c, s_]:  # a demotion that found no room there: further down
+                for lower in range(tier + 1, ntiers):
+                    if not slotted[lower] and target.migrate(names[c], s_, lower, gen):
                         ok = True
                         break
             if ok:
                 done += 1
                 spent += int(cb[c])
-        self._record(names, cis, obs, score, bw)
+        self._record(names, obs, score, bw)
         return done
 
     @staticmethod
-    def _reserve(cols: "TieredColumnArenas", hi: int, chunks: int, cur: np.ndarray, cb: np.ndarray,
+    def _reserve(target: PlacementTarget, hi: int, chunks: int, cur: np.ndarray, cb: np.ndarray,
                  share: np.ndarray, top: int) -> int:
         """Bytes to keep free in the top tier so that the next `chunks` chunks written land there without a copy:
         a new chunk reuses the slot of the oldest, so only slots now below the top tier need room (none when a
         column fits the top tier whole)."""
-        cr = cols.chunk_rows
+        cr = target.chunk_rows
         first = -(-hi // cr) * cr
-        slots = ((first + cr * np.arange(chunks)) % cols.arena_rows) // cr
-        going_up = (np.asarray(cols.write_tier)[[cols.ci[n] for n in cols.names]] == top) & (share > 0)
+        slots = ((first + cr * np.arange(chunks)) % target.arena_rows) // cr
+        going_up = (target.write_tiers() == top) & (share > 0)
         below = (cur[:, slots] > top).sum(axis=1)
         return int((cb * below * going_up).sum())
 
-    def _fit_slotted(self, cols: "TieredColumnArenas", code: int, names: list[str], cb: np.ndarray,
+    def _fit_slotted(self, target: PlacementTarget, code: int, names: list[str], cb: np.ndarray,
                      ci_: np.ndarray) -> np.ndarray:
         """Slotted tier: a column's arena holds a fixed number of slots once made; a column without one gets an arena
         sized to what its candidates win of the remaining budget (made here, before the moves). `ci_` are the
         candidates' columns, best first; returns which of them are kept."""
-        t = cols.tiers[code]
-        caps = np.array([cols.slots_total(code, n) for n in names], dtype=np.int64)
+        t = target.tiers[code]
+        caps = np.array([target.slots_total(code, n) for n in names], dtype=np.int64)
         by_col = np.argsort(ci_, kind="stable")  # grouped by column, best first within each
         grouped = ci_[by_col]
         rank = np.empty(len(ci_), dtype=np.int64)
@@ -346,7 +470,7 @@ class BandwidthAware(Placement):
         for c in np.unique(ci_[keep & newcomer]).tolist():
             count = int(((ci_ == c) & keep).sum())
             spare = 1 if t.budget is None or t.nbytes() + (count + 1) * int(cb[c]) <= t.budget else 0
-            if not cols.ensure_arena(code, names[c], count + spare):
+            if not target.ensure_arena(code, names[c], count + spare):
                 keep &= ci_ != c
         return keep
 
@@ -355,48 +479,16 @@ class BandwidthAware(Placement):
             return float(self.max_bytes_per_step)
         return max(64 * _MIB, float(bw.min()) * (self.interval or 1.0) / 4)
 
-    def _record(self, names: list[str], cis: np.ndarray, obs: dict[str, Any], score: np.ndarray,
-                bw: np.ndarray) -> None:
+    def _record(self, names: list[str], obs: dict[str, Any], score: np.ndarray, bw: np.ndarray) -> None:
         self._explain.update({
-            "share": {n: float(obs["share"][c]) for n, c in zip(names, cis)},
-            "rows_per_s": {n: float(np.asarray(obs["rate"])[c]) for n, c in zip(names, cis)},
+            "share": {n: float(obs["share"][c]) for c, n in enumerate(names)},
+            "rows_per_s": {n: float(np.asarray(obs["rate"])[c]) for c, n in enumerate(names)},
             "mass": obs["mass"].copy(), "score": score, "bandwidth": bw.copy(),
             "insert_rows_per_s": self._insert_rate,
         })
 
     def explain(self) -> dict[str, Any]:
         return dict(self._explain, steps=self.steps, last_error=self.last_error)
-
-
-def _fixed_bytes(cols: "TieredColumnArenas", tier: Any) -> int:
-    """Bytes a tier holds besides column chunks (the index, samplers, final observations in the host tier)."""
-    data = 0
-    for n in cols.names:
-        ci = cols.ci[n]
-        code = cols.tiers.index(tier)
-        data += int((cols.res[ci] == code).sum()) * cols.chunk_bytes[n]
-    return max(0, tier.nbytes() - data)
-
-
-def chunk_mass(store: "ExperienceStore", chunk_rows: int, num_slots: int) -> np.ndarray:
-    """Each chunk slot's share of what the store's sampler will draw (unnormalised): the sum of its rows' priorities
-    for prioritized replay, the rows not yet delivered for a queue, the sampleable rows for uniform sampling."""
-    from .samplers import FifoSampler, PrioritizedSampler, SequenceSampler
-
-    sampler = store.sampler
-    idx = store.index
-    rows = num_slots * chunk_rows
-    if isinstance(sampler, SequenceSampler) and isinstance(sampler.priority, PrioritizedSampler):
-        sampler = sampler.priority
-    if isinstance(sampler, PrioritizedSampler):
-        tree = sampler.sum_tree
-        leaves = tree._tree[tree._leaf_base:tree._leaf_base + rows]
-        return leaves.reshape(num_slots, chunk_rows).sum(axis=1)
-    valid = idx.valid[:rows].reshape(num_slots, chunk_rows)
-    if isinstance(sampler, FifoSampler):
-        seq = idx.seq[:rows].reshape(num_slots, chunk_rows)
-        return (valid & (seq >= sampler.cursor)).sum(axis=1).astype(float)
-    return valid.sum(axis=1).astype(float)
 
 
 # ---------------------------------------------------------------------- bandwidth probe
@@ -486,22 +578,21 @@ def make_placement(spec: Any, tiers: int) -> Placement | None:
     raise InvalidArgument(f"unknown placement {spec!r}; expected an ab.placement policy, 'bandwidth_aware' or 'static'")
 
 
-def placement_table(store: "ExperienceStore", explain: bool = False) -> pa.Table:
+def placement_table(target: PlacementTarget, policy: Placement | None, explain: bool = False) -> pa.Table:
     """`store.placement()`: one row per (column, tier): chunks and bytes there; with `explain`, why."""
-    cols = store._cols
-    tiers = getattr(cols, "tiers", None) or [store._data_tier]
+    tiers = target.tiers
     rows: dict[str, list[Any]] = {"column": [], "tier": [], "chunks": [], "bytes": []}
     extra: dict[str, list[Any]] = {"access_share": [], "rows_per_s": [], "mass": [], "value_per_byte": [],
                                    "read_gbps": [], "why": []}
-    policy = store.placement_policy
     info = policy.explain() if (explain and policy is not None) else {}
     bw = info.get("bandwidth")
-    for f in store.schema.fields.values():
+    directory = target.directory
+    for f in target.schema.fields.values():
         if f.ragged:
             continue
-        cb = f.row_bytes * store.chunk_rows
-        ci = store.directory.columns.index(f.name)
-        res = store.directory.residency[ci] if hasattr(cols, "tiers") else np.zeros(store.directory.num_slots, int)
+        cb = f.row_bytes * target.chunk_rows
+        ci = directory.columns.index(f.name)
+        res = directory.residency[ci] if target.tiered else np.zeros(directory.num_slots, int)
         for code, t in enumerate(tiers):
             here = res == code
             n = int(here.sum())
@@ -541,4 +632,4 @@ def _why(column: str, tier: str, chunks: int, share: float | None, mass: float |
     return reads + "; highest value per byte that fits the budget"
 
 
-__all__ = ["Placement", "BandwidthAware", "Static", "probe_bandwidth", "chunk_mass"]
+__all__ = ["Placement", "PlacementTarget", "BandwidthAware", "Static", "probe_bandwidth"]

@@ -32,7 +32,7 @@ from .errors import ArrowbufError, InvalidArgument, OutOfSpace, SampleTimeout, S
 from .index import HEADER, RingIndex
 from .ingest import IngestMixin
 from .nstep import n_step_returns
-from .placement import make_placement, placement_table
+from .placement import PlacementTarget, make_placement, placement_table
 from .rate_limiters import Counters, RateLimiter
 from .samplers import Sampler, make_sampler
 from .schema import SYSTEM_COLUMNS, ExperienceSchema, FieldSpec, load_schema
@@ -156,9 +156,12 @@ class ExperienceStore(IngestMixin):
                                  f"budget is {format_bytes(t.budget)}; raise the budget"
                                  + (" or add a disk tier: tiers={..., 'disk': 'spill/'}"
                                     if t is data_tiers[-1] and t.name != "disk" else ""))
+        self._placement_target = PlacementTarget(self.schema, self._cols, self.directory, self.index, self.sampler,
+                                                 self._lock, self._write_lock, self.capacity, self.name,
+                                                 self._data_tier)  # what a placement policy sees of this store
         self.placement_policy = make_placement(placement, len(data_tiers))
         if self.placement_policy is not None:
-            self.placement_policy.bind(self)
+            self.placement_policy.bind(self._placement_target)
         if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
             self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity, "chunk_rows": self.chunk_rows,
                              "final_obs_capacity": self.final_capacity or None, "sampler": self.sampler,
@@ -578,7 +581,7 @@ class ExperienceStore(IngestMixin):
         """
         self._check_open()
         with self._lock:
-            return placement_table(self, explain)
+            return placement_table(self._placement_target, self.placement_policy, explain)
 
     def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
         """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape

@@ -3,7 +3,6 @@
 import gc
 import queue
 import threading
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -199,9 +198,7 @@ def test_close_with_batches_in_flight_is_prompt_and_leaks_no_thread():
     assert loader.fill(WAIT) and loader.prefetched == 4
     thread = loader._thread
     assert thread in threading.enumerate()
-    t0 = time.perf_counter()
-    loader.close()
-    assert time.perf_counter() - t0 < 5.0  # generous: a loaded CI host
+    loader.close()  # joins the thread: it ends (behaviour, not wall time)
     assert not thread.is_alive() and thread not in threading.enumerate()
     loader.close()  # idempotent
     with pytest.raises(StopIteration):
@@ -225,12 +222,10 @@ def test_close_while_the_thread_waits_for_data_and_the_learner_waits_for_a_batch
     t = threading.Thread(target=learner)
     t.start()
     assert waiting.wait(WAIT)
-    t0 = time.perf_counter()
     loader.close()
-    assert isinstance(out.get(timeout=WAIT), StopIteration)
+    assert isinstance(out.get(timeout=WAIT), StopIteration)  # the waiting learner is released
     t.join(WAIT)
-    assert time.perf_counter() - t0 < 5.0  # generous: a loaded CI host
-    assert not loader_threads()
+    assert not t.is_alive() and not loader_threads()
 
 
 def test_a_forgotten_loader_stops_its_thread():
@@ -398,3 +393,51 @@ def test_loader_over_flight_matches_local_sampling():
         got = [next(loader) for _ in range(4)]
     for g in got:
         assert_batches_equal(g, local.sample(32))
+
+
+def test_a_remote_loader_waits_in_one_session_and_close_cancels_it():
+    """Over Flight the Loader holds one DoExchange session (the server waits for data: no DoGet polling); data that
+    arrives is delivered; close() releases a learner waiting on an empty store."""
+    pytest.importorskip("pyarrow.flight")
+    served = ab.ExperienceStore(CARTPOLE, capacity=1000, sampler="fifo", seed=0)  # empty
+    with ab.serve(served, "grpc://127.0.0.1:0") as server, ab.connect(server.location) as remote:
+        loader = ab.Loader(remote, 8, prefetch=2)
+        out: queue.Queue = queue.Queue()
+        waiting = threading.Event()
+
+        def learner():
+            waiting.set()
+            try:
+                while True:
+                    out.put(next(loader))
+            except BaseException as e:  # noqa: BLE001
+                out.put(e)
+
+        t = threading.Thread(target=learner)
+        t.start()
+        assert waiting.wait(WAIT)
+        remote.extend(cartpole_steps(20))  # whole episodes into a fifo store: each row once, in order
+        first, second = out.get(timeout=WAIT), out.get(timeout=WAIT)
+        np.testing.assert_array_equal(np.concatenate([first.indices, second.indices]), np.arange(16))
+        assert remote.stats()["server"]["sessions"] == 1
+        loader.close()  # the learner waits on an empty store again: close releases it
+        assert isinstance(out.get(timeout=WAIT), StopIteration)
+        t.join(WAIT)
+        assert not t.is_alive() and not loader_threads()
+
+
+def test_priority_updates_through_a_remote_loader_steer_the_next_samples():
+    pytest.importorskip("pyarrow.flight")
+    store = ab.ExperienceStore(CARTPOLE, capacity=1000, sampler=ab.samplers.Prioritized(alpha=1.0, beta=1.0, eps=0.0),
+                               seed=0)
+    store.extend(cartpole_steps(200))
+    prefetch = 2
+    with ab.serve(store, "grpc://127.0.0.1:0") as server, ab.connect(server.location) as remote, \
+            ab.Loader(remote, 16, prefetch=prefetch, timeout=WAIT) as loader:
+        assert loader.fill(WAIT)
+        ids = np.arange(200)
+        loader.update_priorities(ids, np.where(ids == 42, 1.0, 1e-12))
+        window = 2 * prefetch + 3  # drawn before the update: the Loader's, the server's, requests in flight
+        after = [next(loader) for _ in range(window + 4)]
+    assert all((b.indices == 42).all() for b in after[window:])
+    assert after[-1].weights is not None

@@ -428,3 +428,49 @@ def test_a_store_larger_than_its_host_budget_works_end_to_end(tmp_path):
         b = store.sample(2000, n_step=3, gamma=0.5)
         check(b)
         assert store.stats()["bytes"]["host"] <= budget
+
+
+# ---------------------------------------------------------------------- the narrow target
+class _Recorder(ab.placement.Placement):
+    """A policy that sees its store only through the `PlacementTarget` it is bound to."""
+
+    interval = None
+
+    def bind(self, target: ab.placement.PlacementTarget) -> None:
+        super().bind(target)
+        self.target = target
+
+    def step(self) -> int:
+        return int(self.target.migrate("a", 0, self.target.bottom, int(self.target.snapshot()["gens"][0])))
+
+
+def test_a_policy_sees_its_store_only_through_a_placement_target(tmp_path):
+    recorder = _Recorder()
+    with ab.ExperienceStore(SCHEMA, CAP, ab.samplers.Prioritized(alpha=1.0), seed=0, chunk_rows=CR,
+                            tiers={"host": None, "disk": tmp_path}, placement=recorder) as store:
+        target = recorder.target
+        assert isinstance(target, ab.placement.PlacementTarget)
+        assert not any(v is store for v in vars(target).values())  # parts of the store, never the store
+        store.extend(rows(0, CAP))
+        pri = np.repeat(np.arange(1, CAP // CR + 1, dtype=np.float64), CR)  # chunk k: priority k + 1 per row
+        store.update_priorities(np.arange(CAP), pri)
+        mass = target.chunk_mass()  # the ring's slots, then the spare one (empty: no mass)
+        n = CAP // CR
+        np.testing.assert_allclose(mass[:n - 1], CR * np.arange(1, n), rtol=1e-5)
+        assert mass[n - 1] == pytest.approx((CR - 1) * n, rel=1e-5)  # the newest row waits for its successor
+        assert (mass[n:] == 0).all()
+        snap = target.snapshot()
+        assert (snap["lo"], snap["hi"]) == (store.stats()["first_seq"], store.stats()["next_seq"])
+        assert target.columns == ["a", "b", "reward", "terminated", "truncated"]
+        assert target.residency().shape == (5, target.num_slots) and (target.residency()[:, 0] == 0).all()
+        before = store.sample(64, ["a", "reward"])
+        assert recorder.step() == 1  # chunk 0 of column a goes to the disk
+        res = target.residency()
+        assert res[0, 0] == target.bottom and (res[1:, 0] == 0).all()
+        p = store.placement().to_pylist()
+        assert {"column": "a", "tier": "disk", "chunks": 1, "bytes": CR * 64 * 4} in p
+        check(before)
+        check(store.sample(256, ["a", "reward", "next_a"]))
+        with pytest.raises(ab.InvalidArgument):  # a policy serves one store
+            recorder.bind(target)
+    assert target.closed  # the store closed it with the policy

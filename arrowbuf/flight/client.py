@@ -583,6 +583,12 @@ class LearnerSession:
         with _translate(unreachable=Unavailable):
             self._writer.write_metadata(pa.py_buffer(P.encode_priorities(idx, pri)))
 
+    def cancel(self) -> None:
+        """Cancel the session from any thread: a `next()` blocked on the server returns with an error at once.
+        Call `close()` afterwards (from the thread that iterates)."""
+        with contextlib.suppress(Exception):
+            self._reader.cancel()
+
     def close(self) -> None:
         """End the session; idempotent."""
         if self._closed:
