@@ -458,8 +458,9 @@ class ExperienceStore(IngestMixin):
             out[name] = col.reshape(shape + tuple(col.shape[1:])) if len(shape) > 1 else col
         if n_step is not None:
             column = (lambda f: cols.column(f, reads)) if tracked else cols.column  # type: ignore[call-arg]
-            terminal = [column(f) for f in self._end_fields if f != "truncated"]
-            truncation = [column(f) for f in self._end_fields if f == "truncated"]
+            trunc = self.schema.truncation  # end fields that bootstrap; the others terminate
+            terminal = [column(f) for f in self._end_fields if f not in trunc]
+            truncation = [column(f) for f in self._end_fields if f in trunc]
             ret, disc, last = n_step_returns(idx, column("reward"), terminal, truncation, pos, n_step, gamma,
                                              self._has_next if self._max_times_sampled else None)
             out["n_step_return"], out["n_step_discount"] = ret, disc
