@@ -32,13 +32,9 @@ CAPACITY = 4096
 
 #: Known gaps, (test, implementation) -> reason; strict xfails, so a fix shows up as XPASS and must drop its line.
 _CORE_IDS = "ExperienceStore.extend returns the first seq, not the rows' ids (lead's decision): owner `core`"
-_SHARDED_IDS = "ShardedStore.extend/append return None, not the rows' ids: owner `layout` (arrowbuf/ray)"
 GAPS: dict[tuple[str, str], str] = {
     **{("test_extend_returns_the_new_rows_ids", k): _CORE_IDS for k in LOCAL},
     **{("test_extend_of_nothing_returns_no_ids", k): _CORE_IDS for k in LOCAL},
-    ("test_extend_returns_the_new_rows_ids", "sharded"): _SHARDED_IDS,
-    ("test_extend_of_nothing_returns_no_ids", "sharded"): _SHARDED_IDS,
-    ("test_append_returns_an_int_id", "sharded"): _SHARDED_IDS,
 }
 
 

@@ -492,6 +492,12 @@ class RemoteWriter:
         self._closed = True
         self._finish()
 
+    def abort(self) -> None:
+        """Drop the stream now, without waiting for acknowledgements (batches not acknowledged may or may not be
+        stored, each entirely or not at all); the writer is closed. Idempotent. (layout: for ShardWriter re-routes)"""
+        self._closed = True
+        self._abort()
+
     def __enter__(self) -> "RemoteWriter":
         return self
 

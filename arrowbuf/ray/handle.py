@@ -76,6 +76,8 @@ class ShardedStore:
         self.max_restarts = int(state["max_restarts"])
         self._token = state["token"]
         sampler = make_sampler(state["sampler"])
+        self.sampler = sampler  # every shard's sampler (its spec: each shard has its own instance)
+        self.tier: str = state["tier"]
         prio = _priority_sampler(sampler)
         self.prioritized = prio is not None
         self.beta = prio.beta if prio is not None else 0.0
@@ -201,6 +203,16 @@ class ShardedStore:
                     self._pool = _DaemonPool(min(64, 2 * self.num_shards + 2), "arrowbuf-shards")
         return self._pool
 
+    # ------------------------------------------------------------------ what writers use
+    def shard_client(self, k: int) -> Any:
+        """Shard `k`'s Flight client (an `ab.connect` `RemoteStore`), or None while it is down. For a down shard this
+        looks (without waiting) whether it came back."""
+        return self._client(self._shards[k])
+
+    def report_down(self, k: int, exc: BaseException | None = None) -> None:
+        """Shard `k` failed a call (a writer saw it): it gets no share of batches until it answers again."""
+        self._mark_down(self._shards[k], exc)
+
     def _client(self, s: _Shard) -> Any:
         """The shard's Flight client, or None while it is down."""
         if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
@@ -273,9 +285,21 @@ class ShardedStore:
         end = time.monotonic() + timeout
         while True:
             up = len(self._live())
-            if up == self.num_shards or time.monotonic() >= end:
+            left = end - time.monotonic()
+            if up == self.num_shards or left <= 0:
                 return up
-            time.sleep(0.02)
+            probes = []
+            for s in self._shards:
+                if s.down and not s.lost:
+                    if s.probe is None:
+                        self._poll_revival(s)  # asks the actor again (a restarting one answers once it is back)
+                    if s.probe is not None:
+                        probes.append(s.probe)
+            if not probes:  # the others are lost for good (or just came back)
+                if all(s.lost for s in self._shards if s.down):
+                    return up
+                continue
+            _ray().wait(probes, num_returns=1, timeout=left)  # until a down shard's actor answers (or fails)
 
     def refresh(self) -> None:
         """Ask every live shard for its mass and size now (sample does this by itself when it has no estimate)."""
@@ -417,8 +441,12 @@ class ShardedStore:
                            else "every shard is down (restarting: they come back empty)")
                 wait = "did not wait (timeout=None)" if not timeout else f"waited {timeout}s"
                 raise SampleTimeout(f"sharded sample: {why}; {wait}. Add data or pass timeout= to wait")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.05)
+            late = [f for f in (s.late for s in up) if f is not None]
+            if late_only and late:  # every live shard is busy with a late call: until one of those ends
+                cf.wait(late, timeout=left, return_when=cf.FIRST_COMPLETED)
+            else:  # shards report data (or a restart) only when asked: ask again, backing off
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.05)
 
     def _collect(self, futs: dict[cf.Future, _Shard], end: float | None) -> Iterator[tuple[_Shard, Any]]:
         """(shard, part or None) as each call finishes; calls still running at `end` become late."""
@@ -535,15 +563,16 @@ class ShardedStore:
         self._writers.add(w)
         return w
 
-    def extend(self, batch: Any) -> None:
-        """Write through this handle's default writer (see `writer`)."""
+    def extend(self, batch: Any) -> np.ndarray:
+        """Write through this handle's default writer (see `writer`); returns the rows' global ids
+        (`np.ndarray[int64]`, in row order) once the shard has committed them."""
         if self._default_writer is None:
             self._default_writer = self.writer()
-        self._default_writer.extend(batch)
-        self._default_writer.flush()
+        return self._default_writer.extend(batch)
 
-    def append(self, step: dict[str, Any]) -> None:
-        self.extend({k: np.asarray(v)[None] for k, v in step.items()})
+    def append(self, step: dict[str, Any]) -> int:
+        """Write one step through the default writer; returns its global id."""
+        return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()})[0])
 
     # ------------------------------------------------------------------ inspection
     def __len__(self) -> int:
