@@ -286,20 +286,25 @@ class ShardedStore:
         while True:
             up = len(self._live())
             left = end - time.monotonic()
-            if up == self.num_shards or left <= 0:
+            if up == self.num_shards or left <= 0 or not self.wait_for_revival(left):
                 return up
-            probes = []
-            for s in self._shards:
-                if s.down and not s.lost:
-                    if s.probe is None:
-                        self._poll_revival(s)  # asks the actor again (a restarting one answers once it is back)
-                    if s.probe is not None:
-                        probes.append(s.probe)
-            if not probes:  # the others are lost for good (or just came back)
-                if all(s.lost for s in self._shards if s.down):
-                    return up
-                continue
-            _ray().wait(probes, num_returns=1, timeout=left)  # until a down shard's actor answers (or fails)
+
+    def wait_for_revival(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until the actor of a down shard answers (it may be back: the next call that
+        needs it looks) or fails; False when no shard can come back (every down shard is lost for good)."""
+        probes = []
+        for s in self._shards:
+            if s.down and not s.lost:
+                if s.probe is None:
+                    self._poll_revival(s)  # asks the actor again (a restarting one answers once it is back)
+                if s.probe is not None:
+                    probes.append(s.probe)
+                elif not s.down:  # it answered at once: back already
+                    return True
+        if not probes:
+            return any(s.down and not s.lost for s in self._shards)
+        _ray().wait(probes, num_returns=1, timeout=max(0.0, timeout))
+        return True
 
     def refresh(self) -> None:
         """Ask every live shard for its mass and size now (sample does this by itself when it has no estimate)."""
@@ -669,14 +674,11 @@ def _resolve_tier(tier: str, schema: ExperienceSchema) -> str:
         raise InvalidArgument(f"tier must be 'auto', 'shm' or 'host', got {tier!r}")
     if tier == "host":
         return tier
-    try:
-        import arrowbuf.tiers.shm  # noqa: F401 - present once the shared-memory tier is in this arrowbuf
-        ok = not any(f.ragged for f in schema.fields.values()) and os.path.isdir(
-            arrowbuf.tiers.shm.shm_root())
-    except ImportError:
-        ok = False
+    from ..tiers.shm import shm_root
+
+    ok = not any(f.ragged for f in schema.fields.values()) and os.path.isdir(shm_root())
     if tier == "shm" and not ok:
-        raise ArrowbufError("tier='shm' needs the shared-memory tier, /dev/shm and a schema without ragged fields")
+        raise ArrowbufError("tier='shm' needs /dev/shm (or $ARROWBUF_SHM_DIR) and a schema without ragged fields")
     return "shm" if ok else "host"
 
 
