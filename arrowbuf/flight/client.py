@@ -173,7 +173,11 @@ class RemoteStore:
             try:
                 with _translate(seconds=seconds):
                     return fn(client, options)
-            except _Unreachable as exc:
+            except Exception as exc:
+                if self._closing.is_set():  # close() from another thread closed the connection under this call
+                    raise StoreClosed(f"the client for {self.location} was closed during the call") from None
+                if not isinstance(exc, _Unreachable):
+                    raise
                 self._drop(client)
                 now = time.monotonic()
                 if now >= give_up:
