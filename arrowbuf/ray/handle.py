@@ -17,11 +17,11 @@ import pyarrow as pa
 
 from ..batch import SampleBatch
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, ShardsLost, StoreClosed
-from ..samplers import make_sampler
+from ..samplers import make_sampler, validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from ._common import _DaemonPool, _ray
 from .ids import MAX_SHARDS, shard_of
-from .shard import _INFO_COLUMNS, ShardActor, ShardDirectory, _priority_sampler
+from .shard import _INFO_COLUMNS, ShardActor, ShardDirectory, is_exponent
 from .writer import ShardWriter
 
 log = logging.getLogger("arrowbuf.ray")
@@ -78,9 +78,9 @@ class ShardedStore:
         sampler = make_sampler(state["sampler"])
         self.sampler = sampler  # every shard's sampler (its spec: each shard has its own instance)
         self.tier: str = state["tier"]
-        prio = _priority_sampler(sampler)
-        self.prioritized = prio is not None
-        self.beta = prio.beta if prio is not None else 0.0
+        beta = is_exponent(sampler)
+        self.prioritized = beta is not None  # batches carry IS weights, made global here
+        self.beta = beta or 0.0
         self._shards = [_Shard(k, a, info) for k, (a, info) in enumerate(zip(self.actors, state["infos"]))]
         self._lock = threading.RLock()
         self._pool: _DaemonPool | None = None
@@ -532,13 +532,13 @@ class ShardedStore:
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """Route priority updates to the shards that own the ids; ids of down shards or dead incarnations are
-        dropped (counted in `counters["updates_dropped"]`). Returns how many were applied."""
-        ids = np.asarray(indices, dtype=np.int64).reshape(-1)
-        pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
-        if len(ids) != len(pri):
-            raise InvalidArgument(f"{len(ids)} indices but {len(pri)} priorities; pass one priority per index")
-        if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
-            raise InvalidArgument("priorities must be finite and >= 0")
+        dropped (counted in `counters["updates_dropped"]`). Returns how many were applied.
+
+        Raises:
+            InvalidArgument: the counts differ or a priority is not finite and >= 0 (`samplers.validate_priorities`);
+                nothing is applied.
+        """
+        ids, pri = validate_priorities(indices, priorities)
         owner = shard_of(ids)
         futs = {}
         for k in np.unique(owner):
