@@ -173,7 +173,11 @@ class RemoteStore:
             try:
                 with _translate(seconds=seconds):
                     return fn(client, options)
-            except _Unreachable as exc:
+            except Exception as exc:
+                if self._closing.is_set():  # close() from another thread closed the connection under this call
+                    raise StoreClosed(f"the client for {self.location} was closed during the call") from None
+                if not isinstance(exc, _Unreachable):
+                    raise
                 self._drop(client)
                 now = time.monotonic()
                 if now >= give_up:
@@ -487,6 +491,12 @@ class RemoteWriter:
             return
         self._closed = True
         self._finish()
+
+    def abort(self) -> None:
+        """Drop the stream now, without waiting for acknowledgements (batches not acknowledged may or may not be
+        stored, each entirely or not at all); the writer is closed. Idempotent. (layout: for ShardWriter re-routes)"""
+        self._closed = True
+        self._abort()
 
     def __enter__(self) -> "RemoteWriter":
         return self
