@@ -94,17 +94,16 @@ class ShardWriter:
         """Open the transport to shard `k`, or to the next live shard after it; waits up to reroute_timeout."""
         end = time.monotonic() + self.reroute_timeout
         n = self.sharded.num_shards
-        pause = 0.01
         while True:
             for j in [k, *[(k + i) % n for i in range(1, n)]]:
                 if self._open(j):
                     if j != self.home:
                         self.reroutes += 1
                     return
-            if time.monotonic() >= end:
+            left = end - time.monotonic()
+            # until a down shard's actor answers again (or the time is up, or none can come back)
+            if left <= 0 or not self.sharded.wait_for_revival(left):
                 raise ShardsLost(f"writer: no shard of {self.sharded!r} accepted writes within {self.reroute_timeout}s")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.2)
 
     def _open(self, k: int) -> bool:
         client = self.sharded.shard_client(k)
