@@ -583,12 +583,11 @@ class Loader:
         the bound on batches already prefetched. Errors from the source surface from `next(loader)`.
 
         Raises:
-            InvalidArgument: (a ValueError) the number of priorities does not match the ids, or a priority is
-                negative, not finite or too large (`samplers.validate_priorities`).
+            InvalidArgument: the number of priorities does not match the ids, or a priority is negative, not finite
+                or too large (`samplers.validate_priorities`, the one check).
         """
-        ids = getattr(batch, "indices", batch)
-        ids, pri = validate_priorities(_to_numpy(ids), _to_numpy(priorities))
-        ids, pri = ids.copy(), pri.copy()  # queued: the caller may reuse its arrays
+        ids, pri = validate_priorities(_to_numpy(getattr(batch, "indices", batch)), _to_numpy(priorities))
+        ids, pri = ids.copy(), pri.copy()  # the learner may reuse its buffers before the thread applies them
         s = self._shared
         with s.cond:
             if self._closed:
