@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import numpy as np
 import pyarrow as pa
@@ -458,8 +458,9 @@ class ExperienceStore(IngestMixin):
             out[name] = col.reshape(shape + tuple(col.shape[1:])) if len(shape) > 1 else col
         if n_step is not None:
             column = (lambda f: cols.column(f, reads)) if tracked else cols.column  # type: ignore[call-arg]
-            terminal = [column(f) for f in self._end_fields if f != "truncated"]
-            truncation = [column(f) for f in self._end_fields if f == "truncated"]
+            trunc = self.schema.truncation  # end fields that bootstrap; the others terminate
+            terminal = [column(f) for f in self._end_fields if f not in trunc]
+            truncation = [column(f) for f in self._end_fields if f in trunc]
             ret, disc, last = n_step_returns(idx, column("reward"), terminal, truncation, pos, n_step, gamma,
                                              self._has_next if self._max_times_sampled else None)
             out["n_step_return"], out["n_step_discount"] = ret, disc
@@ -625,6 +626,68 @@ class ExperienceStore(IngestMixin):
         """The chunk directory of the live rows: slot, first_seq, rows, sealed, tier per column."""
         with self._lock:
             return self.directory.table(self.index.lo, self.index.hi)
+
+    # ------------------------------------------------------------------ persistence hooks (owner: persist, issue 15)
+    # Thin entry points into `arrowbuf.persist`; `_persist_parts` is the one place persist gets the store's parts.
+    def _persist_parts(self) -> Any:
+        """The components `arrowbuf.persist` checkpoints and restores (see `arrowbuf.persist.parts`)."""
+        from .persist.parts import StoreParts
+
+        config = {"name": self.name, "capacity": self.capacity, "chunk_rows": self.chunk_rows,
+                  "final_obs_capacity": self.final_capacity or None,
+                  "max_times_sampled": self._max_times_sampled or None}
+        tier = "tiered" if isinstance(self._cols, TieredColumnArenas) else self._tier.name
+        return StoreParts(self.schema, self._cols, self.directory, self.index, self.sampler, self._episodes,
+                          self._rng, self._final_owner, self._times_sampled, self._lock, self._write_lock, config,
+                          self.rate_limiter, tier)
+
+    def checkpoint(self, path: Any, keep: int | None = None, background: bool = False,
+                   compression: str | None = None) -> Any:
+        """Write a consistent, incremental, atomic checkpoint into directory `path`; writers and samplers go on.
+
+        The snapshot point is the call: the checkpoint holds the rows committed then (one contiguous seq range
+        ending there, each row exactly as committed) and the sampler, rate-limiter, episode and RNG state of that
+        instant. Sealed chunks already in `path` are reused; only new chunks, the open tail and the state files are
+        written; `_manifest.json` is replaced atomically, so a crash leaves the previous checkpoint restorable. If
+        the ring overwrites rows faster than they are copied, the oldest chunks that were overwritten meanwhile
+        (and everything older) are left out: the checkpoint then starts at the oldest chunk still intact
+        (`dropped_rows` says how many went). Never a torn row. Layout: docs/format.md.
+
+        Args:
+            path: the checkpoint directory (an Arrow IPC dataset; made if missing).
+            keep: keep the newest `keep` checkpoints (their files); None keeps all.
+            background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread.
+            compression: None (uncompressed, memory-mappable: the default), or "zstd"/"lz4" for archives.
+
+        Returns:
+            A summary dict (generation, rows, files written and reused, bytes), or a handle with `background=True`.
+        """
+        from .persist import checkpoint
+
+        return checkpoint(self, path, keep=keep, background=background, compression=compression)
+
+    @classmethod
+    def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
+                seed: int | None = None, name: str | None = None, schema: Any = None) -> "ExperienceStore":
+        """The store checkpointed at `path`: same rows under the same ids, same sampler, limiter and episode state.
+
+        Args:
+            path: a checkpoint directory (`checkpoint`).
+            tier: where the restored store lives ("host", "shm", ...); tiers: byte budgets, as the constructor.
+            seed: None continues the checkpointed RNG (the same batches the original would have drawn next);
+                an int reseeds sampling.
+            name: the restored store's name (default: the checkpointed one's).
+            schema: when given, the schema the caller expects: a checkpoint whose fields differ raises SchemaError.
+
+        Raises:
+            StoreCorrupt: a file is missing, truncated or corrupt (the message names it).
+            SchemaError: `schema` differs from the checkpoint's (the message names the fields).
+        """
+        from .persist import restore
+
+        return cast("ExperienceStore", restore(path, tier=tier, tiers=tiers, seed=seed, name=name, schema=schema,
+                                               cls=cls))
+    # ------------------------------------------------------------------ end of persistence hooks
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

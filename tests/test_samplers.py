@@ -429,3 +429,43 @@ def test_every_sampler_states_its_mass(spec):
     if spec == "prioritized":
         store.update_priorities([1], [3.0 - sampler.eps])
         assert sampler.mass(np.array([1]))[0] == pytest.approx(3.0 ** sampler.alpha)
+
+
+def _time_limit_schema(**extra):
+    return {"name": "tl", "fields": {"obs": {"dtype": "float32", "shape": [3]}, "reward": {"dtype": "float32"},
+                                     "terminated": {"dtype": "bool"}, "time_limit": {"dtype": "bool"}},
+            "derived": {"next_obs": {"next_of": "obs"}}, "episode_end": ["terminated", "time_limit"], **extra}
+
+
+def test_an_end_field_that_reads_as_a_time_limit_must_be_declared():
+    with pytest.raises(ab.SchemaError, match="truncation"):
+        ab.load_schema(_time_limit_schema())
+    with pytest.raises(ab.SchemaError, match="truncation"):
+        ab.load_schema({**_time_limit_schema(), "fields": {**_time_limit_schema()["fields"],
+                                                           "timeout": {"dtype": "bool"}},
+                        "episode_end": ["terminated", "timeout"]})
+    with pytest.raises(ab.SchemaError, match="not an episode_end"):
+        ab.load_schema(_time_limit_schema(truncation=["obs"]))
+    with pytest.warns(UserWarning, match="finished"):
+        ab.load_schema({"name": "w", "fields": {"finished": {"dtype": "bool"}}, "episode_end": ["finished"]})
+    assert ab.load_schema(SMALL).truncation == ("truncated",)
+
+
+def test_the_declared_truncation_field_bootstraps():
+    schema = ab.load_schema(_time_limit_schema(truncation=["time_limit"]))
+    assert schema.truncation == ("time_limit",)
+    assert ab.load_schema(schema.to_arrow()).truncation == ("time_limit",)  # survives Arrow metadata and dicts
+    assert ab.load_schema(schema.to_dict()).truncation == ("time_limit",)
+    store = ab.ExperienceStore(schema, capacity=100, sampler="lifo", seed=0)
+    obs = np.arange(9, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+    store.extend({"obs": obs[:3], "reward": np.ones(3, np.float32), "terminated": np.zeros(3, bool),
+                  "time_limit": np.array([False, False, True]), "next_obs": obs[1:4]})
+    b = store.sample(3, n_step=5, gamma=0.5)  # rows 0..2; the time limit at row 2 cuts, but bootstraps
+    assert b.indices.tolist() == [0, 1, 2]
+    np.testing.assert_allclose(b["n_step_return"], [1.75, 1.5, 1.0])
+    np.testing.assert_allclose(b["n_step_discount"], [0.125, 0.25, 0.5])
+    terminating = ab.ExperienceStore(ab.load_schema(_time_limit_schema(truncation=[])), capacity=100,
+                                     sampler="lifo", seed=0)
+    terminating.extend({"obs": obs[:3], "reward": np.ones(3, np.float32), "terminated": np.zeros(3, bool),
+                        "time_limit": np.array([False, False, True]), "next_obs": obs[1:4]})
+    np.testing.assert_allclose(terminating.sample(3, n_step=5, gamma=0.5)["n_step_discount"], [0, 0, 0])
