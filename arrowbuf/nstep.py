@@ -3,20 +3,32 @@
 For a sampled row t and horizon k: `n_step_return = sum_{j<m} gamma^j r_{t+j}` over the m <= k steps that exist in
 the episode; `n_step_discount = gamma^m`, or 0 when the episode terminated within those steps (a truncated episode
 still bootstraps); the bootstrap observation is the next observation of step t+m-1. When a successor has not arrived
-yet (the episode is still being written), the window stops at the last step whose next observation is known.
+yet (the episode is still being written), the window stops at the last step whose next observation is known. Rows
+that `max_times_sampled` removed from sampling still count as successors while they are stored.
+
+Both columns follow the reward's dtype: float64 rewards give float64 returns and discounts; float32 and smaller
+floats (and small integers) give float32; 32- and 64-bit integer rewards give float64.
 """
 
 from __future__ import annotations
 
-from .errors import InvalidArgument
+from typing import Callable
 
 import numpy as np
 
+from .errors import InvalidArgument
 from .index import RingIndex
 
 
+def n_step_dtype(reward_dtype: np.dtype) -> np.dtype:
+    """The dtype of `n_step_return` / `n_step_discount` for rewards of `reward_dtype` (at least float32)."""
+    return np.result_type(reward_dtype, np.float32)
+
+
 def n_step_returns(index: RingIndex, reward: np.ndarray, terminal: list[np.ndarray], truncation: list[np.ndarray],
-                   pos: np.ndarray, k: int, gamma: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   pos: np.ndarray, k: int, gamma: float,
+                   has_next: Callable[[np.ndarray], np.ndarray] | None = None,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Returns (n_step_return, n_step_discount, position of each window's last step); k - 1 successor hops.
 
     Args:
@@ -24,11 +36,15 @@ def n_step_returns(index: RingIndex, reward: np.ndarray, terminal: list[np.ndarr
         reward: the reward arena; terminal / truncation: arenas of the flags that end an episode with / without
             bootstrapping.
         pos: arena positions of the sampled rows (each sampleable).
+        has_next: mask of positions whose row is stored with its next observation known, sampleable or not
+            (default: the sampleable rows, `index.valid`).
     """
     if k < 1:
         raise InvalidArgument(f"n_step must be >= 1, got {k}")
     if not 0.0 <= gamma <= 1.0:
         raise InvalidArgument(f"gamma must be in [0, 1], got {gamma}")
+    known = has_next if has_next is not None else index.valid.__getitem__
+    dtype = n_step_dtype(np.asarray(reward[pos[:0]]).dtype)  # an arena or a tiered store's reader: host rows
     b = len(pos)
     ret = np.zeros(b, dtype=np.float64)
     scale = np.ones(b, dtype=np.float64)       # gamma^j for the current step
@@ -50,8 +66,9 @@ def n_step_returns(index: RingIndex, reward: np.ndarray, terminal: list[np.ndarr
         nxt = index.next_pos[cur]
         inside = (nxt >= 0) & (nxt < index.arena_rows)
         step_on = active & ~ended & inside
-        step_on[step_on] = index.valid[nxt[step_on]]  # the successor's own next observation must be known
+        # the successor's own next observation must be known (it may have been removed from sampling)
+        step_on[step_on] = known(nxt[step_on])
         cur = np.where(step_on, nxt, cur)
         active = step_on
     discount = np.where(terminated, 0.0, scale)
-    return ret.astype(np.float32), discount.astype(np.float32), cur
+    return ret.astype(dtype), discount.astype(dtype), cur

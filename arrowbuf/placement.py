@@ -128,12 +128,7 @@ class PlacementTarget:
     def chunk_mass(self) -> np.ndarray:
         """[S] each chunk slot's sampling mass (unnormalised): the sum of `Sampler.mass` over its rows."""
         rows = self.num_slots * self.chunk_rows
-        positions = np.arange(rows, dtype=np.int64)
-        mass_of = getattr(self._sampler, "mass", None)
-        if mass_of is not None:
-            per_row = np.asarray(mass_of(positions), dtype=np.float64)
-        else:  # until Sampler.mass lands (owner: sampling); then this branch goes
-            per_row = _legacy_mass(self._sampler, self._index, positions)
+        per_row = np.asarray(self._sampler.mass(np.arange(rows, dtype=np.int64)), dtype=np.float64)
         return per_row.reshape(self.num_slots, self.chunk_rows).sum(axis=1)
 
     def fixed_bytes(self, code: int) -> int:
@@ -156,20 +151,6 @@ class PlacementTarget:
         is no room, it is already moving, or the chunk changed meanwhile. `gen`: the sealed chunk's first seq, or
         None for a slot that is not sealed (moved only while no writer is busy)."""
         return bool(self._cols.migrate(column, slot, tier, gen, self._index, self._state_lock, self._write_lock))
-
-
-def _legacy_mass(sampler: Any, index: Any, positions: np.ndarray) -> np.ndarray:
-    """Per-row sampling mass for samplers without `mass` (main before the `sampling` helper's change lands)."""
-    from .samplers import FifoSampler, PrioritizedSampler, SequenceSampler
-
-    if isinstance(sampler, SequenceSampler) and isinstance(sampler.priority, PrioritizedSampler):
-        sampler = sampler.priority
-    if isinstance(sampler, PrioritizedSampler):
-        return sampler.sum_tree.get(positions).astype(np.float64)
-    valid = index.valid[positions]
-    if isinstance(sampler, FifoSampler):
-        return (valid & (index.seq[positions] >= sampler.cursor)).astype(np.float64)
-    return valid.astype(np.float64)
 
 
 class Placement(abc.ABC):

@@ -1,14 +1,24 @@
 """Samplers: which items a sample returns.
 
-A sampler selects rows (by seq) from the store's `RingIndex`; the store calls it under its lock and gathers the data.
-Usage loop (what the store does)::
+A sampler selects items (rows by seq, or windows of rows) from the store's `RingIndex`; the store calls it under its
+lock and gathers the data. Usage loop (what the store does)::
 
-    sampler.bind(index, rng)
+    sampler.bind(index, rng)         # once: a sampler instance serves one store (a second store raises)
     sampler.on_valid(positions)      # rows became sampleable (committed, next observation known)
     sampler.on_invalid(positions)    # rows stopped being sampleable (evicted, removed)
     seqs, weights = sampler.select(n)   # None when nothing can be served now
     sampler.on_sampled(seqs)         # after the batch is gathered
-    sampler.update_priorities(positions, priorities)
+    sampler.update_priorities(positions, priorities)   # priorities checked first by `validate_priorities`
+    sampler.mass(positions); sampler.total_mass(); sampler.min_mass()   # the sampling distribution, for placement
+
+Sampling mass: every sampler states how likely each ring position is to be drawn, unnormalised, through `mass`
+(1 per sampleable row for uniform, FIFO and LIFO sampling; the sum-tree leaf `p^alpha` for prioritized sampling; a
+sequence sampler's start rows as its start distribution sees them), so callers never branch on sampler classes.
+
+Importance-sampling weights (prioritized sampling) are `(P(i) / P_min)^-beta` with `P_min` the smallest positive
+probability over the whole buffer, not over the batch: the largest weight a batch can hold is 1, and a batch whose
+rows all have more than the smallest probability has its largest weight below 1. Items enter at the running maximum
+priority seen by `update_priorities` (1.0 before any update). A priority of 0 gives probability 0 (with `eps=0`).
 
 Exported in `arrowbuf.samplers` as `Uniform`, `Fifo`, ...; `ExperienceStore(sampler="uniform" | "fifo" | instance)`.
 """
@@ -17,24 +27,85 @@ from __future__ import annotations
 
 import abc
 import inspect
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import numpy as np
 
 from .errors import ArrowbufError, InvalidArgument
 from .index import RingIndex
 
+#: Largest priority `update_priorities` accepts: far above any TD error, far below where sums of many priorities (or
+#: their `alpha` powers) overflow float64.
+MAX_PRIORITY = 1e100
+
+# Largest sum-tree leaf (p^alpha): a tree of 2**40 such leaves still sums to a finite number.
+_MAX_LEAF = 1e250
+
+
+def validate_priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Check a priority update before anything is applied: the one copy of this check in arrowbuf.
+
+    Args:
+        indices: item ids (any integer array-like; flattened).
+        priorities: one priority per id (flattened).
+
+    Returns:
+        (ids as int64, priorities as float64), both 1-D.
+
+    Raises:
+        InvalidArgument: the counts differ, or a priority is NaN, infinite, negative or above `MAX_PRIORITY`.
+    """
+    ids = np.asarray(indices, dtype=np.int64).reshape(-1)
+    pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
+    if len(ids) != len(pri):
+        raise InvalidArgument(f"{len(ids)} indices but {len(pri)} priorities; pass one priority per index")
+    if len(pri) and not ((pri >= 0).all() and (pri <= MAX_PRIORITY).all()):  # NaN fails both comparisons
+        bad = pri[~((pri >= 0) & (pri <= MAX_PRIORITY))]
+        raise InvalidArgument(f"priorities must be finite, >= 0 and <= {MAX_PRIORITY:g}; got {bad[:3].tolist()}"
+                              f"{' ...' if len(bad) > 3 else ''} among {len(pri)}: pass e.g. |TD error|, "
+                              "and check the learner for NaN/inf; nothing was applied")
+    return ids, pri
+
 
 class Sampler(abc.ABC):
-    """Selects items from a store's ring index."""
+    """Selects items from a store's ring index.
+
+    A sampler instance binds to one store (`bind`); pass a fresh instance to each store. Subclasses set up their
+    state in `_on_bind`.
+    """
 
     #: True when each item is delivered once (a queue); rate limiting then also blocks on an empty queue.
     queue: bool = False
 
-    def bind(self, index: RingIndex, rng: np.random.Generator) -> None:
-        """Attach to a store's index; called once by the store."""
+    def bind(self, index: RingIndex, rng: np.random.Generator, *,
+             has_next: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """Attach to a store's index; called once by the store.
+
+        Args:
+            index: the store's ring index.
+            rng: the store's random generator.
+            has_next: mask of ring positions whose row is stored with its next observation known, sampleable or not
+                (rows `max_times_sampled` removed from sampling still serve as successors and window members);
+                default: the sampleable rows.
+
+        Raises:
+            InvalidArgument: the sampler is already bound to another store.
+        """
+        bound = getattr(self, "index", None)
+        if bound is not None:
+            if bound is index:
+                return
+            raise InvalidArgument(f"this {type(self).__name__} instance already serves another store; a sampler "
+                                  "binds to one store: pass a new instance (e.g. ab.samplers.Prioritized(...)) "
+                                  "to each store")
         self.index = index
         self.rng = rng
+        self.has_next: Callable[[np.ndarray], np.ndarray] = (
+            has_next if has_next is not None else index.valid.__getitem__)
+        self._on_bind()
+
+    def _on_bind(self) -> None:
+        """Set up per-store state (after `index`, `rng` and `has_next` are set)."""
 
     def on_valid(self, positions: np.ndarray) -> None:
         """Rows at `positions` became sampleable."""
@@ -43,8 +114,12 @@ class Sampler(abc.ABC):
         """Rows at `positions` stopped being sampleable."""
 
     @abc.abstractmethod
-    def select(self, n: int) -> tuple[np.ndarray, np.ndarray | None] | None:
-        """Choose `n` items: (seqs, importance weights or None), or None when they cannot be served now."""
+    def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """Choose `n` items: (seqs, importance weights or None), or None when they cannot be served now.
+
+        With `distinct=True` (a store with `max_times_sampled`) no item appears twice in the batch, and fewer than
+        `n` eligible items means None: the store waits for more (up to its `timeout`), it never returns fewer.
+        """
 
     def on_sampled(self, seqs: np.ndarray) -> None:
         """The batch of `seqs` was delivered."""
@@ -54,39 +129,85 @@ class Sampler(abc.ABC):
         return len(self.index)
 
     def update_priorities(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        """Set priorities of the rows at `positions` (checked by `validate_priorities`); prioritized samplers only."""
         raise ArrowbufError(f"{type(self).__name__} has no priorities; use samplers.Prioritized(...)")
+
+    def mass(self, positions: np.ndarray) -> np.ndarray:
+        """Unnormalised sampling weight of each ring position (float64; 0 for rows that cannot be drawn).
+
+        The default: 1 per sampleable row (uniform over the sampleable rows).
+        """
+        return self.index.valid[np.asarray(positions, dtype=np.int64)].astype(np.float64)
+
+    def total_mass(self) -> float:
+        """Sum of `mass` over every ring position."""
+        return float(np.count_nonzero(self.index.valid))
+
+    def min_mass(self) -> float:
+        """Smallest positive `mass` of any position (the denominator of IS weights); +inf when none is positive."""
+        return 1.0 if self.total_mass() > 0 else float("inf")
 
     def describe(self) -> dict[str, Any]:
         return {"sampler": type(self).__name__}
 
 
 class UniformSampler(Sampler):
-    """Uniform over sampleable rows, with replacement. Indices come back sorted by position (a faster gather)."""
+    """Uniform over sampleable rows, with replacement (without, when the store asks for distinct items). Indices come
+    back sorted by position (a faster gather)."""
 
-    def select(self, n: int) -> tuple[np.ndarray, None] | None:
+    def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, None] | None:
         idx = self.index
         lo, hi = idx.lo, idx.hi
-        if hi <= lo:
+        if hi <= lo or (distinct and hi - lo < n):
             return None
+        if distinct:
+            pos = self._distinct(n, lo, hi)
+            if pos is None:
+                return None
+        else:
+            pos = self._draw(n, lo, hi)
+            if pos is None:
+                return None
+        pos.sort()
+        return idx.seqs_of(pos), None
+
+    def _draw(self, n: int, lo: int, hi: int) -> np.ndarray | None:
+        """Positions of `n` sampleable rows, with replacement."""
+        idx = self.index
         seqs = self.rng.integers(lo, hi, size=n, dtype=np.int64)
         pos = seqs % idx.arena_rows
         ok = idx.valid[pos]
         for _ in range(16):
             if ok.all():
-                break
+                return pos
             bad = np.flatnonzero(~ok)
             seqs[bad] = self.rng.integers(lo, hi, size=len(bad), dtype=np.int64)
             pos[bad] = seqs[bad] % idx.arena_rows
             ok[bad] = idx.valid[pos[bad]]
-        else:
-            # most rows are not sampleable (e.g. many pending episodes): draw from the explicit list
-            cand = idx.valid_seqs()
-            if len(cand) == 0:
-                return None
-            seqs = cand[self.rng.integers(0, len(cand), size=n)]
-            pos = seqs % idx.arena_rows
-        pos.sort()
-        return idx.seqs_of(pos), None
+        if ok.all():
+            return pos
+        # most rows are not sampleable (e.g. many pending episodes): draw from the explicit list
+        cand = idx.valid_seqs()
+        if len(cand) == 0:
+            return None
+        return cast(np.ndarray, cand[self.rng.integers(0, len(cand), size=n)] % idx.arena_rows)
+
+    def _distinct(self, n: int, lo: int, hi: int) -> np.ndarray | None:
+        """Positions of `n` different sampleable rows (uniform without replacement), or None when fewer exist."""
+        idx = self.index
+        got = np.empty(0, dtype=np.int64)
+        for _ in range(8):
+            draw = self.rng.integers(lo, hi, size=2 * (n - len(got)) + 8, dtype=np.int64)
+            draw = draw[idx.valid[draw % idx.arena_rows]]
+            both = np.concatenate([got, draw])
+            _, first = np.unique(both, return_index=True)
+            got = both[np.sort(first)]  # draw order: the first n distinct draws are a uniform sample without repeats
+            if len(got) >= n:
+                return cast(np.ndarray, got[:n] % idx.arena_rows)
+        cand = idx.valid_seqs()
+        if len(cand) < n:
+            return None
+        return cast(np.ndarray, self.rng.choice(cand, size=n, replace=False) % idx.arena_rows)
 
     def available(self) -> int:
         return len(self.index)
@@ -97,11 +218,11 @@ class FifoSampler(Sampler):
 
     queue = True
 
-    def bind(self, index: RingIndex, rng: np.random.Generator) -> None:
-        super().bind(index, rng)
+    def _on_bind(self) -> None:
         # [cursor, skipped] in tier memory: the processes sharing a store share one queue
-        self._state = index.tier.allocate("sampler.fifo", np.dtype(np.int64), 2)
-        if index.tier.fresh:
+        tier = self.index.tier
+        self._state = tier.allocate("sampler.fifo", np.dtype(np.int64), 2)
+        if tier.fresh:
             self._state[:] = 0
 
     @property
@@ -136,7 +257,7 @@ class FifoSampler(Sampler):
             return stop - self.cursor
         return int(np.argmin(valid))
 
-    def select(self, n: int) -> tuple[np.ndarray, None] | None:
+    def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, None] | None:
         self._advance_past_evicted()
         if self._ready(n) < n:
             return None
@@ -148,6 +269,17 @@ class FifoSampler(Sampler):
         self._advance_past_evicted()
         return self._ready(self.index.hi - self.cursor)
 
+    def mass(self, positions: np.ndarray) -> np.ndarray:
+        """1 per sampleable row not yet delivered, else 0."""
+        pos = np.asarray(positions, dtype=np.int64)
+        idx = self.index
+        return (idx.valid[pos] & (idx.seq[pos] >= self.cursor)).astype(np.float64)
+
+    def total_mass(self) -> float:
+        idx = self.index
+        seqs = np.arange(max(self.cursor, idx.lo), idx.hi, dtype=np.int64)
+        return float(np.count_nonzero(idx.valid[seqs % idx.arena_rows]))
+
     def describe(self) -> dict[str, Any]:
         return {"sampler": "FifoSampler", "cursor": self.cursor, "skipped_evicted": self.skipped}
 
@@ -155,8 +287,8 @@ class FifoSampler(Sampler):
 class LifoSampler(Sampler):
     """The newest `n` sampleable rows (a stack when combined with `max_times_sampled=1`)."""
 
-    def select(self, n: int) -> tuple[np.ndarray, None] | None:
-        idx = self.index
+    def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, None] | None:
+        idx = self.index  # the newest n rows are always distinct
         hi, lo = idx.hi, idx.lo
         window = n
         while True:  # look back far enough to find n sampleable rows (pending rows are skipped)
@@ -173,28 +305,39 @@ class LifoSampler(Sampler):
 class PrioritizedSampler(Sampler):
     """Prioritized replay (Schaul et al. 2016): P(i) = p_i^alpha / sum_k p_k^alpha, with IS weights.
 
-    New rows get the largest priority seen so far. Weights are `(N * P(i))^-beta` normalised by the largest possible
-    weight, `(N * P_min)^-beta` (so max 1), N the number of sampleable rows. Selection uses a vectorised sum tree
-    (stratified draws, one segment per item) and a min tree for P_min; both are O(log N) numpy steps per batch.
+    New rows enter at the running maximum priority: the largest `priority + eps` any `update_priorities` has set
+    (1.0 before the first update). Weights are `(N * P(i))^-beta` normalised by the largest possible weight,
+    `(N * P_min)^-beta`, with `P_min` the smallest positive probability over the whole buffer (not the batch): so
+    weights are at most 1, and a batch's largest weight is below 1 unless it holds a row of smallest probability.
+    A priority of 0 (possible with `eps=0`) gives probability 0: the row is never drawn and does not count for
+    `P_min`. Selection uses a vectorised sum tree (stratified draws, one segment per item) and a min tree (over
+    positive leaves) for P_min; both are O(log N) numpy steps per batch.
+
+    With a store's `max_times_sampled`, a batch holds distinct rows: draws repeat, without the rows already taken,
+    until `n` distinct rows are found (sampling without replacement, in proportion to the remaining priority mass);
+    fewer than `n` rows of positive priority means the store waits. Weights are those of P(i) above.
+
+    Priorities are validated (`validate_priorities`: finite, >= 0, <= MAX_PRIORITY), and a priority whose
+    `(p + eps)^alpha` exceeds 1e250 is refused, so the trees' sums stay finite; nothing of a refused update is
+    applied.
 
     Args:
-        alpha: priority exponent (0 = uniform).
+        alpha: priority exponent (0 = uniform over rows of positive priority).
         beta: importance-sampling exponent (0 = no correction, 1 = full).
-        eps: added to every priority so none is zero.
+        eps: added to every priority (so none is zero when eps > 0).
         stratified: one draw per equal slice of the priority mass (lower variance) instead of iid draws.
     """
 
     def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, stratified: bool = True) -> None:
-        if alpha < 0 or beta < 0 or eps < 0:
-            raise InvalidArgument(f"alpha, beta and eps must be >= 0, got {alpha}, {beta}, {eps}")
+        if not (alpha >= 0 and beta >= 0 and eps >= 0) or not np.isfinite([alpha, beta, eps]).all():
+            raise InvalidArgument(f"alpha, beta and eps must be finite and >= 0, got {alpha}, {beta}, {eps}")
         self.alpha, self.beta, self.eps, self.stratified = float(alpha), float(beta), float(eps), stratified
 
-    def bind(self, index: RingIndex, rng: np.random.Generator) -> None:
+    def _on_bind(self) -> None:
         from .sumtree import MinTree, SumTree
 
-        super().bind(index, rng)
         # trees and [max_priority, count] in tier memory: the processes of a shared store sample one distribution
-        tier, rows = index.tier, index.arena_rows
+        tier, rows = self.index.tier, self.index.arena_rows
         nodes = SumTree.nodes(rows)
         self.sum_tree = SumTree(rows, tier.allocate("sampler.prioritized.sum", np.dtype(np.float64), nodes),
                                 shared=tier.shared)
@@ -222,28 +365,57 @@ class PrioritizedSampler(Sampler):
     def count(self, value: int) -> None:
         self._state[1] = value
 
+    def _set(self, positions: np.ndarray, leaves: np.ndarray) -> None:
+        """Set sum-tree leaves; the min tree holds only positive leaves (+inf elsewhere), so P_min is positive."""
+        self.sum_tree.update(positions, leaves)
+        self.min_tree.update(positions, np.where(leaves > 0, leaves, np.inf))
+
     def on_valid(self, positions: np.ndarray) -> None:
-        value = np.full(len(positions), self.max_priority ** self.alpha)
-        self.sum_tree.update(positions, value)
-        self.min_tree.update(positions, value)
+        self._set(positions, np.full(len(positions), self.max_priority ** self.alpha))
         self.count += len(positions)
 
     def on_invalid(self, positions: np.ndarray) -> None:
-        self.sum_tree.update(positions, np.zeros(len(positions)))
-        self.min_tree.update(positions, np.full(len(positions), np.inf))
+        self._set(positions, np.zeros(len(positions)))
         self.count -= len(positions)
 
-    def select(self, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         total = self.sum_tree.total()
-        if self.count <= 0 or total <= 0:
+        if self.count <= 0 or not total > 0:
             return None
-        pos = self.sum_tree.sample(n, self.rng, stratified=self.stratified)
-        order = np.argsort(pos, kind="stable")
-        pos = pos[order]
+        if distinct:
+            found = self._distinct(n)
+            if found is None:
+                return None
+            pos = found
+        else:
+            pos = self.sum_tree.sample(n, self.rng, stratified=self.stratified)
+        pos.sort()
         return self.index.seqs_of(pos), self.weights(pos, total)
 
+    def _distinct(self, n: int) -> np.ndarray | None:
+        """`n` different positions, drawn in rounds; each round's rows are hidden from the next (their leaves set to
+        0 for the duration, under the store's lock) and put back before returning."""
+        tree = self.sum_tree
+        chosen: list[np.ndarray] = []
+        hidden: list[tuple[np.ndarray, np.ndarray]] = []
+        got = 0
+        try:
+            while got < n:
+                if not tree.total() > 0:
+                    return None  # fewer than n rows of positive priority
+                new = np.unique(tree.sample(n - got, self.rng, stratified=self.stratified))
+                chosen.append(new)
+                got += len(new)
+                if got < n:
+                    hidden.append((new, tree.get(new)))
+                    tree.update(new, 0.0)
+        finally:
+            for p, v in reversed(hidden):
+                tree.update(p, v)
+        return np.concatenate(chosen)
+
     def weights(self, positions: np.ndarray, total: float | None = None) -> np.ndarray:
-        """Importance-sampling weights of rows at `positions` (max possible weight = 1)."""
+        """Importance-sampling weights of rows at `positions`: `(P(i) / P_min)^-beta`, P_min over the whole buffer."""
         total = self.sum_tree.total() if total is None else total
         p = self.sum_tree.get(positions) / total
         p_min = self.min_tree.min() / total
@@ -255,12 +427,26 @@ class PrioritizedSampler(Sampler):
 
     def update_priorities(self, positions: np.ndarray, priorities: np.ndarray) -> None:
         p = np.asarray(priorities, dtype=np.float64) + self.eps
+        with np.errstate(over="ignore"):
+            leaves = np.where(p > 0, p ** self.alpha, 0.0)
+        if len(leaves) and not (leaves <= _MAX_LEAF).all():  # NaN and inf fail too
+            raise InvalidArgument(f"priorities up to {float(np.max(p)):g} give (p + eps)^alpha above {_MAX_LEAF:g} "
+                                  f"(alpha={self.alpha}): the priority sums would overflow; pass smaller priorities "
+                                  "(e.g. |TD error| clipped); nothing was applied")
         if len(p):
             self.max_priority = max(self.max_priority, float(p.max()))
         valid = self.index.valid[positions]  # removed rows keep priority 0
-        value = p[valid] ** self.alpha
-        self.sum_tree.update(positions[valid], value)
-        self.min_tree.update(positions[valid], value)
+        self._set(positions[valid], leaves[valid])
+
+    def mass(self, positions: np.ndarray) -> np.ndarray:
+        """The sum-tree leaf `(p + eps)^alpha` of each position (0 for rows that are not sampleable)."""
+        return self.sum_tree.get(np.asarray(positions, dtype=np.int64)).astype(np.float64)
+
+    def total_mass(self) -> float:
+        return self.sum_tree.total()
+
+    def min_mass(self) -> float:
+        return self.min_tree.min()
 
     def describe(self) -> dict[str, Any]:
         return {"sampler": "PrioritizedSampler", "alpha": self.alpha, "beta": self.beta,
@@ -275,6 +461,10 @@ class SequenceSampler(Sampler):
     row's successor in its episode, so interleaved actors are fine. Start rows are drawn uniformly, or by priority
     with `priority=Prioritized(...)` (a window's priority is its start row's priority); draws whose window is not
     (yet) complete are redrawn, so the distribution is the one over complete windows.
+
+    The item is the window, named by its start row: `batch.indices` are start ids, `max_times_sampled` counts
+    deliveries of each window (rows inside a delivered window stay available to the windows that start elsewhere),
+    and with `max_times_sampled` a batch holds distinct windows. `mass` is the start distribution's.
     """
 
     def __init__(self, length: int, stride: int = 1, burn_in: int = 0,
@@ -285,10 +475,9 @@ class SequenceSampler(Sampler):
         self.window = self.length + self.burn_in
         self.priority = priority
 
-    def bind(self, index: RingIndex, rng: np.random.Generator) -> None:
-        super().bind(index, rng)
+    def _on_bind(self) -> None:
         self.starts: Sampler = self.priority if self.priority is not None else UniformSampler()
-        self.starts.bind(index, rng)
+        self.starts.bind(self.index, self.rng, has_next=self.has_next)
 
     def on_valid(self, positions: np.ndarray) -> None:
         self.starts.on_valid(positions)
@@ -298,6 +487,15 @@ class SequenceSampler(Sampler):
 
     def update_priorities(self, positions: np.ndarray, priorities: np.ndarray) -> None:
         self.starts.update_priorities(positions, priorities)
+
+    def mass(self, positions: np.ndarray) -> np.ndarray:
+        return self.starts.mass(positions)
+
+    def total_mass(self) -> float:
+        return self.starts.total_mass()
+
+    def min_mass(self) -> float:
+        return self.starts.min_mass()
 
     def windows(self, start_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Positions [B, window] following each start's successors, and a mask of complete windows."""
@@ -312,24 +510,30 @@ class SequenceSampler(Sampler):
             cur = np.where(inside, nxt, cur)
             ok &= inside
             pos[:, j] = cur
-        ok &= idx.valid[cur]
+        ok &= self.has_next(cur)  # the last step's next observation is known (it may itself be a used-up start)
         return pos, ok
 
-    def select(self, n: int) -> tuple[np.ndarray, np.ndarray | None] | None:
+    def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, np.ndarray | None] | None:
         idx = self.index
         out_pos = np.empty((n, self.window), dtype=np.int64)
         out_w = np.ones(n, dtype=np.float32) if self.priority is not None else None
         need = np.arange(n)
+        taken = np.empty(0, dtype=np.int64)
         for _ in range(64):
-            got = self.starts.select(len(need))
+            got = self.starts.select(len(need), distinct=distinct)
             if got is None:
                 return None
             seqs, w = got
-            pos, ok = self.windows(seqs % idx.arena_rows)
+            start_pos = seqs % idx.arena_rows
+            pos, ok = self.windows(start_pos)
+            if distinct and len(taken):
+                ok &= ~np.isin(start_pos, taken)
             k = int(ok.sum())
             out_pos[need[:k]] = pos[ok]
             if out_w is not None and w is not None:
                 out_w[need[:k]] = w[ok]
+            if distinct:
+                taken = np.concatenate([taken, start_pos[ok]])
             need = need[k:]
             if len(need) == 0:
                 lo_pos = idx.lo % idx.arena_rows
@@ -364,5 +568,6 @@ def make_sampler(spec: str | Sampler | None) -> Sampler:
     raise InvalidArgument(f"unknown sampler {spec!r}; expected one of {sorted(_BY_NAME)} or an ab.samplers instance")
 
 
-__all__ = ["Sampler", "UniformSampler", "FifoSampler", "LifoSampler", "PrioritizedSampler", "SequenceSampler",
-           "Uniform", "Fifo", "Lifo", "Prioritized", "Sequence", "make_sampler"]
+__all__ = ["MAX_PRIORITY", "validate_priorities", "Sampler", "UniformSampler", "FifoSampler", "LifoSampler",
+           "PrioritizedSampler", "SequenceSampler", "Uniform", "Fifo", "Lifo", "Prioritized", "Sequence",
+           "make_sampler"]

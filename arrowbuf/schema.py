@@ -13,6 +13,8 @@ A schema is declared once, in YAML, a dict, or a `pa.Schema`::
     derived:
       next_obs: {next_of: obs}      # read from the next step of the same episode, not stored twice
     episode_end: [terminated, truncated]   # optional; default: the fields named done/terminated/truncated
+    truncation: [truncated]          # optional: the episode_end fields that cut an episode short (time limits):
+                                     # n-step returns bootstrap there; the others terminate. Default: `truncated`
 
 Usage::
 
@@ -23,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -37,6 +40,12 @@ SYSTEM_COLUMNS: dict[str, pa.DataType] = {"episode_id": pa.int64(), "step": pa.i
 STREAM_KEYS = ("episode_id", "actor")
 #: Field names that end an episode unless the schema says otherwise.
 DEFAULT_EPISODE_END = ("done", "terminated", "truncated")
+#: The episode_end fields that mean truncation unless the schema's `truncation` says otherwise.
+DEFAULT_TRUNCATION: tuple[str, ...] = ("truncated",)
+# End-field names that read as termination; other end fields need `truncation` to say what they are.
+_TERMINATION_NAMES = {"done", "dones", "terminated", "terminal", "terminals", "is_terminal", "terminate"}
+# End-field names that read as a time limit: without `truncation`, treating them as termination is an error.
+_TIME_LIMIT_HINTS = ("trunc", "timeout", "time_out", "time_limit", "timelimit")
 
 _DTYPES = {
     "bool": np.bool_,
@@ -121,6 +130,9 @@ class ExperienceSchema:
     derived: dict[str, DerivedSpec] = field(default_factory=dict)
     episode_end: tuple[str, ...] = ()
     version: int | str | None = None
+    #: The episode_end fields that mean truncation (bootstrap from the next observation); the other end fields
+    #: mean termination. Default: `truncated`, when it is an end field.
+    truncation: tuple[str, ...] = DEFAULT_TRUNCATION
 
     def __post_init__(self) -> None:
         if not self.fields:
@@ -145,6 +157,29 @@ class ExperienceSchema:
                 raise SchemaError(
                     f"schema {self.name!r}: episode_end field {name!r} must be a scalar bool field"
                 )
+        self._check_truncation()
+
+    def _check_truncation(self) -> None:
+        """Resolve the default `truncation`; refuse end fields whose meaning is ambiguous."""
+        if self.truncation is DEFAULT_TRUNCATION:
+            object.__setattr__(self, "truncation", tuple(n for n in DEFAULT_TRUNCATION if n in self.episode_end))
+            for name in self.episode_end:
+                if name in self.truncation or name.lower() in _TERMINATION_NAMES:
+                    continue
+                if any(h in name.lower() for h in _TIME_LIMIT_HINTS):
+                    raise SchemaError(
+                        f"schema {self.name!r}: episode_end field {name!r} reads as a time limit, but only "
+                        f"{list(DEFAULT_TRUNCATION)} means truncation by default, so it would count as termination "
+                        f"(no bootstrapping); declare it: truncation: [{name}] (or truncation: [] if it really "
+                        "terminates)")
+                warnings.warn(f"schema {self.name!r}: episode_end field {name!r} is treated as termination (no "
+                              f"bootstrapping); if it marks a time limit, declare truncation: [{name}]", stacklevel=4)
+            return
+        object.__setattr__(self, "truncation", tuple(self.truncation))
+        for name in self.truncation:
+            if name not in self.episode_end:
+                raise SchemaError(f"schema {self.name!r}: truncation names {name!r}, which is not an episode_end "
+                                  f"field ({list(self.episode_end)}); add it to episode_end or drop it")
 
     # ---------------------------------------------------------------- views
     def to_arrow(self) -> pa.Schema:
@@ -158,6 +193,7 @@ class ExperienceSchema:
             meta[b"arrowbuf.derived"] = ",".join(f"{d.name}:{d.next_of}" for d in self.derived.values()).encode()
         if self.episode_end:
             meta[b"arrowbuf.episode_end"] = ",".join(self.episode_end).encode()
+            meta[b"arrowbuf.truncation"] = ",".join(self.truncation).encode()
         return pa.schema(cols, metadata=meta)
 
     def input_schema(self) -> pa.Schema:
@@ -225,6 +261,7 @@ class ExperienceSchema:
         if self.derived:
             out["derived"] = {d.name: {"next_of": d.next_of} for d in self.derived.values()}
         out["episode_end"] = list(self.episode_end)
+        out["truncation"] = list(self.truncation)
         return out
 
     # ---------------------------------------------------------------- validation
@@ -487,7 +524,7 @@ def load_schema(source: str | os.PathLike | Mapping[str, Any] | pa.Schema | Expe
 
 
 def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
-    known = {"name", "version", "fields", "derived", "episode_end", "description"}
+    known = {"name", "version", "fields", "derived", "episode_end", "truncation", "description"}
     extra = set(data) - known
     if extra:
         raise SchemaError(f"{where}: unknown top-level key(s) {sorted(extra)}; expected {sorted(known)}")
@@ -549,7 +586,15 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
     version = data.get("version")
     if version is not None and not isinstance(version, (int, str)):
         raise SchemaError(f"{where}: 'version' must be an integer or string, got {version!r}")
-    return ExperienceSchema(name=name, fields=fields, derived=derived, episode_end=episode_end, version=version)
+    truncation = DEFAULT_TRUNCATION
+    if "truncation" in data:
+        raw = data["truncation"] or []
+        raw = [raw] if isinstance(raw, str) else raw
+        if not isinstance(raw, (list, tuple)) or not all(isinstance(t, str) for t in raw):
+            raise SchemaError(f"{where}: 'truncation' must be a list of episode_end field names, got {raw!r}")
+        truncation = tuple(raw)
+    return ExperienceSchema(name=name, fields=fields, derived=derived, episode_end=episode_end, version=version,
+                            truncation=truncation)
 
 
 def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
@@ -585,4 +630,8 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
         ends = tuple(n for n in DEFAULT_EPISODE_END if n in fields and fields[n].dtype == np.bool_)
     name = meta.get(b"arrowbuf.schema", b"experience").decode()
     version = meta.get(b"arrowbuf.version", b"").decode() or None
-    return ExperienceSchema(name=name, fields=fields, derived=derived, episode_end=ends, version=version)
+    trunc = DEFAULT_TRUNCATION
+    if b"arrowbuf.truncation" in meta:
+        trunc = tuple(t for t in meta[b"arrowbuf.truncation"].decode().split(",") if t)
+    return ExperienceSchema(name=name, fields=fields, derived=derived, episode_end=ends, version=version,
+                            truncation=trunc)

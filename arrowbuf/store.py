@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import numpy as np
 import pyarrow as pa
@@ -29,12 +29,12 @@ from .chunks import ChunkDirectory, default_chunk_rows
 from .columns import ColumnArenas, TieredColumnArenas
 from .episodes import EpisodeTracker
 from .errors import ArrowbufError, InvalidArgument, OutOfSpace, SampleTimeout, SchemaError, StoreClosed
-from .index import HEADER, RingIndex
+from .index import HEADER, PENDING, RingIndex
 from .ingest import IngestMixin
 from .nstep import n_step_returns
 from .placement import PlacementTarget, make_placement, placement_table
 from .rate_limiters import Counters, RateLimiter
-from .samplers import Sampler, make_sampler
+from .samplers import Sampler, make_sampler, validate_priorities
 from .schema import SYSTEM_COLUMNS, ExperienceSchema, FieldSpec, load_schema
 from .tiers.base import Tier, format_bytes
 from .tiers.host import HostTier
@@ -54,8 +54,11 @@ class ExperienceStore(IngestMixin):
         chunk_rows: rows per chunk (default: about 2 MiB of row data).
         final_obs_capacity: slots for episodes' final observations when the schema derives `next_obs`
             (default: enough for every row when small, else capacity // 16).
-        max_times_sampled: an item stops being sampleable after this many deliveries (it keeps its ring slot
-            until evicted); None: no limit.
+        max_times_sampled: an item (a row; a window for `samplers.Sequence`) stops being sampleable after this many
+            deliveries; it keeps its ring slot until evicted and still serves as a successor (n-step returns,
+            next observations, other windows). A batch then holds distinct items, so `sample(n)` needs n eligible
+            items: with fewer it waits for more up to `timeout`, then raises `SampleTimeout` (it never returns a
+            short batch). None: no limit.
         tier: where the arenas live: "host" (default), "shm" (shared memory: other processes open the same store
             with `ExperienceStore.attach(name)`; see `arrowbuf.tiers.shm`), or a `Tier` instance.
         name: the store's name (default: the schema's); a shared store's name in /dev/shm.
@@ -136,13 +139,13 @@ class ExperienceStore(IngestMixin):
         self._cond = threading.Condition(self._lock)
         self._write_lock = self._tier.lock("write")
         self._rng = np.random.default_rng(seed)
-        self.sampler = make_sampler(sampler)
-        self.sampler.bind(self.index, self._rng)
-        self._notify = type(self.sampler).on_valid is not Sampler.on_valid  # skip no-op calls on the append path
-        self.rate_limiter = rate_limiter
         if max_times_sampled is not None and max_times_sampled < 1:
             raise InvalidArgument(f"max_times_sampled must be >= 1, got {max_times_sampled}")
         self._max_times_sampled = int(max_times_sampled or 0)
+        self.sampler = make_sampler(sampler)
+        self.sampler.bind(self.index, self._rng, has_next=self._has_next if self._max_times_sampled else None)
+        self._notify = type(self.sampler).on_valid is not Sampler.on_valid  # skip no-op calls on the append path
+        self.rate_limiter = rate_limiter
         self._times_sampled = (self._tier.allocate("index.times_sampled", np.dtype(np.int32), self.arena_rows)
                                if self._max_times_sampled else np.zeros(0, np.int32))
         if self._tier.fresh:
@@ -266,7 +269,8 @@ class ExperienceStore(IngestMixin):
         """Sample `n` items.
 
         Args:
-            n: batch size; uniform sampling is with replacement, so any n works once a row is sampleable.
+            n: batch size; uniform sampling is with replacement, so any n works once a row is sampleable (with
+                `max_times_sampled`, a batch holds n distinct items: see the constructor).
             columns: columns to gather (default: every field and derived field).
             timeout: seconds to wait for the rate limiter or an empty store; None does not wait.
             n_step: add `n_step_return`, `n_step_discount` and, per derived field, `n_step_<name>` (the bootstrap
@@ -308,11 +312,9 @@ class ExperienceStore(IngestMixin):
             bad[:] = False
             bad[fix] = self._torn(again, sub)
         arrays.pop("_n_step_last", None)
-        if self._max_times_sampled or type(self.sampler).on_sampled is not Sampler.on_sampled:
+        if type(self.sampler).on_sampled is not Sampler.on_sampled:
             with self._cond:
                 self.sampler.on_sampled(seqs)
-                if self._max_times_sampled:
-                    self._count_samples(seqs)
         indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
         return SampleBatch(arrays, indices, weights)
 
@@ -325,9 +327,10 @@ class ExperienceStore(IngestMixin):
             raise InvalidArgument(f"gamma must be in [0, 1], got {gamma}")
 
     def _count_samples(self, seqs: np.ndarray) -> None:
-        """Under the lock: count deliveries; rows sampled `max_times_sampled` times stop being sampleable."""
+        """Under the lock, as items are selected (so concurrent samples never exceed the limit): count deliveries;
+        items sampled `max_times_sampled` times stop being sampleable. A window counts once, at its start row."""
         idx = self.index
-        seqs = seqs.reshape(-1)
+        seqs = seqs[:, 0] if seqs.ndim == 2 else seqs
         live = seqs[idx.live(seqs)]
         pos = live % self.arena_rows
         np.add.at(self._times_sampled, pos, 1)
@@ -338,6 +341,24 @@ class ExperienceStore(IngestMixin):
             self.sampler.on_invalid(done)
             idx.count("removed", len(done))
 
+    def _has_next(self, pos: np.ndarray) -> np.ndarray:
+        """Mask of positions whose row is stored with its next observation known, sampleable or not: a row that
+        `max_times_sampled` removed still serves as a successor and inside windows while it is stored."""
+        idx = self.index
+        ok = idx.valid[pos]
+        used = ~ok & (self._times_sampled[pos] >= self._max_times_sampled)
+        if used.any():
+            p = pos[used]
+            seq = idx.seq[p]
+            good = (seq >= idx.lo) & (seq < idx.hi)
+            if self._final_sources:  # the next observation is known: a successor, or a final slot still its own
+                nxt = idx.next_pos[p]
+                good &= nxt != PENDING
+                fin = good & (nxt >= self.arena_rows)
+                good[fin] = self._final_owner[nxt[fin] - self.arena_rows] == seq[fin]
+            ok[used] = good
+        return ok
+
     def _select(self, n: int, timeout: float | None) -> tuple[np.ndarray, np.ndarray | None]:
         """Choose items under the lock, waiting on the rate limiter and for rows."""
         chosen: list[Any] = [None]
@@ -346,7 +367,7 @@ class ExperienceStore(IngestMixin):
             self._check_open()
             if self.rate_limiter is not None and not self.rate_limiter.can_sample(n, self._counters()):
                 return False
-            chosen[0] = self.sampler.select(n)
+            chosen[0] = self.sampler.select(n, distinct=bool(self._max_times_sampled))
             return chosen[0] is not None
 
         if not self._wait_for(ready, timeout):
@@ -359,6 +380,8 @@ class ExperienceStore(IngestMixin):
             wait = "did not wait (timeout=None)" if timeout is None else f"waited {timeout}s"
             raise SampleTimeout(f"sample({n}) from {self.name!r}: {why}; {wait}. Add data or pass timeout= to wait")
         self.index.count("samples", n)
+        if self._max_times_sampled:
+            self._count_samples(chosen[0][0])
         self._cond.notify_all()
         return chosen[0]
 
@@ -435,9 +458,11 @@ class ExperienceStore(IngestMixin):
             out[name] = col.reshape(shape + tuple(col.shape[1:])) if len(shape) > 1 else col
         if n_step is not None:
             column = (lambda f: cols.column(f, reads)) if tracked else cols.column  # type: ignore[call-arg]
-            terminal = [column(f) for f in self._end_fields if f != "truncated"]
-            truncation = [column(f) for f in self._end_fields if f == "truncated"]
-            ret, disc, last = n_step_returns(idx, column("reward"), terminal, truncation, pos, n_step, gamma)
+            trunc = self.schema.truncation  # end fields that bootstrap; the others terminate
+            terminal = [column(f) for f in self._end_fields if f not in trunc]
+            truncation = [column(f) for f in self._end_fields if f in trunc]
+            ret, disc, last = n_step_returns(idx, column("reward"), terminal, truncation, pos, n_step, gamma,
+                                             self._has_next if self._max_times_sampled else None)
             out["n_step_return"], out["n_step_discount"] = ret, disc
             last_next = idx.next_pos[last]
             for d in self._derived_list:
@@ -468,18 +493,17 @@ class ExperienceStore(IngestMixin):
         """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
 
         Returns the number of ids applied.
+
+        Raises:
+            InvalidArgument: counts differ, or a priority is NaN, infinite, negative or too large
+                (`samplers.validate_priorities`); nothing is applied.
         """
-        seqs = np.asarray(indices, dtype=np.int64).reshape(-1)
-        pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
-        if len(seqs) != len(pri):
-            raise InvalidArgument(f"{len(seqs)} indices but {len(pri)} priorities; pass one priority per index")
-        if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
-            raise InvalidArgument("priorities must be finite and >= 0")
+        seqs, pri = validate_priorities(indices, priorities)
         with self._lock:
             live = self.index.live(seqs)
-            self.index.count("priority_updates_ignored", int((~live).sum()))
             if live.any():
                 self.sampler.update_priorities(seqs[live] % self.arena_rows, pri[live])
+            self.index.count("priority_updates_ignored", int((~live).sum()))
         return int(live.sum())
 
     # ------------------------------------------------------------------ inspection
@@ -602,6 +626,68 @@ class ExperienceStore(IngestMixin):
         """The chunk directory of the live rows: slot, first_seq, rows, sealed, tier per column."""
         with self._lock:
             return self.directory.table(self.index.lo, self.index.hi)
+
+    # ------------------------------------------------------------------ persistence hooks (owner: persist, issue 15)
+    # Thin entry points into `arrowbuf.persist`; `_persist_parts` is the one place persist gets the store's parts.
+    def _persist_parts(self) -> Any:
+        """The components `arrowbuf.persist` checkpoints and restores (see `arrowbuf.persist.parts`)."""
+        from .persist.parts import StoreParts
+
+        config = {"name": self.name, "capacity": self.capacity, "chunk_rows": self.chunk_rows,
+                  "final_obs_capacity": self.final_capacity or None,
+                  "max_times_sampled": self._max_times_sampled or None}
+        tier = "tiered" if isinstance(self._cols, TieredColumnArenas) else self._tier.name
+        return StoreParts(self.schema, self._cols, self.directory, self.index, self.sampler, self._episodes,
+                          self._rng, self._final_owner, self._times_sampled, self._lock, self._write_lock, config,
+                          self.rate_limiter, tier)
+
+    def checkpoint(self, path: Any, keep: int | None = None, background: bool = False,
+                   compression: str | None = None) -> Any:
+        """Write a consistent, incremental, atomic checkpoint into directory `path`; writers and samplers go on.
+
+        The snapshot point is the call: the checkpoint holds the rows committed then (one contiguous seq range
+        ending there, each row exactly as committed) and the sampler, rate-limiter, episode and RNG state of that
+        instant. Sealed chunks already in `path` are reused; only new chunks, the open tail and the state files are
+        written; `_manifest.json` is replaced atomically, so a crash leaves the previous checkpoint restorable. If
+        the ring overwrites rows faster than they are copied, the oldest chunks that were overwritten meanwhile
+        (and everything older) are left out: the checkpoint then starts at the oldest chunk still intact
+        (`dropped_rows` says how many went). Never a torn row. Layout: docs/format.md.
+
+        Args:
+            path: the checkpoint directory (an Arrow IPC dataset; made if missing).
+            keep: keep the newest `keep` checkpoints (their files); None keeps all.
+            background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread.
+            compression: None (uncompressed, memory-mappable: the default), or "zstd"/"lz4" for archives.
+
+        Returns:
+            A summary dict (generation, rows, files written and reused, bytes), or a handle with `background=True`.
+        """
+        from .persist import checkpoint
+
+        return checkpoint(self, path, keep=keep, background=background, compression=compression)
+
+    @classmethod
+    def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
+                seed: int | None = None, name: str | None = None, schema: Any = None) -> "ExperienceStore":
+        """The store checkpointed at `path`: same rows under the same ids, same sampler, limiter and episode state.
+
+        Args:
+            path: a checkpoint directory (`checkpoint`).
+            tier: where the restored store lives ("host", "shm", ...); tiers: byte budgets, as the constructor.
+            seed: None continues the checkpointed RNG (the same batches the original would have drawn next);
+                an int reseeds sampling.
+            name: the restored store's name (default: the checkpointed one's).
+            schema: when given, the schema the caller expects: a checkpoint whose fields differ raises SchemaError.
+
+        Raises:
+            StoreCorrupt: a file is missing, truncated or corrupt (the message names it).
+            SchemaError: `schema` differs from the checkpoint's (the message names the fields).
+        """
+        from .persist import restore
+
+        return cast("ExperienceStore", restore(path, tier=tier, tiers=tiers, seed=seed, name=name, schema=schema,
+                                               cls=cls))
+    # ------------------------------------------------------------------ end of persistence hooks
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

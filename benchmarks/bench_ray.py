@@ -92,7 +92,7 @@ def actors():
             rows, i = 0, 0
             while time.perf_counter() - t0 < seconds:
                 s = (i % 4) * self.batch
-                w.extend({k: v[s:s + self.batch] for k, v in self.pool.items()})
+                w.send({k: v[s:s + self.batch] for k, v in self.pool.items()})  # pipelined (extend waits)
                 rows += self.batch
                 i += 1
             w.close()
@@ -129,7 +129,7 @@ def fill(sharded, rows_per_shard: int) -> None:
         with sharded.writer(shard=k) as w:
             done = 0
             while done < rows_per_shard:
-                w.extend({c: v[:1000] for c, v in pool.items()})
+                w.send({c: v[:1000] for c, v in pool.items()})
                 done += 1000
 
 

@@ -7,6 +7,7 @@ docs/flight-protocol.md only (the any-language check).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -362,8 +363,20 @@ class TestUnavailableAndDeadlines:
         remote = ab.connect(location, reconnect_timeout=0.3)
         ids = remote.extend(cartpole_batch(4))
         np.testing.assert_array_equal(ids, remote.to_table(["seq"]).column("seq").to_numpy())
+        writer = remote.writer(max_in_flight=2)
+        writer.extend(cartpole_batch(3))
+        assert writer.flush() == 3
+        session = remote.session(2)
         p.kill()
         p.wait(10)
+        with pytest.raises(ab.Unavailable):  # streams do not reconnect: they say the server is gone
+            for _ in range(5):
+                writer.extend(cartpole_batch(3))
+        with pytest.raises(ab.Unavailable):
+            next(session)
+        session.close()
+        with contextlib.suppress(ab.Unavailable):
+            writer.close()
         for call in (lambda: len(remote), lambda: remote.sample(1), lambda: remote.extend(cartpole_batch(2)),
                      lambda: remote.stats(), lambda: remote.to_table()):
             with pytest.raises(ab.Unavailable) as info:
@@ -376,7 +389,7 @@ class TestUnavailableAndDeadlines:
         with pytest.raises(ab.StoreClosed):
             len(remote)
 
-    def test_close_ends_a_reconnect_back_off(self, servers):
+    def test_close_ends_a_call_in_progress_or_in_its_reconnect_back_off(self, servers):
         server = servers(cartpole_store())
         remote = ab.connect(server.location, reconnect_timeout=60)
         server.close()

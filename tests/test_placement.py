@@ -9,6 +9,7 @@ events. Rows encode their seq: a = [seq] * 64, b = [-seq] * 64, reward = seq, so
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 
@@ -61,6 +62,7 @@ def chunk_bytes(store: ab.ExperienceStore, *cols: str) -> int:
 
 def meta_bytes(tmp_path, sampler="uniform", capacity=CAP, **kw) -> int:
     """Host bytes a tiered store takes besides column chunks (index, sampler, final observations)."""
+    sampler = copy.deepcopy(sampler)  # a sampler instance binds to one store: the probe gets its own
     with ab.ExperienceStore(SCHEMA, capacity, sampler, chunk_rows=CR, tiers={"host": None, "disk": tmp_path / "m"},
                             placement="static", **kw) as probe:
         return probe._tier.nbytes() - sum(s.held_pages * 4096 for s in probe._tier._sparse.values())

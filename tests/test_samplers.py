@@ -263,3 +263,209 @@ def test_rate_limiter_arguments():
         ab.rate_limiters.SampleToInsertRatio(samples_per_insert=4.0, min_size=1, error_buffer=1.0)
     with pytest.raises(ValueError):
         ab.rate_limiters.MinSize(0)
+
+
+# ---------------------------------------------------------------- semantics fixed in issue 14 / 17
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized", "lifo"])
+def test_max_times_sampled_holds_within_a_batch(sampler):
+    store = store_with(sampler, max_times_sampled=1)
+    store.extend(make_episodes([4])[0])
+    with pytest.raises(ab.SampleTimeout):  # 10 distinct items do not exist: it waits (here: not at all), never short
+        store.sample(10)
+    assert store.stats()["removed"] == 0  # a refused sample uses nothing up
+    b = store.sample(4)
+    assert sorted(b.indices.tolist()) == [0, 1, 2, 3]
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1, timeout=0.01)
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_max_times_sampled_two_never_exceeded(sampler):
+    store = store_with(sampler, max_times_sampled=2, seed=3)
+    store.extend(make_episodes([5])[0])
+    counts = np.zeros(5, int)
+    for _ in range(5):
+        idx = store.sample(2).indices
+        assert len(set(idx.tolist())) == 2
+        counts += np.bincount(idx, minlength=5)
+    assert (counts == 2).all()
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1)
+
+
+def test_n_step_horizon_does_not_shrink_at_used_up_rows():
+    batch, _ = make_episodes([10])
+    batch["reward"][:] = 1.0
+    store = store_with("lifo", max_times_sampled=1)
+    store.extend(batch)
+    assert store.sample(5).indices.tolist() == [5, 6, 7, 8, 9]  # rows 5..9 are used up, but still stored
+    b = store.sample(1, n_step=3, gamma=0.5)
+    assert b.indices.tolist() == [4]
+    assert b["n_step_return"][0] == pytest.approx(1.75)
+    assert b["n_step_discount"][0] == pytest.approx(0.125)
+    np.testing.assert_array_equal(b["n_step_next_obs"][0], batch["obs"][7])
+
+
+def test_sequence_max_times_sampled_counts_windows():
+    store = store_with(ab.samplers.Sequence(length=4), max_times_sampled=1, seed=5)
+    store.extend(make_episodes([20])[0])
+    starts = [int(store.sample(1).indices[0]) for _ in range(17)]  # a 20-step episode has 17 windows of 4
+    assert sorted(starts) == list(range(17))
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1)
+    again = store_with(ab.samplers.Sequence(length=4), max_times_sampled=1, seed=6)
+    again.extend(make_episodes([20])[0])
+    b = again.sample(17, columns=["step", "obs"])  # one batch: 17 different windows
+    assert sorted(b.indices.tolist()) == list(range(17))
+    assert (b["step"][:, 0] == b.indices).all() and (np.diff(b["step"], axis=1) == 1).all()
+
+
+def test_zero_priority_has_probability_zero_and_keeps_weights():
+    sampler = ab.samplers.Prioritized(alpha=1.0, beta=1.0, eps=0.0)
+    store = store_with(sampler)
+    store.extend(make_episodes([4])[0])
+    store.update_priorities([0, 1, 2, 3], [0.0, 1.0, 2.0, 4.0])
+    b = store.sample(2000)
+    assert 0 not in set(b.indices.tolist())
+    expected = {1: 1.0, 2: 0.5, 3: 0.25}  # (P(i) / P_min)^-1 with P_min the smallest positive probability
+    for i, w in zip(b.indices, b.weights):
+        assert w == pytest.approx(expected[int(i)])
+    np.testing.assert_array_equal(sampler.mass(np.arange(4)), [0.0, 1.0, 2.0, 4.0])
+    assert sampler.min_mass() == 1.0 and sampler.total_mass() == 7.0
+    store.update_priorities([1, 2, 3], [0.0, 0.0, 0.0])  # nothing left with positive priority: nothing to serve
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1)
+
+
+@pytest.mark.parametrize("bad", [1e308, np.inf, np.nan, -1.0])
+def test_bad_priority_is_refused_and_changes_nothing(bad):
+    sampler = ab.samplers.Prioritized(alpha=1.0, beta=1.0, eps=0.0)
+    store = store_with(sampler)
+    store.extend(make_episodes([4])[0])
+    store.update_priorities([0, 1, 2, 3], [1.0, 2.0, 3.0, 4.0])
+    before = (sampler.mass(np.arange(4)).tolist(), sampler.max_priority, store.stats()["priority_updates_ignored"])
+    with pytest.raises(ab.InvalidArgument, match="priorit"):
+        store.update_priorities([0, 1], [5.0, bad])
+    assert (sampler.mass(np.arange(4)).tolist(), sampler.max_priority,
+            store.stats()["priority_updates_ignored"]) == before
+    b = store.sample(64)
+    assert np.isfinite(b.weights).all() and b.weights.max() <= 1.0 and len(set(b.indices.tolist())) > 1
+
+
+def test_priority_whose_power_would_overflow_is_refused_and_trees_recover():
+    sampler = ab.samplers.Prioritized(alpha=3.0, beta=1.0, eps=0.0)
+    store = store_with(sampler, capacity=16, chunk_rows=4)
+    store.extend(make_episodes([8])[0])
+    with pytest.raises(ab.InvalidArgument, match="overflow"):
+        store.update_priorities([0], [1e90])  # 1e270 as a leaf: refused
+    store.update_priorities(np.arange(8), np.full(8, 1e80))  # 1e240 per leaf: allowed, sums stay finite
+    assert np.isfinite(sampler.total_mass())
+    store.extend(make_episodes([30], start=500.0)[0])  # the whole ring replaced
+    b = store.sample(64)
+    assert np.isfinite(b.weights).all() and (b.weights > 0).all() and len(set(b.indices.tolist())) > 4
+
+
+def test_validate_priorities_is_the_one_check():
+    ids, pri = ab.samplers.validate_priorities([[1, 2]], [0.5, 2])
+    assert ids.dtype == np.int64 and pri.dtype == np.float64 and ids.tolist() == [1, 2]
+    for bad in ([1.0], [np.nan, 1.0], [1.0, -0.5], [1.0, 2 * ab.samplers.MAX_PRIORITY]):
+        with pytest.raises(ab.InvalidArgument):
+            ab.samplers.validate_priorities([1, 2], bad)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_n_step_columns_follow_the_reward_dtype(dtype):
+    schema = {**SMALL, "fields": {**SMALL["fields"], "reward": {"dtype": dtype}}}
+    store = ab.ExperienceStore(schema, capacity=100, seed=0)
+    batch = make_episodes([10])[0]
+    batch["reward"] = (batch["reward"].astype(np.float64) + 1e-9).astype(dtype)
+    store.extend(batch)
+    b = store.sample(8, n_step=3, gamma=1.0)
+    assert b["n_step_return"].dtype == np.dtype(dtype) and b["n_step_discount"].dtype == np.dtype(dtype)
+
+
+def test_a_sampler_binds_to_one_store():
+    pri = ab.samplers.Prioritized()
+    first = store_with(pri)
+    with pytest.raises(ab.InvalidArgument, match="one store"):
+        store_with(pri)
+    with pytest.raises(ab.InvalidArgument, match="one store"):
+        store_with(ab.samplers.Sequence(length=2, priority=pri))
+    first.extend(make_episodes([5])[0])
+    assert len(first.sample(4)) == 4  # the first store is untouched
+
+
+def test_shm_attach_rebuilds_its_own_sampler():
+    import os
+    import uuid
+
+    name = f"tsampler{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    pri = ab.samplers.Prioritized(alpha=1.0)
+    with ab.ExperienceStore(ab.load_schema(SMALL), 100, sampler=pri, tier="shm", name=name) as owner:
+        owner.extend(make_episodes([6])[0])
+        with ab.ExperienceStore.attach(name) as other:
+            assert other.sampler is not pri
+            other.update_priorities([0], [8.0])  # one distribution in shared memory
+            assert pri.mass(np.array([0]))[0] == pytest.approx(8.0 + pri.eps)
+            assert len(other.sample(4)) == 4 and len(owner.sample(4)) == 4
+
+
+@pytest.mark.parametrize("spec", ["uniform", "fifo", "lifo", "prioritized", "sequence"])
+def test_every_sampler_states_its_mass(spec):
+    sampler = ab.samplers.Sequence(length=2) if spec == "sequence" else ab.samplers.make_sampler(spec)
+    store = store_with(sampler, capacity=40, chunk_rows=8)
+    batch, _ = make_episodes([6])
+    batch["terminated"][:] = batch["truncated"][:] = False
+    store.extend(batch)  # rows 0..4 sampleable, row 5 waits for its successor
+    mass = sampler.mass(np.arange(store.arena_rows))
+    assert mass.dtype == np.float64 and mass.shape == (store.arena_rows,)
+    np.testing.assert_array_equal(mass[:6], [1, 1, 1, 1, 1, 0])
+    assert (mass[6:] == 0).all()
+    assert sampler.total_mass() == 5.0 and sampler.min_mass() == 1.0
+    if spec == "fifo":
+        store.sample(2)
+        np.testing.assert_array_equal(sampler.mass(np.arange(6)), [0, 0, 1, 1, 1, 0])
+        assert sampler.total_mass() == 3.0
+    if spec == "prioritized":
+        store.update_priorities([1], [3.0 - sampler.eps])
+        assert sampler.mass(np.array([1]))[0] == pytest.approx(3.0 ** sampler.alpha)
+
+
+def _time_limit_schema(**extra):
+    return {"name": "tl", "fields": {"obs": {"dtype": "float32", "shape": [3]}, "reward": {"dtype": "float32"},
+                                     "terminated": {"dtype": "bool"}, "time_limit": {"dtype": "bool"}},
+            "derived": {"next_obs": {"next_of": "obs"}}, "episode_end": ["terminated", "time_limit"], **extra}
+
+
+def test_an_end_field_that_reads_as_a_time_limit_must_be_declared():
+    with pytest.raises(ab.SchemaError, match="truncation"):
+        ab.load_schema(_time_limit_schema())
+    with pytest.raises(ab.SchemaError, match="truncation"):
+        ab.load_schema({**_time_limit_schema(), "fields": {**_time_limit_schema()["fields"],
+                                                           "timeout": {"dtype": "bool"}},
+                        "episode_end": ["terminated", "timeout"]})
+    with pytest.raises(ab.SchemaError, match="not an episode_end"):
+        ab.load_schema(_time_limit_schema(truncation=["obs"]))
+    with pytest.warns(UserWarning, match="finished"):
+        ab.load_schema({"name": "w", "fields": {"finished": {"dtype": "bool"}}, "episode_end": ["finished"]})
+    assert ab.load_schema(SMALL).truncation == ("truncated",)
+
+
+def test_the_declared_truncation_field_bootstraps():
+    schema = ab.load_schema(_time_limit_schema(truncation=["time_limit"]))
+    assert schema.truncation == ("time_limit",)
+    assert ab.load_schema(schema.to_arrow()).truncation == ("time_limit",)  # survives Arrow metadata and dicts
+    assert ab.load_schema(schema.to_dict()).truncation == ("time_limit",)
+    store = ab.ExperienceStore(schema, capacity=100, sampler="lifo", seed=0)
+    obs = np.arange(9, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+    store.extend({"obs": obs[:3], "reward": np.ones(3, np.float32), "terminated": np.zeros(3, bool),
+                  "time_limit": np.array([False, False, True]), "next_obs": obs[1:4]})
+    b = store.sample(3, n_step=5, gamma=0.5)  # rows 0..2; the time limit at row 2 cuts, but bootstraps
+    assert b.indices.tolist() == [0, 1, 2]
+    np.testing.assert_allclose(b["n_step_return"], [1.75, 1.5, 1.0])
+    np.testing.assert_allclose(b["n_step_discount"], [0.125, 0.25, 0.5])
+    terminating = ab.ExperienceStore(ab.load_schema(_time_limit_schema(truncation=[])), capacity=100,
+                                     sampler="lifo", seed=0)
+    terminating.extend({"obs": obs[:3], "reward": np.ones(3, np.float32), "terminated": np.zeros(3, bool),
+                        "time_limit": np.array([False, False, True]), "next_obs": obs[1:4]})
+    np.testing.assert_allclose(terminating.sample(3, n_step=5, gamma=0.5)["n_step_discount"], [0, 0, 0])

@@ -32,13 +32,9 @@ CAPACITY = 4096
 
 #: Known gaps, (test, implementation) -> reason; strict xfails, so a fix shows up as XPASS and must drop its line.
 _CORE_IDS = "ExperienceStore.extend returns the first seq, not the rows' ids (lead's decision): owner `core`"
-_SHARDED_IDS = "ShardedStore.extend/append return None, not the rows' ids: owner `layout` (arrowbuf/ray)"
 GAPS: dict[tuple[str, str], str] = {
     **{("test_extend_returns_the_new_rows_ids", k): _CORE_IDS for k in LOCAL},
     **{("test_extend_of_nothing_returns_no_ids", k): _CORE_IDS for k in LOCAL},
-    ("test_extend_returns_the_new_rows_ids", "sharded"): _SHARDED_IDS,
-    ("test_extend_of_nothing_returns_no_ids", "sharded"): _SHARDED_IDS,
-    ("test_append_returns_an_int_id", "sharded"): _SHARDED_IDS,
 }
 
 
@@ -71,8 +67,9 @@ def ray_sharded() -> Iterator[Any]:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20, logging_level="ERROR",
-                 log_to_driver=False)
+        # address="local": a cluster of our own, never one another process on this machine started
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 << 20,
+                 logging_level="ERROR", log_to_driver=False)
     sharded = None
     try:
         sharded = ShardedStore.create(SMALL, 2, CAPACITY, sampler=ab.samplers.Prioritized(alpha=0.6, beta=0.4),
@@ -125,16 +122,19 @@ def _batch(n_steps: int, seed: int) -> dict[str, np.ndarray]:
     return batch
 
 
-def _mine(table: pa.Table, ids: np.ndarray, surface: Any) -> np.ndarray:
-    """The ids of `table`'s rows, as `extend` returns them (a sharded table's seq is per shard)."""
+def _seqs_of(kind: str, ids: np.ndarray, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(the seqs `ids` name, the `seq` column of the rows of their shard): a local id is its row's seq; a sharded id
+    encodes (shard, generation, seq), and a sharded table's `seq` is per shard (with a `shard` column)."""
     seq = table.column("seq").to_numpy()
-    if "shard" in table.column_names:
-        from arrowbuf.ray import decode_ids
+    if kind not in ("sharded", "shard-adapter"):
+        return ids, seq
+    from arrowbuf.ray import decode_ids
 
-        shard, gen, _ = decode_ids(ids)
-        on = table.column("shard").to_numpy() == shard[0]
-        return seq[on]
-    return seq
+    shard, _, local = decode_ids(ids)
+    assert len(set(shard.tolist())) == 1  # one batch lands on one shard
+    if "shard" in table.column_names:
+        seq = seq[table.column("shard").to_numpy() == shard[0]]
+    return local, seq
 
 
 # ---------------------------------------------------------------------------------------------------- the contract
@@ -143,25 +143,15 @@ def test_implements_the_protocol(surface):
     assert isinstance(surface.schema, ab.ExperienceSchema)
 
 
-def test_extend_returns_the_new_rows_ids(surface):
+def test_extend_returns_the_new_rows_ids(surface, request):
     before = len(surface)
     ids = surface.extend(_batch(40, seed=1))
     assert isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.shape == (40,)
     assert len(np.unique(ids)) == 40
     assert len(surface) == before + 40
     assert surface.update_priorities(ids, np.full(40, 2.0)) == 40  # every id names a stored row
-    table = surface.to_table(["seq"]) if not hasattr(surface, "num_shards") else surface.to_table()
-    seqs = _mine(table, ids, surface)
-    if hasattr(surface, "num_shards"):
-        from arrowbuf.ray import decode_ids
-
-        assert np.isin(decode_ids(ids)[2], seqs).all()
-    elif hasattr(surface, "shard"):
-        from arrowbuf.ray import decode_ids
-
-        assert np.array_equal(decode_ids(ids)[2], seqs[-40:])
-    else:
-        assert np.array_equal(ids, seqs[-40:])  # locally an id is the row's seq, in row order
+    named, seqs = _seqs_of(request.node.callspec.params["surface"], ids, surface.to_table(["seq"]))
+    np.testing.assert_array_equal(named, seqs[-40:])  # the batch's rows, in row order, newest in its shard
 
 
 def test_extend_of_nothing_returns_no_ids(surface):

@@ -43,6 +43,7 @@ import pyarrow.flight as flight
 
 from ..batch import SampleBatch
 from ..errors import DeadlineExceeded, InvalidArgument, SchemaError, StoreClosed, Unavailable
+from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
 
@@ -173,7 +174,11 @@ class RemoteStore:
             try:
                 with _translate(seconds=seconds):
                     return fn(client, options)
-            except _Unreachable as exc:
+            except Exception as exc:
+                if self._closing.is_set():  # close() from another thread closed the connection under this call
+                    raise StoreClosed(f"the client for {self.location} was closed during the call") from None
+                if not isinstance(exc, _Unreachable):
+                    raise
                 self._drop(client)
                 now = time.monotonic()
                 if now >= give_up:
@@ -302,7 +307,7 @@ class RemoteStore:
     def update_priorities(self, indices: Any, priorities: Any, *,
                           rpc_timeout: float | None | object = _DEFAULT) -> int:
         """Set priorities of sampled items; returns how many ids were still live."""
-        idx, pri = _priorities(indices, priorities)
+        idx, pri = validate_priorities(indices, priorities)
         return int(self._action("update_priorities", rpc_timeout, indices=idx, priorities=pri)["applied"])
 
     # ------------------------------------------------------------------ inspection
@@ -488,6 +493,12 @@ class RemoteWriter:
         self._closed = True
         self._finish()
 
+    def abort(self) -> None:
+        """Drop the stream now, without waiting for acknowledgements (batches not acknowledged may or may not be
+        stored, each entirely or not at all); the writer is closed. Idempotent. (layout: for ShardWriter re-routes)"""
+        self._closed = True
+        self._abort()
+
     def __enter__(self) -> "RemoteWriter":
         return self
 
@@ -573,7 +584,7 @@ class LearnerSession:
 
     def update_priorities(self, indices: Any, priorities: Any) -> None:
         """Send priorities up (asynchronously; an error comes back from a later `next()`)."""
-        idx, pri = _priorities(indices, priorities)
+        idx, pri = validate_priorities(indices, priorities)
         with _translate(unreachable=Unavailable):
             self._writer.write_metadata(pa.py_buffer(P.encode_priorities(idx, pri)))
 
@@ -643,16 +654,6 @@ def _ack_ids(ack: dict[str, int], rows: int) -> np.ndarray:
         raise SchemaError(f"DoPut acknowledgement: {ack['rows']} rows committed for a batch of {rows}; "
                           "the server and this client disagree about the protocol")
     return np.arange(ack["first_seq"], ack["first_seq"] + rows, dtype=np.int64)
-
-
-def _priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
-    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-    pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
-    if len(idx) != len(pri):
-        raise InvalidArgument(f"{len(idx)} indices but {len(pri)} priorities; pass one priority per index")
-    if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
-        raise InvalidArgument("priorities must be finite and >= 0")
-    return idx, pri
 
 
 def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None) -> SampleBatch:

@@ -17,11 +17,11 @@ import pyarrow as pa
 
 from ..batch import SampleBatch
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, ShardsLost, StoreClosed
-from ..samplers import make_sampler
+from ..samplers import make_sampler, validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from ._common import _DaemonPool, _ray
 from .ids import MAX_SHARDS, shard_of
-from .shard import _INFO_COLUMNS, ShardActor, ShardDirectory, _priority_sampler
+from .shard import _INFO_COLUMNS, ShardActor, ShardDirectory, is_exponent
 from .writer import ShardWriter
 
 log = logging.getLogger("arrowbuf.ray")
@@ -76,9 +76,11 @@ class ShardedStore:
         self.max_restarts = int(state["max_restarts"])
         self._token = state["token"]
         sampler = make_sampler(state["sampler"])
-        prio = _priority_sampler(sampler)
-        self.prioritized = prio is not None
-        self.beta = prio.beta if prio is not None else 0.0
+        self.sampler = sampler  # every shard's sampler (its spec: each shard has its own instance)
+        self.tier: str = state["tier"]
+        beta = is_exponent(sampler)
+        self.prioritized = beta is not None  # batches carry IS weights, made global here
+        self.beta = beta or 0.0
         self._shards = [_Shard(k, a, info) for k, (a, info) in enumerate(zip(self.actors, state["infos"]))]
         self._lock = threading.RLock()
         self._pool: _DaemonPool | None = None
@@ -201,6 +203,16 @@ class ShardedStore:
                     self._pool = _DaemonPool(min(64, 2 * self.num_shards + 2), "arrowbuf-shards")
         return self._pool
 
+    # ------------------------------------------------------------------ what writers use
+    def shard_client(self, k: int) -> Any:
+        """Shard `k`'s Flight client (an `ab.connect` `RemoteStore`), or None while it is down. For a down shard this
+        looks (without waiting) whether it came back."""
+        return self._client(self._shards[k])
+
+    def report_down(self, k: int, exc: BaseException | None = None) -> None:
+        """Shard `k` failed a call (a writer saw it): it gets no share of batches until it answers again."""
+        self._mark_down(self._shards[k], exc)
+
     def _client(self, s: _Shard) -> Any:
         """The shard's Flight client, or None while it is down."""
         if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
@@ -273,9 +285,26 @@ class ShardedStore:
         end = time.monotonic() + timeout
         while True:
             up = len(self._live())
-            if up == self.num_shards or time.monotonic() >= end:
+            left = end - time.monotonic()
+            if up == self.num_shards or left <= 0 or not self.wait_for_revival(left):
                 return up
-            time.sleep(0.02)
+
+    def wait_for_revival(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until the actor of a down shard answers (it may be back: the next call that
+        needs it looks) or fails; False when no shard can come back (every down shard is lost for good)."""
+        probes = []
+        for s in self._shards:
+            if s.down and not s.lost:
+                if s.probe is None:
+                    self._poll_revival(s)  # asks the actor again (a restarting one answers once it is back)
+                if s.probe is not None:
+                    probes.append(s.probe)
+                elif not s.down:  # it answered at once: back already
+                    return True
+        if not probes:
+            return any(s.down and not s.lost for s in self._shards)
+        _ray().wait(probes, num_returns=1, timeout=max(0.0, timeout))
+        return True
 
     def refresh(self) -> None:
         """Ask every live shard for its mass and size now (sample does this by itself when it has no estimate)."""
@@ -417,8 +446,12 @@ class ShardedStore:
                            else "every shard is down (restarting: they come back empty)")
                 wait = "did not wait (timeout=None)" if not timeout else f"waited {timeout}s"
                 raise SampleTimeout(f"sharded sample: {why}; {wait}. Add data or pass timeout= to wait")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.05)
+            late = [f for f in (s.late for s in up) if f is not None]
+            if late_only and late:  # every live shard is busy with a late call: until one of those ends
+                cf.wait(late, timeout=left, return_when=cf.FIRST_COMPLETED)
+            else:  # shards report data (or a restart) only when asked: ask again, backing off
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.05)
 
     def _collect(self, futs: dict[cf.Future, _Shard], end: float | None) -> Iterator[tuple[_Shard, Any]]:
         """(shard, part or None) as each call finishes; calls still running at `end` become late."""
@@ -499,13 +532,13 @@ class ShardedStore:
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """Route priority updates to the shards that own the ids; ids of down shards or dead incarnations are
-        dropped (counted in `counters["updates_dropped"]`). Returns how many were applied."""
-        ids = np.asarray(indices, dtype=np.int64).reshape(-1)
-        pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
-        if len(ids) != len(pri):
-            raise InvalidArgument(f"{len(ids)} indices but {len(pri)} priorities; pass one priority per index")
-        if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
-            raise InvalidArgument("priorities must be finite and >= 0")
+        dropped (counted in `counters["updates_dropped"]`). Returns how many were applied.
+
+        Raises:
+            InvalidArgument: the counts differ or a priority is not finite and >= 0 (`samplers.validate_priorities`);
+                nothing is applied.
+        """
+        ids, pri = validate_priorities(indices, priorities)
         owner = shard_of(ids)
         futs = {}
         for k in np.unique(owner):
@@ -535,15 +568,16 @@ class ShardedStore:
         self._writers.add(w)
         return w
 
-    def extend(self, batch: Any) -> None:
-        """Write through this handle's default writer (see `writer`)."""
+    def extend(self, batch: Any) -> np.ndarray:
+        """Write through this handle's default writer (see `writer`); returns the rows' global ids
+        (`np.ndarray[int64]`, in row order) once the shard has committed them."""
         if self._default_writer is None:
             self._default_writer = self.writer()
-        self._default_writer.extend(batch)
-        self._default_writer.flush()
+        return self._default_writer.extend(batch)
 
-    def append(self, step: dict[str, Any]) -> None:
-        self.extend({k: np.asarray(v)[None] for k, v in step.items()})
+    def append(self, step: dict[str, Any]) -> int:
+        """Write one step through the default writer; returns its global id."""
+        return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()})[0])
 
     # ------------------------------------------------------------------ inspection
     def __len__(self) -> int:
@@ -640,14 +674,11 @@ def _resolve_tier(tier: str, schema: ExperienceSchema) -> str:
         raise InvalidArgument(f"tier must be 'auto', 'shm' or 'host', got {tier!r}")
     if tier == "host":
         return tier
-    try:
-        import arrowbuf.tiers.shm  # noqa: F401 - present once the shared-memory tier is in this arrowbuf
-        ok = not any(f.ragged for f in schema.fields.values()) and os.path.isdir(
-            arrowbuf.tiers.shm.shm_root())
-    except ImportError:
-        ok = False
+    from ..tiers.shm import shm_root
+
+    ok = not any(f.ragged for f in schema.fields.values()) and os.path.isdir(shm_root())
     if tier == "shm" and not ok:
-        raise ArrowbufError("tier='shm' needs the shared-memory tier, /dev/shm and a schema without ragged fields")
+        raise ArrowbufError("tier='shm' needs /dev/shm (or $ARROWBUF_SHM_DIR) and a schema without ragged fields")
     return "shm" if ok else "host"
 
 

@@ -12,8 +12,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..batch import SampleBatch
-from ..errors import InvalidArgument
-from ..samplers import PrioritizedSampler, Sampler, SequenceSampler, make_sampler
+from ..samplers import Sampler, make_sampler, validate_priorities
 from ..schema import load_schema
 from ._common import _ray
 from .ids import _GEN_MASK, GEN_BITS, decode_ids, encode_ids
@@ -22,11 +21,14 @@ from .ids import _GEN_MASK, GEN_BITS, decode_ids, encode_ids
 _INFO_COLUMNS = ("_mass", "_shard_mass", "_shard_min", "_shard_size")
 
 
-def _priority_sampler(sampler: Sampler) -> PrioritizedSampler | None:
-    if isinstance(sampler, PrioritizedSampler):
-        return sampler
-    if isinstance(sampler, SequenceSampler) and isinstance(sampler.priority, PrioritizedSampler):
-        return sampler.priority
+def is_exponent(sampler: Sampler) -> float | None:
+    """The importance-sampling exponent of a sampler whose batches carry IS weights: its `beta` (prioritized
+    sampling), or that of the sampler it draws start rows with (`priority` of a sequence sampler); None for samplers
+    without weights. The learner's handle needs it to make weights global over every shard."""
+    for s in (sampler, getattr(sampler, "priority", None)):
+        beta = getattr(s, "beta", None)
+        if isinstance(beta, (int, float)) and not isinstance(beta, bool):
+            return float(beta)
     return None
 
 
@@ -48,9 +50,10 @@ def shm_safe(sampler: Sampler) -> bool:
 class ShardStore:
     """A shard's store as its Flight server sees it: the local store with global ids and sampling-mass reports.
 
-    `sample(..., shard_info=True)` adds the columns `_mass` (each row's `p^alpha`, or 1), `_shard_mass`,
-    `_shard_min` and `_shard_size` (this shard's mass, smallest row mass and size, repeated per row) that the
-    learner's `ShardedStore` turns into global weights and strips. Everything else is the store's surface.
+    `sample(..., shard_info=True)` adds the columns `_mass` (each item's sampling mass, `Sampler.mass`: `p^alpha`
+    for prioritized sampling, 1 for uniform), `_shard_mass`, `_shard_min` and `_shard_size` (this shard's total and
+    smallest positive mass and its size, repeated per row) that the learner's `ShardedStore` turns into global
+    weights and strips. Everything else is the store's surface.
     """
 
     def __init__(self, store: Any, shard: int, generation: int) -> None:
@@ -61,14 +64,11 @@ class ShardStore:
         self.schema = store.schema
         self.capacity = store.capacity
         self.delay_s = 0.0  # artificial slowness (benchmarks, tests): added to every sample
-        self._prio = _priority_sampler(store.sampler)
 
     def mass(self) -> tuple[float, float, int]:
-        """(sampling mass, smallest row mass, size) now."""
-        size = len(self.store)
-        if self._prio is None:
-            return float(size), 1.0 if size else float("inf"), size
-        return float(self._prio.sum_tree.total()), float(self._prio.min_tree.min()), size
+        """(sampling mass, smallest positive item mass, size) now, from the store's sampler."""
+        sampler = self.store.sampler
+        return float(sampler.total_mass()), float(sampler.min_mass()), len(self.store)
 
     # --- contracts: the StoreSurface (arrowbuf/surface.py), explicitly rather than through __getattr__
     def extend(self, batch: Any, **kwargs: Any) -> np.ndarray:
@@ -89,21 +89,16 @@ class ShardStore:
         arrays = {c: b[c] for c in b.columns}
         total, vmin, size = self.mass()
         k = len(ids)
-        if self._prio is not None:
-            pos = np.asarray(b.indices, dtype=np.int64) % self.store.arena_rows
-            arrays["_mass"] = self._prio.sum_tree.get(pos).astype(np.float64)
-        else:
-            arrays["_mass"] = np.ones(k)
+        pos = np.asarray(b.indices, dtype=np.int64) % self.store.arena_rows  # an id's ring position
+        arrays["_mass"] = np.asarray(self.store.sampler.mass(pos), dtype=np.float64)
         arrays["_shard_mass"] = np.full(k, total)
         arrays["_shard_min"] = np.full(k, vmin)
         arrays["_shard_size"] = np.full(k, size, dtype=np.int64)
         return SampleBatch(arrays, ids, b.weights, b.info)
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
-        shard, gen, seq = decode_ids(indices)
-        pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
-        if len(pri) != len(seq):
-            raise InvalidArgument(f"{len(seq)} indices but {len(pri)} priorities; pass one priority per index")
+        ids, pri = validate_priorities(indices, priorities)
+        shard, gen, seq = decode_ids(ids)
         mine = (shard == self.shard) & (gen == self.generation)  # ids of a dead incarnation are not ours
         return int(self.store.update_priorities(seq[mine], pri[mine])) if mine.any() else 0
 

@@ -16,6 +16,7 @@ import pyarrow as pa
 from ..errors import ArrowbufError, InvalidArgument, SchemaError, ShardsLost, StoreClosed
 from ..tiers.shm.janitor import owner_dead
 from ._common import _ray
+from .ids import encode_ids
 from .shard import shm_safe
 
 if TYPE_CHECKING:
@@ -44,8 +45,9 @@ class ShardWriter:
     Usage::
 
         with sharded.writer() as w:
-            w.extend(batch)   # dict of arrays, RecordBatch or Table
-        w.rows                # rows acknowledged (Flight) or committed (shared memory)
+            ids = w.extend(batch)   # dict of arrays, RecordBatch or Table -> the rows' global ids, once committed
+            w.send(batch)           # or without waiting for the acknowledgement (pipelined over Flight)
+        w.rows                      # rows acknowledged (Flight) or committed (shared memory)
     """
 
     def __init__(self, sharded: ShardedStore, shard: int | None = None, *, transport: str = "auto",
@@ -65,6 +67,8 @@ class ShardWriter:
         self.via: str = ""
         self._target: Any = None        # RemoteWriter or attached ExperienceStore
         self._shm_dir: str | None = None  # the shard store's directory while writing through shared memory
+        self._generation = 0              # of the shard written to (global ids of shared-memory writes)
+        self._last_ids = np.empty(0, dtype=np.int64)  # global ids of the last batch committed
         self._unacked: list[pa.RecordBatch] = []
         self._acked = 0
         self._closed = False
@@ -90,27 +94,25 @@ class ShardWriter:
         """Open the transport to shard `k`, or to the next live shard after it; waits up to reroute_timeout."""
         end = time.monotonic() + self.reroute_timeout
         n = self.sharded.num_shards
-        pause = 0.01
         while True:
             for j in [k, *[(k + i) % n for i in range(1, n)]]:
                 if self._open(j):
                     if j != self.home:
                         self.reroutes += 1
                     return
-            if time.monotonic() >= end:
+            left = end - time.monotonic()
+            # until a down shard's actor answers again (or the time is up, or none can come back)
+            if left <= 0 or not self.sharded.wait_for_revival(left):
                 raise ShardsLost(f"writer: no shard of {self.sharded!r} accepted writes within {self.reroute_timeout}s")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.2)
 
     def _open(self, k: int) -> bool:
-        s = self.sharded._shards[k]
-        client = self.sharded._client(s)
+        client = self.sharded.shard_client(k)
         if client is None:
             return False
-        info = s.info
+        info = self.sharded.infos[k]
         assert info is not None  # the shard is up: it has an info
         use_shm = (self.transport != "flight" and info.get("shm") and info.get("node_id") == self._node_id()
-                   and shm_safe(self.sharded._state["sampler"]))
+                   and shm_safe(self.sharded.sampler))
         if self.transport == "shm" and not use_shm:
             raise ArrowbufError(f"shard {k} cannot take shared-memory writes from here (node, tier or sampler): "
                                 "use transport='auto' or 'flight'")
@@ -127,9 +129,10 @@ class ShardWriter:
                 self._shm_dir = None
                 self.via = "flight"
         except (StoreClosed, ArrowbufError, OSError, pa.ArrowException) as exc:
-            self.sharded._mark_down(s, exc)
+            self.sharded.report_down(k, exc)
             return False
         self.shard = k
+        self._generation = int(info["generation"])
         return True
 
     def _drop_target(self) -> None:
@@ -140,11 +143,11 @@ class ShardWriter:
             if self.via == "shm":
                 target.close()
             else:
-                target._abort()
+                target.abort()
 
     def _reroute(self, exc: BaseException) -> None:
         log.info("writer: shard %d failed (%s); re-routing", self.shard, exc)
-        self.sharded._mark_down(self.sharded._shards[self.shard], exc)
+        self.sharded.report_down(self.shard, exc)
         self._drop_target()
         self._connect((self.shard + 1) % self.sharded.num_shards)
         pending, self._unacked, self._acked = self._unacked, [], 0
@@ -155,9 +158,7 @@ class ShardWriter:
         """While away from home: if the home shard is back (a non-blocking look), flush here and move home."""
         if self.shard == self.home:
             return
-        s = self.sharded._shards[self.home]
-        self.sharded._poll_revival(s)
-        if not s.down:
+        if self.sharded.shard_client(self.home) is not None:  # up again (a look, no wait)
             self.flush()
             self._drop_target()
             if not self._open(self.home):
@@ -176,28 +177,51 @@ class ShardWriter:
             return batch.append_column("actor", pa.array(np.full(batch.num_rows, self.actor_id, dtype=np.int64)))
         raise SchemaError(f"expected a dict of arrays, a pa.RecordBatch or a pa.Table; got {type(batch).__name__}")
 
-    def extend(self, batch: Any) -> None:
-        """Write a batch (dict of arrays, RecordBatch or Table); validated here, so bad input raises `SchemaError`
-        before anything is sent."""
+    def extend(self, batch: Any) -> np.ndarray:
+        """Write a batch (dict of arrays, RecordBatch or Table) and return its rows' global ids once the shard has
+        committed it (over Flight this waits for the batch's acknowledgement; `send` does not wait).
+
+        The batch is validated here, so bad input raises `SchemaError` before anything is sent.
+
+        Returns:
+            The rows' global ids (`np.ndarray[int64]`, in row order): `batch.indices` of later samples use them and
+            `update_priorities` takes them. A batch re-sent to another shard after a failure has that shard's ids.
+        """
+        rb = self._prepare(batch)
+        if rb.num_rows == 0:
+            return np.empty(0, dtype=np.int64)
+        self._send(rb)
+        self.flush()  # over Flight: this batch is the last acknowledged one (shared memory: committed already)
+        return self._last_ids
+
+    def send(self, batch: Any) -> None:
+        """Write a batch without waiting for it: over Flight at most `max_in_flight` batches are unacknowledged
+        (`flush` waits for them); through shared memory it is committed before `send` returns. Validated here."""
+        rb = self._prepare(batch)
+        if rb.num_rows:
+            self._send(rb)
+
+    def append(self, step: dict[str, Any]) -> int:
+        """Write one step (a dict of scalars and arrays); returns its global id."""
+        return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()})[0])
+
+    def _prepare(self, batch: Any) -> pa.RecordBatch:
         if self._closed:
             raise StoreClosed("this writer is closed")
         self._maybe_go_home()
         from ..flight.client import _record_batch
 
         cols, _ = self.sharded.schema.validate_batch(self._with_actor(batch))
-        self._send(_record_batch(self.sharded.schema, cols))
-
-    def append(self, step: dict[str, Any]) -> None:
-        """Write one step (a dict of scalars and arrays)."""
-        self.extend({k: np.asarray(v)[None] for k, v in step.items()})
+        return _record_batch(self.sharded.schema, cols)
 
     def _send(self, rb: pa.RecordBatch) -> None:
         while True:
             try:
                 if self.via == "shm":
-                    self._target.extend(rb)
+                    local = self._target.extend(rb)
                     if self._shm_dir is not None and owner_dead(self._shm_dir):  # a dead shard's memory: send again
                         raise StoreClosed(f"shard {self.shard} died")
+                    self._last_ids = encode_ids(self.shard, self._generation, _row_ids(local, rb.num_rows))
                     self.rows += rb.num_rows
                 else:
                     self._unacked.append(rb)
@@ -220,6 +244,8 @@ class ShardWriter:
         newly = acked - self._acked
         if newly > 0:
             self.rows += sum(rb.num_rows for rb in self._unacked[:newly])
+            last = self._unacked[newly - 1].num_rows
+            self._last_ids = self._target.first_seqs[-1] + np.arange(last, dtype=np.int64)  # a batch's ids are a range
             del self._unacked[:newly]
             self._acked = acked
 
@@ -262,3 +288,10 @@ class ShardWriter:
 
     def __repr__(self) -> str:
         return f"ShardWriter(home={self.home}, shard={self.shard}, via={self.via!r}, rows={self.rows})"
+
+
+def _row_ids(local: Any, n: int) -> np.ndarray:
+    """A local store's ids of the `n` rows `extend` committed: its array of ids, or (stores that return the first
+    seq) the range from it."""
+    ids = np.asarray(local, dtype=np.int64)
+    return ids.reshape(-1) if ids.ndim else int(ids) + np.arange(n, dtype=np.int64)

@@ -1,0 +1,339 @@
+"""`store.checkpoint(path)`: a consistent, incremental, atomic checkpoint that does not stop the world.
+
+Steps (docs/format.md has the layout):
+
+1. `capture` (short; under the store's locks): the live range, index, sampler, episode and RNG state, the tail.
+2. Row files, oldest chunk first, without any lock: a sealed chunk already written to this directory (by this
+   store, or read back by `restore`) is reused as is; others are read, serialised to Arrow IPC, checked intact (a
+   seqlock over the rows' seqs) and written once under a name made of their first seq, row count and CRC-32.
+3. State files (`_state/<generation>-<mechanism>.*`), then the manifest: `_manifests/<generation>.json`, then
+   `_manifest.json` replaced with write-temp + fsync + rename + fsync of the directory. That rename is the commit:
+   a process killed at any instant before it leaves the previous checkpoint as it was, restorable.
+4. Retention: manifests beyond `keep` go, and files no kept manifest references are deleted; row files only older
+   kept checkpoints reference move to `_retained/`, so the top-level `*.arrow` files are the latest rows.
+
+If the ring overwrites rows faster than step 2 copies them: a chunk whose rows were overwritten while it was read
+is dropped, and so is everything older than it, so the checkpoint holds the contiguous range from the oldest chunk
+that was still intact to the snapshot point (`hi`), exactly as committed; `dropped_rows` in the manifest counts what
+went. Reused chunk files are exact copies, so they are never dropped. Sampler, limiter and episode state are those
+of the snapshot point, restricted to the kept rows.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import ArrowbufError, InvalidArgument
+from . import manifest as mf
+from .parts import StoreParts, to_spec
+from .snapshot import Snapshot, capture, read_chunk, still_intact
+
+#: Per store (keyed by its ring index) and checkpoint directory: the row files of sealed chunks known to hold its
+#: rows exactly, {(first_seq, rows): manifest entry}. Written by checkpoints and by restore.
+_WRITTEN: "weakref.WeakKeyDictionary[Any, dict[str, dict[tuple[int, int], dict[str, Any]]]]" = \
+    weakref.WeakKeyDictionary()
+_KILL_ENV = "ARROWBUF_PERSIST_KILL_AT"
+
+
+def _kill_point(name: str) -> None:
+    """Crash tests: SIGKILL this process at the named point when ARROWBUF_PERSIST_KILL_AT names it."""
+    if os.environ.get(_KILL_ENV) == name:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def known_files(parts: StoreParts, root: str) -> dict[tuple[int, int], dict[str, Any]]:
+    return _WRITTEN.setdefault(parts.index, {}).setdefault(os.path.realpath(root), {})
+
+
+class CheckpointHandle:
+    """A checkpoint running in the background (`store.checkpoint(path, background=True)`).
+
+    Usage::
+
+        h = store.checkpoint("ckpt/", background=True)   # the snapshot point is the call
+        ... keep sampling and inserting ...
+        info = h.wait()                                  # the manifest summary; raises what the checkpoint raised
+        h.progress                                       # fraction of the row bytes done, 0.0 .. 1.0
+    """
+
+    def __init__(self, job: "_Job") -> None:
+        self._job = job
+        self._thread = threading.Thread(target=job.run, name="arrowbuf-checkpoint", daemon=True)
+        self._thread.start()
+
+    @property
+    def progress(self) -> float:
+        return self._job.progress
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the checkpoint; returns its summary (generation, rows, files and bytes written/reused).
+
+        Raises:
+            TimeoutError: still running after `timeout` seconds.
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"checkpoint still running after {timeout}s ({self.progress:.0%} done)")
+        if self._job.error is not None:
+            raise self._job.error
+        assert self._job.result is not None
+        return self._job.result
+
+
+def checkpoint(store: Any, path: str | os.PathLike, keep: int | None = None, background: bool = False,
+               compression: str | None = None) -> Any:
+    """Write a checkpoint of `store` into directory `path` (see the module docstring and `ExperienceStore.checkpoint`).
+    """
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise InvalidArgument(f"keep must be a positive number of checkpoints or None (keep all), got {keep!r}")
+    if compression not in (None, "zstd", "lz4"):
+        raise InvalidArgument(f"compression must be None (memory-mappable), 'zstd' or 'lz4', got {compression!r}")
+    root = os.fspath(path)
+    os.makedirs(root, exist_ok=True)
+    for sub in (mf.MANIFESTS, mf.STATE, mf.RETAINED):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+    parts: StoreParts = store._persist_parts()
+    lock_fd = os.open(os.path.join(root, mf.LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one checkpoint writer per directory, across processes
+        job = _Job(parts, capture(parts), root, keep, compression, lock_fd)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+    if background:
+        return CheckpointHandle(job)
+    job.run()
+    if job.error is not None:
+        raise job.error
+    return job.result
+
+
+class _Job:
+    def __init__(self, parts: StoreParts, snap: Snapshot, root: str, keep: int | None, compression: str | None,
+                 lock_fd: int) -> None:
+        self.parts, self.snap, self.root, self.keep, self.compression = parts, snap, root, keep, compression
+        self.lock_fd = lock_fd
+        self.schema = parts.schema.to_arrow()
+        self.progress = 0.0
+        self.error: BaseException | None = None
+        self.result: dict[str, Any] | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._run()
+        except BaseException as exc:  # handed to wait()
+            self.error = exc
+        finally:
+            os.close(self.lock_fd)
+
+    def _ipc(self, batch: pa.RecordBatch | pa.Table, schema: pa.Schema | None = None) -> pa.Buffer:
+        sink = pa.BufferOutputStream()
+        opts = pa.ipc.IpcWriteOptions(compression=self.compression)
+        with pa.ipc.new_file(sink, schema or batch.schema, options=opts) as w:
+            if isinstance(batch, pa.Table):
+                w.write_table(batch)
+            else:
+                w.write_batch(batch)
+        return sink.getvalue()
+
+    def _write(self, name: str, data: Any, sub: str = "") -> dict[str, Any]:
+        mf.write_file(os.path.join(self.root, sub, name), data)
+        return {"name": name, "bytes": len(memoryview(data).cast("B")), "crc32": f"{mf.crc32(data):08x}"}
+
+    def _run(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        snap, parts, root = self.snap, self.parts, self.root
+        prev_gen = self._previous_generation()
+        gen = prev_gen + 1
+        known = known_files(parts, root)
+        cr = parts.chunk_rows
+        entries: list[dict[str, Any]] = []
+        written = reused = written_bytes = 0
+        kept_lo = snap.lo
+        total = max(1, sum(c[2] - c[1] for c in snap.chunks))
+        done_rows = 0
+        for i, chunk in enumerate(snap.chunks):
+            _, p0, p1, first = chunk
+            n = p1 - p0
+            full = snap.sealed[i] and n == cr
+            entry = known.get((first, n)) if full else None
+            if entry is not None and self._restore_file(entry):
+                e = dict(entry)
+                reused += 1
+            else:
+                batch = read_chunk(parts, snap, i, self.schema)
+                data = self._ipc(batch)
+                del batch
+                if snap.sealed[i] and not (i == len(snap.chunks) - 1 and not snap.sealed[i]) \
+                        and not still_intact(parts, snap, i):
+                    entries = []  # overwritten while read: it and everything older leave the snapshot
+                    kept_lo = first + n
+                    done_rows += n
+                    continue
+                crc = mf.crc32(data)
+                name = mf.row_file_name(first, n, crc)
+                if os.path.exists(os.path.join(root, name)) and os.path.getsize(os.path.join(root, name)) == len(data):
+                    e = {"name": name, "bytes": len(data), "crc32": f"{crc:08x}"}  # same content, already there
+                    reused += 1
+                else:
+                    e = self._write(name, data)
+                    written += 1
+                    written_bytes += e["bytes"]
+                if full and self.compression is None:
+                    known[(first, n)] = {**e, "kind": "chunk", "first_seq": first, "rows": n}
+                _kill_point("after_chunk")
+            e.update(kind="chunk" if full else "tail" if i == len(snap.chunks) - 1 else "partial", first_seq=first,
+                     rows=n)
+            entries.append(e)
+            done_rows += n
+            self.progress = 0.95 * done_rows / total
+        state_entries, dropped_valid = self._write_state(gen, kept_lo)
+        _kill_point("before_manifest")
+        m = {
+            "format": mf.FORMAT, "version": mf.FORMAT_VERSION, "generation": gen, "created": time.time(),
+            "store": {**parts.config, "schema": parts.schema.to_dict(), "tier": parts.tier_name,
+                      "arena_rows": parts.arena_rows, "sampler": to_spec(parts.sampler),
+                      "rate_limiter": to_spec(parts.rate_limiter)},
+            "rows": {"first_seq": kept_lo, "next_seq": snap.hi, "count": snap.hi - kept_lo,
+                     "snapshot_first_seq": snap.lo, "dropped_rows": kept_lo - snap.lo},
+            "compression": self.compression,
+            "arrow_schema": self.schema.to_string(show_schema_metadata=False),
+            "files": entries + state_entries,
+        }
+        mpath = os.path.join(root, mf.MANIFESTS, f"{gen:08d}.json")
+        mf.write_json_atomic(mpath, m)
+        mf.fsync_dir(root)
+        _kill_point("before_commit")
+        # the commit: write-temp + fsync + rename + fsync dir
+        tmp = os.path.join(root, f".{mf.MANIFEST}.tmp-{os.getpid()}")
+        mf.write_file(tmp, json.dumps(m, indent=1).encode())
+        _kill_point("manifest_tmp")
+        os.replace(tmp, os.path.join(root, mf.MANIFEST))
+        mf.fsync_dir(root)
+        _kill_point("after_commit")
+        self._collect(m)
+        self.progress = 1.0
+        row_bytes = sum(e["bytes"] for e in entries)
+        return {"path": root, "generation": gen, "rows": snap.hi - kept_lo, "first_seq": kept_lo,
+                "next_seq": snap.hi, "dropped_rows": kept_lo - snap.lo, "files_written": written,
+                "files_reused": reused, "bytes_written": written_bytes, "row_bytes": row_bytes,
+                "seconds": time.perf_counter() - t0}
+
+    def _restore_file(self, entry: dict[str, Any]) -> bool:
+        """A known row file is usable when it is still there (moved back to the top level from `_retained/`)."""
+        top = os.path.join(self.root, entry["name"])
+        if os.path.exists(top):
+            return os.path.getsize(top) == entry["bytes"]
+        old = os.path.join(self.root, mf.RETAINED, entry["name"])
+        if os.path.exists(old) and os.path.getsize(old) == entry["bytes"]:
+            os.replace(old, top)
+            return True
+        return False
+
+    def _previous_generation(self) -> int:
+        gens = [int(n[:8]) for n in mf.kept_manifests(self.root)]
+        try:
+            gens.append(int(mf.read_manifest(self.root)["generation"]))
+        except (FileNotFoundError, ArrowbufError, ValueError, TypeError):
+            pass
+        return max(gens, default=0)
+
+    def _write_state(self, gen: int, kept_lo: int) -> tuple[list[dict[str, Any]], int]:
+        """The per-mechanism state files of generation `gen`, restricted to the kept rows [kept_lo, hi)."""
+        snap, parts = self.snap, self.parts
+        k = kept_lo - snap.lo
+        dropped_valid = int(snap.index["valid"][:k].sum())
+        out = []
+        index = {name: a[k:] for name, a in snap.index.items()}
+        out.append(self._state_arrow(gen, "index", index, {}))
+        sampler_arrays = {name: a[k:] for name, a in snap.sampler_arrays.items()}
+        out.append(self._state_arrow(gen, "sampler", sampler_arrays,
+                                     {"meta": snap.sampler_meta, "dropped_valid": dropped_valid}))
+        fin = snap.final
+        keep = fin["owner"] >= kept_lo
+        final_cols = {"slot": fin["slot"][keep], "owner": fin["owner"][keep]}
+        for src, rows in fin["data"].items():
+            final_cols[src] = rows[keep]
+        out.append(self._state_arrow(gen, "final", final_cols, {}, shapes=True))
+        h = snap.header
+        from ..index import HEADER
+
+        header = {name: int(h[i]) for name, i in HEADER.items()}
+        header.update(lo=kept_lo)
+        limiter = {"spec": to_spec(parts.rate_limiter), "inserts": header["inserts"], "samples": header["samples"]}
+        for mech, obj in (("episodes", snap.episodes), ("rng", snap.rng), ("limiter", limiter),
+                          ("header", header)):
+            data = json.dumps(obj, sort_keys=True).encode()
+            e = self._write(f"{gen:08d}-{mech}.json", data, mf.STATE)
+            e["kind"] = f"state:{mech}"
+            out.append(e)
+        return out, dropped_valid
+
+    def _state_arrow(self, gen: int, mech: str, cols: dict[str, np.ndarray], meta: dict[str, Any],
+                     shapes: bool = False) -> dict[str, Any]:
+        arrays, names = [], []
+        for name, a in cols.items():
+            a = np.asarray(a)
+            arrays.append(pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(a)) if a.ndim > 1
+                          else pa.array(a))
+            names.append(name)
+        table = pa.table(arrays, names=names) if arrays else pa.table({})
+        table = table.replace_schema_metadata({"arrowbuf": json.dumps(meta)})
+        e = self._write(f"{gen:08d}-{mech}.arrow", self._ipc(table), mf.STATE)
+        e["kind"] = f"state:{mech}"
+        return e
+
+    def _collect(self, latest: dict[str, Any]) -> None:
+        """Retention: drop manifests beyond `keep` and every file no kept manifest references."""
+        root = self.root
+        names = mf.kept_manifests(root)
+        if self.keep is not None:
+            for n in names[:-self.keep]:
+                os.unlink(os.path.join(root, mf.MANIFESTS, n))
+            names = names[-self.keep:]
+        referenced = {e["name"] for e in latest["files"]}
+        for n in names:
+            try:
+                referenced |= {e["name"] for e in mf.read_manifest(root, n)["files"]}
+            except (ArrowbufError, FileNotFoundError):
+                continue
+        latest_names = {e["name"] for e in latest["files"]}
+        for n in os.listdir(root):
+            p = os.path.join(root, n)
+            if mf.ROW_FILE.match(n) and n not in latest_names:
+                if n in referenced:
+                    os.replace(p, os.path.join(root, mf.RETAINED, n))
+                else:
+                    os.unlink(p)
+            elif n.startswith(".") and ".tmp-" in n:
+                os.unlink(p)  # a temp file of a killed checkpoint (we hold the directory's lock)
+        for sub in (mf.RETAINED, mf.STATE, mf.MANIFESTS):
+            d = os.path.join(root, sub)
+            for n in os.listdir(d):
+                if sub == mf.MANIFESTS:
+                    if n.startswith(".") and ".tmp-" in n:
+                        os.unlink(os.path.join(d, n))
+                    continue
+                if n not in referenced:
+                    p = os.path.join(d, n)
+                    if os.path.isdir(p):
+                        shutil.rmtree(p)
+                    else:
+                        os.unlink(p)
+        mf.fsync_dir(root)

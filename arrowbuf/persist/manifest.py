@@ -1,0 +1,168 @@
+"""The checkpoint layout on disk, its manifest, and file integrity (see docs/format.md).
+
+A checkpoint directory::
+
+    ckpt/
+      00000000000000000000-4096-1a2b3c4d.arrow   rows: one Arrow IPC file per sealed chunk (first seq, rows, crc32)
+      00000000000000004096-1200-5e6f7a8b.arrow   ... and the open tail (a partial chunk, its own file)
+      _manifest.json                             the latest checkpoint (replaced atomically: the commit point)
+      _manifests/00000007.json                   every kept checkpoint's manifest (retention: keep=k)
+      _state/00000007-index.arrow, ...           per-mechanism state of each kept checkpoint
+      _retained/...                              row files only older kept checkpoints still reference
+      _lock                                      one checkpoint writer at a time (flock)
+
+Names starting with `_` or `.` are skipped by `pyarrow.dataset`, so after a checkpoint completes the top-level
+`*.arrow` files are exactly the latest checkpoint's rows: `pyarrow.dataset.dataset(ckpt, format="ipc")` reads them.
+
+Checksums are CRC-32 (zlib): in the standard library, a few GB/s, and enough to catch truncation and corruption
+(not tampering: a checkpoint is trusted data of its owner, like a model checkpoint). Sizes are checked first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from typing import Any
+
+from ..errors import StoreCorrupt
+
+FORMAT = "arrowbuf-checkpoint"
+#: Version of the layout; bumped on any incompatible change (docs/format.md lists them).
+FORMAT_VERSION = 1
+MANIFEST = "_manifest.json"
+MANIFESTS = "_manifests"
+STATE = "_state"
+RETAINED = "_retained"
+LOCK = "_lock"
+MAX_MANIFEST_BYTES = 64 << 20
+ROW_FILE = re.compile(r"^(\d{20})-(\d+)-([0-9a-f]{8})\.arrow$")
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    return zlib.crc32(memoryview(data).cast("B"), value) & 0xFFFFFFFF
+
+
+def row_file_name(first_seq: int, rows: int, crc: int) -> str:
+    return f"{first_seq:020d}-{rows}-{crc:08x}.arrow"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str, data: Any, *, sync: bool = True) -> None:
+    """Write `data` to `path` through a temp file and a rename (never a half-written `path`)."""
+    d, base = os.path.split(path)
+    tmp = os.path.join(d, f".{base}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write JSON to `path` with write-temp + fsync + rename + fsync of the directory."""
+    write_file(path, json.dumps(obj, indent=1).encode())
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def locate(root: str, name: str) -> str:
+    """Where a file a manifest lists lives now: the top level, `_retained/` or `_state/`."""
+    for sub in ("", RETAINED, STATE):
+        p = os.path.join(root, sub, name)
+        if os.path.exists(p):
+            return p
+    return os.path.join(root, name)
+
+
+def read_verified(root: str, entry: dict[str, Any]) -> bytes:
+    """The bytes of the file a manifest entry names, after checking its size and CRC-32.
+
+    Raises:
+        StoreCorrupt: the file is missing, truncated, or its checksum differs; the message names it.
+    """
+    path = locate(root, entry["name"])
+    try:
+        with open(path, "rb") as f:
+            data = f.read(int(entry["bytes"]) + 1)
+    except FileNotFoundError:
+        raise StoreCorrupt(f"checkpoint {root}: file {entry['name']} is missing; the checkpoint cannot be restored "
+                           "(restore an older one, or `arrowbuf checkpoint verify` to list what is damaged)") from None
+    if len(data) != int(entry["bytes"]):
+        raise StoreCorrupt(f"checkpoint {root}: file {path} has {len(data)} bytes, the manifest says "
+                           f"{entry['bytes']} (truncated or replaced); the checkpoint cannot be restored")
+    got = crc32(data)
+    if got != int(entry["crc32"], 16):
+        raise StoreCorrupt(f"checkpoint {root}: file {path} is corrupt (crc32 {got:08x}, the manifest says "
+                           f"{entry['crc32']}); the checkpoint cannot be restored")
+    return data
+
+
+def read_manifest(root: str, name: str | None = None) -> dict[str, Any]:
+    """The latest manifest of checkpoint directory `root` (or the kept manifest file `name` of `_manifests/`).
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        StoreCorrupt: the manifest is malformed or of an unknown format version; the message names it.
+    """
+    path = os.path.join(root, MANIFEST) if name is None else os.path.join(root, MANIFESTS, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {root}: {path} does not exist")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    try:
+        m = json.loads(raw)
+    except ValueError:
+        raise StoreCorrupt(f"checkpoint manifest {path} is not valid JSON (truncated or corrupt)") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise StoreCorrupt(f"{path} is not an arrowbuf checkpoint manifest")
+    if m.get("version") != FORMAT_VERSION:
+        raise StoreCorrupt(f"{path}: checkpoint format version {m.get('version')!r}; this arrowbuf reads version "
+                           f"{FORMAT_VERSION} (docs/format.md)")
+    for key in ("generation", "store", "rows", "files"):
+        if key not in m:
+            raise StoreCorrupt(f"{path}: the manifest has no {key!r}")
+    files = m["files"]
+    if not isinstance(files, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) and "/" not in e["name"]
+            and not e["name"].startswith("..") and isinstance(e.get("bytes"), int)
+            and isinstance(e.get("crc32"), str) for e in files):
+        raise StoreCorrupt(f"{path}: malformed file list")
+    m["_path"] = path
+    return m
+
+
+def kept_manifests(root: str) -> list[str]:
+    """Names of the kept manifests in `_manifests/`, oldest first."""
+    d = os.path.join(root, MANIFESTS)
+    if not os.path.isdir(d):
+        return []
+    return sorted(n for n in os.listdir(d) if re.fullmatch(r"\d{8}\.json", n))
+
+
+def verify(root: str, manifest: dict[str, Any] | None = None) -> list[str]:
+    """Check every file of a checkpoint (sizes, checksums); returns the problems found (empty: intact)."""
+    problems = []
+    try:
+        m = manifest or read_manifest(root)
+    except (FileNotFoundError, StoreCorrupt) as exc:
+        return [str(exc)]
+    for e in m["files"]:
+        try:
+            read_verified(root, e)
+        except StoreCorrupt as exc:
+            problems.append(str(exc))
+    return problems

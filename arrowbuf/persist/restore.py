@@ -1,0 +1,161 @@
+"""`ExperienceStore.restore(path)`: a store that behaves as the checkpointed one would have.
+
+The store is rebuilt with the checkpoint's geometry (capacity, chunk rows, final-observation slots), so every row
+returns to its ring position under its seq: ids sampled before the checkpoint still name their rows, and with the
+recorded RNG state (the default) the restored store draws the same batches the original would have drawn next.
+Every file is checked against the manifest (size, CRC-32) before it is used; rows are read one chunk file at a
+time (the peak memory is the store plus one chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import SchemaError, StoreCorrupt
+from ..schema import load_schema
+from . import manifest as mf
+from .checkpoint import known_files
+from .parts import StoreParts, from_spec
+from .snapshot import numpy_column, restore_episode_state, restore_sampler_state
+
+
+def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
+    """A sentence naming the fields two Arrow schemas disagree on ('' when they agree)."""
+    exp = {f.name: f.type for f in expected}
+    have = {f.name: f.type for f in got}
+    missing = [n for n in exp if n not in have]
+    extra = [n for n in have if n not in exp]
+    changed = [f"{n} ({have[n]} instead of {exp[n]})" for n in exp if n in have and not have[n].equals(exp[n])]
+    parts = []
+    if missing:
+        parts.append(f"missing {missing}")
+    if extra:
+        parts.append(f"unexpected {extra}")
+    if changed:
+        parts.append(f"different types: {', '.join(changed)}")
+    return "; ".join(parts)
+
+
+def restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any] | None = None,
+            seed: int | None = None, name: str | None = None, schema: Any = None, cls: Any = None) -> Any:
+    """Rebuild the store checkpointed at `path` (see `ExperienceStore.restore`)."""
+    root = os.fspath(path)
+    m = mf.read_manifest(root)
+    where = m["_path"]
+    st = m["store"]
+    saved = load_schema(st["schema"])
+    if schema is not None:
+        want = load_schema(schema)
+        diff = schema_difference(want.to_arrow(), saved.to_arrow())
+        if diff:
+            raise SchemaError(f"checkpoint {root} holds schema {saved.name!r} whose fields differ from the schema "
+                              f"asked for ({want.name!r}): {diff}; restore without schema= or convert the data")
+    if cls is None:
+        from ..store import ExperienceStore as cls  # noqa: N813
+    kwargs: dict[str, Any] = dict(chunk_rows=st["chunk_rows"], final_obs_capacity=st.get("final_obs_capacity"),
+                                  max_times_sampled=st.get("max_times_sampled"), name=name or st.get("name"))
+    if tiers is not None:
+        kwargs["tiers"] = tiers
+    else:
+        kwargs["tier"] = tier
+    store = cls(saved, st["capacity"], from_spec(st.get("sampler"), where), from_spec(st.get("rate_limiter"), where),
+                seed, **kwargs)
+    try:
+        parts = store._persist_parts()
+        if parts.arena_rows != st["arena_rows"]:
+            raise StoreCorrupt(f"{where}: arena_rows {st['arena_rows']} but the rebuilt store has "
+                               f"{parts.arena_rows}; the manifest is inconsistent")
+        load_into(parts, root, m, restore_rng=seed is None)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _state(root: str, m: dict[str, Any], mech: str) -> Any:
+    entry = next((e for e in m["files"] if e.get("kind") == f"state:{mech}"), None)
+    if entry is None:
+        raise StoreCorrupt(f"{m['_path']}: no {mech} state file listed")
+    data = mf.read_verified(root, entry)
+    if entry["name"].endswith(".json"):
+        return json.loads(data)
+    table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+    meta = json.loads((table.schema.metadata or {}).get(b"arrowbuf", b"{}"))
+    return {n: numpy_column(table.column(n)) for n in table.column_names}, meta
+
+
+def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool = True) -> None:
+    """Fill a fresh store's parts with checkpoint `m` of directory `root` (files verified first, chunk by chunk)."""
+    where = m["_path"]
+    rows = m["rows"]
+    lo, hi = int(rows["first_seq"]), int(rows["next_seq"])
+    arena_rows = parts.arena_rows
+    schema = parts.schema.to_arrow()
+    index, _ = _state(root, m, "index")
+    sampler_arrays, sampler_meta = _state(root, m, "sampler")
+    final, _ = _state(root, m, "final")
+    episodes = _state(root, m, "episodes")
+    rng = _state(root, m, "rng")
+    header = _state(root, m, "header")
+    if len(index["next_pos"]) != hi - lo:
+        raise StoreCorrupt(f"{where}: the index state has {len(index['next_pos'])} rows for the range [{lo}, {hi})")
+    idx = parts.index
+    cols = parts.cols
+    known = known_files(parts, root)
+    with parts.write_lock, parts.lock:
+        expect = lo
+        for e in (e for e in m["files"] if e.get("kind") in ("chunk", "partial", "tail")):
+            data = mf.read_verified(root, e)
+            try:
+                table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+            except pa.ArrowInvalid as exc:
+                raise StoreCorrupt(f"checkpoint {root}: file {e['name']} is not an Arrow IPC file: {exc}") from None
+            diff = schema_difference(schema, table.schema)
+            if diff:
+                raise SchemaError(f"checkpoint {root}: file {e['name']} does not match the checkpoint's schema: "
+                                  f"{diff}")
+            n = table.num_rows
+            seqs = numpy_column(table.column("seq")).astype(np.int64)
+            if n == 0 or seqs[0] != expect or not (np.diff(seqs) == 1).all():
+                raise StoreCorrupt(f"checkpoint {root}: file {e['name']} holds seqs from "
+                                   f"{seqs[0] if n else None}, expected a contiguous run from {expect}")
+            p0 = int(seqs[0] % arena_rows)
+            pos = seqs % arena_rows
+            for f in parts.schema.fields.values():
+                if f.ragged:
+                    cols.write_ragged(f.name, table.column(f.name).combine_chunks(), p0)
+                else:
+                    cols.write(f.name, p0, numpy_column(table.column(f.name)))
+            idx.seq[pos] = seqs
+            idx.episode_id[pos] = numpy_column(table.column("episode_id"))
+            idx.step[pos] = numpy_column(table.column("step"))
+            if e.get("kind") == "chunk":
+                known[(int(seqs[0]), n)] = {k: e[k] for k in ("name", "bytes", "crc32")}
+            expect += n
+        if expect != hi:
+            raise StoreCorrupt(f"{where}: row files cover seqs [{lo}, {expect}), the manifest says [{lo}, {hi})")
+        pos = np.arange(lo, hi, dtype=np.int64) % arena_rows
+        idx.next_pos[pos] = index["next_pos"]
+        idx.valid[pos] = index["valid"]
+        if "times_sampled" in index and len(parts.times_sampled):
+            parts.times_sampled[pos] = index["times_sampled"]
+        from ..index import HEADER
+
+        for key, i in HEADER.items():
+            if key in header:
+                idx.header[i] = int(header[key])
+        slots = final["slot"].astype(np.int64) if "slot" in final else np.zeros(0, np.int64)
+        if len(slots):
+            parts.final_owner[slots] = final["owner"]
+            for src in parts.cols.final_sources:
+                cols.write_final(src, slots, final[src])
+        restore_sampler_state(parts.sampler, pos, sampler_meta["meta"], sampler_arrays,
+                              int(sampler_meta.get("dropped_valid", 0)))
+        restore_episode_state(parts.episodes, episodes)
+        if restore_rng:
+            parts.rng.bit_generator.state = rng

@@ -1,0 +1,207 @@
+"""The consistent part of a checkpoint: what is copied while the store's locks are held, and the chunk reader.
+
+`capture(parts)` holds the store's write lock (so no batch is half-applied: rows, episode streams and ids agree)
+and its state lock (commits and sampling wait) for a short, bounded copy of:
+
+- the live range `[lo, hi)`, the header counters (inserts, samples: what the rate limiter decides on);
+- per live row its index entries (episode id, step, successor, sampleable) and times sampled;
+- the sampler's state of those rows (priorities of both trees, the max priority, FIFO cursor ...);
+- the final observations live rows point to; the open tail chunk's rows; the episode streams; the RNG state.
+
+Sealed chunks are not copied here: they are immutable until the ring evicts them, so `read_chunk` reads them
+afterwards, without any lock, and then checks each row's seq (a seqlock: a writer sets a row's seq to -1 before it
+overwrites it, and the seq never comes back). A chunk whose rows were overwritten while it was read fails that check
+and is not used (see `arrowbuf.persist.checkpoint`: the snapshot then starts after it). A torn row is never written.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import InvalidArgument
+from .parts import StoreParts
+
+
+@dataclass
+class Snapshot:
+    """What `capture` copied at the snapshot point (rows are addressed by seq; arrays are in seq order)."""
+
+    lo: int
+    hi: int
+    header: np.ndarray
+    chunks: list[tuple[int, int, int, int]]          # (slot, p0, p1, first_seq) of the live range, oldest first
+    sealed: list[bool]
+    index: dict[str, np.ndarray]                     # next_pos, valid, [times_sampled] per live row
+    sampler_meta: dict[str, Any]
+    sampler_arrays: dict[str, np.ndarray]            # per live row
+    final: dict[str, Any]                            # slot, owner (seq), and the source columns' rows
+    episodes: dict[str, Any]
+    rng: dict[str, Any]
+    tail: dict[str, Any] = field(default_factory=dict)    # column -> rows of the open chunk (copied)
+    ragged: dict[str, list[pa.Array]] = field(default_factory=dict)
+    episode_id: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
+def capture(parts: StoreParts) -> Snapshot:
+    """Copy the consistent state of a store (see the module docstring); holds its locks for the copy only."""
+    with parts.write_lock, parts.lock:
+        idx = parts.index
+        lo, hi = idx.lo, idx.hi
+        pos = np.arange(lo, hi, dtype=np.int64) % parts.arena_rows
+        chunks = parts.directory.live_chunks(lo, hi)
+        sealed = [bool(parts.directory.is_sealed(c, hi)) for c in chunks]
+        index = {"next_pos": idx.next_pos[pos], "valid": idx.valid[pos]}
+        if len(parts.times_sampled):
+            index["times_sampled"] = parts.times_sampled[pos]
+        meta, arrays = sampler_state(parts.sampler, pos)
+        snap = Snapshot(lo=lo, hi=hi, header=idx.header.copy(), chunks=chunks, sealed=sealed, index=index,
+                        sampler_meta=meta, sampler_arrays=arrays, final=_final_state(parts, pos, lo),
+                        episodes=episode_state(parts.episodes), rng=copy.deepcopy(dict(parts.rng.bit_generator.state)),
+                        episode_id=idx.episode_id[pos], step=idx.step[pos])
+        snap.ragged = parts.cols.ragged_snapshot()
+        if chunks and not sealed[-1]:  # the open tail: committed rows that later writes leave alone, copied now
+            _, p0, p1, _ = chunks[-1]
+            snap.tail = {f.name: np.array(parts.cols.view(f.name, p0, p1))
+                         for f in parts.schema.fields.values() if not f.ragged}
+    return snap
+
+
+def _final_state(parts: StoreParts, pos: np.ndarray, lo: int) -> dict[str, Any]:
+    """The final observations that live rows point to (slot, owning seq, the rows of each source column)."""
+    nxt = parts.index.next_pos[pos]
+    fin = np.flatnonzero(nxt >= parts.arena_rows)
+    slots = nxt[fin] - parts.arena_rows
+    owners = lo + fin
+    keep = parts.final_owner[slots] == owners
+    slots, owners = slots[keep], owners[keep]
+    data = {src: np.asarray(parts.cols.take_next(src, slots + parts.arena_rows))
+            for src in parts.cols.final_sources} if len(slots) else {}
+    return {"slot": slots, "owner": owners, "data": data}
+
+
+def sampler_state(sampler: Any, pos: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A sampler's state for the rows at `pos`: JSON-able scalars and per-row arrays.
+
+    Raises:
+        InvalidArgument: a sampler class persist does not know (its state could not be restored).
+    """
+    from .. import samplers as s
+
+    if isinstance(sampler, s.SequenceSampler):
+        meta, arrays = sampler_state(sampler.starts, pos)
+        return {"starts": meta}, arrays
+    if isinstance(sampler, s.PrioritizedSampler):
+        return ({"max_priority": sampler.max_priority, "count": sampler.count},
+                {"priority_sum": sampler.sum_tree.get(pos), "priority_min": sampler.min_tree.get(pos)})
+    if isinstance(sampler, s.FifoSampler):
+        return {"cursor": sampler.cursor, "skipped": sampler.skipped}, {}
+    if type(sampler) in (s.UniformSampler, s.LifoSampler):
+        return {}, {}
+    raise InvalidArgument(f"{type(sampler).__name__} cannot be checkpointed yet: arrowbuf.persist knows the state of "
+                          "Uniform, Fifo, Lifo, Prioritized and Sequence samplers")
+
+
+def restore_sampler_state(sampler: Any, pos: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                          dropped_valid: int = 0) -> None:
+    """Put back what `sampler_state` recorded, for the rows now at `pos` (a fresh store's sampler)."""
+    from .. import samplers as s
+
+    if isinstance(sampler, s.SequenceSampler):
+        restore_sampler_state(sampler.starts, pos, meta["starts"], arrays, dropped_valid)
+    elif isinstance(sampler, s.PrioritizedSampler):
+        if len(pos):
+            sampler.sum_tree.update(pos, arrays["priority_sum"])
+            sampler.min_tree.update(pos, arrays["priority_min"])
+        sampler.max_priority = float(meta["max_priority"])
+        sampler.count = int(meta["count"]) - dropped_valid
+    elif isinstance(sampler, s.FifoSampler):
+        sampler.cursor = int(meta["cursor"])
+        sampler.skipped = int(meta["skipped"])
+
+
+def episode_state(tracker: Any) -> dict[str, Any]:
+    """The open episode streams of this process's writers, ended explicit ids, the next episode id."""
+    streams = []
+    for key, st in tracker.streams.items():
+        streams.append({"key": _encode_key(key), "episode_id": st.episode_id, "step": st.step,
+                        "pending_seq": st.pending_seq})
+    return {"streams": streams, "ended": sorted(int(e) for e in tracker.ended),
+            "next_episode_id": tracker.next_episode_id}
+
+
+def restore_episode_state(tracker: Any, state: dict[str, Any]) -> None:
+    from ..episodes import _Stream
+
+    tracker.streams.clear()
+    for s in state["streams"]:
+        tracker.streams[_decode_key(s["key"])] = _Stream(int(s["episode_id"]), int(s["step"]), int(s["pending_seq"]))
+    tracker.ended = set(int(e) for e in state["ended"])
+    tracker.next_episode_id = int(state["next_episode_id"])
+
+
+def _encode_key(key: Any) -> Any:
+    if key is None or isinstance(key, (int, str)):
+        return {"v": key}
+    if isinstance(key, tuple) and len(key) == 2 and key[0] == "ep":
+        return {"ep": _encode_key(key[1])["v"]}
+    if isinstance(key, (float, bool)):
+        return {"v": key}
+    raise InvalidArgument(f"an episode stream key {key!r} cannot be checkpointed (actor keys are ints or strings)")
+
+
+def _decode_key(obj: dict[str, Any]) -> Any:
+    if "ep" in obj:
+        return ("ep", obj["ep"])
+    return obj["v"]
+
+
+def arrow_column(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
+    """A numpy column (rows first) as the Arrow array of the stored column's type."""
+    if isinstance(arrow_type, pa.FixedShapeTensorType):
+        return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(values))
+    return pa.array(values, type=arrow_type)
+
+
+def numpy_column(array: Any) -> np.ndarray:
+    """An Arrow column of a row file as numpy (tensors [rows, *shape])."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    if isinstance(array.type, pa.FixedShapeTensorType):
+        return np.asarray(array.to_numpy_ndarray())
+    return np.asarray(array.to_numpy(zero_copy_only=False))
+
+
+def read_chunk(parts: StoreParts, snap: Snapshot, i: int, schema: pa.Schema) -> pa.RecordBatch:
+    """The rows of live chunk `i` as a record batch (zero-copy views where the tier allows: the caller must
+    serialise it, then call `still_intact`)."""
+    slot, p0, p1, first = snap.chunks[i]
+    n = p1 - p0
+    off = first - snap.lo
+    arrays = []
+    for f in schema:
+        name = f.name
+        if name in snap.tail and i == len(snap.chunks) - 1 and not snap.sealed[i]:
+            arrays.append(arrow_column(snap.tail[name], f.type))
+        elif name in snap.ragged:
+            arrays.append(snap.ragged[name][slot].slice(p0 - slot * parts.chunk_rows, n))
+        elif name == "seq":
+            arrays.append(pa.array(np.arange(first, first + n, dtype=np.int64)))
+        elif name == "episode_id":
+            arrays.append(pa.array(snap.episode_id[off:off + n]))
+        elif name == "step":
+            arrays.append(pa.array(snap.step[off:off + n]))
+        else:
+            arrays.append(arrow_column(parts.cols.view(name, p0, p1), f.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def still_intact(parts: StoreParts, snap: Snapshot, i: int) -> bool:
+    """After a sealed chunk was read and serialised: True when none of its rows was overwritten meanwhile."""
+    _, p0, p1, first = snap.chunks[i]
+    return bool((parts.index.seq[p0:p1] == np.arange(first, first + p1 - p0, dtype=np.int64)).all())
