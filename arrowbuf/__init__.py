@@ -12,6 +12,8 @@ from .errors import (
     InvalidArgument,
     MissingDependency,
     OutOfSpace,
+    QueryTimeout,
+    ResourceExhausted,
     SampleTimeout,
     SchemaError,
     ShardsLost,
@@ -25,6 +27,7 @@ from .errors import (
 )
 from .loader import Loader
 from .flight import connect, serve
+from .sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
 from .store import ExperienceStore
 from .surface import StoreSurface
@@ -42,10 +45,13 @@ __all__ = [
     "Loader",
     "MissingDependency",
     "OutOfSpace",
+    "QueryTimeout",
+    "ResourceExhausted",
     "SampleBatch",
     "SampleTimeout",
     "SchemaError",
     "ShardsLost",
+    "SqlLimits",
     "StoreClosed",
     "StoreCorrupt",
     "StoreExists",

@@ -6,6 +6,9 @@ ArrowbufError                       every error arrowbuf raises on purpose
 │   └── SchemaError                 bad schema or bad input: names the field, what was expected, what came
 ├── SampleTimeout(TimeoutError)     a sample could not be served in time (empty store, rate limiter)
 ├── InsertTimeout(TimeoutError)     an insert was held back by the rate limiter past its timeout
+├── QueryTimeout(TimeoutError)      a SQL query ran past its deadline (or its caller went away) and was stopped
+├── ResourceExhausted(RuntimeError) a request needs more than a server limit allows (query memory, result size,
+│                                   concurrent calls)
 ├── StoreClosed(RuntimeError)       the store, tier, server or client was closed
 │   └── ShardsLost                  every shard of a sharded store is dead or unreachable
 ├── Unavailable(ConnectionError)    a server cannot be reached (refused, unreachable)
@@ -43,6 +46,16 @@ class SampleTimeout(ArrowbufError, TimeoutError):
 
 class InsertTimeout(ArrowbufError, TimeoutError):
     """An insert was blocked by the rate limiter past its timeout."""
+
+
+class QueryTimeout(ArrowbufError, TimeoutError):
+    """A SQL query ran past the sandbox's deadline, or its caller went away, and was stopped."""
+
+
+class ResourceExhausted(ArrowbufError, RuntimeError):
+    """A request needs more than a limit allows: a query's memory or result size, or too many calls at once.
+
+    Retrying the same request fails again unless it asks for less (or, for concurrency limits, later)."""
 
 
 class StoreClosed(ArrowbufError, RuntimeError):
@@ -112,6 +125,8 @@ __all__ = [
     "SchemaError",
     "SampleTimeout",
     "InsertTimeout",
+    "QueryTimeout",
+    "ResourceExhausted",
     "StoreClosed",
     "ShardsLost",
     "Unavailable",

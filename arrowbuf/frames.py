@@ -5,7 +5,7 @@ pandas, Polars and DuckDB are optional (`pip install 'arrowbuf[query]'`) and imp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 from .errors import SchemaError, require
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .sql import SqlLimits
     from .store import ExperienceStore
 
 
@@ -42,22 +43,19 @@ def table_to_polars(table: pa.Table) -> Any:
     return pl.from_arrow(_plain(table))
 
 
-def run_sql(store: "ExperienceStore", query: str) -> pa.Table:
-    """DuckDB over the live rows, registered as `experience` (scalar columns; tensor columns as lists)."""
-    duckdb = require("duckdb", "query")
+def run_sql(store: Any, query: str, limits: "SqlLimits | None" = None, *,
+            cancelled: Callable[[], bool] | None = None) -> pa.Table:
+    """DuckDB over the store's rows, registered as `experience` (scalar columns; tensor columns as lists).
+
+    Runs in the SQL sandbox (`arrowbuf.sql`): one SELECT, no file system. `limits` defaults to
+    `SqlLimits.unbounded()` (no deadline or memory limit: the caller's own process); the Flight server passes its
+    own limits and `cancelled`.
+    """
+    from . import sql
+
     if not isinstance(query, str) or not query.strip():
         raise SchemaError("sql() takes a non-empty SQL string")
-    experience = _plain(store.to_table())  # noqa: F841 - registered below by name
-    con = duckdb.connect()
-    try:
-        con.register("experience", experience)
-        relation = con.sql(query)
-        if relation is None:  # a statement without a result (SET, CREATE ...)
-            return pa.table({})
-        fetch = getattr(relation, "to_arrow_table", None) or relation.arrow  # DuckDB >= 1.4 / older
-        return fetch()
-    finally:
-        con.close()
+    return sql.run(_plain(store.to_table()), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled)
 
 
 def episode_table(store: "ExperienceStore") -> pa.Table:

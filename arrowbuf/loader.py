@@ -59,6 +59,7 @@ import pyarrow as pa
 
 from .batch import SampleBatch
 from .errors import InvalidArgument, SampleTimeout, SchemaError, StoreClosed, Unavailable, require
+from .samplers import validate_priorities
 
 #: Longest single wait the background thread makes on a local source before it checks for `close()`.
 _WAIT_SLICE_S = 0.05
@@ -582,15 +583,11 @@ class Loader:
         the bound on batches already prefetched. Errors from the source surface from `next(loader)`.
 
         Raises:
-            ValueError: the number of priorities does not match the ids, or a priority is negative or not finite.
+            InvalidArgument: the number of priorities does not match the ids, or a priority is negative, not finite
+                or too large (`samplers.validate_priorities`, the one check).
         """
-        ids = getattr(batch, "indices", batch)
-        ids = np.asarray(_to_numpy(ids), dtype=np.int64).reshape(-1).copy()
-        pri = np.asarray(_to_numpy(priorities), dtype=np.float64).reshape(-1).copy()
-        if len(ids) != len(pri):
-            raise InvalidArgument(f"{len(ids)} ids but {len(pri)} priorities; pass one priority per row of the batch")
-        if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
-            raise InvalidArgument("priorities must be finite and >= 0")
+        ids, pri = validate_priorities(_to_numpy(getattr(batch, "indices", batch)), _to_numpy(priorities))
+        ids, pri = ids.copy(), pri.copy()  # the learner may reuse its buffers before the thread applies them
         s = self._shared
         with s.cond:
             if self._closed:

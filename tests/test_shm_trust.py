@@ -271,7 +271,7 @@ def _extend_in_child(name: str, q) -> None:
 
 
 @pytest.mark.skipif(pthread_lib() is None, reason="robust pthread mutexes not available (flock locks)")
-@pytest.mark.parametrize("holder", ["dead thread", "process without the store"])
+@pytest.mark.parametrize("holder", ["dead thread", "process without the store", "garbage"])
 def test_tampered_lock_memory_raises_instead_of_hanging(shared, holder):
     store, name, path, procs = shared
     with open(os.path.join(path, "manifest.json")) as f:
@@ -282,6 +282,8 @@ def test_tampered_lock_memory_raises_instead_of_hanging(shared, holder):
         p.join(JOIN_S)
         tid = p.pid
         assert not os.path.exists(f"/proc/{tid}")
+    elif holder == "garbage":
+        tid = None  # the whole mutex overwritten: its kind field is no kind libc knows
     else:
         tid = 1  # init: alive, and it has no store open
     locks = os.path.join(path, "arena.tier.locks")
@@ -289,7 +291,7 @@ def test_tampered_lock_memory_raises_instead_of_hanging(shared, holder):
         f.seek(slot * 64)
         original = f.read(64)
         f.seek(slot * 64)
-        f.write(struct.pack("<i", tid))  # the write lock now reads "held by `tid`"
+        f.write(bytes(range(7, 71)) if tid is None else struct.pack("<i", tid))  # "held by `tid`"
     try:
         q = CTX.Queue()
         p = CTX.Process(target=_extend_in_child, args=(name, q), daemon=True)
@@ -299,7 +301,7 @@ def test_tampered_lock_memory_raises_instead_of_hanging(shared, holder):
         assert not p.is_alive(), "extend hung on a tampered lock"
         kind, message = q.get(timeout=10)
         assert kind == "StoreCorrupt", (kind, message)
-        assert "arena.tier.locks" in message and str(tid) in message
+        assert "arena.tier.locks" in message and (tid is None or str(tid) in message)
     finally:
         with open(locks, "r+b") as f:
             f.seek(slot * 64)

@@ -43,6 +43,7 @@ import pyarrow.flight as flight
 
 from ..batch import SampleBatch
 from ..errors import DeadlineExceeded, InvalidArgument, SchemaError, StoreClosed, Unavailable
+from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
 
@@ -306,7 +307,7 @@ class RemoteStore:
     def update_priorities(self, indices: Any, priorities: Any, *,
                           rpc_timeout: float | None | object = _DEFAULT) -> int:
         """Set priorities of sampled items; returns how many ids were still live."""
-        idx, pri = _priorities(indices, priorities)
+        idx, pri = validate_priorities(indices, priorities)
         return int(self._action("update_priorities", rpc_timeout, indices=idx, priorities=pri)["applied"])
 
     # ------------------------------------------------------------------ inspection
@@ -583,7 +584,7 @@ class LearnerSession:
 
     def update_priorities(self, indices: Any, priorities: Any) -> None:
         """Send priorities up (asynchronously; an error comes back from a later `next()`)."""
-        idx, pri = _priorities(indices, priorities)
+        idx, pri = validate_priorities(indices, priorities)
         with _translate(unreachable=Unavailable):
             self._writer.write_metadata(pa.py_buffer(P.encode_priorities(idx, pri)))
 
@@ -653,16 +654,6 @@ def _ack_ids(ack: dict[str, int], rows: int) -> np.ndarray:
         raise SchemaError(f"DoPut acknowledgement: {ack['rows']} rows committed for a batch of {rows}; "
                           "the server and this client disagree about the protocol")
     return np.arange(ack["first_seq"], ack["first_seq"] + rows, dtype=np.int64)
-
-
-def _priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
-    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-    pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
-    if len(idx) != len(pri):
-        raise InvalidArgument(f"{len(idx)} indices but {len(pri)} priorities; pass one priority per index")
-    if len(pri) and (not np.isfinite(pri).all() or (pri < 0).any()):
-        raise InvalidArgument("priorities must be finite and >= 0")
-    return idx, pri
 
 
 def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None) -> SampleBatch:

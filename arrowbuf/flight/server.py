@@ -26,19 +26,34 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ..errors import ArrowbufError, InvalidArgument, SchemaError, StoreClosed, StoreNotFound, Unauthenticated
+from ..errors import (
+    ArrowbufError,
+    InvalidArgument,
+    SchemaError,
+    StoreClosed,
+    StoreNotFound,
+    Unauthenticated,
+)
+from ..sql import DEFAULT_LIMITS, SqlLimits
 from ..surface import check_surface
 from . import protocol as P
+from .limits import CallGate
 
 log = logging.getLogger("arrowbuf.flight")
 
 DEFAULT_MAX_BATCH_ROWS = 65_536
 DEFAULT_PREFETCH_BYTES = 512 << 20
+#: SQL queries that may run at once (each holds a copy of the rows it reads); more are refused, not queued.
+DEFAULT_MAX_CONCURRENT_SQL = 2
+#: Calls (all verbs) that may run at once; more are refused with RESOURCE_EXHAUSTED (see flight/limits.py).
+DEFAULT_MAX_CONCURRENT_CALLS = 64
 
 
 def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str | None = None,
           tls: Any = None, *, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
-          max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0) -> "StoreServer":
+          max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0,
+          sql_limits: SqlLimits = DEFAULT_LIMITS, max_concurrent_sql: int = DEFAULT_MAX_CONCURRENT_SQL,
+          max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS) -> "StoreServer":
     """Serve one or more stores over Arrow Flight.
 
     Args:
@@ -51,12 +66,19 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
         max_batch_rows: the largest batch accepted by DoPut and the largest sample served.
         max_prefetch_bytes: bytes of prefetched batches one learner session may hold on the server.
         shutdown_timeout: seconds `close()` waits for calls in progress before it returns anyway.
+        sql_limits: deadline, memory and result-size limits of each `sql` query (`ab.SqlLimits`; defaults: 10 s,
+            256 MiB, 64 MiB of result). Queries run in the sandbox of `arrowbuf.sql`: no file system, SELECT only.
+        max_concurrent_sql: `sql` queries that may run at once; one more is refused with `ResourceExhausted`.
+        max_concurrent_calls: calls of any verb that may run at once (open sessions and DoPut streams count);
+            one more is refused with `ResourceExhausted`.
 
     Returns:
         A running `StoreServer` (a context manager).
     """
     return StoreServer(store_or_stores, location, token=token, tls=tls, max_batch_rows=max_batch_rows,
-                       max_prefetch_bytes=max_prefetch_bytes, shutdown_timeout=shutdown_timeout)
+                       max_prefetch_bytes=max_prefetch_bytes, shutdown_timeout=shutdown_timeout,
+                       sql_limits=sql_limits, max_concurrent_sql=max_concurrent_sql,
+                       max_concurrent_calls=max_concurrent_calls)
 
 
 class StoreServer:
@@ -69,8 +91,14 @@ class StoreServer:
 
     def __init__(self, store_or_stores: Any, location: str = "grpc://127.0.0.1:0", *, token: str | None = None,
                  tls: Any = None, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
-                 max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0) -> None:
+                 max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0,
+                 sql_limits: SqlLimits = DEFAULT_LIMITS, max_concurrent_sql: int = DEFAULT_MAX_CONCURRENT_SQL,
+                 max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS) -> None:
         self.stores = _named_stores(store_or_stores)
+        if not isinstance(sql_limits, SqlLimits):
+            raise InvalidArgument(f"sql_limits must be an ab.SqlLimits, got {type(sql_limits).__name__}")
+        self.sql_limits = sql_limits
+        self.calls = CallGate({"call": max_concurrent_calls, "sql": max_concurrent_sql})
         if not isinstance(max_batch_rows, int) or max_batch_rows < 1:
             raise InvalidArgument(f"max_batch_rows must be a positive integer, got {max_batch_rows!r}")
         self.max_batch_rows = max_batch_rows
@@ -105,6 +133,10 @@ class StoreServer:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server is closed (by `close()` from another thread or a signal handler)."""
         return self._closed.wait(timeout)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no call runs in a handler (streams already handed to gRPC do not count); False on timeout."""
+        return self.calls.wait_idle(timeout)
 
     def close(self) -> None:
         """Stop serving; idempotent. Waits at most `shutdown_timeout` seconds for calls in progress.
@@ -162,7 +194,8 @@ def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def inner(self: "_FlightService", *args: Any) -> Any:
             try:
-                return fn(self, *args)
+                with self.owner.calls.enter("call"):
+                    return fn(self, *args)
             except flight.FlightError:
                 raise
             except Exception as exc:  # noqa: BLE001 - every error goes back to the client, mapped
@@ -228,8 +261,15 @@ class _FlightService(flight.FlightServerBase):
         elif req.kind == "episodes":
             table = store.episodes()
         else:
-            table = _sandboxed_sql(store, req.query or "")
+            table = self._sql(store, req.query or "", context)
         return flight.RecordBatchStream(table)
+
+    def _sql(self, store: Any, query: str, context: Any) -> pa.Table:
+        """The `sql` ticket: the sandbox of `arrowbuf.sql` with this server's limits; stops when the client goes."""
+        from ..frames import run_sql
+
+        with self.owner.calls.enter("sql"):
+            return run_sql(store, query, self.owner.sql_limits, cancelled=context.is_cancelled)
 
     def _check_rows(self, n: int, what: str) -> None:
         if n > self.owner.max_batch_rows:
@@ -332,7 +372,8 @@ class _FlightService(flight.FlightServerBase):
         elif req.type == "stats":
             out = dict(store.stats())
             with self._lock:
-                out["server"] = {"location": self.owner.location, "sessions": self._sessions}
+                out["server"] = {"location": self.owner.location, "sessions": self._sessions,
+                                 "running": self.owner.calls.running()}
         elif req.type == "len":
             out = {"len": len(store)}
         else:  # update_priorities
@@ -463,34 +504,6 @@ def _wire_batch(batch: Any) -> tuple[pa.RecordBatch, pa.Buffer]:
 
 def _sample(store: Any, n: int, columns: list[str] | None, timeout: float | None, options: dict[str, Any]) -> Any:
     return store.sample(n, columns=columns, timeout=timeout, **options)
-
-
-def _sandboxed_sql(store: Any, query: str) -> pa.Table:
-    """DuckDB over the live rows as `experience`, with the server's files out of reach.
-
-    A remote caller must not read or write files on the server (`read_csv('/etc/passwd')`, `COPY ... TO`), so the
-    connection has external access disabled and its configuration locked. A failing query is invalid input.
-    """
-    from ..errors import require
-    from ..frames import _plain
-
-    duckdb = require("duckdb", "query")
-    if not query.strip():
-        raise SchemaError("sql: the query is empty")
-    experience = _plain(store.to_table())
-    con = duckdb.connect(config={"enable_external_access": False, "lock_configuration": True})
-    try:
-        con.register("experience", experience)
-        try:
-            relation = con.sql(query)
-            if relation is None:  # a statement without a result
-                return pa.table({})
-            fetch = getattr(relation, "to_arrow_table", None) or relation.arrow
-            return fetch()
-        except duckdb.Error as exc:
-            raise SchemaError(f"sql: the query failed: {exc}") from None
-    finally:
-        con.close()
 
 
 def _row_bytes(schema: Any, columns: list[str]) -> int:
