@@ -371,7 +371,9 @@ class PrioritizedSampler(Sampler):
         self.min_tree.update(positions, np.where(leaves > 0, leaves, np.inf))
 
     def on_valid(self, positions: np.ndarray) -> None:
-        self._set(positions, np.full(len(positions), self.max_priority ** self.alpha))
+        value = self.max_priority ** self.alpha  # > 0: max_priority starts at 1.0 and only grows
+        self.sum_tree.update(positions, value)
+        self.min_tree.update(positions, value)
         self.count += len(positions)
 
     def on_invalid(self, positions: np.ndarray) -> None:

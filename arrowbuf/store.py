@@ -299,7 +299,11 @@ class ExperienceStore(IngestMixin):
             retries += 1
             if retries > 100:
                 raise ArrowbufError("sample could not read a consistent batch after 100 retries")
-            fix = np.flatnonzero(bad)
+            # distinct items (max_times_sampled): draw the whole batch again, so no redraw repeats a kept item (the
+            # discarded draw stays counted: an item may get fewer deliveries than the limit, never more). A queue
+            # (FIFO) never repeats an item: redraw only the torn ones.
+            whole = self._max_times_sampled and not self.sampler.queue
+            fix = np.arange(len(seqs)) if whole else np.flatnonzero(bad)
             self.index.count("torn_retries", len(fix))
             with self._cond:
                 again, again_w = self._select(len(fix), timeout)

@@ -469,3 +469,39 @@ def test_the_declared_truncation_field_bootstraps():
     terminating.extend({"obs": obs[:3], "reward": np.ones(3, np.float32), "terminated": np.zeros(3, bool),
                         "time_limit": np.array([False, False, True]), "next_obs": obs[1:4]})
     np.testing.assert_allclose(terminating.sample(3, n_step=5, gamma=0.5)["n_step_discount"], [0, 0, 0])
+
+
+def test_prioritized_sequence_windows_are_distinct_and_weighted():
+    seq = ab.samplers.Sequence(length=3, priority=ab.samplers.Prioritized(alpha=1.0, beta=1.0, eps=0.0))
+    store = store_with(seq, max_times_sampled=1, seed=2)
+    store.extend(make_episodes([12])[0])  # 10 windows
+    store.update_priorities(np.arange(12), np.arange(1, 13, dtype=np.float64))
+    np.testing.assert_array_equal(seq.mass(np.arange(3)), [1.0, 2.0, 3.0])  # the start distribution's mass
+    b = store.sample(6, columns=["step"])
+    assert len(set(b.indices.tolist())) == 6 and (b["step"][:, 0] == b.indices).all()
+    assert b.weights is not None and np.isfinite(b.weights).all() and b.weights.max() <= 1.0
+    rest = store.sample(4, columns=["step"]).indices.tolist()
+    assert sorted(b.indices.tolist() + rest) == list(range(10))
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1)
+
+
+def test_max_times_sampled_holds_across_concurrent_samplers():
+    store = store_with("uniform", capacity=1000, max_times_sampled=1, seed=4)
+    store.extend(make_episodes([300])[0])
+    got: list[list[int]] = [[], []]
+
+    def drain(out):
+        while True:
+            try:
+                out.extend(store.sample(7).indices.tolist())
+            except ab.SampleTimeout:
+                return
+
+    threads = [threading.Thread(target=drain, args=(g,)) for g in got]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    delivered = got[0] + got[1]
+    assert len(delivered) == len(set(delivered)) and len(delivered) > 280
