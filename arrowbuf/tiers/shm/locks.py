@@ -211,7 +211,8 @@ class FlockLock:
 
     def _file(self) -> int:
         if self._pid != os.getpid():
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)  # never through a link
+            self._fd = os.open(self.path, flags, 0o600)
             self._pid = os.getpid()
         return self._fd
 
