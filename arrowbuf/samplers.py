@@ -377,7 +377,8 @@ class PrioritizedSampler(Sampler):
         self.count += len(positions)
 
     def on_invalid(self, positions: np.ndarray) -> None:
-        self._set(positions, np.zeros(len(positions)))
+        self.sum_tree.update(positions, 0.0)
+        self.min_tree.update(positions, np.inf)
         self.count -= len(positions)
 
     def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, np.ndarray] | None:

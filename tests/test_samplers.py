@@ -505,3 +505,39 @@ def test_max_times_sampled_holds_across_concurrent_samplers():
         t.join()
     delivered = got[0] + got[1]
     assert len(delivered) == len(set(delivered)) and len(delivered) > 280
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6), actors=st.integers(1, 3),
+       kind=st.sampled_from(["uniform", "prioritized", "lifo", "sequence"]), k=st.integers(1, 3),
+       sizes=st.lists(st.integers(1, 9), min_size=1, max_size=8), seed=st.integers(0, 99))
+def test_max_times_sampled_property(lengths, actors, kind, k, sizes, seed):
+    """Any batches, then single draws until none is left: no item twice in a batch, and in the end every item that
+    was ever eligible delivered exactly k times (pending rows and incomplete windows never)."""
+    sampler = ab.samplers.Sequence(length=2) if kind == "sequence" else kind
+    store = store_with(sampler, capacity=200, max_times_sampled=k, seed=seed)
+    for i, n in enumerate(lengths):
+        batch, _ = make_episodes([n], seed=i, start=i * 1000.0)
+        if i % 2:  # some episodes stay open: their last row waits for a successor
+            batch["terminated"][:] = batch["truncated"][:] = False
+        batch["actor"] = np.full(n, i % actors)
+        store.extend(batch)
+    counts: dict[int, int] = {}
+
+    def take(n):
+        idx = store.sample(n).indices.tolist()
+        assert len(set(idx)) == len(idx)
+        for i in idx:
+            counts[i] = counts.get(i, 0) + 1
+
+    for n in sizes:
+        try:
+            take(n)
+        except ab.SampleTimeout:
+            pass
+    while True:
+        try:
+            take(1)
+        except ab.SampleTimeout:
+            break
+    assert set(counts.values()) <= {k}
