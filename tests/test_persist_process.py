@@ -135,11 +135,15 @@ def test_sigkill_during_checkpoint_leaves_a_restorable_checkpoint(tmp_path, poin
 
 
 # ------------------------------------------------------------------------------------------------ overrun
-def test_rows_overwritten_while_copied_are_left_out_never_torn(tmp_path):
+@pytest.mark.parametrize("ends", ["everywhere", "only_in_dropped_rows"])
+def test_rows_overwritten_while_copied_are_left_out_never_torn(tmp_path, ends):
     cr = 64
     with ab.ExperienceStore(SCHEMA, capacity=16 * cr, chunk_rows=cr, seed=0,
                             sampler=ab.samplers.Prioritized()) as store:
-        store.extend(rows(1, 0, 16 * cr + 10))      # full ring: a partial oldest chunk ... a 10-row tail
+        batch = rows(1, 0, 16 * cr + 10)            # full ring: a partial oldest chunk ... a 10-row tail
+        if ends != "everywhere":                    # the kept rows then point to no final observation
+            batch["terminated"][250:] = False   # the last episode end, seq 249, is in chunk 3
+        store.extend(batch)
         before = store.to_table().combine_chunks()
         hi = store.stats()["next_seq"]
         k = [16 * cr + 10]

@@ -36,7 +36,7 @@ import pyarrow as pa
 from ..errors import ArrowbufError, InvalidArgument
 from . import manifest as mf
 from .parts import StoreParts, to_spec
-from .snapshot import Snapshot, capture, read_chunk, still_intact
+from .snapshot import Snapshot, capture, read_chunk, still_intact, tensor_array
 
 #: Per store (keyed by its ring index) and checkpoint directory: the row files of sealed chunks known to hold its
 #: rows exactly, {(first_seq, rows): manifest entry}. Written by checkpoints and by restore.
@@ -296,8 +296,7 @@ class _Job:
         arrays, names = [], []
         for name, a in cols.items():
             a = np.asarray(a)
-            arrays.append(pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(a)) if a.ndim > 1
-                          else pa.array(a))
+            arrays.append(tensor_array(a) if a.ndim > 1 else pa.array(a))
             names.append(name)
         table = pa.table(arrays, names=names) if arrays else pa.table({})
         table = table.replace_schema_metadata({"arrowbuf": json.dumps(meta)})

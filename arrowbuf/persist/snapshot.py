@@ -164,8 +164,21 @@ def _decode_key(obj: dict[str, Any]) -> Any:
 def arrow_column(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
     """A numpy column (rows first) as the Arrow array of the stored column's type."""
     if isinstance(arrow_type, pa.FixedShapeTensorType):
-        return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(values))
+        return tensor_array(values)
     return pa.array(values, type=arrow_type)
+
+
+def tensor_array(values: np.ndarray) -> pa.Array:
+    """Rows of a [n, *shape] array as a fixed-shape tensor array (also for n == 0, which pyarrow's
+    `from_numpy_ndarray` refuses)."""
+    values = np.ascontiguousarray(values)
+    if len(values):
+        return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
+    shape = list(values.shape[1:])
+    value_type = pa.from_numpy_dtype(values.dtype)
+    storage = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=value_type),
+                                                int(np.prod(shape)))
+    return pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(value_type, shape), storage)
 
 
 def numpy_column(array: Any) -> np.ndarray:
@@ -173,6 +186,8 @@ def numpy_column(array: Any) -> np.ndarray:
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
     if isinstance(array.type, pa.FixedShapeTensorType):
+        if len(array) == 0:
+            return np.empty((0, *array.type.shape), dtype=array.type.value_type.to_pandas_dtype())
         return np.asarray(array.to_numpy_ndarray())
     return np.asarray(array.to_numpy(zero_copy_only=False))
 
