@@ -381,6 +381,9 @@ class ExperienceStore(IngestMixin):
                 why = "the store is empty"
             else:
                 why = f"{type(self.sampler).__name__} cannot serve {n} items from {len(self.index)} stored rows"
+                if self._max_times_sampled:
+                    why += (f" (max_times_sampled={self._max_times_sampled}: a batch needs {n} distinct eligible "
+                            f"items; {self.index.counter('removed')} were used up)")
             wait = "did not wait (timeout=None)" if timeout is None else f"waited {timeout}s"
             raise SampleTimeout(f"sample({n}) from {self.name!r}: {why}; {wait}. Add data or pass timeout= to wait")
         self.index.count("samples", n)
