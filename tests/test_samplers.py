@@ -270,7 +270,7 @@ def test_rate_limiter_arguments():
 def test_max_times_sampled_holds_within_a_batch(sampler):
     store = store_with(sampler, max_times_sampled=1)
     store.extend(make_episodes([4])[0])
-    with pytest.raises(ab.SampleTimeout):  # 10 distinct items do not exist: it waits (here: not at all), never short
+    with pytest.raises(ab.SampleTimeout, match="distinct"):  # 10 distinct items do not exist: no short batch
         store.sample(10)
     assert store.stats()["removed"] == 0  # a refused sample uses nothing up
     b = store.sample(4)
@@ -541,3 +541,23 @@ def test_max_times_sampled_property(lengths, actors, kind, k, sizes, seed):
         except ab.SampleTimeout:
             break
     assert set(counts.values()) <= {k}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6), k=st.integers(1, 5),
+       gamma=st.floats(0.5, 1.0), kind=st.sampled_from(["uniform", "lifo", "prioritized"]), seed=st.integers(0, 99))
+def test_n_step_with_used_up_rows_matches_reference(lengths, k, gamma, kind, seed):
+    """Rows that max_times_sampled removed do not shorten later rows' n-step windows."""
+    batch, _ = make_episodes(lengths, seed=seed)
+    store = store_with(kind, capacity=500, chunk_rows=8, seed=seed, max_times_sampled=1)
+    store.extend(batch)
+    while True:
+        try:
+            b = store.sample(3, n_step=k, gamma=gamma)
+        except ab.SampleTimeout:
+            break
+        for row, i in enumerate(b.indices):
+            ret, disc, boot = reference_n_step(batch, int(i), k, gamma)
+            assert b["n_step_return"][row] == pytest.approx(ret, rel=1e-4, abs=1e-4)
+            assert b["n_step_discount"][row] == pytest.approx(disc, rel=1e-5, abs=1e-6)
+            np.testing.assert_array_equal(b["n_step_next_obs"][row], boot)
