@@ -147,11 +147,41 @@ class Sampler(abc.ABC):
         """Smallest positive `mass` of any position (the denominator of IS weights); +inf when none is positive."""
         return 1.0 if self.total_mass() > 0 else float("inf")
 
+    def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """What a checkpoint keeps of this sampler for the rows at `positions` (`arrowbuf.persist`, docs/format.md):
+        JSON-able scalars, and per-row arrays aligned with `positions`.
+
+        Raises:
+            InvalidArgument: the sampler does not say (a custom sampler without `state`/`load_state`).
+        """
+        raise InvalidArgument(f"{type(self).__name__} cannot be checkpointed yet: it defines no state()/load_state() "
+                              "(arrowbuf's Uniform, Fifo, Lifo, Prioritized and Sequence samplers do)")
+
+    def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dropped_valid: int = 0) -> None:
+        """Put back what `state` recorded, for the rows now at `positions` (a fresh store's sampler).
+
+        Args:
+            dropped_valid: sampleable rows of the checkpoint that were not restored.
+        """
+        raise InvalidArgument(f"{type(self).__name__} cannot be restored: it defines no load_state()")
+
     def describe(self) -> dict[str, Any]:
         return {"sampler": type(self).__name__}
 
 
-class UniformSampler(Sampler):
+class _StatelessSampler(Sampler):
+    """A sampler whose only state is the index it reads (nothing to checkpoint)."""
+
+    def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        return {}, {}
+
+    def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dropped_valid: int = 0) -> None:
+        pass
+
+
+class UniformSampler(_StatelessSampler):
     """Uniform over sampleable rows, with replacement (without, when the store asks for distinct items). Indices come
     back sorted by position (a faster gather)."""
 
@@ -280,11 +310,19 @@ class FifoSampler(Sampler):
         seqs = np.arange(max(self.cursor, idx.lo), idx.hi, dtype=np.int64)
         return float(np.count_nonzero(idx.valid[seqs % idx.arena_rows]))
 
+    def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        return {"cursor": self.cursor, "skipped": self.skipped}, {}
+
+    def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dropped_valid: int = 0) -> None:
+        self.cursor = int(meta["cursor"])
+        self.skipped = int(meta["skipped"])
+
     def describe(self) -> dict[str, Any]:
         return {"sampler": "FifoSampler", "cursor": self.cursor, "skipped_evicted": self.skipped}
 
 
-class LifoSampler(Sampler):
+class LifoSampler(_StatelessSampler):
     """The newest `n` sampleable rows (a stack when combined with `max_times_sampled=1`)."""
 
     def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, None] | None:
@@ -451,6 +489,17 @@ class PrioritizedSampler(Sampler):
     def min_mass(self) -> float:
         return self.min_tree.min()
 
+    def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        return ({"max_priority": self.max_priority, "count": self.count},
+                {"priority_sum": self.sum_tree.get(positions), "priority_min": self.min_tree.get(positions)})
+
+    def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dropped_valid: int = 0) -> None:
+        if len(positions):  # the min tree follows from the leaves (+inf where 0): priority_min is not trusted
+            self._set(positions, np.asarray(arrays["priority_sum"], dtype=np.float64))
+        self.max_priority = float(meta["max_priority"])
+        self.count = int(meta["count"]) - dropped_valid
+
     def describe(self) -> dict[str, Any]:
         return {"sampler": "PrioritizedSampler", "alpha": self.alpha, "beta": self.beta,
                 "max_priority": self.max_priority, "priority_sum": self.sum_tree.total()}
@@ -499,6 +548,14 @@ class SequenceSampler(Sampler):
 
     def min_mass(self) -> float:
         return self.starts.min_mass()
+
+    def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        meta, arrays = self.starts.state(positions)
+        return {"starts": meta}, arrays
+
+    def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dropped_valid: int = 0) -> None:
+        self.starts.load_state(positions, meta["starts"], arrays, dropped_valid)
 
     def windows(self, start_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Positions [B, window] following each start's successors, and a mask of complete windows."""
