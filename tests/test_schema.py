@@ -98,3 +98,14 @@ def test_schema_error_is_a_value_error():
     with pytest.raises(ValueError):
         ab.load_schema({"name": "x"})
     assert issubclass(ab.SchemaError, ab.ArrowbufError)
+
+
+def test_load_schema_by_the_name_of_a_shipped_schema():
+    from arrowbuf.schema import bundled_schemas
+
+    assert {"atari", "cartpole", "mujoco", "tokens"} <= set(bundled_schemas())
+    assert ab.load_schema("atari").to_dict() == ab.load_schema(SCHEMAS / "atari.yaml").to_dict()
+    assert ab.load_schema("cartpole.yaml").name == "cartpole"
+    for bad in ("no-such-schema", "../schemas/atari", "atari/x"):
+        with pytest.raises(ab.SchemaError, match="not the name of a schema shipped"):
+            ab.load_schema(bad)

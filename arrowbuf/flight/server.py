@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import os
 import threading
 import warnings
 from collections import deque
@@ -45,7 +46,8 @@ DEFAULT_PREFETCH_BYTES = ServerLimits.max_prefetch_bytes
 
 
 def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str | None = None,
-          tls: Any = None, *, limits: ServerLimits | None = None, **overrides: Any) -> "StoreServer":
+          tls: Any = None, *, limits: ServerLimits | None = None, checkpoint_root: Any = None,
+          **overrides: Any) -> "StoreServer":
     """Serve one or more stores over Arrow Flight.
 
     Args:
@@ -56,13 +58,16 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
         token: bearer token every call must carry (`authorization: Bearer <token>`); None accepts every caller.
         tls: `(certificate, private_key)` as PEM bytes/str or file paths; the server then speaks `grpc+tls`.
         limits: the bounds of every request (`ServerLimits`; safe defaults). docs/security.md lists them.
+        checkpoint_root: a directory under which the `checkpoint` action may write (a client names a relative
+            path; anything outside, `..`, absolute paths and links are refused); None: no remote checkpoints.
         **overrides: single limits by name, e.g. `max_batch_rows=50_000`, `shutdown_timeout=1.0`,
             `sql_limits=ab.SqlLimits(timeout=5.0)`, `max_concurrent_calls=32` (see `ServerLimits`).
 
     Returns:
         A running `StoreServer` (a context manager).
     """
-    return StoreServer(store_or_stores, location, token=token, tls=tls, limits=limits, **overrides)
+    return StoreServer(store_or_stores, location, token=token, tls=tls, limits=limits,
+                       checkpoint_root=checkpoint_root, **overrides)
 
 
 class StoreServer:
@@ -76,8 +81,10 @@ class StoreServer:
     """
 
     def __init__(self, store_or_stores: Any, location: str = "grpc://127.0.0.1:0", *, token: str | None = None,
-                 tls: Any = None, limits: ServerLimits | None = None, **overrides: Any) -> None:
+                 tls: Any = None, limits: ServerLimits | None = None, checkpoint_root: Any = None,
+                 **overrides: Any) -> None:
         self.stores = _named_stores(store_or_stores)
+        self.checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)  # persist (issue 15)
         if limits is not None and not isinstance(limits, ServerLimits):
             raise InvalidArgument(f"limits must be a ServerLimits, got {type(limits).__name__}")
         self.limits = (limits or ServerLimits()).with_overrides(**overrides)
@@ -410,6 +417,10 @@ class _FlightService(flight.FlightServerBase):
                                  "running": self.owner.calls.running()}
         elif req.type == "len":
             out = {"len": len(store)}
+        elif req.type == "checkpoint":  # persist (issue 15): only under the server's root
+            from ..persist.remote import checkpoint_under_root
+
+            out = checkpoint_under_root(store, self.owner.checkpoint_root, req.path or "", req.keep)
         else:  # update_priorities
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
         return [P.dumps(out)]
