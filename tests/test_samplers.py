@@ -599,3 +599,96 @@ def test_a_custom_sampler_without_state_cannot_be_checkpointed(tmp_path):
     assert store.sample(2).indices.tolist() == [2, 3]
     with pytest.raises(ab.InvalidArgument, match="state"):
         store.checkpoint(tmp_path / "ckpt")
+
+
+def _two_actors(store, b_steps):
+    """Actor 0 writes one step and goes idle (its row waits for a successor); actor 1 writes `b_steps`."""
+    a, _ = make_episodes([5], seed=1)
+    a = {k: v[:1] for k, v in a.items()}
+    a["terminated"][:] = a["truncated"][:] = False
+    a["actor"] = np.zeros(1, int)
+    store.extend(a)
+    b, _ = make_episodes([b_steps], seed=2, start=100.0)
+    b["actor"] = np.ones(b_steps, int)
+    store.extend(b)
+    return a
+
+
+def test_fifo_strict_order_waits_for_an_idle_actor():
+    store = store_with("fifo")
+    _two_actors(store, 10)
+    with pytest.raises(ab.SampleTimeout):  # row 0 waits for its next observation: the strict queue waits too
+        store.sample(1)
+    assert store.stats()["blocked_at"] == 0
+
+
+def test_fifo_skip_pending_serves_around_an_idle_actor():
+    store = store_with(ab.samplers.Fifo(skip_pending=True))
+    a = _two_actors(store, 10)
+    assert store.sampler.available() == 10
+    assert store.sample(4).indices.tolist() == [1, 2, 3, 4]
+    assert store.sample(6).indices.tolist() == [5, 6, 7, 8, 9, 10]
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1)
+    nxt = {k: v.copy() for k, v in a.items()}
+    nxt["obs"] = nxt["obs"] + 1
+    nxt["terminated"][:] = True  # actor 0 comes back: row 0 is sampleable now, row 11 too (its episode ended)
+    store.extend(nxt)
+    assert store.sample(2).indices.tolist() == [0, 11]
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1)
+    assert store.stats()["skipped_evicted"] == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6), st.booleans()), min_size=1, max_size=15),
+       sizes=st.lists(st.integers(1, 5), min_size=1, max_size=20))
+def test_fifo_skip_pending_delivers_each_row_once(steps, sizes):
+    store = store_with(ab.samplers.Fifo(skip_pending=True), capacity=1000)
+    seen: list[int] = []
+    sizes = iter(sizes * 10)
+    for i, (actor, n, end) in enumerate(steps):
+        batch, _ = make_episodes([n], seed=i, start=i * 100.0)
+        batch["terminated"][:] = False
+        batch["truncated"][:] = False
+        batch["terminated"][-1] = end
+        batch["actor"] = np.full(n, actor)
+        store.extend(batch)
+        try:
+            seen += store.sample(next(sizes, 1)).indices.tolist()
+        except ab.SampleTimeout:
+            pass
+    while True:
+        try:
+            seen += store.sample(1).indices.tolist()
+        except ab.SampleTimeout:
+            break
+    valid = store.index.valid[np.arange(len(store))]
+    assert len(seen) == len(set(seen)) and sorted(seen) == np.flatnonzero(valid).tolist()
+
+
+def test_fifo_skip_pending_state_survives_checkpoint(tmp_path):
+    store = store_with(ab.samplers.Fifo(skip_pending=True), capacity=64, chunk_rows=8)
+    a = _two_actors(store, 5)
+    assert store.sample(3).indices.tolist() == [1, 2, 3]
+    store.checkpoint(tmp_path / "ckpt")
+    again = ab.ExperienceStore.restore(tmp_path / "ckpt")
+    assert again.sample(2).indices.tolist() == [4, 5]
+    nxt = {k: v.copy() for k, v in a.items()}
+    nxt["terminated"][:] = True
+    again.extend(nxt)
+    assert again.sample(2).indices.tolist() == [0, 6]
+
+
+def test_fifo_skip_pending_is_one_queue_across_attached_handles():
+    import os
+    import uuid
+
+    name = f"tsampler{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with ab.ExperienceStore(ab.load_schema(SMALL), 100, sampler=ab.samplers.Fifo(skip_pending=True), tier="shm",
+                            name=name) as owner:
+        _two_actors(owner, 8)
+        with ab.ExperienceStore.attach(name) as other:
+            assert other.sampler.skip_pending
+            got = owner.sample(3).indices.tolist() + other.sample(3).indices.tolist() + owner.sample(2).indices.tolist()
+            assert got == [1, 2, 3, 4, 5, 6, 7, 8]
