@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgument, SchemaError, require
-from .samplers import Prioritized
+from ..errors import InvalidArgument, SchemaError, require
+from ..samplers import Prioritized
 
 require("ray.rllib", "ray")  # a missing RLlib is MissingDependency naming the extra, not a bare ImportError
 
@@ -52,7 +52,7 @@ def replay_buffer_config(capacity: int = 50_000, *, prioritized: bool = False, a
                          **kwargs: Any) -> dict[str, Any]:
     """The `replay_buffer_config` dict for RLlib's DQN/SAC config that puts the buffer in arrowbuf."""
     cls = ArrowbufPrioritizedEpisodeReplayBuffer if prioritized else ArrowbufEpisodeReplayBuffer
-    out: dict[str, Any] = {"type": f"{cls.__module__}.{cls.__name__}", "capacity": int(capacity), **kwargs}
+    out: dict[str, Any] = {"type": f"arrowbuf.rllib.{cls.__name__}", "capacity": int(capacity), **kwargs}
     if prioritized:
         out.update(alpha=alpha, beta=beta)
     if num_shards is not None:
@@ -101,13 +101,13 @@ class _ArrowbufBuffer:
             return
         schema = self._schema_for(episode)
         if self._num_shards:
-            from .ray import ShardedStore
+            from ..ray import ShardedStore
 
             per_shard = max(1, math.ceil(self._capacity_rows / self._num_shards))
             self.store = ShardedStore.create(schema, self._num_shards, per_shard, self._sampler, seed=self._seed,
                                              **self._shard_options)
         else:
-            from .store import ExperienceStore
+            from ..store import ExperienceStore
 
             self.store = ExperienceStore(schema, self._capacity_rows, self._sampler, seed=self._seed)
 
