@@ -26,6 +26,7 @@ from .errors import (
     Unavailable,
 )
 from .loader import Loader
+from .persist import open_dataset
 from .flight import connect, serve
 from .sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
@@ -62,6 +63,7 @@ __all__ = [
     "Unavailable",
     "connect",
     "load_schema",
+    "open_dataset",
     "placement",
     "rate_limiters",
     "samplers",

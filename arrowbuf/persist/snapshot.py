@@ -86,43 +86,19 @@ def _final_state(parts: StoreParts, pos: np.ndarray, lo: int) -> dict[str, Any]:
 
 
 def sampler_state(sampler: Any, pos: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """A sampler's state for the rows at `pos`: JSON-able scalars and per-row arrays.
+    """A sampler's state for the rows at `pos`: JSON-able scalars and per-row arrays (`Sampler.state`).
 
     Raises:
-        InvalidArgument: a sampler class persist does not know (its state could not be restored).
+        InvalidArgument: a sampler that does not say (its state could not be restored).
     """
-    from .. import samplers as s
-
-    if isinstance(sampler, s.SequenceSampler):
-        meta, arrays = sampler_state(sampler.starts, pos)
-        return {"starts": meta}, arrays
-    if isinstance(sampler, s.PrioritizedSampler):
-        return ({"max_priority": sampler.max_priority, "count": sampler.count},
-                {"priority_sum": sampler.sum_tree.get(pos), "priority_min": sampler.min_tree.get(pos)})
-    if isinstance(sampler, s.FifoSampler):
-        return {"cursor": sampler.cursor, "skipped": sampler.skipped}, {}
-    if type(sampler) in (s.UniformSampler, s.LifoSampler):
-        return {}, {}
-    raise InvalidArgument(f"{type(sampler).__name__} cannot be checkpointed yet: arrowbuf.persist knows the state of "
-                          "Uniform, Fifo, Lifo, Prioritized and Sequence samplers")
+    meta, arrays = sampler.state(pos)
+    return meta, arrays
 
 
 def restore_sampler_state(sampler: Any, pos: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
                           dropped_valid: int = 0) -> None:
     """Put back what `sampler_state` recorded, for the rows now at `pos` (a fresh store's sampler)."""
-    from .. import samplers as s
-
-    if isinstance(sampler, s.SequenceSampler):
-        restore_sampler_state(sampler.starts, pos, meta["starts"], arrays, dropped_valid)
-    elif isinstance(sampler, s.PrioritizedSampler):
-        if len(pos):
-            sampler.sum_tree.update(pos, arrays["priority_sum"])
-            sampler.min_tree.update(pos, arrays["priority_min"])
-        sampler.max_priority = float(meta["max_priority"])
-        sampler.count = int(meta["count"]) - dropped_valid
-    elif isinstance(sampler, s.FifoSampler):
-        sampler.cursor = int(meta["cursor"])
-        sampler.skipped = int(meta["skipped"])
+    sampler.load_state(pos, meta, arrays, dropped_valid)
 
 
 def episode_state(tracker: Any) -> dict[str, Any]:
@@ -169,11 +145,9 @@ def arrow_column(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
 
 
 def tensor_array(values: np.ndarray) -> pa.Array:
-    """Rows of a [n, *shape] array as a fixed-shape tensor array (also for n == 0, which pyarrow's
-    `from_numpy_ndarray` refuses)."""
+    """Rows of a [n, *shape] array as a fixed-shape tensor array, zero-copy for a C-contiguous array (built from
+    its storage: pyarrow's `from_numpy_ndarray` costs far more per call, and refuses n == 0)."""
     values = np.ascontiguousarray(values)
-    if len(values):
-        return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
     shape = list(values.shape[1:])
     value_type = pa.from_numpy_dtype(values.dtype)
     storage = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=value_type),
