@@ -65,7 +65,9 @@ MAX_TIMEOUT = 1e6
 TICKET_KINDS = ("sample", "table", "episodes", "sql")
 #: Sampler options a sample request or session may carry, and what each must be (unknown keys are an error;
 #: the server bounds them further, e.g. n_step by its max_n_step, stated in `describe`).
-SAMPLE_OPTIONS: dict[str, str] = {"n_step": "a positive integer", "gamma": "a number in [0, 1]"}
+SAMPLE_OPTIONS: dict[str, str] = {"n_step": "a positive integer", "gamma": "a number in [0, 1]",
+                                  # a Ray shard's sampling-mass columns (arrowbuf.ray.handle asks every shard for them)
+                                  "shard_info": "a boolean"}
 #: DoAction types and what they do (ListActions returns this).
 ACTIONS: dict[str, str] = {
     "describe": 'the store: {"store", "schema" (the schema dict), "capacity", "max_batch_rows", "protocol", "stores"}',
@@ -291,6 +293,7 @@ _CHECKS = {
     "a number in [0, 1]": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     and 0 <= v <= 1,
     "an object": lambda v: isinstance(v, dict),
+    "a boolean": lambda v: isinstance(v, bool),
     "a list of int64 integers": lambda v: isinstance(v, list) and all(_is_int64(x) for x in v),
     "a list of numbers": lambda v: isinstance(v, list)
     and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v),
