@@ -138,6 +138,7 @@ class StoreServer:
                 thread = self._shutdown_thread
             else:
                 self._closing.set()
+                self._service.stop_prefetching()
                 thread = threading.Thread(target=self._shutdown, name="arrowbuf-flight-shutdown", daemon=True)
                 self._shutdown_thread = thread
                 thread.start()
@@ -235,7 +236,15 @@ class _FlightService(flight.FlightServerBase):
         super().__init__(location, tls_certificates=certs, middleware=middleware)
         self.owner = owner
         self._sessions = 0
+        self._prefetchers: set[_Prefetcher] = set()
         self._lock = threading.Lock()
+
+    def stop_prefetching(self) -> None:
+        """Wake every session's prefetch thread so it sees the server closing (close() calls this)."""
+        with self._lock:
+            prefetchers = list(self._prefetchers)
+        for p in prefetchers:
+            p.wake()
 
     # ------------------------------------------------------------------ metadata verbs
     def _info(self, name: str, store: Any) -> flight.FlightInfo:
@@ -362,6 +371,7 @@ class _FlightService(flight.FlightServerBase):
         prefetcher = _Prefetcher(draw, depth, self.owner._closing)
         with self._lock:
             self._sessions += 1
+            self._prefetchers.add(prefetcher)
         begun: pa.Schema | None = None
         try:
             while True:
@@ -395,6 +405,7 @@ class _FlightService(flight.FlightServerBase):
             prefetcher.close()
             with self._lock:
                 self._sessions -= 1
+                self._prefetchers.discard(prefetcher)
 
     # ------------------------------------------------------------------ DoAction
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
@@ -459,7 +470,7 @@ class _Prefetcher:
         while True:
             with self._cond:
                 while not self._done() and (self._paused or len(self._ready) >= self._depth):
-                    self._cond.wait(0.5)
+                    self._cond.wait()  # woken by get(), close() and wake() (the server closing)
                 if self._done():
                     return
                 self._busy = True
@@ -489,6 +500,11 @@ class _Prefetcher:
             self._paused = False
             self._cond.notify_all()
         return self._draw(timeout)
+
+    def wake(self) -> None:
+        """Make the prefetch thread look at `stop` again (set it first)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
