@@ -42,10 +42,12 @@ def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
 
 
 def restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any] | None = None,
-            seed: int | None = None, name: str | None = None, schema: Any = None, cls: Any = None) -> Any:
-    """Rebuild the store checkpointed at `path` (see `ExperienceStore.restore`)."""
+            seed: int | None = None, name: str | None = None, schema: Any = None, cls: Any = None,
+            generation: int | None = None) -> Any:
+    """Rebuild the store checkpointed at `path` (see `ExperienceStore.restore`); `generation` picks a kept
+    checkpoint other than the latest."""
     root = os.fspath(path)
-    m = mf.read_manifest(root)
+    m = mf.read_manifest(root, None if generation is None else f"{int(generation):08d}.json")
     where = m["_path"]
     st = m["store"]
     saved = load_schema(st["schema"])
