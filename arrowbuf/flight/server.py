@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import itertools
 import logging
 import os
 import threading
@@ -310,7 +311,9 @@ class _FlightService(flight.FlightServerBase):
         except BaseException:
             gate.release("table")
             raise
-        return flight.GeneratorStream(table.schema, _copied_batches(table, lambda: gate.release("table")))
+        batches = _copied_batches(table, lambda: gate.release("table"))
+        first = next(batches, None)  # started now: a generator that never started would never run its `finally`
+        return flight.GeneratorStream(table.schema, batches if first is None else itertools.chain([first], batches))
 
     def _sql(self, store: Any, query: str, context: Any) -> pa.Table:
         """The `sql` ticket: the sandbox of `arrowbuf.sql` with this server's limits; stops when the client goes."""
