@@ -185,6 +185,11 @@ class TestSqlSandbox:
             ab.SqlLimits(memory_limit=10)
         with pytest.raises(ab.InvalidArgument):
             ab.serve(cartpole_store(rows=0), sql_limits={"timeout": 1})
+        with pytest.raises(ab.InvalidArgument, match="unknown server limit"):
+            ab.serve(cartpole_store(rows=0), max_batch_rowz=10)
+        with pytest.raises(ab.InvalidArgument):
+            ab.ServerLimits(max_n_step=0)
+        assert ab.ServerLimits().with_overrides(max_n_step=5).max_n_step == 5
 
     def test_concurrent_queries_are_bounded(self, servers):
         server = servers(cartpole_store(), max_concurrent_sql=1, sql_limits=ab.SqlLimits(timeout=600.0))
