@@ -44,3 +44,43 @@ def test_buffer_state_round_trips_the_experience_by_checkpoint(tmp_path):
             again.store.close()
     finally:
         buf.store.close()
+
+
+def test_dqn_save_and_from_checkpoint_resume_with_a_full_buffer(tmp_path):
+    pytest.importorskip("gymnasium")
+    import ray
+    from ray.rllib.algorithms.dqn import DQNConfig
+
+    from arrowbuf.rllib import from_checkpoint_with_buffer, replay_buffer_config, save_with_buffer
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    algo = again = None
+    try:
+        config = (DQNConfig().environment("CartPole-v1")
+                  .env_runners(num_env_runners=0, rollout_fragment_length=32)
+                  .learners(num_learners=0)
+                  .reporting(min_sample_timesteps_per_iteration=32, min_time_s_per_iteration=0)
+                  .debugging(seed=0)
+                  .training(replay_buffer_config=replay_buffer_config(capacity=5000, prioritized=True, seed=0),
+                            num_steps_sampled_before_learning_starts=64, train_batch_size=32))
+        algo = config.build_algo()
+        for _ in range(3):
+            algo.train()
+        rows = len(algo.local_replay_buffer)
+        assert rows > 64
+        want = algo.local_replay_buffer.store.to_table()
+        save_with_buffer(algo, tmp_path / "algo")
+        again = from_checkpoint_with_buffer(tmp_path / "algo")
+        assert len(again.local_replay_buffer) == rows  # resumes with a full buffer
+        assert again.local_replay_buffer.store.to_table().equals(want)
+        again.train()  # and trains on
+        assert len(again.local_replay_buffer) > rows
+    finally:
+        for a in (algo, again):
+            if a is not None:
+                buf = a.local_replay_buffer
+                a.stop()
+                buf.close()
+                if getattr(buf, "store", None) is not None:
+                    buf.store.close()
+        ray.shutdown()

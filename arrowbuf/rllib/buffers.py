@@ -25,7 +25,8 @@ transitions with the store's n-step returns (`n_step`, `gamma` as DQN asks) and 
 outputs `n_step = m` and `weights` (IS weights; 1 for the uniform buffer). Observations must be Box (arrays, stored
 as float32) and actions Discrete (int64) or Box (float32). `get_state` holds the counters, and with the buffer
 option `checkpoint_dir=` the experience by reference (a checkpoint written there; `set_state` restores it). RLlib
-2.60's new API stack does not put buffer state into `algo.save()`, so call them yourself around it.
+2.60's new API stack does not put buffer state into `algo.save()`: `arrowbuf.rllib.save_with_buffer(algo, path)` and
+`from_checkpoint_with_buffer(path)` do (arrowbuf/rllib/checkpoint.py).
 
 Scheduling (`replay_buffer_config(..., schedule=True)`, docs/rllib.md): `sample` returns a batch an `ab.Loader`
 drew, gathered and converted to episodes in the background while the learner updated on the previous one; `add`
@@ -159,7 +160,7 @@ class _ArrowbufBuffer:
         if schedule and (not isinstance(prefetch, int) or prefetch < 1):
             raise InvalidArgument(f"prefetch must be >= 1 batches drawn ahead, got {prefetch!r}")
         self.store = store
-        self._checkpoint_dir = None if checkpoint_dir is None else os.path.abspath(os.fspath(checkpoint_dir))
+        self.checkpoint_dir = None if checkpoint_dir is None else os.path.abspath(os.fspath(checkpoint_dir))
         self._num_shards = num_shards
         self._seed = seed
         self._shard_options = dict(shard_options or {})
@@ -324,11 +325,11 @@ class _ArrowbufBuffer:
         """Counters, and with `checkpoint_dir` the experience by reference: the local store is checkpointed there
         (incremental, the last 2 kept) and the state names the checkpoint (persist, issue 15)."""
         state: dict[str, Any] = {"added": self._added, "sampled": self._sampled}
-        if self._checkpoint_dir is not None and self.store is not None and hasattr(self.store, "checkpoint") \
+        if self.checkpoint_dir is not None and self.store is not None and hasattr(self.store, "checkpoint") \
                 and not hasattr(self.store, "num_shards"):
             self._flush()
-            info = self.store.checkpoint(self._checkpoint_dir, keep=2)
-            state["checkpoint"] = {"path": self._checkpoint_dir, "generation": int(info["generation"])}
+            info = self.store.checkpoint(self.checkpoint_dir, keep=2)
+            state["checkpoint"] = {"path": self.checkpoint_dir, "generation": int(info["generation"])}
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
