@@ -48,6 +48,8 @@ def test_killed_shard_comes_back_with_its_checkpointed_rows(local_ray, tmp_path)
         assert new["pid"] != old["pid"] and new["generation"] != old["generation"]
         assert new["restored_from"]["rows"] == sizes[0]
         assert ray.get(s.actors[0].stats.remote(), timeout=60)["size"] == sizes[0]
+        b = s.sample(64, timeout=30)  # the learner's handle serves again, from both shards' rows
+        assert len(b.indices) == 64
     finally:
         s.shutdown()
     assert os.path.isdir(root / "shard-0")
