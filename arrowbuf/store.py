@@ -640,6 +640,7 @@ class ExperienceStore(IngestMixin):
         """The components `arrowbuf.persist` checkpoints and restores (see `arrowbuf.persist.parts`)."""
         from .persist.parts import StoreParts
 
+        self._check_open()
         config = {"name": self.name, "capacity": self.capacity, "chunk_rows": self.chunk_rows,
                   "final_obs_capacity": self.final_capacity or None,
                   "max_times_sampled": self._max_times_sampled or None}

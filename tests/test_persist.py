@@ -211,6 +211,8 @@ def test_bad_arguments(tmp_path):
             store.checkpoint(tmp_path / "c", compression="gzip")
     with pytest.raises(FileNotFoundError):
         ab.ExperienceStore.restore(tmp_path / "nothing")
+    with pytest.raises(ab.StoreClosed):
+        store.checkpoint(tmp_path / "closed")
 
 
 def test_zstd_archive_round_trip(tmp_path):

@@ -53,6 +53,14 @@ def _kill_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def known_files(parts: StoreParts, root: str) -> dict[tuple[int, int], dict[str, Any]]:
     return _WRITTEN.setdefault(parts.index, {}).setdefault(os.path.realpath(root), {})
 
@@ -138,7 +146,8 @@ class _Job:
         self.error: BaseException | None = None
         self.result: dict[str, Any] | None = None
         self.after_read: Any = None
-        self.unsynced: list[str] = []
+        self.unsynced: list[Any] = []
+        self.syncer: Any = None
 
     def run(self) -> None:
         try:
@@ -146,6 +155,8 @@ class _Job:
         except BaseException as exc:  # handed to wait()
             self.error = exc
         finally:
+            if self.syncer is not None:
+                self.syncer.shutdown(wait=True)
             os.close(self.lock_fd)
 
     def _ipc(self, batch: pa.RecordBatch | pa.Table, schema: pa.Schema | None = None) -> pa.Buffer:
@@ -159,21 +170,22 @@ class _Job:
         return sink.getvalue()
 
     def _write(self, name: str, data: Any, sub: str = "", crc: int | None = None) -> dict[str, Any]:
-        """Write a file through temp + rename; fsynced later, all together, before the manifest (`_sync`)."""
+        """Write a file through temp + rename; a background thread fsyncs it while the next file is prepared, and
+        `_sync` waits for all of them before the manifest names them."""
         path = os.path.join(self.root, sub, name)
         mf.write_file(path, data, sync=False)
-        self.unsynced.append(path)
+        if self.syncer is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.syncer = ThreadPoolExecutor(1, thread_name_prefix="arrowbuf-fsync")
+        self.unsynced.append(self.syncer.submit(_fsync_path, path))
         crc = mf.crc32(data) if crc is None else crc
         return {"name": name, "bytes": len(memoryview(data).cast("B")), "crc32": f"{crc:08x}"}
 
     def _sync(self) -> None:
-        """fsync every file this checkpoint wrote, then their directories (before the manifest names them)."""
-        for path in self.unsynced:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        """Every file this checkpoint wrote is on disk, then their directories (before the manifest names them)."""
+        for fut in self.unsynced:
+            fut.result()
         for sub in ("", mf.STATE, mf.RETAINED):
             mf.fsync_dir(os.path.join(self.root, sub))
         self.unsynced = []
@@ -194,7 +206,7 @@ class _Job:
             _, p0, p1, first = chunk
             n = p1 - p0
             full = snap.sealed[i] and n == cr
-            entry = known.get((first, n)) if full else None
+            entry = known.get((first, n)) if full and self.compression is None else None
             if entry is not None and self._restore_file(entry):
                 e = dict(entry)
                 reused += 1
