@@ -49,7 +49,7 @@ FRAGMENT = 32
 MODES = ("rllib", "ab-sync", "ab-sched")
 EMA = 0.01  # RLlib's default EMA coefficient of `metrics.log_time`
 RLLIB_TIMERS = ("replay_buffer_add_data_timer", "replay_buffer_sampling_timer", "replay_buffer_update_prios_timer",
-                "learner_update_timer", "env_runner_sampling_timer", "training_iteration")
+                "learner_update_timer", "env_runner_sampling_timer", "training_iteration", "learner_connector_timer")
 
 
 # ---------------------------------------------------------------------------------------------------- environments
@@ -183,7 +183,8 @@ def buffer_config(mode: str, prioritized: bool, capacity: int) -> dict[str, Any]
     return cfg
 
 
-def dqn_config(env: str, buffer: dict[str, Any], seed: int, device: str, batch: int = BATCH) -> Any:
+def dqn_config(env: str, buffer: dict[str, Any], seed: int, device: str, batch: int = BATCH,
+               intensity: float | None = None) -> Any:
     from ray.rllib.algorithms.dqn import DQNConfig
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
@@ -193,7 +194,7 @@ def dqn_config(env: str, buffer: dict[str, Any], seed: int, device: str, batch: 
               .reporting(min_sample_timesteps_per_iteration=FRAGMENT, min_time_s_per_iteration=0)
               .debugging(seed=seed)
               .training(replay_buffer_config=buffer, num_steps_sampled_before_learning_starts=256,
-                        train_batch_size=batch, target_network_update_freq=500))
+                        train_batch_size=batch, target_network_update_freq=500, training_intensity=intensity))
     if env == "atari":
         from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
@@ -207,9 +208,15 @@ def dqn_config(env: str, buffer: dict[str, Any], seed: int, device: str, batch: 
 
 # ---------------------------------------------------------------------------------------------------- one run
 def run_one(env: str, mode: str, prioritized: bool, iters: int, seed: int, device: str,
-            batch: int = BATCH) -> dict[str, Any]:
+            batch: int = BATCH, intensity: float | None = None) -> dict[str, Any]:
     capacity = 20_000 if env == "atari" else 50_000
-    algo = dqn_config(env, buffer_config(mode, prioritized, capacity), seed, device, batch).build_algo()
+    algo = dqn_config(env, buffer_config(mode, prioritized, capacity), seed, device, batch, intensity).build_algo()
+    from ray.rllib.algorithms.dqn.dqn import calculate_rr_weights
+
+    store_w, train_w = calculate_rr_weights(algo.config)
+    # how many values each timer gets per iteration (one per call); the EMA is inverted for k equal values
+    per_it = {t: (store_w if t in ("replay_buffer_add_data_timer", "env_runner_sampling_timer") else
+                  1 if t == "training_iteration" else train_w) for t in RLLIB_TIMERS}
     buf = algo.local_replay_buffer
     rows: list[dict[str, float]] = []
     prev: dict[str, float] = {}
@@ -221,8 +228,12 @@ def run_one(env: str, mode: str, prioritized: bool, iters: int, seed: int, devic
             result = algo.train()
             it = time.perf_counter() - t0
             timers = {k: float(v) for k, v in result.get("timers", {}).items()}
+            conn = result.get("learners", {}).get("__all_modules__", {}).get("learner_connector", {})
+            if "connector_pipeline_timer" in conn:  # RLlib's episodes-to-batch conversion inside the learner update
+                timers["learner_connector_timer"] = float(conn["connector_pipeline_timer"])
             # RLlib's timers are EMAs (coefficient 0.01, one value per iteration here): this iteration's own value
-            own = {t: (timers[t] - (1 - EMA) * prev[t]) / EMA for t in RLLIB_TIMERS if t in timers and t in prev}
+            own = {t: per_it[t] * (timers[t] - (1 - EMA) ** per_it[t] * prev[t]) / (1 - (1 - EMA) ** per_it[t])
+                   for t in RLLIB_TIMERS if t in timers and t in prev}  # per iteration: k calls x their mean
             prev = timers
             if i < WARMUP:
                 continue
@@ -304,9 +315,9 @@ def table(summary: list[dict[str, Any]]) -> str:
 
 def breakdown(summary: list[dict[str, Any]]) -> str:
     """Where an iteration's time goes (RLlib's timers, per iteration, medians) and the path's share of it."""
-    lines = ["| env | buffer | mode | iteration ms | env sampling ms | learner update ms | exposed path ms | "
-             "path share | arrowbuf: wait / blocking add / conversion / background conversion ms | hidden |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| env | buffer | mode | iteration ms | env sampling ms | learner update ms (of it: learner connector) | "
+             "exposed path ms | path share | arrowbuf: wait / blocking add / conversion / background conversion ms | "
+             "hidden |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         def f(x: Any, spec: str = ".2f") -> str:
             return "-" if x is None else format(x, spec)
@@ -315,7 +326,8 @@ def breakdown(summary: list[dict[str, Any]]) -> str:
               if "ab_wait_for_batch_p50_ms" in s else "-")
         lines.append(f"| {s['env']} | {'prioritized' if s['prioritized'] else 'uniform'} | {s['mode']} | "
                      f"{f(s['iteration_p50_ms'], '.1f')} | {f(s.get('rllib_env_runner_sampling_timer_ms'), '.1f')} | "
-                     f"{f(s.get('rllib_learner_update_timer_ms'), '.1f')} | {f(s['exposed_p50_ms'])} | "
+                     f"{f(s.get('rllib_learner_update_timer_ms'), '.1f')} "
+                     f"({f(s.get('rllib_learner_connector_timer_ms'), '.1f')}) | {f(s['exposed_p50_ms'])} | "
                      f"{f(s['exposed_p50_ms'] / s['iteration_p50_ms'], '.1%')} | {ab} | "
                      f"{f(s.get('ab_hidden_fraction_p50'), '.0%')} |")
     return "\n".join(lines)
@@ -327,7 +339,8 @@ def convergence(seeds: int, steps: int) -> dict[str, Any]:
     for seed in range(seeds):
         for mode in curves:
             cfg = dqn_config("cartpole", buffer_config(mode, True, 50_000), seed, "cpu")
-            cfg = cfg.reporting(min_sample_timesteps_per_iteration=500)
+            cfg = cfg.reporting(min_sample_timesteps_per_iteration=500).training(
+                epsilon=[(0, 1.0), (3000, 0.02)])
             algo = cfg.build_algo()
             buf = algo.local_replay_buffer
             curve = []
@@ -380,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--buffers", nargs="+", default=["prioritized", "uniform"], choices=("prioritized", "uniform"))
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--batch", type=int, default=BATCH, help="DQN train_batch_size")
+    ap.add_argument("--intensity", type=float, default=None,
+                    help="DQN training_intensity (replayed steps per env step / native ratio): updates per iteration")
     ap.add_argument("--convergence", action="store_true")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6000)
@@ -409,19 +424,20 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in args.buffers:
                     for mode in args.modes:  # modes alternate within a repeat: drift on a shared machine spreads
                         runs.append(run_one(env, mode, kind == "prioritized", args.iters, seed=rep,
-                                            device=args.device, batch=args.batch))
+                                            device=args.device, batch=args.batch, intensity=args.intensity))
                         print(f"  {env} {kind} {mode} repeat {rep}: done", file=sys.stderr, flush=True)
             summary = summarise(runs)
             print(f"\n## DQN {env} ({args.device}; {args.iters} iterations x {args.repeats} repeats, "
-                  f"batch {args.batch}, fragment {FRAGMENT})\n")
+                  f"batch {args.batch}, fragment {FRAGMENT}, training_intensity {args.intensity})\n")
             print(table(summary))
             print()
             print(breakdown(summary))
             meta = {"python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count(),
                     "ray": ray.__version__, "torch": torch.__version__, "device": args.device,
                     "iters": args.iters, "repeats": args.repeats}
-            suffix = ("" if args.device == "cpu" else f"_{args.device}") + ("" if args.batch == BATCH
-                                                                          else f"_b{args.batch}")
+            suffix = (("" if args.device == "cpu" else f"_{args.device}") + ("" if args.batch == BATCH
+                                                                           else f"_b{args.batch}")
+                      + ("" if args.intensity is None else f"_i{args.intensity:g}"))
             (OUT / f"rllib_{env}{suffix}.json").write_text(json.dumps({"meta": meta, "summary": summary,
                                                                        "runs": runs}, indent=1))
             print(f"wrote {OUT / f'rllib_{env}{suffix}.json'}")
