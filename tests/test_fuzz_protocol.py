@@ -94,7 +94,8 @@ json_values = st.recursive(numbers | texts, lambda inner: st.lists(inner, max_si
                            | st.dictionaries(texts, inner, max_size=3), max_leaves=8)
 columns = st.none() | st.lists(st.sampled_from(["obs", "seq", "reward", "next_obs", "episode_id", "bogus", ""]),
                                max_size=4) | json_values
-options = st.dictionaries(st.sampled_from(["n_step", "gamma", "bogus", "v"]), numbers | json_values, max_size=3)
+options = st.dictionaries(st.sampled_from(["n_step", "gamma", "shard_info", "bogus", "v"]), numbers | json_values,
+                          max_size=3)
 queries = st.sampled_from([
     "SELECT count(*) FROM experience", "SELECT * FROM experience LIMIT 3", "SELECT * FROM duckdb_settings()",
     "COPY (SELECT 1) TO 'x.csv'", "SELECT * FROM read_text('/etc/passwd')", "SELECT sum(i) FROM range(1e13) t(i)",

@@ -185,16 +185,27 @@ class TestSqlSandbox:
             ab.SqlLimits(memory_limit=10)
         with pytest.raises(ab.InvalidArgument):
             ab.serve(cartpole_store(rows=0), sql_limits={"timeout": 1})
+        with pytest.raises(ab.InvalidArgument, match="unknown server limit"):
+            ab.serve(cartpole_store(rows=0), max_batch_rowz=10)
+        with pytest.raises(ab.InvalidArgument):
+            ab.ServerLimits(max_n_step=0)
+        assert ab.ServerLimits().with_overrides(max_n_step=5).max_n_step == 5
 
+    @pytest.mark.slow
     def test_concurrent_queries_are_bounded(self, servers):
-        server = servers(cartpole_store(), max_concurrent_sql=1, sql_limits=ab.SqlLimits(timeout=600.0))
+        # the slow query ends by the server's own deadline (5 s), long enough to be seen running under any load
+        server = servers(cartpole_store(), max_concurrent_sql=1, sql_limits=ab.SqlLimits(timeout=5.0))
         slow = flight.FlightClient(server.location)
         remote = ab.connect(server.location)
         try:
+            outcome: list = []
+
             def hold() -> None:
-                with pytest.raises(flight.FlightError):
+                try:
                     slow.do_get(sql_ticket("SELECT sum(i) FROM range(10000000000000) t(i)"),
-                                flight.FlightCallOptions(timeout=2)).read_all()
+                                flight.FlightCallOptions(timeout=120)).read_all()
+                except flight.FlightError as exc:
+                    outcome.append(detail(exc)["code"])
 
             t = threading.Thread(target=hold, daemon=True)
             t.start()
@@ -202,7 +213,8 @@ class TestSqlSandbox:
             with pytest.raises(ab.ResourceExhausted, match="sql queries"):
                 remote.sql("SELECT 1 AS one")
         finally:
-            t.join()  # the slow call's own deadline ends it; the server interrupts the query
+            t.join()  # the sandbox's deadline ends the slow query
+            assert outcome == ["DEADLINE_EXCEEDED"]
             slow.close()
             remote.close()
         assert server.wait_idle(timeout=60.0)

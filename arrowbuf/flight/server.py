@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import itertools
 import logging
 import os
 import threading
@@ -138,6 +139,7 @@ class StoreServer:
                 thread = self._shutdown_thread
             else:
                 self._closing.set()
+                self._service.stop_prefetching()
                 thread = threading.Thread(target=self._shutdown, name="arrowbuf-flight-shutdown", daemon=True)
                 self._shutdown_thread = thread
                 thread.start()
@@ -235,7 +237,15 @@ class _FlightService(flight.FlightServerBase):
         super().__init__(location, tls_certificates=certs, middleware=middleware)
         self.owner = owner
         self._sessions = 0
+        self._prefetchers: set[_Prefetcher] = set()
         self._lock = threading.Lock()
+
+    def stop_prefetching(self) -> None:
+        """Wake every session's prefetch thread so it sees the server closing (close() calls this)."""
+        with self._lock:
+            prefetchers = list(self._prefetchers)
+        for p in prefetchers:
+            p.wake()
 
     # ------------------------------------------------------------------ metadata verbs
     def _info(self, name: str, store: Any) -> flight.FlightInfo:
@@ -301,7 +311,9 @@ class _FlightService(flight.FlightServerBase):
         except BaseException:
             gate.release("table")
             raise
-        return flight.GeneratorStream(table.schema, _copied_batches(table, lambda: gate.release("table")))
+        batches = _copied_batches(table, lambda: gate.release("table"))
+        first = next(batches, None)  # started now: a generator that never started would never run its `finally`
+        return flight.GeneratorStream(table.schema, batches if first is None else itertools.chain([first], batches))
 
     def _sql(self, store: Any, query: str, context: Any) -> pa.Table:
         """The `sql` ticket: the sandbox of `arrowbuf.sql` with this server's limits; stops when the client goes."""
@@ -362,6 +374,7 @@ class _FlightService(flight.FlightServerBase):
         prefetcher = _Prefetcher(draw, depth, self.owner._closing)
         with self._lock:
             self._sessions += 1
+            self._prefetchers.add(prefetcher)
         begun: pa.Schema | None = None
         try:
             while True:
@@ -395,6 +408,7 @@ class _FlightService(flight.FlightServerBase):
             prefetcher.close()
             with self._lock:
                 self._sessions -= 1
+                self._prefetchers.discard(prefetcher)
 
     # ------------------------------------------------------------------ DoAction
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
@@ -459,7 +473,7 @@ class _Prefetcher:
         while True:
             with self._cond:
                 while not self._done() and (self._paused or len(self._ready) >= self._depth):
-                    self._cond.wait(0.5)
+                    self._cond.wait()  # woken by get(), close() and wake() (the server closing)
                 if self._done():
                     return
                 self._busy = True
@@ -489,6 +503,11 @@ class _Prefetcher:
             self._paused = False
             self._cond.notify_all()
         return self._draw(timeout)
+
+    def wake(self) -> None:
+        """Make the prefetch thread look at `stop` again (set it first)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

@@ -11,7 +11,8 @@ from .buffers import (
     ArrowbufPrioritizedEpisodeReplayBuffer,
     replay_buffer_config,
 )
+from .checkpoint import from_checkpoint_with_buffer, save_with_buffer
 from .scheduling import BackgroundCommitter
 
 __all__ = ["METRICS_KEY", "METRIC_NAMES", "ArrowbufEpisodeReplayBuffer", "ArrowbufPrioritizedEpisodeReplayBuffer",
-           "BackgroundCommitter", "replay_buffer_config"]
+           "BackgroundCommitter", "from_checkpoint_with_buffer", "replay_buffer_config", "save_with_buffer"]

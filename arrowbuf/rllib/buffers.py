@@ -23,8 +23,10 @@ transitions with the store's n-step returns (`n_step`, `gamma` as DQN asks) and 
 `SingleAgentEpisode`s RLlib's learner connectors expect: observations `[o_t, o_{t+m}]`, the action `a_t`, the reward
 `sum_{j<m} gamma^j r_{t+j}`, `terminated` when the episode terminated within the m <= n steps, and the extra model
 outputs `n_step = m` and `weights` (IS weights; 1 for the uniform buffer). Observations must be Box (arrays, stored
-as float32) and actions Discrete (int64) or Box (float32). Checkpoints (`get_state`) hold the counters, not the
-experience: a restored algorithm starts with an empty buffer.
+as float32) and actions Discrete (int64) or Box (float32). `get_state` holds the counters, and with the buffer
+option `checkpoint_dir=` the experience by reference (a checkpoint written there; `set_state` restores it). RLlib
+2.60's new API stack does not put buffer state into `algo.save()`: `arrowbuf.rllib.save_with_buffer(algo, path)` and
+`from_checkpoint_with_buffer(path)` do (arrowbuf/rllib/checkpoint.py).
 
 Scheduling (`replay_buffer_config(..., schedule=True)`, docs/rllib.md): `sample` returns a batch an `ab.Loader`
 drew, gathered and converted to episodes in the background while the learner updated on the previous one; `add`
@@ -36,6 +38,7 @@ metrics logger, so they appear in the algorithm's result under `replay_buffer/ar
 from __future__ import annotations
 
 import math
+import os
 import time
 import zlib
 from typing import Any
@@ -153,10 +156,11 @@ class _ArrowbufBuffer:
 
     def _setup(self, capacity: int, store: Any, num_shards: int | None, seed: int | None,
                shard_options: dict[str, Any] | None, schedule: bool = False, prefetch: int = 1,
-               max_pending_adds: int = 2, fast_episodes: bool = True) -> None:
+               max_pending_adds: int = 2, fast_episodes: bool = True, checkpoint_dir: Any = None) -> None:
         if schedule and (not isinstance(prefetch, int) or prefetch < 1):
             raise InvalidArgument(f"prefetch must be >= 1 batches drawn ahead, got {prefetch!r}")
         self.store = store
+        self.checkpoint_dir = None if checkpoint_dir is None else os.path.abspath(os.fspath(checkpoint_dir))
         self._num_shards = num_shards
         self._seed = seed
         self._shard_options = dict(shard_options or {})
@@ -318,11 +322,26 @@ class _ArrowbufBuffer:
         return self.store.episodes().num_rows
 
     def get_state(self) -> dict[str, Any]:
-        return {"added": self._added, "sampled": self._sampled}
+        """Counters, and with `checkpoint_dir` the experience by reference: the local store is checkpointed there
+        (incremental, the last 2 kept) and the state names the checkpoint (persist, issue 15)."""
+        state: dict[str, Any] = {"added": self._added, "sampled": self._sampled}
+        if self.checkpoint_dir is not None and self.store is not None and hasattr(self.store, "checkpoint") \
+                and not hasattr(self.store, "num_shards"):
+            self._flush()
+            info = self.store.checkpoint(self.checkpoint_dir, keep=2)
+            state["checkpoint"] = {"path": self.checkpoint_dir, "generation": int(info["generation"])}
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Counters, and a buffer without rows restores the checkpoint the state names (same rows, sampler state)."""
         self._added = int(state.get("added", 0))
         self._sampled = int(state.get("sampled", 0))
+        ref = state.get("checkpoint")
+        if ref is not None and (self.store is None or len(self.store) == 0):
+            from ..persist import restore
+
+            self.store = restore(ref["path"], generation=ref.get("generation"))
+            self._store_writer = _StoreWriter(self.store)
 
 
 _CLASS_ARGS = """
@@ -337,13 +356,16 @@ _CLASS_ARGS = """
         schedule: hide the experience path: background sampling and conversion (an `ab.Loader`) and background adds.
         prefetch: batches drawn ahead with `schedule`.
         max_pending_adds: adds that may wait for the background commit before `add` blocks.
+        checkpoint_dir: with it, `get_state` checkpoints the store there and returns a reference to it, and
+            `set_state` on an empty buffer restores it (the experience survives RLlib's buffer state round trip).
         fast_episodes: build the sampled episodes by copying a template's slots (falls back to RLlib's constructor
             when RLlib's episode layout is not the known one).
 """
 
 
 def _own_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if k in ("schedule", "prefetch", "max_pending_adds", "fast_episodes")}
+    return {k: v for k, v in kwargs.items()
+            if k in ("schedule", "prefetch", "max_pending_adds", "fast_episodes", "checkpoint_dir")}
 
 
 class ArrowbufEpisodeReplayBuffer(_ArrowbufBuffer, EpisodeReplayBuffer):  # type: ignore[misc]
