@@ -22,7 +22,7 @@ Medians and p99 over iterations of all repeats. For arrowbuf, the buffer's own m
 `replay_buffer/arrowbuf`: wait for batch, blocking add, conversion, background conversion) are reported too.
 
     python -m benchmarks.bench_rllib [--env cartpole|atari|both] [--iters 120] [--repeats 2] [--device cpu|cuda]
-    python -m benchmarks.bench_rllib --convergence [--seeds 3] [--steps 6000]
+    python -m benchmarks.bench_rllib --convergence [--seeds 3] [--steps 5000]   # prioritized, training_intensity 8
 
 Prints a table and writes benchmarks/out/rllib_<env>.json (and rllib_convergence.json, docs/img/rllib_convergence.png).
 torch runs with one thread: this machine has 2 cores shared with other work, and the background thread needs one.
@@ -340,7 +340,7 @@ def convergence(seeds: int, steps: int) -> dict[str, Any]:
         for mode in curves:
             cfg = dqn_config("cartpole", buffer_config(mode, True, 50_000), seed, "cpu")
             cfg = cfg.reporting(min_sample_timesteps_per_iteration=500).training(
-                epsilon=[(0, 1.0), (3000, 0.02)])
+                epsilon=[(0, 1.0), (2000, 0.02)], training_intensity=8)  # ~1 update per 4 env steps
             algo = cfg.build_algo()
             buf = algo.local_replay_buffer
             curve = []
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="DQN training_intensity (replayed steps per env step / native ratio): updates per iteration")
     ap.add_argument("--convergence", action="store_true")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--quick", action="store_true", help="a smoke run: CartPole, 20 iterations, one repeat")
     args = ap.parse_args(argv)
     if args.quick:
