@@ -125,19 +125,21 @@ def _writer(name: str, writer: int, n: int, seed: int) -> None:
 
 
 def _stuck_writer(name: str, where: str, ready) -> None:
-    """Extend a batch and freeze in the middle of it (the parent then SIGKILLs us)."""
+    """Extend a batch and freeze in the middle of it (the parent then SIGKILLs us): "write" while its rows are being
+    written (holding the write lock), "commit" inside its commit (holding the state lock too)."""
     store = ab.ExperienceStore.attach(name)
     calls = []
-    original = getattr(store, where)
+    owner, attr = (store._cols, "write") if where == "write" else (store._writer, "_evict_below")
+    original = getattr(owner, attr)
 
     def freeze(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2 or where == "_evict_to":  # second piece written, not committed / inside the commit
+        if len(calls) == 2 or where == "commit":  # a second column written / inside the commit
             ready.set()
             threading.Event().wait()
         return original(*args, **kwargs)
 
-    setattr(store, where, freeze)
+    setattr(owner, attr, freeze)
     store.extend(rows(5, 0, 4 * store.directory.spare_rows))
 
 
@@ -224,8 +226,7 @@ def test_four_writer_processes_lose_and_duplicate_nothing(names):
         check_rows(b["obs"], b["next_obs"], b["reward"])
 
 
-@pytest.mark.parametrize("where,locks", [("_commit_piece", "pthread"), ("_evict_to", "pthread"),
-                                         ("_evict_to", "flock")])
+@pytest.mark.parametrize("where,locks", [("write", "pthread"), ("commit", "pthread"), ("commit", "flock")])
 def test_writer_killed_mid_extend_blocks_nobody(names, where, locks, monkeypatch):
     if locks == "flock":  # the fallback where libc has no robust mutexes
         monkeypatch.setenv("ARROWBUF_SHM_LOCKS", "flock")
@@ -236,12 +237,11 @@ def test_writer_killed_mid_extend_blocks_nobody(names, where, locks, monkeypatch
         ready = CTX.Event()
         p = start(names, _stuck_writer, name, where, ready)
         assert ready.wait(JOIN_S), "the writer never reached the middle of its extend"
-        os.kill(p.pid, signal.SIGKILL)  # holding the write lock (and, in _evict_to, the state lock)
+        os.kill(p.pid, signal.SIGKILL)  # holding the write lock (and, in the commit, the state lock)
         p.join(JOIN_S)
         committed = len(store)
-        spare = store.directory.spare_rows
-        assert committed == 500 + (spare if where == "_commit_piece" else 0)  # whole pieces only
-        if where == "_commit_piece":  # another process writes and samples (one variant: processes are slow to start)
+        assert committed == 500  # a batch is atomic: none of the killed writer's rows
+        if where == "write":  # another process writes and samples (one variant: processes are slow to start)
             q = CTX.Queue()
             other = start(names, _write_then_sample, name, 3, q)
             obs, next_obs, reward = q.get(timeout=JOIN_S)
