@@ -28,6 +28,7 @@ from .errors import (
     Unavailable,
 )
 from .loader import Loader
+from .persist import open_dataset
 from .flight import connect, serve
 from .sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
@@ -66,6 +67,7 @@ __all__ = [
     "Unavailable",
     "connect",
     "load_schema",
+    "open_dataset",
     "placement",
     "rate_limiters",
     "samplers",

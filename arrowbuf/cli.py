@@ -2,7 +2,8 @@
 
     arrowbuf serve --schema schemas/atari.yaml --capacity 100000 --port 8815 [--token-file F] [--tls-cert C --tls-key K]
     arrowbuf demo [--actors 3 --steps 15000 --transport flight|shm|local]
-    arrowbuf inspect grpc://127.0.0.1:8815 | <shm store name> | experience.arrow  [--sql "SELECT ..."]
+    arrowbuf inspect grpc://127.0.0.1:8815 | <shm store name> | experience.arrow | ckpt/  [--sql "SELECT ..."]
+    arrowbuf checkpoint ls|inspect|verify|export ckpt/ ...   (arrowbuf.persist.cli)
     arrowbuf bench [--quick] [--only core sampling]
     arrowbuf shm ls | gc
 
@@ -124,7 +125,8 @@ def add_inspect(sub: Any) -> None:
     p = sub.add_parser("inspect", help="schema, size, episode summary and column bytes of a store",
                        description="Inspect a store: a Flight location (grpc://host:port), the name of a shared-memory "
                                    "store on this node, or an Arrow IPC / Parquet file of experience.")
-    p.add_argument("target", help="grpc://host:port, a shared-memory store name, or a .arrow/.parquet file")
+    p.add_argument("target", help="grpc://host:port, a shared-memory store name, a .arrow/.parquet file, or a "
+                                  "checkpoint or dataset directory")
     p.add_argument("--token", default=None, help="bearer token for a Flight location")
     p.add_argument("--store", default=None, help="store name when a server serves several")
     p.add_argument("--sql", default=None, help="also run this query (the store is the table `experience`)")
@@ -140,6 +142,12 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
         from .flight.client import connect
 
         return connect(target, token=args.token, store=args.store), f"Flight store at {target}"
+    if os.path.isdir(target):  # a checkpoint or a dataset directory (arrowbuf.persist)
+        from .persist import manifest, open_dataset, restore
+
+        if os.path.exists(os.path.join(target, manifest.MANIFEST)):
+            return restore(target), f"checkpoint {target} (restored into a temporary store)"
+        return open_dataset(target).to_store(), f"dataset {target} (loaded into a temporary store)"
     if os.path.exists(target):
         import pyarrow.parquet as pq
 
@@ -223,7 +231,13 @@ def run_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "benchmarks", *args.rest], cwd=root)
 
 
-COMMANDS: list[Callable[[Any], None]] = [add_serve, add_shm, add_demo, add_inspect, add_bench]
+def add_checkpoint(sub: Any) -> None:
+    from .persist.cli import add_checkpoint as add
+
+    add(sub)
+
+
+COMMANDS: list[Callable[[Any], None]] = [add_serve, add_shm, add_demo, add_inspect, add_bench, add_checkpoint]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,17 +65,14 @@ class StoreCore:
     final_sources: list[str] = field(init=False)
     end_fields: list[str] = field(init=False)
     derived: list[Any] = field(init=False)
+    arena_rows: int = field(init=False)  # ring positions: the capacity plus the spare chunk
 
     def __post_init__(self) -> None:
+        self.arena_rows = int(self.directory.arena_rows)
         self.cond = threading.Condition(self.lock)
         self.final_sources = sorted({d.next_of for d in self.schema.derived.values()})
         self.end_fields = list(self.schema.episode_end)
         self.derived = list(self.schema.derived.values())
-
-    @property
-    def arena_rows(self) -> int:
-        """Ring positions (capacity plus the spare chunk)."""
-        return int(self.directory.arena_rows)
 
     @property
     def final_capacity(self) -> int:

@@ -133,11 +133,12 @@ class EpisodeTracker:
 
         Returns (episode_id, step, seq of the row now followed by this one, or -1).
         """
-        cur, next_id = _continue(self.streams.get(key), self.next_episode_id)
-        if next_id != self.next_episode_id:
-            self.next_episode_id = next_id
-        self._set(key, _after(cur.episode_id, cur.step, end, seq))
-        return cur.episode_id, cur.step, cur.pending_seq
+        cur = self.streams.get(key)
+        if cur is None or cur.episode_id < 0:  # (`_continue` of an open stream is the stream itself: skip the call)
+            cur, self.next_episode_id = _continue(cur, self.next_episode_id)
+        out = (cur.episode_id, cur.step, cur.pending_seq)
+        self._set(key, _after(cur.episode_id, cur.step, end, seq, into=cur))
+        return out
 
     def close(self, key: Hashable) -> None:
         """End stream `key`'s open episode (`ExperienceStore.flush`): its next row starts a new episode."""
@@ -178,9 +179,15 @@ def _continue(old: _Stream | None, next_id: int) -> tuple[_Stream, int]:
     return old, next_id
 
 
-def _after(episode_id: int, step: int, ended: bool, pending: int) -> _Stream | None:
-    """A stream's state after its row (`episode_id`, `step`), which may end the episode; `pending` names the row."""
-    return None if ended else _Stream(episode_id, step + 1, pending)
+def _after(episode_id: int, step: int, ended: bool, pending: int, into: _Stream | None = None) -> _Stream | None:
+    """A stream's state after its row (`episode_id`, `step`), which may end the episode; `pending` names the row.
+    `into`: a state object to reuse (the append path, which owns it)."""
+    if ended:
+        return None
+    if into is None:
+        return _Stream(episode_id, step + 1, pending)
+    into.episode_id, into.step, into.pending_seq = episode_id, step + 1, pending
+    return into
 
 
 def _key(value: Any) -> Hashable:

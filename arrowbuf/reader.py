@@ -99,7 +99,11 @@ class StoreReader:
             retries += 1
             if retries > 100:
                 raise ArrowbufError("sample could not read a consistent batch after 100 retries")
-            fix = np.flatnonzero(bad)
+            # distinct items (max_times_sampled): draw the whole batch again, so no redraw repeats a kept item (the
+            # discarded draw stays counted: an item may get fewer deliveries than the limit, never more). A queue
+            # (FIFO) never repeats an item: redraw only the torn ones.
+            whole = self.core.max_times_sampled and not self.core.sampler.queue
+            fix = np.arange(len(seqs)) if whole else np.flatnonzero(bad)
             self.core.index.count("torn_retries", len(fix))
             with self.core.cond:
                 again, again_w = self._select(len(fix), timeout)
@@ -178,6 +182,9 @@ class StoreReader:
             else:
                 why = (f"{type(self.core.sampler).__name__} cannot serve {n} items from {len(self.core.index)} "
                        "stored rows")
+                if self.core.max_times_sampled:
+                    why += (f" (max_times_sampled={self.core.max_times_sampled}: a batch needs {n} distinct eligible "
+                            f"items; {self.core.index.counter('removed')} were used up)")
             wait = "did not wait (timeout=None)" if timeout is None else f"waited {timeout}s"
             raise SampleTimeout(f"sample({n}) from {self.core.name!r}: {why}; {wait}. Add data or pass timeout= to "
                                 "wait")

@@ -147,11 +147,41 @@ class Sampler(abc.ABC):
         """Smallest positive `mass` of any position (the denominator of IS weights); +inf when none is positive."""
         return 1.0 if self.total_mass() > 0 else float("inf")
 
+    def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """What a checkpoint keeps of this sampler for the rows at `positions` (`arrowbuf.persist`, docs/format.md):
+        JSON-able scalars, and per-row arrays aligned with `positions`.
+
+        Raises:
+            InvalidArgument: the sampler does not say (a custom sampler without `state`/`load_state`).
+        """
+        raise InvalidArgument(f"{type(self).__name__} cannot be checkpointed yet: it defines no state()/load_state() "
+                              "(arrowbuf's Uniform, Fifo, Lifo, Prioritized and Sequence samplers do)")
+
+    def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dropped_valid: int = 0) -> None:
+        """Put back what `state` recorded, for the rows now at `positions` (a fresh store's sampler).
+
+        Args:
+            dropped_valid: sampleable rows of the checkpoint that were not restored.
+        """
+        raise InvalidArgument(f"{type(self).__name__} cannot be restored: it defines no load_state()")
+
     def describe(self) -> dict[str, Any]:
         return {"sampler": type(self).__name__}
 
 
-class UniformSampler(Sampler):
+class _StatelessSampler(Sampler):
+    """A sampler whose only state is the index it reads (nothing to checkpoint)."""
+
+    def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        return {}, {}
+
+    def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dropped_valid: int = 0) -> None:
+        pass
+
+
+class UniformSampler(_StatelessSampler):
     """Uniform over sampleable rows, with replacement (without, when the store asks for distinct items). Indices come
     back sorted by position (a faster gather)."""
 
@@ -214,16 +244,35 @@ class UniformSampler(Sampler):
 
 
 class FifoSampler(Sampler):
-    """A queue: each item delivered once, in insert order. Items evicted before delivery are skipped (counted)."""
+    """A queue: each item delivered once, in insert order. Items evicted before delivery are skipped (counted).
+
+    A row becomes sampleable once its next observation is known (the episode's next step arrived, or it ended). In
+    the default strict order a row that is not yet sampleable holds back every later row: an idle actor's open step
+    stalls the queue until that actor writes again or the ring evicts the row (`describe()["blocked_at"]` names the
+    row). With `skip_pending=True` the queue delivers the oldest rows that are sampleable now and comes back for a
+    skipped row once it becomes sampleable (if the ring has not evicted it): each row still once, in insert order
+    among the rows ready at each sample, and no actor can stall the others.
+
+    Args:
+        skip_pending: serve around rows whose next observation has not arrived instead of waiting for them.
+    """
 
     queue = True
 
+    def __init__(self, skip_pending: bool = False) -> None:
+        self.skip_pending = bool(skip_pending)
+
     def _on_bind(self) -> None:
-        # [cursor, skipped] in tier memory: the processes sharing a store share one queue
+        # [cursor, skipped, frontier] in tier memory: the processes sharing a store share one queue. With
+        # skip_pending, `frontier` is one past the newest row delivered, every row below `cursor` is delivered or
+        # evicted, and `_delivered[pos] == seq` marks the rows delivered between them.
         tier = self.index.tier
-        self._state = tier.allocate("sampler.fifo", np.dtype(np.int64), 2)
+        self._state = tier.allocate("sampler.fifo", np.dtype(np.int64), 3)
+        self._delivered = (tier.allocate("sampler.fifo.delivered", np.dtype(np.int64), self.index.arena_rows)
+                           if self.skip_pending else np.zeros(0, np.int64))
         if tier.fresh:
             self._state[:] = 0
+            self._delivered.fill(-1)
 
     @property
     def cursor(self) -> int:
@@ -241,10 +290,26 @@ class FifoSampler(Sampler):
     def skipped(self, value: int) -> None:
         self._state[1] = value
 
+    @property
+    def frontier(self) -> int:
+        return max(int(self._state[2]), self.cursor)
+
+    @frontier.setter
+    def frontier(self, value: int) -> None:
+        self._state[2] = value
+
     def _advance_past_evicted(self) -> None:
-        if self.cursor < self.index.lo:
-            self.skipped += self.index.lo - self.cursor
-            self.cursor = self.index.lo
+        lo = self.index.lo
+        if self.cursor >= lo:
+            return
+        if self.skip_pending:  # rows behind the frontier may have been delivered out of order
+            gone = np.arange(self.cursor, min(lo, self.frontier), dtype=np.int64)
+            self.skipped += int(np.count_nonzero(self._delivered[gone % self.index.arena_rows] != gone))
+            self.skipped += max(0, lo - self.frontier)
+            self.frontier = max(self.frontier, lo)
+        else:
+            self.skipped += lo - self.cursor
+        self.cursor = lo
 
     def _ready(self, limit: int) -> int:
         """Rows from the cursor that are sampleable, contiguous, up to `limit`."""
@@ -257,34 +322,96 @@ class FifoSampler(Sampler):
             return stop - self.cursor
         return int(np.argmin(valid))
 
+    def _late(self) -> np.ndarray:
+        """skip_pending: rows behind the frontier, skipped while pending, that are sampleable now (oldest first)."""
+        idx = self.index
+        back = np.arange(self.cursor, self.frontier, dtype=np.int64)
+        bp = back % idx.arena_rows
+        return back[idx.valid[bp] & (self._delivered[bp] != back)]
+
+    def _fresh(self, n: int) -> np.ndarray:
+        """skip_pending: up to `n` sampleable rows from the frontier on (oldest first)."""
+        idx = self.index
+        start, hi, window = self.frontier, idx.hi, max(n, 64)
+        while True:
+            seqs = np.arange(start, min(hi, start + window), dtype=np.int64)
+            seqs = seqs[idx.valid[seqs % idx.arena_rows]]
+            if len(seqs) >= n or start + window >= hi:
+                return seqs[:n]
+            window *= 2
+
     def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, None] | None:
         self._advance_past_evicted()
-        if self._ready(n) < n:
+        if not self.skip_pending:
+            if self._ready(n) < n:
+                return None
+            seqs = np.arange(self.cursor, self.cursor + n, dtype=np.int64)
+            self.cursor += n
+            return seqs, None
+        late = self._late()[:n]
+        fresh = self._fresh(n - len(late)) if len(late) < n else late[:0]
+        if len(late) + len(fresh) < n:
             return None
-        seqs = np.arange(self.cursor, self.cursor + n, dtype=np.int64)
-        self.cursor += n
-        return seqs, None
+        idx = self.index
+        seqs = np.concatenate([late, fresh])
+        self._delivered[seqs % idx.arena_rows] = seqs
+        if len(fresh):
+            self.frontier = int(fresh[-1]) + 1
+        back = np.arange(self.cursor, self.frontier, dtype=np.int64)  # move the cursor over the delivered prefix
+        open_ = self._delivered[back % idx.arena_rows] != back
+        self.cursor = int(back[np.argmax(open_)]) if open_.any() else self.frontier
+        return np.sort(seqs), None
+
+    def _undelivered(self, seqs: np.ndarray) -> np.ndarray:
+        """Mask: the rows `seqs` are sampleable and not yet delivered."""
+        idx = self.index
+        pos = seqs % idx.arena_rows
+        ok = idx.valid[pos] & (seqs >= self.cursor)
+        if self.skip_pending:
+            ok &= self._delivered[pos] != seqs
+        return ok
 
     def available(self) -> int:
         self._advance_past_evicted()
+        if self.skip_pending:
+            return int(np.count_nonzero(self._undelivered(np.arange(self.cursor, self.index.hi, dtype=np.int64))))
         return self._ready(self.index.hi - self.cursor)
 
     def mass(self, positions: np.ndarray) -> np.ndarray:
         """1 per sampleable row not yet delivered, else 0."""
         pos = np.asarray(positions, dtype=np.int64)
-        idx = self.index
-        return (idx.valid[pos] & (idx.seq[pos] >= self.cursor)).astype(np.float64)
+        return self._undelivered(self.index.seq[pos]).astype(np.float64)
 
     def total_mass(self) -> float:
         idx = self.index
-        seqs = np.arange(max(self.cursor, idx.lo), idx.hi, dtype=np.int64)
-        return float(np.count_nonzero(idx.valid[seqs % idx.arena_rows]))
+        return float(np.count_nonzero(self._undelivered(np.arange(max(self.cursor, idx.lo), idx.hi, dtype=np.int64))))
+
+    def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        meta = {"cursor": self.cursor, "skipped": self.skipped}
+        if not self.skip_pending:
+            return meta, {}
+        seqs = self.index.seq[positions]
+        return {**meta, "frontier": self.frontier}, {"fifo_delivered": self._delivered[positions] == seqs}
+
+    def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dropped_valid: int = 0) -> None:
+        self.cursor = int(meta["cursor"])
+        self.skipped = int(meta["skipped"])
+        if self.skip_pending:
+            self.frontier = int(meta.get("frontier", self.cursor))
+            done = positions[np.asarray(arrays.get("fifo_delivered", np.zeros(len(positions), bool)), bool)]
+            self._delivered[done] = self.index.seq[done]
 
     def describe(self) -> dict[str, Any]:
-        return {"sampler": "FifoSampler", "cursor": self.cursor, "skipped_evicted": self.skipped}
+        out = {"sampler": "FifoSampler", "cursor": self.cursor, "skipped_evicted": self.skipped}
+        if self.skip_pending:
+            out["skip_pending"] = True
+        elif self.cursor < self.index.hi and not self.index.valid[self.cursor % self.index.arena_rows]:
+            out["blocked_at"] = self.cursor  # the queue waits for this row's next observation
+        return out
 
 
-class LifoSampler(Sampler):
+class LifoSampler(_StatelessSampler):
     """The newest `n` sampleable rows (a stack when combined with `max_times_sampled=1`)."""
 
     def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, None] | None:
@@ -371,11 +498,14 @@ class PrioritizedSampler(Sampler):
         self.min_tree.update(positions, np.where(leaves > 0, leaves, np.inf))
 
     def on_valid(self, positions: np.ndarray) -> None:
-        self._set(positions, np.full(len(positions), self.max_priority ** self.alpha))
+        value = self.max_priority ** self.alpha  # > 0: max_priority starts at 1.0 and only grows
+        self.sum_tree.update(positions, value)
+        self.min_tree.update(positions, value)
         self.count += len(positions)
 
     def on_invalid(self, positions: np.ndarray) -> None:
-        self._set(positions, np.zeros(len(positions)))
+        self.sum_tree.update(positions, 0.0)
+        self.min_tree.update(positions, np.inf)
         self.count -= len(positions)
 
     def select(self, n: int, *, distinct: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
@@ -448,6 +578,17 @@ class PrioritizedSampler(Sampler):
     def min_mass(self) -> float:
         return self.min_tree.min()
 
+    def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        return ({"max_priority": self.max_priority, "count": self.count},
+                {"priority_sum": self.sum_tree.get(positions), "priority_min": self.min_tree.get(positions)})
+
+    def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dropped_valid: int = 0) -> None:
+        if len(positions):  # the min tree follows from the leaves (+inf where 0): priority_min is not trusted
+            self._set(positions, np.asarray(arrays["priority_sum"], dtype=np.float64))
+        self.max_priority = float(meta["max_priority"])
+        self.count = int(meta["count"]) - dropped_valid
+
     def describe(self) -> dict[str, Any]:
         return {"sampler": "PrioritizedSampler", "alpha": self.alpha, "beta": self.beta,
                 "max_priority": self.max_priority, "priority_sum": self.sum_tree.total()}
@@ -496,6 +637,14 @@ class SequenceSampler(Sampler):
 
     def min_mass(self) -> float:
         return self.starts.min_mass()
+
+    def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        meta, arrays = self.starts.state(positions)
+        return {"starts": meta}, arrays
+
+    def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dropped_valid: int = 0) -> None:
+        self.starts.load_state(positions, meta["starts"], arrays, dropped_valid)
 
     def windows(self, start_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Positions [B, window] following each start's successors, and a mask of complete windows."""

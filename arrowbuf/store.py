@@ -474,6 +474,26 @@ class ExperienceStore:
 
         return cast("ExperienceStore", restore(path, tier=tier, tiers=tiers, seed=seed, name=name, schema=schema,
                                                cls=cls))
+    def export(self, path: Any, format: str = "parquet", partition_by: Any = None,
+               compression: str | None = None) -> dict[str, Any]:
+        """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
+        `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
+        `ExperienceStore.from_dataset` read it back. Writers wait while rows are copied (sampling goes on).
+        Returns rows and path. See `arrowbuf.persist.datasets`."""
+        from .persist import export
+
+        return export(self, path, format=format, partition_by=partition_by, compression=compression)
+
+    @classmethod
+    def from_dataset(cls, path: Any, capacity: int | None = None, *, schema: Any = None,
+                     **kwargs: Any) -> "ExperienceStore":
+        """A new store filled from a dataset directory: an arrowbuf export or checkpoint, Parquet with arrowbuf's
+        schema, or a Minari dataset with the Arrow backend (the newest `capacity` rows when there are more; default:
+        all). `schema=` checks the dataset against a schema (SchemaError naming the fields); other keyword
+        arguments go to the constructor (sampler, seed, tier, ...)."""
+        from .persist import from_dataset
+
+        return cast("ExperienceStore", from_dataset(path, capacity, schema=schema, **kwargs))
     # ------------------------------------------------------------------ end of persistence hooks
 
     # ------------------------------------------------------------------ lifetime

@@ -51,7 +51,9 @@ class StoreWriter:
     def __init__(self, core: StoreCore) -> None:
         self.core = core
         self._fast = self._fast_plan()
-        self._notify = type(core.sampler).on_valid is not Sampler.on_valid  # skip no-op calls on the append path
+        # skip no-op sampler calls on the append path
+        self._notify = type(core.sampler).on_valid is not Sampler.on_valid
+        self._notify_invalid = type(core.sampler).on_invalid is not Sampler.on_invalid
         self._warned_final = False
 
     # ------------------------------------------------------------------ public surface
@@ -166,12 +168,14 @@ class StoreWriter:
                 if v.__class__ is not np.ndarray or v.dtype != spec.dtype or v.shape != spec.shape:
                     return -1
                 finals.append((d.next_of, v))
-        c.check_open()
+        if c.closed:
+            c.check_open()
         idx = c.index
         arena_rows = c.arena_rows
         cols = c.cols
         with c.write_lock:
-            c.check_open()
+            if c.closed:
+                c.check_open()
             seq = int(idx.header[_HI])
             pos = seq % arena_rows  # one row always fits in the spare chunk: a free position
             ep, st, prev = c.episodes.advance_one(actor, end, seq)
@@ -197,9 +201,8 @@ class StoreWriter:
             else:
                 idx.next_pos[pos] = ENDED if end and not c.final_sources else PENDING
             # phase 2: commit
-            ready = np.array([pos]) if not c.final_sources or slots is not None else None
-            self._commit(seq, 1, pos, seq, ready, [(prev, pos)] if prev >= 0 else (), slots,
-                         seq if slots is not None else None)
+            self._commit(seq, 1, pos, seq, pos if not c.final_sources or slots is not None else None,
+                         ((prev, pos),) if prev >= 0 else (), slots, seq if slots is not None else None)
         return seq
 
     # ------------------------------------------------------------------ batches
@@ -288,37 +291,39 @@ class StoreWriter:
         return base
 
     # ------------------------------------------------------------------ the commit routine
-    def _commit(self, base: int, n: int, pos: Any, seqs: Any, ready: np.ndarray | None,
-                links: Any, final_slots: np.ndarray | None, final_seqs: Any) -> None:
+    def _commit(self, base: int, n: int, pos: Any, seqs: Any, ready: Any, links: Any,
+                final_slots: np.ndarray | None, final_seqs: Any) -> None:
         """Phase 2 for every write (append, extend, flush), under the state lock: make the written rows live.
 
         Args:
             base, n: the write covers seqs [base, base + n); the live range becomes [.., base + n).
             pos, seqs: positions and seqs of the rows written (an int each for one row).
-            ready: positions that became sampleable by this write alone (None: none).
+            ready: positions (an array, or an int for one row) that became sampleable by this write alone, or None.
             links: (seq, next position) of earlier rows whose successor (a row or a final slot) this write supplies.
             final_slots, final_seqs: final-observation slots written and the seqs of the rows owning them.
         """
         c = self.core
         idx = c.index
+        h = idx.header
         with c.cond:
             idx.seq[pos] = seqs  # their generation: ids name these rows from now on
-            self._evict_below(base + n - c.capacity)
-            idx.header[_HI] = base + n  # the commit point: the rows are visible
+            if base + n - c.capacity > h[_LO]:  # the ring is full: the oldest rows go
+                self._evict_below(base + n - c.capacity)
+            h[_HI] = base + n  # the commit point: the rows are visible
             if final_slots is not None:
                 c.final_owner[final_slots] = final_seqs
             for prev, nxt in links:
-                if prev >= idx.lo:
+                if prev >= h[_LO]:
                     ppos = prev % c.arena_rows
                     if idx.seq[ppos] == prev:
                         idx.next_pos[ppos] = nxt
                         if c.final_sources:  # its next observation is known now
-                            ready = np.array([ppos]) if ready is None else np.append(ready, ppos)
-            if ready is not None and len(ready):
+                            ready = ppos if ready is None else np.append(ready, ppos)
+            if ready is not None:
                 idx.valid[ready] = True
                 if self._notify:
-                    c.sampler.on_valid(ready)
-            idx.header[_INSERTS] += n
+                    c.sampler.on_valid(np.atleast_1d(np.asarray(ready, dtype=np.int64)))
+            h[_INSERTS] += n
             c.cond.notify_all()
 
     def _evict_below(self, new_lo: int) -> None:
@@ -334,7 +339,8 @@ class StoreWriter:
             p = lo % c.arena_rows
             if idx.valid[p]:
                 idx.valid[p] = False
-                c.sampler.on_invalid(np.array([p]))
+                if self._notify_invalid:
+                    c.sampler.on_invalid(np.array([p]))
         elif stop > lo:
             gone = np.arange(lo, stop, dtype=np.int64) % c.arena_rows
             was = gone[idx.valid[gone]]

@@ -270,7 +270,7 @@ def test_rate_limiter_arguments():
 def test_max_times_sampled_holds_within_a_batch(sampler):
     store = store_with(sampler, max_times_sampled=1)
     store.extend(make_episodes([4])[0])
-    with pytest.raises(ab.SampleTimeout):  # 10 distinct items do not exist: it waits (here: not at all), never short
+    with pytest.raises(ab.SampleTimeout, match="distinct"):  # 10 distinct items do not exist: no short batch
         store.sample(10)
     assert store.stats()["removed"] == 0  # a refused sample uses nothing up
     b = store.sample(4)
@@ -469,3 +469,226 @@ def test_the_declared_truncation_field_bootstraps():
     terminating.extend({"obs": obs[:3], "reward": np.ones(3, np.float32), "terminated": np.zeros(3, bool),
                         "time_limit": np.array([False, False, True]), "next_obs": obs[1:4]})
     np.testing.assert_allclose(terminating.sample(3, n_step=5, gamma=0.5)["n_step_discount"], [0, 0, 0])
+
+
+def test_prioritized_sequence_windows_are_distinct_and_weighted():
+    seq = ab.samplers.Sequence(length=3, priority=ab.samplers.Prioritized(alpha=1.0, beta=1.0, eps=0.0))
+    store = store_with(seq, max_times_sampled=1, seed=2)
+    store.extend(make_episodes([12])[0])  # 10 windows
+    store.update_priorities(np.arange(12), np.arange(1, 13, dtype=np.float64))
+    np.testing.assert_array_equal(seq.mass(np.arange(3)), [1.0, 2.0, 3.0])  # the start distribution's mass
+    b = store.sample(6, columns=["step"])
+    assert len(set(b.indices.tolist())) == 6 and (b["step"][:, 0] == b.indices).all()
+    assert b.weights is not None and np.isfinite(b.weights).all() and b.weights.max() <= 1.0
+    rest = store.sample(4, columns=["step"]).indices.tolist()
+    assert sorted(b.indices.tolist() + rest) == list(range(10))
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1)
+
+
+def test_max_times_sampled_holds_across_concurrent_samplers():
+    store = store_with("uniform", capacity=1000, max_times_sampled=1, seed=4)
+    store.extend(make_episodes([300])[0])
+    got: list[list[int]] = [[], []]
+
+    def drain(out):
+        while True:
+            try:
+                out.extend(store.sample(7).indices.tolist())
+            except ab.SampleTimeout:
+                return
+
+    threads = [threading.Thread(target=drain, args=(g,)) for g in got]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    delivered = got[0] + got[1]
+    assert len(delivered) == len(set(delivered)) and len(delivered) > 280
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6), actors=st.integers(1, 3),
+       kind=st.sampled_from(["uniform", "prioritized", "lifo", "sequence"]), k=st.integers(1, 3),
+       sizes=st.lists(st.integers(1, 9), min_size=1, max_size=8), seed=st.integers(0, 99))
+def test_max_times_sampled_property(lengths, actors, kind, k, sizes, seed):
+    """Any batches, then single draws until none is left: no item twice in a batch, and in the end every item that
+    was ever eligible delivered exactly k times (pending rows and incomplete windows never)."""
+    sampler = ab.samplers.Sequence(length=2) if kind == "sequence" else kind
+    store = store_with(sampler, capacity=200, max_times_sampled=k, seed=seed)
+    for i, n in enumerate(lengths):
+        batch, _ = make_episodes([n], seed=i, start=i * 1000.0)
+        if i % 2:  # some episodes stay open: their last row waits for a successor
+            batch["terminated"][:] = batch["truncated"][:] = False
+        batch["actor"] = np.full(n, i % actors)
+        store.extend(batch)
+    counts: dict[int, int] = {}
+
+    def take(n):
+        idx = store.sample(n).indices.tolist()
+        assert len(set(idx)) == len(idx)
+        for i in idx:
+            counts[i] = counts.get(i, 0) + 1
+
+    for n in sizes:
+        try:
+            take(n)
+        except ab.SampleTimeout:
+            pass
+    while True:
+        try:
+            take(1)
+        except ab.SampleTimeout:
+            break
+    assert set(counts.values()) <= {k}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6), k=st.integers(1, 5),
+       gamma=st.floats(0.5, 1.0), kind=st.sampled_from(["uniform", "lifo", "prioritized"]), seed=st.integers(0, 99))
+def test_n_step_with_used_up_rows_matches_reference(lengths, k, gamma, kind, seed):
+    """Rows that max_times_sampled removed do not shorten later rows' n-step windows."""
+    batch, _ = make_episodes(lengths, seed=seed)
+    store = store_with(kind, capacity=500, chunk_rows=8, seed=seed, max_times_sampled=1)
+    store.extend(batch)
+    while True:
+        try:
+            b = store.sample(3, n_step=k, gamma=gamma)
+        except ab.SampleTimeout:
+            break
+        for row, i in enumerate(b.indices):
+            ret, disc, boot = reference_n_step(batch, int(i), k, gamma)
+            assert b["n_step_return"][row] == pytest.approx(ret, rel=1e-4, abs=1e-4)
+            assert b["n_step_discount"][row] == pytest.approx(disc, rel=1e-5, abs=1e-6)
+            np.testing.assert_array_equal(b["n_step_next_obs"][row], boot)
+
+
+@pytest.mark.parametrize("spec", ["fifo", "prioritized", "sequence"])
+def test_sampler_state_survives_checkpoint_and_restore(tmp_path, spec):
+    def make():
+        if spec == "sequence":
+            return ab.samplers.Sequence(length=2, priority=ab.samplers.Prioritized(alpha=1.0, beta=1.0, eps=0.0))
+        return ab.samplers.Prioritized(alpha=1.0, beta=1.0, eps=0.0) if spec == "prioritized" else "fifo"
+
+    store = store_with(make(), capacity=64, chunk_rows=8)
+    store.extend(make_episodes([6])[0])
+    if spec == "fifo":
+        store.sample(2)
+    else:
+        store.update_priorities([0, 1, 2, 3], [0.0, 1.0, 2.0, 4.0])
+    before = store.sampler.state(np.arange(6))
+    store.checkpoint(tmp_path / "ckpt")
+    again = ab.ExperienceStore.restore(tmp_path / "ckpt")
+    meta, arrays = again.sampler.state(np.arange(6))
+    assert meta == before[0] and arrays.keys() == before[1].keys()
+    for k in arrays:
+        np.testing.assert_array_equal(arrays[k], before[1][k])
+    if spec != "fifo":
+        assert again.sampler.min_mass() == 1.0  # a zero priority does not become P_min after a restore
+        assert np.isfinite(again.sample(8).weights).all()
+
+
+def test_a_custom_sampler_without_state_cannot_be_checkpointed(tmp_path):
+    class Newest(ab.samplers.Sampler):
+        def select(self, n, *, distinct=False):
+            hi = self.index.hi
+            return (np.arange(hi - n, hi), None) if hi >= n else None
+
+    store = store_with(Newest())
+    store.extend(make_episodes([4])[0])
+    assert store.sample(2).indices.tolist() == [2, 3]
+    with pytest.raises(ab.InvalidArgument, match="state"):
+        store.checkpoint(tmp_path / "ckpt")
+
+
+def _two_actors(store, b_steps):
+    """Actor 0 writes one step and goes idle (its row waits for a successor); actor 1 writes `b_steps`."""
+    a, _ = make_episodes([5], seed=1)
+    a = {k: v[:1] for k, v in a.items()}
+    a["terminated"][:] = a["truncated"][:] = False
+    a["actor"] = np.zeros(1, int)
+    store.extend(a)
+    b, _ = make_episodes([b_steps], seed=2, start=100.0)
+    b["actor"] = np.ones(b_steps, int)
+    store.extend(b)
+    return a
+
+
+def test_fifo_strict_order_waits_for_an_idle_actor():
+    store = store_with("fifo")
+    _two_actors(store, 10)
+    with pytest.raises(ab.SampleTimeout):  # row 0 waits for its next observation: the strict queue waits too
+        store.sample(1)
+    assert store.stats()["blocked_at"] == 0
+
+
+def test_fifo_skip_pending_serves_around_an_idle_actor():
+    store = store_with(ab.samplers.Fifo(skip_pending=True))
+    a = _two_actors(store, 10)
+    assert store.sampler.available() == 10
+    assert store.sample(4).indices.tolist() == [1, 2, 3, 4]
+    assert store.sample(6).indices.tolist() == [5, 6, 7, 8, 9, 10]
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1)
+    nxt = {k: v.copy() for k, v in a.items()}
+    nxt["obs"] = nxt["obs"] + 1
+    nxt["terminated"][:] = True  # actor 0 comes back: row 0 is sampleable now, row 11 too (its episode ended)
+    store.extend(nxt)
+    assert store.sample(2).indices.tolist() == [0, 11]
+    with pytest.raises(ab.SampleTimeout):
+        store.sample(1)
+    assert store.stats()["skipped_evicted"] == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6), st.booleans()), min_size=1, max_size=15),
+       sizes=st.lists(st.integers(1, 5), min_size=1, max_size=20))
+def test_fifo_skip_pending_delivers_each_row_once(steps, sizes):
+    store = store_with(ab.samplers.Fifo(skip_pending=True), capacity=1000)
+    seen: list[int] = []
+    sizes = iter(sizes * 10)
+    for i, (actor, n, end) in enumerate(steps):
+        batch, _ = make_episodes([n], seed=i, start=i * 100.0)
+        batch["terminated"][:] = False
+        batch["truncated"][:] = False
+        batch["terminated"][-1] = end
+        batch["actor"] = np.full(n, actor)
+        store.extend(batch)
+        try:
+            seen += store.sample(next(sizes, 1)).indices.tolist()
+        except ab.SampleTimeout:
+            pass
+    while True:
+        try:
+            seen += store.sample(1).indices.tolist()
+        except ab.SampleTimeout:
+            break
+    valid = store.index.valid[np.arange(len(store))]
+    assert len(seen) == len(set(seen)) and sorted(seen) == np.flatnonzero(valid).tolist()
+
+
+def test_fifo_skip_pending_state_survives_checkpoint(tmp_path):
+    store = store_with(ab.samplers.Fifo(skip_pending=True), capacity=64, chunk_rows=8)
+    a = _two_actors(store, 5)
+    assert store.sample(3).indices.tolist() == [1, 2, 3]
+    store.checkpoint(tmp_path / "ckpt")
+    again = ab.ExperienceStore.restore(tmp_path / "ckpt")
+    assert again.sample(2).indices.tolist() == [4, 5]
+    nxt = {k: v.copy() for k, v in a.items()}
+    nxt["terminated"][:] = True
+    again.extend(nxt)
+    assert again.sample(2).indices.tolist() == [0, 6]
+
+
+def test_fifo_skip_pending_is_one_queue_across_attached_handles():
+    import os
+    import uuid
+
+    name = f"tsampler{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with ab.ExperienceStore(ab.load_schema(SMALL), 100, sampler=ab.samplers.Fifo(skip_pending=True), tier="shm",
+                            name=name) as owner:
+        _two_actors(owner, 8)
+        with ab.ExperienceStore.attach(name) as other:
+            assert other.sampler.skip_pending
+            got = owner.sample(3).indices.tolist() + other.sample(3).indices.tolist() + owner.sample(2).indices.tolist()
+            assert got == [1, 2, 3, 4, 5, 6, 7, 8]

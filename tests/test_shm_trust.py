@@ -9,6 +9,7 @@ import json
 import multiprocessing as mp
 import os
 import struct
+import threading
 import uuid
 
 import numpy as np
@@ -258,6 +259,10 @@ def _noop() -> None:
     pass
 
 
+def _wait_for(event) -> None:
+    event.wait(JOIN_S)
+
+
 def _extend_in_child(name: str, q) -> None:
     try:
         other = ab.ExperienceStore.attach(name)
@@ -285,7 +290,11 @@ def test_tampered_lock_memory_raises_instead_of_hanging(shared, holder):
     elif holder == "garbage":
         tid = None  # the whole mutex overwritten: its kind field is no kind libc knows
     else:
-        tid = 1  # init: alive, and it has no store open
+        bystander_done = CTX.Event()
+        bystander = CTX.Process(target=_wait_for, args=(bystander_done,), daemon=True)  # alive, no store open
+        procs.append(bystander)
+        bystander.start()
+        tid = bystander.pid
     locks = os.path.join(path, "arena.tier.locks")
     with open(locks, "r+b") as f:
         f.seek(slot * 64)
@@ -306,5 +315,58 @@ def test_tampered_lock_memory_raises_instead_of_hanging(shared, holder):
         with open(locks, "r+b") as f:
             f.seek(slot * 64)
             f.write(original)
+        if holder == "process without the store":
+            bystander_done.set()
     store.extend(_rows(5, 200))  # repaired: the owner goes on
     assert len(store) == 25
+
+
+def _hold_write_lock(name: str, held, release) -> None:
+    tier = shm.SharedMemoryTier.attach(name)
+    try:
+        lock = tier.lock("write")
+        with lock:
+            held.set()
+            release.wait(JOIN_S)
+    finally:
+        tier.close()
+
+
+@pytest.mark.skipif(pthread_lib() is None, reason="robust pthread mutexes not available (flock locks)")
+@pytest.mark.parametrize("holder", ["attached process", "forked child"])
+def test_a_lock_held_long_by_a_live_holder_is_waited_for(shared, holder):
+    # the stuck-holder check must never fire for a holder that can release: a process with the store open, or a
+    # forked child of one (it has the memory mapped but no lease of its own); the holder keeps the lock for longer
+    # than the check's patience, then releases it, and the waiting extend goes through
+    store, name, path, procs = shared
+    ctx = mp.get_context("fork" if holder == "forked child" else "spawn")
+    held, release = ctx.Event(), ctx.Event()
+    if holder == "forked child":
+        tier = shm.SharedMemoryTier.attach(name)  # this process maps the lock; the child inherits the mapping
+        lock = tier.lock("write")
+
+        def hold() -> None:
+            with lock:
+                held.set()
+                release.wait(JOIN_S)
+            os._exit(0)
+
+        p = ctx.Process(target=hold, daemon=True)
+    else:
+        tier = None
+        p = ctx.Process(target=_hold_write_lock, args=(name, held, release), daemon=True)
+    procs.append(p)
+    p.start()
+    try:
+        assert held.wait(JOIN_S), "the holder never took the lock"
+        timer = threading.Timer(1.5, release.set)  # about 3x the check's patience (10 waits of 50 ms)
+        timer.start()
+        ids = store.extend(_rows(5, 300))  # waits for the holder, then writes
+        timer.join()
+        assert len(np.atleast_1d(ids)) >= 1 and len(store) == 25
+        p.join(JOIN_S)
+        assert p.exitcode == 0
+    finally:
+        release.set()
+        if tier is not None:
+            tier.close()

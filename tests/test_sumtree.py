@@ -408,3 +408,33 @@ def test_len_repr_clear():
 def test_docstring_examples():
     result = doctest.testmod(sumtree_module, extraglobs={"np": np})
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.parametrize("capacity", [1, 5, 2049, 70_001])
+def test_single_slot_updates_match_batched(capacity, summary_depth):
+    """The scalar path for one slot (a store's append) leaves the same tree, bit for bit, as one batch."""
+    rng = np.random.default_rng(capacity)
+    idx = rng.integers(0, capacity, 300)
+    vals = rng.random(300) * 10.0
+    vals[::7] = 0.0
+    vals[::11] = -0.0
+    one_s, one_m = SumTree(capacity), MinTree(capacity)
+    for i, v in zip(idx, vals):
+        one_s.update(np.array([i]), v if i % 2 else np.array([v]))
+        one_m.update(np.array([i], dtype=np.uint32), np.array([v]))
+    batch_s, batch_m, ref_s, ref_m = apply_batches(capacity, [(idx, vals)])
+    np.testing.assert_array_equal(one_s._tree, batch_s._tree)
+    np.testing.assert_array_equal(one_m._tree, batch_m._tree)
+    assert one_s.total() == batch_s.total() and one_m.min() == batch_m.min()
+    for bad in (-1.0, np.nan, np.inf):
+        with pytest.raises(ValueError):
+            one_s.update(np.array([0]), bad)
+    with pytest.raises(ValueError):
+        one_m.update(np.array([0]), np.nan)
+    with pytest.raises(IndexError):
+        one_s.update(np.array([capacity]), 1.0)
+    with pytest.raises(IndexError):
+        one_s.update(np.array([-1]), 1.0)
+    with pytest.raises(TypeError):
+        one_s.update(np.array([True]), 1.0)
+    np.testing.assert_array_equal(one_s._tree, batch_s._tree)  # refused updates changed nothing

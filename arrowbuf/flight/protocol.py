@@ -67,6 +67,9 @@ ACTIONS: dict[str, str] = {
     "stats": "the store's stats() as JSON",
     "len": 'rows stored now: {"len": n}',
     "update_priorities": 'body {"indices": [...], "priorities": [...]}; returns {"applied": k}',
+    # persist (issue 15): only under the server's checkpoint_root; `path` is a relative name (arrowbuf.persist.remote)
+    "checkpoint": 'body {"path": "run-7", "keep": k (optional)}; writes under the server\'s checkpoint root; '
+                  'returns the checkpoint summary',
 }
 
 
@@ -435,6 +438,8 @@ class ActionRequest:
     store: str | None = None
     indices: list[int] | None = None
     priorities: list[float] | None = None
+    path: str | None = None   # checkpoint: a name relative to the server's checkpoint root
+    keep: int | None = None
 
 
 def encode_action(type_: str, store: str | None, **body: Any) -> flight.Action:
@@ -458,6 +463,11 @@ def decode_action(action: flight.Action) -> ActionRequest:
         priorities = f.get("priorities", "a list of numbers", required=True)
         f.done()
         return ActionRequest(type_, store, indices, priorities)
+    if type_ == "checkpoint":
+        path = f.get("path", "a string", required=True)
+        keep = f.get("keep", "a positive integer")
+        f.done()
+        return ActionRequest(type_, store, path=path, keep=keep)
     f.done()
     return ActionRequest(type_, store)
 
@@ -500,6 +510,8 @@ class ExchangeMessage:
     count: int = 1
     indices: list[int] | None = None
     priorities: list[float] | None = None
+    path: str | None = None   # checkpoint: a name relative to the server's checkpoint root
+    keep: int | None = None
 
 
 def encode_exchange(msg: ExchangeMessage) -> bytes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import os
 import threading
 import warnings
 from collections import deque
@@ -53,7 +54,8 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
           tls: Any = None, *, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
           max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0,
           sql_limits: SqlLimits = DEFAULT_LIMITS, max_concurrent_sql: int = DEFAULT_MAX_CONCURRENT_SQL,
-          max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS) -> "StoreServer":
+          max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS,
+          checkpoint_root: Any = None) -> "StoreServer":
     """Serve one or more stores over Arrow Flight.
 
     Args:
@@ -71,6 +73,8 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
         max_concurrent_sql: `sql` queries that may run at once; one more is refused with `ResourceExhausted`.
         max_concurrent_calls: calls of any verb that may run at once (open sessions and DoPut streams count);
             one more is refused with `ResourceExhausted`.
+        checkpoint_root: a directory under which the `checkpoint` action may write (a client names a relative
+            path; anything outside, `..`, absolute paths and links are refused); None: no remote checkpoints.
 
     Returns:
         A running `StoreServer` (a context manager).
@@ -78,7 +82,7 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
     return StoreServer(store_or_stores, location, token=token, tls=tls, max_batch_rows=max_batch_rows,
                        max_prefetch_bytes=max_prefetch_bytes, shutdown_timeout=shutdown_timeout,
                        sql_limits=sql_limits, max_concurrent_sql=max_concurrent_sql,
-                       max_concurrent_calls=max_concurrent_calls)
+                       max_concurrent_calls=max_concurrent_calls, checkpoint_root=checkpoint_root)
 
 
 class StoreServer:
@@ -93,8 +97,9 @@ class StoreServer:
                  tls: Any = None, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
                  max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0,
                  sql_limits: SqlLimits = DEFAULT_LIMITS, max_concurrent_sql: int = DEFAULT_MAX_CONCURRENT_SQL,
-                 max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS) -> None:
+                 max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS, checkpoint_root: Any = None) -> None:
         self.stores = _named_stores(store_or_stores)
+        self.checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)  # persist (issue 15)
         if not isinstance(sql_limits, SqlLimits):
             raise InvalidArgument(f"sql_limits must be an ab.SqlLimits, got {type(sql_limits).__name__}")
         self.sql_limits = sql_limits
@@ -376,6 +381,10 @@ class _FlightService(flight.FlightServerBase):
                                  "running": self.owner.calls.running()}
         elif req.type == "len":
             out = {"len": len(store)}
+        elif req.type == "checkpoint":  # persist (issue 15): only under the server's root
+            from ..persist.remote import checkpoint_under_root
+
+            out = checkpoint_under_root(store, self.owner.checkpoint_root, req.path or "", req.keep)
         else:  # update_priorities
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
         return [P.dumps(out)]

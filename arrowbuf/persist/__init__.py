@@ -8,12 +8,15 @@ Usage::
     pyarrow.dataset.dataset("ckpt/", format="ipc")      # the latest checkpoint's rows, without arrowbuf
 
 Modules: `manifest` (layout, manifest, checksums), `snapshot` (what is copied under the store's locks),
-`checkpoint` (writing, retention, background handle), `restore`, `parts` (what persist sees of a store).
+`checkpoint` (writing, retention, background handle), `restore`, `datasets` (export, open_dataset, from_dataset),
+`parts` (what persist sees of a store).
 """
 
 from .checkpoint import CheckpointHandle, checkpoint
+from .datasets import ExperienceDataset, export, from_dataset, open_dataset
 from .manifest import FORMAT_VERSION, read_manifest, verify
 from .parts import StoreParts
 from .restore import restore
 
-__all__ = ["CheckpointHandle", "FORMAT_VERSION", "StoreParts", "checkpoint", "read_manifest", "restore", "verify"]
+__all__ = ["CheckpointHandle", "ExperienceDataset", "FORMAT_VERSION", "StoreParts", "checkpoint", "export",
+           "from_dataset", "open_dataset", "read_manifest", "restore", "verify"]

@@ -36,7 +36,7 @@ import pyarrow as pa
 from ..errors import ArrowbufError, InvalidArgument
 from . import manifest as mf
 from .parts import StoreParts, to_spec
-from .snapshot import Snapshot, capture, read_chunk, still_intact
+from .snapshot import Snapshot, capture, read_chunk, still_intact, tensor_array
 
 #: Per store (keyed by its ring index) and checkpoint directory: the row files of sealed chunks known to hold its
 #: rows exactly, {(first_seq, rows): manifest entry}. Written by checkpoints and by restore.
@@ -97,8 +97,11 @@ class CheckpointHandle:
 
 
 def checkpoint(store: Any, path: str | os.PathLike, keep: int | None = None, background: bool = False,
-               compression: str | None = None) -> Any:
+               compression: str | None = None, _after_read: Any = None) -> Any:
     """Write a checkpoint of `store` into directory `path` (see the module docstring and `ExperienceStore.checkpoint`).
+
+    `_after_read(i)` (tests) runs after live chunk `i` was read and serialised, before its intact check: a test
+    writes to the store there to overwrite rows mid-copy, deterministically.
     """
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise InvalidArgument(f"keep must be a positive number of checkpoints or None (keep all), got {keep!r}")
@@ -113,6 +116,7 @@ def checkpoint(store: Any, path: str | os.PathLike, keep: int | None = None, bac
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one checkpoint writer per directory, across processes
         job = _Job(parts, capture(parts), root, keep, compression, lock_fd)
+        job.after_read = _after_read
     except BaseException:
         os.close(lock_fd)
         raise
@@ -133,6 +137,7 @@ class _Job:
         self.progress = 0.0
         self.error: BaseException | None = None
         self.result: dict[str, Any] | None = None
+        self.after_read: Any = None
 
     def run(self) -> None:
         try:
@@ -180,8 +185,9 @@ class _Job:
                 batch = read_chunk(parts, snap, i, self.schema)
                 data = self._ipc(batch)
                 del batch
-                if snap.sealed[i] and not (i == len(snap.chunks) - 1 and not snap.sealed[i]) \
-                        and not still_intact(parts, snap, i):
+                if self.after_read is not None:
+                    self.after_read(i)
+                if snap.sealed[i] and not still_intact(parts, snap, i):
                     entries = []  # overwritten while read: it and everything older leave the snapshot
                     kept_lo = first + n
                     done_rows += n
@@ -290,8 +296,7 @@ class _Job:
         arrays, names = [], []
         for name, a in cols.items():
             a = np.asarray(a)
-            arrays.append(pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(a)) if a.ndim > 1
-                          else pa.array(a))
+            arrays.append(tensor_array(a) if a.ndim > 1 else pa.array(a))
             names.append(name)
         table = pa.table(arrays, names=names) if arrays else pa.table({})
         table = table.replace_schema_metadata({"arrowbuf": json.dumps(meta)})

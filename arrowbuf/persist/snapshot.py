@@ -86,43 +86,19 @@ def _final_state(parts: StoreParts, pos: np.ndarray, lo: int) -> dict[str, Any]:
 
 
 def sampler_state(sampler: Any, pos: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """A sampler's state for the rows at `pos`: JSON-able scalars and per-row arrays.
+    """A sampler's state for the rows at `pos`: JSON-able scalars and per-row arrays (`Sampler.state`).
 
     Raises:
-        InvalidArgument: a sampler class persist does not know (its state could not be restored).
+        InvalidArgument: a sampler that does not say (its state could not be restored).
     """
-    from .. import samplers as s
-
-    if isinstance(sampler, s.SequenceSampler):
-        meta, arrays = sampler_state(sampler.starts, pos)
-        return {"starts": meta}, arrays
-    if isinstance(sampler, s.PrioritizedSampler):
-        return ({"max_priority": sampler.max_priority, "count": sampler.count},
-                {"priority_sum": sampler.sum_tree.get(pos), "priority_min": sampler.min_tree.get(pos)})
-    if isinstance(sampler, s.FifoSampler):
-        return {"cursor": sampler.cursor, "skipped": sampler.skipped}, {}
-    if type(sampler) in (s.UniformSampler, s.LifoSampler):
-        return {}, {}
-    raise InvalidArgument(f"{type(sampler).__name__} cannot be checkpointed yet: arrowbuf.persist knows the state of "
-                          "Uniform, Fifo, Lifo, Prioritized and Sequence samplers")
+    meta, arrays = sampler.state(pos)
+    return meta, arrays
 
 
 def restore_sampler_state(sampler: Any, pos: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
                           dropped_valid: int = 0) -> None:
     """Put back what `sampler_state` recorded, for the rows now at `pos` (a fresh store's sampler)."""
-    from .. import samplers as s
-
-    if isinstance(sampler, s.SequenceSampler):
-        restore_sampler_state(sampler.starts, pos, meta["starts"], arrays, dropped_valid)
-    elif isinstance(sampler, s.PrioritizedSampler):
-        if len(pos):
-            sampler.sum_tree.update(pos, arrays["priority_sum"])
-            sampler.min_tree.update(pos, arrays["priority_min"])
-        sampler.max_priority = float(meta["max_priority"])
-        sampler.count = int(meta["count"]) - dropped_valid
-    elif isinstance(sampler, s.FifoSampler):
-        sampler.cursor = int(meta["cursor"])
-        sampler.skipped = int(meta["skipped"])
+    sampler.load_state(pos, meta, arrays, dropped_valid)
 
 
 def episode_state(tracker: Any) -> dict[str, Any]:
@@ -164,8 +140,21 @@ def _decode_key(obj: dict[str, Any]) -> Any:
 def arrow_column(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
     """A numpy column (rows first) as the Arrow array of the stored column's type."""
     if isinstance(arrow_type, pa.FixedShapeTensorType):
-        return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(values))
+        return tensor_array(values)
     return pa.array(values, type=arrow_type)
+
+
+def tensor_array(values: np.ndarray) -> pa.Array:
+    """Rows of a [n, *shape] array as a fixed-shape tensor array (also for n == 0, which pyarrow's
+    `from_numpy_ndarray` refuses)."""
+    values = np.ascontiguousarray(values)
+    if len(values):
+        return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
+    shape = list(values.shape[1:])
+    value_type = pa.from_numpy_dtype(values.dtype)
+    storage = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=value_type),
+                                                int(np.prod(shape)))
+    return pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(value_type, shape), storage)
 
 
 def numpy_column(array: Any) -> np.ndarray:
@@ -173,6 +162,8 @@ def numpy_column(array: Any) -> np.ndarray:
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
     if isinstance(array.type, pa.FixedShapeTensorType):
+        if len(array) == 0:
+            return np.empty((0, *array.type.shape), dtype=array.type.value_type.to_pandas_dtype())
         return np.asarray(array.to_numpy_ndarray())
     return np.asarray(array.to_numpy(zero_copy_only=False))
 

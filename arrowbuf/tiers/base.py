@@ -11,7 +11,7 @@ over a tier is one `take`. Usage::
 For a store with several tiers (`ExperienceStore(tiers=...)`, see `arrowbuf.columns`): a tier has a byte `budget`;
 a non-slotted tier (host, disk) hands out `allocate_sparse` arenas spanning the whole ring, whose memory is
 accounted per row range (`hold`, `release`); a `slotted` tier (GPU) holds a fixed number of chunk slots per column.
-Implementations: `HostTier`, `SharedMemoryTier` (tiers/shm.py), `DiskTier` (memory-mapped Arrow IPC files),
+Implementations: `HostTier`, `SharedMemoryTier` (tiers/shm/), `DiskTier` (memory-mapped Arrow IPC files),
 `GpuTier` (torch CUDA tensors; imports torch only when made).
 """
 

@@ -92,10 +92,12 @@ class RobustMutex:
     Works as the lock of a `threading.Condition`.
     """
 
-    def __init__(self, mem: np.ndarray, init: bool, where: str = "", store_dir: str | None = None) -> None:
+    def __init__(self, mem: np.ndarray, init: bool, where: str = "", store_dir: str | None = None,
+                 file_ino: int = -1) -> None:
         self._mem = mem  # keeps the mapping alive while the lock is used
         self.where = where or "a shared-memory lock"
-        self._store_dir = store_dir  # to tell a holder that has the store open from one that cannot hold its lock
+        self._store_dir = store_dir  # to tell a holder that can hold this lock from one that cannot
+        self._file_ino = file_ino    # inode of the file the lock lives in (a holder has it mapped)
         lib = pthread_lib()
         if lib is None:
             raise ArrowbufError("process-shared robust mutexes are not available here; use flock locks")
@@ -148,9 +150,10 @@ class RobustMutex:
         """Why the holder named by the lock word can never release it ('' when it may, or when that is unknown).
 
         A robust mutex's holder that dies is marked by the kernel (the next locker gets EOWNERDEAD), so a lock word
-        naming a thread that does not exist, or a thread of a process that does not have the store open, can only
-        come from overwritten memory. Checked only where every process with the store open is visible in this
-        process's /proc (one pid namespace), since thread ids are per namespace.
+        naming a thread that does not exist, or a thread of a process that does not have the lock's memory mapped
+        (a forked child of a process with the store open has), can only come from overwritten memory. Checked only
+        where every process with the store open is visible in this process's /proc (one pid namespace), since
+        thread ids are per namespace, and only for processes whose memory map this one may read.
         """
         tid = word & _FUTEX_TID_MASK
         if word < 0 or tid == 0 or self._store_dir is None:
@@ -160,8 +163,7 @@ class RobustMutex:
         from .janitor import lease_holders
         from .paths import start_time
 
-        holders = lease_holders(self._store_dir)
-        if any(start_time(pid) != started for pid, started in holders):
+        if any(start_time(pid) != started for pid, started in lease_holders(self._store_dir)):
             return ""  # a process with the store open is not ours to see (another pid namespace): cannot tell
         try:
             with open(f"/proc/{tid}/status") as f:
@@ -170,8 +172,13 @@ class RobustMutex:
             return f"marked as held by thread {tid}, which does not exist"
         except (OSError, StopIteration, ValueError):
             return ""
-        if tgid not in {pid for pid, _ in holders}:
-            return f"marked as held by thread {tid} of process {tgid}, which does not have the store open"
+        try:
+            with open(f"/proc/{tgid}/maps") as f:
+                mapped = any(len(parts) > 4 and parts[4] == str(self._file_ino) for parts in map(str.split, f))
+        except OSError:  # gone meanwhile, or not ours to read
+            return ""
+        if not mapped and self._file_ino > 0:
+            return f"marked as held by thread {tid} of process {tgid}, which does not have the store's locks mapped"
         return ""
 
     def release(self) -> None:
@@ -211,7 +218,8 @@ class FlockLock:
 
     def _file(self) -> int:
         if self._pid != os.getpid():
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)  # never through a link
+            self._fd = os.open(self.path, flags, 0o600)
             self._pid = os.getpid()
         return self._fd
 

@@ -253,7 +253,7 @@ class SharedMemoryTier(Tier):
             at = self._lock_slots[key] * LOCK_BYTES
             lk = RobustMutex(self._lock_mem[at:at + LOCK_BYTES], init=fresh,
                              where=f"lock {key!r} (slot {self._lock_slots[key]} of {self.path}/arena.tier.locks)",
-                             store_dir=self.path)
+                             store_dir=self.path, file_ino=inode(os.path.join(self.path, "arena.tier.locks")))
         self._locks[key] = lk
         return lk
 
