@@ -29,7 +29,7 @@ from .errors import (
 )
 from .loader import Loader
 from .persist import open_dataset
-from .flight import connect, serve
+from .flight import ServerLimits, connect, serve
 from .sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
 from .store import ExperienceStore
@@ -55,6 +55,7 @@ __all__ = [
     "SampleBatch",
     "SampleTimeout",
     "SchemaError",
+    "ServerLimits",
     "ShardsLost",
     "SqlLimits",
     "StoreClosed",

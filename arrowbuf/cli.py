@@ -14,6 +14,7 @@ Subcommands register themselves in `COMMANDS`: a function `add_<name>(subparsers
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -74,6 +75,12 @@ def run_serve(args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         store.close()
+    if not server.stopped:  # --- hardening: a stalled client (a session that never reads) cannot hold the process;
+        # close() gave up on it after its timeout, and a normal exit would wait for its call forever
+        print("arrowbuf: calls still open after the shutdown timeout; exiting without them", file=sys.stderr,
+              flush=True)
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

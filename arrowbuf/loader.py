@@ -202,6 +202,7 @@ class _Config:
     sample_options: dict[str, Any]
     filtered: bool
     floor: Callable[[], float]
+    collate: Callable[[SampleBatch], Any] | None = None
 
 
 @dataclass
@@ -379,7 +380,7 @@ class _Pipeline:
 
     def _collate(self, batch: SampleBatch) -> Any:
         if self.cfg.format == "batch":
-            return batch
+            return batch if self.cfg.collate is None else self.cfg.collate(batch)
         torch = require("torch", "torch")
         # columns a GPU tier gathered on the device stay there (no round trip through the host)
         on_device = {k: batch[k] for k in batch.columns if getattr(getattr(batch[k], "device", None), "type", "cpu")
@@ -423,6 +424,9 @@ class Loader:
         policy_version: the learner's current policy version (an int, or a callable returning it); needed with
             `max_staleness`; update it with `set_policy_version`.
         history: iterations kept row by row in `metrics`.
+        collate: with `format="batch"`, a function of each `SampleBatch` run on the background thread (its time
+            counts as `collate_s`); `next()` yields what it returns (e.g. arrowbuf.rllib's RLlib episodes). Not with
+            a staleness filter (which re-filters `SampleBatch`es).
         **sample_options: passed to every `source.sample` (e.g. `n_step=3, gamma=0.99`).
     """
 
@@ -430,7 +434,7 @@ class Loader:
                  device: Any = "cpu", format: str = "batch", *, timeout: float | None = None,
                  max_staleness: int | None = None, min_policy_version: int | None = None,
                  policy_version: int | Callable[[], int] | None = None, history: int = 100_000,
-                 **sample_options: Any) -> None:
+                 collate: Callable[[SampleBatch], Any] | None = None, **sample_options: Any) -> None:
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
             raise InvalidArgument(f"batch_size must be a positive number of rows, got {batch_size!r}")
         if not isinstance(prefetch, (int, np.integer)) or isinstance(prefetch, bool) or prefetch < 1:
@@ -460,6 +464,9 @@ class Loader:
         elif str(device) != "cpu":
             raise InvalidArgument(f"device={device!r} needs format='torch' (a SampleBatch holds host arrays)")
         filtered = max_staleness is not None or min_policy_version is not None
+        if collate is not None and (format != "batch" or filtered):
+            raise InvalidArgument("collate= runs on SampleBatches: use it with format='batch' and without "
+                                  "max_staleness/min_policy_version")
         drop_version = False
         if filtered:
             schema = getattr(source, "schema", None)
@@ -484,7 +491,7 @@ class Loader:
         self._shared = _Shared()
         # the background thread reads the floor through a weak reference: it must not keep the Loader alive
         cfg = _Config(self.batch_size, self.prefetch, cols, drop_version, format, device, self._cuda,
-                      dict(sample_options), filtered, _weak_floor(self))
+                      dict(sample_options), filtered, _weak_floor(self), collate)
         self._pipeline = _Pipeline(source, cfg, self._shared)
         self._thread = threading.Thread(target=self._pipeline.run, name=f"arrowbuf-loader-{id(self):x}", daemon=True)
         self._closed = False

@@ -81,7 +81,7 @@ class FieldSpec:
         dtype: numpy dtype of one element.
         shape: per-step shape, () for a scalar.
         ragged: a variable-length 1-D list per step (token ids, logprobs); `shape` is then ().
-        allow_nan: when False, NaN values are rejected on ingest (floating fields only).
+        allow_nan: when False, NaN and infinite values are rejected on ingest (floating fields only).
     """
 
     name: str
@@ -265,6 +265,41 @@ class ExperienceSchema:
         return out
 
     # ---------------------------------------------------------------- validation
+    def check_input_types(self, incoming: pa.Schema, where: str = "input") -> None:
+        """Check a writer's Arrow schema (names, types, shapes) before any of its data is read.
+
+        Accepts what `validate_batch` converts without loss: a scalar field from a bool/integer/float column the
+        dtype rules allow, a tensor field from a `fixed_shape_tensor` of its shape or (nested) fixed-size lists of
+        its element count, a ragged field from a list column, `episode_id` from integers, `actor` from integers or
+        strings. A DoPut stream's schema message is checked with this before its first batch.
+
+        Raises:
+            SchemaError: naming the column, what was expected and what came.
+        """
+        names = list(incoming.names)
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise SchemaError(f"{where}: duplicate column name(s) {_clip(dup)}; send each field once")
+        allowed = set(self.fields) | set(self.derived) | set(STREAM_KEYS)
+        unknown = [n for n in names if n not in allowed]
+        if unknown:
+            raise SchemaError(f"{where}: unknown column(s) {_clip(unknown)} for schema {self.name!r}; expected fields "
+                              f"{sorted(self.fields)} (GetSchema [store, \"input\"] gives the exact schema)")
+        missing = [k for k in self.fields if k not in names]
+        if missing:
+            raise SchemaError(f"{where}: missing field(s) {missing} for schema {self.name!r}: every step needs them")
+        for f in incoming:
+            if f.name in STREAM_KEYS:
+                ok = pa.types.is_integer(f.type) or (f.name == "actor" and (pa.types.is_string(f.type)
+                                                                             or pa.types.is_large_string(f.type)))
+                want = "integers" if f.name == "episode_id" else "integers or strings"
+            else:
+                spec = self.spec_of(f.name)
+                ok, want = _arrow_type_fits(spec, f.type), spec.describe()
+            if not ok:
+                raise SchemaError(f"{where}: column {f.name!r} has Arrow type {_clip(str(f.type))}; expected "
+                                  f"{want} (GetSchema [store, \"input\"] gives the exact schema)")
+
     def validate_batch(self, batch: Any, *, single: bool = False) -> tuple[dict[str, Any], int]:
         """Check a batch against the schema and convert it to columns.
 
@@ -283,7 +318,11 @@ class ExperienceSchema:
         if isinstance(batch, (pa.RecordBatch, pa.Table)):
             if single:
                 raise SchemaError("append takes one step as a dict; use extend for a RecordBatch or Table")
-            raw: dict[str, Any] = {name: batch.column(name) for name in batch.schema.names}
+            names = batch.schema.names
+            if len(set(names)) != len(names):
+                dup = sorted({n for n in names if names.count(n) > 1})
+                raise SchemaError(f"duplicate column name(s) {_clip(dup)}; send each field once")
+            raw: dict[str, Any] = {name: batch.column(i) for i, name in enumerate(names)}
         elif isinstance(batch, Mapping):
             raw = dict(batch)
         else:
@@ -320,6 +359,39 @@ class ExperienceSchema:
         return out, int(n or 0)
 
 
+def _clip(value: Any, limit: int = 200) -> str:
+    """A client-supplied value cut to `limit` characters for an error message."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
+
+
+def _scalar_fits(dtype: np.dtype, t: pa.DataType) -> bool:
+    """Whether an Arrow value type converts to `dtype` by `_cast`'s rules (checked again on the values)."""
+    if pa.types.is_boolean(t):
+        return dtype.kind in "biu"
+    if pa.types.is_integer(t):
+        return dtype.kind in "biuf"
+    if pa.types.is_floating(t):
+        return dtype.kind == "f"
+    return False
+
+
+def _arrow_type_fits(spec: FieldSpec, t: pa.DataType) -> bool:
+    if spec.ragged:
+        return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _scalar_fits(spec.dtype, t.value_type)
+    if not spec.shape:
+        return _scalar_fits(spec.dtype, t)
+    if isinstance(t, pa.FixedShapeTensorType):
+        return tuple(t.shape) == spec.shape and _scalar_fits(spec.dtype, t.value_type)
+    if not pa.types.is_fixed_size_list(t):
+        return False
+    size = 1
+    while pa.types.is_fixed_size_list(t):
+        size *= t.list_size
+        t = t.value_type
+    return size == int(np.prod(spec.shape)) and _scalar_fits(spec.dtype, t)
+
+
 def _stream_column(name: str, value: Any, single: bool) -> np.ndarray:
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
         value = value.to_numpy(zero_copy_only=False)
@@ -333,9 +405,17 @@ def _stream_column(name: str, value: Any, single: bool) -> np.ndarray:
             raise SchemaError(f"stream key 'episode_id': expected integers, got {arr.dtype}")
         if len(arr) and arr.min() < 0:
             raise SchemaError("stream key 'episode_id': expected non-negative integers, got a negative one")
+        if len(arr) and arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+            raise SchemaError(f"stream key 'episode_id': {arr.max()} is over the largest id {np.iinfo(np.int64).max} "
+                              "(ids are stored as int64)")
         return arr.astype(np.int64, copy=False)
     if arr.dtype.kind not in "iuUSO":
         raise SchemaError(f"stream key 'actor': expected ints or strings, got {arr.dtype}")
+    if arr.dtype.kind == "O":  # from lists or Arrow strings with nulls: every value must be one int or one string
+        kinds = {type(v) for v in arr.tolist()}
+        if not (kinds <= {int} or kinds <= {str}):
+            shown = sorted(k.__name__ for k in kinds)
+            raise SchemaError(f"stream key 'actor': expected all ints or all strings (no None), got {shown}")
     return arr
 
 
@@ -344,6 +424,10 @@ def _arrow_to_numpy(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> Any:
         value = value.combine_chunks() if value.num_chunks != 1 else value.chunk(0)
     if value.null_count:
         raise SchemaError(f"field {spec.name!r}: {value.null_count} null value(s); every step needs a value")
+    nulls = _inner_nulls(value)
+    if nulls:
+        raise SchemaError(f"field {spec.name!r}: {nulls} null element(s) inside its values; every element needs a "
+                          "value (nulls would be stored as 0)")
     t = value.type
     if isinstance(value, pa.FixedShapeTensorArray):
         return value.to_numpy_ndarray()
@@ -354,6 +438,18 @@ def _arrow_to_numpy(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> Any:
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return value
     return value.to_numpy(zero_copy_only=False)
+
+
+def _inner_nulls(value: pa.Array) -> int:
+    """Nulls inside the elements of a (tensor, fixed-size list or list) column, at any depth."""
+    if isinstance(value, pa.ExtensionArray):
+        value = value.storage
+    total = 0
+    while pa.types.is_fixed_size_list(value.type) or pa.types.is_list(value.type) or \
+            pa.types.is_large_list(value.type):
+        value = value.flatten()
+        total += value.null_count
+    return total
 
 
 def _convert_field(spec: FieldSpec, value: Any, single: bool) -> Any:
@@ -421,11 +517,18 @@ def _cast(spec: FieldSpec, arr: np.ndarray) -> np.ndarray:
     elif dst.kind == "f":
         if src.kind not in "iuf":
             raise SchemaError(f"field {spec.name!r}: expected {dst}, got {src}")
-        out = arr.astype(dst)
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = arr.astype(dst)
+        if arr.size and (src.kind in "iu" or src.itemsize > dst.itemsize):
+            overflow = np.isinf(out) & ~np.isinf(arr) if src.kind == "f" else np.isinf(out)
+            if overflow.any():
+                raise SchemaError(f"field {spec.name!r}: {int(overflow.sum())} value(s) of {src} are out of the range "
+                                  f"of {dst} (they would be stored as infinity); scale them or widen the field")
     else:  # pragma: no cover - _DTYPES has no other kinds
         raise SchemaError(f"field {spec.name!r}: unsupported dtype {dst}")
-    if not spec.allow_nan and out.dtype.kind == "f" and np.isnan(out).any():
-        raise SchemaError(f"field {spec.name!r}: NaN values are not allowed by the schema (allow_nan: false)")
+    if not spec.allow_nan and out.dtype.kind == "f" and not np.isfinite(out).all():
+        raise SchemaError(f"field {spec.name!r}: NaN or infinite values are not allowed by the schema "
+                          "(allow_nan: false)")
     return out
 
 

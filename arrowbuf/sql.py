@@ -148,7 +148,9 @@ def _connect(duckdb: Any, limits: SqlLimits) -> Any:
     con = duckdb.connect(":memory:", config=config)
     try:
         for statement in ("SET disabled_filesystems='LocalFileSystem'", "SET max_temp_directory_size='0B'",
-                          "SET secret_directory=''", "SET extension_directory=''", "SET lock_configuration=true"):
+                          "SET secret_directory=''", "SET extension_directory=''",
+                          "SET python_enable_replacements=false",  # no Python variables as tables
+                          "SET lock_configuration=true"):
             con.execute(statement)
     except Exception:
         con.close()

@@ -31,9 +31,10 @@ BENCHMARKS = {
     "loader": ("benchmarks.bench_loader", ["--quick"], "Loader: exposed experience-path latency"),
     "tiers": ("benchmarks.bench_tiers", ["--quick"], "Tiers and placement: spill and cold columns"),
     "ray": ("benchmarks.bench_ray", ["--quick"], "Ray: sharded stores"),
+    "persist": ("benchmarks.bench_persist", ["--quick"], "Persistence: checkpoint, incremental, background, restore"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
-DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray"]
+DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist"]
 
 
 def versions() -> str:

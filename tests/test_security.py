@@ -185,16 +185,27 @@ class TestSqlSandbox:
             ab.SqlLimits(memory_limit=10)
         with pytest.raises(ab.InvalidArgument):
             ab.serve(cartpole_store(rows=0), sql_limits={"timeout": 1})
+        with pytest.raises(ab.InvalidArgument, match="unknown server limit"):
+            ab.serve(cartpole_store(rows=0), max_batch_rowz=10)
+        with pytest.raises(ab.InvalidArgument):
+            ab.ServerLimits(max_n_step=0)
+        assert ab.ServerLimits().with_overrides(max_n_step=5).max_n_step == 5
 
+    @pytest.mark.slow
     def test_concurrent_queries_are_bounded(self, servers):
-        server = servers(cartpole_store(), max_concurrent_sql=1, sql_limits=ab.SqlLimits(timeout=600.0))
+        # the slow query ends by the server's own deadline (5 s), long enough to be seen running under any load
+        server = servers(cartpole_store(), max_concurrent_sql=1, sql_limits=ab.SqlLimits(timeout=5.0))
         slow = flight.FlightClient(server.location)
         remote = ab.connect(server.location)
         try:
+            outcome: list = []
+
             def hold() -> None:
-                with pytest.raises(flight.FlightError):
+                try:
                     slow.do_get(sql_ticket("SELECT sum(i) FROM range(10000000000000) t(i)"),
-                                flight.FlightCallOptions(timeout=2)).read_all()
+                                flight.FlightCallOptions(timeout=120)).read_all()
+                except flight.FlightError as exc:
+                    outcome.append(detail(exc)["code"])
 
             t = threading.Thread(target=hold, daemon=True)
             t.start()
@@ -202,7 +213,352 @@ class TestSqlSandbox:
             with pytest.raises(ab.ResourceExhausted, match="sql queries"):
                 remote.sql("SELECT 1 AS one")
         finally:
-            t.join()  # the slow call's own deadline ends it; the server interrupts the query
+            t.join()  # the sandbox's deadline ends the slow query
+            assert outcome == ["DEADLINE_EXCEEDED"]
             slow.close()
             remote.close()
         assert server.wait_idle(timeout=60.0)
+
+
+# ---------------------------------------------------------------------------------------------------- request bounds
+def sample_ticket(**fields) -> flight.Ticket:
+    return flight.Ticket(json.dumps({"v": 1, "kind": "sample", "n": 4, **fields}).encode())
+
+
+def expect_invalid(call, match: str) -> dict:
+    """The call fails with the protocol's INVALID_ARGUMENT status naming `match` (a bounded client deadline makes
+    an unbounded server fail the check instead of hanging the test)."""
+    with pytest.raises(flight.FlightError) as info:
+        call()
+    d = detail(info.value)
+    assert d["code"] == "INVALID_ARGUMENT" and match in d["message"], d
+    return d
+
+
+class TestRequestBounds:
+    def test_numeric_options_are_bounded_and_stated_in_describe(self, servers):
+        server = servers(cartpole_store())
+        client = flight.FlightClient(server.location)
+        deadline = flight.FlightCallOptions(timeout=20)
+        try:
+            info = json.loads(next(iter(client.do_action(flight.Action("describe", b"")))).body.to_pybytes())
+            limits = info["limits"]
+            assert limits["max_n_step"] < 10**6 and limits["max_timeout"] <= 24 * 3600
+            assert limits["max_batch_bytes"] and limits["sql_limits"]["timeout"]
+            # n_step 10**12 burned a core for minutes, holding the GIL
+            expect_invalid(lambda: client.do_get(sample_ticket(options={"n_step": 10**12}), deadline).read_all(),
+                           "max_n_step")
+            expect_invalid(lambda: client.do_get(sample_ticket(timeout=1e6), deadline).read_all(), "max_timeout")
+            expect_invalid(lambda: client.do_get(sample_ticket(options={"gamma": 5}), deadline).read_all(), "gamma")
+            expect_invalid(lambda: client.do_get(sample_ticket(options={"bogus": 1}), deadline).read_all(), "bogus")
+            session = {"v": 1, "kind": "session", "n": 2, "options": {"n_step": 10**9}}
+            descriptor = flight.FlightDescriptor.for_command(json.dumps(session).encode())
+
+            def exchange():
+                writer, reader = client.do_exchange(descriptor, deadline)
+                writer.write_metadata(pa.py_buffer(b'{"op": "sample", "count": 1}'))
+                writer.done_writing()
+                reader.read_all()
+
+            expect_invalid(exchange, "max_n_step")
+            put = flight.FlightDescriptor.for_command(json.dumps({"kind": "extend", "timeout": 1e6}).encode())
+
+            def doput():
+                rb = pa.RecordBatch.from_pydict(_arrow_input(cartpole_batch(2)))
+                writer, _ = client.do_put(put, rb.schema, deadline)
+                writer.write_batch(rb)
+                writer.close()
+
+            expect_invalid(doput, "max_timeout")
+            # within the bounds, everything still works
+            ok = client.do_get(sample_ticket(options={"n_step": 3, "gamma": 0.9}), deadline).read_all()
+            assert ok.num_rows == 4 and "n_step_return" in ok.column_names
+        finally:
+            client.close()
+
+    def test_empty_column_list_is_refused_not_undecodable(self, servers):
+        server = servers(cartpole_store())
+        client = flight.FlightClient(server.location)
+        remote = ab.connect(server.location)
+        try:
+            expect_invalid(lambda: client.do_get(sample_ticket(columns=[])).read_all(), "columns")
+            with pytest.raises(ab.InvalidArgument):
+                remote.sample(4, columns=[])
+            assert len(remote.sample(4, columns=["reward"])) == 4
+        finally:
+            remote.close()
+            client.close()
+
+
+def _arrow_input(cols: dict[str, np.ndarray]) -> dict[str, pa.Array]:
+    out = {}
+    for k, v in cols.items():
+        out[k] = pa.FixedShapeTensorArray.from_numpy_ndarray(v) if v.ndim > 1 else pa.array(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- DoPut
+class TestDoPutValidation:
+    def test_the_schema_message_is_checked_before_any_batch(self, servers):
+        """A 1 GiB batch of the wrong dtype was read whole before it was rejected: now the stream's schema is."""
+        store = cartpole_store()
+        server = servers(store)
+        client = flight.FlightClient(server.location)
+        good = _arrow_input(cartpole_batch(2))
+        wrong = [
+            ("obs", pa.field("obs", pa.string())),                                  # wrong type
+            ("obs", pa.field("obs", pa.fixed_shape_tensor(pa.float32(), [5]))),     # wrong shape
+            ("action", pa.field("action", pa.float64())),                           # float -> int64 would round
+            ("reward", pa.field("reward", pa.list_(pa.float32()))),                 # ragged for a scalar
+        ]
+        try:
+            for name, bad_field in wrong:
+                fields = [bad_field if f == name else pa.field(f, good[f].type) for f in good]
+                writer, _ = client.do_put(P.store_descriptor("cartpole"), pa.schema(fields))
+                with pytest.raises(flight.FlightError) as info:  # no batch sent: the schema alone is refused
+                    writer.close()
+                d = detail(info.value)
+                assert d["error"] == "SchemaError" and repr(name) in d["message"], d
+            assert len(store) == 100
+        finally:
+            client.close()
+
+    def test_a_batch_over_the_byte_limit_is_refused(self, servers):
+        store = cartpole_store()
+        server = servers(store, max_batch_bytes=4096)
+        remote = ab.connect(server.location)
+        try:
+            with pytest.raises(ab.SchemaError, match="max_batch_bytes"):
+                remote.extend(cartpole_batch(200))
+            remote.extend(cartpole_batch(10))
+            assert len(store) == 110
+        finally:
+            remote.close()
+
+    def test_duplicate_columns_and_bad_actor_values_are_bad_input(self, servers):
+        store = cartpole_store()
+        server = servers(store)
+        client = flight.FlightClient(server.location)
+        cols = _arrow_input(cartpole_batch(3))
+        try:
+            names = [*cols, "reward"]
+            dup = pa.RecordBatch.from_arrays([*cols.values(), cols["reward"]], names=names)
+            with pytest.raises(ab.SchemaError, match="duplicate"):
+                store.extend(dup)
+            writer, _ = client.do_put(P.store_descriptor("cartpole"), dup.schema)
+            with pytest.raises(flight.FlightError) as info:
+                writer.write_batch(dup)
+                writer.close()
+            assert detail(info.value)["error"] == "SchemaError"
+            for actor in ([None, "a", "b"], [1, "a", 2.5]):
+                with pytest.raises(ab.SchemaError, match="actor"):
+                    store.extend({**cartpole_batch(3), "actor": np.array(actor, dtype=object)})
+            rb = pa.RecordBatch.from_pydict({**cols, "actor": pa.array(["a", None, "b"])})
+            writer, _ = client.do_put(P.store_descriptor("cartpole"), rb.schema)
+            with pytest.raises(flight.FlightError) as info:
+                writer.write_batch(rb)
+                writer.close()
+            assert detail(info.value)["code"] == "INVALID_ARGUMENT"
+            assert len(store) == 100
+        finally:
+            client.close()
+
+
+# ---------------------------------------------------------------------------------------------------- silent changes
+class TestNoSilentValueChanges:
+    def test_nulls_inside_tensors_and_ragged_lists_are_refused(self, servers):
+        store = cartpole_store()
+        server = servers(store)
+        remote = ab.connect(server.location)
+        cols = _arrow_input(cartpole_batch(2))
+        storage = pa.FixedSizeListArray.from_arrays(pa.array([1.0, None, 3.0, 4.0] * 2, pa.float32()), 4)
+        cols["obs"] = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(pa.float32(), [4]), storage)
+        try:
+            with pytest.raises(ab.SchemaError, match="null"):
+                store.extend(pa.RecordBatch.from_pydict(cols))
+            with pytest.raises(ab.SchemaError, match="null"):
+                remote.extend(pa.RecordBatch.from_pydict(cols))
+            assert len(store) == 100
+            tokens = ab.ExperienceStore(SCHEMAS / "tokens.yaml", capacity=100)
+            row = {"prompt_tokens": pa.array([[1, None, 3]], pa.list_(pa.int32())),
+                   "response_tokens": pa.array([[4]], pa.list_(pa.int32())),
+                   "logprobs": pa.array([[0.5]], pa.list_(pa.float32())), "reward": pa.array([1.0], pa.float32()),
+                   "done": pa.array([True]), "policy_version": pa.array([0])}
+            with pytest.raises(ab.SchemaError, match="null"):
+                tokens.extend(pa.RecordBatch.from_pydict(row))
+            assert len(tokens) == 0
+        finally:
+            remote.close()
+
+    def test_out_of_range_values_are_refused(self):
+        store = cartpole_store(rows=0)
+        with pytest.raises(ab.SchemaError, match="episode_id"):
+            store.extend({**cartpole_batch(2), "episode_id": np.array([2**64 - 1, 1], np.uint64)})
+        big = cartpole_batch(2)
+        big["reward"] = np.array([1e300, 1.0])  # float64 into a float32 field: was stored as inf
+        with pytest.raises(ab.SchemaError, match="range"):
+            store.extend(big)
+        assert len(store) == 0
+        strict = ab.ExperienceStore({"name": "strict", "fields": {"x": {"dtype": "float32", "allow_nan": False}}},
+                                    capacity=10)
+        for bad in (np.inf, -np.inf, np.nan):
+            with pytest.raises(ab.SchemaError, match="allow_nan"):
+                strict.extend({"x": np.array([1.0, bad], np.float32)})
+        strict.extend({"x": np.array([1.0, 2.0], np.float32)})
+        assert len(strict) == 2
+
+
+# ---------------------------------------------------------------------------------------------------- streams, calls
+def atari_store(rows: int) -> ab.ExperienceStore:
+    store = ab.ExperienceStore(SCHEMAS / "atari.yaml", capacity=rows, seed=0)
+    obs = np.full((rows, 4, 84, 84), 3, np.uint8)
+    term = np.zeros(rows, bool)
+    term[-1] = True
+    store.extend({"obs": obs, "action": np.zeros(rows, np.int64), "reward": np.zeros(rows, np.float32),
+                  "terminated": term, "truncated": np.zeros(rows, bool), "next_obs": obs})
+    return store
+
+
+class TestStreamsAndCalls:
+    def test_table_streams_chunks_and_is_bounded(self, servers):
+        """10 slow readers of a 101 MB store took the server from 188 MB to 1.4 GB: each request copied it all."""
+        store = atari_store(2000)  # ~56 MB: more than gRPC buffers for a reader that does not read
+        server = servers(store, max_table_streams=1)
+        ticket = flight.Ticket(P.encode_ticket(P.TableRequest("table", columns=["obs", "seq"])))
+        slow = flight.FlightClient(server.location)
+        other = flight.FlightClient(server.location)
+        try:
+            reader = slow.do_get(ticket)
+            first = reader.read_chunk().data
+            assert 0 < first.num_rows < 2000  # chunks, not one table
+            with pytest.raises(flight.FlightError) as info:  # the slow reader holds the only table slot
+                other.do_get(ticket).read_all()
+            assert detail(info.value)["code"] == "RESOURCE_EXHAUSTED"
+            rest = reader.read_all()
+            assert first.num_rows + rest.num_rows == 2000
+            assert rest.column("seq").to_pylist()[-1] == 1999
+            assert server.calls.wait_for(lambda running: running["table"] == 0, timeout=30)
+            assert other.do_get(ticket).read_all().num_rows == 2000
+        finally:
+            slow.close()
+            other.close()
+
+    def test_a_reader_that_goes_away_frees_its_table_slot(self, servers):
+        store = atari_store(2000)
+        server = servers(store, max_table_streams=1)
+        ticket = flight.Ticket(P.encode_ticket(P.TableRequest("table", columns=["obs"])))
+        slow = flight.FlightClient(server.location)
+        reader = slow.do_get(ticket)
+        reader.read_chunk()
+        slow.close()  # gone mid-stream
+        del reader
+        assert server.calls.wait_for(lambda running: running["table"] == 0, timeout=60)
+
+    def test_concurrent_calls_are_bounded(self, servers):
+        """One thread per call with no cap: past max_concurrent_calls a call is refused at once."""
+        server = servers(cartpole_store(), max_concurrent_calls=3)
+        client = flight.FlightClient(server.location)
+        descriptor = P.session_descriptor(P.SessionRequest(2, prefetch=0))
+        sessions = []
+        try:
+            for _ in range(3):  # open sessions hold their calls
+                writer, reader = client.do_exchange(descriptor)
+                writer.write_metadata(pa.py_buffer(b'{"op": "sample", "count": 1}'))
+                assert reader.read_chunk().data.num_rows == 2
+                sessions.append((writer, reader))
+            assert server.calls.running()["call"] == 3
+            with pytest.raises(flight.FlightError) as info:
+                next(iter(client.do_action(flight.Action("len", b""))))
+            assert detail(info.value)["code"] == "RESOURCE_EXHAUSTED"
+            for writer, _ in sessions:
+                writer.done_writing()
+                writer.close()
+            sessions.clear()
+            assert server.wait_idle(timeout=30)
+            assert json.loads(next(iter(client.do_action(flight.Action("len", b"")))).body.to_pybytes()) == {
+                "len": 100}
+        finally:
+            for writer, _ in sessions:
+                writer.close()
+            client.close()
+
+    def test_get_schema_errors_carry_no_traceback_or_server_paths(self, servers):
+        server = servers(cartpole_store())
+        client = flight.FlightClient(server.location)
+        try:
+            for descriptor in (flight.FlightDescriptor.for_path("nope"), flight.FlightDescriptor.for_command(b"x"),
+                               flight.FlightDescriptor.for_path("cartpole", "x" * 5000)):
+                with pytest.raises(pa.ArrowException) as info:
+                    client.get_schema(descriptor)
+                text = str(info.value)
+                assert str(ROOT) not in text and ".py\"" not in text, text
+                assert len(text) < 2000
+        finally:
+            client.close()
+
+    def test_error_messages_truncate_long_client_values(self, servers):
+        server = servers(cartpole_store())
+        client = flight.FlightClient(server.location)
+        long = "x" * 100_000
+        try:
+            for call in (lambda: client.do_get(sample_ticket(columns=[long[:1000]])).read_all(),
+                         lambda: client.do_get(flight.Ticket(json.dumps({"kind": "sample", "n": 1, long: 1})
+                                                             .encode())).read_all(),
+                         lambda: client.do_get(sql_ticket(f"SELECT {long}")).read_all(),
+                         lambda: next(iter(client.do_action(flight.Action("describe",
+                                                                          json.dumps({"store": long}).encode()))))):
+                with pytest.raises(flight.FlightError) as info:
+                    call()
+                assert len(detail(info.value)["message"]) < 2000
+        finally:
+            client.close()
+
+
+# ---------------------------------------------------------------------------------------------------- shutdown
+STALLED_LEARNER = r"""
+import json, sys, time, pyarrow as pa, pyarrow.flight as flight
+client = flight.FlightClient(sys.argv[1])
+cmd = {"v": 1, "kind": "session", "n": 2000, "prefetch": 0}
+writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(json.dumps(cmd).encode()))
+writer.write_metadata(pa.py_buffer(b'{"op": "sample", "count": 16}'))  # 16 batches of 56 MB; it reads one
+assert reader.read_chunk().data.num_rows == 2000   # the next one is larger than every buffer on the way
+print("stalling", flush=True)
+sys.stdin.read()   # until the test ends
+"""
+
+
+@pytest.mark.slow
+def test_a_learner_that_never_reads_cannot_hold_arrowbuf_serve_open(tmp_path):
+    """After SIGTERM, `arrowbuf serve` stayed alive as long as a session that reads nothing stayed connected."""
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = [sys.executable, "-m", "arrowbuf.cli", "serve", "--schema", str(SCHEMAS / "atari.yaml"),
+            "--capacity", "100", "--port", "0"]
+    server = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    learner = None
+    try:
+        line = server.stdout.readline().decode()
+        assert "serving" in line, server.stderr.read().decode()
+        location = line.split(" at ")[1].strip()
+        remote = ab.connect(location)
+        obs = np.zeros((100, 4, 84, 84), np.uint8)
+        remote.extend({"obs": obs, "action": np.zeros(100, np.int64), "reward": np.zeros(100, np.float32),
+                       "terminated": np.zeros(100, bool), "truncated": np.zeros(100, bool)})
+        remote.close()
+        learner = subprocess.Popen([sys.executable, "-c", STALLED_LEARNER, location], env=env,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert learner.stdout.readline().strip() == b"stalling", learner.stderr.read().decode()
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0  # shutdown_timeout (2 s) bounds it; it hung until the learner went away
+    finally:
+        for p in (server, learner):
+            if p is not None:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(10)
+                for pipe in (p.stdin, p.stdout, p.stderr):
+                    if pipe is not None:
+                        pipe.close()

@@ -6,6 +6,8 @@ The wire format lives in `arrowbuf.flight.protocol` and is documented in docs/fl
 
 from . import protocol
 from .client import LearnerSession, RemoteStore, RemoteWriter, connect
+from .limits import ServerLimits
 from .server import StoreServer, serve
 
-__all__ = ["LearnerSession", "RemoteStore", "RemoteWriter", "StoreServer", "connect", "protocol", "serve"]
+__all__ = ["LearnerSession", "RemoteStore", "RemoteWriter", "ServerLimits", "StoreServer", "connect", "protocol",
+           "serve"]

@@ -1,4 +1,8 @@
-"""Concurrency limits of the Flight server: how many calls of each kind may run at once.
+"""The Flight server's limits: request bounds (`ServerLimits`) and how many calls may run at once (`CallGate`).
+
+Every number a remote client sends is bounded here before the store sees it: batch rows and bytes, n_step, how
+long a request may wait, how many calls, queries and table streams run at once, and the SQL sandbox's limits. The
+server states its limits in the `describe` action (`"limits"`), so a client can size its requests.
 
 gRPC gives every call its own thread and pyarrow exposes no cap on them, so the server counts the calls its
 handlers are running and refuses one more past a limit at once, with `ResourceExhausted` (RESOURCE_EXHAUSTED on the
@@ -19,7 +23,88 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 
-from ..errors import InvalidArgument, ResourceExhausted
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from ..errors import InvalidArgument, ResourceExhausted, SchemaError
+from ..sql import DEFAULT_LIMITS, SqlLimits
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds of every request a Flight server accepts; `ab.serve(store, limits=..., **overrides)`.
+
+    Attributes:
+        max_batch_rows: the largest batch DoPut accepts and the largest sample served.
+        max_batch_bytes: the largest DoPut batch in bytes (ragged and string columns have no row size).
+        max_prefetch_bytes: bytes of prefetched batches one learner session may hold on the server.
+        max_n_step: the largest `n_step` a sample may ask for (its cost grows with n * n_step).
+        max_timeout: the longest wait, in seconds, any request may ask for (sample, session and insert timeouts).
+        max_concurrent_calls: calls of any verb running at once (open sessions and DoPut streams count).
+        max_concurrent_sql: `sql` queries running at once.
+        max_table_streams: `table` streams being sent at once.
+        shutdown_timeout: seconds `close()` waits for calls in progress.
+        sql_limits: deadline, memory and result-size limits of each `sql` query (`ab.SqlLimits`).
+    """
+
+    max_batch_rows: int = 65_536
+    max_batch_bytes: int = 256 << 20
+    max_prefetch_bytes: int = 512 << 20
+    max_n_step: int = 1_000
+    max_timeout: float = 3_600.0
+    max_concurrent_calls: int = 64
+    max_concurrent_sql: int = 2
+    max_table_streams: int = 4
+    shutdown_timeout: float = 2.0
+    sql_limits: SqlLimits = field(default_factory=lambda: DEFAULT_LIMITS)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "sql_limits":
+                if not isinstance(value, SqlLimits):
+                    raise InvalidArgument(f"sql_limits must be an ab.SqlLimits, got {type(value).__name__}")
+            elif f.type in ("float", float):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e6:
+                    raise InvalidArgument(f"{f.name} must be a number of seconds in (0, 1e6], got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{f.name} must be a positive integer, got {value!r}")
+
+    def with_overrides(self, **overrides: Any) -> "ServerLimits":
+        """A copy with some limits changed (`serve(store, max_batch_rows=...)`); unknown names are an error."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise InvalidArgument(f"unknown server limit(s) {unknown}; expected some of {sorted(known)}")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def describe(self) -> dict[str, Any]:
+        """The limits as JSON-ready values (the `describe` action's `"limits"`)."""
+        out = asdict(self)
+        out["sql_limits"] = self.sql_limits.describe()
+        return out
+
+    # ---------------------------------------------------------------- request checks
+    def check_rows(self, n: int, what: str) -> None:
+        if n > self.max_batch_rows:
+            raise SchemaError(f"{what} of {n} rows is over this server's max_batch_rows {self.max_batch_rows}; "
+                              "split it into smaller batches")
+
+    def check_timeout(self, timeout: float | None, what: str) -> None:
+        if timeout is not None and timeout > self.max_timeout:
+            raise InvalidArgument(f"{what}: timeout {timeout:g} s is over this server's max_timeout "
+                                  f"{self.max_timeout:g} s; wait in several shorter calls")
+
+    def check_options(self, options: dict[str, Any], what: str) -> None:
+        n_step = options.get("n_step")
+        if n_step is not None and n_step > self.max_n_step:
+            raise InvalidArgument(f"{what}: n_step {n_step} is over this server's max_n_step {self.max_n_step}")
+
+    def check_sample(self, n: int, timeout: float | None, options: dict[str, Any], what: str) -> None:
+        """Bounds of a sample request (DoGet ticket or session descriptor)."""
+        self.check_rows(n, f"{what} n")
+        self.check_timeout(timeout, what)
+        self.check_options(options, what)
 
 #: What each kind of call is, for error messages.
 KINDS = {
@@ -87,4 +172,4 @@ class CallGate:
             return True
 
 
-__all__ = ["CallGate", "KINDS"]
+__all__ = ["CallGate", "KINDS", "ServerLimits"]

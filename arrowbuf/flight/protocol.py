@@ -53,6 +53,8 @@ SUPPORTED_VERSIONS = (1,)
 AUTH_HEADER = "authorization"
 #: Largest JSON request accepted (tickets, actions, descriptors, exchange messages): bounds server memory.
 MAX_JSON_BYTES = 16 << 20
+#: Longest error message sent to a client (messages may quote client values; the rest is cut).
+MAX_MESSAGE_CHARS = 1000
 #: Most batches one DoExchange `sample` request may ask for.
 MAX_REQUEST_COUNT = 1024
 #: Most batches a session may prefetch on the server (also bounded in bytes by the server).
@@ -61,6 +63,11 @@ MAX_PREFETCH = 16
 MAX_TIMEOUT = 1e6
 
 TICKET_KINDS = ("sample", "table", "episodes", "sql")
+#: Sampler options a sample request or session may carry, and what each must be (unknown keys are an error;
+#: the server bounds them further, e.g. n_step by its max_n_step, stated in `describe`).
+SAMPLE_OPTIONS: dict[str, str] = {"n_step": "a positive integer", "gamma": "a number in [0, 1]",
+                                  # a Ray shard's sampling-mass columns (arrowbuf.ray.handle asks every shard for them)
+                                  "shard_info": "a boolean"}
 #: DoAction types and what they do (ListActions returns this).
 ACTIONS: dict[str, str] = {
     "describe": 'the store: {"store", "schema" (the schema dict), "capacity", "max_batch_rows", "protocol", "stores"}',
@@ -122,7 +129,15 @@ def error_info(exc: BaseException) -> bytes:
     if m is None:  # unexpected: the client sees an ArrowbufError with status INTERNAL, not the server's internals
         return _dumps({"v": PROTOCOL_VERSION, "error": "ArrowbufError", "code": "INTERNAL",
                        "message": f"internal server error ({type(exc).__name__}); see the server log"})
-    return _dumps({"v": PROTOCOL_VERSION, "error": m.cls.__name__, "code": m.code, "message": str(exc)})
+    return _dumps({"v": PROTOCOL_VERSION, "error": m.cls.__name__, "code": m.code, "message": error_message(exc)})
+
+
+def error_message(exc: BaseException) -> str:
+    """The message of an error as sent to a client: at most `MAX_MESSAGE_CHARS` (messages may quote client values)."""
+    text = str(exc)
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return text[:MAX_MESSAGE_CHARS] + f"... ({len(text) - MAX_MESSAGE_CHARS} more characters)"
 
 
 def to_flight_error(exc: BaseException) -> flight.FlightError:
@@ -130,7 +145,7 @@ def to_flight_error(exc: BaseException) -> flight.FlightError:
     m = error_mapping(exc)
     if m is None:
         return flight.FlightInternalError("internal server error; see the server log", extra_info=error_info(exc))
-    return m.flight_error(str(exc), extra_info=error_info(exc))
+    return m.flight_error(error_message(exc), extra_info=error_info(exc))
 
 
 def decode_error(info: bytes | pa.Buffer | None) -> BaseException | None:
@@ -239,13 +254,24 @@ class _Fields:
         value = self.obj[key]
         check = _CHECKS[kind]
         if not check(value):
-            raise SchemaError(f"{self.where}: {key!r} must be {kind}, got {value!r:.80}")
+            raise SchemaError(f"{self.where}: {key!r:.80} must be {kind}, got {value!r:.80}")
         return value
+
+    def options(self) -> dict[str, Any]:
+        """The "options" object of a sample request, each option checked against `SAMPLE_OPTIONS`."""
+        raw = self.get("options", "an object", default={})
+        where = f"{self.where} options"
+        unknown = sorted(str(k)[:80] for k in raw if k not in SAMPLE_OPTIONS)
+        if unknown:
+            raise SchemaError(f"{where}: unknown option(s) {unknown}; expected some of {sorted(SAMPLE_OPTIONS)}")
+        opts = _Fields(raw, where)
+        return {k: v for k in raw if (v := opts.get(k, SAMPLE_OPTIONS[k])) is not None}
 
     def done(self) -> None:
         extra = sorted(set(self.obj) - self.used)
         if extra:
-            raise SchemaError(f"{self.where}: unknown key(s) {extra}; expected {sorted(self.used - {'v'})}")
+            shown = [k[:80] for k in extra[:10]]
+            raise SchemaError(f"{self.where}: unknown key(s) {shown}; expected {sorted(self.used - {'v'})}")
 
 
 def _is_int(v: Any) -> bool:
@@ -262,8 +288,12 @@ _CHECKS = {
     "a non-negative integer": lambda v: _is_int64(v) and v >= 0,
     "a number of seconds in [0, 1e6]": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     and math.isfinite(v) and 0 <= v <= MAX_TIMEOUT,
-    "a list of column names": lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v),
+    "a list of column names": lambda v: isinstance(v, list) and 0 < len(v) <= 4096
+    and all(isinstance(c, str) and 0 < len(c) <= 1024 for c in v),
+    "a number in [0, 1]": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    and 0 <= v <= 1,
     "an object": lambda v: isinstance(v, dict),
+    "a boolean": lambda v: isinstance(v, bool),
     "a list of int64 integers": lambda v: isinstance(v, list) and all(_is_int64(x) for x in v),
     "a list of numbers": lambda v: isinstance(v, list)
     and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v),
@@ -319,7 +349,7 @@ def decode_ticket(raw: bytes | pa.Buffer) -> SampleRequest | TableRequest:
         req = SampleRequest(n=f.get("n", "a positive integer", required=True), store=store,
                             columns=f.get("columns", "a list of column names"),
                             timeout=f.get("timeout", "a number of seconds in [0, 1e6]"),
-                            options=f.get("options", "an object", default={}))
+                            options=f.options())
     elif kind == "table":
         req = TableRequest(kind, store, columns=f.get("columns", "a list of column names"))
     elif kind == "sql":
@@ -391,7 +421,7 @@ def decode_path(descriptor: flight.FlightDescriptor, where: str) -> tuple[str, s
         raise SchemaError(f"{where}: expected a path descriptor [store]")
     parts = _path(descriptor, where)
     if len(parts) == 2 and parts[1] != "input":
-        raise SchemaError(f"{where}: path [store, {parts[1]!r}]: the second element can only be \"input\"")
+        raise SchemaError(f"{where}: path [store, {parts[1]!r:.80}]: the second element can only be \"input\"")
     return parts[0], "input" if len(parts) == 2 else "stored"
 
 
@@ -426,7 +456,7 @@ def decode_session_descriptor(descriptor: flight.FlightDescriptor) -> SessionReq
     req = SessionRequest(n=f.get("n", "a positive integer", required=True), store=f.get("store", "a string"),
                          columns=f.get("columns", "a list of column names"),
                          timeout=f.get("timeout", "a number of seconds in [0, 1e6]"), prefetch=prefetch,
-                         options=f.get("options", "an object", default={}))
+                         options=f.options())
     f.done()
     return req
 
@@ -556,6 +586,6 @@ __all__ = [
     "decode_action", "decode_error", "decode_exchange", "decode_path", "decode_put_descriptor",
     "decode_sample_meta", "decode_session_descriptor", "decode_ticket", "dumps", "encode_ack", "encode_action",
     "encode_exchange", "encode_exchange_error", "encode_priorities", "encode_sample_meta", "encode_ticket",
-    "error_info", "error_mapping", "from_flight_error", "loads", "put_descriptor", "session_descriptor",
-    "store_descriptor", "to_flight_error",
+    "error_info", "error_mapping", "error_message", "from_flight_error", "loads", "put_descriptor",
+    "session_descriptor", "store_descriptor", "to_flight_error",
 ]

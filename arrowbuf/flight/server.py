@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import itertools
 import logging
 import os
 import threading
 import warnings
 from collections import deque
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -35,27 +36,19 @@ from ..errors import (
     StoreNotFound,
     Unauthenticated,
 )
-from ..sql import DEFAULT_LIMITS, SqlLimits
 from ..surface import check_surface
 from . import protocol as P
-from .limits import CallGate
+from .limits import CallGate, ServerLimits
 
 log = logging.getLogger("arrowbuf.flight")
 
-DEFAULT_MAX_BATCH_ROWS = 65_536
-DEFAULT_PREFETCH_BYTES = 512 << 20
-#: SQL queries that may run at once (each holds a copy of the rows it reads); more are refused, not queued.
-DEFAULT_MAX_CONCURRENT_SQL = 2
-#: Calls (all verbs) that may run at once; more are refused with RESOURCE_EXHAUSTED (see flight/limits.py).
-DEFAULT_MAX_CONCURRENT_CALLS = 64
+DEFAULT_MAX_BATCH_ROWS = ServerLimits.max_batch_rows
+DEFAULT_PREFETCH_BYTES = ServerLimits.max_prefetch_bytes
 
 
 def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str | None = None,
-          tls: Any = None, *, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
-          max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0,
-          sql_limits: SqlLimits = DEFAULT_LIMITS, max_concurrent_sql: int = DEFAULT_MAX_CONCURRENT_SQL,
-          max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS,
-          checkpoint_root: Any = None) -> "StoreServer":
+          tls: Any = None, *, limits: ServerLimits | None = None, checkpoint_root: Any = None,
+          **overrides: Any) -> "StoreServer":
     """Serve one or more stores over Arrow Flight.
 
     Args:
@@ -65,24 +58,17 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
             pass `grpc://0.0.0.0:<port>` to accept other machines (then use a token and TLS).
         token: bearer token every call must carry (`authorization: Bearer <token>`); None accepts every caller.
         tls: `(certificate, private_key)` as PEM bytes/str or file paths; the server then speaks `grpc+tls`.
-        max_batch_rows: the largest batch accepted by DoPut and the largest sample served.
-        max_prefetch_bytes: bytes of prefetched batches one learner session may hold on the server.
-        shutdown_timeout: seconds `close()` waits for calls in progress before it returns anyway.
-        sql_limits: deadline, memory and result-size limits of each `sql` query (`ab.SqlLimits`; defaults: 10 s,
-            256 MiB, 64 MiB of result). Queries run in the sandbox of `arrowbuf.sql`: no file system, SELECT only.
-        max_concurrent_sql: `sql` queries that may run at once; one more is refused with `ResourceExhausted`.
-        max_concurrent_calls: calls of any verb that may run at once (open sessions and DoPut streams count);
-            one more is refused with `ResourceExhausted`.
+        limits: the bounds of every request (`ServerLimits`; safe defaults). docs/security.md lists them.
         checkpoint_root: a directory under which the `checkpoint` action may write (a client names a relative
             path; anything outside, `..`, absolute paths and links are refused); None: no remote checkpoints.
+        **overrides: single limits by name, e.g. `max_batch_rows=50_000`, `shutdown_timeout=1.0`,
+            `sql_limits=ab.SqlLimits(timeout=5.0)`, `max_concurrent_calls=32` (see `ServerLimits`).
 
     Returns:
         A running `StoreServer` (a context manager).
     """
-    return StoreServer(store_or_stores, location, token=token, tls=tls, max_batch_rows=max_batch_rows,
-                       max_prefetch_bytes=max_prefetch_bytes, shutdown_timeout=shutdown_timeout,
-                       sql_limits=sql_limits, max_concurrent_sql=max_concurrent_sql,
-                       max_concurrent_calls=max_concurrent_calls, checkpoint_root=checkpoint_root)
+    return StoreServer(store_or_stores, location, token=token, tls=tls, limits=limits,
+                       checkpoint_root=checkpoint_root, **overrides)
 
 
 class StoreServer:
@@ -91,24 +77,22 @@ class StoreServer:
     Attributes:
         stores: name -> store.
         location: the bound location, e.g. `grpc://127.0.0.1:41234` (`grpc+tls://...` with TLS).
+        limits: the `ServerLimits` it enforces (and states in the `describe` action).
+        calls: the `CallGate` counting the calls running now.
     """
 
     def __init__(self, store_or_stores: Any, location: str = "grpc://127.0.0.1:0", *, token: str | None = None,
-                 tls: Any = None, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
-                 max_prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, shutdown_timeout: float = 2.0,
-                 sql_limits: SqlLimits = DEFAULT_LIMITS, max_concurrent_sql: int = DEFAULT_MAX_CONCURRENT_SQL,
-                 max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS, checkpoint_root: Any = None) -> None:
+                 tls: Any = None, limits: ServerLimits | None = None, checkpoint_root: Any = None,
+                 **overrides: Any) -> None:
         self.stores = _named_stores(store_or_stores)
         self.checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)  # persist (issue 15)
-        if not isinstance(sql_limits, SqlLimits):
-            raise InvalidArgument(f"sql_limits must be an ab.SqlLimits, got {type(sql_limits).__name__}")
-        self.sql_limits = sql_limits
-        self.calls = CallGate({"call": max_concurrent_calls, "sql": max_concurrent_sql})
-        if not isinstance(max_batch_rows, int) or max_batch_rows < 1:
-            raise InvalidArgument(f"max_batch_rows must be a positive integer, got {max_batch_rows!r}")
-        self.max_batch_rows = max_batch_rows
-        self.max_prefetch_bytes = int(max_prefetch_bytes)
-        self.shutdown_timeout = float(shutdown_timeout)
+        if limits is not None and not isinstance(limits, ServerLimits):
+            raise InvalidArgument(f"limits must be a ServerLimits, got {type(limits).__name__}")
+        self.limits = (limits or ServerLimits()).with_overrides(**overrides)
+        self.calls = CallGate({"call": self.limits.max_concurrent_calls, "sql": self.limits.max_concurrent_sql,
+                               "table": self.limits.max_table_streams})
+        self.max_batch_rows = self.limits.max_batch_rows
+        self.shutdown_timeout = float(self.limits.shutdown_timeout)
         if token is not None and (not isinstance(token, str) or not token):
             raise InvalidArgument("token must be a non-empty string (or None for no authentication)")
         scheme, host, port = _parse_location(location, tls is not None)
@@ -119,6 +103,7 @@ class StoreServer:
         middleware = {"auth": _TokenMiddlewareFactory(token)} if token is not None else None
         self._closing = threading.Event()
         self._closed = threading.Event()
+        self._stopped = threading.Event()  # set when the Flight server's shutdown completed
         self._close_lock = threading.Lock()
         self._shutdown_thread: threading.Thread | None = None
         self._service = _FlightService(self, f"{scheme}://{host}:{port}", certs, middleware)
@@ -154,6 +139,7 @@ class StoreServer:
                 thread = self._shutdown_thread
             else:
                 self._closing.set()
+                self._service.stop_prefetching()
                 thread = threading.Thread(target=self._shutdown, name="arrowbuf-flight-shutdown", daemon=True)
                 self._shutdown_thread = thread
                 thread.start()
@@ -164,11 +150,22 @@ class StoreServer:
                             self.location, self.shutdown_timeout)
         self._closed.set()
 
+    @property
+    def stopped(self) -> bool:
+        """True once every call ended and the Flight server stopped; False while a stalled call still holds it.
+
+        After `close()` returned with `stopped` False, the stalled calls (a learner session that never reads) keep
+        their threads until their clients go away; a process that wants to exit now should `os._exit` (what
+        `arrowbuf serve` does), since the interpreter's own exit would wait for them.
+        """
+        return self._stopped.is_set()
+
     def _shutdown(self) -> None:
         try:
             self._service.shutdown()
         except Exception:  # pragma: no cover - shutdown of a broken server
             log.exception("Flight server shutdown failed")
+        self._stopped.set()
 
     def __enter__(self) -> "StoreServer":
         return self
@@ -218,6 +215,20 @@ def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return wrap
 
 
+def _compiled_get_schema() -> Callable[..., Any]:
+    source = ("def get_schema(self, context, descriptor):\n"
+              "    result = self._get_schema(context, descriptor)\n"
+              "    if isinstance(result, BaseException):\n"
+              "        raise result\n"
+              "    return result\n")
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<arrowbuf>", "exec"), namespace)  # noqa: S102 - a fixed source, see get_schema below
+    return namespace["get_schema"]
+
+
+_GET_SCHEMA = _compiled_get_schema()
+
+
 class _FlightService(flight.FlightServerBase):
     """The Flight methods; each parses its request with `protocol` and calls the store."""
 
@@ -226,7 +237,15 @@ class _FlightService(flight.FlightServerBase):
         super().__init__(location, tls_certificates=certs, middleware=middleware)
         self.owner = owner
         self._sessions = 0
+        self._prefetchers: set[_Prefetcher] = set()
         self._lock = threading.Lock()
+
+    def stop_prefetching(self) -> None:
+        """Wake every session's prefetch thread so it sees the server closing (close() calls this)."""
+        with self._lock:
+            prefetchers = list(self._prefetchers)
+        for p in prefetchers:
+            p.wake()
 
     # ------------------------------------------------------------------ metadata verbs
     def _info(self, name: str, store: Any) -> flight.FlightInfo:
@@ -245,8 +264,19 @@ class _FlightService(flight.FlightServerBase):
         name, view = P.decode_path(descriptor, "GetFlightInfo descriptor")
         return self._info(name, self.owner.store(name))
 
+    # pyarrow sends the client the Python traceback of an error raised in get_schema (its GetSchema callback does
+    # not translate FlightError, unlike every other verb's): the method that raises is compiled under a name that
+    # is no server path, and the error it raises carries no other frame
+    get_schema = _GET_SCHEMA
+
+    def _get_schema(self, context: Any, descriptor: flight.FlightDescriptor) -> Any:
+        try:
+            return self._schema_result(context, descriptor)
+        except flight.FlightError as exc:
+            return exc.with_traceback(None)
+
     @_handler("GetSchema")
-    def get_schema(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.SchemaResult:
+    def _schema_result(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.SchemaResult:
         name, view = P.decode_path(descriptor, "GetSchema descriptor")
         schema = self.owner.store(name).schema
         return flight.SchemaResult(schema.input_schema() if view == "input" else schema.to_arrow())
@@ -258,28 +288,39 @@ class _FlightService(flight.FlightServerBase):
         req = P.decode_ticket(ticket.ticket)
         store = self.owner.store(req.store)
         if isinstance(req, P.SampleRequest):
-            self._check_rows(req.n, "sample n")
+            self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
             data, meta = _wire_batch(_sample(store, req.n, req.columns, req.timeout, req.options))
             return flight.GeneratorStream(data.schema, iter([(data, meta)]))
         if req.kind == "table":
-            table = _snapshot(store.to_table(req.columns))
-        elif req.kind == "episodes":
+            return self._table_stream(store, req.columns)
+        if req.kind == "episodes":
             table = store.episodes()
         else:
             table = self._sql(store, req.query or "", context)
         return flight.RecordBatchStream(table)
+
+    def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
+        """The `table` ticket: the store's chunks, each copied as it is sent (never the whole store at once).
+
+        At most `max_table_streams` run at once; a stream holds its slot until it is sent or its client goes.
+        """
+        gate = self.owner.calls
+        gate.acquire("table")
+        try:
+            table = store.to_table(columns)
+        except BaseException:
+            gate.release("table")
+            raise
+        batches = _copied_batches(table, lambda: gate.release("table"))
+        first = next(batches, None)  # started now: a generator that never started would never run its `finally`
+        return flight.GeneratorStream(table.schema, batches if first is None else itertools.chain([first], batches))
 
     def _sql(self, store: Any, query: str, context: Any) -> pa.Table:
         """The `sql` ticket: the sandbox of `arrowbuf.sql` with this server's limits; stops when the client goes."""
         from ..frames import run_sql
 
         with self.owner.calls.enter("sql"):
-            return run_sql(store, query, self.owner.sql_limits, cancelled=context.is_cancelled)
-
-    def _check_rows(self, n: int, what: str) -> None:
-        if n > self.owner.max_batch_rows:
-            raise SchemaError(f"{what} of {n} rows is over this server's max_batch_rows {self.owner.max_batch_rows}; "
-                              "split it into smaller batches")
+            return run_sql(store, query, self.owner.limits.sql_limits, cancelled=context.is_cancelled)
 
     # ------------------------------------------------------------------ DoPut
     @_handler("DoPut")
@@ -287,8 +328,11 @@ class _FlightService(flight.FlightServerBase):
                writer: flight.FlightMetadataWriter) -> None:
         self.owner.check_open()
         req = P.decode_put_descriptor(descriptor)
+        limits = self.owner.limits
+        limits.check_timeout(req.timeout, "DoPut")
         store = self.owner.store(req.store)
-        _check_input_schema(store.schema, reader.schema)
+        # the stream's schema message comes first: names, types and shapes are checked before any batch is read
+        store.schema.check_input_types(reader.schema, "DoPut")
         kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
         k = 0
         while True:
@@ -300,7 +344,10 @@ class _FlightService(flight.FlightServerBase):
             if batch is None:  # a metadata-only message carries nothing to store
                 continue
             self.owner.check_open()
-            self._check_rows(batch.num_rows, f"batch {k}")
+            limits.check_rows(batch.num_rows, f"batch {k}")
+            if batch.nbytes > limits.max_batch_bytes:
+                raise SchemaError(f"batch {k} of {batch.nbytes} bytes is over this server's max_batch_bytes "
+                                  f"{limits.max_batch_bytes}; split it into smaller batches")
             # the whole batch is in memory here: a client that dies mid-message never reaches this line
             # --- contracts: extend returns the rows' ids (StoreSurface); the ack carries the committed range
             ids = np.asarray(store.extend(batch, **kwargs), dtype=np.int64).reshape(-1)
@@ -315,9 +362,10 @@ class _FlightService(flight.FlightServerBase):
         self.owner.check_open()
         req = P.decode_session_descriptor(descriptor)
         store = self.owner.store(req.store)
-        self._check_rows(req.n, "session n")
+        self.owner.limits.check_sample(req.n, req.timeout, req.options, "session")
         columns = store.schema.resolve_columns(req.columns)
-        depth = min(req.prefetch, self.owner.max_prefetch_bytes // (_row_bytes(store.schema, columns) * req.n))
+        row_bytes = _row_bytes(store.schema, columns) * req.n
+        depth = min(req.prefetch, self.owner.limits.max_prefetch_bytes // row_bytes)
 
         def draw(timeout: float | None) -> tuple[pa.RecordBatch, pa.Buffer]:
             # the whole batch is made ready here, so the session's thread only writes it (without the GIL)
@@ -326,6 +374,7 @@ class _FlightService(flight.FlightServerBase):
         prefetcher = _Prefetcher(draw, depth, self.owner._closing)
         with self._lock:
             self._sessions += 1
+            self._prefetchers.add(prefetcher)
         begun: pa.Schema | None = None
         try:
             while True:
@@ -359,6 +408,7 @@ class _FlightService(flight.FlightServerBase):
             prefetcher.close()
             with self._lock:
                 self._sessions -= 1
+                self._prefetchers.discard(prefetcher)
 
     # ------------------------------------------------------------------ DoAction
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
@@ -372,8 +422,8 @@ class _FlightService(flight.FlightServerBase):
         if req.type == "describe":
             out: dict[str, Any] = {"v": P.PROTOCOL_VERSION, "store": _name_of(self.owner, store),
                                    "schema": store.schema.to_dict(), "capacity": getattr(store, "capacity", None),
-                                   "max_batch_rows": self.owner.max_batch_rows, "protocol": P.PROTOCOL_VERSION,
-                                   "stores": sorted(self.owner.stores)}
+                                   "max_batch_rows": self.owner.limits.max_batch_rows, "protocol": P.PROTOCOL_VERSION,
+                                   "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe()}
         elif req.type == "stats":
             out = dict(store.stats())
             with self._lock:
@@ -423,7 +473,7 @@ class _Prefetcher:
         while True:
             with self._cond:
                 while not self._done() and (self._paused or len(self._ready) >= self._depth):
-                    self._cond.wait(0.5)
+                    self._cond.wait()  # woken by get(), close() and wake() (the server closing)
                 if self._done():
                     return
                 self._busy = True
@@ -453,6 +503,11 @@ class _Prefetcher:
             self._paused = False
             self._cond.notify_all()
         return self._draw(timeout)
+
+    def wake(self) -> None:
+        """Make the prefetch thread look at `stop` again (set it first)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
@@ -522,23 +577,13 @@ def _row_bytes(schema: Any, columns: list[str]) -> int:
     return max(1, total)
 
 
-def _snapshot(table: pa.Table) -> pa.Table:
-    """A copy of a table whose buffers may be views of a ring that keeps changing while the table is sent."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return pa.ipc.open_stream(sink.getvalue()).read_all()
-
-
-def _check_input_schema(schema: Any, incoming: pa.Schema) -> None:
-    """Reject a DoPut stream whose columns the schema does not know, before any batch arrives."""
-    from ..schema import STREAM_KEYS
-
-    allowed = set(schema.fields) | set(schema.derived) | set(STREAM_KEYS)
-    unknown = [n for n in incoming.names if n not in allowed]
-    if unknown:
-        raise SchemaError(f"DoPut: unknown column(s) {unknown} for schema {schema.name!r}; expected fields "
-                          f"{sorted(schema.fields)} (GetSchema [store, \"input\"] gives the exact schema)")
+def _copied_batches(table: pa.Table, done: Callable[[], None]) -> Iterator[pa.RecordBatch]:
+    """The table's batches, each copied just before it is sent (its buffers may be views of a changing ring)."""
+    try:
+        for batch in table.to_batches():
+            yield pa.ipc.read_record_batch(batch.serialize(), table.schema)
+    finally:
+        done()
 
 
 def _name_of(owner: StoreServer, store: Any) -> str:

@@ -138,6 +138,7 @@ class _Job:
         self.error: BaseException | None = None
         self.result: dict[str, Any] | None = None
         self.after_read: Any = None
+        self.unsynced: list[str] = []
 
     def run(self) -> None:
         try:
@@ -157,9 +158,25 @@ class _Job:
                 w.write_batch(batch)
         return sink.getvalue()
 
-    def _write(self, name: str, data: Any, sub: str = "") -> dict[str, Any]:
-        mf.write_file(os.path.join(self.root, sub, name), data)
-        return {"name": name, "bytes": len(memoryview(data).cast("B")), "crc32": f"{mf.crc32(data):08x}"}
+    def _write(self, name: str, data: Any, sub: str = "", crc: int | None = None) -> dict[str, Any]:
+        """Write a file through temp + rename; fsynced later, all together, before the manifest (`_sync`)."""
+        path = os.path.join(self.root, sub, name)
+        mf.write_file(path, data, sync=False)
+        self.unsynced.append(path)
+        crc = mf.crc32(data) if crc is None else crc
+        return {"name": name, "bytes": len(memoryview(data).cast("B")), "crc32": f"{crc:08x}"}
+
+    def _sync(self) -> None:
+        """fsync every file this checkpoint wrote, then their directories (before the manifest names them)."""
+        for path in self.unsynced:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for sub in ("", mf.STATE, mf.RETAINED):
+            mf.fsync_dir(os.path.join(self.root, sub))
+        self.unsynced = []
 
     def _run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -198,7 +215,7 @@ class _Job:
                     e = {"name": name, "bytes": len(data), "crc32": f"{crc:08x}"}  # same content, already there
                     reused += 1
                 else:
-                    e = self._write(name, data)
+                    e = self._write(name, data, crc=crc)
                     written += 1
                     written_bytes += e["bytes"]
                 if full and self.compression is None:
@@ -210,6 +227,7 @@ class _Job:
             done_rows += n
             self.progress = 0.95 * done_rows / total
         state_entries, dropped_valid = self._write_state(gen, kept_lo)
+        self._sync()
         _kill_point("before_manifest")
         m = {
             "format": mf.FORMAT, "version": mf.FORMAT_VERSION, "generation": gen, "created": time.time(),
@@ -224,7 +242,6 @@ class _Job:
         }
         mpath = os.path.join(root, mf.MANIFESTS, f"{gen:08d}.json")
         mf.write_json_atomic(mpath, m)
-        mf.fsync_dir(root)
         _kill_point("before_commit")
         # the commit: write-temp + fsync + rename + fsync dir
         tmp = os.path.join(root, f".{mf.MANIFEST}.tmp-{os.getpid()}")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -42,10 +44,12 @@ def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
 
 
 def restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any] | None = None,
-            seed: int | None = None, name: str | None = None, schema: Any = None, cls: Any = None) -> Any:
-    """Rebuild the store checkpointed at `path` (see `ExperienceStore.restore`)."""
+            seed: int | None = None, name: str | None = None, schema: Any = None, cls: Any = None,
+            generation: int | None = None) -> Any:
+    """Rebuild the store checkpointed at `path` (see `ExperienceStore.restore`); `generation` picks a kept
+    checkpoint other than the latest."""
     root = os.fspath(path)
-    m = mf.read_manifest(root)
+    m = mf.read_manifest(root, None if generation is None else f"{int(generation):08d}.json")
     where = m["_path"]
     st = m["store"]
     saved = load_schema(st["schema"])
@@ -89,6 +93,21 @@ def _state(root: str, m: dict[str, Any], mech: str) -> Any:
     return {n: numpy_column(table.column(n)) for n in table.column_names}, meta
 
 
+def _read_ahead(pool: ThreadPoolExecutor, root: str, entries: list[dict[str, Any]],
+                depth: int = 3) -> Iterator[tuple[dict[str, Any], bytes]]:
+    """Verified bytes of `entries` in order, read and checksummed `depth` files ahead in `pool` (file reads and
+    zlib release the GIL): reading the disk overlaps copying rows into the arenas; at most `depth` files are held."""
+    futures: deque = deque()
+    for e in entries:
+        futures.append((e, pool.submit(mf.read_verified, root, e)))
+        if len(futures) > depth:
+            first, fut = futures.popleft()
+            yield first, fut.result()
+    while futures:
+        first, fut = futures.popleft()
+        yield first, fut.result()
+
+
 def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool = True) -> None:
     """Fill a fresh store's parts with checkpoint `m` of directory `root` (files verified first, chunk by chunk)."""
     where = m["_path"]
@@ -107,10 +126,10 @@ def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool
     idx = parts.index
     cols = parts.cols
     known = known_files(parts, root)
-    with parts.write_lock, parts.lock:
+    row_files = [e for e in m["files"] if e.get("kind") in ("chunk", "partial", "tail")]
+    with parts.write_lock, parts.lock, ThreadPoolExecutor(1, thread_name_prefix="arrowbuf-restore") as pool:
         expect = lo
-        for e in (e for e in m["files"] if e.get("kind") in ("chunk", "partial", "tail")):
-            data = mf.read_verified(root, e)
+        for e, data in _read_ahead(pool, root, row_files):
             try:
                 table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
             except pa.ArrowInvalid as exc:

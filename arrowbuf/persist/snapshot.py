@@ -145,11 +145,9 @@ def arrow_column(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
 
 
 def tensor_array(values: np.ndarray) -> pa.Array:
-    """Rows of a [n, *shape] array as a fixed-shape tensor array (also for n == 0, which pyarrow's
-    `from_numpy_ndarray` refuses)."""
+    """Rows of a [n, *shape] array as a fixed-shape tensor array, zero-copy for a C-contiguous array (built from
+    its storage: pyarrow's `from_numpy_ndarray` costs far more per call, and refuses n == 0)."""
     values = np.ascontiguousarray(values)
-    if len(values):
-        return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
     shape = list(values.shape[1:])
     value_type = pa.from_numpy_dtype(values.dtype)
     storage = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=value_type),

@@ -97,7 +97,8 @@ class ShardedStore:
                strategy: str = "SPREAD", shard_cpus: float = 0.25, max_restarts: int = -1,
                deadline: float | None = None, fanout: int | None = None, failure_timeout: float = 30.0,
                chunk_rows: int | None = None,
-               max_batch_rows: int = 65_536, bind: str | None = None, timeout: float = 120.0) -> "ShardedStore":
+               max_batch_rows: int = 65_536, bind: str | None = None, timeout: float = 120.0,
+               checkpoint_root: str | None = None, checkpoint_every: float | None = None) -> "ShardedStore":
         """Start `num_shards` shard actors in a placement group and return a handle on them.
 
         Args:
@@ -112,7 +113,8 @@ class ShardedStore:
             strategy: placement group strategy: "SPREAD" (default: over nodes, best effort), "STRICT_SPREAD",
                 "PACK"; None to schedule without a placement group.
             shard_cpus: CPUs each shard reserves (its bundle).
-            max_restarts: how often Ray restarts a dead shard (-1: always). A restarted shard comes back empty.
+            max_restarts: how often Ray restarts a dead shard (-1: always). A restarted shard comes back empty, or
+                from its last checkpoint with `checkpoint_root`.
             deadline: default straggler deadline of `sample`, seconds.
             fanout: default fan-out of `sample`: None asks every shard with data for every batch; k asks at most k
                 shards per batch (see `sample`).
@@ -122,6 +124,10 @@ class ShardedStore:
             max_batch_rows: the largest batch a shard's Flight server accepts or serves.
             bind: host the Flight servers bind (default: the node's IP); they always require a random token.
             timeout: seconds to wait for the shards to start.
+            checkpoint_root: a directory every shard's node can reach (persist, issue 15): shard k checkpoints into
+                `checkpoint_root/shard-<k>` (`checkpoint()`, `checkpoint_every`), and a restarted shard comes back from
+                its last checkpoint there (under a new generation) instead of empty.
+            checkpoint_every: seconds between each shard's own checkpoints (keeps the last 2); None: only on request.
         """
         ray = _ray()
         if not ray.is_initialized():
@@ -162,7 +168,9 @@ class ShardedStore:
             spec = {"shard": k, "schema": schema.to_dict(), "capacity": int(capacity_per_shard),
                     "sampler": sampler, "rate_limiter": rate_limiter, "seed": seed, "chunk_rows": chunk_rows,
                     "tier": tier, "uid": uid, "name": name or schema.name, "token": token, "bind": bind,
-                    "directory": f"arrowbuf-{uid}-directory", "max_batch_rows": int(max_batch_rows)}
+                    "directory": f"arrowbuf-{uid}-directory", "max_batch_rows": int(max_batch_rows),
+                    "checkpoint_root": None if checkpoint_root is None else os.path.abspath(checkpoint_root),
+                    "checkpoint_every": checkpoint_every}
             actors.append(remote_cls.options(**opts).remote(spec))
         try:
             infos = ray.get([a.get_info.remote() for a in actors], timeout=timeout)
@@ -626,6 +634,15 @@ class ShardedStore:
     # --- end contracts
 
     # ------------------------------------------------------------------ lifetime
+    def checkpoint(self, root: str | None = None, keep: int | None = None,
+                   timeout: float = 600.0) -> list[dict[str, Any]]:
+        """Checkpoint every live shard into `root/shard-<k>` (default: the `checkpoint_root` given to `create`);
+        one summary per shard (see `ExperienceStore.checkpoint`). Each shard's checkpoint is consistent on its own;
+        together they are not one instant (shards run independently). persist, issue 15."""
+        ray = _ray()
+        root = None if root is None else os.path.abspath(root)
+        return list(ray.get([a.checkpoint.remote(root, keep) for a in self.actors], timeout=timeout))
+
     def close(self) -> None:
         """Close this process's connections and writers; the shards keep running. Idempotent."""
         if self._closed:

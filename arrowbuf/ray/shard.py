@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import threading
 import time
 import warnings
 from typing import Any, Iterable
@@ -192,16 +193,29 @@ class ShardActor:
         if tier == "shm":
             shm_name = f"{spec['uid']}-s{shard}-g{gen}-{secrets.token_hex(3)}"
         seed = None if spec["seed"] is None else int(spec["seed"]) + 1000003 * shard + gen
-        self.store = ExperienceStore(load_schema(spec["schema"]), spec["capacity"], make_sampler(spec["sampler"]),
-                                     spec["rate_limiter"], seed, chunk_rows=spec["chunk_rows"], tier=tier,
-                                     name=shm_name or f"{spec['name']}-{shard}")
+        # persist (issue 15): a shard with a checkpoint directory comes back from its last checkpoint
+        root = spec.get("checkpoint_root")
+        self.checkpoint_dir = None if root is None else os.path.join(root, f"shard-{shard}")
+        self.restored_from: dict[str, Any] | None = None
+        if self.checkpoint_dir is not None and os.path.exists(os.path.join(self.checkpoint_dir, "_manifest.json")):
+            self.store = ExperienceStore.restore(self.checkpoint_dir, tier=tier, seed=seed,
+                                                 name=shm_name or f"{spec['name']}-{shard}")
+            self.restored_from = {"path": self.checkpoint_dir, "rows": len(self.store)}
+        else:
+            self.store = ExperienceStore(load_schema(spec["schema"]), spec["capacity"], make_sampler(spec["sampler"]),
+                                         spec["rate_limiter"], seed, chunk_rows=spec["chunk_rows"], tier=tier,
+                                         name=shm_name or f"{spec['name']}-{shard}")
+        self._stop_checkpoints = threading.Event()
+        if spec.get("checkpoint_every") and self.checkpoint_dir is not None:
+            threading.Thread(target=self._checkpoint_every, args=(float(spec["checkpoint_every"]),), daemon=True,
+                             name="arrowbuf-shard-checkpoint").start()
         self.shard_store = ShardStore(self.store, shard, gen)
         host = ray.util.get_node_ip_address() if spec["bind"] is None else spec["bind"]
         self.server = serve(self.shard_store, f"grpc://{host}:0", token=spec["token"],
                             max_batch_rows=spec["max_batch_rows"])
         self.info = {"shard": shard, "generation": gen, "incarnation": starts, "location": self.server.location,
                      "store": self.store.name, "shm": shm_name, "node_id": ctx.get_node_id(), "node_ip": host,
-                     "pid": os.getpid(), "started": time.time()}
+                     "pid": os.getpid(), "started": time.time(), "restored_from": self.restored_from}
         if directory is not None:
             with contextlib.suppress(Exception):
                 directory.publish.remote(shard, self.info)
@@ -216,7 +230,28 @@ class ShardActor:
         """Slow every sample of this shard by `seconds` (benchmarks and tests of the straggler deadline)."""
         self.shard_store.delay_s = float(seconds)
 
+    # --- persist (issue 15): checkpoints of this shard
+    def checkpoint(self, root: str | None = None, keep: int | None = None) -> dict[str, Any]:
+        """Checkpoint this shard's store into `root/shard-<k>` (default: the checkpoint root it was made with)."""
+        from ..errors import InvalidArgument
+
+        path = self.checkpoint_dir if root is None else os.path.join(root, f"shard-{self.shard}")
+        if path is None:
+            raise InvalidArgument("this sharded store has no checkpoint_root: pass root= to checkpoint()")
+        info = dict(self.store.checkpoint(path, keep=keep))
+        info.update(shard=self.shard, generation=self.info["generation"])
+        return info
+
+    def _checkpoint_every(self, seconds: float) -> None:
+        while not self._stop_checkpoints.wait(seconds):
+            try:
+                self.store.checkpoint(self.checkpoint_dir, keep=2)
+            except Exception:  # noqa: BLE001 - a failed periodic checkpoint leaves the previous one; try again
+                continue
+    # --- end persist
+
     def close(self) -> None:
+        self._stop_checkpoints.set()
         self.server.close()
         self.store.close()  # the creator's close removes the shared-memory name
 
