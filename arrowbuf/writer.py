@@ -307,18 +307,19 @@ class StoreWriter:
         h = idx.header
         with c.cond:
             idx.seq[pos] = seqs  # their generation: ids name these rows from now on
-            if base + n - c.capacity > h[_LO]:  # the ring is full: the oldest rows go
-                self._evict_below(base + n - c.capacity)
+            lo = int(h[_LO])
+            if base + n - c.capacity > lo:  # the ring is full: the oldest rows go
+                lo = base + n - c.capacity
+                self._evict_below(lo)
             h[_HI] = base + n  # the commit point: the rows are visible
             if final_slots is not None:
                 c.final_owner[final_slots] = final_seqs
             for prev, nxt in links:
-                if prev >= h[_LO]:
+                if prev >= lo:  # still live, so still at its position (a live row's position is never rewritten)
                     ppos = prev % c.arena_rows
-                    if idx.seq[ppos] == prev:
-                        idx.next_pos[ppos] = nxt
-                        if c.final_sources:  # its next observation is known now
-                            ready = ppos if ready is None else np.append(ready, ppos)
+                    idx.next_pos[ppos] = nxt
+                    if c.final_sources:  # its next observation is known now
+                        ready = ppos if ready is None else np.append(ready, ppos)
             if ready is not None:
                 idx.valid[ready] = True
                 if self._notify:
