@@ -20,17 +20,27 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def _ray_pids() -> set[int]:
-    out = set()
+    """Pids below this process (from /proc), and Ray workers orphaned by a dead raylet; not another cluster's."""
+    parents: dict[int, int] = {}
+    ray_procs = set()
     for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except OSError:
-                continue
-            if b"ray::" in cmd or b"default_worker.py" in cmd or b"raylet" in cmd or b"gcs_server" in cmd:
-                out.add(int(d))
-    return out
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        parents[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+        if b"ray::" in cmd or b"default_worker.py" in cmd or b"raylet" in cmd or b"gcs_server" in cmd:
+            ray_procs.add(int(d))
+    out, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - out
+        out |= frontier
+    return out | {p for p in ray_procs if parents.get(p) == 1 or parents.get(p) not in parents}
 
 
 def _alive(pid: int) -> bool:
@@ -58,7 +68,7 @@ def cluster():
         started = _ray_pids() - before
         ray.shutdown()
         c.shutdown()
-        end = time.monotonic() + 20
+        end = time.monotonic() + 60  # a bounded wait for shutdown on a loaded machine, not a timing assert
         while time.monotonic() < end and any(_alive(p) for p in started):
             time.sleep(0.1)  # teardown only: waiting for the OS to reap Ray's processes
         left = [p for p in started if _alive(p)]
