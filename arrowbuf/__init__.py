@@ -7,7 +7,9 @@ from . import placement, rate_limiters, samplers
 from .batch import SampleBatch
 from .errors import (
     ArrowbufError,
+    ArrowbufWarning,
     DeadlineExceeded,
+    FinalObsWarning,
     InsertTimeout,
     InvalidArgument,
     MissingDependency,
@@ -37,10 +39,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArrowbufError",
+    "ArrowbufWarning",
     "DeadlineExceeded",
     "ExperienceSchema",
     "ExperienceStore",
     "FieldSpec",
+    "FinalObsWarning",
     "InsertTimeout",
     "InvalidArgument",
     "Loader",

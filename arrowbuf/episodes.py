@@ -39,7 +39,7 @@ class IngestPlan:
     succ: np.ndarray           # local index of each row's successor in the batch, -1 none here, -2 episode ended
     pred: np.ndarray           # local index of each row's predecessor in the batch, -1 none
     patches: list[tuple[int, int]]  # (seq of an earlier pending row, local index of its successor)
-    streams: dict[Hashable, _Stream] = field(default_factory=dict)
+    streams: dict[Hashable, "_Stream | None"] = field(default_factory=dict)  # None: the stream's episode ended
     ended: list[int] = field(default_factory=list)
     next_episode_id: int = 0
 
@@ -68,7 +68,7 @@ class EpisodeTracker:
         succ = np.full(n, -1, dtype=np.int64)
         pred = np.full(n, -1, dtype=np.int64)
         patches: list[tuple[int, int]] = []
-        new_streams: dict[Hashable, _Stream] = {}
+        new_streams: dict[Hashable, _Stream | None] = {}
         ended: list[int] = []
         next_id = self.next_episode_id
         explicit = episode_id is not None
@@ -83,7 +83,7 @@ class EpisodeTracker:
         if explicit:
             next_id = max(next_id, int(np.max(np.asarray(keys))) + 1) if n else next_id
         for key, idx in groups:
-            old = self.streams.get(("ep", key) if explicit else key, _Stream())
+            old = self.streams.get(("ep", key) if explicit else key)
             m = len(idx)
             e = ends[idx]
             # episode ordinal of each row inside this group: 0 = the stream's open episode
@@ -99,10 +99,8 @@ class EpisodeTracker:
                     )
                 ids = np.full(m, key, dtype=np.int64)
             else:
-                first_id = old.episode_id
-                if first_id < 0:
-                    first_id = next_id
-                    next_id += 1
+                cont, next_id = _continue(old, next_id)
+                first_id = cont.episode_id
                 new_count = int(ordinal[-1])
                 ids = np.where(ordinal == 0, first_id, next_id + ordinal - 1)
                 next_id += new_count
@@ -113,40 +111,45 @@ class EpisodeTracker:
             starts[boundary] = boundary
             np.maximum.accumulate(starts, out=starts)
             steps = local - starts
-            steps[ordinal == 0] += old.step
+            if old is not None:
+                steps[ordinal == 0] += old.step
             ep[idx] = ids
             step[idx] = steps
             # successors: the next row of the group unless this row ends the episode
             succ[idx[:-1]] = np.where(e[:-1], -2, idx[1:])
             succ[idx[-1]] = -2 if e[-1] else -1
             pred[idx[1:]] = np.where(e[:-1], -1, idx[:-1])
-            if old.pending_seq >= 0:
+            if old is not None and old.pending_seq >= 0:
                 patches.append((old.pending_seq, int(idx[0])))
             ended.extend(int(i) for i in np.unique(ids[e])) if explicit else None
-            last_open = not e[-1]
-            new_streams[("ep", key) if explicit else key] = _Stream(
-                episode_id=int(ids[-1]) if last_open else -1,
-                step=int(steps[-1]) + 1 if last_open else 0,
-                pending_seq=-2 - int(idx[-1]) if last_open else -1,  # local index, made a seq by apply()
-            )
+            # the pending row is named by its local index until apply() knows the batch's first seq
+            new_streams[("ep", key) if explicit else key] = _after(int(ids[-1]), int(steps[-1]), bool(e[-1]),
+                                                                   -2 - int(idx[-1]))
         return IngestPlan(ep, step, succ, pred, patches, new_streams, ended, next_id)
 
     def advance_one(self, key: Hashable, end: bool, seq: int) -> tuple[int, int, int]:
-        """The scalar fast path of plan+apply for one row of stream `key` (store-assigned episode ids).
+        """`plan` + `apply` for one row `seq` of stream `key` (store-assigned episode ids), by the same rules
+        (`_continue`, `_after`) without the batch bookkeeping: the append path.
 
         Returns (episode_id, step, seq of the row now followed by this one, or -1).
         """
-        st = self.streams.get(key)
-        if st is None:
-            st = _Stream(self.allocate_ids(1), 0, -1)
-            self.streams[key] = st
-        out = (st.episode_id, st.step, st.pending_seq)
-        if end:
-            del self.streams[key]
-        else:
-            st.step += 1
-            st.pending_seq = seq
+        cur = self.streams.get(key)
+        if cur is None or cur.episode_id < 0:  # (`_continue` of an open stream is the stream itself: skip the call)
+            cur, self.next_episode_id = _continue(cur, self.next_episode_id)
+        out = (cur.episode_id, cur.step, cur.pending_seq)
+        self._set(key, _after(cur.episode_id, cur.step, end, seq, into=cur))
         return out
+
+    def close(self, key: Hashable) -> None:
+        """End stream `key`'s open episode (`ExperienceStore.flush`): its next row starts a new episode."""
+        self.streams.pop(key, None)
+
+    def _set(self, key: Hashable, st: "_Stream | None") -> None:
+        """The one place a stream's state changes."""
+        if st is None:
+            self.streams.pop(key, None)
+        else:
+            self.streams[key] = st
 
     def allocate_ids(self, count: int) -> int:
         """Reserve `count` new episode ids; returns the first."""
@@ -157,17 +160,34 @@ class EpisodeTracker:
     def apply(self, plan: IngestPlan, first_seq: int) -> None:
         """Make a planned batch the new state; `first_seq` is the seq of its first row."""
         for key, st in plan.streams.items():
-            if st.pending_seq <= -2:
+            if st is not None and st.pending_seq <= -2:
                 st.pending_seq = first_seq + (-2 - st.pending_seq)
-            if st.episode_id < 0:
-                self.streams.pop(key, None)
-            else:
-                self.streams[key] = st
+            self._set(key, st)
         self.ended.update(plan.ended)
         self.next_episode_id = plan.next_episode_id
 
     def open_episodes(self) -> int:
         return len(self.streams)
+
+
+def _continue(old: _Stream | None, next_id: int) -> tuple[_Stream, int]:
+    """How a stream's next row continues it (the one rule `plan` and `advance_one` share): the stream's open episode,
+    or a new one with id `next_id` (its step count 0, keeping a pending predecessor). Returns (that state, the next
+    free episode id)."""
+    if old is None or old.episode_id < 0:
+        return _Stream(next_id, 0, -1 if old is None else old.pending_seq), next_id + 1
+    return old, next_id
+
+
+def _after(episode_id: int, step: int, ended: bool, pending: int, into: _Stream | None = None) -> _Stream | None:
+    """A stream's state after its row (`episode_id`, `step`), which may end the episode; `pending` names the row.
+    `into`: a state object to reuse (the append path, which owns it)."""
+    if ended:
+        return None
+    if into is None:
+        return _Stream(episode_id, step + 1, pending)
+    into.episode_id, into.step, into.pending_seq = episode_id, step + 1, pending
+    return into
 
 
 def _key(value: Any) -> Hashable:

@@ -140,3 +140,12 @@ __all__ = [
     "Unauthenticated",
     "require",
 ]
+
+
+class ArrowbufWarning(UserWarning):
+    """Base class of the warnings arrowbuf issues."""
+
+
+class FinalObsWarning(ArrowbufWarning):
+    """Terminal transitions stopped being sampleable: their final observation's slot was reused (raise the store's
+    `final_obs_capacity`; `stats()["final_obs_dropped"]` counts them)."""

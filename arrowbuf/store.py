@@ -8,17 +8,15 @@ Usage::
     batch = store.sample(256)                       # SampleBatch; batch.to_numpy()["next_obs"] is derived
     store.sql("SELECT episode_id, sum(reward) FROM experience GROUP BY 1")
 
-Ingest is two-phase (`arrowbuf.ingest`): a writer fills free arena rows (the ring keeps one spare chunk, so no live row
-is touched), then commits under the lock. Sampling selects under the lock and gathers outside it; a seqlock-style check
-of each row's seq after the gather detects a row recycled meanwhile, and such rows are drawn again, so no batch holds
-a torn row. Column bytes live in `arrowbuf.columns` (one arena per column, or per column and tier for a store with
-`tiers=`, where a second seqlock over the slot table re-gathers rows whose chunk moved during the gather).
+The store is a facade: it builds the parts (`arrowbuf.core.StoreCore`: ring index, column arenas, sampler, locks)
+and delegates writing to a `StoreWriter` (`arrowbuf.writer`: append, extend, flush; a batch commits once, atomically)
+and reading to a `StoreReader` (`arrowbuf.reader`: sample, update_priorities, consistent snapshots for to_table, sql
+and episodes). Column bytes live in `arrowbuf.columns` (one arena per column, or per column and tier for a store with
+`tiers=`).
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any, Iterable, cast
 
 import numpy as np
@@ -27,22 +25,23 @@ import pyarrow as pa
 from .batch import SampleBatch
 from .chunks import ChunkDirectory, default_chunk_rows
 from .columns import ColumnArenas, TieredColumnArenas
+from .core import StoreCore
 from .episodes import EpisodeTracker
-from .errors import ArrowbufError, InvalidArgument, OutOfSpace, SampleTimeout, SchemaError, StoreClosed
-from .index import HEADER, PENDING, RingIndex
-from .ingest import IngestMixin
-from .nstep import n_step_returns
+from .errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed
+from .index import HEADER, RingIndex
 from .placement import PlacementTarget, make_placement, placement_table
-from .rate_limiters import Counters, RateLimiter
-from .samplers import Sampler, make_sampler, validate_priorities
-from .schema import SYSTEM_COLUMNS, ExperienceSchema, FieldSpec, load_schema
+from .rate_limiters import RateLimiter
+from .reader import RowSnapshot, StoreReader
+from .samplers import Sampler, make_sampler
+from .schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from .tiers.base import Tier, format_bytes
 from .tiers.host import HostTier
+from .writer import StoreWriter
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
 
 
-class ExperienceStore(IngestMixin):
+class ExperienceStore:
     """An in-process experience store: a FIFO ring of `capacity` rows with pluggable sampling and rate limiting.
 
     Args:
@@ -80,7 +79,7 @@ class ExperienceStore(IngestMixin):
         self.capacity = int(capacity)
         self.name = name or self.schema.name
         self.placement_policy: Any = None
-        self._closed = False
+        self._core: StoreCore | None = None
         if tiers is None:
             self._tier = _make_tier(tier, self.name, self.schema)
             data_tiers = [self._tier]
@@ -130,26 +129,28 @@ class ExperienceStore(IngestMixin):
         self._final_owner = self._tier.allocate("index.final_owner", np.dtype(np.int64), max(1, self.final_capacity))
         if self._tier.fresh:  # never re-initialise memory another process already uses
             self._final_owner.fill(-1)
-        self._end_fields = list(self.schema.episode_end)
-        self._derived_list = list(self.schema.derived.values())
-        self._fast = self._fast_plan()
         # episode ids come from the shared header, so writer processes of a shared store never hand out one twice
         self._episodes = EpisodeTracker(self.index.header[HEADER["next_episode_id"]:HEADER["next_episode_id"] + 1])
         self._lock = self._tier.lock("state")  # cross-process locks for a shared tier
-        self._cond = threading.Condition(self._lock)
         self._write_lock = self._tier.lock("write")
         self._rng = np.random.default_rng(seed)
         if max_times_sampled is not None and max_times_sampled < 1:
             raise InvalidArgument(f"max_times_sampled must be >= 1, got {max_times_sampled}")
         self._max_times_sampled = int(max_times_sampled or 0)
         self.sampler = make_sampler(sampler)
-        self.sampler.bind(self.index, self._rng, has_next=self._has_next if self._max_times_sampled else None)
-        self._notify = type(self.sampler).on_valid is not Sampler.on_valid  # skip no-op calls on the append path
         self.rate_limiter = rate_limiter
         self._times_sampled = (self._tier.allocate("index.times_sampled", np.dtype(np.int32), self.arena_rows)
                                if self._max_times_sampled else np.zeros(0, np.int32))
         if self._tier.fresh:
             self._times_sampled.fill(0)
+        self._core = StoreCore(self.schema, self.name, self.capacity, self._tier, self._cols, self.directory,
+                               self.index, self.sampler, rate_limiter, self._rng, self._episodes, self._final_owner,
+                               self._times_sampled, self._max_times_sampled, self._lock, self._write_lock)
+        self._cond = self._core.cond
+        self._writer = StoreWriter(self._core)
+        self._reader = StoreReader(self._core)
+        self.sampler.bind(self.index, self._rng,
+                          has_next=self._reader.has_next if self._max_times_sampled else None)
         if isinstance(self._cols, TieredColumnArenas):
             self._cols.initial_placement()
         for t in {id(t): t for t in [self._tier, *data_tiers]}.values():
@@ -165,6 +166,7 @@ class ExperienceStore(IngestMixin):
         self.placement_policy = make_placement(placement, len(data_tiers))
         if self.placement_policy is not None:
             self.placement_policy.bind(self._placement_target)
+            self._reader.count_access = True
         if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
             self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity, "chunk_rows": self.chunk_rows,
                              "final_obs_capacity": self.final_capacity or None, "sampler": self.sampler,
@@ -234,267 +236,74 @@ class ExperienceStore(IngestMixin):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._core is None or self._core.closed
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.closed:
             raise StoreClosed(f"store {self.name!r} is closed")
 
-    def _counters(self) -> Counters:
-        """What the rate limiter decides on (read under the lock)."""
-        idx = self.index
-        size = self.sampler.available() if self.sampler.queue else len(idx)
-        return Counters(inserts=idx.counter("inserts"), samples=idx.counter("samples"), size=size)
+    # ------------------------------------------------------------------ writing (StoreWriter)
+    def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
+        """Add one step (a dict of scalars and arrays). Returns the new row's id (an int: its seq).
 
-    def _wait_for(self, predicate: Any, timeout: float | None) -> bool:
-        """Wait on the condition (lock held) until `predicate()`; False on timeout. None waits not at all."""
-        if timeout is None or timeout <= 0:
-            return bool(predicate())
-        deadline = time.monotonic() + timeout
-        pause = 0.0005  # shared tier: other processes' commits cannot notify this condition, so poll (bounded backoff)
-        while not predicate():
-            left = deadline - time.monotonic()
-            if left <= 0 or self._closed:
-                return False
-            if self._tier.shared:
-                self._cond.wait(min(left, pause))
-                pause = min(2 * pause, 0.02)
-            else:
-                self._cond.wait(left)
-        return True
+        Steps that already have the schema's dtypes and shapes take a scalar fast path; anything else goes through
+        the full validation of `extend` (same errors, same result).
 
-    # ------------------------------------------------------------------ sampling
-    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
-               n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
-        """Sample `n` items.
+        Raises:
+            SchemaError: the step does not match the schema; nothing is stored.
+            InsertTimeout: the rate limiter held the insert back past `timeout` seconds.
+        """
+        return self._writer.append(step, timeout=timeout)
+
+    def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
+        """Add many steps: a dict of arrays with a leading dim, a `pa.RecordBatch` or a `pa.Table`.
+
+        The batch is atomic: its rows become visible to `sample`, `len` and `to_table` all at once, when this
+        returns, and a writer that dies before that leaves none of them (`arrowbuf.writer`). A batch longer than the
+        capacity keeps its newest rows (the older ones are counted as inserted but never visible).
+
+        Returns:
+            The new rows' ids, a 1-D `np.ndarray[int64]` (their seqs; the ids `SampleBatch.indices` uses and
+            `update_priorities` takes).
+
+        Raises:
+            SchemaError: the batch does not match the schema; nothing is stored.
+            InsertTimeout: the rate limiter held the insert back past `timeout` seconds (a writer waits for the
+                limiter without holding the store's write lock: other writers go on).
+        """
+        return self._writer.extend(batch, timeout=timeout)
+
+    def flush(self, actor: Any = None, **final: Any) -> bool:
+        """End `actor`'s open episode at its last stored step, so that step becomes sampleable now.
+
+        With a derived field (`next_obs`), the last step of an open episode waits for the episode's next step to
+        know its next observation; until then it is not sampleable, and a FIFO queue (`samplers.Fifo`) stops in front
+        of it: an idle actor's open step holds back everything written after it. `flush` gives that step its next
+        observation as a final one (pass each derived field, e.g. `flush(actor, next_obs=obs)`: the observation the
+        actor sees now) and treats it as a truncation: n-step returns bootstrap from it. The actor's next step
+        starts a new episode.
 
         Args:
-            n: batch size; uniform sampling is with replacement, so any n works once a row is sampleable (with
-                `max_times_sampled`, a batch holds n distinct items: see the constructor).
-            columns: columns to gather (default: every field and derived field).
-            timeout: seconds to wait for the rate limiter or an empty store; None does not wait.
-            n_step: add `n_step_return`, `n_step_discount` and, per derived field, `n_step_<name>` (the bootstrap
-                observation) over `n_step` steps of the episode (see `arrowbuf.nstep`).
-            gamma: the discount for `n_step`.
+            actor: the stream (the `actor` key its rows were written with; None: rows written without one).
+            **final: the derived fields of the step's successor (needed when the step waits for them).
+
+        Returns:
+            True when a waiting step became sampleable; False when the stream had none (its episode just ends).
+
+        Raises:
+            SchemaError: a derived field is missing or has the wrong shape.
+        """
+        return self._writer.flush(actor, final)
+
+    # ------------------------------------------------------------------ reading (StoreReader)
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
+               n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
+        """Sample `n` items (see `StoreReader.sample` for the arguments).
 
         Raises:
             SampleTimeout: nothing could be served within `timeout`.
         """
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise InvalidArgument(f"n must be a positive number of items, got {n!r}")
-        self._check_open()
-        names = self.schema.resolve_columns(list(columns) if columns is not None else None)
-        if n_step is not None:
-            self._check_n_step(n_step, gamma)
-        with self._cond:
-            seqs, weights = self._select(int(n), timeout)
-        if seqs.ndim == 2 and n_step is not None:
-            raise InvalidArgument("n_step returns are for transitions; a Sequence sampler returns whole windows")
-        if self.placement_policy is not None:
-            self._cols.count_access((tuple(names), n_step is not None), seqs.size, self._columns_read, names, n_step)
-        arrays = self._gather_stable(seqs, names, n_step, gamma)
-        bad = self._torn(seqs, arrays)
-        retries = 0
-        while bad.any():  # a writer recycled some rows while they were gathered: draw those again
-            retries += 1
-            if retries > 100:
-                raise ArrowbufError("sample could not read a consistent batch after 100 retries")
-            # distinct items (max_times_sampled): draw the whole batch again, so no redraw repeats a kept item (the
-            # discarded draw stays counted: an item may get fewer deliveries than the limit, never more). A queue
-            # (FIFO) never repeats an item: redraw only the torn ones.
-            whole = self._max_times_sampled and not self.sampler.queue
-            fix = np.arange(len(seqs)) if whole else np.flatnonzero(bad)
-            self.index.count("torn_retries", len(fix))
-            with self._cond:
-                again, again_w = self._select(len(fix), timeout)
-            seqs[fix] = again
-            if weights is not None and again_w is not None:
-                weights[fix] = again_w
-            sub = self._gather_stable(again, names, n_step, gamma)
-            for k in arrays:
-                arrays[k] = _assign_rows(arrays[k], fix, sub[k])
-            bad[:] = False
-            bad[fix] = self._torn(again, sub)
-        arrays.pop("_n_step_last", None)
-        if type(self.sampler).on_sampled is not Sampler.on_sampled:
-            with self._cond:
-                self.sampler.on_sampled(seqs)
-        indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
-        return SampleBatch(arrays, indices, weights)
-
-    def _check_n_step(self, n_step: int, gamma: float) -> None:
-        if not isinstance(n_step, (int, np.integer)) or n_step < 1:
-            raise InvalidArgument(f"n_step must be a positive integer, got {n_step!r}")
-        if "reward" not in self._cols or self.schema.fields["reward"].shape:
-            raise SchemaError("n_step returns need a scalar 'reward' field in the schema")
-        if not 0.0 <= gamma <= 1.0:
-            raise InvalidArgument(f"gamma must be in [0, 1], got {gamma}")
-
-    def _count_samples(self, seqs: np.ndarray) -> None:
-        """Under the lock, as items are selected (so concurrent samples never exceed the limit): count deliveries;
-        items sampled `max_times_sampled` times stop being sampleable. A window counts once, at its start row."""
-        idx = self.index
-        seqs = seqs[:, 0] if seqs.ndim == 2 else seqs
-        live = seqs[idx.live(seqs)]
-        pos = live % self.arena_rows
-        np.add.at(self._times_sampled, pos, 1)
-        done = np.unique(pos[self._times_sampled[pos] >= self._max_times_sampled])
-        done = done[idx.valid[done]]
-        if len(done):
-            idx.valid[done] = False
-            self.sampler.on_invalid(done)
-            idx.count("removed", len(done))
-
-    def _has_next(self, pos: np.ndarray) -> np.ndarray:
-        """Mask of positions whose row is stored with its next observation known, sampleable or not: a row that
-        `max_times_sampled` removed still serves as a successor and inside windows while it is stored."""
-        idx = self.index
-        ok = idx.valid[pos]
-        used = ~ok & (self._times_sampled[pos] >= self._max_times_sampled)
-        if used.any():
-            p = pos[used]
-            seq = idx.seq[p]
-            good = (seq >= idx.lo) & (seq < idx.hi)
-            if self._final_sources:  # the next observation is known: a successor, or a final slot still its own
-                nxt = idx.next_pos[p]
-                good &= nxt != PENDING
-                fin = good & (nxt >= self.arena_rows)
-                good[fin] = self._final_owner[nxt[fin] - self.arena_rows] == seq[fin]
-            ok[used] = good
-        return ok
-
-    def _select(self, n: int, timeout: float | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """Choose items under the lock, waiting on the rate limiter and for rows."""
-        chosen: list[Any] = [None]
-
-        def ready() -> bool:
-            self._check_open()
-            if self.rate_limiter is not None and not self.rate_limiter.can_sample(n, self._counters()):
-                return False
-            chosen[0] = self.sampler.select(n, distinct=bool(self._max_times_sampled))
-            return chosen[0] is not None
-
-        if not self._wait_for(ready, timeout):
-            if self.rate_limiter is not None and not self.rate_limiter.can_sample(n, self._counters()):
-                why = self.rate_limiter.blocked_reason(self._counters())
-            elif len(self.index) == 0:
-                why = "the store is empty"
-            else:
-                why = f"{type(self.sampler).__name__} cannot serve {n} items from {len(self.index)} stored rows"
-                if self._max_times_sampled:
-                    why += (f" (max_times_sampled={self._max_times_sampled}: a batch needs {n} distinct eligible "
-                            f"items; {self.index.counter('removed')} were used up)")
-            wait = "did not wait (timeout=None)" if timeout is None else f"waited {timeout}s"
-            raise SampleTimeout(f"sample({n}) from {self.name!r}: {why}; {wait}. Add data or pass timeout= to wait")
-        self.index.count("samples", n)
-        if self._max_times_sampled:
-            self._count_samples(chosen[0][0])
-        self._cond.notify_all()
-        return chosen[0]
-
-    def _columns_read(self, names: list[str], n_step: int | None) -> list[str]:
-        """The stored columns a sample of `names` reads (what placement counts as accesses)."""
-        out = []
-        for n in names:
-            d = self.schema.derived.get(n)
-            out.append(d.next_of if d is not None else n)
-        if n_step is not None:
-            out += ["reward", *self._end_fields, *(d.next_of for d in self._derived_list)]
-        return list(dict.fromkeys(out))
-
-    def _gather_stable(self, seqs: np.ndarray, names: list[str], n_step: int | None, gamma: float,
-                       depth: int = 0) -> dict[str, Any]:
-        """`_gather`, and on a tiered store again for the items whose chunks moved meanwhile (their old copy may
-        have been released or reused while they were read): a seqlock over the slot table."""
-        cols = self._cols
-        if cols.direct:
-            return self._gather(seqs, names, n_step, gamma)
-        assert isinstance(cols, TieredColumnArenas)
-        for _ in range(100):
-            flips, e0 = cols.flips, cols.epoch.copy()
-            reads: list = []
-            arrays = self._gather(seqs, names, n_step, gamma, reads)
-            if cols.flips == flips:  # nothing moved at all (the common case)
-                return arrays
-            moved = cols.moved(e0, reads, len(seqs))
-            if moved is None or not moved.any():
-                return arrays
-            cols.counters["regathers"] += int(moved.sum())
-            if moved.all() or depth > 8:
-                continue
-            fix = np.flatnonzero(moved)
-            sub = self._gather_stable(seqs[fix], names, n_step, gamma, depth + 1)
-            for k in arrays:
-                arrays[k] = _assign_rows(arrays[k], fix, sub[k])
-            return arrays
-        raise ArrowbufError("sample could not read a stable batch: chunks kept moving for 100 attempts")
-
-    def _gather(self, seqs: np.ndarray, names: list[str], n_step: int | None = None,
-                gamma: float = 0.99, reads: list | None = None) -> dict[str, Any]:
-        """One `take` per column per tier (the sample path: vectorised, no per-row Python).
-
-        `seqs` is [B] for transitions or [B, T] for sequence windows; arrays come back [B, ...] or [B, T, ...].
-        On a tiered store, `reads` collects (column, positions) of what was read, for the moved-chunk check.
-        """
-        idx = self.index
-        cols = self._cols
-        tracked = reads is not None
-        shape = seqs.shape
-        pos = (seqs % self.arena_rows).reshape(-1)
-        out: dict[str, Any] = {}
-        nxt = None
-        for name in names:
-            if name in cols.arrays:
-                col = cols.take(name, pos, reads) if tracked else cols.take(name, pos)  # type: ignore[call-arg]
-            elif name in self.schema.derived:
-                if nxt is None:
-                    nxt = idx.next_pos[pos]
-                src = self.schema.derived[name].next_of
-                col = cols.take_next(src, nxt, reads) if tracked else cols.take_next(src, nxt)  # type: ignore
-            elif name in cols.ragged:
-                if len(shape) > 1:
-                    raise SchemaError(f"ragged field {name!r} cannot be sampled as sequences")
-                out[name] = cols.take_ragged(name, pos)
-                continue
-            elif name == "episode_id":
-                col = idx.episode_id[pos]
-            elif name == "step":
-                col = idx.step[pos]
-            else:  # seq
-                col = seqs.reshape(-1).copy()
-            out[name] = col.reshape(shape + tuple(col.shape[1:])) if len(shape) > 1 else col
-        if n_step is not None:
-            column = (lambda f: cols.column(f, reads)) if tracked else cols.column  # type: ignore[call-arg]
-            trunc = self.schema.truncation  # end fields that bootstrap; the others terminate
-            terminal = [column(f) for f in self._end_fields if f not in trunc]
-            truncation = [column(f) for f in self._end_fields if f in trunc]
-            ret, disc, last = n_step_returns(idx, column("reward"), terminal, truncation, pos, n_step, gamma,
-                                             self._has_next if self._max_times_sampled else None)
-            out["n_step_return"], out["n_step_discount"] = ret, disc
-            last_next = idx.next_pos[last]
-            for d in self._derived_list:
-                out[f"n_step_{d.name}"] = (cols.take_next(d.next_of, last_next, reads) if tracked  # type: ignore
-                                           else cols.take_next(d.next_of, last_next))
-            out["_n_step_last"] = last
-        return out
-
-    def _torn(self, seqs: np.ndarray, arrays: dict[str, Any]) -> np.ndarray:
-        """After a gather: per item, whether a writer recycled any row (or final-observation slot) it read."""
-        idx = self.index
-        pos = seqs % self.arena_rows
-        ok = idx.seq[pos] == seqs
-        if self._final_sources:
-            nxt = idx.next_pos[pos]
-            fin = nxt >= self.arena_rows
-            if fin.any():
-                ok[fin] &= self._final_owner[nxt[fin] - self.arena_rows] == seqs[fin]
-            last = arrays.get("_n_step_last")
-            if last is not None:
-                lnext = idx.next_pos[last]
-                fin = lnext >= self.arena_rows
-                if fin.any():
-                    ok[fin] &= self._final_owner[lnext[fin] - self.arena_rows] == idx.seq[last[fin]]
-        return ~ok.reshape(len(seqs), -1).all(axis=1)
+        return self._reader.sample(n, columns, timeout, n_step=n_step, gamma=gamma)
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
@@ -502,53 +311,24 @@ class ExperienceStore(IngestMixin):
         Returns the number of ids applied.
 
         Raises:
-            InvalidArgument: counts differ, or a priority is NaN, infinite, negative or too large
-                (`samplers.validate_priorities`); nothing is applied.
+            InvalidArgument: counts differ, or a priority is NaN, infinite, negative or too large; nothing applied.
         """
-        seqs, pri = validate_priorities(indices, priorities)
-        with self._lock:
-            live = self.index.live(seqs)
-            if live.any():
-                self.sampler.update_priorities(seqs[live] % self.arena_rows, pri[live])
-            self.index.count("priority_updates_ignored", int((~live).sum()))
-        return int(live.sum())
+        return self._reader.update_priorities(indices, priorities)
 
     # ------------------------------------------------------------------ inspection
     def to_table(self, columns: Iterable[str] | None = None) -> pa.Table:
-        """The live rows, oldest first, as a `pa.Table` of the stored columns.
+        """The live rows, oldest first, as a `pa.Table` of the stored columns: a consistent snapshot.
 
-        Fixed-size columns are zero-copy views of the arenas (bool columns are bit-packed copies). The views stay
-        valid until the ring overwrites those rows: keep a long-lived table with `.combine_chunks()` or pass it
-        through `pa.concat_tables` with a copy.
+        Each row is exactly as committed (no row half-replaced, no part of a batch), the rows are one contiguous
+        seq range ending at the newest row committed at the call, and the table is a copy: writers go on without
+        changing it. If writers replace rows faster than they are copied, the table starts at the oldest row still
+        intact (see `arrowbuf.reader`).
         """
-        self._check_open()
-        schema = self.schema.to_arrow()
-        names = list(columns) if columns is not None else schema.names
-        for c in names:
-            if c not in schema.names:
-                raise SchemaError(f"unknown stored column {c!r}; expected one of {schema.names}")
-        out_schema = pa.schema([schema.field(c) for c in names], metadata=schema.metadata)
-        with self._lock:
-            lo, hi = self.index.lo, self.index.hi
-            ragged = self._cols.ragged_snapshot()
-        idx = self.index
-        batches = []
-        for slot, p0, p1, first in self.directory.live_chunks(lo, hi):
-            arrays = []
-            for c in names:
-                if c in self._cols:
-                    arrays.append(_column_view(self._cols.view(c, p0, p1), self.schema.fields[c]))
-                elif c in ragged:
-                    off = p0 - slot * self.chunk_rows
-                    arrays.append(ragged[c][slot].slice(off, p1 - p0))
-                elif c == "seq":
-                    arrays.append(pa.array(np.arange(first, first + p1 - p0, dtype=np.int64)))
-                else:
-                    arrays.append(pa.array(getattr(idx, c)[p0:p1]))
-            batches.append(pa.RecordBatch.from_arrays(arrays, schema=out_schema))
-        if not batches:
-            return out_schema.empty_table()
-        return pa.Table.from_batches(batches, schema=out_schema)
+        return self._reader.snapshot(columns).table
+
+    def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
+        """`to_table` with the seq range it covers: a `RowSnapshot` (lo, hi, live_lo, table). See `arrowbuf.reader`."""
+        return self._reader.snapshot(columns)
 
     def to_pandas(self, columns: Iterable[str] | None = None) -> Any:
         """The live rows as a pandas DataFrame (tensor columns as arrays per row). Needs `arrowbuf[query]`."""
@@ -695,7 +475,6 @@ class ExperienceStore(IngestMixin):
 
         return cast("ExperienceStore", restore(path, tier=tier, tiers=tiers, seed=seed, name=name, schema=schema,
                                                cls=cls))
-
     def export(self, path: Any, format: str = "parquet", partition_by: Any = None,
                compression: str | None = None) -> dict[str, Any]:
         """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
@@ -725,10 +504,11 @@ class ExperienceStore(IngestMixin):
         Shared store: releases this process's mappings and lease. The creator's close also removes the store's name
         (as `unlink`): processes still attached keep working on their mappings until they close; new attaches fail.
         """
-        if self._closed:
+        if self.closed:
             return
+        assert self._core is not None
         with self._cond:
-            self._closed = True
+            self._core.closed = True
             self._cond.notify_all()
         if self.placement_policy is not None:  # no move may run while the arenas go
             self.placement_policy.close()
@@ -768,32 +548,3 @@ def _make_tier(tier: str | Tier, name: str, schema: ExperienceSchema) -> Tier:
 
         return SharedMemoryTier.create(name)
     raise InvalidArgument(f"unknown tier {tier!r}; expected 'host', 'shm' or a Tier instance")
-
-
-def _column_view(values: np.ndarray, spec: FieldSpec) -> pa.Array:
-    values = values.view()
-    values.flags.writeable = False  # a zero-copy view of the arena (shared memory, maybe): nobody writes through it
-    if spec.shape:
-        return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
-    return pa.array(values)
-
-
-def _assign_rows(arr: Any, rows: np.ndarray, values: Any) -> Any:
-    """`arr` with `arr[rows] = values`: in place for numpy arrays and torch tensors, a new array for Arrow."""
-    if isinstance(arr, np.ndarray):
-        arr[rows] = values
-        return arr
-    if not isinstance(arr, (pa.Array, pa.ChunkedArray)):  # a torch tensor (GPU tier)
-        import torch
-
-        arr[torch.from_numpy(np.asarray(rows)).to(arr.device)] = values.to(arr.device) if hasattr(values, "to") \
-            else torch.from_numpy(np.asarray(values)).to(arr.device)
-        return arr
-    return _replace_rows(arr, rows, values)
-
-
-def _replace_rows(arr: pa.Array, rows: np.ndarray, values: pa.Array) -> pa.Array:
-    pylist = arr.to_pylist()
-    for i, v in zip(rows.tolist(), values.to_pylist()):
-        pylist[i] = v
-    return pa.array(pylist, type=arr.type)

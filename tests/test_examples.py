@@ -35,7 +35,7 @@ def _commands(out: pathlib.Path) -> dict[str, list[str]]:
     demo = [py, "-m", "arrowbuf.demo", "--no-progress", "--actors", "2"]
     return {
         "demo_flight": demo + ["--steps", "1000", "--warmup", "200", "--out", str(out / "demo_flight")],
-        "demo_shm": demo + ["--transport", "shm", "--steps", "600", "--warmup", "150",
+        "demo_shm": demo + ["--transport", "shm", "--steps", "1000", "--warmup", "200",
                             "--out", str(out / "demo_shm")],
         "local_replay": [py, "examples/local_replay.py", "--steps", "1500", "--out", str(out / "ex")],
         "flight_actor_learner": [py, "examples/flight_actor_learner.py", "--steps", "300", "--batches", "10",
@@ -149,7 +149,7 @@ def test_demo_shm(runs: Runs) -> None:
     # processes reach the owner's sum tree, or the learner never trains)
     r = runs["demo_shm"]
     assert "store in shared memory" in r.stdout, r.stdout
-    _check_demo(r, runs.out / "demo_shm", 600, "shm")
+    _check_demo(r, runs.out / "demo_shm", 1000, "shm")
     shm_root = pathlib.Path(os.environ.get("ARROWBUF_SHM_DIR", "/dev/shm"))
     assert not list(shm_root.glob("arrowbuf.demo-*")), "the demo left a shared-memory store behind"
 

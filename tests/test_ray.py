@@ -79,7 +79,10 @@ def _descendants(root: int) -> set[int]:
     while frontier:
         frontier = {p for p, pp in parents.items() if pp in frontier} - out
         out |= frontier
-    return out | ray_procs
+    # a Ray worker whose raylet died is re-parented (to init or a subreaper): count those orphans too, but not the
+    # workers of another Ray cluster on the machine, whose parents are alive and not ours
+    orphans = {p for p in ray_procs if parents.get(p) == 1 or parents.get(p) not in parents}
+    return out | orphans
 
 
 def _alive(pid: int) -> bool:
@@ -107,7 +110,7 @@ def cluster():
         started = _descendants(os.getpid()) - before
         ray.shutdown()
         c.shutdown()
-        end = time.monotonic() + 20
+        end = time.monotonic() + 60  # a bounded wait for shutdown on a loaded machine, not a timing assert
         while time.monotonic() < end and any(_alive(p) for p in started):
             time.sleep(0.1)
         left = [p for p in started if _alive(p)]

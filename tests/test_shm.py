@@ -125,19 +125,21 @@ def _writer(name: str, writer: int, n: int, seed: int) -> None:
 
 
 def _stuck_writer(name: str, where: str, ready) -> None:
-    """Extend a batch and freeze in the middle of it (the parent then SIGKILLs us)."""
+    """Extend a batch and freeze in the middle of it (the parent then SIGKILLs us): "write" while its rows are being
+    written (holding the write lock), "commit" inside its commit (holding the state lock too)."""
     store = ab.ExperienceStore.attach(name)
     calls = []
-    original = getattr(store, where)
+    owner, attr = (store._cols, "write") if where == "write" else (store._core.cond, "notify_all")
+    original = getattr(owner, attr)
 
     def freeze(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2 or where == "_evict_to":  # second piece written, not committed / inside the commit
+        if len(calls) == 2 or where == "commit":  # a second column written / inside the commit
             ready.set()
             threading.Event().wait()
         return original(*args, **kwargs)
 
-    setattr(store, where, freeze)
+    setattr(owner, attr, freeze)
     store.extend(rows(5, 0, 4 * store.directory.spare_rows))
 
 
@@ -224,8 +226,7 @@ def test_four_writer_processes_lose_and_duplicate_nothing(names):
         check_rows(b["obs"], b["next_obs"], b["reward"])
 
 
-@pytest.mark.parametrize("where,locks", [("_commit_piece", "pthread"), ("_evict_to", "pthread"),
-                                         ("_evict_to", "flock")])
+@pytest.mark.parametrize("where,locks", [("write", "pthread"), ("commit", "pthread"), ("commit", "flock")])
 def test_writer_killed_mid_extend_blocks_nobody(names, where, locks, monkeypatch):
     if locks == "flock":  # the fallback where libc has no robust mutexes
         monkeypatch.setenv("ARROWBUF_SHM_LOCKS", "flock")
@@ -236,12 +237,14 @@ def test_writer_killed_mid_extend_blocks_nobody(names, where, locks, monkeypatch
         ready = CTX.Event()
         p = start(names, _stuck_writer, name, where, ready)
         assert ready.wait(JOIN_S), "the writer never reached the middle of its extend"
-        os.kill(p.pid, signal.SIGKILL)  # holding the write lock (and, in _evict_to, the state lock)
+        os.kill(p.pid, signal.SIGKILL)  # holding the write lock (and, in the commit, the state lock)
         p.join(JOIN_S)
         committed = len(store)
-        spare = store.directory.spare_rows
-        assert committed == 500 + (spare if where == "_commit_piece" else 0)  # whole pieces only
-        if where == "_commit_piece":  # another process writes and samples (one variant: processes are slow to start)
+        batch = 4 * store.directory.spare_rows
+        # a batch is atomic: none of the killed writer's rows (killed while writing them), or all (killed at the end
+        # of its commit, holding the state lock)
+        assert committed == (500 if where == "write" else 500 + batch)
+        if where == "write":  # another process writes and samples (one variant: processes are slow to start)
             q = CTX.Queue()
             other = start(names, _write_then_sample, name, 3, q)
             obs, next_obs, reward = q.get(timeout=JOIN_S)
@@ -324,15 +327,14 @@ def test_views_are_zero_copy_and_read_only(names):
         arena = store._arenas["obs"]
         assert start_ <= arena.ctypes.data < start_ + size  # what a sample gathers from is the mapping itself
         t = store.to_table(["obs", "reward"])
-        for chunk in t.column("obs").chunks:  # each chunk's values buffer lies inside the mapped segment
+        for chunk in t.column("obs").chunks:  # to_table is a snapshot: a copy, never a view of the segment
             addr = chunk.storage.values.buffers()[1].address
-            assert start_ <= addr < start_ + size
+            assert not start_ <= addr < start_ + size
         view = t.column("obs").chunk(0).to_numpy_ndarray()
         assert not view.flags.writeable
         with pytest.raises(ValueError):
             view[0, 0] = 1.0
         assert not t.column("reward").chunk(0).to_numpy().flags.writeable
-        assert not t.column("obs").chunk(0).storage.values.buffers()[1].is_mutable
 
 
 def test_torch_tensors_never_alias_shared_memory(names):

@@ -17,8 +17,10 @@ def small_store(capacity=100, **kw):
 def test_extend_then_sample_returns_exact_rows():
     batch, _ = make_episodes([5, 7, 3])
     store = small_store()
-    first = store.extend(batch)
-    assert first == 0 and len(store) == 15
+    ids = store.extend(batch)
+    assert isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1
+    np.testing.assert_array_equal(ids, np.arange(15))
+    assert len(store) == 15
     b = store.sample(200)
     d = b.to_numpy()
     assert d["obs"].shape == (200, 3) and d["next_obs"].shape == (200, 3)
@@ -90,8 +92,9 @@ def test_extend_longer_than_capacity_keeps_newest():
     store = small_store(capacity=10, chunk_rows=4)
     store.extend(make_episodes([3])[0])
     batch, _ = make_episodes([25], seed=1, start=500.0)
-    first = store.extend(batch)
-    assert first == 3 and len(store) == 10
+    ids = store.extend(batch)
+    np.testing.assert_array_equal(ids, np.arange(3, 28))
+    assert len(store) == 10
     t = store.to_table()
     np.testing.assert_array_equal(t.column("seq").to_numpy(), np.arange(18, 28))
     np.testing.assert_array_equal(np.asarray(t.column("obs").combine_chunks().to_numpy_ndarray()),
@@ -241,21 +244,26 @@ def test_min_size_rate_limiter():
     assert len(store.sample(2)) == 2
 
 
-def test_to_table_is_zero_copy():
+def test_to_table_is_a_snapshot_not_a_view():
+    """to_table copies the rows it reads: writers overwriting the ring later leave the table as it was."""
     store = ab.ExperienceStore(ab.load_schema(SCHEMAS / "mujoco.yaml"), capacity=1000, chunk_rows=128)
     n = 300
     o = np.random.rand(n + 1, 376).astype(np.float32)
     t = np.zeros(n, bool)
     t[-1] = True
-    store.extend({"obs": o[:-1], "action": np.zeros((n, 17), np.float32), "reward": np.ones(n, np.float32),
-                  "terminated": t, "truncated": np.zeros(n, bool), "next_obs": o[1:]})
+    batch = {"obs": o[:-1], "action": np.zeros((n, 17), np.float32), "reward": np.ones(n, np.float32),
+             "terminated": t, "truncated": np.zeros(n, bool), "next_obs": o[1:]}
+    store.extend(batch)
     table = store.to_table()
     arena = store._arenas["obs"]
     lo, hi = arena.ctypes.data, arena.ctypes.data + arena.nbytes
     for chunk in table.column("obs").chunks:
-        addr = chunk.storage.values.buffers()[1].address
-        assert lo <= addr < hi
+        assert not lo <= chunk.storage.values.buffers()[1].address < hi
     assert table.column("obs").num_chunks == 3  # 128 + 128 + 44 rows
+    for _ in range(5):  # the whole ring replaced
+        store.extend({k: np.zeros_like(v) for k, v in batch.items()})
+    np.testing.assert_array_equal(np.asarray(table.column("obs").combine_chunks().to_numpy_ndarray()), o[:-1])
+    np.testing.assert_array_equal(table.column("seq").to_numpy(), np.arange(n))
 
 
 def test_close_is_idempotent_and_refuses_calls():

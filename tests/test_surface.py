@@ -31,11 +31,7 @@ IMPLEMENTATIONS = [*LOCAL, "remote", "sharded"]
 CAPACITY = 4096
 
 #: Known gaps, (test, implementation) -> reason; strict xfails, so a fix shows up as XPASS and must drop its line.
-_CORE_IDS = "ExperienceStore.extend returns the first seq, not the rows' ids (lead's decision): owner `core`"
-GAPS: dict[tuple[str, str], str] = {
-    **{("test_extend_returns_the_new_rows_ids", k): _CORE_IDS for k in LOCAL},
-    **{("test_extend_of_nothing_returns_no_ids", k): _CORE_IDS for k in LOCAL},
-}
+GAPS: dict[tuple[str, str], str] = {}
 
 
 # ---------------------------------------------------------------------------------------------------- factories

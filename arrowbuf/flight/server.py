@@ -300,9 +300,10 @@ class _FlightService(flight.FlightServerBase):
         return flight.RecordBatchStream(table)
 
     def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
-        """The `table` ticket: the store's chunks, each copied as it is sent (never the whole store at once).
+        """The `table` ticket: the store's consistent snapshot (`to_table`: each row as committed), sent chunk by chunk.
 
-        At most `max_table_streams` run at once; a stream holds its slot until it is sent or its client goes.
+        The snapshot is one copy of the rows asked for; at most `max_table_streams` exist at once (a stream holds its
+        slot until it is sent or its client goes), which bounds the memory slow readers can pin.
         """
         gate = self.owner.calls
         gate.acquire("table")
@@ -311,7 +312,7 @@ class _FlightService(flight.FlightServerBase):
         except BaseException:
             gate.release("table")
             raise
-        batches = _copied_batches(table, lambda: gate.release("table"))
+        batches = _batches(table, lambda: gate.release("table"))
         first = next(batches, None)  # started now: a generator that never started would never run its `finally`
         return flight.GeneratorStream(table.schema, batches if first is None else itertools.chain([first], batches))
 
@@ -577,11 +578,10 @@ def _row_bytes(schema: Any, columns: list[str]) -> int:
     return max(1, total)
 
 
-def _copied_batches(table: pa.Table, done: Callable[[], None]) -> Iterator[pa.RecordBatch]:
-    """The table's batches, each copied just before it is sent (its buffers may be views of a changing ring)."""
+def _batches(table: pa.Table, done: Callable[[], None]) -> Iterator[pa.RecordBatch]:
+    """The table's batches (one per store chunk; `to_table` is a consistent copy), then `done()`."""
     try:
-        for batch in table.to_batches():
-            yield pa.ipc.read_record_batch(batch.serialize(), table.schema)
+        yield from table.to_batches()
     finally:
         done()
 

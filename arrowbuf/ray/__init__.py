@@ -41,11 +41,12 @@ Ray is imported when used; a missing ray raises `MissingDependency` naming `arro
 from __future__ import annotations
 
 from ..errors import ShardsLost
-from .broadcast import broadcast
+from .broadcast import Broadcast, broadcast
 from .handle import ShardedStore
 from .ids import GEN_BITS, MAX_SHARDS, SEQ_BITS, SHARD_BITS, decode_ids, encode_ids, shard_of
 from .shard import ShardActor, ShardDirectory, ShardStore, shm_safe
 from .writer import ShardWriter
 
-__all__ = ["GEN_BITS", "MAX_SHARDS", "SEQ_BITS", "SHARD_BITS", "ShardActor", "ShardDirectory", "ShardStore",
-           "ShardWriter", "ShardedStore", "ShardsLost", "broadcast", "decode_ids", "encode_ids", "shard_of", "shm_safe"]
+__all__ = ["Broadcast", "GEN_BITS", "MAX_SHARDS", "SEQ_BITS", "SHARD_BITS", "ShardActor", "ShardDirectory",
+           "ShardStore", "ShardWriter", "ShardedStore", "ShardsLost", "broadcast", "decode_ids", "encode_ids",
+           "shard_of", "shm_safe"]

@@ -3,7 +3,8 @@
 `BackgroundCommitter` runs each queued write on one thread, in order; `put` returns once the write is queued and
 blocks (back-pressure) while `max_pending` writes wait, so a slow store slows the caller down instead of growing a
 queue without bound. `flush` waits until every queued write is committed; an error in a write is raised by the next
-`put`/`flush` in the caller's thread, with its original type.
+`put`/`flush` in the caller's thread, with its original type. Writes already queued behind a failed one are dropped
+(not committed) until that error has been raised; later writes are committed again.
 
 `QueuedSource` is what the RLlib buffers hand to `ab.Loader`: samples and priority updates go to the store, `extend`
 goes to the committer, so `Loader.extend` times exactly the blocking part of an add (its `insert_s`).

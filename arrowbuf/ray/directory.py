@@ -1,0 +1,155 @@
+"""The block directory of a broadcast: which node holds how many blocks, and who uploads to whom (an async Ray actor).
+
+The schedule is built as receivers arrive (Hoplite's receiver-driven rule): a relay that needs blocks asks `choose`,
+which hands it the live holder with the most blocks beyond the asker's own that still has a spare upload slot, and
+waits (no polling: an `asyncio.Condition` woken by progress, releases and losses) when none has. `upload_slots=1`
+makes a chain, whose pipelined time is about S/B + (N-1)·b/B; 2 makes a binary tree; the producer's node has
+`root_slots`. A receiver whose upstream died asks again with `reattach=True`, which may also use one spare slot of the
+producer's node, and resumes from the blocks it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+class BlockDirectory:
+    """Directory actor of one broadcast (see the module docstring). Created by `Broadcast.create`."""
+
+    def __init__(self, uid: str, relay_options: dict) -> None:
+        self.uid = uid
+        self.relay_options = relay_options
+        self.relays: dict[str, Any] = {}
+        self.meta: dict | None = None
+        self.root: str | None = None
+        self.count: dict[str, int] = {}
+        self.uploads: dict[str, int] = {}
+        self.upstream: dict[str, str] = {}
+        self.dead: set[str] = set()
+        self.cond = asyncio.Condition()
+        self.creating = asyncio.Lock()
+
+    async def _notify(self) -> None:
+        async with self.cond:
+            self.cond.notify_all()
+
+    async def relay(self, key: str, node_id: str | None = None) -> Any:
+        """The relay of node `key`, created (on Ray node `node_id` when given) if it has none or its relay died.
+
+        A relay created while a version is in flight starts receiving it at once: late joiners join the running
+        broadcast.
+        """
+        async with self.creating:
+            return await self._relay(key, node_id)
+
+    async def _relay(self, key: str, node_id: str | None) -> Any:
+        if key in self.relays and key not in self.dead:
+            return self.relays[key]
+        import ray
+
+        from .relay import Relay
+
+        opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000, "max_restarts": 0}
+        if node_id is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        r: Any = ray.remote(Relay).options(**opts).remote(self.uid, key, **self.relay_options)
+        await r.ping.remote()
+        self.relays[key] = r
+        self.dead.discard(key)
+        self.count.pop(key, None)
+        if self.meta is not None and key != self.root:
+            await r.start.remote(self.meta)
+        return r
+
+    async def publish(self, meta: dict, root: str) -> None:
+        """Make `meta` the current version, held in full by `root`'s relay, and tell every other relay to fetch it."""
+        self.meta, self.root = meta, root
+        self.count = {root: meta["nblocks"]}
+        self.uploads, self.upstream = {}, {}
+        await self._notify()
+        for key, r in list(self.relays.items()):
+            if key != root and key not in self.dead:
+                r.start.remote(meta)
+
+    def _slots(self, key: str) -> int:
+        assert self.meta is not None
+        return int(self.meta["root_slots"] if key == self.root else self.meta["upload_slots"])
+
+    def _pick(self, me: str, have: int, reattach: bool) -> str | None:
+        assert self.meta is not None
+        n, best, best_rank = self.meta["nblocks"], None, None
+        for k, c in self.count.items():
+            if k == me or k in self.dead or c <= have or (not self.meta["pipelined"] and c < n):
+                continue
+            spare = self._slots(k) + (1 if reattach and k == self.root else 0) - self.uploads.get(k, 0)
+            if spare <= 0:
+                continue
+            rank = (c, spare)
+            if best_rank is None or rank > best_rank:
+                best, best_rank = k, rank
+        return best
+
+    async def choose(self, version: int, me: str, have: int, reattach: bool = False) -> tuple[str, Any] | None:
+        """Pick (and reserve an upload slot of) the holder `me` should pull from; None once `version` is superseded."""
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.meta is None or self.meta["version"] != version
+                                     or self._pick(me, have, reattach) is not None)
+            if self.meta is None or self.meta["version"] != version:
+                return None
+            k = self._pick(me, have, reattach)
+            assert k is not None
+            self.uploads[k] = self.uploads.get(k, 0) + 1
+            self.upstream[me] = k
+            return k, self.relays[k]
+
+    async def progress(self, version: int, key: str, count: int) -> None:
+        if self.meta is not None and self.meta["version"] == version and key not in self.dead:
+            self.count[key] = max(count, self.count.get(key, 0))
+            await self._notify()
+
+    async def release(self, version: int, me: str, src: str) -> None:
+        """`me` has everything it needed from `src`: free the upload slot."""
+        if self.meta is not None and self.meta["version"] == version and self.upstream.get(me) == src:
+            del self.upstream[me]
+            self.uploads[src] = max(0, self.uploads.get(src, 0) - 1)
+            await self._notify()
+
+    async def lost(self, version: int, me: str, src: str) -> None:
+        """`me` could not pull from `src` (it died or moved on): forget `src` as a holder and free `me`'s slot."""
+        await self.release(version, me, src)
+        if src != self.root:
+            self.dead.add(src)
+            self.count.pop(src, None)
+            up = self.upstream.pop(src, None)
+            if up is not None:
+                self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
+        await self._notify()
+
+    async def mark_dead(self, key: str) -> None:
+        """Forget `key`'s relay (it was killed); receivers pulling from it re-attach when their next pull fails."""
+        self.dead.add(key)
+        self.count.pop(key, None)
+        up = self.upstream.pop(key, None)
+        if up is not None:
+            self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
+        await self._notify()
+
+    async def wait_count(self, key: str, count: int) -> int:
+        """Wait until `key` holds at least `count` blocks of the current version (for tests and benchmarks)."""
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.count.get(key, 0) >= count or key in self.dead)
+        return self.count.get(key, 0)
+
+    async def state(self) -> dict:
+        return {"version": None if self.meta is None else self.meta["version"], "root": self.root,
+                "count": dict(self.count), "uploads": dict(self.uploads), "upstream": dict(self.upstream),
+                "dead": sorted(self.dead), "relays": sorted(self.relays)}
+
+    async def relay_keys(self) -> list[str]:
+        return [k for k in self.relays if k not in self.dead]
+
+    async def all_relays(self) -> list[Any]:
+        return list(self.relays.values())

@@ -1,0 +1,393 @@
+"""StoreReader: the read path of a store: sampling, priority updates and consistent snapshots of the rows.
+
+Sampling selects under the state lock and gathers outside it; a seqlock-style check of each row's seq after the
+gather detects a row recycled meanwhile (a writer sets a position's seq to -1 before it overwrites it, and a seq never
+comes back), and such items are drawn again, so no batch holds a torn row. On a tiered store a second seqlock over the
+slot table re-gathers rows whose chunk moved during the gather.
+
+Snapshots (`to_table`, and through it `sql`, `episodes` and the Flight server's `table`/`sql`) use the same seqlock,
+per chunk and without holding any lock while copying: under the state lock the reader notes the live range `[lo, hi)`
+(the snapshot point; a batch is committed all at once, so this never splits one), then copies each chunk of it, oldest
+first, and right after each copy checks the rows' seqs. A row whose seq changed was evicted and overwritten while it
+was copied; since the ring evicts in seq order, every older row was evicted too, so the snapshot drops that row and
+everything before it. The result is the rows `[first, hi)` as committed: each row exactly as its writer committed it,
+no gap, no half-replaced row, and nothing newer than the snapshot point. `first > lo` only when writers replaced rows
+faster than they were copied.
+
+`snapshot(columns)` is the one mechanism: it returns a `RowSnapshot` (the seq range and a `pa.Table`), which
+`to_table` unwraps; a checkpoint that wants the same rows as a table can call it too (`ExperienceStore.snapshot`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+import pyarrow as pa
+
+from .batch import SampleBatch
+from .columns import TieredColumnArenas
+from .core import StoreCore
+from .errors import ArrowbufError, InvalidArgument, SampleTimeout, SchemaError
+from .index import PENDING
+from .nstep import n_step_returns
+from .samplers import Sampler, validate_priorities
+from .schema import FieldSpec
+
+
+@dataclass
+class RowSnapshot:
+    """A consistent copy of a store's rows (see the module docstring).
+
+    Attributes:
+        lo: the first seq copied; hi: one past the last (the live range's end at the snapshot point).
+        live_lo: the live range's start at the snapshot point (`lo > live_lo` when rows went while copied).
+        table: the rows [lo, hi) in seq order, copied (no view into the store's memory).
+    """
+
+    lo: int
+    hi: int
+    live_lo: int
+    table: pa.Table
+
+
+class StoreReader:
+    """sample, update_priorities and snapshots over a store's `StoreCore` (see the module docstring).
+
+    Attributes:
+        count_access: record column accesses for a placement policy (a tiered store with one).
+    """
+
+    def __init__(self, core: StoreCore) -> None:
+        self.core = core
+        self.count_access = False
+
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
+               n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
+        """Sample `n` items.
+
+        Args:
+            n: batch size; uniform sampling is with replacement, so any n works once a row is sampleable (with
+                `max_times_sampled`, a batch holds n distinct items: see the constructor).
+            columns: columns to gather (default: every field and derived field).
+            timeout: seconds to wait for the rate limiter or an empty store; None does not wait.
+            n_step: add `n_step_return`, `n_step_discount` and, per derived field, `n_step_<name>` (the bootstrap
+                observation) over `n_step` steps of the episode (see `arrowbuf.nstep`).
+            gamma: the discount for `n_step`.
+
+        Raises:
+            SampleTimeout: nothing could be served within `timeout`.
+        """
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"n must be a positive number of items, got {n!r}")
+        self.core.check_open()
+        names = self.core.schema.resolve_columns(list(columns) if columns is not None else None)
+        if n_step is not None:
+            self._check_n_step(n_step, gamma)
+        with self.core.cond:
+            seqs, weights = self._select(int(n), timeout)
+        if seqs.ndim == 2 and n_step is not None:
+            raise InvalidArgument("n_step returns are for transitions; a Sequence sampler returns whole windows")
+        if self.count_access:
+            self.core.cols.count_access((tuple(names), n_step is not None), seqs.size, self._columns_read, names,
+                                        n_step)
+        arrays = self._gather_stable(seqs, names, n_step, gamma)
+        bad = self._torn(seqs, arrays)
+        retries = 0
+        while bad.any():  # a writer recycled some rows while they were gathered: draw those again
+            retries += 1
+            if retries > 100:
+                raise ArrowbufError("sample could not read a consistent batch after 100 retries")
+            # distinct items (max_times_sampled): draw the whole batch again, so no redraw repeats a kept item (the
+            # discarded draw stays counted: an item may get fewer deliveries than the limit, never more). A queue
+            # (FIFO) never repeats an item: redraw only the torn ones.
+            whole = self.core.max_times_sampled and not self.core.sampler.queue
+            fix = np.arange(len(seqs)) if whole else np.flatnonzero(bad)
+            self.core.index.count("torn_retries", len(fix))
+            with self.core.cond:
+                again, again_w = self._select(len(fix), timeout)
+            seqs[fix] = again
+            if weights is not None and again_w is not None:
+                weights[fix] = again_w
+            sub = self._gather_stable(again, names, n_step, gamma)
+            for k in arrays:
+                arrays[k] = _assign_rows(arrays[k], fix, sub[k])
+            bad[:] = False
+            bad[fix] = self._torn(again, sub)
+        arrays.pop("_n_step_last", None)
+        if type(self.core.sampler).on_sampled is not Sampler.on_sampled:
+            with self.core.cond:
+                self.core.sampler.on_sampled(seqs)
+        indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
+        return SampleBatch(arrays, indices, weights)
+
+    def _check_n_step(self, n_step: int, gamma: float) -> None:
+        if not isinstance(n_step, (int, np.integer)) or n_step < 1:
+            raise InvalidArgument(f"n_step must be a positive integer, got {n_step!r}")
+        if "reward" not in self.core.cols or self.core.schema.fields["reward"].shape:
+            raise SchemaError("n_step returns need a scalar 'reward' field in the schema")
+        if not 0.0 <= gamma <= 1.0:
+            raise InvalidArgument(f"gamma must be in [0, 1], got {gamma}")
+
+    def _count_samples(self, seqs: np.ndarray) -> None:
+        """Under the lock, as items are selected (so concurrent samples never exceed the limit): count deliveries;
+        items sampled `max_times_sampled` times stop being sampleable. A window counts once, at its start row."""
+        idx = self.core.index
+        seqs = seqs[:, 0] if seqs.ndim == 2 else seqs
+        live = seqs[idx.live(seqs)]
+        pos = live % self.core.arena_rows
+        np.add.at(self.core.times_sampled, pos, 1)
+        done = np.unique(pos[self.core.times_sampled[pos] >= self.core.max_times_sampled])
+        done = done[idx.valid[done]]
+        if len(done):
+            idx.valid[done] = False
+            self.core.sampler.on_invalid(done)
+            idx.count("removed", len(done))
+
+    def has_next(self, pos: np.ndarray) -> np.ndarray:
+        """Mask of positions whose row is stored with its next observation known, sampleable or not: a row that
+        `max_times_sampled` removed still serves as a successor and inside windows while it is stored."""
+        idx = self.core.index
+        ok = idx.valid[pos]
+        used = ~ok & (self.core.times_sampled[pos] >= self.core.max_times_sampled)
+        if used.any():
+            p = pos[used]
+            seq = idx.seq[p]
+            good = (seq >= idx.lo) & (seq < idx.hi)
+            if self.core.final_sources:  # the next observation is known: a successor, or a final slot still its own
+                nxt = idx.next_pos[p]
+                good &= nxt != PENDING
+                fin = good & (nxt >= self.core.arena_rows)
+                good[fin] = self.core.final_owner[nxt[fin] - self.core.arena_rows] == seq[fin]
+            ok[used] = good
+        return ok
+
+    def _select(self, n: int, timeout: float | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Choose items under the lock, waiting on the rate limiter and for rows."""
+        chosen: list[Any] = [None]
+
+        def ready() -> bool:
+            self.core.check_open()
+            if self.core.rate_limiter is not None and not self.core.rate_limiter.can_sample(n, self.core.counters()):
+                return False
+            chosen[0] = self.core.sampler.select(n, distinct=bool(self.core.max_times_sampled))
+            return chosen[0] is not None
+
+        if not self.core.wait_for(ready, timeout):
+            if self.core.rate_limiter is not None and not self.core.rate_limiter.can_sample(n, self.core.counters()):
+                why = self.core.rate_limiter.blocked_reason(self.core.counters())
+            elif len(self.core.index) == 0:
+                why = "the store is empty"
+            else:
+                why = (f"{type(self.core.sampler).__name__} cannot serve {n} items from {len(self.core.index)} "
+                       "stored rows")
+                if self.core.max_times_sampled:
+                    why += (f" (max_times_sampled={self.core.max_times_sampled}: a batch needs {n} distinct eligible "
+                            f"items; {self.core.index.counter('removed')} were used up)")
+            wait = "did not wait (timeout=None)" if timeout is None else f"waited {timeout}s"
+            raise SampleTimeout(f"sample({n}) from {self.core.name!r}: {why}; {wait}. Add data or pass timeout= to "
+                                "wait")
+        self.core.index.count("samples", n)
+        if self.core.max_times_sampled:
+            self._count_samples(chosen[0][0])
+        self.core.cond.notify_all()
+        return chosen[0]
+
+    def _columns_read(self, names: list[str], n_step: int | None) -> list[str]:
+        """The stored columns a sample of `names` reads (what placement counts as accesses)."""
+        out = []
+        for n in names:
+            d = self.core.schema.derived.get(n)
+            out.append(d.next_of if d is not None else n)
+        if n_step is not None:
+            out += ["reward", *self.core.end_fields, *(d.next_of for d in self.core.derived)]
+        return list(dict.fromkeys(out))
+
+    def _gather_stable(self, seqs: np.ndarray, names: list[str], n_step: int | None, gamma: float,
+                       depth: int = 0) -> dict[str, Any]:
+        """`_gather`, and on a tiered store again for the items whose chunks moved meanwhile (their old copy may
+        have been released or reused while they were read): a seqlock over the slot table."""
+        cols = self.core.cols
+        if cols.direct:
+            return self._gather(seqs, names, n_step, gamma)
+        assert isinstance(cols, TieredColumnArenas)
+        for _ in range(100):
+            flips, e0 = cols.flips, cols.epoch.copy()
+            reads: list = []
+            arrays = self._gather(seqs, names, n_step, gamma, reads)
+            if cols.flips == flips:  # nothing moved at all (the common case)
+                return arrays
+            moved = cols.moved(e0, reads, len(seqs))
+            if moved is None or not moved.any():
+                return arrays
+            cols.counters["regathers"] += int(moved.sum())
+            if moved.all() or depth > 8:
+                continue
+            fix = np.flatnonzero(moved)
+            sub = self._gather_stable(seqs[fix], names, n_step, gamma, depth + 1)
+            for k in arrays:
+                arrays[k] = _assign_rows(arrays[k], fix, sub[k])
+            return arrays
+        raise ArrowbufError("sample could not read a stable batch: chunks kept moving for 100 attempts")
+
+    def _gather(self, seqs: np.ndarray, names: list[str], n_step: int | None = None,
+                gamma: float = 0.99, reads: list | None = None) -> dict[str, Any]:
+        """One `take` per column per tier (the sample path: vectorised, no per-row Python).
+
+        `seqs` is [B] for transitions or [B, T] for sequence windows; arrays come back [B, ...] or [B, T, ...].
+        On a tiered store, `reads` collects (column, positions) of what was read, for the moved-chunk check.
+        """
+        idx = self.core.index
+        cols = self.core.cols
+        tracked = reads is not None
+        shape = seqs.shape
+        pos = (seqs % self.core.arena_rows).reshape(-1)
+        out: dict[str, Any] = {}
+        nxt = None
+        for name in names:
+            if name in cols.arrays:
+                col = cols.take(name, pos, reads) if tracked else cols.take(name, pos)  # type: ignore[call-arg]
+            elif name in self.core.schema.derived:
+                if nxt is None:
+                    nxt = idx.next_pos[pos]
+                src = self.core.schema.derived[name].next_of
+                col = cols.take_next(src, nxt, reads) if tracked else cols.take_next(src, nxt)  # type: ignore
+            elif name in cols.ragged:
+                if len(shape) > 1:
+                    raise SchemaError(f"ragged field {name!r} cannot be sampled as sequences")
+                out[name] = cols.take_ragged(name, pos)
+                continue
+            elif name == "episode_id":
+                col = idx.episode_id[pos]
+            elif name == "step":
+                col = idx.step[pos]
+            else:  # seq
+                col = seqs.reshape(-1).copy()
+            out[name] = col.reshape(shape + tuple(col.shape[1:])) if len(shape) > 1 else col
+        if n_step is not None:
+            column = (lambda f: cols.column(f, reads)) if tracked else cols.column  # type: ignore[call-arg]
+            trunc = self.core.schema.truncation  # end fields that bootstrap; the others terminate
+            terminal = [column(f) for f in self.core.end_fields if f not in trunc]
+            truncation = [column(f) for f in self.core.end_fields if f in trunc]
+            ret, disc, last = n_step_returns(idx, column("reward"), terminal, truncation, pos, n_step, gamma,
+                                             self.has_next if self.core.max_times_sampled else None)
+            out["n_step_return"], out["n_step_discount"] = ret, disc
+            last_next = idx.next_pos[last]
+            for d in self.core.derived:
+                out[f"n_step_{d.name}"] = (cols.take_next(d.next_of, last_next, reads) if tracked  # type: ignore
+                                           else cols.take_next(d.next_of, last_next))
+            out["_n_step_last"] = last
+        return out
+
+    def _torn(self, seqs: np.ndarray, arrays: dict[str, Any]) -> np.ndarray:
+        """After a gather: per item, whether a writer recycled any row (or final-observation slot) it read."""
+        idx = self.core.index
+        pos = seqs % self.core.arena_rows
+        ok = idx.seq[pos] == seqs
+        if self.core.final_sources:
+            nxt = idx.next_pos[pos]
+            fin = nxt >= self.core.arena_rows
+            if fin.any():
+                ok[fin] &= self.core.final_owner[nxt[fin] - self.core.arena_rows] == seqs[fin]
+            last = arrays.get("_n_step_last")
+            if last is not None:
+                lnext = idx.next_pos[last]
+                fin = lnext >= self.core.arena_rows
+                if fin.any():
+                    ok[fin] &= self.core.final_owner[lnext[fin] - self.core.arena_rows] == idx.seq[last[fin]]
+        return ~ok.reshape(len(seqs), -1).all(axis=1)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
+
+        Returns the number of ids applied.
+
+        Raises:
+            InvalidArgument: counts differ, or a priority is NaN, infinite, negative or too large
+                (`samplers.validate_priorities`); nothing is applied.
+        """
+        seqs, pri = validate_priorities(indices, priorities)
+        c = self.core
+        with c.lock:
+            live = c.index.live(seqs)
+            if live.any():
+                c.sampler.update_priorities(seqs[live] % c.arena_rows, pri[live])
+            c.index.count("priority_updates_ignored", int((~live).sum()))
+        return int(live.sum())
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
+        """A consistent copy of the live rows' stored columns (see the module docstring); holds no lock while it
+        copies.
+
+        Raises:
+            SchemaError: an unknown column name.
+        """
+        c = self.core
+        c.check_open()
+        schema = c.schema.to_arrow()
+        names = list(columns) if columns is not None else schema.names
+        for n in names:
+            if n not in schema.names:
+                raise SchemaError(f"unknown stored column {n!r}; expected one of {schema.names}")
+        out_schema = pa.schema([schema.field(n) for n in names], metadata=schema.metadata)
+        with c.lock:  # the snapshot point
+            lo, hi = c.index.lo, c.index.hi
+            ragged = c.cols.ragged_snapshot()
+        idx = c.index
+        cols = c.cols
+        chunk_rows = c.directory.chunk_rows
+        parts: list[pa.RecordBatch] = []
+        first = lo
+        for slot, p0, p1, s0 in c.directory.live_chunks(lo, hi):
+            arrays = []
+            for n in names:
+                if n in cols:
+                    arrays.append(_column_copy(cols.view(n, p0, p1), c.schema.fields[n]))
+                elif n in ragged:
+                    arrays.append(ragged[n][slot].slice(p0 - slot * chunk_rows, p1 - p0))
+                elif n == "seq":
+                    arrays.append(pa.array(np.arange(s0, s0 + p1 - p0, dtype=np.int64)))
+                else:
+                    arrays.append(pa.array(np.array(getattr(idx, n)[p0:p1])))
+            intact = idx.seq[p0:p1] == np.arange(s0, s0 + p1 - p0, dtype=np.int64)  # after the copy: the seqlock
+            batch = pa.RecordBatch.from_arrays(arrays, schema=out_schema)
+            if not intact.all():  # overwritten meanwhile: this row and every older one are gone
+                cut = int(np.flatnonzero(~intact)[-1]) + 1
+                parts.clear()
+                batch = batch.slice(cut)
+                first = s0 + cut
+            if batch.num_rows:
+                parts.append(batch)
+        table = pa.Table.from_batches(parts, schema=out_schema) if parts else out_schema.empty_table()
+        return RowSnapshot(lo=first, hi=hi, live_lo=lo, table=table)
+
+
+def _column_copy(values: Any, spec: FieldSpec) -> pa.Array:
+    """An Arrow array of a copy of `values` (arena rows): the arena may be overwritten after the snapshot."""
+    values = np.array(values, copy=True)
+    if spec.shape:
+        return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
+    return pa.array(values)
+
+
+def _assign_rows(arr: Any, rows: np.ndarray, values: Any) -> Any:
+    """`arr` with `arr[rows] = values`: in place for numpy arrays and torch tensors, a new array for Arrow."""
+    if isinstance(arr, np.ndarray):
+        arr[rows] = values
+        return arr
+    if not isinstance(arr, (pa.Array, pa.ChunkedArray)):  # a torch tensor (GPU tier)
+        import torch
+
+        arr[torch.from_numpy(np.asarray(rows)).to(arr.device)] = values.to(arr.device) if hasattr(values, "to") \
+            else torch.from_numpy(np.asarray(values)).to(arr.device)
+        return arr
+    return _replace_rows(arr, rows, values)
+
+
+def _replace_rows(arr: pa.Array, rows: np.ndarray, values: pa.Array) -> pa.Array:
+    pylist = arr.to_pylist()
+    for i, v in zip(rows.tolist(), values.to_pylist()):
+        pylist[i] = v
+    return pa.array(pylist, type=arr.type)

@@ -1,0 +1,433 @@
+"""StoreWriter: the write path of a store (append, extend, flush) and its one commit routine.
+
+A batch is written in two phases, and commits once:
+
+1. Write (holding the store's write lock, not its state lock). The rows go to free arena positions: the ring keeps one
+   spare chunk, so a batch that fits in it touches no live row. A longer batch first evicts, under the state lock,
+   the oldest rows whose positions it reuses (the rows it replaces anyway): while it is written the store holds fewer
+   than `capacity` rows. Each written position first gets seq -1 (a reader still copying the evicted row there sees
+   its seq check fail), then its columns, its index entries, and the final observations of the episodes it ends.
+2. Commit (`_commit`, under the state lock): the rows' seqs, the live range (the new rows become visible all at
+   once, and the ring evicts down to `capacity`), final-observation owners, successors of earlier rows, which rows
+   became sampleable, the insert counter, and a notify for waiting samplers.
+
+So a batch is atomic: a reader (`len`, `sample`, `to_table`, `sql`) sees all of its rows or none, and a writer killed
+in phase 1 leaves none of them (only the rows it evicted to make room are gone). A batch longer than the capacity
+keeps its newest `capacity` rows: its older rows are counted as inserted and evicted in the same commit, never
+visible. The per-step `append` fast path and `flush` run the same two phases for their one row.
+
+A rate-limited writer waits for the limiter before it takes the write lock (other writers go on meanwhile) and
+re-checks the limiter under it.
+
+Usage (what `ExperienceStore` does)::
+
+    writer = StoreWriter(core)
+    ids = writer.extend(batch)          # np.ndarray[int64] of the new rows' ids (their seqs)
+    seq = writer.append(step)           # int
+    writer.flush("actor-3", next_obs=obs)
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Hashable
+
+import numpy as np
+
+from .core import StoreCore
+from .errors import FinalObsWarning, InsertTimeout, SchemaError
+from .index import ENDED, HEADER, PENDING
+from .samplers import Sampler
+
+_MISSING = object()
+_LO, _HI, _INSERTS = HEADER["lo"], HEADER["hi"], HEADER["inserts"]
+_FLOATISH = frozenset({float, int, np.float16, np.float32, np.float64})
+
+
+class StoreWriter:
+    """append, extend and flush over a store's `StoreCore` (see the module docstring for the protocol)."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self.core = core
+        self._fast = self._fast_plan()
+        # skip no-op sampler calls on the append path
+        self._notify = type(core.sampler).on_valid is not Sampler.on_valid
+        self._notify_invalid = type(core.sampler).on_invalid is not Sampler.on_invalid
+        self._warned_final = False
+
+    # ------------------------------------------------------------------ public surface
+    def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
+        """Add one step (a dict of scalars and arrays). Returns its id (its seq).
+
+        Steps that already have the schema's dtypes and shapes take a scalar fast path; anything else goes through
+        the full validation of `extend` (same errors, same result).
+        """
+        c = self.core
+        if c.rate_limiter is None and type(step) is dict and self._fast is not None:
+            seq = self._append_fast(step)
+            if seq >= 0:
+                return seq
+        cols, n = c.schema.validate_batch(step, single=True)
+        return int(self._ingest(cols, n, timeout)[0])
+
+    def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
+        """Add many steps; returns the new rows' ids (`np.ndarray[int64]`, their seqs). See `ExperienceStore.extend`."""
+        cols, n = self.core.schema.validate_batch(batch)
+        return self._ingest(cols, n, timeout)
+
+    def flush(self, actor: Hashable = None, final: dict[str, Any] | None = None) -> bool:
+        """End stream `actor`'s open episode at its last stored step (see `ExperienceStore.flush`).
+
+        Returns True when a waiting row became sampleable.
+        """
+        c = self.core
+        c.check_open()
+        final = dict(final or {})
+        unknown = sorted(set(final) - {d.name for d in c.derived})
+        if unknown:
+            raise SchemaError(f"flush() takes the derived fields {[d.name for d in c.derived]}; got {unknown}")
+        with c.write_lock:
+            c.check_open()
+            st = c.episodes.streams.get(actor)
+            prev = -1 if st is None else st.pending_seq
+            idx = c.index
+            waiting = c.final_sources and prev >= idx.lo and int(idx.seq[prev % c.arena_rows]) == prev
+            if not waiting:
+                c.episodes.close(actor)
+                return False
+            values = {}
+            for d in c.derived:
+                spec = c.schema.fields[d.next_of]
+                if d.name not in final:
+                    raise SchemaError(f"flush({actor!r}): the stream's last step waits for its {d.name!r}; pass it "
+                                      f"(flush(actor, {d.name}=<its next {d.next_of}>)) so the step becomes sampleable")
+                v = np.asarray(final[d.name])
+                if v.shape != spec.shape:
+                    raise SchemaError(f"flush({actor!r}): {d.name!r} must have shape {spec.shape}, got {v.shape}")
+                values[d.next_of] = v.astype(spec.dtype, copy=False)
+            slots = self._claim_final_slots(1)
+            for src, v in values.items():
+                c.cols.write_final(src, slots, v[None])
+            self._commit(idx.hi, 0, slots[:0], slots[:0], None, [(prev, c.arena_rows + int(slots[0]))],
+                         slots, np.array([prev], dtype=np.int64))
+            c.episodes.close(actor)
+        return True
+
+    # ------------------------------------------------------------------ the append fast path
+    def _fast_plan(self) -> list[tuple[str, Any, tuple[int, ...] | None, bool]] | None:
+        """Per-field checks for the append fast path, or None when the schema needs the general path."""
+        plan = []
+        for f in self.core.schema.fields.values():
+            if f.ragged:
+                return None
+            plan.append((f.name, f.dtype, f.shape if f.shape else None, not f.allow_nan))
+        return plan
+
+    def _append_fast(self, step: dict[str, Any]) -> int:
+        """One already well-typed step; returns -1 (nothing done) when the general path must handle it."""
+        c = self.core
+        values = []
+        for name, dtype, shape, no_nan in self._fast:  # type: ignore[union-attr]
+            v = step.get(name, _MISSING)
+            if shape is None:
+                kind = dtype.kind
+                if kind == "b":
+                    if v.__class__ is not bool and v.__class__ is not np.bool_:
+                        return -1
+                elif kind == "f":
+                    if v.__class__ not in _FLOATISH or (no_nan and v != v):
+                        return -1
+                elif v.__class__ is not int and v.__class__ is not dtype.type or dtype.itemsize < 8:
+                    return -1
+            elif v.__class__ is not np.ndarray or v.dtype != dtype or v.shape != shape or (
+                    no_nan and np.isnan(v).any()):
+                return -1
+            values.append(v)
+        extra = len(step) - len(values)
+        actor = None
+        if extra:
+            actor = step.get("actor", _MISSING)
+            allowed = 1 if actor is not _MISSING else 0
+            for d in c.derived:
+                allowed += d.name in step
+            if extra != allowed or "episode_id" in step:
+                return -1
+            if actor is _MISSING:
+                actor = None
+            elif actor.__class__ is not int and actor.__class__ is not str:
+                return -1
+        end = False
+        for e in c.end_fields:
+            end = end or bool(step[e])
+        finals = []
+        if end and c.derived:
+            for d in c.derived:
+                v = step.get(d.name, _MISSING)
+                spec = c.schema.fields[d.next_of]
+                if v.__class__ is not np.ndarray or v.dtype != spec.dtype or v.shape != spec.shape:
+                    return -1
+                finals.append((d.next_of, v))
+        if c.closed:
+            c.check_open()
+        idx = c.index
+        arena_rows = c.arena_rows
+        cols = c.cols
+        with c.write_lock:
+            if c.closed:
+                c.check_open()
+            seq = int(idx.header[_HI])
+            pos = seq % arena_rows  # one row always fits in the spare chunk: a free position
+            ep, st, prev = c.episodes.advance_one(actor, end, seq)
+            # phase 1: write the row
+            idx.seq[pos] = -1
+            if c.max_times_sampled:
+                c.times_sampled[pos] = 0
+            if cols.direct:
+                arrays = cols.arrays
+                for (name, _, _, _), v in zip(self._fast, values):  # type: ignore[arg-type]
+                    arrays[name][pos] = v
+            else:
+                for (name, _, _, _), v in zip(self._fast, values):  # type: ignore[arg-type]
+                    cols.write_row(name, pos, v)
+            idx.episode_id[pos] = ep
+            idx.step[pos] = st
+            slots = None
+            if finals:
+                slots = self._claim_final_slots(1)
+                for src, v in finals:
+                    cols.write_final(src, slots, v[None])
+                idx.next_pos[pos] = arena_rows + slots[0]
+            else:
+                idx.next_pos[pos] = ENDED if end and not c.final_sources else PENDING
+            # phase 2: commit
+            self._commit(seq, 1, pos, seq, pos if not c.final_sources or slots is not None else None,
+                         ((prev, pos),) if prev >= 0 else (), slots, seq if slots is not None else None)
+        return seq
+
+    # ------------------------------------------------------------------ batches
+    def _ingest(self, cols: dict[str, Any], n: int, timeout: float | None) -> np.ndarray:
+        c = self.core
+        c.check_open()
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        ends = np.zeros(n, dtype=bool)
+        for name in c.end_fields:
+            ends |= cols[name]
+        if c.derived and ends.any():
+            for d in c.derived:
+                if d.name not in cols:
+                    raise SchemaError(
+                        f"field {d.name!r} (derived from {d.next_of!r}) is needed on the steps that end an episode: "
+                        f"pass {d.name!r} with the batch (it is read only on those steps)"
+                    )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._wait_insert(n, timeout, deadline)  # outside the write lock: other writers go on meanwhile
+            with c.write_lock:
+                c.check_open()
+                if self._may_insert(n):
+                    base = self._write_batch(cols, n, ends)
+                    return np.arange(base, base + n, dtype=np.int64)
+            # another writer used the room the limiter gave: wait again (outside the lock)
+
+    def _write_batch(self, cols: dict[str, Any], n: int, ends: np.ndarray) -> int:
+        """Phase 1 and 2 of one batch, under the write lock; returns the seq of its first row."""
+        c = self.core
+        idx = c.index
+        arena_rows = c.arena_rows
+        plan = c.episodes.plan(n, ends, actor=cols.get("actor"), episode_id=cols.get("episode_id"))
+        c.episodes.next_episode_id = plan.next_episode_id  # claim the ids now: a writer killed mid-batch
+        base = idx.hi                                      # must not leave them to the next writer
+        skip = max(0, n - c.capacity)  # a batch longer than the ring keeps its newest rows
+        m = n - skip
+        need = base + n - arena_rows   # rows older than this sit where the batch goes
+        if need > idx.lo:
+            with c.cond:
+                self._evict_below(min(need, idx.hi))
+        first_pos = (base + skip) % arena_rows
+        segs = _segments(first_pos, m, arena_rows)
+        for s0, s1, _off in segs:  # invalidate first: a reader still copying these rows sees its seq fail
+            idx.seq[s0:s1] = -1
+            if c.max_times_sampled:
+                c.times_sampled[s0:s1] = 0
+        arenas = c.cols
+        for name in arenas.arrays:
+            src = cols[name]
+            for s0, s1, off in segs:
+                arenas.write(name, s0, src[skip + off:skip + off + (s1 - s0)])
+        for name in arenas.ragged:
+            arenas.write_ragged(name, cols[name].slice(skip, m), first_pos)
+        succ = plan.succ[skip:]
+        nxt = np.where(succ >= 0, (base + succ) % arena_rows, np.where(succ == -2, ENDED, PENDING))
+        for s0, s1, off in segs:
+            k = s1 - s0
+            idx.episode_id[s0:s1] = plan.episode_id[skip + off:skip + off + k]
+            idx.step[s0:s1] = plan.step[skip + off:skip + off + k]
+            idx.next_pos[s0:s1] = nxt[off:off + k]
+        seqs = base + np.arange(skip, n, dtype=np.int64)
+        pos = seqs % arena_rows
+        slots = owners = None
+        if not c.final_sources:
+            ready = pos
+        else:
+            preds = plan.pred[skip:]
+            preds = preds[preds >= skip]  # predecessors written by this batch
+            ending = np.flatnonzero(ends[skip:]) + skip
+            if len(ending) > c.final_capacity:  # more episode ends than final-observation slots: the oldest lose
+                lost = ending[:-c.final_capacity]
+                self._dropped(len(lost))
+                ending = ending[-c.final_capacity:]
+            if len(ending):
+                slots = self._claim_final_slots(len(ending))
+                for d in c.derived:
+                    arenas.write_final(d.next_of, slots, cols[d.name][ending])
+                idx.next_pos[(base + ending) % arena_rows] = arena_rows + slots
+                owners = base + ending
+            ready = np.concatenate([(base + preds) % arena_rows, (base + ending) % arena_rows])
+        links = [(prev, (base + j) % arena_rows) for prev, j in plan.patches if j >= skip]
+        self._commit(base, n, pos, seqs, ready, links, slots, owners)
+        c.episodes.apply(plan, base)
+        return base
+
+    # ------------------------------------------------------------------ the commit routine
+    def _commit(self, base: int, n: int, pos: Any, seqs: Any, ready: Any, links: Any,
+                final_slots: np.ndarray | None, final_seqs: Any) -> None:
+        """Phase 2 for every write (append, extend, flush), under the state lock: make the written rows live.
+
+        Args:
+            base, n: the write covers seqs [base, base + n); the live range becomes [.., base + n).
+            pos, seqs: positions and seqs of the rows written (an int each for one row).
+            ready: positions (an array, or an int for one row) that became sampleable by this write alone, or None.
+            links: (seq, next position) of earlier rows whose successor (a row or a final slot) this write supplies.
+            final_slots, final_seqs: final-observation slots written and the seqs of the rows owning them.
+        """
+        c = self.core
+        idx = c.index
+        h = idx.header
+        with c.cond:
+            idx.seq[pos] = seqs  # their generation: ids name these rows from now on
+            lo = int(h[_LO])
+            if base + n - c.capacity > lo:  # the ring is full: the oldest rows go
+                lo = base + n - c.capacity
+                self._evict_below(lo)
+            h[_HI] = base + n  # the commit point: the rows are visible
+            if final_slots is not None:
+                c.final_owner[final_slots] = final_seqs
+            for prev, nxt in links:
+                if prev >= lo:  # still live, so still at its position (a live row's position is never rewritten)
+                    ppos = prev % c.arena_rows
+                    idx.next_pos[ppos] = nxt
+                    if c.final_sources:  # its next observation is known now
+                        ready = ppos if ready is None else np.append(ready, ppos)
+            if ready is not None:
+                idx.valid[ready] = True
+                if self._notify:
+                    c.sampler.on_valid(np.atleast_1d(np.asarray(ready, dtype=np.int64)))
+            h[_INSERTS] += n
+            c.cond.notify_all()
+
+    def _evict_below(self, new_lo: int) -> None:
+        """Under the state lock: rows older than `new_lo` stop being live."""
+        c = self.core
+        idx = c.index
+        h = idx.header
+        lo = int(h[_LO])
+        if new_lo <= lo:
+            return
+        stop = min(new_lo, int(h[_HI]))
+        if stop - lo == 1:  # the append path's common case
+            p = lo % c.arena_rows
+            if idx.valid[p]:
+                idx.valid[p] = False
+                if self._notify_invalid:
+                    c.sampler.on_invalid(np.array([p]))
+        elif stop > lo:
+            gone = np.arange(lo, stop, dtype=np.int64) % c.arena_rows
+            was = gone[idx.valid[gone]]
+            if len(was):
+                idx.valid[was] = False
+                c.sampler.on_invalid(was)
+        h[_LO] = new_lo
+
+    # ------------------------------------------------------------------ final observations
+    def _claim_final_slots(self, k: int) -> np.ndarray:
+        """`k` final-observation slots for the rows being written: the oldest are reused (`_release_final_slots`)."""
+        idx = self.core.index
+        slots = (idx.counter("final_count") + np.arange(k, dtype=np.int64)) % self.core.final_capacity
+        idx.count("final_count", k)
+        self._release_final_slots(slots)
+        return slots
+
+    def _release_final_slots(self, slots: np.ndarray) -> None:
+        """Free final-observation slots for reuse: rows still relying on them stop being sampleable."""
+        c = self.core
+        idx = c.index
+        owners = c.final_owner[slots]
+        with c.lock:
+            live = owners[(owners >= idx.lo) & (owners >= 0)]
+            if len(live):
+                pos = live % c.arena_rows
+                still = pos[idx.valid[pos] & (idx.seq[pos] == live)]
+                if len(still):
+                    idx.valid[still] = False
+                    c.sampler.on_invalid(still)
+                    self._dropped(len(still))
+            c.final_owner[slots] = -1  # seqlock: a reader still gathering a slot sees its owner change
+
+    def _dropped(self, count: int) -> None:
+        """Count terminal transitions that lost their final observation, and say so once (they matter most)."""
+        c = self.core
+        idx = c.index
+        idx.count("final_obs_dropped", count)
+        if self._warned_final:
+            return
+        self._warned_final = True
+        episodes = max(1, idx.counter("final_count"))
+        mean_len = max(1.0, idx.counter("inserts") / episodes)
+        want = int(np.ceil(c.capacity / mean_len * 1.25))
+        warnings.warn(
+            f"store {c.name!r}: {count} terminal transition(s) stopped being sampleable because their final "
+            f"observation's slot was reused (final_obs_capacity={c.final_capacity}; episodes here average "
+            f"{mean_len:.1f} steps, so the ring holds about {int(c.capacity / mean_len)} episode ends). Pass "
+            f"final_obs_capacity={want} (or more) to keep every terminal transition; stats()['final_obs_dropped'] "
+            "counts the losses", FinalObsWarning, stacklevel=4)
+
+    # ------------------------------------------------------------------ rate limiting
+    def _may_insert(self, n: int) -> bool:
+        """Under the write lock: whether the rate limiter lets `n` rows in now."""
+        c = self.core
+        if c.rate_limiter is None:
+            return True
+        with c.cond:
+            return bool(c.rate_limiter.can_insert(n, c.counters()))
+
+    def _wait_insert(self, n: int, timeout: float | None, deadline: float | None) -> None:
+        """Wait (holding only the state condition) until the rate limiter lets `n` rows in; raise InsertTimeout."""
+        c = self.core
+        limiter = c.rate_limiter
+        if limiter is None:
+            return
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        with c.cond:
+            ok = c.wait_for(lambda: limiter.can_insert(n, c.counters()), left)
+            if ok and (left is None or left > 0 or limiter.can_insert(n, c.counters())):
+                return
+            if ok:
+                return
+            cnt = c.counters()
+            raise InsertTimeout(
+                f"insert of {n} rows held back by {limiter!r} "
+                f"(inserts={cnt.inserts}, samples={cnt.samples}, size={cnt.size}); "
+                + ("did not wait (timeout=None)" if timeout is None else f"waited {timeout}s")
+                + ": sample more, or pass a longer timeout="
+            )
+
+
+def _segments(first_pos: int, count: int, arena_rows: int) -> list[tuple[int, int, int]]:
+    """Contiguous (arena_start, arena_stop, offset) pieces of `count` rows starting at `first_pos`."""
+    end = first_pos + count
+    if end <= arena_rows:
+        return [(first_pos, end, 0)]
+    head = arena_rows - first_pos
+    return [(first_pos, arena_rows, 0), (0, count - head, head)]

@@ -1,0 +1,83 @@
+"""Ragged delivery: to_torch(pack=True) equals a padded reference; cu_seqlens from Arrow offsets; to_numpy rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+from arrowbuf.batch import SampleBatch
+
+torch = pytest.importorskip("torch")
+
+
+def _batch(rows: list[list[int] | None]) -> SampleBatch:
+    ids = pa.array(rows, type=pa.list_(pa.int32()))
+    lps = pa.array([None if r is None else [float(x) / 7 for x in r] for r in rows], type=pa.list_(pa.float32()))
+    return SampleBatch({"input_ids": ids, "logprobs": lps, "reward": np.arange(len(rows), dtype=np.float32)},
+                       np.arange(len(rows), dtype=np.int64))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 50_000), max_size=12), min_size=1, max_size=10), st.integers(0, 3))
+def test_pack_equals_padded_reference(rows: list[list[int]], cut: int) -> None:
+    batch = _batch(rows)
+    if cut and len(rows) > cut:  # a sliced Arrow array (non-zero first offset) must pack the same way
+        batch = batch.take(np.arange(cut, len(rows)))
+        rows = rows[cut:]
+    packed = batch.to_torch(pack=True)
+    padded = batch.to_torch(pack=False)
+    cu = packed["cu_seqlens"]
+    assert cu.dtype == torch.int32 and cu.tolist() == np.concatenate(([0], np.cumsum([len(r) for r in rows]))).tolist()
+    assert "logprobs_cu_seqlens" not in packed  # same lengths: one cu_seqlens
+    mask = padded["attention_mask"]
+    assert mask.dtype == torch.bool
+    # the reference: every padded row's valid prefix, concatenated, is the packed tensor
+    for col in ("input_ids", "logprobs"):
+        ref = torch.cat([padded[col][i][mask[i]] for i in range(len(rows))])
+        assert torch.equal(packed[col], ref)
+        assert torch.equal(padded[col][~mask], torch.zeros_like(padded[col][~mask]))
+    pos = torch.cat([torch.arange(len(r)) for r in rows])
+    assert torch.equal(packed["position_ids"], pos)
+    assert packed["max_seqlen"] == max(len(r) for r in rows)
+    assert packed["reward"].tolist() == padded["reward"].tolist()
+
+
+def test_nulls_count_as_empty_and_to_numpy_rows() -> None:
+    batch = _batch([[1, 2, 3], None, [4]])
+    packed = batch.to_torch(pack=True)
+    assert packed["cu_seqlens"].tolist() == [0, 3, 3, 4]
+    assert packed["input_ids"].tolist() == [1, 2, 3, 4]
+    rows = batch.to_numpy()["input_ids"]
+    assert rows[0].tolist() == [1, 2, 3] and rows[1] is None and rows[2].tolist() == [4]
+    listed = batch.to_torch()["input_ids"]
+    assert listed[0].tolist() == [1, 2, 3] and listed[1] is None
+
+
+def test_columns_of_other_lengths_get_their_own_offsets() -> None:
+    a = pa.array([[1, 2], [3]], type=pa.list_(pa.int32()))
+    b = pa.array([[1], [2, 3, 4]], type=pa.list_(pa.int32()))
+    batch = SampleBatch({"response": a, "prompt": b}, np.arange(2, dtype=np.int64))
+    packed = batch.to_torch(pack=True, tokens="response")
+    assert packed["cu_seqlens"].tolist() == [0, 2, 3]
+    assert packed["prompt_cu_seqlens"].tolist() == [0, 1, 4]
+    padded = batch.to_torch(pack=False, tokens="response", pad_value=-1)
+    assert padded["prompt"].tolist() == [[1, -1, -1], [2, 3, 4]]
+    assert padded["prompt_attention_mask"].sum().item() == 4
+    with pytest.raises(ab.InvalidArgument):
+        batch.to_torch(pack=True, tokens="nope")
+
+
+def test_tokens_schema_store_round_trip() -> None:
+    store = ab.ExperienceStore(ab.load_schema("tokens"), capacity=64, sampler="fifo")
+    rows = [list(range(i + 1)) for i in range(5)]
+    store.extend({"prompt_tokens": [[7]] * 5, "response_tokens": rows, "logprobs": [[0.5] * len(r) for r in rows],
+                  "reward": np.ones(5, np.float32), "done": np.ones(5, bool), "policy_version": np.zeros(5, np.int64)})
+    batch = store.sample(5, columns=["response_tokens", "logprobs"])
+    packed = batch.to_torch(pack=True)
+    lens = np.diff(packed["cu_seqlens"].numpy())
+    assert lens.tolist() == [len(rows[i]) for i in batch.indices.tolist()]
+    store.close()
