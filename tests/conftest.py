@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import time
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -98,3 +101,65 @@ def _no_leaked_threads():
 
 
 os.environ.setdefault("ARROWBUF_TEST", "1")
+
+
+# ------------------------------------------------------------------------------------------ local Ray clusters
+def _ray_pids() -> set[int]:
+    """Pids below this process (from /proc), and Ray workers orphaned by a dead raylet; not another cluster's."""
+    parents: dict[int, int] = {}
+    ray_procs = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        parents[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+        if b"ray::" in cmd or b"default_worker.py" in cmd or b"raylet" in cmd or b"gcs_server" in cmd:
+            ray_procs.add(int(d))
+    out, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - out
+        out |= frontier
+    # a Ray worker whose raylet died is re-parented (to init or a subreaper): count those orphans too, but not the
+    # workers of another Ray cluster on the machine, whose parents are alive and not ours
+    return out | {p for p in ray_procs if parents.get(p) == 1 or parents.get(p) not in parents}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def local_ray_cluster(nodes: int) -> Iterator[Any]:
+    """A local multi-node Ray cluster (`ray.cluster_utils.Cluster`, 1 CPU per node) with this process connected;
+    on exit it shuts down and asserts that none of its processes outlives it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    before = _ray_pids()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20,
+                                                      "include_dashboard": False})
+    try:
+        for _ in range(nodes - 1):
+            c.add_node(num_cpus=1, object_store_memory=80 << 20)
+        c.wait_for_nodes()
+        ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+        yield c
+    finally:
+        started = _ray_pids() - before
+        ray.shutdown()
+        c.shutdown()
+        end = time.monotonic() + 60  # a bounded wait for shutdown on a loaded machine, not a timing assert
+        while time.monotonic() < end and any(_alive(p) for p in started):
+            time.sleep(0.1)  # teardown only: waiting for the OS to reap Ray's processes
+        left = [p for p in started if _alive(p)]
+        assert not left, f"processes left behind by the Ray cluster: {left}"

@@ -17,7 +17,7 @@ from arrowbuf.ray import ShardedStore, ShardsLost, broadcast, decode_ids, encode
 from arrowbuf.ray._common import _ray
 from arrowbuf.ray.handle import _allocate, _allocate_fanout
 
-from conftest import SMALL
+from conftest import SMALL, local_ray_cluster
 
 ray = pytest.importorskip("ray")
 # the actors and tasks below are defined here: ship them by value (workers cannot import this test module)
@@ -58,63 +58,10 @@ def test_allocation_is_exact_in_expectation():
 
 
 # ---------------------------------------------------------------------------------------------------- cluster
-def _descendants(root: int) -> set[int]:
-    """Pids below `root` (from /proc), and of those, every Ray worker whatever its parent."""
-    parents: dict[int, int] = {}
-    ray_procs = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        parents[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
-        if b"ray::" in cmd or b"default_worker.py" in cmd or b"raylet" in cmd or b"gcs_server" in cmd:
-            ray_procs.add(int(d))
-    out, frontier = set(), {root}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - out
-        out |= frontier
-    # a Ray worker whose raylet died is re-parented (to init or a subreaper): count those orphans too, but not the
-    # workers of another Ray cluster on the machine, whose parents are alive and not ours
-    orphans = {p for p in ray_procs if parents.get(p) == 1 or parents.get(p) not in parents}
-    return out | orphans
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    before = _descendants(os.getpid())
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20,
-                                                      "include_dashboard": False})
-    try:
-        for _ in range(NODES - 1):
-            c.add_node(num_cpus=1, object_store_memory=80 << 20)
-        c.wait_for_nodes()
-        ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+    with local_ray_cluster(NODES) as c:
         yield c
-    finally:
-        started = _descendants(os.getpid()) - before
-        ray.shutdown()
-        c.shutdown()
-        end = time.monotonic() + 60  # a bounded wait for shutdown on a loaded machine, not a timing assert
-        while time.monotonic() < end and any(_alive(p) for p in started):
-            time.sleep(0.1)
-        left = [p for p in started if _alive(p)]
-        assert not left, f"processes left behind by the Ray cluster: {left}"
 
 
 def _node_ids() -> list[str]:
