@@ -122,6 +122,13 @@ class StoreReader:
         indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
         return SampleBatch(arrays, indices, weights)
 
+    def gather(self, seqs: np.ndarray, columns: Iterable[str] | None = None) -> dict[str, Any]:
+        """The columns (default: every field and derived field, ragged included) of rows `seqs`, gathered as
+        `sample` gathers. For callers that keep the rows in place meanwhile (`arrowbuf.consume` pins them while it
+        gathers): no torn-row check. (Added for issue 16 by consume.)"""
+        names = self.core.schema.resolve_columns(list(columns) if columns is not None else None)
+        return self._gather_stable(np.asarray(seqs, dtype=np.int64), names, None, 0.99)
+
     def _check_n_step(self, n_step: int, gamma: float) -> None:
         if not isinstance(n_step, (int, np.integer)) or n_step < 1:
             raise InvalidArgument(f"n_step must be a positive integer, got {n_step!r}")
