@@ -62,8 +62,8 @@ class StoreCore:
     write_lock: Any
     cond: threading.Condition = field(init=False)
     closed: bool = False
-    #: Called as `on_update(positions, fields)` under `cond` after `store.update` wrote rows (fields helper calls it;
-    #: the consume tracker installs it). `cond` is notified after it in any case.
+    #: Called as `on_update(positions, fields)` after `store.update` wrote rows and notified `cond`, holding the
+    #: write lock but not `lock` (fields helper calls it; a tracker may install it).
     on_update: Any = None
     final_sources: list[str] = field(init=False)
     end_fields: list[str] = field(init=False)

@@ -21,8 +21,8 @@ Semantics:
   `update_priorities`) is skipped and counted in `stats()["update_skipped"]`; the call returns the rows written. An
   id this store never issued (negative, at or past the next id, another store's encoding such as a ShardedStore's
   global id) raises `InvalidArgument`, and nothing is written. So does an id given twice.
-- After writing, consumers waiting for fields (`store.consume(require=...)`) are woken: `StoreCore.on_update` is
-  called with the positions and fields written, then the store's condition is notified.
+- After writing, consumers waiting for fields (`store.consume(require=...)`) are woken: the store's condition is
+  notified, then `StoreCore.on_update(positions, fields)` is called when set (under the write lock only).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class StoreUpdater:
                 if skipped:
                     idx.count("update_skipped", skipped)
                 if len(keep):
-                    if c.on_update is not None:
-                        c.on_update(pos, list(cols))
-                    c.cond.notify_all()
+                    c.cond.notify_all()  # consumers waiting for fields (consume require=) check again
+            if len(keep) and c.on_update is not None:
+                c.on_update(pos, list(cols))
         return len(keep)
