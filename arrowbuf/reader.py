@@ -33,6 +33,7 @@ from .errors import ArrowbufError, InvalidArgument, SampleTimeout, SchemaError
 from .index import PENDING
 from .nstep import n_step_returns
 from .samplers import Sampler, validate_priorities
+from .tiers.reservations import HOLE
 from .schema import FieldSpec
 
 
@@ -351,13 +352,17 @@ class StoreReader:
                     arrays.append(pa.array(np.arange(s0, s0 + p1 - p0, dtype=np.int64)))
                 else:
                     arrays.append(pa.array(np.array(getattr(idx, n)[p0:p1])))
-            intact = idx.seq[p0:p1] == np.arange(s0, s0 + p1 - p0, dtype=np.int64)  # after the copy: the seqlock
+            now = idx.seq[p0:p1]
+            intact = now == np.arange(s0, s0 + p1 - p0, dtype=np.int64)  # after the copy: the seqlock
             batch = pa.RecordBatch.from_arrays(arrays, schema=out_schema)
-            if not intact.all():  # overwritten meanwhile: this row and every older one are gone
-                cut = int(np.flatnonzero(~intact)[-1]) + 1
-                parts.clear()
-                batch = batch.slice(cut)
-                first = s0 + cut
+            if not intact.all():
+                gone = ~intact & (now != HOLE)  # a hole (a dead writer's skipped reservation) is no row: left out
+                if gone.any():  # overwritten meanwhile: this row and every older one are gone
+                    cut = int(np.flatnonzero(gone)[-1]) + 1
+                    parts.clear()
+                    intact[:cut] = False
+                    first = s0 + cut
+                batch = batch.filter(pa.array(intact))
             if batch.num_rows:
                 parts.append(batch)
         table = pa.Table.from_batches(parts, schema=out_schema) if parts else out_schema.empty_table()

@@ -36,6 +36,7 @@ from .samplers import Sampler, make_sampler
 from .schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from .tiers.base import Tier, format_bytes
 from .tiers.host import HostTier
+from .tiers.reservations import Reservations
 from .writer import StoreWriter
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
@@ -145,7 +146,8 @@ class ExperienceStore:
             self._times_sampled.fill(0)
         self._core = StoreCore(self.schema, self.name, self.capacity, self._tier, self._cols, self.directory,
                                self.index, self.sampler, rate_limiter, self._rng, self._episodes, self._final_owner,
-                               self._times_sampled, self._max_times_sampled, self._lock, self._write_lock)
+                               self._times_sampled, self._max_times_sampled, self._lock, self._write_lock,
+                               Reservations(self._tier, self.index.header, HEADER["hi"]))
         self._cond = self._core.cond
         self._writer = StoreWriter(self._core)
         self._reader = StoreReader(self._core)
