@@ -64,6 +64,10 @@ class StoreWriter:
         self._notify = type(core.sampler).on_valid is not Sampler.on_valid
         self._notify_invalid = type(core.sampler).on_invalid is not Sampler.on_invalid
         self._warned_final = False
+        # consume (issue 16): the store's ConsumeTracker when tasks or admission control are on, else None. A write
+        # waits (`hold.wait`, outside the write lock) and re-checks (`hold.ready`, under it) that the rows it evicts
+        # were consumed by every task and its rows' policy versions are admitted. See arrowbuf/consume.py.
+        self.hold: Any = None
 
     # ------------------------------------------------------------------ public surface
     def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
@@ -73,7 +77,7 @@ class StoreWriter:
         the full validation of `extend` (same errors, same result).
         """
         c = self.core
-        if c.rate_limiter is None and type(step) is dict and self._fast is not None:
+        if c.rate_limiter is None and self.hold is None and type(step) is dict and self._fast is not None:
             seq = self._append_fast(step)
             if seq >= 0:
                 return seq
@@ -233,25 +237,29 @@ class StoreWriter:
                         f"pass {d.name!r} with the batch (it is read only on those steps)"
                     )
         deadline = None if timeout is None else time.monotonic() + timeout
-        # copy outside the write lock where rows are plain arena rows; a tiered store (slot table) and ragged
-        # fields (per-chunk arrays of this process) copy under it
-        serial = not c.cols.direct or bool(c.cols.ragged)
+        # copy outside the write lock where rows are plain arena rows; a tiered store (slot table), ragged fields
+        # (per-chunk arrays of this process) and a consume hold (it decides on the rows a write evicts) write the
+        # whole batch under it
+        serial = not c.cols.direct or bool(c.cols.ragged) or self.hold is not None
         while True:
             self._wait_insert(n, timeout, deadline)  # outside the write lock: other writers go on meanwhile
+            if self.hold is not None:  # consume (issue 16): eviction hold and admission by policy version
+                self.hold.wait(cols, n, timeout, deadline)
             with c.write_lock:
                 c.check_open()
-                if not self._may_insert(n):
+                if not (self._may_insert(n) and (self.hold is None or self.hold.ready(cols, n))):
                     continue  # another writer used the room the limiter gave: wait again (outside the lock)
                 r = self._reserve(cols, n, ends)
                 if serial:
                     self._copy_rows(r, cols, ends)
+                    self._commit_reserved(r)
+                    return np.arange(r.base, r.base + n, dtype=np.int64)
             break
-        if not serial:
-            try:
-                self._copy_rows(r, cols, ends)
-            except BaseException:
-                c.reservations.abort(r.slot)  # the next waiter skips these rows (a hole)
-                raise
+        try:
+            self._copy_rows(r, cols, ends)
+        except BaseException:
+            c.reservations.abort(r.slot)  # the next waiter skips these rows (a hole)
+            raise
         self._commit_reserved(r)
         return np.arange(r.base, r.base + n, dtype=np.int64)
 
