@@ -251,17 +251,18 @@ class StoreWriter:
                     continue  # another writer used the room the limiter gave: wait again (outside the lock)
                 r = self._reserve(cols, n, ends)
                 if serial:
-                    self._copy_rows(r, cols, ends)
-                    self._commit_reserved(r)
-                    return np.arange(r.base, r.base + n, dtype=np.int64)
+                    return self._copy_and_commit(r, cols, ends)
             break
+        return self._copy_and_commit(r, cols, ends)
+
+    def _copy_and_commit(self, r: "_Reservation", cols: dict[str, Any], ends: np.ndarray) -> np.ndarray:
         try:
             self._copy_rows(r, cols, ends)
         except BaseException:
-            c.reservations.abort(r.slot)  # the next waiter skips these rows (a hole)
+            self.core.reservations.abort(r.slot)  # the next waiter skips these rows (a hole)
             raise
         self._commit_reserved(r)
-        return np.arange(r.base, r.base + n, dtype=np.int64)
+        return np.arange(r.base, r.base + r.n, dtype=np.int64)
 
     def _reserve(self, cols: dict[str, Any], n: int, ends: np.ndarray) -> "_Reservation":
         """Step 1, under the write lock: take seqs [base, base + n) from the reservation head, free their ring
