@@ -24,7 +24,7 @@ ENDED = -2
 #: Slots of the index header: the live range, then counters every process of a shared store sees.
 HEADER = {name: i for i, name in enumerate([
     "lo", "hi", "inserts", "samples", "final_count", "next_episode_id", "final_obs_dropped", "torn_retries",
-    "priority_updates_ignored", "removed", "reserve_head", "holes", "commit_waiters", "reserved_3",
+    "priority_updates_ignored", "removed", "update_skipped", "reserve_head", "holes", "commit_waiters",
 ])}
 
 
