@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from . import ragged as _ragged
 from .chunks import ChunkDirectory
 from .schema import ExperienceSchema
 from .tiers.base import Tier
@@ -103,7 +104,8 @@ class ColumnArenas:
         return np.take(self.arrays[name], positions, axis=0)
 
     def take_ragged(self, name: str, positions: np.ndarray) -> pa.Array:
-        return pa.chunked_array(self.ragged[name]).take(pa.array(positions)).combine_chunks()
+        """Rows at ring `positions` of ragged column `name`: ranged copies, or a zero-copy slice of one chunk."""
+        return _ragged.take_chunked(self.ragged[name], self.chunk_rows, positions)
 
     def count_access(self, key: Any, rows: int, resolve: Any, *args: Any) -> None:
         """Placement input (tiered stores): rows read per column. Nothing to count with one tier."""

@@ -17,7 +17,7 @@ and episodes). Column bytes live in `arrowbuf.columns` (one arena per column, or
 
 from __future__ import annotations
 
-from typing import Any, Iterable, cast
+from typing import Any, Iterable, Iterator, cast
 
 import numpy as np
 import pyarrow as pa
@@ -325,6 +325,23 @@ class ExperienceStore:
         intact (see `arrowbuf.reader`).
         """
         return self._reader.snapshot(columns).table
+
+    def iter_table(self, columns: Iterable[str] | None = None, *, max_rows: int | None = None
+                   ) -> Iterator[pa.RecordBatch]:
+        """The live rows as a stream of consistent, copied record batches, about one chunk in memory at a time.
+
+        The rows are those committed at the call (nothing newer), oldest first, each exactly as committed (no torn
+        or half-replaced row, even while writers run). Rows that writers evict before the stream reaches them are
+        skipped (a gap in `seq`), never yielded torn. See `StoreReader.iter_snapshot`.
+
+        Args:
+            columns: stored columns (default: all of them).
+            max_rows: at most this many rows per batch (default: one chunk's rows).
+
+        Raises:
+            SchemaError: an unknown column (at the call). InvalidArgument: a bad `max_rows`.
+        """
+        return self._reader.iter_snapshot(columns, max_rows)
 
     def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
         """`to_table` with the seq range it covers: a `RowSnapshot` (lo, hi, live_lo, table). See `arrowbuf.reader`."""
