@@ -149,7 +149,6 @@ class StoreServer:
                 thread = self._shutdown_thread
             else:
                 self._closing.set()
-                atexit.unregister(self._close_at_exit)
                 self._service.stop_prefetching()
                 thread = threading.Thread(target=self._shutdown, name="arrowbuf-flight-shutdown", daemon=True)
                 self._shutdown_thread = thread
@@ -170,10 +169,15 @@ class StoreServer:
     def stopped(self) -> bool:
         """True once every call ended and the Flight server stopped.
 
-        After `close()` it is False only while a call still runs that no connection holds open: a sample waiting
-        for data up to its own timeout (at most `max_timeout`).
+        After `close()` it is False only while a handler still finishes what it was doing when its connection was
+        cut (a sample or a commit in progress), or while a sample waits in the store for data or its rate limiter,
+        up to that request's own timeout (at most `max_timeout`).
         """
         return self._stopped.is_set()
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Block until the Flight server stopped (see `stopped`); False if `timeout` seconds passed first."""
+        return self._stopped.wait(timeout)
 
     def _shutdown(self) -> None:
         try:
@@ -181,6 +185,7 @@ class StoreServer:
         except Exception:  # pragma: no cover - shutdown of a broken server
             log.exception("Flight server shutdown failed")
         self._stopped.set()
+        atexit.unregister(self._close_at_exit)
 
     def __enter__(self) -> "StoreServer":
         return self
@@ -606,13 +611,20 @@ def _batches(batches: Iterable[pa.RecordBatch], done: Callable[[], None],
         done()
 
 
+#: How long the interpreter's exit waits, after `close()`, for handlers to finish what they were doing when their
+#: connections were cut: the interpreter aborts (a fatal error) when it finalizes while a gRPC thread runs Python.
+EXIT_DRAIN_TIMEOUT = 30.0
+
+
 def _exit_hook(ref: "weakref.ReferenceType[StoreServer]") -> Callable[[], None]:
-    """An `atexit` hook that closes the server `ref` names, if it still exists."""
+    """An `atexit` hook that closes the server `ref` names, if it still exists, and waits for it to stop."""
 
     def close_at_exit() -> None:
         server = ref()
         if server is not None:
             server.close()
+            if not server.wait_stopped(EXIT_DRAIN_TIMEOUT):
+                log.warning("%s: calls still running at exit after %.0fs", server.location, EXIT_DRAIN_TIMEOUT)
 
     return close_at_exit
 
