@@ -37,6 +37,7 @@ from .samplers import Sampler, make_sampler
 from .schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from .tiers.base import Tier, format_bytes
 from .tiers.host import HostTier
+from .update import StoreUpdater
 from .writer import StoreWriter
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
@@ -99,6 +100,9 @@ class ExperienceStore:
             if ragged:
                 raise SchemaError(f"ragged fields are not yet supported in a tiered store: {ragged}; "
                                   "drop tiers= for this schema, or make the fields fixed-shape")
+            if self.schema.later_fields:
+                raise SchemaError(f"fields filled later are not yet supported in a tiered store: "
+                                  f"{self.schema.later_fields}; drop tiers= for this schema, or drop `later`")
             from .tiers import make_tiers
 
             self._tier, data_tiers = make_tiers(tiers)
@@ -163,6 +167,7 @@ class ExperienceStore:
         self._cond = self._core.cond
         self._writer = StoreWriter(self._core)
         self._reader = StoreReader(self._core)
+        self._updater = StoreUpdater(self._core)  # fields helper: store.update
         self.sampler.bind(self.index, self._rng,
                           has_next=self._reader.has_next if self._max_times_sampled else None)
         if isinstance(self._cols, TieredColumnArenas):
@@ -308,6 +313,34 @@ class ExperienceStore:
             SchemaError: a derived field is missing or has the wrong shape.
         """
         return self._writer.flush(actor, final)
+
+    # ------------------------------------------------------------------ fields filled later (owner: fields, issue 16)
+    def update(self, ids: Any, values: dict[str, Any]) -> int:
+        """Fill fields declared `later: true` of stored rows: `store.update(ids, {"reward": r})`.
+
+        Atomic per call and validated like `extend`; ids of evicted or replaced rows are skipped and counted in
+        `stats()["update_skipped"]`. See `arrowbuf.update`.
+
+        Args:
+            ids: ids that `extend`/`append` returned (a 1-D array, or one int with one value per field).
+            values: {field: one value per id}; ragged fields take one list (or a `pa.ListArray`) per id.
+
+        Returns:
+            The number of rows written.
+
+        Raises:
+            SchemaError: an unknown field, a field not filled later, a wrong dtype, shape or length; nothing written.
+            InvalidArgument: an id this store never issued, or an id given twice; nothing written.
+        """
+        return self._updater.update(ids, values)
+
+    def present(self, fields: list[str], ids: Any) -> np.ndarray:
+        """Per id, whether every one of `fields` has a value (False for ids whose row is no longer stored)."""
+        seqs = np.atleast_1d(np.asarray(ids, dtype=np.int64))
+        with self._lock:
+            live = self.index.live(seqs)
+            return live & self._core.present(fields, seqs % self.arena_rows)  # type: ignore[union-attr]
+    # ------------------------------------------------------------------ end of fields filled later
 
     # ------------------------------------------------------------------ reading (StoreReader)
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
@@ -458,6 +491,7 @@ class ExperienceStore:
                 "torn_retries": idx.counter("torn_retries"),
                 "priority_updates_ignored": idx.counter("priority_updates_ignored"),
                 "removed": idx.counter("removed"),
+                "update_skipped": idx.counter("update_skipped"),
                 **self.sampler.describe(),
                 **self._consume.stats(),  # consume (issue 16)
             }

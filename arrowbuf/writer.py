@@ -123,7 +123,7 @@ class StoreWriter:
         """Per-field checks for the append fast path, or None when the schema needs the general path."""
         plan = []
         for f in self.core.schema.fields.values():
-            if f.ragged:
+            if f.ragged or f.later:  # later fields (fields helper): the general path records their presence
                 return None
             plan.append((f.name, f.dtype, f.shape if f.shape else None, not f.allow_nan))
         return plan
