@@ -288,7 +288,7 @@ def child_ray(samples: int, repeats: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             refs = ray.get(writer.put.remote())
             put.append(time.perf_counter() - t0)
-            get.append(_timed(lambda: ray.get(reader.get.remote(refs))))
+            get.append(_timed(lambda refs=refs: ray.get(reader.get.remote(refs))))
             del refs
         peak = mem.stop()
     finally:
@@ -348,8 +348,8 @@ def child_tq(samples: int, repeats: int) -> dict[str, Any]:
         put, get = [], []
         for r in range(repeats + 1):
             keys = [f"k{r}_{i}" for i in range(samples)]
-            put.append(_timed(lambda: ray.get(writer.put.remote(keys, "train_0"))))
-            get.append(_timed(lambda: ray.get(reader.get.remote(keys, "train_0"))))
+            put.append(_timed(lambda keys=keys: ray.get(writer.put.remote(keys, "train_0"))))
+            get.append(_timed(lambda keys=keys: ray.get(reader.get.remote(keys, "train_0"))))
             ray.get(writer.clear.remote(keys, "train_0"))
         peak = mem.stop()
         ray.get([writer.close.remote(), reader.close.remote()])
@@ -382,7 +382,7 @@ def child_ragged(samples: int, repeats: int, pause: float) -> dict[str, Any]:
         get_fifo.append(time.perf_counter() - t0)
         got = sum(t[k].numel() * 4 for k in payload)
         time.sleep(pause)
-        memcpy_fifo.append(_timed(lambda: np.copyto(np.empty(got // 4, np.float32), src[:got // 4])))
+        memcpy_fifo.append(_timed(lambda got=got: np.copyto(np.empty(got // 4, np.float32), src[:got // 4])))
         time.sleep(pause)
         t0 = time.perf_counter()
         b = uni.sample(samples, columns=list(payload))
@@ -391,7 +391,7 @@ def child_ragged(samples: int, repeats: int, pause: float) -> dict[str, Any]:
         got_uni = sum(t[k].numel() * 4 for k in payload)
         time.sleep(pause)
         buf = np.ones(got_uni // 4, np.float32)
-        memcpy_uni.append(_timed(lambda: np.copyto(np.empty_like(buf), buf)))
+        memcpy_uni.append(_timed(lambda buf=buf: np.copyto(np.empty_like(buf), buf)))
         del t, b, buf
     fifo.close()
     uni.close()
@@ -570,7 +570,8 @@ def main(argv: list[str] | None = None) -> None:
     elapsed = time.perf_counter() - t0
     load = (load_before, os.getloadavg()[0])
     print(f"({elapsed:.0f}s; {samples} samples x {FIELDS} fields x {SEQ} float32 = "
-          f"{samples * FIELDS * SEQ * 4 / 1e6:.0f} MB; medians of {repeats} after a warm-up run; load average {load[0]:.1f} -> "
+          f"{samples * FIELDS * SEQ * 4 / 1e6:.0f} MB; medians of {repeats} after a warm-up run; "
+          f"load average {load[0]:.1f} -> "
           f"{load[1]:.1f} on {os.cpu_count()} CPUs)")
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),

@@ -27,6 +27,7 @@ import json
 import multiprocessing as mp
 import os
 import pathlib
+import queue as queue_mod
 import signal
 import sys
 import threading
@@ -83,8 +84,11 @@ def _rows(pa: Any, prompt_ids: np.ndarray, version: int, prompts: np.ndarray, re
             "logprobs": ragged(logps, np.float32), "done": np.ones(n, bool)}
 
 
-def worker_main(spec: WorkerSpec, stop: Any, credits: Any, errors: Any) -> None:
-    """A worker process: `rollout`, `reward` or `ref` (see the module docstring). Exits when `stop` is set."""
+def worker_main(spec: WorkerSpec, stop: Any, credits: Any, errors: Any, local_store: Any = None) -> None:
+    """A worker: `rollout`, `reward` or `ref` (see the module docstring). Exits when `stop` is set.
+
+    A process connects to `spec.location` over Flight; with `--transport local` it is a thread given the store.
+    """
     try:
         torch = require("torch", "demo")
         torch.set_num_threads(1)
@@ -92,14 +96,15 @@ def worker_main(spec: WorkerSpec, stop: Any, credits: Any, errors: Any) -> None:
 
         from ..flight import connect
 
-        store = connect(spec.location)
+        store = local_store if local_store is not None else connect(spec.location)
         try:
             if spec.role == "rollout":
                 _rollout(spec, store, stop, credits, torch, pa)
             else:
                 _fill(spec, store, stop, torch, pa)
         finally:
-            store.close()
+            if local_store is None:
+                store.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which stops the run
         if not stop.is_set():
             errors.put(f"{spec.role} worker {spec.worker_id}: {type(exc).__name__}: {exc}")
@@ -172,14 +177,20 @@ class GRPOResult:
 
 
 def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLike[str] = "demo_out",
-        cfg: GRPOConfig | None = None, progress: bool = True, log: Any = print) -> GRPOResult:
-    """Run the GRPO demo (see the module docstring) for `steps` trainer steps."""
+        cfg: GRPOConfig | None = None, progress: bool = True, log: Any = print,
+        transport: str = "flight") -> GRPOResult:
+    """Run the GRPO demo (see the module docstring) for `steps` trainer steps.
+
+    `transport="local"` runs the workers as threads on the store itself (no Flight): for debugging only.
+    """
     torch = require("torch", "demo")
     from ..flight import connect, serve
     from ..samplers import Group
     from ..store import ExperienceStore
     from .app import Progress
 
+    if transport not in ("flight", "local"):
+        raise InvalidArgument(f"transport must be 'flight' or 'local', got {transport!r}")
     if steps < 1 or workers < 1:
         raise InvalidArgument(f"--steps and --workers must be >= 1, got {steps} and {workers}")
     cfg = cfg or GRPOConfig()
@@ -195,9 +206,10 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
     t_start = time.time()
     procs: list[Any] = []
     history: list[dict[str, Any]] = []
-    stop = ctx.Event()
-    credits = ctx.Semaphore(0)
-    errors = ctx.Queue()
+    local = transport == "local"
+    stop: Any = threading.Event() if local else ctx.Event()
+    credits: Any = threading.Semaphore(0) if local else ctx.Semaphore(0)
+    errors: Any = queue_mod.Queue() if local else ctx.Queue()
     bar = Progress(steps, enabled=progress)
     try:
         with serve(store, "grpc://127.0.0.1:0") as server:
@@ -210,11 +222,13 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
                      for i in range(workers)]
             specs += [WorkerSpec(r, 0, server.location, str(policy_file.path), cfg, seed) for r in ("reward", "ref")]
             for s in specs:
-                p = ctx.Process(target=worker_main, args=(s, stop, credits, errors), daemon=True,
-                                name=f"grpo-{s.role}-{s.worker_id}")
+                name = f"grpo-{s.role}-{s.worker_id}"
+                p: Any = (threading.Thread(target=worker_main, args=(s, stop, credits, errors, store), daemon=True,
+                                           name=name) if local else
+                          ctx.Process(target=worker_main, args=(s, stop, credits, errors), daemon=True, name=name))
                 p.start()
                 procs.append(p)
-            remote = connect(server.location)
+            remote: Any = store if local else connect(server.location)
             try:
                 for _ in range(2 * cfg.prompts_per_step):  # two batches in flight
                     credits.release()
@@ -245,7 +259,8 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
                 stats = remote.stats()
             finally:
                 stop.set()
-                remote.close()
+                if not local:
+                    remote.close()
                 _stop_workers(procs)
             wall = time.time() - t_start
             summary = _summary_sql(store)
@@ -258,10 +273,11 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
     first, last = _ends(per_version)
     (out_dir / "grpo.json").write_text(json.dumps({
         "history": history, "per_version": per_version, "first": first, "last": last, "wall_s": wall,
-        "worker_pids": [p.pid for p in procs],
+        "worker_pids": [getattr(p, "pid", None) for p in procs],
         "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}}, default=float))
     plot = _plot(per_version, history, out_dir / "grpo_reward.png")
-    return GRPOResult(trainer.version, wall, history, summary, stats, plot, first, last, [p.pid for p in procs])
+    return GRPOResult(trainer.version, wall, history, summary, stats, plot, first, last,
+                      [getattr(p, "pid", 0) for p in procs])
 
 
 def _raise_worker_errors(errors: Any, procs: list[Any]) -> None:
@@ -276,7 +292,7 @@ def _stop_workers(procs: list[Any]) -> None:
     for p in procs:
         p.join(10)
     for p in procs:
-        if p.is_alive():
+        if isinstance(p, mp.process.BaseProcess) and p.is_alive():
             p.terminate()
             p.join(5)
 
@@ -343,12 +359,15 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default=os.environ.get("ARROWBUF_DEMO_OUT", "demo_out"),
                    help="folder for grpo_reward.png, grpo.json, policy.pt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--transport", choices=("flight", "local"), default="flight",
+                   help="flight (default): worker processes over Arrow Flight; local: threads on the store (debug)")
     return p
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     cfg = GRPOConfig(group=args.group, prompts_per_step=args.prompts, max_staleness=args.max_staleness)
-    res = run(args.steps, args.workers, args.seed, args.out, cfg, progress=not args.no_progress)
+    res = run(args.steps, args.workers, args.seed, args.out, cfg, progress=not args.no_progress,
+              transport=args.transport)
     print(f"\n{res.steps} trainer steps in {res.wall_s:.1f}s; stale rows dropped: {res.stats.get('stale_dropped', 0)}"
           f", zero-variance groups dropped: {res.stats.get('groups_dropped_zero_variance', 0)}")
     print("per policy version (DuckDB over the live buffer, store.sql):")
