@@ -122,6 +122,13 @@ class StoreReader:
         indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
         return SampleBatch(arrays, indices, weights)
 
+    def gather(self, seqs: np.ndarray, columns: Iterable[str] | None = None) -> dict[str, Any]:
+        """The columns (default: every field and derived field, ragged included) of rows `seqs`, gathered as
+        `sample` gathers. For callers that keep the rows in place meanwhile (`arrowbuf.consume` pins them while it
+        gathers): no torn-row check. (Added for issue 16 by consume.)"""
+        names = self.core.schema.resolve_columns(list(columns) if columns is not None else None)
+        return self._gather_stable(np.asarray(seqs, dtype=np.int64), names, None, 0.99)
+
     def _check_n_step(self, n_step: int, gamma: float) -> None:
         if not isinstance(n_step, (int, np.integer)) or n_step < 1:
             raise InvalidArgument(f"n_step must be a positive integer, got {n_step!r}")
@@ -246,6 +253,9 @@ class StoreReader:
         out: dict[str, Any] = {}
         nxt = None
         for name in names:
+            if name in cols.later:  # fields filled later (fields helper): null where a row has no value yet
+                out[name] = cols.take_later(name, pos, shape, *((reads,) if tracked else ()))
+                continue
             if name in cols.arrays:
                 col = cols.take(name, pos, reads) if tracked else cols.take(name, pos)  # type: ignore[call-arg]
             elif name in self.core.schema.derived:
@@ -411,7 +421,9 @@ class _SnapshotIter:
             for slot, p0, p1, s0 in c.directory.live_chunks(seq, min(self.hi, seq + self.step)):
                 arrays = []
                 for n in self.names:
-                    if n in cols:
+                    if n in cols.later and n in cols:  # fields filled later (fields helper): null where absent
+                        arrays.append(cols.snapshot_later(n, p0, p1))
+                    elif n in cols:
                         arrays.append(_column_copy(cols.view(n, p0, p1), c.schema.fields[n]))
                     elif n in self.ragged:
                         arrays.append(self.ragged[n][slot].slice(p0 - slot * chunk_rows, p1 - p0))

@@ -307,6 +307,8 @@ class _FlightService(flight.FlightServerBase):
         self.owner.check_open()
         req = P.decode_ticket(ticket.ticket)
         store = self.owner.store(req.store)
+        if isinstance(req, P.ConsumeRequest):
+            return self._consume(store, req)
         if isinstance(req, P.SampleRequest):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
             data, meta = _wire_batch(_sample(store, req.n, req.columns, req.timeout, req.options))
@@ -318,6 +320,14 @@ class _FlightService(flight.FlightServerBase):
         else:
             table = self._sql(store, req.query or "", context)
         return flight.RecordBatchStream(table)
+
+    def _consume(self, store: Any, req: P.ConsumeRequest) -> flight.FlightDataStream:
+        """The `consume` ticket (issue 16; owner: consume): bounded like a sample, then `store.consume`."""
+        self.owner.limits.check_sample(req.n, req.timeout, {}, "consume")
+        batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
+                              max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
+        data, meta = _wire_batch(batch)
+        return flight.GeneratorStream(data.schema, iter([(data, meta)]))
 
     def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
         """The `table` ticket: the store's consistent snapshot (`to_table`: each row as committed), sent chunk by chunk.
@@ -457,6 +467,8 @@ class _FlightService(flight.FlightServerBase):
             from ..persist.remote import checkpoint_under_root
 
             out = checkpoint_under_root(store, self.owner.checkpoint_root, req.path or "", req.keep)
+        elif req.type in P.CONSUME_ACTIONS:
+            out = _consume_action(store, req)
         else:  # update_priorities
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
         return [P.dumps(out)]
@@ -586,6 +598,16 @@ def _wire_batch(batch: Any) -> tuple[pa.RecordBatch, pa.Buffer]:
             arrays.append(pa.ExtensionArray.from_storage(typ, storage))
     data = pa.RecordBatch.from_arrays(arrays, names=list(batch.columns))
     return data, pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights))
+
+
+def _consume_action(store: Any, req: P.ActionRequest) -> dict[str, Any]:
+    """The actions set_policy_version, policy_version and add_task (issue 16; owner: consume)."""
+    if req.type == "set_policy_version":
+        store.policy_version = req.policy_version
+    elif req.type == "add_task":
+        store.add_task(req.task)
+        return {"tasks": list(store.tasks)}
+    return {"policy_version": int(store.policy_version)}
 
 
 def _sample(store: Any, n: int, columns: list[str] | None, timeout: float | None, options: dict[str, Any]) -> Any:
