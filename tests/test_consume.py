@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -9,6 +14,7 @@ import pytest
 
 import arrowbuf as ab
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 LLM = {
     "name": "llm",
     "fields": {
@@ -257,3 +263,135 @@ def test_closing_wakes_a_waiting_consumer():
     s.close()  # before or while it waits: either way StoreClosed, never a hang
     t.join(60)
     assert not t.is_alive() and len(err) == 1
+
+
+# ---------------------------------------------------------------------------------------------------- over Flight
+CONSUMER = r"""
+import json, sys
+import arrowbuf as ab
+location, task, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+got = []
+with ab.connect(location) as remote:
+    while True:
+        done = remote.policy_version == 1  # the writer sets it once every row is written
+        b = remote.consume(task, n, timeout=0.2)
+        got += b.indices.tolist()
+        if len(b) == 0 and done:
+            break
+print(json.dumps(got))
+"""
+
+
+@pytest.fixture
+def served():
+    s = store(capacity=4096, tasks=["ref", "train"])
+    server = ab.serve(s)
+    remote = ab.connect(server.location)
+    try:
+        yield s, remote
+    finally:
+        remote.close()
+        server.close()
+        s.close()
+
+
+@pytest.fixture
+def procs():
+    started = []
+
+    def spawn(args):
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        started.append(p)
+        return p
+
+    yield spawn
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=30)
+
+
+def test_each_task_consumes_each_row_once_across_processes_and_threads_over_flight(served, procs):
+    s, remote = served
+    location = remote.location
+    total = 400
+    workers = [procs([sys.executable, "-c", CONSUMER, location, "train", "9"]) for _ in range(2)]
+    got, errors = [], []
+
+    def thread_consumer():
+        try:
+            with ab.connect(location) as mine:
+                while True:
+                    done = mine.policy_version == 1
+                    b = mine.consume("ref", 11, timeout=0.2)
+                    got.append(b.indices)
+                    if len(b) == 0 and done:
+                        return
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=thread_consumer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    with ab.connect(location) as writer:
+        for k in range(0, total, 25):
+            writer.extend(rows(25, start=k))
+        writer.policy_version = 1
+    for t in threads:
+        t.join(120)
+    assert not errors
+    train = []
+    for p in workers:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+        train += json.loads(out)
+    ref = np.concatenate(got)
+    assert sorted(train) == list(range(total))  # every row once for "train", split between two processes
+    assert sorted(ref.tolist()) == list(range(total))  # and once for "ref", between two threads
+
+
+def test_the_same_calls_over_flight(served):
+    s, remote = served
+    remote.extend(rows(10, pv=2))
+    remote.policy_version = 3
+    assert remote.policy_version == 3 == s.policy_version
+    b = remote.consume("train", 100, max_staleness=1, where="reward < 8", max_tokens=12, timeout=0)
+    np.testing.assert_array_equal(b.indices, [0, 1, 2, 3])  # 1+2+3+4 tokens
+    assert [list(r) for r in b.to_numpy()["response_tokens"]] == rows(4)["response_tokens"]
+    remote.add_task("extra")
+    assert "extra" in remote.tasks and len(remote.consume("extra", 100)) == 10
+    assert remote.stats()["consumed"]["extra"] == 10
+    empty = remote.consume("extra", 5)
+    assert len(empty) == 0 and "response_tokens" in empty.columns
+
+
+@pytest.mark.parametrize("kwargs", [{"task": "nope"}, {"require": ["nope"]}, {"where": "len(response_tokens) > 1"},
+                                    {"max_staleness": -1}, {"where": "x" * 5000}, {"timeout": -1},
+                                    {"max_tokens": 0}, {"n": 10**9}])
+def test_bad_consume_requests_over_flight_are_invalid_argument_and_change_nothing(served, kwargs):
+    s, remote = served
+    remote.extend(rows(4))
+    args = {"task": "train", "n": 2, **kwargs}
+    with pytest.raises(ab.InvalidArgument):
+        remote.consume(args.pop("task"), args.pop("n"), **args)
+    assert s.stats()["consumed"]["train"] == 0
+    with pytest.raises(ab.InvalidArgument):
+        remote.policy_version = -1
+    assert len(remote.consume("train", 100)) == 4
+
+
+def test_a_raw_flight_consume_ticket_is_validated_before_any_work(served):
+    import pyarrow.flight as flight
+
+    s, remote = served
+    s.extend(rows(4))
+    client = flight.connect(remote.location)
+    for body in ({"kind": "consume", "task": "train"}, {"kind": "consume", "task": "train", "n": 2, "bogus": 1},
+                 {"kind": "consume", "task": "", "n": 2}, {"kind": "consume", "task": "train", "n": 2,
+                                                            "max_tokens": 2**50},
+                 {"kind": "consume", "task": "train", "n": 2, "require": "reward"}):
+        with pytest.raises(flight.FlightServerError):
+            client.do_get(flight.Ticket(json.dumps(body).encode())).read_all()
+    client.close()
+    assert s.stats()["consumed"]["train"] == 0
