@@ -397,7 +397,7 @@ def test_a_raw_flight_consume_ticket_is_validated_before_any_work(served):
     assert s.stats()["consumed"]["train"] == 0
 
 
-# ---------------------------------------------------------------------------------------------------- fields filled later
+# ---------------------------------------------------------------------------------------------- fields filled later
 GRPO = {**LLM, "fields": {**LLM["fields"], "reward": {"dtype": "float32", "later": True},
                           "ref_logprobs": {"dtype": "float32", "ragged": True, "later": True}}}
 
