@@ -372,6 +372,8 @@ class _FlightService(flight.FlightServerBase):
         limits = self.owner.limits
         limits.check_timeout(req.timeout, "DoPut")
         store = self.owner.store(req.store)
+        if req.kind == "update":  # issue 16 (fields helper): fill later fields of stored rows
+            return _put_update(store, reader, writer, limits, self.owner.check_open)
         # the stream's schema message comes first: names, types and shapes are checked before any batch is read
         store.schema.check_input_types(reader.schema, "DoPut")
         kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
@@ -481,6 +483,36 @@ class _FlightService(flight.FlightServerBase):
         else:  # update_priorities
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
         return [P.dumps(out)]
+
+
+# ---------------------------------------------------------------------------------------------------- update
+# (issue 16; owner: fields helper) DoPut kind "update": each batch is one atomic store.update.
+def _put_update(store: Any, reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter,
+                limits: Any, check_open: Callable[[], None]) -> None:
+    """Apply an update stream (see `arrowbuf.flight.protocol`): the stream's schema is checked before any batch is
+    read, each batch is bounded like a DoPut batch, then written with `store.update` and acknowledged."""
+    from ..update import check_update_types
+
+    check_update_types(store.schema, reader.schema, P.UPDATE_ID_COLUMN, "DoPut update")
+    k = 0
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            break
+        batch = chunk.data
+        if batch is None:
+            continue
+        check_open()
+        limits.check_rows(batch.num_rows, f"update batch {k}")
+        if batch.nbytes > limits.max_batch_bytes:
+            raise SchemaError(f"update batch {k} of {batch.nbytes} bytes is over this server's max_batch_bytes "
+                              f"{limits.max_batch_bytes}; split it into smaller batches")
+        ids = batch.column(P.UPDATE_ID_COLUMN)
+        values = {n: batch.column(n) for n in batch.schema.names if n != P.UPDATE_ID_COLUMN}
+        written = int(store.update(ids, values))
+        writer.write(pa.py_buffer(P.encode_update_ack(k, written, batch.num_rows - written)))
+        k += 1
 
 
 # ---------------------------------------------------------------------------------------------------- prefetch
