@@ -244,7 +244,7 @@ def _own(arr: pa.Array) -> pa.Array:
 def _private_values(arr: Any) -> np.ndarray | None:
     """A writable view of the values of list array `arr` (no nulls) when a gather here allocated them for it."""
     ref = _PRIVATE.get(id(arr))
-    if ref is None or ref() is not arr or arr.null_count:
+    if ref is None or ref() is not arr or arr is None or arr.null_count:
         return None
     child = arr.values
     if not (pa.types.is_integer(child.type) or pa.types.is_floating(child.type)):
