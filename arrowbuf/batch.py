@@ -206,7 +206,9 @@ class SampleBatch:
             raise InvalidArgument(f"take: row positions must be in [0, {len(self)}); got {rows.min()}..{rows.max()}")
         arrays: dict[str, Any] = {}
         for k, v in self._arrays.items():
-            if isinstance(v, (pa.Array, pa.ChunkedArray)):
+            if _ragged.is_ragged(v):
+                arrays[k] = _ragged.take(v, rows)  # ranged copies (or a zero-copy slice), not Arrow's list take
+            elif isinstance(v, (pa.Array, pa.ChunkedArray)):
                 arrays[k] = v.take(pa.array(rows))
             elif _is_tensor(v):
                 arrays[k] = v[require("torch", "torch").from_numpy(rows).to(v.device)]

@@ -75,8 +75,8 @@ def run_serve(args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         store.close()
-    if not server.stopped:  # --- hardening: a stalled client (a session that never reads) cannot hold the process;
-        # close() gave up on it after its timeout, and a normal exit would wait for its call forever
+    if not server.stopped:  # --- hardening: close() cut the connections of stalled clients; a call still running
+        # waits in the store (or /proc was missing), and a normal exit would wait for it
         print("arrowbuf: calls still open after the shutdown timeout; exiting without them", file=sys.stderr,
               flush=True)
         sys.stdout.flush()

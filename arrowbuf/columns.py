@@ -14,6 +14,15 @@ store does)::
 
 Ragged (list) fields are kept as one Arrow array per chunk slot.
 
+Fields filled later (`later: true` in the schema) also have a validity array per ring position (`presence`, see
+`arrowbuf.presence`): `write`/`write_ragged` record which rows were given a value, `update_rows` fills live rows in
+place (arrowbuf.update), and `take_later`/`snapshot_later` deliver them as Arrow columns whose nulls are the rows
+without a value::
+
+    cols.present(["reward"], positions)           # bool per position
+    cols.update_rows("reward", positions, values) # under the store's write lock
+    cols.take_later("reward", positions, shape)   # numpy when all present, else an Arrow array with nulls
+
 `TieredColumnArenas` (a store made with `tiers=`) has the same surface over several tiers: residency per (column,
 chunk slot), moves by `migrate` (what `arrowbuf.placement` calls), and a gather that takes from each tier a row
 lives in. Why host and disk arenas span the whole ring (rows keep their positions) instead of holding a few slots
@@ -32,7 +41,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from . import ragged as _ragged
 from .chunks import ChunkDirectory
+from .presence import Presence, nullable_array, to_nullable
+from .errors import SchemaError
 from .schema import ExperienceSchema
 from .tiers.base import Tier
 
@@ -68,13 +80,19 @@ class ColumnArenas:
             else:
                 extra = self.final_capacity if f.name in self.final_sources else 0
                 self.arrays[f.name] = tier.allocate(f.name, f.dtype, self.arena_rows + extra, f.shape)
+        self.presence = Presence(schema, tier, self.arena_rows)
+        self.later = self.presence.valid  # membership: the fields filled later
 
     # ------------------------------------------------------------------ writes (free rows; no lock needed)
     def write(self, name: str, first_pos: int, values: Any) -> None:
         """Rows [first_pos, first_pos + len(values)) of column `name`; the range must not wrap the ring."""
+        if self.later and name in self.later:
+            values = self.presence.mark(name, first_pos, values)
         self.arrays[name][first_pos:first_pos + len(values)] = values
 
     def write_row(self, name: str, pos: int, value: Any) -> None:
+        if self.later and name in self.later:
+            self.presence.mark_row(name, pos)
         self.arrays[name][pos] = value
 
     def write_final(self, name: str, slots: np.ndarray | int, values: Any) -> None:
@@ -82,6 +100,11 @@ class ColumnArenas:
         self.arrays[name][self.arena_rows + slots] = values
 
     def write_ragged(self, name: str, values: pa.Array, first_pos: int) -> None:
+        if self.later and name in self.later:  # a range that wraps the ring: mark it in two pieces
+            head = min(len(values), self.arena_rows - first_pos)
+            self.presence.mark(name, first_pos, values.slice(0, head))
+            if head < len(values):
+                self.presence.mark(name, 0, values.slice(head))
         pos, done = first_pos, 0
         slots = self.ragged[name]
         while done < len(values):
@@ -93,6 +116,59 @@ class ColumnArenas:
             done += take
             pos = (pos + take) % self.arena_rows
 
+    # ------------------------------------------------------------------ fields filled later
+    def update_rows(self, name: str, positions: np.ndarray, values: Any) -> None:
+        """Write values of later field `name` into live rows at `positions` (distinct) and mark them present.
+
+        Callers hold the store's write lock (`arrowbuf.update`); readers see all of an update's rows or none of a
+        row (the presence seqlock). `values`: [n, *shape] numpy, or a `pa.ListArray` for a ragged field.
+        """
+        with self.presence.updating():
+            if name in self.ragged:
+                self._update_ragged(name, positions, values)
+            else:
+                self._put_rows(name, positions, values)
+            self.later[name][positions] = True
+
+    def _put_rows(self, name: str, positions: np.ndarray, values: np.ndarray) -> None:
+        self.arrays[name][positions] = values
+
+    def _update_ragged(self, name: str, positions: np.ndarray, values: pa.Array) -> None:
+        """Replace rows of a ragged column: one new array per chunk slot touched (old rows and new, one take)."""
+        slots = self.ragged[name]
+        order = np.argsort(positions, kind="stable")
+        pos = positions[order]
+        cut = np.flatnonzero(np.diff(pos // self.chunk_rows)) + 1
+        for part in np.split(np.arange(len(pos)), cut):
+            slot = int(pos[part[0]] // self.chunk_rows)
+            old = slots[slot]
+            idx = np.arange(len(old), dtype=np.int64)
+            idx[pos[part] - slot * self.chunk_rows] = len(old) + np.arange(len(part))
+            new = values.take(pa.array(order[part]))
+            both = pa.chunked_array([old, new.cast(old.type) if new.type != old.type else new])
+            slots[slot] = both.take(pa.array(idx)).combine_chunks()
+
+    def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
+        """True where every one of `fields` has a value at ring `positions` (fields not filled later always do)."""
+        return self.presence.present(fields, positions, self.schema)
+
+    def take_later(self, name: str, positions: np.ndarray, shape: tuple[int, ...] = (), *extra: Any) -> Any:
+        """Rows of later field `name` at `positions` as `to_nullable` delivers them (null where absent); `shape` is
+        the batch shape ([B] or [B, T] windows); `extra` goes to `take` (a tiered store's read record)."""
+        spec = self.schema.fields[name]
+        if name in self.ragged:  # a ragged column carries its nulls itself
+            if len(shape) > 1:
+                raise SchemaError(f"ragged field {name!r} cannot be sampled as sequences")
+            return self.take_ragged(name, positions)
+        values, present = self.presence.read(name, positions, lambda p: self.take(name, p, *extra))
+        return to_nullable(spec, values, present, shape)
+
+    def snapshot_later(self, name: str, p0: int, p1: int) -> pa.Array:
+        """Rows [p0, p1) of one chunk of later field `name`: a copy, null where absent (`to_table`)."""
+        spec = self.schema.fields[name]
+        values, present = self.presence.read(name, np.arange(p0, p1), lambda p: np.array(self.view(name, p0, p1)))
+        return nullable_array(spec, values, present)
+
     # ------------------------------------------------------------------ reads
     def take(self, name: str, positions: np.ndarray) -> Any:
         """Rows at ring `positions` of column `name` (one gather)."""
@@ -103,7 +179,8 @@ class ColumnArenas:
         return np.take(self.arrays[name], positions, axis=0)
 
     def take_ragged(self, name: str, positions: np.ndarray) -> pa.Array:
-        return pa.chunked_array(self.ragged[name]).take(pa.array(positions)).combine_chunks()
+        """Rows at ring `positions` of ragged column `name`: ranged copies, or a zero-copy slice of one chunk."""
+        return _ragged.take_chunked(self.ragged[name], self.chunk_rows, positions)
 
     def count_access(self, key: Any, rows: int, resolve: Any, *args: Any) -> None:
         """Placement input (tiered stores): rows read per column. Nothing to count with one tier."""
@@ -211,6 +288,8 @@ class TieredColumnArenas(ColumnArenas):
         top = next(c for c in range(len(self.tiers)) if not self.slotted[c])
         self.arrays = dict(self.arenas[top])  # membership and `store._arenas`: the top non-slotted arenas
         self.ragged = {}
+        self.presence = Presence(schema, meta, self.arena_rows)  # the store refuses later fields with tiers= (yet)
+        self.later = self.presence.valid
         self._final_code = len(self.tiers)  # a pseudo tier code for final-observation rows in a gather
         self._prefetch = [hasattr(t, "prefetch") for t in self.tiers]  # tiers whose reads may wait for a disk
         self._cold = [True] * ncols  # per column: its last gather waited for a disk (prefetch the next one)

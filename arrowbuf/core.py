@@ -62,6 +62,9 @@ class StoreCore:
     write_lock: Any
     cond: threading.Condition = field(init=False)
     closed: bool = False
+    #: Called as `on_update(positions, fields)` after `store.update` wrote rows and notified `cond`, holding the
+    #: write lock but not `lock` (fields helper calls it; a tracker may install it).
+    on_update: Any = None
     final_sources: list[str] = field(init=False)
     end_fields: list[str] = field(init=False)
     derived: list[Any] = field(init=False)
@@ -77,6 +80,15 @@ class StoreCore:
     @property
     def final_capacity(self) -> int:
         return int(self.cols.final_capacity)
+
+    def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
+        """True where every one of `fields` has a value at ring `positions` (a field not filled later always has
+        one). Fields helper: see `arrowbuf.presence`.
+
+        Raises:
+            SchemaError: a name that is not a field of the schema.
+        """
+        return self.cols.present(fields, positions)
 
     def check_open(self) -> None:
         """Raise `StoreClosed` once the store was closed."""

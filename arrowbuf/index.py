@@ -21,7 +21,7 @@ ENDED = -2
 #: Slots of the index header: the live range, then counters every process of a shared store sees.
 HEADER = {name: i for i, name in enumerate([
     "lo", "hi", "inserts", "samples", "final_count", "next_episode_id", "final_obs_dropped", "torn_retries",
-    "priority_updates_ignored", "removed", "reserved_0", "reserved_1", "reserved_2", "reserved_3",
+    "priority_updates_ignored", "removed", "update_skipped", "reserved_1", "reserved_2", "reserved_3",
 ])}
 
 

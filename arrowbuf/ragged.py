@@ -10,6 +10,13 @@ Usage::
     position_ids(offsets)                       # 0..len-1 per row, concatenated
     padded, mask = pad(list_array, value=0)     # [B, max_len] and a bool mask
     split_rows(list_array)                      # list of per-row numpy views (None for null rows)
+    take(list_array, rows)                      # rows of one list array, gathered (one C++ ranged copy)
+    take_chunked(slot_arrays, chunk_rows, pos)  # rows at ring positions of per-chunk list arrays (the store's)
+
+Why gathers go through a ListView: `pc.list_flatten` of a `ListViewArray` built from (starts, lengths) over the
+source values copies each row as one contiguous range in C++ (memcpy speed, ~3.9 GB/s here), where Arrow's `take` on a
+list column or a numpy gather of per-element indices builds an 8-byte index per value (0.5-0.9 GB/s). Consecutive rows
+(FIFO, consume) are served as zero-copy slices.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .errors import InvalidArgument
 
@@ -98,4 +106,112 @@ def split_rows(values: Any) -> list[np.ndarray | None]:
     return rows
 
 
-__all__ = ["flat", "is_ragged", "lengths", "pad", "position_ids", "split_rows"]
+def _consecutive(rows: np.ndarray) -> bool:
+    return rows.size <= 1 or bool(rows[-1] - rows[0] == rows.size - 1 and np.all(np.diff(rows) == 1))
+
+
+def _ranges(arr: pa.Array, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(starts into arr.values, lengths, validity or None) of `rows` of one list array; null rows get length 0."""
+    offs = np.asarray(arr.offsets)  # length len(arr)+1, already shifted by a slice's offset
+    starts = offs[rows].astype(np.int64)
+    lens = offs[rows + 1].astype(np.int64) - starts
+    valid = None
+    if arr.null_count:
+        valid = np.asarray(arr.is_valid(), dtype=bool)[rows]
+        lens[~valid] = 0
+    return starts, lens, valid
+
+
+def _gather_values(values: pa.Array, starts: np.ndarray, lens: np.ndarray) -> pa.Array:
+    """The ranges [starts, starts + lens) of `values`, concatenated in order: one ranged copy in C++."""
+    if not starts.size:
+        return values.slice(0, 0)
+    if int(starts.max(initial=0)) + int(lens.max(initial=0)) < 2**31:
+        view = pa.ListViewArray.from_arrays(pa.array(starts.astype(np.int32)), pa.array(lens.astype(np.int32)),
+                                            values)
+    else:
+        view = pa.LargeListViewArray.from_arrays(pa.array(starts), pa.array(lens), values)
+    return pc.list_flatten(view)
+
+
+def _assemble(list_type: pa.DataType, values: pa.Array, lens: np.ndarray, valid: np.ndarray | None) -> pa.Array:
+    offs = np.zeros(lens.size + 1, dtype=np.int64)
+    np.cumsum(lens, out=offs[1:])
+    large = pa.types.is_large_list(list_type)
+    if not large and offs[-1] >= 2**31:
+        raise InvalidArgument(f"a gathered ragged column holds {int(offs[-1])} values, more than a list column's "
+                              "int32 offsets address; gather fewer rows per batch")
+    cls = pa.LargeListArray if large else pa.ListArray
+    offsets = pa.array(offs if large else offs.astype(np.int32))
+    mask = None if valid is None or valid.all() else pa.array(~valid)
+    out = cls.from_arrays(offsets, values, type=list_type, mask=mask)
+    return out
+
+
+def take(values: Any, rows: Any) -> pa.Array:
+    """Rows `rows` (int positions, any order, repeats allowed) of one list column, as a new list array.
+
+    Consecutive rows are a zero-copy slice; otherwise the row values are copied once, range by range (no per-row
+    Python, no per-value index).
+    """
+    arr = _one(values)
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows.size and (rows.min() < 0 or rows.max() >= len(arr)):
+        raise InvalidArgument(f"take: row positions must be in [0, {len(arr)}); got {rows.min()}..{rows.max()}")
+    if _consecutive(rows):
+        return arr.slice(int(rows[0]) if rows.size else 0, int(rows.size))
+    starts, lens, valid = _ranges(arr, rows)
+    return _assemble(arr.type, _gather_values(arr.values, starts, lens), lens, valid)
+
+
+def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray) -> pa.Array:
+    """Rows at ring `positions` of a column kept as one list array of `chunk_rows` rows per chunk slot.
+
+    One ranged copy per chunk slot the rows live in (rows grouped by slot), then, when the rows came from several
+    slots in interleaved order, one more ranged copy that puts them back in the order asked. Consecutive positions
+    within one slot are a zero-copy slice.
+    """
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if not pos.size:
+        return chunks[0].slice(0, 0)
+    slot = pos // chunk_rows
+    off = pos - slot * chunk_rows
+    if slot[0] == slot[-1] and _consecutive(off):
+        return chunks[int(slot[0])].slice(int(off[0]), int(pos.size))
+    order = np.argsort(slot, kind="stable")
+    sorted_slots = slot[order]
+    bounds = np.flatnonzero(np.diff(sorted_slots)) + 1
+    groups = np.split(order, bounds)  # positions of the batch, grouped by slot (one entry per slot, not per row)
+    lens = np.empty(pos.size, dtype=np.int64)
+    valid = np.ones(pos.size, dtype=bool)
+    parts: list[pa.Array] = []
+    for idx in groups:
+        arr = chunks[int(slot[idx[0]])]
+        rows = off[idx]
+        if _consecutive(rows) and not arr.null_count:
+            o = np.asarray(arr.offsets)
+            a, b = int(o[rows[0]]), int(o[rows[-1] + 1])
+            parts.append(arr.values.slice(a, b - a))  # zero-copy, concatenated below
+            lens[idx] = np.diff(o[rows[0]:rows[-1] + 2])
+            continue
+        s, ln, v = _ranges(arr, rows)
+        lens[idx] = ln
+        if v is not None:
+            valid[idx] = v
+        parts.append(_gather_values(arr.values, s, ln))
+    list_type = chunks[0].type
+    if len(parts) == 1:
+        return _assemble(list_type, parts[0], lens, valid)
+    grouped = pa.concat_arrays(parts)
+    if np.all(np.diff(order) > 0):  # slots visited in row order (e.g. a FIFO read across a chunk boundary)
+        return _assemble(list_type, grouped, lens, valid)
+    # rows sit in `grouped` in slot order; put them back in the order asked with one more ranged copy
+    glens = lens[order]
+    gstarts = np.zeros(pos.size, dtype=np.int64)
+    np.cumsum(glens[:-1], out=gstarts[1:])
+    starts = np.empty(pos.size, dtype=np.int64)
+    starts[order] = gstarts
+    return _assemble(list_type, _gather_values(grouped, starts, lens), lens, valid)
+
+
+__all__ = ["flat", "is_ragged", "lengths", "pad", "position_ids", "split_rows", "take", "take_chunked"]

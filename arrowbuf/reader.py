@@ -21,7 +21,7 @@ faster than they were copied.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -121,6 +121,13 @@ class StoreReader:
                 self.core.sampler.on_sampled(seqs)
         indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
         return SampleBatch(arrays, indices, weights)
+
+    def gather(self, seqs: np.ndarray, columns: Iterable[str] | None = None) -> dict[str, Any]:
+        """The columns (default: every field and derived field, ragged included) of rows `seqs`, gathered as
+        `sample` gathers. For callers that keep the rows in place meanwhile (`arrowbuf.consume` pins them while it
+        gathers): no torn-row check. (Added for issue 16 by consume.)"""
+        names = self.core.schema.resolve_columns(list(columns) if columns is not None else None)
+        return self._gather_stable(np.asarray(seqs, dtype=np.int64), names, None, 0.99)
 
     def _check_n_step(self, n_step: int, gamma: float) -> None:
         if not isinstance(n_step, (int, np.integer)) or n_step < 1:
@@ -246,6 +253,9 @@ class StoreReader:
         out: dict[str, Any] = {}
         nxt = None
         for name in names:
+            if name in cols.later:  # fields filled later (fields helper): null where a row has no value yet
+                out[name] = cols.take_later(name, pos, shape, *((reads,) if tracked else ()))
+                continue
             if name in cols.arrays:
                 col = cols.take(name, pos, reads) if tracked else cols.take(name, pos)  # type: ignore[call-arg]
             elif name in self.core.schema.derived:
@@ -321,47 +331,116 @@ class StoreReader:
         """A consistent copy of the live rows' stored columns (see the module docstring); holds no lock while it
         copies.
 
+        Built on `iter_snapshot`: when rows went while they were copied (a gap between two pieces), the pieces
+        before the gap are dropped, so the table is one contiguous seq range ending at the snapshot point.
+
         Raises:
             SchemaError: an unknown column name.
         """
-        c = self.core
-        c.check_open()
-        schema = c.schema.to_arrow()
-        names = list(columns) if columns is not None else schema.names
+        it = _SnapshotIter(self.core, columns, None)
+        parts: list[pa.RecordBatch] = []
+        first = expect = it.lo
+        for batch, s0 in it.pieces():
+            if s0 != expect:  # rows went before they were copied: keep only what follows the gap
+                parts.clear()
+                first = s0
+            parts.append(batch)
+            expect = s0 + batch.num_rows
+        if expect != it.hi:  # the newest rows went before they were copied: nothing intact ends at `hi`
+            parts.clear()
+        if not parts:
+            first = it.hi
+        table = pa.Table.from_batches(parts, schema=it.schema) if parts else it.schema.empty_table()
+        return RowSnapshot(lo=first, hi=it.hi, live_lo=it.lo, table=table)
+
+    def iter_snapshot(self, columns: Iterable[str] | None = None,
+                      max_rows: int | None = None) -> Iterator[pa.RecordBatch]:
+        """The live rows' stored columns as a stream of copied record batches, holding about one chunk at a time.
+
+        The snapshot point is the call: the stream covers seqs up to (not including) the live range's end then,
+        oldest first, and nothing newer. Each batch is a copy (writers go on without changing it) and each of its
+        rows is exactly as committed: the same seqlock as `snapshot`, per piece, with no lock held while copying.
+
+        Rows evicted before the stream reached them are skipped, never yielded torn: a batch starts at the oldest
+        row still intact when it is copied, so the stream's seqs are strictly increasing and each batch is one
+        contiguous range, but there is a gap (visible in the `seq` column, when asked for) where the ring
+        overwrote rows faster than they were read. A stream that must be one contiguous range can compare each
+        batch's first seq with the previous batch's last (as `snapshot` does). Memory: one batch of at most
+        `max_rows` rows (default: one chunk's).
+
+        Args:
+            columns: stored columns to copy (default: every stored column).
+            max_rows: at most this many rows per batch (default and upper bound: the store's chunk rows).
+
+        Raises:
+            SchemaError: an unknown column name (raised at the call, before any row is read).
+            InvalidArgument: `max_rows` is not a positive integer.
+        """
+        if max_rows is not None and (not isinstance(max_rows, (int, np.integer)) or isinstance(max_rows, bool)
+                                     or max_rows < 1):
+            raise InvalidArgument(f"max_rows must be a positive number of rows, got {max_rows!r}")
+        it = _SnapshotIter(self.core, columns, None if max_rows is None else int(max_rows))
+        return (batch for batch, _ in it.pieces())
+
+
+class _SnapshotIter:
+    """The snapshot point (taken at construction, under the state lock) and the pieces after it: one mechanism for
+    `snapshot` and `iter_snapshot`."""
+
+    def __init__(self, core: StoreCore, columns: Iterable[str] | None, max_rows: int | None) -> None:
+        core.check_open()
+        full = core.schema.to_arrow()
+        names = list(columns) if columns is not None else full.names
         for n in names:
-            if n not in schema.names:
-                raise SchemaError(f"unknown stored column {n!r}; expected one of {schema.names}")
-        out_schema = pa.schema([schema.field(n) for n in names], metadata=schema.metadata)
-        with c.lock:  # the snapshot point
-            lo, hi = c.index.lo, c.index.hi
-            ragged = c.cols.ragged_snapshot()
+            if n not in full.names:
+                raise SchemaError(f"unknown stored column {n!r}; expected one of {full.names}")
+        self.core = core
+        self.names = names
+        self.schema = pa.schema([full.field(n) for n in names], metadata=full.metadata)
+        self.step = core.directory.chunk_rows if max_rows is None else min(max_rows, core.directory.chunk_rows)
+        self.ragged_names = [n for n in names if n in core.cols.ragged]
+        with core.lock:  # the snapshot point
+            self.lo, self.hi = core.index.lo, core.index.hi
+            # ragged slot arrays are immutable and replaced by writers: taken at the snapshot point, they hold the
+            # rows of [lo, hi) as committed (the seqlock below still drops any that went meanwhile)
+            self.ragged = core.cols.ragged_snapshot() if self.ragged_names else {}
+
+    def pieces(self) -> Iterator[tuple[pa.RecordBatch, int]]:
+        """(batch, its first seq) for each intact piece of [lo, hi), oldest first."""
+        c = self.core
         idx = c.index
         cols = c.cols
         chunk_rows = c.directory.chunk_rows
-        parts: list[pa.RecordBatch] = []
-        first = lo
-        for slot, p0, p1, s0 in c.directory.live_chunks(lo, hi):
-            arrays = []
-            for n in names:
-                if n in cols:
-                    arrays.append(_column_copy(cols.view(n, p0, p1), c.schema.fields[n]))
-                elif n in ragged:
-                    arrays.append(ragged[n][slot].slice(p0 - slot * chunk_rows, p1 - p0))
-                elif n == "seq":
-                    arrays.append(pa.array(np.arange(s0, s0 + p1 - p0, dtype=np.int64)))
-                else:
-                    arrays.append(pa.array(np.array(getattr(idx, n)[p0:p1])))
-            intact = idx.seq[p0:p1] == np.arange(s0, s0 + p1 - p0, dtype=np.int64)  # after the copy: the seqlock
-            batch = pa.RecordBatch.from_arrays(arrays, schema=out_schema)
-            if not intact.all():  # overwritten meanwhile: this row and every older one are gone
-                cut = int(np.flatnonzero(~intact)[-1]) + 1
-                parts.clear()
-                batch = batch.slice(cut)
-                first = s0 + cut
-            if batch.num_rows:
-                parts.append(batch)
-        table = pa.Table.from_batches(parts, schema=out_schema) if parts else out_schema.empty_table()
-        return RowSnapshot(lo=first, hi=hi, live_lo=lo, table=table)
+        seq = self.lo
+        while seq < self.hi:
+            c.check_open()
+            live_lo = idx.lo
+            if live_lo > seq:  # evicted before reached: skip to the oldest live row
+                seq = min(live_lo, self.hi)
+                continue
+            for slot, p0, p1, s0 in c.directory.live_chunks(seq, min(self.hi, seq + self.step)):
+                arrays = []
+                for n in self.names:
+                    if n in cols.later and n in cols:  # fields filled later (fields helper): null where absent
+                        arrays.append(cols.snapshot_later(n, p0, p1))
+                    elif n in cols:
+                        arrays.append(_column_copy(cols.view(n, p0, p1), c.schema.fields[n]))
+                    elif n in self.ragged:
+                        arrays.append(self.ragged[n][slot].slice(p0 - slot * chunk_rows, p1 - p0))
+                    elif n == "seq":
+                        arrays.append(pa.array(np.arange(s0, s0 + p1 - p0, dtype=np.int64)))
+                    else:
+                        arrays.append(pa.array(np.array(getattr(idx, n)[p0:p1])))
+                intact = idx.seq[p0:p1] == np.arange(s0, s0 + p1 - p0, dtype=np.int64)  # after the copy: seqlock
+                batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+                start = s0
+                if not intact.all():  # overwritten meanwhile: this row and every older one are gone
+                    cut = int(np.flatnonzero(~intact)[-1]) + 1
+                    batch = batch.slice(cut)
+                    start = s0 + cut
+                seq = s0 + (p1 - p0)
+                if batch.num_rows:
+                    yield batch, start
 
 
 def _column_copy(values: Any, spec: FieldSpec) -> pa.Array:

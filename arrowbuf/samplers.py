@@ -720,3 +720,8 @@ def make_sampler(spec: str | Sampler | None) -> Sampler:
 __all__ = ["MAX_PRIORITY", "validate_priorities", "Sampler", "UniformSampler", "FifoSampler", "LifoSampler",
            "PrioritizedSampler", "SequenceSampler", "Uniform", "Fifo", "Lifo", "Prioritized", "Sequence",
            "make_sampler"]
+
+# issue 16 (owner: consume): whole groups; arrowbuf/groups.py imports `Sampler` from this module, so this comes last
+from .groups import Group, GroupSampler  # noqa: E402
+
+__all__ += ["Group", "GroupSampler"]

@@ -10,6 +10,7 @@ A schema is declared once, in YAML, a dict, or a `pa.Schema`::
       reward:     {dtype: float32, allow_nan: false}
       terminated: {dtype: bool}
       truncated:  {dtype: bool}
+      score:      {dtype: float32, later: true}   # filled later by `store.update`: absent (null) until then
     derived:
       next_obs: {next_of: obs}      # read from the next step of the same episode, not stored twice
     episode_end: [terminated, truncated]   # optional; default: the fields named done/terminated/truncated
@@ -82,6 +83,8 @@ class FieldSpec:
         shape: per-step shape, () for a scalar.
         ragged: a variable-length 1-D list per step (token ids, logprobs); `shape` is then ().
         allow_nan: when False, NaN and infinite values are rejected on ingest (floating fields only).
+        later: a field that a later stage fills (`store.update`): nullable, and `extend`/`append` may leave it out
+            (the row then holds no value for it, read back as null, until an update writes one).
     """
 
     name: str
@@ -89,6 +92,7 @@ class FieldSpec:
     shape: tuple[int, ...] = ()
     ragged: bool = False
     allow_nan: bool = True
+    later: bool = False
 
     @property
     def row_bytes(self) -> int:
@@ -151,12 +155,19 @@ class ExperienceSchema:
                 )
             if src.ragged:
                 raise SchemaError(f"schema {self.name!r}: derived field {d.name!r} cannot derive from ragged field")
+            if src.later:
+                raise SchemaError(f"schema {self.name!r}: derived field {d.name!r} derives from {d.next_of!r}, which "
+                                  "is filled later; a next_of source is written with its row (drop `later`)")
         for name in self.episode_end:
             spec = self.fields.get(name)
             if spec is None or spec.dtype != np.bool_ or spec.shape or spec.ragged:
                 raise SchemaError(
                     f"schema {self.name!r}: episode_end field {name!r} must be a scalar bool field"
                 )
+            if spec.later:
+                raise SchemaError(f"schema {self.name!r}: episode_end field {name!r} cannot be filled later: the "
+                                  "store links episodes when a row is written (drop `later`, or leave it out of "
+                                  "episode_end)")
         self._check_truncation()
 
     def _check_truncation(self) -> None:
@@ -184,8 +195,7 @@ class ExperienceSchema:
     # ---------------------------------------------------------------- views
     def to_arrow(self) -> pa.Schema:
         """The `pa.Schema` of the stored columns: the fields, then the system columns."""
-        cols = [pa.field(f.name, f.arrow_type(), nullable=False,
-                         metadata=None if f.allow_nan else {b"arrowbuf.allow_nan": b"false"})
+        cols = [pa.field(f.name, f.arrow_type(), nullable=f.later, metadata=_field_metadata(f))
                 for f in self.fields.values()]
         cols += [pa.field(n, t, nullable=False) for n, t in SYSTEM_COLUMNS.items()]
         meta = {b"arrowbuf.schema": self.name.encode(), b"arrowbuf.version": str(self.version or "").encode()}
@@ -198,7 +208,7 @@ class ExperienceSchema:
 
     def input_schema(self) -> pa.Schema:
         """The `pa.Schema` a writer sends: the fields, plus the derived fields (needed on episode ends)."""
-        cols = [pa.field(f.name, f.arrow_type()) for f in self.fields.values()]
+        cols = [pa.field(f.name, f.arrow_type(), metadata=_field_metadata(f)) for f in self.fields.values()]
         for d in self.derived.values():
             cols.append(pa.field(d.name, self.fields[d.next_of].arrow_type()))
         return pa.schema(cols)
@@ -206,7 +216,7 @@ class ExperienceSchema:
     def sample_schema(self, columns: list[str] | None = None) -> pa.Schema:
         """The `pa.Schema` of `SampleBatch.data` for the given columns."""
         names = self.resolve_columns(columns)
-        return pa.schema([pa.field(n, self.column_type(n)) for n in names])
+        return pa.schema([pa.field(n, self.column_type(n), nullable=n in self.later_fields) for n in names])
 
     def column_type(self, name: str) -> pa.DataType:
         if name in self.fields:
@@ -219,6 +229,11 @@ class ExperienceSchema:
 
     def column_names(self) -> list[str]:
         return [*self.fields, *self.derived, *SYSTEM_COLUMNS]
+
+    @property
+    def later_fields(self) -> list[str]:
+        """Names of the fields filled later (`later: true`), in schema order."""
+        return [f.name for f in self.fields.values() if f.later]
 
     def resolve_columns(self, columns: list[str] | tuple[str, ...] | None) -> list[str]:
         """The columns a sample returns: all fields and derived fields by default."""
@@ -237,7 +252,7 @@ class ExperienceSchema:
             return self.fields[name]
         d = self.derived[name]
         src = self.fields[d.next_of]
-        return FieldSpec(d.name, src.dtype, src.shape, src.ragged, src.allow_nan)
+        return FieldSpec(d.name, src.dtype, src.shape, src.ragged, src.allow_nan, src.later)
 
     @property
     def row_bytes(self) -> int:
@@ -254,6 +269,8 @@ class ExperienceSchema:
                 d["ragged"] = True
             if not f.allow_nan:
                 d["allow_nan"] = False
+            if f.later:
+                d["later"] = True
             fields[f.name] = d
         out: dict[str, Any] = {"name": self.name, "fields": fields}
         if self.version is not None:
@@ -285,9 +302,10 @@ class ExperienceSchema:
         if unknown:
             raise SchemaError(f"{where}: unknown column(s) {_clip(unknown)} for schema {self.name!r}; expected fields "
                               f"{sorted(self.fields)} (GetSchema [store, \"input\"] gives the exact schema)")
-        missing = [k for k in self.fields if k not in names]
+        missing = [k for k in self.fields if k not in names and not self.fields[k].later]
         if missing:
-            raise SchemaError(f"{where}: missing field(s) {missing} for schema {self.name!r}: every step needs them")
+            raise SchemaError(f"{where}: missing field(s) {missing} for schema {self.name!r}: every step needs them"
+                              + _later_hint(self))
         for f in incoming:
             if f.name in STREAM_KEYS:
                 ok = pa.types.is_integer(f.type) or (f.name == "actor" and (pa.types.is_string(f.type)
@@ -337,14 +355,19 @@ class ExperienceSchema:
                 + (f", derived {sorted(self.derived)}" if self.derived else "")
                 + f" and optional stream keys {list(STREAM_KEYS)}"
             )
-        missing = [k for k in self.fields if k not in raw]
+        missing = [k for k in self.fields if k not in raw and not self.fields[k].later]
         if missing:
-            raise SchemaError(f"missing field(s) {missing} for schema {self.name!r}: every step needs them")
+            raise SchemaError(f"missing field(s) {missing} for schema {self.name!r}: every step needs them"
+                              + _later_hint(self))
         out: dict[str, Any] = {}
         n: int | None = None
         for name, value in raw.items():
             if name in STREAM_KEYS:
                 col = _stream_column(name, value, single)
+            elif name in self.fields and self.fields[name].later:
+                if single and value is None:  # append({..., "reward": None}): not produced yet
+                    continue
+                col = convert_later(self.fields[name], value, single)
             else:
                 col = _convert_field(self.spec_of(name), value, single)
             rows = len(col)
@@ -356,7 +379,97 @@ class ExperienceSchema:
                     f"field {name!r} has {rows} rows but {first!r} has {n}; every field needs the same leading dim"
                 )
             out[name] = col
-        return out, int(n or 0)
+        n = 1 if single else int(n or 0)
+        for spec in self.fields.values():  # later fields left out: every row absent
+            if spec.later and spec.name not in out:
+                out[spec.name] = absent_values(spec, n)
+        return out, n
+
+
+def _field_metadata(f: FieldSpec) -> dict[bytes, bytes] | None:
+    """The Arrow field metadata that carries what an Arrow type cannot say (allow_nan, later)."""
+    meta = {}
+    if not f.allow_nan:
+        meta[b"arrowbuf.allow_nan"] = b"false"
+    if f.later:
+        meta[b"arrowbuf.later"] = b"true"
+    return meta or None
+
+
+def _later_hint(schema: ExperienceSchema) -> str:
+    later = schema.later_fields
+    if later:
+        return f" (only the fields filled later, {later}, may be left out)"
+    return " (a field that a later stage fills can be declared `later: true` and left out)"
+
+
+def absent_values(spec: FieldSpec, n: int) -> Any:
+    """`n` rows of later field `spec` with no value: a `np.ma.MaskedArray` (zeros, all masked) for a fixed field,
+    a `pa.ListArray` of nulls for a ragged one (what `validate_batch` gives for a later field left out)."""
+    if spec.ragged:
+        return pa.nulls(n, type=spec.arrow_type())
+    return np.ma.MaskedArray(np.zeros((n, *spec.shape), dtype=spec.dtype), mask=np.ones((n, *spec.shape), bool))
+
+
+def later_mask(values: Any) -> np.ndarray | None:
+    """Per row, whether a later field's validated values (`validate_batch`, `convert_later`) hold a value; None
+    when every row does."""
+    if isinstance(values, np.ma.MaskedArray):
+        mask = np.asarray(np.ma.getmaskarray(values), dtype=bool)
+        present = np.asarray(~mask.reshape(len(mask), -1).any(axis=1) if mask.ndim > 1 else ~mask, dtype=bool)
+        return None if present.all() else present
+    if isinstance(values, pa.Array) and values.null_count:
+        return np.asarray(values.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    return None
+
+
+def convert_later(spec: FieldSpec, value: Any, single: bool = False) -> Any:
+    """Validate values of a later field: as `_convert_field`, but rows may be null (an Arrow null, a masked row of
+    a `np.ma.MaskedArray`, or None in a list). Only the rows with a value are checked. Returns numpy (no null), a
+    `np.ma.MaskedArray` (zeros where null; fixed fields) or a `pa.ListArray` with nulls (ragged fields)."""
+    mask: np.ndarray | None = None  # rows without a value
+    if single:
+        if isinstance(value, np.ma.MaskedArray):
+            if np.ma.getmaskarray(value).any():
+                return absent_values(spec, 1)
+            value = np.ma.getdata(value)
+        return _convert_field(spec, value, True)
+    if isinstance(value, pa.ChunkedArray):
+        value = value.combine_chunks() if value.num_chunks != 1 else value.chunk(0)
+    if isinstance(value, pa.Array):
+        if value.null_count:
+            mask = np.asarray(value.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+            value = value.filter(pa.array(~mask))
+    elif isinstance(value, np.ma.MaskedArray):
+        m = np.asarray(np.ma.getmaskarray(value), dtype=bool)
+        if m.any():
+            mask = np.asarray(m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m, dtype=bool)
+            value = np.ma.getdata(value)[~mask]
+        else:
+            value = np.ma.getdata(value)
+    elif isinstance(value, (list, tuple)) and any(v is None for v in value):
+        mask = np.array([v is None for v in value], dtype=bool)
+        value = [v for v in value if v is not None]
+    if mask is None:
+        return _convert_field(spec, value, False)
+    n = len(mask)
+    if mask.all():
+        return absent_values(spec, n)
+    checked = _convert_field(spec, value, False)
+    if spec.ragged:
+        return _scatter_ragged(spec, checked, mask)
+    data = np.zeros((n, *spec.shape), dtype=spec.dtype)
+    data[~mask] = checked
+    full = np.broadcast_to(mask.reshape((-1,) + (1,) * len(spec.shape)), data.shape)
+    return np.ma.MaskedArray(data, mask=np.array(full))
+
+
+def _scatter_ragged(spec: FieldSpec, values: pa.Array, mask: np.ndarray) -> pa.Array:
+    """A list array of len(mask) rows: null where `mask`, else the rows of `values` in order."""
+    idx = np.full(len(mask), -1, dtype=np.int64)
+    idx[~mask] = np.arange(int((~mask).sum()))
+    out = values.take(pa.array(idx, mask=mask))
+    return out.cast(spec.arrow_type()) if out.type != spec.arrow_type() else out
 
 
 def _clip(value: Any, limit: int = 200) -> str:
@@ -489,6 +602,16 @@ def _convert_field(spec: FieldSpec, value: Any, single: bool) -> Any:
                 + "; reshape the input or fix the schema"
             )
     return _cast(spec, arr)
+
+
+def convert_field(spec: FieldSpec, value: Any, single: bool = False) -> Any:
+    """Validate values of one field as `validate_batch` does (no null allowed): [n, *shape] numpy for a fixed field,
+    a `pa.ListArray` for a ragged one; with `single`, one value (returned with a leading dimension of 1).
+
+    Raises:
+        SchemaError: naming the field, what was expected and what came.
+    """
+    return _convert_field(spec, value, single)
 
 
 def _cast(spec: FieldSpec, arr: np.ndarray) -> np.ndarray:
@@ -641,9 +764,9 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
             spec = {"dtype": spec}
         if not isinstance(spec, Mapping):
             raise SchemaError(f"{loc}: expected a mapping {{dtype, shape?, ragged?}}, got {spec!r}")
-        bad = set(spec) - {"dtype", "shape", "ragged", "allow_nan", "description"}
+        bad = set(spec) - {"dtype", "shape", "ragged", "allow_nan", "later", "description"}
         if bad:
-            raise SchemaError(f"{loc}: unknown key(s) {sorted(bad)}; expected dtype, shape, ragged, allow_nan")
+            raise SchemaError(f"{loc}: unknown key(s) {sorted(bad)}; expected dtype, shape, ragged, allow_nan, later")
         if "dtype" not in spec:
             raise SchemaError(f"{loc}: missing 'dtype'")
         dtype = _parse_dtype(loc, spec["dtype"])
@@ -662,7 +785,10 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
         allow_nan = spec.get("allow_nan", True)
         if not isinstance(allow_nan, bool):
             raise SchemaError(f"{loc}: 'allow_nan' must be true or false, got {allow_nan!r}")
-        fields[str(name)] = FieldSpec(str(name), dtype, tuple(shape_raw), ragged, allow_nan)
+        later = spec.get("later", False)
+        if not isinstance(later, bool):
+            raise SchemaError(f"{loc}: 'later' must be true or false, got {later!r}")
+        fields[str(name)] = FieldSpec(str(name), dtype, tuple(shape_raw), ragged, allow_nan, later)
     derived: dict[str, DerivedSpec] = {}
     derived_raw = data.get("derived") or {}
     if not isinstance(derived_raw, Mapping):
@@ -719,9 +845,12 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
             except (NotImplementedError, TypeError):
                 raise SchemaError(f"pa.Schema field {f.name!r}: unsupported Arrow type {t}") from None
             fields[f.name] = FieldSpec(f.name, _parse_dtype(f"field {f.name!r}", dtype))
-        if (f.metadata or {}).get(b"arrowbuf.allow_nan") == b"false":
+        meta_f = f.metadata or {}
+        if meta_f.get(b"arrowbuf.allow_nan") == b"false" or meta_f.get(b"arrowbuf.later") == b"true":
             spec = fields[f.name]
-            fields[f.name] = FieldSpec(spec.name, spec.dtype, spec.shape, spec.ragged, allow_nan=False)
+            fields[f.name] = FieldSpec(spec.name, spec.dtype, spec.shape, spec.ragged,
+                                       allow_nan=meta_f.get(b"arrowbuf.allow_nan") != b"false",
+                                       later=meta_f.get(b"arrowbuf.later") == b"true")
     derived = {}
     if b"arrowbuf.derived" in meta:
         for pair in meta[b"arrowbuf.derived"].decode().split(","):

@@ -17,7 +17,7 @@ and episodes). Column bytes live in `arrowbuf.columns` (one arena per column, or
 
 from __future__ import annotations
 
-from typing import Any, Iterable, cast
+from typing import Any, Iterable, Iterator, cast
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +25,7 @@ import pyarrow as pa
 from .batch import SampleBatch
 from .chunks import ChunkDirectory, default_chunk_rows
 from .columns import ColumnArenas, TieredColumnArenas
+from .consume import ConsumeTracker
 from .core import StoreCore
 from .episodes import EpisodeTracker
 from .errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed
@@ -36,6 +37,7 @@ from .samplers import Sampler, make_sampler
 from .schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from .tiers.base import Tier, format_bytes
 from .tiers.host import HostTier
+from .update import StoreUpdater
 from .writer import StoreWriter
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
@@ -66,13 +68,21 @@ class ExperienceStore:
             any value may also be a `Tier`). Residency is decided per (column, chunk) by `placement`; budgets are
             never exceeded. The index lives on the host (within the host budget). See `arrowbuf.columns`.
         placement: an `ab.placement` policy (default: `ab.placement.BandwidthAware()` when several tiers are given).
+        tasks: names of the tasks that `consume` rows (each sees every row once; rows wait for them before
+            eviction); more with `add_task`. See `arrowbuf.consume`.
+        max_staleness: admission control by policy version: rows older than `policy_version - max_staleness`
+            are refused, rows newer than `policy_version + max_staleness` wait (`InsertTimeout`); stale rows may be
+            evicted unconsumed. Needs an integer `policy_version` field.
+        token_field: the ragged field `consume(max_tokens=...)` counts (default: `response_tokens`, or the only
+            ragged field).
     """
 
     def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
                  rate_limiter: RateLimiter | None = None, seed: int | None = None, *,
                  chunk_rows: int | None = None, final_obs_capacity: int | None = None,
                  max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None,
-                 tiers: dict[str, Any] | None = None, placement: Any = None) -> None:
+                 tiers: dict[str, Any] | None = None, placement: Any = None, tasks: Any = None,
+                 max_staleness: int | None = None, token_field: str | None = None) -> None:
         self.schema: ExperienceSchema = load_schema(schema)
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
@@ -90,12 +100,20 @@ class ExperienceStore:
             if ragged:
                 raise SchemaError(f"ragged fields are not yet supported in a tiered store: {ragged}; "
                                   "drop tiers= for this schema, or make the fields fixed-shape")
+            if self.schema.later_fields:
+                raise SchemaError(f"fields filled later are not yet supported in a tiered store: "
+                                  f"{self.schema.later_fields}; drop tiers= for this schema, or drop `later`")
             from .tiers import make_tiers
 
             self._tier, data_tiers = make_tiers(tiers)
         try:
             self._build(data_tiers, chunk_rows, final_obs_capacity, max_times_sampled, sampler, rate_limiter, seed,
                         placement)
+            assert self._core is not None  # consume (issue 16): per-task consumption, staleness, groups
+            self._consume: ConsumeTracker = ConsumeTracker(self._core, self._reader, tasks, max_staleness,
+                                                           token_field)
+            if self._consume.holds:
+                self._writer.hold = self._consume
         except BaseException:
             for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
                 if not t.shared:
@@ -149,6 +167,7 @@ class ExperienceStore:
         self._cond = self._core.cond
         self._writer = StoreWriter(self._core)
         self._reader = StoreReader(self._core)
+        self._updater = StoreUpdater(self._core)  # fields helper: store.update
         self.sampler.bind(self.index, self._rng,
                           has_next=self._reader.has_next if self._max_times_sampled else None)
         if isinstance(self._cols, TieredColumnArenas):
@@ -295,6 +314,34 @@ class ExperienceStore:
         """
         return self._writer.flush(actor, final)
 
+    # ------------------------------------------------------------------ fields filled later (owner: fields, issue 16)
+    def update(self, ids: Any, values: dict[str, Any]) -> int:
+        """Fill fields declared `later: true` of stored rows: `store.update(ids, {"reward": r})`.
+
+        Atomic per call and validated like `extend`; ids of evicted or replaced rows are skipped and counted in
+        `stats()["update_skipped"]`. See `arrowbuf.update`.
+
+        Args:
+            ids: ids that `extend`/`append` returned (a 1-D array, or one int with one value per field).
+            values: {field: one value per id}; ragged fields take one list (or a `pa.ListArray`) per id.
+
+        Returns:
+            The number of rows written.
+
+        Raises:
+            SchemaError: an unknown field, a field not filled later, a wrong dtype, shape or length; nothing written.
+            InvalidArgument: an id this store never issued, or an id given twice; nothing written.
+        """
+        return self._updater.update(ids, values)
+
+    def present(self, fields: list[str], ids: Any) -> np.ndarray:
+        """Per id, whether every one of `fields` has a value (False for ids whose row is no longer stored)."""
+        seqs = np.atleast_1d(np.asarray(ids, dtype=np.int64))
+        with self._lock:
+            live = self.index.live(seqs)
+            return live & self._core.present(fields, seqs % self.arena_rows)  # type: ignore[union-attr]
+    # ------------------------------------------------------------------ end of fields filled later
+
     # ------------------------------------------------------------------ reading (StoreReader)
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
@@ -315,6 +362,56 @@ class ExperienceStore:
         """
         return self._reader.update_priorities(indices, priorities)
 
+    # ------------------------------------------------------------------ consumption per task (owner: consume, issue 16)
+    # Thin delegation to `arrowbuf.consume.ConsumeTracker`.
+    def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None,
+                max_tokens: int | None = None) -> SampleBatch:
+        """Up to `n` rows (whole groups with `samplers.Group`) that `task` has not consumed yet, marked consumed.
+
+        Args:
+            task: a declared task (`tasks=` or `add_task`); each task sees every row once.
+            n: most rows to deliver; with a Group sampler at most `n // size` whole groups.
+            require: fields every delivered row must have written (fields filled later by `update`).
+            timeout: seconds to wait for `n` ready rows (or the token budget); then what is ready, maybe nothing.
+            max_staleness: rows with `policy_version < store.policy_version - max_staleness` are dropped (counted in
+                `stats()["stale_dropped"]`), never delivered.
+            where: a SQL predicate over the scalar columns, e.g. `"reward > 0 AND policy_version >= 3"`.
+            max_tokens: token budget of the batch over the store's `token_field` (at least one row is delivered).
+
+        Returns:
+            A `SampleBatch` of every column; `indices` are the rows' ids, oldest first.
+
+        Raises:
+            InvalidArgument: an unknown task, an unknown field, a bad option or predicate; nothing is consumed.
+        """
+        return self._consume.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
+                                     where=where, max_tokens=max_tokens)
+
+    def add_task(self, name: str) -> None:
+        """Declare a consuming task: it sees every live row once, and rows wait for it before eviction.
+
+        Raises:
+            InvalidArgument: a bad or duplicate name.
+        """
+        self._consume.add_task(name)
+        self._writer.hold = self._consume
+
+    @property
+    def tasks(self) -> list[str]:
+        """The declared consuming tasks."""
+        return self._consume.tasks
+
+    @property
+    def policy_version(self) -> int:
+        """The current policy version (settable; default 0): the reference of `max_staleness`."""
+        return self._consume.policy_version
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self._consume.policy_version = value
+    # ------------------------------------------------------------------ end of consumption per task
+
     # ------------------------------------------------------------------ inspection
     def to_table(self, columns: Iterable[str] | None = None) -> pa.Table:
         """The live rows, oldest first, as a `pa.Table` of the stored columns: a consistent snapshot.
@@ -325,6 +422,23 @@ class ExperienceStore:
         intact (see `arrowbuf.reader`).
         """
         return self._reader.snapshot(columns).table
+
+    def iter_table(self, columns: Iterable[str] | None = None, *, max_rows: int | None = None
+                   ) -> Iterator[pa.RecordBatch]:
+        """The live rows as a stream of consistent, copied record batches, about one chunk in memory at a time.
+
+        The rows are those committed at the call (nothing newer), oldest first, each exactly as committed (no torn
+        or half-replaced row, even while writers run). Rows that writers evict before the stream reaches them are
+        skipped (a gap in `seq`), never yielded torn. See `StoreReader.iter_snapshot`.
+
+        Args:
+            columns: stored columns (default: all of them).
+            max_rows: at most this many rows per batch (default: one chunk's rows).
+
+        Raises:
+            SchemaError: an unknown column (at the call). InvalidArgument: a bad `max_rows`.
+        """
+        return self._reader.iter_snapshot(columns, max_rows)
 
     def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
         """`to_table` with the seq range it covers: a `RowSnapshot` (lo, hi, live_lo, table). See `arrowbuf.reader`."""
@@ -377,7 +491,9 @@ class ExperienceStore:
                 "torn_retries": idx.counter("torn_retries"),
                 "priority_updates_ignored": idx.counter("priority_updates_ignored"),
                 "removed": idx.counter("removed"),
+                "update_skipped": idx.counter("update_skipped"),
                 **self.sampler.describe(),
+                **self._consume.stats(),  # consume (issue 16)
             }
             if isinstance(self._cols, TieredColumnArenas):
                 out["placement"] = dict(self._cols.counters)

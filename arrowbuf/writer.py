@@ -55,6 +55,10 @@ class StoreWriter:
         self._notify = type(core.sampler).on_valid is not Sampler.on_valid
         self._notify_invalid = type(core.sampler).on_invalid is not Sampler.on_invalid
         self._warned_final = False
+        # consume (issue 16): the store's ConsumeTracker when tasks or admission control are on, else None. A write
+        # waits (`hold.wait`, outside the write lock) and re-checks (`hold.ready`, under it) that the rows it evicts
+        # were consumed by every task and its rows' policy versions are admitted. See arrowbuf/consume.py.
+        self.hold: Any = None
 
     # ------------------------------------------------------------------ public surface
     def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
@@ -64,7 +68,7 @@ class StoreWriter:
         the full validation of `extend` (same errors, same result).
         """
         c = self.core
-        if c.rate_limiter is None and type(step) is dict and self._fast is not None:
+        if c.rate_limiter is None and self.hold is None and type(step) is dict and self._fast is not None:
             seq = self._append_fast(step)
             if seq >= 0:
                 return seq
@@ -119,7 +123,7 @@ class StoreWriter:
         """Per-field checks for the append fast path, or None when the schema needs the general path."""
         plan = []
         for f in self.core.schema.fields.values():
-            if f.ragged:
+            if f.ragged or f.later:  # later fields (fields helper): the general path records their presence
                 return None
             plan.append((f.name, f.dtype, f.shape if f.shape else None, not f.allow_nan))
         return plan
@@ -224,9 +228,11 @@ class StoreWriter:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._wait_insert(n, timeout, deadline)  # outside the write lock: other writers go on meanwhile
+            if self.hold is not None:  # consume (issue 16): eviction hold and admission by policy version
+                self.hold.wait(cols, n, timeout, deadline)
             with c.write_lock:
                 c.check_open()
-                if self._may_insert(n):
+                if self._may_insert(n) and (self.hold is None or self.hold.ready(cols, n)):
                     base = self._write_batch(cols, n, ends)
                     return np.arange(base, base + n, dtype=np.int64)
             # another writer used the room the limiter gave: wait again (outside the lock)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
+from arrowbuf import ragged
 from arrowbuf.batch import SampleBatch
 
 torch = pytest.importorskip("torch")
@@ -81,3 +82,48 @@ def test_tokens_schema_store_round_trip() -> None:
     lens = np.diff(packed["cu_seqlens"].numpy())
     assert lens.tolist() == [len(rows[i]) for i in batch.indices.tolist()]
     store.close()
+
+
+_rows = st.lists(st.one_of(st.none(), st.lists(st.integers(-5, 5), max_size=6)), min_size=1, max_size=12)
+
+
+@settings(max_examples=120, deadline=None)
+@given(_rows, st.data())
+def test_take_equals_arrow_take(rows: list[list[int] | None], data: st.DataObject) -> None:
+    arr = pa.array(rows, type=pa.list_(pa.int64()))
+    cut = data.draw(st.integers(0, len(rows) - 1))
+    arr = arr.slice(cut)  # a sliced source (non-zero first offset) gathers the same way
+    picks = data.draw(st.lists(st.integers(0, len(arr) - 1), max_size=20))
+    got = ragged.take(arr, np.asarray(picks, dtype=np.int64))
+    assert got.type == arr.type
+    assert got.to_pylist() == arr.take(pa.array(picks, type=pa.int64())).to_pylist()
+    got.validate(full=True)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.data())
+def test_take_chunked_equals_arrow_take(chunk_rows: int, slots: int, data: st.DataObject) -> None:
+    total = chunk_rows * slots
+    rows = data.draw(st.lists(st.one_of(st.none(), st.lists(st.floats(-2, 2, width=32), max_size=5)),
+                              min_size=total, max_size=total))
+    chunks = [pa.array(rows[i * chunk_rows:(i + 1) * chunk_rows], type=pa.list_(pa.float32())) for i in range(slots)]
+    if data.draw(st.booleans()):
+        start = data.draw(st.integers(0, total - 1))  # a FIFO read, possibly wrapping the ring
+        n = data.draw(st.integers(1, total))
+        pos = (start + np.arange(n)) % total
+    else:
+        pos = np.asarray(data.draw(st.lists(st.integers(0, total - 1), max_size=3 * total)), dtype=np.int64)
+    got = ragged.take_chunked(chunks, chunk_rows, pos)
+    want = pa.chunked_array(chunks).take(pa.array(pos, type=pa.int64())).combine_chunks()
+    assert got.type == want.type and got.to_pylist() == want.to_pylist()
+    got.validate(full=True)
+
+
+def test_consecutive_rows_are_zero_copy() -> None:
+    chunk = pa.array([[1, 2], [3], [4, 5, 6], [7]], type=pa.list_(pa.int32()))
+    got = ragged.take_chunked([chunk, chunk], 4, np.arange(1, 4))
+    assert got.to_pylist() == [[3], [4, 5, 6], [7]]
+    assert got.values.buffers()[1].address == chunk.values.buffers()[1].address
+    assert ragged.take(chunk, np.arange(0, 2)).buffers()[1].address == chunk.buffers()[1].address
+    with pytest.raises(ab.InvalidArgument):
+        ragged.take(chunk, np.array([4]))

@@ -10,6 +10,8 @@ import threading
 import uuid
 
 import numpy as np
+import pyarrow as pa
+import pytest
 
 import arrowbuf as ab
 from arrowbuf.tiers import shm
@@ -95,3 +97,70 @@ def test_snapshots_are_consistent_while_a_writer_process_runs():
             p.kill()
             p.join(10)
         shm.remove(name)
+
+
+# ---------------------------------------------------------------------- iter_table: a snapshot chunk by chunk
+def check_batch(batch) -> np.ndarray:
+    """One streamed batch: one contiguous seq range, every row as committed. Returns its seqs."""
+    seq = batch.column("seq").to_numpy()
+    assert (np.diff(seq) == 1).all(), "a batch is not one contiguous seq range"
+    np.testing.assert_array_equal(batch.column("action").to_numpy(), seq)
+    obs = batch.column("obs").to_numpy_ndarray()
+    np.testing.assert_array_equal(obs, np.repeat(seq[:, None], 3, 1).astype(np.float32))
+    np.testing.assert_array_equal(batch.column("reward").to_numpy(), seq.astype(np.float32))
+    return seq
+
+
+def test_iter_table_streams_the_same_rows_as_to_table():
+    with ab.ExperienceStore(SMALL, capacity=300, chunk_rows=16, seed=0) as store:
+        _write(store, 12)  # wrapped: 444 rows into 300
+        batches = list(store.iter_table())
+        assert all(b.num_rows <= 16 for b in batches)
+        whole = store.to_table()
+        assert pa.Table.from_batches(batches).equals(whole)
+        small = list(store.iter_table(["seq", "action"], max_rows=5))
+        assert all(b.num_rows <= 5 for b in small) and small[0].schema.names == ["seq", "action"]
+        assert pa.Table.from_batches(small).equals(whole.select(["seq", "action"]))
+        with pytest.raises(ab.SchemaError):
+            store.iter_table(["nope"])  # raised at the call, before any row is read
+        with pytest.raises(ab.InvalidArgument):
+            store.iter_table(max_rows=0)
+
+
+def test_iter_table_stops_at_the_snapshot_point_and_skips_rows_evicted_before_it_reached_them():
+    with ab.ExperienceStore(SMALL, capacity=300, chunk_rows=16, seed=0) as store:
+        _write(store, 10)  # seqs 0..369, live 70..369
+        it = store.iter_table()
+        first = check_batch(next(it))
+        assert first[0] == 70
+        store.extend(rows_from(370, 150))  # evicts 70..219 (some of them not read yet); newer than the snapshot
+        rest = [check_batch(b) for b in it]
+        seqs = np.concatenate([first, *rest])
+        assert (np.diff(seqs) > 0).all()
+        assert seqs[-1] == 369  # nothing newer than the snapshot point
+        assert rest[0][0] == 220  # the stream went on at the oldest live row, every row intact
+
+
+def test_iter_table_batches_are_consistent_while_a_writer_thread_runs():
+    store = ab.ExperienceStore(SMALL, capacity=300, chunk_rows=16, seed=0)
+    _write(store, 10)
+    stop = threading.Event()
+    th = threading.Thread(target=_write, args=(store, 10**6, stop), daemon=True)
+    th.start()
+    try:
+        streams = 0
+        while streams < 40:
+            it = store.iter_table(max_rows=7)
+            after = store.stats()["next_seq"]
+            last = -1
+            for batch in it:
+                assert batch.num_rows <= 7
+                seq = check_batch(batch)
+                assert seq[0] > last
+                last = int(seq[-1])
+            assert last < after  # nothing newer than the snapshot point (its tail may have been evicted unread)
+            streams += 1
+    finally:
+        stop.set()
+        th.join(JOIN_S)
+        store.close()

@@ -109,3 +109,64 @@ def test_load_schema_by_the_name_of_a_shipped_schema():
     for bad in ("no-such-schema", "../schemas/atari", "atari/x"):
         with pytest.raises(ab.SchemaError, match="not the name of a schema shipped"):
             ab.load_schema(bad)
+
+
+# ---------------------------------------------------------------- fields filled later (issue 16)
+LATER = {"name": "later", "fields": {"prompt_id": "int64", "reward": {"dtype": "float32", "later": True},
+                                     "ref": {"dtype": "float32", "ragged": True, "later": True},
+                                     "emb": {"dtype": "float32", "shape": [2], "later": True}, "done": "bool"}}
+
+
+def test_later_fields_are_nullable_and_round_trip():
+    s = ab.load_schema(LATER)
+    assert s.later_fields == ["reward", "ref", "emb"] and s.fields["reward"].later
+    arrow = s.to_arrow()
+    assert arrow.field("reward").nullable and arrow.field("ref").nullable and arrow.field("emb").nullable
+    assert not arrow.field("prompt_id").nullable and not arrow.field("seq").nullable
+    assert s.sample_schema().field("reward").nullable and not s.sample_schema().field("done").nullable
+    assert ab.load_schema(s.to_dict()) == s
+    assert ab.load_schema(arrow).fields == s.fields
+    assert ab.load_schema(yaml.safe_load(yaml.safe_dump(s.to_dict()))) == s
+    direct = ab.ExperienceSchema("d", {"x": ab.FieldSpec("x", np.dtype(np.float32), later=True)})
+    assert direct.later_fields == ["x"] and direct.to_arrow().field("x").nullable
+
+
+def test_later_fields_may_be_left_out_or_given_with_nulls():
+    s = ab.load_schema(LATER)
+    cols, n = s.validate_batch({"prompt_id": [1, 2, 3], "done": [True] * 3})
+    assert n == 3 and np.ma.getmaskarray(cols["reward"]).all() and cols["ref"].null_count == 3
+    cols, _ = s.validate_batch({"prompt_id": [1, 2], "done": [True] * 2, "reward": [None, 2.0], "ref": [[1.0], None]})
+    assert np.ma.getmaskarray(cols["reward"]).tolist() == [True, False] and cols["ref"].is_valid().to_pylist() == [
+        True, False]
+    rb = pa.RecordBatch.from_pydict({"prompt_id": [1, 2], "done": [True, False],
+                                     "reward": pa.array([1.5, None], pa.float64())})
+    cols, _ = s.validate_batch(rb)
+    assert cols["reward"].tolist() == [1.5, None]
+    s.check_input_types(pa.schema([("prompt_id", pa.int64()), ("done", pa.bool_())]))
+    with pytest.raises(ab.SchemaError, match="later"):
+        s.validate_batch({"done": [True]})  # prompt_id is not filled later: still required
+    with pytest.raises(ab.SchemaError, match="reward"):  # the values given are still checked
+        s.validate_batch({"prompt_id": [1, 2], "done": [True] * 2, "reward": ["a", None]})
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"later": "yes"}, "'later' must be true or false"),
+])
+def test_later_malformed(bad, match):
+    d = {"name": "x", "fields": {"a": {"dtype": "float32", **bad}}}
+    with pytest.raises(ab.SchemaError, match=match):
+        ab.load_schema(d)
+
+
+def test_later_refused_where_rows_need_it_when_written():
+    with pytest.raises(ab.SchemaError, match="episode_end"):
+        ab.load_schema({"name": "x", "fields": {"done": {"dtype": "bool", "later": True}}})
+    with pytest.raises(ab.SchemaError, match="filled later"):
+        ab.load_schema({"name": "x", "fields": {"obs": {"dtype": "float32", "later": True}},
+                        "derived": {"next_obs": {"next_of": "obs"}}})
+
+
+def test_grpo_schema_is_bundled():
+    s = ab.load_schema("grpo")
+    assert set(s.later_fields) == {"reward", "ref_logprobs"} and s.episode_end == ("done",)
+    assert s.fields["response_tokens"].ragged and s.fields["prompt_id"].dtype == np.int64

@@ -562,3 +562,81 @@ def test_a_learner_that_never_reads_cannot_hold_arrowbuf_serve_open(tmp_path):
                 for pipe in (p.stdin, p.stdout, p.stderr):
                     if pipe is not None:
                         pipe.close()
+
+
+EMBEDDED_SERVER = r"""
+import signal, sys
+import numpy as np
+import arrowbuf as ab
+
+how = sys.argv[2]
+store = ab.ExperienceStore(sys.argv[1], capacity=2000)
+store.extend({"obs": np.zeros((2000, 4, 84, 84), np.uint8), "action": np.zeros(2000, np.int64),
+              "reward": np.zeros(2000, np.float32), "terminated": np.zeros(2000, bool),
+              "truncated": np.zeros(2000, bool)})
+server = ab.serve(store, "grpc://127.0.0.1:0", shutdown_timeout=1.0)
+print(server.location, flush=True)
+if how == "sigterm":          # the usual embedding: a signal handler closes the server, main waits for it
+    signal.signal(signal.SIGTERM, lambda signum, frame: server.close())
+    server.wait()
+elif how == "with":           # a with block that ends
+    with server:
+        sys.stdin.readline()
+else:                         # "exit": main returns without closing; the interpreter's exit has to stop it
+    sys.stdin.readline()
+print("main returned", flush=True)
+"""
+
+
+def _stall_session(client: flight.FlightClient):
+    """A learner session that asks for 16 batches of 56 MB, reads one and then nothing."""
+    descriptor = P.session_descriptor(P.SessionRequest(2000, prefetch=0))
+    writer, reader = client.do_exchange(descriptor)
+    writer.write_metadata(pa.py_buffer(b'{"op": "sample", "count": 16}'))
+    assert reader.read_chunk().data.num_rows == 2000  # the next one is larger than every buffer on the way
+    return writer, reader
+
+
+def _stall_table(client: flight.FlightClient):
+    """A `table` reader (56 MB of obs) that reads one chunk and then nothing."""
+    reader = client.do_get(flight.Ticket(P.encode_ticket(P.TableRequest("table", columns=["obs"]))))
+    assert reader.read_chunk().data.num_rows > 0
+    return reader
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stall", [_stall_session, _stall_table], ids=["session", "table"])
+@pytest.mark.parametrize("how", ["exit", "with", "sigterm"])
+def test_a_client_that_never_reads_cannot_hold_an_embedded_server(how, stall):
+    """`ab.serve` in a user's process: the process hung at exit (pyarrow's own shutdown waits for every call, and a
+    call whose client reads nothing never ends) after `close()`, SIGTERM or returning from main."""
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", EMBEDDED_SERVER, str(SCHEMAS / "atari.yaml"), how], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    client = None
+    try:
+        location = proc.stdout.readline().decode().strip()
+        assert location.startswith("grpc://"), proc.stderr.read().decode()
+        client = flight.FlightClient(location)
+        held = stall(client)
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            proc.stdin.write(b"exit\n")
+            proc.stdin.flush()
+        # the failure detector: the process exits (shutdown_timeout is 1 s); it hung until the client went away
+        assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
+        assert b"main returned" in proc.stdout.read()
+        del held
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if client is not None:
+            client.close()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()

@@ -299,6 +299,56 @@ class RemoteStore:
         chunk = self._call(call, self._deadline(rpc_timeout, timeout))
         return _sample_batch(chunk.data, chunk.app_metadata)
 
+    # ------------------------------------------------------------------ consumption per task (issue 16; owner: consume)
+    def consume(self, task: str, n: int, *, require: list[str] | None = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None, max_tokens: int | None = None,
+                rpc_timeout: float | None | object = _DEFAULT) -> SampleBatch:
+        """`ExperienceStore.consume` over one DoGet (ticket kind "consume"); the same arguments and errors.
+
+        Each row is delivered once per task across every client of the store.
+        """
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"consume: n must be a positive number of rows, got {n!r}")
+        if n > self.max_batch_rows:
+            raise SchemaError(f"consume({n}) is over the server's max_batch_rows {self.max_batch_rows}")
+        req_fields = [require] if isinstance(require, str) else (list(require) if require is not None else None)
+        wait = None if timeout is None or (timeout == 0 and not isinstance(timeout, bool)) else \
+            _check_timeout(timeout, "consume: timeout")
+        ticket = flight.Ticket(P.encode_ticket(P.ConsumeRequest(
+            task, int(n), self.name, req_fields, wait, max_staleness, where, max_tokens)))
+
+        def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
+            reader = client.do_get(ticket, options=call_options)
+            chunk = reader.read_chunk()
+            with contextlib.suppress(StopIteration):
+                reader.read_chunk()
+            return chunk
+
+        # not retried after a lost connection: the server may have marked the rows consumed
+        chunk = self._call(call, self._deadline(rpc_timeout, wait), retry=False)
+        return _sample_batch(chunk.data, chunk.app_metadata)
+
+    def add_task(self, name: str) -> None:
+        """Declare a consuming task on the server's store (`ExperienceStore.add_task`)."""
+        self._action("add_task", task=name)
+
+    @property
+    def tasks(self) -> list[str]:
+        """The store's consuming tasks."""
+        return list(self.stats().get("tasks", []))
+
+    @property
+    def policy_version(self) -> int:
+        """The store's current policy version (settable: the `set_policy_version` action)."""
+        return int(self._action("policy_version")["policy_version"])
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
+        self._action("set_policy_version", policy_version=int(value))
+    # ------------------------------------------------------------------ end of consumption per task
+
     def session(self, n: int, columns: list[str] | None = None, *, prefetch: int = 2, ahead: int = 2,
                 timeout: float | None = None, **options: Any) -> "LearnerSession":
         """A learner session over DoExchange; see `LearnerSession`."""

@@ -62,7 +62,7 @@ MAX_PREFETCH = 16
 #: Longest wait a request may ask for, in seconds (about 11 days).
 MAX_TIMEOUT = 1e6
 
-TICKET_KINDS = ("sample", "table", "episodes", "sql")
+TICKET_KINDS = ("sample", "table", "episodes", "sql", "consume")
 #: Sampler options a sample request or session may carry, and what each must be (unknown keys are an error;
 #: the server bounds them further, e.g. n_step by its max_n_step, stated in `describe`).
 SAMPLE_OPTIONS: dict[str, str] = {"n_step": "a positive integer", "gamma": "a number in [0, 1]",
@@ -77,6 +77,10 @@ ACTIONS: dict[str, str] = {
     # persist (issue 15): only under the server's checkpoint_root; `path` is a relative name (arrowbuf.persist.remote)
     "checkpoint": 'body {"path": "run-7", "keep": k (optional)}; writes under the server\'s checkpoint root; '
                   'returns the checkpoint summary',
+    # consume (issue 16): the store's policy version and consuming tasks
+    "set_policy_version": 'body {"policy_version": k}; sets the store\'s policy version; returns {"policy_version": k}',
+    "policy_version": 'returns {"policy_version": k}, the store\'s current policy version',
+    "add_task": 'body {"task": name}; declares a consuming task; returns {"tasks": [...]}',
 }
 
 
@@ -323,7 +327,9 @@ class TableRequest:
     query: str | None = None
 
 
-def encode_ticket(req: SampleRequest | TableRequest) -> bytes:
+def encode_ticket(req: SampleRequest | TableRequest | ConsumeRequest) -> bytes:
+    if isinstance(req, ConsumeRequest):
+        return _dumps(_encode_consume(req))
     obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": req.kind}
     if req.store is not None:
         obj["store"] = req.store
@@ -337,15 +343,17 @@ def encode_ticket(req: SampleRequest | TableRequest) -> bytes:
     return _dumps(obj)
 
 
-def decode_ticket(raw: bytes | pa.Buffer) -> SampleRequest | TableRequest:
+def decode_ticket(raw: bytes | pa.Buffer) -> SampleRequest | TableRequest | ConsumeRequest:
     obj = loads(raw, "ticket")
     f = _Fields(obj, "ticket")
     kind = f.get("kind", "a string", required=True)
     if kind not in TICKET_KINDS:
         raise SchemaError(f"ticket: unknown kind {kind!r}; expected one of {list(TICKET_KINDS)}")
     store = f.get("store", "a string")
-    req: SampleRequest | TableRequest
-    if kind == "sample":
+    req: SampleRequest | TableRequest | ConsumeRequest
+    if kind == "consume":
+        req = _decode_consume(f, store)
+    elif kind == "sample":
         req = SampleRequest(n=f.get("n", "a positive integer", required=True), store=store,
                             columns=f.get("columns", "a list of column names"),
                             timeout=f.get("timeout", "a number of seconds in [0, 1e6]"),
@@ -470,6 +478,8 @@ class ActionRequest:
     priorities: list[float] | None = None
     path: str | None = None   # checkpoint: a name relative to the server's checkpoint root
     keep: int | None = None
+    task: str | None = None            # add_task
+    policy_version: int | None = None  # set_policy_version
 
 
 def encode_action(type_: str, store: str | None, **body: Any) -> flight.Action:
@@ -493,6 +503,8 @@ def decode_action(action: flight.Action) -> ActionRequest:
         priorities = f.get("priorities", "a list of numbers", required=True)
         f.done()
         return ActionRequest(type_, store, indices, priorities)
+    if type_ in CONSUME_ACTIONS:
+        return _decode_consume_action(type_, f, store)
     if type_ == "checkpoint":
         path = f.get("path", "a string", required=True)
         keep = f.get("keep", "a positive integer")
@@ -500,6 +512,76 @@ def decode_action(action: flight.Action) -> ActionRequest:
         return ActionRequest(type_, store, path=path, keep=keep)
     f.done()
     return ActionRequest(type_, store)
+
+
+# ---------------------------------------------------------------------------------------------------- consume
+# issue 16 (owner: consume): DoGet kind "consume" and the actions set_policy_version, policy_version, add_task.
+#: Longest `where` predicate a consume request may carry (characters); the store checks it against the same limit.
+MAX_WHERE_CHARS = 4096
+#: Largest token budget a consume request may carry.
+MAX_TOKENS = 1 << 40
+#: Longest task name.
+MAX_TASK_CHARS = 256
+#: The actions `_decode_consume_action` reads.
+CONSUME_ACTIONS = ("set_policy_version", "policy_version", "add_task")
+
+
+@dataclass(frozen=True)
+class ConsumeRequest:
+    """DoGet kind "consume": up to `n` rows `task` has not consumed (see `ExperienceStore.consume`)."""
+
+    task: str
+    n: int
+    store: str | None = None
+    require: list[str] | None = None
+    timeout: float | None = None
+    max_staleness: int | None = None
+    where: str | None = None
+    max_tokens: int | None = None
+    kind: str = "consume"
+
+
+def _encode_consume(req: ConsumeRequest) -> dict[str, Any]:
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": "consume", "task": req.task, "n": req.n}
+    if req.store is not None:
+        obj["store"] = req.store
+    for key in ("require", "timeout", "max_staleness", "where", "max_tokens"):
+        if getattr(req, key) is not None:
+            obj[key] = getattr(req, key)
+    return obj
+
+
+def _decode_consume(f: _Fields, store: str | None) -> ConsumeRequest:
+    """A consume ticket, every field typed and bounded before the store sees it."""
+    task = f.get("task", "a string", required=True)
+    if not 0 < len(task) <= MAX_TASK_CHARS:
+        raise SchemaError(f"ticket: 'task' must have 1 to {MAX_TASK_CHARS} characters, got {len(task)}")
+    where = f.get("where", "a string")
+    if where is not None and len(where) > MAX_WHERE_CHARS:
+        raise SchemaError(f"ticket: 'where' has {len(where)} characters, over the limit of {MAX_WHERE_CHARS}")
+    max_tokens = f.get("max_tokens", "a positive integer")
+    if max_tokens is not None and max_tokens > MAX_TOKENS:
+        raise SchemaError(f"ticket: 'max_tokens' {max_tokens} is over the limit of {MAX_TOKENS}")
+    return ConsumeRequest(task=task, n=f.get("n", "a positive integer", required=True), store=store,
+                          require=f.get("require", "a list of column names"),
+                          timeout=f.get("timeout", "a number of seconds in [0, 1e6]"),
+                          max_staleness=f.get("max_staleness", "a non-negative integer"), where=where,
+                          max_tokens=max_tokens)
+
+
+def _decode_consume_action(type_: str, f: _Fields, store: str | None) -> ActionRequest:
+    if type_ == "set_policy_version":
+        req = ActionRequest(type_, store, policy_version=f.get("policy_version", "a non-negative integer",
+                                                               required=True))
+    elif type_ == "add_task":
+        task = f.get("task", "a string", required=True)
+        if not 0 < len(task) <= MAX_TASK_CHARS:
+            raise SchemaError(f"action add_task: 'task' must have 1 to {MAX_TASK_CHARS} characters")
+        req = ActionRequest(type_, store, task=task)
+    else:
+        req = ActionRequest(type_, store)
+    f.done()
+    return req
 
 
 # ---------------------------------------------------------------------------------------------------- metadata

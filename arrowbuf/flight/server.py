@@ -13,6 +13,7 @@ One server per process: the handlers are Python and hold the GIL while they pars
 
 from __future__ import annotations
 
+import atexit
 import hmac
 import ipaddress
 import itertools
@@ -20,6 +21,7 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
@@ -39,6 +41,7 @@ from ..errors import (
 from ..surface import check_surface
 from . import protocol as P
 from .limits import CallGate, ServerLimits
+from .sockets import cut_server_connections
 
 log = logging.getLogger("arrowbuf.flight")
 
@@ -111,6 +114,10 @@ class StoreServer:
         self._scheme = scheme
         self.port: int = self._service.port
         self.location = f"{scheme}://{self._host}:{self.port}"
+        # pyarrow's own exit hook waits for every call with no deadline; this one (registered later, so run
+        # first) closes the server the bounded way. It holds the server weakly, so it does not keep it alive.
+        self._close_at_exit = _exit_hook(weakref.ref(self))
+        atexit.register(self._close_at_exit)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed.is_set() else "serving"
@@ -129,10 +136,13 @@ class StoreServer:
         return self.calls.wait_idle(timeout)
 
     def close(self) -> None:
-        """Stop serving; idempotent. Waits at most `shutdown_timeout` seconds for calls in progress.
+        """Stop serving; idempotent. Returns within about twice `shutdown_timeout` seconds.
 
-        A stalled client (an open DoPut that sends nothing, a session that reads nothing) cannot hold `close()`:
-        after the timeout the remaining calls finish in the background when their clients go away.
+        Calls in progress get `shutdown_timeout` seconds to end. A call stalled by its client (a learner session or
+        a `table` stream that it does not read, an open DoPut that sends nothing) cannot hold the server: after
+        that, the server's client connections are cut (`arrowbuf.flight.sockets`), which cancels their calls, and
+        the Flight server stops (`stopped` turns True). The interpreter's exit closes a server still open the same
+        way, so a process embedding a server exits.
         """
         with self._close_lock:
             if self._closing.is_set():
@@ -146,19 +156,28 @@ class StoreServer:
         if thread is not None:
             thread.join(self.shutdown_timeout)
             if thread.is_alive():
-                log.warning("%s: calls still open after %.1fs; they end when their clients disconnect",
-                            self.location, self.shutdown_timeout)
+                cut = cut_server_connections(self.port)
+                log.warning("%s: calls still open after %.1fs; cut %d client connection(s)", self.location,
+                            self.shutdown_timeout, cut)
+                thread.join(self.shutdown_timeout)
+            if thread.is_alive():
+                log.warning("%s: calls still open after cutting their connections; they end when their waits end",
+                            self.location)
         self._closed.set()
 
     @property
     def stopped(self) -> bool:
-        """True once every call ended and the Flight server stopped; False while a stalled call still holds it.
+        """True once every call ended and the Flight server stopped.
 
-        After `close()` returned with `stopped` False, the stalled calls (a learner session that never reads) keep
-        their threads until their clients go away; a process that wants to exit now should `os._exit` (what
-        `arrowbuf serve` does), since the interpreter's own exit would wait for them.
+        After `close()` it is False only while a handler still finishes what it was doing when its connection was
+        cut (a sample or a commit in progress), or while a sample waits in the store for data or its rate limiter,
+        up to that request's own timeout (at most `max_timeout`).
         """
         return self._stopped.is_set()
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Block until the Flight server stopped (see `stopped`); False if `timeout` seconds passed first."""
+        return self._stopped.wait(timeout)
 
     def _shutdown(self) -> None:
         try:
@@ -166,6 +185,7 @@ class StoreServer:
         except Exception:  # pragma: no cover - shutdown of a broken server
             log.exception("Flight server shutdown failed")
         self._stopped.set()
+        atexit.unregister(self._close_at_exit)
 
     def __enter__(self) -> "StoreServer":
         return self
@@ -287,6 +307,8 @@ class _FlightService(flight.FlightServerBase):
         self.owner.check_open()
         req = P.decode_ticket(ticket.ticket)
         store = self.owner.store(req.store)
+        if isinstance(req, P.ConsumeRequest):
+            return self._consume(store, req)
         if isinstance(req, P.SampleRequest):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
             data, meta = _wire_batch(_sample(store, req.n, req.columns, req.timeout, req.options))
@@ -298,6 +320,14 @@ class _FlightService(flight.FlightServerBase):
         else:
             table = self._sql(store, req.query or "", context)
         return flight.RecordBatchStream(table)
+
+    def _consume(self, store: Any, req: P.ConsumeRequest) -> flight.FlightDataStream:
+        """The `consume` ticket (issue 16; owner: consume): bounded like a sample, then `store.consume`."""
+        self.owner.limits.check_sample(req.n, req.timeout, {}, "consume")
+        batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
+                              max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
+        data, meta = _wire_batch(batch)
+        return flight.GeneratorStream(data.schema, iter([(data, meta)]))
 
     def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
         """The `table` ticket: the store's consistent snapshot (`to_table`: each row as committed), sent chunk by chunk.
@@ -312,7 +342,8 @@ class _FlightService(flight.FlightServerBase):
         except BaseException:
             gate.release("table")
             raise
-        batches = _batches(table, lambda: gate.release("table"))
+        batches = _batches(table.to_batches(), lambda: gate.release("table"),
+                           lambda: self.owner.closed)
         first = next(batches, None)  # started now: a generator that never started would never run its `finally`
         return flight.GeneratorStream(table.schema, batches if first is None else itertools.chain([first], batches))
 
@@ -436,6 +467,8 @@ class _FlightService(flight.FlightServerBase):
             from ..persist.remote import checkpoint_under_root
 
             out = checkpoint_under_root(store, self.owner.checkpoint_root, req.path or "", req.keep)
+        elif req.type in P.CONSUME_ACTIONS:
+            out = _consume_action(store, req)
         else:  # update_priorities
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
         return [P.dumps(out)]
@@ -567,6 +600,16 @@ def _wire_batch(batch: Any) -> tuple[pa.RecordBatch, pa.Buffer]:
     return data, pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights))
 
 
+def _consume_action(store: Any, req: P.ActionRequest) -> dict[str, Any]:
+    """The actions set_policy_version, policy_version and add_task (issue 16; owner: consume)."""
+    if req.type == "set_policy_version":
+        store.policy_version = req.policy_version
+    elif req.type == "add_task":
+        store.add_task(req.task)
+        return {"tasks": list(store.tasks)}
+    return {"policy_version": int(store.policy_version)}
+
+
 def _sample(store: Any, n: int, columns: list[str] | None, timeout: float | None, options: dict[str, Any]) -> Any:
     return store.sample(n, columns=columns, timeout=timeout, **options)
 
@@ -578,12 +621,34 @@ def _row_bytes(schema: Any, columns: list[str]) -> int:
     return max(1, total)
 
 
-def _batches(table: pa.Table, done: Callable[[], None]) -> Iterator[pa.RecordBatch]:
-    """The table's batches (one per store chunk; `to_table` is a consistent copy), then `done()`."""
+def _batches(batches: Iterable[pa.RecordBatch], done: Callable[[], None],
+             closing: Callable[[], bool]) -> Iterator[pa.RecordBatch]:
+    """The batches of a `table` stream, then `done()`; a server closing ends the stream with `StoreClosed`."""
     try:
-        yield from table.to_batches()
+        for batch in batches:
+            if closing():  # an error, not a short stream: the reader must not take it for the whole table
+                raise StoreClosed("the server is shutting down; the table stream was cut short")
+            yield batch
     finally:
         done()
+
+
+#: How long the interpreter's exit waits, after `close()`, for handlers to finish what they were doing when their
+#: connections were cut: the interpreter aborts (a fatal error) when it finalizes while a gRPC thread runs Python.
+EXIT_DRAIN_TIMEOUT = 30.0
+
+
+def _exit_hook(ref: "weakref.ReferenceType[StoreServer]") -> Callable[[], None]:
+    """An `atexit` hook that closes the server `ref` names, if it still exists, and waits for it to stop."""
+
+    def close_at_exit() -> None:
+        server = ref()
+        if server is not None:
+            server.close()
+            if not server.wait_stopped(EXIT_DRAIN_TIMEOUT):
+                log.warning("%s: calls still running at exit after %.0fs", server.location, EXIT_DRAIN_TIMEOUT)
+
+    return close_at_exit
 
 
 def _name_of(owner: StoreServer, store: Any) -> str:

@@ -206,9 +206,9 @@ class ShardActor:
                                          spec["rate_limiter"], seed, chunk_rows=spec["chunk_rows"], tier=tier,
                                          name=shm_name or f"{spec['name']}-{shard}")
         self._stop_checkpoints = threading.Event()
-        if spec.get("checkpoint_every") and self.checkpoint_dir is not None:
-            threading.Thread(target=self._checkpoint_every, args=(float(spec["checkpoint_every"]),), daemon=True,
-                             name="arrowbuf-shard-checkpoint").start()
+        self._periodic = threading.Condition()
+        self._periodic_last: dict[str, Any] | None = None  # the latest periodic checkpoint's summary (or error)
+        self._periodic_thread: threading.Thread | None = None
         self.shard_store = ShardStore(self.store, shard, gen)
         host = ray.util.get_node_ip_address() if spec["bind"] is None else spec["bind"]
         self.server = serve(self.shard_store, f"grpc://{host}:0", token=spec["token"],
@@ -219,6 +219,11 @@ class ShardActor:
         if directory is not None:
             with contextlib.suppress(Exception):
                 directory.publish.remote(shard, self.info)
+        if spec.get("checkpoint_every") and self.checkpoint_dir is not None:  # persist: periodic checkpoints
+            self._periodic_thread = threading.Thread(
+                target=self._checkpoint_every, args=(float(spec["checkpoint_every"]),), daemon=True,
+                name="arrowbuf-shard-checkpoint")
+            self._periodic_thread.start()
 
     def get_info(self) -> dict[str, Any]:
         return self.info
@@ -239,19 +244,45 @@ class ShardActor:
         if path is None:
             raise InvalidArgument("this sharded store has no checkpoint_root: pass root= to checkpoint()")
         info = dict(self.store.checkpoint(path, keep=keep))
-        info.update(shard=self.shard, generation=self.info["generation"])
+        info.update(shard=self.shard, shard_generation=self.info["generation"])
         return info
 
+    def periodic_checkpoint(self, newer_than: int = -1, timeout: float = 0.0) -> dict[str, Any] | None:
+        """The summary of this incarnation's latest periodic checkpoint (`checkpoint_every`), or None before the
+        first; `count` numbers them (1, 2, ...), and a failed one carries `error` instead of rows.
+
+        Waits (on a condition the checkpoint thread signals, at most `timeout` seconds) until one with
+        `count > newer_than` has finished; returns the latest one then (or the latest one so far at the deadline).
+        """
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        with self._periodic:
+            while (self._periodic_last is None or self._periodic_last["count"] <= newer_than) and \
+                    not self._stop_checkpoints.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._periodic.wait(left):
+                    break
+            return None if self._periodic_last is None else dict(self._periodic_last)
+
     def _checkpoint_every(self, seconds: float) -> None:
+        count = 0
         while not self._stop_checkpoints.wait(seconds):
+            count += 1
             try:
-                self.store.checkpoint(self.checkpoint_dir, keep=2)
-            except Exception:  # noqa: BLE001 - a failed periodic checkpoint leaves the previous one; try again
-                continue
+                info: dict[str, Any] = dict(self.store.checkpoint(self.checkpoint_dir, keep=2))
+            except Exception as exc:  # noqa: BLE001 - a failed periodic checkpoint leaves the previous one; try again
+                info = {"error": f"{type(exc).__name__}: {exc}"}
+            info.update(count=count, shard=self.shard, shard_generation=self.info["generation"])
+            with self._periodic:
+                self._periodic_last = info
+                self._periodic.notify_all()
     # --- end persist
 
     def close(self) -> None:
         self._stop_checkpoints.set()
+        with self._periodic:
+            self._periodic.notify_all()
+        if self._periodic_thread is not None:  # a checkpoint in progress finishes (the manifest commit is atomic)
+            self._periodic_thread.join(60)
         self.server.close()
         self.store.close()  # the creator's close removes the shared-memory name
 

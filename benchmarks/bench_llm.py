@@ -1,0 +1,619 @@
+"""The LLM post-training data path (issue 16): TransferQueue's own workload, ragged rows and a GRPO-shaped batch.
+
+Rows:
+  fixed      TransferQueue's perftest case (its scripts/performance_test/perftest.py, default "simple" case): a global
+             batch of SAMPLES x FIELDS fields x 8192 float32, PUT then GET of the same samples, per system:
+               memcpy           np.copyto of the payload into fresh memory (the host ceiling)
+               arrowbuf local   `store.extend(batch)` then `store.sample(n)` (FIFO: the rows just put) + to_torch
+               arrowbuf flight  the same through `ab.connect` from another process (server in a subprocess)
+               raw flight       DoPut of the same record batch into a server that keeps it, DoGet of it back
+               ray              `ray.put` in a writer actor, `ray.get` in a reader actor (+ torch.from_numpy)
+               transferqueue    0.1.11, SimpleStorage backend, writer and reader actors as in its perftest; the
+                                GET counts the conversion of its jagged nested tensors to a dense [B, 8192] tensor
+  ragged     the same fields as ragged lists of lengths 1..8192 (an arithmetic progression, as TransferQueue's
+             complex case), arrowbuf in-process: FIFO GET (the rows just put) and uniform GET (random rows), each
+             against a memcpy of the gathered bytes into fresh memory; once back to back and once with 0.5 s pauses
+             between operations (TransferQueue's own method)
+  grpo       PROMPTS x 8 responses, response lengths uniform in [1k, 16k] tokens (scaled: see --prompts), ragged
+             input_ids (int32) and logprobs (float32), reward filled later: bytes per token id stored, and the token
+             imbalance of `split(ranks=4, balance="tokens")`
+
+Each system runs in its own child process (a fresh interpreter; `--child NAME`), which reports GB/s (payload bytes /
+seconds, medians over repeats) and the peak memory of its process tree (PSS summed over the child, its servers, Ray's
+processes) above the tree's memory before the payload existed, sampled every 20 ms.
+
+    python -m benchmarks.bench_llm [--quick] [--samples N] [--repeats R] [--only fixed ragged grpo]
+
+TransferQueue runs from its own venv (default /work/venv-tq, `--tq-python`): it pulls packages (pyzmq, hydra,
+omegaconf, msgspec, psutil) that the project venv does not carry. Prints a table, writes benchmarks/out/llm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "out"
+SEQ = 8192
+FIELDS = 9
+TQ_PYTHON = "/work/venv-tq/bin/python"
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def _tree(root: int) -> list[int]:
+    """`root` and all its descendants (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(parents.get(p, []))
+    return out
+
+
+def _pss(pids: list[int]) -> int:
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            pass
+    return total
+
+
+class PeakMemory:
+    """Peak PSS of this process's tree above its value at `start()`, sampled by a thread every 20 ms."""
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "PeakMemory":
+        self.base = self.peak = _pss(_tree(os.getpid()))
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _pss(_tree(os.getpid())))
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, _pss(_tree(os.getpid())))
+        return self.peak - self.base
+
+
+# ---------------------------------------------------------------------------------------------------- payloads
+def fixed_payload(samples: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {f"field_{i}": rng.standard_normal((samples, SEQ), dtype=np.float32) for i in range(FIELDS)}
+
+
+def ragged_lengths(samples: int) -> np.ndarray:
+    """1..8192 as an arithmetic progression over the samples (TransferQueue's nested fields)."""
+    return np.linspace(1, SEQ, samples).astype(np.int64)
+
+
+def ragged_payload(samples: int, seed: int = 0) -> dict[str, Any]:
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    lens = ragged_lengths(samples)
+    offs = np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
+    return {f"field_{i}": pa.ListArray.from_arrays(pa.array(offs), pa.array(
+        rng.standard_normal(int(offs[-1]), dtype=np.float32))) for i in range(FIELDS)}
+
+
+def _schema(ragged: bool) -> Any:
+    import arrowbuf as ab
+
+    spec = {"dtype": "float32", "ragged": True} if ragged else {"dtype": "float32", "shape": [SEQ]}
+    fields: dict[str, Any] = {f"field_{i}": dict(spec) for i in range(FIELDS)}
+    fields["done"] = {"dtype": "bool"}
+    return ab.load_schema({"name": "perftest", "fields": fields})
+
+
+def _with_done(payload: dict[str, Any], samples: int) -> dict[str, Any]:
+    return {**payload, "done": np.ones(samples, dtype=bool)}
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _med(xs: list[float]) -> float:
+    """The median after dropping the first (warm-up: imports, first touch, connections) of repeats + 1 runs."""
+    return statistics.median(xs[1:] if len(xs) > 1 else xs)
+
+
+# ---------------------------------------------------------------------------------------------------- children
+def child_memcpy(samples: int, repeats: int) -> dict[str, Any]:
+    src = np.ones(samples * SEQ * FIELDS, dtype=np.float32)
+    mem = PeakMemory().start()
+    fresh, steady = [], []
+    dst = np.ones_like(src)
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        out = np.empty_like(src)
+        np.copyto(out, src)
+        fresh.append(time.perf_counter() - t0)
+        del out
+        steady.append(_timed(lambda: np.copyto(dst, src)))
+    return {"put_s": _med(fresh), "get_s": _med(fresh), "steady_s": _med(steady), "peak_bytes": mem.stop(),
+            "bytes": src.nbytes}
+
+
+def child_ab_local(samples: int, repeats: int) -> dict[str, Any]:
+    import arrowbuf as ab
+
+    payload = fixed_payload(samples)
+    rows = _with_done(payload, samples)
+    store = ab.ExperienceStore(_schema(False), capacity=samples, sampler="fifo")
+    mem = PeakMemory().start()
+    put, get = [], []
+    for _ in range(repeats + 1):
+        put.append(_timed(lambda: store.extend(rows)))
+
+        def read() -> None:
+            store.sample(samples, columns=list(payload)).to_torch()
+
+        get.append(_timed(read))
+    store.close()
+    return {"put_s": _med(put), "get_s": _med(get), "peak_bytes": mem.stop(),
+            "bytes": sum(v.nbytes for v in payload.values())}
+
+
+def child_ab_flight(samples: int, repeats: int) -> dict[str, Any]:
+    import arrowbuf as ab
+
+    mem = PeakMemory()
+    proc = _spawn_server("ab", samples, False)
+    try:
+        location = json.loads(proc.stdout.readline())["location"]
+        remote = ab.connect(location, store="perftest")
+        payload = fixed_payload(samples)
+        rows = _with_done(payload, samples)
+        mem.start()
+        put, get = [], []
+        for _ in range(repeats + 1):
+            put.append(_timed(lambda: remote.extend(rows)))
+            get.append(_timed(lambda: remote.sample(samples, columns=list(payload)).to_torch()))
+        remote.close()
+        peak = mem.stop()
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+    return {"put_s": _med(put), "get_s": _med(get), "peak_bytes": peak,
+            "bytes": sum(v.nbytes for v in payload.values())}
+
+
+def child_raw_flight(samples: int, repeats: int) -> dict[str, Any]:
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
+    mem = PeakMemory()
+    proc = _spawn_server("raw", samples, False)
+    try:
+        client = flight.FlightClient(json.loads(proc.stdout.readline())["location"])
+        payload = fixed_payload(samples)
+        batch = pa.RecordBatch.from_pydict({k: pa.FixedShapeTensorArray.from_numpy_ndarray(v)
+                                            for k, v in payload.items()})
+        mem.start()
+        put, get = [], []
+        for _ in range(repeats + 1):
+            def do_put() -> None:
+                writer, _ = client.do_put(flight.FlightDescriptor.for_path("x"), batch.schema)
+                writer.write_batch(batch)
+                writer.close()
+
+            put.append(_timed(do_put))
+            get.append(_timed(lambda: client.do_get(flight.Ticket(b"x")).read_all()))
+        client.close()
+        peak = mem.stop()
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+    return {"put_s": _med(put), "get_s": _med(get), "peak_bytes": peak,
+            "bytes": sum(v.nbytes for v in payload.values())}
+
+
+def _ray_init() -> Any:
+    import ray
+
+    # TransferQueue's controller and storage units each reserve a CPU: 8 logical CPUs on this 2-core machine
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
+             log_to_driver=False)
+    return ray
+
+
+def child_ray(samples: int, repeats: int) -> dict[str, Any]:
+    ray = _ray_init()
+    try:
+        @ray.remote(num_cpus=0.001)
+        class Writer:
+            def make(self, samples: int) -> int:
+                self.payload = fixed_payload(samples)
+                return sum(v.nbytes for v in self.payload.values())
+
+            def put(self) -> list:
+                return [ray.put(self.payload)]  # a list: the reader gets the reference, not the value
+
+        @ray.remote(num_cpus=0.001)
+        class Reader:
+            def get(self, refs: list) -> int:
+                import torch
+
+                data = ray.get(refs[0])
+                out = {k: torch.from_numpy(v) for k, v in data.items()}  # what a trainer takes
+                return len(out)
+
+        writer, reader = Writer.remote(), Reader.remote()
+        ray.get(reader.get.remote([ray.put({})]))
+        mem = PeakMemory().start()
+        nbytes = ray.get(writer.make.remote(samples))
+        put, get = [], []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            refs = ray.get(writer.put.remote())
+            put.append(time.perf_counter() - t0)
+            get.append(_timed(lambda refs=refs: ray.get(reader.get.remote(refs))))
+            del refs
+        peak = mem.stop()
+    finally:
+        ray.shutdown()
+    return {"put_s": _med(put), "get_s": _med(get), "peak_bytes": peak, "bytes": nbytes}
+
+
+def child_tq(samples: int, repeats: int) -> dict[str, Any]:
+    """TransferQueue 0.1.11 as its perftest runs it (SimpleStorage, writer and reader actors)."""
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    ray = _ray_init()
+    try:
+        config = OmegaConf.load(pathlib.Path(tq.__file__).parent / "config.yaml")
+        config.backend.storage_backend = "SimpleStorage"
+        config.backend.SimpleStorage.total_storage_size = samples * (repeats + 2)
+        conf = OmegaConf.to_container(config, resolve=True)
+
+        @ray.remote(num_cpus=0.001)
+        class Client:
+            def __init__(self, conf: dict) -> None:
+                tq.init(OmegaConf.create(conf))
+
+            def make(self, samples: int) -> int:
+                import torch
+                from tensordict import TensorDict
+
+                torch.manual_seed(0)
+                self.data = TensorDict({f"field_{i}": torch.randn(samples, SEQ) for i in range(FIELDS)},
+                                       batch_size=(samples,))
+                return samples * SEQ * FIELDS * 4
+
+            def put(self, keys: list[str], partition: str) -> None:
+                tq.kv_batch_put(keys=keys, partition_id=partition, fields=self.data)
+
+            def get(self, keys: list[str], partition: str) -> int:
+                import torch
+
+                res = tq.kv_batch_get(keys=keys, partition_id=partition)
+                dense = {}
+                for k in res.keys():  # jagged nested tensors -> the dense [B, 8192] a trainer takes
+                    v = res[k]
+                    dense[k] = torch.stack(v.unbind()) if getattr(v, "is_nested", False) else v
+                return len(dense)
+
+            def clear(self, keys: list[str], partition: str) -> None:
+                tq.kv_clear(keys=keys, partition_id=partition)
+
+            def close(self) -> None:
+                tq.close()
+
+        tq.init(OmegaConf.create(conf))  # the driver starts the controller and storage units
+        writer, reader = Client.remote(conf), Client.remote(conf)
+        mem = PeakMemory().start()
+        nbytes = ray.get(writer.make.remote(samples))
+        put, get = [], []
+        for r in range(repeats + 1):
+            keys = [f"k{r}_{i}" for i in range(samples)]
+            put.append(_timed(lambda keys=keys: ray.get(writer.put.remote(keys, "train_0"))))
+            get.append(_timed(lambda keys=keys: ray.get(reader.get.remote(keys, "train_0"))))
+            ray.get(writer.clear.remote(keys, "train_0"))
+        peak = mem.stop()
+        ray.get([writer.close.remote(), reader.close.remote()])
+        tq.close()
+    finally:
+        ray.shutdown()
+    return {"put_s": _med(put), "get_s": _med(get), "peak_bytes": peak, "bytes": nbytes,
+            "version": _dist_version("transferqueue")}
+
+
+def child_ragged(samples: int, repeats: int, pause: float) -> dict[str, Any]:
+    """arrowbuf in-process on ragged rows: FIFO and uniform GET vs memcpy of the gathered bytes (fresh memory)."""
+    import arrowbuf as ab
+
+    payload = ragged_payload(samples)
+    rows = _with_done(payload, samples)
+    nbytes = sum(v.values.nbytes for v in payload.values())
+    fifo = ab.ExperienceStore(_schema(True), capacity=samples, sampler="fifo")
+    uni = ab.ExperienceStore(_schema(True), capacity=samples, sampler="uniform", seed=0)
+    uni.extend(rows)
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    put, get_fifo, get_uni, memcpy_fifo, memcpy_uni = [], [], [], [], []
+    for _ in range(repeats + 1):
+        time.sleep(pause)
+        put.append(_timed(lambda: fifo.extend(rows)))
+        time.sleep(pause)
+        t0 = time.perf_counter()
+        b = fifo.sample(samples, columns=list(payload))
+        t = b.to_torch(pack=True)  # flattened values + cu_seqlens: what a varlen trainer takes
+        get_fifo.append(time.perf_counter() - t0)
+        got = sum(t[k].numel() * 4 for k in payload)
+        time.sleep(pause)
+        memcpy_fifo.append(_timed(lambda got=got: np.copyto(np.empty(got // 4, np.float32), src[:got // 4])))
+        time.sleep(pause)
+        t0 = time.perf_counter()
+        b = uni.sample(samples, columns=list(payload))
+        t = b.to_torch(pack=True)
+        get_uni.append(time.perf_counter() - t0)
+        got_uni = sum(t[k].numel() * 4 for k in payload)
+        time.sleep(pause)
+        buf = np.ones(got_uni // 4, np.float32)
+        memcpy_uni.append(_timed(lambda buf=buf: np.copyto(np.empty_like(buf), buf)))
+        del t, b, buf
+    fifo.close()
+    uni.close()
+    return {"put_s": _med(put), "get_fifo_s": _med(get_fifo), "get_uniform_s": _med(get_uni),
+            "memcpy_fifo_s": _med(memcpy_fifo), "memcpy_uniform_s": _med(memcpy_uni), "bytes": nbytes,
+            "uniform_bytes": got_uni, "pause_s": pause}
+
+
+def child_grpo(prompts: int, repeats: int) -> dict[str, Any]:
+    """A GRPO-shaped batch: bytes per token id stored and the token imbalance of a 4-rank split."""
+    import pyarrow as pa
+
+    import arrowbuf as ab
+    from arrowbuf.balance import imbalance, partition
+
+    group = 8
+    n = prompts * group
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1024, 16 * 1024 + 1, n)
+    offs = np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
+    tokens = int(offs[-1])
+    ids = pa.ListArray.from_arrays(pa.array(offs), pa.array(rng.integers(0, 151_000, tokens, dtype=np.int32)))
+    lps = pa.ListArray.from_arrays(pa.array(offs), pa.array(-rng.random(tokens, dtype=np.float32)))
+    schema = ab.load_schema({"name": "grpo", "fields": {
+        "prompt_id": {"dtype": "int64"}, "policy_version": {"dtype": "int64"},
+        "input_ids": {"dtype": "int32", "ragged": True}, "logprobs": {"dtype": "float32", "ragged": True},
+        "reward": {"dtype": "float32"}, "done": {"dtype": "bool"}}})
+    store = ab.ExperienceStore(schema, capacity=n, sampler="fifo")
+    rows = {"prompt_id": np.repeat(np.arange(prompts), group), "policy_version": np.zeros(n, np.int64),
+            "input_ids": ids, "logprobs": lps, "reward": np.zeros(n, np.float32), "done": np.ones(n, bool)}
+    put = _timed(lambda: store.extend(rows))
+    table = store.to_table()
+    ids_bytes = table.column("input_ids").nbytes
+    row_bytes = table.nbytes
+    t0 = time.perf_counter()
+    batch = store.sample(n)
+    get = time.perf_counter() - t0
+    splits = {}
+    counts = batch.token_counts()
+    for method in ("kk", "lpt"):
+        parts = partition(counts, 4, groups=batch.to_numpy()["prompt_id"], method=method)
+        splits[f"{method}, groups whole"] = imbalance(counts, parts)
+        splits[method] = imbalance(counts, partition(counts, 4, method=method))
+    splits["contiguous"] = imbalance(counts, np.array_split(np.arange(n), 4))
+    t0 = time.perf_counter()
+    batch.split(4, balance="tokens", group="prompt_id")
+    split_s = time.perf_counter() - t0
+    store.close()
+    return {"prompts": prompts, "group": group, "tokens": tokens, "bytes_per_token_id": ids_bytes / tokens,
+            "bytes_per_token_row": row_bytes / tokens, "put_s": put, "get_s": get,
+            "bytes": int(ids.nbytes + lps.nbytes), "imbalance": splits, "split_s": split_s}
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import version
+
+    try:
+        return version(name)
+    except Exception:  # noqa: BLE001 - only a label
+        return "?"
+
+
+# ---------------------------------------------------------------------------------------------------- servers
+def _spawn_server(kind: str, samples: int, ragged: bool) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.bench_llm", "--serve", kind, "--samples",
+                             str(samples)], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def serve_main(kind: str, samples: int) -> None:
+    import pyarrow.flight as flight
+
+    if kind == "ab":
+        import arrowbuf as ab
+
+        store = ab.ExperienceStore(_schema(False), capacity=samples, sampler="fifo", name="perftest")
+        server = ab.serve(store, max_batch_bytes=4 << 30, max_batch_rows=max(65_536, samples))
+        print(json.dumps({"location": server.location}), flush=True)
+        sys.stdin.read()
+        server.close()
+        store.close()
+        return
+
+    class Raw(flight.FlightServerBase):
+        """The ceiling: DoPut keeps the table, DoGet sends it back."""
+
+        def __init__(self) -> None:
+            super().__init__("grpc://127.0.0.1:0")
+            self.table: Any = None
+
+        def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+            self.table = reader.read_all()
+
+        def do_get(self, context: Any, ticket: Any) -> Any:
+            return flight.RecordBatchStream(self.table)
+
+    raw = Raw()
+    print(json.dumps({"location": f"grpc://127.0.0.1:{raw.port}"}), flush=True)
+    sys.stdin.read()
+    raw.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------- parent
+CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
+    "memcpy": child_memcpy, "arrowbuf local": child_ab_local, "arrowbuf flight": child_ab_flight,
+    "raw flight": child_raw_flight, "ray": child_ray, "transferqueue": child_tq}
+
+
+def run_child(name: str, args: list[str], python: str = sys.executable, timeout: float = 600) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               RAY_DEDUP_LOGS="0")
+    try:
+        out = subprocess.run([python, "-m", "benchmarks.bench_llm", "--child", name, *args], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s"}
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or [f"exit {out.returncode}"]}
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="128 samples, 32 GRPO prompts, 2 repeats, no pauses row")
+    ap.add_argument("--samples", type=int, default=None, help="global batch (TransferQueue default: 1024)")
+    ap.add_argument("--prompts", type=int, default=None, help="GRPO prompts (issue: 256)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--only", nargs="+", default=["fixed", "ragged", "grpo"])
+    ap.add_argument("--skip", nargs="*", default=[], help="fixed-row systems to skip, e.g. transferqueue ray")
+    ap.add_argument("--tq-python", default=TQ_PYTHON)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--pause", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    samples = args.samples or (128 if args.quick else 512)
+    repeats = args.repeats or (2 if args.quick else 3)
+    prompts = args.prompts or (32 if args.quick else 64)
+    if args.serve:
+        serve_main(args.serve, samples)
+        return
+    if args.child:
+        if args.child == "ragged":
+            res = child_ragged(samples, repeats, args.pause)
+        elif args.child == "grpo":
+            res = child_grpo(prompts, repeats)
+        else:
+            res = CHILDREN[args.child](samples, repeats)
+        print(json.dumps(res), flush=True)
+        return
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    common = ["--samples", str(samples), "--repeats", str(repeats), "--prompts", str(prompts)]
+    results: dict[str, Any] = {}
+    if "fixed" in args.only:
+        results["fixed"] = {}
+        for name in CHILDREN:
+            if name in args.skip:
+                continue
+            if name == "transferqueue" and not os.path.exists(args.tq_python):
+                results["fixed"][name] = {"error": f"{args.tq_python} missing (pip install transferqueue==0.1.11 "
+                                                   "into its own venv)"}
+                continue
+            python = args.tq_python if name == "transferqueue" else sys.executable
+            results["fixed"][name] = run_child(name, common, python)
+            _print_fixed(name, results["fixed"][name])
+    if "ragged" in args.only:
+        results["ragged"] = {}
+        for pause in (0.0,) if args.quick else (0.0, 0.5):
+            r = run_child("ragged", [*common, "--pause", str(pause)])
+            results["ragged"][f"pause {pause}"] = r
+            _print_ragged(pause, r)
+    if "grpo" in args.only:
+        results["grpo"] = run_child("grpo", common)
+        _print_grpo(results["grpo"])
+    elapsed = time.perf_counter() - t0
+    load = (load_before, os.getloadavg()[0])
+    print(f"({elapsed:.0f}s; {samples} samples x {FIELDS} fields x {SEQ} float32 = "
+          f"{samples * FIELDS * SEQ * 4 / 1e6:.0f} MB; medians of {repeats} after a warm-up run; "
+          f"load average {load[0]:.1f} -> "
+          f"{load[1]:.1f} on {os.cpu_count()} CPUs)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    meta = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
+            "seconds": elapsed, "loadavg_1min_before_after": load, "samples": samples, "fields": FIELDS,
+            "seq": SEQ, "repeats": repeats, "prompts": prompts, "quick": args.quick,
+            "memory": "peak PSS of the child's process tree above its value before the payload existed"}
+    (OUT / "llm.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+def _gbs(nbytes: int, s: float) -> str:
+    return f"{nbytes / s / 1e9:6.2f}"
+
+
+def _print_fixed(name: str, r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"fixed  {name:16} unavailable: {r['error']}", flush=True)
+        return
+    print(f"fixed  {name:16} PUT {_gbs(r['bytes'], r['put_s'])} GB/s  GET {_gbs(r['bytes'], r['get_s'])} GB/s  "
+          f"peak +{r['peak_bytes'] / 2**30:5.2f} GiB ({r['peak_bytes'] / r['bytes']:4.1f}x payload)", flush=True)
+
+
+def _print_ragged(pause: float, r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"ragged pause {pause}: unavailable: {r['error']}", flush=True)
+        return
+    fifo = r["memcpy_fifo_s"] / r["get_fifo_s"]
+    uni = r["memcpy_uniform_s"] / r["get_uniform_s"]
+    print(f"ragged pause {pause:3.1f}  PUT {_gbs(r['bytes'], r['put_s'])} GB/s  GET fifo "
+          f"{_gbs(r['bytes'], r['get_fifo_s'])} GB/s ({fifo:4.2f}x memcpy)  GET uniform "
+          f"{_gbs(r['uniform_bytes'], r['get_uniform_s'])} GB/s ({uni:4.2f}x memcpy)", flush=True)
+
+
+def _print_grpo(r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"grpo   unavailable: {r['error']}", flush=True)
+        return
+    imb = ", ".join(f"{k} {v:.4f}" for k, v in r["imbalance"].items())
+    print(f"grpo   {r['prompts']}x{r['group']} rows, {r['tokens'] / 1e6:.1f}M tokens: "
+          f"{r['bytes_per_token_id']:.2f} B/token id ({r['bytes_per_token_row']:.2f} B/token for the whole row), "
+          f"PUT {_gbs(r['bytes'], r['put_s'])} GB/s, GET {_gbs(r['bytes'], r['get_s'])} GB/s; "
+          f"split(4) token imbalance: {imb}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

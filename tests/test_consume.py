@@ -1,0 +1,397 @@
+"""Consumption per task (arrowbuf/consume.py): once per task, blocking, eviction hold, staleness, filters, budgets."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import arrowbuf as ab
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LLM = {
+    "name": "llm",
+    "fields": {
+        "prompt_id": {"dtype": "int64"},
+        "response_tokens": {"dtype": "int32", "ragged": True},
+        "reward": {"dtype": "float32"},
+        "done": {"dtype": "bool"},
+        "policy_version": {"dtype": "int64"},
+    },
+}
+
+
+def rows(n, start=0, pv=0, group=4):
+    """`n` completions: row i has prompt i // group, i % 5 + 1 tokens, reward i."""
+    i = np.arange(start, start + n)
+    return {"prompt_id": i // group, "response_tokens": [[int(k)] * (int(k) % 5 + 1) for k in i],
+            "reward": i.astype(np.float32), "done": np.ones(n, bool), "policy_version": np.full(n, pv)}
+
+
+def store(capacity=64, **kw):
+    return ab.ExperienceStore(LLM, capacity=capacity, **kw)
+
+
+def test_two_tasks_each_see_every_row_once_with_all_columns():
+    s = store(tasks=["ref", "train"])
+    ids = s.extend(rows(10))
+    a = s.consume("ref", 4)
+    b = s.consume("ref", 100)
+    c = s.consume("train", 100)
+    np.testing.assert_array_equal(np.concatenate([a.indices, b.indices]), ids)
+    np.testing.assert_array_equal(c.indices, ids)
+    assert len(s.consume("ref", 5)) == 0 and len(s.consume("train", 5)) == 0
+    d = c.to_numpy()
+    assert set(c.columns) == set(LLM["fields"])
+    np.testing.assert_array_equal(d["reward"], np.arange(10, dtype=np.float32))
+    assert [list(r) for r in d["response_tokens"]] == rows(10)["response_tokens"]
+    st = s.stats()
+    assert st["consumed"] == {"ref": 10, "train": 10} and st["tasks"] == ["ref", "train"]
+
+
+def test_concurrent_consumers_and_a_writer_get_each_row_exactly_once():
+    s = store(capacity=4096, tasks=["a", "b"])
+    total, got, errors = 600, {"a": [], "b": []}, []
+    lock = threading.Lock()
+
+    def writer():
+        for k in range(0, total, 20):
+            s.extend(rows(20, start=k))
+
+    def consumer(task):
+        try:
+            seen = 0
+            while True:
+                with lock:
+                    if sum(map(len, got[task])) >= total:
+                        return
+                b = s.consume(task, 7, timeout=0.2)
+                with lock:
+                    got[task].append(b.indices)
+                    seen += len(b)
+                r = b.to_numpy()["reward"]
+                np.testing.assert_array_equal(r, b.indices.astype(np.float32))  # the rows' own data
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=consumer, args=(t,))
+                                                   for t in ("a", "a", "a", "b", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    for task in ("a", "b"):
+        ids = np.concatenate(got[task])
+        assert len(ids) == total and len(np.unique(ids)) == total  # no row twice, none missing
+
+
+def test_consume_blocks_until_rows_arrive_then_returns_what_is_ready_at_the_deadline():
+    s = store(tasks=["t"])
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("b", s.consume("t", 5, timeout=60)))
+    t.start()
+    s.extend(rows(3))
+    s.extend(rows(2, start=3))  # the waiting consumer is woken by the commits, not by its deadline
+    t.join(60)
+    np.testing.assert_array_equal(out["b"].indices, np.arange(5))
+    s.extend(rows(2, start=5))
+    part = s.consume("t", 10, timeout=0.05)  # only 2 ready: they come back at the deadline
+    np.testing.assert_array_equal(part.indices, [5, 6])
+    assert len(s.consume("t", 3)) == 0
+
+
+def test_a_new_row_in_a_recycled_slot_is_unconsumed():
+    s = store(capacity=8, tasks=["t"])
+    s.extend(rows(8))
+    assert len(s.consume("t", 8)) == 8
+    s.extend(rows(8, start=8))  # same ring positions, new generation
+    np.testing.assert_array_equal(s.consume("t", 100).indices, np.arange(8, 16))
+
+
+def test_eviction_waits_for_every_task_then_times_out_and_changes_nothing():
+    s = store(capacity=8, tasks=["ref", "train"])
+    s.extend(rows(8))
+    s.consume("ref", 8)
+    before = s.to_table()
+    with pytest.raises(ab.InsertTimeout, match="train"):
+        s.extend(rows(2, start=8), timeout=0.05)
+    with pytest.raises(ab.InsertTimeout):
+        s.append({k: v[0] for k, v in rows(1, start=8).items()})  # timeout=None: no wait
+    assert s.to_table().equals(before)
+    done = {}
+    w = threading.Thread(target=lambda: done.setdefault("ids", s.extend(rows(2, start=8), timeout=60)))
+    w.start()
+    assert len(s.consume("train", 2)) == 2  # releases rows 0 and 1: the held writer goes on
+    w.join(60)
+    np.testing.assert_array_equal(done["ids"], [8, 9])
+    assert s.stats()["first_seq"] == 2 and len(s) == 8
+
+
+def test_stale_rows_are_dropped_and_counted_never_delivered():
+    s = store(tasks=["t"])
+    s.extend(rows(4, pv=1))
+    s.extend(rows(4, start=4, pv=3))
+    s.policy_version = 4
+    b = s.consume("t", 100, max_staleness=1)
+    np.testing.assert_array_equal(b.indices, np.arange(4, 8))
+    assert s.stats()["stale_dropped"] == 4
+    assert (b.to_numpy()["policy_version"] >= 3).all()
+    assert len(s.consume("t", 100)) == 0  # dropped rows count as consumed for the task
+
+
+def test_admission_control_refuses_old_rows_and_holds_rows_ahead_of_the_window():
+    s = store(tasks=["t"], max_staleness=1)
+    s.policy_version = 5
+    with pytest.raises(ab.InvalidArgument, match="staleness window"):
+        s.extend(rows(2, pv=3))
+    assert len(s) == 0
+    s.extend(rows(2, pv=4))
+    with pytest.raises(ab.InsertTimeout, match="ahead"):
+        s.extend(rows(2, start=2, pv=7), timeout=0.05)
+    assert len(s) == 2
+    done = {}
+    w = threading.Thread(target=lambda: done.setdefault("ids", s.extend(rows(2, start=2, pv=7), timeout=60)))
+    w.start()
+    s.policy_version = 6  # the version advances: the writer is admitted
+    w.join(60)
+    np.testing.assert_array_equal(done["ids"], [2, 3])
+
+
+def test_stale_rows_may_be_evicted_unconsumed_under_store_max_staleness():
+    s = store(capacity=4, tasks=["t"], max_staleness=0)
+    s.extend(rows(4, pv=0))
+    s.policy_version = 1
+    s.extend(rows(2, start=4, pv=1), timeout=0)  # rows 0, 1 are stale: no wait
+    np.testing.assert_array_equal(s.consume("t", 100, max_staleness=0).indices, [4, 5])
+
+
+def test_where_filters_on_scalar_columns_and_leaves_the_rest_unconsumed():
+    s = store(tasks=["t"])
+    s.extend(rows(10))
+    b = s.consume("t", 100, where="reward >= 6 AND prompt_id < 9")
+    np.testing.assert_array_equal(b.indices, [6, 7, 8, 9])
+    np.testing.assert_array_equal(s.consume("t", 100).indices, np.arange(6))
+
+
+def test_a_where_that_escapes_its_parentheses_cannot_add_rows():
+    s = store(tasks=["t"])
+    s.extend(rows(4))
+    b = s.consume("t", 100, where="reward > 100) UNION SELECT 2 UNION SELECT 99 --")
+    np.testing.assert_array_equal(b.indices, [2])  # only candidate rows can pass: the sandbox result filters them
+
+
+@pytest.mark.parametrize("where", ["len(response_tokens) > 2", "reward >", "reward > (SELECT version())",
+                                   "1; DROP TABLE experience", ""])
+def test_a_bad_or_non_scalar_where_is_a_clear_error_that_consumes_nothing(where):
+    s = store(tasks=["t"])
+    s.extend(rows(4))
+    with pytest.raises(ab.InvalidArgument):
+        s.consume("t", 100, where=where)
+    assert len(s.consume("t", 100)) == 4
+
+
+def test_where_never_reads_ragged_columns():
+    s = store(tasks=["t"])
+    s.extend(rows(4))
+    with pytest.raises(ab.InvalidArgument, match="scalar columns") as e:
+        s.consume("t", 10, where="response_tokens IS NOT NULL")
+    assert "'response_tokens'" not in e.value.args[0].split("columns")[1].split("(")[0]  # not among the columns
+    table = s._consume._scalar_table(np.arange(4))
+    assert set(table.column_names) == {"prompt_id", "reward", "done", "policy_version", "episode_id", "step", "seq"}
+
+
+def test_max_tokens_budget():
+    s = store(tasks=["t"])
+    s.extend(rows(10))  # tokens per row: 1 2 3 4 5 1 2 3 4 5
+    b = s.consume("t", 100, max_tokens=7)
+    np.testing.assert_array_equal(b.indices, [0, 1, 2])
+    assert sum(len(r) for r in b.to_numpy()["response_tokens"]) <= 7
+    b = s.consume("t", 100, max_tokens=2)  # row 3 alone is over budget: delivered alone, never stuck
+    np.testing.assert_array_equal(b.indices, [3])
+
+
+@pytest.mark.parametrize("kwargs", [{"task": "nope"}, {"n": 0}, {"n": 2.5}, {"timeout": -1},
+                                    {"timeout": float("nan")}, {"max_staleness": -1}, {"require": ["nope"]},
+                                    {"where": 3}, {"max_tokens": 0}, {"where": "x" * 5000}])
+def test_bad_requests_raise_invalid_argument_and_change_nothing(kwargs):
+    s = store(tasks=["t"])
+    s.extend(rows(4))
+    args = {"task": "t", "n": 2, **kwargs}
+    with pytest.raises(ab.InvalidArgument):
+        s.consume(args.pop("task"), args.pop("n"), **args)
+    assert s.stats()["consumed"] == {"t": 0}
+    assert len(s.consume("t", 100)) == 4
+
+
+def test_tasks_declared_later_and_bad_declarations():
+    s = store(tasks=["ref"])
+    s.extend(rows(3))
+    s.add_task("train")
+    assert s.tasks == ["ref", "train"]
+    assert len(s.consume("train", 10)) == 3
+    with pytest.raises(ab.InvalidArgument):
+        s.add_task("train")
+    with pytest.raises(ab.InvalidArgument):
+        store(tasks=["a", "a"])
+    with pytest.raises(ab.InvalidArgument):
+        store(tasks="ab")
+    with pytest.raises(ab.SchemaError):
+        ab.ExperienceStore(ab.load_schema("atari"), capacity=8, max_staleness=1)  # no policy_version field
+    with pytest.raises(ab.InvalidArgument):
+        s.policy_version = -1
+
+
+def test_closing_wakes_a_waiting_consumer():
+    s = store(tasks=["t"])
+    err = []
+
+    def wait():
+        try:
+            s.consume("t", 5, timeout=60)
+        except ab.StoreClosed as exc:
+            err.append(exc)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    s.close()  # before or while it waits: either way StoreClosed, never a hang
+    t.join(60)
+    assert not t.is_alive() and len(err) == 1
+
+
+# ---------------------------------------------------------------------------------------------------- over Flight
+CONSUMER = r"""
+import json, sys
+import arrowbuf as ab
+location, task, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+got = []
+with ab.connect(location) as remote:
+    while True:
+        done = remote.policy_version == 1  # the writer sets it once every row is written
+        b = remote.consume(task, n, timeout=0.2)
+        got += b.indices.tolist()
+        if len(b) == 0 and done:
+            break
+print(json.dumps(got))
+"""
+
+
+@pytest.fixture
+def served():
+    s = store(capacity=4096, tasks=["ref", "train"])
+    server = ab.serve(s)
+    remote = ab.connect(server.location)
+    try:
+        yield s, remote
+    finally:
+        remote.close()
+        server.close()
+        s.close()
+
+
+@pytest.fixture
+def procs():
+    started = []
+
+    def spawn(args):
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        started.append(p)
+        return p
+
+    yield spawn
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=30)
+
+
+def test_each_task_consumes_each_row_once_across_processes_and_threads_over_flight(served, procs):
+    s, remote = served
+    location = remote.location
+    total = 400
+    workers = [procs([sys.executable, "-c", CONSUMER, location, "train", "9"]) for _ in range(2)]
+    got, errors = [], []
+
+    def thread_consumer():
+        try:
+            with ab.connect(location) as mine:
+                while True:
+                    done = mine.policy_version == 1
+                    b = mine.consume("ref", 11, timeout=0.2)
+                    got.append(b.indices)
+                    if len(b) == 0 and done:
+                        return
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=thread_consumer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    with ab.connect(location) as writer:
+        for k in range(0, total, 25):
+            writer.extend(rows(25, start=k))
+        writer.policy_version = 1
+    for t in threads:
+        t.join(120)
+    assert not errors
+    train = []
+    for p in workers:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+        train += json.loads(out)
+    ref = np.concatenate(got)
+    assert sorted(train) == list(range(total))  # every row once for "train", split between two processes
+    assert sorted(ref.tolist()) == list(range(total))  # and once for "ref", between two threads
+
+
+def test_the_same_calls_over_flight(served):
+    s, remote = served
+    remote.extend(rows(10, pv=2))
+    remote.policy_version = 3
+    assert remote.policy_version == 3 == s.policy_version
+    b = remote.consume("train", 100, max_staleness=1, where="reward < 8", max_tokens=12, timeout=0)
+    np.testing.assert_array_equal(b.indices, [0, 1, 2, 3])  # 1+2+3+4 tokens
+    assert [list(r) for r in b.to_numpy()["response_tokens"]] == rows(4)["response_tokens"]
+    remote.add_task("extra")
+    assert "extra" in remote.tasks and len(remote.consume("extra", 100)) == 10
+    assert remote.stats()["consumed"]["extra"] == 10
+    empty = remote.consume("extra", 5)
+    assert len(empty) == 0 and "response_tokens" in empty.columns
+
+
+@pytest.mark.parametrize("kwargs", [{"task": "nope"}, {"require": ["nope"]}, {"where": "len(response_tokens) > 1"},
+                                    {"max_staleness": -1}, {"where": "x" * 5000}, {"timeout": -1},
+                                    {"max_tokens": 0}, {"n": 10**9}])
+def test_bad_consume_requests_over_flight_are_invalid_argument_and_change_nothing(served, kwargs):
+    s, remote = served
+    remote.extend(rows(4))
+    args = {"task": "train", "n": 2, **kwargs}
+    with pytest.raises(ab.InvalidArgument):
+        remote.consume(args.pop("task"), args.pop("n"), **args)
+    assert s.stats()["consumed"]["train"] == 0
+    with pytest.raises(ab.InvalidArgument):
+        remote.policy_version = -1
+    assert len(remote.consume("train", 100)) == 4
+
+
+def test_a_raw_flight_consume_ticket_is_validated_before_any_work(served):
+    import pyarrow.flight as flight
+
+    s, remote = served
+    s.extend(rows(4))
+    client = flight.connect(remote.location)
+    for body in ({"kind": "consume", "task": "train"}, {"kind": "consume", "task": "train", "n": 2, "bogus": 1},
+                 {"kind": "consume", "task": "", "n": 2}, {"kind": "consume", "task": "train", "n": 2,
+                                                            "max_tokens": 2**50},
+                 {"kind": "consume", "task": "train", "n": 2, "require": "reward"}):
+        with pytest.raises(flight.FlightServerError):
+            client.do_get(flight.Ticket(json.dumps(body).encode())).read_all()
+    client.close()
+    assert s.stats()["consumed"]["train"] == 0

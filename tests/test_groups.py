@@ -1,0 +1,164 @@
+"""Groups (arrowbuf/groups.py): whole groups only, never split; DAPO zero-variance filter; staleness per group."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arrowbuf as ab
+from arrowbuf.groups import assign_groups, complete_groups
+
+LLM = {
+    "name": "llm",
+    "fields": {
+        "prompt_id": {"dtype": "int64"},
+        "response_tokens": {"dtype": "int32", "ragged": True},
+        "reward": {"dtype": "float32"},
+        "done": {"dtype": "bool"},
+        "policy_version": {"dtype": "int64"},
+    },
+}
+G = 4
+
+
+def group_rows(prompts, pv=0, rewards=None, members=None):
+    """G completions of each prompt in `prompts` (or only `members` of each); reward = a distinct value per row."""
+    members = list(range(G)) if members is None else list(members)
+    pid = np.repeat(np.asarray(prompts, np.int64), len(members))
+    idx = np.tile(np.asarray(members), len(prompts))
+    reward = (pid * 10 + idx).astype(np.float32) if rewards is None else np.asarray(rewards, np.float32)
+    return {"prompt_id": pid, "response_tokens": [[1] * (int(i) + 1) for i in idx], "reward": reward,
+            "done": np.ones(len(pid), bool), "policy_version": np.full(len(pid), pv)}
+
+
+def store(capacity=256, drop=None, **kw):
+    return ab.ExperienceStore(LLM, capacity=capacity, sampler=ab.samplers.Group(key="prompt_id", size=G,
+                                                                                drop_zero_variance=drop), **kw)
+
+
+def assert_whole_groups(batch):
+    pid = batch.to_numpy()["prompt_id"]
+    assert len(pid) % G == 0
+    for g in pid.reshape(-1, G):
+        assert (g == g[0]).all(), pid
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=40), st.integers(1, 4))
+def test_assign_groups_cuts_each_key_in_order(keys, size):
+    keys = np.asarray(keys, np.int64)
+    gid, counts = assign_groups(keys, size)
+    for g in range(len(counts)):
+        mine = np.flatnonzero(gid == g)
+        assert len(mine) == counts[g] <= size and len(set(keys[mine])) == 1
+    members = complete_groups(np.arange(len(keys)), keys, size)
+    for key in set(keys.tolist()):
+        assert sum((keys[m[0]] == key) for m in members) == (keys == key).sum() // size
+
+
+def test_group_is_reexported_from_samplers():
+    assert ab.samplers.Group is ab.samplers.GroupSampler
+
+
+def test_only_complete_groups_are_delivered_never_split():
+    s = store(tasks=["t"])
+    s.extend(group_rows([0, 1], members=[0, 1]))  # two halves
+    s.extend(group_rows([2]))                      # one whole group
+    b = s.consume("t", 16)
+    assert_whole_groups(b)
+    assert set(b.to_numpy()["prompt_id"]) == {2}
+    s.extend(group_rows([1, 0], members=[2, 3]))  # the halves complete
+    b = s.consume("t", 16)
+    assert_whole_groups(b)
+    assert sorted(set(b.to_numpy()["prompt_id"])) == [0, 1]
+
+
+def test_n_counts_rows_and_whole_groups_fit_in_it():
+    s = store(tasks=["t"])
+    s.extend(group_rows(range(5)))
+    b = s.consume("t", 10)  # two groups fit in 10 rows
+    assert len(b) == 8
+    assert_whole_groups(b)
+    with pytest.raises(ab.InvalidArgument, match="group"):
+        s.consume("t", G - 1)
+
+
+def test_concurrent_writers_and_consumers_never_split_a_group():
+    s = store(capacity=4096, tasks=["train"])
+    prompts, got, errors = 60, [], []
+
+    def writer(first):  # interleaves halves of its groups with the other writer's
+        for p in range(first, prompts, 2):
+            s.extend(group_rows([p], members=[0, 1]))
+            s.extend(group_rows([p], members=[2, 3]))
+
+    def consumer():
+        try:
+            while sum(map(len, got)) < prompts * G:
+                b = s.consume("train", 3 * G, timeout=0.2)
+                assert_whole_groups(b)
+                got.append(b.indices)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in (0, 1)] + [threading.Thread(target=consumer)
+                                                                              for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    ids = np.concatenate(got)
+    assert len(ids) == prompts * G == len(np.unique(ids))
+
+
+def test_zero_variance_groups_are_dropped_for_every_task_and_counted():
+    s = store(drop="reward", tasks=["ref", "train"])
+    flat = np.ones(G, np.float32)
+    s.extend(group_rows([0, 1, 2], rewards=np.concatenate([np.arange(G), flat, np.arange(G)])))
+    b = s.consume("train", 64)
+    assert sorted(set(b.to_numpy()["prompt_id"])) == [0, 2]
+    assert s.stats()["groups_dropped_zero_variance"] == 1
+    assert sorted(set(s.consume("ref", 64).to_numpy()["prompt_id"])) == [0, 2]
+    assert s.stats()["groups_dropped_zero_variance"] == 1  # counted once
+    s.extend(group_rows([3], rewards=flat))
+    assert 3 not in set(s.sample(64).to_numpy()["prompt_id"])  # sample skips it too
+    assert s.stats()["groups_dropped_zero_variance"] == 2
+
+
+def test_sample_draws_whole_groups():
+    s = store()
+    s.extend(group_rows(range(6)))
+    s.extend(group_rows([9], members=[0, 1]))  # incomplete: never sampled
+    b = s.sample(5 * G)
+    assert_whole_groups(b)
+    assert 9 not in set(b.to_numpy()["prompt_id"])
+
+
+def test_staleness_drops_whole_groups():
+    s = store(tasks=["t"])
+    s.extend(group_rows([0], pv=1))
+    s.extend(group_rows([1], pv=3))
+    s.policy_version = 3
+    b = s.consume("t", 64, max_staleness=1)
+    assert set(b.to_numpy()["prompt_id"]) == {1}
+    assert s.stats()["stale_dropped"] == G
+
+
+def test_where_judges_whole_groups():
+    s = store(tasks=["t"])
+    s.extend(group_rows([0, 1]))  # rewards 0..3 and 10..13
+    b = s.consume("t", 64, where="reward >= 2")
+    assert set(b.to_numpy()["prompt_id"]) == {1}  # group 0 has rows below 2: not delivered, not split
+    assert set(s.consume("t", 64).to_numpy()["prompt_id"]) == {0}
+
+
+def test_group_on_a_non_scalar_key_is_a_schema_error():
+    with pytest.raises(ab.SchemaError, match="scalar"):
+        ab.ExperienceStore(LLM, capacity=8, sampler=ab.samplers.Group(key="response_tokens", size=2))
+    with pytest.raises(ab.InvalidArgument):
+        ab.samplers.Group(size=0)

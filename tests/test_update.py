@@ -1,0 +1,198 @@
+"""store.update: fields filled later (issue 16). Real stores, real processes, a real Flight server."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import arrowbuf as ab
+from conftest import store_snapshot
+
+GRPO = {"name": "g", "fields": {
+    "prompt_id": {"dtype": "int64"},
+    "response": {"dtype": "int32", "ragged": True},
+    "ref_logprobs": {"dtype": "float32", "ragged": True, "later": True},
+    "reward": {"dtype": "float32", "later": True, "allow_nan": False},
+    "emb": {"dtype": "float32", "shape": [2], "later": True},
+    "done": {"dtype": "bool"},
+}}
+SCALAR = {"name": "s", "fields": {"prompt_id": "int64", "reward": {"dtype": "float32", "later": True},
+                                  "emb": {"dtype": "float32", "shape": [2], "later": True}, "done": "bool"}}
+
+
+def rollouts(n, start=0):
+    rng = np.random.default_rng(start)
+    return {"prompt_id": np.arange(start, start + n), "done": np.ones(n, bool),
+            "response": [rng.integers(0, 100, rng.integers(1, 6)).astype(np.int32) for _ in range(n)]}
+
+
+@pytest.fixture
+def store():
+    with ab.ExperienceStore(GRPO, capacity=16, chunk_rows=4, seed=0) as s:
+        yield s
+
+
+def test_left_out_fields_read_as_null_everywhere(store):
+    ids = store.extend(rollouts(5))
+    t = store.to_table()
+    assert t.column("reward").null_count == 5 and t.column("ref_logprobs").null_count == 5
+    assert t.column("emb").null_count == 5 and t.schema.field("reward").nullable
+    b = store.sample(20)
+    assert b.data.column("reward").null_count == 20 and b.data.column("emb").null_count == 20
+    assert store.present(["reward"], ids).tolist() == [False] * 5
+    assert store.present(["prompt_id"], ids).all()  # fields written with their row are always present
+    assert store.sql("SELECT count(*) AS n FROM experience WHERE reward IS NULL").column("n")[0].as_py() == 5
+
+
+def test_update_fills_field_by_field(store):
+    ids = store.extend(rollouts(6))
+    assert store.update(ids[:3], {"reward": [1.0, 2.0, 3.0]}) == 3
+    assert store.update(ids[1:3], {"ref_logprobs": [[0.5, 0.25], []], "emb": np.ones((2, 2))}) == 2
+    t = store.to_table().to_pydict()
+    assert t["reward"] == [1.0, 2.0, 3.0, None, None, None]
+    assert t["ref_logprobs"] == [None, [0.5, 0.25], [], None, None, None]
+    assert t["emb"] == [None, [1.0, 1.0], [1.0, 1.0], None, None, None]
+    both = store.present(["reward", "ref_logprobs"], ids)
+    assert both.tolist() == [False, True, True, False, False, False]
+    pos = ids % store.arena_rows
+    assert store._core.present(["reward", "ref_logprobs"], pos).tolist() == both.tolist()
+    # overwriting is allowed (a retried reward): last write wins
+    store.update(ids[:1], {"reward": np.array([9.0], np.float32)})
+    assert store.to_table(["reward"]).column(0).to_pylist()[0] == 9.0
+    # one id as a plain int takes one value per field
+    assert store.update(int(ids[5]), {"reward": 4.5, "ref_logprobs": [1.0]}) == 1
+    b = store.sample(64)
+    got = dict(zip(b.indices.tolist(), b.data.column("reward").to_pylist()))
+    assert got.get(int(ids[5]), 4.5) == 4.5 and got.get(int(ids[3])) is None
+
+
+def test_given_at_extend_and_nulls_in_arrow_input(store):
+    ids = store.extend({**rollouts(2), "reward": [0.5, None], "ref_logprobs": [None, [1.0]]})
+    rb = pa.RecordBatch.from_pydict({"prompt_id": [7], "done": [True], "response": pa.array([[1, 2]], pa.list_(
+        pa.int32())), "reward": pa.array([None], pa.float32())})
+    ids2 = store.extend(rb)
+    t = store.to_table().to_pydict()
+    assert t["reward"] == [0.5, None, None] and t["ref_logprobs"] == [None, [1.0], None]
+    assert store.present(["reward"], np.concatenate([ids, ids2])).tolist() == [True, False, False]
+    store.append({"prompt_id": 8, "done": True, "response": [1], "reward": 2.0})
+    store.append({"prompt_id": 9, "done": True, "response": [1], "reward": None})
+    assert store.to_table(["reward"]).column(0).to_pylist()[-2:] == [2.0, None]
+
+
+def test_absent_values_never_show_the_previous_row(store):
+    """A ring position reused by a row without the field reads null, not the evicted row's value."""
+    ids = store.extend({**rollouts(16), "reward": np.arange(16, dtype=np.float32), "emb": np.ones((16, 2)),
+                        "ref_logprobs": [[1.0]] * 16})
+    assert store.present(["reward", "emb", "ref_logprobs"], ids).all()
+    store.extend(rollouts(40, start=100))  # wraps the ring more than twice
+    t = store.to_table()
+    assert t.num_rows == 16
+    for name in ("reward", "emb", "ref_logprobs"):
+        assert t.column(name).null_count == 16, name
+    b = store.sample(50)
+    assert b.data.column("reward").null_count == 50 and b.data.column("ref_logprobs").null_count == 50
+
+
+def test_evicted_ids_are_skipped_and_counted(store):
+    old = store.extend(rollouts(10))
+    new = store.extend(rollouts(12, start=50))  # evicts the oldest 6 rows
+    written = store.update(np.concatenate([old, new[:2]]), {"reward": np.arange(12, dtype=np.float32)})
+    assert written == 6
+    assert store.stats()["update_skipped"] == 6
+    r = dict(zip(store.to_table(["seq", "reward"]).column(0).to_pylist(),
+                 store.to_table(["seq", "reward"]).column(1).to_pylist()))
+    assert r[int(old[-1])] == 9.0 and r[int(new[0])] == 10.0 and r[int(new[2])] is None
+
+
+@pytest.mark.parametrize("ids, values, error, match", [
+    ([0, 1], {"nope": [1, 2]}, ab.SchemaError, "unknown field 'nope'"),
+    ([0, 1], {"prompt_id": [1, 2]}, ab.SchemaError, "later: true"),
+    ([0, 1], {"reward": [1.0]}, ab.SchemaError, "1 value"),
+    ([0, 1], {"reward": [1.0, float("nan")]}, ab.SchemaError, "NaN"),
+    ([0, 1], {"reward": ["a", "b"]}, ab.SchemaError, "reward"),
+    ([0, 1], {"emb": np.ones((2, 3))}, ab.SchemaError, "shape"),
+    ([0, 1], {"ref_logprobs": [["x"], [1.0]]}, ab.SchemaError, "ref_logprobs"),
+    ([0, 1], {"ref_logprobs": pa.array([["a"], ["b"]])}, ab.SchemaError, "ref_logprobs"),
+    ([0, 1], {"ref_logprobs": pa.array([[1.0], None], pa.list_(pa.float32()))}, ab.SchemaError, "null"),
+    ([0, 1], {"ref_logprobs": [[1.0, 2.0], [[1.0]]]}, ab.SchemaError, "1-D"),
+    ([0, 1], {"reward": [1.0, 2.0], "emb": np.ones((1, 2))}, ab.SchemaError, "emb"),
+    ([0, 99], {"reward": [1.0, 2.0]}, ab.InvalidArgument, "never issued"),
+    ([0, -1], {"reward": [1.0, 2.0]}, ab.InvalidArgument, "negative"),
+    ([0, 0], {"reward": [1.0, 2.0]}, ab.InvalidArgument, "more than once"),
+    ([0, (7 << 56) | 1], {"reward": [1.0, 2.0]}, ab.InvalidArgument, "never issued"),  # a sharded store's id
+    ([0.5, 1.0], {"reward": [1.0, 2.0]}, ab.InvalidArgument, "integer ids"),
+    ([0, 1], {}, ab.InvalidArgument, "non-empty"),
+    ([0, 1], [1.0, 2.0], ab.InvalidArgument, "dict"),
+])
+def test_bad_input_is_a_clear_error_and_changes_nothing(store, ids, values, error, match):
+    store.extend({**rollouts(4), "reward": [0.0, None, 1.0, None]})
+    before = store_snapshot(store)
+    with pytest.raises(error, match=match):
+        store.update(ids, values)
+    assert store_snapshot(store) == before
+    assert store.stats()["update_skipped"] == 0
+
+
+def test_wrong_ragged_dtype_is_refused_without_loss(store):
+    ids = store.extend(rollouts(2))
+    store.update(ids, {"ref_logprobs": [[1.5], [2.5]]})
+    before = store_snapshot(store)
+    with pytest.raises(ab.SchemaError, match="ref_logprobs"):  # float64 that does not fit float32 ...
+        store.update(ids, {"ref_logprobs": [[1e300], [1.0]]})
+    with pytest.raises(ab.SchemaError, match="response"):  # ... and a field written with its row
+        store.update(ids, {"response": [[1], [2]]})
+    assert store_snapshot(store) == before
+
+
+def test_update_wakes_waiters_through_the_hook(store):
+    ids = store.extend(rollouts(3))
+    seen = []
+    store._core.on_update = lambda pos, fields: seen.append((pos.tolist(), fields))
+    store.update(ids[1:], {"reward": [1.0, 2.0]})
+    assert seen == [((ids[1:] % store.arena_rows).tolist(), ["reward"])]
+
+
+def test_closed_store_refuses_updates():
+    s = ab.ExperienceStore(GRPO, capacity=8)
+    ids = s.extend(rollouts(2))
+    s.close()
+    with pytest.raises(ab.StoreClosed):
+        s.update(ids, {"reward": [1.0, 2.0]})
+
+
+def test_tiered_store_says_later_fields_are_not_supported(tmp_path):
+    with pytest.raises(ab.SchemaError, match="later"):
+        ab.ExperienceStore(SCALAR, capacity=64, tiers={"host": "1MiB", "disk": str(tmp_path)})
+
+
+# ---------------------------------------------------------------- across processes (shared memory)
+def _shm_updater(name, ids, q):
+    try:
+        with ab.ExperienceStore.attach(name) as s:
+            q.put(s.update(ids, {"reward": np.full(len(ids), 7.0, np.float32), "emb": np.ones((len(ids), 2))}))
+    except BaseException as exc:  # report, never hang the parent
+        q.put(repr(exc))
+
+
+def test_shared_memory_update_from_another_process():
+    name = f"upd-{uuid.uuid4().hex[:8]}"
+    with ab.ExperienceStore(SCALAR, capacity=32, tier="shm", name=name) as s:
+        ids = s.extend({"prompt_id": np.arange(6), "done": np.ones(6, bool)})
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_shm_updater, args=(name, ids[::2], q))
+        p.start()
+        try:
+            assert q.get(timeout=120) == 3
+        finally:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+        t = s.to_table(["reward", "emb"]).to_pydict()
+        assert t["reward"] == [7.0, None, 7.0, None, 7.0, None]
+        assert t["emb"][1] is None and t["emb"][0] == [1.0, 1.0]
+        assert s.present(["reward", "emb"], ids).tolist() == [True, False] * 3
