@@ -4,8 +4,9 @@
 commit routine) and a `StoreReader` (reader.py: sample, update_priorities, consistent snapshots) over it, and
 delegates to them. Both see the same objects; neither reaches into the other.
 
-Locks: `write_lock` is held by a writer for a whole batch (one writer at a time fills rows); `lock` (with `cond`, a
-condition over it) guards the commit, the live range, sampleability and the sampler's state. Lock order: `write_lock`
+Locks: `write_lock` is held by a writer while it reserves rows (writers then copy their rows in parallel and commit
+in seq order: `arrowbuf.tiers.reservations`); `lock` (with `cond`, a condition over it) guards the commit, the live
+range, sampleability and the sampler's state. Lock order: `write_lock`
 before `lock`. For a shared tier both are cross-process robust mutexes (`arrowbuf.tiers.shm`).
 """
 
@@ -27,6 +28,7 @@ from .rate_limiters import Counters
 from .samplers import Sampler
 from .schema import ExperienceSchema
 from .tiers.base import Tier
+from .tiers.reservations import Reservations
 
 
 @dataclass
@@ -42,6 +44,7 @@ class StoreCore:
         times_sampled: per ring position, deliveries so far (empty without `max_times_sampled`).
         max_times_sampled: 0 for no limit.
         lock, cond, write_lock: see the module docstring.
+        reservations: the open row reservations of parallel writers (`arrowbuf.tiers.reservations`).
     """
 
     schema: ExperienceSchema
@@ -60,6 +63,7 @@ class StoreCore:
     max_times_sampled: int
     lock: Any
     write_lock: Any
+    reservations: Reservations
     cond: threading.Condition = field(init=False)
     closed: bool = False
     #: Called as `on_update(positions, fields)` after `store.update` wrote rows and notified `cond`, holding the

@@ -7,6 +7,9 @@ in the same episode (`next_pos`), and whether it can be sampled (`valid`: live, 
 
 `next_pos` codes: >= 0 a position (>= arena_rows: a final-observation slot), PENDING: the successor has not arrived,
 ENDED: the episode ended here and the schema derives nothing from the next step.
+
+Writers reserve seqs from `reserve_head` (>= hi) and commit them in seq order (`arrowbuf.tiers.reservations`); a
+reservation whose writer died is committed as a hole: its positions get seq `HOLE` (never a row).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ ENDED = -2
 #: Slots of the index header: the live range, then counters every process of a shared store sees.
 HEADER = {name: i for i, name in enumerate([
     "lo", "hi", "inserts", "samples", "final_count", "next_episode_id", "final_obs_dropped", "torn_retries",
-    "priority_updates_ignored", "removed", "update_skipped", "reserved_1", "reserved_2", "reserved_3",
+    "priority_updates_ignored", "removed", "update_skipped", "reserve_head", "holes", "commit_waiters",
 ])}
 
 
@@ -70,7 +73,7 @@ class RingIndex:
         return int(self.header[HEADER[name]])
 
     def __len__(self) -> int:
-        return self.hi - self.lo
+        return self.hi - self.lo - int(self.header[HEADER["holes"]])  # holes: seqs of skipped reservations
 
     def positions(self, seqs: np.ndarray) -> np.ndarray:
         return seqs % self.arena_rows

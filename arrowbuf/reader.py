@@ -33,6 +33,7 @@ from .errors import ArrowbufError, InvalidArgument, SampleTimeout, SchemaError
 from .index import PENDING
 from .nstep import n_step_returns
 from .samplers import Sampler, validate_priorities
+from .tiers.reservations import HOLE
 from .schema import FieldSpec
 
 
@@ -340,12 +341,12 @@ class StoreReader:
         it = _SnapshotIter(self.core, columns, None)
         parts: list[pa.RecordBatch] = []
         first = expect = it.lo
-        for batch, s0 in it.pieces():
+        for batch, s0, stop in it.pieces():
             if s0 != expect:  # rows went before they were copied: keep only what follows the gap
                 parts.clear()
                 first = s0
             parts.append(batch)
-            expect = s0 + batch.num_rows
+            expect = stop
         if expect != it.hi:  # the newest rows went before they were copied: nothing intact ends at `hi`
             parts.clear()
         if not parts:
@@ -380,7 +381,7 @@ class StoreReader:
                                      or max_rows < 1):
             raise InvalidArgument(f"max_rows must be a positive number of rows, got {max_rows!r}")
         it = _SnapshotIter(self.core, columns, None if max_rows is None else int(max_rows))
-        return (batch for batch, _ in it.pieces())
+        return (batch for batch, _, _ in it.pieces() if batch.num_rows)
 
 
 class _SnapshotIter:
@@ -405,8 +406,9 @@ class _SnapshotIter:
             # rows of [lo, hi) as committed (the seqlock below still drops any that went meanwhile)
             self.ragged = core.cols.ragged_snapshot() if self.ragged_names else {}
 
-    def pieces(self) -> Iterator[tuple[pa.RecordBatch, int]]:
-        """(batch, its first seq) for each intact piece of [lo, hi), oldest first."""
+    def pieces(self) -> Iterator[tuple[pa.RecordBatch, int, int]]:
+        """(batch, its first seq, one past the last seq it covers) for each intact piece of [lo, hi), oldest first
+        (holes, the seqs of a dead writer's skipped reservation, are left out of a batch without ending it)."""
         c = self.core
         idx = c.index
         cols = c.cols
@@ -431,16 +433,20 @@ class _SnapshotIter:
                         arrays.append(pa.array(np.arange(s0, s0 + p1 - p0, dtype=np.int64)))
                     else:
                         arrays.append(pa.array(np.array(getattr(idx, n)[p0:p1])))
-                intact = idx.seq[p0:p1] == np.arange(s0, s0 + p1 - p0, dtype=np.int64)  # after the copy: seqlock
+                now = idx.seq[p0:p1]
+                intact = now == np.arange(s0, s0 + p1 - p0, dtype=np.int64)  # after the copy: seqlock
                 batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
                 start = s0
-                if not intact.all():  # overwritten meanwhile: this row and every older one are gone
-                    cut = int(np.flatnonzero(~intact)[-1]) + 1
-                    batch = batch.slice(cut)
-                    start = s0 + cut
+                if not intact.all():
+                    gone = ~intact & (now != HOLE)  # a hole (a dead writer's skipped seqs) is no row: left out
+                    if gone.any():  # overwritten meanwhile: this row and every older one are gone
+                        cut = int(np.flatnonzero(gone)[-1]) + 1
+                        intact[:cut] = False
+                        start = s0 + cut
+                    batch = batch.filter(pa.array(intact))
                 seq = s0 + (p1 - p0)
-                if batch.num_rows:
-                    yield batch, start
+                if batch.num_rows or start < seq:  # a piece of holes only still continues the range
+                    yield batch, start, seq
 
 
 def _column_copy(values: Any, spec: FieldSpec) -> pa.Array:

@@ -37,6 +37,7 @@ from .samplers import Sampler, make_sampler
 from .schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from .tiers.base import Tier, format_bytes
 from .tiers.host import HostTier
+from .tiers.reservations import Reservations
 from .update import StoreUpdater
 from .writer import StoreWriter
 
@@ -163,7 +164,8 @@ class ExperienceStore:
             self._times_sampled.fill(0)
         self._core = StoreCore(self.schema, self.name, self.capacity, self._tier, self._cols, self.directory,
                                self.index, self.sampler, rate_limiter, self._rng, self._episodes, self._final_owner,
-                               self._times_sampled, self._max_times_sampled, self._lock, self._write_lock)
+                               self._times_sampled, self._max_times_sampled, self._lock, self._write_lock,
+                               Reservations(self._tier, self.index.header, HEADER["hi"]))
         self._cond = self._core.cond
         self._writer = StoreWriter(self._core)
         self._reader = StoreReader(self._core)

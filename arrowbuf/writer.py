@@ -1,20 +1,26 @@
 """StoreWriter: the write path of a store (append, extend, flush) and its one commit routine.
 
-A batch is written in two phases, and commits once:
+A batch is written in three steps, and commits once (`arrowbuf.tiers.reservations` has the protocol):
 
-1. Write (holding the store's write lock, not its state lock). The rows go to free arena positions: the ring keeps one
-   spare chunk, so a batch that fits in it touches no live row. A longer batch first evicts, under the state lock,
-   the oldest rows whose positions it reuses (the rows it replaces anyway): while it is written the store holds fewer
-   than `capacity` rows. Each written position first gets seq -1 (a reader still copying the evicted row there sees
-   its seq check fail), then its columns, its index entries, and the final observations of the episodes it ends.
-2. Commit (`_commit`, under the state lock): the rows' seqs, the live range (the new rows become visible all at
+1. Reserve (`_reserve`, holding the store's write lock, briefly): the batch takes seqs `[base, base + n)` from the
+   reservation head and records them in the reservation table. Its ring positions are free: the ring keeps one spare
+   chunk, so a batch that fits in it touches no live row; a longer batch first evicts, under the state lock, the
+   oldest rows whose positions it reuses (while it is written the store holds fewer than `capacity` rows). Each
+   position first gets seq -1 (a reader still copying the evicted row there sees its seq check fail). Episode ids and
+   final-observation slots are claimed here too.
+2. Copy (`_copy_rows`, no lock): columns, index entries, final observations. Writers of other processes and threads
+   copy their own rows at the same time. (A tiered store and ragged fields copy under the write lock.)
+3. Commit (`_commit`, under the state lock), in seq order: a batch waits until every earlier row committed (the
+   watermark `hi` reaches its base), then sets the rows' seqs, the live range (the new rows become visible all at
    once, and the ring evicts down to `capacity`), final-observation owners, successors of earlier rows, which rows
-   became sampleable, the insert counter, and a notify for waiting samplers.
+   became sampleable, the insert counter, and notifies waiting samplers and writers.
 
-So a batch is atomic: a reader (`len`, `sample`, `to_table`, `sql`) sees all of its rows or none, and a writer killed
-in phase 1 leaves none of them (only the rows it evicted to make room are gone). A batch longer than the capacity
-keeps its newest `capacity` rows: its older rows are counted as inserted and evicted in the same commit, never
-visible. The per-step `append` fast path and `flush` run the same two phases for their one row.
+So a batch is atomic: a reader (`len`, `sample`, `to_table`, `sql`) sees all of its rows or none, and a row is
+sampleable only when every row before it committed. A writer killed before its commit leaves none of its rows (only
+the rows it evicted to make room are gone); the writer after it skips its seqs as a hole once it sees it is dead. A
+batch longer than the capacity keeps its newest `capacity` rows: its older rows are counted as inserted and evicted
+in the same commit, never visible. The per-step `append` fast path and `flush` run reserve, copy and commit in one
+go under the write lock for their one row (the fast path only when no reservation is open).
 
 A rate-limited writer waits for the limiter before it takes the write lock (other writers go on meanwhile) and
 re-checks the limiter under it.
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import numpy as np
@@ -39,9 +46,11 @@ from .core import StoreCore
 from .errors import FinalObsWarning, InsertTimeout, SchemaError
 from .index import ENDED, HEADER, PENDING
 from .samplers import Sampler
+from .tiers.reservations import CHECK_S, HOLE, waited
 
 _MISSING = object()
 _LO, _HI, _INSERTS = HEADER["lo"], HEADER["hi"], HEADER["inserts"]
+_RES, _WAITERS, _HOLES = HEADER["reserve_head"], HEADER["commit_waiters"], HEADER["holes"]
 _FLOATISH = frozenset({float, int, np.float16, np.float32, np.float64})
 
 
@@ -181,6 +190,8 @@ class StoreWriter:
             if c.closed:
                 c.check_open()
             seq = int(idx.header[_HI])
+            if idx.header[_RES] > seq:  # other writers' reservations are open: take the reserving path
+                return -1
             pos = seq % arena_rows  # one row always fits in the spare chunk: a free position
             ep, st, prev = c.episodes.advance_one(actor, end, seq)
             # phase 1: write the row
@@ -226,28 +237,54 @@ class StoreWriter:
                         f"pass {d.name!r} with the batch (it is read only on those steps)"
                     )
         deadline = None if timeout is None else time.monotonic() + timeout
+        # copy outside the write lock where rows are plain arena rows; a tiered store (slot table), ragged fields
+        # (per-chunk arrays of this process) and a consume hold (it decides on the rows a write evicts) write the
+        # whole batch under it
+        serial = not c.cols.direct or bool(c.cols.ragged) or self.hold is not None
         while True:
             self._wait_insert(n, timeout, deadline)  # outside the write lock: other writers go on meanwhile
             if self.hold is not None:  # consume (issue 16): eviction hold and admission by policy version
                 self.hold.wait(cols, n, timeout, deadline)
             with c.write_lock:
                 c.check_open()
-                if self._may_insert(n) and (self.hold is None or self.hold.ready(cols, n)):
-                    base = self._write_batch(cols, n, ends)
-                    return np.arange(base, base + n, dtype=np.int64)
-            # another writer used the room the limiter gave: wait again (outside the lock)
+                if not (self._may_insert(n) and (self.hold is None or self.hold.ready(cols, n))):
+                    continue  # another writer used the room the limiter gave: wait again (outside the lock)
+                r = self._reserve(cols, n, ends)
+                if serial:
+                    return self._copy_and_commit(r, cols, ends)
+            break
+        return self._copy_and_commit(r, cols, ends)
 
-    def _write_batch(self, cols: dict[str, Any], n: int, ends: np.ndarray) -> int:
-        """Phase 1 and 2 of one batch, under the write lock; returns the seq of its first row."""
+    def _copy_and_commit(self, r: "_Reservation", cols: dict[str, Any], ends: np.ndarray) -> np.ndarray:
+        try:
+            self._copy_rows(r, cols, ends)
+        except BaseException:
+            self.core.reservations.abort(r.slot)  # the next waiter skips these rows (a hole)
+            raise
+        self._commit_reserved(r)
+        return np.arange(r.base, r.base + r.n, dtype=np.int64)
+
+    def _reserve(self, cols: dict[str, Any], n: int, ends: np.ndarray) -> "_Reservation":
+        """Step 1, under the write lock: take seqs [base, base + n) from the reservation head, free their ring
+        positions (evicting the rows there), plan episodes and final-observation slots."""
         c = self.core
         idx = c.index
+        h = idx.header
         arena_rows = c.arena_rows
         plan = c.episodes.plan(n, ends, actor=cols.get("actor"), episode_id=cols.get("episode_id"))
         c.episodes.next_episode_id = plan.next_episode_id  # claim the ids now: a writer killed mid-batch
-        base = idx.hi                                      # must not leave them to the next writer
+        base = max(int(h[_RES]), idx.hi)                   # must not leave them to the next writer
         skip = max(0, n - c.capacity)  # a batch longer than the ring keeps its newest rows
         m = n - skip
         need = base + n - arena_rows   # rows older than this sit where the batch goes
+        if need > idx.hi and base > idx.hi:  # they are reserved by other writers, not yet committed: wait for them
+            self._wait_hi(min(need, base))
+        while True:
+            slot = c.reservations.add(base, n, idx.hi)
+            if slot >= 0:
+                break
+            self._wait_hi(idx.hi + 1)  # every entry is in use: wait for a commit
+        h[_RES] = base + n
         if need > idx.lo:
             with c.cond:
                 self._evict_below(min(need, idx.hi))
@@ -257,13 +294,35 @@ class StoreWriter:
             idx.seq[s0:s1] = -1
             if c.max_times_sampled:
                 c.times_sampled[s0:s1] = 0
+        seqs = base + np.arange(skip, n, dtype=np.int64)
+        r = _Reservation(base, n, skip, slot, segs, plan, seqs, seqs % arena_rows)
+        if c.final_sources:
+            ending = np.flatnonzero(ends[skip:]) + skip
+            if len(ending) > c.final_capacity:  # more episode ends than final-observation slots: the oldest lose
+                lost = ending[:-c.final_capacity]
+                self._dropped(len(lost))
+                ending = ending[-c.final_capacity:]
+            if len(ending):
+                r.final_slots = self._claim_final_slots(len(ending))
+                r.owners = base + ending
+            r.ending = ending
+        c.episodes.apply(plan, base)
+        return r
+
+    def _copy_rows(self, r: "_Reservation", cols: dict[str, Any], ends: np.ndarray) -> None:
+        """Step 2 (no lock needed: the rows are this writer's alone): columns, index entries, final observations."""
+        c = self.core
+        idx = c.index
+        arena_rows = c.arena_rows
+        skip, base, segs, plan = r.skip, r.base, r.segs, r.plan
+        m = r.n - skip
         arenas = c.cols
         for name in arenas.arrays:
             src = cols[name]
             for s0, s1, off in segs:
                 arenas.write(name, s0, src[skip + off:skip + off + (s1 - s0)])
         for name in arenas.ragged:
-            arenas.write_ragged(name, cols[name].slice(skip, m), first_pos)
+            arenas.write_ragged(name, cols[name].slice(skip, m), (base + skip) % arena_rows)
         succ = plan.succ[skip:]
         nxt = np.where(succ >= 0, (base + succ) % arena_rows, np.where(succ == -2, ENDED, PENDING))
         for s0, s1, off in segs:
@@ -271,30 +330,71 @@ class StoreWriter:
             idx.episode_id[s0:s1] = plan.episode_id[skip + off:skip + off + k]
             idx.step[s0:s1] = plan.step[skip + off:skip + off + k]
             idx.next_pos[s0:s1] = nxt[off:off + k]
-        seqs = base + np.arange(skip, n, dtype=np.int64)
-        pos = seqs % arena_rows
-        slots = owners = None
         if not c.final_sources:
-            ready = pos
+            r.ready = r.pos
         else:
             preds = plan.pred[skip:]
             preds = preds[preds >= skip]  # predecessors written by this batch
-            ending = np.flatnonzero(ends[skip:]) + skip
-            if len(ending) > c.final_capacity:  # more episode ends than final-observation slots: the oldest lose
-                lost = ending[:-c.final_capacity]
-                self._dropped(len(lost))
-                ending = ending[-c.final_capacity:]
-            if len(ending):
-                slots = self._claim_final_slots(len(ending))
+            ending = r.ending
+            if r.final_slots is not None:
                 for d in c.derived:
-                    arenas.write_final(d.next_of, slots, cols[d.name][ending])
-                idx.next_pos[(base + ending) % arena_rows] = arena_rows + slots
-                owners = base + ending
-            ready = np.concatenate([(base + preds) % arena_rows, (base + ending) % arena_rows])
-        links = [(prev, (base + j) % arena_rows) for prev, j in plan.patches if j >= skip]
-        self._commit(base, n, pos, seqs, ready, links, slots, owners)
-        c.episodes.apply(plan, base)
-        return base
+                    arenas.write_final(d.next_of, r.final_slots, cols[d.name][ending])
+                idx.next_pos[(base + ending) % arena_rows] = arena_rows + r.final_slots
+            r.ready = np.concatenate([(base + preds) % arena_rows, (base + ending) % arena_rows])
+        r.links = [(prev, (base + j) % arena_rows) for prev, j in plan.patches if j >= skip]
+
+    def _commit_reserved(self, r: "_Reservation") -> None:
+        """Step 3: wait until every earlier row committed (the watermark reaches this batch), then commit."""
+        c = self.core
+        if c.index.hi != r.base:
+            self._wait_hi(r.base)
+        with c.cond:
+            self._commit_locked(r.base, r.n, r.pos, r.seqs, r.ready, r.links, r.final_slots, r.owners)
+            c.reservations.done(r.slot)
+
+    def _wait_hi(self, target: int) -> None:
+        """Wait (holding at most the write lock) until the watermark reaches `target`; a reservation at the watermark
+        whose writer died or gave up is committed as a hole meanwhile."""
+        c = self.core
+        idx = c.index
+        h = idx.header
+        res = c.reservations
+        with c.cond:
+            h[_WAITERS] += 1
+        try:
+            since = time.monotonic()
+            while True:
+                seen = idx.hi
+                if seen >= target:
+                    return
+                if waited(since):  # no progress for a while: is the writer we wait for still there?
+                    with c.cond:
+                        seen = idx.hi
+                        gone = res.stale(seen)
+                        if gone:
+                            self._commit_hole(seen, gone)
+                    since = time.monotonic()
+                    continue
+                c.check_open()
+                res.wait_hi(seen, CHECK_S)
+        finally:
+            with c.cond:
+                h[_WAITERS] -= 1
+
+    def _commit_hole(self, base: int, n: int) -> None:
+        """Under the state lock: skip the reservation [base, base + n) of a dead writer (see tiers/reservations)."""
+        c = self.core
+        idx = c.index
+        skip = max(0, n - c.capacity)
+        pos = np.arange(base + skip, base + n, dtype=np.int64) % c.arena_rows
+        idx.seq[pos] = HOLE
+        idx.valid[pos] = False
+        idx.header[_HOLES] += len(pos)
+        if base + n - c.capacity > int(idx.header[_LO]):
+            self._evict_below(base + n - c.capacity)
+        idx.header[_HI] = base + n
+        c.reservations.wake()
+        c.cond.notify_all()
 
     # ------------------------------------------------------------------ the commit routine
     def _commit(self, base: int, n: int, pos: Any, seqs: Any, ready: Any, links: Any,
@@ -308,30 +408,40 @@ class StoreWriter:
             links: (seq, next position) of earlier rows whose successor (a row or a final slot) this write supplies.
             final_slots, final_seqs: final-observation slots written and the seqs of the rows owning them.
         """
+        with self.core.cond:
+            self._commit_locked(base, n, pos, seqs, ready, links, final_slots, final_seqs)
+
+    def _commit_locked(self, base: int, n: int, pos: Any, seqs: Any, ready: Any, links: Any,
+                       final_slots: np.ndarray | None, final_seqs: Any) -> None:
+        """`_commit`'s work, with the state lock held."""
         c = self.core
         idx = c.index
         h = idx.header
-        with c.cond:
+        lo = int(h[_LO])
+        if n:
             idx.seq[pos] = seqs  # their generation: ids name these rows from now on
-            lo = int(h[_LO])
             if base + n - c.capacity > lo:  # the ring is full: the oldest rows go
                 lo = base + n - c.capacity
                 self._evict_below(lo)
-            h[_HI] = base + n  # the commit point: the rows are visible
-            if final_slots is not None:
-                c.final_owner[final_slots] = final_seqs
-            for prev, nxt in links:
-                if prev >= lo:  # still live, so still at its position (a live row's position is never rewritten)
-                    ppos = prev % c.arena_rows
-                    idx.next_pos[ppos] = nxt
-                    if c.final_sources:  # its next observation is known now
-                        ready = ppos if ready is None else np.append(ready, ppos)
-            if ready is not None:
-                idx.valid[ready] = True
-                if self._notify:
-                    c.sampler.on_valid(np.atleast_1d(np.asarray(ready, dtype=np.int64)))
-            h[_INSERTS] += n
-            c.cond.notify_all()
+            h[_HI] = base + n  # the commit point (the watermark): the rows are visible
+            if h[_RES] < base + n:  # the append fast path commits without a reservation
+                h[_RES] = base + n
+        if final_slots is not None:
+            c.final_owner[final_slots] = final_seqs
+        for prev, nxt in links:
+            if prev >= lo:  # still live, so still at its position (a live row's position is never rewritten)
+                ppos = prev % c.arena_rows
+                idx.next_pos[ppos] = nxt
+                if c.final_sources:  # its next observation is known now
+                    ready = ppos if ready is None else np.append(ready, ppos)
+        if ready is not None:
+            idx.valid[ready] = True
+            if self._notify:
+                c.sampler.on_valid(np.atleast_1d(np.asarray(ready, dtype=np.int64)))
+        h[_INSERTS] += n
+        c.cond.notify_all()
+        if n and h[_WAITERS]:  # writers of later reservations wait for the watermark (in any process)
+            c.reservations.wake()
 
     def _evict_below(self, new_lo: int) -> None:
         """Under the state lock: rows older than `new_lo` stop being live."""
@@ -342,6 +452,8 @@ class StoreWriter:
         if new_lo <= lo:
             return
         stop = min(new_lo, int(h[_HI]))
+        if h[_HOLES] and stop > lo:  # skipped reservations leave the live range too
+            h[_HOLES] -= int(np.count_nonzero(idx.seq[np.arange(lo, stop, dtype=np.int64) % c.arena_rows] == HOLE))
         if stop - lo == 1:  # the append path's common case
             p = lo % c.arena_rows
             if idx.valid[p]:
@@ -428,6 +540,25 @@ class StoreWriter:
                 + ("did not wait (timeout=None)" if timeout is None else f"waited {timeout}s")
                 + ": sample more, or pass a longer timeout="
             )
+
+
+@dataclass
+class _Reservation:
+    """One batch between reserve and commit (see `StoreWriter._reserve`)."""
+
+    base: int
+    n: int
+    skip: int                      # leading rows of a batch longer than the ring: counted, never stored
+    slot: int                      # its entry in the reservation table
+    segs: list[tuple[int, int, int]]
+    plan: Any
+    seqs: np.ndarray
+    pos: np.ndarray
+    final_slots: np.ndarray | None = None
+    owners: Any = None
+    ending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    ready: Any = None
+    links: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _segments(first_pos: int, count: int, arena_rows: int) -> list[tuple[int, int, int]]:

@@ -395,3 +395,48 @@ def test_a_raw_flight_consume_ticket_is_validated_before_any_work(served):
             client.do_get(flight.Ticket(json.dumps(body).encode())).read_all()
     client.close()
     assert s.stats()["consumed"]["train"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------- fields filled later
+GRPO = {**LLM, "fields": {**LLM["fields"], "reward": {"dtype": "float32", "later": True},
+                          "ref_logprobs": {"dtype": "float32", "ragged": True, "later": True}}}
+
+
+def rollouts(n, start=0):
+    r = rows(n, start=start)
+    del r["reward"]
+    return r
+
+
+def test_rows_are_delivered_only_once_their_required_fields_are_written():
+    s = ab.ExperienceStore(GRPO, capacity=64, tasks=["ref", "train"])
+    ids = s.extend(rollouts(6))
+    assert len(s.consume("train", 10, require=["reward", "ref_logprobs"])) == 0
+    ref = s.consume("ref", 10)  # no requirement: every row at once
+    np.testing.assert_array_equal(ref.indices, ids)
+    s.update(ids[:4], {"ref_logprobs": [[0.5] * 2] * 4})
+    s.update(ids[2:], {"reward": np.ones(4, np.float32)})
+    b = s.consume("train", 10, require=["reward", "ref_logprobs"])
+    np.testing.assert_array_equal(b.indices, ids[2:4])  # only the rows with both fields
+    assert (b.to_numpy()["reward"] == 1).all()
+    s.update(ids[4:], {"ref_logprobs": [[0.1]] * 2})
+    np.testing.assert_array_equal(s.consume("train", 10, require=["reward", "ref_logprobs"]).indices, ids[4:])
+
+
+def test_an_update_wakes_a_consumer_waiting_for_a_field():
+    s = ab.ExperienceStore(GRPO, capacity=64, tasks=["train"])
+    ids = s.extend(rollouts(3))
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("b", s.consume("train", 3, require=["reward"], timeout=60)))
+    t.start()
+    s.update(ids, {"reward": np.arange(3, dtype=np.float32)})
+    t.join(60)
+    np.testing.assert_array_equal(out["b"].indices, ids)
+
+
+def test_where_sees_unwritten_later_fields_as_null():
+    s = ab.ExperienceStore(GRPO, capacity=64, tasks=["t"])
+    ids = s.extend(rollouts(4))
+    s.update(ids[:2], {"reward": np.array([1.0, -1.0], np.float32)})
+    np.testing.assert_array_equal(s.consume("t", 10, where="reward IS NULL").indices, ids[2:])
+    np.testing.assert_array_equal(s.consume("t", 10, where="reward > 0").indices, ids[:1])

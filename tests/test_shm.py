@@ -124,23 +124,47 @@ def _writer(name: str, writer: int, n: int, seed: int) -> None:
     store.close()
 
 
+#: Where a killed writer stops in the reservation protocol (arrowbuf/tiers/reservations.py): "reserve": rows reserved,
+#: nothing copied; "copy": a second column being copied; "commit": rows copied, waiting to commit; "in-commit": inside
+#: the commit, holding the state lock; "committed": committed, before extend returns.
+POINTS = ("reserve", "copy", "commit", "in-commit", "committed")
+
+
 def _stuck_writer(name: str, where: str, ready) -> None:
-    """Extend a batch and freeze in the middle of it (the parent then SIGKILLs us): "write" while its rows are being
-    written (holding the write lock), "commit" inside its commit (holding the state lock too)."""
+    """Extend a batch and freeze at `where` (one of POINTS; the parent then SIGKILLs us)."""
     store = ab.ExperienceStore.attach(name)
     calls = []
-    owner, attr = (store._cols, "write") if where == "write" else (store._core.cond, "notify_all")
+    owner, attr = {"reserve": (store._writer, "_copy_rows"), "copy": (store._cols, "write"),
+                   "commit": (store._writer, "_commit_reserved"), "in-commit": (store._core.cond, "notify_all"),
+                   "committed": (store._writer, "_commit_reserved")}[where]
     original = getattr(owner, attr)
 
     def freeze(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2 or where == "commit":  # a second column written / inside the commit
+        if where == "committed":
+            original(*args, **kwargs)
+        if where != "copy" or len(calls) == 2:  # a second column being copied
             ready.set()
             threading.Event().wait()
         return original(*args, **kwargs)
 
     setattr(owner, attr, freeze)
     store.extend(rows(5, 0, 4 * store.directory.spare_rows))
+
+
+def _paused_writer(name: str, ready, go) -> None:
+    """Reserve and copy a batch, then wait for `go` before committing it."""
+    store = ab.ExperienceStore.attach(name)
+    original = store._writer._commit_reserved
+
+    def pause(r):
+        ready.set()
+        go.wait(JOIN_S)
+        original(r)
+
+    store._writer._commit_reserved = pause
+    store.extend(rows(5, 0, 300))
+    store.close()
 
 
 def _write_then_sample(name: str, writer: int, q) -> None:
@@ -226,49 +250,96 @@ def test_four_writer_processes_lose_and_duplicate_nothing(names):
         check_rows(b["obs"], b["next_obs"], b["reward"])
 
 
-@pytest.mark.parametrize("where,locks", [("write", "pthread"), ("commit", "pthread"), ("commit", "flock")])
-def test_writer_killed_mid_extend_blocks_nobody(names, where, locks, monkeypatch):
+@pytest.mark.parametrize("where,locks", [(p, "pthread") for p in POINTS] + [("copy", "flock"), ("in-commit", "flock")])
+def test_writer_killed_anywhere_in_the_protocol_blocks_nobody(names, where, locks, monkeypatch):
+    """A writer process SIGKILLed at any point between reserve and the end of its commit: a writer that reserved
+    after it commits once it is gone, its rows are all there or none (never a torn one), and the ring moves on."""
     if locks == "flock":  # the fallback where libc has no robust mutexes
         monkeypatch.setenv("ARROWBUF_SHM_LOCKS", "flock")
     name = names()
     with ab.ExperienceStore(SCHEMA, 2000, tier="shm", name=name) as store:
         store.extend(rows(0, 0, 500))
         assert store._tier.manifest["locks"]["kind"] == locks
+        batch = 4 * store.directory.spare_rows
         ready = CTX.Event()
         p = start(names, _stuck_writer, name, where, ready)
-        assert ready.wait(JOIN_S), "the writer never reached the middle of its extend"
-        os.kill(p.pid, signal.SIGKILL)  # holding the write lock (and, in the commit, the state lock)
-        p.join(JOIN_S)
-        committed = len(store)
-        batch = 4 * store.directory.spare_rows
-        # a batch is atomic: none of the killed writer's rows (killed while writing them), or all (killed at the end
-        # of its commit, holding the state lock)
-        assert committed == (500 if where == "write" else 500 + batch)
-        if where == "write":  # another process writes and samples (one variant: processes are slow to start)
-            q = CTX.Queue()
-            other = start(names, _write_then_sample, name, 3, q)
-            obs, next_obs, reward = q.get(timeout=JOIN_S)
-            join_ok(other)
-            check_rows(obs, next_obs, reward)
-        else:
-            store.extend(rows(3, 0, 100))
+        assert ready.wait(JOIN_S), f"the writer never reached {where!r}"
         done = threading.Event()
+        ids: list[np.ndarray] = []
 
-        def here() -> None:
-            store.extend(rows(1, 0, 100))
-            b = store.sample(500)
-            check_rows(b["obs"], b["next_obs"], b["reward"])
+        def after() -> None:  # reserves after the stuck writer: commits only once that one committed or is gone
+            ids.append(store.extend(rows(1, 0, 100)))
             done.set()
 
-        th = threading.Thread(target=here, daemon=True)
+        th = threading.Thread(target=after, daemon=True)
         th.start()
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(JOIN_S)
         th.join(JOIN_S)
-        assert done.is_set(), "a lock stayed held after its holder died"
-        assert len(store) == committed + 200
+        assert done.is_set(), "a writer stayed blocked after the writer before it died"
+        kept = where in ("in-commit", "committed")  # it died after its commit point: its rows stay
+        committed = 500 + (batch if kept else 0)
+        assert len(store) == committed + 100
+        np.testing.assert_array_equal(ids[0], np.arange(500 + batch, 600 + batch))  # after the victim's seqs
         t = store.to_table(["obs", "reward", "seq"])
-        np.testing.assert_array_equal(t.column("seq").to_numpy(), np.arange(committed + 200))
-        check_rows(t.column("obs").combine_chunks().to_numpy_ndarray(), reward=t.column("reward").to_numpy())
-        assert not (t.column("obs").combine_chunks().to_numpy_ndarray()[committed:, 0] == 5).any()
+        seq = t.column("seq").to_numpy()
+        want = np.concatenate([np.arange(500), np.arange(500, 500 + batch) if kept else [], ids[0]])
+        np.testing.assert_array_equal(seq, want)  # 0 acknowledged rows lost, the victim's all or none
+        obs = t.column("obs").combine_chunks().to_numpy_ndarray()
+        check_rows(obs, reward=t.column("reward").to_numpy())
+        assert (obs[:, 0] == 5).sum() == (batch if kept else 0)
+        b = store.sample(500)
+        check_rows(b["obs"], b["next_obs"], b["reward"])
+        assert kept or not (b["obs"][:, 0] == 5).any()
+        if where == "copy" and locks == "pthread":  # another process writes and samples
+            q = CTX.Queue()
+            other = start(names, _write_then_sample, name, 3, q)
+            obs3, next_obs, reward = q.get(timeout=JOIN_S)
+            join_ok(other)
+            check_rows(obs3, next_obs, reward)
+        # the ring keeps moving: wrap it twice; the skipped seqs leave with the rows around them
+        store.extend(rows(2, 0, 4000))
+        assert len(store) == 2000
+        seq = store.to_table(["seq"]).column("seq").to_numpy()
+        np.testing.assert_array_equal(seq, np.arange(seq[-1] - 1999, seq[-1] + 1))
+        b = store.sample(500)
+        check_rows(b["obs"], b["next_obs"], b["reward"])
+
+
+def test_rows_commit_in_seq_order_across_processes(names):
+    """A writer that reserved later copies meanwhile, but its rows become visible only after the earlier batch
+    committed: the commit watermark."""
+    name = names()
+    with ab.ExperienceStore(SCHEMA, 2000, tier="shm", name=name) as store:
+        store.extend(rows(0, 0, 500))
+        ready, go = CTX.Event(), CTX.Event()
+        p = start(names, _paused_writer, name, ready, go)
+        assert ready.wait(JOIN_S)
+        waiting = threading.Event()
+        original = store._writer._wait_hi
+
+        def wait_hi(target: int) -> None:
+            waiting.set()
+            original(target)
+
+        store._writer._wait_hi = wait_hi
+        ids: list[np.ndarray] = []
+        th = threading.Thread(target=lambda: ids.append(store.extend(rows(1, 0, 100))), daemon=True)
+        th.start()
+        assert waiting.wait(JOIN_S)  # reserved after the paused writer, copied, waiting for its turn
+        assert len(store) == 500
+        b = store.sample(2000)
+        assert (b["obs"][:, 0] == 0).all()  # neither batch is visible yet
+        assert store.to_table(["seq"]).num_rows == 500
+        go.set()
+        th.join(JOIN_S)
+        join_ok(p)
+        assert len(store) == 900
+        np.testing.assert_array_equal(ids[0], np.arange(800, 900))
+        t = store.to_table(["obs", "seq"])
+        np.testing.assert_array_equal(t.column("seq").to_numpy(), np.arange(900))
+        np.testing.assert_array_equal(t.column("obs").combine_chunks().to_numpy_ndarray()[:, 0],
+                                      np.repeat([0, 5, 1], [500, 300, 100]))
 
 
 def test_janitor_reclaims_stores_of_dead_owners(names, capsys):

@@ -97,6 +97,29 @@ class ShardStore:
         arrays["_shard_size"] = np.full(k, size, dtype=np.int64)
         return SampleBatch(arrays, ids, b.weights, b.info)
 
+    # --- consume (issue 16; owner: consume): consumption per task, under global ids
+    def consume(self, task: str, n: int, **kwargs: Any) -> SampleBatch:
+        """The store's `consume`; the batch's indices are global ids."""
+        b = self.store.consume(task, n, **kwargs)
+        return SampleBatch({c: b[c] for c in b.columns}, encode_ids(self.shard, self.generation, b.indices), None,
+                           b.info)
+
+    def add_task(self, name: str) -> None:
+        self.store.add_task(name)
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.store.tasks)
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.store.policy_version)
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self.store.policy_version = value
+    # --- end consume
+
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         ids, pri = validate_priorities(indices, priorities)
         shard, gen, seq = decode_ids(ids)
@@ -201,10 +224,15 @@ class ShardActor:
             self.store = ExperienceStore.restore(self.checkpoint_dir, tier=tier, seed=seed,
                                                  name=shm_name or f"{spec['name']}-{shard}")
             self.restored_from = {"path": self.checkpoint_dir, "rows": len(self.store)}
+            for task in spec.get("tasks") or []:  # consume (issue 16): a restored shard's tasks come back declared
+                if task not in self.store.tasks:
+                    self.store.add_task(task)
         else:
             self.store = ExperienceStore(load_schema(spec["schema"]), spec["capacity"], make_sampler(spec["sampler"]),
                                          spec["rate_limiter"], seed, chunk_rows=spec["chunk_rows"], tier=tier,
-                                         name=shm_name or f"{spec['name']}-{shard}")
+                                         name=shm_name or f"{spec['name']}-{shard}", tasks=spec.get("tasks"),
+                                         max_staleness=spec.get("max_staleness"),
+                                         token_field=spec.get("token_field"))
         self._stop_checkpoints = threading.Event()
         self._periodic = threading.Condition()
         self._periodic_last: dict[str, Any] | None = None  # the latest periodic checkpoint's summary (or error)
