@@ -196,3 +196,158 @@ def test_shared_memory_update_from_another_process():
         assert t["reward"] == [7.0, None, 7.0, None, 7.0, None]
         assert t["emb"][1] is None and t["emb"][0] == [1.0, 1.0]
         assert s.present(["reward", "emb"], ids).tolist() == [True, False] * 3
+
+
+# ---------------------------------------------------------------- over Flight (ab.connect), across processes
+@pytest.fixture
+def served():
+    """A store with two tasks behind a real Flight server on 127.0.0.1:0, and a client; closed at teardown."""
+    with ab.ExperienceStore(GRPO, capacity=64, chunk_rows=8, seed=0, tasks=["train"]) as s:
+        with ab.serve(s, "grpc://127.0.0.1:0", shutdown_timeout=1.0) as server:
+            with ab.connect(server.location, timeout=60) as client:
+                yield s, server, client
+
+
+def test_remote_update_and_nulls_over_the_wire(served):
+    store, _, client = served
+    ids = client.extend(rollouts(4))
+    b = client.sample(8)
+    assert b["reward"].null_count == 8 and b["ref_logprobs"].null_count == 8
+    assert client.update(ids[:2], {"reward": [1.0, 2.0], "ref_logprobs": pa.array([[0.5], [0.25, 0.75]],
+                                                                                   pa.list_(pa.float32()))}) == 2
+    assert client.to_table(["reward"]).column(0).to_pylist() == [1.0, 2.0, None, None]
+    assert store.to_table(["ref_logprobs"]).column(0).to_pylist() == [[0.5], [0.25, 0.75], None, None]
+    client.extend({**rollouts(1), "reward": [None], "emb": np.ma.MaskedArray(np.ones((1, 2)), mask=True)})
+    client.append({"prompt_id": 9, "done": True, "response": [1], "reward": 3.0})
+    assert store.to_table(["reward"]).column(0).to_pylist()[-2:] == [None, 3.0]
+    assert store.to_table(["emb"]).column(0).null_count == 6
+
+
+def test_remote_bad_update_is_refused_and_changes_nothing(served):
+    store, server, client = served
+    ids = client.extend(rollouts(3))
+    before = store_snapshot(store)
+    for values in [{"nope": [1, 2, 3]}, {"prompt_id": [1, 2, 3]}, {"reward": [1.0, 2.0]},
+                   {"ref_logprobs": [["a"], [], []]}]:
+        with pytest.raises(ab.SchemaError):
+            client.update(ids, values)
+    with pytest.raises(ab.InvalidArgument, match="never issued"):  # checked by the server: ids are its own
+        client.update([0, 1000], {"reward": [1.0, 2.0]})
+    # a raw Flight client is checked by the server too, before any batch is read
+    raw = pa.flight.FlightClient(server.location)
+    try:
+        for table in [pa.table({"id": pa.array(ids), "prompt_id": pa.array([1, 2, 3])}),
+                      pa.table({"reward": pa.array([1.0, 2.0, 3.0])}),
+                      pa.table({"id": pa.array([0.5, 1.0, 2.0]), "reward": pa.array([1.0, 2.0, 3.0])}),
+                      pa.table({"id": pa.array(ids), "reward": pa.array(["a", "b", "c"])})]:
+            writer, _ = raw.do_put(ab.flight.protocol.update_descriptor(store.name), table.schema)
+            with pytest.raises(pa.flight.FlightError, match="update"):
+                writer.write_table(table)
+                writer.close()
+        old_server = ab.flight.protocol.decode_put_descriptor  # a version-1 command cannot ask for an update
+        with pytest.raises(ab.SchemaError, match="version 2"):
+            old_server(pa.flight.FlightDescriptor.for_command(b'{"v":1,"kind":"update"}'))
+    finally:
+        raw.close()
+    assert store_snapshot(store) == before
+
+
+def _remote_writer(location, q):
+    try:
+        with ab.connect(location, timeout=60) as c:
+            q.put(c.extend(rollouts(8, start=10)).tolist())
+    except BaseException as exc:
+        q.put(repr(exc))
+
+
+def _remote_filler(location, ids, field, q):
+    try:
+        with ab.connect(location, timeout=60) as c:
+            if field == "reward":
+                values = np.asarray(ids, dtype=np.float32) / 10
+            else:
+                values = [np.full(i % 3 + 1, i, np.float32) for i in ids]
+            q.put(c.update(np.asarray(ids), {field: values}))
+    except BaseException as exc:
+        q.put(repr(exc))
+
+
+def _run(ctx, target, *args):
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    p.start()
+    try:
+        return q.get(timeout=180)
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+
+
+def test_field_by_field_completion_across_processes(served):
+    """A writer process extends, two other processes fill reward and ref_logprobs over Flight; a consumer requiring
+    both gets each row once, only once complete."""
+    store, server, _ = served
+    ctx = mp.get_context("spawn")
+    ids = _run(ctx, _remote_writer, server.location)
+    assert isinstance(ids, list) and len(ids) == 8, ids
+    assert len(store.consume("train", 8, require=["reward", "ref_logprobs"], timeout=0.0)) == 0
+    assert _run(ctx, _remote_filler, server.location, ids[:5], "reward") == 5
+    assert len(store.consume("train", 8, require=["reward", "ref_logprobs"], timeout=0.0)) == 0  # half done
+    assert _run(ctx, _remote_filler, server.location, ids[2:], "ref_logprobs") == 6
+    got = store.consume("train", 8, require=["reward", "ref_logprobs"], timeout=0.0)
+    assert sorted(got.indices.tolist()) == ids[2:5]  # complete rows only
+    assert got["reward"].tolist() == pytest.approx([i / 10 for i in ids[2:5]])
+    assert [len(r) for r in got["ref_logprobs"].to_pylist()] == [i % 3 + 1 for i in ids[2:5]]
+    assert len(store.consume("train", 8, require=["reward", "ref_logprobs"], timeout=0.0)) == 0  # once per task
+    t = store.to_table(["reward", "ref_logprobs"]).to_pydict()
+    assert t["reward"][:5] == pytest.approx([i / 10 for i in ids[:5]]) and t["reward"][5:] == [None] * 3
+    assert t["ref_logprobs"][:2] == [None] * 2 and all(r is not None for r in t["ref_logprobs"][2:])
+
+
+# ---------------------------------------------------------------- the shard adapter (global ids)
+def test_shard_adapter_routes_global_ids():
+    from arrowbuf.ray import ShardStore
+    from arrowbuf.ray.ids import encode_ids
+
+    with ShardStore(ab.ExperienceStore(GRPO, capacity=16, seed=0), 3, 5) as shard:
+        ids = shard.extend(rollouts(4))
+        assert shard.update(ids[:2], {"reward": [1.0, 2.0]}) == 2
+        assert shard.store.to_table(["reward"]).column(0).to_pylist() == [1.0, 2.0, None, None]
+        stale = encode_ids(3, 4, np.array([2]))  # this shard's previous incarnation: its rows are gone
+        assert shard.update(stale, {"reward": [5.0]}) == 0
+        assert shard.stats()["update_skipped"] == 1
+        before = shard.store.to_table().to_pydict()
+        with pytest.raises(ab.InvalidArgument, match="shard"):
+            shard.update(encode_ids(2, 5, np.array([2])), {"reward": [5.0]})
+        with pytest.raises(ab.InvalidArgument):
+            shard.update(np.array([2]), {"reward": [5.0]})  # a local seq is not a global id
+        assert shard.store.to_table().to_pydict() == before
+
+
+# ---------------------------------------------------------------- a ShardedStore on a local Ray cluster
+def test_sharded_store_update_routes_by_shard():
+    pytest.importorskip("ray")
+    from conftest import local_ray_cluster
+
+    from arrowbuf.ray import ShardedStore
+
+    with local_ray_cluster(1):
+        sharded = ShardedStore.create(GRPO, 2, 32, seed=0, failure_timeout=30.0)
+        try:
+            ids = np.concatenate([sharded.writer(shard=k).extend(rollouts(3, start=10 * k)) for k in (0, 1)])
+            assert sharded.update(ids, {"reward": np.arange(6, dtype=np.float32),
+                                        "ref_logprobs": [[float(i)] for i in range(6)]}) == 6
+            t = sharded.to_table(["prompt_id", "reward", "ref_logprobs"])
+            got = {p: (r, lp) for p, r, lp in zip(*(t.column(c).to_pylist() for c in
+                                                      ("prompt_id", "reward", "ref_logprobs")))}
+            assert got == {p: (float(i), [float(i)]) for i, p in enumerate([0, 1, 2, 10, 11, 12])}
+            before = sharded.to_table().to_pydict()
+            with pytest.raises(ab.InvalidArgument, match="not issued"):
+                sharded.update(np.array([ids[0], 9 << 53]), {"reward": [1.0, 2.0]})
+            with pytest.raises(ab.SchemaError, match="later"):
+                sharded.update(ids, {"prompt_id": np.arange(6)})
+            assert sharded.to_table().to_pydict() == before
+        finally:
+            sharded.shutdown()

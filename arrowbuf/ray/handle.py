@@ -577,6 +577,47 @@ class ShardedStore:
                 self.counters["updates_dropped"] += m
         return applied
 
+    # ------------------------------------------------------------------ fields filled later (issue 16; fields helper)
+    def update(self, ids: Any, values: dict[str, Any]) -> int:
+        """Fill fields declared `later: true` of stored rows (see `ExperienceStore.update`), routed by the shard each
+        global id encodes. Validated here before any shard is written; atomic per shard (not across shards). Ids
+        on a down shard are dropped (counted in `counters["updates_dropped"]`); ids of evicted rows, or of a shard's
+        earlier incarnation, are skipped by the shard (its `stats()["update_skipped"]`). Returns rows written.
+
+        Raises:
+            SchemaError: an unknown field, a field not filled later, a wrong dtype, shape or length.
+            InvalidArgument: an id no shard of this store issued (a shard number beyond `num_shards`), or an id
+                given twice; nothing written.
+        """
+        from ..update import update_ids, validate_update
+
+        gids = update_ids(ids)
+        single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
+        cols = validate_update(self.schema, gids, values, single)
+        owner = shard_of(gids)
+        bad = (gids < 0) | (owner >= self.num_shards)
+        if bad.any():
+            raise InvalidArgument(f"update: id {int(gids[np.flatnonzero(bad)[0]])} was not issued by this "
+                                  f"ShardedStore ({self.num_shards} shards); pass ids its extend/append returned")
+        futs = {}
+        for k in np.unique(owner):
+            idx = np.flatnonzero(owner == k)
+            s = self._shards[int(k)]
+            client = self._client(s)
+            if client is None:
+                self.counters["updates_dropped"] += len(idx)
+                continue
+            part = {n: v.take(pa.array(idx)) if isinstance(v, pa.Array) else v[idx] for n, v in cols.items()}
+            futs[self._executor().submit(client.update, gids[idx], part)] = (s, len(idx))
+        written = 0
+        for fut, (s, m) in futs.items():
+            try:
+                written += int(fut.result(timeout=self.failure_timeout))
+            except (StoreClosed, OSError, pa.ArrowException, cf.TimeoutError) as exc:
+                self._mark_down(s, exc)
+                self.counters["updates_dropped"] += m
+        return written
+
     # ------------------------------------------------------------------ writing
     def writer(self, shard: int | None = None, *, transport: str = "auto", max_in_flight: int = 8,
                actor: Any = None) -> "ShardWriter":

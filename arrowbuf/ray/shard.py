@@ -11,8 +11,10 @@ import warnings
 from typing import Any, Iterable
 
 import numpy as np
+import pyarrow as pa
 
 from ..batch import SampleBatch
+from ..errors import InvalidArgument
 from ..samplers import Sampler, make_sampler, validate_priorities
 from ..schema import load_schema
 from ._common import _ray
@@ -65,6 +67,7 @@ class ShardStore:
         self.schema = store.schema
         self.capacity = store.capacity
         self.delay_s = 0.0  # artificial slowness (benchmarks, tests): added to every sample
+        self.update_skipped = 0  # update ids of this shard's earlier incarnations (issue 16)
 
     def mass(self) -> tuple[float, float, int]:
         """(sampling mass, smallest positive item mass, size) now, from the store's sampler."""
@@ -126,13 +129,38 @@ class ShardStore:
         mine = (shard == self.shard) & (gen == self.generation)  # ids of a dead incarnation are not ours
         return int(self.store.update_priorities(seq[mine], pri[mine])) if mine.any() else 0
 
+    def update(self, ids: Any, values: Any) -> int:
+        """The store's `update` (issue 16) by global ids: ids of this shard's earlier incarnations name rows that are
+        gone (skipped and counted in `stats()["update_skipped"]`); ids of another shard are `InvalidArgument`."""
+        from ..update import update_ids, validate_update
+
+        gids = update_ids(ids)
+        single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
+        cols = validate_update(self.schema, gids, values, single)
+        shard, gen, seq = decode_ids(gids)
+        bad = (gids < 0) | (shard != self.shard)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidArgument(f"update: id {int(gids[i])} is not an id of shard {self.shard} (it names shard "
+                                  f"{int(shard[i])}); send ids to the ShardedStore that issued them")
+        mine = gen == self.generation
+        self.update_skipped += int((~mine).sum())
+        if not mine.any():
+            return 0
+        keep = np.flatnonzero(mine)
+        part = cols if mine.all() else {k: v.take(pa.array(keep)) if isinstance(v, pa.Array) else v[keep]
+                                        for k, v in cols.items()}
+        return int(self.store.update(seq[keep], part))
+
     def __len__(self) -> int:
         return len(self.store)
 
     def stats(self) -> dict[str, Any]:
         total, vmin, size = self.mass()
-        return {**self.store.stats(), "shard": self.shard, "generation": self.generation, "mass": total,
-                "min_mass": vmin if np.isfinite(vmin) else None}
+        out = {**self.store.stats(), "shard": self.shard, "generation": self.generation, "mass": total,
+               "min_mass": vmin if np.isfinite(vmin) else None}
+        out["update_skipped"] = out.get("update_skipped", 0) + self.update_skipped  # ids of earlier incarnations
+        return out
 
     def to_table(self, columns: list[str] | None = None) -> Any:
         return self.store.to_table(columns)
