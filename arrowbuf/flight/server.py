@@ -330,22 +330,31 @@ class _FlightService(flight.FlightServerBase):
         return flight.GeneratorStream(data.schema, iter([(data, meta)]))
 
     def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
-        """The `table` ticket: the store's consistent snapshot (`to_table`: each row as committed), sent chunk by chunk.
+        """The `table` ticket: a consistent snapshot of the store, streamed one chunk at a time.
 
-        The snapshot is one copy of the rows asked for; at most `max_table_streams` exist at once (a stream holds its
-        slot until it is sent or its client goes), which bounds the memory slow readers can pin.
+        `store.iter_table` copies one chunk when the stream needs it (each row as committed, nothing newer than the
+        request; rows evicted before the stream reached them are skipped, never sent torn), so a stream holds about
+        one chunk of memory however slowly its client reads; at most `max_table_streams` run at once (a stream holds
+        its slot until it is sent, fails or its client goes). A store without `iter_table` (a store-like class that
+        has only the `StoreSurface`) is sent from one `to_table` copy.
         """
         gate = self.owner.calls
         gate.acquire("table")
         try:
-            table = store.to_table(columns)
+            stored = store.schema.to_arrow()
+            names = stored.names if columns is None else columns
+            unknown = [n for n in names if n not in stored.names]
+            if unknown:
+                raise SchemaError(f"table: unknown stored column(s) {unknown}; expected some of {stored.names}")
+            schema = pa.schema([stored.field(n) for n in names], metadata=stored.metadata)
+            iter_table = getattr(store, "iter_table", None)
+            source = iter_table(columns) if iter_table is not None else store.to_table(columns).to_batches()
         except BaseException:
             gate.release("table")
             raise
-        batches = _batches(table.to_batches(), lambda: gate.release("table"),
-                           lambda: self.owner.closed)
+        batches = _batches(source, lambda: gate.release("table"), lambda: self.owner.closed)
         first = next(batches, None)  # started now: a generator that never started would never run its `finally`
-        return flight.GeneratorStream(table.schema, batches if first is None else itertools.chain([first], batches))
+        return flight.GeneratorStream(schema, batches if first is None else itertools.chain([first], batches))
 
     def _sql(self, store: Any, query: str, context: Any) -> pa.Table:
         """The `sql` ticket: the sandbox of `arrowbuf.sql` with this server's limits; stops when the client goes."""
