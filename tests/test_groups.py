@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -224,3 +225,41 @@ def test_sharded_store_keeps_groups_on_one_shard_and_consumes_each_row_once_per_
             assert set(b.to_numpy()["prompt_id"]) == {100}
         finally:
             sharded.shutdown()
+
+
+def test_groups_staleness_and_admission_over_flight():
+    s = store(drop="reward", tasks=["train"], max_staleness=1)
+    server = ab.serve(s)
+    remote = ab.connect(server.location)
+    try:
+        remote.policy_version = 1
+        remote.extend(group_rows([0], members=[0, 1], pv=1))
+        remote.extend(group_rows([1], rewards=np.ones(G), pv=1))  # zero variance
+        assert len(remote.consume("train", 4 * G)) == 0  # group 0 incomplete, group 1 dropped
+        remote.extend(group_rows([0], members=[2, 3], pv=1))
+        b = remote.consume("train", 4 * G)
+        assert_whole_groups(b) and set(b.to_numpy()["prompt_id"]) == {0}
+        assert remote.stats()["groups_dropped_zero_variance"] == 1
+        with pytest.raises(ab.InsertTimeout):  # ahead of the window: held, then timed out
+            remote.extend(group_rows([2], pv=3), timeout=0.05)
+        with pytest.raises(ab.InvalidArgument):  # behind it: refused
+            remote.policy_version = 3
+            remote.extend(group_rows([2], pv=1))
+        assert len(s) == 2 * G
+    finally:
+        remote.close()
+        server.close()
+        s.close()
+
+
+def test_group_and_tasks_on_shared_memory_are_a_clear_error():
+    schema = {"name": "flat", "fields": {"prompt_id": {"dtype": "int64"}, "reward": {"dtype": "float32"},
+                                         "done": {"dtype": "bool"}}}
+    with pytest.raises(ab.InvalidArgument, match="shared-memory"):
+        ab.ExperienceStore(schema, capacity=8, tier="shm", name=f"consume-test-{os.getpid()}",
+                           sampler=ab.samplers.Group(size=2))
+    with pytest.raises(ab.InvalidArgument, match="shared-memory"):
+        ab.ExperienceStore(schema, capacity=8, tier="shm", name=f"consume-test-{os.getpid()}", tasks=["t"])
+    from arrowbuf.tiers.shm import shm_root
+
+    assert not [n for n in os.listdir(shm_root()) if f"consume-test-{os.getpid()}" in n]  # nothing was created

@@ -330,7 +330,7 @@ class RemoteStore:
 
     def add_task(self, name: str) -> None:
         """Declare a consuming task on the server's store (`ExperienceStore.add_task`)."""
-        self._action("add_task", task=name)
+        self._action("add_task", v=P.LLM_VERSION, task=name)
 
     @property
     def tasks(self) -> list[str]:
@@ -340,13 +340,13 @@ class RemoteStore:
     @property
     def policy_version(self) -> int:
         """The store's current policy version (settable: the `set_policy_version` action)."""
-        return int(self._action("policy_version")["policy_version"])
+        return int(self._action("policy_version", v=P.LLM_VERSION)["policy_version"])
 
     @policy_version.setter
     def policy_version(self, value: int) -> None:
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
             raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
-        self._action("set_policy_version", policy_version=int(value))
+        self._action("set_policy_version", v=P.LLM_VERSION, policy_version=int(value))
     # ------------------------------------------------------------------ end of consumption per task
 
     def session(self, n: int, columns: list[str] | None = None, *, prefetch: int = 2, ahead: int = 2,

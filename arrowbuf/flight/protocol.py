@@ -14,6 +14,8 @@ UTF-8 JSON objects so that any Flight client (C++, Java, Rust, Go) can speak it:
   `{"op":"sample","count":k}` and `{"op":"update_priorities",...}`; down, batches with sample metadata or in-band
   errors.
 - DoAction: a type in `ACTIONS`, body `{"v":1,"store":s,...}` (may be empty); one JSON result.
+- Version 2 also adds DoGet kind "consume" (`{"v":2,"kind":"consume","task":t,"n":256,...}`: rows a task has not
+  consumed, reply as a sample) and the actions "set_policy_version", "policy_version", "add_task" (body "v": 2).
 - ListFlights / GetFlightInfo / GetSchema: descriptor path `[store]` (`[store, "input"]`: the schema a writer sends).
 
 Errors: every error a server raises on purpose is a Flight error whose `extra_info` (Arrow's binary status detail)
@@ -592,7 +594,7 @@ class ConsumeRequest:
 
 
 def _encode_consume(req: ConsumeRequest) -> dict[str, Any]:
-    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": "consume", "task": req.task, "n": req.n}
+    obj: dict[str, Any] = {"v": LLM_VERSION, "kind": "consume", "task": req.task, "n": req.n}
     if req.store is not None:
         obj["store"] = req.store
     for key in ("require", "timeout", "max_staleness", "where", "max_tokens"):
@@ -601,8 +603,15 @@ def _encode_consume(req: ConsumeRequest) -> dict[str, Any]:
     return obj
 
 
+def _needs_llm_version(f: _Fields, what: str) -> None:
+    """Consume verbs are version 2 (as DoPut kind "update"): a version-1 request for them is refused."""
+    if f.obj.get("v", PROTOCOL_VERSION) < LLM_VERSION:
+        raise SchemaError(f"{what} needs protocol version {LLM_VERSION}; send \"v\": {LLM_VERSION}")
+
+
 def _decode_consume(f: _Fields, store: str | None) -> ConsumeRequest:
     """A consume ticket, every field typed and bounded before the store sees it."""
+    _needs_llm_version(f, 'ticket kind "consume"')
     task = f.get("task", "a string", required=True)
     if not 0 < len(task) <= MAX_TASK_CHARS:
         raise SchemaError(f"ticket: 'task' must have 1 to {MAX_TASK_CHARS} characters, got {len(task)}")
@@ -620,6 +629,7 @@ def _decode_consume(f: _Fields, store: str | None) -> ConsumeRequest:
 
 
 def _decode_consume_action(type_: str, f: _Fields, store: str | None) -> ActionRequest:
+    _needs_llm_version(f, f"action {type_!r}")
     if type_ == "set_policy_version":
         req = ActionRequest(type_, store, policy_version=f.get("policy_version", "a non-negative integer",
                                                                required=True))

@@ -144,7 +144,7 @@ class ShardedStore:
         if not 1 <= int(num_shards) <= MAX_SHARDS:
             raise InvalidArgument(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
         sampler = make_sampler(sampler)
-        if tasks and tier == "auto":  # consume (issue 16): consumption state lives in the heap (for now)
+        if (tasks or isinstance(sampler, GroupSampler)) and tier == "auto":  # consume (issue 16): heap state
             tier = "host"
         tier = _resolve_tier(tier, schema)
         uid = f"ab{secrets.token_hex(4)}"
