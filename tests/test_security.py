@@ -755,3 +755,78 @@ def test_slow_table_readers_hold_about_a_chunk_each_and_read_consistent_rows():
         proc.wait(10)
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             pipe.close()
+
+
+PUT_SERVER = r"""
+import sys
+import arrowbuf as ab
+
+store = ab.ExperienceStore(sys.argv[1], capacity=100)
+server = ab.serve(store, "grpc://127.0.0.1:0", token="s3cret", max_batch_bytes=1 << 20)
+print(server.location, flush=True)
+with server:
+    sys.stdin.readline()
+"""
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's RSS from /proc")
+def test_an_unauthenticated_put_is_refused_before_its_batch_is_received():
+    """What docs/security.md promises about DoPut memory: the token is checked from the call's headers, before the
+    first message is read, so a client without it cannot make the server receive a large batch (a client with it
+    can, once per stream, up to the message's size: gRPC's receive size is not settable through pyarrow)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", PUT_SERVER, str(SCHEMAS / "tokens.yaml")], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    client = None
+    try:
+        location = proc.stdout.readline().decode().strip()
+        assert location.startswith("grpc://"), proc.stderr.read().decode()
+        client = flight.FlightClient(location)
+        before = _peak_rss_bytes(proc.pid)
+        n = 50_000_000  # one row with a 200 MB ragged value
+        one = pa.array([0, 1], pa.int32())
+        batch = pa.RecordBatch.from_pydict({
+            "prompt_tokens": pa.ListArray.from_arrays(one, pa.array([1], pa.int32())),
+            "response_tokens": pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), pa.array(np.zeros(n, np.int32))),
+            "logprobs": pa.ListArray.from_arrays(one, pa.array([0.0], pa.float32())),
+            "reward": pa.array([0.0], pa.float32()), "done": pa.array([True]),
+            "policy_version": pa.array([0], pa.int64())})
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            writer, _ = client.do_put(flight.FlightDescriptor.for_path("tokens"), batch.schema)
+            writer.write_batch(batch)
+            writer.done_writing()
+            writer.close()
+        grown = _peak_rss_bytes(proc.pid) - before
+        assert grown < 64 << 20, f"the server's peak RSS grew {grown >> 20} MiB for a refused call"
+        opts = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer s3cret")])
+        with pytest.raises(flight.FlightError) as info:  # with the token: received, then refused by the byte limit
+            writer, _ = client.do_put(flight.FlightDescriptor.for_path("tokens"), batch.schema, options=opts)
+            writer.write_batch(batch)
+            writer.done_writing()
+            writer.close()
+        assert "max_batch_bytes" in str(info.value)
+    finally:
+        if client is not None:
+            client.close()
+        if proc.poll() is None:
+            proc.stdin.write(b"exit\n")
+            proc.stdin.flush()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()
