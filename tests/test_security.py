@@ -276,6 +276,49 @@ class TestRequestBounds:
         finally:
             client.close()
 
+    def test_shard_info_is_answered_clearly_by_a_server_that_is_no_ray_shard(self, servers):
+        """`shard_info` reached ExperienceStore.sample as a keyword: a TypeError quoting the server's internals."""
+        from arrowbuf.ray.shard import ShardStore  # the adapter a Ray shard serves (no Ray needed to build one)
+
+        plain = servers(cartpole_store())
+        shard = servers(ShardStore(cartpole_store(), shard=1, generation=0))
+        client = flight.FlightClient(plain.location)
+        shard_client = flight.FlightClient(shard.location)
+        try:
+            describe = json.loads(next(iter(client.do_action(flight.Action("describe", b"")))).body.to_pybytes())
+            assert describe["sample_options"] == ["n_step", "gamma"]
+            for value in (True, False):
+                with pytest.raises(flight.FlightError) as info:
+                    client.do_get(sample_ticket(options={"shard_info": value})).read_all()
+                d = detail(info.value)
+                assert (d["error"], d["code"]) == ("InvalidArgument", "INVALID_ARGUMENT")
+                assert "shard_info" in d["message"] and "Ray shard" in d["message"]
+                assert "unexpected keyword" not in d["message"]
+            with pytest.raises(ab.InvalidArgument, match="shard_info"):
+                remote = ab.connect(plain.location)
+                try:
+                    remote.sample(2, shard_info=True)
+                finally:
+                    remote.close()
+            session = {"v": 1, "kind": "session", "n": 2, "options": {"shard_info": True}}
+
+            def exchange():
+                writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(json.dumps(session).encode()))
+                writer.write_metadata(pa.py_buffer(b'{"op": "sample", "count": 1}'))
+                writer.done_writing()
+                reader.read_all()
+
+            expect_invalid(exchange, "shard_info")
+            # a shard's server takes it and adds its sampling-mass columns
+            describe = json.loads(next(iter(shard_client.do_action(flight.Action("describe", b""))))
+                                  .body.to_pybytes())
+            assert describe["sample_options"] == ["n_step", "gamma", "shard_info"]
+            table = shard_client.do_get(sample_ticket(options={"shard_info": True})).read_all()
+            assert {"_mass", "_shard_mass", "_shard_min", "_shard_size"} <= set(table.column_names)
+        finally:
+            client.close()
+            shard_client.close()
+
     def test_empty_column_list_is_refused_not_undecodable(self, servers):
         server = servers(cartpole_store())
         client = flight.FlightClient(server.location)
