@@ -20,6 +20,7 @@ Each row is measured in one run beside its ceiling and its peers, on an atari-li
 
     python -m benchmarks.bench_persist [--gb 0.5] [--dir /tmp] [--repeats 3]
     python -m benchmarks.bench_persist --summary     # medians over the runs in benchmarks/out/persist_runs.jsonl
+    python -m benchmarks.bench_persist --ray         # rows lost per Ray shard kill, time until it serves again
 
 The issue asks for a 2 GB store; the default here is 0.5 GB because the benchmark machine is a shared 2-core box
 (`--gb 2` runs the full size). Writes benchmarks/out/persist.json and appends the run to persist_runs.jsonl.
@@ -28,6 +29,7 @@ The issue asks for a 2 GB store; the default here is 0.5 GB because the benchmar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -35,6 +37,7 @@ import pathlib
 import pickle
 import resource
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -333,22 +336,30 @@ def restore_rows(ck: str, resident: int, repeats: int) -> dict:
     """Restore vs a cold read of the same files, `repeats` times interleaved; medians."""
     runs = []
     for _ in range(repeats):
+        c0 = time.process_time()
         read_s, read_bytes = read_ceiling(ck)
+        read_cpu = time.process_time() - c0
         drop_cache(ck)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         again = ab.ExperienceStore.restore(ck)
         restore_s = time.perf_counter() - t0
+        restore_cpu = time.process_time() - c0
         again.sample(32)
         first_batch_s = time.perf_counter() - t0
         again.close()
         runs.append({"restore_s": restore_s, "read_ceiling_s": read_s, "read_bytes": read_bytes,
+                     "restore_cpu_s": restore_cpu, "read_cpu_s": read_cpu,
                      "ratio_to_read_ceiling": read_s / restore_s, "first_batch_s": first_batch_s,
                      "restore_gbps": resident / restore_s / 1e9, "read_gbps": read_bytes / read_s / 1e9})
     med = {k: _median([r[k] for r in runs]) for k in runs[0]}
     return {**med, "runs": runs}
 
 
-def run(gb: float, where: str, repeats: int = 3) -> dict:
+PHASES = ("full", "rest")  # the peers' full writes; incremental, background and restore (one store, one process)
+
+
+def run(gb: float, where: str, repeats: int = 3, phases: tuple[str, ...] = PHASES) -> dict:
     rows = int(gb * 1e9 / ROW_BYTES)
     res: dict = {"rows": rows, "store_gb": rows * ROW_BYTES / 1e9, "note": f"scaled to {gb} GB (issue: 2 GB)",
                  "cpus": os.cpu_count(), "load_start": os.getloadavg()[0], "time": time.time()}
@@ -356,7 +367,8 @@ def run(gb: float, where: str, repeats: int = 3) -> dict:
     try:
         res["full"] = {}
         ceilings = []
-        for m in PEERS:  # the disk is shared: its ceiling is measured right before each write
+        # the disk is shared: its ceiling is measured right before each write
+        for m in PEERS if "full" in phases else []:
             sub = os.path.join(tmp, m + "_dir")
             os.makedirs(sub)
             # cpprb compresses (np.savez_compressed): ~0.01 GB/s on these incompressible frames, so it writes a
@@ -375,6 +387,8 @@ def run(gb: float, where: str, repeats: int = 3) -> dict:
             res["full"][m] = r
             shutil.rmtree(sub)
         res["disk_write_gbps"] = _median(ceilings)
+        if "rest" not in phases:
+            return res
         # in this process: incremental, background, restore
         store = make_store(rows)
         ck = os.path.join(tmp, "ckpt")
@@ -394,10 +408,96 @@ def run(gb: float, where: str, repeats: int = 3) -> dict:
         resident = rows * ROW_BYTES
         store.close()
         res["restore"] = restore_rows(ck, resident, repeats)
-        res["load_end"] = os.getloadavg()[0]
     finally:
+        res["load_end"] = os.getloadavg()[0]
         shutil.rmtree(tmp, ignore_errors=True)
     return res
+
+
+# ------------------------------------------------------------------------------------------------ Ray shard kills
+def ray_failure(kills: int = 3, every: float = 1.0, rate: float = 2000.0, capacity: int = 200_000) -> dict:
+    """Rows lost per shard kill and time until the restarted shard serves again, on a local Ray cluster (one node,
+    as tests/conftest.local_ray_cluster). Two shards with `checkpoint_root` and `checkpoint_every=every`; a writer
+    inserts `rate` rows/s (batches of 100, mujoco-like rows) into shard 1; at a random instant it is SIGKILLed (a
+    crash: Ray restarts it, and it restores its last periodic checkpoint). Rows lost = rows acknowledged to it before
+    the kill - rows it comes back with; expected about rate * (every / 2 + the checkpoint's own duration)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from arrowbuf.ray import ShardedStore, shard_of
+
+    from .workloads import make_steps
+
+    schema = ab.load_schema(ROOT / "schemas" / "mujoco.yaml")
+    steps = make_steps("mujoco", 100, seed=0, episode_len=50)
+    rng = np.random.default_rng(0)
+    out: dict = {"kills": [], "checkpoint_every_s": every, "insert_rows_per_s": rate, "row_bytes": sum(
+        f.row_bytes for f in schema.fields.values())}
+    tmp = tempfile.mkdtemp(prefix="bench_persist_ray_")
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 80 << 20,
+                                                      "include_dashboard": False})
+    try:
+        ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+        s = ShardedStore.create(schema, 2, capacity, seed=0, tier="host", strategy=None, failure_timeout=120.0,
+                                checkpoint_root=os.path.join(tmp, "ckpt"), checkpoint_every=every)
+        try:
+            s.writer(shard=0).extend(make_steps("mujoco", 5000, seed=1, episode_len=50))  # shard 0 serves meanwhile
+            victim = 1
+            for _ in range(kills):
+                w = s.writer(shard=victim)
+                acked = ray.get(s.actors[victim].stats.remote(), timeout=60)["size"]
+                t_kill_at = time.monotonic() + 2 * every + rng.uniform(0, every)  # a random phase of the period
+                start = time.monotonic()
+                while time.monotonic() < t_kill_at:
+                    acked += len(w.extend(steps))
+                    ahead = acked / rate - (time.monotonic() - start)  # pace the writer at `rate`
+                    if ahead > 0:
+                        time.sleep(min(ahead, 0.05))  # benchmark pacing, not a library wait
+                old = s.infos[victim]
+                t_kill = time.monotonic()
+                os.kill(old["pid"], signal.SIGKILL)
+                with contextlib.suppress(Exception):  # its shard is gone; nothing is in flight (extend waited)
+                    w.close()
+                back = serving = None
+                restored = None
+                deadline = t_kill + 120
+                while time.monotonic() < deadline:
+                    b = s.sample(64, timeout=30)
+                    now = time.monotonic()
+                    info = s.infos[victim]
+                    if back is None and info is not None and info["generation"] != old["generation"]:
+                        back = now - t_kill
+                        restored = (info.get("restored_from") or {}).get("rows", 0)
+                    if back is not None and victim in set(shard_of(b.indices).tolist()):
+                        serving = now - t_kill
+                        break
+                out["kills"].append({"acked_rows": acked, "restored_rows": restored,
+                                     "rows_lost": None if restored is None else acked - restored,
+                                     "back_s": back, "serving_again_s": serving})
+                s.wait_for_shards(60)
+        finally:
+            s.shutdown()
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    lost = [k["rows_lost"] for k in out["kills"] if k["rows_lost"] is not None]
+    serving = [k["serving_again_s"] for k in out["kills"] if k["serving_again_s"] is not None]
+    out["rows_lost_median"] = _median(lost)
+    out["seconds_of_inserts_lost_median"] = _median(lost) / rate
+    out["serving_again_s_median"] = _median(serving)
+    return out
+
+
+def ray_table(res: dict) -> str:
+    lines = [f"Ray shard kills: 2 shards, checkpoint_every={res['checkpoint_every_s']} s, inserts "
+             f"{res['insert_rows_per_s']:.0f} rows/s into the killed shard"]
+    for k in res["kills"]:
+        lines.append(f"  acked {k['acked_rows']}, restored {k['restored_rows']}, lost {k['rows_lost']}, back after "
+                     f"{k['back_s']} s, serving again after {k['serving_again_s']} s")
+    lines.append(f"median rows lost {res['rows_lost_median']:.0f} ({res['seconds_of_inserts_lost_median']:.2f} s of "
+                 f"inserts); median time until it serves again {res['serving_again_s_median']:.1f} s")
+    return "\n".join(lines)
 
 
 def table(res: dict) -> str:
@@ -413,6 +513,8 @@ def table(res: dict) -> str:
     for m, r in res["full"].items():
         if "error" not in r:
             lines.append(f"{'peak RSS / resident, ' + m:48} {r['peak_over_resident']:>10.2f} {'1.10':>10}")
+    if "incremental" not in res:
+        return "\n".join(lines)
     inc = res["incremental"]
     lines.append(f"{'incremental (10% new rows), share of full':48} {inc['share']:>10.3f} {'0.15':>10} "
                  f"{'':>7}  ({inc['files_written']} files written, {inc['files_reused']} reused)")
@@ -432,6 +534,8 @@ def table(res: dict) -> str:
     lines.append(f"{'restore GB/s (vs cold read of the files)':48} {rs['restore_gbps']:>10.2f} "
                  f"{rs['read_gbps']:>10.2f} {rs['ratio_to_read_ceiling']:>7.2f}")
     lines.append(f"{'time to first batch after restore (s)':48} {rs['first_batch_s']:>10.2f}")
+    lines.append(f"{'  CPU-s: restore / read of the same files':48} {rs['restore_cpu_s']:>10.2f} "
+                 f"{rs['read_cpu_s']:>10.2f}")
     return "\n".join(lines)
 
 
@@ -467,7 +571,8 @@ def summary(path: pathlib.Path) -> str:
             out.append(f"background {label} loop thread {part}: on CPU "
                        f"{med('background', label + '_median', part, 'on_cpu')}, run queue "
                        f"{med('background', label + '_median', part, 'run_queue')}")
-    for k in ("restore_gbps", "read_gbps", "ratio_to_read_ceiling", "first_batch_s"):
+    for k in ("restore_gbps", "read_gbps", "ratio_to_read_ceiling", "first_batch_s", "restore_cpu_s",
+              "read_cpu_s"):
         out.append(f"restore {k}: {med('restore', k)}")
     return "\n".join(out)
 
@@ -479,11 +584,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="repeats of the background and restore rows")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure")
     p.add_argument("--summary", action="store_true", help="print medians over benchmarks/out/persist_runs.jsonl")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help="full (the peers' full writes) and/or rest (incremental, background, restore)")
+    p.add_argument("--ray", action="store_true", help="only the Ray row: rows lost per shard kill, time to serve")
+    p.add_argument("--kills", type=int, default=3, help="shard kills of the Ray row")
     args = p.parse_args(argv)
     if args.summary:
         print(summary(OUT / "persist_runs.jsonl"))
         return 0
-    res = run(0.1 if args.quick else args.gb, args.dir, 1 if args.quick else args.repeats)
+    if args.ray:
+        res = ray_failure(kills=args.kills)
+        print(ray_table(res))
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "persist_ray.json").write_text(json.dumps(res, indent=1, default=str))
+        return 0
+    res = run(0.1 if args.quick else args.gb, args.dir, 1 if args.quick else args.repeats,
+              tuple(args.phases.split(",")))
     print(table(res))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "persist.json").write_text(json.dumps(res, indent=1, default=str))

@@ -47,7 +47,9 @@ _KILL_ENV = "ARROWBUF_PERSIST_KILL_AT"
 #: Nice increment of a background checkpoint's threads (Linux: per thread). Threads of one process share its CPU
 #: share (one scheduler group per session under autogroup, or per cgroup); at equal priority a busy checkpoint
 #: thread takes half of it from the sampling and inserting threads on a machine without a free core. At +10 it
-#: yields to them (about 1 : 10) and still runs at full speed on an idle core.
+#: yields to them (about 1 : 10) and still runs at full speed on an idle core. The price, on a machine without one:
+#: the checkpoint takes longer, so a ring that overwrites rows fast leaves more of the oldest rows out of it
+#: (`dropped_rows`). 0 runs it at the caller's priority.
 BACKGROUND_NICE = 10
 
 
