@@ -102,9 +102,6 @@ class ExperienceStore:
             if ragged:
                 raise SchemaError(f"ragged fields are not yet supported in a tiered store: {ragged}; "
                                   "drop tiers= for this schema, or make the fields fixed-shape")
-            if self.schema.later_fields:
-                raise SchemaError(f"fields filled later are not yet supported in a tiered store: "
-                                  f"{self.schema.later_fields}; drop tiers= for this schema, or drop `later`")
             from .tiers import make_tiers
 
             self._tier, data_tiers = make_tiers(tiers)

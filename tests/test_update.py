@@ -164,11 +164,6 @@ def test_closed_store_refuses_updates():
         s.update(ids, {"reward": [1.0, 2.0]})
 
 
-def test_tiered_store_says_later_fields_are_not_supported(tmp_path):
-    with pytest.raises(ab.SchemaError, match="later"):
-        ab.ExperienceStore(SCALAR, capacity=64, tiers={"host": "1MiB", "disk": str(tmp_path)})
-
-
 # ---------------------------------------------------------------- across processes (shared memory)
 def _shm_updater(name, ids, q):
     try:
@@ -351,3 +346,58 @@ def test_sharded_store_update_routes_by_shard():
             assert sharded.to_table().to_pydict() == before
         finally:
             sharded.shutdown()
+
+
+# ---------------------------------------------------------------- a tiered store (device, host and disk chunks)
+def test_tiered_store_updates_are_never_lost_to_migrations(tmp_path):
+    """Chunks move between a (CPU-backed) device tier, the host and a disk while an updater fills every row and a
+    sampler checks each row it gets: a value is null or the row's own, and no update is lost at a migration's flip."""
+    import threading
+
+    pytest.importorskip("torch")
+    from arrowbuf.tiers import GpuTier
+
+    cap, cr = 512, 32
+    schema = {"name": "t", "fields": {"a": "int64", "reward": {"dtype": "float64", "later": True},
+                                      "emb": {"dtype": "float32", "shape": [2], "later": True}, "done": "bool"}}
+    store = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=cr,
+                               tiers={"gpu": GpuTier(budget=3 * cr * 64, device="cpu"), "host": "64KiB",
+                                      "disk": tmp_path}, placement="static")
+    with store:
+        ids = store.extend({"a": np.arange(cap), "done": np.ones(cap, bool)})
+        cols = store._cols
+        for name in ("a", "reward", "emb"):
+            cols.ensure_arena(0, name, 4)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def mover():
+            rng = np.random.default_rng(1)
+            try:
+                while not stop.is_set():
+                    name = ("a", "reward", "emb")[int(rng.integers(3))]
+                    s = int(rng.integers(cols.num_slots))
+                    cols.migrate(name, s, int(rng.integers(3)), int(store.index.seq[s * cr]), store.index,
+                                 store._lock)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        t = threading.Thread(target=mover)
+        t.start()
+        try:
+            for part in np.array_split(np.random.default_rng(0).permutation(ids), 16):
+                assert store.update(part, {"reward": part.astype(np.float64),
+                                           "emb": np.stack([part, -part], axis=1).astype(np.float32)}) == len(part)
+                b = store.sample(64, columns=["a", "reward", "emb"])
+                r = b["reward"]
+                got = r.to_pylist() if isinstance(r, pa.Array) else r.tolist()
+                for seq, a, v in zip(b.indices.tolist(), b["a"].tolist(), got):
+                    assert a == seq and v in (None, float(seq))
+        finally:
+            stop.set()
+            t.join()
+        assert not errors, errors
+        assert store.stats()["placement"]["migrations"] > 0
+        tab = store.to_table(["seq", "reward", "emb"]).to_pydict()
+        assert tab["reward"] == [float(s) for s in tab["seq"]]
+        assert tab["emb"] == [[float(s), float(-s)] for s in tab["seq"]]

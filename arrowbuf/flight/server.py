@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import hmac
+import inspect
 import ipaddress
 import itertools
 import logging
@@ -208,6 +209,21 @@ class StoreServer:
         if self._closing.is_set():
             raise StoreClosed(f"the server at {self.location} is shutting down")
 
+    def sample_options(self, store: Any) -> list[str]:
+        """The sampler options (`protocol.SAMPLE_OPTIONS`) that `store.sample` takes (`describe` states them)."""
+        return [o for o in P.SAMPLE_OPTIONS if _takes_keyword(store.sample, o)]
+
+    def check_sample_options(self, store: Any, options: Mapping[str, Any], what: str) -> None:
+        """Refuse an option this store's `sample` does not take (`shard_info` is a Ray shard server's only)."""
+        if not options:
+            return
+        taken = self.sample_options(store)
+        for name in options:
+            if name not in taken:
+                only = " (only the Flight servers of Ray shards take it)" if name == "shard_info" else ""
+                raise InvalidArgument(f"{what}: the store {_name_of(self, store)!r} takes no sample option "
+                                      f"{name!r}{only}; it takes {taken}")
+
 
 # ---------------------------------------------------------------------------------------------------- service
 def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -311,6 +327,7 @@ class _FlightService(flight.FlightServerBase):
             return self._consume(store, req)
         if isinstance(req, P.SampleRequest):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
+            self.owner.check_sample_options(store, req.options, "sample")
             data, meta = _wire_batch(_sample(store, req.n, req.columns, req.timeout, req.options))
             return flight.GeneratorStream(data.schema, iter([(data, meta)]))
         if req.kind == "table":
@@ -406,6 +423,7 @@ class _FlightService(flight.FlightServerBase):
         req = P.decode_session_descriptor(descriptor)
         store = self.owner.store(req.store)
         self.owner.limits.check_sample(req.n, req.timeout, req.options, "session")
+        self.owner.check_sample_options(store, req.options, "session")
         columns = store.schema.resolve_columns(req.columns)
         row_bytes = _row_bytes(store.schema, columns) * req.n
         depth = min(req.prefetch, self.owner.limits.max_prefetch_bytes // row_bytes)
@@ -466,7 +484,8 @@ class _FlightService(flight.FlightServerBase):
             out: dict[str, Any] = {"v": P.PROTOCOL_VERSION, "store": _name_of(self.owner, store),
                                    "schema": store.schema.to_dict(), "capacity": getattr(store, "capacity", None),
                                    "max_batch_rows": self.owner.limits.max_batch_rows, "protocol": P.PROTOCOL_VERSION,
-                                   "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe()}
+                                   "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe(),
+                                   "sample_options": self.owner.sample_options(store)}
         elif req.type == "stats":
             out = dict(store.stats())
             with self._lock:
@@ -690,6 +709,17 @@ def _exit_hook(ref: "weakref.ReferenceType[StoreServer]") -> Callable[[], None]:
                 log.warning("%s: calls still running at exit after %.0fs", server.location, EXIT_DRAIN_TIMEOUT)
 
     return close_at_exit
+
+
+def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn` accepts the keyword argument `name` (by name, or through `**kwargs`)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: let the call decide
+        return True
+    if name in params:
+        return params[name].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _name_of(owner: StoreServer, store: Any) -> str:
