@@ -134,7 +134,8 @@ class ColumnArenas:
         self.arrays[name][positions] = values
 
     def _update_ragged(self, name: str, positions: np.ndarray, values: pa.Array) -> None:
-        """Replace rows of a ragged column: one new array per chunk slot touched (old rows and new, one take)."""
+        """Replace rows of a ragged column: one new array per chunk slot touched, built with ranged copies (a slot
+        whose every row is replaced takes the new rows as they are)."""
         slots = self.ragged[name]
         order = np.argsort(positions, kind="stable")
         pos = positions[order]
@@ -142,11 +143,18 @@ class ColumnArenas:
         for part in np.split(np.arange(len(pos)), cut):
             slot = int(pos[part[0]] // self.chunk_rows)
             old = slots[slot]
+            new = _ragged.take(values, order[part])
+            if new.type != old.type:
+                new = new.cast(old.type)
+            if len(part) == len(old):  # every row of the slot, in position order (positions are distinct)
+                # a consecutive take is a slice of the caller's array (maybe over its numpy memory): own a copy
+                rows = order[part]
+                sliced = len(rows) < 2 or bool(np.all(np.diff(rows) == 1))
+                slots[slot] = pa.concat_arrays([new]) if sliced else new
+                continue
             idx = np.arange(len(old), dtype=np.int64)
             idx[pos[part] - slot * self.chunk_rows] = len(old) + np.arange(len(part))
-            new = values.take(pa.array(order[part]))
-            both = pa.chunked_array([old, new.cast(old.type) if new.type != old.type else new])
-            slots[slot] = both.take(pa.array(idx)).combine_chunks()
+            slots[slot] = _ragged.take(pa.concat_arrays([old, new]), idx)
 
     def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
         """True where every one of `fields` has a value at ring `positions` (fields not filled later always do)."""
@@ -288,7 +296,7 @@ class TieredColumnArenas(ColumnArenas):
         top = next(c for c in range(len(self.tiers)) if not self.slotted[c])
         self.arrays = dict(self.arenas[top])  # membership and `store._arenas`: the top non-slotted arenas
         self.ragged = {}
-        self.presence = Presence(schema, meta, self.arena_rows)  # the store refuses later fields with tiers= (yet)
+        self.presence = Presence(schema, meta, self.arena_rows)  # validity stays on the host (meta tier)
         self.later = self.presence.valid
         self._final_code = len(self.tiers)  # a pseudo tier code for final-observation rows in a gather
         self._prefetch = [hasattr(t, "prefetch") for t in self.tiers]  # tiers whose reads may wait for a disk
@@ -337,6 +345,8 @@ class TieredColumnArenas(ColumnArenas):
 
     # ------------------------------------------------------------------ writes
     def write(self, name: str, first_pos: int, values: Any) -> None:
+        if self.later and name in self.later:
+            values = self.presence.mark(name, first_pos, values)
         ci = self.ci[name]
         cr = self.chunk_rows
         p, end, off = int(first_pos), int(first_pos) + len(values), 0
@@ -350,6 +360,8 @@ class TieredColumnArenas(ColumnArenas):
             p = q
 
     def write_row(self, name: str, pos: int, value: Any) -> None:
+        if self.later and name in self.later:
+            self.presence.mark_row(name, pos)
         ci = self.ci[name]
         s = pos // self.chunk_rows
         if pos == s * self.chunk_rows or self.slotted[self.res[ci, s]]:
@@ -358,6 +370,30 @@ class TieredColumnArenas(ColumnArenas):
 
     def write_final(self, name: str, slots: np.ndarray | int, values: Any) -> None:
         self.final[name][slots] = values
+
+    def _put_rows(self, name: str, positions: np.ndarray, values: np.ndarray) -> None:
+        """`update_rows` of a tiered column: rows written where their chunk lives. Holding `cond` keeps migrations of
+        these chunks from starting (they are marked moving under it), and one in flight is waited for first: a
+        migration copies a chunk without the write lock, so an update during its copy would be lost at its flip."""
+        ci = self.ci[name]
+        cr = self.chunk_rows
+        slots = positions // cr
+        touched = np.unique(slots)
+        with self.cond:
+            while self.moving[ci, touched].any():
+                self.cond.wait()
+            for s in touched.tolist():
+                sel = np.flatnonzero(slots == s)
+                code = int(self.res[ci, s])
+                if self.slotted[code]:  # device memory: read the chunk, change its rows, write it back
+                    tier: Any = self.tiers[code]
+                    arena = self.arenas[code][name]
+                    off = int(self.local[ci, s]) * cr
+                    chunk = np.array(tier.get(arena, off, off + cr, self.spec[name].dtype))
+                    chunk[positions[sel] - s * cr] = values[sel]
+                    tier.put(arena, off, chunk)
+                else:
+                    self.arenas[code][name][positions[sel]] = values[sel]
 
     def _recycle(self, ci: int, name: str, s: int) -> None:
         """A writer starts a new generation of slot `s`. Rows of the old generation past the piece being written may

@@ -515,6 +515,21 @@ class ConsumeTracker:
         return out
 
 
+def check_store_options(tier: Any, sampler: Any, tasks: Any) -> None:
+    """Before a store allocates anything: consumption per task and groups keep their state in this process's heap,
+    so a shared-memory store cannot have them (yet).
+
+    Raises:
+        InvalidArgument: `tier="shm"` with `tasks` or a `Group` sampler.
+    """
+    if tier != "shm" and not getattr(tier, "shared", False):
+        return
+    if tasks or isinstance(sampler, GroupSampler):
+        raise InvalidArgument("tasks (consume) and Group samplers are not yet supported on a shared-memory store "
+                              "(tier='shm'): their state lives in one process; serve a host store over Flight to "
+                              "share it between processes")
+
+
 def _check_staleness(value: Any, what: str) -> int | None:
     if value is None:
         return None
@@ -523,4 +538,4 @@ def _check_staleness(value: Any, what: str) -> int | None:
     return int(value)
 
 
-__all__ = ["MAX_WHERE_CHARS", "ConsumeTracker"]
+__all__ = ["MAX_WHERE_CHARS", "ConsumeTracker", "check_store_options"]

@@ -103,6 +103,9 @@ class GroupSampler(Sampler):
         self._view: RowView | None = None
 
     def _on_bind(self) -> None:
+        if self.index.tier.shared:
+            raise InvalidArgument("a Group sampler is not yet supported on a shared-memory store (tier='shm'): its "
+                                  "state lives in one process; serve a host store over Flight to share it")
         # per ring position, the seq of a row whose group was dropped for zero variance (seq-stamped: a new row in
         # the slot is not dropped)
         self._dropped = np.full(self.index.arena_rows, -1, dtype=np.int64)

@@ -25,7 +25,7 @@ import pyarrow as pa
 from .batch import SampleBatch
 from .chunks import ChunkDirectory, default_chunk_rows
 from .columns import ColumnArenas, TieredColumnArenas
-from .consume import ConsumeTracker
+from .consume import ConsumeTracker, check_store_options
 from .core import StoreCore
 from .episodes import EpisodeTracker
 from .errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed
@@ -85,6 +85,7 @@ class ExperienceStore:
                  tiers: dict[str, Any] | None = None, placement: Any = None, tasks: Any = None,
                  max_staleness: int | None = None, token_field: str | None = None) -> None:
         self.schema: ExperienceSchema = load_schema(schema)
+        check_store_options(tier, sampler, tasks)  # consume (issue 16): before anything is allocated
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
         self.capacity = int(capacity)
@@ -101,9 +102,6 @@ class ExperienceStore:
             if ragged:
                 raise SchemaError(f"ragged fields are not yet supported in a tiered store: {ragged}; "
                                   "drop tiers= for this schema, or make the fields fixed-shape")
-            if self.schema.later_fields:
-                raise SchemaError(f"fields filled later are not yet supported in a tiered store: "
-                                  f"{self.schema.later_fields}; drop tiers= for this schema, or drop `later`")
             from .tiers import make_tiers
 
             self._tier, data_tiers = make_tiers(tiers)

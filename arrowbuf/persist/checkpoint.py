@@ -36,7 +36,8 @@ import pyarrow as pa
 from ..errors import ArrowbufError, InvalidArgument
 from . import manifest as mf
 from .parts import StoreParts, to_spec
-from .snapshot import Snapshot, capture, read_chunk, still_intact, tensor_array
+from .snapshot import (Snapshot, capture, later_columns, later_digest, read_chunk, still_intact,
+                       tensor_array)
 
 #: Per store (keyed by its ring index) and checkpoint directory: the row files of sealed chunks known to hold its
 #: rows exactly, {(first_seq, rows): manifest entry}. Written by checkpoints and by restore.
@@ -206,9 +207,10 @@ class _Job:
             _, p0, p1, first = chunk
             n = p1 - p0
             full = snap.sealed[i] and n == cr
+            digest = later_digest(later_columns(parts, snap, i))
             entry = known.get((first, n)) if full and self.compression is None else None
-            if entry is not None and self._restore_file(entry):
-                e = dict(entry)
+            if entry is not None and entry.get("later") == digest and self._restore_file(entry):
+                e = {k: v for k, v in entry.items() if k != "later"}
                 reused += 1
             else:
                 batch = read_chunk(parts, snap, i, self.schema)
@@ -231,7 +233,7 @@ class _Job:
                     written += 1
                     written_bytes += e["bytes"]
                 if full and self.compression is None:
-                    known[(first, n)] = {**e, "kind": "chunk", "first_seq": first, "rows": n}
+                    known[(first, n)] = {**e, "kind": "chunk", "first_seq": first, "rows": n, "later": digest}
                 _kill_point("after_chunk")
             e.update(kind="chunk" if full else "tail" if i == len(snap.chunks) - 1 else "partial", first_seq=first,
                      rows=n)

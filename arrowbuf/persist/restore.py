@@ -19,11 +19,11 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import SchemaError, StoreCorrupt
-from ..schema import load_schema
+from ..schema import convert_later, load_schema
 from . import manifest as mf
 from .checkpoint import known_files
 from .parts import StoreParts, from_spec
-from .snapshot import numpy_column, restore_episode_state, restore_sampler_state
+from .snapshot import later_digest, numpy_column, restore_episode_state, restore_sampler_state
 
 
 def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
@@ -145,16 +145,24 @@ def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool
                                    f"{seqs[0] if n else None}, expected a contiguous run from {expect}")
             p0 = int(seqs[0] % arena_rows)
             pos = seqs % arena_rows
+            later = {}
             for f in parts.schema.fields.values():
                 if f.ragged:
-                    cols.write_ragged(f.name, table.column(f.name).combine_chunks(), p0)
+                    column = table.column(f.name).combine_chunks()
+                    cols.write_ragged(f.name, column, p0)
+                elif f.later:  # nulls are the rows still without a value: written as absent, not as zeros
+                    column = table.column(f.name).combine_chunks()
+                    cols.write(f.name, p0, convert_later(f, column))
                 else:
                     cols.write(f.name, p0, numpy_column(table.column(f.name)))
+                if f.later:
+                    later[f.name] = column
             idx.seq[pos] = seqs
             idx.episode_id[pos] = numpy_column(table.column("episode_id"))
             idx.step[pos] = numpy_column(table.column("step"))
             if e.get("kind") == "chunk":
-                known[(int(seqs[0]), n)] = {k: e[k] for k in ("name", "bytes", "crc32")}
+                known[(int(seqs[0]), n)] = {**{k: e[k] for k in ("name", "bytes", "crc32")},
+                                            "later": later_digest(later)}
             expect += n
         if expect != hi:
             raise StoreCorrupt(f"{where}: row files cover seqs [{lo}, {expect}), the manifest says [{lo}, {hi})")

@@ -17,6 +17,7 @@ and is not used (see `arrowbuf.persist.checkpoint`: the snapshot then starts aft
 from __future__ import annotations
 
 import copy
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ class Snapshot:
     rng: dict[str, Any]
     tail: dict[str, Any] = field(default_factory=dict)    # column -> rows of the open chunk (copied)
     ragged: dict[str, list[pa.Array]] = field(default_factory=dict)
+    later: dict[str, list[pa.Array]] = field(default_factory=dict)  # later field -> per live chunk (nulls: absent)
     episode_id: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
@@ -65,10 +67,13 @@ def capture(parts: StoreParts) -> Snapshot:
                         episodes=episode_state(parts.episodes), rng=copy.deepcopy(dict(parts.rng.bit_generator.state)),
                         episode_id=idx.episode_id[pos], step=idx.step[pos])
         snap.ragged = parts.cols.ragged_snapshot()
+        # fields filled later change in sealed chunks too (`store.update`): copied now, with their presence
+        snap.later = {f.name: [parts.cols.snapshot_later(f.name, p0, p1) for _, p0, p1, _ in chunks]
+                      for f in parts.schema.fields.values() if f.later and not f.ragged}
         if chunks and not sealed[-1]:  # the open tail: committed rows that later writes leave alone, copied now
             _, p0, p1, _ = chunks[-1]
             snap.tail = {f.name: np.array(parts.cols.view(f.name, p0, p1))
-                         for f in parts.schema.fields.values() if not f.ragged}
+                         for f in parts.schema.fields.values() if not f.ragged and f.name not in snap.later}
     return snap
 
 
@@ -175,7 +180,9 @@ def read_chunk(parts: StoreParts, snap: Snapshot, i: int, schema: pa.Schema) -> 
     arrays = []
     for f in schema:
         name = f.name
-        if name in snap.tail and i == len(snap.chunks) - 1 and not snap.sealed[i]:
+        if name in snap.later:
+            arrays.append(snap.later[name][i])
+        elif name in snap.tail and i == len(snap.chunks) - 1 and not snap.sealed[i]:
             arrays.append(arrow_column(snap.tail[name], f.type))
         elif name in snap.ragged:
             arrays.append(snap.ragged[name][slot].slice(p0 - slot * parts.chunk_rows, n))
@@ -188,6 +195,40 @@ def read_chunk(parts: StoreParts, snap: Snapshot, i: int, schema: pa.Schema) -> 
         else:
             arrays.append(arrow_column(parts.cols.view(name, p0, p1), f.type))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def later_columns(parts: StoreParts, snap: Snapshot, i: int) -> dict[str, pa.Array]:
+    """The columns of live chunk `i` that `store.update` may still change (fields filled later), as captured."""
+    slot, p0, p1, _ = snap.chunks[i]
+    out = {name: arrays[i] for name, arrays in snap.later.items()}
+    for f in parts.schema.fields.values():
+        if f.later and f.ragged:
+            out[f.name] = snap.ragged[f.name][slot].slice(p0 - slot * parts.chunk_rows, p1 - p0)
+    return out
+
+
+def later_digest(columns: dict[str, Any]) -> str | None:
+    """A checksum of the values and presence of a chunk's later fields (None without any), the same for the same
+    content however it is laid out in memory: a chunk file is reused only while its later fields are unchanged."""
+    if not columns:
+        return None
+    crc = 0
+    for name in sorted(columns):
+        a = columns[name]
+        if isinstance(a, pa.ChunkedArray):
+            a = a.combine_chunks()
+        valid = np.asarray(a.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+        crc = zlib.crc32(valid.tobytes(), zlib.crc32(name.encode(), crc))
+        given = a.filter(pa.array(valid))
+        if isinstance(given, pa.ExtensionArray):
+            given = given.storage
+        if pa.types.is_list(given.type) or pa.types.is_large_list(given.type) or \
+                pa.types.is_fixed_size_list(given.type):
+            if not pa.types.is_fixed_size_list(given.type):
+                crc = zlib.crc32(np.asarray(given.value_lengths().to_numpy(zero_copy_only=False)).tobytes(), crc)
+            given = given.flatten()
+        crc = zlib.crc32(np.ascontiguousarray(given.to_numpy(zero_copy_only=False)).tobytes(), crc)
+    return f"{crc & 0xFFFFFFFF:08x}"
 
 
 def still_intact(parts: StoreParts, snap: Snapshot, i: int) -> bool:

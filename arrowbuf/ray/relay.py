@@ -257,6 +257,16 @@ class Relay:
             raise ArrowbufError(f"relay {self.key}, version {cur.meta['version']}: {cur.error}")
         return cur.meta["version"], cur.path, cur.meta
 
+    async def current(self) -> tuple[int, str, dict] | None:
+        """(version, path, meta) of the verified copy this node holds now, or None (none yet, or one in flight);
+        never waits (`Broadcast.poll`)."""
+        cur = self.cur
+        if cur is None or not cur.verified:
+            return None
+        if cur.error:
+            raise ArrowbufError(f"relay {self.key}, version {cur.meta['version']}: {cur.error}")
+        return cur.meta["version"], cur.path, cur.meta
+
     async def progress(self) -> tuple[int, int]:
         """(version, blocks held) of this node's copy; (-1, 0) when it holds none."""
         return (-1, 0) if self.cur is None else (self.cur.meta["version"], self.cur.have)
