@@ -33,8 +33,8 @@ from .errors import InvalidArgument
 
 #: Longest predicate accepted (characters).
 MAX_WHERE_CHARS = 4096
-#: Predicates whose per-row results are kept (least recently used go first).
-MAX_CACHED_PREDICATES = 16
+#: Predicates whose per-row results are kept (least recently used go first): each takes 10 bytes per ring row.
+MAX_CACHED_PREDICATES = 4
 _SYSTEM = ("episode_id", "step", "seq")
 
 
@@ -43,7 +43,7 @@ class _Results:
 
     def __init__(self, rows: int) -> None:
         self.seq = np.full(rows, -1, dtype=np.int64)
-        self.bits = np.zeros(rows, dtype=np.int64)
+        self.bits = np.zeros(rows, dtype=np.uint8)
         self.ok = np.zeros(rows, dtype=bool)
 
 
@@ -60,7 +60,7 @@ class RowFilters:
         self.view = view
         schema = core.schema
         self.scalars = [n for n, f in schema.fields.items() if not f.shape and not f.ragged]
-        self.later = [n for n in self.scalars if getattr(schema.fields[n], "later", False)][:62]
+        self.later = [n for n in self.scalars if getattr(schema.fields[n], "later", False)]
         self._results: OrderedDict[str, _Results] = OrderedDict()
         self._valid: OrderedDict[str, None] = OrderedDict()
         self._inflight: list[list[np.ndarray]] = []
@@ -134,9 +134,10 @@ class RowFilters:
             self.core.cond.notify_all()
 
     def _bits(self, pos: np.ndarray) -> np.ndarray:
-        bits = np.zeros(len(pos), dtype=np.int64)
+        """Presence of the later scalar fields, one bit each (folded into 8 bits: a change shows in at least one)."""
+        bits = np.zeros(len(pos), dtype=np.uint8)
         for i, name in enumerate(self.later):
-            bits |= self.view.present([name], pos).astype(np.int64) << i
+            bits ^= self.view.present([name], pos).astype(np.uint8) << np.uint8(i % 8)
         return bits
 
     # ------------------------------------------------------------------ the sandbox
