@@ -134,7 +134,8 @@ class ColumnArenas:
         self.arrays[name][positions] = values
 
     def _update_ragged(self, name: str, positions: np.ndarray, values: pa.Array) -> None:
-        """Replace rows of a ragged column: one new array per chunk slot touched (old rows and new, one take)."""
+        """Replace rows of a ragged column: one new array per chunk slot touched, built with ranged copies (a slot
+        whose every row is replaced takes the new rows as they are)."""
         slots = self.ragged[name]
         order = np.argsort(positions, kind="stable")
         pos = positions[order]
@@ -142,11 +143,18 @@ class ColumnArenas:
         for part in np.split(np.arange(len(pos)), cut):
             slot = int(pos[part[0]] // self.chunk_rows)
             old = slots[slot]
+            new = _ragged.take(values, order[part])
+            if new.type != old.type:
+                new = new.cast(old.type)
+            if len(part) == len(old):  # every row of the slot, in position order (positions are distinct)
+                # a consecutive take is a slice of the caller's array (maybe over its numpy memory): own a copy
+                rows = order[part]
+                sliced = len(rows) < 2 or bool(np.all(np.diff(rows) == 1))
+                slots[slot] = pa.concat_arrays([new]) if sliced else new
+                continue
             idx = np.arange(len(old), dtype=np.int64)
             idx[pos[part] - slot * self.chunk_rows] = len(old) + np.arange(len(part))
-            new = values.take(pa.array(order[part]))
-            both = pa.chunked_array([old, new.cast(old.type) if new.type != old.type else new])
-            slots[slot] = both.take(pa.array(idx)).combine_chunks()
+            slots[slot] = _ragged.take(pa.concat_arrays([old, new]), idx)
 
     def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
         """True where every one of `fields` has a value at ring `positions` (fields not filled later always do)."""

@@ -70,6 +70,21 @@ def test_update_fills_field_by_field(store):
     assert got.get(int(ids[5]), 4.5) == 4.5 and got.get(int(ids[3])) is None
 
 
+@pytest.mark.parametrize("order", ["in order", "shuffled", "some"])
+def test_ragged_update_rows_land_on_their_ids_and_are_copied(store, order):
+    ids = store.extend(rollouts(16))  # the whole ring: every chunk slot
+    pick = {"in order": ids, "shuffled": np.random.default_rng(1).permutation(ids), "some": ids[[1, 6, 7, 12]]}[order]
+    flat = np.arange(2 * len(pick), dtype=np.float32)
+    arr = pa.ListArray.from_arrays(pa.array(np.arange(0, 2 * len(pick) + 1, 2, dtype=np.int32)), pa.array(flat))
+    assert store.update(pick, {"ref_logprobs": arr}) == len(pick)
+    flat[:] = -1  # the caller's memory (pa.array over numpy is zero-copy): the store kept its own copy
+    want = {int(i): [2.0 * k, 2.0 * k + 1] for k, i in enumerate(pick)}
+    t = store.to_table(["seq", "ref_logprobs"]).to_pydict()
+    assert dict(zip(t["seq"], t["ref_logprobs"])) == {int(i): want.get(int(i)) for i in ids}
+    b = store.sample(64, columns=["ref_logprobs"])
+    assert [want.get(int(i)) for i in b.indices] == b["ref_logprobs"].to_pylist()
+
+
 def test_given_at_extend_and_nulls_in_arrow_input(store):
     ids = store.extend({**rollouts(2), "reward": [0.5, None], "ref_logprobs": [None, [1.0]]})
     rb = pa.RecordBatch.from_pydict({"prompt_id": [7], "done": [True], "response": pa.array([[1, 2]], pa.list_(
