@@ -155,7 +155,8 @@ class ConsumeTracker:
             self.core.cond.notify_all()  # admission waits on the version
 
     def notify(self) -> None:
-        """Wake consumers and held writers: rows changed (the hook `store.update` calls after it commits)."""
+        """Wake consumers and held writers after rows changed outside the commit path (commits and `store.update`
+        notify the store's condition themselves)."""
         with self.core.cond:
             self.core.cond.notify_all()
 
@@ -170,12 +171,10 @@ class ConsumeTracker:
         return np.asarray(self.core.cols.column(name)[positions])
 
     def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
-        """Mask: every field in `fields` is written at each of `positions` (`StoreCore.present` when the store has
-        fields filled later; every field is present otherwise)."""
-        query = getattr(self.core, "present", None)
-        if not fields or query is None:
+        """Mask: every field in `fields` is written at each of `positions` (`StoreCore.present`)."""
+        if not fields:
             return np.ones(len(positions), dtype=bool)
-        return np.asarray(query(list(fields), positions), dtype=bool)
+        return np.asarray(self.core.present(list(fields), positions), dtype=bool)
 
     # ------------------------------------------------------------------ consume
     def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
