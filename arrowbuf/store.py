@@ -565,7 +565,8 @@ class ExperienceStore:
         Args:
             path: the checkpoint directory (an Arrow IPC dataset; made if missing).
             keep: keep the newest `keep` checkpoints (their files); None keeps all.
-            background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread.
+            background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread,
+                at a lower CPU priority than the process's other threads (`persist.checkpoint.BACKGROUND_NICE`).
             compression: None (uncompressed, memory-mappable: the default), or "zstd"/"lz4" for archives.
 
         Returns:

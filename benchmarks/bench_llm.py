@@ -87,30 +87,42 @@ def _pss(pids: list[int]) -> int:
 
 
 class PeakMemory:
-    """Peak PSS of this process's tree above its value at `start()`, sampled by a thread every 20 ms."""
+    """Peak PSS of this process's tree above its value at `start()`, sampled by a thread every 20 ms.
+
+    `peak_self` is the same for this process alone (the client); the rest of the tree is servers and Ray's processes.
+    """
 
     def __init__(self) -> None:
-        self.base = 0
-        self.peak = 0
+        self.base = self.peak = self.base_self = self.peak_self = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _sample(self) -> None:
+        pids = _tree(os.getpid())
+        self.peak = max(self.peak, _pss(pids))
+        self.peak_self = max(self.peak_self, _pss([os.getpid()]))
+
     def start(self) -> "PeakMemory":
         self.base = self.peak = _pss(_tree(os.getpid()))
+        self.base_self = self.peak_self = _pss([os.getpid()])
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, _pss(_tree(os.getpid())))
+            self._sample()
 
     def stop(self) -> int:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.peak = max(self.peak, _pss(_tree(os.getpid())))
+        self._sample()
         return self.peak - self.base
+
+    def split(self) -> dict[str, int]:
+        """Peak growth of this process and of the whole tree (bytes)."""
+        return {"peak_self_bytes": self.peak_self - self.base_self, "peak_bytes": self.peak - self.base}
 
 
 # ---------------------------------------------------------------------------------------------------- payloads
@@ -211,12 +223,11 @@ def child_ab_flight(samples: int, repeats: int) -> dict[str, Any]:
             put.append(_timed(lambda: remote.extend(rows)))
             get.append(_timed(lambda: remote.sample(samples, columns=list(payload)).to_torch()))
         remote.close()
-        peak = mem.stop()
+        mem.stop()
     finally:
         proc.stdin.close()
         proc.wait(60)
-    return {"put_s": _med(put), "get_s": _med(get), "peak_bytes": peak,
-            "bytes": sum(v.nbytes for v in payload.values())}
+    return {"put_s": _med(put), "get_s": _med(get), **mem.split(), "bytes": sum(v.nbytes for v in payload.values())}
 
 
 def child_raw_flight(samples: int, repeats: int) -> dict[str, Any]:
@@ -241,12 +252,11 @@ def child_raw_flight(samples: int, repeats: int) -> dict[str, Any]:
             put.append(_timed(do_put))
             get.append(_timed(lambda: client.do_get(flight.Ticket(b"x")).read_all()))
         client.close()
-        peak = mem.stop()
+        mem.stop()
     finally:
         proc.stdin.close()
         proc.wait(60)
-    return {"put_s": _med(put), "get_s": _med(get), "peak_bytes": peak,
-            "bytes": sum(v.nbytes for v in payload.values())}
+    return {"put_s": _med(put), "get_s": _med(get), **mem.split(), "bytes": sum(v.nbytes for v in payload.values())}
 
 
 def _ray_init() -> Any:
@@ -710,7 +720,9 @@ def _print_fixed(name: str, r: dict[str, Any]) -> None:
         print(f"fixed  {name:16} unavailable: {r['error']}", flush=True)
         return
     print(f"fixed  {name:16} PUT {_gbs(r['bytes'], r['put_s'])} GB/s  GET {_gbs(r['bytes'], r['get_s'])} GB/s  "
-          f"peak +{r['peak_bytes'] / 2**30:5.2f} GiB ({r['peak_bytes'] / r['bytes']:4.1f}x payload)", flush=True)
+          f"peak +{r['peak_bytes'] / 2**30:5.2f} GiB ({r['peak_bytes'] / r['bytes']:4.1f}x payload"
+          + (f"; this process {r['peak_self_bytes'] / r['bytes']:.1f}x" if "peak_self_bytes" in r else "") + ")",
+          flush=True)
 
 
 def _print_ragged(pause: float, r: dict[str, Any]) -> None:

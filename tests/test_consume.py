@@ -203,7 +203,7 @@ def test_where_never_reads_ragged_columns():
     with pytest.raises(ab.InvalidArgument, match="scalar columns") as e:
         s.consume("t", 10, where="response_tokens IS NOT NULL")
     assert "'response_tokens'" not in e.value.args[0].split("columns")[1].split("(")[0]  # not among the columns
-    table = s._consume._scalar_table(np.arange(4))
+    table = s._consume.filters.table(np.arange(4))
     assert set(table.column_names) == {"prompt_id", "reward", "done", "policy_version", "episode_id", "step", "seq"}
 
 
@@ -497,3 +497,19 @@ def test_fields_filled_across_processes_reach_the_trainer_once_and_only_when_com
     finally:
         server.close()
         s.close()
+
+
+def test_where_judges_a_row_again_after_its_fields_change():
+    s = ab.ExperienceStore(GRPO, capacity=64, tasks=["t"])
+    ids = s.extend(rollouts(3))
+    assert len(s.consume("t", 10, where="reward > 0")) == 0  # NULL rewards fail (and that result is cached)
+    s.update(ids[:2], {"reward": np.array([-1.0, 1.0], np.float32)})  # written: judged again
+    np.testing.assert_array_equal(s.consume("t", 10, where="reward > 0").indices, ids[1:2])
+    s.update(ids[:1], {"reward": np.array([5.0], np.float32)})  # rewritten: judged again
+    np.testing.assert_array_equal(s.consume("t", 10, where="reward > 0").indices, ids[:1])
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("b", s.consume("t", 1, where="reward > 0", timeout=60)))
+    t.start()
+    s.update(ids[2:], {"reward": np.array([3.0], np.float32)})  # wakes the waiting consumer
+    t.join(60)
+    np.testing.assert_array_equal(out["b"].indices, ids[2:])
