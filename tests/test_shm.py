@@ -517,9 +517,10 @@ def test_lifetime_pickling_and_errors(names):
         pickle.dumps(ab.ExperienceStore(SCHEMA, 100))
     with pytest.raises(ab.StoreNotFound, match="timeout"):
         ab.ExperienceStore.attach(names())
-    with pytest.raises(ab.SchemaError, match="ragged"):
-        ab.ExperienceStore({"name": "r", "fields": {"tok": {"dtype": "int32", "ragged": True}}}, 10, tier="shm",
-                           name=names())
+    with ab.ExperienceStore({"name": "r", "fields": {"tok": {"dtype": "int32", "ragged": True}}}, 10, tier="shm",
+                            name=names()) as ragged:  # ragged fields live in shared memory too (issue 16)
+        ragged.extend({"tok": [[1, 2], [3]]})
+        assert ragged.to_table(["tok"]).column(0).to_pylist() == [[1, 2], [3]]
     store.close()  # the owner's close removes the name; the attached handle keeps working on its mapping
     assert not os.path.exists(shm.store_path(name))
     other.extend(rows(1, 0, 5))
