@@ -155,6 +155,9 @@ def test_rows_overwritten_while_copied_are_left_out_never_torn(tmp_path, ends):
 
         info = persist_checkpoint(store, tmp_path / "c", _after_read=overwrite)
         assert info["next_seq"] == hi and info["dropped_rows"] > 0
+        # copied newest first, it stops at the overwritten chunk: no file written for rows it then left out
+        row_files = [e for e in mf.read_manifest(str(tmp_path / "c"))["files"] if "first_seq" in e]
+        assert info["files_written"] == len(row_files)
         got = pads.dataset(str(tmp_path / "c"), format="ipc").to_table().sort_by("seq")
         seqs = got["seq"].to_numpy()
         assert (np.diff(seqs) == 1).all() and seqs[-1] == hi - 1 and seqs[0] == info["first_seq"]

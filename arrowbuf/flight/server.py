@@ -14,6 +14,7 @@ One server per process: the handlers are Python and hold the GIL while they pars
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hmac
 import inspect
 import ipaddress
@@ -341,8 +342,10 @@ class _FlightService(flight.FlightServerBase):
     def _consume(self, store: Any, req: P.ConsumeRequest) -> flight.FlightDataStream:
         """The `consume` ticket (issue 16; owner: consume): bounded like a sample, then `store.consume`."""
         self.owner.limits.check_sample(req.n, req.timeout, {}, "consume")
-        batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
-                              max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
+        # --- hardening: a where= predicate is a query of the SQL sandbox; it counts against max_concurrent_sql
+        with self.owner.calls.enter("sql") if req.where is not None else contextlib.nullcontext():
+            batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
+                                  max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
         data, meta = _wire_batch(batch)
         return flight.GeneratorStream(data.schema, iter([(data, meta)]))
 
@@ -498,6 +501,8 @@ class _FlightService(flight.FlightServerBase):
 
             out = checkpoint_under_root(store, self.owner.checkpoint_root, req.path or "", req.keep)
         elif req.type in P.CONSUME_ACTIONS:
+            if req.type == "add_task":  # --- hardening: each task costs ring-sized memory and holds eviction
+                self.owner.limits.check_add_task(len(store.tasks), "add_task")
             out = _consume_action(store, req)
         else:  # update_priorities
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}

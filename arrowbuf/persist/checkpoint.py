@@ -3,7 +3,7 @@
 Steps (docs/format.md has the layout):
 
 1. `capture` (short; under the store's locks): the live range, index, sampler, episode and RNG state, the tail.
-2. Row files, oldest chunk first, without any lock: a sealed chunk already written to this directory (by this
+2. Row files, newest chunk first, without any lock: a sealed chunk already written to this directory (by this
    store, or read back by `restore`) is reused as is; others are read, serialised to Arrow IPC, checked intact (a
    seqlock over the rows' seqs) and written once under a name made of their first seq, row count and CRC-32.
 3. State files (`_state/<generation>-<mechanism>.*`), then the manifest: `_manifests/<generation>.json`, then
@@ -12,11 +12,11 @@ Steps (docs/format.md has the layout):
 4. Retention: manifests beyond `keep` go, and files no kept manifest references are deleted; row files only older
    kept checkpoints reference move to `_retained/`, so the top-level `*.arrow` files are the latest rows.
 
-If the ring overwrites rows faster than step 2 copies them: a chunk whose rows were overwritten while it was read
-is dropped, and so is everything older than it, so the checkpoint holds the contiguous range from the oldest chunk
-that was still intact to the snapshot point (`hi`), exactly as committed; `dropped_rows` in the manifest counts what
-went. Reused chunk files are exact copies, so they are never dropped. Sampler, limiter and episode state are those
-of the snapshot point, restricted to the kept rows.
+If the ring overwrites rows faster than step 2 copies them: chunks are copied newest first (the ring overwrites the
+oldest), and the copy stops at the first chunk whose rows were overwritten while it was read; that chunk and
+everything older are left out, so the checkpoint holds the contiguous range from the chunk after it to the snapshot
+point (`hi`), every row exactly as committed; `dropped_rows` in the manifest counts what went. Sampler, limiter and
+episode state are those of the snapshot point, restricted to the kept rows.
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ from .snapshot import (Snapshot, capture, later_columns, later_digest, read_chun
 _WRITTEN: "weakref.WeakKeyDictionary[Any, dict[str, dict[tuple[int, int], dict[str, Any]]]]" = \
     weakref.WeakKeyDictionary()
 _KILL_ENV = "ARROWBUF_PERSIST_KILL_AT"
+#: Nice increment of a background checkpoint's threads (Linux: per thread). Threads of one process share its CPU
+#: share (one scheduler group per session under autogroup, or per cgroup); at equal priority a busy checkpoint
+#: thread takes half of it from the sampling and inserting threads on a machine without a free core. At +10 it
+#: yields to them (about 1 : 10) and still runs at full speed on an idle core. The price, on a machine without one:
+#: the checkpoint takes longer, so a ring that overwrites rows fast leaves more of the oldest rows out of it
+#: (`dropped_rows`). 0 runs it at the caller's priority.
+BACKGROUND_NICE = 10
 
 
 def _kill_point(name: str) -> None:
@@ -67,7 +74,9 @@ def known_files(parts: StoreParts, root: str) -> dict[tuple[int, int], dict[str,
 
 
 class CheckpointHandle:
-    """A checkpoint running in the background (`store.checkpoint(path, background=True)`).
+    """A checkpoint running in the background (`store.checkpoint(path, background=True)`), in a thread whose CPU
+    priority is `BACKGROUND_NICE` below the caller's (Linux), so sampling and inserting keep their share of a busy
+    machine; on a machine with an idle core it runs at full speed.
 
     Usage::
 
@@ -79,8 +88,17 @@ class CheckpointHandle:
 
     def __init__(self, job: "_Job") -> None:
         self._job = job
-        self._thread = threading.Thread(target=job.run, name="arrowbuf-checkpoint", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="arrowbuf-checkpoint", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        if BACKGROUND_NICE and hasattr(os, "setpriority"):  # its fsync thread, started from it, inherits this
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(
+                    os.PRIO_PROCESS, threading.get_native_id()) + BACKGROUND_NICE))
+            except OSError:  # not allowed or not per-thread here: run at the process's priority
+                pass
+        self._job.run()
 
     @property
     def progress(self) -> float:
@@ -151,8 +169,10 @@ class _Job:
         self.syncer: Any = None
 
     def run(self) -> None:
+        cpu0 = time.thread_time()
         try:
             self.result = self._run()
+            self.result["cpu_seconds"] = time.thread_time() - cpu0  # this thread's CPU time (the fsyncs' not)
         except BaseException as exc:  # handed to wait()
             self.error = exc
         finally:
@@ -203,8 +223,10 @@ class _Job:
         kept_lo = snap.lo
         total = max(1, sum(c[2] - c[1] for c in snap.chunks))
         done_rows = 0
-        for i, chunk in enumerate(snap.chunks):
-            _, p0, p1, first = chunk
+        # newest chunk first: the ring overwrites the oldest rows, so a copy racing a fast writer keeps the newest
+        # rows it got to, and stops at the first chunk overwritten meanwhile instead of writing rows it then drops
+        for i in range(len(snap.chunks) - 1, -1, -1):
+            _, p0, p1, first = snap.chunks[i]
             n = p1 - p0
             full = snap.sealed[i] and n == cr
             digest = later_digest(later_columns(parts, snap, i))
@@ -219,10 +241,8 @@ class _Job:
                 if self.after_read is not None:
                     self.after_read(i)
                 if snap.sealed[i] and not still_intact(parts, snap, i):
-                    entries = []  # overwritten while read: it and everything older leave the snapshot
-                    kept_lo = first + n
-                    done_rows += n
-                    continue
+                    kept_lo = first + n  # overwritten while read: it and everything older leave the snapshot
+                    break
                 crc = mf.crc32(data)
                 name = mf.row_file_name(first, n, crc)
                 if os.path.exists(os.path.join(root, name)) and os.path.getsize(os.path.join(root, name)) == len(data):
@@ -240,6 +260,7 @@ class _Job:
             entries.append(e)
             done_rows += n
             self.progress = 0.95 * done_rows / total
+        entries.reverse()  # oldest first, as the manifest lists them
         state_entries, dropped_valid = self._write_state(gen, kept_lo)
         self._sync()
         _kill_point("before_manifest")
