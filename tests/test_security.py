@@ -315,6 +315,9 @@ class TestRequestBounds:
             assert describe["sample_options"] == ["n_step", "gamma", "shard_info"]
             table = shard_client.do_get(sample_ticket(options={"shard_info": True})).read_all()
             assert {"_mass", "_shard_mass", "_shard_min", "_shard_size"} <= set(table.column_names)
+            # a shard's table stream is chunked like any store's (ShardStore.iter_table), not one whole copy
+            rows = shard_client.do_get(flight.Ticket(P.encode_ticket(P.TableRequest("table")))).read_all()
+            assert rows.num_rows == 100 and rows.column("seq").to_pylist() == list(range(100))
         finally:
             client.close()
             shard_client.close()
