@@ -46,7 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import pyarrow.compute as pc
@@ -57,6 +57,35 @@ from .errors import InsertTimeout, InvalidArgument, SchemaError
 from .filters import MAX_WHERE_CHARS, RowFilters
 from .groups import GroupSampler
 
+
+
+@runtime_checkable
+class ConsumeSurface(Protocol):
+    """Consumption per task as every store-like class offers it: `ExperienceStore`, `RemoteStore` (`ab.connect`)
+    and `ShardedStore`, with the same arguments and errors.
+
+    Usage::
+
+        def trainer(store: ConsumeSurface) -> None:
+            while True:
+                batch = store.consume("train", 256, require=["reward"], max_staleness=1, timeout=5.0)
+                ...
+                store.policy_version += 1
+    """
+
+    policy_version: int
+
+    def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None,
+                max_tokens: int | None = None) -> SampleBatch:
+        """Up to `n` rows (whole groups) `task` has not consumed, marked consumed (see `ConsumeTracker.consume`)."""
+
+    def add_task(self, name: str) -> None:
+        """Declare a consuming task."""
+
+    @property
+    def tasks(self) -> list[str]:
+        """The declared tasks."""
 
 
 class ConsumeTracker:
@@ -155,7 +184,8 @@ class ConsumeTracker:
             self.core.cond.notify_all()  # admission waits on the version
 
     def notify(self) -> None:
-        """Wake consumers and held writers: rows changed (the hook `store.update` calls after it commits)."""
+        """Wake consumers and held writers after rows changed outside the commit path (commits and `store.update`
+        notify the store's condition themselves)."""
         with self.core.cond:
             self.core.cond.notify_all()
 
@@ -170,12 +200,10 @@ class ConsumeTracker:
         return np.asarray(self.core.cols.column(name)[positions])
 
     def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
-        """Mask: every field in `fields` is written at each of `positions` (`StoreCore.present` when the store has
-        fields filled later; every field is present otherwise)."""
-        query = getattr(self.core, "present", None)
-        if not fields or query is None:
+        """Mask: every field in `fields` is written at each of `positions` (`StoreCore.present`)."""
+        if not fields:
             return np.ones(len(positions), dtype=bool)
-        return np.asarray(query(list(fields), positions), dtype=bool)
+        return np.asarray(self.core.present(list(fields), positions), dtype=bool)
 
     # ------------------------------------------------------------------ consume
     def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
@@ -517,4 +545,4 @@ def _check_staleness(value: Any, what: str) -> int | None:
     return int(value)
 
 
-__all__ = ["MAX_WHERE_CHARS", "ConsumeTracker", "check_store_options"]
+__all__ = ["MAX_WHERE_CHARS", "ConsumeSurface", "ConsumeTracker", "check_store_options"]

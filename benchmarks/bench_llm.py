@@ -22,7 +22,11 @@ Each system runs in its own child process (a fresh interpreter; `--child NAME`),
 seconds, medians over repeats) and the peak memory of its process tree (PSS summed over the child, its servers, Ray's
 processes) above the tree's memory before the payload existed, sampled every 20 ms.
 
-    python -m benchmarks.bench_llm [--quick] [--samples N] [--repeats R] [--only fixed ragged grpo]
+    python -m benchmarks.bench_llm [--quick [--peers]] [--samples N] [--repeats R] [--only fixed ragged grpo]
+                                   [--skip ray transferqueue ...]
+
+The default run takes 4-8 minutes here (two Ray startups); run it in parts (`--only fixed`, `--only ragged`,
+`--only grpo`) to keep each under two. `--quick` (about a minute) leaves out Ray and TransferQueue unless `--peers`.
 
 TransferQueue runs from its own venv (default /work/venv-tq, `--tq-python`): it pulls packages (pyzmq, hydra,
 omegaconf, msgspec, psutil) that the project venv does not carry. Prints a table, writes benchmarks/out/llm.json.
@@ -208,26 +212,59 @@ def child_ab_local(samples: int, repeats: int) -> dict[str, Any]:
 
 
 def child_ab_flight(samples: int, repeats: int) -> dict[str, Any]:
+    """arrowbuf over Flight, then (memory no longer measured) raw Flight and arrowbuf alternating, for the ratios."""
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
     import arrowbuf as ab
 
     mem = PeakMemory()
+    payload = fixed_payload(samples)
+    rows = _with_done(payload, samples)
+    cols = list(payload)
     proc = _spawn_server("ab", samples, False)
+    raw_proc = None
     try:
-        location = json.loads(proc.stdout.readline())["location"]
-        remote = ab.connect(location, store="perftest")
-        payload = fixed_payload(samples)
-        rows = _with_done(payload, samples)
+        remote = ab.connect(json.loads(proc.stdout.readline())["location"], store="perftest")
         mem.start()
-        put, get = [], []
+        put, get, get_sample = [], [], []
         for _ in range(repeats + 1):
             put.append(_timed(lambda: remote.extend(rows)))
-            get.append(_timed(lambda: remote.sample(samples, columns=list(payload)).to_torch()))
-        remote.close()
+            t0 = time.perf_counter()
+            batch = remote.sample(samples, columns=cols)
+            get_sample.append(time.perf_counter() - t0)
+            batch.to_torch()  # a trainer's tensors (the read-only receive buffers are copied)
+            get.append(time.perf_counter() - t0)
+            del batch
         mem.stop()
+        # the ratio to raw Flight: the same bytes, the two measured back to back in each repeat
+        raw_proc = _spawn_server("raw", samples, False)
+        raw = flight.FlightClient(json.loads(raw_proc.stdout.readline())["location"])
+        table = pa.RecordBatch.from_pydict({k: pa.FixedShapeTensorArray.from_numpy_ndarray(v)
+                                            for k, v in payload.items()})
+        r_put, r_get = [], []
+        for _ in range(repeats + 1):
+            def do_put() -> None:
+                writer, _ = raw.do_put(flight.FlightDescriptor.for_path("x"), table.schema)
+                writer.write_batch(table)
+                writer.close()
+
+            raw_put = _timed(do_put)
+            ours_put = _timed(lambda: remote.extend(rows))
+            raw_get = _timed(lambda: raw.do_get(flight.Ticket(b"x")).read_all())
+            ours_get = _timed(lambda: remote.sample(samples, columns=cols))
+            r_put.append(raw_put / ours_put)
+            r_get.append(raw_get / ours_get)
+        raw.close()
+        remote.close()
     finally:
-        proc.stdin.close()
-        proc.wait(60)
-    return {"put_s": _med(put), "get_s": _med(get), **mem.split(), "bytes": sum(v.nbytes for v in payload.values())}
+        for p in (proc, raw_proc):
+            if p is not None:
+                p.stdin.close()
+                p.wait(60)
+    return {"put_s": _med(put), "get_s": _med(get), "get_sample_s": _med(get_sample), **mem.split(),
+            "bytes": sum(v.nbytes for v in payload.values()), "ratio_raw_put": _med(r_put),
+            "ratio_raw_get": _med(r_get)}
 
 
 def child_raw_flight(samples: int, repeats: int) -> dict[str, Any]:
@@ -263,8 +300,15 @@ def _ray_init() -> Any:
     import ray
 
     # TransferQueue's controller and storage units each reserve a CPU: 8 logical CPUs on this 2-core machine
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
-             log_to_driver=False)
+    for attempt in range(2):  # Ray gives its node 30 s to start; a loaded machine sometimes needs a second try
+        try:
+            ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
+                     log_to_driver=False)
+            return ray
+        except Exception:  # noqa: BLE001 - retried once, then raised
+            ray.shutdown()
+            if attempt:
+                raise
     return ray
 
 
@@ -634,13 +678,16 @@ def run_child(name: str, args: list[str], python: str = sys.executable, timeout:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="128 samples, 32 GRPO prompts, 2 repeats, no pauses row")
-    ap.add_argument("--samples", type=int, default=None, help="global batch (TransferQueue default: 1024)")
+    ap.add_argument("--quick", action="store_true",
+                    help="128 samples, 32 GRPO prompts, 2 repeats, no pauses row, no Ray/TransferQueue (--peers)")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="global batch (default 256, --quick 128; TransferQueue's default: 1024)")
     ap.add_argument("--prompts", type=int, default=None, help="GRPO prompts (issue: 256)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--only", nargs="+", default=["fixed", "ragged", "grpo"],
                     help="fixed, ragged, grpo (grpo includes the consume and where rows)")
     ap.add_argument("--skip", nargs="*", default=[], help="fixed-row systems to skip, e.g. transferqueue ray")
+    ap.add_argument("--peers", action="store_true", help="with --quick: also Ray and TransferQueue (each starts Ray)")
     ap.add_argument("--tq-python", default=TQ_PYTHON)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--serve", help=argparse.SUPPRESS)
@@ -649,7 +696,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--groups", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    samples = args.samples or (128 if args.quick else 512)
+    samples = args.samples or (128 if args.quick else 256)
     repeats = args.repeats or (2 if args.quick else 3)
     prompts = args.prompts or (32 if args.quick else 256)
     if args.serve:
@@ -675,7 +722,7 @@ def main(argv: list[str] | None = None) -> None:
     if "fixed" in args.only:
         results["fixed"] = {}
         for name in CHILDREN:
-            if name in args.skip:
+            if name in args.skip or (args.quick and name in ("ray", "transferqueue") and not args.peers):
                 continue
             if name == "transferqueue" and not os.path.exists(args.tq_python):
                 results["fixed"][name] = {"error": f"{args.tq_python} missing (pip install transferqueue==0.1.11 "
@@ -719,6 +766,10 @@ def _print_fixed(name: str, r: dict[str, Any]) -> None:
     if "error" in r:
         print(f"fixed  {name:16} unavailable: {r['error']}", flush=True)
         return
+    if "ratio_raw_put" in r:
+        print(f"fixed  {name:16} vs raw Flight back to back: PUT {r['ratio_raw_put']:.2f}x, GET (sample, no torch) "
+              f"{r['ratio_raw_get']:.2f}x; GET without to_torch {_gbs(r['bytes'], r['get_sample_s'])} GB/s",
+              flush=True)
     print(f"fixed  {name:16} PUT {_gbs(r['bytes'], r['put_s'])} GB/s  GET {_gbs(r['bytes'], r['get_s'])} GB/s  "
           f"peak +{r['peak_bytes'] / 2**30:5.2f} GiB ({r['peak_bytes'] / r['bytes']:4.1f}x payload"
           + (f"; this process {r['peak_self_bytes'] / r['bytes']:.1f}x" if "peak_self_bytes" in r else "") + ")",

@@ -351,6 +351,16 @@ def test_each_task_consumes_each_row_once_across_processes_and_threads_over_flig
     assert sorted(ref.tolist()) == list(range(total))  # and once for "ref", between two threads
 
 
+def test_every_store_like_class_offers_the_consume_surface(served):
+    from arrowbuf.consume import ConsumeSurface
+    from arrowbuf.ray import ShardedStore
+
+    s, remote = served
+    assert isinstance(s, ConsumeSurface) and isinstance(remote, ConsumeSurface)
+    for name in ("consume", "add_task", "tasks", "policy_version"):
+        assert hasattr(ShardedStore, name)
+
+
 def test_the_same_calls_over_flight(served):
     s, remote = served
     remote.extend(rows(10, pv=2))
@@ -513,3 +523,43 @@ def test_where_judges_a_row_again_after_its_fields_change():
     s.update(ids[2:], {"reward": np.array([3.0], np.float32)})  # wakes the waiting consumer
     t.join(60)
     np.testing.assert_array_equal(out["b"].indices, ids[2:])
+
+
+def test_a_small_ring_under_pressure_delivers_every_row_once_per_task_never_torn():
+    s = store(capacity=16, tasks=["a", "b"])
+    total, got, errors = 400, {"a": [], "b": []}, []
+    lock = threading.Lock()
+
+    def writer():
+        try:
+            for k in range(0, total, 5):
+                s.extend(rows(5, start=k), timeout=60)  # held until both tasks consumed what it evicts
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def consumer(task):
+        try:
+            while True:
+                with lock:
+                    if sum(map(len, got[task])) >= total:
+                        return
+                b = s.consume(task, 3, timeout=0.2)
+                d = b.to_numpy()
+                np.testing.assert_array_equal(d["reward"], b.indices.astype(np.float32))  # the row, not its successor
+                assert [list(r) for r in d["response_tokens"]] == [[int(i)] * (int(i) % 5 + 1) for i in b.indices]
+                with lock:
+                    got[task].append(b.indices)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=consumer, args=(t,))
+                                                   for t in ("a", "a", "b", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    for task in ("a", "b"):
+        ids = np.concatenate(got[task])
+        assert sorted(ids.tolist()) == list(range(total)), task
+    assert s.stats()["inserts"] == total

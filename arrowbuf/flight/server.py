@@ -39,6 +39,7 @@ from ..errors import (
     StoreNotFound,
     Unauthenticated,
 )
+from ..sql import serving as sql_serving
 from ..surface import check_surface
 from . import protocol as P
 from .limits import CallGate, ServerLimits
@@ -324,7 +325,7 @@ class _FlightService(flight.FlightServerBase):
         req = P.decode_ticket(ticket.ticket)
         store = self.owner.store(req.store)
         if isinstance(req, P.ConsumeRequest):
-            return self._consume(store, req)
+            return self._consume(store, req, context)
         if isinstance(req, P.SampleRequest):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
             self.owner.check_sample_options(store, req.options, "sample")
@@ -338,11 +339,15 @@ class _FlightService(flight.FlightServerBase):
             table = self._sql(store, req.query or "", context)
         return flight.RecordBatchStream(table)
 
-    def _consume(self, store: Any, req: P.ConsumeRequest) -> flight.FlightDataStream:
+    def _consume(self, store: Any, req: P.ConsumeRequest, context: Any) -> flight.FlightDataStream:
         """The `consume` ticket (issue 16; owner: consume): bounded like a sample, then `store.consume`."""
         self.owner.limits.check_sample(req.n, req.timeout, {}, "consume")
-        batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
-                              max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
+        # --- hardening: the where= predicate runs in the SQL sandbox under this server's sql_limits, each run
+        # holding a max_concurrent_sql slot (not the whole wait), and stops when the client goes away
+        with sql_serving(self.owner.limits.sql_limits, gate=lambda: self.owner.calls.enter("sql"),
+                         cancelled=context.is_cancelled):
+            batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
+                                  max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
         data, meta = _wire_batch(batch)
         return flight.GeneratorStream(data.schema, iter([(data, meta)]))
 
@@ -498,6 +503,8 @@ class _FlightService(flight.FlightServerBase):
 
             out = checkpoint_under_root(store, self.owner.checkpoint_root, req.path or "", req.keep)
         elif req.type in P.CONSUME_ACTIONS:
+            if req.type == "add_task":  # --- hardening: each task costs ring-sized memory and holds eviction
+                self.owner.limits.check_add_task(len(store.tasks), "add_task")
             out = _consume_action(store, req)
         else:  # update_priorities
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
