@@ -46,7 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import pyarrow.compute as pc
@@ -57,6 +57,35 @@ from .errors import InsertTimeout, InvalidArgument, SchemaError
 from .filters import MAX_WHERE_CHARS, RowFilters
 from .groups import GroupSampler
 
+
+
+@runtime_checkable
+class ConsumeSurface(Protocol):
+    """Consumption per task as every store-like class offers it: `ExperienceStore`, `RemoteStore` (`ab.connect`)
+    and `ShardedStore`, with the same arguments and errors.
+
+    Usage::
+
+        def trainer(store: ConsumeSurface) -> None:
+            while True:
+                batch = store.consume("train", 256, require=["reward"], max_staleness=1, timeout=5.0)
+                ...
+                store.policy_version += 1
+    """
+
+    policy_version: int
+
+    def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None,
+                max_tokens: int | None = None) -> SampleBatch:
+        """Up to `n` rows (whole groups) `task` has not consumed, marked consumed (see `ConsumeTracker.consume`)."""
+
+    def add_task(self, name: str) -> None:
+        """Declare a consuming task."""
+
+    @property
+    def tasks(self) -> list[str]:
+        """The declared tasks."""
 
 
 class ConsumeTracker:
@@ -516,4 +545,4 @@ def _check_staleness(value: Any, what: str) -> int | None:
     return int(value)
 
 
-__all__ = ["MAX_WHERE_CHARS", "ConsumeTracker", "check_store_options"]
+__all__ = ["MAX_WHERE_CHARS", "ConsumeSurface", "ConsumeTracker", "check_store_options"]

@@ -351,6 +351,16 @@ def test_each_task_consumes_each_row_once_across_processes_and_threads_over_flig
     assert sorted(ref.tolist()) == list(range(total))  # and once for "ref", between two threads
 
 
+def test_every_store_like_class_offers_the_consume_surface(served):
+    from arrowbuf.consume import ConsumeSurface
+    from arrowbuf.ray import ShardedStore
+
+    s, remote = served
+    assert isinstance(s, ConsumeSurface) and isinstance(remote, ConsumeSurface)
+    for name in ("consume", "add_task", "tasks", "policy_version"):
+        assert hasattr(ShardedStore, name)
+
+
 def test_the_same_calls_over_flight(served):
     s, remote = served
     remote.extend(rows(10, pv=2))

@@ -315,6 +315,9 @@ class TestRequestBounds:
             assert describe["sample_options"] == ["n_step", "gamma", "shard_info"]
             table = shard_client.do_get(sample_ticket(options={"shard_info": True})).read_all()
             assert {"_mass", "_shard_mass", "_shard_min", "_shard_size"} <= set(table.column_names)
+            # a shard's table stream is chunked like any store's (ShardStore.iter_table), not one whole copy
+            rows = shard_client.do_get(flight.Ticket(P.encode_ticket(P.TableRequest("table")))).read_all()
+            assert rows.num_rows == 100 and rows.column("seq").to_pylist() == list(range(100))
         finally:
             client.close()
             shard_client.close()
@@ -362,6 +365,30 @@ class TestRequestBounds:
                 action("add_task", task="one-too-many")
             assert detail(info.value)["code"] == "RESOURCE_EXHAUSTED" and "max_tasks" in detail(info.value)["message"]
             assert store.tasks == ["train", "ref", "critic"]
+        finally:
+            client.close()
+
+    def test_a_consume_filter_runs_under_the_servers_sql_limits(self, servers):
+        """consume(where=...) over Flight ran under the sandbox's defaults (10 s, 256 MiB per run), not the limits
+        the server states for SQL; now its predicate runs under the server's sql_limits like an `sql` ticket."""
+        store = ab.ExperienceStore(SCHEMAS / "grpo.yaml", capacity=100, tasks=["train"])
+        k = np.arange(8)
+        store.extend({"prompt_id": k // 4, "prompt_tokens": [np.arange(3, dtype=np.int32)] * 8,
+                      "response_tokens": [np.arange(5, dtype=np.int32)] * 8,
+                      "logprobs": [np.zeros(5, np.float32)] * 8, "policy_version": np.zeros(8, np.int64),
+                      "done": np.ones(8, bool)})
+        server = servers(store, sql_limits=ab.SqlLimits(timeout=1.0))
+        client = flight.FlightClient(server.location)
+        slow = "(SELECT count(*) FROM range(1000000000) t(i) WHERE i % 7 = prompt_id % 7) > 0"  # ~10 s a row
+        ticket = {"v": 2, "kind": "consume", "task": "train", "n": 2, "where": slow}
+        try:
+            with pytest.raises(flight.FlightError) as info:
+                client.do_get(flight.Ticket(json.dumps(ticket).encode()), flight.FlightCallOptions(timeout=60)
+                              ).read_all()
+            d = detail(info.value)
+            assert d["code"] == "DEADLINE_EXCEEDED" and "1.0 s" in d["message"], d
+            assert server.calls.wait_idle(timeout=30) and server.calls.running()["sql"] == 0
+            assert store.stats()["consumed"]["train"] == 0  # nothing was consumed by the failed call
         finally:
             client.close()
 

@@ -14,7 +14,6 @@ One server per process: the handlers are Python and hold the GIL while they pars
 from __future__ import annotations
 
 import atexit
-import contextlib
 import hmac
 import inspect
 import ipaddress
@@ -40,6 +39,7 @@ from ..errors import (
     StoreNotFound,
     Unauthenticated,
 )
+from ..sql import serving as sql_serving
 from ..surface import check_surface
 from . import protocol as P
 from .limits import CallGate, ServerLimits
@@ -325,7 +325,7 @@ class _FlightService(flight.FlightServerBase):
         req = P.decode_ticket(ticket.ticket)
         store = self.owner.store(req.store)
         if isinstance(req, P.ConsumeRequest):
-            return self._consume(store, req)
+            return self._consume(store, req, context)
         if isinstance(req, P.SampleRequest):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
             self.owner.check_sample_options(store, req.options, "sample")
@@ -339,11 +339,13 @@ class _FlightService(flight.FlightServerBase):
             table = self._sql(store, req.query or "", context)
         return flight.RecordBatchStream(table)
 
-    def _consume(self, store: Any, req: P.ConsumeRequest) -> flight.FlightDataStream:
+    def _consume(self, store: Any, req: P.ConsumeRequest, context: Any) -> flight.FlightDataStream:
         """The `consume` ticket (issue 16; owner: consume): bounded like a sample, then `store.consume`."""
         self.owner.limits.check_sample(req.n, req.timeout, {}, "consume")
-        # --- hardening: a where= predicate is a query of the SQL sandbox; it counts against max_concurrent_sql
-        with self.owner.calls.enter("sql") if req.where is not None else contextlib.nullcontext():
+        # --- hardening: the where= predicate runs in the SQL sandbox under this server's sql_limits, each run
+        # holding a max_concurrent_sql slot (not the whole wait), and stops when the client goes away
+        with sql_serving(self.owner.limits.sql_limits, gate=lambda: self.owner.calls.enter("sql"),
+                         cancelled=context.is_cancelled):
             batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
                                   max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
         data, meta = _wire_batch(batch)
