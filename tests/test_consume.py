@@ -203,7 +203,7 @@ def test_where_never_reads_ragged_columns():
     with pytest.raises(ab.InvalidArgument, match="scalar columns") as e:
         s.consume("t", 10, where="response_tokens IS NOT NULL")
     assert "'response_tokens'" not in e.value.args[0].split("columns")[1].split("(")[0]  # not among the columns
-    table = s._consume._scalar_table(np.arange(4))
+    table = s._consume.filters.table(np.arange(4))
     assert set(table.column_names) == {"prompt_id", "reward", "done", "policy_version", "episode_id", "step", "seq"}
 
 
@@ -349,6 +349,16 @@ def test_each_task_consumes_each_row_once_across_processes_and_threads_over_flig
     ref = np.concatenate(got)
     assert sorted(train) == list(range(total))  # every row once for "train", split between two processes
     assert sorted(ref.tolist()) == list(range(total))  # and once for "ref", between two threads
+
+
+def test_every_store_like_class_offers_the_consume_surface(served):
+    from arrowbuf.consume import ConsumeSurface
+    from arrowbuf.ray import ShardedStore
+
+    s, remote = served
+    assert isinstance(s, ConsumeSurface) and isinstance(remote, ConsumeSurface)
+    for name in ("consume", "add_task", "tasks", "policy_version"):
+        assert hasattr(ShardedStore, name)
 
 
 def test_the_same_calls_over_flight(served):
@@ -497,3 +507,59 @@ def test_fields_filled_across_processes_reach_the_trainer_once_and_only_when_com
     finally:
         server.close()
         s.close()
+
+
+def test_where_judges_a_row_again_after_its_fields_change():
+    s = ab.ExperienceStore(GRPO, capacity=64, tasks=["t"])
+    ids = s.extend(rollouts(3))
+    assert len(s.consume("t", 10, where="reward > 0")) == 0  # NULL rewards fail (and that result is cached)
+    s.update(ids[:2], {"reward": np.array([-1.0, 1.0], np.float32)})  # written: judged again
+    np.testing.assert_array_equal(s.consume("t", 10, where="reward > 0").indices, ids[1:2])
+    s.update(ids[:1], {"reward": np.array([5.0], np.float32)})  # rewritten: judged again
+    np.testing.assert_array_equal(s.consume("t", 10, where="reward > 0").indices, ids[:1])
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("b", s.consume("t", 1, where="reward > 0", timeout=60)))
+    t.start()
+    s.update(ids[2:], {"reward": np.array([3.0], np.float32)})  # wakes the waiting consumer
+    t.join(60)
+    np.testing.assert_array_equal(out["b"].indices, ids[2:])
+
+
+def test_a_small_ring_under_pressure_delivers_every_row_once_per_task_never_torn():
+    s = store(capacity=16, tasks=["a", "b"])
+    total, got, errors = 400, {"a": [], "b": []}, []
+    lock = threading.Lock()
+
+    def writer():
+        try:
+            for k in range(0, total, 5):
+                s.extend(rows(5, start=k), timeout=60)  # held until both tasks consumed what it evicts
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def consumer(task):
+        try:
+            while True:
+                with lock:
+                    if sum(map(len, got[task])) >= total:
+                        return
+                b = s.consume(task, 3, timeout=0.2)
+                d = b.to_numpy()
+                np.testing.assert_array_equal(d["reward"], b.indices.astype(np.float32))  # the row, not its successor
+                assert [list(r) for r in d["response_tokens"]] == [[int(i)] * (int(i) % 5 + 1) for i in b.indices]
+                with lock:
+                    got[task].append(b.indices)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=consumer, args=(t,))
+                                                   for t in ("a", "a", "b", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    for task in ("a", "b"):
+        ids = np.concatenate(got[task])
+        assert sorted(ids.tolist()) == list(range(total)), task
+    assert s.stats()["inserts"] == total

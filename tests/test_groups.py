@@ -263,3 +263,19 @@ def test_group_and_tasks_on_shared_memory_are_a_clear_error():
     from arrowbuf.tiers.shm import shm_root
 
     assert not [n for n in os.listdir(shm_root()) if f"consume-test-{os.getpid()}" in n]  # nothing was created
+
+
+def test_a_group_store_checkpoints_and_restores(tmp_path):
+    s = store(drop="reward")
+    s.extend(group_rows(range(3)))
+    s.extend(group_rows([7], rewards=np.ones(G)))
+    s.sample(G)  # judges (and drops) the zero-variance group
+    s.checkpoint(tmp_path / "ckpt")
+    again = ab.ExperienceStore.restore(tmp_path / "ckpt")
+    assert isinstance(again.sampler, ab.samplers.Group) and again.sampler.size == G
+    assert again.stats()["groups_dropped_zero_variance"] == 1
+    b = again.sample(4 * G)
+    assert_whole_groups(b)
+    assert 7 not in set(b.to_numpy()["prompt_id"])
+    assert again.stats()["groups_dropped_zero_variance"] == 1  # remembered per row: not dropped (counted) again
+    again.close()

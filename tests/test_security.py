@@ -276,6 +276,122 @@ class TestRequestBounds:
         finally:
             client.close()
 
+    def test_shard_info_is_answered_clearly_by_a_server_that_is_no_ray_shard(self, servers):
+        """`shard_info` reached ExperienceStore.sample as a keyword: a TypeError quoting the server's internals."""
+        from arrowbuf.ray.shard import ShardStore  # the adapter a Ray shard serves (no Ray needed to build one)
+
+        plain = servers(cartpole_store())
+        shard = servers(ShardStore(cartpole_store(), shard=1, generation=0))
+        client = flight.FlightClient(plain.location)
+        shard_client = flight.FlightClient(shard.location)
+        try:
+            describe = json.loads(next(iter(client.do_action(flight.Action("describe", b"")))).body.to_pybytes())
+            assert describe["sample_options"] == ["n_step", "gamma"]
+            for value in (True, False):
+                with pytest.raises(flight.FlightError) as info:
+                    client.do_get(sample_ticket(options={"shard_info": value})).read_all()
+                d = detail(info.value)
+                assert (d["error"], d["code"]) == ("InvalidArgument", "INVALID_ARGUMENT")
+                assert "shard_info" in d["message"] and "Ray shard" in d["message"]
+                assert "unexpected keyword" not in d["message"]
+            with pytest.raises(ab.InvalidArgument, match="shard_info"):
+                remote = ab.connect(plain.location)
+                try:
+                    remote.sample(2, shard_info=True)
+                finally:
+                    remote.close()
+            session = {"v": 1, "kind": "session", "n": 2, "options": {"shard_info": True}}
+
+            def exchange():
+                writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(json.dumps(session).encode()))
+                writer.write_metadata(pa.py_buffer(b'{"op": "sample", "count": 1}'))
+                writer.done_writing()
+                reader.read_all()
+
+            expect_invalid(exchange, "shard_info")
+            # a shard's server takes it and adds its sampling-mass columns
+            describe = json.loads(next(iter(shard_client.do_action(flight.Action("describe", b""))))
+                                  .body.to_pybytes())
+            assert describe["sample_options"] == ["n_step", "gamma", "shard_info"]
+            table = shard_client.do_get(sample_ticket(options={"shard_info": True})).read_all()
+            assert {"_mass", "_shard_mass", "_shard_min", "_shard_size"} <= set(table.column_names)
+            # a shard's table stream is chunked like any store's (ShardStore.iter_table), not one whole copy
+            rows = shard_client.do_get(flight.Ticket(P.encode_ticket(P.TableRequest("table")))).read_all()
+            assert rows.num_rows == 100 and rows.column("seq").to_pylist() == list(range(100))
+        finally:
+            client.close()
+            shard_client.close()
+
+    def test_consume_verbs_are_bounded_and_their_limits_stated(self, servers):
+        """Issue 16's verbs (consume, update, set_policy_version, add_task): every number and string a client sends
+        is bounded, the server states each bound in describe, and add_task cannot grow a store's tasks without end
+        (each task is a ring-sized record, and eviction waits for every task)."""
+        store = ab.ExperienceStore(SCHEMAS / "grpo.yaml", capacity=100, tasks=["train"])
+        k = np.arange(8)
+        store.extend({"prompt_id": k // 4, "prompt_tokens": [np.arange(3, dtype=np.int32)] * 8,
+                      "response_tokens": [np.arange(5, dtype=np.int32)] * 8,
+                      "logprobs": [np.zeros(5, np.float32)] * 8, "policy_version": np.zeros(8, np.int64),
+                      "done": np.ones(8, bool)})
+        server = servers(store, max_tasks=3, max_timeout=5.0, max_batch_rows=16)
+        client = flight.FlightClient(server.location)
+        deadline = flight.FlightCallOptions(timeout=20)
+
+        def consume(**kw):
+            ticket = {"v": 2, "kind": "consume", "task": "train", "n": 2, **kw}
+            return client.do_get(flight.Ticket(json.dumps(ticket).encode()), deadline).read_all()
+
+        def action(type_, **body):
+            result = next(iter(client.do_action(flight.Action(type_, json.dumps({"v": 2, **body}).encode()),
+                                                deadline)))
+            return json.loads(result.body.to_pybytes())
+
+        try:
+            limits = json.loads(next(iter(client.do_action(flight.Action("describe", b"")))).body.to_pybytes())[
+                "limits"]
+            assert limits["max_tasks"] == 3 and limits["max_timeout"] == 5.0 and limits["max_batch_rows"] == 16
+            assert limits["max_where_chars"] == P.MAX_WHERE_CHARS and limits["max_tokens"] == P.MAX_TOKENS
+            assert limits["max_task_chars"] == P.MAX_TASK_CHARS and limits["max_policy_version"] == 2**63 - 1
+            expect_invalid(lambda: consume(n=17), "max_batch_rows")
+            expect_invalid(lambda: consume(timeout=6.0), "max_timeout")
+            expect_invalid(lambda: consume(max_tokens=P.MAX_TOKENS + 1), "max_tokens")
+            expect_invalid(lambda: consume(where="seq > 0 " + " " * P.MAX_WHERE_CHARS), "where")
+            expect_invalid(lambda: consume(task="t" * (P.MAX_TASK_CHARS + 1)), "task")
+            expect_invalid(lambda: consume(max_staleness=2**63), "max_staleness")
+            expect_invalid(lambda: action("set_policy_version", policy_version=2**63), "policy_version")
+            assert consume(where="prompt_id = 1", max_tokens=10).num_rows == 2  # within the bounds, it works
+            assert action("add_task", task="ref")["tasks"] == ["train", "ref"]
+            assert action("add_task", task="critic")["tasks"] == ["train", "ref", "critic"]
+            with pytest.raises(flight.FlightError) as info:
+                action("add_task", task="one-too-many")
+            assert detail(info.value)["code"] == "RESOURCE_EXHAUSTED" and "max_tasks" in detail(info.value)["message"]
+            assert store.tasks == ["train", "ref", "critic"]
+        finally:
+            client.close()
+
+    def test_a_consume_filter_runs_under_the_servers_sql_limits(self, servers):
+        """consume(where=...) over Flight ran under the sandbox's defaults (10 s, 256 MiB per run), not the limits
+        the server states for SQL; now its predicate runs under the server's sql_limits like an `sql` ticket."""
+        store = ab.ExperienceStore(SCHEMAS / "grpo.yaml", capacity=100, tasks=["train"])
+        k = np.arange(8)
+        store.extend({"prompt_id": k // 4, "prompt_tokens": [np.arange(3, dtype=np.int32)] * 8,
+                      "response_tokens": [np.arange(5, dtype=np.int32)] * 8,
+                      "logprobs": [np.zeros(5, np.float32)] * 8, "policy_version": np.zeros(8, np.int64),
+                      "done": np.ones(8, bool)})
+        server = servers(store, sql_limits=ab.SqlLimits(timeout=1.0))
+        client = flight.FlightClient(server.location)
+        slow = "(SELECT count(*) FROM range(1000000000) t(i) WHERE i % 7 = prompt_id % 7) > 0"  # ~10 s a row
+        ticket = {"v": 2, "kind": "consume", "task": "train", "n": 2, "where": slow}
+        try:
+            with pytest.raises(flight.FlightError) as info:
+                client.do_get(flight.Ticket(json.dumps(ticket).encode()), flight.FlightCallOptions(timeout=60)
+                              ).read_all()
+            d = detail(info.value)
+            assert d["code"] == "DEADLINE_EXCEEDED" and "1.0 s" in d["message"], d
+            assert server.calls.wait_idle(timeout=30) and server.calls.running()["sql"] == 0
+            assert store.stats()["consumed"]["train"] == 0  # nothing was consumed by the failed call
+        finally:
+            client.close()
+
     def test_empty_column_list_is_refused_not_undecodable(self, servers):
         server = servers(cartpole_store())
         client = flight.FlightClient(server.location)
@@ -745,6 +861,81 @@ def test_slow_table_readers_hold_about_a_chunk_each_and_read_consistent_rows():
     finally:
         for c in clients:
             c.close()
+        if proc.poll() is None:
+            proc.stdin.write(b"exit\n")
+            proc.stdin.flush()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()
+
+
+PUT_SERVER = r"""
+import sys
+import arrowbuf as ab
+
+store = ab.ExperienceStore(sys.argv[1], capacity=100)
+server = ab.serve(store, "grpc://127.0.0.1:0", token="s3cret", max_batch_bytes=1 << 20)
+print(server.location, flush=True)
+with server:
+    sys.stdin.readline()
+"""
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's RSS from /proc")
+def test_an_unauthenticated_put_is_refused_before_its_batch_is_received():
+    """What docs/security.md promises about DoPut memory: the token is checked from the call's headers, before the
+    first message is read, so a client without it cannot make the server receive a large batch (a client with it
+    can, once per stream, up to the message's size: gRPC's receive size is not settable through pyarrow)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", PUT_SERVER, str(SCHEMAS / "tokens.yaml")], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    client = None
+    try:
+        location = proc.stdout.readline().decode().strip()
+        assert location.startswith("grpc://"), proc.stderr.read().decode()
+        client = flight.FlightClient(location)
+        before = _peak_rss_bytes(proc.pid)
+        n = 50_000_000  # one row with a 200 MB ragged value
+        one = pa.array([0, 1], pa.int32())
+        batch = pa.RecordBatch.from_pydict({
+            "prompt_tokens": pa.ListArray.from_arrays(one, pa.array([1], pa.int32())),
+            "response_tokens": pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), pa.array(np.zeros(n, np.int32))),
+            "logprobs": pa.ListArray.from_arrays(one, pa.array([0.0], pa.float32())),
+            "reward": pa.array([0.0], pa.float32()), "done": pa.array([True]),
+            "policy_version": pa.array([0], pa.int64())})
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            writer, _ = client.do_put(flight.FlightDescriptor.for_path("tokens"), batch.schema)
+            writer.write_batch(batch)
+            writer.done_writing()
+            writer.close()
+        grown = _peak_rss_bytes(proc.pid) - before
+        assert grown < 64 << 20, f"the server's peak RSS grew {grown >> 20} MiB for a refused call"
+        opts = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer s3cret")])
+        with pytest.raises(flight.FlightError) as info:  # with the token: received, then refused by the byte limit
+            writer, _ = client.do_put(flight.FlightDescriptor.for_path("tokens"), batch.schema, options=opts)
+            writer.write_batch(batch)
+            writer.done_writing()
+            writer.close()
+        assert "max_batch_bytes" in str(info.value)
+    finally:
+        if client is not None:
+            client.close()
         if proc.poll() is None:
             proc.stdin.write(b"exit\n")
             proc.stdin.flush()

@@ -165,6 +165,10 @@ class ShardStore:
     def to_table(self, columns: list[str] | None = None) -> Any:
         return self.store.to_table(columns)
 
+    def iter_table(self, columns: list[str] | None = None) -> Any:
+        """The store's `iter_table` (the Flight server's `table` stream: one chunk copied at a time)."""
+        return self.store.iter_table(columns)
+
     def sql(self, query: str) -> Any:
         return self.store.sql(query)
 
