@@ -164,7 +164,7 @@ class SampleBatch:
     @staticmethod
     def _ragged_to_torch(torch: Any, out: dict[str, Any], name: str, values: Any, ref_offs: np.ndarray,
                          pack: bool, pad_value: Any, device: Any, is_ref: bool) -> None:
-        vals, offs = _ragged.flat(values)
+        vals, offs = _ragged.flat(values, writable=pack)  # a gather's own memory goes to torch without a copy
         same = offs.shape == ref_offs.shape and bool(np.array_equal(offs, ref_offs))
         if pack:
             out[name] = _torch_from_numpy(torch, vals, device, False)

@@ -12,7 +12,9 @@ store does)::
     cols.take_next("obs", next_positions)         # ring rows or final slots (a derived column)
     cols.view("obs", p0, p1)                      # rows of one chunk, zero-copy where the tier allows
 
-Ragged (list) fields are kept as one Arrow array per chunk slot.
+Ragged (list) fields are kept as one Arrow array per chunk slot; in a shared tier (shared memory) and in a tiered
+store (in its bottom tier: the disk spills token data), in tier memory instead (`arrowbuf.ragged_arena.RaggedArena`),
+shown through the same per-slot interface (`ragged[name][slot]`).
 
 Fields filled later (`later: true` in the schema) also have a validity array per ring position (`presence`, see
 `arrowbuf.presence`): `write`/`write_ragged` record which rows were given a value, `update_rows` fills live rows in
@@ -44,6 +46,7 @@ import pyarrow as pa
 from . import ragged as _ragged
 from .chunks import ChunkDirectory
 from .presence import Presence, nullable_array, to_nullable
+from .ragged_arena import RaggedArena, SlotView
 from .errors import SchemaError
 from .schema import ExperienceSchema
 from .tiers.base import Tier
@@ -72,16 +75,26 @@ class ColumnArenas:
         self.final_capacity = int(final_capacity)
         self.final_sources = list(final_sources)
         self.arrays: dict[str, np.ndarray] = {}
-        self.ragged: dict[str, list[pa.Array]] = {}
+        self.ragged: dict[str, Any] = {}  # per ragged field: its per-slot list arrays (or a SlotView)
+        self.tier_ragged: dict[str, RaggedArena] = {}  # ragged fields in tier memory (a shared tier; a tiered store)
+        self.presence = Presence(schema, tier, self.arena_rows)
+        self.later = self.presence.valid  # membership: the fields filled later
         for f in schema.fields.values():
-            if f.ragged:
+            if f.ragged and tier.shared:
+                arena = RaggedArena(f, tier, self.chunk_rows, directory.num_slots, self.arena_rows)
+                self.tier_ragged[f.name] = arena
+                read = self._consistent(f.name, arena.take) if f.later else None
+                self.ragged[f.name] = SlotView(arena, read)
+            elif f.ragged:
                 empty = pa.nulls(self.chunk_rows, type=f.arrow_type())
                 self.ragged[f.name] = [empty] * directory.num_slots
             else:
                 extra = self.final_capacity if f.name in self.final_sources else 0
                 self.arrays[f.name] = tier.allocate(f.name, f.dtype, self.arena_rows + extra, f.shape)
-        self.presence = Presence(schema, tier, self.arena_rows)
-        self.later = self.presence.valid  # membership: the fields filled later
+
+    def _consistent(self, name: str, take: Any) -> Any:
+        """`take(positions)` of later field `name` under the presence seqlock (never half an update)."""
+        return lambda positions: self.presence.read(name, positions, take)[0]
 
     # ------------------------------------------------------------------ writes (free rows; no lock needed)
     def write(self, name: str, first_pos: int, values: Any) -> None:
@@ -105,6 +118,9 @@ class ColumnArenas:
             self.presence.mark(name, first_pos, values.slice(0, head))
             if head < len(values):
                 self.presence.mark(name, 0, values.slice(head))
+        if name in self.tier_ragged:
+            self.tier_ragged[name].write(first_pos, values)
+            return
         pos, done = first_pos, 0
         slots = self.ragged[name]
         while done < len(values):
@@ -134,7 +150,11 @@ class ColumnArenas:
         self.arrays[name][positions] = values
 
     def _update_ragged(self, name: str, positions: np.ndarray, values: pa.Array) -> None:
-        """Replace rows of a ragged column: one new array per chunk slot touched (old rows and new, one take)."""
+        """Replace rows of a ragged column: one new array per chunk slot touched, built with ranged copies (a slot
+        whose every row is replaced takes the new rows as they are)."""
+        if name in self.tier_ragged:
+            self.tier_ragged[name].update(positions, values)
+            return
         slots = self.ragged[name]
         order = np.argsort(positions, kind="stable")
         pos = positions[order]
@@ -142,11 +162,18 @@ class ColumnArenas:
         for part in np.split(np.arange(len(pos)), cut):
             slot = int(pos[part[0]] // self.chunk_rows)
             old = slots[slot]
+            new = _ragged.take(values, order[part])
+            if new.type != old.type:
+                new = new.cast(old.type)
+            if len(part) == len(old):  # every row of the slot, in position order (positions are distinct)
+                # a consecutive take is a slice of the caller's array (maybe over its numpy memory): own a copy
+                rows = order[part]
+                sliced = len(rows) < 2 or bool(np.all(np.diff(rows) == 1))
+                slots[slot] = pa.concat_arrays([new]) if sliced else new
+                continue
             idx = np.arange(len(old), dtype=np.int64)
             idx[pos[part] - slot * self.chunk_rows] = len(old) + np.arange(len(part))
-            new = values.take(pa.array(order[part]))
-            both = pa.chunked_array([old, new.cast(old.type) if new.type != old.type else new])
-            slots[slot] = both.take(pa.array(idx)).combine_chunks()
+            slots[slot] = _ragged.take(pa.concat_arrays([old, new]), idx)
 
     def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
         """True where every one of `fields` has a value at ring `positions` (fields not filled later always do)."""
@@ -159,6 +186,8 @@ class ColumnArenas:
         if name in self.ragged:  # a ragged column carries its nulls itself
             if len(shape) > 1:
                 raise SchemaError(f"ragged field {name!r} cannot be sampled as sequences")
+            if name in self.tier_ragged:  # rows updated in place: read under the presence seqlock
+                return self.presence.read(name, positions, self.tier_ragged[name].take)[0]
             return self.take_ragged(name, positions)
         values, present = self.presence.read(name, positions, lambda p: self.take(name, p, *extra))
         return to_nullable(spec, values, present, shape)
@@ -180,6 +209,8 @@ class ColumnArenas:
 
     def take_ragged(self, name: str, positions: np.ndarray) -> pa.Array:
         """Rows at ring `positions` of ragged column `name`: ranged copies, or a zero-copy slice of one chunk."""
+        if name in self.tier_ragged:
+            return self.tier_ragged[name].take(positions)
         return _ragged.take_chunked(self.ragged[name], self.chunk_rows, positions)
 
     def count_access(self, key: Any, rows: int, resolve: Any, *args: Any) -> None:
@@ -195,7 +226,8 @@ class ColumnArenas:
 
     def ragged_snapshot(self) -> dict[str, list[pa.Array]]:
         """The per-slot arrays of the ragged fields (take under the store's lock: writers replace them)."""
-        return {k: list(v) for k, v in self.ragged.items()}
+        # shared ragged fields: a view that copies a slot when asked (the snapshot's seq check follows the copy)
+        return {k: v if k in self.tier_ragged else list(v) for k, v in self.ragged.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.arrays
@@ -203,6 +235,7 @@ class ColumnArenas:
     def close(self) -> None:
         self.arrays.clear()
         self.ragged.clear()
+        self.tier_ragged.clear()
 
 
 # A numpy call costs about this many seconds; an extra copy of a row this many bytes/s: the mixed-tier gather takes
@@ -257,7 +290,7 @@ class TieredColumnArenas(ColumnArenas):
         self.meta = meta
         self.slotted = [bool(t.slotted) for t in self.tiers]
         self.bottom = len(self.tiers) - 1
-        self.fields = [f for f in schema.fields.values()]
+        self.fields = [f for f in schema.fields.values() if not f.ragged]  # ragged fields stay in the bottom tier
         self.names = [f.name for f in self.fields]
         self.ci = {n: directory.columns.index(n) for n in self.names}
         self.cname = {i: n for n, i in self.ci.items()}
@@ -287,8 +320,16 @@ class TieredColumnArenas(ColumnArenas):
                     self.arenas[code][f.name] = t.allocate_sparse(f.name, f.dtype, self.arena_rows, f.shape)
         top = next(c for c in range(len(self.tiers)) if not self.slotted[c])
         self.arrays = dict(self.arenas[top])  # membership and `store._arenas`: the top non-slotted arenas
+        self.presence = Presence(schema, meta, self.arena_rows)  # validity stays on the host (meta tier)
+        # ragged fields (token ids, log-probs): flat arenas in the bottom tier (the disk, when there is one: a spill
+        # for token data; the OS page cache keeps what is read often). Placement does not move them.
         self.ragged = {}
-        self.presence = Presence(schema, meta, self.arena_rows)  # the store refuses later fields with tiers= (yet)
+        self.tier_ragged = {}
+        for f in schema.fields.values():
+            if f.ragged:
+                arena = RaggedArena(f, self.tiers[self.bottom], cr, self.num_slots, self.arena_rows)
+                self.tier_ragged[f.name] = arena
+                self.ragged[f.name] = SlotView(arena, self._consistent(f.name, arena.take) if f.later else None)
         self.later = self.presence.valid
         self._final_code = len(self.tiers)  # a pseudo tier code for final-observation rows in a gather
         self._prefetch = [hasattr(t, "prefetch") for t in self.tiers]  # tiers whose reads may wait for a disk
@@ -337,6 +378,8 @@ class TieredColumnArenas(ColumnArenas):
 
     # ------------------------------------------------------------------ writes
     def write(self, name: str, first_pos: int, values: Any) -> None:
+        if self.later and name in self.later:
+            values = self.presence.mark(name, first_pos, values)
         ci = self.ci[name]
         cr = self.chunk_rows
         p, end, off = int(first_pos), int(first_pos) + len(values), 0
@@ -350,6 +393,8 @@ class TieredColumnArenas(ColumnArenas):
             p = q
 
     def write_row(self, name: str, pos: int, value: Any) -> None:
+        if self.later and name in self.later:
+            self.presence.mark_row(name, pos)
         ci = self.ci[name]
         s = pos // self.chunk_rows
         if pos == s * self.chunk_rows or self.slotted[self.res[ci, s]]:
@@ -358,6 +403,30 @@ class TieredColumnArenas(ColumnArenas):
 
     def write_final(self, name: str, slots: np.ndarray | int, values: Any) -> None:
         self.final[name][slots] = values
+
+    def _put_rows(self, name: str, positions: np.ndarray, values: np.ndarray) -> None:
+        """`update_rows` of a tiered column: rows written where their chunk lives. Holding `cond` keeps migrations of
+        these chunks from starting (they are marked moving under it), and one in flight is waited for first: a
+        migration copies a chunk without the write lock, so an update during its copy would be lost at its flip."""
+        ci = self.ci[name]
+        cr = self.chunk_rows
+        slots = positions // cr
+        touched = np.unique(slots)
+        with self.cond:
+            while self.moving[ci, touched].any():
+                self.cond.wait()
+            for s in touched.tolist():
+                sel = np.flatnonzero(slots == s)
+                code = int(self.res[ci, s])
+                if self.slotted[code]:  # device memory: read the chunk, change its rows, write it back
+                    tier: Any = self.tiers[code]
+                    arena = self.arenas[code][name]
+                    off = int(self.local[ci, s]) * cr
+                    chunk = np.array(tier.get(arena, off, off + cr, self.spec[name].dtype))
+                    chunk[positions[sel] - s * cr] = values[sel]
+                    tier.put(arena, off, chunk)
+                else:
+                    self.arenas[code][name][positions[sel]] = values[sel]
 
     def _recycle(self, ci: int, name: str, s: int) -> None:
         """A writer starts a new generation of slot `s`. Rows of the old generation past the piece being written may

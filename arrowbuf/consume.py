@@ -45,20 +45,47 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
+import time
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from .batch import SampleBatch
 from .core import StoreCore
 from .errors import InsertTimeout, InvalidArgument, SchemaError
+from .filters import MAX_WHERE_CHARS, RowFilters
 from .groups import GroupSampler
 
-#: Longest `where=` predicate accepted (characters).
-MAX_WHERE_CHARS = 4096
-_SYSTEM = ("episode_id", "step", "seq")
+
+
+@runtime_checkable
+class ConsumeSurface(Protocol):
+    """Consumption per task as every store-like class offers it: `ExperienceStore`, `RemoteStore` (`ab.connect`)
+    and `ShardedStore`, with the same arguments and errors.
+
+    Usage::
+
+        def trainer(store: ConsumeSurface) -> None:
+            while True:
+                batch = store.consume("train", 256, require=["reward"], max_staleness=1, timeout=5.0)
+                ...
+                store.policy_version += 1
+    """
+
+    policy_version: int
+
+    def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None,
+                max_tokens: int | None = None) -> SampleBatch:
+        """Up to `n` rows (whole groups) `task` has not consumed, marked consumed (see `ConsumeTracker.consume`)."""
+
+    def add_task(self, name: str) -> None:
+        """Declare a consuming task."""
+
+    @property
+    def tasks(self) -> list[str]:
+        """The declared tasks."""
 
 
 class ConsumeTracker:
@@ -93,6 +120,7 @@ class ConsumeTracker:
                 raise SchemaError(f"token_field={token_field!r} must name a ragged field of schema {schema.name!r}; "
                                   f"its ragged fields are {self._ragged_fields()}")
         self.token_field = token_field
+        self.filters = RowFilters(core, self)
         self.group: GroupSampler | None = core.sampler if isinstance(core.sampler, GroupSampler) else None
         if self.group is not None:
             self.group.attach(self, schema)
@@ -156,7 +184,8 @@ class ConsumeTracker:
             self.core.cond.notify_all()  # admission waits on the version
 
     def notify(self) -> None:
-        """Wake consumers and held writers: rows changed (the hook `store.update` calls after it commits)."""
+        """Wake consumers and held writers after rows changed outside the commit path (commits and `store.update`
+        notify the store's condition themselves)."""
         with self.core.cond:
             self.core.cond.notify_all()
 
@@ -171,12 +200,10 @@ class ConsumeTracker:
         return np.asarray(self.core.cols.column(name)[positions])
 
     def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
-        """Mask: every field in `fields` is written at each of `positions` (`StoreCore.present` when the store has
-        fields filled later; every field is present otherwise)."""
-        query = getattr(self.core, "present", None)
-        if not fields or query is None:
+        """Mask: every field in `fields` is written at each of `positions` (`StoreCore.present`)."""
+        if not fields:
             return np.ones(len(positions), dtype=bool)
-        return np.asarray(query(list(fields), positions), dtype=bool)
+        return np.asarray(self.core.present(list(fields), positions), dtype=bool)
 
     # ------------------------------------------------------------------ consume
     def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
@@ -204,16 +231,20 @@ class ConsumeTracker:
         c = self.core
         c.check_open()
         plan = self._plan(task, n, require, timeout, max_staleness, where, max_tokens)
-        picked: list[np.ndarray] = [np.zeros(0, np.int64)]
-
-        def ready() -> bool:
-            c.check_open()
-            picked[0], full = self._pick(plan)
-            return full
-
+        deadline = time.monotonic() + plan["timeout"]
         with c.cond:
-            c.wait_for(ready, plan["timeout"])
-            seqs = picked[0]
+            evaluated = False
+            while True:  # commits, updates, consumption and version changes notify the condition
+                c.check_open()
+                seqs, full, pending = self._pick(plan)
+                left = deadline - time.monotonic()
+                if len(pending) and (left > 0 or not evaluated):  # rows `where` has not judged yet
+                    self.filters.evaluate(plan["where"], pending)  # releases the lock while the query runs
+                    evaluated = True
+                    continue
+                if full or left <= 0:
+                    break
+                c.cond.wait(left)
             if len(seqs):
                 self._consumed[task][seqs % c.arena_rows] = seqs
                 self._delivered[task] += len(seqs)
@@ -258,7 +289,7 @@ class ConsumeTracker:
         if k is not None:
             self._check_version_field()
         if where is not None:
-            self._check_where(where)
+            self.filters.check(where)
         token_field = None
         if max_tokens is not None:
             if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -267,11 +298,25 @@ class ConsumeTracker:
         return {"task": task, "n": int(n), "require": fields, "timeout": float(timeout), "k": k, "where": where,
                 "max_tokens": None if max_tokens is None else int(max_tokens), "token_field": token_field}
 
-    def _pick(self, plan: dict[str, Any]) -> tuple[np.ndarray, bool]:
-        """Under the lock: the rows to deliver now, and whether the request is satisfied (else wait). Stale and
-        zero-variance rows found on the way are dropped (marked consumed, counted)."""
+    def _pick(self, plan: dict[str, Any]) -> tuple[np.ndarray, bool, np.ndarray]:
+        """Under the lock: the rows to deliver now, whether the request is satisfied (else wait), and the rows the
+        `where` predicate has not judged yet. Stale and zero-variance rows found on the way are dropped (marked
+        consumed, counted)."""
+        candidates = self._candidates(plan["task"])
+        window = max(4 * plan["n"], 1024)
+        while True:  # the oldest candidates first: a batch rarely needs to look at the whole ring
+            seqs, full, pending = self._pick_from(candidates[:window], plan)
+            if len(pending) and window < len(candidates):  # one query judges every candidate (a query costs ~0.1 s)
+                ready = candidates[self.present(plan["require"], candidates % self.core.arena_rows)]
+                pending = self.filters.mask(plan["where"], ready)[1]
+            if full or len(pending) or window >= len(candidates):
+                return seqs, full, pending
+            window *= 4
+
+    def _pick_from(self, seqs: np.ndarray, plan: dict[str, Any]) -> tuple[np.ndarray, bool, np.ndarray]:
+        """`_pick` over the candidate rows `seqs` (oldest first; a prefix of them groups as all of them would)."""
         task = plan["task"]
-        seqs = self._candidates(task)
+        pending = seqs[:0]
         if self.group is None:
             if plan["k"] is not None and len(seqs):
                 stale = self._stale(seqs, plan["k"])
@@ -280,25 +325,27 @@ class ConsumeTracker:
                     seqs = seqs[~stale]
             seqs = seqs[self.present(plan["require"], seqs % self.core.arena_rows)]
             if plan["where"] is not None and len(seqs):
-                seqs = seqs[self._where(seqs, plan["where"])]
+                ok, pending = self.filters.mask(plan["where"], seqs)
+                seqs = seqs[ok]
             units = seqs[:, None]
             want = plan["n"]
         else:
-            units = self._ready_groups(task, seqs, plan)
+            units, pending = self._ready_groups(task, seqs, plan)
             want = plan["n"] // self.group.size
         if plan["max_tokens"] is not None and len(units):
             tokens = self._tokens(plan["token_field"], units.reshape(-1)).reshape(units.shape).sum(axis=1)
             fits = max(1, int(np.searchsorted(np.cumsum(tokens), plan["max_tokens"], side="right")))
             if fits < min(want, len(units)):
-                return units[:fits].reshape(-1), True
-        return units[:want].reshape(-1), len(units) >= want
+                return units[:fits].reshape(-1), True, pending
+        return units[:want].reshape(-1), len(units) >= want, pending
 
-    def _ready_groups(self, task: str, seqs: np.ndarray, plan: dict[str, Any]) -> np.ndarray:
+    def _ready_groups(self, task: str, seqs: np.ndarray, plan: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """Complete groups among `task`'s candidate rows that may be delivered now ([groups, size] seqs)."""
         assert self.group is not None
         members = self.group.groups(seqs)
+        pending = seqs[:0]
         if not len(members):
-            return members
+            return members, pending
         keep = self.group.screen(members)
         if not keep.all():  # zero variance: dropped for every task (they never hold eviction)
             gone = members[~keep].reshape(-1)
@@ -313,8 +360,9 @@ class ConsumeTracker:
         flat = members.reshape(-1)
         ok = self.present(plan["require"], flat % self.core.arena_rows)
         if plan["where"] is not None and len(flat):
-            ok &= self._where(flat, plan["where"])
-        return members[ok.reshape(members.shape).all(axis=1)]
+            passed, pending = self.filters.mask(plan["where"], flat[ok])
+            ok[ok] = passed
+        return members[ok.reshape(members.shape).all(axis=1)], pending
 
     def _candidates(self, task: str) -> np.ndarray:
         """Under the lock: live, sampleable rows `task` has not consumed, oldest first."""
@@ -368,45 +416,6 @@ class ConsumeTracker:
             raise SchemaError(f"staleness needs an integer scalar field 'policy_version' in schema "
                               f"{self.core.schema.name!r}; add `policy_version: {{dtype: int64}}`")
 
-    # ------------------------------------------------------------------ where= (the SQL sandbox, scalar columns)
-    def _scalar_names(self) -> list[str]:
-        return [n for n, f in self.core.schema.fields.items() if not f.shape and not f.ragged] + list(_SYSTEM)
-
-    def _scalar_table(self, seqs: np.ndarray) -> pa.Table:
-        """The scalar columns of rows `seqs` (never a ragged or tensor column); unwritten later fields are NULL."""
-        pos = seqs % self.core.arena_rows
-        cols: dict[str, pa.Array] = {}
-        for name in self._scalar_names():
-            if name == "seq":
-                cols[name] = pa.array(seqs)
-                continue
-            values = self.values(name, pos)
-            missing = None if name in _SYSTEM else ~self.present([name], pos)
-            cols[name] = pa.array(values, mask=missing if missing is not None and missing.any() else None)
-        return pa.table(cols)
-
-    def _check_where(self, where: Any) -> None:
-        if not isinstance(where, str) or not where.strip():
-            raise InvalidArgument(f"consume: where= takes a SQL predicate string, got {where!r}")
-        if len(where) > MAX_WHERE_CHARS:
-            raise InvalidArgument(f"consume: where= has {len(where)} characters, over the limit of "
-                                  f"{MAX_WHERE_CHARS}; shorten it")
-        self._where(np.zeros(0, dtype=np.int64), where)  # compiles it against the columns: errors come now
-
-    def _where(self, seqs: np.ndarray, where: str) -> np.ndarray:
-        """Mask of rows `seqs` passing predicate `where` (run in the SQL sandbox over their scalar columns)."""
-        from . import sql
-
-        table = self._scalar_table(seqs)
-        try:
-            out = sql.run(table, f"SELECT seq FROM experience WHERE ({where})", sql.DEFAULT_LIMITS)
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"consume: where={where[:200]!r} is not a predicate over the scalar columns "
-                                  f"{table.column_names} ({exc}); ragged and tensor columns cannot be "
-                                  "filtered on") from None
-        passed = out.column(0).to_numpy(zero_copy_only=False) if out.num_rows else np.zeros(0, np.int64)
-        return np.isin(seqs, passed)  # a predicate cannot add rows: only the candidates' seqs count
-
     # ------------------------------------------------------------------ the writer's hold (StoreWriter.hold)
     def wait(self, cols: dict[str, Any], n: int, timeout: float | None, deadline: float | None) -> None:
         """Before a writer takes its write lock: wait until `n` new rows may be admitted and the rows they evict
@@ -417,8 +426,6 @@ class ConsumeTracker:
             InsertTimeout: not admitted within `timeout` (None: no wait).
             StoreClosed: the store was closed meanwhile.
         """
-        import time
-
         c = self.core
         versions = self._versions(cols)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -515,6 +522,21 @@ class ConsumeTracker:
         return out
 
 
+def check_store_options(tier: Any, sampler: Any, tasks: Any) -> None:
+    """Before a store allocates anything: consumption per task and groups keep their state in this process's heap,
+    so a shared-memory store cannot have them (yet).
+
+    Raises:
+        InvalidArgument: `tier="shm"` with `tasks` or a `Group` sampler.
+    """
+    if tier != "shm" and not getattr(tier, "shared", False):
+        return
+    if tasks or isinstance(sampler, GroupSampler):
+        raise InvalidArgument("tasks (consume) and Group samplers are not yet supported on a shared-memory store "
+                              "(tier='shm'): their state lives in one process; serve a host store over Flight to "
+                              "share it between processes")
+
+
 def _check_staleness(value: Any, what: str) -> int | None:
     if value is None:
         return None
@@ -523,4 +545,4 @@ def _check_staleness(value: Any, what: str) -> int | None:
     return int(value)
 
 
-__all__ = ["MAX_WHERE_CHARS", "ConsumeTracker"]
+__all__ = ["MAX_WHERE_CHARS", "ConsumeSurface", "ConsumeTracker", "check_store_options"]

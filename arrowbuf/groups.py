@@ -88,6 +88,9 @@ class GroupSampler(Sampler):
         drop_zero_variance: None, or a scalar field (`"reward"`): groups whose values of it are all equal are dropped.
     """
 
+    # its public home (`ab.samplers.Group`): checkpoints record samplers by the module that exports them
+    __module__ = "arrowbuf.samplers"
+
     def __init__(self, key: str = "prompt_id", size: int = 8, drop_zero_variance: str | None = None) -> None:
         if not isinstance(key, str) or not key:
             raise InvalidArgument(f"Group(key=...) takes a field name, got {key!r}")
@@ -103,6 +106,9 @@ class GroupSampler(Sampler):
         self._view: RowView | None = None
 
     def _on_bind(self) -> None:
+        if self.index.tier.shared:
+            raise InvalidArgument("a Group sampler is not yet supported on a shared-memory store (tier='shm'): its "
+                                  "state lives in one process; serve a host store over Flight to share it")
         # per ring position, the seq of a row whose group was dropped for zero variance (seq-stamped: a new row in
         # the slot is not dropped)
         self._dropped = np.full(self.index.arena_rows, -1, dtype=np.int64)
@@ -161,11 +167,14 @@ class GroupSampler(Sampler):
         return members[pick].reshape(-1)[:n].copy(), None
 
     def state(self, positions: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        return {"dropped_groups": self.dropped_groups}, {}
+        dropped = self._dropped[positions] == self.index.seq[positions]  # rows of groups dropped for zero variance
+        return {"dropped_groups": self.dropped_groups}, {"group_dropped": dropped}
 
     def load_state(self, positions: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
                    dropped_valid: int = 0) -> None:
         self.dropped_groups = int(meta.get("dropped_groups", 0))
+        dropped = positions[np.asarray(arrays.get("group_dropped", np.zeros(len(positions), bool)), dtype=bool)]
+        self._dropped[dropped] = self.index.seq[dropped]
 
     def describe(self) -> dict[str, Any]:
         return {"sampler": "GroupSampler", "group_key": self.key, "group_size": self.size,

@@ -21,6 +21,7 @@ list column or a numpy gather of per-element indices builds an 8-byte index per 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -44,11 +45,18 @@ def _one(values: Any) -> pa.Array:
     return values
 
 
-def flat(values: Any) -> tuple[np.ndarray, np.ndarray]:
+def flat(values: Any, writable: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(values, offsets): the concatenated row values and int64 offsets starting at 0 (length rows + 1).
 
-    Null rows count as empty. Zero-copy for the values where the dtype allows (a sliced array is respected).
+    Null rows count as empty. Zero-copy for the values where the dtype allows (a sliced array is respected); the
+    values are read-only unless `writable` and the array is a gather result that owns them alone (`take`,
+    `take_chunked`), so a caller that must hand out writable memory copies only when it has to.
     """
+    if writable:
+        private = _private_values(values)
+        if private is not None:
+            offs = np.asarray(values.offsets, dtype=np.int64)
+            return private, offs - offs[0]
     arr = _one(values)
     if not is_ragged(arr):
         raise InvalidArgument(f"expected a ragged (list) column, got {arr.type}")
@@ -161,15 +169,15 @@ def take(values: Any, rows: Any) -> pa.Array:
     if _consecutive(rows):
         return arr.slice(int(rows[0]) if rows.size else 0, int(rows.size))
     starts, lens, valid = _ranges(arr, rows)
-    return _assemble(arr.type, _gather_values(arr.values, starts, lens), lens, valid)
+    return _own(_assemble(arr.type, _gather_values(arr.values, starts, lens), lens, valid))
 
 
 def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray) -> pa.Array:
     """Rows at ring `positions` of a column kept as one list array of `chunk_rows` rows per chunk slot.
 
-    One ranged copy per chunk slot the rows live in (rows grouped by slot), then, when the rows came from several
-    slots in interleaved order, one more ranged copy that puts them back in the order asked. Consecutive positions
-    within one slot are a zero-copy slice.
+    Consecutive positions within one slot are a zero-copy slice. Rows that visit each slot in one run (FIFO across
+    chunk boundaries and the ring's wrap) cost one ranged copy (or slice) per slot and one concatenation. Rows
+    interleaved across slots (uniform sampling) cost one more ranged copy that puts them in the order asked.
     """
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     if not pos.size:
@@ -178,40 +186,77 @@ def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray)
     off = pos - slot * chunk_rows
     if slot[0] == slot[-1] and _consecutive(off):
         return chunks[int(slot[0])].slice(int(off[0]), int(pos.size))
-    order = np.argsort(slot, kind="stable")
-    sorted_slots = slot[order]
-    bounds = np.flatnonzero(np.diff(sorted_slots)) + 1
-    groups = np.split(order, bounds)  # positions of the batch, grouped by slot (one entry per slot, not per row)
-    lens = np.empty(pos.size, dtype=np.int64)
     valid = np.ones(pos.size, dtype=bool)
-    parts: list[pa.Array] = []
-    for idx in groups:
-        arr = chunks[int(slot[idx[0]])]
-        rows = off[idx]
-        if _consecutive(rows) and not arr.null_count:
-            o = np.asarray(arr.offsets)
-            a, b = int(o[rows[0]]), int(o[rows[-1] + 1])
-            parts.append(arr.values.slice(a, b - a))  # zero-copy, concatenated below
-            lens[idx] = np.diff(o[rows[0]:rows[-1] + 2])
-            continue
-        s, ln, v = _ranges(arr, rows)
-        lens[idx] = ln
+    lens = np.empty(pos.size, dtype=np.int64)
+    starts = np.empty(pos.size, dtype=np.int64)
+    runs = np.split(np.arange(pos.size), np.flatnonzero(np.diff(slot)) + 1)  # runs of one slot, in row order
+    distinct = np.unique(slot)
+    blocks = len(runs) == len(distinct)  # each slot's rows are one block of the output (FIFO, even across the wrap)
+    if blocks:
+        groups = runs
+    else:
+        order = np.argsort(slot, kind="stable")
+        groups = np.split(order, np.flatnonzero(np.diff(slot[order])) + 1)  # one entry per slot touched
+    used = [chunks[int(slot[idx[0]])] for idx in groups]
+    for idx, arr in zip(groups, used):
+        s, ln, v = _ranges(arr, off[idx])
+        starts[idx], lens[idx] = s, ln
         if v is not None:
             valid[idx] = v
-        parts.append(_gather_values(arr.values, s, ln))
     list_type = chunks[0].type
-    if len(parts) == 1:
-        return _assemble(list_type, parts[0], lens, valid)
+    parts = []
+    for idx, arr in zip(groups, used):  # one ranged copy (or a zero-copy slice) per slot touched
+        if _consecutive(off[idx]) and not arr.null_count:
+            parts.append(arr.values.slice(int(starts[idx[0]]), int(lens[idx].sum())))
+        else:
+            parts.append(_gather_values(arr.values, starts[idx], lens[idx]))
+    if blocks:
+        values = parts[0] if len(parts) == 1 else pa.concat_arrays(parts)
+        return _own(_assemble(list_type, values, lens, valid))
+    # interleaved slots: the rows sit in `grouped` in slot order; one more ranged copy puts them in the order asked
     grouped = pa.concat_arrays(parts)
-    if np.all(np.diff(order) > 0):  # slots visited in row order (e.g. a FIFO read across a chunk boundary)
-        return _assemble(list_type, grouped, lens, valid)
-    # rows sit in `grouped` in slot order; put them back in the order asked with one more ranged copy
     glens = lens[order]
     gstarts = np.zeros(pos.size, dtype=np.int64)
     np.cumsum(glens[:-1], out=gstarts[1:])
-    starts = np.empty(pos.size, dtype=np.int64)
-    starts[order] = gstarts
-    return _assemble(list_type, _gather_values(grouped, starts, lens), lens, valid)
+    back = np.empty(pos.size, dtype=np.int64)
+    back[order] = gstarts
+    return _own(_assemble(list_type, _gather_values(grouped, back, lens), lens, valid))
+
+
+# ---------------------------------------------------------------------------------------------------- ownership
+# Gather results whose values buffer this module allocated for them alone (never a view of a store's memory): a
+# trainer may get those values as writable arrays without a defensive copy. Keyed by id, checked by identity, and
+# forgotten when the array is collected.
+_PRIVATE: dict[int, weakref.ref] = {}
+
+
+def _own(arr: pa.Array) -> pa.Array:
+    key = id(arr)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _PRIVATE.get(key) is ref:
+            _PRIVATE.pop(key, None)
+
+    _PRIVATE[key] = weakref.ref(arr, forget)
+    return arr
+
+
+def _private_values(arr: Any) -> np.ndarray | None:
+    """A writable view of the values of list array `arr` (no nulls) when a gather here allocated them for it."""
+    ref = _PRIVATE.get(id(arr))
+    if ref is None or ref() is not arr or arr is None or arr.null_count:
+        return None
+    child = arr.values
+    if not (pa.types.is_integer(child.type) or pa.types.is_floating(child.type)):
+        return None
+    offs = np.asarray(arr.offsets)
+    dtype = np.dtype(child.type.to_pandas_dtype())
+    first = int(offs[0]) if len(offs) else 0
+    count = int(offs[-1]) - first if len(offs) else 0
+    buf = child.buffers()[1]
+    if buf is None or not buf.is_mutable:
+        return None
+    return np.frombuffer(buf, dtype=dtype, count=count, offset=(child.offset + first) * dtype.itemsize)
 
 
 __all__ = ["flat", "is_ragged", "lengths", "pad", "position_ids", "split_rows", "take", "take_chunked"]

@@ -85,6 +85,9 @@ class FieldSpec:
         allow_nan: when False, NaN and infinite values are rejected on ingest (floating fields only).
         later: a field that a later stage fills (`store.update`): nullable, and `extend`/`append` may leave it out
             (the row then holds no value for it, read back as null, until an update writes one).
+        mean_length: ragged fields: the expected mean number of elements per row. Sizes the flat storage of a
+            store in shared memory (each chunk slot holds `chunk_rows * mean_length` elements; a chunk whose rows
+            hold more raises `OutOfSpace`) and the chunk size estimate. None: 256.
     """
 
     name: str
@@ -93,11 +96,14 @@ class FieldSpec:
     ragged: bool = False
     allow_nan: bool = True
     later: bool = False
+    mean_length: int | None = None
 
     @property
     def row_bytes(self) -> int:
         """Bytes one step of this field takes (ragged fields: an estimate for sizing chunks)."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize if not self.ragged else 64
+        if self.ragged:
+            return 64 if self.mean_length is None else self.mean_length * self.dtype.itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def arrow_type(self) -> pa.DataType:
         """The Arrow type of the stored column."""
@@ -252,7 +258,7 @@ class ExperienceSchema:
             return self.fields[name]
         d = self.derived[name]
         src = self.fields[d.next_of]
-        return FieldSpec(d.name, src.dtype, src.shape, src.ragged, src.allow_nan, src.later)
+        return FieldSpec(d.name, src.dtype, src.shape, src.ragged, src.allow_nan, src.later, src.mean_length)
 
     @property
     def row_bytes(self) -> int:
@@ -271,6 +277,8 @@ class ExperienceSchema:
                 d["allow_nan"] = False
             if f.later:
                 d["later"] = True
+            if f.mean_length is not None:
+                d["mean_length"] = f.mean_length
             fields[f.name] = d
         out: dict[str, Any] = {"name": self.name, "fields": fields}
         if self.version is not None:
@@ -393,6 +401,8 @@ def _field_metadata(f: FieldSpec) -> dict[bytes, bytes] | None:
         meta[b"arrowbuf.allow_nan"] = b"false"
     if f.later:
         meta[b"arrowbuf.later"] = b"true"
+    if f.mean_length is not None:
+        meta[b"arrowbuf.mean_length"] = str(f.mean_length).encode()
     return meta or None
 
 
@@ -764,9 +774,10 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
             spec = {"dtype": spec}
         if not isinstance(spec, Mapping):
             raise SchemaError(f"{loc}: expected a mapping {{dtype, shape?, ragged?}}, got {spec!r}")
-        bad = set(spec) - {"dtype", "shape", "ragged", "allow_nan", "later", "description"}
+        bad = set(spec) - {"dtype", "shape", "ragged", "allow_nan", "later", "mean_length", "description"}
         if bad:
-            raise SchemaError(f"{loc}: unknown key(s) {sorted(bad)}; expected dtype, shape, ragged, allow_nan, later")
+            raise SchemaError(f"{loc}: unknown key(s) {sorted(bad)}; expected dtype, shape, ragged, allow_nan, later, "
+                              "mean_length")
         if "dtype" not in spec:
             raise SchemaError(f"{loc}: missing 'dtype'")
         dtype = _parse_dtype(loc, spec["dtype"])
@@ -788,7 +799,12 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
         later = spec.get("later", False)
         if not isinstance(later, bool):
             raise SchemaError(f"{loc}: 'later' must be true or false, got {later!r}")
-        fields[str(name)] = FieldSpec(str(name), dtype, tuple(shape_raw), ragged, allow_nan, later)
+        mean_length = spec.get("mean_length")
+        if mean_length is not None and (not isinstance(mean_length, int) or isinstance(mean_length, bool)
+                                        or not 0 < mean_length <= 1 << 30 or not ragged):
+            raise SchemaError(f"{loc}: 'mean_length' is the mean elements per row of a ragged field: a positive "
+                              f"integer (at most 2**30) on a field with ragged: true; got {mean_length!r}")
+        fields[str(name)] = FieldSpec(str(name), dtype, tuple(shape_raw), ragged, allow_nan, later, mean_length)
     derived: dict[str, DerivedSpec] = {}
     derived_raw = data.get("derived") or {}
     if not isinstance(derived_raw, Mapping):
@@ -846,11 +862,15 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
                 raise SchemaError(f"pa.Schema field {f.name!r}: unsupported Arrow type {t}") from None
             fields[f.name] = FieldSpec(f.name, _parse_dtype(f"field {f.name!r}", dtype))
         meta_f = f.metadata or {}
-        if meta_f.get(b"arrowbuf.allow_nan") == b"false" or meta_f.get(b"arrowbuf.later") == b"true":
+        if meta_f.get(b"arrowbuf.allow_nan") == b"false" or meta_f.get(b"arrowbuf.later") == b"true" or \
+                b"arrowbuf.mean_length" in meta_f:
             spec = fields[f.name]
+            mean = meta_f.get(b"arrowbuf.mean_length")
             fields[f.name] = FieldSpec(spec.name, spec.dtype, spec.shape, spec.ragged,
                                        allow_nan=meta_f.get(b"arrowbuf.allow_nan") != b"false",
-                                       later=meta_f.get(b"arrowbuf.later") == b"true")
+                                       later=meta_f.get(b"arrowbuf.later") == b"true",
+                                       mean_length=int(mean) if mean is not None and mean.isdigit() and spec.ragged
+                                       else None)
     derived = {}
     if b"arrowbuf.derived" in meta:
         for pair in meta[b"arrowbuf.derived"].decode().split(","):

@@ -25,11 +25,13 @@ a query the sandbox refuses, or one DuckDB rejects, raises `InvalidArgument`.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import pyarrow as pa
 
@@ -83,6 +85,18 @@ class SqlLimits:
         """No deadline, memory or result limit (still no file system): `store.sql` in the caller's own process."""
         return cls(timeout=None, memory_limit=None, max_result_bytes=None, max_query_chars=1 << 24, threads=4)
 
+    def tighter(self, other: "SqlLimits") -> "SqlLimits":
+        """The stricter of `self` and `other` in every bound (None is no bound)."""
+
+        def least(a: Any, b: Any) -> Any:
+            return b if a is None else a if b is None else min(a, b)
+
+        return SqlLimits(timeout=least(self.timeout, other.timeout),
+                         memory_limit=least(self.memory_limit, other.memory_limit),
+                         max_result_bytes=least(self.max_result_bytes, other.max_result_bytes),
+                         max_query_chars=min(self.max_query_chars, other.max_query_chars),
+                         threads=min(self.threads, other.threads))
+
     def describe(self) -> dict[str, Any]:
         """The limits as JSON-ready values (the server states them in `describe`)."""
         return {"timeout": self.timeout, "memory_limit": self.memory_limit,
@@ -91,6 +105,38 @@ class SqlLimits:
 
 #: What a remote client gets unless the server says otherwise (`ab.serve(..., sql_limits=...)`).
 DEFAULT_LIMITS = SqlLimits()
+
+
+@dataclass(frozen=True)
+class _Serving:
+    limits: SqlLimits
+    gate: Callable[[], ContextManager[Any]] | None
+    cancelled: Callable[[], bool] | None
+
+
+_SERVING: contextvars.ContextVar[_Serving | None] = contextvars.ContextVar("arrowbuf_sql_serving", default=None)
+
+
+@contextmanager
+def serving(limits: SqlLimits, *, gate: Callable[[], ContextManager[Any]] | None = None,
+            cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
+    """Bound every query this thread runs through `run` while the block runs, whoever calls `run`.
+
+    A server wraps the store calls it makes for a client in it, so that queries the store runs on its own behalf
+    (a `consume(where=...)` filter) are bounded like the client's `sql` tickets: by the stricter of `limits` and
+    the caller's own limits, holding a slot of `gate()` (a context manager, e.g. a `CallGate` slot; it may refuse
+    with `ResourceExhausted`) only while each query runs, and stopped when `cancelled()` says the client went away.
+
+    Usage::
+
+        with sql.serving(server_limits, gate=lambda: calls.enter("sql"), cancelled=context.is_cancelled):
+            store.consume("train", 256, where="reward > 0")
+    """
+    token = _SERVING.set(_Serving(limits, gate, cancelled))
+    try:
+        yield
+    finally:
+        _SERVING.reset(token)
 
 
 def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
@@ -113,8 +159,22 @@ def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
         ResourceExhausted: the query needed more memory than `memory_limit` or returned more than
             `max_result_bytes`.
     """
-    duckdb = require("duckdb", "query")
     limits = limits or DEFAULT_LIMITS
+    context = _SERVING.get()
+    if context is None:
+        return _run(table, query, limits, cancelled)
+    if context.cancelled is not None:
+        cancelled = _either(cancelled, context.cancelled)
+    with context.gate() if context.gate is not None else nullcontext():
+        return _run(table, query, limits.tighter(context.limits), cancelled)
+
+
+def _either(a: Callable[[], bool] | None, b: Callable[[], bool]) -> Callable[[], bool]:
+    return b if a is None else (lambda: a() or b())
+
+
+def _run(table: pa.Table, query: str, limits: SqlLimits, cancelled: Callable[[], bool] | None) -> pa.Table:
+    duckdb = require("duckdb", "query")
     if not isinstance(query, str) or not query.strip():
         raise InvalidArgument("sql: expected a non-empty SQL SELECT string")
     if len(query) > limits.max_query_chars:

@@ -25,7 +25,7 @@ import pyarrow as pa
 from .batch import SampleBatch
 from .chunks import ChunkDirectory, default_chunk_rows
 from .columns import ColumnArenas, TieredColumnArenas
-from .consume import ConsumeTracker
+from .consume import ConsumeTracker, check_store_options
 from .core import StoreCore
 from .episodes import EpisodeTracker
 from .errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed
@@ -85,6 +85,7 @@ class ExperienceStore:
                  tiers: dict[str, Any] | None = None, placement: Any = None, tasks: Any = None,
                  max_staleness: int | None = None, token_field: str | None = None) -> None:
         self.schema: ExperienceSchema = load_schema(schema)
+        check_store_options(tier, sampler, tasks)  # consume (issue 16): before anything is allocated
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
         self.capacity = int(capacity)
@@ -97,13 +98,6 @@ class ExperienceStore:
         else:
             if tier != "host":
                 raise InvalidArgument("pass either tier= (one tier) or tiers= (budgets per tier), not both")
-            ragged = [f.name for f in self.schema.fields.values() if f.ragged]
-            if ragged:
-                raise SchemaError(f"ragged fields are not yet supported in a tiered store: {ragged}; "
-                                  "drop tiers= for this schema, or make the fields fixed-shape")
-            if self.schema.later_fields:
-                raise SchemaError(f"fields filled later are not yet supported in a tiered store: "
-                                  f"{self.schema.later_fields}; drop tiers= for this schema, or drop `later`")
             from .tiers import make_tiers
 
             self._tier, data_tiers = make_tiers(tiers)
@@ -228,6 +222,11 @@ class ExperienceStore:
         rows = self.arena_rows
         data = sum(f.row_bytes * (rows + (self.final_capacity if f.name in self._final_sources else 0))
                    for f in self.schema.fields.values() if not f.ragged)
+        if self._tier.shared:  # ragged fields in tier memory (fields helper: arrowbuf.ragged_arena)
+            from .ragged_arena import planned_bytes
+
+            data += sum(planned_bytes(f, self.chunk_rows, self.directory.num_slots, rows)
+                        for f in self.schema.fields.values() if f.ragged)
         return data + 8 * max(1, self.final_capacity) + (4 * rows if max_times_sampled else 0)
 
     # ------------------------------------------------------------------ construction helpers
@@ -565,7 +564,8 @@ class ExperienceStore:
         Args:
             path: the checkpoint directory (an Arrow IPC dataset; made if missing).
             keep: keep the newest `keep` checkpoints (their files); None keeps all.
-            background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread.
+            background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread,
+                at a lower CPU priority than the process's other threads (`persist.checkpoint.BACKGROUND_NICE`).
             compression: None (uncompressed, memory-mappable: the default), or "zstd"/"lz4" for archives.
 
         Returns:
@@ -661,10 +661,6 @@ def _make_tier(tier: str | Tier, name: str, schema: ExperienceSchema) -> Tier:
     if tier == "host":
         return HostTier()
     if tier == "shm":
-        ragged = [f.name for f in schema.fields.values() if f.ragged]
-        if ragged:
-            raise SchemaError(f"ragged fields are not yet supported in shared memory: {ragged}; "
-                              "use tier='host' for this schema, or make the fields fixed-shape")
         from .tiers.shm import SharedMemoryTier
 
         return SharedMemoryTier.create(name)

@@ -99,6 +99,40 @@ def validate_update(schema: Any, ids: np.ndarray, values: Any, single: bool = Fa
     return out
 
 
+def check_update_types(schema: Any, incoming: pa.Schema, id_column: str = "id", where: str = "update") -> None:
+    """Check an update stream's Arrow schema before any of its data is read: an integer `id_column` and one column
+    per field to fill, each a field declared `later: true` of a type `extend` would take for it.
+
+    Raises:
+        SchemaError: naming the column, what was expected and what came.
+    """
+    from .schema import _arrow_type_fits
+
+    names = list(incoming.names)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise SchemaError(f"{where}: duplicate column name(s) {dup[:10]}; send each column once")
+    if id_column not in names:
+        raise SchemaError(f"{where}: no {id_column!r} column; send the rows' ids (int64) in a column {id_column!r}")
+    if not pa.types.is_integer(incoming.field(id_column).type):
+        raise SchemaError(f"{where}: column {id_column!r} has Arrow type {str(incoming.field(id_column).type)[:80]}; "
+                          "expected int64 ids")
+    fields = [n for n in names if n != id_column]
+    if not fields:
+        raise SchemaError(f"{where}: no field to fill; send columns of the fields filled later "
+                          f"({schema.later_fields})")
+    for name in fields:
+        spec = schema.fields.get(name)
+        if spec is None or not spec.later:
+            shown = name if len(name) <= 80 else name[:80] + "..."
+            raise SchemaError(f"{where}: column {shown!r} is not a field filled later of schema {schema.name!r}; "
+                              f"expected some of {schema.later_fields}")
+        t = incoming.field(name).type
+        if not _arrow_type_fits(spec, t):
+            raise SchemaError(f"{where}: column {name!r} has Arrow type {str(t)[:200]}; expected {spec.describe()} "
+                              "(GetSchema [store, \"input\"] gives the exact type)")
+
+
 class StoreUpdater:
     """`update` over a store's `StoreCore` (see the module docstring)."""
 

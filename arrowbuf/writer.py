@@ -35,6 +35,7 @@ Usage (what `ExperienceStore` does)::
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from math import isfinite
@@ -83,6 +84,9 @@ class StoreWriter:
         self._notify = type(core.sampler).on_valid is not Sampler.on_valid
         self._notify_invalid = type(core.sampler).on_invalid is not Sampler.on_invalid
         self._warned_final = False
+        # this process's episode streams: planned outside the write lock (other processes plan meanwhile), so the
+        # threads of one process take turns from plan to apply. Lock order: _streams, write_lock, lock.
+        self._streams = threading.Lock()
         # consume (issue 16): the store's ConsumeTracker when tasks or admission control are on, else None. A write
         # waits (`hold.wait`, outside the write lock) and re-checks (`hold.ready`, under it) that the rows it evicts
         # were consumed by every task and its rows' policy versions are admitted. See arrowbuf/consume.py.
@@ -129,7 +133,7 @@ class StoreWriter:
         unknown = sorted(set(final) - {d.name for d in c.derived})
         if unknown:
             raise SchemaError(f"flush() takes the derived fields {[d.name for d in c.derived]}; got {unknown}")
-        with c.write_lock:
+        with self._streams, c.write_lock:
             c.check_open()
             st = c.episodes.streams.get(actor)
             prev = -1 if st is None else st.pending_seq
@@ -236,7 +240,7 @@ class StoreWriter:
         hv = self._hv
         arena_rows = self._arena_rows
         cols = c.cols
-        with c.write_lock:
+        with self._streams, c.write_lock:
             if c.closed:
                 c.check_open()
             seq = hv[_HI]
@@ -310,13 +314,18 @@ class StoreWriter:
             self._wait_insert(n, timeout, deadline)  # outside the write lock: other writers go on meanwhile
             if self.hold is not None:  # consume (issue 16): eviction hold and admission by policy version
                 self.hold.wait(cols, n, timeout, deadline)
-            with c.write_lock:
-                c.check_open()
-                if not (self._may_insert(n) and (self.hold is None or self.hold.ready(cols, n))):
-                    continue  # another writer used the room the limiter gave: wait again (outside the lock)
-                r = self._reserve(cols, n, ends)
-                if serial:
-                    return self._copy_and_commit(r, cols, ends)
+            with self._streams:
+                plan = first_id = None
+                if "episode_id" not in cols:  # plan the episodes before the write lock, ids provisional
+                    first_id = c.episodes.next_episode_id
+                    plan = c.episodes.plan(n, ends, actor=cols.get("actor"))
+                with c.write_lock:
+                    c.check_open()
+                    if not (self._may_insert(n) and (self.hold is None or self.hold.ready(cols, n))):
+                        continue  # another writer used the room the limiter gave: wait again (outside the lock)
+                    r = self._reserve(cols, n, ends, plan, first_id)
+                    if serial:
+                        return self._copy_and_commit(r, cols, ends)
             break
         return self._copy_and_commit(r, cols, ends)
 
@@ -329,14 +338,22 @@ class StoreWriter:
         self._commit_reserved(r)
         return np.arange(r.base, r.base + r.n, dtype=np.int64)
 
-    def _reserve(self, cols: dict[str, Any], n: int, ends: np.ndarray) -> "_Reservation":
+    def _reserve(self, cols: dict[str, Any], n: int, ends: np.ndarray, plan: Any = None,
+                 first_id: int | None = None) -> "_Reservation":
         """Step 1, under the write lock: take seqs [base, base + n) from the reservation head, free their ring
-        positions (evicting the rows there), plan episodes and final-observation slots."""
+        positions (evicting the rows there), claim episode ids and final-observation slots.
+
+        `plan`: the batch's episode plan made before the lock with new episode ids from `first_id` on; they move
+        to the ids free now (writers of other processes may have taken some meanwhile). None: plan here.
+        """
         c = self.core
         idx = c.index
         h = idx.header
         arena_rows = c.arena_rows
-        plan = c.episodes.plan(n, ends, actor=cols.get("actor"), episode_id=cols.get("episode_id"))
+        if plan is None:
+            plan = c.episodes.plan(n, ends, actor=cols.get("actor"), episode_id=cols.get("episode_id"))
+        elif first_id is not None and c.episodes.next_episode_id != first_id:
+            _shift_new_episodes(plan, first_id, c.episodes.next_episode_id - first_id)
         c.episodes.next_episode_id = plan.next_episode_id  # claim the ids now: a writer killed mid-batch
         base = max(int(h[_RES]), idx.hi)                   # must not leave them to the next writer
         skip = max(0, n - c.capacity)  # a batch longer than the ring keeps its newest rows
@@ -646,6 +663,16 @@ class _Reservation:
     ending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     ready: Any = None
     links: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _shift_new_episodes(plan: Any, first_id: int, delta: int) -> None:
+    """Move the episode ids a plan handed out (those >= `first_id`; older ones continue open episodes) by `delta`."""
+    fresh = plan.episode_id >= first_id
+    plan.episode_id[fresh] += delta
+    for st in plan.streams.values():
+        if st is not None and st.episode_id >= first_id:
+            st.episode_id += delta
+    plan.next_episode_id += delta
 
 
 def _segments(first_pos: int, count: int, arena_rows: int) -> list[tuple[int, int, int]]:

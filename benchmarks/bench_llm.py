@@ -22,7 +22,11 @@ Each system runs in its own child process (a fresh interpreter; `--child NAME`),
 seconds, medians over repeats) and the peak memory of its process tree (PSS summed over the child, its servers, Ray's
 processes) above the tree's memory before the payload existed, sampled every 20 ms.
 
-    python -m benchmarks.bench_llm [--quick] [--samples N] [--repeats R] [--only fixed ragged grpo]
+    python -m benchmarks.bench_llm [--quick [--peers]] [--samples N] [--repeats R] [--only fixed ragged grpo]
+                                   [--skip ray transferqueue ...]
+
+The default run takes 4-8 minutes here (two Ray startups); run it in parts (`--only fixed`, `--only ragged`,
+`--only grpo`) to keep each under two. `--quick` (about a minute) leaves out Ray and TransferQueue unless `--peers`.
 
 TransferQueue runs from its own venv (default /work/venv-tq, `--tq-python`): it pulls packages (pyzmq, hydra,
 omegaconf, msgspec, psutil) that the project venv does not carry. Prints a table, writes benchmarks/out/llm.json.
@@ -87,30 +91,42 @@ def _pss(pids: list[int]) -> int:
 
 
 class PeakMemory:
-    """Peak PSS of this process's tree above its value at `start()`, sampled by a thread every 20 ms."""
+    """Peak PSS of this process's tree above its value at `start()`, sampled by a thread every 20 ms.
+
+    `peak_self` is the same for this process alone (the client); the rest of the tree is servers and Ray's processes.
+    """
 
     def __init__(self) -> None:
-        self.base = 0
-        self.peak = 0
+        self.base = self.peak = self.base_self = self.peak_self = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _sample(self) -> None:
+        pids = _tree(os.getpid())
+        self.peak = max(self.peak, _pss(pids))
+        self.peak_self = max(self.peak_self, _pss([os.getpid()]))
+
     def start(self) -> "PeakMemory":
         self.base = self.peak = _pss(_tree(os.getpid()))
+        self.base_self = self.peak_self = _pss([os.getpid()])
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, _pss(_tree(os.getpid())))
+            self._sample()
 
     def stop(self) -> int:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.peak = max(self.peak, _pss(_tree(os.getpid())))
+        self._sample()
         return self.peak - self.base
+
+    def split(self) -> dict[str, int]:
+        """Peak growth of this process and of the whole tree (bytes)."""
+        return {"peak_self_bytes": self.peak_self - self.base_self, "peak_bytes": self.peak - self.base}
 
 
 # ---------------------------------------------------------------------------------------------------- payloads
@@ -196,27 +212,59 @@ def child_ab_local(samples: int, repeats: int) -> dict[str, Any]:
 
 
 def child_ab_flight(samples: int, repeats: int) -> dict[str, Any]:
+    """arrowbuf over Flight, then (memory no longer measured) raw Flight and arrowbuf alternating, for the ratios."""
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
     import arrowbuf as ab
 
     mem = PeakMemory()
+    payload = fixed_payload(samples)
+    rows = _with_done(payload, samples)
+    cols = list(payload)
     proc = _spawn_server("ab", samples, False)
+    raw_proc = None
     try:
-        location = json.loads(proc.stdout.readline())["location"]
-        remote = ab.connect(location, store="perftest")
-        payload = fixed_payload(samples)
-        rows = _with_done(payload, samples)
+        remote = ab.connect(json.loads(proc.stdout.readline())["location"], store="perftest")
         mem.start()
-        put, get = [], []
+        put, get, get_sample = [], [], []
         for _ in range(repeats + 1):
             put.append(_timed(lambda: remote.extend(rows)))
-            get.append(_timed(lambda: remote.sample(samples, columns=list(payload)).to_torch()))
+            t0 = time.perf_counter()
+            batch = remote.sample(samples, columns=cols)
+            get_sample.append(time.perf_counter() - t0)
+            batch.to_torch()  # a trainer's tensors (the read-only receive buffers are copied)
+            get.append(time.perf_counter() - t0)
+            del batch
+        mem.stop()
+        # the ratio to raw Flight: the same bytes, the two measured back to back in each repeat
+        raw_proc = _spawn_server("raw", samples, False)
+        raw = flight.FlightClient(json.loads(raw_proc.stdout.readline())["location"])
+        table = pa.RecordBatch.from_pydict({k: pa.FixedShapeTensorArray.from_numpy_ndarray(v)
+                                            for k, v in payload.items()})
+        r_put, r_get = [], []
+        for _ in range(repeats + 1):
+            def do_put() -> None:
+                writer, _ = raw.do_put(flight.FlightDescriptor.for_path("x"), table.schema)
+                writer.write_batch(table)
+                writer.close()
+
+            raw_put = _timed(do_put)
+            ours_put = _timed(lambda: remote.extend(rows))
+            raw_get = _timed(lambda: raw.do_get(flight.Ticket(b"x")).read_all())
+            ours_get = _timed(lambda: remote.sample(samples, columns=cols))
+            r_put.append(raw_put / ours_put)
+            r_get.append(raw_get / ours_get)
+        raw.close()
         remote.close()
-        peak = mem.stop()
     finally:
-        proc.stdin.close()
-        proc.wait(60)
-    return {"put_s": _med(put), "get_s": _med(get), "peak_bytes": peak,
-            "bytes": sum(v.nbytes for v in payload.values())}
+        for p in (proc, raw_proc):
+            if p is not None:
+                p.stdin.close()
+                p.wait(60)
+    return {"put_s": _med(put), "get_s": _med(get), "get_sample_s": _med(get_sample), **mem.split(),
+            "bytes": sum(v.nbytes for v in payload.values()), "ratio_raw_put": _med(r_put),
+            "ratio_raw_get": _med(r_get)}
 
 
 def child_raw_flight(samples: int, repeats: int) -> dict[str, Any]:
@@ -241,20 +289,26 @@ def child_raw_flight(samples: int, repeats: int) -> dict[str, Any]:
             put.append(_timed(do_put))
             get.append(_timed(lambda: client.do_get(flight.Ticket(b"x")).read_all()))
         client.close()
-        peak = mem.stop()
+        mem.stop()
     finally:
         proc.stdin.close()
         proc.wait(60)
-    return {"put_s": _med(put), "get_s": _med(get), "peak_bytes": peak,
-            "bytes": sum(v.nbytes for v in payload.values())}
+    return {"put_s": _med(put), "get_s": _med(get), **mem.split(), "bytes": sum(v.nbytes for v in payload.values())}
 
 
 def _ray_init() -> Any:
     import ray
 
     # TransferQueue's controller and storage units each reserve a CPU: 8 logical CPUs on this 2-core machine
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
-             log_to_driver=False)
+    for attempt in range(2):  # Ray gives its node 30 s to start; a loaded machine sometimes needs a second try
+        try:
+            ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
+                     log_to_driver=False)
+            return ray
+        except Exception:  # noqa: BLE001 - retried once, then raised
+            ray.shutdown()
+            if attempt:
+                raise
     return ray
 
 
@@ -370,34 +424,42 @@ def child_ragged(samples: int, repeats: int, pause: float) -> dict[str, Any]:
     fifo = ab.ExperienceStore(_schema(True), capacity=samples, sampler="fifo")
     uni = ab.ExperienceStore(_schema(True), capacity=samples, sampler="uniform", seed=0)
     uni.extend(rows)
-    src = np.ones(nbytes // 4, dtype=np.float32)
-    put, get_fifo, get_uni, memcpy_fifo, memcpy_uni = [], [], [], [], []
+    src = np.ones(nbytes // 2, dtype=np.float32)  # warm source, 2x: a uniform batch may hold more bytes
+
+    def memcpy(nb: int) -> float:
+        """Median of 3 copies of `nb` bytes into freshly allocated memory (what a gather's output is)."""
+        return statistics.median(_timed(lambda: np.copyto(np.empty(nb // 4, np.float32), src[:nb // 4]))
+                                 for _ in range(3))
+
+    put, get_fifo, get_uni, memcpy_fifo, memcpy_uni, r_fifo, r_uni = [], [], [], [], [], [], []
+    got = got_uni = 0
     for _ in range(repeats + 1):
         time.sleep(pause)
         put.append(_timed(lambda: fifo.extend(rows)))
         time.sleep(pause)
         t0 = time.perf_counter()
-        b = fifo.sample(samples, columns=list(payload))
-        t = b.to_torch(pack=True)  # flattened values + cu_seqlens: what a varlen trainer takes
+        t = fifo.sample(samples, columns=list(payload)).to_torch(pack=True)  # values + cu_seqlens: a varlen trainer
         get_fifo.append(time.perf_counter() - t0)
         got = sum(t[k].numel() * 4 for k in payload)
+        del t
         time.sleep(pause)
-        memcpy_fifo.append(_timed(lambda got=got: np.copyto(np.empty(got // 4, np.float32), src[:got // 4])))
+        memcpy_fifo.append(memcpy(got))
+        r_fifo.append(memcpy_fifo[-1] / get_fifo[-1])
         time.sleep(pause)
         t0 = time.perf_counter()
-        b = uni.sample(samples, columns=list(payload))
-        t = b.to_torch(pack=True)
+        t = uni.sample(samples, columns=list(payload)).to_torch(pack=True)
         get_uni.append(time.perf_counter() - t0)
         got_uni = sum(t[k].numel() * 4 for k in payload)
+        del t
         time.sleep(pause)
-        buf = np.ones(got_uni // 4, np.float32)
-        memcpy_uni.append(_timed(lambda buf=buf: np.copyto(np.empty_like(buf), buf)))
-        del t, b, buf
+        memcpy_uni.append(memcpy(got_uni))
+        r_uni.append(memcpy_uni[-1] / get_uni[-1])
     fifo.close()
     uni.close()
     return {"put_s": _med(put), "get_fifo_s": _med(get_fifo), "get_uniform_s": _med(get_uni),
             "memcpy_fifo_s": _med(memcpy_fifo), "memcpy_uniform_s": _med(memcpy_uni), "bytes": nbytes,
-            "uniform_bytes": got_uni, "pause_s": pause}
+            "fifo_bytes": got, "uniform_bytes": got_uni, "pause_s": pause, "ratio_fifo": _med(r_fifo),
+            "ratio_uniform": _med(r_uni)}
 
 
 def child_grpo(prompts: int, repeats: int) -> dict[str, Any]:
@@ -445,6 +507,103 @@ def child_grpo(prompts: int, repeats: int) -> dict[str, Any]:
             "bytes": int(ids.nbytes + lps.nbytes), "imbalance": splits, "split_s": split_s}
 
 
+def _grpo_rows(rng: np.random.Generator, prompts: int, first_id: int, lo: int, hi: int,
+               version: int = 0) -> dict[str, Any]:
+    """`prompts` groups of 8 completions, response lengths uniform in [lo, hi] tokens (grpo.yaml's fields)."""
+    import pyarrow as pa
+
+    n = prompts * 8
+    lens = rng.integers(lo, hi + 1, n)
+    offs = pa.array(np.concatenate(([0], np.cumsum(lens))).astype(np.int32))
+    tokens = int(lens.sum())
+    plens = pa.array(np.arange(0, 16 * n + 1, 16, dtype=np.int32))
+    return {"prompt_id": np.repeat(np.arange(first_id, first_id + prompts), 8),
+            "prompt_tokens": pa.ListArray.from_arrays(plens, pa.array(rng.integers(0, 151_000, 16 * n, np.int32))),
+            "response_tokens": pa.ListArray.from_arrays(offs, pa.array(rng.integers(0, 151_000, tokens, np.int32))),
+            "logprobs": pa.ListArray.from_arrays(offs, pa.array(-rng.random(tokens, dtype=np.float32))),
+            "reward": rng.random(n, dtype=np.float32), "policy_version": np.full(n, version, np.int64),
+            "done": np.ones(n, bool)}
+
+
+def writer_main(location: str, seed: int, groups: int, lo: int, hi: int) -> None:
+    """A writer process of the consume benchmark: `groups` whole groups over Flight, two at a time."""
+    import arrowbuf as ab
+
+    rng = np.random.default_rng(seed)
+    remote = ab.connect(location)
+    sent = 0
+    while sent < groups:
+        rows = _grpo_rows(rng, 2, seed * 1_000_000 + sent, lo, hi)
+        try:
+            remote.extend(rows)
+            sent += 2
+        except ab.InsertTimeout:  # the buffer is full of rows the trainer has not consumed: wait again
+            continue
+    remote.close()
+
+
+def child_consume(prompts: int, repeats: int) -> dict[str, Any]:
+    """consume("train", 64 rows = 8 whole groups) latency while 2 writer processes push groups over Flight."""
+    import arrowbuf as ab
+
+    lo, hi = 1024, 16 * 1024
+    batches = max(8, prompts // 8)
+    store = ab.ExperienceStore(ab.load_schema("grpo"), capacity=256, tasks=["train"],
+                               sampler=ab.samplers.Group(key="prompt_id", size=8))
+    lat, tokens = [], 0
+    with ab.serve(store, max_batch_bytes=1 << 30) as server:
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        groups = batches * 8 // 2 + 4
+        writers = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_llm", "--serve", "writer", "--location",
+                                     server.location, "--seed", str(i + 1), "--groups", str(groups)], cwd=ROOT, env=env)
+                   for i in range(2)]
+        try:
+            store.consume("train", 64, timeout=120.0)  # the writers are up
+            for _ in range(batches):
+                t0 = time.perf_counter()
+                b = store.consume("train", 64, timeout=60.0)
+                lat.append(time.perf_counter() - t0)
+                tokens += int(b.token_counts("response_tokens").sum())
+        finally:
+            store.close()  # a writer still blocked on a full buffer gets an error and exits
+            for w in writers:
+                try:
+                    w.wait(30)
+                except subprocess.TimeoutExpired:
+                    w.kill()
+                    w.wait()
+    ms = np.asarray(lat) * 1e3
+    return {"batches": batches, "rows_per_batch": 64, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "tokens": tokens,
+            "lengths": [lo, hi]}
+
+
+def child_where(prompts: int, repeats: int) -> dict[str, Any]:
+    """consume(where=...) latency over the same rows with token columns of 1x and 10x the length."""
+    import arrowbuf as ab
+
+    out = {}
+    rng = np.random.default_rng(0)
+    n_groups = 128
+    for scale in (1, 10):
+        store = ab.ExperienceStore(ab.load_schema("grpo"), capacity=n_groups * 8, tasks=["train"])
+        rows = _grpo_rows(rng, n_groups, 0, 100 * scale, 400 * scale)
+        rows["policy_version"] = np.arange(n_groups * 8) % 10
+        store.extend(rows)
+        none, some = [], []
+        for i in range(5 * repeats + 1):
+            t0 = time.perf_counter()
+            store.consume("train", 8, where="reward > 2.0 AND policy_version >= 3", timeout=0)  # matches no row
+            none.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            store.consume("train", 8, where=f"policy_version = {i % 10} AND reward > 0.5", timeout=0)
+            some.append(time.perf_counter() - t0)
+        tokens = int(np.diff(rows["response_tokens"].offsets.to_numpy()).sum())
+        store.close()
+        out[f"x{scale}"] = {"none_ms": _med(none) * 1e3, "match8_ms": _med(some) * 1e3, "tokens": tokens}
+    return out
+
+
 def _dist_version(name: str) -> str:
     from importlib.metadata import version
 
@@ -461,9 +620,12 @@ def _spawn_server(kind: str, samples: int, ragged: bool) -> subprocess.Popen:
                              str(samples)], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
-def serve_main(kind: str, samples: int) -> None:
+def serve_main(kind: str, samples: int, args: Any = None) -> None:
     import pyarrow.flight as flight
 
+    if kind == "writer":
+        writer_main(args.location, args.seed, args.groups, 1024, 16 * 1024)
+        return
     if kind == "ab":
         import arrowbuf as ab
 
@@ -516,28 +678,39 @@ def run_child(name: str, args: list[str], python: str = sys.executable, timeout:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="128 samples, 32 GRPO prompts, 2 repeats, no pauses row")
-    ap.add_argument("--samples", type=int, default=None, help="global batch (TransferQueue default: 1024)")
+    ap.add_argument("--quick", action="store_true",
+                    help="128 samples, 32 GRPO prompts, 2 repeats, no pauses row, no Ray/TransferQueue (--peers)")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="global batch (default 256, --quick 128; TransferQueue's default: 1024)")
     ap.add_argument("--prompts", type=int, default=None, help="GRPO prompts (issue: 256)")
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--only", nargs="+", default=["fixed", "ragged", "grpo"])
+    ap.add_argument("--only", nargs="+", default=["fixed", "ragged", "grpo"],
+                    help="fixed, ragged, grpo (grpo includes the consume and where rows)")
     ap.add_argument("--skip", nargs="*", default=[], help="fixed-row systems to skip, e.g. transferqueue ray")
+    ap.add_argument("--peers", action="store_true", help="with --quick: also Ray and TransferQueue (each starts Ray)")
     ap.add_argument("--tq-python", default=TQ_PYTHON)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--pause", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--location", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--groups", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    samples = args.samples or (128 if args.quick else 512)
+    samples = args.samples or (128 if args.quick else 256)
     repeats = args.repeats or (2 if args.quick else 3)
-    prompts = args.prompts or (32 if args.quick else 64)
+    prompts = args.prompts or (32 if args.quick else 256)
     if args.serve:
-        serve_main(args.serve, samples)
+        serve_main(args.serve, samples, args)
         return
     if args.child:
         if args.child == "ragged":
             res = child_ragged(samples, repeats, args.pause)
         elif args.child == "grpo":
             res = child_grpo(prompts, repeats)
+        elif args.child == "consume":
+            res = child_consume(prompts, repeats)
+        elif args.child == "where":
+            res = child_where(prompts, repeats)
         else:
             res = CHILDREN[args.child](samples, repeats)
         print(json.dumps(res), flush=True)
@@ -549,7 +722,7 @@ def main(argv: list[str] | None = None) -> None:
     if "fixed" in args.only:
         results["fixed"] = {}
         for name in CHILDREN:
-            if name in args.skip:
+            if name in args.skip or (args.quick and name in ("ray", "transferqueue") and not args.peers):
                 continue
             if name == "transferqueue" and not os.path.exists(args.tq_python):
                 results["fixed"][name] = {"error": f"{args.tq_python} missing (pip install transferqueue==0.1.11 "
@@ -567,6 +740,10 @@ def main(argv: list[str] | None = None) -> None:
     if "grpo" in args.only:
         results["grpo"] = run_child("grpo", common)
         _print_grpo(results["grpo"])
+        results["consume"] = run_child("consume", common)
+        _print_consume(results["consume"])
+        results["where"] = run_child("where", common)
+        _print_where(results["where"])
     elapsed = time.perf_counter() - t0
     load = (load_before, os.getloadavg()[0])
     print(f"({elapsed:.0f}s; {samples} samples x {FIELDS} fields x {SEQ} float32 = "
@@ -589,18 +766,23 @@ def _print_fixed(name: str, r: dict[str, Any]) -> None:
     if "error" in r:
         print(f"fixed  {name:16} unavailable: {r['error']}", flush=True)
         return
+    if "ratio_raw_put" in r:
+        print(f"fixed  {name:16} vs raw Flight back to back: PUT {r['ratio_raw_put']:.2f}x, GET (sample, no torch) "
+              f"{r['ratio_raw_get']:.2f}x; GET without to_torch {_gbs(r['bytes'], r['get_sample_s'])} GB/s",
+              flush=True)
     print(f"fixed  {name:16} PUT {_gbs(r['bytes'], r['put_s'])} GB/s  GET {_gbs(r['bytes'], r['get_s'])} GB/s  "
-          f"peak +{r['peak_bytes'] / 2**30:5.2f} GiB ({r['peak_bytes'] / r['bytes']:4.1f}x payload)", flush=True)
+          f"peak +{r['peak_bytes'] / 2**30:5.2f} GiB ({r['peak_bytes'] / r['bytes']:4.1f}x payload"
+          + (f"; this process {r['peak_self_bytes'] / r['bytes']:.1f}x" if "peak_self_bytes" in r else "") + ")",
+          flush=True)
 
 
 def _print_ragged(pause: float, r: dict[str, Any]) -> None:
     if "error" in r:
         print(f"ragged pause {pause}: unavailable: {r['error']}", flush=True)
         return
-    fifo = r["memcpy_fifo_s"] / r["get_fifo_s"]
-    uni = r["memcpy_uniform_s"] / r["get_uniform_s"]
+    fifo, uni = r["ratio_fifo"], r["ratio_uniform"]
     print(f"ragged pause {pause:3.1f}  PUT {_gbs(r['bytes'], r['put_s'])} GB/s  GET fifo "
-          f"{_gbs(r['bytes'], r['get_fifo_s'])} GB/s ({fifo:4.2f}x memcpy)  GET uniform "
+          f"{_gbs(r['fifo_bytes'], r['get_fifo_s'])} GB/s ({fifo:4.2f}x memcpy)  GET uniform "
           f"{_gbs(r['uniform_bytes'], r['get_uniform_s'])} GB/s ({uni:4.2f}x memcpy)", flush=True)
 
 
@@ -613,6 +795,25 @@ def _print_grpo(r: dict[str, Any]) -> None:
           f"{r['bytes_per_token_id']:.2f} B/token id ({r['bytes_per_token_row']:.2f} B/token for the whole row), "
           f"PUT {_gbs(r['bytes'], r['put_s'])} GB/s, GET {_gbs(r['bytes'], r['get_s'])} GB/s; "
           f"split(4) token imbalance: {imb}", flush=True)
+
+
+def _print_consume(r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"consume unavailable: {r['error']}", flush=True)
+        return
+    print(f"consume(train, 64 rows = 8 groups of 1k-16k tokens) with 2 writer processes over Flight: "
+          f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms over {r['batches']} batches "
+          f"({r['tokens'] / 1e6:.1f}M tokens)", flush=True)
+
+
+def _print_where(r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"where   unavailable: {r['error']}", flush=True)
+        return
+    a, b = r["x1"], r["x10"]
+    print(f"where   consume(where=...) over 1024 rows, token columns x1 ({a['tokens'] / 1e6:.1f}M tokens) -> x10: "
+          f"no match {a['none_ms']:.2f} -> {b['none_ms']:.2f} ms; 8 rows matched and delivered "
+          f"{a['match8_ms']:.2f} -> {b['match8_ms']:.2f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -194,7 +194,30 @@ class _TorchRL(_Adapter):
         return BATCH
 
 
-ADAPTERS = {"arrowbuf": _Arrowbuf, "numpy": _Numpy, "cpprb": _Cpprb, "torchrl": _TorchRL}
+class _Flight(_Adapter):
+    """A Flight writer: `ab.connect(location).extend(chunk)` into a store served by another process."""
+
+    def __init__(self, handle: Any, workload: str, role: str, wid: int) -> None:
+        import arrowbuf as ab
+
+        super().__init__(handle, workload, role, wid)
+        self.client = ab.connect(handle)
+
+    def write_step(self, step: dict, writers: int) -> None:
+        self.client.append(step)
+
+    def write_chunk(self, chunk: dict, writers: int) -> None:
+        self.client.extend(chunk)
+
+    def sample(self) -> int:
+        self.client.sample(BATCH)
+        return BATCH
+
+    def close(self) -> None:
+        self.client.close()
+
+
+ADAPTERS = {"arrowbuf": _Arrowbuf, "numpy": _Numpy, "cpprb": _Cpprb, "torchrl": _TorchRL, "flight": _Flight}
 
 
 def _worker(kind: str, handle: Any, workload: str, role: str, wid: int, conn: Any) -> None:
@@ -477,6 +500,97 @@ def merge(files: list[str]) -> dict[str, Any]:
     return res
 
 
+# ---------------------------------------------------------------------------------------------- issue 18
+ISSUE18 = """Issue 18 rows, mujoco, chunks of 1000 rows, one store of CAPACITY rows (full before timing):
+- writers: aggregate insert rows/s of 1 and of 2 arrowbuf writer processes (target: 2 >= 1.5x 1), beside the
+  unsynchronised numpy ring's 1 and 2 writers (ceiling);
+- flight: a Flight writer process (`ab.connect(...).extend`, the server in the bench's process, serving the same shm
+  store) alone and beside one tight arrowbuf shm writer process (target: beside >= 0.3x alone);
+- sampler: a sampler process (batches of 256) beside one chunked writer process, arrowbuf against the numpy ring
+  (target: >= 0.8x numpy's).
+Windows are interleaved (every case once per round, `repeat` rounds); medians."""
+
+
+def issue18(capacity: int, window: float, repeat: int) -> dict[str, Any]:
+    """The issue-18 rows (see ISSUE18); returns medians and every window's value."""
+    import arrowbuf as ab
+
+    wl = "mujoco"
+    bufs = {k: _Buffer(k, wl, capacity) for k in ("arrowbuf", "numpy")}
+    server = ab.serve(bufs["arrowbuf"].store, "grpc://127.0.0.1:0")
+    handles = {"arrowbuf": bufs["arrowbuf"].handle, "numpy": bufs["numpy"].handle, "flight": server.location}
+    roles = [("arrowbuf", "writer", 0), ("arrowbuf", "writer", 1), ("arrowbuf", "sampler", 100),
+             ("numpy", "writer", 0), ("numpy", "writer", 1), ("numpy", "sampler", 100), ("flight", "writer", 2)]
+    procs, conns = [], {}
+    runs: dict[str, list[float]] = {}
+    try:
+        for kind, role, wid in roles:
+            parent, child = CTX.Pipe()
+            p = CTX.Process(target=_worker, args=(kind, handles[kind], wl, role, wid, child), daemon=True)
+            p.start()
+            procs.append(p)
+            conns[(kind, role, wid)] = parent
+        def recv(c: Any) -> Any:
+            if not c.poll(120):
+                raise RuntimeError("a worker process did not answer within 120 s")
+            return c.recv()
+
+        for c in conns.values():
+            msg = recv(c)
+            if msg != "ready":
+                raise RuntimeError(msg[1])
+
+        def window_run(active: list[tuple[tuple[str, str, int], str, int]]) -> list[float]:
+            start = time.monotonic() + 0.05
+            for key, op, w in active:
+                conns[key].send((op, start, window, w))
+            out = []
+            for key, _, _ in active:
+                r = recv(conns[key])
+                if r[0] == "error":
+                    raise RuntimeError(r[1])
+                out.append(r[0] / r[1])
+            return out
+
+        aw0, aw1, asp = ("arrowbuf", "writer", 0), ("arrowbuf", "writer", 1), ("arrowbuf", "sampler", 100)
+        nw0, nw1, nsp = ("numpy", "writer", 0), ("numpy", "writer", 1), ("numpy", "sampler", 100)
+        fw = ("flight", "writer", 2)
+        cases = {
+            "arrowbuf_1w": lambda: sum(window_run([(aw0, "chunk", 1)])),
+            "arrowbuf_2w": lambda: sum(window_run([(aw0, "chunk", 2), (aw1, "chunk", 2)])),
+            "numpy_1w": lambda: sum(window_run([(nw0, "chunk", 1)])),
+            "numpy_2w": lambda: sum(window_run([(nw0, "chunk", 2), (nw1, "chunk", 2)])),
+            "flight_alone": lambda: window_run([(fw, "chunk", 1)])[0],
+            "flight_beside_shm": lambda: window_run([(fw, "chunk", 1), (aw0, "chunk", 1)])[0],
+            "arrowbuf_sampler_beside_writer": lambda: window_run([(asp, "sample", 1), (aw0, "chunk", 1)])[0],
+            "numpy_sampler_beside_writer": lambda: window_run([(nsp, "sample", 1), (nw0, "chunk", 1)])[0],
+        }
+        for _ in range(repeat):
+            for k, f in cases.items():
+                runs.setdefault(k, []).append(f())
+    finally:
+        for c in conns.values():
+            try:
+                c.send(None)
+            except OSError:
+                pass
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        server.close()
+        for b in bufs.values():
+            b.close()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    med["writers_2_over_1"] = med["arrowbuf_2w"] / med["arrowbuf_1w"]
+    med["ceiling_2_over_1"] = med["numpy_2w"] / med["numpy_1w"]
+    med["flight_beside_over_alone"] = med["flight_beside_shm"] / med["flight_alone"]
+    med["sampler_over_numpy"] = med["arrowbuf_sampler_beside_writer"] / med["numpy_sampler_beside_writer"]
+    return {"capacity": capacity, "window_s": window, "repeat": repeat, "medians": med, "runs": runs,
+            "load_avg": os.getloadavg(), "arrowbuf": os.path.dirname(ab.__file__)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+", default=["atari", "mujoco"])
@@ -488,7 +602,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of timed windows per buffer and workload before repeats stop (slow peers)")
     p.add_argument("--out", default=str(OUT / "shm.json"))
     p.add_argument("--merge", nargs="+", metavar="JSON", help="print and write the medians of earlier runs instead")
+    p.add_argument("--issue18", action="store_true", help="only the issue-18 rows (parallel writers, Flight beside "
+                   "a shm writer, sampler beside a writer): " + ISSUE18.splitlines()[0])
+    p.add_argument("--lib", help="import arrowbuf from this source tree (a before/after comparison)")
     args = p.parse_args(argv)
+    if args.lib:  # spawned workers inherit sys.path
+        sys.path.insert(0, os.path.abspath(args.lib))
+    if args.issue18:
+        cap = CAPACITY["mujoco"] // (4 if args.quick else 1)
+        res = issue18(cap, args.window or (0.3 if args.quick else 0.5), args.repeat)
+        print(json.dumps(res["medians"], indent=1))
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1, default=str))
+        return 0
     if args.merge:
         res = merge(args.merge)
         res["table"] = print_table(res)

@@ -138,3 +138,25 @@ def test_a_late_joining_node_completes(bcast, cluster):
     got = ray.get(c.read.remote(bc, v), timeout=120)
     assert got["node"] == late and got["digest"] == _expected(obj)
     ray.kill(c)
+
+
+def test_the_ray_demo_ships_weight_versions_to_every_actor_by_broadcast_even_past_a_killed_relay(cluster):
+    """The Ray variant of the demo (`python -m arrowbuf.demo ray`), short: 3 actors on 3 nodes, writing to a
+    2-shard `ShardedStore`; the learner publishes a weight version every 10 gradient steps and kills one actor
+    node's relay after the second; every actor ends on version >= 3 and every version it loaded has the learner's
+    digest. Nothing of the run is left: its relays' /dev/shm files are gone (the module's cluster fixture checks the
+    processes)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gymnasium")
+    from arrowbuf.demo import DQNConfig
+    from arrowbuf.demo.ray_app import run
+
+    res = run(actors=3, steps=900, shards=2, cfg=DQNConfig(warmup=200), publish_every=10, min_version=3,
+              kill_relay=True, progress=False, log=lambda _: None)
+    assert res.steps == 900 and res.updates >= 20 and res.episodes
+    assert len({a["node"] for a in res.actors}) == 3 and {a["node"] for a in res.actors} <= set(_nodes())
+    assert res.killed_relay in {a["node"] for a in res.actors}
+    for a in res.actors:
+        assert max(a["received"]) >= 3, a  # new versions reached this actor (the killed node's through a new relay)
+        assert {v: res.published[v] for v in a["received"]} == a["received"]  # identical bytes, by digest
+    assert not glob.glob(shm_prefix(res.broadcast_uid) + "*")

@@ -203,7 +203,7 @@ def test_where_never_reads_ragged_columns():
     with pytest.raises(ab.InvalidArgument, match="scalar columns") as e:
         s.consume("t", 10, where="response_tokens IS NOT NULL")
     assert "'response_tokens'" not in e.value.args[0].split("columns")[1].split("(")[0]  # not among the columns
-    table = s._consume._scalar_table(np.arange(4))
+    table = s._consume.filters.table(np.arange(4))
     assert set(table.column_names) == {"prompt_id", "reward", "done", "policy_version", "episode_id", "step", "seq"}
 
 
@@ -351,6 +351,16 @@ def test_each_task_consumes_each_row_once_across_processes_and_threads_over_flig
     assert sorted(ref.tolist()) == list(range(total))  # and once for "ref", between two threads
 
 
+def test_every_store_like_class_offers_the_consume_surface(served):
+    from arrowbuf.consume import ConsumeSurface
+    from arrowbuf.ray import ShardedStore
+
+    s, remote = served
+    assert isinstance(s, ConsumeSurface) and isinstance(remote, ConsumeSurface)
+    for name in ("consume", "add_task", "tasks", "policy_version"):
+        assert hasattr(ShardedStore, name)
+
+
 def test_the_same_calls_over_flight(served):
     s, remote = served
     remote.extend(rows(10, pv=2))
@@ -387,11 +397,169 @@ def test_a_raw_flight_consume_ticket_is_validated_before_any_work(served):
     s, remote = served
     s.extend(rows(4))
     client = flight.connect(remote.location)
-    for body in ({"kind": "consume", "task": "train"}, {"kind": "consume", "task": "train", "n": 2, "bogus": 1},
-                 {"kind": "consume", "task": "", "n": 2}, {"kind": "consume", "task": "train", "n": 2,
-                                                            "max_tokens": 2**50},
-                 {"kind": "consume", "task": "train", "n": 2, "require": "reward"}):
+    ok = {"v": 2, "kind": "consume", "task": "train", "n": 2}
+    for body in ({**ok, "v": 1}, {"v": 2, "kind": "consume", "task": "train"}, {**ok, "bogus": 1}, {**ok, "task": ""},
+                 {**ok, "max_tokens": 2**50}, {**ok, "require": "reward"}, {**ok, "where": 3}):
         with pytest.raises(flight.FlightServerError):
             client.do_get(flight.Ticket(json.dumps(body).encode())).read_all()
+    with pytest.raises(flight.FlightServerError, match="version 2"):
+        list(client.do_action(flight.Action("set_policy_version", json.dumps({"policy_version": 3}).encode())))
     client.close()
-    assert s.stats()["consumed"]["train"] == 0
+    assert s.stats()["consumed"]["train"] == 0 and s.policy_version == 0
+
+
+# ---------------------------------------------------------------------------------------------- fields filled later
+GRPO = {**LLM, "fields": {**LLM["fields"], "reward": {"dtype": "float32", "later": True},
+                          "ref_logprobs": {"dtype": "float32", "ragged": True, "later": True}}}
+
+
+def rollouts(n, start=0):
+    r = rows(n, start=start)
+    del r["reward"]
+    return r
+
+
+def test_rows_are_delivered_only_once_their_required_fields_are_written():
+    s = ab.ExperienceStore(GRPO, capacity=64, tasks=["ref", "train"])
+    ids = s.extend(rollouts(6))
+    assert len(s.consume("train", 10, require=["reward", "ref_logprobs"])) == 0
+    ref = s.consume("ref", 10)  # no requirement: every row at once
+    np.testing.assert_array_equal(ref.indices, ids)
+    s.update(ids[:4], {"ref_logprobs": [[0.5] * 2] * 4})
+    s.update(ids[2:], {"reward": np.ones(4, np.float32)})
+    b = s.consume("train", 10, require=["reward", "ref_logprobs"])
+    np.testing.assert_array_equal(b.indices, ids[2:4])  # only the rows with both fields
+    assert (b.to_numpy()["reward"] == 1).all()
+    s.update(ids[4:], {"ref_logprobs": [[0.1]] * 2})
+    np.testing.assert_array_equal(s.consume("train", 10, require=["reward", "ref_logprobs"]).indices, ids[4:])
+
+
+def test_an_update_wakes_a_consumer_waiting_for_a_field():
+    s = ab.ExperienceStore(GRPO, capacity=64, tasks=["train"])
+    ids = s.extend(rollouts(3))
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("b", s.consume("train", 3, require=["reward"], timeout=60)))
+    t.start()
+    s.update(ids, {"reward": np.arange(3, dtype=np.float32)})
+    t.join(60)
+    np.testing.assert_array_equal(out["b"].indices, ids)
+
+
+def test_where_sees_unwritten_later_fields_as_null():
+    s = ab.ExperienceStore(GRPO, capacity=64, tasks=["t"])
+    ids = s.extend(rollouts(4))
+    s.update(ids[:2], {"reward": np.array([1.0, -1.0], np.float32)})
+    np.testing.assert_array_equal(s.consume("t", 10, where="reward IS NULL").indices, ids[2:])
+    np.testing.assert_array_equal(s.consume("t", 10, where="reward > 0").indices, ids[:1])
+
+
+WRITER = r"""
+import sys
+import numpy as np
+import arrowbuf as ab
+location, total = sys.argv[1], int(sys.argv[2])
+with ab.connect(location) as remote:
+    for k in range(0, total, 20):
+        i = np.arange(k, k + 20)
+        remote.extend({"prompt_id": i // 4, "response_tokens": [[int(x)] for x in i], "done": np.ones(20, bool),
+                       "policy_version": np.zeros(20, np.int64)})
+    remote.policy_version = 1  # every row is written
+"""
+
+REWARDER = r"""
+import sys
+import numpy as np
+import arrowbuf as ab
+with ab.connect(sys.argv[1]) as remote:
+    while True:
+        done = remote.policy_version == 1
+        b = remote.consume("reward", 16, timeout=0.2)
+        if len(b):
+            remote.update(b.indices, {"reward": (b.to_numpy()["prompt_id"] * 2).astype(np.float32)})
+        elif done:
+            break
+"""
+
+
+def test_fields_filled_across_processes_reach_the_trainer_once_and_only_when_complete(procs):
+    s = ab.ExperienceStore(GRPO, capacity=4096, tasks=["reward", "train"])
+    server = ab.serve(s)
+    try:
+        total = 200
+        writer = procs([sys.executable, "-c", WRITER, server.location, str(total)])
+        rewarder = procs([sys.executable, "-c", REWARDER, server.location])
+        got, rewards, prompts = [], [], []
+        with ab.connect(server.location) as trainer:
+            while sum(map(len, got)) < total:
+                b = trainer.consume("train", 32, require=["reward"], timeout=0.2)
+                if not len(b) and rewarder.poll() is not None:  # it has written every reward it will
+                    break
+                d = b.to_numpy()
+                got.append(b.indices)
+                rewards.append(d["reward"])
+                prompts.append(d["prompt_id"])
+        for p in (writer, rewarder):
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err.decode()
+        ids = np.concatenate(got)
+        assert sorted(ids.tolist()) == list(range(total))  # each row once
+        np.testing.assert_array_equal(np.concatenate(rewards), np.concatenate(prompts) * 2)  # always complete
+    finally:
+        server.close()
+        s.close()
+
+
+def test_where_judges_a_row_again_after_its_fields_change():
+    s = ab.ExperienceStore(GRPO, capacity=64, tasks=["t"])
+    ids = s.extend(rollouts(3))
+    assert len(s.consume("t", 10, where="reward > 0")) == 0  # NULL rewards fail (and that result is cached)
+    s.update(ids[:2], {"reward": np.array([-1.0, 1.0], np.float32)})  # written: judged again
+    np.testing.assert_array_equal(s.consume("t", 10, where="reward > 0").indices, ids[1:2])
+    s.update(ids[:1], {"reward": np.array([5.0], np.float32)})  # rewritten: judged again
+    np.testing.assert_array_equal(s.consume("t", 10, where="reward > 0").indices, ids[:1])
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("b", s.consume("t", 1, where="reward > 0", timeout=60)))
+    t.start()
+    s.update(ids[2:], {"reward": np.array([3.0], np.float32)})  # wakes the waiting consumer
+    t.join(60)
+    np.testing.assert_array_equal(out["b"].indices, ids[2:])
+
+
+def test_a_small_ring_under_pressure_delivers_every_row_once_per_task_never_torn():
+    s = store(capacity=16, tasks=["a", "b"])
+    total, got, errors = 400, {"a": [], "b": []}, []
+    lock = threading.Lock()
+
+    def writer():
+        try:
+            for k in range(0, total, 5):
+                s.extend(rows(5, start=k), timeout=60)  # held until both tasks consumed what it evicts
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def consumer(task):
+        try:
+            while True:
+                with lock:
+                    if sum(map(len, got[task])) >= total:
+                        return
+                b = s.consume(task, 3, timeout=0.2)
+                d = b.to_numpy()
+                np.testing.assert_array_equal(d["reward"], b.indices.astype(np.float32))  # the row, not its successor
+                assert [list(r) for r in d["response_tokens"]] == [[int(i)] * (int(i) % 5 + 1) for i in b.indices]
+                with lock:
+                    got[task].append(b.indices)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=consumer, args=(t,))
+                                                   for t in ("a", "a", "b", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    for task in ("a", "b"):
+        ids = np.concatenate(got[task])
+        assert sorted(ids.tolist()) == list(range(total)), task
+    assert s.stats()["inserts"] == total

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
@@ -48,6 +48,15 @@ def _cartpole(n: int, start: int = 0) -> dict[str, np.ndarray]:
             "policy_version": np.zeros(n, np.int64), "next_obs": np.stack([ids + 0.5] * 4, axis=1)}
 
 
+def _grpo(n: int, start: int = 0) -> dict:
+    """Rows of schemas/grpo.yaml without the fields filled later (reward, ref_logprobs)."""
+    k = np.arange(start, start + n)
+    return {"prompt_id": k // 4, "prompt_tokens": [np.arange(3, dtype=np.int32)] * n,
+            "response_tokens": [np.arange(1 + i % 5, dtype=np.int32) for i in range(n)],
+            "logprobs": [np.zeros(1 + i % 5, np.float32) for i in range(n)],
+            "policy_version": np.zeros(n, np.int64), "done": np.ones(n, bool)}
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """Two stores behind one server with small limits; the checkpoint root sits in an otherwise empty folder."""
@@ -57,12 +66,14 @@ def target(tmp_path_factory):
     cartpole = ab.ExperienceStore(SCHEMAS / "cartpole.yaml", capacity=500, seed=0)
     cartpole.extend(_cartpole(50))
     tokens = ab.ExperienceStore(SCHEMAS / "tokens.yaml", capacity=100, seed=0)
-    server = ab.serve({"cartpole": cartpole, "tokens": tokens}, checkpoint_root=root, max_batch_rows=64,
+    grpo = ab.ExperienceStore(SCHEMAS / "grpo.yaml", capacity=200, seed=0, tasks=["ref", "train"])
+    grpo.extend(_grpo(40))
+    server = ab.serve({"cartpole": cartpole, "tokens": tokens, "grpo": grpo}, checkpoint_root=root, max_batch_rows=64,
                       max_batch_bytes=1 << 20, max_n_step=16, max_timeout=1.0, shutdown_timeout=1.0,
                       sql_limits=ab.SqlLimits(timeout=2.0, memory_limit=64 << 20, max_result_bytes=1 << 20))
     client = flight.FlightClient(server.location)
     try:
-        yield {"stores": {"cartpole": cartpole, "tokens": tokens}, "server": server, "client": client,
+        yield {"stores": {"cartpole": cartpole, "tokens": tokens, "grpo": grpo}, "server": server, "client": client,
                "base": base, "root": root}
     finally:
         client.close()
@@ -107,6 +118,40 @@ tickets = st.fixed_dictionaries(
     optional={"v": st.sampled_from([1, 2, True, None]), "store": texts | numbers, "n": numbers, "columns": columns,
               "timeout": numbers, "options": options | json_values, "query": queries | numbers, "extra": json_values},
 )
+wheres = st.sampled_from([
+    "reward > 0", "reward IS NULL", "policy_version >= 0 AND prompt_id % 2 = 0", "seq > 10", "1) UNION SELECT 1 (",
+    "len(response_tokens) > 2", "read_text('/etc/passwd') IS NOT NULL", "current_setting('home_directory') <> ''",
+    "true; COPY (SELECT 1) TO 'x.csv'", "x" * 5000, "", " ", "bogus_column = 1",
+]) | st.text(max_size=30)
+_DELETE = object()
+
+
+def mutated(base: st.SearchStrategy, keys: list[str]) -> st.SearchStrategy:
+    """Well-formed requests from `base`, with up to two keys replaced, added or deleted (none in the simplest
+    examples, so that many requests reach the store and the mutations probe every check on the way)."""
+    values = numbers | json_values | wheres | st.just(_DELETE)
+
+    def apply(pair):
+        request, changes = pair
+        out = dict(request)
+        for key, value in changes:
+            if value is _DELETE:
+                out.pop(key, None)
+            else:
+                out[key] = value
+        return out
+
+    return st.tuples(base, st.lists(st.tuples(st.sampled_from(keys) | texts, values), max_size=2)).map(apply)
+
+
+CONSUME_KEYS = ["v", "kind", "store", "task", "n", "require", "timeout", "max_staleness", "where", "max_tokens"]
+consume_tickets = mutated(st.fixed_dictionaries(
+    {"v": st.just(2), "kind": st.just("consume"), "store": st.just("grpo"), "task": st.sampled_from(["ref", "train"]),
+     "n": st.integers(1, 8)},
+    optional={"require": st.lists(st.sampled_from(["reward", "ref_logprobs", "prompt_id"]), max_size=2, unique=True),
+              "timeout": st.sampled_from([0, 0.01]), "max_staleness": st.integers(0, 3),
+              "where": st.sampled_from(["reward > 0", "reward IS NULL", "prompt_id % 2 = 0", "seq > 10"]),
+              "max_tokens": st.integers(1, 100)}), CONSUME_KEYS)
 raw = st.binary(max_size=64) | json_values.map(lambda v: json.dumps(v).encode())
 put_commands = st.fixed_dictionaries({}, optional={"kind": st.sampled_from(["extend", "x"]) | texts,
                                                     "store": texts | numbers, "timeout": numbers, "v": numbers,
@@ -123,7 +168,18 @@ action_bodies = st.fixed_dictionaries({}, optional={
     "store": texts, "indices": st.lists(numbers, max_size=4) | json_values,
     "priorities": st.lists(numbers, max_size=4) | json_values, "keep": numbers, "v": numbers, "extra": json_values,
     "path": st.sampled_from(["run-1", "../escape", "/tmp/abs", "a/../../b", ".hidden", "ok/deeper", "", "x" * 300])
-    | texts})
+    | texts, "policy_version": numbers | json_values, "task": st.sampled_from(["ref", "new", "x" * 300, ""]) | texts
+    | numbers})
+#: the issue-16 actions (protocol version 2), well-formed before mutation
+llm_actions = st.one_of(
+    st.tuples(st.just("set_policy_version"), mutated(st.fixed_dictionaries(
+        {"v": st.just(2), "store": st.just("grpo"), "policy_version": st.integers(0, 10)}),
+        ["v", "store", "policy_version", "task"])),
+    st.tuples(st.just("policy_version"), mutated(st.just({"v": 2, "store": "grpo"}), ["v", "store"])),
+    st.tuples(st.just("add_task"), mutated(st.fixed_dictionaries(
+        {"v": st.just(2), "store": st.just("grpo"), "task": st.text(min_size=1, max_size=8)}),
+        ["v", "store", "task", "policy_version"])),
+)
 arrow_types = st.sampled_from([
     pa.float32(), pa.float64(), pa.int64(), pa.int8(), pa.uint64(), pa.bool_(), pa.string(), pa.binary(),
     pa.list_(pa.float32()), pa.list_(pa.int32()), pa.fixed_shape_tensor(pa.float32(), [4]),
@@ -237,6 +293,66 @@ class TestFuzzEveryVerb:
         _outcome(lambda: list(target["client"].do_action(flight.Action(type_, body), CALL)))
         # a checkpoint lands under the root or nowhere
         assert sorted(p.name for p in target["base"].iterdir()) == ["ckpt"]
+
+    @FUZZ
+    @given(ticket=consume_tickets.map(lambda d: json.dumps(d).encode()))
+    def test_do_get_consume(self, target, ticket):
+        """The consume ticket (issue 16): every option typed and bounded (n, timeout, max_tokens, where length)."""
+        _outcome(lambda: event(f"consumed {target['client'].do_get(flight.Ticket(ticket), CALL).read_all().num_rows}"))
+
+    @FUZZ
+    @given(data=st.data(), command=mutated(st.just({"v": 2, "kind": "update", "store": "grpo"}),
+                                           ["v", "kind", "store", "timeout"]).map(lambda d: json.dumps(d).encode()))
+    def test_do_put_update(self, target, data, command):
+        """DoPut kind "update" (issue 16): an `id` column and fields filled later; all of a batch or nothing."""
+        store = target["stores"]["grpo"]
+        client = target["client"]
+        live = store.to_table(["seq"]).column("seq").to_numpy()
+        rows = data.draw(st.integers(0, 3) | st.just(min(70, len(live))))
+        ids = data.draw(st.lists(st.sampled_from(live.tolist()), min_size=rows, max_size=rows, unique=True))
+        ids += data.draw(st.lists(st.integers(-5, 10**6) | st.just(2**62) | st.sampled_from(live.tolist()),
+                                  max_size=2))  # ids never issued, or twice
+        cols: dict[str, pa.Array] = {P.UPDATE_ID_COLUMN: pa.array(ids, pa.int64())}
+        n = len(ids)
+        cols["reward"] = pa.array(data.draw(st.lists(st.floats(-10, 10, width=32), min_size=n, max_size=n)),
+                                  pa.float32())
+        if data.draw(st.booleans()):
+            cols["ref_logprobs"] = pa.array(data.draw(st.lists(st.lists(st.floats(-5, 0, width=32), max_size=3),
+                                                               min_size=n, max_size=n)), pa.list_(pa.float32()))
+        for name, typ in data.draw(st.lists(st.tuples(field_names | st.just(P.UPDATE_ID_COLUMN), arrow_types),
+                                            max_size=2)):  # columns of other names and types, or None
+            cols[name] = _column(data, typ, n)
+        for name in data.draw(st.lists(st.sampled_from(sorted(cols)), max_size=1)):
+            cols.pop(name, None)
+        batch = pa.RecordBatch.from_pydict(cols) if cols else pa.RecordBatch.from_pydict({"x": pa.nulls(n)})
+        before = store.to_table(["seq", "reward", "ref_logprobs"])
+        done: list = []
+
+        def put():
+            writer, _ = client.do_put(flight.FlightDescriptor.for_command(command), batch.schema, CALL)
+            try:
+                writer.write_batch(batch)
+            finally:
+                writer.close()
+            done.append(True)
+
+        _outcome(put)
+        event("update written" if done else "update refused")
+        after = store.to_table(["seq", "reward", "ref_logprobs"])
+        if not done:
+            assert after.equals(before)  # a refused batch writes nothing
+        assert after.num_rows == before.num_rows  # an update never adds or removes rows
+
+    @FUZZ
+    @given(action=llm_actions)
+    def test_do_action_consume_verbs(self, target, action):
+        """set_policy_version, policy_version and add_task (issue 16): bounded, never INTERNAL."""
+        type_, body = action
+        _outcome(lambda: event(f"{type_} done") or list(
+            target["client"].do_action(flight.Action(type_, json.dumps(body).encode()), CALL)))
+        store = target["stores"]["grpo"]
+        assert 0 <= store.policy_version < 2**63
+        assert len(store.tasks) <= target["server"].limits.max_tasks
 
     @FUZZ
     @given(criteria=st.binary(max_size=32), use_path=st.booleans(), path=st.lists(texts, max_size=3),

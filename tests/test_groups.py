@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -162,3 +163,119 @@ def test_group_on_a_non_scalar_key_is_a_schema_error():
         ab.ExperienceStore(LLM, capacity=8, sampler=ab.samplers.Group(key="response_tokens", size=2))
     with pytest.raises(ab.InvalidArgument):
         ab.samplers.Group(size=0)
+
+
+def test_a_group_waits_until_every_row_has_its_required_fields_and_then_its_variance_is_judged():
+    schema = {**LLM, "fields": {**LLM["fields"], "reward": {"dtype": "float32", "later": True}}}
+    s = ab.ExperienceStore(schema, capacity=64, tasks=["ref", "train"],
+                           sampler=ab.samplers.Group(key="prompt_id", size=G, drop_zero_variance="reward"))
+    r = group_rows([0, 1])
+    del r["reward"]
+    ids = s.extend(r)
+    assert len(s.consume("ref", 64)) == 2 * G  # a task not requiring the reward takes complete groups at once
+    s.update(ids[:G - 1], {"reward": np.arange(G - 1, dtype=np.float32)})
+    s.update(ids[G:], {"reward": np.zeros(G, np.float32)})  # group 1: zero variance
+    assert len(s.consume("train", 64, require=["reward"])) == 0  # group 0 lacks one reward
+    assert s.stats()["groups_dropped_zero_variance"] == 1
+    s.update(ids[G - 1:G], {"reward": np.array([7.0], np.float32)})
+    b = s.consume("train", 64, require=["reward"])
+    np.testing.assert_array_equal(b.indices, ids[:G])
+
+
+# ---------------------------------------------------------------------------------------------------- ShardedStore
+def test_sharded_store_keeps_groups_on_one_shard_and_consumes_each_row_once_per_task():
+    pytest.importorskip("ray")
+    from conftest import local_ray_cluster
+
+    from arrowbuf.ray import ShardedStore
+    from arrowbuf.ray.consume import group_shards
+
+    with local_ray_cluster(2):
+        sharded = ShardedStore.create(LLM, 2, 512, sampler=ab.samplers.Group(key="prompt_id", size=G),
+                                      tasks=["ref", "train"], strategy=None, failure_timeout=30.0)
+        try:
+            prompts = 24
+            for first in range(0, prompts, 6):  # halves of groups in separate batches: the hash keeps them together
+                sharded.extend(group_rows(range(first, first + 6), members=[0, 1]))
+                sharded.extend(group_rows(range(first, first + 6), members=[2, 3]))
+            table = sharded.to_table(["prompt_id"])
+            shard_of = {}
+            for shard, pid in zip(table.column("shard").to_pylist(), table.column("prompt_id").to_pylist()):
+                assert shard_of.setdefault(pid, shard) == shard  # a group's rows on one shard
+            assert len(set(shard_of.values())) == 2  # both shards used
+            np.testing.assert_array_equal(group_shards(np.arange(prompts), 2),
+                                          [shard_of[p] for p in range(prompts)])
+            sharded.policy_version = 2
+            assert sharded.policy_version == 2 and sharded.tasks == ["ref", "train"]
+            got = {"ref": [], "train": []}
+            for task in got:
+                while True:
+                    b = sharded.consume(task, 5 * G, timeout=0)
+                    if not len(b):
+                        break
+                    assert_whole_groups(b)
+                    got[task].append(b.indices)
+            for task, parts in got.items():
+                ids = np.concatenate(parts)
+                assert len(ids) == prompts * G == len(np.unique(ids)), task
+            with pytest.raises(ab.InvalidArgument):
+                sharded.consume("nope", G)
+            sharded.extend(group_rows([100], pv=2))
+            b = sharded.consume("train", 2 * G, timeout=5.0)  # one whole group is ready: it comes at the deadline
+            assert set(b.to_numpy()["prompt_id"]) == {100}
+        finally:
+            sharded.shutdown()
+
+
+def test_groups_staleness_and_admission_over_flight():
+    s = store(drop="reward", tasks=["train"], max_staleness=1)
+    server = ab.serve(s)
+    remote = ab.connect(server.location)
+    try:
+        remote.policy_version = 1
+        remote.extend(group_rows([0], members=[0, 1], pv=1))
+        remote.extend(group_rows([1], rewards=np.ones(G), pv=1))  # zero variance
+        assert len(remote.consume("train", 4 * G)) == 0  # group 0 incomplete, group 1 dropped
+        remote.extend(group_rows([0], members=[2, 3], pv=1))
+        b = remote.consume("train", 4 * G)
+        assert_whole_groups(b) and set(b.to_numpy()["prompt_id"]) == {0}
+        assert remote.stats()["groups_dropped_zero_variance"] == 1
+        with pytest.raises(ab.InsertTimeout):  # ahead of the window: held, then timed out
+            remote.extend(group_rows([2], pv=3), timeout=0.05)
+        with pytest.raises(ab.InvalidArgument):  # behind it: refused
+            remote.policy_version = 3
+            remote.extend(group_rows([2], pv=1))
+        assert len(s) == 2 * G
+    finally:
+        remote.close()
+        server.close()
+        s.close()
+
+
+def test_group_and_tasks_on_shared_memory_are_a_clear_error():
+    schema = {"name": "flat", "fields": {"prompt_id": {"dtype": "int64"}, "reward": {"dtype": "float32"},
+                                         "done": {"dtype": "bool"}}}
+    with pytest.raises(ab.InvalidArgument, match="shared-memory"):
+        ab.ExperienceStore(schema, capacity=8, tier="shm", name=f"consume-test-{os.getpid()}",
+                           sampler=ab.samplers.Group(size=2))
+    with pytest.raises(ab.InvalidArgument, match="shared-memory"):
+        ab.ExperienceStore(schema, capacity=8, tier="shm", name=f"consume-test-{os.getpid()}", tasks=["t"])
+    from arrowbuf.tiers.shm import shm_root
+
+    assert not [n for n in os.listdir(shm_root()) if f"consume-test-{os.getpid()}" in n]  # nothing was created
+
+
+def test_a_group_store_checkpoints_and_restores(tmp_path):
+    s = store(drop="reward")
+    s.extend(group_rows(range(3)))
+    s.extend(group_rows([7], rewards=np.ones(G)))
+    s.sample(G)  # judges (and drops) the zero-variance group
+    s.checkpoint(tmp_path / "ckpt")
+    again = ab.ExperienceStore.restore(tmp_path / "ckpt")
+    assert isinstance(again.sampler, ab.samplers.Group) and again.sampler.size == G
+    assert again.stats()["groups_dropped_zero_variance"] == 1
+    b = again.sample(4 * G)
+    assert_whole_groups(b)
+    assert 7 not in set(b.to_numpy()["prompt_id"])
+    assert again.stats()["groups_dropped_zero_variance"] == 1  # remembered per row: not dropped (counted) again
+    again.close()

@@ -67,8 +67,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not hasattr(__import__("arrowbuf.flight.client", fromlist=["RemoteStore"]).RemoteStore, "consume"),
-                    reason="consume/update over Flight (issue 16) not in this tree yet")
 def test_grpo_demo_over_flight_reward_rises(tmp_path: pathlib.Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "arrowbuf.demo", "grpo", "--steps", "80", "--seed", "0", "--no-progress",

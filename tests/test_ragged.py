@@ -127,3 +127,17 @@ def test_consecutive_rows_are_zero_copy() -> None:
     assert ragged.take(chunk, np.arange(0, 2)).buffers()[1].address == chunk.buffers()[1].address
     with pytest.raises(ab.InvalidArgument):
         ragged.take(chunk, np.array([4]))
+
+
+def test_gathered_values_reach_torch_without_a_copy_store_views_with_one() -> None:
+    chunk = pa.array([[1, 2], [3], [4, 5, 6], [7]], type=pa.list_(pa.int32()))
+    gathered = ragged.take_chunked([chunk, chunk], 4, np.array([2, 5, 0]))  # interleaved: a private gather
+    vals, offs = ragged.flat(gathered, writable=True)
+    assert vals.flags.writeable and vals.tolist() == [4, 5, 6, 3, 1, 2] and offs.tolist() == [0, 3, 4, 6]
+    packed = SampleBatch({"t": gathered}, np.arange(3, dtype=np.int64)).to_torch(pack=True)
+    assert packed["t"].data_ptr() == vals.ctypes.data  # no defensive copy of the batch's own memory
+    view = ragged.take_chunked([chunk, chunk], 4, np.arange(1, 3))  # a zero-copy slice of the store's memory
+    assert not ragged.flat(view, writable=True)[0].flags.writeable
+    packed = SampleBatch({"t": view}, np.arange(2, dtype=np.int64)).to_torch(pack=True)
+    packed["t"][0] = 99  # the trainer's tensor is a copy: the stored rows stay as they were
+    assert chunk.to_pylist()[1] == [3]

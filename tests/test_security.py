@@ -276,6 +276,122 @@ class TestRequestBounds:
         finally:
             client.close()
 
+    def test_shard_info_is_answered_clearly_by_a_server_that_is_no_ray_shard(self, servers):
+        """`shard_info` reached ExperienceStore.sample as a keyword: a TypeError quoting the server's internals."""
+        from arrowbuf.ray.shard import ShardStore  # the adapter a Ray shard serves (no Ray needed to build one)
+
+        plain = servers(cartpole_store())
+        shard = servers(ShardStore(cartpole_store(), shard=1, generation=0))
+        client = flight.FlightClient(plain.location)
+        shard_client = flight.FlightClient(shard.location)
+        try:
+            describe = json.loads(next(iter(client.do_action(flight.Action("describe", b"")))).body.to_pybytes())
+            assert describe["sample_options"] == ["n_step", "gamma"]
+            for value in (True, False):
+                with pytest.raises(flight.FlightError) as info:
+                    client.do_get(sample_ticket(options={"shard_info": value})).read_all()
+                d = detail(info.value)
+                assert (d["error"], d["code"]) == ("InvalidArgument", "INVALID_ARGUMENT")
+                assert "shard_info" in d["message"] and "Ray shard" in d["message"]
+                assert "unexpected keyword" not in d["message"]
+            with pytest.raises(ab.InvalidArgument, match="shard_info"):
+                remote = ab.connect(plain.location)
+                try:
+                    remote.sample(2, shard_info=True)
+                finally:
+                    remote.close()
+            session = {"v": 1, "kind": "session", "n": 2, "options": {"shard_info": True}}
+
+            def exchange():
+                writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(json.dumps(session).encode()))
+                writer.write_metadata(pa.py_buffer(b'{"op": "sample", "count": 1}'))
+                writer.done_writing()
+                reader.read_all()
+
+            expect_invalid(exchange, "shard_info")
+            # a shard's server takes it and adds its sampling-mass columns
+            describe = json.loads(next(iter(shard_client.do_action(flight.Action("describe", b""))))
+                                  .body.to_pybytes())
+            assert describe["sample_options"] == ["n_step", "gamma", "shard_info"]
+            table = shard_client.do_get(sample_ticket(options={"shard_info": True})).read_all()
+            assert {"_mass", "_shard_mass", "_shard_min", "_shard_size"} <= set(table.column_names)
+            # a shard's table stream is chunked like any store's (ShardStore.iter_table), not one whole copy
+            rows = shard_client.do_get(flight.Ticket(P.encode_ticket(P.TableRequest("table")))).read_all()
+            assert rows.num_rows == 100 and rows.column("seq").to_pylist() == list(range(100))
+        finally:
+            client.close()
+            shard_client.close()
+
+    def test_consume_verbs_are_bounded_and_their_limits_stated(self, servers):
+        """Issue 16's verbs (consume, update, set_policy_version, add_task): every number and string a client sends
+        is bounded, the server states each bound in describe, and add_task cannot grow a store's tasks without end
+        (each task is a ring-sized record, and eviction waits for every task)."""
+        store = ab.ExperienceStore(SCHEMAS / "grpo.yaml", capacity=100, tasks=["train"])
+        k = np.arange(8)
+        store.extend({"prompt_id": k // 4, "prompt_tokens": [np.arange(3, dtype=np.int32)] * 8,
+                      "response_tokens": [np.arange(5, dtype=np.int32)] * 8,
+                      "logprobs": [np.zeros(5, np.float32)] * 8, "policy_version": np.zeros(8, np.int64),
+                      "done": np.ones(8, bool)})
+        server = servers(store, max_tasks=3, max_timeout=5.0, max_batch_rows=16)
+        client = flight.FlightClient(server.location)
+        deadline = flight.FlightCallOptions(timeout=20)
+
+        def consume(**kw):
+            ticket = {"v": 2, "kind": "consume", "task": "train", "n": 2, **kw}
+            return client.do_get(flight.Ticket(json.dumps(ticket).encode()), deadline).read_all()
+
+        def action(type_, **body):
+            result = next(iter(client.do_action(flight.Action(type_, json.dumps({"v": 2, **body}).encode()),
+                                                deadline)))
+            return json.loads(result.body.to_pybytes())
+
+        try:
+            limits = json.loads(next(iter(client.do_action(flight.Action("describe", b"")))).body.to_pybytes())[
+                "limits"]
+            assert limits["max_tasks"] == 3 and limits["max_timeout"] == 5.0 and limits["max_batch_rows"] == 16
+            assert limits["max_where_chars"] == P.MAX_WHERE_CHARS and limits["max_tokens"] == P.MAX_TOKENS
+            assert limits["max_task_chars"] == P.MAX_TASK_CHARS and limits["max_policy_version"] == 2**63 - 1
+            expect_invalid(lambda: consume(n=17), "max_batch_rows")
+            expect_invalid(lambda: consume(timeout=6.0), "max_timeout")
+            expect_invalid(lambda: consume(max_tokens=P.MAX_TOKENS + 1), "max_tokens")
+            expect_invalid(lambda: consume(where="seq > 0 " + " " * P.MAX_WHERE_CHARS), "where")
+            expect_invalid(lambda: consume(task="t" * (P.MAX_TASK_CHARS + 1)), "task")
+            expect_invalid(lambda: consume(max_staleness=2**63), "max_staleness")
+            expect_invalid(lambda: action("set_policy_version", policy_version=2**63), "policy_version")
+            assert consume(where="prompt_id = 1", max_tokens=10).num_rows == 2  # within the bounds, it works
+            assert action("add_task", task="ref")["tasks"] == ["train", "ref"]
+            assert action("add_task", task="critic")["tasks"] == ["train", "ref", "critic"]
+            with pytest.raises(flight.FlightError) as info:
+                action("add_task", task="one-too-many")
+            assert detail(info.value)["code"] == "RESOURCE_EXHAUSTED" and "max_tasks" in detail(info.value)["message"]
+            assert store.tasks == ["train", "ref", "critic"]
+        finally:
+            client.close()
+
+    def test_a_consume_filter_runs_under_the_servers_sql_limits(self, servers):
+        """consume(where=...) over Flight ran under the sandbox's defaults (10 s, 256 MiB per run), not the limits
+        the server states for SQL; now its predicate runs under the server's sql_limits like an `sql` ticket."""
+        store = ab.ExperienceStore(SCHEMAS / "grpo.yaml", capacity=100, tasks=["train"])
+        k = np.arange(8)
+        store.extend({"prompt_id": k // 4, "prompt_tokens": [np.arange(3, dtype=np.int32)] * 8,
+                      "response_tokens": [np.arange(5, dtype=np.int32)] * 8,
+                      "logprobs": [np.zeros(5, np.float32)] * 8, "policy_version": np.zeros(8, np.int64),
+                      "done": np.ones(8, bool)})
+        server = servers(store, sql_limits=ab.SqlLimits(timeout=1.0))
+        client = flight.FlightClient(server.location)
+        slow = "(SELECT count(*) FROM range(1000000000) t(i) WHERE i % 7 = prompt_id % 7) > 0"  # ~10 s a row
+        ticket = {"v": 2, "kind": "consume", "task": "train", "n": 2, "where": slow}
+        try:
+            with pytest.raises(flight.FlightError) as info:
+                client.do_get(flight.Ticket(json.dumps(ticket).encode()), flight.FlightCallOptions(timeout=60)
+                              ).read_all()
+            d = detail(info.value)
+            assert d["code"] == "DEADLINE_EXCEEDED" and "1.0 s" in d["message"], d
+            assert server.calls.wait_idle(timeout=30) and server.calls.running()["sql"] == 0
+            assert store.stats()["consumed"]["train"] == 0  # nothing was consumed by the failed call
+        finally:
+            client.close()
+
     def test_empty_column_list_is_refused_not_undecodable(self, servers):
         server = servers(cartpole_store())
         client = flight.FlightClient(server.location)
@@ -638,5 +754,195 @@ def test_a_client_that_never_reads_cannot_hold_an_embedded_server(how, stall):
         proc.wait(10)
         if client is not None:
             client.close()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()
+
+
+TABLE_SERVER = r"""
+import sys
+import numpy as np
+import arrowbuf as ab
+
+rows = int(sys.argv[2])
+store = ab.ExperienceStore(sys.argv[1], capacity=rows)
+for start in range(0, rows, 1000):  # row k: action k, every obs byte k % 251
+    k = np.arange(start, start + 1000)
+    store.extend({"obs": np.broadcast_to((k % 251).astype(np.uint8)[:, None, None, None], (1000, 4, 84, 84)),
+                  "action": k, "reward": k.astype(np.float32), "terminated": np.zeros(1000, bool),
+                  "truncated": np.zeros(1000, bool)})
+server = ab.serve(store, "grpc://127.0.0.1:0", max_table_streams=4, shutdown_timeout=1.0)
+print(server.location, flush=True)
+with server:
+    sys.stdin.readline()
+"""
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _check_rows(batch: pa.RecordBatch) -> None:
+    """Every row as committed: obs bytes, action and seq all name the same row (a torn row would mix two)."""
+    action = batch.column("action").to_numpy()
+    seq = batch.column("seq").to_numpy()
+    obs = batch.column("obs").to_numpy_ndarray().reshape(batch.num_rows, -1)
+    np.testing.assert_array_equal(seq, action)
+    np.testing.assert_array_equal(obs.min(axis=1), action % 251)
+    np.testing.assert_array_equal(obs.max(axis=1), action % 251)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's RSS from /proc")
+def test_slow_table_readers_hold_about_a_chunk_each_and_read_consistent_rows():
+    """10 slow readers of a 101 MB store took the server from 188 MB to 1.4 GB: each `table` stream copied the whole
+    store. Four readers that each read one chunk and stall must not cost the server a copy of the store each."""
+    import subprocess
+    import sys
+
+    rows = 10_000  # 282 MB of obs
+    store_bytes = rows * 4 * 84 * 84
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", TABLE_SERVER, str(SCHEMAS / "atari.yaml"), str(rows)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    clients: list = []
+    try:
+        location = proc.stdout.readline().decode().strip()
+        assert location.startswith("grpc://"), proc.stderr.read().decode()
+        before = _rss_bytes(proc.pid)
+        ticket = flight.Ticket(P.encode_ticket(P.TableRequest("table", columns=["obs", "action", "seq"])))
+        readers = []
+        for _ in range(4):
+            clients.append(flight.FlightClient(location))
+            readers.append(clients[-1].do_get(ticket))
+            first = readers[-1].read_chunk().data
+            assert 0 < first.num_rows < rows  # chunks, not the table in one message
+            _check_rows(first)
+        grown = _rss_bytes(proc.pid) - before
+        # a copy per stream was 4 x 282 MB; a chunk per stream (plus what gRPC buffers) is a few MB each
+        assert grown < store_bytes // 2, f"server RSS grew {grown >> 20} MiB for 4 stalled table streams"
+
+        writer = ab.connect(location)  # a writer runs while the readers go on: every row they read is as committed
+        clients.append(writer)
+        done = threading.Event()
+        wrote: list = []
+
+        def write() -> None:
+            k = rows
+            while not done.is_set() and k < 2 * rows:  # one turn of the ring
+                ids = np.arange(k, k + 200)
+                writer.extend({"obs": np.broadcast_to((ids % 251).astype(np.uint8)[:, None, None, None],
+                                                      (200, 4, 84, 84)),
+                               "action": ids, "reward": ids.astype(np.float32),
+                               "terminated": np.zeros(200, bool), "truncated": np.zeros(200, bool)})
+                k += 200
+            wrote.append(k)
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        try:
+            for reader in readers:
+                last = -1
+                for chunk in reader:
+                    _check_rows(chunk.data)
+                    seq = chunk.data.column("seq").to_numpy()
+                    assert seq[0] > last and np.all(np.diff(seq) == 1)  # oldest first; a gap only between chunks
+                    last = int(seq[-1])
+                # nothing newer than the request; rows the writer evicted before the stream reached them are
+                # skipped (a gap in seq), never sent torn
+                assert 0 <= last < rows
+        finally:
+            done.set()
+            thread.join(60)
+        assert wrote and wrote[0] > rows
+    finally:
+        for c in clients:
+            c.close()
+        if proc.poll() is None:
+            proc.stdin.write(b"exit\n")
+            proc.stdin.flush()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()
+
+
+PUT_SERVER = r"""
+import sys
+import arrowbuf as ab
+
+store = ab.ExperienceStore(sys.argv[1], capacity=100)
+server = ab.serve(store, "grpc://127.0.0.1:0", token="s3cret", max_batch_bytes=1 << 20)
+print(server.location, flush=True)
+with server:
+    sys.stdin.readline()
+"""
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's RSS from /proc")
+def test_an_unauthenticated_put_is_refused_before_its_batch_is_received():
+    """What docs/security.md promises about DoPut memory: the token is checked from the call's headers, before the
+    first message is read, so a client without it cannot make the server receive a large batch (a client with it
+    can, once per stream, up to the message's size: gRPC's receive size is not settable through pyarrow)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", PUT_SERVER, str(SCHEMAS / "tokens.yaml")], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    client = None
+    try:
+        location = proc.stdout.readline().decode().strip()
+        assert location.startswith("grpc://"), proc.stderr.read().decode()
+        client = flight.FlightClient(location)
+        before = _peak_rss_bytes(proc.pid)
+        n = 50_000_000  # one row with a 200 MB ragged value
+        one = pa.array([0, 1], pa.int32())
+        batch = pa.RecordBatch.from_pydict({
+            "prompt_tokens": pa.ListArray.from_arrays(one, pa.array([1], pa.int32())),
+            "response_tokens": pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), pa.array(np.zeros(n, np.int32))),
+            "logprobs": pa.ListArray.from_arrays(one, pa.array([0.0], pa.float32())),
+            "reward": pa.array([0.0], pa.float32()), "done": pa.array([True]),
+            "policy_version": pa.array([0], pa.int64())})
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            writer, _ = client.do_put(flight.FlightDescriptor.for_path("tokens"), batch.schema)
+            writer.write_batch(batch)
+            writer.done_writing()
+            writer.close()
+        grown = _peak_rss_bytes(proc.pid) - before
+        assert grown < 64 << 20, f"the server's peak RSS grew {grown >> 20} MiB for a refused call"
+        opts = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer s3cret")])
+        with pytest.raises(flight.FlightError) as info:  # with the token: received, then refused by the byte limit
+            writer, _ = client.do_put(flight.FlightDescriptor.for_path("tokens"), batch.schema, options=opts)
+            writer.write_batch(batch)
+            writer.done_writing()
+            writer.close()
+        assert "max_batch_bytes" in str(info.value)
+    finally:
+        if client is not None:
+            client.close()
+        if proc.poll() is None:
+            proc.stdin.write(b"exit\n")
+            proc.stdin.flush()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait(10)
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             pipe.close()

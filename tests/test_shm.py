@@ -167,6 +167,60 @@ def _paused_writer(name: str, ready, go) -> None:
     store.close()
 
 
+def _tight_writer(name: str, ready, stop, q) -> None:
+    """Extend in a tight loop (taking and releasing the locks back to back) until `stop`."""
+    store = ab.ExperienceStore.attach(name)
+    k = 0
+    while not stop.is_set():
+        store.extend(rows(6, k, 50))
+        k += 50
+        ready.set()
+    q.put(k)
+    store.close()
+
+
+def _report_ids(q) -> None:
+    q.put((threading.get_native_id(), os.getpid()))
+
+
+RAGGED = {"name": "tok", "fields": {"tokens": {"dtype": "int32", "ragged": True, "mean_length": 512},
+                                    "logprobs": {"dtype": "float32", "ragged": True, "mean_length": 512},
+                                    "reward": {"dtype": "float32"}, "done": {"dtype": "bool"}}}
+
+
+def _tokens(writer: int, k: int) -> int:
+    return (writer * 7 + k) % 300 + 1
+
+
+def ragged_rows(writer: int, k0: int, n: int) -> dict:
+    """Rows k0..k0+n-1 of `writer`: row k has `_tokens(writer, k)` tokens [k, k + 1, ...] and matching logprobs, so
+    each row can be checked on its own."""
+    import pyarrow as pa
+
+    lens = [_tokens(writer, k) for k in range(k0, k0 + n)]
+    toks = [np.arange(k, k + m, dtype=np.int32) for k, m in zip(range(k0, k0 + n), lens)]
+    return {"tokens": pa.array(toks, type=pa.list_(pa.int32())),
+            "logprobs": pa.array([-t.astype(np.float32) / 1000 for t in toks], type=pa.list_(pa.float32())),
+            "reward": np.array([writer * 1e6 + k for k in range(k0, k0 + n)], np.float32), "done": np.ones(n, bool)}
+
+
+def check_ragged(tokens: list, logprobs: list, reward: np.ndarray) -> None:
+    """Every row is whole: its token count and values follow from its reward (writer, k)."""
+    for t, lp, r in zip(tokens, logprobs, reward):
+        writer, k = divmod(int(r), 1_000_000)
+        m = _tokens(writer, k)
+        np.testing.assert_array_equal(np.asarray(t), np.arange(k, k + m))
+        np.testing.assert_allclose(np.asarray(lp), -np.arange(k, k + m, dtype=np.float32) / 1000)
+
+
+def _ragged_writer(name: str, writer: int, q) -> None:
+    store = ab.ExperienceStore.attach(name)
+    ids = np.concatenate([store.extend(ragged_rows(writer, k, 10)) for k in range(0, 60, 10)])
+    b = store.sample(100)
+    q.put((ids, b.indices, b["tokens"].to_pylist(), b["logprobs"].to_pylist(), b["reward"]))
+    store.close()
+
+
 def _write_then_sample(name: str, writer: int, q) -> None:
     store = ab.ExperienceStore.attach(name)
     store.extend(rows(writer, 0, 100))
@@ -342,6 +396,146 @@ def test_rows_commit_in_seq_order_across_processes(names):
                                       np.repeat([0, 5, 1], [500, 300, 100]))
 
 
+def test_a_tight_writer_process_does_not_starve_another_writer(names):
+    """A writer process re-taking the store's locks back to back; a writer here still gets its turns (the locks hand
+    off to a waiter that waited, `RobustMutex`), and every row of both is whole."""
+    name = names()
+    with ab.ExperienceStore(SCHEMA, 5000, tier="shm", name=name) as store:
+        ready, stop, q = CTX.Event(), CTX.Event(), CTX.Queue()
+        p = start(names, _tight_writer, name, ready, stop, q)
+        assert ready.wait(JOIN_S)
+        done = threading.Event()
+
+        def mine() -> None:
+            for k in range(0, 2000, 20):
+                store.extend(rows(1, k, 20))
+            done.set()
+
+        th = threading.Thread(target=mine, daemon=True)
+        th.start()
+        th.join(JOIN_S)
+        stop.set()
+        assert done.is_set(), "the writer here starved beside the tight writer"
+        assert q.get(timeout=JOIN_S) > 0
+        join_ok(p)
+        for lk in (store._core.write_lock, store._core.lock):
+            assert not lk._hand.any()  # no hand-off request left behind
+        t = store.to_table(["obs", "reward"])
+        obs = t.column("obs").combine_chunks().to_numpy_ndarray()
+        check_rows(obs, reward=t.column("reward").to_numpy())
+        mine_k = obs[obs[:, 0] == 1, 1]
+        np.testing.assert_array_equal(mine_k, np.arange(2000)[-len(mine_k):])
+
+
+def test_lock_hand_off_word_holds_others_back_until_its_thread_is_gone(names):
+    """While a waiter's hand-off request stands, other lockers wait even on a free mutex; a request left by a thread
+    or process that no longer exists is cleared by the next locker."""
+    name = names()
+    with ab.ExperienceStore(SCHEMA, 100, tier="shm", name=name) as store:
+        lk = store._core.write_lock
+        started, leave = threading.Event(), threading.Event()
+        tid: list[int] = []
+
+        def waiter() -> None:  # stands for a starved waiter of another process
+            tid.append(threading.get_native_id())
+            started.set()
+            leave.wait(JOIN_S)
+
+        th = threading.Thread(target=waiter, daemon=True)
+        th.start()
+        assert started.wait(JOIN_S)
+        lk._hand[:] = [tid[0], os.getpid()]
+        assert not lk.acquire(blocking=False)
+        assert not lk.acquire(timeout=0.2)  # the mutex is free, but the hand-off request stands
+        leave.set()
+        th.join(JOIN_S)
+        assert lk.acquire(timeout=JOIN_S)  # its thread is gone: cleared
+        lk.release()
+        assert not lk._hand.any()
+        q = CTX.Queue()
+        p = start(names, _report_ids, q)
+        ids = q.get(timeout=JOIN_S)
+        join_ok(p)
+        lk._hand[:] = ids  # a request of a process that exited
+        store.extend(rows(0, 0, 10))
+        assert len(store) == 10 and not lk._hand.any()
+
+
+def test_ragged_fields_in_shared_memory_round_trip_across_processes(names):
+    """Ragged fields live in the store's shared memory: what one process extends, another samples and reads back
+    equal, in parallel-writer stores too (ragged batches are written under the write lock), while the ring turns."""
+    name = names()
+    with ab.ExperienceStore(RAGGED, 200, tier="shm", name=name) as store:
+        ids = store.extend(ragged_rows(0, 0, 50))
+        q = CTX.Queue()
+        p = start(names, _ragged_writer, name, 1, q)
+        child_ids, idx, toks, lps, rew = q.get(timeout=JOIN_S)
+        join_ok(p)
+        check_ragged(toks, lps, rew)
+        assert len(store) == 110
+        t = store.to_table(["tokens", "logprobs", "reward", "seq"])
+        np.testing.assert_array_equal(t.column("seq").to_numpy(), np.concatenate([ids, child_ids]))
+        check_ragged(t.column("tokens").to_pylist(), t.column("logprobs").to_pylist(), t.column("reward").to_numpy())
+        assert set(t.column("reward").to_numpy() // 1e6) == {0, 1}
+        b = store.sample(64)
+        key = next(k for k in store._tier.manifest["arenas"] if k.endswith("tokens.values"))
+        start_, size = store._tier.address_range(key)
+        addr = b["tokens"].values.buffers()[1].address
+        assert not start_ <= addr < start_ + size  # a copy, never a view of the shared values
+        check_ragged(b["tokens"].to_pylist(), b["logprobs"].to_pylist(), b["reward"])
+        for k in range(0, 1000, 50):  # the ring turns five times; every row read back is whole
+            store.extend(ragged_rows(1, 1000 + k, 50))
+            t = store.to_table(["tokens", "logprobs", "reward"])
+            check_ragged(t.column("tokens").to_pylist(), t.column("logprobs").to_pylist(),
+                         t.column("reward").to_numpy())
+        assert len(store) == 200
+        np.testing.assert_array_equal(t.column("reward").to_numpy(), 1e6 + np.arange(1800, 2000))
+        b = store.sample(256)
+        check_ragged(b["tokens"].to_pylist(), b["logprobs"].to_pylist(), b["reward"])
+
+
+def test_checkpoint_keeps_holes_out_and_restores_with_no_open_reservation(names, tmp_path):
+    """A checkpoint of a store with a dead writer's hole and another writer's open reservation restores the committed
+    rows only, and the restored store takes writes at once (no reservation left to wait for)."""
+    name = names()
+    with ab.ExperienceStore(SCHEMA, 4000, tier="shm", name=name) as store:
+        store.extend(rows(0, 0, 500))
+        batch = 4 * store.directory.spare_rows
+        ready = CTX.Event()
+        p = start(names, _stuck_writer, name, "copy", ready)
+        assert ready.wait(JOIN_S)
+        th = threading.Thread(target=lambda: store.extend(rows(1, 0, 100)), daemon=True)
+        th.start()
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(JOIN_S)
+        th.join(JOIN_S)
+        assert not th.is_alive() and len(store) == 600  # a hole of `batch` seqs, then writer 1's rows
+        ready2, go = CTX.Event(), CTX.Event()
+        paused = start(names, _paused_writer, name, ready2, go)
+        assert ready2.wait(JOIN_S)  # its reservation is open while the checkpoint is taken
+        store.checkpoint(str(tmp_path / "ck"))
+        go.set()
+        join_ok(paused)
+        restored = ab.ExperienceStore.restore(str(tmp_path / "ck"))
+        try:
+            assert len(restored) == 600
+            t = restored.to_table(["obs", "reward", "seq"])
+            np.testing.assert_array_equal(t.column("seq").to_numpy(),
+                                          np.concatenate([np.arange(500), np.arange(500 + batch, 600 + batch)]))
+            check_rows(t.column("obs").combine_chunks().to_numpy_ndarray(), reward=t.column("reward").to_numpy())
+            ids: list[np.ndarray] = []
+            w = threading.Thread(target=lambda: ids.append(restored.extend(rows(2, 0, 100))), daemon=True)
+            w.start()
+            w.join(JOIN_S)
+            assert ids, "a write into the restored store waited for a reservation that is not there"
+            np.testing.assert_array_equal(ids[0], np.arange(600 + batch, 700 + batch))
+            b = restored.sample(300)
+            check_rows(b["obs"], b["next_obs"], b["reward"])
+            assert not (b["obs"][:, 0] == 5).any()
+        finally:
+            restored.close()
+
+
 def test_janitor_reclaims_stores_of_dead_owners(names, capsys):
     a, b, c = names(), names(), names()
     ready = CTX.Event()
@@ -436,9 +630,10 @@ def test_lifetime_pickling_and_errors(names):
         pickle.dumps(ab.ExperienceStore(SCHEMA, 100))
     with pytest.raises(ab.StoreNotFound, match="timeout"):
         ab.ExperienceStore.attach(names())
-    with pytest.raises(ab.SchemaError, match="ragged"):
-        ab.ExperienceStore({"name": "r", "fields": {"tok": {"dtype": "int32", "ragged": True}}}, 10, tier="shm",
-                           name=names())
+    with ab.ExperienceStore({"name": "r", "fields": {"tok": {"dtype": "int32", "ragged": True}}}, 10, tier="shm",
+                            name=names()) as ragged:  # ragged fields live in shared memory too (issue 16)
+        ragged.extend({"tok": [[1, 2], [3]]})
+        assert ragged.to_table(["tok"]).column(0).to_pylist() == [[1, 2], [3]]
     store.close()  # the owner's close removes the name; the attached handle keeps working on its mapping
     assert not os.path.exists(shm.store_path(name))
     other.extend(rows(1, 0, 5))

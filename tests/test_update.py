@@ -70,6 +70,21 @@ def test_update_fills_field_by_field(store):
     assert got.get(int(ids[5]), 4.5) == 4.5 and got.get(int(ids[3])) is None
 
 
+@pytest.mark.parametrize("order", ["in order", "shuffled", "some"])
+def test_ragged_update_rows_land_on_their_ids_and_are_copied(store, order):
+    ids = store.extend(rollouts(16))  # the whole ring: every chunk slot
+    pick = {"in order": ids, "shuffled": np.random.default_rng(1).permutation(ids), "some": ids[[1, 6, 7, 12]]}[order]
+    flat = np.arange(2 * len(pick), dtype=np.float32)
+    arr = pa.ListArray.from_arrays(pa.array(np.arange(0, 2 * len(pick) + 1, 2, dtype=np.int32)), pa.array(flat))
+    assert store.update(pick, {"ref_logprobs": arr}) == len(pick)
+    flat[:] = -1  # the caller's memory (pa.array over numpy is zero-copy): the store kept its own copy
+    want = {int(i): [2.0 * k, 2.0 * k + 1] for k, i in enumerate(pick)}
+    t = store.to_table(["seq", "ref_logprobs"]).to_pydict()
+    assert dict(zip(t["seq"], t["ref_logprobs"])) == {int(i): want.get(int(i)) for i in ids}
+    b = store.sample(64, columns=["ref_logprobs"])
+    assert [want.get(int(i)) for i in b.indices] == b["ref_logprobs"].to_pylist()
+
+
 def test_given_at_extend_and_nulls_in_arrow_input(store):
     ids = store.extend({**rollouts(2), "reward": [0.5, None], "ref_logprobs": [None, [1.0]]})
     rb = pa.RecordBatch.from_pydict({"prompt_id": [7], "done": [True], "response": pa.array([[1, 2]], pa.list_(
@@ -164,11 +179,6 @@ def test_closed_store_refuses_updates():
         s.update(ids, {"reward": [1.0, 2.0]})
 
 
-def test_tiered_store_says_later_fields_are_not_supported(tmp_path):
-    with pytest.raises(ab.SchemaError, match="later"):
-        ab.ExperienceStore(SCALAR, capacity=64, tiers={"host": "1MiB", "disk": str(tmp_path)})
-
-
 # ---------------------------------------------------------------- across processes (shared memory)
 def _shm_updater(name, ids, q):
     try:
@@ -196,3 +206,304 @@ def test_shared_memory_update_from_another_process():
         assert t["reward"] == [7.0, None, 7.0, None, 7.0, None]
         assert t["emb"][1] is None and t["emb"][0] == [1.0, 1.0]
         assert s.present(["reward", "emb"], ids).tolist() == [True, False] * 3
+
+
+# ---------------------------------------------------------------- over Flight (ab.connect), across processes
+@pytest.fixture
+def served():
+    """A store with two tasks behind a real Flight server on 127.0.0.1:0, and a client; closed at teardown."""
+    with ab.ExperienceStore(GRPO, capacity=64, chunk_rows=8, seed=0, tasks=["train"]) as s:
+        with ab.serve(s, "grpc://127.0.0.1:0", shutdown_timeout=1.0) as server:
+            with ab.connect(server.location, timeout=60) as client:
+                yield s, server, client
+
+
+def test_remote_update_and_nulls_over_the_wire(served):
+    store, _, client = served
+    ids = client.extend(rollouts(4))
+    b = client.sample(8)
+    assert b["reward"].null_count == 8 and b["ref_logprobs"].null_count == 8
+    assert client.update(ids[:2], {"reward": [1.0, 2.0], "ref_logprobs": pa.array([[0.5], [0.25, 0.75]],
+                                                                                   pa.list_(pa.float32()))}) == 2
+    assert client.to_table(["reward"]).column(0).to_pylist() == [1.0, 2.0, None, None]
+    assert store.to_table(["ref_logprobs"]).column(0).to_pylist() == [[0.5], [0.25, 0.75], None, None]
+    client.extend({**rollouts(1), "reward": [None], "emb": np.ma.MaskedArray(np.ones((1, 2)), mask=True)})
+    client.append({"prompt_id": 9, "done": True, "response": [1], "reward": 3.0})
+    assert store.to_table(["reward"]).column(0).to_pylist()[-2:] == [None, 3.0]
+    assert store.to_table(["emb"]).column(0).null_count == 6
+
+
+def test_remote_bad_update_is_refused_and_changes_nothing(served):
+    store, server, client = served
+    ids = client.extend(rollouts(3))
+    before = store_snapshot(store)
+    for values in [{"nope": [1, 2, 3]}, {"prompt_id": [1, 2, 3]}, {"reward": [1.0, 2.0]},
+                   {"ref_logprobs": [["a"], [], []]}]:
+        with pytest.raises(ab.SchemaError):
+            client.update(ids, values)
+    with pytest.raises(ab.InvalidArgument, match="never issued"):  # checked by the server: ids are its own
+        client.update([0, 1000], {"reward": [1.0, 2.0]})
+    # a raw Flight client is checked by the server too, before any batch is read
+    raw = pa.flight.FlightClient(server.location)
+    try:
+        for table in [pa.table({"id": pa.array(ids), "prompt_id": pa.array([1, 2, 3])}),
+                      pa.table({"reward": pa.array([1.0, 2.0, 3.0])}),
+                      pa.table({"id": pa.array([0.5, 1.0, 2.0]), "reward": pa.array([1.0, 2.0, 3.0])}),
+                      pa.table({"id": pa.array(ids), "reward": pa.array(["a", "b", "c"])})]:
+            writer, _ = raw.do_put(ab.flight.protocol.update_descriptor(store.name), table.schema)
+            with pytest.raises(pa.flight.FlightError, match="update"):
+                writer.write_table(table)
+                writer.close()
+        old_server = ab.flight.protocol.decode_put_descriptor  # a version-1 command cannot ask for an update
+        with pytest.raises(ab.SchemaError, match="version 2"):
+            old_server(pa.flight.FlightDescriptor.for_command(b'{"v":1,"kind":"update"}'))
+    finally:
+        raw.close()
+    assert store_snapshot(store) == before
+
+
+def _remote_writer(location, q):
+    try:
+        with ab.connect(location, timeout=60) as c:
+            q.put(c.extend(rollouts(8, start=10)).tolist())
+    except BaseException as exc:
+        q.put(repr(exc))
+
+
+def _remote_filler(location, ids, field, q):
+    try:
+        with ab.connect(location, timeout=60) as c:
+            if field == "reward":
+                values = np.asarray(ids, dtype=np.float32) / 10
+            else:
+                values = [np.full(i % 3 + 1, i, np.float32) for i in ids]
+            q.put(c.update(np.asarray(ids), {field: values}))
+    except BaseException as exc:
+        q.put(repr(exc))
+
+
+def _run(ctx, target, *args):
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    p.start()
+    try:
+        return q.get(timeout=180)
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+
+
+def test_field_by_field_completion_across_processes(served):
+    """A writer process extends, two other processes fill reward and ref_logprobs over Flight; a consumer requiring
+    both gets each row once, only once complete."""
+    store, server, _ = served
+    ctx = mp.get_context("spawn")
+    ids = _run(ctx, _remote_writer, server.location)
+    assert isinstance(ids, list) and len(ids) == 8, ids
+    assert len(store.consume("train", 8, require=["reward", "ref_logprobs"], timeout=0.0)) == 0
+    assert _run(ctx, _remote_filler, server.location, ids[:5], "reward") == 5
+    assert len(store.consume("train", 8, require=["reward", "ref_logprobs"], timeout=0.0)) == 0  # half done
+    assert _run(ctx, _remote_filler, server.location, ids[2:], "ref_logprobs") == 6
+    got = store.consume("train", 8, require=["reward", "ref_logprobs"], timeout=0.0)
+    assert sorted(got.indices.tolist()) == ids[2:5]  # complete rows only
+    assert got["reward"].tolist() == pytest.approx([i / 10 for i in ids[2:5]])
+    assert [len(r) for r in got["ref_logprobs"].to_pylist()] == [i % 3 + 1 for i in ids[2:5]]
+    assert len(store.consume("train", 8, require=["reward", "ref_logprobs"], timeout=0.0)) == 0  # once per task
+    t = store.to_table(["reward", "ref_logprobs"]).to_pydict()
+    assert t["reward"][:5] == pytest.approx([i / 10 for i in ids[:5]]) and t["reward"][5:] == [None] * 3
+    assert t["ref_logprobs"][:2] == [None] * 2 and all(r is not None for r in t["ref_logprobs"][2:])
+
+
+# ---------------------------------------------------------------- the shard adapter (global ids)
+def test_shard_adapter_routes_global_ids():
+    from arrowbuf.ray import ShardStore
+    from arrowbuf.ray.ids import encode_ids
+
+    with ShardStore(ab.ExperienceStore(GRPO, capacity=16, seed=0), 3, 5) as shard:
+        ids = shard.extend(rollouts(4))
+        assert shard.update(ids[:2], {"reward": [1.0, 2.0]}) == 2
+        assert shard.store.to_table(["reward"]).column(0).to_pylist() == [1.0, 2.0, None, None]
+        stale = encode_ids(3, 4, np.array([2]))  # this shard's previous incarnation: its rows are gone
+        assert shard.update(stale, {"reward": [5.0]}) == 0
+        assert shard.stats()["update_skipped"] == 1
+        before = shard.store.to_table().to_pydict()
+        with pytest.raises(ab.InvalidArgument, match="shard"):
+            shard.update(encode_ids(2, 5, np.array([2])), {"reward": [5.0]})
+        with pytest.raises(ab.InvalidArgument):
+            shard.update(np.array([2]), {"reward": [5.0]})  # a local seq is not a global id
+        assert shard.store.to_table().to_pydict() == before
+
+
+# ---------------------------------------------------------------- a ShardedStore on a local Ray cluster
+def test_sharded_store_update_routes_by_shard():
+    pytest.importorskip("ray")
+    from conftest import local_ray_cluster
+
+    from arrowbuf.ray import ShardedStore
+
+    with local_ray_cluster(1):
+        sharded = ShardedStore.create(GRPO, 2, 32, seed=0, failure_timeout=30.0)
+        try:
+            ids = np.concatenate([sharded.writer(shard=k).extend(rollouts(3, start=10 * k)) for k in (0, 1)])
+            assert sharded.update(ids, {"reward": np.arange(6, dtype=np.float32),
+                                        "ref_logprobs": [[float(i)] for i in range(6)]}) == 6
+            t = sharded.to_table(["prompt_id", "reward", "ref_logprobs"])
+            got = {p: (r, lp) for p, r, lp in zip(*(t.column(c).to_pylist() for c in
+                                                      ("prompt_id", "reward", "ref_logprobs")))}
+            assert got == {p: (float(i), [float(i)]) for i, p in enumerate([0, 1, 2, 10, 11, 12])}
+            before = sharded.to_table().to_pydict()
+            with pytest.raises(ab.InvalidArgument, match="not issued"):
+                sharded.update(np.array([ids[0], 9 << 53]), {"reward": [1.0, 2.0]})
+            with pytest.raises(ab.SchemaError, match="later"):
+                sharded.update(ids, {"prompt_id": np.arange(6)})
+            assert sharded.to_table().to_pydict() == before
+        finally:
+            sharded.shutdown()
+
+
+# ---------------------------------------------------------------- a tiered store (device, host and disk chunks)
+def test_tiered_store_updates_are_never_lost_to_migrations(tmp_path):
+    """Chunks move between a (CPU-backed) device tier, the host and a disk while an updater fills every row and a
+    sampler checks each row it gets: a value is null or the row's own, and no update is lost at a migration's flip."""
+    import threading
+
+    pytest.importorskip("torch")
+    from arrowbuf.tiers import GpuTier
+
+    cap, cr = 512, 32
+    schema = {"name": "t", "fields": {"a": "int64", "reward": {"dtype": "float64", "later": True},
+                                      "emb": {"dtype": "float32", "shape": [2], "later": True}, "done": "bool"}}
+    store = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=cr,
+                               tiers={"gpu": GpuTier(budget=3 * cr * 64, device="cpu"), "host": "64KiB",
+                                      "disk": tmp_path}, placement="static")
+    with store:
+        ids = store.extend({"a": np.arange(cap), "done": np.ones(cap, bool)})
+        cols = store._cols
+        for name in ("a", "reward", "emb"):
+            cols.ensure_arena(0, name, 4)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def mover():
+            rng = np.random.default_rng(1)
+            try:
+                while not stop.is_set():
+                    name = ("a", "reward", "emb")[int(rng.integers(3))]
+                    s = int(rng.integers(cols.num_slots))
+                    cols.migrate(name, s, int(rng.integers(3)), int(store.index.seq[s * cr]), store.index,
+                                 store._lock)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        t = threading.Thread(target=mover)
+        t.start()
+        try:
+            for part in np.array_split(np.random.default_rng(0).permutation(ids), 16):
+                assert store.update(part, {"reward": part.astype(np.float64),
+                                           "emb": np.stack([part, -part], axis=1).astype(np.float32)}) == len(part)
+                b = store.sample(64, columns=["a", "reward", "emb"])
+                r = b["reward"]
+                got = r.to_pylist() if isinstance(r, pa.Array) else r.tolist()
+                for seq, a, v in zip(b.indices.tolist(), b["a"].tolist(), got):
+                    assert a == seq and v in (None, float(seq))
+        finally:
+            stop.set()
+            t.join()
+        assert not errors, errors
+        assert store.stats()["placement"]["migrations"] > 0
+        tab = store.to_table(["seq", "reward", "emb"]).to_pydict()
+        assert tab["reward"] == [float(s) for s in tab["seq"]]
+        assert tab["emb"] == [[float(s), float(-s)] for s in tab["seq"]]
+
+
+# ---------------------------------------------------------------- ragged fields in shared memory
+RAGGED_SHM = {"name": "rs", "fields": {
+    "p": "int64", "tok": {"dtype": "int32", "ragged": True, "mean_length": 8},
+    "ref": {"dtype": "float32", "ragged": True, "later": True, "mean_length": 8},
+    "flags": {"dtype": "bool", "ragged": True}, "done": "bool"}}
+
+
+def ragged_rows(start, n):
+    return {"p": np.arange(start, start + n), "done": np.ones(n, bool),
+            "tok": [np.arange(i, i + i % 7, dtype=np.int32) for i in range(start, start + n)],
+            "flags": [np.array([i % 2 == 0] * (i % 3)) for i in range(start, start + n)]}
+
+
+def check_ragged_rows(store):
+    t = store.to_table(["seq", "p", "tok", "ref", "flags"]).to_pydict()
+    for sq, p, tok, ref, flags in zip(*t.values()):
+        assert p == sq and tok == list(range(sq, sq + sq % 7)) and flags == [sq % 2 == 0] * (sq % 3), sq
+        assert ref is None or ref == [float(sq)] * (sq % 5), (sq, ref)
+    b = store.sample(16)
+    for i, tok, ref in zip(b.indices.tolist(), b["tok"].to_pylist(), b["ref"].to_pylist()):
+        assert tok == list(range(i, i + i % 7)) and (ref is None or ref == [float(i)] * (i % 5))
+
+
+def test_ragged_fields_in_shared_memory_survive_the_ring_turning():
+    """Batches of random sizes wrap a small ring many times while rows of the old generation of a chunk are still
+    live: every row reads back as written (tokens, bools, and a later field updated in place)."""
+    rng = np.random.default_rng(0)
+    with ab.ExperienceStore(RAGGED_SHM, capacity=20, chunk_rows=4, tier="shm",
+                            name=f"rg-{uuid.uuid4().hex[:8]}") as s:
+        seq = 0
+        for _ in range(15):
+            n = int(rng.integers(1, 9))
+            ids = s.extend(ragged_rows(seq, n))
+            seq += n
+            s.update(ids[::2], {"ref": [np.full(i % 5, i, np.float32) for i in ids[::2]]})
+            check_ragged_rows(s)
+        assert s.to_table(["ref"]).column(0).null_count > 0
+
+
+def test_ragged_rows_over_a_slots_room_are_refused_clearly():
+    with ab.ExperienceStore(RAGGED_SHM, capacity=20, chunk_rows=4, tier="shm",
+                            name=f"rg-{uuid.uuid4().hex[:8]}") as s:
+        ids = s.extend(ragged_rows(0, 4))
+        before = s.to_table().to_pydict()
+        with pytest.raises(ab.OutOfSpace, match="mean_length"):
+            s.update(ids[:1], {"ref": [np.zeros(100, np.float32)]})
+        assert s.to_table().to_pydict() == before
+        with pytest.raises(ab.OutOfSpace, match="mean_length"):
+            s.extend({**ragged_rows(4, 1), "tok": [np.zeros(100, np.int32)]})
+        s.extend(ragged_rows(5, 3))  # the store goes on (the refused batch is left out)
+        check_ragged_rows(s)
+
+
+def _shm_ragged_worker(name, q):
+    try:
+        with ab.ExperienceStore.attach(name) as s:
+            ids = s.extend(ragged_rows(100, 6))
+            s.update(ids, {"ref": [np.full(i % 5, i, np.float32) for i in ids]})
+            q.put(ids.tolist())
+    except BaseException as exc:
+        q.put(repr(exc))
+
+
+def test_ragged_rows_written_and_updated_by_another_process():
+    name = f"rg-{uuid.uuid4().hex[:8]}"
+    with ab.ExperienceStore(RAGGED_SHM, capacity=32, chunk_rows=4, tier="shm", name=name) as s:
+        s.extend(ragged_rows(0, 5))
+        ids = _run(mp.get_context("spawn"), _shm_ragged_worker, name)
+        assert ids == list(range(5, 11)), ids
+        t = s.to_table(["seq", "p", "tok", "ref"]).to_pydict()
+        assert t["p"] == [0, 1, 2, 3, 4, 100, 101, 102, 103, 104, 105]
+        assert t["tok"][5] == list(range(100, 100 + 100 % 7)) and t["ref"][6] == [6.0] * (6 % 5)
+        assert t["ref"][:5] == [None] * 5
+
+
+def test_ragged_fields_spill_to_the_disk_tier_of_a_tiered_store(tmp_path):
+    """A tiered store takes ragged fields (later ones included): their elements live in the disk tier's files."""
+    rng = np.random.default_rng(2)
+    with ab.ExperienceStore(RAGGED_SHM, capacity=20, chunk_rows=4, tiers={"host": "64KiB", "disk": tmp_path}) as s:
+        seq = 0
+        for _ in range(12):
+            n = int(rng.integers(1, 9))
+            ids = s.extend(ragged_rows(seq, n))
+            seq += n
+            s.update(ids[::2], {"ref": [np.full(i % 5, i, np.float32) for i in ids[::2]]})
+            check_ragged_rows(s)
+        spilled = [p.name for p in tmp_path.rglob("*") if "tok" in p.name]
+        assert spilled, sorted(p.name for p in tmp_path.rglob("*"))
+        assert "tok" not in s.placement().column("column").to_pylist()  # placement moves fixed-size columns only

@@ -12,8 +12,8 @@ What runs (all on this machine, every byte of experience through arrowbuf over A
 * the trainer (main process, through its own Flight client): `consume("train", require=["reward", "ref_logprobs"],
   max_staleness=k)`, GRPO step (`arrowbuf.demo.grpo`), then publishes the weights as the next policy version
   (`PolicyFile`, atomic replace) and sets `store.policy_version`; workers reload the weights when the version
-  changes. Flow control: the trainer hands out generation credits (a semaphore of groups, two batches deep), so
-  rollouts stay within a version or two of the trainer.
+  changes. Flow control: the trainer hands out generation credits (a semaphore of groups, two batches deep; the
+  credits of groups dropped as stale come back), so rollouts stay within a version or two of the trainer.
 
 Output: a progress bar, `grpo_reward.png` (mean reward per policy version) and `grpo.json` in `--out`, and a SQL
 summary per policy version (`store.sql` over the live buffer, which holds the whole run).
@@ -147,7 +147,7 @@ def _fill(spec: WorkerSpec, store: Any, stop: Any, torch: Any, pa: Any) -> None:
     cfg = spec.cfg
     ref = make_policy(cfg, seed=0)  # the initial policy (the trainer starts from the same seed), frozen
     ref.eval()
-    n = cfg.group * cfg.prompts_per_step
+    n = cfg.group * max(1, cfg.prompts_per_step // spec.workers)  # one rollout write: served as soon as it lands
     while not stop.is_set():
         batch = store.consume(spec.role, n, timeout=0.5)
         if not len(batch):
@@ -220,7 +220,8 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
                 f"and a reference worker (processes); trainer consumes whole groups of {cfg.group}")
             specs = [WorkerSpec("rollout", i, server.location, str(policy_file.path), cfg, seed * 1000 + i, workers)
                      for i in range(workers)]
-            specs += [WorkerSpec(r, 0, server.location, str(policy_file.path), cfg, seed) for r in ("reward", "ref")]
+            specs += [WorkerSpec(r, 0, server.location, str(policy_file.path), cfg, seed, workers)
+                      for r in ("reward", "ref")]
             for s in specs:
                 name = f"grpo-{s.role}-{s.worker_id}"
                 p: Any = (threading.Thread(target=worker_main, args=(s, stop, credits, errors, store), daemon=True,
@@ -230,15 +231,20 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
                 procs.append(p)
             remote: Any = store if local else connect(server.location)
             try:
+                compensated = 0
                 for _ in range(2 * cfg.prompts_per_step):  # two batches in flight
                     credits.release()
                 while trainer.version < steps:
                     _raise_worker_errors(errors, procs)
                     batch = remote.consume("train", batch_rows, require=["reward", "ref_logprobs"],
                                            max_staleness=cfg.max_staleness, timeout=2.0)
-                    if not len(batch):
-                        for _ in range(cfg.prompts_per_step):  # groups dropped on the way: keep rollouts going
+                    if not len(batch):  # nothing ready: give back the credits of groups dropped on the way
+                        st = remote.stats()
+                        lost = (int(st.get("stale_dropped", 0)) // cfg.group
+                                + int(st.get("groups_dropped_zero_variance", 0)))
+                        for _ in range(lost - compensated):
                             credits.release()
+                        compensated = max(compensated, lost)
                         continue
                     rows = batch.to_numpy()
                     r = np.asarray(rows["reward"], dtype=np.float32)

@@ -330,7 +330,7 @@ class RemoteStore:
 
     def add_task(self, name: str) -> None:
         """Declare a consuming task on the server's store (`ExperienceStore.add_task`)."""
-        self._action("add_task", task=name)
+        self._action("add_task", v=P.LLM_VERSION, task=name)
 
     @property
     def tasks(self) -> list[str]:
@@ -340,13 +340,13 @@ class RemoteStore:
     @property
     def policy_version(self) -> int:
         """The store's current policy version (settable: the `set_policy_version` action)."""
-        return int(self._action("policy_version")["policy_version"])
+        return int(self._action("policy_version", v=P.LLM_VERSION)["policy_version"])
 
     @policy_version.setter
     def policy_version(self, value: int) -> None:
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
             raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
-        self._action("set_policy_version", policy_version=int(value))
+        self._action("set_policy_version", v=P.LLM_VERSION, policy_version=int(value))
     # ------------------------------------------------------------------ end of consumption per task
 
     def session(self, n: int, columns: list[str] | None = None, *, prefetch: int = 2, ahead: int = 2,
@@ -359,6 +359,45 @@ class RemoteStore:
         """Set priorities of sampled items; returns how many ids were still live."""
         idx, pri = validate_priorities(indices, priorities)
         return int(self._action("update_priorities", rpc_timeout, indices=idx, priorities=pri)["applied"])
+
+    # ------------------------------------------------------------------ fields filled later (issue 16; fields helper)
+    def update(self, ids: Any, values: dict[str, Any], *, rpc_timeout: float | None | object = _DEFAULT) -> int:
+        """Fill fields declared `later: true` of stored rows (one DoPut of kind "update"; see `ExperienceStore.update`
+        and `arrowbuf.update`). Validated here first, and again by the server; atomic on the server.
+
+        Returns:
+            The number of rows written (ids of evicted rows are skipped and counted in `stats()["update_skipped"]`).
+
+        Raises:
+            SchemaError: an unknown field, a field not filled later, a wrong dtype, shape or length; nothing written.
+            InvalidArgument: an id the store never issued, or an id given twice; nothing written.
+            DeadlineExceeded: no acknowledgement within the deadline (the update may or may not be applied; it can
+                be sent again: an update overwrites).
+        """
+        from ..update import update_ids, validate_update
+
+        seqs = update_ids(ids)
+        single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
+        cols = validate_update(self.schema, seqs, values, single)
+        if len(seqs) > self.max_batch_rows:
+            raise SchemaError(f"an update of {len(seqs)} ids is over the server's max_batch_rows "
+                              f"{self.max_batch_rows}; split it")
+        if len(seqs) == 0:
+            return 0
+        rb = _record_batch(self.schema, {P.UPDATE_ID_COLUMN: seqs, **cols})
+        descriptor = P.update_descriptor(self.name)
+
+        def call(client: flight.FlightClient, options: flight.FlightCallOptions) -> dict[str, int]:
+            writer, reader = client.do_put(descriptor, rb.schema, options=options)
+            try:
+                writer.write_batch(rb)
+                ack = reader.read()
+                writer.done_writing()
+            finally:
+                writer.close()
+            return P.decode_update_ack(ack)
+
+        return int(self._call(call, self._deadline(rpc_timeout))["rows"])
 
     # ------------------------------------------------------------------ inspection
     def __len__(self) -> int:
@@ -711,7 +750,9 @@ def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None) -> SampleBatch:
     arrays: dict[str, Any] = {}
     for name, col in zip(data.schema.names, data.columns):
         t = col.type
-        if isinstance(t, pa.FixedShapeTensorType):
+        if col.null_count:  # a field filled later, absent in some rows: Arrow with nulls, as a local sample gives
+            arrays[name] = col
+        elif isinstance(t, pa.FixedShapeTensorType):
             arrays[name] = col.to_numpy_ndarray()
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
             arrays[name] = col
@@ -727,6 +768,14 @@ def _record_batch(schema: ExperienceSchema, cols: dict[str, Any]) -> pa.RecordBa
         names.append(name)
         if isinstance(value, (pa.Array, pa.ChunkedArray)):
             arrays.append(value)
+        elif isinstance(value, np.ma.MaskedArray):  # a field filled later with rows absent: nulls on the wire
+            from ..presence import nullable_array
+            from ..schema import later_mask
+
+            present = later_mask(value)
+            data = np.ma.getdata(value)
+            arrays.append(nullable_array(schema.fields[name], data, np.ones(len(data), bool) if present is None
+                                         else present))
         elif value.ndim > 1 and len(value) == 0:  # from_numpy_ndarray refuses an empty array
             typ = pa.fixed_shape_tensor(pa.from_numpy_dtype(value.dtype), value.shape[1:])
             storage = pa.FixedSizeListArray.from_arrays(pa.array([], pa.from_numpy_dtype(value.dtype)),

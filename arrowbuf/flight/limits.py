@@ -45,6 +45,8 @@ class ServerLimits:
         max_table_streams: `table` streams being sent at once.
         shutdown_timeout: seconds `close()` waits for calls in progress.
         sql_limits: deadline, memory and result-size limits of each `sql` query (`ab.SqlLimits`).
+        max_tasks: consuming tasks a store may have for the `add_task` action to add one more (each task keeps a
+            record of consumed rows as large as the ring, and eviction waits for every task).
     """
 
     max_batch_rows: int = 65_536
@@ -57,6 +59,7 @@ class ServerLimits:
     max_table_streams: int = 4
     shutdown_timeout: float = 2.0
     sql_limits: SqlLimits = field(default_factory=lambda: DEFAULT_LIMITS)
+    max_tasks: int = 32
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -82,6 +85,7 @@ class ServerLimits:
         """The limits as JSON-ready values (the `describe` action's `"limits"`)."""
         out = asdict(self)
         out["sql_limits"] = self.sql_limits.describe()
+        out.update(protocol_limits())
         return out
 
     # ---------------------------------------------------------------- request checks
@@ -100,11 +104,27 @@ class ServerLimits:
         if n_step is not None and n_step > self.max_n_step:
             raise InvalidArgument(f"{what}: n_step {n_step} is over this server's max_n_step {self.max_n_step}")
 
+    def check_add_task(self, tasks: int, what: str) -> None:
+        """One more consuming task on a store that has `tasks` (the `add_task` action)."""
+        if tasks >= self.max_tasks:
+            raise ResourceExhausted(f"{what}: the store has {tasks} tasks, this server's max_tasks; a remote client "
+                                    "cannot add more (declare them with ExperienceStore(..., tasks=[...]))")
+
     def check_sample(self, n: int, timeout: float | None, options: dict[str, Any], what: str) -> None:
         """Bounds of a sample request (DoGet ticket or session descriptor)."""
         self.check_rows(n, f"{what} n")
         self.check_timeout(timeout, what)
         self.check_options(options, what)
+
+def protocol_limits() -> dict[str, int]:
+    """The bounds fixed by the protocol module (the same on every server), as `describe` states them."""
+    from . import protocol as P
+
+    return {"max_json_bytes": P.MAX_JSON_BYTES, "max_message_chars": P.MAX_MESSAGE_CHARS,
+            "max_request_count": P.MAX_REQUEST_COUNT, "max_prefetch": P.MAX_PREFETCH,
+            "max_task_chars": P.MAX_TASK_CHARS, "max_where_chars": P.MAX_WHERE_CHARS, "max_tokens": P.MAX_TOKENS,
+            "max_policy_version": 2**63 - 1}
+
 
 #: What each kind of call is, for error messages.
 KINDS = {
@@ -172,4 +192,4 @@ class CallGate:
             return True
 
 
-__all__ = ["CallGate", "KINDS", "ServerLimits"]
+__all__ = ["CallGate", "KINDS", "ServerLimits", "protocol_limits"]

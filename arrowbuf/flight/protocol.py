@@ -7,11 +7,15 @@ UTF-8 JSON objects so that any Flight client (C++, Java, Rust, Go) can speak it:
   one batch with app_metadata `{"v":1,"indices":[..],"weights":[..] or null}`; kinds "table", "episodes" and "sql"
   return a table (a snapshot).
 - DoPut: descriptor path `[store]` or command `{"v":1,"kind":"extend","store":s,"timeout":t}`; one ack per batch,
-  `{"v":1,"batch":k,"first_seq":f,"rows":n}`.
+  `{"v":1,"batch":k,"first_seq":f,"rows":n}`. Version 2: command `{"v":2,"kind":"update","store":s}` fills fields
+  of stored rows (`store.update`): batches of an `id` column and later fields; ack `{"v":2,"batch":k,"rows":n,
+  "skipped":m}`.
 - DoExchange: descriptor command `{"v":1,"kind":"session","store":s,"n":256,...}`; up, metadata messages
   `{"op":"sample","count":k}` and `{"op":"update_priorities",...}`; down, batches with sample metadata or in-band
   errors.
 - DoAction: a type in `ACTIONS`, body `{"v":1,"store":s,...}` (may be empty); one JSON result.
+- Version 2 also adds DoGet kind "consume" (`{"v":2,"kind":"consume","task":t,"n":256,...}`: rows a task has not
+  consumed, reply as a sample) and the actions "set_policy_version", "policy_version", "add_task" (body "v": 2).
 - ListFlights / GetFlightInfo / GetSchema: descriptor path `[store]` (`[store, "input"]`: the schema a writer sends).
 
 Errors: every error a server raises on purpose is a Flight error whose `extra_info` (Arrow's binary status detail)
@@ -46,9 +50,13 @@ from ..errors import (
     Unavailable,
 )
 
-#: The version this module speaks; requests may omit "v" (meaning this version).
+#: The version of the base verbs; requests may omit "v" (meaning this version), and replies to them carry it.
 PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+#: Version 2 (issue 16, the LLM post-training path) adds verbs: DoPut kind "update". Their requests and replies
+#: carry "v": 2, so a version-1 server refuses them with "protocol version 2 is not supported"; the base verbs are
+#: unchanged, so version-1 clients keep working against a version-2 server.
+LLM_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 #: The header that carries the bearer token: `authorization: Bearer <token>`.
 AUTH_HEADER = "authorization"
 #: Largest JSON request accepted (tickets, actions, descriptors, exchange messages): bounds server memory.
@@ -442,8 +450,10 @@ def decode_put_descriptor(descriptor: flight.FlightDescriptor) -> PutRequest:
     obj = loads(descriptor.command, "DoPut descriptor command")
     f = _Fields(obj, "DoPut descriptor command")
     kind = f.get("kind", "a string", default="extend")
-    if kind != "extend":
-        raise SchemaError(f"DoPut descriptor command: kind must be \"extend\", got {kind!r}")
+    if kind not in PUT_KINDS:
+        raise SchemaError(f"DoPut descriptor command: kind must be one of {list(PUT_KINDS)}, got {kind!r:.80}")
+    if kind == "update":
+        return decode_update_command(f)
     req = PutRequest(store=f.get("store", "a string"),
                      timeout=f.get("timeout", "a number of seconds in [0, 1e6]"))
     f.done()
@@ -467,6 +477,48 @@ def decode_session_descriptor(descriptor: flight.FlightDescriptor) -> SessionReq
                          options=f.options())
     f.done()
     return req
+
+
+# ---------------------------------------------------------------------------------------------------- update
+# (issue 16, fields helper) DoPut kind "update": fill fields declared `later: true` of stored rows. The stream's
+# schema is an `id` column (int64: the ids extend/append returned) and one column per field to fill (their types as
+# in the store's input schema); each batch is one atomic `store.update` and gets one ack.
+
+#: DoPut descriptor kinds.
+PUT_KINDS = ("extend", "update")
+#: The column of an update stream that carries the rows' ids.
+UPDATE_ID_COLUMN = "id"
+
+
+def update_descriptor(store: str | None) -> flight.FlightDescriptor:
+    """The DoPut descriptor of an update stream into `store`."""
+    obj: dict[str, Any] = {"v": LLM_VERSION, "kind": "update"}
+    if store is not None:
+        obj["store"] = store
+    return flight.FlightDescriptor.for_command(_dumps(obj))
+
+
+def decode_update_command(f: "_Fields") -> PutRequest:
+    """The rest of a DoPut command of kind "update" (needs version 2)."""
+    version = f.obj.get("v", PROTOCOL_VERSION)
+    if version < LLM_VERSION:
+        raise SchemaError(f"DoPut descriptor command: kind \"update\" needs protocol version {LLM_VERSION}; send "
+                          f"\"v\": {LLM_VERSION}")
+    req = PutRequest(store=f.get("store", "a string"), kind="update")
+    f.done()
+    return req
+
+
+def encode_update_ack(batch: int, rows: int, skipped: int) -> bytes:
+    """Update acknowledgement of batch `batch`: `rows` rows written, `skipped` ids whose row was evicted."""
+    return _dumps({"v": LLM_VERSION, "batch": batch, "rows": int(rows), "skipped": int(skipped)})
+
+
+def decode_update_ack(raw: bytes | pa.Buffer | None) -> dict[str, int]:
+    obj = loads(raw, "update acknowledgement")
+    if not all(_is_int(obj.get(k)) for k in ("batch", "rows", "skipped")):
+        raise SchemaError(f"update acknowledgement: expected batch, rows and skipped, got {obj!r:.120}")
+    return obj
 
 
 # ---------------------------------------------------------------------------------------------------- actions
@@ -542,7 +594,7 @@ class ConsumeRequest:
 
 
 def _encode_consume(req: ConsumeRequest) -> dict[str, Any]:
-    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": "consume", "task": req.task, "n": req.n}
+    obj: dict[str, Any] = {"v": LLM_VERSION, "kind": "consume", "task": req.task, "n": req.n}
     if req.store is not None:
         obj["store"] = req.store
     for key in ("require", "timeout", "max_staleness", "where", "max_tokens"):
@@ -551,8 +603,15 @@ def _encode_consume(req: ConsumeRequest) -> dict[str, Any]:
     return obj
 
 
+def _needs_llm_version(f: _Fields, what: str) -> None:
+    """Consume verbs are version 2 (as DoPut kind "update"): a version-1 request for them is refused."""
+    if f.obj.get("v", PROTOCOL_VERSION) < LLM_VERSION:
+        raise SchemaError(f"{what} needs protocol version {LLM_VERSION}; send \"v\": {LLM_VERSION}")
+
+
 def _decode_consume(f: _Fields, store: str | None) -> ConsumeRequest:
     """A consume ticket, every field typed and bounded before the store sees it."""
+    _needs_llm_version(f, 'ticket kind "consume"')
     task = f.get("task", "a string", required=True)
     if not 0 < len(task) <= MAX_TASK_CHARS:
         raise SchemaError(f"ticket: 'task' must have 1 to {MAX_TASK_CHARS} characters, got {len(task)}")
@@ -570,6 +629,7 @@ def _decode_consume(f: _Fields, store: str | None) -> ConsumeRequest:
 
 
 def _decode_consume_action(type_: str, f: _Fields, store: str | None) -> ActionRequest:
+    _needs_llm_version(f, f"action {type_!r}")
     if type_ == "set_policy_version":
         req = ActionRequest(type_, store, policy_version=f.get("policy_version", "a non-negative integer",
                                                                required=True))
@@ -663,7 +723,9 @@ def encode_exchange_error(op: str, exc: BaseException) -> bytes:
 
 
 __all__ = [
-    "ACTIONS", "AUTH_HEADER", "ERRORS", "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "ActionRequest", "ErrorMapping",
+    "ACTIONS", "AUTH_HEADER", "ERRORS", "LLM_VERSION", "PROTOCOL_VERSION", "PUT_KINDS", "SUPPORTED_VERSIONS",
+    "UPDATE_ID_COLUMN", "ActionRequest", "ErrorMapping", "decode_update_ack", "decode_update_command",
+    "encode_update_ack", "update_descriptor",
     "ExchangeMessage", "PutRequest", "SampleRequest", "SessionRequest", "TableRequest", "decode_ack",
     "decode_action", "decode_error", "decode_exchange", "decode_path", "decode_put_descriptor",
     "decode_sample_meta", "decode_session_descriptor", "decode_ticket", "dumps", "encode_ack", "encode_action",

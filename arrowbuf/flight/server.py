@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import hmac
+import inspect
 import ipaddress
 import itertools
 import logging
@@ -38,6 +39,7 @@ from ..errors import (
     StoreNotFound,
     Unauthenticated,
 )
+from ..sql import serving as sql_serving
 from ..surface import check_surface
 from . import protocol as P
 from .limits import CallGate, ServerLimits
@@ -208,6 +210,21 @@ class StoreServer:
         if self._closing.is_set():
             raise StoreClosed(f"the server at {self.location} is shutting down")
 
+    def sample_options(self, store: Any) -> list[str]:
+        """The sampler options (`protocol.SAMPLE_OPTIONS`) that `store.sample` takes (`describe` states them)."""
+        return [o for o in P.SAMPLE_OPTIONS if _takes_keyword(store.sample, o)]
+
+    def check_sample_options(self, store: Any, options: Mapping[str, Any], what: str) -> None:
+        """Refuse an option this store's `sample` does not take (`shard_info` is a Ray shard server's only)."""
+        if not options:
+            return
+        taken = self.sample_options(store)
+        for name in options:
+            if name not in taken:
+                only = " (only the Flight servers of Ray shards take it)" if name == "shard_info" else ""
+                raise InvalidArgument(f"{what}: the store {_name_of(self, store)!r} takes no sample option "
+                                      f"{name!r}{only}; it takes {taken}")
+
 
 # ---------------------------------------------------------------------------------------------------- service
 def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -308,9 +325,10 @@ class _FlightService(flight.FlightServerBase):
         req = P.decode_ticket(ticket.ticket)
         store = self.owner.store(req.store)
         if isinstance(req, P.ConsumeRequest):
-            return self._consume(store, req)
+            return self._consume(store, req, context)
         if isinstance(req, P.SampleRequest):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
+            self.owner.check_sample_options(store, req.options, "sample")
             data, meta = _wire_batch(_sample(store, req.n, req.columns, req.timeout, req.options))
             return flight.GeneratorStream(data.schema, iter([(data, meta)]))
         if req.kind == "table":
@@ -321,31 +339,44 @@ class _FlightService(flight.FlightServerBase):
             table = self._sql(store, req.query or "", context)
         return flight.RecordBatchStream(table)
 
-    def _consume(self, store: Any, req: P.ConsumeRequest) -> flight.FlightDataStream:
+    def _consume(self, store: Any, req: P.ConsumeRequest, context: Any) -> flight.FlightDataStream:
         """The `consume` ticket (issue 16; owner: consume): bounded like a sample, then `store.consume`."""
         self.owner.limits.check_sample(req.n, req.timeout, {}, "consume")
-        batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
-                              max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
+        # --- hardening: the where= predicate runs in the SQL sandbox under this server's sql_limits, each run
+        # holding a max_concurrent_sql slot (not the whole wait), and stops when the client goes away
+        with sql_serving(self.owner.limits.sql_limits, gate=lambda: self.owner.calls.enter("sql"),
+                         cancelled=context.is_cancelled):
+            batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
+                                  max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
         data, meta = _wire_batch(batch)
         return flight.GeneratorStream(data.schema, iter([(data, meta)]))
 
     def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
-        """The `table` ticket: the store's consistent snapshot (`to_table`: each row as committed), sent chunk by chunk.
+        """The `table` ticket: a consistent snapshot of the store, streamed one chunk at a time.
 
-        The snapshot is one copy of the rows asked for; at most `max_table_streams` exist at once (a stream holds its
-        slot until it is sent or its client goes), which bounds the memory slow readers can pin.
+        `store.iter_table` copies one chunk when the stream needs it (each row as committed, nothing newer than the
+        request; rows evicted before the stream reached them are skipped, never sent torn), so a stream holds about
+        one chunk of memory however slowly its client reads; at most `max_table_streams` run at once (a stream holds
+        its slot until it is sent, fails or its client goes). A store without `iter_table` (a store-like class that
+        has only the `StoreSurface`) is sent from one `to_table` copy.
         """
         gate = self.owner.calls
         gate.acquire("table")
         try:
-            table = store.to_table(columns)
+            stored = store.schema.to_arrow()
+            names = stored.names if columns is None else columns
+            unknown = [n for n in names if n not in stored.names]
+            if unknown:
+                raise SchemaError(f"table: unknown stored column(s) {unknown}; expected some of {stored.names}")
+            schema = pa.schema([stored.field(n) for n in names], metadata=stored.metadata)
+            iter_table = getattr(store, "iter_table", None)
+            source = iter_table(columns) if iter_table is not None else store.to_table(columns).to_batches()
         except BaseException:
             gate.release("table")
             raise
-        batches = _batches(table.to_batches(), lambda: gate.release("table"),
-                           lambda: self.owner.closed)
+        batches = _batches(source, lambda: gate.release("table"), lambda: self.owner.closed)
         first = next(batches, None)  # started now: a generator that never started would never run its `finally`
-        return flight.GeneratorStream(table.schema, batches if first is None else itertools.chain([first], batches))
+        return flight.GeneratorStream(schema, batches if first is None else itertools.chain([first], batches))
 
     def _sql(self, store: Any, query: str, context: Any) -> pa.Table:
         """The `sql` ticket: the sandbox of `arrowbuf.sql` with this server's limits; stops when the client goes."""
@@ -363,6 +394,8 @@ class _FlightService(flight.FlightServerBase):
         limits = self.owner.limits
         limits.check_timeout(req.timeout, "DoPut")
         store = self.owner.store(req.store)
+        if req.kind == "update":  # issue 16 (fields helper): fill later fields of stored rows
+            return _put_update(store, reader, writer, limits, self.owner.check_open)
         # the stream's schema message comes first: names, types and shapes are checked before any batch is read
         store.schema.check_input_types(reader.schema, "DoPut")
         kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
@@ -395,6 +428,7 @@ class _FlightService(flight.FlightServerBase):
         req = P.decode_session_descriptor(descriptor)
         store = self.owner.store(req.store)
         self.owner.limits.check_sample(req.n, req.timeout, req.options, "session")
+        self.owner.check_sample_options(store, req.options, "session")
         columns = store.schema.resolve_columns(req.columns)
         row_bytes = _row_bytes(store.schema, columns) * req.n
         depth = min(req.prefetch, self.owner.limits.max_prefetch_bytes // row_bytes)
@@ -455,7 +489,8 @@ class _FlightService(flight.FlightServerBase):
             out: dict[str, Any] = {"v": P.PROTOCOL_VERSION, "store": _name_of(self.owner, store),
                                    "schema": store.schema.to_dict(), "capacity": getattr(store, "capacity", None),
                                    "max_batch_rows": self.owner.limits.max_batch_rows, "protocol": P.PROTOCOL_VERSION,
-                                   "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe()}
+                                   "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe(),
+                                   "sample_options": self.owner.sample_options(store)}
         elif req.type == "stats":
             out = dict(store.stats())
             with self._lock:
@@ -468,10 +503,42 @@ class _FlightService(flight.FlightServerBase):
 
             out = checkpoint_under_root(store, self.owner.checkpoint_root, req.path or "", req.keep)
         elif req.type in P.CONSUME_ACTIONS:
+            if req.type == "add_task":  # --- hardening: each task costs ring-sized memory and holds eviction
+                self.owner.limits.check_add_task(len(store.tasks), "add_task")
             out = _consume_action(store, req)
         else:  # update_priorities
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
         return [P.dumps(out)]
+
+
+# ---------------------------------------------------------------------------------------------------- update
+# (issue 16; owner: fields helper) DoPut kind "update": each batch is one atomic store.update.
+def _put_update(store: Any, reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter,
+                limits: Any, check_open: Callable[[], None]) -> None:
+    """Apply an update stream (see `arrowbuf.flight.protocol`): the stream's schema is checked before any batch is
+    read, each batch is bounded like a DoPut batch, then written with `store.update` and acknowledged."""
+    from ..update import check_update_types
+
+    check_update_types(store.schema, reader.schema, P.UPDATE_ID_COLUMN, "DoPut update")
+    k = 0
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            break
+        batch = chunk.data
+        if batch is None:
+            continue
+        check_open()
+        limits.check_rows(batch.num_rows, f"update batch {k}")
+        if batch.nbytes > limits.max_batch_bytes:
+            raise SchemaError(f"update batch {k} of {batch.nbytes} bytes is over this server's max_batch_bytes "
+                              f"{limits.max_batch_bytes}; split it into smaller batches")
+        ids = batch.column(P.UPDATE_ID_COLUMN)
+        values = {n: batch.column(n) for n in batch.schema.names if n != P.UPDATE_ID_COLUMN}
+        written = int(store.update(ids, values))
+        writer.write(pa.py_buffer(P.encode_update_ack(k, written, batch.num_rows - written)))
+        k += 1
 
 
 # ---------------------------------------------------------------------------------------------------- prefetch
@@ -649,6 +716,17 @@ def _exit_hook(ref: "weakref.ReferenceType[StoreServer]") -> Callable[[], None]:
                 log.warning("%s: calls still running at exit after %.0fs", server.location, EXIT_DRAIN_TIMEOUT)
 
     return close_at_exit
+
+
+def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn` accepts the keyword argument `name` (by name, or through `**kwargs`)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: let the call decide
+        return True
+    if name in params:
+        return params[name].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _name_of(owner: StoreServer, store: Any) -> str:

@@ -82,6 +82,7 @@ class Broadcast:
         self.pipelined = pipelined
         self._version = 0
         self._maps: list[Any] = []
+        self._relay_cache: Any = None
 
     @classmethod
     def create(cls, *, block_size: int = 4 << 20, upload_slots: int = 1, root_slots: int | None = None,
@@ -157,19 +158,69 @@ class Broadcast:
 
     def get(self, version: int = 0, timeout: float | None = None) -> Any:
         """The object of a version >= `version` from this node's copy: arrays view shared memory (read-only)."""
+        return self.fetch(version, timeout)[1]
+
+    def fetch(self, version: int = 0, timeout: float | None = None) -> tuple[int, Any]:
+        """`(v, object)` of a version `v >= version` from this node's copy (as `get`, with the version it got)."""
         import mmap
 
         ray = _ray()
+        key = _this_node()
         r = self.relay()
         while True:
-            v, path, _ = ray.get(r.wait.remote(version), timeout=timeout)
+            try:
+                v, path, _ = ray.get(r.wait.remote(version), timeout=timeout)
+            except ray.exceptions.ActorDiedError:  # this node's relay died: a new one joins the broadcast
+                r = ray.get(self.directory.relay.remote(key, key, r), timeout=timeout)
+                continue
             try:
                 with open(path, "rb") as f:
                     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except FileNotFoundError:  # superseded between the answer and the open: take the newer one
                 version = v + 1
                 continue
-            return unpack(memoryview(mm))
+            return v, unpack(memoryview(mm))
+
+    def poll(self, after: int = 0, timeout: float | None = 60.0) -> tuple[int, Any] | None:
+        """`(version, object)` when this node holds a verified version newer than `after`, else None; never waits
+        for a transfer (an actor calls it between steps and keeps acting on the weights it has).
+
+        A node whose relay died gets a new one, which joins the running broadcast (as `get`). `timeout` bounds the
+        calls to the directory and the relay, not a transfer.
+        """
+        import mmap
+
+        ray = _ray()
+        r = self._local_relay(timeout)
+        try:
+            got = ray.get(r.current.remote(), timeout=timeout)
+        except ray.exceptions.ActorDiedError:  # the relay died: a new one joins the broadcast; poll again later
+            key = _this_node()
+            self._relay_cache = ray.get(self.directory.relay.remote(key, key, r), timeout=timeout)
+            return None
+        if got is None or got[0] <= after:
+            return None
+        v, path, _ = got
+        try:
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:  # superseded between the answer and the open: the next poll has the newer one
+            return None
+        return v, unpack(memoryview(mm))
+
+    def _local_relay(self, timeout: float | None) -> Any:
+        """This node's relay, remembered between polls (asked again after it died)."""
+        if self._relay_cache is None:
+            ray = _ray()
+            key = _this_node()
+            self._relay_cache = ray.get(self.directory.relay.remote(key, key), timeout=timeout)
+        return self._relay_cache
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_relay_cache"] = None  # a handle of the sender's node, not the receiver's
+        state["_maps"] = []
+        return state
 
     def digest(self, version: int = 0, key: str | None = None, timeout: float | None = None) -> str:
         """The digest of node `key`'s bytes of a version >= `version`, recomputed from its file."""

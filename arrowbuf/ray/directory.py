@@ -34,13 +34,16 @@ class BlockDirectory:
         async with self.cond:
             self.cond.notify_all()
 
-    async def relay(self, key: str, node_id: str | None = None) -> Any:
+    async def relay(self, key: str, node_id: str | None = None, dead: Any = None) -> Any:
         """The relay of node `key`, created (on Ray node `node_id` when given) if it has none or its relay died.
 
         A relay created while a version is in flight starts receiving it at once: late joiners join the running
-        broadcast.
+        broadcast. `dead`: a relay handle the caller found dead; if it is still `key`'s relay it is marked dead and
+        replaced (under the same lock, so two consumers that both saw it die get one new relay, not two).
         """
         async with self.creating:
+            if dead is not None and self.relays.get(key) == dead and key not in self.dead:
+                await self.mark_dead(key)
             return await self._relay(key, node_id)
 
     async def _relay(self, key: str, node_id: str | None) -> Any:

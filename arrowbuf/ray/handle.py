@@ -17,9 +17,11 @@ import pyarrow as pa
 
 from ..batch import SampleBatch
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, ShardsLost, StoreClosed
+from ..groups import GroupSampler
 from ..samplers import make_sampler, validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from ._common import _DaemonPool, _ray
+from .consume import ShardedConsumer
 from .ids import MAX_SHARDS, shard_of
 from .shard import _INFO_COLUMNS, ShardActor, ShardDirectory, is_exponent
 from .writer import ShardWriter
@@ -88,6 +90,7 @@ class ShardedStore:
         self._closed = False
         self._default_writer: ShardWriter | None = None
         self._writers: weakref.WeakSet[ShardWriter] = weakref.WeakSet()
+        self._consumer = ShardedConsumer(self, state.get("token_field"))  # consume (issue 16)
         self.counters = {"late": 0, "failed": 0, "revived": 0, "topups": 0, "updates_dropped": 0}
 
     # ------------------------------------------------------------------ creation
@@ -98,7 +101,9 @@ class ShardedStore:
                deadline: float | None = None, fanout: int | None = None, failure_timeout: float = 30.0,
                chunk_rows: int | None = None,
                max_batch_rows: int = 65_536, bind: str | None = None, timeout: float = 120.0,
-               checkpoint_root: str | None = None, checkpoint_every: float | None = None) -> "ShardedStore":
+               checkpoint_root: str | None = None, checkpoint_every: float | None = None,
+               tasks: Any = None, max_staleness: int | None = None,
+               token_field: str | None = None) -> "ShardedStore":
         """Start `num_shards` shard actors in a placement group and return a handle on them.
 
         Args:
@@ -128,6 +133,9 @@ class ShardedStore:
                 `checkpoint_root/shard-<k>` (`checkpoint()`, `checkpoint_every`), and a restarted shard comes back from
                 its last checkpoint there (under a new generation) instead of empty.
             checkpoint_every: seconds between each shard's own checkpoints (keeps the last 2); None: only on request.
+            tasks, max_staleness, token_field: consumption per task on every shard (`ExperienceStore`; `consume`).
+                With tasks, tier "auto" means "host". With an `ab.samplers.Group` sampler, `extend` routes each row
+                by a hash of its group key, so a group's rows live on one shard.
         """
         ray = _ray()
         if not ray.is_initialized():
@@ -136,6 +144,8 @@ class ShardedStore:
         if not 1 <= int(num_shards) <= MAX_SHARDS:
             raise InvalidArgument(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
         sampler = make_sampler(sampler)
+        if (tasks or isinstance(sampler, GroupSampler)) and tier == "auto":  # consume (issue 16): heap state
+            tier = "host"
         tier = _resolve_tier(tier, schema)
         uid = f"ab{secrets.token_hex(4)}"
         token = secrets.token_urlsafe(24)
@@ -170,7 +180,8 @@ class ShardedStore:
                     "tier": tier, "uid": uid, "name": name or schema.name, "token": token, "bind": bind,
                     "directory": f"arrowbuf-{uid}-directory", "max_batch_rows": int(max_batch_rows),
                     "checkpoint_root": None if checkpoint_root is None else os.path.abspath(checkpoint_root),
-                    "checkpoint_every": checkpoint_every}
+                    "checkpoint_every": checkpoint_every, "tasks": None if tasks is None else list(tasks),
+                    "max_staleness": max_staleness, "token_field": token_field}
             actors.append(remote_cls.options(**opts).remote(spec))
         try:
             infos = ray.get([a.get_info.remote() for a in actors], timeout=timeout)
@@ -186,7 +197,7 @@ class ShardedStore:
         state = {"schema": schema.to_dict(), "actors": actors, "infos": infos, "directory": directory, "pg": pg,
                  "token": token, "sampler": sampler, "deadline": deadline, "fanout": fanout,
                  "failure_timeout": failure_timeout,
-                 "max_restarts": max_restarts, "tier": tier, "uid": uid}
+                 "max_restarts": max_restarts, "tier": tier, "uid": uid, "token_field": token_field}
         return cls(state, owner=True)
 
     def __reduce__(self) -> Any:
@@ -566,6 +577,47 @@ class ShardedStore:
                 self.counters["updates_dropped"] += m
         return applied
 
+    # ------------------------------------------------------------------ fields filled later (issue 16; fields helper)
+    def update(self, ids: Any, values: dict[str, Any]) -> int:
+        """Fill fields declared `later: true` of stored rows (see `ExperienceStore.update`), routed by the shard each
+        global id encodes. Validated here before any shard is written; atomic per shard (not across shards). Ids
+        on a down shard are dropped (counted in `counters["updates_dropped"]`); ids of evicted rows, or of a shard's
+        earlier incarnation, are skipped by the shard (its `stats()["update_skipped"]`). Returns rows written.
+
+        Raises:
+            SchemaError: an unknown field, a field not filled later, a wrong dtype, shape or length.
+            InvalidArgument: an id no shard of this store issued (a shard number beyond `num_shards`), or an id
+                given twice; nothing written.
+        """
+        from ..update import update_ids, validate_update
+
+        gids = update_ids(ids)
+        single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
+        cols = validate_update(self.schema, gids, values, single)
+        owner = shard_of(gids)
+        bad = (gids < 0) | (owner >= self.num_shards)
+        if bad.any():
+            raise InvalidArgument(f"update: id {int(gids[np.flatnonzero(bad)[0]])} was not issued by this "
+                                  f"ShardedStore ({self.num_shards} shards); pass ids its extend/append returned")
+        futs = {}
+        for k in np.unique(owner):
+            idx = np.flatnonzero(owner == k)
+            s = self._shards[int(k)]
+            client = self._client(s)
+            if client is None:
+                self.counters["updates_dropped"] += len(idx)
+                continue
+            part = {n: v.take(pa.array(idx)) if isinstance(v, pa.Array) else v[idx] for n, v in cols.items()}
+            futs[self._executor().submit(client.update, gids[idx], part)] = (s, len(idx))
+        written = 0
+        for fut, (s, m) in futs.items():
+            try:
+                written += int(fut.result(timeout=self.failure_timeout))
+            except (StoreClosed, OSError, pa.ArrowException, cf.TimeoutError) as exc:
+                self._mark_down(s, exc)
+                self.counters["updates_dropped"] += m
+        return written
+
     # ------------------------------------------------------------------ writing
     def writer(self, shard: int | None = None, *, transport: str = "auto", max_in_flight: int = 8,
                actor: Any = None) -> "ShardWriter":
@@ -578,7 +630,10 @@ class ShardedStore:
 
     def extend(self, batch: Any) -> np.ndarray:
         """Write through this handle's default writer (see `writer`); returns the rows' global ids
-        (`np.ndarray[int64]`, in row order) once the shard has committed them."""
+        (`np.ndarray[int64]`, in row order) once the shard has committed them. With an `ab.samplers.Group` sampler
+        each row goes to the shard its group key hashes to (a group stays on one shard)."""
+        if isinstance(self.sampler, GroupSampler) and self.num_shards > 1:
+            return self._consumer.extend_by_group(batch)
         if self._default_writer is None:
             self._default_writer = self.writer()
         return self._default_writer.extend(batch)
@@ -586,6 +641,34 @@ class ShardedStore:
     def append(self, step: dict[str, Any]) -> int:
         """Write one step through the default writer; returns its global id."""
         return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()})[0])
+
+    # ------------------------------------------------------------------ consumption per task (issue 16; owner: consume)
+    # Thin delegation to `arrowbuf.ray.consume.ShardedConsumer`.
+    def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None,
+                max_tokens: int | None = None) -> SampleBatch:
+        """`ExperienceStore.consume` over the shards (see `arrowbuf.ray.consume.ShardedConsumer.consume`)."""
+        return self._consumer.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
+                                      where=where, max_tokens=max_tokens)
+
+    def add_task(self, name: str) -> None:
+        """Declare a consuming task on every live shard."""
+        self._consumer.add_task(name)
+
+    @property
+    def tasks(self) -> list[str]:
+        """The consuming tasks (as the first live shard has them)."""
+        return self._consumer.tasks()
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version (as the first live shard has it); setting it sets every live shard's."""
+        return self._consumer.policy_version()
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self._consumer.set_policy_version(value)
+    # ------------------------------------------------------------------ end of consumption per task
 
     # ------------------------------------------------------------------ inspection
     def __len__(self) -> int:

@@ -11,8 +11,10 @@ import warnings
 from typing import Any, Iterable
 
 import numpy as np
+import pyarrow as pa
 
 from ..batch import SampleBatch
+from ..errors import InvalidArgument
 from ..samplers import Sampler, make_sampler, validate_priorities
 from ..schema import load_schema
 from ._common import _ray
@@ -65,6 +67,7 @@ class ShardStore:
         self.schema = store.schema
         self.capacity = store.capacity
         self.delay_s = 0.0  # artificial slowness (benchmarks, tests): added to every sample
+        self.update_skipped = 0  # update ids of this shard's earlier incarnations (issue 16)
 
     def mass(self) -> tuple[float, float, int]:
         """(sampling mass, smallest positive item mass, size) now, from the store's sampler."""
@@ -97,22 +100,74 @@ class ShardStore:
         arrays["_shard_size"] = np.full(k, size, dtype=np.int64)
         return SampleBatch(arrays, ids, b.weights, b.info)
 
+    # --- consume (issue 16; owner: consume): consumption per task, under global ids
+    def consume(self, task: str, n: int, **kwargs: Any) -> SampleBatch:
+        """The store's `consume`; the batch's indices are global ids."""
+        b = self.store.consume(task, n, **kwargs)
+        return SampleBatch({c: b[c] for c in b.columns}, encode_ids(self.shard, self.generation, b.indices), None,
+                           b.info)
+
+    def add_task(self, name: str) -> None:
+        self.store.add_task(name)
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.store.tasks)
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.store.policy_version)
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self.store.policy_version = value
+    # --- end consume
+
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         ids, pri = validate_priorities(indices, priorities)
         shard, gen, seq = decode_ids(ids)
         mine = (shard == self.shard) & (gen == self.generation)  # ids of a dead incarnation are not ours
         return int(self.store.update_priorities(seq[mine], pri[mine])) if mine.any() else 0
 
+    def update(self, ids: Any, values: Any) -> int:
+        """The store's `update` (issue 16) by global ids: ids of this shard's earlier incarnations name rows that are
+        gone (skipped and counted in `stats()["update_skipped"]`); ids of another shard are `InvalidArgument`."""
+        from ..update import update_ids, validate_update
+
+        gids = update_ids(ids)
+        single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
+        cols = validate_update(self.schema, gids, values, single)
+        shard, gen, seq = decode_ids(gids)
+        bad = (gids < 0) | (shard != self.shard)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidArgument(f"update: id {int(gids[i])} is not an id of shard {self.shard} (it names shard "
+                                  f"{int(shard[i])}); send ids to the ShardedStore that issued them")
+        mine = gen == self.generation
+        self.update_skipped += int((~mine).sum())
+        if not mine.any():
+            return 0
+        keep = np.flatnonzero(mine)
+        part = cols if mine.all() else {k: v.take(pa.array(keep)) if isinstance(v, pa.Array) else v[keep]
+                                        for k, v in cols.items()}
+        return int(self.store.update(seq[keep], part))
+
     def __len__(self) -> int:
         return len(self.store)
 
     def stats(self) -> dict[str, Any]:
         total, vmin, size = self.mass()
-        return {**self.store.stats(), "shard": self.shard, "generation": self.generation, "mass": total,
-                "min_mass": vmin if np.isfinite(vmin) else None}
+        out = {**self.store.stats(), "shard": self.shard, "generation": self.generation, "mass": total,
+               "min_mass": vmin if np.isfinite(vmin) else None}
+        out["update_skipped"] = out.get("update_skipped", 0) + self.update_skipped  # ids of earlier incarnations
+        return out
 
     def to_table(self, columns: list[str] | None = None) -> Any:
         return self.store.to_table(columns)
+
+    def iter_table(self, columns: list[str] | None = None) -> Any:
+        """The store's `iter_table` (the Flight server's `table` stream: one chunk copied at a time)."""
+        return self.store.iter_table(columns)
 
     def sql(self, query: str) -> Any:
         return self.store.sql(query)
@@ -201,10 +256,15 @@ class ShardActor:
             self.store = ExperienceStore.restore(self.checkpoint_dir, tier=tier, seed=seed,
                                                  name=shm_name or f"{spec['name']}-{shard}")
             self.restored_from = {"path": self.checkpoint_dir, "rows": len(self.store)}
+            for task in spec.get("tasks") or []:  # consume (issue 16): a restored shard's tasks come back declared
+                if task not in self.store.tasks:
+                    self.store.add_task(task)
         else:
             self.store = ExperienceStore(load_schema(spec["schema"]), spec["capacity"], make_sampler(spec["sampler"]),
                                          spec["rate_limiter"], seed, chunk_rows=spec["chunk_rows"], tier=tier,
-                                         name=shm_name or f"{spec['name']}-{shard}")
+                                         name=shm_name or f"{spec['name']}-{shard}", tasks=spec.get("tasks"),
+                                         max_staleness=spec.get("max_staleness"),
+                                         token_field=spec.get("token_field"))
         self._stop_checkpoints = threading.Event()
         self._periodic = threading.Condition()
         self._periodic_last: dict[str, Any] | None = None  # the latest periodic checkpoint's summary (or error)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ArrowbufError, StoreClosed, StoreCorrupt
+from ..futex import FUTEX
 
 
 class _Pthread:
@@ -77,6 +78,10 @@ _GLIBC = sys.platform.startswith("linux") and _is_glibc()
 _FUTEX_TID_MASK = 0x3FFFFFFF
 #: Consecutive 50 ms waits with the same holder before the holder is checked (a live holder is never declared stuck).
 _STUCK_SLICES = 10
+#: A waiter that waited this long asks for the lock to be handed to it (see `RobustMutex`).
+_STARVE_S = 0.002
+#: Byte offset, in a lock's 64-byte slot, of the hand-off word pair (thread id, pid) after the pthread_mutex_t.
+_HAND_AT = 48
 
 
 class _Timespec(ctypes.Structure):
@@ -90,6 +95,12 @@ class RobustMutex:
     marks it consistent and goes on, so a crashed holder never blocks the others. It also excludes the threads of one
     process. An uncontended acquire/release is two libc calls and no system call; a contended one sleeps on a futex.
     Works as the lock of a `threading.Condition`.
+
+    Fair by hand-off: a pthread mutex lets a thread that releases it and locks it again at once (a writer in a tight
+    loop) win over a waiter every time, starving it. Here a waiter that waited `_STARVE_S` writes its thread id and pid
+    into the hand-off word beside the mutex; while it is set, every other locker (except waiters starved too) first
+    waits for it to clear (a futex on the word), so the starved waiter gets the lock at the next release, clears the
+    word and wakes them. A hand-off word left by a thread that no longer exists is cleared by whoever waits on it.
     """
 
     def __init__(self, mem: np.ndarray, init: bool, where: str = "", store_dir: str | None = None,
@@ -103,36 +114,44 @@ class RobustMutex:
             raise ArrowbufError("process-shared robust mutexes are not available here; use flock locks")
         self._lib: _Pthread = lib
         self._addr = mem.ctypes.data
+        self._hand = mem[_HAND_AT:_HAND_AT + 8].view(np.uint32)  # (thread id, pid) of a starved waiter, or zeros
+        self._hand_addr = self._addr + _HAND_AT
         if init:
             self._lib.init(self._addr)
+            self._hand[:] = 0
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         lib = self._lib
+        forever = timeout is None or timeout < 0
+        if self._hand[0] and not self._wait_hand_off(blocking, None if forever else time.time() + timeout):
+            return False
         r = lib.trylock(self._addr)
         if r == errno.EBUSY:
             if not blocking:
                 return False
-            forever = timeout is None or timeout < 0
             deadline = time.time() + (0.0 if forever else timeout)
             seen, same = -1, 0
-            while True:  # in slices: between them Python runs signal handlers (Ctrl-C stops a blocked process)
-                at = time.time() + 0.05 if forever else min(deadline, time.time() + 0.05)
-                ts = _Timespec(int(at), int((at % 1) * 1e9))
-                r = lib.timedlock(self._addr, ctypes.addressof(ts))
-                if r != errno.ETIMEDOUT:
-                    break
-                if not forever and time.time() >= deadline:
-                    return False
-                # the same holder for many slices: make sure it is one that can ever release the lock
-                word = self._word()
-                same = same + 1 if word == seen else 0
-                seen = word
-                if same == _STUCK_SLICES:
-                    why = self._unreleasable(word)
-                    if why:
-                        raise StoreCorrupt(f"{self.where} is {why}: its memory was overwritten, nobody can ever "
-                                           "release it. The store cannot be used safely: recreate it")
-                    same = 0
+            slice_s = _STARVE_S  # the first wait is short: a waiter starved that long asks for a hand-off
+            try:
+                while True:  # in slices: between them Python runs signal handlers (Ctrl-C stops a blocked process)
+                    at = time.time() + slice_s if forever else min(deadline, time.time() + slice_s)
+                    ts = _Timespec(int(at), int((at % 1) * 1e9))
+                    r = lib.timedlock(self._addr, ctypes.addressof(ts))
+                    if r != errno.ETIMEDOUT:
+                        break
+                    if not forever and time.time() >= deadline:
+                        return False
+                    if slice_s == _STARVE_S:
+                        slice_s = 0.05
+                    if not self._hand[0]:
+                        self._hand[1] = os.getpid()
+                        self._hand[0] = threading.get_native_id()
+                    seen, same = self._wait_slice(seen, same)
+            finally:
+                if r != 0 and r != errno.EOWNERDEAD:
+                    self._clear_hand()
+        if self._hand[0]:
+            self._clear_hand()
         if r == errno.EOWNERDEAD:  # its holder died: what it guarded is in a state the store tolerates
             lib.consistent(self._addr)
             r = 0
@@ -140,6 +159,56 @@ class RobustMutex:
             raise StoreCorrupt(f"{self.where} cannot be locked (pthread_mutex_lock: {os.strerror(r)}): its memory "
                                "was overwritten. The store cannot be used safely: recreate it")
         return True
+
+    def _wait_slice(self, seen: int, same: int) -> tuple[int, int]:
+        """After a timed-out slice: the same holder for many slices must be one that can ever release the lock.
+        Returns the new (seen, same)."""
+        word = self._word()
+        same = same + 1 if word == seen else 0
+        seen = word
+        if same == _STUCK_SLICES:
+            why = self._unreleasable(word)
+            if why:
+                raise StoreCorrupt(f"{self.where} is {why}: its memory was overwritten, nobody can ever "
+                                   "release it. The store cannot be used safely: recreate it")
+            same = 0
+        return seen, same
+
+    def _clear_hand(self) -> None:
+        """Clear the hand-off word if this thread set it, and wake the lockers waiting for it to clear."""
+        hand = self._hand
+        if hand[0] == threading.get_native_id() and hand[1] == os.getpid():
+            hand[0] = 0
+            hand[1] = 0
+            if FUTEX is not None:
+                FUTEX.wake(self._hand_addr)
+
+    def _wait_hand_off(self, blocking: bool, deadline: float | None) -> bool:
+        """Another waiter starved and asked for the lock: wait until it got it (the word clears). False when not
+        `blocking` or past `deadline`. A word naming a thread that does not exist is cleared here."""
+        hand = self._hand
+        since = time.time()
+        while True:
+            tid, pid = int(hand[0]), int(hand[1])
+            if not tid or (tid == threading.get_native_id() and pid == os.getpid()):
+                return True
+            if not blocking:
+                return False
+            now = time.time()
+            if deadline is not None and now >= deadline:
+                return False
+            if now - since > 0.05:  # slow: is the thread that asked still there?
+                if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                    if hand[0] == tid:
+                        hand[0] = 0
+                        hand[1] = 0
+                    continue
+                since = now
+            left = 0.05 if deadline is None else min(0.05, max(0.0, deadline - now))
+            if FUTEX is not None:
+                FUTEX.wait(self._hand_addr, tid, left)
+            else:
+                time.sleep(min(left, 0.0005))
 
     def _word(self) -> int:
         """The mutex's lock word (glibc: the holder's thread id and the FUTEX_WAITERS and FUTEX_OWNER_DIED bits; -1

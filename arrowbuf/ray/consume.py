@@ -1,0 +1,169 @@
+"""Consumption per task on a `ShardedStore` (issue 16): groups kept on one shard, consume over every shard.
+
+`ShardedStore` delegates `consume`, `add_task`, `tasks` and `policy_version` here, and, with an
+`ab.samplers.Group` sampler, `extend`: each row goes to the shard its group key hashes to (`group_shards`), so a
+group's rows are on one shard and each shard delivers whole groups. Each shard tracks its own rows' consumption
+(`arrowbuf.consume`), so each row reaches each task once however many learners consume.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import TYPE_CHECKING, Any, Iterable, cast
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..batch import SampleBatch
+from ..errors import InvalidArgument, StoreClosed
+from ..groups import GroupSampler
+
+if TYPE_CHECKING:
+    from .handle import ShardedStore
+    from .writer import ShardWriter
+
+
+def group_shards(keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each group key: a 64-bit multiplicative hash of the key modulo the shard count (the same in
+    every process, unlike Python's `hash`)."""
+    keys = np.asarray(keys)
+    bits = keys.astype(np.int64) if keys.dtype.kind in "iub" else keys.astype(np.float64).view(np.int64)
+    mixed = bits.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return ((mixed >> np.uint64(32)) % np.uint64(num_shards)).astype(np.int64)
+
+
+class ShardedConsumer:
+    """Consumption per task over a `ShardedStore`'s shards, through its public surface (shard clients, writers).
+
+    Args:
+        handle: the sharded store.
+        token_field: the ragged field `max_tokens` counts (None: `response_tokens`, or the only ragged field).
+    """
+
+    def __init__(self, handle: "ShardedStore", token_field: str | None = None) -> None:
+        self.handle = handle
+        self._turn = -1
+        self._writers: dict[int, ShardWriter] = {}
+        ragged = [f for f, spec in handle.schema.fields.items() if spec.ragged]
+        self.token_field = token_field or ("response_tokens" if "response_tokens" in ragged else
+                                           (ragged[0] if len(ragged) == 1 else None))
+
+    def _live(self) -> list[tuple[int, Any]]:
+        out = []
+        for k in range(self.handle.num_shards):
+            client = self.handle.shard_client(k)
+            if client is not None:
+                out.append((k, client))
+        return out
+
+    # ------------------------------------------------------------------ writing whole groups to one shard
+    def extend_by_group(self, batch: Any) -> np.ndarray:
+        """Write `batch`, each row to the shard of its group key (one writer per shard); the rows' global ids."""
+        from ..flight.client import _record_batch
+
+        group = self.handle.sampler
+        assert isinstance(group, GroupSampler)
+        schema = self.handle.schema
+        cols, n = schema.validate_batch(batch)
+        rb = _record_batch(schema, cols)
+        home = group_shards(np.asarray(cols[group.key]), self.handle.num_shards)
+        ids = np.empty(n, dtype=np.int64)
+        for k in np.unique(home):
+            rows = np.flatnonzero(home == k)
+            w = self._writers.get(int(k))
+            if w is None:
+                w = self._writers[int(k)] = self.handle.writer(shard=int(k))
+            ids[rows] = w.extend(rb.take(pa.array(rows)))
+        return ids
+
+    # ------------------------------------------------------------------ consume
+    def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None,
+                max_tokens: int | None = None) -> SampleBatch:
+        """Up to `n` rows `task` has not consumed, from any shard (each row once per task).
+
+        First every live shard in turn (rotating the first) is asked, without waiting, for what is still missing,
+        so no more than `n` rows are ever consumed. When that leaves the batch short and `timeout` > 0, the rest is
+        asked of every live shard at once (split in whole groups), each waiting up to `timeout`. With `max_tokens`
+        the budget is split the same way; each shard call delivers at least one row (group), so the total may pass
+        the budget by one row (group) per shard asked.
+
+        Raises:
+            InvalidArgument: as `ExperienceStore.consume` (the first shard asked checks it; nothing consumed).
+        """
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"consume: n must be a positive number of rows, got {n!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or not 0 <= timeout < float("inf")):
+            raise InvalidArgument(f"consume: timeout must be a finite number of seconds >= 0, got {timeout!r}")
+        sampler = self.handle.sampler
+        size = sampler.size if isinstance(sampler, GroupSampler) else 1
+        opts = {"require": None if require is None else list(require), "max_staleness": max_staleness,
+                "where": where}
+        live = self._live()
+        if not live:
+            return SampleBatch({}, np.zeros(0, dtype=np.int64))
+        self._turn = turn = (self._turn + 1) % len(live)
+        parts: list[SampleBatch] = []
+        left, budget = int(n), max_tokens
+        for k, client in live[turn:] + live[:turn]:  # without waiting, shard by shard: never more than n in all
+            if left < size or (budget is not None and budget <= 0):
+                break
+            part = self._one(k, client, task, left, 0.0, budget, opts)
+            if part is None:
+                continue
+            parts.append(part)
+            left -= len(part)
+            if budget is not None:
+                budget -= self._tokens(part)
+        if timeout and left >= size and (budget is None or budget > 0):
+            groups = left // size
+            share = [groups // len(live) + (i < groups % len(live)) for i in range(len(live))]
+            with cf.ThreadPoolExecutor(max_workers=len(live), thread_name_prefix="arrowbuf-consume") as pool:
+                futs = [pool.submit(self._one, k, client, task, g * size, float(timeout),
+                                    None if budget is None else max(1, budget * g // groups), opts)
+                        for (k, client), g in zip(live, share) if g]
+                parts += [p for p in (f.result() for f in futs) if p is not None]
+        full = [p for p in parts if len(p)]
+        if not full:
+            return parts[0] if parts else SampleBatch({}, np.zeros(0, dtype=np.int64))
+        return full[0] if len(full) == 1 else SampleBatch.concat(full, {"task": task})
+
+    def _one(self, k: int, client: Any, task: str, n: int, timeout: float, max_tokens: int | None,
+             opts: dict[str, Any]) -> SampleBatch | None:
+        """Shard `k`'s consume; None when the shard is unreachable (reported down)."""
+        try:
+            return cast(SampleBatch, client.consume(task, n, timeout=timeout, max_tokens=max_tokens, **opts))
+        except (StoreClosed, OSError, pa.ArrowException, ConnectionError) as exc:
+            self.handle.report_down(k, exc)
+            return None
+
+    def _tokens(self, batch: SampleBatch) -> int:
+        if self.token_field is None or self.token_field not in batch.columns or not len(batch):
+            return 0
+        return int(pc.sum(pc.list_value_length(batch[self.token_field])).as_py() or 0)
+
+    # ------------------------------------------------------------------ tasks and versions
+    def add_task(self, name: str) -> None:
+        """Declare a consuming task on every live shard."""
+        for _, client in self._live():
+            client.add_task(name)
+
+    def tasks(self) -> list[str]:
+        live = self._live()
+        return list(live[0][1].tasks) if live else []
+
+    def policy_version(self) -> int:
+        live = self._live()
+        return int(live[0][1].policy_version) if live else 0
+
+    def set_policy_version(self, value: int) -> None:
+        """Set every live shard's policy version."""
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
+        for _, client in self._live():
+            client.policy_version = int(value)
+
+
+__all__ = ["ShardedConsumer", "group_shards"]
