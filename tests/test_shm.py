@@ -183,6 +183,44 @@ def _report_ids(q) -> None:
     q.put((threading.get_native_id(), os.getpid()))
 
 
+RAGGED = {"name": "tok", "fields": {"tokens": {"dtype": "int32", "ragged": True, "mean_length": 512},
+                                    "logprobs": {"dtype": "float32", "ragged": True, "mean_length": 512},
+                                    "reward": {"dtype": "float32"}, "done": {"dtype": "bool"}}}
+
+
+def _tokens(writer: int, k: int) -> int:
+    return (writer * 7 + k) % 300 + 1
+
+
+def ragged_rows(writer: int, k0: int, n: int) -> dict:
+    """Rows k0..k0+n-1 of `writer`: row k has `_tokens(writer, k)` tokens [k, k + 1, ...] and matching logprobs, so
+    each row can be checked on its own."""
+    import pyarrow as pa
+
+    lens = [_tokens(writer, k) for k in range(k0, k0 + n)]
+    toks = [np.arange(k, k + m, dtype=np.int32) for k, m in zip(range(k0, k0 + n), lens)]
+    return {"tokens": pa.array(toks, type=pa.list_(pa.int32())),
+            "logprobs": pa.array([-t.astype(np.float32) / 1000 for t in toks], type=pa.list_(pa.float32())),
+            "reward": np.array([writer * 1e6 + k for k in range(k0, k0 + n)], np.float32), "done": np.ones(n, bool)}
+
+
+def check_ragged(tokens: list, logprobs: list, reward: np.ndarray) -> None:
+    """Every row is whole: its token count and values follow from its reward (writer, k)."""
+    for t, lp, r in zip(tokens, logprobs, reward):
+        writer, k = divmod(int(r), 1_000_000)
+        m = _tokens(writer, k)
+        np.testing.assert_array_equal(np.asarray(t), np.arange(k, k + m))
+        np.testing.assert_allclose(np.asarray(lp), -np.arange(k, k + m, dtype=np.float32) / 1000)
+
+
+def _ragged_writer(name: str, writer: int, q) -> None:
+    store = ab.ExperienceStore.attach(name)
+    ids = np.concatenate([store.extend(ragged_rows(writer, k, 10)) for k in range(0, 60, 10)])
+    b = store.sample(100)
+    q.put((ids, b.indices, b["tokens"].to_pylist(), b["logprobs"].to_pylist(), b["reward"]))
+    store.close()
+
+
 def _write_then_sample(name: str, writer: int, q) -> None:
     store = ab.ExperienceStore.attach(name)
     store.extend(rows(writer, 0, 100))
@@ -421,6 +459,39 @@ def test_lock_hand_off_word_holds_others_back_until_its_thread_is_gone(names):
         lk._hand[:] = ids  # a request of a process that exited
         store.extend(rows(0, 0, 10))
         assert len(store) == 10 and not lk._hand.any()
+
+
+def test_ragged_fields_in_shared_memory_round_trip_across_processes(names):
+    """Ragged fields live in the store's shared memory: what one process extends, another samples and reads back
+    equal, in parallel-writer stores too (ragged batches are written under the write lock), while the ring turns."""
+    name = names()
+    with ab.ExperienceStore(RAGGED, 200, tier="shm", name=name) as store:
+        ids = store.extend(ragged_rows(0, 0, 50))
+        q = CTX.Queue()
+        p = start(names, _ragged_writer, name, 1, q)
+        child_ids, idx, toks, lps, rew = q.get(timeout=JOIN_S)
+        join_ok(p)
+        check_ragged(toks, lps, rew)
+        assert len(store) == 110
+        t = store.to_table(["tokens", "logprobs", "reward", "seq"])
+        np.testing.assert_array_equal(t.column("seq").to_numpy(), np.concatenate([ids, child_ids]))
+        check_ragged(t.column("tokens").to_pylist(), t.column("logprobs").to_pylist(), t.column("reward").to_numpy())
+        assert set(t.column("reward").to_numpy() // 1e6) == {0, 1}
+        b = store.sample(64)
+        key = next(k for k in store._tier.manifest["arenas"] if k.endswith("tokens.values"))
+        start_, size = store._tier.address_range(key)
+        addr = b["tokens"].values.buffers()[1].address
+        assert not start_ <= addr < start_ + size  # a copy, never a view of the shared values
+        check_ragged(b["tokens"].to_pylist(), b["logprobs"].to_pylist(), b["reward"])
+        for k in range(0, 1000, 50):  # the ring turns five times; every row read back is whole
+            store.extend(ragged_rows(1, 1000 + k, 50))
+            t = store.to_table(["tokens", "logprobs", "reward"])
+            check_ragged(t.column("tokens").to_pylist(), t.column("logprobs").to_pylist(),
+                         t.column("reward").to_numpy())
+        assert len(store) == 200
+        np.testing.assert_array_equal(t.column("reward").to_numpy(), 1e6 + np.arange(1800, 2000))
+        b = store.sample(256)
+        check_ragged(b["tokens"].to_pylist(), b["logprobs"].to_pylist(), b["reward"])
 
 
 def test_janitor_reclaims_stores_of_dead_owners(names, capsys):
