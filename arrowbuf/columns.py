@@ -12,8 +12,9 @@ store does)::
     cols.take_next("obs", next_positions)         # ring rows or final slots (a derived column)
     cols.view("obs", p0, p1)                      # rows of one chunk, zero-copy where the tier allows
 
-Ragged (list) fields are kept as one Arrow array per chunk slot; in a shared tier (shared memory), in tier memory
-instead (`arrowbuf.ragged_arena.RaggedArena`), shown through the same per-slot interface (`ragged[name][slot]`).
+Ragged (list) fields are kept as one Arrow array per chunk slot; in a shared tier (shared memory) and in a tiered
+store (in its bottom tier: the disk spills token data), in tier memory instead (`arrowbuf.ragged_arena.RaggedArena`),
+shown through the same per-slot interface (`ragged[name][slot]`).
 
 Fields filled later (`later: true` in the schema) also have a validity array per ring position (`presence`, see
 `arrowbuf.presence`): `write`/`write_ragged` record which rows were given a value, `update_rows` fills live rows in
@@ -75,13 +76,13 @@ class ColumnArenas:
         self.final_sources = list(final_sources)
         self.arrays: dict[str, np.ndarray] = {}
         self.ragged: dict[str, Any] = {}  # per ragged field: its per-slot list arrays (or a SlotView)
-        self.shared_ragged: dict[str, RaggedArena] = {}  # the ragged fields kept in tier memory (a shared tier)
+        self.tier_ragged: dict[str, RaggedArena] = {}  # ragged fields in tier memory (a shared tier; a tiered store)
         self.presence = Presence(schema, tier, self.arena_rows)
         self.later = self.presence.valid  # membership: the fields filled later
         for f in schema.fields.values():
             if f.ragged and tier.shared:
                 arena = RaggedArena(f, tier, self.chunk_rows, directory.num_slots, self.arena_rows)
-                self.shared_ragged[f.name] = arena
+                self.tier_ragged[f.name] = arena
                 read = self._consistent(f.name, arena.take) if f.later else None
                 self.ragged[f.name] = SlotView(arena, read)
             elif f.ragged:
@@ -117,8 +118,8 @@ class ColumnArenas:
             self.presence.mark(name, first_pos, values.slice(0, head))
             if head < len(values):
                 self.presence.mark(name, 0, values.slice(head))
-        if name in self.shared_ragged:
-            self.shared_ragged[name].write(first_pos, values)
+        if name in self.tier_ragged:
+            self.tier_ragged[name].write(first_pos, values)
             return
         pos, done = first_pos, 0
         slots = self.ragged[name]
@@ -151,8 +152,8 @@ class ColumnArenas:
     def _update_ragged(self, name: str, positions: np.ndarray, values: pa.Array) -> None:
         """Replace rows of a ragged column: one new array per chunk slot touched, built with ranged copies (a slot
         whose every row is replaced takes the new rows as they are)."""
-        if name in self.shared_ragged:
-            self.shared_ragged[name].update(positions, values)
+        if name in self.tier_ragged:
+            self.tier_ragged[name].update(positions, values)
             return
         slots = self.ragged[name]
         order = np.argsort(positions, kind="stable")
@@ -185,8 +186,8 @@ class ColumnArenas:
         if name in self.ragged:  # a ragged column carries its nulls itself
             if len(shape) > 1:
                 raise SchemaError(f"ragged field {name!r} cannot be sampled as sequences")
-            if name in self.shared_ragged:  # rows updated in place: read under the presence seqlock
-                return self.presence.read(name, positions, self.shared_ragged[name].take)[0]
+            if name in self.tier_ragged:  # rows updated in place: read under the presence seqlock
+                return self.presence.read(name, positions, self.tier_ragged[name].take)[0]
             return self.take_ragged(name, positions)
         values, present = self.presence.read(name, positions, lambda p: self.take(name, p, *extra))
         return to_nullable(spec, values, present, shape)
@@ -208,8 +209,8 @@ class ColumnArenas:
 
     def take_ragged(self, name: str, positions: np.ndarray) -> pa.Array:
         """Rows at ring `positions` of ragged column `name`: ranged copies, or a zero-copy slice of one chunk."""
-        if name in self.shared_ragged:
-            return self.shared_ragged[name].take(positions)
+        if name in self.tier_ragged:
+            return self.tier_ragged[name].take(positions)
         return _ragged.take_chunked(self.ragged[name], self.chunk_rows, positions)
 
     def count_access(self, key: Any, rows: int, resolve: Any, *args: Any) -> None:
@@ -226,7 +227,7 @@ class ColumnArenas:
     def ragged_snapshot(self) -> dict[str, list[pa.Array]]:
         """The per-slot arrays of the ragged fields (take under the store's lock: writers replace them)."""
         # shared ragged fields: a view that copies a slot when asked (the snapshot's seq check follows the copy)
-        return {k: v if k in self.shared_ragged else list(v) for k, v in self.ragged.items()}
+        return {k: v if k in self.tier_ragged else list(v) for k, v in self.ragged.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.arrays
@@ -234,7 +235,7 @@ class ColumnArenas:
     def close(self) -> None:
         self.arrays.clear()
         self.ragged.clear()
-        self.shared_ragged.clear()
+        self.tier_ragged.clear()
 
 
 # A numpy call costs about this many seconds; an extra copy of a row this many bytes/s: the mixed-tier gather takes
@@ -289,7 +290,7 @@ class TieredColumnArenas(ColumnArenas):
         self.meta = meta
         self.slotted = [bool(t.slotted) for t in self.tiers]
         self.bottom = len(self.tiers) - 1
-        self.fields = [f for f in schema.fields.values()]
+        self.fields = [f for f in schema.fields.values() if not f.ragged]  # ragged fields stay in the bottom tier
         self.names = [f.name for f in self.fields]
         self.ci = {n: directory.columns.index(n) for n in self.names}
         self.cname = {i: n for n, i in self.ci.items()}
@@ -319,9 +320,16 @@ class TieredColumnArenas(ColumnArenas):
                     self.arenas[code][f.name] = t.allocate_sparse(f.name, f.dtype, self.arena_rows, f.shape)
         top = next(c for c in range(len(self.tiers)) if not self.slotted[c])
         self.arrays = dict(self.arenas[top])  # membership and `store._arenas`: the top non-slotted arenas
-        self.ragged = {}
-        self.shared_ragged = {}
         self.presence = Presence(schema, meta, self.arena_rows)  # validity stays on the host (meta tier)
+        # ragged fields (token ids, log-probs): flat arenas in the bottom tier (the disk, when there is one: a spill
+        # for token data; the OS page cache keeps what is read often). Placement does not move them.
+        self.ragged = {}
+        self.tier_ragged = {}
+        for f in schema.fields.values():
+            if f.ragged:
+                arena = RaggedArena(f, self.tiers[self.bottom], cr, self.num_slots, self.arena_rows)
+                self.tier_ragged[f.name] = arena
+                self.ragged[f.name] = SlotView(arena, self._consistent(f.name, arena.take) if f.later else None)
         self.later = self.presence.valid
         self._final_code = len(self.tiers)  # a pseudo tier code for final-observation rows in a gather
         self._prefetch = [hasattr(t, "prefetch") for t in self.tiers]  # tiers whose reads may wait for a disk

@@ -98,10 +98,6 @@ class ExperienceStore:
         else:
             if tier != "host":
                 raise InvalidArgument("pass either tier= (one tier) or tiers= (budgets per tier), not both")
-            ragged = [f.name for f in self.schema.fields.values() if f.ragged]
-            if ragged:
-                raise SchemaError(f"ragged fields are not yet supported in a tiered store: {ragged}; "
-                                  "drop tiers= for this schema, or make the fields fixed-shape")
             from .tiers import make_tiers
 
             self._tier, data_tiers = make_tiers(tiers)

@@ -32,9 +32,10 @@ BENCHMARKS = {
     "tiers": ("benchmarks.bench_tiers", ["--quick"], "Tiers and placement: spill and cold columns"),
     "ray": ("benchmarks.bench_ray", ["--quick"], "Ray: sharded stores"),
     "persist": ("benchmarks.bench_persist", ["--quick"], "Persistence: checkpoint, incremental, background, restore"),
+    "llm": ("benchmarks.bench_llm", ["--quick"], "LLM data path: TransferQueue's workload, ragged, GRPO-shaped rows"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
-DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist"]
+DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm"]
 
 
 def versions() -> str:

@@ -260,8 +260,10 @@ def test_tiers_argument_is_checked(tmp_path):
         ab.ExperienceStore(SCHEMA, 100, tier="shm", tiers={"host": "1GiB"})
     tokens = {"name": "tok", "fields": {"tokens": {"dtype": "int32", "ragged": True}, "reward": {"dtype": "float32"},
                                         "terminated": {"dtype": "bool"}, "truncated": {"dtype": "bool"}}}
-    with pytest.raises(ab.SchemaError, match="ragged"):
-        ab.ExperienceStore(tokens, 100, tiers={"host": "1GiB", "disk": tmp_path})
+    with ab.ExperienceStore(tokens, 100, tiers={"host": "1GiB", "disk": tmp_path / "r"}) as ragged:  # issue 16
+        ragged.extend({"tokens": [[1, 2], []], "reward": [0.0, 1.0], "terminated": [True, True],
+                       "truncated": [False, False]})
+        assert ragged.to_table(["tokens"]).column(0).to_pylist() == [[1, 2], []]
     with pytest.raises(ab.OutOfSpace, match="add a disk tier") as err:  # host alone must hold everything
         ab.ExperienceStore(SCHEMA, 100_000, tiers={"host": "1MiB"})
     assert "budget is 1.0 MiB" in str(err.value)

@@ -491,3 +491,19 @@ def test_ragged_rows_written_and_updated_by_another_process():
         assert t["p"] == [0, 1, 2, 3, 4, 100, 101, 102, 103, 104, 105]
         assert t["tok"][5] == list(range(100, 100 + 100 % 7)) and t["ref"][6] == [6.0] * (6 % 5)
         assert t["ref"][:5] == [None] * 5
+
+
+def test_ragged_fields_spill_to_the_disk_tier_of_a_tiered_store(tmp_path):
+    """A tiered store takes ragged fields (later ones included): their elements live in the disk tier's files."""
+    rng = np.random.default_rng(2)
+    with ab.ExperienceStore(RAGGED_SHM, capacity=20, chunk_rows=4, tiers={"host": "64KiB", "disk": tmp_path}) as s:
+        seq = 0
+        for _ in range(12):
+            n = int(rng.integers(1, 9))
+            ids = s.extend(ragged_rows(seq, n))
+            seq += n
+            s.update(ids[::2], {"ref": [np.full(i % 5, i, np.float32) for i in ids[::2]]})
+            check_ragged_rows(s)
+        spilled = [p.name for p in tmp_path.rglob("*") if "tok" in p.name]
+        assert spilled, sorted(p.name for p in tmp_path.rglob("*"))
+        assert "tok" not in s.placement().column("column").to_pylist()  # placement moves fixed-size columns only
