@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -192,6 +193,29 @@ def test_background_checkpoint_while_sampling_and_inserting(tmp_path):
         assert info["next_seq"] == hi and info["rows"] == 10_000  # the snapshot point is the call
     with ab.ExperienceStore.restore(tmp_path / "c") as again:
         assert len(again) == 10_000 and again.stats()["next_seq"] == hi
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priority is a Linux/POSIX feature")
+def test_background_checkpoint_thread_yields_the_cpu(tmp_path):
+    """The background checkpoint's thread runs BACKGROUND_NICE below the caller (samplers keep their CPU share);
+    a synchronous checkpoint runs at the caller's priority."""
+    import threading
+
+    from arrowbuf.persist import checkpoint as persist_checkpoint
+    from arrowbuf.persist.checkpoint import BACKGROUND_NICE
+
+    seen = []
+
+    def record(i: int) -> None:  # runs in the thread that copies the chunks
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ab.ExperienceStore(SMALL, capacity=2000, chunk_rows=256, seed=0) as store:
+        store.extend(make_episodes([600], seed=0)[0])
+        persist_checkpoint(store, tmp_path / "a", background=True, _after_read=record).wait(timeout=60)
+        persist_checkpoint(store, tmp_path / "b", _after_read=record)
+    assert seen[0] == min(19, mine + BACKGROUND_NICE) and seen[-1] == mine
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's own is untouched
 
 
 def test_empty_store_round_trip(tmp_path):

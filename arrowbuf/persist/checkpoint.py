@@ -3,7 +3,7 @@
 Steps (docs/format.md has the layout):
 
 1. `capture` (short; under the store's locks): the live range, index, sampler, episode and RNG state, the tail.
-2. Row files, newest chunk first, without any lock: a sealed chunk already written to this directory (by this
+2. Row files, without any lock (order: below): a sealed chunk already written to this directory (by this
    store, or read back by `restore`) is reused as is; others are read, serialised to Arrow IPC, checked intact (a
    seqlock over the rows' seqs) and written once under a name made of their first seq, row count and CRC-32.
 3. State files (`_state/<generation>-<mechanism>.*`), then the manifest: `_manifests/<generation>.json`, then
@@ -12,10 +12,12 @@ Steps (docs/format.md has the layout):
 4. Retention: manifests beyond `keep` go, and files no kept manifest references are deleted; row files only older
    kept checkpoints reference move to `_retained/`, so the top-level `*.arrow` files are the latest rows.
 
-If the ring overwrites rows faster than step 2 copies them: chunks are copied newest first (the ring overwrites the
-oldest), and the copy stops at the first chunk whose rows were overwritten while it was read; that chunk and
-everything older are left out, so the checkpoint holds the contiguous range from the chunk after it to the snapshot
-point (`hi`), every row exactly as committed; `dropped_rows` in the manifest counts what went. Sampler, limiter and
+If the ring overwrites rows while step 2 copies them: a chunk whose rows were overwritten while it was read is left
+out with everything older, so the checkpoint holds a contiguous range ending at the snapshot point (`hi`), every
+row exactly as committed; `dropped_rows` in the manifest counts what went. Chunks are copied oldest first while the
+copy stays ahead of the writer (then at most the oldest chunk, where the writer starts, goes); once the writer
+overtakes the copy, the rest is copied newest first down to the first overwritten chunk, so a copy slower than the
+writer still keeps the newest rows it reached. Sampler, limiter and
 episode state are those of the snapshot point, restricted to the kept rows.
 """
 
@@ -217,50 +219,42 @@ class _Job:
         prev_gen = self._previous_generation()
         gen = prev_gen + 1
         known = known_files(parts, root)
-        cr = parts.chunk_rows
-        entries: list[dict[str, Any]] = []
-        written = reused = written_bytes = 0
+        counts = {"written": 0, "reused": 0, "written_bytes": 0}
         kept_lo = snap.lo
         total = max(1, sum(c[2] - c[1] for c in snap.chunks))
         done_rows = 0
-        # newest chunk first: the ring overwrites the oldest rows, so a copy racing a fast writer keeps the newest
-        # rows it got to, and stops at the first chunk overwritten meanwhile instead of writing rows it then drops
-        for i in range(len(snap.chunks) - 1, -1, -1):
-            _, p0, p1, first = snap.chunks[i]
+        # Oldest chunk first, as long as the copy stays ahead of the ring's writer (it starts at the oldest chunk, so
+        # that one may go). If the writer overtakes the copy (it overwrites faster than the copy writes files), go on
+        # from the newest chunk down instead, until the first chunk overwritten meanwhile: the checkpoint then keeps
+        # the newest rows it got to rather than chasing the writer and keeping none.
+        chunks = snap.chunks
+        older: list[dict[str, Any]] = []  # kept, copied oldest first
+        newer: list[dict[str, Any]] = []  # kept, copied newest first (after the writer overtook the copy)
+        i, j, downward = 0, len(chunks) - 1, False
+        while i <= j:
+            k = j if downward else i
+            _, p0, p1, first = chunks[k]
             n = p1 - p0
-            full = snap.sealed[i] and n == cr
-            digest = later_digest(later_columns(parts, snap, i))
-            entry = known.get((first, n)) if full and self.compression is None else None
-            if entry is not None and entry.get("later") == digest and self._restore_file(entry):
-                e = {k: v for k, v in entry.items() if k != "later"}
-                reused += 1
-            else:
-                batch = read_chunk(parts, snap, i, self.schema)
-                data = self._ipc(batch)
-                del batch
-                if self.after_read is not None:
-                    self.after_read(i)
-                if snap.sealed[i] and not still_intact(parts, snap, i):
-                    kept_lo = first + n  # overwritten while read: it and everything older leave the snapshot
-                    break
-                crc = mf.crc32(data)
-                name = mf.row_file_name(first, n, crc)
-                if os.path.exists(os.path.join(root, name)) and os.path.getsize(os.path.join(root, name)) == len(data):
-                    e = {"name": name, "bytes": len(data), "crc32": f"{crc:08x}"}  # same content, already there
-                    reused += 1
-                else:
-                    e = self._write(name, data, crc=crc)
-                    written += 1
-                    written_bytes += e["bytes"]
-                if full and self.compression is None:
-                    known[(first, n)] = {**e, "kind": "chunk", "first_seq": first, "rows": n, "later": digest}
-                _kill_point("after_chunk")
-            e.update(kind="chunk" if full else "tail" if i == len(snap.chunks) - 1 else "partial", first_seq=first,
-                     rows=n)
-            entries.append(e)
+            evicted = snap.sealed[k] and parts.index.lo > first  # the writer is in it already: not worth reading
+            e = None if evicted else self._copy(k, known, counts)
             done_rows += n
             self.progress = 0.95 * done_rows / total
-        entries.reverse()  # oldest first, as the manifest lists them
+            if e is None:  # overwritten: it and everything older leave the snapshot
+                kept_lo = first + n
+                if downward:
+                    break
+                older = []
+                i += 1
+                downward = i <= j and parts.index.lo > chunks[i][3]
+                continue
+            if downward:
+                newer.append(e)
+                j -= 1
+            else:
+                older.append(e)
+                i += 1
+        entries = older + newer[::-1]
+        written, reused, written_bytes = counts["written"], counts["reused"], counts["written_bytes"]
         state_entries, dropped_valid = self._write_state(gen, kept_lo)
         self._sync()
         _kill_point("before_manifest")
@@ -292,6 +286,43 @@ class _Job:
                 "next_seq": snap.hi, "dropped_rows": kept_lo - snap.lo, "files_written": written,
                 "files_reused": reused, "bytes_written": written_bytes, "row_bytes": row_bytes,
                 "seconds": time.perf_counter() - t0}
+
+    def _copy(self, i: int, known: dict[tuple[int, int], dict[str, Any]],
+              counts: dict[str, int]) -> dict[str, Any] | None:
+        """Live chunk `i` as a row file of this checkpoint (reused, or read, checked intact and written): its manifest
+        entry, or None when its rows were overwritten while it was read."""
+        snap, parts, root = self.snap, self.parts, self.root
+        _, p0, p1, first = snap.chunks[i]
+        n = p1 - p0
+        full = snap.sealed[i] and n == parts.chunk_rows
+        digest = later_digest(later_columns(parts, snap, i))
+        entry = known.get((first, n)) if full and self.compression is None else None
+        if entry is not None and entry.get("later") == digest and self._restore_file(entry):
+            e = {k: v for k, v in entry.items() if k != "later"}
+            counts["reused"] += 1
+        else:
+            batch = read_chunk(parts, snap, i, self.schema)
+            data = self._ipc(batch)
+            del batch
+            if self.after_read is not None:
+                self.after_read(i)
+            if snap.sealed[i] and not still_intact(parts, snap, i):
+                return None
+            crc = mf.crc32(data)
+            name = mf.row_file_name(first, n, crc)
+            if os.path.exists(os.path.join(root, name)) and os.path.getsize(os.path.join(root, name)) == len(data):
+                e = {"name": name, "bytes": len(data), "crc32": f"{crc:08x}"}  # same content, already there
+                counts["reused"] += 1
+            else:
+                e = self._write(name, data, crc=crc)
+                counts["written"] += 1
+                counts["written_bytes"] += e["bytes"]
+            if full and self.compression is None:
+                known[(first, n)] = {**e, "kind": "chunk", "first_seq": first, "rows": n, "later": digest}
+            _kill_point("after_chunk")
+        e.update(kind="chunk" if full else "tail" if i == len(snap.chunks) - 1 else "partial", first_seq=first,
+                 rows=n)
+        return e
 
     def _restore_file(self, entry: dict[str, Any]) -> bool:
         """A known row file is usable when it is still there (moved back to the top level from `_retained/`)."""

@@ -22,6 +22,8 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from ..errors import ArrowbufError, InvalidArgument
 
 SHM_DIR = "/dev/shm"
@@ -233,7 +235,7 @@ class Relay:
             async with self.changed:
                 self.changed.notify_all()
 
-    async def get_block(self, version: int, i: int) -> bytes:
+    async def get_block(self, version: int, i: int) -> Any:
         """Block `i` of `version`, as soon as it is here (pipelining), after this node's egress allows it."""
         copy = self.cur
         if copy is None or copy.meta["version"] != version:
@@ -244,7 +246,10 @@ class Relay:
             raise Superseded(f"relay {self.key}: version {version} was superseded")
         a, b = copy.span(i)
         await self.bucket.take(b - a)
-        return bytes(copy.mm[a:b])
+        # a view of the node's file, not a copy: Ray pickles numpy out of band (one copy into the object store,
+        # then the receiver maps it); blocks are immutable once written, and a dropped version's mapping lives on
+        # in the view
+        return np.frombuffer(copy.mm, dtype=np.uint8, count=b - a, offset=a)
 
     async def wait(self, min_version: int = 0) -> tuple[int, str, dict]:
         """Wait until this node holds a complete version >= `min_version`; return (version, path, meta)."""
