@@ -135,7 +135,7 @@ def _stuck_writer(name: str, where: str, ready) -> None:
     store = ab.ExperienceStore.attach(name)
     calls = []
     owner, attr = {"reserve": (store._writer, "_copy_rows"), "copy": (store._cols, "write"),
-                   "commit": (store._writer, "_commit_reserved"), "in-commit": (store._core.cond, "notify_all"),
+                   "commit": (store._writer, "_commit_reserved"), "in-commit": (store._core, "notify"),
                    "committed": (store._writer, "_commit_reserved")}[where]
     original = getattr(owner, attr)
 
