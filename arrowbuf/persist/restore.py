@@ -24,6 +24,7 @@ from . import manifest as mf
 from .checkpoint import known_files
 from .parts import StoreParts, from_spec
 from .snapshot import later_digest, numpy_column, restore_episode_state, restore_sampler_state
+from ..tiers.reservations import HOLE
 
 
 def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
@@ -176,6 +177,12 @@ def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool
         for key, i in HEADER.items():
             if key in header:
                 idx.header[i] = int(header[key])
+        # no reservation is open in a restored store; holes (a dead writer's seqs, tiers/reservations.py) stay holes
+        idx.header[HEADER["reserve_head"]] = hi
+        idx.header[HEADER["commit_waiters"]] = 0
+        hole = np.asarray(index["hole"], dtype=bool) if "hole" in index else np.zeros(len(pos), dtype=bool)
+        idx.seq[pos[hole]] = HOLE
+        idx.header[HEADER["holes"]] = int(hole.sum())
         slots = final["slot"].astype(np.int64) if "slot" in final else np.zeros(0, np.int64)
         if len(slots):
             parts.final_owner[slots] = final["owner"]

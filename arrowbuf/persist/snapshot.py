@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from ..errors import InvalidArgument
 from .parts import StoreParts
+from ..tiers.reservations import HOLE
 
 
 @dataclass
@@ -59,6 +60,8 @@ def capture(parts: StoreParts) -> Snapshot:
         chunks = parts.directory.live_chunks(lo, hi)
         sealed = [bool(parts.directory.is_sealed(c, hi)) for c in chunks]
         index = {"next_pos": idx.next_pos[pos], "valid": idx.valid[pos]}
+        if idx.counter("holes"):  # seqs a dead writer's reservation left without a row (tiers/reservations.py)
+            index["hole"] = idx.seq[pos] == HOLE
         if len(parts.times_sampled):
             index["times_sampled"] = parts.times_sampled[pos]
         meta, arrays = sampler_state(parts.sampler, pos)
@@ -234,4 +237,5 @@ def later_digest(columns: dict[str, Any]) -> str | None:
 def still_intact(parts: StoreParts, snap: Snapshot, i: int) -> bool:
     """After a sealed chunk was read and serialised: True when none of its rows was overwritten meanwhile."""
     _, p0, p1, first = snap.chunks[i]
-    return bool((parts.index.seq[p0:p1] == np.arange(first, first + p1 - p0, dtype=np.int64)).all())
+    now = parts.index.seq[p0:p1]
+    return bool(((now == np.arange(first, first + p1 - p0, dtype=np.int64)) | (now == HOLE)).all())
