@@ -46,7 +46,7 @@ import numpy as np
 
 from .core import StoreCore
 from . import stepcheck
-from .errors import AppendSlowPathWarning, FinalObsWarning, InsertTimeout, SchemaError
+from .errors import AppendSlowPathWarning, ArrowbufError, FinalObsWarning, InsertTimeout, SchemaError
 from .index import ENDED, HEADER, PENDING
 from .rate_limiters import RateLimiter
 from .samplers import Sampler
@@ -431,6 +431,10 @@ class StoreWriter:
         if c.index.hi != r.base:
             self._wait_hi(r.base)
         with c.cond:
+            if c.index.hi != r.base:  # another writer took this one for dead and skipped its rows (never expected)
+                raise ArrowbufError(f"store {c.name!r}: the rows this writer reserved (seqs {r.base}.."
+                                    f"{r.base + r.n - 1}) were skipped as a dead writer's while it copied them; they "
+                                    "were not stored. Are writers of this store in several pid namespaces? Write again")
             self._commit_locked(r.base, r.n, r.pos, r.seqs, r.ready, r.links, r.final_slots, r.owners)
             c.reservations.done(r.slot)
 
