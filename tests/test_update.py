@@ -128,6 +128,8 @@ def test_evicted_ids_are_skipped_and_counted(store):
     ([0, 1], {"prompt_id": [1, 2]}, ab.SchemaError, "later: true"),
     ([0, 1], {"reward": [1.0]}, ab.SchemaError, "1 value"),
     ([0, 1], {"reward": [1.0, float("nan")]}, ab.SchemaError, "NaN"),
+    ([0, 1], {"reward": np.ma.MaskedArray([1.0, 2.0], mask=[False, True])}, ab.SchemaError, "masked"),
+    ([0, 1], {"reward": [1.0, None]}, ab.SchemaError, "reward"),
     ([0, 1], {"reward": ["a", "b"]}, ab.SchemaError, "reward"),
     ([0, 1], {"emb": np.ones((2, 3))}, ab.SchemaError, "shape"),
     ([0, 1], {"ref_logprobs": [["x"], [1.0]]}, ab.SchemaError, "ref_logprobs"),
