@@ -7,6 +7,7 @@ from . import placement, rate_limiters, samplers
 from .batch import SampleBatch
 from .errors import (
     ArrowbufError,
+    AppendSlowPathWarning,
     ArrowbufWarning,
     DeadlineExceeded,
     FinalObsWarning,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArrowbufError",
+    "AppendSlowPathWarning",
     "ArrowbufWarning",
     "DeadlineExceeded",
     "ExperienceSchema",

@@ -136,8 +136,12 @@ class EpisodeTracker:
         cur = self.streams.get(key)
         if cur is None or cur.episode_id < 0:  # (`_continue` of an open stream is the stream itself: skip the call)
             cur, self.next_episode_id = _continue(cur, self.next_episode_id)
+            out = (cur.episode_id, cur.step, cur.pending_seq)
+            self._set(key, _after(cur.episode_id, cur.step, end, seq, into=cur))
+            return out
         out = (cur.episode_id, cur.step, cur.pending_seq)
-        self._set(key, _after(cur.episode_id, cur.step, end, seq, into=cur))
+        if _after(cur.episode_id, cur.step, end, seq, into=cur) is None:  # else: `cur`, updated, is still the state
+            self._set(key, None)
         return out
 
     def close(self, key: Hashable) -> None:

@@ -149,3 +149,9 @@ class ArrowbufWarning(UserWarning):
 class FinalObsWarning(ArrowbufWarning):
     """Terminal transitions stopped being sampleable: their final observation's slot was reused (raise the store's
     `final_obs_capacity`; `stats()["final_obs_dropped"]` counts them)."""
+
+
+class AppendSlowPathWarning(ArrowbufWarning):
+    """`append` stored a step through the general (batch) path, about 10x slower per step: a value needed a
+    conversion the fast path does not make (see `arrowbuf.stepcheck`). Warned once per store;
+    `stats()["append_slow_path"]` counts such steps."""

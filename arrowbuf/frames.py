@@ -5,6 +5,7 @@ pandas, Polars and DuckDB are optional (`pip install 'arrowbuf[query]'`) and imp
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -55,7 +56,68 @@ def run_sql(store: Any, query: str, limits: "SqlLimits | None" = None, *,
 
     if not isinstance(query, str) or not query.strip():
         raise SchemaError("sql() takes a non-empty SQL string")
-    return sql.run(_plain(store.to_table()), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled)
+    table = store.to_table(sql_columns(query, store.schema.to_arrow().names))
+    return sql.run(_plain(table), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled)
+
+
+_STRINGS = re.compile(r"'(?:[^']|'')*'|--[^\n]*|/\*.*?\*/", re.S)  # literals and comments: no column names
+_COUNT_STAR = re.compile(r"\bcount\s*\(\s*\*\s*\)", re.I)
+_STAR = re.compile(r"(?:[(,.]|\bselect|\bdistinct|\ball)\s*\*", re.I)  # SELECT *, t.*, f(*), COLUMNS(*)
+_FROM_FIRST = re.compile(r"(?:^|[(]|\bunion|\bexcept|\bintersect|\ball|\bdistinct|\bby)\s*from\b", re.I)  # FROM t: all
+_WHOLE_ROW_WORDS = frozenset({"columns", "unpack", "pivot", "unpivot", "summarize", "describe"})
+_WORDS = re.compile(r'"((?:[^"]|"")*)"|([A-Za-z_][A-Za-z0-9_$]*)')
+
+
+def sql_columns(query: str, names: list[str]) -> list[str] | None:
+    """The stored columns `query` may read, so that `sql()` snapshots only those (a copy of each): every column whose
+    name appears in the query as an identifier (outside literals and comments), in store order, plus `seq` (so the
+    table keeps its row count when none does). None (all columns) whenever the query could read columns it does not
+    name: `*` as a column list (`SELECT *`, `t.*`, `f(*)`; `count(*)` is no such use), DuckDB's `COLUMNS(...)`,
+    `FROM experience` without a select list, PIVOT/UNPIVOT/SUMMARIZE, positional references (`#1`), the table or an
+    alias of it used as a value (a row struct: `SELECT experience`), or columns renamed by position
+    (`experience AS t(a, b)`). Conservative: a name in the query that is not a column reference only copies more.
+    """
+    text = _STRINGS.sub(" ", query)
+    if _STAR.search(_COUNT_STAR.sub(" ", text)) or _FROM_FIRST.search(text) or "#" in text:
+        return None
+    words = [(m.group(1).replace('""', '"') if m.group(1) is not None else m.group(2)).lower()
+             for m in _WORDS.finditer(text)]
+    if _WHOLE_ROW_WORDS.intersection(words):
+        return None
+    # aliases of the table: FROM/JOIN experience [AS] alias; any use of the table or an alias other than `x.col`
+    # could read the whole row
+    tables = {"experience"}
+    for i, w in enumerate(words):
+        if w == "experience" and i + 1 < len(words):
+            j = i + 2 if words[i + 1] == "as" else i + 1
+            if j < len(words) and words[j] not in _AFTER_TABLE:
+                tables.add(words[j])
+    positions = [m for m in _WORDS.finditer(text)]
+    for k, m in enumerate(positions):
+        if words[k] not in tables:
+            continue
+        rest = text[m.end():].lstrip()
+        prev = words[k - 1] if k else ""
+        if rest.startswith("."):
+            continue  # experience.col / alias.col: the column's own name appears too
+        if rest.startswith("("):
+            return None  # experience AS t(a, b): columns renamed by position
+        if words[k] == "experience" and prev in ("from", "join"):
+            continue
+        if k >= 1 and words[k - 1] == "experience" or k >= 2 and words[k - 1] == "as" and words[k - 2] == "experience":
+            continue  # the alias's own declaration
+        return None
+    lower = {n.lower(): n for n in names}
+    used = {lower[w] for w in words if w in lower}
+    return [n for n in names if n in used or n == "seq"]
+
+
+#: words that may follow a table name without being its alias
+_AFTER_TABLE = frozenset({
+    "where", "group", "order", "limit", "offset", "having", "join", "inner", "left", "right", "full", "cross",
+    "natural", "on", "using", "union", "except", "intersect", "window", "qualify", "sample", "as",
+    "positional", "asof", "semi", "anti", "lateral", "tablesample", "returning",
+})
 
 
 def episode_table(store: "ExperienceStore") -> pa.Table:

@@ -492,6 +492,9 @@ class ExperienceStore:
                 "torn_retries": idx.counter("torn_retries"),
                 "priority_updates_ignored": idx.counter("priority_updates_ignored"),
                 "removed": idx.counter("removed"),
+                # steps `append` stored through the general path (this process; `arrowbuf.stepcheck`), by reason
+                "append_slow_path": sum(self._writer.slow_counts.values()),
+                "append_slow_reasons": dict(self._writer.slow_counts),
                 "update_skipped": idx.counter("update_skipped"),
                 **self.sampler.describe(),
                 **self._consume.stats(),  # consume (issue 16)

@@ -86,6 +86,9 @@ def validate_update(schema: Any, ids: np.ndarray, values: Any, single: bool = Fa
             raise SchemaError(f"update: field {name!r} is written with its row and cannot be updated; only fields "
                               f"declared `later: true` can ({later or 'none in this schema'}): declare it so in the "
                               "schema to fill it later")
+        if isinstance(value, np.ma.MaskedArray) and np.ma.getmaskarray(value).any():
+            raise SchemaError(f"update: field {name!r} has masked (missing) values; update takes a value for every "
+                              "id (leave the ids without one out)")
         col = convert_field(spec, value, single)
         if len(col) != len(ids):
             raise SchemaError(f"update: field {name!r} has {len(col)} value(s) for {len(ids)} id(s); pass one value "

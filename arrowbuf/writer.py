@@ -38,21 +38,23 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from math import isfinite
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import numpy as np
 
 from .core import StoreCore
-from .errors import FinalObsWarning, InsertTimeout, SchemaError
+from . import stepcheck
+from .errors import AppendSlowPathWarning, ArrowbufError, FinalObsWarning, InsertTimeout, SchemaError
 from .index import ENDED, HEADER, PENDING
+from .rate_limiters import RateLimiter
 from .samplers import Sampler
 from .tiers.reservations import CHECK_S, HOLE, waited
 
 _MISSING = object()
 _LO, _HI, _INSERTS = HEADER["lo"], HEADER["hi"], HEADER["inserts"]
 _RES, _WAITERS, _HOLES = HEADER["reserve_head"], HEADER["commit_waiters"], HEADER["holes"]
-_FLOATISH = frozenset({float, int, np.float16, np.float32, np.float64})
 
 
 class StoreWriter:
@@ -61,6 +63,23 @@ class StoreWriter:
     def __init__(self, core: StoreCore) -> None:
         self.core = core
         self._fast = self._fast_plan()
+        self._fast_names = tuple(p[0] for p in self._fast or ())
+        # per-store constants of the per-step path (read once here, not per call)
+        self._index = core.index
+        self._capacity = core.capacity
+        self._arena_rows = core.arena_rows
+        self._has_final = bool(core.final_sources)
+        self._end_fields = tuple(core.end_fields)
+        self._finals = tuple((d.name, d.next_of, core.schema.fields[d.next_of]) for d in core.derived)
+        self._derived_names = tuple(d.name for d in core.derived)
+        # memoryviews of the index for one-row reads and writes: about 3x cheaper per scalar than numpy indexing
+        # (same memory; a shared tier's header and index are shared by these views too)
+        self._hv = core.index.header.data
+        self._seqv = core.index.seq.data
+        self._validv = core.index.valid.data
+        self._nextv = core.index.next_pos.data
+        self._epv = core.index.episode_id.data
+        self._stepv = core.index.step.data
         # skip no-op sampler calls on the append path
         self._notify = type(core.sampler).on_valid is not Sampler.on_valid
         self._notify_invalid = type(core.sampler).on_invalid is not Sampler.on_invalid
@@ -72,21 +91,31 @@ class StoreWriter:
         # waits (`hold.wait`, outside the write lock) and re-checks (`hold.ready`, under it) that the rows it evicts
         # were consumed by every task and its rows' policy versions are admitted. See arrowbuf/consume.py.
         self.hold: Any = None
+        limiter = core.rate_limiter
+        self._limit_inserts = limiter is not None and getattr(type(limiter), "can_insert",
+                                                               None) is not RateLimiter.can_insert
+        self.slow_counts: dict[str, int] = {}  # reason -> steps the general path stored (`_count_slow`)
+        self._warned_slow = False
 
     # ------------------------------------------------------------------ public surface
-    def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
-        """Add one step (a dict of scalars and arrays). Returns its id (its seq).
-
-        Steps that already have the schema's dtypes and shapes take a scalar fast path; anything else goes through
-        the full validation of `extend` (same errors, same result).
-        """
-        c = self.core
-        if c.rate_limiter is None and self.hold is None and type(step) is dict and self._fast is not None:
-            seq = self._append_fast(step)
-            if seq >= 0:
-                return seq
-        cols, n = c.schema.validate_batch(step, single=True)
-        return int(self._ingest(cols, n, timeout)[0])
+    def _count_slow(self, step: Any) -> None:
+        """Count a step stored by the general path (`stats()["append_slow_path"]`); warn the first time."""
+        if self.hold is not None:
+            reason = "the store has consume tasks or admission control (its writes wait for them)"
+        else:
+            reason = stepcheck.slow_reason(self.core.schema, step, self._derived_names)
+        self.slow_counts[reason] = self.slow_counts.get(reason, 0) + 1
+        if self._warned_slow:
+            return
+        self._warned_slow = True
+        if self._fast is None or self.hold is not None:  # the store's configuration, not the values
+            advice = "collect steps and call extend for speed"
+        else:
+            advice = ("pass values of the schema's dtypes (or ones that convert safely: int32 into int64, float64 "
+                      "into float32, numpy scalars), or collect steps and call extend")
+        warnings.warn(
+            f"store {self.core.name!r}: append took the general (batch) path, about 10x slower per step: {reason}; "
+            f"{advice}. stats()['append_slow_path'] counts these steps", AppendSlowPathWarning, stacklevel=4)
 
     def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
         """Add many steps; returns the new rows' ids (`np.ndarray[int64]`, their seqs). See `ExperienceStore.extend`."""
@@ -132,96 +161,132 @@ class StoreWriter:
         return True
 
     # ------------------------------------------------------------------ the append fast path
-    def _fast_plan(self) -> list[tuple[str, Any, tuple[int, ...] | None, bool]] | None:
-        """Per-field checks for the append fast path, or None when the schema needs the general path."""
-        plan = []
+    def _fast_plan(self) -> list[tuple] | None:
+        """Per-field checks for the append fast path (`arrowbuf.stepcheck`), or None when the schema needs the
+        general path (ragged fields; fields filled later, whose presence the general path records)."""
+        plan: list[tuple] = []
         for f in self.core.schema.fields.values():
-            if f.ragged or f.later:  # later fields (fields helper): the general path records their presence
+            if f.ragged or f.later:
                 return None
-            plan.append((f.name, f.dtype, f.shape if f.shape else None, not f.allow_nan))
+            if f.shape:
+                plan.append((f.name, f.shape, f.dtype, not f.allow_nan, None, 0, 0, f))
+            else:
+                plan.append((f.name, None, *stepcheck.scalar_rule(f), f))
         return plan
 
-    def _append_fast(self, step: dict[str, Any]) -> int:
-        """One already well-typed step; returns -1 (nothing done) when the general path must handle it."""
-        c = self.core
+    def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
+        """Add one step (a dict of scalars and arrays). Returns its id (its seq).
+
+        A step whose values need no batch conversion (`arrowbuf.stepcheck`: the schema's dtypes, numpy scalars,
+        safely castable arrays) is written and committed here, in one go under the write lock, with scalar stores
+        (the per-step fast path, also with a rate limiter or a prioritized sampler). Anything else goes through
+        the full validation of `extend` (same errors, same result) in `_append_general`, as does a step that must
+        wait (other writers' open reservations, a rate limiter holding inserts back).
+        """
+        if self.hold is not None or type(step) is not dict or self._fast is None:
+            return self._append_general(step, timeout, True)
         values = []
-        for name, dtype, shape, no_nan in self._fast:  # type: ignore[union-attr]
-            v = step.get(name, _MISSING)
-            if shape is None:
-                kind = dtype.kind
-                if kind == "b":
-                    if v.__class__ is not bool and v.__class__ is not np.bool_:
-                        return -1
-                elif kind == "f":
-                    if v.__class__ not in _FLOATISH or (no_nan and v != v):
-                        return -1
-                elif v.__class__ is not int and v.__class__ is not dtype.type or dtype.itemsize < 8:
-                    return -1
-            elif v.__class__ is not np.ndarray or v.dtype != dtype or v.shape != shape or (
-                    no_nan and np.isnan(v).any()):
-                return -1
+        # (a tensor field: exact = its dtype, finite = it forbids NaN; see `_fast_plan`)
+        for _name, shape, exact, finite, ranged, lo, hi, spec in self._fast:  # type: ignore[union-attr]
+            v = step.get(_name, _MISSING)
+            if shape is None:  # scalars: see `stepcheck.scalar_rule` (Python floats and numpy scalars cost no call)
+                cls = v.__class__
+                if cls in exact:
+                    pass
+                elif cls in finite and isfinite(v) or cls in ranged and lo <= v <= hi:
+                    pass
+                else:
+                    v = stepcheck.scalar_ok(spec, v)
+                    if v is None:
+                        return self._append_general(step, timeout, True)
+            elif v.__class__ is not np.ndarray or v.dtype is not exact or v.shape != shape or (
+                    finite and not np.isfinite(v).all()):
+                v = stepcheck.array_ok(spec, v)  # converts a safely castable dtype (int32 -> int64, f64 -> f32)
+                if v is None:
+                    return self._append_general(step, timeout, True)
             values.append(v)
         extra = len(step) - len(values)
         actor = None
         if extra:
             actor = step.get("actor", _MISSING)
             allowed = 1 if actor is not _MISSING else 0
-            for d in c.derived:
-                allowed += d.name in step
+            for d in self._derived_names:
+                allowed += d in step
             if extra != allowed or "episode_id" in step:
-                return -1
+                return self._append_general(step, timeout, True)
             if actor is _MISSING:
                 actor = None
             elif actor.__class__ is not int and actor.__class__ is not str:
-                return -1
+                return self._append_general(step, timeout, True)
         end = False
-        for e in c.end_fields:
-            end = end or bool(step[e])
-        finals = []
-        if end and c.derived:
-            for d in c.derived:
-                v = step.get(d.name, _MISSING)
-                spec = c.schema.fields[d.next_of]
-                if v.__class__ is not np.ndarray or v.dtype != spec.dtype or v.shape != spec.shape:
-                    return -1
-                finals.append((d.next_of, v))
+        for e in self._end_fields:
+            if step[e]:
+                end = True
+                break
+        finals = None
+        if end and self._finals:
+            finals = []
+            for dname, src, spec in self._finals:
+                v = step.get(dname, _MISSING)
+                if v.__class__ is not np.ndarray or v.dtype is not spec.dtype or v.shape != spec.shape or (
+                        not spec.allow_nan):
+                    v = stepcheck.array_ok(spec, v)
+                    if v is None:
+                        return self._append_general(step, timeout, True)
+                finals.append((src, v))
+        c = self.core
         if c.closed:
             c.check_open()
-        idx = c.index
-        arena_rows = c.arena_rows
+        hv = self._hv
+        arena_rows = self._arena_rows
         cols = c.cols
         with self._streams, c.write_lock:
             if c.closed:
                 c.check_open()
-            seq = int(idx.header[_HI])
-            if idx.header[_RES] > seq:  # other writers' reservations are open: take the reserving path
-                return -1
-            pos = seq % arena_rows  # one row always fits in the spare chunk: a free position
-            ep, st, prev = c.episodes.advance_one(actor, end, seq)
-            # phase 1: write the row
-            idx.seq[pos] = -1
-            if c.max_times_sampled:
-                c.times_sampled[pos] = 0
-            if cols.direct:
-                arrays = cols.arrays
-                for (name, _, _, _), v in zip(self._fast, values):  # type: ignore[arg-type]
-                    arrays[name][pos] = v
-            else:
-                for (name, _, _, _), v in zip(self._fast, values):  # type: ignore[arg-type]
-                    cols.write_row(name, pos, v)
-            idx.episode_id[pos] = ep
-            idx.step[pos] = st
-            slots = None
-            if finals:
-                slots = self._claim_final_slots(1)
-                for src, v in finals:
-                    cols.write_final(src, slots, v[None])
-                idx.next_pos[pos] = arena_rows + slots[0]
-            else:
-                idx.next_pos[pos] = ENDED if end and not c.final_sources else PENDING
-            # phase 2: commit
-            self._commit(seq, 1, pos, seq, pos if not c.final_sources or slots is not None else None,
-                         ((prev, pos),) if prev >= 0 else (), slots, seq if slots is not None else None)
+            seq = hv[_HI]
+            free = hv[_RES] <= seq  # else other writers' reservations are open: take the reserving path
+            if free and self._limit_inserts:  # a limiter that can hold inserts back (SampleToInsertRatio)
+                with c.lock:
+                    free = c.rate_limiter.can_insert(1, c.counters())
+            if free:
+                pos = seq % arena_rows  # one row always fits in the spare chunk: a free position
+                ep, st, prev = c.episodes.advance_one(actor, end, seq)
+                # write the row (reserve and copy in one go: the write lock keeps other writers out)
+                self._seqv[pos] = -1
+                if c.max_times_sampled:
+                    c.times_sampled[pos] = 0
+                if cols.direct:
+                    arrays = cols.arrays
+                    for name, v in zip(self._fast_names, values):
+                        arrays[name][pos] = v
+                else:
+                    for name, v in zip(self._fast_names, values):
+                        cols.write_row(name, pos, v)
+                self._epv[pos] = ep
+                self._stepv[pos] = st
+                links = ((prev, pos),) if prev >= 0 else ()
+                if finals is None:
+                    self._nextv[pos] = ENDED if end and not self._has_final else PENDING
+                    with c.lock:  # commit
+                        self._commit_locked(seq, 1, pos, seq, None if self._has_final else pos, links, None, None)
+                else:
+                    slots = self._claim_final_slots(1)
+                    for src, v in finals:
+                        cols.write_final(src, slots, v[None])
+                    self._nextv[pos] = arena_rows + int(slots[0])
+                    with c.lock:  # commit
+                        self._commit_locked(seq, 1, pos, seq, pos, links, slots, seq)
+        if not free:  # wait (outside the write lock) in the general path
+            return self._append_general(step, timeout, False)
+        return seq
+
+    def _append_general(self, step: Any, timeout: float | None, slow: bool) -> int:
+        """`append` through `extend`'s validation and write path; `slow`: count the step as a slow-path one (not
+        when it only had to wait)."""
+        cols, n = self.core.schema.validate_batch(step, single=True)
+        seq = int(self._ingest(cols, n, timeout)[0])
+        if slow:  # stored, but the slow way: count it, and say so once
+            self._count_slow(step)
         return seq
 
     # ------------------------------------------------------------------ batches
@@ -366,6 +431,10 @@ class StoreWriter:
         if c.index.hi != r.base:
             self._wait_hi(r.base)
         with c.cond:
+            if c.index.hi != r.base:  # another writer took this one for dead and skipped its rows (never expected)
+                raise ArrowbufError(f"store {c.name!r}: the rows this writer reserved (seqs {r.base}.."
+                                    f"{r.base + r.n - 1}) were skipped as a dead writer's while it copied them; they "
+                                    "were not stored. Are writers of this store in several pid namespaces? Write again")
             self._commit_locked(r.base, r.n, r.pos, r.seqs, r.ready, r.links, r.final_slots, r.owners)
             c.reservations.done(r.slot)
 
@@ -416,7 +485,14 @@ class StoreWriter:
     # ------------------------------------------------------------------ the commit routine
     def _commit(self, base: int, n: int, pos: Any, seqs: Any, ready: Any, links: Any,
                 final_slots: np.ndarray | None, final_seqs: Any) -> None:
-        """Phase 2 for every write (append, extend, flush), under the state lock: make the written rows live.
+        """The commit routine for every write (append, extend, flush): `_commit_locked` under the state lock."""
+        with self.core.lock:
+            self._commit_locked(base, n, pos, seqs, ready, links, final_slots, final_seqs)
+
+    def _commit_locked(self, base: int, n: int, pos: Any, seqs: Any, ready: Any, links: Any,
+                       final_slots: np.ndarray | None, final_seqs: Any) -> None:
+        """The one commit routine (append, extend, flush, reserved batches), with the state lock held: make the
+        written rows live.
 
         Args:
             base, n: the write covers seqs [base, base + n); the live range becomes [.., base + n).
@@ -424,66 +500,81 @@ class StoreWriter:
             ready: positions (an array, or an int for one row) that became sampleable by this write alone, or None.
             links: (seq, next position) of earlier rows whose successor (a row or a final slot) this write supplies.
             final_slots, final_seqs: final-observation slots written and the seqs of the rows owning them.
-        """
-        with self.core.cond:
-            self._commit_locked(base, n, pos, seqs, ready, links, final_slots, final_seqs)
 
-    def _commit_locked(self, base: int, n: int, pos: Any, seqs: Any, ready: Any, links: Any,
-                       final_slots: np.ndarray | None, final_seqs: Any) -> None:
-        """`_commit`'s work, with the state lock held."""
+        One row (the append path) costs a few scalar stores: constants are the writer's, and nothing is allocated
+        unless a sampler wants to hear about the rows.
+        """
         c = self.core
-        idx = c.index
-        h = idx.header
-        lo = int(h[_LO])
+        idx = self._index
+        hv = self._hv
+        lo = hv[_LO]
+        one = pos.__class__ is int  # one row (the append path): scalar stores through the memoryviews
         if n:
-            idx.seq[pos] = seqs  # their generation: ids name these rows from now on
-            if base + n - c.capacity > lo:  # the ring is full: the oldest rows go
-                lo = base + n - c.capacity
-                self._evict_below(lo)
-            h[_HI] = base + n  # the commit point (the watermark): the rows are visible
-            if h[_RES] < base + n:  # the append fast path commits without a reservation
-                h[_RES] = base + n
+            if one:
+                self._seqv[pos] = seqs
+            else:
+                idx.seq[pos] = seqs  # their generation: ids name these rows from now on
+            end = base + n
+            if end - self._capacity > lo:  # the ring is full: the oldest rows go
+                self._evict_below(end - self._capacity, lo, base)
+                lo = end - self._capacity
+            hv[_HI] = end  # the commit point (the watermark): the rows are visible
+            if hv[_RES] < end:  # the append fast path commits without a reservation
+                hv[_RES] = end
         if final_slots is not None:
             c.final_owner[final_slots] = final_seqs
+        more = None
         for prev, nxt in links:
             if prev >= lo:  # still live, so still at its position (a live row's position is never rewritten)
-                ppos = prev % c.arena_rows
-                idx.next_pos[ppos] = nxt
-                if c.final_sources:  # its next observation is known now
-                    ready = ppos if ready is None else np.append(ready, ppos)
+                ppos = prev % self._arena_rows
+                self._nextv[ppos] = nxt
+                if self._has_final:  # its next observation is known now
+                    if ready is None:
+                        ready = ppos
+                    else:
+                        more = [ppos] if more is None else [*more, ppos]
         if ready is not None:
-            idx.valid[ready] = True
+            if ready.__class__ is int:
+                self._validv[ready] = True
+            else:
+                idx.valid[ready] = True
+            if more is not None:
+                idx.valid[more] = True
             if self._notify:
-                c.sampler.on_valid(np.atleast_1d(np.asarray(ready, dtype=np.int64)))
-        h[_INSERTS] += n
-        c.cond.notify_all()
-        if n and h[_WAITERS]:  # writers of later reservations wait for the watermark (in any process)
+                ready = np.atleast_1d(np.asarray(ready, dtype=np.int64))
+                c.sampler.on_valid(ready if more is None else np.append(ready, more))
+        hv[_INSERTS] += n
+        c.notify()
+        if n and hv[_WAITERS]:  # writers of later reservations wait for the watermark (in any process)
             c.reservations.wake()
 
-    def _evict_below(self, new_lo: int) -> None:
-        """Under the state lock: rows older than `new_lo` stop being live."""
+    def _evict_below(self, new_lo: int, lo: int | None = None, hi: int | None = None) -> None:
+        """Under the state lock: rows older than `new_lo` stop being live (`lo`, `hi`: the live range, when the
+        caller just read it)."""
         c = self.core
-        idx = c.index
-        h = idx.header
-        lo = int(h[_LO])
+        idx = self._index
+        hv = self._hv
+        if lo is None:
+            lo = hv[_LO]
         if new_lo <= lo:
             return
-        stop = min(new_lo, int(h[_HI]))
-        if h[_HOLES] and stop > lo:  # skipped reservations leave the live range too
-            h[_HOLES] -= int(np.count_nonzero(idx.seq[np.arange(lo, stop, dtype=np.int64) % c.arena_rows] == HOLE))
+        stop = min(new_lo, hv[_HI] if hi is None else hi)  # a commit evicts only rows that were live
+        if hv[_HOLES] and stop > lo:  # skipped reservations leave the live range too
+            hv[_HOLES] -= int(np.count_nonzero(idx.seq[np.arange(lo, stop, dtype=np.int64) % self._arena_rows]
+                                               == HOLE))
         if stop - lo == 1:  # the append path's common case
-            p = lo % c.arena_rows
-            if idx.valid[p]:
-                idx.valid[p] = False
+            p = lo % self._arena_rows
+            if self._validv[p]:
+                self._validv[p] = False
                 if self._notify_invalid:
                     c.sampler.on_invalid(np.array([p]))
         elif stop > lo:
-            gone = np.arange(lo, stop, dtype=np.int64) % c.arena_rows
+            gone = np.arange(lo, stop, dtype=np.int64) % self._arena_rows
             was = gone[idx.valid[gone]]
             if len(was):
                 idx.valid[was] = False
                 c.sampler.on_invalid(was)
-        h[_LO] = new_lo
+        hv[_LO] = new_lo
 
     # ------------------------------------------------------------------ final observations
     def _claim_final_slots(self, k: int) -> np.ndarray:

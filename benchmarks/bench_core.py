@@ -1,10 +1,13 @@
-"""Core store benchmark (issue: core store): append, extend, uniform sample, bytes per transition.
+"""Core store benchmark (issue: core store): append, extend, uniform sample, bytes per transition, per-step rows.
 
 Measures arrowbuf, its ceilings (memcpy, a numpy gather of the same rows from preallocated arrays) and the peers
 (cpprb ReplayBuffer, TorchRL LazyTensorStorage / LazyMemmapStorage) in one run, on the atari and mujoco workloads.
 Prints a table and writes benchmarks/out/core.json.
 
-    python -m benchmarks.bench_core [--quick] [--workloads atari mujoco] [--no-peers]
+    python -m benchmarks.bench_core [--quick] [--workloads atari mujoco] [--no-peers] [--steps-only]
+
+The per-step append rows (issue 18) measure `append` in each configuration (uniform, prioritized, rate-limited,
+0-d numpy scalars, float64 arrays into float32 fields) beside cpprb's and TorchRL's per-step add.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import platform
 import statistics
 import sys
 import time
+import warnings
+from typing import Any, Callable
 
 import numpy as np
 
@@ -87,7 +92,150 @@ def measure_arrowbuf(workload: str, capacity: int, pool: dict, memcpy_gbps: floa
     return res
 
 
-def run(workloads: list[str], quick: bool, peers: bool) -> dict:
+# ---------------------------------------------------------------------- per-step append rows (issue 18)
+STEP_CAP = 20_000   # ring of the per-step rows: filled first, so every measured step evicts one (steady state)
+STEP_N = 5_000      # steps per repeat; the median of STEP_REPEAT repeats
+STEP_REPEAT = 3
+
+
+def _step_dicts(pool: dict, n: int, kind: str) -> list[dict]:
+    """Steps as a user's loop makes them: "python" (Python scalars for scalar fields, as gymnasium returns), "numpy"
+    (0-d numpy scalars: np.float32 reward, np.bool_ flags), "float64" (float64 arrays for float32 fields, as many
+    environments return observations)."""
+    out = []
+    for i in range(n):
+        s = {c: v[i] for c, v in pool.items()}
+        if kind in ("python", "float64"):
+            s["reward"] = float(s["reward"])
+            s["terminated"] = bool(s["terminated"])
+            s["truncated"] = bool(s["truncated"])
+            if s["action"].shape == ():
+                s["action"] = int(s["action"])
+        if kind == "float64":
+            for c in ("obs", "next_obs", "action"):
+                if isinstance(s[c], np.ndarray) and s[c].dtype == np.float32:
+                    s[c] = s[c].astype(np.float64)
+        out.append(s)
+    return out
+
+
+def _per_step_rate(add: Callable[[int], None]) -> float:
+    def run_steps() -> None:
+        for i in range(STEP_N):
+            add(i)
+
+    return median_rate(run_steps, repeat=STEP_REPEAT, number=1, items=STEP_N, warmup=0)
+
+
+def measure_step_appends(workload: str, pool: dict, peers: bool) -> dict:
+    """Per-step append, steps/s, into a ring of STEP_CAP rows that has wrapped: arrowbuf in each configuration of
+    issue 18, and cpprb / TorchRL doing the same (when installed)."""
+    schema = schema_for(workload)
+    n_pool = len(pool["obs"])
+    steps = {k: _step_dicts(pool, n_pool, k) for k in ("python", "numpy", "float64")}  # built before timing
+    configs = {
+        "uniform": ({}, "python"),
+        "prioritized": ({"sampler": ab.samplers.Prioritized(alpha=0.6, beta=0.4)}, "python"),
+        "rate-limited MinSize(1000)": ({"rate_limiter": ab.rate_limiters.MinSize(1000)}, "python"),
+        "rate-limited SampleToInsertRatio": (
+            {"rate_limiter": ab.rate_limiters.SampleToInsertRatio(4.0, min_size=10**9)}, "python"),
+        "0-d numpy scalars": ({}, "numpy"),
+        "float64 arrays into float32 fields": ({}, "float64"),
+    }
+    if not any(f.dtype == np.float32 and f.shape for f in schema.fields.values()):
+        del configs["float64 arrays into float32 fields"]  # (atari: uint8 frames, nothing to convert)
+    out: dict = {"capacity": STEP_CAP}
+    for name, (kw, kind) in configs.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            store = ab.ExperienceStore(schema, capacity=STEP_CAP, seed=0, **kw)
+            fill(store, pool, STEP_CAP)
+            out[f"arrowbuf {name}"] = _per_step_rate(
+                lambda i, store=store, st=steps[kind]: store.append(st[i % n_pool]))
+            slow = store.stats().get("append_slow_path")
+            if slow:
+                out[f"arrowbuf {name} slow_path_steps"] = slow
+        store.close()
+        del store
+        gc.collect()
+    if peers:
+        out.update(_peer_step_appends(workload, pool))
+    return out
+
+
+def _peer_step_appends(workload: str, pool: dict) -> dict:
+    out: dict = {}
+    n_pool = len(pool["obs"])
+    try:
+        import cpprb
+
+        from .peers import _cpprb_env_dict
+
+        for name, cls, kw in (("cpprb ReplayBuffer", cpprb.ReplayBuffer, {}),
+                              ("cpprb PrioritizedReplayBuffer", cpprb.PrioritizedReplayBuffer, {"alpha": 0.6})):
+            rb = cls(STEP_CAP, _cpprb_env_dict(workload), next_of="obs", **kw)
+            cols = {c: pool[c] for c in ("obs", "action", "reward", "terminated", "truncated", "next_obs")}
+            term = pool["terminated"]
+
+            def add(i: int, rb: Any = rb, cols: dict = cols, term: np.ndarray = term) -> None:
+                j = i % n_pool
+                rb.add(obs=cols["obs"][j], action=cols["action"][j], reward=cols["reward"][j],
+                       terminated=cols["terminated"][j], truncated=cols["truncated"][j], next_obs=cols["next_obs"][j])
+                if term[j]:
+                    rb.on_episode_end()
+
+            for i in range(STEP_CAP):
+                add(i)
+            out[name] = _per_step_rate(add)
+            del rb
+            gc.collect()
+    except ImportError as e:
+        out["cpprb unavailable"] = str(e)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torch
+            from tensordict import TensorDict
+            from torchrl.data import LazyTensorStorage, PrioritizedSampler, ReplayBuffer
+
+            tcols = {c: torch.from_numpy(pool[c]) for c in ("obs", "action", "reward", "terminated", "truncated",
+                                                             "next_obs")}
+            for name, per in (("torchrl LazyTensorStorage", False),
+                              ("torchrl LazyTensorStorage+PrioritizedSampler", True)):
+                try:
+                    kw = {"sampler": PrioritizedSampler(STEP_CAP, alpha=0.6, beta=0.4)} if per else {}
+                except RuntimeError as e:  # its C++ extension (sum trees) did not load in this install
+                    out[f"{name} unavailable"] = str(e)
+                    continue
+                trb = ReplayBuffer(storage=LazyTensorStorage(STEP_CAP), **kw)
+
+                def tadd(i: int, trb: Any = trb) -> None:
+                    j = i % n_pool
+                    trb.add(TensorDict({k: v[j] for k, v in tcols.items()}, batch_size=[]))
+
+                for i in range(STEP_CAP):
+                    tadd(i)
+                out[name] = _per_step_rate(tadd)
+                del trb
+                gc.collect()
+    except ImportError as e:
+        out["torchrl unavailable"] = str(e)
+    return out
+
+
+def print_step_table(res: dict) -> str:
+    lines = [f"per-step append, steps/s (ring of {STEP_CAP} rows, wrapped; median of {STEP_REPEAT} x {STEP_N})"]
+    for w, row in res.items():
+        base = row.get("cpprb ReplayBuffer")
+        for k, v in row.items():
+            if k == "capacity" or not isinstance(v, (int, float)):
+                continue
+            ratio = f"{v / base:.2f}x cpprb" if base and "slow_path" not in k else ""
+            lines.append(f"{w:8} {k:48} {v:>12,.0f} {ratio}")
+    return "\n".join(lines)
+
+
+def run(workloads: list[str], quick: bool, peers: bool, steps: bool = True) -> dict:
     out: dict = {"machine": {"python": sys.version.split()[0], "platform": platform.platform(),
                              "numpy": np.__version__, "cpus": __import__("os").cpu_count()},
                  "workloads": {}}
@@ -98,6 +246,8 @@ def run(workloads: list[str], quick: bool, peers: bool) -> dict:
         pool = make_steps(w, 2000, seed=0, episode_len=500)
         row: dict = {"capacity": cap}
         row["arrowbuf"] = measure_arrowbuf(w, cap, pool, mem["gbps"])
+        if steps:
+            row["steps"] = measure_step_appends(w, pool, peers)
         store = ceilings.numpy_store(w, cap, pool=pool)
         row["numpy_gather"] = {b: ceilings.gather(w, b, store=store)["transitions_per_s"] for b in (256, 4096)}
         row["numpy_gather_sorted"] = {b: ceilings.gather(w, b, store=store, sorted_indices=True)["transitions_per_s"]
@@ -157,10 +307,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", nargs="+", default=["atari", "mujoco"])
     p.add_argument("--quick", action="store_true", help="a tenth of the capacities")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--steps-only", action="store_true", help="only the per-step append rows (issue 18)")
+    p.add_argument("--no-steps", action="store_true", help="leave the per-step append rows out")
     args = p.parse_args(argv)
-    res = run(args.workloads, args.quick, not args.no_peers)
+    if args.steps_only:
+        res = {w: measure_step_appends(w, make_steps(w, 2000, seed=0, episode_len=500), not args.no_peers)
+               for w in args.workloads}
+        print(print_step_table(res))
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "core_steps.json").write_text(json.dumps(res, indent=1, default=str))
+        return 0
+    res = run(args.workloads, args.quick, not args.no_peers, not args.no_steps)
     table = print_table(res)
     print(table)
+    if not args.no_steps:
+        print(print_step_table({w: row["steps"] for w, row in res["workloads"].items()}))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "core.json").write_text(json.dumps(res, indent=1, default=str))
     return 0

@@ -583,14 +583,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="0.1 GB, one repeat")
     p.add_argument("--repeats", type=int, default=3, help="repeats of the background and restore rows")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure")
-    p.add_argument("--summary", action="store_true", help="print medians over benchmarks/out/persist_runs.jsonl")
+    p.add_argument("--summary", nargs="?", const=str(OUT / "persist_runs.jsonl"), default=None, metavar="RUNS",
+                   help="print medians over the recorded runs (default benchmarks/out/persist_runs.jsonl)")
     p.add_argument("--phases", default=",".join(PHASES),
                    help="full (the peers' full writes) and/or rest (incremental, background, restore)")
     p.add_argument("--ray", action="store_true", help="only the Ray row: rows lost per shard kill, time to serve")
     p.add_argument("--kills", type=int, default=3, help="shard kills of the Ray row")
     args = p.parse_args(argv)
     if args.summary:
-        print(summary(OUT / "persist_runs.jsonl"))
+        print(summary(pathlib.Path(args.summary)))
         return 0
     if args.ray:
         res = ray_failure(kills=args.kills)

@@ -16,6 +16,7 @@ them. Each number is the median over `--repeat` windows (interleaved: alone, 1, 
 
     python -m benchmarks.bench_shm [--quick] [--window 0.5] [--repeat 3] [--buffers arrowbuf numpy cpprb torchrl]
     python -m benchmarks.bench_shm --merge out/shm.run1.json out/shm.run2.json out/shm.run3.json   # medians
+    python -m benchmarks.bench_shm --issue18 [--lib TREE]   # issue 18's rows (see ISSUE18); TREE: another checkout
 """
 
 from __future__ import annotations

@@ -164,3 +164,51 @@ def test_iter_table_batches_are_consistent_while_a_writer_thread_runs():
         stop.set()
         th.join(JOIN_S)
         store.close()
+
+
+# ---------------------------------------------------------------------- sql/episodes copy only what they read
+class RecordingStore(ab.ExperienceStore):
+    """A real store that notes which columns each snapshot copies."""
+
+    def to_table(self, columns=None):
+        self.asked = list(columns) if columns is not None else None
+        return super().to_table(columns)
+
+
+QUERIES = {
+    "SELECT episode_id, sum(reward) AS r FROM experience GROUP BY 1 ORDER BY 1": ["reward", "episode_id", "seq"],
+    "SELECT count(*) AS n FROM experience": ["seq"],
+    "SELECT max(step) AS m FROM experience WHERE terminated": ["terminated", "step", "seq"],
+    "SELECT e.action, \"Reward\" * 2 AS x FROM experience AS e WHERE seq > 40 ORDER BY seq -- obs": [
+        "action", "reward", "seq"],
+    "SELECT * FROM experience ORDER BY seq": None,
+    "SELECT obs FROM experience ORDER BY seq": ["obs", "seq"],
+    "SELECT e FROM experience e ORDER BY e.seq": None,                    # the row as a struct
+    "SELECT experience FROM experience ORDER BY seq": None,
+    "SELECT a FROM experience AS t(a, b) ORDER BY a": None,               # renamed by position
+    "SELECT COLUMNS('re.*') FROM experience ORDER BY 1": None,
+    "SELECT max(s) AS m FROM (FROM experience) AS q(s)": None,
+    "SELECT x.reward FROM experience x JOIN experience y ON x.seq = y.seq + 1 ORDER BY 1": ["reward", "seq"],
+}
+
+
+@pytest.mark.parametrize("query", list(QUERIES))
+def test_sql_copies_only_the_columns_its_query_names_and_returns_the_same(query):
+    pytest.importorskip("duckdb")
+    from arrowbuf import sql
+    from arrowbuf.frames import _plain
+
+    with RecordingStore(SMALL, capacity=120, chunk_rows=16, seed=0) as store:
+        _write(store, 5)  # wrapped: 185 rows into 120
+        got = store.sql(query)
+        assert store.asked == QUERIES[query]
+        want = sql.run(_plain(ab.ExperienceStore.to_table(store)), query)  # over every column, as before
+        assert got.equals(want)
+
+
+def test_episodes_copies_only_the_stream_keys_end_fields_and_reward():
+    with RecordingStore(SMALL, capacity=120, chunk_rows=16, seed=0) as store:
+        _write(store, 5)
+        ep = store.episodes()
+        assert sorted(store.asked) == sorted(["episode_id", "step", "seq", "terminated", "truncated", "reward"])
+        assert "obs" not in store.asked and ep.num_rows > 0

@@ -85,6 +85,7 @@ def test_ragged_update_rows_land_on_their_ids_and_are_copied(store, order):
     assert [want.get(int(i)) for i in b.indices] == b["ref_logprobs"].to_pylist()
 
 
+@pytest.mark.filterwarnings("ignore::arrowbuf.errors.AppendSlowPathWarning")  # appends of ragged rows, on purpose
 def test_given_at_extend_and_nulls_in_arrow_input(store):
     ids = store.extend({**rollouts(2), "reward": [0.5, None], "ref_logprobs": [None, [1.0]]})
     rb = pa.RecordBatch.from_pydict({"prompt_id": [7], "done": [True], "response": pa.array([[1, 2]], pa.list_(
@@ -128,6 +129,8 @@ def test_evicted_ids_are_skipped_and_counted(store):
     ([0, 1], {"prompt_id": [1, 2]}, ab.SchemaError, "later: true"),
     ([0, 1], {"reward": [1.0]}, ab.SchemaError, "1 value"),
     ([0, 1], {"reward": [1.0, float("nan")]}, ab.SchemaError, "NaN"),
+    ([0, 1], {"reward": np.ma.MaskedArray([1.0, 2.0], mask=[False, True])}, ab.SchemaError, "masked"),
+    ([0, 1], {"reward": [1.0, None]}, ab.SchemaError, "reward"),
     ([0, 1], {"reward": ["a", "b"]}, ab.SchemaError, "reward"),
     ([0, 1], {"emb": np.ones((2, 3))}, ab.SchemaError, "shape"),
     ([0, 1], {"ref_logprobs": [["x"], [1.0]]}, ab.SchemaError, "ref_logprobs"),
@@ -507,3 +510,50 @@ def test_ragged_fields_spill_to_the_disk_tier_of_a_tiered_store(tmp_path):
         spilled = [p.name for p in tmp_path.rglob("*") if "tok" in p.name]
         assert spilled, sorted(p.name for p in tmp_path.rglob("*"))
         assert "tok" not in s.placement().column("column").to_pylist()  # placement moves fixed-size columns only
+
+
+# ---------------------------------------------------------------- readers never see half an update
+WIDE = {"name": "w", "fields": {"p": "int64", "emb": {"dtype": "float64", "shape": [4096], "later": True},
+                                "done": "bool"}}
+
+
+def _wide_updater(name, ids, rounds, q):
+    try:
+        with ab.ExperienceStore.attach(name) as s:
+            for k in range(1, rounds + 1):
+                s.update(ids, {"emb": np.full((len(ids), 4096), float(k))})
+            q.put(rounds)
+    except BaseException as exc:
+        q.put(repr(exc))
+
+
+def test_samples_never_mix_two_updates_of_a_row():
+    """Another process overwrites 4096-element rows again and again; every sampled and snapshotted row is one
+    update's value throughout (the presence seqlock), never part old, part new."""
+    name = f"wide-{uuid.uuid4().hex[:8]}"
+    with ab.ExperienceStore(WIDE, capacity=64, chunk_rows=16, tier="shm", name=name) as s:
+        ids = s.extend({"p": np.arange(64), "done": np.ones(64, bool)})
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_wide_updater, args=(name, ids, 300, q))
+        p.start()
+        try:
+            seen = 0
+            while p.is_alive() or seen == 0:
+                b = s.sample(32, columns=["emb"])
+                emb = b["emb"]
+                rows = emb.to_numpy_ndarray() if isinstance(emb, pa.Array) and not emb.null_count else emb
+                if isinstance(rows, np.ndarray):
+                    assert (rows == rows[:, :1]).all()
+                    seen += 1
+                t = s.to_table(["emb"]).column(0).combine_chunks()
+                if not t.null_count:
+                    arr = t.to_numpy_ndarray()
+                    assert (arr == arr[:, :1]).all()
+                if seen > 2000:
+                    break
+            assert q.get(timeout=120) == 300
+        finally:
+            p.join(60)
+            if p.is_alive():
+                p.kill()

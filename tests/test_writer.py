@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import uuid
+import warnings
 
 import numpy as np
 import pytest
@@ -249,3 +250,115 @@ def test_killed_writer_processes_leave_whole_batches_or_nothing():
                 p.kill()
             p.join(10)
         shm.remove(name)
+
+
+# ---------------------------------------------------------------------- the append fast path (issue 18)
+WIDE = {
+    "name": "wide",
+    "fields": {
+        "obs": {"dtype": "float32", "shape": [3]},
+        "action": {"dtype": "int64"},
+        "small": {"dtype": "int32"},
+        "reward": {"dtype": "float32", "allow_nan": False},
+        "vec": {"dtype": "int64", "shape": [2]},
+        "terminated": {"dtype": "bool"},
+        "truncated": {"dtype": "bool"},
+    },
+    "derived": {"next_obs": {"next_of": "obs"}},
+}
+
+
+def plain_step(i: int) -> dict:
+    """Step i with the schema's own dtypes (Python scalars for scalar fields)."""
+    return {"obs": np.full(3, i, np.float32), "action": i, "small": -i, "reward": i / 2, "vec": np.array([i, -i]),
+            "terminated": i % 5 == 4, "truncated": False, "next_obs": np.full(3, i + 1, np.float32)}
+
+
+def converted_steps(i: int) -> list[dict]:
+    """Step i with values the fast path converts: numpy scalars, 0-d arrays, int32 into int64, float64 into
+    float32, 0/1 ints into bool; each stores what `plain_step(i)` stores."""
+    p = plain_step(i)
+    return [
+        {**p, "action": np.int64(i), "small": np.int32(-i), "reward": np.float32(i / 2),
+         "terminated": np.bool_(p["terminated"]), "truncated": np.False_},
+        {**p, "action": np.array(i), "small": np.array(-i, np.int16), "reward": np.array(i / 2),
+         "terminated": np.array(p["terminated"])},
+        {**p, "obs": p["obs"].astype(np.float64), "vec": p["vec"].astype(np.int32), "action": np.int32(i),
+         "reward": np.float64(i / 2), "terminated": int(p["terminated"]), "next_obs": p["next_obs"].astype(np.float64)},
+    ]
+
+
+@pytest.mark.parametrize("limiter", [None, ab.rate_limiters.MinSize(1000),
+                                     ab.rate_limiters.SampleToInsertRatio(4.0, min_size=10**6)])
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_append_stores_numpy_scalars_and_safe_casts_on_the_fast_path(limiter, sampler):
+    """Every configuration and value kind of issue 18 stores exactly what `extend` stores, without the slow path."""
+    kinds = [lambda i: plain_step(i)] + [lambda i, k=k: converted_steps(i)[k] for k in range(3)]
+    for make in kinds:
+        smp = ab.samplers.Prioritized(alpha=0.6, beta=0.4) if sampler == "prioritized" else sampler
+        with ab.ExperienceStore(WIDE, capacity=16, chunk_rows=4, sampler=smp, rate_limiter=limiter) as store, \
+                ab.ExperienceStore(WIDE, capacity=16, chunk_rows=4) as ref:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", ab.AppendSlowPathWarning)
+                ids = [store.append(make(i)) for i in range(40)]  # wraps the ring
+            assert ids == list(range(40))
+            for i in range(40):
+                ref.extend({k: np.asarray(v)[None] for k, v in plain_step(i).items()})
+            assert store.stats()["append_slow_path"] == 0
+            assert store.to_table().equals(ref.to_table())
+            b = (store if limiter is None else ref).sample(8)
+            np.testing.assert_array_equal(b.to_numpy()["next_obs"][:, 0], b.to_numpy()["obs"][:, 0] + 1)
+
+
+@pytest.mark.parametrize("bad", [
+    {"reward": np.float64(1e39)},          # beyond float32: extend refuses it (no silent infinity)
+    {"reward": float("inf")},              # allow_nan: false
+    {"reward": np.nan},
+    {"small": 2 ** 40},                    # beyond int32
+    {"action": 1.5},                       # no silent float -> int rounding
+    {"terminated": 2},                     # bool from 0/1 only
+    {"obs": np.array([1.0, np.inf, 0.0]) * 1e300},   # float64 -> float32 overflow
+    {"vec": np.array([1, 2], np.uint64)},  # not a safe cast into int64
+])
+def test_append_refuses_what_extend_refuses_and_stores_nothing(bad):
+    with ab.ExperienceStore(WIDE, capacity=16, chunk_rows=4) as store:
+        store.append(plain_step(0))
+        step = {**plain_step(1), **bad}
+        if "vec" in bad:  # uint64 values that fit: the general path converts them (slow, counted)
+            with pytest.warns(ab.AppendSlowPathWarning, match="'vec'"):
+                store.append(step)
+            assert store.stats()["append_slow_path"] == 1
+            return
+        with pytest.raises(ab.SchemaError):
+            store.append(step)
+        with pytest.raises(ab.SchemaError):
+            store.extend({k: np.asarray(v)[None] for k, v in step.items()})
+        assert len(store) == 1 and store.stats()["append_slow_path"] == 0
+
+
+def test_append_slow_path_is_counted_and_warned_once():
+    with ab.ExperienceStore(WIDE, capacity=16, chunk_rows=4) as store:
+        with pytest.warns(ab.AppendSlowPathWarning, match="field 'obs': list") as rec:
+            for i in range(3):
+                store.append({**plain_step(i), "obs": [float(i)] * 3})
+        assert len([w for w in rec if issubclass(w.category, ab.AppendSlowPathWarning)]) == 1
+        s = store.stats()
+        assert s["append_slow_path"] == 3 and len(store) == 3
+        assert list(s["append_slow_reasons"].values()) == [3]
+        store.append(plain_step(3))  # the fast path again
+        assert store.stats()["append_slow_path"] == 3
+
+
+def test_a_ratio_limited_append_waits_for_the_limiter_outside_the_fast_path():
+    limiter = ab.rate_limiters.SampleToInsertRatio(1.0, min_size=4, error_buffer=4.0)
+    with ab.ExperienceStore(WIDE, capacity=64, chunk_rows=4, rate_limiter=limiter) as store:
+        i = 0
+        with pytest.raises(ab.InsertTimeout):
+            while i < 100:
+                store.append(plain_step(i), timeout=0)
+                i += 1
+        assert len(store) == i and 4 <= i < 100  # held back: nothing stored by the refused call
+        store.sample(4)
+        store.append(plain_step(i), timeout=0)  # room again
+        assert len(store) == i + 1
+        assert store.stats()["append_slow_path"] == 0  # waiting is no slow path

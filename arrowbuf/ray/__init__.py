@@ -33,7 +33,8 @@ and serves them from its local distribution `p_i^alpha / M_k`, so an item's prob
 shards. IS weights are normalised globally: `w_i = (P_i / P_min)^-beta` with `P_min` the smallest probability over
 every shard. A straggler deadline makes a late shard's share come from the others for that call (its rows have
 probability 0 in that batch; see `sample`). A dead shard's share is served by the others at once; Ray restarts it
-(`max_restarts`) and it comes back empty (no spill or checkpoint is restored) under a new generation.
+(`max_restarts`) and it comes back under a new generation, empty, or from its last checkpoint when the store was
+created with `checkpoint_root`.
 
 Ray is imported when used; a missing ray raises `MissingDependency` naming `arrowbuf[ray]`.
 """

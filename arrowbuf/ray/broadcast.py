@@ -236,7 +236,7 @@ class Broadcast:
         ray = _ray()
         r = self.relay(key)
         ray.kill(r, no_restart=True)
-        ray.get(self.directory.mark_dead.remote(key))
+        ray.get(self.directory.mark_dead.remote(key, r))  # unless a consumer already replaced it
 
     def state(self) -> dict:
         """The directory's view: version, blocks per node, uploads, upstream of each receiver, dead relays."""

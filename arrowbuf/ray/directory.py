@@ -131,8 +131,13 @@ class BlockDirectory:
                 self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
         await self._notify()
 
-    async def mark_dead(self, key: str) -> None:
-        """Forget `key`'s relay (it was killed); receivers pulling from it re-attach when their next pull fails."""
+    async def mark_dead(self, key: str, handle: Any = None) -> None:
+        """Forget `key`'s relay (it was killed); receivers pulling from it re-attach when their next pull fails.
+
+        With `handle`, only if that is still `key`'s relay (a consumer may have replaced it already).
+        """
+        if handle is not None and self.relays.get(key) != handle:
+            return
         self.dead.add(key)
         self.count.pop(key, None)
         up = self.upstream.pop(key, None)

@@ -64,6 +64,7 @@ class Reservations:
         if tier.fresh:
             self.table[:, _BASE] = -1
         self.shared = tier.shared
+        self._store_dir = getattr(tier, "path", None) if tier.shared else None  # its leases: who has it open
         self._header = header
         self._hi_slot = hi_slot
         self._hi_addr = header.ctypes.data + hi_slot * header.itemsize
@@ -100,7 +101,7 @@ class Reservations:
             return 0
         i = int(at[0])
         pid, start = int(t[i, _PID]), int(t[i, _START])
-        if pid != 0 and _alive(pid, start):
+        if pid != 0 and (_alive(pid, start) or not self._all_visible()):
             return 0
         n = int(t[i, _N])
         t[i, _BASE] = -1
@@ -119,6 +120,17 @@ class Reservations:
         """Wake every writer waiting for the watermark (after it moved)."""
         if _FUTEX is not None:
             _FUTEX.wake(self._hi_addr)
+
+
+    def _all_visible(self) -> bool:
+        """Whether every process with the store open is visible in this process's /proc (one pid namespace): only
+        then does a missing pid mean a dead writer (as for the locks' stuck-holder check)."""
+        if self._store_dir is None:
+            return True
+        from .shm.janitor import lease_holders
+        from .shm.paths import start_time
+
+        return all(start_time(pid) == started for pid, started in lease_holders(self._store_dir))
 
 
 def _alive(pid: int, start: int) -> bool:
