@@ -1,6 +1,7 @@
 """Sharded stores and checkpoints (issue 15): a killed shard comes back with its checkpointed rows, from an explicit
-checkpoint and from the periodic ones (`checkpoint_every`). A local two-node Ray cluster (so a shard restarts on a multi-node cluster, as issue 20 asks) whose processes must all be gone at
-the end (conftest.local_ray_cluster checks)."""
+checkpoint and from the periodic ones (`checkpoint_every`). A local two-node Ray cluster (so a shard restarts on a
+multi-node cluster, as issue 20 asks) whose processes must all be gone at the end (conftest.local_ray_cluster
+checks)."""
 
 from __future__ import annotations
 
