@@ -283,19 +283,28 @@ LATER = {"name": "later", "fields": {
 }}
 
 
-def test_fields_filled_later_round_trip_and_updates_reach_the_next_checkpoint(tmp_path):
+@pytest.mark.parametrize("tier", ["host", "shm"])
+def test_fields_filled_later_round_trip_and_updates_reach_the_next_checkpoint(tmp_path, tier):
     """Rows of later fields stay absent (null) through restore, not zeros; an `update` of rows in a sealed chunk
     after a checkpoint reaches the next (incremental) checkpoint, which rewrites only the chunks it changed."""
+    import uuid
+
     root = tmp_path / "c"
     rng = np.random.default_rng(0)
-    with ab.ExperienceStore(LATER, capacity=64, chunk_rows=8, seed=0) as store:
+    names = iter(f"later-{uuid.uuid4().hex[:8]}-{k}" for k in range(4))
+
+    def restored():
+        return ab.ExperienceStore.restore(root, tier=tier, name=next(names) if tier == "shm" else None)
+
+    with ab.ExperienceStore(LATER, capacity=64, chunk_rows=8, seed=0, tier=tier,
+                            name=next(names) if tier == "shm" else None) as store:
         ids = store.extend({"prompt_id": np.arange(40), "done": np.ones(40, bool),
                             "response": [rng.integers(0, 9, rng.integers(1, 5)).astype(np.int32) for _ in range(40)]})
         store.update(ids[:3], {"reward": [1.0, 2.0, 3.0], "emb": np.ones((3, 2), np.float32)})
         store.update(ids[1:2], {"ref_logprobs": [[0.5, -0.5]]})
         first = store.checkpoint(root)
         assert first["files_written"] == 5
-        with ab.ExperienceStore.restore(root) as again:
+        with restored() as again:
             assert again.to_table().equals(store.to_table())
             assert again.present(["reward"], ids).tolist() == [True] * 3 + [False] * 37
             assert again.present(["ref_logprobs"], ids).tolist() == [False, True] + [False] * 38
@@ -303,7 +312,7 @@ def test_fields_filled_later_round_trip_and_updates_reach_the_next_checkpoint(tm
         store.update(ids[33:34], {"ref_logprobs": [[1.0]]})    # chunk 4 (rows 32..39)
         second = store.checkpoint(root)
         assert second["files_written"] == 2 and second["files_reused"] == 3
-        with ab.ExperienceStore.restore(root) as again:
+        with restored() as again:
             t = again.to_table()
             assert t.equals(store.to_table())
             assert t["reward"].to_pylist()[20:23] == [4.0, 5.0, None]

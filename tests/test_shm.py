@@ -536,6 +536,50 @@ def test_checkpoint_keeps_holes_out_and_restores_with_no_open_reservation(names,
             restored.close()
 
 
+def test_threads_reserve_copy_and_commit_in_order_and_a_failed_copy_is_skipped():
+    """The same protocol between threads of one host store: a later batch waits for the earlier one's commit, and a
+    batch whose copy raised gives its seqs up (a hole), so the writers after it go on."""
+    with ab.ExperienceStore(SCHEMA, 1000) as store:
+        store.extend(rows(0, 0, 100))
+        go, waiting = threading.Event(), threading.Event()
+        commit, wait_hi = store._writer._commit_reserved, store._writer._wait_hi
+
+        def paused(r):
+            if threading.current_thread().name == "first":
+                go.wait(JOIN_S)
+            commit(r)
+
+        def noted(target: int) -> None:
+            waiting.set()
+            wait_hi(target)
+
+        store._writer._commit_reserved, store._writer._wait_hi = paused, noted
+        first = threading.Thread(target=lambda: store.extend(rows(1, 0, 50)), name="first", daemon=True)
+        first.start()
+        ids: list[np.ndarray] = []
+        second = threading.Thread(target=lambda: ids.append(store.extend(rows(2, 0, 50))), daemon=True)
+        second.start()
+        assert waiting.wait(JOIN_S) and len(store) == 100  # the second copied its rows, and waits for the first
+        go.set()
+        first.join(JOIN_S)
+        second.join(JOIN_S)
+        np.testing.assert_array_equal(ids[0], np.arange(150, 200))
+        write = store._cols.write
+
+        def broken(*args, **kwargs):
+            raise MemoryError("copy failed")
+
+        store._cols.write = broken
+        with pytest.raises(MemoryError):
+            store.extend(rows(3, 0, 50))
+        store._cols.write = write
+        np.testing.assert_array_equal(store.extend(rows(4, 0, 50)), np.arange(250, 300))  # after the hole
+        assert len(store) == 250
+        t = store.to_table(["obs", "seq"])
+        np.testing.assert_array_equal(t.column("seq").to_numpy(), np.concatenate([np.arange(200), np.arange(250, 300)]))
+        assert not (t.column("obs").combine_chunks().to_numpy_ndarray()[:, 0] == 3).any()
+
+
 def test_janitor_reclaims_stores_of_dead_owners(names, capsys):
     a, b, c = names(), names(), names()
     ready = CTX.Event()

@@ -85,6 +85,7 @@ def test_ragged_update_rows_land_on_their_ids_and_are_copied(store, order):
     assert [want.get(int(i)) for i in b.indices] == b["ref_logprobs"].to_pylist()
 
 
+@pytest.mark.filterwarnings("ignore::arrowbuf.errors.AppendSlowPathWarning")  # appends of ragged rows, on purpose
 def test_given_at_extend_and_nulls_in_arrow_input(store):
     ids = store.extend({**rollouts(2), "reward": [0.5, None], "ref_logprobs": [None, [1.0]]})
     rb = pa.RecordBatch.from_pydict({"prompt_id": [7], "done": [True], "response": pa.array([[1, 2]], pa.list_(

@@ -27,7 +27,8 @@ deadline, `rpc_timeout=` per call or the client's `timeout` (from `connect`); on
 is how long the server may wait for data, so the default deadline of a sample is the client's `timeout` plus that
 wait. Streams (`writer`, `session`) live as long as their user keeps them and have no overall deadline.
 
-Sampled arrays are zero-copy views of the received Flight message, so they are read-only.
+Sampled arrays are zero-copy views of the received Flight message. That memory was received for the batch alone (no
+store or other reader shares it), so the arrays are writable and `batch.to_torch()` hands them to torch without a copy.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ..errors import DeadlineExceeded, InvalidArgument, SchemaError, StoreClosed
 from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
+from .heap import release_after
 
 T = TypeVar("T")
 
@@ -269,7 +271,7 @@ class RemoteStore:
     # ------------------------------------------------------------------ sampling
     def sample(self, n: int, columns: list[str] | None = None, timeout: float | None = None, *,
                rpc_timeout: float | None | object = _DEFAULT, **options: Any) -> SampleBatch:
-        """Sample `n` items (one DoGet). Arrays are zero-copy views of the received message (read-only).
+        """Sample `n` items (one DoGet). Arrays are zero-copy, writable views of the received message (the batch's own).
 
         Args:
             n: batch size.
@@ -753,12 +755,44 @@ def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None) -> SampleBatch:
         if col.null_count:  # a field filled later, absent in some rows: Arrow with nulls, as a local sample gives
             arrays[name] = col
         elif isinstance(t, pa.FixedShapeTensorType):
-            arrays[name] = col.to_numpy_ndarray()
+            arrays[name] = _received(col.to_numpy_ndarray())
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
             arrays[name] = col
         else:
-            arrays[name] = col.to_numpy(zero_copy_only=False)
+            arrays[name] = _received(col.to_numpy(zero_copy_only=False))
+    release_after(data.nbytes)  # the receive's freed gRPC pieces: back to the OS, not kept for the next peak
     return SampleBatch(arrays, indices, weights)
+
+
+class _ReceivedMemory:
+    """Exposes a read-only numpy view of a received Flight message as writable memory, and keeps the view (and so
+    the message's buffer) alive for as long as any array over it lives.
+
+    Safe because the message was received for one batch alone: nothing else (no store, no other reader) sees that
+    memory, so the batch's user may write it, and torch may take it without the defensive copy that read-only
+    memory (a store's shared mapping) needs.
+    """
+
+    __slots__ = ("__array_interface__", "_view")
+
+    def __init__(self, view: np.ndarray) -> None:
+        self._view = view
+        interface = dict(view.__array_interface__)
+        interface["data"] = (interface["data"][0], False)  # (address, read-only flag)
+        self.__array_interface__ = interface
+
+
+def _received(arr: np.ndarray) -> np.ndarray:
+    """`arr` (a view of a received message, or a conversion's own copy) as a writable array over the same memory.
+
+    A view that is not aligned to its dtype (a small message that gRPC delivered in one piece lands at any byte
+    offset) is copied once here instead, so torch and numpy never see misaligned data.
+    """
+    if arr.flags.writeable or arr.size == 0:
+        return arr
+    if not arr.flags.aligned:
+        return np.array(arr, order="C")
+    return np.asarray(_ReceivedMemory(arr))
 
 
 def _record_batch(schema: ExperienceSchema, cols: dict[str, Any]) -> pa.RecordBatch:
