@@ -245,7 +245,11 @@ class ConsumeTracker:
                     continue
                 if full or left <= 0:
                     break
-                c.cond.wait(left)
+                c.waiters += 1  # commits notify the condition only when someone waits (StoreCore.notify)
+                try:
+                    c.cond.wait(left)
+                finally:
+                    c.waiters -= 1
             if len(seqs):
                 self._consumed[task][seqs % c.arena_rows] = seqs
                 self._delivered[task] += len(seqs)
