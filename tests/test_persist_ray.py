@@ -1,6 +1,7 @@
 """Sharded stores and checkpoints (issue 15): a killed shard comes back with its checkpointed rows, from an explicit
-checkpoint and from the periodic ones (`checkpoint_every`). A local Ray cluster whose processes must all be gone at
-the end (conftest.local_ray_cluster checks)."""
+checkpoint and from the periodic ones (`checkpoint_every`). A local two-node Ray cluster (so a shard restarts on a
+multi-node cluster, as issue 20 asks) whose processes must all be gone at the end (conftest.local_ray_cluster
+checks)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from conftest import SMALL, local_ray_cluster, make_episodes  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cluster():
-    with local_ray_cluster(1) as c:
+    with local_ray_cluster(2) as c:  # two nodes: shards restart on a multi-node cluster (issue 20)
         yield c
 
 

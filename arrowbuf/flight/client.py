@@ -47,6 +47,7 @@ from ..errors import DeadlineExceeded, InvalidArgument, SchemaError, StoreClosed
 from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
+from .heap import release_after
 
 T = TypeVar("T")
 
@@ -759,6 +760,7 @@ def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None) -> SampleBatch:
             arrays[name] = col
         else:
             arrays[name] = _received(col.to_numpy(zero_copy_only=False))
+    release_after(data.nbytes)  # the receive's freed gRPC pieces: back to the OS, not kept for the next peak
     return SampleBatch(arrays, indices, weights)
 
 
