@@ -541,7 +541,8 @@ class StoreWriter:
             if more is not None:
                 idx.valid[more] = True
             if self._notify:
-                ready = np.atleast_1d(np.asarray(ready, dtype=np.int64))
+                ready = (np.array([ready], dtype=np.int64) if ready.__class__ is int
+                         else np.atleast_1d(np.asarray(ready, dtype=np.int64)))
                 c.sampler.on_valid(ready if more is None else np.append(ready, more))
         hv[_INSERTS] += n
         c.notify()
