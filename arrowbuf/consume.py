@@ -106,6 +106,7 @@ class ConsumeTracker:
         self._consumed: dict[str, np.ndarray] = {}
         self._cursor: dict[str, int] = {}
         self._pins: dict[int, int] = {}
+        self._gathering: dict[int, tuple[str, np.ndarray]] = {}  # pin -> (task, seqs) of a batch not handed out yet
         self._pin_ids = itertools.count()
         self._policy_version = 0
         self.counters = {"stale_dropped": 0, "insert_waits": 0}
@@ -244,18 +245,24 @@ class ConsumeTracker:
                     continue
                 if full or left <= 0:
                     break
-                c.cond.wait(left)
+                c.waiters += 1  # commits notify the condition only when someone waits (StoreCore.notify)
+                try:
+                    c.cond.wait(left)
+                finally:
+                    c.waiters -= 1
             if len(seqs):
                 self._consumed[task][seqs % c.arena_rows] = seqs
                 self._delivered[task] += len(seqs)
             pin = next(self._pin_ids)
             if len(seqs):
                 self._pins[pin] = int(seqs.min())
+                self._gathering[pin] = (task, seqs)
         try:
             arrays = self.reader.gather(seqs, None)
         finally:
             with c.cond:
                 self._pins.pop(pin, None)
+                self._gathering.pop(pin, None)
                 c.cond.notify_all()  # held writers: rows were consumed and unpinned
         return SampleBatch(arrays, seqs, None, info={"task": task})
 
@@ -512,6 +519,53 @@ class ConsumeTracker:
                    arr[oldest % self.core.arena_rows] != oldest]
         return (f"the ring is full and {0 if held is None else len(held)} of the rows this write would evict are "
                 f"not yet consumed by every task (oldest id {oldest} waits for {waiting or 'a consume in progress'})")
+
+    # ------------------------------------------------------------------ checkpoints (arrowbuf.persist)
+    def state(self, seqs: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """What a checkpoint keeps of this tracker, for the live rows `seqs` (call under the store's state lock,
+        as the checkpoint's snapshot does): per task a bool per row (consumed by it), and JSON-able metadata (tasks,
+        `policy_version`, `max_staleness`, `token_field`, counters, rows delivered per task).
+
+        A batch marked consumed but still being gathered (not handed out yet) is recorded as not consumed, so a
+        store restored from this checkpoint delivers it again rather than never (at least once over a restart).
+        """
+        pos = seqs % self.core.arena_rows
+        delivered = dict(self._delivered)
+        arrays: dict[str, np.ndarray] = {}
+        for task, arr in self._consumed.items():
+            done = arr[pos] == seqs
+            for t, inflight in self._gathering.values():
+                if t == task:
+                    done &= ~np.isin(seqs, inflight)
+                    delivered[t] -= len(inflight)
+            arrays[task] = done
+        meta = {"tasks": self.tasks, "policy_version": self._policy_version, "max_staleness": self.max_staleness,
+                "token_field": self.token_field, "counters": dict(self.counters), "delivered": delivered}
+        return meta, arrays
+
+    def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Put back what `state` recorded, for the rows now at `seqs` (a fresh store built with the recorded tasks,
+        `max_staleness` and `token_field`; call under the store's state lock, as restore does).
+
+        Raises:
+            InvalidArgument: a recorded task is not declared here, or an array does not match `seqs`.
+        """
+        pos = seqs % self.core.arena_rows
+        for task in meta.get("tasks", []):
+            if task not in self._consumed:
+                raise InvalidArgument(f"checkpointed task {task!r} is not declared in the restored store "
+                                      f"(tasks {self.tasks}); declare it before loading its state")
+            done = np.asarray(arrays[task], dtype=bool)
+            if len(done) != len(seqs):
+                raise InvalidArgument(f"consumption record of task {task!r} has {len(done)} rows for "
+                                      f"{len(seqs)} rows")
+            self._consumed[task][pos[done]] = seqs[done]
+            self._cursor[task] = 0
+            self._delivered[task] = int(meta.get("delivered", {}).get(task, 0))
+        self._policy_version = int(meta.get("policy_version", 0))
+        for k, v in meta.get("counters", {}).items():
+            if k in self.counters:
+                self.counters[k] = int(v)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

@@ -547,7 +547,7 @@ class ExperienceStore:
         tier = "tiered" if isinstance(self._cols, TieredColumnArenas) else self._tier.name
         return StoreParts(self.schema, self._cols, self.directory, self.index, self.sampler, self._episodes,
                           self._rng, self._final_owner, self._times_sampled, self._lock, self._write_lock, config,
-                          self.rate_limiter, tier)
+                          self.rate_limiter, tier, consume=self._consume)
 
     def checkpoint(self, path: Any, keep: int | None = None, background: bool = False,
                    compression: str | None = None) -> Any:

@@ -563,3 +563,60 @@ def test_a_small_ring_under_pressure_delivers_every_row_once_per_task_never_torn
         ids = np.concatenate(got[task])
         assert sorted(ids.tolist()) == list(range(total)), task
     assert s.stats()["inserts"] == total
+
+
+# ---------------------------------------------------------------------- checkpoints (issue 15 x 16)
+def test_a_restored_store_keeps_each_tasks_consumption_policy_version_and_counters(tmp_path):
+    s = store(capacity=64, tasks=["ref", "train"], max_staleness=3)
+    again = None
+    try:
+        ids = np.concatenate([s.extend(rows(12, pv=0)), s.extend(rows(8, start=12, pv=2))])
+        s.policy_version = 2
+        np.testing.assert_array_equal(s.consume("train", 4).indices, ids[:4])
+        # rows 4..11 (version 0) are stale for max_staleness=1: dropped for "train", then rows 12, 13 delivered
+        np.testing.assert_array_equal(s.consume("train", 2, max_staleness=1).indices, ids[12:14])
+        before = s.stats()
+        assert before["stale_dropped"] == 8 and before["consumed"] == {"ref": 0, "train": 6}
+        s.checkpoint(tmp_path / "ckpt")
+        s.consume("ref", 3)  # after the snapshot point: not in the checkpoint
+        again = ab.ExperienceStore.restore(tmp_path / "ckpt")
+        assert again.tasks == ["ref", "train"] and again.policy_version == 2
+        st = again.stats()
+        assert st["stale_dropped"] == 8 and st["consumed"] == {"ref": 0, "train": 6}
+        np.testing.assert_array_equal(again.consume("train", 100).indices, ids[14:])  # only the unconsumed rows
+        np.testing.assert_array_equal(again.consume("ref", 100).indices, ids)          # every row
+        assert len(again.consume("train", 100)) == 0 and len(again.consume("ref", 100)) == 0
+        new = again.extend(rows(2, start=20, pv=2))  # rows written after the restore are unconsumed for both
+        np.testing.assert_array_equal(again.consume("train", 100).indices, new)
+        np.testing.assert_array_equal(again.consume("ref", 100).indices, new)
+        with pytest.raises(ab.InsertTimeout):  # the store's max_staleness (admission control) came back too
+            again.extend(rows(1, start=22, pv=6), timeout=None)
+    finally:
+        s.close()
+        if again is not None:
+            again.close()
+
+
+def test_a_checkpoint_of_a_store_without_tasks_restores_none_and_keeps_the_policy_version(tmp_path):
+    s = store()
+    try:
+        s.extend(rows(5))
+        s.policy_version = 4
+        s.checkpoint(tmp_path / "ckpt")
+    finally:
+        s.close()
+    with ab.ExperienceStore.restore(tmp_path / "ckpt") as again:
+        assert again.tasks == [] and again.policy_version == 4 and len(again) == 5
+
+
+def test_a_restored_group_store_delivers_only_the_groups_a_task_had_not_consumed(tmp_path):
+    s = store(capacity=64, tasks=["ref", "train"], sampler=ab.samplers.Group(key="prompt_id", size=4))
+    try:
+        ids = s.extend(rows(16))
+        np.testing.assert_array_equal(s.consume("train", 8).indices, ids[:8])
+        s.checkpoint(tmp_path / "ckpt")
+    finally:
+        s.close()
+    with ab.ExperienceStore.restore(tmp_path / "ckpt") as again:
+        np.testing.assert_array_equal(again.consume("train", 100).indices, ids[8:])
+        np.testing.assert_array_equal(again.consume("ref", 100).indices, ids)

@@ -43,6 +43,7 @@ from ..sql import serving as sql_serving
 from ..surface import check_surface
 from . import protocol as P
 from .limits import CallGate, ServerLimits
+from .heap import release_after
 from .sockets import cut_server_connections
 
 log = logging.getLogger("arrowbuf.flight")
@@ -419,6 +420,7 @@ class _FlightService(flight.FlightServerBase):
             first = int(ids[0]) if len(ids) else 0
             writer.write(pa.py_buffer(P.encode_ack(k, first, batch.num_rows)))
             k += 1
+            release_after(batch.nbytes)  # flightmem: the receive's freed gRPC pieces back to the OS (heap.py)
 
     # ------------------------------------------------------------------ DoExchange
     @_handler("DoExchange")

@@ -360,6 +360,9 @@ class _Job:
         for src, rows in fin["data"].items():
             final_cols[src] = rows[keep]
         out.append(self._state_arrow(gen, "final", final_cols, {}, shapes=True))
+        if snap.consume_meta is not None:
+            consumed = {task: a[k:] for task, a in snap.consume_arrays.items()}
+            out.append(self._state_arrow(gen, "consume", consumed, snap.consume_meta))
         h = snap.header
         from ..index import HEADER
 

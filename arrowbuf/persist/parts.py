@@ -39,6 +39,7 @@ class StoreParts:
         lock: the state lock (commits, sampling); write_lock: held by writers for a whole batch.
         config: the constructor arguments that rebuild an equal store (capacity, chunk_rows, ...).
         tier_name: "host", "shm", or "tiered".
+        consume: its `ConsumeTracker` (tasks, consumption per task, policy version), or None.
     """
 
     schema: Any
@@ -55,6 +56,7 @@ class StoreParts:
     config: dict[str, Any]
     rate_limiter: Any
     tier_name: str
+    consume: Any = None
 
     @property
     def arena_rows(self) -> int:

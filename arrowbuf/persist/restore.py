@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 
-from ..errors import SchemaError, StoreCorrupt
+from ..errors import InvalidArgument, SchemaError, StoreCorrupt
 from ..schema import convert_later, load_schema
 from . import manifest as mf
 from .checkpoint import known_files
@@ -64,6 +64,12 @@ def restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any
         from ..store import ExperienceStore as cls  # noqa: N813
     kwargs: dict[str, Any] = dict(chunk_rows=st["chunk_rows"], final_obs_capacity=st.get("final_obs_capacity"),
                                   max_times_sampled=st.get("max_times_sampled"), name=name or st.get("name"))
+    consume = _consume_state(root, m)
+    if consume is not None:  # the tracker's store-level options: tasks come back declared, admission control on
+        meta = consume[1]
+        for key in ("tasks", "max_staleness", "token_field"):
+            if meta.get(key):
+                kwargs[key] = meta[key]
     if tiers is not None:
         kwargs["tiers"] = tiers
     else:
@@ -75,7 +81,7 @@ def restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any
         if parts.arena_rows != st["arena_rows"]:
             raise StoreCorrupt(f"{where}: arena_rows {st['arena_rows']} but the rebuilt store has "
                                f"{parts.arena_rows}; the manifest is inconsistent")
-        load_into(parts, root, m, restore_rng=seed is None)
+        load_into(parts, root, m, restore_rng=seed is None, consume=consume)
     except BaseException:
         store.close()
         raise
@@ -94,6 +100,24 @@ def _state(root: str, m: dict[str, Any], mech: str) -> Any:
     return {n: numpy_column(table.column(n)) for n in table.column_names}, meta
 
 
+def _consume_state(root: str, m: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """The consume state file (tasks, consumption per task, policy version), checked; None in a checkpoint made
+    before it existed (a store restored from one starts with no tasks and policy version 0)."""
+    if not any(e.get("kind") == "state:consume" for e in m["files"]):
+        return None
+    arrays, meta = _state(root, m, "consume")
+    tasks = meta.get("tasks")
+    ok = isinstance(tasks, list) and all(isinstance(t, str) and t in arrays for t in tasks) and \
+        isinstance(meta.get("policy_version", 0), int) and isinstance(meta.get("counters", {}), dict) and \
+        isinstance(meta.get("delivered", {}), dict) and \
+        (meta.get("max_staleness") is None or isinstance(meta["max_staleness"], int)) and \
+        (meta.get("token_field") is None or isinstance(meta["token_field"], str))
+    if not ok:
+        raise StoreCorrupt(f"{m['_path']}: malformed consume state (tasks {str(tasks)[:200]}, columns "
+                           f"{list(arrays)[:20]})")
+    return arrays, meta
+
+
 def _read_ahead(pool: ThreadPoolExecutor, root: str, entries: list[dict[str, Any]],
                 depth: int = 3) -> Iterator[tuple[dict[str, Any], bytes]]:
     """Verified bytes of `entries` in order, read and checksummed `depth` files ahead in `pool` (file reads and
@@ -109,8 +133,10 @@ def _read_ahead(pool: ThreadPoolExecutor, root: str, entries: list[dict[str, Any
         yield first, fut.result()
 
 
-def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool = True) -> None:
-    """Fill a fresh store's parts with checkpoint `m` of directory `root` (files verified first, chunk by chunk)."""
+def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool = True,
+              consume: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None) -> None:
+    """Fill a fresh store's parts with checkpoint `m` of directory `root` (files verified first, chunk by chunk);
+    `consume` is the checkpoint's consume state (`_consume_state`), for a store built with its tasks."""
     where = m["_path"]
     rows = m["rows"]
     lo, hi = int(rows["first_seq"]), int(rows["next_seq"])
@@ -191,5 +217,10 @@ def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool
         restore_sampler_state(parts.sampler, pos, sampler_meta["meta"], sampler_arrays,
                               int(sampler_meta.get("dropped_valid", 0)))
         restore_episode_state(parts.episodes, episodes)
+        if consume is not None and parts.consume is not None:
+            try:
+                parts.consume.load_state(np.arange(lo, hi, dtype=np.int64), consume[1], consume[0])
+            except InvalidArgument as exc:
+                raise StoreCorrupt(f"{where}: consume state does not fit the checkpoint's rows: {exc}") from None
         if restore_rng:
             parts.rng.bit_generator.state = rng

@@ -6,6 +6,7 @@ and its state lock (commits and sampling wait) for a short, bounded copy of:
 - the live range `[lo, hi)`, the header counters (inserts, samples: what the rate limiter decides on);
 - per live row its index entries (episode id, step, successor, sampleable) and times sampled;
 - the sampler's state of those rows (priorities of both trees, the max priority, FIFO cursor ...);
+- consumption per task of those rows, the policy version and the consume counters (`ConsumeTracker.state`);
 - the final observations live rows point to; the open tail chunk's rows; the episode streams; the RNG state.
 
 Sealed chunks are not copied here: they are immutable until the ring evicts them, so `read_chunk` reads them
@@ -48,6 +49,8 @@ class Snapshot:
     ragged: dict[str, list[pa.Array]] = field(default_factory=dict)
     later: dict[str, list[pa.Array]] = field(default_factory=dict)  # later field -> per live chunk (nulls: absent)
     episode_id: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    consume_meta: dict[str, Any] | None = None                # tasks, policy version, counters (None: no tracker)
+    consume_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # task -> consumed, per live row
     step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
@@ -70,6 +73,8 @@ def capture(parts: StoreParts) -> Snapshot:
                         episodes=episode_state(parts.episodes), rng=copy.deepcopy(dict(parts.rng.bit_generator.state)),
                         episode_id=idx.episode_id[pos], step=idx.step[pos])
         snap.ragged = parts.cols.ragged_snapshot()
+        if parts.consume is not None:  # under the state lock: what consumers marked at the snapshot point
+            snap.consume_meta, snap.consume_arrays = parts.consume.state(np.arange(lo, hi, dtype=np.int64))
         # fields filled later change in sealed chunks too (`store.update`): copied now, with their presence
         snap.later = {f.name: [parts.cols.snapshot_later(f.name, p0, p1) for _, p0, p1, _ in chunks]
                       for f in parts.schema.fields.values() if f.later and not f.ragged}
