@@ -685,9 +685,33 @@ class SequenceSampler(Sampler):
                 taken = np.concatenate([taken, start_pos[ok]])
             need = need[k:]
             if len(need) == 0:
-                lo_pos = idx.lo % idx.arena_rows
-                return idx.lo + (out_pos - lo_pos) % idx.arena_rows, out_w
-        return None
+                break
+        else:
+            # complete windows are rare among the start draws (e.g. most episodes shorter than a window): draw
+            # the rest from the explicit list of complete windows, by the same start distribution
+            if not self._select_listed(need, out_pos, out_w, taken if distinct else None):
+                return None
+        lo_pos = idx.lo % idx.arena_rows
+        return idx.lo + (out_pos - lo_pos) % idx.arena_rows, out_w
+
+    def _select_listed(self, need: np.ndarray, out_pos: np.ndarray, out_w: np.ndarray | None,
+                       taken: np.ndarray | None) -> bool:
+        """Fill rows `need` of `out_pos` (and `out_w`) from every complete window, drawn by start mass (O(capacity);
+        fallback path only). With `taken` (distinct windows) no start repeats; False when too few windows exist."""
+        start_pos = self.index.live_positions()
+        m = self.starts.mass(start_pos)
+        start_pos, m = start_pos[m > 0], m[m > 0]
+        pos, ok = self.windows(start_pos)
+        if taken is not None:
+            ok &= ~np.isin(start_pos, taken)
+        pos, m = pos[ok], m[ok]
+        if len(pos) == 0 or (taken is not None and len(pos) < len(need)):
+            return False
+        pick = self.rng.choice(len(pos), size=len(need), replace=taken is None, p=m / m.sum())
+        out_pos[need] = pos[pick]
+        if out_w is not None and self.priority is not None:
+            out_w[need] = self.priority.weights(pos[pick, 0])
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {"sampler": "SequenceSampler", "length": self.length, "stride": self.stride,

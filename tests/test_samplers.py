@@ -2,7 +2,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
@@ -121,6 +121,9 @@ def test_max_times_sampled_removes_items():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(1, 15), min_size=2, max_size=12), actors=st.integers(1, 3),
        T=st.integers(1, 6), stride=st.integers(1, 3), capacity=st.integers(20, 200), seed=st.integers(0, 99))
+# Regression (from the Hypothesis database): one complete window among 12 rows; rejection draws ran out and the
+# second sample raised SampleTimeout although the window exists.
+@example(lengths=[3, 4, 5], actors=1, T=5, stride=1, capacity=20, seed=1)
 def test_sequences_never_cross_episodes(lengths, actors, T, stride, capacity, seed):
     store = store_with(ab.samplers.Sequence(length=T, stride=stride), capacity=capacity, chunk_rows=8, seed=seed)
     for i, n in enumerate(lengths):
@@ -142,6 +145,25 @@ def test_sequences_never_cross_episodes(lengths, actors, T, stride, capacity, se
     # inside a window, obs[t+1] == next_obs[t]
     np.testing.assert_array_equal(s["obs"][:, 1:], s["next_obs"][:, :-1])
     assert ep is None
+
+
+@pytest.mark.parametrize("priority", [False, True])
+@pytest.mark.parametrize("distinct", [False, True])
+def test_sequence_rare_complete_window_is_always_served(priority, distinct):
+    """One complete window among ~200 rows: sample must serve it every time (rejection draws alone run out)."""
+    pri = ab.samplers.Prioritized(alpha=1.0, beta=1.0) if priority else None
+    store = store_with(ab.samplers.Sequence(length=5, priority=pri), max_times_sampled=1000 if distinct else None)
+    batch, _ = make_episodes([4] * 50 + [5])
+    store.extend(batch)
+    n = 1 if distinct else 32
+    for _ in range(20):
+        s = store.sample(n, columns=["obs", "step"])
+        assert s["obs"].shape == (n, 5, 3)
+        assert (s["step"] == np.arange(5)).all()
+        np.testing.assert_array_equal(s["obs"][:, :, 0], np.tile(s["obs"][:1, :1, 0] + np.arange(5), (n, 1)))
+    if distinct:
+        with pytest.raises(ab.SampleTimeout):
+            store.sample(2)  # only one distinct complete window exists
 
 
 def test_sequence_torch_shape_and_burn_in():

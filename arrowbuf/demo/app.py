@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import pathlib
 import queue as queue_mod
-import signal
 import sys
 import threading
 import time
@@ -20,6 +19,7 @@ import numpy as np
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, require
 from .actors import ActorSpec, PolicyFile, actor_main
 from .dqn import DQNConfig, DQNLearner
+from .entry import run_cli
 
 #: What the learner reads per batch (the n-step columns come with `n_step=`).
 LEARNER_COLUMNS = ["obs", "action", "next_obs"]
@@ -356,19 +356,4 @@ def run_from_args(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo", description=_DESCRIPTION))
     args = p.parse_args(argv)
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        # SIGTERM unwinds like Ctrl-C, so the actors are stopped and the server closed on the way out
-        previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        return run_from_args(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted: actors stopped, server and store closed", file=sys.stderr)
-        return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+    return run_cli(lambda: run_from_args(args), "actors stopped, server and store closed")

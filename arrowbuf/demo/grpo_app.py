@@ -28,8 +28,6 @@ import multiprocessing as mp
 import os
 import pathlib
 import queue as queue_mod
-import signal
-import sys
 import threading
 import time
 from typing import Any
@@ -39,6 +37,7 @@ import numpy as np
 from ..errors import ArrowbufError, InsertTimeout, InvalidArgument, require
 from .actors import PolicyFile
 from .grpo import GRPOConfig, GRPOTrainer, generate, make_policy, make_prompts, rewards, token_logprobs
+from .entry import run_cli
 
 _DESCRIPTION = "GRPO over arrowbuf: rollout, reward and reference workers and a trainer, all through Arrow Flight."
 TASKS = ["reward", "ref", "train"]
@@ -389,21 +388,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo grpo", description=_DESCRIPTION))
     args = p.parse_args(argv)
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _terminate)  # unwind like Ctrl-C: workers stopped, server closed
-    try:
-        return run_from_args(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted: workers stopped, server and store closed", file=sys.stderr)
-        return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+    return run_cli(lambda: run_from_args(args), "workers stopped, server and store closed")
 
 
 __all__ = ["GRPOResult", "WorkerSpec", "configure_parser", "grpo_schema", "main", "run", "run_from_args",
