@@ -410,8 +410,7 @@ class TieredColumnArenas(ColumnArenas):
     def _put_rows(self, name: str, positions: np.ndarray, values: np.ndarray) -> None:
         """`update_rows` of a tiered column: rows written where their chunk lives. A migration copies a chunk without
         the write lock, so an update during its copy would be lost at its flip: the update holds new migrations off
-        (`holds`) and waits for those in flight on its chunks, then writes under `cond`. The wait is bounded however
-        busy placement is: a retry loop racing the mover for `cond` could starve."""
+        (`holds`), waits for those in flight on its chunks (bounded, however busy placement is), writes under `cond`."""
         ci = self.ci[name]
         cr = self.chunk_rows
         slots = positions // cr
@@ -421,46 +420,36 @@ class TieredColumnArenas(ColumnArenas):
             try:
                 while self.moving[ci, touched].any():
                     self.cond.wait()
-                self._write_rows(name, ci, positions, values, slots, touched)
+                for s in touched.tolist():
+                    sel = np.flatnonzero(slots == s)
+                    code = int(self.res[ci, s])
+                    if self.slotted[code]:  # device memory: read the chunk, change its rows, write it back
+                        tier: Any = self.tiers[code]
+                        arena = self.arenas[code][name]
+                        off = int(self.local[ci, s]) * cr
+                        chunk = np.array(tier.get(arena, off, off + cr, self.spec[name].dtype))
+                        chunk[positions[sel] - s * cr] = values[sel]
+                        tier.put(arena, off, chunk)
+                    else:
+                        self.arenas[code][name][positions[sel]] = values[sel]
             finally:
                 self.holds -= 1
 
     @contextlib.contextmanager
     def moves_held(self) -> Iterator[None]:
-        """Hold migrations off for the block: none starts, and those in flight finish (flip or abort) before it
-        begins, so every chunk stays where it is and no copy a reader uses is released or reused meanwhile. For a
-        reader that lost the race to placement too often (its optimistic seqlock keeps seeing flips). Writers may
+        """Hold migrations off for the block (none starts; those in flight finish first): no copy a reader uses is
+        released or reused meanwhile. For a reader whose optimistic seqlock keeps losing to placement. Writers may
         still move a slot whose old rows are all evicted (`_recycle`); a sample's torn-row check covers those."""
         with self.cond:
             self.holds += 1
-            try:
+        try:
+            with self.cond:
                 while self.moving.any():
                     self.cond.wait()
-            except BaseException:
-                self.holds -= 1
-                raise
-        try:
             yield
         finally:
             with self.cond:
                 self.holds -= 1
-
-    def _write_rows(self, name: str, ci: int, positions: np.ndarray, values: np.ndarray, slots: np.ndarray,
-                    touched: np.ndarray) -> None:
-        """Under `cond`, none of `touched` moving: write the rows where their chunks live."""
-        cr = self.chunk_rows
-        for s in touched.tolist():
-            sel = np.flatnonzero(slots == s)
-            code = int(self.res[ci, s])
-            if self.slotted[code]:  # device memory: read the chunk, change its rows, write it back
-                tier: Any = self.tiers[code]
-                arena = self.arenas[code][name]
-                off = int(self.local[ci, s]) * cr
-                chunk = np.array(tier.get(arena, off, off + cr, self.spec[name].dtype))
-                chunk[positions[sel] - s * cr] = values[sel]
-                tier.put(arena, off, chunk)
-            else:
-                self.arenas[code][name][positions[sel]] = values[sel]
 
     def _recycle(self, ci: int, name: str, s: int) -> None:
         """A writer starts a new generation of slot `s`. Rows of the old generation past the piece being written may
