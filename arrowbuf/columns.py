@@ -33,6 +33,9 @@ another arena, and the columns share a tier's budget freely (the bytes a column 
 resident, not a fixed share decided at construction), which is what lets a cold column leave the host whole. Host
 memory is committed and returned page by page (`HostTier.allocate_sparse`), disk space is reserved up front. Only
 device memory, which cannot be over-committed, is slotted.
+
+Size note: about 805 lines, at the house's 800: host and tiered arenas share the gather and write rules here; the
+next split, if it grows, is the tiered arenas (`TieredColumnArenas`, migration holds) into a module of their own.
 """
 
 from __future__ import annotations
