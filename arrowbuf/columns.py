@@ -33,12 +33,16 @@ another arena, and the columns share a tier's budget freely (the bytes a column 
 resident, not a fixed share decided at construction), which is what lets a cold column leave the host whole. Host
 memory is committed and returned page by page (`HostTier.allocate_sparse`), disk space is reserved up front. Only
 device memory, which cannot be over-committed, is slotted.
+
+Size note: about 805 lines, at the house's 800: host and tiered arenas share the gather and write rules here; the
+next split, if it grows, is the tiered arenas (`TieredColumnArenas`, migration holds) into a module of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -304,13 +308,15 @@ class TieredColumnArenas(ColumnArenas):
         self.flips = 0  # every flip of any column: a sampler's fast check that nothing moved
         self.stamp = np.zeros((ncols, self.num_slots), dtype=np.int64)
         self.moving = np.zeros((ncols, self.num_slots), dtype=bool)
+        self.holds = 0  # readers/updaters holding migrations off (`moves_held`): no new one starts while > 0
         self.write_tier = np.full(ncols, self.bottom, dtype=np.int8)
         self.access = [0] * ncols   # rows read per column (sample, Loader); plain ints: the sample path adds to it
         self._access_idx: dict[Any, list[int]] = {}
         # per column: slots in each tier, and the tier holding all of them (-1: several), for the direct take path
         self.counts = np.zeros((ncols, len(self.tiers)), dtype=np.int64)
         self.single = [-1] * ncols
-        self.counters = {"migrations": 0, "migrated_bytes": 0, "aborted": 0, "regathers": 0, "write_moves": 0}
+        self.counters = {"migrations": 0, "migrated_bytes": 0, "aborted": 0, "regathers": 0, "held_gathers": 0,
+                         "write_moves": 0}
         self.cond = threading.Condition(threading.Lock())
         self.arenas: list[dict[str, Any]] = [{} for _ in self.tiers]
         self.free: list[dict[str, list[int]]] = [{} for _ in self.tiers]
@@ -405,28 +411,48 @@ class TieredColumnArenas(ColumnArenas):
         self.final[name][slots] = values
 
     def _put_rows(self, name: str, positions: np.ndarray, values: np.ndarray) -> None:
-        """`update_rows` of a tiered column: rows written where their chunk lives. Holding `cond` keeps migrations of
-        these chunks from starting (they are marked moving under it), and one in flight is waited for first: a
-        migration copies a chunk without the write lock, so an update during its copy would be lost at its flip."""
+        """`update_rows` of a tiered column: rows written where their chunk lives. A migration copies a chunk without
+        the write lock, so an update during its copy would be lost at its flip: the update holds new migrations off
+        (`holds`), waits for those in flight on its chunks (bounded, however busy placement is), writes under `cond`."""
         ci = self.ci[name]
         cr = self.chunk_rows
         slots = positions // cr
         touched = np.unique(slots)
         with self.cond:
-            while self.moving[ci, touched].any():
-                self.cond.wait()
-            for s in touched.tolist():
-                sel = np.flatnonzero(slots == s)
-                code = int(self.res[ci, s])
-                if self.slotted[code]:  # device memory: read the chunk, change its rows, write it back
-                    tier: Any = self.tiers[code]
-                    arena = self.arenas[code][name]
-                    off = int(self.local[ci, s]) * cr
-                    chunk = np.array(tier.get(arena, off, off + cr, self.spec[name].dtype))
-                    chunk[positions[sel] - s * cr] = values[sel]
-                    tier.put(arena, off, chunk)
-                else:
-                    self.arenas[code][name][positions[sel]] = values[sel]
+            self.holds += 1  # no new migration starts meanwhile: the wait is for those in flight only (bounded)
+            try:
+                while self.moving[ci, touched].any():
+                    self.cond.wait()
+                for s in touched.tolist():
+                    sel = np.flatnonzero(slots == s)
+                    code = int(self.res[ci, s])
+                    if self.slotted[code]:  # device memory: read the chunk, change its rows, write it back
+                        tier: Any = self.tiers[code]
+                        arena = self.arenas[code][name]
+                        off = int(self.local[ci, s]) * cr
+                        chunk = np.array(tier.get(arena, off, off + cr, self.spec[name].dtype))
+                        chunk[positions[sel] - s * cr] = values[sel]
+                        tier.put(arena, off, chunk)
+                    else:
+                        self.arenas[code][name][positions[sel]] = values[sel]
+            finally:
+                self.holds -= 1
+
+    @contextlib.contextmanager
+    def moves_held(self) -> Iterator[None]:
+        """Hold migrations off for the block (none starts; those in flight finish first): no copy a reader uses is
+        released or reused meanwhile. For a reader whose optimistic seqlock keeps losing to placement. Writers may
+        still move a slot whose old rows are all evicted (`_recycle`); a sample's torn-row check covers those."""
+        with self.cond:
+            self.holds += 1
+        try:
+            with self.cond:
+                while self.moving.any():
+                    self.cond.wait()
+            yield
+        finally:
+            with self.cond:
+                self.holds -= 1
 
     def _recycle(self, ci: int, name: str, s: int) -> None:
         """A writer starts a new generation of slot `s`. Rows of the old generation past the piece being written may
@@ -697,7 +723,7 @@ class TieredColumnArenas(ColumnArenas):
                 return False
         with self.cond:
             cur = int(self.res[ci, s])
-            if cur == target or self.moving[ci, s]:
+            if cur == target or self.moving[ci, s] or self.holds:
                 return False
             if self.slotted[target]:
                 free = self.free[target].get(name)

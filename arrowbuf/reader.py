@@ -36,6 +36,8 @@ from .samplers import Sampler, validate_priorities
 from .tiers.reservations import HOLE
 from .schema import FieldSpec
 
+_OPTIMISTIC_ROUNDS = 4  # seqlock rounds a tiered gather tries before it holds migrations off
+
 
 @dataclass
 class RowSnapshot:
@@ -212,32 +214,44 @@ class StoreReader:
             out += ["reward", *self.core.end_fields, *(d.next_of for d in self.core.derived)]
         return list(dict.fromkeys(out))
 
-    def _gather_stable(self, seqs: np.ndarray, names: list[str], n_step: int | None, gamma: float,
-                       depth: int = 0) -> dict[str, Any]:
-        """`_gather`, and on a tiered store again for the items whose chunks moved meanwhile (their old copy may
-        have been released or reused while they were read): a seqlock over the slot table."""
+    def _gather_stable(self, seqs: np.ndarray, names: list[str], n_step: int | None, gamma: float) -> dict[str, Any]:
+        """`_gather`, safe against chunks moving meanwhile on a tiered store (their old copy may be released or
+        reused while it is read). First optimistically, a seqlock over the slot table: gather, then re-read the items
+        whose chunks moved. A reader that keeps losing that race to a busy placement then holds migrations off for
+        one gather (`moves_held`): bounded, never an error however often chunks move."""
         cols = self.core.cols
         if cols.direct:
             return self._gather(seqs, names, n_step, gamma)
         assert isinstance(cols, TieredColumnArenas)
-        for _ in range(100):
-            flips, e0 = cols.flips, cols.epoch.copy()
-            reads: list = []
-            arrays = self._gather(seqs, names, n_step, gamma, reads)
-            if cols.flips == flips:  # nothing moved at all (the common case)
+        for _ in range(_OPTIMISTIC_ROUNDS):
+            arrays, moved = self._gather_checked(cols, seqs, names, n_step, gamma)
+            if moved is None:
                 return arrays
-            moved = cols.moved(e0, reads, len(seqs))
-            if moved is None or not moved.any():
-                return arrays
-            cols.counters["regathers"] += int(moved.sum())
-            if moved.all() or depth > 8:
+            if moved.all():
                 continue
             fix = np.flatnonzero(moved)
-            sub = self._gather_stable(seqs[fix], names, n_step, gamma, depth + 1)
-            for k in arrays:
-                arrays[k] = _assign_rows(arrays[k], fix, sub[k])
-            return arrays
-        raise ArrowbufError("sample could not read a stable batch: chunks kept moving for 100 attempts")
+            sub, again = self._gather_checked(cols, seqs[fix], names, n_step, gamma)
+            if again is None:
+                for k in arrays:
+                    arrays[k] = _assign_rows(arrays[k], fix, sub[k])
+                return arrays
+        cols.counters["held_gathers"] += 1
+        with cols.moves_held():
+            return self._gather(seqs, names, n_step, gamma)
+
+    def _gather_checked(self, cols: TieredColumnArenas, seqs: np.ndarray, names: list[str], n_step: int | None,
+                        gamma: float) -> tuple[dict[str, Any], np.ndarray | None]:
+        """One tracked `_gather` and, per item, whether a chunk it read moved meanwhile (None: none did)."""
+        flips, e0 = cols.flips, cols.epoch.copy()
+        reads: list = []
+        arrays = self._gather(seqs, names, n_step, gamma, reads)
+        if cols.flips == flips:  # nothing moved at all (the common case)
+            return arrays, None
+        moved = cols.moved(e0, reads, len(seqs))
+        if moved is None or not moved.any():
+            return arrays, None
+        cols.counters["regathers"] += int(moved.sum())
+        return arrays, moved
 
     def _gather(self, seqs: np.ndarray, names: list[str], n_step: int | None = None,
                 gamma: float = 0.99, reads: list | None = None) -> dict[str, Any]:

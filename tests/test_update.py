@@ -421,6 +421,56 @@ def test_tiered_store_updates_are_never_lost_to_migrations(tmp_path):
         assert tab["emb"] == [[float(s), float(-s)] for s in tab["seq"]]
 
 
+def test_tiered_sample_and_update_progress_while_every_read_races_a_migration(tmp_path):
+    """A placement so busy that a chunk of every gather moves while it is read: the sample's optimistic seqlock can
+    never win, so it must hold migrations off (bounded) rather than give up; updates still land and read back.
+    Deterministic: the moves happen inside the gather itself (a device tier that migrates on each read)."""
+    pytest.importorskip("torch")
+    from arrowbuf.tiers import GpuTier
+
+    class RacingTier(GpuTier):
+        """A (CPU-backed) device tier that runs `race` before each read: a migration landing mid-gather."""
+
+        race = None
+
+        def take(self, *args, **kwargs):
+            if self.race is not None:
+                self.race()
+            return super().take(*args, **kwargs)
+
+    cap, cr = 64, 32
+    schema = {"name": "t", "fields": {"a": "int64", "reward": {"dtype": "float64", "later": True}, "done": "bool"}}
+    gpu = RacingTier(budget=2 * cr * 8, device="cpu")
+    store = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=cr,
+                               tiers={"gpu": gpu, "host": "64KiB", "disk": tmp_path}, placement="static")
+    with store:
+        ids = store.extend({"a": np.arange(cap), "done": np.ones(cap, bool)})
+        cols, idx = store._cols, store.index
+        assert cols.ensure_arena(0, "a", 2)
+        for s in range(2):  # column a wholly on the device, so every gather reads it there
+            assert cols.migrate("a", s, 0, int(idx.seq[s * cr]), idx, store._lock)
+        ri = cols.ci["reward"]
+
+        def race():  # move both chunks of reward between host and disk: every item of the batch read a moved chunk
+            for s in range(2):
+                cols.migrate("reward", s, 1 if cols.res[ri, s] == 2 else 2, int(idx.seq[s * cr]), idx, store._lock)
+
+        gpu.race = race
+        try:
+            for part in np.array_split(ids, 4):
+                assert store.update(part, {"reward": part.astype(np.float64)}) == len(part)
+                b = store.sample(64, columns=["a", "reward"])
+                r = b["reward"]
+                got = r.to_pylist() if isinstance(r, pa.Array) else r.tolist()
+                for seq, a, v in zip(b.indices.tolist(), b["a"].tolist(), got):
+                    assert a == seq and v in (None, float(seq))
+        finally:
+            gpu.race = None
+        assert cols.counters["held_gathers"] >= 4 and cols.counters["migrations"] > 8
+        tab = store.to_table(["seq", "reward"]).to_pydict()
+        assert tab["reward"] == [float(s) for s in tab["seq"]]
+
+
 # ---------------------------------------------------------------- ragged fields in shared memory
 RAGGED_SHM = {"name": "rs", "fields": {
     "p": "int64", "tok": {"dtype": "int32", "ragged": True, "mean_length": 8},

@@ -9,6 +9,9 @@ Usage::
 One server per process: the handlers are Python and hold the GIL while they parse requests, sample and commit
 (gathers and Flight I/O release it). To use more cores, run several processes, each with its own store and server
 (`arrowbuf serve` per shard, or `arrowbuf.ray.ShardedStore`), and let learners sample from all of them.
+
+Size note: about 810 lines, just over the house's 800: the dispatch of every Flight verb lives here; the
+verbs' bounded decoding is in protocol.py, the limits in limits.py, the socket cut-off in sockets.py.
 """
 
 from __future__ import annotations
