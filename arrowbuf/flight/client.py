@@ -785,12 +785,17 @@ def _received(arr: np.ndarray) -> np.ndarray:
     """`arr` (a view of a received message, or a conversion's own copy) as a writable array over the same memory.
 
     A view that is not aligned to its dtype (a small message that gRPC delivered in one piece lands at any byte
-    offset) is copied once here instead, so torch and numpy never see misaligned data.
+    offset) is copied once here instead, so torch and numpy never see misaligned data. The copy goes into a buffer
+    of Arrow's memory pool (64-byte aligned, memory the pool reuses from call to call): a fresh numpy allocation of
+    this size is new pages from the OS every call, and faulting them in cost more than the copy (about 130 µs of a
+    mujoco batch-256 sample's 0.4 ms).
     """
     if arr.flags.writeable or arr.size == 0:
         return arr
     if not arr.flags.aligned:
-        return np.array(arr, order="C")
+        out = np.frombuffer(pa.allocate_buffer(arr.nbytes), dtype=arr.dtype).reshape(arr.shape)
+        out[...] = arr
+        return out
     return np.asarray(_ReceivedMemory(arr))
 
 
