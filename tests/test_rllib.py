@@ -139,7 +139,10 @@ def test_dqn_on_a_sharded_store_with_scheduling(local_ray):
         buf = algo.local_replay_buffer
         _check_metrics(results[-1], scheduled=True)
         stats = buf.store.stats()
-        assert stats["up"] == 2 and all(st["inserts"] > 0 for st in stats["shards"])
+        # Episodes go to the shard their (random, uuid) episode id hashes to, so with the handful of episodes of
+        # three short iterations all landing on one shard is a legitimate outcome (it failed one CI run): require the
+        # rows to have arrived and both shards to be up, not that each shard got some.
+        assert stats["up"] == 2 and sum(st["inserts"] for st in stats["shards"]) > 0
         assert sum(st["samples"] for st in stats["shards"]) >= 64
     finally:
         _stop(algo)
