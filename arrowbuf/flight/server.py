@@ -10,7 +10,7 @@ One server per process: the handlers are Python and hold the GIL while they pars
 (gathers and Flight I/O release it). To use more cores, run several processes, each with its own store and server
 (`arrowbuf serve` per shard, or `arrowbuf.ray.ShardedStore`), and let learners sample from all of them.
 
-Size note: about 810 lines, just over the house's 800: the dispatch of every Flight verb lives here; the
+Size note: about 805 lines, just over the house's 800: the dispatch of every Flight verb lives here; the
 verbs' bounded decoding is in protocol.py, the limits in limits.py, the socket cut-off in sockets.py.
 """
 
@@ -403,26 +403,12 @@ class _FlightService(flight.FlightServerBase):
         # the stream's schema message comes first: names, types and shapes are checked before any batch is read
         store.schema.check_input_types(reader.schema, "DoPut")
         kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
-        k = 0
-        while True:
-            try:
-                chunk = reader.read_chunk()
-            except StopIteration:
-                break
-            batch = chunk.data
-            if batch is None:  # a metadata-only message carries nothing to store
-                continue
-            self.owner.check_open()
-            limits.check_rows(batch.num_rows, f"batch {k}")
-            if batch.nbytes > limits.max_batch_bytes:
-                raise SchemaError(f"batch {k} of {batch.nbytes} bytes is over this server's max_batch_bytes "
-                                  f"{limits.max_batch_bytes}; split it into smaller batches")
+        for k, batch in _bounded_batches(reader, limits, self.owner.check_open, "batch"):
             # the whole batch is in memory here: a client that dies mid-message never reaches this line
             # --- contracts: extend returns the rows' ids (StoreSurface); the ack carries the committed range
             ids = np.asarray(store.extend(batch, **kwargs), dtype=np.int64).reshape(-1)
             first = int(ids[0]) if len(ids) else 0
             writer.write(pa.py_buffer(P.encode_ack(k, first, batch.num_rows)))
-            k += 1
             release_after(batch.nbytes)  # flightmem: the receive's freed gRPC pieces back to the OS (heap.py)
 
     # ------------------------------------------------------------------ DoExchange
@@ -525,24 +511,32 @@ def _put_update(store: Any, reader: flight.MetadataRecordBatchReader, writer: fl
     from ..update import check_update_types
 
     check_update_types(store.schema, reader.schema, P.UPDATE_ID_COLUMN, "DoPut update")
+    for k, batch in _bounded_batches(reader, limits, check_open, "update batch"):
+        ids = batch.column(P.UPDATE_ID_COLUMN)
+        values = {n: batch.column(n) for n in batch.schema.names if n != P.UPDATE_ID_COLUMN}
+        written = int(store.update(ids, values))
+        writer.write(pa.py_buffer(P.encode_update_ack(k, written, batch.num_rows - written)))
+
+
+def _bounded_batches(reader: flight.MetadataRecordBatchReader, limits: Any, check_open: Callable[[], None],
+                     what: str) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """The data batches of a DoPut stream, numbered from 0, each checked against the server's row and byte limits
+    (and the server still open) before the caller touches the store; metadata-only messages are skipped."""
     k = 0
     while True:
         try:
             chunk = reader.read_chunk()
         except StopIteration:
-            break
+            return
         batch = chunk.data
-        if batch is None:
+        if batch is None:  # a metadata-only message carries nothing to store
             continue
         check_open()
-        limits.check_rows(batch.num_rows, f"update batch {k}")
+        limits.check_rows(batch.num_rows, f"{what} {k}")
         if batch.nbytes > limits.max_batch_bytes:
-            raise SchemaError(f"update batch {k} of {batch.nbytes} bytes is over this server's max_batch_bytes "
+            raise SchemaError(f"{what} {k} of {batch.nbytes} bytes is over this server's max_batch_bytes "
                               f"{limits.max_batch_bytes}; split it into smaller batches")
-        ids = batch.column(P.UPDATE_ID_COLUMN)
-        values = {n: batch.column(n) for n in batch.schema.names if n != P.UPDATE_ID_COLUMN}
-        written = int(store.update(ids, values))
-        writer.write(pa.py_buffer(P.encode_update_ack(k, written, batch.num_rows - written)))
+        yield k, batch
         k += 1
 
 
