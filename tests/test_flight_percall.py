@@ -177,3 +177,19 @@ def test_sample_batch_round_trip_is_unchanged(servers):
     finally:
         remote.close()
 
+
+def test_update_priorities_on_a_uniform_store_is_an_invalid_request(servers):
+    """A priority update to a store whose sampler has no priorities is the client's mistake: INVALID_ARGUMENT
+    (InvalidArgument), never a generic server failure. (TestMalformedInput.test_actions found it by chance.)"""
+    store = ab.ExperienceStore(SCHEMAS / "mujoco.yaml", capacity=256, seed=0)
+    store.extend(mujoco_steps(20))
+    server = servers(store)
+    body = b'{"indices": [0, 0], "priorities": [0, 0]}'
+    with flight.FlightClient(server.location) as client:
+        with pytest.raises(flight.FlightError) as info:
+            list(client.do_action(flight.Action("update_priorities", body)))
+    detail = json.loads(info.value.extra_info)
+    assert detail["error"] == "InvalidArgument" and detail["code"] == "INVALID_ARGUMENT", detail
+    assert "no priorities" in detail["message"]
+    with pytest.raises(ab.InvalidArgument, match="no priorities"):
+        store.update_priorities([0], [1.0])
