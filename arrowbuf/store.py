@@ -498,6 +498,7 @@ class ExperienceStore:
                 "update_skipped": idx.counter("update_skipped"),
                 **self.sampler.describe(),
                 **self._consume.stats(),  # consume (issue 16)
+                "output_pool": self._reader.outputs.stats(),  # reused gather outputs (arrowbuf.outpool)
             }
             if isinstance(self._cols, TieredColumnArenas):
                 out["placement"] = dict(self._cols.counters)
