@@ -500,6 +500,7 @@ class ExperienceStore:
                 "prefault": None if self._cols.pages is None else self._cols.pages.describe(),
                 **self.sampler.describe(),
                 **self._consume.stats(),  # consume (issue 16)
+                "output_pool": self._reader.outputs.stats(),  # reused gather outputs (arrowbuf.outpool)
             }
             if isinstance(self._cols, TieredColumnArenas):
                 out["placement"] = dict(self._cols.counters)
