@@ -32,6 +32,7 @@ from .core import StoreCore
 from .errors import ArrowbufError, InvalidArgument, SampleTimeout, SchemaError
 from .index import PENDING
 from .nstep import n_step_returns
+from .outpool import OutputPool, take_into
 from .samplers import Sampler, validate_priorities
 from .tiers.reservations import HOLE
 from .schema import FieldSpec
@@ -60,11 +61,14 @@ class StoreReader:
 
     Attributes:
         count_access: record column accesses for a placement policy (a tiered store with one).
+        outputs: the pool of output arrays that gathers on a one-tier store write into (`arrowbuf.outpool`: an
+            array is reused only once nothing outside the pool references it, so a kept batch is never overwritten).
     """
 
     def __init__(self, core: StoreCore) -> None:
         self.core = core
         self.count_access = False
+        self.outputs = OutputPool()
 
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
@@ -272,12 +276,18 @@ class StoreReader:
                 out[name] = cols.take_later(name, pos, shape, *((reads,) if tracked else ()))
                 continue
             if name in cols.arrays:
-                col = cols.take(name, pos, reads) if tracked else cols.take(name, pos)  # type: ignore[call-arg]
+                if cols.direct:
+                    col = self._take(cols.arrays[name], pos)
+                else:
+                    col = cols.take(name, pos, reads) if tracked else cols.take(name, pos)  # type: ignore[call-arg]
             elif name in self.core.schema.derived:
                 if nxt is None:
                     nxt = idx.next_pos[pos]
                 src = self.core.schema.derived[name].next_of
-                col = cols.take_next(src, nxt, reads) if tracked else cols.take_next(src, nxt)  # type: ignore
+                if cols.direct:
+                    col = self._take(cols.arrays[src], nxt)
+                else:
+                    col = cols.take_next(src, nxt, reads) if tracked else cols.take_next(src, nxt)  # type: ignore
             elif name in cols.ragged:
                 if len(shape) > 1:
                     raise SchemaError(f"ragged field {name!r} cannot be sampled as sequences")
@@ -300,10 +310,17 @@ class StoreReader:
             out["n_step_return"], out["n_step_discount"] = ret, disc
             last_next = idx.next_pos[last]
             for d in self.core.derived:
-                out[f"n_step_{d.name}"] = (cols.take_next(d.next_of, last_next, reads) if tracked  # type: ignore
-                                           else cols.take_next(d.next_of, last_next))
+                if cols.direct:
+                    out[f"n_step_{d.name}"] = self._take(cols.arrays[d.next_of], last_next)
+                else:
+                    out[f"n_step_{d.name}"] = (cols.take_next(d.next_of, last_next, reads) if tracked  # type: ignore
+                                               else cols.take_next(d.next_of, last_next))
             out["_n_step_last"] = last
         return out
+
+    def _take(self, arena: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rows of a one-tier column (`ColumnArenas.direct`: ring rows, then final rows) into a pooled output array."""
+        return take_into(arena, positions, self.outputs.empty((len(positions), *arena.shape[1:]), arena.dtype))
 
     def _torn(self, seqs: np.ndarray, arrays: dict[str, Any]) -> np.ndarray:
         """After a gather: per item, whether a writer recycled any row (or final-observation slot) it read."""

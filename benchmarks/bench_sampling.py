@@ -1,12 +1,19 @@
 """Sampling-semantics benchmark (issue: sampling): prioritized replay and sequence sampling.
 
 Rows, measured in one run with the peers:
-- PER: sample 256 + update_priorities of those 256, capacity 1M, mujoco workload: iterations/s for arrowbuf,
-  cpprb PrioritizedReplayBuffer and TorchRL PrioritizedSampler (where its C++ extension loads).
+- PER: sample 256 + update_priorities of those 256, arrowbuf `Prioritized(alpha=0.6, beta=0.4)` against cpprb
+  `PrioritizedReplayBuffer(alpha=0.6)` (`sample(beta=0.4)`, next_of="obs") and TorchRL `PrioritizedSampler` (where
+  its C++ extension loads), same process, right after each other: iterations/s and the ratio to cpprb. Two
+  workloads: mujoco (capacity 1M; 100k with --quick) and atari (capacity 100k, 4x84x84 uint8 frame stacks, next_obs
+  derived on both sides: each iteration gathers 256 x 2 frame stacks, 14.5 MB).
 - Sequences: T=20 windows, batch 64, obs float32[8], episodes of 1000 steps, with 1M and 10M stored rows: seconds per
   batch for arrowbuf's Sequence sampler and TorchRL's SliceSampler.
 
-    python -m benchmarks.bench_sampling [--quick] [--no-peers]
+    python -m benchmarks.bench_sampling [--quick] [--no-peers] [--per-only] [--workloads atari,mujoco]
+
+`ARROWBUF_BENCH_CLOCK=thread` times CPU time of the benchmark thread instead of wall time (see workloads.py); both
+arrowbuf and cpprb sample in the calling thread, so page faults (system time) count on both sides.
+Writes benchmarks/out/sampling.json (`per` keyed by workload, then by peer).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -29,10 +37,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
 
 
-def arrowbuf_per(capacity: int, batch: int = 256) -> dict:
-    schema = ab.load_schema(ROOT / "schemas" / "mujoco.yaml")
+PER_CAPACITY = {"mujoco": 1_000_000, "atari": 100_000}
+
+
+def arrowbuf_per(capacity: int, batch: int = 256, workload: str = "mujoco", repeat: int = 5) -> dict:
+    schema = ab.load_schema(ROOT / "schemas" / f"{workload}.yaml")
     store = ab.ExperienceStore(schema, capacity, sampler=ab.samplers.Prioritized(alpha=0.6, beta=0.4), seed=0)
-    pool = make_steps("mujoco", 2000, seed=3, episode_len=500)
+    pool = make_steps(workload, 2000, seed=3, episode_len=500 if workload == "mujoco" else 1000)
     t0 = time.perf_counter()
     done = 0
     while done < capacity:
@@ -41,19 +52,35 @@ def arrowbuf_per(capacity: int, batch: int = 256) -> dict:
         store.extend({c: v[s:s + k] for c, v in pool.items()})
         done += k
     fill = time.perf_counter() - t0
+    del pool
     rng = np.random.default_rng(0)
 
     def it():
         b = store.sample(batch)
         store.update_priorities(b.indices, rng.random(batch) + 1e-3)
 
-    r = median_rate(it, repeat=5, number=200, items=1, warmup=20)
-    tree = median_rate(lambda: store.sampler.select(batch), repeat=5, number=500, items=1, warmup=20)
+    r = median_rate(it, repeat=repeat, number=200, items=1, warmup=20)
+    tree = median_rate(lambda: store.sampler.select(batch), repeat=repeat, number=500, items=1, warmup=20)
+    outputs = store.stats().get("output_pool")
     store.close()
     gc.collect()
-    return {"peer": "arrowbuf.Prioritized", "capacity": capacity, "batch": batch, "iterations_per_s": r,
-            "select_only_per_s": tree, "fill_seconds": fill,
+    return {"peer": "arrowbuf.Prioritized", "workload": workload, "capacity": capacity, "batch": batch,
+            "iterations_per_s": r, "transitions_per_s": r * batch, "select_only_per_s": tree, "fill_seconds": fill,
+            "output_pool": outputs,
             "note": "sample (gather of all columns incl. derived next_obs) + update_priorities, alpha=0.6 beta=0.4"}
+
+
+def per_rows(workload: str, capacity: int, peers: bool, repeat: int = 5) -> dict:
+    """The PER row of one workload: arrowbuf, then cpprb (and TorchRL for mujoco) in the same process."""
+    out = {"arrowbuf": arrowbuf_per(capacity, workload=workload, repeat=repeat)}
+    if peers:
+        from . import peers as p
+
+        out["cpprb"] = p.cpprb_per(capacity=capacity, workload=workload, repeat=repeat)
+        gc.collect()
+        if workload == "mujoco":
+            out["torchrl"] = p.torchrl_per(capacity=capacity)
+    return out
 
 
 SEQ_SCHEMA = {"name": "seq", "fields": {"obs": {"dtype": "float32", "shape": [8]}, "done": {"dtype": "bool"}}}
@@ -85,15 +112,13 @@ def arrowbuf_sequences(rows: int, T: int = 20, batch: int = 64, episode_len: int
             "seconds_per_batch": statistics.median(times), "fill_seconds": fill}
 
 
-def run(quick: bool, peers: bool) -> dict:
-    cap = 100_000 if quick else 1_000_000
-    res: dict = {"per": {}, "sequences": {}}
-    res["per"]["arrowbuf"] = arrowbuf_per(cap)
-    if peers:
-        from . import peers as p
-
-        res["per"]["cpprb"] = p.cpprb_per(capacity=cap)
-        res["per"]["torchrl"] = p.torchrl_per(capacity=cap)
+def run(quick: bool, peers: bool, workloads: tuple[str, ...] = ("mujoco", "atari"), sequences: bool = True) -> dict:
+    res: dict = {"per": {}, "sequences": {}, "clock": os.environ.get("ARROWBUF_BENCH_CLOCK", "wall")}
+    for w in workloads:
+        cap = 100_000 if quick else PER_CAPACITY[w]
+        res["per"][w] = per_rows(w, cap, peers)
+    if not sequences:
+        return res
     for rows in ([100_000, 1_000_000] if quick else [1_000_000, 10_000_000]):
         res["sequences"][rows] = {"arrowbuf": arrowbuf_sequences(rows)}
         if peers:
@@ -104,15 +129,18 @@ def run(quick: bool, peers: bool) -> dict:
 
 
 def print_table(res: dict) -> str:
-    per = res["per"]
-    a = per["arrowbuf"]["iterations_per_s"]
-    lines = [f"PER sample 256 + update 256, capacity {per['arrowbuf']['capacity']:,} (mujoco): iterations/s"]
-    for name, r in per.items():
-        v = r.get("iterations_per_s")
-        lines.append(f"  {name:10} {('-' if v is None else f'{v:,.0f}'):>10}"
-                     + (f"   arrowbuf/{name} = {a / v:.2f}x" if v and name != "arrowbuf" else "")
-                     + (f"   ({r.get('unavailable')})" if v is None else ""))
-    lines.append("Sequence sampling T=20, batch 64, obs float32[8]: ms per batch")
+    lines = [f"PER sample 256 + update 256 ({res.get('clock', 'wall')} clock): iterations/s (transitions/s)"]
+    for w, per in res["per"].items():
+        a = per["arrowbuf"]["iterations_per_s"]
+        lines.append(f" {w}, capacity {per['arrowbuf']['capacity']:,}")
+        for name, r in per.items():
+            v = r.get("iterations_per_s")
+            lines.append(f"  {name:10} {('-' if v is None else f'{v:,.0f}'):>10}"
+                         + ("" if v is None else f" ({v * r.get('batch', 256) / 1e3:,.0f}k)")
+                         + (f"   arrowbuf/{name} = {a / v:.2f}x" if v and name != "arrowbuf" else "")
+                         + (f"   ({r.get('unavailable')})" if v is None else ""))
+    if res["sequences"]:
+        lines.append("Sequence sampling T=20, batch 64, obs float32[8]: ms per batch")
     base = None
     for rows, d in res["sequences"].items():
         a = d["arrowbuf"]["seconds_per_batch"]
@@ -125,13 +153,18 @@ def print_table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="mujoco at capacity 100k, smaller sequence rows")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--per-only", action="store_true", help="skip the sequence rows")
+    ap.add_argument("--workloads", default="mujoco,atari", help="PER workloads, comma-separated")
+    ap.add_argument("--out", default=str(OUT / "sampling.json"), help="where to write the JSON")
     args = ap.parse_args(argv)
-    res = run(args.quick, not args.no_peers)
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    res = run(args.quick, not args.no_peers, workloads, sequences=not args.per_only)
     print(print_table(res))
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "sampling.json").write_text(json.dumps(res, indent=1, default=str))
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=str))
     return 0
 
 

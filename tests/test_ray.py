@@ -312,6 +312,32 @@ def test_no_shard_left_raises(cluster):
         s.shutdown()
 
 
+def test_a_shard_restarting_longer_than_failure_timeout_is_not_lost(cluster):
+    """While Ray restarts a shard, asking its actor fails with ActorUnavailableError. The handle must keep asking: a
+    restart that outlasts failure_timeout (here 0.5 s; starting a shard process takes longer) is not "dead for good".
+    The fresh-clone CI failure at db9e4e4: a writer's probe that failed during the restart, looked at more than
+    failure_timeout after the shard went down, marked the shard lost, so its writer never went home."""
+    s = ShardedStore.create(SMALL, NODES, 1000, seed=4, failure_timeout=0.5)
+    try:
+        s.extend(_episodes(0, 5))
+        old = s.infos[0]
+        exit_fd = _exit_of(old["pid"])
+        try:
+            ray.kill(s.actors[0], no_restart=False)  # Ray restarts it (max_restarts=-1)
+            assert select.select([exit_fd], [], [], 60)[0], "the killed shard process did not exit"
+        finally:
+            os.close(exit_fd)
+        s.refresh()  # the handle finds shard 0 down
+        assert len(s.sample(10, timeout=5.0)) == 10  # served by the others meanwhile
+        assert s.wait_for_shards(60) == NODES  # ... and it comes back, however long the restart took
+        new = s.infos[0]
+        assert new["generation"] != old["generation"] and new["pid"] != old["pid"]
+        ids = s.writer(0).extend(_episodes(0, 2))
+        assert (shard_of(ids) == 0).all()
+    finally:
+        s.shutdown()
+
+
 def test_handle_pickles_and_samples_in_a_task(uniform):
     if len(uniform) == 0:
         uniform.extend(_episodes(0, 30))

@@ -55,6 +55,7 @@ class _Shard:
         self.mass_at = 0.0           # when the mass was last reported
         self.refreshing: cf.Future | None = None  # an asynchronous stats call for a shard reported empty
         self.probe: Any = None       # an outstanding actor.get_info() while down
+        self.probe_at = 0.0          # when it was sent
 
 
 class ShardedStore:
@@ -276,7 +277,7 @@ class ShardedStore:
         ray = _ray()
         with self._lock:
             if s.probe is None:
-                s.probe = s.actor.get_info.remote()
+                s.probe, s.probe_at = s.actor.get_info.remote(), time.monotonic()
             probe = s.probe
             ready, _ = ray.wait([probe], timeout=0)
             if not ready:
@@ -284,8 +285,12 @@ class ShardedStore:
             s.probe = None
             try:
                 info = ray.get(probe)
-            except Exception:  # noqa: BLE001 - RayActorError: restarting, or dead for good
-                if time.monotonic() - s.down_since > self.failure_timeout:
+            except Exception as exc:  # noqa: BLE001 - RayActorError: restarting, or dead for good
+                # Lost only when Ray says the actor is gone (not ActorUnavailableError: it is restarting, however
+                # long that takes) to a question asked after failure_timeout (a probe sent earlier may be looked
+                # at late: its age says nothing about the actor now).
+                restarting = isinstance(exc, getattr(ray.exceptions, "ActorUnavailableError", ()))
+                if not restarting and s.probe_at - s.down_since > self.failure_timeout:
                     s.lost = True
                 return
             old = s.info
