@@ -1,7 +1,8 @@
 """The learner side: `ShardedStore`, a handle on shards spread over a Ray cluster (see the package docstring).
 
-Size note: about 810 lines, just over the house's 800: `ShardedStore` mirrors the whole store surface over
-shards; the id codec, shard side, writer, consume routing and helpers are already modules of their own.
+`ShardedStore` mirrors the whole store surface over shards; the id codec (ids.py), the shard side (shard.py), the
+writer (writer.py), consume routing (consume.py) and the split of a batch over shards (allocate.py) are modules of
+their own.
 """
 
 from __future__ import annotations
