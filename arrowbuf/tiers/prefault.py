@@ -49,7 +49,9 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Py
 DEFAULT_WINDOW = 256 << 20
 #: Rings smaller than this are not worth a thread: their pages fault in a few milliseconds.
 MIN_RING_BYTES = 32 << 20
-_STEP = 4 << 20  # bytes of one arena prepared per call (bounds how long `close` waits for the thread)
+_STEP = 16 << 20  # bytes of one arena prepared per call (bounds how long `close` waits for the thread); each call
+# gives the GIL back and takes it again, which on a busy machine can cost the writer a scheduler wake-up
+_SMALL = 1 << 20  # arenas with fewer ring bytes (rewards, flags, actions) are left to fault in the writer
 _NEVER = 1 << 62
 
 _libc: Any = None
@@ -135,7 +137,7 @@ class PagePreparer:
 
     Args:
         arenas: C-contiguous arrays whose first `ring_rows` rows are ring positions (row `seq % ring_rows`); rows
-            after those (a column's final observations) are left to the writer.
+            after those (a column's final observations) and arenas of under 1 MiB are left to the writer.
         ring_rows: rows of the ring.
         window: bytes (summed over the arenas) prepared ahead of the head.
         method: "populate" or "mlock"; None: what the kernel offers (`kernel_method`).
@@ -146,8 +148,9 @@ class PagePreparer:
                  method: str | None = None, name: str = "") -> None:
         self.ring_rows = int(ring_rows)
         self.method = method or kernel_method()
-        self.row_bytes = [int(a.strides[0]) if a.ndim else a.itemsize for a in arenas]
-        total = max(1, sum(self.row_bytes))
+        total = max(1, sum(int(a.strides[0]) for a in arenas))  # the window counts every arena
+        arenas = [a for a in arenas if int(a.strides[0]) * self.ring_rows >= _SMALL]
+        self.row_bytes = [int(a.strides[0]) for a in arenas]
         self.window_rows = max(1, int(window) // total)
         self.step_rows = max(1, _STEP // max(self.row_bytes, default=1))
         if self.method == "mlock":  # keep each locked range well under RLIMIT_MEMLOCK
@@ -161,7 +164,7 @@ class PagePreparer:
         self.error: int | None = None  # errno that stopped it, if any
         self.wake = _NEVER       # `advance` notifies the thread once the head reaches this
         self._stop = False
-        self._idle = False
+        self._ended = False  # the thread finished (set before it exits, under the condition)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         if self.method is None:
@@ -184,8 +187,8 @@ class PagePreparer:
     # ------------------------------------------------------------------ state
     @property
     def running(self) -> bool:
-        """Whether the thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the thread is still preparing or waiting for the writer."""
+        return self._thread is not None and not self._ended and self._thread.is_alive()
 
     @property
     def target(self) -> int:
@@ -200,9 +203,9 @@ class PagePreparer:
                 "error": None if self.error is None else errno.errorcode.get(self.error, str(self.error))}
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until the thread has prepared up to its target (and waits for the writer) or ended; True if so."""
+        """Wait until the thread has prepared up to its target (the head plus the window) or ended; True if so."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._idle or not self.running, timeout)
+            return self._cond.wait_for(lambda: self._ended or self.prepared >= self.target, timeout)
 
     def close(self) -> None:
         """Stop the thread and wait for it (at most one populate step); idempotent."""
@@ -236,7 +239,7 @@ class PagePreparer:
         finally:
             with self._cond:
                 self.wake = _NEVER
-                self._idle = True
+                self._ended = True
                 self._cond.notify_all()
 
     def _next(self) -> bool:
@@ -256,10 +259,7 @@ class PagePreparer:
                 self.wake = self.prepared - self.window_rows + min(self.step_rows, self.window_rows)
                 if self.head >= self.wake:
                     continue
-                self._idle = True
-                self._cond.notify_all()
                 self._cond.wait()
-                self._idle = False
             self.wake = _NEVER  # busy: the writer need not notify
             r0 = self.prepared
             r1 = min(self.target, r0 + self.step_rows)
@@ -278,6 +278,7 @@ class PagePreparer:
         del arenas
         with self._cond:
             self.prepared = max(self.prepared, r1)
+            self._cond.notify_all()  # (wait_idle)
         return True
 
 
