@@ -34,7 +34,7 @@ resident, not a fixed share decided at construction), which is what lets a cold 
 memory is committed and returned page by page (`HostTier.allocate_sparse`), disk space is reserved up front. Only
 device memory, which cannot be over-committed, is slotted.
 
-Size note: about 805 lines, at the house's 800: host and tiered arenas share the gather and write rules here; the
+Size note: about 810 lines, at the house's 800: host and tiered arenas share the gather and write rules here; the
 next split, if it grows, is the tiered arenas (`TieredColumnArenas`, migration holds) into a module of their own.
 """
 
@@ -69,6 +69,7 @@ class ColumnArenas:
 
     #: True when `arrays[name]` is the whole column (ring rows then final rows), so callers may index it directly.
     direct = True
+    pages: Any = None  # a `tiers.prefault.PagePreparer` when the tier prepares pages (a tiered store: never)
 
     def __init__(self, schema: ExperienceSchema, directory: ChunkDirectory, tier: Tier, final_capacity: int,
                  final_sources: list[str]) -> None:
@@ -95,6 +96,7 @@ class ColumnArenas:
             else:
                 extra = self.final_capacity if f.name in self.final_sources else 0
                 self.arrays[f.name] = tier.allocate(f.name, f.dtype, self.arena_rows + extra, f.shape)
+        self.pages = tier.prepare_pages(list(self.arrays), self.arena_rows, schema.name)  # the writer advances it
 
     def _consistent(self, name: str, take: Any) -> Any:
         """`take(positions)` of later field `name` under the presence seqlock (never half an update)."""
@@ -237,6 +239,8 @@ class ColumnArenas:
         return name in self.arrays
 
     def close(self) -> None:
+        if self.pages is not None:
+            self.pages.close()
         self.arrays.clear()
         self.ragged.clear()
         self.tier_ragged.clear()

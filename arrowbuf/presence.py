@@ -32,7 +32,8 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import ArrowbufError, SchemaError
-from .schema import ExperienceSchema, FieldSpec, later_mask
+from .convert import later_mask
+from .schema import ExperienceSchema, FieldSpec
 from .tiers.base import Tier
 
 _GIVE_UP_S = 30.0  # seqlock: seconds of overlapping updates before a read gives up (one takes micro- to milliseconds)

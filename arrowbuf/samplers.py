@@ -31,7 +31,7 @@ from typing import Any, Callable, cast
 
 import numpy as np
 
-from .errors import ArrowbufError, InvalidArgument
+from .errors import InvalidArgument
 from .index import RingIndex
 
 #: Largest priority `update_priorities` accepts: far above any TD error, far below where sums of many priorities (or
@@ -130,7 +130,7 @@ class Sampler(abc.ABC):
 
     def update_priorities(self, positions: np.ndarray, priorities: np.ndarray) -> None:
         """Set priorities of the rows at `positions` (checked by `validate_priorities`); prioritized samplers only."""
-        raise ArrowbufError(f"{type(self).__name__} has no priorities; use samplers.Prioritized(...)")
+        raise InvalidArgument(f"{type(self).__name__} has no priorities; use samplers.Prioritized(...)")
 
     def mass(self, positions: np.ndarray) -> np.ndarray:
         """Unnormalised sampling weight of each ring position (float64; 0 for rows that cannot be drawn).

@@ -3,7 +3,7 @@ step goes to the general path instead.
 
 `StoreWriter.append` (arrowbuf/writer.py) stores a step without building batch arrays when every value is one the
 general path (`ExperienceSchema.validate_batch`) would accept and convert without an error. These rules mirror
-`schema._cast` exactly, so both paths store the same values and reject the same ones:
+`convert._cast` exactly, so both paths store the same values and reject the same ones:
 
 - a bool field takes `bool` / `np.bool_`, or an integer 0 or 1;
 - an integer field takes any integer or bool scalar (Python or numpy, 0-d arrays too) within the field's range;
@@ -91,7 +91,7 @@ def array_cast(spec: FieldSpec, src: np.dtype) -> str | None:
         return "same"
     if dst.kind == "f" and src.kind == "f" and src.itemsize > dst.itemsize:
         return "narrow"
-    kinds = {"b": "b", "i": "biu", "u": "biu", "f": "iuf"}[dst.kind]  # what `extend` converts (schema._cast)
+    kinds = {"b": "b", "i": "biu", "u": "biu", "f": "iuf"}[dst.kind]  # what `extend` converts (convert._cast)
     if src.kind in kinds and np.can_cast(src, dst, "safe"):
         return "safe"
     return None

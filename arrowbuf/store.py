@@ -496,6 +496,8 @@ class ExperienceStore:
                 "append_slow_path": sum(self._writer.slow_counts.values()),
                 "append_slow_reasons": dict(self._writer.slow_counts),
                 "update_skipped": idx.counter("update_skipped"),
+                # pages of the ring prepared ahead of the write head (tiers/prefault.py); None: not prepared
+                "prefault": None if self._cols.pages is None else self._cols.pages.describe(),
                 **self.sampler.describe(),
                 **self._consume.stats(),  # consume (issue 16)
                 "output_pool": self._reader.outputs.stats(),  # reused gather outputs (arrowbuf.outpool)

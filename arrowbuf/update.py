@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from .core import StoreCore
 from .errors import InvalidArgument, SchemaError
-from .schema import convert_field
+from .convert import convert_field
 
 #: Most ids one update call takes (a remote call is bounded by the same number; split larger updates).
 MAX_UPDATE_ROWS = 1 << 24
@@ -109,7 +109,7 @@ def check_update_types(schema: Any, incoming: pa.Schema, id_column: str = "id", 
     Raises:
         SchemaError: naming the column, what was expected and what came.
     """
-    from .schema import _arrow_type_fits
+    from .convert import _arrow_type_fits
 
     names = list(incoming.names)
     dup = sorted({n for n in names if names.count(n) > 1})

@@ -250,6 +250,8 @@ class StoreWriter:
                     free = c.rate_limiter.can_insert(1, c.counters())
             if free:
                 pos = seq % arena_rows  # one row always fits in the spare chunk: a free position
+                if cols.pages is not None:
+                    cols.pages.advance(seq + 1)
                 ep, st, prev = c.episodes.advance_one(actor, end, seq)
                 # write the row (reserve and copy in one go: the write lock keeps other writers out)
                 self._seqv[pos] = -1
@@ -367,6 +369,8 @@ class StoreWriter:
                 break
             self._wait_hi(idx.hi + 1)  # every entry is in use: wait for a commit
         h[_RES] = base + n
+        if c.cols.pages is not None:  # pages ahead of the new head are prepared meanwhile (tiers/prefault.py)
+            c.cols.pages.advance(base + n)
         if need > idx.lo:
             with c.cond:
                 self._evict_below(min(need, idx.hi))

@@ -8,6 +8,12 @@ Prints a table and writes benchmarks/out/core.json.
 
 The per-step append rows (issue 18) measure `append` in each configuration (uniform, prioritized, rate-limited,
 0-d numpy scalars, float64 arrays into float32 fields) beside cpprb's and TorchRL's per-step add.
+
+The first-fill rows (issue 18) fill a fresh atari ring once, with next_obs derived (stored once, `next_of`) and
+stored as a field of its own: arrowbuf (page preparation on, and off), cpprb (`next_of="obs"` / next_obs in its
+env_dict, construction counted: it zeroes its ring there) and a numpy ring of the same columns. Each one runs in a
+fresh process after a pause (freed memory settles; no run inherits another's warm pages), the kinds rotating order
+run by run; medians of `--ff-runs`. `python -m benchmarks.bench_core --first-fill-only [--ff-runs 3]`.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -235,6 +242,151 @@ def print_step_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- first-fill rows (issue 18)
+FF_CAPACITY = 20_000  # atari rows: a 1.1 GB ring with next_obs stored (0.57 GB derived); short runs on a shared VM
+FF_KINDS = ("arrowbuf", "arrowbuf prefault off", "cpprb", "numpy ring")
+FF_LAYOUTS = ("derived", "stored")
+
+
+def _ff_schema(layout: str) -> ab.ExperienceSchema:
+    schema = schema_for("atari")
+    if layout == "derived":
+        return schema
+    d = schema.to_dict()
+    d.pop("derived", None)
+    d["name"] = "atari_next_obs_stored"
+    d["fields"]["next_obs"] = dict(d["fields"]["obs"])
+    return ab.load_schema(d)
+
+
+def first_fill_one(kind: str, layout: str, capacity: int) -> dict:
+    """One first fill of a fresh atari ring (this process): construction + fill in chunks of 1000, then a second
+    fill of the same ring (warm pages: the copy alone). MB/s of 56,466-byte transitions; writer-thread page faults."""
+    import resource
+
+    from . import peers as peer_mod
+
+    pool = peer_mod._Pool("atari")
+    d = pool.data
+    held: dict = {}
+    cols = ("obs", "action", "reward", "terminated", "truncated") + (("next_obs",) if layout == "stored" else ())
+
+    if kind.startswith("arrowbuf"):
+        from arrowbuf.tiers.host import HostTier
+
+        schema = _ff_schema(layout)
+        src = {c: d[c] for c in (*cols, "next_obs")}
+
+        def make() -> None:
+            held["x"] = ab.ExperienceStore(schema, capacity=capacity, seed=0,
+                                           tier=HostTier(prefault=kind == "arrowbuf"))
+
+        def fill_ring() -> None:
+            fill(held["x"], src, capacity)
+    elif kind == "cpprb":
+        import cpprb
+
+        env = peer_mod._cpprb_env_dict("atari")
+        if layout == "stored":
+            env["next_obs"] = dict(env["obs"])
+
+        def make() -> None:
+            held["x"] = (cpprb.ReplayBuffer(capacity, env) if layout == "stored"
+                         else cpprb.ReplayBuffer(capacity, env, next_of="obs"))
+
+        def fill_ring() -> None:
+            ad, pos = peer_mod._CpprbAdapter(held["x"], pool), 0
+            for _ in range(-(-capacity // 1000)):
+                ad.extend(pos)
+                pos = (pos + 1000) % pool.n
+    else:  # the numpy ring: the same columns as the layout stores, np.empty, sliced assignment
+        def make() -> None:
+            held["x"] = {c: np.empty((capacity, *d[c].shape[1:]), dtype=d[c].dtype) for c in cols}
+
+        def fill_ring() -> None:
+            ring = held["x"]
+            for s in range(0, capacity, 1000):
+                e = min(capacity, s + 1000)
+                o = s % pool.n
+                for c in cols:
+                    ring[c][s:e] = d[c][o:o + e - s]
+
+    def timed(fn: Callable[[], None]) -> tuple[float, int]:
+        f0 = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0,
+                resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt - f0)
+
+    tb = transition_bytes("atari")
+    out: dict = {"kind": kind, "layout": layout, "capacity": capacity, "load": os.getloadavg()[0]}
+    out["construct_s"], out["construct_faults"] = timed(make)
+    out["fill_s"], out["writer_faults"] = timed(fill_ring)
+    out["mb_s"] = capacity * tb / (out["construct_s"] + out["fill_s"]) / 1e6
+    if kind.startswith("arrowbuf"):
+        out["prefault"] = held["x"].stats()["prefault"]
+    warm_s, _ = timed(fill_ring)
+    out["warm_mb_s"] = capacity * tb / warm_s / 1e6
+    if kind.startswith("arrowbuf"):
+        held["x"].close()
+    return out
+
+
+def measure_first_fill(capacity: int = FF_CAPACITY, runs: int = 1, pause: float = 3.0,
+                       kinds: tuple[str, ...] = FF_KINDS) -> dict:
+    """The first-fill rows: every (layout, kind) `runs` times, each in a fresh process after `pause` seconds,
+    kinds rotating order run by run. Returns {"runs": [...], "rows": {layout: {kind: median MB/s, ...}}}."""
+    import subprocess
+
+    results = []
+    for r in range(runs):
+        order = list(kinds[r % len(kinds):]) + list(kinds[:r % len(kinds)])
+        for layout in FF_LAYOUTS:
+            for kind in order:
+                time.sleep(pause)
+                cmd = [sys.executable, "-m", "benchmarks.bench_core", "--ff-one", kind, layout, str(capacity)]
+                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                line = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
+                results.append(json.loads(line[0]) if line else
+                               {"kind": kind, "layout": layout, "error": proc.stderr.strip()[-500:]})
+    rows: dict = {}
+    for layout in FF_LAYOUTS:
+        row: dict = {}
+        for kind in kinds:
+            got = [x for x in results if x["layout"] == layout and x["kind"] == kind and "mb_s" in x]
+            if got:
+                row[kind] = {"mb_s": statistics.median(x["mb_s"] for x in got),
+                             "range": [min(x["mb_s"] for x in got), max(x["mb_s"] for x in got)],
+                             "warm_mb_s": statistics.median(x["warm_mb_s"] for x in got),
+                             "construct_s": statistics.median(x["construct_s"] for x in got),
+                             "writer_faults": statistics.median(x["writer_faults"] for x in got), "runs": len(got)}
+        base = row.get("cpprb", {}).get("mb_s")
+        ring = row.get("numpy ring", {}).get("mb_s")
+        for v in row.values():
+            v["vs_cpprb"] = v["mb_s"] / base if base else None
+            v["vs_numpy"] = v["mb_s"] / ring if ring else None
+        rows[layout] = row
+    return {"capacity": capacity, "runs": results, "rows": rows, "pause_s": pause}
+
+
+def print_first_fill(res: dict) -> str:
+    lines = [f"first fill, atari {res['capacity']} rows, MB/s of transitions (construction counted; median of "
+             f"{max((v['runs'] for r in res['rows'].values() for v in r.values()), default=0)} fresh processes)",
+             f"{'layout':8} {'kind':22} {'MB/s':>8} {'range':>15} {'vs cpprb':>9} {'vs numpy':>9} {'construct s':>12}"
+             f" {'writer faults':>14} {'warm MB/s':>10}"]
+    for layout, row in res["rows"].items():
+        for kind, v in row.items():
+            rng = f"{v['range'][0]:,.0f}-{v['range'][1]:,.0f}"
+            r1 = "-" if v["vs_cpprb"] is None else f"{v['vs_cpprb']:.2f}x"
+            r2 = "-" if v["vs_numpy"] is None else f"{v['vs_numpy']:.2f}x"
+            lines.append(f"{layout:8} {kind:22} {v['mb_s']:>8,.0f} {rng:>15} {r1:>9} {r2:>9} {v['construct_s']:>12.2f}"
+                         f" {v['writer_faults']:>14,.0f} {v['warm_mb_s']:>10,.0f}")
+    for x in res["runs"]:
+        if "error" in x:
+            lines.append(f"{x['layout']} {x['kind']}: failed: {x['error']}")
+    return "\n".join(lines)
+
+
 def run(workloads: list[str], quick: bool, peers: bool, steps: bool = True) -> dict:
     out: dict = {"machine": {"python": sys.version.split()[0], "platform": platform.platform(),
                              "numpy": np.__version__, "cpus": __import__("os").cpu_count()},
@@ -309,7 +461,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--steps-only", action="store_true", help="only the per-step append rows (issue 18)")
     p.add_argument("--no-steps", action="store_true", help="leave the per-step append rows out")
+    p.add_argument("--first-fill-only", action="store_true", help="only the first-fill rows (issue 18)")
+    p.add_argument("--no-first-fill", action="store_true", help="leave the first-fill rows out")
+    p.add_argument("--ff-capacity", type=int, default=None, help=f"atari rows of the first-fill rings ({FF_CAPACITY})")
+    p.add_argument("--ff-runs", type=int, default=1, help="fresh processes per (layout, kind); medians")
+    p.add_argument("--ff-pause", type=float, default=3.0, help="seconds before each first-fill process")
+    p.add_argument("--ff-one", nargs=3, metavar=("KIND", "LAYOUT", "CAPACITY"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.ff_one:
+        print(json.dumps(first_fill_one(args.ff_one[0], args.ff_one[1], int(args.ff_one[2])), default=str))
+        return 0
+    ff_cap = args.ff_capacity or (FF_CAPACITY // 2 if args.quick else FF_CAPACITY)
+    if args.first_fill_only:
+        ff = measure_first_fill(ff_cap, args.ff_runs, args.ff_pause)
+        print(print_first_fill(ff))
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "core_first_fill.json").write_text(json.dumps(ff, indent=1, default=str))
+        return 0
     if args.steps_only:
         res = {w: measure_step_appends(w, make_steps(w, 2000, seed=0, episode_len=500), not args.no_peers)
                for w in args.workloads}
@@ -318,8 +486,14 @@ def main(argv: list[str] | None = None) -> int:
         (OUT / "core_steps.json").write_text(json.dumps(res, indent=1, default=str))
         return 0
     res = run(args.workloads, args.quick, not args.no_peers, not args.no_steps)
+    if not args.no_first_fill and "atari" in args.workloads:
+        res["first_fill"] = measure_first_fill(
+            ff_cap, args.ff_runs, args.ff_pause,
+            FF_KINDS if not args.no_peers else ("arrowbuf", "arrowbuf prefault off", "numpy ring"))
     table = print_table(res)
     print(table)
+    if "first_fill" in res:
+        print(print_first_fill(res["first_fill"]))
     if not args.no_steps:
         print(print_step_table({w: row["steps"] for w, row in res["workloads"].items()}))
     OUT.mkdir(parents=True, exist_ok=True)

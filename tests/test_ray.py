@@ -15,7 +15,7 @@ import pytest
 import arrowbuf as ab
 from arrowbuf.ray import ShardedStore, ShardsLost, broadcast, decode_ids, encode_ids, shard_of
 from arrowbuf.ray._common import _ray
-from arrowbuf.ray.handle import _allocate, _allocate_fanout
+from arrowbuf.ray.allocate import allocate as _allocate, allocate_fanout as _allocate_fanout
 
 from conftest import SMALL, local_ray_cluster
 

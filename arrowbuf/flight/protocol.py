@@ -351,7 +351,34 @@ def encode_ticket(req: SampleRequest | TableRequest | ConsumeRequest) -> bytes:
     return _dumps(obj)
 
 
+#: Sample tickets already decoded, by their bytes: a learner sends the same ticket on every call, and decoding it
+#: (JSON and every check) is a measurable part of a small DoGet. Bounded: at most `TICKET_CACHE_ENTRIES` tickets of
+#: at most `TICKET_CACHE_BYTES` bytes each; only tickets that decoded without error are kept.
+_SAMPLE_TICKETS: dict[bytes, SampleRequest] = {}
+TICKET_CACHE_ENTRIES = 64
+TICKET_CACHE_BYTES = 1024
+
+
 def decode_ticket(raw: bytes | pa.Buffer) -> SampleRequest | TableRequest | ConsumeRequest:
+    """The request a DoGet ticket carries (`SchemaError` when it is malformed or breaks a bound).
+
+    A decoded sample request may be shared by later calls with the same ticket: treat it (and its `columns` list
+    and `options` dict) as read-only.
+    """
+    key = raw if isinstance(raw, bytes) and len(raw) <= TICKET_CACHE_BYTES else None
+    if key is not None:
+        hit = _SAMPLE_TICKETS.get(key)
+        if hit is not None:
+            return hit
+    req = _decode_ticket(raw)
+    if key is not None and isinstance(req, SampleRequest):
+        if len(_SAMPLE_TICKETS) >= TICKET_CACHE_ENTRIES:
+            _SAMPLE_TICKETS.clear()  # many different tickets: not a learner's loop; start over
+        _SAMPLE_TICKETS[key] = req
+    return req
+
+
+def _decode_ticket(raw: bytes | pa.Buffer) -> SampleRequest | TableRequest | ConsumeRequest:
     obj = loads(raw, "ticket")
     f = _Fields(obj, "ticket")
     kind = f.get("kind", "a string", required=True)

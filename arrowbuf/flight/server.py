@@ -333,15 +333,16 @@ class _FlightService(flight.FlightServerBase):
         if isinstance(req, P.SampleRequest):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
             self.owner.check_sample_options(store, req.options, "sample")
-            data, meta = _wire_batch(_sample(store, req.n, req.columns, req.timeout, req.options))
-            return flight.GeneratorStream(data.schema, iter([(data, meta)]))
+            columns = None if req.columns is None else list(req.columns)  # the request may be shared: a copy
+            data, meta = _wire_batch(_sample(store, req.n, columns, req.timeout, req.options))
+            return flight.GeneratorStream(data.schema, iter([(data, meta)]), WIRE_OPTIONS)
         if req.kind == "table":
             return self._table_stream(store, req.columns)
         if req.kind == "episodes":
             table = store.episodes()
         else:
             table = self._sql(store, req.query or "", context)
-        return flight.RecordBatchStream(table)
+        return flight.RecordBatchStream(table, WIRE_OPTIONS)
 
     def _consume(self, store: Any, req: P.ConsumeRequest, context: Any) -> flight.FlightDataStream:
         """The `consume` ticket (issue 16; owner: consume): bounded like a sample, then `store.consume`."""
@@ -353,7 +354,7 @@ class _FlightService(flight.FlightServerBase):
             batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
                                   max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
         data, meta = _wire_batch(batch)
-        return flight.GeneratorStream(data.schema, iter([(data, meta)]))
+        return flight.GeneratorStream(data.schema, iter([(data, meta)]), WIRE_OPTIONS)
 
     def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
         """The `table` ticket: a consistent snapshot of the store, streamed one chunk at a time.
@@ -380,7 +381,8 @@ class _FlightService(flight.FlightServerBase):
             raise
         batches = _batches(source, lambda: gate.release("table"), lambda: self.owner.closed)
         first = next(batches, None)  # started now: a generator that never started would never run its `finally`
-        return flight.GeneratorStream(schema, batches if first is None else itertools.chain([first], batches))
+        return flight.GeneratorStream(schema, batches if first is None else itertools.chain([first], batches),
+                                      WIRE_OPTIONS)
 
     def _sql(self, store: Any, query: str, context: Any) -> pa.Table:
         """The `sql` ticket: the sandbox of `arrowbuf.sql` with this server's limits; stops when the client goes."""
@@ -457,7 +459,7 @@ class _FlightService(flight.FlightServerBase):
                         continue
                     if begun is None:  # the first batch fixes the stream's schema (sampler options may add columns)
                         begun = data.schema
-                        writer.begin(begun)
+                        writer.begin(begun, WIRE_OPTIONS)
                     elif data.schema != begun:
                         data = pa.RecordBatch.from_arrays(data.columns, schema=begun)
                     writer.write_with_metadata(data, meta)
@@ -637,33 +639,46 @@ class _TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-_TENSOR_TYPES: dict[tuple[Any, tuple[int, ...]], pa.DataType] = {}
+#: (dtype, shape) -> (tensor type, its storage's value type, values per row): built once per layout.
+_TENSOR_TYPES: dict[tuple[Any, tuple[int, ...]], tuple[pa.DataType, pa.DataType, int]] = {}
+#: The IPC options of every stream this server writes: pyarrow's default, built once (given none, pyarrow builds
+#: them per stream from two environment variables).
+WIRE_OPTIONS = pa.ipc.IpcWriteOptions()
 
 
 def _wire_batch(batch: Any) -> tuple[pa.RecordBatch, pa.Buffer]:
-    """A SampleBatch as the RecordBatch and app_metadata that go on the wire (tensor columns zero-copy).
-
-    Builds the tensor columns from cached extension types: about 5x cheaper per call than
-    `FixedShapeTensorArray.from_numpy_ndarray`, which makes a new type every time.
-    """
-    arrays = []
-    for name in batch.columns:
-        value = batch[name]
-        if isinstance(value, (pa.Array, pa.ChunkedArray)):
-            arrays.append(value)
-        elif value.ndim == 1:
-            arrays.append(pa.array(value))
-        else:
-            shape = tuple(value.shape[1:])
-            key = (value.dtype, shape)
-            typ = _TENSOR_TYPES.get(key)
-            if typ is None:
-                typ = _TENSOR_TYPES.setdefault(key, pa.fixed_shape_tensor(pa.from_numpy_dtype(value.dtype), shape))
-            flat = pa.array(np.ascontiguousarray(value).reshape(-1))
-            storage = pa.FixedSizeListArray.from_arrays(flat, int(np.prod(shape)))
-            arrays.append(pa.ExtensionArray.from_storage(typ, storage))
+    """A SampleBatch as the RecordBatch and app_metadata that go on the wire (tensor columns zero-copy)."""
+    arrays = [_wire_array(batch[name]) for name in batch.columns]
     data = pa.RecordBatch.from_arrays(arrays, names=list(batch.columns))
     return data, pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights))
+
+
+def _wire_array(value: Any) -> Any:
+    """One sampled column as an Arrow array over the same memory: 1-D as a plain array, [B, *shape] as a
+    `fixed_shape_tensor` column.
+
+    A numeric tensor is wrapped from its buffer with a type cached per (dtype, shape): about 5x cheaper per call
+    than `FixedShapeTensorArray.from_numpy_ndarray`, which makes a new type every time (a mujoco batch-256 sample
+    has three tensor columns).
+    """
+    if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        return value
+    if value.ndim == 1:
+        return pa.array(value)
+    shape = tuple(value.shape[1:])
+    key = (value.dtype, shape)
+    cached = _TENSOR_TYPES.get(key)
+    if cached is None:
+        value_type = pa.from_numpy_dtype(value.dtype)
+        cached = _TENSOR_TYPES.setdefault(key, (pa.fixed_shape_tensor(value_type, shape), value_type,
+                                                int(np.prod(shape))))
+    typ, value_type, size = cached
+    flat = np.ascontiguousarray(value)
+    if flat.dtype.kind in "iuf" and flat.dtype.isnative:
+        values = pa.Array.from_buffers(value_type, flat.size, [None, pa.py_buffer(flat)])
+    else:  # bool (bit-packed in Arrow), a byte-swapped dtype, ...: let Arrow convert
+        values = pa.array(flat.reshape(-1))
+    return typ.wrap_array(pa.FixedSizeListArray.from_arrays(values, size))
 
 
 def _consume_action(store: Any, req: P.ActionRequest) -> dict[str, Any]:

@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, SchemaError, StoreCorrupt
-from ..schema import convert_later, load_schema
+from ..convert import convert_later
+from ..schema import load_schema
 from . import manifest as mf
 from .checkpoint import known_files
 from .parts import StoreParts, from_spec

@@ -1,7 +1,8 @@
 """The learner side: `ShardedStore`, a handle on shards spread over a Ray cluster (see the package docstring).
 
-Size note: about 810 lines, just over the house's 800: `ShardedStore` mirrors the whole store surface over
-shards; the id codec, shard side, writer, consume routing and helpers are already modules of their own.
+`ShardedStore` mirrors the whole store surface over shards; the id codec (ids.py), the shard side (shard.py), the
+writer (writer.py), consume routing (consume.py) and the split of a batch over shards (allocate.py) are modules of
+their own.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..groups import GroupSampler
 from ..samplers import make_sampler, validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from ._common import _DaemonPool, _ray
+from .allocate import allocate, allocate_fanout
 from .consume import ShardedConsumer
 from .ids import MAX_SHARDS, shard_of
 from .shard import _INFO_COLUMNS, ShardActor, ShardDirectory, is_exponent
@@ -428,9 +430,9 @@ class ShardedStore:
         while remaining > 0:
             masses = np.array([s.mass for s in live])
             if first and fanout is not None and fanout < len(live):
-                counts = _allocate_fanout(remaining, masses, int(fanout), self._rng)
+                counts = allocate_fanout(remaining, masses, int(fanout), self._rng)
             else:
-                counts = _allocate(remaining, masses, self._rng)
+                counts = allocate(remaining, masses, self._rng)
             futs = {self._executor().submit(self._sample_one, s, int(c), cols, timeout, options): s
                     for s, c in zip(live, counts) if c > 0}
             answered: list[_Shard] = []
@@ -793,26 +795,3 @@ def _resolve_tier(tier: str, schema: ExperienceSchema) -> str:
 
 def _stats_of(client: Any) -> dict[str, Any]:
     return client.stats()
-
-
-def _allocate(n: int, masses: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Counts summing to `n` with `E[count_k] = n * m_k / sum(m)` (systematic sampling: each count is within one
-    of its expectation, so a batch splits with the least variance that keeps the expectation exact)."""
-    masses = np.maximum(np.asarray(masses, dtype=np.float64), 0.0)
-    total = masses.sum()
-    if total <= 0:
-        return np.zeros(len(masses), dtype=np.int64)
-    cum = np.concatenate([[0.0], np.cumsum(masses) / total * n])
-    edges = np.floor(cum + rng.random()).astype(np.int64)
-    edges[0], edges[-1] = 0, n  # floor(u) == 0 and floor(n + u) == n for u in [0, 1), whatever the rounding
-    return np.diff(edges)
-
-
-def _allocate_fanout(n: int, masses: np.ndarray, fanout: int, rng: np.random.Generator) -> np.ndarray:
-    """Counts over at most `fanout` shards: `fanout` draws of a shard with probability `m_k / sum(m)`, each bringing
-    `n / fanout` rows (the remainder spread one row each over the first draws). `E[count_k] = n * m_k / sum(m)`."""
-    masses = np.maximum(np.asarray(masses, dtype=np.float64), 0.0)
-    picks = rng.choice(len(masses), size=fanout, p=masses / masses.sum())
-    share = np.full(fanout, n // fanout, dtype=np.int64)
-    share[rng.permutation(fanout)[: n % fanout]] += 1  # which draws carry the remainder: at random (unbiased)
-    return np.bincount(picks, weights=share, minlength=len(masses)).astype(np.int64)

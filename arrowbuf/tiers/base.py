@@ -50,6 +50,11 @@ class Tier(abc.ABC):
     def nbytes(self) -> int:
         """Bytes held by this tier's arenas."""
 
+    def prepare_pages(self, keys: list[str], ring_rows: int, name: str = "") -> Any:
+        """Start preparing the pages of arenas `keys` ahead of the write head (a `PagePreparer`, see
+        tiers/prefault.py), or None: this tier does not (the default)."""
+        return None
+
     def allocate_sparse(self, key: str, dtype: np.dtype, rows: int, shape: tuple[int, ...] = ()) -> np.ndarray:
         """An arena of `rows` rows whose memory is held per row range: `hold` accounts a range before it is written,
         `release` gives its memory back. Default: a plain `allocate` (all of it counted as held)."""

@@ -5,6 +5,10 @@ host-resident chunks) are anonymous mappings of the whole ring whose pages are a
 counts the pages a range covers before it is written, `release` gives them back to the kernel (MADV_DONTNEED), so
 `nbytes()` is exact to the page and stays within `budget` however chunks come and go. Transparent huge pages are
 disabled on them (a huge page would commit 2 MiB behind one written row).
+
+Dense arenas of a ring that fits in RAM get their pages prepared ahead of the write head by a background thread
+(`prepare_pages`, `arrowbuf.tiers.prefault.PagePreparer`), so a first fill does not stop at every fresh page;
+`HostTier(prefault=False)` turns it off. Sparse arenas (rings bigger than RAM) are never prepared.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .base import Tier, parse_bytes
+from .prefault import DEFAULT_WINDOW, MIN_RING_BYTES, PagePreparer, fits_in_ram
 
 PAGE = mmap.PAGESIZE
 # Reserve no swap for the whole mapping: a sparse arena spans the whole ring (more than RAM for a store that spills)
@@ -85,12 +90,19 @@ class HostTier(Tier):
 
     Args:
         budget: bytes this tier may hold in a tiered store ("16GiB", an int, or None for no limit).
+        prefault: prepare the pages of a store's ring ahead of its write head (`prepare_pages`) when the ring fits
+            in RAM; False: never (pages then fault in the writer, on first write).
+        prefault_window: bytes prepared ahead of the head ("256MiB", an int).
     """
 
     name = "host"
 
-    def __init__(self, budget: Any = None) -> None:
+    def __init__(self, budget: Any = None, *, prefault: bool = True, prefault_window: Any = DEFAULT_WINDOW) -> None:
         self.budget = parse_bytes(budget)
+        self.prefault = bool(prefault)
+        self.prefault_window = parse_bytes(prefault_window) or DEFAULT_WINDOW
+        self.preparers: list[PagePreparer] = []
+        self.prefault_off: str | None = None  # why the last `prepare_pages` made no preparer
         self._arenas: dict[str, np.ndarray] = {}
         self._sparse: dict[str, _SparseArena] = {}
 
@@ -98,6 +110,21 @@ class HostTier(Tier):
         arr = np.empty((rows, *shape), dtype=dtype)
         self._arenas[key] = arr
         return arr
+
+    def prepare_pages(self, keys: list[str], ring_rows: int, name: str = "") -> PagePreparer | None:
+        """Start preparing the pages of dense arenas `keys` (their first `ring_rows` rows, ring positions) ahead of
+        the write head, if on and the ring fits in RAM; the caller passes the head on (`PagePreparer.advance`)."""
+        arenas = [self._arenas[k] for k in keys if k in self._arenas]
+        ring = sum(int(a.strides[0]) * min(ring_rows, len(a)) for a in arenas)
+        self.prefault_off = ("off (HostTier(prefault=False))" if not self.prefault
+                             else f"ring of {ring} bytes < {MIN_RING_BYTES}" if ring < MIN_RING_BYTES
+                             else "ring does not fit in MemAvailable" if not fits_in_ram(ring, self.prefault_window)
+                             else None)
+        if self.prefault_off is not None:
+            return None
+        prep = PagePreparer(arenas, ring_rows, self.prefault_window, name=name)
+        self.preparers.append(prep)
+        return prep
 
     def allocate_sparse(self, key: str, dtype: np.dtype, rows: int, shape: tuple[int, ...] = ()) -> np.ndarray:
         arena = _SparseArena(np.dtype(dtype), rows, tuple(shape))
@@ -117,10 +144,16 @@ class HostTier(Tier):
         return sum(a.nbytes for a in self._arenas.values()) + sum(s.held_pages * PAGE for s in self._sparse.values())
 
     def address_range(self, key: str) -> tuple[int, int]:
-        """(start address, bytes) of sparse arena `key`'s mapping (tests compare it with /proc/self/smaps)."""
+        """(start address, bytes) of arena `key` (a sparse arena: its mapping; tests compare it with /proc/self/smaps
+        or ask `mincore` which pages are resident)."""
+        if key in self._arenas:
+            return self._arenas[key].ctypes.data, self._arenas[key].nbytes
         arr = self._sparse[key].array
         return arr.ctypes.data, len(self._sparse[key].map)
 
     def close(self) -> None:
+        for prep in self.preparers:
+            prep.close()
+        self.preparers.clear()
         self._arenas.clear()
         self._sparse.clear()  # the mappings are unmapped when the last view of them goes
