@@ -6,6 +6,7 @@ and every bound of a hostile ticket must hold on a cache hit as on a miss. Real 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -328,3 +329,92 @@ class TestSplitSampleColumns:
     def test_malformed_trailing_columns_are_refused(self, cols):
         with pytest.raises(ab.SchemaError):
             P.split_sample_columns(self.batch(**cols))
+
+
+# ---------------------------------------------------------------------------------------------------- padding
+class TestPadding:
+    """meta "columns" leaves app_metadata free: a few pad bytes move the received body onto an 8-byte boundary, so
+    the client uses the arrays in place instead of copying misaligned ones."""
+
+    @pytest.mark.parametrize("pad", range(0, 9))
+    @pytest.mark.parametrize("misaligned", range(0, 8))
+    def test_realigning_pad_moves_the_body_by_what_it_is_off(self, pad, misaligned):
+        def shift(p):
+            return p + 2 if p else 0  # tag, one length byte, the bytes
+
+        new = P.realigning_pad(pad, misaligned)
+        assert 0 <= new <= 8
+        assert (shift(pad) - misaligned - shift(new)) % 8 == 0
+        if misaligned == 0:
+            assert new == pad or shift(new) % 8 == shift(pad) % 8
+
+    @pytest.mark.parametrize("ticket", [
+        {"n": 2, "pad": 3},                                  # pad without meta "columns"
+        {"n": 2, "meta": "json", "pad": 1},
+        {"n": 2, "meta": "columns", "pad": P.MAX_PAD + 1},
+        {"n": 2, "meta": "columns", "pad": -1},
+        {"n": 2, "meta": "columns", "pad": 1.5},
+        {"n": 2, "meta": "columns", "pad": "1"},
+    ])
+    def test_a_bad_pad_is_an_invalid_request(self, servers, ticket):
+        store = ab.ExperienceStore(SCHEMAS / "mujoco.yaml", capacity=256, seed=0)
+        store.extend(mujoco_steps(20))
+        with pytest.raises(flight.FlightError) as info:
+            do_get(servers(store).location, **ticket)
+        assert json.loads(info.value.extra_info)["code"] == "INVALID_ARGUMENT"
+
+    @pytest.mark.parametrize("raw", [b'{"op": "sample", "pad": 64}', b'{"op": "sample", "pad": -2}',
+                                     b'{"op": "sample", "pad": true}'])
+    def test_a_bad_session_pad_is_refused(self, raw):
+        with pytest.raises(ab.SchemaError, match="pad"):
+            P.decode_exchange(raw)
+
+    def test_pad_bytes_are_app_metadata_and_the_batch_is_unchanged(self, servers):
+        store = ab.ExperienceStore(SCHEMAS / "mujoco.yaml", capacity=256, seed=0)
+        store.extend(mujoco_steps(20))
+        location = servers(store).location
+        plain = do_get(location, n=4, meta="columns", columns=["reward"])
+        padded = do_get(location, n=4, meta="columns", columns=["reward"], pad=5)
+        assert padded.app_metadata.to_pybytes() == b"     "
+        assert padded.data.schema == plain.data.schema
+
+    def test_a_json_session_refuses_a_pad(self, servers):
+        store = ab.ExperienceStore(SCHEMAS / "mujoco.yaml", capacity=256, seed=0)
+        store.extend(mujoco_steps(20))
+        cmd = {"v": 1, "kind": "session", "n": 2}
+        with flight.FlightClient(servers(store).location) as client:
+            writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(json.dumps(cmd).encode()))
+            with pytest.raises(flight.FlightError, match="pad") as info:
+                writer.write_metadata(pa.py_buffer(b'{"op": "sample", "count": 1, "pad": 2}'))
+                writer.done_writing()
+                reader.read_all()
+            assert json.loads(info.value.extra_info)["code"] == "INVALID_ARGUMENT"
+            with contextlib.suppress(flight.FlightError):
+                writer.close()
+
+    def test_the_client_converges_to_aligned_bodies(self, servers):
+        """A large reply (gRPC hands it over in pieces that Arrow joins into one buffer): after the first reply
+        the client asks for the pad that aligns the body, and later replies arrive aligned, for DoGet and for
+        a session."""
+        from arrowbuf.flight import client as C
+
+        store = ab.ExperienceStore(SCHEMAS / "mujoco.yaml", capacity=4096, seed=0)
+        store.extend(mujoco_steps(2048))
+        remote = ab.connect(servers(store, max_batch_rows=4096).location)
+        try:
+            offsets = []
+            for _ in range(4):
+                key = C._request_key(2048, None, None, {})
+                pad = remote._pads.get(key, 0)
+                raw = P.encode_ticket(P.SampleRequest(2048, remote.name, None, None, {}, meta="columns", pad=pad))
+                with flight.FlightClient(remote.location) as client:
+                    offsets.append(C._misalignment(client.do_get(flight.Ticket(raw)).read_chunk().data))
+                remote.sample(2048)
+            assert 0 in offsets[1:], offsets
+            with remote.session(2048, prefetch=1) as session:
+                for _ in range(6):
+                    batch = next(session)
+                for name in ("obs", "action", "reward", "next_obs"):
+                    assert batch[name].flags.aligned and batch[name].flags.writeable
+        finally:
+            remote.close()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
@@ -126,6 +127,7 @@ class RemoteStore:
         self.capacity: int | None = None
         self.max_batch_rows: int = 0
         self.sample_meta = "json"
+        self._pads: dict[tuple[Any, ...], int] = {}  # sample request -> app_metadata padding that aligns its body
         self._describe()
 
     # ------------------------------------------------------------------ connection
@@ -305,8 +307,11 @@ class RemoteStore:
         if n > self.max_batch_rows:
             raise SchemaError(f"sample({n}) is over the server's max_batch_rows {self.max_batch_rows}")
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
+        form = self.sample_meta
+        key = _request_key(int(n), cols, timeout, options) if form == "columns" else None
+        pad = self._pads.get(key, 0) if key is not None else 0
         ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options,
-                                                               meta=self.sample_meta)))
+                                                               meta=form, pad=pad)))
 
         def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
             reader = client.do_get(ticket, options=call_options)
@@ -316,7 +321,13 @@ class RemoteStore:
             return chunk
 
         chunk = self._call(call, self._deadline(rpc_timeout, timeout))
-        return _sample_batch(chunk.data, chunk.app_metadata, self.sample_meta)
+        if key is not None:  # ask for the body on an 8-byte boundary next time (see protocol.realigning_pad)
+            again = P.realigning_pad(pad, _misalignment(chunk.data))
+            if again != pad:
+                if len(self._pads) >= _MAX_PADS:
+                    self._pads.clear()
+                self._pads[key] = again
+        return _sample_batch(chunk.data, chunk.app_metadata, form)
 
     # ------------------------------------------------------------------ consumption per task (issue 16; owner: consume)
     def consume(self, task: str, n: int, *, require: list[str] | None = None, timeout: float | None = 0.0,
@@ -644,12 +655,34 @@ class LearnerSession:
         self._pending = 0
         self._stale = 0  # replies still due to requests sent before the last error was raised
         self._closed = False
+        # meta "columns": the padding the server puts before each body, and the one each outstanding request
+        # gets ([replies still due, pad] per request message, in order), so a misaligned reply says what to ask
+        self._pad = 0
+        self._pad_changed = False
+        self._sent: deque[list[int]] = deque()
         self._request(self.ahead)
 
     def _request(self, count: int) -> None:
+        msg = P.ExchangeMessage("sample", count=count, pad=self._pad if self._pad_changed else None)
         with _translate(unreachable=Unavailable):
-            self._writer.write_metadata(pa.py_buffer(P.encode_exchange(P.ExchangeMessage("sample", count=count))))
+            self._writer.write_metadata(pa.py_buffer(P.encode_exchange(msg)))
+        self._pad_changed = False
         self._pending += count
+        self._sent.append([count, self._pad])
+
+    def _replied(self, data: pa.RecordBatch | None) -> None:
+        """One reply to a sample request arrived (a batch, or None for an in-band error)."""
+        self._pending -= 1
+        if not self._sent:
+            return
+        slot = self._sent[0]
+        slot[0] -= 1
+        if slot[0] <= 0:
+            self._sent.popleft()
+        if data is not None and self._form == "columns":
+            again = P.realigning_pad(slot[1], _misalignment(data))
+            if again != self._pad:
+                self._pad, self._pad_changed = again, True
 
     def __iter__(self) -> Iterator[SampleBatch]:
         return self
@@ -667,14 +700,14 @@ class LearnerSession:
                     self._closed = True
                     raise StoreClosed("the server ended the session") from None
             if chunk.data is not None:
-                self._pending -= 1
+                self._replied(chunk.data)
                 self._stale = max(0, self._stale - 1)
                 return _sample_batch(chunk.data, chunk.app_metadata, self._form)
             exc = P.decode_error(chunk.app_metadata)  # an in-band error
             if exc is None:
                 raise SchemaError("the server sent a DoExchange message this client does not understand")
             if P.loads(chunk.app_metadata, "DoExchange error").get("op") == "sample":
-                self._pending -= 1
+                self._replied(None)
                 if self._stale:  # the same failure again, for a request sent before it was raised
                     self._stale -= 1
                     continue
@@ -753,6 +786,32 @@ def _ack_ids(ack: dict[str, int], rows: int) -> np.ndarray:
         raise SchemaError(f"DoPut acknowledgement: {ack['rows']} rows committed for a batch of {rows}; "
                           "the server and this client disagree about the protocol")
     return np.arange(ack["first_seq"], ack["first_seq"] + rows, dtype=np.int64)
+
+
+#: Sample requests whose padding a client remembers (any more: it starts over).
+_MAX_PADS = 64
+
+
+def _request_key(n: int, cols: list[str] | None, timeout: float | None, options: dict[str, Any]) -> Any:
+    """A hashable key of a sample request (None when an option value is not hashable: such a request is not
+    padded)."""
+    key = (n, None if cols is None else tuple(cols), timeout, tuple(options.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _misalignment(data: pa.RecordBatch) -> int:
+    """How many bytes past an 8-byte boundary the received body starts (every buffer of an IPC body starts a
+    multiple of 8 bytes into it; the last column, the ids or the weights, is fixed-width)."""
+    if not data.num_columns:
+        return 0
+    buffers = data.column(data.num_columns - 1).buffers()
+    if len(buffers) < 2 or buffers[1] is None or not buffers[1].size:
+        return 0
+    return int(buffers[1].address % 8)
 
 
 def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None, form: str = "json") -> SampleBatch:

@@ -334,7 +334,8 @@ class _FlightService(flight.FlightServerBase):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
             self.owner.check_sample_options(store, req.options, "sample")
             columns = None if req.columns is None else list(req.columns)  # the request may be shared: a copy
-            return _one_batch_stream(*_wire_batch(_sample(store, req.n, columns, req.timeout, req.options), req.meta))
+            data, meta = _wire_batch(_sample(store, req.n, columns, req.timeout, req.options), req.meta)
+            return _one_batch_stream(data, meta if req.meta == "json" else P.pad_metadata(req.pad))
         if req.kind == "table":
             return self._table_stream(store, req.columns)
         if req.kind == "episodes":
@@ -433,6 +434,7 @@ class _FlightService(flight.FlightServerBase):
             self._sessions += 1
             self._prefetchers.add(prefetcher)
         begun: pa.Schema | None = None
+        pad: pa.Buffer | None = None  # meta "columns": the app_metadata bytes the client asked for (alignment)
         try:
             while True:
                 try:
@@ -448,6 +450,10 @@ class _FlightService(flight.FlightServerBase):
                     except (ArrowbufError, ValueError, TypeError) as exc:
                         writer.write_metadata(pa.py_buffer(P.encode_exchange_error("update_priorities", exc)))
                     continue
+                if msg.pad is not None:
+                    if req.meta != "columns":
+                        raise SchemaError("DoExchange: pad is for a session with meta \"columns\" only")
+                    pad = P.pad_metadata(msg.pad)
                 for _ in range(msg.count):
                     self.owner.check_open()
                     try:
@@ -460,6 +466,8 @@ class _FlightService(flight.FlightServerBase):
                         writer.begin(begun, WIRE_OPTIONS)
                     elif data.schema != begun:
                         data = pa.RecordBatch.from_arrays(data.columns, schema=begun)
+                    if meta is None:
+                        meta = pad
                     if meta is None:
                         writer.write_batch(data)
                     else:
