@@ -101,6 +101,8 @@ class RemoteStore:
         capacity: the store's capacity in rows.
         max_batch_rows: the largest batch the server accepts or serves.
         timeout: the default deadline of every call in seconds, or None.
+        sample_meta: how sampled batches carry their ids and weights (`protocol.SAMPLE_META`): "columns" where the
+            server offers it (no JSON per batch), else "json".
     """
 
     def __init__(self, location: str, token: str | None = None, store: str | None = None, *,
@@ -123,6 +125,7 @@ class RemoteStore:
         self.schema: ExperienceSchema
         self.capacity: int | None = None
         self.max_batch_rows: int = 0
+        self.sample_meta = "json"
         self._describe()
 
     # ------------------------------------------------------------------ connection
@@ -201,6 +204,9 @@ class RemoteStore:
         self.schema = load_schema(info["schema"])
         self.capacity = info.get("capacity")
         self.max_batch_rows = int(info["max_batch_rows"])
+        # ids and weights as Arrow columns where the server speaks it (protocol.SAMPLE_META); JSON otherwise
+        offered = info.get("sample_meta")
+        self.sample_meta = "columns" if isinstance(offered, list) and "columns" in offered else "json"
 
     def _action(self, type_: str, rpc_timeout: float | None | object = _DEFAULT, **body: Any) -> Any:
         action = P.encode_action(type_, self._requested if type_ == "describe" else self.name, **body)
@@ -299,7 +305,8 @@ class RemoteStore:
         if n > self.max_batch_rows:
             raise SchemaError(f"sample({n}) is over the server's max_batch_rows {self.max_batch_rows}")
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
-        ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options)))
+        ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options,
+                                                               meta=self.sample_meta)))
 
         def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
             reader = client.do_get(ticket, options=call_options)
@@ -309,7 +316,7 @@ class RemoteStore:
             return chunk
 
         chunk = self._call(call, self._deadline(rpc_timeout, timeout))
-        return _sample_batch(chunk.data, chunk.app_metadata)
+        return _sample_batch(chunk.data, chunk.app_metadata, self.sample_meta)
 
     # ------------------------------------------------------------------ consumption per task (issue 16; owner: consume)
     def consume(self, task: str, n: int, *, require: list[str] | None = None, timeout: float | None = 0.0,
@@ -628,7 +635,9 @@ class LearnerSession:
         self.n = int(n)
         self.ahead = int(ahead)
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
-        req = P.SessionRequest(self.n, remote.name, cols, timeout, int(prefetch), dict(options or {}))
+        self._form = remote.sample_meta
+        req = P.SessionRequest(self.n, remote.name, cols, timeout, int(prefetch), dict(options or {}),
+                               meta=self._form)
         client = remote._connection()
         with _translate(unreachable=Unavailable):
             self._writer, self._reader = client.do_exchange(P.session_descriptor(req), options=remote._options)
@@ -660,7 +669,7 @@ class LearnerSession:
             if chunk.data is not None:
                 self._pending -= 1
                 self._stale = max(0, self._stale - 1)
-                return _sample_batch(chunk.data, chunk.app_metadata)
+                return _sample_batch(chunk.data, chunk.app_metadata, self._form)
             exc = P.decode_error(chunk.app_metadata)  # an in-band error
             if exc is None:
                 raise SchemaError("the server sent a DoExchange message this client does not understand")
@@ -746,10 +755,19 @@ def _ack_ids(ack: dict[str, int], rows: int) -> np.ndarray:
     return np.arange(ack["first_seq"], ack["first_seq"] + rows, dtype=np.int64)
 
 
-def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None) -> SampleBatch:
-    indices, weights = P.decode_sample_meta(meta, data.num_rows)
+def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None, form: str = "json") -> SampleBatch:
+    """A received sample as a SampleBatch: ids and weights from the app_metadata (`form` "json") or from the
+    trailing columns (`form` "columns", `protocol.split_sample_columns`)."""
+    names = data.schema.names
+    if form == "columns":
+        keep, ids, w = P.split_sample_columns(data)
+        indices, weights = _received(ids), (None if w is None else _received(w))
+        names = names[:keep]
+    else:
+        indices, weights = P.decode_sample_meta(meta, data.num_rows)
     arrays: dict[str, Any] = {}
-    for name, col in zip(data.schema.names, data.columns):
+    for i, name in enumerate(names):
+        col = data.column(i)
         t = col.type
         if col.null_count:  # a field filled later, absent in some rows: Arrow with nulls, as a local sample gives
             arrays[name] = col
