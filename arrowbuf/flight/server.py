@@ -654,6 +654,8 @@ _TENSOR_TYPES: dict[tuple[Any, tuple[int, ...]], tuple[pa.DataType, pa.DataType,
 #: The IPC options of every stream this server writes: pyarrow's default, built once (given none, pyarrow builds
 #: them per stream from two environment variables).
 WIRE_OPTIONS = pa.ipc.IpcWriteOptions()
+#: numpy dtype -> Arrow type of 1-D numeric columns.
+_SCALAR_TYPES: dict[Any, pa.DataType] = {}
 
 
 def _wire_batch(batch: Any, meta: str = "json") -> tuple[pa.RecordBatch, pa.Buffer | None]:
@@ -667,10 +669,10 @@ def _wire_batch(batch: Any, meta: str = "json") -> tuple[pa.RecordBatch, pa.Buff
     if meta == "json":
         return (pa.RecordBatch.from_arrays(arrays, names=names),
                 pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights)))
-    arrays.append(pa.array(np.asarray(batch.indices, dtype=np.int64).reshape(-1)))
+    arrays.append(_wire_array(np.ascontiguousarray(batch.indices, dtype=np.int64).reshape(-1)))
     names.append(P.ID_COLUMN)
     if batch.weights is not None:
-        arrays.append(pa.array(np.asarray(batch.weights, dtype=np.float32).reshape(-1)))
+        arrays.append(_wire_array(np.ascontiguousarray(batch.weights, dtype=np.float32).reshape(-1)))
         names.append(P.WEIGHT_COLUMN)
     return pa.RecordBatch.from_arrays(arrays, names=names), None
 
@@ -694,6 +696,12 @@ def _wire_array(value: Any) -> Any:
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
         return value
     if value.ndim == 1:
+        if type(value) is np.ndarray and value.dtype.kind in "iuf" and value.dtype.isnative \
+                and value.flags.c_contiguous:  # wrapped as it is (pa.array checks for pandas objects first)
+            typ = _SCALAR_TYPES.get(value.dtype)
+            if typ is None:
+                typ = _SCALAR_TYPES.setdefault(value.dtype, pa.from_numpy_dtype(value.dtype))
+            return pa.Array.from_buffers(typ, len(value), [None, pa.py_buffer(value)])
         return pa.array(value)
     shape = tuple(value.shape[1:])
     key = (value.dtype, shape)
