@@ -90,7 +90,7 @@ class OutputPool:
         The caller owns it until it drops every reference to it (and to its views); write all of it before use.
         """
         dtype = np.dtype(dtype)
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(shape)
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.min_bytes or nbytes > self.max_bytes:
             self.fresh += 1

@@ -319,7 +319,10 @@ class StoreReader:
         return out
 
     def _take(self, arena: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rows of a one-tier column (`ColumnArenas.direct`: ring rows, then final rows) into a pooled output array."""
+        """Rows of a one-tier column (`ColumnArenas.direct`: ring rows, then final rows): into a pooled output array
+        when the output is big enough to be pooled, else a plain `np.take` (small blocks cost malloc nothing)."""
+        if len(positions) * (arena.nbytes // arena.shape[0]) < self.outputs.min_bytes:
+            return np.take(arena, positions, axis=0)
         return take_into(arena, positions, self.outputs.empty((len(positions), *arena.shape[1:]), arena.dtype))
 
     def _torn(self, seqs: np.ndarray, arrays: dict[str, Any]) -> np.ndarray:

@@ -79,6 +79,16 @@ class StoreSurface(Protocol):
         """Set the priorities of sampled ids; returns how many ids still named a stored row."""
         ...
 
+    def update(self, ids: Any, values: dict[str, Any]) -> int:
+        """Write fields declared `later: true` of stored rows (`{"reward": r, ...}`, one value per id), atomically
+        and validated like `extend`; returns how many ids still named a stored row (the others are skipped).
+
+        Raises:
+            SchemaError: an unknown field, a field not filled later, or values that do not convert; nothing written.
+            InvalidArgument: an id this store never issued; nothing written.
+        """
+        ...
+
     def __len__(self) -> int:
         """Rows stored now."""
         ...
@@ -123,7 +133,7 @@ def check_surface(obj: Any, what: str = "store") -> StoreSurface:
                     f"got {type(obj).__name__}, which lacks {missing}")
 
 
-_MEMBERS = ("schema", "append", "extend", "sample", "update_priorities", "__len__", "stats", "to_table", "sql",
-            "episodes", "close", "__enter__", "__exit__")
+_MEMBERS = ("schema", "append", "extend", "sample", "update_priorities", "update", "__len__", "stats", "to_table",
+            "sql", "episodes", "close", "__enter__", "__exit__")
 
 __all__ = ["STATS_KEYS", "StoreSurface", "check_surface"]

@@ -237,6 +237,18 @@ def _create_and_wait(names_: list[str], ready) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- tests
+def test_attach_keeps_the_schema_field_order(names):
+    """An attached store has the creator's schema, field order included (the manifest was written with sorted
+    keys, so an attached store listed 'action' before 'obs' and its tables had another column order)."""
+    name = names()
+    with ab.ExperienceStore(SCHEMA, 100, tier="shm", name=name) as store:
+        store.extend(rows(0, 0, 10))
+        with ab.ExperienceStore.attach(name) as other:
+            assert list(other.schema.fields) == list(store.schema.fields) == list(SCHEMA["fields"])
+            assert other.schema.to_arrow().names == store.schema.to_arrow().names
+            assert other.to_table().column_names == store.to_table().column_names
+
+
 def test_attach_from_another_process_samples_the_same_rows(names):
     name, fifo_name, pri_name = names(), names(), names()
     with ab.ExperienceStore(SCHEMA, 1000, tier="shm", name=name) as store, \

@@ -29,6 +29,8 @@ from conftest import SMALL, make_episodes
 LOCAL = ["host", "shm", "shm-attached", "tiered", "shard-adapter"]
 IMPLEMENTATIONS = [*LOCAL, "remote", "sharded"]
 CAPACITY = 4096
+#: SMALL plus a field filled later by `update` (the contract's update test writes it)
+SURF = {**SMALL, "fields": {**SMALL["fields"], "score": {"dtype": "float32", "later": True}}}
 
 #: Known gaps, (test, implementation) -> reason; strict xfails, so a fix shows up as XPASS and must drop its line.
 GAPS: dict[tuple[str, str], str] = {}
@@ -68,7 +70,7 @@ def ray_sharded() -> Iterator[Any]:
                  logging_level="ERROR", log_to_driver=False)
     sharded = None
     try:
-        sharded = ShardedStore.create(SMALL, 2, CAPACITY, sampler=ab.samplers.Prioritized(alpha=0.6, beta=0.4),
+        sharded = ShardedStore.create(SURF, 2, CAPACITY, sampler=ab.samplers.Prioritized(alpha=0.6, beta=0.4),
                                       seed=0, failure_timeout=20.0)
         yield sharded
     finally:
@@ -88,21 +90,21 @@ def surface(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
     prio = ab.samplers.Prioritized(alpha=0.6, beta=0.4)
     with contextlib.ExitStack() as stack:
         if kind == "host":
-            store = stack.enter_context(ab.ExperienceStore(SMALL, CAPACITY, prio, seed=0))
+            store = stack.enter_context(ab.ExperienceStore(SURF, CAPACITY, prio, seed=0))
         elif kind in ("shm", "shm-attached"):
             names = stack.enter_context(_shm_names())
-            store = stack.enter_context(ab.ExperienceStore(SMALL, CAPACITY, prio, seed=0, tier="shm", name=names()))
+            store = stack.enter_context(ab.ExperienceStore(SURF, CAPACITY, prio, seed=0, tier="shm", name=names()))
             if kind == "shm-attached":
                 store = stack.enter_context(ab.ExperienceStore.attach(store.name, seed=1))
         elif kind == "tiered":
-            store = stack.enter_context(ab.ExperienceStore(SMALL, CAPACITY, prio, seed=0, chunk_rows=256,
+            store = stack.enter_context(ab.ExperienceStore(SURF, CAPACITY, prio, seed=0, chunk_rows=256,
                                                            tiers={"host": "64MiB", "disk": tmp_path / "spill"}))
         elif kind == "shard-adapter":
             from arrowbuf.ray import ShardStore
 
-            store = ShardStore(stack.enter_context(ab.ExperienceStore(SMALL, CAPACITY, prio, seed=0)), 3, 5)
+            store = ShardStore(stack.enter_context(ab.ExperienceStore(SURF, CAPACITY, prio, seed=0)), 3, 5)
         elif kind == "remote":
-            local = stack.enter_context(ab.ExperienceStore(SMALL, CAPACITY, prio, seed=0))
+            local = stack.enter_context(ab.ExperienceStore(SURF, CAPACITY, prio, seed=0))
             server = stack.enter_context(ab.serve(local, "grpc://127.0.0.1:0"))
             store = stack.enter_context(ab.connect(server.location))
         else:  # a fresh handle of the module's sharded store per test (close() closes the handle only)
@@ -179,6 +181,25 @@ def test_sample_and_update_priorities(surface):
     assert sub.columns == ["reward"]
     with pytest.raises(ab.InvalidArgument):  # one priority per id, and nothing changes
         surface.update_priorities(batch.indices, np.ones(3))
+
+
+def test_update_writes_fields_of_stored_rows(surface, request):
+    ids = surface.extend(_batch(16, seed=8))
+    kind = request.node.callspec.params["surface"]
+    assert surface.update(ids[:4], {"score": np.array([7.0, 8.0, 9.0, 10.0], np.float32)}) == 4
+    with pytest.raises(ab.SchemaError):  # validated like extend: nothing written
+        surface.update(ids[4:6], {"score": np.array(["x", "y"])})
+    with pytest.raises(ab.SchemaError):  # only fields filled later
+        surface.update(ids[4:6], {"reward": np.ones(2, np.float32)})
+    assert surface.update(ids[:0], {"score": np.zeros(0, np.float32)}) == 0
+    table = surface.to_table()
+    if "shard" in table.column_names:  # a sharded table: the rows of the batch's shard
+        from arrowbuf.ray import shard_of
+
+        table = table.filter(table.column("shard").to_numpy() == shard_of(ids[:1])[0])
+    local, seq = _seqs_of(kind, ids[:6], table)
+    score = table.column("score").to_pylist()
+    assert [score[i] for i in np.searchsorted(seq, local)] == [7.0, 8.0, 9.0, 10.0, None, None]
 
 
 def test_stats_to_table_sql_episodes(surface):

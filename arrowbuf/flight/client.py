@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
@@ -101,6 +102,8 @@ class RemoteStore:
         capacity: the store's capacity in rows.
         max_batch_rows: the largest batch the server accepts or serves.
         timeout: the default deadline of every call in seconds, or None.
+        sample_meta: how sampled batches carry their ids and weights (`protocol.SAMPLE_META`): "columns" where the
+            server offers it (no JSON per batch), else "json".
     """
 
     def __init__(self, location: str, token: str | None = None, store: str | None = None, *,
@@ -123,6 +126,8 @@ class RemoteStore:
         self.schema: ExperienceSchema
         self.capacity: int | None = None
         self.max_batch_rows: int = 0
+        self.sample_meta = "json"
+        self._pads: dict[tuple[Any, ...], int] = {}  # sample request -> app_metadata padding that aligns its body
         self._describe()
 
     # ------------------------------------------------------------------ connection
@@ -201,6 +206,9 @@ class RemoteStore:
         self.schema = load_schema(info["schema"])
         self.capacity = info.get("capacity")
         self.max_batch_rows = int(info["max_batch_rows"])
+        # ids and weights as Arrow columns where the server speaks it (protocol.SAMPLE_META); JSON otherwise
+        offered = info.get("sample_meta")
+        self.sample_meta = "columns" if isinstance(offered, list) and "columns" in offered else "json"
 
     def _action(self, type_: str, rpc_timeout: float | None | object = _DEFAULT, **body: Any) -> Any:
         action = P.encode_action(type_, self._requested if type_ == "describe" else self.name, **body)
@@ -299,7 +307,11 @@ class RemoteStore:
         if n > self.max_batch_rows:
             raise SchemaError(f"sample({n}) is over the server's max_batch_rows {self.max_batch_rows}")
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
-        ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options)))
+        form = self.sample_meta
+        key = _request_key(int(n), cols, timeout, options) if form == "columns" else None
+        pad = self._pads.get(key, 0) if key is not None else 0
+        ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options,
+                                                               meta=form, pad=pad)))
 
         def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
             reader = client.do_get(ticket, options=call_options)
@@ -309,7 +321,13 @@ class RemoteStore:
             return chunk
 
         chunk = self._call(call, self._deadline(rpc_timeout, timeout))
-        return _sample_batch(chunk.data, chunk.app_metadata)
+        if key is not None:  # ask for the body on an 8-byte boundary next time (see protocol.realigning_pad)
+            again = P.realigning_pad(pad, _misalignment(chunk.data))
+            if again != pad:
+                if len(self._pads) >= _MAX_PADS:
+                    self._pads.clear()
+                self._pads[key] = again
+        return _sample_batch(chunk.data, chunk.app_metadata, form)
 
     # ------------------------------------------------------------------ consumption per task (issue 16; owner: consume)
     def consume(self, task: str, n: int, *, require: list[str] | None = None, timeout: float | None = 0.0,
@@ -628,19 +646,43 @@ class LearnerSession:
         self.n = int(n)
         self.ahead = int(ahead)
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
-        req = P.SessionRequest(self.n, remote.name, cols, timeout, int(prefetch), dict(options or {}))
+        self._form = remote.sample_meta
+        req = P.SessionRequest(self.n, remote.name, cols, timeout, int(prefetch), dict(options or {}),
+                               meta=self._form)
         client = remote._connection()
         with _translate(unreachable=Unavailable):
             self._writer, self._reader = client.do_exchange(P.session_descriptor(req), options=remote._options)
         self._pending = 0
         self._stale = 0  # replies still due to requests sent before the last error was raised
         self._closed = False
+        # meta "columns": the padding the server puts before each body, and the one each outstanding request
+        # gets ([replies still due, pad] per request message, in order), so a misaligned reply says what to ask
+        self._pad = 0
+        self._pad_changed = False
+        self._sent: deque[list[int]] = deque()
         self._request(self.ahead)
 
     def _request(self, count: int) -> None:
+        msg = P.ExchangeMessage("sample", count=count, pad=self._pad if self._pad_changed else None)
         with _translate(unreachable=Unavailable):
-            self._writer.write_metadata(pa.py_buffer(P.encode_exchange(P.ExchangeMessage("sample", count=count))))
+            self._writer.write_metadata(pa.py_buffer(P.encode_exchange(msg)))
+        self._pad_changed = False
         self._pending += count
+        self._sent.append([count, self._pad])
+
+    def _replied(self, data: pa.RecordBatch | None) -> None:
+        """One reply to a sample request arrived (a batch, or None for an in-band error)."""
+        self._pending -= 1
+        if not self._sent:
+            return
+        slot = self._sent[0]
+        slot[0] -= 1
+        if slot[0] <= 0:
+            self._sent.popleft()
+        if data is not None and self._form == "columns":
+            again = P.realigning_pad(slot[1], _misalignment(data))
+            if again != self._pad:
+                self._pad, self._pad_changed = again, True
 
     def __iter__(self) -> Iterator[SampleBatch]:
         return self
@@ -658,14 +700,14 @@ class LearnerSession:
                     self._closed = True
                     raise StoreClosed("the server ended the session") from None
             if chunk.data is not None:
-                self._pending -= 1
+                self._replied(chunk.data)
                 self._stale = max(0, self._stale - 1)
-                return _sample_batch(chunk.data, chunk.app_metadata)
+                return _sample_batch(chunk.data, chunk.app_metadata, self._form)
             exc = P.decode_error(chunk.app_metadata)  # an in-band error
             if exc is None:
                 raise SchemaError("the server sent a DoExchange message this client does not understand")
             if P.loads(chunk.app_metadata, "DoExchange error").get("op") == "sample":
-                self._pending -= 1
+                self._replied(None)
                 if self._stale:  # the same failure again, for a request sent before it was raised
                     self._stale -= 1
                     continue
@@ -746,10 +788,45 @@ def _ack_ids(ack: dict[str, int], rows: int) -> np.ndarray:
     return np.arange(ack["first_seq"], ack["first_seq"] + rows, dtype=np.int64)
 
 
-def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None) -> SampleBatch:
-    indices, weights = P.decode_sample_meta(meta, data.num_rows)
+#: Sample requests whose padding a client remembers (any more: it starts over).
+_MAX_PADS = 64
+
+
+def _request_key(n: int, cols: list[str] | None, timeout: float | None, options: dict[str, Any]) -> Any:
+    """A hashable key of a sample request (None when an option value is not hashable: such a request is not
+    padded)."""
+    key = (n, None if cols is None else tuple(cols), timeout, tuple(options.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _misalignment(data: pa.RecordBatch) -> int:
+    """How many bytes past an 8-byte boundary the received body starts (every buffer of an IPC body starts a
+    multiple of 8 bytes into it; the last column, the ids or the weights, is fixed-width)."""
+    if not data.num_columns:
+        return 0
+    buffers = data.column(data.num_columns - 1).buffers()
+    if len(buffers) < 2 or buffers[1] is None or not buffers[1].size:
+        return 0
+    return int(buffers[1].address % 8)
+
+
+def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None, form: str = "json") -> SampleBatch:
+    """A received sample as a SampleBatch: ids and weights from the app_metadata (`form` "json") or from the
+    trailing columns (`form` "columns", `protocol.split_sample_columns`)."""
+    names = data.schema.names
+    if form == "columns":
+        keep, ids, w = P.split_sample_columns(data)
+        indices, weights = _received(ids), (None if w is None else _received(w))
+        names = names[:keep]
+    else:
+        indices, weights = P.decode_sample_meta(meta, data.num_rows)
     arrays: dict[str, Any] = {}
-    for name, col in zip(data.schema.names, data.columns):
+    for i, name in enumerate(names):
+        col = data.column(i)
         t = col.type
         if col.null_count:  # a field filled later, absent in some rows: Arrow with nulls, as a local sample gives
             arrays[name] = col

@@ -334,8 +334,8 @@ class _FlightService(flight.FlightServerBase):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
             self.owner.check_sample_options(store, req.options, "sample")
             columns = None if req.columns is None else list(req.columns)  # the request may be shared: a copy
-            data, meta = _wire_batch(_sample(store, req.n, columns, req.timeout, req.options))
-            return flight.GeneratorStream(data.schema, iter([(data, meta)]), WIRE_OPTIONS)
+            data, meta = _wire_batch(_sample(store, req.n, columns, req.timeout, req.options), req.meta)
+            return _one_batch_stream(data, meta if req.meta == "json" else P.pad_metadata(req.pad))
         if req.kind == "table":
             return self._table_stream(store, req.columns)
         if req.kind == "episodes":
@@ -353,8 +353,7 @@ class _FlightService(flight.FlightServerBase):
                          cancelled=context.is_cancelled):
             batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
                                   max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
-        data, meta = _wire_batch(batch)
-        return flight.GeneratorStream(data.schema, iter([(data, meta)]), WIRE_OPTIONS)
+        return _one_batch_stream(*_wire_batch(batch))
 
     def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
         """The `table` ticket: a consistent snapshot of the store, streamed one chunk at a time.
@@ -426,15 +425,16 @@ class _FlightService(flight.FlightServerBase):
         row_bytes = _row_bytes(store.schema, columns) * req.n
         depth = min(req.prefetch, self.owner.limits.max_prefetch_bytes // row_bytes)
 
-        def draw(timeout: float | None) -> tuple[pa.RecordBatch, pa.Buffer]:
+        def draw(timeout: float | None) -> tuple[pa.RecordBatch, pa.Buffer | None]:
             # the whole batch is made ready here, so the session's thread only writes it (without the GIL)
-            return _wire_batch(_sample(store, req.n, columns, timeout, req.options))
+            return _wire_batch(_sample(store, req.n, columns, timeout, req.options), req.meta)
 
         prefetcher = _Prefetcher(draw, depth, self.owner._closing)
         with self._lock:
             self._sessions += 1
             self._prefetchers.add(prefetcher)
         begun: pa.Schema | None = None
+        pad: pa.Buffer | None = None  # meta "columns": the app_metadata bytes the client asked for (alignment)
         try:
             while True:
                 try:
@@ -450,6 +450,10 @@ class _FlightService(flight.FlightServerBase):
                     except (ArrowbufError, ValueError, TypeError) as exc:
                         writer.write_metadata(pa.py_buffer(P.encode_exchange_error("update_priorities", exc)))
                     continue
+                if msg.pad is not None:
+                    if req.meta != "columns":
+                        raise SchemaError("DoExchange: pad is for a session with meta \"columns\" only")
+                    pad = P.pad_metadata(msg.pad)
                 for _ in range(msg.count):
                     self.owner.check_open()
                     try:
@@ -462,7 +466,12 @@ class _FlightService(flight.FlightServerBase):
                         writer.begin(begun, WIRE_OPTIONS)
                     elif data.schema != begun:
                         data = pa.RecordBatch.from_arrays(data.columns, schema=begun)
-                    writer.write_with_metadata(data, meta)
+                    if meta is None:
+                        meta = pad
+                    if meta is None:
+                        writer.write_batch(data)
+                    else:
+                        writer.write_with_metadata(data, meta)
         finally:
             prefetcher.close()
             with self._lock:
@@ -483,7 +492,8 @@ class _FlightService(flight.FlightServerBase):
                                    "schema": store.schema.to_dict(), "capacity": getattr(store, "capacity", None),
                                    "max_batch_rows": self.owner.limits.max_batch_rows, "protocol": P.PROTOCOL_VERSION,
                                    "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe(),
-                                   "sample_options": self.owner.sample_options(store)}
+                                   "sample_options": self.owner.sample_options(store),
+                                   "sample_meta": list(P.SAMPLE_META)}
         elif req.type == "stats":
             out = dict(store.stats())
             with self._lock:
@@ -644,13 +654,35 @@ _TENSOR_TYPES: dict[tuple[Any, tuple[int, ...]], tuple[pa.DataType, pa.DataType,
 #: The IPC options of every stream this server writes: pyarrow's default, built once (given none, pyarrow builds
 #: them per stream from two environment variables).
 WIRE_OPTIONS = pa.ipc.IpcWriteOptions()
+#: numpy dtype -> Arrow type of 1-D numeric columns.
+_SCALAR_TYPES: dict[Any, pa.DataType] = {}
 
 
-def _wire_batch(batch: Any) -> tuple[pa.RecordBatch, pa.Buffer]:
-    """A SampleBatch as the RecordBatch and app_metadata that go on the wire (tensor columns zero-copy)."""
+def _wire_batch(batch: Any, meta: str = "json") -> tuple[pa.RecordBatch, pa.Buffer | None]:
+    """A SampleBatch as the RecordBatch and app_metadata that go on the wire (tensor columns zero-copy).
+
+    `meta` "json": the ids and weights in the app_metadata; "columns": as trailing columns, and no app_metadata
+    (`protocol.SAMPLE_META`).
+    """
     arrays = [_wire_array(batch[name]) for name in batch.columns]
-    data = pa.RecordBatch.from_arrays(arrays, names=list(batch.columns))
-    return data, pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights))
+    names = list(batch.columns)
+    if meta == "json":
+        return (pa.RecordBatch.from_arrays(arrays, names=names),
+                pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights)))
+    arrays.append(_wire_array(np.ascontiguousarray(batch.indices, dtype=np.int64).reshape(-1)))
+    names.append(P.ID_COLUMN)
+    if batch.weights is not None:
+        arrays.append(_wire_array(np.ascontiguousarray(batch.weights, dtype=np.float32).reshape(-1)))
+        names.append(P.WEIGHT_COLUMN)
+    return pa.RecordBatch.from_arrays(arrays, names=names), None
+
+
+def _one_batch_stream(data: pa.RecordBatch, meta: pa.Buffer | None) -> flight.FlightDataStream:
+    """The stream of a DoGet that answers with one batch: without app_metadata it is sent from C++ alone (no
+    Python generator to resume, no GIL, for each message and for the end of the stream)."""
+    if meta is None:
+        return flight.RecordBatchStream(pa.Table.from_batches([data]), WIRE_OPTIONS)
+    return flight.GeneratorStream(data.schema, iter([(data, meta)]), WIRE_OPTIONS)
 
 
 def _wire_array(value: Any) -> Any:
@@ -664,6 +696,12 @@ def _wire_array(value: Any) -> Any:
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
         return value
     if value.ndim == 1:
+        if type(value) is np.ndarray and value.dtype.kind in "iuf" and value.dtype.isnative \
+                and value.flags.c_contiguous:  # wrapped as it is (pa.array checks for pandas objects first)
+            typ = _SCALAR_TYPES.get(value.dtype)
+            if typ is None:
+                typ = _SCALAR_TYPES.setdefault(value.dtype, pa.from_numpy_dtype(value.dtype))
+            return pa.Array.from_buffers(typ, len(value), [None, pa.py_buffer(value)])
         return pa.array(value)
     shape = tuple(value.shape[1:])
     key = (value.dtype, shape)

@@ -72,7 +72,7 @@ def read_json(file: str) -> dict[str, Any]:
 def write_json(file: str, obj: dict[str, Any]) -> None:
     tmp = f"{file}.tmp{os.getpid()}"
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        json.dump(obj, f, indent=1)  # insertion order: a schema's field order is part of it
     os.rename(tmp, file)
 
 
