@@ -640,6 +640,7 @@ class ExperienceStore:
             self._cols.close()
             for t in {id(t): t for t in [*self._data_tiers, self._tier]}.values():
                 t.close()
+        self._reader.outputs.clear()  # pooled gather outputs (batches callers still hold stay valid)
 
     def unlink(self) -> None:
         """Shared store: remove its name now (from any process); users keep their mappings until they close."""

@@ -259,9 +259,15 @@ def _ff_schema(layout: str) -> ab.ExperienceSchema:
     return ab.load_schema(d)
 
 
-def first_fill_one(kind: str, layout: str, capacity: int) -> dict:
+def first_fill_one(kind: str, layout: str, capacity: int, regime: str = "found") -> dict:
     """One first fill of a fresh atari ring (this process): construction + fill in chunks of 1000, then a second
-    fill of the same ring (warm pages: the copy alone). MB/s of 56,466-byte transitions; writer-thread page faults."""
+    fill of the same ring (pages in place: the copy alone). MB/s of 56,466-byte transitions; writer-thread faults.
+
+    `regime`: "found" takes memory as the machine hands it out; "recycled" first touches and frees 1.1x the
+    ring's bytes in this process, so the ring gets pages the kernel just had back (the cost of a page is then the
+    kernel's own fault and zeroing, as on a bare machine; on a VM that reports free memory to its host, memory
+    "found" may first need the host to back it, at a tenth of that speed or less).
+    """
     import resource
 
     from . import peers as peer_mod
@@ -319,7 +325,12 @@ def first_fill_one(kind: str, layout: str, capacity: int) -> dict:
                 resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt - f0)
 
     tb = transition_bytes("atari")
-    out: dict = {"kind": kind, "layout": layout, "capacity": capacity, "load": os.getloadavg()[0]}
+    out: dict = {"kind": kind, "layout": layout, "capacity": capacity, "regime": regime, "load": os.getloadavg()[0]}
+    if regime == "recycled":
+        ring = capacity * sum(d[c][:1].nbytes for c in cols)
+        warm = np.empty(int(ring * 1.1), dtype=np.uint8)
+        warm[::4096] = 1
+        del warm
     out["construct_s"], out["construct_faults"] = timed(make)
     out["fill_s"], out["writer_faults"] = timed(fill_ring)
     out["mb_s"] = capacity * tb / (out["construct_s"] + out["fill_s"]) / 1e6
@@ -333,9 +344,10 @@ def first_fill_one(kind: str, layout: str, capacity: int) -> dict:
 
 
 def measure_first_fill(capacity: int = FF_CAPACITY, runs: int = 1, pause: float = 3.0,
-                       kinds: tuple[str, ...] = FF_KINDS) -> dict:
+                       kinds: tuple[str, ...] = FF_KINDS, regime: str = "found") -> dict:
     """The first-fill rows: every (layout, kind) `runs` times, each in a fresh process after `pause` seconds,
-    kinds rotating order run by run. Returns {"runs": [...], "rows": {layout: {kind: median MB/s, ...}}}."""
+    kinds rotating order run by run (`regime`: see `first_fill_one`). Returns {"runs": [...], "rows": {layout:
+    {kind: median MB/s, ...}}}."""
     import subprocess
 
     results = []
@@ -344,7 +356,8 @@ def measure_first_fill(capacity: int = FF_CAPACITY, runs: int = 1, pause: float 
         for layout in FF_LAYOUTS:
             for kind in order:
                 time.sleep(pause)
-                cmd = [sys.executable, "-m", "benchmarks.bench_core", "--ff-one", kind, layout, str(capacity)]
+                cmd = [sys.executable, "-m", "benchmarks.bench_core", "--ff-one", kind, layout, str(capacity),
+                       "--ff-regime", regime]
                 proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
                 line = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
                 results.append(json.loads(line[0]) if line else
@@ -366,11 +379,12 @@ def measure_first_fill(capacity: int = FF_CAPACITY, runs: int = 1, pause: float 
             v["vs_cpprb"] = v["mb_s"] / base if base else None
             v["vs_numpy"] = v["mb_s"] / ring if ring else None
         rows[layout] = row
-    return {"capacity": capacity, "runs": results, "rows": rows, "pause_s": pause}
+    return {"capacity": capacity, "regime": regime, "runs": results, "rows": rows, "pause_s": pause}
 
 
 def print_first_fill(res: dict) -> str:
-    lines = [f"first fill, atari {res['capacity']} rows, MB/s of transitions (construction counted; median of "
+    lines = [f"first fill ({res['regime']} pages), atari {res['capacity']} rows, MB/s of transitions (construction "
+             "counted; median of "
              f"{max((v['runs'] for r in res['rows'].values() for v in r.values()), default=0)} fresh processes)",
              f"{'layout':8} {'kind':22} {'MB/s':>8} {'range':>15} {'vs cpprb':>9} {'vs numpy':>9} {'construct s':>12}"
              f" {'writer faults':>14} {'warm MB/s':>10}"]
@@ -466,14 +480,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ff-capacity", type=int, default=None, help=f"atari rows of the first-fill rings ({FF_CAPACITY})")
     p.add_argument("--ff-runs", type=int, default=1, help="fresh processes per (layout, kind); medians")
     p.add_argument("--ff-pause", type=float, default=3.0, help="seconds before each first-fill process")
+    p.add_argument("--ff-regime", choices=("found", "recycled"), default="found",
+                   help="pages as the machine hands them out, or pages this process just freed (first_fill_one)")
     p.add_argument("--ff-one", nargs=3, metavar=("KIND", "LAYOUT", "CAPACITY"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ff_one:
-        print(json.dumps(first_fill_one(args.ff_one[0], args.ff_one[1], int(args.ff_one[2])), default=str))
+        print(json.dumps(first_fill_one(args.ff_one[0], args.ff_one[1], int(args.ff_one[2]), args.ff_regime),
+                         default=str))
         return 0
     ff_cap = args.ff_capacity or (FF_CAPACITY // 2 if args.quick else FF_CAPACITY)
     if args.first_fill_only:
-        ff = measure_first_fill(ff_cap, args.ff_runs, args.ff_pause)
+        ff = measure_first_fill(ff_cap, args.ff_runs, args.ff_pause, regime=args.ff_regime)
         print(print_first_fill(ff))
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "core_first_fill.json").write_text(json.dumps(ff, indent=1, default=str))
@@ -489,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_first_fill and "atari" in args.workloads:
         res["first_fill"] = measure_first_fill(
             ff_cap, args.ff_runs, args.ff_pause,
-            FF_KINDS if not args.no_peers else ("arrowbuf", "arrowbuf prefault off", "numpy ring"))
+            FF_KINDS if not args.no_peers else ("arrowbuf", "arrowbuf prefault off", "numpy ring"), args.ff_regime)
     table = print_table(res)
     print(table)
     if "first_fill" in res:

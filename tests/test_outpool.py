@@ -116,6 +116,17 @@ def test_dropped_batches_are_reused_and_the_pool_stays_bounded():
         store.close()
 
 
+def test_close_releases_the_pool_and_kept_batches_stay_valid():
+    store = make_store()
+    kept = store.sample(B)
+    churn(store, 5)
+    assert store.stats()["output_pool"]["bytes"] > 0
+    want = kept["obs"].copy()
+    store.close()
+    assert store.stats()["output_pool"]["bytes"] == 0
+    np.testing.assert_array_equal(kept["obs"], want)
+
+
 def test_sequences_and_n_step_outputs_are_pooled_safely():
     store = ab.ExperienceStore(SCHEMA, capacity=4000, sampler=ab.samplers.Sequence(length=4), seed=0)
     try:

@@ -75,14 +75,14 @@ def test_pages_ahead_of_the_head_become_resident() -> None:
         assert prep.wait_idle(WAIT)
         # before any write: the first window is prepared, and nothing far beyond it
         first = prep.prepared
-        assert prep.window_rows <= first < ring
+        assert first == prep.target == min(ring, prep.lead_rows) and 0 < prep.lead_rows <= prep.window_rows < ring
         assert _rows_resident(tier, "obs", 0, first).all()
         beyond = (first * ROW + 2 * HUGE) // ROW + 1
         assert not _rows_resident(tier, "obs", beyond, ring).any()
         # the writer moves the head: the window follows it
         store.extend(_batch(300, 0))
         assert prep.wait_idle(WAIT)
-        assert prep.prepared >= min(ring, 300 + prep.window_rows)
+        assert prep.prepared >= prep.target == min(ring, 300 + prep.lead_rows)
         assert _rows_resident(tier, "obs", 0, prep.prepared).all()
         beyond = (prep.prepared * ROW + 2 * HUGE) // ROW + 1
         # (the batch ended an episode: its final observation went to row `ring`, whose huge page may reach back)
@@ -172,6 +172,22 @@ def test_stored_bytes_are_the_same_with_it_on_and_off(stored_next: bool) -> None
             tables.append(store.to_table())
     assert tables[0].num_rows == 700
     assert tables[0].equals(tables[1])
+
+
+def test_the_lead_follows_the_cost_of_a_page() -> None:
+    arena = np.empty((2000, ROW), dtype=np.uint8)
+    prep = PagePreparer([arena], ring_rows=2000, window=64 << 20, name="test")
+    try:
+        assert prep.wait_idle(WAIT)
+        step = 16 << 20
+        prep._adapt(step, step / 1e8)  # 100 MB/s: slow pages, lead by the whole window
+        assert prep.lead_rows == prep.window_rows == (64 << 20) // ROW
+        prep._adapt(step, step / 1e10)  # 10 GB/s: cheap pages, two steps ahead
+        assert prep.lead_rows == 2 * prep.step_rows < prep.window_rows
+        prep._adapt(PAGE, 1.0)  # too small a step to judge: unchanged
+        assert prep.lead_rows == 2 * prep.step_rows
+    finally:
+        prep.close()
 
 
 def test_mlock_method_prepares_pages_too() -> None:

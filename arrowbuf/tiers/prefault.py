@@ -20,6 +20,10 @@ Rules:
   they are copied): both then fault different pages at once (on a VM, the host maps guest pages for two vCPUs in
   parallel).
 - A forked child does not prepare (the thread stays in the parent).
+- How far ahead it goes adapts to what a page costs (`_adapt`): where the kernel maps pages at memory speed
+  (> 3 GB/s) it leads by two steps only (the writer's own faults are cheap there, and a page zeroed long before
+  its copy has left the cache); where pages are slow (a VM whose host must back guest memory first, measured at
+  0.05-0.5 GB/s here), by the whole window.
 - It runs once per ring: when the head passes the ring's end, every page has been written and the thread ends.
 - It holds only weak references to the arenas while it waits, and a strong one for one `madvise` call at a time,
   so a store dropped without `close` frees its memory (a finaliser stops the thread).
@@ -38,6 +42,7 @@ import mmap
 import os
 import resource
 import threading
+import time
 import weakref
 from typing import Any, Sequence
 
@@ -51,6 +56,7 @@ DEFAULT_WINDOW = 256 << 20
 MIN_RING_BYTES = 32 << 20
 _STEP = 16 << 20  # bytes of one arena prepared per call (bounds how long `close` waits for the thread); each call
 # gives the GIL back and takes it again, which on a busy machine can cost the writer a scheduler wake-up
+_FAST_BPS = 3e9  # pages mapped faster than this (bytes/s) are cheap: prepare only a little ahead (`_adapt`)
 _SMALL = 1 << 20  # arenas with fewer ring bytes (rewards, flags, actions) are left to fault in the writer
 _NEVER = 1 << 62
 
@@ -152,6 +158,7 @@ class PagePreparer:
         arenas = [a for a in arenas if int(a.strides[0]) * self.ring_rows >= _SMALL]
         self.row_bytes = [int(a.strides[0]) for a in arenas]
         self.window_rows = max(1, int(window) // total)
+        self.lead_rows = self.window_rows  # how far ahead it prepares now (`_adapt`)
         self.step_rows = max(1, _STEP // max(self.row_bytes, default=1))
         if self.method == "mlock":  # keep each locked range well under RLIMIT_MEMLOCK
             soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
@@ -193,13 +200,13 @@ class PagePreparer:
     @property
     def target(self) -> int:
         """Ring rows the thread prepares up to now: the head plus the window, at most the ring."""
-        return min(self.ring_rows, self.head + self.window_rows)
+        return min(self.ring_rows, self.head + self.lead_rows)
 
     def describe(self) -> dict[str, Any]:
         """State for `stats()`: running, done or stopped, rows prepared, bytes populated, method, error."""
         state = "running" if self.running else ("done" if self.prepared >= self.ring_rows else "stopped")
         return {"state": state, "prepared_rows": self.prepared, "populated_bytes": self.prepared_bytes,
-                "window_rows": self.window_rows, "method": self.method,
+                "window_rows": self.window_rows, "lead_rows": self.lead_rows, "method": self.method,
                 "error": None if self.error is None else errno.errorcode.get(self.error, str(self.error))}
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -242,6 +249,14 @@ class PagePreparer:
                 self._ended = True
                 self._cond.notify_all()
 
+    def _adapt(self, nbytes: int, seconds: float) -> None:
+        """Pages the kernel maps at memory speed cost the writer little, and a page zeroed long before its copy has
+        left the cache (the copy then reads it back from memory): lead by two steps only. Slow pages (a VM's host
+        backing guest memory, reclaim): lead by the whole window."""
+        if nbytes >= _STEP // 2:
+            fast = nbytes >= _FAST_BPS * seconds
+            self.lead_rows = min(self.window_rows, 2 * self.step_rows) if fast else self.window_rows
+
     def _next(self) -> bool:
         """Wait for work, prepare one step of rows; False when finished or stopped."""
         with self._cond:
@@ -256,7 +271,7 @@ class PagePreparer:
                 if self.target > self.prepared:
                     break
                 # wait until the head has moved by a step (re-checked after the store: see `advance`)
-                self.wake = self.prepared - self.window_rows + min(self.step_rows, self.window_rows)
+                self.wake = self.prepared - self.lead_rows + min(self.step_rows, self.lead_rows)
                 if self.head >= self.wake:
                     continue
                 self._cond.wait()
@@ -266,6 +281,7 @@ class PagePreparer:
         arenas = [a for a in (w() for w in self._refs) if a is not None]
         if len(arenas) < len(self._refs):  # freed: the store went without close
             return False
+        t0, done = time.perf_counter(), 0
         for a, rb in zip(arenas, self.row_bytes):
             n = (r1 - r0) * rb
             if n <= 0:
@@ -274,8 +290,10 @@ class PagePreparer:
             if rc:
                 self.error = rc
                 return False
-            self.prepared_bytes += n
+            done += n
         del arenas
+        self.prepared_bytes += done
+        self._adapt(done, time.perf_counter() - t0)
         with self._cond:
             self.prepared = max(self.prepared, r1)
             self._cond.notify_all()  # (wait_idle)
