@@ -83,6 +83,11 @@ class StoreReader:
                 observation) over `n_step` steps of the episode (see `arrowbuf.nstep`).
             gamma: the discount for `n_step`.
 
+        Returns:
+            A `SampleBatch`. Its arrays are the caller's for as long as the caller holds them, or any view, tensor or
+            Arrow array made from them; once every such reference is dropped, a later sample may reuse their memory
+            (`arrowbuf.outpool`). Keep the arrays themselves, not a raw pointer or a weak reference.
+
         Raises:
             SampleTimeout: nothing could be served within `timeout`.
         """
