@@ -425,9 +425,13 @@ class _FlightService(flight.FlightServerBase):
         row_bytes = _row_bytes(store.schema, columns) * req.n
         depth = min(req.prefetch, self.owner.limits.max_prefetch_bytes // row_bytes)
 
+        # every field: the store's default (its own check of an explicit list of every column cost ~18% of a
+        # mujoco batch-256 draw)
+        draw_columns = None if req.columns is None else columns
+
         def draw(timeout: float | None) -> tuple[pa.RecordBatch, pa.Buffer | None]:
             # the whole batch is made ready here, so the session's thread only writes it (without the GIL)
-            return _wire_batch(_sample(store, req.n, columns, timeout, req.options), req.meta)
+            return _wire_batch(_sample(store, req.n, draw_columns, timeout, req.options), req.meta)
 
         prefetcher = _Prefetcher(draw, depth, self.owner._closing)
         with self._lock:
