@@ -2,10 +2,10 @@
 
 A gather of large rows into a fresh array pays for fresh memory: the kernel maps and zeroes every page on first touch.
 For atari batches (two 256 x 28 KB frame-stack columns per sample, 14.5 MB) that costs more than the gather itself:
-glibc hands big blocks back to the kernel when they are freed (its heap trim, or `munmap` above the mmap threshold),
-so every sample faults the same pages in again (measured: about 940 page faults and 3.4 ms of system time per atari
-PER sample + update, against 0.6 ms for the copies). `OutputPool` keeps the output arrays and hands one out again
-once nobody else holds it.
+when two such outputs are freed, glibc hands the memory back to the kernel, so every sample faults the same pages in
+again (measured: about 940 page faults and 3.4 ms of system time per atari PER sample + update, against 0.6 ms for
+the copies; one 7.2 MB output alone was reused by malloc, and `MALLOC_MMAP_THRESHOLD_=100000000` also avoids it).
+`OutputPool` keeps the output arrays and hands one out again once nobody else holds it.
 
 Safety rule: an array is reused only when the pool's own reference is the only one left. Everything that can read or
 write an array's memory holds a reference to the array object itself: a numpy view (its `base`, numpy collapses

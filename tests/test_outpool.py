@@ -6,13 +6,16 @@ memory was reused for a later batch shows as rows that no longer match their ids
 
 from __future__ import annotations
 
+import os
 import threading
+import uuid
 
 import numpy as np
 import pytest
 
 import arrowbuf as ab
 from arrowbuf.outpool import MIN_BYTES, PER_SHAPE, OutputPool, take_into
+from arrowbuf.tiers import shm
 
 DIM = 128  # float32 obs of 512 bytes: a batch of 256 is 128 KiB per column, above the pool's minimum
 SCHEMA = {
@@ -114,6 +117,30 @@ def test_dropped_batches_are_reused_and_the_pool_stays_bounded():
                 assert not np.shares_memory(a["next_obs"], b["next_obs"])
     finally:
         store.close()
+
+
+def test_a_shared_memory_store_and_an_attached_handle_never_overwrite_kept_batches():
+    name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    store = other = None
+    try:
+        store = ab.ExperienceStore(SCHEMA, capacity=4000, tier="shm", name=name, seed=0)
+        store.extend(rows(0, 4000))
+        other = ab.ExperienceStore.attach(name)
+        kept = [store.sample(B), other.sample(B)]
+        want = [k["obs"].copy() for k in kept]
+        for _ in range(10):
+            churn(store, 2)
+            churn(other, 2)
+        for k, w in zip(kept, want):
+            np.testing.assert_array_equal(k["obs"], w)
+            check_rows(k.indices, k["obs"], k["next_obs"])
+        assert store.stats()["output_pool"]["hits"] > 0 and other.stats()["output_pool"]["hits"] > 0
+    finally:
+        for s in (other, store):
+            if s is not None:
+                s.close()
+        shm.remove(name)
+    assert not [n for n in os.listdir(shm.shm_root()) if name in n]
 
 
 def test_close_releases_the_pool_and_kept_batches_stay_valid():
