@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from .batch import SampleBatch
-from .columns import TieredColumnArenas
+from .tiered_columns import TieredColumnArenas
 from .core import StoreCore
 from .errors import ArrowbufError, InvalidArgument, SampleTimeout, SchemaError
 from .index import PENDING

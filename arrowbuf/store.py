@@ -24,7 +24,8 @@ import pyarrow as pa
 
 from .batch import SampleBatch
 from .chunks import ChunkDirectory, default_chunk_rows
-from .columns import ColumnArenas, TieredColumnArenas
+from .columns import ColumnArenas
+from .tiered_columns import TieredColumnArenas
 from .consume import ConsumeTracker, check_store_options
 from .core import StoreCore
 from .episodes import EpisodeTracker
