@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf.batch import SampleBatch
@@ -432,3 +434,49 @@ def test_scalar_column_equals_pa_array(value):
         return
     got = S._wire_array(value)
     assert got.equals(pa.array(value)) and got.type == pa.array(value).type
+
+
+# ---------------------------------------------------------------------------------------------------- fuzz
+_values = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8) \
+    | st.sampled_from(["json", "columns"]) | st.lists(st.integers(), max_size=2)
+_MAPPED = {"SchemaError", "InvalidArgument", "SampleTimeout"}
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(meta=_values, pad=_values, session_pad=_values, n=st.integers(-2, 70))
+def test_meta_and_pad_of_any_value_answer_with_data_or_a_mapped_error(meta, pad, session_pad, n):
+    """Tickets and session messages with any meta/pad values: a batch or INVALID_ARGUMENT-like error, never
+    INTERNAL, and the server still serves."""
+    store = ab.ExperienceStore(SCHEMAS / "mujoco.yaml", capacity=256, seed=0)
+    store.extend(mujoco_steps(30))
+
+    def mapped(call):
+        try:
+            call()
+        except flight.FlightError as exc:
+            detail = json.loads(exc.extra_info)
+            assert detail["error"] in _MAPPED and detail["code"] != "INTERNAL", detail
+
+    with ab.serve(store, max_batch_rows=64, shutdown_timeout=1.0) as server:
+        ticket = {"v": 1, "kind": "sample", "n": n, "meta": meta, "pad": pad}
+        with flight.FlightClient(server.location) as client:
+            mapped(lambda: client.do_get(flight.Ticket(json.dumps(ticket).encode())).read_all())
+            cmd = {"v": 1, "kind": "session", "n": 2, "meta": meta}
+
+            def exchange():
+                writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(json.dumps(cmd).encode()))
+                try:
+                    writer.write_metadata(pa.py_buffer(json.dumps({"op": "sample", "count": 1,
+                                                                   "pad": session_pad}).encode()))
+                    writer.done_writing()
+                    reader.read_all()
+                finally:
+                    with contextlib.suppress(pa.ArrowException):
+                        writer.close()
+
+            mapped(exchange)
+        remote = ab.connect(server.location)
+        try:
+            assert len(remote.sample(3)) == 3
+        finally:
+            remote.close()
