@@ -310,8 +310,9 @@ class StoreReader:
             trunc = self.core.schema.truncation  # end fields that bootstrap; the others terminate
             terminal = [column(f) for f in self.core.end_fields if f not in trunc]
             truncation = [column(f) for f in self.core.end_fields if f in trunc]
+            has_reward = ((lambda p: cols.present(["reward"], p)) if "reward" in cols.later else None)
             ret, disc, last = n_step_returns(idx, column("reward"), terminal, truncation, pos, n_step, gamma,
-                                             self.has_next if self.core.max_times_sampled else None)
+                                             self.has_next if self.core.max_times_sampled else None, has_reward)
             out["n_step_return"], out["n_step_discount"] = ret, disc
             last_next = idx.next_pos[last]
             for d in self.core.derived:

@@ -607,3 +607,40 @@ def test_samples_never_mix_two_updates_of_a_row():
             p.join(60)
             if p.is_alive():
                 p.kill()
+
+
+# --------------------------------------------------------------------- n-step returns over a reward filled later
+NSTEP_LATER = {"name": "nl", "fields": {"obs": {"dtype": "float32", "shape": [2]}, "action": "int64",
+                                         "reward": {"dtype": "float32", "later": True},
+                                         "terminated": "bool", "truncated": "bool"},
+               "derived": {"next_obs": {"next_of": "obs"}}}
+
+
+def test_n_step_returns_never_read_an_unfilled_reward_as_zero():
+    """n-step windows stop before a step whose later reward is not filled yet, and a row whose own reward is absent
+    gets a NaN return (the old code summed the arena's 0 for every absent reward, silently)."""
+    n = 12  # one episode of 12 steps; rewards filled for all but steps 4 and 9
+    obs = np.stack([np.arange(n), np.zeros(n)], 1).astype(np.float32)
+    with ab.ExperienceStore(NSTEP_LATER, 64, seed=0) as store:
+        ids = store.extend({"obs": obs, "action": np.zeros(n, np.int64), "terminated": np.arange(n) == n - 1,
+                            "truncated": np.zeros(n, bool), "next_obs": obs + np.array([1, 0], np.float32)})
+        filled = np.setdiff1d(np.arange(n), [4, 9])
+        reward = (np.arange(n) + 1).astype(np.float32)
+        assert store.update(ids[filled], {"reward": reward[filled]}) == len(filled)
+        k, gamma = 3, 0.5
+        b = store.sample(400, n_step=k, gamma=gamma)
+        seen = set()
+        for i, r, d, nxt in zip(b.indices, b["n_step_return"], b["n_step_discount"], b["n_step_next_obs"][:, 0]):
+            t = int(i)
+            seen.add(t)
+            if t in (4, 9):
+                assert np.isnan(r)
+                continue
+            m, ret = 0, 0.0
+            while m < k and t + m < n and (m == 0 or t + m not in (4, 9)):
+                ret += gamma ** m * reward[t + m]
+                m += 1
+            terminal = t + m - 1 == n - 1
+            assert r == pytest.approx(ret) and d == pytest.approx(0.0 if terminal else gamma ** m), (t, r, d)
+            assert nxt == obs[t + m - 1, 0] + 1  # the bootstrap observation: the next one of the window's last step
+        assert {3, 4, 8, 9, 10} <= seen  # windows that reach an unfilled step, and the unfilled rows themselves
