@@ -398,7 +398,7 @@ class TestPadding:
         """A large reply (gRPC hands it over in pieces that Arrow joins into one buffer): after the first reply
         the client asks for the pad that aligns the body, and later replies arrive aligned, for DoGet and for
         a session."""
-        from arrowbuf.flight import client as C
+        from arrowbuf.flight import messages as C
 
         store = ab.ExperienceStore(SCHEMAS / "mujoco.yaml", capacity=4096, seed=0)
         store.extend(mujoco_steps(2048))
@@ -406,11 +406,11 @@ class TestPadding:
         try:
             offsets = []
             for _ in range(4):
-                key = C._request_key(2048, None, None, {})
+                key = C.request_key(2048, None, None, {})
                 pad = remote._pads.get(key, 0)
                 raw = P.encode_ticket(P.SampleRequest(2048, remote.name, None, None, {}, meta="columns", pad=pad))
                 with flight.FlightClient(remote.location) as client:
-                    offsets.append(C._misalignment(client.do_get(flight.Ticket(raw)).read_chunk().data))
+                    offsets.append(C.misalignment(client.do_get(flight.Ticket(raw)).read_chunk().data))
                 remote.sample(2048)
             assert 0 in offsets[1:], offsets
             with remote.session(2048, prefetch=1) as session:

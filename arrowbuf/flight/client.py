@@ -30,9 +30,7 @@ wait. Streams (`writer`, `session`) live as long as their user keeps them and ha
 Sampled arrays are zero-copy views of the received Flight message. That memory was received for the batch alone (no
 store or other reader shares it), so the arrays are writable and `batch.to_torch()` hands them to torch without a copy.
 
-Size note: about 840 lines, over the house's 800: `RemoteStore` mirrors the whole store surface (extend, update,
-sample, consume, sql, checkpoint, ...) one method each, with its pipelined writer; the next split, if it grows,
-is the issue-16 calls (update, consume, policy_version) into a module of their own.
+How batches become messages and received samples become `SampleBatch`es is arrowbuf/flight/messages.py.
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ from ..errors import DeadlineExceeded, InvalidArgument, SchemaError, StoreClosed
 from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
-from .heap import release_after
+from .messages import MAX_PADS, ack_ids, misalignment, record_batch, request_key, sample_batch, table_to_batch
 
 T = TypeVar("T")
 
@@ -224,7 +222,7 @@ class RemoteStore:
                rpc_timeout: float | None | object = _DEFAULT) -> int:
         """Add one step (a dict of scalars and arrays). Returns the new row's id."""
         cols, n = self.schema.validate_batch(step, single=True)
-        return int(self._put(_record_batch(self.schema, cols), timeout, rpc_timeout)[0])
+        return int(self._put(record_batch(self.schema, cols), timeout, rpc_timeout)[0])
 
     def extend(self, batch: Any, *, timeout: float | None = None,
                rpc_timeout: float | None | object = _DEFAULT) -> np.ndarray:
@@ -252,10 +250,10 @@ class RemoteStore:
         if isinstance(batch, pa.RecordBatch):
             rb = batch
         elif isinstance(batch, pa.Table):
-            rb = _table_to_batch(batch)
+            rb = table_to_batch(batch)
         else:
             cols, _ = self.schema.validate_batch(batch)
-            rb = _record_batch(self.schema, cols)
+            rb = record_batch(self.schema, cols)
         if rb.num_rows > self.max_batch_rows:
             raise SchemaError(f"a batch of {rb.num_rows} rows is over the server's max_batch_rows "
                               f"{self.max_batch_rows}; split it, or stream pieces through writer()")
@@ -264,7 +262,7 @@ class RemoteStore:
     def _put(self, rb: pa.RecordBatch, timeout: float | None, rpc_timeout: float | None | object) -> np.ndarray:
         ack = self._put_one(P.put_descriptor(self.name, timeout), rb, P.decode_ack,
                             self._deadline(rpc_timeout, timeout))
-        return _ack_ids(ack, rb.num_rows)
+        return ack_ids(ack, rb.num_rows)
 
     def _put_one(self, descriptor: flight.FlightDescriptor, rb: pa.RecordBatch,
                  decode: Callable[[Any], dict[str, Any]], deadline: float | None) -> dict[str, Any]:
@@ -308,7 +306,7 @@ class RemoteStore:
             raise SchemaError(f"sample({n}) is over the server's max_batch_rows {self.max_batch_rows}")
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
         form = self.sample_meta
-        key = _request_key(int(n), cols, timeout, options) if form == "columns" else None
+        key = request_key(int(n), cols, timeout, options) if form == "columns" else None
         pad = self._pads.get(key, 0) if key is not None else 0
         ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options,
                                                                meta=form, pad=pad)))
@@ -322,12 +320,12 @@ class RemoteStore:
 
         chunk = self._call(call, self._deadline(rpc_timeout, timeout))
         if key is not None:  # ask for the body on an 8-byte boundary next time (see protocol.realigning_pad)
-            again = P.realigning_pad(pad, _misalignment(chunk.data))
+            again = P.realigning_pad(pad, misalignment(chunk.data))
             if again != pad:
-                if len(self._pads) >= _MAX_PADS:
+                if len(self._pads) >= MAX_PADS:
                     self._pads.clear()
                 self._pads[key] = again
-        return _sample_batch(chunk.data, chunk.app_metadata, form)
+        return sample_batch(chunk.data, chunk.app_metadata, form)
 
     # ------------------------------------------------------------------ consumption per task (issue 16; owner: consume)
     def consume(self, task: str, n: int, *, require: list[str] | None = None, timeout: float | None = 0.0,
@@ -356,7 +354,7 @@ class RemoteStore:
 
         # not retried after a lost connection: the server may have marked the rows consumed
         chunk = self._call(call, self._deadline(rpc_timeout, wait), retry=False)
-        return _sample_batch(chunk.data, chunk.app_metadata)
+        return sample_batch(chunk.data, chunk.app_metadata)
 
     def add_task(self, name: str) -> None:
         """Declare a consuming task on the server's store (`ExperienceStore.add_task`)."""
@@ -414,7 +412,7 @@ class RemoteStore:
                               f"{self.max_batch_rows}; split it")
         if len(seqs) == 0:
             return 0
-        rb = _record_batch(self.schema, {P.UPDATE_ID_COLUMN: seqs, **cols})
+        rb = record_batch(self.schema, {P.UPDATE_ID_COLUMN: seqs, **cols})
         ack = self._put_one(P.update_descriptor(self.name), rb, P.decode_update_ack, self._deadline(rpc_timeout))
         return int(ack["rows"])
 
@@ -526,7 +524,7 @@ class RemoteWriter:
 
     def append(self, step: dict[str, Any]) -> None:
         cols, _ = self.remote.schema.validate_batch(step, single=True)
-        self._write(_record_batch(self.remote.schema, cols))
+        self._write(record_batch(self.remote.schema, cols))
 
     def extend(self, batch: Any) -> None:
         """Send a batch; returns once it is on its way (at most `max_in_flight` unacknowledged)."""
@@ -680,7 +678,7 @@ class LearnerSession:
         if slot[0] <= 0:
             self._sent.popleft()
         if data is not None and self._form == "columns":
-            again = P.realigning_pad(slot[1], _misalignment(data))
+            again = P.realigning_pad(slot[1], misalignment(data))
             if again != self._pad:
                 self._pad, self._pad_changed = again, True
 
@@ -702,7 +700,7 @@ class LearnerSession:
             if chunk.data is not None:
                 self._replied(chunk.data)
                 self._stale = max(0, self._stale - 1)
-                return _sample_batch(chunk.data, chunk.app_metadata, self._form)
+                return sample_batch(chunk.data, chunk.app_metadata, self._form)
             exc = P.decode_error(chunk.app_metadata)  # an in-band error
             if exc is None:
                 raise SchemaError("the server sent a DoExchange message this client does not understand")
@@ -778,140 +776,6 @@ def _translate(unreachable: type[Exception] = _Unreachable, seconds: float | Non
                 raise _Unreachable(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
             raise unreachable(f"the connection to the server failed: {exc}") from None
         raise
-
-
-def _ack_ids(ack: dict[str, int], rows: int) -> np.ndarray:
-    """The ids of a batch from its DoPut acknowledgement: the committed range [first_seq, first_seq + rows)."""
-    if ack["rows"] != rows:
-        raise SchemaError(f"DoPut acknowledgement: {ack['rows']} rows committed for a batch of {rows}; "
-                          "the server and this client disagree about the protocol")
-    return np.arange(ack["first_seq"], ack["first_seq"] + rows, dtype=np.int64)
-
-
-#: Sample requests whose padding a client remembers (any more: it starts over).
-_MAX_PADS = 64
-
-
-def _request_key(n: int, cols: list[str] | None, timeout: float | None, options: dict[str, Any]) -> Any:
-    """A hashable key of a sample request (None when an option value is not hashable: such a request is not
-    padded)."""
-    key = (n, None if cols is None else tuple(cols), timeout, tuple(options.items()))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _misalignment(data: pa.RecordBatch) -> int:
-    """How many bytes past an 8-byte boundary the received body starts (every buffer of an IPC body starts a
-    multiple of 8 bytes into it; the last column, the ids or the weights, is fixed-width)."""
-    if not data.num_columns:
-        return 0
-    buffers = data.column(data.num_columns - 1).buffers()
-    if len(buffers) < 2 or buffers[1] is None or not buffers[1].size:
-        return 0
-    return int(buffers[1].address % 8)
-
-
-def _sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None, form: str = "json") -> SampleBatch:
-    """A received sample as a SampleBatch: ids and weights from the app_metadata (`form` "json") or from the
-    trailing columns (`form` "columns", `protocol.split_sample_columns`)."""
-    names = data.schema.names
-    if form == "columns":
-        keep, ids, w = P.split_sample_columns(data)
-        indices, weights = _received(ids), (None if w is None else _received(w))
-        names = names[:keep]
-    else:
-        indices, weights = P.decode_sample_meta(meta, data.num_rows)
-    arrays: dict[str, Any] = {}
-    for i, name in enumerate(names):
-        col = data.column(i)
-        t = col.type
-        if col.null_count:  # a field filled later, absent in some rows: Arrow with nulls, as a local sample gives
-            arrays[name] = col
-        elif isinstance(t, pa.FixedShapeTensorType):
-            arrays[name] = _received(col.to_numpy_ndarray())
-        elif pa.types.is_list(t) or pa.types.is_large_list(t):
-            arrays[name] = col
-        else:
-            arrays[name] = _received(col.to_numpy(zero_copy_only=False))
-    release_after(data.nbytes)  # the receive's freed gRPC pieces: back to the OS, not kept for the next peak
-    return SampleBatch(arrays, indices, weights)
-
-
-class _ReceivedMemory:
-    """Exposes a read-only numpy view of a received Flight message as writable memory, and keeps the view (and so
-    the message's buffer) alive for as long as any array over it lives.
-
-    Safe because the message was received for one batch alone: nothing else (no store, no other reader) sees that
-    memory, so the batch's user may write it, and torch may take it without the defensive copy that read-only
-    memory (a store's shared mapping) needs.
-    """
-
-    __slots__ = ("__array_interface__", "_view")
-
-    def __init__(self, view: np.ndarray) -> None:
-        self._view = view
-        interface = dict(view.__array_interface__)
-        interface["data"] = (interface["data"][0], False)  # (address, read-only flag)
-        self.__array_interface__ = interface
-
-
-def _received(arr: np.ndarray) -> np.ndarray:
-    """`arr` (a view of a received message, or a conversion's own copy) as a writable array over the same memory.
-
-    A view that is not aligned to its dtype (a small message that gRPC delivered in one piece lands at any byte
-    offset) is copied once here instead, so torch and numpy never see misaligned data. The copy goes into a buffer
-    of Arrow's memory pool (64-byte aligned, memory the pool reuses from call to call): a fresh numpy allocation of
-    this size is new pages from the OS every call, and faulting them in cost more than the copy (about 130 µs of a
-    mujoco batch-256 sample's 0.4 ms).
-    """
-    if arr.flags.writeable or arr.size == 0:
-        return arr
-    if not arr.flags.aligned:
-        out = np.frombuffer(pa.allocate_buffer(arr.nbytes), dtype=arr.dtype).reshape(arr.shape)
-        out[...] = arr
-        return out
-    return np.asarray(_ReceivedMemory(arr))
-
-
-def _record_batch(schema: ExperienceSchema, cols: dict[str, Any]) -> pa.RecordBatch:
-    """Validated columns (numpy, or Arrow lists for ragged fields) as the RecordBatch a writer sends."""
-    names, arrays = [], []
-    for name, value in cols.items():
-        names.append(name)
-        if isinstance(value, (pa.Array, pa.ChunkedArray)):
-            arrays.append(value)
-        elif isinstance(value, np.ma.MaskedArray):  # a field filled later with rows absent: nulls on the wire
-            from ..presence import nullable_array
-            from ..schema import later_mask
-
-            present = later_mask(value)
-            data = np.ma.getdata(value)
-            arrays.append(nullable_array(schema.fields[name], data, np.ones(len(data), bool) if present is None
-                                         else present))
-        elif value.ndim > 1 and len(value) == 0:  # from_numpy_ndarray refuses an empty array
-            typ = pa.fixed_shape_tensor(pa.from_numpy_dtype(value.dtype), value.shape[1:])
-            storage = pa.FixedSizeListArray.from_arrays(pa.array([], pa.from_numpy_dtype(value.dtype)),
-                                                        int(np.prod(value.shape[1:])))
-            arrays.append(pa.ExtensionArray.from_storage(typ, storage))
-        elif value.ndim > 1:
-            if not value.flags.c_contiguous or len(value) < 2:  # one row may carry a zero leading stride
-                value = value.copy(order="C")
-            arrays.append(pa.FixedShapeTensorArray.from_numpy_ndarray(value))
-        else:
-            arrays.append(pa.array(value))
-    return pa.RecordBatch.from_arrays(arrays, names=names)
-
-
-def _table_to_batch(table: pa.Table) -> pa.RecordBatch:
-    batches = table.combine_chunks().to_batches()
-    if not batches:
-        return pa.RecordBatch.from_pylist([], schema=table.schema)
-    if len(batches) == 1:
-        return batches[0]
-    return pa.concat_batches(batches)
 
 
 def _pem_or_none(value: bytes | str | None) -> bytes | None:

@@ -60,13 +60,13 @@ class ShardedConsumer:
     # ------------------------------------------------------------------ writing whole groups to one shard
     def extend_by_group(self, batch: Any) -> np.ndarray:
         """Write `batch`, each row to the shard of its group key (one writer per shard); the rows' global ids."""
-        from ..flight.client import _record_batch
+        from ..flight.messages import record_batch
 
         group = self.handle.sampler
         assert isinstance(group, GroupSampler)
         schema = self.handle.schema
         cols, n = schema.validate_batch(batch)
-        rb = _record_batch(schema, cols)
+        rb = record_batch(schema, cols)
         home = group_shards(np.asarray(cols[group.key]), self.handle.num_shards)
         ids = np.empty(n, dtype=np.int64)
         for k in np.unique(home):

@@ -209,10 +209,10 @@ class ShardWriter:
         if self._closed:
             raise StoreClosed("this writer is closed")
         self._maybe_go_home()
-        from ..flight.client import _record_batch
+        from ..flight.messages import record_batch
 
         cols, _ = self.sharded.schema.validate_batch(self._with_actor(batch))
-        return _record_batch(self.sharded.schema, cols)
+        return record_batch(self.sharded.schema, cols)
 
     def _send(self, rb: pa.RecordBatch) -> None:
         while True:
