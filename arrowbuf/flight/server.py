@@ -10,8 +10,8 @@ One server per process: the handlers are Python and hold the GIL while they pars
 (gathers and Flight I/O release it). To use more cores, run several processes, each with its own store and server
 (`arrowbuf serve` per shard, or `arrowbuf.ray.ShardedStore`), and let learners sample from all of them.
 
-Size note: about 805 lines, just over the house's 800: the dispatch of every Flight verb lives here; the
-verbs' bounded decoding is in protocol.py, the limits in limits.py, the socket cut-off in sockets.py.
+The dispatch of every Flight verb lives here; the verbs' bounded decoding is in protocol.py, the limits in limits.py,
+session prefetch in prefetch.py, the socket cut-off in sockets.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import os
 import threading
 import warnings
 import weakref
-from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
 
@@ -45,6 +44,7 @@ from ..errors import (
 from ..sql import serving as sql_serving
 from ..surface import check_surface
 from . import protocol as P
+from .prefetch import Prefetcher
 from .limits import CallGate, ServerLimits
 from .heap import release_after
 from .sockets import cut_server_connections
@@ -278,7 +278,7 @@ class _FlightService(flight.FlightServerBase):
         super().__init__(location, tls_certificates=certs, middleware=middleware)
         self.owner = owner
         self._sessions = 0
-        self._prefetchers: set[_Prefetcher] = set()
+        self._prefetchers: set[Prefetcher] = set()
         self._lock = threading.Lock()
 
     def stop_prefetching(self) -> None:
@@ -433,7 +433,7 @@ class _FlightService(flight.FlightServerBase):
             # the whole batch is made ready here, so the session's thread only writes it (without the GIL)
             return _wire_batch(_sample(store, req.n, draw_columns, timeout, req.options), req.meta)
 
-        prefetcher = _Prefetcher(draw, depth, self.owner._closing)
+        prefetcher = Prefetcher(draw, depth, self.owner._closing)
         with self._lock:
             self._sessions += 1
             self._prefetchers.add(prefetcher)
@@ -554,84 +554,6 @@ def _bounded_batches(reader: flight.MetadataRecordBatchReader, limits: Any, chec
                               f"{limits.max_batch_bytes}; split it into smaller batches")
         yield k, batch
         k += 1
-
-
-# ---------------------------------------------------------------------------------------------------- prefetch
-class _Prefetcher:
-    """Keeps up to `depth` sampled batches ready for a learner session, drawn by a background thread.
-
-    Errors are never prefetched: a speculative draw that fails (an empty store, a rate limiter saying wait) is
-    dropped and prefetching pauses; the next request then samples inline with its own timeout, so it waits or
-    fails with an error about now, not about when the draw was made.
-
-    Usage loop (what a session does)::
-
-        pre = _Prefetcher(draw, depth=2, stop=event)
-        batch = pre.get(timeout)      # a ready batch, or one drawn now
-        pre.close()
-    """
-
-    def __init__(self, draw: Callable[[float | None], Any], depth: int, stop: threading.Event) -> None:
-        self._draw = draw
-        self._depth = max(0, depth)
-        self._stop = stop
-        self._ready: deque[Any] = deque()
-        self._cond = threading.Condition()
-        self._busy = False
-        self._paused = False
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        if self._depth:
-            self._thread = threading.Thread(target=self._run, name="arrowbuf-prefetch", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._done() and (self._paused or len(self._ready) >= self._depth):
-                    self._cond.wait()  # woken by get(), close() and wake() (the server closing)
-                if self._done():
-                    return
-                self._busy = True
-            try:
-                batch = self._draw(None)
-            except Exception:  # noqa: BLE001 - see the class docstring: errors are not prefetched
-                batch = None
-            with self._cond:
-                self._busy = False
-                if batch is None:
-                    self._paused = True
-                else:
-                    self._ready.append(batch)
-                self._cond.notify_all()
-
-    def _done(self) -> bool:
-        return self._closed or self._stop.is_set()
-
-    def get(self, timeout: float | None) -> Any:
-        with self._cond:
-            while not self._ready and self._busy:
-                self._cond.wait()
-            if self._ready:
-                batch = self._ready.popleft()
-                self._cond.notify_all()
-                return batch
-            self._paused = False
-            self._cond.notify_all()
-        return self._draw(timeout)
-
-    def wake(self) -> None:
-        """Make the prefetch thread look at `stop` again (set it first)."""
-        with self._cond:
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._ready.clear()
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(5.0)
 
 
 # ---------------------------------------------------------------------------------------------------- auth
