@@ -163,3 +163,20 @@ def local_ray_cluster(nodes: int) -> Iterator[Any]:
             time.sleep(0.1)  # teardown only: waiting for the OS to reap Ray's processes
         left = [p for p in started if _alive(p)]
         assert not left, f"processes left behind by the Ray cluster: {left}"
+
+
+@pytest.fixture
+def servers():
+    """Start Flight servers through `start(stores, **kw)` (as `ab.serve`); every one is closed at teardown, even when
+    the test fails."""
+    started: list = []
+
+    def start(stores, **kw):
+        kw.setdefault("shutdown_timeout", 1.0)
+        server = ab.serve(stores, **kw)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()

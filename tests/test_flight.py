@@ -67,22 +67,6 @@ def status_detail(exc: flight.FlightError) -> dict:
 
 
 @pytest.fixture
-def servers():
-    """Start servers through `start(...)`; every one is closed at teardown, even when the test fails."""
-    started: list[ab.flight.StoreServer] = []
-
-    def start(stores, **kw):
-        kw.setdefault("shutdown_timeout", 1.0)
-        server = ab.serve(stores, **kw)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.close()
-
-
-@pytest.fixture
 def procs():
     """Subprocesses started through `spawn(...)` are killed at teardown."""
     started: list[subprocess.Popen] = []

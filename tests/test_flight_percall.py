@@ -26,22 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / "schemas"
 
 
-@pytest.fixture
-def servers():
-    """Start servers through `start(...)`; every one is closed at teardown, even when the test fails."""
-    started: list[ab.flight.StoreServer] = []
-
-    def start(stores, **kw):
-        kw.setdefault("shutdown_timeout", 1.0)
-        server = ab.serve(stores, **kw)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.close()
-
-
 def mujoco_steps(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     obs = rng.standard_normal((n, 376), dtype=np.float32)

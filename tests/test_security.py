@@ -39,22 +39,6 @@ def cartpole_store(capacity: int = 1000, rows: int = 100) -> ab.ExperienceStore:
     return store
 
 
-@pytest.fixture
-def servers():
-    """Start servers through `start(...)`; every one is closed at teardown, even when the test fails."""
-    started: list = []
-
-    def start(stores, **kw):
-        kw.setdefault("shutdown_timeout", 1.0)
-        server = ab.serve(stores, **kw)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.close()
-
-
 def detail(exc: flight.FlightError) -> dict:
     return json.loads(exc.extra_info)
 
