@@ -57,27 +57,43 @@ def _shm_names() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def ray_sharded() -> Iterator[Any]:
-    """A 2-shard ShardedStore on a local one-node Ray cluster started for this module."""
+def ray_local() -> Iterator[Any]:
+    """A local one-node Ray cluster started for this module (when no cluster is up already)."""
     ray = pytest.importorskip("ray")
-    from arrowbuf.ray import ShardedStore
-
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = not ray.is_initialized()
     if started:
         # address="local": a cluster of our own, never one another process on this machine started
         ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 << 20,
                  logging_level="ERROR", log_to_driver=False)
-    sharded = None
     try:
-        sharded = ShardedStore.create(SURF, 2, CAPACITY, sampler=ab.samplers.Prioritized(alpha=0.6, beta=0.4),
-                                      seed=0, failure_timeout=20.0)
-        yield sharded
+        yield ray
     finally:
-        if sharded is not None:
-            sharded.shutdown()
         if started:
             ray.shutdown()
+
+
+def _sharded(schema: dict) -> Iterator[Any]:
+    """A 2-shard ShardedStore of `schema` on the module's cluster, shut down afterwards."""
+    from arrowbuf.ray import ShardedStore
+
+    sharded = ShardedStore.create(schema, 2, CAPACITY, sampler=ab.samplers.Prioritized(alpha=0.6, beta=0.4),
+                                  seed=0, failure_timeout=20.0)
+    try:
+        yield sharded
+    finally:
+        sharded.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_sharded(ray_local: Any) -> Iterator[Any]:
+    yield from _sharded(SMALL)
+
+
+@pytest.fixture(scope="module")
+def ray_sharded_later(ray_local: Any) -> Iterator[Any]:
+    """The same with SURF's field filled later (only tests marked `later_fields` ask for it)."""
+    yield from _sharded(SURF)
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
@@ -88,27 +104,29 @@ def surface(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
     if gap is not None:
         request.applymarker(pytest.mark.xfail(reason=gap, strict=True))
     prio = ab.samplers.Prioritized(alpha=0.6, beta=0.4)
+    later = request.node.get_closest_marker("later_fields") is not None
+    schema = SURF if later else SMALL  # a later field sends append to the general path: only where a test needs it
     with contextlib.ExitStack() as stack:
         if kind == "host":
-            store = stack.enter_context(ab.ExperienceStore(SURF, CAPACITY, prio, seed=0))
+            store = stack.enter_context(ab.ExperienceStore(schema, CAPACITY, prio, seed=0))
         elif kind in ("shm", "shm-attached"):
             names = stack.enter_context(_shm_names())
-            store = stack.enter_context(ab.ExperienceStore(SURF, CAPACITY, prio, seed=0, tier="shm", name=names()))
+            store = stack.enter_context(ab.ExperienceStore(schema, CAPACITY, prio, seed=0, tier="shm", name=names()))
             if kind == "shm-attached":
                 store = stack.enter_context(ab.ExperienceStore.attach(store.name, seed=1))
         elif kind == "tiered":
-            store = stack.enter_context(ab.ExperienceStore(SURF, CAPACITY, prio, seed=0, chunk_rows=256,
+            store = stack.enter_context(ab.ExperienceStore(schema, CAPACITY, prio, seed=0, chunk_rows=256,
                                                            tiers={"host": "64MiB", "disk": tmp_path / "spill"}))
         elif kind == "shard-adapter":
             from arrowbuf.ray import ShardStore
 
-            store = ShardStore(stack.enter_context(ab.ExperienceStore(SURF, CAPACITY, prio, seed=0)), 3, 5)
+            store = ShardStore(stack.enter_context(ab.ExperienceStore(schema, CAPACITY, prio, seed=0)), 3, 5)
         elif kind == "remote":
-            local = stack.enter_context(ab.ExperienceStore(SURF, CAPACITY, prio, seed=0))
+            local = stack.enter_context(ab.ExperienceStore(schema, CAPACITY, prio, seed=0))
             server = stack.enter_context(ab.serve(local, "grpc://127.0.0.1:0"))
             store = stack.enter_context(ab.connect(server.location))
         else:  # a fresh handle of the module's sharded store per test (close() closes the handle only)
-            sharded = request.getfixturevalue("ray_sharded")
+            sharded = request.getfixturevalue("ray_sharded_later" if later else "ray_sharded")
             store = stack.enter_context(pickle.loads(pickle.dumps(sharded)))
         yield store
 
@@ -183,6 +201,7 @@ def test_sample_and_update_priorities(surface):
         surface.update_priorities(batch.indices, np.ones(3))
 
 
+@pytest.mark.later_fields
 def test_update_writes_fields_of_stored_rows(surface, request):
     ids = surface.extend(_batch(16, seed=8))
     kind = request.node.callspec.params["surface"]
