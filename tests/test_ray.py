@@ -319,7 +319,9 @@ def test_a_shard_restarting_longer_than_failure_timeout_is_not_lost(cluster):
     failure_timeout after the shard went down, marked the shard lost, so its writer never went home."""
     s = ShardedStore.create(SMALL, NODES, 1000, seed=4, failure_timeout=0.5)
     try:
-        s.extend(_episodes(0, 5))
+        for k in range(NODES):  # rows on every shard (a plain extend may route them all to the victim)
+            with s.writer(k) as w:
+                w.extend(_episodes(k, 5))
         old = s.infos[0]
         exit_fd = _exit_of(old["pid"])
         try:
@@ -332,7 +334,8 @@ def test_a_shard_restarting_longer_than_failure_timeout_is_not_lost(cluster):
         assert s.wait_for_shards(60) == NODES  # ... and it comes back, however long the restart took
         new = s.infos[0]
         assert new["generation"] != old["generation"] and new["pid"] != old["pid"]
-        ids = s.writer(0).extend(_episodes(0, 2))
+        with s.writer(0) as w:
+            ids = w.extend(_episodes(0, 2))
         assert (shard_of(ids) == 0).all()
     finally:
         s.shutdown()
