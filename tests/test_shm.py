@@ -553,11 +553,12 @@ def test_threads_reserve_copy_and_commit_in_order_and_a_failed_copy_is_skipped()
     batch whose copy raised gives its seqs up (a hole), so the writers after it go on."""
     with ab.ExperienceStore(SCHEMA, 1000) as store:
         store.extend(rows(0, 0, 100))
-        go, waiting = threading.Event(), threading.Event()
+        go, waiting, held = threading.Event(), threading.Event(), threading.Event()
         commit, wait_hi = store._writer._commit_reserved, store._writer._wait_hi
 
         def paused(r):
             if threading.current_thread().name == "first":
+                held.set()
                 go.wait(JOIN_S)
             commit(r)
 
@@ -568,6 +569,8 @@ def test_threads_reserve_copy_and_commit_in_order_and_a_failed_copy_is_skipped()
         store._writer._commit_reserved, store._writer._wait_hi = paused, noted
         first = threading.Thread(target=lambda: store.extend(rows(1, 0, 50)), name="first", daemon=True)
         first.start()
+        assert held.wait(JOIN_S)  # the first reserved and copied its rows and holds its commit (before the second
+        # starts: a second thread scheduled first would reserve the earlier seqs and never wait)
         ids: list[np.ndarray] = []
         second = threading.Thread(target=lambda: ids.append(store.extend(rows(2, 0, 50))), daemon=True)
         second.start()
