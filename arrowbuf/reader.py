@@ -281,18 +281,12 @@ class StoreReader:
                 out[name] = cols.take_later(name, pos, shape, *((reads,) if tracked else ()))
                 continue
             if name in cols.arrays:
-                if cols.direct:
-                    col = self._take(cols.arrays[name], pos)
-                else:
-                    col = cols.take(name, pos, reads) if tracked else cols.take(name, pos)  # type: ignore[call-arg]
+                col = self._rows(cols, name, pos, reads)
             elif name in self.core.schema.derived:
                 if nxt is None:
                     nxt = idx.next_pos[pos]
                 src = self.core.schema.derived[name].next_of
-                if cols.direct:
-                    col = self._take(cols.arrays[src], nxt)
-                else:
-                    col = cols.take_next(src, nxt, reads) if tracked else cols.take_next(src, nxt)  # type: ignore
+                col = self._rows(cols, src, nxt, reads, final=True)
             elif name in cols.ragged:
                 if len(shape) > 1:
                     raise SchemaError(f"ragged field {name!r} cannot be sampled as sequences")
@@ -316,17 +310,19 @@ class StoreReader:
             out["n_step_return"], out["n_step_discount"] = ret, disc
             last_next = idx.next_pos[last]
             for d in self.core.derived:
-                if cols.direct:
-                    out[f"n_step_{d.name}"] = self._take(cols.arrays[d.next_of], last_next)
-                else:
-                    out[f"n_step_{d.name}"] = (cols.take_next(d.next_of, last_next, reads) if tracked  # type: ignore
-                                               else cols.take_next(d.next_of, last_next))
+                out[f"n_step_{d.name}"] = self._rows(cols, d.next_of, last_next, reads, final=True)
             out["_n_step_last"] = last
         return out
 
-    def _take(self, arena: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rows of a one-tier column (`ColumnArenas.direct`: ring rows, then final rows): into a pooled output array
-        when the output is big enough to be pooled, else a plain `np.take` (small blocks cost malloc nothing)."""
+    def _rows(self, cols: Any, name: str, positions: np.ndarray, reads: list | None, final: bool = False) -> Any:
+        """Rows of column `name` at `positions` (`final`: ring positions or final-observation slots, a derived
+        column's source). A one-tier column (`ColumnArenas.direct`: ring rows, then final rows) is gathered into a
+        pooled output array when the output is big enough to be pooled, else by a plain `np.take` (small blocks cost
+        malloc nothing); a tiered store's gathers from each tier a row lives in (`reads`: a tracked gather's log)."""
+        if not cols.direct:
+            take = cols.take_next if final else cols.take
+            return take(name, positions) if reads is None else take(name, positions, reads)
+        arena = cols.arrays[name]
         if len(positions) * (arena.nbytes // arena.shape[0]) < self.outputs.min_bytes:
             return np.take(arena, positions, axis=0)
         return take_into(arena, positions, self.outputs.empty((len(positions), *arena.shape[1:]), arena.dtype))
