@@ -4,10 +4,11 @@
 """
 
 from . import placement, rate_limiters, samplers
-from .batch import SampleBatch
+from .delivery.batch import SampleBatch
+from .delivery.loader import Loader
 from .errors import (
-    ArrowbufError,
     AppendSlowPathWarning,
+    ArrowbufError,
     ArrowbufWarning,
     DeadlineExceeded,
     FinalObsWarning,
@@ -28,12 +29,11 @@ from .errors import (
     Unauthenticated,
     Unavailable,
 )
-from .loader import Loader
-from .persist import open_dataset
 from .flight import ServerLimits, connect, serve
-from .sql import SqlLimits
+from .persist import open_dataset
+from .query.sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
-from .store import ExperienceStore
+from .store.facade import ExperienceStore
 from .surface import StoreSurface
 
 __version__ = "0.1.0"

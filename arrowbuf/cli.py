@@ -18,7 +18,8 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 # ---------------------------------------------------------------------------------------------------- serve
@@ -42,7 +43,7 @@ def add_serve(sub: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from .flight.server import DEFAULT_MAX_BATCH_ROWS, serve
     from .schema import load_schema
-    from .store import ExperienceStore
+    from .store.facade import ExperienceStore
 
     if (args.tls_cert is None) != (args.tls_key is None):
         print("arrowbuf serve: --tls-cert and --tls-key go together", file=sys.stderr)
@@ -159,7 +160,7 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
         import pyarrow.parquet as pq
 
         from .schema import load_schema
-        from .store import ExperienceStore
+        from .store.facade import ExperienceStore
 
         if target.endswith(".parquet"):
             table = pq.read_table(target)
@@ -179,7 +180,7 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
         if table.num_rows:
             store.extend(table.select(inputs))
         return store, f"file {target} (loaded into a temporary store)"
-    from .store import ExperienceStore
+    from .store.facade import ExperienceStore
 
     return ExperienceStore.attach(target), f"shared-memory store {target!r}"
 

@@ -12,10 +12,11 @@ Counts are of items: a sample of n rows counts n samples, an extend of n rows n 
 
 from __future__ import annotations
 
-from .errors import InvalidArgument
-
 import abc
 from dataclasses import dataclass
+from typing import ClassVar
+
+from .errors import InvalidArgument
 
 
 @dataclass
@@ -29,6 +30,9 @@ class Counters:
 
 class RateLimiter(abc.ABC):
     """Decides whether `n` samples or inserts may proceed now."""
+
+    #: The name specs record this class under (`arrowbuf.samplers.spec`); empty: cannot be recorded.
+    spec_name: ClassVar[str] = ""
 
     @abc.abstractmethod
     def can_sample(self, n: int, c: Counters) -> bool:
@@ -44,6 +48,8 @@ class RateLimiter(abc.ABC):
 
 class MinSize(RateLimiter):
     """Sampling waits until the store holds at least `min_size` sampleable items; inserts never wait."""
+
+    spec_name = "min_size"
 
     def __init__(self, min_size: int = 1) -> None:
         if min_size < 1:
@@ -65,6 +71,8 @@ class SampleToInsertRatio(RateLimiter):
     `[min_diff, max_diff] = min_size * samples_per_insert +- error_buffer`. Below `min_size` sampling waits and inserts
     proceed.
     """
+
+    spec_name = "sample_to_insert_ratio"
 
     def __init__(self, samples_per_insert: float, min_size: int = 1, error_buffer: float | None = None) -> None:
         if samples_per_insert <= 0:

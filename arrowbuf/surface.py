@@ -13,12 +13,13 @@ is stored: `update_priorities` ignores (and counts) ids whose row was evicted or
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import pyarrow as pa
 
-from .batch import SampleBatch
+from .delivery.batch import SampleBatch
 from .schema import ExperienceSchema
 
 

@@ -1,6 +1,6 @@
 """Broadcast benchmark (issue 20): a large object from one producer to N emulated nodes, star vs tree vs pipeline.
 
-Every emulated node is one relay actor (`arrowbuf.ray.relay.Relay`) on a single-node local Ray; the network is
+Every emulated node is one relay actor (`arrowbuf.ray.hoplite.relay.Relay`) on a single-node local Ray; the network is
 emulated by a token bucket of B bytes/s on every relay's egress (the producer's node included), so each "node" can
 upload at most B in total, however many receivers it serves. Schedules, all through the same relays and directory:
 

@@ -475,7 +475,7 @@ def child_grpo(prompts: int, repeats: int) -> dict[str, Any]:
     import pyarrow as pa
 
     import arrowbuf as ab
-    from arrowbuf.balance import imbalance, partition
+    from arrowbuf.delivery.balance import imbalance, partition
 
     group = 8
     n = prompts * group

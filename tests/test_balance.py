@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
-from arrowbuf.balance import imbalance, partition
-from arrowbuf.batch import SampleBatch
+from arrowbuf.delivery.balance import imbalance, partition
+from arrowbuf.delivery.batch import SampleBatch
 
 
 def _optimum(weights: list[int], k: int) -> int:

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from arrowbuf.ray import Broadcast
-from arrowbuf.ray.relay import digest_of, shm_prefix
+from arrowbuf.ray.hoplite.relay import digest_of, shm_prefix
 from conftest import local_ray_cluster
 
 ray = pytest.importorskip("ray")

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
-from arrowbuf.batch import SampleBatch
+from arrowbuf.delivery.batch import SampleBatch
 from arrowbuf.flight import protocol as P
 from arrowbuf.flight import server as S
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
-from arrowbuf.groups import assign_groups, complete_groups
+from arrowbuf.samplers.group import assign_groups, complete_groups
 
 LLM = {
     "name": "llm",

@@ -10,7 +10,7 @@ import pytest
 from conftest import SCHEMAS
 
 import arrowbuf as ab
-from arrowbuf.loader import POLICY_VERSION, LoaderMetrics, TorchBatch
+from arrowbuf.delivery.loader import POLICY_VERSION, LoaderMetrics, TorchBatch
 
 CARTPOLE = SCHEMAS / "cartpole.yaml"
 WAIT = 10.0  # generous upper bound for anything that should happen "soon"; never a sleep

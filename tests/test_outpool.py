@@ -1,4 +1,4 @@
-"""The pool of gather outputs (arrowbuf.outpool): a batch, or a view, tensor or Arrow array of it that a caller keeps is
+"""The pool of gather outputs (arrowbuf.ring.outpool): a batch, or a view, tensor or Arrow array of it that a caller keeps is
 never overwritten by later samples; dropped batches' arrays are reused; the pool stays within its bounds.
 
 Every row encodes its own seq (obs = seq in every element, action = seq; next_obs = seq + 1), so a kept batch whose
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import arrowbuf as ab
-from arrowbuf.outpool import MIN_BYTES, PER_SHAPE, OutputPool, take_into
+from arrowbuf.ring.outpool import MIN_BYTES, PER_SHAPE, OutputPool, take_into
 from arrowbuf.tiers import shm
 
 DIM = 128  # float32 obs of 512 bytes: a batch of 256 is 128 KiB per column, above the pool's minimum

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
-from arrowbuf import ragged
-from arrowbuf.batch import SampleBatch
+from arrowbuf.delivery import ragged
+from arrowbuf.delivery.batch import SampleBatch
 
 torch = pytest.importorskip("torch")
 

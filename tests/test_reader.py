@@ -1,4 +1,4 @@
-"""Consistent snapshots (arrowbuf.reader): to_table, sql and episodes while a writer thread or a writer process keeps
+"""Consistent snapshots (arrowbuf.store.reader): to_table, sql and episodes while a writer thread or a writer process keeps
 overwriting a small ring. Every row encodes its own seq (obs = [seq, seq, seq], reward = seq), so a row carrying
 another row's data, or a torn row, shows."""
 
@@ -195,8 +195,8 @@ QUERIES = {
 @pytest.mark.parametrize("query", list(QUERIES))
 def test_sql_copies_only_the_columns_its_query_names_and_returns_the_same(query):
     pytest.importorskip("duckdb")
-    from arrowbuf import sql
-    from arrowbuf.frames import _plain
+    from arrowbuf.query import sql
+    from arrowbuf.query.frames import _plain
 
     with RecordingStore(SMALL, capacity=120, chunk_rows=16, seed=0) as store:
         _write(store, 5)  # wrapped: 185 rows into 120

@@ -1,4 +1,4 @@
-"""Tests for arrowbuf.sumtree: sums, minima and prefix-sum search checked against brute force."""
+"""Tests for arrowbuf.samplers.sumtree: sums, minima and prefix-sum search checked against brute force."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import arrowbuf.sumtree as sumtree_module
-from arrowbuf.sumtree import MinTree, SumTree
+import arrowbuf.samplers.sumtree as sumtree_module
+from arrowbuf.samplers.sumtree import MinTree, SumTree
 
 # Capacities around the powers of two, below and above the summary level (2048 nodes), so both the flat
 # search and the binary descent below it run.

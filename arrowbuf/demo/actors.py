@@ -7,7 +7,8 @@ import os
 import pathlib
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +75,7 @@ def _open_store(spec: ActorSpec, local_store: Any) -> tuple[Any, Callable[[], No
 
         client = connect(spec.address)
         return client, client.close
-    from ..store import ExperienceStore
+    from ..store.facade import ExperienceStore
 
     shared = ExperienceStore.attach(spec.address, timeout=30.0)
     return shared, shared.close

@@ -12,7 +12,8 @@ import queue as queue_mod
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -110,8 +111,8 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
     torch = require("torch", "demo")
     require("gymnasium", "demo")
     from .. import rate_limiters, samplers
-    from ..loader import Loader
-    from ..store import ExperienceStore
+    from ..delivery.loader import Loader
+    from ..store.facade import ExperienceStore
 
     if transport not in TRANSPORTS:
         raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")

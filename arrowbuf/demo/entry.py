@@ -5,7 +5,8 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def run_cli(run: Callable[[], int], stopped: str) -> int:

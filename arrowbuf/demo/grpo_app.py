@@ -36,8 +36,8 @@ import numpy as np
 
 from ..errors import ArrowbufError, InsertTimeout, InvalidArgument, require
 from .actors import PolicyFile
-from .grpo import GRPOConfig, GRPOTrainer, generate, make_policy, make_prompts, rewards, token_logprobs
 from .entry import run_cli
+from .grpo import GRPOConfig, GRPOTrainer, generate, make_policy, make_prompts, rewards, token_logprobs
 
 _DESCRIPTION = "GRPO over arrowbuf: rollout, reward and reference workers and a trainer, all through Arrow Flight."
 TASKS = ["reward", "ref", "train"]
@@ -185,7 +185,7 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
     torch = require("torch", "demo")
     from ..flight import connect, serve
     from ..samplers import Group
-    from ..store import ExperienceStore
+    from ..store.facade import ExperienceStore
     from .app import Progress
 
     if transport not in ("flight", "local"):

@@ -29,7 +29,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ LEARNER_COLUMNS = ["obs", "action", "next_obs"]
 
 def weights_digest(state: Mapping[str, Any]) -> str:
     """BLAKE2b-128 of a state dict's arrays (torch tensors or numpy), in key order: equal weights, equal digests."""
-    from ..ray.relay import digest_of
+    from ..ray.hoplite.relay import digest_of
 
     parts = []
     for k in sorted(state):

@@ -39,13 +39,14 @@ import contextlib
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ..batch import SampleBatch
+from ..delivery.batch import SampleBatch
 from ..errors import DeadlineExceeded, InvalidArgument, SchemaError, StoreClosed, Unavailable
 from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
@@ -66,7 +67,7 @@ _DEFAULT: Any = _Default()
 
 def connect(location: str, token: str | None = None, store: str | None = None, *,
             tls_root_certs: bytes | str | None = None, disable_server_verification: bool = False,
-            reconnect_timeout: float = 10.0, timeout: float | None = None) -> "RemoteStore":
+            reconnect_timeout: float = 10.0, timeout: float | None = None) -> RemoteStore:
     """Connect to a store served by `ab.serve` (or `arrowbuf serve`).
 
     Args:
@@ -280,7 +281,7 @@ class RemoteStore:
 
         return self._call(call, deadline)
 
-    def writer(self, max_in_flight: int = 8, *, timeout: float | None = None) -> "RemoteWriter":
+    def writer(self, max_in_flight: int = 8, *, timeout: float | None = None) -> RemoteWriter:
         """A streaming writer over one DoPut; see `RemoteWriter`."""
         return RemoteWriter(self, max_in_flight=max_in_flight, timeout=timeout)
 
@@ -327,7 +328,7 @@ class RemoteStore:
                 self._pads[key] = again
         return sample_batch(chunk.data, chunk.app_metadata, form)
 
-    # ------------------------------------------------------------------ consumption per task (issue 16; owner: consume)
+    # ------------------------------------------------------------------ consumption per task
     def consume(self, task: str, n: int, *, require: list[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None, max_tokens: int | None = None,
                 rpc_timeout: float | None | object = _DEFAULT) -> SampleBatch:
@@ -375,10 +376,9 @@ class RemoteStore:
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
             raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
         self._action("set_policy_version", v=P.LLM_VERSION, policy_version=int(value))
-    # ------------------------------------------------------------------ end of consumption per task
 
     def session(self, n: int, columns: list[str] | None = None, *, prefetch: int = 2, ahead: int = 2,
-                timeout: float | None = None, **options: Any) -> "LearnerSession":
+                timeout: float | None = None, **options: Any) -> LearnerSession:
         """A learner session over DoExchange; see `LearnerSession`."""
         return LearnerSession(self, n, columns, prefetch=prefetch, ahead=ahead, timeout=timeout, options=options)
 
@@ -388,10 +388,10 @@ class RemoteStore:
         idx, pri = validate_priorities(indices, priorities)
         return int(self._action("update_priorities", rpc_timeout, indices=idx, priorities=pri)["applied"])
 
-    # ------------------------------------------------------------------ fields filled later (issue 16; fields helper)
+    # ------------------------------------------------------------------ fields filled later
     def update(self, ids: Any, values: dict[str, Any], *, rpc_timeout: float | None | object = _DEFAULT) -> int:
         """Fill fields declared `later: true` of stored rows (one DoPut of kind "update"; see `ExperienceStore.update`
-        and `arrowbuf.update`). Validated here first, and again by the server; atomic on the server.
+        and `arrowbuf.store.update`). Validated here first, and again by the server; atomic on the server.
 
         Returns:
             The number of rows written (ids of evicted rows are skipped and counted in `stats()["update_skipped"]`).
@@ -402,7 +402,7 @@ class RemoteStore:
             DeadlineExceeded: no acknowledgement within the deadline (the update may or may not be applied; it can
                 be sent again: an update overwrites).
         """
-        from ..update import update_ids, validate_update
+        from ..store.update import update_ids, validate_update
 
         seqs = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
@@ -436,12 +436,12 @@ class RemoteStore:
                            rpc_timeout)
 
     def to_pandas(self, columns: list[str] | None = None) -> Any:
-        from ..frames import table_to_pandas
+        from ..query.frames import table_to_pandas
 
         return table_to_pandas(self.to_table(columns))
 
     def to_polars(self, columns: list[str] | None = None) -> Any:
-        from ..frames import table_to_polars
+        from ..query.frames import table_to_polars
 
         return table_to_polars(self.to_table(columns))
 
@@ -470,7 +470,7 @@ class RemoteStore:
             with contextlib.suppress(Exception):
                 client.close()
 
-    def __enter__(self) -> "RemoteStore":
+    def __enter__(self) -> RemoteStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -605,7 +605,7 @@ class RemoteWriter:
         self._closed = True
         self._abort()
 
-    def __enter__(self) -> "RemoteWriter":
+    def __enter__(self) -> RemoteWriter:
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
@@ -737,7 +737,7 @@ class LearnerSession:
         with contextlib.suppress(Exception):
             self._writer.close()
 
-    def __enter__(self) -> "LearnerSession":
+    def __enter__(self) -> LearnerSession:
         return self
 
     def __exit__(self, *exc: object) -> None:

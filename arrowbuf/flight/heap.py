@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: A message at least this large (bytes) is followed by a trim; smaller ones leave too little behind to matter.
 LARGE_MESSAGE = 16 << 20

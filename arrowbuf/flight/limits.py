@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping
-
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import InvalidArgument, ResourceExhausted, SchemaError
-from ..sql import DEFAULT_LIMITS, SqlLimits
+from ..query.sql import DEFAULT_LIMITS, SqlLimits
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ class ServerLimits:
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{f.name} must be a positive integer, got {value!r}")
 
-    def with_overrides(self, **overrides: Any) -> "ServerLimits":
+    def with_overrides(self, **overrides: Any) -> ServerLimits:
         """A copy with some limits changed (`serve(store, max_batch_rows=...)`); unknown names are an error."""
         known = {f.name for f in fields(self)}
         unknown = sorted(set(overrides) - known)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..batch import SampleBatch
+from ..delivery.batch import SampleBatch
 from ..errors import SchemaError
 from ..schema import ExperienceSchema
 from . import protocol as P
@@ -123,8 +123,8 @@ def record_batch(schema: ExperienceSchema, cols: dict[str, Any]) -> pa.RecordBat
         if isinstance(value, (pa.Array, pa.ChunkedArray)):
             arrays.append(value)
         elif isinstance(value, np.ma.MaskedArray):  # a field filled later with rows absent: nulls on the wire
-            from ..presence import nullable_array
-            from ..schema import later_mask
+            from ..ring.presence import nullable_array
+            from ..schema.convert import later_mask
 
             present = later_mask(value)
             data = np.ma.getdata(value)

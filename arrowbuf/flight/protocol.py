@@ -58,7 +58,7 @@ from ..errors import (
 
 #: The version of the base verbs; requests may omit "v" (meaning this version), and replies to them carry it.
 PROTOCOL_VERSION = 1
-#: Version 2 (issue 16, the LLM post-training path) adds verbs: DoPut kind "update". Their requests and replies
+#: Version 2 (the LLM post-training path) adds verbs: DoPut kind "update". Their requests and replies
 #: carry "v": 2, so a version-1 server refuses them with "protocol version 2 is not supported"; the base verbs are
 #: unchanged, so version-1 clients keep working against a version-2 server.
 LLM_VERSION = 2
@@ -88,10 +88,10 @@ ACTIONS: dict[str, str] = {
     "stats": "the store's stats() as JSON",
     "len": 'rows stored now: {"len": n}',
     "update_priorities": 'body {"indices": [...], "priorities": [...]}; returns {"applied": k}',
-    # persist (issue 15): only under the server's checkpoint_root; `path` is a relative name (arrowbuf.persist.remote)
+    # only under the server's checkpoint_root; `path` is a relative name (arrowbuf.persist.remote)
     "checkpoint": 'body {"path": "run-7", "keep": k (optional)}; writes under the server\'s checkpoint root; '
                   'returns the checkpoint summary',
-    # consume (issue 16): the store's policy version and consuming tasks
+    # the store's policy version and consuming tasks
     "set_policy_version": 'body {"policy_version": k}; sets the store\'s policy version; returns {"policy_version": k}',
     "policy_version": 'returns {"policy_version": k}, the store\'s current policy version',
     "add_task": 'body {"task": name}; declares a consuming task; returns {"tasks": [...]}',
@@ -523,7 +523,7 @@ def decode_session_descriptor(descriptor: flight.FlightDescriptor) -> SessionReq
 
 
 # ---------------------------------------------------------------------------------------------------- update
-# (issue 16, fields helper) DoPut kind "update": fill fields declared `later: true` of stored rows. The stream's
+# DoPut kind "update": fill fields declared `later: true` of stored rows. The stream's
 # schema is an `id` column (int64: the ids extend/append returned) and one column per field to fill (their types as
 # in the store's input schema); each batch is one atomic `store.update` and gets one ack.
 
@@ -541,7 +541,7 @@ def update_descriptor(store: str | None) -> flight.FlightDescriptor:
     return flight.FlightDescriptor.for_command(_dumps(obj))
 
 
-def decode_update_command(f: "_Fields") -> PutRequest:
+def decode_update_command(f: _Fields) -> PutRequest:
     """The rest of a DoPut command of kind "update" (needs version 2)."""
     version = f.obj.get("v", PROTOCOL_VERSION)
     if version < LLM_VERSION:
@@ -610,7 +610,7 @@ def decode_action(action: flight.Action) -> ActionRequest:
 
 
 # ---------------------------------------------------------------------------------------------------- consume
-# issue 16 (owner: consume): DoGet kind "consume" and the actions set_policy_version, policy_version, add_task.
+# DoGet kind "consume" and the actions set_policy_version, policy_version, add_task.
 #: Longest `where` predicate a consume request may carry (characters); the store checks it against the same limit.
 MAX_WHERE_CHARS = 4096
 #: Largest token budget a consume request may carry.

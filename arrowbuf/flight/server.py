@@ -26,27 +26,21 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ..errors import (
-    ArrowbufError,
-    InvalidArgument,
-    SchemaError,
-    StoreClosed,
-    StoreNotFound,
-    Unauthenticated,
-)
-from ..sql import serving as sql_serving
+from ..errors import ArrowbufError, InvalidArgument, SchemaError, StoreClosed, StoreNotFound, Unauthenticated
+from ..query.sql import serving as sql_serving
 from ..surface import check_surface
 from . import protocol as P
-from .prefetch import Prefetcher
-from .limits import CallGate, ServerLimits
 from .heap import release_after
+from .limits import CallGate, ServerLimits
+from .prefetch import Prefetcher
 from .sockets import cut_server_connections
 
 log = logging.getLogger("arrowbuf.flight")
@@ -57,7 +51,7 @@ DEFAULT_PREFETCH_BYTES = ServerLimits.max_prefetch_bytes
 
 def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str | None = None,
           tls: Any = None, *, limits: ServerLimits | None = None, checkpoint_root: Any = None,
-          **overrides: Any) -> "StoreServer":
+          **overrides: Any) -> StoreServer:
     """Serve one or more stores over Arrow Flight.
 
     Args:
@@ -94,7 +88,7 @@ class StoreServer:
                  tls: Any = None, limits: ServerLimits | None = None, checkpoint_root: Any = None,
                  **overrides: Any) -> None:
         self.stores = _named_stores(store_or_stores)
-        self.checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)  # persist (issue 15)
+        self.checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)
         if limits is not None and not isinstance(limits, ServerLimits):
             raise InvalidArgument(f"limits must be a ServerLimits, got {type(limits).__name__}")
         self.limits = (limits or ServerLimits()).with_overrides(**overrides)
@@ -193,7 +187,7 @@ class StoreServer:
         self._stopped.set()
         atexit.unregister(self._close_at_exit)
 
-    def __enter__(self) -> "StoreServer":
+    def __enter__(self) -> StoreServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -235,7 +229,7 @@ def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Translate every exception a handler raises into the protocol's Flight error (`protocol.ERRORS`)."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def inner(self: "_FlightService", *args: Any) -> Any:
+        def inner(self: _FlightService, *args: Any) -> Any:
             try:
                 with self.owner.calls.enter("call"):
                     return fn(self, *args)
@@ -345,7 +339,7 @@ class _FlightService(flight.FlightServerBase):
         return flight.RecordBatchStream(table, WIRE_OPTIONS)
 
     def _consume(self, store: Any, req: P.ConsumeRequest, context: Any) -> flight.FlightDataStream:
-        """The `consume` ticket (issue 16; owner: consume): bounded like a sample, then `store.consume`."""
+        """The `consume` ticket: bounded like a sample, then `store.consume`."""
         self.owner.limits.check_sample(req.n, req.timeout, {}, "consume")
         # --- hardening: the where= predicate runs in the SQL sandbox under this server's sql_limits, each run
         # holding a max_concurrent_sql slot (not the whole wait), and stops when the client goes away
@@ -384,8 +378,9 @@ class _FlightService(flight.FlightServerBase):
                                       WIRE_OPTIONS)
 
     def _sql(self, store: Any, query: str, context: Any) -> pa.Table:
-        """The `sql` ticket: the sandbox of `arrowbuf.sql` with this server's limits; stops when the client goes."""
-        from ..frames import run_sql
+        """The `sql` ticket: the sandbox of `arrowbuf.query.sql` with this server's limits; stops when the client
+        goes."""
+        from ..query.frames import run_sql
 
         with self.owner.calls.enter("sql"):
             return run_sql(store, query, self.owner.limits.sql_limits, cancelled=context.is_cancelled)
@@ -399,7 +394,7 @@ class _FlightService(flight.FlightServerBase):
         limits = self.owner.limits
         limits.check_timeout(req.timeout, "DoPut")
         store = self.owner.store(req.store)
-        if req.kind == "update":  # issue 16 (fields helper): fill later fields of stored rows
+        if req.kind == "update":  # fill later fields of stored rows
             return _put_update(store, reader, writer, limits, self.owner.check_open)
         # the stream's schema message comes first: names, types and shapes are checked before any batch is read
         store.schema.check_input_types(reader.schema, "DoPut")
@@ -505,7 +500,7 @@ class _FlightService(flight.FlightServerBase):
                                  "running": self.owner.calls.running()}
         elif req.type == "len":
             out = {"len": len(store)}
-        elif req.type == "checkpoint":  # persist (issue 15): only under the server's root
+        elif req.type == "checkpoint":  # only under the server's root
             from ..persist.remote import checkpoint_under_root
 
             out = checkpoint_under_root(store, self.owner.checkpoint_root, req.path or "", req.keep)
@@ -519,12 +514,12 @@ class _FlightService(flight.FlightServerBase):
 
 
 # ---------------------------------------------------------------------------------------------------- update
-# (issue 16; owner: fields helper) DoPut kind "update": each batch is one atomic store.update.
+# DoPut kind "update": each batch is one atomic store.update.
 def _put_update(store: Any, reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter,
                 limits: Any, check_open: Callable[[], None]) -> None:
     """Apply an update stream (see `arrowbuf.flight.protocol`): the stream's schema is checked before any batch is
     read, each batch is bounded like a DoPut batch, then written with `store.update` and acknowledged."""
-    from ..update import check_update_types
+    from ..store.update import check_update_types
 
     check_update_types(store.schema, reader.schema, P.UPDATE_ID_COLUMN, "DoPut update")
     for k, batch in _bounded_batches(reader, limits, check_open, "update batch"):
@@ -646,7 +641,7 @@ def _wire_array(value: Any) -> Any:
 
 
 def _consume_action(store: Any, req: P.ActionRequest) -> dict[str, Any]:
-    """The actions set_policy_version, policy_version and add_task (issue 16; owner: consume)."""
+    """The actions set_policy_version, policy_version and add_task."""
     if req.type == "set_policy_version":
         store.policy_version = req.policy_version
     elif req.type == "add_task":
@@ -683,7 +678,7 @@ def _batches(batches: Iterable[pa.RecordBatch], done: Callable[[], None],
 EXIT_DRAIN_TIMEOUT = 30.0
 
 
-def _exit_hook(ref: "weakref.ReferenceType[StoreServer]") -> Callable[[], None]:
+def _exit_hook(ref: weakref.ReferenceType[StoreServer]) -> Callable[[], None]:
     """An `atexit` hook that closes the server `ref` names, if it still exists, and waits for it to stop."""
 
     def close_at_exit() -> None:

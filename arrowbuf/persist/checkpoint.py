@@ -36,14 +36,14 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ArrowbufError, InvalidArgument
+from ..samplers.spec import to_spec
 from . import manifest as mf
-from .parts import StoreParts, to_spec
-from .snapshot import (Snapshot, capture, later_columns, later_digest, read_chunk, still_intact,
-                       tensor_array)
+from .parts import StoreParts
+from .snapshot import Snapshot, capture, later_columns, later_digest, read_chunk, still_intact, tensor_array
 
 #: Per store (keyed by its ring index) and checkpoint directory: the row files of sealed chunks known to hold its
 #: rows exactly, {(first_seq, rows): manifest entry}. Written by checkpoints and by restore.
-_WRITTEN: "weakref.WeakKeyDictionary[Any, dict[str, dict[tuple[int, int], dict[str, Any]]]]" = \
+_WRITTEN: weakref.WeakKeyDictionary[Any, dict[str, dict[tuple[int, int], dict[str, Any]]]] = \
     weakref.WeakKeyDictionary()
 _KILL_ENV = "ARROWBUF_PERSIST_KILL_AT"
 #: Nice increment of a background checkpoint's threads (Linux: per thread). Threads of one process share its CPU
@@ -88,7 +88,7 @@ class CheckpointHandle:
         h.progress                                       # fraction of the row bytes done, 0.0 .. 1.0
     """
 
-    def __init__(self, job: "_Job") -> None:
+    def __init__(self, job: _Job) -> None:
         self._job = job
         self._thread = threading.Thread(target=self._run, name="arrowbuf-checkpoint", daemon=True)
         self._thread.start()
@@ -364,7 +364,7 @@ class _Job:
             consumed = {task: a[k:] for task, a in snap.consume_arrays.items()}
             out.append(self._state_arrow(gen, "consume", consumed, snap.consume_meta))
         h = snap.header
-        from ..index import HEADER
+        from ..ring.index import HEADER
 
         header = {name: int(h[i]) for name, i in HEADER.items()}
         header.update(lo=kept_lo)

@@ -66,7 +66,7 @@ def run_ls(args: argparse.Namespace) -> int:
         except (ArrowbufError, OSError) as exc:
             print(f"{n[:8]:>6}  damaged: {exc}")
             continue
-        created = datetime.datetime.fromtimestamp(m["created"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        created = datetime.datetime.fromtimestamp(m["created"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
         r = m["rows"]
         size = sum(e["bytes"] for e in m["files"]) / 2**20
         mark = " *" if m["generation"] == latest else ""
@@ -87,9 +87,11 @@ def run_inspect(args: argparse.Namespace) -> int:
           f"compression {m.get('compression') or 'none'}")
     print(f"store {st.get('name')!r}: schema {st['schema'].get('name')!r}, capacity {st['capacity']:,}, "
           f"chunk_rows {st['chunk_rows']}, tier {st.get('tier')}")
+    from ..samplers.spec import spec_class_name
+
     sampler = st.get("sampler") or {}
-    print(f"sampler {sampler.get('class')} {sampler.get('args', {})}; rate limiter "
-          f"{(st.get('rate_limiter') or {}).get('class', 'none')}")
+    limiter = spec_class_name(st.get("rate_limiter")) or "none"
+    print(f"sampler {spec_class_name(sampler)} {sampler.get('args', {})}; rate limiter {limiter}")
     r = m["rows"]
     print(f"rows {r['count']:,}: seqs [{r['first_seq']}, {r['next_seq']})"
           + (f"; {r['dropped_rows']:,} rows were overwritten while copied and left out" if r.get("dropped_rows")

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -135,7 +136,7 @@ class ExperienceDataset:
 
     def to_store(self, capacity: int | None = None, **kwargs: Any) -> Any:
         """A new `ExperienceStore` holding these rows (the newest `capacity` when there are more)."""
-        from ..store import ExperienceStore
+        from ..store.facade import ExperienceStore
 
         store = ExperienceStore(self.schema, int(capacity or max(1, self.num_rows)), **kwargs)
         try:

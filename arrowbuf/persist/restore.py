@@ -12,20 +12,22 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, SchemaError, StoreCorrupt
-from ..convert import convert_later
+from ..ring.reservations import HOLE
+from ..samplers.spec import from_spec
 from ..schema import load_schema
+from ..schema.convert import convert_later
 from . import manifest as mf
 from .checkpoint import known_files
-from .parts import StoreParts, from_spec
+from .parts import StoreParts
 from .snapshot import later_digest, numpy_column, restore_episode_state, restore_sampler_state
-from ..tiers.reservations import HOLE
 
 
 def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
@@ -62,7 +64,7 @@ def restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any
             raise SchemaError(f"checkpoint {root} holds schema {saved.name!r} whose fields differ from the schema "
                               f"asked for ({want.name!r}): {diff}; restore without schema= or convert the data")
     if cls is None:
-        from ..store import ExperienceStore as cls  # noqa: N813
+        from ..store.facade import ExperienceStore as cls  # noqa: N813
     kwargs: dict[str, Any] = dict(chunk_rows=st["chunk_rows"], final_obs_capacity=st.get("final_obs_capacity"),
                                   max_times_sampled=st.get("max_times_sampled"), name=name or st.get("name"))
     consume = _consume_state(root, m)
@@ -199,7 +201,7 @@ def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool
         idx.valid[pos] = index["valid"]
         if "times_sampled" in index and len(parts.times_sampled):
             parts.times_sampled[pos] = index["times_sampled"]
-        from ..index import HEADER
+        from ..ring.index import HEADER
 
         for key, i in HEADER.items():
             if key in header:

@@ -26,8 +26,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument
+from ..ring.reservations import HOLE
 from .parts import StoreParts
-from ..tiers.reservations import HOLE
 
 
 @dataclass
@@ -125,7 +125,7 @@ def episode_state(tracker: Any) -> dict[str, Any]:
 
 
 def restore_episode_state(tracker: Any, state: dict[str, Any]) -> None:
-    from ..episodes import _Stream
+    from ..store.episodes import _Stream
 
     tracker.streams.clear()
     for s in state["streams"]:

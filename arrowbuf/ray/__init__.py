@@ -42,8 +42,8 @@ Ray is imported when used; a missing ray raises `MissingDependency` naming `arro
 from __future__ import annotations
 
 from ..errors import ShardsLost
-from .broadcast import Broadcast, broadcast
 from .handle import ShardedStore
+from .hoplite.broadcast import Broadcast, broadcast
 from .ids import GEN_BITS, MAX_SHARDS, SEQ_BITS, SHARD_BITS, decode_ids, encode_ids, shard_of
 from .shard import ShardActor, ShardDirectory, ShardStore, shm_safe
 from .writer import ShardWriter

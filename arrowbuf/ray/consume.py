@@ -1,23 +1,24 @@
-"""Consumption per task on a `ShardedStore` (issue 16): groups kept on one shard, consume over every shard.
+"""Consumption per task on a `ShardedStore`: groups kept on one shard, consume over every shard.
 
 `ShardedStore` delegates `consume`, `add_task`, `tasks` and `policy_version` here, and, with an
 `ab.samplers.Group` sampler, `extend`: each row goes to the shard its group key hashes to (`group_shards`), so a
 group's rows are on one shard and each shard delivers whole groups. Each shard tracks its own rows' consumption
-(`arrowbuf.consume`), so each row reaches each task once however many learners consume.
+(`arrowbuf.store.consume`), so each row reaches each task once however many learners consume.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import TYPE_CHECKING, Any, Iterable, cast
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..batch import SampleBatch
+from ..delivery.batch import SampleBatch
 from ..errors import InvalidArgument, StoreClosed
-from ..groups import GroupSampler
+from ..samplers.group import GroupSampler
 
 if TYPE_CHECKING:
     from .handle import ShardedStore
@@ -41,7 +42,7 @@ class ShardedConsumer:
         token_field: the ragged field `max_tokens` counts (None: `response_tokens`, or the only ragged field).
     """
 
-    def __init__(self, handle: "ShardedStore", token_field: str | None = None) -> None:
+    def __init__(self, handle: ShardedStore, token_field: str | None = None) -> None:
         self.handle = handle
         self._turn = -1
         self._writers: dict[int, ShardWriter] = {}
@@ -62,8 +63,7 @@ class ShardedConsumer:
         """Write `batch`, each row to the shard of its group key (one writer per shard); the rows' global ids."""
         from ..flight.messages import record_batch
 
-        group = self.handle.sampler
-        assert isinstance(group, GroupSampler)
+        group = cast(GroupSampler, self.handle.sampler)
         schema = self.handle.schema
         cols, n = schema.validate_batch(batch)
         rb = record_batch(schema, cols)
@@ -98,7 +98,7 @@ class ShardedConsumer:
                                     or not 0 <= timeout < float("inf")):
             raise InvalidArgument(f"consume: timeout must be a finite number of seconds >= 0, got {timeout!r}")
         sampler = self.handle.sampler
-        size = sampler.size if isinstance(sampler, GroupSampler) else 1
+        size = cast(GroupSampler, sampler).size if sampler.whole_groups else 1
         opts = {"require": None if require is None else list(require), "max_staleness": max_staleness,
                 "where": where}
         live = self._live()

@@ -15,14 +15,14 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Iterator, cast
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
 
-from ..batch import SampleBatch
+from ..delivery.batch import SampleBatch
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, ShardsLost, StoreClosed
-from ..groups import GroupSampler
 from ..samplers import make_sampler, validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from ._common import _DaemonPool, _ray
@@ -97,7 +97,7 @@ class ShardedStore:
         self._closed = False
         self._default_writer: ShardWriter | None = None
         self._writers: weakref.WeakSet[ShardWriter] = weakref.WeakSet()
-        self._consumer = ShardedConsumer(self, state.get("token_field"))  # consume (issue 16)
+        self._consumer = ShardedConsumer(self, state.get("token_field"))
         self.counters = {"late": 0, "failed": 0, "revived": 0, "topups": 0, "updates_dropped": 0}
 
     # ------------------------------------------------------------------ creation
@@ -110,7 +110,7 @@ class ShardedStore:
                max_batch_rows: int = 65_536, bind: str | None = None, timeout: float = 120.0,
                checkpoint_root: str | None = None, checkpoint_every: float | None = None,
                tasks: Any = None, max_staleness: int | None = None,
-               token_field: str | None = None) -> "ShardedStore":
+               token_field: str | None = None) -> ShardedStore:
         """Start `num_shards` shard actors in a placement group and return a handle on them.
 
         Args:
@@ -136,7 +136,7 @@ class ShardedStore:
             max_batch_rows: the largest batch a shard's Flight server accepts or serves.
             bind: host the Flight servers bind (default: the node's IP); they always require a random token.
             timeout: seconds to wait for the shards to start.
-            checkpoint_root: a directory every shard's node can reach (persist, issue 15): shard k checkpoints into
+            checkpoint_root: a directory every shard's node can reach: shard k checkpoints into
                 `checkpoint_root/shard-<k>` (`checkpoint()`, `checkpoint_every`), and a restarted shard comes back from
                 its last checkpoint there (under a new generation) instead of empty.
             checkpoint_every: seconds between each shard's own checkpoints (keeps the last 2); None: only on request.
@@ -151,7 +151,7 @@ class ShardedStore:
         if not 1 <= int(num_shards) <= MAX_SHARDS:
             raise InvalidArgument(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
         sampler = make_sampler(sampler)
-        if (tasks or isinstance(sampler, GroupSampler)) and tier == "auto":  # consume (issue 16): heap state
+        if (tasks or sampler.process_local) and tier == "auto":  # per-task and group state live in the heap
             tier = "host"
         tier = _resolve_tier(tier, schema)
         uid = f"ab{secrets.token_hex(4)}"
@@ -222,7 +222,7 @@ class ShardedStore:
         """Each shard's last known info: location, generation, node_id, pid, shm name, ..."""
         return [s.info for s in self._shards]
 
-    def _executor(self) -> "_DaemonPool":
+    def _executor(self) -> _DaemonPool:
         if self._pool is None:
             with self._lock:
                 if self._pool is None:
@@ -588,7 +588,7 @@ class ShardedStore:
                 self.counters["updates_dropped"] += m
         return applied
 
-    # ------------------------------------------------------------------ fields filled later (issue 16; fields helper)
+    # ------------------------------------------------------------------ fields filled later
     def update(self, ids: Any, values: dict[str, Any]) -> int:
         """Fill fields declared `later: true` of stored rows (see `ExperienceStore.update`), routed by the shard each
         global id encodes. Validated here before any shard is written; atomic per shard (not across shards). Ids
@@ -600,7 +600,7 @@ class ShardedStore:
             InvalidArgument: an id no shard of this store issued (a shard number beyond `num_shards`), or an id
                 given twice; nothing written.
         """
-        from ..update import update_ids, validate_update
+        from ..store.update import update_ids, validate_update
 
         gids = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
@@ -631,7 +631,7 @@ class ShardedStore:
 
     # ------------------------------------------------------------------ writing
     def writer(self, shard: int | None = None, *, transport: str = "auto", max_in_flight: int = 8,
-               actor: Any = None) -> "ShardWriter":
+               actor: Any = None) -> ShardWriter:
         """A writer to one shard: `shard`, else a shard on this process's node, else one picked by writer id."""
         if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
             raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")
@@ -643,7 +643,7 @@ class ShardedStore:
         """Write through this handle's default writer (see `writer`); returns the rows' global ids
         (`np.ndarray[int64]`, in row order) once the shard has committed them. With an `ab.samplers.Group` sampler
         each row goes to the shard its group key hashes to (a group stays on one shard)."""
-        if isinstance(self.sampler, GroupSampler) and self.num_shards > 1:
+        if self.sampler.whole_groups and self.num_shards > 1:
             return self._consumer.extend_by_group(batch)
         if self._default_writer is None:
             self._default_writer = self.writer()
@@ -653,7 +653,7 @@ class ShardedStore:
         """Write one step through the default writer; returns its global id."""
         return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()})[0])
 
-    # ------------------------------------------------------------------ consumption per task (issue 16; owner: consume)
+    # ------------------------------------------------------------------ consumption per task
     # Thin delegation to `arrowbuf.ray.consume.ShardedConsumer`.
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
@@ -679,7 +679,6 @@ class ShardedStore:
     @policy_version.setter
     def policy_version(self, value: int) -> None:
         self._consumer.set_policy_version(value)
-    # ------------------------------------------------------------------ end of consumption per task
 
     # ------------------------------------------------------------------ inspection
     def __len__(self) -> int:
@@ -710,7 +709,7 @@ class ShardedStore:
     def sql(self, query: str) -> pa.Table:
         """DuckDB SQL, run here, over every live shard's rows (`to_table()`, with its `shard` column) as
         `experience`. Needs `arrowbuf[query]`."""
-        from ..frames import run_sql
+        from ..query.frames import run_sql
 
         return run_sql(cast(Any, self), query)  # run_sql reads only to_table()
 
@@ -732,7 +731,7 @@ class ShardedStore:
                    timeout: float = 600.0) -> list[dict[str, Any]]:
         """Checkpoint every live shard into `root/shard-<k>` (default: the `checkpoint_root` given to `create`);
         one summary per shard (see `ExperienceStore.checkpoint`). Each shard's checkpoint is consistent on its own;
-        together they are not one instant (shards run independently). persist, issue 15."""
+        together they are not one instant (shards run independently)."""
         ray = _ray()
         root = None if root is None else os.path.abspath(root)
         return list(ray.get([a.checkpoint.remote(root, keep) for a in self.actors], timeout=timeout))
@@ -770,7 +769,7 @@ class ShardedStore:
             with contextlib.suppress(Exception):
                 remove_placement_group(self._state["pg"])
 
-    def __enter__(self) -> "ShardedStore":
+    def __enter__(self) -> ShardedStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,12 +8,13 @@ import secrets
 import threading
 import time
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from ..batch import SampleBatch
+from ..delivery.batch import SampleBatch
 from ..errors import InvalidArgument
 from ..samplers import Sampler, make_sampler, validate_priorities
 from ..schema import load_schema
@@ -45,7 +46,9 @@ def shm_safe(sampler: Sampler) -> bool:
     declared = getattr(cls, "shm_safe", None)
     if declared is not None:
         return bool(declared)
-    if cls.__module__ == Sampler.__module__:
+    if cls.process_local:
+        return False
+    if cls.spec_name:  # arrowbuf's own samplers keep their state in the store's tier
         return True
     return cls.on_valid is Sampler.on_valid and cls.on_invalid is Sampler.on_invalid
 
@@ -67,7 +70,7 @@ class ShardStore:
         self.schema = store.schema
         self.capacity = store.capacity
         self.delay_s = 0.0  # artificial slowness (benchmarks, tests): added to every sample
-        self.update_skipped = 0  # update ids of this shard's earlier incarnations (issue 16)
+        self.update_skipped = 0  # update ids of this shard's earlier incarnations
 
     def mass(self) -> tuple[float, float, int]:
         """(sampling mass, smallest positive item mass, size) now, from the store's sampler."""
@@ -100,7 +103,7 @@ class ShardStore:
         arrays["_shard_size"] = np.full(k, size, dtype=np.int64)
         return SampleBatch(arrays, ids, b.weights, b.info)
 
-    # --- consume (issue 16; owner: consume): consumption per task, under global ids
+    # --- consume: consumption per task, under global ids
     def consume(self, task: str, n: int, **kwargs: Any) -> SampleBatch:
         """The store's `consume`; the batch's indices are global ids."""
         b = self.store.consume(task, n, **kwargs)
@@ -130,9 +133,9 @@ class ShardStore:
         return int(self.store.update_priorities(seq[mine], pri[mine])) if mine.any() else 0
 
     def update(self, ids: Any, values: Any) -> int:
-        """The store's `update` (issue 16) by global ids: ids of this shard's earlier incarnations name rows that are
+        """The store's `update` by global ids: ids of this shard's earlier incarnations name rows that are
         gone (skipped and counted in `stats()["update_skipped"]`); ids of another shard are `InvalidArgument`."""
-        from ..update import update_ids, validate_update
+        from ..store.update import update_ids, validate_update
 
         gids = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
@@ -178,7 +181,7 @@ class ShardStore:
     def close(self) -> None:
         self.store.close()
 
-    def __enter__(self) -> "ShardStore":
+    def __enter__(self) -> ShardStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -231,7 +234,7 @@ class ShardActor:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         from ..flight import serve
-        from ..store import ExperienceStore
+        from ..store.facade import ExperienceStore
 
         ray = _ray()
         ctx = ray.get_runtime_context()
@@ -248,7 +251,7 @@ class ShardActor:
         if tier == "shm":
             shm_name = f"{spec['uid']}-s{shard}-g{gen}-{secrets.token_hex(3)}"
         seed = None if spec["seed"] is None else int(spec["seed"]) + 1000003 * shard + gen
-        # persist (issue 15): a shard with a checkpoint directory comes back from its last checkpoint
+        # a shard with a checkpoint directory comes back from its last checkpoint
         root = spec.get("checkpoint_root")
         self.checkpoint_dir = None if root is None else os.path.join(root, f"shard-{shard}")
         self.restored_from: dict[str, Any] | None = None
@@ -256,7 +259,7 @@ class ShardActor:
             self.store = ExperienceStore.restore(self.checkpoint_dir, tier=tier, seed=seed,
                                                  name=shm_name or f"{spec['name']}-{shard}")
             self.restored_from = {"path": self.checkpoint_dir, "rows": len(self.store)}
-            for task in spec.get("tasks") or []:  # consume (issue 16): a restored shard's tasks come back declared
+            for task in spec.get("tasks") or []:  # a restored shard's tasks come back declared
                 if task not in self.store.tasks:
                     self.store.add_task(task)
         else:
@@ -295,7 +298,7 @@ class ShardActor:
         """Slow every sample of this shard by `seconds` (benchmarks and tests of the straggler deadline)."""
         self.shard_store.delay_s = float(seconds)
 
-    # --- persist (issue 15): checkpoints of this shard
+    # --- checkpoints of this shard
     def checkpoint(self, root: str | None = None, keep: int | None = None) -> dict[str, Any]:
         """Checkpoint this shard's store into `root/shard-<k>` (default: the checkpoint root it was made with)."""
         from ..errors import InvalidArgument

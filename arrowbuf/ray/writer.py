@@ -118,7 +118,7 @@ class ShardWriter:
                                 "use transport='auto' or 'flight'")
         try:
             if use_shm:
-                from ..store import ExperienceStore
+                from ..store.facade import ExperienceStore
                 from ..tiers.shm import store_path
 
                 self._target = ExperienceStore.attach(info["shm"])
@@ -276,7 +276,7 @@ class ShardWriter:
         finally:
             self._closed = True
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:

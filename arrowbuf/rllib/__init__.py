@@ -5,11 +5,11 @@ background add. The names below are the public ones.
 """
 
 from .buffers import (
-    METRIC_NAMES,
-    METRICS_KEY,
-    ArrowbufEpisodeReplayBuffer,
-    ArrowbufPrioritizedEpisodeReplayBuffer,
-    replay_buffer_config,
+           METRIC_NAMES,
+           METRICS_KEY,
+           ArrowbufEpisodeReplayBuffer,
+           ArrowbufPrioritizedEpisodeReplayBuffer,
+           replay_buffer_config,
 )
 from .checkpoint import from_checkpoint_with_buffer, save_with_buffer
 from .scheduling import BackgroundCommitter

@@ -190,7 +190,7 @@ class _ArrowbufBuffer:
                 self.store = ShardedStore.create(schema, self._num_shards, per_shard, self._sampler, seed=self._seed,
                                                  **self._shard_options)
             else:
-                from ..store import ExperienceStore
+                from ..store.facade import ExperienceStore
 
                 self.store = ExperienceStore(schema, self._capacity_rows, self._sampler, seed=self._seed)
         if self._store_writer is None:
@@ -279,7 +279,7 @@ class _ArrowbufBuffer:
         key = (b, k, gamma, beta)
         if self.loader is not None and key == self._loader_key:
             return self.loader
-        from ..loader import Loader
+        from ..delivery.loader import Loader
 
         if self.loader is not None:
             self.loader.close()
@@ -323,7 +323,7 @@ class _ArrowbufBuffer:
 
     def get_state(self) -> dict[str, Any]:
         """Counters, and with `checkpoint_dir` the experience by reference: the local store is checkpointed there
-        (incremental, the last 2 kept) and the state names the checkpoint (persist, issue 15)."""
+        (incremental, the last 2 kept) and the state names the checkpoint."""
         state: dict[str, Any] = {"added": self._added, "sampled": self._sampled}
         if self.checkpoint_dir is not None and self.store is not None and hasattr(self.store, "checkpoint") \
                 and not hasattr(self.store, "num_shards"):

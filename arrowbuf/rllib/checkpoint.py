@@ -1,4 +1,4 @@
-"""An RLlib algorithm checkpoint that keeps its arrowbuf replay buffer (persist, issue 15).
+"""An RLlib algorithm checkpoint that keeps its arrowbuf replay buffer.
 
 RLlib 2.60's new API stack leaves the replay buffer out of `algo.save()` (`Algorithm.get_checkpointable_components`
 has no buffer; only the old stack's `store_buffer_in_checkpoints` path calls the buffer's `get_state`). These two

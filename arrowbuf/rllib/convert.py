@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from ..errors import SchemaError
-
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402  (arrowbuf.rllib checked RLlib)
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer  # noqa: E402
+
+from ..errors import SchemaError
 
 #: `SingleAgentEpisode.__slots__` as of Ray 2.60, the layout the fast copy was checked against.
 _KNOWN_SLOTS = ("actions", "agent_id", "extra_model_outputs", "id_", "infos", "is_terminated", "is_truncated",

@@ -9,11 +9,10 @@
 
 from __future__ import annotations
 
-from ..errors import InvalidArgument
-
 import os
 from typing import Any
 
+from ..errors import InvalidArgument
 from .base import Tier, format_bytes, parse_bytes
 from .disk import DiskTier
 from .gpu import GpuTier

@@ -8,7 +8,7 @@ over a tier is one `take`. Usage::
         arena[0:10] = batch["obs"]
         tier.nbytes()   # bytes held
 
-For a store with several tiers (`ExperienceStore(tiers=...)`, see `arrowbuf.columns`): a tier has a byte `budget`;
+For a store with several tiers (`ExperienceStore(tiers=...)`, see `arrowbuf.ring.columns`): a tier has a byte `budget`;
 a non-slotted tier (host, disk) hands out `allocate_sparse` arenas spanning the whole ring, whose memory is
 accounted per row range (`hold`, `release`); a `slotted` tier (GPU) holds a fixed number of chunk slots per column.
 Implementations: `HostTier`, `SharedMemoryTier` (tiers/shm/), `DiskTier` (memory-mapped Arrow IPC files),
@@ -17,13 +17,13 @@ Implementations: `HostTier`, `SharedMemoryTier` (tiers/shm/), `DiskTier` (memory
 
 from __future__ import annotations
 
-from ..errors import InvalidArgument
-
 import abc
 import threading
 from typing import Any
 
 import numpy as np
+
+from ..errors import InvalidArgument
 
 
 class Tier(abc.ABC):
@@ -96,7 +96,7 @@ class Tier(abc.ABC):
     def close(self) -> None:
         """Release the tier's memory; idempotent."""
 
-    def __enter__(self) -> "Tier":
+    def __enter__(self) -> Tier:
         return self
 
     def __exit__(self, *exc: object) -> None:

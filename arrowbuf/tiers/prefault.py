@@ -44,7 +44,8 @@ import resource
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -231,7 +232,7 @@ class PagePreparer:
         self.wake = _NEVER
 
     @staticmethod
-    def _finalize(ref: "weakref.ref[PagePreparer]") -> None:
+    def _finalize(ref: weakref.ref[PagePreparer]) -> None:
         self = ref()
         if self is not None:
             with self._cond:
@@ -300,7 +301,7 @@ class PagePreparer:
         return True
 
 
-_LIVE: "weakref.WeakSet[PagePreparer]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[PagePreparer] = weakref.WeakSet()
 if hasattr(os, "register_at_fork"):
     def _after_fork() -> None:
         for p in list(_LIVE):

@@ -57,9 +57,8 @@ from __future__ import annotations
 
 from .janitor import gc, list_stores, remove
 from .locks import FlockLock, RobustMutex
-from .manifest import SPEC_MODULES, from_spec, to_spec
 from .paths import FORMAT_VERSION, PREFIX, shm_root, store_path
 from .segment import SharedMemoryTier
 
 __all__ = ["SharedMemoryTier", "RobustMutex", "FlockLock", "gc", "list_stores", "remove", "shm_root", "store_path",
-           "to_spec", "from_spec", "FORMAT_VERSION", "PREFIX", "SPEC_MODULES"]
+           "FORMAT_VERSION", "PREFIX"]

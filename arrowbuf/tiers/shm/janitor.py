@@ -8,8 +8,20 @@ import shutil
 import time
 from typing import Any
 
-from .paths import (GONE_PREFIX, GRACE_S, MANIFEST, NEW_PREFIX, OWNER_FILE, OWNER_LOCK, PREFIX, inode, read_json,
-                    start_time, shm_root, store_path)
+from .paths import (
+    GONE_PREFIX,
+    GRACE_S,
+    MANIFEST,
+    NEW_PREFIX,
+    OWNER_FILE,
+    OWNER_LOCK,
+    PREFIX,
+    inode,
+    read_json,
+    shm_root,
+    start_time,
+    store_path,
+)
 
 
 def gc(root: str | os.PathLike[str] | None = None) -> list[str]:

@@ -1,15 +1,13 @@
-"""A shared store's manifest: reading and checking it (`read_manifest`), and the spec strings it records for the
-sampler and rate-limiter objects (`to_spec`, `from_spec`).
+"""A shared store's manifest: reading and checking it (`read_manifest`).
 
 The manifest is a file another process wrote: `read_manifest` checks every value attach relies on (types, ranges,
-the arena and lock tables) before anything is mapped, and raises `StoreCorrupt` naming the file otherwise.
+the arena and lock tables) before anything is mapped, and raises `StoreCorrupt` naming the file otherwise. What the
+store above records in it (its schema, sampler and rate-limiter specs) is checked here for its shape only; the store
+decodes it on attach (`arrowbuf.samplers.spec`, `arrowbuf.schema`) and names this file when that fails.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib
-import inspect
 import json
 import math
 import os
@@ -18,74 +16,12 @@ from urllib.parse import quote
 
 import numpy as np
 
-from ...errors import ArrowbufError, SchemaError, StoreCorrupt
-from ...schema import load_schema
+from ...errors import StoreCorrupt
 from .paths import FORMAT_VERSION, LOCK_SLOTS, MANIFEST, PAGE
 from .trust import check_store_file, open_store_file
 
 #: The largest manifest attach reads (a real one is a few KiB).
 MAX_MANIFEST_BYTES = 4 << 20
-
-#: Modules whose classes a manifest may name as the sampler or rate limiter (attach imports nothing else).
-SPEC_MODULES = ("arrowbuf.samplers", "arrowbuf.rate_limiters")
-
-
-def to_spec(obj: Any) -> str:
-    """A spec string naming `obj`'s class and constructor arguments: ``arrowbuf.samplers:FifoSampler()``.
-
-    Each parameter of the class's `__init__` is read back from the attribute of the same name; objects whose
-    arguments are not recoverable that way (or not literals) cannot be shared and raise TypeError.
-    """
-    cls = type(obj)
-    if cls.__module__ not in SPEC_MODULES:
-        raise TypeError(f"{cls.__name__} cannot be recorded in a shared store's manifest: only classes of "
-                        f"{', '.join(SPEC_MODULES)} can (other processes rebuild it from the manifest)")
-    args = []
-    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if not hasattr(obj, p.name):
-            if p.default is p.empty:
-                raise TypeError(f"{cls.__name__}: argument {p.name!r} is not kept as an attribute of the same name; "
-                                "it cannot be recorded in a shared store's manifest")
-            continue
-        value = getattr(obj, p.name)
-        if isinstance(value, np.generic):
-            value = value.item()
-        if ast.literal_eval(repr(value)) != value:  # raises on non-literals too
-            raise TypeError(f"{cls.__name__}.{p.name}={value!r} is not a literal")
-        args.append(f"{p.name}={value!r}")
-    return f"{cls.__module__}:{cls.__name__}({', '.join(args)})"
-
-
-def from_spec(spec: str | None) -> Any:
-    """Build the object a `to_spec` string names (classes of `SPEC_MODULES` only; arguments are literals)."""
-    if spec is None:
-        return None
-    if not isinstance(spec, str):
-        raise ArrowbufError(f"a spec is a string like 'arrowbuf.samplers:FifoSampler()', got {type(spec).__name__}")
-    module, _, call = spec.partition(":")
-    if module not in SPEC_MODULES:
-        raise ArrowbufError(f"manifest names {module!r}; expected one of {SPEC_MODULES}")
-    try:
-        node = ast.parse(call, mode="eval").body
-    except SyntaxError:
-        raise ArrowbufError(f"malformed spec {spec[:200]!r}: not a call expression") from None
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
-            and all(k.arg for k in node.keywords)):
-        raise ArrowbufError(f"malformed spec {spec[:200]!r}")
-    from ...rate_limiters import RateLimiter
-    from ...samplers import Sampler
-
-    cls = getattr(importlib.import_module(module), node.func.id, None)
-    if not (isinstance(cls, type) and issubclass(cls, (Sampler, RateLimiter)) and cls.__module__ == module):
-        raise ArrowbufError(f"spec {spec[:200]!r}: {module} has no sampler or rate-limiter class {node.func.id!r}")
-    try:
-        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
-        return cls(**kwargs)
-    except (ValueError, TypeError, ArrowbufError) as exc:
-        raise ArrowbufError(f"spec {spec[:200]!r} does not build a {cls.__name__}: {exc}") from None
-
 
 def read_manifest(path: str, name: str, dir_stat: os.stat_result, allow_other_owner: bool = False) -> dict[str, Any]:
     """Read and check the manifest of the store directory `path` (see the module docstring).
@@ -155,20 +91,13 @@ def _short(v: Any) -> str:
 def _check_values(m: dict[str, Any], name: str) -> None:
     if m.get("name") != name:
         raise _Bad(f"names the store {_short(m.get('name'))}, not {name!r}")
-    try:
-        load_schema(_need(m, "schema", (dict,), "a schema object"))
-    except SchemaError as exc:
-        raise _Bad(f"has an invalid schema ({str(exc)[:300]})") from None
+    _need(m, "schema", (dict,), "a schema object")
     _int(m, "capacity", 1, 1 << 45)
     _int(m, "chunk_rows", 1, 1 << 45)
     _int(m, "final_obs_capacity", 0, 1 << 45, optional=True)
     _int(m, "max_times_sampled", 1, 1 << 31, optional=True)
     for key in ("sampler", "rate_limiter"):
-        spec = _need(m, key, (str, type(None)), "a spec string or null")
-        try:
-            from_spec(spec)
-        except ArrowbufError as exc:
-            raise _Bad(f"has an unusable {key} ({exc})") from None
+        _need(m, key, (dict, type(None)), "a spec object or null")
     owner = _need(m, "owner", (dict,), "an object with pid and start_time")
     _int(owner, "pid", 0, 1 << 31)
     _int(owner, "start_time", 0, 1 << 62)

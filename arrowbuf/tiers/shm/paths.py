@@ -11,7 +11,7 @@ from typing import Any
 from ...errors import InvalidArgument
 
 #: Version of the on-disk layout (manifest, file names); attach refuses other versions.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sampler and rate-limiter specs are objects keyed on registered names
 PREFIX = "arrowbuf."
 NEW_PREFIX = ".arrowbuf-new."     # a store being created (renamed to PREFIX + name when its owner lock is held)
 GONE_PREFIX = ".arrowbuf-gone."   # a store being removed (renamed away first, so the name is free at once)

@@ -17,12 +17,28 @@ import numpy as np
 
 from ...errors import ArrowbufError, OutOfSpace, StoreClosed, StoreCorrupt, StoreExists, StoreNotFound
 from ..base import Tier
-from .janitor import drop_lease, live_leases, reclaim_if_stale, remove_dir, take_lease, gc
+from .janitor import drop_lease, gc, live_leases, reclaim_if_stale, remove_dir, take_lease
 from .locks import FlockLock, RobustMutex, pthread_lib
-from .manifest import read_manifest, to_spec
+from .manifest import read_manifest
+from .paths import (
+    FORMAT_VERSION,
+    LOCK_BYTES,
+    LOCK_SLOTS,
+    MANIFEST,
+    NEW_PREFIX,
+    OWNER_FILE,
+    OWNER_LOCK,
+    PAGE,
+    fmt_bytes,
+    inode,
+    owner_desc,
+    read_json,
+    shm_root,
+    start_time,
+    store_path,
+    write_json,
+)
 from .trust import check_store_dir, check_store_file, open_store_file
-from .paths import (FORMAT_VERSION, LOCK_BYTES, LOCK_SLOTS, MANIFEST, NEW_PREFIX, OWNER_FILE, OWNER_LOCK, PAGE,
-                    fmt_bytes, inode, owner_desc, read_json, shm_root, start_time, store_path, write_json)
 
 
 class SharedMemoryTier(Tier):
@@ -63,7 +79,7 @@ class SharedMemoryTier(Tier):
     # ------------------------------------------------------------------ create / attach
     @classmethod
     def create(cls, name: str, *, root: str | os.PathLike[str] | None = None,
-               populate: bool = True) -> "SharedMemoryTier":
+               populate: bool = True) -> SharedMemoryTier:
         """Claim the name `name` for a new store (reclaiming it first if its owner is dead).
 
         Args:
@@ -102,7 +118,7 @@ class SharedMemoryTier(Tier):
 
     @classmethod
     def attach(cls, name: str, *, root: str | os.PathLike[str] | None = None, timeout: float = 0.0,
-               populate: bool = True, allow_other_owner: bool = False) -> "SharedMemoryTier":
+               populate: bool = True, allow_other_owner: bool = False) -> SharedMemoryTier:
         """Open the sealed store `name`, waiting up to `timeout` seconds for it to be created and sealed.
 
         Only a store of this process's user is opened, unless `allow_other_owner` (see `arrowbuf.tiers.shm.trust`);
@@ -258,8 +274,8 @@ class SharedMemoryTier(Tier):
         return lk
 
     def seal(self, meta: dict[str, Any]) -> None:
-        """Publish the manifest: `meta` (what the store needs to rebuild itself; sampler and rate-limiter objects
-        are written as spec strings) plus the format version, owner and arenas. The store is attachable from here."""
+        """Publish the manifest: `meta` (what the store needs to rebuild itself, as JSON values) plus the format
+        version, owner and arenas. The store is attachable from here."""
         if not self.fresh or self._sealed:
             return
         try:
@@ -268,7 +284,7 @@ class SharedMemoryTier(Tier):
                         "owner": {"pid": owner["pid"], "start_time": owner["start_time"]},
                         "locks": {"kind": self._lock_kind, "slots": self._lock_slots},
                         "arenas": self._layout}
-            manifest = json.loads(json.dumps(manifest, default=to_spec))
+            manifest = json.loads(json.dumps(manifest))  # only JSON values: a copy, and a type check
             write_json(os.path.join(self.path, MANIFEST), manifest)
         except BaseException:
             self._abort()
@@ -277,6 +293,11 @@ class SharedMemoryTier(Tier):
         self._sealed = True
 
     # ------------------------------------------------------------------ lifetime
+    @property
+    def manifest_file(self) -> str:
+        """The path of this store's manifest (named in errors about what it records)."""
+        return os.path.join(self.path, MANIFEST)
+
     @property
     def owner(self) -> bool:
         """True in the process that created the store (its close() removes the name)."""

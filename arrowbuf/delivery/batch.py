@@ -1,0 +1,275 @@
+"""SampleBatch: what `store.sample` returns.
+
+Usage::
+
+    batch = store.sample(256)
+    batch.indices            # int64 ids naming the sampled rows (for update_priorities)
+    batch.weights            # importance-sampling weights (max 1) or None
+    batch.to_numpy()         # {"obs": uint8[256, 4, 84, 84], ...}; [B, T, ...] for sequences
+    batch.to_torch("cpu")    # the same as torch tensors (zero-copy on the CPU)
+    batch.data               # pa.RecordBatch (tensor columns are fixed_shape_tensor)
+    parts = batch.split(ranks=4, balance="tokens")   # token-balanced parts for data-parallel ranks
+    mine = batch.split(ranks=4, balance="tokens", rank=r)  # this rank's part (the same on every rank)
+    batch.to_torch(pack=True)  # ragged columns flattened + cu_seqlens (int32) + position_ids; pack=False pads + mask
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import InvalidArgument, require
+from . import balance as _balance
+from . import ragged as _ragged
+
+
+def _is_tensor(values: Any) -> bool:
+    """A torch tensor (what a GPU tier delivers), recognised without importing torch."""
+    return type(values).__module__.startswith("torch")
+
+
+def _host(values: Any) -> Any:
+    """numpy for a torch tensor (copied from the device), anything else unchanged."""
+    return values.detach().cpu().numpy() if _is_tensor(values) else values
+
+
+def _to_arrow(values: Any) -> pa.Array:
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        return values
+    values = _host(values)
+    if values.ndim == 1:
+        return pa.array(values)
+    return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(values))
+
+
+class SampleBatch:
+    """A sampled batch: columns, the ids of their rows and importance weights.
+
+    Attributes:
+        indices: int64 ids of the sampled items (for sequences: the id of each window's first row).
+        weights: float32 importance-sampling weights normalised to max 1, or None for samplers without them.
+        columns: the names of the columns, in order.
+    """
+
+    __slots__ = ("_arrays", "indices", "weights", "columns", "_data", "info")
+
+    def __init__(self, arrays: dict[str, Any], indices: np.ndarray, weights: np.ndarray | None = None,
+                 info: dict[str, Any] | None = None) -> None:
+        self._arrays = arrays
+        self.indices = indices
+        self.weights = weights
+        self.columns = list(arrays)
+        self._data: pa.RecordBatch | None = None
+        self.info = info or {}
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @classmethod
+    def concat(cls, parts: list[SampleBatch], info: dict[str, Any] | None = None) -> SampleBatch:
+        """The rows of `parts` (batches of the same columns) in order, as one batch.
+
+        Weights are kept as each part had them (None unless every part has weights); `info` defaults to the first
+        part's.
+        """
+        if not parts:
+            raise InvalidArgument("SampleBatch.concat needs at least one batch; got an empty list")
+        arrays: dict[str, Any] = {}
+        for c in parts[0].columns:
+            vals = [p[c] for p in parts]
+            if isinstance(vals[0], (pa.Array, pa.ChunkedArray)):
+                arrays[c] = pa.concat_arrays([v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v
+                                              for v in vals])
+            elif _is_tensor(vals[0]):
+                arrays[c] = require("torch", "torch").cat(vals)
+            else:
+                arrays[c] = np.concatenate(vals)
+        weights = None
+        if all(p.weights is not None for p in parts):
+            weights = np.concatenate([p.weights for p in parts])
+        return cls(arrays, np.concatenate([p.indices for p in parts]), weights,
+                   parts[0].info if info is None else info)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}: {getattr(v, 'shape', len(v))}" for k, v in self._arrays.items())
+        return f"SampleBatch(n={len(self)}, {shapes}, weights={'yes' if self.weights is not None else 'no'})"
+
+    def __getitem__(self, name: str) -> Any:
+        return self._arrays[name]
+
+    @property
+    def data(self) -> pa.RecordBatch:
+        """The batch as a `pa.RecordBatch` (built on first use, zero-copy over the gathered arrays)."""
+        if self._data is None:
+            self._data = pa.RecordBatch.from_arrays([_to_arrow(v) for v in self._arrays.values()],
+                                                    names=self.columns)
+        return self._data
+
+    def to_numpy(self) -> dict[str, Any]:
+        """Columns as numpy arrays shaped [B, *shape] ([B, T, *shape] for sequences); ragged columns as lists."""
+        out: dict[str, Any] = {}
+        for k, v in self._arrays.items():
+            if _ragged.is_ragged(v):
+                out[k] = _ragged.split_rows(v)  # views over one buffer, no per-row Python conversion
+            elif isinstance(v, (pa.Array, pa.ChunkedArray)):  # other Arrow types (rare): one array per row, as before
+                out[k] = [np.asarray(x) if x is not None else None for x in v.to_pylist()]
+            else:
+                out[k] = _host(v)
+        return out
+
+    def to_torch(self, device: str | Any = "cpu", non_blocking: bool = False, pack: bool | None = None,
+                 tokens: str | None = None, pad_value: Any = 0) -> dict[str, Any]:
+        """Columns as torch tensors on `device` (zero-copy on the CPU where the dtype allows).
+
+        Columns gathered on a GPU tier are already device tensors and move only if `device` differs. Needs
+        `pip install 'arrowbuf[torch]'`.
+
+        Args:
+            device: target device.
+            non_blocking: passed to `Tensor.to`.
+            pack: how ragged (list) columns come back. None: a list of 1-D tensors per column. True: each ragged
+                column flattened to one 1-D tensor, plus `cu_seqlens` (int32 [B+1], the Arrow offsets rebased to 0),
+                `position_ids` (int64, 0..len-1 per row) and `max_seqlen` (int) of the `tokens` column; a ragged
+                column whose row lengths differ from it gets its own `<name>_cu_seqlens`. False: each ragged column
+                padded with `pad_value` to [B, max_len], plus `attention_mask` (bool [B, max_len]) of the `tokens`
+                column (`<name>_attention_mask` for a column of other lengths).
+            tokens: the ragged column whose lengths define `cu_seqlens`/`attention_mask` (default: the first ragged
+                column).
+            pad_value: fill for pack=False.
+        """
+        torch = require("torch", "torch")
+        out: dict[str, Any] = {}
+        ref = self._token_column(tokens) if pack is not None and self._ragged_columns() else None
+        ref_offs = _ragged.flat(self._arrays[ref])[1] if ref is not None else None
+        for k, v in self._arrays.items():
+            if _is_tensor(v):
+                out[k] = v.to(device, non_blocking=non_blocking)
+                continue
+            if _ragged.is_ragged(v) and pack is not None:
+                assert ref_offs is not None
+                self._ragged_to_torch(torch, out, k, v, ref_offs, pack, pad_value, device, k == ref)
+                continue
+            if _ragged.is_ragged(v):
+                out[k] = [None if x is None else _torch_from_numpy(torch, x, device, non_blocking)
+                          for x in _ragged.split_rows(v)]
+                continue
+            if isinstance(v, (pa.Array, pa.ChunkedArray)):  # other Arrow types (rare): one tensor per row, as before
+                out[k] = [None if x is None else torch.as_tensor(np.asarray(x)).to(device) for x in v.to_pylist()]
+                continue
+            out[k] = _torch_from_numpy(torch, v, device, non_blocking)
+        return out
+
+    @staticmethod
+    def _ragged_to_torch(torch: Any, out: dict[str, Any], name: str, values: Any, ref_offs: np.ndarray,
+                         pack: bool, pad_value: Any, device: Any, is_ref: bool) -> None:
+        vals, offs = _ragged.flat(values, writable=pack)  # a gather's own memory goes to torch without a copy
+        same = offs.shape == ref_offs.shape and bool(np.array_equal(offs, ref_offs))
+        if pack:
+            out[name] = _torch_from_numpy(torch, vals, device, False)
+            if is_ref or not same:
+                prefix = "" if is_ref else f"{name}_"
+                out[f"{prefix}cu_seqlens"] = torch.from_numpy(offs.astype(np.int32)).to(device)
+                out[f"{prefix}position_ids"] = torch.from_numpy(_ragged.position_ids(offs)).to(device)
+                out[f"{prefix}max_seqlen"] = int(np.diff(offs).max()) if offs.size > 1 else 0
+            return
+        padded, mask = _ragged.pad(values, pad_value)
+        out[name] = _torch_from_numpy(torch, padded, device, False)
+        if is_ref or not same:
+            out["attention_mask" if is_ref else f"{name}_attention_mask"] = torch.from_numpy(mask).to(device)
+
+    # ---- rows, token counts and balanced splits --------------------------------------------------------------
+
+    def _ragged_columns(self) -> list[str]:
+        return [k for k, v in self._arrays.items() if _ragged.is_ragged(v)]
+
+    def _token_column(self, tokens: str | None) -> str:
+        ragged = self._ragged_columns()
+        if tokens is None:
+            if not ragged:
+                raise InvalidArgument(
+                    f"this batch has no ragged (list) column to count tokens in; columns are {self.columns}")
+            return ragged[0]
+        if tokens not in ragged:
+            raise InvalidArgument(f"tokens={tokens!r}: expected one of the ragged columns {ragged}")
+        return tokens
+
+    def token_counts(self, tokens: str | None = None) -> np.ndarray:
+        """int64 tokens per row of the ragged column `tokens` (default: the first ragged column)."""
+        return _ragged.lengths(self._arrays[self._token_column(tokens)])
+
+    def take(self, rows: Any) -> SampleBatch:
+        """The batch's rows at positions `rows` (int array), in that order, as a new batch."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
+            raise InvalidArgument(f"take: row positions must be in [0, {len(self)}); got {rows.min()}..{rows.max()}")
+        arrays: dict[str, Any] = {}
+        for k, v in self._arrays.items():
+            if _ragged.is_ragged(v):
+                arrays[k] = _ragged.take(v, rows)  # ranged copies (or a zero-copy slice), not Arrow's list take
+            elif isinstance(v, (pa.Array, pa.ChunkedArray)):
+                arrays[k] = v.take(pa.array(rows))
+            elif _is_tensor(v):
+                arrays[k] = v[require("torch", "torch").from_numpy(rows).to(v.device)]
+            else:
+                arrays[k] = v[rows]
+        weights = None if self.weights is None else self.weights[rows]
+        return SampleBatch(arrays, self.indices[rows], weights, dict(self.info))
+
+    def split(self, ranks: int, balance: str | None = "tokens", rank: int | None = None,
+              group: str | None = None, tokens: str | None = None,
+              method: str = "kk") -> list[SampleBatch] | SampleBatch:
+        """Cut the batch into `ranks` parts for data-parallel ranks.
+
+        The partition depends only on the batch's contents (ties broken by row position), so R processes that each
+        hold the same global batch and call `split(R, rank=r)` get disjoint parts that together cover it.
+
+        Args:
+            ranks: number of parts (>= 1).
+            balance: "tokens" (near-equal token counts of the `tokens` column, Karmarkar-Karp by default), "rows"
+                (near-equal row counts), or None (contiguous chunks of near-equal size, in order).
+            rank: return only this rank's part (0 <= rank < ranks) instead of the list.
+            group: a column whose equal values must stay on one rank (e.g. "prompt_id").
+            tokens: the ragged column to count tokens in (default: the first ragged column).
+            method: "kk" (Karmarkar-Karp) or "lpt" (greedy longest-first), for balance="tokens"/"rows".
+
+        Returns:
+            A list of `ranks` batches (rows in their original order within each), or one batch when `rank` is given.
+        """
+        if not isinstance(ranks, (int, np.integer)) or isinstance(ranks, bool) or ranks < 1:
+            raise InvalidArgument(f"split: expected ranks >= 1 (an int), got {ranks!r}")
+        if rank is not None and not (isinstance(rank, (int, np.integer)) and 0 <= rank < ranks):
+            raise InvalidArgument(f"split: expected 0 <= rank < {ranks}, got {rank!r}")
+        if balance not in ("tokens", "rows", None):
+            raise InvalidArgument(f"split: expected balance 'tokens', 'rows' or None, got {balance!r}")
+        keys = None
+        if group is not None:
+            if group not in self._arrays:
+                raise InvalidArgument(f"split: group={group!r} is not a column of this batch ({self.columns})")
+            keys = _host(self._arrays[group])
+            if isinstance(keys, (pa.Array, pa.ChunkedArray)):
+                keys = keys.to_numpy(zero_copy_only=False)
+        n = len(self)
+        if balance is None:
+            if keys is not None:
+                raise InvalidArgument("split: group= needs balance='tokens' or 'rows'")
+            parts = [np.asarray(p, dtype=np.int64) for p in np.array_split(np.arange(n, dtype=np.int64), ranks)]
+        else:
+            weights = self.token_counts(tokens) if balance == "tokens" else np.ones(n, dtype=np.int64)
+            parts = _balance.partition(weights, int(ranks), groups=keys, method=method)
+        if rank is not None:
+            return self.take(parts[int(rank)])
+        return [self.take(p) for p in parts]
+
+
+def _torch_from_numpy(torch: Any, v: np.ndarray, device: Any, non_blocking: bool) -> Any:
+    if v.dtype in (np.uint16, np.uint32, np.uint64):
+        v = v.astype(np.int64)
+    if not v.flags.writeable:
+        v = v.copy()  # a read-only mapping must not reach torch as a writable tensor
+    t = torch.from_numpy(v)
+    return t.to(device, non_blocking=non_blocking) if str(device) != "cpu" else t
+
+
+__all__ = ["SampleBatch"]

@@ -1,0 +1,298 @@
+"""Converting a field's incoming values into its stored form: the rules `ExperienceSchema.validate_batch`, `update`
+and the restore path apply to each field's values (dtypes and safe casts, shapes, ragged lists, null rows of later
+fields, stream keys), and whether an Arrow column's type can convert at all (checked before any bulk data is read).
+
+Every function takes the field's `FieldSpec` (`arrowbuf.schema.spec`) and raises `SchemaError` naming the field,
+what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import SchemaError
+from .spec import FieldSpec
+
+
+def absent_values(spec: FieldSpec, n: int) -> Any:
+    """`n` rows of later field `spec` with no value: a `np.ma.MaskedArray` (zeros, all masked) for a fixed field,
+    a `pa.ListArray` of nulls for a ragged one (what `validate_batch` gives for a later field left out)."""
+    if spec.ragged:
+        return pa.nulls(n, type=spec.arrow_type())
+    return np.ma.MaskedArray(np.zeros((n, *spec.shape), dtype=spec.dtype), mask=np.ones((n, *spec.shape), bool))
+
+
+def later_mask(values: Any) -> np.ndarray | None:
+    """Per row, whether a later field's validated values (`validate_batch`, `convert_later`) hold a value; None
+    when every row does."""
+    if isinstance(values, np.ma.MaskedArray):
+        mask = np.asarray(np.ma.getmaskarray(values), dtype=bool)
+        present = np.asarray(~mask.reshape(len(mask), -1).any(axis=1) if mask.ndim > 1 else ~mask, dtype=bool)
+        return None if present.all() else present
+    if isinstance(values, pa.Array) and values.null_count:
+        return np.asarray(values.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    return None
+
+
+def convert_later(spec: FieldSpec, value: Any, single: bool = False) -> Any:
+    """Validate values of a later field: as `_convert_field`, but rows may be null (an Arrow null, a masked row of
+    a `np.ma.MaskedArray`, or None in a list). Only the rows with a value are checked. Returns numpy (no null), a
+    `np.ma.MaskedArray` (zeros where null; fixed fields) or a `pa.ListArray` with nulls (ragged fields)."""
+    mask: np.ndarray | None = None  # rows without a value
+    if single:
+        if isinstance(value, np.ma.MaskedArray):
+            if np.ma.getmaskarray(value).any():
+                return absent_values(spec, 1)
+            value = np.ma.getdata(value)
+        return _convert_field(spec, value, True)
+    if isinstance(value, pa.ChunkedArray):
+        value = value.combine_chunks() if value.num_chunks != 1 else value.chunk(0)
+    if isinstance(value, pa.Array):
+        if value.null_count:
+            mask = np.asarray(value.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+            value = value.filter(pa.array(~mask))
+    elif isinstance(value, np.ma.MaskedArray):
+        m = np.asarray(np.ma.getmaskarray(value), dtype=bool)
+        if m.any():
+            mask = np.asarray(m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m, dtype=bool)
+            value = np.ma.getdata(value)[~mask]
+        else:
+            value = np.ma.getdata(value)
+    elif isinstance(value, (list, tuple)) and any(v is None for v in value):
+        mask = np.array([v is None for v in value], dtype=bool)
+        value = [v for v in value if v is not None]
+    if mask is None:
+        return _convert_field(spec, value, False)
+    n = len(mask)
+    if mask.all():
+        return absent_values(spec, n)
+    checked = _convert_field(spec, value, False)
+    if spec.ragged:
+        return _scatter_ragged(spec, checked, mask)
+    data = np.zeros((n, *spec.shape), dtype=spec.dtype)
+    data[~mask] = checked
+    full = np.broadcast_to(mask.reshape((-1,) + (1,) * len(spec.shape)), data.shape)
+    return np.ma.MaskedArray(data, mask=np.array(full))
+
+
+def _scatter_ragged(spec: FieldSpec, values: pa.Array, mask: np.ndarray) -> pa.Array:
+    """A list array of len(mask) rows: null where `mask`, else the rows of `values` in order."""
+    idx = np.full(len(mask), -1, dtype=np.int64)
+    idx[~mask] = np.arange(int((~mask).sum()))
+    out = values.take(pa.array(idx, mask=mask))
+    return out.cast(spec.arrow_type()) if out.type != spec.arrow_type() else out
+
+
+def _scalar_fits(dtype: np.dtype, t: pa.DataType) -> bool:
+    """Whether an Arrow value type converts to `dtype` by `_cast`'s rules (checked again on the values)."""
+    if pa.types.is_boolean(t):
+        return dtype.kind in "biu"
+    if pa.types.is_integer(t):
+        return dtype.kind in "biuf"
+    if pa.types.is_floating(t):
+        return dtype.kind == "f"
+    return False
+
+
+def arrow_type_fits(spec: FieldSpec, t: pa.DataType) -> bool:
+    if spec.ragged:
+        return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _scalar_fits(spec.dtype, t.value_type)
+    if not spec.shape:
+        return _scalar_fits(spec.dtype, t)
+    if isinstance(t, pa.FixedShapeTensorType):
+        return tuple(t.shape) == spec.shape and _scalar_fits(spec.dtype, t.value_type)
+    if not pa.types.is_fixed_size_list(t):
+        return False
+    size = 1
+    while pa.types.is_fixed_size_list(t):
+        size *= t.list_size
+        t = t.value_type
+    return size == int(np.prod(spec.shape)) and _scalar_fits(spec.dtype, t)
+
+
+def stream_column(name: str, value: Any, single: bool) -> np.ndarray:
+    if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        value = value.to_numpy(zero_copy_only=False)
+    arr = np.asarray(value)
+    if single:
+        arr = arr.reshape(1) if arr.ndim == 0 else arr
+    if arr.ndim != 1:
+        raise SchemaError(f"stream key {name!r}: expected one value per step, got shape {list(arr.shape)}")
+    if name == "episode_id":
+        if arr.dtype.kind not in "iu":
+            raise SchemaError(f"stream key 'episode_id': expected integers, got {arr.dtype}")
+        if len(arr) and arr.min() < 0:
+            raise SchemaError("stream key 'episode_id': expected non-negative integers, got a negative one")
+        if len(arr) and arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+            raise SchemaError(f"stream key 'episode_id': {arr.max()} is over the largest id {np.iinfo(np.int64).max} "
+                              "(ids are stored as int64)")
+        return arr.astype(np.int64, copy=False)
+    if arr.dtype.kind not in "iuUSO":
+        raise SchemaError(f"stream key 'actor': expected ints or strings, got {arr.dtype}")
+    if arr.dtype.kind == "O":  # from lists or Arrow strings with nulls: every value must be one int or one string
+        kinds = {type(v) for v in arr.tolist()}
+        if not (kinds <= {int} or kinds <= {str}):
+            shown = sorted(k.__name__ for k in kinds)
+            raise SchemaError(f"stream key 'actor': expected all ints or all strings (no None), got {shown}")
+    return arr
+
+
+def _arrow_to_numpy(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> Any:
+    if isinstance(value, pa.ChunkedArray):
+        value = value.combine_chunks() if value.num_chunks != 1 else value.chunk(0)
+    if value.null_count:
+        raise SchemaError(f"field {spec.name!r}: {value.null_count} null value(s); every step needs a value")
+    nulls = _inner_nulls(value)
+    if nulls:
+        raise SchemaError(f"field {spec.name!r}: {nulls} null element(s) inside its values; every element needs a "
+                          "value (nulls would be stored as 0)")
+    t = value.type
+    if isinstance(value, pa.FixedShapeTensorArray):
+        return value.to_numpy_ndarray()
+    if pa.types.is_fixed_size_list(t):
+        flat = value.flatten()
+        inner = _arrow_to_numpy(FieldSpec(spec.name, spec.dtype), flat)
+        return inner.reshape(len(value), -1)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return value
+    return value.to_numpy(zero_copy_only=False)
+
+
+def _inner_nulls(value: pa.Array) -> int:
+    """Nulls inside the elements of a (tensor, fixed-size list or list) column, at any depth."""
+    if isinstance(value, pa.ExtensionArray):
+        value = value.storage
+    total = 0
+    while pa.types.is_fixed_size_list(value.type) or pa.types.is_list(value.type) or \
+            pa.types.is_large_list(value.type):
+        value = value.flatten()
+        total += value.null_count
+    return total
+
+
+def _convert_field(spec: FieldSpec, value: Any, single: bool) -> Any:
+    """Validate one field's values; return [n, *shape] numpy (fixed) or a pa.ListArray (ragged)."""
+    if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        if single:
+            raise SchemaError(f"field {spec.name!r}: append takes plain values, not Arrow arrays")
+        value = _arrow_to_numpy(spec, value)
+    if spec.ragged:
+        return _convert_ragged(spec, value, single)
+    if isinstance(value, pa.Array):
+        raise SchemaError(
+            f"field {spec.name!r}: expected fixed {spec.describe()} per step, got a list (ragged) column"
+        )
+    try:
+        arr = np.asarray(value)
+    except ValueError as exc:  # inhomogeneous nested lists
+        raise SchemaError(
+            f"field {spec.name!r}: expected fixed {spec.describe()} per step, got ragged values ({exc})"
+        ) from None
+    if arr.dtype == object:
+        raise SchemaError(
+            f"field {spec.name!r}: expected fixed {spec.describe()} per step, got ragged or object values"
+        )
+    if single:
+        arr = arr[None, ...]
+    if arr.ndim == 0:
+        raise SchemaError(f"field {spec.name!r}: expected a leading batch dimension, got a scalar (use append)")
+    if tuple(arr.shape[1:]) != spec.shape:
+        if arr.shape[1:] and int(np.prod(arr.shape[1:])) == int(np.prod(spec.shape)) and arr.ndim == 2 and spec.shape:
+            arr = arr.reshape((arr.shape[0], *spec.shape))  # flattened tensors from a FixedSizeList column
+        else:
+            got = list(arr.shape[1:]) if not single else list(arr.shape[1:])
+            raise SchemaError(
+                f"field {spec.name!r}: expected shape {list(spec.shape)} per step, got {got}"
+                + (f" (batch shape {list(arr.shape)})" if not single else "")
+                + "; reshape the input or fix the schema"
+            )
+    return _cast(spec, arr)
+
+
+def convert_field(spec: FieldSpec, value: Any, single: bool = False) -> Any:
+    """Validate values of one field as `validate_batch` does (no null allowed): [n, *shape] numpy for a fixed field,
+    a `pa.ListArray` for a ragged one; with `single`, one value (returned with a leading dimension of 1).
+
+    Raises:
+        SchemaError: naming the field, what was expected and what came.
+    """
+    return _convert_field(spec, value, single)
+
+
+def _cast(spec: FieldSpec, arr: np.ndarray) -> np.ndarray:
+    src, dst = arr.dtype, spec.dtype
+    if src == dst:
+        out = arr
+    elif dst.kind == "b":
+        if src.kind in "iu" and (arr.size == 0 or ((arr == 0) | (arr == 1)).all()):
+            out = arr.astype(np.bool_)
+        else:
+            raise SchemaError(f"field {spec.name!r}: expected bool, got {src}; pass booleans (or 0/1 integers)")
+    elif dst.kind in "iu":
+        if src.kind not in "iub":
+            raise SchemaError(
+                f"field {spec.name!r}: expected {dst}, got {src}; convert explicitly (no silent float->int rounding)"
+            )
+        if src.kind != "b" and arr.size:
+            info = np.iinfo(dst)
+            lo, hi = arr.min(), arr.max()
+            if lo < info.min or hi > info.max:
+                raise SchemaError(
+                    f"field {spec.name!r}: expected {dst}, got {src} with values in [{lo}, {hi}] outside "
+                    f"[{info.min}, {info.max}]"
+                )
+        out = arr.astype(dst)
+    elif dst.kind == "f":
+        if src.kind not in "iuf":
+            raise SchemaError(f"field {spec.name!r}: expected {dst}, got {src}")
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = arr.astype(dst)
+        if arr.size and (src.kind in "iu" or src.itemsize > dst.itemsize):
+            overflow = np.isinf(out) & ~np.isinf(arr) if src.kind == "f" else np.isinf(out)
+            if overflow.any():
+                raise SchemaError(f"field {spec.name!r}: {int(overflow.sum())} value(s) of {src} are out of the range "
+                                  f"of {dst} (they would be stored as infinity); scale them or widen the field")
+    else:  # pragma: no cover - _DTYPES has no other kinds
+        raise SchemaError(f"field {spec.name!r}: unsupported dtype {dst}")
+    if not spec.allow_nan and out.dtype.kind == "f" and not np.isfinite(out).all():
+        raise SchemaError(f"field {spec.name!r}: NaN or infinite values are not allowed by the schema "
+                          "(allow_nan: false)")
+    return out
+
+
+def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
+    value_type = pa.from_numpy_dtype(spec.dtype)
+    if isinstance(value, pa.Array):
+        arr = value
+        vt = arr.type.value_type
+        if vt != value_type:
+            inner = _cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
+            arr = pa.ListArray.from_arrays(arr.offsets, pa.array(inner, type=value_type))
+        elif isinstance(arr, pa.LargeListArray):
+            arr = arr.cast(pa.list_(value_type))
+        if not spec.allow_nan:
+            _cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
+        return arr
+    rows = [value] if single else value
+    if isinstance(rows, np.ndarray) and rows.dtype != object and rows.ndim == 2:
+        rows = list(rows)
+    try:
+        rows = list(rows)
+    except TypeError:
+        raise SchemaError(f"field {spec.name!r}: expected a ragged list per step, got {type(value).__name__}") from None
+    parts = []
+    for r in rows:
+        a = np.asarray(r)
+        if a.ndim != 1:
+            raise SchemaError(
+                f"field {spec.name!r}: expected a 1-D list of {spec.dtype} per step, got shape {list(a.shape)}"
+            )
+        parts.append(_cast(spec, a) if a.size else a.astype(spec.dtype))
+    lengths = np.fromiter((len(p) for p in parts), dtype=np.int32, count=len(parts))
+    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(parts) if parts else np.zeros(0, spec.dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(spec.dtype, copy=False), type=value_type))

@@ -1,0 +1,3 @@
+from .facade import ExperienceStore
+
+__all__ = ["ExperienceStore"]

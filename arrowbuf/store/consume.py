@@ -1,0 +1,602 @@
+"""Consumption per task: each task sees every row once; rows wait for their fields, groups, versions and budgets.
+
+The LLM post-training path: rollout workers write rows, later stages fill fields (`store.update`), and
+each stage ("ref", "train") consumes every row exactly once, independently of the others. A store owns one
+`ConsumeTracker` (composition: the store delegates `consume`, `add_task` and `policy_version` to it).
+
+Usage::
+
+    store = ab.ExperienceStore(schema, capacity=4096, tasks=["ref", "train"], max_staleness=1)
+    ids = store.extend(rollouts)
+    ref = store.consume("ref", 256, timeout=5.0)                      # each row once for "ref"
+    store.update(ref.indices, {"ref_logprobs": ...})
+    store.policy_version = 7
+    b = store.consume("train", 256, require=["reward", "ref_logprobs"], max_staleness=1,
+                      where="reward IS NOT NULL AND policy_version >= 6", max_tokens=65536, timeout=5.0)
+
+Mechanism:
+- Per task, one int64 per ring position holding the seq of the row the task consumed there (-1: none). A row is
+  consumed by a task iff `consumed[pos] == seq`: a new row in a recycled slot is unconsumed with no reset needed
+  (the same generation check as priority updates). A cursor per task skips the consumed prefix of the ring.
+- `consume` selects and marks rows under the store's state lock, so two consumers of one task never get the same
+  row, then gathers them outside the lock through the reader's gather (every column, ragged included). While it
+  gathers, the rows are pinned: the writer's eviction hold (below) keeps them in place, so no row is torn.
+- Blocking: `consume` waits on the store's condition variable, which commits, updates (`notify`), consumption and
+  `policy_version` changes notify; at the deadline it returns what is ready (possibly nothing).
+- Eviction hold: with tasks declared, the writer (`StoreWriter.hold`) may evict a row only once every declared task
+  consumed it, or it is stale under the store's `max_staleness`, and it is not being gathered. A writer that would
+  evict a held row waits (without the write lock, so `update` and other stages go on) up to its `timeout`, then
+  raises `InsertTimeout`; nothing is written.
+- Staleness: `consume(max_staleness=k)` drops (marks consumed for the task, counts `stale_dropped`) rows whose
+  `policy_version` is below `store.policy_version - k`. With `ExperienceStore(max_staleness=k)` writers are also
+  admitted by version: rows older than the window raise `InvalidArgument`, rows ahead of it wait for the version.
+- Groups (`ab.samplers.Group` as the store's sampler): only complete groups whose rows are all ready are delivered,
+  never split; `n` counts rows (at most `n // size` groups); staleness and `where` judge whole groups; zero-variance
+  groups are dropped for every task (`arrowbuf.samplers.group`).
+- `where=`: a SQL predicate run in `arrowbuf.query.sql`'s sandbox over the candidate rows' scalar columns only (scalar
+  fields, `episode_id`, `step`, `seq`; a later field not yet written is NULL); ragged and tensor columns are never
+  read for it. Rows that fail the filter stay unconsumed for the task (a later call may take them).
+- `max_tokens=`: a token budget over the store's `token_field` (a ragged field; default `response_tokens` when the
+  schema has it, else its only ragged field): rows (groups) in order while their token count fits; always at least
+  one, so a row longer than the budget is delivered alone rather than never.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Any, Protocol, cast, runtime_checkable
+
+import numpy as np
+import pyarrow.compute as pc
+
+from ..delivery.batch import SampleBatch
+from ..errors import InsertTimeout, InvalidArgument, SchemaError
+from ..query.filters import MAX_WHERE_CHARS, RowFilters
+from ..samplers.base import Sampler
+from ..samplers.group import GroupSampler
+from .core import StoreCore
+
+
+@runtime_checkable
+class ConsumeSurface(Protocol):
+    """Consumption per task as every store-like class offers it: `ExperienceStore`, `RemoteStore` (`ab.connect`)
+    and `ShardedStore`, with the same arguments and errors.
+
+    Usage::
+
+        def trainer(store: ConsumeSurface) -> None:
+            while True:
+                batch = store.consume("train", 256, require=["reward"], max_staleness=1, timeout=5.0)
+                ...
+                store.policy_version += 1
+    """
+
+    policy_version: int
+
+    def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None,
+                max_tokens: int | None = None) -> SampleBatch:
+        """Up to `n` rows (whole groups) `task` has not consumed, marked consumed (see `ConsumeTracker.consume`)."""
+
+    def add_task(self, name: str) -> None:
+        """Declare a consuming task."""
+
+    @property
+    def tasks(self) -> list[str]:
+        """The declared tasks."""
+
+
+class ConsumeTracker:
+    """Per-task consumption, staleness, groups and the writer's eviction/admission hold of one store.
+
+    Args:
+        core: the store's `StoreCore` (its index, columns, lock and condition).
+        reader: the store's `StoreReader` (its `gather` delivers the rows).
+        tasks: task names declared now (more with `add_task`).
+        max_staleness: store-level staleness window (admission control and stale eviction), or None.
+        token_field: the ragged field `max_tokens` counts, or None for the default (module docstring).
+    """
+
+    def __init__(self, core: StoreCore, reader: Any, tasks: Any = None, max_staleness: int | None = None,
+                 token_field: str | None = None) -> None:
+        self.core = core
+        self.reader = reader
+        self._consumed: dict[str, np.ndarray] = {}
+        self._cursor: dict[str, int] = {}
+        self._pins: dict[int, int] = {}
+        self._gathering: dict[int, tuple[str, np.ndarray]] = {}  # pin -> (task, seqs) of a batch not handed out yet
+        self._pin_ids = itertools.count()
+        self._policy_version = 0
+        self.counters = {"stale_dropped": 0, "insert_waits": 0}
+        self._delivered: dict[str, int] = {}
+        schema = core.schema
+        self.max_staleness = _check_staleness(max_staleness, "max_staleness")
+        if self.max_staleness is not None:
+            self._check_version_field()
+        if token_field is not None:
+            spec = schema.fields.get(token_field)
+            if spec is None or not spec.ragged:
+                raise SchemaError(f"token_field={token_field!r} must name a ragged field of schema {schema.name!r}; "
+                                  f"its ragged fields are {self._ragged_fields()}")
+        self.token_field = token_field
+        self.filters = RowFilters(core, self)
+        self.group: GroupSampler | None = cast(GroupSampler, core.sampler) if core.sampler.whole_groups else None
+        if self.group is not None:
+            self.group.attach(self, schema)
+        if tasks is not None:
+            if isinstance(tasks, str) or not all(isinstance(t, str) for t in tasks):
+                raise InvalidArgument(f"tasks= takes a list of task names, got {tasks!r}")
+            names = list(tasks)
+            for t in names:
+                self._check_new_task(t, names)
+            for t in names:
+                self._add(t)
+
+    # ------------------------------------------------------------------ tasks and versions
+    @property
+    def tasks(self) -> list[str]:
+        """The declared tasks, in declaration order."""
+        return list(self._consumed)
+
+    @property
+    def holds(self) -> bool:
+        """Whether writers must ask this tracker before evicting or admitting rows."""
+        return bool(self._consumed) or self.max_staleness is not None
+
+    def add_task(self, name: str) -> None:
+        """Declare task `name`: from now on it consumes every live row once, and rows wait for it before eviction.
+
+        Raises:
+            InvalidArgument: the name is not a non-empty string, or the task exists.
+        """
+        self._check_new_task(name, [])
+        with self.core.cond:
+            if name in self._consumed:
+                raise InvalidArgument(f"task {name!r} is already declared; tasks are {self.tasks}")
+            self._add(name)
+
+    def _check_new_task(self, name: Any, others: list[str]) -> None:
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise InvalidArgument(f"a task name is a non-empty string of at most 256 characters, got {name!r}")
+        if name in self._consumed or others.count(name) > 1:
+            raise InvalidArgument(f"task {name!r} is declared twice; task names are unique")
+
+    def _add(self, name: str) -> None:
+        if self.core.tier.shared:
+            raise InvalidArgument("tasks (consume) are not yet supported on a shared-memory store (tier='shm'); "
+                                  "serve a host store over Flight to share it between processes")
+        self._consumed[name] = np.full(self.core.arena_rows, -1, dtype=np.int64)
+        self._cursor[name] = 0
+        self._delivered[name] = 0
+
+    @property
+    def policy_version(self) -> int:
+        """The current policy version (default 0)."""
+        return self._policy_version
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
+        with self.core.cond:
+            self._policy_version = int(value)
+            self.core.cond.notify_all()  # admission waits on the version
+
+    def notify(self) -> None:
+        """Wake consumers and held writers after rows changed outside the commit path (commits and `store.update`
+        notify the store's condition themselves)."""
+        with self.core.cond:
+            self.core.cond.notify_all()
+
+    # ------------------------------------------------------------------ what a Group sampler reads (groups.RowView)
+    def values(self, name: str, positions: np.ndarray) -> np.ndarray:
+        """Values of scalar field or system column `name` at ring `positions` (host numpy)."""
+        idx = self.core.index
+        if name in ("episode_id", "step"):
+            return np.asarray(getattr(idx, name)[positions])
+        if name == "seq":
+            return np.asarray(idx.seq[positions])
+        return np.asarray(self.core.cols.column(name)[positions])
+
+    def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
+        """Mask: every field in `fields` is written at each of `positions` (`StoreCore.present`)."""
+        if not fields:
+            return np.ones(len(positions), dtype=bool)
+        return np.asarray(self.core.present(list(fields), positions), dtype=bool)
+
+    # ------------------------------------------------------------------ consume
+    def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None,
+                max_tokens: int | None = None) -> SampleBatch:
+        """Up to `n` rows (whole groups with a Group sampler) that `task` has not consumed, marked consumed for it.
+
+        Args:
+            task: a declared task.
+            n: most rows to deliver (with a Group: at most `n // size` groups; `n` must be at least the size).
+            require: fields every delivered row must have written (fields filled later by `update`).
+            timeout: seconds to wait for `n` ready rows (or the token budget); at the deadline, what is ready.
+            max_staleness: drop rows (groups) whose `policy_version` < `policy_version - max_staleness`.
+            where: a SQL predicate over the scalar columns (module docstring).
+            max_tokens: token budget of the batch, counted over the store's token field.
+
+        Returns:
+            A `SampleBatch` of every column (ragged included); `indices` are the rows' ids, oldest first;
+            `info` holds the task. Possibly empty.
+
+        Raises:
+            InvalidArgument: an unknown task or field, or a bad option; nothing is consumed.
+            StoreClosed: the store was closed.
+        """
+        c = self.core
+        c.check_open()
+        plan = self._plan(task, n, require, timeout, max_staleness, where, max_tokens)
+        deadline = time.monotonic() + plan["timeout"]
+        with c.cond:
+            evaluated = False
+            while True:  # commits, updates, consumption and version changes notify the condition
+                c.check_open()
+                seqs, full, pending = self._pick(plan)
+                left = deadline - time.monotonic()
+                if len(pending) and (left > 0 or not evaluated):  # rows `where` has not judged yet
+                    self.filters.evaluate(plan["where"], pending)  # releases the lock while the query runs
+                    evaluated = True
+                    continue
+                if full or left <= 0:
+                    break
+                c.waiters += 1  # commits notify the condition only when someone waits (StoreCore.notify)
+                try:
+                    c.cond.wait(left)
+                finally:
+                    c.waiters -= 1
+            if len(seqs):
+                self._consumed[task][seqs % c.arena_rows] = seqs
+                self._delivered[task] += len(seqs)
+            pin = next(self._pin_ids)
+            if len(seqs):
+                self._pins[pin] = int(seqs.min())
+                self._gathering[pin] = (task, seqs)
+        try:
+            arrays = self.reader.gather(seqs, None)
+        finally:
+            with c.cond:
+                self._pins.pop(pin, None)
+                self._gathering.pop(pin, None)
+                c.cond.notify_all()  # held writers: rows were consumed and unpinned
+        return SampleBatch(arrays, seqs, None, info={"task": task})
+
+    def _plan(self, task: Any, n: Any, require: Any, timeout: Any, max_staleness: Any, where: Any,
+              max_tokens: Any) -> dict[str, Any]:
+        """Validate a consume request before anything is touched."""
+        schema = self.core.schema
+        if not isinstance(task, str) or task not in self._consumed:
+            raise InvalidArgument(f"unknown task {task!r}; declared tasks are {self.tasks}: declare it with "
+                                  "ExperienceStore(..., tasks=[...]) or store.add_task(name)")
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"consume: n must be a positive number of rows, got {n!r}")
+        if self.group is not None and n < self.group.size:
+            raise InvalidArgument(f"consume: n={n} is less than one group ({self.group.size} rows, Group sampler); "
+                                  "groups are never split: pass n >= the group size")
+        if require is None:
+            fields: list[str] = []
+        else:
+            if isinstance(require, str):
+                require = [require]
+            fields = list(dict.fromkeys(require))
+            unknown = [f for f in fields if not isinstance(f, str) or f not in schema.fields]
+            if unknown:
+                raise InvalidArgument(f"consume: require names unknown fields {unknown}; fields are "
+                                      f"{list(schema.fields)}")
+        if timeout is None:
+            timeout = 0.0
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout < math.inf:
+            raise InvalidArgument(f"consume: timeout must be a finite number of seconds >= 0, got {timeout!r}")
+        k = _check_staleness(max_staleness, "consume: max_staleness")
+        if k is not None:
+            self._check_version_field()
+        if where is not None:
+            self.filters.check(where)
+        token_field = None
+        if max_tokens is not None:
+            if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens < 1:
+                raise InvalidArgument(f"consume: max_tokens must be a positive integer, got {max_tokens!r}")
+            token_field = self._token_field()
+        return {"task": task, "n": int(n), "require": fields, "timeout": float(timeout), "k": k, "where": where,
+                "max_tokens": None if max_tokens is None else int(max_tokens), "token_field": token_field}
+
+    def _pick(self, plan: dict[str, Any]) -> tuple[np.ndarray, bool, np.ndarray]:
+        """Under the lock: the rows to deliver now, whether the request is satisfied (else wait), and the rows the
+        `where` predicate has not judged yet. Stale and zero-variance rows found on the way are dropped (marked
+        consumed, counted)."""
+        candidates = self._candidates(plan["task"])
+        window = max(4 * plan["n"], 1024)
+        while True:  # the oldest candidates first: a batch rarely needs to look at the whole ring
+            seqs, full, pending = self._pick_from(candidates[:window], plan)
+            if len(pending) and window < len(candidates):  # one query judges every candidate (a query costs ~0.1 s)
+                ready = candidates[self.present(plan["require"], candidates % self.core.arena_rows)]
+                pending = self.filters.mask(plan["where"], ready)[1]
+            if full or len(pending) or window >= len(candidates):
+                return seqs, full, pending
+            window *= 4
+
+    def _pick_from(self, seqs: np.ndarray, plan: dict[str, Any]) -> tuple[np.ndarray, bool, np.ndarray]:
+        """`_pick` over the candidate rows `seqs` (oldest first; a prefix of them groups as all of them would)."""
+        task = plan["task"]
+        pending = seqs[:0]
+        if self.group is None:
+            if plan["k"] is not None and len(seqs):
+                stale = self._stale(seqs, plan["k"])
+                if stale.any():
+                    self._drop(task, seqs[stale])
+                    seqs = seqs[~stale]
+            seqs = seqs[self.present(plan["require"], seqs % self.core.arena_rows)]
+            if plan["where"] is not None and len(seqs):
+                ok, pending = self.filters.mask(plan["where"], seqs)
+                seqs = seqs[ok]
+            units = seqs[:, None]
+            want = plan["n"]
+        else:
+            units, pending = self._ready_groups(task, seqs, plan)
+            want = plan["n"] // self.group.size
+        if plan["max_tokens"] is not None and len(units):
+            tokens = self._tokens(plan["token_field"], units.reshape(-1)).reshape(units.shape).sum(axis=1)
+            fits = max(1, int(np.searchsorted(np.cumsum(tokens), plan["max_tokens"], side="right")))
+            if fits < min(want, len(units)):
+                return units[:fits].reshape(-1), True, pending
+        return units[:want].reshape(-1), len(units) >= want, pending
+
+    def _ready_groups(self, task: str, seqs: np.ndarray, plan: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """Complete groups among `task`'s candidate rows that may be delivered now ([groups, size] seqs)."""
+        assert self.group is not None
+        members = self.group.groups(seqs)
+        pending = seqs[:0]
+        if not len(members):
+            return members, pending
+        keep = self.group.screen(members)
+        if not keep.all():  # zero variance: dropped for every task (they never hold eviction)
+            gone = members[~keep].reshape(-1)
+            for arr in self._consumed.values():
+                arr[gone % self.core.arena_rows] = gone
+            members = members[keep]
+        if plan["k"] is not None and len(members):
+            stale = self._stale(members.reshape(-1), plan["k"]).reshape(members.shape).any(axis=1)
+            if stale.any():
+                self._drop(task, members[stale].reshape(-1))
+                members = members[~stale]
+        flat = members.reshape(-1)
+        ok = self.present(plan["require"], flat % self.core.arena_rows)
+        if plan["where"] is not None and len(flat):
+            passed, pending = self.filters.mask(plan["where"], flat[ok])
+            ok[ok] = passed
+        return members[ok.reshape(members.shape).all(axis=1)], pending
+
+    def _candidates(self, task: str) -> np.ndarray:
+        """Under the lock: live, sampleable rows `task` has not consumed, oldest first."""
+        idx = self.core.index
+        lo, hi = idx.lo, idx.hi
+        start = max(lo, self._cursor[task])
+        seqs = np.arange(start, hi, dtype=np.int64)
+        pos = seqs % self.core.arena_rows
+        done = self._consumed[task][pos] == seqs
+        self._cursor[task] = hi if done.all() else start + int(np.argmin(done))
+        return seqs[~done & idx.valid[pos] & (idx.seq[pos] == seqs)]
+
+    def _drop(self, task: str, seqs: np.ndarray) -> None:
+        self._consumed[task][seqs % self.core.arena_rows] = seqs
+        self.counters["stale_dropped"] += len(seqs)
+
+    def _stale(self, seqs: np.ndarray, k: int) -> np.ndarray:
+        return self.values("policy_version", seqs % self.core.arena_rows) < self._policy_version - k
+
+    def _tokens(self, field: str, seqs: np.ndarray) -> np.ndarray:
+        """Token count (list length) of ragged `field` for each row, read from the list offsets only."""
+        chunk_rows = self.core.directory.chunk_rows
+        pos = seqs % self.core.arena_rows
+        slots, offs = pos // chunk_rows, pos % chunk_rows
+        out = np.zeros(len(seqs), dtype=np.int64)
+        per_slot = self.core.cols.ragged[field]
+        for s in np.unique(slots):
+            lens = pc.fill_null(pc.list_value_length(per_slot[int(s)]), 0).to_numpy(zero_copy_only=False)
+            m = slots == s
+            out[m] = lens[offs[m]]
+        return out
+
+    def _token_field(self) -> str:
+        if self.token_field is not None:
+            return self.token_field
+        ragged = self._ragged_fields()
+        if "response_tokens" in ragged:
+            return "response_tokens"
+        if len(ragged) == 1:
+            return ragged[0]
+        raise InvalidArgument(f"consume(max_tokens=...) counts the tokens of a ragged field; schema "
+                              f"{self.core.schema.name!r} has {ragged or 'none'}: pass "
+                              "ExperienceStore(..., token_field=<name>)")
+
+    def _ragged_fields(self) -> list[str]:
+        return [n for n, f in self.core.schema.fields.items() if f.ragged]
+
+    def _check_version_field(self) -> None:
+        spec = self.core.schema.fields.get("policy_version")
+        if spec is None or spec.shape or spec.ragged or spec.dtype.kind not in "iu":
+            raise SchemaError(f"staleness needs an integer scalar field 'policy_version' in schema "
+                              f"{self.core.schema.name!r}; add `policy_version: {{dtype: int64}}`")
+
+    # ------------------------------------------------------------------ the writer's hold (StoreWriter.hold)
+    def wait(self, cols: dict[str, Any], n: int, timeout: float | None, deadline: float | None) -> None:
+        """Before a writer takes its write lock: wait until `n` new rows may be admitted and the rows they evict
+        are released (consumed by every task, stale, not being gathered).
+
+        Raises:
+            InvalidArgument: the batch holds rows older than the staleness window (nothing is written).
+            InsertTimeout: not admitted within `timeout` (None: no wait).
+            StoreClosed: the store was closed meanwhile.
+        """
+        c = self.core
+        versions = self._versions(cols)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        with c.cond:
+            self._check_not_too_old(versions)
+            if self._admissible(versions, n):
+                return
+            self.counters["insert_waits"] += 1
+
+            def ok() -> bool:
+                c.check_open()
+                return self._admissible(versions, n)
+
+            if left is not None and left > 0 and c.wait_for(ok, left):
+                return
+            c.check_open()
+            raise InsertTimeout(self._blocked_reason(versions, n) + (
+                "; did not wait (timeout=None)" if timeout is None else f"; waited {timeout}s")
+                + ": consume the rows, or pass a longer timeout=")
+
+    def ready(self, cols: dict[str, Any], n: int) -> bool:
+        """Under the writer's write lock: whether `n` rows may be written now (`wait` first)."""
+        versions = self._versions(cols)
+        with self.core.cond:
+            self._check_not_too_old(versions)
+            return self._admissible(versions, n)
+
+    def _versions(self, cols: dict[str, Any]) -> np.ndarray | None:
+        if self.max_staleness is None:
+            return None
+        return np.asarray(cols["policy_version"])
+
+    def _check_not_too_old(self, versions: np.ndarray | None) -> None:
+        if versions is None or not len(versions) or self.max_staleness is None:
+            return
+        floor = self._policy_version - self.max_staleness
+        if versions.min() < floor:
+            raise InvalidArgument(f"rows of policy_version {int(versions.min())} are older than the store's "
+                                  f"staleness window (policy_version {self._policy_version}, max_staleness "
+                                  f"{self.max_staleness}: at least {floor}); nothing was written: drop them or "
+                                  "regenerate with the current policy")
+
+    def _admissible(self, versions: np.ndarray | None, n: int) -> bool:
+        if versions is not None and len(versions) and self.max_staleness is not None and \
+                versions.max() > self._policy_version + self.max_staleness:
+            return False
+        return self._evictable(n)
+
+    def _evictable(self, n: int) -> bool:
+        """Whether the rows a write of `n` rows evicts (the oldest `hi + n - capacity`) are all released."""
+        held = self._held(n)
+        return held is None or not len(held)
+
+    def _held(self, n: int) -> np.ndarray | None:
+        """Seqs of the rows a write of `n` rows would evict that are not released yet (None: nothing evicted)."""
+        c = self.core
+        idx = c.index
+        lo, hi = idx.lo, idx.hi
+        stop = min(hi, hi + n - c.capacity)
+        if stop <= lo:
+            return None
+        seqs = np.arange(lo, stop, dtype=np.int64)
+        pos = seqs % c.arena_rows
+        done = np.ones(len(seqs), dtype=bool)
+        for arr in self._consumed.values():
+            done &= arr[pos] == seqs
+        if self._pins:
+            done &= seqs < min(self._pins.values())
+        if not done.all() and self.max_staleness is not None:
+            stale = self.values("policy_version", pos) < self._policy_version - self.max_staleness
+            stale &= seqs < min(self._pins.values(), default=hi)
+            done |= stale
+        return seqs[~done]
+
+    def _blocked_reason(self, versions: np.ndarray | None, n: int) -> str:
+        if versions is not None and len(versions) and self.max_staleness is not None and \
+                versions.max() > self._policy_version + self.max_staleness:
+            return (f"rows of policy_version {int(versions.max())} are ahead of the store's window (policy_version "
+                    f"{self._policy_version}, max_staleness {self.max_staleness}); they wait for "
+                    "store.policy_version to advance")
+        held = self._held(n)
+        oldest = int(held[0]) if held is not None and len(held) else -1
+        waiting = [t for t, arr in self._consumed.items() if oldest >= 0 and
+                   arr[oldest % self.core.arena_rows] != oldest]
+        return (f"the ring is full and {0 if held is None else len(held)} of the rows this write would evict are "
+                f"not yet consumed by every task (oldest id {oldest} waits for {waiting or 'a consume in progress'})")
+
+    # ------------------------------------------------------------------ checkpoints (arrowbuf.persist)
+    def state(self, seqs: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """What a checkpoint keeps of this tracker, for the live rows `seqs` (call under the store's state lock,
+        as the checkpoint's snapshot does): per task a bool per row (consumed by it), and JSON-able metadata (tasks,
+        `policy_version`, `max_staleness`, `token_field`, counters, rows delivered per task).
+
+        A batch marked consumed but still being gathered (not handed out yet) is recorded as not consumed, so a
+        store restored from this checkpoint delivers it again rather than never (at least once over a restart).
+        """
+        pos = seqs % self.core.arena_rows
+        delivered = dict(self._delivered)
+        arrays: dict[str, np.ndarray] = {}
+        for task, arr in self._consumed.items():
+            done = arr[pos] == seqs
+            for t, inflight in self._gathering.values():
+                if t == task:
+                    done &= ~np.isin(seqs, inflight)
+                    delivered[t] -= len(inflight)
+            arrays[task] = done
+        meta = {"tasks": self.tasks, "policy_version": self._policy_version, "max_staleness": self.max_staleness,
+                "token_field": self.token_field, "counters": dict(self.counters), "delivered": delivered}
+        return meta, arrays
+
+    def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Put back what `state` recorded, for the rows now at `seqs` (a fresh store built with the recorded tasks,
+        `max_staleness` and `token_field`; call under the store's state lock, as restore does).
+
+        Raises:
+            InvalidArgument: a recorded task is not declared here, or an array does not match `seqs`.
+        """
+        pos = seqs % self.core.arena_rows
+        for task in meta.get("tasks", []):
+            if task not in self._consumed:
+                raise InvalidArgument(f"checkpointed task {task!r} is not declared in the restored store "
+                                      f"(tasks {self.tasks}); declare it before loading its state")
+            done = np.asarray(arrays[task], dtype=bool)
+            if len(done) != len(seqs):
+                raise InvalidArgument(f"consumption record of task {task!r} has {len(done)} rows for "
+                                      f"{len(seqs)} rows")
+            self._consumed[task][pos[done]] = seqs[done]
+            self._cursor[task] = 0
+            self._delivered[task] = int(meta.get("delivered", {}).get(task, 0))
+        self._policy_version = int(meta.get("policy_version", 0))
+        for k, v in meta.get("counters", {}).items():
+            if k in self.counters:
+                self.counters[k] = int(v)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        """Counters for `store.stats()` (call under the store's lock)."""
+        out: dict[str, Any] = {"policy_version": self._policy_version, "tasks": self.tasks,
+                               "consumed": dict(self._delivered), **self.counters}
+        out["groups_dropped_zero_variance"] = self.group.dropped_groups if self.group is not None else 0
+        return out
+
+
+def check_store_options(tier: Any, sampler: Any, tasks: Any) -> None:
+    """Before a store allocates anything: consumption per task and groups keep their state in this process's heap,
+    so a shared-memory store cannot have them (yet).
+
+    Raises:
+        InvalidArgument: `tier="shm"` with `tasks` or a `Group` sampler.
+    """
+    if tier != "shm" and not getattr(tier, "shared", False):
+        return
+    if tasks or (isinstance(sampler, Sampler) and sampler.process_local):
+        raise InvalidArgument("tasks (consume) and Group samplers are not yet supported on a shared-memory store "
+                              "(tier='shm'): their state lives in one process; serve a host store over Flight to "
+                              "share it between processes")
+
+
+def _check_staleness(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{what} must be a non-negative integer number of policy versions, got {value!r}")
+    return int(value)
+
+
+__all__ = ["MAX_WHERE_CHARS", "ConsumeSurface", "ConsumeTracker", "check_store_options"]

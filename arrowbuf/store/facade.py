@@ -1,0 +1,678 @@
+"""ExperienceStore: a ring of schema-validated experience in Arrow-compatible columnar arenas.
+
+Usage::
+
+    store = ExperienceStore(load_schema("schemas/atari.yaml"), capacity=100_000, seed=0)
+    store.extend({"obs": obs, "action": a, "reward": r, "terminated": term, "truncated": trunc,
+                  "next_obs": next_obs})          # next_obs is read only on the steps that end an episode
+    batch = store.sample(256)                       # SampleBatch; batch.to_numpy()["next_obs"] is derived
+    store.sql("SELECT episode_id, sum(reward) FROM experience GROUP BY 1")
+
+The store is a facade: it builds the parts (`arrowbuf.store.core.StoreCore`: ring index, column arenas, sampler,
+locks) and delegates writing to a `StoreWriter` (`arrowbuf.store.writer`: append, extend, flush; a batch commits once,
+atomically) and reading to a `StoreReader` (`arrowbuf.store.reader`: sample, update_priorities, consistent snapshots
+for to_table, sql and episodes). Column bytes live in `arrowbuf.ring.columns` (one arena per column, or per column and
+tier for a store with `tiers=`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
+
+import numpy as np
+import pyarrow as pa
+
+from ..delivery.batch import SampleBatch
+from ..errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed, StoreCorrupt
+from ..placement import PlacementTarget, make_placement, placement_table
+from ..rate_limiters import RateLimiter
+from ..ring.chunks import ChunkDirectory, default_chunk_rows
+from ..ring.columns import ColumnArenas
+from ..ring.index import HEADER, RingIndex
+from ..ring.reservations import Reservations
+from ..ring.tiered import TieredColumnArenas
+from ..samplers import Sampler, make_sampler
+from ..samplers.spec import from_spec, to_spec
+from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
+from ..tiers.base import Tier, format_bytes
+from ..tiers.host import HostTier
+from .consume import ConsumeTracker, check_store_options
+from .core import StoreCore
+from .episodes import EpisodeTracker
+from .reader import RowSnapshot, StoreReader
+from .update import StoreUpdater
+from .writer import StoreWriter
+
+_SMALL_FINAL_OBS_BYTES = 64 << 20
+
+
+class ExperienceStore:
+    """An in-process experience store: a FIFO ring of `capacity` rows with pluggable sampling and rate limiting.
+
+    Args:
+        schema: an `ExperienceSchema`, or anything `load_schema` takes (path, dict, `pa.Schema`).
+        capacity: rows (steps) held; the ring keeps the newest `capacity` committed rows.
+        sampler: "uniform" (default), "fifo", or an `ab.samplers` instance.
+        rate_limiter: an `ab.rate_limiters` instance, or None (sample whenever a row is sampleable).
+        seed: seed for reproducible sampling.
+        chunk_rows: rows per chunk (default: about 2 MiB of row data).
+        final_obs_capacity: slots for episodes' final observations when the schema derives `next_obs`
+            (default: enough for every row when small, else capacity // 16).
+        max_times_sampled: an item (a row; a window for `samplers.Sequence`) stops being sampleable after this many
+            deliveries; it keeps its ring slot until evicted and still serves as a successor (n-step returns,
+            next observations, other windows). A batch then holds distinct items, so `sample(n)` needs n eligible
+            items: with fewer it waits for more up to `timeout`, then raises `SampleTimeout` (it never returns a
+            short batch). None: no limit.
+        tier: where the arenas live: "host" (default), "shm" (shared memory: other processes open the same store
+            with `ExperienceStore.attach(name)`; see `arrowbuf.tiers.shm`), or a `Tier` instance.
+        name: the store's name (default: the schema's); a shared store's name in /dev/shm.
+        tiers: byte budgets per memory tier for a store whose columns live in several tiers, e.g.
+            `{"gpu": "8GiB", "host": "16GiB", "disk": "spill/"}` (disk: a spill directory, or `("spill/", "100GiB")`;
+            any value may also be a `Tier`). Residency is decided per (column, chunk) by `placement`; budgets are
+            never exceeded. The index lives on the host (within the host budget). See `arrowbuf.ring.columns`.
+        placement: an `ab.placement` policy (default: `ab.placement.BandwidthAware()` when several tiers are given).
+        tasks: names of the tasks that `consume` rows (each sees every row once; rows wait for them before
+            eviction); more with `add_task`. See `arrowbuf.store.consume`.
+        max_staleness: admission control by policy version: rows older than `policy_version - max_staleness`
+            are refused, rows newer than `policy_version + max_staleness` wait (`InsertTimeout`); stale rows may be
+            evicted unconsumed. Needs an integer `policy_version` field.
+        token_field: the ragged field `consume(max_tokens=...)` counts (default: `response_tokens`, or the only
+            ragged field).
+    """
+
+    def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
+                 rate_limiter: RateLimiter | None = None, seed: int | None = None, *,
+                 chunk_rows: int | None = None, final_obs_capacity: int | None = None,
+                 max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None,
+                 tiers: dict[str, Any] | None = None, placement: Any = None, tasks: Any = None,
+                 max_staleness: int | None = None, token_field: str | None = None) -> None:
+        self.schema: ExperienceSchema = load_schema(schema)
+        check_store_options(tier, sampler, tasks)  # before anything is allocated
+        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
+            raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
+        self.capacity = int(capacity)
+        self.name = name or self.schema.name
+        self.placement_policy: Any = None
+        self._core: StoreCore | None = None
+        if tiers is None:
+            self._tier = _make_tier(tier, self.name, self.schema)
+            data_tiers = [self._tier]
+        else:
+            if tier != "host":
+                raise InvalidArgument("pass either tier= (one tier) or tiers= (budgets per tier), not both")
+            from ..tiers import make_tiers
+
+            self._tier, data_tiers = make_tiers(tiers)
+        try:
+            self._build(data_tiers, chunk_rows, final_obs_capacity, max_times_sampled, sampler, rate_limiter, seed,
+                        placement)
+            assert self._core is not None  # per-task consumption, staleness, groups
+            self._consume: ConsumeTracker = ConsumeTracker(self._core, self._reader, tasks, max_staleness,
+                                                           token_field)
+            if self._consume.holds:
+                self._writer.hold = self._consume
+        except BaseException:
+            for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
+                if not t.shared:
+                    t.close()
+            raise
+
+    def _build(self, data_tiers: list[Tier], chunk_rows: int | None, final_obs_capacity: int | None,
+               max_times_sampled: int | None, sampler: Any, rate_limiter: Any, seed: int | None,
+               placement: Any) -> None:
+        self._data_tiers = data_tiers
+        self._data_tier = data_tiers[0]
+        self.chunk_rows = int(chunk_rows or default_chunk_rows(self.schema.row_bytes, self.capacity))
+        stored = [*self.schema.fields, *SYSTEM_COLUMNS]
+        self.directory = ChunkDirectory(self.capacity, self.chunk_rows, stored, [t.name for t in data_tiers],
+                                        self._tier)
+        self.arena_rows = self.directory.arena_rows
+        self.index = RingIndex(self._tier, self.capacity, self.arena_rows)
+        # final observations of ended episodes, appended after the ring rows of each next_of source arena
+        self._final_sources = sorted({d.next_of for d in self.schema.derived.values()})
+        self.final_capacity = self._final_obs_capacity(final_obs_capacity) if self._final_sources else 0
+        self._tier.reserve(self._planned_bytes(max_times_sampled))  # a shared tier fails here if it cannot fit
+        for t in data_tiers:
+            if t is not self._tier and not t.slotted:  # a whole ring of every column (a disk checks its free space)
+                t.reserve(self._planned_bytes(None) - 8 * max(1, self.final_capacity))
+        if len(data_tiers) > 1:
+            self._cols: ColumnArenas = TieredColumnArenas(self.schema, self.directory, self._tier, data_tiers,
+                                                          self.final_capacity, self._final_sources, self.index)
+        else:
+            self._cols = ColumnArenas(self.schema, self.directory, self._data_tier, self.final_capacity,
+                                      self._final_sources)
+        self._final_owner = self._tier.allocate("index.final_owner", np.dtype(np.int64), max(1, self.final_capacity))
+        if self._tier.fresh:  # never re-initialise memory another process already uses
+            self._final_owner.fill(-1)
+        # episode ids come from the shared header, so writer processes of a shared store never hand out one twice
+        self._episodes = EpisodeTracker(self.index.header[HEADER["next_episode_id"]:HEADER["next_episode_id"] + 1])
+        self._lock = self._tier.lock("state")  # cross-process locks for a shared tier
+        self._write_lock = self._tier.lock("write")
+        self._rng = np.random.default_rng(seed)
+        if max_times_sampled is not None and max_times_sampled < 1:
+            raise InvalidArgument(f"max_times_sampled must be >= 1, got {max_times_sampled}")
+        self._max_times_sampled = int(max_times_sampled or 0)
+        self.sampler = make_sampler(sampler)
+        self.rate_limiter = rate_limiter
+        self._times_sampled = (self._tier.allocate("index.times_sampled", np.dtype(np.int32), self.arena_rows)
+                               if self._max_times_sampled else np.zeros(0, np.int32))
+        if self._tier.fresh:
+            self._times_sampled.fill(0)
+        self._core = StoreCore(self.schema, self.name, self.capacity, self._tier, self._cols, self.directory,
+                               self.index, self.sampler, rate_limiter, self._rng, self._episodes, self._final_owner,
+                               self._times_sampled, self._max_times_sampled, self._lock, self._write_lock,
+                               Reservations(self._tier, self.index.header, HEADER["hi"]))
+        self._cond = self._core.cond
+        self._writer = StoreWriter(self._core)
+        self._reader = StoreReader(self._core)
+        self._updater = StoreUpdater(self._core)  # store.update
+        self.sampler.bind(self.index, self._rng,
+                          has_next=self._reader.has_next if self._max_times_sampled else None)
+        if isinstance(self._cols, TieredColumnArenas):
+            self._cols.initial_placement()
+        for t in {id(t): t for t in [self._tier, *data_tiers]}.values():
+            if t.budget is not None and t.nbytes() > t.budget:
+                raise OutOfSpace(f"{t.name} tier: the store needs {format_bytes(t.nbytes())} there (index, samplers"
+                                 f"{', the whole ring of every column' if t is data_tiers[-1] else ''}) but its "
+                                 f"budget is {format_bytes(t.budget)}; raise the budget"
+                                 + (" or add a disk tier: tiers={..., 'disk': 'spill/'}"
+                                    if t is data_tiers[-1] and t.name != "disk" else ""))
+        self._placement_target = PlacementTarget(self.schema, self._cols, self.directory, self.index, self.sampler,
+                                                 self._lock, self._write_lock, self.capacity, self.name,
+                                                 self._data_tier)  # what a placement policy sees of this store
+        self.placement_policy = make_placement(placement, len(data_tiers))
+        if self.placement_policy is not None:
+            self.placement_policy.bind(self._placement_target)
+            self._reader.count_access = True
+        if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
+            self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity, "chunk_rows": self.chunk_rows,
+                             "final_obs_capacity": self.final_capacity or None, "sampler": to_spec(self.sampler),
+                             "rate_limiter": to_spec(self.rate_limiter), "max_times_sampled": max_times_sampled})
+
+    @classmethod
+    def attach(cls, name: str, *, seed: int | None = None, timeout: float = 0.0,
+               allow_other_owner: bool = False) -> ExperienceStore:
+        """Open the shared store `name` (made with `tier="shm"`) from any process on the node: the same store over the
+        same memory, with the same surface (append, extend, sample, update_priorities, to_table, sql, ...).
+
+        Args:
+            name: the shared store's name.
+            seed: seed of this process's sampling.
+            timeout: seconds to wait for the store to be created and sealed.
+            allow_other_owner: open a store that another local user created (refused by default: that user could
+                feed this process rows; see docs/security.md).
+
+        Raises:
+            StoreNotFound: no live store of that name (its owner died: the janitor reclaimed it).
+            StoreNotTrusted: the store belongs to another user (without `allow_other_owner`) or others can write it.
+            StoreCorrupt: its manifest or files are malformed or were tampered with; the message names the file.
+        """
+        from ..tiers.shm import SharedMemoryTier
+
+        tier = SharedMemoryTier.attach(name, timeout=timeout, allow_other_owner=allow_other_owner)
+        try:
+            m = tier.manifest
+            where = f"shared store {name!r}: its manifest {tier.manifest_file}"
+            try:
+                schema = load_schema(m["schema"])
+            except SchemaError as exc:
+                raise StoreCorrupt(f"{where} has an invalid schema ({str(exc)[:300]}); the store cannot be attached. "
+                                   "Recreate it (or remove it with `arrowbuf shm rm`)") from None
+            return cls(schema, m["capacity"], from_spec(m["sampler"], where), from_spec(m["rate_limiter"], where),
+                       seed, chunk_rows=m["chunk_rows"], final_obs_capacity=m["final_obs_capacity"],
+                       max_times_sampled=m["max_times_sampled"], tier=tier, name=m["name"])
+        except BaseException:
+            tier.close()
+            raise
+
+    def _planned_bytes(self, max_times_sampled: int | None) -> int:
+        """Bytes the arenas will take (checked against a shared tier's free space before anything is written)."""
+        rows = self.arena_rows
+        data = sum(f.row_bytes * (rows + (self.final_capacity if f.name in self._final_sources else 0))
+                   for f in self.schema.fields.values() if not f.ragged)
+        if self._tier.shared:  # ragged fields in tier memory (arrowbuf.ring.ragged_arena)
+            from ..ring.ragged_arena import planned_bytes
+
+            data += sum(planned_bytes(f, self.chunk_rows, self.directory.num_slots, rows)
+                        for f in self.schema.fields.values() if f.ragged)
+        return data + 8 * max(1, self.final_capacity) + (4 * rows if max_times_sampled else 0)
+
+    # ------------------------------------------------------------------ construction helpers
+    def _final_obs_capacity(self, requested: int | None) -> int:
+        spare = self.directory.spare_rows
+        if requested is not None:
+            if requested < 1:
+                raise InvalidArgument(f"final_obs_capacity must be >= 1, got {requested}")
+            return max(int(requested), spare)
+        row_bytes = sum(self.schema.fields[s].row_bytes for s in self._final_sources)
+        if row_bytes * self.capacity <= _SMALL_FINAL_OBS_BYTES:
+            return max(self.capacity, spare)
+        return max(self.capacity // 16, spare)
+
+    # ------------------------------------------------------------------ properties
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __repr__(self) -> str:
+        return (f"ExperienceStore(name={self.name!r}, schema={self.schema.name!r}, size={len(self)}, "
+                f"capacity={self.capacity}, sampler={type(self.sampler).__name__})")
+
+    @property
+    def _arenas(self) -> dict[str, np.ndarray]:
+        """The column arrays (ring rows, then final-observation rows) of a single-tier store."""
+        return self._cols.arrays
+
+    @property
+    def closed(self) -> bool:
+        return self._core is None or self._core.closed
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StoreClosed(f"store {self.name!r} is closed")
+
+    # ------------------------------------------------------------------ writing (StoreWriter)
+    def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
+        """Add one step (a dict of scalars and arrays). Returns the new row's id (an int: its seq).
+
+        Steps that already have the schema's dtypes and shapes take a scalar fast path; anything else goes through
+        the full validation of `extend` (same errors, same result).
+
+        Raises:
+            SchemaError: the step does not match the schema; nothing is stored.
+            InsertTimeout: the rate limiter held the insert back past `timeout` seconds.
+        """
+        return self._writer.append(step, timeout=timeout)
+
+    def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
+        """Add many steps: a dict of arrays with a leading dim, a `pa.RecordBatch` or a `pa.Table`.
+
+        The batch is atomic: its rows become visible to `sample`, `len` and `to_table` all at once, when this
+        returns, and a writer that dies before that leaves none of them (`arrowbuf.store.writer`). A batch longer than
+        the capacity keeps its newest rows (the older ones are counted as inserted but never visible).
+
+        Returns:
+            The new rows' ids, a 1-D `np.ndarray[int64]` (their seqs; the ids `SampleBatch.indices` uses and
+            `update_priorities` takes).
+
+        Raises:
+            SchemaError: the batch does not match the schema; nothing is stored.
+            InsertTimeout: the rate limiter held the insert back past `timeout` seconds (a writer waits for the
+                limiter without holding the store's write lock: other writers go on).
+        """
+        return self._writer.extend(batch, timeout=timeout)
+
+    def flush(self, actor: Any = None, **final: Any) -> bool:
+        """End `actor`'s open episode at its last stored step, so that step becomes sampleable now.
+
+        With a derived field (`next_obs`), the last step of an open episode waits for the episode's next step to
+        know its next observation; until then it is not sampleable, and a FIFO queue (`samplers.Fifo`) stops in front
+        of it: an idle actor's open step holds back everything written after it. `flush` gives that step its next
+        observation as a final one (pass each derived field, e.g. `flush(actor, next_obs=obs)`: the observation the
+        actor sees now) and treats it as a truncation: n-step returns bootstrap from it. The actor's next step
+        starts a new episode.
+
+        Args:
+            actor: the stream (the `actor` key its rows were written with; None: rows written without one).
+            **final: the derived fields of the step's successor (needed when the step waits for them).
+
+        Returns:
+            True when a waiting step became sampleable; False when the stream had none (its episode just ends).
+
+        Raises:
+            SchemaError: a derived field is missing or has the wrong shape.
+        """
+        return self._writer.flush(actor, final)
+
+    # ------------------------------------------------------------------ fields filled later
+    def update(self, ids: Any, values: dict[str, Any]) -> int:
+        """Fill fields declared `later: true` of stored rows: `store.update(ids, {"reward": r})`.
+
+        Atomic per call and validated like `extend`; ids of evicted or replaced rows are skipped and counted in
+        `stats()["update_skipped"]`. See `arrowbuf.store.update`.
+
+        Args:
+            ids: ids that `extend`/`append` returned (a 1-D array, or one int with one value per field).
+            values: {field: one value per id}; ragged fields take one list (or a `pa.ListArray`) per id.
+
+        Returns:
+            The number of rows written.
+
+        Raises:
+            SchemaError: an unknown field, a field not filled later, a wrong dtype, shape or length; nothing written.
+            InvalidArgument: an id this store never issued, or an id given twice; nothing written.
+        """
+        return self._updater.update(ids, values)
+
+    def present(self, fields: list[str], ids: Any) -> np.ndarray:
+        """Per id, whether every one of `fields` has a value (False for ids whose row is no longer stored)."""
+        seqs = np.atleast_1d(np.asarray(ids, dtype=np.int64))
+        with self._lock:
+            live = self.index.live(seqs)
+            return live & self._core.present(fields, seqs % self.arena_rows)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ reading (StoreReader)
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
+               n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
+        """Sample `n` items (see `StoreReader.sample` for the arguments).
+
+        Raises:
+            SampleTimeout: nothing could be served within `timeout`.
+        """
+        return self._reader.sample(n, columns, timeout, n_step=n_step, gamma=gamma)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
+
+        Returns the number of ids applied.
+
+        Raises:
+            InvalidArgument: counts differ, or a priority is NaN, infinite, negative or too large; nothing applied.
+        """
+        return self._reader.update_priorities(indices, priorities)
+
+    # ------------------------------------------------------------------ consumption per task
+    # Thin delegation to `arrowbuf.store.consume.ConsumeTracker`.
+    def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None,
+                max_tokens: int | None = None) -> SampleBatch:
+        """Up to `n` rows (whole groups with `samplers.Group`) that `task` has not consumed yet, marked consumed.
+
+        Args:
+            task: a declared task (`tasks=` or `add_task`); each task sees every row once.
+            n: most rows to deliver; with a Group sampler at most `n // size` whole groups.
+            require: fields every delivered row must have written (fields filled later by `update`).
+            timeout: seconds to wait for `n` ready rows (or the token budget); then what is ready, maybe nothing.
+            max_staleness: rows with `policy_version < store.policy_version - max_staleness` are dropped (counted in
+                `stats()["stale_dropped"]`), never delivered.
+            where: a SQL predicate over the scalar columns, e.g. `"reward > 0 AND policy_version >= 3"`.
+            max_tokens: token budget of the batch over the store's `token_field` (at least one row is delivered).
+
+        Returns:
+            A `SampleBatch` of every column; `indices` are the rows' ids, oldest first.
+
+        Raises:
+            InvalidArgument: an unknown task, an unknown field, a bad option or predicate; nothing is consumed.
+        """
+        return self._consume.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
+                                     where=where, max_tokens=max_tokens)
+
+    def add_task(self, name: str) -> None:
+        """Declare a consuming task: it sees every live row once, and rows wait for it before eviction.
+
+        Raises:
+            InvalidArgument: a bad or duplicate name.
+        """
+        self._consume.add_task(name)
+        self._writer.hold = self._consume
+
+    @property
+    def tasks(self) -> list[str]:
+        """The declared consuming tasks."""
+        return self._consume.tasks
+
+    @property
+    def policy_version(self) -> int:
+        """The current policy version (settable; default 0): the reference of `max_staleness`."""
+        return self._consume.policy_version
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self._consume.policy_version = value
+
+    # ------------------------------------------------------------------ inspection
+    def to_table(self, columns: Iterable[str] | None = None) -> pa.Table:
+        """The live rows, oldest first, as a `pa.Table` of the stored columns: a consistent snapshot.
+
+        Each row is exactly as committed (no row half-replaced, no part of a batch), the rows are one contiguous
+        seq range ending at the newest row committed at the call, and the table is a copy: writers go on without
+        changing it. If writers replace rows faster than they are copied, the table starts at the oldest row still
+        intact (see `arrowbuf.store.reader`).
+        """
+        return self._reader.snapshot(columns).table
+
+    def iter_table(self, columns: Iterable[str] | None = None, *, max_rows: int | None = None
+                   ) -> Iterator[pa.RecordBatch]:
+        """The live rows as a stream of consistent, copied record batches, about one chunk in memory at a time.
+
+        The rows are those committed at the call (nothing newer), oldest first, each exactly as committed (no torn
+        or half-replaced row, even while writers run). Rows that writers evict before the stream reaches them are
+        skipped (a gap in `seq`), never yielded torn. See `StoreReader.iter_snapshot`.
+
+        Args:
+            columns: stored columns (default: all of them).
+            max_rows: at most this many rows per batch (default: one chunk's rows).
+
+        Raises:
+            SchemaError: an unknown column (at the call). InvalidArgument: a bad `max_rows`.
+        """
+        return self._reader.iter_snapshot(columns, max_rows)
+
+    def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
+        """`to_table` with the seq range it covers: a `RowSnapshot` (lo, hi, live_lo, table). See
+        `arrowbuf.store.reader`."""
+        return self._reader.snapshot(columns)
+
+    def to_pandas(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows as a pandas DataFrame (tensor columns as arrays per row). Needs `arrowbuf[query]`."""
+        from ..query.frames import table_to_pandas
+
+        return table_to_pandas(self.to_table(columns))
+
+    def to_polars(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows as a Polars DataFrame (tensors as Array columns). Needs `arrowbuf[query]`."""
+        from ..query.frames import table_to_polars
+
+        return table_to_polars(self.to_table(columns))
+
+    def sql(self, query: str) -> pa.Table:
+        """Run DuckDB SQL over the live rows; the store is the table `experience`. Needs `arrowbuf[query]`."""
+        from ..query.frames import run_sql
+
+        return run_sql(self, query)
+
+    def episodes(self) -> pa.Table:
+        """One row per episode with live rows: episode_id, length, return, first_seq, last_seq, complete."""
+        from ..query.frames import episode_table
+
+        return episode_table(self)
+
+    def stats(self) -> dict[str, Any]:
+        """Size, counters and memory of the store."""
+        with self._lock:
+            idx = self.index
+            out = {
+                "name": self.name,
+                "schema": self.schema.name,
+                "size": len(idx),
+                "capacity": self.capacity,
+                "first_seq": idx.lo,
+                "next_seq": idx.hi,
+                "inserts": idx.counter("inserts"),
+                "samples": idx.counter("samples"),
+                "chunk_rows": self.chunk_rows,
+                "chunks": self.directory.num_slots,
+                "sealed_chunks": self.directory.sealed_chunks(idx.lo, idx.hi),
+                "open_episodes": self._episodes.open_episodes(),
+                "final_obs_capacity": self.final_capacity,
+                "bytes": {t.name: t.nbytes() for t in {id(t): t for t in [self._tier, *self._data_tiers]}.values()},
+                "final_obs_dropped": idx.counter("final_obs_dropped"),
+                "torn_retries": idx.counter("torn_retries"),
+                "priority_updates_ignored": idx.counter("priority_updates_ignored"),
+                "removed": idx.counter("removed"),
+                # steps `append` stored through the general path (this process; `arrowbuf.store.stepcheck`), by reason
+                "append_slow_path": sum(self._writer.slow_counts.values()),
+                "append_slow_reasons": dict(self._writer.slow_counts),
+                "update_skipped": idx.counter("update_skipped"),
+                # pages of the ring prepared ahead of the write head (tiers/prefault.py); None: not prepared
+                "prefault": None if self._cols.pages is None else self._cols.pages.describe(),
+                **self.sampler.describe(),
+                **self._consume.stats(),
+                "output_pool": self._reader.outputs.stats(),  # reused gather outputs (arrowbuf.ring.outpool)
+            }
+            if isinstance(self._cols, TieredColumnArenas):
+                out["placement"] = dict(self._cols.counters)
+        return out
+
+    def placement(self, explain: bool = False) -> pa.Table:
+        """Where the columns live: one row per (column, tier) with the chunk slots and bytes there.
+
+        With `explain=True`, also why (from the placement policy's last step): the column's share of sampled rows
+        (`access_share`, `rows_per_s`), the share of the sampling mass in those chunks (`mass`), their value per
+        byte, the tier's read bandwidth (`read_gbps`) and a sentence (`why`). See `arrowbuf.placement`.
+        """
+        self._check_open()
+        with self._lock:
+            return placement_table(self._placement_target, self.placement_policy, explain)
+
+    def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
+        tensor type: sample tensor columns with `sample(...).to_torch("cuda")` (or a GPU tier). Needs
+        `pip install 'arrowbuf[gpu]'` and a GPU."""
+        from ..tiers.gpu import to_cudf
+
+        scalar = [n for n, f in self.schema.fields.items() if not f.shape and not f.ragged]
+        names = list(columns) if columns is not None else [*scalar, "episode_id", "step", "seq"]
+        tensors = [n for n in names if n in self.schema.fields and (self.schema.fields[n].shape
+                                                                     or self.schema.fields[n].ragged)]
+        if tensors:
+            raise SchemaError(f"to_cudf() takes scalar and metadata columns; {tensors} are tensor or list columns "
+                              "(cuDF has no fixed-shape tensor type): read them with sample(...).to_torch('cuda')")
+        return to_cudf(self.to_table(names))
+
+    def chunks(self) -> pa.Table:
+        """The chunk directory of the live rows: slot, first_seq, rows, sealed, tier per column."""
+        with self._lock:
+            return self.directory.table(self.index.lo, self.index.hi)
+
+    # ------------------------------------------------------------------ persistence
+    # Thin entry points into `arrowbuf.persist`; `_persist_parts` is the one place persist gets the store's parts.
+    def _persist_parts(self) -> Any:
+        """The components `arrowbuf.persist` checkpoints and restores (see `arrowbuf.persist.parts`)."""
+        from ..persist.parts import StoreParts
+
+        self._check_open()
+        config = {"name": self.name, "capacity": self.capacity, "chunk_rows": self.chunk_rows,
+                  "final_obs_capacity": self.final_capacity or None,
+                  "max_times_sampled": self._max_times_sampled or None}
+        tier = "tiered" if isinstance(self._cols, TieredColumnArenas) else self._tier.name
+        return StoreParts(self.schema, self._cols, self.directory, self.index, self.sampler, self._episodes,
+                          self._rng, self._final_owner, self._times_sampled, self._lock, self._write_lock, config,
+                          self.rate_limiter, tier, consume=self._consume)
+
+    def checkpoint(self, path: Any, keep: int | None = None, background: bool = False,
+                   compression: str | None = None) -> Any:
+        """Write a consistent, incremental, atomic checkpoint into directory `path`; writers and samplers go on.
+
+        The snapshot point is the call: the checkpoint holds the rows committed then (one contiguous seq range
+        ending there, each row exactly as committed) and the sampler, rate-limiter, episode and RNG state of that
+        instant. Sealed chunks already in `path` are reused; only new chunks, the open tail and the state files are
+        written; `_manifest.json` is replaced atomically, so a crash leaves the previous checkpoint restorable. If
+        the ring overwrites rows faster than they are copied, the oldest chunks that were overwritten meanwhile
+        (and everything older) are left out: the checkpoint then starts at the oldest chunk still intact
+        (`dropped_rows` says how many went). Never a torn row. Layout: docs/format.md.
+
+        Args:
+            path: the checkpoint directory (an Arrow IPC dataset; made if missing).
+            keep: keep the newest `keep` checkpoints (their files); None keeps all.
+            background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread,
+                at a lower CPU priority than the process's other threads (`persist.checkpoint.BACKGROUND_NICE`).
+            compression: None (uncompressed, memory-mappable: the default), or "zstd"/"lz4" for archives.
+
+        Returns:
+            A summary dict (generation, rows, files written and reused, bytes), or a handle with `background=True`.
+        """
+        from ..persist import checkpoint
+
+        return checkpoint(self, path, keep=keep, background=background, compression=compression)
+
+    @classmethod
+    def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
+                seed: int | None = None, name: str | None = None, schema: Any = None) -> ExperienceStore:
+        """The store checkpointed at `path`: same rows under the same ids, same sampler, limiter and episode state.
+
+        Args:
+            path: a checkpoint directory (`checkpoint`).
+            tier: where the restored store lives ("host", "shm", ...); tiers: byte budgets, as the constructor.
+            seed: None continues the checkpointed RNG (the same batches the original would have drawn next);
+                an int reseeds sampling.
+            name: the restored store's name (default: the checkpointed one's).
+            schema: when given, the schema the caller expects: a checkpoint whose fields differ raises SchemaError.
+
+        Raises:
+            StoreCorrupt: a file is missing, truncated or corrupt (the message names it).
+            SchemaError: `schema` differs from the checkpoint's (the message names the fields).
+        """
+        from ..persist import restore
+
+        return cast("ExperienceStore", restore(path, tier=tier, tiers=tiers, seed=seed, name=name, schema=schema,
+                                               cls=cls))
+    def export(self, path: Any, format: str = "parquet", partition_by: Any = None,
+               compression: str | None = None) -> dict[str, Any]:
+        """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
+        `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
+        `ExperienceStore.from_dataset` read it back. Writers wait while rows are copied (sampling goes on).
+        Returns rows and path. See `arrowbuf.persist.datasets`."""
+        from ..persist import export
+
+        return export(self, path, format=format, partition_by=partition_by, compression=compression)
+
+    @classmethod
+    def from_dataset(cls, path: Any, capacity: int | None = None, *, schema: Any = None,
+                     **kwargs: Any) -> ExperienceStore:
+        """A new store filled from a dataset directory: an arrowbuf export or checkpoint, Parquet with arrowbuf's
+        schema, or a Minari dataset with the Arrow backend (the newest `capacity` rows when there are more; default:
+        all). `schema=` checks the dataset against a schema (SchemaError naming the fields); other keyword
+        arguments go to the constructor (sampler, seed, tier, ...)."""
+        from ..persist import from_dataset
+
+        return cast("ExperienceStore", from_dataset(path, capacity, schema=schema, **kwargs))
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Release the store's memory; idempotent. Waiting samples and inserts raise `StoreClosed`.
+
+        Shared store: releases this process's mappings and lease. The creator's close also removes the store's name
+        (as `unlink`): processes still attached keep working on their mappings until they close; new attaches fail.
+        """
+        if self.closed:
+            return
+        assert self._core is not None
+        with self._cond:
+            self._core.closed = True
+            self._cond.notify_all()
+        if self.placement_policy is not None:  # no move may run while the arenas go
+            self.placement_policy.close()
+        with self._write_lock:
+            self._cols.close()
+            for t in {id(t): t for t in [*self._data_tiers, self._tier]}.values():
+                t.close()
+        self._reader.outputs.clear()  # pooled gather outputs (batches callers still hold stay valid)
+
+    def unlink(self) -> None:
+        """Shared store: remove its name now (from any process); users keep their mappings until they close."""
+        self._tier.unlink()
+
+    def __reduce__(self) -> Any:
+        if self._tier.shared:  # a shared store pickles by name: the receiving process attaches to it
+            return (ExperienceStore.attach, (self.name,))
+        raise TypeError(f"store {self.name!r} lives in this process's heap and cannot be pickled; "
+                        "create it with tier='shm' to share it with other processes")
+
+    def __enter__(self) -> ExperienceStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _make_tier(tier: str | Tier, name: str, schema: ExperienceSchema) -> Tier:
+    if isinstance(tier, Tier):
+        return tier
+    if tier == "host":
+        return HostTier()
+    if tier == "shm":
+        from ..tiers.shm import SharedMemoryTier
+
+        return SharedMemoryTier.create(name)
+    raise InvalidArgument(f"unknown tier {tier!r}; expected 'host', 'shm' or a Tier instance")
