@@ -13,13 +13,14 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "arrowbuf"
 
-#: Top to bottom. A module belongs to the first layer with a prefix that is the module or a package above it.
+#: Top to bottom. A module belongs to the layer of its longest matching entry: "pkg" matches pkg and everything in
+#: it, "pkg." only what is in it, "=mod" only mod itself.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("apps", ["arrowbuf", "arrowbuf.cli", "arrowbuf.demo"]),
+    ("apps", ["=arrowbuf", "arrowbuf.cli", "arrowbuf.demo"]),
     ("integrations", ["arrowbuf.rllib", "arrowbuf.compat"]),
     ("ray", ["arrowbuf.ray"]),
     ("flight", ["arrowbuf.flight"]),
-    ("facade", ["arrowbuf.store", "arrowbuf.store.facade"]),
+    ("facade", ["=arrowbuf.store", "arrowbuf.store.facade"]),
     ("persist", ["arrowbuf.persist"]),
     ("store internals", ["arrowbuf.store."]),
     ("query", ["arrowbuf.query"]),
@@ -75,7 +76,12 @@ def layer_of(mod: str) -> int:
     best, rank = -1, -1
     for i, (_, prefixes) in enumerate(LAYERS):
         for pre in prefixes:
-            hit = (mod.startswith(pre) and pre.endswith(".")) or mod == pre or mod.startswith(pre + ".")
+            if pre.startswith("="):
+                hit = mod == pre[1:]
+            elif pre.endswith("."):
+                hit = mod.startswith(pre)
+            else:
+                hit = mod == pre or mod.startswith(pre + ".")
             if hit and len(pre) > best:
                 best, rank = len(pre), i
     return rank

@@ -164,9 +164,17 @@ def _flock_with_pthread_arena(m):
     return m
 
 
+def _deep_spec(depth):
+    spec = {"kind": "prioritized", "args": {}}
+    for _ in range(depth):
+        spec = {"kind": "sequence", "args": {"length": 2, "priority": spec}}
+    return spec
+
+
 JSON_CASES = {
     "format missing": _drop("format"),
-    "format 2": _set("format", value=2),
+    "format 1 (string specs)": _set("format", value=1),
+    "format 3": _set("format", value=3),
     "other name": _set("name", value="someone-else"),
     "schema missing": _drop("schema"),
     "schema a string": _set("schema", value="atari"),
@@ -187,6 +195,15 @@ JSON_CASES = {
     "sampler bad argument": _set("sampler", value="arrowbuf.samplers:PrioritizedSampler(bogus=1)"),
     "sampler non-literal": _set("sampler", value="arrowbuf.samplers:PrioritizedSampler(alpha=__import__('os'))"),
     "sampler a number": _set("sampler", value=5),
+    "sampler unknown kind": _set("sampler", value={"kind": "os.system", "args": {}}),
+    "sampler kind not a string": _set("sampler", value={"kind": ["prioritized"], "args": {}}),
+    "sampler args a list": _set("sampler", value={"kind": "prioritized", "args": [1]}),
+    "sampler unknown argument": _set("sampler", value={"kind": "prioritized", "args": {"bogus": 1}}),
+    "sampler bad value": _set("sampler", value={"kind": "prioritized", "args": {"alpha": -1}}),
+    "sampler non-literal argument": _set("sampler", value={"kind": "prioritized", "args": {"alpha": [1, 2]}}),
+    "sampler nested too deep": _set("sampler", value=_deep_spec(50)),
+    "sampler legacy module form": _set("sampler", value={"module": "os", "class": "system", "args": {}}),
+    "rate limiter bad argument": _set("rate_limiter", value={"kind": "min_size", "args": {"min_size": "x"}}),
     "rate limiter garbage": _set("rate_limiter", value="arrowbuf.rate_limiters:MinSize(min_size='x')"),
     "owner missing": _drop("owner"),
     "arenas a list": _set("arenas", value=[]),

@@ -112,7 +112,7 @@ def from_spec(spec: Any, where: str, _depth: int = 0) -> Any:
         kwargs[str(k)] = v
     try:
         return cls(**kwargs)
-    except (TypeError, ValueError) as exc:  # InvalidArgument is a ValueError
+    except (TypeError, ValueError, ArithmeticError) as exc:  # InvalidArgument is a ValueError
         raise StoreCorrupt(f"{where}: the spec does not build a {cls.__name__}: {exc}") from None
 
 
