@@ -27,6 +27,8 @@ never on the message.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ArrowbufError(Exception):
     """Base class of every error arrowbuf raises on purpose."""
@@ -107,7 +109,7 @@ class Unauthenticated(ArrowbufError, PermissionError):
     """A call came with a wrong or missing token."""
 
 
-def require(module: str, extra: str):
+def require(module: str, extra: str) -> Any:
     """Import an optional dependency, or raise `MissingDependency` naming the extra that provides it."""
     import importlib
 

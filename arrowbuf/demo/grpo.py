@@ -69,7 +69,7 @@ def make_policy(cfg: GRPOConfig, seed: int = 0) -> Any:
     nn = torch.nn
     torch.manual_seed(seed)
 
-    class Policy(nn.Module):  # type: ignore[name-defined,misc]
+    class Policy(nn.Module):  # type: ignore[name-defined]
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Embedding(VOCAB, cfg.embed)

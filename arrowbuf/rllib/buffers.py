@@ -206,7 +206,7 @@ class _ArrowbufBuffer:
             self._store_writer.flush()
 
     # ------------------------------------------------------------------ RLlib surface
-    def add(self, episodes: Any) -> None:  # type: ignore[override]
+    def add(self, episodes: Any) -> None:
         """Append the steps of each episode chunk (stream key: the episode id); with scheduling, in the background."""
         from ray.rllib.utils import force_list
 
@@ -227,7 +227,7 @@ class _ArrowbufBuffer:
     def sample(self, num_items: int | None = None, *, batch_size_B: int | None = None,
                batch_length_T: int | None = None, n_step: Any = None, beta: float | None = None,
                gamma: float = 0.99, sample_episodes: bool | None = True,
-               **kwargs: Any) -> list[SingleAgentEpisode]:  # type: ignore[override]
+               **kwargs: Any) -> list[SingleAgentEpisode]:
         """`num_items` transitions as 1-step episodes (what DQN's and SAC's learners take)."""
         if batch_length_T:
             raise NotImplementedError("arrowbuf's RLlib buffer samples transitions (batch_length_T=0); "

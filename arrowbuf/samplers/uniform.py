@@ -50,7 +50,7 @@ class UniformSampler(StatelessSampler):
         cand = idx.valid_seqs()
         if len(cand) == 0:
             return None
-        return cast(np.ndarray, cand[self.rng.integers(0, len(cand), size=n)] % idx.arena_rows)
+        return cand[self.rng.integers(0, len(cand), size=n)] % idx.arena_rows
 
     def _distinct(self, n: int, lo: int, hi: int) -> np.ndarray | None:
         """Positions of `n` different sampleable rows (uniform without replacement), or None when fewer exist."""
@@ -67,7 +67,7 @@ class UniformSampler(StatelessSampler):
         cand = idx.valid_seqs()
         if len(cand) < n:
             return None
-        return cast(np.ndarray, self.rng.choice(cand, size=n, replace=False) % idx.arena_rows)
+        return self.rng.choice(cand, size=n, replace=False) % idx.arena_rows
 
     def available(self) -> int:
         return len(self.index)

@@ -249,7 +249,7 @@ class SharedMemoryTier(Tier):
     def nbytes(self) -> int:
         return sum(e["bytes"] for e in self._layout.values())
 
-    def lock(self, key: str) -> RobustMutex | FlockLock:  # type: ignore[override]
+    def lock(self, key: str) -> RobustMutex | FlockLock:
         """The cross-process lock `key` of this store (one object per key and process): a robust pthread mutex in
         the store's memory where libc has them, else an flock on a file. Both are released when the holder dies."""
         self._check_open()
