@@ -23,7 +23,7 @@ Usage::
     columns, n = schema.validate_batch(batch)     # SchemaError naming the field on bad input
 
 How each field's values are checked and converted (dtypes, casts, shapes, ragged lists, null rows of later fields)
-lives in arrowbuf/convert.py.
+lives in arrowbuf/schema/convert.py.
 """
 
 from __future__ import annotations
