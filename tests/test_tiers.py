@@ -31,7 +31,8 @@ def cuda_available() -> bool:
 
 
 needs_gpu = pytest.mark.skipif(not cuda_available(), reason=f"no CUDA device: {gpu_environment()}")
-TIERS = ["host", "shm", "disk", pytest.param("gpu", marks=needs_gpu)]
+# "gpu-on-cpu": the gpu tier's code path (torch tensors, device gathers) on torch's CPU device, so it runs everywhere
+TIERS = ["host", "shm", "disk", "gpu-on-cpu", pytest.param("gpu", marks=needs_gpu)]
 
 
 def rows(k0: int, n: int) -> dict[str, np.ndarray]:
@@ -69,7 +70,7 @@ def make_tier(tmp_path):
 
             t = SharedMemoryTier.create(f"tiertest-{uuid.uuid4().hex[:10]}")
         else:
-            t = GpuTier()
+            t = GpuTier() if kind == "gpu" else GpuTier(device="cpu")
         made.append(t)
         return t
 
@@ -86,13 +87,13 @@ def to_numpy(a) -> np.ndarray:
 @pytest.mark.parametrize("kind", TIERS)
 def test_tier_contract_allocate_write_read_account_close(kind, make_tier):
     tier = make_tier(kind)
-    assert tier.name == kind and tier.nbytes() == 0
+    assert tier.name == kind.removesuffix("-on-cpu") and tier.nbytes() == 0
     obs = tier.allocate("obs", np.dtype(np.float32), 100, (3,))
     flags = tier.allocate("flags", np.dtype(np.bool_), 100)
     assert tuple(obs.shape) == (100, 3) and tuple(flags.shape) == (100,)
     assert tier.nbytes() >= 100 * 12 + 100
     values = np.arange(300, dtype=np.float32).reshape(100, 3)
-    if kind == "gpu":
+    if kind.startswith("gpu"):
         tier.put(obs, 0, values)
         tier.put(flags, 0, values[:, 0] > 150)
     else:
@@ -121,12 +122,14 @@ def test_a_store_returns_the_same_rows_on_every_tier(kind, tmp_path):
     elif kind == "disk":
         store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tier=DiskTier(tmp_path / "spill"))
     else:  # gpu: every chunk moved to the device, then sampled there
-        store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tiers={"gpu": "64MiB", "host": None},
+        gpu = "64MiB" if kind == "gpu" else GpuTier(budget="64MiB", device="cpu")
+        store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tiers={"gpu": gpu, "host": None},
                                    placement=ab.placement.BandwidthAware(interval=None))
     with ref, store:
         for s in (ref, store):
             s.extend(rows(0, 700))
-        if kind == "gpu":
+        if kind.startswith("gpu"):
+            ref.sample(64)  # the same draws on both sides, so the two random streams stay in step
             store.sample(64)
             store.placement_policy.step()
             assert store.placement().filter(pa.compute.equal(pa.compute.field("tier"), "gpu"))["chunks"] \
@@ -235,6 +238,7 @@ def test_gpu_sampling_delivers_device_tensors_gathered_on_the_device():
 
 @needs_gpu
 def test_to_cudf_has_the_scalar_and_metadata_columns():
+    pytest.importorskip("cudf", reason="cuDF (arrowbuf[gpu]) is not installed on this GPU machine")
     with ab.ExperienceStore(SCHEMA, 500, seed=0) as store:
         store.extend(rows(0, 300))
         df = store.to_cudf()
