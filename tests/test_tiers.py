@@ -122,9 +122,11 @@ def test_a_store_returns_the_same_rows_on_every_tier(kind, tmp_path):
     elif kind == "disk":
         store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tier=DiskTier(tmp_path / "spill"))
     else:  # gpu: every chunk moved to the device, then sampled there
-        gpu = "64MiB" if kind == "gpu" else GpuTier(budget="64MiB", device="cpu")
+        # on torch's CPU device the probed bandwidths are alike: give the GPU's, so the policy promotes chunks
+        gpu, bw = ("64MiB", None) if kind == "gpu" else (GpuTier(budget="64MiB", device="cpu"),
+                                                         {"gpu": 100e9, "host": 10e9})
         store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tiers={"gpu": gpu, "host": None},
-                                   placement=ab.placement.BandwidthAware(interval=None))
+                                   placement=ab.placement.BandwidthAware(interval=None, bandwidth=bw))
     with ref, store:
         for s in (ref, store):
             s.extend(rows(0, 700))
