@@ -151,11 +151,12 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
 
         return connect(target, token=args.token, store=args.store), f"Flight store at {target}"
     if os.path.isdir(target):  # a checkpoint or a dataset directory (arrowbuf.persist)
-        from .persist import manifest, open_dataset, restore
+        from .persist import manifest
+        from .store import ExperienceStore
 
         if os.path.exists(os.path.join(target, manifest.MANIFEST)):
-            return restore(target), f"checkpoint {target} (restored into a temporary store)"
-        return open_dataset(target).to_store(), f"dataset {target} (loaded into a temporary store)"
+            return ExperienceStore.restore(target), f"checkpoint {target} (restored into a temporary store)"
+        return ExperienceStore.from_dataset(target), f"dataset {target} (loaded into a temporary store)"
     if os.path.exists(target):
         import pyarrow.parquet as pq
 

@@ -212,8 +212,8 @@ def test_background_checkpoint_thread_yields_the_cpu(tmp_path):
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     with ab.ExperienceStore(SMALL, capacity=2000, chunk_rows=256, seed=0) as store:
         store.extend(make_episodes([600], seed=0)[0])
-        persist_checkpoint(store, tmp_path / "a", background=True, _after_read=record).wait(timeout=60)
-        persist_checkpoint(store, tmp_path / "b", _after_read=record)
+        persist_checkpoint(store._core, tmp_path / "a", background=True, _after_read=record).wait(timeout=60)
+        persist_checkpoint(store._core, tmp_path / "b", _after_read=record)
     assert seen[0] == min(19, mine + BACKGROUND_NICE) and seen[-1] == mine
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's own is untouched
 

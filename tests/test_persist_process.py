@@ -153,7 +153,7 @@ def test_rows_overwritten_while_copied_are_left_out_never_torn(tmp_path, ends):
                 store.extend(rows(1, k[0], 4 * cr))
                 k[0] += 4 * cr
 
-        info = persist_checkpoint(store, tmp_path / "c", _after_read=overwrite)
+        info = persist_checkpoint(store._core, tmp_path / "c", _after_read=overwrite)
         assert info["next_seq"] == hi and info["dropped_rows"] > 0
         got = pads.dataset(str(tmp_path / "c"), format="ipc").to_table().sort_by("seq")
         seqs = got["seq"].to_numpy()
@@ -182,7 +182,7 @@ def test_a_copy_racing_the_writer_keeps_what_it_can(tmp_path, writer):
             store.extend(rows(1, k[0], step))
             k[0] += step
 
-        info = persist_checkpoint(store, tmp_path / "c", _after_read=overwrite)
+        info = persist_checkpoint(store._core, tmp_path / "c", _after_read=overwrite)
         got = pads.dataset(str(tmp_path / "c"), format="ipc").to_table().sort_by("seq")
         seqs = got["seq"].to_numpy()
         assert info["next_seq"] == hi and seqs[-1] == hi - 1 and (np.diff(seqs) == 1).all()
@@ -272,7 +272,7 @@ def test_checkpoint_while_a_writer_process_and_a_sampler_run_is_consistent(tmp_p
         assert p.exitcode == 0
         with ab.ExperienceStore.restore(tmp_path / "c") as again:
             t = again.to_table(["seq", "action"])
-            pos = t["seq"].to_numpy() % again._persist_parts().arena_rows
+            pos = t["seq"].to_numpy() % again._core.arena_rows
             leaves = again.sampler.sum_tree.get(pos)
             for seq, leaf, act in zip(t["seq"].to_numpy(), leaves, t["action"].to_numpy()):
                 if seq in updated:

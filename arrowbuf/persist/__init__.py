@@ -8,15 +8,18 @@ Usage::
     pyarrow.dataset.dataset("ckpt/", format="ipc")      # the latest checkpoint's rows, without arrowbuf
 
 Modules: `manifest` (layout, manifest, checksums), `snapshot` (what is copied under the store's locks),
-`checkpoint` (writing, retention, background handle), `restore`, `datasets` (export, open_dataset, from_dataset),
-`parts` (what persist sees of a store).
+`checkpoint` (writing, retention, background handle), `restore` (a plan the facade builds the store from, then
+loads its internals), `datasets` (export, open_dataset, from_dataset), `cli` (`arrowbuf checkpoint ...`).
+
+persist sits between the facade and the store's internals (docs/architecture.md): it reads and fills a store's one
+internals object (`arrowbuf.store.core.StoreCore`), and never builds or imports the facade; `ExperienceStore`'s
+`checkpoint`, `restore`, `export` and `from_dataset` call into it.
 """
 
 from .checkpoint import CheckpointHandle, checkpoint
 from .datasets import ExperienceDataset, export, from_dataset, open_dataset
 from .manifest import FORMAT_VERSION, read_manifest, verify
-from .parts import StoreParts
-from .restore import restore
+from .restore import RestorePlan, plan_restore
 
-__all__ = ["CheckpointHandle", "ExperienceDataset", "FORMAT_VERSION", "StoreParts", "checkpoint", "export",
-           "from_dataset", "open_dataset", "read_manifest", "restore", "verify"]
+__all__ = ["CheckpointHandle", "ExperienceDataset", "FORMAT_VERSION", "RestorePlan", "checkpoint", "export",
+           "from_dataset", "open_dataset", "plan_restore", "read_manifest", "verify"]

@@ -37,8 +37,8 @@ import pyarrow as pa
 
 from ..errors import ArrowbufError, InvalidArgument
 from ..samplers.spec import to_spec
+from ..store.core import StoreCore
 from . import manifest as mf
-from .parts import StoreParts
 from .snapshot import Snapshot, capture, later_columns, later_digest, read_chunk, still_intact, tensor_array
 
 #: Per store (keyed by its ring index) and checkpoint directory: the row files of sealed chunks known to hold its
@@ -71,8 +71,8 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def known_files(parts: StoreParts, root: str) -> dict[tuple[int, int], dict[str, Any]]:
-    return _WRITTEN.setdefault(parts.index, {}).setdefault(os.path.realpath(root), {})
+def known_files(core: StoreCore, root: str) -> dict[tuple[int, int], dict[str, Any]]:
+    return _WRITTEN.setdefault(core.index, {}).setdefault(os.path.realpath(root), {})
 
 
 class CheckpointHandle:
@@ -125,9 +125,10 @@ class CheckpointHandle:
         return self._job.result
 
 
-def checkpoint(store: Any, path: str | os.PathLike, keep: int | None = None, background: bool = False,
+def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None, background: bool = False,
                compression: str | None = None, _after_read: Any = None) -> Any:
-    """Write a checkpoint of `store` into directory `path` (see the module docstring and `ExperienceStore.checkpoint`).
+    """Write a checkpoint of the store whose internals are `core` into directory `path` (see the module docstring
+    and `ExperienceStore.checkpoint`, which calls this).
 
     `_after_read(i)` (tests) runs after live chunk `i` was read and serialised, before its intact check: a test
     writes to the store there to overwrite rows mid-copy, deterministically.
@@ -140,11 +141,11 @@ def checkpoint(store: Any, path: str | os.PathLike, keep: int | None = None, bac
     os.makedirs(root, exist_ok=True)
     for sub in (mf.MANIFESTS, mf.STATE, mf.RETAINED):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
-    parts: StoreParts = store._persist_parts()
+    core.check_open()
     lock_fd = os.open(os.path.join(root, mf.LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one checkpoint writer per directory, across processes
-        job = _Job(parts, capture(parts), root, keep, compression, lock_fd)
+        job = _Job(core, capture(core), root, keep, compression, lock_fd)
         job.after_read = _after_read
     except BaseException:
         os.close(lock_fd)
@@ -158,11 +159,11 @@ def checkpoint(store: Any, path: str | os.PathLike, keep: int | None = None, bac
 
 
 class _Job:
-    def __init__(self, parts: StoreParts, snap: Snapshot, root: str, keep: int | None, compression: str | None,
+    def __init__(self, core: StoreCore, snap: Snapshot, root: str, keep: int | None, compression: str | None,
                  lock_fd: int) -> None:
-        self.parts, self.snap, self.root, self.keep, self.compression = parts, snap, root, keep, compression
+        self.core, self.snap, self.root, self.keep, self.compression = core, snap, root, keep, compression
         self.lock_fd = lock_fd
-        self.schema = parts.schema.to_arrow()
+        self.schema = core.schema.to_arrow()
         self.progress = 0.0
         self.error: BaseException | None = None
         self.result: dict[str, Any] | None = None
@@ -215,10 +216,10 @@ class _Job:
 
     def _run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        snap, parts, root = self.snap, self.parts, self.root
+        snap, core, root = self.snap, self.core, self.root
         prev_gen = self._previous_generation()
         gen = prev_gen + 1
-        known = known_files(parts, root)
+        known = known_files(core, root)
         counts = {"written": 0, "reused": 0, "written_bytes": 0}
         kept_lo = snap.lo
         total = max(1, sum(c[2] - c[1] for c in snap.chunks))
@@ -235,7 +236,7 @@ class _Job:
             k = j if downward else i
             _, p0, p1, first = chunks[k]
             n = p1 - p0
-            evicted = snap.sealed[k] and parts.index.lo > first  # the writer is in it already: not worth reading
+            evicted = snap.sealed[k] and core.index.lo > first  # the writer is in it already: not worth reading
             e = None if evicted else self._copy(k, known, counts)
             done_rows += n
             self.progress = 0.95 * done_rows / total
@@ -245,7 +246,7 @@ class _Job:
                     break
                 older = []
                 i += 1
-                downward = i <= j and parts.index.lo > chunks[i][3]
+                downward = i <= j and core.index.lo > chunks[i][3]
                 continue
             if downward:
                 newer.append(e)
@@ -260,9 +261,9 @@ class _Job:
         _kill_point("before_manifest")
         m = {
             "format": mf.FORMAT, "version": mf.FORMAT_VERSION, "generation": gen, "created": time.time(),
-            "store": {**parts.config, "schema": parts.schema.to_dict(), "tier": parts.tier_name,
-                      "arena_rows": parts.arena_rows, "sampler": to_spec(parts.sampler),
-                      "rate_limiter": to_spec(parts.rate_limiter)},
+            "store": {**core.config(), "schema": core.schema.to_dict(), "tier": core.tier_name,
+                      "arena_rows": core.arena_rows, "sampler": to_spec(core.sampler),
+                      "rate_limiter": to_spec(core.rate_limiter)},
             "rows": {"first_seq": kept_lo, "next_seq": snap.hi, "count": snap.hi - kept_lo,
                      "snapshot_first_seq": snap.lo, "dropped_rows": kept_lo - snap.lo},
             "compression": self.compression,
@@ -291,22 +292,22 @@ class _Job:
               counts: dict[str, int]) -> dict[str, Any] | None:
         """Live chunk `i` as a row file of this checkpoint (reused, or read, checked intact and written): its manifest
         entry, or None when its rows were overwritten while it was read."""
-        snap, parts, root = self.snap, self.parts, self.root
+        snap, core, root = self.snap, self.core, self.root
         _, p0, p1, first = snap.chunks[i]
         n = p1 - p0
-        full = snap.sealed[i] and n == parts.chunk_rows
-        digest = later_digest(later_columns(parts, snap, i))
+        full = snap.sealed[i] and n == core.chunk_rows
+        digest = later_digest(later_columns(core, snap, i))
         entry = known.get((first, n)) if full and self.compression is None else None
         if entry is not None and entry.get("later") == digest and self._restore_file(entry):
             e = {k: v for k, v in entry.items() if k != "later"}
             counts["reused"] += 1
         else:
-            batch = read_chunk(parts, snap, i, self.schema)
+            batch = read_chunk(core, snap, i, self.schema)
             data = self._ipc(batch)
             del batch
             if self.after_read is not None:
                 self.after_read(i)
-            if snap.sealed[i] and not still_intact(parts, snap, i):
+            if snap.sealed[i] and not still_intact(core, snap, i):
                 return None
             crc = mf.crc32(data)
             name = mf.row_file_name(first, n, crc)
@@ -345,7 +346,7 @@ class _Job:
 
     def _write_state(self, gen: int, kept_lo: int) -> tuple[list[dict[str, Any]], int]:
         """The per-mechanism state files of generation `gen`, restricted to the kept rows [kept_lo, hi)."""
-        snap, parts = self.snap, self.parts
+        snap, core = self.snap, self.core
         k = kept_lo - snap.lo
         dropped_valid = int(snap.index["valid"][:k].sum())
         out = []
@@ -368,7 +369,7 @@ class _Job:
 
         header = {name: int(h[i]) for name, i in HEADER.items()}
         header.update(lo=kept_lo)
-        limiter = {"spec": to_spec(parts.rate_limiter), "inserts": header["inserts"], "samples": header["samples"]}
+        limiter = {"spec": to_spec(core.rate_limiter), "inserts": header["inserts"], "samples": header["samples"]}
         for mech, obj in (("episodes", snap.episodes), ("rng", snap.rng), ("limiter", limiter),
                           ("header", header)):
             data = json.dumps(obj, sort_keys=True).encode()

@@ -133,10 +133,10 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from ..errors import ArrowbufError
-    from .restore import restore
+    from ..store import ExperienceStore
 
     try:
-        with restore(args.path) as store:
+        with ExperienceStore.restore(args.path) as store:
             info = store.export(args.out, format=args.format, partition_by=args.partition_by)
     except (ArrowbufError, OSError) as exc:
         return _fail("export", exc)

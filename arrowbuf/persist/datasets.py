@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -26,24 +26,29 @@ import pyarrow as pa
 
 from ..errors import InvalidArgument, SchemaError
 from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
+from ..store.core import StoreCore
 from . import manifest as mf
-from .parts import StoreParts
 from .snapshot import arrow_column, numpy_column
 
 SIDE_FILE = "_arrowbuf.json"
 _FEED_ROWS = 65_536
 
 
-def export(store: Any, path: str | os.PathLike, format: str = "parquet", partition_by: Any = None,
-           compression: str | None = None) -> dict[str, Any]:
-    """Write the store's live rows as a dataset (see the module docstring). Returns rows and files written."""
+def export(core: StoreCore, rows: Callable[[], pa.Table], path: str | os.PathLike, format: str = "parquet",
+           partition_by: Any = None, compression: str | None = None) -> dict[str, Any]:
+    """Write a store's live rows as a dataset (see the module docstring). Returns rows and files written.
+
+    Args:
+        core: the store's internals (its write lock is held while the rows are copied).
+        rows: returns the live rows as a table (`ExperienceStore.to_table`).
+    """
     import pyarrow.dataset as pads
 
     if format not in ("parquet", "arrow"):
         raise InvalidArgument(f"format must be 'parquet' or 'arrow', got {format!r}")
-    parts: StoreParts = store._persist_parts()
-    with parts.write_lock:  # no row is overwritten or committed while it is copied
-        table = _with_derived(store.to_table(), parts)
+    core.check_open()
+    with core.write_lock:  # no row is overwritten or committed while it is copied
+        table = _with_derived(rows(), core)
         table = table.combine_chunks()
     cols = [partition_by] if isinstance(partition_by, str) else list(partition_by or [])
     unknown = [c for c in cols if c not in table.column_names]
@@ -64,20 +69,20 @@ def export(store: Any, path: str | os.PathLike, format: str = "parquet", partiti
                        partitioning_flavor="hive" if cols else None, existing_data_behavior="overwrite_or_ignore",
                        basename_template=f"part-{{i}}.{ext}")
     mf.write_json_atomic(os.path.join(root, SIDE_FILE), {"format": "arrowbuf-dataset", "version": 1,
-                                                         "schema": parts.schema.to_dict(), "rows": table.num_rows})
+                                                         "schema": core.schema.to_dict(), "rows": table.num_rows})
     return {"path": root, "rows": table.num_rows, "format": format}
 
 
-def _with_derived(table: pa.Table, parts: StoreParts) -> pa.Table:
+def _with_derived(table: pa.Table, core: StoreCore) -> pa.Table:
     """`table` plus each derived column (`next_obs`), gathered through the index; null where still pending."""
-    if not parts.schema.derived or table.num_rows == 0:
+    if not core.schema.derived or table.num_rows == 0:
         return table
     seqs = table["seq"].to_numpy()
-    nxt = parts.index.next_pos[seqs % parts.arena_rows]
+    nxt = core.index.next_pos[seqs % core.arena_rows]
     known = nxt >= 0
-    for d in parts.schema.derived.values():
-        rows = np.asarray(parts.cols.take_next(d.next_of, np.where(known, nxt, 0)))
-        col = arrow_column(rows, parts.schema.to_arrow().field(d.next_of).type)
+    for d in core.schema.derived.values():
+        rows = np.asarray(core.cols.take_next(d.next_of, np.where(known, nxt, 0)))
+        col = arrow_column(rows, core.schema.to_arrow().field(d.next_of).type)
         col = _masked(col, ~known)
         table = table.append_column(pa.field(d.name, col.type, nullable=True), col)
     return table
@@ -134,11 +139,10 @@ class ExperienceDataset:
             table = table.sort_by("seq")
         yield from table.to_batches(max_chunksize=_FEED_ROWS)
 
-    def to_store(self, capacity: int | None = None, **kwargs: Any) -> Any:
-        """A new `ExperienceStore` holding these rows (the newest `capacity` when there are more)."""
-        from ..store.facade import ExperienceStore
-
-        store = ExperienceStore(self.schema, int(capacity or max(1, self.num_rows)), **kwargs)
+    def to_store(self, capacity: int | None = None, *, store_cls: Any, **kwargs: Any) -> Any:
+        """A new store of class `store_cls` (`ab.ExperienceStore`) holding these rows (the newest `capacity` when
+        there are more); `ab.ExperienceStore.from_dataset(path)` is the usual way in."""
+        store = store_cls(self.schema, int(capacity or max(1, self.num_rows)), **kwargs)
         try:
             for batch in self.batches():
                 _feed(store, batch, self.schema)
@@ -274,13 +278,14 @@ def check_schema(ds: ExperienceDataset, expected: Any) -> None:
         raise SchemaError(f"dataset {ds.path} ({ds.kind}) does not match the schema {want.name!r}: {diff}")
 
 
-def from_dataset(path: str | os.PathLike, capacity: int | None = None, *, schema: Any = None,
+def from_dataset(path: str | os.PathLike, capacity: int | None = None, *, store_cls: Any, schema: Any = None,
                  **kwargs: Any) -> Any:
-    """A new store filled from a dataset (`open_dataset` formats); `schema=` checks the dataset against one."""
+    """A new store of class `store_cls` filled from a dataset (`open_dataset` formats); `schema=` checks the dataset
+    against one. `ExperienceStore.from_dataset` calls this with its own class."""
     ds = open_dataset(path)
     if schema is not None:
         check_schema(ds, schema)
-    return ds.to_store(capacity, **kwargs)
+    return ds.to_store(capacity, store_cls=store_cls, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ Minari

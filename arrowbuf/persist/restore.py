@@ -14,6 +14,7 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,10 +25,10 @@ from ..ring.reservations import HOLE
 from ..samplers.spec import from_spec
 from ..schema import load_schema
 from ..schema.convert import convert_later
+from ..store.core import StoreCore
 from . import manifest as mf
 from .checkpoint import known_files
-from .parts import StoreParts
-from .snapshot import later_digest, numpy_column, restore_episode_state, restore_sampler_state
+from .snapshot import later_digest, numpy_column, restore_sampler_state
 
 
 def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
@@ -47,11 +48,43 @@ def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
     return "; ".join(parts)
 
 
-def restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any] | None = None,
-            seed: int | None = None, name: str | None = None, schema: Any = None, cls: Any = None,
-            generation: int | None = None) -> Any:
-    """Rebuild the store checkpointed at `path` (see `ExperienceStore.restore`); `generation` picks a kept
-    checkpoint other than the latest."""
+@dataclass
+class RestorePlan:
+    """How to rebuild a checkpointed store: build it from `args` and `kwargs`, then `load` its internals.
+
+    `ExperienceStore.restore` does both; persist never builds a store itself (it sits below the facade).
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    root: str
+    manifest: dict[str, Any]
+    restore_rng: bool
+    consume: tuple[dict[str, np.ndarray], dict[str, Any]] | None
+
+    def load(self, core: StoreCore) -> None:
+        """Fill the rebuilt store's internals with the checkpoint (files verified first, chunk by chunk).
+
+        Raises:
+            StoreCorrupt: a file is missing, truncated or corrupt, or the manifest is inconsistent.
+        """
+        st = self.manifest["store"]
+        if core.arena_rows != st["arena_rows"]:
+            raise StoreCorrupt(f"{self.manifest['_path']}: arena_rows {st['arena_rows']} but the rebuilt store has "
+                               f"{core.arena_rows}; the manifest is inconsistent")
+        load_into(core, self.root, self.manifest, restore_rng=self.restore_rng, consume=self.consume)
+
+
+def plan_restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any] | None = None,
+                 seed: int | None = None, name: str | None = None, schema: Any = None,
+                 generation: int | None = None) -> RestorePlan:
+    """Read and check the manifest of the checkpoint at `path` (see `ExperienceStore.restore`); `generation` picks a
+    kept checkpoint other than the latest.
+
+    Raises:
+        StoreCorrupt: the manifest is missing, malformed or names what this arrowbuf cannot rebuild.
+        SchemaError: `schema` differs from the checkpoint's (the message names the fields).
+    """
     root = os.fspath(path)
     m = mf.read_manifest(root, None if generation is None else f"{int(generation):08d}.json")
     where = m["_path"]
@@ -63,8 +96,6 @@ def restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any
         if diff:
             raise SchemaError(f"checkpoint {root} holds schema {saved.name!r} whose fields differ from the schema "
                               f"asked for ({want.name!r}): {diff}; restore without schema= or convert the data")
-    if cls is None:
-        from ..store.facade import ExperienceStore as cls  # noqa: N813
     kwargs: dict[str, Any] = dict(chunk_rows=st["chunk_rows"], final_obs_capacity=st.get("final_obs_capacity"),
                                   max_times_sampled=st.get("max_times_sampled"), name=name or st.get("name"))
     consume = _consume_state(root, m)
@@ -77,18 +108,9 @@ def restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any
         kwargs["tiers"] = tiers
     else:
         kwargs["tier"] = tier
-    store = cls(saved, st["capacity"], from_spec(st.get("sampler"), where), from_spec(st.get("rate_limiter"), where),
-                seed, **kwargs)
-    try:
-        parts = store._persist_parts()
-        if parts.arena_rows != st["arena_rows"]:
-            raise StoreCorrupt(f"{where}: arena_rows {st['arena_rows']} but the rebuilt store has "
-                               f"{parts.arena_rows}; the manifest is inconsistent")
-        load_into(parts, root, m, restore_rng=seed is None, consume=consume)
-    except BaseException:
-        store.close()
-        raise
-    return store
+    args = (saved, st["capacity"], from_spec(st.get("sampler"), where), from_spec(st.get("rate_limiter"), where),
+            seed)
+    return RestorePlan(args, kwargs, root, m, seed is None, consume)
 
 
 def _state(root: str, m: dict[str, Any], mech: str) -> Any:
@@ -136,15 +158,15 @@ def _read_ahead(pool: ThreadPoolExecutor, root: str, entries: list[dict[str, Any
         yield first, fut.result()
 
 
-def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool = True,
+def load_into(core: StoreCore, root: str, m: dict[str, Any], restore_rng: bool = True,
               consume: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None) -> None:
     """Fill a fresh store's parts with checkpoint `m` of directory `root` (files verified first, chunk by chunk);
     `consume` is the checkpoint's consume state (`_consume_state`), for a store built with its tasks."""
     where = m["_path"]
     rows = m["rows"]
     lo, hi = int(rows["first_seq"]), int(rows["next_seq"])
-    arena_rows = parts.arena_rows
-    schema = parts.schema.to_arrow()
+    arena_rows = core.arena_rows
+    schema = core.schema.to_arrow()
     index, _ = _state(root, m, "index")
     sampler_arrays, sampler_meta = _state(root, m, "sampler")
     final, _ = _state(root, m, "final")
@@ -153,11 +175,11 @@ def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool
     header = _state(root, m, "header")
     if len(index["next_pos"]) != hi - lo:
         raise StoreCorrupt(f"{where}: the index state has {len(index['next_pos'])} rows for the range [{lo}, {hi})")
-    idx = parts.index
-    cols = parts.cols
-    known = known_files(parts, root)
+    idx = core.index
+    cols = core.cols
+    known = known_files(core, root)
     row_files = [e for e in m["files"] if e.get("kind") in ("chunk", "partial", "tail")]
-    with parts.write_lock, parts.lock, ThreadPoolExecutor(1, thread_name_prefix="arrowbuf-restore") as pool:
+    with core.write_lock, core.lock, ThreadPoolExecutor(1, thread_name_prefix="arrowbuf-restore") as pool:
         expect = lo
         for e, data in _read_ahead(pool, root, row_files):
             try:
@@ -176,7 +198,7 @@ def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool
             p0 = int(seqs[0] % arena_rows)
             pos = seqs % arena_rows
             later = {}
-            for f in parts.schema.fields.values():
+            for f in core.schema.fields.values():
                 if f.ragged:
                     column = table.column(f.name).combine_chunks()
                     cols.write_ragged(f.name, column, p0)
@@ -199,8 +221,8 @@ def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool
         pos = np.arange(lo, hi, dtype=np.int64) % arena_rows
         idx.next_pos[pos] = index["next_pos"]
         idx.valid[pos] = index["valid"]
-        if "times_sampled" in index and len(parts.times_sampled):
-            parts.times_sampled[pos] = index["times_sampled"]
+        if "times_sampled" in index and len(core.times_sampled):
+            core.times_sampled[pos] = index["times_sampled"]
         from ..ring.index import HEADER
 
         for key, i in HEADER.items():
@@ -214,16 +236,19 @@ def load_into(parts: StoreParts, root: str, m: dict[str, Any], restore_rng: bool
         idx.header[HEADER["holes"]] = int(hole.sum())
         slots = final["slot"].astype(np.int64) if "slot" in final else np.zeros(0, np.int64)
         if len(slots):
-            parts.final_owner[slots] = final["owner"]
-            for src in parts.cols.final_sources:
+            core.final_owner[slots] = final["owner"]
+            for src in core.cols.final_sources:
                 cols.write_final(src, slots, final[src])
-        restore_sampler_state(parts.sampler, pos, sampler_meta["meta"], sampler_arrays,
+        restore_sampler_state(core.sampler, pos, sampler_meta["meta"], sampler_arrays,
                               int(sampler_meta.get("dropped_valid", 0)))
-        restore_episode_state(parts.episodes, episodes)
-        if consume is not None and parts.consume is not None:
+        try:
+            core.episodes.load_state(episodes)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreCorrupt(f"{where}: malformed episode state ({str(exc)[:200]})") from None
+        if consume is not None and core.consume is not None:
             try:
-                parts.consume.load_state(np.arange(lo, hi, dtype=np.int64), consume[1], consume[0])
+                core.consume.load_state(np.arange(lo, hi, dtype=np.int64), consume[1], consume[0])
             except InvalidArgument as exc:
                 raise StoreCorrupt(f"{where}: consume state does not fit the checkpoint's rows: {exc}") from None
         if restore_rng:
-            parts.rng.bit_generator.state = rng
+            core.rng.bit_generator.state = rng

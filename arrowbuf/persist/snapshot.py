@@ -1,6 +1,6 @@
 """The consistent part of a checkpoint: what is copied while the store's locks are held, and the chunk reader.
 
-`capture(parts)` holds the store's write lock (so no batch is half-applied: rows, episode streams and ids agree)
+`capture(core)` holds the store's write lock (so no batch is half-applied: rows, episode streams and ids agree)
 and its state lock (commits and sampling wait) for a short, bounded copy of:
 
 - the live range `[lo, hi)`, the header counters (inserts, samples: what the rate limiter decides on);
@@ -25,9 +25,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import InvalidArgument
 from ..ring.reservations import HOLE
-from .parts import StoreParts
+from ..store.core import StoreCore
 
 
 @dataclass
@@ -54,47 +53,47 @@ class Snapshot:
     step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
-def capture(parts: StoreParts) -> Snapshot:
+def capture(core: StoreCore) -> Snapshot:
     """Copy the consistent state of a store (see the module docstring); holds its locks for the copy only."""
-    with parts.write_lock, parts.lock:
-        idx = parts.index
+    with core.write_lock, core.lock:
+        idx = core.index
         lo, hi = idx.lo, idx.hi
-        pos = np.arange(lo, hi, dtype=np.int64) % parts.arena_rows
-        chunks = parts.directory.live_chunks(lo, hi)
-        sealed = [bool(parts.directory.is_sealed(c, hi)) for c in chunks]
+        pos = np.arange(lo, hi, dtype=np.int64) % core.arena_rows
+        chunks = core.directory.live_chunks(lo, hi)
+        sealed = [bool(core.directory.is_sealed(c, hi)) for c in chunks]
         index = {"next_pos": idx.next_pos[pos], "valid": idx.valid[pos]}
         if idx.counter("holes"):  # seqs a dead writer's reservation left without a row (tiers/reservations.py)
             index["hole"] = idx.seq[pos] == HOLE
-        if len(parts.times_sampled):
-            index["times_sampled"] = parts.times_sampled[pos]
-        meta, arrays = sampler_state(parts.sampler, pos)
+        if len(core.times_sampled):
+            index["times_sampled"] = core.times_sampled[pos]
+        meta, arrays = sampler_state(core.sampler, pos)
         snap = Snapshot(lo=lo, hi=hi, header=idx.header.copy(), chunks=chunks, sealed=sealed, index=index,
-                        sampler_meta=meta, sampler_arrays=arrays, final=_final_state(parts, pos, lo),
-                        episodes=episode_state(parts.episodes), rng=copy.deepcopy(dict(parts.rng.bit_generator.state)),
+                        sampler_meta=meta, sampler_arrays=arrays, final=_final_state(core, pos, lo),
+                        episodes=core.episodes.state(), rng=copy.deepcopy(dict(core.rng.bit_generator.state)),
                         episode_id=idx.episode_id[pos], step=idx.step[pos])
-        snap.ragged = parts.cols.ragged_snapshot()
-        if parts.consume is not None:  # under the state lock: what consumers marked at the snapshot point
-            snap.consume_meta, snap.consume_arrays = parts.consume.state(np.arange(lo, hi, dtype=np.int64))
+        snap.ragged = core.cols.ragged_snapshot()
+        if core.consume is not None:  # under the state lock: what consumers marked at the snapshot point
+            snap.consume_meta, snap.consume_arrays = core.consume.state(np.arange(lo, hi, dtype=np.int64))
         # fields filled later change in sealed chunks too (`store.update`): copied now, with their presence
-        snap.later = {f.name: [parts.cols.snapshot_later(f.name, p0, p1) for _, p0, p1, _ in chunks]
-                      for f in parts.schema.fields.values() if f.later and not f.ragged}
+        snap.later = {f.name: [core.cols.snapshot_later(f.name, p0, p1) for _, p0, p1, _ in chunks]
+                      for f in core.schema.fields.values() if f.later and not f.ragged}
         if chunks and not sealed[-1]:  # the open tail: committed rows that later writes leave alone, copied now
             _, p0, p1, _ = chunks[-1]
-            snap.tail = {f.name: np.array(parts.cols.view(f.name, p0, p1))
-                         for f in parts.schema.fields.values() if not f.ragged and f.name not in snap.later}
+            snap.tail = {f.name: np.array(core.cols.view(f.name, p0, p1))
+                         for f in core.schema.fields.values() if not f.ragged and f.name not in snap.later}
     return snap
 
 
-def _final_state(parts: StoreParts, pos: np.ndarray, lo: int) -> dict[str, Any]:
+def _final_state(core: StoreCore, pos: np.ndarray, lo: int) -> dict[str, Any]:
     """The final observations that live rows point to (slot, owning seq, the rows of each source column)."""
-    nxt = parts.index.next_pos[pos]
-    fin = np.flatnonzero(nxt >= parts.arena_rows)
-    slots = nxt[fin] - parts.arena_rows
+    nxt = core.index.next_pos[pos]
+    fin = np.flatnonzero(nxt >= core.arena_rows)
+    slots = nxt[fin] - core.arena_rows
     owners = lo + fin
-    keep = parts.final_owner[slots] == owners
+    keep = core.final_owner[slots] == owners
     slots, owners = slots[keep], owners[keep]
-    data = {src: np.asarray(parts.cols.take_next(src, slots + parts.arena_rows))
-            for src in parts.cols.final_sources} if len(slots) else {}
+    data = {src: np.asarray(core.cols.take_next(src, slots + core.arena_rows))
+            for src in core.cols.final_sources} if len(slots) else {}
     return {"slot": slots, "owner": owners, "data": data}
 
 
@@ -112,42 +111,6 @@ def restore_sampler_state(sampler: Any, pos: np.ndarray, meta: dict[str, Any], a
                           dropped_valid: int = 0) -> None:
     """Put back what `sampler_state` recorded, for the rows now at `pos` (a fresh store's sampler)."""
     sampler.load_state(pos, meta, arrays, dropped_valid)
-
-
-def episode_state(tracker: Any) -> dict[str, Any]:
-    """The open episode streams of this process's writers, ended explicit ids, the next episode id."""
-    streams = []
-    for key, st in tracker.streams.items():
-        streams.append({"key": _encode_key(key), "episode_id": st.episode_id, "step": st.step,
-                        "pending_seq": st.pending_seq})
-    return {"streams": streams, "ended": sorted(int(e) for e in tracker.ended),
-            "next_episode_id": tracker.next_episode_id}
-
-
-def restore_episode_state(tracker: Any, state: dict[str, Any]) -> None:
-    from ..store.episodes import _Stream
-
-    tracker.streams.clear()
-    for s in state["streams"]:
-        tracker.streams[_decode_key(s["key"])] = _Stream(int(s["episode_id"]), int(s["step"]), int(s["pending_seq"]))
-    tracker.ended = set(int(e) for e in state["ended"])
-    tracker.next_episode_id = int(state["next_episode_id"])
-
-
-def _encode_key(key: Any) -> Any:
-    if key is None or isinstance(key, (int, str)):
-        return {"v": key}
-    if isinstance(key, tuple) and len(key) == 2 and key[0] == "ep":
-        return {"ep": _encode_key(key[1])["v"]}
-    if isinstance(key, (float, bool)):
-        return {"v": key}
-    raise InvalidArgument(f"an episode stream key {key!r} cannot be checkpointed (actor keys are ints or strings)")
-
-
-def _decode_key(obj: dict[str, Any]) -> Any:
-    if "ep" in obj:
-        return ("ep", obj["ep"])
-    return obj["v"]
 
 
 def arrow_column(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
@@ -179,7 +142,7 @@ def numpy_column(array: Any) -> np.ndarray:
     return np.asarray(array.to_numpy(zero_copy_only=False))
 
 
-def read_chunk(parts: StoreParts, snap: Snapshot, i: int, schema: pa.Schema) -> pa.RecordBatch:
+def read_chunk(core: StoreCore, snap: Snapshot, i: int, schema: pa.Schema) -> pa.RecordBatch:
     """The rows of live chunk `i` as a record batch (zero-copy views where the tier allows: the caller must
     serialise it, then call `still_intact`)."""
     slot, p0, p1, first = snap.chunks[i]
@@ -193,7 +156,7 @@ def read_chunk(parts: StoreParts, snap: Snapshot, i: int, schema: pa.Schema) -> 
         elif name in snap.tail and i == len(snap.chunks) - 1 and not snap.sealed[i]:
             arrays.append(arrow_column(snap.tail[name], f.type))
         elif name in snap.ragged:
-            arrays.append(snap.ragged[name][slot].slice(p0 - slot * parts.chunk_rows, n))
+            arrays.append(snap.ragged[name][slot].slice(p0 - slot * core.chunk_rows, n))
         elif name == "seq":
             arrays.append(pa.array(np.arange(first, first + n, dtype=np.int64)))
         elif name == "episode_id":
@@ -201,17 +164,17 @@ def read_chunk(parts: StoreParts, snap: Snapshot, i: int, schema: pa.Schema) -> 
         elif name == "step":
             arrays.append(pa.array(snap.step[off:off + n]))
         else:
-            arrays.append(arrow_column(parts.cols.view(name, p0, p1), f.type))
+            arrays.append(arrow_column(core.cols.view(name, p0, p1), f.type))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def later_columns(parts: StoreParts, snap: Snapshot, i: int) -> dict[str, pa.Array]:
+def later_columns(core: StoreCore, snap: Snapshot, i: int) -> dict[str, pa.Array]:
     """The columns of live chunk `i` that `store.update` may still change (fields filled later), as captured."""
     slot, p0, p1, _ = snap.chunks[i]
     out = {name: arrays[i] for name, arrays in snap.later.items()}
-    for f in parts.schema.fields.values():
+    for f in core.schema.fields.values():
         if f.later and f.ragged:
-            out[f.name] = snap.ragged[f.name][slot].slice(p0 - slot * parts.chunk_rows, p1 - p0)
+            out[f.name] = snap.ragged[f.name][slot].slice(p0 - slot * core.chunk_rows, p1 - p0)
     return out
 
 
@@ -239,8 +202,8 @@ def later_digest(columns: dict[str, Any]) -> str | None:
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
-def still_intact(parts: StoreParts, snap: Snapshot, i: int) -> bool:
+def still_intact(core: StoreCore, snap: Snapshot, i: int) -> bool:
     """After a sealed chunk was read and serialised: True when none of its rows was overwritten meanwhile."""
     _, p0, p1, first = snap.chunks[i]
-    now = parts.index.seq[p0:p1]
+    now = core.index.seq[p0:p1]
     return bool(((now == np.arange(first, first + p1 - p0, dtype=np.int64)) | (now == HOLE)).all())

@@ -1,9 +1,9 @@
 """What a placement policy sees of a store: tiers, chunk residency, access counts, per-chunk sampling mass,
-and `migrate` (built by the store)."""
+and `migrate`, over the store's internals (any `PlacementSource`: `arrowbuf.store.core.StoreCore` is one)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -15,11 +15,25 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..schema import ExperienceSchema
 
 
+class PlacementSource(Protocol):
+    """What a `PlacementTarget` is built from: a store's internals (`arrowbuf.store.core.StoreCore` is one)."""
+
+    schema: ExperienceSchema
+    name: str
+    capacity: int
+    cols: ColumnArenas
+    directory: ChunkDirectory
+    index: RingIndex
+    sampler: Sampler
+    lock: Any
+    write_lock: Any
+
+
 class PlacementTarget:
     """What a placement policy sees of its store, and the one thing it does to it (`migrate`).
 
-    The store builds it from its parts (`ExperienceStore` does, at construction) and binds its policy to it; a policy
-    reads nothing else. Columns are in `columns` order everywhere (arrays of shape [C] or [C, S], S chunk slots).
+    The store builds it from its internals (`PlacementTarget(core)`, at construction) and binds its policy to it; a
+    policy reads nothing else. Columns are in `columns` order everywhere (arrays of shape [C] or [C, S], S chunk slots).
 
     Usage loop (a policy's step)::
 
@@ -29,29 +43,28 @@ class PlacementTarget:
         target.migrate("obs", slot, tier, gen)     # copy one chunk of one column, off the sample path
     """
 
-    def __init__(self, schema: ExperienceSchema, cols: ColumnArenas, directory: ChunkDirectory,
-                 index: RingIndex, sampler: Sampler, state_lock: Any, write_lock: Any, capacity: int,
-                 name: str, data_tier: Any) -> None:
-        self.schema = schema
-        self.name = name
-        self.capacity = int(capacity)
-        self.directory = directory
-        self.chunk_rows = directory.chunk_rows
-        self.num_slots = directory.num_slots
-        self.tiered = hasattr(cols, "tiers")
-        self.tiers: list[Any] = list(getattr(cols, "tiers", None) or [data_tier])
+    def __init__(self, core: PlacementSource) -> None:
+        cols: Any = core.cols
+        self.schema = core.schema
+        self.name = core.name
+        self.capacity = int(core.capacity)
+        self.directory = core.directory
+        self.chunk_rows = core.directory.chunk_rows
+        self.num_slots = core.directory.num_slots
+        self.tiered = bool(cols.tiered)
+        self.tiers: list[Any] = list(cols.tiers)
         self.closed = False
-        self._cols: Any = cols
-        self._index = index
-        self._sampler = sampler
-        self._state_lock = state_lock
-        self._write_lock = write_lock
+        self._cols = cols
+        self._index = core.index
+        self._sampler = core.sampler
+        self._state_lock = core.lock
+        self._write_lock = core.write_lock
         if self.tiered:
-            self.columns: list[str] = list(cols.names)  # type: ignore[attr-defined]
-            self._cis = np.array([cols.ci[n] for n in self.columns], dtype=np.int64)  # type: ignore[attr-defined]
-            self.slotted: list[bool] = list(cols.slotted)  # type: ignore[attr-defined]
-            self.bottom: int = int(cols.bottom)  # type: ignore[attr-defined]
-            self.arena_rows: int = int(cols.arena_rows)  # type: ignore[attr-defined]
+            self.columns: list[str] = list(cols.names)
+            self._cis = np.array([cols.ci[n] for n in self.columns], dtype=np.int64)
+            self.slotted: list[bool] = list(cols.slotted)
+            self.bottom: int = int(cols.bottom)
+            self.arena_rows: int = int(cols.arena_rows)
 
     # ------------------------------------------------------------------ reading
     @property

@@ -87,9 +87,6 @@ class ChunkDirectory:
             seq += take
         return out
 
-    def set_residency(self, column: str, slots: np.ndarray | slice, tier: str) -> None:
-        self.residency[self.columns.index(column), slots] = self.tiers.index(tier)
-
     def table(self, lo: int, hi: int) -> pa.Table:
         """One row per live chunk: slot, first_seq, rows, sealed, and the tier of each column."""
         chunks = self.live_chunks(lo, hi)

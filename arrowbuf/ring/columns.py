@@ -39,7 +39,7 @@ device memory, which cannot be over-committed, is slotted.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -64,6 +64,10 @@ class ColumnArenas:
         final_sources: names of the `next_of` source columns.
     """
 
+    #: Capability: columns live in several tiers, with residency per (column, chunk) (`arrowbuf.ring.tiered`).
+    tiered: ClassVar[bool] = False
+
+
     #: True when `arrays[name]` is the whole column (ring rows then final rows), so callers may index it directly.
     direct = True
     pages: Any = None  # a `tiers.prefault.PagePreparer` when the tier prepares pages (a tiered store: never)
@@ -76,6 +80,7 @@ class ColumnArenas:
         self.arena_rows = directory.arena_rows
         self.final_capacity = int(final_capacity)
         self.final_sources = list(final_sources)
+        self.tiers: list[Tier] = [tier]  # where the columns live (a tiered store has several)
         self.arrays: dict[str, np.ndarray] = {}
         self.ragged: dict[str, Any] = {}  # per ragged field: its per-slot list arrays (or a SlotView)
         self.tier_ragged: dict[str, RaggedArena] = {}  # ragged fields in tier memory (a shared tier; a tiered store)
@@ -234,6 +239,13 @@ class ColumnArenas:
 
     def __contains__(self, name: str) -> bool:
         return name in self.arrays
+
+    def initial_placement(self) -> None:
+        """Place the columns' chunks in their tiers at construction: one tier has nothing to place."""
+
+    def placement_counters(self) -> dict[str, int] | None:
+        """Migrations and their bytes so far (`stats()["placement"]`); None for one tier."""
+        return None
 
     def close(self) -> None:
         if self.pages is not None:

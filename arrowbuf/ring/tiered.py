@@ -54,6 +54,9 @@ class TieredColumnArenas(ColumnArenas):
     go, `write_tier`), and waits for a migration of that slot in flight rather than race its copy.
     """
 
+    tiered = True
+
+
     direct = False
 
     def __init__(self, schema: ExperienceSchema, directory: ChunkDirectory, meta: Tier, tiers: list[Tier],
@@ -75,7 +78,6 @@ class TieredColumnArenas(ColumnArenas):
         self.fields = [f for f in schema.fields.values() if not f.ragged]  # ragged fields stay in the bottom tier
         self.names = [f.name for f in self.fields]
         self.ci = {n: directory.columns.index(n) for n in self.names}
-        self.cname = {i: n for n, i in self.ci.items()}
         self.spec = {f.name: f for f in self.fields}
         self.row_bytes = {f.name: f.row_bytes for f in self.fields}
         self.chunk_bytes = {f.name: f.row_bytes * cr for f in self.fields}
@@ -122,6 +124,10 @@ class TieredColumnArenas(ColumnArenas):
                                          self.spec[src].shape) for src in self.final_sources}
 
     # ------------------------------------------------------------------ placement at start
+    def placement_counters(self) -> dict[str, int]:
+        """Migrations, their bytes, aborted moves and re-gathers so far (`stats()["placement"]`)."""
+        return dict(self.counters)
+
     def initial_placement(self) -> None:
         """Every slot of every column starts in a non-slotted tier: the first slots of each column (the same number
         for every column) fill the upper tiers' budgets, the bottom tier takes the rest."""
@@ -149,16 +155,6 @@ class TieredColumnArenas(ColumnArenas):
             self.counts[ci] = np.bincount(self.res[ci], minlength=len(self.tiers))
             full = np.flatnonzero(self.counts[ci] == self.num_slots)
             self.single[ci] = int(full[0]) if len(full) else -1
-
-    def check_budgets(self) -> None:
-        """Raise `OutOfSpace` when a tier holds more than its budget (tests and the policy call it)."""
-        from ..errors import OutOfSpace
-        from ..tiers.base import format_bytes
-
-        for t in self.tiers:
-            if t.budget is not None and t.nbytes() > t.budget:
-                raise OutOfSpace(f"{t.name} tier holds {format_bytes(t.nbytes())}, over its budget of "
-                                 f"{format_bytes(t.budget)}")
 
     # ------------------------------------------------------------------ writes
     def write(self, name: str, first_pos: int, values: Any) -> None:
@@ -459,9 +455,6 @@ class TieredColumnArenas(ColumnArenas):
             self.arenas[code][name] = t.allocate(name, spec.dtype, slots * self.chunk_rows, spec.shape)
             self.free[code][name] = list(range(slots - 1, -1, -1))
             return True
-
-    def slots_free(self, code: int, name: str) -> int:
-        return len(self.free[code].get(name, ()))
 
     def slots_total(self, code: int, name: str) -> int:
         arena = self.arenas[code].get(name)

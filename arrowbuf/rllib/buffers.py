@@ -338,9 +338,9 @@ class _ArrowbufBuffer:
         self._sampled = int(state.get("sampled", 0))
         ref = state.get("checkpoint")
         if ref is not None and (self.store is None or len(self.store) == 0):
-            from ..persist import restore
+            from ..store.facade import ExperienceStore
 
-            self.store = restore(ref["path"], generation=ref.get("generation"))
+            self.store = ExperienceStore.restore(ref["path"], generation=ref.get("generation"))
             self._store_writer = _StoreWriter(self.store)
 
 

@@ -1,13 +1,15 @@
-"""The state a store's writer and reader share: ring index, column arenas, sampler, locks, and the open flag.
+"""The one internals object of a store (`StoreCore`): ring index, column arenas, sampler, locks, the open flag.
 
-`ExperienceStore` (store.py) builds one `StoreCore`, then a `StoreWriter` (writer.py: append, extend, flush; the one
-commit routine) and a `StoreReader` (reader.py: sample, update_priorities, consistent snapshots) over it, and
-delegates to them. Both see the same objects; neither reaches into the other.
+`ExperienceStore` (`arrowbuf.store.facade`) builds one `StoreCore`, then a `StoreWriter` (writer.py: append, extend,
+end_episode; the one commit routine), a `StoreReader` (reader.py: sample, update_priorities, consistent snapshots), a
+`StoreUpdater` and a `ConsumeTracker` over it, and delegates to them. They all see the same objects; none reaches into
+another. persist (checkpoint, restore) reads and fills a StoreCore, and placement binds to one through
+`arrowbuf.placement.PlacementTarget`: no other view of a store's internals exists.
 
 Locks: `write_lock` is held by a writer while it reserves rows (writers then copy their rows in parallel and commit
 in seq order: `arrowbuf.ring.reservations`); `lock` (with `cond`, a condition over it) guards the commit, the live
-range, sampleability and the sampler's state. Lock order: `write_lock`
-before `lock`. For a shared tier both are cross-process robust mutexes (`arrowbuf.tiers.shm`).
+range, sampleability and the sampler's state. Lock order: `write_lock` before `lock`. For a shared tier both are
+cross-process robust mutexes (`arrowbuf.tiers.shm`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class StoreCore:
     #: Called as `on_update(positions, fields)` after `store.update` wrote rows and notified `cond`, holding the
     #: write lock but not `lock` (`store.update` calls it; a tracker may install it).
     on_update: Any = None
+    #: The store's `ConsumeTracker` (tasks, consumption per task, policy version); set once the facade built it.
+    consume: Any = None
     final_sources: list[str] = field(init=False)
     end_fields: list[str] = field(init=False)
     derived: list[Any] = field(init=False)
@@ -86,6 +90,21 @@ class StoreCore:
     @property
     def final_capacity(self) -> int:
         return int(self.cols.final_capacity)
+
+    @property
+    def chunk_rows(self) -> int:
+        return int(self.directory.chunk_rows)
+
+    @property
+    def tier_name(self) -> str:
+        """"host", "shm", ... for a store in one tier; "tiered" for one whose columns span several."""
+        return "tiered" if self.cols.tiered else self.tier.name
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments that rebuild a store of the same geometry (checkpoints record them)."""
+        return {"name": self.name, "capacity": self.capacity, "chunk_rows": self.chunk_rows,
+                "final_obs_capacity": self.final_capacity or None,
+                "max_times_sampled": self.max_times_sampled or None}
 
     def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
         """True where every one of `fields` has a value at ring `positions` (a field not filled later always has

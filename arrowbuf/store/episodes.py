@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SchemaError
+from ..errors import InvalidArgument, SchemaError
 
 
 @dataclass
@@ -62,6 +62,28 @@ class EpisodeTracker:
     @next_episode_id.setter
     def next_episode_id(self, value: int) -> None:
         self._next_id[0] = value
+
+    def state(self) -> dict[str, Any]:
+        """This tracker's state as JSON values: the open streams of this process's writers, the explicit episode
+        ids that ended, and the next episode id (`load_state` puts it back).
+
+        Raises:
+            InvalidArgument: a stream key that cannot be recorded (actor keys are ints or strings).
+        """
+        streams = [{"key": _encode_key(key), "episode_id": st.episode_id, "step": st.step,
+                    "pending_seq": st.pending_seq} for key, st in self.streams.items()]
+        return {"streams": streams, "ended": sorted(int(e) for e in self.ended),
+                "next_episode_id": self.next_episode_id}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Replace this tracker's state with one `state` returned (a restored store's tracker)."""
+        streams = {_decode_key(s["key"]): _Stream(int(s["episode_id"]), int(s["step"]), int(s["pending_seq"]))
+                   for s in state["streams"]}
+        ended = {int(e) for e in state["ended"]}
+        self.streams.clear()
+        self.streams.update(streams)
+        self.ended = ended
+        self.next_episode_id = int(state["next_episode_id"])
 
     def plan(self, n: int, ends: np.ndarray, actor: Any = None, episode_id: np.ndarray | None = None) -> IngestPlan:
         ep = np.empty(n, dtype=np.int64)
@@ -156,12 +178,6 @@ class EpisodeTracker:
         else:
             self.streams[key] = st
 
-    def allocate_ids(self, count: int) -> int:
-        """Reserve `count` new episode ids; returns the first."""
-        first = self.next_episode_id
-        self.next_episode_id += count
-        return first
-
     def apply(self, plan: IngestPlan, first_seq: int) -> None:
         """Make a planned batch the new state; `first_seq` is the seq of its first row."""
         for key, st in plan.streams.items():
@@ -197,3 +213,19 @@ def _after(episode_id: int, step: int, ended: bool, pending: int, into: _Stream 
 
 def _key(value: Any) -> Hashable:
     return value.item() if hasattr(value, "item") else value
+
+
+def _encode_key(key: Any) -> Any:
+    if key is None or isinstance(key, (int, str)):
+        return {"v": key}
+    if isinstance(key, tuple) and len(key) == 2 and key[0] == "ep":
+        return {"ep": _encode_key(key[1])["v"]}
+    if isinstance(key, (float, bool)):
+        return {"v": key}
+    raise InvalidArgument(f"an episode stream key {key!r} cannot be checkpointed (actor keys are ints or strings)")
+
+
+def _decode_key(obj: dict[str, Any]) -> Any:
+    if "ep" in obj:
+        return ("ep", obj["ep"])
+    return obj["v"]

@@ -110,6 +110,7 @@ class ExperienceStore:
             assert self._core is not None  # per-task consumption, staleness, groups
             self._consume: ConsumeTracker = ConsumeTracker(self._core, self._reader, tasks, max_staleness,
                                                            token_field)
+            self._core.consume = self._consume
             if self._consume.holds:
                 self._writer.hold = self._consume
         except BaseException:
@@ -169,8 +170,7 @@ class ExperienceStore:
         self._updater = StoreUpdater(self._core)  # store.update
         self.sampler.bind(self.index, self._rng,
                           has_next=self._reader.has_next if self._max_times_sampled else None)
-        if isinstance(self._cols, TieredColumnArenas):
-            self._cols.initial_placement()
+        self._cols.initial_placement()
         for t in {id(t): t for t in [self._tier, *data_tiers]}.values():
             if t.budget is not None and t.nbytes() > t.budget:
                 raise OutOfSpace(f"{t.name} tier: the store needs {format_bytes(t.nbytes())} there (index, samplers"
@@ -178,9 +178,7 @@ class ExperienceStore:
                                  f"budget is {format_bytes(t.budget)}; raise the budget"
                                  + (" or add a disk tier: tiers={..., 'disk': 'spill/'}"
                                     if t is data_tiers[-1] and t.name != "disk" else ""))
-        self._placement_target = PlacementTarget(self.schema, self._cols, self.directory, self.index, self.sampler,
-                                                 self._lock, self._write_lock, self.capacity, self.name,
-                                                 self._data_tier)  # what a placement policy sees of this store
+        self._placement_target = PlacementTarget(self._core)  # what a placement policy sees of this store
         self.placement_policy = make_placement(placement, len(data_tiers))
         if self.placement_policy is not None:
             self.placement_policy.bind(self._placement_target)
@@ -510,8 +508,9 @@ class ExperienceStore:
                 **self._consume.stats(),
                 "output_pool": self._reader.outputs.stats(),  # reused gather outputs (arrowbuf.ring.outpool)
             }
-            if isinstance(self._cols, TieredColumnArenas):
-                out["placement"] = dict(self._cols.counters)
+            counters = self._cols.placement_counters()
+            if counters is not None:
+                out["placement"] = counters
         return out
 
     def placement(self, explain: bool = False) -> pa.Table:
@@ -545,21 +544,7 @@ class ExperienceStore:
         with self._lock:
             return self.directory.table(self.index.lo, self.index.hi)
 
-    # ------------------------------------------------------------------ persistence
-    # Thin entry points into `arrowbuf.persist`; `_persist_parts` is the one place persist gets the store's parts.
-    def _persist_parts(self) -> Any:
-        """The components `arrowbuf.persist` checkpoints and restores (see `arrowbuf.persist.parts`)."""
-        from ..persist.parts import StoreParts
-
-        self._check_open()
-        config = {"name": self.name, "capacity": self.capacity, "chunk_rows": self.chunk_rows,
-                  "final_obs_capacity": self.final_capacity or None,
-                  "max_times_sampled": self._max_times_sampled or None}
-        tier = "tiered" if isinstance(self._cols, TieredColumnArenas) else self._tier.name
-        return StoreParts(self.schema, self._cols, self.directory, self.index, self.sampler, self._episodes,
-                          self._rng, self._final_owner, self._times_sampled, self._lock, self._write_lock, config,
-                          self.rate_limiter, tier, consume=self._consume)
-
+    # ------------------------------------------------------------------ persistence (`arrowbuf.persist`)
     def checkpoint(self, path: Any, keep: int | None = None, background: bool = False,
                    compression: str | None = None) -> Any:
         """Write a consistent, incremental, atomic checkpoint into directory `path`; writers and samplers go on.
@@ -584,11 +569,14 @@ class ExperienceStore:
         """
         from ..persist import checkpoint
 
-        return checkpoint(self, path, keep=keep, background=background, compression=compression)
+        self._check_open()
+        assert self._core is not None
+        return checkpoint(self._core, path, keep=keep, background=background, compression=compression)
 
     @classmethod
     def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
-                seed: int | None = None, name: str | None = None, schema: Any = None) -> ExperienceStore:
+                seed: int | None = None, name: str | None = None, schema: Any = None,
+                generation: int | None = None) -> ExperienceStore:
         """The store checkpointed at `path`: same rows under the same ids, same sampler, limiter and episode state.
 
         Args:
@@ -598,15 +586,25 @@ class ExperienceStore:
                 an int reseeds sampling.
             name: the restored store's name (default: the checkpointed one's).
             schema: when given, the schema the caller expects: a checkpoint whose fields differ raises SchemaError.
+            generation: a kept checkpoint other than the latest (`arrowbuf checkpoint ls` lists them).
 
         Raises:
             StoreCorrupt: a file is missing, truncated or corrupt (the message names it).
             SchemaError: `schema` differs from the checkpoint's (the message names the fields).
         """
-        from ..persist import restore
+        from ..persist import plan_restore
 
-        return cast("ExperienceStore", restore(path, tier=tier, tiers=tiers, seed=seed, name=name, schema=schema,
-                                               cls=cls))
+        plan = plan_restore(path, tier=tier, tiers=tiers, seed=seed, name=name, schema=schema,
+                            generation=generation)
+        store = cls(*plan.args, **plan.kwargs)
+        try:
+            assert store._core is not None
+            plan.load(store._core)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
     def export(self, path: Any, format: str = "parquet", partition_by: Any = None,
                compression: str | None = None) -> dict[str, Any]:
         """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
@@ -615,7 +613,10 @@ class ExperienceStore:
         Returns rows and path. See `arrowbuf.persist.datasets`."""
         from ..persist import export
 
-        return export(self, path, format=format, partition_by=partition_by, compression=compression)
+        self._check_open()
+        assert self._core is not None
+        return export(self._core, self.to_table, path, format=format, partition_by=partition_by,
+                      compression=compression)
 
     @classmethod
     def from_dataset(cls, path: Any, capacity: int | None = None, *, schema: Any = None,
@@ -626,7 +627,7 @@ class ExperienceStore:
         arguments go to the constructor (sampler, seed, tier, ...)."""
         from ..persist import from_dataset
 
-        return cast("ExperienceStore", from_dataset(path, capacity, schema=schema, **kwargs))
+        return cast("ExperienceStore", from_dataset(path, capacity, store_cls=cls, schema=schema, **kwargs))
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -232,7 +232,7 @@ class StoreReader:
         cols = self.core.cols
         if cols.direct:
             return self._gather(seqs, names, n_step, gamma)
-        assert isinstance(cols, TieredColumnArenas)
+        cols = cast(TieredColumnArenas, cols)  # not direct: several tiers
         for _ in range(_OPTIMISTIC_ROUNDS):
             arrays, moved = self._gather_checked(cols, seqs, names, n_step, gamma)
             if moved is None:
