@@ -5,7 +5,7 @@
 
 from . import placement, rate_limiters, samplers
 from .delivery.batch import SampleBatch
-from .delivery.loader import Loader
+from .delivery.loader import Loader, LoaderMetrics, TorchBatch
 from .errors import (
     AppendSlowPathWarning,
     ArrowbufError,
@@ -30,7 +30,9 @@ from .errors import (
     Unavailable,
 )
 from .flight import ServerLimits, connect, serve
-from .persist import open_dataset
+from .flight.client import RemoteStore
+from .flight.server import StoreServer
+from .persist import CheckpointHandle, ExperienceDataset, open_dataset
 from .query.sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
 from .store.facade import ExperienceStore
@@ -40,6 +42,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArrowbufError",
+    "CheckpointHandle",
+    "ExperienceDataset",
+    "LoaderMetrics",
+    "RemoteStore",
+    "StoreServer",
+    "TorchBatch",
     "AppendSlowPathWarning",
     "ArrowbufWarning",
     "DeadlineExceeded",

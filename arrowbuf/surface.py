@@ -1,7 +1,7 @@
 """The store surface: what every store-like class offers, written down as one `typing.Protocol`.
 
 `ExperienceStore` (host, shared memory, tiered, attached), `RemoteStore` (`ab.connect`), `arrowbuf.ray.ShardedStore`
-and the shard adapter a shard's Flight server wraps (`arrowbuf.ray.ShardStore`) all implement `StoreSurface`, and
+and the shard adapter a shard's Flight server wraps (`arrowbuf.ray.ShardBackend`) all implement `StoreSurface`, and
 tests/test_surface.py runs one contract suite over each of them. Code that only needs "a store" (the Loader,
 `ab.serve`, your training loop) should take a `StoreSurface` and nothing narrower.
 

@@ -31,6 +31,9 @@ import time
 
 import numpy as np
 
+# the straggler rows slow one shard through its test hook (ShardActor.set_delay); Ray workers inherit this
+os.environ.setdefault("ARROWBUF_TEST_HOOKS", "1")
+
 import arrowbuf as ab
 
 from .workloads import make_steps
@@ -299,7 +302,7 @@ def bench_failure(capacity: int, batch: int, kills: int) -> list[dict]:
                 first_without = now - t_kill
             info = s.infos[victim]
             if back is None and info is not None and info["generation"] != old["generation"] and not \
-                    s._shards[victim].down:
+                    s.members.shards[victim].down:
                 back = now - t_kill
                 with s.writer(shard=victim) as w:  # the restarted shard is empty: give it data to serve
                     w.extend(fill_pool)

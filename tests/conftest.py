@@ -13,6 +13,9 @@ import pytest
 
 import arrowbuf as ab
 
+# shard actors started by these tests accept test hooks (ShardActor.set_delay); Ray workers inherit the environment
+os.environ["ARROWBUF_TEST_HOOKS"] = "1"
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "schemas"
 

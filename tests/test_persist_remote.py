@@ -1,4 +1,4 @@
-"""The Flight `checkpoint` action (issue 15): writes only under the server's checkpoint root. Real server on port 0."""
+"""The Flight `checkpoint` action (and `RemoteStore.checkpoint`): writes only under the server's checkpoint root. Real server on port 0."""
 
 from __future__ import annotations
 
@@ -68,3 +68,25 @@ def test_server_without_a_root_takes_no_checkpoints(tmp_path):
         with ab.serve(store, "grpc://127.0.0.1:0") as server:
             with pytest.raises(flight.FlightError, match="checkpoint_root"):
                 _call(server.location, {"path": "x"})
+
+
+def test_a_remote_store_checkpoints_under_the_servers_root(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    with ab.ExperienceStore(SMALL, capacity=500, seed=0) as store:
+        store.extend(make_episodes([60, 40], seed=1)[0])
+        with ab.serve(store, "grpc://127.0.0.1:0", checkpoint_root=root) as server, \
+                ab.connect(server.location) as client:
+            out = client.checkpoint("run-2/latest", keep=1)
+            assert out["path"] == "run-2/latest" and out["rows"] == 100
+            with pytest.raises(ab.InvalidArgument, match="'..' is not allowed"):
+                client.checkpoint("../escape")
+        with ab.ExperienceStore.restore(root / "run-2" / "latest") as again:
+            assert again.to_table().equals(store.to_table())
+
+
+def test_a_remote_store_of_a_server_without_a_root_cannot_checkpoint(tmp_path):
+    with ab.ExperienceStore(SMALL, capacity=100, seed=0) as store:
+        with ab.serve(store, "grpc://127.0.0.1:0") as server, ab.connect(server.location) as client:
+            with pytest.raises(ab.ArrowbufError, match="checkpoint_root"):
+                client.checkpoint("run")

@@ -262,10 +262,10 @@ class TestRequestBounds:
 
     def test_shard_info_is_answered_clearly_by_a_server_that_is_no_ray_shard(self, servers):
         """`shard_info` reached ExperienceStore.sample as a keyword: a TypeError quoting the server's internals."""
-        from arrowbuf.ray.shard import ShardStore  # the adapter a Ray shard serves (no Ray needed to build one)
+        from arrowbuf.ray.shard import ShardBackend  # the adapter a Ray shard serves (no Ray needed to build one)
 
         plain = servers(cartpole_store())
-        shard = servers(ShardStore(cartpole_store(), shard=1, generation=0))
+        shard = servers(ShardBackend(cartpole_store(), shard=1, generation=0))
         client = flight.FlightClient(plain.location)
         shard_client = flight.FlightClient(shard.location)
         try:
@@ -299,7 +299,7 @@ class TestRequestBounds:
             assert describe["sample_options"] == ["n_step", "gamma", "shard_info"]
             table = shard_client.do_get(sample_ticket(options={"shard_info": True})).read_all()
             assert {"_mass", "_shard_mass", "_shard_min", "_shard_size"} <= set(table.column_names)
-            # a shard's table stream is chunked like any store's (ShardStore.iter_table), not one whole copy
+            # a shard's table stream is chunked like any store's (ShardBackend.iter_table), not one whole copy
             rows = shard_client.do_get(flight.Ticket(P.encode_ticket(P.TableRequest("table")))).read_all()
             assert rows.num_rows == 100 and rows.column("seq").to_pylist() == list(range(100))
         finally:

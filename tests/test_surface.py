@@ -1,7 +1,7 @@
 """The store-surface contract (`ab.StoreSurface`), one suite run over every implementation, all real parts:
 
 host, shared-memory (the creator and a handle attached by name), tiered (host + disk spill), the shard adapter a
-shard's Flight server wraps (`arrowbuf.ray.ShardStore`), `RemoteStore` over a real Flight server on 127.0.0.1:0, and
+shard's Flight server wraps (`arrowbuf.ray.ShardBackend`), `RemoteStore` over a real Flight server on 127.0.0.1:0, and
 `ShardedStore` on a local Ray cluster (started once for the module, shut down at its end).
 
 Each test writes its own rows and checks only what it wrote, so the module-scoped sharded store can carry rows of
@@ -118,9 +118,9 @@ def surface(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
             store = stack.enter_context(ab.ExperienceStore(schema, CAPACITY, prio, seed=0, chunk_rows=256,
                                                            tiers={"host": "64MiB", "disk": tmp_path / "spill"}))
         elif kind == "shard-adapter":
-            from arrowbuf.ray import ShardStore
+            from arrowbuf.ray import ShardBackend
 
-            store = ShardStore(stack.enter_context(ab.ExperienceStore(schema, CAPACITY, prio, seed=0)), 3, 5)
+            store = ShardBackend(stack.enter_context(ab.ExperienceStore(schema, CAPACITY, prio, seed=0)), 3, 5)
         elif kind == "remote":
             local = stack.enter_context(ab.ExperienceStore(schema, CAPACITY, prio, seed=0))
             server = stack.enter_context(ab.serve(local, "grpc://127.0.0.1:0"))

@@ -321,10 +321,10 @@ def test_field_by_field_completion_across_processes(served):
 
 # ---------------------------------------------------------------- the shard adapter (global ids)
 def test_shard_adapter_routes_global_ids():
-    from arrowbuf.ray import ShardStore
+    from arrowbuf.ray import ShardBackend
     from arrowbuf.ray.ids import encode_ids
 
-    with ShardStore(ab.ExperienceStore(GRPO, capacity=16, seed=0), 3, 5) as shard:
+    with ShardBackend(ab.ExperienceStore(GRPO, capacity=16, seed=0), 3, 5) as shard:
         ids = shard.extend(rollouts(4))
         assert shard.update(ids[:2], {"reward": [1.0, 2.0]}) == 2
         assert shard.store.to_table(["reward"]).column(0).to_pylist() == [1.0, 2.0, None, None]

@@ -1,5 +1,5 @@
 """The write path (arrowbuf.store.writer): atomic batches (threads, killed shared-memory writer processes), the rate limiter
-waited for outside the write lock, flush() of an idle actor's open step, and loud final-observation drops.
+waited for outside the write lock, end_episode() of an idle actor's open step, and loud final-observation drops.
 
 Rows encode their batch: `action` is the batch number and `reward` the row's index inside it, so any table read
 anywhere shows whether a batch is whole.
@@ -148,8 +148,18 @@ def test_a_rate_limited_writer_waits_outside_the_write_lock():
     store.close()
 
 
-# ---------------------------------------------------------------------------------------------- flush, final obs
-def test_flush_ends_an_idle_actors_open_step_so_a_fifo_goes_on():
+# ---------------------------------------------------------------------------------------------- end_episode, final obs
+def test_flush_is_a_deprecated_alias_of_end_episode():
+    store = ab.ExperienceStore(SMALL, capacity=100, sampler="fifo", seed=0)
+    step = {"obs": np.zeros(3, np.float32), "action": 1, "reward": 1.0, "terminated": False, "truncated": False}
+    store.append({**step, "actor": "idle"})
+    with pytest.warns(DeprecationWarning, match="end_episode"):
+        assert store.flush("idle", next_obs=np.full(3, -1, np.float32))
+    assert store.sample(1).indices[0] == 0  # the step became sampleable, as end_episode makes it
+
+
+
+def test_end_episode_ends_an_idle_actors_open_step_so_a_fifo_goes_on():
     store = ab.ExperienceStore(SMALL, capacity=100, sampler="fifo", seed=0)
     step = {"obs": np.zeros(3, np.float32), "action": 1, "reward": 1.0, "terminated": False, "truncated": False}
     assert store.append({**step, "actor": "idle"}) == 0  # its next step never comes
@@ -158,8 +168,8 @@ def test_flush_ends_an_idle_actors_open_step_so_a_fifo_goes_on():
     with pytest.raises(ab.SampleTimeout):  # the queue stops at the idle actor's open step
         store.sample(1)
     with pytest.raises(ab.SchemaError, match="next_obs"):
-        store.flush("idle")
-    assert store.flush("idle", next_obs=np.full(3, -1, np.float32))
+        store.end_episode("idle")
+    assert store.end_episode("idle", next_obs=np.full(3, -1, np.float32))
     b = store.sample(5)
     np.testing.assert_array_equal(b.indices, [0, 1, 2, 3, 4])
     np.testing.assert_array_equal(b["next_obs"][0], [-1, -1, -1])

@@ -681,9 +681,9 @@ def _stop(shared: _Shared) -> None:
 
 
 def _is_remote(source: Any) -> bool:
-    from ..flight.client import RemoteStore
-
-    return isinstance(source, RemoteStore)
+    """Whether `source` serves a fixed batch size through a learner session (`session(n, columns, prefetch=...,
+    ...)`): a capability the class declares (`learner_sessions = True`, as `ab.flight.RemoteStore` does)."""
+    return bool(getattr(type(source), "learner_sessions", False)) and callable(getattr(source, "session", None))
 
 
 def _weak_floor(loader: Loader) -> Callable[[], float]:

@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -104,6 +104,10 @@ class RemoteStore:
         sample_meta: how sampled batches carry their ids and weights (`protocol.SAMPLE_META`): "columns" where the
             server offers it (no JSON per batch), else "json".
     """
+
+    #: Capability: serves a fixed batch size through a learner session (`session`); `ab.Loader` uses it.
+    learner_sessions: ClassVar[bool] = True
+
 
     def __init__(self, location: str, token: str | None = None, store: str | None = None, *,
                  tls_root_certs: bytes | str | None = None, disable_server_verification: bool = False,
@@ -419,6 +423,26 @@ class RemoteStore:
     # ------------------------------------------------------------------ inspection
     def __len__(self) -> int:
         return int(self._action("len", _DEFAULT)["len"])
+
+    def checkpoint(self, path: str, keep: int | None = None, *,
+                   rpc_timeout: float | None | object = _DEFAULT) -> dict[str, Any]:
+        """Checkpoint the served store on the server, into `path`: a relative name under the checkpoint root the
+        server was started with (`ab.serve(..., checkpoint_root=DIR)`); see `ExperienceStore.checkpoint`.
+
+        Args:
+            path: e.g. "run-7/latest" (no absolute path, no `..`, no link below the root).
+            keep: keep the newest `keep` checkpoints in that directory (None: all).
+
+        Returns:
+            The checkpoint summary (generation, rows, files written and reused, bytes, path).
+
+        Raises:
+            InvalidArgument: a path outside the root, or a server started without `checkpoint_root`.
+        """
+        body: dict[str, Any] = {"path": path}
+        if keep is not None:
+            body["keep"] = keep
+        return dict(self._action("checkpoint", rpc_timeout, **body))
 
     def stats(self, *, rpc_timeout: float | None | object = _DEFAULT) -> dict[str, Any]:
         """The store's `stats()`, plus a `server` entry."""

@@ -41,13 +41,23 @@ Ray is imported when used; a missing ray raises `MissingDependency` naming `arro
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import ShardsLost
 from .handle import ShardedStore
 from .hoplite.broadcast import Broadcast, broadcast
 from .ids import GEN_BITS, MAX_SHARDS, SEQ_BITS, SHARD_BITS, decode_ids, encode_ids, shard_of
-from .shard import ShardActor, ShardDirectory, ShardStore, shm_safe
+from .shard import ShardActor, ShardBackend, ShardDirectory, shm_safe
 from .writer import ShardWriter
 
 __all__ = ["Broadcast", "GEN_BITS", "MAX_SHARDS", "SEQ_BITS", "SHARD_BITS", "ShardActor", "ShardDirectory",
-           "ShardStore", "ShardWriter", "ShardedStore", "ShardsLost", "broadcast", "decode_ids", "encode_ids",
+           "ShardBackend", "ShardWriter", "ShardedStore", "ShardsLost", "broadcast", "decode_ids", "encode_ids",
            "shard_of", "shm_safe"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ShardStore":  # deprecated name of ShardBackend
+        from . import shard
+
+        return shard.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

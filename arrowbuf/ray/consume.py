@@ -9,6 +9,7 @@ group's rows are on one shard and each shard delivers whole groups. Each shard t
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -19,10 +20,11 @@ import pyarrow.compute as pc
 from ..delivery.batch import SampleBatch
 from ..errors import InvalidArgument, StoreClosed
 from ..samplers.group import GroupSampler
+from .writer import ShardWriter
 
 if TYPE_CHECKING:
-    from .handle import ShardedStore
-    from .writer import ShardWriter
+    from ..schema import ExperienceSchema
+    from .membership import ShardMembership
 
 
 def group_shards(keys: np.ndarray, num_shards: int) -> np.ndarray:
@@ -38,22 +40,26 @@ class ShardedConsumer:
     """Consumption per task over a `ShardedStore`'s shards, through its public surface (shard clients, writers).
 
     Args:
-        handle: the sharded store.
+        members: the shards (`ShardMembership`, shared with the handle).
+        schema: the shards' schema; sampler: their sampler (a `Group` sampler keeps each group on one shard).
         token_field: the ragged field `max_tokens` counts (None: `response_tokens`, or the only ragged field).
     """
 
-    def __init__(self, handle: ShardedStore, token_field: str | None = None) -> None:
-        self.handle = handle
+    def __init__(self, members: ShardMembership, schema: ExperienceSchema, sampler: Any,
+                 token_field: str | None = None) -> None:
+        self.members = members
+        self.schema = schema
+        self.sampler = sampler
         self._turn = -1
         self._writers: dict[int, ShardWriter] = {}
-        ragged = [f for f, spec in handle.schema.fields.items() if spec.ragged]
+        ragged = [f for f, spec in schema.fields.items() if spec.ragged]
         self.token_field = token_field or ("response_tokens" if "response_tokens" in ragged else
                                            (ragged[0] if len(ragged) == 1 else None))
 
     def _live(self) -> list[tuple[int, Any]]:
         out = []
-        for k in range(self.handle.num_shards):
-            client = self.handle.shard_client(k)
+        for k in range(self.members.num_shards):
+            client = self.members.shard_client(k)
             if client is not None:
                 out.append((k, client))
         return out
@@ -63,19 +69,28 @@ class ShardedConsumer:
         """Write `batch`, each row to the shard of its group key (one writer per shard); the rows' global ids."""
         from ..flight.messages import record_batch
 
-        group = cast(GroupSampler, self.handle.sampler)
-        schema = self.handle.schema
+        group = cast(GroupSampler, self.sampler)
+        schema = self.schema
         cols, n = schema.validate_batch(batch)
         rb = record_batch(schema, cols)
-        home = group_shards(np.asarray(cols[group.key]), self.handle.num_shards)
+        home = group_shards(np.asarray(cols[group.key]), self.members.num_shards)
         ids = np.empty(n, dtype=np.int64)
         for k in np.unique(home):
             rows = np.flatnonzero(home == k)
             w = self._writers.get(int(k))
             if w is None:
-                w = self._writers[int(k)] = self.handle.writer(shard=int(k))
+                if self.members.closed:
+                    raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")
+                w = self._writers[int(k)] = ShardWriter(self.members, self.schema, self.sampler, shard=int(k))
             ids[rows] = w.extend(rb.take(pa.array(rows)))
         return ids
+
+    def close(self) -> None:
+        """Close the writers that wrote whole groups to their shards. Idempotent."""
+        for w in self._writers.values():
+            with contextlib.suppress(Exception):
+                w.close()
+        self._writers.clear()
 
     # ------------------------------------------------------------------ consume
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
@@ -97,7 +112,7 @@ class ShardedConsumer:
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
                                     or not 0 <= timeout < float("inf")):
             raise InvalidArgument(f"consume: timeout must be a finite number of seconds >= 0, got {timeout!r}")
-        sampler = self.handle.sampler
+        sampler = self.sampler
         size = cast(GroupSampler, sampler).size if sampler.whole_groups else 1
         opts = {"require": None if require is None else list(require), "max_staleness": max_staleness,
                 "where": where}
@@ -136,7 +151,7 @@ class ShardedConsumer:
         try:
             return cast(SampleBatch, client.consume(task, n, timeout=timeout, max_tokens=max_tokens, **opts))
         except (StoreClosed, OSError, pa.ArrowException, ConnectionError) as exc:
-            self.handle.report_down(k, exc)
+            self.members.report_down(k, exc)
             return None
 
     def _tokens(self, batch: SampleBatch) -> int:

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import secrets
-import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -29,6 +28,7 @@ from ._common import _DaemonPool, _ray
 from .allocate import allocate, allocate_fanout
 from .consume import ShardedConsumer
 from .ids import MAX_SHARDS, shard_of
+from .membership import ShardMembership, ShardState
 from .shard import _INFO_COLUMNS, ShardActor, ShardDirectory, is_exponent
 from .writer import ShardWriter
 
@@ -36,28 +36,6 @@ log = logging.getLogger("arrowbuf.ray")
 
 #: How often a handle asks a shard it last saw empty whether it has data now (seconds).
 _EMPTY_RECHECK_S = 0.1
-
-
-# ------------------------------------------------------------------------------------------------------ learner side
-class _Shard:
-    """What a handle knows about one shard: its connection, state and the last mass it reported."""
-
-    def __init__(self, k: int, actor: Any, info: dict[str, Any] | None) -> None:
-        self.k = k
-        self.actor = actor
-        self.info = info
-        self.client: Any = None
-        self.down = info is None
-        self.down_since = time.monotonic() if self.down else 0.0
-        self.lost = False            # dead for good (restarts exhausted)
-        self.late: cf.Future | None = None  # a sample past its deadline, still running
-        self.mass = 0.0
-        self.min_mass = float("inf")
-        self.size = 0
-        self.mass_at = 0.0           # when the mass was last reported
-        self.refreshing: cf.Future | None = None  # an asynchronous stats call for a shard reported empty
-        self.probe: Any = None       # an outstanding actor.get_info() while down
-        self.probe_at = 0.0          # when it was sent
 
 
 class ShardedStore:
@@ -90,15 +68,16 @@ class ShardedStore:
         beta = is_exponent(sampler)
         self.prioritized = beta is not None  # batches carry IS weights, made global here
         self.beta = beta or 0.0
-        self._shards = [_Shard(k, a, info) for k, (a, info) in enumerate(zip(self.actors, state["infos"]))]
-        self._lock = threading.RLock()
+        self.members = ShardMembership(self.actors, state["infos"], self._token, self.failure_timeout)
+        self._lock = self.members.lock
         self._pool: _DaemonPool | None = None
         self._rng = np.random.default_rng()
         self._closed = False
         self._default_writer: ShardWriter | None = None
         self._writers: weakref.WeakSet[ShardWriter] = weakref.WeakSet()
-        self._consumer = ShardedConsumer(self, state.get("token_field"))
-        self.counters = {"late": 0, "failed": 0, "revived": 0, "topups": 0, "updates_dropped": 0}
+        self._consumer = ShardedConsumer(self.members, self.schema, self.sampler, state.get("token_field"))
+        self.counters = self.members.counters  # failed, revived (membership) and the handle's own
+        self.counters.update({"late": 0, "topups": 0, "updates_dropped": 0})
 
     # ------------------------------------------------------------------ creation
     @classmethod
@@ -209,18 +188,18 @@ class ShardedStore:
 
     def __reduce__(self) -> Any:
         with self._lock:
-            state = dict(self._state, infos=[s.info for s in self._shards])
+            state = dict(self._state, infos=[s.info for s in self.members.shards])
         return (ShardedStore, (state,))
 
     def __repr__(self) -> str:
-        up = sum(not s.down for s in self._shards)
+        up = sum(not s.down for s in self.members.shards)
         return f"ShardedStore({self.num_shards} shards, {up} up, schema={self.schema.name!r})"
 
     # ------------------------------------------------------------------ shards
     @property
     def infos(self) -> list[dict[str, Any] | None]:
         """Each shard's last known info: location, generation, node_id, pid, shm name, ..."""
-        return [s.info for s in self._shards]
+        return self.members.infos
 
     def _executor(self) -> _DaemonPool:
         if self._pool is None:
@@ -229,126 +208,36 @@ class ShardedStore:
                     self._pool = _DaemonPool(min(64, 2 * self.num_shards + 2), "arrowbuf-shards")
         return self._pool
 
-    # ------------------------------------------------------------------ what writers use
+    # ------------------------------------------------------------------ membership (`arrowbuf.ray.membership`)
     def shard_client(self, k: int) -> Any:
-        """Shard `k`'s Flight client (an `ab.connect` `RemoteStore`), or None while it is down. For a down shard this
-        looks (without waiting) whether it came back."""
-        return self._client(self._shards[k])
+        """Shard `k`'s Flight client, or None while it is down (see `ShardMembership.shard_client`)."""
+        return self.members.shard_client(k)
 
     def report_down(self, k: int, exc: BaseException | None = None) -> None:
-        """Shard `k` failed a call (a writer saw it): it gets no share of batches until it answers again."""
-        self._mark_down(self._shards[k], exc)
-
-    def _client(self, s: _Shard) -> Any:
-        """The shard's Flight client, or None while it is down."""
-        if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
-            raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")
-        if s.down:
-            self._poll_revival(s)
-            if s.down:
-                return None
-        if s.client is None:
-            from ..flight import connect
-
-            info = s.info
-            assert info is not None  # a shard is up only with an info
-            try:
-                s.client = connect(info["location"], token=self._token, store=info["store"], reconnect_timeout=0.0)
-            except (StoreClosed, OSError, pa.ArrowException) as exc:
-                self._mark_down(s, exc)
-                return None
-        return s.client
-
-    def _mark_down(self, s: _Shard, exc: BaseException | None = None) -> None:
-        with self._lock:
-            if s.down:
-                return
-            log.info("shard %d is unreachable (%s); serving from the others", s.k, exc)
-            s.down, s.down_since = True, time.monotonic()
-            s.mass, s.size = 0.0, 0
-            client, s.client = s.client, None
-            self.counters["failed"] += 1
-        if client is not None:
-            with contextlib.suppress(Exception):
-                client.close()
-
-    def _poll_revival(self, s: _Shard) -> None:
-        """Non-blocking: has a down shard's actor come back under a new generation?"""
-        if s.lost:
-            return
-        ray = _ray()
-        with self._lock:
-            if s.probe is None:
-                s.probe, s.probe_at = s.actor.get_info.remote(), time.monotonic()
-            probe = s.probe
-            ready, _ = ray.wait([probe], timeout=0)
-            if not ready:
-                return
-            s.probe = None
-            try:
-                info = ray.get(probe)
-            except Exception as exc:  # noqa: BLE001 - RayActorError: restarting, or dead for good
-                # Lost only when Ray says the actor is gone (not ActorUnavailableError: it is restarting, however
-                # long that takes) to a question asked after failure_timeout (a probe sent earlier may be looked
-                # at late: its age says nothing about the actor now).
-                restarting = isinstance(exc, getattr(ray.exceptions, "ActorUnavailableError", ()))
-                if not restarting and s.probe_at - s.down_since > self.failure_timeout:
-                    s.lost = True
-                return
-            old = s.info
-            if old is not None and info["generation"] == old["generation"] and info["pid"] == old["pid"]:
-                if time.monotonic() - s.down_since < 1.0:  # the old incarnation answered; retry its endpoint later
-                    return
-            s.info, s.down, s.client = info, False, None
-            s.mass, s.min_mass, s.size = 0.0, float("inf"), 0
-            self.counters["revived"] += 1
-
-    def _live(self) -> list[_Shard]:
-        return [s for s in self._shards if self._client(s) is not None]
-
-    def _all_lost(self) -> bool:
-        now = time.monotonic()
-        return all(s.lost or (s.down and now - s.down_since > self.failure_timeout) for s in self._shards)
+        """Shard `k` failed a call: it gets no share of batches until it answers again."""
+        self.members.report_down(k, exc)
 
     def wait_for_shards(self, timeout: float = 60.0) -> int:
         """Block until every shard is reachable (e.g. after a restart) or `timeout`; returns how many are up."""
-        end = time.monotonic() + timeout
-        while True:
-            up = len(self._live())
-            left = end - time.monotonic()
-            if up == self.num_shards or left <= 0 or not self.wait_for_revival(left):
-                return up
+        return self.members.wait_for_shards(timeout)
 
     def wait_for_revival(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds until the actor of a down shard answers (it may be back: the next call that
-        needs it looks) or fails; False when no shard can come back (every down shard is lost for good)."""
-        probes = []
-        for s in self._shards:
-            if s.down and not s.lost:
-                if s.probe is None:
-                    self._poll_revival(s)  # asks the actor again (a restarting one answers once it is back)
-                if s.probe is not None:
-                    probes.append(s.probe)
-                elif not s.down:  # it answered at once: back already
-                    return True
-        if not probes:
-            return any(s.down and not s.lost for s in self._shards)
-        _ray().wait(probes, num_returns=1, timeout=max(0.0, timeout))
-        return True
+        """Wait up to `timeout` seconds until the actor of a down shard answers or fails (`ShardMembership`)."""
+        return self.members.wait_for_revival(timeout)
 
     def refresh(self) -> None:
         """Ask every live shard for its mass and size now (sample does this by itself when it has no estimate)."""
-        live = self._live()
+        live = self.members.live()
         futs = {self._executor().submit(_stats_of, s.client): s for s in live}
         for fut, s in futs.items():
             try:
                 st = fut.result(timeout=self.failure_timeout)
             except Exception as exc:  # noqa: BLE001 - a shard that fails here is down
-                self._mark_down(s, exc)
+                self.members.mark_down(s, exc)
                 continue
             self._set_mass(s, st)
 
-    def _set_mass(self, s: _Shard, st: dict[str, Any]) -> None:
+    def _set_mass(self, s: ShardState, st: dict[str, Any]) -> None:
         s.mass = float(st["mass"])
         s.min_mass = float(st["min_mass"]) if st.get("min_mass") is not None else float("inf")
         s.size = int(st["size"])
@@ -359,19 +248,19 @@ class ShardedStore:
         `_EMPTY_RECHECK_S`; a shard gets no share of a batch while its known mass is 0, so this is how data written
         to it is found."""
         now = time.monotonic()
-        for s in self._shards:
+        for s in self.members.shards:
             if (s.client is not None and not s.down and s.mass <= 0 and s.refreshing is None
                     and now - s.mass_at > _EMPTY_RECHECK_S):
                 s.mass_at = now
                 s.refreshing = self._executor().submit(self._refresh_one, s)
 
-    def _refresh_one(self, s: _Shard) -> None:
+    def _refresh_one(self, s: ShardState) -> None:
         client = s.client
         try:
             if client is not None:
                 self._set_mass(s, client.stats())
         except Exception as exc:  # noqa: BLE001 - a shard that fails here is down
-            self._mark_down(s, exc)
+            self.members.mark_down(s, exc)
         finally:
             s.refreshing = None
 
@@ -435,7 +324,7 @@ class ShardedStore:
                 counts = allocate(remaining, masses, self._rng)
             futs = {self._executor().submit(self._sample_one, s, int(c), cols, timeout, options): s
                     for s, c in zip(live, counts) if c > 0}
-            answered: list[_Shard] = []
+            answered: list[ShardState] = []
             end = t0 + deadline if (first and deadline is not None) else None
             for s, part in self._collect(futs, end):
                 if part is None:
@@ -449,12 +338,12 @@ class ShardedStore:
             self.counters["topups"] += 1
             live = [s for s in answered if s.mass > 0] or self._wait_for_data(t0, timeout)
 
-    def _wait_for_data(self, t0: float, timeout: float | None) -> list[_Shard]:
+    def _wait_for_data(self, t0: float, timeout: float | None) -> list[ShardState]:
         """Live shards with data (refreshing their mass when none is known), waiting up to `timeout`; shards whose
         previous call is late count once it ends (waiting for that up to `failure_timeout`)."""
         pause = 0.002
         while True:
-            up = self._live()
+            up = self.members.live()
             live = [s for s in up if s.late is None]
             if live and not any(s.mass > 0 for s in live):
                 self.refresh()
@@ -463,7 +352,7 @@ class ShardedStore:
             if with_data:
                 return with_data
             waited = time.monotonic() - t0
-            if not up and self._all_lost():
+            if not up and self.members.all_lost():
                 raise ShardsLost(f"no shard of {self!r} is left: every shard is dead or unreachable for more than "
                                  f"{self.failure_timeout}s")
             late_only = bool(up) and not live
@@ -483,7 +372,7 @@ class ShardedStore:
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 0.05)
 
-    def _collect(self, futs: dict[cf.Future, _Shard], end: float | None) -> Iterator[tuple[_Shard, Any]]:
+    def _collect(self, futs: dict[cf.Future, ShardState], end: float | None) -> Iterator[tuple[ShardState, Any]]:
         """(shard, part or None) as each call finishes; calls still running at `end` become late."""
         pending = set(futs)
         got_any = False
@@ -509,7 +398,7 @@ class ShardedStore:
                     yield s, None
                     continue
                 except (StoreClosed, OSError, pa.ArrowException, ConnectionError) as exc:
-                    self._mark_down(s, exc)
+                    self.members.mark_down(s, exc)
                     yield s, None
                     continue
                 got_any = True
@@ -519,7 +408,7 @@ class ShardedStore:
                     self._set_late(futs[fut], fut)
                 return
 
-    def _set_late(self, s: _Shard, fut: cf.Future) -> None:
+    def _set_late(self, s: ShardState, fut: cf.Future) -> None:
         self.counters["late"] += 1
         s.late = fut
 
@@ -530,26 +419,26 @@ class ShardedStore:
 
         fut.add_done_callback(done)
 
-    def _sample_one(self, s: _Shard, n: int, cols: list[str] | None, timeout: float | None,
+    def _sample_one(self, s: ShardState, n: int, cols: list[str] | None, timeout: float | None,
                     options: dict[str, Any]) -> SampleBatch:
         client = s.client
         if client is None:
             raise StoreClosed(f"shard {s.k} is down")
         return client.sample(n, cols, timeout, shard_info=True, **options)
 
-    def _read_mass(self, s: _Shard, part: SampleBatch) -> None:
+    def _read_mass(self, s: ShardState, part: SampleBatch) -> None:
         if len(part):
             s.mass = float(part["_shard_mass"][0])
             s.min_mass = float(part["_shard_min"][0])
             s.size = int(part["_shard_size"][0])
             s.mass_at = time.monotonic()
 
-    def _finish_part(self, s: _Shard, part: SampleBatch) -> SampleBatch:
+    def _finish_part(self, s: ShardState, part: SampleBatch) -> SampleBatch:
         """Strip the shard's info columns; global IS weights from the masses known now."""
         self._read_mass(s, part)
         weights = None
         if self.prioritized:
-            masses = [x for x in self._shards if not x.down and x.mass > 0]
+            masses = [x for x in self.members.shards if not x.down and x.mass > 0]
             total = sum(x.mass for x in masses) or s.mass
             vmin = min((x.min_mass for x in masses), default=s.min_mass)
             p = np.asarray(part["_mass"], dtype=np.float64) / total
@@ -573,8 +462,8 @@ class ShardedStore:
         futs = {}
         for k in np.unique(owner):
             mask = owner == k
-            s = self._shards[int(k)] if 0 <= k < self.num_shards else None
-            client = self._client(s) if s is not None else None
+            s = self.members.shards[int(k)] if 0 <= k < self.num_shards else None
+            client = self.members.client(s) if s is not None else None
             if s is None or client is None:
                 self.counters["updates_dropped"] += int(mask.sum())
                 continue
@@ -584,7 +473,7 @@ class ShardedStore:
             try:
                 applied += int(fut.result(timeout=self.failure_timeout))
             except (StoreClosed, OSError, pa.ArrowException, cf.TimeoutError) as exc:
-                self._mark_down(s, exc)
+                self.members.mark_down(s, exc)
                 self.counters["updates_dropped"] += m
         return applied
 
@@ -613,8 +502,8 @@ class ShardedStore:
         futs = {}
         for k in np.unique(owner):
             idx = np.flatnonzero(owner == k)
-            s = self._shards[int(k)]
-            client = self._client(s)
+            s = self.members.shards[int(k)]
+            client = self.members.client(s)
             if client is None:
                 self.counters["updates_dropped"] += len(idx)
                 continue
@@ -625,7 +514,7 @@ class ShardedStore:
             try:
                 written += int(fut.result(timeout=self.failure_timeout))
             except (StoreClosed, OSError, pa.ArrowException, cf.TimeoutError) as exc:
-                self._mark_down(s, exc)
+                self.members.mark_down(s, exc)
                 self.counters["updates_dropped"] += m
         return written
 
@@ -635,7 +524,8 @@ class ShardedStore:
         """A writer to one shard: `shard`, else a shard on this process's node, else one picked by writer id."""
         if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
             raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")
-        w = ShardWriter(self, shard, transport=transport, max_in_flight=max_in_flight, actor=actor)
+        w = ShardWriter(self.members, self.schema, self.sampler, shard, transport=transport,
+                        max_in_flight=max_in_flight, actor=actor)
         self._writers.add(w)
         return w
 
@@ -683,11 +573,11 @@ class ShardedStore:
     # ------------------------------------------------------------------ inspection
     def __len__(self) -> int:
         self.refresh()
-        return int(sum(s.size for s in self._shards if not s.down))
+        return int(sum(s.size for s in self.members.shards if not s.down))
 
     def stats(self) -> dict[str, Any]:
         """Per-shard stats (None for a down shard) and totals."""
-        futs = {s.k: self._executor().submit(_stats_of, s.client) for s in self._live()}
+        futs = {s.k: self._executor().submit(_stats_of, s.client) for s in self.members.live()}
         shards: list[dict[str, Any] | None] = [None] * self.num_shards
         for k, fut in futs.items():
             with contextlib.suppress(Exception):
@@ -700,7 +590,7 @@ class ShardedStore:
     def to_table(self, columns: list[str] | None = None) -> pa.Table:
         """Every live shard's rows, with a `shard` column first."""
         tables = []
-        for s in self._live():
+        for s in self.members.live():
             t = s.client.to_table(columns)
             tables.append(t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))))
         return pa.concat_tables(tables) if tables else self.schema.to_arrow().empty_table()
@@ -716,7 +606,7 @@ class ShardedStore:
     def episodes(self) -> pa.Table:
         """Every live shard's episode summary, with a `shard` column first (episode ids are per shard)."""
         tables = []
-        for s in self._live():
+        for s in self.members.live():
             t = s.client.episodes()
             tables.append(t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))))
         if tables:
@@ -744,11 +634,8 @@ class ShardedStore:
         for w in list(self._writers):  # writers made by this handle (the default one among them)
             with contextlib.suppress(Exception):
                 w.close()
-        for s in self._shards:
-            if s.client is not None:
-                with contextlib.suppress(Exception):
-                    s.client.close()
-                s.client = None
+        self._consumer.close()
+        self.members.close()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

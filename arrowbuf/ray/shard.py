@@ -24,6 +24,9 @@ from .ids import _GEN_MASK, GEN_BITS, decode_ids, encode_ids
 #: Internal columns a shard adds to a batch for the learner's global weights (never reach the user).
 _INFO_COLUMNS = ("_mass", "_shard_mass", "_shard_min", "_shard_size")
 
+#: The environment variable that lets a shard accept test hooks (`ShardActor.set_delay`).
+TEST_HOOKS_ENV = "ARROWBUF_TEST_HOOKS"
+
 
 def is_exponent(sampler: Sampler) -> float | None:
     """The importance-sampling exponent of a sampler whose batches carry IS weights: its `beta` (prioritized
@@ -53,7 +56,7 @@ def shm_safe(sampler: Sampler) -> bool:
     return cls.on_valid is Sampler.on_valid and cls.on_invalid is Sampler.on_invalid
 
 
-class ShardStore:
+class ShardBackend:
     """A shard's store as its Flight server sees it: the local store with global ids and sampling-mass reports.
 
     `sample(..., shard_info=True)` adds the columns `_mass` (each item's sampling mass, `Sampler.mass`: `p^alpha`
@@ -181,7 +184,7 @@ class ShardStore:
     def close(self) -> None:
         self.store.close()
 
-    def __enter__(self) -> ShardStore:
+    def __enter__(self) -> ShardBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -272,7 +275,7 @@ class ShardActor:
         self._periodic = threading.Condition()
         self._periodic_last: dict[str, Any] | None = None  # the latest periodic checkpoint's summary (or error)
         self._periodic_thread: threading.Thread | None = None
-        self.shard_store = ShardStore(self.store, shard, gen)
+        self.shard_store = ShardBackend(self.store, shard, gen)
         host = ray.util.get_node_ip_address() if spec["bind"] is None else spec["bind"]
         self.server = serve(self.shard_store, f"grpc://{host}:0", token=spec["token"],
                             max_batch_rows=spec["max_batch_rows"])
@@ -295,7 +298,13 @@ class ShardActor:
         return self.shard_store.stats()
 
     def set_delay(self, seconds: float) -> None:
-        """Slow every sample of this shard by `seconds` (benchmarks and tests of the straggler deadline)."""
+        """Slow every sample of this shard by `seconds`: a test hook (the straggler deadline's tests and benchmarks),
+        refused unless the shard's process runs with `ARROWBUF_TEST_HOOKS=1` in its environment."""
+        from ..errors import InvalidArgument
+
+        if os.environ.get(TEST_HOOKS_ENV) != "1":
+            raise InvalidArgument(f"set_delay is a test hook; a shard accepts it only when its process has "
+                                  f"{TEST_HOOKS_ENV}=1 (tests and benchmarks set it before starting Ray)")
         self.shard_store.delay_s = float(seconds)
 
     # --- checkpoints of this shard
@@ -349,3 +358,10 @@ class ShardActor:
         self.server.close()
         self.store.close()  # the creator's close removes the shared-memory name
 
+
+def __getattr__(name: str) -> Any:
+    if name == "ShardStore":  # the adapter's old name, two letters from ShardedStore (the learner's handle)
+        warnings.warn("arrowbuf.ray.ShardStore was renamed ShardBackend (ShardedStore is the learner's handle)",
+                      DeprecationWarning, stacklevel=2)
+        return ShardBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

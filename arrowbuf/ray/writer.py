@@ -20,7 +20,8 @@ from .ids import encode_ids
 from .shard import shm_safe
 
 if TYPE_CHECKING:
-    from .handle import ShardedStore
+    from ..schema import ExperienceSchema
+    from .membership import ShardMembership
 
 log = logging.getLogger("arrowbuf.ray")
 
@@ -50,16 +51,19 @@ class ShardWriter:
         w.rows                      # rows acknowledged (Flight) or committed (shared memory)
     """
 
-    def __init__(self, sharded: ShardedStore, shard: int | None = None, *, transport: str = "auto",
-                 max_in_flight: int = 8, actor: Any = None, reroute_timeout: float | None = None) -> None:
+    def __init__(self, members: ShardMembership, schema: ExperienceSchema, sampler: Any, shard: int | None = None,
+                 *, transport: str = "auto", max_in_flight: int = 8, actor: Any = None,
+                 reroute_timeout: float | None = None) -> None:
         if transport not in ("auto", "shm", "flight"):
             raise InvalidArgument(f"transport must be 'auto', 'shm' or 'flight', got {transport!r}")
-        self.sharded = sharded
+        self.members = members
+        self.schema = schema
+        self.sampler = sampler
         self.transport = transport
         self.max_in_flight = int(max_in_flight)
         self.actor_id = actor if actor is not None else (os.getpid() << 20) + next(_writer_ids) + (
             secrets.randbelow(1 << 20) << 42)
-        self.reroute_timeout = sharded.failure_timeout if reroute_timeout is None else float(reroute_timeout)
+        self.reroute_timeout = members.failure_timeout if reroute_timeout is None else float(reroute_timeout)
         self.home = self._pick_home(shard)
         self.rows = 0
         self.reroutes = 0
@@ -80,20 +84,20 @@ class ShardWriter:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
     def _pick_home(self, shard: int | None) -> int:
-        n = self.sharded.num_shards
+        n = self.members.num_shards
         if shard is not None:
             if not 0 <= shard < n:
                 raise InvalidArgument(f"shard must be in [0, {n}), got {shard}")
             return int(shard)
         node = self._node_id()
-        local = [int(i["shard"]) for i in self.sharded.infos if i is not None and i.get("node_id") == node]
+        local = [int(i["shard"]) for i in self.members.infos if i is not None and i.get("node_id") == node]
         pool = local or list(range(n))
         return int(pool[hash(self.actor_id) % len(pool)])
 
     def _connect(self, k: int) -> None:
         """Open the transport to shard `k`, or to the next live shard after it; waits up to reroute_timeout."""
         end = time.monotonic() + self.reroute_timeout
-        n = self.sharded.num_shards
+        n = self.members.num_shards
         while True:
             for j in [k, *[(k + i) % n for i in range(1, n)]]:
                 if self._open(j):
@@ -102,17 +106,17 @@ class ShardWriter:
                     return
             left = end - time.monotonic()
             # until a down shard's actor answers again (or the time is up, or none can come back)
-            if left <= 0 or not self.sharded.wait_for_revival(left):
-                raise ShardsLost(f"writer: no shard of {self.sharded!r} accepted writes within {self.reroute_timeout}s")
+            if left <= 0 or not self.members.wait_for_revival(left):
+                raise ShardsLost(f"writer: no shard of {self.members!r} accepted writes within {self.reroute_timeout}s")
 
     def _open(self, k: int) -> bool:
-        client = self.sharded.shard_client(k)
+        client = self.members.shard_client(k)
         if client is None:
             return False
-        info = self.sharded.infos[k]
+        info = self.members.infos[k]
         assert info is not None  # the shard is up: it has an info
         use_shm = (self.transport != "flight" and info.get("shm") and info.get("node_id") == self._node_id()
-                   and shm_safe(self.sharded.sampler))
+                   and shm_safe(self.sampler))
         if self.transport == "shm" and not use_shm:
             raise ArrowbufError(f"shard {k} cannot take shared-memory writes from here (node, tier or sampler): "
                                 "use transport='auto' or 'flight'")
@@ -129,7 +133,7 @@ class ShardWriter:
                 self._shm_dir = None
                 self.via = "flight"
         except (StoreClosed, ArrowbufError, OSError, pa.ArrowException) as exc:
-            self.sharded.report_down(k, exc)
+            self.members.report_down(k, exc)
             return False
         self.shard = k
         self._generation = int(info["generation"])
@@ -147,9 +151,9 @@ class ShardWriter:
 
     def _reroute(self, exc: BaseException) -> None:
         log.info("writer: shard %d failed (%s); re-routing", self.shard, exc)
-        self.sharded.report_down(self.shard, exc)
+        self.members.report_down(self.shard, exc)
         self._drop_target()
-        self._connect((self.shard + 1) % self.sharded.num_shards)
+        self._connect((self.shard + 1) % self.members.num_shards)
         pending, self._unacked, self._acked = self._unacked, [], 0
         for rb in pending:
             self._send(rb)
@@ -158,7 +162,7 @@ class ShardWriter:
         """While away from home: if the home shard is back (a non-blocking look), flush here and move home."""
         if self.shard == self.home:
             return
-        if self.sharded.shard_client(self.home) is not None:  # up again (a look, no wait)
+        if self.members.shard_client(self.home) is not None:  # up again (a look, no wait)
             self.flush()
             self._drop_target()
             if not self._open(self.home):
@@ -211,8 +215,8 @@ class ShardWriter:
         self._maybe_go_home()
         from ..flight.messages import record_batch
 
-        cols, _ = self.sharded.schema.validate_batch(self._with_actor(batch))
-        return record_batch(self.sharded.schema, cols)
+        cols, _ = self.schema.validate_batch(self._with_actor(batch))
+        return record_batch(self.schema, cols)
 
     def _send(self, rb: pa.RecordBatch) -> None:
         while True:

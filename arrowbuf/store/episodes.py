@@ -168,7 +168,7 @@ class EpisodeTracker:
         return out
 
     def close(self, key: Hashable) -> None:
-        """End stream `key`'s open episode (`ExperienceStore.flush`): its next row starts a new episode."""
+        """End stream `key`'s open episode (`ExperienceStore.end_episode`): its next row starts a new episode."""
         self.streams.pop(key, None)
 
     def _set(self, key: Hashable, st: _Stream | None) -> None:

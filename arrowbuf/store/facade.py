@@ -8,15 +8,16 @@ Usage::
     batch = store.sample(256)                       # SampleBatch; batch.to_numpy()["next_obs"] is derived
     store.sql("SELECT episode_id, sum(reward) FROM experience GROUP BY 1")
 
-The store is a facade: it builds the parts (`arrowbuf.store.core.StoreCore`: ring index, column arenas, sampler,
-locks) and delegates writing to a `StoreWriter` (`arrowbuf.store.writer`: append, extend, flush; a batch commits once,
-atomically) and reading to a `StoreReader` (`arrowbuf.store.reader`: sample, update_priorities, consistent snapshots
-for to_table, sql and episodes). Column bytes live in `arrowbuf.ring.columns` (one arena per column, or per column and
-tier for a store with `tiers=`).
+The store is a facade: it builds the parts (`arrowbuf.store.core.StoreCore`: ring index, column arenas, sampler, locks)
+and delegates writing to a `StoreWriter` (`arrowbuf.store.writer`: append, extend, end_episode; a batch commits once,
+atomically) and reading to a `StoreReader` (`arrowbuf.store.reader`: sample, update_priorities, consistent snapshots for
+to_table, sql and episodes). Column bytes live in `arrowbuf.ring.columns` (one arena per column, or per column and tier
+for a store with `tiers=`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
@@ -300,14 +301,14 @@ class ExperienceStore:
         """
         return self._writer.extend(batch, timeout=timeout)
 
-    def flush(self, actor: Any = None, **final: Any) -> bool:
+    def end_episode(self, actor: Any = None, **final: Any) -> bool:
         """End `actor`'s open episode at its last stored step, so that step becomes sampleable now.
 
-        With a derived field (`next_obs`), the last step of an open episode waits for the episode's next step to
-        know its next observation; until then it is not sampleable, and a FIFO queue (`samplers.Fifo`) stops in front
-        of it: an idle actor's open step holds back everything written after it. `flush` gives that step its next
-        observation as a final one (pass each derived field, e.g. `flush(actor, next_obs=obs)`: the observation the
-        actor sees now) and treats it as a truncation: n-step returns bootstrap from it. The actor's next step
+        With a derived field (`next_obs`), the last step of an open episode waits for the episode's next step to know
+        its next observation; until then it is not sampleable, and a FIFO queue (`samplers.Fifo`) stops in front of it:
+        an idle actor's open step holds back everything written after it. `end_episode` gives that step its next
+        observation as a final one (pass each derived field, e.g. `end_episode(actor, next_obs=obs)`: the observation
+        the actor sees now) and treats it as a truncation: n-step returns bootstrap from it. The actor's next step
         starts a new episode.
 
         Args:
@@ -320,7 +321,13 @@ class ExperienceStore:
         Raises:
             SchemaError: a derived field is missing or has the wrong shape.
         """
-        return self._writer.flush(actor, final)
+        return self._writer.end_episode(actor, final)
+
+    def flush(self, actor: Any = None, **final: Any) -> bool:
+        """Deprecated name of `end_episode` (writers' `flush` waits for acknowledgements; this one never did)."""
+        warnings.warn("ExperienceStore.flush(actor, ...) is deprecated: it ends an episode stream; call "
+                      "end_episode(actor, ...) instead", DeprecationWarning, stacklevel=2)
+        return self.end_episode(actor, **final)
 
     # ------------------------------------------------------------------ fields filled later
     def update(self, ids: Any, values: dict[str, Any]) -> int:

@@ -1,4 +1,4 @@
-"""StoreWriter: the write path of a store (append, extend, flush) and its one commit routine.
+"""StoreWriter: the write path of a store (append, extend, end_episode) and its one commit routine.
 
 A batch is written in three steps, and commits once (`arrowbuf.ring.reservations` has the protocol):
 
@@ -19,7 +19,7 @@ So a batch is atomic: a reader (`len`, `sample`, `to_table`, `sql`) sees all of 
 sampleable only when every row before it committed. A writer killed before its commit leaves none of its rows (only
 the rows it evicted to make room are gone); the writer after it skips its seqs as a hole once it sees it is dead. A
 batch longer than the capacity keeps its newest `capacity` rows: its older rows are counted as inserted and evicted
-in the same commit, never visible. The per-step `append` fast path and `flush` run reserve, copy and commit in one
+in the same commit, never visible. The per-step `append` fast path and `end_episode` run reserve, copy and commit in one
 go under the write lock for their one row (the fast path only when no reservation is open).
 
 A rate-limited writer waits for the limiter before it takes the write lock (other writers go on meanwhile) and
@@ -30,7 +30,7 @@ Usage (what `ExperienceStore` does)::
     writer = StoreWriter(core)
     ids = writer.extend(batch)          # np.ndarray[int64] of the new rows' ids (their seqs)
     seq = writer.append(step)           # int
-    writer.flush("actor-3", next_obs=obs)
+    writer.end_episode("actor-3", {"next_obs": obs})
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ _RES, _WAITERS, _HOLES = HEADER["reserve_head"], HEADER["commit_waiters"], HEADE
 
 
 class StoreWriter:
-    """append, extend and flush over a store's `StoreCore` (see the module docstring for the protocol)."""
+    """append, extend and end_episode over a store's `StoreCore` (see the module docstring for the protocol)."""
 
     def __init__(self, core: StoreCore) -> None:
         self.core = core
@@ -123,8 +123,8 @@ class StoreWriter:
         cols, n = self.core.schema.validate_batch(batch)
         return self._ingest(cols, n, timeout)
 
-    def flush(self, actor: Hashable = None, final: dict[str, Any] | None = None) -> bool:
-        """End stream `actor`'s open episode at its last stored step (see `ExperienceStore.flush`).
+    def end_episode(self, actor: Hashable = None, final: dict[str, Any] | None = None) -> bool:
+        """End stream `actor`'s open episode at its last stored step (see `ExperienceStore.end_episode`).
 
         Returns True when a waiting row became sampleable.
         """
@@ -133,7 +133,7 @@ class StoreWriter:
         final = dict(final or {})
         unknown = sorted(set(final) - {d.name for d in c.derived})
         if unknown:
-            raise SchemaError(f"flush() takes the derived fields {[d.name for d in c.derived]}; got {unknown}")
+            raise SchemaError(f"end_episode() takes the derived fields {[d.name for d in c.derived]}; got {unknown}")
         with self._streams, c.write_lock:
             c.check_open()
             st = c.episodes.streams.get(actor)
@@ -147,11 +147,12 @@ class StoreWriter:
             for d in c.derived:
                 spec = c.schema.fields[d.next_of]
                 if d.name not in final:
-                    raise SchemaError(f"flush({actor!r}): the stream's last step waits for its {d.name!r}; pass it "
-                                      f"(flush(actor, {d.name}=<its next {d.next_of}>)) so the step becomes sampleable")
+                    raise SchemaError(f"end_episode({actor!r}): the stream's last step waits for its {d.name!r}; pass "
+                                      f"it (end_episode(actor, {d.name}=<its next {d.next_of}>)) so the step becomes "
+                                      "sampleable")
                 v = np.asarray(final[d.name])
                 if v.shape != spec.shape:
-                    raise SchemaError(f"flush({actor!r}): {d.name!r} must have shape {spec.shape}, got {v.shape}")
+                    raise SchemaError(f"end_episode({actor!r}): {d.name!r} must have shape {spec.shape}, got {v.shape}")
                 values[d.next_of] = v.astype(spec.dtype, copy=False)
             slots = self._claim_final_slots(1)
             for src, v in values.items():
@@ -490,7 +491,7 @@ class StoreWriter:
     # ------------------------------------------------------------------ the commit routine
     def _commit(self, base: int, n: int, pos: Any, seqs: Any, ready: Any, links: Any,
                 final_slots: np.ndarray | None, final_seqs: Any) -> None:
-        """The commit routine for every write (append, extend, flush): `_commit_locked` under the state lock."""
+        """The commit routine for every write (append, extend, end_episode): `_commit_locked` under the state lock."""
         with self.core.lock:
             self._commit_locked(base, n, pos, seqs, ready, links, final_slots, final_seqs)
 
