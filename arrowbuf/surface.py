@@ -5,6 +5,9 @@ and the shard adapter a shard's Flight server wraps (`arrowbuf.ray.ShardBackend`
 tests/test_surface.py runs one contract suite over each of them. Code that only needs "a store" (the Loader,
 `ab.serve`, your training loop) should take a `StoreSurface` and nothing narrower.
 
+Writers (`RemoteStore.writer()`, `ShardedStore.writer()`) implement `WriterSurface`: `extend` waits and returns
+ids, `send` pipelines, `flush` waits for what was sent.
+
 Ids: `extend` returns the new rows' ids as a 1-D `np.ndarray[int64]` and `append` the new row's id as an `int`.
 They are the ids `sample(...).indices` carries and `update_priorities` accepts: a local store's ids are its rows'
 `seq`; a sharded store's are its encoded global ids (shard, generation, seq). An id names one row for as long as it
@@ -67,8 +70,7 @@ class StoreSurface(Protocol):
         """
         ...
 
-    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None,
-               **options: Any) -> SampleBatch:
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None) -> SampleBatch:
         """`n` items as an `ab.SampleBatch` (`indices`: their ids; `weights`: IS weights or None).
 
         Raises:
@@ -89,6 +91,30 @@ class StoreSurface(Protocol):
             InvalidArgument: an id this store never issued; nothing written.
         """
         ...
+
+    def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
+                max_staleness: int | None = None, where: str | None = None,
+                max_tokens: int | None = None) -> SampleBatch:
+        """Up to `n` rows (whole groups with a `Group` sampler) that `task` has not consumed yet, marked consumed;
+        see `ExperienceStore.consume`."""
+        ...
+
+    def add_task(self, name: str) -> None:
+        """Declare a consuming task: it sees every live row once."""
+        ...
+
+    @property
+    def tasks(self) -> list[str]:
+        """The declared consuming tasks."""
+        ...
+
+    @property
+    def policy_version(self) -> int:
+        """The current policy version, the reference of `max_staleness` (settable)."""
+        ...
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None: ...
 
     def __len__(self) -> int:
         """Rows stored now."""
@@ -117,7 +143,7 @@ class StoreSurface(Protocol):
     def __enter__(self) -> Any:
         ...
 
-    def __exit__(self, *exc: object) -> Any:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
         ...
 
 
@@ -134,7 +160,51 @@ def check_surface(obj: Any, what: str = "store") -> StoreSurface:
                     f"got {type(obj).__name__}, which lacks {missing}")
 
 
-_MEMBERS = ("schema", "append", "extend", "sample", "update_priorities", "update", "__len__", "stats", "to_table",
-            "sql", "episodes", "close", "__enter__", "__exit__")
+_MEMBERS = ("schema", "append", "extend", "sample", "update_priorities", "update", "consume", "add_task", "tasks",
+            "policy_version", "__len__", "stats", "to_table", "sql", "episodes", "close", "__enter__", "__exit__")
+
+
+@runtime_checkable
+class WriterSurface(Protocol):
+    """A writer of one store: `RemoteStore.writer()` (Flight) and `ShardedStore.writer()` (Ray) return one.
+
+    Usage::
+
+        with store.writer() as w:
+            ids = w.extend(batch)    # waits until the rows are committed; their ids (np.ndarray[int64])
+            w.send(batch)            # pipelined: returns once the batch is on its way
+            w.flush()                # waits for everything sent; the rows this writer committed so far
+
+    Attributes:
+        rows: rows committed through this writer so far.
+    """
+
+    rows: int
+
+    def append(self, step: dict[str, Any]) -> int:
+        """Write one step and wait for it; returns its id."""
+        ...
+
+    def extend(self, batch: Any) -> np.ndarray:
+        """Write a batch and wait until it is committed; returns its rows' ids, in row order."""
+        ...
+
+    def send(self, batch: Any) -> None:
+        """Write a batch without waiting for it (bounded: a writer keeps a few batches in flight at most)."""
+        ...
+
+    def flush(self) -> int:
+        """Wait until every batch sent is committed; returns `rows`."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release the writer; idempotent."""
+        ...
+
+    def __enter__(self) -> Any:
+        ...
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
+        ...
 
 __all__ = ["STATS_KEYS", "StoreSurface", "check_surface"]

@@ -4,7 +4,7 @@ Rows, for the atari and mujoco workloads:
   sample/doget      `remote.sample(B)` (one DoGet per batch)        vs raw DoGet of a prebuilt batch of the same bytes
   sample/exchange   a learner session (DoExchange, server prefetch 2) vs one raw DoGet streaming prebuilt batches
     prefetch=0      the same session without server-side prefetch
-  ingest/writer     `remote.writer().extend(batch)` (DoPut + acks)   vs raw DoPut of the same batches (server discards)
+  ingest/writer     `remote.writer().send(batch)` (DoPut + acks)   vs raw DoPut of the same batches (server discards)
   ingest/extend     `remote.extend(batch)` (one DoPut per batch)     vs the same raw DoPut ceiling
 The servers (arrowbuf's and the raw one) run together in a subprocess, as a remote store would; the client is this
 process. Ceiling and arrowbuf alternate within each repeat; every number is the median over repeats. DeepMind
@@ -190,7 +190,7 @@ def measure(workloads: list[str], repeats: int, quick: bool) -> list[dict[str, A
                 def ab_writer(dst: Any = ingest, pb: list = put_batches, k: int = k_put) -> None:
                     with dst.writer(max_in_flight=8) as w:
                         for i in range(k):
-                            w.extend(pb[i % 4])
+                            w.send(pb[i % 4])
 
                 def ab_extend(dst: Any = ingest, pb: list = put_batches, k: int = k_put) -> None:
                     for i in range(k):

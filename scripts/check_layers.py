@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "arrowbuf"
 #: Top to bottom. A module belongs to the layer of its longest matching entry: "pkg" matches pkg and everything in
 #: it, "pkg." only what is in it, "=mod" only mod itself.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("apps", ["=arrowbuf", "arrowbuf.cli", "arrowbuf.demo", "arrowbuf.persist.cli"]),
+    ("apps", ["=arrowbuf", "arrowbuf.cli", "arrowbuf.demo", "arrowbuf.persist.cli", "arrowbuf.conformance"]),
     ("integrations", ["arrowbuf.rllib", "arrowbuf.compat"]),
     ("ray", ["arrowbuf.ray"]),
     ("flight", ["arrowbuf.flight"]),

@@ -17,6 +17,9 @@ from conftest import local_ray_cluster
 ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+# Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -71,6 +71,7 @@ def test_console_script_and_bench_entry_point():
     assert bench.returncode == 0 and "benchmarks" in bench.stdout
 
 
+@pytest.mark.slow
 def test_demo_entry_point(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "arrowbuf.cli", "demo", "--transport", "local", "--actors", "1",

@@ -20,6 +20,9 @@ import pytest
 
 import arrowbuf as ab
 
+# Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # benchmarks/ is a top-level folder of the repository, not part of the package
     sys.path.insert(0, str(ROOT))

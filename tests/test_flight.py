@@ -174,7 +174,7 @@ class TestRemoteStore:
         store, _, remote = served
         with remote.writer(max_in_flight=2) as w:
             for i in range(10):
-                w.extend(cartpole_batch(7, start=100 + 7 * i))
+                w.send(cartpole_batch(7, start=100 + 7 * i))
                 assert w._in_flight <= 2
         assert w.first_seqs == [100 + 7 * i for i in range(10)]
         assert w.rows == 70 and len(store) == 170
@@ -197,7 +197,7 @@ class TestRemoteStore:
         def write():
             with remote.writer(max_in_flight=2) as w:
                 for i in range(6):
-                    w.extend(cartpole_batch(5, start=5 * i))
+                    w.send(cartpole_batch(5, start=5 * i))
                     sent.append(i)
             done.set()
 
@@ -885,3 +885,16 @@ class TestProcesses:
         q.send_signal(signal.SIGINT)
         assert q.wait(20) == 0
         remote.close()
+
+
+def test_both_writers_return_the_rows_ids_from_extend(servers):
+    """The writer surface: `extend` and `append` wait and return ids, `send` pipelines (as a Ray ShardWriter does)."""
+    store = cartpole_store()
+    with ab.connect(servers(store).location) as remote, remote.writer(max_in_flight=2) as w:
+        ids = w.extend(cartpole_batch(4))
+        assert ids.dtype == np.int64 and ids.tolist() == [0, 1, 2, 3]
+        step = {k: v[0] for k, v in cartpole_batch(1, start=4).items()}
+        assert w.append(step) == 4
+        w.send(cartpole_batch(3, start=5))
+        assert w.flush() == 8 and len(store) == 8
+        np.testing.assert_array_equal(store.to_table(["seq"]).column("seq").to_numpy()[:4], ids)

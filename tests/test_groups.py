@@ -183,6 +183,7 @@ def test_a_group_waits_until_every_row_has_its_required_fields_and_then_its_vari
 
 
 # ---------------------------------------------------------------------------------------------------- ShardedStore
+@pytest.mark.slow
 def test_sharded_store_keeps_groups_on_one_shard_and_consumes_each_row_once_per_task():
     pytest.importorskip("ray")
     from conftest import local_ray_cluster

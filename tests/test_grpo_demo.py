@@ -21,6 +21,9 @@ torch = pytest.importorskip("torch")
 
 from arrowbuf.demo import grpo  # noqa: E402
 
+# Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

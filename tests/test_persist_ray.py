@@ -18,6 +18,9 @@ from arrowbuf.ray import ShardedStore  # noqa: E402
 
 from conftest import SMALL, local_ray_cluster, make_episodes  # noqa: E402
 
+# Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def cluster():

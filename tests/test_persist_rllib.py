@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+# Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("ray.rllib")
 
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402

@@ -20,6 +20,9 @@ from arrowbuf.ray.allocate import allocate as _allocate, allocate_fanout as _all
 from conftest import SMALL, local_ray_cluster
 
 ray = pytest.importorskip("ray")
+
+# Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
+pytestmark = pytest.mark.slow
 # the actors and tasks below are defined here: ship them by value (workers cannot import this test module)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -409,3 +412,24 @@ def test_rllib_dqn_trains_with_arrowbuf_as_its_buffer(cluster):
         store = algo.local_replay_buffer.store
         if store is not None:
             store.shutdown()
+
+
+def test_sharded_writes_take_a_timeout_for_the_shards_rate_limiter(cluster):
+    """A shard whose limiter holds inserts back (no samples yet) makes a write with `timeout=` raise InsertTimeout
+    after that long; rows written before stay, and the handle keeps working."""
+    limiter = ab.rate_limiters.SampleToInsertRatio(samples_per_insert=1.0, min_size=1, error_buffer=10.0)
+    s = ShardedStore.create(SMALL, 1, 1000, rate_limiter=limiter, seed=0, failure_timeout=20.0)
+    try:
+        first = s.extend(_episodes(0, 1), timeout=1.0)  # 10 rows: within the limiter's bound (11 ahead of samples)
+        assert len(first) == 10
+        with pytest.raises(ab.InsertTimeout):
+            s.extend(_episodes(1, 3), timeout=0.2)  # 30 more rows before any sample: held back, nothing stored
+        step = {k: v[0] for k, v in _episodes(2, 1).items()}
+        assert s.append(step, timeout=1.0) >= 0  # the 11th row fits
+        with pytest.raises(ab.InsertTimeout):
+            s.append(step, timeout=0.2)  # the 12th does not
+        assert len(s) == 11
+        s.sample(11)  # samples let inserts through again
+        assert len(s.extend(_episodes(3, 1), timeout=5.0)) == 10
+    finally:
+        s.shutdown()

@@ -47,6 +47,7 @@ def _write(store: ab.ExperienceStore, batches: int, stop: threading.Event | None
         seq += 37
 
 
+@pytest.mark.slow
 def test_snapshots_are_consistent_while_a_writer_thread_runs():
     store = ab.ExperienceStore(SMALL, capacity=300, chunk_rows=16, seed=0)
     _write(store, 10)

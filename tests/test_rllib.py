@@ -8,6 +8,9 @@ import threading
 import numpy as np
 import pytest
 
+# Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("ray.rllib")
 pytest.importorskip("gymnasium")
 

@@ -96,7 +96,7 @@ def ray_sharded_later(ray_local: Any) -> Iterator[Any]:
     yield from _sharded(SURF)
 
 
-@pytest.fixture(params=IMPLEMENTATIONS)
+@pytest.fixture(params=[*LOCAL, "remote", pytest.param("sharded", marks=pytest.mark.slow)])
 def surface(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
     """A store-like object of each implementation, with a prioritized sampler (so priorities matter)."""
     kind = request.param

@@ -298,6 +298,7 @@ def _run(ctx, target, *args):
             p.join(10)
 
 
+@pytest.mark.slow
 def test_field_by_field_completion_across_processes(served):
     """A writer process extends, two other processes fill reward and ref_logprobs over Flight; a consumer requiring
     both gets each row once, only once complete."""
@@ -340,6 +341,7 @@ def test_shard_adapter_routes_global_ids():
 
 
 # ---------------------------------------------------------------- a ShardedStore on a local Ray cluster
+@pytest.mark.slow
 def test_sharded_store_update_routes_by_shard():
     pytest.importorskip("ray")
     from conftest import local_ray_cluster

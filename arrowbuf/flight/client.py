@@ -7,7 +7,7 @@ Usage::
     ids = remote.extend(batch)                # one DoPut, atomic; the new rows' ids (np.ndarray[int64])
     with remote.writer(max_in_flight=8) as w:  # a stream of batches, credit-based backpressure
         for batch in rollouts:
-            w.extend(batch)
+            w.send(batch)                      # pipelined (extend waits and returns the ids)
     batch = remote.sample(256)                # DoGet: SampleBatch with indices and weights
     with remote.session(256, prefetch=2) as s:  # DoExchange: a learner session, batches pipelined
         for batch in s:
@@ -39,7 +39,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -290,7 +290,7 @@ class RemoteStore:
         return RemoteWriter(self, max_in_flight=max_in_flight, timeout=timeout)
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, n: int, columns: list[str] | None = None, timeout: float | None = None, *,
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                rpc_timeout: float | None | object = _DEFAULT, **options: Any) -> SampleBatch:
         """Sample `n` items (one DoGet). Arrays are zero-copy, writable views of the received message (the batch's own).
 
@@ -333,7 +333,7 @@ class RemoteStore:
         return sample_batch(chunk.data, chunk.app_metadata, form)
 
     # ------------------------------------------------------------------ consumption per task
-    def consume(self, task: str, n: int, *, require: list[str] | None = None, timeout: float | None = 0.0,
+    def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None, max_tokens: int | None = None,
                 rpc_timeout: float | None | object = _DEFAULT) -> SampleBatch:
         """`ExperienceStore.consume` over one DoGet (ticket kind "consume"); the same arguments and errors.
@@ -521,16 +521,18 @@ def _reconnect(location: str, token: str | None, store: str, tls_root_certs: byt
 class RemoteWriter:
     """Streams batches into a remote store over one DoPut, each batch atomic and acknowledged.
 
-    At most `max_in_flight` batches are unacknowledged: the next `extend` waits for an ack first, so a slow store
-    slows the writer (credit-based backpressure) instead of queueing without bound. A batch whose columns differ
-    from the stream's starts a new stream. The writer does not reconnect: after an error, batches not yet
+    `send` streams a batch without waiting for it: at most `max_in_flight` batches are unacknowledged, and the next
+    `send` waits for an ack first, so a slow store slows the writer (credit-based backpressure) instead of queueing
+    without bound; `flush` waits for every ack. `extend` and `append` send and wait for their own acknowledgement, and
+    return the rows' ids (the writer surface, `ab.surface.WriterSurface`, as a Ray `ShardWriter` does). A batch whose
+    columns differ from the stream's starts a new stream. The writer does not reconnect: after an error, batches not yet
     acknowledged may or may not be stored (each one entirely or not at all).
 
     Usage::
 
         with remote.writer(max_in_flight=8) as w:
             for batch in rollouts:
-                w.extend(batch)
+                w.send(batch)           # pipelined; w.extend(batch) would wait and return the ids
         w.first_seqs        # the first seq of each batch, in order
     """
 
@@ -546,13 +548,25 @@ class RemoteWriter:
         self._in_flight = 0
         self._closed = False
 
-    def append(self, step: dict[str, Any]) -> None:
+    def append(self, step: dict[str, Any]) -> int:
+        """Write one step and wait for it; returns its id."""
         cols, _ = self.remote.schema.validate_batch(step, single=True)
-        self._write(record_batch(self.remote.schema, cols))
+        return int(self._write_and_wait(record_batch(self.remote.schema, cols))[0])
 
-    def extend(self, batch: Any) -> None:
-        """Send a batch; returns once it is on its way (at most `max_in_flight` unacknowledged)."""
+    def extend(self, batch: Any) -> np.ndarray:
+        """Write a batch and wait for its acknowledgement; returns its rows' ids (`np.ndarray[int64]`, row order)."""
+        return self._write_and_wait(self.remote._to_batch(batch))
+
+    def send(self, batch: Any) -> None:
+        """Send a batch; returns once it is on its way (at most `max_in_flight` unacknowledged; `flush` waits)."""
         self._write(self.remote._to_batch(batch))
+
+    def _write_and_wait(self, rb: pa.RecordBatch) -> np.ndarray:
+        if rb.num_rows == 0:
+            return np.empty(0, dtype=np.int64)
+        self._write(rb)
+        self.flush()  # this batch is the last one acknowledged
+        return self.first_seqs[-1] + np.arange(rb.num_rows, dtype=np.int64)  # a batch's ids are a range
 
     def _write(self, rb: pa.RecordBatch) -> None:
         if self._closed:
@@ -583,7 +597,8 @@ class RemoteWriter:
             try:
                 ack = self._stream[1].read()
             except flight.FlightError:
-                self._stream = None
+                self._stream = None  # the server ended the stream: batches still in flight on it are not stored
+                self._in_flight = 0
                 raise
             if ack is None:
                 self._abort()

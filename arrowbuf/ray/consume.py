@@ -51,7 +51,7 @@ class ShardedConsumer:
         self.schema = schema
         self.sampler = sampler
         self._turn = -1
-        self._writers: dict[int, ShardWriter] = {}
+        self._writers: dict[tuple[int, float | None], ShardWriter] = {}  # by (shard, insert timeout)
         ragged = [f for f, spec in schema.fields.items() if spec.ragged]
         self.token_field = token_field or ("response_tokens" if "response_tokens" in ragged else
                                            (ragged[0] if len(ragged) == 1 else None))
@@ -65,7 +65,7 @@ class ShardedConsumer:
         return out
 
     # ------------------------------------------------------------------ writing whole groups to one shard
-    def extend_by_group(self, batch: Any) -> np.ndarray:
+    def extend_by_group(self, batch: Any, timeout: float | None = None) -> np.ndarray:
         """Write `batch`, each row to the shard of its group key (one writer per shard); the rows' global ids."""
         from ..flight.messages import record_batch
 
@@ -77,11 +77,12 @@ class ShardedConsumer:
         ids = np.empty(n, dtype=np.int64)
         for k in np.unique(home):
             rows = np.flatnonzero(home == k)
-            w = self._writers.get(int(k))
+            w = self._writers.get((int(k), timeout))
             if w is None:
                 if self.members.closed:
                     raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")
-                w = self._writers[int(k)] = ShardWriter(self.members, self.schema, self.sampler, shard=int(k))
+                w = self._writers[(int(k), timeout)] = ShardWriter(self.members, self.schema, self.sampler,
+                                                                   shard=int(k), timeout=timeout)
             ids[rows] = w.extend(rb.take(pa.array(rows)))
         return ids
 

@@ -36,6 +36,8 @@ log = logging.getLogger("arrowbuf.ray")
 
 #: How often a handle asks a shard it last saw empty whether it has data now (seconds).
 _EMPTY_RECHECK_S = 0.1
+#: Default writers a handle keeps, one per insert timeout asked for (the oldest is closed past this).
+_DEFAULT_WRITERS = 4
 
 
 class ShardedStore:
@@ -73,7 +75,7 @@ class ShardedStore:
         self._pool: _DaemonPool | None = None
         self._rng = np.random.default_rng()
         self._closed = False
-        self._default_writer: ShardWriter | None = None
+        self._default_writers: dict[float | None, ShardWriter] = {}  # by insert timeout, the newest few
         self._writers: weakref.WeakSet[ShardWriter] = weakref.WeakSet()
         self._consumer = ShardedConsumer(self.members, self.schema, self.sampler, state.get("token_field"))
         self.counters = self.members.counters  # failed, revived (membership) and the handle's own
@@ -520,28 +522,45 @@ class ShardedStore:
 
     # ------------------------------------------------------------------ writing
     def writer(self, shard: int | None = None, *, transport: str = "auto", max_in_flight: int = 8,
-               actor: Any = None) -> ShardWriter:
-        """A writer to one shard: `shard`, else a shard on this process's node, else one picked by writer id."""
+               actor: Any = None, timeout: float | None = None) -> ShardWriter:
+        """A writer to one shard: `shard`, else a shard on this process's node, else one picked by writer id.
+        `timeout`: seconds a shard's rate limiter may hold each write back (`InsertTimeout` after; None: no wait)."""
         if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
             raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")
         w = ShardWriter(self.members, self.schema, self.sampler, shard, transport=transport,
-                        max_in_flight=max_in_flight, actor=actor)
+                        max_in_flight=max_in_flight, actor=actor, timeout=timeout)
         self._writers.add(w)
         return w
 
-    def extend(self, batch: Any) -> np.ndarray:
+    def _default_writer(self, timeout: float | None) -> ShardWriter:
+        w = self._default_writers.get(timeout)
+        if w is None:
+            if len(self._default_writers) >= _DEFAULT_WRITERS:  # a few distinct timeouts; the oldest goes
+                oldest = next(iter(self._default_writers))
+                self._default_writers.pop(oldest).close()
+            w = self._default_writers[timeout] = self.writer(timeout=timeout)
+        return w
+
+    def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
         """Write through this handle's default writer (see `writer`); returns the rows' global ids
         (`np.ndarray[int64]`, in row order) once the shard has committed them. With an `ab.samplers.Group` sampler
-        each row goes to the shard its group key hashes to (a group stays on one shard)."""
-        if self.sampler.whole_groups and self.num_shards > 1:
-            return self._consumer.extend_by_group(batch)
-        if self._default_writer is None:
-            self._default_writer = self.writer()
-        return self._default_writer.extend(batch)
+        each row goes to the shard its group key hashes to (a group stays on one shard).
 
-    def append(self, step: dict[str, Any]) -> int:
-        """Write one step through the default writer; returns its global id."""
-        return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()})[0])
+        Args:
+            batch: dict of arrays with a leading dim, `pa.RecordBatch` or `pa.Table`.
+            timeout: seconds a shard's rate limiter may hold the write back (None: no wait).
+
+        Raises:
+            SchemaError: the batch does not match the schema; nothing is written.
+            InsertTimeout: a shard's rate limiter held the write back past `timeout`.
+        """
+        if self.sampler.whole_groups and self.num_shards > 1:
+            return self._consumer.extend_by_group(batch, timeout=timeout)
+        return self._default_writer(timeout).extend(batch)
+
+    def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
+        """Write one step through the default writer; returns its global id (`timeout` as `extend`)."""
+        return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()}, timeout=timeout)[0])
 
     # ------------------------------------------------------------------ consumption per task
     # Thin delegation to `arrowbuf.ray.consume.ShardedConsumer`.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import ArrowbufError, InvalidArgument, SchemaError, ShardsLost, StoreClosed
+from ..errors import ArrowbufError, InvalidArgument, SchemaError, ShardsLost, StoreClosed, Unavailable
 from ..tiers.shm.janitor import owner_dead
 from ._common import _ray
 from .ids import encode_ids
@@ -53,7 +53,7 @@ class ShardWriter:
 
     def __init__(self, members: ShardMembership, schema: ExperienceSchema, sampler: Any, shard: int | None = None,
                  *, transport: str = "auto", max_in_flight: int = 8, actor: Any = None,
-                 reroute_timeout: float | None = None) -> None:
+                 reroute_timeout: float | None = None, timeout: float | None = None) -> None:
         if transport not in ("auto", "shm", "flight"):
             raise InvalidArgument(f"transport must be 'auto', 'shm' or 'flight', got {transport!r}")
         self.members = members
@@ -64,6 +64,8 @@ class ShardWriter:
         self.actor_id = actor if actor is not None else (os.getpid() << 20) + next(_writer_ids) + (
             secrets.randbelow(1 << 20) << 42)
         self.reroute_timeout = members.failure_timeout if reroute_timeout is None else float(reroute_timeout)
+        #: seconds a shard's rate limiter may hold each write back (`InsertTimeout` after); None: no wait
+        self.timeout = timeout
         self.home = self._pick_home(shard)
         self.rows = 0
         self.reroutes = 0
@@ -129,7 +131,7 @@ class ShardWriter:
                 self._shm_dir = store_path(info["shm"])
                 self.via = "shm"
             else:
-                self._target = client.writer(max_in_flight=self.max_in_flight)
+                self._target = client.writer(max_in_flight=self.max_in_flight, timeout=self.timeout)
                 self._shm_dir = None
                 self.via = "flight"
         except (StoreClosed, ArrowbufError, OSError, pa.ArrowException) as exc:
@@ -222,26 +224,26 @@ class ShardWriter:
         while True:
             try:
                 if self.via == "shm":
-                    local = self._target.extend(rb)
+                    local = self._target.extend(rb, timeout=self.timeout)
                     if self._shm_dir is not None and owner_dead(self._shm_dir):  # a dead shard's memory: send again
                         raise StoreClosed(f"shard {self.shard} died")
                     self._last_ids = encode_ids(self.shard, self._generation, _row_ids(local, rb.num_rows))
                     self.rows += rb.num_rows
                 else:
                     self._unacked.append(rb)
-                    self._target.extend(rb)
+                    self._target.send(rb)
                     self._trim_acked()
                 return
-            except (StoreClosed, OSError, pa.ArrowException) as exc:
+            except Exception as exc:
+                if not _shard_failed(exc):  # the shard answered (InsertTimeout, SchemaError, ...): not a failover
+                    if self.via != "shm":
+                        self._refused()
+                    raise
                 if self.via != "shm":
                     self._unacked.pop()  # _reroute re-sends what is unacknowledged; this one goes after them
                 self._reroute(exc)
                 if self.via != "shm":
                     continue
-            except ArrowbufError:
-                if self.via != "shm":
-                    self._unacked.pop()
-                raise
 
     def _trim_acked(self) -> None:
         acked = len(self._target.first_seqs)
@@ -260,9 +262,19 @@ class ShardWriter:
                 self._target.flush()
                 self._trim_acked()
                 return self.rows
-            except (StoreClosed, OSError, pa.ArrowException) as exc:
+            except Exception as exc:
+                if not _shard_failed(exc):
+                    self._refused()
+                    raise
                 self._reroute(exc)
         return self.rows
+
+    def _refused(self) -> None:
+        """The shard refused a batch (its error ended the stream): batches acknowledged before it stay counted, it
+        and any sent after it on that stream are not stored and are not re-sent."""
+        if self._target is not None:
+            self._trim_acked()
+        self._unacked.clear()
 
     def close(self) -> None:
         """Flush and close; idempotent."""
@@ -299,3 +311,14 @@ def _row_ids(local: Any, n: int) -> np.ndarray:
     seq) the range from it."""
     ids = np.asarray(local, dtype=np.int64)
     return ids.reshape(-1) if ids.ndim else int(ids) + np.arange(n, dtype=np.int64)
+
+
+def _shard_failed(exc: BaseException) -> bool:
+    """Whether an error means the shard is gone (re-route the writes) rather than that it answered with a refusal
+    (`InsertTimeout`, `SchemaError`, ...: raised to the caller). `InsertTimeout` is a `TimeoutError` and so an
+    `OSError`: arrowbuf's own errors are decided by their type first."""
+    if isinstance(exc, (StoreClosed, Unavailable)):
+        return True
+    if isinstance(exc, ArrowbufError):
+        return False
+    return isinstance(exc, (OSError, pa.ArrowException))

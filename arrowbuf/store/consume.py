@@ -46,7 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, cast
 
 import numpy as np
 import pyarrow.compute as pc
@@ -56,36 +56,11 @@ from ..errors import InsertTimeout, InvalidArgument, SchemaError
 from ..query.filters import MAX_WHERE_CHARS, RowFilters
 from ..samplers.base import Sampler
 from ..samplers.group import GroupSampler
+from ..surface import StoreSurface
 from .core import StoreCore
 
-
-@runtime_checkable
-class ConsumeSurface(Protocol):
-    """Consumption per task as every store-like class offers it: `ExperienceStore`, `RemoteStore` (`ab.connect`)
-    and `ShardedStore`, with the same arguments and errors.
-
-    Usage::
-
-        def trainer(store: ConsumeSurface) -> None:
-            while True:
-                batch = store.consume("train", 256, require=["reward"], max_staleness=1, timeout=5.0)
-                ...
-                store.policy_version += 1
-    """
-
-    policy_version: int
-
-    def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
-                max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None) -> SampleBatch:
-        """Up to `n` rows (whole groups) `task` has not consumed, marked consumed (see `ConsumeTracker.consume`)."""
-
-    def add_task(self, name: str) -> None:
-        """Declare a consuming task."""
-
-    @property
-    def tasks(self) -> list[str]:
-        """The declared tasks."""
+#: Consumption per task is part of the store surface now (`arrowbuf.surface.StoreSurface`); the old name stays.
+ConsumeSurface = StoreSurface
 
 
 class ConsumeTracker:
