@@ -151,7 +151,7 @@ def measure(workloads: list[str], repeats: int, quick: bool) -> list[dict[str, A
         for wl in workloads:
             remote = ab.connect(locations["ab"], store=wl)
             ingest = ab.connect(locations["ab"], store=f"{wl}_ingest")
-            put_batches = [ingest._to_batch(_steps(wl, INGEST_BATCH[wl], rng, ends=False)) for _ in range(4)]
+            put_batches = [ingest.to_batch(_steps(wl, INGEST_BATCH[wl], rng, ends=False)) for _ in range(4)]
             put_bytes = put_batches[0].nbytes
             k_put = max(4, int((50 if quick else 200) * 2**20 // put_bytes))
             for _ in range(repeats):

@@ -38,8 +38,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -51,7 +50,10 @@ from ..errors import DeadlineExceeded, InvalidArgument, SchemaError, StoreClosed
 from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
+from .calls import Unreachable, check_timeout, translate
 from .messages import MAX_PADS, ack_ids, misalignment, record_batch, request_key, sample_batch, table_to_batch
+from .session import LearnerSession
+from .writer import RemoteWriter
 
 T = TypeVar("T")
 
@@ -117,13 +119,13 @@ class RemoteStore:
         self._tls_root_certs = _pem_or_none(tls_root_certs)
         self._disable_verification = disable_server_verification
         self.reconnect_timeout = float(reconnect_timeout)
-        self.timeout = _check_timeout(timeout, "timeout")
+        self.timeout = check_timeout(timeout, "timeout")
         self._lock = threading.Lock()
         self._client: flight.FlightClient | None = None
         self._closed = False
         self._closing = threading.Event()  # set by close(): ends a reconnect back-off at once
         self._headers = [(P.AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token is not None else []
-        self._options = flight.FlightCallOptions(headers=self._headers)  # streams: no overall deadline
+        self.stream_options = flight.FlightCallOptions(headers=self._headers)  # streams: no overall deadline
         self._requested = store
         self.name: str = store or ""
         self.schema: ExperienceSchema
@@ -134,7 +136,7 @@ class RemoteStore:
         self._describe()
 
     # ------------------------------------------------------------------ connection
-    def _connection(self) -> flight.FlightClient:
+    def connection(self) -> flight.FlightClient:
         with self._lock:
             if self._closed:
                 raise StoreClosed(f"the client for {self.location} is closed")
@@ -158,7 +160,7 @@ class RemoteStore:
         """Seconds the call may take: `rpc_timeout` when given, else the client's `timeout` plus `wait` (the time
         the server may wait on purpose, e.g. a sample's own timeout)."""
         if rpc_timeout is not _DEFAULT:
-            return _check_timeout(rpc_timeout, "rpc_timeout")
+            return check_timeout(rpc_timeout, "rpc_timeout")
         if self.timeout is None:
             return None
         return self.timeout + (wait if wait is not None and wait > 0 else 0.0)
@@ -183,15 +185,16 @@ class RemoteStore:
             if left is not None and left <= 0:
                 raise DeadlineExceeded(f"the call to {self.location} did not complete within its deadline of "
                                        f"{seconds:g}s; pass a larger rpc_timeout= (or timeout= to ab.connect)")
-            client = self._connection()
-            options = self._options if left is None else flight.FlightCallOptions(headers=self._headers, timeout=left)
+            client = self.connection()
+            options = (self.stream_options if left is None
+                       else flight.FlightCallOptions(headers=self._headers, timeout=left))
             try:
-                with _translate(seconds=seconds):
+                with translate(seconds=seconds):
                     return fn(client, options)
             except Exception as exc:
                 if self._closing.is_set():  # close() from another thread closed the connection under this call
                     raise StoreClosed(f"the client for {self.location} was closed during the call") from None
-                if not isinstance(exc, _Unreachable):
+                if not isinstance(exc, Unreachable):
                     raise
                 self._drop(client)
                 now = time.monotonic()
@@ -246,12 +249,12 @@ class RemoteStore:
             InsertTimeout: the server's rate limiter held the insert back past `timeout` seconds.
             DeadlineExceeded: no acknowledgement within the deadline (the batch may or may not be stored).
         """
-        rb = self._to_batch(batch)
+        rb = self.to_batch(batch)
         if rb.num_rows == 0:  # validated, and nothing to store
             return np.empty(0, dtype=np.int64)
         return self._put(rb, timeout, rpc_timeout)
 
-    def _to_batch(self, batch: Any) -> pa.RecordBatch:
+    def to_batch(self, batch: Any) -> pa.RecordBatch:
         if isinstance(batch, pa.RecordBatch):
             rb = batch
         elif isinstance(batch, pa.Table):
@@ -346,7 +349,7 @@ class RemoteStore:
             raise SchemaError(f"consume({n}) is over the server's max_batch_rows {self.max_batch_rows}")
         req_fields = [require] if isinstance(require, str) else (list(require) if require is not None else None)
         wait = None if timeout is None or (timeout == 0 and not isinstance(timeout, bool)) else \
-            _check_timeout(timeout, "consume: timeout")
+            check_timeout(timeout, "consume: timeout")
         ticket = flight.Ticket(P.encode_ticket(P.ConsumeRequest(
             task, int(n), self.name, req_fields, wait, max_staleness, where, max_tokens)))
 
@@ -515,306 +518,6 @@ def _reconnect(location: str, token: str | None, store: str, tls_root_certs: byt
     return RemoteStore(location, token, store, tls_root_certs=tls_root_certs,
                        disable_server_verification=disable_server_verification, reconnect_timeout=reconnect_timeout,
                        timeout=timeout)
-
-
-# ---------------------------------------------------------------------------------------------------- writer
-class RemoteWriter:
-    """Streams batches into a remote store over one DoPut, each batch atomic and acknowledged.
-
-    `send` streams a batch without waiting for it: at most `max_in_flight` batches are unacknowledged, and the next
-    `send` waits for an ack first, so a slow store slows the writer (credit-based backpressure) instead of queueing
-    without bound; `flush` waits for every ack. `extend` and `append` send and wait for their own acknowledgement, and
-    return the rows' ids (the writer surface, `ab.surface.WriterSurface`, as a Ray `ShardWriter` does). A batch whose
-    columns differ from the stream's starts a new stream. The writer does not reconnect: after an error, batches not yet
-    acknowledged may or may not be stored (each one entirely or not at all).
-
-    Usage::
-
-        with remote.writer(max_in_flight=8) as w:
-            for batch in rollouts:
-                w.send(batch)           # pipelined; w.extend(batch) would wait and return the ids
-        w.first_seqs        # the first seq of each batch, in order
-    """
-
-    def __init__(self, remote: RemoteStore, max_in_flight: int = 8, timeout: float | None = None) -> None:
-        if max_in_flight < 1:
-            raise InvalidArgument(f"max_in_flight must be >= 1, got {max_in_flight}")
-        self.remote = remote
-        self.max_in_flight = int(max_in_flight)
-        self.timeout = timeout
-        self.first_seqs: list[int] = []
-        self.rows = 0
-        self._stream: tuple[Any, Any, pa.Schema] | None = None
-        self._in_flight = 0
-        self._closed = False
-
-    def append(self, step: dict[str, Any]) -> int:
-        """Write one step and wait for it; returns its id."""
-        cols, _ = self.remote.schema.validate_batch(step, single=True)
-        return int(self._write_and_wait(record_batch(self.remote.schema, cols))[0])
-
-    def extend(self, batch: Any) -> np.ndarray:
-        """Write a batch and wait for its acknowledgement; returns its rows' ids (`np.ndarray[int64]`, row order)."""
-        return self._write_and_wait(self.remote._to_batch(batch))
-
-    def send(self, batch: Any) -> None:
-        """Send a batch; returns once it is on its way (at most `max_in_flight` unacknowledged; `flush` waits)."""
-        self._write(self.remote._to_batch(batch))
-
-    def _write_and_wait(self, rb: pa.RecordBatch) -> np.ndarray:
-        if rb.num_rows == 0:
-            return np.empty(0, dtype=np.int64)
-        self._write(rb)
-        self.flush()  # this batch is the last one acknowledged
-        return self.first_seqs[-1] + np.arange(rb.num_rows, dtype=np.int64)  # a batch's ids are a range
-
-    def _write(self, rb: pa.RecordBatch) -> None:
-        if self._closed:
-            raise StoreClosed("this writer is closed")
-        if self._stream is not None and self._stream[2] != rb.schema:
-            self._finish()
-        if self._stream is None:
-            client = self.remote._connection()
-            with _translate(unreachable=Unavailable):
-                writer, reader = client.do_put(P.put_descriptor(self.remote.name, self.timeout), rb.schema,
-                                               options=self.remote._options)
-            self._stream = (writer, reader, rb.schema)
-        while self._in_flight >= self.max_in_flight:
-            self._read_ack()
-        with _translate(unreachable=Unavailable):
-            try:
-                self._stream[0].write_batch(rb)
-            except flight.FlightError:
-                raise
-            except pa.ArrowException:  # the server ended the stream (an error): its status comes with the close
-                self._abort()
-                raise
-        self._in_flight += 1
-
-    def _read_ack(self) -> None:
-        assert self._stream is not None
-        with _translate(unreachable=Unavailable):
-            try:
-                ack = self._stream[1].read()
-            except flight.FlightError:
-                self._stream = None  # the server ended the stream: batches still in flight on it are not stored
-                self._in_flight = 0
-                raise
-            if ack is None:
-                self._abort()
-                raise StoreClosed("the server ended the DoPut stream without acknowledging every batch")
-        info = P.decode_ack(ack)
-        self.first_seqs.append(info["first_seq"])
-        self.rows += info["rows"]
-        self._in_flight -= 1
-
-    def _abort(self) -> None:
-        stream, self._stream = self._stream, None
-        self._in_flight = 0
-        if stream is not None:
-            with _translate(unreachable=Unavailable):
-                stream[0].close()
-
-    def _finish(self) -> None:
-        while self._in_flight:
-            self._read_ack()
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            with _translate(unreachable=Unavailable):
-                stream[0].done_writing()
-                stream[0].close()
-
-    def flush(self) -> int:
-        """Wait until every batch sent is acknowledged; returns the rows committed by this writer so far."""
-        if self._stream is not None:
-            while self._in_flight:
-                self._read_ack()
-        return self.rows
-
-    def close(self) -> None:
-        """Flush and end the stream; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finish()
-
-    def abort(self) -> None:
-        """Drop the stream now, without waiting for acknowledgements (batches not acknowledged may or may not be
-        stored, each entirely or not at all); the writer is closed. Idempotent. (layout: for ShardWriter re-routes)"""
-        self._closed = True
-        self._abort()
-
-    def __enter__(self) -> RemoteWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._closed = True
-            with contextlib.suppress(Exception):
-                self._abort()
-
-
-# ---------------------------------------------------------------------------------------------------- session
-class LearnerSession:
-    """A learner session over DoExchange: batches stream down, priority updates go up.
-
-    The client keeps `ahead` to `2 * ahead - 1` batch requests outstanding (asking `ahead` at a time) and the server
-    keeps `prefetch` batches sampled ahead, so the next batch is usually on the wire while the learner computes.
-    Batches already requested were sampled with the priorities of that moment (as in any asynchronous replay).
-    An error for one request (an empty store,
-    `SampleTimeout`) is raised by the `next()` it answers, once: the same error answering requests that were
-    already in flight is not raised again. The session stays usable.
-
-    Usage::
-
-        with remote.session(256, prefetch=2) as session:
-            for step, batch in zip(range(10_000), session):
-                loss, priorities = learn(batch)
-                session.update_priorities(batch.indices, priorities)
-    """
-
-    def __init__(self, remote: RemoteStore, n: int, columns: list[str] | None = None, *, prefetch: int = 2,
-                 ahead: int = 2, timeout: float | None = None, options: dict[str, Any] | None = None) -> None:
-        if ahead < 1:
-            raise InvalidArgument(f"ahead must be >= 1, got {ahead}")
-        self.remote = remote
-        self.n = int(n)
-        self.ahead = int(ahead)
-        cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
-        self._form = remote.sample_meta
-        req = P.SessionRequest(self.n, remote.name, cols, timeout, int(prefetch), dict(options or {}),
-                               meta=self._form)
-        client = remote._connection()
-        with _translate(unreachable=Unavailable):
-            self._writer, self._reader = client.do_exchange(P.session_descriptor(req), options=remote._options)
-        self._pending = 0
-        self._stale = 0  # replies still due to requests sent before the last error was raised
-        self._closed = False
-        # meta "columns": the padding the server puts before each body, and the one each outstanding request
-        # gets ([replies still due, pad] per request message, in order), so a misaligned reply says what to ask
-        self._pad = 0
-        self._pad_changed = False
-        self._sent: deque[list[int]] = deque()
-        self._request(self.ahead)
-
-    def _request(self, count: int) -> None:
-        msg = P.ExchangeMessage("sample", count=count, pad=self._pad if self._pad_changed else None)
-        with _translate(unreachable=Unavailable):
-            self._writer.write_metadata(pa.py_buffer(P.encode_exchange(msg)))
-        self._pad_changed = False
-        self._pending += count
-        self._sent.append([count, self._pad])
-
-    def _replied(self, data: pa.RecordBatch | None) -> None:
-        """One reply to a sample request arrived (a batch, or None for an in-band error)."""
-        self._pending -= 1
-        if not self._sent:
-            return
-        slot = self._sent[0]
-        slot[0] -= 1
-        if slot[0] <= 0:
-            self._sent.popleft()
-        if data is not None and self._form == "columns":
-            again = P.realigning_pad(slot[1], misalignment(data))
-            if again != self._pad:
-                self._pad, self._pad_changed = again, True
-
-    def __iter__(self) -> Iterator[SampleBatch]:
-        return self
-
-    def __next__(self) -> SampleBatch:
-        if self._closed:
-            raise StopIteration
-        while True:
-            if self._pending < self.ahead:  # ask `ahead` at a time: one small write per `ahead` batches
-                self._request(self.ahead)
-            with _translate(unreachable=Unavailable):
-                try:
-                    chunk = self._reader.read_chunk()
-                except StopIteration:
-                    self._closed = True
-                    raise StoreClosed("the server ended the session") from None
-            if chunk.data is not None:
-                self._replied(chunk.data)
-                self._stale = max(0, self._stale - 1)
-                return sample_batch(chunk.data, chunk.app_metadata, self._form)
-            exc = P.decode_error(chunk.app_metadata)  # an in-band error
-            if exc is None:
-                raise SchemaError("the server sent a DoExchange message this client does not understand")
-            if P.loads(chunk.app_metadata, "DoExchange error").get("op") == "sample":
-                self._replied(None)
-                if self._stale:  # the same failure again, for a request sent before it was raised
-                    self._stale -= 1
-                    continue
-                self._stale = self._pending
-            raise exc
-
-    def update_priorities(self, indices: Any, priorities: Any) -> None:
-        """Send priorities up (asynchronously; an error comes back from a later `next()`)."""
-        idx, pri = validate_priorities(indices, priorities)
-        with _translate(unreachable=Unavailable):
-            self._writer.write_metadata(pa.py_buffer(P.encode_priorities(idx, pri)))
-
-    def cancel(self) -> None:
-        """Cancel the session from any thread: a `next()` blocked on the server returns with an error at once.
-        Call `close()` afterwards (from the thread that iterates)."""
-        with contextlib.suppress(Exception):
-            self._reader.cancel()
-
-    def close(self) -> None:
-        """End the session; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self._writer.done_writing()
-        with contextlib.suppress(Exception):
-            while True:  # drain the batches already requested, so the server's writes complete
-                self._reader.read_chunk()
-        with contextlib.suppress(Exception):
-            self._writer.close()
-
-    def __enter__(self) -> LearnerSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
-class _Unreachable(Exception):
-    """A transport failure: the server is down or restarting (no arrowbuf status detail)."""
-
-
-def _check_timeout(value: Any, what: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
-        raise InvalidArgument(f"{what} must be a positive number of seconds or None, got {value!r}")
-    return float(value)
-
-
-@contextlib.contextmanager
-def _translate(unreachable: type[Exception] = _Unreachable, seconds: float | None = None) -> Iterator[None]:
-    """Flight errors -> arrowbuf exceptions through `protocol.ERRORS`; transport failures -> `unreachable`
-    (`Unavailable` for streams); a passed deadline -> `DeadlineExceeded`."""
-    try:
-        yield
-    except flight.FlightError as exc:
-        mapped = P.from_flight_error(exc)
-        if mapped is not None:
-            raise mapped from None
-        if isinstance(exc, flight.FlightTimedOutError):
-            within = f" of {seconds:g}s" if seconds is not None else ""
-            raise DeadlineExceeded(f"the server did not answer within the call's deadline{within}: {exc}; pass a "
-                                   "larger rpc_timeout= (or timeout= to ab.connect)") from None
-        if isinstance(exc, (flight.FlightUnavailableError, flight.FlightCancelledError)):
-            if unreachable is _Unreachable:
-                raise _Unreachable(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
-            raise unreachable(f"the connection to the server failed: {exc}") from None
-        raise
 
 
 def _pem_or_none(value: bytes | str | None) -> bytes | None:
