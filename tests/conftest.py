@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import pathlib
+import subprocess
 import time
+import uuid
 from typing import Any, Iterator
 
 import numpy as np
 import pytest
 
 import arrowbuf as ab
+from arrowbuf.tiers import shm
 
 # shard actors started by these tests accept test hooks (ShardActor.set_delay); Ray workers inherit the environment
 os.environ["ARROWBUF_TEST_HOOKS"] = "1"
@@ -183,3 +187,62 @@ def servers():
     yield start
     for server in started:
         server.close()
+
+
+#: A GRPO-style schema: one row per completion, grouped by prompt, with a ragged token field.
+LLM = {
+    "name": "llm",
+    "fields": {
+        "prompt_id": {"dtype": "int64"},
+        "response_tokens": {"dtype": "int32", "ragged": True},
+        "reward": {"dtype": "float32"},
+        "done": {"dtype": "bool"},
+        "policy_version": {"dtype": "int64"},
+    },
+}
+
+
+@pytest.fixture
+def names():
+    """A factory of unique store names; afterwards kills leftover children and removes every segment."""
+    made: list[str] = []
+    procs: list[mp.Process] = []
+
+    def new() -> str:
+        name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        made.append(name)
+        return name
+
+    new.procs = procs  # type: ignore[attr-defined]
+    try:
+        yield new
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        for name in made:
+            shm.remove(name)
+        left = [n for n in os.listdir(shm.shm_root()) if any(m in n for m in made)]
+        assert not left, f"segments left in /dev/shm: {left}"
+
+
+@pytest.fixture
+def procs():
+    """Subprocesses started through `spawn(...)` are killed at teardown."""
+    started: list[subprocess.Popen] = []
+
+    def spawn(args, **kw):
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+        started.append(p)
+        return p
+
+    yield spawn
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+        for pipe in (p.stdout, p.stderr, p.stdin):
+            if pipe is not None:
+                pipe.close()

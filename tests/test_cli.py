@@ -7,6 +7,7 @@ import uuid
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 import arrowbuf as ab
 from arrowbuf.cli import main

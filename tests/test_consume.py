@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import threading
 
@@ -14,17 +12,9 @@ import pytest
 
 import arrowbuf as ab
 
+from conftest import LLM
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LLM = {
-    "name": "llm",
-    "fields": {
-        "prompt_id": {"dtype": "int64"},
-        "response_tokens": {"dtype": "int32", "ragged": True},
-        "reward": {"dtype": "float32"},
-        "done": {"dtype": "bool"},
-        "policy_version": {"dtype": "int64"},
-    },
-}
 
 
 def rows(n, start=0, pv=0, group=4):
@@ -293,23 +283,6 @@ def served():
         remote.close()
         server.close()
         s.close()
-
-
-@pytest.fixture
-def procs():
-    started = []
-
-    def spawn(args):
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        started.append(p)
-        return p
-
-    yield spawn
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.communicate(timeout=30)
 
 
 def test_each_task_consumes_each_row_once_across_processes_and_threads_over_flight(served, procs):

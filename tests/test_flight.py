@@ -11,7 +11,6 @@ import contextlib
 import datetime
 import ipaddress
 import json
-import os
 import pickle
 import signal
 import subprocess
@@ -64,27 +63,6 @@ def bearer(token: str) -> flight.FlightCallOptions:
 def status_detail(exc: flight.FlightError) -> dict:
     """The protocol's JSON status detail carried in extra_info."""
     return json.loads(exc.extra_info)
-
-
-@pytest.fixture
-def procs():
-    """Subprocesses started through `spawn(...)` are killed at teardown."""
-    started: list[subprocess.Popen] = []
-
-    def spawn(args, **kw):
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
-        started.append(p)
-        return p
-
-    yield spawn
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
-        for pipe in (p.stdout, p.stderr, p.stdin):
-            if pipe is not None:
-                pipe.close()
 
 
 @pytest.fixture

@@ -13,16 +13,8 @@ from hypothesis import strategies as st
 import arrowbuf as ab
 from arrowbuf.samplers.group import assign_groups, complete_groups
 
-LLM = {
-    "name": "llm",
-    "fields": {
-        "prompt_id": {"dtype": "int64"},
-        "response_tokens": {"dtype": "int32", "ragged": True},
-        "reward": {"dtype": "float32"},
-        "done": {"dtype": "bool"},
-        "policy_version": {"dtype": "int64"},
-    },
-}
+from conftest import LLM
+
 G = 4
 
 

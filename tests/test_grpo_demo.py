@@ -21,6 +21,8 @@ torch = pytest.importorskip("torch")
 
 from arrowbuf.demo import grpo  # noqa: E402
 
+from conftest import _alive  # noqa: E402
+
 # Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
 pytestmark = pytest.mark.slow
 
@@ -62,12 +64,6 @@ def test_grpo_loss_pushes_up_the_better_completion() -> None:
     assert info["kl"] == pytest.approx(0.0)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_grpo_demo_over_flight_reward_rises(tmp_path: pathlib.Path) -> None:

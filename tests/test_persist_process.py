@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import uuid
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +19,6 @@ import pytest
 import arrowbuf as ab
 from arrowbuf.persist import checkpoint as persist_checkpoint
 from arrowbuf.persist import manifest as mf
-from arrowbuf.tiers import shm
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,30 +54,6 @@ def check_whole(table: pa.Table | pa.RecordBatch) -> None:
     assert (obs[:, 3] == 7).all() and (obs[:, 2] == obs[:, 1] + 1).all()
     np.testing.assert_array_equal(obs[:, 1], act)
     np.testing.assert_array_equal(table["reward"].to_numpy(), (obs[:, 0] * 1e6 + obs[:, 1]).astype(np.float32))
-
-
-@pytest.fixture
-def names():
-    made: list[str] = []
-    procs: list = []
-
-    def new() -> str:
-        name = f"p{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        made.append(name)
-        return name
-
-    new.procs = procs  # type: ignore[attr-defined]
-    try:
-        yield new
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-        for name in made:
-            shm.remove(name)
-        left = [n for n in os.listdir(shm.shm_root()) if any(m in n for m in made)]
-        assert not left, f"segments left in /dev/shm: {left}"
 
 
 # ------------------------------------------------------------------------------------------------ SIGKILL

@@ -12,7 +12,6 @@ import os
 import pickle
 import signal
 import threading
-import uuid
 
 import numpy as np
 import pytest
@@ -51,31 +50,6 @@ def check_rows(obs: np.ndarray, next_obs: np.ndarray | None = None, reward: np.n
         np.testing.assert_array_equal(reward, (obs[:, 0] * 1e6 + obs[:, 1]).astype(np.float32))
     if next_obs is not None:
         np.testing.assert_array_equal(next_obs[:, :2], np.stack([obs[:, 0], obs[:, 1] + 1], 1))
-
-
-@pytest.fixture
-def names():
-    """A factory of unique store names; afterwards kills leftover children and removes every segment."""
-    made: list[str] = []
-    procs: list[mp.Process] = []
-
-    def new() -> str:
-        name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        made.append(name)
-        return name
-
-    new.procs = procs  # type: ignore[attr-defined]
-    try:
-        yield new
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-        for name in made:
-            shm.remove(name)
-        left = [n for n in os.listdir(shm.shm_root()) if any(m in n for m in made)]
-        assert not left, f"segments left in /dev/shm: {left}"
 
 
 def start(names, target, *args) -> mp.Process:
