@@ -292,6 +292,7 @@ def _extend_in_child(name: str, q) -> None:
         q.put((type(exc).__name__, str(exc)))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(pthread_lib() is None, reason="robust pthread mutexes not available (flock locks)")
 @pytest.mark.parametrize("holder", ["dead thread", "process without the store", "garbage"])
 def test_tampered_lock_memory_raises_instead_of_hanging(shared, holder):
@@ -349,6 +350,7 @@ def _hold_write_lock(name: str, held, release) -> None:
         tier.close()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(pthread_lib() is None, reason="robust pthread mutexes not available (flock locks)")
 @pytest.mark.parametrize("holder", ["attached process", "forked child"])
 def test_a_lock_held_long_by_a_live_holder_is_waited_for(shared, holder):

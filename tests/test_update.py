@@ -369,6 +369,7 @@ def test_sharded_store_update_routes_by_shard():
 
 
 # ---------------------------------------------------------------- a tiered store (device, host and disk chunks)
+@pytest.mark.slow
 def test_tiered_store_updates_are_never_lost_to_migrations(tmp_path):
     """Chunks move between a (CPU-backed) device tier, the host and a disk while an updater fills every row and a
     sampler checks each row it gets: a value is null or the row's own, and no update is lost at a migration's flip."""

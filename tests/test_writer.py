@@ -233,6 +233,7 @@ def _killed_writer(name: str, seed: int) -> None:
         store.extend(batch_rows(seed * 1000 + k))
 
 
+@pytest.mark.slow
 def test_killed_writer_processes_leave_whole_batches_or_nothing():
     name = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
     procs: list[mp.Process] = []

@@ -23,7 +23,7 @@ Errors: every error a server raises on purpose is a Flight error whose `extra_in
 is `{"v":1,"error":<class>,"code":<status>,"message":<text>}`; `ERRORS` is the one table, in both directions.
 
 Size note: about 850 lines, over the house's 800 on purpose: this module is the wire format, every verb's encoding,
-decoding and bounds, in one place that docs/flight-protocol.md and tests/test_fuzz_protocol.py follow section by
+decoding and bounds, in one place that docs/flight-protocol.md and tests/flight/test_fuzz_protocol.py follow section by
 section. Splitting it by verb would put the shared request parsing (`_Fields`, the JSON bounds) behind a second
 module that each part imports back; the next candidate, if it grows, is the issue-16 verbs (update, consume).
 """

@@ -6,7 +6,7 @@ of the protocol's mapped errors: never INTERNAL, never a traceback, never a part
 checkpoint root. Afterwards the server still serves and no call is left running.
 
 The case count comes from a Hypothesis profile: `ci` (the default, bounded for .ci/run) or `long`
-(`HYPOTHESIS_PROFILE=long pytest tests/test_fuzz_protocol.py`, see docs/security.md).
+(`HYPOTHESIS_PROFILE=long pytest tests/flight/test_fuzz_protocol.py`, see docs/security.md).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import arrowbuf as ab
 from arrowbuf.flight import protocol as P
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "schemas"
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,

@@ -15,7 +15,7 @@ import pytest
 
 import arrowbuf as ab
 
-SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
+SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 
 
 def obs_of(ids: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from arrowbuf.delivery.batch import SampleBatch
 from arrowbuf.flight import protocol as P
 from arrowbuf.flight import server as S
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "schemas"
 
 

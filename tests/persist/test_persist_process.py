@@ -21,7 +21,7 @@ from arrowbuf.persist import checkpoint as persist_checkpoint
 from arrowbuf.persist import manifest as mf
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CTX = mp.get_context("spawn")
 SCHEMA = {
     "name": "persistproc",
@@ -89,7 +89,7 @@ def _expected_first() -> ab.ExperienceStore:
                                    "after_commit"])
 def test_sigkill_during_checkpoint_leaves_a_restorable_checkpoint(tmp_path, point):
     root = str(tmp_path / "c")
-    script = _CRASH.format(tests=os.path.join(ROOT, "tests"), schema=SCHEMA)
+    script = _CRASH.format(tests=os.path.join(ROOT, "tests", "persist"), schema=SCHEMA)
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", script, root, point], env=env, capture_output=True, timeout=120)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
@@ -217,6 +217,7 @@ def _checkpoint_from_attached(name: str, root: str) -> None:
     store.close()
 
 
+@pytest.mark.slow
 def test_checkpoint_while_a_writer_process_and_a_sampler_run_is_consistent(tmp_path, names):
     name = names()
     alpha_one = ab.samplers.Prioritized(alpha=1.0, beta=0.4, eps=0.0)

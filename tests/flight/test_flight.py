@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import arrowbuf as ab
 from arrowbuf.flight import protocol as P
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "schemas"
 PY = sys.executable
 

@@ -248,12 +248,12 @@ def test_zstd_archive_round_trip(tmp_path):
 
 
 def test_format_doc_exists():
-    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "format.md"
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "format.md"
     assert doc.exists() and f"version {mf.FORMAT_VERSION}" in doc.read_text().lower()
 
 
 def test_ragged_fields_round_trip(tmp_path):
-    tokens = ab.load_schema(pathlib.Path(__file__).resolve().parent.parent / "schemas" / "tokens.yaml")
+    tokens = ab.load_schema(pathlib.Path(__file__).resolve().parents[2] / "schemas" / "tokens.yaml")
     rng = np.random.default_rng(0)
     with ab.ExperienceStore(tokens, capacity=300, chunk_rows=32, seed=0) as store:
         for k in range(4):

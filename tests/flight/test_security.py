@@ -20,7 +20,7 @@ import pytest
 import arrowbuf as ab
 from arrowbuf.flight import protocol as P
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "schemas"
 
 
