@@ -92,7 +92,7 @@ class BandwidthAware(Placement):
         if total > 0:
             self._share = self.decay * self._share + (1 - self.decay) * delta / total
         if dt is not None:
-            self._rate = self.decay * self._rate + (1 - self.decay) * delta / dt  # type: ignore[operator]
+            self._rate = self.decay * self._rate + (1 - self.decay) * delta / dt
         elif total > 0:
             self._rate = delta.astype(float)
         self._inserting = self._inserts is not None and inserts > self._inserts[1]

@@ -15,6 +15,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Iterable, Iterator
+from types import EllipsisType
 from typing import Any, cast
 
 import numpy as np
@@ -268,7 +269,7 @@ class ShardedStore:
 
     # ------------------------------------------------------------------ sampling
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
-               deadline: float | None = ..., fanout: int | None = ...,  # type: ignore[assignment]
+               deadline: float | None | EllipsisType = ..., fanout: int | None | EllipsisType = ...,
                **options: Any) -> SampleBatch:
         """Sample `n` items over all shards: each shard in parallel, `n_k` of them in proportion to its mass.
 
@@ -301,7 +302,7 @@ class ShardedStore:
         return SampleBatch.concat(parts, info)
 
     def stream(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
-               deadline: float | None = ..., fanout: int | None = ...,  # type: ignore[assignment]
+               deadline: float | None | EllipsisType = ..., fanout: int | None | EllipsisType = ...,
                **options: Any) -> Iterator[SampleBatch]:
         """The parts of `sample(n, ...)` as each shard's arrives (see `sample`): `n` rows in all."""
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:

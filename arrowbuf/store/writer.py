@@ -189,7 +189,7 @@ class StoreWriter:
             return self._append_general(step, timeout, True)
         values = []
         # (a tensor field: exact = its dtype, finite = it forbids NaN; see `_fast_plan`)
-        for _name, shape, exact, finite, ranged, lo, hi, spec in self._fast:  # type: ignore[union-attr]
+        for _name, shape, exact, finite, ranged, lo, hi, spec in self._fast:
             v = step.get(_name, _MISSING)
             if shape is None:  # scalars: see `stepcheck.scalar_rule` (Python floats and numpy scalars cost no call)
                 cls = v.__class__
