@@ -1,27 +1,9 @@
 """Samplers: which items a sample returns.
 
-A sampler selects items (rows by seq, or windows of rows) from the store's `RingIndex`; the store calls it under its
-lock and gathers the data. Usage loop (what the store does)::
-
-    sampler.bind(index, rng)         # once: a sampler instance serves one store (a second store raises)
-    sampler.on_valid(positions)      # rows became sampleable (committed, next observation known)
-    sampler.on_invalid(positions)    # rows stopped being sampleable (evicted, removed)
-    seqs, weights = sampler.select(n)   # None when nothing can be served now
-    sampler.on_sampled(seqs)         # after the batch is gathered
-    sampler.update_priorities(positions, priorities)   # priorities checked first by `validate_priorities`
-    sampler.mass(positions); sampler.total_mass(); sampler.min_mass()   # the sampling distribution, for placement
-
-Sampling mass: every sampler states how likely each ring position is to be drawn, unnormalised, through `mass`
-(1 per sampleable row for uniform, FIFO and LIFO sampling; the sum-tree leaf `p^alpha` for prioritized sampling; a
-sequence sampler's start rows as its start distribution sees them), so callers never branch on sampler classes.
-
-Importance-sampling weights (prioritized sampling) are `(P(i) / P_min)^-beta` with `P_min` the smallest positive
-probability over the whole buffer, not over the batch: the largest weight a batch can hold is 1, and a batch whose
-rows all have more than the smallest probability has its largest weight below 1. Items enter at the running maximum
-priority seen by `update_priorities` (1.0 before any update). A priority of 0 gives probability 0 (with `eps=0`).
-
-One module per family (`uniform`, `fifo` (FIFO and LIFO), `prioritized` with `sumtree`, `sequence`, `group`), the
-interface in `base`, and one codec of specs in `spec`. Exported here as `Uniform`, `Fifo`, ...;
+One module per family: `uniform`, `fifo` (FIFO and LIFO queues), `prioritized` (with the sum trees of `sumtree`),
+`sequence` (windows of T rows), `group` (whole groups, the LLM path). `base` holds the interface, its usage loop, the
+sampling-mass and importance-weight conventions; `spec` is the one codec of specs that checkpoints and shared-memory
+manifests record. Exported here as `Uniform`, `Fifo`, `Lifo`, `Prioritized`, `Sequence`, `Group`;
 `ExperienceStore(sampler="uniform" | "fifo" | instance)`.
 """
 

@@ -1,4 +1,4 @@
-"""Samplers: which items a sample returns.
+"""The sampler interface (`Sampler`): which items a sample returns.
 
 A sampler selects items (rows by seq, or windows of rows) from the store's `RingIndex`; the store calls it under its
 lock and gathers the data. Usage loop (what the store does)::
@@ -20,7 +20,6 @@ probability over the whole buffer, not over the batch: the largest weight a batc
 rows all have more than the smallest probability has its largest weight below 1. Items enter at the running maximum
 priority seen by `update_priorities` (1.0 before any update). A priority of 0 gives probability 0 (with `eps=0`).
 
-Exported in `arrowbuf.samplers` as `Uniform`, `Fifo`, ...; `ExperienceStore(sampler="uniform" | "fifo" | instance)`.
 """
 
 from __future__ import annotations
