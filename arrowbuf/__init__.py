@@ -36,21 +36,17 @@ from .persist import CheckpointHandle, ExperienceDataset, open_dataset
 from .query.sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
 from .store.facade import ExperienceStore
-from .surface import StoreSurface
+from .surface import StoreSurface, WriterSurface
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArrowbufError",
-    "CheckpointHandle",
-    "ExperienceDataset",
-    "LoaderMetrics",
-    "RemoteStore",
-    "StoreServer",
-    "TorchBatch",
     "AppendSlowPathWarning",
+    "ArrowbufError",
     "ArrowbufWarning",
+    "CheckpointHandle",
     "DeadlineExceeded",
+    "ExperienceDataset",
     "ExperienceSchema",
     "ExperienceStore",
     "FieldSpec",
@@ -58,9 +54,11 @@ __all__ = [
     "InsertTimeout",
     "InvalidArgument",
     "Loader",
+    "LoaderMetrics",
     "MissingDependency",
     "OutOfSpace",
     "QueryTimeout",
+    "RemoteStore",
     "ResourceExhausted",
     "SampleBatch",
     "SampleTimeout",
@@ -73,9 +71,12 @@ __all__ = [
     "StoreExists",
     "StoreNotFound",
     "StoreNotTrusted",
+    "StoreServer",
     "StoreSurface",
+    "TorchBatch",
     "Unauthenticated",
     "Unavailable",
+    "WriterSurface",
     "connect",
     "load_schema",
     "open_dataset",

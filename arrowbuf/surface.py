@@ -207,4 +207,5 @@ class WriterSurface(Protocol):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
         ...
 
-__all__ = ["STATS_KEYS", "StoreSurface", "check_surface"]
+
+__all__ = ["STATS_KEYS", "StoreSurface", "WriterSurface", "check_surface"]

@@ -441,3 +441,60 @@ def test_priority_updates_through_a_remote_loader_steer_the_next_samples():
         after = [next(loader) for _ in range(window + 4)]
     assert all((b.indices == 42).all() for b in after[window:])
     assert after[-1].weights is not None
+
+
+# ------------------------------------------------------------------------------------------------ learner sessions
+class _LocalSession:
+    """A learner session over a local store: batches of a fixed size, as `RemoteStore.session` serves them."""
+
+    def __init__(self, store, n, columns, **kw):
+        self.store, self.n, self.columns, self.kw, self.drawn, self.closed = store, n, columns, kw, 0, False
+
+    def __next__(self):
+        self.drawn += 1
+        return self.store.sample(self.n, self.columns)
+
+    def update_priorities(self, ids, priorities):
+        self.store.update_priorities(ids, priorities)
+
+    def cancel(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+class _SessionSource(RecordingSource):
+    """A source that has a `session` method; whether the Loader uses it depends on the declared capability."""
+
+    learner_sessions = False
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.sessions = []
+
+    def session(self, n, columns=None, **kw):
+        s = _LocalSession(self.store, n, columns, **kw)
+        self.sessions.append(s)
+        return s
+
+
+class _DeclaredSessionSource(_SessionSource):
+    learner_sessions = True
+
+
+def test_a_source_that_declares_learner_sessions_is_served_through_one_session():
+    """The Loader picks a learner session by the class's `learner_sessions` capability, not by its type."""
+    source = _DeclaredSessionSource(cartpole_store())
+    with ab.Loader(source, batch_size=8, prefetch=2) as loader:
+        batches = [next(loader) for _ in range(3)]
+    assert all(len(b) == 8 for b in batches)
+    assert len(source.sessions) == 1 and source.sessions[0].drawn >= 3 and source.sessions[0].closed
+    assert source.started == 0  # no polling sample() beside the session
+
+
+def test_a_session_method_without_the_capability_is_not_used():
+    source = _SessionSource(cartpole_store())
+    with ab.Loader(source, batch_size=8, prefetch=2) as loader:
+        assert len(next(loader)) == 8
+    assert source.sessions == [] and source.started >= 1

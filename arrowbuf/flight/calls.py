@@ -26,6 +26,11 @@ class Unreachable(Exception):
 
 
 def check_timeout(value: Any, what: str) -> float | None:
+    """`value` as seconds (a positive number) or None.
+
+    Raises:
+        InvalidArgument: anything else (zero, a negative number, a bool, a string), named by `what`.
+    """
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:

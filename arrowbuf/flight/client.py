@@ -137,6 +137,11 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ connection
     def connection(self) -> flight.FlightClient:
+        """The Flight client of this store's connection, opened on first use.
+
+        Raises:
+            StoreClosed: this client is closed.
+        """
         with self._lock:
             if self._closed:
                 raise StoreClosed(f"the client for {self.location} is closed")
@@ -255,6 +260,12 @@ class RemoteStore:
         return self._put(rb, timeout, rpc_timeout)
 
     def to_batch(self, batch: Any) -> pa.RecordBatch:
+        """`batch` as one record batch to send: a dict of arrays is validated against the schema and converted
+        here; a `pa.RecordBatch` goes as it is and a `pa.Table` is combined into one (the server validates both).
+
+        Raises:
+            SchemaError: a dict that does not match the schema, or more rows than the server's `max_batch_rows`.
+        """
         if isinstance(batch, pa.RecordBatch):
             rb = batch
         elif isinstance(batch, pa.Table):
@@ -463,11 +474,13 @@ class RemoteStore:
                            rpc_timeout)
 
     def to_pandas(self, columns: list[str] | None = None) -> Any:
+        """The stored rows as a pandas DataFrame (`to_table`, converted here; needs pandas)."""
         from ..query.frames import table_to_pandas
 
         return table_to_pandas(self.to_table(columns))
 
     def to_polars(self, columns: list[str] | None = None) -> Any:
+        """The stored rows as a Polars DataFrame (`to_table`, converted here; needs `arrowbuf[query]`)."""
         from ..query.frames import table_to_polars
 
         return table_to_polars(self.to_table(columns))
@@ -483,6 +496,7 @@ class RemoteStore:
     # ------------------------------------------------------------------ lifetime
     @property
     def closed(self) -> bool:
+        """Whether `close()` was called."""
         return self._closed
 
     def close(self) -> None:

@@ -167,10 +167,12 @@ class ShardedConsumer:
             client.add_task(name)
 
     def tasks(self) -> list[str]:
+        """The consuming tasks, as the first live shard has them ([] when none is live)."""
         live = self._live()
         return list(live[0][1].tasks) if live else []
 
     def policy_version(self) -> int:
+        """The policy version, as the first live shard has it (0 when none is live)."""
         live = self._live()
         return int(live[0][1].policy_version) if live else 0
 

@@ -75,6 +75,7 @@ class ShardMembership:
 
     @property
     def num_shards(self) -> int:
+        """How many shards the store has (live or not)."""
         return len(self.shards)
 
     def __repr__(self) -> str:
@@ -116,6 +117,8 @@ class ShardMembership:
         return s.client
 
     def mark_down(self, s: ShardState, exc: BaseException | None = None) -> None:
+        """Take shard `s` out of service after `exc` (idempotent): its size and mass stop counting and its
+        client is closed; `poll_revival` brings it back."""
         with self.lock:
             if s.down:
                 return
@@ -160,9 +163,11 @@ class ShardMembership:
             self.counters["revived"] += 1
 
     def live(self) -> list[ShardState]:
+        """The shards reachable now (each with a client)."""
         return [s for s in self.shards if self.client(s) is not None]
 
     def all_lost(self) -> bool:
+        """Whether no shard can serve any more: each is lost, or down for longer than `failure_timeout`."""
         now = time.monotonic()
         return all(s.lost or (s.down and now - s.down_since > self.failure_timeout) for s in self.shards)
 

@@ -86,10 +86,17 @@ class ShardBackend:
         return encode_ids(self.shard, self.generation, np.asarray(self.store.extend(batch, **kwargs)))
 
     def append(self, step: Any, **kwargs: Any) -> int:
+        """The store's `append`; returns the row's global id."""
         return int(encode_ids(self.shard, self.generation, np.array([self.store.append(step, **kwargs)]))[0])
 
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                shard_info: bool = False, **options: Any) -> SampleBatch:
+        """The store's `sample` under global ids.
+
+        Args:
+            shard_info: add the columns the handle weighs shards by (`_mass`, `_shard_mass`, `_shard_min`,
+                `_shard_size`).
+        """
         if self.delay_s:
             time.sleep(self.delay_s)
         b = self.store.sample(n, columns, timeout, **options)
@@ -114,14 +121,17 @@ class ShardBackend:
                            b.info)
 
     def add_task(self, name: str) -> None:
+        """The store's `add_task`."""
         self.store.add_task(name)
 
     @property
     def tasks(self) -> list[str]:
+        """The store's consuming tasks."""
         return list(self.store.tasks)
 
     @property
     def policy_version(self) -> int:
+        """The store's policy version (settable)."""
         return int(self.store.policy_version)
 
     @policy_version.setter
@@ -130,6 +140,8 @@ class ShardBackend:
     # --- end consume
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
+        """The store's `update_priorities` by global ids; ids of other shards or earlier incarnations are
+        ignored. Returns how many were applied."""
         ids, pri = validate_priorities(indices, priorities)
         shard, gen, seq = decode_ids(ids)
         mine = (shard == self.shard) & (gen == self.generation)  # ids of a dead incarnation are not ours
@@ -162,6 +174,7 @@ class ShardBackend:
         return len(self.store)
 
     def stats(self) -> dict[str, Any]:
+        """The store's stats plus this shard's number, generation and sampling mass."""
         total, vmin, size = self.mass()
         out = {**self.store.stats(), "shard": self.shard, "generation": self.generation, "mass": total,
                "min_mass": vmin if np.isfinite(vmin) else None}
@@ -169,6 +182,7 @@ class ShardBackend:
         return out
 
     def to_table(self, columns: list[str] | None = None) -> Any:
+        """The store's `to_table`."""
         return self.store.to_table(columns)
 
     def iter_table(self, columns: list[str] | None = None) -> Any:
@@ -176,12 +190,15 @@ class ShardBackend:
         return self.store.iter_table(columns)
 
     def sql(self, query: str) -> Any:
+        """The store's `sql`."""
         return self.store.sql(query)
 
     def episodes(self) -> Any:
+        """The store's `episodes`."""
         return self.store.episodes()
 
     def close(self) -> None:
+        """Close the store; idempotent."""
         self.store.close()
 
     def __enter__(self) -> ShardBackend:
@@ -217,14 +234,17 @@ class ShardDirectory:
         self.infos: list[dict[str, Any] | None] = [None] * num_shards
 
     def next_generation(self, shard: int) -> tuple[int, int]:
+        """Start shard `shard`'s next incarnation: its new generation and how many times it has started."""
         self.generations[shard] = (self.generations[shard] + 1) & _GEN_MASK
         self.starts[shard] += 1
         return self.generations[shard], self.starts[shard]
 
     def publish(self, shard: int, info: dict[str, Any]) -> None:
+        """Record shard `shard`'s current info (endpoint, generation, pid, ...)."""
         self.infos[shard] = info
 
     def get(self) -> list[dict[str, Any] | None]:
+        """Every shard's last published info (None: not published yet)."""
         return self.infos
 
 
@@ -292,9 +312,11 @@ class ShardActor:
             self._periodic_thread.start()
 
     def get_info(self) -> dict[str, Any]:
+        """This incarnation's info: shard, generation, incarnation, Flight location, store and shm names, node, pid."""
         return self.info
 
     def stats(self) -> dict[str, Any]:
+        """The shard's `ShardBackend.stats`."""
         return self.shard_store.stats()
 
     def set_delay(self, seconds: float) -> None:
@@ -350,6 +372,7 @@ class ShardActor:
     # --- end persist
 
     def close(self) -> None:
+        """Stop periodic checkpoints (waiting for one in progress), then close the Flight server and the store."""
         self._stop_checkpoints.set()
         with self._periodic:
             self._periodic.notify_all()

@@ -156,8 +156,5 @@ class BlockDirectory:
                 "count": dict(self.count), "uploads": dict(self.uploads), "upstream": dict(self.upstream),
                 "dead": sorted(self.dead), "relays": sorted(self.relays)}
 
-    async def relay_keys(self) -> list[str]:
-        return [k for k in self.relays if k not in self.dead]
-
     async def all_relays(self) -> list[Any]:
         return list(self.relays.values())
