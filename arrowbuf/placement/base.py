@@ -67,6 +67,7 @@ class Placement(abc.ABC):
 
     @property
     def running(self) -> bool:
+        """Whether the background thread is stepping now."""
         return self._thread is not None and self._thread.is_alive()
 
 

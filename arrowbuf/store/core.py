@@ -89,10 +89,12 @@ class StoreCore:
 
     @property
     def final_capacity(self) -> int:
+        """Rows kept for the final observations of ended episodes (0: none)."""
         return int(self.cols.final_capacity)
 
     @property
     def chunk_rows(self) -> int:
+        """Rows per chunk (the unit of residency and of placement moves)."""
         return int(self.directory.chunk_rows)
 
     @property
