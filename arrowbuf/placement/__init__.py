@@ -7,8 +7,9 @@ Usage::
     store.placement()               # pa.Table: column, tier, chunks, bytes
     store.placement(explain=True)   # ... and why: access share, sampling mass, value per byte, bandwidth
 
-A policy is bound to one store through a `PlacementTarget` (what the policy sees of the store: tiers, chunk
-residency, access counts, per-chunk sampling mass, and `migrate`), which the store builds; it runs `step()` in a
+A policy is bound to one store's internals, which it sees only as a `PlacementTarget` (a Protocol of what a policy
+reads and calls: tiers, chunk residency, access counts, per-chunk sampling mass, and `migrate`; the store's
+`StoreCore` satisfies it, and placement imports nothing of the store); it runs `step()` in a
 background thread every `interval` seconds (or not at all with `interval=None`: call `step()` yourself, as the tests
 do). A step reads the inputs, plans, and carries out moves; each
 move copies one chunk of one column off the sample path and flips the slot table (see `arrowbuf.ring.columns`).

@@ -11,15 +11,13 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:  # pragma: no cover
-    pass
-
-from .target import PlacementTarget
+    from .target import PlacementTarget
 
 
 class Placement(abc.ABC):
     """Decides residency per (column, chunk) of one tiered store. Usage loop (what the store does)::
 
-        policy.bind(target)     # once, at the end of the store's construction (a PlacementTarget); starts the thread
+        policy.bind(target)     # once, at the end of the store's construction; starts the thread
         policy.step()           # one round: observe, plan, move (the thread calls it every `interval` seconds)
         policy.close()          # stop and join the thread (store.close() calls it)
     """
@@ -27,9 +25,15 @@ class Placement(abc.ABC):
     interval: float | None = None
 
     def bind(self, target: PlacementTarget) -> None:
+        """Serve the store whose internals `target` is (its `StoreCore`: a `PlacementTarget`).
+
+        Raises:
+            InvalidArgument: the policy already serves a store.
+        """
         if getattr(self, "_target", None) is not None:
             raise InvalidArgument("a placement policy serves one store; make a new one for each store")
         self._target: PlacementTarget | None = target
+        self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.interval is not None and target.tiered and len(target.tiers) > 1:
@@ -39,7 +43,7 @@ class Placement(abc.ABC):
 
     def _live_target(self) -> PlacementTarget | None:
         target = getattr(self, "_target", None)
-        return None if target is None or target.closed else target
+        return None if target is None or target.closed or getattr(self, "_closed", False) else target
 
     @abc.abstractmethod
     def step(self) -> int:
@@ -51,10 +55,8 @@ class Placement(abc.ABC):
 
     def close(self) -> None:
         """Stop the background thread and wait for it (a move in progress finishes first); idempotent. The store
-        calls it when it closes: the target is closed too."""
-        target = getattr(self, "_target", None)
-        if target is not None:
-            target.closed = True
+        calls it when it closes. The policy serves no store afterwards; the store itself stays open."""
+        self._closed = True
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
@@ -65,6 +67,7 @@ class Placement(abc.ABC):
 
     @property
     def running(self) -> bool:
+        """Whether the background thread is stepping now."""
         return self._thread is not None and self._thread.is_alive()
 
 
@@ -85,7 +88,7 @@ def _run(ref: weakref.ref[Placement], stop: threading.Event, interval: float) ->
             delay = max(interval, 3 * (time.perf_counter() - t0))
         except Exception as exc:  # keep serving from where the data is; the error is visible in explain()
             policy.last_error = repr(exc)  # type: ignore[attr-defined]
-            if target.closed:
+            if policy._live_target() is None:
                 return
         del policy, target
 

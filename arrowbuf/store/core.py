@@ -3,8 +3,8 @@
 `ExperienceStore` (`arrowbuf.store.facade`) builds one `StoreCore`, then a `StoreWriter` (writer.py: append, extend,
 end_episode; the one commit routine), a `StoreReader` (reader.py: sample, update_priorities, consistent snapshots), a
 `StoreUpdater` and a `ConsumeTracker` over it, and delegates to them. They all see the same objects; none reaches into
-another. persist (checkpoint, restore) reads and fills a StoreCore, and placement binds to one through
-`arrowbuf.placement.PlacementTarget`: no other view of a store's internals exists.
+another. persist (checkpoint, restore) reads and fills a StoreCore, and a placement policy is bound to one (it
+satisfies the `arrowbuf.placement.PlacementTarget` Protocol): no other view of a store's internals exists.
 
 Locks: `write_lock` is held by a writer while it reserves rows (writers then copy their rows in parallel and commit
 in seq order: `arrowbuf.ring.reservations`); `lock` (with `cond`, a condition over it) guards the commit, the live
@@ -89,10 +89,12 @@ class StoreCore:
 
     @property
     def final_capacity(self) -> int:
+        """Rows kept for the final observations of ended episodes (0: none)."""
         return int(self.cols.final_capacity)
 
     @property
     def chunk_rows(self) -> int:
+        """Rows per chunk (the unit of residency and of placement moves)."""
         return int(self.directory.chunk_rows)
 
     @property
@@ -152,3 +154,114 @@ class StoreCore:
         per step would otherwise pay for `Condition.notify_all`, about 0.5 us)."""
         if self.waiters:
             self.cond.notify_all()
+
+    # ------------------------------------------------------------------ what a placement policy sees
+    # (`arrowbuf.placement.PlacementTarget`: the policy is bound to this object and reads nothing else)
+    @property
+    def num_slots(self) -> int:
+        """Chunk slots of the ring (its chunks and the spare one)."""
+        return int(self.directory.num_slots)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether columns span several tiers (residency per column and chunk)."""
+        return bool(self.cols.tiered)
+
+    @property
+    def tiers(self) -> list[Any]:
+        """The data tiers, top (fastest) to bottom; a tier code indexes this list."""
+        return list(self.cols.tiers)
+
+    @property
+    def columns(self) -> list[str]:
+        """The placed columns: a tiered store's fixed-width fields, in arena order; none with one tier."""
+        cols: Any = self.cols
+        return list(cols.names) if cols.tiered else []
+
+    @property
+    def slotted(self) -> list[bool]:
+        """Per tier: whether it holds fixed chunk slots (device memory) instead of the whole ring."""
+        cols: Any = self.cols
+        return list(cols.slotted) if cols.tiered else [False]
+
+    @property
+    def bottom(self) -> int:
+        """The code of the bottom tier (it holds every chunk)."""
+        return len(self.cols.tiers) - 1
+
+    @property
+    def queue(self) -> bool:
+        """Whether the sampler is a queue (each item delivered once: new chunks hold the mass)."""
+        return bool(self.sampler.queue)
+
+    def _placed(self) -> np.ndarray:
+        """The arena rows of `columns` (indices into the per-column residency arrays)."""
+        cols: Any = self.cols
+        return np.array([cols.ci[n] for n in self.columns], dtype=np.int64)
+
+    def chunk_bytes(self) -> np.ndarray:
+        """[C] bytes of one chunk of each column."""
+        cols: Any = self.cols
+        return np.array([cols.chunk_bytes[n] for n in self.columns], dtype=np.int64)
+
+    def residency(self) -> np.ndarray:
+        """[C, S] the tier code (index into `tiers`) of each (column, chunk slot); a copy."""
+        cols: Any = self.cols
+        return np.asarray(cols.res[self._placed()], dtype=np.int64)
+
+    def moving(self) -> np.ndarray:
+        """[C, S] whether a (column, chunk slot) is being moved or written now; a copy."""
+        cols: Any = self.cols
+        return np.array(cols.moving[self._placed()])
+
+    def write_tiers(self) -> np.ndarray:
+        """[C] where writers put each column's new chunks (a tier code)."""
+        cols: Any = self.cols
+        return np.asarray(cols.write_tier)[self._placed()].astype(np.int64)
+
+    def set_write_tiers(self, codes: np.ndarray) -> None:
+        """Where writers put each column's new chunks from now on (never a slotted tier)."""
+        cols: Any = self.cols
+        for i, ci in enumerate(self._placed().tolist()):
+            cols.write_tier[ci] = int(codes[i])
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent view under `lock`: `lo`, `hi` (live seqs), `gens`/`lasts` (each slot's first and last seq),
+        `inserts` and `access` ([C] rows read per column so far)."""
+        idx = self.index
+        cr = self.chunk_rows
+        cols: Any = self.cols
+        cis = self._placed()
+        first = np.arange(self.num_slots, dtype=np.int64) * cr
+        with self.lock:
+            return {"lo": idx.lo, "hi": idx.hi, "gens": idx.seq[first].copy(), "lasts": idx.seq[first + cr - 1].copy(),
+                    "inserts": idx.counter("inserts"), "access": np.array(cols.access, dtype=np.int64)[cis]}
+
+    def chunk_mass(self) -> np.ndarray:
+        """[S] each chunk slot's sampling mass (unnormalised): the sum of `Sampler.mass` over its rows."""
+        rows = self.num_slots * self.chunk_rows
+        per_row = np.asarray(self.sampler.mass(np.arange(rows, dtype=np.int64)), dtype=np.float64)
+        return per_row.reshape(self.num_slots, self.chunk_rows).sum(axis=1)
+
+    def fixed_bytes(self, code: int) -> int:
+        """Bytes tier `code` holds besides column chunks (the index, samplers, final observations on the host)."""
+        cols: Any = self.cols
+        data = sum(int((cols.res[cols.ci[n]] == code).sum()) * cols.chunk_bytes[n] for n in self.columns)
+        return max(0, int(cols.tiers[code].nbytes()) - data)
+
+    def slots_total(self, code: int, column: str) -> int:
+        """Chunk slots column `column` has in slotted tier `code` (0: no arena there yet)."""
+        cols: Any = self.cols
+        return int(cols.slots_total(code, column))
+
+    def ensure_arena(self, code: int, column: str, slots: int) -> bool:
+        """Give `column` an arena of `slots` chunk slots in slotted tier `code`; False if it does not fit."""
+        cols: Any = self.cols
+        return bool(cols.ensure_arena(code, column, slots))
+
+    def migrate(self, column: str, slot: int, tier: int, gen: int | None) -> bool:
+        """Copy chunk slot `slot` of `column` to tier `tier` and flip the slot table; False (nothing changed) if there
+        is no room, it is already moving, or the chunk changed meanwhile. `gen`: the sealed chunk's first seq, or
+        None for a slot that is not sealed (moved only while no writer is busy)."""
+        cols: Any = self.cols
+        return bool(cols.migrate(column, slot, tier, gen, self.index, self.lock, self.write_lock))

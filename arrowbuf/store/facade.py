@@ -179,10 +179,10 @@ class ExperienceStore:
                                  f"budget is {format_bytes(t.budget)}; raise the budget"
                                  + (" or add a disk tier: tiers={..., 'disk': 'spill/'}"
                                     if t is data_tiers[-1] and t.name != "disk" else ""))
-        self._placement_target = PlacementTarget(self._core)  # what a placement policy sees of this store
         self.placement_policy = make_placement(placement, len(data_tiers))
         if self.placement_policy is not None:
-            self.placement_policy.bind(self._placement_target)
+            target: PlacementTarget = self._core  # a policy sees the internals only through this Protocol
+            self.placement_policy.bind(target)
             self._reader.count_access = True
         if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
             self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity, "chunk_rows": self.chunk_rows,
@@ -528,8 +528,9 @@ class ExperienceStore:
         byte, the tier's read bandwidth (`read_gbps`) and a sentence (`why`). See `arrowbuf.placement`.
         """
         self._check_open()
+        assert self._core is not None
         with self._lock:
-            return placement_table(self._placement_target, self.placement_policy, explain)
+            return placement_table(self._core, self.placement_policy, explain)
 
     def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
         """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
