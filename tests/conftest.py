@@ -36,6 +36,31 @@ SMALL = {
 }
 
 
+#: Rows that `rows()` writes: each row's columns encode (writer, step), so a torn or partial row shows on its own
+#: (test_shm, persist/test_persist_process; their spawned children import it from here too).
+ROWS_SCHEMA = {
+    "name": "rows",
+    "fields": {
+        "obs": {"dtype": "float32", "shape": [4]},
+        "action": {"dtype": "int64"},
+        "reward": {"dtype": "float32"},
+        "terminated": {"dtype": "bool"},
+        "truncated": {"dtype": "bool"},
+    },
+    "derived": {"next_obs": {"next_of": "obs"}},
+}
+EPISODE = 50
+
+
+def rows(writer: int, k0: int, n: int) -> dict[str, np.ndarray]:
+    """Steps k0..k0+n-1 of `writer` (ROWS_SCHEMA): every column encodes (writer, k), so a row can be checked on its
+    own; an episode ends every EPISODE steps."""
+    k = np.arange(k0, k0 + n)
+    enc = lambda kk: np.stack([np.full(len(kk), writer), kk, kk + 1, np.full(len(kk), 7)], 1).astype(np.float32)  # noqa: E731
+    return {"obs": enc(k), "action": k.astype(np.int64), "reward": (writer * 1e6 + k).astype(np.float32),
+            "terminated": (k % EPISODE) == EPISODE - 1, "truncated": np.zeros(n, bool), "next_obs": enc(k + 1)}
+
+
 @pytest.fixture
 def small_schema() -> ab.ExperienceSchema:
     return ab.load_schema(SMALL)
