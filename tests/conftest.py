@@ -36,6 +36,31 @@ SMALL = {
 }
 
 
+#: Rows that `rows()` writes: each row's columns encode (writer, step), so a torn or partial row shows on its own
+#: (test_shm, persist/test_persist_process; their spawned children import it from here too).
+ROWS_SCHEMA = {
+    "name": "rows",
+    "fields": {
+        "obs": {"dtype": "float32", "shape": [4]},
+        "action": {"dtype": "int64"},
+        "reward": {"dtype": "float32"},
+        "terminated": {"dtype": "bool"},
+        "truncated": {"dtype": "bool"},
+    },
+    "derived": {"next_obs": {"next_of": "obs"}},
+}
+EPISODE = 50
+
+
+def rows(writer: int, k0: int, n: int) -> dict[str, np.ndarray]:
+    """Steps k0..k0+n-1 of `writer` (ROWS_SCHEMA): every column encodes (writer, k), so a row can be checked on its
+    own; an episode ends every EPISODE steps."""
+    k = np.arange(k0, k0 + n)
+    enc = lambda kk: np.stack([np.full(len(kk), writer), kk, kk + 1, np.full(len(kk), 7)], 1).astype(np.float32)  # noqa: E731
+    return {"obs": enc(k), "action": k.astype(np.int64), "reward": (writer * 1e6 + k).astype(np.float32),
+            "terminated": (k % EPISODE) == EPISODE - 1, "truncated": np.zeros(n, bool), "next_obs": enc(k + 1)}
+
+
 @pytest.fixture
 def small_schema() -> ab.ExperienceSchema:
     return ab.load_schema(SMALL)
@@ -111,8 +136,22 @@ os.environ.setdefault("ARROWBUF_TEST", "1")
 
 
 # ------------------------------------------------------------------------------------------ local Ray clusters
-def _ray_pids() -> set[int]:
-    """Pids below this process (from /proc), and Ray workers orphaned by a dead raylet; not another cluster's."""
+def _raylet_of(pid: int) -> int | None:
+    """The raylet a Ray worker was started by (its environment's RAY_RAYLET_PID), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    for var in env:
+        if var.startswith(b"RAY_RAYLET_PID="):
+            return int(var.split(b"=", 1)[1])
+    return None
+
+
+def _ray_pids(raylets: frozenset[int] | set[int] = frozenset()) -> set[int]:
+    """Pids below this process (from /proc), and Ray workers orphaned by a dead raylet of `raylets` (ours); not
+    another cluster's (other test runs on this machine start and stop their own clusters meanwhile)."""
     parents: dict[int, int] = {}
     ray_procs = set()
     for d in os.listdir("/proc"):
@@ -132,9 +171,32 @@ def _ray_pids() -> set[int]:
     while frontier:
         frontier = {p for p, pp in parents.items() if pp in frontier} - out
         out |= frontier
-    # a Ray worker whose raylet died is re-parented (to init or a subreaper): count those orphans too, but not the
-    # workers of another Ray cluster on the machine, whose parents are alive and not ours
-    return out | {p for p in ray_procs if parents.get(p) == 1 or parents.get(p) not in parents}
+    # a Ray worker whose raylet died is re-parented (to init or a subreaper): count those orphans too, but only those
+    # of our raylets, not the workers of another Ray cluster on the machine
+    return out | {p for p in ray_procs if (parents.get(p) == 1 or parents.get(p) not in parents)
+                  and _raylet_of(p) in raylets}
+
+
+def _raylets_below() -> set[int]:
+    """The raylets among this process's descendants."""
+    out = set()
+    for p in _ray_pids():
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"raylet" in f.read().split(b"\0")[0]:
+                    out.add(p)
+        except OSError:
+            continue
+    return out
+
+
+def _describe(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ")[:200].decode(errors="replace").strip()
+        return f"{pid} {cmd}"
+    except OSError:
+        return f"{pid} (gone)"
 
 
 def _alive(pid: int) -> bool:
@@ -153,23 +215,57 @@ def local_ray_cluster(nodes: int) -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
     before = _ray_pids()
+    raylets: set[int] = set()  # every raylet of this cluster, also of nodes added and removed by a test
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20,
                                                       "include_dashboard": False})
+    add_node = c.add_node
+
+    def add_and_note(*args: Any, **kw: Any) -> Any:
+        node = add_node(*args, **kw)
+        raylets.update(_raylets_below())
+        return node
+
+    c.add_node = add_and_note  # type: ignore[method-assign]
     try:
+        raylets.update(_raylets_below())
         for _ in range(nodes - 1):
             c.add_node(num_cpus=1, object_store_memory=80 << 20)
         c.wait_for_nodes()
         ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
         yield c
     finally:
-        started = _ray_pids() - before
+        raylets.update(_raylets_below())
+        started = _ray_pids(raylets) - before
         ray.shutdown()
         c.shutdown()
         end = time.monotonic() + 60  # a bounded wait for shutdown on a loaded machine, not a timing assert
         while time.monotonic() < end and any(_alive(p) for p in started):
             time.sleep(0.1)  # teardown only: waiting for the OS to reap Ray's processes
-        left = [p for p in started if _alive(p)]
+        left = [_describe(p) for p in started if _alive(p)]
         assert not left, f"processes left behind by the Ray cluster: {left}"
+
+
+#: the nodes of the session's Ray cluster (1 CPU each): enough for the multi-node tests (shards and broadcast relays
+#: on different nodes), few enough to start in seconds on a 2-core machine
+RAY_NODES = 3
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """One local Ray cluster (`RAY_NODES` nodes of 1 CPU, no dashboard) for every Ray test of the session, started
+    when the first test asks for it; this process stays connected. At the end of the session (also after failures)
+    it shuts down and asserts that none of its processes is left. A test that adds a node removes it again."""
+    pytest.importorskip("ray")
+    with local_ray_cluster(RAY_NODES) as c:
+        yield c
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the session's Ray cluster run last, together (in their order): the cluster starts once, late, and
+    its idle processes do not share the CPUs with the other tests. A test that asks for the cluster through
+    `request.getfixturevalue` carries the `ray` marker instead."""
+    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ())
+               or item.get_closest_marker("ray") is not None)
 
 
 @pytest.fixture

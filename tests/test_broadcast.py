@@ -1,10 +1,11 @@
-"""Hoplite-style broadcast (`arrowbuf.ray.Broadcast`) on a real local multi-node Ray cluster (3 nodes of 1 CPU, a 4th
-added for the late joiner), started once for the module and shut down at its end, even on failure."""
+"""Hoplite-style broadcast (`arrowbuf.ray.Broadcast`) on a real local multi-node Ray cluster (the session's: 3 nodes
+of 1 CPU, conftest's ray_cluster; a 4th added for the late joiner and removed after it)."""
 
 from __future__ import annotations
 
 import glob
 import sys
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +13,6 @@ import pytest
 
 from arrowbuf.ray import Broadcast
 from arrowbuf.ray.hoplite.relay import digest_of, shm_prefix
-from conftest import local_ray_cluster
 
 ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -22,9 +22,28 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_ray_cluster(3) as c:
-        yield c
+def cluster(ray_cluster):
+    return ray_cluster
+
+
+@pytest.fixture
+def extra_node(cluster):
+    """Adds a node (1 CPU) to the session's cluster; removed after the test (after its broadcasts are closed: ask for
+    this fixture before `bcast`), so the other tests see the session's nodes only."""
+    added = []
+
+    def add():
+        added.append(cluster.add_node(num_cpus=1, object_store_memory=80 << 20))
+        cluster.wait_for_nodes()
+        return added[-1]
+
+    yield add
+    for node in added:
+        cluster.remove_node(node)
+    end = time.monotonic() + 60  # a bounded wait for the cluster to see the node gone, not a timing assert
+    while time.monotonic() < end and {n.node_id for n in added} & set(_nodes()):
+        time.sleep(0.1)
+    assert not {n.node_id for n in added} & set(_nodes()), "a removed node is still alive"
 
 
 @pytest.fixture
@@ -129,12 +148,11 @@ def test_a_killed_relay_mid_broadcast_does_not_stop_the_others(bcast):
     ray.kill(c)
 
 
-def test_a_late_joining_node_completes(bcast, cluster):
+def test_a_late_joining_node_completes(extra_node, bcast):
     bc = bcast(block_size=128 << 10, egress_bytes_per_s=1 << 20)  # ~4 s per hop: still running when the node joins
     obj = _weights(4)
     v = bc.publish(obj)
-    node = cluster.add_node(num_cpus=1, object_store_memory=80 << 20)
-    cluster.wait_for_nodes()
+    node = extra_node()
     late = node.node_id
     bc.relay(late, late)  # its relay joins the running broadcast
     c = Consumer.options(**_on(late)).remote()

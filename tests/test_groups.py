@@ -176,48 +176,45 @@ def test_a_group_waits_until_every_row_has_its_required_fields_and_then_its_vari
 
 # ---------------------------------------------------------------------------------------------------- ShardedStore
 @pytest.mark.slow
-def test_sharded_store_keeps_groups_on_one_shard_and_consumes_each_row_once_per_task():
+def test_sharded_store_keeps_groups_on_one_shard_and_consumes_each_row_once_per_task(ray_cluster):
     pytest.importorskip("ray")
-    from conftest import local_ray_cluster
-
     from arrowbuf.ray import ShardedStore
     from arrowbuf.ray.consume import group_shards
 
-    with local_ray_cluster(2):
-        sharded = ShardedStore.create(LLM, 2, 512, sampler=ab.samplers.Group(key="prompt_id", size=G),
-                                      tasks=["ref", "train"], strategy=None, failure_timeout=30.0)
-        try:
-            prompts = 24
-            for first in range(0, prompts, 6):  # halves of groups in separate batches: the hash keeps them together
-                sharded.extend(group_rows(range(first, first + 6), members=[0, 1]))
-                sharded.extend(group_rows(range(first, first + 6), members=[2, 3]))
-            table = sharded.to_table(["prompt_id"])
-            shard_of = {}
-            for shard, pid in zip(table.column("shard").to_pylist(), table.column("prompt_id").to_pylist()):
-                assert shard_of.setdefault(pid, shard) == shard  # a group's rows on one shard
-            assert len(set(shard_of.values())) == 2  # both shards used
-            np.testing.assert_array_equal(group_shards(np.arange(prompts), 2),
-                                          [shard_of[p] for p in range(prompts)])
-            sharded.policy_version = 2
-            assert sharded.policy_version == 2 and sharded.tasks == ["ref", "train"]
-            got = {"ref": [], "train": []}
-            for task in got:
-                while True:
-                    b = sharded.consume(task, 5 * G, timeout=0)
-                    if not len(b):
-                        break
-                    assert_whole_groups(b)
-                    got[task].append(b.indices)
-            for task, parts in got.items():
-                ids = np.concatenate(parts)
-                assert len(ids) == prompts * G == len(np.unique(ids)), task
-            with pytest.raises(ab.InvalidArgument):
-                sharded.consume("nope", G)
-            sharded.extend(group_rows([100], pv=2))
-            b = sharded.consume("train", 2 * G, timeout=5.0)  # one whole group is ready: it comes at the deadline
-            assert set(b.to_numpy()["prompt_id"]) == {100}
-        finally:
-            sharded.shutdown()
+    sharded = ShardedStore.create(LLM, 2, 512, sampler=ab.samplers.Group(key="prompt_id", size=G),
+                                  tasks=["ref", "train"], strategy=None, failure_timeout=30.0)
+    try:
+        prompts = 24
+        for first in range(0, prompts, 6):  # halves of groups in separate batches: the hash keeps them together
+            sharded.extend(group_rows(range(first, first + 6), members=[0, 1]))
+            sharded.extend(group_rows(range(first, first + 6), members=[2, 3]))
+        table = sharded.to_table(["prompt_id"])
+        shard_of = {}
+        for shard, pid in zip(table.column("shard").to_pylist(), table.column("prompt_id").to_pylist()):
+            assert shard_of.setdefault(pid, shard) == shard  # a group's rows on one shard
+        assert len(set(shard_of.values())) == 2  # both shards used
+        np.testing.assert_array_equal(group_shards(np.arange(prompts), 2),
+                                      [shard_of[p] for p in range(prompts)])
+        sharded.policy_version = 2
+        assert sharded.policy_version == 2 and sharded.tasks == ["ref", "train"]
+        got = {"ref": [], "train": []}
+        for task in got:
+            while True:
+                b = sharded.consume(task, 5 * G, timeout=0)
+                if not len(b):
+                    break
+                assert_whole_groups(b)
+                got[task].append(b.indices)
+        for task, parts in got.items():
+            ids = np.concatenate(parts)
+            assert len(ids) == prompts * G == len(np.unique(ids)), task
+        with pytest.raises(ab.InvalidArgument):
+            sharded.consume("nope", G)
+        sharded.extend(group_rows([100], pv=2))
+        b = sharded.consume("train", 2 * G, timeout=5.0)  # one whole group is ready: it comes at the deadline
+        assert set(b.to_numpy()["prompt_id"]) == {100}
+    finally:
+        sharded.shutdown()
 
 
 def test_groups_staleness_and_admission_over_flight():

@@ -1,5 +1,5 @@
-"""Sharded stores on a real local multi-node Ray cluster (3 nodes of 1 CPU on this machine), started once for the
-module and shut down at its end. Skipped when ray is not installed."""
+"""Sharded stores on a real local multi-node Ray cluster (the session's: 3 nodes of 1 CPU on this machine, conftest's
+ray_cluster). Skipped when ray is not installed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from arrowbuf.ray import ShardedStore, ShardsLost, broadcast, decode_ids, encode
 from arrowbuf.ray._common import _ray
 from arrowbuf.ray.allocate import allocate as _allocate, allocate_fanout as _allocate_fanout
 
-from conftest import SMALL, local_ray_cluster
+from conftest import RAY_NODES, SMALL
 
 ray = pytest.importorskip("ray")
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 # the actors and tasks below are defined here: ship them by value (workers cannot import this test module)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-NODES = 3
+NODES = RAY_NODES
 
 
 # ---------------------------------------------------------------------------------------------------- no cluster
@@ -62,9 +62,8 @@ def test_allocation_is_exact_in_expectation():
 
 # ---------------------------------------------------------------------------------------------------- cluster
 @pytest.fixture(scope="module")
-def cluster():
-    with local_ray_cluster(NODES) as c:
-        yield c
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 def _node_ids() -> list[str]:

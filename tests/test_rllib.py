@@ -14,7 +14,6 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("ray.rllib")
 pytest.importorskip("gymnasium")
 
-import ray  # noqa: E402
 
 import arrowbuf as ab  # noqa: E402
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
@@ -31,14 +30,9 @@ from arrowbuf.rllib.convert import FAST_COPY, BatchConverter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    """This test module's own local Ray (never another process's cluster)."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+def local_ray(ray_cluster):
+    """The session's local Ray cluster (conftest's ray_cluster: never another process's cluster)."""
+    return ray_cluster
 
 
 def _episodes(lengths, seed=0, obs_dim=4):

@@ -18,29 +18,11 @@ import pytest
 
 import arrowbuf as ab
 from arrowbuf.tiers import shm
+from conftest import EPISODE, ROWS_SCHEMA, rows
 
-SCHEMA = {
-    "name": "shmtest",
-    "fields": {
-        "obs": {"dtype": "float32", "shape": [4]},
-        "action": {"dtype": "int64"},
-        "reward": {"dtype": "float32"},
-        "terminated": {"dtype": "bool"},
-        "truncated": {"dtype": "bool"},
-    },
-    "derived": {"next_obs": {"next_of": "obs"}},
-}
-EPISODE = 50
+SCHEMA = {**ROWS_SCHEMA, "name": "shmtest"}
 CTX = mp.get_context("spawn")
 JOIN_S = 60
-
-
-def rows(writer: int, k0: int, n: int) -> dict[str, np.ndarray]:
-    """Steps k0..k0+n-1 of `writer`; an episode ends every EPISODE steps."""
-    k = np.arange(k0, k0 + n)
-    enc = lambda kk: np.stack([np.full(len(kk), writer), kk, kk + 1, np.full(len(kk), 7)], 1).astype(np.float32)  # noqa: E731
-    return {"obs": enc(k), "action": k.astype(np.int64), "reward": (writer * 1e6 + k).astype(np.float32),
-            "terminated": (k % EPISODE) == EPISODE - 1, "truncated": np.zeros(n, bool), "next_obs": enc(k + 1)}
 
 
 def check_rows(obs: np.ndarray, next_obs: np.ndarray | None = None, reward: np.ndarray | None = None) -> None:

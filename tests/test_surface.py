@@ -57,20 +57,12 @@ def _shm_names() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def ray_local() -> Iterator[Any]:
-    """A local one-node Ray cluster started for this module (when no cluster is up already)."""
-    ray = pytest.importorskip("ray")
+def ray_local(ray_cluster: Any) -> Any:
+    """The session's local Ray cluster (conftest's ray_cluster), with this module's classes shipped by value."""
+    import ray
+
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    started = not ray.is_initialized()
-    if started:
-        # address="local": a cluster of our own, never one another process on this machine started
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 << 20,
-                 logging_level="ERROR", log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        if started:
-            ray.shutdown()
+    return ray
 
 
 def _sharded(schema: dict) -> Iterator[Any]:
@@ -96,7 +88,7 @@ def ray_sharded_later(ray_local: Any) -> Iterator[Any]:
     yield from _sharded(SURF)
 
 
-@pytest.fixture(params=[*LOCAL, "remote", pytest.param("sharded", marks=pytest.mark.slow)])
+@pytest.fixture(params=[*LOCAL, "remote", pytest.param("sharded", marks=[pytest.mark.slow, pytest.mark.ray])])
 def surface(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
     """A store-like object of each implementation, with a prioritized sampler (so priorities matter)."""
     kind = request.param

@@ -342,30 +342,27 @@ def test_shard_adapter_routes_global_ids():
 
 # ---------------------------------------------------------------- a ShardedStore on a local Ray cluster
 @pytest.mark.slow
-def test_sharded_store_update_routes_by_shard():
+def test_sharded_store_update_routes_by_shard(ray_cluster):
     pytest.importorskip("ray")
-    from conftest import local_ray_cluster
-
     from arrowbuf.ray import ShardedStore
 
-    with local_ray_cluster(1):
-        sharded = ShardedStore.create(GRPO, 2, 32, seed=0, failure_timeout=30.0)
-        try:
-            ids = np.concatenate([sharded.writer(shard=k).extend(rollouts(3, start=10 * k)) for k in (0, 1)])
-            assert sharded.update(ids, {"reward": np.arange(6, dtype=np.float32),
-                                        "ref_logprobs": [[float(i)] for i in range(6)]}) == 6
-            t = sharded.to_table(["prompt_id", "reward", "ref_logprobs"])
-            got = {p: (r, lp) for p, r, lp in zip(*(t.column(c).to_pylist() for c in
-                                                      ("prompt_id", "reward", "ref_logprobs")))}
-            assert got == {p: (float(i), [float(i)]) for i, p in enumerate([0, 1, 2, 10, 11, 12])}
-            before = sharded.to_table().to_pydict()
-            with pytest.raises(ab.InvalidArgument, match="not issued"):
-                sharded.update(np.array([ids[0], 9 << 53]), {"reward": [1.0, 2.0]})
-            with pytest.raises(ab.SchemaError, match="later"):
-                sharded.update(ids, {"prompt_id": np.arange(6)})
-            assert sharded.to_table().to_pydict() == before
-        finally:
-            sharded.shutdown()
+    sharded = ShardedStore.create(GRPO, 2, 32, seed=0, failure_timeout=30.0)
+    try:
+        ids = np.concatenate([sharded.writer(shard=k).extend(rollouts(3, start=10 * k)) for k in (0, 1)])
+        assert sharded.update(ids, {"reward": np.arange(6, dtype=np.float32),
+                                    "ref_logprobs": [[float(i)] for i in range(6)]}) == 6
+        t = sharded.to_table(["prompt_id", "reward", "ref_logprobs"])
+        got = {p: (r, lp) for p, r, lp in zip(*(t.column(c).to_pylist() for c in
+                                                  ("prompt_id", "reward", "ref_logprobs")))}
+        assert got == {p: (float(i), [float(i)]) for i, p in enumerate([0, 1, 2, 10, 11, 12])}
+        before = sharded.to_table().to_pydict()
+        with pytest.raises(ab.InvalidArgument, match="not issued"):
+            sharded.update(np.array([ids[0], 9 << 53]), {"reward": [1.0, 2.0]})
+        with pytest.raises(ab.SchemaError, match="later"):
+            sharded.update(ids, {"prompt_id": np.arange(6)})
+        assert sharded.to_table().to_pydict() == before
+    finally:
+        sharded.shutdown()
 
 
 # ---------------------------------------------------------------- a tiered store (device, host and disk chunks)

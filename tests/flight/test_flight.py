@@ -322,7 +322,7 @@ class TestUnavailableAndDeadlines:
 
     def test_a_killed_server_is_unavailable_and_a_closed_client_is_closed(self, procs):
         p, location = self._serve_in_a_process(procs)
-        remote = ab.connect(location, reconnect_timeout=0.3)
+        remote = ab.connect(location, reconnect_timeout=0.1)  # each call below tries that long before Unavailable
         ids = remote.extend(cartpole_batch(4))
         np.testing.assert_array_equal(ids, remote.to_table(["seq"]).column("seq").to_numpy())
         writer = remote.writer(max_in_flight=2)

@@ -177,8 +177,9 @@ class TestSqlSandbox:
 
     @pytest.mark.slow
     def test_concurrent_queries_are_bounded(self, servers):
-        # the slow query ends by the server's own deadline (5 s), long enough to be seen running under any load
-        server = servers(cartpole_store(), max_concurrent_sql=1, sql_limits=ab.SqlLimits(timeout=5.0))
+        # the slow query ends by the server's own deadline (2 s: long enough to be seen running under any load, as the
+        # refusal needs one call on an open connection after the test saw it run)
+        server = servers(cartpole_store(), max_concurrent_sql=1, sql_limits=ab.SqlLimits(timeout=2.0))
         slow = flight.FlightClient(server.location)
         remote = ab.connect(server.location)
         try:
@@ -389,10 +390,10 @@ class TestRequestBounds:
         server = servers(store, max_concurrent_sql=1, sql_limits=ab.SqlLimits(timeout=60.0))
         busy = flight.FlightClient(server.location)
         client = flight.FlightClient(server.location)
-        def slow_sql():  # holds the only sql slot until its client gives up, after 8 s
+        def slow_sql():  # holds the only sql slot until its client gives up, after 3 s (the test makes two calls)
             with pytest.raises(flight.FlightTimedOutError):
                 busy.do_get(sql_ticket("SELECT count(*) FROM range(100000000000) t(i) WHERE i % 7 = 3"),
-                            flight.FlightCallOptions(timeout=8.0)).read_all()
+                            flight.FlightCallOptions(timeout=3.0)).read_all()
 
         def consume(**kw):
             ticket = {"v": 2, "kind": "consume", "task": "train", "n": 2, **kw}

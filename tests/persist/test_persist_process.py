@@ -19,30 +19,12 @@ import pytest
 import arrowbuf as ab
 from arrowbuf.persist import checkpoint as persist_checkpoint
 from arrowbuf.persist import manifest as mf
+from conftest import ROWS_SCHEMA, rows
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CTX = mp.get_context("spawn")
-SCHEMA = {
-    "name": "persistproc",
-    "fields": {
-        "obs": {"dtype": "float32", "shape": [4]},
-        "action": {"dtype": "int64"},
-        "reward": {"dtype": "float32"},
-        "terminated": {"dtype": "bool"},
-        "truncated": {"dtype": "bool"},
-    },
-    "derived": {"next_obs": {"next_of": "obs"}},
-}
-EPISODE = 50
-
-
-def rows(writer: int, k0: int, n: int) -> dict[str, np.ndarray]:
-    """Steps k0..k0+n-1 of `writer`: every column encodes (writer, k), so a row can be checked on its own."""
-    k = np.arange(k0, k0 + n)
-    enc = lambda kk: np.stack([np.full(len(kk), writer), kk, kk + 1, np.full(len(kk), 7)], 1).astype(np.float32)  # noqa: E731
-    return {"obs": enc(k), "action": k.astype(np.int64), "reward": (writer * 1e6 + k).astype(np.float32),
-            "terminated": (k % EPISODE) == EPISODE - 1, "truncated": np.zeros(n, bool), "next_obs": enc(k + 1)}
+SCHEMA = {**ROWS_SCHEMA, "name": "persistproc"}
 
 
 def check_whole(table: pa.Table | pa.RecordBatch) -> None:
@@ -62,7 +44,7 @@ _CRASH = textwrap.dedent("""
     import numpy as np
     import arrowbuf as ab
     sys.path.insert(0, {tests!r})
-    from test_persist_process import rows
+    from conftest import rows
     root, point = sys.argv[1], sys.argv[2]
     store = ab.ExperienceStore({schema!r}, capacity=2000, chunk_rows=64, seed=0,
                                sampler=ab.samplers.Prioritized())
@@ -89,7 +71,7 @@ def _expected_first() -> ab.ExperienceStore:
                                    "after_commit"])
 def test_sigkill_during_checkpoint_leaves_a_restorable_checkpoint(tmp_path, point):
     root = str(tmp_path / "c")
-    script = _CRASH.format(tests=os.path.join(ROOT, "tests", "persist"), schema=SCHEMA)
+    script = _CRASH.format(tests=os.path.join(ROOT, "tests"), schema=SCHEMA)
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", script, root, point], env=env, capture_output=True, timeout=120)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]

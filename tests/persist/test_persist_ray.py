@@ -1,7 +1,7 @@
 """Sharded stores and checkpoints (issue 15): a killed shard comes back with its checkpointed rows, from an explicit
-checkpoint and from the periodic ones (`checkpoint_every`). A local two-node Ray cluster (so a shard restarts on a
-multi-node cluster, as issue 20 asks) whose processes must all be gone at the end (conftest.local_ray_cluster
-checks)."""
+checkpoint and from the periodic ones (`checkpoint_every`). On the session's local multi-node Ray cluster (so a shard
+restarts on a multi-node cluster, as issue 20 asks), whose processes must all be gone at the end
+(conftest.ray_cluster checks)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ ray = pytest.importorskip("ray")
 from arrowbuf.persist import manifest as mf  # noqa: E402
 from arrowbuf.ray import ShardedStore  # noqa: E402
 
-from conftest import SMALL, local_ray_cluster, make_episodes  # noqa: E402
+from conftest import SMALL, make_episodes  # noqa: E402
 
 # Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_ray_cluster(2) as c:  # two nodes: shards restart on a multi-node cluster (issue 20)
-        yield c
+def cluster(ray_cluster):
+    assert sum(n["Alive"] for n in ray.nodes()) >= 2  # several nodes: shards restart on a multi-node cluster (issue 20)
+    return ray_cluster
 
 
 def _restarted(actor, old: dict) -> dict:

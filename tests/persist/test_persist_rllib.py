@@ -49,14 +49,12 @@ def test_buffer_state_round_trips_the_experience_by_checkpoint(tmp_path):
         buf.store.close()
 
 
-def test_dqn_save_and_from_checkpoint_resume_with_a_full_buffer(tmp_path):
+def test_dqn_save_and_from_checkpoint_resume_with_a_full_buffer(tmp_path, ray_cluster):
     pytest.importorskip("gymnasium")
-    import ray
     from ray.rllib.algorithms.dqn import DQNConfig
 
     from arrowbuf.rllib import from_checkpoint_with_buffer, replay_buffer_config, save_with_buffer
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     algo = again = None
     try:
         config = (DQNConfig().environment("CartPole-v1")
@@ -86,4 +84,3 @@ def test_dqn_save_and_from_checkpoint_resume_with_a_full_buffer(tmp_path):
                 buf.close()
                 if getattr(buf, "store", None) is not None:
                     buf.store.close()
-        ray.shutdown()
