@@ -242,6 +242,7 @@ def test_attach_from_another_process_samples_the_same_rows(names):
         check_rows(b["obs"], b["next_obs"])
 
 
+@pytest.mark.slow  # about 3.5 s on 2 cores (four writer processes): CI runs it
 def test_four_writer_processes_lose_and_duplicate_nothing(names):
     name = names()
     n = 2000
