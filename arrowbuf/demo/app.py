@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, require
 from .actors import ActorSpec, PolicyFile, actor_main
 from .dqn import DQNConfig, DQNLearner
-from .entry import run_cli
+from .entry import demos_epilog, run_cli
 
 #: What the learner reads per batch (the n-step columns come with `n_step=`).
 LEARNER_COLUMNS = ["obs", "action", "next_obs"]
@@ -354,7 +354,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo", description=_DESCRIPTION))
+def main(argv: list[str] | None = None, prog: str = "python -m arrowbuf.demo dqn") -> int:
+    p = configure_parser(argparse.ArgumentParser(prog=prog, description=_DESCRIPTION,
+                                                 epilog=demos_epilog(prog.rsplit(" ", 1)[0]),
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     args = p.parse_args(argv)
     return run_cli(lambda: run_from_args(args), "actors stopped, server and store closed")

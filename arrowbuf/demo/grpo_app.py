@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import ArrowbufError, InsertTimeout, InvalidArgument, require
 from .actors import PolicyFile
-from .entry import run_cli
+from .entry import demos_epilog, run_cli
 from .grpo import GRPOConfig, GRPOTrainer, generate, make_policy, make_prompts, rewards, token_logprobs
 
 _DESCRIPTION = "GRPO over arrowbuf: rollout, reward and reference workers and a trainer, all through Arrow Flight."
@@ -385,8 +385,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo grpo", description=_DESCRIPTION))
+def main(argv: list[str] | None = None, prog: str = "python -m arrowbuf.demo grpo") -> int:
+    p = configure_parser(argparse.ArgumentParser(prog=prog, description=_DESCRIPTION,
+                                                 epilog=demos_epilog(prog.rsplit(" ", 1)[0]),
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     args = p.parse_args(argv)
     return run_cli(lambda: run_from_args(args), "workers stopped, server and store closed")
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, require
 from .dqn import DQNConfig, DQNLearner, EpsilonGreedy, epsilon_at, make_env
+from .entry import demos_epilog
 
 LEARNER_COLUMNS = ["obs", "action", "next_obs"]
 
@@ -295,10 +296,11 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo ray",
-                                                 description="The demo on Ray: actors as Ray actors, a "
-                                                             "ShardedStore, weights by Broadcast."))
+def main(argv: list[str] | None = None, prog: str = "python -m arrowbuf.demo ray") -> int:
+    p = configure_parser(argparse.ArgumentParser(prog=prog, description="The demo on Ray: actors as Ray actors, a "
+                                                                        "ShardedStore, weights by Broadcast.",
+                                                 epilog=demos_epilog(prog.rsplit(" ", 1)[0]),
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     a = p.parse_args(argv)
     cfg = DQNConfig()
     if a.warmup is not None:
