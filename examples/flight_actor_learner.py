@@ -25,8 +25,6 @@ import numpy as np
 
 import arrowbuf as ab
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
 
 def actor(location: str, actor_id: int, steps: int, seed: int) -> None:
     """Play random-policy CartPole and write steps over Flight, 50 at a time (an episode end also flushes)."""
@@ -72,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    schema = ab.load_schema(ROOT / "schemas" / "cartpole.yaml")
+    schema = ab.load_schema("cartpole")  # a schema shipped with arrowbuf (schemas/cartpole.yaml)
     total = args.actors * args.steps
     store = ab.ExperienceStore(schema, capacity=total, sampler=ab.samplers.Prioritized(), seed=args.seed)
     ctx = mp.get_context("spawn")

@@ -23,7 +23,6 @@ import numpy as np
 
 import arrowbuf as ab
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 POLICIES = ("random", "lean", "pid")   # actor i plays POLICIES[i % 3]
 
 
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         with ab.connect(args.location) as client:
             result = inspect(client, out)
     else:
-        schema = ab.load_schema(ROOT / "schemas" / "cartpole.yaml")
+        schema = ab.load_schema("cartpole")  # a schema shipped with arrowbuf (schemas/cartpole.yaml)
         with ab.ExperienceStore(schema, capacity=args.steps, seed=args.seed) as store:
             fill(store, args.steps, args.actors, args.seed)
             result = inspect(store, out)

@@ -24,7 +24,6 @@ import pyarrow as pa
 
 import arrowbuf as ab
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = 1000
 
 
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
-    schema = ab.load_schema(ROOT / "schemas" / "tokens.yaml")
+    schema = ab.load_schema("tokens")  # a schema shipped with arrowbuf (schemas/tokens.yaml)
     per_version = args.prompts * args.group
     result: dict[str, object] = {}
     with ab.ExperienceStore(schema, capacity=10 * per_version, sampler="fifo", seed=args.seed) as store:

@@ -20,8 +20,6 @@ import numpy as np
 
 import arrowbuf as ab
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
 
 def play(store: ab.ExperienceStore, steps: int, actors: int, seed: int) -> list[float]:
     """Random-policy CartPole in `actors` interleaved environments; returns the finished episodes' returns."""
@@ -57,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    schema = ab.load_schema(ROOT / "schemas" / "cartpole.yaml")
+    schema = ab.load_schema("cartpole")  # a schema shipped with arrowbuf (schemas/cartpole.yaml)
     checks: dict[str, object] = {}
 
     # 1. uniform replay

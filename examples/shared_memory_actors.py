@@ -23,8 +23,6 @@ import numpy as np
 
 import arrowbuf as ab
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
 
 def actor(name: str, actor_id: int, steps: int, seed: int) -> None:
     import gymnasium as gym
@@ -78,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    schema = ab.load_schema(ROOT / "schemas" / "cartpole.yaml")
+    schema = ab.load_schema("cartpole")  # a schema shipped with arrowbuf (schemas/cartpole.yaml)
     total = args.actors * args.steps
     name = f"example-{os.getpid()}"
     ctx = mp.get_context("spawn")
