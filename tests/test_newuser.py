@@ -116,3 +116,21 @@ def test_inspect_into_a_closed_pipe_prints_no_traceback(tmp_path):
         os.close(write)
     assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
     assert r.returncode != 0
+
+
+def test_from_dataset_of_an_export_with_an_open_episode(tmp_path):
+    """The README's persistence block: an export whose last episode is open has null next_obs rows; Parquet writes
+    their tensor values as nulls too, and reading them back must keep the dtype (it became float64 NaN)."""
+    store = ab.ExperienceStore(ab.load_schema("atari"), capacity=100)
+    n = 6
+    store.extend({"obs": np.zeros((n, 4, 84, 84), np.uint8), "action": np.arange(n) % 4,
+                  "reward": np.ones(n, np.float32), "terminated": np.arange(n) == 2, "truncated": np.zeros(n, bool),
+                  "next_obs": np.ones((n, 4, 84, 84), np.uint8)})  # the second episode (3 rows) is still open
+    store.export(str(tmp_path / "data"), format="parquet")
+    store.close()
+    offline = ab.ExperienceStore.from_dataset(str(tmp_path / "data"), capacity=100)
+    try:
+        assert len(offline) == n
+        assert offline.to_table().column("obs").type == store.schema.to_arrow().field("obs").type
+    finally:
+        offline.close()
