@@ -46,6 +46,11 @@ class ServerLimits:
         sql_limits: deadline, memory and result-size limits of each `sql` query (`ab.SqlLimits`).
         max_tasks: consuming tasks a store may have for the `add_task` action to add one more (each task keeps a
             record of consumed rows as large as the ring, and eviction waits for every task).
+        monotonic_policy_version: the `set_policy_version` action refuses a version lower than the store's (True,
+            the default: a client moving it back, or far ahead, would starve every consumer with `max_staleness`);
+            False allows any non-negative version (a trainer that restarts from an older checkpoint, trusted).
+        max_policy_version_step: with `monotonic_policy_version`, the most one `set_policy_version` may raise the
+            version by (a jump to 2**63 - 1 could never be undone).
     """
 
     max_batch_rows: int = 65_536
@@ -59,11 +64,16 @@ class ServerLimits:
     shutdown_timeout: float = 2.0
     sql_limits: SqlLimits = field(default_factory=lambda: DEFAULT_LIMITS)
     max_tasks: int = 32
+    monotonic_policy_version: bool = True
+    max_policy_version_step: int = 1_000_000
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "sql_limits":
+            if f.type in ("bool", bool):
+                if not isinstance(value, bool):
+                    raise InvalidArgument(f"{f.name} must be True or False, got {value!r}")
+            elif f.name == "sql_limits":
                 if not isinstance(value, SqlLimits):
                     raise InvalidArgument(f"sql_limits must be an ab.SqlLimits, got {type(value).__name__}")
             elif f.type in ("float", float):
@@ -102,6 +112,18 @@ class ServerLimits:
         n_step = options.get("n_step")
         if n_step is not None and n_step > self.max_n_step:
             raise InvalidArgument(f"{what}: n_step {n_step} is over this server's max_n_step {self.max_n_step}")
+
+    def check_policy_version(self, current: int, new: int, what: str) -> None:
+        """A `set_policy_version` from `current` to `new` (with `monotonic_policy_version`: never down, bounded up)."""
+        if not self.monotonic_policy_version:
+            return
+        if new < current:
+            raise InvalidArgument(f"{what}: policy_version {new} is below the store's {current}; this server keeps "
+                                  "it monotonic (ServerLimits.monotonic_policy_version) so consumers with "
+                                  "max_staleness are not starved; set a version >= the current one")
+        if new - current > self.max_policy_version_step:
+            raise InvalidArgument(f"{what}: policy_version {new} is more than max_policy_version_step "
+                                  f"({self.max_policy_version_step}) above the store's {current}; raise it in steps")
 
     def check_add_task(self, tasks: int, what: str) -> None:
         """One more consuming task on a store that has `tasks` (the `add_task` action)."""

@@ -507,7 +507,7 @@ class _FlightService(flight.FlightServerBase):
         elif req.type in P.CONSUME_ACTIONS:
             if req.type == "add_task":  # --- hardening: each task costs ring-sized memory and holds eviction
                 self.owner.limits.check_add_task(len(store.tasks), "add_task")
-            out = _consume_action(store, req)
+            out = _consume_action(store, req, self.owner.limits, self._lock)
         else:  # update_priorities
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
         return [P.dumps(out)]
@@ -640,10 +640,14 @@ def _wire_array(value: Any) -> Any:
     return typ.wrap_array(pa.FixedSizeListArray.from_arrays(values, size))
 
 
-def _consume_action(store: Any, req: P.ActionRequest) -> dict[str, Any]:
-    """The actions set_policy_version, policy_version and add_task."""
+def _consume_action(store: Any, req: P.ActionRequest, limits: ServerLimits, lock: threading.Lock) -> dict[str, Any]:
+    """The actions set_policy_version (checked against the current version under `lock`: two clients cannot both
+    pass the monotonic check and then move it back), policy_version and add_task."""
     if req.type == "set_policy_version":
-        store.policy_version = req.policy_version
+        assert req.policy_version is not None
+        with lock:
+            limits.check_policy_version(int(store.policy_version), req.policy_version, "set_policy_version")
+            store.policy_version = req.policy_version
     elif req.type == "add_task":
         store.add_task(req.task)
         return {"tasks": list(store.tasks)}

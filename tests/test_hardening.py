@@ -1,0 +1,53 @@
+"""Issue 30's service hardening, each against a real Flight server on 127.0.0.1 port 0."""
+
+import pytest
+
+import arrowbuf as ab
+GRPO = "grpo"
+
+
+def _served(**kw):
+    store = ab.ExperienceStore(GRPO, capacity=64, tasks=["train"])
+    return store, ab.serve(store, "grpc://127.0.0.1:0", **kw)
+
+
+def test_policy_version_is_monotonic_by_default_on_a_served_store():
+    store, server = _served()
+    try:
+        with server, ab.connect(server.location) as client:
+            client.policy_version = 5
+            with pytest.raises(ab.InvalidArgument, match="monotonic"):
+                client.policy_version = 3          # backwards: every consumer's staleness window would move
+            with pytest.raises(ab.InvalidArgument, match="max_policy_version_step"):
+                client.policy_version = 2**63 - 1  # a jump that could never be undone
+            assert client.policy_version == 5 and store.policy_version == 5
+            client.policy_version = 6
+            assert store.policy_version == 6
+    finally:
+        store.close()
+
+
+def test_policy_version_any_order_when_the_server_allows_it():
+    store = ab.ExperienceStore(GRPO, capacity=64, tasks=["train"])
+    limits = ab.ServerLimits(monotonic_policy_version=False)
+    try:
+        with ab.serve(store, "grpc://127.0.0.1:0", limits=limits) as server, ab.connect(server.location) as client:
+            client.policy_version = 5
+            client.policy_version = 3
+            assert store.policy_version == 3
+    finally:
+        store.close()
+
+
+def test_staleness_consumers_are_not_starved_by_a_backwards_version():
+    store, server = _served()
+    try:
+        with server, ab.connect(server.location) as client:
+            store.policy_version = 4
+            store.extend({"prompt_id": [1], "prompt_tokens": [[1]], "response_tokens": [[2]], "logprobs": [[-0.1]],
+                          "policy_version": [4], "done": [True]})
+            with pytest.raises(ab.InvalidArgument):
+                client.policy_version = 0
+            assert len(client.consume("train", 1, max_staleness=0)) == 1
+    finally:
+        store.close()
