@@ -1,5 +1,6 @@
 """Issue 30's service hardening, each against a real Flight server on 127.0.0.1 port 0."""
 
+import numpy as np
 import pytest
 
 import arrowbuf as ab
@@ -49,5 +50,29 @@ def test_staleness_consumers_are_not_starved_by_a_backwards_version():
             with pytest.raises(ab.InvalidArgument):
                 client.policy_version = 0
             assert len(client.consume("train", 1, max_staleness=0)) == 1
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("lo,hi", [(10**15, 10**15 + 5), (0, 10**15), (7, 3), (-4, 1)])
+def test_attach_refuses_a_garbage_live_range(names, lo, hi):
+    """A shared store whose index header holds an impossible live range is StoreCorrupt naming the file (it
+    attached, and `len` said 5 while `to_table` returned nothing and `sample` timed out)."""
+    import os
+
+    from arrowbuf.tiers import shm
+    from conftest import SMALL, make_episodes
+
+    name = names()
+    store = ab.ExperienceStore(ab.load_schema(SMALL), capacity=64, tier="shm", name=name)
+    try:
+        store.extend(make_episodes([5, 7])[0])
+        header = os.path.join(shm.store_path(name), "arena.index.header")
+        mm = np.memmap(header, dtype=np.int64, mode="r+", shape=(2,))
+        mm[0], mm[1] = lo, hi
+        mm.flush()
+        del mm
+        with pytest.raises(ab.StoreCorrupt, match="arena.index.header"):
+            ab.ExperienceStore.attach(name)
     finally:
         store.close()
