@@ -76,3 +76,45 @@ def test_attach_refuses_a_garbage_live_range(names, lo, hi):
             ab.ExperienceStore.attach(name)
     finally:
         store.close()
+
+
+class _BrokenAfterServerEnd:
+    """A session's writer whose writes fail with a bare transport error, as gRPC reports a write to a stream the
+    server already ended (the race seen under a burst of sessions): the status has not been read yet."""
+
+    def __init__(self, writer):
+        self.writer = writer
+        self.broken = False
+
+    def write_metadata(self, buf):
+        if self.broken:
+            import pyarrow as pa
+
+            raise pa.ArrowIOError("Could not write metadata to stream (client disconnect?)")
+        return self.writer.write_metadata(buf)
+
+    def __getattr__(self, name):
+        return getattr(self.writer, name)
+
+
+def test_a_session_the_server_ended_gives_the_servers_reason_to_a_writing_client():
+    import pyarrow as pa
+
+    from arrowbuf.flight import protocol as P
+    from conftest import SMALL, make_episodes
+
+    store = ab.ExperienceStore(ab.load_schema(SMALL), capacity=256, sampler=ab.samplers.Prioritized())
+    store.extend(make_episodes([50, 50])[0])
+    try:
+        with ab.serve(store, "grpc://127.0.0.1:0") as server, ab.connect(server.location) as client:
+            session = client.session(8, prefetch=2)
+            next(session)
+            # a NaN priority (a client that skips validation): the server refuses it and ends the session
+            session._writer.write_metadata(pa.py_buffer(P.encode_priorities(np.array([0]), np.array([np.nan]))))
+            session._writer = _BrokenAfterServerEnd(session._writer)
+            session._writer.broken = True
+            with pytest.raises(ab.ArrowbufError, match="priorities"):
+                session.update_priorities(np.array([0]), np.array([1.0]))
+            session.close()
+    finally:
+        store.close()
