@@ -1,5 +1,7 @@
 """Issue 30's service hardening, each against a real Flight server on 127.0.0.1 port 0."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -117,4 +119,44 @@ def test_a_session_the_server_ended_gives_the_servers_reason_to_a_writing_client
                 session.update_priorities(np.array([0]), np.array([1.0]))
             session.close()
     finally:
+        store.close()
+
+
+def test_idle_uploads_and_sessions_cannot_take_every_call_slot():
+    """Clients that open DoPut uploads or DoExchange sessions and then send nothing hold their slots; past the
+    stream slots they are refused, and short calls of a legitimate client are still served."""
+    import pyarrow.flight as flight
+
+    from arrowbuf.flight import protocol as P
+    from conftest import SMALL, make_episodes
+
+    store = ab.ExperienceStore(ab.load_schema(SMALL), capacity=256, seed=0)
+    store.extend(make_episodes([50, 50])[0])
+    limits = ab.ServerLimits(max_concurrent_calls=8)
+    idle, opened = [], []
+    try:
+        with ab.serve(store, "grpc://127.0.0.1:0", limits=limits) as server:
+            for i in range(limits.max_concurrent_calls):  # as many idle streams as there are call slots
+                c = flight.FlightClient(server.location)
+                idle.append(c)
+                try:
+                    if i % 2:
+                        w, r = c.do_put(P.put_descriptor(store.name, None), store.schema.input_schema())
+                    else:
+                        w, r = c.do_exchange(P.session_descriptor(P.SessionRequest(2, prefetch=0)))
+                    opened.append(w)
+                except flight.FlightError:
+                    pass
+            held = 6  # the stream slots of 8 calls (a quarter stays free for short calls)
+            assert server.calls.wait_for(lambda running: running["call"] >= held, timeout=60)
+            with ab.connect(server.location) as client:  # a legitimate client's short calls are served
+                assert len(client) == 100
+                assert client.sample(4).to_numpy()["obs"].shape[0] == 4
+                assert client.stats()["size"] == 100
+            for w in opened:
+                with contextlib.suppress(flight.FlightError):  # the refused ones say so again on close
+                    w.close()
+    finally:
+        for c in idle:
+            c.close()
         store.close()

@@ -40,6 +40,9 @@ class ServerLimits:
         max_n_step: the largest `n_step` a sample may ask for (its cost grows with n * n_step).
         max_timeout: the longest wait, in seconds, any request may ask for (sample, session and insert timeouts).
         max_concurrent_calls: calls of any verb running at once (open sessions and DoPut streams count).
+        max_concurrent_streams: DoPut uploads and DoExchange sessions open at once (`stream_slots`: also at least a
+            quarter of `max_concurrent_calls` fewer): a client that opens streams and then sends nothing holds its
+            slots, so the rest stay free for short calls (sample, len, stats, actions) whatever idle streams are open.
         max_concurrent_sql: `sql` queries running at once.
         max_table_streams: `table` streams being sent at once.
         shutdown_timeout: seconds `close()` waits for calls in progress.
@@ -59,6 +62,7 @@ class ServerLimits:
     max_n_step: int = 1_000
     max_timeout: float = 3_600.0
     max_concurrent_calls: int = 64
+    max_concurrent_streams: int = 48
     max_concurrent_sql: int = 2
     max_table_streams: int = 4
     shutdown_timeout: float = 2.0
@@ -81,6 +85,13 @@ class ServerLimits:
                     raise InvalidArgument(f"{f.name} must be a number of seconds in (0, 1e6], got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{f.name} must be a positive integer, got {value!r}")
+
+    @property
+    def stream_slots(self) -> int:
+        """Uploads and sessions open at once: `max_concurrent_streams`, and always a quarter of the calls (at least
+        one) fewer than `max_concurrent_calls`, which stay free for short calls."""
+        calls = self.max_concurrent_calls
+        return max(1, min(self.max_concurrent_streams, calls - max(1, calls // 4)))
 
     def with_overrides(self, **overrides: Any) -> ServerLimits:
         """A copy with some limits changed (`serve(store, max_batch_rows=...)`); unknown names are an error."""
@@ -152,6 +163,7 @@ KINDS = {
     "call": "calls (all verbs; streams count until their handler returns)",
     "sql": "sql queries",
     "table": "table streams",
+    "stream": "uploads and learner sessions (DoPut, DoExchange)",
 }
 
 

@@ -17,6 +17,7 @@ session prefetch in prefetch.py, the socket cut-off in sockets.py.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hmac
 import inspect
 import ipaddress
@@ -93,7 +94,8 @@ class StoreServer:
             raise InvalidArgument(f"limits must be a ServerLimits, got {type(limits).__name__}")
         self.limits = (limits or ServerLimits()).with_overrides(**overrides)
         self.calls = CallGate({"call": self.limits.max_concurrent_calls, "sql": self.limits.max_concurrent_sql,
-                               "table": self.limits.max_table_streams})
+                               "table": self.limits.max_table_streams,
+                               "stream": self.limits.stream_slots})
         self.max_batch_rows = self.limits.max_batch_rows
         self.shutdown_timeout = float(self.limits.shutdown_timeout)
         if token is not None and (not isinstance(token, str) or not token):
@@ -225,13 +227,20 @@ class StoreServer:
 
 
 # ---------------------------------------------------------------------------------------------------- service
+#: Verbs whose call lasts as long as the client keeps it open (they take a "stream" slot too).
+_STREAM_VERBS = frozenset({"DoPut", "DoExchange"})
+
+
 def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Translate every exception a handler raises into the protocol's Flight error (`protocol.ERRORS`)."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def inner(self: _FlightService, *args: Any) -> Any:
             try:
-                with self.owner.calls.enter("call"):
+                with contextlib.ExitStack() as slots:
+                    if verb in _STREAM_VERBS:  # held open by the client: capped below the calls (see ServerLimits)
+                        slots.enter_context(self.owner.calls.enter("stream"))
+                    slots.enter_context(self.owner.calls.enter("call"))
                     return fn(self, *args)
             except flight.FlightError:
                 raise
