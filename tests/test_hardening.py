@@ -160,3 +160,28 @@ def test_idle_uploads_and_sessions_cannot_take_every_call_slot():
         for c in idle:
             c.close()
         store.close()
+
+
+def test_get_schema_errors_carry_no_traceback_text():
+    """GetSchema is the one verb whose errors pyarrow formats with a Python traceback; none may reach a client."""
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
+    store = ab.ExperienceStore("cartpole", capacity=16)
+    try:
+        with ab.serve(store, "grpc://127.0.0.1:0") as server:
+            client = flight.FlightClient(server.location)
+            try:
+                for descriptor in (flight.FlightDescriptor.for_path("nope"),
+                                   flight.FlightDescriptor.for_command(b"x"),
+                                   flight.FlightDescriptor.for_path("cartpole", "bad")):
+                    with pytest.raises(pa.ArrowException) as info:
+                        client.get_schema(descriptor)
+                    text = str(info.value)
+                    assert "Traceback" not in text and "File " not in text and ".pyx" not in text, text
+                    assert "cartpole" in text or "descriptor" in text  # the reason itself is kept
+                assert client.get_schema(flight.FlightDescriptor.for_path("cartpole")).schema.names
+            finally:
+                client.close()
+    finally:
+        store.close()

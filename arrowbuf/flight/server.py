@@ -273,6 +273,29 @@ def _compiled_get_schema() -> Callable[..., Any]:
 _GET_SCHEMA = _compiled_get_schema()
 
 
+class _NoTraceback:
+    """Mixed into a GetSchema error: pyarrow formats the detail of an error raised in get_schema with
+    `traceback.format_exception`, and falls back to the bare exception type when formatting fails. Reading
+    `__notes__` (which that formatting does) raises, so the client gets the message without a traceback."""
+
+    @property
+    def __notes__(self) -> Any:
+        raise RuntimeError("no traceback for clients")
+
+
+_UNTRACEABLE: dict[type, type] = {}
+
+
+def _untraceable(exc: flight.FlightError) -> BaseException:
+    """`exc` (same type family, message and extra_info) as an error whose traceback is never formatted."""
+    cls = type(exc)
+    kind = _UNTRACEABLE.get(cls)
+    if kind is None:
+        kind = _UNTRACEABLE.setdefault(cls, type(cls.__name__, (_NoTraceback, cls), {}))
+    out = kind(str(exc), getattr(exc, "extra_info", None))
+    return out.with_traceback(None)
+
+
 class _FlightService(flight.FlightServerBase):
     """The Flight methods; each parses its request with `protocol` and calls the store."""
 
@@ -317,7 +340,7 @@ class _FlightService(flight.FlightServerBase):
         try:
             return self._schema_result(context, descriptor)
         except flight.FlightError as exc:
-            return exc.with_traceback(None)
+            return _untraceable(exc)
 
     @_handler("GetSchema")
     def _schema_result(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.SchemaResult:
