@@ -113,6 +113,7 @@ def _port_in_use(host: str, port: int) -> str | None:
         return None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a closed server's TIME_WAIT is no user
         try:
             probe.bind((host, port))
         except OSError as exc:
