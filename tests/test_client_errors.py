@@ -6,9 +6,9 @@ import os
 import socket
 
 import pytest
+from conftest import SMALL, make_episodes
 
 import arrowbuf as ab
-from conftest import SMALL, make_episodes
 
 
 def _free_port() -> int:

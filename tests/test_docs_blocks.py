@@ -5,13 +5,11 @@ docs blocks, every example and every demo's --help from a temporary directory, a
 import doctest
 import importlib
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import arrowbuf as ab
+
 GRPO = "grpo"
 
 
@@ -62,8 +63,9 @@ def test_attach_refuses_a_garbage_live_range(names, lo, hi):
     attached, and `len` said 5 while `to_table` returned nothing and `sample` timed out)."""
     import os
 
-    from arrowbuf.tiers import shm
     from conftest import SMALL, make_episodes
+
+    from arrowbuf.tiers import shm
 
     name = names()
     store = ab.ExperienceStore(ab.load_schema(SMALL), capacity=64, tier="shm", name=name)
@@ -101,9 +103,9 @@ class _BrokenAfterServerEnd:
 
 def test_a_session_the_server_ended_gives_the_servers_reason_to_a_writing_client():
     import pyarrow as pa
+    from conftest import SMALL, make_episodes
 
     from arrowbuf.flight import protocol as P
-    from conftest import SMALL, make_episodes
 
     store = ab.ExperienceStore(ab.load_schema(SMALL), capacity=256, sampler=ab.samplers.Prioritized())
     store.extend(make_episodes([50, 50])[0])
@@ -126,9 +128,9 @@ def test_idle_uploads_and_sessions_cannot_take_every_call_slot():
     """Clients that open DoPut uploads or DoExchange sessions and then send nothing hold their slots; past the
     stream slots they are refused, and short calls of a legitimate client are still served."""
     import pyarrow.flight as flight
+    from conftest import SMALL, make_episodes
 
     from arrowbuf.flight import protocol as P
-    from conftest import SMALL, make_episodes
 
     store = ab.ExperienceStore(ab.load_schema(SMALL), capacity=256, seed=0)
     store.extend(make_episodes([50, 50])[0])

@@ -8,10 +8,10 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import arrowbuf as ab
 from arrowbuf.cli import main
-from conftest import ROOT
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
