@@ -64,13 +64,11 @@ def wheel_venv(tmp_path_factory):
     """A wheel of this tree installed with [query,demo] (torch pinned) into a fresh venv outside the repository."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
-    files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True).stdout.split(b"\0")
-    for f in filter(None, files):
-        source = ROOT / os.fsdecode(f)
-        if source.is_file():
-            (src / os.fsdecode(f)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, src / os.fsdecode(f))
+    src.mkdir()
+    # a clean copy of the tree (tracked and new files; links stay links: arrowbuf/schemas links to schemas/), as
+    # scripts/wheel_demo.sh makes it: no stale build output can reach the wheel
+    subprocess.run(f"git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -C '{src}' -xf -",
+                   shell=True, cwd=ROOT, check=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-m", "venv", str(tmp / "venv")], check=True)
     py = tmp / "venv" / "bin" / "python"
