@@ -90,15 +90,16 @@ def inspect(store, out: pathlib.Path) -> dict:
         ep = store.sql("SELECT episode_id, any_value(policy_version) AS policy, sum(reward) AS ret, "
                        "min(seq) AS first_seq FROM experience GROUP BY episode_id "
                        "HAVING bool_or(terminated OR truncated) ORDER BY first_seq").to_pandas()
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
         for pol, g in ep.groupby("policy"):
             a1.plot(g["first_seq"], g["ret"], "o", ms=3, label=f"policy {pol}")
         a1.set_xlabel("first seq of episode")
         a1.set_ylabel("return")
-        a1.legend()
+        a1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
         a1.set_title("episode returns")
         a2.hist(complete.column("length").to_numpy(), bins=30)
         a2.set_xlabel("episode length")
+        a2.set_ylabel("episodes")
         a2.set_title("episode lengths (store.episodes())")
         fig.tight_layout()
         png = out / "inspect_buffer.png"

@@ -47,6 +47,20 @@ def dispatch(argv: Sequence[str] | None = None, prog: str = "python -m arrowbuf.
     return int(module.main(args, prog=f"{prog} {name}"))
 
 
+def start_quietly(worker: Any) -> None:
+    """Start a worker process (or thread) that ignores Ctrl-C: a child spawned while SIGINT is ignored keeps
+    ignoring it, so Ctrl-C reaches the main process only, which stops the workers itself (a Ctrl-C in every
+    child printed a traceback per child). Threads start as they are."""
+    if not hasattr(worker, "pid") or threading.current_thread() is not threading.main_thread():
+        worker.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        worker.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_cli(run: Callable[[], int], stopped: str) -> int:
     """Run `run()` with SIGTERM turned into an exception (main thread only); Ctrl-C prints `stopped` and gives 130.
 
