@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--actors", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("ARROWBUF_EXAMPLES_OUT") or tempfile.mkdtemp(prefix="arrowbuf-"))
+    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    # a temporary folder only when no --out and no $ARROWBUF_EXAMPLES_OUT (a default made one on every run)
+    args.out = args.out or os.environ.get("ARROWBUF_EXAMPLES_OUT") or tempfile.mkdtemp(prefix="arrowbuf-")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.location:
