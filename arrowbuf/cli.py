@@ -1,14 +1,18 @@
 """The `arrowbuf` command line.
 
-    arrowbuf serve --schema schemas/atari.yaml --capacity 100000 --port 8815 [--token-file F] [--tls-cert C --tls-key K]
-    arrowbuf demo [--actors 3 --steps 15000 --transport flight|shm|local]
+    arrowbuf serve --schema atari --capacity 100000 --port 8815 [--token-file F] [--tls-cert C --tls-key K]
+    arrowbuf demo [dqn|grpo|ray] [--steps N ...]   (arrowbuf.demo; without a name: dqn)
     arrowbuf inspect grpc://127.0.0.1:8815 | <shm store name> | experience.arrow | ckpt/  [--sql "SELECT ..."]
     arrowbuf checkpoint ls|inspect|verify|export ckpt/ ...   (arrowbuf.persist.cli)
     arrowbuf bench [--quick] [--only core sampling]
     arrowbuf shm ls | gc
 
 Subcommands register themselves in `COMMANDS`: a function `add_<name>(subparsers)` that adds its parser and sets
-`func`. `serve` is here; `demo`, `inspect` and `bench` have their places below.
+`func`. `serve` is here; `demo`, `inspect` and `bench` have their places below. A subcommand that passes its remaining
+arguments on (demo, bench) sets `extra=True` and reads them from `args.extra`.
+
+A user's mistake (a bad path, a port in use, a closed pipe, Ctrl-C) ends in one line on stderr saying what was wrong
+and what to do, never a traceback: `main` turns `ArrowbufError` and `OSError` into that line.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .errors import ArrowbufError
+
 
 # ---------------------------------------------------------------------------------------------------- serve
 def add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve a new store over Arrow Flight",
                        description="Create a store from a schema and serve it over Arrow Flight until SIGINT/SIGTERM.")
-    p.add_argument("--schema", required=True, help="schema file (YAML), e.g. schemas/atari.yaml")
+    p.add_argument("--schema", required=True,
+                   help="a shipped schema name (atari, cartpole, grpo, mujoco, tokens) or a YAML file path")
     p.add_argument("--capacity", type=int, required=True, help="rows the store holds")
     p.add_argument("--name", default=None, help="store name (default: the schema's name)")
     p.add_argument("--sampler", default="uniform", help="uniform (default) or fifo")
@@ -56,18 +63,30 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"arrowbuf serve: {args.token_file} is empty; put the token on its first line", file=sys.stderr)
             return 2
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
-    store = ExperienceStore(load_schema(args.schema), capacity=args.capacity, sampler=args.sampler, seed=args.seed,
-                            name=args.name)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    busy = _port_in_use(args.host, args.port)
+    if busy:
+        print(f"arrowbuf serve: cannot listen on {host}:{args.port}: {busy}; pick another --port, or --port 0 for a "
+              "free one", file=sys.stderr)
+        return 2
+    schema = load_schema(args.schema)  # a SchemaError names the file and the shipped names (main prints it)
+    store = ExperienceStore(schema, capacity=args.capacity, sampler=args.sampler, seed=args.seed, name=args.name)
+    try:
+        server = serve(store, f"grpc://{host}:{args.port}", token=token, tls=tls,
+                       max_batch_rows=args.max_batch_rows or DEFAULT_MAX_BATCH_ROWS)
+    except Exception as exc:  # pyarrow says only "Server did not start properly": name the address
+        store.close()
+        print(f"arrowbuf serve: the Flight server did not start on {host}:{args.port} ({exc}); is the port in use or "
+              "the address not on this machine? Pick another --port (0: a free one) or --host", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    host = f"[{args.host}]" if ":" in args.host else args.host
     try:
-        with serve(store, f"grpc://{host}:{args.port}", token=token, tls=tls,
-                   max_batch_rows=args.max_batch_rows or DEFAULT_MAX_BATCH_ROWS) as server:
+        with server:
             print(f"arrowbuf: serving store {store.name!r} at {server.location}", flush=True)
             while not stop.wait(0.5):  # a short wait keeps the main thread responsive to signals
                 pass
@@ -83,6 +102,25 @@ def run_serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         os._exit(0)
     return 0
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why `port` on `host` cannot be bound (e.g. "address already in use"), or None when it can (or is 0)."""
+    import errno
+    import socket
+
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a closed server's TIME_WAIT is no user
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "the port is in use by another process"
+            return exc.strerror or str(exc)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- shm
@@ -120,12 +158,15 @@ def run_shm_ls(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- demo
 def add_demo(sub: Any) -> None:
-    from . import demo
+    p = sub.add_parser("demo", help="the demos: dqn (default), grpo, ray; arrowbuf demo --help lists them",
+                       description="The demos: arrowbuf demo [dqn|grpo|ray] [flags].", add_help=False)
+    p.set_defaults(func=run_demo, extra=True)  # `arrowbuf demo [dqn|grpo|ray] ...`: the demo parses its own flags
 
-    p = sub.add_parser("demo", help="the end-to-end demo: actors, a Flight-served store, a DQN learner",
-                       description=(demo.__doc__ or "").strip().splitlines()[0])
-    demo.configure_parser(p)
-    p.set_defaults(func=demo.run_from_args)
+
+def run_demo(args: argparse.Namespace) -> int:
+    from .demo.entry import dispatch
+
+    return dispatch(args.extra_args, prog="arrowbuf demo")
 
 
 # ---------------------------------------------------------------------------------------------------- inspect
@@ -173,8 +214,11 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
                     table = pa.ipc.open_file(source).read_all()
                 except pa.ArrowInvalid:
                     table = pa.ipc.open_stream(source).read_all()
-        spec = load_schema(table.schema).to_dict()
-        spec.pop("derived", None)  # a file holds stored columns only: nothing is derived when inspecting it
+        # a file holds every column as stored (an export writes next_obs too): nothing is derived when inspecting
+        # it, so the schema's derived fields (metadata arrowbuf.derived) become plain stored fields
+        meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != b"arrowbuf.derived"}
+        spec = load_schema(table.schema.with_metadata(meta)).to_dict()
+        spec.pop("derived", None)
         schema = load_schema(spec)
         store = ExperienceStore(schema, capacity=max(1, table.num_rows))
         inputs = [c for c in table.column_names if c in schema.fields or c in ("episode_id",)]
@@ -224,9 +268,10 @@ def run_inspect(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------- bench
 def add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="run the benchmarks (python -m benchmarks) from a source checkout",
-                       description="Run benchmarks/ (a source checkout is needed) and write benchmarks/RESULTS.md.")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for python -m benchmarks (--quick, --only ...)")
-    p.set_defaults(func=run_bench)
+                       description="Run benchmarks/ (a source checkout is needed: the benchmarks are not in the wheel) "
+                                   "and write benchmarks/RESULTS.md. Other arguments go to python -m benchmarks, e.g. "
+                                   "arrowbuf bench --quick, arrowbuf bench --only core sampling.")
+    p.set_defaults(func=run_bench, extra=True)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -235,9 +280,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
     root = pathlib.Path(__file__).resolve().parent.parent
     if not (root / "benchmarks" / "__main__.py").exists():
-        print("arrowbuf bench: benchmarks/ is not here; run it from a source checkout of arrowbuf", file=sys.stderr)
+        print("arrowbuf bench: the benchmarks are not part of the installed package; in a source checkout of "
+              "arrowbuf (git clone), run `pip install -e '.[bench]'` and then `arrowbuf bench --quick` there",
+              file=sys.stderr)
         return 2
-    return subprocess.call([sys.executable, "-m", "benchmarks", *args.rest], cwd=root)
+    return subprocess.call([sys.executable, "-m", "benchmarks", *args.extra_args], cwd=root)
 
 
 def add_checkpoint(sub: Any) -> None:
@@ -259,8 +306,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_args = extra
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not in the interpreter's final flush
+        return code
+    except BrokenPipeError:  # `arrowbuf inspect ... | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's final flush of stdout would fail once more
+        return 141
+    except KeyboardInterrupt:
+        print(f"arrowbuf {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ArrowbufError, OSError) as exc:
+        print(f"arrowbuf {args.command}: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line for a user: its message (what was wrong, and what to do) without a traceback."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        return f"no such file or directory: {exc.filename}"
+    if isinstance(exc, PermissionError) and exc.filename:
+        return f"permission denied: {exc.filename}"
+    return text
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ import numpy as np
 
 import arrowbuf as ab
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
 
 def actor(location: str, actor_id: int, steps: int, seed: int) -> None:
     """Play random-policy CartPole and write steps over Flight, 50 at a time (an episode end also flushes)."""
@@ -68,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1000, help="steps per actor")
     p.add_argument("--batches", type=int, default=50, help="batches the learner takes")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("ARROWBUF_EXAMPLES_OUT") or tempfile.mkdtemp(prefix="arrowbuf-"))
+    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    # a temporary folder only when no --out and no $ARROWBUF_EXAMPLES_OUT (a default made one on every run)
+    args.out = args.out or os.environ.get("ARROWBUF_EXAMPLES_OUT") or tempfile.mkdtemp(prefix="arrowbuf-")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    schema = ab.load_schema(ROOT / "schemas" / "cartpole.yaml")
+    schema = ab.load_schema("cartpole")  # a schema shipped with arrowbuf (schemas/cartpole.yaml)
     total = args.actors * args.steps
     store = ab.ExperienceStore(schema, capacity=total, sampler=ab.samplers.Prioritized(), seed=args.seed)
     ctx = mp.get_context("spawn")

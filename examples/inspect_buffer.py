@@ -23,7 +23,6 @@ import numpy as np
 
 import arrowbuf as ab
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 POLICIES = ("random", "lean", "pid")   # actor i plays POLICIES[i % 3]
 
 
@@ -91,15 +90,16 @@ def inspect(store, out: pathlib.Path) -> dict:
         ep = store.sql("SELECT episode_id, any_value(policy_version) AS policy, sum(reward) AS ret, "
                        "min(seq) AS first_seq FROM experience GROUP BY episode_id "
                        "HAVING bool_or(terminated OR truncated) ORDER BY first_seq").to_pandas()
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
         for pol, g in ep.groupby("policy"):
             a1.plot(g["first_seq"], g["ret"], "o", ms=3, label=f"policy {pol}")
         a1.set_xlabel("first seq of episode")
         a1.set_ylabel("return")
-        a1.legend()
+        a1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
         a1.set_title("episode returns")
         a2.hist(complete.column("length").to_numpy(), bins=30)
         a2.set_xlabel("episode length")
+        a2.set_ylabel("episodes")
         a2.set_title("episode lengths (store.episodes())")
         fig.tight_layout()
         png = out / "inspect_buffer.png"
@@ -118,15 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--actors", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("ARROWBUF_EXAMPLES_OUT") or tempfile.mkdtemp(prefix="arrowbuf-"))
+    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    # a temporary folder only when no --out and no $ARROWBUF_EXAMPLES_OUT (a default made one on every run)
+    args.out = args.out or os.environ.get("ARROWBUF_EXAMPLES_OUT") or tempfile.mkdtemp(prefix="arrowbuf-")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.location:
         with ab.connect(args.location) as client:
             result = inspect(client, out)
     else:
-        schema = ab.load_schema(ROOT / "schemas" / "cartpole.yaml")
+        schema = ab.load_schema("cartpole")  # a schema shipped with arrowbuf (schemas/cartpole.yaml)
         with ab.ExperienceStore(schema, capacity=args.steps, seed=args.seed) as store:
             fill(store, args.steps, args.actors, args.seed)
             result = inspect(store, out)

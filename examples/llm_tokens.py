@@ -24,7 +24,6 @@ import pyarrow as pa
 
 import arrowbuf as ab
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = 1000
 
 
@@ -62,12 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=4, help="completions per prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("ARROWBUF_EXAMPLES_OUT") or tempfile.mkdtemp(prefix="arrowbuf-"))
+    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    # a temporary folder only when no --out and no $ARROWBUF_EXAMPLES_OUT (a default made one on every run)
+    args.out = args.out or os.environ.get("ARROWBUF_EXAMPLES_OUT") or tempfile.mkdtemp(prefix="arrowbuf-")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
-    schema = ab.load_schema(ROOT / "schemas" / "tokens.yaml")
+    schema = ab.load_schema("tokens")  # a schema shipped with arrowbuf (schemas/tokens.yaml)
     per_version = args.prompts * args.group
     result: dict[str, object] = {}
     with ab.ExperienceStore(schema, capacity=10 * per_version, sampler="fifo", seed=args.seed) as store:

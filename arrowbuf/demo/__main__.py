@@ -1,17 +1,8 @@
-"""`python -m arrowbuf.demo`: see `arrowbuf.demo`; `python -m arrowbuf.demo grpo`: see `arrowbuf.demo.grpo_app`;
-`python -m arrowbuf.demo ray`: see `arrowbuf.demo.ray_app`."""
+"""`python -m arrowbuf.demo [dqn|grpo|ray] [flags]`: the demos (`arrowbuf.demo.entry.DEMOS`); without a name, dqn."""
 
 import sys
 
+from .entry import dispatch
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["grpo"]:
-        from .grpo_app import main as grpo_main
-
-        sys.exit(grpo_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["ray"]:
-        from .ray_app import main as ray_main
-
-        sys.exit(ray_main(sys.argv[2:]))
-    from .app import main
-
-    sys.exit(main())
+    sys.exit(dispatch(sys.argv[1:]))

@@ -20,11 +20,13 @@ import numpy as np
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, require
 from .actors import ActorSpec, PolicyFile, actor_main
 from .dqn import DQNConfig, DQNLearner
-from .entry import run_cli
+from .entry import demos_epilog, run_cli, start_quietly
 
 #: What the learner reads per batch (the n-step columns come with `n_step=`).
 LEARNER_COLUMNS = ["obs", "action", "next_obs"]
 TRANSPORTS = ("flight", "shm", "local")
+#: Below this many environment steps a run cannot show DQN learning CartPole (the summary says so).
+SHORT_RUN_STEPS = 10_000
 _DESCRIPTION = "The end-to-end demo: distributed DQN on CartPole-v1 with arrowbuf in the middle."
 
 
@@ -43,6 +45,7 @@ class Progress:
         self.enabled = enabled
         self._bar = None
         self._last = 0.0
+        self._printed = 0  # the steps of the last plain line: "steps 0/N" is never printed
         if enabled:
             try:
                 from tqdm import tqdm
@@ -61,8 +64,8 @@ class Progress:
             self._bar.refresh()
             return
         now = time.monotonic()
-        if now - self._last >= 1.0:
-            self._last = now
+        if now - self._last >= 1.0 and steps != self._printed:  # nothing new (starting up): no line
+            self._last, self._printed = now, steps
             print(f"steps {steps}/{self.total} | {text}", flush=True)
 
     def close(self) -> None:
@@ -180,7 +183,7 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
                                               name=f"actor-{i}")
                 else:
                     w = ctx.Process(target=actor_main, args=(spec, events, stop), daemon=True, name=f"actor-{i}")
-                w.start()
+                start_quietly(w)
                 workers.append(w)
 
             loader = Loader(source, batch_size=cfg.batch_size, prefetch=2, columns=LEARNER_COLUMNS, timeout=0.25,
@@ -301,7 +304,7 @@ def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str, t_lear
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     if episodes:
         t = np.array([e["t"] for e in episodes])
         r = np.array([e["return"] for e in episodes])
@@ -314,7 +317,7 @@ def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str, t_lear
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("return")
     ax.set_title(title)
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the axes: never on a point
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -349,12 +352,17 @@ def run_from_args(args: argparse.Namespace) -> int:
     print("episode returns by quarter of the run (DuckDB over the live buffer, store.sql):")
     print(res.summary.to_pandas().to_string(index=False))
     print(f"mean return: first 20 episodes {res.first20:.1f} -> last 20 episodes {res.last20:.1f}")
+    if res.steps < SHORT_RUN_STEPS:
+        print(f"(a short run: DQN on CartPole needs about {SHORT_RUN_STEPS:,} steps before returns rise, so this run "
+              "shows the machinery (actors, store, learner, summary, plot), not learning; the default is 15,000)")
     if res.plot:
         print(f"plot: {res.plot}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo", description=_DESCRIPTION))
+def main(argv: list[str] | None = None, prog: str = "python -m arrowbuf.demo dqn") -> int:
+    p = configure_parser(argparse.ArgumentParser(prog=prog, description=_DESCRIPTION,
+                                                 epilog=demos_epilog(prog.rsplit(" ", 1)[0]),
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     args = p.parse_args(argv)
     return run_cli(lambda: run_from_args(args), "actors stopped, server and store closed")

@@ -180,7 +180,7 @@ class GRPOTrainer:
         self.torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
         self.opt.step()
         self.version += 1
-        return {"loss": float(loss), **info}
+        return {"loss": float(loss.detach()), **info}
 
 
 __all__ = ["DIGITS", "SEP", "VOCAB", "GRPOConfig", "GRPOTrainer", "generate", "grpo_loss", "group_advantages",

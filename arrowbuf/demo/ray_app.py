@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, require
 from .dqn import DQNConfig, DQNLearner, EpsilonGreedy, epsilon_at, make_env
+from .entry import demos_epilog, run_cli
 
 LEARNER_COLUMNS = ["obs", "action", "next_obs"]
 
@@ -292,19 +293,35 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="kill one non-learner node's broadcast relay after the second publish (needs 2+ nodes)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: start Ray on this machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
+    p.add_argument("--out", default=None,
+                   help="folder for ray_returns.png (default: $ARROWBUF_DEMO_OUT or demo_out)")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = configure_parser(argparse.ArgumentParser(prog="python -m arrowbuf.demo ray",
-                                                 description="The demo on Ray: actors as Ray actors, a "
-                                                             "ShardedStore, weights by Broadcast."))
+def main(argv: list[str] | None = None, prog: str = "python -m arrowbuf.demo ray") -> int:
+    p = configure_parser(argparse.ArgumentParser(prog=prog, description="The demo on Ray: actors as Ray actors, a "
+                                                                        "ShardedStore, weights by Broadcast.",
+                                                 epilog=demos_epilog(prog.rsplit(" ", 1)[0]),
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     a = p.parse_args(argv)
+    return run_cli(lambda: _run_and_report(a), "Ray actors and shards stopped")
+
+
+def _run_and_report(a: argparse.Namespace) -> int:
+    import os
+    import pathlib
+
+    from .app import SHORT_RUN_STEPS, _plot
+
     cfg = DQNConfig()
     if a.warmup is not None:
         cfg.warmup = a.warmup
     res = run(a.actors, a.steps, a.shards, a.seed, cfg, a.publish_every, a.min_version, a.block_kb << 10,
               a.kill_relay, a.address, progress=not a.no_progress)
+    out = pathlib.Path(a.out or os.environ.get("ARROWBUF_DEMO_OUT", "demo_out"))
+    out.mkdir(parents=True, exist_ok=True)
+    plot = _plot(res.episodes, out / "ray_returns.png",
+                 f"DQN on CartPole-v1 over Ray: {a.actors} actors, {a.shards} shards")
     print(f"\n{res.steps} steps, {len(res.episodes)} episodes, {res.updates} gradient steps in {res.wall_s:.1f}s "
           f"on {res.nodes} Ray node(s)")
     print(f"weights: {len(res.published)} versions published by Broadcast")
@@ -313,4 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  actor {r['actor']} (node {r['node'][:8]}): versions {sorted(r['received'])}, "
               f"digests {'identical to the learner' if same else 'DIFFER'}")
     print(f"mean return: first 20 episodes {res.first20:.1f} -> last 20 episodes {res.last20:.1f}")
+    if res.steps < SHORT_RUN_STEPS:
+        print(f"(a short run: DQN on CartPole needs about {SHORT_RUN_STEPS:,} steps before returns rise, so this run "
+              "shows the machinery, not learning; the default is 15,000)")
+    if plot:
+        print(f"plot: {plot}")
     return 0

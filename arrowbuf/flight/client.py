@@ -87,7 +87,11 @@ def connect(location: str, token: str | None = None, store: str | None = None, *
         Unauthenticated: a wrong or missing token.
         Unavailable: the server cannot be reached within `reconnect_timeout`.
         DeadlineExceeded: the server did not answer within `timeout`.
+        InvalidArgument: `location` is no Flight location (no scheme, or http:// ...).
     """
+    from .location import check_location, raise_if_refused
+
+    raise_if_refused(check_location(location), timeout=min(2.0, reconnect_timeout) if reconnect_timeout else 2.0)
     return RemoteStore(location, token, store, tls_root_certs=tls_root_certs,
                        disable_server_verification=disable_server_verification,
                        reconnect_timeout=reconnect_timeout, timeout=timeout)

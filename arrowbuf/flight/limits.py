@@ -40,12 +40,20 @@ class ServerLimits:
         max_n_step: the largest `n_step` a sample may ask for (its cost grows with n * n_step).
         max_timeout: the longest wait, in seconds, any request may ask for (sample, session and insert timeouts).
         max_concurrent_calls: calls of any verb running at once (open sessions and DoPut streams count).
+        max_concurrent_streams: DoPut uploads and DoExchange sessions open at once (`stream_slots`: also at least a
+            quarter of `max_concurrent_calls` fewer): a client that opens streams and then sends nothing holds its
+            slots, so the rest stay free for short calls (sample, len, stats, actions) whatever idle streams are open.
         max_concurrent_sql: `sql` queries running at once.
         max_table_streams: `table` streams being sent at once.
         shutdown_timeout: seconds `close()` waits for calls in progress.
         sql_limits: deadline, memory and result-size limits of each `sql` query (`ab.SqlLimits`).
         max_tasks: consuming tasks a store may have for the `add_task` action to add one more (each task keeps a
             record of consumed rows as large as the ring, and eviction waits for every task).
+        monotonic_policy_version: the `set_policy_version` action refuses a version lower than the store's (True,
+            the default: a client moving it back, or far ahead, would starve every consumer with `max_staleness`);
+            False allows any non-negative version (a trainer that restarts from an older checkpoint, trusted).
+        max_policy_version_step: with `monotonic_policy_version`, the most one `set_policy_version` may raise the
+            version by (a jump to 2**63 - 1 could never be undone).
     """
 
     max_batch_rows: int = 65_536
@@ -54,16 +62,22 @@ class ServerLimits:
     max_n_step: int = 1_000
     max_timeout: float = 3_600.0
     max_concurrent_calls: int = 64
+    max_concurrent_streams: int = 48
     max_concurrent_sql: int = 2
     max_table_streams: int = 4
     shutdown_timeout: float = 2.0
     sql_limits: SqlLimits = field(default_factory=lambda: DEFAULT_LIMITS)
     max_tasks: int = 32
+    monotonic_policy_version: bool = True
+    max_policy_version_step: int = 1_000_000
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "sql_limits":
+            if f.type in ("bool", bool):
+                if not isinstance(value, bool):
+                    raise InvalidArgument(f"{f.name} must be True or False, got {value!r}")
+            elif f.name == "sql_limits":
                 if not isinstance(value, SqlLimits):
                     raise InvalidArgument(f"sql_limits must be an ab.SqlLimits, got {type(value).__name__}")
             elif f.type in ("float", float):
@@ -71,6 +85,13 @@ class ServerLimits:
                     raise InvalidArgument(f"{f.name} must be a number of seconds in (0, 1e6], got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{f.name} must be a positive integer, got {value!r}")
+
+    @property
+    def stream_slots(self) -> int:
+        """Uploads and sessions open at once: `max_concurrent_streams`, and always a quarter of the calls (at least
+        one) fewer than `max_concurrent_calls`, which stay free for short calls."""
+        calls = self.max_concurrent_calls
+        return max(1, min(self.max_concurrent_streams, calls - max(1, calls // 4)))
 
     def with_overrides(self, **overrides: Any) -> ServerLimits:
         """A copy with some limits changed (`serve(store, max_batch_rows=...)`); unknown names are an error."""
@@ -103,6 +124,18 @@ class ServerLimits:
         if n_step is not None and n_step > self.max_n_step:
             raise InvalidArgument(f"{what}: n_step {n_step} is over this server's max_n_step {self.max_n_step}")
 
+    def check_policy_version(self, current: int, new: int, what: str) -> None:
+        """A `set_policy_version` from `current` to `new` (with `monotonic_policy_version`: never down, bounded up)."""
+        if not self.monotonic_policy_version:
+            return
+        if new < current:
+            raise InvalidArgument(f"{what}: policy_version {new} is below the store's {current}; this server keeps "
+                                  "it monotonic (ServerLimits.monotonic_policy_version) so consumers with "
+                                  "max_staleness are not starved; set a version >= the current one")
+        if new - current > self.max_policy_version_step:
+            raise InvalidArgument(f"{what}: policy_version {new} is more than max_policy_version_step "
+                                  f"({self.max_policy_version_step}) above the store's {current}; raise it in steps")
+
     def check_add_task(self, tasks: int, what: str) -> None:
         """One more consuming task on a store that has `tasks` (the `add_task` action)."""
         if tasks >= self.max_tasks:
@@ -130,6 +163,7 @@ KINDS = {
     "call": "calls (all verbs; streams count until their handler returns)",
     "sql": "sql queries",
     "table": "table streams",
+    "stream": "uploads and learner sessions (DoPut, DoExchange)",
 }
 
 

@@ -17,6 +17,7 @@ session prefetch in prefetch.py, the socket cut-off in sockets.py.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hmac
 import inspect
 import ipaddress
@@ -93,7 +94,8 @@ class StoreServer:
             raise InvalidArgument(f"limits must be a ServerLimits, got {type(limits).__name__}")
         self.limits = (limits or ServerLimits()).with_overrides(**overrides)
         self.calls = CallGate({"call": self.limits.max_concurrent_calls, "sql": self.limits.max_concurrent_sql,
-                               "table": self.limits.max_table_streams})
+                               "table": self.limits.max_table_streams,
+                               "stream": self.limits.stream_slots})
         self.max_batch_rows = self.limits.max_batch_rows
         self.shutdown_timeout = float(self.limits.shutdown_timeout)
         if token is not None and (not isinstance(token, str) or not token):
@@ -225,13 +227,20 @@ class StoreServer:
 
 
 # ---------------------------------------------------------------------------------------------------- service
+#: Verbs whose call lasts as long as the client keeps it open (they take a "stream" slot too).
+_STREAM_VERBS = frozenset({"DoPut", "DoExchange"})
+
+
 def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Translate every exception a handler raises into the protocol's Flight error (`protocol.ERRORS`)."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def inner(self: _FlightService, *args: Any) -> Any:
             try:
-                with self.owner.calls.enter("call"):
+                with contextlib.ExitStack() as slots:
+                    if verb in _STREAM_VERBS:  # held open by the client: capped below the calls (see ServerLimits)
+                        slots.enter_context(self.owner.calls.enter("stream"))
+                    slots.enter_context(self.owner.calls.enter("call"))
                     return fn(self, *args)
             except flight.FlightError:
                 raise
@@ -262,6 +271,29 @@ def _compiled_get_schema() -> Callable[..., Any]:
 
 
 _GET_SCHEMA = _compiled_get_schema()
+
+
+class _NoTraceback:
+    """Mixed into a GetSchema error: pyarrow formats the detail of an error raised in get_schema with
+    `traceback.format_exception`, and falls back to the bare exception type when formatting fails. Reading
+    `__notes__` (which that formatting does) raises, so the client gets the message without a traceback."""
+
+    @property
+    def __notes__(self) -> Any:
+        raise RuntimeError("no traceback for clients")
+
+
+_UNTRACEABLE: dict[type, type] = {}
+
+
+def _untraceable(exc: flight.FlightError) -> BaseException:
+    """`exc` (same type family, message and extra_info) as an error whose traceback is never formatted."""
+    cls = type(exc)
+    kind = _UNTRACEABLE.get(cls)
+    if kind is None:
+        kind = _UNTRACEABLE.setdefault(cls, type(cls.__name__, (_NoTraceback, cls), {}))
+    out = kind(str(exc), getattr(exc, "extra_info", None))
+    return out.with_traceback(None)
 
 
 class _FlightService(flight.FlightServerBase):
@@ -308,7 +340,7 @@ class _FlightService(flight.FlightServerBase):
         try:
             return self._schema_result(context, descriptor)
         except flight.FlightError as exc:
-            return exc.with_traceback(None)
+            return _untraceable(exc)
 
     @_handler("GetSchema")
     def _schema_result(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.SchemaResult:
@@ -507,7 +539,7 @@ class _FlightService(flight.FlightServerBase):
         elif req.type in P.CONSUME_ACTIONS:
             if req.type == "add_task":  # --- hardening: each task costs ring-sized memory and holds eviction
                 self.owner.limits.check_add_task(len(store.tasks), "add_task")
-            out = _consume_action(store, req)
+            out = _consume_action(store, req, self.owner.limits, self._lock)
         else:  # update_priorities
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
         return [P.dumps(out)]
@@ -640,10 +672,14 @@ def _wire_array(value: Any) -> Any:
     return typ.wrap_array(pa.FixedSizeListArray.from_arrays(values, size))
 
 
-def _consume_action(store: Any, req: P.ActionRequest) -> dict[str, Any]:
-    """The actions set_policy_version, policy_version and add_task."""
+def _consume_action(store: Any, req: P.ActionRequest, limits: ServerLimits, lock: threading.Lock) -> dict[str, Any]:
+    """The actions set_policy_version (checked against the current version under `lock`: two clients cannot both
+    pass the monotonic check and then move it back), policy_version and add_task."""
     if req.type == "set_policy_version":
-        store.policy_version = req.policy_version
+        assert req.policy_version is not None
+        with lock:
+            limits.check_policy_version(int(store.policy_version), req.policy_version, "set_policy_version")
+            store.policy_version = req.policy_version
     elif req.type == "add_task":
         store.add_task(req.task)
         return {"tasks": list(store.tasks)}

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.flight as flight
 
 from ..delivery.batch import SampleBatch
 from ..errors import InvalidArgument, SchemaError, StoreClosed, Unavailable
@@ -60,10 +61,34 @@ class LearnerSession:
         self._sent: deque[list[int]] = deque()
         self._request(self.ahead)
 
+    def _send(self, message: bytes) -> None:
+        """Write one metadata message up. When the server has ended the session, a write can fail with a bare
+        transport error (gRPC reports the broken stream before the call's status); the reason is then read from
+        the stream's status and raised instead, so the caller always learns why."""
+        with translate(unreachable=Unavailable):
+            try:
+                self._writer.write_metadata(pa.py_buffer(message))
+            except flight.FlightError:
+                raise
+            except (pa.ArrowException, OSError) as exc:  # pyarrow raises a bare OSError for a broken stream
+                self._raise_server_reason(exc)
+
+    def _raise_server_reason(self, exc: BaseException) -> None:
+        """Read what is left of the stream up to the server's status and raise that (translated by the caller's
+        `translate`), or an in-band error the server sent before ending; `StoreClosed` if it ended cleanly."""
+        self._closed = True
+        last: BaseException | None = None
+        while True:  # the server ended the call: what is left is finite, and its status ends it
+            try:
+                chunk = self._reader.read_chunk()  # the status, as a FlightError the caller translates
+            except StopIteration:
+                raise (last or StoreClosed(f"the server ended the session ({exc})")) from None
+            if chunk.data is None:
+                last = P.decode_error(chunk.app_metadata) or last
+
     def _request(self, count: int) -> None:
         msg = P.ExchangeMessage("sample", count=count, pad=self._pad if self._pad_changed else None)
-        with translate(unreachable=Unavailable):
-            self._writer.write_metadata(pa.py_buffer(P.encode_exchange(msg)))
+        self._send(P.encode_exchange(msg))
         self._pad_changed = False
         self._pending += count
         self._sent.append([count, self._pad])
@@ -115,8 +140,7 @@ class LearnerSession:
     def update_priorities(self, indices: Any, priorities: Any) -> None:
         """Send priorities up (asynchronously; an error comes back from a later `next()`)."""
         idx, pri = validate_priorities(indices, priorities)
-        with translate(unreachable=Unavailable):
-            self._writer.write_metadata(pa.py_buffer(P.encode_priorities(idx, pri)))
+        self._send(P.encode_priorities(idx, pri))
 
     def cancel(self) -> None:
         """Cancel the session from any thread: a `next()` blocked on the server returns with an error at once.

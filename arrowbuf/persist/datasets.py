@@ -226,6 +226,8 @@ def _dense_rows(col: pa.Array) -> np.ndarray:
     shape = tuple(col.type.shape) if isinstance(col.type, pa.FixedShapeTensorType) else (storage.type.list_size,)
     size = int(np.prod(shape))
     values = storage.values.slice(storage.offset * size, len(storage) * size)
+    if values.null_count:  # Parquet writes a null row's values as nulls too: numpy would turn them into float NaN
+        values = values.fill_null(0)
     return np.asarray(values.to_numpy(zero_copy_only=False)).reshape(len(col), *shape)
 
 

@@ -14,8 +14,11 @@ reservation whose writer died is committed as a hole: its positions get seq `HOL
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from ..errors import StoreCorrupt
 from ..tiers.base import Tier
 
 PENDING = -1
@@ -46,6 +49,27 @@ class RingIndex:
             self.seq.fill(-1)
             self.valid.fill(False)
             self.header.fill(0)
+        else:
+            self._check_header()
+
+    def _check_header(self) -> None:
+        """Refuse an attached header whose live range cannot be (its memory was overwritten): `StoreCorrupt`
+        naming the file, instead of a store whose `len` and `sample` disagree forever."""
+        lo, hi, holes = self.lo, self.hi, int(self.header[HEADER["holes"]])
+        why = None
+        if not 0 <= lo <= hi:
+            why = f"the live range lo={lo}, hi={hi} is not 0 <= lo <= hi"
+        elif hi - lo > self.arena_rows:
+            why = f"the live range lo={lo}, hi={hi} holds {hi - lo} rows, more than the ring's {self.arena_rows}"
+        elif not 0 <= holes <= hi - lo:
+            why = f"{holes} skipped rows in a live range of {hi - lo}"
+        elif hi - lo > holes and int(self.seq.max()) < lo:
+            why = f"the live range lo={lo}, hi={hi} names rows that no slot holds (newest seq {int(self.seq.max())})"
+        if why is not None:
+            path = getattr(self.tier, "path", None)
+            file = os.path.join(path, "arena.index.header") if path else "its index header"
+            raise StoreCorrupt(f"shared store: {file}: {why}; its memory was overwritten and the store cannot be "
+                               "attached. Recreate it (or remove it with `arrowbuf shm gc` once its owner exited)")
 
     @property
     def lo(self) -> int:

@@ -359,10 +359,42 @@ class ExperienceStore:
     # ------------------------------------------------------------------ reading (StoreReader)
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
-        """Sample `n` items (see `StoreReader.sample` for the arguments).
+        """Sample a batch of `n` items (rows; windows of T rows with `samplers.Sequence`) with the store's sampler.
+
+        Args:
+            n: batch size. Uniform sampling is with replacement, so any `n` works once a row is sampleable (a row is
+                sampleable once its next observation is known). With `max_times_sampled`, a batch holds `n` distinct
+                items, or waits up to `timeout` for them; it is never short.
+            columns: the columns to gather, e.g. `["obs", "action"]` (default: every field and derived field).
+            timeout: seconds to wait on an empty store or a rate limiter that says no; None (default) does not wait.
+            n_step: add `n_step_return`, `n_step_discount` and, per derived field, `n_step_<name>` (e.g.
+                `n_step_next_obs`, the bootstrap observation) over `n_step` steps of the episode; a truncated episode
+                bootstraps, a terminated one does not.
+            gamma: the discount of `n_step` returns.
+
+        Returns:
+            An `ab.SampleBatch`: `data` (a `pa.RecordBatch`), `indices` (int64 ids for `update_priorities`),
+            `weights` (importance-sampling weights of a prioritized sampler, at most 1, else None); `to_numpy()` and
+            `to_torch(device)` give dicts of arrays shaped `[n, *shape]` (`[n, T, *shape]` for sequences). The arrays
+            are yours for as long as you hold them (or any view of them); keep the arrays, not raw pointers.
 
         Raises:
-            SampleTimeout: nothing could be served within `timeout`.
+            SampleTimeout: nothing could be served within `timeout` (also a `TimeoutError`).
+            InvalidArgument: a bad `n`, an unknown column, or `n_step` with a Sequence sampler.
+
+        Example:
+            >>> import numpy as np, arrowbuf as ab
+            >>> store = ab.ExperienceStore(ab.load_schema("cartpole"), capacity=1000, seed=0)
+            >>> for t in range(10):
+            ...     _ = store.append({"obs": np.full(4, t, np.float32), "action": t % 2, "reward": 1.0,
+            ...                       "terminated": t == 9, "truncated": False, "policy_version": 0,
+            ...                       "next_obs": np.full(4, t + 1, np.float32)})
+            >>> batch = store.sample(32, columns=["obs", "action", "next_obs"])
+            >>> batch.to_numpy()["obs"].shape
+            (32, 4)
+            >>> store.sample(4, n_step=3, gamma=0.9).to_numpy()["n_step_return"].shape
+            (4,)
+            >>> store.close()
         """
         return self._reader.sample(n, columns, timeout, n_step=n_step, gamma=gamma)
 

@@ -56,6 +56,13 @@ class DiskTier(Tier):
     def __init__(self, directory: str | os.PathLike[str], budget: Any = None) -> None:
         self.directory = os.fspath(directory)
         self.budget = parse_bytes(budget)
+        # the directories this tier creates, deepest first: close() removes those still empty, so a store refused
+        # (its budget, a missing dependency) or closed leaves no empty spill folder behind
+        self._made: list[str] = []
+        d = os.path.abspath(self.directory)
+        while d and not os.path.isdir(d):
+            self._made.append(d)
+            d = os.path.dirname(d)
         os.makedirs(self.directory, exist_ok=True)
         self.path = tempfile.mkdtemp(prefix=f"arrowbuf-{os.getpid()}-", dir=self.directory)
         self._files: dict[str, _Mapped] = {}
@@ -111,6 +118,11 @@ class DiskTier(Tier):
                 pass
             os.close(f.fd)
         shutil.rmtree(self.path, ignore_errors=True)
+        for d in self._made:
+            try:
+                os.rmdir(d)  # only if empty: another store's files, or the user's, stay
+            except OSError:
+                break
 
     # ------------------------------------------------------------------ disk specifics
     def path_of(self, key: str) -> str:

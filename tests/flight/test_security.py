@@ -7,6 +7,7 @@ docs/security.md is the reader's version of this file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -595,21 +596,27 @@ class TestStreamsAndCalls:
         assert server.calls.wait_for(lambda running: running["table"] == 0, timeout=60)
 
     def test_concurrent_calls_are_bounded(self, servers):
-        """One thread per call with no cap: past max_concurrent_calls a call is refused at once."""
+        """One thread per call with no cap: past its slots a call is refused at once; open streams (sessions,
+        uploads) take at most `stream_slots` of the calls, so short calls are still served (issue 30)."""
         server = servers(cartpole_store(), max_concurrent_calls=3)
         client = flight.FlightClient(server.location)
         descriptor = P.session_descriptor(P.SessionRequest(2, prefetch=0))
         sessions = []
         try:
-            for _ in range(3):  # open sessions hold their calls
+            for _ in range(server.limits.stream_slots):  # open sessions hold their calls
                 writer, reader = client.do_exchange(descriptor)
                 writer.write_metadata(pa.py_buffer(b'{"op": "sample", "count": 1}'))
                 assert reader.read_chunk().data.num_rows == 2
                 sessions.append((writer, reader))
-            assert server.calls.running()["call"] == 3
+            assert server.calls.running()["call"] == 2
+            writer, reader = client.do_exchange(descriptor)  # one stream more than its slots
             with pytest.raises(flight.FlightError) as info:
-                next(iter(client.do_action(flight.Action("len", b""))))
+                reader.read_chunk()
             assert detail(info.value)["code"] == "RESOURCE_EXHAUSTED"
+            with contextlib.suppress(flight.FlightError):
+                writer.close()
+            assert json.loads(next(iter(client.do_action(flight.Action("len", b"")))).body.to_pybytes()) == {
+                "len": 100}  # a short call still has a slot
             for writer, _ in sessions:
                 writer.done_writing()
                 writer.close()

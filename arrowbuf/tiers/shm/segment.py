@@ -130,15 +130,19 @@ class SharedMemoryTier(Tier):
             StoreCorrupt: its manifest or files are malformed or were tampered with (the message names the file).
         """
         path = store_path(name, root)
-        gc(root)
+        died = name in gc(root)  # reclaimed here and now: say so, not only that it does not exist
         deadline = time.monotonic() + max(0.0, timeout)
         pause = 1e-3
         while True:
-            why = f"no shared store named {name!r} ({path} does not exist)"
+            why = (f"the shared store {name!r} was reclaimed: the process that created it died (a shared store "
+                   "lives as long as its creator)" if died
+                   else f"no shared store named {name!r} ({path} does not exist)")
             if os.path.lexists(path):
                 dir_stat = check_store_dir(path, name, allow_other_owner)
                 if reclaim_if_stale(path):
-                    why = f"the shared store {name!r} was stale (its owner died) and has been reclaimed"
+                    died = True
+                    why = (f"the shared store {name!r} was reclaimed: the process that created it died (a shared "
+                           "store lives as long as its creator)")
                 else:
                     try:
                         manifest = read_manifest(path, name, dir_stat, allow_other_owner)
