@@ -3,10 +3,10 @@
 `serve(store)` runs a server; `connect(location)` returns a `RemoteStore` with the local store's surface.
 The wire format lives in `arrowbuf.flight.protocol` and is documented in docs/flight-protocol.md.
 
-Modules: `protocol` (the versioned wire format), `server` (the service, its limits in `limits`, its socket guards
-in `sockets`, session prefetch in `prefetch`, received buffers in `heap`), `client` (`RemoteStore`, `connect`),
-`writer` (`RemoteWriter`, one DoPut stream), `session` (`LearnerSession`, one DoExchange), `messages` (batches to
-and from Flight messages), `calls` (what the client's calls share: error translation, timeouts).
+Modules: `protocol` (the versioned wire format), `server` (the service, its limits in `limits`, its socket guards in
+`sockets`, session prefetch in `prefetch`, received buffers in `heap`, what it sends in `wire`), `client`
+(`RemoteStore`, `connect`), `writer` (`RemoteWriter`, one DoPut stream), `session` (`LearnerSession`, one DoExchange),
+`messages` (batches to and from Flight messages), `calls` (what the client's calls share: error translation, timeouts).
 """
 
 from . import protocol

@@ -43,6 +43,7 @@ from .heap import release_after
 from .limits import CallGate, ServerLimits
 from .prefetch import Prefetcher
 from .sockets import cut_server_connections
+from .wire import WIRE_OPTIONS, one_batch_stream, wire_batch
 
 log = logging.getLogger("arrowbuf.flight")
 
@@ -360,8 +361,8 @@ class _FlightService(flight.FlightServerBase):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
             self.owner.check_sample_options(store, req.options, "sample")
             columns = None if req.columns is None else list(req.columns)  # the request may be shared: a copy
-            data, meta = _wire_batch(_sample(store, req.n, columns, req.timeout, req.options), req.meta)
-            return _one_batch_stream(data, meta if req.meta == "json" else P.pad_metadata(req.pad))
+            data, meta = wire_batch(_sample(store, req.n, columns, req.timeout, req.options), req.meta)
+            return one_batch_stream(data, meta if req.meta == "json" else P.pad_metadata(req.pad))
         if req.kind == "table":
             return self._table_stream(store, req.columns)
         if req.kind == "episodes":
@@ -379,7 +380,7 @@ class _FlightService(flight.FlightServerBase):
                          cancelled=context.is_cancelled):
             batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
                                   max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
-        return _one_batch_stream(*_wire_batch(batch))
+        return one_batch_stream(*wire_batch(batch))
 
     def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
         """The `table` ticket: a consistent snapshot of the store, streamed one chunk at a time.
@@ -458,7 +459,7 @@ class _FlightService(flight.FlightServerBase):
 
         def draw(timeout: float | None) -> tuple[pa.RecordBatch, pa.Buffer | None]:
             # the whole batch is made ready here, so the session's thread only writes it (without the GIL)
-            return _wire_batch(_sample(store, req.n, draw_columns, timeout, req.options), req.meta)
+            return wire_batch(_sample(store, req.n, draw_columns, timeout, req.options), req.meta)
 
         prefetcher = Prefetcher(draw, depth, self.owner._closing)
         with self._lock:
@@ -602,76 +603,6 @@ class _TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-#: (dtype, shape) -> (tensor type, its storage's value type, values per row): built once per layout.
-_TENSOR_TYPES: dict[tuple[Any, tuple[int, ...]], tuple[pa.DataType, pa.DataType, int]] = {}
-#: The IPC options of every stream this server writes: pyarrow's default, built once (given none, pyarrow builds
-#: them per stream from two environment variables).
-WIRE_OPTIONS = pa.ipc.IpcWriteOptions()
-#: numpy dtype -> Arrow type of 1-D numeric columns.
-_SCALAR_TYPES: dict[Any, pa.DataType] = {}
-
-
-def _wire_batch(batch: Any, meta: str = "json") -> tuple[pa.RecordBatch, pa.Buffer | None]:
-    """A SampleBatch as the RecordBatch and app_metadata that go on the wire (tensor columns zero-copy).
-
-    `meta` "json": the ids and weights in the app_metadata; "columns": as trailing columns, and no app_metadata
-    (`protocol.SAMPLE_META`).
-    """
-    arrays = [_wire_array(batch[name]) for name in batch.columns]
-    names = list(batch.columns)
-    if meta == "json":
-        return (pa.RecordBatch.from_arrays(arrays, names=names),
-                pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights)))
-    arrays.append(_wire_array(np.ascontiguousarray(batch.indices, dtype=np.int64).reshape(-1)))
-    names.append(P.ID_COLUMN)
-    if batch.weights is not None:
-        arrays.append(_wire_array(np.ascontiguousarray(batch.weights, dtype=np.float32).reshape(-1)))
-        names.append(P.WEIGHT_COLUMN)
-    return pa.RecordBatch.from_arrays(arrays, names=names), None
-
-
-def _one_batch_stream(data: pa.RecordBatch, meta: pa.Buffer | None) -> flight.FlightDataStream:
-    """The stream of a DoGet that answers with one batch: without app_metadata it is sent from C++ alone (no
-    Python generator to resume, no GIL, for each message and for the end of the stream)."""
-    if meta is None:
-        return flight.RecordBatchStream(pa.Table.from_batches([data]), WIRE_OPTIONS)
-    return flight.GeneratorStream(data.schema, iter([(data, meta)]), WIRE_OPTIONS)
-
-
-def _wire_array(value: Any) -> Any:
-    """One sampled column as an Arrow array over the same memory: 1-D as a plain array, [B, *shape] as a
-    `fixed_shape_tensor` column.
-
-    A numeric tensor is wrapped from its buffer with a type cached per (dtype, shape): about 5x cheaper per call
-    than `FixedShapeTensorArray.from_numpy_ndarray`, which makes a new type every time (a mujoco batch-256 sample
-    has three tensor columns).
-    """
-    if isinstance(value, (pa.Array, pa.ChunkedArray)):
-        return value
-    if value.ndim == 1:
-        if type(value) is np.ndarray and value.dtype.kind in "iuf" and value.dtype.isnative \
-                and value.flags.c_contiguous:  # wrapped as it is (pa.array checks for pandas objects first)
-            typ = _SCALAR_TYPES.get(value.dtype)
-            if typ is None:
-                typ = _SCALAR_TYPES.setdefault(value.dtype, pa.from_numpy_dtype(value.dtype))
-            return pa.Array.from_buffers(typ, len(value), [None, pa.py_buffer(value)])
-        return pa.array(value)
-    shape = tuple(value.shape[1:])
-    key = (value.dtype, shape)
-    cached = _TENSOR_TYPES.get(key)
-    if cached is None:
-        value_type = pa.from_numpy_dtype(value.dtype)
-        cached = _TENSOR_TYPES.setdefault(key, (pa.fixed_shape_tensor(value_type, shape), value_type,
-                                                int(np.prod(shape))))
-    typ, value_type, size = cached
-    flat = np.ascontiguousarray(value)
-    if flat.dtype.kind in "iuf" and flat.dtype.isnative:
-        values = pa.Array.from_buffers(value_type, flat.size, [None, pa.py_buffer(flat)])
-    else:  # bool (bit-packed in Arrow), a byte-swapped dtype, ...: let Arrow convert
-        values = pa.array(flat.reshape(-1))
-    return typ.wrap_array(pa.FixedSizeListArray.from_arrays(values, size))
-
-
 def _consume_action(store: Any, req: P.ActionRequest, limits: ServerLimits, lock: threading.Lock) -> dict[str, Any]:
     """The actions set_policy_version (checked against the current version under `lock`: two clients cannot both
     pass the monotonic check and then move it back), policy_version and add_task."""

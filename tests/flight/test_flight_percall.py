@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import arrowbuf as ab
 from arrowbuf.delivery.batch import SampleBatch
 from arrowbuf.flight import protocol as P
-from arrowbuf.flight import server as S
+from arrowbuf.flight import wire as W
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "schemas"
@@ -48,7 +48,7 @@ class TestWireBatch:
         np.arange(5, dtype=np.float32).reshape(1, 5),                        # one row
     ], ids=["f32", "u8-3d", "i64-3d", "strided", "bool", "empty", "one-row"])
     def test_tensor_column_equals_the_plain_conversion(self, value):
-        got = S._wire_array(value)
+        got = W.wire_array(value)
         assert got.type == pa.fixed_shape_tensor(pa.from_numpy_dtype(value.dtype), value.shape[1:])
         assert len(got) == len(value)
         if len(value):  # from_numpy_ndarray refuses an empty array
@@ -57,16 +57,16 @@ class TestWireBatch:
         assert np.array_equal(flat.reshape(value.shape), value)
 
     def test_the_same_layout_reuses_one_type(self):
-        a = S._wire_array(np.zeros((3, 7), np.float32))
-        b = S._wire_array(np.ones((5, 7), np.float32))
+        a = W.wire_array(np.zeros((3, 7), np.float32))
+        b = W.wire_array(np.ones((5, 7), np.float32))
         assert a.type is b.type or a.type == b.type
-        assert S._wire_array(np.zeros((3, 8), np.float32)).type != a.type
+        assert W.wire_array(np.zeros((3, 8), np.float32)).type != a.type
 
     def test_a_sample_goes_on_the_wire_as_its_record_batch(self):
         store = ab.ExperienceStore(SCHEMAS / "mujoco.yaml", capacity=256, seed=0)
         store.extend(mujoco_steps(100))
         batch = store.sample(32)
-        data, meta = S._wire_batch(batch)
+        data, meta = W.wire_batch(batch)
         assert data.equals(batch.data)
         assert data.schema == batch.data.schema
         indices, weights = P.decode_sample_meta(meta, 32)
@@ -74,7 +74,7 @@ class TestWireBatch:
 
     def test_arrays_are_views_not_copies(self):
         value = np.arange(12, dtype=np.float32).reshape(3, 4)
-        got = S._wire_array(value)
+        got = W.wire_array(value)
         assert got.storage.values.buffers()[1].address == value.__array_interface__["data"][0]
 
 
@@ -414,9 +414,9 @@ class TestPadding:
 def test_scalar_column_equals_pa_array(value):
     if not value.dtype.isnative:
         with pytest.raises(pa.ArrowNotImplementedError):  # as pa.array: the server never gathers such columns
-            S._wire_array(value)
+            W.wire_array(value)
         return
-    got = S._wire_array(value)
+    got = W.wire_array(value)
     assert got.equals(pa.array(value)) and got.type == pa.array(value).type
 
 
