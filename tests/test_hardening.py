@@ -1,6 +1,8 @@
 """Issue 30's service hardening, each against a real Flight server on 127.0.0.1 port 0."""
 
 import contextlib
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -159,6 +161,53 @@ def test_idle_uploads_and_sessions_cannot_take_every_call_slot():
                 with contextlib.suppress(flight.FlightError):  # the refused ones say so again on close
                     w.close()
     finally:
+        for c in idle:
+            c.close()
+        store.close()
+
+
+def test_idle_streams_give_their_slots_to_a_new_upload_and_session():
+    """When idle clients hold every stream slot, a legitimate client's upload and learner session are still served:
+    the streams idle for `stream_idle_timeout` are cut (their clients' connections), streams that move are not."""
+    import pyarrow.flight as flight
+    from conftest import SMALL, make_episodes
+
+    from arrowbuf.flight import protocol as P
+
+    store = ab.ExperienceStore(ab.load_schema(SMALL), capacity=512, seed=0)
+    batch, _ = make_episodes([50, 50])
+    store.extend(batch)
+    limits = ab.ServerLimits(max_concurrent_calls=8, stream_idle_timeout=1.0)
+    idle: list[Any] = []
+    streams: list[Any] = []
+    try:
+        with ab.serve(store, "grpc://127.0.0.1:0", limits=limits) as server:
+            slots = limits.stream_slots
+            for i in range(slots):  # every stream slot held by a client that then sends nothing
+                c = flight.FlightClient(server.location)
+                idle.append(c)
+                if i % 2:  # (the writer and reader are kept: dropping them would end the stream)
+                    streams.append(c.do_put(P.put_descriptor(store.name, None), store.schema.input_schema()))
+                else:
+                    streams.append(c.do_exchange(P.session_descriptor(P.SessionRequest(2, prefetch=0))))
+            assert server.calls.wait_for(lambda running: running["stream"] >= slots, timeout=60)
+            with ab.connect(server.location) as client:
+                # fresh streams are not idle yet: a new upload is refused, and says why
+                with pytest.raises(ab.ArrowbufError, match="busy|at most"):
+                    client.extend(batch)
+                time.sleep(1.2)  # now they are idle: the next upload cuts them and is served
+                start = time.monotonic()
+                ids = client.extend(batch)
+                assert len(ids) == 100 and len(client) == 200
+                session = client.session(4, prefetch=0)
+                assert next(session).to_numpy()["obs"].shape[0] == 4
+                session.close()
+                assert time.monotonic() - start < 30
+            assert server.calls.wait_for(lambda running: running["stream"] == 0, timeout=30)
+    finally:
+        for w, _ in streams:  # cut by the server: closing says so (explicitly, not in a destructor's log line)
+            with contextlib.suppress(Exception):
+                w.close()
         for c in idle:
             c.close()
         store.close()

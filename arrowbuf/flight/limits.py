@@ -43,6 +43,9 @@ class ServerLimits:
         max_concurrent_streams: DoPut uploads and DoExchange sessions open at once (`stream_slots`: also at least a
             quarter of `max_concurrent_calls` fewer): a client that opens streams and then sends nothing holds its
             slots, so the rest stay free for short calls (sample, len, stats, actions) whatever idle streams are open.
+        stream_idle_timeout: when every stream slot is taken, a new upload or session cuts the connections of
+            streams that have not sent or received a message for this many seconds, and waits a moment for their
+            slots (`arrowbuf.flight.idle`); streams are never cut while slots are free.
         max_concurrent_sql: `sql` queries running at once.
         max_table_streams: `table` streams being sent at once.
         shutdown_timeout: seconds `close()` waits for calls in progress.
@@ -63,6 +66,7 @@ class ServerLimits:
     max_timeout: float = 3_600.0
     max_concurrent_calls: int = 64
     max_concurrent_streams: int = 48
+    stream_idle_timeout: float = 60.0
     max_concurrent_sql: int = 2
     max_table_streams: int = 4
     shutdown_timeout: float = 2.0
@@ -189,10 +193,14 @@ class CallGate:
         finally:
             self.release(kind)
 
-    def acquire(self, kind: str) -> None:
-        """Take a slot of `kind` (pair it with `release`); `ResourceExhausted` when none is free."""
+    def acquire(self, kind: str, wait: float = 0.0) -> None:
+        """Take a slot of `kind` (pair it with `release`), waiting up to `wait` seconds for one to free;
+        `ResourceExhausted` when none is free."""
         with self._cond:
             limit = self.limits[kind]
+            end = time.monotonic() + wait
+            while self._running[kind] >= limit and (left := end - time.monotonic()) > 0:
+                self._cond.wait(left)
             if self._running[kind] >= limit:
                 raise ResourceExhausted(f"this server runs {limit} {KINDS[kind]} at most and all are busy; "
                                         "retry later")

@@ -35,11 +35,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ..errors import ArrowbufError, InvalidArgument, SchemaError, StoreClosed, StoreNotFound, Unauthenticated
+from ..errors import (
+    ArrowbufError,
+    InvalidArgument,
+    ResourceExhausted,
+    SchemaError,
+    StoreClosed,
+    StoreNotFound,
+    Unauthenticated,
+)
 from ..query.sql import serving as sql_serving
 from ..surface import check_surface
 from . import protocol as P
 from .heap import release_after
+from .idle import OpenStreams
 from .limits import CallGate, ServerLimits
 from .prefetch import Prefetcher
 from .sockets import cut_server_connections
@@ -49,6 +58,8 @@ log = logging.getLogger("arrowbuf.flight")
 
 DEFAULT_MAX_BATCH_ROWS = ServerLimits.max_batch_rows
 DEFAULT_PREFETCH_BYTES = ServerLimits.max_prefetch_bytes
+#: Seconds a new upload or session waits for the slot of an idle stream whose connection it had cut.
+_STREAM_SLOT_WAIT = 5.0
 
 
 def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str | None = None,
@@ -97,6 +108,7 @@ class StoreServer:
         self.calls = CallGate({"call": self.limits.max_concurrent_calls, "sql": self.limits.max_concurrent_sql,
                                "table": self.limits.max_table_streams,
                                "stream": self.limits.stream_slots})
+        self.streams = OpenStreams()
         self.max_batch_rows = self.limits.max_batch_rows
         self.shutdown_timeout = float(self.limits.shutdown_timeout)
         if token is not None and (not isinstance(token, str) or not token):
@@ -207,6 +219,26 @@ class StoreServer:
         except KeyError:
             raise StoreNotFound(f"no store {name!r:.80} on this server; it holds {sorted(self.stores)}") from None
 
+    @contextlib.contextmanager
+    def stream_slot(self, context: Any) -> Iterator[None]:
+        """Hold a stream slot (and record the stream in `streams`) while an upload or session runs; when every
+        slot is taken, cut the connections of idle streams first (`arrowbuf.flight.idle`)."""
+        try:
+            self.calls.acquire("stream")
+        except ResourceExhausted:
+            idle = self.streams.idle_peers(self.limits.stream_idle_timeout)
+            if not idle:
+                raise
+            cut = cut_server_connections(self.port, idle)
+            log.warning("%s: every stream slot taken; cut %d connection(s) whose streams were idle for %gs or more",
+                        self.location, cut, self.limits.stream_idle_timeout)
+            self.calls.acquire("stream", wait=_STREAM_SLOT_WAIT)
+        try:
+            with self.streams.open(context.peer()):
+                yield
+        finally:
+            self.calls.release("stream")
+
     def check_open(self) -> None:
         if self._closing.is_set():
             raise StoreClosed(f"the server at {self.location} is shutting down")
@@ -240,7 +272,7 @@ def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             try:
                 with contextlib.ExitStack() as slots:
                     if verb in _STREAM_VERBS:  # held open by the client: capped below the calls (see ServerLimits)
-                        slots.enter_context(self.owner.calls.enter("stream"))
+                        slots.enter_context(self.owner.stream_slot(args[0]))
                     slots.enter_context(self.owner.calls.enter("call"))
                     return fn(self, *args)
             except flight.FlightError:
@@ -428,11 +460,11 @@ class _FlightService(flight.FlightServerBase):
         limits.check_timeout(req.timeout, "DoPut")
         store = self.owner.store(req.store)
         if req.kind == "update":  # fill later fields of stored rows
-            return _put_update(store, reader, writer, limits, self.owner.check_open)
+            return _put_update(store, reader, writer, limits, self.owner.check_open, self.owner.streams.touch)
         # the stream's schema message comes first: names, types and shapes are checked before any batch is read
         store.schema.check_input_types(reader.schema, "DoPut")
         kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
-        for k, batch in _bounded_batches(reader, limits, self.owner.check_open, "batch"):
+        for k, batch in _bounded_batches(reader, limits, self.owner.check_open, self.owner.streams.touch, "batch"):
             # the whole batch is in memory here: a client that dies mid-message never reaches this line
             # --- contracts: extend returns the rows' ids (StoreSurface); the ack carries the committed range
             ids = np.asarray(store.extend(batch, **kwargs), dtype=np.int64).reshape(-1)
@@ -473,6 +505,7 @@ class _FlightService(flight.FlightServerBase):
                     chunk = reader.read_chunk()
                 except StopIteration:
                     break
+                self.owner.streams.touch()
                 if chunk.data is not None:
                     raise SchemaError("DoExchange: a learner session sends metadata messages only, not batches")
                 msg = P.decode_exchange(chunk.app_metadata)
@@ -504,6 +537,7 @@ class _FlightService(flight.FlightServerBase):
                         writer.write_batch(data)
                     else:
                         writer.write_with_metadata(data, meta)
+                    self.owner.streams.touch()
         finally:
             prefetcher.close()
             with self._lock:
@@ -549,13 +583,13 @@ class _FlightService(flight.FlightServerBase):
 # ---------------------------------------------------------------------------------------------------- update
 # DoPut kind "update": each batch is one atomic store.update.
 def _put_update(store: Any, reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter,
-                limits: Any, check_open: Callable[[], None]) -> None:
+                limits: Any, check_open: Callable[[], None], moved: Callable[[], None]) -> None:
     """Apply an update stream (see `arrowbuf.flight.protocol`): the stream's schema is checked before any batch is
     read, each batch is bounded like a DoPut batch, then written with `store.update` and acknowledged."""
     from ..store.update import check_update_types
 
     check_update_types(store.schema, reader.schema, P.UPDATE_ID_COLUMN, "DoPut update")
-    for k, batch in _bounded_batches(reader, limits, check_open, "update batch"):
+    for k, batch in _bounded_batches(reader, limits, check_open, moved, "update batch"):
         ids = batch.column(P.UPDATE_ID_COLUMN)
         values = {n: batch.column(n) for n in batch.schema.names if n != P.UPDATE_ID_COLUMN}
         written = int(store.update(ids, values))
@@ -563,15 +597,17 @@ def _put_update(store: Any, reader: flight.MetadataRecordBatchReader, writer: fl
 
 
 def _bounded_batches(reader: flight.MetadataRecordBatchReader, limits: Any, check_open: Callable[[], None],
-                     what: str) -> Iterator[tuple[int, pa.RecordBatch]]:
+                     moved: Callable[[], None], what: str) -> Iterator[tuple[int, pa.RecordBatch]]:
     """The data batches of a DoPut stream, numbered from 0, each checked against the server's row and byte limits
-    (and the server still open) before the caller touches the store; metadata-only messages are skipped."""
+    (and the server still open) before the caller touches the store; metadata-only messages are skipped. `moved` is
+    called after each message (the stream is not idle)."""
     k = 0
     while True:
         try:
             chunk = reader.read_chunk()
         except StopIteration:
             return
+        moved()
         batch = chunk.data
         if batch is None:  # a metadata-only message carries nothing to store
             continue

@@ -23,8 +23,9 @@ import stat
 FD_DIR = "/proc/self/fd"
 
 
-def cut_server_connections(port: int) -> int:
-    """Shut down every accepted TCP connection of this process on local port `port`; returns how many.
+def cut_server_connections(port: int, peers: set[tuple[str, int]] | None = None) -> int:
+    """Shut down every accepted TCP connection of this process on local port `port` (only those whose remote end is
+    one of `peers`, `(host, port)` pairs, when given); returns how many.
 
     Returns 0 where the process's descriptors cannot be listed (no `/proc`): there, calls stalled by their clients
     end only when the clients go away.
@@ -53,12 +54,19 @@ def cut_server_connections(port: int) -> int:
                     continue
                 if sock.getsockname()[1] != port:
                     continue
-                sock.getpeername()  # OSError (not connected) for the listening socket
+                remote = sock.getpeername()  # OSError (not connected) for the listening socket
+                if peers is not None and (_host(remote[0]), remote[1]) not in peers:
+                    continue
                 sock.shutdown(socket.SHUT_RDWR)
                 cut += 1
             except OSError:
                 continue
     return cut
+
+
+def _host(host: str) -> str:
+    """An IPv4 peer of a dual-stack socket as gRPC names it (`::ffff:127.0.0.1` -> `127.0.0.1`)."""
+    return host[7:] if host.startswith("::ffff:") else host
 
 
 __all__ = ["cut_server_connections"]
