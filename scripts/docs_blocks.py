@@ -2,6 +2,7 @@
 
     python scripts/docs_blocks.py README.md docs/*.md            # run them, from a temporary directory
     python scripts/docs_blocks.py --list README.md               # what would run, what is skipped and why
+    python scripts/docs_blocks.py --ray docs/ray.md              # also the blocks that need arrowbuf[ray]
 
 Rules (what a writer of docs needs to know):
 - ```python blocks run, in order, in one namespace per file (a later block may use what an earlier one defined),
@@ -12,6 +13,9 @@ Rules (what a writer of docs needs to know):
 - A block preceded by `<!-- docs-blocks: skip (why) -->` is not run (a fragment, a cluster, the network, minutes of
   work); the reason is required. A bare ``` fence is an error: say what the block is.
 - `<!-- docs-blocks: fresh -->` before a python block starts a new namespace.
+- `<!-- docs-blocks: ray (why) -->` marks a block that needs arrowbuf[ray] (it starts a local Ray cluster, RLlib):
+  it runs only with `--ray` (tests/test_docs_blocks.py installs the wheel's [ray] extra for that), and Ray is shut
+  down after the file.
 Exit status 1 when a block fails, naming the file and line of the block.
 """
 
@@ -29,7 +33,7 @@ from typing import Any
 
 RUN = {"python": "python", "py": "python", "bash": "bash", "sh": "bash"}
 TEXT = {"text", "json", "yaml", "toml", "ini", "console-output"}
-_MARK = re.compile(r"<!--\s*docs-blocks:\s*(skip|fresh)\s*(\((.+)\))?\s*-->")
+_MARK = re.compile(r"<!--\s*docs-blocks:\s*(skip|fresh|ray)\s*(\((.+)\))?\s*-->")
 
 
 @dataclasses.dataclass
@@ -40,6 +44,7 @@ class Block:
     code: str
     skip: str | None = None  # the reason, when marked skip
     fresh: bool = False
+    ray: str | None = None  # the reason, when marked ray (runs with --ray only)
 
 
 def extract(path: str) -> list[Block]:
@@ -52,8 +57,8 @@ def extract(path: str) -> list[Block]:
         line = lines[i]
         mark = _MARK.search(line)
         if mark:
-            if mark.group(1) == "skip" and not mark.group(3):
-                raise ValueError(f"{path}:{i + 1}: docs-blocks: skip needs a reason in parentheses")
+            if mark.group(1) in ("skip", "ray") and not mark.group(3):
+                raise ValueError(f"{path}:{i + 1}: docs-blocks: {mark.group(1)} needs a reason in parentheses")
             pending = (mark.group(1), mark.group(3))
         elif line.startswith("```"):
             lang = line[3:].strip().split()[0] if line[3:].strip() else ""
@@ -69,6 +74,7 @@ def extract(path: str) -> list[Block]:
             if pending is not None:
                 kind, why = pending
                 b.skip = why if kind == "skip" else None
+                b.ray = why if kind == "ray" else None
                 b.fresh = kind == "fresh"
             pending = None
             blocks.append(b)
@@ -78,12 +84,24 @@ def extract(path: str) -> list[Block]:
     return blocks
 
 
-def run_file(path: str, python_namespace: dict[str, Any] | None = None, verbose: bool = False) -> list[str]:
-    """Run the runnable blocks of `path` in the current directory; the failures, as 'file:line: error' lines."""
+def run_file(path: str, python_namespace: dict[str, Any] | None = None, verbose: bool = False,
+             ray: bool = False) -> list[str]:
+    """Run the runnable blocks of `path` in the current directory (with `ray`, also those marked ray); the
+    failures, as 'file:line: error' lines."""
     failures = []
     ns: dict[str, Any] = {"__name__": "__docs__"}
+    try:
+        failures = _run_blocks(path, ns, verbose, ray)
+    finally:
+        if ray and "ray" in sys.modules:  # a block's cluster ends with its file
+            sys.modules["ray"].shutdown()
+    return failures
+
+
+def _run_blocks(path: str, ns: dict[str, Any], verbose: bool, ray: bool) -> list[str]:
+    failures = []
     for b in extract(path):
-        if b.skip is not None or b.lang in TEXT:
+        if b.skip is not None or b.lang in TEXT or (b.ray is not None and not ray):
             continue
         if b.lang not in RUN:
             failures.append(f"{b.path}:{b.line}: unknown block language {b.lang!r} (python, bash, text, ...)")
@@ -109,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("files", nargs="+")
     p.add_argument("--list", action="store_true", help="list the blocks and whether they run")
     p.add_argument("--in-place", action="store_true", help="run in the current directory, not a temporary one")
+    p.add_argument("--ray", action="store_true", help="also run the blocks marked ray (needs arrowbuf[ray])")
     args = p.parse_args(argv)
     files = [os.path.abspath(f) for f in args.files]
     if args.list:
         for f in files:
             for b in extract(f):
-                what = "skip: " + b.skip if b.skip is not None else ("text" if b.lang in TEXT else "run")
+                what = ("skip: " + b.skip if b.skip is not None else "ray: " + b.ray if b.ray is not None
+                        else "text" if b.lang in TEXT else "run")
                 print(f"{f}:{b.line} {b.lang:<7} {what}")
         return 0
     failures: list[str] = []
@@ -126,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.in_place:
                 os.chdir(tmp)
             try:
-                failures += run_file(f, verbose=True)
+                failures += run_file(f, verbose=True, ray=args.ray)
             finally:
                 os.chdir(cwd)
     for line in failures:

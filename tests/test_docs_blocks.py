@@ -93,6 +93,26 @@ def test_wheel_runs_every_readme_and_docs_block(wheel_venv, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
 
 
+RAY_DOCS = [ROOT / "README.md", ROOT / "docs" / "ray.md", ROOT / "docs" / "rllib.md"]
+
+
+@pytest.mark.slow
+def test_wheel_with_the_ray_extra_runs_the_ray_blocks(wheel_venv, tmp_path):
+    """The blocks marked `ray` (a ShardedStore, the Ray actors example, RLlib's DQN with the arrowbuf buffer) run
+    against the wheel with its [ray] extra, each file's local Ray cluster shut down after it."""
+    py, _, env = wheel_venv
+    wheel = next(py.parent.parent.parent.glob("dist/arrowbuf-*.whl"))
+    subprocess.run([py, "-m", "pip", "install", "-q", f"{wheel}[ray]", "torch==2.13.0"], check=True, env=env,
+                   timeout=1200)
+    listed = subprocess.run([py, str(ROOT / "scripts" / "docs_blocks.py"), "--list", *map(str, RAY_DOCS)],
+                            env=env, check=True, capture_output=True, text=True).stdout
+    assert listed.count(" ray: ") >= 4, listed
+    env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}  # a cluster of its own, never the test session's
+    r = subprocess.run([py, str(ROOT / "scripts" / "docs_blocks.py"), "--ray", *map(str, RAY_DOCS)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_wheel_runs_every_example_from_anywhere(wheel_venv, tmp_path, name):
