@@ -225,6 +225,9 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
         if table.num_rows:
             store.extend(table.select(inputs))
         return store, f"file {target} (loaded into a temporary store)"
+    if os.sep in target or target.endswith((".arrow", ".parquet", ".feather", ".ipc")):  # a path, not a name
+        raise FileNotFoundError(f"no such file or directory {target!r} (a shared-memory store is named without "
+                                "'/'; `arrowbuf shm ls` lists them)")
     from .store.facade import ExperienceStore
 
     return ExperienceStore.attach(target), f"shared-memory store {target!r}"

@@ -94,6 +94,14 @@ def test_inspect_a_parquet_file_from_export(tmp_path, capsys):
     assert "size 10 of 10 rows" in out and "next_obs" in out and "episodes: 1 (1 complete)" in out
 
 
+def test_inspect_a_missing_path_says_no_such_file(tmp_path, capsys):
+    """A path that does not exist is not read as a shared-memory store name (a new user's report)."""
+    for target in (str(tmp_path / "nothere") + "/", "run/ckpt", "experience.arrow"):
+        assert main(["inspect", target]) == 2
+        line = _one_line_error(capsys.readouterr().err)
+        assert "no such file or directory" in line and "shared store name" not in line, line
+
+
 def test_inspect_into_a_closed_pipe_prints_no_traceback(tmp_path):
     path = tmp_path / "experience.arrow"
     store = ab.ExperienceStore(ab.load_schema("cartpole"), capacity=10)

@@ -329,10 +329,11 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's flags on `p` (also what `arrowbuf demo` registers: `configure_parser(sub.add_parser("demo"))`
     with `func=run_from_args`)."""
     p.add_argument("--actors", type=int, default=3, help="actor processes (threads with --transport local)")
-    p.add_argument("--steps", type=int, default=15_000, help="environment steps in all (split across actors)")
+    p.add_argument("--steps", type=int, default=15_000,
+                   help="environment steps in all (split across actors; default 15000)")
     p.add_argument("--transport", choices=TRANSPORTS, default="flight",
                    help="how actors write: Arrow Flight (default), shared memory, or in-process threads")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the environments, sampling and the model (default 0)")
     p.add_argument("--out", default=os.environ.get("ARROWBUF_DEMO_OUT", "demo_out"),
                    help="folder for returns.png, episodes.json, policy.pt (default: $ARROWBUF_DEMO_OUT or demo_out)")
     p.add_argument("--warmup", type=int, default=None, help="rows stored before learning starts (default 1000)")

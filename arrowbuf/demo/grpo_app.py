@@ -360,7 +360,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"prompts (groups) per trainer step (default {d.prompts_per_step})")
     p.add_argument("--max-staleness", type=int, default=d.max_staleness,
                    help=f"policy versions a trained-on row may lag (default {d.max_staleness})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the environments, sampling and the model (default 0)")
     p.add_argument("--out", default=os.environ.get("ARROWBUF_DEMO_OUT", "demo_out"),
                    help="folder for grpo_reward.png, grpo.json, policy.pt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -282,8 +282,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The Ray demo's flags on `p`."""
     p.add_argument("--actors", type=int, default=3, help="Ray actors playing CartPole")
     p.add_argument("--shards", type=int, default=2, help="shards of the ShardedStore")
-    p.add_argument("--steps", type=int, default=15_000, help="environment steps in all (split across actors)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=15_000,
+                   help="environment steps in all (split across actors; default 15000)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the environments, sampling and the model (default 0)")
     p.add_argument("--warmup", type=int, default=None, help="rows stored before learning starts (default 1000)")
     p.add_argument("--publish-every", type=int, default=50, help="gradient steps between weight versions")
     p.add_argument("--min-version", type=int, default=1,
