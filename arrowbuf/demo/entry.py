@@ -36,15 +36,15 @@ def dispatch(argv: Sequence[str] | None = None, prog: str = "python -m arrowbuf.
         prog: how the user called it, for usage lines (`arrowbuf demo` or `python -m arrowbuf.demo`).
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    name = "dqn"
+    name, shown = "dqn", "[dqn]"  # no demo named: the default, shown as optional in the usage line
     if args and args[0] in DEMOS:
-        name = args.pop(0)
+        name = shown = args.pop(0)
     elif args and not args[0].startswith("-"):
         print(f"{prog}: there is no demo {args[0]!r}; the demos are {', '.join(DEMOS)} "
               f"(run {prog} --help for the list)", file=sys.stderr)
         return 2
     module = importlib.import_module(DEMOS[name][0])
-    return int(module.main(args, prog=f"{prog} {name}"))
+    return int(module.main(args, prog=f"{prog} {shown}"))
 
 
 def start_quietly(worker: Any) -> None:
