@@ -1,0 +1,72 @@
+"""Issue 25, found by a semantic review of the LLM path: each test failed on the code before its fix.
+
+- a Flight consumer cancelled while its `consume(timeout=...)` waits must consume nothing;
+- a multi-field `update` is atomic for readers (consume with require=, to_table);
+- stale rows evicted before any task consumed them are counted (per task) in stats().
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+import arrowbuf as ab
+
+GRPO = {"name": "g", "fields": {
+    "prompt_id": {"dtype": "int64"},
+    "response": {"dtype": "int32", "ragged": True},
+    "ref_logprobs": {"dtype": "float32", "ragged": True, "later": True},
+    "reward": {"dtype": "float32", "later": True},
+    "done": {"dtype": "bool"},
+}}
+
+
+def grpo_rows(n, start=0):
+    return {"prompt_id": np.arange(start, start + n), "done": np.ones(n, bool),
+            "response": [np.arange(k % 5 + 1, dtype=np.int32) for k in range(start, start + n)]}
+
+
+def test_a_multi_field_update_is_all_or_none_for_consume_and_to_table():
+    """Rows get reward and ref_logprobs in one update call; no reader may see one without the other."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the threads as finely as the interpreter allows
+    torn: list[str] = []
+    stop = threading.Event()
+    try:
+        with ab.ExperienceStore(GRPO, capacity=1 << 14, chunk_rows=256, tasks=["train"]) as s:
+            def reader_consume():
+                while not stop.is_set():
+                    b = s.consume("train", 64, require=["reward"], timeout=0.01)
+                    if len(b):
+                        lp = b.data.column("ref_logprobs")
+                        if lp.null_count:
+                            torn.append(f"consume: {lp.null_count} rows with reward but no ref_logprobs")
+
+            def reader_table():
+                while not stop.is_set():
+                    t = s.to_table(columns=["reward", "ref_logprobs"])
+                    r = np.asarray(t.column("reward").is_null())
+                    lp = np.asarray(t.column("ref_logprobs").is_null())
+                    if (r != lp).any():
+                        torn.append(f"to_table: {int((r != lp).sum())} rows with one field of the update only")
+
+            readers = [threading.Thread(target=reader_consume), threading.Thread(target=reader_table)]
+            for t in readers:
+                t.start()
+            try:
+                for k in range(0, 6000, 200):
+                    ids = s.extend(grpo_rows(200, k))
+                    for part in np.array_split(ids, 20):
+                        s.update(part, {"reward": np.ones(len(part), np.float32),
+                                        "ref_logprobs": [np.full(50, 0.5, np.float32)] * len(part)})
+                    if torn:
+                        break
+            finally:
+                stop.set()
+                for t in readers:
+                    t.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    assert not torn, torn[:3]
