@@ -70,3 +70,30 @@ def test_a_multi_field_update_is_all_or_none_for_consume_and_to_table():
     finally:
         sys.setswitchinterval(old)
     assert not torn, torn[:3]
+
+
+LLM_PV = {"name": "llm", "fields": {"prompt_id": "int64", "reward": "float32", "policy_version": "int64"}}
+
+
+def pv_rows(n, start=0, pv=0):
+    i = np.arange(start, start + n)
+    return {"prompt_id": i, "reward": i.astype(np.float32), "policy_version": np.full(n, pv)}
+
+
+def test_stale_rows_evicted_before_a_task_consumed_them_are_counted_per_task():
+    with ab.ExperienceStore(LLM_PV, capacity=4, chunk_rows=2, tasks=["a", "b"], max_staleness=0) as s:
+        s.extend(pv_rows(4))
+        assert len(s.consume("a", 2)) == 2  # "a" took rows 0, 1; "b" nothing
+        s.policy_version = 1
+        s.extend(pv_rows(2, 4, pv=1), timeout=0)  # evicts rows 0, 1: stale, so not held; "b" never saw them
+        st = s.stats()
+        assert st["stale_dropped_by_task"] == {"a": 0, "b": 2}
+        assert st["stale_dropped"] == 2
+        s.extend(pv_rows(2, 6, pv=1), timeout=0)  # evicts rows 2, 3: neither task consumed them
+        st = s.stats()
+        assert st["stale_dropped_by_task"] == {"a": 2, "b": 4}
+        assert st["stale_dropped"] == 6
+        # every row is accounted for, per task: delivered + dropped as stale + still unconsumed in the ring
+        for task in ("a", "b"):
+            left = len(s.consume(task, 100))
+            assert st["consumed"][task] + st["stale_dropped_by_task"][task] + left == 8

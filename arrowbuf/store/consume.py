@@ -86,6 +86,7 @@ class ConsumeTracker:
         self._policy_version = 0
         self.counters = {"stale_dropped": 0, "insert_waits": 0}
         self._delivered: dict[str, int] = {}
+        self._stale_by_task: dict[str, int] = {}  # rows dropped as stale per task: at consume, or evicted unconsumed
         schema = core.schema
         self.max_staleness = _check_staleness(max_staleness, "max_staleness")
         if self.max_staleness is not None:
@@ -145,6 +146,7 @@ class ConsumeTracker:
         self._consumed[name] = np.full(self.core.arena_rows, -1, dtype=np.int64)
         self._cursor[name] = 0
         self._delivered[name] = 0
+        self._stale_by_task[name] = 0
 
     @property
     def policy_version(self) -> int:
@@ -360,6 +362,24 @@ class ConsumeTracker:
     def _drop(self, task: str, seqs: np.ndarray) -> None:
         self._consumed[task][seqs % self.core.arena_rows] = seqs
         self.counters["stale_dropped"] += len(seqs)
+        self._stale_by_task[task] += len(seqs)
+
+    def _count_evicted(self, n: int) -> None:
+        """Under the write lock and the state lock, right before a write of `n` rows evicts the oldest rows: those
+        a task has not consumed (only stale rows may go so, `_held`) are dropped as stale for it and counted."""
+        c = self.core
+        idx = c.index
+        lo, hi = idx.lo, idx.hi
+        stop = min(hi, hi + n - c.capacity)
+        if stop <= lo or not self._consumed:
+            return
+        seqs = np.arange(lo, stop, dtype=np.int64)
+        pos = seqs % c.arena_rows
+        live = idx.valid[pos] & (idx.seq[pos] == seqs)
+        for task, arr in self._consumed.items():
+            gone = live & (arr[pos] != seqs)
+            if gone.any():
+                self._drop(task, seqs[gone])
 
     def _stale(self, seqs: np.ndarray, k: int) -> np.ndarray:
         return self.values("policy_version", seqs % self.core.arena_rows) < self._policy_version - k
@@ -429,11 +449,15 @@ class ConsumeTracker:
                 + ": consume the rows, or pass a longer timeout=")
 
     def ready(self, cols: dict[str, Any], n: int) -> bool:
-        """Under the writer's write lock: whether `n` rows may be written now (`wait` first)."""
+        """Under the writer's write lock: whether `n` rows may be written now (`wait` first). When it says so, the
+        writer evicts next: unconsumed stale rows it evicts are counted as dropped for their tasks."""
         versions = self._versions(cols)
         with self.core.cond:
             self._check_not_too_old(versions)
-            return self._admissible(versions, n)
+            if not self._admissible(versions, n):
+                return False
+            self._count_evicted(n)  # the writer reserves (and evicts) next, still under its write lock
+            return True
 
     def _versions(self, cols: dict[str, Any]) -> np.ndarray | None:
         if self.max_staleness is None:
@@ -515,7 +539,8 @@ class ConsumeTracker:
                     delivered[t] -= len(inflight)
             arrays[task] = done
         meta = {"tasks": self.tasks, "policy_version": self._policy_version, "max_staleness": self.max_staleness,
-                "token_field": self.token_field, "counters": dict(self.counters), "delivered": delivered}
+                "token_field": self.token_field, "counters": dict(self.counters), "delivered": delivered,
+                "stale_dropped_by_task": dict(self._stale_by_task)}
         return meta, arrays
 
     def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -537,6 +562,7 @@ class ConsumeTracker:
             self._consumed[task][pos[done]] = seqs[done]
             self._cursor[task] = 0
             self._delivered[task] = int(meta.get("delivered", {}).get(task, 0))
+            self._stale_by_task[task] = int(meta.get("stale_dropped_by_task", {}).get(task, 0))
         self._policy_version = int(meta.get("policy_version", 0))
         for k, v in meta.get("counters", {}).items():
             if k in self.counters:
@@ -546,7 +572,8 @@ class ConsumeTracker:
     def stats(self) -> dict[str, Any]:
         """Counters for `store.stats()` (call under the store's lock)."""
         out: dict[str, Any] = {"policy_version": self._policy_version, "tasks": self.tasks,
-                               "consumed": dict(self._delivered), **self.counters}
+                               "consumed": dict(self._delivered), **self.counters,
+                               "stale_dropped_by_task": dict(self._stale_by_task)}
         out["groups_dropped_zero_variance"] = self.group.dropped_groups if self.group is not None else 0
         return out
 
