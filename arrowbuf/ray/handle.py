@@ -567,10 +567,26 @@ class ShardedStore:
     # Thin delegation to `arrowbuf.ray.consume.ShardedConsumer`.
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None) -> SampleBatch:
-        """`ExperienceStore.consume` over the shards (see `arrowbuf.ray.consume.ShardedConsumer.consume`)."""
-        return self._consumer.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
-                                      where=where, max_tokens=max_tokens)
+                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
+        """`ExperienceStore.consume` over the shards (see `arrowbuf.ray.consume.ShardedConsumer.consume`); with
+        `lease=`, the batch's lease names each shard's part."""
+        batch = self._consumer.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
+                                       where=where, max_tokens=max_tokens, lease=lease)
+        if batch.lease is not None:
+            batch.owner = self
+        return batch
+
+    def ack(self, lease: str) -> int:
+        """`ExperienceStore.ack` of a lease of this store: each shard's part on its shard; returns the rows.
+
+        Raises:
+            LeaseError: a part not open on its shard (acked, nacked, expired), or its shard is down.
+        """
+        return self._consumer.end_lease(lease, "ack")
+
+    def nack(self, lease: str) -> int:
+        """`ExperienceStore.nack` of a lease of this store, each part on its shard; returns the rows."""
+        return self._consumer.end_lease(lease, "nack")
 
     def add_task(self, name: str) -> None:
         """Declare a consuming task on every live shard."""

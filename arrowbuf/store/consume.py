@@ -46,6 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -58,6 +59,7 @@ from ..samplers.base import Sampler
 from ..samplers.group import GroupSampler
 from ..surface import StoreSurface
 from .core import StoreCore
+from .leases import LeaseTable, check_lease_seconds
 
 #: Consumption per task is part of the store surface now (`arrowbuf.surface.StoreSurface`); the old name stays.
 ConsumeSurface = StoreSurface
@@ -87,6 +89,12 @@ class ConsumeTracker:
         self.counters = {"stale_dropped": 0, "insert_waits": 0}
         self._delivered: dict[str, int] = {}
         self._stale_by_task: dict[str, int] = {}  # rows dropped as stale per task: at consume, or evicted unconsumed
+        self.leases = LeaseTable()  # rows in flight per task (consume with lease=), see arrowbuf.store.leases
+        #: Called as `hook(task, seqs, how)` under the state lock whenever `task`'s consumption of rows `seqs` becomes
+        #: final: `how` "consumed" (a consume without a lease), "acked" (a lease acked), "dropped" (stale or
+        #: zero-variance rows, never delivered). Rows in flight under a lease are not final (they may come back).
+        #: The one hook point where a durable store records consumption (the journal).
+        self.final_hooks: list[Callable[[str, np.ndarray, str], None]] = []
         schema = core.schema
         self.max_staleness = _check_staleness(max_staleness, "max_staleness")
         if self.max_staleness is not None:
@@ -186,7 +194,7 @@ class ConsumeTracker:
     # ------------------------------------------------------------------ consume
     def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None) -> SampleBatch:
+                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
         """Up to `n` rows (whole groups with a Group sampler) that `task` has not consumed, marked consumed for it.
 
         Args:
@@ -197,10 +205,13 @@ class ConsumeTracker:
             max_staleness: drop rows (groups) whose `policy_version` < `policy_version - max_staleness`.
             where: a SQL predicate over the scalar columns (module docstring).
             max_tokens: token budget of the batch, counted over the store's token field.
+            lease: seconds the rows stay in flight for `task` (`arrowbuf.store.leases`): final on `ack`, back in the
+                task's queue on `nack` or at expiry. None: final now (delivered at most once).
 
         Returns:
             A `SampleBatch` of every column (ragged included); `indices` are the rows' ids, oldest first;
-            `info` holds the task. Possibly empty.
+            `info` holds the task; `lease` the lease id (None without `lease=`, or for an empty batch). Possibly
+            empty.
 
         Raises:
             InvalidArgument: an unknown task or field, or a bad option; nothing is consumed.
@@ -209,11 +220,14 @@ class ConsumeTracker:
         c = self.core
         c.check_open()
         plan = self._plan(task, n, require, timeout, max_staleness, where, max_tokens)
+        seconds = check_lease_seconds(lease)
         deadline = time.monotonic() + plan["timeout"]
+        lease_id = None
         with c.cond:
             evaluated = False
             while True:  # commits, updates, consumption and version changes notify the condition
                 c.check_open()
+                self.expire()
                 seqs, full, pending = self._pick(plan)
                 left = deadline - time.monotonic()
                 if len(pending) and (left > 0 or not evaluated):  # rows `where` has not judged yet
@@ -224,24 +238,100 @@ class ConsumeTracker:
                     break
                 c.waiters += 1  # commits notify the condition only when someone waits (StoreCore.notify)
                 try:
-                    c.cond.wait(left)
+                    c.cond.wait(self._bounded(left))
                 finally:
                     c.waiters -= 1
             if len(seqs):
                 self._consumed[task][seqs % c.arena_rows] = seqs
-                self._delivered[task] += len(seqs)
+                if seconds is None:
+                    self._final(task, seqs, "consumed")
+                else:
+                    lease_id = self.leases.open(task, seqs, seconds).id
             pin = next(self._pin_ids)
             if len(seqs):
                 self._pins[pin] = int(seqs.min())
                 self._gathering[pin] = (task, seqs)
         try:
             arrays = self.reader.gather(seqs, None)
+        except BaseException:
+            if lease_id is not None:  # nothing was handed out: the rows go back now rather than at expiry
+                self.nack(lease_id)
+            raise
         finally:
             with c.cond:
                 self._pins.pop(pin, None)
                 self._gathering.pop(pin, None)
                 c.cond.notify_all()  # held writers: rows were consumed and unpinned
-        return SampleBatch(arrays, seqs, None, info={"task": task})
+        batch = SampleBatch(arrays, seqs, None, info={"task": task})
+        if lease_id is not None:
+            batch.lease, batch.owner = lease_id, self
+        return batch
+
+    # ------------------------------------------------------------------ leases (arrowbuf.store.leases)
+    def ack(self, lease: Any) -> int:
+        """Make the consumption of a lease's rows final for its task; returns the rows.
+
+        Raises:
+            LeaseError: not an open lease of this store (already acked or nacked, expired, unknown).
+        """
+        with self.core.cond:
+            self.expire()
+            held = self.leases.take(lease, "ack")
+            self.leases.ended(held, "acked")
+            self._final(held.task, held.seqs, "acked")
+            self.core.cond.notify_all()  # held writers: the rows may be evicted now
+        return len(held.seqs)
+
+    def nack(self, lease: Any) -> int:
+        """Put a lease's rows back in its task's queue now (delivered again, before newer rows); returns the rows.
+
+        Raises:
+            LeaseError: not an open lease of this store (already acked or nacked, expired, unknown).
+        """
+        with self.core.cond:
+            self.expire()
+            held = self.leases.take(lease, "nack")
+            self._return(held.task, held.seqs)
+            self.leases.ended(held, "nacked")
+            self.core.cond.notify_all()
+        return len(held.seqs)
+
+    def expire(self) -> int:
+        """Under the state lock: put the rows of leases past their deadline back in their tasks' queues; returns
+        how many leases expired."""
+        due = self.leases.due()
+        for held in due:
+            self._return(held.task, held.seqs)
+            self.leases.ended(held, "expired")
+        if due:
+            self.core.cond.notify_all()
+        return len(due)
+
+    def _return(self, task: str, seqs: np.ndarray) -> None:
+        """Rows of `task` in flight become unconsumed again (the row's seq check: a row is never recycled while in
+        flight, since leased rows hold eviction); the cursor moves back so the next consume finds them first."""
+        arr = self._consumed[task]
+        pos = seqs % self.core.arena_rows
+        back = arr[pos] == seqs
+        arr[pos[back]] = -1
+        if len(seqs):
+            self._cursor[task] = min(self._cursor[task], int(seqs.min()))
+
+    def _final(self, task: str, seqs: np.ndarray, how: str) -> None:
+        """Under the state lock: `task`'s consumption of `seqs` is final (module docstring of leases); counted
+        (delivered rows) and passed to the final hooks."""
+        if how != "dropped":
+            self._delivered[task] += len(seqs)
+        for hook in self.final_hooks:
+            hook(task, seqs, how)
+
+    def _bounded(self, left: float | None) -> float | None:
+        """A wait of `left` seconds cut at the next lease deadline (an expiry must wake waiters: nothing notifies)."""
+        nxt = self.leases.next_deadline()
+        if nxt is None:
+            return left
+        until = max(0.0, nxt - time.monotonic()) + 1e-3
+        return until if left is None else min(left, until)
 
     def _plan(self, task: Any, n: Any, require: Any, timeout: Any, max_staleness: Any, where: Any,
               max_tokens: Any) -> dict[str, Any]:
@@ -333,8 +423,11 @@ class ConsumeTracker:
         keep = self.group.screen(members)
         if not keep.all():  # zero variance: dropped for every task (they never hold eviction)
             gone = members[~keep].reshape(-1)
-            for arr in self._consumed.values():
-                arr[gone % self.core.arena_rows] = gone
+            for t, arr in self._consumed.items():
+                fresh = gone[arr[gone % self.core.arena_rows] != gone]
+                arr[fresh % self.core.arena_rows] = fresh
+                if len(fresh):
+                    self._final(t, fresh, "dropped")
             members = members[keep]
         if plan["k"] is not None and len(members):
             stale = self._stale(members.reshape(-1), plan["k"]).reshape(members.shape).any(axis=1)
@@ -363,6 +456,7 @@ class ConsumeTracker:
         self._consumed[task][seqs % self.core.arena_rows] = seqs
         self.counters["stale_dropped"] += len(seqs)
         self._stale_by_task[task] += len(seqs)
+        self._final(task, seqs, "dropped")
 
     def _count_evicted(self, n: int) -> None:
         """Under the write lock and the state lock, right before a write of `n` rows evicts the oldest rows: those
@@ -441,8 +535,11 @@ class ConsumeTracker:
                 c.check_open()
                 return self._admissible(versions, n)
 
-            if left is not None and left > 0 and c.wait_for(ok, left):
-                return
+            if left is not None and left > 0:
+                end = time.monotonic() + left
+                while (rem := end - time.monotonic()) > 0:  # cut at lease deadlines: an expiry may release rows
+                    if c.wait_for(ok, self._bounded(rem)):
+                        return
             c.check_open()
             raise InsertTimeout(self._blocked_reason(versions, n) + (
                 "; did not wait (timeout=None)" if timeout is None else f"; waited {timeout}s")
@@ -504,6 +601,9 @@ class ConsumeTracker:
             stale = self.values("policy_version", pos) < self._policy_version - self.max_staleness
             stale &= seqs < min(self._pins.values(), default=hi)
             done |= stale
+        if len(self.leases):
+            self.expire()
+            done &= ~np.isin(seqs, self.leases.held())  # in flight: it may come back, so it stays
         return seqs[~done]
 
     def _blocked_reason(self, versions: np.ndarray | None, n: int) -> str:
@@ -534,9 +634,11 @@ class ConsumeTracker:
         for task, arr in self._consumed.items():
             done = arr[pos] == seqs
             for t, inflight in self._gathering.values():
-                if t == task:
+                if t == task and not any(np.array_equal(inflight, x.seqs) for x in self.leases.of_task(t)):
                     done &= ~np.isin(seqs, inflight)
                     delivered[t] -= len(inflight)
+            for held in self.leases.of_task(task):  # in flight, not acked: delivered again after a restore
+                done &= ~np.isin(seqs, held.seqs)
             arrays[task] = done
         meta = {"tasks": self.tasks, "policy_version": self._policy_version, "max_staleness": self.max_staleness,
                 "token_field": self.token_field, "counters": dict(self.counters), "delivered": delivered,
@@ -571,9 +673,13 @@ class ConsumeTracker:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Counters for `store.stats()` (call under the store's lock)."""
+        self.expire()
         out: dict[str, Any] = {"policy_version": self._policy_version, "tasks": self.tasks,
                                "consumed": dict(self._delivered), **self.counters,
-                               "stale_dropped_by_task": dict(self._stale_by_task)}
+                               "stale_dropped_by_task": dict(self._stale_by_task),
+                               "in_flight": self.leases.in_flight(self.tasks), "leases": len(self.leases),
+                               "redelivered": {t: self.leases.redelivered.get(t, 0) for t in self.tasks},
+                               "leases_expired": {t: self.leases.expired.get(t, 0) for t in self.tasks}}
         out["groups_dropped_zero_variance"] = self.group.dropped_groups if self.group is not None else 0
         return out
 
