@@ -97,3 +97,37 @@ def test_stale_rows_evicted_before_a_task_consumed_them_are_counted_per_task():
         for task in ("a", "b"):
             left = len(s.consume(task, 100))
             assert st["consumed"][task] + st["stale_dropped_by_task"][task] + left == 8
+
+
+# ---------------------------------------------------------------------------------------------------- over Flight
+WAITER = r"""
+import sys
+import arrowbuf as ab
+with ab.connect(sys.argv[1]) as remote:
+    print("ready", flush=True)
+    remote.consume("t", 4, timeout=float(sys.argv[2]))
+"""
+
+
+def test_a_flight_consumer_killed_while_it_waits_takes_no_rows(procs):
+    """A child's consume(timeout=3) is killed while it waits; rows written afterwards stay for the next consumer."""
+    import os
+    import signal
+    import time
+
+    with ab.ExperienceStore(LLM_PV, capacity=64, tasks=["t"]) as s, ab.serve(s) as server:
+        child = procs([sys.executable, "-c", WAITER, server.location, "3"])
+        assert child.stdout.readline().strip() == b"ready"
+        time.sleep(0.5)  # the child's call is waiting on the server now
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        time.sleep(0.5)  # the server notices the connection is gone
+        s.extend(pv_rows(4))  # the dead call's wait ends: it must take none of these
+        deadline = time.monotonic() + 10
+        while s.stats().get("in_flight", {}).get("t", 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(3)  # past the dead call's timeout: it has finished either way
+        with ab.connect(server.location) as remote:
+            b = remote.consume("t", 4, timeout=5)
+        assert sorted(b.indices.tolist()) == [0, 1, 2, 3]
+        assert s.stats()["consumed"]["t"] == 4
