@@ -3,6 +3,7 @@ Flight (consumer processes killed mid-batch) and on a ShardedStore. Real stores,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import random
@@ -213,7 +214,7 @@ def test_exactly_once_per_task_with_acks_under_concurrent_consumer_threads():
             try:
                 while True:
                     done = written.is_set()
-                    b = s.consume(task, rng.randint(1, 40), lease=0.3, timeout=0.05)
+                    b = s.consume(task, rng.randint(1, 40), lease=0.5, timeout=0.05)
                     if not len(b):
                         st = s.stats()
                         if done and st["consumed"][task] == total:
@@ -224,10 +225,14 @@ def test_exactly_once_per_task_with_acks_under_concurrent_consumer_threads():
                         with lock:
                             dropped[task] += len(b)  # the consumer "died": the lease expires
                     elif r < 0.2:
-                        b.nack()
+                        with contextlib.suppress(ab.LeaseError):  # expired meanwhile (a loaded machine): back anyway
+                            b.nack()
                     else:
                         ids = b.indices.tolist()
-                        b.ack()
+                        try:
+                            b.ack()
+                        except ab.LeaseError:  # too slow: the rows went back and are delivered again
+                            continue
                         with lock:
                             acked[task] += ids
             except BaseException as exc:  # pragma: no cover - reported below
@@ -310,7 +315,7 @@ with ab.connect(sys.argv[1]) as remote:
 def test_a_consumer_process_killed_mid_batch_has_its_rows_redelivered_after_expiry(served, procs):
     s, location = served
     s.extend(rows(10))
-    child = procs([sys.executable, "-c", HOLDER, location, "6", "1.0"])
+    child = procs([sys.executable, "-c", HOLDER, location, "6", "4.0"])
     taken = json.loads(child.stdout.readline())
     assert taken == [0, 1, 2, 3, 4, 5]
     child.kill()
@@ -335,14 +340,17 @@ acked = []
 with ab.connect(location) as remote:
     while True:
         done = remote.policy_version == 1
-        b = remote.consume(task, rng.randint(1, 30), lease=0.5, timeout=0.1)
+        b = remote.consume(task, rng.randint(1, 30), lease=1.0, timeout=0.1)
         if len(b):
-            if rng.random() < 0.15:
-                b.nack()
-            else:
-                b.ack()
-                acked += b.indices.tolist()
-                print(json.dumps(b.indices.tolist()), flush=True)
+            try:
+                if rng.random() < 0.15:
+                    b.nack()
+                else:
+                    b.ack()
+                    acked += b.indices.tolist()
+                    print(json.dumps(b.indices.tolist()), flush=True)
+            except ab.LeaseError:  # too slow (a loaded machine): the rows went back, someone takes them again
+                pass
         elif done and remote.stats()["consumed"][task] == int(sys.argv[4]):
             break
 """

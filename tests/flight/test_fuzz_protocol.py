@@ -36,8 +36,8 @@ FUZZ = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci")
                             if os.environ.get("HYPOTHESIS_PROFILE") in ("ci", "long") else "ci")
 
 #: the error classes a malformed request may produce (everything else is a server bug)
-MAPPED = {"SchemaError", "InvalidArgument", "LeaseError", "StoreNotFound", "SampleTimeout", "QueryTimeout", "ResourceExhausted",
-          "ValueError", "TypeError"}
+MAPPED = {"SchemaError", "InvalidArgument", "LeaseError", "StoreNotFound", "SampleTimeout", "QueryTimeout",
+          "ResourceExhausted", "ValueError", "TypeError"}
 CALL = flight.FlightCallOptions(timeout=60)  # a hung server fails the test instead of hanging it
 
 
