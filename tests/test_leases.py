@@ -315,7 +315,7 @@ with ab.connect(sys.argv[1]) as remote:
 def test_a_consumer_process_killed_mid_batch_has_its_rows_redelivered_after_expiry(served, procs):
     s, location = served
     s.extend(rows(10))
-    child = procs([sys.executable, "-c", HOLDER, location, "6", "4.0"])
+    child = procs([sys.executable, "-c", HOLDER, location, "6", "2.0"])
     taken = json.loads(child.stdout.readline())
     assert taken == [0, 1, 2, 3, 4, 5]
     child.kill()
@@ -324,7 +324,7 @@ def test_a_consumer_process_killed_mid_batch_has_its_rows_redelivered_after_expi
         first = remote.consume("train", 10, lease=30)
         assert first.indices.tolist() == [6, 7, 8, 9]  # the dead consumer's rows are in flight still
         first.ack()
-        again = remote.consume("train", 10, lease=30, timeout=20)  # they come back at the expiry
+        again = remote.consume("train", 6, lease=30, timeout=20)  # they come back at the expiry
         assert again.indices.tolist() == taken
         again.ack()
     st = s.stats()
