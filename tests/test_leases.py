@@ -397,10 +397,13 @@ def test_leases_on_a_sharded_store_name_their_shard(ray_cluster):
         parts = b.lease.split("+")
         assert sorted(int(p.split("/")[0]) for p in parts) == [0, 1]  # both shards' parts, each named
         assert len(sharded.consume("t", 16 * G)) == 0  # in flight on their shards
+        assert sharded.stats()["in_flight"] == {"t": 16 * G}
         assert sharded.nack(b.lease) == 16 * G
         c = sharded.consume("t", 16 * G, lease=60)
         assert sorted(c.indices.tolist()) == sorted(b.indices.tolist())
         assert c.ack() == 16 * G
+        st = sharded.stats()
+        assert st["consumed"] == {"t": 16 * G} and st["redelivered"] == {"t": 16 * G} and st["in_flight"] == {"t": 0}
         with pytest.raises(ab.LeaseError, match="already acked"):
             sharded.ack(c.lease)
         with pytest.raises(ab.LeaseError, match="shard"):

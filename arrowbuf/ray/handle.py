@@ -612,16 +612,25 @@ class ShardedStore:
         return int(sum(s.size for s in self.members.shards if not s.down))
 
     def stats(self) -> dict[str, Any]:
-        """Per-shard stats (None for a down shard) and totals."""
+        """Per-shard stats (None for a down shard) and totals; with tasks, the per-task counters (`consumed`,
+        `in_flight`, `redelivered`, `leases_expired`, `stale_dropped_by_task`) summed over the live shards."""
         futs = {s.k: self._executor().submit(_stats_of, s.client) for s in self.members.live()}
         shards: list[dict[str, Any] | None] = [None] * self.num_shards
         for k, fut in futs.items():
             with contextlib.suppress(Exception):
                 shards[k] = fut.result(timeout=self.failure_timeout)
         up = [st for st in shards if st is not None]
+        per_task = {}  # consumption per task, summed over the live shards
+        for key in ("consumed", "in_flight", "redelivered", "leases_expired", "stale_dropped_by_task"):
+            sums: dict[str, int] = {}
+            for st in up:
+                for task, v in (st.get(key) or {}).items():
+                    sums[task] = sums.get(task, 0) + int(v)
+            if any(key in st for st in up):
+                per_task[key] = sums
         return {"shards": shards, "up": len(up), "size": sum(st["size"] for st in up),
                 "inserts": sum(st["inserts"] for st in up), "samples": sum(st["samples"] for st in up),
-                **{f"handle_{k}": v for k, v in self.counters.items()}}
+                **per_task, **{f"handle_{k}": v for k, v in self.counters.items()}}
 
     def to_table(self, columns: list[str] | None = None) -> pa.Table:
         """Every live shard's rows, with a `shard` column first."""
