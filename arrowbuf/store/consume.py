@@ -21,6 +21,11 @@ Mechanism:
 - `consume` selects and marks rows under the store's state lock, so two consumers of one task never get the same
   row, then gathers them outside the lock through the reader's gather (every column, ragged included). While it
   gathers, the rows are pinned: the writer's eviction hold (below) keeps them in place, so no row is torn.
+- Leases (`consume(..., lease=s)`, `arrowbuf.store.leases`): the rows are marked as above (no other consumer of the
+  task gets them) but are not final: an `ack` makes them so, a `nack` or the lease's expiry unmarks them and moves
+  the task's cursor back, so they are delivered again before newer rows. Leased rows hold eviction. Whatever makes
+  a consumption final (a consume without a lease, an ack, a stale or zero-variance drop) goes through `_final`,
+  which calls `final_hooks` (the journal's hook point).
 - Blocking: `consume` waits on the store's condition variable, which commits, updates (`notify`), consumption and
   `policy_version` changes notify; at the deadline it returns what is ready (possibly nothing).
 - Eviction hold: with tasks declared, the writer (`StoreWriter.hold`) may evict a row only once every declared task
@@ -84,6 +89,7 @@ class ConsumeTracker:
         self._cursor: dict[str, int] = {}
         self._pins: dict[int, int] = {}
         self._gathering: dict[int, tuple[str, np.ndarray]] = {}  # pin -> (task, seqs) of a batch not handed out yet
+        # (without a lease: a leased batch is not final until acked, the lease table has it)
         self._pin_ids = itertools.count()
         self._policy_version = 0
         self.counters = {"stale_dropped": 0, "insert_waits": 0}
@@ -250,7 +256,8 @@ class ConsumeTracker:
             pin = next(self._pin_ids)
             if len(seqs):
                 self._pins[pin] = int(seqs.min())
-                self._gathering[pin] = (task, seqs)
+                if lease_id is None:  # a leased batch is in the lease table (not final) already
+                    self._gathering[pin] = (task, seqs)
         try:
             arrays = self.reader.gather(seqs, None)
         except BaseException:
@@ -634,7 +641,7 @@ class ConsumeTracker:
         for task, arr in self._consumed.items():
             done = arr[pos] == seqs
             for t, inflight in self._gathering.values():
-                if t == task and not any(np.array_equal(inflight, x.seqs) for x in self.leases.of_task(t)):
+                if t == task:
                     done &= ~np.isin(seqs, inflight)
                     delivered[t] -= len(inflight)
             for held in self.leases.of_task(task):  # in flight, not acked: delivered again after a restore
