@@ -122,12 +122,32 @@ def test_a_flight_consumer_killed_while_it_waits_takes_no_rows(procs):
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
         time.sleep(0.5)  # the server notices the connection is gone
-        s.extend(pv_rows(4))  # the dead call's wait ends: it must take none of these
-        deadline = time.monotonic() + 10
-        while s.stats().get("in_flight", {}).get("t", 0) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        s.extend(pv_rows(4))  # the dead call must take none of these
         time.sleep(3)  # past the dead call's timeout: it has finished either way
         with ab.connect(server.location) as remote:
             b = remote.consume("t", 4, timeout=5)
         assert sorted(b.indices.tolist()) == [0, 1, 2, 3]
         assert s.stats()["consumed"]["t"] == 4
+
+
+def test_a_flight_consume_whose_client_died_stops_waiting(procs):
+    """The server's call polls whether its client is still there: it ends long before its 30 s timeout."""
+    import os
+    import signal
+    import time
+
+    with ab.ExperienceStore(LLM_PV, capacity=64, tasks=["t"]) as s, ab.serve(s) as server:
+        child = procs([sys.executable, "-c", WAITER, server.location, "30"])
+        assert child.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 10
+        while server.calls.running()["call"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.calls.running()["call"] == 1  # the child's consume waits on the server
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        deadline = time.monotonic() + 20  # well before the call's own 30 s (it polls every 0.2 s; a loaded machine)
+        while server.calls.running()["call"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.calls.running()["call"] == 0
+        s.extend(pv_rows(4))
+        assert s.consume("t", 4).indices.tolist() == [0, 1, 2, 3] and s.stats()["in_flight"] == {"t": 0}

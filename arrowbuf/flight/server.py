@@ -382,12 +382,13 @@ class _FlightService(flight.FlightServerBase):
     def _consume(self, store: Any, req: P.ConsumeRequest, context: Any) -> flight.FlightDataStream:
         """The `consume` ticket: bounded like a sample, then `store.consume`.
 
-        A call whose client went away (cancelled: killed, timed out, disconnected) while it waited consumes nothing:
-        the rows are taken under a lease (the client's, or a short guard lease when it asked for none), and if the
-        call is cancelled once they are gathered, the lease is nacked (the rows go back to the task's queue, in
-        order). Without a client lease the guard is acked just before the reply is sent, so a reply lost after that
-        point is lost for the task (at most once); a client lease stays in flight until acked or expired, whatever
-        happens to the reply or the client (at least once)."""
+        A call whose client went away (cancelled: killed, timed out, disconnected) consumes nothing: while it waits
+        the store polls the call's cancellation (`query.sql.serving`'s `cancelled`, every 0.2 s) and stops; the rows
+        are taken under a lease (the client's, or a guard lease when it asked for none), and if the call is
+        cancelled once they are gathered, the lease is nacked (the rows go back to the task's queue, in order).
+        Without a client lease the guard is acked just before the reply is sent, so a reply lost after that point is
+        lost for the task (at most once); a client lease stays in flight until acked or expired, whatever happens to
+        the reply or the client (at least once)."""
         self.owner.limits.check_sample(req.n, req.timeout, {}, "consume")
         leased = req.lease is not None or hasattr(store, "ack")  # a store without leases: the old path
         # --- hardening: the where= predicate runs in the SQL sandbox under this server's sql_limits, each run

@@ -60,11 +60,15 @@ import pyarrow.compute as pc
 from ..delivery.batch import SampleBatch
 from ..errors import InsertTimeout, InvalidArgument, SchemaError
 from ..query.filters import MAX_WHERE_CHARS, RowFilters
+from ..query.sql import caller_cancelled
 from ..samplers.base import Sampler
 from ..samplers.group import GroupSampler
 from ..surface import StoreSurface
 from .core import StoreCore
 from .leases import LeaseTable, check_lease_seconds
+
+#: Seconds between checks that a server's caller is still there, while a consume waits for rows.
+_CANCEL_POLL_S = 0.2
 
 #: Consumption per task is part of the store surface now (`arrowbuf.surface.StoreSurface`); the old name stays.
 ConsumeSurface = StoreSurface
@@ -229,6 +233,7 @@ class ConsumeTracker:
         seconds = check_lease_seconds(lease)
         deadline = time.monotonic() + plan["timeout"]
         lease_id = None
+        cancelled = caller_cancelled()  # a server's call: its client may go away while it waits
         with c.cond:
             evaluated = False
             while True:  # commits, updates, consumption and version changes notify the condition
@@ -242,11 +247,16 @@ class ConsumeTracker:
                     continue
                 if full or left <= 0:
                     break
+                if cancelled is not None and cancelled():
+                    break
                 c.waiters += 1  # commits notify the condition only when someone waits (StoreCore.notify)
                 try:
-                    c.cond.wait(self._bounded(left))
+                    wait = self._bounded(left)
+                    c.cond.wait(wait if cancelled is None else min(wait or _CANCEL_POLL_S, _CANCEL_POLL_S))
                 finally:
                     c.waiters -= 1
+            if len(seqs) and cancelled is not None and cancelled():
+                seqs = seqs[:0]  # nobody will read the reply: nothing is consumed
             if len(seqs):
                 self._consumed[task][seqs % c.arena_rows] = seqs
                 if seconds is None:
