@@ -32,14 +32,15 @@ SCHEMA = {"name": "soak", "fields": {
 }}
 
 WRITER = r"""
-import sys, time, numpy as np, arrowbuf as ab
+import json, sys, time, numpy as np, arrowbuf as ab
 location, wid = sys.argv[1], int(sys.argv[2])
 k = 0
 with ab.connect(location) as remote:
     while True:
         p = wid * 10**9 + np.arange(k, k + 16)
-        remote.extend({"prompt_id": p, "response": [np.arange(int(x) % 7 + 1, dtype=np.int32) for x in p]},
-                      timeout=30)
+        ids = remote.extend({"prompt_id": p, "response": [np.arange(int(x) % 7 + 1, dtype=np.int32) for x in p]},
+                            timeout=30)
+        print(json.dumps({"written": ids.tolist(), "prompts": p.tolist()}), flush=True)  # acknowledged
         k += 16
         time.sleep(0.02)
 """
@@ -134,7 +135,8 @@ def test_leases_soak_with_random_kills(procs):
             start(kind, next(writer_ids) if kind == "writer" else None)
         for p in running["writer"]:  # the writers stop; the consumers drain what is left
             p.send_signal(signal.SIGKILL)
-            p.communicate(timeout=30)
+            out, _ = p.communicate(timeout=30)
+            outputs.append(out)
         total = len(store)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -148,13 +150,24 @@ def test_leases_soak_with_random_kills(procs):
                 out, _ = p.communicate(timeout=30)
                 outputs.append(out)
         st = store.stats()
-        ids = store.to_table(["seq"]).column("seq").to_numpy()
+        table = store.to_table(["seq", "prompt_id", "response", "reward", "ref_logprobs"])
+        ids = table.column("seq").to_numpy()
 
     lines = [json.loads(line) for out in outputs for line in out.decode().splitlines() if line.strip()]
     bad = [x["bad"] for x in lines if "bad" in x]
     seen = np.concatenate([np.asarray(x["acked"], dtype=np.int64) for x in lines if "acked" in x] or [[]])
-    print(f"\nsoak {SOAK_S:.0f}s: {total} rows, kills {kills}, redelivered {st['redelivered']}, leases expired "
-          f"{st['leases_expired']}, rows the trainers acked {len(seen)} (distinct {len(np.unique(seen))})")
+    written = {i: p for x in lines if "written" in x for i, p in zip(x["written"], x["prompts"])}
+    print(f"\nsoak {SOAK_S:.0f}s: {total} rows ({len(written)} acknowledged to writers), kills {kills}, "
+          f"redelivered {st['redelivered']}, leases expired {st['leases_expired']}, rows the trainers acked "
+          f"{len(seen)} (distinct {len(np.unique(seen))})")
+    # every row a writer had acknowledged is there, exactly as written, with the fields the reference stage filled
+    rows = table.to_pydict()
+    by_id = {i: k for k, i in enumerate(rows["seq"])}
+    assert written and set(written) <= set(by_id)
+    for i, k in by_id.items():
+        p = rows["prompt_id"][k]
+        assert written.get(i, p) == p and rows["response"][k] == list(range(p % 7 + 1))
+        assert rows["reward"][k] == (p % 1000) * 0.5 and rows["ref_logprobs"][k] == [-float(p % 1000)] * (p % 7 + 1)
     assert hows == {"acked"}  # every consume here is leased: nothing is final but an ack
     assert not bad, bad[:3]  # every row a trainer saw was complete and exactly as written and updated
     assert total > 0 and len(ids) == total and sum(kills.values()) >= 3
