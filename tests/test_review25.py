@@ -151,3 +151,13 @@ def test_a_flight_consume_whose_client_died_stops_waiting(procs):
         assert server.calls.running()["call"] == 0
         s.extend(pv_rows(4))
         assert s.consume("t", 4).indices.tolist() == [0, 1, 2, 3] and s.stats()["in_flight"] == {"t": 0}
+
+
+def test_batches_keep_the_schemas_column_order_with_fields_filled_later():
+    with ab.ExperienceStore(GRPO, capacity=16, tasks=["t"]) as s:
+        ids = s.extend(grpo_rows(4))
+        s.update(ids, {"reward": np.ones(4, np.float32), "ref_logprobs": [[0.5]] * 4})
+        names = list(GRPO["fields"])
+        assert s.consume("t", 4).columns[:len(names)] == names
+        assert s.sample(2).columns[:len(names)] == names
+        assert s.to_table().column_names[:len(names)] == names

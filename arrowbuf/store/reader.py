@@ -278,13 +278,15 @@ class StoreReader:
         pos = (seqs % self.core.arena_rows).reshape(-1)
         out: dict[str, Any] = {}
         later = [name for name in names if name in cols.later]
+        filled: dict[str, Any] = {}
         if later:  # fields filled later: null where a row has no value yet; all of an update or none, across fields
             extra = (reads,) if tracked else ()
-            out.update(cols.presence.consistent(
-                lambda: {name: cols.take_later(name, pos, shape, *extra) for name in later}))
+            filled = cols.presence.consistent(
+                lambda: {name: cols.take_later(name, pos, shape, *extra) for name in later})
         nxt = None
         for name in names:
-            if name in cols.later:
+            if name in filled:
+                out[name] = filled[name]
                 continue
             if name in cols.arrays:
                 col = self._rows(cols, name, pos, reads)
