@@ -412,3 +412,26 @@ def test_leases_on_a_sharded_store_name_their_shard(ray_cluster):
         assert len(d) == 0  # everything was acked
     finally:
         sharded.close()
+
+
+def test_a_final_hook_may_ask_consume_and_ack_to_wait_outside_the_lock():
+    """What the journal needs: an ack that returns only once its record is durable, without holding the lock."""
+    with store(tasks=["t"]) as s:
+        waited: list[tuple[str, bool]] = []
+
+        def hook(task, seqs, how):
+            def until_durable():  # runs after the lock is released: another thread can read the store meanwhile
+                other: list[int] = []
+                t = threading.Thread(target=lambda: other.append(s.stats()["leases"]))
+                t.start()
+                t.join(10)
+                waited.append((how, bool(other)))
+            return until_durable
+
+        s._consume.final_hooks.append(hook)
+        s.extend(rows(4))
+        s.consume("t", 2)
+        b = s.consume("t", 2, lease=60)
+        assert waited == [("consumed", True)]  # not for a lease in flight
+        b.ack()
+        assert waited == [("consumed", True), ("acked", True)]

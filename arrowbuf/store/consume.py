@@ -103,8 +103,11 @@ class ConsumeTracker:
         #: Called as `hook(task, seqs, how)` under the state lock whenever `task`'s consumption of rows `seqs` becomes
         #: final: `how` "consumed" (a consume without a lease), "acked" (a lease acked), "dropped" (stale or
         #: zero-variance rows, never delivered). Rows in flight under a lease are not final (they may come back).
-        #: The one hook point where a durable store records consumption (the journal).
-        self.final_hooks: list[Callable[[str, np.ndarray, str], None]] = []
+        #: The one hook point where a durable store records consumption (the journal). A hook must not block (it
+        #: holds the store's lock); it may return a callable, which `consume` (for "consumed") and `ack` run after
+        #: releasing the lock and before returning: e.g. a wait for the journal's group commit, so that an ack
+        #: returns only once it is durable. Drops return nothing to wait for (their caller is not waiting on them).
+        self.final_hooks: list[Callable[[str, np.ndarray, str], Callable[[], None] | None]] = []
         schema = core.schema
         self.max_staleness = _check_staleness(max_staleness, "max_staleness")
         if self.max_staleness is not None:
@@ -233,6 +236,7 @@ class ConsumeTracker:
         seconds = check_lease_seconds(lease)
         deadline = time.monotonic() + plan["timeout"]
         lease_id = None
+        durable: list[Callable[[], None]] = []  # what the final hooks ask to wait for, outside the lock
         cancelled = caller_cancelled()  # a server's call: its client may go away while it waits
         with c.cond:
             evaluated = False
@@ -260,7 +264,7 @@ class ConsumeTracker:
             if len(seqs):
                 self._consumed[task][seqs % c.arena_rows] = seqs
                 if seconds is None:
-                    self._final(task, seqs, "consumed")
+                    self._final(task, seqs, "consumed", durable)
                 else:
                     lease_id = self.leases.open(task, seqs, seconds).id
             pin = next(self._pin_ids)
@@ -279,6 +283,8 @@ class ConsumeTracker:
                 self._pins.pop(pin, None)
                 self._gathering.pop(pin, None)
                 c.cond.notify_all()  # held writers: rows were consumed and unpinned
+        for until_durable in durable:
+            until_durable()
         batch = SampleBatch(arrays, seqs, None, info={"task": task})
         if lease_id is not None:
             batch.lease, batch.owner = lease_id, self
@@ -291,12 +297,15 @@ class ConsumeTracker:
         Raises:
             LeaseError: not an open lease of this store (already acked or nacked, expired, unknown).
         """
+        durable: list[Callable[[], None]] = []
         with self.core.cond:
             self.expire()
             held = self.leases.take(lease, "ack")
             self.leases.ended(held, "acked")
-            self._final(held.task, held.seqs, "acked")
+            self._final(held.task, held.seqs, "acked", durable)
             self.core.cond.notify_all()  # held writers: the rows may be evicted now
+        for until_durable in durable:  # e.g. the journal's commit of this ack
+            until_durable()
         return len(held.seqs)
 
     def nack(self, lease: Any) -> int:
@@ -334,13 +343,15 @@ class ConsumeTracker:
         if len(seqs):
             self._cursor[task] = min(self._cursor[task], int(seqs.min()))
 
-    def _final(self, task: str, seqs: np.ndarray, how: str) -> None:
+    def _final(self, task: str, seqs: np.ndarray, how: str, durable: list[Callable[[], None]] | None = None) -> None:
         """Under the state lock: `task`'s consumption of `seqs` is final (module docstring of leases); counted
-        (delivered rows) and passed to the final hooks."""
+        (delivered rows) and passed to the final hooks; what they return to wait for goes to `durable`."""
         if how != "dropped":
             self._delivered[task] += len(seqs)
         for hook in self.final_hooks:
-            hook(task, seqs, how)
+            until_durable = hook(task, seqs, how)
+            if until_durable is not None and durable is not None:
+                durable.append(until_durable)
 
     def _bounded(self, left: float | None) -> float | None:
         """A wait of `left` seconds cut at the next lease deadline (an expiry must wake waiters: nothing notifies)."""
