@@ -435,3 +435,17 @@ def test_a_final_hook_may_ask_consume_and_ack_to_wait_outside_the_lock():
         assert waited == [("consumed", True)]  # not for a lease in flight
         b.ack()
         assert waited == [("consumed", True), ("acked", True)]
+
+
+def test_stale_rows_in_flight_are_held_like_any_leased_row():
+    with store(capacity=4, tasks=["t"], max_staleness=0) as s:
+        s.extend(rows(4))
+        b = s.consume("t", 2, lease=60)  # rows 0, 1 in flight
+        s.policy_version = 1
+        with pytest.raises(ab.InsertTimeout):  # rows 0, 1 are stale but in flight: their lease decides
+            s.extend(rows(2, 4, pv=1), timeout=0.05)
+        b.ack()
+        s.extend(rows(2, 4, pv=1), timeout=0)
+        assert s.stats()["stale_dropped_by_task"] == {"t": 0}  # acked, not dropped
+        s.extend(rows(2, 6, pv=1), timeout=0)  # rows 2, 3: stale, never consumed: dropped for "t"
+        assert s.stats()["stale_dropped_by_task"] == {"t": 2}
