@@ -3,7 +3,8 @@
 ```
 ArrowbufError                       every error arrowbuf raises on purpose
 ├── InvalidArgument(ValueError)     a bad request: an argument out of range, an unknown name, a wrong combination
-│   └── SchemaError                 bad schema or bad input: names the field, what was expected, what came
+│   ├── SchemaError                 bad schema or bad input: names the field, what was expected, what came
+│   └── LeaseError                  an ack/nack of a lease that is not open (acked, nacked, expired, unknown)
 ├── SampleTimeout(TimeoutError)     a sample could not be served in time (empty store, rate limiter)
 ├── InsertTimeout(TimeoutError)     an insert was held back by the rate limiter past its timeout
 ├── QueryTimeout(TimeoutError)      a SQL query ran past its deadline (or its caller went away) and was stopped
@@ -40,6 +41,11 @@ class InvalidArgument(ArrowbufError, ValueError):
 
 class SchemaError(InvalidArgument):
     """A schema is malformed, or input does not match the schema."""
+
+
+class LeaseError(InvalidArgument):
+    """An ack or nack of a lease that is not open: already acked or nacked, expired (its rows went back to the task's
+    queue), or never issued by this store. The message says which."""
 
 
 class SampleTimeout(ArrowbufError, TimeoutError):
@@ -125,6 +131,7 @@ __all__ = [
     "ArrowbufError",
     "InvalidArgument",
     "SchemaError",
+    "LeaseError",
     "SampleTimeout",
     "InsertTimeout",
     "QueryTimeout",

@@ -94,9 +94,25 @@ class StoreSurface(Protocol):
 
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None) -> SampleBatch:
-        """Up to `n` rows (whole groups with a `Group` sampler) that `task` has not consumed yet, marked consumed;
-        see `ExperienceStore.consume`."""
+                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
+        """Up to `n` rows (whole groups with a `Group` sampler) that `task` has not consumed yet, marked consumed
+        (with `lease=`: in flight until acked); see `ExperienceStore.consume`."""
+        ...
+
+    def ack(self, lease: str) -> int:
+        """Make a lease's rows consumed for good by its task (`batch.ack()`); returns the rows.
+
+        Raises:
+            LeaseError: the lease is not open (acked or nacked already, expired, unknown).
+        """
+        ...
+
+    def nack(self, lease: str) -> int:
+        """Give a lease's rows back to its task's queue now; returns the rows.
+
+        Raises:
+            LeaseError: the lease is not open.
+        """
         ...
 
     def add_task(self, name: str) -> None:
@@ -160,8 +176,9 @@ def check_surface(obj: Any, what: str = "store") -> StoreSurface:
                     f"got {type(obj).__name__}, which lacks {missing}")
 
 
-_MEMBERS = ("schema", "append", "extend", "sample", "update_priorities", "update", "consume", "add_task", "tasks",
-            "policy_version", "__len__", "stats", "to_table", "sql", "episodes", "close", "__enter__", "__exit__")
+_MEMBERS = ("schema", "append", "extend", "sample", "update_priorities", "update", "consume", "ack", "nack", "add_task",
+            "tasks", "policy_version", "__len__", "stats", "to_table", "sql", "episodes", "close", "__enter__",
+            "__exit__")
 
 
 @runtime_checkable

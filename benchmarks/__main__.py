@@ -33,9 +33,10 @@ BENCHMARKS = {
     "ray": ("benchmarks.bench_ray", ["--quick"], "Ray: sharded stores"),
     "persist": ("benchmarks.bench_persist", ["--quick"], "Persistence: checkpoint, incremental, background, restore"),
     "llm": ("benchmarks.bench_llm", ["--quick"], "LLM data path: TransferQueue's workload, ragged, GRPO-shaped rows"),
+    "leases": ("benchmarks.bench_leases", ["--quick"], "Leases: consume(lease)+ack against consume"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
-DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm"]
+DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "leases"]
 
 
 def versions() -> str:

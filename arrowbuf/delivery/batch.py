@@ -53,7 +53,7 @@ class SampleBatch:
         columns: the names of the columns, in order.
     """
 
-    __slots__ = ("_arrays", "indices", "weights", "columns", "_data", "info")
+    __slots__ = ("_arrays", "indices", "weights", "columns", "_data", "info", "lease", "owner")
 
     def __init__(self, arrays: dict[str, Any], indices: np.ndarray, weights: np.ndarray | None = None,
                  info: dict[str, Any] | None = None) -> None:
@@ -63,6 +63,46 @@ class SampleBatch:
         self.columns = list(arrays)
         self._data: pa.RecordBatch | None = None
         self.info = info or {}
+        self.lease: str | None = None  # the lease id of a batch consumed with lease= (None: final already)
+        self.owner: Any = None  # what acks the lease: the store (or client) that delivered the batch
+
+    def ack(self) -> int:
+        """Acknowledge this batch's lease (`store.ack(batch.lease)`): its rows are consumed for good by the task;
+        returns the rows. A batch without a lease (consumed without `lease=`, or empty) has nothing to ack: 0.
+
+        Raises:
+            LeaseError: the lease is not open any more (acked or nacked already, or expired).
+        """
+        if self.lease is None:
+            return 0
+        return int(self._owner("ack").ack(self.lease))
+
+    def nack(self) -> int:
+        """Give this batch's rows back to the task's queue now (`store.nack(batch.lease)`); returns the rows (0 for a
+        batch without a lease).
+
+        Raises:
+            LeaseError: the lease is not open any more.
+        """
+        if self.lease is None:
+            return 0
+        return int(self._owner("nack").nack(self.lease))
+
+    def _owner(self, verb: str) -> Any:
+        if self.owner is None:
+            from ..errors import LeaseError
+
+            raise LeaseError(f"{verb}: this batch is a copy (pickled) of a leased batch and does not know its store; "
+                             f"call store.{verb}(batch.lease) on the store that delivered it")
+        return self.owner
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the owner (a store or client) stays in its process: a copy acks through `store.ack(batch.lease)`
+        return {k: getattr(self, k) for k in self.__slots__ if k != "owner"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k in self.__slots__:
+            object.__setattr__(self, k, state.get(k))
 
     def __len__(self) -> int:
         return len(self.indices)

@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ..delivery.batch import SampleBatch
-from ..errors import DeadlineExceeded, InvalidArgument, SchemaError, StoreClosed, Unavailable
+from ..errors import DeadlineExceeded, InvalidArgument, LeaseError, SchemaError, StoreClosed, Unavailable
 from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
@@ -353,10 +353,13 @@ class RemoteStore:
     # ------------------------------------------------------------------ consumption per task
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None, max_tokens: int | None = None,
-                rpc_timeout: float | None | object = _DEFAULT) -> SampleBatch:
+                lease: float | None = None, rpc_timeout: float | None | object = _DEFAULT) -> SampleBatch:
         """`ExperienceStore.consume` over one DoGet (ticket kind "consume"); the same arguments and errors.
 
-        Each row is delivered once per task across every client of the store.
+        Each row is delivered once per task across every client of the store. Without `lease=` a reply lost on
+        the way is lost for the task (at most once; a call cancelled while it waits consumes nothing). With
+        `lease=` the rows stay in flight on the server until `ack` (or `batch.ack()`), `nack` or expiry: a
+        consumer that dies or loses the reply has them delivered again after the lease (at least once).
         """
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
             raise InvalidArgument(f"consume: n must be a positive number of rows, got {n!r}")
@@ -365,8 +368,13 @@ class RemoteStore:
         req_fields = [require] if isinstance(require, str) else (list(require) if require is not None else None)
         wait = None if timeout is None or (timeout == 0 and not isinstance(timeout, bool)) else \
             check_timeout(timeout, "consume: timeout")
+        if lease is not None and (not isinstance(lease, (int, float)) or isinstance(lease, bool)
+                                  or not 0 < lease <= P.MAX_LEASE_S):
+            raise InvalidArgument(f"consume: lease must be a number of seconds in (0, {P.MAX_LEASE_S:.0f}], got "
+                                  f"{lease!r}")
         ticket = flight.Ticket(P.encode_ticket(P.ConsumeRequest(
-            task, int(n), self.name, req_fields, wait, max_staleness, where, max_tokens)))
+            task, int(n), self.name, req_fields, wait, max_staleness, where, max_tokens,
+            None if lease is None else float(lease))))
 
         def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
             reader = client.do_get(ticket, options=call_options)
@@ -377,7 +385,23 @@ class RemoteStore:
 
         # not retried after a lost connection: the server may have marked the rows consumed
         chunk = self._call(call, self._deadline(rpc_timeout, wait), retry=False)
-        return sample_batch(chunk.data, chunk.app_metadata)
+        batch = sample_batch(chunk.data, chunk.app_metadata)
+        batch.lease = P.decode_lease_meta(chunk.app_metadata)
+        if batch.lease is not None:
+            batch.owner = self
+        return batch
+
+    def ack(self, lease: str) -> int:
+        """`ExperienceStore.ack` on the server's store (the action "ack"); returns the rows.
+
+        Raises:
+            LeaseError: the lease is not open on the server (acked or nacked already, expired, unknown).
+        """
+        return int(self._action("ack", v=P.LLM_VERSION, lease=_lease_id(lease))["rows"])
+
+    def nack(self, lease: str) -> int:
+        """`ExperienceStore.nack` on the server's store (the action "nack"); returns the rows."""
+        return int(self._action("nack", v=P.LLM_VERSION, lease=_lease_id(lease))["rows"])
 
     def add_task(self, name: str) -> None:
         """Declare a consuming task on the server's store (`ExperienceStore.add_task`)."""
@@ -545,6 +569,13 @@ def _pem_or_none(value: bytes | str | None) -> bytes | None:
         return value.encode()
     with open(value, "rb") as fh:
         return fh.read()
+
+
+def _lease_id(value: Any) -> str:
+    """A lease id as the wire takes it (checked here too, so a bad one is a clear local error)."""
+    if not isinstance(value, str) or P.LEASE_ID.fullmatch(value) is None:
+        raise LeaseError(f"{value!r:.80} is not a lease id; pass batch.lease of a batch consumed with lease=")
+    return value
 
 
 __all__ = ["LearnerSession", "RemoteStore", "RemoteWriter", "connect"]

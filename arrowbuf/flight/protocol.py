@@ -17,12 +17,14 @@ UTF-8 JSON objects so that any Flight client (C++, Java, Rust, Go) can speak it:
 - DoAction: a type in `ACTIONS`, body `{"v":1,"store":s,...}` (may be empty); one JSON result.
 - Version 2 also adds DoGet kind "consume" (`{"v":2,"kind":"consume","task":t,"n":256,...}`: rows a task has not
   consumed, reply as a sample) and the actions "set_policy_version", "policy_version", "add_task" (body "v": 2).
+  A consume ticket may carry "lease": seconds; the reply's metadata then names the lease ("lease": id) and the
+  actions "ack" / "nack" (body `{"v":2,"lease":id}`) end it.
 - ListFlights / GetFlightInfo / GetSchema: descriptor path `[store]` (`[store, "input"]`: the schema a writer sends).
 
 Errors: every error a server raises on purpose is a Flight error whose `extra_info` (Arrow's binary status detail)
 is `{"v":1,"error":<class>,"code":<status>,"message":<text>}`; `ERRORS` is the one table, in both directions.
 
-Size note: about 850 lines, over the house's 800 on purpose: this module is the wire format, every verb's encoding,
+Size note: about 900 lines, over the house's 800 on purpose: this module is the wire format, every verb's encoding,
 decoding and bounds, in one place that docs/flight-protocol.md and tests/flight/test_fuzz_protocol.py follow section by
 section. Splitting it by verb would put the shared request parsing (`_Fields`, the JSON bounds) behind a second
 module that each part imports back; the next candidate, if it grows, is the issue-16 verbs (update, consume).
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +46,7 @@ from ..errors import (
     ArrowbufError,
     InsertTimeout,
     InvalidArgument,
+    LeaseError,
     MissingDependency,
     OutOfSpace,
     QueryTimeout,
@@ -95,6 +99,9 @@ ACTIONS: dict[str, str] = {
     "set_policy_version": 'body {"policy_version": k}; sets the store\'s policy version; returns {"policy_version": k}',
     "policy_version": 'returns {"policy_version": k}, the store\'s current policy version',
     "add_task": 'body {"task": name}; declares a consuming task; returns {"tasks": [...]}',
+    # leases of consume tickets with "lease": seconds (arrowbuf.store.leases)
+    "ack": 'body {"lease": id}; the lease\'s rows are consumed for good by its task; returns {"rows": k}',
+    "nack": 'body {"lease": id}; the lease\'s rows go back to its task\'s queue now; returns {"rows": k}',
 }
 
 
@@ -114,6 +121,7 @@ class ErrorMapping:
 ERRORS: tuple[ErrorMapping, ...] = (
     ErrorMapping(Unauthenticated, flight.FlightUnauthenticatedError, "UNAUTHENTICATED"),
     ErrorMapping(SchemaError, flight.FlightServerError, "INVALID_ARGUMENT"),
+    ErrorMapping(LeaseError, flight.FlightServerError, "FAILED_PRECONDITION"),
     ErrorMapping(InvalidArgument, flight.FlightServerError, "INVALID_ARGUMENT"),
     ErrorMapping(SampleTimeout, flight.FlightTimedOutError, "TIMED_OUT"),
     ErrorMapping(InsertTimeout, flight.FlightTimedOutError, "TIMED_OUT"),
@@ -306,6 +314,9 @@ _CHECKS = {
     "a non-negative integer": lambda v: _is_int64(v) and v >= 0,
     "a number of seconds in [0, 1e6]": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     and math.isfinite(v) and 0 <= v <= MAX_TIMEOUT,
+    "a number of seconds in (0, 86400]": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    and math.isfinite(v) and 0 < v <= MAX_LEASE_S,
+    "a lease id": lambda v: isinstance(v, str) and LEASE_ID.fullmatch(v) is not None,
     "a list of column names": lambda v: isinstance(v, list) and 0 < len(v) <= 4096
     and all(isinstance(c, str) and 0 < len(c) <= 1024 for c in v),
     "a number in [0, 1]": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -575,6 +586,7 @@ class ActionRequest:
     keep: int | None = None
     task: str | None = None            # add_task
     policy_version: int | None = None  # set_policy_version
+    lease: str | None = None           # ack, nack
 
 
 def encode_action(type_: str, store: str | None, **body: Any) -> flight.Action:
@@ -618,7 +630,11 @@ MAX_TOKENS = 1 << 40
 #: Longest task name.
 MAX_TASK_CHARS = 256
 #: The actions `_decode_consume_action` reads.
-CONSUME_ACTIONS = ("set_policy_version", "policy_version", "add_task")
+CONSUME_ACTIONS = ("set_policy_version", "policy_version", "add_task", "ack", "nack")
+#: Longest lease a consume ticket may ask for (seconds), as `arrowbuf.store.leases.MAX_LEASE_S`.
+MAX_LEASE_S = 86400.0
+#: What a lease id is on the wire (as `arrowbuf.store.leases.check_lease_id`): short, plain characters.
+LEASE_ID: re.Pattern[str] = re.compile(r"[A-Za-z0-9._:/+-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -633,6 +649,7 @@ class ConsumeRequest:
     max_staleness: int | None = None
     where: str | None = None
     max_tokens: int | None = None
+    lease: float | None = None
     kind: str = "consume"
 
 
@@ -640,7 +657,7 @@ def _encode_consume(req: ConsumeRequest) -> dict[str, Any]:
     obj: dict[str, Any] = {"v": LLM_VERSION, "kind": "consume", "task": req.task, "n": req.n}
     if req.store is not None:
         obj["store"] = req.store
-    for key in ("require", "timeout", "max_staleness", "where", "max_tokens"):
+    for key in ("require", "timeout", "max_staleness", "where", "max_tokens", "lease"):
         if getattr(req, key) is not None:
             obj[key] = getattr(req, key)
     return obj
@@ -668,7 +685,7 @@ def _decode_consume(f: _Fields, store: str | None) -> ConsumeRequest:
                           require=f.get("require", "a list of column names"),
                           timeout=f.get("timeout", "a number of seconds in [0, 1e6]"),
                           max_staleness=f.get("max_staleness", "a non-negative integer"), where=where,
-                          max_tokens=max_tokens)
+                          max_tokens=max_tokens, lease=f.get("lease", "a number of seconds in (0, 86400]"))
 
 
 def _decode_consume_action(type_: str, f: _Fields, store: str | None) -> ActionRequest:
@@ -681,6 +698,8 @@ def _decode_consume_action(type_: str, f: _Fields, store: str | None) -> ActionR
         if not 0 < len(task) <= MAX_TASK_CHARS:
             raise SchemaError(f"action add_task: 'task' must have 1 to {MAX_TASK_CHARS} characters")
         req = ActionRequest(type_, store, task=task)
+    elif type_ in ("ack", "nack"):
+        req = ActionRequest(type_, store, lease=f.get("lease", "a lease id", required=True))
     else:
         req = ActionRequest(type_, store)
     f.done()
@@ -763,10 +782,25 @@ def split_sample_columns(data: pa.RecordBatch) -> tuple[int, np.ndarray, np.ndar
     return k - 1, ids.to_numpy(), weights
 
 
-def encode_sample_meta(indices: np.ndarray, weights: np.ndarray | None) -> bytes:
-    """app_metadata of a sampled batch: the ids of its items (for priority updates) and their IS weights."""
+def encode_sample_meta(indices: np.ndarray, weights: np.ndarray | None, lease: str | None = None) -> bytes:
+    """app_metadata of a sampled batch: the ids of its items (for priority updates) and their IS weights; a consumed
+    batch under a lease also names it ("lease")."""
     w = None if weights is None else np.asarray(weights, dtype=np.float64).tolist()
-    return _dumps({"v": PROTOCOL_VERSION, "indices": np.asarray(indices, dtype=np.int64).tolist(), "weights": w})
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "indices": np.asarray(indices, dtype=np.int64).tolist(),
+                           "weights": w}
+    if lease is not None:
+        obj["lease"] = lease
+    return _dumps(obj)
+
+
+def decode_lease_meta(raw: bytes | pa.Buffer | None) -> str | None:
+    """The lease a consumed batch's app_metadata names (None: none); checked like an ack's lease id."""
+    if raw is None:
+        return None
+    lease = loads(raw, "consume metadata").get("lease")
+    if lease is not None and not (isinstance(lease, str) and LEASE_ID.fullmatch(lease)):
+        raise SchemaError(f"consume metadata: 'lease' must be a lease id, got {lease!r:.80}")
+    return lease
 
 
 def decode_sample_meta(raw: bytes | pa.Buffer | None, rows: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -43,6 +43,7 @@ from ..errors import (
     StoreClosed,
     StoreNotFound,
     Unauthenticated,
+    Unavailable,
 )
 from ..query.sql import serving as sql_serving
 from ..surface import check_surface
@@ -404,14 +405,33 @@ class _FlightService(flight.FlightServerBase):
         return flight.RecordBatchStream(table, WIRE_OPTIONS)
 
     def _consume(self, store: Any, req: P.ConsumeRequest, context: Any) -> flight.FlightDataStream:
-        """The `consume` ticket: bounded like a sample, then `store.consume`."""
+        """The `consume` ticket: bounded like a sample, then `store.consume`.
+
+        A call whose client went away (cancelled: killed, timed out, disconnected) consumes nothing: while it waits
+        the store polls the call's cancellation (`query.sql.serving`'s `cancelled`, every 0.2 s) and stops; the rows
+        are taken under a lease (the client's, or a guard lease when it asked for none), and if the call is
+        cancelled once they are gathered, the lease is nacked (the rows go back to the task's queue, in order).
+        Without a client lease the guard is acked just before the reply is sent, so a reply lost after that point is
+        lost for the task (at most once); a client lease stays in flight until acked or expired, whatever happens to
+        the reply or the client (at least once)."""
         self.owner.limits.check_sample(req.n, req.timeout, {}, "consume")
+        leased = req.lease is not None or hasattr(store, "ack")  # a store without leases: the old path
         # --- hardening: the where= predicate runs in the SQL sandbox under this server's sql_limits, each run
         # holding a max_concurrent_sql slot (not the whole wait), and stops when the client goes away
         with sql_serving(self.owner.limits.sql_limits, gate=lambda: self.owner.calls.enter("sql"),
                          cancelled=context.is_cancelled):
+            extra = {"lease": req.lease if req.lease is not None else _GUARD_LEASE_S} if leased else {}
             batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
-                                  max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens)
+                                  max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens,
+                                  **extra)
+        if batch.lease is not None:
+            if context.is_cancelled():  # nobody will read the reply: the rows go back now
+                store.nack(batch.lease)
+                raise P.to_flight_error(Unavailable("the consume call was cancelled by its client; nothing was "
+                                                    "consumed"))
+            if req.lease is None:  # the guard: final now, as a consume without a lease always was
+                store.ack(batch.lease)
+                batch.lease = None
         return one_batch_stream(*wire_batch(batch))
 
     def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
@@ -639,6 +659,9 @@ class _TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+#: The lease a consume without one is served under until its reply is built (see `_FlightService._consume`): seconds.
+_GUARD_LEASE_S = 300.0
+
 def _consume_action(store: Any, req: P.ActionRequest, limits: ServerLimits, lock: threading.Lock) -> dict[str, Any]:
     """The actions set_policy_version (checked against the current version under `lock`: two clients cannot both
     pass the monotonic check and then move it back), policy_version and add_task."""
@@ -650,6 +673,8 @@ def _consume_action(store: Any, req: P.ActionRequest, limits: ServerLimits, lock
     elif req.type == "add_task":
         store.add_task(req.task)
         return {"tasks": list(store.tasks)}
+    elif req.type in ("ack", "nack"):  # the id was checked by the decoder (a short plain string)
+        return {"rows": int(getattr(store, req.type)(req.lease))}
     return {"policy_version": int(store.policy_version)}
 
 

@@ -30,7 +30,7 @@ def wire_batch(batch: Any, meta: str = "json") -> tuple[pa.RecordBatch, pa.Buffe
     names = list(batch.columns)
     if meta == "json":
         return (pa.RecordBatch.from_arrays(arrays, names=names),
-                pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights)))
+                pa.py_buffer(P.encode_sample_meta(batch.indices, batch.weights, getattr(batch, "lease", None))))
     arrays.append(wire_array(np.ascontiguousarray(batch.indices, dtype=np.int64).reshape(-1)))
     names.append(P.ID_COLUMN)
     if batch.weights is not None:

@@ -141,6 +141,14 @@ def serving(limits: SqlLimits, *, gate: Callable[[], ContextManager[Any]] | None
         _SERVING.reset(token)
 
 
+def caller_cancelled() -> Callable[[], bool] | None:
+    """The `cancelled` test of the `serving` block this thread runs in (None outside one, or when it has none). A
+    store's long waits (a `consume` waiting for rows) poll it, so that a server's call whose client went away stops
+    waiting and takes nothing."""
+    context = _SERVING.get()
+    return None if context is None else context.cancelled
+
+
 def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
         cancelled: Callable[[], bool] | None = None) -> pa.Table:
     """Run one SELECT over `table` (registered as `experience`) in the sandbox.

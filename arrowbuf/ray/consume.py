@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..delivery.batch import SampleBatch
-from ..errors import InvalidArgument, StoreClosed
+from ..errors import InvalidArgument, LeaseError, StoreClosed
 from ..samplers.group import GroupSampler
 from .writer import ShardWriter
 
@@ -96,8 +96,12 @@ class ShardedConsumer:
     # ------------------------------------------------------------------ consume
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None) -> SampleBatch:
+                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
         """Up to `n` rows `task` has not consumed, from any shard (each row once per task).
+
+        With `lease=` each shard asked leases its part; the batch's lease id names every part with its shard
+        (`"<shard>/<shard's lease>+..."`), and `ack`/`nack` end each part on its shard. A part whose shard dies
+        before it is acked is lost with the shard's unacknowledged state (a restored shard delivers it again).
 
         First every live shard in turn (rotating the first) is asked, without waiting, for what is still missing,
         so no more than `n` rows are ever consumed. When that leaves the batch short and `timeout` > 0, the rest is
@@ -115,8 +119,10 @@ class ShardedConsumer:
             raise InvalidArgument(f"consume: timeout must be a finite number of seconds >= 0, got {timeout!r}")
         sampler = self.sampler
         size = cast(GroupSampler, sampler).size if sampler.whole_groups else 1
-        opts = {"require": None if require is None else list(require), "max_staleness": max_staleness,
+        opts: dict[str, Any] = {"require": None if require is None else list(require), "max_staleness": max_staleness,
                 "where": where}
+        if lease is not None:
+            opts["lease"] = lease
         live = self._live()
         if not live:
             return SampleBatch({}, np.zeros(0, dtype=np.int64))
@@ -144,16 +150,46 @@ class ShardedConsumer:
         full = [p for p in parts if len(p)]
         if not full:
             return parts[0] if parts else SampleBatch({}, np.zeros(0, dtype=np.int64))
-        return full[0] if len(full) == 1 else SampleBatch.concat(full, {"task": task})
+        out = full[0] if len(full) == 1 else SampleBatch.concat(full, {"task": task})
+        leases = [p.lease for p in full if p.lease is not None]
+        out.lease, out.owner = ("+".join(leases), None) if leases else (None, None)
+        return out
 
     def _one(self, k: int, client: Any, task: str, n: int, timeout: float, max_tokens: int | None,
              opts: dict[str, Any]) -> SampleBatch | None:
         """Shard `k`'s consume; None when the shard is unreachable (reported down)."""
         try:
-            return cast(SampleBatch, client.consume(task, n, timeout=timeout, max_tokens=max_tokens, **opts))
+            part = cast(SampleBatch, client.consume(task, n, timeout=timeout, max_tokens=max_tokens, **opts))
         except (StoreClosed, OSError, pa.ArrowException, ConnectionError) as exc:
             self.members.report_down(k, exc)
             return None
+        if part.lease is not None:
+            part.lease = f"{k}/{part.lease}"  # the lease names its shard
+        return part
+
+    def end_lease(self, lease: Any, verb: str) -> int:
+        """`ack` or `nack` (`verb`) a lease of `consume`: each shard's part on its shard; returns the rows.
+
+        Raises:
+            LeaseError: not a lease of this store, a part no longer open on its shard, or its shard is down.
+        """
+        if not isinstance(lease, str) or not 0 < len(lease) <= 1 << 16:
+            raise LeaseError(f"{verb}: {lease!r:.80} is not a lease id; pass batch.lease of a consumed batch")
+        parts = []
+        for piece in lease.split("+"):
+            shard, _, inner = piece.partition("/")
+            if not shard.isdigit() or not inner or int(shard) >= self.members.num_shards:
+                raise LeaseError(f"{verb}: {piece!r:.80} does not name a shard of this store's lease; pass "
+                                 "batch.lease of a batch this ShardedStore delivered")
+            parts.append((int(shard), inner))
+        rows = 0
+        for k, inner in parts:
+            client = self.members.shard_client(k)
+            if client is None:
+                raise LeaseError(f"{verb}: shard {k} of lease {lease!r:.80} is down; its part of the lease ends "
+                                 "with the shard (a restored shard delivers those rows again)")
+            rows += int(getattr(client, verb)(inner))
+        return rows
 
     def _tokens(self, batch: SampleBatch) -> int:
         if self.token_field is None or self.token_field not in batch.columns or not len(batch):

@@ -567,10 +567,26 @@ class ShardedStore:
     # Thin delegation to `arrowbuf.ray.consume.ShardedConsumer`.
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None) -> SampleBatch:
-        """`ExperienceStore.consume` over the shards (see `arrowbuf.ray.consume.ShardedConsumer.consume`)."""
-        return self._consumer.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
-                                      where=where, max_tokens=max_tokens)
+                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
+        """`ExperienceStore.consume` over the shards (see `arrowbuf.ray.consume.ShardedConsumer.consume`); with
+        `lease=`, the batch's lease names each shard's part."""
+        batch = self._consumer.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
+                                       where=where, max_tokens=max_tokens, lease=lease)
+        if batch.lease is not None:
+            batch.owner = self
+        return batch
+
+    def ack(self, lease: str) -> int:
+        """`ExperienceStore.ack` of a lease of this store: each shard's part on its shard; returns the rows.
+
+        Raises:
+            LeaseError: a part not open on its shard (acked, nacked, expired), or its shard is down.
+        """
+        return self._consumer.end_lease(lease, "ack")
+
+    def nack(self, lease: str) -> int:
+        """`ExperienceStore.nack` of a lease of this store, each part on its shard; returns the rows."""
+        return self._consumer.end_lease(lease, "nack")
 
     def add_task(self, name: str) -> None:
         """Declare a consuming task on every live shard."""
@@ -596,16 +612,25 @@ class ShardedStore:
         return int(sum(s.size for s in self.members.shards if not s.down))
 
     def stats(self) -> dict[str, Any]:
-        """Per-shard stats (None for a down shard) and totals."""
+        """Per-shard stats (None for a down shard) and totals; with tasks, the per-task counters (`consumed`,
+        `in_flight`, `redelivered`, `leases_expired`, `stale_dropped_by_task`) summed over the live shards."""
         futs = {s.k: self._executor().submit(_stats_of, s.client) for s in self.members.live()}
         shards: list[dict[str, Any] | None] = [None] * self.num_shards
         for k, fut in futs.items():
             with contextlib.suppress(Exception):
                 shards[k] = fut.result(timeout=self.failure_timeout)
         up = [st for st in shards if st is not None]
+        per_task = {}  # consumption per task, summed over the live shards
+        for key in ("consumed", "in_flight", "redelivered", "leases_expired", "stale_dropped_by_task"):
+            sums: dict[str, int] = {}
+            for st in up:
+                for task, v in (st.get(key) or {}).items():
+                    sums[task] = sums.get(task, 0) + int(v)
+            if any(key in st for st in up):
+                per_task[key] = sums
         return {"shards": shards, "up": len(up), "size": sum(st["size"] for st in up),
                 "inserts": sum(st["inserts"] for st in up), "samples": sum(st["samples"] for st in up),
-                **{f"handle_{k}": v for k, v in self.counters.items()}}
+                **per_task, **{f"handle_{k}": v for k, v in self.counters.items()}}
 
     def to_table(self, columns: list[str] | None = None) -> pa.Table:
         """Every live shard's rows, with a `shard` column first."""

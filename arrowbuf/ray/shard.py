@@ -115,10 +115,21 @@ class ShardBackend:
 
     # --- consume: consumption per task, under global ids
     def consume(self, task: str, n: int, **kwargs: Any) -> SampleBatch:
-        """The store's `consume`; the batch's indices are global ids."""
+        """The store's `consume`; the batch's indices are global ids (its lease, if any, is the store's)."""
         b = self.store.consume(task, n, **kwargs)
-        return SampleBatch({c: b[c] for c in b.columns}, encode_ids(self.shard, self.generation, b.indices), None,
-                           b.info)
+        out = SampleBatch({c: b[c] for c in b.columns}, encode_ids(self.shard, self.generation, b.indices), None,
+                          b.info)
+        if b.lease is not None:
+            out.lease, out.owner = b.lease, self
+        return out
+
+    def ack(self, lease: str) -> int:
+        """The store's `ack`."""
+        return int(self.store.ack(lease))
+
+    def nack(self, lease: str) -> int:
+        """The store's `nack`."""
+        return int(self.store.nack(lease))
 
     def add_task(self, name: str) -> None:
         """The store's `add_task`."""

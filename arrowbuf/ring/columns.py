@@ -147,12 +147,20 @@ class ColumnArenas:
         Callers hold the store's write lock (`arrowbuf.store.update`); readers see all of an update's rows or none of a
         row (the presence seqlock). `values`: [n, *shape] numpy, or a `pa.ListArray` for a ragged field.
         """
+        self.update_fields(positions, {name: values})
+
+    def update_fields(self, positions: np.ndarray, values: dict[str, Any]) -> None:
+        """Write several later fields of live rows at `positions` (distinct) as one update: every value is written,
+        then every field's presence is published, all inside one seqlock bracket, so a reader (a consume with
+        `require=`, a gather, `to_table`) sees all of a row's update or none of it. Callers hold the write lock."""
         with self.presence.updating():
-            if name in self.ragged:
-                self._update_ragged(name, positions, values)
-            else:
-                self._put_rows(name, positions, values)
-            self.later[name][positions] = True
+            for name, part in values.items():
+                if name in self.ragged:
+                    self._update_ragged(name, positions, part)
+                else:
+                    self._put_rows(name, positions, part)
+            for name in values:
+                self.later[name][positions] = True
 
     def _put_rows(self, name: str, positions: np.ndarray, values: np.ndarray) -> None:
         self.arrays[name][positions] = values

@@ -118,20 +118,28 @@ class Presence:
 
     def read(self, name: str, positions: np.ndarray, take: Callable[[np.ndarray], Any]) -> tuple[Any, np.ndarray]:
         """`take(positions)` and the rows' validity, consistent with each other (the update seqlock)."""
-        epoch, valid = self.epoch, self.valid[name]
+        valid = self.valid[name]
+        return self.consistent(lambda: (take(positions), valid[positions]), name)
+
+    def consistent(self, read: Callable[[], Any], what: str = "fields filled later") -> Any:
+        """`read()` run while no update writes: again if one wrote meanwhile (the update seqlock). Reading several
+        later fields inside one `read` sees all of each update or none of it, across the fields (an update of
+        several fields is one bracket: `ColumnArenas.update_fields`). Nested reads are fine (they wait likewise)."""
+        epoch = self.epoch
+        if not self.valid:
+            return read()
         deadline = None
         while True:
             e0 = int(epoch[0])
             if not e0 & 1:
-                present = valid[positions]
-                values = take(positions)
+                out = read()
                 if int(epoch[0]) == e0:
-                    return values, present
+                    return out
             # an update is writing (or wrote meanwhile): let it finish; sched_yield also releases the GIL
             if deadline is None:
                 deadline = time.monotonic() + _GIVE_UP_S
             elif time.monotonic() > deadline:
-                raise ArrowbufError(f"could not read a consistent copy of field {name!r}: updates kept overlapping "
+                raise ArrowbufError(f"could not read a consistent copy of {what!r}: updates kept overlapping "
                                     f"the read for {_GIVE_UP_S:.0f} s (an updating process stopped mid-write?)")
             os.sched_yield()
 

@@ -21,6 +21,11 @@ Mechanism:
 - `consume` selects and marks rows under the store's state lock, so two consumers of one task never get the same
   row, then gathers them outside the lock through the reader's gather (every column, ragged included). While it
   gathers, the rows are pinned: the writer's eviction hold (below) keeps them in place, so no row is torn.
+- Leases (`consume(..., lease=s)`, `arrowbuf.store.leases`): the rows are marked as above (no other consumer of the
+  task gets them) but are not final: an `ack` makes them so, a `nack` or the lease's expiry unmarks them and moves
+  the task's cursor back, so they are delivered again before newer rows. Leased rows hold eviction. Whatever makes
+  a consumption final (a consume without a lease, an ack, a stale or zero-variance drop) goes through `_final`,
+  which calls `final_hooks` (the journal's hook point).
 - Blocking: `consume` waits on the store's condition variable, which commits, updates (`notify`), consumption and
   `policy_version` changes notify; at the deadline it returns what is ready (possibly nothing).
 - Eviction hold: with tasks declared, the writer (`StoreWriter.hold`) may evict a row only once every declared task
@@ -46,6 +51,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -54,10 +60,15 @@ import pyarrow.compute as pc
 from ..delivery.batch import SampleBatch
 from ..errors import InsertTimeout, InvalidArgument, SchemaError
 from ..query.filters import MAX_WHERE_CHARS, RowFilters
+from ..query.sql import caller_cancelled
 from ..samplers.base import Sampler
 from ..samplers.group import GroupSampler
 from ..surface import StoreSurface
 from .core import StoreCore
+from .leases import LeaseTable, check_lease_seconds
+
+#: Seconds between checks that a server's caller is still there, while a consume waits for rows.
+_CANCEL_POLL_S = 0.2
 
 #: Consumption per task is part of the store surface now (`arrowbuf.surface.StoreSurface`); the old name stays.
 ConsumeSurface = StoreSurface
@@ -82,10 +93,21 @@ class ConsumeTracker:
         self._cursor: dict[str, int] = {}
         self._pins: dict[int, int] = {}
         self._gathering: dict[int, tuple[str, np.ndarray]] = {}  # pin -> (task, seqs) of a batch not handed out yet
+        # (without a lease: a leased batch is not final until acked, the lease table has it)
         self._pin_ids = itertools.count()
         self._policy_version = 0
         self.counters = {"stale_dropped": 0, "insert_waits": 0}
         self._delivered: dict[str, int] = {}
+        self._stale_by_task: dict[str, int] = {}  # rows dropped as stale per task: at consume, or evicted unconsumed
+        self.leases = LeaseTable()  # rows in flight per task (consume with lease=), see arrowbuf.store.leases
+        #: Called as `hook(task, seqs, how)` under the state lock whenever `task`'s consumption of rows `seqs` becomes
+        #: final: `how` "consumed" (a consume without a lease), "acked" (a lease acked), "dropped" (stale or
+        #: zero-variance rows, never delivered). Rows in flight under a lease are not final (they may come back).
+        #: The one hook point where a durable store records consumption (the journal). A hook must not block (it
+        #: holds the store's lock); it may return a callable, which `consume` (for "consumed") and `ack` run after
+        #: releasing the lock and before returning: e.g. a wait for the journal's group commit, so that an ack
+        #: returns only once it is durable. Drops return nothing to wait for (their caller is not waiting on them).
+        self.final_hooks: list[Callable[[str, np.ndarray, str], Callable[[], None] | None]] = []
         schema = core.schema
         self.max_staleness = _check_staleness(max_staleness, "max_staleness")
         if self.max_staleness is not None:
@@ -145,6 +167,7 @@ class ConsumeTracker:
         self._consumed[name] = np.full(self.core.arena_rows, -1, dtype=np.int64)
         self._cursor[name] = 0
         self._delivered[name] = 0
+        self._stale_by_task[name] = 0
 
     @property
     def policy_version(self) -> int:
@@ -184,7 +207,7 @@ class ConsumeTracker:
     # ------------------------------------------------------------------ consume
     def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None) -> SampleBatch:
+                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
         """Up to `n` rows (whole groups with a Group sampler) that `task` has not consumed, marked consumed for it.
 
         Args:
@@ -195,10 +218,13 @@ class ConsumeTracker:
             max_staleness: drop rows (groups) whose `policy_version` < `policy_version - max_staleness`.
             where: a SQL predicate over the scalar columns (module docstring).
             max_tokens: token budget of the batch, counted over the store's token field.
+            lease: seconds the rows stay in flight for `task` (`arrowbuf.store.leases`): final on `ack`, back in the
+                task's queue on `nack` or at expiry. None: final now (delivered at most once).
 
         Returns:
             A `SampleBatch` of every column (ragged included); `indices` are the rows' ids, oldest first;
-            `info` holds the task. Possibly empty.
+            `info` holds the task; `lease` the lease id (None without `lease=`, or for an empty batch). Possibly
+            empty.
 
         Raises:
             InvalidArgument: an unknown task or field, or a bad option; nothing is consumed.
@@ -207,11 +233,16 @@ class ConsumeTracker:
         c = self.core
         c.check_open()
         plan = self._plan(task, n, require, timeout, max_staleness, where, max_tokens)
+        seconds = check_lease_seconds(lease)
         deadline = time.monotonic() + plan["timeout"]
+        lease_id = None
+        durable: list[Callable[[], None]] = []  # what the final hooks ask to wait for, outside the lock
+        cancelled = caller_cancelled()  # a server's call: its client may go away while it waits
         with c.cond:
             evaluated = False
             while True:  # commits, updates, consumption and version changes notify the condition
                 c.check_open()
+                self.expire()
                 seqs, full, pending = self._pick(plan)
                 left = deadline - time.monotonic()
                 if len(pending) and (left > 0 or not evaluated):  # rows `where` has not judged yet
@@ -220,26 +251,115 @@ class ConsumeTracker:
                     continue
                 if full or left <= 0:
                     break
+                if cancelled is not None and cancelled():
+                    break
                 c.waiters += 1  # commits notify the condition only when someone waits (StoreCore.notify)
                 try:
-                    c.cond.wait(left)
+                    wait = self._bounded(left)
+                    c.cond.wait(wait if cancelled is None else min(wait or _CANCEL_POLL_S, _CANCEL_POLL_S))
                 finally:
                     c.waiters -= 1
+            if len(seqs) and cancelled is not None and cancelled():
+                seqs = seqs[:0]  # nobody will read the reply: nothing is consumed
             if len(seqs):
                 self._consumed[task][seqs % c.arena_rows] = seqs
-                self._delivered[task] += len(seqs)
+                if seconds is None:
+                    self._final(task, seqs, "consumed", durable)
+                else:
+                    lease_id = self.leases.open(task, seqs, seconds).id
             pin = next(self._pin_ids)
             if len(seqs):
                 self._pins[pin] = int(seqs.min())
-                self._gathering[pin] = (task, seqs)
+                if lease_id is None:  # a leased batch is in the lease table (not final) already
+                    self._gathering[pin] = (task, seqs)
         try:
             arrays = self.reader.gather(seqs, None)
+        except BaseException:
+            if lease_id is not None:  # nothing was handed out: the rows go back now rather than at expiry
+                self.nack(lease_id)
+            raise
         finally:
             with c.cond:
                 self._pins.pop(pin, None)
                 self._gathering.pop(pin, None)
                 c.cond.notify_all()  # held writers: rows were consumed and unpinned
-        return SampleBatch(arrays, seqs, None, info={"task": task})
+        for until_durable in durable:
+            until_durable()
+        batch = SampleBatch(arrays, seqs, None, info={"task": task})
+        if lease_id is not None:
+            batch.lease, batch.owner = lease_id, self
+        return batch
+
+    # ------------------------------------------------------------------ leases (arrowbuf.store.leases)
+    def ack(self, lease: Any) -> int:
+        """Make the consumption of a lease's rows final for its task; returns the rows.
+
+        Raises:
+            LeaseError: not an open lease of this store (already acked or nacked, expired, unknown).
+        """
+        durable: list[Callable[[], None]] = []
+        with self.core.cond:
+            self.expire()
+            held = self.leases.take(lease, "ack")
+            self.leases.ended(held, "acked")
+            self._final(held.task, held.seqs, "acked", durable)
+            self.core.cond.notify_all()  # held writers: the rows may be evicted now
+        for until_durable in durable:  # e.g. the journal's commit of this ack
+            until_durable()
+        return len(held.seqs)
+
+    def nack(self, lease: Any) -> int:
+        """Put a lease's rows back in its task's queue now (delivered again, before newer rows); returns the rows.
+
+        Raises:
+            LeaseError: not an open lease of this store (already acked or nacked, expired, unknown).
+        """
+        with self.core.cond:
+            self.expire()
+            held = self.leases.take(lease, "nack")
+            self._return(held.task, held.seqs)
+            self.leases.ended(held, "nacked")
+            self.core.cond.notify_all()
+        return len(held.seqs)
+
+    def expire(self) -> int:
+        """Under the state lock: put the rows of leases past their deadline back in their tasks' queues; returns
+        how many leases expired."""
+        due = self.leases.due()
+        for held in due:
+            self._return(held.task, held.seqs)
+            self.leases.ended(held, "expired")
+        if due:
+            self.core.cond.notify_all()
+        return len(due)
+
+    def _return(self, task: str, seqs: np.ndarray) -> None:
+        """Rows of `task` in flight become unconsumed again (the row's seq check: a row is never recycled while in
+        flight, since leased rows hold eviction); the cursor moves back so the next consume finds them first."""
+        arr = self._consumed[task]
+        pos = seqs % self.core.arena_rows
+        back = arr[pos] == seqs
+        arr[pos[back]] = -1
+        if len(seqs):
+            self._cursor[task] = min(self._cursor[task], int(seqs.min()))
+
+    def _final(self, task: str, seqs: np.ndarray, how: str, durable: list[Callable[[], None]] | None = None) -> None:
+        """Under the state lock: `task`'s consumption of `seqs` is final (module docstring of leases); counted
+        (delivered rows) and passed to the final hooks; what they return to wait for goes to `durable`."""
+        if how != "dropped":
+            self._delivered[task] += len(seqs)
+        for hook in self.final_hooks:
+            until_durable = hook(task, seqs, how)
+            if until_durable is not None and durable is not None:
+                durable.append(until_durable)
+
+    def _bounded(self, left: float | None) -> float | None:
+        """A wait of `left` seconds cut at the next lease deadline (an expiry must wake waiters: nothing notifies)."""
+        nxt = self.leases.next_deadline()
+        if nxt is None:
+            return left
+        until = max(0.0, nxt - time.monotonic()) + 1e-3
+        return until if left is None else min(left, until)
 
     def _plan(self, task: Any, n: Any, require: Any, timeout: Any, max_staleness: Any, where: Any,
               max_tokens: Any) -> dict[str, Any]:
@@ -331,8 +451,11 @@ class ConsumeTracker:
         keep = self.group.screen(members)
         if not keep.all():  # zero variance: dropped for every task (they never hold eviction)
             gone = members[~keep].reshape(-1)
-            for arr in self._consumed.values():
-                arr[gone % self.core.arena_rows] = gone
+            for t, arr in self._consumed.items():
+                fresh = gone[arr[gone % self.core.arena_rows] != gone]
+                arr[fresh % self.core.arena_rows] = fresh
+                if len(fresh):
+                    self._final(t, fresh, "dropped")
             members = members[keep]
         if plan["k"] is not None and len(members):
             stale = self._stale(members.reshape(-1), plan["k"]).reshape(members.shape).any(axis=1)
@@ -360,6 +483,25 @@ class ConsumeTracker:
     def _drop(self, task: str, seqs: np.ndarray) -> None:
         self._consumed[task][seqs % self.core.arena_rows] = seqs
         self.counters["stale_dropped"] += len(seqs)
+        self._stale_by_task[task] += len(seqs)
+        self._final(task, seqs, "dropped")
+
+    def _count_evicted(self, n: int) -> None:
+        """Under the write lock and the state lock, right before a write of `n` rows evicts the oldest rows: those
+        a task has not consumed (only stale rows may go so, `_held`) are dropped as stale for it and counted."""
+        c = self.core
+        idx = c.index
+        lo, hi = idx.lo, idx.hi
+        stop = min(hi, hi + n - c.capacity)
+        if stop <= lo or not self._consumed:
+            return
+        seqs = np.arange(lo, stop, dtype=np.int64)
+        pos = seqs % c.arena_rows
+        live = idx.valid[pos] & (idx.seq[pos] == seqs)
+        for task, arr in self._consumed.items():
+            gone = live & (arr[pos] != seqs)
+            if gone.any():
+                self._drop(task, seqs[gone])
 
     def _stale(self, seqs: np.ndarray, k: int) -> np.ndarray:
         return self.values("policy_version", seqs % self.core.arena_rows) < self._policy_version - k
@@ -421,19 +563,26 @@ class ConsumeTracker:
                 c.check_open()
                 return self._admissible(versions, n)
 
-            if left is not None and left > 0 and c.wait_for(ok, left):
-                return
+            if left is not None and left > 0:
+                end = time.monotonic() + left
+                while (rem := end - time.monotonic()) > 0:  # cut at lease deadlines: an expiry may release rows
+                    if c.wait_for(ok, self._bounded(rem)):
+                        return
             c.check_open()
             raise InsertTimeout(self._blocked_reason(versions, n) + (
                 "; did not wait (timeout=None)" if timeout is None else f"; waited {timeout}s")
                 + ": consume the rows, or pass a longer timeout=")
 
     def ready(self, cols: dict[str, Any], n: int) -> bool:
-        """Under the writer's write lock: whether `n` rows may be written now (`wait` first)."""
+        """Under the writer's write lock: whether `n` rows may be written now (`wait` first). When it says so, the
+        writer evicts next: unconsumed stale rows it evicts are counted as dropped for their tasks."""
         versions = self._versions(cols)
         with self.core.cond:
             self._check_not_too_old(versions)
-            return self._admissible(versions, n)
+            if not self._admissible(versions, n):
+                return False
+            self._count_evicted(n)  # the writer reserves (and evicts) next, still under its write lock
+            return True
 
     def _versions(self, cols: dict[str, Any]) -> np.ndarray | None:
         if self.max_staleness is None:
@@ -480,6 +629,9 @@ class ConsumeTracker:
             stale = self.values("policy_version", pos) < self._policy_version - self.max_staleness
             stale &= seqs < min(self._pins.values(), default=hi)
             done |= stale
+        if len(self.leases):
+            self.expire()
+            done &= ~np.isin(seqs, self.leases.held())  # in flight: it may come back, so it stays
         return seqs[~done]
 
     def _blocked_reason(self, versions: np.ndarray | None, n: int) -> str:
@@ -513,9 +665,12 @@ class ConsumeTracker:
                 if t == task:
                     done &= ~np.isin(seqs, inflight)
                     delivered[t] -= len(inflight)
+            for held in self.leases.of_task(task):  # in flight, not acked: delivered again after a restore
+                done &= ~np.isin(seqs, held.seqs)
             arrays[task] = done
         meta = {"tasks": self.tasks, "policy_version": self._policy_version, "max_staleness": self.max_staleness,
-                "token_field": self.token_field, "counters": dict(self.counters), "delivered": delivered}
+                "token_field": self.token_field, "counters": dict(self.counters), "delivered": delivered,
+                "stale_dropped_by_task": dict(self._stale_by_task)}
         return meta, arrays
 
     def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -537,6 +692,7 @@ class ConsumeTracker:
             self._consumed[task][pos[done]] = seqs[done]
             self._cursor[task] = 0
             self._delivered[task] = int(meta.get("delivered", {}).get(task, 0))
+            self._stale_by_task[task] = int(meta.get("stale_dropped_by_task", {}).get(task, 0))
         self._policy_version = int(meta.get("policy_version", 0))
         for k, v in meta.get("counters", {}).items():
             if k in self.counters:
@@ -545,8 +701,13 @@ class ConsumeTracker:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Counters for `store.stats()` (call under the store's lock)."""
+        self.expire()
         out: dict[str, Any] = {"policy_version": self._policy_version, "tasks": self.tasks,
-                               "consumed": dict(self._delivered), **self.counters}
+                               "consumed": dict(self._delivered), **self.counters,
+                               "stale_dropped_by_task": dict(self._stale_by_task),
+                               "in_flight": self.leases.in_flight(self.tasks), "leases": len(self.leases),
+                               "redelivered": {t: self.leases.redelivered.get(t, 0) for t in self.tasks},
+                               "leases_expired": {t: self.leases.expired.get(t, 0) for t in self.tasks}}
         out["groups_dropped_zero_variance"] = self.group.dropped_groups if self.group is not None else 0
         return out
 

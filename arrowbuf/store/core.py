@@ -73,7 +73,8 @@ class StoreCore:
     #: Called as `on_update(positions, fields)` after `store.update` wrote rows and notified `cond`, holding the
     #: write lock but not `lock` (`store.update` calls it; a tracker may install it).
     on_update: Any = None
-    #: The store's `ConsumeTracker` (tasks, consumption per task, policy version); set once the facade built it.
+    #: The store's `ConsumeTracker` (tasks, consumption per task, policy version); set once the facade built it. Its
+    #: `final_hooks` are the one point where a consumption becomes final (a journal records it there).
     consume: Any = None
     final_sources: list[str] = field(init=False)
     end_fields: list[str] = field(init=False)

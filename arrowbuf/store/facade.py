@@ -412,7 +412,7 @@ class ExperienceStore:
     # Thin delegation to `arrowbuf.store.consume.ConsumeTracker`.
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None) -> SampleBatch:
+                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
         """Up to `n` rows (whole groups with `samplers.Group`) that `task` has not consumed yet, marked consumed.
 
         Args:
@@ -424,15 +424,41 @@ class ExperienceStore:
                 `stats()["stale_dropped"]`), never delivered.
             where: a SQL predicate over the scalar columns, e.g. `"reward > 0 AND policy_version >= 3"`.
             max_tokens: token budget of the batch over the store's `token_field` (at least one row is delivered).
+            lease: seconds the rows stay in flight for `task` (`arrowbuf.store.leases`): `ack(batch.lease)` makes
+                them final, `nack` or expiry puts them back in the task's queue (delivered again, in their order).
+                None (default): final at once.
 
         Returns:
-            A `SampleBatch` of every column; `indices` are the rows' ids, oldest first.
+            A `SampleBatch` of every column; `indices` are the rows' ids, oldest first; `lease` the lease id (None
+            without `lease=` or for an empty batch); `batch.ack()` / `batch.nack()` end it.
 
         Raises:
             InvalidArgument: an unknown task, an unknown field, a bad option or predicate; nothing is consumed.
         """
-        return self._consume.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
-                                     where=where, max_tokens=max_tokens)
+        batch = self._consume.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
+                                      where=where, max_tokens=max_tokens, lease=lease)
+        if batch.lease is not None:
+            batch.owner = self
+        return batch
+
+    def ack(self, lease: str) -> int:
+        """Make the rows of a lease (`batch.lease` of `consume(..., lease=)`) consumed for good by its task; returns
+        the rows. They are never delivered to that task again.
+
+        Raises:
+            LeaseError: the lease is not open: acked or nacked already, expired (its rows went back to the queue),
+                or unknown to this store.
+        """
+        return self._consume.ack(lease)
+
+    def nack(self, lease: str) -> int:
+        """Give the rows of a lease back to its task's queue now: the next consume of the task gets them first, in
+        their order. Returns the rows.
+
+        Raises:
+            LeaseError: the lease is not open (as `ack`).
+        """
+        return self._consume.nack(lease)
 
     def add_task(self, name: str) -> None:
         """Declare a consuming task: it sees every live row once, and rows wait for it before eviction.

@@ -20,6 +20,7 @@ faster than they were copied.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -276,10 +277,16 @@ class StoreReader:
         shape = seqs.shape
         pos = (seqs % self.core.arena_rows).reshape(-1)
         out: dict[str, Any] = {}
+        later = [name for name in names if name in cols.later]
+        filled: dict[str, Any] = {}
+        if later:  # fields filled later: null where a row has no value yet; all of an update or none, across fields
+            extra = (reads,) if tracked else ()
+            filled = cols.presence.consistent(
+                lambda: {name: cols.take_later(name, pos, shape, *extra) for name in later})
         nxt = None
         for name in names:
-            if name in cols.later:  # fields filled later: null where a row has no value yet
-                out[name] = cols.take_later(name, pos, shape, *((reads,) if tracked else ()))
+            if name in filled:
+                out[name] = filled[name]
                 continue
             if name in cols.arrays:
                 col = self._rows(cols, name, pos, reads)
@@ -459,9 +466,10 @@ class _SnapshotIter:
                 continue
             for slot, p0, p1, s0 in c.directory.live_chunks(seq, min(self.hi, seq + self.step)):
                 arrays = []
+                later = cols.presence.consistent(functools.partial(self._later, slot, p0, p1))  # all or none
                 for n in self.names:
-                    if n in cols.later and n in cols:  # fields filled later: null where absent
-                        arrays.append(cols.snapshot_later(n, p0, p1))
+                    if n in later:
+                        arrays.append(later[n])
                     elif n in cols:
                         arrays.append(_column_copy(cols.view(n, p0, p1), c.schema.fields[n]))
                     elif n in self.ragged:
@@ -484,6 +492,23 @@ class _SnapshotIter:
                 seq = s0 + (p1 - p0)
                 if batch.num_rows or start < seq:  # a piece of holes only still continues the range
                     yield batch, start, seq
+
+
+    def _later(self, slot: int, p0: int, p1: int) -> dict[str, pa.Array]:
+        """Rows [p0, p1) of chunk slot `slot` of the fields filled later (null where absent), read now rather than at
+        the snapshot point, so that one seqlock read covers all of them (the row check after the copy still drops
+        rows recycled meanwhile)."""
+        cols = self.core.cols
+        out: dict[str, pa.Array] = {}
+        for n in self.names:
+            if n not in cols.later:
+                continue
+            if n in cols:
+                out[n] = cols.snapshot_later(n, p0, p1)
+            else:  # ragged: the slot's current array (an update replaces it inside its bracket)
+                off = p0 - slot * self.core.directory.chunk_rows
+                out[n] = cols.ragged[n][slot].slice(off, p1 - p0)
+        return out
 
 
 def _column_copy(values: Any, spec: FieldSpec) -> pa.Array:

@@ -169,10 +169,9 @@ class StoreUpdater:
             keep = np.flatnonzero(live)
             pos = seqs[keep] % c.arena_rows
             if len(keep):
-                for name, col in cols.items():
-                    part = col if len(keep) == len(seqs) else (
-                        col.take(pa.array(keep)) if isinstance(col, pa.Array) else col[keep])
-                    c.cols.update_rows(name, pos, part)
+                parts = {name: col if len(keep) == len(seqs) else (
+                    col.take(pa.array(keep)) if isinstance(col, pa.Array) else col[keep]) for name, col in cols.items()}
+                c.cols.update_fields(pos, parts)  # one bracket: readers see all of a row's update or none
             with c.cond:
                 skipped = len(seqs) - len(keep)
                 if skipped:

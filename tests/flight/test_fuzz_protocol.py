@@ -36,8 +36,8 @@ FUZZ = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci")
                             if os.environ.get("HYPOTHESIS_PROFILE") in ("ci", "long") else "ci")
 
 #: the error classes a malformed request may produce (everything else is a server bug)
-MAPPED = {"SchemaError", "InvalidArgument", "StoreNotFound", "SampleTimeout", "QueryTimeout", "ResourceExhausted",
-          "ValueError", "TypeError"}
+MAPPED = {"SchemaError", "InvalidArgument", "LeaseError", "StoreNotFound", "SampleTimeout", "QueryTimeout",
+          "ResourceExhausted", "ValueError", "TypeError"}
 CALL = flight.FlightCallOptions(timeout=60)  # a hung server fails the test instead of hanging it
 
 
@@ -144,14 +144,16 @@ def mutated(base: st.SearchStrategy, keys: list[str]) -> st.SearchStrategy:
     return st.tuples(base, st.lists(st.tuples(st.sampled_from(keys) | texts, values), max_size=2)).map(apply)
 
 
-CONSUME_KEYS = ["v", "kind", "store", "task", "n", "require", "timeout", "max_staleness", "where", "max_tokens"]
+CONSUME_KEYS = ["v", "kind", "store", "task", "n", "require", "timeout", "max_staleness", "where", "max_tokens",
+                "lease"]
 consume_tickets = mutated(st.fixed_dictionaries(
     {"v": st.just(2), "kind": st.just("consume"), "store": st.just("grpo"), "task": st.sampled_from(["ref", "train"]),
      "n": st.integers(1, 8)},
     optional={"require": st.lists(st.sampled_from(["reward", "ref_logprobs", "prompt_id"]), max_size=2, unique=True),
               "timeout": st.sampled_from([0, 0.01]), "max_staleness": st.integers(0, 3),
               "where": st.sampled_from(["reward > 0", "reward IS NULL", "prompt_id % 2 = 0", "seq > 10"]),
-              "max_tokens": st.integers(1, 100)}), CONSUME_KEYS)
+              "max_tokens": st.integers(1, 100),
+              "lease": st.sampled_from([0.05, 0.5, 0, -1, 1e9, float("inf"), "1", True])}), CONSUME_KEYS)
 raw = st.binary(max_size=64) | json_values.map(lambda v: json.dumps(v).encode())
 put_commands = st.fixed_dictionaries({}, optional={"kind": st.sampled_from(["extend", "x"]) | texts,
                                                     "store": texts | numbers, "timeout": numbers, "v": numbers,
@@ -179,6 +181,11 @@ llm_actions = st.one_of(
     st.tuples(st.just("add_task"), mutated(st.fixed_dictionaries(
         {"v": st.just(2), "store": st.just("grpo"), "task": st.text(min_size=1, max_size=8)}),
         ["v", "store", "task", "policy_version"])),
+    # issue 25: leases; ids well-formed or not, open or not (the test may swap in a real one)
+    st.tuples(st.sampled_from(["ack", "nack"]), mutated(st.fixed_dictionaries(
+        {"v": st.just(2), "store": st.just("grpo"),
+         "lease": st.sampled_from(["OPEN", "abc.1", "", "x" * 129, "a b", "../..", "0/abc.1+1/x.2"])
+         | st.text(max_size=140)}), ["v", "store", "lease", "task"])),
 )
 arrow_types = st.sampled_from([
     pa.float32(), pa.float64(), pa.int64(), pa.int8(), pa.uint64(), pa.bool_(), pa.string(), pa.binary(),
@@ -227,6 +234,32 @@ def _valid_columns(rows: int) -> dict[str, pa.Array]:
         else:
             out[k] = pa.array(v)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- leases
+@FUZZ
+@given(verb=st.sampled_from(["ack", "nack"]), body=st.fixed_dictionaries({}, optional={
+    "v": st.sampled_from([1, 2, 3]) | numbers, "store": texts, "lease": texts | numbers | json_values
+    | st.text(alphabet="abc.:/+-0", max_size=200), "extra": json_values}).map(lambda d: json.dumps(d).encode())
+    | raw)
+def test_ack_and_nack_bodies_decode_to_a_short_plain_id_or_are_refused(verb, body):
+    """The lease messages (issue 25) are hostile input: decoded only into a bounded id of plain characters."""
+    try:
+        req = P.decode_action(flight.Action(verb, body))
+    except ab.SchemaError:
+        return
+    assert req.type == verb and isinstance(req.lease, str) and 0 < len(req.lease) <= 128
+    assert P.LEASE_ID.fullmatch(req.lease)
+
+
+@FUZZ
+@given(meta=json_values.map(lambda v: json.dumps({"v": 1, "indices": [], "lease": v}).encode()) | raw)
+def test_a_consume_replys_lease_metadata_decodes_to_an_id_or_is_refused(meta):
+    try:
+        lease = P.decode_lease_meta(meta)
+    except ab.SchemaError:
+        return
+    assert lease is None or (isinstance(lease, str) and P.LEASE_ID.fullmatch(lease))
 
 
 # ---------------------------------------------------------------------------------------------------- the verbs
@@ -348,6 +381,9 @@ class TestFuzzEveryVerb:
     def test_do_action_consume_verbs(self, target, action):
         """set_policy_version, policy_version and add_task (issue 16): bounded, never INTERNAL."""
         type_, body = action
+        if body.get("lease") == "OPEN":  # a lease the server really has open: acked or nacked for real
+            b = target["stores"]["grpo"].consume("train", 2, lease=30)
+            body = {**body, "lease": b.lease or "none"}
         _outcome(lambda: event(f"{type_} done") or list(
             target["client"].do_action(flight.Action(type_, json.dumps(body).encode()), CALL)))
         store = target["stores"]["grpo"]
