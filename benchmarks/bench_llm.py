@@ -550,27 +550,45 @@ def writer_main(location: str, seed: int, groups: int, lo: int, hi: int) -> None
     remote.close()
 
 
+#: The predicate of the consume benchmark's filtered calls: true for every row, so both kinds of call deliver alike.
+CONSUME_WHERE = "reward >= 0.0 AND policy_version >= 0 AND prompt_id >= 0"
+#: The trainer's step between consumes in the consume benchmark (seconds).
+CONSUME_STEP_S = 0.05
+
+
 def child_consume(prompts: int, repeats: int) -> dict[str, Any]:
-    """consume("train", 64 rows = 8 whole groups) latency while 2 writer processes push groups over Flight."""
+    """consume("train", 64 rows = 8 whole groups) latency while 2 writer processes push groups over Flight, calls
+    with and without `where=` alternating (`CONSUME_WHERE` passes every row, so both wait for the same rows).
+
+    The trainer takes `CONSUME_STEP_S` between consumes (its step), so the writers keep ahead and a consume measures
+    its own cost under concurrent writes rather than the writers' rate; `waited` counts the calls that found fewer
+    than 64 rows ready and waited for the writers anyway."""
     import arrowbuf as ab
 
     lo, hi = 1024, 16 * 1024
-    batches = max(8, prompts // 8)
-    store = ab.ExperienceStore(ab.load_schema("grpo"), capacity=256, tasks=["train"],
+    batches = max(8, prompts // 8) * 2
+    store = ab.ExperienceStore(ab.load_schema("grpo"), capacity=1024, tasks=["train"],
                                sampler=ab.samplers.Group(key="prompt_id", size=8))
-    lat, tokens = [], 0
+    lat: dict[str, list[float]] = {"plain": [], "where": []}
+    tokens = 0
     with ab.serve(store, max_batch_bytes=1 << 30) as server:
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        groups = batches * 8 // 2 + 4
+        groups = (batches + 2) * 8 // 2 + 64  # each writer; the rest wait on the full store until it closes
         writers = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_llm", "--serve", "writer", "--location",
                                      server.location, "--seed", str(i + 1), "--groups", str(groups)], cwd=ROOT, env=env)
                    for i in range(2)]
+        waited = 0
         try:
             store.consume("train", 64, timeout=120.0)  # the writers are up
-            for _ in range(batches):
+            store.consume("train", 64, where=CONSUME_WHERE, timeout=120.0)  # validated once, like any predicate
+            for i in range(batches):
+                time.sleep(CONSUME_STEP_S)
+                kind = "where" if i % 2 else "plain"
+                st = store.stats()
+                waited += st["next_seq"] - st["consumed"]["train"] < 64
                 t0 = time.perf_counter()
-                b = store.consume("train", 64, timeout=60.0)
-                lat.append(time.perf_counter() - t0)
+                b = store.consume("train", 64, timeout=60.0, where=CONSUME_WHERE if i % 2 else None)
+                lat[kind].append(time.perf_counter() - t0)
                 tokens += int(b.token_counts("response_tokens").sum())
         finally:
             store.close()  # a writer still blocked on a full buffer gets an error and exits
@@ -580,10 +598,42 @@ def child_consume(prompts: int, repeats: int) -> dict[str, Any]:
                 except subprocess.TimeoutExpired:
                     w.kill()
                     w.wait()
-    ms = np.asarray(lat) * 1e3
-    return {"batches": batches, "rows_per_batch": 64, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "tokens": tokens,
-            "lengths": [lo, hi]}
+    out: dict[str, Any] = {"batches": batches, "rows_per_batch": 64, "tokens": tokens, "lengths": [lo, hi],
+                           "where": CONSUME_WHERE, "step_s": CONSUME_STEP_S, "waited": int(waited)}
+    for kind, xs in lat.items():
+        ms = np.asarray(xs) * 1e3
+        prefix = "" if kind == "plain" else "where_"
+        out.update({f"{prefix}p50_ms": float(np.percentile(ms, 50)), f"{prefix}p99_ms": float(np.percentile(ms, 99)),
+                    f"{prefix}max_ms": float(ms.max())})
+    return out
+
+
+def child_consume_local(prompts: int, repeats: int) -> dict[str, Any]:
+    """consume("train", 64) in process from a full store (no writers): the floor of a consume, with and without
+    `where=`; the store is refilled outside the timed calls."""
+    import arrowbuf as ab
+
+    rng = np.random.default_rng(0)
+    store = ab.ExperienceStore(ab.load_schema("grpo"), capacity=1024, tasks=["train"],
+                               sampler=ab.samplers.Group(key="prompt_id", size=8))
+    lat: dict[str, list[float]] = {"plain": [], "where": []}
+    first = 0
+    for i in range(max(64, prompts * 4)):
+        if i % 16 == 0:
+            store.extend(_grpo_rows(rng, 128, first, 64, 256))
+            first += 128
+        kind = "where" if i % 2 else "plain"
+        t0 = time.perf_counter()
+        b = store.consume("train", 64, timeout=0, where=CONSUME_WHERE if i % 2 else None)
+        lat[kind].append(time.perf_counter() - t0)
+        assert len(b) == 64
+    store.close()
+    out: dict[str, Any] = {}
+    for kind, xs in lat.items():
+        ms = np.asarray(xs[2:]) * 1e3  # the first of each validates and warms up
+        out[kind] = {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+                     "calls": len(ms)}
+    return out
 
 
 def child_where(prompts: int, repeats: int) -> dict[str, Any]:
@@ -693,7 +743,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=None, help="GRPO prompts (issue: 256)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--only", nargs="+", default=["fixed", "ragged", "grpo"],
-                    help="fixed, ragged, grpo (grpo includes the consume and where rows)")
+                    help="fixed, ragged, grpo (grpo includes the consume and where rows), consume (those rows only)")
     ap.add_argument("--skip", nargs="*", default=[], help="fixed-row systems to skip, e.g. transferqueue ray")
     ap.add_argument("--peers", action="store_true", help="with --quick: also Ray and TransferQueue (each starts Ray)")
     ap.add_argument("--tq-python", default=TQ_PYTHON)
@@ -717,6 +767,8 @@ def main(argv: list[str] | None = None) -> None:
             res = child_grpo(prompts, repeats)
         elif args.child == "consume":
             res = child_consume(prompts, repeats)
+        elif args.child == "consume_local":
+            res = child_consume_local(prompts, repeats)
         elif args.child == "where":
             res = child_where(prompts, repeats)
         else:
@@ -748,6 +800,9 @@ def main(argv: list[str] | None = None) -> None:
     if "grpo" in args.only:
         results["grpo"] = run_child("grpo", common)
         _print_grpo(results["grpo"])
+    if "grpo" in args.only or "consume" in args.only:
+        results["consume_local"] = run_child("consume_local", common)
+        _print_consume_local(results["consume_local"])
         results["consume"] = run_child("consume", common)
         _print_consume(results["consume"])
         results["where"] = run_child("where", common)
@@ -810,8 +865,20 @@ def _print_consume(r: dict[str, Any]) -> None:
         print(f"consume unavailable: {r['error']}", flush=True)
         return
     print(f"consume(train, 64 rows = 8 groups of 1k-16k tokens) with 2 writer processes over Flight: "
-          f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms over {r['batches']} batches "
-          f"({r['tokens'] / 1e6:.1f}M tokens)", flush=True)
+          f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; with where= p50 {r['where_p50_ms']:.1f} ms, "
+          f"p99 {r['where_p99_ms']:.1f} ms (targets: 5 / 20 ms) over {r['batches']} batches alternating, "
+          f"{r['step_s'] * 1e3:.0f} ms steps between them ({r['tokens'] / 1e6:.1f}M tokens; {r['waited']} calls "
+          "waited for rows)", flush=True)
+
+
+def _print_consume_local(r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"consume in process unavailable: {r['error']}", flush=True)
+        return
+    p, w = r["plain"], r["where"]
+    print(f"consume(train, 64 rows) in process, store full, no writers: p50 {p['p50_ms']:.2f} ms, p99 "
+          f"{p['p99_ms']:.2f} ms (target p50 < 2 ms); with where= p50 {w['p50_ms']:.2f} ms, p99 {w['p99_ms']:.2f} ms",
+          flush=True)
 
 
 def _print_where(r: dict[str, Any]) -> None:
