@@ -506,13 +506,22 @@ def child_grpo(prompts: int, repeats: int) -> dict[str, Any]:
         splits[f"{method}, groups whole"] = imbalance(counts, parts)
         splits[method] = imbalance(counts, partition(counts, 4, method=method))
     splits["contiguous"] = imbalance(counts, np.array_split(np.arange(n), 4))
+    sq = counts.astype(np.float64) ** 2
+    parts = partition(sq, 4, groups=batch.to_numpy()["prompt_id"])
+    splits["tokens^2 cost, kk, groups whole"] = imbalance(sq, parts)
+    splits["tokens^2 cost when balanced by tokens"] = imbalance(
+        sq, partition(counts, 4, groups=batch.to_numpy()["prompt_id"]))
     t0 = time.perf_counter()
     batch.split(4, balance="tokens", group="prompt_id")
     split_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    batch.split(4, balance="tokens^2", group="prompt_id", micro_batches=4)
+    split_micro_s = time.perf_counter() - t0
     store.close()
     return {"prompts": prompts, "group": group, "tokens": tokens, "bytes_per_token_id": ids_bytes / tokens,
             "bytes_per_token_row": row_bytes / tokens, "put_s": put, "get_s": get,
-            "bytes": int(ids.nbytes + lps.nbytes), "imbalance": splits, "split_s": split_s}
+            "bytes": int(ids.nbytes + lps.nbytes), "imbalance": splits, "split_s": split_s,
+            "split_micro_s": split_micro_s}
 
 
 def _grpo_rows(rng: np.random.Generator, prompts: int, first_id: int, lo: int, hi: int,
@@ -857,7 +866,8 @@ def _print_grpo(r: dict[str, Any]) -> None:
     print(f"grpo   {r['prompts']}x{r['group']} rows, {r['tokens'] / 1e6:.1f}M tokens: "
           f"{r['bytes_per_token_id']:.2f} B/token id ({r['bytes_per_token_row']:.2f} B/token for the whole row), "
           f"PUT {_gbs(r['bytes'], r['put_s'])} GB/s, GET {_gbs(r['bytes'], r['get_s'])} GB/s; "
-          f"split(4) token imbalance: {imb}", flush=True)
+          f"split(4) imbalance (max part / mean part): {imb}; split(4, tokens^2, 4 micro-batches) "
+          f"{r['split_micro_s'] * 1e3:.1f} ms", flush=True)
 
 
 def _print_consume(r: dict[str, Any]) -> None:
