@@ -96,7 +96,8 @@ class PeakMemory:
     `peak_self` is the same for this process alone (the client); the rest of the tree is servers and Ray's processes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pids: list[int] | None = None) -> None:
+        self.pids = pids  # measure these processes as "self" instead of this one
         self.base = self.peak = self.base_self = self.peak_self = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,11 +105,11 @@ class PeakMemory:
     def _sample(self) -> None:
         pids = _tree(os.getpid())
         self.peak = max(self.peak, _pss(pids))
-        self.peak_self = max(self.peak_self, _pss([os.getpid()]))
+        self.peak_self = max(self.peak_self, _pss(self.pids or [os.getpid()]))
 
     def start(self) -> "PeakMemory":
         self.base = self.peak = _pss(_tree(os.getpid()))
-        self.base_self = self.peak_self = _pss([os.getpid()])
+        self.base_self = self.peak_self = _pss(self.pids or [os.getpid()])
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -273,6 +274,54 @@ def child_ab_flight(samples: int, repeats: int) -> dict[str, Any]:
     return {"put_s": _med(put), "get_s": _med(get), "get_sample_s": _med(get_sample), **mem.split(),
             "bytes": sum(v.nbytes for v in payload.values()), "ratio_raw_put": _med(r_put),
             "ratio_raw_get": _med(r_get)}
+
+
+def child_ab_flight_parts(samples: int, repeats: int) -> dict[str, Any]:
+    """TransferQueue's perftest batch in ONE `remote.extend(batch)` call to a server whose max_batch_bytes is below
+    the payload (the default 256 MiB, or a quarter of the payload when it is smaller, so quick runs cut parts too):
+    the client sends it in parts (protocol 3) and the server commits it as one extend. Peak memory (PSS growth) of
+    the client and of the server process, each as a multiple of the payload, measured after a warm-up extend and
+    sample (the server's ring already touched)."""
+    import arrowbuf as ab
+
+    payload = fixed_payload(samples)
+    rows = _with_done(payload, samples)
+    nbytes = sum(v.nbytes for v in payload.values())
+    limit = 256 << 20 if nbytes > 256 << 20 else max(1 << 20, nbytes // 4)  # the server's default, or cut in 4
+    proc = _spawn_server("ab-parts", samples, False, ["--max-batch-bytes", str(limit)])
+    try:
+        remote = ab.connect(json.loads(proc.stdout.readline())["location"], store="perftest")
+        _import_torch()
+        remote.extend(rows)  # warm-up: the ring's pages, the connection
+        remote.sample(samples, columns=list(payload)).to_torch()
+        peaks: dict[str, int] = {}
+        put, get = [], []
+        for phase in ("put", "get"):  # each phase in its own window: PUT is the parts path, GET one DoGet message
+            client, server = PeakMemory(), PeakMemory(pids=[proc.pid])
+            client.start()
+            server.start()
+            for _ in range(repeats):
+                if phase == "put":
+                    put.append(_timed(lambda: remote.extend(rows)))
+                else:
+                    t0 = time.perf_counter()
+                    batch = remote.sample(samples, columns=list(payload))
+                    batch.to_torch()
+                    get.append(time.perf_counter() - t0)
+                    del batch
+            client.stop()
+            server.stop()
+            peaks[f"{phase}_client_peak_bytes"] = client.split()["peak_self_bytes"]
+            peaks[f"{phase}_server_peak_bytes"] = server.split()["peak_self_bytes"]
+        from arrowbuf.flight.parts import part_bytes
+
+        parts = -(-nbytes // part_bytes(limit))
+        remote.close()
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+    return {"put_s": _med(put), "get_s": _med(get), "bytes": nbytes, "max_batch_bytes": limit, "parts_about": parts,
+            **peaks}
 
 
 def child_raw_flight(samples: int, repeats: int) -> dict[str, Any]:
@@ -681,10 +730,11 @@ def _dist_version(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- servers
-def _spawn_server(kind: str, samples: int, ragged: bool) -> subprocess.Popen:
+def _spawn_server(kind: str, samples: int, ragged: bool, extra: list[str] | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen([sys.executable, "-m", "benchmarks.bench_llm", "--serve", kind, "--samples",
-                             str(samples)], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                             str(samples), *(extra or [])], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
 
 
 def serve_main(kind: str, samples: int, args: Any = None) -> None:
@@ -693,11 +743,14 @@ def serve_main(kind: str, samples: int, args: Any = None) -> None:
     if kind == "writer":
         writer_main(args.location, args.seed, args.groups, 1024, 16 * 1024)
         return
-    if kind == "ab":
+    if kind in ("ab", "ab-parts"):
         import arrowbuf as ab
 
-        store = ab.ExperienceStore(_schema(False), capacity=samples, sampler="fifo", name="perftest")
-        server = ab.serve(store, max_batch_bytes=4 << 30, max_batch_rows=max(65_536, samples))
+        # "ab-parts": uniform sampling, so its GET window needs no PUT in it (a FIFO serves each row once)
+        store = ab.ExperienceStore(_schema(False), capacity=samples, sampler="fifo" if kind == "ab" else "uniform",
+                                   name="perftest")
+        limit = 4 << 30 if kind == "ab" else int(args.max_batch_bytes)
+        server = ab.serve(store, max_batch_bytes=limit, max_batch_rows=max(65_536, samples))
         print(json.dumps({"location": server.location}), flush=True)
         sys.stdin.read()
         server.close()
@@ -726,7 +779,8 @@ def serve_main(kind: str, samples: int, args: Any = None) -> None:
 # ---------------------------------------------------------------------------------------------------- parent
 CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
     "memcpy": child_memcpy, "arrowbuf local": child_ab_local, "arrowbuf flight": child_ab_flight,
-    "raw flight": child_raw_flight, "ray": child_ray, "transferqueue": child_tq}
+    "arrowbuf flight parts": child_ab_flight_parts, "raw flight": child_raw_flight, "ray": child_ray,
+    "transferqueue": child_tq}
 
 
 def run_child(name: str, args: list[str], python: str = sys.executable, timeout: float = 600) -> dict[str, Any]:
@@ -762,6 +816,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--location", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--groups", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--max-batch-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     samples = args.samples or (128 if args.quick else 256)
     repeats = args.repeats or (2 if args.quick else 3)
@@ -837,6 +892,15 @@ def _gbs(nbytes: int, s: float) -> str:
 def _print_fixed(name: str, r: dict[str, Any]) -> None:
     if "error" in r:
         print(f"fixed  {name:16} unavailable: {r['error']}", flush=True)
+        return
+    if "put_client_peak_bytes" in r:
+        b = r["bytes"]
+        print(f"fixed  {name:16} one extend of {b / 1e6:.0f} MB in about {r['parts_about']} parts "
+              f"(max_batch_bytes {r['max_batch_bytes'] / 2**20:.0f} MiB): PUT {_gbs(b, r['put_s'])} GB/s, peak "
+              f"client {r['put_client_peak_bytes'] / b:.2f}x, server {r['put_server_peak_bytes'] / b:.2f}x the "
+              f"payload; GET (one DoGet message + to_torch) {_gbs(b, r['get_s'])} GB/s, peak client "
+              f"{r['get_client_peak_bytes'] / b:.2f}x, server {r['get_server_peak_bytes'] / b:.2f}x (target < 2x)",
+              flush=True)
         return
     if "ratio_raw_put" in r:
         print(f"fixed  {name:16} vs raw Flight back to back: PUT {r['ratio_raw_put']:.2f}x, GET (sample, no torch) "

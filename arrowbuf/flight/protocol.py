@@ -62,7 +62,13 @@ PROTOCOL_VERSION = 1
 #: carry "v": 2, so a version-1 server refuses them with "protocol version 2 is not supported"; the base verbs are
 #: unchanged, so version-1 clients keep working against a version-2 server.
 LLM_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+#: Version 3 adds an extend sent in parts: DoPut command `{"v":3,"kind":"extend","store":s,"parts":k,"rows":r}`
+#: followed by exactly k record batches (each within `max_batch_bytes`) holding r rows in all; the server commits them
+#: as one extend, atomically, after the last part, and acknowledges once (`{"v":1,"batch":0,"first_seq":f,
+#: "rows":r}`). A version-1/2 server refuses the command ("protocol version 3 is not supported"); `describe` lists
+#: the versions a server speaks under "protocols" (absent: [1, 2]).
+PARTS_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 #: The header that carries the bearer token: `authorization: Bearer <token>`.
 AUTH_HEADER = "authorization"
 #: Largest JSON request accepted (tickets, actions, descriptors, exchange messages): bounds server memory.
@@ -424,6 +430,8 @@ class PutRequest:
     store: str | None = None
     timeout: float | None = None
     kind: str = "extend"
+    parts: int | None = None  # version 3: the extend comes in this many record batches, committed as one
+    rows: int | None = None  # version 3: rows in all parts
 
 
 @dataclass(frozen=True)
@@ -445,12 +453,16 @@ def store_descriptor(store: str) -> flight.FlightDescriptor:
     return flight.FlightDescriptor.for_path(store)
 
 
-def put_descriptor(store: str | None, timeout: float | None = None) -> flight.FlightDescriptor:
-    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": "extend"}
+def put_descriptor(store: str | None, timeout: float | None = None, parts: int | None = None,
+                   rows: int | None = None) -> flight.FlightDescriptor:
+    """The DoPut command of an extend; with `parts` and `rows`, an extend in parts (version 3)."""
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION if parts is None else PARTS_VERSION, "kind": "extend"}
     if store is not None:
         obj["store"] = store
     if timeout is not None:
         obj["timeout"] = timeout
+    if parts is not None:
+        obj["parts"], obj["rows"] = int(parts), int(rows if rows is not None else 0)
     return flight.FlightDescriptor.for_command(_dumps(obj))
 
 
@@ -497,8 +509,18 @@ def decode_put_descriptor(descriptor: flight.FlightDescriptor) -> PutRequest:
         raise SchemaError(f"DoPut descriptor command: kind must be one of {list(PUT_KINDS)}, got {kind!r:.80}")
     if kind == "update":
         return decode_update_command(f)
+    parts, rows = f.get("parts", "a positive integer"), f.get("rows", "a positive integer")
+    if (parts is None) != (rows is None):
+        raise SchemaError("DoPut descriptor command: an extend in parts names both \"parts\" and \"rows\"")
+    if parts is not None:
+        if f.obj.get("v", PROTOCOL_VERSION) < PARTS_VERSION:
+            raise SchemaError(f"DoPut descriptor command: an extend in parts needs protocol version {PARTS_VERSION}; "
+                              f"send \"v\": {PARTS_VERSION}")
+        if parts > rows:
+            raise SchemaError(f"DoPut descriptor command: {parts} parts cannot hold {rows} rows (a part holds at "
+                              "least one row)")
     req = PutRequest(store=f.get("store", "a string"),
-                     timeout=f.get("timeout", "a number of seconds in [0, 1e6]"))
+                     timeout=f.get("timeout", "a number of seconds in [0, 1e6]"), parts=parts, rows=rows)
     f.done()
     return req
 
@@ -848,7 +870,8 @@ def encode_exchange_error(op: str, exc: BaseException) -> bytes:
 
 __all__ = [
     "ACTIONS", "AUTH_HEADER", "ERRORS", "ID_COLUMN", "LLM_VERSION", "MAX_PAD", "PROTOCOL_VERSION", "PUT_KINDS",
-    "SAMPLE_META", "SUPPORTED_VERSIONS", "WEIGHT_COLUMN", "pad_metadata", "realigning_pad", "split_sample_columns",
+    "SAMPLE_META", "PARTS_VERSION", "SUPPORTED_VERSIONS", "WEIGHT_COLUMN", "pad_metadata", "realigning_pad",
+    "split_sample_columns",
     "UPDATE_ID_COLUMN", "ActionRequest", "ErrorMapping", "decode_update_ack", "decode_update_command",
     "encode_update_ack", "update_descriptor",
     "ExchangeMessage", "PutRequest", "SampleRequest", "SessionRequest", "TableRequest", "decode_ack",
