@@ -898,7 +898,7 @@ def _print_fixed(name: str, r: dict[str, Any]) -> None:
         print(f"fixed  {name:16} one extend of {b / 1e6:.0f} MB in about {r['parts_about']} parts "
               f"(max_batch_bytes {r['max_batch_bytes'] / 2**20:.0f} MiB): PUT {_gbs(b, r['put_s'])} GB/s, peak "
               f"client {r['put_client_peak_bytes'] / b:.2f}x, server {r['put_server_peak_bytes'] / b:.2f}x the "
-              f"payload; GET (one DoGet message + to_torch) {_gbs(b, r['get_s'])} GB/s, peak client "
+              f"payload; GET (DoGet in parts of <= 64 MiB + to_torch) {_gbs(b, r['get_s'])} GB/s, peak client "
               f"{r['get_client_peak_bytes'] / b:.2f}x, server {r['get_server_peak_bytes'] / b:.2f}x (target < 2x)",
               flush=True)
         return

@@ -52,7 +52,7 @@ from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
 from .calls import Unreachable, check_timeout, translate
 from .messages import MAX_PADS, ack_ids, misalignment, record_batch, request_key, sample_batch, table_to_batch
-from .parts import part_bytes, split_rows
+from .parts import MAX_PART_BYTES, assemble, part_bytes, split_rows
 from .session import LearnerSession
 from .writer import RemoteWriter
 
@@ -110,6 +110,8 @@ class RemoteStore:
         max_batch_bytes: the largest DoPut message the server accepts; `extend` cuts a larger batch into parts
             (protocol 3) and the server commits them as one extend (None: the server does not say).
         protocols: the wire protocol versions the server speaks (`describe`; [1, 2] for servers before version 3).
+        part_bytes: the largest message a sample comes in from a server that speaks protocol 3 (default 64 MiB,
+            at least `protocol.MIN_PART_BYTES`): a larger sample comes in several, assembled here as they arrive.
         timeout: the default deadline of every call in seconds, or None.
         sample_meta: how sampled batches carry their ids and weights (`protocol.SAMPLE_META`): "columns" where the
             server offers it (no JSON per batch), else "json".
@@ -141,6 +143,7 @@ class RemoteStore:
         self.max_batch_rows: int = 0
         self.max_batch_bytes: int | None = None
         self.protocols: tuple[int, ...] = (1, 2)
+        self.part_bytes = MAX_PART_BYTES
         self.sample_meta = "json"
         self._pads: dict[tuple[Any, ...], int] = {}  # sample request -> app_metadata padding that aligns its body
         self._describe()
@@ -375,24 +378,21 @@ class RemoteStore:
         form = self.sample_meta
         key = request_key(int(n), cols, timeout, options) if form == "columns" else None
         pad = self._pads.get(key, 0) if key is not None else 0
+        parts = self.part_bytes if P.PARTS_VERSION in self.protocols else None  # a large sample, bounded messages
         ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options,
-                                                               meta=form, pad=pad)))
+                                                               meta=form, pad=pad, part_bytes=parts)))
 
         def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
-            reader = client.do_get(ticket, options=call_options)
-            chunk = reader.read_chunk()
-            with contextlib.suppress(StopIteration):
-                reader.read_chunk()
-            return chunk
+            return assemble(client.do_get(ticket, options=call_options), int(n))
 
-        chunk = self._call(call, self._deadline(rpc_timeout, timeout))
+        data, meta = self._call(call, self._deadline(rpc_timeout, timeout))
         if key is not None:  # ask for the body on an 8-byte boundary next time (see protocol.realigning_pad)
-            again = P.realigning_pad(pad, misalignment(chunk.data))
+            again = P.realigning_pad(pad, misalignment(data))
             if again != pad:
                 if len(self._pads) >= MAX_PADS:
                     self._pads.clear()
                 self._pads[key] = again
-        return sample_batch(chunk.data, chunk.app_metadata, form)
+        return sample_batch(data, meta, form)
 
     # ------------------------------------------------------------------ consumption per task
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,

@@ -14,10 +14,17 @@ server (`receive`) reads exactly that many parts, each bounded like any DoPut ba
   kept per part (copied out of the message when it also carries fixed-width columns, so the message can go) and
   concatenated once at the end.
 
-Usage (what `RemoteStore.extend` and the server's DoPut do)::
+The same in the other direction: a sample ticket with `part_bytes` (version 3) makes the server send a larger
+sample as zero-copy slices of at most that size (`parts_stream`; the app_metadata rides on the first), and the
+client (`assemble`) copies each message into the preallocated batch as it arrives, so neither side holds the
+sample twice (one large message was: gRPC's received pieces and their contiguous copy).
+
+Usage (what `RemoteStore.extend`, `RemoteStore.sample` and the server's DoPut and DoGet do)::
 
     ranges = split_rows(rb, part_bytes(max_batch_bytes))          # client: [(offset, rows), ...]
     batch = receive(reader, req, limits, check_open, moved)       # server: one pa.RecordBatch of req.rows rows
+    stream = parts_stream(data, meta, req.part_bytes)             # server: a sample in bounded messages
+    data, meta = assemble(reader, n)                              # client: the sample, whole
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.flight as flight
 
 from ..errors import SchemaError
+from .heap import release_after
 
 #: The share of `max_batch_bytes` a part is cut to (headroom for the bytes a received message adds: validity
 #: bitmaps rounded up, IPC padding).
@@ -100,7 +109,7 @@ class PartsAssembler:
 
     def __init__(self, schema: pa.Schema, rows: int) -> None:
         self.schema = schema
-        self.rows = int(rows)
+        self.rows = int(rows)  # the most rows that may come (`batch` returns the rows that came)
         self.filled = 0
         self._dense: dict[str, np.ndarray] = {}
         self._pieces: dict[str, list[pa.Array]] = {}
@@ -130,7 +139,7 @@ class PartsAssembler:
         arrays = []
         for field in self.schema:
             if field.name in self._dense:
-                arrays.append(_from_dense(self._dense[field.name], field.type))
+                arrays.append(_from_dense(self._dense[field.name][:self.filled], field.type))
             else:
                 pieces = self._pieces.get(field.name, [])
                 arrays.append(pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces))
@@ -171,7 +180,9 @@ def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
             raise SchemaError(f"an extend in parts of more than {total} bytes is over this server's "
                               f"max_extend_bytes {limits.max_extend_bytes}; send smaller extends")
         assembler.add(part)
-        del part, chunk  # the message goes before the next one is read
+        size = part.nbytes
+        del part, chunk  # the message goes before the next one is read, and its heap pieces back to the OS
+        release_after(size)
         k += 1
         if k == req.parts:
             break
@@ -181,4 +192,60 @@ def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
     return assembler.batch()
 
 
-__all__ = ["MAX_PART_BYTES", "PART_FILL", "PartsAssembler", "part_bytes", "receive", "split_rows"]
+def parts_stream(data: pa.RecordBatch, meta: pa.Buffer | None, limit: int) -> flight.FlightDataStream:
+    """A sample as record batches of at most `limit` bytes (zero-copy slices), `meta` on the first."""
+    from .wire import WIRE_OPTIONS
+
+    ranges = split_rows(data, limit)
+
+    def gen() -> Any:
+        for k, (offset, rows) in enumerate(ranges):
+            piece = data.slice(offset, rows)
+            yield (piece, meta) if k == 0 and meta is not None else piece
+
+    return flight.GeneratorStream(data.schema, gen(), WIRE_OPTIONS)
+
+
+def assemble(reader: Any, rows: int) -> tuple[pa.RecordBatch, pa.Buffer | None]:
+    """Read a sample's messages from a DoGet `reader` into one batch (at most `rows` rows, the app_metadata of the
+    first message): one message is returned as it is; more are copied into one preallocated batch as they arrive.
+
+    Raises:
+        SchemaError: the stream brought more than `rows` rows, or no batch.
+    """
+    first = reader.read_chunk()
+    meta = first.app_metadata
+    try:
+        second = reader.read_chunk()
+    except StopIteration:
+        return first.data, meta
+    if first.data is None or second.data is None:
+        raise SchemaError("a sample in parts: a message without a batch")
+    asm = PartsAssembler(first.data.schema, rows)
+    size = first.data.nbytes
+    for chunk in (first, second):
+        _add_checked(asm, chunk.data, rows)
+    del first, second, chunk
+    release_after(size)  # each message's heap pieces back to the OS once copied (flight/heap.py)
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            break
+        if chunk.data is None:
+            raise SchemaError("a sample in parts: a message without a batch")
+        _add_checked(asm, chunk.data, rows)
+        size = chunk.data.nbytes
+        del chunk
+        release_after(size)
+    return asm.batch(), meta
+
+
+def _add_checked(asm: PartsAssembler, part: pa.RecordBatch, rows: int) -> None:
+    if asm.filled + part.num_rows > rows:
+        raise SchemaError(f"a sample in parts brought more than the {rows} rows asked for")
+    asm.add(part)
+
+
+__all__ = ["MAX_PART_BYTES", "PART_FILL", "PartsAssembler", "assemble", "part_bytes", "parts_stream", "receive",
+           "split_rows"]

@@ -65,9 +65,13 @@ LLM_VERSION = 2
 #: Version 3 adds an extend sent in parts: DoPut command `{"v":3,"kind":"extend","store":s,"parts":k,"rows":r}`
 #: followed by exactly k record batches (each within `max_batch_bytes`) holding r rows in all; the server commits them
 #: as one extend, atomically, after the last part, and acknowledges once (`{"v":1,"batch":0,"first_seq":f,
-#: "rows":r}`). A version-1/2 server refuses the command ("protocol version 3 is not supported"); `describe` lists
-#: the versions a server speaks under "protocols" (absent: [1, 2]).
+#: "rows":r}`). A sample ticket may carry "part_bytes" (with "v": 3): a sample larger than that comes as several
+#: record batches of at most that size (the app_metadata on the first), which the client assembles. A version-1/2
+#: server refuses either ("protocol version 3 is not supported"); `describe` lists the versions a server speaks under
+#: "protocols" (absent: [1, 2]).
 PARTS_VERSION = 3
+#: Smallest record batch a version-3 sample ticket may ask a large sample to be cut into (`part_bytes`).
+MIN_PART_BYTES = 1 << 20
 SUPPORTED_VERSIONS = (1, 2, 3)
 #: The header that carries the bearer token: `authorization: Bearer <token>`.
 AUTH_HEADER = "authorization"
@@ -337,6 +341,7 @@ class SampleRequest:
     kind: str = "sample"
     meta: str = "json"
     pad: int = 0
+    part_bytes: int | None = None  # version 3: a larger batch comes as several record batches of at most this size
 
 
 @dataclass(frozen=True)
@@ -361,6 +366,8 @@ def encode_ticket(req: SampleRequest | TableRequest | ConsumeRequest) -> bytes:
             obj["meta"] = req.meta
         if req.pad:
             obj["pad"] = req.pad
+        if req.part_bytes is not None:
+            obj["v"], obj["part_bytes"] = PARTS_VERSION, int(req.part_bytes)
     else:
         if req.columns is not None:
             obj["columns"] = req.columns
@@ -408,10 +415,14 @@ def _decode_ticket(raw: bytes | pa.Buffer) -> SampleRequest | TableRequest | Con
         req = _decode_consume(f, store)
     elif kind == "sample":
         meta = _sample_meta(f, "ticket")
+        part_bytes = f.get("part_bytes", "a positive integer")
+        if part_bytes is not None and (obj.get("v", PROTOCOL_VERSION) < PARTS_VERSION or part_bytes < MIN_PART_BYTES):
+            raise SchemaError(f"ticket: part_bytes needs protocol version {PARTS_VERSION} and at least "
+                              f"{MIN_PART_BYTES} bytes, got {part_bytes!r:.40} with version {obj.get('v')!r:.20}")
         req = SampleRequest(n=f.get("n", "a positive integer", required=True), store=store,
                             columns=f.get("columns", "a list of column names"),
                             timeout=f.get("timeout", "a number of seconds in [0, 1e6]"),
-                            options=f.options(), meta=meta, pad=_pad(f, meta, "ticket"))
+                            options=f.options(), meta=meta, pad=_pad(f, meta, "ticket"), part_bytes=part_bytes)
     elif kind == "table":
         req = TableRequest(kind, store, columns=f.get("columns", "a list of column names"))
     elif kind == "sql":

@@ -50,6 +50,7 @@ from . import protocol as P
 from .heap import release_after
 from .idle import OpenStreams
 from .limits import CallGate, ServerLimits
+from .parts import parts_stream
 from .parts import receive as receive_parts
 from .prefetch import Prefetcher
 from .sockets import cut_server_connections
@@ -395,7 +396,10 @@ class _FlightService(flight.FlightServerBase):
             self.owner.check_sample_options(store, req.options, "sample")
             columns = None if req.columns is None else list(req.columns)  # the request may be shared: a copy
             data, meta = wire_batch(_sample(store, req.n, columns, req.timeout, req.options), req.meta)
-            return one_batch_stream(data, meta if req.meta == "json" else P.pad_metadata(req.pad))
+            meta = meta if req.meta == "json" else P.pad_metadata(req.pad)
+            if req.part_bytes is not None and data.nbytes > req.part_bytes:  # protocol 3: bounded messages
+                return parts_stream(data, meta, req.part_bytes)
+            return one_batch_stream(data, meta)
         if req.kind == "table":
             return self._table_stream(store, req.columns)
         if req.kind == "episodes":

@@ -183,3 +183,75 @@ def test_fuzzed_put_commands_decode_or_are_refused_cleanly(obj):
         return
     if req.parts is not None:
         assert obj.get("v") == 3 and 1 <= req.parts <= req.rows
+
+
+# ------------------------------------------------------------------------------------------------ samples in parts
+def _sample_ticket(n: int, **extra) -> flight.Ticket:
+    return flight.Ticket(json.dumps({"v": 1, "kind": "sample", "n": n, **extra}).encode())
+
+
+def test_a_large_sample_comes_in_bounded_messages_and_is_assembled_whole(servers):
+    store = ab.ExperienceStore(SCHEMA, capacity=8192, seed=0)
+    batch = _batch(3000)
+    store.extend(batch)
+    server = servers(store)
+    remote = ab.connect(server.location)
+    client = flight.FlightClient(server.location)
+    try:
+        # on the wire: a version-3 ticket with part_bytes gets several batches, each within it
+        got = list(client.do_get(_sample_ticket(2000, v=3, part_bytes=P.MIN_PART_BYTES)))
+        assert len(got) >= 3 and all(c.data.nbytes <= P.MIN_PART_BYTES for c in got)
+        assert sum(c.data.num_rows for c in got) == 2000
+        # a ticket without it (any older client) gets one message, as before
+        assert len(list(client.do_get(_sample_ticket(2000)))) == 1
+        remote.part_bytes = P.MIN_PART_BYTES
+        for form in ("columns", "json"):
+            remote.sample_meta = form
+            b = remote.sample(2000)
+            assert len(b) == 2000
+            d = b.to_numpy()
+            np.testing.assert_array_equal(d["obs"], batch["obs"][b.indices])
+            assert [list(x) for x in d["toks"]] == [list(batch["toks"][i]) for i in b.indices]
+            assert d["obs"].flags.writeable  # the assembled batch is the batch's own memory
+    finally:
+        client.close()
+        remote.close()
+
+
+@pytest.mark.parametrize("extra", [{"v": 3, "part_bytes": 1024}, {"v": 2, "part_bytes": 1 << 20},
+                                   {"v": 3, "part_bytes": -1}, {"v": 3, "part_bytes": "x"}])
+def test_bad_part_bytes_in_a_ticket_is_refused(servers, extra):
+    store = ab.ExperienceStore(SCHEMA, capacity=64)
+    store.extend(_batch(10))
+    server = servers(store)
+    client = flight.FlightClient(server.location)
+    try:
+        with pytest.raises(flight.FlightError) as info:
+            client.do_get(_sample_ticket(5, **extra)).read_all()
+        assert _detail(info.value)["code"] == "INVALID_ARGUMENT"
+    finally:
+        client.close()
+
+
+class _TwoBatches(flight.FlightServerBase):
+    """A server that answers any DoGet with 10 rows in two batches (what a hostile or buggy server might send)."""
+
+    def do_get(self, context, ticket):
+        rb = pa.RecordBatch.from_pydict({"x": np.arange(10)})
+        return flight.GeneratorStream(rb.schema, iter([rb.slice(0, 5), rb.slice(5, 5)]))
+
+
+def test_assemble_refuses_more_rows_than_asked():
+    """A client bounds what a server may send it: more rows than it asked for fail."""
+    from arrowbuf.flight.parts import assemble
+
+    server = _TwoBatches("grpc://127.0.0.1:0")
+    client = flight.FlightClient(f"grpc://127.0.0.1:{server.port}")
+    try:
+        data, _ = assemble(client.do_get(flight.Ticket(b"x")), 10)
+        assert data.equals(pa.RecordBatch.from_pydict({"x": np.arange(10)}))
+        with pytest.raises(ab.SchemaError, match="more than the 8 rows"):
+            assemble(client.do_get(flight.Ticket(b"x")), 8)
+    finally:
+        client.close()
+        server.shutdown()
