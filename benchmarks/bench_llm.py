@@ -96,7 +96,8 @@ class PeakMemory:
     `peak_self` is the same for this process alone (the client); the rest of the tree is servers and Ray's processes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pids: list[int] | None = None) -> None:
+        self.pids = pids  # measure these processes as "self" instead of this one
         self.base = self.peak = self.base_self = self.peak_self = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,11 +105,11 @@ class PeakMemory:
     def _sample(self) -> None:
         pids = _tree(os.getpid())
         self.peak = max(self.peak, _pss(pids))
-        self.peak_self = max(self.peak_self, _pss([os.getpid()]))
+        self.peak_self = max(self.peak_self, _pss(self.pids or [os.getpid()]))
 
     def start(self) -> "PeakMemory":
         self.base = self.peak = _pss(_tree(os.getpid()))
-        self.base_self = self.peak_self = _pss([os.getpid()])
+        self.base_self = self.peak_self = _pss(self.pids or [os.getpid()])
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -273,6 +274,54 @@ def child_ab_flight(samples: int, repeats: int) -> dict[str, Any]:
     return {"put_s": _med(put), "get_s": _med(get), "get_sample_s": _med(get_sample), **mem.split(),
             "bytes": sum(v.nbytes for v in payload.values()), "ratio_raw_put": _med(r_put),
             "ratio_raw_get": _med(r_get)}
+
+
+def child_ab_flight_parts(samples: int, repeats: int) -> dict[str, Any]:
+    """TransferQueue's perftest batch in ONE `remote.extend(batch)` call to a server whose max_batch_bytes is below
+    the payload (the default 256 MiB, or a quarter of the payload when it is smaller, so quick runs cut parts too):
+    the client sends it in parts (protocol 3) and the server commits it as one extend. Peak memory (PSS growth) of
+    the client and of the server process, each as a multiple of the payload, measured after a warm-up extend and
+    sample (the server's ring already touched)."""
+    import arrowbuf as ab
+
+    payload = fixed_payload(samples)
+    rows = _with_done(payload, samples)
+    nbytes = sum(v.nbytes for v in payload.values())
+    limit = 256 << 20 if nbytes > 256 << 20 else max(1 << 20, nbytes // 4)  # the server's default, or cut in 4
+    proc = _spawn_server("ab-parts", samples, False, ["--max-batch-bytes", str(limit)])
+    try:
+        remote = ab.connect(json.loads(proc.stdout.readline())["location"], store="perftest")
+        _import_torch()
+        remote.extend(rows)  # warm-up: the ring's pages, the connection
+        remote.sample(samples, columns=list(payload)).to_torch()
+        peaks: dict[str, int] = {}
+        put, get = [], []
+        for phase in ("put", "get"):  # each phase in its own window: PUT is the parts path, GET one DoGet message
+            client, server = PeakMemory(), PeakMemory(pids=[proc.pid])
+            client.start()
+            server.start()
+            for _ in range(repeats):
+                if phase == "put":
+                    put.append(_timed(lambda: remote.extend(rows)))
+                else:
+                    t0 = time.perf_counter()
+                    batch = remote.sample(samples, columns=list(payload))
+                    batch.to_torch()
+                    get.append(time.perf_counter() - t0)
+                    del batch
+            client.stop()
+            server.stop()
+            peaks[f"{phase}_client_peak_bytes"] = client.split()["peak_self_bytes"]
+            peaks[f"{phase}_server_peak_bytes"] = server.split()["peak_self_bytes"]
+        from arrowbuf.flight.parts import part_bytes
+
+        parts = -(-nbytes // part_bytes(limit))
+        remote.close()
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+    return {"put_s": _med(put), "get_s": _med(get), "bytes": nbytes, "max_batch_bytes": limit, "parts_about": parts,
+            **peaks}
 
 
 def child_raw_flight(samples: int, repeats: int) -> dict[str, Any]:
@@ -506,13 +555,22 @@ def child_grpo(prompts: int, repeats: int) -> dict[str, Any]:
         splits[f"{method}, groups whole"] = imbalance(counts, parts)
         splits[method] = imbalance(counts, partition(counts, 4, method=method))
     splits["contiguous"] = imbalance(counts, np.array_split(np.arange(n), 4))
+    sq = counts.astype(np.float64) ** 2
+    parts = partition(sq, 4, groups=batch.to_numpy()["prompt_id"])
+    splits["tokens^2 cost, kk, groups whole"] = imbalance(sq, parts)
+    splits["tokens^2 cost when balanced by tokens"] = imbalance(
+        sq, partition(counts, 4, groups=batch.to_numpy()["prompt_id"]))
     t0 = time.perf_counter()
     batch.split(4, balance="tokens", group="prompt_id")
     split_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    batch.split(4, balance="tokens^2", group="prompt_id", micro_batches=4)
+    split_micro_s = time.perf_counter() - t0
     store.close()
     return {"prompts": prompts, "group": group, "tokens": tokens, "bytes_per_token_id": ids_bytes / tokens,
             "bytes_per_token_row": row_bytes / tokens, "put_s": put, "get_s": get,
-            "bytes": int(ids.nbytes + lps.nbytes), "imbalance": splits, "split_s": split_s}
+            "bytes": int(ids.nbytes + lps.nbytes), "imbalance": splits, "split_s": split_s,
+            "split_micro_s": split_micro_s}
 
 
 def _grpo_rows(rng: np.random.Generator, prompts: int, first_id: int, lo: int, hi: int,
@@ -550,27 +608,45 @@ def writer_main(location: str, seed: int, groups: int, lo: int, hi: int) -> None
     remote.close()
 
 
+#: The predicate of the consume benchmark's filtered calls: true for every row, so both kinds of call deliver alike.
+CONSUME_WHERE = "reward >= 0.0 AND policy_version >= 0 AND prompt_id >= 0"
+#: The trainer's step between consumes in the consume benchmark (seconds).
+CONSUME_STEP_S = 0.05
+
+
 def child_consume(prompts: int, repeats: int) -> dict[str, Any]:
-    """consume("train", 64 rows = 8 whole groups) latency while 2 writer processes push groups over Flight."""
+    """consume("train", 64 rows = 8 whole groups) latency while 2 writer processes push groups over Flight, calls
+    with and without `where=` alternating (`CONSUME_WHERE` passes every row, so both wait for the same rows).
+
+    The trainer takes `CONSUME_STEP_S` between consumes (its step), so the writers keep ahead and a consume measures
+    its own cost under concurrent writes rather than the writers' rate; `waited` counts the calls that found fewer
+    than 64 rows ready and waited for the writers anyway."""
     import arrowbuf as ab
 
     lo, hi = 1024, 16 * 1024
-    batches = max(8, prompts // 8)
-    store = ab.ExperienceStore(ab.load_schema("grpo"), capacity=256, tasks=["train"],
+    batches = max(8, prompts // 8) * 2
+    store = ab.ExperienceStore(ab.load_schema("grpo"), capacity=1024, tasks=["train"],
                                sampler=ab.samplers.Group(key="prompt_id", size=8))
-    lat, tokens = [], 0
+    lat: dict[str, list[float]] = {"plain": [], "where": []}
+    tokens = 0
     with ab.serve(store, max_batch_bytes=1 << 30) as server:
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        groups = batches * 8 // 2 + 4
+        groups = (batches + 2) * 8 // 2 + 64  # each writer; the rest wait on the full store until it closes
         writers = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_llm", "--serve", "writer", "--location",
                                      server.location, "--seed", str(i + 1), "--groups", str(groups)], cwd=ROOT, env=env)
                    for i in range(2)]
+        waited = 0
         try:
             store.consume("train", 64, timeout=120.0)  # the writers are up
-            for _ in range(batches):
+            store.consume("train", 64, where=CONSUME_WHERE, timeout=120.0)  # validated once, like any predicate
+            for i in range(batches):
+                time.sleep(CONSUME_STEP_S)
+                kind = "where" if i % 2 else "plain"
+                st = store.stats()
+                waited += st["next_seq"] - st["consumed"]["train"] < 64
                 t0 = time.perf_counter()
-                b = store.consume("train", 64, timeout=60.0)
-                lat.append(time.perf_counter() - t0)
+                b = store.consume("train", 64, timeout=60.0, where=CONSUME_WHERE if i % 2 else None)
+                lat[kind].append(time.perf_counter() - t0)
                 tokens += int(b.token_counts("response_tokens").sum())
         finally:
             store.close()  # a writer still blocked on a full buffer gets an error and exits
@@ -580,10 +656,42 @@ def child_consume(prompts: int, repeats: int) -> dict[str, Any]:
                 except subprocess.TimeoutExpired:
                     w.kill()
                     w.wait()
-    ms = np.asarray(lat) * 1e3
-    return {"batches": batches, "rows_per_batch": 64, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "tokens": tokens,
-            "lengths": [lo, hi]}
+    out: dict[str, Any] = {"batches": batches, "rows_per_batch": 64, "tokens": tokens, "lengths": [lo, hi],
+                           "where": CONSUME_WHERE, "step_s": CONSUME_STEP_S, "waited": int(waited)}
+    for kind, xs in lat.items():
+        ms = np.asarray(xs) * 1e3
+        prefix = "" if kind == "plain" else "where_"
+        out.update({f"{prefix}p50_ms": float(np.percentile(ms, 50)), f"{prefix}p99_ms": float(np.percentile(ms, 99)),
+                    f"{prefix}max_ms": float(ms.max())})
+    return out
+
+
+def child_consume_local(prompts: int, repeats: int) -> dict[str, Any]:
+    """consume("train", 64) in process from a full store (no writers): the floor of a consume, with and without
+    `where=`; the store is refilled outside the timed calls."""
+    import arrowbuf as ab
+
+    rng = np.random.default_rng(0)
+    store = ab.ExperienceStore(ab.load_schema("grpo"), capacity=1024, tasks=["train"],
+                               sampler=ab.samplers.Group(key="prompt_id", size=8))
+    lat: dict[str, list[float]] = {"plain": [], "where": []}
+    first = 0
+    for i in range(max(64, prompts * 4)):
+        if i % 16 == 0:
+            store.extend(_grpo_rows(rng, 128, first, 64, 256))
+            first += 128
+        kind = "where" if i % 2 else "plain"
+        t0 = time.perf_counter()
+        b = store.consume("train", 64, timeout=0, where=CONSUME_WHERE if i % 2 else None)
+        lat[kind].append(time.perf_counter() - t0)
+        assert len(b) == 64
+    store.close()
+    out: dict[str, Any] = {}
+    for kind, xs in lat.items():
+        ms = np.asarray(xs[2:]) * 1e3  # the first of each validates and warms up
+        out[kind] = {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+                     "calls": len(ms)}
+    return out
 
 
 def child_where(prompts: int, repeats: int) -> dict[str, Any]:
@@ -622,10 +730,11 @@ def _dist_version(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- servers
-def _spawn_server(kind: str, samples: int, ragged: bool) -> subprocess.Popen:
+def _spawn_server(kind: str, samples: int, ragged: bool, extra: list[str] | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen([sys.executable, "-m", "benchmarks.bench_llm", "--serve", kind, "--samples",
-                             str(samples)], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                             str(samples), *(extra or [])], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
 
 
 def serve_main(kind: str, samples: int, args: Any = None) -> None:
@@ -634,11 +743,14 @@ def serve_main(kind: str, samples: int, args: Any = None) -> None:
     if kind == "writer":
         writer_main(args.location, args.seed, args.groups, 1024, 16 * 1024)
         return
-    if kind == "ab":
+    if kind in ("ab", "ab-parts"):
         import arrowbuf as ab
 
-        store = ab.ExperienceStore(_schema(False), capacity=samples, sampler="fifo", name="perftest")
-        server = ab.serve(store, max_batch_bytes=4 << 30, max_batch_rows=max(65_536, samples))
+        # "ab-parts": uniform sampling, so its GET window needs no PUT in it (a FIFO serves each row once)
+        store = ab.ExperienceStore(_schema(False), capacity=samples, sampler="fifo" if kind == "ab" else "uniform",
+                                   name="perftest")
+        limit = 4 << 30 if kind == "ab" else int(args.max_batch_bytes)
+        server = ab.serve(store, max_batch_bytes=limit, max_batch_rows=max(65_536, samples))
         print(json.dumps({"location": server.location}), flush=True)
         sys.stdin.read()
         server.close()
@@ -667,7 +779,8 @@ def serve_main(kind: str, samples: int, args: Any = None) -> None:
 # ---------------------------------------------------------------------------------------------------- parent
 CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
     "memcpy": child_memcpy, "arrowbuf local": child_ab_local, "arrowbuf flight": child_ab_flight,
-    "raw flight": child_raw_flight, "ray": child_ray, "transferqueue": child_tq}
+    "arrowbuf flight parts": child_ab_flight_parts, "raw flight": child_raw_flight, "ray": child_ray,
+    "transferqueue": child_tq}
 
 
 def run_child(name: str, args: list[str], python: str = sys.executable, timeout: float = 600) -> dict[str, Any]:
@@ -693,7 +806,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=None, help="GRPO prompts (issue: 256)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--only", nargs="+", default=["fixed", "ragged", "grpo"],
-                    help="fixed, ragged, grpo (grpo includes the consume and where rows)")
+                    help="fixed, ragged, grpo (grpo includes the consume and where rows), consume (those rows only)")
     ap.add_argument("--skip", nargs="*", default=[], help="fixed-row systems to skip, e.g. transferqueue ray")
     ap.add_argument("--peers", action="store_true", help="with --quick: also Ray and TransferQueue (each starts Ray)")
     ap.add_argument("--tq-python", default=TQ_PYTHON)
@@ -703,6 +816,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--location", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--groups", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--max-batch-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     samples = args.samples or (128 if args.quick else 256)
     repeats = args.repeats or (2 if args.quick else 3)
@@ -717,6 +831,8 @@ def main(argv: list[str] | None = None) -> None:
             res = child_grpo(prompts, repeats)
         elif args.child == "consume":
             res = child_consume(prompts, repeats)
+        elif args.child == "consume_local":
+            res = child_consume_local(prompts, repeats)
         elif args.child == "where":
             res = child_where(prompts, repeats)
         else:
@@ -748,6 +864,9 @@ def main(argv: list[str] | None = None) -> None:
     if "grpo" in args.only:
         results["grpo"] = run_child("grpo", common)
         _print_grpo(results["grpo"])
+    if "grpo" in args.only or "consume" in args.only:
+        results["consume_local"] = run_child("consume_local", common)
+        _print_consume_local(results["consume_local"])
         results["consume"] = run_child("consume", common)
         _print_consume(results["consume"])
         results["where"] = run_child("where", common)
@@ -773,6 +892,15 @@ def _gbs(nbytes: int, s: float) -> str:
 def _print_fixed(name: str, r: dict[str, Any]) -> None:
     if "error" in r:
         print(f"fixed  {name:16} unavailable: {r['error']}", flush=True)
+        return
+    if "put_client_peak_bytes" in r:
+        b = r["bytes"]
+        print(f"fixed  {name:16} one extend of {b / 1e6:.0f} MB in about {r['parts_about']} parts "
+              f"(max_batch_bytes {r['max_batch_bytes'] / 2**20:.0f} MiB): PUT {_gbs(b, r['put_s'])} GB/s, peak "
+              f"client {r['put_client_peak_bytes'] / b:.2f}x, server {r['put_server_peak_bytes'] / b:.2f}x the "
+              f"payload; GET (DoGet in parts of <= 64 MiB + to_torch) {_gbs(b, r['get_s'])} GB/s, peak client "
+              f"{r['get_client_peak_bytes'] / b:.2f}x, server {r['get_server_peak_bytes'] / b:.2f}x (target < 2x)",
+              flush=True)
         return
     if "ratio_raw_put" in r:
         print(f"fixed  {name:16} vs raw Flight back to back: PUT {r['ratio_raw_put']:.2f}x, GET (sample, no torch) "
@@ -802,7 +930,8 @@ def _print_grpo(r: dict[str, Any]) -> None:
     print(f"grpo   {r['prompts']}x{r['group']} rows, {r['tokens'] / 1e6:.1f}M tokens: "
           f"{r['bytes_per_token_id']:.2f} B/token id ({r['bytes_per_token_row']:.2f} B/token for the whole row), "
           f"PUT {_gbs(r['bytes'], r['put_s'])} GB/s, GET {_gbs(r['bytes'], r['get_s'])} GB/s; "
-          f"split(4) token imbalance: {imb}", flush=True)
+          f"split(4) imbalance (max part / mean part): {imb}; split(4, tokens^2, 4 micro-batches) "
+          f"{r['split_micro_s'] * 1e3:.1f} ms", flush=True)
 
 
 def _print_consume(r: dict[str, Any]) -> None:
@@ -810,8 +939,20 @@ def _print_consume(r: dict[str, Any]) -> None:
         print(f"consume unavailable: {r['error']}", flush=True)
         return
     print(f"consume(train, 64 rows = 8 groups of 1k-16k tokens) with 2 writer processes over Flight: "
-          f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms over {r['batches']} batches "
-          f"({r['tokens'] / 1e6:.1f}M tokens)", flush=True)
+          f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; with where= p50 {r['where_p50_ms']:.1f} ms, "
+          f"p99 {r['where_p99_ms']:.1f} ms (targets: 5 / 20 ms) over {r['batches']} batches alternating, "
+          f"{r['step_s'] * 1e3:.0f} ms steps between them ({r['tokens'] / 1e6:.1f}M tokens; {r['waited']} calls "
+          "waited for rows)", flush=True)
+
+
+def _print_consume_local(r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"consume in process unavailable: {r['error']}", flush=True)
+        return
+    p, w = r["plain"], r["where"]
+    print(f"consume(train, 64 rows) in process, store full, no writers: p50 {p['p50_ms']:.2f} ms, p99 "
+          f"{p['p99_ms']:.2f} ms (target p50 < 2 ms); with where= p50 {w['p50_ms']:.2f} ms, p99 {w['p99_ms']:.2f} ms",
+          flush=True)
 
 
 def _print_where(r: dict[str, Any]) -> None:

@@ -126,3 +126,97 @@ def test_split_modes_and_errors() -> None:
         batch.split(2, group="nope")
     with pytest.raises(ab.InvalidArgument):
         batch.split(2, tokens="reward")
+
+
+# ------------------------------------------------------------------------------------------- balance by cost (#28)
+COST_FNS = {"tokens": lambda n: n, "tokens^2": lambda n: n ** 2, "linear+attention": lambda n: n + n ** 2 // 64}
+
+
+def _best_rank_cost(costs: list[int], groups: list[int] | None, k: int) -> int:
+    """The smallest achievable largest per-rank cost with groups kept whole, by trying every assignment."""
+    if groups is None:
+        return _optimum(costs, k)
+    units: dict[int, int] = {}
+    for c, g in zip(costs, groups):
+        units[g] = units.get(g, 0) + c
+    return _optimum(list(units.values()), k)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=7), st.integers(1, 3), st.sampled_from(["kk", "lpt"]),
+       st.sampled_from(sorted(COST_FNS)), st.booleans(), st.integers(1, 3))
+def test_split_by_cost_is_within_the_proven_bound_of_the_brute_force_optimum(
+        lengths: list[int], k: int, method: str, cost: str, grouped: bool, micro: int) -> None:
+    """The largest per-rank cost is within 4/3 - 1/(3k) of the optimum (Graham for LPT; Michiels et al. 2007 for
+    KK); exact for k = 2 and at most 4 units with KK; every rank gets exactly `micro` micro-batches, groups whole."""
+    groups = [i // 2 for i in range(len(lengths))] if grouped else None
+    batch = _ragged_batch(lengths, groups)
+    fn = COST_FNS[cost]
+    balance = cost if cost in ("tokens", "tokens^2") else (lambda n: fn(n))
+    plan = batch.split(k, balance=balance, method=method, micro_batches=micro,
+                       group="prompt_id" if grouped else None)
+    assert len(plan) == k and all(len(mbs) == micro for mbs in plan)  # equal in number on every rank
+    rows = [[int(i) - 100 for mb in mbs for i in mb.indices] for mbs in plan]
+    assert sorted(r for rs in rows for r in rs) == list(range(len(lengths)))
+    costs = [int(fn(n)) for n in lengths]
+    got = max(sum(costs[r] for r in rs) for rs in rows)
+    opt = _best_rank_cost(costs, groups, k)
+    assert got <= opt * (4 / 3 - 1 / (3 * k)) + 1e-9, (got, opt)
+    units = len(set(groups)) if grouped else len(lengths)
+    if k == 2 and method == "kk" and units <= 4:
+        assert got == opt
+    if grouped:  # a group never spans ranks or micro-batches
+        for mbs in plan:
+            for mb in mbs:
+                for g in np.unique(mb["prompt_id"]).tolist():
+                    assert int((mb["prompt_id"] == g).sum()) == groups.count(g)
+    for mbs in plan:  # micro-batches are non-empty while the rank has at least `micro` units
+        held = len({groups[r] for mb in mbs for r in (mb.indices - 100).tolist()}) if grouped else \
+            sum(len(mb) for mb in mbs)
+        assert sum(len(mb) > 0 for mb in mbs) == min(micro, held)
+
+
+def test_tokens_squared_balances_attention_cost_not_tokens() -> None:
+    """One 8-token row against eight 1-token rows and one 4-token row: by tokens the long row shares a rank; by
+    tokens^2 it gets a rank alone (64 vs 8 + 16)."""
+    batch = _ragged_batch([8] + [1] * 8 + [4])
+    by_tokens = batch.split(2, balance="tokens")
+    by_square = batch.split(2, balance="tokens^2")
+    assert sorted(int(p.token_counts().sum()) for p in by_tokens) == [10, 10]
+    square = sorted(int((p.token_counts() ** 2).sum()) for p in by_square)
+    assert square == [24, 64]
+    assert max(int((p.token_counts() ** 2).sum()) for p in by_tokens) > 64
+
+
+def test_micro_batches_per_rank_and_rank_aware_agree() -> None:
+    rng = np.random.default_rng(3)
+    lens = rng.integers(1, 2000, size=96).tolist()
+    batch = _ragged_batch(lens, np.repeat(np.arange(24), 4).tolist())
+    plan = batch.split(4, balance="tokens^2", group="prompt_id", micro_batches=3)
+    assert [len(m) for m in plan] == [3, 3, 3, 3] and all(len(mb) > 0 for m in plan for mb in m)
+    for r in range(4):
+        mine = batch.split(4, balance="tokens^2", group="prompt_id", micro_batches=3, rank=r)
+        assert [mb.indices.tolist() for mb in mine] == [mb.indices.tolist() for mb in plan[r]]
+    rank_cost = [sum(int((mb.token_counts().astype(np.int64) ** 2).sum()) for mb in m) for m in plan]
+    assert max(rank_cost) / (sum(rank_cost) / 4) < 1.05
+
+
+@pytest.mark.parametrize("balance", [lambda n: n[:-1], lambda n: -n, lambda n: n * np.nan, lambda n: "x", "cubes"])
+def test_a_bad_cost_is_a_clear_error(balance) -> None:
+    batch = _ragged_batch([5, 1, 1, 1, 2])
+    with pytest.raises(ab.InvalidArgument):
+        batch.split(2, balance=balance)
+    with pytest.raises(ab.InvalidArgument):
+        batch.split(2, balance="tokens", micro_batches=0)
+    with pytest.raises(ab.InvalidArgument):
+        batch.split(2, balance=None, micro_batches=2)
+
+
+def test_zero_cost_rows_still_fill_every_micro_batch() -> None:
+    batch = _ragged_batch([3, 3, 3, 3, 3, 3])
+    plan = batch.split(1, balance=lambda n: n * 0, micro_batches=3)
+    assert [len(mb) for mb in plan[0]] == [2, 2, 2] or sorted(len(mb) for mb in plan[0]) == [1, 2, 3]
+    assert all(len(mb) for mb in plan[0])
+    grouped = _ragged_batch([3] * 6, [0, 0, 1, 1, 2, 2]).split(1, balance=lambda n: n * 0, micro_batches=3,
+                                                              group="prompt_id")
+    assert sorted(np.unique(mb["prompt_id"]).tolist() for mb in grouped[0]) == [[0], [1], [2]]

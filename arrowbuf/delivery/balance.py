@@ -14,6 +14,17 @@ Usage::
 
 Determinism: the result depends only on the weights, the groups and k (ties are broken by position), so R trainer
 processes that each partition the same global batch agree on who gets which rows without talking to each other.
+
+Cost, not tokens: `costs(lengths, balance)` turns row lengths into what is balanced: "tokens" (L), "tokens^2" (L^2,
+the attention cost of a row, as TRL balances sum of L^2), "rows" (1 per row) or a callable on the lengths (e.g.
+`lambda L: L + L**2 / 4096` for a linear plus attention term). `split_plan(weights, ranks, micro_batches)` then cuts
+the rows into `ranks` parts and each part into exactly `micro_batches` micro-batches, so every rank runs the same
+number of steps.
+
+Guarantee (what tests/test_balance.py checks against a brute-force optimum): the largest per-rank cost is at most
+(4/3 - 1/(3k)) times the optimum for both methods: LPT by Graham's bound (1969), KK by Michiels, Aarts, Korst,
+van Leeuwen and Spieksma's (2007: KK's worst-case ratio for k parts lies between 4/3 - 1/(3(k-1)) and
+4/3 - 1/(3k)). For k = 2 and at most 4 rows (groups) KK is exact.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ import numpy as np
 from ..errors import InvalidArgument
 
 METHODS = ("kk", "lpt")
+#: The named costs of `costs` (a callable on the row lengths is accepted too).
+COSTS = ("tokens", "tokens^2", "rows")
 
 
 def _group_weights(weights: np.ndarray, groups: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -120,6 +133,84 @@ def partition(weights: Any, k: int, groups: Any = None, method: str = "kk") -> l
     return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
 
 
+def costs(lengths: Any, balance: Any) -> np.ndarray:
+    """Per-row cost (float64) of rows of `lengths` tokens under `balance` (module docstring).
+
+    Raises:
+        InvalidArgument: an unknown name, or a callable that does not return one finite cost >= 0 per row.
+    """
+    n = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if callable(balance):
+        try:
+            out = np.asarray(balance(n.copy()), dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"split: the balance cost function failed on the row lengths: {exc}") from None
+        if out.shape != n.shape:
+            raise InvalidArgument(f"split: the balance cost function must return one cost per row ({n.shape[0]}), "
+                                  f"got shape {out.shape}")
+        if out.size and (not np.all(np.isfinite(out)) or out.min() < 0):
+            raise InvalidArgument("split: the balance cost function must return finite costs >= 0")
+        return out
+    if balance == "tokens":
+        return n.astype(np.float64)
+    if balance == "tokens^2":
+        return n.astype(np.float64) ** 2
+    if balance == "rows":
+        return np.ones(n.shape, dtype=np.float64)
+    raise InvalidArgument(f"split: expected balance in {COSTS}, a callable on the row lengths, or None; "
+                          f"got {balance!r}")
+
+
+def split_plan(weights: Any, k: int, micro_batches: int | None = None, groups: Any = None,
+               method: str = "kk") -> list[list[np.ndarray]]:
+    """`partition` into `k` parts, then each part into exactly `micro_batches` parts of near-equal weight.
+
+    Returns:
+        Per rank, `micro_batches` sorted int64 arrays of row positions (one array when `micro_batches` is None).
+        Groups stay whole in both cuts. A micro-batch is empty only when its rank holds fewer rows (groups) than
+        `micro_batches`; every rank still gets the same number of micro-batches.
+
+    Raises:
+        InvalidArgument: as `partition`, or `micro_batches` < 1.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    parts = partition(w, k, groups=groups, method=method)
+    if micro_batches is None:
+        return [[p] for p in parts]
+    if not isinstance(micro_batches, (int, np.integer)) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise InvalidArgument(f"split: expected micro_batches >= 1 (an int), got {micro_batches!r}")
+    keys = None if groups is None else np.asarray(groups)
+    plan = []
+    for p in parts:
+        sub = partition(w[p], int(micro_batches), groups=None if keys is None else keys[p], method=method)
+        plan.append(_fill_empty([np.sort(p[s]) for s in sub], w, keys))
+    return plan
+
+
+def _fill_empty(micro: list[np.ndarray], w: np.ndarray, keys: np.ndarray | None) -> list[np.ndarray]:
+    """Move units (rows, or whole groups) into empty micro-batches from those holding the most units, cheapest
+    first, until none is empty or no micro-batch holds two units (zero costs can leave one empty). Moves stay
+    within one rank, so the rank's cost is unchanged."""
+    def units(rows: np.ndarray) -> np.ndarray:
+        return rows if keys is None else np.unique(keys[rows])
+
+    while True:
+        empty = [j for j, m in enumerate(micro) if not len(m)]
+        counts = [len(units(m)) for m in micro]
+        donor = int(np.argmax(counts))
+        if not empty or counts[donor] < 2:
+            return micro
+        rows = micro[donor]
+        if keys is None:
+            moved = rows[[int(np.argmin(w[rows]))]]
+        else:
+            gs = units(rows)
+            cost = [w[rows[keys[rows] == g]].sum() for g in gs]
+            moved = rows[keys[rows] == gs[int(np.argmin(cost))]]
+        micro[donor] = np.setdiff1d(rows, moved)
+        micro[empty[0]] = np.sort(moved)
+
+
 def imbalance(weights: Any, parts: list[np.ndarray]) -> float:
     """max part weight / mean part weight (1.0 is perfect; 0 rows or 0 weight counts as 1.0)."""
     w = np.asarray(weights, dtype=np.float64)
@@ -128,4 +219,4 @@ def imbalance(weights: Any, parts: list[np.ndarray]) -> float:
     return float(sums.max() / mean) if mean > 0 else 1.0
 
 
-__all__ = ["METHODS", "imbalance", "partition"]
+__all__ = ["COSTS", "METHODS", "costs", "imbalance", "partition", "split_plan"]

@@ -73,7 +73,17 @@ def position_ids(offsets: np.ndarray) -> np.ndarray:
     """0, 1, ..., len_i - 1 for each row i, concatenated (int64), from offsets starting at 0."""
     offsets = np.asarray(offsets, dtype=np.int64)
     lens = np.diff(offsets)
-    return np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lens)
+    total = int(offsets[-1]) if offsets.size else 0
+    # one array and two passes (fill, running sum) instead of three arrays: steps of 1 within a row, and at each
+    # row's first element the step that brings the sum back to 0
+    out = np.ones(total, dtype=np.int64)
+    if total:
+        nonempty = lens > 0
+        starts, full = offsets[:-1][nonempty], lens[nonempty]
+        out[starts[1:]] = 1 - full[:-1]
+        out[0] = 0
+        np.cumsum(out, out=out)
+    return out
 
 
 def pad(values: Any, value: Any = 0, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -52,6 +52,7 @@ from ..schema import ExperienceSchema, load_schema
 from . import protocol as P
 from .calls import Unreachable, check_timeout, translate
 from .messages import MAX_PADS, ack_ids, misalignment, record_batch, request_key, sample_batch, table_to_batch
+from .parts import MAX_PART_BYTES, assemble, part_bytes, split_rows
 from .session import LearnerSession
 from .writer import RemoteWriter
 
@@ -106,6 +107,11 @@ class RemoteStore:
         schema: the store's `ExperienceSchema`.
         capacity: the store's capacity in rows.
         max_batch_rows: the largest batch the server accepts or serves.
+        max_batch_bytes: the largest DoPut message the server accepts; `extend` cuts a larger batch into parts
+            (protocol 3) and the server commits them as one extend (None: the server does not say).
+        protocols: the wire protocol versions the server speaks (`describe`; [1, 2] for servers before version 3).
+        part_bytes: the largest message a sample comes in from a server that speaks protocol 3 (default 64 MiB,
+            at least `protocol.MIN_PART_BYTES`): a larger sample comes in several, assembled here as they arrive.
         timeout: the default deadline of every call in seconds, or None.
         sample_meta: how sampled batches carry their ids and weights (`protocol.SAMPLE_META`): "columns" where the
             server offers it (no JSON per batch), else "json".
@@ -135,6 +141,9 @@ class RemoteStore:
         self.schema: ExperienceSchema
         self.capacity: int | None = None
         self.max_batch_rows: int = 0
+        self.max_batch_bytes: int | None = None
+        self.protocols: tuple[int, ...] = (1, 2)
+        self.part_bytes = MAX_PART_BYTES
         self.sample_meta = "json"
         self._pads: dict[tuple[Any, ...], int] = {}  # sample request -> app_metadata padding that aligns its body
         self._describe()
@@ -221,6 +230,12 @@ class RemoteStore:
         self.schema = load_schema(info["schema"])
         self.capacity = info.get("capacity")
         self.max_batch_rows = int(info["max_batch_rows"])
+        limits = info.get("limits")
+        size = limits.get("max_batch_bytes") if isinstance(limits, dict) else None
+        self.max_batch_bytes = int(size) if isinstance(size, int) and size > 0 else None
+        versions = info.get("protocols")
+        if isinstance(versions, list) and all(isinstance(v, int) for v in versions):
+            self.protocols = tuple(versions)
         # ids and weights as Arrow columns where the server speaks it (protocol.SAMPLE_META); JSON otherwise
         offered = info.get("sample_meta")
         self.sample_meta = "columns" if isinstance(offered, list) and "columns" in offered else "json"
@@ -245,6 +260,9 @@ class RemoteStore:
                rpc_timeout: float | None | object = _DEFAULT) -> np.ndarray:
         """Add many steps (dict of arrays, `pa.RecordBatch` or `pa.Table`) in one atomic DoPut.
 
+        A batch over the server's `max_batch_bytes` goes in parts of one stream (zero-copy slices, protocol 3) that
+        the server commits as one extend: atomic all the same (every row or none, consecutive ids).
+
         Args:
             batch: the steps.
             timeout: seconds the server's rate limiter may hold the insert back.
@@ -254,14 +272,43 @@ class RemoteStore:
             The new rows' ids, a 1-D `np.ndarray[int64]` in row order (from the acknowledgement's committed range).
 
         Raises:
-            SchemaError: bad input (nothing stored).
+            SchemaError: bad input (nothing stored); a batch over `max_batch_bytes` for a server that cannot take
+                one in parts (protocol < 3).
             InsertTimeout: the server's rate limiter held the insert back past `timeout` seconds.
             DeadlineExceeded: no acknowledgement within the deadline (the batch may or may not be stored).
         """
         rb = self.to_batch(batch)
         if rb.num_rows == 0:  # validated, and nothing to store
             return np.empty(0, dtype=np.int64)
+        if self.max_batch_bytes is not None and rb.nbytes > self.max_batch_bytes:
+            return self._put_parts(rb, timeout, rpc_timeout)
         return self._put(rb, timeout, rpc_timeout)
+
+    def _put_parts(self, rb: pa.RecordBatch, timeout: float | None,
+                   rpc_timeout: float | None | object) -> np.ndarray:
+        """One extend in parts (`arrowbuf.flight.parts`): one DoPut of zero-copy slices, one acknowledgement."""
+        assert self.max_batch_bytes is not None
+        if P.PARTS_VERSION not in self.protocols:
+            raise SchemaError(f"a batch of {rb.nbytes} bytes is over this server's max_batch_bytes "
+                              f"{self.max_batch_bytes}, and the server (protocol versions {list(self.protocols)}) "
+                              f"cannot take one in parts (protocol {P.PARTS_VERSION}); split it, or upgrade the "
+                              "server")
+        ranges = split_rows(rb, part_bytes(self.max_batch_bytes))
+        descriptor = P.put_descriptor(self.name, timeout, parts=len(ranges), rows=rb.num_rows)
+
+        def call(client: flight.FlightClient, options: flight.FlightCallOptions) -> dict[str, Any]:
+            writer, reader = client.do_put(descriptor, rb.schema, options=options)
+            try:
+                for offset, rows in ranges:
+                    writer.write_batch(rb.slice(offset, rows))
+                ack = reader.read()
+                writer.done_writing()
+            finally:
+                writer.close()
+            return P.decode_ack(ack)
+
+        ack = self._call(call, self._deadline(rpc_timeout, timeout))
+        return ack_ids(ack, rb.num_rows)
 
     def to_batch(self, batch: Any) -> pa.RecordBatch:
         """`batch` as one record batch to send: a dict of arrays is validated against the schema and converted
@@ -331,24 +378,21 @@ class RemoteStore:
         form = self.sample_meta
         key = request_key(int(n), cols, timeout, options) if form == "columns" else None
         pad = self._pads.get(key, 0) if key is not None else 0
+        parts = self.part_bytes if P.PARTS_VERSION in self.protocols else None  # a large sample, bounded messages
         ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options,
-                                                               meta=form, pad=pad)))
+                                                               meta=form, pad=pad, part_bytes=parts)))
 
         def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
-            reader = client.do_get(ticket, options=call_options)
-            chunk = reader.read_chunk()
-            with contextlib.suppress(StopIteration):
-                reader.read_chunk()
-            return chunk
+            return assemble(client.do_get(ticket, options=call_options), int(n))
 
-        chunk = self._call(call, self._deadline(rpc_timeout, timeout))
+        data, meta = self._call(call, self._deadline(rpc_timeout, timeout))
         if key is not None:  # ask for the body on an 8-byte boundary next time (see protocol.realigning_pad)
-            again = P.realigning_pad(pad, misalignment(chunk.data))
+            again = P.realigning_pad(pad, misalignment(data))
             if again != pad:
                 if len(self._pads) >= MAX_PADS:
                     self._pads.clear()
                 self._pads[key] = again
-        return sample_batch(chunk.data, chunk.app_metadata, form)
+        return sample_batch(data, meta, form)
 
     # ------------------------------------------------------------------ consumption per task
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,

@@ -35,7 +35,10 @@ class ServerLimits:
 
     Attributes:
         max_batch_rows: the largest batch DoPut accepts and the largest sample served.
-        max_batch_bytes: the largest DoPut batch in bytes (ragged and string columns have no row size).
+        max_batch_bytes: the largest DoPut batch (one Flight message) in bytes (ragged and string columns have no
+            row size); a client cuts a larger extend into parts of at most this size (protocol 3).
+        max_extend_bytes: the largest extend sent in parts, in bytes: the server holds it whole (assembled) before
+            it commits it as one.
         max_prefetch_bytes: bytes of prefetched batches one learner session may hold on the server.
         max_n_step: the largest `n_step` a sample may ask for (its cost grows with n * n_step).
         max_timeout: the longest wait, in seconds, any request may ask for (sample, session and insert timeouts).
@@ -61,6 +64,7 @@ class ServerLimits:
 
     max_batch_rows: int = 65_536
     max_batch_bytes: int = 256 << 20
+    max_extend_bytes: int = 4 << 30
     max_prefetch_bytes: int = 512 << 20
     max_n_step: int = 1_000
     max_timeout: float = 3_600.0

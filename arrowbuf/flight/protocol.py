@@ -66,7 +66,17 @@ PROTOCOL_VERSION = 1
 #: carry "v": 2, so a version-1 server refuses them with "protocol version 2 is not supported"; the base verbs are
 #: unchanged, so version-1 clients keep working against a version-2 server.
 LLM_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+#: Version 3 adds an extend sent in parts: DoPut command `{"v":3,"kind":"extend","store":s,"parts":k,"rows":r}`
+#: followed by exactly k record batches (each within `max_batch_bytes`) holding r rows in all; the server commits them
+#: as one extend, atomically, after the last part, and acknowledges once (`{"v":1,"batch":0,"first_seq":f,
+#: "rows":r}`). A sample ticket may carry "part_bytes" (with "v": 3): a sample larger than that comes as several
+#: record batches of at most that size (the app_metadata on the first), which the client assembles. A version-1/2
+#: server refuses either ("protocol version 3 is not supported"); `describe` lists the versions a server speaks under
+#: "protocols" (absent: [1, 2]).
+PARTS_VERSION = 3
+#: Smallest record batch a version-3 sample ticket may ask a large sample to be cut into (`part_bytes`).
+MIN_PART_BYTES = 1 << 20
+SUPPORTED_VERSIONS = (1, 2, 3)
 #: The header that carries the bearer token: `authorization: Bearer <token>`.
 AUTH_HEADER = "authorization"
 #: Largest JSON request accepted (tickets, actions, descriptors, exchange messages): bounds server memory.
@@ -342,6 +352,7 @@ class SampleRequest:
     kind: str = "sample"
     meta: str = "json"
     pad: int = 0
+    part_bytes: int | None = None  # version 3: a larger batch comes as several record batches of at most this size
 
 
 @dataclass(frozen=True)
@@ -366,6 +377,8 @@ def encode_ticket(req: SampleRequest | TableRequest | ConsumeRequest) -> bytes:
             obj["meta"] = req.meta
         if req.pad:
             obj["pad"] = req.pad
+        if req.part_bytes is not None:
+            obj["v"], obj["part_bytes"] = PARTS_VERSION, int(req.part_bytes)
     else:
         if req.columns is not None:
             obj["columns"] = req.columns
@@ -413,10 +426,14 @@ def _decode_ticket(raw: bytes | pa.Buffer) -> SampleRequest | TableRequest | Con
         req = _decode_consume(f, store)
     elif kind == "sample":
         meta = _sample_meta(f, "ticket")
+        part_bytes = f.get("part_bytes", "a positive integer")
+        if part_bytes is not None and (obj.get("v", PROTOCOL_VERSION) < PARTS_VERSION or part_bytes < MIN_PART_BYTES):
+            raise SchemaError(f"ticket: part_bytes needs protocol version {PARTS_VERSION} and at least "
+                              f"{MIN_PART_BYTES} bytes, got {part_bytes!r:.40} with version {obj.get('v')!r:.20}")
         req = SampleRequest(n=f.get("n", "a positive integer", required=True), store=store,
                             columns=f.get("columns", "a list of column names"),
                             timeout=f.get("timeout", "a number of seconds in [0, 1e6]"),
-                            options=f.options(), meta=meta, pad=_pad(f, meta, "ticket"))
+                            options=f.options(), meta=meta, pad=_pad(f, meta, "ticket"), part_bytes=part_bytes)
     elif kind == "table":
         req = TableRequest(kind, store, columns=f.get("columns", "a list of column names"))
     elif kind == "sql":
@@ -435,6 +452,8 @@ class PutRequest:
     store: str | None = None
     timeout: float | None = None
     kind: str = "extend"
+    parts: int | None = None  # version 3: the extend comes in this many record batches, committed as one
+    rows: int | None = None  # version 3: rows in all parts
 
 
 @dataclass(frozen=True)
@@ -456,12 +475,16 @@ def store_descriptor(store: str) -> flight.FlightDescriptor:
     return flight.FlightDescriptor.for_path(store)
 
 
-def put_descriptor(store: str | None, timeout: float | None = None) -> flight.FlightDescriptor:
-    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": "extend"}
+def put_descriptor(store: str | None, timeout: float | None = None, parts: int | None = None,
+                   rows: int | None = None) -> flight.FlightDescriptor:
+    """The DoPut command of an extend; with `parts` and `rows`, an extend in parts (version 3)."""
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION if parts is None else PARTS_VERSION, "kind": "extend"}
     if store is not None:
         obj["store"] = store
     if timeout is not None:
         obj["timeout"] = timeout
+    if parts is not None:
+        obj["parts"], obj["rows"] = int(parts), int(rows if rows is not None else 0)
     return flight.FlightDescriptor.for_command(_dumps(obj))
 
 
@@ -508,8 +531,18 @@ def decode_put_descriptor(descriptor: flight.FlightDescriptor) -> PutRequest:
         raise SchemaError(f"DoPut descriptor command: kind must be one of {list(PUT_KINDS)}, got {kind!r:.80}")
     if kind == "update":
         return decode_update_command(f)
+    parts, rows = f.get("parts", "a positive integer"), f.get("rows", "a positive integer")
+    if (parts is None) != (rows is None):
+        raise SchemaError("DoPut descriptor command: an extend in parts names both \"parts\" and \"rows\"")
+    if parts is not None:
+        if f.obj.get("v", PROTOCOL_VERSION) < PARTS_VERSION:
+            raise SchemaError(f"DoPut descriptor command: an extend in parts needs protocol version {PARTS_VERSION}; "
+                              f"send \"v\": {PARTS_VERSION}")
+        if parts > rows:
+            raise SchemaError(f"DoPut descriptor command: {parts} parts cannot hold {rows} rows (a part holds at "
+                              "least one row)")
     req = PutRequest(store=f.get("store", "a string"),
-                     timeout=f.get("timeout", "a number of seconds in [0, 1e6]"))
+                     timeout=f.get("timeout", "a number of seconds in [0, 1e6]"), parts=parts, rows=rows)
     f.done()
     return req
 
@@ -882,7 +915,8 @@ def encode_exchange_error(op: str, exc: BaseException) -> bytes:
 
 __all__ = [
     "ACTIONS", "AUTH_HEADER", "ERRORS", "ID_COLUMN", "LLM_VERSION", "MAX_PAD", "PROTOCOL_VERSION", "PUT_KINDS",
-    "SAMPLE_META", "SUPPORTED_VERSIONS", "WEIGHT_COLUMN", "pad_metadata", "realigning_pad", "split_sample_columns",
+    "SAMPLE_META", "PARTS_VERSION", "SUPPORTED_VERSIONS", "WEIGHT_COLUMN", "pad_metadata", "realigning_pad",
+    "split_sample_columns",
     "UPDATE_ID_COLUMN", "ActionRequest", "ErrorMapping", "decode_update_ack", "decode_update_command",
     "encode_update_ack", "update_descriptor",
     "ExchangeMessage", "PutRequest", "SampleRequest", "SessionRequest", "TableRequest", "decode_ack",

@@ -51,6 +51,8 @@ from . import protocol as P
 from .heap import release_after
 from .idle import OpenStreams
 from .limits import CallGate, ServerLimits
+from .parts import parts_stream
+from .parts import receive as receive_parts
 from .prefetch import Prefetcher
 from .sockets import cut_server_connections
 from .wire import WIRE_OPTIONS, one_batch_stream, wire_batch
@@ -395,7 +397,10 @@ class _FlightService(flight.FlightServerBase):
             self.owner.check_sample_options(store, req.options, "sample")
             columns = None if req.columns is None else list(req.columns)  # the request may be shared: a copy
             data, meta = wire_batch(_sample(store, req.n, columns, req.timeout, req.options), req.meta)
-            return one_batch_stream(data, meta if req.meta == "json" else P.pad_metadata(req.pad))
+            meta = meta if req.meta == "json" else P.pad_metadata(req.pad)
+            if req.part_bytes is not None and data.nbytes > req.part_bytes:  # protocol 3: bounded messages
+                return parts_stream(data, meta, req.part_bytes)
+            return one_batch_stream(data, meta)
         if req.kind == "table":
             return self._table_stream(store, req.columns)
         if req.kind == "episodes":
@@ -484,6 +489,12 @@ class _FlightService(flight.FlightServerBase):
         # the stream's schema message comes first: names, types and shapes are checked before any batch is read
         store.schema.check_input_types(reader.schema, "DoPut")
         kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
+        if req.parts is not None:  # one extend in parts (protocol 3): assembled, then committed once
+            whole = receive_parts(reader, req, limits, self.owner.check_open, self.owner.streams.touch)
+            ids = np.asarray(store.extend(whole, **kwargs), dtype=np.int64).reshape(-1)
+            writer.write(pa.py_buffer(P.encode_ack(0, int(ids[0]) if len(ids) else 0, whole.num_rows)))
+            release_after(whole.nbytes)
+            return
         for k, batch in _bounded_batches(reader, limits, self.owner.check_open, self.owner.streams.touch, "batch"):
             # the whole batch is in memory here: a client that dies mid-message never reaches this line
             # --- contracts: extend returns the rows' ids (StoreSurface); the ack carries the committed range
@@ -577,6 +588,7 @@ class _FlightService(flight.FlightServerBase):
             out: dict[str, Any] = {"v": P.PROTOCOL_VERSION, "store": _name_of(self.owner, store),
                                    "schema": store.schema.to_dict(), "capacity": getattr(store, "capacity", None),
                                    "max_batch_rows": self.owner.limits.max_batch_rows, "protocol": P.PROTOCOL_VERSION,
+                                   "protocols": list(P.SUPPORTED_VERSIONS),
                                    "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe(),
                                    "sample_options": self.owner.sample_options(store),
                                    "sample_meta": list(P.SAMPLE_META)}

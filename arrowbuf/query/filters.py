@@ -7,11 +7,17 @@ bounded) over a table built from those columns alone: ragged and tensor columns 
 query's result only selects among the rows it was given, so a predicate that escapes its parentheses cannot add
 rows.
 
-Opening a sandboxed DuckDB connection costs about 0.1 s here, so predicates are not run under the store's lock and
-not once per call: each predicate keeps, per ring position, the seq of the row it was evaluated for and the result.
-A consumer asks `mask` (under the lock) which candidate rows pass and which are not evaluated yet, and `evaluate`s
-those with the lock released. A row is evaluated again when it changes: a later field of it was written since
-(its presence bits differ) or `store.update` rewrote it (`on_update`, the store core's update hook).
+Opening a sandboxed DuckDB connection costs about 0.1 s here, so a store keeps its own (`sql.Sandbox`: cached
+sandboxed connections, one query at a time) and validates each distinct predicate once (the last
+`MAX_VALID_PREDICATES` are remembered). A predicate in the simple subset of `arrowbuf.query.predicate` (comparisons
+of scalar columns with literals, AND/OR/NOT, IN, BETWEEN, IS NULL) is compiled once to `pyarrow.compute` calls and
+runs without DuckDB (tens of microseconds); any other runs on the store's cached connection under the sandbox's
+limits (a compiled predicate takes no slot of a server's SQL gate: it runs no query; its first validation does).
+Neither runs under the store's lock nor once per call: each predicate keeps, per ring position, the seq of the row
+it was evaluated for and the result. A consumer asks `mask` (under the lock) which candidate rows pass and which
+are not evaluated yet, and `evaluate`s those with the lock released. A row is evaluated again when it changes: a
+later field of it was written since (its presence bits differ) or `store.update` rewrote it (`on_update`, the
+store core's update hook).
 
 Usage (what `arrowbuf.store.consume.ConsumeTracker` does)::
 
@@ -30,11 +36,14 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument
+from .predicate import CompiledPredicate, compile_where
 
 #: Longest predicate accepted (characters).
 MAX_WHERE_CHARS = 4096
 #: Predicates whose per-row results are kept (least recently used go first): each takes 10 bytes per ring row.
 MAX_CACHED_PREDICATES = 4
+#: Distinct predicates remembered as valid (with their compiled form); least recently used go first.
+MAX_VALID_PREDICATES = 256
 _SYSTEM = ("episode_id", "step", "seq")
 
 
@@ -62,7 +71,10 @@ class RowFilters:
         self.scalars = [n for n, f in schema.fields.items() if not f.shape and not f.ragged]
         self.later = [n for n in self.scalars if getattr(schema.fields[n], "later", False)]
         self._results: OrderedDict[str, _Results] = OrderedDict()
-        self._valid: OrderedDict[str, None] = OrderedDict()
+        self._valid: OrderedDict[str, CompiledPredicate | None] = OrderedDict()
+        from .sql import Sandbox
+
+        self.sandbox = Sandbox()
         self._inflight: list[list[np.ndarray]] = []
         if getattr(core, "on_update", "missing") is None:
             core.on_update = self.on_update
@@ -83,10 +95,23 @@ class RowFilters:
         if where in self._valid:
             self._valid.move_to_end(where)
             return
-        self._run(where, self.table(np.zeros(0, dtype=np.int64)))  # DuckDB binds the columns: errors come now
-        self._valid[where] = None
-        if len(self._valid) > 256:
+        empty = self.table(np.zeros(0, dtype=np.int64))
+        self._run(where, empty)  # the sandbox checks it and DuckDB binds the columns: errors come now
+        from .sql import DEFAULT_LIMITS
+
+        tree = self.sandbox.parse(_query(where), DEFAULT_LIMITS)
+        self._valid[where] = compile_where(tree, empty.schema)
+        if len(self._valid) > MAX_VALID_PREDICATES:
             self._valid.popitem(last=False)
+
+    def cache_sizes(self) -> dict[str, int]:
+        """How many predicates are remembered as valid, have per-row results, and open sandbox connections."""
+        return {"valid": len(self._valid), "results": len(self._results),
+                "connections": len(self.sandbox.connections())}
+
+    def compiled(self, where: str) -> CompiledPredicate | None:
+        """The compiled form of a predicate `check` accepted (None: it runs in the sandbox, or is not known)."""
+        return self._valid.get(where)
 
     # ------------------------------------------------------------------ per-row results
     def mask(self, where: str, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -157,8 +182,13 @@ class RowFilters:
     def _run(self, where: str, table: pa.Table) -> np.ndarray:
         from . import sql
 
+        fast = self._valid.get(where)
+        if fast is not None and table.num_rows:
+            passed = fast(table)
+            if passed is not None:
+                return table.column("seq").to_numpy()[passed]
         try:
-            out = sql.run(table, f"SELECT seq FROM experience WHERE ({where})", sql.DEFAULT_LIMITS)
+            out = sql.run(table, _query(where), sql.DEFAULT_LIMITS, sandbox=self.sandbox)
         except InvalidArgument as exc:
             raise InvalidArgument(f"consume: where={where[:200]!r} is not a predicate over the scalar columns "
                                   f"{table.column_names} ({exc}); ragged and tensor columns cannot be "
@@ -166,4 +196,8 @@ class RowFilters:
         return out.column(0).to_numpy(zero_copy_only=False) if out.num_rows else np.zeros(0, np.int64)
 
 
-__all__ = ["MAX_CACHED_PREDICATES", "MAX_WHERE_CHARS", "RowFilters"]
+def _query(where: str) -> str:
+    return f"SELECT seq FROM experience WHERE ({where})"
+
+
+__all__ = ["MAX_CACHED_PREDICATES", "MAX_VALID_PREDICATES", "MAX_WHERE_CHARS", "RowFilters"]

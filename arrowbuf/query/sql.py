@@ -150,7 +150,7 @@ def caller_cancelled() -> Callable[[], bool] | None:
 
 
 def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
-        cancelled: Callable[[], bool] | None = None) -> pa.Table:
+        cancelled: Callable[[], bool] | None = None, sandbox: Sandbox | None = None) -> pa.Table:
     """Run one SELECT over `table` (registered as `experience`) in the sandbox.
 
     Args:
@@ -158,6 +158,7 @@ def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
         query: one SQL SELECT statement.
         limits: the bounds (`DEFAULT_LIMITS` when None).
         cancelled: called while the query runs; when it returns True (the caller went away) the query stops.
+        sandbox: a `Sandbox` whose cached connections to use (None: a fresh connection for this query alone).
 
     Returns:
         The result as a `pa.Table`.
@@ -172,42 +173,149 @@ def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
     limits = limits or DEFAULT_LIMITS
     context = _SERVING.get()
     if context is None:
-        return _run(table, query, limits, cancelled)
+        return _run(table, query, limits, cancelled, sandbox)
     if context.cancelled is not None:
         cancelled = _either(cancelled, context.cancelled)
     with context.gate() if context.gate is not None else nullcontext():
-        return _run(table, query, limits.tighter(context.limits), cancelled)
+        return _run(table, query, limits.tighter(context.limits), cancelled, sandbox)
 
 
 def _either(a: Callable[[], bool] | None, b: Callable[[], bool]) -> Callable[[], bool]:
     return b if a is None else (lambda: a() or b())
 
 
-def _run(table: pa.Table, query: str, limits: SqlLimits, cancelled: Callable[[], bool] | None) -> pa.Table:
-    duckdb = require("duckdb", "query")
+class Sandbox:
+    """Cached sandboxed connections: what `run` opens per query (about 0.1 s), opened once and reused.
+
+    A connection is opened as `run` opens one (no file system, locked configuration, one SELECT at a time) and is
+    kept per (memory limit, threads), since those are fixed when it opens; deadlines, cancellation and result
+    limits apply per query as in `run`. Queries on one `Sandbox` run one at a time (a lock). Between queries the
+    connection holds nothing: the `experience` table is unregistered after each query, and a connection that was
+    interrupted or failed inside DuckDB is closed and replaced. A query cannot change a connection's state: the
+    parser admits one SELECT only and the configuration is locked.
+
+    Usage (what `arrowbuf.query.filters.RowFilters` does, one per store)::
+
+        box = Sandbox()
+        tree = box.parse("SELECT seq FROM experience WHERE (reward > 0)")   # refused like `run` refuses
+        out = run(table, "SELECT seq FROM experience WHERE (reward > 0)", sandbox=box)
+        box.close()
+    """
+
+    #: Connections kept at most (one per distinct (memory limit, threads)); the oldest is closed first.
+    MAX_CONNECTIONS = 2
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cons: dict[tuple[int | None, int], Any] = {}
+
+    def parse(self, query: str, limits: SqlLimits | None = None) -> dict[str, Any]:
+        """Check `query` as `run` does before running it; return DuckDB's parse tree of its one SELECT."""
+        duckdb = require("duckdb", "query")
+        limits = limits or DEFAULT_LIMITS
+        _check_text(query, limits)
+        with self._lock:
+            con = self._connection(duckdb, limits)
+            try:
+                return _check(con, query)
+            except InvalidArgument:
+                raise
+            except Exception:
+                self._drop(limits)
+                raise
+
+    def _query(self, duckdb: Any, table: pa.Table, query: str, limits: SqlLimits,
+               cancelled: Callable[[], bool] | None) -> pa.Table:
+        with self._lock:
+            con = self._connection(duckdb, limits)
+            healthy = False
+            try:
+                out = _query(duckdb, con, table, query, limits, cancelled)
+                healthy = True
+                return out
+            except (InvalidArgument, ResourceExhausted) as exc:
+                healthy = getattr(exc, "_arrowbuf_clean", False)
+                raise
+            finally:
+                if healthy:
+                    try:
+                        con.unregister("experience")
+                    except Exception:  # noqa: BLE001 - a connection that cannot unregister is replaced
+                        healthy = False
+                if not healthy:
+                    self._drop(limits)
+
+    def _connection(self, duckdb: Any, limits: SqlLimits) -> Any:
+        key = (limits.memory_limit, limits.threads)
+        con = self._cons.get(key)
+        if con is None:
+            while len(self._cons) >= self.MAX_CONNECTIONS:
+                self._cons.pop(next(iter(self._cons))).close()
+            con = self._cons[key] = _connect(duckdb, limits)
+        return con
+
+    def _drop(self, limits: SqlLimits) -> None:
+        con = self._cons.pop((limits.memory_limit, limits.threads), None)
+        if con is not None:
+            con.close()
+
+    def connections(self) -> list[int]:
+        """Identities of the connections open now (tests and stats: a reused connection keeps its identity)."""
+        with self._lock:
+            return [id(con) for con in self._cons.values()]
+
+    def close(self) -> None:
+        """Close the cached connections (idempotent; a later query opens new ones)."""
+        with self._lock:
+            while self._cons:
+                self._cons.popitem()[1].close()
+
+
+def _check_text(query: str, limits: SqlLimits) -> None:
     if not isinstance(query, str) or not query.strip():
         raise InvalidArgument("sql: expected a non-empty SQL SELECT string")
     if len(query) > limits.max_query_chars:
         raise InvalidArgument(f"sql: the query has {len(query)} characters, over the limit of "
                               f"{limits.max_query_chars}; shorten it")
+
+
+def _run(table: pa.Table, query: str, limits: SqlLimits, cancelled: Callable[[], bool] | None,
+         sandbox: Sandbox | None = None) -> pa.Table:
+    duckdb = require("duckdb", "query")
+    _check_text(query, limits)
+    if sandbox is not None:
+        return sandbox._query(duckdb, table, query, limits, cancelled)
     con = _connect(duckdb, limits)
     try:
-        _check(con, query)
-        con.register("experience", table)
-        with _Deadline(con, limits.timeout, cancelled) as deadline:
-            try:
-                return _fetch(con, query, limits)
-            except duckdb.InterruptException:
-                raise deadline.error() from None
-            except duckdb.OutOfMemoryException:
-                raise ResourceExhausted(f"sql: the query needed more than the sandbox's memory limit of "
-                                        f"{_mib(limits.memory_limit)}; aggregate more or select fewer rows") from None
-            except (duckdb.Error, pa.ArrowException) as exc:  # errors while streaming come as Arrow errors
-                if deadline.fired:  # an interrupt can surface as another DuckDB error mid-operator
-                    raise deadline.error() from None
-                raise InvalidArgument(f"sql: the query failed: {_short(str(exc))}") from None
+        return _query(duckdb, con, table, query, limits, cancelled)
     finally:
         con.close()
+
+
+def _query(duckdb: Any, con: Any, table: pa.Table, query: str, limits: SqlLimits,
+           cancelled: Callable[[], bool] | None) -> pa.Table:
+    """Check and run `query` over `table` on an open sandboxed connection. An `InvalidArgument` or
+    `ResourceExhausted` that left the connection as it was carries `_arrowbuf_clean = True`."""
+    try:
+        _check(con, query)
+    except InvalidArgument as exc:
+        exc._arrowbuf_clean = True  # type: ignore[attr-defined]
+        raise
+    con.register("experience", table)
+    with _Deadline(con, limits.timeout, cancelled) as deadline:
+        try:
+            return _fetch(con, query, limits)
+        except duckdb.InterruptException:
+            raise deadline.error() from None
+        except duckdb.OutOfMemoryException:
+            raise ResourceExhausted(f"sql: the query needed more than the sandbox's memory limit of "
+                                    f"{_mib(limits.memory_limit)}; aggregate more or select fewer rows") from None
+        except (duckdb.Error, pa.ArrowException) as exc:  # errors while streaming come as Arrow errors
+            if deadline.fired:  # an interrupt can surface as another DuckDB error mid-operator
+                raise deadline.error() from None
+            error = InvalidArgument(f"sql: the query failed: {_short(str(exc))}")
+            error._arrowbuf_clean = isinstance(exc, (duckdb.BinderException, duckdb.ParserException))  # type: ignore[attr-defined]
+            raise error from None
 
 
 def _connect(duckdb: Any, limits: SqlLimits) -> Any:
@@ -228,8 +336,9 @@ def _connect(duckdb: Any, limits: SqlLimits) -> Any:
     return con
 
 
-def _check(con: Any, query: str) -> None:
-    """Parse `query` with DuckDB's parser and refuse anything but one SELECT over `experience` (module docstring)."""
+def _check(con: Any, query: str) -> dict[str, Any]:
+    """Parse `query` with DuckDB's parser and refuse anything but one SELECT over `experience` (module docstring);
+    return the statement's parse tree."""
     raw = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [query]).fetchall()[0][0]
     tree = json.loads(raw)
     if tree.get("error"):
@@ -261,6 +370,7 @@ def _check(con: Any, query: str) -> None:
                 raise InvalidArgument(f"sql: function {_short(_qualified(node, 'function_name'))!r} is not "
                                       "allowed in the sandbox (it reports server settings or reaches outside "
                                       "`experience`)")
+    return dict(statements[0])
 
 
 def _walk(value: Any) -> Iterator[dict[str, Any]]:
@@ -358,4 +468,4 @@ def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
 
 
-__all__ = ["DEFAULT_LIMITS", "SqlLimits", "TABLE_FUNCTIONS", "run"]
+__all__ = ["DEFAULT_LIMITS", "Sandbox", "SqlLimits", "TABLE_FUNCTIONS", "run"]

@@ -12,9 +12,10 @@ store does)::
     cols.take_next("obs", next_positions)         # ring rows or final slots (a derived column)
     cols.view("obs", p0, p1)                      # rows of one chunk, zero-copy where the tier allows
 
-Ragged (list) fields are kept as one Arrow array per chunk slot; in a shared tier (shared memory) and in a tiered
-store (in its bottom tier: the disk spills token data), in tier memory instead
-(`arrowbuf.ring.ragged_arena.RaggedArena`), shown through the same per-slot interface (`ragged[name][slot]`).
+Ragged (list) fields are kept in one arena per column (`arrowbuf.ring.ragged_arena.RaggedArena`) in host memory
+(growable), in shared memory and in a tiered store's bottom tier (the disk spills token data), so that a gather is
+one ranged copy per row; the arena is shown through a per-slot interface (`ragged[name][slot]`, a copy of the slot)
+for snapshots. A tier that is neither shared nor growable (none ships today) keeps one Arrow array per chunk slot.
 
 Fields filled later (`later: true` in the schema) also have a validity array per ring position (`presence`, see
 `arrowbuf.ring.presence`): `write`/`write_ragged` record which rows were given a value, `update_rows` fills live rows in
@@ -87,7 +88,7 @@ class ColumnArenas:
         self.presence = Presence(schema, tier, self.arena_rows)
         self.later = self.presence.valid  # membership: the fields filled later
         for f in schema.fields.values():
-            if f.ragged and tier.shared:
+            if f.ragged and (tier.shared or getattr(tier, "growable", False)):
                 arena = RaggedArena(f, tier, self.chunk_rows, directory.num_slots, self.arena_rows)
                 self.tier_ragged[f.name] = arena
                 read = self._consistent(f.name, arena.take) if f.later else None

@@ -81,7 +81,7 @@ def take(values: Any, rows: Any) -> pa.Array:
     if _consecutive(rows):
         return arr.slice(int(rows[0]) if rows.size else 0, int(rows.size))
     starts, lens, valid = _ranges(arr, rows)
-    return _own(_assemble(arr.type, _gather_values(arr.values, starts, lens), lens, valid))
+    return own(_assemble(arr.type, _gather_values(arr.values, starts, lens), lens, valid))
 
 
 def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray) -> pa.Array:
@@ -126,7 +126,7 @@ def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray)
         for k, idx in enumerate(groups):
             starts[idx] += base[k]
         values = _gather_values(pa.concat_arrays([a.values for a in used]), starts, lens)
-        return _own(_assemble(list_type, values, lens, valid))
+        return own(_assemble(list_type, values, lens, valid))
     parts = []
     for idx, arr in zip(groups, used):  # one ranged copy (or a zero-copy slice) per slot touched
         if _consecutive(off[idx]) and not arr.null_count:
@@ -135,7 +135,7 @@ def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray)
             parts.append(_gather_values(arr.values, starts[idx], lens[idx]))
     if blocks:
         values = parts[0] if len(parts) == 1 else pa.concat_arrays(parts)
-        return _own(_assemble(list_type, values, lens, valid))
+        return own(_assemble(list_type, values, lens, valid))
     # interleaved slots: the rows sit in `grouped` in slot order; one more ranged copy puts them in the order asked
     grouped = pa.concat_arrays(parts)
     glens = lens[order]
@@ -143,7 +143,7 @@ def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray)
     np.cumsum(glens[:-1], out=gstarts[1:])
     back = np.empty(pos.size, dtype=np.int64)
     back[order] = gstarts
-    return _own(_assemble(list_type, _gather_values(grouped, back, lens), lens, valid))
+    return own(_assemble(list_type, _gather_values(grouped, back, lens), lens, valid))
 
 
 # ---------------------------------------------------------------------------------------------------- ownership
@@ -153,7 +153,9 @@ def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray)
 _PRIVATE: dict[int, weakref.ref] = {}
 
 
-def _own(arr: pa.Array) -> pa.Array:
+def own(arr: pa.Array) -> pa.Array:
+    """Record that the values buffer of list array `arr` was allocated for it alone (a gather's fresh output), so
+    `private_values` may hand it out writable. Only for memory no store or other array shares."""
     key = id(arr)
 
     def forget(ref: weakref.ref, key: int = key) -> None:
@@ -182,4 +184,4 @@ def private_values(arr: Any) -> np.ndarray | None:
     return np.frombuffer(buf, dtype=dtype, count=count, offset=(child.offset + first) * dtype.itemsize)
 
 
-__all__ = ["one_array", "private_values", "take", "take_chunked"]
+__all__ = ["one_array", "own", "private_values", "take", "take_chunked"]

@@ -510,6 +510,9 @@ class ConsumeTracker:
         """Token count (list length) of ragged `field` for each row, read from the list offsets only."""
         chunk_rows = self.core.directory.chunk_rows
         pos = seqs % self.core.arena_rows
+        arena = getattr(self.core.cols, "tier_ragged", {}).get(field)
+        if arena is not None:  # values in one arena (ring.ragged_arena): lengths without copying any value
+            return np.maximum(np.asarray(arena.length[pos], dtype=np.int64), 0)
         slots, offs = pos // chunk_rows, pos % chunk_rows
         out = np.zeros(len(seqs), dtype=np.int64)
         per_slot = self.core.cols.ragged[field]

@@ -36,6 +36,9 @@ class Tier(abc.ABC):
     fresh: bool = True
     #: True when other processes use the same memory (their commits do not wake this process's condition variables).
     shared: bool = False
+    #: True when an arena may be allocated again under the same key, larger, with the old one kept alive by its
+    #: readers (process heap): a host store's ragged arena grows instead of raising `OutOfSpace`.
+    growable: bool = False
     #: Bytes this tier may hold for a tiered store (`ExperienceStore(tiers=...)`); None: no limit.
     budget: int | None = None
     #: True when arenas hold a limited number of chunk slots addressed through a slot table (device memory cannot be

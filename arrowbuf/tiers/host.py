@@ -95,6 +95,8 @@ class HostTier(Tier):
         prefault_window: bytes prepared ahead of the head ("256MiB", an int).
     """
 
+    growable = True
+
     name = "host"
 
     def __init__(self, budget: Any = None, *, prefault: bool = True, prefault_window: Any = DEFAULT_WINDOW) -> None:

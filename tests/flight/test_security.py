@@ -464,16 +464,27 @@ class TestDoPutValidation:
         finally:
             client.close()
 
-    def test_a_batch_over_the_byte_limit_is_refused(self, servers):
+    def test_a_message_over_the_byte_limit_is_refused(self, servers):
+        """One DoPut message over max_batch_bytes is refused; `RemoteStore.extend` sends such a batch in parts
+        (protocol 3, tests/flight/test_flight_parts.py), each within the limit."""
         store = cartpole_store()
         server = servers(store, max_batch_bytes=4096)
         remote = ab.connect(server.location)
+        client = flight.FlightClient(server.location)
         try:
-            with pytest.raises(ab.SchemaError, match="max_batch_bytes"):
-                remote.extend(cartpole_batch(200))
+            rb = remote.to_batch(cartpole_batch(200))
+            with pytest.raises(flight.FlightError, match="max_batch_bytes"):
+                writer, reader = client.do_put(P.put_descriptor(None), rb.schema)
+                writer.write_batch(rb)
+                writer.done_writing()
+                reader.read()
+                writer.close()
+            assert len(store) == 100  # the rows the store was made with
+            remote.extend(cartpole_batch(200))  # in parts
             remote.extend(cartpole_batch(10))
-            assert len(store) == 110
+            assert len(store) == 310
         finally:
+            client.close()
             remote.close()
 
     def test_duplicate_columns_and_bad_actor_values_are_bad_input(self, servers):

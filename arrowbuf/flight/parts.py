@@ -1,0 +1,251 @@
+"""An extend sent in parts (protocol version 3): one batch larger than a Flight message may be, committed as one.
+
+A batch over the server's `max_batch_bytes` is refused as one message. `RemoteStore.extend` cuts it instead into
+row ranges of at most `part_bytes(max_batch_bytes)` each (`split_rows`: zero-copy slices, no copy on the client)
+and sends them in one DoPut whose command names the number of parts and rows (`protocol.put_descriptor`). The
+server (`receive`) reads exactly that many parts, each bounded like any DoPut batch, and the whole within
+`ServerLimits.max_extend_bytes`, into one batch (`PartsAssembler`), and only then calls `store.extend` once:
+
+- atomic as one extend: every row or none. A stream that ends early, carries more rows or parts than it declared,
+  or breaks any bound stores nothing; the rows become visible together, with consecutive ids, acknowledged once.
+- bounded memory: fixed-width columns (numbers, fixed-shape tensors) are copied from each received message into
+  one preallocated array per column, and the message is dropped before the next is read, so the server holds the
+  assembled batch plus one message (not every message and then a combined copy). Ragged and other columns are
+  kept per part (copied out of the message when it also carries fixed-width columns, so the message can go) and
+  concatenated once at the end.
+
+The same in the other direction: a sample ticket with `part_bytes` (version 3) makes the server send a larger
+sample as zero-copy slices of at most that size (`parts_stream`; the app_metadata rides on the first), and the
+client (`assemble`) copies each message into the preallocated batch as it arrives, so neither side holds the
+sample twice (one large message was: gRPC's received pieces and their contiguous copy).
+
+Usage (what `RemoteStore.extend`, `RemoteStore.sample` and the server's DoPut and DoGet do)::
+
+    ranges = split_rows(rb, part_bytes(max_batch_bytes))          # client: [(offset, rows), ...]
+    batch = receive(reader, req, limits, check_open, moved)       # server: one pa.RecordBatch of req.rows rows
+    stream = parts_stream(data, meta, req.part_bytes)             # server: a sample in bounded messages
+    data, meta = assemble(reader, n)                              # client: the sample, whole
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from ..errors import SchemaError
+from .heap import release_after
+
+#: The share of `max_batch_bytes` a part is cut to (headroom for the bytes a received message adds: validity
+#: bitmaps rounded up, IPC padding).
+PART_FILL = 0.9
+#: The largest part sent whatever the server allows: the server holds the assembled batch plus one message, so
+#: smaller messages keep its peak near the payload (64 MiB messages still cost little per message).
+MAX_PART_BYTES = 64 << 20
+
+
+def part_bytes(max_batch_bytes: int) -> int:
+    """The largest part a client sends to a server whose DoPut batches may have `max_batch_bytes`."""
+    return max(1, min(int(max_batch_bytes * PART_FILL), MAX_PART_BYTES))
+
+
+def split_rows(rb: pa.RecordBatch, limit: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges (offset, rows) of `rb`, each of at most `limit` bytes (`RecordBatch.nbytes` of the
+    slice), covering every row once.
+
+    Raises:
+        SchemaError: one row alone is over `limit` (it cannot be sent in any part).
+    """
+    n = rb.num_rows
+    total = rb.nbytes
+    out: list[tuple[int, int]] = []
+    start = 0
+    guess = max(1, int(n * limit / total)) if total else n
+    while start < n:
+        take = min(guess, n - start)
+        while rb.slice(start, take).nbytes > limit:
+            if take == 1:
+                raise SchemaError(f"row {start} alone is {rb.slice(start, 1).nbytes} bytes, over the {limit} bytes "
+                                  "a part may carry; raise the server's max_batch_bytes")
+            take = max(1, take // 2)
+        out.append((start, take))
+        start += take
+    return out
+
+
+def _dense(col: pa.Array) -> np.ndarray | None:
+    """[rows, width] numpy view of a fixed-width column without nulls (numbers, fixed-size lists of numbers,
+    fixed-shape tensors), or None."""
+    storage = col.storage if isinstance(col, pa.ExtensionArray) else col
+    t = storage.type
+    if storage.null_count:
+        return None
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        return storage.to_numpy(zero_copy_only=True).reshape(len(storage), 1)
+    if pa.types.is_fixed_size_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
+        flat = storage.flatten()
+        if flat.null_count:
+            return None
+        return flat.to_numpy(zero_copy_only=True).reshape(len(storage), t.list_size)
+    return None
+
+
+def _from_dense(values: np.ndarray, type_: pa.DataType) -> pa.Array:
+    """The inverse of `_dense` (zero-copy)."""
+    storage_type = type_.storage_type if isinstance(type_, pa.BaseExtensionType) else type_
+    if pa.types.is_fixed_size_list(storage_type):
+        storage: pa.Array = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), storage_type.list_size)
+        storage = storage.cast(storage_type) if storage.type != storage_type else storage
+    else:
+        storage = pa.array(values.reshape(-1), type=storage_type)
+    return pa.ExtensionArray.from_storage(type_, storage) if isinstance(type_, pa.BaseExtensionType) else storage
+
+
+class PartsAssembler:
+    """The parts of one extend, assembled into one batch of `rows` rows (see the module docstring)."""
+
+    def __init__(self, schema: pa.Schema, rows: int) -> None:
+        self.schema = schema
+        self.rows = int(rows)  # the most rows that may come (`batch` returns the rows that came)
+        self.filled = 0
+        self._dense: dict[str, np.ndarray] = {}
+        self._pieces: dict[str, list[pa.Array]] = {}
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        """Copy the part's rows in (the caller has checked that they fit)."""
+        r0, n = self.filled, batch.num_rows
+        views = {name: (col, _dense(col)) for name, col in zip(batch.schema.names, batch.columns)}
+        frees_message = any(v is not None for _, v in views.values())
+        for name, (col, view) in views.items():
+            if name in self._dense and view is not None:
+                self._dense[name][r0:r0 + n] = view
+                continue
+            if name not in self._pieces and view is not None and r0 == 0:
+                self._dense[name] = np.empty((self.rows, view.shape[1]), dtype=view.dtype)
+                self._dense[name][:n] = view
+                continue
+            pieces = self._pieces.setdefault(name, [])
+            if name in self._dense:  # nulls in a later part: the rows so far become a piece
+                pieces.append(_from_dense(self._dense.pop(name)[:r0].copy(), col.type))
+            # a piece copied out of the message, so that the message's memory can go
+            pieces.append(pa.concat_arrays([col, col.slice(0, 0)]) if frees_message else col)
+        self.filled += n
+
+    def batch(self) -> pa.RecordBatch:
+        """The assembled rows, in the stream's schema."""
+        arrays = []
+        for field in self.schema:
+            if field.name in self._dense:
+                arrays.append(_from_dense(self._dense[field.name][:self.filled], field.type))
+            else:
+                pieces = self._pieces.get(field.name, [])
+                arrays.append(pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces))
+        return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+
+
+def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
+            moved: Callable[[], None]) -> pa.RecordBatch:
+    """Read the `req.parts` parts of an extend (`req.rows` rows in all) from a DoPut stream into one batch.
+
+    Raises:
+        SchemaError: more rows than `max_batch_rows`, a part over `max_batch_bytes`, the parts together over
+            `max_extend_bytes`, more or fewer parts or rows than declared, or a part with no rows. Nothing is stored.
+    """
+    limits.check_rows(req.rows, "an extend in parts")
+    assembler = PartsAssembler(reader.schema, req.rows)
+    k = total = 0
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            break
+        moved()
+        part = chunk.data
+        if part is None:  # a metadata-only message carries nothing to store
+            continue
+        check_open()
+        if k >= req.parts:
+            raise SchemaError(f"an extend in parts: more than the {req.parts} parts declared; nothing stored")
+        if part.num_rows == 0 or assembler.filled + part.num_rows > req.rows:
+            raise SchemaError(f"an extend in parts: part {k} brings {part.num_rows} rows, after "
+                              f"{assembler.filled} of the {req.rows} declared; nothing stored")
+        if part.nbytes > limits.max_batch_bytes:
+            raise SchemaError(f"part {k} of {part.nbytes} bytes is over this server's max_batch_bytes "
+                              f"{limits.max_batch_bytes}; cut smaller parts")
+        total += part.nbytes
+        if total > limits.max_extend_bytes:
+            raise SchemaError(f"an extend in parts of more than {total} bytes is over this server's "
+                              f"max_extend_bytes {limits.max_extend_bytes}; send smaller extends")
+        assembler.add(part)
+        size = part.nbytes
+        del part, chunk  # the message goes before the next one is read, and its heap pieces back to the OS
+        release_after(size)
+        k += 1
+        if k == req.parts:
+            break
+    if k != req.parts or assembler.filled != req.rows:
+        raise SchemaError(f"an extend in parts ended after {k} of {req.parts} parts ({assembler.filled} of "
+                          f"{req.rows} rows); nothing stored")
+    return assembler.batch()
+
+
+def parts_stream(data: pa.RecordBatch, meta: pa.Buffer | None, limit: int) -> flight.FlightDataStream:
+    """A sample as record batches of at most `limit` bytes (zero-copy slices), `meta` on the first."""
+    from .wire import WIRE_OPTIONS
+
+    ranges = split_rows(data, limit)
+
+    def gen() -> Any:
+        for k, (offset, rows) in enumerate(ranges):
+            piece = data.slice(offset, rows)
+            yield (piece, meta) if k == 0 and meta is not None else piece
+
+    return flight.GeneratorStream(data.schema, gen(), WIRE_OPTIONS)
+
+
+def assemble(reader: Any, rows: int) -> tuple[pa.RecordBatch, pa.Buffer | None]:
+    """Read a sample's messages from a DoGet `reader` into one batch (at most `rows` rows, the app_metadata of the
+    first message): one message is returned as it is; more are copied into one preallocated batch as they arrive.
+
+    Raises:
+        SchemaError: the stream brought more than `rows` rows, or no batch.
+    """
+    first = reader.read_chunk()
+    meta = first.app_metadata
+    try:
+        second = reader.read_chunk()
+    except StopIteration:
+        return first.data, meta
+    if first.data is None or second.data is None:
+        raise SchemaError("a sample in parts: a message without a batch")
+    asm = PartsAssembler(first.data.schema, rows)
+    size = first.data.nbytes
+    for chunk in (first, second):
+        _add_checked(asm, chunk.data, rows)
+    del first, second, chunk
+    release_after(size)  # each message's heap pieces back to the OS once copied (flight/heap.py)
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            break
+        if chunk.data is None:
+            raise SchemaError("a sample in parts: a message without a batch")
+        _add_checked(asm, chunk.data, rows)
+        size = chunk.data.nbytes
+        del chunk
+        release_after(size)
+    return asm.batch(), meta
+
+
+def _add_checked(asm: PartsAssembler, part: pa.RecordBatch, rows: int) -> None:
+    if asm.filled + part.num_rows > rows:
+        raise SchemaError(f"a sample in parts brought more than the {rows} rows asked for")
+    asm.add(part)
+
+
+__all__ = ["MAX_PART_BYTES", "PART_FILL", "PartsAssembler", "assemble", "part_bytes", "parts_stream", "receive",
+           "split_rows"]
