@@ -142,7 +142,7 @@ def serving(limits: SqlLimits, *, gate: Callable[[], ContextManager[Any]] | None
 
 
 def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
-        cancelled: Callable[[], bool] | None = None) -> pa.Table:
+        cancelled: Callable[[], bool] | None = None, tables: dict[str, pa.Table] | None = None) -> pa.Table:
     """Run one SELECT over `table` (registered as `experience`) in the sandbox.
 
     Args:
@@ -150,6 +150,7 @@ def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
         query: one SQL SELECT statement.
         limits: the bounds (`DEFAULT_LIMITS` when None).
         cancelled: called while the query runs; when it returns True (the caller went away) the query stops.
+        tables: more tables the query may read beside `experience`, by name (e.g. `lineage`).
 
     Returns:
         The result as a `pa.Table`.
@@ -164,18 +165,19 @@ def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
     limits = limits or DEFAULT_LIMITS
     context = _SERVING.get()
     if context is None:
-        return _run(table, query, limits, cancelled)
+        return _run(table, query, limits, cancelled, tables)
     if context.cancelled is not None:
         cancelled = _either(cancelled, context.cancelled)
     with context.gate() if context.gate is not None else nullcontext():
-        return _run(table, query, limits.tighter(context.limits), cancelled)
+        return _run(table, query, limits.tighter(context.limits), cancelled, tables)
 
 
 def _either(a: Callable[[], bool] | None, b: Callable[[], bool]) -> Callable[[], bool]:
     return b if a is None else (lambda: a() or b())
 
 
-def _run(table: pa.Table, query: str, limits: SqlLimits, cancelled: Callable[[], bool] | None) -> pa.Table:
+def _run(table: pa.Table, query: str, limits: SqlLimits, cancelled: Callable[[], bool] | None,
+         tables: dict[str, pa.Table] | None = None) -> pa.Table:
     duckdb = require("duckdb", "query")
     if not isinstance(query, str) or not query.strip():
         raise InvalidArgument("sql: expected a non-empty SQL SELECT string")
@@ -184,8 +186,11 @@ def _run(table: pa.Table, query: str, limits: SqlLimits, cancelled: Callable[[],
                               f"{limits.max_query_chars}; shorten it")
     con = _connect(duckdb, limits)
     try:
-        _check(con, query)
+        extra = {str(k).lower(): v for k, v in (tables or {}).items()}
+        _check(con, query, frozenset(extra))
         con.register("experience", table)
+        for name, t in extra.items():
+            con.register(name, t)
         with _Deadline(con, limits.timeout, cancelled) as deadline:
             try:
                 return _fetch(con, query, limits)
@@ -220,7 +225,7 @@ def _connect(duckdb: Any, limits: SqlLimits) -> Any:
     return con
 
 
-def _check(con: Any, query: str) -> None:
+def _check(con: Any, query: str, extra: frozenset[str] = frozenset()) -> None:
     """Parse `query` with DuckDB's parser and refuse anything but one SELECT over `experience` (module docstring)."""
     raw = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [query]).fetchall()[0][0]
     tree = json.loads(raw)
@@ -238,7 +243,8 @@ def _check(con: Any, query: str) -> None:
         kind = node.get("type")
         if kind == "BASE_TABLE":
             name = str(node.get("table_name", "")).lower()
-            if node.get("schema_name") or node.get("catalog_name") or (name != "experience" and name not in ctes):
+            if node.get("schema_name") or node.get("catalog_name") or (name != "experience" and name not in ctes
+                                                                              and name not in extra):
                 raise InvalidArgument(f"sql: a query reads only the table `experience` (and its own CTEs), not "
                                       f"{_short(_qualified(node, 'table_name'))!r}")
         elif kind == "TABLE_FUNCTION":

@@ -228,6 +228,8 @@ class ConsumeTracker:
             if len(seqs):
                 self._consumed[task][seqs % c.arena_rows] = seqs
                 self._delivered[task] += len(seqs)
+                if c.lineage is not None:  # who consumed them, when, at which staleness (arrowbuf.observe.lineage)
+                    c.lineage.consumed(task, seqs)
             pin = next(self._pin_ids)
             if len(seqs):
                 self._pins[pin] = int(seqs.min())
@@ -360,6 +362,8 @@ class ConsumeTracker:
     def _drop(self, task: str, seqs: np.ndarray) -> None:
         self._consumed[task][seqs % self.core.arena_rows] = seqs
         self.counters["stale_dropped"] += len(seqs)
+        if self.core.lineage is not None:
+            self.core.lineage.consumed(task, seqs, outcome=2)  # arrowbuf.observe.lineage.STALE
 
     def _stale(self, seqs: np.ndarray, k: int) -> np.ndarray:
         return self.values("policy_version", seqs % self.core.arena_rows) < self._policy_version - k

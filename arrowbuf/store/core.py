@@ -75,6 +75,8 @@ class StoreCore:
     on_update: Any = None
     #: The store's `ConsumeTracker` (tasks, consumption per task, policy version); set once the facade built it.
     consume: Any = None
+    #: The store's `arrowbuf.observe.lineage.Lineage` (who wrote and consumed each row), or None: not recorded.
+    lineage: Any = None
     final_sources: list[str] = field(init=False)
     end_fields: list[str] = field(init=False)
     derived: list[Any] = field(init=False)

@@ -1,0 +1,238 @@
+"""Lineage, recorded by the store: who wrote each row, when, under which policy version; who consumed it for each
+task, when, and at which staleness.
+
+A `Lineage` lives beside the ring: arrays indexed by ring position (capacity plus the spare chunk), so it is
+bounded like the ring and a recycled position simply gets the new row's record at its commit. Bytes per row:
+
+- per row: writer (int32 code of a name, `arrowbuf.observe.identity`), written_at (float64, Unix seconds),
+  version (int64, the store's `policy_version` at the commit): 20 bytes;
+- per (row, task): seq (int64, the row the record is about: a generation check, as consumption per task), time
+  (float64), consumer (int32), staleness (int32), outcome (int8: 1 delivered, 2 dropped as stale): 25 bytes.
+
+The writer's hook is one call in the commit routine (`StoreWriter._commit_locked`, under the store's state lock);
+the consumer's hook is one call where `ConsumeTracker.consume` marks rows consumed (and where it drops stale rows),
+also under that lock. The `policy_version` the lineage reports for a row is the row's own `policy_version` field when
+the schema has an integer one (the version that generated it, which staleness is measured against), else the store's
+version at the commit. Staleness at delivery = the store's `policy_version` then - that version.
+
+`table()` is the SQL sandbox's `lineage` table (`store.sql("... FROM lineage")`): one row per (live row, declared
+task), or one per live row when no task is declared; `consumed_at`, `consumer`, `staleness`, `outcome` are NULL
+while the task has not taken the row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .identity import Names
+
+DELIVERED = 1
+STALE = 2
+OUTCOMES = {DELIVERED: "delivered", STALE: "stale"}
+#: Staleness values counted one by one in the per-task histogram; larger ones share the last bucket.
+MAX_STALENESS_BUCKET = 64
+
+#: Bytes per row (module docstring): fixed, and per declared task.
+ROW_BYTES = 4 + 8 + 8
+TASK_BYTES = 8 + 8 + 4 + 4 + 1
+
+SCHEMA = pa.schema([("seq", pa.int64()), ("writer", pa.string()), ("written_at", pa.timestamp("us", tz="UTC")),
+                    ("policy_version", pa.int64()), ("task", pa.string()),
+                    ("consumed_at", pa.timestamp("us", tz="UTC")), ("consumer", pa.string()),
+                    ("staleness", pa.int64()), ("outcome", pa.string())])
+
+
+class _TaskRecord:
+    """Per-position consumption records of one task (module docstring), and its counters."""
+
+    def __init__(self, rows: int) -> None:
+        self.seq = np.full(rows, -1, dtype=np.int64)
+        self.at = np.zeros(rows, dtype=np.float64)
+        self.consumer = np.zeros(rows, dtype=np.int32)
+        self.staleness = np.zeros(rows, dtype=np.int32)
+        self.outcome = np.zeros(rows, dtype=np.int8)
+        self.delivered = 0
+        self.stale = 0
+        self.hist = np.zeros(MAX_STALENESS_BUCKET + 1, dtype=np.int64)  # staleness at delivery: 0..64+
+
+
+class Lineage:
+    """The lineage of one store's rows (module docstring).
+
+    Args:
+        arena_rows: ring positions (the store's capacity plus its spare chunk).
+        version: returns the store's current policy version.
+        row_version: returns the rows' own `policy_version` at ring positions, or None when the schema has none.
+        names: the name table (shared with a restored store's state).
+    """
+
+    def __init__(self, arena_rows: int, version: Callable[[], int],
+                 row_version: Callable[[np.ndarray], np.ndarray] | None = None, names: Names | None = None) -> None:
+        self.arena_rows = int(arena_rows)
+        self.names = names or Names()
+        self._version = version
+        self._row_version = row_version
+        self.writer = np.zeros(self.arena_rows, dtype=np.int32)
+        self.written_at = np.zeros(self.arena_rows, dtype=np.float64)
+        self.version = np.zeros(self.arena_rows, dtype=np.int64)
+        self._wv: Any = self.writer.data  # scalar stores for the one-row commit (append)
+        self._tv: Any = self.written_at.data
+        self._vv: Any = self.version.data
+        self.tasks: dict[str, _TaskRecord] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the records take (module docstring)."""
+        return self.arena_rows * (ROW_BYTES + TASK_BYTES * len(self.tasks))
+
+    # ------------------------------------------------------------------ hooks (under the store's state lock)
+    def wrote(self, pos: Any) -> None:
+        """Rows were committed at ring positions `pos` (an int for one row, else an array) by `identity.current()`."""
+        code = self.names.current_code()
+        now = time.time()
+        v = self._version()
+        if pos.__class__ is int:
+            self._wv[pos] = code
+            self._tv[pos] = now
+            self._vv[pos] = v
+        else:
+            self.writer[pos] = code
+            self.written_at[pos] = now
+            self.version[pos] = v
+
+    def consumed(self, task: str, seqs: np.ndarray, outcome: int = DELIVERED) -> None:
+        """Task `task` took the rows `seqs` now (`outcome`: DELIVERED, or STALE for rows dropped as stale)."""
+        if not len(seqs):
+            return
+        t = self.tasks.get(task)
+        if t is None:
+            t = self.tasks[task] = _TaskRecord(self.arena_rows)
+        pos = seqs % self.arena_rows
+        staleness = self._version() - self._versions(pos)
+        t.seq[pos] = seqs
+        t.at[pos] = time.time()
+        t.consumer[pos] = self.names.current_code()
+        t.staleness[pos] = staleness
+        t.outcome[pos] = outcome
+        if outcome == DELIVERED:
+            t.delivered += len(seqs)
+            t.hist += np.bincount(np.clip(staleness, 0, MAX_STALENESS_BUCKET), minlength=MAX_STALENESS_BUCKET + 1)
+        else:
+            t.stale += len(seqs)
+
+    def add_task(self, task: str) -> None:
+        """Declare `task` (its records start empty)."""
+        if task not in self.tasks:
+            self.tasks[task] = _TaskRecord(self.arena_rows)
+
+    def _versions(self, pos: np.ndarray) -> np.ndarray:
+        if self._row_version is not None:
+            return np.asarray(self._row_version(pos), dtype=np.int64)
+        return self.version[pos]
+
+    # ------------------------------------------------------------------ reading
+    def counters(self) -> dict[str, dict[str, Any]]:
+        """Per task: rows `delivered`, rows dropped as `stale`, and `staleness` (counts at delivery, index =
+        staleness, the last entry counting MAX_STALENESS_BUCKET and more)."""
+        return {task: {"delivered": t.delivered, "stale": t.stale, "staleness": t.hist.tolist()}
+                for task, t in self.tasks.items()}
+
+    def table(self, seqs: np.ndarray, tasks: list[str] | None = None) -> pa.Table:
+        """The lineage of the live rows `seqs` (call under the store's state lock): see the module docstring."""
+        seqs = np.asarray(seqs, dtype=np.int64)
+        pos = seqs % self.arena_rows
+        names = np.array(self.names.names(), dtype=object)
+        writer = names[self.writer[pos]]
+        written = (self.written_at[pos] * 1e6).astype("datetime64[us]")
+        version = self._versions(pos)
+        tasks = list(self.tasks) if tasks is None else tasks
+        if not tasks:
+            n = len(seqs)
+            none = pa.nulls(n)
+            return pa.table([pa.array(seqs), pa.array(writer, pa.string()), pa.array(written, SCHEMA[2].type),
+                             pa.array(version), none.cast(pa.string()), none.cast(SCHEMA[5].type),
+                             none.cast(pa.string()), none.cast(pa.int64()), none.cast(pa.string())], schema=SCHEMA)
+        parts = []
+        for task in tasks:
+            t = self.tasks.get(task) or _TaskRecord(0)
+            if len(t.seq):
+                took = t.seq[pos] == seqs
+                at = np.where(took, t.at[pos], 0.0)
+                who = np.where(took, t.consumer[pos], 0)
+                stale = t.staleness[pos].astype(np.int64)
+                out = t.outcome[pos]
+            else:
+                took = np.zeros(len(seqs), dtype=bool)
+                at = np.zeros(len(seqs))
+                who = np.zeros(len(seqs), dtype=np.int32)
+                stale = np.zeros(len(seqs), dtype=np.int64)
+                out = np.zeros(len(seqs), dtype=np.int8)
+            miss = ~took
+            outcome = np.array([OUTCOMES.get(int(o), None) for o in out], dtype=object) if len(out) else \
+                np.zeros(0, dtype=object)
+            parts.append(pa.table([
+                pa.array(seqs), pa.array(writer, pa.string()), pa.array(written, SCHEMA[2].type), pa.array(version),
+                pa.array([task] * len(seqs), pa.string()),
+                pa.array((at * 1e6).astype("datetime64[us]"), SCHEMA[5].type, mask=miss),
+                pa.array(names[who], pa.string(), mask=miss), pa.array(stale, pa.int64(), mask=miss),
+                pa.array(outcome, pa.string(), mask=miss)], schema=SCHEMA))
+        return pa.concat_tables(parts)
+
+    # ------------------------------------------------------------------ checkpoints (arrowbuf.persist)
+    def state(self, seqs: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """What a checkpoint keeps for the live rows `seqs` (under the state lock): JSON-able metadata (names,
+        tasks, counters) and arrays per row."""
+        pos = seqs % self.arena_rows
+        arrays: dict[str, np.ndarray] = {"writer": self.writer[pos], "written_at": self.written_at[pos],
+                                         "version": self.version[pos]}
+        tasks = list(self.tasks)
+        for i, task in enumerate(tasks):
+            t = self.tasks[task]
+            arrays[f"t{i}.took"] = t.seq[pos] == seqs
+            arrays[f"t{i}.at"] = t.at[pos]
+            arrays[f"t{i}.consumer"] = t.consumer[pos]
+            arrays[f"t{i}.staleness"] = t.staleness[pos]
+            arrays[f"t{i}.outcome"] = t.outcome[pos]
+        meta = {"names": self.names.names(), "tasks": tasks, "counters": self.counters()}
+        return meta, arrays
+
+    def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Put back what `state` recorded, for the rows now at `seqs` (a restored store, under its state lock).
+
+        Raises:
+            ValueError: the arrays do not match `seqs` or the metadata.
+        """
+        pos = seqs % self.arena_rows
+        names = [str(n) for n in meta.get("names", [])]
+        for k, a in arrays.items():
+            if len(a) != len(seqs):
+                raise ValueError(f"lineage state {k!r} has {len(a)} rows for {len(seqs)}")
+        codes = np.asarray(arrays["writer"], dtype=np.int32)
+        if len(codes) and (codes.min() < 0 or codes.max() >= max(1, len(names))):
+            raise ValueError("lineage state names a writer outside its name table")
+        self.names.load(names)
+        self.writer[pos] = codes
+        self.written_at[pos] = arrays["written_at"]
+        self.version[pos] = arrays["version"]
+        counters = meta.get("counters", {})
+        for i, task in enumerate(meta.get("tasks", [])):
+            t = self.tasks.setdefault(str(task), _TaskRecord(self.arena_rows))
+            took = np.asarray(arrays[f"t{i}.took"], dtype=bool)
+            who = np.asarray(arrays[f"t{i}.consumer"], dtype=np.int32)
+            if len(who) and (who.min() < 0 or who.max() >= max(1, len(names))):
+                raise ValueError(f"lineage state of task {task!r} names a consumer outside its name table")
+            t.seq[pos[took]] = seqs[took]
+            t.at[pos] = arrays[f"t{i}.at"]
+            t.consumer[pos] = who
+            t.staleness[pos] = arrays[f"t{i}.staleness"]
+            t.outcome[pos] = arrays[f"t{i}.outcome"]
+            c = counters.get(task, {})
+            t.delivered = int(c.get("delivered", 0))
+            t.stale = int(c.get("stale", 0))
+            hist = np.asarray(c.get("staleness", []), dtype=np.int64)[: MAX_STALENESS_BUCKET + 1]
+            t.hist[: len(hist)] = hist

@@ -1,0 +1,45 @@
+"""Per-task progress of a store, computed from its internals when asked (a scrape, the inspector), never on the
+data path.
+
+For each declared task, over the live rows: `ready` (sampleable, not consumed by the task, every field filled later
+written), `waiting` (not consumed, some field filled later missing), `consumed` (taken by the task, handed out),
+`in_flight` (taken, still being gathered for delivery: a batch not handed out yet), and the store-level `produced`
+(live rows with every later field written). TransferQueue's production and consumption progress ratios are
+`produced / live` and `consumed / live`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def task_progress(core: Any) -> dict[str, Any]:
+    """`{"live": n, "produced": n, "tasks": {task: {ready, waiting, consumed, in_flight, delivered}}}` of a
+    `StoreCore` (takes its state lock; O(live rows) per task)."""
+    tracker = core.consume
+    later = [f.name for f in core.schema.fields.values() if f.later]
+    with core.lock:
+        idx = core.index
+        seqs = np.arange(idx.lo, idx.hi, dtype=np.int64)
+        pos = seqs % core.arena_rows
+        live = idx.seq[pos] == seqs
+        valid = live & idx.valid[pos]
+        present = np.asarray(core.present(later, pos), dtype=bool) if later and len(pos) else np.ones(len(pos), bool)
+        out: dict[str, Any] = {"live": int(live.sum()), "produced": int((live & present).sum()), "tasks": {}}
+        if tracker is None or not tracker.tasks:
+            return out
+        meta, arrays = tracker.state(seqs)
+        delivered_now = tracker.stats()["consumed"]
+    for task in meta["tasks"]:
+        done = np.asarray(arrays[task], dtype=bool) & live
+        total = int(delivered_now.get(task, 0))
+        out["tasks"][task] = {
+            "ready": int((valid & ~done & present).sum()),
+            "waiting": int((live & ~done & ~present).sum()),
+            "consumed": int(done.sum()),
+            "in_flight": max(0, total - int(meta["delivered"].get(task, 0))),
+            "delivered": total,
+        }
+    return out
