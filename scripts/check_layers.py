@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "arrowbuf"
 #: it, "pkg." only what is in it, "=mod" only mod itself.
 LAYERS: list[tuple[str, list[str]]] = [
     ("apps", ["=arrowbuf", "arrowbuf.cli", "arrowbuf.demo", "arrowbuf.persist.cli", "arrowbuf.conformance",
-              "arrowbuf.observe.ui"]),
+              "arrowbuf.observe.ui", "arrowbuf.observe.ui_page"]),
     ("integrations", ["arrowbuf.rllib", "arrowbuf.compat"]),
     ("ray", ["arrowbuf.ray"]),
     ("flight", ["arrowbuf.flight"]),
