@@ -241,6 +241,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             self._json(200, fn())
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the page went away (reloaded, closed) while it was answered
         except ArrowbufError as exc:
             self._json(400, {"error": type(exc).__name__, "message": str(exc)[:2000]})
         except Exception as exc:  # noqa: BLE001 - the page shows it
@@ -301,7 +303,7 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, datetime):
-        return obj.isoformat()
+        return obj.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + ("" if obj.tzinfo is None else " UTC")
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
     return str(obj)

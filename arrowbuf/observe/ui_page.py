@@ -9,7 +9,7 @@ body{font:14px/1.4 system-ui,sans-serif;margin:0;background:#f5f6f8;color:#1d233
 header{background:#1d2330;color:#fff;padding:10px 18px;display:flex;gap:16px;align-items:center}
 header h1{font-size:17px;margin:0}header .sub{opacity:.75}
 main{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:14px;padding:14px}
-section{background:#fff;border-radius:8px;padding:12px 14px;box-shadow:0 1px 2px #0002}
+section{background:#fff;border-radius:8px;padding:12px 14px;box-shadow:0 1px 2px #0002;min-width:0;overflow-x:auto}
 h2{font-size:14px;margin:0 0 8px;color:#3b4760;text-transform:uppercase;letter-spacing:.04em}
 .cards{display:flex;flex-wrap:wrap;gap:10px}.card{min-width:90px}.card b{display:block;font-size:20px}
 .card span{color:#667}table{border-collapse:collapse;width:100%;font-size:13px}
@@ -18,6 +18,7 @@ td,th{padding:3px 6px;border-bottom:1px solid #e4e6eb;text-align:right}td:first-
 textarea{width:100%;box-sizing:border-box;font:13px monospace;height:70px}
 button{margin-top:6px;padding:4px 12px}.err{color:#b00020;white-space:pre-wrap;font-size:13px}
 .scroll{max-height:260px;overflow:auto}svg{width:100%;height:90px;background:#fafbfc}
+.wide{grid-column:1/-1}
 #auth{display:none;background:#fff3cd;padding:8px 18px}
 </style></head><body>
 <header><h1>arrowbuf inspector</h1><span class="sub" id="title">connecting...</span>
@@ -43,11 +44,11 @@ button{margin-top:6px;padding:4px 12px}.err{color:#b00020;white-space:pre-wrap;f
 <th>in flight</th><th>delivered</th><th>stale</th><th>staleness</th><th>progress</th></tr></thead><tbody></tbody></table></section>
 <section><h2 id="returns-kind">Returns</h2><svg id="returns-chart" viewBox="0 0 400 90" preserveAspectRatio="none"></svg>
 <div id="returns-summary"></div></section>
-<section><h2>SQL (read-only, sandboxed)</h2>
+<section class="wide"><h2>SQL (read-only, sandboxed)</h2>
 <textarea id="sql-query">SELECT task, count(consumed_at) AS consumed, avg(staleness) AS staleness FROM lineage GROUP BY 1</textarea>
 <button id="sql-run">run</button> <span id="sql-info"></span><div class="err" id="sql-error"></div>
 <div class="scroll"><table id="sql-result"></table></div></section>
-<section><h2>Lineage of a row</h2><input id="lineage-seq" type="number" placeholder="seq" min="0">
+<section class="wide"><h2>Lineage of a row</h2><input id="lineage-seq" type="number" placeholder="seq" min="0">
 <button id="lineage-run">show</button><div class="err" id="lineage-error"></div>
 <div class="scroll"><table id="lineage-result"></table></div></section>
 </main>
