@@ -7,7 +7,7 @@ calling client for the duration of each call (`acting_as`), and a user process m
         store.extend(batch)          # lineage records writer "actor-3"
 
 Without one, the name is this process's: "<hostname>:<pid>". Names are interned into small integer codes
-(`Names`): lineage keeps 4 bytes per row for the writer, whatever the name's length.
+(`NAMES`, one table per process): lineage keeps 4 bytes per row for the writer, whatever the name's length.
 """
 
 from __future__ import annotations
@@ -31,35 +31,6 @@ def process_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-_CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("arrowbuf_actor", default=None)
-_DEFAULT = [process_name()]
-
-
-def current() -> str:
-    """The name of whoever acts in this context now (see the module docstring)."""
-    name = _CURRENT.get()
-    return _DEFAULT[0] if name is None else name
-
-
-@contextmanager
-def acting_as(name: str) -> Iterator[None]:
-    """Within the block, writes and consumes in this context are recorded as `name` (cut to MAX_NAME_CHARS)."""
-    token = _CURRENT.set(str(name)[:MAX_NAME_CHARS])
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
-
-
-def after_fork() -> None:
-    """Refresh the process name in a forked child."""
-    _DEFAULT[0] = process_name()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=after_fork)
-
-
 class Names:
     """Interning of names to int32 codes (code 0 is OTHER); bounded by `MAX_NAMES`. Thread-safe."""
 
@@ -71,6 +42,7 @@ class Names:
 
     def code(self, name: str) -> int:
         """The code of `name` (a new one when unseen, OTHER's when the table is full)."""
+        name = str(name)[:MAX_NAME_CHARS]
         c = self._codes.get(name)
         if c is not None:
             return c
@@ -84,17 +56,44 @@ class Names:
                 self._codes[name] = c
             return c
 
-    def current_code(self) -> int:
-        """The code of `current()`."""
-        return self.code(current())
-
     def names(self) -> list[str]:
         """Every name by code (index = code)."""
         with self._lock:
             return list(self._names)
 
-    def load(self, names: list[str]) -> None:
-        """Replace the table with `names` (a restored store's; index = code)."""
-        with self._lock:
-            self._names = [str(n)[:MAX_NAME_CHARS] for n in names[: self._limit]] or [OTHER]
-            self._codes = {n: i for i, n in enumerate(self._names)}
+
+#: The process-wide name table: lineage arrays hold its codes.
+NAMES = Names()
+DEFAULT_CODE = [NAMES.code(process_name())]
+#: The code of whoever acts in this context (-1: this process's default name).
+CURRENT: contextvars.ContextVar[int] = contextvars.ContextVar("arrowbuf_actor", default=-1)
+
+
+def current_code() -> int:
+    """The code (in `NAMES`) of whoever acts in this context now."""
+    c = CURRENT.get()
+    return DEFAULT_CODE[0] if c < 0 else c
+
+
+def current() -> str:
+    """The name of whoever acts in this context now (see the module docstring)."""
+    return NAMES.names()[current_code()]
+
+
+@contextmanager
+def acting_as(name: str) -> Iterator[None]:
+    """Within the block, writes and consumes in this context are recorded as `name` (cut to MAX_NAME_CHARS)."""
+    token = CURRENT.set(NAMES.code(name))
+    try:
+        yield
+    finally:
+        CURRENT.reset(token)
+
+
+def after_fork() -> None:
+    """Refresh the process name in a forked child."""
+    DEFAULT_CODE[0] = NAMES.code(process_name())
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=after_fork)

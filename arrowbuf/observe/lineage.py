@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .identity import Names
+from . import identity
+
+_now = time.time
 
 DELIVERED = 1
 STALE = 2
@@ -67,14 +69,14 @@ class Lineage:
     Args:
         arena_rows: ring positions (the store's capacity plus its spare chunk).
         version: returns the store's current policy version.
-        row_version: returns the rows' own `policy_version` at ring positions, or None when the schema has none.
-        names: the name table (shared with a restored store's state).
+        row_version: returns the rows' own `policy_version` at ring positions, or None when the schema has none
+            (then the store's version is recorded at each commit).
     """
 
     def __init__(self, arena_rows: int, version: Callable[[], int],
-                 row_version: Callable[[np.ndarray], np.ndarray] | None = None, names: Names | None = None) -> None:
+                 row_version: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         self.arena_rows = int(arena_rows)
-        self.names = names or Names()
+        self.names = identity.NAMES
         self._version = version
         self._row_version = row_version
         self.writer = np.zeros(self.arena_rows, dtype=np.int32)
@@ -92,18 +94,28 @@ class Lineage:
 
     # ------------------------------------------------------------------ hooks (under the store's state lock)
     def wrote(self, pos: Any) -> None:
-        """Rows were committed at ring positions `pos` (an int for one row, else an array) by `identity.current()`."""
-        code = self.names.current_code()
-        now = time.time()
-        v = self._version()
+        """Rows were committed at ring positions `pos` (an int for one row, else an array) by `identity.current()`.
+
+        One row costs a context-variable read, a clock read and two or three scalar stores."""
+        code = identity.CURRENT.get()
+        if code < 0:
+            code = identity.DEFAULT_CODE[0]
         if pos.__class__ is int:
             self._wv[pos] = code
-            self._tv[pos] = now
-            self._vv[pos] = v
-        else:
-            self.writer[pos] = code
-            self.written_at[pos] = now
-            self.version[pos] = v
+            self._tv[pos] = _now()
+            if self._row_version is None:
+                self._vv[pos] = self._version()
+            return
+        n = len(pos)
+        if not n:
+            return
+        p0 = int(pos[0])
+        if int(pos[-1]) == p0 + n - 1:  # one contiguous run of positions (no wrap): slices, not fancy indexing
+            pos = slice(p0, p0 + n)
+        self.writer[pos] = code
+        self.written_at[pos] = _now()
+        if self._row_version is None:
+            self.version[pos] = self._version()
 
     def consumed(self, task: str, seqs: np.ndarray, outcome: int = DELIVERED) -> None:
         """Task `task` took the rows `seqs` now (`outcome`: DELIVERED, or STALE for rows dropped as stale)."""
@@ -116,7 +128,7 @@ class Lineage:
         staleness = self._version() - self._versions(pos)
         t.seq[pos] = seqs
         t.at[pos] = time.time()
-        t.consumer[pos] = self.names.current_code()
+        t.consumer[pos] = identity.current_code()
         t.staleness[pos] = staleness
         t.outcome[pos] = outcome
         if outcome == DELIVERED:
@@ -188,17 +200,29 @@ class Lineage:
         """What a checkpoint keeps for the live rows `seqs` (under the state lock): JSON-able metadata (names,
         tasks, counters) and arrays per row."""
         pos = seqs % self.arena_rows
-        arrays: dict[str, np.ndarray] = {"writer": self.writer[pos], "written_at": self.written_at[pos],
+        everyone = self.names.names()
+        used: dict[int, int] = {}  # process code -> code in the checkpoint's own name list
+
+        def local(codes: np.ndarray) -> np.ndarray:
+            uniq, inv = np.unique(codes, return_inverse=True)
+            for c in uniq.tolist():
+                used.setdefault(int(c), len(used))
+            return np.array([used[int(c)] for c in uniq.tolist()], dtype=np.int32)[inv].reshape(-1)
+
+        arrays: dict[str, np.ndarray] = {"writer": local(self.writer[pos]), "written_at": self.written_at[pos],
                                          "version": self.version[pos]}
         tasks = list(self.tasks)
         for i, task in enumerate(tasks):
             t = self.tasks[task]
             arrays[f"t{i}.took"] = t.seq[pos] == seqs
             arrays[f"t{i}.at"] = t.at[pos]
-            arrays[f"t{i}.consumer"] = t.consumer[pos]
+            arrays[f"t{i}.consumer"] = local(t.consumer[pos])
             arrays[f"t{i}.staleness"] = t.staleness[pos]
             arrays[f"t{i}.outcome"] = t.outcome[pos]
-        meta = {"names": self.names.names(), "tasks": tasks, "counters": self.counters()}
+        names = [""] * len(used)
+        for c, i in used.items():
+            names[i] = everyone[c]
+        meta = {"names": names, "tasks": tasks, "counters": self.counters()}
         return meta, arrays
 
     def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -213,10 +237,10 @@ class Lineage:
             if len(a) != len(seqs):
                 raise ValueError(f"lineage state {k!r} has {len(a)} rows for {len(seqs)}")
         codes = np.asarray(arrays["writer"], dtype=np.int32)
-        if len(codes) and (codes.min() < 0 or codes.max() >= max(1, len(names))):
+        if len(codes) and (codes.min() < 0 or codes.max() >= len(names)):
             raise ValueError("lineage state names a writer outside its name table")
-        self.names.load(names)
-        self.writer[pos] = codes
+        remap = np.array([self.names.code(n) for n in names] or [0], dtype=np.int32)  # into this process's table
+        self.writer[pos] = remap[codes]
         self.written_at[pos] = arrays["written_at"]
         self.version[pos] = arrays["version"]
         counters = meta.get("counters", {})
@@ -224,11 +248,11 @@ class Lineage:
             t = self.tasks.setdefault(str(task), _TaskRecord(self.arena_rows))
             took = np.asarray(arrays[f"t{i}.took"], dtype=bool)
             who = np.asarray(arrays[f"t{i}.consumer"], dtype=np.int32)
-            if len(who) and (who.min() < 0 or who.max() >= max(1, len(names))):
+            if len(who) and (who.min() < 0 or who.max() >= len(names)):
                 raise ValueError(f"lineage state of task {task!r} names a consumer outside its name table")
             t.seq[pos[took]] = seqs[took]
             t.at[pos] = arrays[f"t{i}.at"]
-            t.consumer[pos] = who
+            t.consumer[pos] = remap[who]
             t.staleness[pos] = arrays[f"t{i}.staleness"]
             t.outcome[pos] = arrays[f"t{i}.outcome"]
             c = counters.get(task, {})

@@ -1,0 +1,201 @@
+"""The cost of observability (issue 26): metrics' latency histograms and lineage on ingest and consume, on vs off.
+
+Each row runs the same work on a store made with `observe=True` (the default: latency histograms of extend, sample,
+consume and update, lineage of every row) and with `observe=False`, interleaved (on, off, off, on, ...: drift and
+other jobs on the machine hit both alike), and reports the medians and the cost `median(on) / median(off) - 1` in
+time per operation. Target: at most 5% on the GRPO workload and on per-step append.
+
+Rows:
+  append      per-step `append` of cartpole steps (the smallest row: the worst case for a per-row cost)
+  extend      `extend` of 1000 cartpole steps
+  sample      `sample(256)` (latency histogram only; sampling records no lineage)
+  grpo        one GRPO iteration: extend 8 groups of 8 completions (ragged tokens), consume "ref", update
+              `ref_logprobs` and `reward`, consume "train" requiring both (lineage records writers and consumers)
+  scrape      informational: one Prometheus scrape of the GRPO store (collector, text), and `lineage_table()`
+
+    python -m benchmarks.bench_observe [--quick] [--repeats R]
+
+Prints a table and writes benchmarks/out/observe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+import arrowbuf as ab
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "out"
+TARGET = 0.05
+
+
+def cartpole_steps(n: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(0)
+    obs = rng.random((n + 1, 4), dtype=np.float32)
+    return [{"obs": obs[i], "action": int(i % 2), "reward": 1.0, "terminated": (i % 200) == 199, "truncated": False,
+             "policy_version": 0, "next_obs": obs[i + 1]} for i in range(n)]
+
+
+def cartpole_batch(n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {"obs": rng.random((n, 4), dtype=np.float32), "action": (np.arange(n) % 2).astype(np.int64),
+            "reward": np.ones(n, np.float32), "terminated": (np.arange(n) % 200) == 199,
+            "truncated": np.zeros(n, bool), "policy_version": np.zeros(n, np.int64),
+            "next_obs": rng.random((n, 4), dtype=np.float32)}
+
+
+def grpo_rows(rng: np.random.Generator, prompts: int, first_id: int, lo: int, hi: int) -> dict[str, Any]:
+    n = prompts * 8
+    lens = rng.integers(lo, hi + 1, n)
+    offs = pa.array(np.concatenate(([0], np.cumsum(lens))).astype(np.int32))
+    tokens = int(lens.sum())
+    plens = pa.array(np.arange(0, 16 * n + 1, 16, dtype=np.int32))
+    return {"prompt_id": np.repeat(np.arange(first_id, first_id + prompts), 8),
+            "prompt_tokens": pa.ListArray.from_arrays(plens, pa.array(rng.integers(0, 151_000, 16 * n, np.int32))),
+            "response_tokens": pa.ListArray.from_arrays(offs, pa.array(rng.integers(0, 151_000, tokens, np.int32))),
+            "logprobs": pa.ListArray.from_arrays(offs, pa.array(-rng.random(tokens, dtype=np.float32))),
+            "policy_version": np.zeros(n, np.int64), "done": np.ones(n, bool)}
+
+
+# ---------------------------------------------------------------------------------------------------- one run each
+def run_append(observe: bool, steps: list[dict[str, Any]]) -> float:
+    store = ab.ExperienceStore(ab.load_schema("cartpole"), capacity=len(steps), seed=0, observe=observe)
+    try:
+        append = store.append
+        t0 = time.perf_counter()
+        for s in steps:
+            append(s)
+        return (time.perf_counter() - t0) / len(steps)
+    finally:
+        store.close()
+
+
+def run_extend(observe: bool, batch: dict[str, np.ndarray], times: int) -> float:
+    n = len(batch["reward"])
+    store = ab.ExperienceStore(ab.load_schema("cartpole"), capacity=n * times, seed=0, observe=observe)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(times):
+            store.extend(batch)
+        return (time.perf_counter() - t0) / times
+    finally:
+        store.close()
+
+
+def run_sample(observe: bool, batch: dict[str, np.ndarray], times: int) -> float:
+    store = ab.ExperienceStore(ab.load_schema("cartpole"), capacity=len(batch["reward"]), seed=0, observe=observe)
+    try:
+        store.extend(batch)
+        t0 = time.perf_counter()
+        for _ in range(times):
+            store.sample(256)
+        return (time.perf_counter() - t0) / times
+    finally:
+        store.close()
+
+
+def run_grpo(observe: bool, iters: int, lo: int, hi: int) -> float:
+    rng = np.random.default_rng(2)
+    batches = [grpo_rows(rng, 8, i * 8, lo, hi) for i in range(iters)]
+    store = ab.ExperienceStore(ab.load_schema("grpo"), capacity=1024, tasks=["ref", "train"], seed=0,
+                               observe=observe)
+    try:
+        t0 = time.perf_counter()
+        for i, rows in enumerate(batches):
+            store.extend(rows)
+            ref = store.consume("ref", 64)
+            n = len(ref.indices)
+            lens = ref.token_counts("response_tokens")
+            offs = pa.array(np.concatenate(([0], np.cumsum(lens))).astype(np.int32))
+            store.update(ref.indices, {"ref_logprobs": pa.ListArray.from_arrays(
+                offs, pa.array(np.zeros(int(lens.sum()), np.float32))), "reward": np.ones(n, np.float32)})
+            store.consume("train", 64, require=["reward", "ref_logprobs"])
+            if i % 4 == 3:
+                store.policy_version = store.policy_version + 1
+        return (time.perf_counter() - t0) / iters
+    finally:
+        store.close()
+
+
+def interleaved(fn: Callable[[bool], float], repeats: int) -> dict[str, Any]:
+    on: list[float] = []
+    off: list[float] = []
+    for r in range(repeats):
+        order = (True, False) if r % 2 == 0 else (False, True)
+        for mode in order:
+            (on if mode else off).append(fn(mode))
+    m_on, m_off = statistics.median(on), statistics.median(off)
+    return {"on_s": m_on, "off_s": m_off, "cost": m_on / m_off - 1, "on_all": on, "off_all": off}
+
+
+def scrape_cost(lo: int, hi: int) -> dict[str, Any]:
+    from arrowbuf.observe.metrics import MetricsEndpoint
+
+    rng = np.random.default_rng(3)
+    store = ab.ExperienceStore(ab.load_schema("grpo"), capacity=1024, tasks=["ref", "train"], seed=0)
+    try:
+        for i in range(16):
+            store.extend(grpo_rows(rng, 8, i * 8, lo, hi))
+            store.consume("ref", 64)
+        with MetricsEndpoint.start("127.0.0.1:0", stores={"grpo": store}) as ep:
+            times, text = [], ""
+            for _ in range(5):
+                t0 = time.perf_counter()
+                text = ep.scrape()
+                times.append(time.perf_counter() - t0)
+        lt = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            store.lineage_table()
+            lt.append(time.perf_counter() - t0)
+        return {"scrape_ms": statistics.median(times) * 1e3, "scrape_bytes": len(text),
+                "lineage_table_ms": statistics.median(lt) * 1e3, "rows": len(store)}
+    finally:
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args(argv)
+    q = args.quick
+    repeats = args.repeats or (6 if q else 10)
+    steps = cartpole_steps(20_000 if q else 100_000)
+    batch = cartpole_batch(1000)
+    lo, hi = (100, 400) if q else (1024, 4096)
+    res: dict[str, Any] = {"quick": q, "repeats": repeats, "load": os.getloadavg()}
+    res["append"] = interleaved(lambda m: run_append(m, steps), repeats)
+    res["extend"] = interleaved(lambda m: run_extend(m, batch, 50 if q else 200), repeats)
+    res["sample"] = interleaved(lambda m: run_sample(m, batch, 500 if q else 2000), repeats)
+    res["grpo"] = interleaved(lambda m: run_grpo(m, 16 if q else 64, lo, hi), repeats)
+    res["scrape"] = scrape_cost(lo, hi)
+    units = {"append": ("steps/s", 1.0), "extend": ("batches/s", 1.0), "sample": ("batches/s", 1.0),
+             "grpo": ("iterations/s", 1.0)}
+    print(f"observability on vs off, interleaved, medians of {repeats} (load {res['load'][0]:.2f})")
+    print(f"| row | unit | off | on | cost (time) | target |\n|---|---|---:|---:|---:|---|")
+    for row, (unit, _) in units.items():
+        r = res[row]
+        target = f"<= {TARGET:.0%}: {'met' if r['cost'] <= TARGET else 'not met'}" if row in ("append", "grpo") else ""
+        print(f"| {row} | {unit} | {1 / r['off_s']:,.0f} | {1 / r['on_s']:,.0f} | {r['cost']:+.1%} | {target} |")
+    s = res["scrape"]
+    print(f"| scrape | ms per /metrics of the GRPO store ({s['rows']} rows, {s['scrape_bytes']:,} bytes) | | "
+          f"{s['scrape_ms']:.2f} | | |")
+    print(f"| lineage_table | ms ({s['rows']} rows x 2 tasks) | | {s['lineage_table_ms']:.2f} | | |")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "observe.json").write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
