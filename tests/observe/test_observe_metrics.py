@@ -169,3 +169,36 @@ def test_a_bad_metrics_address_is_refused_before_anything_starts():
         with pytest.raises(ab.InvalidArgument):
             store.serve_metrics(bad)
     store.close()
+
+
+def test_every_metric_the_grafana_dashboard_plots_is_served(tmp_path):
+    import json
+    import pathlib
+    import re
+
+    dash = json.loads((pathlib.Path(__file__).resolve().parents[2] / "docs" / "grafana" / "arrowbuf.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    wanted = {re.sub(r"_(bucket|count|sum)$", "", n) for e in exprs for n in re.findall(r"\b(arrowbuf_\w+)", e)}
+    wanted |= {n for e in exprs for n in re.findall(r"\b(process_\w+)", e)}
+    store = ab.ExperienceStore(SCHEMA, capacity=1000, tasks=["train"], seed=0)
+    with ab.serve(store, "grpc://127.0.0.1:0", metrics="127.0.0.1:0") as server:
+        with ab.connect(server.location) as client:
+            client.extend(batch(0))
+            with pytest.raises(ab.InvalidArgument):
+                client.sql("SELECT * FROM read_csv('/etc/passwd')")
+        store.update(np.arange(ROWS), {"reward": np.ones(ROWS, np.float32)})
+        store.policy_version = 5
+        store.consume("train", 10, max_staleness=1)  # all stale: dropped
+        store.extend(batch(1))
+        store.checkpoint(tmp_path / "a")
+        store.checkpoint(tmp_path / "b", background=True).wait()
+        with pytest.raises(ab.SampleTimeout):
+            empty = ab.ExperienceStore({**SCHEMA, "name": "empty"}, capacity=10)
+            server.stores["empty"] = empty  # served too: its failed sample is a store error
+            empty.sample(1, timeout=0.01)
+        served = {name for name, _ in scrape(server.metrics_url)}
+    served |= {re.sub(r"_(bucket|count|sum|total)$", "", n) for n in served}
+    missing = sorted(n for n in wanted if n not in served and f"{n}_total" not in served)
+    assert not missing, missing
+    store.close()
+    empty.close()
