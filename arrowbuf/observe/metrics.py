@@ -123,6 +123,8 @@ class StoreCollector:
     def _store(self, name: str, store: Any, counter: Any, gauge: Any, hist: Any) -> None:
         st = store.stats()
         row_bytes = int(getattr(getattr(store, "schema", None), "row_bytes", 0) or 0)
+        if isinstance(st.get("shards"), list):  # a ShardedStore: totals here, and one series per shard
+            st = self._shards(name, st, counter, gauge)
         size, cap = int(st.get("size", 0)), int(st.get("capacity", 0) or 0)
         inserts, samples = int(st.get("inserts", 0)), int(st.get("samples", 0))
         counter("arrowbuf_rows_inserted", "Rows committed by writers", ["store"]).add_metric([name], inserts)
@@ -230,6 +232,38 @@ class StoreCollector:
                          ("at", "Unix time the last checkpoint finished")):
             if last.get(key) is not None:
                 gauge(f"arrowbuf_checkpoint_last_{key}", doc, ["store"]).add_metric([name], float(last[key]))
+
+    def _shards(self, name: str, st: dict[str, Any], counter: Any, gauge: Any) -> dict[str, Any]:
+        """Per-shard series of a sharded store (label `shard`); returns its stats with the totals the store-level
+        series need (capacity, consumed per task, bytes per tier: sums over the shards that answered)."""
+        total: dict[str, Any] = dict(st)
+        total["capacity"] = 0
+        consumed: dict[str, int] = {}
+        nbytes: dict[str, int] = {}
+        for k, sh in enumerate(st["shards"]):
+            labels = [name, str(k)]
+            gauge("arrowbuf_shard_up", "1 when the shard answered the scrape", ["store", "shard"]).add_metric(
+                labels, 0 if sh is None else 1)
+            if sh is None:
+                continue
+            total["capacity"] += int(sh.get("capacity", 0) or 0)
+            gauge("arrowbuf_shard_rows", "Live rows per shard", ["store", "shard"]).add_metric(
+                labels, int(sh.get("size", 0)))
+            gauge("arrowbuf_shard_capacity_rows", "Rows each shard holds", ["store", "shard"]).add_metric(
+                labels, int(sh.get("capacity", 0) or 0))
+            counter("arrowbuf_shard_rows_inserted", "Rows committed per shard", ["store", "shard"]).add_metric(
+                labels, int(sh.get("inserts", 0)))
+            counter("arrowbuf_shard_rows_sampled", "Items sampled per shard", ["store", "shard"]).add_metric(
+                labels, int(sh.get("samples", 0)))
+            for task, n in (sh.get("consumed") or {}).items():
+                consumed[task] = consumed.get(task, 0) + int(n)
+                counter("arrowbuf_shard_rows_consumed", "Rows consumed per shard and task",
+                        ["store", "shard", "task_name"]).add_metric([*labels, task], int(n))
+            for tier, b in (sh.get("bytes") or {}).items():
+                nbytes[tier] = nbytes.get(tier, 0) + int(b)
+        total["consumed"] = consumed
+        total["bytes"] = nbytes
+        return total
 
     # ------------------------------------------------------------------ one Flight server
     def _server(self, server: Any, counter: Any, gauge: Any, hist: Any) -> None:
