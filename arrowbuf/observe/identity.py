@@ -65,14 +65,13 @@ class Names:
 #: The process-wide name table: lineage arrays hold its codes.
 NAMES = Names()
 DEFAULT_CODE = [NAMES.code(process_name())]
-#: The code of whoever acts in this context (-1: this process's default name).
-CURRENT: contextvars.ContextVar[int] = contextvars.ContextVar("arrowbuf_actor", default=-1)
+#: The code of whoever acts in this context (default: this process's name; a forked child resets it).
+CURRENT: contextvars.ContextVar[int] = contextvars.ContextVar("arrowbuf_actor", default=DEFAULT_CODE[0])
 
 
 def current_code() -> int:
     """The code (in `NAMES`) of whoever acts in this context now."""
-    c = CURRENT.get()
-    return DEFAULT_CODE[0] if c < 0 else c
+    return CURRENT.get()
 
 
 def current() -> str:
@@ -91,8 +90,9 @@ def acting_as(name: str) -> Iterator[None]:
 
 
 def after_fork() -> None:
-    """Refresh the process name in a forked child."""
+    """Refresh the process name in a forked child (its only thread acts as the new process from now on)."""
     DEFAULT_CODE[0] = NAMES.code(process_name())
+    CURRENT.set(DEFAULT_CODE[0])
 
 
 if hasattr(os, "register_at_fork"):

@@ -54,10 +54,10 @@ class _TaskRecord:
 
     def __init__(self, rows: int) -> None:
         self.seq = np.full(rows, -1, dtype=np.int64)
-        self.at = np.zeros(rows, dtype=np.float64)
-        self.consumer = np.zeros(rows, dtype=np.int32)
-        self.staleness = np.zeros(rows, dtype=np.int32)
-        self.outcome = np.zeros(rows, dtype=np.int8)
+        self.at = np.full(rows, 0.0, dtype=np.float64)
+        self.consumer = np.full(rows, 0, dtype=np.int32)
+        self.staleness = np.full(rows, 0, dtype=np.int32)
+        self.outcome = np.full(rows, 0, dtype=np.int8)
         self.delivered = 0
         self.stale = 0
         self.hist = np.zeros(MAX_STALENESS_BUCKET + 1, dtype=np.int64)  # staleness at delivery: 0..64+
@@ -79,13 +79,30 @@ class Lineage:
         self.names = identity.NAMES
         self._version = version
         self._row_version = row_version
-        self.writer = np.zeros(self.arena_rows, dtype=np.int32)
-        self.written_at = np.zeros(self.arena_rows, dtype=np.float64)
-        self.version = np.zeros(self.arena_rows, dtype=np.int64)
+        # filled (not np.zeros' untouched pages): the first write of each page would fault on the commit path
+        self.writer = np.full(self.arena_rows, 0, dtype=np.int32)
+        self.written_at = np.full(self.arena_rows, 0.0, dtype=np.float64)
+        self.version = np.full(self.arena_rows, 0, dtype=np.int64)
         self._wv: Any = self.writer.data  # scalar stores for the one-row commit (append)
         self._tv: Any = self.written_at.data
         self._vv: Any = self.version.data
         self.tasks: dict[str, _TaskRecord] = {}
+        self.one = self._one_row()
+
+    def _one_row(self) -> Callable[[int], None]:
+        """`wrote` for one row at an int position, as a closure over its arrays (the append path: no attribute
+        lookups)."""
+        wv, tv, vv, who, now, version = self._wv, self._tv, self._vv, identity.CURRENT.get, _now, self._version
+        if self._row_version is not None:
+            def one(pos: int) -> None:
+                wv[pos] = who()
+                tv[pos] = now()
+        else:
+            def one(pos: int) -> None:
+                wv[pos] = who()
+                tv[pos] = now()
+                vv[pos] = version()
+        return one
 
     @property
     def nbytes(self) -> int:
@@ -97,15 +114,10 @@ class Lineage:
         """Rows were committed at ring positions `pos` (an int for one row, else an array) by `identity.current()`.
 
         One row costs a context-variable read, a clock read and two or three scalar stores."""
-        code = identity.CURRENT.get()
-        if code < 0:
-            code = identity.DEFAULT_CODE[0]
         if pos.__class__ is int:
-            self._wv[pos] = code
-            self._tv[pos] = _now()
-            if self._row_version is None:
-                self._vv[pos] = self._version()
+            self.one(pos)
             return
+        code = identity.CURRENT.get()
         n = len(pos)
         if not n:
             return
@@ -133,7 +145,12 @@ class Lineage:
         t.outcome[pos] = outcome
         if outcome == DELIVERED:
             t.delivered += len(seqs)
-            t.hist += np.bincount(np.clip(staleness, 0, MAX_STALENESS_BUCKET), minlength=MAX_STALENESS_BUCKET + 1)
+            lo, hi = int(staleness.min()), int(staleness.max())
+            if lo == hi:  # the usual batch: one staleness
+                t.hist[min(max(lo, 0), MAX_STALENESS_BUCKET)] += len(seqs)
+            else:
+                b = np.minimum(np.maximum(staleness, 0), MAX_STALENESS_BUCKET)
+                t.hist += np.bincount(b, minlength=MAX_STALENESS_BUCKET + 1)
         else:
             t.stale += len(seqs)
 

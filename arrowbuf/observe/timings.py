@@ -22,6 +22,7 @@ BOUNDS: tuple[float, ...] = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0
                              0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 F = TypeVar("F", bound=Callable[..., Any])
+_clock = time.perf_counter
 
 
 class Timings:
@@ -104,15 +105,14 @@ def timed(op: str) -> Callable[[F], F]:
             t = self.timings
             if t is None:
                 return fn(self, *args, **kwargs)
-            t0 = time.perf_counter()
-            outcome = None
+            t0 = _clock()
             try:
-                return fn(self, *args, **kwargs)
+                out = fn(self, *args, **kwargs)
             except BaseException as exc:
-                outcome = type(exc).__name__
+                t.record(op, _clock() - t0, type(exc).__name__)
                 raise
-            finally:
-                t.record(op, time.perf_counter() - t0, outcome)
+            t.record(op, _clock() - t0)
+            return out
 
         return inner  # type: ignore[return-value]
 

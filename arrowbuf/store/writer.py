@@ -526,7 +526,10 @@ class StoreWriter:
                 lo = end - self._capacity
             hv[_HI] = end  # the commit point (the watermark): the rows are visible
             if c.lineage is not None:  # who wrote the rows, when, under which version (arrowbuf.observe.lineage)
-                c.lineage.wrote(pos)
+                if one:
+                    c.lineage.one(pos)
+                else:
+                    c.lineage.wrote(pos)
             if hv[_RES] < end:  # the append fast path commits without a reservation
                 hv[_RES] = end
         if final_slots is not None:
