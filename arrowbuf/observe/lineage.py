@@ -7,7 +7,7 @@ bounded like the ring and a recycled position simply gets the new row's record a
 - per row: writer (int32 code of a name, `arrowbuf.observe.identity`), written_at (float64, Unix seconds),
   version (int64, the store's `policy_version` at the commit): 20 bytes;
 - per (row, task): seq (int64, the row the record is about: a generation check, as consumption per task), time
-  (float64), consumer (int32), staleness (int32), outcome (int8: 1 delivered, 2 dropped as stale): 25 bytes.
+  (float64), consumer (int32), staleness (int64), outcome (int8: 1 delivered, 2 dropped as stale): 29 bytes.
 
 The writer's hook is one call in the commit routine (`StoreWriter._commit_locked`, under the store's state lock);
 the consumer's hook is one call where `ConsumeTracker.consume` marks rows consumed (and where it drops stale rows),
@@ -41,7 +41,7 @@ MAX_STALENESS_BUCKET = 64
 
 #: Bytes per row (module docstring): fixed, and per declared task.
 ROW_BYTES = 4 + 8 + 8
-TASK_BYTES = 8 + 8 + 4 + 4 + 1
+TASK_BYTES = 8 + 8 + 4 + 8 + 1
 
 SCHEMA = pa.schema([("seq", pa.int64()), ("writer", pa.string()), ("written_at", pa.timestamp("us", tz="UTC")),
                     ("policy_version", pa.int64()), ("task", pa.string()),
@@ -56,11 +56,20 @@ class _TaskRecord:
         self.seq = np.full(rows, -1, dtype=np.int64)
         self.at = np.full(rows, 0.0, dtype=np.float64)
         self.consumer = np.full(rows, 0, dtype=np.int32)
-        self.staleness = np.full(rows, 0, dtype=np.int32)
+        self.staleness = np.full(rows, 0, dtype=np.int64)
         self.outcome = np.full(rows, 0, dtype=np.int8)
         self.delivered = 0
         self.stale = 0
         self.hist = np.zeros(MAX_STALENESS_BUCKET + 1, dtype=np.int64)  # staleness at delivery: 0..64+
+        self.pending: list[np.ndarray] = []  # staleness arrays of deliveries not yet counted in `hist`
+
+    def fold(self) -> None:
+        """Count the pending deliveries' staleness into `hist` (under the store's state lock)."""
+        if self.pending:
+            s = np.concatenate(self.pending)
+            self.pending.clear()
+            self.hist += np.bincount(np.minimum(np.maximum(s, 0), MAX_STALENESS_BUCKET),
+                                     minlength=MAX_STALENESS_BUCKET + 1)
 
 
 class Lineage:
@@ -136,7 +145,7 @@ class Lineage:
         t = self.tasks.get(task)
         if t is None:
             t = self.tasks[task] = _TaskRecord(self.arena_rows)
-        pos = seqs % self.arena_rows
+        pos = seqs % self.arena_rows  # (rows of whole groups need not be in order: no slices here)
         staleness = self._version() - self._versions(pos)
         t.seq[pos] = seqs
         t.at[pos] = time.time()
@@ -145,12 +154,9 @@ class Lineage:
         t.outcome[pos] = outcome
         if outcome == DELIVERED:
             t.delivered += len(seqs)
-            lo, hi = int(staleness.min()), int(staleness.max())
-            if lo == hi:  # the usual batch: one staleness
-                t.hist[min(max(lo, 0), MAX_STALENESS_BUCKET)] += len(seqs)
-            else:
-                b = np.minimum(np.maximum(staleness, 0), MAX_STALENESS_BUCKET)
-                t.hist += np.bincount(b, minlength=MAX_STALENESS_BUCKET + 1)
+            t.pending.append(staleness)  # counted in bulk (`fold`): a consume pays a list append
+            if len(t.pending) >= 256:
+                t.fold()
         else:
             t.stale += len(seqs)
 
@@ -159,7 +165,7 @@ class Lineage:
         if task not in self.tasks:
             self.tasks[task] = _TaskRecord(self.arena_rows)
 
-    def _versions(self, pos: np.ndarray) -> np.ndarray:
+    def _versions(self, pos: Any) -> np.ndarray:
         if self._row_version is not None:
             return np.asarray(self._row_version(pos), dtype=np.int64)
         return self.version[pos]
@@ -167,7 +173,9 @@ class Lineage:
     # ------------------------------------------------------------------ reading
     def counters(self) -> dict[str, dict[str, Any]]:
         """Per task: rows `delivered`, rows dropped as `stale`, and `staleness` (counts at delivery, index =
-        staleness, the last entry counting MAX_STALENESS_BUCKET and more)."""
+        staleness, the last entry counting MAX_STALENESS_BUCKET and more). Call under the store's state lock."""
+        for t in self.tasks.values():
+            t.fold()
         return {task: {"delivered": t.delivered, "stale": t.stale, "staleness": t.hist.tolist()}
                 for task, t in self.tasks.items()}
 
