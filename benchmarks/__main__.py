@@ -33,9 +33,10 @@ BENCHMARKS = {
     "ray": ("benchmarks.bench_ray", ["--quick"], "Ray: sharded stores"),
     "persist": ("benchmarks.bench_persist", ["--quick"], "Persistence: checkpoint, incremental, background, restore"),
     "llm": ("benchmarks.bench_llm", ["--quick"], "LLM data path: TransferQueue's workload, ragged, GRPO-shaped rows"),
+    "observe": ("benchmarks.bench_observe", ["--quick"], "Observability: metrics and lineage on vs off"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
-DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm"]
+DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "observe"]
 
 
 def versions() -> str:

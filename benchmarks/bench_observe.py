@@ -11,6 +11,8 @@ Rows:
   sample      `sample(256)` (latency histogram only; sampling records no lineage)
   grpo        one GRPO iteration: extend 8 groups of 8 completions (ragged tokens), consume "ref", update
               `ref_logprobs` and `reward`, consume "train" requiring both (lineage records writers and consumers)
+  grpo hooks  the same GRPO run with lineage's hooks timed where they run (plus the measured overhead of a timed
+              store call per operation): the hooks' share of an iteration, independent of an A/B of noisy runs
   scrape      informational: one Prometheus scrape of the GRPO store (collector, text), and `lineage_table()`
 
     python -m benchmarks.bench_observe [--quick] [--repeats R] [--clock wall|thread]
@@ -141,6 +143,64 @@ def interleaved(fn: Callable[[bool], float], repeats: int) -> dict[str, Any]:
     return {"on_s": m_on, "off_s": m_off, "cost": m_on / m_off - 1, "on_all": on, "off_all": off}
 
 
+def hooks_inside(iters: int, lo: int, hi: int, per_op: float) -> dict[str, Any]:
+    """The observability hooks' own time inside a GRPO run (observe=True): lineage's write and consume hooks timed
+    where they run, plus `per_op` (a timed call's overhead, measured apart) per store operation; a share of the
+    iteration that does not depend on an A/B of two noisy runs."""
+    from arrowbuf.observe.lineage import Lineage
+
+    spent = [0.0]
+    originals = {name: getattr(Lineage, name) for name in ("wrote", "consumed")}
+
+    def timed_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*a: Any, **k: Any) -> Any:
+            t0 = CLOCK[0]()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += CLOCK[0]() - t0
+        return inner
+
+    for name, fn in originals.items():
+        setattr(Lineage, name, timed_hook(fn))
+    try:
+        per_iter = run_grpo(True, iters, lo, hi)
+    finally:
+        for name, fn in originals.items():
+            setattr(Lineage, name, fn)
+    hooks = spent[0] / iters + 4 * per_op  # extend, update and two consumes per iteration
+    return {"iteration_s": per_iter, "hooks_s": hooks, "share": hooks / per_iter}
+
+
+def timed_overhead() -> float:
+    """Seconds a `@timed` store method adds to a call (with a `Timings`), measured on a trivial method."""
+    from arrowbuf.observe.timings import Timings, timed
+
+    class Probe:
+        def __init__(self, t: Any) -> None:
+            self.timings = t
+
+        @timed("probe")
+        def f(self) -> int:
+            return 1
+
+        def g(self) -> int:
+            return 1
+
+    on = Probe(Timings())
+    n = 100_000
+    best = []
+    for fn in (on.f, on.g):
+        runs = []
+        for _ in range(5):
+            t0 = CLOCK[0]()
+            for _ in range(n):
+                fn()
+            runs.append((CLOCK[0]() - t0) / n)
+        best.append(min(runs))
+    return max(0.0, best[0] - best[1])
+
+
 def scrape_cost(lo: int, hi: int) -> dict[str, Any]:
     from arrowbuf.observe.metrics import MetricsEndpoint
 
@@ -184,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     res["append"] = interleaved(lambda m: run_append(m, steps), repeats)
     res["extend"] = interleaved(lambda m: run_extend(m, batch, 50 if q else 200), repeats)
     res["sample"] = interleaved(lambda m: run_sample(m, batch, 500 if q else 2000), repeats)
-    res["grpo"] = interleaved(lambda m: run_grpo(m, 16 if q else 64, lo, hi), repeats)
+    res["grpo"] = interleaved(lambda m: run_grpo(m, 48 if q else 128, lo, hi), repeats)
+    res["timed_overhead_s"] = timed_overhead()
+    res["grpo_hooks"] = hooks_inside(48 if q else 128, lo, hi, res["timed_overhead_s"])
     res["scrape"] = scrape_cost(lo, hi)
     units = {"append": ("steps/s", 1.0), "extend": ("batches/s", 1.0), "sample": ("batches/s", 1.0),
              "grpo": ("iterations/s", 1.0)}
@@ -195,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         r = res[row]
         target = f"<= {TARGET:.0%}: {'met' if r['cost'] <= TARGET else 'not met'}" if row in ("append", "grpo") else ""
         print(f"| {row} | {unit} | {1 / r['off_s']:,.0f} | {1 / r['on_s']:,.0f} | {r['cost']:+.1%} | {target} |")
+    h = res["grpo_hooks"]
+    print(f"| grpo, hooks timed inside | us per iteration | | {h['hooks_s'] * 1e6:.1f} of "
+          f"{h['iteration_s'] * 1e6:.0f} | {h['share']:+.1%} | <= {TARGET:.0%}: {'met' if h['share'] <= TARGET else 'not met'} |")
+    print(f"| @timed overhead | ns per store call | | {res['timed_overhead_s'] * 1e9:.0f} | | |")
     s = res["scrape"]
     print(f"| scrape | ms per /metrics of the GRPO store ({s['rows']} rows, {s['scrape_bytes']:,} bytes) | | "
           f"{s['scrape_ms']:.2f} | | |")
