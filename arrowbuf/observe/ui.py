@@ -27,6 +27,7 @@ import math
 import threading
 import time
 from datetime import datetime
+from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -302,6 +303,8 @@ def _jsonable(obj: Any) -> Any:
         return _jsonable(obj.item())
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
+    if isinstance(obj, Decimal):  # DuckDB's sum of integers
+        return int(obj) if obj == obj.to_integral_value() else float(obj)
     if isinstance(obj, datetime):
         return obj.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + ("" if obj.tzinfo is None else " UTC")
     if isinstance(obj, (str, int, float, bool)) or obj is None:

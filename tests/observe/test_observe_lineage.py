@@ -53,7 +53,7 @@ def test_who_wrote_row_x_under_which_version_who_consumed_it_when_at_which_stale
     again = ab.ExperienceStore.restore(tmp_path / "ck")
     again.policy_version = 2
     with acting_as("actor-C"):
-        c = again.extend(rows(20, 5, version=2))
+        again.extend(rows(20, 5, version=2))
     t3 = time.time()
     with acting_as("trainer"):
         train = again.consume("train", 100, require=["reward"], max_staleness=1)
