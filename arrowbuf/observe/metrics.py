@@ -209,6 +209,9 @@ class StoreCollector:
             buckets.append(("+Inf", sum(counts)))
             hist("arrowbuf_consume_staleness", "Staleness (policy versions) of the rows consume() delivered",
                  ["store", "task_name"]).add_metric([name, task], buckets, total)
+        for side, n in (obs.get("limiter_waits") or {}).items():
+            counter("arrowbuf_rate_limiter_waits", "Calls the rate limiter held back (waited, or timed out), by side",
+                    ["store", "side"]).add_metric([name, side], int(n))
         gauge("arrowbuf_lineage_bytes", "Bytes the lineage records take", ["store"]).add_metric(
             [name], int(obs.get("lineage_bytes", 0)))
         for op, t in (obs.get("timings") or {}).items():

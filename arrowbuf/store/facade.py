@@ -580,6 +580,7 @@ class ExperienceStore:
         if handle is not None:
             ck["progress"] = getattr(handle, "progress", None)
         return {"timings": None if self.timings is None else self.timings.snapshot(), "lineage": lineage,
+                "limiter_waits": dict(core.limiter_waits),
                 "lineage_bytes": 0 if core.lineage is None else core.lineage.nbytes,
                 "progress": task_progress(core), "checkpoints": ck}
 

@@ -648,6 +648,8 @@ class StoreWriter:
             return
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         with c.cond:
+            if not limiter.can_insert(n, c.counters()):
+                c.limiter_waits["insert"] += 1  # held back (StoreCore.limiter_waits: /metrics)
             ok = c.wait_for(lambda: limiter.can_insert(n, c.counters()), left)
             if ok and (left is None or left > 0 or limiter.can_insert(n, c.counters())):
                 return

@@ -202,3 +202,30 @@ def test_every_metric_the_grafana_dashboard_plots_is_served(tmp_path):
     assert not missing, missing
     store.close()
     empty.close()
+
+
+def test_rate_limiter_waits_are_counted_per_side():
+    limiter = ab.rate_limiters.SampleToInsertRatio(1.0, min_size=5, error_buffer=5)
+    store = ab.ExperienceStore(SCHEMA, capacity=1000, rate_limiter=limiter, seed=0)
+    store.extend(batch(0, n=10))  # inserts 10: the ratio now holds further inserts back until samples come
+    with pytest.raises(ab.InsertTimeout):
+        store.extend(batch(1, n=1), timeout=0.05)
+    gated = ab.ExperienceStore({**SCHEMA, "name": "gated"}, capacity=100, rate_limiter=ab.rate_limiters.MinSize(50))
+    gated.extend(batch(0, n=10))
+    with pytest.raises(ab.SampleTimeout):
+        gated.sample(1, timeout=0.05)
+    with MetricsEndpoint_start({"obs": store, "gated": gated}) as ep:
+        m = scrape(ep.url)
+    assert value(m, "arrowbuf_rate_limiter_waits_total", store="obs", side="insert") == 1
+    assert value(m, "arrowbuf_rate_limiter_waits_total", store="obs", side="sample") == 0
+    assert value(m, "arrowbuf_rate_limiter_waits_total", store="gated", side="sample") == 1
+    assert value(m, "arrowbuf_store_op_errors_total", store="obs", op_type="extend", error="InsertTimeout") == 1
+    assert value(m, "arrowbuf_store_op_errors_total", store="gated", op_type="sample", error="SampleTimeout") == 1
+    store.close()
+    gated.close()
+
+
+def MetricsEndpoint_start(stores):  # noqa: N802 - reads as the class method it calls
+    from arrowbuf.observe.metrics import MetricsEndpoint
+
+    return MetricsEndpoint.start("127.0.0.1:0", stores=stores)
