@@ -285,3 +285,53 @@ class Lineage:
             t.stale = int(c.get("stale", 0))
             hist = np.asarray(c.get("staleness", []), dtype=np.int64)[: MAX_STALENESS_BUCKET + 1]
             t.hist[: len(hist)] = hist
+
+
+def write_table(table: pa.Table, root: Any, format: str = "parquet") -> str:
+    """Write a lineage table as `_lineage.parquet` (or `_lineage.arrow`) in directory `root`; returns the path.
+    The leading underscore keeps it out of the dataset the directory holds (pyarrow and `ab.open_dataset` skip it)."""
+    import os
+
+    path = os.path.join(os.fspath(root), "_lineage.parquet" if format == "parquet" else "_lineage.arrow")
+    if format == "parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, path)
+    else:
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+    return path
+
+
+def for_core(core: Any, version: Callable[[], int], tasks: list[str]) -> Lineage:
+    """The `Lineage` of a store's internals (`StoreCore`): the rows' own `policy_version` when the schema has an
+    integer one, else the store's `version()` at each commit; `tasks` declared."""
+    spec = core.schema.fields.get("policy_version")
+    row_version = None
+    if spec is not None and not spec.shape and not spec.ragged and spec.dtype.kind in "iu":
+        def row_version(pos: Any) -> np.ndarray:
+            return np.asarray(core.cols.column("policy_version")[pos])
+
+    lineage = Lineage(core.arena_rows, version, row_version)
+    for t in tasks:
+        lineage.add_task(t)
+    return lineage
+
+
+def live_table(core: Any, tasks: list[str]) -> pa.Table:
+    """The lineage table of a store's live rows (takes its state lock).
+
+    Raises:
+        InvalidArgument: the store records no lineage.
+    """
+    from ..errors import InvalidArgument
+
+    if core.lineage is None:
+        raise InvalidArgument(f"store {core.name!r} records no lineage (created with observe=False, or a "
+                              "shared-memory store); create it with observe=True")
+    with core.lock:
+        idx = core.index
+        seqs = np.arange(idx.lo, idx.hi, dtype=np.int64)
+        seqs = seqs[idx.seq[seqs % core.arena_rows] == seqs]
+        table: pa.Table = core.lineage.table(seqs, tasks)
+        return table

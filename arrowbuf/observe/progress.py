@@ -43,3 +43,19 @@ def task_progress(core: Any) -> dict[str, Any]:
             "delivered": total,
         }
     return out
+
+
+def observed(core: Any, timings: Any, checkpoints: dict[str, Any]) -> dict[str, Any]:
+    """`ExperienceStore.observability()`: timings, lineage counters and bytes, rate-limiter waits, per-task progress
+    and checkpoints (`checkpoints`: the facade's record: count, last summary, the latest background handle)."""
+    with core.lock:
+        lineage = None if core.lineage is None else core.lineage.counters()
+    ck = dict(checkpoints)
+    handle = ck.pop("handle", None)
+    ck["running"] = handle is not None and not getattr(handle, "done", True)
+    if handle is not None:
+        ck["progress"] = getattr(handle, "progress", None)
+    return {"timings": None if timings is None else timings.snapshot(), "lineage": lineage,
+            "limiter_waits": dict(core.limiter_waits),
+            "lineage_bytes": 0 if core.lineage is None else core.lineage.nbytes,
+            "progress": task_progress(core), "checkpoints": ck}

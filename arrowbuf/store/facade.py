@@ -201,20 +201,9 @@ class ExperienceStore:
                              "rate_limiter": to_spec(self.rate_limiter), "max_times_sampled": max_times_sampled})
 
     def _make_lineage(self) -> Any:
-        from ..observe.lineage import Lineage
+        from ..observe.lineage import for_core
 
-        core = self._core
-        assert core is not None
-        spec = self.schema.fields.get("policy_version")
-        row_version = None
-        if spec is not None and not spec.shape and not spec.ragged and spec.dtype.kind in "iu":
-            def row_version(pos: np.ndarray) -> np.ndarray:
-                return np.asarray(core.cols.column("policy_version")[pos])
-
-        lineage = Lineage(core.arena_rows, lambda: self._consume.policy_version, row_version)
-        for t in self._consume.tasks:
-            lineage.add_task(t)
-        return lineage
+        return for_core(self._core, lambda: self._consume.policy_version, self._consume.tasks)
 
     @classmethod
     def attach(cls, name: str, *, seed: int | None = None, timeout: float = 0.0,
@@ -551,38 +540,19 @@ class ExperienceStore:
         Raises:
             InvalidArgument: the store records no lineage (`observe=False`, or a shared-memory store).
         """
+        from ..observe.lineage import live_table
+
         self._check_open()
-        core = self._core
-        assert core is not None
-        if core.lineage is None:
-            raise InvalidArgument(f"store {self.name!r} records no lineage (created with observe=False, or a "
-                                  "shared-memory store); create it with observe=True")
-        with self._lock:
-            idx = self.index
-            seqs = np.arange(idx.lo, idx.hi, dtype=np.int64)
-            seqs = seqs[idx.seq[seqs % self.arena_rows] == seqs]
-            return core.lineage.table(seqs, self._consume.tasks)
+        return live_table(self._core, self._consume.tasks)
 
     def observability(self) -> dict[str, Any]:
         """What `/metrics` and the inspector read besides `stats()`: `timings` (latency histograms per operation),
         `lineage` (per task: delivered, dropped as stale, staleness counts), `lineage_bytes`, `progress` (per task
         ready / waiting / consumed / in flight: `arrowbuf.observe.progress`) and `checkpoints`."""
-        from ..observe.progress import task_progress
+        from ..observe.progress import observed
 
         self._check_open()
-        core = self._core
-        assert core is not None
-        with self._lock:
-            lineage = None if core.lineage is None else core.lineage.counters()
-        ck = dict(self._checkpoints)
-        handle = ck.pop("handle")
-        ck["running"] = handle is not None and not getattr(handle, "done", True)
-        if handle is not None:
-            ck["progress"] = getattr(handle, "progress", None)
-        return {"timings": None if self.timings is None else self.timings.snapshot(), "lineage": lineage,
-                "limiter_waits": dict(core.limiter_waits),
-                "lineage_bytes": 0 if core.lineage is None else core.lineage.nbytes,
-                "progress": task_progress(core), "checkpoints": ck}
+        return observed(self._core, self.timings, self._checkpoints)
 
     def serve_metrics(self, address: str = "127.0.0.1:0") -> Any:
         """Serve this store's Prometheus metrics at `http://address/metrics` (a thread; needs `arrowbuf[metrics]`).
@@ -741,13 +711,19 @@ class ExperienceStore:
         """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
         `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
         `ExperienceStore.from_dataset` read it back. Writers wait while rows are copied (sampling goes on).
-        Returns rows and path. See `arrowbuf.persist.datasets`."""
+        The lineage of the live rows (taken right after the rows) goes to `_lineage.parquet` (`.arrow`) beside
+        them, which dataset readers skip. Returns rows and path. See `arrowbuf.persist.datasets`."""
         from ..persist import export
 
         self._check_open()
         assert self._core is not None
-        return export(self._core, self.to_table, path, format=format, partition_by=partition_by,
-                      compression=compression)
+        out = export(self._core, self.to_table, path, format=format, partition_by=partition_by,
+                     compression=compression)
+        if self._core.lineage is not None:  # beside the rows, ignored by dataset readers (`_` prefix)
+            from ..observe.lineage import write_table
+
+            out["lineage"] = write_table(self.lineage_table(), path, format)
+        return out
 
     @classmethod
     def from_dataset(cls, path: Any, capacity: int | None = None, *, schema: Any = None,

@@ -141,3 +141,21 @@ def test_remote_writers_and_consumers_are_named_by_their_connection_and_observe_
         off.sql("SELECT * FROM lineage")
     assert off.observability()["timings"] is None and off.observability()["lineage"] is None
     off.close()
+
+
+def test_export_writes_the_lineage_beside_the_rows_and_dataset_readers_skip_it(tmp_path):
+    import pyarrow.parquet as pq
+
+    store = ab.ExperienceStore(SCHEMA, capacity=100, tasks=["t"], seed=0)
+    with acting_as("exporter-test"):
+        store.extend(rows(0, 12, version=0))
+    store.consume("t", 5)
+    out = store.export(tmp_path / "data")
+    lineage = pq.read_table(out["lineage"])
+    assert out["lineage"].endswith("_lineage.parquet")
+    assert lineage.equals(store.lineage_table())
+    assert set(lineage.column("writer").to_pylist()) == {"exporter-test"}
+    assert lineage.filter(lineage.column("consumed_at").is_valid()).num_rows == 5
+    ds = ab.open_dataset(tmp_path / "data")
+    assert ds.to_table().num_rows == 12  # the lineage file is not taken for rows
+    store.close()
