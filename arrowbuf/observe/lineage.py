@@ -160,6 +160,23 @@ class Lineage:
         else:
             t.stale += len(seqs)
 
+    # ------------------------------------------------------------------ replay (a journal puts recorded facts back)
+    def restamp_written(self, pos: Any, writer: str, at: float) -> None:
+        """Replay: the rows at ring positions `pos` were written by `writer` at Unix time `at` (not by whoever
+        replays them now). A journal records both per batch and calls this after replaying the batch."""
+        self.writer[pos] = self.names.code(writer)
+        self.written_at[pos] = float(at)
+
+    def restamp_consumed(self, task: str, seqs: np.ndarray, consumer: str, at: float) -> None:
+        """Replay: task `task` took rows `seqs` at `at`, by `consumer` (after `consumed` recorded the replay)."""
+        t = self.tasks.get(task)
+        if t is None or not len(seqs):
+            return
+        pos = np.asarray(seqs, dtype=np.int64) % self.arena_rows
+        mine = t.seq[pos] == seqs
+        t.consumer[pos[mine]] = self.names.code(consumer)
+        t.at[pos[mine]] = float(at)
+
     def add_task(self, task: str) -> None:
         """Declare `task` (its records start empty)."""
         if task not in self.tasks:

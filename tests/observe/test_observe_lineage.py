@@ -159,3 +159,19 @@ def test_export_writes_the_lineage_beside_the_rows_and_dataset_readers_skip_it(t
     ds = ab.open_dataset(tmp_path / "data")
     assert ds.to_table().num_rows == 12  # the lineage file is not taken for rows
     store.close()
+
+
+def test_a_replay_can_put_back_who_wrote_and_consumed_and_when():
+    """The hook a journal's replay uses: rows replayed now keep the writer, consumer and times the journal recorded."""
+    store = ab.ExperienceStore(SCHEMA, capacity=100, tasks=["t"], seed=0)
+    with acting_as("replayer"):
+        ids = store.extend(rows(0, 4, version=0))
+        store.consume("t", 2)
+    lineage = store._core.lineage  # the replay path lives beside the store's internals (persist), as here
+    lineage.restamp_written(ids % lineage.arena_rows, "actor-7", 1_700_000_000.0)
+    lineage.restamp_consumed("t", ids[:2], "trainer-2", 1_700_000_100.0)
+    got = store.sql("SELECT seq, writer, epoch(written_at) AS w, consumer, epoch(consumed_at) AS c FROM lineage "
+                    "ORDER BY seq").to_pylist()
+    assert [(r["writer"], r["w"]) for r in got] == [("actor-7", 1_700_000_000.0)] * 4
+    assert [(r["consumer"], r["c"]) for r in got] == [("trainer-2", 1_700_000_100.0)] * 2 + [(None, None)] * 2
+    store.close()
