@@ -175,3 +175,19 @@ def test_a_replay_can_put_back_who_wrote_and_consumed_and_when():
     assert [(r["writer"], r["w"]) for r in got] == [("actor-7", 1_700_000_000.0)] * 4
     assert [(r["consumer"], r["c"]) for r in got] == [("trainer-2", 1_700_000_100.0)] * 2 + [(None, None)] * 2
     store.close()
+
+
+def test_lineage_is_bounded_by_the_ring():
+    from arrowbuf.observe.lineage import ROW_BYTES, TASK_BYTES
+
+    store = ab.ExperienceStore(SCHEMA, capacity=64, chunk_rows=16, tasks=["a", "b"], seed=0)
+    before = store.observability()["lineage_bytes"]
+    arena_rows = 64 + 16  # the capacity and the spare chunk
+    assert before == arena_rows * (ROW_BYTES + 2 * TASK_BYTES)
+    for i in range(40):  # 40 x 16 rows through a ring of 64, every row consumed by both tasks
+        store.extend(rows(i * 16, 16, version=0))
+        store.consume("a", 16)
+        store.consume("b", 16)
+    assert store.observability()["lineage_bytes"] == before
+    assert store.sql("SELECT count(*) AS n FROM lineage").to_pylist() == [{"n": 2 * 64}]
+    store.close()
