@@ -130,6 +130,7 @@ class Inspector:
             out["placement"] = store.placement().select(["column", "tier", "chunks", "bytes"]).to_pylist()
         except Exception:  # noqa: BLE001 - a surface without placement (remote, sharded)
             out["placement"] = []
+        out["chunks"] = _chunks(store)
         obs = None
         observability = getattr(store, "observability", None)
         if callable(observability):
@@ -291,6 +292,28 @@ class _Handler(BaseHTTPRequestHandler):
             return self.inspector.sql(query)
 
         self._api(run)
+
+
+def _chunks(store: Any, newest: int = 64) -> list[dict[str, Any]]:
+    """The newest chunks of the chunk directory: slot, first_seq, rows, sealed, and where their columns live
+    (`{tier: [columns]}`); empty for a surface without `chunks()`."""
+    chunks = getattr(store, "chunks", None)
+    if not callable(chunks):
+        return []
+    try:
+        table = chunks()
+    except Exception:  # noqa: BLE001 - a remote or sharded surface
+        return []
+    rows = table.slice(max(0, table.num_rows - newest)).to_pylist()
+    out = []
+    for r in rows:
+        tiers: dict[str, list[str]] = {}
+        for k, v in r.items():
+            if k.startswith("tier:"):
+                tiers.setdefault(str(v), []).append(k[5:])
+        out.append({"slot": r["slot"], "first_seq": r["first_seq"], "rows": r["rows"], "sealed": r["sealed"],
+                    "tiers": tiers})
+    return out
 
 
 def _jsonable(obj: Any) -> Any:

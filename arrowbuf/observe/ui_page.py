@@ -18,7 +18,7 @@ td,th{padding:3px 6px;border-bottom:1px solid #e4e6eb;text-align:right}td:first-
 textarea{width:100%;box-sizing:border-box;font:13px monospace;height:70px}
 button{margin-top:6px;padding:4px 12px}.err{color:#b00020;white-space:pre-wrap;font-size:13px}
 .scroll{max-height:260px;overflow:auto}svg{width:100%;height:90px;background:#fafbfc}
-.wide{grid-column:1/-1}
+.wide{grid-column:1/-1}.two{grid-column:span 2}
 #auth{display:none;background:#fff3cd;padding:8px 18px}
 </style></head><body>
 <header><h1>arrowbuf inspector</h1><span class="sub" id="title">connecting...</span>
@@ -36,11 +36,13 @@ button{margin-top:6px;padding:4px 12px}.err{color:#b00020;white-space:pre-wrap;f
 <div class="card"><b id="chunks">-</b><span>chunks (sealed)</span></div>
 <div class="card"><b id="lineage-bytes">-</b><span>lineage bytes</span></div></div>
 <h2 style="margin-top:12px">Tiers and placement</h2><table id="tiers"><thead><tr><th>tier</th><th>bytes</th></tr></thead><tbody></tbody></table>
-<div class="scroll"><table id="placement"><thead><tr><th>column</th><th>tier</th><th>chunks</th><th>bytes</th></tr></thead><tbody></tbody></table></div></section>
+<div class="scroll"><table id="placement"><thead><tr><th>column</th><th>tier</th><th>chunks</th><th>bytes</th></tr></thead><tbody></tbody></table></div>
+<h2 style="margin-top:12px">Chunks (newest 64)</h2>
+<div class="scroll"><table id="chunk-table"><thead><tr><th>slot</th><th>first seq</th><th>rows</th><th>sealed</th><th>columns per tier</th></tr></thead><tbody></tbody></table></div></section>
 <section><h2>Rates (rows/s, last minutes)</h2>
 <div>ingest <b id="rate-ingest">-</b> &middot; sample <b id="rate-sample">-</b> &middot; consume <b id="rate-consume">-</b></div>
 <svg id="rates-chart" viewBox="0 0 400 90" preserveAspectRatio="none"></svg></section>
-<section><h2>Tasks</h2><table id="tasks"><thead><tr><th>task</th><th>ready</th><th>waiting</th><th>consumed</th>
+<section class="two"><h2>Tasks</h2><table id="tasks"><thead><tr><th>task</th><th>ready</th><th>waiting</th><th>consumed</th>
 <th>in flight</th><th>delivered</th><th>stale</th><th>staleness</th><th>progress</th></tr></thead><tbody></tbody></table></section>
 <section><h2 id="returns-kind">Returns</h2><svg id="returns-chart" viewBox="0 0 400 90" preserveAspectRatio="none"></svg>
 <div id="returns-summary"></div></section>
@@ -94,6 +96,8 @@ async function update() {
   $("lineage-bytes").textContent = o.lineage_bytes == null ? "-" : bytes(o.lineage_bytes);
   rows($("tiers").tBodies[0], Object.entries(s.bytes || {}), ([t, b]) => [["tier", t], ["bytes", bytes(b)]]);
   rows($("placement").tBodies[0], o.placement, (p) => [["column", p.column], ["tier", p.tier], ["chunks", fmt(p.chunks)], ["bytes", bytes(p.bytes)]]);
+  rows($("chunk-table").tBodies[0], (o.chunks || []).slice().reverse(), (c) => [["slot", fmt(c.slot)], ["first-seq", fmt(c.first_seq)], ["rows", fmt(c.rows)], ["sealed", c.sealed ? "yes" : "open"],
+    ["tiers", Object.entries(c.tiers).map(([t, cols]) => t + ": " + cols.length + " col" + (cols.length > 1 ? "s" : "")).join(", ")]]);
   const live = o.live || s.size || 0;
   rows($("tasks").tBodies[0], Object.entries(o.tasks), ([t, p]) => { const bar = document.createElement("div"); bar.className = "bar";
     const i = document.createElement("i"); i.style.width = (live ? 100 * (p.consumed || 0) / live : 0) + "%"; bar.appendChild(i);

@@ -143,10 +143,15 @@ def test_the_inspector_in_a_real_browser(live, browser, tmp_path):
 
     # when the writer stops, the page settles on exactly what stats() says
     st = store.stats()
-    page.wait_for_function(f"document.getElementById('inserts').textContent === '{st['inserts']:,}'",
-                           timeout=10_000)
+    page.wait_for_function(f"document.getElementById('inserts').textContent === '{st['inserts']:,}' && "
+                           "document.querySelector(\"#tasks tr[data-task='ref'] td.delivered\").textContent === "
+                           f"'{st['consumed']['ref']:,}'", timeout=10_000)
     assert number(page, "#size") == st["size"]
     assert number(page, "#tasks tr[data-task='ref'] td.delivered") == st["consumed"]["ref"]
+    chunks = store.chunks()  # the chunk directory, newest first on the page
+    page.wait_for_function(f"document.querySelectorAll('#chunk-table tbody tr').length === {min(64, chunks.num_rows)}")
+    assert number(page, "#chunk-table tbody tr:first-child td.first-seq") == chunks.column("first_seq")[-1].as_py()
+    assert page.inner_text("#chunk-table tbody tr:first-child td.tiers") == f"host: {chunks.num_columns - 4} cols"
 
     # a SQL query returns rows
     page.fill("#sql-query", "SELECT count(*) AS n FROM experience")
