@@ -35,7 +35,8 @@ _now = time.time
 
 DELIVERED = 1
 STALE = 2
-OUTCOMES = {DELIVERED: "delivered", STALE: "stale"}
+ACKED = 3  # a leased delivery, acknowledged (leases: consume(..., lease=s) then ack)
+OUTCOMES = {DELIVERED: "delivered", STALE: "stale", ACKED: "acked"}
 #: Staleness values counted one by one in the per-task histogram; larger ones share the last bucket.
 MAX_STALENESS_BUCKET = 64
 
@@ -139,7 +140,8 @@ class Lineage:
             self.version[pos] = self._version()
 
     def consumed(self, task: str, seqs: np.ndarray, outcome: int = DELIVERED) -> None:
-        """Task `task` took the rows `seqs` now (`outcome`: DELIVERED, or STALE for rows dropped as stale)."""
+        """Task `task` took the rows `seqs` now (`outcome`: DELIVERED, ACKED for a leased delivery acknowledged now,
+        or STALE for rows dropped as stale)."""
         if not len(seqs):
             return
         t = self.tasks.get(task)
@@ -152,7 +154,7 @@ class Lineage:
         t.consumer[pos] = identity.current_code()
         t.staleness[pos] = staleness
         t.outcome[pos] = outcome
-        if outcome == DELIVERED:
+        if outcome != STALE:
             t.delivered += len(seqs)
             t.pending.append(staleness)  # counted in bulk (`fold`): a consume pays a list append
             if len(t.pending) >= 256:
