@@ -3,7 +3,7 @@ data path.
 
 For each declared task, over the live rows: `ready` (sampleable, not consumed by the task, every field filled later
 written), `waiting` (not consumed, some field filled later missing), `consumed` (taken by the task, handed out),
-`in_flight` (taken, still being gathered for delivery: a batch not handed out yet), and the store-level `produced`
+`in_flight` (taken, still being gathered for delivery, or leased and not acked), and the store-level `produced`
 (live rows with every later field written). TransferQueue's production and consumption progress ratios are
 `produced / live` and `consumed / live`.
 """
@@ -32,14 +32,21 @@ def task_progress(core: Any) -> dict[str, Any]:
             return out
         meta, arrays = tracker.state(seqs)
         delivered_now = tracker.stats()["consumed"]
+        leases = getattr(tracker, "leases", None)  # rows leased and not acked (consume(..., lease=s)), if any
+        leased = {task: np.zeros(len(seqs), dtype=bool) for task in meta["tasks"]}
+        if leases is not None:
+            for task in meta["tasks"]:
+                for held in leases.of_task(task):
+                    leased[task] |= np.isin(seqs, held.seqs)
     for task in meta["tasks"]:
-        done = np.asarray(arrays[task], dtype=bool) & live
+        done = np.asarray(arrays[task], dtype=bool) & live & ~leased[task]
         total = int(delivered_now.get(task, 0))
+        gathering = max(0, total - int(meta["delivered"].get(task, 0)))  # taken, not handed out yet
         out["tasks"][task] = {
-            "ready": int((valid & ~done & present).sum()),
-            "waiting": int((live & ~done & ~present).sum()),
+            "ready": int((valid & ~done & ~leased[task] & present).sum()),
+            "waiting": int((live & ~done & ~leased[task] & ~present).sum()),
             "consumed": int(done.sum()),
-            "in_flight": max(0, total - int(meta["delivered"].get(task, 0))),
+            "in_flight": gathering + int(leased[task].sum()),
             "delivered": total,
         }
     return out
