@@ -165,12 +165,14 @@ class Lineage:
     # ------------------------------------------------------------------ replay (a journal puts recorded facts back)
     def restamp_written(self, pos: Any, writer: str, at: float) -> None:
         """Replay: the rows at ring positions `pos` were written by `writer` at Unix time `at` (not by whoever
-        replays them now). A journal records both per batch and calls this after replaying the batch."""
+        replays them now). A journal records both per batch and calls this after replaying the batch, under the
+        store's state lock."""
         self.writer[pos] = self.names.code(writer)
         self.written_at[pos] = float(at)
 
     def restamp_consumed(self, task: str, seqs: np.ndarray, consumer: str, at: float) -> None:
-        """Replay: task `task` took rows `seqs` at `at`, by `consumer` (after `consumed` recorded the replay)."""
+        """Replay: task `task` took rows `seqs` at `at`, by `consumer` (after `consumed` recorded the replay; under
+        the store's state lock)."""
         t = self.tasks.get(task)
         if t is None or not len(seqs):
             return
