@@ -33,6 +33,7 @@ from .errors import (
 from .flight import ServerLimits, connect, serve
 from .flight.client import RemoteStore
 from .flight.server import StoreServer
+from .observe.identity import acting_as
 from .persist import CheckpointHandle, ExperienceDataset, open_dataset
 from .query.sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
@@ -79,6 +80,7 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "WriterSurface",
+    "acting_as",
     "connect",
     "load_schema",
     "open_dataset",

@@ -1,6 +1,8 @@
 """The `arrowbuf` command line.
 
     arrowbuf serve --schema atari --capacity 100000 --port 8815 [--token-file F] [--tls-cert C --tls-key K]
+                   [--metrics 127.0.0.1:9100] [--ui 127.0.0.1:8800]
+    arrowbuf ui grpc://127.0.0.1:8815 | <shm store name> | ckpt/ [--token-file F] [--address 127.0.0.1:8800]
     arrowbuf demo [dqn|grpo|ray] [--steps N ...]   (arrowbuf.demo; without a name: dqn)
     arrowbuf inspect grpc://127.0.0.1:8815 | <shm store name> | experience.arrow | ckpt/  [--sql "SELECT ..."]
     arrowbuf checkpoint ls|inspect|verify|export ckpt/ ...   (arrowbuf.persist.cli)
@@ -44,6 +46,10 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM certificate (with --tls-key: serve grpc+tls)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--max-batch-rows", type=int, default=None, help="largest batch accepted or served")
+    p.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                   help="also serve Prometheus metrics at http://HOST:PORT/metrics (needs arrowbuf[metrics])")
+    p.add_argument("--ui", default=None, metavar="HOST:PORT",
+                   help="also serve the live web inspector at http://HOST:PORT/ (the server's token guards it)")
     p.set_defaults(func=run_serve)
 
 
@@ -73,7 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
     store = ExperienceStore(schema, capacity=args.capacity, sampler=args.sampler, seed=args.seed, name=args.name)
     try:
         server = serve(store, f"grpc://{host}:{args.port}", token=token, tls=tls,
-                       max_batch_rows=args.max_batch_rows or DEFAULT_MAX_BATCH_ROWS)
+                       max_batch_rows=args.max_batch_rows or DEFAULT_MAX_BATCH_ROWS, metrics=args.metrics)
     except Exception as exc:  # pyarrow says only "Server did not start properly": name the address
         store.close()
         print(f"arrowbuf serve: the Flight server did not start on {host}:{args.port} ({exc}); is the port in use or "
@@ -84,16 +90,33 @@ def run_serve(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
 
+    inspector = None
+    if args.ui:
+        from .observe.ui import Inspector
+
+        try:
+            inspector = Inspector(store, args.ui, token=token)
+        except Exception as exc:
+            server.close()
+            store.close()
+            print(f"arrowbuf serve: the inspector did not start on {args.ui}: {exc}", file=sys.stderr)
+            return 2
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with server:
             print(f"arrowbuf: serving store {store.name!r} at {server.location}", flush=True)
+            if server.metrics_url:
+                print(f"arrowbuf: metrics at {server.metrics_url}", flush=True)
+            if inspector is not None:
+                print(f"arrowbuf: inspector at {inspector.url}", flush=True)
             while not stop.wait(0.5):  # a short wait keeps the main thread responsive to signals
                 pass
             print("arrowbuf: shutting down", flush=True)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if inspector is not None:
+            inspector.close()
         store.close()
     if not server.stopped:  # --- hardening: close() cut the connections of stalled clients; a call still running
         # waits in the store (or /proc was missing), and a normal exit would wait for it
@@ -268,6 +291,51 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------- ui
+def add_ui(sub: Any) -> None:
+    p = sub.add_parser("ui", help="a live web inspector of a store (overview, rates, tasks, SQL, lineage)",
+                       description="Serve a live web page over a store until SIGINT/SIGTERM: a Flight location, a "
+                                   "shared-memory store name, a checkpoint or dataset directory, or a file.")
+    p.add_argument("target", help="grpc://host:port, a shared-memory store name, a checkpoint/dataset directory or "
+                                  "an .arrow/.parquet file")
+    p.add_argument("--token", default=None, help="bearer token of the Flight server; the page then needs it too")
+    p.add_argument("--token-file", default=None, help="file whose first line is that token")
+    p.add_argument("--store", default=None, help="store name when a server serves several")
+    p.add_argument("--address", default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="where the page listens (default 127.0.0.1:0: this machine only, a free port)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between two samples of the rates")
+    p.set_defaults(func=run_ui)
+
+
+def run_ui(args: argparse.Namespace) -> int:
+    from .errors import ArrowbufError
+    from .observe.ui import Inspector
+
+    if args.token_file:
+        with open(args.token_file) as fh:
+            args.token = fh.readline().strip() or None
+    try:
+        store, what = _open_target(args)
+    except (ArrowbufError, OSError) as exc:
+        print(f"arrowbuf ui: cannot open {args.target!r}: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with Inspector(store, args.address, token=args.token, interval=args.interval) as inspector:
+            print(f"arrowbuf: inspecting {what} at {inspector.url}", flush=True)
+            while not stop.wait(0.5):
+                pass
+    except ArrowbufError as exc:
+        print(f"arrowbuf ui: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        store.close()
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- bench
 def add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="run the benchmarks (python -m benchmarks) from a source checkout",
@@ -296,7 +364,8 @@ def add_checkpoint(sub: Any) -> None:
     add(sub)
 
 
-COMMANDS: list[Callable[[Any], None]] = [add_serve, add_shm, add_demo, add_inspect, add_bench, add_checkpoint]
+COMMANDS: list[Callable[[Any], None]] = [add_serve, add_shm, add_demo, add_inspect, add_ui, add_bench,
+                                         add_checkpoint]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,9 +34,10 @@ BENCHMARKS = {
     "persist": ("benchmarks.bench_persist", ["--quick"], "Persistence: checkpoint, incremental, background, restore"),
     "llm": ("benchmarks.bench_llm", ["--quick"], "LLM data path: TransferQueue's workload, ragged, GRPO-shaped rows"),
     "leases": ("benchmarks.bench_leases", ["--quick"], "Leases: consume(lease)+ack against consume"),
+    "observe": ("benchmarks.bench_observe", ["--quick"], "Observability: metrics and lineage on vs off"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
-DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "leases"]
+DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "leases", "observe"]
 
 
 def versions() -> str:

@@ -25,6 +25,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -45,6 +46,8 @@ from ..errors import (
     Unauthenticated,
     Unavailable,
 )
+from ..observe import identity
+from ..observe.timings import Timings
 from ..query.sql import serving as sql_serving
 from ..surface import check_surface
 from . import protocol as P
@@ -67,7 +70,7 @@ _STREAM_SLOT_WAIT = 5.0
 
 def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str | None = None,
           tls: Any = None, *, limits: ServerLimits | None = None, checkpoint_root: Any = None,
-          **overrides: Any) -> StoreServer:
+          metrics: str | None = None, **overrides: Any) -> StoreServer:
     """Serve one or more stores over Arrow Flight.
 
     Args:
@@ -80,6 +83,9 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
         limits: the bounds of every request (`ServerLimits`; safe defaults). docs/security.md lists them.
         checkpoint_root: a directory under which the `checkpoint` action may write (a client names a relative
             path; anything outside, `..`, absolute paths and links are refused); None: no remote checkpoints.
+        metrics: "HOST:PORT" to serve Prometheus metrics of the stores and of this server at
+            `http://HOST:PORT/metrics` (`server.metrics_url`; port 0 picks one; needs `arrowbuf[metrics]`).
+            docs/observability.md lists them.
         **overrides: single limits by name, e.g. `max_batch_rows=50_000`, `shutdown_timeout=1.0`,
             `sql_limits=ab.SqlLimits(timeout=5.0)`, `max_concurrent_calls=32` (see `ServerLimits`).
 
@@ -87,7 +93,7 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
         A running `StoreServer` (a context manager).
     """
     return StoreServer(store_or_stores, location, token=token, tls=tls, limits=limits,
-                       checkpoint_root=checkpoint_root, **overrides)
+                       checkpoint_root=checkpoint_root, metrics=metrics, **overrides)
 
 
 class StoreServer:
@@ -98,12 +104,17 @@ class StoreServer:
         location: the bound location, e.g. `grpc://127.0.0.1:41234` (`grpc+tls://...` with TLS).
         limits: the `ServerLimits` it enforces (and states in the `describe` action).
         calls: the `CallGate` counting the calls running now.
+        timings: latency histograms and error counts per Flight verb (`arrowbuf.observe.timings`).
+        metrics_url: `http://host:port/metrics` when started with `metrics=`, else None.
     """
 
     def __init__(self, store_or_stores: Any, location: str = "grpc://127.0.0.1:0", *, token: str | None = None,
                  tls: Any = None, limits: ServerLimits | None = None, checkpoint_root: Any = None,
-                 **overrides: Any) -> None:
+                 metrics: str | None = None, **overrides: Any) -> None:
         self.stores = _named_stores(store_or_stores)
+        self.timings = Timings()
+        self.metrics_url: str | None = None
+        self._metrics: Any = None
         self.checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)
         if limits is not None and not isinstance(limits, ServerLimits):
             raise InvalidArgument(f"limits must be a ServerLimits, got {type(limits).__name__}")
@@ -136,6 +147,15 @@ class StoreServer:
         # first) closes the server the bounded way. It holds the server weakly, so it does not keep it alive.
         self._close_at_exit = _exit_hook(weakref.ref(self))
         atexit.register(self._close_at_exit)
+        if metrics is not None:  # Prometheus /metrics of the stores and this server (arrowbuf.observe.metrics)
+            from ..observe.metrics import MetricsEndpoint
+
+            try:
+                self._metrics = MetricsEndpoint.start(metrics, stores=lambda: self.stores, servers=[self])
+            except BaseException:
+                self.close()
+                raise
+            self.metrics_url = self._metrics.url
 
     def __repr__(self) -> str:
         state = "closed" if self._closed.is_set() else "serving"
@@ -181,6 +201,8 @@ class StoreServer:
             if thread.is_alive():
                 log.warning("%s: calls still open after cutting their connections; they end when their waits end",
                             self.location)
+        if self._metrics is not None:
+            self._metrics.close()
         self._closed.set()
 
     @property
@@ -272,21 +294,29 @@ def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def inner(self: _FlightService, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            outcome: str | None = None
             try:
                 with contextlib.ExitStack() as slots:
                     if verb in _STREAM_VERBS:  # held open by the client: capped below the calls (see ServerLimits)
                         slots.enter_context(self.owner.stream_slot(args[0]))
                     slots.enter_context(self.owner.calls.enter("call"))
+                    # lineage names the client as the writer or consumer of what this call does
+                    slots.enter_context(identity.acting_as(f"flight:{args[0].peer()}"))
                     return fn(self, *args)
             except flight.FlightError:
+                outcome = "FlightError"
                 raise
             except Exception as exc:  # noqa: BLE001 - every error goes back to the client, mapped
                 mapping = P.error_mapping(exc)
+                outcome = type(exc).__name__ if mapping is None else mapping.cls.__name__
                 if isinstance(exc, pa.ArrowException) and mapping is None:
                     log.warning("%s ended: %s", verb, exc)  # typically the client went away mid-stream
                 elif mapping is None:
                     log.exception("unexpected error in %s", verb)
                 raise P.to_flight_error(exc) from None
+            finally:  # the handler's time (a stream handed to gRPC is sent after it returns)
+                self.owner.timings.record(verb, time.perf_counter() - t0, outcome)
 
         inner.__name__ = fn.__name__
         inner.__doc__ = fn.__doc__

@@ -364,6 +364,9 @@ class _Job:
         if snap.consume_meta is not None:
             consumed = {task: a[k:] for task, a in snap.consume_arrays.items()}
             out.append(self._state_arrow(gen, "consume", consumed, snap.consume_meta))
+        if snap.lineage_meta is not None:
+            lineage = {name: a[k:] for name, a in snap.lineage_arrays.items()}
+            out.append(self._state_arrow(gen, "lineage", lineage, snap.lineage_meta))
         h = snap.header
         from ..ring.index import HEADER
 

@@ -250,5 +250,11 @@ def load_into(core: StoreCore, root: str, m: dict[str, Any], restore_rng: bool =
                 core.consume.load_state(np.arange(lo, hi, dtype=np.int64), consume[1], consume[0])
             except InvalidArgument as exc:
                 raise StoreCorrupt(f"{where}: consume state does not fit the checkpoint's rows: {exc}") from None
+        if core.lineage is not None and any(e.get("kind") == "state:lineage" for e in m["files"]):
+            lineage_arrays, lineage_meta = _state(root, m, "lineage")
+            try:
+                core.lineage.load_state(np.arange(lo, hi, dtype=np.int64), lineage_meta, lineage_arrays)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise StoreCorrupt(f"{where}: malformed lineage state ({str(exc)[:200]})") from None
         if restore_rng:
             core.rng.bit_generator.state = rng

@@ -51,6 +51,8 @@ class Snapshot:
     consume_meta: dict[str, Any] | None = None                # tasks, policy version, counters (None: no tracker)
     consume_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # task -> consumed, per live row
     step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    lineage_meta: dict[str, Any] | None = None                # names, tasks, counters (None: no lineage recorded)
+    lineage_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # per live row (arrowbuf.observe.lineage)
 
 
 def capture(core: StoreCore) -> Snapshot:
@@ -74,6 +76,8 @@ def capture(core: StoreCore) -> Snapshot:
         snap.ragged = core.cols.ragged_snapshot()
         if core.consume is not None:  # under the state lock: what consumers marked at the snapshot point
             snap.consume_meta, snap.consume_arrays = core.consume.state(np.arange(lo, hi, dtype=np.int64))
+        if core.lineage is not None:  # who wrote and consumed the rows (arrowbuf.observe.lineage)
+            snap.lineage_meta, snap.lineage_arrays = core.lineage.state(np.arange(lo, hi, dtype=np.int64))
         # fields filled later change in sealed chunks too (`store.update`): copied now, with their presence
         snap.later = {f.name: [core.cols.snapshot_later(f.name, p0, p1) for _, p0, p1, _ in chunks]
                       for f in core.schema.fields.values() if f.later and not f.ragged}

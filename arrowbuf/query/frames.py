@@ -65,8 +65,19 @@ def run_sql(store: RowSource, query: str, limits: SqlLimits | None = None, *,
 
     if not isinstance(query, str) or not query.strip():
         raise SchemaError("sql() takes a non-empty SQL string")
-    table = store.to_table(sql_columns(query, store.schema.to_arrow().names))
-    return sql.run(_plain(table), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled)
+    tables = {}
+    lineage = getattr(store, "lineage_table", None)  # a store that records lineage: the table `lineage`
+    if lineage is not None and _LINEAGE.search(_STRINGS.sub(" ", query)):
+        tables["lineage"] = lineage()
+    if tables and not _EXPERIENCE.search(_STRINGS.sub(" ", query)):  # only the other tables: copy no rows
+        table = store.schema.to_arrow().empty_table()
+    else:
+        table = store.to_table(sql_columns(query, store.schema.to_arrow().names))
+    return sql.run(_plain(table), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled, tables=tables)
+
+
+_LINEAGE = re.compile(r"\blineage\b", re.I)
+_EXPERIENCE = re.compile(r"\bexperience\b", re.I)
 
 
 _STRINGS = re.compile(r"'(?:[^']|'')*'|--[^\n]*|/\*.*?\*/", re.S)  # literals and comments: no column names

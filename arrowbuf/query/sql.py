@@ -150,7 +150,8 @@ def caller_cancelled() -> Callable[[], bool] | None:
 
 
 def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
-        cancelled: Callable[[], bool] | None = None, sandbox: Sandbox | None = None) -> pa.Table:
+        cancelled: Callable[[], bool] | None = None, sandbox: Sandbox | None = None,
+        tables: dict[str, pa.Table] | None = None) -> pa.Table:
     """Run one SELECT over `table` (registered as `experience`) in the sandbox.
 
     Args:
@@ -159,6 +160,8 @@ def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
         limits: the bounds (`DEFAULT_LIMITS` when None).
         cancelled: called while the query runs; when it returns True (the caller went away) the query stops.
         sandbox: a `Sandbox` whose cached connections to use (None: a fresh connection for this query alone).
+        tables: more tables the query may read beside `experience`, by name (e.g. `lineage`; such a query runs on a
+            fresh connection).
 
     Returns:
         The result as a `pa.Table`.
@@ -173,11 +176,11 @@ def run(table: pa.Table, query: str, limits: SqlLimits | None = None, *,
     limits = limits or DEFAULT_LIMITS
     context = _SERVING.get()
     if context is None:
-        return _run(table, query, limits, cancelled, sandbox)
+        return _run(table, query, limits, cancelled, sandbox, tables)
     if context.cancelled is not None:
         cancelled = _either(cancelled, context.cancelled)
     with context.gate() if context.gate is not None else nullcontext():
-        return _run(table, query, limits.tighter(context.limits), cancelled, sandbox)
+        return _run(table, query, limits.tighter(context.limits), cancelled, sandbox, tables)
 
 
 def _either(a: Callable[[], bool] | None, b: Callable[[], bool]) -> Callable[[], bool]:
@@ -280,28 +283,31 @@ def _check_text(query: str, limits: SqlLimits) -> None:
 
 
 def _run(table: pa.Table, query: str, limits: SqlLimits, cancelled: Callable[[], bool] | None,
-         sandbox: Sandbox | None = None) -> pa.Table:
+         sandbox: Sandbox | None = None, tables: dict[str, pa.Table] | None = None) -> pa.Table:
     duckdb = require("duckdb", "query")
     _check_text(query, limits)
-    if sandbox is not None:
+    if sandbox is not None and not tables:
         return sandbox._query(duckdb, table, query, limits, cancelled)
     con = _connect(duckdb, limits)
     try:
-        return _query(duckdb, con, table, query, limits, cancelled)
+        return _query(duckdb, con, table, query, limits, cancelled, tables)
     finally:
         con.close()
 
 
 def _query(duckdb: Any, con: Any, table: pa.Table, query: str, limits: SqlLimits,
-           cancelled: Callable[[], bool] | None) -> pa.Table:
-    """Check and run `query` over `table` on an open sandboxed connection. An `InvalidArgument` or
-    `ResourceExhausted` that left the connection as it was carries `_arrowbuf_clean = True`."""
+           cancelled: Callable[[], bool] | None, tables: dict[str, pa.Table] | None = None) -> pa.Table:
+    """Check and run `query` over `table` (and the `tables` beside it) on an open sandboxed connection. An
+    `InvalidArgument` or `ResourceExhausted` that left the connection as it was carries `_arrowbuf_clean = True`."""
+    extra = {str(k).lower(): v for k, v in (tables or {}).items()}
     try:
-        _check(con, query)
+        _check(con, query, frozenset(extra))
     except InvalidArgument as exc:
         exc._arrowbuf_clean = True  # type: ignore[attr-defined]
         raise
     con.register("experience", table)
+    for name, t in extra.items():
+        con.register(name, t)
     with _Deadline(con, limits.timeout, cancelled) as deadline:
         try:
             return _fetch(con, query, limits)
@@ -336,9 +342,9 @@ def _connect(duckdb: Any, limits: SqlLimits) -> Any:
     return con
 
 
-def _check(con: Any, query: str) -> dict[str, Any]:
-    """Parse `query` with DuckDB's parser and refuse anything but one SELECT over `experience` (module docstring);
-    return the statement's parse tree."""
+def _check(con: Any, query: str, extra: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Parse `query` with DuckDB's parser and refuse anything but one SELECT over `experience` (and the `extra`
+    tables) (module docstring); return the statement's parse tree."""
     raw = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [query]).fetchall()[0][0]
     tree = json.loads(raw)
     if tree.get("error"):
@@ -355,7 +361,8 @@ def _check(con: Any, query: str) -> dict[str, Any]:
         kind = node.get("type")
         if kind == "BASE_TABLE":
             name = str(node.get("table_name", "")).lower()
-            if node.get("schema_name") or node.get("catalog_name") or (name != "experience" and name not in ctes):
+            if node.get("schema_name") or node.get("catalog_name") or (name != "experience" and name not in ctes
+                                                                              and name not in extra):
                 raise InvalidArgument(f"sql: a query reads only the table `experience` (and its own CTEs), not "
                                       f"{_short(_qualified(node, 'table_name'))!r}")
         elif kind == "TABLE_FUNCTION":

@@ -348,6 +348,8 @@ class ConsumeTracker:
         (delivered rows) and passed to the final hooks; what they return to wait for goes to `durable`."""
         if how != "dropped":
             self._delivered[task] += len(seqs)
+            if self.core.lineage is not None:  # who consumed them, when, at which staleness (arrowbuf.observe.lineage)
+                self.core.lineage.consumed(task, seqs, 1 if how == "consumed" else 3)  # lineage DELIVERED / ACKED
         for hook in self.final_hooks:
             until_durable = hook(task, seqs, how)
             if until_durable is not None and durable is not None:
@@ -485,6 +487,8 @@ class ConsumeTracker:
         self.counters["stale_dropped"] += len(seqs)
         self._stale_by_task[task] += len(seqs)
         self._final(task, seqs, "dropped")
+        if self.core.lineage is not None:
+            self.core.lineage.consumed(task, seqs, outcome=2)  # arrowbuf.observe.lineage.STALE
 
     def _count_evicted(self, n: int) -> None:
         """Under the write lock and the state lock, right before a write of `n` rows evicts the oldest rows: those

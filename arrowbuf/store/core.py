@@ -76,6 +76,10 @@ class StoreCore:
     #: The store's `ConsumeTracker` (tasks, consumption per task, policy version); set once the facade built it. Its
     #: `final_hooks` are the one point where a consumption becomes final (a journal records it there).
     consume: Any = None
+    #: The store's `arrowbuf.observe.lineage.Lineage` (who wrote and consumed each row), or None: not recorded.
+    lineage: Any = None
+    #: Calls that waited because the rate limiter held them back, this process (`/metrics`): inserts, samples.
+    limiter_waits: dict[str, int] = field(default_factory=lambda: {"insert": 0, "sample": 0})
     final_sources: list[str] = field(init=False)
     end_fields: list[str] = field(init=False)
     derived: list[Any] = field(init=False)

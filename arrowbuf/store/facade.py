@@ -17,6 +17,7 @@ for a store with `tiers=`).
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
@@ -26,6 +27,7 @@ import pyarrow as pa
 
 from ..delivery.batch import SampleBatch
 from ..errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed, StoreCorrupt
+from ..observe.timings import Timings, timed
 from ..placement import PlacementTarget, make_placement, placement_table
 from ..rate_limiters import RateLimiter
 from ..ring.chunks import ChunkDirectory, default_chunk_rows
@@ -80,6 +82,10 @@ class ExperienceStore:
             evicted unconsumed. Needs an integer `policy_version` field.
         token_field: the ragged field `consume(max_tokens=...)` counts (default: `response_tokens`, or the only
             ragged field).
+        observe: record latency histograms of extend, sample, consume and update, and the lineage of every row
+            (writer, time, policy version; per task consumer, time, staleness) for `/metrics`, `sql("... FROM
+            lineage")` and the inspector; False turns both off. A shared-memory store records no lineage (its
+            writers are other processes). See docs/observability.md.
     """
 
     def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
@@ -87,8 +93,11 @@ class ExperienceStore:
                  chunk_rows: int | None = None, final_obs_capacity: int | None = None,
                  max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None,
                  tiers: dict[str, Any] | None = None, placement: Any = None, tasks: Any = None,
-                 max_staleness: int | None = None, token_field: str | None = None) -> None:
+                 max_staleness: int | None = None, token_field: str | None = None, observe: bool = True) -> None:
         self.schema: ExperienceSchema = load_schema(schema)
+        #: latency histograms of extend, sample, consume, update (`arrowbuf.observe.timings`); None: not recorded
+        self.timings: Timings | None = Timings() if observe else None
+        self._checkpoints: dict[str, Any] = {"count": 0, "last": None, "handle": None}
         check_store_options(tier, sampler, tasks)  # before anything is allocated
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
@@ -114,6 +123,8 @@ class ExperienceStore:
             self._core.consume = self._consume
             if self._consume.holds:
                 self._writer.hold = self._consume
+            if observe and not self._tier.shared:
+                self._core.lineage = self._make_lineage()
         except BaseException:
             for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
                 if not t.shared:
@@ -188,6 +199,11 @@ class ExperienceStore:
             self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity, "chunk_rows": self.chunk_rows,
                              "final_obs_capacity": self.final_capacity or None, "sampler": to_spec(self.sampler),
                              "rate_limiter": to_spec(self.rate_limiter), "max_times_sampled": max_times_sampled})
+
+    def _make_lineage(self) -> Any:
+        from ..observe.lineage import for_core
+
+        return for_core(self._core, lambda: self._consume.policy_version, self._consume.tasks)
 
     @classmethod
     def attach(cls, name: str, *, seed: int | None = None, timeout: float = 0.0,
@@ -283,6 +299,7 @@ class ExperienceStore:
         """
         return self._writer.append(step, timeout=timeout)
 
+    @timed("extend")
     def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
         """Add many steps: a dict of arrays with a leading dim, a `pa.RecordBatch` or a `pa.Table`.
 
@@ -330,6 +347,7 @@ class ExperienceStore:
         return self.end_episode(actor, **final)
 
     # ------------------------------------------------------------------ fields filled later
+    @timed("update")
     def update(self, ids: Any, values: dict[str, Any]) -> int:
         """Fill fields declared `later: true` of stored rows: `store.update(ids, {"reward": r})`.
 
@@ -357,6 +375,7 @@ class ExperienceStore:
             return live & self._core.present(fields, seqs % self.arena_rows)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ reading (StoreReader)
+    @timed("sample")
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
         """Sample a batch of `n` items (rows; windows of T rows with `samplers.Sequence`) with the store's sampler.
@@ -410,6 +429,7 @@ class ExperienceStore:
 
     # ------------------------------------------------------------------ consumption per task
     # Thin delegation to `arrowbuf.store.consume.ConsumeTracker`.
+    @timed("consume")
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
                 max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
@@ -468,6 +488,8 @@ class ExperienceStore:
         """
         self._consume.add_task(name)
         self._writer.hold = self._consume
+        if self._core is not None and self._core.lineage is not None:
+            self._core.lineage.add_task(name)
 
     @property
     def tasks(self) -> list[str]:
@@ -529,10 +551,41 @@ class ExperienceStore:
         return table_to_polars(self.to_table(columns))
 
     def sql(self, query: str) -> pa.Table:
-        """Run DuckDB SQL over the live rows; the store is the table `experience`. Needs `arrowbuf[query]`."""
+        """Run DuckDB SQL over the live rows; the store is the table `experience`, its lineage the table `lineage`
+        (docs/observability.md). Needs `arrowbuf[query]`."""
         from ..query.frames import run_sql
 
         return run_sql(self, query)
+
+    # ------------------------------------------------------------------ observability (arrowbuf.observe)
+    def lineage_table(self) -> pa.Table:
+        """The lineage of the live rows (the SQL table `lineage`): seq, writer, written_at, policy_version, task,
+        consumed_at, consumer, staleness, outcome; one row per (live row, declared task). See
+        `arrowbuf.observe.lineage`.
+
+        Raises:
+            InvalidArgument: the store records no lineage (`observe=False`, or a shared-memory store).
+        """
+        from ..observe.lineage import live_table
+
+        self._check_open()
+        return live_table(self._core, self._consume.tasks)
+
+    def observability(self) -> dict[str, Any]:
+        """What `/metrics` and the inspector read besides `stats()`: `timings` (latency histograms per operation),
+        `lineage` (per task: delivered, dropped as stale, staleness counts), `lineage_bytes`, `progress` (per task
+        ready / waiting / consumed / in flight: `arrowbuf.observe.progress`) and `checkpoints`."""
+        from ..observe.progress import observed
+
+        self._check_open()
+        return observed(self._core, self.timings, self._checkpoints)
+
+    def serve_metrics(self, address: str = "127.0.0.1:0") -> Any:
+        """Serve this store's Prometheus metrics at `http://address/metrics` (a thread; needs `arrowbuf[metrics]`).
+        Returns a `MetricsEndpoint` (`.url`, `.close()`, a context manager). See docs/observability.md."""
+        from ..observe.metrics import MetricsEndpoint
+
+        return MetricsEndpoint.start(address, stores={self.name: self})
 
     def episodes(self) -> pa.Table:
         """One row per episode with live rows: episode_id, length, return, first_seq, last_seq, complete."""
@@ -637,7 +690,15 @@ class ExperienceStore:
 
         self._check_open()
         assert self._core is not None
-        return checkpoint(self._core, path, keep=keep, background=background, compression=compression)
+        out = checkpoint(self._core, path, keep=keep, background=background, compression=compression)
+        ck = self._checkpoints  # for /metrics (arrowbuf.observe.metrics)
+        ck["count"] += 1
+        if background:
+            ck["handle"] = out
+        else:
+            ck["last"] = {**{k: out.get(k) for k in ("generation", "rows", "bytes_written", "seconds")},
+                          "at": time.time()}
+        return out
 
     @classmethod
     def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
@@ -676,13 +737,19 @@ class ExperienceStore:
         """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
         `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
         `ExperienceStore.from_dataset` read it back. Writers wait while rows are copied (sampling goes on).
-        Returns rows and path. See `arrowbuf.persist.datasets`."""
+        The lineage of the live rows (taken right after the rows) goes to `_lineage.parquet` (`.arrow`) beside
+        them, which dataset readers skip. Returns rows and path. See `arrowbuf.persist.datasets`."""
         from ..persist import export
 
         self._check_open()
         assert self._core is not None
-        return export(self._core, self.to_table, path, format=format, partition_by=partition_by,
-                      compression=compression)
+        out = export(self._core, self.to_table, path, format=format, partition_by=partition_by,
+                     compression=compression)
+        if self._core.lineage is not None:  # beside the rows, ignored by dataset readers (`_` prefix)
+            from ..observe.lineage import write_table
+
+            out["lineage"] = write_table(self.lineage_table(), path, format)
+        return out
 
     @classmethod
     def from_dataset(cls, path: Any, capacity: int | None = None, *, schema: Any = None,

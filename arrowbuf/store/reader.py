@@ -187,15 +187,20 @@ class StoreReader:
     def _select(self, n: int, timeout: float | None) -> tuple[np.ndarray, np.ndarray | None]:
         """Choose items under the lock, waiting on the rate limiter and for rows."""
         chosen: list[Any] = [None]
+        held = [False]  # the rate limiter said no at least once (counted once per call: StoreCore.limiter_waits)
 
         def ready() -> bool:
             self.core.check_open()
             if self.core.rate_limiter is not None and not self.core.rate_limiter.can_sample(n, self.core.counters()):
+                held[0] = True
                 return False
             chosen[0] = self.core.sampler.select(n, distinct=bool(self.core.max_times_sampled))
             return chosen[0] is not None
 
-        if not self.core.wait_for(ready, timeout):
+        ok = self.core.wait_for(ready, timeout)
+        if held[0]:
+            self.core.limiter_waits["sample"] += 1
+        if not ok:
             if self.core.rate_limiter is not None and not self.core.rate_limiter.can_sample(n, self.core.counters()):
                 why = self.core.rate_limiter.blocked_reason(self.core.counters())
             elif len(self.core.index) == 0:

@@ -525,6 +525,11 @@ class StoreWriter:
                 self._evict_below(end - self._capacity, lo, base)
                 lo = end - self._capacity
             hv[_HI] = end  # the commit point (the watermark): the rows are visible
+            if c.lineage is not None:  # who wrote the rows, when, under which version (arrowbuf.observe.lineage)
+                if one:
+                    c.lineage.one(pos)
+                else:
+                    c.lineage.wrote(pos)
             if hv[_RES] < end:  # the append fast path commits without a reservation
                 hv[_RES] = end
         if final_slots is not None:
@@ -643,6 +648,8 @@ class StoreWriter:
             return
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         with c.cond:
+            if not limiter.can_insert(n, c.counters()):
+                c.limiter_waits["insert"] += 1  # held back (StoreCore.limiter_waits: /metrics)
             ok = c.wait_for(lambda: limiter.can_insert(n, c.counters()), left)
             if ok and (left is None or left > 0 or limiter.can_insert(n, c.counters())):
                 return

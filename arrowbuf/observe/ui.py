@@ -1,0 +1,335 @@
+"""The live web inspector (`arrowbuf ui`, `arrowbuf serve --ui`, `ab.observe.ui.Inspector`): one page over a store.
+
+What it shows: the overview (capacity, fill, bytes per tier, placement per column and tier, chunks), ingest and
+consume rates over the last minutes, per-task progress (ready, waiting, consumed, in flight) and staleness,
+episode returns (RL) or group reward distributions (GRPO: a `prompt_id` and a `reward` field), a read-only SQL box,
+and the lineage of a row.
+
+Why the standard library only: the page is one HTML document with its script and styles inline (no CDN, no build
+step; the machine that runs it may have no internet), and the server is `http.server.ThreadingHTTPServer` answering
+a handful of JSON endpoints. A web framework would add a dependency to every install for five routes; the data
+already comes as dicts and Arrow tables.
+
+Safety (docs/observability.md): binds 127.0.0.1 by default and refuses a non-loopback address without a token;
+with a token every `/api/` call needs `Authorization: Bearer <token>` (the page asks for it, or reads `#token=` from
+its address; compared in constant time); SQL runs in the SQL sandbox (`arrowbuf.query.sql`) with the inspector's
+`SqlLimits` (or, for a remote store, the server's), results are cut at `MAX_ROWS` rows; request bodies are bounded
+before they are read.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+from datetime import datetime
+from decimal import Decimal
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
+
+from ..errors import ArrowbufError, InvalidArgument
+from ..query.sql import SqlLimits
+from .metrics import parse_address
+from .ui_page import PAGE
+
+log = logging.getLogger("arrowbuf.observe")
+
+#: Rows of a query result sent to the page (the rest are counted, not sent).
+MAX_ROWS = 1000
+#: Largest request body read (a SQL query), in bytes.
+MAX_BODY = 128 << 10
+#: Points of the rate history kept (one per `interval`): 5 minutes at 1 s.
+HISTORY = 300
+#: The inspector's own bounds of a query over an in-process store.
+DEFAULT_SQL_LIMITS = SqlLimits(timeout=5.0, memory_limit=256 << 20, max_result_bytes=16 << 20)
+
+
+class Inspector:
+    """A running inspector over `store` (anything with the store surface: an `ExperienceStore`, a `RemoteStore`,
+    a `ShardedStore`); see the module docstring. A context manager; `url` is the page's address.
+
+    Args:
+        store: the store to show.
+        address: "HOST:PORT" to bind (port 0 picks one).
+        token: the bearer token `/api/` calls need (None: none; then only a loopback address is allowed).
+        interval: seconds between two samples of the rates.
+        sql_limits: the bounds of queries over an in-process store.
+    """
+
+    def __init__(self, store: Any, address: str = "127.0.0.1:0", *, token: str | None = None,
+                 interval: float = 1.0, sql_limits: SqlLimits | None = None) -> None:
+        host, port = parse_address(address)
+        if token is not None and (not isinstance(token, str) or not token):
+            raise InvalidArgument("token must be a non-empty string (or None)")
+        if token is None and host not in ("127.0.0.1", "::1", "localhost"):
+            raise InvalidArgument(f"the inspector serves {host} only with a token: pass token= (--token-file), or "
+                                  "bind 127.0.0.1")
+        if not (isinstance(interval, (int, float)) and 0.05 <= interval <= 60):
+            raise InvalidArgument(f"interval must be in [0.05, 60] seconds, got {interval!r}")
+        self.store = store
+        self.token = token
+        self.interval = float(interval)
+        self.sql_limits = sql_limits or DEFAULT_SQL_LIMITS
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
+        self._stop = threading.Event()
+        handler = type("Handler", (_Handler,), {"inspector": self})
+        self._httpd = ThreadingHTTPServer((host, port), handler)
+        self._httpd.daemon_threads = True
+        self.port = int(self._httpd.server_address[1])
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{self.port}/"
+        self._sampler = threading.Thread(target=self._sample_loop, name="arrowbuf-ui-rates", daemon=True)
+        self._server = threading.Thread(target=self._httpd.serve_forever, name="arrowbuf-ui", daemon=True)
+        self._sample()
+        self._sampler.start()
+        self._server.start()
+
+    # ------------------------------------------------------------------ rates
+    def _sample(self) -> None:
+        try:
+            st = self.store.stats()
+        except Exception as exc:  # noqa: BLE001 - a closed store: keep serving what we have
+            log.debug("inspector: stats failed: %s", exc)
+            return
+        self.history.append({"t": time.time(), "inserts": int(st.get("inserts", 0)),
+                             "samples": int(st.get("samples", 0)),
+                             "consumed": {k: int(v) for k, v in (st.get("consumed") or {}).items()}})
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def rates(self) -> list[dict[str, Any]]:
+        """Per interval of the history: time, rows inserted / sampled / consumed per task per second."""
+        pts = list(self.history)
+        out = []
+        for a, b in zip(pts, pts[1:]):
+            dt = max(1e-9, b["t"] - a["t"])
+            out.append({"t": b["t"], "ingest": (b["inserts"] - a["inserts"]) / dt,
+                        "sample": (b["samples"] - a["samples"]) / dt,
+                        "consume": {k: (v - a["consumed"].get(k, 0)) / dt for k, v in b["consumed"].items()}})
+        return out
+
+    # ------------------------------------------------------------------ what the page asks for
+    def overview(self) -> dict[str, Any]:
+        """Stats, placement, per-task progress and staleness, rates (JSON-able)."""
+        store = self.store
+        st = store.stats()
+        out: dict[str, Any] = {"stats": {k: st.get(k) for k in (
+            "name", "schema", "size", "capacity", "inserts", "samples", "first_seq", "next_seq", "chunk_rows",
+            "chunks", "sealed_chunks", "bytes", "policy_version", "tasks", "consumed", "stale_dropped",
+            "groups_dropped_zero_variance", "sampler")}}
+        try:
+            out["placement"] = store.placement().select(["column", "tier", "chunks", "bytes"]).to_pylist()
+        except Exception:  # noqa: BLE001 - a surface without placement (remote, sharded)
+            out["placement"] = []
+        out["chunks"] = _chunks(store)
+        obs = None
+        observability = getattr(store, "observability", None)
+        if callable(observability):
+            obs = observability()
+        tasks = {}
+        for task in st.get("tasks") or []:
+            row: dict[str, Any] = {"delivered": int((st.get("consumed") or {}).get(task, 0))}
+            if obs is not None:
+                row.update((obs["progress"]["tasks"] or {}).get(task, {}))
+                lin = (obs.get("lineage") or {}).get(task)
+                if lin is not None:
+                    counts = np.asarray(lin["staleness"], dtype=np.int64)
+                    n = int(counts.sum())
+                    row["stale"] = int(lin["stale"])
+                    row["mean_staleness"] = float((counts * np.arange(len(counts))).sum() / n) if n else None
+                    row["staleness"] = counts.tolist()
+            tasks[task] = row
+        out["tasks"] = tasks
+        if obs is not None:
+            out["live"] = obs["progress"]["live"]
+            out["produced"] = obs["progress"]["produced"]
+            out["lineage_bytes"] = obs["lineage_bytes"]
+            out["checkpoints"] = obs["checkpoints"]
+        out["rates"] = self.rates()[-120:]
+        return _jsonable(out)
+
+    def sql(self, query: str) -> dict[str, Any]:
+        """Run `query` in the sandbox; columns and at most MAX_ROWS rows."""
+        if not isinstance(query, str) or not query.strip():
+            raise InvalidArgument("sql: expected a non-empty SQL SELECT string")
+        if hasattr(self.store, "observability"):  # an in-process store: the inspector's own bounds
+            from ..query.frames import run_sql
+
+            table = run_sql(self.store, query, self.sql_limits)
+        else:  # a remote or sharded store: its server's sandbox and limits
+            table = self.store.sql(query)
+        shown = table.slice(0, MAX_ROWS)
+        return _jsonable({"columns": table.column_names, "rows": [list(r.values()) for r in shown.to_pylist()],
+                          "total_rows": table.num_rows, "truncated": table.num_rows > MAX_ROWS})
+
+    def lineage(self, seq: int) -> dict[str, Any]:
+        """The lineage rows of row `seq` (one per task)."""
+        return self.sql(f"SELECT * FROM lineage WHERE seq = {int(seq)} ORDER BY task")
+
+    def returns(self) -> dict[str, Any]:
+        """Episode returns (RL) or per-group reward means (GRPO: `prompt_id` and `reward` fields), bounded."""
+        fields = self.store.schema.fields
+        if "prompt_id" in fields and "reward" in fields:
+            res = self.sql("SELECT prompt_id AS grp, avg(reward) AS mean, count(reward) AS n FROM experience "
+                           "WHERE reward IS NOT NULL GROUP BY 1 ORDER BY 1 DESC LIMIT 500")
+            return {"kind": "group reward (mean per prompt)", "values": [r[1] for r in res["rows"]]}
+        eps = self.store.episodes()
+        eps = eps.filter(eps.column("complete")) if eps.num_rows else eps
+        values = eps.column("return").to_pylist()[-500:] if eps.num_rows else []
+        return _jsonable({"kind": "episode return (complete episodes)", "values": values})
+
+    # ------------------------------------------------------------------ lifetime
+    def authorized(self, header: str | None) -> bool:
+        """Whether an `Authorization` header carries the token (always, without a token)."""
+        if self.token is None:
+            return True
+        given = (header or "").removeprefix("Bearer ").strip()
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    def close(self) -> None:
+        """Stop serving (idempotent); the store stays open."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._server.join(5.0)
+        self._sampler.join(5.0)
+
+    def __enter__(self) -> Inspector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Inspector({self.url!r})"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    inspector: Inspector
+    server_version = "arrowbuf-ui"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        log.debug("inspector: " + format, *args)
+
+    def _send(self, status: int, body: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; "
+                         "style-src 'unsafe-inline'; img-src data:")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, obj: Any) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json")
+
+    def _api(self, fn: Any) -> None:
+        if not self.inspector.authorized(self.headers.get("Authorization")):
+            self._json(401, {"error": "Unauthenticated", "message": "wrong or missing token: this inspector needs "
+                                                                    "the store's token"})
+            return
+        try:
+            self._json(200, fn())
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the page went away (reloaded, closed) while it was answered
+        except ArrowbufError as exc:
+            self._json(400, {"error": type(exc).__name__, "message": str(exc)[:2000]})
+        except Exception as exc:  # noqa: BLE001 - the page shows it
+            log.exception("inspector: request failed")
+            self._json(500, {"error": type(exc).__name__, "message": str(exc)[:2000]})
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        url = urlsplit(self.path)
+        ins = self.inspector
+        if url.path in ("/", "/index.html"):
+            self._send(200, PAGE.encode(), "text/html; charset=utf-8")
+        elif url.path == "/api/overview":
+            self._api(ins.overview)
+        elif url.path == "/api/returns":
+            self._api(ins.returns)
+        elif url.path == "/api/lineage":
+            q = parse_qs(url.query).get("seq", [""])[0]
+            if not q.lstrip("-").isdigit() or len(q) > 20:
+                self._api(lambda: (_ for _ in ()).throw(InvalidArgument(f"lineage: seq must be an integer, got "
+                                                                        f"{q[:40]!r}")))
+            else:
+                self._api(lambda: ins.lineage(int(q)))
+        else:
+            self._json(404, {"error": "NotFound", "message": f"no such page {url.path[:200]!r}"})
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        url = urlsplit(self.path)
+        if url.path != "/api/sql":
+            self._json(404, {"error": "NotFound", "message": f"no such endpoint {url.path[:200]!r}"})
+            return
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            length = -1
+        if not 0 < length <= MAX_BODY:
+            self._json(413, {"error": "InvalidArgument", "message": f"a query body is 1..{MAX_BODY} bytes"})
+            return
+        body = self.rfile.read(length)
+
+        def run() -> Any:
+            try:
+                query = json.loads(body)["query"]
+            except (ValueError, KeyError, TypeError):
+                raise InvalidArgument('sql: the body is {"query": "<SQL>"}') from None
+            return self.inspector.sql(query)
+
+        self._api(run)
+
+
+def _chunks(store: Any, newest: int = 64) -> list[dict[str, Any]]:
+    """The newest chunks of the chunk directory: slot, first_seq, rows, sealed, and where their columns live
+    (`{tier: [columns]}`); empty for a surface without `chunks()`."""
+    chunks = getattr(store, "chunks", None)
+    if not callable(chunks):
+        return []
+    try:
+        table = chunks()
+    except Exception:  # noqa: BLE001 - a remote or sharded surface
+        return []
+    rows = table.slice(max(0, table.num_rows - newest)).to_pylist()
+    out = []
+    for r in rows:
+        tiers: dict[str, list[str]] = {}
+        for k, v in r.items():
+            if k.startswith("tier:"):
+                tiers.setdefault(str(v), []).append(k[5:])
+        out.append({"slot": r["slot"], "first_seq": r["first_seq"], "rows": r["rows"], "sealed": r["sealed"],
+                    "tiers": tiers})
+    return out
+
+
+def _jsonable(obj: Any) -> Any:
+    """Numbers, strings, lists and dicts only (numpy scalars, datetimes, NaN made plain)."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return _jsonable(obj.item())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, Decimal):  # DuckDB's sum of integers
+        return int(obj) if obj == obj.to_integral_value() else float(obj)
+    if isinstance(obj, datetime):
+        return obj.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + ("" if obj.tzinfo is None else " UTC")
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
