@@ -201,7 +201,8 @@ class Relay:
         """Begin receiving version `meta["version"]` (superseding an older one in flight); False if not newer."""
         if self.cur is not None and self.cur.meta["version"] >= meta["version"]:
             return False
-        copy = _Copy(meta, file_name(self.uid, self.key, meta["version"], self.incarnation), create=True, root=self.root)
+        name = file_name(self.uid, self.key, meta["version"], self.incarnation)
+        copy = _Copy(meta, name, create=True, root=self.root)
         await self._replace(copy)
         if copy.error is None:
             copy.task = asyncio.get_running_loop().create_task(self._pull(copy))
