@@ -260,3 +260,32 @@ def test_sweep_removes_files_nobody_holds_and_keeps_held_ones(root):
         os.close(held)
     assert private.sweep(root, grace_s=0) == ["bc-x-held"]
     assert not os.path.exists(private.user_dir(root))  # the empty directory goes too
+
+
+# ------------------------------------------------------------------------------------------ the emulated link
+def test_the_emulated_link_sends_in_order_and_skips_receivers_that_died():
+    """A relay's token bucket: sends leave in the order asked, and the blocks queued for a receiver that died before
+    its turn cost the link nothing (so the survivors' failover does not wait behind them)."""
+    import asyncio
+
+    from arrowbuf.ray.hoplite.relay import TokenBucket
+
+    async def run():
+        tb = TokenBucket(1 << 30)  # fast: the order and the skipping are what is checked, not the time
+        dead: set[int] = set()
+        order: list[int] = []
+
+        async def send(i: int) -> bool:
+            ok = await tb.take(1 << 20, lambda: i not in dead)
+            if ok:
+                order.append(i)
+            return ok
+
+        tasks = [asyncio.create_task(send(i)) for i in range(8)]
+        await asyncio.sleep(0)
+        dead.update({2, 3, 5})
+        got = await asyncio.gather(*tasks)
+        return got, order
+
+    got, order = asyncio.run(run())
+    assert order == [0, 1, 4, 6, 7] and got == [i not in {2, 3, 5} for i in range(8)]

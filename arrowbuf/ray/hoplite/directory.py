@@ -22,6 +22,7 @@ class BlockDirectory:
         self.relay_options = relay_options
         self.relays: dict[str, Any] = {}
         self.incarnations: dict[str, int] = {}  # relays created per node key so far
+        self.ids: dict[str, str] = {}           # node key -> its relay as a requester ("key#incarnation")
         self.meta: dict | None = None
         self.root: str | None = None
         self.count: dict[str, int] = {}
@@ -63,6 +64,7 @@ class BlockDirectory:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         incarnation = self.incarnations.get(key, 0)
         self.incarnations[key] = incarnation + 1
+        self.ids[key] = f"{key}#{incarnation}"
         r: Any = ray.remote(Relay).options(**opts).remote(self.uid, key, incarnation=incarnation,
                                                           **self.relay_options)
         await r.ping.remote()
@@ -137,6 +139,7 @@ class BlockDirectory:
             up = self.upstream.pop(src, None)
             if up is not None:
                 self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
+                self._forget(up, src)
         await self._notify()
 
     async def mark_dead(self, key: str, handle: Any = None) -> None:
@@ -152,6 +155,7 @@ class BlockDirectory:
         up = self.upstream.pop(key, None)
         if up is not None:
             self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
+            self._forget(up, key)
         await self._notify()
 
     async def verified(self, version: int, key: str) -> None:
@@ -188,6 +192,12 @@ class BlockDirectory:
         async with self.cond:
             await self.cond.wait_for(lambda: self.fence(receivers, loads) >= version)
         return self.fence(receivers, loads)
+
+    def _forget(self, holder: str, dead: str) -> None:
+        """Tell `holder` to drop the blocks queued for `dead`'s relay (its egress goes to the living at once)."""
+        r = self.relays.get(holder)
+        if r is not None and holder not in self.dead and dead in self.ids:
+            r.forget.remote(self.ids[dead])
 
     async def wait_count(self, key: str, count: int) -> int:
         """Wait until `key` holds at least `count` blocks of the current version (for tests and benchmarks)."""

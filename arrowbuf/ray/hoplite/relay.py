@@ -24,6 +24,7 @@ import mmap
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,22 +53,40 @@ def file_name(uid: str, key: str, version: int, incarnation: int = 0) -> str:
 
 
 class TokenBucket:
-    """Egress bandwidth emulation: every send of `n` bytes finishes no earlier than `n / rate` after the previous one.
+    """Egress bandwidth emulation: the link sends one block at a time, in the order asked, `n` bytes taking
+    `n / rate` seconds.
 
     One bucket per relay, shared by all its uploads, so a relay serving two receivers gives each half its rate.
-    `rate=None` is unlimited.
+    A send takes the link when the sends asked before it are done (back to back: no idle gap on a backlogged link),
+    and only if its receiver is still `alive` then: blocks queued for a receiver that died meanwhile cost the link
+    nothing, so failover does not wait behind them. `rate=None` is unlimited.
     """
 
     def __init__(self, rate: float | None) -> None:
         self.rate = None if not rate else float(rate)
         self._free_at = 0.0
+        self._tail: asyncio.Future | None = None  # done when the last send asked so far has left the link
 
-    async def take(self, n: int) -> None:
+    async def take(self, n: int, alive: Callable[[], bool] | None = None) -> bool:
+        """Wait for the link and hold it for this send; False (the link untouched) if `alive()` turned False."""
         if self.rate is None:
-            return
-        now = time.monotonic()
-        self._free_at = max(self._free_at, now) + n / self.rate
-        await asyncio.sleep(self._free_at - now)
+            return alive is None or alive()
+        prev, mine = self._tail, asyncio.get_running_loop().create_future()
+        self._tail = mine
+        try:
+            backlogged = prev is not None and not prev.done()
+            if backlogged:
+                assert prev is not None
+                await asyncio.wait({prev})  # (not `await prev`: a cancelled waiter must not cancel its successor)
+            if alive is not None and not alive():
+                return False
+            now = time.monotonic()
+            # behind a send that just left the link, this one starts where it ended (however late we woke)
+            self._free_at = (self._free_at if backlogged else max(self._free_at, now)) + n / self.rate
+            await asyncio.sleep(self._free_at - now)
+            return True
+        finally:
+            mine.set_result(None)
 
 
 class _Copy:
@@ -159,6 +178,8 @@ class Relay:
                  root: str | None = None, incarnation: int = 0) -> None:
         self.uid, self.key, self.window, self.root = uid, key, max(1, int(window)), root
         self.incarnation = int(incarnation)
+        self.me = f"{key}#{self.incarnation}"  # this relay as a requester (its upstream forgets it when it dies)
+        self.gone: set[str] = set()
         self.bucket = TokenBucket(egress_bytes_per_s)
         self.cur: _Copy | None = None
         self.changed = asyncio.Condition()
@@ -222,7 +243,7 @@ class Relay:
                 nxt = copy.have
                 while copy.have < n:
                     while nxt < n and len(pending) < self.window:
-                        pending.append(src.get_block.remote(version, nxt))
+                        pending.append(src.get_block.remote(version, nxt, self.me))
                         nxt += 1
                     data = await pending.popleft()
                     a, b = copy.span(copy.have)
@@ -255,7 +276,11 @@ class Relay:
             async with self.changed:
                 self.changed.notify_all()
 
-    async def get_block(self, version: int, i: int) -> Any:
+    async def forget(self, requester: str) -> None:
+        """`requester` (a relay's `me`) died: blocks queued for it are dropped instead of sent."""
+        self.gone.add(requester)
+
+    async def get_block(self, version: int, i: int, requester: str | None = None) -> Any:
         """Block `i` of `version`, as soon as it is here (pipelining), after this node's egress allows it."""
         copy = self.cur
         if copy is None or copy.meta["version"] != version:
@@ -267,7 +292,8 @@ class Relay:
         if copy.have <= i:
             raise BroadcastRefused(f"relay {self.key}: {copy.error}")
         a, b = copy.span(i)
-        await self.bucket.take(b - a)
+        if not await self.bucket.take(b - a, None if requester is None else lambda: requester not in self.gone):
+            raise Superseded(f"relay {self.key}: requester {requester} is gone")
         # a view of the node's file, not a copy: Ray pickles numpy out of band (one copy into the object store,
         # then the receiver maps it); blocks are immutable once written, and a dropped version's mapping lives on
         # in the view
