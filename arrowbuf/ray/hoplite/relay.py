@@ -180,6 +180,7 @@ class Relay:
         self.incarnation = int(incarnation)
         self.me = f"{key}#{self.incarnation}"  # this relay as a requester (its upstream forgets it when it dies)
         self.gone: set[str] = set()
+        private.sweep(root)  # on its node, the files of broadcasts whose holders died (the next start after a crash)
         self.bucket = TokenBucket(egress_bytes_per_s)
         self.cur: _Copy | None = None
         self.changed = asyncio.Condition()
