@@ -152,7 +152,8 @@ def add_shm(sub: Any) -> None:
                        description="Shared-memory stores (tier='shm') live in /dev/shm/arrowbuf.<name>/.")
     shm_sub = p.add_subparsers(dest="shm_command", metavar="shm_command")
     shm_sub.required = True
-    gc = shm_sub.add_parser("gc", help="remove the stores whose owner process is dead")
+    gc = shm_sub.add_parser("gc", help="remove the stores whose owner process is dead, and the broadcast files "
+                                       "nobody holds")
     gc.add_argument("--root", default=None, help="directory of the segments (default /dev/shm or $ARROWBUF_SHM_DIR)")
     gc.set_defaults(func=run_shm_gc)
     ls = shm_sub.add_parser("ls", help="list the stores: owner, attached processes, bytes")
@@ -161,10 +162,12 @@ def add_shm(sub: Any) -> None:
 
 
 def run_shm_gc(args: argparse.Namespace) -> int:
-    from .tiers.shm import gc
+    from .tiers.shm import gc, private
 
     names = gc(args.root)
     print(f"arrowbuf shm gc: reclaimed {len(names)} store(s){': ' + ', '.join(names) if names else ''}")
+    files = private.sweep(args.root)  # broadcast files whose holders died (arrowbuf.ray.Broadcast)
+    print(f"arrowbuf shm gc: removed {len(files)} broadcast file(s){': ' + ', '.join(files) if files else ''}")
     return 0
 
 

@@ -19,6 +19,8 @@ ArrowbufError                       every error arrowbuf raises on purpose
 ├── OutOfSpace(MemoryError)         a tier has not enough room (/dev/shm, a byte budget)
 ├── StoreCorrupt(RuntimeError)      a shared store's files are malformed or were tampered with; names the file
 ├── StoreNotTrusted(PermissionError) a shared store belongs to another user or others can write it (attach refuses)
+├── BroadcastRefused(PermissionError) a broadcast file or bucket was refused: a planted link or foreign file at a path
+│                                   it uses, a file that is not the relay's own, or a bucket whose digest differs
 ├── MissingDependency(ImportError)  an optional extra is not installed; names the extra
 └── Unauthenticated(PermissionError) a wrong or missing token
 ```
@@ -107,6 +109,12 @@ class StoreNotTrusted(ArrowbufError, PermissionError):
     let them feed this process rows. `attach(name, allow_other_owner=True)` accepts another owner explicitly."""
 
 
+class BroadcastRefused(ArrowbufError, PermissionError):
+    """A broadcast (`arrowbuf.ray.Broadcast`) refused a file or a bucket: a symlink, a file of another user, a file
+    others can read or write, or a file other than the relay's own at a path it uses, or a bucket whose digest
+    differs from the producer's (tampered or corrupted). Nothing of the refused bytes reaches a consumer."""
+
+
 class MissingDependency(ArrowbufError, ImportError):
     """An optional dependency is missing; the message names the extra to install."""
 
@@ -145,6 +153,7 @@ __all__ = [
     "OutOfSpace",
     "StoreCorrupt",
     "StoreNotTrusted",
+    "BroadcastRefused",
     "MissingDependency",
     "Unauthenticated",
     "require",
@@ -153,6 +162,11 @@ __all__ = [
 
 class ArrowbufWarning(UserWarning):
     """Base class of the warnings arrowbuf issues."""
+
+
+class PickleWarning(ArrowbufWarning):
+    """A broadcast moved an arbitrary Python object by pickle (`allow_pickle=True`): whoever can write the bytes can
+    run code in the process that loads them. Tensors, arrays, Arrow tables and JSON values need no pickle."""
 
 
 class FinalObsWarning(ArrowbufWarning):

@@ -18,6 +18,13 @@ The machine has 2 cores shared with other work: rows are CPU-bound when N*B exce
 Prints a table, writes benchmarks/out/broadcast-<size>mb-n<nodes>-b<bw>.json.
 
     python -m benchmarks.bench_broadcast [--size-mb 8] [--bw-mb 4] [--block-kb 128] [--nodes 4 16]
+
+The state_dict path (issue 29; `--state-dict`, see `statedict_main`): a real torch model's state_dict (256 MB; `--quick`
+16 MB) published with `Broadcast.publish(sd, version)` to 1/4/8/16 emulated nodes, each receiver's copy loaded by
+`load_into`-ready relays, under token-bucket links scaled to this machine, plus an unthrottled run, peak extra memory
+per node, failover cost, and the peers (`ray.put`/`ray.get` of the state_dict; torch.distributed broadcast over gloo).
+
+    python -m benchmarks.bench_broadcast --state-dict --quick
 """
 
 from __future__ import annotations
@@ -66,6 +73,12 @@ def _run(bc, keys: list[str], version_kw: dict, obj, kill_at: float | None = Non
 
 
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--state-dict" in argv:
+        statedict_main([a for a in argv if a != "--state-dict"])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=int, default=8)
     ap.add_argument("--bw-mb", type=float, default=4.0, help="emulated per-node egress bandwidth B, MB/s")
@@ -144,6 +157,245 @@ def main(argv: list[str] | None = None) -> None:
             "loadavg_after": os.getloadavg()}
     name = f"broadcast-{args.size_mb}mb-n{'-'.join(map(str, args.nodes))}-b{args.bw_mb:g}.json"
     (OUT / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+# ----------------------------------------------------------------------------------------- the state_dict path (29)
+def _sd_model(total_mb: int):
+    """A real torch model of about `total_mb` MB of float32 parameters: four square Linear layers and a LayerNorm."""
+    import torch
+
+    width = int(math.sqrt((total_mb << 20) / 4 / 4))
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(width, width) for _ in range(4)] + [torch.nn.LayerNorm(width)]
+    return torch.nn.Sequential(*layers)
+
+
+def _sd_bytes(sd) -> int:
+    return sum(t.nbytes for t in sd.values())
+
+
+class _PlasmaPeak:
+    """Samples the object-store bytes in use on the (one) Ray node every few ms; `peak` after `stop`."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import ray
+        from ray._private.internal_api import node_stats
+
+        node = next(n for n in ray.nodes() if n["Alive"])
+        self._ask = lambda: node_stats(node["NodeManagerAddress"], node["NodeManagerPort"]) \
+            .store_stats.object_store_bytes_used
+        self.base = self._ask()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self._ask() - self.base)
+            except Exception:  # noqa: BLE001 - a sample lost to a busy raylet
+                pass
+            self._stop.wait(0.005)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak
+
+
+def _sd_run(sd, n: int, bw: float | None, bucket: int, window: int, version: int,
+            kill_at: float | None = None) -> dict:
+    """One publish of `sd` from "src" to `n` emulated nodes (a pipelined chain); every node's relay holds a verified
+    copy at the end. Returns seconds, each receiver's completion time, peak extra memory, the killed relay."""
+    import ray
+
+    from arrowbuf.ray import Broadcast
+
+    S = _sd_bytes(sd)
+    keys = [f"n{i:02d}" for i in range(n)]
+    here = ray.get_runtime_context().get_node_id()
+    with Broadcast.create(bucket_size=bucket, egress_bytes_per_s=bw, nodes=False, window=window) as bc:
+        relays = {k: bc.relay(k, here) for k in ["src", *keys]}
+        rss0 = dict(zip(relays, ray.get([r.memory.remote(reset=True) for r in relays.values()])))
+        plasma = _PlasmaPeak()
+        t0 = time.perf_counter()
+        v = bc.publish(sd, version, source="src", upload_slots=1, root_slots=1, pipelined=True)
+        t_pub = time.perf_counter() - t0
+        killed = None
+        if kill_at is not None:
+            target = max(1, int(bc.wait(v, key="src")["nblocks"] * kill_at))
+            refs = {bc.directory.wait_count.remote(k, target): k for k in keys}
+            done, _ = ray.wait(list(refs), num_returns=1)
+            killed = refs[done[0]]
+            bc.kill_relay(killed)
+        pending = {relays[k].wait.remote(v): k for k in keys if k != killed}
+        finish: dict[str, float] = {}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            ray.get(done[0])
+            finish[pending.pop(done[0])] = time.perf_counter() - t0
+        secs = time.perf_counter() - t0
+        peak_plasma = plasma.stop()
+        alive = [k for k in relays if k != killed]
+        mem = dict(zip(alive, ray.get([relays[k].memory.remote() for k in alive])))
+        # beyond the node's one copy (its file's pages count in the relay's RSS): what the transfer added at peak.
+        # It includes the pages of Ray's object-store arena the relay touched (shared memory that plasma keeps
+        # resident once touched, bounded by object_store_memory, not by k); `anon` is the relay's private growth.
+        extra = {k: mem[k]["peak"] - rss0[k]["rss"] - S for k in alive}
+        anon = {k: mem[k]["anon"] - rss0[k]["anon"] for k in alive}
+        digests = {bc.digest(v, key=k) for k in alive}
+        assert len(digests) == 1, "the copies differ"
+    return {"seconds": secs, "publish_s": t_pub, "finish": finish, "killed": killed,
+            "extra_rss_max": max(extra.values()), "extra_rss_by_node": extra, "anon_max": max(anon.values()),
+            "plasma_peak": peak_plasma}
+
+
+def _rayput_peer(sd, n: int) -> float:
+    """`ray.put` of the state_dict once, `ray.get` in `n` actors (they hold torch tensors at the end)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Getter:
+        def get(self, refs):
+            sd = ray.get(refs[0])
+            return sum(t.numel() for t in sd.values())
+
+    actors = [Getter.remote() for _ in range(n)]
+    ray.get([a.get.remote([ray.put({})]) for a in actors])  # warm: the workers exist
+    t0 = time.perf_counter()
+    ref = ray.put(sd)
+    ray.get([a.get.remote([ref]) for a in actors])
+    secs = time.perf_counter() - t0
+    del ref
+    for a in actors:
+        ray.kill(a)
+    return secs
+
+
+def _gloo_rank(rank: int, world: int, port: int, total_mb: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    sd = _sd_model(total_mb).state_dict() if rank == 0 else {k: torch.empty_like(t) for k, t in
+                                                              _sd_model(total_mb).state_dict().items()}
+    dist.barrier()
+    t0 = time.perf_counter()
+    for k in sorted(sd):
+        dist.broadcast(sd[k], src=0)
+    dist.barrier()
+    if rank == 0:
+        q.put(time.perf_counter() - t0)
+    dist.destroy_process_group()
+
+
+def _gloo_peer(n: int, total_mb: int) -> float:
+    """torch.distributed broadcast over gloo (loopback TCP) of every tensor of the state_dict to `n` processes."""
+    import multiprocessing as mp
+    import socket
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, n + 1, port, total_mb, q)) for r in range(n + 1)]
+    for p in procs:
+        p.start()
+    try:
+        return float(q.get(timeout=600))
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
+def statedict_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description="state_dict broadcast (issue 29)")
+    ap.add_argument("--quick", action="store_true", help="16 MB, buckets of 128 KB (a check that it runs)")
+    ap.add_argument("--size-mb", type=int, default=None, help="state_dict size (default 256; quick 16)")
+    ap.add_argument("--bucket-kb", type=int, default=None, help="bucket size (default 1024; quick 128)")
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--peer-nodes", type=int, nargs="+", default=None, help="receivers for the peers (default --nodes)")
+    ap.add_argument("--window", type=int, default=4, help="k: buckets a relay requests ahead")
+    ap.add_argument("--fill", type=float, default=0.5,
+                    help="N_max x B as a fraction of the measured unthrottled aggregate")
+    args = ap.parse_args(argv)
+    size_mb = args.size_mb or (16 if args.quick else 256)
+    bucket = (args.bucket_kb or (128 if args.quick else 1024)) << 10
+    peer_nodes = args.peer_nodes or args.nodes
+    load0 = os.getloadavg()
+
+    import ray
+
+    sd = _sd_model(size_mb).state_dict()
+    S = _sd_bytes(sd)
+    nmax = max(args.nodes)
+    ray.init(address="local", num_cpus=2, object_store_memory=max(256 << 20, 2 * S), include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False)
+    rows: list[dict] = []
+    version = 0
+    try:
+        # the ceiling: unthrottled, every receiver; its aggregate (N x S / t) scales the emulated links
+        version += 1
+        unthr = _sd_run(sd, nmax, None, bucket, args.window, version)
+        aggregate = nmax * S / unthr["seconds"]
+        B = args.fill * aggregate / nmax
+        rows.append({"run": "arrowbuf unthrottled", "nodes": nmax, "seconds": unthr["seconds"],
+                     "per_receiver_mb_s": S / unthr["seconds"] / 2**20, "aggregate_mb_s": aggregate / 2**20})
+        bucket_s = bucket / B
+        for n in args.nodes:
+            version += 1
+            r = _sd_run(sd, n, B, bucket, args.window, version)
+            model = S / B + (n - 1) * bucket / B
+            rates = [S / t / B for t in r["finish"].values()]
+            rows.append({"run": "arrowbuf throttled", "nodes": n, "seconds": r["seconds"], "model_s": model,
+                         "vs_model": r["seconds"] / model, "min_rate_vs_link": min(rates),
+                         "extra_rss_buckets": r["extra_rss_max"] / bucket, "anon_buckets": r["anon_max"] / bucket,
+                         "plasma_peak_buckets_per_node": r["plasma_peak"] / bucket / n})
+        version += 1
+        k = _sd_run(sd, nmax, B, bucket, args.window, version, kill_at=0.5)
+        base = next(x for x in rows if x["run"] == "arrowbuf throttled" and x["nodes"] == nmax)["seconds"]
+        rows.append({"run": "arrowbuf throttled, relay killed at 50%", "nodes": nmax, "seconds": k["seconds"],
+                     "failover_s": k["seconds"] - base, "failover_vs_bucket": (k["seconds"] - base) / bucket_s})
+        for n in peer_nodes:
+            rows.append({"run": "peer ray.put/ray.get (unthrottled)", "nodes": n, "seconds": _rayput_peer(sd, n)})
+    finally:
+        ray.shutdown()
+    for n in peer_nodes:
+        rows.append({"run": "peer torch.distributed gloo broadcast (unthrottled)", "nodes": n,
+                     "seconds": _gloo_peer(n, size_mb)})
+    t1 = next(x["seconds"] for x in rows if x["run"] == "arrowbuf throttled" and x["nodes"] == min(args.nodes))
+    tN = next(x["seconds"] for x in rows if x["run"] == "arrowbuf throttled" and x["nodes"] == nmax)
+    load1 = os.getloadavg()
+    print(f"\nstate_dict {S / 2**20:.1f} MB ({len(sd)} tensors), buckets of {bucket >> 10} KB, k = {args.window}; "
+          f"unthrottled aggregate {aggregate / 2**20:.0f} MB/s at N={nmax}, so B = {B / 2**20:.1f} MB/s per "
+          f"emulated link (N x B = {args.fill:g} of it); one bucket = {bucket_s * 1e3:.0f} ms at B; "
+          f"load average before/after {load0[0]:.1f}/{load1[0]:.1f}")
+    print("| run | N | seconds | model (s) | measured / model | slowest receiver / B | relay peak RSS beyond the copy "
+          "(buckets) | relay private growth (buckets) | object store peak per node (buckets) | failover / one bucket |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def f(x: dict, key: str, fmt: str) -> str:
+        return "-" if x.get(key) is None else format(x[key], fmt)
+
+    for x in rows:
+        print(f"| {x['run']} | {x['nodes']} | {x['seconds']:.2f} | {f(x, 'model_s', '.2f')} | "
+              f"{f(x, 'vs_model', '.2f')} | {f(x, 'min_rate_vs_link', '.2f')} | {f(x, 'extra_rss_buckets', '.1f')} | "
+              f"{f(x, 'anon_buckets', '.1f')} | "
+              f"{f(x, 'plasma_peak_buckets_per_node', '.1f')} | {f(x, 'failover_vs_bucket', '.2f')} |")
+    print(f"\ntime at N={nmax} / time at N={min(args.nodes)}: {tN / t1:.2f} (checkpoint-engine shape: <= 1.15)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "args": vars(args), "size_bytes": S,
+            "bucket": bucket, "B": B, "aggregate": aggregate, "t_max_over_t_min": tN / t1,
+            "loadavg_before": load0, "loadavg_after": load1}
+    name = f"broadcast-statedict-{size_mb}mb{'-quick' if args.quick else ''}.json"
+    (OUT / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
 
 
 if __name__ == "__main__":

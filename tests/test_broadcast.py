@@ -4,15 +4,21 @@ of 1 CPU, conftest's ray_cluster; a 4th added for the late joiner and removed af
 from __future__ import annotations
 
 import glob
+import os
 import sys
 import time
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import SCHEMAS
 
+import arrowbuf as ab
+from arrowbuf import errors as ab_errors
+from arrowbuf.errors import BroadcastRefused
 from arrowbuf.ray import Broadcast
-from arrowbuf.ray.hoplite.relay import digest_of, shm_prefix
+from arrowbuf.ray.hoplite.relay import digest_of, file_name, shm_prefix
+from arrowbuf.tiers.shm import private
 
 ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -181,3 +187,267 @@ def test_the_ray_demo_ships_weight_versions_to_every_actor_by_broadcast_even_pas
         assert max(a["received"]) >= 3, a  # new versions reached this actor (the killed node's through a new relay)
         assert {v: res.published[v] for v in a["received"]} == a["received"]  # identical bytes, by digest
     assert not glob.glob(shm_prefix(res.broadcast_uid) + "*")
+
+
+# ---------------------------------------------------------------- issue 29: tensors, private files, fences, crashes
+def _model(seed: int, width: int = 512):
+    """A real torch model (~4 MB of float32 parameters, a bfloat16 buffer and an int64 counter)."""
+    import torch
+
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                            torch.nn.LayerNorm(width), torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width))
+    m.register_buffer("scale", torch.randn(width).to(torch.bfloat16))
+    m[5].num_batches_tracked.fill_(seed)
+    return m
+
+
+def _sd_digest(sd) -> str:
+    import torch
+
+    return digest_of(b"".join(sd[k].detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                              for k in sorted(sd)))
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+@ray.remote(num_cpus=0)
+class TorchReceiver:
+    def views(self, bc, version):
+        v, tree = bc.tensors(version, timeout=120)
+        return {"node": ray.get_runtime_context().get_node_id(), "version": v, "digest": _sd_digest(tree)}
+
+    def load(self, bc, version, seed):
+        """Load into a model built with another seed, in place: same storages, peak RSS growth measured."""
+        m = _model(seed)
+        ptrs = {k: t.data_ptr() for k, t in m.state_dict().items()}
+        size = sum(t.nbytes for t in m.state_dict().values())
+        bc.wait(version, timeout=120)  # delivered to this node first: the measurement is the load only
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+        before = _status_kb("VmRSS")
+        v = bc.load_into(m, version, timeout=120)
+        grew = (_status_kb("VmHWM") - before) << 10
+        sd = m.state_dict()
+        return {"node": ray.get_runtime_context().get_node_id(), "version": v, "digest": _sd_digest(sd),
+                "same_storage": all(sd[k].data_ptr() == p for k, p in ptrs.items()), "size": size, "grew": grew}
+
+
+def test_a_state_dict_round_trips_bit_exact_on_every_node_and_loads_in_place(bcast):
+    bc = bcast(bucket_size=256 << 10)
+    src = _model(1).state_dict()
+    v = bc.publish(src, 7)
+    assert v == 7
+    want = _sd_digest(src)
+    views = ray.get([TorchReceiver.options(**_on(n)).remote().views.remote(bc, v) for n in _nodes()], timeout=180)
+    assert {g["node"] for g in views} == set(_nodes()) and {g["digest"] for g in views} == {want}
+    loaders = [TorchReceiver.options(**_on(n)).remote() for n in _nodes()]
+    got = ray.get([a.load.remote(bc, v, 2) for a in loaders], timeout=180)
+    for g in got:
+        assert g["version"] == 7 and g["digest"] == want and g["same_storage"], g
+        # the load maps the node's copy (its pages count once, ~size) and copies into the parameters: an extra full
+        # copy would add another ~size of private memory
+        assert g["grew"] < 1.5 * g["size"], g
+    for f in bc.files():
+        assert os.stat(f).st_mode & 0o777 == 0o600 and os.stat(f).st_uid == os.geteuid()
+    assert os.stat(private.user_dir()).st_mode & 0o777 == 0o700
+    with pytest.raises(ab_errors.InvalidArgument):
+        bc.publish(src, 7)  # versions grow
+
+
+def test_planted_links_and_foreign_files_at_every_path_are_refused(bcast, tmp_path):
+    bc = bcast(block_size=256 << 10)
+    sd = _model(3).state_dict()
+    here = ray.get_runtime_context().get_node_id()
+    others = [n for n in _nodes() if n != here]
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    d = private.user_dir()
+    # 1. the producer's file of the next version: a symlink, then a foreign file
+    for plant in ("symlink", "foreign"):
+        p = os.path.join(d, file_name(bc.uid, "~src", 1))
+        _plant(p, victim, plant)
+        with pytest.raises(BroadcastRefused):
+            bc.publish(sd, 1)
+        assert victim.read_bytes() == b"keep me" and os.path.lexists(p)
+        os.unlink(p)
+    # 2. the relay files of the receiving nodes: one symlink, one foreign file
+    planted = {}
+    for n, plant in zip(others, ("symlink", "foreign")):
+        planted[n] = os.path.join(d, file_name(bc.uid, n, 2, 0))
+        _plant(planted[n], victim, plant)
+    v = bc.publish(sd, 2)
+    for n in others:
+        with pytest.raises(BroadcastRefused, match="exists"):
+            bc.wait(v, key=n, timeout=60)
+        c = TorchReceiver.options(**_on(n)).remote()
+        with pytest.raises(BroadcastRefused):
+            ray.get(c.views.remote(bc, v), timeout=60)
+        ray.kill(c)
+    assert victim.read_bytes() == b"keep me"
+    for p in planted.values():
+        os.unlink(p)
+    # 3. a node's copy replaced after delivery: consumers open it once and accept only the relay's own inode
+    v = bc.publish(sd, 3)
+    n = others[0]
+    name = bc.wait(v, key=n, timeout=60)
+    path = os.path.join(d, file_name(bc.uid, n, 3, 0))
+    assert os.path.exists(path) and name["digest"] == bc.digest(v, key=n)
+    os.rename(path, path + ".moved")
+    try:
+        for plant in ("symlink", "foreign", "copy"):
+            if plant == "copy":
+                import shutil
+
+                shutil.copyfile(path + ".moved", path)
+                os.chmod(path, 0o600)
+            else:
+                _plant(path, path + ".moved" if plant == "symlink" else victim, plant)
+            c = TorchReceiver.options(**_on(n)).remote()
+            with pytest.raises(BroadcastRefused):
+                ray.get(c.views.remote(bc, v), timeout=60)
+            ray.kill(c)
+            os.unlink(path)
+    finally:
+        os.rename(path + ".moved", path)
+    c = TorchReceiver.options(**_on(n)).remote()
+    assert ray.get(c.views.remote(bc, v), timeout=60)["digest"] == _sd_digest(sd)
+    ray.kill(c)
+
+
+def test_a_planted_private_directory_is_refused_before_anything_starts(cluster, tmp_path):
+    root = f"/dev/shm/pt-bcroot-{os.getpid()}"
+    os.mkdir(root, 0o755)
+    try:
+        os.symlink(tmp_path, private.user_dir(root))
+        with pytest.raises(BroadcastRefused):
+            Broadcast.create(root=root)
+        os.unlink(private.user_dir(root))
+        os.mkdir(private.user_dir(root), 0o700)
+        os.chown(private.user_dir(root), 65534, 65534)
+        with pytest.raises(BroadcastRefused):
+            Broadcast.create(root=root)
+        assert not os.listdir(tmp_path) and not os.listdir(private.user_dir(root))
+    finally:
+        if os.path.islink(private.user_dir(root)):
+            os.unlink(private.user_dir(root))
+        elif os.path.isdir(private.user_dir(root)):
+            os.rmdir(private.user_dir(root))
+        os.rmdir(root)
+    assert not [a for a in ray.util.list_named_actors() if a.startswith("arrowbuf-bc-")]
+
+
+def _plant(path: str, victim, how: str) -> None:
+    os.close(private.open_dir())  # the private directory exists (a sweep removes it whenever it is empty)
+    if how == "symlink":
+        os.symlink(victim, path)
+    else:
+        with open(path, "wb") as f:
+            f.write(b"planted by another user")
+        os.chmod(path, 0o644)
+        os.chown(path, 65534, 65534)
+
+
+def test_a_tampered_bucket_is_refused_before_any_consumer_sees_it(bcast):
+    # a chain at 4 MB/s: the 4 MB model takes about a second per hop, so the last buckets are still at the root
+    bc = bcast(block_size=128 << 10, upload_slots=1, egress_bytes_per_s=4 << 20)
+    sd = _model(4).state_dict()
+    here = ray.get_runtime_context().get_node_id()
+    v = bc.publish(sd, 1)
+    meta = bc.wait(v, key=here)
+    bad = meta["nblocks"] - 2
+    src = os.path.join(private.user_dir(), file_name(bc.uid, "~src", 1))  # the root relay serves this mapping
+    with open(src, "r+b") as f:  # tampered after the root checked it (the same user could; nobody else can)
+        f.seek(bad * meta["block_size"] + 100)
+        f.write(b"\xff" * 8)
+    for n in [n for n in _nodes() if n != here]:
+        with pytest.raises(BroadcastRefused, match=f"bucket {bad} .*digest mismatch"):
+            bc.wait(v, key=n, timeout=120)
+        assert bc.state()["count"].get(n, 0) <= bad  # the bad bucket never counted as held, so never forwarded
+        c = TorchReceiver.options(**_on(n)).remote()
+        with pytest.raises(BroadcastRefused):
+            ray.get(c.views.remote(bc, v), timeout=60)
+        ray.kill(c)
+    v2 = bc.publish(sd, 2)  # the next version goes through
+    assert {bc.wait(v2, key=n, timeout=120)["version"] for n in _nodes()} == {2}
+
+
+def test_a_relay_killed_mid_bucket_still_delivers_the_state_dict(bcast):
+    bc = bcast(block_size=512 << 10, upload_slots=1, egress_bytes_per_s=2 << 20, window=2)  # 0.25 s per bucket
+    sd = _model(5).state_dict()
+    v = bc.publish(sd, 1)
+    root = ray.get_runtime_context().get_node_id()
+    others = [n for n in _nodes() if n != root]
+    for n in others:
+        ray.get(bc.directory.wait_count.remote(n, 1), timeout=60)
+    up = bc.state()["upstream"]
+    middle = next(n for n in others if up[n] == root)
+    ray.get(bc.directory.wait_count.remote(middle, bc.wait(0, key=root)["nblocks"] // 2), timeout=60)
+    bc.kill_relay(middle)  # with buckets in flight to the tail and from the root
+    got = ray.get([TorchReceiver.options(**_on(n)).remote().views.remote(bc, v) for n in others], timeout=180)
+    assert {g["digest"] for g in got} == {_sd_digest(sd)}
+
+
+def test_the_version_fence_follows_delivery_and_loads(bcast):
+    store = ab.ExperienceStore(SCHEMAS / "cartpole.yaml", capacity=100)
+    try:
+        bc = bcast(block_size=256 << 10)
+        assert bc.fence(store) == 0 and store.policy_version == 0
+        sd = _model(6).state_dict()
+        v = bc.publish(sd, 4)
+        assert bc.fence(store, wait=v, timeout=120) == 4 and store.policy_version == 4  # every node holds v4
+        assert bc.fence(receivers=len(_nodes()) + 1) == 0  # more nodes than there are: nothing
+        assert bc.fence(loads=True, receivers=1) == 0  # delivered, but nobody loaded it yet
+        loaders = [TorchReceiver.options(**_on(n)).remote() for n in _nodes()[:2]]
+        ray.get([a.load.remote(bc, v, 0) for a in loaders], timeout=180)
+        assert bc.fence(loads=True, receivers=2, wait=4, timeout=60) == 4
+        assert bc.fence(loads=True, receivers=3) == 0
+        store.policy_version = 9
+        assert bc.fence(store) == 4 and store.policy_version == 9  # never lowers it
+        for a in loaders:
+            ray.kill(a)
+    finally:
+        store.close()
+
+
+GC = "import sys; from arrowbuf.cli import main; sys.exit(main(['shm', 'gc']))"  # `arrowbuf shm gc`
+
+
+def test_close_and_a_killed_driver_plus_shm_gc_leave_nothing_in_dev_shm(cluster, procs):
+    import signal
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, time, numpy as np, ray
+        from arrowbuf.ray import Broadcast
+        ray.init(address={cluster.address!r}, logging_level="ERROR", log_to_driver=False)
+        bc = Broadcast.create(block_size=256 << 10)
+        v = bc.publish({{"w": np.arange(1 << 20, dtype=np.float32)}}, 1)
+        for n in ray.nodes():
+            if n["Alive"]:
+                bc.wait(v, key=n["NodeID"], timeout=120)
+        print(bc.uid, flush=True)
+        time.sleep(600)
+    """)
+    p = procs([sys.executable, "-c", script])
+    try:
+        uid = p.stdout.readline().decode().strip()
+        assert uid, "the driver did not publish"
+        mine = glob.glob(shm_prefix(uid) + "*")
+        assert len(mine) == len(_nodes())  # one copy per node (the root's is the producer's file)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    end = time.monotonic() + 90  # Ray kills the dead driver's actors; a bounded wait, not a timing assert
+    while glob.glob(shm_prefix(uid) + "*") and time.monotonic() < end:
+        subprocess.run([sys.executable, "-c", GC], check=True, capture_output=True)
+        time.sleep(0.5)
+    assert not glob.glob(shm_prefix(uid) + "*")
+    assert not [f for f in glob.glob("/dev/shm/**", recursive=True) if uid in f]

@@ -21,12 +21,16 @@ class BlockDirectory:
         self.uid = uid
         self.relay_options = relay_options
         self.relays: dict[str, Any] = {}
+        self.incarnations: dict[str, int] = {}  # relays created per node key so far
+        self.ids: dict[str, str] = {}           # node key -> its relay as a requester ("key#incarnation")
         self.meta: dict | None = None
         self.root: str | None = None
         self.count: dict[str, int] = {}
         self.uploads: dict[str, int] = {}
         self.upstream: dict[str, str] = {}
         self.dead: set[str] = set()
+        self.delivered: dict[str, int] = {}  # node key -> newest version its relay holds complete and verified
+        self.loads: dict[str, int] = {}      # receiver id -> newest version it loaded (Broadcast.load_into, ...)
         self.cond = asyncio.Condition()
         self.creating = asyncio.Lock()
 
@@ -58,11 +62,16 @@ class BlockDirectory:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        r: Any = ray.remote(Relay).options(**opts).remote(self.uid, key, **self.relay_options)
+        incarnation = self.incarnations.get(key, 0)
+        self.incarnations[key] = incarnation + 1
+        self.ids[key] = f"{key}#{incarnation}"
+        r: Any = ray.remote(Relay).options(**opts).remote(self.uid, key, incarnation=incarnation,
+                                                          **self.relay_options)
         await r.ping.remote()
         self.relays[key] = r
         self.dead.discard(key)
         self.count.pop(key, None)
+        self.delivered.pop(key, None)
         if self.meta is not None and key != self.root:
             await r.start.remote(self.meta)
         return r
@@ -126,9 +135,11 @@ class BlockDirectory:
         if src != self.root:
             self.dead.add(src)
             self.count.pop(src, None)
+            self.delivered.pop(src, None)
             up = self.upstream.pop(src, None)
             if up is not None:
                 self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
+                self._forget(up, src)
         await self._notify()
 
     async def mark_dead(self, key: str, handle: Any = None) -> None:
@@ -140,10 +151,53 @@ class BlockDirectory:
             return
         self.dead.add(key)
         self.count.pop(key, None)
+        self.delivered.pop(key, None)
         up = self.upstream.pop(key, None)
         if up is not None:
             self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
+            self._forget(up, key)
         await self._notify()
+
+    async def verified(self, version: int, key: str) -> None:
+        """`key`'s relay holds `version` complete, every bucket verified."""
+        if key not in self.dead:
+            self.delivered[key] = max(version, self.delivered.get(key, 0))
+            await self._notify()
+
+    async def loaded(self, receiver: str, version: int) -> None:
+        """Receiver `receiver` (one `Broadcast` handle in one process) loaded `version`."""
+        self.loads[receiver] = max(version, self.loads.get(receiver, 0))
+        await self._notify()
+
+    async def get_fence(self, receivers: int | None = None, loads: bool = False) -> int:
+        """`fence` (for `Broadcast.fence`)."""
+        return self.fence(receivers, loads)
+
+    def fence(self, receivers: int | None = None, loads: bool = False) -> int:
+        """The newest version held by at least `receivers` live nodes (None: by every live relay); with `loads`,
+        loaded by at least `receivers` receivers (None: by every receiver that ever reported). 0 when none."""
+        if loads:
+            held = list(self.loads.values())
+        else:
+            held = [self.delivered.get(k, 0) for k in self.relays if k not in self.dead]
+        if not held:
+            return 0
+        n = len(held) if receivers is None else int(receivers)
+        if n < 1 or n > len(held):
+            return 0
+        return sorted(held, reverse=True)[n - 1]
+
+    async def wait_fence(self, version: int, receivers: int | None = None, loads: bool = False) -> int:
+        """Wait until `fence(receivers, loads) >= version`; return the fence."""
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.fence(receivers, loads) >= version)
+        return self.fence(receivers, loads)
+
+    def _forget(self, holder: str, dead: str) -> None:
+        """Tell `holder` to drop the blocks queued for `dead`'s relay (its egress goes to the living at once)."""
+        r = self.relays.get(holder)
+        if r is not None and holder not in self.dead and dead in self.ids:
+            r.forget.remote(self.ids[dead])
 
     async def wait_count(self, key: str, count: int) -> int:
         """Wait until `key` holds at least `count` blocks of the current version (for tests and benchmarks)."""
@@ -154,7 +208,8 @@ class BlockDirectory:
     async def state(self) -> dict:
         return {"version": None if self.meta is None else self.meta["version"], "root": self.root,
                 "count": dict(self.count), "uploads": dict(self.uploads), "upstream": dict(self.upstream),
-                "dead": sorted(self.dead), "relays": sorted(self.relays)}
+                "dead": sorted(self.dead), "relays": sorted(self.relays), "delivered": dict(self.delivered),
+                "loads": dict(self.loads)}
 
     async def all_relays(self) -> list[Any]:
         return list(self.relays.values())

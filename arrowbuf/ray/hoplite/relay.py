@@ -1,9 +1,16 @@
 """One relay per node for block-wise broadcasts: receive blocks, forward them while receiving, serve the node's copy.
 
-A relay (an async Ray actor) keeps the newest version of one broadcast in a file under /dev/shm that it fills block by
-block. It pulls blocks from the holder the directory (`directory.py`) picks for it, and serves the blocks it already
-has to the receivers downstream of it at once (pipelining): `get_block(v, i)` waits until block `i` is here, not until
-the whole object is. Consumers on the node map the file read-only (`Broadcast.get`): one copy per node, zero-copy reads.
+A relay (an async Ray actor) keeps the newest version of one broadcast in a private file (0600, created
+O_EXCL|O_NOFOLLOW in this user's 0700 directory under /dev/shm; see `arrowbuf.tiers.shm.private`) that it fills block
+by block, checking each block's digest from the mapping before it counts it as held, so a tampered block never reaches
+a consumer or a downstream relay. It pulls blocks from the holder the directory (`directory.py`) picks for it, and
+serves the blocks it already has to the receivers downstream of it at once (pipelining): `get_block(v, i)` waits
+until block `i` is here, not until the whole object is. Consumers on the node map the file (`Broadcast.get`,
+`tensors`, `load_into`): one copy per node, zero-copy reads.
+
+Memory: a relay asks its upstream for at most `window` (k) blocks ahead; each is one Ray object of one block, freed
+once copied into the file. So a node holds its one copy plus at most k blocks it receives, plus the blocks its
+downstream receivers asked of it (k per upload slot), in Ray's object store.
 
 Why a /dev/shm file rather than Ray's object store: a Ray object is sealed whole by one `put`, so a relay could not
 forward block 3 of an object it is still writing, nor resume a half-received object after its upstream died; a file
@@ -13,120 +20,108 @@ is written in place block by block, and a consumer maps it like an object-store 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import mmap
 import os
-import pickle
-import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ...errors import ArrowbufError, InvalidArgument
+from ...errors import ArrowbufError, BroadcastRefused
+from ...tiers.shm import private
+from .payload import combine, digest_of
 
-SHM_DIR = "/dev/shm"
-MAGIC = b"ABBCAST1"
-_ALIGN = 64
+__all__ = ["Relay", "Superseded", "TokenBucket", "digest_of", "file_name", "shm_prefix"]
 
 
 class Superseded(ArrowbufError, RuntimeError):
     """The requested broadcast version was replaced by a newer one; take the newer one."""
 
 
-def shm_prefix(uid: str) -> str:
-    """The path prefix of every /dev/shm file of broadcast `uid` (used to clean up after killed relays)."""
-    return os.path.join(SHM_DIR, f"arrowbuf-bc-{uid}-")
+def shm_prefix(uid: str, root: str | None = None) -> str:
+    """The path prefix of every file of broadcast `uid` (in this user's private directory; see `tiers.shm.private`)."""
+    return os.path.join(private.user_dir(root), f"{private.FILE_PREFIX}{uid}-")
 
 
-def shm_path(uid: str, key: str, version: int) -> str:
+def file_name(uid: str, key: str, version: int, incarnation: int = 0) -> str:
+    """The name (in the private directory) of node `key`'s copy of `version` held by its relay number `incarnation`
+    (a replaced relay never meets the file of the one it replaces); "~src" is the producer's file."""
     safe = "".join(c if c.isalnum() else "_" for c in key)[:64]
-    return f"{shm_prefix(uid)}{safe}-v{int(version)}"
-
-
-def digest_of(buf: Any) -> str:
-    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
-
-
-# -- payload format: MAGIC, u64 header_len, u32 nbufs, nbufs x (u64 off, u64 len), pickle header, 64-aligned buffers --
-
-def pack_to_file(obj: Any, path: str) -> int:
-    """Write `obj` (pickle protocol 5, its buffers out of band and 64-byte aligned) to `path`; return the size.
-
-    numpy arrays and Arrow buffers travel out of band, so `unpack` returns views on the mapped file (zero-copy).
-    """
-    bufs: list[pickle.PickleBuffer] = []
-    header = pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)
-    views = [b.raw() for b in bufs]
-    pos = len(MAGIC) + 12 + 16 * len(views) + len(header)
-    table = []
-    for v in views:
-        pos = -(-pos // _ALIGN) * _ALIGN
-        table.append((pos, v.nbytes))
-        pos += v.nbytes
-    size = max(pos, 1)
-    with open(path, "wb") as f:
-        f.write(MAGIC + struct.pack("<QI", len(header), len(views)))
-        f.write(b"".join(struct.pack("<QQ", o, n) for o, n in table))
-        f.write(header)
-        for (off, _), v in zip(table, views):
-            f.seek(off)
-            f.write(v)
-        f.truncate(size)
-    return size
-
-
-def unpack(buf: memoryview) -> Any:
-    """The object `pack_to_file` wrote, its arrays viewing `buf` (no copy)."""
-    if bytes(buf[:len(MAGIC)]) != MAGIC:
-        raise InvalidArgument("not an arrowbuf broadcast payload (bad magic); was the file replaced?")
-    hlen, nbufs = struct.unpack_from("<QI", buf, len(MAGIC))
-    pos = len(MAGIC) + 12
-    table = [struct.unpack_from("<QQ", buf, pos + 16 * k) for k in range(nbufs)]
-    pos += 16 * nbufs
-    header = buf[pos:pos + hlen]
-    return pickle.loads(header, buffers=[buf[o:o + n] for o, n in table])
+    return f"{private.FILE_PREFIX}{uid}-{safe}-v{int(version)}-r{int(incarnation)}"
 
 
 class TokenBucket:
-    """Egress bandwidth emulation: every send of `n` bytes finishes no earlier than `n / rate` after the previous one.
+    """Egress bandwidth emulation: the link sends one block at a time, in the order asked, `n` bytes taking
+    `n / rate` seconds.
 
     One bucket per relay, shared by all its uploads, so a relay serving two receivers gives each half its rate.
-    `rate=None` is unlimited.
+    A send takes the link when the sends asked before it are done (back to back: no idle gap on a backlogged link),
+    and only if its receiver is still `alive` then: blocks queued for a receiver that died meanwhile cost the link
+    nothing, so failover does not wait behind them. `rate=None` is unlimited.
     """
 
     def __init__(self, rate: float | None) -> None:
         self.rate = None if not rate else float(rate)
         self._free_at = 0.0
+        self._tail: asyncio.Future | None = None  # done when the last send asked so far has left the link
 
-    async def take(self, n: int) -> None:
+    async def take(self, n: int, alive: Callable[[], bool] | None = None) -> bool:
+        """Wait for the link and hold it for this send; False (the link untouched) if `alive()` turned False."""
         if self.rate is None:
-            return
-        now = time.monotonic()
-        self._free_at = max(self._free_at, now) + n / self.rate
-        await asyncio.sleep(self._free_at - now)
+            return alive is None or alive()
+        prev, mine = self._tail, asyncio.get_running_loop().create_future()
+        self._tail = mine
+        try:
+            backlogged = prev is not None and not prev.done()
+            if backlogged:
+                assert prev is not None
+                await asyncio.wait({prev})  # (not `await prev`: a cancelled waiter must not cancel its successor)
+            if alive is not None and not alive():
+                return False
+            now = time.monotonic()
+            # behind a send that just left the link, this one starts where it ended (however late we woke)
+            self._free_at = (self._free_at if backlogged else max(self._free_at, now)) + n / self.rate
+            await asyncio.sleep(self._free_at - now)
+            return True
+        finally:
+            mine.set_result(None)
 
 
 class _Copy:
-    """One version held by a relay: its file, mapping, and how many leading blocks are here."""
+    """One version held by a relay: its private file (descriptor kept open and share-locked while held, so the
+    janitor leaves it alone), its mapping, and how many leading buckets are here and verified.
 
-    def __init__(self, meta: dict, path: str, have: int, create: bool) -> None:
-        self.meta, self.path, self.have = meta, path, have
+    `create`: a new file to fill (O_EXCL|O_NOFOLLOW, 0600; a name that exists is refused). Else the producer's file,
+    opened by name once and accepted only if it is the producer's very inode (`meta["ident"]`), 0600, ours; its
+    buckets are then verified from the mapping (`verify_all`) before anything is served.
+    """
+
+    def __init__(self, meta: dict, name: str, create: bool, root: str | None) -> None:
+        self.meta, self.name, self.root = meta, name, root
+        self.have = 0
         self.cond = asyncio.Condition()
-        fd = os.open(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY, 0o600)
+        self.task: asyncio.Task | None = None
+        self.error: str | None = None
+        self.verified = False
+        self.fd = -1
+        self.mm: Any = None
+        self.ident: tuple[int, int] = (0, 0)
+        size = meta["size"]
         try:
             if create:
-                os.ftruncate(fd, meta["size"])
-            self.mm = mmap.mmap(fd, meta["size"], access=mmap.ACCESS_WRITE if create else mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
-        self.task: asyncio.Task | None = None
-        # the digest is computed block by block as blocks land (they land in order), so checking a complete copy
-        # costs one block's hashing at the end, not a pass over the whole object
-        self.hasher = hashlib.blake2b(digest_size=16)
-        self.error: str | None = None
-        self.verified = not create  # the producer's own file needs no check
+                self.fd = private.create_file(name, size, root)
+            else:
+                self.fd = private.open_verified(name, size, tuple(meta["ident"]), root)
+                import fcntl
+
+                fcntl.flock(self.fd, fcntl.LOCK_SH)
+            self.mm = mmap.mmap(self.fd, size, access=mmap.ACCESS_WRITE if create else mmap.ACCESS_READ)
+            self.ident = private.identity(self.fd)
+        except BroadcastRefused as exc:
+            self.error = str(exc)
+            self.verified = True
 
     @property
     def complete(self) -> bool:
@@ -136,31 +131,56 @@ class _Copy:
         b = self.meta["block_size"]
         return i * b, min((i + 1) * b, self.meta["size"])
 
+    def check(self, i: int) -> bool:
+        """Bucket `i` as the mapping holds it now has the producer's digest."""
+        a, b = self.span(i)
+        with memoryview(self.mm) as whole, whole[a:b] as part:
+            return digest_of(part) == self.meta["digests"][i]
+
+    def verify_all(self) -> None:
+        """Check every bucket of the mapped producer file (no bucket is served before)."""
+        if self.error is None:
+            for i in range(self.meta["nblocks"]):
+                if not self.check(i):
+                    self.error = f"bucket {i} of version {self.meta['version']}: digest mismatch (tampered): refused"
+                    break
+            else:
+                self.have = self.meta["nblocks"]
+        self.verified = True
+
     def drop(self) -> None:
         if self.task is not None:
             self.task.cancel()
-        try:
-            self.mm.close()
-        except BufferError:  # a local view is still alive; the mapping goes with it
-            pass
-        try:
-            os.unlink(self.path)  # consumers that mapped it keep their mapping
-        except FileNotFoundError:
-            pass
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a local view is still alive; the mapping goes with it
+                pass
+        if self.fd >= 0:  # ours (never a refused name): consumers that mapped it keep their mapping
+            private.unlink(self.name, self.root)
+            os.close(self.fd)
+            self.fd = -1
 
 
 class Relay:
     """The receiver and forwarder of one node for one broadcast (an async Ray actor; see the module docstring).
 
     Args:
-        uid: the broadcast's id (names its directory actor and its /dev/shm files).
+        uid: the broadcast's id (names its directory actor and its files).
         key: this relay's node key (a Ray node id, or any name in a benchmark that emulates nodes).
         egress_bytes_per_s: emulated upload bandwidth of this node (a token bucket), or None.
-        window: blocks requested ahead from the upstream holder.
+        window: buckets requested ahead from the upstream holder (k: the buckets in flight into this node).
+        root: the shared-memory root (default /dev/shm or $ARROWBUF_SHM_DIR); files go to its private directory.
+        incarnation: how many relays of this node key came before this one (names its files).
     """
 
-    def __init__(self, uid: str, key: str, egress_bytes_per_s: float | None = None, window: int = 4) -> None:
-        self.uid, self.key, self.window = uid, key, max(1, int(window))
+    def __init__(self, uid: str, key: str, egress_bytes_per_s: float | None = None, window: int = 4,
+                 root: str | None = None, incarnation: int = 0) -> None:
+        self.uid, self.key, self.window, self.root = uid, key, max(1, int(window)), root
+        self.incarnation = int(incarnation)
+        self.me = f"{key}#{self.incarnation}"  # this relay as a requester (its upstream forgets it when it dies)
+        self.gone: set[str] = set()
+        private.sweep(root)  # on its node, the files of broadcasts whose holders died (the next start after a crash)
         self.bucket = TokenBucket(egress_bytes_per_s)
         self.cur: _Copy | None = None
         self.changed = asyncio.Condition()
@@ -185,27 +205,36 @@ class Relay:
         async with self.changed:
             self.changed.notify_all()
 
-    async def seed(self, meta: dict, path: str) -> bool:
-        """Adopt the producer's file `path` (version `meta["version"]`, complete) as this node's copy."""
+    async def seed(self, meta: dict, name: str) -> bool:
+        """Adopt the producer's file `name` (version `meta["version"]`) as this node's copy, after checking that it
+        is the producer's inode and that every bucket has the producer's digest. False if not newer; raises
+        `BroadcastRefused` when refused."""
         if self.cur is not None and self.cur.meta["version"] >= meta["version"]:
             return False
-        await self._replace(_Copy(meta, path, meta["nblocks"], create=False))
+        copy = _Copy(meta, name, create=False, root=self.root)
+        await asyncio.to_thread(copy.verify_all)  # hashing releases the GIL: the relay keeps serving meanwhile
+        await self._replace(copy)
+        if copy.error:
+            raise BroadcastRefused(f"relay {self.key}: {copy.error}")
+        self._dir().verified.remote(meta["version"], self.key)
         return True
 
     async def start(self, meta: dict) -> bool:
         """Begin receiving version `meta["version"]` (superseding an older one in flight); False if not newer."""
         if self.cur is not None and self.cur.meta["version"] >= meta["version"]:
             return False
-        copy = _Copy(meta, shm_path(self.uid, self.key, meta["version"]), 0, create=True)
+        name = file_name(self.uid, self.key, meta["version"], self.incarnation)
+        copy = _Copy(meta, name, create=True, root=self.root)
         await self._replace(copy)
-        copy.task = asyncio.get_running_loop().create_task(self._pull(copy))
+        if copy.error is None:
+            copy.task = asyncio.get_running_loop().create_task(self._pull(copy))
         return True
 
     async def _pull(self, copy: _Copy) -> None:
         d, meta = self._dir(), copy.meta
         version, n = meta["version"], meta["nblocks"]
         reattach = False
-        while copy.have < n and self.cur is copy:
+        while copy.have < n and self.cur is copy and copy.error is None:
             got = await d.choose.remote(version, self.key, copy.have, reattach)
             if got is None:  # superseded
                 return
@@ -215,57 +244,75 @@ class Relay:
                 nxt = copy.have
                 while copy.have < n:
                     while nxt < n and len(pending) < self.window:
-                        pending.append(src.get_block.remote(version, nxt))
+                        pending.append(src.get_block.remote(version, nxt, self.me))
                         nxt += 1
                     data = await pending.popleft()
                     a, b = copy.span(copy.have)
                     copy.mm[a:b] = data
-                    with memoryview(copy.mm) as whole, whole[a:b] as part:
-                        copy.hasher.update(part)  # what the file now holds
+                    del data
+                    if not copy.check(copy.have):  # checked from the mapping, before anyone downstream sees it
+                        copy.error = (f"bucket {copy.have} of version {version} from {src_key}: digest mismatch "
+                                      "(tampered or corrupted): refused")
+                        break
                     async with copy.cond:
                         copy.have += 1
                         copy.cond.notify_all()
                     d.progress.remote(version, self.key, copy.have)
+                pending.clear()
                 d.release.remote(version, self.key, src_key)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the upstream died or moved on: re-attach and resume from `have`
+                pending.clear()
                 await d.lost.remote(version, self.key, src_key)
                 reattach = True
         if self.cur is copy:
-            got_digest = copy.hasher.hexdigest()
-            if got_digest != meta["digest"]:
-                copy.error = f"digest mismatch: got {got_digest}, expected {meta['digest']}"
+            if copy.error is None and meta["digest"] != combine(meta["digests"]):
+                copy.error = "the bucket digests do not make the payload digest"
             copy.verified = True
+            async with copy.cond:
+                copy.cond.notify_all()
+            if copy.error is None:
+                d.verified.remote(version, self.key)
             async with self.changed:
                 self.changed.notify_all()
 
-    async def get_block(self, version: int, i: int) -> Any:
+    async def forget(self, requester: str) -> None:
+        """`requester` (a relay's `me`) died: blocks queued for it are dropped instead of sent."""
+        self.gone.add(requester)
+
+    async def get_block(self, version: int, i: int, requester: str | None = None) -> Any:
         """Block `i` of `version`, as soon as it is here (pipelining), after this node's egress allows it."""
         copy = self.cur
         if copy is None or copy.meta["version"] != version:
             raise Superseded(f"relay {self.key} holds no version {version}")
         async with copy.cond:
-            await copy.cond.wait_for(lambda: copy.have > i or self.cur is not copy)
+            await copy.cond.wait_for(lambda: copy.have > i or self.cur is not copy or copy.error is not None)
         if self.cur is not copy:
             raise Superseded(f"relay {self.key}: version {version} was superseded")
+        if copy.have <= i:
+            raise BroadcastRefused(f"relay {self.key}: {copy.error}")
         a, b = copy.span(i)
-        await self.bucket.take(b - a)
+        if not await self.bucket.take(b - a, None if requester is None else lambda: requester not in self.gone):
+            raise Superseded(f"relay {self.key}: requester {requester} is gone")
         # a view of the node's file, not a copy: Ray pickles numpy out of band (one copy into the object store,
         # then the receiver maps it); blocks are immutable once written, and a dropped version's mapping lives on
         # in the view
         return np.frombuffer(copy.mm, dtype=np.uint8, count=b - a, offset=a)
 
+    def _answer(self, cur: _Copy) -> tuple[int, str, dict]:
+        if cur.error:
+            raise BroadcastRefused(f"relay {self.key}, version {cur.meta['version']}: {cur.error}")
+        return cur.meta["version"], cur.name, dict(cur.meta, ident=list(cur.ident))
+
     async def wait(self, min_version: int = 0) -> tuple[int, str, dict]:
-        """Wait until this node holds a complete version >= `min_version`; return (version, path, meta)."""
+        """Wait until this node holds a complete, verified version >= `min_version`; return (version, file name,
+        meta), the meta's `ident` the (device, inode) of this node's file (consumers check it after opening)."""
         async with self.changed:
             await self.changed.wait_for(lambda: self.cur is not None and self.cur.meta["version"] >= min_version
                                         and self.cur.verified)
-        cur = self.cur
-        assert cur is not None
-        if cur.error:
-            raise ArrowbufError(f"relay {self.key}, version {cur.meta['version']}: {cur.error}")
-        return cur.meta["version"], cur.path, cur.meta
+        assert self.cur is not None
+        return self._answer(self.cur)
 
     async def current(self) -> tuple[int, str, dict] | None:
         """(version, path, meta) of the verified copy this node holds now, or None (none yet, or one in flight);
@@ -273,13 +320,27 @@ class Relay:
         cur = self.cur
         if cur is None or not cur.verified:
             return None
-        if cur.error:
-            raise ArrowbufError(f"relay {self.key}, version {cur.meta['version']}: {cur.error}")
-        return cur.meta["version"], cur.path, cur.meta
+        return self._answer(cur)
 
     async def progress(self) -> tuple[int, int]:
         """(version, blocks held) of this node's copy; (-1, 0) when it holds none."""
         return (-1, 0) if self.cur is None else (self.cur.meta["version"], self.cur.have)
+
+    async def memory(self, reset: bool = False) -> dict[str, int]:
+        """This relay process's memory from /proc/self/status, in bytes: `peak` (VmHWM), `rss`, `anon` (RssAnon),
+        `shmem` (RssShmem: its file's pages and the Ray object-store pages it touched). `reset` restarts the peak
+        at the current RSS first (benchmarks measure the peak of one transfer)."""
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        fields = {"VmHWM": "peak", "VmRSS": "rss", "RssAnon": "anon", "RssShmem": "shmem"}
+        out = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                k = line.split(":", 1)[0]
+                if k in fields:
+                    out[fields[k]] = int(line.split()[1]) << 10
+        return out
 
     async def close(self) -> None:
         """Stop receiving and remove this node's file."""

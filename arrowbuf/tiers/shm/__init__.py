@@ -50,7 +50,8 @@ overwritten by the next writer.
 
 The package: `paths` (names, directories, small file helpers), `locks` (robust mutexes, flock locks), `segment`
 (`SharedMemoryTier`: create, attach, arenas, seal, close), `janitor` (reclaiming stores of dead owners, leases,
-listing), `manifest` (sampler and rate-limiter specs).
+listing), `manifest` (sampler and rate-limiter specs), `private` (the per-user 0700 directory and 0600 files of the
+broadcast, `arrowbuf.ray.Broadcast`; ``arrowbuf shm gc`` sweeps the ones nobody holds).
 """
 
 from __future__ import annotations
