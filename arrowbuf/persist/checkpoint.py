@@ -71,6 +71,32 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
+#: The names a checkpoint works in below its directory: none of them may be a link (`refuse_links`).
+INTERNAL = (mf.MANIFESTS, mf.STATE, mf.RETAINED, mf.LOCK, mf.MANIFEST)
+
+
+def refuse_links(root: str) -> None:
+    """Refuse a checkpoint directory with a symbolic link where the checkpoint works (`_state`, `_retained`,
+    `_manifests`, `_lock`, `_manifest.json`, and the entries of its subdirectories): a link planted there would make
+    the checkpoint write, and retention delete, wherever it points. Row and temp files are replaced by rename
+    (which never follows a link) and opened with O_NOFOLLOW.
+
+    Raises:
+        InvalidArgument: naming the link.
+    """
+    for name in INTERNAL:
+        p = os.path.join(root, name)
+        if os.path.islink(p):
+            raise InvalidArgument(f"checkpoint directory {root}: {name} is a symbolic link (to "
+                                  f"{os.readlink(p)[:200]!r}); a checkpoint never follows links inside its "
+                                  "directory: remove it")
+        if name in (mf.MANIFESTS, mf.STATE, mf.RETAINED) and os.path.isdir(p):
+            for entry in os.scandir(p):
+                if entry.is_symlink():
+                    raise InvalidArgument(f"checkpoint directory {root}: {name}/{entry.name} is a symbolic link; "
+                                          "a checkpoint never follows links inside its directory: remove it")
+
+
 def known_files(core: StoreCore, root: str) -> dict[tuple[int, int], dict[str, Any]]:
     return _WRITTEN.setdefault(core.index, {}).setdefault(os.path.realpath(root), {})
 
@@ -139,10 +165,11 @@ def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None
         raise InvalidArgument(f"compression must be None (memory-mappable), 'zstd' or 'lz4', got {compression!r}")
     root = os.fspath(path)
     os.makedirs(root, exist_ok=True)
+    refuse_links(root)
     for sub in (mf.MANIFESTS, mf.STATE, mf.RETAINED):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     core.check_open()
-    lock_fd = os.open(os.path.join(root, mf.LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    lock_fd = os.open(os.path.join(root, mf.LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one checkpoint writer per directory, across processes
         job = _Job(core, capture(core), root, keep, compression, lock_fd)
@@ -170,6 +197,8 @@ class _Job:
         self.after_read: Any = None
         self.unsynced: list[Any] = []
         self.syncer: Any = None
+        self.written: list[str] = []  # paths this checkpoint created (removed again if it fails before its commit)
+        self.committed = False
 
     def run(self) -> None:
         cpu0 = time.thread_time()
@@ -181,7 +210,22 @@ class _Job:
         finally:
             if self.syncer is not None:
                 self.syncer.shutdown(wait=True)
+            if self.error is not None and not self.committed:
+                self._discard()
             os.close(self.lock_fd)
+
+    def _discard(self) -> None:
+        """A checkpoint that failed before its commit (out of space, say) removes the files it wrote (we hold the
+        directory's lock), so the next checkpoint into the directory has its space and finds no debris."""
+        for path in self.written:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        known = known_files(self.core, self.root)
+        gone = {os.path.basename(p) for p in self.written}
+        for key in [k for k, e in known.items() if e.get("name") in gone]:
+            del known[key]
 
     def _ipc(self, batch: pa.RecordBatch | pa.Table, schema: pa.Schema | None = None) -> pa.Buffer:
         sink = pa.BufferOutputStream()
@@ -197,6 +241,8 @@ class _Job:
         """Write a file through temp + rename; a background thread fsyncs it while the next file is prepared, and
         `_sync` waits for all of them before the manifest names them."""
         path = os.path.join(self.root, sub, name)
+        if not os.path.exists(path):
+            self.written.append(path)
         mf.write_file(path, data, sync=False)
         if self.syncer is None:
             from concurrent.futures import ThreadPoolExecutor
@@ -271,13 +317,16 @@ class _Job:
             "files": entries + state_entries,
         }
         mpath = os.path.join(root, mf.MANIFESTS, f"{gen:08d}.json")
+        self.written.append(mpath)
         mf.write_json_atomic(mpath, m)
         _kill_point("before_commit")
         # the commit: write-temp + fsync + rename + fsync dir
         tmp = os.path.join(root, f".{mf.MANIFEST}.tmp-{os.getpid()}")
+        self.written.append(tmp)
         mf.write_file(tmp, json.dumps(m, indent=1).encode())
         _kill_point("manifest_tmp")
         os.replace(tmp, os.path.join(root, mf.MANIFEST))
+        self.committed = True
         mf.fsync_dir(root)
         _kill_point("after_commit")
         self._collect(m)
