@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("integrations", ["arrowbuf.rllib", "arrowbuf.compat"]),
     ("ray", ["arrowbuf.ray"]),
     ("flight", ["arrowbuf.flight"]),
-    ("facade", ["=arrowbuf.store", "arrowbuf.store.facade"]),
+    ("facade", ["=arrowbuf.store", "arrowbuf.store.facade", "arrowbuf.store.durable"]),
     ("persist", ["arrowbuf.persist"]),
     ("store internals", ["arrowbuf.store."]),
     ("query", ["arrowbuf.query"]),

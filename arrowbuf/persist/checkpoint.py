@@ -152,9 +152,14 @@ class CheckpointHandle:
 
 
 def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None, background: bool = False,
-               compression: str | None = None, _after_read: Any = None) -> Any:
+               compression: str | None = None, _after_read: Any = None, journal: dict[str, Any] | None = None,
+               after_commit: Any = None) -> Any:
     """Write a checkpoint of the store whose internals are `core` into directory `path` (see the module docstring
     and `ExperienceStore.checkpoint`, which calls this).
+
+    A durable store passes `journal` (`{"from_lsn": L}`: its journal's records from lsn L on are not covered by this
+    checkpoint; kept in the manifest) and `after_commit()` (called once the manifest is committed: the journal
+    before L is truncated then).
 
     `_after_read(i)` (tests) runs after live chunk `i` was read and serialised, before its intact check: a test
     writes to the store there to overwrite rows mid-copy, deterministically.
@@ -174,6 +179,7 @@ def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one checkpoint writer per directory, across processes
         job = _Job(core, capture(core), root, keep, compression, lock_fd)
         job.after_read = _after_read
+        job.journal, job.after_commit = journal, after_commit
     except BaseException:
         os.close(lock_fd)
         raise
@@ -197,6 +203,8 @@ class _Job:
         self.after_read: Any = None
         self.unsynced: list[Any] = []
         self.syncer: Any = None
+        self.journal: dict[str, Any] | None = None
+        self.after_commit: Any = None
         self.written: list[str] = []  # paths this checkpoint created (removed again if it fails before its commit)
         self.committed = False
 
@@ -316,6 +324,8 @@ class _Job:
             "arrow_schema": self.schema.to_string(show_schema_metadata=False),
             "files": entries + state_entries,
         }
+        if self.journal is not None:
+            m["journal"] = self.journal
         mpath = os.path.join(root, mf.MANIFESTS, f"{gen:08d}.json")
         self.written.append(mpath)
         mf.write_json_atomic(mpath, m)
@@ -328,6 +338,8 @@ class _Job:
         os.replace(tmp, os.path.join(root, mf.MANIFEST))
         self.committed = True
         mf.fsync_dir(root)
+        if self.after_commit is not None:
+            self.after_commit()
         _kill_point("after_commit")
         self._collect(m)
         self.progress = 1.0

@@ -225,9 +225,12 @@ class ConsumeTracker:
                     c.cond.wait(left)
                 finally:
                     c.waiters -= 1
+            ticket = None
             if len(seqs):
                 self._consumed[task][seqs % c.arena_rows] = seqs
                 self._delivered[task] += len(seqs)
+                if c.journal is not None:  # a durable store: journaled in order, durable before handed out
+                    ticket = c.journal.record_consumed(task, seqs)
             pin = next(self._pin_ids)
             if len(seqs):
                 self._pins[pin] = int(seqs.min())
@@ -239,6 +242,8 @@ class ConsumeTracker:
                 self._pins.pop(pin, None)
                 self._gathering.pop(pin, None)
                 c.cond.notify_all()  # held writers: rows were consumed and unpinned
+        if ticket is not None:
+            c.journal.wait(ticket)
         return SampleBatch(arrays, seqs, None, info={"task": task})
 
     def _plan(self, task: Any, n: Any, require: Any, timeout: Any, max_staleness: Any, where: Any,
@@ -541,6 +546,21 @@ class ConsumeTracker:
         for k, v in meta.get("counters", {}).items():
             if k in self.counters:
                 self.counters[k] = int(v)
+
+    def mark_consumed(self, task: str, seqs: np.ndarray) -> int:
+        """Mark the live rows among `seqs` consumed by `task` (a durable store's journal replay); returns how many.
+
+        Raises:
+            InvalidArgument: an unknown task.
+        """
+        if task not in self._consumed:
+            raise InvalidArgument(f"unknown task {task!r}; declared tasks: {self.tasks}")
+        seqs = np.asarray(seqs, dtype=np.int64)
+        with self.core.cond:
+            live = seqs[self.core.index.live(seqs)]
+            self._consumed[task][live % self.core.arena_rows] = live
+            self._delivered[task] += len(live)
+        return len(live)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

@@ -75,6 +75,10 @@ class StoreCore:
     on_update: Any = None
     #: The store's `ConsumeTracker` (tasks, consumption per task, policy version); set once the facade built it.
     consume: Any = None
+    #: A durable store's journal hooks (`arrowbuf.store.durable.DurableLog`): `note_issued(next_seq)` from the
+    #: writer's reservation, `record_consumed(task, seqs) -> ticket` and `wait(ticket)` from the consume path.
+    #: None (no cost) without `durable=`.
+    journal: Any = None
     final_sources: list[str] = field(init=False)
     end_fields: list[str] = field(init=False)
     derived: list[Any] = field(init=False)

@@ -17,6 +17,7 @@ for a store with `tiers=`).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
@@ -80,6 +81,12 @@ class ExperienceStore:
             evicted unconsumed. Needs an integer `policy_version` field.
         token_field: the ragged field `consume(max_tokens=...)` counts (default: `response_tokens`, or the only
             ragged field).
+        durable: a directory for checkpoints and a journal (write-ahead log): every acknowledged change (rows,
+            updates, priorities, tasks, policy_version, consumption) survives a crash; `ExperienceStore.restore(DIR)`
+            brings it back. See `arrowbuf.store.durable` and docs/durability.md. None: no journal, no cost.
+        durability: with `durable=`: "group" (default: one fsync per few-ms window shared by all writers, acks
+            wait for it), "batch" (an fsync before each ack) or "os" (no fsync: survives a process kill, not a
+            machine crash).
     """
 
     def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
@@ -87,8 +94,10 @@ class ExperienceStore:
                  chunk_rows: int | None = None, final_obs_capacity: int | None = None,
                  max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None,
                  tiers: dict[str, Any] | None = None, placement: Any = None, tasks: Any = None,
-                 max_staleness: int | None = None, token_field: str | None = None) -> None:
+                 max_staleness: int | None = None, token_field: str | None = None, durable: Any = None,
+                 durability: str = "group") -> None:
         self.schema: ExperienceSchema = load_schema(schema)
+        self._durable: Any = None
         check_store_options(tier, sampler, tasks)  # before anything is allocated
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
@@ -114,6 +123,11 @@ class ExperienceStore:
             self._core.consume = self._consume
             if self._consume.holds:
                 self._writer.hold = self._consume
+            if durable is not None:
+                from .durable import DurableLog
+
+                self._durable = DurableLog.create(os.fspath(durable), durability, self._core, self._writer,
+                                                  self._reader, self._updater, self._consume)
         except BaseException:
             for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
                 if not t.shared:
@@ -281,6 +295,8 @@ class ExperienceStore:
             SchemaError: the step does not match the schema; nothing is stored.
             InsertTimeout: the rate limiter held the insert back past `timeout` seconds.
         """
+        if self._durable is not None:
+            return int(self._durable.extend(step, timeout, single=True)[0])
         return self._writer.append(step, timeout=timeout)
 
     def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
@@ -299,6 +315,8 @@ class ExperienceStore:
             InsertTimeout: the rate limiter held the insert back past `timeout` seconds (a writer waits for the
                 limiter without holding the store's write lock: other writers go on).
         """
+        if self._durable is not None:
+            return self._durable.extend(batch, timeout)
         return self._writer.extend(batch, timeout=timeout)
 
     def end_episode(self, actor: Any = None, **final: Any) -> bool:
@@ -321,6 +339,8 @@ class ExperienceStore:
         Raises:
             SchemaError: a derived field is missing or has the wrong shape.
         """
+        if self._durable is not None:
+            return self._durable.end_episode(actor, final)
         return self._writer.end_episode(actor, final)
 
     def flush(self, actor: Any = None, **final: Any) -> bool:
@@ -347,6 +367,8 @@ class ExperienceStore:
             SchemaError: an unknown field, a field not filled later, a wrong dtype, shape or length; nothing written.
             InvalidArgument: an id this store never issued, or an id given twice; nothing written.
         """
+        if self._durable is not None:
+            return self._durable.update(ids, values)
         return self._updater.update(ids, values)
 
     def present(self, fields: list[str], ids: Any) -> np.ndarray:
@@ -406,6 +428,8 @@ class ExperienceStore:
         Raises:
             InvalidArgument: counts differ, or a priority is NaN, infinite, negative or too large; nothing applied.
         """
+        if self._durable is not None:
+            return self._durable.update_priorities(indices, priorities)
         return self._reader.update_priorities(indices, priorities)
 
     # ------------------------------------------------------------------ consumption per task
@@ -440,7 +464,10 @@ class ExperienceStore:
         Raises:
             InvalidArgument: a bad or duplicate name.
         """
-        self._consume.add_task(name)
+        if self._durable is not None:
+            self._durable.add_task(name)
+        else:
+            self._consume.add_task(name)
         self._writer.hold = self._consume
 
     @property
@@ -455,7 +482,10 @@ class ExperienceStore:
 
     @policy_version.setter
     def policy_version(self, value: int) -> None:
-        self._consume.policy_version = value
+        if self._durable is not None:
+            self._durable.set_policy_version(value)
+        else:
+            self._consume.policy_version = value
 
     # ------------------------------------------------------------------ inspection
     def to_table(self, columns: Iterable[str] | None = None) -> pa.Table:
@@ -585,7 +615,7 @@ class ExperienceStore:
             return self.directory.table(self.index.lo, self.index.hi)
 
     # ------------------------------------------------------------------ persistence (`arrowbuf.persist`)
-    def checkpoint(self, path: Any, keep: int | None = None, background: bool = False,
+    def checkpoint(self, path: Any = None, keep: int | None = None, background: bool = False,
                    compression: str | None = None) -> Any:
         """Write a consistent, incremental, atomic checkpoint into directory `path`; writers and samplers go on.
 
@@ -598,7 +628,8 @@ class ExperienceStore:
         (`dropped_rows` says how many went). Never a torn row. Layout: docs/format.md.
 
         Args:
-            path: the checkpoint directory (an Arrow IPC dataset; made if missing).
+            path: the checkpoint directory (an Arrow IPC dataset; made if missing). A durable store's own
+                directory (or None) also truncates the journal the checkpoint covers (default keep: 2).
             keep: keep the newest `keep` checkpoints (their files); None keeps all.
             background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread,
                 at a lower CPU priority than the process's other threads (`persist.checkpoint.BACKGROUND_NICE`).
@@ -611,12 +642,17 @@ class ExperienceStore:
 
         self._check_open()
         assert self._core is not None
+        if self._durable is not None and (path is None or os.path.realpath(path) ==
+                                          os.path.realpath(self._durable.root)):
+            return self._durable.checkpoint(keep, background, compression)
+        if path is None:
+            raise InvalidArgument("checkpoint(path): a store without durable= needs a directory")
         return checkpoint(self._core, path, keep=keep, background=background, compression=compression)
 
     @classmethod
     def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
                 seed: int | None = None, name: str | None = None, schema: Any = None,
-                generation: int | None = None) -> ExperienceStore:
+                generation: int | None = None, durability: str | None = None) -> ExperienceStore:
         """The store checkpointed at `path`: same rows under the same ids, same sampler, limiter and episode state.
 
         Args:
@@ -627,6 +663,8 @@ class ExperienceStore:
             name: the restored store's name (default: the checkpointed one's).
             schema: when given, the schema the caller expects: a checkpoint whose fields differ raises SchemaError.
             generation: a kept checkpoint other than the latest (`arrowbuf checkpoint ls` lists them).
+            durability: a durable directory (`durable=`) is restored as its last checkpoint plus the journal after
+                it, and the store journals on under this policy (default: the recorded one).
 
         Raises:
             StoreCorrupt: a file is missing, truncated or corrupt (the message names it).
@@ -640,6 +678,11 @@ class ExperienceStore:
         try:
             assert store._core is not None
             plan.load(store._core)
+            from .durable import read_policy, resume
+
+            if generation is None and (durability is not None or read_policy(plan.root) is not None):
+                store._durable = resume(plan.root, plan.manifest, durability, store._core, store._writer,
+                                        store._reader, store._updater, store._consume)
         except BaseException:
             store.close()
             raise
@@ -679,6 +722,8 @@ class ExperienceStore:
         if self.closed:
             return
         assert self._core is not None
+        if self._durable is not None:
+            self._durable.close()
         with self._cond:
             self._core.closed = True
             self._cond.notify_all()
