@@ -292,3 +292,36 @@ def test_kill_9_of_a_writing_process_loses_nothing_acknowledged(tmp_path, policy
         assert not set(left.tolist()) & set(consumed)  # acknowledged consumption is never delivered again
         new = again.extend(rollouts(2, start=10 ** 6))
         assert new.min() > max(hi for _, hi in batches.values())
+
+
+def test_concurrent_writers_updaters_and_a_background_checkpoint_restore_exactly(tmp_path):
+    import threading
+
+    d = tmp_path / "run"
+    s = ab.ExperienceStore(GRPO, capacity=2000, chunk_rows=32, seed=0, durable=d, durability="group",
+                           rate_limiter=ab.rate_limiters.SampleToInsertRatio(1.0, min_size=1, error_buffer=10 ** 6))
+    errors = []
+
+    def writer(w):
+        try:
+            for i in range(30):
+                ids = s.extend(rollouts(5, start=1000 * w + 5 * i))
+                s.update(ids, {"reward": np.full(5, w, np.float32)})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    h = s.checkpoint(background=True)
+    for t in threads:
+        t.join()
+    h.wait()
+    assert not errors
+    st = s._durable.journal.stats
+    assert st["fsyncs"] < st["records"]  # group commit: writers shared fsyncs
+    before = state(s)
+    s._durable.journal.close()
+    with ab.ExperienceStore.restore(d) as again:
+        same(state(again), before)
+        assert len(again) == 600
