@@ -175,6 +175,12 @@ class DurableLog:
         self.journal.wait(ticket)
         return bool(out)
 
+    def stats(self) -> dict[str, Any]:
+        """For `store.stats()["journal"]`: policy, records, bytes and fsyncs since this store opened its journal,
+        and what its restore replayed (records per kind, torn bytes dropped)."""
+        return {"durability": self.journal.policy, "path": self.root, **self.journal.stats,
+                "next_lsn": self.journal.next_lsn, "replayed": dict(self.replayed)}
+
     # ------------------------------------------------------------------ checkpoints and lifetime
     def checkpoint(self, keep: int | None, background: bool, compression: str | None) -> Any:
         """Checkpoint into the durable directory; the journal it covers goes once its manifest is committed."""

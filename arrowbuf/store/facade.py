@@ -580,6 +580,8 @@ class ExperienceStore:
             counters = self._cols.placement_counters()
             if counters is not None:
                 out["placement"] = counters
+        if self._durable is not None:
+            out["journal"] = self._durable.stats()
         return out
 
     def placement(self, explain: bool = False) -> pa.Table:
