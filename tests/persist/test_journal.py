@@ -325,3 +325,43 @@ def test_concurrent_writers_updaters_and_a_background_checkpoint_restore_exactly
     with ab.ExperienceStore.restore(d) as again:
         same(state(again), before)
         assert len(again) == 600
+
+
+_SERVER = textwrap.dedent("""
+    import sys, time
+    import arrowbuf as ab
+    from test_journal import GRPO
+    s = ab.ExperienceStore(GRPO, capacity=4000, chunk_rows=64, seed=0, durable=sys.argv[1], durability="group",
+                           tasks=["train"])
+    with ab.serve(s, "grpc://127.0.0.1:0") as server:
+        print(server.location, flush=True)
+        time.sleep(600)
+""")
+
+
+def test_kill_9_of_a_serving_process_loses_no_acknowledged_doput(tmp_path):
+    d = tmp_path / "served"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), tests])}
+    p = subprocess.Popen([sys.executable, "-c", _SERVER, str(d)], stdout=subprocess.PIPE, text=True, env=env)
+    acked = []
+    try:
+        location = p.stdout.readline().strip()
+        assert location.startswith("grpc://"), location
+        with ab.connect(location) as client:
+            for i in range(20):
+                acked.append(client.extend(rollouts(6, start=6 * i)))  # returns once the server's journal has it
+            client.update(acked[0], {"reward": np.arange(6, dtype=np.float32)})
+            b = client.consume("train", 10)
+            client.policy_version = 3
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+    with ab.ExperienceStore.restore(d) as again:
+        t = again.to_table()
+        ids = np.concatenate(acked)
+        assert t["seq"].to_pylist() == ids.tolist() and t["prompt_id"].to_pylist() == list(range(120))
+        assert t["reward"].to_pylist()[:6] == list(range(6)) and again.policy_version == 3
+        assert not set(again.consume("train", 1000).indices.tolist()) & set(b.indices.tolist())
