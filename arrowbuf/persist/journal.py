@@ -21,8 +21,9 @@ Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on retu
 
 - "batch": the record is on disk (fdatasync of the segment before the ack; callers waiting at the same time share
   one fdatasync).
-- "group": group commit: a flusher thread makes one fdatasync per window of `window_s` (a few ms) for every record
-  appended until then; each caller waits for the flush that covers its record.
+- "group": group commit: a flusher thread makes one fdatasync for every record appended until it starts, and each
+  caller waits for the flush that covers its record; records appended while an fdatasync runs share the next one.
+  While several callers wait, the flusher first waits a window of `window_s` (2 ms) to gather more of them.
 - "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
   killed, not the machine crashing or losing power.
 
@@ -43,7 +44,6 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +108,7 @@ class Record:
     lsn: int
     kind: str
     meta: dict[str, Any]
-    payload: bytes
+    payload: Any  # bytes-like (a zero-copy `pa.Buffer` when read back)
 
 
 class Journal:
@@ -125,12 +125,15 @@ class Journal:
             raise InvalidArgument(f"{self.dir} is a symbolic link; a journal never follows links")
         self.policy = policy
         self.window_s = window_s
-        self._lock = threading.Lock()          # appends, rotation (the file and next lsn)
-        self._sync_lock = threading.Lock()     # one fdatasync at a time
+        # lock order: _sync_lock, then _lock. _lock: appends (the file and next lsn), briefly; _sync_lock: one
+        # fdatasync at a time, and no fd is closed (rotation, close) while one runs
+        self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())  # durable lsn changes (group commit)
         self._next = int(first_lsn)
         self._durable = int(first_lsn) - 1
         self._wanted = int(first_lsn) - 1
+        self._waiting = 0  # callers in `wait` (group commit waits a window only when several write at once)
         self._fd = -1
         self._size = 0
         self._closed = False
@@ -165,9 +168,10 @@ class Journal:
             self.stats["bytes"] += data.size
             if self.policy == "os":
                 self._durable = lsn
-            if self._size >= SEGMENT_BYTES:
-                self._rotate_locked()
-            return lsn
+            full = self._size >= SEGMENT_BYTES
+        if full:
+            self.rotate(only_if_full=True)
+        return lsn
 
     def record_consumed(self, task: str, seqs: np.ndarray) -> int:
         """Record that `task` consumed the rows `seqs` (the consume path calls this when it marks rows consumed
@@ -185,15 +189,19 @@ class Journal:
             return
         with self._cond:
             self._wanted = max(self._wanted, ticket)
+            self._waiting += 1
             self._cond.notify_all()
-            while self._durable < ticket:
-                if self._closed:
-                    raise InvalidArgument("the journal was closed before the record was made durable")
-                self._cond.wait(0.5)
+            try:
+                while self._durable < ticket:
+                    if self._closed:
+                        raise InvalidArgument("the journal was closed before the record was made durable")
+                    self._cond.wait(0.5)
+            finally:
+                self._waiting -= 1
 
     def _sync_upto(self, ticket: int) -> None:
         with self._sync_lock:
-            if self._durable >= ticket:
+            if self._durable >= ticket or self._closed:
                 return
             with self._lock:
                 fd, last = self._fd, self._next - 1
@@ -210,31 +218,32 @@ class Journal:
                     self._cond.wait()
                 if self._closed and self._wanted <= self._durable:
                     return
-            time.sleep(self.window_s)  # gather the other writers of this window
-            try:
-                self._sync_upto(self._next - 1)
-            except OSError:  # the fd was rotated away between reading and syncing: the rotation synced it
+                several = self._waiting > 1
+            if several:  # other writers are active: gather what they append within the window (commit_delay)
+                time.sleep(self.window_s)
+            if self._closed:
                 continue
+            self._sync_upto(self._next - 1)
 
-    def rotate(self) -> int:
+    def rotate(self, only_if_full: bool = False) -> int:
         """Start a new segment (the old one is closed with an `end` record and synced); returns its first lsn: the
         records from there on are those a checkpoint taken now does not cover."""
-        with self._lock:
-            self._rotate_locked()
-            return self._next
-
-    def _rotate_locked(self) -> None:
-        lsn = self._next
-        _write_all(self._fd, encode(lsn, "end", {}, b"", self._prev))
-        self._next += 1
-        with self._sync_lock:
+        with self._sync_lock, self._lock:
+            if self._closed:
+                raise InvalidArgument("the journal is closed")
+            if only_if_full and self._size < SEGMENT_BYTES:
+                return self._next
+            lsn = self._next
+            _write_all(self._fd, encode(lsn, "end", {}, b"", self._prev))
+            self._next += 1
             os.fdatasync(self._fd)
             os.close(self._fd)
             self.stats["fsyncs"] += 1
-        with self._cond:
-            self._durable = max(self._durable, lsn)
-            self._cond.notify_all()
-        self._open_segment()
+            with self._cond:
+                self._durable = max(self._durable, lsn)
+                self._cond.notify_all()
+            self._open_segment()
+            return self._next
 
     def truncate_before(self, lsn: int) -> int:
         """Delete the segments holding only records before `lsn` (a checkpoint covers them); returns how many."""
@@ -256,7 +265,7 @@ class Journal:
 
     def close(self) -> None:
         """Make everything durable and close; idempotent."""
-        with self._lock:
+        with self._sync_lock, self._lock:
             if self._closed:
                 return
             try:
@@ -335,8 +344,11 @@ def _read_segment(path: str, first: int) -> tuple[list[Record], TornTail | None,
     recs: list[Record] = []
     lsn = first
     prev = _SCHEMA_CRC
+    last_off = -1
     while off < size:
         rec, end = _parse_at(buf, off, lsn, data, prev)
+        if rec is None and last_off >= 0 and not _reencodes(buf, last_off, off):
+            rec, end, off = None, -1, last_off  # the damage is in the record before (its padding)
         if rec is None:
             if end == -1 or _later_record(buf, off + 8, lsn + 1):  # a record that is whole and wrong, or records
                 raise StoreCorrupt(f"journal segment {path}: record {lsn} at byte {off} is corrupt (checksum or "
@@ -345,7 +357,10 @@ def _read_segment(path: str, first: int) -> tuple[list[Record], TornTail | None,
         recs.append(rec)
         prev = zlib.crc32(memoryview(data)[off:end]) & 0xFFFFFFFF
         lsn += 1
-        off = end
+        last_off, off = off, end
+    if last_off >= 0 and not _reencodes(buf, last_off, off):  # no record after it checks its bytes
+        raise StoreCorrupt(f"journal segment {path}: record {lsn - 1} at byte {last_off} is corrupt; the journal "
+                           "cannot be replayed past it")
     return recs, None, prev
 
 
@@ -389,15 +404,15 @@ def _parse_at(buf: pa.Buffer, off: int, lsn: int, data: bytes, prev: int) -> tup
     try:
         msg = pa.ipc.read_message(buf.slice(off, total))
         batch = pa.ipc.read_record_batch(msg, RECORD_SCHEMA)
-        row = batch.to_pylist()[0]
-        # every byte, padding included: the record re-encodes to exactly the bytes read
-        same = batch.serialize().equals(buf.slice(off, total))
+        if batch.num_rows != 1:
+            return None, -1
+        row = {name: batch.column(name)[0].as_py() for name in ("lsn", "kind", "meta", "prev", "crc32")}
+        payload = _payload(batch.column("payload"))
+        # every byte, padding included, is checked: by the next record's `prev`, and for the last record of a
+        # segment by re-encoding it (`_read_segment`)
     except (EOFError, OSError, pa.ArrowInvalid, IndexError, TypeError):
         return None, -1
-    if not same:
-        return None, -1
-    payload = row["payload"] or b""
-    if row["lsn"] != lsn or row["prev"] != prev or \
+    if row["lsn"] != lsn or row["prev"] != prev or None in row.values() or \
             row["crc32"] != record_crc(row["lsn"], row["kind"], row["meta"], payload, row["prev"]):
         return None, -1
     try:
@@ -405,6 +420,27 @@ def _parse_at(buf: pa.Buffer, off: int, lsn: int, data: bytes, prev: int) -> tup
     except ValueError:
         return None, -1
     return Record(lsn, row["kind"], meta, payload), off + total
+
+
+def _payload(arr: pa.Array) -> Any:
+    """The payload of a one-row binary column, zero-copy (a `pa.Buffer`)."""
+    if arr.null_count:
+        return b""
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=2, offset=4 * arr.offset)
+    data = arr.buffers()[2]
+    lo, hi = int(offsets[0]), int(offsets[1])
+    if data is None or not 0 <= lo <= hi <= data.size:
+        raise IndexError("payload offsets out of range")
+    return data.slice(lo, hi - lo)
+
+
+def _reencodes(buf: pa.Buffer, off: int, end: int) -> bool:
+    """Whether the record in bytes [off, end) re-encodes to exactly those bytes (padding included)."""
+    try:
+        batch = pa.ipc.read_record_batch(pa.ipc.read_message(buf.slice(off, end - off)), RECORD_SCHEMA)
+        return bool(batch.serialize().equals(buf.slice(off, end - off)))
+    except (EOFError, OSError, pa.ArrowInvalid):
+        return False
 
 
 def _later_record(buf: pa.Buffer, start: int, lsn: int) -> bool:
@@ -450,9 +486,6 @@ def seal_last(directory: str, next_lsn: int, torn: TornTail | None) -> int:
         os.fsync(f.fileno())
     return next_lsn + 1
 
-
-def iter_payload_rows(rec: Record) -> Iterator[pa.RecordBatch]:
-    yield from pa.ipc.open_stream(pa.py_buffer(rec.payload))
 
 
 def _write_all(fd: int, data: Any) -> None:

@@ -84,9 +84,9 @@ class ExperienceStore:
         durable: a directory for checkpoints and a journal (write-ahead log): every acknowledged change (rows,
             updates, priorities, tasks, policy_version, consumption) survives a crash; `ExperienceStore.restore(DIR)`
             brings it back. See `arrowbuf.store.durable` and docs/durability.md. None: no journal, no cost.
-        durability: with `durable=`: "group" (default: one fsync per few-ms window shared by all writers, acks
-            wait for it), "batch" (an fsync before each ack) or "os" (no fsync: survives a process kill, not a
-            machine crash).
+        durability: with `durable=`: "group" (default: group commit, one fsync shared by the writers waiting at
+            once, acks wait for it), "batch" (an fsync before each ack) or "os" (no fsync: survives a process kill,
+            not a machine crash).
     """
 
     def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
