@@ -365,3 +365,38 @@ def test_kill_9_of_a_serving_process_loses_no_acknowledged_doput(tmp_path):
         assert t["seq"].to_pylist() == ids.tolist() and t["prompt_id"].to_pylist() == list(range(120))
         assert t["reward"].to_pylist()[:6] == list(range(6)) and again.policy_version == 3
         assert not set(again.consume("train", 1000).indices.tolist()) & set(b.indices.tolist())
+
+
+@pytest.mark.parametrize("policy", ["group", "batch"])
+def test_segments_rotate_under_concurrent_writers_and_restore_exactly(tmp_path, monkeypatch, policy):
+    """Full segments rotate while other writers wait for their fsync (this deadlocked once: rotation and the
+    flusher took the journal's two locks in opposite orders)."""
+    import threading
+
+    monkeypatch.setattr(jr, "SEGMENT_BYTES", 16 << 10)
+    d = tmp_path / "run"
+    s = ab.ExperienceStore(GRPO, capacity=4000, chunk_rows=64, seed=0, durable=d, durability=policy)
+    errors = []
+
+    def writer(w):
+        try:
+            for i in range(25):
+                s.extend(rollouts(4, start=1000 * w + 4 * i))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(w,), daemon=True) for w in range(4)]
+    for t in threads:
+        t.start()
+    import time
+
+    deadline = time.monotonic() + 60
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "writers hung"
+    assert not errors
+    assert len(jr.segments(str(d))) > 3
+    before = state(s)
+    s._durable.journal.close()
+    with ab.ExperienceStore.restore(d) as again:
+        same(state(again), before)
