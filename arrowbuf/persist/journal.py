@@ -37,6 +37,7 @@ Usage::
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -53,6 +54,7 @@ import pyarrow as pa
 from ..errors import InvalidArgument, StoreCorrupt
 
 JOURNAL = "_journal"
+OWNER = "_owner.lock"
 SEGMENT = re.compile(r"^(\d{20})\.arrows$")
 POLICIES = ("batch", "group", "os")
 RECORD_SCHEMA = pa.schema([("lsn", pa.int64()), ("kind", pa.string()), ("meta", pa.string()),
@@ -116,13 +118,11 @@ class Journal:
     docstring). Thread-safe; `append` is cheap (one `write`), `wait` is where a caller pays for durability."""
 
     def __init__(self, directory: str, policy: str = "group", first_lsn: int = 0,
-                 window_s: float = GROUP_WINDOW_S) -> None:
+                 window_s: float = GROUP_WINDOW_S, lock_fd: int | None = None) -> None:
         if policy not in POLICIES:
             raise InvalidArgument(f"durability must be one of {list(POLICIES)}, got {policy!r}")
         self.dir = os.path.join(os.fspath(directory), JOURNAL)
-        os.makedirs(self.dir, exist_ok=True)
-        if os.path.islink(self.dir):
-            raise InvalidArgument(f"{self.dir} is a symbolic link; a journal never follows links")
+        self._owner = lock_journal(directory) if lock_fd is None else lock_fd
         self.policy = policy
         self.window_s = window_s
         # lock order: _sync_lock, then _lock. _lock: appends (the file and next lsn), briefly; _sync_lock: one
@@ -276,8 +276,30 @@ class Journal:
                 self._durable = self._next - 1
                 self._closed = True
                 self._cond.notify_all()
+            os.close(self._owner)  # releases the directory
         if self._flusher is not None:
             self._flusher.join(5)
+
+
+def lock_journal(directory: str) -> int:
+    """Make `directory/_journal` and take its owner lock (flock, released when the fd closes or the process dies):
+    one store journals into a durable directory at a time, and no restore cuts a segment a live store writes.
+
+    Raises:
+        InvalidArgument: another store (in this or another process) has the directory open.
+    """
+    d = os.path.join(os.fspath(directory), JOURNAL)
+    os.makedirs(d, exist_ok=True)
+    if os.path.islink(d):
+        raise InvalidArgument(f"{d} is a symbolic link; a journal never follows links")
+    fd = os.open(os.path.join(d, OWNER), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InvalidArgument(f"the durable store in {directory} is open (a live store journals into it); close it "
+                              "first (a killed process releases it)") from None
+    return fd
 
 
 # ---------------------------------------------------------------------- reading

@@ -241,16 +241,22 @@ def resume(root: str, manifest: dict[str, Any], policy: str | None, core: Any, w
     """
     policy = policy or read_policy(root) or "group"
     from_lsn = int((manifest.get("journal") or {}).get("from_lsn", 0))
-    records, torn, next_lsn = jr.read_segments(root, from_lsn)
-    # the journal holds the inserts as they happened: no eviction hold, no rate limiter may refuse them again
-    hold, writer.hold = writer.hold, None
-    limiter, core.rate_limiter = core.rate_limiter, None
+    owner = jr.lock_journal(root)  # no live store writes it while it is read, cut and continued
     try:
-        counts = replay(records, _Target(core, writer, reader, updater, consume), f"journal of {root}")
-    finally:
-        writer.hold, core.rate_limiter = hold, limiter
-    first = jr.seal_last(root, next_lsn, torn)
-    log = DurableLog(root, jr.Journal(root, policy, first_lsn=first), core, writer, reader, updater, consume)
+        records, torn, next_lsn = jr.read_segments(root, from_lsn)
+        # the journal holds the inserts as they happened: no eviction hold, no rate limiter may refuse them again
+        hold, writer.hold = writer.hold, None
+        limiter, core.rate_limiter = core.rate_limiter, None
+        try:
+            counts = replay(records, _Target(core, writer, reader, updater, consume), f"journal of {root}")
+        finally:
+            writer.hold, core.rate_limiter = hold, limiter
+        first = jr.seal_last(root, next_lsn, torn)
+        journal = jr.Journal(root, policy, first_lsn=first, lock_fd=owner)
+    except BaseException:
+        os.close(owner)
+        raise
+    log = DurableLog(root, journal, core, writer, reader, updater, consume)
     log.replayed = {**counts, "torn_bytes": 0 if torn is None else torn.size - torn.offset}
     core.journal = log
     return log

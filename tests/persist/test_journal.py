@@ -400,3 +400,14 @@ def test_segments_rotate_under_concurrent_writers_and_restore_exactly(tmp_path, 
     s._durable.journal.close()
     with ab.ExperienceStore.restore(d) as again:
         same(state(again), before)
+
+
+def test_a_durable_directory_in_use_is_not_restored_under_its_owner(tmp_path):
+    d = tmp_path / "run"
+    s = ab.ExperienceStore(GRPO, capacity=64, seed=0, durable=d, durability="os")
+    s.extend(rollouts(3))
+    with pytest.raises(ab.InvalidArgument, match="open"):
+        ab.ExperienceStore.restore(d)  # would cut and continue the segment the live store writes
+    s.close()  # released (as by a killed process)
+    with ab.ExperienceStore.restore(d) as again:
+        assert len(again) == 3
