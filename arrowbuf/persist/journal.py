@@ -21,9 +21,9 @@ Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on retu
 
 - "batch": the record is on disk (fdatasync of the segment before the ack; callers waiting at the same time share
   one fdatasync).
-- "group": group commit: a flusher thread makes one fdatasync for every record appended until it starts, and each
-  caller waits for the flush that covers its record; records appended while an fdatasync runs share the next one.
-  While several callers wait, the flusher first waits a window of `window_s` (2 ms) to gather more of them.
+- "group": group commit: as "batch", and while several callers wait, the one that syncs first waits a window of
+  `window_s` (2 ms) so that the records other writers append meanwhile share its fdatasync (fewer fsyncs, a
+  little more latency; a lone writer never waits the window).
 - "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
   killed, not the machine crashing or losing power.
 
@@ -129,20 +129,15 @@ class Journal:
         # fdatasync at a time, and no fd is closed (rotation, close) while one runs
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
-        self._cond = threading.Condition(threading.Lock())  # durable lsn changes (group commit)
+        self._cond = threading.Condition(threading.Lock())  # the durable lsn and the count of waiting callers
         self._next = int(first_lsn)
         self._durable = int(first_lsn) - 1
-        self._wanted = int(first_lsn) - 1
         self._waiting = 0  # callers in `wait` (group commit waits a window only when several write at once)
         self._fd = -1
         self._size = 0
         self._closed = False
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0}
         self._open_segment()
-        self._flusher: threading.Thread | None = None
-        if policy == "group":
-            self._flusher = threading.Thread(target=self._flush_loop, name="arrowbuf-journal", daemon=True)
-            self._flusher.start()
 
     # ------------------------------------------------------------------ writing
     def _open_segment(self) -> None:
@@ -181,49 +176,34 @@ class Journal:
         return self.append("consumed", {"task": task}, seqs.tobytes())
 
     def wait(self, ticket: int) -> None:
-        """Return once the record `ticket` (and every one before it) is durable under the policy."""
+        """Return once the record `ticket` (and every one before it) is durable under the policy.
+
+        Leader and followers: a caller takes the sync lock and fdatasyncs everything appended so far; callers that
+        arrive meanwhile queue on the lock and find their records covered (one fdatasync for all of them) or sync the
+        next batch. "group" also waits a window before syncing while other callers wait, to gather more of them.
+        """
         if self._durable >= ticket:
             return
-        if self.policy == "batch":
-            self._sync_upto(ticket)
-            return
         with self._cond:
-            self._wanted = max(self._wanted, ticket)
             self._waiting += 1
-            self._cond.notify_all()
-            try:
-                while self._durable < ticket:
-                    if self._closed:
-                        raise InvalidArgument("the journal was closed before the record was made durable")
-                    self._cond.wait(0.5)
-            finally:
+        try:
+            self._sync_upto(ticket, gather=self.policy == "group")
+        finally:
+            with self._cond:
                 self._waiting -= 1
 
-    def _sync_upto(self, ticket: int) -> None:
+    def _sync_upto(self, ticket: int, gather: bool = False) -> None:
         with self._sync_lock:
             if self._durable >= ticket or self._closed:
                 return
+            if gather and self._waiting > 1:  # others write at the same time: gather their records (commit_delay)
+                time.sleep(self.window_s)
             with self._lock:
                 fd, last = self._fd, self._next - 1
             os.fdatasync(fd)
             self.stats["fsyncs"] += 1
             with self._cond:
                 self._durable = max(self._durable, last)
-                self._cond.notify_all()
-
-    def _flush_loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._wanted <= self._durable and not self._closed:
-                    self._cond.wait()
-                if self._closed and self._wanted <= self._durable:
-                    return
-                several = self._waiting > 1
-            if several:  # other writers are active: gather what they append within the window (commit_delay)
-                time.sleep(self.window_s)
-            if self._closed:
-                continue
-            self._sync_upto(self._next - 1)
 
     def rotate(self, only_if_full: bool = False) -> int:
         """Start a new segment (the old one is closed with an `end` record and synced); returns its first lsn: the
@@ -277,8 +257,6 @@ class Journal:
                 self._closed = True
                 self._cond.notify_all()
             os.close(self._owner)  # releases the directory
-        if self._flusher is not None:
-            self._flusher.join(5)
 
 
 def lock_journal(directory: str) -> int:
