@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -35,6 +36,8 @@ from ..samplers.base import validate_priorities
 from .update import update_ids, validate_update
 
 DURABLE = "_durable.json"
+#: Crash tests: SIGKILL the process at a named point (as `arrowbuf.persist.checkpoint`'s kill points).
+_KILL_AT: str | None = "ARROWBUF_PERSIST_KILL_AT" if "ARROWBUF_PERSIST_KILL_AT" in os.environ else None
 #: Kept checkpoints of a durable directory when the caller does not say.
 DEFAULT_KEEP = 2
 
@@ -110,6 +113,8 @@ class DurableLog:
             return np.zeros(0, dtype=np.int64)
         payload = jr.table_bytes(columns_table(cols))  # before the write, outside every lock
         ids = self.writer.extend_columns(cols, n, timeout=timeout)
+        if _KILL_AT is not None and os.environ.get(_KILL_AT) == "before_batch_record":  # crash tests
+            os.kill(os.getpid(), signal.SIGKILL)
         self.journal.wait(self._record_batch(int(ids[0]), n, payload))
         return ids
 

@@ -95,6 +95,33 @@ def test_a_checkpoint_truncates_the_journal_it_covers(tmp_path):
         assert again._durable.replayed.get("batch") == 1
 
 
+_KILLED_MID_BATCH = textwrap.dedent("""
+    import os, sys
+    import arrowbuf as ab
+    from test_journal import GRPO, rollouts
+    s = ab.ExperienceStore(GRPO, capacity=64, chunk_rows=8, seed=0, durable=sys.argv[1], durability="batch")
+    ids = s.extend(rollouts(10))
+    print(ids[-1], flush=True)
+    os.environ["ARROWBUF_PERSIST_KILL_AT"] = "before_batch_record"
+    s.extend(rollouts(5, start=10))  # committed (visible, its ids issued), killed before its journal record
+""")
+
+
+def test_ids_issued_to_a_batch_killed_before_its_record_never_name_another_row(tmp_path):
+    d = tmp_path / "run"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), tests]), "ARROWBUF_PERSIST_KILL_AT": "none"}
+    out = subprocess.run([sys.executable, "-c", _KILLED_MID_BATCH, str(d)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    last = int(out.stdout.split()[0])
+    with ab.ExperienceStore.restore(d) as again:
+        assert len(again) == 10 and again.to_table()["seq"].to_pylist()[-1] == last
+        new = again.extend(rollouts(3, start=50))
+        assert new.min() > last + 5  # the killed batch's 5 ids stay unused
+        assert again._durable.replayed.get("skipped_seqs") == 5
+
+
 def test_seqs_are_never_reused_after_a_restore(tmp_path):
     d = tmp_path / "run"
     s = ab.ExperienceStore(GRPO, capacity=64, chunk_rows=8, seed=0, durable=d, durability="os")
