@@ -415,12 +415,14 @@ def run(gb: float, where: str, repeats: int = 3, phases: tuple[str, ...] = PHASE
 
 
 # ------------------------------------------------------------------------------------------------ Ray shard kills
-def ray_failure(kills: int = 3, every: float = 1.0, rate: float = 2000.0, capacity: int = 200_000) -> dict:
+def ray_failure(kills: int = 3, every: float = 1.0, rate: float = 2000.0, capacity: int = 200_000,
+                durability: str | None = None) -> dict:
     """Rows lost per shard kill and time until the restarted shard serves again, on a local Ray cluster (one node,
     as tests/conftest.local_ray_cluster). Two shards with `checkpoint_root` and `checkpoint_every=every`; a writer
     inserts `rate` rows/s (batches of 100, mujoco-like rows) into shard 1; at a random instant it is SIGKILLed (a
     crash: Ray restarts it, and it restores its last periodic checkpoint). Rows lost = rows acknowledged to it before
-    the kill - rows it comes back with; expected about rate * (every / 2 + the checkpoint's own duration)."""
+    the kill - rows it comes back with; expected about rate * (every / 2 + the checkpoint's own duration).
+    `durability` ("group", "batch", "os"): durable shards (`durable=`: checkpoints + journal), expected 0."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -438,8 +440,11 @@ def ray_failure(kills: int = 3, every: float = 1.0, rate: float = 2000.0, capaci
                                                       "include_dashboard": False})
     try:
         ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+        where = {"checkpoint_root": os.path.join(tmp, "ckpt")} if durability is None else {
+            "durable": os.path.join(tmp, "durable"), "durability": durability}
+        out["durability"] = durability
         s = ShardedStore.create(schema, 2, capacity, seed=0, tier="host", strategy=None, failure_timeout=120.0,
-                                checkpoint_root=os.path.join(tmp, "ckpt"), checkpoint_every=every)
+                                checkpoint_every=every, **where)
         try:
             s.writer(shard=0).extend(make_steps("mujoco", 5000, seed=1, episode_len=50))  # shard 0 serves meanwhile
             victim = 1
@@ -490,7 +495,8 @@ def ray_failure(kills: int = 3, every: float = 1.0, rate: float = 2000.0, capaci
 
 
 def ray_table(res: dict) -> str:
-    lines = [f"Ray shard kills: 2 shards, checkpoint_every={res['checkpoint_every_s']} s, inserts "
+    lines = [f"Ray shard kills: 2 shards, checkpoint_every={res['checkpoint_every_s']} s, "
+             f"durability={res.get('durability')}, inserts "
              f"{res['insert_rows_per_s']:.0f} rows/s into the killed shard"]
     for k in res["kills"]:
         lines.append(f"  acked {k['acked_rows']}, restored {k['restored_rows']}, lost {k['rows_lost']}, back after "
@@ -589,12 +595,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="full (the peers' full writes) and/or rest (incremental, background, restore)")
     p.add_argument("--ray", action="store_true", help="only the Ray row: rows lost per shard kill, time to serve")
     p.add_argument("--kills", type=int, default=3, help="shard kills of the Ray row")
+    p.add_argument("--durability", default=None, choices=["group", "batch", "os"],
+                   help="--ray with durable shards (checkpoints + journal)")
+    p.add_argument("--journal", action="store_true", help="only the journal rows (benchmarks/bench_journal.py)")
     args = p.parse_args(argv)
     if args.summary:
         print(summary(pathlib.Path(args.summary)))
         return 0
+    if args.journal:
+        from . import bench_journal
+
+        return bench_journal.main(["--quick"] if args.quick else [])
     if args.ray:
-        res = ray_failure(kills=args.kills)
+        res = ray_failure(kills=args.kills, durability=args.durability)
         print(ray_table(res))
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "persist_ray.json").write_text(json.dumps(res, indent=1, default=str))

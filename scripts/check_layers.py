@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("integrations", ["arrowbuf.rllib", "arrowbuf.compat"]),
     ("ray", ["arrowbuf.ray"]),
     ("flight", ["arrowbuf.flight"]),
-    ("facade", ["=arrowbuf.store", "arrowbuf.store.facade", "arrowbuf.observe.metrics"]),
+    ("facade", ["=arrowbuf.store", "arrowbuf.store.facade", "arrowbuf.store.durable", "arrowbuf.observe.metrics"]),
     ("persist", ["arrowbuf.persist"]),
     ("store internals", ["arrowbuf.store."]),
     ("observe records", ["=arrowbuf.observe", "arrowbuf.observe."]),

@@ -9,7 +9,10 @@ Usage::
 
 Modules: `manifest` (layout, manifest, checksums), `snapshot` (what is copied under the store's locks),
 `checkpoint` (writing, retention, background handle), `restore` (a plan the facade builds the store from, then
-loads its internals), `datasets` (export, open_dataset, from_dataset), `cli` (`arrowbuf checkpoint ...`).
+loads its internals), `datasets` (export, open_dataset, from_dataset), `cli` (`arrowbuf checkpoint ...`),
+`journal` (a durable store's write-ahead log: segments, records, durability policies, torn tails), `replay` (what
+journal records hold, and applying them to a restored store; `arrowbuf.store.durable` drives both), `remote` (the
+Flight checkpoint action's root).
 
 persist sits between the facade and the store's internals (docs/architecture.md): it reads and fills a store's one
 internals object (`arrowbuf.store.core.StoreCore`), and never builds or imports the facade; `ExperienceStore`'s

@@ -71,6 +71,32 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
+#: The names a checkpoint works in below its directory: none of them may be a link (`refuse_links`).
+INTERNAL = (mf.MANIFESTS, mf.STATE, mf.RETAINED, mf.LOCK, mf.MANIFEST)
+
+
+def refuse_links(root: str) -> None:
+    """Refuse a checkpoint directory with a symbolic link where the checkpoint works (`_state`, `_retained`,
+    `_manifests`, `_lock`, `_manifest.json`, and the entries of its subdirectories): a link planted there would make
+    the checkpoint write, and retention delete, wherever it points. Row and temp files are replaced by rename
+    (which never follows a link) and opened with O_NOFOLLOW.
+
+    Raises:
+        InvalidArgument: naming the link.
+    """
+    for name in INTERNAL:
+        p = os.path.join(root, name)
+        if os.path.islink(p):
+            raise InvalidArgument(f"checkpoint directory {root}: {name} is a symbolic link (to "
+                                  f"{os.readlink(p)[:200]!r}); a checkpoint never follows links inside its "
+                                  "directory: remove it")
+        if name in (mf.MANIFESTS, mf.STATE, mf.RETAINED) and os.path.isdir(p):
+            for entry in os.scandir(p):
+                if entry.is_symlink():
+                    raise InvalidArgument(f"checkpoint directory {root}: {name}/{entry.name} is a symbolic link; "
+                                          "a checkpoint never follows links inside its directory: remove it")
+
+
 def known_files(core: StoreCore, root: str) -> dict[tuple[int, int], dict[str, Any]]:
     return _WRITTEN.setdefault(core.index, {}).setdefault(os.path.realpath(root), {})
 
@@ -126,9 +152,14 @@ class CheckpointHandle:
 
 
 def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None, background: bool = False,
-               compression: str | None = None, _after_read: Any = None) -> Any:
+               compression: str | None = None, _after_read: Any = None, journal: dict[str, Any] | None = None,
+               after_commit: Any = None) -> Any:
     """Write a checkpoint of the store whose internals are `core` into directory `path` (see the module docstring
     and `ExperienceStore.checkpoint`, which calls this).
+
+    A durable store passes `journal` (`{"from_lsn": L}`: its journal's records from lsn L on are not covered by this
+    checkpoint; kept in the manifest) and `after_commit()` (called once the manifest is committed: the journal
+    before L is truncated then).
 
     `_after_read(i)` (tests) runs after live chunk `i` was read and serialised, before its intact check: a test
     writes to the store there to overwrite rows mid-copy, deterministically.
@@ -139,14 +170,16 @@ def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None
         raise InvalidArgument(f"compression must be None (memory-mappable), 'zstd' or 'lz4', got {compression!r}")
     root = os.fspath(path)
     os.makedirs(root, exist_ok=True)
+    refuse_links(root)
     for sub in (mf.MANIFESTS, mf.STATE, mf.RETAINED):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     core.check_open()
-    lock_fd = os.open(os.path.join(root, mf.LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    lock_fd = os.open(os.path.join(root, mf.LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one checkpoint writer per directory, across processes
         job = _Job(core, capture(core), root, keep, compression, lock_fd)
         job.after_read = _after_read
+        job.journal, job.after_commit = journal, after_commit
     except BaseException:
         os.close(lock_fd)
         raise
@@ -170,6 +203,10 @@ class _Job:
         self.after_read: Any = None
         self.unsynced: list[Any] = []
         self.syncer: Any = None
+        self.journal: dict[str, Any] | None = None
+        self.after_commit: Any = None
+        self.written: list[str] = []  # paths this checkpoint created (removed again if it fails before its commit)
+        self.committed = False
 
     def run(self) -> None:
         cpu0 = time.thread_time()
@@ -181,7 +218,22 @@ class _Job:
         finally:
             if self.syncer is not None:
                 self.syncer.shutdown(wait=True)
+            if self.error is not None and not self.committed:
+                self._discard()
             os.close(self.lock_fd)
+
+    def _discard(self) -> None:
+        """A checkpoint that failed before its commit (out of space, say) removes the files it wrote (we hold the
+        directory's lock), so the next checkpoint into the directory has its space and finds no debris."""
+        for path in self.written:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        known = known_files(self.core, self.root)
+        gone = {os.path.basename(p) for p in self.written}
+        for key in [k for k, e in known.items() if e.get("name") in gone]:
+            del known[key]
 
     def _ipc(self, batch: pa.RecordBatch | pa.Table, schema: pa.Schema | None = None) -> pa.Buffer:
         sink = pa.BufferOutputStream()
@@ -197,6 +249,8 @@ class _Job:
         """Write a file through temp + rename; a background thread fsyncs it while the next file is prepared, and
         `_sync` waits for all of them before the manifest names them."""
         path = os.path.join(self.root, sub, name)
+        if not os.path.exists(path):
+            self.written.append(path)
         mf.write_file(path, data, sync=False)
         if self.syncer is None:
             from concurrent.futures import ThreadPoolExecutor
@@ -270,15 +324,22 @@ class _Job:
             "arrow_schema": self.schema.to_string(show_schema_metadata=False),
             "files": entries + state_entries,
         }
+        if self.journal is not None:
+            m["journal"] = self.journal
         mpath = os.path.join(root, mf.MANIFESTS, f"{gen:08d}.json")
+        self.written.append(mpath)
         mf.write_json_atomic(mpath, m)
         _kill_point("before_commit")
         # the commit: write-temp + fsync + rename + fsync dir
         tmp = os.path.join(root, f".{mf.MANIFEST}.tmp-{os.getpid()}")
+        self.written.append(tmp)
         mf.write_file(tmp, json.dumps(m, indent=1).encode())
         _kill_point("manifest_tmp")
         os.replace(tmp, os.path.join(root, mf.MANIFEST))
+        self.committed = True
         mf.fsync_dir(root)
+        if self.after_commit is not None:
+            self.after_commit()
         _kill_point("after_commit")
         self._collect(m)
         self.progress = 1.0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import zlib
 from typing import Any
 
@@ -60,17 +61,28 @@ def write_file(path: str, data: Any, *, sync: bool = True) -> None:
     """Write `data` to `path` through a temp file and a rename (never a half-written `path`)."""
     d, base = os.path.split(path)
     tmp = os.path.join(d, f".{base}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        os.unlink(tmp)  # a leftover of a killed writer (or a planted link: never opened through)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:  # out of space, say: leave no half-written temp file behind
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -95,13 +107,27 @@ def read_verified(root: str, entry: dict[str, Any]) -> bytes:
         StoreCorrupt: the file is missing, truncated, or its checksum differs; the message names it.
     """
     path = locate(root, entry["name"])
-    try:
-        with open(path, "rb") as f:
-            data = f.read(int(entry["bytes"]) + 1)
+    want = int(entry["bytes"])
+    try:  # never blocks (a FIFO), never follows a link; the size is checked before anything is read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise StoreCorrupt(f"checkpoint {root}: file {entry['name']} is missing; the checkpoint cannot be restored "
                            "(restore an older one, or `arrowbuf checkpoint verify` to list what is damaged)") from None
-    if len(data) != int(entry["bytes"]):
+    except OSError as exc:
+        raise StoreCorrupt(f"checkpoint {root}: file {path} cannot be opened ({exc.strerror}; a link?); the "
+                           "checkpoint cannot be restored") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StoreCorrupt(f"checkpoint {root}: {path} is not a regular file; the checkpoint cannot be restored")
+        if st.st_size != want:
+            raise StoreCorrupt(f"checkpoint {root}: file {path} has {st.st_size} bytes, the manifest says {want} "
+                               "(truncated or replaced); the checkpoint cannot be restored")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(want + 1)
+    finally:
+        os.close(fd)
+    if len(data) != want:
         raise StoreCorrupt(f"checkpoint {root}: file {path} has {len(data)} bytes, the manifest says "
                            f"{entry['bytes']} (truncated or replaced); the checkpoint cannot be restored")
     got = crc32(data)
@@ -121,8 +147,17 @@ def read_manifest(root: str, name: str | None = None) -> dict[str, Any]:
     path = os.path.join(root, MANIFEST) if name is None else os.path.join(root, MANIFESTS, name)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {root}: {path} does not exist")
-    with open(path, "rb") as f:
-        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise StoreCorrupt(f"checkpoint manifest {path} cannot be opened ({exc.strerror}; a link?)") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreCorrupt(f"checkpoint manifest {path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
     try:
         m = json.loads(raw)
     except ValueError:

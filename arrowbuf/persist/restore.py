@@ -96,6 +96,7 @@ def plan_restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str
         if diff:
             raise SchemaError(f"checkpoint {root} holds schema {saved.name!r} whose fields differ from the schema "
                               f"asked for ({want.name!r}): {diff}; restore without schema= or convert the data")
+    _check_geometry(where, st)
     kwargs: dict[str, Any] = dict(chunk_rows=st["chunk_rows"], final_obs_capacity=st.get("final_obs_capacity"),
                                   max_times_sampled=st.get("max_times_sampled"), name=name or st.get("name"))
     consume = _consume_state(root, m)
@@ -111,6 +112,19 @@ def plan_restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str
     args = (saved, st["capacity"], from_spec(st.get("sampler"), where), from_spec(st.get("rate_limiter"), where),
             seed)
     return RestorePlan(args, kwargs, root, m, seed is None, consume)
+
+
+def _check_geometry(where: str, st: dict[str, Any]) -> None:
+    """The manifest's capacity, chunk rows and arena rows agree (checked before the store is allocated: a manifest
+    that claims a huge capacity is refused, not allocated)."""
+    cap, cr, arena = st.get("capacity"), st.get("chunk_rows"), st.get("arena_rows")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (cap, cr, arena)):
+        raise StoreCorrupt(f"{where}: capacity {cap!r}, chunk_rows {cr!r} and arena_rows {arena!r} must be positive "
+                           "integers")
+    assert isinstance(cap, int) and isinstance(cr, int)
+    if arena != (-(-cap // cr) + 1) * cr:
+        raise StoreCorrupt(f"{where}: capacity {cap} with chunk_rows {cr} makes {(-(-cap // cr) + 1) * cr} arena "
+                           f"rows, but the manifest says arena_rows {arena}; the manifest is inconsistent")
 
 
 def _state(root: str, m: dict[str, Any], mech: str) -> Any:

@@ -92,7 +92,8 @@ class ShardedStore:
                max_batch_rows: int = 65_536, bind: str | None = None, timeout: float = 120.0,
                checkpoint_root: str | None = None, checkpoint_every: float | None = None,
                tasks: Any = None, max_staleness: int | None = None,
-               token_field: str | None = None) -> ShardedStore:
+               token_field: str | None = None, durable: str | None = None,
+               durability: str = "group") -> ShardedStore:
         """Start `num_shards` shard actors in a placement group and return a handle on them.
 
         Args:
@@ -122,6 +123,11 @@ class ShardedStore:
                 `checkpoint_root/shard-<k>` (`checkpoint()`, `checkpoint_every`), and a restarted shard comes back from
                 its last checkpoint there (under a new generation) instead of empty.
             checkpoint_every: seconds between each shard's own checkpoints (keeps the last 2); None: only on request.
+            durable: a directory every shard's node can reach: shard k is a durable store (`ExperienceStore(...,
+                durable=)`: checkpoints and a journal) in `durable/shard-<k>`, acknowledging writes only once they
+                are durable, and a killed shard comes back from its last checkpoint plus its journal with nothing
+                acknowledged lost. It is also the checkpoint root. Shards then live in the host tier.
+            durability: the journal's policy with `durable=`: "group", "batch" or "os" (docs/durability.md).
             tasks, max_staleness, token_field: consumption per task on every shard (`ExperienceStore`; `consume`).
                 With tasks, tier "auto" means "host". With an `ab.samplers.Group` sampler, `extend` routes each row
                 by a hash of its group key, so a group's rows live on one shard.
@@ -133,6 +139,12 @@ class ShardedStore:
         if not 1 <= int(num_shards) <= MAX_SHARDS:
             raise InvalidArgument(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
         sampler = make_sampler(sampler)
+        if durable is not None:
+            if tier == "shm":
+                raise InvalidArgument("durable shards live in the host tier (a shared-memory store is not journaled)")
+            if checkpoint_root is not None and os.path.abspath(checkpoint_root) != os.path.abspath(durable):
+                raise InvalidArgument("durable= is the shards' checkpoint root too: pass one of them, or the same")
+            checkpoint_root, tier = durable, "host"
         if (tasks or sampler.process_local) and tier == "auto":  # per-task and group state live in the heap
             tier = "host"
         tier = _resolve_tier(tier, schema)
@@ -170,7 +182,8 @@ class ShardedStore:
                     "directory": f"arrowbuf-{uid}-directory", "max_batch_rows": int(max_batch_rows),
                     "checkpoint_root": None if checkpoint_root is None else os.path.abspath(checkpoint_root),
                     "checkpoint_every": checkpoint_every, "tasks": None if tasks is None else list(tasks),
-                    "max_staleness": max_staleness, "token_field": token_field}
+                    "max_staleness": max_staleness, "token_field": token_field,
+                    "durable": durable is not None, "durability": durability}
             actors.append(remote_cls.options(**opts).remote(spec))
         try:
             infos = ray.get([a.get_info.remote() for a in actors], timeout=timeout)

@@ -293,6 +293,8 @@ class ShardActor:
             self.store = ExperienceStore.restore(self.checkpoint_dir, tier=tier, seed=seed,
                                                  name=shm_name or f"{spec['name']}-{shard}")
             self.restored_from = {"path": self.checkpoint_dir, "rows": len(self.store)}
+            if spec.get("durable"):  # the journal after the checkpoint was replayed (arrowbuf.store.durable)
+                self.restored_from["replayed"] = self.store.stats()["journal"]["replayed"]
             for task in spec.get("tasks") or []:  # a restored shard's tasks come back declared
                 if task not in self.store.tasks:
                     self.store.add_task(task)
@@ -301,7 +303,9 @@ class ShardActor:
                                          spec["rate_limiter"], seed, chunk_rows=spec["chunk_rows"], tier=tier,
                                          name=shm_name or f"{spec['name']}-{shard}", tasks=spec.get("tasks"),
                                          max_staleness=spec.get("max_staleness"),
-                                         token_field=spec.get("token_field"))
+                                         token_field=spec.get("token_field"),
+                                         durable=self.checkpoint_dir if spec.get("durable") else None,
+                                         durability=spec.get("durability") or "group")
         self._stop_checkpoints = threading.Event()
         self._periodic = threading.Condition()
         self._periodic_last: dict[str, Any] | None = None  # the latest periodic checkpoint's summary (or error)

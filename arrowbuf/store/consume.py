@@ -350,6 +350,11 @@ class ConsumeTracker:
             self._delivered[task] += len(seqs)
             if self.core.lineage is not None:  # who consumed them, when, at which staleness (arrowbuf.observe.lineage)
                 self.core.lineage.consumed(task, seqs, 1 if how == "consumed" else 3)  # lineage DELIVERED / ACKED
+        journal = self.core.journal
+        if journal is not None and how != "dropped":  # a durable store: journaled in order, durable before returned
+            ticket = journal.record_consumed(task, seqs)
+            if durable is not None:
+                durable.append(lambda: journal.wait(ticket))
         for hook in self.final_hooks:
             until_durable = hook(task, seqs, how)
             if until_durable is not None and durable is not None:
@@ -704,6 +709,21 @@ class ConsumeTracker:
         for k, v in meta.get("counters", {}).items():
             if k in self.counters:
                 self.counters[k] = int(v)
+
+    def mark_consumed(self, task: str, seqs: np.ndarray) -> int:
+        """Mark the live rows among `seqs` consumed by `task` (a durable store's journal replay); returns how many.
+
+        Raises:
+            InvalidArgument: an unknown task.
+        """
+        if task not in self._consumed:
+            raise InvalidArgument(f"unknown task {task!r}; declared tasks: {self.tasks}")
+        seqs = np.asarray(seqs, dtype=np.int64)
+        with self.core.cond:
+            live = seqs[self.core.index.live(seqs)]
+            self._consumed[task][live % self.core.arena_rows] = live
+            self._delivered[task] += len(live)
+        return len(live)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

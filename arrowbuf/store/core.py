@@ -80,6 +80,10 @@ class StoreCore:
     lineage: Any = None
     #: Calls that waited because the rate limiter held them back, this process (`/metrics`): inserts, samples.
     limiter_waits: dict[str, int] = field(default_factory=lambda: {"insert": 0, "sample": 0})
+    #: A durable store's journal hooks (`arrowbuf.store.durable.DurableLog`): `note_issued(next_seq)` from the
+    #: writer's reservation, `record_consumed(task, seqs) -> ticket` and `wait(ticket)` from the consume path.
+    #: None (no cost) without `durable=`.
+    journal: Any = None
     final_sources: list[str] = field(init=False)
     end_fields: list[str] = field(init=False)
     derived: list[Any] = field(init=False)

@@ -17,6 +17,7 @@ for a store with `tiers=`).
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -86,6 +87,12 @@ class ExperienceStore:
             (writer, time, policy version; per task consumer, time, staleness) for `/metrics`, `sql("... FROM
             lineage")` and the inspector; False turns both off. A shared-memory store records no lineage (its
             writers are other processes). See docs/observability.md.
+        durable: a directory for checkpoints and a journal (write-ahead log): every acknowledged change (rows,
+            updates, priorities, tasks, policy_version, consumption) survives a crash; `ExperienceStore.restore(DIR)`
+            brings it back. See `arrowbuf.store.durable` and docs/durability.md. None: no journal, no cost.
+        durability: with `durable=`: "group" (default: group commit, one fsync shared by the writers waiting at
+            once, acks wait for it), "batch" (an fsync before each ack) or "os" (no fsync: survives a process kill,
+            not a machine crash).
     """
 
     def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
@@ -93,11 +100,13 @@ class ExperienceStore:
                  chunk_rows: int | None = None, final_obs_capacity: int | None = None,
                  max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None,
                  tiers: dict[str, Any] | None = None, placement: Any = None, tasks: Any = None,
-                 max_staleness: int | None = None, token_field: str | None = None, observe: bool = True) -> None:
+                 max_staleness: int | None = None, token_field: str | None = None, observe: bool = True,
+                 durable: Any = None, durability: str = "group") -> None:
         self.schema: ExperienceSchema = load_schema(schema)
         #: latency histograms of extend, sample, consume, update (`arrowbuf.observe.timings`); None: not recorded
         self.timings: Timings | None = Timings() if observe else None
         self._checkpoints: dict[str, Any] = {"count": 0, "last": None, "handle": None}
+        self._durable: Any = None
         check_store_options(tier, sampler, tasks)  # before anything is allocated
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
@@ -125,6 +134,11 @@ class ExperienceStore:
                 self._writer.hold = self._consume
             if observe and not self._tier.shared:
                 self._core.lineage = self._make_lineage()
+            if durable is not None:
+                from .durable import DurableLog
+
+                self._durable = DurableLog.create(os.fspath(durable), durability, self._core, self._writer,
+                                                  self._reader, self._updater, self._consume)
         except BaseException:
             for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
                 if not t.shared:
@@ -297,6 +311,8 @@ class ExperienceStore:
             SchemaError: the step does not match the schema; nothing is stored.
             InsertTimeout: the rate limiter held the insert back past `timeout` seconds.
         """
+        if self._durable is not None:
+            return int(self._durable.extend(step, timeout, single=True)[0])
         return self._writer.append(step, timeout=timeout)
 
     @timed("extend")
@@ -316,6 +332,8 @@ class ExperienceStore:
             InsertTimeout: the rate limiter held the insert back past `timeout` seconds (a writer waits for the
                 limiter without holding the store's write lock: other writers go on).
         """
+        if self._durable is not None:
+            return self._durable.extend(batch, timeout)
         return self._writer.extend(batch, timeout=timeout)
 
     def end_episode(self, actor: Any = None, **final: Any) -> bool:
@@ -338,6 +356,8 @@ class ExperienceStore:
         Raises:
             SchemaError: a derived field is missing or has the wrong shape.
         """
+        if self._durable is not None:
+            return self._durable.end_episode(actor, final)
         return self._writer.end_episode(actor, final)
 
     def flush(self, actor: Any = None, **final: Any) -> bool:
@@ -365,6 +385,8 @@ class ExperienceStore:
             SchemaError: an unknown field, a field not filled later, a wrong dtype, shape or length; nothing written.
             InvalidArgument: an id this store never issued, or an id given twice; nothing written.
         """
+        if self._durable is not None:
+            return self._durable.update(ids, values)
         return self._updater.update(ids, values)
 
     def present(self, fields: list[str], ids: Any) -> np.ndarray:
@@ -425,6 +447,8 @@ class ExperienceStore:
         Raises:
             InvalidArgument: counts differ, or a priority is NaN, infinite, negative or too large; nothing applied.
         """
+        if self._durable is not None:
+            return self._durable.update_priorities(indices, priorities)
         return self._reader.update_priorities(indices, priorities)
 
     # ------------------------------------------------------------------ consumption per task
@@ -486,7 +510,10 @@ class ExperienceStore:
         Raises:
             InvalidArgument: a bad or duplicate name.
         """
-        self._consume.add_task(name)
+        if self._durable is not None:
+            self._durable.add_task(name)
+        else:
+            self._consume.add_task(name)
         self._writer.hold = self._consume
         if self._core is not None and self._core.lineage is not None:
             self._core.lineage.add_task(name)
@@ -503,7 +530,10 @@ class ExperienceStore:
 
     @policy_version.setter
     def policy_version(self, value: int) -> None:
-        self._consume.policy_version = value
+        if self._durable is not None:
+            self._durable.set_policy_version(value)
+        else:
+            self._consume.policy_version = value
 
     # ------------------------------------------------------------------ inspection
     def to_table(self, columns: Iterable[str] | None = None) -> pa.Table:
@@ -629,6 +659,8 @@ class ExperienceStore:
             counters = self._cols.placement_counters()
             if counters is not None:
                 out["placement"] = counters
+        if self._durable is not None:
+            out["journal"] = self._durable.stats()
         return out
 
     def placement(self, explain: bool = False) -> pa.Table:
@@ -664,7 +696,7 @@ class ExperienceStore:
             return self.directory.table(self.index.lo, self.index.hi)
 
     # ------------------------------------------------------------------ persistence (`arrowbuf.persist`)
-    def checkpoint(self, path: Any, keep: int | None = None, background: bool = False,
+    def checkpoint(self, path: Any = None, keep: int | None = None, background: bool = False,
                    compression: str | None = None) -> Any:
         """Write a consistent, incremental, atomic checkpoint into directory `path`; writers and samplers go on.
 
@@ -677,7 +709,8 @@ class ExperienceStore:
         (`dropped_rows` says how many went). Never a torn row. Layout: docs/format.md.
 
         Args:
-            path: the checkpoint directory (an Arrow IPC dataset; made if missing).
+            path: the checkpoint directory (an Arrow IPC dataset; made if missing). A durable store's own
+                directory (or None) also truncates the journal the checkpoint covers (default keep: 2).
             keep: keep the newest `keep` checkpoints (their files); None keeps all.
             background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread,
                 at a lower CPU priority than the process's other threads (`persist.checkpoint.BACKGROUND_NICE`).
@@ -690,7 +723,13 @@ class ExperienceStore:
 
         self._check_open()
         assert self._core is not None
-        out = checkpoint(self._core, path, keep=keep, background=background, compression=compression)
+        if self._durable is not None and (path is None or os.path.realpath(path) ==
+                                          os.path.realpath(self._durable.root)):
+            out = self._durable.checkpoint(keep, background, compression)
+        elif path is None:
+            raise InvalidArgument("checkpoint(path): a store without durable= needs a directory")
+        else:
+            out = checkpoint(self._core, path, keep=keep, background=background, compression=compression)
         ck = self._checkpoints  # for /metrics (arrowbuf.observe.metrics)
         ck["count"] += 1
         if background:
@@ -703,7 +742,7 @@ class ExperienceStore:
     @classmethod
     def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
                 seed: int | None = None, name: str | None = None, schema: Any = None,
-                generation: int | None = None) -> ExperienceStore:
+                generation: int | None = None, durability: str | None = None) -> ExperienceStore:
         """The store checkpointed at `path`: same rows under the same ids, same sampler, limiter and episode state.
 
         Args:
@@ -714,6 +753,8 @@ class ExperienceStore:
             name: the restored store's name (default: the checkpointed one's).
             schema: when given, the schema the caller expects: a checkpoint whose fields differ raises SchemaError.
             generation: a kept checkpoint other than the latest (`arrowbuf checkpoint ls` lists them).
+            durability: a durable directory (`durable=`) is restored as its last checkpoint plus the journal after
+                it, and the store journals on under this policy (default: the recorded one).
 
         Raises:
             StoreCorrupt: a file is missing, truncated or corrupt (the message names it).
@@ -727,6 +768,11 @@ class ExperienceStore:
         try:
             assert store._core is not None
             plan.load(store._core)
+            from .durable import read_policy, resume
+
+            if generation is None and (durability is not None or read_policy(plan.root) is not None):
+                store._durable = resume(plan.root, plan.manifest, durability, store._core, store._writer,
+                                        store._reader, store._updater, store._consume)
         except BaseException:
             store.close()
             raise
@@ -772,6 +818,8 @@ class ExperienceStore:
         if self.closed:
             return
         assert self._core is not None
+        if self._durable is not None:
+            self._durable.close()
         with self._cond:
             self._core.closed = True
             self._cond.notify_all()

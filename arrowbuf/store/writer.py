@@ -123,6 +123,23 @@ class StoreWriter:
         cols, n = self.core.schema.validate_batch(batch)
         return self._ingest(cols, n, timeout)
 
+    def extend_columns(self, cols: dict[str, Any], n: int, *, timeout: float | None = None) -> np.ndarray:
+        """`extend` of a batch `ExperienceSchema.validate_batch` already checked and converted (a durable store
+        journals the converted columns, then writes them)."""
+        return self._ingest(cols, n, timeout)
+
+    def skip(self, n: int) -> None:
+        """Leave the next `n` seqs without rows (holes, as a dead writer's reservation): a restored durable store
+        skips the seqs issued before a crash that no journal record holds, so they never name another row."""
+        c = self.core
+        if n <= 0:
+            return
+        with c.write_lock, c.cond:
+            base = c.index.hi
+            self._commit_hole(base, n)
+            h = c.index.header
+            h[_RES] = max(int(h[_RES]), base + n)
+
     def end_episode(self, actor: Hashable = None, final: dict[str, Any] | None = None) -> bool:
         """End stream `actor`'s open episode at its last stored step (see `ExperienceStore.end_episode`).
 
@@ -371,6 +388,8 @@ class StoreWriter:
                 break
             self._wait_hi(idx.hi + 1)  # every entry is in use: wait for a commit
         h[_RES] = base + n
+        if c.journal is not None:  # a durable store: these seqs are issued now, never to name another row
+            c.journal.note_issued(base + n)
         if c.cols.pages is not None:  # pages ahead of the new head are prepared meanwhile (tiers/prefault.py)
             c.cols.pages.advance(base + n)
         if need > idx.lo:

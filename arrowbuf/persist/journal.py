@@ -1,0 +1,503 @@
+"""The journal (write-ahead log) of a durable store: checksummed records in commit order, in Arrow IPC segments.
+
+Layout (docs/format.md): `DIR/_journal/<first lsn, 20 digits>.arrows`, each segment an Arrow IPC *stream* of
+one-row record batches with the columns
+
+    lsn      int64    the record's log sequence number (consecutive over the whole journal)
+    kind     string   batch | update | priorities | task | policy_version | consumed | end_episode | end
+    meta     string   JSON: the record's small arguments (a batch's first seq and rows, a task's name ...)
+    payload  binary   the record's bulk data as an Arrow IPC stream (a batch's rows, an update's values ...)
+    prev     uint32   CRC-32 of the previous record's bytes in the segment (of the schema for the first), so every
+                      byte of a record, padding included, is covered by the record after it
+    crc32    uint32   CRC-32 of lsn, kind, meta, payload and prev
+
+so `pyarrow.ipc.open_stream`, Polars' `read_ipc_stream` and DuckDB (through pyarrow) read a segment like any Arrow
+stream. A closed segment ends with an `end` record; the last (open) one may end with a torn record (a process killed
+in the middle of a write, or a machine that lost the page cache): `read_segments` drops it, never applies it, and
+says where to cut the file. Any other damage (a flipped byte anywhere, a record missing) raises `StoreCorrupt` naming
+the segment.
+
+Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on return:
+
+- "batch": the record is on disk (fdatasync of the segment before the ack; callers waiting at the same time share
+  one fdatasync).
+- "group": group commit: as "batch", and while several callers wait, the one that syncs first waits a window of
+  `window_s` (2 ms) so that the records other writers append meanwhile share its fdatasync (fewer fsyncs, a
+  little more latency; a lone writer never waits the window).
+- "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
+  killed, not the machine crashing or losing power.
+
+Usage::
+
+    j = Journal(dir, "group", first_lsn=0)
+    t = j.append("batch", {"first": 0, "n": 10}, ipc_bytes)   # in commit order; cheap (buffered in the kernel)
+    j.wait(t)                                                 # durable under the policy: now acknowledge
+    j.rotate()                                                # a checkpoint starts here; truncate_before() later
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import InvalidArgument, StoreCorrupt
+
+JOURNAL = "_journal"
+OWNER = "_owner.lock"
+SEGMENT = re.compile(r"^(\d{20})\.arrows$")
+POLICIES = ("batch", "group", "os")
+RECORD_SCHEMA = pa.schema([("lsn", pa.int64()), ("kind", pa.string()), ("meta", pa.string()),
+                           ("payload", pa.binary()), ("prev", pa.uint32()), ("crc32", pa.uint32())])
+_SCHEMA_BYTES = RECORD_SCHEMA.serialize().to_pybytes()
+_SCHEMA_CRC = zlib.crc32(_SCHEMA_BYTES) & 0xFFFFFFFF
+#: Segments are rotated once they pass this size (also at every checkpoint).
+SEGMENT_BYTES = 256 << 20
+#: Group commit window.
+GROUP_WINDOW_S = 0.002
+
+
+def segment_name(first_lsn: int) -> str:
+    return f"{first_lsn:020d}.arrows"
+
+
+def record_crc(lsn: int, kind: str, meta: str, payload: Any, prev: int) -> int:
+    crc = zlib.crc32(struct.pack("<qI", lsn, prev))
+    crc = zlib.crc32(kind.encode(), crc)
+    crc = zlib.crc32(meta.encode(), crc)
+    return zlib.crc32(memoryview(payload).cast("B"), crc) & 0xFFFFFFFF
+
+
+def encode(lsn: int, kind: str, meta: dict[str, Any], payload: Any = b"", prev: int = 0) -> pa.Buffer:
+    """One record as an encapsulated Arrow IPC record-batch message (appended after the segment's schema)."""
+    m = json.dumps(meta, separators=(",", ":"))
+    body = pa.py_buffer(payload) if not isinstance(payload, pa.Buffer) else payload
+    if body.size >= 1 << 31:
+        raise InvalidArgument(f"a journal record holds at most 2 GiB; this one has {body.size} bytes: write smaller "
+                              "batches")
+    offsets = pa.py_buffer(np.array([0, body.size], dtype=np.int32).tobytes())
+    blob = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, body])  # zero-copy
+    batch = pa.record_batch([pa.array([lsn], pa.int64()), pa.array([kind]), pa.array([m]), blob,
+                             pa.array([prev], pa.uint32()),
+                             pa.array([record_crc(lsn, kind, m, body, prev)], pa.uint32())], schema=RECORD_SCHEMA)
+    return batch.serialize()
+
+
+def table_bytes(table: pa.Table | pa.RecordBatch) -> pa.Buffer:
+    """A table as an Arrow IPC stream (a record's payload)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write(table)
+    return sink.getvalue()
+
+
+def payload_table(payload: bytes) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
+
+
+@dataclass
+class Record:
+    lsn: int
+    kind: str
+    meta: dict[str, Any]
+    payload: Any  # bytes-like (a zero-copy `pa.Buffer` when read back)
+
+
+class Journal:
+    """An open journal: appends records to the newest segment and makes them durable under `policy` (module
+    docstring). Thread-safe; `append` is cheap (one `write`), `wait` is where a caller pays for durability."""
+
+    def __init__(self, directory: str, policy: str = "group", first_lsn: int = 0,
+                 window_s: float = GROUP_WINDOW_S, lock_fd: int | None = None) -> None:
+        if policy not in POLICIES:
+            raise InvalidArgument(f"durability must be one of {list(POLICIES)}, got {policy!r}")
+        self.dir = os.path.join(os.fspath(directory), JOURNAL)
+        self._owner = lock_journal(directory) if lock_fd is None else lock_fd
+        self.policy = policy
+        self.window_s = window_s
+        # lock order: _sync_lock, then _lock. _lock: appends (the file and next lsn), briefly; _sync_lock: one
+        # fdatasync at a time, and no fd is closed (rotation, close) while one runs
+        self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())  # the durable lsn and the count of waiting callers
+        self._next = int(first_lsn)
+        self._durable = int(first_lsn) - 1
+        self._waiting = 0  # callers in `wait` (group commit waits a window only when several write at once)
+        self._fd = -1
+        self._size = 0
+        self._closed = False
+        self.stats = {"records": 0, "bytes": 0, "fsyncs": 0}
+        self._open_segment()
+
+    # ------------------------------------------------------------------ writing
+    def _open_segment(self) -> None:
+        path = os.path.join(self.dir, segment_name(self._next))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+        _write_all(fd, _SCHEMA_BYTES)
+        os.fsync(fd)
+        _fsync_dir(self.dir)
+        self._fd, self._size, self._prev = fd, len(_SCHEMA_BYTES), _SCHEMA_CRC
+
+    def append(self, kind: str, meta: dict[str, Any], payload: Any = b"") -> int:
+        """Append one record (in the order of the calls); returns its ticket for `wait`."""
+        with self._lock:
+            if self._closed:
+                raise InvalidArgument("the journal is closed")
+            lsn = self._next
+            data = encode(lsn, kind, meta, payload, self._prev)
+            _write_all(self._fd, data)
+            self._prev = zlib.crc32(data) & 0xFFFFFFFF
+            self._next += 1
+            self._size += data.size
+            self.stats["records"] += 1
+            self.stats["bytes"] += data.size
+            if self.policy == "os":
+                self._durable = lsn
+            full = self._size >= SEGMENT_BYTES
+        if full:
+            self.rotate(only_if_full=True)
+        return lsn
+
+    def record_consumed(self, task: str, seqs: np.ndarray) -> int:
+        """Record that `task` consumed the rows `seqs` (the consume path calls this when it marks rows consumed
+        without a lease, and the lease path when a lease is acked). Returns the ticket to `wait` for before the rows
+        are handed out (or the ack returns)."""
+        seqs = np.ascontiguousarray(seqs, dtype=np.int64)
+        return self.append("consumed", {"task": task}, seqs.tobytes())
+
+    def wait(self, ticket: int) -> None:
+        """Return once the record `ticket` (and every one before it) is durable under the policy.
+
+        Leader and followers: a caller takes the sync lock and fdatasyncs everything appended so far; callers that
+        arrive meanwhile queue on the lock and find their records covered (one fdatasync for all of them) or sync the
+        next batch. "group" also waits a window before syncing while other callers wait, to gather more of them.
+        """
+        if self._durable >= ticket:
+            return
+        with self._cond:
+            self._waiting += 1
+        try:
+            self._sync_upto(ticket, gather=self.policy == "group")
+        finally:
+            with self._cond:
+                self._waiting -= 1
+
+    def _sync_upto(self, ticket: int, gather: bool = False) -> None:
+        with self._sync_lock:
+            if self._durable >= ticket or self._closed:
+                return
+            if gather and self._waiting > 1:  # others write at the same time: gather their records (commit_delay)
+                time.sleep(self.window_s)
+            with self._lock:
+                fd, last = self._fd, self._next - 1
+            os.fdatasync(fd)
+            self.stats["fsyncs"] += 1
+            with self._cond:
+                self._durable = max(self._durable, last)
+
+    def rotate(self, only_if_full: bool = False) -> int:
+        """Start a new segment (the old one is closed with an `end` record and synced); returns its first lsn: the
+        records from there on are those a checkpoint taken now does not cover."""
+        with self._sync_lock, self._lock:
+            if self._closed:
+                raise InvalidArgument("the journal is closed")
+            if only_if_full and self._size < SEGMENT_BYTES:
+                return self._next
+            lsn = self._next
+            _write_all(self._fd, encode(lsn, "end", {}, b"", self._prev))
+            self._next += 1
+            os.fdatasync(self._fd)
+            os.close(self._fd)
+            self.stats["fsyncs"] += 1
+            with self._cond:
+                self._durable = max(self._durable, lsn)
+                self._cond.notify_all()
+            self._open_segment()
+            return self._next
+
+    def truncate_before(self, lsn: int) -> int:
+        """Delete the segments holding only records before `lsn` (a checkpoint covers them); returns how many."""
+        names = sorted(n for n in os.listdir(self.dir) if SEGMENT.match(n))
+        firsts = [int(n[:20]) for n in names]
+        gone = 0
+        for i, n in enumerate(names):
+            nxt = firsts[i + 1] if i + 1 < len(names) else None
+            if nxt is not None and nxt <= lsn:
+                os.unlink(os.path.join(self.dir, n))
+                gone += 1
+        if gone:
+            _fsync_dir(self.dir)
+        return gone
+
+    @property
+    def next_lsn(self) -> int:
+        return self._next
+
+    def close(self) -> None:
+        """Make everything durable and close; idempotent."""
+        with self._sync_lock, self._lock:
+            if self._closed:
+                return
+            try:
+                os.fdatasync(self._fd)
+            finally:
+                os.close(self._fd)
+            with self._cond:
+                self._durable = self._next - 1
+                self._closed = True
+                self._cond.notify_all()
+            os.close(self._owner)  # releases the directory
+
+
+def lock_journal(directory: str) -> int:
+    """Make `directory/_journal` and take its owner lock (flock, released when the fd closes or the process dies):
+    one store journals into a durable directory at a time, and no restore cuts a segment a live store writes.
+
+    Raises:
+        InvalidArgument: another store (in this or another process) has the directory open.
+    """
+    d = os.path.join(os.fspath(directory), JOURNAL)
+    os.makedirs(d, exist_ok=True)
+    if os.path.islink(d):
+        raise InvalidArgument(f"{d} is a symbolic link; a journal never follows links")
+    fd = os.open(os.path.join(d, OWNER), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InvalidArgument(f"the durable store in {directory} is open (a live store journals into it); close it "
+                              "first (a killed process releases it)") from None
+    return fd
+
+
+# ---------------------------------------------------------------------- reading
+def segments(directory: str) -> list[tuple[int, str]]:
+    """(first lsn, path) of the journal's segments under durable directory `directory`, oldest first."""
+    d = os.path.join(os.fspath(directory), JOURNAL)
+    if not os.path.isdir(d):
+        return []
+    return sorted((int(n[:20]), os.path.join(d, n)) for n in os.listdir(d) if SEGMENT.match(n))
+
+
+@dataclass
+class TornTail:
+    """Where the last segment's intact records end (the torn record from `offset` on is dropped)."""
+
+    path: str
+    offset: int
+    size: int
+
+
+def read_segments(directory: str, from_lsn: int) -> tuple[list[Record], TornTail | None, int]:
+    """The records with lsn >= `from_lsn`, checked, in order; the torn tail of the last segment, if any; and the
+    lsn after the last intact record (where the journal goes on).
+
+    Raises:
+        StoreCorrupt: a record fails its checksum, a record or segment is missing, or a segment other than the last
+            is cut short; the message names the segment.
+    """
+    segs = segments(directory)
+    out: list[Record] = []
+    torn: TornTail | None = None
+    expect: int | None = None
+    for i, (first, path) in enumerate(segs):
+        last = i == len(segs) - 1
+        nxt = segs[i + 1][0] if not last else None
+        if nxt is not None and nxt <= from_lsn:
+            continue  # covered by the checkpoint (kept only until truncation caught up)
+        if expect is not None and first != expect:
+            raise StoreCorrupt(f"journal segment {path} starts at lsn {first}, expected {expect}: a segment is "
+                               "missing; the journal cannot be replayed past it")
+        recs, cut, prev = _read_segment(path, first)
+        if cut is not None:
+            if not last:
+                raise StoreCorrupt(f"journal segment {path} is cut short at byte {cut.offset} of {cut.size} but "
+                                   "is not the newest segment: it is damaged")
+            torn = cut
+        elif not last and (not recs or recs[-1].kind != "end"):
+            raise StoreCorrupt(f"journal segment {path} has no end record but is not the newest segment")
+        expect = (recs[-1].lsn + 1) if recs else first
+        out.extend(r for r in recs if r.lsn >= from_lsn and r.kind != "end")
+    return out, torn, max(from_lsn, expect if expect is not None else from_lsn)
+
+
+def _read_segment(path: str, first: int) -> tuple[list[Record], TornTail | None, int]:
+    with open(path, "rb") as f:
+        data = f.read()
+    size = len(data)
+    if size < len(_SCHEMA_BYTES) or data[:len(_SCHEMA_BYTES)] != _SCHEMA_BYTES:
+        if size < len(_SCHEMA_BYTES) and _SCHEMA_BYTES.startswith(data):
+            return [], TornTail(path, 0, size), _SCHEMA_CRC  # a segment whose header write was cut
+        raise StoreCorrupt(f"journal segment {path}: not an arrowbuf journal segment (bad header)")
+    buf = pa.py_buffer(data)
+    off = len(_SCHEMA_BYTES)
+    recs: list[Record] = []
+    lsn = first
+    prev = _SCHEMA_CRC
+    last_off = -1
+    while off < size:
+        rec, end = _parse_at(buf, off, lsn, data, prev)
+        if rec is None and last_off >= 0 and not _reencodes(buf, last_off, off):
+            rec, end, off = None, -1, last_off  # the damage is in the record before (its padding)
+        if rec is None:
+            if end == -1 or _later_record(buf, off + 8, lsn + 1):  # a record that is whole and wrong, or records
+                raise StoreCorrupt(f"journal segment {path}: record {lsn} at byte {off} is corrupt (checksum or "
+                                   "framing); the journal cannot be replayed past it")
+            return recs, TornTail(path, off, size), prev
+        recs.append(rec)
+        prev = zlib.crc32(memoryview(data)[off:end]) & 0xFFFFFFFF
+        lsn += 1
+        last_off, off = off, end
+    if last_off >= 0 and not _reencodes(buf, last_off, off):  # no record after it checks its bytes
+        raise StoreCorrupt(f"journal segment {path}: record {lsn - 1} at byte {last_off} is corrupt; the journal "
+                           "cannot be replayed past it")
+    return recs, None, prev
+
+
+def _frame_size(data: bytes, off: int) -> int:
+    """The byte size of the encapsulated IPC message at `off` from its framing (continuation marker, metadata
+    length, the flatbuffer's bodyLength); 0 when the bytes end inside the framing (torn), -1 when it is malformed."""
+    size = len(data)
+    head = data[off:off + 8]
+    if len(head) < 8:
+        ok = b"\xff\xff\xff\xff".startswith(head[:4]) or head.count(0) == len(head)
+        return 0 if ok else -1
+    if head[:4] != b"\xff\xff\xff\xff":
+        return 0 if data[off:].count(0) == size - off else -1  # zeros: written size, never written data
+    mlen = int.from_bytes(head[4:8], "little", signed=True)
+    if mlen <= 0 or mlen % 8:
+        return -1
+    if off + 8 + mlen > size:
+        return 0
+    meta = data[off + 8:off + 8 + mlen]
+    try:  # flatbuffer Message: slots version, header_type, header, bodyLength, custom_metadata
+        root = int.from_bytes(meta[0:4], "little")
+        vt = root - int.from_bytes(meta[root:root + 4], "little", signed=True)
+        vt_len = int.from_bytes(meta[vt:vt + 2], "little")
+        slot = vt + 4 + 2 * 3
+        voff = int.from_bytes(meta[slot:slot + 2], "little") if 4 + 2 * 3 < vt_len else 0
+        body = int.from_bytes(meta[root + voff:root + voff + 8], "little", signed=True) if voff else 0
+    except (IndexError, ValueError):
+        return -1
+    if body < 0 or not 0 <= vt < mlen or not 0 <= root < mlen:
+        return -1
+    total = 8 + mlen + body
+    return 0 if off + total > size else total
+
+
+def _parse_at(buf: pa.Buffer, off: int, lsn: int, data: bytes, prev: int) -> tuple[Record | None, int]:
+    """The record at byte `off` and where it ends; (None, 0) when the bytes end inside it (torn, or zeros where a
+    crashed machine never wrote the data), (None, -1) when it is complete but wrong."""
+    total = _frame_size(data, off)
+    if total <= 0:
+        return None, total
+    try:
+        msg = pa.ipc.read_message(buf.slice(off, total))
+        batch = pa.ipc.read_record_batch(msg, RECORD_SCHEMA)
+        if batch.num_rows != 1:
+            return None, -1
+        row = {name: batch.column(name)[0].as_py() for name in ("lsn", "kind", "meta", "prev", "crc32")}
+        payload = _payload(batch.column("payload"))
+        # every byte, padding included, is checked: by the next record's `prev`, and for the last record of a
+        # segment by re-encoding it (`_read_segment`)
+    except (EOFError, OSError, pa.ArrowInvalid, IndexError, TypeError):
+        return None, -1
+    if row["lsn"] != lsn or row["prev"] != prev or None in row.values() or \
+            row["crc32"] != record_crc(row["lsn"], row["kind"], row["meta"], payload, row["prev"]):
+        return None, -1
+    try:
+        meta = json.loads(row["meta"])
+    except ValueError:
+        return None, -1
+    return Record(lsn, row["kind"], meta, payload), off + total
+
+
+def _payload(arr: pa.Array) -> Any:
+    """The payload of a one-row binary column, zero-copy (a `pa.Buffer`)."""
+    if arr.null_count:
+        return b""
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=2, offset=4 * arr.offset)
+    data = arr.buffers()[2]
+    lo, hi = int(offsets[0]), int(offsets[1])
+    if data is None or not 0 <= lo <= hi <= data.size:
+        raise IndexError("payload offsets out of range")
+    return data.slice(lo, hi - lo)
+
+
+def _reencodes(buf: pa.Buffer, off: int, end: int) -> bool:
+    """Whether the record in bytes [off, end) re-encodes to exactly those bytes (padding included)."""
+    try:
+        batch = pa.ipc.read_record_batch(pa.ipc.read_message(buf.slice(off, end - off)), RECORD_SCHEMA)
+        return bool(batch.serialize().equals(buf.slice(off, end - off)))
+    except (EOFError, OSError, pa.ArrowInvalid):
+        return False
+
+
+def _later_record(buf: pa.Buffer, start: int, lsn: int) -> bool:
+    """Whether an intact record with lsn >= `lsn` starts somewhere after `start` (8-byte aligned, as IPC messages
+    are): then the damage is in the middle of the segment, not a torn tail."""
+    data = buf.to_pybytes()
+    marker = b"\xff\xff\xff\xff"
+    i = data.find(marker, start)
+    while i != -1:
+        if i % 8 == 0:
+            total = _frame_size(data, i)
+            if total > 0:
+                try:
+                    msg = pa.ipc.read_message(buf.slice(i, total))
+                    row = pa.ipc.read_record_batch(msg, RECORD_SCHEMA).to_pylist()[0]
+                    if row["lsn"] >= lsn and row["crc32"] == record_crc(row["lsn"], row["kind"], row["meta"],
+                                                                       row["payload"] or b"", row["prev"]):
+                        return True
+                except (EOFError, OSError, pa.ArrowInvalid, IndexError, TypeError):
+                    pass
+        i = data.find(marker, i + 1)
+    return False
+
+
+def seal_last(directory: str, next_lsn: int, torn: TornTail | None) -> int:
+    """Before a restored store journals again: cut the torn record off the newest segment (if any) and close that
+    segment with an `end` record of lsn `next_lsn`; returns the first lsn of the segment to open next."""
+    segs = segments(directory)
+    if not segs:
+        return next_lsn
+    first, path = segs[-1]
+    _, _, prev = _read_segment(path, first)  # the crc of the last intact record (the end record chains to it)
+    with open(path, "r+b") as f:
+        if torn is not None and torn.path == path:
+            f.truncate(torn.offset)
+            f.seek(torn.offset)
+            if torn.offset == 0:
+                f.write(_SCHEMA_BYTES)
+        else:
+            f.seek(0, os.SEEK_END)
+        f.write(encode(next_lsn, "end", {}, b"", prev).to_pybytes())
+        f.flush()
+        os.fsync(f.fileno())
+    return next_lsn + 1
+
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,180 @@
+"""What a durable store's journal records hold, and replaying them onto a restored store.
+
+A record's payload is Arrow (module `journal`): a batch's rows are the validated input columns as an Arrow IPC
+stream (fields, derived fields given on episode ends, stream keys); an update's are `seq` plus the updated fields;
+priorities are `seq` and `priority`; consumption is the seqs as little-endian int64.
+
+`replay(records, target)` applies the records after the checkpoint in journal order onto `target` (a
+`ReplayTarget`: the restored store's internals, with the journal and the eviction hold off). Rules that make it
+exact:
+
+- A batch record names its first seq: one the checkpoint already holds is skipped; a gap before it (seqs issued to a
+  batch whose record never made it: a writer killed mid-batch, or an aborted copy) becomes holes, so the batch gets
+  its own seqs back and the skipped ones never name another row. At the end, seqs issued (`issued` records) beyond
+  the last batch become holes too.
+- Updates, priorities and consumption of rows whose batch record comes later in the journal (writers record a batch
+  just after its commit, so another thread may log a change to its rows first) wait until the batch is applied.
+  Re-applying any of them is harmless (they set values), so a record the checkpoint already covers may be replayed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import StoreCorrupt
+from .journal import Record, payload_table
+from .snapshot import tensor_array
+
+
+class ReplayTarget(Protocol):
+    """What replay drives: a restored store's write paths without journaling or eviction holds."""
+
+    def next_seq(self) -> int: ...
+    def apply_batch(self, table: pa.Table) -> np.ndarray: ...
+    def skip(self, n: int) -> None: ...
+    def apply_update(self, seqs: np.ndarray, values: dict[str, Any]) -> None: ...
+    def apply_priorities(self, seqs: np.ndarray, priorities: np.ndarray) -> None: ...
+    def apply_task(self, name: str) -> None: ...
+    def apply_policy_version(self, value: int) -> None: ...
+    def apply_consumed(self, task: str, seqs: np.ndarray) -> None: ...
+    def apply_end_episode(self, actor: Any, final: dict[str, Any]) -> None: ...
+
+
+def column_array(col: Any) -> pa.Array:
+    """A validated column (`ExperienceSchema.validate_batch`) as an Arrow array: numpy -> plain or fixed-shape
+    tensor arrays (zero-copy), masked arrays -> arrays with nulls, Arrow arrays as they are."""
+    if isinstance(col, (pa.Array, pa.ChunkedArray)):
+        return col
+    if isinstance(col, np.ma.MaskedArray):
+        data = np.ascontiguousarray(np.ma.getdata(col))
+        m = np.asarray(np.ma.getmaskarray(col), dtype=bool)
+        rows = m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m
+        if data.ndim > 1:
+            storage = pa.FixedSizeListArray.from_arrays(pa.array(data.reshape(-1)), int(np.prod(data.shape[1:])),
+                                                        mask=pa.array(rows))
+            return pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(storage.type.value_type,
+                                                                        list(data.shape[1:])), storage)
+        return pa.array(data, mask=rows)
+    arr = np.asarray(col)
+    if arr.ndim > 1:
+        return tensor_array(arr)
+    if arr.dtype.kind in "UO":
+        return pa.array(arr.tolist())
+    return pa.array(arr)
+
+
+def columns_table(cols: dict[str, Any]) -> pa.Table:
+    """Validated columns as a table (a batch record's payload)."""
+    return pa.table({name: column_array(c) for name, c in cols.items()})
+
+
+def seqs_bytes(seqs: np.ndarray) -> bytes:
+    return np.ascontiguousarray(seqs, dtype="<i8").tobytes()
+
+
+def _seqs(payload: bytes) -> np.ndarray:
+    return np.frombuffer(payload, dtype="<i8").astype(np.int64)
+
+
+def _split(seqs: np.ndarray, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    now = seqs < hi
+    return now, ~now
+
+
+def replay(records: list[Record], target: ReplayTarget, where: str) -> dict[str, int]:
+    """Apply `records` (checked, in journal order) onto `target`; returns counts per kind.
+
+    Raises:
+        StoreCorrupt: a record that cannot be applied (the message names it and `where`).
+    """
+    counts: dict[str, int] = {}
+    pending: list[tuple[str, np.ndarray, Any]] = []  # (kind, seqs, args) of rows not written yet
+    issued = 0
+
+    def apply(kind: str, seqs: np.ndarray, args: Any) -> None:
+        if kind == "update":
+            target.apply_update(seqs, args)
+        elif kind == "priorities":
+            target.apply_priorities(seqs, args)
+        else:
+            target.apply_consumed(args, seqs)
+
+    def take(kind: str, seqs: np.ndarray, args: Any, select: Any) -> None:
+        hi = target.next_seq()
+        now, later = _split(seqs, hi)
+        if now.any():
+            apply(kind, seqs[now], select(args, now))
+        if later.any():
+            pending.append((kind, seqs[later], select(args, later)))
+
+    def flush_pending() -> None:
+        if not pending:
+            return
+        waiting = list(pending)
+        pending.clear()
+        for kind, seqs, args in waiting:
+            take(kind, seqs, args, _select)
+
+    for r in records:
+        try:
+            if r.kind == "issued":
+                issued = max(issued, int(r.meta["next"]))
+            elif r.kind == "batch":
+                first, n = int(r.meta["first"]), int(r.meta["n"])
+                hi = target.next_seq()
+                if first + n <= hi:
+                    continue  # the checkpoint holds it
+                if first < hi:
+                    raise StoreCorrupt(f"{where}: batch record {r.lsn} starts at seq {first}, inside the rows "
+                                       f"already restored (up to {hi})")
+                target.skip(first - hi)
+                ids = target.apply_batch(payload_table(r.payload))
+                if len(ids) != n or (n and int(ids[0]) != first):
+                    raise StoreCorrupt(f"{where}: batch record {r.lsn} replayed as seqs {ids[:1]}.. ({len(ids)} "
+                                       f"rows), the journal says {first}.. ({n} rows)")
+                flush_pending()
+            elif r.kind == "update":
+                t = payload_table(r.payload)
+                seqs = np.asarray(t.column("seq").to_numpy(), dtype=np.int64)
+                values = {name: t.column(name).combine_chunks() for name in t.column_names if name != "seq"}
+                take("update", seqs, values, _select)
+            elif r.kind == "priorities":
+                t = payload_table(r.payload)
+                take("priorities", np.asarray(t.column("seq").to_numpy(), dtype=np.int64),
+                     np.asarray(t.column("priority").to_numpy(), dtype=np.float64), _select)
+            elif r.kind == "consumed":
+                take("consumed", _seqs(r.payload), str(r.meta["task"]), _select)
+            elif r.kind == "task":
+                target.apply_task(str(r.meta["name"]))
+            elif r.kind == "policy_version":
+                target.apply_policy_version(int(r.meta["value"]))
+            elif r.kind == "end_episode":
+                t = payload_table(r.payload) if r.payload else pa.table({})
+                final = {name: t.column(name).to_numpy(zero_copy_only=False)[0] for name in t.column_names}
+                for name, col in ((n, t.column(n)) for n in t.column_names):
+                    if isinstance(col.type, pa.FixedShapeTensorType):
+                        final[name] = np.asarray(col.combine_chunks().to_numpy_ndarray())[0]
+                target.apply_end_episode(r.meta.get("actor"), final)
+            else:
+                raise StoreCorrupt(f"{where}: record {r.lsn} has an unknown kind {r.kind!r}")
+        except (KeyError, TypeError, ValueError, pa.ArrowInvalid) as exc:
+            raise StoreCorrupt(f"{where}: record {r.lsn} ({r.kind}) cannot be replayed: {str(exc)[:300]}") from None
+        counts[r.kind] = counts.get(r.kind, 0) + 1
+    hi = target.next_seq()
+    if issued > hi:  # seqs a writer reserved before the crash whose batch never made it to the journal
+        target.skip(issued - hi)
+        counts["skipped_seqs"] = issued - hi
+    flush_pending()  # rows that exist now; what is still pending names rows that never came (nothing to apply)
+    return counts
+
+
+def _select(args: Any, mask: np.ndarray) -> Any:
+    if isinstance(args, dict):
+        idx = pa.array(np.flatnonzero(mask))
+        return {k: v.take(idx) for k, v in args.items()}
+    if isinstance(args, np.ndarray):
+        return args[mask]
+    return args

@@ -1,0 +1,267 @@
+"""A durable store (`ExperienceStore(..., durable=DIR, durability="group")`): checkpoints plus a journal under DIR.
+
+Every change a caller is acknowledged for is journaled (`arrowbuf.persist.journal`) and durable under the policy
+before the call returns: `extend`/`append` (the batch, recorded just after its commit, in seq order), `update`,
+`update_priorities`, `add_task`, `policy_version`, `end_episode`, and consumption (`consume` records the rows it
+marks before it hands them out: `StoreCore.journal.record_consumed`). The writer notes each reservation's seqs
+(`note_issued`), so ids issued before a crash are never given to another row after it.
+
+`DurableLog.checkpoint()` rotates the journal, checkpoints into DIR (in the background: writers go on) and, once the
+manifest is committed, deletes the journal segments the checkpoint covers. `resume` (from `ExperienceStore.restore`)
+replays the journal after the last checkpoint (`arrowbuf.persist.replay`), cuts a torn tail off, and journals on.
+
+Layout: DIR is a checkpoint directory (docs/format.md) with `_durable.json` (the policy) and `_journal/` (segments).
+Without `durable=` none of this exists and the store pays nothing (`StoreCore.journal` is None).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import InvalidArgument, StoreCorrupt
+from ..persist import journal as jr
+from ..persist import manifest as mf
+from ..persist.checkpoint import checkpoint as write_checkpoint
+from ..persist.replay import columns_table, replay
+from ..ring.reservations import HOLE
+from ..samplers.base import validate_priorities
+from .update import update_ids, validate_update
+
+DURABLE = "_durable.json"
+#: Crash tests: SIGKILL the process at a named point (as `arrowbuf.persist.checkpoint`'s kill points).
+_KILL_AT: str | None = "ARROWBUF_PERSIST_KILL_AT" if "ARROWBUF_PERSIST_KILL_AT" in os.environ else None
+#: Kept checkpoints of a durable directory when the caller does not say.
+DEFAULT_KEEP = 2
+
+
+def check_new(root: str) -> None:
+    """Refuse to start a new durable store over one that exists (it would be lost): restore it instead."""
+    if os.path.exists(os.path.join(root, mf.MANIFEST)) or jr.segments(root):
+        raise InvalidArgument(f"{root} already holds a durable store (a checkpoint or a journal): reopen it with "
+                              f"ExperienceStore.restore({root!r}), or pass an empty directory")
+
+
+def read_policy(root: str) -> str | None:
+    """The durability policy recorded in durable directory `root` (None: not a durable directory)."""
+    p = os.path.join(root, DURABLE)
+    if not os.path.exists(p):
+        return None
+    try:
+        with open(p) as f:
+            policy = json.load(f).get("durability")
+    except (OSError, ValueError, AttributeError):
+        raise StoreCorrupt(f"{p} is malformed") from None
+    if policy not in jr.POLICIES:
+        raise StoreCorrupt(f"{p}: unknown durability {policy!r}")
+    return str(policy)
+
+
+class DurableLog:
+    """The journaling side of one durable store (module docstring). Built by the facade, with its parts."""
+
+    def __init__(self, root: str, journal: jr.Journal, core: Any, writer: Any, reader: Any, updater: Any,
+                 consume: Any) -> None:
+        self.root, self.journal = root, journal
+        self.core, self.writer, self.reader, self.updater, self.consume = core, writer, reader, updater, consume
+        self._order = threading.Condition()
+        self._recorded = int(core.index.hi)  # batch records go in seq order: the next seq to record
+        self._mutate = threading.RLock()      # updates, priorities, tasks, versions: applied and logged in one order
+        self.replayed: dict[str, int] = {}
+
+    @classmethod
+    def create(cls, root: str, policy: str, core: Any, writer: Any, reader: Any, updater: Any,
+               consume: Any) -> DurableLog:
+        """Start a new durable directory: an initial checkpoint (the store's geometry), then the journal."""
+        if policy not in jr.POLICIES:
+            raise InvalidArgument(f"durability must be one of {list(jr.POLICIES)}, got {policy!r}")
+        if core.tier.shared:
+            raise InvalidArgument("durable= is not supported on a shared-memory store (tier='shm'): writes of "
+                                  "attached processes would not be journaled; serve a host store over Flight")
+        os.makedirs(root, exist_ok=True)
+        check_new(root)
+        mf.write_json_atomic(os.path.join(root, DURABLE), {"durability": policy, "journal": jr.JOURNAL})
+        write_checkpoint(core, root, keep=DEFAULT_KEEP, journal={"from_lsn": 0})
+        log = cls(root, jr.Journal(root, policy, first_lsn=0), core, writer, reader, updater, consume)
+        core.journal = log
+        return log
+
+    # ------------------------------------------------------------------ hooks (StoreCore.journal)
+    def note_issued(self, next_seq: int) -> None:
+        """The writer reserved seqs up to `next_seq` (called under its write lock)."""
+        self.journal.append("issued", {"next": int(next_seq)})
+
+    def record_consumed(self, task: str, seqs: np.ndarray) -> int:
+        """`task` consumed `seqs` (without a lease, or an acked lease); returns the ticket for `wait`."""
+        return self.journal.record_consumed(task, seqs)
+
+    def wait(self, ticket: int) -> None:
+        """Return once record `ticket` is durable under the store's policy."""
+        self.journal.wait(ticket)
+
+    # ------------------------------------------------------------------ journaled writes
+    def extend(self, batch: Any, timeout: float | None, single: bool = False) -> np.ndarray:
+        cols, n = self.core.schema.validate_batch(batch, single=single)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        payload = jr.table_bytes(columns_table(cols))  # before the write, outside every lock
+        ids = self.writer.extend_columns(cols, n, timeout=timeout)
+        if _KILL_AT is not None and os.environ.get(_KILL_AT) == "before_batch_record":  # crash tests
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.journal.wait(self._record_batch(int(ids[0]), n, payload))
+        return ids
+
+    def _record_batch(self, first: int, n: int, payload: Any) -> int:
+        """Append a committed batch's record once every earlier batch's is appended (batches commit in seq order;
+        an earlier one that never commits is an aborted reservation: holes)."""
+        with self._order:
+            since = time.monotonic()
+            while self._recorded < first:
+                self._order.wait(0.05)
+                if self._recorded < first and (self._holes(self._recorded, first) or time.monotonic() - since > 5):
+                    break
+            ticket = self.journal.append("batch", {"first": first, "n": n}, payload)
+            self._recorded = max(self._recorded, first + n)
+            self._order.notify_all()
+        return ticket
+
+    def _holes(self, lo: int, hi: int) -> bool:
+        idx = self.core.index
+        seqs = np.arange(lo, hi, dtype=np.int64)
+        return bool((idx.seq[seqs % self.core.arena_rows] == HOLE).all())
+
+    def update(self, ids: Any, values: dict[str, Any]) -> int:
+        seqs = update_ids(ids)
+        single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
+        cols = validate_update(self.core.schema, seqs, values, single)
+        table = columns_table({"seq": seqs, **cols})
+        with self._mutate:
+            n = self.updater.update(ids, values)
+            ticket = self.journal.append("update", {}, jr.table_bytes(table))
+        self.journal.wait(ticket)
+        return int(n)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> int:
+        seqs, pri = validate_priorities(indices, priorities)
+        table = pa.table({"seq": pa.array(seqs, pa.int64()), "priority": pa.array(np.asarray(pri, np.float64))})
+        with self._mutate:
+            n = self.reader.update_priorities(indices, priorities)
+            ticket = self.journal.append("priorities", {}, jr.table_bytes(table))
+        self.journal.wait(ticket)
+        return int(n)
+
+    def add_task(self, name: str) -> None:
+        with self._mutate:
+            self.consume.add_task(name)
+            ticket = self.journal.append("task", {"name": name})
+        self.journal.wait(ticket)
+
+    def set_policy_version(self, value: int) -> None:
+        with self._mutate:
+            self.consume.policy_version = value
+            ticket = self.journal.append("policy_version", {"value": int(value)})
+        self.journal.wait(ticket)
+
+    def end_episode(self, actor: Any, final: dict[str, Any]) -> bool:
+        if actor is not None and not isinstance(actor, (str, int)):
+            raise InvalidArgument(f"a durable store journals end_episode's actor: pass a str or int, got "
+                                  f"{type(actor).__name__}")
+        payload = jr.table_bytes(columns_table({k: np.asarray(v)[None] for k, v in final.items()})) if final else b""
+        with self._mutate:
+            out = self.writer.end_episode(actor, final)
+            ticket = self.journal.append("end_episode", {"actor": actor}, payload)
+        self.journal.wait(ticket)
+        return bool(out)
+
+    def stats(self) -> dict[str, Any]:
+        """For `store.stats()["journal"]`: policy, records, bytes and fsyncs since this store opened its journal,
+        and what its restore replayed (records per kind, torn bytes dropped)."""
+        return {"durability": self.journal.policy, "path": self.root, **self.journal.stats,
+                "next_lsn": self.journal.next_lsn, "replayed": dict(self.replayed)}
+
+    # ------------------------------------------------------------------ checkpoints and lifetime
+    def checkpoint(self, keep: int | None, background: bool, compression: str | None) -> Any:
+        """Checkpoint into the durable directory; the journal it covers goes once its manifest is committed."""
+        lsn = self.journal.rotate()  # every change logged from here on is replayed after this checkpoint
+        handle = write_checkpoint(self.core, self.root, keep=DEFAULT_KEEP if keep is None else keep,
+                                        background=True, compression=compression, journal={"from_lsn": lsn},
+                                        after_commit=lambda: self.journal.truncate_before(lsn))
+        return handle if background else handle.wait()
+
+    def close(self) -> None:
+        self.core.journal = None
+        self.journal.close()
+
+
+class _Target:
+    """`persist.replay.ReplayTarget` over a restored store's parts (no journal, no eviction hold)."""
+
+    def __init__(self, core: Any, writer: Any, reader: Any, updater: Any, consume: Any) -> None:
+        self.core, self.writer, self.reader, self.updater, self.consume = core, writer, reader, updater, consume
+
+    def next_seq(self) -> int:
+        return int(self.core.index.hi)
+
+    def apply_batch(self, table: pa.Table) -> np.ndarray:
+        return np.asarray(self.writer.extend(table, timeout=None))
+
+    def skip(self, n: int) -> None:
+        self.writer.skip(n)
+
+    def apply_update(self, seqs: np.ndarray, values: dict[str, Any]) -> None:
+        self.updater.update(seqs, values)
+
+    def apply_priorities(self, seqs: np.ndarray, priorities: np.ndarray) -> None:
+        self.reader.update_priorities(seqs, priorities)
+
+    def apply_task(self, name: str) -> None:
+        if name not in self.consume.tasks:
+            self.consume.add_task(name)
+
+    def apply_policy_version(self, value: int) -> None:
+        self.consume.policy_version = value
+
+    def apply_consumed(self, task: str, seqs: np.ndarray) -> None:
+        if task in self.consume.tasks:
+            self.consume.mark_consumed(task, seqs)
+
+    def apply_end_episode(self, actor: Any, final: dict[str, Any]) -> None:
+        self.writer.end_episode(actor, final)
+
+
+def resume(root: str, manifest: dict[str, Any], policy: str | None, core: Any, writer: Any, reader: Any,
+           updater: Any, consume: Any) -> DurableLog:
+    """After a durable directory's last checkpoint was loaded into a fresh store: replay the journal after it (the
+    writer's eviction hold off: the journal holds the evictions as they happened), cut a torn tail off, journal on.
+
+    Raises:
+        StoreCorrupt: a damaged journal record (other than a torn tail), naming the segment.
+    """
+    policy = policy or read_policy(root) or "group"
+    from_lsn = int((manifest.get("journal") or {}).get("from_lsn", 0))
+    owner = jr.lock_journal(root)  # no live store writes it while it is read, cut and continued
+    try:
+        records, torn, next_lsn = jr.read_segments(root, from_lsn)
+        # the journal holds the inserts as they happened: no eviction hold, no rate limiter may refuse them again
+        hold, writer.hold = writer.hold, None
+        limiter, core.rate_limiter = core.rate_limiter, None
+        try:
+            counts = replay(records, _Target(core, writer, reader, updater, consume), f"journal of {root}")
+        finally:
+            writer.hold, core.rate_limiter = hold, limiter
+        first = jr.seal_last(root, next_lsn, torn)
+        journal = jr.Journal(root, policy, first_lsn=first, lock_fd=owner)
+    except BaseException:
+        os.close(owner)
+        raise
+    log = DurableLog(root, journal, core, writer, reader, updater, consume)
+    log.replayed = {**counts, "torn_bytes": 0 if torn is None else torn.size - torn.offset}
+    core.journal = log
+    return log

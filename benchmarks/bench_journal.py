@@ -1,0 +1,273 @@
+"""Journal benchmark (issue 25): what durability costs, beside the disk's own ceilings measured in the same run.
+
+Rows (all on the disk of `--dir`):
+
+- ceilings: a raw fsync loop (4 KiB write + fdatasync, per second and its p50/p99), and sequential write bandwidth
+  (8 MiB writes, then fsync);
+- ingest rows/s with `durability="group"`, "batch" and "os" vs the same store without a journal, for fixed tensors
+  (uint8 4x84x84 frames, batches of 256) and GRPO rows (ragged tokens, batches of 64), with 1 and 4 writer threads,
+  in process; and over Flight (one client, group vs none);
+- acknowledgement latency p50/p99 per policy (one writer, batches of 16 GRPO rows), beside the raw fsync latency;
+- recovery: restore (checkpoint + replay) of a journal of N MB, seconds per GB, vs reading the same segment files
+  (page cache dropped before both).
+
+    python -m benchmarks.bench_journal [--quick] [--dir /tmp]
+    python -m benchmarks.bench_persist --journal [--quick]
+
+Writes benchmarks/out/journal.json. The machine is shared and noisy: the load is printed with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import arrowbuf as ab
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "out"
+POLICIES = ("group", "batch", "os")
+
+
+def fsync_loop(where: str, seconds: float) -> dict[str, float]:
+    """Append 4 KiB and fdatasync, as fast as possible: the disk's fsync ceiling."""
+    path = os.path.join(where, "fsync.bin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    buf = b"\1" * 4096
+    lat = []
+    end = time.perf_counter() + seconds
+    try:
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            os.write(fd, buf)
+            os.fdatasync(fd)
+            lat.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    a = np.array(lat)
+    return {"fsyncs_per_s": len(a) / a.sum(), "p50_us": float(np.percentile(a, 50) * 1e6),
+            "p99_us": float(np.percentile(a, 99) * 1e6)}
+
+
+def write_ceiling(where: str, nbytes: int) -> float:
+    buf = np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8).tobytes()
+    path = os.path.join(where, "seq.bin")
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    left = nbytes
+    while left > 0:
+        left -= os.write(fd, buf[:min(left, len(buf))])
+    os.fsync(fd)
+    os.close(fd)
+    dt = time.perf_counter() - t0
+    os.unlink(path)
+    return nbytes / dt
+
+
+def frames_schema() -> Any:
+    return {"name": "frames", "fields": {"obs": {"dtype": "uint8", "shape": [4, 84, 84]}, "action": "int64",
+                                         "reward": "float32", "done": "bool"}}
+
+
+def frames_batch(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"obs": rng.integers(0, 255, (n, 4, 84, 84), dtype=np.uint8), "action": np.zeros(n, np.int64),
+            "reward": np.ones(n, np.float32), "done": (np.arange(n) % 100) == 99}
+
+
+def grpo_batch(n: int, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(64, 512, n)
+    return {"prompt_id": np.arange(n, dtype=np.int64) // 8,
+            "prompt_tokens": [rng.integers(0, 32000, 128, dtype=np.int32) for _ in range(n)],
+            "response_tokens": [rng.integers(0, 32000, k, dtype=np.int32) for k in lens],
+            "logprobs": [np.zeros(k, np.float32) for k in lens], "policy_version": np.zeros(n, np.int64),
+            "done": np.ones(n, bool)}
+
+
+def _store(kind: str, durable: str | None, policy: str | None, capacity: int) -> ab.ExperienceStore:
+    schema = frames_schema() if kind == "frames" else ab.load_schema("grpo")
+    kw: dict[str, Any] = {} if durable is None else {"durable": durable, "durability": policy}
+    return ab.ExperienceStore(schema, capacity=capacity, seed=0, **kw)
+
+
+def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: float) -> dict[str, float]:
+    """Rows/s of `writers` threads extending back to back for `seconds` (the ring wraps: steady state)."""
+    n = 256 if kind == "frames" else 64
+    batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
+    row_bytes = (4 * 84 * 84 + 13) if kind == "frames" else int(np.mean([len(r) for r in batch["response_tokens"]]) * 8
+                                                                 + 128 * 4 + 24)
+    d = tempfile.mkdtemp(dir=where, prefix="jb-")
+    s = _store(kind, None if policy is None else os.path.join(d, "run"), policy, 20 * n * writers)
+    try:
+        for _ in range(2):
+            s.extend(batch)  # warm up (first touch of the ring)
+        done = [0] * writers
+        stop = time.perf_counter() + seconds
+
+        def loop(i: int) -> None:
+            while time.perf_counter() < stop:
+                s.extend(batch)
+                done[i] += n
+
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(writers)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        dt = time.perf_counter() - t0
+        st = s.stats().get("journal", {})
+        return {"rows_per_s": sum(done) / dt, "mb_per_s": sum(done) * row_bytes / dt / 1e6,
+                "fsyncs": st.get("fsyncs", 0), "records": st.get("records", 0)}
+    finally:
+        s.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def flight_ingest(where: str, policy: str | None, seconds: float) -> float:
+    batch = grpo_batch(64)
+    d = tempfile.mkdtemp(dir=where, prefix="jb-")
+    s = _store("grpo", None if policy is None else os.path.join(d, "run"), policy, 4096)
+    try:
+        with ab.serve(s, "grpc://127.0.0.1:0") as server, ab.connect(server.location) as c:
+            c.extend(batch)
+            rows, stop, t0 = 0, time.perf_counter() + seconds, time.perf_counter()
+            while time.perf_counter() < stop:
+                c.extend(batch)
+                rows += 64
+            return rows / (time.perf_counter() - t0)
+    finally:
+        s.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def ack_latency(where: str, policy: str | None, count: int) -> dict[str, float]:
+    batch = grpo_batch(16)
+    d = tempfile.mkdtemp(dir=where, prefix="jb-")
+    s = _store("grpo", None if policy is None else os.path.join(d, "run"), policy, 4096)
+    try:
+        lat = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            s.extend(batch)
+            lat.append(time.perf_counter() - t0)
+        a = np.array(lat[5:])
+        return {"p50_us": float(np.percentile(a, 50) * 1e6), "p99_us": float(np.percentile(a, 99) * 1e6)}
+    finally:
+        s.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _drop(path: str) -> None:
+    for dd, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(dd, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def recovery(where: str, mb: int) -> dict[str, float]:
+    """Restore of a durable store whose rows are all in the journal (no checkpoint after the first)."""
+    d = tempfile.mkdtemp(dir=where, prefix="jb-")
+    run = os.path.join(d, "run")
+    batch = frames_batch(256)
+    rows = max(256, (mb << 20) // (4 * 84 * 84) // 256 * 256)
+    s = _store("frames", run, "os", rows + 256)
+    try:
+        for _ in range(rows // 256):
+            s.extend(batch)
+        s.close()
+        jdir = os.path.join(run, "_journal")
+        jbytes = sum(os.path.getsize(os.path.join(jdir, f)) for f in os.listdir(jdir))
+        _drop(run)
+        t0 = time.perf_counter()
+        for f in sorted(os.listdir(jdir)):
+            with open(os.path.join(jdir, f), "rb") as fh:
+                while fh.read(8 << 20):
+                    pass
+        read_s = time.perf_counter() - t0
+        _drop(run)
+        t0 = time.perf_counter()
+        with ab.ExperienceStore.restore(run) as again:
+            restore_s = time.perf_counter() - t0
+            assert len(again) == rows
+        gb = jbytes / 1e9
+        return {"journal_gb": gb, "rows": rows, "restore_s": restore_s, "restore_s_per_gb": restore_s / gb,
+                "read_s_per_gb": read_s / gb, "vs_read": read_s / restore_s}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def run(where: str, quick: bool) -> dict[str, Any]:
+    secs = 1.0 if quick else 4.0
+    res: dict[str, Any] = {"load_start": os.getloadavg()[0], "cpus": os.cpu_count(), "dir": where, "quick": quick}
+    res["fsync"] = fsync_loop(where, secs)
+    res["write_gb_per_s"] = write_ceiling(where, (128 if quick else 1024) << 20) / 1e9
+    res["ingest"] = {}
+    for kind in ("frames", "grpo"):
+        for writers in (1, 4):
+            for policy in (None, *POLICIES):
+                if quick and writers == 4 and policy in ("batch", "os"):
+                    continue
+                r = ingest(kind, where, policy, writers, secs)
+                res["ingest"][f"{kind} w{writers} {policy or 'none'}"] = r
+    res["flight"] = {str(p or "none"): flight_ingest(where, p, secs) for p in (None, "group")}
+    res["ack"] = {str(p or "none"): ack_latency(where, p, 100 if quick else 1000) for p in (None, *POLICIES)}
+    res["recovery"] = recovery(where, 64 if quick else 1024)
+    res["load_end"] = os.getloadavg()[0]
+    return res
+
+
+def table(res: dict[str, Any]) -> str:
+    f = res["fsync"]
+    out = [f"journal ({'quick' if res['quick'] else 'full'}, {res['dir']}): load {res['load_start']:.1f} -> "
+           f"{res['load_end']:.1f} on {res['cpus']} CPUs",
+           f"ceilings: raw fsync loop {f['fsyncs_per_s']:.0f}/s (p50 {f['p50_us']:.0f} us, p99 {f['p99_us']:.0f} "
+           f"us); sequential write {res['write_gb_per_s']:.2f} GB/s",
+           f"{'ingest (in process)':<28} {'rows/s':>10} {'MB/s':>8} {'x none':>7} {'fsyncs':>7} {'records':>8}"]
+    ing = res["ingest"]
+    for key, r in ing.items():
+        kind, w, _ = key.split()
+        base = ing[f"{kind} {w} none"]["rows_per_s"]
+        out.append(f"{key:<28} {r['rows_per_s']:>10.0f} {r['mb_per_s']:>8.1f} {r['rows_per_s'] / base:>7.2f} "
+                   f"{r['fsyncs']:>7} {r['records']:>8}")
+    fl = res["flight"]
+    out.append(f"over Flight (grpo, 1 client): none {fl['none']:.0f} rows/s, group {fl['group']:.0f} rows/s "
+               f"({fl['group'] / fl['none']:.2f}x)")
+    out.append("ack latency (extend of 16 grpo rows): " + ", ".join(
+        f"{p} p50 {r['p50_us']:.0f} us / p99 {r['p99_us']:.0f} us" for p, r in res["ack"].items()))
+    rc = res["recovery"]
+    out.append(f"recovery: {rc['journal_gb']:.3f} GB of journal ({rc['rows']} frames rows) restored in "
+               f"{rc['restore_s']:.2f} s = {rc['restore_s_per_gb']:.2f} s/GB; reading the files "
+               f"{rc['read_s_per_gb']:.2f}"
+               f" s/GB ({rc['vs_read']:.2f}x of the read ceiling)")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1 s per row, small recovery (a check that it runs)")
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure")
+    args = p.parse_args(argv)
+    res = run(args.dir, args.quick)
+    print(table(res))
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "journal.json").write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
