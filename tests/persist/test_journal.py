@@ -477,3 +477,44 @@ def test_fuzz_damaged_segments_give_a_prefix_or_store_corrupt(tmp_path):
     finally:
         with open(path, "wb") as f:
             f.write(data)
+
+
+_LEASE_CHILD = textwrap.dedent("""
+    import sys, numpy as np, arrowbuf as ab
+    from test_journal import GRPO, rollouts
+    s = ab.ExperienceStore(GRPO, capacity=10_000, durable=sys.argv[1], durability="batch", tasks=["train"])
+    s.extend(rollouts(40))
+    acked = s.consume("train", 10, lease=600)                 # acknowledged: final, journaled
+    acked.ack()
+    plain = s.consume("train", 5)                             # no lease: final when returned
+    held = s.consume("train", 10, lease=600)                  # in flight at the crash: never acknowledged
+    print(" ".join(map(str, acked.indices)), "|", " ".join(map(str, plain.indices)), "|",
+          " ".join(map(str, held.indices)), flush=True)
+    sys.stdin.readline()                                      # killed here
+""")
+
+
+def test_leases_survive_a_crash_acked_rows_stay_consumed_unacked_rows_come_back(tmp_path):
+    """A durable store journals a consumption where it becomes final: an ack (or a consume without a lease). After
+    kill -9 and a restore, acknowledged rows are never delivered again and rows in flight (leased, not acked) are."""
+    d = tmp_path / "run"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), tests])}
+    p = subprocess.Popen([sys.executable, "-c", _LEASE_CHILD, str(d)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        line = p.stdout.readline()
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        p.stdin.close()
+    acked, plain, held = ([int(v) for v in part.split()] for part in line.split("|"))
+    assert len(acked) == 10 and len(plain) == 5 and len(held) == 10
+    with ab.ExperienceStore.restore(d) as again:
+        assert again.stats()["consumed"]["train"] == 15
+        left = again.consume("train", 1000).indices.tolist()
+        assert not set(left) & set(acked + plain)
+        assert set(held) <= set(left) and len(left) == 25  # the leased rows first, in order, then the rest
+        assert left[:10] == sorted(held)
