@@ -26,9 +26,13 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, SchemaError
+from ..schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
 from ..store.facade import ExperienceStore
 from .tq_columns import FieldKind
 from .tq_samplers import BaseSampler
+
+
+RESERVED = frozenset(SYSTEM_COLUMNS) | frozenset(STREAM_KEYS)
 
 
 def _grow(arr: np.ndarray, n: int, fill: Any) -> np.ndarray:
@@ -44,15 +48,18 @@ class FieldGroup:
 
     def __init__(self, name: str, kinds: dict[str, FieldKind], capacity: int) -> None:
         self.fields = tuple(sorted(kinds))
-        schema = {"name": name, "fields": {f: kinds[f].schema_entry() for f in self.fields}}
+        # a field named like a store column (seq, step, episode_id, actor) is stored as `<name>__tq`
+        self.column = {f: f"{f}__tq" if f in RESERVED else f for f in self.fields}
+        schema = {"name": name, "fields": {self.column[f]: kinds[f].schema_entry() for f in self.fields},
+                  "episode_end": [], "truncation": []}  # a sample is a row; no field ends an episode
         self.store = ExperienceStore(schema, capacity=capacity, sampler="fifo", name=name)
 
     def write(self, cols: dict[str, pa.Array]) -> np.ndarray:
-        batch = pa.record_batch([cols[f] for f in self.fields], names=list(self.fields))
+        batch = pa.record_batch([cols[f] for f in self.fields], names=[self.column[f] for f in self.fields])
         return np.asarray(self.store.extend(batch), dtype=np.int64)
 
     def read(self, fields: list[str], seqs: np.ndarray) -> dict[str, pa.Array]:
-        table = self.store.to_table(columns=[*fields, "seq"])
+        table = self.store.to_table(columns=[*(self.column[f] for f in fields), "seq"])
         stored = table.column("seq").to_numpy()
         pos = seqs - (stored[0] if len(stored) else 0)
         ok = (pos >= 0) & (pos < len(stored))
@@ -61,7 +68,7 @@ class FieldGroup:
             raise SchemaError(f"fields {fields} of {int((~ok).sum())} sample(s) were evicted from the ring "
                               "(raise `capacity` in init's conf, or clear what you no longer need)")
         taken = table.take(pa.array(pos))
-        return {f: taken.column(f) for f in fields}
+        return {f: taken.column(self.column[f]) for f in fields}
 
     def close(self) -> None:
         self.store.close()
@@ -129,9 +136,18 @@ class PartitionState:
                            "(never written, or cleared)")
 
     # ------------------------------------------------------------------ field values
-    def check_kinds(self, kinds: dict[str, FieldKind]) -> None:
-        for f, k in kinds.items():
+    def check_kinds(self, kinds: dict[str, FieldKind], cols: dict[str, pa.Array]) -> None:
+        """Refuse fields whose kind differs from the partition's; a dense `[B, L]` batch of a jagged field is
+        taken as B samples of length L (rewritten in `cols`)."""
+        for f, k in list(kinds.items()):
             old = self.kinds.get(f)
+            if (old is not None and old.kind == "jagged" and k.kind == "dense" and len(k.shape) == 1
+                    and k.dtype == old.dtype):
+                col = cols[f]
+                flat = col.storage.flatten() if isinstance(col.type, pa.FixedShapeTensorType) else col
+                offsets = np.arange(len(col) + 1, dtype=np.int32) * k.shape[0]
+                cols[f], kinds[f] = pa.ListArray.from_arrays(pa.array(offsets), flat), old
+                continue
             if old is not None and old != k:
                 raise SchemaError(f"field {f!r}: this put holds {k.kind} {k.dtype}{list(k.shape)}, but the "
                                   f"partition's first put of it held {old.kind} {old.dtype}{list(old.shape)}; "
@@ -258,7 +274,7 @@ class TQState:
         with self.lock:
             p = self.partition(partition_id, create=True)
             gidx, new = p.plan_keys(keys, create=True)
-            p.check_kinds(kinds)
+            p.check_kinds(kinds, cols)
             if tags is not None and len(tags) != len(keys):
                 raise InvalidArgument(f"keys with length {len(keys)} does not match length of tags {len(tags)}")
             p.write(gidx, kinds, cols)
@@ -273,7 +289,7 @@ class TQState:
         """Metadata-path put: fields of existing samples `gidx`, or `count` new samples when gidx is None."""
         with self.lock:
             p = self.partition(partition_id, create=gidx is None)
-            p.check_kinds(kinds)
+            p.check_kinds(kinds, cols)
             if gidx is not None:
                 p.check_live(gidx)
                 p.write(gidx, kinds, cols)
@@ -297,7 +313,9 @@ class TQState:
         with self.lock:
             p = self.partition(partition_id)
             p.check_live(gidx)
-            names = self.fields_of(p, gidx) if fields is None else list(fields)
+            # every field any of the samples has: a sample without one of them is an error, as in TransferQueue
+            names = (sorted(f for f in p.group_of if (p.group_of[f][gidx] >= 0).any()) if fields is None
+                     else list(fields))
             return p.read(gidx, names), {f: p.kinds[f] for f in names}
 
     def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int, mode: str,
