@@ -8,7 +8,6 @@ import json
 import multiprocessing as mp
 from typing import Any
 
-import numpy as np
 import pyarrow.flight as flight
 import pytest
 

@@ -31,7 +31,6 @@ from ..store.facade import ExperienceStore
 from .tq_columns import FieldKind
 from .tq_samplers import BaseSampler
 
-
 RESERVED = frozenset(SYSTEM_COLUMNS) | frozenset(STREAM_KEYS)
 
 
