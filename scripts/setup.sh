@@ -8,4 +8,4 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/python -m pip install -q --upgrade pip
 fi
 # torch is pinned: the CPU wheel 2.13.0 lies on this machine; an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q -e '.[query,dev,demo,ray]' 'torch==2.13.0' cryptography
+.venv/bin/python -m pip install -q -e '.[query,dev,demo,ray,compat]' 'torch==2.13.0' cryptography

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import SchemaError
+from ..schema.convert import tensor_to_numpy
 from ..schema.spec import DTYPES
 
 #: What a field is, so that a get returns what the put gave.
@@ -217,17 +218,23 @@ def columns_of(fields: Any, batch: int) -> tuple[dict[str, FieldKind], dict[str,
     return kinds, cols
 
 
+def dense_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A scalar or `fixed_shape_tensor` column as an ndarray `[B, *shape]` (bool tensors included, which
+    pyarrow's `to_numpy_ndarray` refuses)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if isinstance(col.type, pa.FixedShapeTensorType):
+        return tensor_to_numpy(col)
+    return col.to_numpy(zero_copy_only=False)
+
+
 def from_column(kind: FieldKind, col: pa.Array | pa.ChunkedArray) -> Any:
     """An Arrow column back to what the put gave: a tensor, a jagged nested tensor, or a list of str."""
     torch = torch_module()
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if kind.kind == "dense":
-        if isinstance(col.type, pa.FixedShapeTensorType):
-            arr = col.to_numpy_ndarray()
-        else:
-            arr = col.to_numpy(zero_copy_only=False)
-        arr = np.asarray(arr, dtype=kind.dtype).reshape((len(col), *kind.shape))
+        arr = np.asarray(dense_numpy(col), dtype=kind.dtype).reshape((len(col), *kind.shape))
         return torch.from_numpy(np.array(arr, copy=True) if not arr.flags.writeable else arr)
     offsets = np.asarray(col.offsets, dtype=np.int64)
     flat = col.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]

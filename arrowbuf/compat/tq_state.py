@@ -58,16 +58,12 @@ class FieldGroup:
         return np.asarray(self.store.extend(batch), dtype=np.int64)
 
     def read(self, fields: list[str], seqs: np.ndarray) -> dict[str, pa.Array]:
-        table = self.store.to_table(columns=[*(self.column[f] for f in fields), "seq"])
-        stored = table.column("seq").to_numpy()
-        pos = seqs - (stored[0] if len(stored) else 0)
-        ok = (pos >= 0) & (pos < len(stored))
-        ok[ok] = stored[pos[ok]] == seqs[ok]
-        if not ok.all():
-            raise SchemaError(f"fields {fields} of {int((~ok).sum())} sample(s) were evicted from the ring "
-                              "(raise `capacity` in init's conf, or clear what you no longer need)")
-        taken = table.take(pa.array(pos))
-        return {f: taken.column(self.column[f]) for f in fields}
+        try:
+            batch = self.store.take(seqs, columns=[self.column[f] for f in fields])
+        except InvalidArgument:
+            raise SchemaError(f"fields {fields} of some sample(s) were evicted from the ring (raise `capacity` in "
+                              "init's conf, or clear what you no longer need)") from None
+        return {f: batch.data.column(self.column[f]) for f in fields}
 
     def close(self) -> None:
         self.store.close()
@@ -216,7 +212,8 @@ class PartitionState:
                 result[f] = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
                 continue
             order = np.concatenate([np.flatnonzero(m) for m, _ in pieces])
-            joined = pa.chunked_array([c for _, p in pieces for c in p.chunks]).combine_chunks()
+            joined = pa.concat_arrays([p.combine_chunks() if isinstance(p, pa.ChunkedArray) else p
+                                       for _, p in pieces])
             result[f] = joined.take(pa.array(np.argsort(order, kind="stable")))
         return result
 
