@@ -230,3 +230,23 @@ def test_dqn_learns_cartpole(kind: str) -> None:
     score = dqn_cartpole(storage, seed=0)
     # a random policy scores about 22; learning within 6000 seeded steps lifts the greedy policy far above it
     assert score >= 100, score
+
+
+def test_arrowbuf_sampler_delegates_to_the_stores_prioritized_sampler() -> None:
+    from arrowbuf.compat.torchrl import ArrowbufSampler
+
+    storage = ArrowbufStorage(8, sampler=ab.samplers.Prioritized(alpha=1.0, beta=1.0), seed=0)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=ArrowbufSampler(), batch_size=256)
+    rb.extend(transitions(11))  # wraps: slots 0..2 hold 8..10
+    batch = rb.sample()
+    assert torch.equal(rb[batch["index"]]["action"], batch["action"]) and "priority_weight" in batch.keys()
+    prio = torch.full((8,), 1e-3)
+    prio[1] = 100.0  # slot 1 holds transition 9
+    rb.update_priority(torch.arange(8), prio)
+    batch = rb.sample()
+    hits = (batch["observation"][:, 0] == 9).float().mean().item()
+    assert hits > 0.95, hits
+    w = batch["priority_weight"]
+    assert ((w > 0) & (w <= 1)).all()  # importance weights (arrowbuf normalises by the largest possible weight)
+    assert (w[batch["observation"][:, 0] == 9] < 1e-3).all()  # the over-sampled item is weighted down
+    storage.close()

@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensor_collection
+from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 
 from ..errors import InvalidArgument, SchemaError
@@ -89,10 +90,13 @@ class ArrowbufStorage(StoreStorage):
         tier: "host" (default) or "shm" for a store that other processes open (the storage pickles by name).
         name: the store's name (a shared store's name in /dev/shm).
         device: where `get` puts the tensors.
+        sampler: the store's own sampler (e.g. `ab.samplers.Prioritized(alpha=0.6, beta=0.4)`), which an
+            `ArrowbufSampler` delegates to; TorchRL's samplers ignore it.
+        seed: the store sampler's seed.
     """
 
     def __init__(self, max_size: int | None = None, *, store: Any = None, tier: str = "host",
-                 name: str | None = None, device: Any = "cpu") -> None:
+                 name: str | None = None, device: Any = "cpu", sampler: Any = "fifo", seed: int | None = None) -> None:
         if max_size is None:
             if store is None:
                 raise InvalidArgument("ArrowbufStorage needs max_size (or a store to take it from)")
@@ -101,6 +105,8 @@ class ArrowbufStorage(StoreStorage):
         if tier not in ("host", "shm"):
             raise InvalidArgument(f"tier must be 'host' or 'shm', got {tier!r}")
         self._store = store
+        self._sampler_spec = sampler
+        self._seed = seed
         self._tier = tier
         self._name = name or f"torchrl-{id(self):x}"
         self._offset = 0          # slot(seq) = (seq + offset) % max_size
@@ -123,9 +129,19 @@ class ArrowbufStorage(StoreStorage):
         return self._store
 
     def _create(self, leaves: dict[str, torch.Tensor]) -> None:
-        self._store = ExperienceStore(_schema(self._name, leaves), capacity=self.max_size, sampler="fifo",
-                                      tier=self._tier, name=self._name)
+        self._store = ExperienceStore(_schema(self._name, leaves), capacity=self.max_size,
+                                      sampler=self._sampler_spec, seed=self._seed, tier=self._tier, name=self._name)
         self._is_tensor = _TENSOR in leaves
+
+    def seqs_of(self, slots: Any) -> np.ndarray:
+        """The row ids (seqs) behind slots."""
+        lo, hi = self._range()
+        arr = np.asarray(torch.as_tensor(slots).reshape(-1).cpu(), dtype=np.int64)
+        return lo + (arr - self._offset - lo) % self.max_size
+
+    def slots_of(self, seqs: Any) -> np.ndarray:
+        """The slots of row ids (seqs)."""
+        return (np.asarray(seqs, dtype=np.int64) + self._offset) % self.max_size
 
     def _range(self) -> tuple[int, int]:
         """The live seqs [lo, hi) of the store."""
@@ -287,4 +303,53 @@ class ArrowbufStorage(StoreStorage):
         return f"ArrowbufStorage(max_size={self.max_size}, len={len(self)}, tier={self._tier!r})"
 
 
-__all__ = ["ArrowbufStorage"]
+class ArrowbufSampler(Sampler):
+    """A TorchRL sampler that delegates to the `ArrowbufStorage`'s own store sampler (arrowbuf's sum-tree
+    `Prioritized`, uniform, ...): `sample` returns its items as slots with `priority_weight` (importance weights, max
+    1) when it has them; `update_priority` goes to `store.update_priorities`. TorchRL's own `PrioritizedSampler`
+    needs its C++ extension, which torchrl 0.14.1 does not load against torch 2.13.0; this one needs none. Update
+    priorities with `rb.update_priority(batch["index"], td_error)` (TorchRL's `update_tensordict_priority` acts only
+    for its own PrioritizedSampler)::
+
+        storage = ArrowbufStorage(100_000, sampler=ab.samplers.Prioritized(alpha=0.6, beta=0.4))
+        rb = TensorDictReplayBuffer(storage=storage, sampler=ArrowbufSampler(), batch_size=256,
+                                    priority_key="td_error")
+    """
+
+    def sample(self, storage: Any, batch_size: int) -> tuple[Any, dict[str, Any]]:
+        store = self._store(storage)
+        batch = store.sample(batch_size, columns=[])
+        info: dict[str, Any] = {}
+        if batch.weights is not None:
+            info["priority_weight"] = torch.as_tensor(np.asarray(batch.weights, dtype=np.float32))
+        return torch.as_tensor(storage.slots_of(batch.indices)), info
+
+    def update_priority(self, index: Any, priority: Any, *, storage: Any = None) -> None:
+        if storage is None:
+            raise InvalidArgument("ArrowbufSampler.update_priority needs the storage (a replay buffer passes it)")
+        prio = np.asarray(torch.as_tensor(priority).detach().reshape(-1).cpu(), dtype=np.float64)
+        self._store(storage).update_priorities(storage.seqs_of(index), prio)
+
+    @staticmethod
+    def _store(storage: Any) -> Any:
+        if not isinstance(storage, ArrowbufStorage) or storage.store is None:
+            raise InvalidArgument("ArrowbufSampler samples an ArrowbufStorage that holds data")
+        return storage.store
+
+    def _empty(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the sampler's state (priorities) lives in the store: state_dict/dumps of the storage keep it
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+    def dumps(self, path: Any) -> None:
+        pass
+
+    def loads(self, path: Any) -> None:
+        pass
+
+
+__all__ = ["ArrowbufSampler", "ArrowbufStorage"]
