@@ -297,6 +297,31 @@ def test_async_twins(system: str) -> None:
     assert got["x"].tolist() == [1, 0] and listed == {"p": {"a": {"s": 1}, "b": {}}} and after == {"p": {"b": {}}}
 
 
+def test_the_client_calls_verl_makes(system: str) -> None:
+    """verl 0.9.1 (verl/utils/transferqueue_utils.py) bridges its KV metadata and the metadata path with
+    `get_client()`'s async_kv_retrieve_meta / async_get_data / async_put / async_kv_retrieve_keys."""
+    client = tq.get_client()
+
+    async def step() -> Any:
+        kv = tq.kv_batch_put(keys=["p0_0", "p0_1"], partition_id="global_steps_0",
+                             fields={"prompts": torch.arange(4).reshape(2, 2)}, tags=[{"uid": "p0"}] * 2)
+        meta = await client.async_kv_retrieve_meta(keys=kv.keys, partition_id=kv.partition_id, create=False)
+        data = await client.async_get_data(meta.select_fields(["prompts"]))
+        out = await client.async_put(data=TensorDict({"responses": data["prompts"] + 100}, batch_size=2),
+                                     metadata=meta)
+        keys = await client.async_kv_retrieve_keys(global_indexes=out.global_indexes, partition_id="global_steps_0")
+        fresh = await client.async_kv_retrieve_meta(keys=["p1_0"], partition_id="global_steps_0", create=True)
+        return meta, out, keys, fresh
+
+    meta, out, keys, fresh = asyncio.run(step())
+    assert meta.field_names == ["prompts"] and out.field_names == ["prompts", "responses"] and out.is_ready
+    assert keys == ["p0_0", "p0_1"] and fresh.size == 1 and fresh.field_names == []
+    got = tq.kv_batch_get(keys=["p0_1"], partition_id="global_steps_0", select_fields=["responses"])
+    assert got["responses"].tolist() == [[102, 103]]
+    with pytest.raises(NotImplementedError, match="stores"):
+        tq.save_checkpoint("x")
+
+
 def test_flight_refuses_malformed_requests_cleanly() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
@@ -309,7 +334,7 @@ def test_flight_refuses_malformed_requests_cleanly() -> None:
                                                                                      max_size=4), max_leaves=12)
         ops = st.sampled_from(["get_meta", "production_status", "consumption_status", "reset_consumption",
                                "clear_keys", "clear_samples", "clear_partition", "kv_list", "tags_of",
-                               "key_indexes", "put_tags", "nope"])
+                               "key_indexes", "keys_of", "field_names", "put_tags", "nope"])
 
         @settings(max_examples=60, deadline=None)
         @given(op=ops, body=st.dictionaries(st.sampled_from(["partition_id", "keys", "gidx", "tags", "data_fields",

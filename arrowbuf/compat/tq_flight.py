@@ -4,7 +4,7 @@ with `tq.init({"arrowbuf": {"location": server.location}})`.
 Wire format, version `tq.v1` (everything a remote client sends is bounded and validated before bulk data is read):
 - DoAction `tq.v1.<op>` with a JSON object body (at most `MAX_JSON` bytes) for the metadata calls (`get_meta`,
   `production_status`, `consumption_status`, `reset_consumption`, `clear_keys`, `clear_samples`,
-  `clear_partition`, `kv_list`, `tags_of`, `key_indexes`, `put_tags`); the result is one JSON object.
+  `clear_partition`, `kv_list`, `tags_of`, `key_indexes`, `keys_of`, `field_names`, `put_tags`); the result is one JSON object.
 - DoPut with a JSON command descriptor `{"op": "put_keys"|"put_indexes", "partition_id", "keys"|"gidx"|"count",
   "kinds": {field: [kind, dtype, shape]}, "tags"}` and a stream of record batches whose columns are the fields
   (the Arrow types `tq_columns` gives them; checked against `kinds` before any value is read into the state). The
@@ -236,6 +236,11 @@ class TQServer(flight.FlightServerBase):
             with s.lock:
                 gidx, _ = s.partition(pid).plan_keys(_strs(b, "keys"), create=False)
             return gidx.tolist()
+        if op == "field_names":
+            with s.lock:
+                return sorted(s.partition(pid).group_of)
+        if op == "keys_of":
+            return s.keys_of(pid, _ids(b, "gidx"))
         if op == "put_tags":
             return s.put_indexes(pid, _ids(b, "gidx"), 0, {}, {}, _tags(b)).tolist()
         raise InvalidArgument(f"unknown action {VERSION}.{op}")
@@ -398,6 +403,12 @@ class RemoteBackend:
 
     def tags_of(self, partition_id: str, gidx: np.ndarray) -> list[dict[str, Any]]:
         return list(self._act("tags_of", partition_id=partition_id, gidx=np.asarray(gidx).tolist()))
+
+    def field_names(self, partition_id: str) -> list[str]:
+        return list(self._act("field_names", partition_id=partition_id))
+
+    def keys_of(self, partition_id: str, gidx: np.ndarray) -> list[str | None]:
+        return list(self._act("keys_of", partition_id=partition_id, gidx=np.asarray(gidx).tolist()))
 
     def close_client(self) -> None:
         self._client.close()

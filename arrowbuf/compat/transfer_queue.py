@@ -55,7 +55,8 @@ __all__ = [
     "async_kv_put", "check_consumption_status", "check_production_status", "clear_partition", "clear_samples",
     "close", "get_client", "get_consumption_status", "get_data", "get_meta", "get_partition_list",
     "get_production_status", "init", "kv_batch_get", "kv_batch_get_by_meta", "kv_batch_put", "kv_clear",
-    "kv_list", "kv_put", "put", "reset_consumption", "serve", "set_custom_meta", "stores",
+    "kv_list", "kv_put", "load_checkpoint", "put", "reset_consumption", "save_checkpoint", "serve",
+    "set_custom_meta", "stores",
 ]
 
 DEFAULT_CAPACITY = 65_536
@@ -285,6 +286,59 @@ class TransferQueueClient:
     def kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
         self.backend.clear_keys(partition_id, [keys] if isinstance(keys, str) else list(keys))
 
+    def kv_retrieve_meta(self, keys: list[str], partition_id: str, create: bool = False) -> BatchMeta:
+        """The BatchMeta of `keys` (new keys are created as empty samples when `create`), with every field each
+        of them has."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        if create:
+            gidx, _ = self.backend.put_keys(partition_id, keys, {}, {}, None)
+        else:
+            gidx = self.backend.key_indexes(partition_id, keys)
+        gidx = np.asarray(gidx, dtype=np.int64)
+        fields = [f for f in self._fields(partition_id) if self._has(partition_id, f, gidx)]
+        return self._meta(partition_id, gidx, fields)
+
+    def _fields(self, partition_id: str) -> list[str]:
+        return list(self.backend.field_names(partition_id))
+
+    def _has(self, partition_id: str, field: str, gidx: np.ndarray) -> bool:
+        idx, st = self.backend.production_status(partition_id, [field])
+        pos = np.searchsorted(idx, gidx)
+        return bool(len(gidx)) and bool(np.all(st[pos] == 1))
+
+    def kv_retrieve_keys(self, global_indexes: list[int], partition_id: str) -> list[str | None]:
+        """The user keys of samples (None for samples inserted without one)."""
+        return list(self.backend.keys_of(partition_id, np.asarray(global_indexes, dtype=np.int64)))
+
+    # the async twins of the client's methods, as TransferQueue's client has them (run in a worker thread)
+    async def async_get_meta(self, data_fields: list[str], batch_size: int, partition_id: str, mode: str = "fetch",
+                             task_name: str | None = None, sampling_config: dict[str, Any] | None = None,
+                             sampler: Any = None) -> BatchMeta:
+        return await asyncio.to_thread(self.get_meta, data_fields, batch_size, partition_id, mode, task_name,
+                                       sampling_config, sampler)
+
+    async def async_put(self, data: Any, metadata: BatchMeta | None = None, partition_id: str | None = None,
+                        data_parser: Callable[[Any], Any] | None = None) -> BatchMeta:
+        return await asyncio.to_thread(self.put, data, metadata, partition_id, data_parser)
+
+    async def async_get_data(self, metadata: BatchMeta) -> Any:
+        return await asyncio.to_thread(self.get_data, metadata)
+
+    async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
+        await asyncio.to_thread(self.set_custom_meta, metadata)
+
+    async def async_kv_retrieve_meta(self, keys: list[str], partition_id: str, create: bool = False) -> BatchMeta:
+        return await asyncio.to_thread(self.kv_retrieve_meta, keys, partition_id, create)
+
+    async def async_kv_retrieve_keys(self, global_indexes: list[int], partition_id: str) -> list[str | None]:
+        return await asyncio.to_thread(self.kv_retrieve_keys, global_indexes, partition_id)
+
+    async def async_clear_partition(self, partition_id: str) -> None:
+        await asyncio.to_thread(self.clear_partition, partition_id)
+
+    async def async_reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        return await asyncio.to_thread(self.reset_consumption, partition_id, task_name)
+
     def close(self) -> None:
         close = getattr(self.backend, "close_client", None)
         if close is not None:
@@ -305,6 +359,10 @@ class _LocalBackend:
 
     def put_indexes(self, *args: Any) -> np.ndarray:
         return self.state.put_indexes(*args)
+
+    def field_names(self, partition_id: str) -> list[str]:
+        with self.state.lock:
+            return sorted(self.state.partition(partition_id).group_of)
 
     def key_indexes(self, partition_id: str, keys: list[str]) -> np.ndarray:
         with self.state.lock:
@@ -493,6 +551,17 @@ def clear_samples(metadata: BatchMeta) -> None:
 
 def get_partition_list() -> list[str]:
     return get_client().get_partition_list()
+
+
+def save_checkpoint(*args: Any, **kwargs: Any) -> None:
+    """Not mirrored: checkpoint the partition's arrowbuf stores instead (`stores(partition_id)`, `.checkpoint`)."""
+    raise NotImplementedError("arrowbuf.compat.transfer_queue has no save_checkpoint; checkpoint the stores of a "
+                              "partition with tq.stores(partition_id)[name].checkpoint(path)")
+
+
+def load_checkpoint(*args: Any, **kwargs: Any) -> None:
+    """Not mirrored (see `save_checkpoint`)."""
+    raise NotImplementedError("arrowbuf.compat.transfer_queue has no load_checkpoint (see save_checkpoint)")
 
 
 def _no_parser(data_parser: Any) -> None:
