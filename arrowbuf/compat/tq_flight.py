@@ -4,7 +4,8 @@ with `tq.init({"arrowbuf": {"location": server.location}})`.
 Wire format, version `tq.v1` (everything a remote client sends is bounded and validated before bulk data is read):
 - DoAction `tq.v1.<op>` with a JSON object body (at most `MAX_JSON` bytes) for the metadata calls (`get_meta`,
   `production_status`, `consumption_status`, `reset_consumption`, `clear_keys`, `clear_samples`,
-  `clear_partition`, `kv_list`, `tags_of`, `key_indexes`, `keys_of`, `field_names`, `put_tags`); the result is one JSON object.
+  `clear_partition`, `kv_list`, `tags_of`, `key_indexes`, `keys_of`, `field_names`, `put_tags`); the result is one
+  JSON object.
 - DoPut with a JSON command descriptor `{"op": "put_keys"|"put_indexes", "partition_id", "keys"|"gidx"|"count",
   "kinds": {field: [kind, dtype, shape]}, "tags"}` and a stream of record batches whose columns are the fields
   (the Arrow types `tq_columns` gives them; checked against `kinds` before any value is read into the state). The
