@@ -26,7 +26,7 @@ def system(request: Any) -> Any:
     """An initialised tq module: an in-process system, or a client of a system served over Flight."""
     tq.close()
     if request.param == "local":
-        tq.init({"arrowbuf": {"capacity": 4096}})
+        tq.init({"arrowbuf": {"capacity": 4096, "ray": False}})
         yield "local"
         tq.close()
         return
@@ -105,7 +105,7 @@ def test_fields_added_to_existing_keys(system: str) -> None:
 
 def test_new_field_is_a_column_in_sql_of_its_store() -> None:
     tq.close()
-    tq.init()
+    tq.init({"arrowbuf": {"ray": False}})
     try:
         tq.kv_batch_put(keys=["a", "b"], partition_id="p", fields={"prompt": torch.arange(2)})
         tq.kv_batch_put(keys=["a"], partition_id="p", fields={"reward": torch.tensor([0.25])})
@@ -374,7 +374,7 @@ def _child(location: str, out: Any) -> None:
 @pytest.mark.slow
 def test_put_then_get_by_key_across_processes() -> None:
     tq.close()
-    tq.init()
+    tq.init({"arrowbuf": {"ray": False}})
     try:
         tq.kv_batch_put(keys=["a", "b"], partition_id="train",
                         fields=TensorDict({"x": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "ids": jagged(1, 3)},
@@ -395,3 +395,36 @@ def test_put_then_get_by_key_across_processes() -> None:
         assert tq.check_consumption_status("learner", "train")
     finally:
         tq.close()
+
+
+def test_init_in_a_ray_job_finds_one_system(ray_cluster: Any) -> None:
+    """As TransferQueue's controller: the first init in a Ray job starts the system in a named actor; an init in
+    another process of the job (here a Ray actor) joins it; the process that started it stops it in close()."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def run(self) -> Any:
+            import arrowbuf.compat.transfer_queue as tq
+
+            tq.init()
+            got = tq.kv_batch_get(keys=["a", "b"], partition_id="train")
+            tq.kv_batch_put(keys=["c"], partition_id="train", fields={"x": got["x"][:1] * 10})
+            tq.close()
+            return got["x"].tolist()
+
+    tq.close()
+    tq.init()
+    try:
+        from arrowbuf.compat.tq_ray import ACTOR_NAME, NAMESPACE
+
+        assert ray.get_actor(ACTOR_NAME, namespace=NAMESPACE) is not None
+        tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields={"x": torch.tensor([[1, 2], [3, 4]])})
+        worker = Worker.remote()
+        assert ray.get(worker.run.remote(), timeout=120) == [[1, 2], [3, 4]]
+        assert tq.kv_batch_get(keys="c", partition_id="train")["x"].tolist() == [[10, 20]]
+        ray.kill(worker)
+    finally:
+        tq.close()
+    with pytest.raises(ValueError):
+        ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)

@@ -372,34 +372,50 @@ class _LocalBackend:
 
 
 _CLIENT: TransferQueueClient | None = None
+_RAY_ACTOR: Any = None  # the Ray actor holding the system, when this process's init started it
 
 
 def init(conf: Any = None) -> Any:
     """Start the system (first call) or join one: `conf` as TransferQueue's (a dict or OmegaConf), with arrowbuf's
     own settings under `arrowbuf`: `location` (join the system `serve` runs there, over Flight), `token`,
-    `capacity` (rows per field-group store, default 65536). `controller.sampler` names the default sampler (a
-    name, class or instance). A second `init` in the same process keeps the first system. Returns `conf`."""
-    global _CLIENT
+    `capacity` (rows per field-group store, default 65536), `ray` (default True: inside a Ray job, the system lives
+    in a named actor that every process's `init` finds, as TransferQueue's controller; see `tq_ray`), `host` (the
+    address that actor binds). `controller.sampler` names the default sampler (a name, class or instance). A second
+    `init` in the same process keeps the first system. Returns `conf`."""
+    global _CLIENT, _RAY_ACTOR
     if _CLIENT is not None:
         return conf
     location = _conf_get(conf, "arrowbuf", "location")
+    token = _conf_get(conf, "arrowbuf", "token")
+    capacity = int(_conf_get(conf, "arrowbuf", "capacity", default=DEFAULT_CAPACITY))
+    sampler = _conf_get(conf, "controller", "sampler")
+    if not location and _conf_get(conf, "arrowbuf", "ray", default=True):
+        from .tq_ray import join_or_start, ray_running
+
+        if ray_running():
+            location, _RAY_ACTOR = join_or_start(capacity, sampler, str(_conf_get(conf, "arrowbuf", "host",
+                                                                                  default="127.0.0.1")), token)
     if location:
         from .tq_flight import RemoteBackend
 
-        _CLIENT = TransferQueueClient(RemoteBackend(str(location), _conf_get(conf, "arrowbuf", "token")), conf)
+        _CLIENT = TransferQueueClient(RemoteBackend(str(location), token), conf)
         return conf
-    capacity = int(_conf_get(conf, "arrowbuf", "capacity", default=DEFAULT_CAPACITY))
-    state = TQState(capacity=capacity, sampler=make_sampler(_conf_get(conf, "controller", "sampler")))
+    state = TQState(capacity=capacity, sampler=make_sampler(sampler))
     _CLIENT = TransferQueueClient(_LocalBackend(state), conf, owned=state)
     return conf
 
 
 def close() -> None:
     """Close this process's client (and the system, when this process started it); idempotent."""
-    global _CLIENT
+    global _CLIENT, _RAY_ACTOR
     client, _CLIENT = _CLIENT, None
+    actor, _RAY_ACTOR = _RAY_ACTOR, None
     if client is not None:
         client.close()
+    if actor is not None:
+        from .tq_ray import stop
+
+        stop(actor)
 
 
 def get_client() -> TransferQueueClient:
