@@ -428,3 +428,18 @@ def test_init_in_a_ray_job_finds_one_system(ray_cluster: Any) -> None:
         tq.close()
     with pytest.raises(ValueError):
         ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
+
+
+def test_capacity_follows_transfer_queues_total_storage_size() -> None:
+    tq.close()
+    tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {"total_storage_size": 8}},
+             "arrowbuf": {"ray": False}})
+    try:
+        tq.kv_batch_put(keys=[f"k{i}" for i in range(4)], partition_id="p", fields={"x": torch.arange(4)})
+        (store,) = tq.stores("p").values()
+        assert store.capacity == 8
+        for _ in range(2):  # the same keys rewritten: their old rows are evicted, the live values stay readable
+            tq.kv_batch_put(keys=[f"k{i}" for i in range(4)], partition_id="p", fields={"x": torch.arange(4) + 1})
+        assert tq.kv_batch_get(keys=["k3", "k0"], partition_id="p")["x"].tolist() == [4, 1]
+    finally:
+        tq.close()

@@ -376,18 +376,24 @@ _RAY_ACTOR: Any = None  # the Ray actor holding the system, when this process's 
 
 
 def init(conf: Any = None) -> Any:
-    """Start the system (first call) or join one: `conf` as TransferQueue's (a dict or OmegaConf), with arrowbuf's
-    own settings under `arrowbuf`: `location` (join the system `serve` runs there, over Flight), `token`,
-    `capacity` (rows per field-group store, default 65536), `ray` (default True: inside a Ray job, the system lives
-    in a named actor that every process's `init` finds, as TransferQueue's controller; see `tq_ray`), `host` (the
-    address that actor binds). `controller.sampler` names the default sampler (a name, class or instance). A second
-    `init` in the same process keeps the first system. Returns `conf`."""
+    """Start the system (first call) or join one.
+
+    `conf` is TransferQueue's (a dict or OmegaConf); arrowbuf's own settings go under `arrowbuf`: `location` (join
+    the system `serve` runs there, over Flight), `token`, `capacity` (rows per field-group store; default
+    TransferQueue's `backend.SimpleStorage.total_storage_size`, else 65536; a store's memory is reserved for its
+    capacity and touched as rows arrive), `ray` (default True: inside a Ray job the system lives in a named actor
+    that every process's `init` finds, as TransferQueue's controller; see `tq_ray`), `host` (the address that actor
+    binds). `controller.sampler` names the default sampler (a name, class or instance). A second `init` in the same
+    process keeps the first system. Returns `conf`."""
     global _CLIENT, _RAY_ACTOR
     if _CLIENT is not None:
         return conf
     location = _conf_get(conf, "arrowbuf", "location")
     token = _conf_get(conf, "arrowbuf", "token")
-    capacity = int(_conf_get(conf, "arrowbuf", "capacity", default=DEFAULT_CAPACITY))
+    # TransferQueue's SimpleStorage.total_storage_size (samples held) sizes the rings when arrowbuf's capacity is unset
+    capacity = int(_conf_get(conf, "arrowbuf", "capacity",
+                             default=_conf_get(conf, "backend", "SimpleStorage", "total_storage_size",
+                                               default=DEFAULT_CAPACITY)))
     sampler = _conf_get(conf, "controller", "sampler")
     if not location and _conf_get(conf, "arrowbuf", "ray", default=True):
         from .tq_ray import join_or_start, ray_running
