@@ -130,7 +130,7 @@ def memcpy_ceiling(nbytes: int, repeats: int = 5) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="batch 256, seq_len 1024, 4 fields, 1 iteration")
+    ap.add_argument("--quick", action="store_true", help="batch 256, seq_len 1024, 4 fields, 3 iterations")
     ap.add_argument("--complex", action="store_true", help="perftest's complex case (nested tensors, strings)")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--seq-len", type=int, default=8192)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child, args.script, [a for a in args.rest if a != "--"])
         return 0
     if args.quick:
-        args.batch, args.seq_len, args.fields, args.iterations = 256, 1024, 4, 1
+        args.batch, args.seq_len, args.fields, args.iterations = 256, 1024, 4, 3
         args.timeout = min(args.timeout, 600)
     script = perftest_path()
     if script is None:
