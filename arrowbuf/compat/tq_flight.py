@@ -143,7 +143,9 @@ class TQServer(flight.FlightServerBase):
         middleware = {"auth": _AuthFactory(token)} if token else None
         super().__init__(location, middleware=middleware)
         self.state = state
-        self.location = f"grpc://127.0.0.1:{self.port}" if "0.0.0.0" not in location else location
+        host = location.split("://", 1)[-1].rsplit(":", 1)[0]
+        # the address clients dial: the bound host (loopback when it binds every interface)
+        self.location = f"grpc://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
         self._samplers: dict[str, BaseSampler] = {}
         self._lock = threading.Lock()
         self._closed = False

@@ -96,14 +96,14 @@ class BatchMeta:
 
     def chunk(self, chunks: int) -> list[BatchMeta]:
         """Split into `chunks` consecutive parts (sizes differ by at most one)."""
-        bounds = np.linspace(0, self.size, chunks + 1).round().astype(int) if chunks > 0 else [0]
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
         base, extra = divmod(self.size, chunks)
         out, start = [], 0
         for i in range(chunks):
             end = start + base + (1 if i < extra else 0)
             out.append(self.select_samples(list(range(start, end))))
             start = end
-        del bounds
         return out
 
     @classmethod
