@@ -170,3 +170,16 @@ def test_grpo_schema_is_bundled():
     s = ab.load_schema("grpo")
     assert set(s.later_fields) == {"reward", "ref_logprobs"} and s.episode_end == ("done",)
     assert s.fields["response_tokens"].ragged and s.fields["prompt_id"].dtype == np.int64
+
+
+def test_bool_tensor_fields_arrive_as_arrow_columns():
+    """A bool field with a shape, sent as a `fixed_shape_tensor` column (a pa.Table, e.g. a restored or
+    transferred batch): pyarrow's to_numpy_ndarray refuses bool tensors, the store must not."""
+    schema = ab.load_schema({"name": "b", "fields": {"mask": {"dtype": "bool", "shape": [2, 3]},
+                                                     "x": {"dtype": "int64"}}})
+    mask = np.array([[[True, False, True], [False, False, True]]] * 2)
+    col = pa.FixedShapeTensorArray.from_numpy_ndarray(mask)
+    store = ab.ExperienceStore(schema, capacity=4)
+    store.extend(pa.table({"mask": col, "x": [1, 2]}))
+    assert np.array_equal(np.stack(store.to_table()["mask"].to_pylist()).reshape(2, 2, 3), mask)
+    store.close()

@@ -423,3 +423,21 @@ def test_concurrent_extend_and_sample_never_tears():
         for t in threads:
             t.join()
     assert not errors
+
+
+def test_take_reads_rows_by_id_in_the_given_order():
+    store = ab.ExperienceStore(SMALL, capacity=8)
+    eps = {"obs": np.arange(36, dtype=np.float32).reshape(12, 3), "action": np.arange(12),
+           "reward": np.arange(12, dtype=np.float32), "terminated": np.arange(12) % 5 == 4,
+           "truncated": np.zeros(12, bool), "next_obs": np.zeros((12, 3), np.float32)}
+    ids = store.extend(eps)
+    batch = store.take(ids[[11, 4, 7, 4]], columns=["obs", "action"])
+    got = batch.to_numpy()
+    assert got["action"].tolist() == [11, 4, 7, 4] and np.array_equal(got["obs"], eps["obs"][[11, 4, 7, 4]])
+    assert batch.indices.tolist() == ids[[11, 4, 7, 4]].tolist() and batch.weights is None
+    assert store.stats()["samples"] == 0
+    with pytest.raises(ab.InvalidArgument, match="no stored row"):
+        store.take(ids[[0, 5]])  # 0..3 were evicted by the ring of 8
+    with pytest.raises(ab.InvalidArgument, match="no stored row"):
+        store.take([999])
+    store.close()

@@ -15,6 +15,7 @@ import pyarrow as pa
 from ..delivery.batch import SampleBatch
 from ..errors import SchemaError
 from ..schema import ExperienceSchema
+from ..schema.convert import tensor_to_numpy
 from . import protocol as P
 from .heap import release_after
 
@@ -70,7 +71,7 @@ def sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None, form: str = "json
         if col.null_count:  # a field filled later, absent in some rows: Arrow with nulls, as a local sample gives
             arrays[name] = col
         elif isinstance(t, pa.FixedShapeTensorType):
-            arrays[name] = received(col.to_numpy_ndarray())
+            arrays[name] = received(tensor_to_numpy(col))
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
             arrays[name] = col
         else:

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..ring.reservations import HOLE
+from ..schema.convert import tensor_to_numpy
 from ..store.core import StoreCore
 
 
@@ -142,7 +143,7 @@ def numpy_column(array: Any) -> np.ndarray:
     if isinstance(array.type, pa.FixedShapeTensorType):
         if len(array) == 0:
             return np.empty((0, *array.type.shape), dtype=array.type.value_type.to_pandas_dtype())
-        return np.asarray(array.to_numpy_ndarray())
+        return np.asarray(tensor_to_numpy(array))
     return np.asarray(array.to_numpy(zero_copy_only=False))
 
 

@@ -140,6 +140,16 @@ def stream_column(name: str, value: Any, single: bool) -> np.ndarray:
     return arr
 
 
+def tensor_to_numpy(value: pa.FixedShapeTensorArray) -> np.ndarray:
+    """A `fixed_shape_tensor` array as an ndarray `[rows, *shape]`, bool tensors included (pyarrow's
+    `to_numpy_ndarray` refuses them: "bool is not valid data type for a tensor")."""
+    t = value.type
+    if pa.types.is_boolean(t.value_type):
+        flat = value.storage.flatten().to_numpy(zero_copy_only=False)
+        return flat.reshape((len(value), *t.shape))
+    return value.to_numpy_ndarray()
+
+
 def _arrow_to_numpy(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> Any:
     if isinstance(value, pa.ChunkedArray):
         value = value.combine_chunks() if value.num_chunks != 1 else value.chunk(0)
@@ -151,7 +161,7 @@ def _arrow_to_numpy(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> Any:
                           "value (nulls would be stored as 0)")
     t = value.type
     if isinstance(value, pa.FixedShapeTensorArray):
-        return value.to_numpy_ndarray()
+        return tensor_to_numpy(value)
     if pa.types.is_fixed_size_list(t):
         flat = value.flatten()
         inner = _arrow_to_numpy(FieldSpec(spec.name, spec.dtype), flat)

@@ -439,6 +439,31 @@ class ExperienceStore:
         """
         return self._reader.sample(n, columns, timeout, n_step=n_step, gamma=gamma)
 
+    def take(self, ids: Any, columns: Iterable[str] | None = None) -> SampleBatch:
+        """The rows `ids` (as `extend` returned them), in that order, gathered as `sample` gathers: random access
+        by id, for callers that keep their own index of rows (`arrowbuf.compat`'s TorchRL storage and
+        TransferQueue API). Counts as no sample (no sampler, limiter or `max_times_sampled` effect).
+
+        Raises:
+            InvalidArgument: an id that names no stored row (evicted, replaced or never issued), before or while
+                the rows were read; nothing is returned. Also a bad `ids` or an unknown column.
+        """
+        seqs = np.asarray(ids, dtype=np.int64)
+        if seqs.ndim != 1:
+            raise InvalidArgument(f"take: expected a 1-D array of ids, got shape {seqs.shape}")
+        with self._lock:
+            self._core.check_open()  # type: ignore[union-attr]
+            live = self.index.live(seqs)
+        if not live.all():
+            raise InvalidArgument(f"take: ids {seqs[~live][:8].tolist()} name no stored row (evicted or never "
+                                  "written)")
+        arrays = self._reader.gather(seqs, columns)
+        with self._lock:  # a row still live after the gather was never overwritten while it was read
+            again = self.index.live(seqs)
+        if not again.all():
+            raise InvalidArgument(f"take: rows {seqs[~again][:8].tolist()} were evicted while they were read")
+        return SampleBatch(arrays, seqs.copy(), None)
+
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
 

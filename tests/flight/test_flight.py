@@ -880,3 +880,16 @@ def test_both_writers_return_the_rows_ids_from_extend(servers):
         w.send(cartpole_batch(3, start=5))
         assert w.flush() == 8 and len(store) == 8
         np.testing.assert_array_equal(store.to_table(["seq"]).column("seq").to_numpy()[:4], ids)
+
+
+def test_a_bool_tensor_field_samples_over_flight():
+    """pyarrow's to_numpy_ndarray refuses bool tensors; a sample over Flight must not."""
+    schema = {"name": "bools", "episode_end": [], "truncation": [],
+              "fields": {"mask": {"dtype": "bool", "shape": [3]}, "x": {"dtype": "int64"}}}
+    mask = np.array([[True, False, True], [False, True, True]])
+    with ab.ExperienceStore(schema, capacity=8, seed=0) as store, ab.serve(store) as server:
+        store.extend({"mask": mask, "x": np.arange(2)})
+        client = ab.connect(server.location)
+        got = client.sample(6).to_numpy()
+        assert got["mask"].dtype == np.bool_ and np.array_equal(got["mask"], mask[got["x"]])
+        client.close()

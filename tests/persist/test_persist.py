@@ -319,3 +319,17 @@ def test_fields_filled_later_round_trip_and_updates_reach_the_next_checkpoint(tm
             assert t["ref_logprobs"].to_pylist()[33] == [1.0]
             third = again.checkpoint(root)  # a restored store knows the files it was read from, later fields too
             assert third["files_written"] == 0 and third["files_reused"] == 5
+
+
+def test_a_bool_tensor_field_survives_checkpoint_and_restore(tmp_path):
+    """pyarrow's to_numpy_ndarray refuses bool tensors; restore must not."""
+    schema = {"name": "bools", "episode_end": [], "truncation": [],
+              "fields": {"mask": {"dtype": "bool", "shape": [3]}, "x": {"dtype": "int64"}}}
+    mask = np.array([[True, False, True], [False, True, True], [False, False, False]])
+    with ab.ExperienceStore(schema, capacity=8) as store:
+        store.extend({"mask": mask, "x": np.arange(3)})
+        store.checkpoint(tmp_path / "ck")
+    again = ab.ExperienceStore.restore(tmp_path / "ck")
+    got = again.to_table()
+    assert np.array_equal(np.array(got["mask"].to_pylist()), mask) and got["x"].to_pylist() == [0, 1, 2]
+    again.close()

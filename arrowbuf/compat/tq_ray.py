@@ -1,0 +1,72 @@
+"""`tq.init()` inside a Ray job, as TransferQueue's: the first process to call it starts the system in a named Ray
+actor (which serves it over Flight, `tq_flight`), and every later `init` in any process of the job finds that actor
+and joins the system over Flight. The process whose `init` created the actor stops it in `close()`.
+
+The actor binds 127.0.0.1 unless `{"arrowbuf": {"host": ...}}` says otherwise (a multi-node job needs the node's
+address, and then a token: `{"arrowbuf": {"token": ...}}`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ACTOR_NAME = "ArrowbufTransferQueue"
+NAMESPACE = "arrowbuf_transfer_queue"
+
+
+class _Host:
+    """The Ray actor: one `TQState` served over Flight."""
+
+    def __init__(self, capacity: int, sampler: Any, host: str, token: str | None) -> None:
+        from .tq_flight import TQServer
+        from .tq_samplers import make_sampler
+        from .tq_state import TQState
+
+        self.state = TQState(capacity=capacity, sampler=make_sampler(sampler))
+        self.server = TQServer(self.state, f"grpc://{host}:0", token=token)
+
+    def location(self) -> str:
+        return str(self.server.location)
+
+    def shutdown(self) -> None:
+        self.server.close()
+        self.state.close()
+
+
+def ray_running() -> bool:
+    """Whether this process is connected to a Ray cluster (driver or worker)."""
+    try:
+        import ray
+    except ImportError:
+        return False
+    return bool(ray.is_initialized())
+
+
+def join_or_start(capacity: int, sampler: Any, host: str, token: str | None) -> tuple[str, Any]:
+    """The Flight location of the job's system, and the actor handle when this call started it (else None)."""
+    import ray
+
+    actor: Any
+    owned: Any = None
+    try:
+        actor = ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
+    except ValueError:
+        spec = sampler if isinstance(sampler, str) or sampler is None else type(sampler).__name__
+        try:
+            actor = ray.remote(_Host).options(name=ACTOR_NAME, namespace=NAMESPACE, num_cpus=0,
+                                              lifetime=None).remote(capacity, spec, host, token)
+            owned = actor
+        except ValueError:  # another process created it meanwhile
+            actor = ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
+            owned = None
+    return str(ray.get(actor.location.remote())), owned
+
+
+def stop(actor: Any) -> None:
+    """Stop the system's actor (the process that started it calls this from `close`)."""
+    import ray
+
+    try:
+        ray.get(actor.shutdown.remote(), timeout=30)
+    finally:
+        ray.kill(actor)

@@ -1,0 +1,193 @@
+"""TransferQueue's own performance script against TransferQueue 0.1.11 and against arrowbuf.compat (issue 27).
+
+TransferQueue ships `scripts/performance_test/perftest.py` (installed with the `transferqueue` wheel as the
+top-level package `scripts`): a writer Ray actor `kv_batch_put`s a TensorDict of `global_batch_size` samples x
+`field_num` float32 fields of `seq_len` (with `--use_complex_case`: a third jagged nested tensors, a third strings),
+a reader actor `kv_list`s and `kv_batch_get`s them, the writer `kv_clear`s; it times put and get and writes a CSV.
+This benchmark runs that script unmodified, once per backend, each in its own process and Ray job
+(`ray.init(num_cpus=8)`: TransferQueue's actors ask for more CPUs than this machine has; one node, all traffic
+inside the host):
+
+  transferqueue   `import transfer_queue as tq` is TransferQueue 0.1.11 (SimpleStorage, 2 storage units)
+  arrowbuf        the same script with the name `transfer_queue` bound to `arrowbuf.compat.transfer_queue` (in the
+                  driver and, by a Ray worker setup hook, in every worker): the import is the only change. The
+                  system lives in one Ray actor serving it over Arrow Flight (arrowbuf.compat.tq_ray)
+
+and, as the ceiling measured in the same run, one numpy copy of the same bytes in one process (`memcpy`).
+
+    python -m benchmarks.bench_transfer_queue [--quick] [--complex] [--batch 1024 --seq-len 8192 --fields 10]
+
+Prints a table and writes benchmarks/out/transfer_queue.json. Needs `transferqueue==0.1.11` (pip install
+'arrowbuf[bench-tq]') for the TransferQueue row and the script; without it, nothing runs. The script sleeps 16 s per
+iteration by design (between its phases); its figures are its own put and get spans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "out"
+BACKENDS = ("transferqueue", "arrowbuf")
+CONFIG = """\
+controller:
+  sampler: SequentialSampler
+  polling_mode: false
+backend:
+  storage_backend: SimpleStorage
+  SimpleStorage:
+    total_storage_size: 100000
+    num_data_storage_units: 2
+"""
+
+
+def swap_import() -> None:
+    """Bind the name `transfer_queue` to arrowbuf's module (the Ray worker setup hook of the arrowbuf run)."""
+    import arrowbuf.compat.transfer_queue as tq
+
+    sys.modules["transfer_queue"] = tq
+
+
+def perftest_path() -> pathlib.Path | None:
+    spec = importlib.util.find_spec("transfer_queue")
+    if spec is None or not spec.origin:
+        return None
+    site = pathlib.Path(spec.origin).parent.parent
+    path = site / "scripts" / "performance_test" / "perftest.py"
+    return path if path.exists() else None
+
+
+def child(backend: str, script: str, argv: list[str]) -> None:
+    """Run TransferQueue's perftest.py in this process, on `backend`."""
+    import runpy
+
+    import ray
+
+    runtime_env: dict[str, Any] = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
+    if backend == "arrowbuf":
+        swap_import()
+        runtime_env["worker_process_setup_hook"] = "benchmarks.bench_transfer_queue.swap_import"
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
+    try:
+        # perftest pins its actors with the resource node:<head_node_ip>: this machine's own address (one node; its
+        # traffic stays inside the host)
+        argv = [ray.util.get_node_ip_address() if a == "HEAD" else a for a in argv]
+        sys.argv = [script, *argv]
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        ray.shutdown()
+
+
+def run_backend(backend: str, script: pathlib.Path, args: argparse.Namespace, tmp: pathlib.Path) -> list[dict]:
+    cfg = tmp / "config.yaml"
+    cfg.write_text(CONFIG)
+    out_csv = tmp / f"{backend}.csv"
+    argv = ["--backend_config", str(cfg), "--head_node_ip", "HEAD", "--global_batch_size", str(args.batch),
+            "--field_num", str(args.fields), "--seq_len", str(args.seq_len), "--num_test_iterations",
+            str(args.iterations), "--output_csv", str(out_csv)]
+    if args.complex:
+        argv.append("--use_complex_case")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "benchmarks.bench_transfer_queue", "--child", backend, "--script", str(script),
+           "--", *argv]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0 or not out_csv.exists():
+        tail = (r.stderr or r.stdout)[-3000:]
+        raise RuntimeError(f"perftest on {backend} failed (exit {r.returncode}):\n{tail}")
+    with open(out_csv) as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        row["wall_s"] = wall
+    return rows
+
+
+def memcpy_ceiling(nbytes: int, repeats: int = 5) -> float:
+    """GB/s of one numpy copy of `nbytes` (best of `repeats`; the destination is touched first)."""
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="batch 256, seq_len 1024, 4 fields, 3 iterations")
+    ap.add_argument("--complex", action="store_true", help="perftest's complex case (nested tensors, strings)")
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--fields", type=int, default=10)
+    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
+    ap.add_argument("--script", help=argparse.SUPPRESS)
+    ap.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args.child, args.script, [a for a in args.rest if a != "--"])
+        return 0
+    if args.quick:
+        args.batch, args.seq_len, args.fields, args.iterations = 256, 1024, 4, 3
+        args.timeout = min(args.timeout, 600)
+    script = perftest_path()
+    if script is None:
+        print("transferqueue==0.1.11 is not installed (pip install 'arrowbuf[bench-tq]'): nothing to run")
+        return 0
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-tq-") as tmp:
+        for backend in args.backends.split(","):
+            for r in run_backend(backend, script, args, pathlib.Path(tmp)):
+                rows.append({**r, "storage": r.get("backend"), "backend": backend})
+    size_gb = float(rows[0]["total_data_size_gb"])
+    ceiling = memcpy_ceiling(int(size_gb * 1024**3))
+    summary: dict[str, dict[str, float]] = {}
+    for backend in {r["backend"] for r in rows}:
+        mine = [r for r in rows if r["backend"] == backend]
+        put = float(np.median([float(r["put_time"]) for r in mine]))
+        get = float(np.median([float(r["get_time"]) for r in mine]))
+        summary[backend] = {"put_s": put, "get_s": get, "put_GBps": size_gb * 1.073741824 / put,
+                            "get_GBps": size_gb * 1.073741824 / get}
+    print(f"\nTransferQueue perftest ({'complex' if args.complex else 'simple'} case): batch {args.batch} x "
+          f"{args.fields} fields x seq_len {args.seq_len} = {size_gb * 1024:.1f} MiB, {args.iterations} iteration(s),"
+          f" load {os.getloadavg()[0]:.2f}")
+    print(f"{'backend':<15}{'put s':>10}{'get s':>10}{'put GB/s':>10}{'get GB/s':>10}{'put/ceil':>10}{'get/ceil':>10}")
+    for backend in [b for b in BACKENDS if b in summary]:
+        s = summary[backend]
+        print(f"{backend:<15}{s['put_s']:>10.4f}{s['get_s']:>10.4f}{s['put_GBps']:>10.3f}{s['get_GBps']:>10.3f}"
+              f"{s['put_GBps'] / ceiling:>10.3f}{s['get_GBps'] / ceiling:>10.3f}")
+    print(f"{'memcpy':<15}{'':>10}{'':>10}{ceiling:>10.3f}{ceiling:>10.3f}")
+    if "transferqueue" in summary and "arrowbuf" in summary:
+        a, t = summary["arrowbuf"], summary["transferqueue"]
+        print(f"arrowbuf / TransferQueue throughput: put {a['put_GBps'] / t['put_GBps']:.2f}x, "
+              f"get {a['get_GBps'] / t['get_GBps']:.2f}x")
+    OUT.mkdir(parents=True, exist_ok=True)
+    name = "transfer_queue_complex.json" if args.complex else "transfer_queue.json"
+    (OUT / name).write_text(json.dumps({
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "load": os.getloadavg(),
+        "args": {k: v for k, v in vars(args).items() if k not in ("child", "script", "rest")},
+        "memcpy_GBps": ceiling, "summary": summary, "rows": rows}, indent=1))
+    print(f"wrote {OUT / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
