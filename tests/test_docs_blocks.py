@@ -61,7 +61,7 @@ def test_docstring_examples_run(module):
 # ---------------------------------------------------------------------------------------------- from a wheel
 @pytest.fixture(scope="module")
 def wheel_venv(tmp_path_factory):
-    """A wheel of this tree installed with [query,demo,compat] (torch pinned) into a fresh venv outside the
+    """A wheel of this tree installed with [query,demo,compat,metrics] (torch pinned) into a fresh venv outside the
     repository."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
@@ -76,8 +76,8 @@ def wheel_venv(tmp_path_factory):
     subprocess.run([py, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), str(src)], check=True,
                    env=env, timeout=600)
     wheel = next((tmp / "dist").glob("arrowbuf-*.whl"))
-    subprocess.run([py, "-m", "pip", "install", "-q", f"{wheel}[query,demo,compat]", "torch==2.13.0"], check=True,
-                   env=env, timeout=1200)
+    subprocess.run([py, "-m", "pip", "install", "-q", f"{wheel}[query,demo,compat,metrics]", "torch==2.13.0"],
+                   check=True, env=env, timeout=1200)
     run_dir = tmp / "run"
     run_dir.mkdir()
     where = subprocess.run([py, "-c", "import arrowbuf; print(arrowbuf.__file__)"], cwd=run_dir, env=env,
