@@ -1,5 +1,5 @@
 """docs/integrations.md runs: every python block, in order and in one namespace, from a temporary directory. The
-RLlib block is marked skip for the wheel check (whose venv has no ray); it runs here when ray is installed. The verl
+RLlib block is marked `ray` (the wheel check runs it with the [ray] extra); it runs here when ray is installed. The verl
 block needs verl (not installed in CI) and is the only one left out."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ns = {{"__name__": "__main__"}}
 for b in docs_blocks.extract({page!r}):
     if b.lang != "python" or (b.skip and "verl" in b.skip):
         continue
-    if b.skip and "ray" in b.skip and {with_ray} is False:
+    if b.ray is not None and {with_ray} is False:
         continue
     exec(compile(b.code, f"{{b.path}}:{{b.line}}", "exec"), ns)
 print("ran", flush=True)

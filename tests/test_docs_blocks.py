@@ -94,7 +94,7 @@ def test_wheel_runs_every_readme_and_docs_block(wheel_venv, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
 
 
-RAY_DOCS = [ROOT / "README.md", ROOT / "docs" / "ray.md", ROOT / "docs" / "rllib.md"]
+RAY_DOCS = [ROOT / "README.md", *(ROOT / "docs" / f for f in ("ray.md", "rllib.md", "integrations.md"))]
 
 
 @pytest.mark.slow
