@@ -133,7 +133,7 @@ class ShardedStore:
         if not 1 <= int(num_shards) <= MAX_SHARDS:
             raise InvalidArgument(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
         sampler = make_sampler(sampler)
-        if (tasks or sampler.process_local) and tier == "auto":  # per-task and group state live in the heap
+        if (tasks or sampler.process_local or sampler.whole_groups) and tier == "auto":  # as before shm could hold them
             tier = "host"
         tier = _resolve_tier(tier, schema)
         uid = f"ab{secrets.token_hex(4)}"

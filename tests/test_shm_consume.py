@@ -1,0 +1,270 @@
+"""Consumption per task, groups and staleness over shared memory, with real processes (spawn) on one /dev/shm.
+
+A rollout writer, a reward updater and three trainer consumers, each its own process, share one store with no
+server: every row is consumed once per task, groups arrive whole, rows wait for the reward the updater writes, and
+the writer waits for eviction until every task consumed its oldest rows. Also: staleness with the policy version set
+by another process, a checkpoint with tasks restored into shared memory and consumed from where it left off by
+another process, a process SIGKILLed while it holds the consume lock (or gathers its rows) blocks nobody, and a
+tampered manifest entry is a `StoreCorrupt` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import arrowbuf as ab
+
+CTX = mp.get_context("spawn")
+JOIN_S = 90
+G = 4  # rows per group
+GRPO = {"name": "grpo", "fields": {
+    "prompt_id": {"dtype": "int64"},
+    "response_tokens": {"dtype": "int32", "ragged": True},
+    "reward": {"dtype": "float32", "later": True},
+    "done": {"dtype": "bool"},
+    "policy_version": {"dtype": "int64"},
+}}
+
+
+def groups(first: int, count: int, pv: int = 0) -> dict:
+    """`count` whole groups of G completions, prompts first..first+count-1; row tokens encode the prompt."""
+    p = np.repeat(np.arange(first, first + count), G)
+    return {"prompt_id": p, "response_tokens": [[int(x)] * (int(x) % 3 + 1) for x in p],
+            "done": np.ones(len(p), bool), "policy_version": np.full(len(p), pv)}
+
+
+def start(names, target, *args) -> mp.Process:
+    p = CTX.Process(target=target, args=args, daemon=True)
+    p.start()
+    names.procs.append(p)  # the `names` fixture kills what is left and removes the segments, even on failure
+    return p
+
+
+def join_ok(p: mp.Process) -> None:
+    p.join(JOIN_S)
+    assert not p.is_alive(), "child process hung"
+    assert p.exitcode == 0, f"child failed with exit code {p.exitcode}"
+
+
+# ---------------------------------------------------------------------------------------------- child processes
+def _writer(name: str, n_groups: int, per_batch: int) -> None:
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    for g in range(0, n_groups, per_batch):
+        store.extend(groups(g, min(per_batch, n_groups - g)), timeout=60)  # waits while the ring is held
+    store.close()
+
+
+def _updater(name: str, total: int) -> None:
+    """Consumes task "ref" and writes each row's reward (its id, so that no group has zero variance)."""
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    done = 0
+    deadline = time.monotonic() + 60
+    while done < total and time.monotonic() < deadline:
+        b = store.consume("ref", 12, timeout=0.5)
+        if len(b):
+            store.update(b.indices, {"reward": b.indices.astype(np.float32)})
+            done += len(b)
+    store.close()
+
+
+def _trainer(name: str, total: int, q) -> None:
+    """Consumes task "train" (rows with their reward only) until every row of the run was consumed by someone."""
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    got = []
+    deadline = time.monotonic() + 60
+    while store.stats()["consumed"]["train"] < total and time.monotonic() < deadline:
+        b = store.consume("train", 2 * G, require=["reward"], timeout=0.2)
+        if len(b):
+            d = b.to_numpy()
+            got.append((b.indices, d["prompt_id"], d["reward"], [list(t) for t in d["response_tokens"]]))
+    q.put((os.getpid(), got))
+    store.close()
+
+
+def _stale_consumer(name: str, q) -> None:
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    store.policy_version = 5  # seen by every process
+    b = store.consume("t", 100, max_staleness=1)
+    q.put((b.indices, store.stats()["stale_dropped"]))
+    store.close()
+
+
+def _consume_rest(name: str, q) -> None:
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    train = store.consume("train", 1000)
+    ref = store.consume("ref", 1000)
+    q.put((train.indices, ref.indices, store.policy_version, store.stats()["consumed"]))
+    store.close()
+
+
+def _frozen_consumer(name: str, where: str, ready) -> None:
+    """Consume, and freeze inside it (the parent SIGKILLs us): holding the state lock (`pick`), or gathering the
+    rows outside it with the rows pinned (`gather`)."""
+    from arrowbuf.store.consume import ConsumeTracker
+    from arrowbuf.store.reader import StoreReader
+
+    def freeze(*args, **kwargs):
+        ready.set()
+        time.sleep(3600)
+
+    if where == "pick":
+        ConsumeTracker._pick = freeze  # type: ignore[method-assign]
+    else:
+        StoreReader.gather = freeze  # type: ignore[method-assign]
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    store.consume("t", 4)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.slow
+def test_writer_updater_and_three_trainer_processes_share_one_store(names):
+    """Exactly once per task under three concurrent consumer processes, groups whole, `require=` waiting for the
+    reward another process writes, and a ring smaller than the run (the writer waits for every task)."""
+    name = names()
+    n_groups = 48
+    total = n_groups * G
+    store = ab.ExperienceStore(GRPO, capacity=64, tier="shm", name=name, tasks=["ref", "train"],
+                               sampler=ab.samplers.Group(key="prompt_id", size=G))
+    try:
+        q = CTX.Queue()
+        trainers = [start(names, _trainer, name, total, q) for _ in range(3)]
+        updater = start(names, _updater, name, total)
+        writer = start(names, _writer, name, n_groups, 2)
+        results = [q.get(timeout=JOIN_S) for _ in trainers]
+        for p in [writer, updater, *trainers]:
+            join_ok(p)
+        ids = np.concatenate([i for _, got in results for i, *_ in got])
+        assert len(ids) == total and len(np.unique(ids)) == total  # every row once, to one consumer
+        np.testing.assert_array_equal(np.sort(ids), np.arange(total))
+        assert sum(1 for _, got in results if got) >= 2, "one consumer took everything: not concurrent"
+        for _, got in results:
+            for idx, prompt, reward, tokens in got:
+                np.testing.assert_array_equal(reward, idx.astype(np.float32))  # the reward was there (require=)
+                per = prompt.reshape(-1, G)
+                assert (per == per[:, :1]).all()  # whole groups, each in insert order
+                np.testing.assert_array_equal(prompt, idx // G)
+                assert all(t == [p] * (p % 3 + 1) for t, p in zip(tokens, prompt.tolist()))
+        st = store.stats()
+        assert st["consumed"] == {"ref": total, "train": total}
+        assert st["insert_waits"] > 0  # the writer was held back by unconsumed rows (capacity 64 < 192)
+        assert len(store.consume("train", 8)) == 0 and len(store.consume("ref", 8)) == 0
+    finally:
+        store.close()
+
+
+def test_staleness_with_the_policy_version_set_by_another_process(names):
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=64, tier="shm", name=name, tasks=["t", "u"])
+    try:
+        old = store.extend(groups(0, 2, pv=0))
+        new = store.extend(groups(2, 1, pv=4))
+        q = CTX.Queue()
+        p = start(names, _stale_consumer, name, q)
+        got, dropped = q.get(timeout=JOIN_S)
+        join_ok(p)
+        np.testing.assert_array_equal(got, new)
+        assert dropped == len(old)
+        assert store.policy_version == 5  # set there, seen here
+        st = store.stats()
+        assert st["stale_dropped"] == len(old) and st["stale_dropped_by_task"] == {"t": len(old), "u": 0}
+        assert len(store.consume("t", 100)) == 0  # dropped rows are consumed for "t"
+        assert len(store.consume("u", 100)) == len(old) + len(new)  # and not for "u"
+    finally:
+        store.close()
+
+
+def test_zero_variance_groups_dropped_in_one_process_are_dropped_for_all(names):
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=64, tier="shm", name=name, tasks=["t"],
+                               sampler=ab.samplers.Group(key="prompt_id", size=G, drop_zero_variance="reward"))
+    other = ab.ExperienceStore.attach(name)
+    try:
+        ids = store.extend(groups(0, 2))
+        store.update(ids, {"reward": np.array([1, 1, 1, 1, 0, 1, 0, 1], np.float32)})
+        assert other.consume("t", 8).indices.tolist() == ids[G:].tolist()  # group 0 has zero variance
+        assert store.stats()["groups_dropped_zero_variance"] == 1  # counted once, seen by the creator
+        assert other.stats()["groups_dropped_zero_variance"] == 1
+    finally:
+        other.close()
+        store.close()
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "group"])
+def test_a_checkpoint_with_tasks_restores_into_shared_memory_and_goes_on_in_another_process(names, tmp_path,
+                                                                                            sampler):
+    s = ab.ExperienceStore(GRPO, capacity=64, tasks=["ref", "train"],
+                           sampler=ab.samplers.Group(key="prompt_id", size=G) if sampler == "group" else "uniform")
+    ids = s.extend(groups(0, 5))
+    s.update(ids, {"reward": ids.astype(np.float32)})
+    first = s.consume("train", 2 * G)
+    s.policy_version = 3
+    s.checkpoint(tmp_path / "ckpt")
+    s.close()
+    name = names()
+    r = ab.ExperienceStore.restore(tmp_path / "ckpt", tier="shm", name=name)
+    try:
+        assert r.tasks == ["ref", "train"] and r.policy_version == 3
+        q = CTX.Queue()
+        p = start(names, _consume_rest, name, q)
+        train, ref, pv, consumed = q.get(timeout=JOIN_S)
+        join_ok(p)
+        np.testing.assert_array_equal(train, ids[len(first):])  # where it left off
+        np.testing.assert_array_equal(ref, ids)
+        assert pv == 3 and consumed == {"ref": len(ids), "train": len(ids)}
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("where", ["pick", "gather"])
+def test_a_consumer_killed_holding_the_lock_or_its_rows_blocks_nobody(names, where):
+    """SIGKILL while holding the consume (state) lock: the robust mutex passes to the next locker. SIGKILL while
+    gathering: its pin (which holds eviction) is cleared once its process is seen gone, so a writer of a full ring
+    goes on; the rows it had taken are lost for its task (consumed at most once, see docs/shared-memory.md)."""
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=16, tier="shm", name=name, tasks=["t"])
+    try:
+        store.extend(groups(0, 4))  # full
+        ready = CTX.Event()
+        p = start(names, _frozen_consumer, name, where, ready)
+        assert ready.wait(JOIN_S)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(JOIN_S)
+        t0 = time.monotonic()
+        taken = 0 if where == "pick" else 4
+        rest = store.consume("t", 16 - taken, timeout=10)  # returns as soon as it has them
+        assert len(rest) == 16 - taken and time.monotonic() - t0 < 5
+        store.extend(groups(4, 4), timeout=10)  # evicts every old row: none is pinned by the dead process
+        assert len(store.consume("t", 100)) == 16
+    finally:
+        store.close()
+
+
+def test_a_tampered_consume_entry_is_store_corrupt_naming_the_manifest(names):
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=16, tier="shm", name=name, tasks=["t"])
+    file = os.path.join(store._tier.path, "manifest.json")
+    with open(file, "rb") as f:
+        original = f.read()
+    try:
+        for bad in ({"tasks": "t"}, {"tasks": ["t", "t"], "max_staleness": None, "token_field": None},
+                    {"tasks": ["t"], "max_staleness": -1, "token_field": None},
+                    {"tasks": ["t", "u"], "max_staleness": None, "token_field": None},  # no arena for task 2
+                    {"tasks": ["t"], "max_staleness": None, "token_field": "done"}):  # not a ragged field
+            m = json.loads(original)
+            m["consume"] = bad
+            with open(file, "w") as f:
+                json.dump(m, f)
+            with pytest.raises(ab.StoreCorrupt) as err:
+                ab.ExperienceStore.attach(name)
+            assert file in str(err.value), (bad, str(err.value))
+    finally:
+        with open(file, "wb") as f:
+            f.write(original)
+        store.close()
