@@ -122,6 +122,14 @@ def _frozen_consumer(name: str, where: str, ready) -> None:
     store.consume("t", 4)
 
 
+def _lease(name: str, seconds: float, q) -> None:
+    """Consume 4 rows under a lease, report them and the lease id, and wait (the parent acks, or SIGKILLs us)."""
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    b = store.consume("t", 4, lease=seconds)
+    q.put((b.indices, b.lease))
+    time.sleep(3600)
+
+
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.mark.slow
 def test_writer_updater_and_three_trainer_processes_share_one_store(names):
@@ -267,4 +275,38 @@ def test_a_tampered_consume_entry_is_store_corrupt_naming_the_manifest(names):
     finally:
         with open(file, "wb") as f:
             f.write(original)
+        store.close()
+
+
+def test_leases_across_processes_ack_elsewhere_and_expire_after_their_consumer_died(names):
+    """A lease taken in one process is acked in another; the rows of a consumer SIGKILLed under its lease hold
+    eviction until the lease expires, then come back to the task before newer rows (whoever consumes next)."""
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=16, tier="shm", name=name, tasks=["t"])
+    try:
+        ids = store.extend(groups(0, 4))  # full
+        q = CTX.Queue()
+        dies = start(names, _lease, name, 1.0, q)
+        first, doomed = q.get(timeout=JOIN_S)
+        acked = start(names, _lease, name, 60.0, q)
+        second, lease = q.get(timeout=JOIN_S)
+        np.testing.assert_array_equal(np.sort(np.concatenate([first, second])), ids[:8])
+        assert store.stats()["in_flight"] == {"t": 8} and store.stats()["leases"] == 2
+        with pytest.raises(ab.InsertTimeout):  # leased rows are never evicted
+            store.extend(groups(4, 1), timeout=0.2)
+        assert store.ack(lease) == 4  # taken in another process, acked here
+        with pytest.raises(ab.LeaseError, match="already acked"):
+            store.ack(lease)
+        acked.kill()
+        os.kill(dies.pid, signal.SIGKILL)  # dies holding its lease
+        dies.join(JOIN_S)
+        back = store.consume("t", 12, timeout=10)  # waits for the expiry, then the returned rows come first
+        np.testing.assert_array_equal(back.indices, np.concatenate([np.sort(first), ids[8:]]))
+        st = store.stats()
+        assert st["redelivered"] == {"t": 4} and st["leases_expired"] == {"t": 1} and st["leases"] == 0
+        assert st["consumed"] == {"t": 16}
+        with pytest.raises(ab.LeaseError, match="expired"):
+            store.ack(doomed)
+        store.extend(groups(4, 1), timeout=5)  # everything consumed: the writer goes on
+    finally:
         store.close()

@@ -105,7 +105,9 @@ class ConsumeTracker:
         self._delivered: MutableMapping[str, int] = self._state.delivered
         self._stale_by_task: MutableMapping[str, int] = self._state.stale_by_task  # rows dropped as stale per task:
         # at consume, or evicted unconsumed
-        self.leases = LeaseTable()  # rows in flight per task (consume with lease=), see arrowbuf.store.leases
+        # rows in flight per task (consume with lease=), see arrowbuf.store.leases; a shared store's in shared memory
+        # (arrowbuf.store.shared_leases): any process acks or nacks, any process returns an expired lease's rows
+        self.leases: LeaseTable = self._state.leases
         #: Called as `hook(task, seqs, how)` under the state lock whenever `task`'s consumption of rows `seqs` becomes
         #: final: `how` "consumed" (a consume without a lease), "acked" (a lease acked), "dropped" (stale or
         #: zero-variance rows, never delivered). Rows in flight under a lease are not final (they may come back).
@@ -250,10 +252,6 @@ class ConsumeTracker:
         c.check_open()
         plan = self._plan(task, n, require, timeout, max_staleness, where, max_tokens)
         seconds = check_lease_seconds(lease)
-        if seconds is not None and self.shared:
-            raise InvalidArgument("consume(..., lease=) is not supported on a shared-memory store (tier='shm') yet: "
-                                  "leases live in one process, and a consumer that dies must not hold its rows. "
-                                  "Consume without lease= (delivered once), or serve the store over Flight for leases")
         poll = _SHARED_POLL_S  # a shared store: other processes' commits and updates cannot notify this condition
         deadline = time.monotonic() + plan["timeout"]
         lease_id = None

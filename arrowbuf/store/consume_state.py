@@ -7,10 +7,14 @@ store's state lock (a cross-process robust mutex for a shared store, `arrowbuf.t
 
 Layout in a shared tier (arenas of the store's directory, recorded in its manifest and checked on attach)::
 
-    arena.consume.header     int64 [8]: policy_version, stale_dropped, insert_waits (the rest reserved)
+    arena.consume.header     int64 [8]: policy_version, stale_dropped, insert_waits, the lease counter, the store's
+                             lease token, ended leases (the rest reserved)
     arena.consume.task.<i>   int64 [arena_rows]: per ring position, the seq of the row task i consumed there (-1: none)
-    arena.consume.task.<i>.ints  int64 [3]: task i's cursor, rows delivered, rows dropped as stale
+    arena.consume.task.<i>.ints  int64 [5]: task i's cursor, rows delivered, rows dropped as stale, rows redelivered,
+                             leases expired
+    arena.consume.task.<i>.lease  int64 [arena_rows]: the lease holding task i's row there (`shared_leases`)
     arena.consume.pins       int64 [PIN_SLOTS, 4]: gathers in progress: pid, its start time, pin id, oldest seq
+    arena.consume.leases, arena.consume.ended: the open and recently ended leases (`arrowbuf.store.shared_leases`)
 
 Tasks are numbered in declaration order; their names are in the manifest (`consume.tasks`). A shared store's tasks
 are declared when it is created (its arenas are made once, before it is sealed).
@@ -31,12 +35,14 @@ import numpy as np
 
 from ..errors import InvalidArgument, StoreCorrupt
 from ..tiers.shm.paths import start_time as _start_time
+from .leases import LeaseTable
+from .shared_leases import ENDED_SLOTS, LEASE_SLOTS, SharedLeaseTable
 
 #: Header slots of `consume.header`.
-HEADER = {"policy_version": 0, "stale_dropped": 1, "insert_waits": 2}
+HEADER = {"policy_version": 0, "stale_dropped": 1, "insert_waits": 2}  # 3-5: the lease table's (shared_leases)
 HEADER_LEN = 8
 #: Per-task ints of `consume.task.<i>.ints`.
-TASK_INTS = {"cursor": 0, "delivered": 1, "stale": 2}
+TASK_INTS = {"cursor": 0, "delivered": 1, "stale": 2, "redelivered": 3, "leases_expired": 4}
 #: Concurrent gathers a shared store tracks (consumers in all processes together, one each while gathering).
 PIN_SLOTS = 256
 #: Seconds a liveness check of another process's pin is trusted.
@@ -189,13 +195,21 @@ class ConsumeState:
         self.delivered = TaskInts(self._ints, TASK_INTS["delivered"])
         self.stale_by_task = TaskInts(self._ints, TASK_INTS["stale"])
         self.pins: MutableMapping[int, int]
+        self._marks: dict[str, np.ndarray] = {}  # per task: the lease holding each row (shared leases)
+        self.leases: LeaseTable
         if self.shared:
             table = tier.allocate("consume.pins", np.dtype(np.int64), PIN_SLOTS, (4,))
             if tier.fresh:
                 table.fill(0)
             self.pins = SharedPins(table)
+            self.leases = SharedLeaseTable(
+                self.header, tier.allocate("consume.leases", np.dtype(np.int64), LEASE_SLOTS, (6,)),
+                tier.allocate("consume.ended", np.dtype(np.int64), ENDED_SLOTS, (2,)), self._marks, self.consumed,
+                TaskInts(self._ints, TASK_INTS["redelivered"]), TaskInts(self._ints, TASK_INTS["leases_expired"]),
+                fresh=bool(tier.fresh))
         else:
             self.pins = {}
+            self.leases = LeaseTable()
 
     def _alloc(self, key: str, rows: int, fill: int) -> np.ndarray:
         if not self.shared:
@@ -225,6 +239,8 @@ class ConsumeState:
         i = len(self.consumed)
         self.consumed[task] = self._alloc(f"consume.task.{i}", self.arena_rows, -1)
         self._ints[task] = self._alloc(f"consume.task.{i}.ints", len(TASK_INTS), 0)
+        if self.shared:
+            self._marks[task] = self._alloc(f"consume.task.{i}.lease", self.arena_rows, 0)
 
 
 #: Most tasks a shared store's manifest may declare (a real one has a handful).
