@@ -130,6 +130,13 @@ def _lease(name: str, seconds: float, q) -> None:
     time.sleep(3600)
 
 
+def _rewrite_reward(name: str, value: float) -> None:
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    ids = store.to_table(["seq"]).column("seq").to_numpy()
+    store.update(ids, {"reward": np.full(len(ids), value, np.float32)})
+    store.close()
+
+
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.mark.slow
 def test_writer_updater_and_three_trainer_processes_share_one_store(names):
@@ -278,6 +285,7 @@ def test_a_tampered_consume_entry_is_store_corrupt_naming_the_manifest(names):
         store.close()
 
 
+@pytest.mark.slow
 def test_leases_across_processes_ack_elsewhere_and_expire_after_their_consumer_died(names):
     """A lease taken in one process is acked in another; the rows of a consumer SIGKILLed under its lease hold
     eviction until the lease expires, then come back to the task before newer rows (whoever consumes next)."""
@@ -286,11 +294,11 @@ def test_leases_across_processes_ack_elsewhere_and_expire_after_their_consumer_d
     try:
         ids = store.extend(groups(0, 4))  # full
         q = CTX.Queue()
-        dies = start(names, _lease, name, 1.0, q)
-        first, doomed = q.get(timeout=JOIN_S)
         acked = start(names, _lease, name, 60.0, q)
-        second, lease = q.get(timeout=JOIN_S)
-        np.testing.assert_array_equal(np.sort(np.concatenate([first, second])), ids[:8])
+        first, lease = q.get(timeout=JOIN_S)
+        dies = start(names, _lease, name, 3.0, q)  # the checks below take well under its 3 s
+        second, doomed = q.get(timeout=JOIN_S)
+        np.testing.assert_array_equal(np.concatenate([first, second]), ids[:8])
         assert store.stats()["in_flight"] == {"t": 8} and store.stats()["leases"] == 2
         with pytest.raises(ab.InsertTimeout):  # leased rows are never evicted
             store.extend(groups(4, 1), timeout=0.2)
@@ -301,12 +309,28 @@ def test_leases_across_processes_ack_elsewhere_and_expire_after_their_consumer_d
         os.kill(dies.pid, signal.SIGKILL)  # dies holding its lease
         dies.join(JOIN_S)
         back = store.consume("t", 12, timeout=10)  # waits for the expiry, then the returned rows come first
-        np.testing.assert_array_equal(back.indices, np.concatenate([np.sort(first), ids[8:]]))
+        np.testing.assert_array_equal(back.indices, np.concatenate([second, ids[8:]]))
         st = store.stats()
         assert st["redelivered"] == {"t": 4} and st["leases_expired"] == {"t": 1} and st["leases"] == 0
         assert st["consumed"] == {"t": 16}
         with pytest.raises(ab.LeaseError, match="expired"):
             store.ack(doomed)
         store.extend(groups(4, 1), timeout=5)  # everything consumed: the writer goes on
+    finally:
+        store.close()
+
+
+def test_where_judges_a_row_again_after_another_process_rewrote_its_field(names):
+    """`where=` results are cached per row; a field rewritten by `update` in another process voids them (that
+    process's update hook cannot reach this one's cache)."""
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=16, tier="shm", name=name, tasks=["t"])
+    try:
+        ids = store.extend(groups(0, 1))
+        store.update(ids, {"reward": np.zeros(len(ids), np.float32)})
+        assert len(store.consume("t", 4, where="reward > 0.5")) == 0  # judged: fails, cached
+        p = start(names, _rewrite_reward, name, 1.0)
+        join_ok(p)
+        np.testing.assert_array_equal(store.consume("t", 4, where="reward > 0.5").indices, ids)
     finally:
         store.close()
