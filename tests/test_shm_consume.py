@@ -334,3 +334,23 @@ def test_where_judges_a_row_again_after_another_process_rewrote_its_field(names)
         np.testing.assert_array_equal(store.consume("t", 4, where="reward > 0.5").indices, ids)
     finally:
         store.close()
+
+
+def test_a_full_lease_table_refuses_a_lease_and_loses_no_row(names, monkeypatch):
+    from arrowbuf.store import consume_state, shared_leases
+
+    monkeypatch.setattr(consume_state, "LEASE_SLOTS", 2)
+    monkeypatch.setattr(shared_leases, "LEASE_SLOTS", 2)
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=16, tier="shm", name=name, tasks=["t"])
+    try:
+        ids = store.extend(groups(0, 2))
+        a = store.consume("t", 2, lease=30)
+        store.consume("t", 2, lease=30)
+        with pytest.raises(ab.InvalidArgument, match="open leases"):
+            store.consume("t", 2, lease=30)
+        assert store.stats()["in_flight"] == {"t": 4}
+        a.nack()
+        np.testing.assert_array_equal(store.consume("t", 6).indices, [*ids[:2], *ids[4:]])  # none lost
+    finally:
+        store.close()

@@ -285,17 +285,20 @@ class ConsumeTracker:
                     c.waiters -= 1
             if len(seqs) and cancelled is not None and cancelled():
                 seqs = seqs[:0]  # nobody will read the reply: nothing is consumed
-            if len(seqs):
-                self._consumed[task][seqs % c.arena_rows] = seqs
-                if seconds is None:
-                    self._final(task, seqs, "consumed", durable)
-                else:
-                    lease_id = self.leases.open(task, seqs, seconds).id
             pin = next(self._pin_ids)
             if len(seqs):
-                self._pins[pin] = int(seqs.min())
-                if lease_id is None:  # a leased batch is in the lease table (not final) already
-                    self._gathering[pin] = (task, seqs)
+                self._pins[pin] = int(seqs.min())  # first: a shared store's pin table may be full (then: nothing done)
+                try:
+                    self._consumed[task][seqs % c.arena_rows] = seqs
+                    if seconds is not None:  # a shared store's lease table may be full: the rows go back
+                        lease_id = self.leases.open(task, seqs, seconds).id
+                except BaseException:
+                    self._return(task, seqs)
+                    self._pins.pop(pin, None)
+                    raise
+                if seconds is None:
+                    self._final(task, seqs, "consumed", durable)
+                    self._gathering[pin] = (task, seqs)  # a leased batch is in the lease table (not final) already
         try:
             arrays = self.reader.gather(seqs, None)
         except BaseException:

@@ -163,12 +163,9 @@ class SharedLeaseTable(LeaseTable):
     def store(self, n: int, lease: Lease) -> None:
         """Record open lease number `n` (its rows are marked consumed for its task by the caller)."""
         free = np.flatnonzero(self.slots[:, 0] == 0)
-        if not len(free):
-            self.due()  # expired ones free their slots (their rows go back in `ConsumeTracker.expire`, next)
-            free = np.flatnonzero(self.slots[:, 0] == 0)
-            if not len(free):
-                raise InvalidArgument(f"this shared store has {LEASE_SLOTS} open leases; ack or nack some before "
-                                      "consuming with lease= again")
+        if not len(free):  # (expired ones were ended by the consume that opens this one: `ConsumeTracker.expire`)
+            raise InvalidArgument(f"this shared store has {LEASE_SLOTS} open leases; ack or nack some before "
+                                  "consuming with lease= again")
         seqs = np.asarray(lease.seqs, dtype=np.int64)
         ti = list(self.consumed).index(lease.task)
         self.marks[lease.task][seqs % len(self.marks[lease.task])] = n
