@@ -41,6 +41,10 @@ Mechanism:
 - `where=`: a SQL predicate run in `arrowbuf.query.sql`'s sandbox over the candidate rows' scalar columns only (scalar
   fields, `episode_id`, `step`, `seq`; a later field not yet written is NULL); ragged and tensor columns are never
   read for it. Rows that fail the filter stay unconsumed for the task (a later call may take them).
+- Shared memory (`tier="shm"`): the state above (consumed seqs, cursors, counters, `policy_version`, pins, leases)
+  lives in the store's shared memory (`arrowbuf.store.consume_state`, `arrowbuf.store.shared_leases`) under its
+  cross-process state lock, so consumers, updaters and writers in every process that attached it share it; a wait
+  for rows polls there (another process's commit cannot notify this condition).
 - `max_tokens=`: a token budget over the store's `token_field` (a ragged field; default `response_tokens` when the
   schema has it, else its only ragged field): rows (groups) in order while their token count fits; always at least
   one, so a row longer than the budget is delivered alone rather than never.

@@ -77,7 +77,8 @@ class ExperienceStore:
             never exceeded. The index lives on the host (within the host budget). See `arrowbuf.ring.columns`.
         placement: an `ab.placement` policy (default: `ab.placement.BandwidthAware()` when several tiers are given).
         tasks: names of the tasks that `consume` rows (each sees every row once; rows wait for them before
-            eviction); more with `add_task`. See `arrowbuf.store.consume`.
+            eviction); more with `add_task` (not on a shared store: its tasks are fixed when it is created, and every
+            process that attaches consumes from the same state). See `arrowbuf.store.consume`.
         max_staleness: admission control by policy version: rows older than `policy_version - max_staleness`
             are refused, rows newer than `policy_version + max_staleness` wait (`InsertTimeout`); stale rows may be
             evicted unconsumed. Needs an integer `policy_version` field.
