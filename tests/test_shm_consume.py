@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import arrowbuf as ab
 
@@ -354,3 +356,24 @@ def test_a_full_lease_table_refuses_a_lease_and_loses_no_row(names, monkeypatch)
         np.testing.assert_array_equal(store.consume("t", 6).indices, [*ids[:2], *ids[4:]])  # none lost
     finally:
         store.close()
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                 max_size=4),
+                    max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(entry=JSON | st.fixed_dictionaries({"tasks": JSON, "max_staleness": JSON, "token_field": JSON}))
+def test_any_consume_entry_of_a_manifest_is_read_or_store_corrupt(entry):
+    """The manifest's `consume` entry is another process's output: anything is either options or StoreCorrupt."""
+    from arrowbuf.store.consume_state import shared_options
+
+    try:
+        opts = shared_options(entry, "manifest.json")
+    except ab.StoreCorrupt as exc:
+        assert "manifest.json" in str(exc)
+        return
+    assert set(opts) <= {"tasks", "max_staleness", "token_field"}
+    assert opts == {} or all(isinstance(t, str) and t for t in opts["tasks"] or [])
