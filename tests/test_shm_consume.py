@@ -377,3 +377,24 @@ def test_any_consume_entry_of_a_manifest_is_read_or_store_corrupt(entry):
         return
     assert set(opts) <= {"tasks", "max_staleness", "token_field"}
     assert opts == {} or all(isinstance(t, str) and t for t in opts["tasks"] or [])
+
+
+def test_an_overwritten_lease_slot_is_store_corrupt_once_not_a_crash_or_a_hang(names):
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=16, tier="shm", name=name, tasks=["t"])
+    try:
+        store.extend(groups(0, 2))
+        b = store.consume("t", 4, lease=0.05)
+        path = os.path.join(store._tier.path, "arena.consume.leases")
+        table = np.memmap(path, dtype=np.int64, mode="r+", shape=(4096, 6))
+        table[0, 4:] = (0, 1 << 60)  # a range no ring has
+        table.flush()
+        del table
+        time.sleep(0.1)  # expired: the next look at consumption ends it
+        with pytest.raises(ab.StoreCorrupt, match="arena.consume.leases"):
+            store.consume("t", 4)
+        assert store.consume("t", 8).indices.tolist() == list(range(4, 8))  # the slot is gone; the rest goes on
+        with pytest.raises(ab.LeaseError):
+            store.ack(b.lease)
+    finally:
+        store.close()

@@ -27,7 +27,7 @@ from collections.abc import Iterator, MutableMapping
 
 import numpy as np
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, StoreCorrupt
 from .leases import ENDED_KEPT, Lease, LeaseTable
 
 #: Open leases a shared store holds at once (every process together).
@@ -144,13 +144,21 @@ class SharedLeaseTable(LeaseTable):
     def _task(self, i: int) -> str:
         names = list(self.consumed)
         if not 0 <= i < len(names):
-            raise KeyError(i)
+            raise StoreCorrupt(f"the shared lease table (arena.consume.leases) names task number {i} of "
+                               f"{len(names)}: its memory was overwritten. Recreate the store")
         return names[i]
 
-    def _seqs(self, task: str, n: int, lo: int, hi: int) -> np.ndarray:
+    def _range(self, task: str, lo: int, hi: int) -> np.ndarray:
+        """The seqs [lo, hi] of a lease slot (at most a ring's worth: anything else is overwritten memory)."""
         if hi < lo:
             return np.zeros(0, dtype=np.int64)
-        seqs = np.arange(lo, hi + 1, dtype=np.int64)
+        if lo < 0 or hi - lo >= len(self.marks[task]):
+            raise StoreCorrupt(f"the shared lease table (arena.consume.leases) holds seqs [{lo}, {hi}]: more than "
+                               "the ring: its memory was overwritten. Recreate the store")
+        return np.arange(lo, hi + 1, dtype=np.int64)
+
+    def _seqs(self, task: str, n: int, lo: int, hi: int) -> np.ndarray:
+        seqs = self._range(task, lo, hi)
         pos = seqs % len(self.marks[task])
         return seqs[(self.marks[task][pos] == n) & (self.consumed[task][pos] == seqs)]
 
@@ -177,13 +185,12 @@ class SharedLeaseTable(LeaseTable):
     def free(self, s: int) -> None:
         """Close slot `s`: its rows' lease marks are cleared (their consumed marks are the tracker's)."""
         n, ti, _, _, lo, hi = (int(v) for v in self.slots[s])
+        self.slots[s] = 0  # first: a slot that fails the checks below is gone all the same
         task = self._task(ti)
-        if hi >= lo:
-            seqs = np.arange(lo, hi + 1, dtype=np.int64)
-            pos = seqs % len(self.marks[task])
-            mine = self.marks[task][pos] == n
-            self.marks[task][pos[mine]] = 0
-        self.slots[s] = 0
+        seqs = self._range(task, lo, hi)
+        pos = seqs % len(self.marks[task])
+        mine = self.marks[task][pos] == n
+        self.marks[task][pos[mine]] = 0
 
     # ------------------------------------------------------------------ LeaseTable, shared
     def open(self, task: str, seqs: np.ndarray, seconds: float) -> Lease:
@@ -200,7 +207,11 @@ class SharedLeaseTable(LeaseTable):
         now_ns = int((time.monotonic() if now is None else now) * 1e9)
         gone = []
         for s in used[self.slots[used, 2] <= now_ns].tolist():
-            gone.append(self.lease_at(s))
+            try:
+                gone.append(self.lease_at(s))
+            except StoreCorrupt:
+                self.slots[s] = 0  # said once; its rows stay consumed for the task
+                raise
             self.free(s)
         return gone
 
