@@ -139,6 +139,17 @@ def _rewrite_reward(name: str, value: float) -> None:
     store.close()
 
 
+def _leasing_trainer(name: str, q) -> None:
+    """Consume under short leases, report each batch as processed, then ack it (killed at any point by the test)."""
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    while True:
+        b = store.consume("train", 8, require=["reward"], lease=0.5, timeout=0.2)
+        if len(b):
+            q.put(b.indices.tolist())
+            time.sleep(0.01)
+            b.ack()
+
+
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.mark.slow
 def test_writer_updater_and_three_trainer_processes_share_one_store(names):
@@ -396,5 +407,45 @@ def test_an_overwritten_lease_slot_is_store_corrupt_once_not_a_crash_or_a_hang(n
         assert store.consume("t", 8).indices.tolist() == list(range(4, 8))  # the slot is gone; the rest goes on
         with pytest.raises(ab.LeaseError):
             store.ack(b.lease)
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_consumers_killed_at_random_under_leases_lose_no_row_and_ack_each_once(names):
+    """Three leasing trainer processes, one SIGKILLed and replaced every ~0.3 s, a writer and a reward updater: every
+    row is processed (reported) at least once, and acked exactly once (the store counts each final consumption once:
+    `consumed` equals the rows written)."""
+    name = names()
+    n_groups = 24
+    total = n_groups * G
+    store = ab.ExperienceStore(GRPO, capacity=64, tier="shm", name=name, tasks=["ref", "train"],
+                               sampler=ab.samplers.Group(key="prompt_id", size=G))
+    try:
+        q = CTX.Queue()
+        trainers = [start(names, _leasing_trainer, name, q) for _ in range(3)]
+        start(names, _updater, name, total)
+        start(names, _writer, name, n_groups, 2)
+        seen: list[int] = []
+        rng = np.random.default_rng(0)
+        kills = 0
+        deadline = time.monotonic() + 120
+        while store.stats()["consumed"]["train"] < total and time.monotonic() < deadline:
+            time.sleep(0.3)
+            victim = trainers.pop(int(rng.integers(len(trainers))))
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(JOIN_S)
+            kills += 1
+            trainers.append(start(names, _leasing_trainer, name, q))
+            while not q.empty():
+                seen.extend(q.get())
+        time.sleep(0.2)
+        while not q.empty():
+            seen.extend(q.get())
+        st = store.stats()
+        assert st["consumed"]["train"] == total, st  # each row's ack counted once: none twice, none lost
+        assert sorted(set(seen)) == list(range(total))  # every row processed at least once
+        assert kills >= 3
+        assert len(store.consume("train", 8)) == 0 and st["leases"] == 0
     finally:
         store.close()
