@@ -150,6 +150,16 @@ def _leasing_trainer(name: str, q) -> None:
             b.ack()
 
 
+def _ahead_writer(name: str, q) -> None:
+    """Write rows of policy_version 3 (ahead of the store's window): held until another process advances it."""
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    q.put("writing")
+    t0 = time.monotonic()
+    ids = store.extend(groups(0, 1, pv=3), timeout=30)
+    q.put((ids.tolist(), time.monotonic() - t0))
+    store.close()
+
+
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.mark.slow
 def test_writer_updater_and_three_trainer_processes_share_one_store(names):
@@ -447,5 +457,25 @@ def test_consumers_killed_at_random_under_leases_lose_no_row_and_ack_each_once(n
         assert sorted(set(seen)) == list(range(total))  # every row processed at least once
         assert kills >= 3
         assert len(store.consume("train", 8)) == 0 and st["leases"] == 0
+    finally:
+        store.close()
+
+
+def test_a_writer_ahead_of_the_window_waits_for_the_version_another_process_sets(names):
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=16, tier="shm", name=name, tasks=["t"], max_staleness=1)
+    try:
+        q = CTX.Queue()
+        p = start(names, _ahead_writer, name, q)
+        assert q.get(timeout=JOIN_S) == "writing"
+        time.sleep(0.5)
+        assert len(store) == 0  # held: version 3 > 0 + 1
+        store.policy_version = 2  # here; the writer is in another process
+        ids, waited = q.get(timeout=JOIN_S)
+        join_ok(p)
+        assert ids == [0, 1, 2, 3] and waited >= 0.4
+        assert store.stats()["insert_waits"] == 1
+        with pytest.raises(ab.InvalidArgument, match="older than the store's staleness window"):
+            store.extend(groups(1, 1, pv=0))  # 0 < 2 - 1: refused
     finally:
         store.close()
