@@ -21,7 +21,9 @@ are declared when it is created (its arenas are made once, before it is sealed).
 
 Pins (a consume's rows being gathered outside the lock hold eviction) are slots holding the pid and start time of
 the process that gathers: a process killed mid-gather leaves its slot, which the next reader that finds its process
-gone (or its pid reused: another start time) clears. So a SIGKILL never holds eviction for good.
+gone (or its pid reused: another start time) clears, when every process with the store open is visible here (one
+pid namespace; otherwise the pin is kept: eviction waits rather than tear a row). So a SIGKILL never holds eviction for
+good within one pid namespace.
 """
 
 from __future__ import annotations
@@ -102,8 +104,9 @@ class SharedPins(MutableMapping[int, int]):
     live processes. Slots of a process that died are cleared when seen (see the module docstring).
     """
 
-    def __init__(self, table: np.ndarray) -> None:
+    def __init__(self, table: np.ndarray, store_dir: str | None = None) -> None:
         self._t = table  # [PIN_SLOTS, 4]: pid, start time, pin id, oldest seq (pid 0: free)
+        self._store_dir = store_dir  # its leases say who has the store open (`_all_visible`)
         self._mine: dict[int, int] = {}  # pin id -> slot
         self._pid = os.getpid()
         self._start = _start_time(self._pid)
@@ -151,7 +154,7 @@ class SharedPins(MutableMapping[int, int]):
         out = []
         for s in used.tolist():
             pid, start, _, seq = (int(v) for v in self._t[s])
-            if pid != self._pid and not self._is_alive(pid, start):
+            if pid != self._pid and not self._is_alive(pid, start) and self._all_visible():
                 self._t[s] = 0  # its process died mid-gather
                 continue
             out.append(seq)
@@ -159,6 +162,16 @@ class SharedPins(MutableMapping[int, int]):
 
     def _prune(self) -> None:
         self.values()
+
+    def _all_visible(self) -> bool:
+        """Whether every process with the store open is visible in this process's /proc (one pid namespace): only
+        then does a missing pid mean a dead process (as for the writers' reservations, `arrowbuf.ring.reservations`);
+        otherwise a pin is kept (eviction waits) rather than a row torn under another namespace's gather."""
+        if self._store_dir is None:
+            return True
+        from ..tiers.shm.janitor import lease_holders
+
+        return all(_start_time(pid) == started for pid, started in lease_holders(self._store_dir))
 
     def _is_alive(self, pid: int, start: int) -> bool:
         now = time.monotonic()
@@ -201,7 +214,7 @@ class ConsumeState:
             table = tier.allocate("consume.pins", np.dtype(np.int64), PIN_SLOTS, (4,))
             if tier.fresh:
                 table.fill(0)
-            self.pins = SharedPins(table)
+            self.pins = SharedPins(table, getattr(tier, "path", None))
             self.leases = SharedLeaseTable(
                 self.header, tier.allocate("consume.leases", np.dtype(np.int64), LEASE_SLOTS, (6,)),
                 tier.allocate("consume.ended", np.dtype(np.int64), ENDED_SLOTS, (2,)), self._marks, self.consumed,
