@@ -34,10 +34,12 @@ BENCHMARKS = {
     "persist": ("benchmarks.bench_persist", ["--quick"], "Persistence: checkpoint, incremental, background, restore"),
     "llm": ("benchmarks.bench_llm", ["--quick"], "LLM data path: TransferQueue's workload, ragged, GRPO-shaped rows"),
     "leases": ("benchmarks.bench_leases", ["--quick"], "Leases: consume(lease)+ack against consume"),
+    "shm_consume": ("benchmarks.bench_shm_consume", ["--quick"], "consume over shared memory against in process"),
     "observe": ("benchmarks.bench_observe", ["--quick"], "Observability: metrics and lineage on vs off"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
-DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "leases", "observe"]
+DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "leases", "shm_consume",
+           "observe"]
 
 
 def versions() -> str:

@@ -242,17 +242,25 @@ def test_groups_staleness_and_admission_over_flight():
         s.close()
 
 
-def test_group_and_tasks_on_shared_memory_are_a_clear_error():
+def test_shared_memory_tasks_are_fixed_at_creation():
+    """Tasks and groups work on shared memory (tests/test_shm_consume.py across processes); what does not: a task
+    declared after creation (its arenas are made before the store is sealed)."""
     schema = {"name": "flat", "fields": {"prompt_id": {"dtype": "int64"}, "reward": {"dtype": "float32"},
                                          "done": {"dtype": "bool"}}}
-    with pytest.raises(ab.InvalidArgument, match="shared-memory"):
-        ab.ExperienceStore(schema, capacity=8, tier="shm", name=f"consume-test-{os.getpid()}",
-                           sampler=ab.samplers.Group(size=2))
-    with pytest.raises(ab.InvalidArgument, match="shared-memory"):
-        ab.ExperienceStore(schema, capacity=8, tier="shm", name=f"consume-test-{os.getpid()}", tasks=["t"])
+    name = f"consume-test-{os.getpid()}"
+    s = ab.ExperienceStore(schema, capacity=8, tier="shm", name=name, sampler=ab.samplers.Group(size=2),
+                           tasks=["t"])
+    try:
+        s.extend({"prompt_id": np.array([0, 0, 1]), "reward": np.array([1, 2, 3], np.float32),
+                  "done": np.ones(3, bool)})
+        assert s.consume("t", 4).indices.tolist() == [0, 1]  # one whole group; the second is not complete
+        with pytest.raises(ab.InvalidArgument, match="declared when it is created"):
+            s.add_task("later")
+    finally:
+        s.close()
     from arrowbuf.tiers.shm import shm_root
 
-    assert not [n for n in os.listdir(shm_root()) if f"consume-test-{os.getpid()}" in n]  # nothing was created
+    assert not [n for n in os.listdir(shm_root()) if name in n]  # the creator's close removed it
 
 
 def test_a_group_store_checkpoints_and_restores(tmp_path):

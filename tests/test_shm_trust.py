@@ -174,7 +174,8 @@ def _deep_spec(depth):
 JSON_CASES = {
     "format missing": _drop("format"),
     "format 1 (string specs)": _set("format", value=1),
-    "format 3": _set("format", value=3),
+    "format 2 (no consume arenas)": _set("format", value=2),
+    "format 4": _set("format", value=4),
     "other name": _set("name", value="someone-else"),
     "schema missing": _drop("schema"),
     "schema a string": _set("schema", value="atari"),

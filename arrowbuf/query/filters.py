@@ -17,7 +17,9 @@ Neither runs under the store's lock nor once per call: each predicate keeps, per
 it was evaluated for and the result. A consumer asks `mask` (under the lock) which candidate rows pass and which
 are not evaluated yet, and `evaluate`s those with the lock released. A row is evaluated again when it changes: a
 later field of it was written since (its presence bits differ) or `store.update` rewrote it (`on_update`, the
-store core's update hook).
+store core's update hook). A shared-memory store's rows are also updated by other processes, whose hook cannot reach
+this one: there each result also keeps the values of the later scalar fields it was computed from, and a row whose
+values differ now (or are NaN) is evaluated again.
 
 Usage (what `arrowbuf.store.consume.ConsumeTracker` does)::
 
@@ -48,12 +50,14 @@ _SYSTEM = ("episode_id", "step", "seq")
 
 
 class _Results:
-    """One predicate's results per ring position: the seq evaluated, presence bits then, and pass/fail."""
+    """One predicate's results per ring position: the seq evaluated, presence bits then, and pass/fail; for a shared
+    store also the later fields' values then (`values`)."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, values: dict[str, np.dtype] | None = None) -> None:
         self.seq = np.full(rows, -1, dtype=np.int64)
         self.bits = np.zeros(rows, dtype=np.uint8)
         self.ok = np.zeros(rows, dtype=bool)
+        self.values = {name: np.zeros(rows, dtype=dt) for name, dt in (values or {}).items()}
 
 
 class RowFilters:
@@ -76,6 +80,8 @@ class RowFilters:
 
         self.sandbox = Sandbox()
         self._inflight: list[list[np.ndarray]] = []
+        #: later scalar fields whose values each result keeps (a shared store: other processes update rows)
+        self._kept = {n: np.dtype(schema.fields[n].dtype) for n in self.later} if core.tier.shared else {}
         if getattr(core, "on_update", "missing") is None:
             core.on_update = self.on_update
 
@@ -122,6 +128,8 @@ class RowFilters:
         self._results.move_to_end(where)
         pos = seqs % self.core.arena_rows
         known = (res.seq[pos] == seqs) & (res.bits[pos] == self._bits(pos))
+        for name, kept in res.values.items():  # rewritten by another process since (NaN: never known)
+            known &= np.asarray(self.view.values(name, pos)) == kept[pos]
         return known & res.ok[pos], seqs[~known]
 
     def evaluate(self, where: str, seqs: np.ndarray) -> None:
@@ -130,6 +138,7 @@ class RowFilters:
         cond = self.core.cond
         pos = seqs % self.core.arena_rows
         bits = self._bits(pos)
+        values = {name: np.asarray(self.view.values(name, pos)) for name in self._kept}  # read under the lock
         table = self.table(seqs)
         changed: list[np.ndarray] = []
         self._inflight.append(changed)
@@ -141,13 +150,15 @@ class RowFilters:
             self._inflight.remove(changed)
         res = self._results.get(where)
         if res is None:
-            res = self._results[where] = _Results(self.core.arena_rows)
+            res = self._results[where] = _Results(self.core.arena_rows, self._kept)
             if len(self._results) > MAX_CACHED_PREDICATES:
                 self._results.popitem(last=False)
         keep = ~np.isin(pos, np.concatenate(changed)) if changed else np.ones(len(pos), dtype=bool)
         res.seq[pos[keep]] = seqs[keep]
         res.bits[pos[keep]] = bits[keep]
         res.ok[pos[keep]] = np.isin(seqs[keep], passed)  # only the rows asked about can pass
+        for name, kept in res.values.items():
+            kept[pos[keep]] = values[name][keep]
 
     def on_update(self, positions: np.ndarray, fields: list[str]) -> None:
         """The store core's update hook: rows at `positions` changed, so their results are void; wake consumers."""

@@ -145,7 +145,7 @@ class ShardedStore:
             if checkpoint_root is not None and os.path.abspath(checkpoint_root) != os.path.abspath(durable):
                 raise InvalidArgument("durable= is the shards' checkpoint root too: pass one of them, or the same")
             checkpoint_root, tier = durable, "host"
-        if (tasks or sampler.process_local) and tier == "auto":  # per-task and group state live in the heap
+        if (tasks or sampler.process_local or sampler.whole_groups) and tier == "auto":  # as before shm could hold them
             tier = "host"
         tier = _resolve_tier(tier, schema)
         uid = f"ab{secrets.token_hex(4)}"

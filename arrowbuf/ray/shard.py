@@ -49,7 +49,7 @@ def shm_safe(sampler: Sampler) -> bool:
     declared = getattr(cls, "shm_safe", None)
     if declared is not None:
         return bool(declared)
-    if cls.process_local:
+    if cls.process_local or cls.whole_groups:  # groups: a shard's rows of one group are routed through it
         return False
     if cls.spec_name:  # arrowbuf's own samplers keep their state in the store's tier
         return True

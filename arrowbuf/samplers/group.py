@@ -90,7 +90,7 @@ class GroupSampler(Sampler):
 
     spec_name = "group"
     whole_groups = True
-    process_local = True
+    process_local = False  # its state (dropped groups) lives in the store's tier: shared memory for tier="shm"
 
     def __init__(self, key: str = "prompt_id", size: int = 8, drop_zero_variance: str | None = None) -> None:
         if not isinstance(key, str) or not key:
@@ -103,16 +103,28 @@ class GroupSampler(Sampler):
         self.key = key
         self.size = int(size)
         self.drop_zero_variance = drop_zero_variance
-        self.dropped_groups = 0
+        self._count = np.zeros(1, dtype=np.int64)  # groups dropped for zero variance (in the store's tier once bound)
         self._view: RowView | None = None
 
+    @property
+    def dropped_groups(self) -> int:
+        """Groups dropped for zero variance so far (by every process of a shared store)."""
+        return int(self._count[0])
+
+    @dropped_groups.setter
+    def dropped_groups(self, value: int) -> None:
+        self._count[0] = int(value)
+
     def _on_bind(self) -> None:
-        if self.index.tier.shared:
-            raise InvalidArgument("a Group sampler is not yet supported on a shared-memory store (tier='shm'): its "
-                                  "state lives in one process; serve a host store over Flight to share it")
         # per ring position, the seq of a row whose group was dropped for zero variance (seq-stamped: a new row in
-        # the slot is not dropped)
-        self._dropped = np.full(self.index.arena_rows, -1, dtype=np.int64)
+        # the slot is not dropped); in the store's tier, so every process of a shared store sees the same drops
+        tier = self.index.tier
+        self._dropped = tier.allocate("sampler.group.dropped", np.dtype(np.int64), self.index.arena_rows)
+        count = tier.allocate("sampler.group.count", np.dtype(np.int64), 1)
+        if tier.fresh:  # a process attaching to shared memory must not reset it
+            self._dropped.fill(-1)
+            count[0] = self.dropped_groups
+        self._count = count
 
     def attach(self, view: RowView, schema: Any) -> None:
         """Give the sampler its store's rows (called once by the store); checks the fields it reads.

@@ -41,6 +41,10 @@ Mechanism:
 - `where=`: a SQL predicate run in `arrowbuf.query.sql`'s sandbox over the candidate rows' scalar columns only (scalar
   fields, `episode_id`, `step`, `seq`; a later field not yet written is NULL); ragged and tensor columns are never
   read for it. Rows that fail the filter stay unconsumed for the task (a later call may take them).
+- Shared memory (`tier="shm"`): the state above (consumed seqs, cursors, counters, `policy_version`, pins, leases)
+  lives in the store's shared memory (`arrowbuf.store.consume_state`, `arrowbuf.store.shared_leases`) under its
+  cross-process state lock, so consumers, updaters and writers in every process that attached it share it; a wait
+  for rows polls there (another process's commit cannot notify this condition).
 - `max_tokens=`: a token budget over the store's `token_field` (a ragged field; default `response_tokens` when the
   schema has it, else its only ragged field): rows (groups) in order while their token count fits; always at least
   one, so a row longer than the budget is delivered alone rather than never.
@@ -51,7 +55,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any, cast
 
 import numpy as np
@@ -64,11 +68,15 @@ from ..query.sql import caller_cancelled
 from ..samplers.base import Sampler
 from ..samplers.group import GroupSampler
 from ..surface import StoreSurface
+from .consume_state import ConsumeState
 from .core import StoreCore
 from .leases import LeaseTable, check_lease_seconds
 
 #: Seconds between checks that a server's caller is still there, while a consume waits for rows.
 _CANCEL_POLL_S = 0.2
+#: First and longest pause between looks for rows while a consume of a shared store waits (other processes write).
+_SHARED_POLL_S = 0.0002
+_SHARED_POLL_MAX_S = 0.005
 
 #: Consumption per task is part of the store surface now (`arrowbuf.surface.StoreSurface`); the old name stays.
 ConsumeSurface = StoreSurface
@@ -89,17 +97,21 @@ class ConsumeTracker:
                  token_field: str | None = None) -> None:
         self.core = core
         self.reader = reader
-        self._consumed: dict[str, np.ndarray] = {}
-        self._cursor: dict[str, int] = {}
-        self._pins: dict[int, int] = {}
+        # the state lives in the store's tier: shared memory for tier="shm" (arrowbuf.store.consume_state)
+        self._state = ConsumeState(core.tier, core.arena_rows)
+        self._consumed: dict[str, np.ndarray] = self._state.consumed
+        self._cursor: MutableMapping[str, int] = self._state.cursor
+        self._pins: MutableMapping[int, int] = self._state.pins  # every process's gathers, for a shared store
         self._gathering: dict[int, tuple[str, np.ndarray]] = {}  # pin -> (task, seqs) of a batch not handed out yet
-        # (without a lease: a leased batch is not final until acked, the lease table has it)
+        # (without a lease: a leased batch is not final until acked, the lease table has it; this process's only)
         self._pin_ids = itertools.count()
-        self._policy_version = 0
-        self.counters = {"stale_dropped": 0, "insert_waits": 0}
-        self._delivered: dict[str, int] = {}
-        self._stale_by_task: dict[str, int] = {}  # rows dropped as stale per task: at consume, or evicted unconsumed
-        self.leases = LeaseTable()  # rows in flight per task (consume with lease=), see arrowbuf.store.leases
+        self.counters: MutableMapping[str, int] = self._state.counters  # stale_dropped, insert_waits
+        self._delivered: MutableMapping[str, int] = self._state.delivered
+        self._stale_by_task: MutableMapping[str, int] = self._state.stale_by_task  # rows dropped as stale per task:
+        # at consume, or evicted unconsumed
+        # rows in flight per task (consume with lease=), see arrowbuf.store.leases; a shared store's in shared memory
+        # (arrowbuf.store.shared_leases): any process acks or nacks, any process returns an expired lease's rows
+        self.leases: LeaseTable = self._state.leases
         #: Called as `hook(task, seqs, how)` under the state lock whenever `task`'s consumption of rows `seqs` becomes
         #: final: `how` "consumed" (a consume without a lease), "acked" (a lease acked), "dropped" (stale or
         #: zero-variance rows, never delivered). Rows in flight under a lease are not final (they may come back).
@@ -149,6 +161,9 @@ class ConsumeTracker:
             InvalidArgument: the name is not a non-empty string, or the task exists.
         """
         self._check_new_task(name, [])
+        why = self._state.can_add()
+        if why:
+            raise InvalidArgument(f"cannot declare task {name!r}: {why}")
         with self.core.cond:
             if name in self._consumed:
                 raise InvalidArgument(f"task {name!r} is already declared; tasks are {self.tasks}")
@@ -161,17 +176,24 @@ class ConsumeTracker:
             raise InvalidArgument(f"task {name!r} is declared twice; task names are unique")
 
     def _add(self, name: str) -> None:
-        if self.core.tier.shared:
-            raise InvalidArgument("tasks (consume) are not yet supported on a shared-memory store (tier='shm'); "
-                                  "serve a host store over Flight to share it between processes")
-        self._consumed[name] = np.full(self.core.arena_rows, -1, dtype=np.int64)
-        self._cursor[name] = 0
-        self._delivered[name] = 0
-        self._stale_by_task[name] = 0
+        self._state.add(name)  # fresh arrays (cursor, counts 0), or a shared store's, as the other processes left them
+
+    @property
+    def _policy_version(self) -> int:
+        return self._state.policy_version
+
+    @_policy_version.setter
+    def _policy_version(self, value: int) -> None:
+        self._state.policy_version = value
+
+    @property
+    def shared(self) -> bool:
+        """Whether the state is in shared memory (other processes of the node consume from the same store)."""
+        return self._state.shared
 
     @property
     def policy_version(self) -> int:
-        """The current policy version (default 0)."""
+        """The current policy version (default 0; a shared store's, set by any of its processes)."""
         return self._policy_version
 
     @policy_version.setter
@@ -234,6 +256,7 @@ class ConsumeTracker:
         c.check_open()
         plan = self._plan(task, n, require, timeout, max_staleness, where, max_tokens)
         seconds = check_lease_seconds(lease)
+        poll = _SHARED_POLL_S  # a shared store: other processes' commits and updates cannot notify this condition
         deadline = time.monotonic() + plan["timeout"]
         lease_id = None
         durable: list[Callable[[], None]] = []  # what the final hooks ask to wait for, outside the lock
@@ -256,22 +279,30 @@ class ConsumeTracker:
                 c.waiters += 1  # commits notify the condition only when someone waits (StoreCore.notify)
                 try:
                     wait = self._bounded(left)
-                    c.cond.wait(wait if cancelled is None else min(wait or _CANCEL_POLL_S, _CANCEL_POLL_S))
+                    if cancelled is not None:
+                        wait = min(wait or _CANCEL_POLL_S, _CANCEL_POLL_S)
+                    if self.shared:  # poll, backing off: a write in another process notifies nobody here
+                        wait = min(wait or poll, poll)
+                        poll = min(2 * poll, _SHARED_POLL_MAX_S)
+                    c.cond.wait(wait)
                 finally:
                     c.waiters -= 1
             if len(seqs) and cancelled is not None and cancelled():
                 seqs = seqs[:0]  # nobody will read the reply: nothing is consumed
-            if len(seqs):
-                self._consumed[task][seqs % c.arena_rows] = seqs
-                if seconds is None:
-                    self._final(task, seqs, "consumed", durable)
-                else:
-                    lease_id = self.leases.open(task, seqs, seconds).id
             pin = next(self._pin_ids)
             if len(seqs):
-                self._pins[pin] = int(seqs.min())
-                if lease_id is None:  # a leased batch is in the lease table (not final) already
-                    self._gathering[pin] = (task, seqs)
+                self._pins[pin] = int(seqs.min())  # first: a shared store's pin table may be full (then: nothing done)
+                try:
+                    self._consumed[task][seqs % c.arena_rows] = seqs
+                    if seconds is not None:  # a shared store's lease table may be full: the rows go back
+                        lease_id = self.leases.open(task, seqs, seconds).id
+                except BaseException:
+                    self._return(task, seqs)
+                    self._pins.pop(pin, None)
+                    raise
+                if seconds is None:
+                    self._final(task, seqs, "consumed", durable)
+                    self._gathering[pin] = (task, seqs)  # a leased batch is in the lease table (not final) already
         try:
             arrays = self.reader.gather(seqs, None)
         except BaseException:
@@ -635,11 +666,11 @@ class ConsumeTracker:
         done = np.ones(len(seqs), dtype=bool)
         for arr in self._consumed.values():
             done &= arr[pos] == seqs
-        if self._pins:
-            done &= seqs < min(self._pins.values())
+        pinned = min(self._pins.values(), default=hi) if self._pins else hi  # a shared store's: live processes' only
+        done &= seqs < pinned
         if not done.all() and self.max_staleness is not None:
             stale = self.values("policy_version", pos) < self._policy_version - self.max_staleness
-            stale &= seqs < min(self._pins.values(), default=hi)
+            stale &= seqs < pinned
             done |= stale
         if len(self.leases):
             self.expire()
@@ -740,17 +771,18 @@ class ConsumeTracker:
 
 
 def check_store_options(tier: Any, sampler: Any, tasks: Any) -> None:
-    """Before a store allocates anything: consumption per task and groups keep their state in this process's heap,
-    so a shared-memory store cannot have them (yet).
+    """Before a store allocates anything: a sampler whose state lives in this process's heap (`process_local`)
+    cannot serve a shared-memory store. Tasks and arrowbuf's `Group` sampler can: their state lives in the store's
+    tier (`arrowbuf.store.consume_state`, `arrowbuf.samplers.group`).
 
     Raises:
-        InvalidArgument: `tier="shm"` with `tasks` or a `Group` sampler.
+        InvalidArgument: `tier="shm"` with a process-local sampler.
     """
     if tier != "shm" and not getattr(tier, "shared", False):
         return
-    if tasks or (isinstance(sampler, Sampler) and sampler.process_local):
-        raise InvalidArgument("tasks (consume) and Group samplers are not yet supported on a shared-memory store "
-                              "(tier='shm'): their state lives in one process; serve a host store over Flight to "
+    if isinstance(sampler, Sampler) and sampler.process_local:
+        raise InvalidArgument(f"a {type(sampler).__name__} sampler keeps its state in one process, so a "
+                              "shared-memory store (tier='shm') cannot use it; serve a host store over Flight to "
                               "share it between processes")
 
 

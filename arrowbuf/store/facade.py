@@ -42,6 +42,7 @@ from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from ..tiers.base import Tier, format_bytes
 from ..tiers.host import HostTier
 from .consume import ConsumeTracker, check_store_options
+from .consume_state import shared_options
 from .core import StoreCore
 from .episodes import EpisodeTracker
 from .reader import RowSnapshot, StoreReader
@@ -77,7 +78,8 @@ class ExperienceStore:
             never exceeded. The index lives on the host (within the host budget). See `arrowbuf.ring.columns`.
         placement: an `ab.placement` policy (default: `ab.placement.BandwidthAware()` when several tiers are given).
         tasks: names of the tasks that `consume` rows (each sees every row once; rows wait for them before
-            eviction); more with `add_task`. See `arrowbuf.store.consume`.
+            eviction); more with `add_task` (not on a shared store: its tasks are fixed when it is created, and every
+            process that attaches consumes from the same state). See `arrowbuf.store.consume`.
         max_staleness: admission control by policy version: rows older than `policy_version - max_staleness`
             are refused, rows newer than `policy_version + max_staleness` wait (`InsertTimeout`); stale rows may be
             evicted unconsumed. Needs an integer `policy_version` field.
@@ -134,6 +136,13 @@ class ExperienceStore:
                 self._writer.hold = self._consume
             if observe and not self._tier.shared:
                 self._core.lineage = self._make_lineage()
+            if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
+                self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity,
+                                 "chunk_rows": self.chunk_rows, "final_obs_capacity": self.final_capacity or None,
+                                 "sampler": to_spec(self.sampler), "rate_limiter": to_spec(self.rate_limiter),
+                                 "max_times_sampled": self._max_times_arg, "consume": {
+                                     "tasks": self._consume.tasks, "max_staleness": self._consume.max_staleness,
+                                     "token_field": self._consume.token_field}})
             if durable is not None:
                 from .durable import DurableLog
 
@@ -141,7 +150,7 @@ class ExperienceStore:
                                                   self._reader, self._updater, self._consume)
         except BaseException:
             for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
-                if not t.shared:
+                if not t.shared or (t.fresh and not getattr(t, "sealed", True)):  # a shared store nobody attached
                     t.close()
             raise
 
@@ -209,10 +218,7 @@ class ExperienceStore:
             target: PlacementTarget = self._core  # a policy sees the internals only through this Protocol
             self.placement_policy.bind(target)
             self._reader.count_access = True
-        if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
-            self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity, "chunk_rows": self.chunk_rows,
-                             "final_obs_capacity": self.final_capacity or None, "sampler": to_spec(self.sampler),
-                             "rate_limiter": to_spec(self.rate_limiter), "max_times_sampled": max_times_sampled})
+        self._max_times_arg = max_times_sampled  # the manifest records it (`_seal`)
 
     def _make_lineage(self) -> Any:
         from ..observe.lineage import for_core
@@ -248,9 +254,14 @@ class ExperienceStore:
             except SchemaError as exc:
                 raise StoreCorrupt(f"{where} has an invalid schema ({str(exc)[:300]}); the store cannot be attached. "
                                    "Recreate it (or remove it with `arrowbuf shm rm`)") from None
-            return cls(schema, m["capacity"], from_spec(m["sampler"], where), from_spec(m["rate_limiter"], where),
-                       seed, chunk_rows=m["chunk_rows"], final_obs_capacity=m["final_obs_capacity"],
-                       max_times_sampled=m["max_times_sampled"], tier=tier, name=m["name"])
+            consume = shared_options(m.get("consume"), where)
+            try:
+                return cls(schema, m["capacity"], from_spec(m["sampler"], where), from_spec(m["rate_limiter"], where),
+                           seed, chunk_rows=m["chunk_rows"], final_obs_capacity=m["final_obs_capacity"],
+                           max_times_sampled=m["max_times_sampled"], tier=tier, name=m["name"], **consume)
+            except (InvalidArgument, SchemaError) as exc:  # what the manifest records does not fit together
+                raise StoreCorrupt(f"{where} records a store that cannot be rebuilt ({str(exc)[:300]}); the store "
+                                   "cannot be attached. Recreate it (or remove it with `arrowbuf shm rm`)") from None
         except BaseException:
             tier.close()
             raise
@@ -883,3 +894,4 @@ def _make_tier(tier: str | Tier, name: str, schema: ExperienceSchema) -> Tier:
 
         return SharedMemoryTier.create(name)
     raise InvalidArgument(f"unknown tier {tier!r}; expected 'host', 'shm' or a Tier instance")
+

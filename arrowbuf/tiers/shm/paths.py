@@ -11,7 +11,8 @@ from typing import Any
 from ...errors import InvalidArgument
 
 #: Version of the on-disk layout (manifest, file names); attach refuses other versions.
-FORMAT_VERSION = 2  # 2: sampler and rate-limiter specs are objects keyed on registered names
+FORMAT_VERSION = 3  # 2: sampler and rate-limiter specs are objects keyed on registered names; 3: every store has
+#                    the consume arenas (consume.*: tasks, leases, policy_version in shared memory)
 PREFIX = "arrowbuf."
 NEW_PREFIX = ".arrowbuf-new."     # a store being created (renamed to PREFIX + name when its owner lock is held)
 GONE_PREFIX = ".arrowbuf-gone."   # a store being removed (renamed away first, so the name is free at once)

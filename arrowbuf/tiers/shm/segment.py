@@ -298,6 +298,11 @@ class SharedMemoryTier(Tier):
 
     # ------------------------------------------------------------------ lifetime
     @property
+    def sealed(self) -> bool:
+        """Whether the manifest is published (attachable; no new arenas or locks from here)."""
+        return self._sealed
+
+    @property
     def manifest_file(self) -> str:
         """The path of this store's manifest (named in errors about what it records)."""
         return os.path.join(self.path, MANIFEST)
