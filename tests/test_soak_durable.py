@@ -30,9 +30,11 @@ from __future__ import annotations
 import collections
 import json
 import os
+import pickle
 import random
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -378,3 +380,231 @@ def test_durable_flight_soak(procs, tmp_path, monkeypatch):
     assert kills["server"] >= 1 and kills_total >= 3
     for t in TASKS:  # the hung consumers' rows at least
         assert counts[t]["orphans_redelivered"] >= 1 and counts[t]["redelivered"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------- Ray shard actors
+def row_key(ids) -> np.ndarray:
+    """A row's name across shard incarnations: (shard, seq) (a global id also carries the incarnation's
+    generation, so the same row has another global id after its shard restarted)."""
+    from arrowbuf.ray.ids import SEQ_BITS, decode_ids
+
+    shard, _gen, seq = decode_ids(ids)
+    return (shard << SEQ_BITS) | seq
+
+
+class ThreadLog:
+    """Lines of one worker thread (as the processes' JSON lines), and the flag that kills it."""
+
+    def __init__(self, kind: str, task: str) -> None:
+        self.kind, self.task, self.lines, self.die = kind, task, [], threading.Event()
+        self.killed = False
+
+    def log(self, **kw) -> None:
+        self.lines.append(kw)
+
+
+def _ray_writer(handle, me: ThreadLog, wid: int) -> None:
+    k = 0
+    while not me.die.is_set():
+        p = wid * 10**9 + np.arange(k, k + 16)
+        k += 16
+        me.log(sent=p.tolist())
+        try:
+            ids = handle.extend({"prompt_id": p, "response": [response(int(x)) for x in p]})
+        except Exception as exc:  # noqa: BLE001 - not acknowledged; logged and counted
+            me.log(err=type(exc).__name__, msg=str(exc)[:200])
+            time.sleep(0.1)
+            continue
+        me.log(written=row_key(ids).tolist(), prompts=p.tolist())
+        time.sleep(0.03)
+
+
+def _ray_consumer(handle, me: ThreadLog, seed: int) -> None:
+    rng = random.Random(seed)
+    task = me.task
+    while not me.die.is_set():
+        t0 = time.time()
+        try:
+            b = handle.consume(task, rng.randint(8, 48), lease=3.0, timeout=0.2,
+                               require=None if task == "ref" else ["reward", "ref_logprobs"])
+        except Exception as exc:  # noqa: BLE001
+            me.log(err=type(exc).__name__, msg=str(exc)[:200])
+            time.sleep(0.1)
+            continue
+        if not len(b):
+            continue
+        keys = row_key(b.indices).tolist()
+        me.log(got=keys, t0=t0, t1=time.time())
+        d = b.to_numpy()
+        p = d["prompt_id"]
+        time.sleep(rng.random() * 0.1)
+        if me.die.is_set():
+            return  # died holding the lease
+        if task == "ref":
+            try:
+                n = handle.update(b.indices, {"reward": np.array([reward(int(x)) for x in p], np.float32),
+                                              "ref_logprobs": [np.full(len(r), -float(x % 1000), np.float32)
+                                                               for r, x in zip(d["response"], p)]})
+                m = handle.update_priorities(b.indices, np.array([priority(int(x)) for x in p]))
+            except Exception as exc:  # noqa: BLE001
+                me.log(err=type(exc).__name__, msg=str(exc)[:200])
+                continue
+            if n != len(b) or m != len(b):  # a part went to a dead shard (or its earlier incarnation): not done
+                me.log(err="short update", msg=f"{n}/{m} of {len(b)}")
+                continue
+        else:
+            bad = [k for k, x, r, resp, lp in zip(keys, p, d["reward"], d["response"], d["ref_logprobs"])
+                   if r != reward(int(x)) or list(resp) != list(response(int(x)))
+                   or list(lp) != [-float(x % 1000)] * len(resp)]
+            if bad:
+                me.log(bad=bad)
+        me.log(acking=keys)
+        try:
+            handle.ack(b.lease)
+        except ab.LeaseError as exc:
+            me.log(ackfail=keys, why=str(exc)[:80])
+            continue
+        except Exception as exc:  # noqa: BLE001 - unknown whether acked: not counted as done
+            me.log(ackunknown=keys, err=type(exc).__name__, msg=str(exc)[:200])
+            continue
+        me.log(acked=keys, t=time.time())
+
+
+def _closing(work, handle, *args) -> None:
+    try:
+        work(handle, *args)
+    finally:
+        handle.close()
+
+
+def _info(ray, actor) -> dict:
+    """The info of the actor's current incarnation, waiting while it restarts (bounded: 50 tries)."""
+    for _ in range(50):
+        try:
+            return ray.get(actor.get_info.remote(), timeout=120)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.5)
+    raise AssertionError("a shard actor did not come back")
+
+
+def test_durable_ray_shards_soak(ray_cluster, tmp_path):
+    ray = pytest.importorskip("ray")
+    from arrowbuf.persist import manifest as mf
+    from arrowbuf.ray import ShardedStore
+
+    rng = random.Random(1)
+    root = tmp_path / "durable"
+    num_shards = 2
+    s = ShardedStore.create(SCHEMA, num_shards, CAPACITY // 4, seed=0, strategy=None, durable=str(root),
+                            durability="group", tasks=list(TASKS),
+                            sampler=ab.samplers.PrioritizedSampler(alpha=1.0, eps=0.0))
+    workers: list[tuple[ThreadLog, threading.Thread]] = []
+    kills: collections.Counter = collections.Counter()
+    ids_seen = iter(range(1, 10**6))
+
+    def start(kind: str, task: str = "") -> None:
+        me = ThreadLog("writer" if kind == "writer" else "consumer", task)
+        handle = pickle.loads(pickle.dumps(s))  # its own handle (connections), as another process would have
+        args = (handle, me, next(ids_seen))
+        th = threading.Thread(target=_closing, args=(_ray_writer if kind == "writer" else _ray_consumer, *args),
+                              daemon=True)
+        th.start()
+        workers.append((me, th))
+
+    def stop(me: ThreadLog, th: threading.Thread) -> None:
+        me.die.set()
+        th.join(120)
+        assert not th.is_alive()
+
+    try:
+        for _ in range(2):
+            start("writer")
+        time.sleep(2)
+        s.checkpoint()  # a restart is this checkpoint + the journal after it (which holds every consumption)
+        for task in ("ref", "train", "train"):
+            start("consumer", task)
+        end = time.monotonic() + SOAK_S
+        while time.monotonic() < end:
+            time.sleep(rng.uniform(1.5, 4.0))
+            what = rng.choice(["shard-sigkill", "shard-ray.kill", "writer", "consumer", "consumer"])
+            kills[what] += 1
+            if what.startswith("shard"):
+                k = rng.randrange(num_shards)
+                if what == "shard-sigkill":
+                    os.kill(_info(ray, s.actors[k])["pid"], signal.SIGKILL)
+                else:
+                    ray.kill(s.actors[k], no_restart=False)
+                continue
+            alive = [(me, th) for me, th in workers if not me.die.is_set() and me.kind == what]
+            me, th = alive[rng.randrange(len(alive))]
+            me.killed = True
+            stop(me, th)
+            start(what, me.task)
+        for me, th in workers:
+            if me.kind == "writer":
+                stop(me, th)
+        assert s.wait_for_shards(timeout=180) == num_shards
+        drained = False
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not drained:
+            st = s.stats()
+            drained = st["up"] == num_shards and all(st["consumed"][t] == st["size"] for t in TASKS)
+            time.sleep(0.5)
+        for me, th in workers:
+            stop(me, th)
+        s.wait_for_shards(timeout=180)
+        infos = [_info(ray, a) for a in s.actors]
+    finally:
+        for me, _th in workers:
+            me.die.set()
+        s.shutdown()
+    assert drained, f"the consumers did not drain the shards: {st.get('consumed')} of {st.get('size')}"
+
+    # the shards are gone: restore each directory here and look (as a restarted shard would)
+    rows: dict[str, list] = collections.defaultdict(list)
+    pri, left = [], {}
+    consumed: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+    from arrowbuf.ray.ids import SEQ_BITS
+    for k in range(num_shards):
+        d = str(root / f"shard-{k}")
+        records, _torn, _next = jr.read_segments(d, int(mf.read_manifest(d)["journal"]["from_lsn"]))
+        for r in records:
+            if r.kind == "consumed":
+                consumed[str(r.meta["task"])].append((k << SEQ_BITS) | np.frombuffer(r.payload, "<i8"))
+        with ab.ExperienceStore.restore(d) as again:
+            t = again.to_table(["seq", "prompt_id", "response", "reward", "ref_logprobs"]).to_pydict()
+            for name, v in t.items():
+                rows[name] += v
+            rows["key"] += [(k << SEQ_BITS) | i for i in t["seq"]]
+            pri.append(again.sampler.mass(np.asarray(t["seq"], np.int64)))
+            for task in TASKS:
+                left[task] = left.get(task, 0) + len(again.consume(task, CAPACITY).indices)
+    logs = Logs()
+    logs.by_proc = [(me.kind, me.task, me.killed, me.lines) for me, _ in workers]
+    keys = np.asarray(rows["key"], np.int64)
+    sent = {p for x in logs.lines("writer") if "sent" in x for p in x["sent"]}
+    written = {i: p for x in logs.lines("writer") if "written" in x for i, p in zip(x["written"], x["prompts"])}
+    counts = {t: check_consumer_logs(logs, t) for t in TASKS}
+    errors = collections.Counter((me.kind, x["err"]) for me, _ in workers for x in me.lines if "err" in x)
+    prompts = collections.Counter(rows["prompt_id"])
+    print(f"\ndurable ray soak {SOAK_S:.0f}s: {len(keys)} rows ({len(written)} acknowledged to writers, "
+          f"{sum(c > 1 for c in prompts.values())} stored twice: a batch re-sent after its shard died), kills "
+          f"{dict(kills)}, incarnations {[i['generation'] for i in infos]}, per task {counts}, errors {errors}")
+    assert not [x for x in logs.lines() if "bad" in x]
+    assert written and set(written) <= set(keys.tolist())
+    by_key = dict(zip(keys.tolist(), range(len(keys))))
+    for i, p in written.items():
+        assert rows["prompt_id"][by_key[i]] == p
+    for j, p in enumerate(rows["prompt_id"]):
+        assert p in sent and rows["response"][j] == response(p).tolist()
+        assert rows["reward"][j] == reward(p) and rows["ref_logprobs"][j] == [-float(p % 1000)] * (p % 7 + 1)
+    np.testing.assert_array_equal(np.concatenate(pri), [priority(p) for p in rows["prompt_id"]])
+    for task in TASKS:
+        final = np.concatenate(consumed[task])
+        assert len(final) == len(np.unique(final)), f"task {task}: a row consumed twice in a shard's journal"
+        np.testing.assert_array_equal(np.sort(final), np.sort(keys), err_msg=f"task {task}: each row once")
+        assert left[task] == 0
+        acked_ok = [i for x in logs.lines("consumer", task) if "acked" in x for i in x["acked"]]
+        assert set(acked_ok) <= set(final.tolist())
+    assert kills["shard-sigkill"] + kills["shard-ray.kill"] >= 1
+    assert min(i["generation"] for i in infos) >= 0
