@@ -283,10 +283,14 @@ def test_durable_flight_soak(procs, tmp_path, monkeypatch):
         with open(out, "rb") as f:
             logs.add("writer" if kind == "writer" else "consumer", kind, killed, f.read())
 
+    hung: list = []
     try:
         for kind in ("writer", "writer", "ref", "train", "train"):
             start(kind)
-        hung = [(kind, start(kind, "hang")) for kind in TASKS]  # each stops while holding a lease; killed a third in
+        for kind in TASKS:  # a consumer per task that stops while holding a lease; killed a third in
+            p_out = start(kind, "hang")
+            running[kind].remove(p_out)  # not among the random victims
+            hung.append((kind, p_out))
         end = time.monotonic() + SOAK_S
         while time.monotonic() < end or (hung and time.monotonic() < end + 60):
             for task, p_out in list(hung) if time.monotonic() > end - SOAK_S * 2 / 3 else []:
@@ -294,7 +298,6 @@ def test_durable_flight_soak(procs, tmp_path, monkeypatch):
                     if '"got"' not in f.read():
                         continue  # not holding a lease yet
                 hung.remove((task, p_out))
-                running[task].remove(p_out)
                 reap(task, p_out)
                 kills[task] += 1
             time.sleep(rng.uniform(1.0, 3.0))
@@ -329,7 +332,7 @@ def test_durable_flight_soak(procs, tmp_path, monkeypatch):
                 reap(kind, p, killed=False)
             running[kind] = []
     finally:
-        for ps in running.values():
+        for ps in [*running.values(), [p_out for _, p_out in hung]]:
             for p, _ in ps:
                 p.kill()
         server.kill()
