@@ -343,6 +343,35 @@ def test_a_shard_restarting_longer_than_failure_timeout_is_not_lost(cluster):
         s.shutdown()
 
 
+def test_a_writer_back_home_returns_the_ids_of_the_batch_it_just_wrote(cluster):
+    """A Flight writer that moved off its dead home shard and back must return each batch's own ids. Found by the
+    durable soak (issue 25, tests/test_soak_durable.py): going home opened a new DoPut stream but kept the count of
+    batches the old stream had acknowledged, so `extend` returned the ids of an earlier batch (rows of another shard)
+    until the new stream had acknowledged as many batches."""
+    s = ShardedStore.create(SMALL, 2, 2000, seed=5, strategy=None, tier="host")
+    try:
+        w = s.writer(0, transport="flight")
+        for _ in range(2):
+            w.extend(_episodes(0, 1))
+        exit_fd = _exit_of(s.infos[0]["pid"])
+        try:
+            ray.kill(s.actors[0], no_restart=False)  # Ray restarts it
+            assert select.select([exit_fd], [], [], 60)[0], "the killed shard process did not exit"
+        finally:
+            os.close(exit_fd)
+        away = [w.extend(_episodes(1, 1)) for _ in range(4)]  # re-routed to shard 1: its stream acks 4 batches
+        assert all((shard_of(ids) == 1).all() for ids in away) and w.reroutes >= 1
+        assert s.wait_for_shards(60) == 2
+        home = w.extend(_episodes(2, 1))  # home again, on a new stream
+        w.close()
+        assert (shard_of(home) == 0).all(), (decode_ids(home), decode_ids(away[-1]))
+        t = s.to_table(["obs", "seq"]).to_pydict()
+        on_home = {q: o[0] for k, q, o in zip(t["shard"], t["seq"], t["obs"]) if k == 0}
+        assert [on_home[int(q)] for q in decode_ids(home)[2]] == [20_000 + i for i in range(10)]
+    finally:
+        s.shutdown()
+
+
 def test_handle_pickles_and_samples_in_a_task(uniform):
     if len(uniform) == 0:
         uniform.extend(_episodes(0, 30))

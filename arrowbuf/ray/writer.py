@@ -139,6 +139,7 @@ class ShardWriter:
             return False
         self.shard = k
         self._generation = int(info["generation"])
+        self._acked = 0  # batches the new stream acknowledged (`_trim_acked` counts from its first_seqs)
         return True
 
     def _drop_target(self) -> None:
