@@ -111,14 +111,17 @@ class DurableLog:
         cols, n = self.core.schema.validate_batch(batch, single=single)
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        payload = jr.table_bytes(columns_table(cols))  # before the write, outside every lock
+        # the record is encoded and checksummed outside every lock (the journal's too: `append_prepared` only adds
+        # its lsn), so writers overlap it with each other's writes and fsyncs
+        payload = jr.table_bytes(columns_table(cols))
         ids = self.writer.extend_columns(cols, n, timeout=timeout)
         if _KILL_AT is not None and os.environ.get(_KILL_AT) == "before_batch_record":  # crash tests
             os.kill(os.getpid(), signal.SIGKILL)
-        self.journal.wait(self._record_batch(int(ids[0]), n, payload))
+        self.journal.wait(self._record_batch(int(ids[0]), n, jr.prepare("batch", {"first": int(ids[0]), "n": n},
+                                                                        payload)))
         return ids
 
-    def _record_batch(self, first: int, n: int, payload: Any) -> int:
+    def _record_batch(self, first: int, n: int, record: jr.Prepared) -> int:
         """Append a committed batch's record once every earlier batch's is appended (batches commit in seq order;
         an earlier one that never commits is an aborted reservation: holes)."""
         with self._order:
@@ -127,7 +130,7 @@ class DurableLog:
                 self._order.wait(0.05)
                 if self._recorded < first and (self._holes(self._recorded, first) or time.monotonic() - since > 5):
                     break
-            ticket = self.journal.append("batch", {"first": first, "n": n}, payload)
+            ticket = self.journal.append_prepared(record)
             self._recorded = max(self._recorded, first + n)
             self._order.notify_all()
         return ticket
@@ -248,7 +251,7 @@ def resume(root: str, manifest: dict[str, Any], policy: str | None, core: Any, w
     from_lsn = int((manifest.get("journal") or {}).get("from_lsn", 0))
     owner = jr.lock_journal(root)  # no live store writes it while it is read, cut and continued
     try:
-        records, torn, next_lsn = jr.read_segments(root, from_lsn)
+        records, torn, next_lsn, last_crc = jr.read_journal(root, from_lsn)
         # the journal holds the inserts as they happened: no eviction hold, no rate limiter may refuse them again
         hold, writer.hold = writer.hold, None
         limiter, core.rate_limiter = core.rate_limiter, None
@@ -256,7 +259,7 @@ def resume(root: str, manifest: dict[str, Any], policy: str | None, core: Any, w
             counts = replay(records, _Target(core, writer, reader, updater, consume), f"journal of {root}")
         finally:
             writer.hold, core.rate_limiter = hold, limiter
-        first = jr.seal_last(root, next_lsn, torn)
+        first = jr.seal_last(root, next_lsn, torn, prev=last_crc)
         journal = jr.Journal(root, policy, first_lsn=first, lock_fd=owner)
     except BaseException:
         os.close(owner)

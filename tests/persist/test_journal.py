@@ -518,3 +518,51 @@ def test_leases_survive_a_crash_acked_rows_stay_consumed_unacked_rows_come_back(
         assert not set(left) & set(acked + plain)
         assert set(held) <= set(left) and len(left) == 25  # the leased rows first, in order, then the rest
         assert left[:10] == sorted(held)
+
+
+def test_a_segment_of_journal_format_version_1_is_refused_saying_so(tmp_path):
+    d = tmp_path / "run"
+    s = ab.ExperienceStore(GRPO, capacity=64, chunk_rows=8, seed=0, durable=d, durability="os")
+    s.extend(rollouts(3))
+    s.close()
+    (_, path), = jr.segments(str(d))
+    v1 = pa.schema([("lsn", pa.int64()), ("kind", pa.string()), ("meta", pa.string()), ("payload", pa.binary()),
+                    ("prev", pa.uint32()), ("crc32", pa.uint32())]).serialize().to_pybytes()
+    with open(path, "wb") as f:
+        f.write(v1 + b"\0" * 64)
+    with pytest.raises(ab.StoreCorrupt, match="format version 1"):
+        ab.ExperienceStore.restore(d)
+
+
+def test_every_byte_of_every_record_is_checked(tmp_path):
+    """Format 2: a record's crc32 covers all its bytes (framing, metadata, padding) but its own 8: flipping any byte
+    of any record but the last is StoreCorrupt (the last one: StoreCorrupt or a torn tail, never a changed record)."""
+    d = tmp_path / "run"
+    s = ab.ExperienceStore(GRPO, capacity=64, chunk_rows=8, seed=0, durable=d, durability="os")
+    s.extend(rollouts(2))
+    s.policy_version = 3
+    s._durable.journal.close()
+    (_, path), = jr.segments(str(d))
+    data = open(path, "rb").read()
+    good, _, _ = jr.read_segments(str(d), 0)
+    last = _offsets(data)[-1]
+    try:
+        for spot in range(len(jr._SCHEMA_BYTES), len(data)):
+            bad = bytearray(data)
+            bad[spot] ^= 0x01
+            with open(path, "wb") as f:
+                f.write(bytes(bad))
+            if spot < last:
+                with pytest.raises(ab.StoreCorrupt, match=os.path.basename(path)):
+                    jr.read_segments(str(d), 0)
+            else:
+                try:
+                    recs, _, _ = jr.read_segments(str(d), 0)
+                except ab.StoreCorrupt:
+                    continue
+                assert [(r.lsn, r.kind, r.meta, bytes(r.payload)) for r in recs] == \
+                    [(r.lsn, r.kind, r.meta, bytes(r.payload)) for r in good[:len(recs)]]
+                assert len(recs) == len(good) - 1
+    finally:
+        with open(path, "wb") as f:
+            f.write(data)
