@@ -409,18 +409,83 @@ def read_journal(directory: str, from_lsn: int) -> tuple[list[Record], TornTail 
     return out, torn, max(from_lsn, expect if expect is not None else from_lsn), last_crc
 
 
-def _map(path: str) -> pa.Buffer:
-    if os.path.getsize(path) == 0:
-        return pa.py_buffer(b"")
-    with pa.memory_map(path, "r") as f:
-        return f.read_buffer()  # zero-copy: the map lives as long as the buffer (and slices of it)
+class _Loader:
+    """Reads a segment file into memory on a thread, in large sequential reads, while the caller checks the records
+    already read (reading and checksumming overlap: zlib and the reads release the GIL). `upto(k)` waits until
+    the first k bytes (at most the file's size) are in `buf`."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = os.path.getsize(path)
+        self.arr = np.empty(self.size, dtype=np.uint8)
+        self.buf = pa.py_buffer(self.arr)  # zero-copy: payloads are views of it
+        self._avail = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        if self.size <= self.CHUNK:  # one read: no thread
+            self._run()
+        else:
+            self._thread = threading.Thread(target=self._run, name="arrowbuf-journal-read", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                view = self.arr.data
+                while self._avail < self.size:
+                    n = os.readv(fd, [view[self._avail:self._avail + self.CHUNK]])
+                    if n <= 0:
+                        raise StoreCorrupt(f"journal segment {self.path} shrank while it was read")
+                    with self._cond:
+                        self._avail += n
+                        self._cond.notify_all()
+            finally:
+                os.close(fd)
+        except BaseException as exc:  # handed to the reading thread
+            self._error = exc
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def upto(self, k: int) -> None:
+        k = min(k, self.size)
+        if self._avail >= k:
+            return
+        with self._cond:
+            while self._avail < k and not self._done:
+                self._cond.wait()
+        if self._avail < k:
+            if isinstance(self._error, StoreCorrupt):
+                raise self._error
+            raise StoreCorrupt(f"journal segment {self.path} cannot be read: {self._error}")
+
+    def join(self) -> None:
+        """Wait for the reading thread to end (whatever happened)."""
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _read_segment(path: str, first: int) -> tuple[list[Record], TornTail | None, int]:
-    buf = _map(path)
+    loader = _Loader(path)
+    try:
+        return _check_segment(path, first, loader)
+    finally:
+        loader.join()
+
+
+def _check_segment(path: str, first: int, loader: _Loader) -> tuple[list[Record], TornTail | None, int]:
+    buf = loader.buf
     view = memoryview(buf).cast("B")
     size = len(view)
     hs = len(_SCHEMA_BYTES)
+    loader.upto(max(hs, len(_V1_SCHEMA_BYTES)))
     if size < hs or view[:hs] != _SCHEMA_BYTES:
         head = bytes(view[:hs])
         if size < hs and _SCHEMA_BYTES.startswith(head):
@@ -435,8 +500,11 @@ def _read_segment(path: str, first: int) -> tuple[list[Record], TornTail | None,
     lsn = first
     prev = _SCHEMA_CRC
     while off < size:
-        rec, end, crc = _parse_at(buf, view, off, lsn, prev)
+        total = _frame_size(view, off, loader.upto)  # loads the framing and metadata first ...
+        loader.upto(off + total if total > 0 else size)  # ... then the whole record
+        rec, end, crc = _parse_at(buf, view, off, lsn, prev, total)
         if rec is None:
+            loader.upto(size)
             if end == -1 or _later_record(buf, view, off + 8, lsn + 1):  # whole and wrong, or records after it
                 raise StoreCorrupt(f"journal segment {path}: record {lsn} at byte {off} is corrupt (checksum or "
                                    "framing); the journal cannot be replayed past it")
@@ -448,21 +516,26 @@ def _read_segment(path: str, first: int) -> tuple[list[Record], TornTail | None,
     return recs, None, prev
 
 
-def _frame_size(view: memoryview, off: int) -> int:
+def _frame_size(view: memoryview, off: int, need: Any = None) -> int:
     """The byte size of the encapsulated IPC message at `off` from its framing (continuation marker, metadata
-    length, the flatbuffer's bodyLength); 0 when the bytes end inside the framing (torn), -1 when it is malformed."""
+    length, the flatbuffer's bodyLength); 0 when the bytes end inside the framing (torn), -1 when it is malformed.
+    `need(k)`: called before bytes below k are read (a segment still being loaded)."""
     size = len(view)
+    need = need or (lambda k: None)
+    need(off + 8)
     head = bytes(view[off:off + 8])
     if len(head) < 8:
         ok = b"\xff\xff\xff\xff".startswith(head[:4]) or head.count(0) == len(head)
         return 0 if ok else -1
     if head[:4] != b"\xff\xff\xff\xff":
+        need(size)
         return 0 if bytes(view[off:]).count(0) == size - off else -1  # zeros: written size, never written data
     mlen = int.from_bytes(head[4:8], "little", signed=True)
     if mlen <= 0 or mlen % 8:
         return -1
     if off + 8 + mlen > size:
         return 0
+    need(off + 8 + mlen)
     meta = bytes(view[off + 8:off + 8 + mlen])
     try:  # flatbuffer Message: slots version, header_type, header, bodyLength, custom_metadata
         root = int.from_bytes(meta[0:4], "little")
@@ -490,12 +563,11 @@ def _check_bytes(view: memoryview, off: int, total: int) -> int | None:
     return int(crc)
 
 
-def _parse_at(buf: pa.Buffer, view: memoryview, off: int, lsn: int,
-              prev: int) -> tuple[Record | None, int, int]:
-    """The record at byte `off`, where it ends and its crc32; (None, 0, 0) when the bytes end inside it (torn, or
-    zeros where a crashed machine never wrote the data), (None, -1, 0) when it is complete but wrong. The bytes are
-    checked before pyarrow parses them."""
-    total = _frame_size(view, off)
+def _parse_at(buf: pa.Buffer, view: memoryview, off: int, lsn: int, prev: int,
+              total: int) -> tuple[Record | None, int, int]:
+    """The record at byte `off` (of `total` bytes: `_frame_size`), where it ends and its crc32; (None, 0, 0) when the
+    bytes end inside it (torn, or zeros where a crashed machine never wrote the data), (None, -1, 0) when it is
+    complete but wrong. The bytes are checked before pyarrow parses them."""
     if total <= 0:
         return None, total, 0
     crc = _check_bytes(view, off, total)
