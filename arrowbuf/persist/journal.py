@@ -29,6 +29,8 @@ Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on retu
 - "group": group commit: as "batch", and while several callers wait, the one that syncs first waits a window of
   `window_s` (2 ms) so that the records other writers append meanwhile share its fdatasync (fewer fsyncs, a
   little more latency; a lone writer never waits the window).
+- `sync_soon(ticket)` starts the fdatasync on the journal's sync thread and returns at once: a writer that records
+  its batch before copying its rows overlaps the two, then `wait`s.
 - "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
   killed, not the machine crashing or losing power.
 
@@ -202,6 +204,9 @@ class Journal:
         self._size = 0
         self._closed = False
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0}
+        self._kick = threading.Condition(threading.Lock())  # `sync_soon` requests for the sync thread
+        self._kick_upto = -1
+        self._syncer: threading.Thread | None = None
         self._open_segment()
 
     # ------------------------------------------------------------------ writing
@@ -261,6 +266,33 @@ class Journal:
         finally:
             with self._cond:
                 self._waiting -= 1
+
+    def sync_soon(self, ticket: int) -> None:
+        """Start making record `ticket` durable on the journal's sync thread and return at once: a writer that
+        appends its record before it copies its rows calls this, copies (the fdatasync runs meanwhile), then
+        `wait`s, which then mostly finds the record durable. No-op under "os"."""
+        if self.policy == "os" or self._durable >= ticket:
+            return
+        with self._kick:
+            if self._syncer is None and not self._closed:
+                self._syncer = threading.Thread(target=self._sync_loop, name="arrowbuf-journal-sync", daemon=True)
+                self._syncer.start()
+            self._kick_upto = max(self._kick_upto, ticket)
+            self._kick.notify()
+
+    def _sync_loop(self) -> None:
+        while True:
+            with self._kick:
+                while self._kick_upto <= self._durable and not self._closed:
+                    self._kick.wait()
+                if self._closed:
+                    return
+                upto = self._kick_upto
+            try:
+                self._sync_upto(upto)
+            except OSError:  # the callers' `wait` syncs again and raises to them
+                with self._kick:
+                    self._kick_upto = self._durable
 
     def _sync_upto(self, ticket: int, gather: bool = False) -> None:
         with self._sync_lock:
@@ -327,6 +359,11 @@ class Journal:
                 self._closed = True
                 self._cond.notify_all()
             os.close(self._owner)  # releases the directory
+        with self._kick:
+            self._kick.notify_all()
+            syncer = self._syncer
+        if syncer is not None and syncer is not threading.current_thread():
+            syncer.join()
 
 
 def lock_journal(directory: str) -> int:

@@ -1,7 +1,8 @@
 """A durable store (`ExperienceStore(..., durable=DIR, durability="group")`): checkpoints plus a journal under DIR.
 
 Every change a caller is acknowledged for is journaled (`arrowbuf.persist.journal`) and durable under the policy
-before the call returns: `extend`/`append` (the batch, recorded just after its commit, in seq order), `update`,
+before the call returns: `extend`/`append` (the batch, recorded at its reservation, in seq order, before its rows
+are copied: the journal's sync thread runs the fdatasync meanwhile; `aborted` if the copy fails), `update`,
 `update_priorities`, `add_task`, `policy_version`, `end_episode`, and consumption (`consume` records the rows it
 marks before it hands them out: `StoreCore.journal.record_consumed`). The writer notes each reservation's seqs
 (`note_issued`), so ids issued before a crash are never given to another row after it.
@@ -64,6 +65,17 @@ def read_policy(root: str) -> str | None:
     return str(policy)
 
 
+class _Pending:
+    """A batch being extended: its payload, and once its seqs are reserved its first seq and journal ticket."""
+
+    __slots__ = ("payload", "n", "first", "ticket")
+
+    def __init__(self, payload: Any, n: int) -> None:
+        self.payload, self.n = payload, n
+        self.first = -1
+        self.ticket: int | None = None
+
+
 class DurableLog:
     """The journaling side of one durable store (module docstring). Built by the facade, with its parts."""
 
@@ -74,6 +86,7 @@ class DurableLog:
         self._order = threading.Condition()
         self._recorded = int(core.index.hi)  # batch records go in seq order: the next seq to record
         self._mutate = threading.RLock()      # updates, priorities, tasks, versions: applied and logged in one order
+        self._local = threading.local()       # the batch this thread is extending (`note_issued` records it)
         self.replayed: dict[str, int] = {}
 
     @classmethod
@@ -95,7 +108,21 @@ class DurableLog:
 
     # ------------------------------------------------------------------ hooks (StoreCore.journal)
     def note_issued(self, next_seq: int) -> None:
-        """The writer reserved seqs up to `next_seq` (called under its write lock)."""
+        """The writer reserved seqs up to `next_seq` (called under its write lock). For the batch this thread is
+        extending (`extend`), this is where its record is appended (in seq order, before its rows are copied: the
+        fdatasync runs on the journal's sync thread while they are); otherwise an `issued` record."""
+        pending = getattr(self._local, "pending", None)
+        if pending is not None and pending.ticket is None:
+            first = int(next_seq) - pending.n
+            if _KILL_AT is not None and os.environ.get(_KILL_AT) == "before_batch_record":  # crash tests
+                self.journal.append("issued", {"next": int(next_seq)})
+                os.kill(os.getpid(), signal.SIGKILL)
+            pending.first = first
+            pending.ticket = self.journal.append("batch", {"first": first, "n": pending.n}, pending.payload)
+            with self._order:
+                self._recorded = max(self._recorded, first + pending.n)
+            self.journal.sync_soon(pending.ticket)
+            return
         self.journal.append("issued", {"next": int(next_seq)})
 
     def record_consumed(self, task: str, seqs: np.ndarray) -> int:
@@ -113,12 +140,20 @@ class DurableLog:
             return np.zeros(0, dtype=np.int64)
         # the record is encoded and checksummed outside every lock (the journal's too: `append_prepared` only adds
         # its lsn), so writers overlap it with each other's writes and fsyncs
-        payload = jr.table_bytes(columns_table(cols))
-        ids = self.writer.extend_columns(cols, n, timeout=timeout)
-        if _KILL_AT is not None and os.environ.get(_KILL_AT) == "before_batch_record":  # crash tests
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.journal.wait(self._record_batch(int(ids[0]), n, jr.prepare("batch", {"first": int(ids[0]), "n": n},
-                                                                        payload)))
+        pending = _Pending(jr.table_bytes(columns_table(cols)), n)
+        self._local.pending = pending  # `note_issued` appends the batch record at the reservation
+        try:
+            ids = self.writer.extend_columns(cols, n, timeout=timeout)
+        except BaseException:
+            if pending.ticket is not None:  # recorded, then not stored (a failed copy: its seqs are holes)
+                self.journal.append("aborted", {"first": pending.first, "n": n})
+            raise
+        finally:
+            self._local.pending = None
+        if pending.ticket is None:  # not reserved through the writer's hook (never expected): record it now
+            pending.ticket = self._record_batch(int(ids[0]), n, jr.prepare("batch", {"first": int(ids[0]), "n": n},
+                                                                          pending.payload))
+        self.journal.wait(pending.ticket)
         return ids
 
     def _record_batch(self, first: int, n: int, record: jr.Prepared) -> int:
