@@ -86,36 +86,60 @@ def segment_name(first_lsn: int) -> str:
 
 @dataclass
 class Prepared:
-    """A record encoded but for its lsn and prev (`prepare`, outside every lock); `seal` places it."""
+    """A record encoded but for its lsn, prev and (optionally) its meta (`prepare`, outside every lock); `seal`
+    places it. The payload, the costly part, is copied and checksummed already."""
 
-    head: Any   # framing and flatbuffer metadata (up to the lsn slot)
-    body: Any   # kind, meta and payload buffers (between the lsn and prev slots)
-    crc: int    # CRC-32 of `body`
+    view: Any     # the serialized message; its lsn, meta and prev slots are filled by `seal`
+    lsn_at: int   # the lsn's 8 bytes (the body's first buffer)
+    meta_at: int  # the meta string's bytes (`meta_w` of them: JSON padded with spaces)
+    meta_w: int
+    p0: int       # the payload's bytes start here and run (with their padding) to the prev slot
+    crc: int      # CRC-32 of view[p0:-16]
 
 
-def prepare(kind: str, meta: dict[str, Any], payload: Any = b"") -> Prepared:
-    """Encode a record as an encapsulated Arrow IPC record-batch message, with lsn, prev and crc32 left for `seal`:
-    the costly part (copying and checksumming the payload) does not depend on where the record goes."""
-    m = json.dumps(meta, separators=(",", ":"))
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def prepare(kind: str, meta: dict[str, Any], payload: Any = b"", meta_width: int = 0) -> Prepared:
+    """Encode a record as an encapsulated Arrow IPC record-batch message, with lsn and prev left for `seal` (and its
+    meta, when `meta_width` reserves room for a meta `seal` gets: JSON padded with spaces to that width)."""
+    m = json.dumps(meta, separators=(",", ":")).encode()
+    w = max(len(m), meta_width)
     body = pa.py_buffer(payload) if not isinstance(payload, pa.Buffer) else payload
     if body.size >= 1 << 31:
         raise InvalidArgument(f"a journal record holds at most 2 GiB; this one has {body.size} bytes: write smaller "
                               "batches")
-    batch = pa.RecordBatch.from_arrays([_I64_0, _one(pa.string(), kind.encode()), _one(pa.string(), m.encode()),
+    k = kind.encode()
+    batch = pa.RecordBatch.from_arrays([_I64_0, _one(pa.string(), k), _one(pa.string(), m.ljust(w)),
                                         _one(pa.binary(), body), _U32_0, _U32_0], schema=RECORD_SCHEMA)
     view = memoryview(batch.serialize()).cast("B")
     lsn_at = 8 + int.from_bytes(view[4:8], "little")  # the body starts with the lsn
-    middle = view[lsn_at + 8:-16]
-    return Prepared(view[:lsn_at], middle, zlib.crc32(middle))
+    meta_at = lsn_at + 8 + 8 + _pad8(len(k)) + 8      # lsn, kind offsets, kind, meta offsets (buffers 8-aligned)
+    p0 = meta_at + _pad8(w) + 8                         # meta, payload offsets
+    return Prepared(view, lsn_at, meta_at, w, p0, zlib.crc32(view[p0:-16]))
 
 
-def seal(p: Prepared, lsn: int, prev: int) -> tuple[list[Any], int]:
+def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | None = None) -> tuple[list[Any], int]:
     """The pieces of a prepared record at `lsn` after the record whose crc32 is `prev` (in order, for one `writev`),
-    and its crc32: CRC-32 of the bytes between the lsn and prev slots, continued over the bytes up to and including
-    the lsn, then prev and its padding (every byte of the record but the crc32 slot's 8)."""
+    and its crc32: CRC-32 of the payload's bytes (from its data buffer to the prev slot), continued over the bytes
+    before them (framing, metadata, lsn, kind, meta, payload offsets), then prev and its padding: every byte of the
+    record but the crc32 slot's 8. `meta`: the record's meta now (it must fit the width `prepare` reserved)."""
+    v = p.view
+    if meta is None:
+        meta_b = v[p.meta_at:p.meta_at + p.meta_w]
+    else:
+        meta_b = json.dumps(meta, separators=(",", ":")).encode()
+        if len(meta_b) > p.meta_w:
+            raise InvalidArgument(f"a journal record's meta grew past the {p.meta_w} bytes prepared for it")
+        meta_b = meta_b.ljust(p.meta_w)
     lsn_b, prev_b = _I64.pack(lsn), _U32.pack(prev) + _ZERO4
-    crc = zlib.crc32(prev_b, zlib.crc32(lsn_b, zlib.crc32(p.head, p.crc))) & 0xFFFFFFFF
-    return [p.head, lsn_b, p.body, prev_b + _U32.pack(crc) + _ZERO4], crc
+    crc = p.crc
+    for piece in (v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:p.p0], prev_b):
+        crc = zlib.crc32(piece, crc)
+    crc &= 0xFFFFFFFF
+    return [v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:-16],
+            prev_b + _U32.pack(crc) + _ZERO4], crc
 
 
 def encode(lsn: int, kind: str, meta: dict[str, Any], payload: Any = b"", prev: int = 0) -> bytes:
@@ -125,11 +149,21 @@ def encode(lsn: int, kind: str, meta: dict[str, Any], payload: Any = b"", prev: 
 
 
 def record_crc(view: memoryview, off: int, total: int) -> int:
-    """The crc32 the record in bytes [off, off + total) of a segment should carry (`seal`)."""
-    lsn_at = off + 8 + int.from_bytes(view[off + 4:off + 8], "little")
+    """The crc32 the record in bytes [off, off + total) of a segment should carry (`seal`); -1 when its layout
+    cannot be a record's."""
     end = off + total
-    crc = zlib.crc32(view[lsn_at + 8:end - 16])
-    crc = zlib.crc32(view[lsn_at:lsn_at + 8], zlib.crc32(view[off:lsn_at], crc))
+    lsn_at = off + 8 + int.from_bytes(view[off + 4:off + 8], "little")
+    if lsn_at + 40 > end - 16:
+        return -1
+    k0, k1 = _OFFS.unpack_from(view, lsn_at + 8)
+    mo = lsn_at + 16 + _pad8(k1)
+    if k0 != 0 or k1 < 0 or mo + 8 > end - 16:
+        return -1
+    m0, m1 = _OFFS.unpack_from(view, mo)
+    p0 = mo + 8 + _pad8(m1) + 8
+    if m0 != 0 or m1 < 0 or p0 > end - 16:
+        return -1
+    crc = zlib.crc32(view[off:p0], zlib.crc32(view[p0:end - 16]))
     return zlib.crc32(view[end - 16:end - 8], crc) & 0xFFFFFFFF
 
 
@@ -152,7 +186,9 @@ def _check_layout() -> None:
                              pa.array([7], pa.uint32()), pa.array([9], pa.uint32())], schema=RECORD_SCHEMA)
     raw = probe.serialize().to_pybytes()
     lsn_at = 8 + int.from_bytes(raw[4:8], "little")
-    if raw[lsn_at:lsn_at + 8] != _I64.pack(-2) or raw[-16:] != _U32.pack(7) + _ZERO4 + _U32.pack(9) + _ZERO4:
+    meta_at = lsn_at + 8 + 8 + 8 + 8  # lsn, kind offsets, "k" padded to 8, meta offsets
+    if raw[lsn_at:lsn_at + 8] != _I64.pack(-2) or raw[-16:] != _U32.pack(7) + _ZERO4 + _U32.pack(9) + _ZERO4 or \
+            raw[meta_at:meta_at + 2] != b"{}" or raw[meta_at + 16:meta_at + 19] != b"xyz":
         raise ImportError("arrowbuf.persist.journal: this pyarrow lays out IPC bodies differently than the journal "
                           "format expects")  # pragma: no cover
 
@@ -222,14 +258,14 @@ class Journal:
         """Append one record (in the order of the calls); returns its ticket for `wait`."""
         return self.append_prepared(prepare(kind, meta, payload))
 
-    def append_prepared(self, record: Prepared) -> int:
+    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None) -> int:
         """Append a record `prepare`d before (outside this journal's lock: the payload's copy and checksum are
-        done by then); returns its ticket for `wait`."""
+        done by then), with `meta` if given (within the width prepared); returns its ticket for `wait`."""
         with self._lock:
             if self._closed:
                 raise InvalidArgument("the journal is closed")
             lsn = self._next
-            pieces, crc = seal(record, lsn, self._prev)
+            pieces, crc = seal(record, lsn, self._prev, meta)
             size = _writev_all(self._fd, pieces)
             self._prev = crc
             self._next += 1

@@ -68,10 +68,10 @@ def read_policy(root: str) -> str | None:
 class _Pending:
     """A batch being extended: its payload, and once its seqs are reserved its first seq and journal ticket."""
 
-    __slots__ = ("payload", "n", "first", "ticket")
+    __slots__ = ("payload", "n", "record", "first", "ticket")
 
-    def __init__(self, payload: Any, n: int) -> None:
-        self.payload, self.n = payload, n
+    def __init__(self, payload: Any, n: int, record: jr.Prepared) -> None:
+        self.payload, self.n, self.record = payload, n, record
         self.first = -1
         self.ticket: int | None = None
 
@@ -118,7 +118,7 @@ class DurableLog:
                 self.journal.append("issued", {"next": int(next_seq)})
                 os.kill(os.getpid(), signal.SIGKILL)
             pending.first = first
-            pending.ticket = self.journal.append("batch", {"first": first, "n": pending.n}, pending.payload)
+            pending.ticket = self.journal.append_prepared(pending.record, {"first": first, "n": pending.n})
             with self._order:
                 self._recorded = max(self._recorded, first + pending.n)
             self.journal.sync_soon(pending.ticket)
@@ -138,9 +138,11 @@ class DurableLog:
         cols, n = self.core.schema.validate_batch(batch, single=single)
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        # the record is encoded and checksummed outside every lock (the journal's too: `append_prepared` only adds
-        # its lsn), so writers overlap it with each other's writes and fsyncs
-        pending = _Pending(jr.table_bytes(columns_table(cols)), n)
+        # the record is encoded and checksummed here, outside every lock: the reservation (`note_issued`) only adds
+        # its lsn and seqs (a fixed-width meta), so writers overlap the checksum with each other's writes and fsyncs
+        payload = jr.table_bytes(columns_table(cols))
+        pending = _Pending(payload, n, jr.prepare("batch", {"first": 0, "n": n}, payload,
+                                                  meta_width=len(f'{{"first":{2 ** 63 - 1},"n":{n}}}')))
         self._local.pending = pending  # `note_issued` appends the batch record at the reservation
         try:
             ids = self.writer.extend_columns(cols, n, timeout=timeout)
