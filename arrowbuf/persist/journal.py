@@ -4,23 +4,24 @@ Layout (docs/format.md): `DIR/_journal/<first lsn, 20 digits>.arrows`, each segm
 one-row record batches with the columns
 
     lsn      int64    the record's log sequence number (consecutive over the whole journal)
-    kind     string   batch | update | priorities | task | policy_version | consumed | end_episode | end
-    meta     string   JSON: the record's small arguments (a batch's first seq and rows, a task's name ...)
+    kind     string   batch | aborted | update | priorities | task | policy_version | consumed | end_episode |
+                      issued | end
+    meta     string   JSON: the record's small arguments (a batch's first seq and rows, a task's name ...); may end
+                      in spaces (room reserved before the seqs were known)
     payload  binary   the record's bulk data as an Arrow IPC stream (a batch's rows, an update's values ...)
     prev     uint32   the previous record's crc32 in the segment (the schema message's CRC-32 for the first)
-    crc32    uint32   CRC-32 of the record's whole encapsulated IPC message (framing, flatbuffer metadata, every body
-                      buffer and its padding) except its last 8 bytes, which hold this value and 4 zero bytes of
-                      padding (the crc32 column is the body's last buffer); so every byte of a record is checked by
-                      the record itself, in one pass over the bytes written
+    crc32    uint32   CRC-32 of the payload's bytes (its data buffer and padding), continued over every byte of the
+                      encapsulated IPC message before them (framing, flatbuffer metadata, lsn, kind, meta, payload
+                      offsets), then prev and its padding: every byte of a record but the last 8 (this value and 4
+                      zero bytes of padding: the crc32 column is the body's last buffer) is checked by the record
+                      itself, in one pass, and the payload's part is computed before the record's place is known
 
 The schema carries the journal format version in its metadata (`arrowbuf.journal`: "2"); a segment of another
-version is refused with `StoreCorrupt` saying so.
-
-so `pyarrow.ipc.open_stream`, Polars' `read_ipc_stream` and DuckDB (through pyarrow) read a segment like any Arrow
-stream. A closed segment ends with an `end` record; the last (open) one may end with a torn record (a process killed
-in the middle of a write, or a machine that lost the page cache): `read_segments` drops it, never applies it, and
-says where to cut the file. Any other damage (a flipped byte anywhere, a record missing) raises `StoreCorrupt` naming
-the segment.
+version is refused with `StoreCorrupt` saying so. `pyarrow.ipc.open_stream`, Polars' `read_ipc_stream` and DuckDB
+(through pyarrow) read a segment like any Arrow stream. A closed segment ends with an `end` record; the last (open)
+one may end with a torn record (a process killed in the middle of a write, or a machine that lost the page cache):
+`read_segments` drops it, never applies it, and says where to cut the file. Any other damage (a flipped byte
+anywhere, a record missing) raises `StoreCorrupt` naming the segment.
 
 Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on return:
 
