@@ -4,18 +4,24 @@ Layout (docs/format.md): `DIR/_journal/<first lsn, 20 digits>.arrows`, each segm
 one-row record batches with the columns
 
     lsn      int64    the record's log sequence number (consecutive over the whole journal)
-    kind     string   batch | update | priorities | task | policy_version | consumed | end_episode | end
-    meta     string   JSON: the record's small arguments (a batch's first seq and rows, a task's name ...)
+    kind     string   batch | aborted | update | priorities | task | policy_version | consumed | end_episode |
+                      issued | end
+    meta     string   JSON: the record's small arguments (a batch's first seq and rows, a task's name ...); may end
+                      in spaces (room reserved before the seqs were known)
     payload  binary   the record's bulk data as an Arrow IPC stream (a batch's rows, an update's values ...)
-    prev     uint32   CRC-32 of the previous record's bytes in the segment (of the schema for the first), so every
-                      byte of a record, padding included, is covered by the record after it
-    crc32    uint32   CRC-32 of lsn, kind, meta, payload and prev
+    prev     uint32   the previous record's crc32 in the segment (the schema message's CRC-32 for the first)
+    crc32    uint32   CRC-32 of the payload's bytes (its data buffer and padding), continued over every byte of the
+                      encapsulated IPC message before them (framing, flatbuffer metadata, lsn, kind, meta, payload
+                      offsets), then prev and its padding: every byte of a record but the last 8 (this value and 4
+                      zero bytes of padding: the crc32 column is the body's last buffer) is checked by the record
+                      itself, in one pass, and the payload's part is computed before the record's place is known
 
-so `pyarrow.ipc.open_stream`, Polars' `read_ipc_stream` and DuckDB (through pyarrow) read a segment like any Arrow
-stream. A closed segment ends with an `end` record; the last (open) one may end with a torn record (a process killed
-in the middle of a write, or a machine that lost the page cache): `read_segments` drops it, never applies it, and
-says where to cut the file. Any other damage (a flipped byte anywhere, a record missing) raises `StoreCorrupt` naming
-the segment.
+The schema carries the journal format version in its metadata (`arrowbuf.journal`: "2"); a segment of another
+version is refused with `StoreCorrupt` saying so. `pyarrow.ipc.open_stream`, Polars' `read_ipc_stream` and DuckDB
+(through pyarrow) read a segment like any Arrow stream. A closed segment ends with an `end` record; the last (open)
+one may end with a torn record (a process killed in the middle of a write, or a machine that lost the page cache):
+`read_segments` drops it, never applies it, and says where to cut the file. Any other damage (a flipped byte
+anywhere, a record missing) raises `StoreCorrupt` naming the segment.
 
 Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on return:
 
@@ -24,6 +30,8 @@ Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on retu
 - "group": group commit: as "batch", and while several callers wait, the one that syncs first waits a window of
   `window_s` (2 ms) so that the records other writers append meanwhile share its fdatasync (fewer fsyncs, a
   little more latency; a lone writer never waits the window).
+- `sync_soon(ticket)` starts the fdatasync on the journal's sync thread and returns at once: a writer that records
+  its batch before copying its rows overlaps the two, then `wait`s.
 - "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
   killed, not the machine crashing or losing power.
 
@@ -57,10 +65,16 @@ JOURNAL = "_journal"
 OWNER = "_owner.lock"
 SEGMENT = re.compile(r"^(\d{20})\.arrows$")
 POLICIES = ("batch", "group", "os")
-RECORD_SCHEMA = pa.schema([("lsn", pa.int64()), ("kind", pa.string()), ("meta", pa.string()),
-                           ("payload", pa.binary()), ("prev", pa.uint32()), ("crc32", pa.uint32())])
+#: The journal format version (docs/format.md), in the segment schema's metadata.
+FORMAT_VERSION = 2
+_FIELDS = [("lsn", pa.int64()), ("kind", pa.string()), ("meta", pa.string()), ("payload", pa.binary()),
+           ("prev", pa.uint32()), ("crc32", pa.uint32())]
+RECORD_SCHEMA = pa.schema(_FIELDS, metadata={"arrowbuf.journal": str(FORMAT_VERSION)})
 _SCHEMA_BYTES = RECORD_SCHEMA.serialize().to_pybytes()
 _SCHEMA_CRC = zlib.crc32(_SCHEMA_BYTES) & 0xFFFFFFFF
+_V1_SCHEMA_BYTES = pa.schema(_FIELDS).serialize().to_pybytes()  # version 1 (no metadata): refused
+_U32 = struct.Struct("<I")
+_ZERO4 = b"\0\0\0\0"
 #: Segments are rotated once they pass this size (also at every checkpoint).
 SEGMENT_BYTES = 256 << 20
 #: Group commit window.
@@ -71,26 +85,116 @@ def segment_name(first_lsn: int) -> str:
     return f"{first_lsn:020d}.arrows"
 
 
-def record_crc(lsn: int, kind: str, meta: str, payload: Any, prev: int) -> int:
-    crc = zlib.crc32(struct.pack("<qI", lsn, prev))
-    crc = zlib.crc32(kind.encode(), crc)
-    crc = zlib.crc32(meta.encode(), crc)
-    return zlib.crc32(memoryview(payload).cast("B"), crc) & 0xFFFFFFFF
+@dataclass
+class Prepared:
+    """A record encoded but for its lsn, prev and (optionally) its meta (`prepare`, outside every lock); `seal`
+    places it. The payload, the costly part, is copied and checksummed already."""
+
+    view: Any     # the serialized message; its lsn, meta and prev slots are filled by `seal`
+    lsn_at: int   # the lsn's 8 bytes (the body's first buffer)
+    meta_at: int  # the meta string's bytes (`meta_w` of them: JSON padded with spaces)
+    meta_w: int
+    p0: int       # the payload's bytes start here and run (with their padding) to the prev slot
+    crc: int      # CRC-32 of view[p0:-16]
 
 
-def encode(lsn: int, kind: str, meta: dict[str, Any], payload: Any = b"", prev: int = 0) -> pa.Buffer:
-    """One record as an encapsulated Arrow IPC record-batch message (appended after the segment's schema)."""
-    m = json.dumps(meta, separators=(",", ":"))
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def prepare(kind: str, meta: dict[str, Any], payload: Any = b"", meta_width: int = 0) -> Prepared:
+    """Encode a record as an encapsulated Arrow IPC record-batch message, with lsn and prev left for `seal` (and its
+    meta, when `meta_width` reserves room for a meta `seal` gets: JSON padded with spaces to that width)."""
+    m = json.dumps(meta, separators=(",", ":")).encode()
+    w = max(len(m), meta_width)
     body = pa.py_buffer(payload) if not isinstance(payload, pa.Buffer) else payload
     if body.size >= 1 << 31:
         raise InvalidArgument(f"a journal record holds at most 2 GiB; this one has {body.size} bytes: write smaller "
                               "batches")
-    offsets = pa.py_buffer(np.array([0, body.size], dtype=np.int32).tobytes())
-    blob = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, body])  # zero-copy
-    batch = pa.record_batch([pa.array([lsn], pa.int64()), pa.array([kind]), pa.array([m]), blob,
-                             pa.array([prev], pa.uint32()),
-                             pa.array([record_crc(lsn, kind, m, body, prev)], pa.uint32())], schema=RECORD_SCHEMA)
-    return batch.serialize()
+    k = kind.encode()
+    batch = pa.RecordBatch.from_arrays([_I64_0, _one(pa.string(), k), _one(pa.string(), m.ljust(w)),
+                                        _one(pa.binary(), body), _U32_0, _U32_0], schema=RECORD_SCHEMA)
+    view = memoryview(batch.serialize()).cast("B")
+    lsn_at = 8 + int.from_bytes(view[4:8], "little")  # the body starts with the lsn
+    meta_at = lsn_at + 8 + 8 + _pad8(len(k)) + 8      # lsn, kind offsets, kind, meta offsets (buffers 8-aligned)
+    p0 = meta_at + _pad8(w) + 8                         # meta, payload offsets
+    return Prepared(view, lsn_at, meta_at, w, p0, zlib.crc32(view[p0:-16]))
+
+
+def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | None = None) -> tuple[list[Any], int]:
+    """The pieces of a prepared record at `lsn` after the record whose crc32 is `prev` (in order, for one `writev`),
+    and its crc32: CRC-32 of the payload's bytes (from its data buffer to the prev slot), continued over the bytes
+    before them (framing, metadata, lsn, kind, meta, payload offsets), then prev and its padding: every byte of the
+    record but the crc32 slot's 8. `meta`: the record's meta now (it must fit the width `prepare` reserved)."""
+    v = p.view
+    if meta is None:
+        meta_b = v[p.meta_at:p.meta_at + p.meta_w]
+    else:
+        meta_b = json.dumps(meta, separators=(",", ":")).encode()
+        if len(meta_b) > p.meta_w:
+            raise InvalidArgument(f"a journal record's meta grew past the {p.meta_w} bytes prepared for it")
+        meta_b = meta_b.ljust(p.meta_w)
+    lsn_b, prev_b = _I64.pack(lsn), _U32.pack(prev) + _ZERO4
+    crc = p.crc
+    for piece in (v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:p.p0], prev_b):
+        crc = zlib.crc32(piece, crc)
+    crc &= 0xFFFFFFFF
+    return [v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:-16],
+            prev_b + _U32.pack(crc) + _ZERO4], crc
+
+
+def encode(lsn: int, kind: str, meta: dict[str, Any], payload: Any = b"", prev: int = 0) -> bytes:
+    """One whole record as bytes (tests, tools; the journal writes `prepare` + `seal` without joining)."""
+    pieces, _ = seal(prepare(kind, meta, payload), lsn, prev)
+    return b"".join(bytes(x) for x in pieces)
+
+
+def record_crc(view: memoryview, off: int, total: int) -> int:
+    """The crc32 the record in bytes [off, off + total) of a segment should carry (`seal`); -1 when its layout
+    cannot be a record's."""
+    end = off + total
+    lsn_at = off + 8 + int.from_bytes(view[off + 4:off + 8], "little")
+    if lsn_at + 40 > end - 16:
+        return -1
+    k0, k1 = _OFFS.unpack_from(view, lsn_at + 8)
+    mo = lsn_at + 16 + _pad8(k1)
+    if k0 != 0 or k1 < 0 or mo + 8 > end - 16:
+        return -1
+    m0, m1 = _OFFS.unpack_from(view, mo)
+    p0 = mo + 8 + _pad8(m1) + 8
+    if m0 != 0 or m1 < 0 or p0 > end - 16:
+        return -1
+    crc = zlib.crc32(view[off:p0], zlib.crc32(view[p0:end - 16]))
+    return zlib.crc32(view[end - 16:end - 8], crc) & 0xFFFFFFFF
+
+
+def _one(type_: pa.DataType, value: Any) -> pa.Array:
+    """A one-value string or binary array over `value`'s bytes (zero-copy; pa.array costs ~10 us)."""
+    data = value if isinstance(value, pa.Buffer) else pa.py_buffer(value)
+    return pa.Array.from_buffers(type_, 1, [None, pa.py_buffer(_OFFS.pack(0, data.size)), data])
+
+
+_OFFS = struct.Struct("<ii")
+_I64_0 = pa.array([0], pa.int64())
+_U32_0 = pa.array([0], pa.uint32())
+_I64 = struct.Struct("<q")
+
+
+def _check_layout() -> None:
+    """The body starts with lsn (8 bytes) and ends with prev (4 + 4 padding), crc32 (4 + 4): what `seal` and the
+    reader rely on."""
+    probe = pa.record_batch([pa.array([-2], pa.int64()), pa.array(["k"]), pa.array(["{}"]), pa.array([b"xyz"]),
+                             pa.array([7], pa.uint32()), pa.array([9], pa.uint32())], schema=RECORD_SCHEMA)
+    raw = probe.serialize().to_pybytes()
+    lsn_at = 8 + int.from_bytes(raw[4:8], "little")
+    meta_at = lsn_at + 8 + 8 + 8 + 8  # lsn, kind offsets, "k" padded to 8, meta offsets
+    if raw[lsn_at:lsn_at + 8] != _I64.pack(-2) or raw[-16:] != _U32.pack(7) + _ZERO4 + _U32.pack(9) + _ZERO4 or \
+            raw[meta_at:meta_at + 2] != b"{}" or raw[meta_at + 16:meta_at + 19] != b"xyz":
+        raise ImportError("arrowbuf.persist.journal: this pyarrow lays out IPC bodies differently than the journal "
+                          "format expects")  # pragma: no cover
+
+
+_check_layout()
 
 
 def table_bytes(table: pa.Table | pa.RecordBatch) -> pa.Buffer:
@@ -137,6 +241,9 @@ class Journal:
         self._size = 0
         self._closed = False
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0}
+        self._kick = threading.Condition(threading.Lock())  # `sync_soon` requests for the sync thread
+        self._kick_upto = -1
+        self._syncer: threading.Thread | None = None
         self._open_segment()
 
     # ------------------------------------------------------------------ writing
@@ -150,17 +257,22 @@ class Journal:
 
     def append(self, kind: str, meta: dict[str, Any], payload: Any = b"") -> int:
         """Append one record (in the order of the calls); returns its ticket for `wait`."""
+        return self.append_prepared(prepare(kind, meta, payload))
+
+    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None) -> int:
+        """Append a record `prepare`d before (outside this journal's lock: the payload's copy and checksum are
+        done by then), with `meta` if given (within the width prepared); returns its ticket for `wait`."""
         with self._lock:
             if self._closed:
                 raise InvalidArgument("the journal is closed")
             lsn = self._next
-            data = encode(lsn, kind, meta, payload, self._prev)
-            _write_all(self._fd, data)
-            self._prev = zlib.crc32(data) & 0xFFFFFFFF
+            pieces, crc = seal(record, lsn, self._prev, meta)
+            size = _writev_all(self._fd, pieces)
+            self._prev = crc
             self._next += 1
-            self._size += data.size
+            self._size += size
             self.stats["records"] += 1
-            self.stats["bytes"] += data.size
+            self.stats["bytes"] += size
             if self.policy == "os":
                 self._durable = lsn
             full = self._size >= SEGMENT_BYTES
@@ -192,6 +304,33 @@ class Journal:
             with self._cond:
                 self._waiting -= 1
 
+    def sync_soon(self, ticket: int) -> None:
+        """Start making record `ticket` durable on the journal's sync thread and return at once: a writer that
+        appends its record before it copies its rows calls this, copies (the fdatasync runs meanwhile), then
+        `wait`s, which then mostly finds the record durable. No-op under "os"."""
+        if self.policy == "os" or self._durable >= ticket:
+            return
+        with self._kick:
+            if self._syncer is None and not self._closed:
+                self._syncer = threading.Thread(target=self._sync_loop, name="arrowbuf-journal-sync", daemon=True)
+                self._syncer.start()
+            self._kick_upto = max(self._kick_upto, ticket)
+            self._kick.notify()
+
+    def _sync_loop(self) -> None:
+        while True:
+            with self._kick:
+                while self._kick_upto <= self._durable and not self._closed:
+                    self._kick.wait()
+                if self._closed:
+                    return
+                upto = self._kick_upto
+            try:
+                self._sync_upto(upto)
+            except OSError:  # the callers' `wait` syncs again and raises to them
+                with self._kick:
+                    self._kick_upto = self._durable
+
     def _sync_upto(self, ticket: int, gather: bool = False) -> None:
         with self._sync_lock:
             if self._durable >= ticket or self._closed:
@@ -214,7 +353,7 @@ class Journal:
             if only_if_full and self._size < SEGMENT_BYTES:
                 return self._next
             lsn = self._next
-            _write_all(self._fd, encode(lsn, "end", {}, b"", self._prev))
+            _writev_all(self._fd, seal(prepare("end", {}), lsn, self._prev)[0])
             self._next += 1
             os.fdatasync(self._fd)
             os.close(self._fd)
@@ -257,6 +396,11 @@ class Journal:
                 self._closed = True
                 self._cond.notify_all()
             os.close(self._owner)  # releases the directory
+        with self._kick:
+            self._kick.notify_all()
+            syncer = self._syncer
+        if syncer is not None and syncer is not threading.current_thread():
+            syncer.join()
 
 
 def lock_journal(directory: str) -> int:
@@ -306,10 +450,18 @@ def read_segments(directory: str, from_lsn: int) -> tuple[list[Record], TornTail
         StoreCorrupt: a record fails its checksum, a record or segment is missing, or a segment other than the last
             is cut short; the message names the segment.
     """
+    recs, torn, nxt, _ = read_journal(directory, from_lsn)
+    return recs, torn, nxt
+
+
+def read_journal(directory: str, from_lsn: int) -> tuple[list[Record], TornTail | None, int, int]:
+    """`read_segments`, and the crc32 of the newest segment's last intact record (`seal_last` chains to it).
+    Segments are memory-mapped: payloads are zero-copy views of the files."""
     segs = segments(directory)
     out: list[Record] = []
     torn: TornTail | None = None
     expect: int | None = None
+    last_crc = _SCHEMA_CRC
     for i, (first, path) in enumerate(segs):
         last = i == len(segs) - 1
         nxt = segs[i + 1][0] if not last else None
@@ -318,7 +470,7 @@ def read_segments(directory: str, from_lsn: int) -> tuple[list[Record], TornTail
         if expect is not None and first != expect:
             raise StoreCorrupt(f"journal segment {path} starts at lsn {first}, expected {expect}: a segment is "
                                "missing; the journal cannot be replayed past it")
-        recs, cut, prev = _read_segment(path, first)
+        recs, cut, last_crc = _read_segment(path, first)
         if cut is not None:
             if not last:
                 raise StoreCorrupt(f"journal segment {path} is cut short at byte {cut.offset} of {cut.size} but "
@@ -328,58 +480,137 @@ def read_segments(directory: str, from_lsn: int) -> tuple[list[Record], TornTail
             raise StoreCorrupt(f"journal segment {path} has no end record but is not the newest segment")
         expect = (recs[-1].lsn + 1) if recs else first
         out.extend(r for r in recs if r.lsn >= from_lsn and r.kind != "end")
-    return out, torn, max(from_lsn, expect if expect is not None else from_lsn)
+    return out, torn, max(from_lsn, expect if expect is not None else from_lsn), last_crc
+
+
+class _Loader:
+    """Reads a segment file into memory on a thread, in large sequential reads, while the caller checks the records
+    already read (reading and checksumming overlap: zlib and the reads release the GIL). `upto(k)` waits until
+    the first k bytes (at most the file's size) are in `buf`."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.size = os.path.getsize(path)
+        self.arr = np.empty(self.size, dtype=np.uint8)
+        self.buf = pa.py_buffer(self.arr)  # zero-copy: payloads are views of it
+        self._avail = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        if self.size <= self.CHUNK:  # one read: no thread
+            self._run()
+        else:
+            self._thread = threading.Thread(target=self._run, name="arrowbuf-journal-read", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                view = self.arr.data
+                while self._avail < self.size:
+                    n = os.readv(fd, [view[self._avail:self._avail + self.CHUNK]])
+                    if n <= 0:
+                        raise StoreCorrupt(f"journal segment {self.path} shrank while it was read")
+                    with self._cond:
+                        self._avail += n
+                        self._cond.notify_all()
+            finally:
+                os.close(fd)
+        except BaseException as exc:  # handed to the reading thread
+            self._error = exc
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def upto(self, k: int) -> None:
+        k = min(k, self.size)
+        if self._avail >= k:
+            return
+        with self._cond:
+            while self._avail < k and not self._done:
+                self._cond.wait()
+        if self._avail < k:
+            if isinstance(self._error, StoreCorrupt):
+                raise self._error
+            raise StoreCorrupt(f"journal segment {self.path} cannot be read: {self._error}")
+
+    def join(self) -> None:
+        """Wait for the reading thread to end (whatever happened)."""
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _read_segment(path: str, first: int) -> tuple[list[Record], TornTail | None, int]:
-    with open(path, "rb") as f:
-        data = f.read()
-    size = len(data)
-    if size < len(_SCHEMA_BYTES) or data[:len(_SCHEMA_BYTES)] != _SCHEMA_BYTES:
-        if size < len(_SCHEMA_BYTES) and _SCHEMA_BYTES.startswith(data):
+    loader = _Loader(path)
+    try:
+        return _check_segment(path, first, loader)
+    finally:
+        loader.join()
+
+
+def _check_segment(path: str, first: int, loader: _Loader) -> tuple[list[Record], TornTail | None, int]:
+    buf = loader.buf
+    view = memoryview(buf).cast("B")
+    size = len(view)
+    hs = len(_SCHEMA_BYTES)
+    loader.upto(max(hs, len(_V1_SCHEMA_BYTES)))
+    if size < hs or view[:hs] != _SCHEMA_BYTES:
+        head = bytes(view[:hs])
+        if size < hs and _SCHEMA_BYTES.startswith(head):
             return [], TornTail(path, 0, size), _SCHEMA_CRC  # a segment whose header write was cut
-        raise StoreCorrupt(f"journal segment {path}: not an arrowbuf journal segment (bad header)")
-    buf = pa.py_buffer(data)
-    off = len(_SCHEMA_BYTES)
+        if size >= len(_V1_SCHEMA_BYTES) and bytes(view[:len(_V1_SCHEMA_BYTES)]) == _V1_SCHEMA_BYTES:
+            raise StoreCorrupt(f"journal segment {path} is in journal format version 1; this arrowbuf reads version "
+                               f"{FORMAT_VERSION} only (docs/format.md): restore it with the arrowbuf that wrote it")
+        raise StoreCorrupt(f"journal segment {path}: not an arrowbuf journal segment of format version "
+                           f"{FORMAT_VERSION} (bad header)")
+    off = hs
     recs: list[Record] = []
     lsn = first
     prev = _SCHEMA_CRC
-    last_off = -1
     while off < size:
-        rec, end = _parse_at(buf, off, lsn, data, prev)
-        if rec is None and last_off >= 0 and not _reencodes(buf, last_off, off):
-            rec, end, off = None, -1, last_off  # the damage is in the record before (its padding)
+        total = _frame_size(view, off, loader.upto)  # loads the framing and metadata first ...
+        loader.upto(off + total if total > 0 else size)  # ... then the whole record
+        rec, end, crc = _parse_at(buf, view, off, lsn, prev, total)
         if rec is None:
-            if end == -1 or _later_record(buf, off + 8, lsn + 1):  # a record that is whole and wrong, or records
+            loader.upto(size)
+            if end == -1 or _later_record(buf, view, off + 8, lsn + 1):  # whole and wrong, or records after it
                 raise StoreCorrupt(f"journal segment {path}: record {lsn} at byte {off} is corrupt (checksum or "
                                    "framing); the journal cannot be replayed past it")
             return recs, TornTail(path, off, size), prev
         recs.append(rec)
-        prev = zlib.crc32(memoryview(data)[off:end]) & 0xFFFFFFFF
+        prev = crc
         lsn += 1
-        last_off, off = off, end
-    if last_off >= 0 and not _reencodes(buf, last_off, off):  # no record after it checks its bytes
-        raise StoreCorrupt(f"journal segment {path}: record {lsn - 1} at byte {last_off} is corrupt; the journal "
-                           "cannot be replayed past it")
+        off = end
     return recs, None, prev
 
 
-def _frame_size(data: bytes, off: int) -> int:
+def _frame_size(view: memoryview, off: int, need: Any = None) -> int:
     """The byte size of the encapsulated IPC message at `off` from its framing (continuation marker, metadata
-    length, the flatbuffer's bodyLength); 0 when the bytes end inside the framing (torn), -1 when it is malformed."""
-    size = len(data)
-    head = data[off:off + 8]
+    length, the flatbuffer's bodyLength); 0 when the bytes end inside the framing (torn), -1 when it is malformed.
+    `need(k)`: called before bytes below k are read (a segment still being loaded)."""
+    size = len(view)
+    need = need or (lambda k: None)
+    need(off + 8)
+    head = bytes(view[off:off + 8])
     if len(head) < 8:
         ok = b"\xff\xff\xff\xff".startswith(head[:4]) or head.count(0) == len(head)
         return 0 if ok else -1
     if head[:4] != b"\xff\xff\xff\xff":
-        return 0 if data[off:].count(0) == size - off else -1  # zeros: written size, never written data
+        need(size)
+        return 0 if bytes(view[off:]).count(0) == size - off else -1  # zeros: written size, never written data
     mlen = int.from_bytes(head[4:8], "little", signed=True)
     if mlen <= 0 or mlen % 8:
         return -1
     if off + 8 + mlen > size:
         return 0
-    meta = data[off + 8:off + 8 + mlen]
+    need(off + 8 + mlen)
+    meta = bytes(view[off + 8:off + 8 + mlen])
     try:  # flatbuffer Message: slots version, header_type, header, bodyLength, custom_metadata
         root = int.from_bytes(meta[0:4], "little")
         vt = root - int.from_bytes(meta[root:root + 4], "little", signed=True)
@@ -392,34 +623,45 @@ def _frame_size(data: bytes, off: int) -> int:
     if body < 0 or not 0 <= vt < mlen or not 0 <= root < mlen:
         return -1
     total = 8 + mlen + body
+    if body < 24:  # at least lsn, prev and crc32
+        return -1
     return 0 if off + total > size else total
 
 
-def _parse_at(buf: pa.Buffer, off: int, lsn: int, data: bytes, prev: int) -> tuple[Record | None, int]:
-    """The record at byte `off` and where it ends; (None, 0) when the bytes end inside it (torn, or zeros where a
-    crashed machine never wrote the data), (None, -1) when it is complete but wrong."""
-    total = _frame_size(data, off)
+def _check_bytes(view: memoryview, off: int, total: int) -> int | None:
+    """The crc32 of the record in bytes [off, off + total) when its bytes check (module docstring), else None."""
+    end = off + total
+    crc = _U32.unpack_from(view, end - 8)[0]
+    if view[end - 4:end] != _ZERO4 or record_crc(view, off, total) != crc:
+        return None
+    return int(crc)
+
+
+def _parse_at(buf: pa.Buffer, view: memoryview, off: int, lsn: int, prev: int,
+              total: int) -> tuple[Record | None, int, int]:
+    """The record at byte `off` (of `total` bytes: `_frame_size`), where it ends and its crc32; (None, 0, 0) when the
+    bytes end inside it (torn, or zeros where a crashed machine never wrote the data), (None, -1, 0) when it is
+    complete but wrong. The bytes are checked before pyarrow parses them."""
     if total <= 0:
-        return None, total
+        return None, total, 0
+    crc = _check_bytes(view, off, total)
+    if crc is None:
+        return None, -1, 0
     try:
-        msg = pa.ipc.read_message(buf.slice(off, total))
-        batch = pa.ipc.read_record_batch(msg, RECORD_SCHEMA)
+        batch = pa.ipc.read_record_batch(pa.ipc.read_message(buf.slice(off, total)), RECORD_SCHEMA)
         if batch.num_rows != 1:
-            return None, -1
+            return None, -1, 0
         row = {name: batch.column(name)[0].as_py() for name in ("lsn", "kind", "meta", "prev", "crc32")}
         payload = _payload(batch.column("payload"))
-        # every byte, padding included, is checked: by the next record's `prev`, and for the last record of a
-        # segment by re-encoding it (`_read_segment`)
     except (EOFError, OSError, pa.ArrowInvalid, IndexError, TypeError):
-        return None, -1
-    if row["lsn"] != lsn or row["prev"] != prev or None in row.values() or \
-            row["crc32"] != record_crc(row["lsn"], row["kind"], row["meta"], payload, row["prev"]):
-        return None, -1
+        return None, -1, 0
+    if row["lsn"] != lsn or row["prev"] != prev or row["crc32"] != crc or None in row.values():
+        return None, -1, 0
     try:
         meta = json.loads(row["meta"])
     except ValueError:
-        return None, -1
-    return Record(lsn, row["kind"], meta, payload), off + total
+        return None, -1, 0
+    return Record(lsn, row["kind"], meta, payload), off + total, crc
 
 
 def _payload(arr: pa.Array) -> Any:
@@ -434,30 +676,20 @@ def _payload(arr: pa.Array) -> Any:
     return data.slice(lo, hi - lo)
 
 
-def _reencodes(buf: pa.Buffer, off: int, end: int) -> bool:
-    """Whether the record in bytes [off, end) re-encodes to exactly those bytes (padding included)."""
-    try:
-        batch = pa.ipc.read_record_batch(pa.ipc.read_message(buf.slice(off, end - off)), RECORD_SCHEMA)
-        return bool(batch.serialize().equals(buf.slice(off, end - off)))
-    except (EOFError, OSError, pa.ArrowInvalid):
-        return False
-
-
-def _later_record(buf: pa.Buffer, start: int, lsn: int) -> bool:
+def _later_record(buf: pa.Buffer, view: memoryview, start: int, lsn: int) -> bool:
     """Whether an intact record with lsn >= `lsn` starts somewhere after `start` (8-byte aligned, as IPC messages
     are): then the damage is in the middle of the segment, not a torn tail."""
-    data = buf.to_pybytes()
+    data = bytes(view)
     marker = b"\xff\xff\xff\xff"
     i = data.find(marker, start)
     while i != -1:
         if i % 8 == 0:
-            total = _frame_size(data, i)
-            if total > 0:
+            total = _frame_size(view, i)
+            if total > 0 and _check_bytes(view, i, total) is not None:
                 try:
                     msg = pa.ipc.read_message(buf.slice(i, total))
-                    row = pa.ipc.read_record_batch(msg, RECORD_SCHEMA).to_pylist()[0]
-                    if row["lsn"] >= lsn and row["crc32"] == record_crc(row["lsn"], row["kind"], row["meta"],
-                                                                       row["payload"] or b"", row["prev"]):
+                    got = pa.ipc.read_record_batch(msg, RECORD_SCHEMA).column("lsn")[0].as_py()
+                    if got is not None and got >= lsn:
                         return True
                 except (EOFError, OSError, pa.ArrowInvalid, IndexError, TypeError):
                     pass
@@ -465,14 +697,16 @@ def _later_record(buf: pa.Buffer, start: int, lsn: int) -> bool:
     return False
 
 
-def seal_last(directory: str, next_lsn: int, torn: TornTail | None) -> int:
+def seal_last(directory: str, next_lsn: int, torn: TornTail | None, prev: int | None = None) -> int:
     """Before a restored store journals again: cut the torn record off the newest segment (if any) and close that
-    segment with an `end` record of lsn `next_lsn`; returns the first lsn of the segment to open next."""
+    segment with an `end` record of lsn `next_lsn`; returns the first lsn of the segment to open next. `prev`: the
+    crc32 of the segment's last intact record (`read_journal`; read again when not given)."""
     segs = segments(directory)
     if not segs:
         return next_lsn
     first, path = segs[-1]
-    _, _, prev = _read_segment(path, first)  # the crc of the last intact record (the end record chains to it)
+    if prev is None:
+        _, _, prev = _read_segment(path, first)  # the crc of the last intact record (the end record chains to it)
     with open(path, "r+b") as f:
         if torn is not None and torn.path == path:
             f.truncate(torn.offset)
@@ -481,11 +715,10 @@ def seal_last(directory: str, next_lsn: int, torn: TornTail | None) -> int:
                 f.write(_SCHEMA_BYTES)
         else:
             f.seek(0, os.SEEK_END)
-        f.write(encode(next_lsn, "end", {}, b"", prev).to_pybytes())
+        f.write(encode(next_lsn, "end", {}, b"", prev))
         f.flush()
         os.fsync(f.fileno())
     return next_lsn + 1
-
 
 
 def _write_all(fd: int, data: Any) -> None:
@@ -493,6 +726,20 @@ def _write_all(fd: int, data: Any) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+def _writev_all(fd: int, pieces: list[Any]) -> int:
+    """Write `pieces` in order with as few `writev` calls as the kernel allows; returns the bytes written."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    total = sum(len(v) for v in views)
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
 
 
 def _fsync_dir(path: str) -> None:

@@ -10,10 +10,12 @@ exact:
 
 - A batch record names its first seq: one the checkpoint already holds is skipped; a gap before it (seqs issued to a
   batch whose record never made it: a writer killed mid-batch, or an aborted copy) becomes holes, so the batch gets
-  its own seqs back and the skipped ones never name another row. At the end, seqs issued (`issued` records) beyond
-  the last batch become holes too.
-- Updates, priorities and consumption of rows whose batch record comes later in the journal (writers record a batch
-  just after its commit, so another thread may log a change to its rows first) wait until the batch is applied.
+  its own seqs back and the skipped ones never name another row. A batch with an `aborted` record (recorded at its
+  reservation, then its copy failed: the writer raised) becomes holes too. At the end, seqs issued (`issued`
+  records) beyond the last batch become holes too.
+- Updates, priorities and consumption of rows whose batch record comes later in the journal (a batch recorded
+  outside the writer's reservation, after its commit: another thread may log a change to its rows first) wait until
+  the batch is applied.
   Re-applying any of them is harmless (they set values), so a record the checkpoint already covers may be replayed.
 """
 
@@ -93,6 +95,8 @@ def replay(records: list[Record], target: ReplayTarget, where: str) -> dict[str,
     counts: dict[str, int] = {}
     pending: list[tuple[str, np.ndarray, Any]] = []  # (kind, seqs, args) of rows not written yet
     issued = 0
+    # batches recorded at their reservation whose copy then failed: their seqs are holes (the writer raised)
+    aborted = {int(r.meta["first"]) for r in records if r.kind == "aborted" and isinstance(r.meta.get("first"), int)}
 
     def apply(kind: str, seqs: np.ndarray, args: Any) -> None:
         if kind == "update":
@@ -122,14 +126,20 @@ def replay(records: list[Record], target: ReplayTarget, where: str) -> dict[str,
         try:
             if r.kind == "issued":
                 issued = max(issued, int(r.meta["next"]))
+            elif r.kind == "aborted":
+                pass  # applied with its batch record (`aborted`, above)
             elif r.kind == "batch":
                 first, n = int(r.meta["first"]), int(r.meta["n"])
+                issued = max(issued, first + n)
                 hi = target.next_seq()
                 if first + n <= hi:
                     continue  # the checkpoint holds it
                 if first < hi:
                     raise StoreCorrupt(f"{where}: batch record {r.lsn} starts at seq {first}, inside the rows "
                                        f"already restored (up to {hi})")
+                if first in aborted:
+                    target.skip(first + n - hi)  # recorded, never stored: holes, as in the live store
+                    continue
                 target.skip(first - hi)
                 ids = target.apply_batch(payload_table(r.payload))
                 if len(ids) != n or (n and int(ids[0]) != first):

@@ -1,7 +1,8 @@
 """A durable store (`ExperienceStore(..., durable=DIR, durability="group")`): checkpoints plus a journal under DIR.
 
 Every change a caller is acknowledged for is journaled (`arrowbuf.persist.journal`) and durable under the policy
-before the call returns: `extend`/`append` (the batch, recorded just after its commit, in seq order), `update`,
+before the call returns: `extend`/`append` (the batch, recorded at its reservation, in seq order, before its rows
+are copied: the journal's sync thread runs the fdatasync meanwhile; `aborted` if the copy fails), `update`,
 `update_priorities`, `add_task`, `policy_version`, `end_episode`, and consumption (`consume` records the rows it
 marks before it hands them out: `StoreCore.journal.record_consumed`). The writer notes each reservation's seqs
 (`note_issued`), so ids issued before a crash are never given to another row after it.
@@ -64,6 +65,17 @@ def read_policy(root: str) -> str | None:
     return str(policy)
 
 
+class _Pending:
+    """A batch being extended: its payload, and once its seqs are reserved its first seq and journal ticket."""
+
+    __slots__ = ("payload", "n", "record", "first", "ticket")
+
+    def __init__(self, payload: Any, n: int, record: jr.Prepared) -> None:
+        self.payload, self.n, self.record = payload, n, record
+        self.first = -1
+        self.ticket: int | None = None
+
+
 class DurableLog:
     """The journaling side of one durable store (module docstring). Built by the facade, with its parts."""
 
@@ -74,6 +86,7 @@ class DurableLog:
         self._order = threading.Condition()
         self._recorded = int(core.index.hi)  # batch records go in seq order: the next seq to record
         self._mutate = threading.RLock()      # updates, priorities, tasks, versions: applied and logged in one order
+        self._local = threading.local()       # the batch this thread is extending (`note_issued` records it)
         self.replayed: dict[str, int] = {}
 
     @classmethod
@@ -95,7 +108,21 @@ class DurableLog:
 
     # ------------------------------------------------------------------ hooks (StoreCore.journal)
     def note_issued(self, next_seq: int) -> None:
-        """The writer reserved seqs up to `next_seq` (called under its write lock)."""
+        """The writer reserved seqs up to `next_seq` (called under its write lock). For the batch this thread is
+        extending (`extend`), this is where its record is appended (in seq order, before its rows are copied: the
+        fdatasync runs on the journal's sync thread while they are); otherwise an `issued` record."""
+        pending = getattr(self._local, "pending", None)
+        if pending is not None and pending.ticket is None:
+            first = int(next_seq) - pending.n
+            if _KILL_AT is not None and os.environ.get(_KILL_AT) == "before_batch_record":  # crash tests
+                self.journal.append("issued", {"next": int(next_seq)})
+                os.kill(os.getpid(), signal.SIGKILL)
+            pending.first = first
+            pending.ticket = self.journal.append_prepared(pending.record, {"first": first, "n": pending.n})
+            with self._order:
+                self._recorded = max(self._recorded, first + pending.n)
+            self.journal.sync_soon(pending.ticket)
+            return
         self.journal.append("issued", {"next": int(next_seq)})
 
     def record_consumed(self, task: str, seqs: np.ndarray) -> int:
@@ -111,14 +138,27 @@ class DurableLog:
         cols, n = self.core.schema.validate_batch(batch, single=single)
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        payload = jr.table_bytes(columns_table(cols))  # before the write, outside every lock
-        ids = self.writer.extend_columns(cols, n, timeout=timeout)
-        if _KILL_AT is not None and os.environ.get(_KILL_AT) == "before_batch_record":  # crash tests
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.journal.wait(self._record_batch(int(ids[0]), n, payload))
+        # the record is encoded and checksummed here, outside every lock: the reservation (`note_issued`) only adds
+        # its lsn and seqs (a fixed-width meta), so writers overlap the checksum with each other's writes and fsyncs
+        payload = jr.table_bytes(columns_table(cols))
+        pending = _Pending(payload, n, jr.prepare("batch", {"first": 0, "n": n}, payload,
+                                                  meta_width=len(f'{{"first":{2 ** 63 - 1},"n":{n}}}')))
+        self._local.pending = pending  # `note_issued` appends the batch record at the reservation
+        try:
+            ids = self.writer.extend_columns(cols, n, timeout=timeout)
+        except BaseException:
+            if pending.ticket is not None:  # recorded, then not stored (a failed copy: its seqs are holes)
+                self.journal.append("aborted", {"first": pending.first, "n": n})
+            raise
+        finally:
+            self._local.pending = None
+        if pending.ticket is None:  # not reserved through the writer's hook (never expected): record it now
+            pending.ticket = self._record_batch(int(ids[0]), n, jr.prepare("batch", {"first": int(ids[0]), "n": n},
+                                                                          pending.payload))
+        self.journal.wait(pending.ticket)
         return ids
 
-    def _record_batch(self, first: int, n: int, payload: Any) -> int:
+    def _record_batch(self, first: int, n: int, record: jr.Prepared) -> int:
         """Append a committed batch's record once every earlier batch's is appended (batches commit in seq order;
         an earlier one that never commits is an aborted reservation: holes)."""
         with self._order:
@@ -127,7 +167,7 @@ class DurableLog:
                 self._order.wait(0.05)
                 if self._recorded < first and (self._holes(self._recorded, first) or time.monotonic() - since > 5):
                     break
-            ticket = self.journal.append("batch", {"first": first, "n": n}, payload)
+            ticket = self.journal.append_prepared(record)
             self._recorded = max(self._recorded, first + n)
             self._order.notify_all()
         return ticket
@@ -248,7 +288,7 @@ def resume(root: str, manifest: dict[str, Any], policy: str | None, core: Any, w
     from_lsn = int((manifest.get("journal") or {}).get("from_lsn", 0))
     owner = jr.lock_journal(root)  # no live store writes it while it is read, cut and continued
     try:
-        records, torn, next_lsn = jr.read_segments(root, from_lsn)
+        records, torn, next_lsn, last_crc = jr.read_journal(root, from_lsn)
         # the journal holds the inserts as they happened: no eviction hold, no rate limiter may refuse them again
         hold, writer.hold = writer.hold, None
         limiter, core.rate_limiter = core.rate_limiter, None
@@ -256,7 +296,7 @@ def resume(root: str, manifest: dict[str, Any], policy: str | None, core: Any, w
             counts = replay(records, _Target(core, writer, reader, updater, consume), f"journal of {root}")
         finally:
             writer.hold, core.rate_limiter = hold, limiter
-        first = jr.seal_last(root, next_lsn, torn)
+        first = jr.seal_last(root, next_lsn, torn, prev=last_crc)
         journal = jr.Journal(root, policy, first_lsn=first, lock_fd=owner)
     except BaseException:
         os.close(owner)
