@@ -63,18 +63,10 @@ def fsync_loop(where: str, seconds: float) -> dict[str, float]:
 
 
 def write_ceiling(where: str, nbytes: int) -> float:
-    buf = np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8).tobytes()
-    path = os.path.join(where, "seq.bin")
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    left = nbytes
-    while left > 0:
-        left -= os.write(fd, buf[:min(left, len(buf))])
-    os.fsync(fd)
-    os.close(fd)
-    dt = time.perf_counter() - t0
-    os.unlink(path)
-    return nbytes / dt
+    """Sequential write bandwidth of the disk under `where` (bytes/s): bench_persist's ceiling, the same probe."""
+    from benchmarks.bench_persist import disk_write_ceiling
+
+    return disk_write_ceiling(nbytes, where)
 
 
 def frames_schema() -> Any:
