@@ -16,6 +16,12 @@ inside the host):
 and, as the ceiling measured in the same run, one numpy copy of the same bytes in one process (`memcpy`).
 
     python -m benchmarks.bench_transfer_queue [--quick] [--complex] [--batch 1024 --seq-len 8192 --fields 10]
+                                              [--iterations 4] [--rounds 2]
+
+`--rounds R` runs each backend R times, interleaved (round i in order, round i+1 reversed). Each run is its own
+process tree with its own local Ray cluster in a private temp dir (never another job's: RAY_ADDRESS is unset); its
+peak RSS (sum over the tree, and the largest process) is sampled every 0.2 s, `uptime` is recorded before and after,
+and whatever of the tree outlives the run is killed by pid (listed in the JSON as `leftover_pids_killed`).
 
 Prints a table and writes benchmarks/out/transfer_queue.json. Needs `transferqueue==0.1.11` (pip install
 'arrowbuf[bench-tq]') for the TransferQueue row and the script; without it, nothing runs. The script sleeps 16 s per
