@@ -207,3 +207,18 @@ def test_put_then_get_by_key_across_processes_and_close_stops_the_shards(ray_clu
     for k in range(SHARDS):
         with pytest.raises(ValueError):
             ray.get_actor(f"{ACTOR_NAME}-{k}-of-{SHARDS}", namespace=NAMESPACE)
+
+
+def test_a_field_keeps_its_kind_across_shards(system: str) -> None:
+    """One system refuses a field whose dtype differs from its first put; so do N shards, even when the first put
+    and the later one land on different shards, and nothing is written."""
+    on = {k: [key for key in KEYS if key_shard(key, SHARDS) == k] for k in range(SHARDS)}
+    tq.kv_batch_put(keys=on[0][:2], partition_id="p", fields={"x": torch.zeros(2, 2)})
+    with pytest.raises(SchemaError, match="first put"):
+        tq.kv_batch_put(keys=on[1][:2], partition_id="p", fields={"x": torch.zeros(2, 2, dtype=torch.int64)})
+    assert sorted(tq.kv_list("p")["p"]) == sorted(on[0][:2])
+    with pytest.raises(SchemaError, match="first put"):  # the metadata path too, wherever the put lands
+        for _ in range(SHARDS):
+            tq.put({"x": torch.zeros(1, 3)}, partition_id="p")
+    tq.kv_batch_put(keys=on[1][:2], partition_id="p", fields={"x": torch.ones(2, 2)})  # the same kind: fine
+    assert tq.kv_batch_get(keys=[on[1][0], on[0][0]], partition_id="p")["x"].tolist() == [[1.0, 1.0], [0.0, 0.0]]

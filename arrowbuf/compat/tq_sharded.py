@@ -18,9 +18,12 @@ shard, `tq_ray.join_or_start_shards`). `ShardedBackend` is a client-side router 
 - Statuses, tags, key lookups, clears are split by shard and merged.
 
 Not sharded: the field-group stores inside one shard (each shard holds whole `ExperienceStore`s, not an
-`arrowbuf.ray.ShardedStore`). Validation is per shard: input refused by the client (batch sizes, mixed dtypes,
-unknown keys, tags length) writes nothing anywhere, but a put spanning shards that one shard refuses (a field whose
-dtype differs from that shard's first put of it) may already be written on the shards before it.
+`arrowbuf.ray.ShardedStore`). Validation: input refused by the client (batch sizes, mixed dtypes, unknown keys, tags
+length) writes nothing anywhere; before a put with fields, every shard's kinds of those fields are fetched (one
+small call per shard) and a field whose kind differs from any shard's first put of it is refused before any shard
+writes. Not atomic across shards otherwise: a put that a shard refuses for another reason (its ring full, a
+concurrent put from another process fixing a field's kind first) may already be written on the shards before it;
+and a dense 1-D batch of a field that some shard holds as jagged is stored dense on a shard that never saw it.
 """
 
 from __future__ import annotations
@@ -110,10 +113,31 @@ class ShardedBackend:
         return out
 
     # ------------------------------------------------------------------ writes
+    def _check_kinds(self, partition_id: str, kinds: dict[str, FieldKind]) -> None:
+        """Refuse, before any shard writes, a field whose kind differs from any shard's first put of it (as one
+        system would: a field keeps its dtype, shape and kind in a partition, whichever shard holds the samples)."""
+        if not kinds or self.n == 1:
+            return
+        try:
+            held = self._each("field_kinds", partition_id)
+        except KeyError:
+            return  # a new partition
+        for _, theirs in held:
+            for f, k in kinds.items():
+                old = theirs.get(f)
+                if old is None or old == k:
+                    continue
+                if old.kind == "jagged" and k.kind == "dense" and len(k.shape) == 1 and k.dtype == old.dtype:
+                    continue  # taken as jagged by the shard that has it jagged (see TQState.check_kinds)
+                raise SchemaError(f"field {f!r}: this put holds {k.kind} {k.dtype}{list(k.shape)}, but the "
+                                  f"partition's first put of it held {old.kind} {old.dtype}{list(old.shape)}; "
+                                  "a field keeps its dtype, shape and kind; nothing was written")
+
     def put_keys(self, partition_id: str, keys: list[str], kinds: dict[str, FieldKind], cols: dict[str, Any],
                  tags: list[dict[str, Any]] | None) -> tuple[np.ndarray, list[str]]:
         if len(set(keys)) != len(keys):
             raise InvalidArgument("Got duplicated keys.")
+        self._check_kinds(partition_id, kinds)
         out = np.empty(len(keys), dtype=np.int64)
         stored: set[str] | None = None
         for k, pos in self._keys_by_shard(keys).items():
@@ -126,6 +150,7 @@ class ShardedBackend:
 
     def put_indexes(self, partition_id: str, gidx: np.ndarray | None, count: int, kinds: dict[str, FieldKind],
                     cols: dict[str, Any], tags: list[dict[str, Any]] | None = None) -> np.ndarray:
+        self._check_kinds(partition_id, kinds)
         if gidx is None:  # new samples: the whole put on one shard
             k = self._next
             self._next = (self._next + 1) % self.n
