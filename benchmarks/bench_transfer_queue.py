@@ -16,6 +16,12 @@ inside the host):
 and, as the ceiling measured in the same run, one numpy copy of the same bytes in one process (`memcpy`).
 
     python -m benchmarks.bench_transfer_queue [--quick] [--complex] [--batch 1024 --seq-len 8192 --fields 10]
+                                              [--iterations 4] [--rounds 2]
+
+`--rounds R` runs each backend R times, interleaved (round i in order, round i+1 reversed). Each run is its own
+process tree with its own local Ray cluster in a private temp dir (never another job's: RAY_ADDRESS is unset); its
+peak RSS (sum over the tree, and the largest process) is sampled every 0.2 s, `uptime` is recorded before and after,
+and whatever of the tree outlives the run is killed by pid (listed in the JSON as `leftover_pids_killed`).
 
 Prints a table and writes benchmarks/out/transfer_queue.json. Needs `transferqueue==0.1.11` (pip install
 'arrowbuf[bench-tq]') for the TransferQueue row and the script; without it, nothing runs. The script sleeps 16 s per
@@ -70,7 +76,7 @@ def perftest_path() -> pathlib.Path | None:
     return path if path.exists() else None
 
 
-def child(backend: str, script: str, argv: list[str]) -> None:
+def child(backend: str, script: str, argv: list[str], ray_tmp: str | None = None) -> None:
     """Run TransferQueue's perftest.py in this process, on `backend`."""
     import runpy
 
@@ -80,7 +86,9 @@ def child(backend: str, script: str, argv: list[str]) -> None:
     if backend == "arrowbuf":
         swap_import()
         runtime_env["worker_process_setup_hook"] = "benchmarks.bench_transfer_queue.swap_import"
-    ray.init(num_cpus=8, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
+    # a private temp dir: this run's own local cluster, never another job's (RAY_ADDRESS is unset by the parent)
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False,
+             _temp_dir=ray_tmp)
     try:
         # perftest pins its actors with the resource node:<head_node_ip>: this machine's own address (one node; its
         # traffic stays inside the host)
@@ -91,29 +99,122 @@ def child(backend: str, script: str, argv: list[str]) -> None:
         ray.shutdown()
 
 
-def run_backend(backend: str, script: pathlib.Path, args: argparse.Namespace, tmp: pathlib.Path) -> list[dict]:
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _tree(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _rss(procs: list[Any]) -> list[tuple[int, str, int]]:
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            out.append((p.pid, " ".join(p.cmdline()[:3])[:80], p.memory_info().rss))
+        except psutil.Error:
+            pass
+    return out
+
+
+def run_backend(backend: str, script: pathlib.Path, args: argparse.Namespace, tmp: pathlib.Path,
+                tag: str = "") -> tuple[list[dict], dict[str, Any]]:
+    """One perftest run on `backend` in its own process tree; its rows, and the run's peak RSS and load.
+
+    Peak RSS: sampled every 0.2 s over the child's whole process tree (driver, Ray's GCS/raylet/workers, the
+    writer/reader actors and the storage actors); `tree` is the peak of their sum, `largest` the peak of the largest
+    single process. RSS counts shared pages (Ray's object store, shared memory) in every process that touched them.
+    Every process of the tree still alive when the run ends is killed by pid and counted in `leftover`.
+    """
+    import threading
+
+    import psutil
+
     cfg = tmp / "config.yaml"
     cfg.write_text(CONFIG)
-    out_csv = tmp / f"{backend}.csv"
+    out_csv = tmp / f"{backend}{tag}.csv"
+    ray_tmp = tempfile.mkdtemp(prefix="rtq-", dir="/tmp")
     argv = ["--backend_config", str(cfg), "--head_node_ip", "HEAD", "--global_batch_size", str(args.batch),
             "--field_num", str(args.fields), "--seq_len", str(args.seq_len), "--num_test_iterations",
             str(args.iterations), "--output_csv", str(out_csv)]
     if args.complex:
         argv.append("--use_complex_case")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "benchmarks.bench_transfer_queue", "--child", backend, "--script", str(script),
-           "--", *argv]
+           "--ray-tmp", ray_tmp, "--", *argv]
+    up0 = uptime()
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    log = open(tmp / f"{backend}{tag}.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    peak = {"tree": 0, "largest": 0, "largest_cmd": ""}
+    seen: dict[int, Any] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            procs = _tree(proc.pid)
+            for p in procs:
+                seen.setdefault(p.pid, p)
+            rss = _rss(procs)
+            if rss:
+                peak["tree"] = max(peak["tree"], sum(r[2] for r in rss))
+                big = max(rss, key=lambda r: r[2])
+                if big[2] > peak["largest"]:
+                    peak["largest"], peak["largest_cmd"] = big[2], big[1]
+            done.wait(0.2)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    try:
+        rc = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    done.set()
+    th.join()
     wall = time.perf_counter() - t0
-    if r.returncode != 0 or not out_csv.exists():
-        tail = (r.stderr or r.stdout)[-3000:]
-        raise RuntimeError(f"perftest on {backend} failed (exit {r.returncode}):\n{tail}")
+    leftover = []
+    for pid, p in seen.items():
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                leftover.append(pid)
+                p.kill()
+        except psutil.Error:
+            pass
+    import shutil
+
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    up1 = uptime()
+    log.seek(0)
+    text = log.read()
+    log.close()
+    if rc != 0 or not out_csv.exists():
+        raise RuntimeError(f"perftest on {backend} failed (exit {rc}):\n{text[-3000:]}")
     with open(out_csv) as f:
         rows = list(csv.DictReader(f))
     for row in rows:
         row["wall_s"] = wall
-    return rows
+    run = {"backend": backend, "tag": tag, "wall_s": wall, "uptime_before": up0, "uptime_after": up1,
+           "peak_rss_tree_MiB": peak["tree"] / 2**20, "peak_rss_largest_MiB": peak["largest"] / 2**20,
+           "peak_rss_largest_cmd": peak["largest_cmd"], "leftover_pids_killed": leftover,
+           "put_s": [float(r["put_time"]) for r in rows], "get_s": [float(r["get_time"]) for r in rows]}
+    print(f"{backend:<15}{tag:<6} put {' '.join(f'{x:.3f}' for x in run['put_s'])}  get "
+          f"{' '.join(f'{x:.3f}' for x in run['get_s'])}  peak RSS tree {run['peak_rss_tree_MiB']:.0f} MiB "
+          f"(largest {run['peak_rss_largest_MiB']:.0f})  [{up0.split('load')[-1]} ->{up1.split('load')[-1]}]"
+          f"{'  LEFTOVER ' + str(leftover) if leftover else ''}", flush=True)
+    return rows, run
 
 
 def memcpy_ceiling(nbytes: int, repeats: int = 5) -> float:
@@ -135,15 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--fields", type=int, default=10)
-    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=4, help="perftest's own default: 4")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs per backend, interleaved (round i runs the backends in order, i+1 reversed)")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
     ap.add_argument("--script", help=argparse.SUPPRESS)
+    ap.add_argument("--ray-tmp", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.script, [a for a in args.rest if a != "--"])
+        child(args.child, args.script, [a for a in args.rest if a != "--"], args.ray_tmp)
         return 0
     if args.quick:
         args.batch, args.seq_len, args.fields, args.iterations = 256, 1024, 4, 3
@@ -153,10 +257,15 @@ def main(argv: list[str] | None = None) -> int:
         print("transferqueue==0.1.11 is not installed (pip install 'arrowbuf[bench-tq]'): nothing to run")
         return 0
     rows: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    backends = args.backends.split(",")
     with tempfile.TemporaryDirectory(prefix="bench-tq-") as tmp:
-        for backend in args.backends.split(","):
-            for r in run_backend(backend, script, args, pathlib.Path(tmp)):
-                rows.append({**r, "storage": r.get("backend"), "backend": backend})
+        for rnd in range(args.rounds):
+            for backend in (backends if rnd % 2 == 0 else backends[::-1]):
+                got, run = run_backend(backend, script, args, pathlib.Path(tmp), tag=f"r{rnd}")
+                runs.append(run)
+                for r in got:
+                    rows.append({**r, "storage": r.get("backend"), "backend": backend, "round": rnd})
     size_gb = float(rows[0]["total_data_size_gb"])
     ceiling = memcpy_ceiling(int(size_gb * 1024**3))
     summary: dict[str, dict[str, float]] = {}
@@ -165,15 +274,19 @@ def main(argv: list[str] | None = None) -> int:
         put = float(np.median([float(r["put_time"]) for r in mine]))
         get = float(np.median([float(r["get_time"]) for r in mine]))
         summary[backend] = {"put_s": put, "get_s": get, "put_GBps": size_gb * 1.073741824 / put,
-                            "get_GBps": size_gb * 1.073741824 / get}
+                            "get_GBps": size_gb * 1.073741824 / get, "iterations": len(mine),
+                            "peak_rss_tree_MiB": max(r["peak_rss_tree_MiB"] for r in runs if r["backend"] == backend),
+                            "peak_rss_largest_MiB": max(r["peak_rss_largest_MiB"] for r in runs
+                                                        if r["backend"] == backend)}
     print(f"\nTransferQueue perftest ({'complex' if args.complex else 'simple'} case): batch {args.batch} x "
           f"{args.fields} fields x seq_len {args.seq_len} = {size_gb * 1024:.1f} MiB, {args.iterations} iteration(s),"
           f" load {os.getloadavg()[0]:.2f}")
-    print(f"{'backend':<15}{'put s':>10}{'get s':>10}{'put GB/s':>10}{'get GB/s':>10}{'put/ceil':>10}{'get/ceil':>10}")
+    print(f"{'backend':<15}{'put s':>10}{'get s':>10}{'put GB/s':>10}{'get GB/s':>10}{'put/ceil':>10}{'get/ceil':>10}"
+          f"{'RSS MiB':>10}")
     for backend in [b for b in BACKENDS if b in summary]:
         s = summary[backend]
         print(f"{backend:<15}{s['put_s']:>10.4f}{s['get_s']:>10.4f}{s['put_GBps']:>10.3f}{s['get_GBps']:>10.3f}"
-              f"{s['put_GBps'] / ceiling:>10.3f}{s['get_GBps'] / ceiling:>10.3f}")
+              f"{s['put_GBps'] / ceiling:>10.3f}{s['get_GBps'] / ceiling:>10.3f}{s['peak_rss_tree_MiB']:>10.0f}")
     print(f"{'memcpy':<15}{'':>10}{'':>10}{ceiling:>10.3f}{ceiling:>10.3f}")
     if "transferqueue" in summary and "arrowbuf" in summary:
         a, t = summary["arrowbuf"], summary["transferqueue"]
@@ -184,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     (OUT / name).write_text(json.dumps({
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "load": os.getloadavg(),
         "args": {k: v for k, v in vars(args).items() if k not in ("child", "script", "rest")},
-        "memcpy_GBps": ceiling, "summary": summary, "rows": rows}, indent=1))
+        "memcpy_GBps": ceiling, "summary": summary, "runs": runs, "rows": rows}, indent=1))
     print(f"wrote {OUT / name}")
     return 0
 

@@ -334,7 +334,7 @@ def test_flight_refuses_malformed_requests_cleanly() -> None:
                                                                                      max_size=4), max_leaves=12)
         ops = st.sampled_from(["get_meta", "production_status", "consumption_status", "reset_consumption",
                                "clear_keys", "clear_samples", "clear_partition", "kv_list", "tags_of",
-                               "key_indexes", "keys_of", "field_names", "put_tags", "nope"])
+                               "key_indexes", "keys_of", "field_names", "field_kinds", "put_tags", "nope"])
 
         @settings(max_examples=60, deadline=None)
         @given(op=ops, body=st.dictionaries(st.sampled_from(["partition_id", "keys", "gidx", "tags", "data_fields",

@@ -244,6 +244,8 @@ class TQServer(flight.FlightServerBase):
                 return sorted(s.partition(pid).group_of)
         if op == "keys_of":
             return s.keys_of(pid, _ids(b, "gidx"))
+        if op == "field_kinds":
+            return {f: k.to_json() for f, k in s.field_kinds(pid).items()}
         if op == "put_tags":
             return s.put_indexes(pid, _ids(b, "gidx"), 0, {}, {}, _tags(b)).tolist()
         raise InvalidArgument(f"unknown action {VERSION}.{op}")
@@ -409,6 +411,12 @@ class RemoteBackend:
 
     def field_names(self, partition_id: str) -> list[str]:
         return list(self._act("field_names", partition_id=partition_id))
+
+    def field_kinds(self, partition_id: str) -> dict[str, FieldKind]:
+        raw = self._act("field_kinds", partition_id=partition_id)
+        if not isinstance(raw, dict):
+            raise SchemaError("field_kinds: the server sent no mapping")
+        return {str(f): FieldKind.from_json(k) for f, k in raw.items()}
 
     def keys_of(self, partition_id: str, gidx: np.ndarray) -> list[str | None]:
         return list(self._act("keys_of", partition_id=partition_id, gidx=np.asarray(gidx).tolist()))

@@ -62,6 +62,31 @@ def join_or_start(capacity: int, sampler: Any, host: str, token: str | None) -> 
     return str(ray.get(actor.location.remote())), owned
 
 
+def join_or_start_shards(n: int, capacity: int, sampler: Any, host: str, token: str | None
+                         ) -> tuple[list[str], list[Any]]:
+    """The Flight locations of the job's `n`-shard system (`tq_sharded`): one named actor per shard, found by every
+    later `init` with the same `n`; and the actors this call started (stopped by its `close`)."""
+    import ray
+
+    locations: list[str] = []
+    owned: list[Any] = []
+    spec = sampler if isinstance(sampler, str) or sampler is None else type(sampler).__name__
+    for k in range(n):
+        name = f"{ACTOR_NAME}-{k}-of-{n}"
+        actor: Any
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            try:
+                actor = ray.remote(_Host).options(name=name, namespace=NAMESPACE, num_cpus=0, lifetime=None,
+                                                  scheduling_strategy="SPREAD").remote(capacity, spec, host, token)
+                owned.append(actor)
+            except ValueError:  # another process created it meanwhile
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+        locations.append(str(ray.get(actor.location.remote())))
+    return locations, owned
+
+
 def stop(actor: Any) -> None:
     """Stop the system's actor (the process that started it calls this from `close`)."""
     import ray

@@ -404,6 +404,11 @@ class TQState:
             p = self.partition(partition_id)
             return [p.key_of.get(int(g)) for g in gidx]
 
+    def field_kinds(self, partition_id: str) -> dict[str, FieldKind]:
+        """Each stored field's kind in the partition (fixed by its first put)."""
+        with self.lock:
+            return dict(self.partition(partition_id).kinds)
+
     def stores(self, partition_id: str) -> dict[str, ExperienceStore]:
         """The arrowbuf stores of a partition's field groups, by name (for SQL, checkpoints, inspection)."""
         with self.lock:

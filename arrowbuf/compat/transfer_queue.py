@@ -383,7 +383,9 @@ def init(conf: Any = None) -> Any:
     TransferQueue's `backend.SimpleStorage.total_storage_size`, else 65536; a store's memory is reserved for its
     capacity and touched as rows arrive), `ray` (default True: inside a Ray job the system lives in a named actor
     that every process's `init` finds, as TransferQueue's controller; see `tq_ray`), `host` (the address that actor
-    binds). `controller.sampler` names the default sampler (a name, class or instance). A second `init` in the same
+    binds), `shards` (inside a Ray job: N > 1 starts or joins a system of N shards, one named actor each, keys and
+    puts routed over them by `tq_sharded`), `locations` (join N systems served over Flight as one sharded system).
+    `controller.sampler` names the default sampler (a name, class or instance). A second `init` in the same
     process keeps the first system. Returns `conf`."""
     global _CLIENT, _RAY_ACTOR
     if _CLIENT is not None:
@@ -395,12 +397,23 @@ def init(conf: Any = None) -> Any:
                              default=_conf_get(conf, "backend", "SimpleStorage", "total_storage_size",
                                                default=DEFAULT_CAPACITY)))
     sampler = _conf_get(conf, "controller", "sampler")
-    if not location and _conf_get(conf, "arrowbuf", "ray", default=True):
-        from .tq_ray import join_or_start, ray_running
+    locations = _conf_get(conf, "arrowbuf", "locations")
+    shards = int(_conf_get(conf, "arrowbuf", "shards", default=1))
+    if not location and not locations and _conf_get(conf, "arrowbuf", "ray", default=True):
+        from .tq_ray import join_or_start, join_or_start_shards, ray_running
 
         if ray_running():
-            location, _RAY_ACTOR = join_or_start(capacity, sampler, str(_conf_get(conf, "arrowbuf", "host",
-                                                                                  default="127.0.0.1")), token)
+            host = str(_conf_get(conf, "arrowbuf", "host", default="127.0.0.1"))
+            if shards > 1:
+                locations, _RAY_ACTOR = join_or_start_shards(shards, capacity, sampler, host, token)
+            else:
+                location, _RAY_ACTOR = join_or_start(capacity, sampler, host, token)
+    if locations:
+        from .tq_flight import RemoteBackend
+        from .tq_sharded import ShardedBackend
+
+        _CLIENT = TransferQueueClient(ShardedBackend([RemoteBackend(str(loc), token) for loc in locations]), conf)
+        return conf
     if location:
         from .tq_flight import RemoteBackend
 
@@ -421,7 +434,8 @@ def close() -> None:
     if actor is not None:
         from .tq_ray import stop
 
-        stop(actor)
+        for a in actor if isinstance(actor, list) else [actor]:
+            stop(a)
 
 
 def get_client() -> TransferQueueClient:
