@@ -148,7 +148,7 @@ def _leasing_trainer(name: str, report_dir: str) -> None:
         b = store.consume("train", 8, require=["reward"], lease=0.5, timeout=0.2)
         if len(b):
             os.write(fd, (" ".join(map(str, b.indices.tolist())) + "\n").encode())
-            time.sleep(0.01)
+            time.sleep(0.2)  # processing: the run lasts long enough for the parent's kills (a fast run had one)
             b.ack()
 
 
