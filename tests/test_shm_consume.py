@@ -79,6 +79,7 @@ def _updater(name: str, total: int) -> None:
 def _trainer(name: str, total: int, q) -> None:
     """Consumes task "train" (rows with their reward only) until every row of the run was consumed by someone."""
     store = ab.ExperienceStore.attach(name, timeout=30)
+    q.put("ready")  # the parent starts the writer once every trainer waits for rows
     got = []
     deadline = time.monotonic() + 60
     while store.stats()["consumed"]["train"] < total and time.monotonic() < deadline:
@@ -86,6 +87,7 @@ def _trainer(name: str, total: int, q) -> None:
         if len(b):
             d = b.to_numpy()
             got.append((b.indices, d["prompt_id"], d["reward"], [list(t) for t in d["response_tokens"]]))
+            time.sleep(0.01)  # a trainer's step: the others get their turn
     q.put((os.getpid(), got))
     store.close()
 
@@ -175,6 +177,7 @@ def test_writer_updater_and_three_trainer_processes_share_one_store(names):
     try:
         q = CTX.Queue()
         trainers = [start(names, _trainer, name, total, q) for _ in range(3)]
+        assert [q.get(timeout=JOIN_S) for _ in trainers] == ["ready"] * 3  # all three consume before any row exists
         updater = start(names, _updater, name, total)
         writer = start(names, _writer, name, n_groups, 2)
         results = [q.get(timeout=JOIN_S) for _ in trainers]
