@@ -45,6 +45,8 @@ log = logging.getLogger("arrowbuf.observe")
 MAX_ROWS = 1000
 #: Largest request body read (a SQL query), in bytes.
 MAX_BODY = 128 << 10
+#: A body over MAX_BODY but at most this is read and dropped before the 413 (see `_refuse_body`).
+DRAIN_BODY = 8 << 20
 #: Points of the rate history kept (one per `interval`): 5 minutes at 1 s.
 HISTORY = 300
 #: The inspector's own bounds of a query over an in-process store.
@@ -270,6 +272,23 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._json(404, {"error": "NotFound", "message": f"no such page {url.path[:200]!r}"})
 
+    def _refuse_body(self, length: int) -> None:
+        """413 for a body over MAX_BODY. A body up to DRAIN_BODY is read and dropped first (at most 5 s), so the
+        client, still sending, gets the answer rather than a reset connection; a larger one is not read at all."""
+        self.close_connection = True
+        if MAX_BODY < length <= DRAIN_BODY:
+            self.connection.settimeout(5.0)
+            left = length
+            try:
+                while left > 0:
+                    chunk = self.rfile.read(min(left, 64 << 10))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+            except OSError:
+                return
+        self._json(413, {"error": "InvalidArgument", "message": f"a query body is 1..{MAX_BODY} bytes"})
+
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         url = urlsplit(self.path)
         if url.path != "/api/sql":
@@ -280,7 +299,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             length = -1
         if not 0 < length <= MAX_BODY:
-            self._json(413, {"error": "InvalidArgument", "message": f"a query body is 1..{MAX_BODY} bytes"})
+            self._refuse_body(length)
             return
         body = self.rfile.read(length)
 
