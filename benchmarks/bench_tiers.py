@@ -339,12 +339,39 @@ def gpu(quick: bool) -> dict:
         sync()
         return 10 * batch / (time.perf_counter() - t0)
 
+    # the kernel alone: one column's gather from a tier arena (GpuTier.take) against a device copy of the same bytes;
+    # the whole-batch row above adds the store's per-batch work (sampling, six columns, rows still on the host)
+    from arrowbuf.tiers import GpuTier
+
+    obs = schema.fields["obs"]
+    tier = GpuTier(device="cuda")
+    arena = tier.allocate("obs", obs.dtype, cap, tuple(obs.shape))
+    arena.random_(0, 255)
+    pos = np.sort(np.random.default_rng(0).integers(0, cap, batch))
+    flat = torch.empty(batch * obs.row_bytes, dtype=torch.uint8, device="cuda")
+    flat2 = torch.empty_like(flat)
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        sync()
+        return 20 * batch / (time.perf_counter() - t0)
+
+    kernel = interleaved({"take": lambda: timed(lambda: tier.take(arena, pos, obs.dtype)),
+                          "copy": lambda: timed(lambda: flat2.copy_(flat))}, base="copy")
+    tier.close()
     res = interleaved({"host_h2d": via_host, "device": on_device, "d2d": d2d}, base="host_h2d")
     out = {"device": torch.cuda.get_device_name(0), "capacity": cap, "batch": batch,
            "host_gather_h2d_per_s": res["host_h2d"], "device_gather_per_s": res["device"],
            "speedup_vs_host_h2d": res["device_ratio"],
            "device_gather_gbps": res["device"] * row_bytes / 1e9, "d2d_copy_gbps": res["d2d"] * row_bytes / 1e9,
            "gather_vs_d2d": res["device"] / res["d2d"],
+           "obs_take_gbps": kernel["take"] * obs.row_bytes / 1e9,
+           "obs_copy_gbps": kernel["copy"] * obs.row_bytes / 1e9,
+           "obs_take_vs_copy": kernel["take_ratio"],
            "obs_on_gpu": float(dev.placement().to_pandas().query("column == 'obs' and tier == 'gpu'")["bytes"].sum()
                                / max(1, dev.placement().to_pandas().query("column == 'obs'")["bytes"].sum()))}
     host.close()
@@ -388,6 +415,8 @@ def table(res: dict) -> str:
             g["host_gather_h2d_per_s"], g["speedup_vs_host_h2d"])
         add("gpu gather GB/s vs device-to-device copy", g["device_gather_gbps"], g["d2d_copy_gbps"],
             g["gather_vs_d2d"])
+        add("gpu obs column gather GB/s (tier take) vs copy", g["obs_take_gbps"], g["obs_copy_gbps"],
+            g["obs_take_vs_copy"])
     elif g:
         lines.append(f"gpu: skipped: {g['skipped']}")
     return "\n".join(lines)

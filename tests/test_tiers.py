@@ -222,6 +222,30 @@ def test_gpu_tier_without_a_gpu_names_the_extra_and_what_was_found():
         ab.ExperienceStore(SCHEMA, 100, tiers={"gpu": "1GiB", "host": "1GiB"})
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+@pytest.mark.parametrize("dtype,shape", [(np.uint8, (84, 84, 4)), (np.uint8, (3,)), (np.uint8, (7,)),
+                                         (np.float32, ()), (np.float32, (5,)), (np.float16, (3,)), (np.int64, (2,)),
+                                         (np.uint16, (4,)), (np.uint32, (3,)), (np.bool_, (16,))])
+def test_gpu_tier_gathers_and_scatters_rows_exactly_whatever_their_width(device, dtype, shape):
+    # take and scatter move rows as wide words where a row's bytes allow (a uint8 frame as int64 words): the values,
+    # dtypes and shapes delivered must be those of an element-wise gather, for every width and odd row sizes
+    tier = GpuTier(device=device)
+    rng = np.random.default_rng(0)
+    arena = tier.allocate("col", np.dtype(dtype), 50, shape)
+    values = rng.integers(0, 200, size=(50, *shape)).astype(dtype)
+    tier.put(arena, 0, values)
+    pos = rng.integers(0, 50, size=17)
+    got = tier.take(arena, pos, np.dtype(dtype))
+    assert tuple(got.shape) == (17, *shape)
+    np.testing.assert_array_equal(got.cpu().numpy().astype(dtype), values[pos])
+    out = tier.empty((30, *shape), np.dtype(dtype))
+    at = rng.permutation(30)[:17]
+    tier.scatter(out, at, got)
+    assert out.dtype == got.dtype
+    np.testing.assert_array_equal(out.cpu().numpy()[at].astype(dtype), values[pos])
+    tier.close()
+
+
 @needs_gpu
 def test_gpu_sampling_delivers_device_tensors_gathered_on_the_device():
     import torch

@@ -338,7 +338,7 @@ class TieredColumnArenas(ColumnArenas):
             part = self._take_from(c, name, ci, positions[idx], slots[idx], False)
             if isinstance(part, np.ndarray):
                 part = device.to_device(part)
-            out[device.torch.from_numpy(idx).to(out.device)] = part
+            device.scatter(out, idx, part)
         return out
 
     def _prefetch_rows(self, name: str, ci: int, positions: np.ndarray, codes: np.ndarray | None,

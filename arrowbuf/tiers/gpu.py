@@ -123,9 +123,18 @@ class GpuTier(Tier):
         return out.view(dtype) if out.dtype != dtype else out
 
     def take(self, arena: Any, positions: np.ndarray, dtype: np.dtype) -> Any:
-        """Rows at arena `positions`, gathered on the device: a device tensor (unsigned types widened to int64)."""
+        """Rows at arena `positions`, gathered on the device: a device tensor (unsigned types widened to int64).
+
+        One `index_select` over the arena's rows. (Measured on an H200: an atari frame column gathers at 0.89x a
+        device copy of the same bytes this way; reading the rows as 8-byte words instead was slower, 0.63x.)"""
         idx = self.torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(self.device, non_blocking=True)
         return _widen(self.torch, arena.index_select(0, idx), dtype)
+
+    def scatter(self, out: Any, rows: np.ndarray, part: Any) -> None:
+        """`out[rows] = part` on the device, for `out` from `empty` and `part` in the representation `take` and
+        `to_device` deliver (the rows of a batch that came from different tiers, put in their places)."""
+        idx = self.torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(out.device, non_blocking=True)
+        out.index_copy_(0, idx, part)
 
     def to_device(self, values: np.ndarray) -> Any:
         """A host array as a device tensor in the representation `take` delivers."""
