@@ -47,7 +47,7 @@ print("gpu environment:", gpu_environment())
 EOF
 
 # 2. tests (GPU cases run only with a CUDA device; without one they skip, and env.txt says why)
-timeout 300 "$VPY" -m pytest tests/test_tiers.py tests/test_placement.py -q -rs -p no:cacheprovider \
+timeout 300 "$VPY" -m pytest tests/test_tiers.py tests/test_placement.py -q -rs -p no:cacheprovider --durations=8 \
   > "$OUT/tests.log" 2>&1
 tests_rc=$?
 
