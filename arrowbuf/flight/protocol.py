@@ -24,17 +24,16 @@ UTF-8 JSON objects so that any Flight client (C++, Java, Rust, Go) can speak it:
 Errors: every error a server raises on purpose is a Flight error whose `extra_info` (Arrow's binary status detail)
 is `{"v":1,"error":<class>,"code":<status>,"message":<text>}`; `ERRORS` is the one table, in both directions.
 
-Size note: about 900 lines, over the house's 800 on purpose: this module is the wire format, every verb's encoding,
-decoding and bounds, in one place that docs/flight-protocol.md and tests/flight/test_fuzz_protocol.py follow section by
-section. Splitting it by verb would put the shared request parsing (`_Fields`, the JSON bounds) behind a second
-module that each part imports back; the next candidate, if it grows, is the issue-16 verbs (update, consume).
+Three parts live in their own modules, re-exported here (import them from this module): the consume verbs and lease
+actions (`arrowbuf.flight.protocol_consume`), the error table (`arrowbuf.flight.protocol_errors`) and the sample
+metadata in columns (`arrowbuf.flight.protocol_meta`). They import nothing from this module (the consume decoders
+get the field reader passed in), so the wire format forms no import cycle.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,22 +41,30 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ..errors import (
-    ArrowbufError,
-    InsertTimeout,
-    InvalidArgument,
-    LeaseError,
-    MissingDependency,
-    OutOfSpace,
-    QueryTimeout,
-    ResourceExhausted,
-    SampleTimeout,
-    SchemaError,
-    ShardsLost,
-    StoreClosed,
-    StoreNotFound,
-    Unauthenticated,
-    Unavailable,
+from ..errors import SchemaError
+from .protocol_consume import CONSUME_ACTIONS as CONSUME_ACTIONS
+from .protocol_consume import LEASE_ID as LEASE_ID
+from .protocol_consume import MAX_LEASE_S as MAX_LEASE_S
+from .protocol_consume import MAX_TASK_CHARS as MAX_TASK_CHARS
+from .protocol_consume import MAX_TOKENS as MAX_TOKENS
+from .protocol_consume import MAX_WHERE_CHARS as MAX_WHERE_CHARS
+from .protocol_consume import ConsumeRequest as ConsumeRequest
+from .protocol_consume import decode_consume, decode_consume_action, encode_consume
+from .protocol_errors import ERRORS as ERRORS
+from .protocol_errors import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from .protocol_errors import ErrorMapping as ErrorMapping
+from .protocol_errors import decode_error as decode_error
+from .protocol_errors import error_mapping as error_mapping
+from .protocol_errors import error_message as error_message
+from .protocol_errors import from_flight_error as from_flight_error
+from .protocol_meta import (
+    ID_COLUMN,
+    MAX_PAD,
+    SAMPLE_META,
+    WEIGHT_COLUMN,
+    pad_metadata,
+    realigning_pad,
+    split_sample_columns,
 )
 
 #: The version of the base verbs; requests may omit "v" (meaning this version), and replies to them carry it.
@@ -81,8 +88,6 @@ SUPPORTED_VERSIONS = (1, 2, 3)
 AUTH_HEADER = "authorization"
 #: Largest JSON request accepted (tickets, actions, descriptors, exchange messages): bounds server memory.
 MAX_JSON_BYTES = 16 << 20
-#: Longest error message sent to a client (messages may quote client values; the rest is cut).
-MAX_MESSAGE_CHARS = 1000
 #: Most batches one DoExchange `sample` request may ask for.
 MAX_REQUEST_COUNT = 1024
 #: Most batches a session may prefetch on the server (also bounded in bytes by the server).
@@ -116,49 +121,7 @@ ACTIONS: dict[str, str] = {
 
 
 # ---------------------------------------------------------------------------------------------------- errors
-@dataclass(frozen=True)
-class ErrorMapping:
-    """One row of the error table: an exception class, the Flight error carrying it, and a status code name."""
-
-    cls: type[BaseException]
-    flight_error: type[flight.FlightError]
-    code: str
-
-
-#: The one error table, most specific class first. The server raises `flight_error` with extra_info naming `cls`;
-#: the client re-raises `cls`. `code` names the status for clients in other languages (pyarrow cannot send gRPC
-#: INVALID_ARGUMENT with a status detail, so invalid input travels as Flight "Failed" (gRPC UNKNOWN) + this code).
-ERRORS: tuple[ErrorMapping, ...] = (
-    ErrorMapping(Unauthenticated, flight.FlightUnauthenticatedError, "UNAUTHENTICATED"),
-    ErrorMapping(SchemaError, flight.FlightServerError, "INVALID_ARGUMENT"),
-    ErrorMapping(LeaseError, flight.FlightServerError, "FAILED_PRECONDITION"),
-    ErrorMapping(InvalidArgument, flight.FlightServerError, "INVALID_ARGUMENT"),
-    ErrorMapping(SampleTimeout, flight.FlightTimedOutError, "TIMED_OUT"),
-    ErrorMapping(InsertTimeout, flight.FlightTimedOutError, "TIMED_OUT"),
-    ErrorMapping(QueryTimeout, flight.FlightTimedOutError, "DEADLINE_EXCEEDED"),
-    ErrorMapping(ResourceExhausted, flight.FlightServerError, "RESOURCE_EXHAUSTED"),
-    ErrorMapping(StoreNotFound, flight.FlightServerError, "NOT_FOUND"),
-    ErrorMapping(ShardsLost, flight.FlightUnavailableError, "UNAVAILABLE"),
-    ErrorMapping(StoreClosed, flight.FlightUnavailableError, "UNAVAILABLE"),
-    ErrorMapping(Unavailable, flight.FlightUnavailableError, "UNAVAILABLE"),
-    ErrorMapping(OutOfSpace, flight.FlightServerError, "RESOURCE_EXHAUSTED"),
-    ErrorMapping(MissingDependency, flight.FlightServerError, "UNIMPLEMENTED"),
-    ErrorMapping(ArrowbufError, flight.FlightServerError, "FAILED"),  # raised on purpose, no finer class
-    # builtins the store raises for bad arguments (n < 1, unequal lengths, unknown sampler options)
-    ErrorMapping(ValueError, flight.FlightServerError, "INVALID_ARGUMENT"),
-    ErrorMapping(TypeError, flight.FlightServerError, "INVALID_ARGUMENT"),
-)
-_BY_NAME = {m.cls.__name__: m for m in ERRORS}
-
-
-def error_mapping(exc: BaseException) -> ErrorMapping | None:
-    """The row of `ERRORS` for an exception, or None when it is not one the protocol carries."""
-    for m in ERRORS:
-        if isinstance(exc, m.cls):
-            return m
-    return None
-
-
+# The table (ERRORS) and the decoding side are in arrowbuf.flight.protocol_errors; the encoding side is here.
 def error_info(exc: BaseException) -> bytes:
     """The JSON status detail of an error (`extra_info` and in-band exchange errors)."""
     m = error_mapping(exc)
@@ -168,44 +131,12 @@ def error_info(exc: BaseException) -> bytes:
     return _dumps({"v": PROTOCOL_VERSION, "error": m.cls.__name__, "code": m.code, "message": error_message(exc)})
 
 
-def error_message(exc: BaseException) -> str:
-    """The message of an error as sent to a client: at most `MAX_MESSAGE_CHARS` (messages may quote client values)."""
-    text = str(exc)
-    if len(text) <= MAX_MESSAGE_CHARS:
-        return text
-    return text[:MAX_MESSAGE_CHARS] + f"... ({len(text) - MAX_MESSAGE_CHARS} more characters)"
-
-
 def to_flight_error(exc: BaseException) -> flight.FlightError:
     """The Flight error a server raises for `exc` (unexpected exceptions become Internal, message withheld)."""
     m = error_mapping(exc)
     if m is None:
         return flight.FlightInternalError("internal server error; see the server log", extra_info=error_info(exc))
     return m.flight_error(error_message(exc), extra_info=error_info(exc))
-
-
-def decode_error(info: bytes | pa.Buffer | None) -> BaseException | None:
-    """The exception a status detail (or an in-band error message) names, or None if it names none."""
-    if info is None:
-        return None
-    raw = info.to_pybytes() if isinstance(info, pa.Buffer) else bytes(info)
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("error"), str):
-        return None
-    m = _BY_NAME.get(obj["error"])
-    cls = m.cls if m is not None else ArrowbufError
-    return cls(str(obj.get("message", "")))
-
-
-def from_flight_error(exc: flight.FlightError) -> BaseException | None:
-    """The arrowbuf exception a Flight error carries; None for transport errors (no arrowbuf status detail)."""
-    mapped = decode_error(getattr(exc, "extra_info", None))
-    if mapped is None and isinstance(exc, flight.FlightUnauthenticatedError):
-        mapped = Unauthenticated(f"the server rejected the call: {exc}")
-    return mapped
 
 
 # ---------------------------------------------------------------------------------------------------- parsing
@@ -655,111 +586,35 @@ def decode_action(action: flight.Action) -> ActionRequest:
 
 
 # ---------------------------------------------------------------------------------------------------- consume
-# DoGet kind "consume" and the actions set_policy_version, policy_version, add_task.
-#: Longest `where` predicate a consume request may carry (characters); the store checks it against the same limit.
-MAX_WHERE_CHARS = 4096
-#: Largest token budget a consume request may carry.
-MAX_TOKENS = 1 << 40
-#: Longest task name.
-MAX_TASK_CHARS = 256
-#: The actions `_decode_consume_action` reads.
-CONSUME_ACTIONS = ("set_policy_version", "policy_version", "add_task", "ack", "nack")
-#: Longest lease a consume ticket may ask for (seconds), as `arrowbuf.store.leases.MAX_LEASE_S`.
-MAX_LEASE_S = 86400.0
-#: What a lease id is on the wire (as `arrowbuf.store.leases.check_lease_id`): short, plain characters.
-LEASE_ID: re.Pattern[str] = re.compile(r"[A-Za-z0-9._:/+-]{1,128}")
-
-
-@dataclass(frozen=True)
-class ConsumeRequest:
-    """DoGet kind "consume": up to `n` rows `task` has not consumed (see `ExperienceStore.consume`)."""
-
-    task: str
-    n: int
-    store: str | None = None
-    require: list[str] | None = None
-    timeout: float | None = None
-    max_staleness: int | None = None
-    where: str | None = None
-    max_tokens: int | None = None
-    lease: float | None = None
-    kind: str = "consume"
-
-
-def _encode_consume(req: ConsumeRequest) -> dict[str, Any]:
-    obj: dict[str, Any] = {"v": LLM_VERSION, "kind": "consume", "task": req.task, "n": req.n}
-    if req.store is not None:
-        obj["store"] = req.store
-    for key in ("require", "timeout", "max_staleness", "where", "max_tokens", "lease"):
-        if getattr(req, key) is not None:
-            obj[key] = getattr(req, key)
-    return obj
-
-
+# DoGet kind "consume" and the actions set_policy_version, policy_version, add_task, ack, nack: their fields and
+# bounds are in arrowbuf.flight.protocol_consume; the version gate is here.
 def _needs_llm_version(f: _Fields, what: str) -> None:
     """Consume verbs are version 2 (as DoPut kind "update"): a version-1 request for them is refused."""
     if f.obj.get("v", PROTOCOL_VERSION) < LLM_VERSION:
         raise SchemaError(f"{what} needs protocol version {LLM_VERSION}; send \"v\": {LLM_VERSION}")
 
 
+def _encode_consume(req: ConsumeRequest) -> dict[str, Any]:
+    return {"v": LLM_VERSION, **encode_consume(req)}
+
+
 def _decode_consume(f: _Fields, store: str | None) -> ConsumeRequest:
-    """A consume ticket, every field typed and bounded before the store sees it."""
     _needs_llm_version(f, 'ticket kind "consume"')
-    task = f.get("task", "a string", required=True)
-    if not 0 < len(task) <= MAX_TASK_CHARS:
-        raise SchemaError(f"ticket: 'task' must have 1 to {MAX_TASK_CHARS} characters, got {len(task)}")
-    where = f.get("where", "a string")
-    if where is not None and len(where) > MAX_WHERE_CHARS:
-        raise SchemaError(f"ticket: 'where' has {len(where)} characters, over the limit of {MAX_WHERE_CHARS}")
-    max_tokens = f.get("max_tokens", "a positive integer")
-    if max_tokens is not None and max_tokens > MAX_TOKENS:
-        raise SchemaError(f"ticket: 'max_tokens' {max_tokens} is over the limit of {MAX_TOKENS}")
-    return ConsumeRequest(task=task, n=f.get("n", "a positive integer", required=True), store=store,
-                          require=f.get("require", "a list of column names"),
-                          timeout=f.get("timeout", "a number of seconds in [0, 1e6]"),
-                          max_staleness=f.get("max_staleness", "a non-negative integer"), where=where,
-                          max_tokens=max_tokens, lease=f.get("lease", "a number of seconds in (0, 86400]"))
+    return decode_consume(f, store)
 
 
 def _decode_consume_action(type_: str, f: _Fields, store: str | None) -> ActionRequest:
     _needs_llm_version(f, f"action {type_!r}")
-    if type_ == "set_policy_version":
-        req = ActionRequest(type_, store, policy_version=f.get("policy_version", "a non-negative integer",
-                                                               required=True))
-    elif type_ == "add_task":
-        task = f.get("task", "a string", required=True)
-        if not 0 < len(task) <= MAX_TASK_CHARS:
-            raise SchemaError(f"action add_task: 'task' must have 1 to {MAX_TASK_CHARS} characters")
-        req = ActionRequest(type_, store, task=task)
-    elif type_ in ("ack", "nack"):
-        req = ActionRequest(type_, store, lease=f.get("lease", "a lease id", required=True))
-    else:
-        req = ActionRequest(type_, store)
-    f.done()
-    return req
+    return ActionRequest(type_, store, **decode_consume_action(type_, f))
 
 
 # ---------------------------------------------------------------------------------------------------- metadata
-#: How a sampled batch names its items: the request key "meta" (DoGet sample tickets, DoExchange session commands).
-#: "json" (the default): the batch's app_metadata `{"v":1,"indices":[...],"weights":[...]}`. "columns": two more
-#: Arrow columns after the sampled ones, `ID_COLUMN` (int64) and, when the sampler has importance weights,
-#: `WEIGHT_COLUMN` (float32), and no app_metadata: nothing to build or parse per batch (JSON of 256 ids costs
-#: about 25 us each way, of 256 weights about 165 us to write). Servers that speak it list it in `describe`
-#: (`"sample_meta"`); a client asks for it only then.
-SAMPLE_META = ("json", "columns")
-ID_COLUMN = "arrowbuf.id"
-WEIGHT_COLUMN = "arrowbuf.weight"
-
-
+# The request keys "meta" and "pad" (SAMPLE_META, MAX_PAD: arrowbuf.flight.protocol_meta) and the JSON metadata.
 def _sample_meta(f: _Fields, where: str) -> str:
     meta = f.get("meta", "a string", default="json")
     if meta not in SAMPLE_META:
         raise SchemaError(f"{where}: meta must be one of {list(SAMPLE_META)}, got {meta!r:.80}")
     return str(meta)
-
-
-#: The most padding bytes a request may ask for (`pad`): 0-7 bytes realign any body; a little slack.
-MAX_PAD = 63
 
 
 def _pad(f: _Fields, meta: str, where: str) -> int:
@@ -769,50 +624,6 @@ def _pad(f: _Fields, meta: str, where: str) -> int:
     if pad and meta != "columns":
         raise SchemaError(f"{where}: pad is for meta \"columns\" only (its app_metadata carries nothing else)")
     return int(pad)
-
-
-def pad_metadata(pad: int) -> pa.Buffer | None:
-    """The app_metadata of a batch sent with meta "columns": `pad` spaces (None for 0), nothing else."""
-    return pa.py_buffer(b" " * pad) if pad else None
-
-
-def realigning_pad(pad: int, misaligned: int) -> int:
-    """The `pad` that moves a received body, now `misaligned` bytes past an 8-byte boundary with `pad`, onto one.
-
-    In a Flight message the body follows the IPC header and the app_metadata field (tag, 1-byte length and `pad`
-    bytes, absent when `pad` is 0): the receiver's buffer starts at the same alignment for the same layout, so
-    the body moves with the field's size. A received array off its dtype's alignment is copied by the client;
-    sent aligned, it is used in place (mujoco batch 4096: 12.6 MB not copied per call).
-    """
-    def shift(p: int) -> int:
-        return p + 2 if p else 0
-
-    want = (shift(pad) - misaligned) % 8
-    return next(p for p in range(0, 9) if shift(p) % 8 == want)
-
-
-def split_sample_columns(data: pa.RecordBatch) -> tuple[int, np.ndarray, np.ndarray | None]:
-    """A batch sent with meta "columns": (how many leading columns are sampled data, ids, weights or None).
-
-    Raises:
-        SchemaError: the trailing columns are not `ID_COLUMN` (int64, no nulls) and optionally `WEIGHT_COLUMN`
-            (float32, no nulls).
-    """
-    names = data.schema.names
-    k = len(names)
-    weights = None
-    if k >= 2 and names[-1] == WEIGHT_COLUMN and names[-2] == ID_COLUMN:
-        col = data.column(k - 1)
-        if col.type != pa.float32() or col.null_count:
-            raise SchemaError(f"sample: column {WEIGHT_COLUMN!r} must be float32 without nulls, got {col.type}")
-        weights = col.to_numpy()
-        k -= 1
-    if k < 1 or names[k - 1] != ID_COLUMN:
-        raise SchemaError(f"sample: expected the trailing column {ID_COLUMN!r} (meta \"columns\"), got {names[-2:]}")
-    ids = data.column(k - 1)
-    if ids.type != pa.int64() or ids.null_count:
-        raise SchemaError(f"sample: column {ID_COLUMN!r} must be int64 without nulls, got {ids.type}")
-    return k - 1, ids.to_numpy(), weights
 
 
 def encode_sample_meta(indices: np.ndarray, weights: np.ndarray | None, lease: str | None = None) -> bytes:

@@ -11,16 +11,15 @@ One server per process: the handlers are Python and hold the GIL while they pars
 (`arrowbuf serve` per shard, or `arrowbuf.ray.ShardedStore`), and let learners sample from all of them.
 
 The dispatch of every Flight verb lives here; the verbs' bounded decoding is in protocol.py, the limits in limits.py,
-session prefetch in prefetch.py, the socket cut-off in sockets.py.
+session prefetch in prefetch.py, the socket cut-off in sockets.py, the bounded upload and table streams in
+server_streams.py, what a server is built from (its stores, location, TLS, token check) in server_config.py.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import hmac
 import inspect
-import ipaddress
 import itertools
 import logging
 import os
@@ -30,7 +29,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 import pyarrow as pa
@@ -43,13 +41,11 @@ from ..errors import (
     SchemaError,
     StoreClosed,
     StoreNotFound,
-    Unauthenticated,
     Unavailable,
 )
 from ..observe import identity
 from ..observe.timings import Timings
 from ..query.sql import serving as sql_serving
-from ..surface import check_surface
 from . import protocol as P
 from .heap import release_after
 from .idle import OpenStreams
@@ -57,6 +53,8 @@ from .limits import CallGate, ServerLimits
 from .parts import parts_stream
 from .parts import receive as receive_parts
 from .prefetch import Prefetcher
+from .server_config import TokenMiddlewareFactory, is_loopback, named_stores, parse_location, read_tls
+from .server_streams import bounded_batches, put_update, table_batches
 from .sockets import cut_server_connections
 from .wire import WIRE_OPTIONS, one_batch_stream, wire_batch
 
@@ -111,7 +109,7 @@ class StoreServer:
     def __init__(self, store_or_stores: Any, location: str = "grpc://127.0.0.1:0", *, token: str | None = None,
                  tls: Any = None, limits: ServerLimits | None = None, checkpoint_root: Any = None,
                  metrics: str | None = None, **overrides: Any) -> None:
-        self.stores = _named_stores(store_or_stores)
+        self.stores = named_stores(store_or_stores)
         self.timings = Timings()
         self.metrics_url: str | None = None
         self._metrics: Any = None
@@ -127,12 +125,12 @@ class StoreServer:
         self.shutdown_timeout = float(self.limits.shutdown_timeout)
         if token is not None and (not isinstance(token, str) or not token):
             raise InvalidArgument("token must be a non-empty string (or None for no authentication)")
-        scheme, host, port = _parse_location(location, tls is not None)
-        certs = [flight.CertKeyPair(*_read_tls(tls))] if tls is not None else None
-        if token is None and not _is_loopback(host):
+        scheme, host, port = parse_location(location, tls is not None)
+        certs = [flight.CertKeyPair(*read_tls(tls))] if tls is not None else None
+        if token is None and not is_loopback(host):
             warnings.warn(f"serving on {host} without a token: anyone who can reach the port can read and write "
                           "the store; pass token= (and tls=)", stacklevel=3)
-        middleware = {"auth": _TokenMiddlewareFactory(token)} if token is not None else None
+        middleware = {"auth": TokenMiddlewareFactory(token)} if token is not None else None
         self._closing = threading.Event()
         self._closed = threading.Event()
         self._stopped = threading.Event()  # set when the Flight server's shutdown completed
@@ -492,7 +490,7 @@ class _FlightService(flight.FlightServerBase):
         except BaseException:
             gate.release("table")
             raise
-        batches = _batches(source, lambda: gate.release("table"), lambda: self.owner.closed)
+        batches = table_batches(source, lambda: gate.release("table"), lambda: self.owner.closed)
         first = next(batches, None)  # started now: a generator that never started would never run its `finally`
         return flight.GeneratorStream(schema, batches if first is None else itertools.chain([first], batches),
                                       WIRE_OPTIONS)
@@ -515,7 +513,7 @@ class _FlightService(flight.FlightServerBase):
         limits.check_timeout(req.timeout, "DoPut")
         store = self.owner.store(req.store)
         if req.kind == "update":  # fill later fields of stored rows
-            return _put_update(store, reader, writer, limits, self.owner.check_open, self.owner.streams.touch)
+            return put_update(store, reader, writer, limits, self.owner.check_open, self.owner.streams.touch)
         # the stream's schema message comes first: names, types and shapes are checked before any batch is read
         store.schema.check_input_types(reader.schema, "DoPut")
         kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
@@ -525,7 +523,7 @@ class _FlightService(flight.FlightServerBase):
             writer.write(pa.py_buffer(P.encode_ack(0, int(ids[0]) if len(ids) else 0, whole.num_rows)))
             release_after(whole.nbytes)
             return
-        for k, batch in _bounded_batches(reader, limits, self.owner.check_open, self.owner.streams.touch, "batch"):
+        for k, batch in bounded_batches(reader, limits, self.owner.check_open, self.owner.streams.touch, "batch"):
             # the whole batch is in memory here: a client that dies mid-message never reaches this line
             # --- contracts: extend returns the rows' ids (StoreSurface); the ack carries the committed range
             ids = np.asarray(store.extend(batch, **kwargs), dtype=np.int64).reshape(-1)
@@ -642,64 +640,6 @@ class _FlightService(flight.FlightServerBase):
         return [P.dumps(out)]
 
 
-# ---------------------------------------------------------------------------------------------------- update
-# DoPut kind "update": each batch is one atomic store.update.
-def _put_update(store: Any, reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter,
-                limits: Any, check_open: Callable[[], None], moved: Callable[[], None]) -> None:
-    """Apply an update stream (see `arrowbuf.flight.protocol`): the stream's schema is checked before any batch is
-    read, each batch is bounded like a DoPut batch, then written with `store.update` and acknowledged."""
-    from ..store.update import check_update_types
-
-    check_update_types(store.schema, reader.schema, P.UPDATE_ID_COLUMN, "DoPut update")
-    for k, batch in _bounded_batches(reader, limits, check_open, moved, "update batch"):
-        ids = batch.column(P.UPDATE_ID_COLUMN)
-        values = {n: batch.column(n) for n in batch.schema.names if n != P.UPDATE_ID_COLUMN}
-        written = int(store.update(ids, values))
-        writer.write(pa.py_buffer(P.encode_update_ack(k, written, batch.num_rows - written)))
-
-
-def _bounded_batches(reader: flight.MetadataRecordBatchReader, limits: Any, check_open: Callable[[], None],
-                     moved: Callable[[], None], what: str) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """The data batches of a DoPut stream, numbered from 0, each checked against the server's row and byte limits
-    (and the server still open) before the caller touches the store; metadata-only messages are skipped. `moved` is
-    called after each message (the stream is not idle)."""
-    k = 0
-    while True:
-        try:
-            chunk = reader.read_chunk()
-        except StopIteration:
-            return
-        moved()
-        batch = chunk.data
-        if batch is None:  # a metadata-only message carries nothing to store
-            continue
-        check_open()
-        limits.check_rows(batch.num_rows, f"{what} {k}")
-        if batch.nbytes > limits.max_batch_bytes:
-            raise SchemaError(f"{what} {k} of {batch.nbytes} bytes is over this server's max_batch_bytes "
-                              f"{limits.max_batch_bytes}; split it into smaller batches")
-        yield k, batch
-        k += 1
-
-
-# ---------------------------------------------------------------------------------------------------- auth
-class _TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
-    """Rejects every call whose `authorization` header is not `Bearer <token>` (before any handler runs)."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    def start_call(self, info: Any, headers: Mapping[str, list[Any]]) -> None:
-        for value in headers.get(P.AUTH_HEADER, []):
-            raw = value if isinstance(value, bytes) else str(value).encode()
-            if hmac.compare_digest(raw, self._expected):
-                return None
-        got = "a wrong token" if headers.get(P.AUTH_HEADER) else "no token"
-        exc = Unauthenticated(f"this server needs a bearer token (header 'authorization: Bearer <token>'); "
-                              f"the call came with {got}")
-        raise P.to_flight_error(exc)
-
-
 # ---------------------------------------------------------------------------------------------------- helpers
 #: The lease a consume without one is served under until its reply is built (see `_FlightService._consume`): seconds.
 _GUARD_LEASE_S = 300.0
@@ -729,18 +669,6 @@ def _row_bytes(schema: Any, columns: list[str]) -> int:
     for c in columns:
         total += schema.spec_of(c).row_bytes if c in schema.fields or c in schema.derived else 8
     return max(1, total)
-
-
-def _batches(batches: Iterable[pa.RecordBatch], done: Callable[[], None],
-             closing: Callable[[], bool]) -> Iterator[pa.RecordBatch]:
-    """The batches of a `table` stream, then `done()`; a server closing ends the stream with `StoreClosed`."""
-    try:
-        for batch in batches:
-            if closing():  # an error, not a short stream: the reader must not take it for the whole table
-                raise StoreClosed("the server is shutting down; the table stream was cut short")
-            yield batch
-    finally:
-        done()
 
 
 #: How long the interpreter's exit waits, after `close()`, for handlers to finish what they were doing when their
@@ -774,74 +702,6 @@ def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
 
 def _name_of(owner: StoreServer, store: Any) -> str:
     return next(n for n, s in owner.stores.items() if s is store)
-
-
-def _named_stores(value: Any) -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        stores = {str(k): v for k, v in value.items()}
-    elif isinstance(value, (list, tuple)):
-        stores = {}
-        for s in value:
-            name = getattr(s, "name", None) or s.schema.name
-            if name in stores:
-                raise InvalidArgument(f"two stores are named {name!r}; pass a dict name -> store")
-            stores[name] = s
-    else:
-        stores = {getattr(value, "name", None) or value.schema.name: value}
-    if not stores:
-        raise InvalidArgument("serve() needs at least one store")
-    for name, s in stores.items():  # --- contracts: a store is anything that implements ab.StoreSurface
-        check_surface(s, f"serve(): store {name!r}")
-    return stores
-
-
-def _parse_location(location: str, tls: bool) -> tuple[str, str, int]:
-    if isinstance(location, tuple):
-        host, port = location
-        location = f"grpc://{host}:{port}"
-    parts = urlsplit(str(location))
-    scheme = parts.scheme or "grpc"
-    if scheme not in ("grpc", "grpc+tcp", "grpc+tls"):
-        raise InvalidArgument(f"location {location!r}: expected grpc://host:port or grpc+tls://host:port")
-    if scheme == "grpc+tls" and not tls:
-        raise InvalidArgument(f"location {location!r} asks for TLS: pass tls=(certificate, private_key)")
-    if tls:
-        scheme = "grpc+tls"
-    elif scheme == "grpc+tcp":
-        scheme = "grpc"
-    host = parts.hostname or "127.0.0.1"
-    try:
-        port = parts.port or 0
-    except ValueError:
-        raise InvalidArgument(f"location {location!r}: bad port") from None
-    return scheme, host, port
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _read_tls(tls: Any) -> tuple[bytes, bytes]:
-    if isinstance(tls, Mapping):
-        tls = (tls["cert"], tls["key"])
-    if not isinstance(tls, (tuple, list)) or len(tls) != 2:
-        raise InvalidArgument("tls must be (certificate, private_key): PEM bytes/str or file paths")
-    return _pem(tls[0]), _pem(tls[1])
-
-
-def _pem(value: Any) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    text = str(value)
-    if "-----BEGIN" in text:
-        return text.encode()
-    with open(text, "rb") as fh:
-        return fh.read()
 
 
 __all__ = ["StoreServer", "serve"]

@@ -18,18 +18,16 @@ for a store with `tiers=`).
 from __future__ import annotations
 
 import os
-import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, cast
 
 import numpy as np
-import pyarrow as pa
 
 from ..delivery.batch import SampleBatch
 from ..errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed, StoreCorrupt
 from ..observe.timings import Timings, timed
-from ..placement import PlacementTarget, make_placement, placement_table
+from ..placement import PlacementTarget, make_placement
 from ..rate_limiters import RateLimiter
 from ..ring.chunks import ChunkDirectory, default_chunk_rows
 from ..ring.columns import ColumnArenas
@@ -45,14 +43,16 @@ from .consume import ConsumeTracker, check_store_options
 from .consume_state import shared_options
 from .core import StoreCore
 from .episodes import EpisodeTracker
-from .reader import RowSnapshot, StoreReader
+from .inspection import StoreInspection
+from .persistence import StorePersistence
+from .reader import StoreReader
 from .update import StoreUpdater
 from .writer import StoreWriter
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
 
 
-class ExperienceStore:
+class ExperienceStore(StoreInspection, StorePersistence):
     """An in-process experience store: a FIFO ring of `capacity` rows with pluggable sampling and rate limiting.
 
     Args:
@@ -571,210 +571,8 @@ class ExperienceStore:
         else:
             self._consume.policy_version = value
 
-    # ------------------------------------------------------------------ inspection
-    def to_table(self, columns: Iterable[str] | None = None) -> pa.Table:
-        """The live rows, oldest first, as a `pa.Table` of the stored columns: a consistent snapshot.
-
-        Each row is exactly as committed (no row half-replaced, no part of a batch), the rows are one contiguous
-        seq range ending at the newest row committed at the call, and the table is a copy: writers go on without
-        changing it. If writers replace rows faster than they are copied, the table starts at the oldest row still
-        intact (see `arrowbuf.store.reader`).
-        """
-        return self._reader.snapshot(columns).table
-
-    def iter_table(self, columns: Iterable[str] | None = None, *, max_rows: int | None = None
-                   ) -> Iterator[pa.RecordBatch]:
-        """The live rows as a stream of consistent, copied record batches, about one chunk in memory at a time.
-
-        The rows are those committed at the call (nothing newer), oldest first, each exactly as committed (no torn
-        or half-replaced row, even while writers run). Rows that writers evict before the stream reaches them are
-        skipped (a gap in `seq`), never yielded torn. See `StoreReader.iter_snapshot`.
-
-        Args:
-            columns: stored columns (default: all of them).
-            max_rows: at most this many rows per batch (default: one chunk's rows).
-
-        Raises:
-            SchemaError: an unknown column (at the call). InvalidArgument: a bad `max_rows`.
-        """
-        return self._reader.iter_snapshot(columns, max_rows)
-
-    def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
-        """`to_table` with the seq range it covers: a `RowSnapshot` (lo, hi, live_lo, table). See
-        `arrowbuf.store.reader`."""
-        return self._reader.snapshot(columns)
-
-    def to_pandas(self, columns: Iterable[str] | None = None) -> Any:
-        """The live rows as a pandas DataFrame (tensor columns as arrays per row). Needs `arrowbuf[query]`."""
-        from ..query.frames import table_to_pandas
-
-        return table_to_pandas(self.to_table(columns))
-
-    def to_polars(self, columns: Iterable[str] | None = None) -> Any:
-        """The live rows as a Polars DataFrame (tensors as Array columns). Needs `arrowbuf[query]`."""
-        from ..query.frames import table_to_polars
-
-        return table_to_polars(self.to_table(columns))
-
-    def sql(self, query: str) -> pa.Table:
-        """Run DuckDB SQL over the live rows; the store is the table `experience`, its lineage the table `lineage`
-        (docs/observability.md). Needs `arrowbuf[query]`."""
-        from ..query.frames import run_sql
-
-        return run_sql(self, query)
-
-    # ------------------------------------------------------------------ observability (arrowbuf.observe)
-    def lineage_table(self) -> pa.Table:
-        """The lineage of the live rows (the SQL table `lineage`): seq, writer, written_at, policy_version, task,
-        consumed_at, consumer, staleness, outcome; one row per (live row, declared task). See
-        `arrowbuf.observe.lineage`.
-
-        Raises:
-            InvalidArgument: the store records no lineage (`observe=False`, or a shared-memory store).
-        """
-        from ..observe.lineage import live_table
-
-        self._check_open()
-        return live_table(self._core, self._consume.tasks)
-
-    def observability(self) -> dict[str, Any]:
-        """What `/metrics` and the inspector read besides `stats()`: `timings` (latency histograms per operation),
-        `lineage` (per task: delivered, dropped as stale, staleness counts), `lineage_bytes`, `progress` (per task
-        ready / waiting / consumed / in flight: `arrowbuf.observe.progress`) and `checkpoints`."""
-        from ..observe.progress import observed
-
-        self._check_open()
-        return observed(self._core, self.timings, self._checkpoints)
-
-    def serve_metrics(self, address: str = "127.0.0.1:0") -> Any:
-        """Serve this store's Prometheus metrics at `http://address/metrics` (a thread; needs `arrowbuf[metrics]`).
-        Returns a `MetricsEndpoint` (`.url`, `.close()`, a context manager). See docs/observability.md."""
-        from ..observe.metrics import MetricsEndpoint
-
-        return MetricsEndpoint.start(address, stores={self.name: self})
-
-    def episodes(self) -> pa.Table:
-        """One row per episode with live rows: episode_id, length, return, first_seq, last_seq, complete."""
-        from ..query.frames import episode_table
-
-        return episode_table(self)
-
-    def stats(self) -> dict[str, Any]:
-        """Size, counters and memory of the store."""
-        with self._lock:
-            idx = self.index
-            out = {
-                "name": self.name,
-                "schema": self.schema.name,
-                "size": len(idx),
-                "capacity": self.capacity,
-                "first_seq": idx.lo,
-                "next_seq": idx.hi,
-                "inserts": idx.counter("inserts"),
-                "samples": idx.counter("samples"),
-                "chunk_rows": self.chunk_rows,
-                "chunks": self.directory.num_slots,
-                "sealed_chunks": self.directory.sealed_chunks(idx.lo, idx.hi),
-                "open_episodes": self._episodes.open_episodes(),
-                "final_obs_capacity": self.final_capacity,
-                "bytes": {t.name: t.nbytes() for t in {id(t): t for t in [self._tier, *self._data_tiers]}.values()},
-                "final_obs_dropped": idx.counter("final_obs_dropped"),
-                "torn_retries": idx.counter("torn_retries"),
-                "priority_updates_ignored": idx.counter("priority_updates_ignored"),
-                "removed": idx.counter("removed"),
-                # steps `append` stored through the general path (this process; `arrowbuf.store.stepcheck`), by reason
-                "append_slow_path": sum(self._writer.slow_counts.values()),
-                "append_slow_reasons": dict(self._writer.slow_counts),
-                "update_skipped": idx.counter("update_skipped"),
-                # pages of the ring prepared ahead of the write head (tiers/prefault.py); None: not prepared
-                "prefault": None if self._cols.pages is None else self._cols.pages.describe(),
-                **self.sampler.describe(),
-                **self._consume.stats(),
-                "output_pool": self._reader.outputs.stats(),  # reused gather outputs (arrowbuf.ring.outpool)
-            }
-            counters = self._cols.placement_counters()
-            if counters is not None:
-                out["placement"] = counters
-        if self._durable is not None:
-            out["journal"] = self._durable.stats()
-        return out
-
-    def placement(self, explain: bool = False) -> pa.Table:
-        """Where the columns live: one row per (column, tier) with the chunk slots and bytes there.
-
-        With `explain=True`, also why (from the placement policy's last step): the column's share of sampled rows
-        (`access_share`, `rows_per_s`), the share of the sampling mass in those chunks (`mass`), their value per
-        byte, the tier's read bandwidth (`read_gbps`) and a sentence (`why`). See `arrowbuf.placement`.
-        """
-        self._check_open()
-        assert self._core is not None
-        with self._lock:
-            return placement_table(self._core, self.placement_policy, explain)
-
-    def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
-        """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
-        tensor type: sample tensor columns with `sample(...).to_torch("cuda")` (or a GPU tier). Needs
-        `pip install 'arrowbuf[gpu]'` and a GPU."""
-        from ..tiers.gpu import to_cudf
-
-        scalar = [n for n, f in self.schema.fields.items() if not f.shape and not f.ragged]
-        names = list(columns) if columns is not None else [*scalar, "episode_id", "step", "seq"]
-        tensors = [n for n in names if n in self.schema.fields and (self.schema.fields[n].shape
-                                                                     or self.schema.fields[n].ragged)]
-        if tensors:
-            raise SchemaError(f"to_cudf() takes scalar and metadata columns; {tensors} are tensor or list columns "
-                              "(cuDF has no fixed-shape tensor type): read them with sample(...).to_torch('cuda')")
-        return to_cudf(self.to_table(names))
-
-    def chunks(self) -> pa.Table:
-        """The chunk directory of the live rows: slot, first_seq, rows, sealed, tier per column."""
-        with self._lock:
-            return self.directory.table(self.index.lo, self.index.hi)
-
     # ------------------------------------------------------------------ persistence (`arrowbuf.persist`)
-    def checkpoint(self, path: Any = None, keep: int | None = None, background: bool = False,
-                   compression: str | None = None) -> Any:
-        """Write a consistent, incremental, atomic checkpoint into directory `path`; writers and samplers go on.
-
-        The snapshot point is the call: the checkpoint holds the rows committed then (one contiguous seq range
-        ending there, each row exactly as committed) and the sampler, rate-limiter, episode and RNG state of that
-        instant. Sealed chunks already in `path` are reused; only new chunks, the open tail and the state files are
-        written; `_manifest.json` is replaced atomically, so a crash leaves the previous checkpoint restorable. If
-        the ring overwrites rows faster than they are copied, the oldest chunks that were overwritten meanwhile
-        (and everything older) are left out: the checkpoint then starts at the oldest chunk still intact
-        (`dropped_rows` says how many went). Never a torn row. Layout: docs/format.md.
-
-        Args:
-            path: the checkpoint directory (an Arrow IPC dataset; made if missing). A durable store's own
-                directory (or None) also truncates the journal the checkpoint covers (default keep: 2).
-            keep: keep the newest `keep` checkpoints (their files); None keeps all.
-            background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread,
-                at a lower CPU priority than the process's other threads (`persist.checkpoint.BACKGROUND_NICE`).
-            compression: None (uncompressed, memory-mappable: the default), or "zstd"/"lz4" for archives.
-
-        Returns:
-            A summary dict (generation, rows, files written and reused, bytes), or a handle with `background=True`.
-        """
-        from ..persist import checkpoint
-
-        self._check_open()
-        assert self._core is not None
-        if self._durable is not None and (path is None or os.path.realpath(path) ==
-                                          os.path.realpath(self._durable.root)):
-            out = self._durable.checkpoint(keep, background, compression)
-        elif path is None:
-            raise InvalidArgument("checkpoint(path): a store without durable= needs a directory")
-        else:
-            out = checkpoint(self._core, path, keep=keep, background=background, compression=compression)
-        ck = self._checkpoints  # for /metrics (arrowbuf.observe.metrics)
-        ck["count"] += 1
-        if background:
-            ck["handle"] = out
-        else:
-            ck["last"] = {**{k: out.get(k) for k in ("generation", "rows", "bytes_written", "seconds")},
-                          "at": time.time()}
-        return out
-
+    # checkpoint and export: `arrowbuf.store.persistence.StorePersistence`
     @classmethod
     def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
                 seed: int | None = None, name: str | None = None, schema: Any = None,
@@ -813,25 +611,6 @@ class ExperienceStore:
             store.close()
             raise
         return store
-
-    def export(self, path: Any, format: str = "parquet", partition_by: Any = None,
-               compression: str | None = None) -> dict[str, Any]:
-        """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
-        `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
-        `ExperienceStore.from_dataset` read it back. Writers wait while rows are copied (sampling goes on).
-        The lineage of the live rows (taken right after the rows) goes to `_lineage.parquet` (`.arrow`) beside
-        them, which dataset readers skip. Returns rows and path. See `arrowbuf.persist.datasets`."""
-        from ..persist import export
-
-        self._check_open()
-        assert self._core is not None
-        out = export(self._core, self.to_table, path, format=format, partition_by=partition_by,
-                     compression=compression)
-        if self._core.lineage is not None:  # beside the rows, ignored by dataset readers (`_` prefix)
-            from ..observe.lineage import write_table
-
-            out["lineage"] = write_table(self.lineage_table(), path, format)
-        return out
 
     @classmethod
     def from_dataset(cls, path: Any, capacity: int | None = None, *, schema: Any = None,
