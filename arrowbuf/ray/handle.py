@@ -580,11 +580,12 @@ class ShardedStore:
     # Thin delegation to `arrowbuf.ray.consume.ShardedConsumer`.
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
+                max_tokens: int | None = None, lease: float | None = None,
+                admission: str | None = None) -> SampleBatch:
         """`ExperienceStore.consume` over the shards (see `arrowbuf.ray.consume.ShardedConsumer.consume`); with
         `lease=`, the batch's lease names each shard's part."""
         batch = self._consumer.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
-                                       where=where, max_tokens=max_tokens, lease=lease)
+                                       where=where, max_tokens=max_tokens, lease=lease, admission=admission)
         if batch.lease is not None:
             batch.owner = self
         return batch
