@@ -358,8 +358,9 @@ def table(res: dict[str, Any], ceil: dict[str, float] | None) -> str:
     for role, r in res["roles"].items():
         peaks = np.asarray(r["peak_rss"], dtype=np.float64) / (1 << 20)
         p50, p99 = r.get("consume_p50_ms"), r.get("consume_p99_ms")
+        rate = f"{r['rows_s']:.0f}" if "rows_s" in r else "-"
         lines.append(f"{role:10} {r['processes']:>5} {r.get('rows', '-'):>7} "
-                     f"{r['rows_s'] if 'rows_s' in r else 0:>8.0f} {_mb(r.get('bytes_s')):>7} "
+                     f"{rate:>8} {_mb(r.get('bytes_s')):>7} "
                      f"{'-' if p50 is None else f'{p50:.1f}':>7} {'-' if p99 is None else f'{p99:.1f}':>7} "
                      f"{f'{peaks.max():.0f} / {peaks.mean():.0f}' if len(peaks) else '-':>22}")
     if ceil is not None:

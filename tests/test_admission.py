@@ -185,3 +185,35 @@ def test_a_hostile_admission_on_the_wire_is_refused_before_the_store(served):
     req = P.decode_ticket(json.dumps({"v": P.LLM_VERSION, "kind": "consume", "task": "t", "n": 1,
                                       "admission": "oldest"}).encode())
     assert req.admission == "oldest"
+
+
+@pytest.mark.slow
+def test_oldest_first_on_a_sharded_store_per_shard_with_summed_counts(ray_cluster):
+    from arrowbuf.ray import ShardedStore
+    from arrowbuf.ray.ids import shard_of
+
+    sharded = ShardedStore.create(LLM, 2, 256, sampler=ab.samplers.Group(key="prompt_id", size=4), tasks=["t"],
+                                  strategy=None, failure_timeout=30.0)
+    try:
+        versions = np.array([3, 0, 2, 1, 4, 2, 1, 3, 0, 2, 3, 1])  # one group of 4 per prompt
+        for p, v in enumerate(versions):
+            sharded.extend(rows(4, start=4 * p, pv=int(v)))
+        sharded.policy_version = 3
+        got = []
+        while len(b := sharded.consume("t", 8, max_staleness=2, admission="oldest")):
+            got.append(b)
+        pids = np.concatenate([b.to_numpy()["prompt_id"] for b in got])
+        eligible = np.flatnonzero((versions >= 1) & (versions <= 3))
+        np.testing.assert_array_equal(np.sort(np.unique(pids)), eligible)  # each eligible group, whole, once
+        assert len(pids) == 4 * len(eligible)
+        ids = np.concatenate([b.indices for b in got])
+        v = np.concatenate([b.to_numpy()["policy_version"] for b in got])
+        for k in (0, 1):  # each shard delivers its rows oldest first (the order is per shard, not across shards)
+            mine = shard_of(ids) == k
+            assert mine.any() and (np.diff(v[mine]) >= 0).all(), v[mine]
+        assert sharded.stats()["admission"]["t"] == {"admitted": 4 * len(eligible),
+                                                     "waiting": 4 * int(((versions < 1) | (versions > 3)).sum()),
+                                                     "waiting_ahead": 4 * int((versions > 3).sum()),
+                                                     "waiting_stale": 4 * int((versions < 1).sum()), "dropped": 0}
+    finally:
+        sharded.shutdown()
