@@ -59,7 +59,6 @@ from collections.abc import Callable, MutableMapping
 from typing import Any, cast
 
 import numpy as np
-import pyarrow.compute as pc
 
 from ..delivery.batch import SampleBatch
 from ..errors import InsertTimeout, InvalidArgument, SchemaError
@@ -72,6 +71,7 @@ from .admission import admit, check_admission, encode_window, waiting
 from .consume_state import ConsumeState
 from .core import StoreCore
 from .leases import LeaseTable, check_lease_seconds
+from .tokens import check_token_field, token_counts, token_field_of
 
 #: Seconds between checks that a server's caller is still there, while a consume waits for rows.
 _CANCEL_POLL_S = 0.2
@@ -126,12 +126,7 @@ class ConsumeTracker:
         self.max_staleness = _check_staleness(max_staleness, "max_staleness")
         if self.max_staleness is not None:
             self._check_version_field()
-        if token_field is not None:
-            spec = schema.fields.get(token_field)
-            if spec is None or not spec.ragged:
-                raise SchemaError(f"token_field={token_field!r} must name a ragged field of schema {schema.name!r}; "
-                                  f"its ragged fields are {self._ragged_fields()}")
-        self.token_field = token_field
+        self.token_field = check_token_field(schema, token_field)
         self.filters = RowFilters(core, self)
         self.group: GroupSampler | None = cast(GroupSampler, core.sampler) if core.sampler.whole_groups else None
         if self.group is not None:
@@ -448,7 +443,7 @@ class ConsumeTracker:
         if max_tokens is not None:
             if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens < 1:
                 raise InvalidArgument(f"consume: max_tokens must be a positive integer, got {max_tokens!r}")
-            token_field = self._token_field()
+            token_field = token_field_of(schema, self.token_field)
         return {"task": task, "n": int(n), "require": fields, "timeout": float(timeout), "k": k, "where": where,
                 "max_tokens": None if max_tokens is None else int(max_tokens), "token_field": token_field}
 
@@ -491,7 +486,7 @@ class ConsumeTracker:
             versions = self.values("policy_version", units.reshape(-1) % self.core.arena_rows)
             units = admit(units, versions, self._policy_version, plan["k"])
         if plan["max_tokens"] is not None and len(units):
-            tokens = self._tokens(plan["token_field"], units.reshape(-1)).reshape(units.shape).sum(axis=1)
+            tokens = token_counts(self.core, plan["token_field"], units.reshape(-1)).reshape(units.shape).sum(axis=1)
             fits = max(1, int(np.searchsorted(np.cumsum(tokens), plan["max_tokens"], side="right")))
             if fits < min(want, len(units)):
                 return units[:fits].reshape(-1), True, pending
@@ -563,37 +558,6 @@ class ConsumeTracker:
 
     def _stale(self, seqs: np.ndarray, k: int) -> np.ndarray:
         return self.values("policy_version", seqs % self.core.arena_rows) < self._policy_version - k
-
-    def _tokens(self, field: str, seqs: np.ndarray) -> np.ndarray:
-        """Token count (list length) of ragged `field` for each row, read from the list offsets only."""
-        chunk_rows = self.core.directory.chunk_rows
-        pos = seqs % self.core.arena_rows
-        arena = getattr(self.core.cols, "tier_ragged", {}).get(field)
-        if arena is not None:  # values in one arena (ring.ragged_arena): lengths without copying any value
-            return np.maximum(np.asarray(arena.length[pos], dtype=np.int64), 0)
-        slots, offs = pos // chunk_rows, pos % chunk_rows
-        out = np.zeros(len(seqs), dtype=np.int64)
-        per_slot = self.core.cols.ragged[field]
-        for s in np.unique(slots):
-            lens = pc.fill_null(pc.list_value_length(per_slot[int(s)]), 0).to_numpy(zero_copy_only=False)
-            m = slots == s
-            out[m] = lens[offs[m]]
-        return out
-
-    def _token_field(self) -> str:
-        if self.token_field is not None:
-            return self.token_field
-        ragged = self._ragged_fields()
-        if "response_tokens" in ragged:
-            return "response_tokens"
-        if len(ragged) == 1:
-            return ragged[0]
-        raise InvalidArgument(f"consume(max_tokens=...) counts the tokens of a ragged field; schema "
-                              f"{self.core.schema.name!r} has {ragged or 'none'}: pass "
-                              "ExperienceStore(..., token_field=<name>)")
-
-    def _ragged_fields(self) -> list[str]:
-        return [n for n, f in self.core.schema.fields.items() if f.ragged]
 
     def _check_version_field(self) -> None:
         spec = self.core.schema.fields.get("policy_version")
