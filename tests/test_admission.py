@@ -217,3 +217,20 @@ def test_oldest_first_on_a_sharded_store_per_shard_with_summed_counts(ray_cluste
                                                      "waiting_stale": 4 * int((versions < 1).sum()), "dropped": 0}
     finally:
         sharded.shutdown()
+
+
+def test_the_counts_and_the_window_survive_a_checkpoint(tmp_path):
+    s = store(tasks=["t"])
+    s.extend(rows(6, pv=[0, 0, 2, 2, 4, 4]))
+    s.policy_version = 3
+    assert len(s.consume("t", 100, max_staleness=1, admission="oldest")) == 2
+    s.checkpoint(str(tmp_path / "ckpt"))
+    s.close()
+    again = ab.ExperienceStore.restore(str(tmp_path / "ckpt"))
+    try:
+        assert again.stats()["admission"]["t"] == {"admitted": 2, "waiting": 4, "waiting_ahead": 2,
+                                                   "waiting_stale": 2, "dropped": 0}
+        again.policy_version = 4
+        np.testing.assert_array_equal(again.consume("t", 100, max_staleness=1, admission="oldest").indices, [4, 5])
+    finally:
+        again.close()

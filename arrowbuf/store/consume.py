@@ -695,7 +695,8 @@ class ConsumeTracker:
             arrays[task] = done
         meta = {"tasks": self.tasks, "policy_version": self._policy_version, "max_staleness": self.max_staleness,
                 "token_field": self.token_field, "counters": dict(self.counters), "delivered": delivered,
-                "stale_dropped_by_task": dict(self._stale_by_task)}
+                "stale_dropped_by_task": dict(self._stale_by_task),
+                "admission": {t: [self._admitted[t], self._window[t]] for t in self.tasks}}
         return meta, arrays
 
     def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -718,6 +719,7 @@ class ConsumeTracker:
             self._cursor[task] = 0
             self._delivered[task] = int(meta.get("delivered", {}).get(task, 0))
             self._stale_by_task[task] = int(meta.get("stale_dropped_by_task", {}).get(task, 0))
+            self._admitted[task], self._window[task] = (int(v) for v in meta.get("admission", {}).get(task, (0, 0)))
         self._policy_version = int(meta.get("policy_version", 0))
         for k, v in meta.get("counters", {}).items():
             if k in self.counters:
