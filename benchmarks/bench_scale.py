@@ -7,13 +7,17 @@ What runs (every role a Ray actor, its own process, spread round-robin over the 
 - `reward` updaters: consume task "reward" (whole groups) and fill `reward` with `update`;
 - `ref` updaters: consume task "ref" and fill `ref_logprobs` (a ragged field as long as the response);
 - `trainers`: consume task "train" with `require=["reward", "ref_logprobs"]` and check each batch (whole groups,
-  fields written, ragged lengths equal).
+  fields written, ragged lengths equal), oldest-first under a version window (`admission="oldest"`,
+  `max_staleness=--window`); trainer 0 advances the policy version every `--version-every` seconds, writers tag their
+  rows with the version they last read (every 5th group two versions older: a slow rollout), and the rows the window
+  holds back wait (counted, `stats()["admission"]`) until the drain takes them (`--arrival`: id order, no versions).
 The store: `ShardedStore.create(grpo, num_shards=3, tasks=["reward", "ref", "train"], sampler=Group(size=8))`, one
 shard per node (a group lives on one shard). Writers write for `--seconds`; then the consumers drain and stop.
 
 Checks (the run fails, exit status 1, when one does not hold):
 - exactly once per task: for each task, the ids consumed by all its processes have no duplicate and are exactly the
   ids written (nothing lost, nothing twice), and every batch held whole groups with their fields written;
+- oldest-first admission: at the end every row was admitted for "train", none waits, none was dropped;
 - bounded memory: every process's peak RSS (VmHWM) is under `--max-rss-mb`, and no shard's RSS grows by more than
   `--max-growth-mb` between 40% of the write phase and its end (the ring is full by then: steady state).
 
@@ -23,6 +27,7 @@ role. RSS is read from /proc (a local cluster: every node is this machine). The 
 writing the same batches into an in-process store (`ExperienceStore.extend`), rows/s and bytes/s.
 
     python -m benchmarks.bench_scale [--quick] [--seconds S] [--writers W --updaters U --trainers T]
+                                     [--window K --version-every S | --arrival]
 
 Prints a table and writes benchmarks/out/scale.json. `run()` is what tests/test_scale.py calls on the session's
 cluster.
@@ -91,7 +96,7 @@ def actors() -> dict[str, Any]:
 
         def __init__(self, sharded: Any, index: int) -> None:
             self.sharded, self.index = sharded, index
-            self.stopping = False
+            self.stopping = self.draining = False
             self.lat: list[float] = []
             self.errors: list[str] = []
 
@@ -100,6 +105,9 @@ def actors() -> dict[str, Any]:
 
         def stop(self) -> None:
             self.stopping = True
+
+        def drain(self) -> None:
+            self.draining = True
 
         def _report(self, **kw: Any) -> dict[str, Any]:
             _, peak = _rss(os.getpid())
@@ -116,7 +124,8 @@ def actors() -> dict[str, Any]:
             time.sleep(max(0.0, start_at - time.time()))
             t0 = time.monotonic()
             nxt, k = t0, 0
-            rows = group_rows(rng, self.index * 10_000_000, 0)
+            version, seen = self.sharded.policy_version, time.monotonic()
+            rows = group_rows(rng, self.index * 10_000_000, version)
             while time.monotonic() - t0 < seconds and not self.stopping:
                 try:  # routed by prompt_id: a group lives on one shard
                     got = self.sharded.extend(rows, timeout=1.0)
@@ -127,7 +136,10 @@ def actors() -> dict[str, Any]:
                 ids.append(np.asarray(got, np.int64))
                 nbytes += batch_bytes(rows)
                 k += 1
-                rows = group_rows(rng, self.index * 10_000_000 + k, 0)
+                if time.monotonic() - seen > 1.0:  # the policy this rollout worker runs: refreshed every second
+                    version, seen = self.sharded.policy_version, time.monotonic()
+                straggler = k % 5 == 4  # every 5th group: a slow rollout, started two policy versions back
+                rows = group_rows(rng, self.index * 10_000_000 + k, max(0, version - 2) if straggler else version)
                 nxt += period
                 time.sleep(max(0.0, nxt - time.monotonic()))
             elapsed = time.monotonic() - t0
@@ -138,14 +150,18 @@ def actors() -> dict[str, Any]:
         task = ""
         require: list[str] | None = None
 
-        def run(self, n: int) -> dict[str, Any]:
+        def run(self, n: int, window: int | None = None, version_every: float | None = None) -> dict[str, Any]:
             ids: list[np.ndarray] = []
             rows = nbytes = bad = 0
-            t0 = time.monotonic()
+            t0 = bumped = time.monotonic()
+            self.window, version = window, 0
             while not self.stopping:
+                if version_every and not self.draining and time.monotonic() - bumped > version_every:
+                    version, bumped = version + 1, time.monotonic()  # a new policy: older rows grow stale
+                    self.sharded.policy_version = version
                 t = time.perf_counter()
                 try:
-                    b = self.sharded.consume(self.task, n, require=self.require, timeout=0)
+                    b = self.sharded.consume(self.task, n, require=self.require, timeout=0, **self.options())
                 except Exception as exc:  # noqa: BLE001 - counted and reported: the run's checks fail on it
                     self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
                     time.sleep(0.05)
@@ -169,6 +185,9 @@ def actors() -> dict[str, Any]:
 
         def fill(self, b: Any) -> None:
             return None
+
+        def options(self) -> dict[str, Any]:
+            return {}
 
     @ray.remote(num_cpus=0, max_concurrency=2)
     class RewardUpdater(Consumer):
@@ -194,6 +213,12 @@ def actors() -> dict[str, Any]:
     class Trainer(Consumer):
         task = "train"
         require = ["reward", "ref_logprobs"]
+
+        def options(self) -> dict[str, Any]:
+            """Oldest-first under the window while the run goes on; the drain takes what waited behind it."""
+            if self.window is None:
+                return {}
+            return {"admission": "oldest", "max_staleness": None if self.draining else self.window}
 
         def check(self, b: Any) -> int:
             import pyarrow.compute as pc
@@ -233,8 +258,14 @@ def ceiling(seconds: float, rng_seed: int = 0) -> dict[str, float]:
 
 def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: int = 8, period: float = 0.25,
         capacity_per_shard: int = 1024, batch: int = 32, drain_s: float = 60.0, max_rss_mb: float = 2048.0,
-        max_growth_mb: float = 256.0) -> dict[str, Any]:
+        max_growth_mb: float = 256.0, window: int | None = 1, version_every: float | None = 4.0) -> dict[str, Any]:
     """The scale run on the Ray cluster this process is connected to (`ray.init` done; at least one node).
+
+    Trainers consume oldest-first (`admission="oldest"`) under the version window `window` (None: in id order, no
+    window) while trainer 0 advances the policy version every `version_every` seconds and writers tag their rows with
+    the version they last read (each second), every 5th group two versions older (a slow rollout); once the writers
+    are done the trainers drain without a lower bound, so rows that waited behind the window are delivered, none
+    dropped.
 
     `updaters` processes per updating task ("reward", "ref"): writers + 2 * updaters + trainers processes in all.
     Every actor and the store are ended before it returns, also when it fails. Returns the figures and `checks`
@@ -264,15 +295,24 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
         ray.get([a.pid.remote() for _, a in made], timeout=600)  # every process is up before the clock starts
         shard_pids = [int(info["pid"]) for info in sharded.infos if info is not None]
         start_at = time.time() + 1.0
-        consumers = [(role, a.run.remote(batch)) for role, a in made if role != "writers"]
+        bumper = next((a for role, a in made if role == "train"), None)  # trainer 0 advances the policy version
+        consumers = [(role, a.run.remote(batch, window, version_every if a is bumper else None)
+                      if role == "train" else a.run.remote(batch)) for role, a in made if role != "writers"]
         wrefs = [a.run.remote(start_at, seconds, period) for role, a in made if role == "writers"]
         series: list[tuple[float, list[int]]] = []  # (seconds since start, shard RSS)
         t0 = time.monotonic() + max(0.0, start_at - time.time())
         pending = list(wrefs)
+        waited = {"waiting": 0, "waiting_stale": 0, "waiting_ahead": 0}  # the most the trainers' window held back
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             series.append((time.monotonic() - t0, [_rss(p)[0] for p in shard_pids]))
+            if window is not None and len(series) % 2 == 0:
+                now = sharded.stats().get("admission", {}).get("train", {})
+                waited = {k: max(v, int(now.get(k, 0))) for k, v in waited.items()}
         wres = ray.get(wrefs)
+        for role, a in made:
+            if role == "train":
+                a.drain.remote()  # what waited behind the window comes now
         written = np.concatenate([r["ids"] for r in wres])
         end = time.monotonic() + drain_s  # the consumers drain what is left, then stop
         while time.monotonic() < end:
@@ -290,7 +330,15 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
             with contextlib.suppress(Exception):
                 ray.kill(a, no_restart=True)
         sharded.shutdown()
-    return _report(seconds, wres, cres, written, series, shard_peaks, stats, len(nodes), max_rss_mb, max_growth_mb)
+    res = _report(seconds, wres, cres, written, series, shard_peaks, stats, len(nodes), max_rss_mb, max_growth_mb)
+    adm = stats.get("admission", {}).get("train")
+    if window is not None:
+        res["admission"] = {"window": window, "version_every_s": version_every, "most_waiting": waited, "end": adm}
+        if adm is None or adm["dropped"] or adm["waiting"] or adm["admitted"] != len(written):
+            res["checks"]["admission"] = [f"train: at the end {adm} (expected every row admitted, none waiting, "
+                                          "none dropped)"]
+            res["ok"] = False
+    return res
 
 
 def _report(seconds: float, wres: list[dict[str, Any]], cres: list[tuple[str, dict[str, Any]]], written: np.ndarray,
@@ -368,6 +416,12 @@ def table(res: dict[str, Any], ceil: dict[str, float] | None) -> str:
         lines.append(f"{'ceiling':10} {1:>5} {'':>7} {ceil['rows_s']:>8.0f} {_mb(ceil['bytes_s']):>7}   "
                      f"(one process, in-process extend of the same groups; the run writes at "
                      f"{w['rows_s'] / ceil['rows_s']:.3f}x of it, rate-limited by --period)")
+    if "admission" in res:
+        a = res["admission"]
+        lines.append(f"train oldest-first, window {a['window']}, a new policy version every {a['version_every_s']} s: "
+                     f"at most {a['most_waiting']['waiting']} rows waited behind or ahead of the window "
+                     f"({a['most_waiting']['waiting_stale']} stale, {a['most_waiting']['waiting_ahead']} ahead); at "
+                     f"the end {a['end']}")
     lines.append(f"checks: {'all hold' if res['ok'] else json.dumps(res['checks'])[:2000]}")
     return "\n".join(lines)
 
@@ -382,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--period", type=float, default=0.25, help="seconds between a writer's groups")
     ap.add_argument("--capacity", type=int, default=1024, help="rows per shard")
     ap.add_argument("--max-rss-mb", type=float, default=2048.0)
+    ap.add_argument("--window", type=int, default=1, help="trainers' version window (oldest-first admission)")
+    ap.add_argument("--version-every", type=float, default=4.0, help="seconds between policy versions")
+    ap.add_argument("--arrival", action="store_true", help="trainers consume in id order, no window, no versions")
     args = ap.parse_args(argv)
     seconds = args.seconds or (20.0 if args.quick else 120.0)
     import ray
@@ -397,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         res = run(seconds, args.writers, args.updaters, args.trainers, args.period, args.capacity,
-                  max_rss_mb=args.max_rss_mb)
+                  max_rss_mb=args.max_rss_mb, window=None if args.arrival else args.window,
+                  version_every=None if args.arrival else args.version_every)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -24,7 +24,7 @@ def test_32_processes_on_3_nodes_consume_each_row_once_per_task_in_bounded_memor
     assert len([n for n in ray.nodes() if n["Alive"]]) == 3
     # 8 writers, 8 reward updaters, 8 ref updaters, 8 trainers; modest rates for a 2-core machine
     res = bench_scale.run(seconds=30.0, writers=8, updaters=8, trainers=8, period=0.5, capacity_per_shard=512,
-                          drain_s=90.0)
+                          drain_s=90.0, window=1, version_every=4.0)
     assert res["processes"] == 32 and res["nodes"] == 3 and res["shards"] == 3
     assert res["checks"] == {"exactly_once": [], "whole_groups_and_fields": [], "bounded_memory": [],
                              "errors": []}, bench_scale.table(res, None)
@@ -33,3 +33,8 @@ def test_32_processes_on_3_nodes_consume_each_row_once_per_task_in_bounded_memor
     assert res["consumed"] == {"reward": written, "ref": written, "train": written}
     # the ring (3 x 512 rows) is smaller than what was written: eviction held rows until every task consumed them
     assert written > 3 * 512
+    # trainers consumed oldest-first under a moving version window (1; a new version every 4 s, every 5th group two
+    # versions old): slow rollouts waited behind it, counted, and were admitted in the drain, none dropped
+    assert res["admission"]["most_waiting"]["waiting_stale"] > 0
+    assert res["admission"]["end"] == {"admitted": written, "waiting": 0, "waiting_ahead": 0, "waiting_stale": 0,
+                                       "dropped": 0}
