@@ -277,12 +277,14 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
     import arrowbuf as ab
     from arrowbuf.ray import ShardedStore
 
+    phases = {"begin": time.monotonic()}  # seconds of each phase: shards, actors up, writing, drain
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
     shards = min(NODES, len(nodes))
     sharded = ShardedStore.create("grpo", num_shards=shards, capacity_per_shard=capacity_per_shard,
                                   sampler=ab.samplers.Group(key="prompt_id", size=GROUP), tasks=list(TASKS),
                                   shard_cpus=0.1, failure_timeout=60.0)
     made: list[tuple[str, Any]] = []
+    phases["shards"] = time.monotonic()
     try:
         cls = actors()
         counts = {"writers": writers, "reward": updaters, "ref": updaters, "train": trainers}
@@ -293,6 +295,7 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
                 made.append((role, cls[role].options(scheduling_strategy=where).remote(sharded, k)))
                 i += 1
         ray.get([a.pid.remote() for _, a in made], timeout=600)  # every process is up before the clock starts
+        phases["actors"] = time.monotonic()
         shard_pids = [int(info["pid"]) for info in sharded.infos if info is not None]
         start_at = time.time() + 1.0
         bumper = next((a for role, a in made if role == "train"), None)  # trainer 0 advances the policy version
@@ -310,6 +313,7 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
                 now = sharded.stats().get("admission", {}).get("train", {})
                 waited = {k: max(v, int(now.get(k, 0))) for k, v in waited.items()}
         wres = ray.get(wrefs)
+        phases["writing"] = time.monotonic()
         for role, a in made:
             if role == "train":
                 a.drain.remote()  # what waited behind the window comes now
@@ -320,6 +324,7 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
             if all(st.get("consumed", {}).get(t, 0) >= len(written) for t in TASKS):
                 break
             time.sleep(0.5)
+        phases["drain"] = time.monotonic()
         for _, a in made:
             a.stop.remote()
         cres = list(zip([role for role, _ in consumers], ray.get([ref for _, ref in consumers], timeout=120)))
@@ -331,6 +336,8 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
                 ray.kill(a, no_restart=True)
         sharded.shutdown()
     res = _report(seconds, wres, cres, written, series, shard_peaks, stats, len(nodes), max_rss_mb, max_growth_mb)
+    keys = list(phases)
+    res["phases_s"] = {k: round(phases[k] - phases[p], 1) for p, k in zip(keys, keys[1:])}
     adm = stats.get("admission", {}).get("train")
     if window is not None:
         res["admission"] = {"window": window, "version_every_s": version_every, "most_waiting": waited, "end": adm}
@@ -422,6 +429,8 @@ def table(res: dict[str, Any], ceil: dict[str, float] | None) -> str:
                      f"at most {a['most_waiting']['waiting']} rows waited behind or ahead of the window "
                      f"({a['most_waiting']['waiting_stale']} stale, {a['most_waiting']['waiting_ahead']} ahead); at "
                      f"the end {a['end']}")
+    if "phases_s" in res:
+        lines.append("seconds per phase: " + ", ".join(f"{k} {v}" for k, v in res["phases_s"].items()))
     lines.append(f"checks: {'all hold' if res['ok'] else json.dumps(res['checks'])[:2000]}")
     return "\n".join(lines)
 
