@@ -27,7 +27,7 @@ def test_32_processes_on_3_nodes_consume_each_row_once_per_task_in_bounded_memor
                           drain_s=90.0, window=1, version_every=4.0)
     assert res["processes"] == 32 and res["nodes"] == 3 and res["shards"] == 3
     assert res["checks"] == {"exactly_once": [], "whole_groups_and_fields": [], "bounded_memory": [],
-                             "errors": []}, bench_scale.table(res, None)
+                             "errors": [], "progress": []}, bench_scale.table(res, None)
     written = res["roles"]["writers"]["rows"]
     assert written >= 8 * 8 * 10  # every writer wrote (at least 10 groups each in 30 s at one per 0.5 s)
     assert res["consumed"] == {"reward": written, "ref": written, "train": written}
