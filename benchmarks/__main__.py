@@ -36,6 +36,7 @@ BENCHMARKS = {
     "leases": ("benchmarks.bench_leases", ["--quick"], "Leases: consume(lease)+ack against consume"),
     "shm_consume": ("benchmarks.bench_shm_consume", ["--quick"], "consume over shared memory against in process"),
     "observe": ("benchmarks.bench_observe", ["--quick"], "Observability: metrics and lineage on vs off"),
+    "scale": ("benchmarks.bench_scale", ["--quick"], "The 32-process scale run on a local 3-node Ray cluster"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
 DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "leases", "shm_consume",

@@ -482,3 +482,46 @@ def test_a_writer_ahead_of_the_window_waits_for_the_version_another_process_sets
             store.extend(groups(1, 1, pv=0))  # 0 < 2 - 1: refused
     finally:
         store.close()
+
+
+def _oldest_consumer(name: str, q) -> None:
+    """Consumes task "t" oldest-first under the window [version - 2, version], one group a call, until none is left;
+    reports each call's (oldest policy_version, ids)."""
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    got = []
+    while len(b := store.consume("t", G, max_staleness=2, admission="oldest")):
+        got.append((int(b.to_numpy()["policy_version"].min()), b.indices.tolist()))
+    store.close()
+    q.put(got)
+
+
+@pytest.mark.slow  # two spawned processes
+def test_oldest_first_admission_across_processes_once_each_in_order_and_counted(names):
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=256, tier="shm", name=name, tasks=["t"],
+                               sampler=ab.samplers.Group(key="prompt_id", size=G))
+    try:
+        versions = np.random.default_rng(3).integers(0, 5, 24)  # 24 groups of versions 0..4, in no order
+        ids = np.concatenate([store.extend(groups(g, 1, pv=int(v))) for g, v in enumerate(versions)])
+        store.policy_version = 3  # window [1, 3]: version 0 is behind, version 4 ahead
+        q = CTX.Queue()
+        procs = [start(names, _oldest_consumer, name, q) for _ in range(2)]
+        results = [q.get(timeout=JOIN_S) for _ in procs]
+        for p in procs:
+            join_ok(p)
+        delivered = [i for res in results for _, batch in res for i in batch]
+        eligible = ids.reshape(-1, G)[(versions >= 1) & (versions <= 3)].reshape(-1)
+        assert sorted(delivered) == sorted(eligible.tolist())  # each eligible row once, across both processes
+        for res in results:  # each process's calls come oldest first: no row is written meanwhile
+            keys = [(v, batch[0]) for v, batch in res]
+            assert keys == sorted(keys)
+        waiting = {"waiting_ahead": int((versions > 3).sum()) * G, "waiting_stale": int((versions < 1).sum()) * G}
+        assert store.stats()["admission"]["t"] == {"admitted": len(eligible), "waiting": sum(waiting.values()),
+                                                   **waiting, "dropped": 0}  # counted there, seen here
+        store.policy_version = 4  # the rows ahead come in; the ones behind still wait, never dropped
+        ahead = ids.reshape(-1, G)[versions == 4].reshape(-1)
+        np.testing.assert_array_equal(np.sort(store.consume("t", 1000, max_staleness=2, admission="oldest").indices),
+                                      np.sort(ahead))
+        assert store.stats()["stale_dropped"] == 0
+    finally:
+        store.close()

@@ -1,7 +1,8 @@
 """The in-process tests of consumption per task and of leases, run again over a shared-memory store: each test's
 store is created with `tier="shm"` and the test talks to a second handle, `ExperienceStore.attach(name)`, so every
 consume, update, ack and policy version goes through the state in shared memory (tests/test_consume.py,
-tests/test_groups.py, tests/test_leases.py; the cross-process ones are in tests/test_shm_consume.py).
+tests/test_groups.py, tests/test_leases.py, tests/test_admission.py; the cross-process ones are in
+tests/test_shm_consume.py).
 
 Left out, with why: declaring a task after creation (a shared store's tasks are fixed when it is created), lineage
 and observability (a shared store records none), Flight and Ray (their own files), and tests that take fixtures.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import test_admission
 import test_consume
 import test_groups
 import test_leases
@@ -25,6 +27,7 @@ SKIP = {
     "test_assign_groups_cuts_each_key_in_order": "no store",
     "test_group_is_reexported_from_samplers": "no store",
     "test_group_on_a_non_scalar_key_is_a_schema_error": "no store is made (the error comes first)",
+    "test_admit_and_waiting_against_a_brute_force_order": "no store",
 }
 
 
@@ -55,7 +58,8 @@ class _SharedAb:
         return ab.ExperienceStore.attach(name)
 
 
-@pytest.mark.parametrize(("module", "case"), [*_cases(test_consume), *_cases(test_groups), *_cases(test_leases)])
+@pytest.mark.parametrize(("module", "case"), [*_cases(test_consume), *_cases(test_groups), *_cases(test_leases),
+                                                *_cases(test_admission)])
 def test_the_in_process_case_holds_over_an_attached_shared_store(module, case, monkeypatch, names):
     creators: list = []
     monkeypatch.setattr(module, "ab", _SharedAb(names, creators))

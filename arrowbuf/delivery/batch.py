@@ -120,9 +120,12 @@ class SampleBatch:
         arrays: dict[str, Any] = {}
         for c in parts[0].columns:
             vals = [p[c] for p in parts]
-            if isinstance(vals[0], (pa.Array, pa.ChunkedArray)):
-                arrays[c] = pa.concat_arrays([v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v
-                                              for v in vals])
+            if any(isinstance(v, (pa.Array, pa.ChunkedArray)) for v in vals):  # e.g. a later field NULL in a part:
+                # Arrow there (its nulls kept), numpy in a part where it is written; joined as Arrow
+                arrows = [_to_arrow(v) for v in vals]
+                arrows = [v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v for v in arrows]
+                kind = next(v.type for v, raw in zip(arrows, vals) if isinstance(raw, (pa.Array, pa.ChunkedArray)))
+                arrays[c] = pa.concat_arrays([v if v.type == kind else v.cast(kind) for v in arrows])
             elif _is_tensor(vals[0]):
                 arrays[c] = require("torch", "torch").cat(vals)
             else:

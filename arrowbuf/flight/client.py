@@ -49,6 +49,7 @@ from ..delivery.batch import SampleBatch
 from ..errors import DeadlineExceeded, InvalidArgument, LeaseError, SchemaError, StoreClosed, Unavailable
 from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
+from ..store.admission import check_admission
 from . import protocol as P
 from .calls import Unreachable, check_timeout, translate
 from .messages import MAX_PADS, ack_ids, misalignment, record_batch, request_key, sample_batch, table_to_batch
@@ -397,7 +398,8 @@ class RemoteStore:
     # ------------------------------------------------------------------ consumption per task
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None, max_tokens: int | None = None,
-                lease: float | None = None, rpc_timeout: float | None | object = _DEFAULT) -> SampleBatch:
+                lease: float | None = None, rpc_timeout: float | None | object = _DEFAULT,
+                admission: str | None = None) -> SampleBatch:
         """`ExperienceStore.consume` over one DoGet (ticket kind "consume"); the same arguments and errors.
 
         Each row is delivered once per task across every client of the store. Without `lease=` a reply lost on
@@ -418,7 +420,7 @@ class RemoteStore:
                                   f"{lease!r}")
         ticket = flight.Ticket(P.encode_ticket(P.ConsumeRequest(
             task, int(n), self.name, req_fields, wait, max_staleness, where, max_tokens,
-            None if lease is None else float(lease))))
+            None if lease is None else float(lease), admission=check_admission(admission))))
 
         def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
             reader = client.do_get(ticket, options=call_options)

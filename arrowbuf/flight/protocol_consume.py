@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import SchemaError
+from ..store.admission import ADMISSIONS
 
 #: Longest `where` predicate a consume request may carry (characters); the store checks it against the same limit.
 MAX_WHERE_CHARS = 4096
@@ -54,6 +55,7 @@ class ConsumeRequest:
     max_tokens: int | None = None
     lease: float | None = None
     kind: str = "consume"
+    admission: str | None = None  # "oldest" (arrowbuf.store.admission); checked by the store
 
 
 def encode_consume(req: ConsumeRequest) -> dict[str, Any]:
@@ -61,7 +63,7 @@ def encode_consume(req: ConsumeRequest) -> dict[str, Any]:
     obj: dict[str, Any] = {"kind": "consume", "task": req.task, "n": req.n}
     if req.store is not None:
         obj["store"] = req.store
-    for key in ("require", "timeout", "max_staleness", "where", "max_tokens", "lease"):
+    for key in ("require", "timeout", "max_staleness", "where", "max_tokens", "lease", "admission"):
         if getattr(req, key) is not None:
             obj[key] = getattr(req, key)
     return obj
@@ -78,11 +80,14 @@ def decode_consume(f: RequestFields, store: str | None) -> ConsumeRequest:
     max_tokens = f.get("max_tokens", "a positive integer")
     if max_tokens is not None and max_tokens > MAX_TOKENS:
         raise SchemaError(f"ticket: 'max_tokens' {max_tokens} is over the limit of {MAX_TOKENS}")
+    if (admission := f.get("admission", "a string")) is not None and admission not in ADMISSIONS:
+        raise SchemaError(f"ticket: 'admission' must be one of {list(ADMISSIONS)}, got {admission!r:.80}")
     return ConsumeRequest(task=task, n=f.get("n", "a positive integer", required=True), store=store,
                           require=f.get("require", "a list of column names"),
                           timeout=f.get("timeout", "a number of seconds in [0, 1e6]"),
                           max_staleness=f.get("max_staleness", "a non-negative integer"), where=where,
-                          max_tokens=max_tokens, lease=f.get("lease", "a number of seconds in (0, 86400]"))
+                          max_tokens=max_tokens, lease=f.get("lease", "a number of seconds in (0, 86400]"),
+                          admission=admission)
 
 
 def decode_consume_action(type_: str, f: RequestFields) -> dict[str, Any]:

@@ -456,7 +456,7 @@ class _FlightService(flight.FlightServerBase):
             extra = {"lease": req.lease if req.lease is not None else _GUARD_LEASE_S} if leased else {}
             batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
                                   max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens,
-                                  **extra)
+                                  **extra, **({"admission": req.admission} if req.admission else {}))
         if batch.lease is not None:
             if context.is_cancelled():  # nobody will read the reply: the rows go back now
                 store.nack(batch.lease)

@@ -148,7 +148,8 @@ def _consume_state(root: str, m: dict[str, Any]) -> tuple[dict[str, np.ndarray],
     tasks = meta.get("tasks")
     ok = isinstance(tasks, list) and all(isinstance(t, str) and t in arrays for t in tasks) and \
         isinstance(meta.get("policy_version", 0), int) and isinstance(meta.get("counters", {}), dict) and \
-        isinstance(meta.get("delivered", {}), dict) and \
+        isinstance(meta.get("delivered", {}), dict) and isinstance(adm := meta.get("admission", {}), dict) and \
+        all(isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v) for v in adm.values()) and \
         (meta.get("max_staleness") is None or isinstance(meta["max_staleness"], int)) and \
         (meta.get("token_field") is None or isinstance(meta["token_field"], str))
     if not ok:

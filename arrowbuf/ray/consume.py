@@ -96,8 +96,12 @@ class ShardedConsumer:
     # ------------------------------------------------------------------ consume
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
+                max_tokens: int | None = None, lease: float | None = None,
+                admission: str | None = None) -> SampleBatch:
         """Up to `n` rows `task` has not consumed, from any shard (each row once per task).
+
+        With `admission="oldest"` each shard delivers its oldest eligible rows first (the order is per shard, not
+        across shards; `arrowbuf.store.admission`).
 
         With `lease=` each shard asked leases its part; the batch's lease id names every part with its shard
         (`"<shard>/<shard's lease>+..."`), and `ack`/`nack` end each part on its shard. A part whose shard dies
@@ -123,6 +127,8 @@ class ShardedConsumer:
                 "where": where}
         if lease is not None:
             opts["lease"] = lease
+        if admission is not None:
+            opts["admission"] = admission
         live = self._live()
         if not live:
             return SampleBatch({}, np.zeros(0, dtype=np.int64))

@@ -580,11 +580,12 @@ class ShardedStore:
     # Thin delegation to `arrowbuf.ray.consume.ShardedConsumer`.
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
+                max_tokens: int | None = None, lease: float | None = None,
+                admission: str | None = None) -> SampleBatch:
         """`ExperienceStore.consume` over the shards (see `arrowbuf.ray.consume.ShardedConsumer.consume`); with
         `lease=`, the batch's lease names each shard's part."""
         batch = self._consumer.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
-                                       where=where, max_tokens=max_tokens, lease=lease)
+                                       where=where, max_tokens=max_tokens, lease=lease, admission=admission)
         if batch.lease is not None:
             batch.owner = self
         return batch
@@ -626,14 +627,15 @@ class ShardedStore:
 
     def stats(self) -> dict[str, Any]:
         """Per-shard stats (None for a down shard) and totals; with tasks, the per-task counters (`consumed`,
-        `in_flight`, `redelivered`, `leases_expired`, `stale_dropped_by_task`) summed over the live shards."""
+        `in_flight`, `redelivered`, `leases_expired`, `stale_dropped_by_task`, `admission`) summed over the live
+        shards."""
         futs = {s.k: self._executor().submit(_stats_of, s.client) for s in self.members.live()}
         shards: list[dict[str, Any] | None] = [None] * self.num_shards
         for k, fut in futs.items():
             with contextlib.suppress(Exception):
                 shards[k] = fut.result(timeout=self.failure_timeout)
         up = [st for st in shards if st is not None]
-        per_task = {}  # consumption per task, summed over the live shards
+        per_task: dict[str, Any] = {}  # consumption per task, summed over the live shards
         for key in ("consumed", "in_flight", "redelivered", "leases_expired", "stale_dropped_by_task"):
             sums: dict[str, int] = {}
             for st in up:
@@ -641,6 +643,14 @@ class ShardedStore:
                     sums[task] = sums.get(task, 0) + int(v)
             if any(key in st for st in up):
                 per_task[key] = sums
+        admission: dict[str, dict[str, int]] = {}  # oldest-first admission counts per task (store.admission)
+        for st in up:
+            for task, c in (st.get("admission") or {}).items():
+                acc = admission.setdefault(task, {})
+                for k, v in c.items():
+                    acc[k] = acc.get(k, 0) + int(v)
+        if admission:
+            per_task["admission"] = admission
         return {"shards": shards, "up": len(up), "size": sum(st["size"] for st in up),
                 "inserts": sum(st["inserts"] for st in up), "samples": sum(st["samples"] for st in up),
                 **per_task, **{f"handle_{k}": v for k, v in self.counters.items()}}

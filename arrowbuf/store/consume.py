@@ -59,7 +59,6 @@ from collections.abc import Callable, MutableMapping
 from typing import Any, cast
 
 import numpy as np
-import pyarrow.compute as pc
 
 from ..delivery.batch import SampleBatch
 from ..errors import InsertTimeout, InvalidArgument, SchemaError
@@ -68,9 +67,11 @@ from ..query.sql import caller_cancelled
 from ..samplers.base import Sampler
 from ..samplers.group import GroupSampler
 from ..surface import StoreSurface
+from .admission import admit, check_admission, encode_window, waiting
 from .consume_state import ConsumeState
 from .core import StoreCore
 from .leases import LeaseTable, check_lease_seconds
+from .tokens import check_token_field, token_counts, token_field_of
 
 #: Seconds between checks that a server's caller is still there, while a consume waits for rows.
 _CANCEL_POLL_S = 0.2
@@ -109,6 +110,7 @@ class ConsumeTracker:
         self._delivered: MutableMapping[str, int] = self._state.delivered
         self._stale_by_task: MutableMapping[str, int] = self._state.stale_by_task  # rows dropped as stale per task:
         # at consume, or evicted unconsumed
+        self._admitted, self._window = self._state.admitted, self._state.window  # oldest-first (store.admission)
         # rows in flight per task (consume with lease=), see arrowbuf.store.leases; a shared store's in shared memory
         # (arrowbuf.store.shared_leases): any process acks or nacks, any process returns an expired lease's rows
         self.leases: LeaseTable = self._state.leases
@@ -124,12 +126,7 @@ class ConsumeTracker:
         self.max_staleness = _check_staleness(max_staleness, "max_staleness")
         if self.max_staleness is not None:
             self._check_version_field()
-        if token_field is not None:
-            spec = schema.fields.get(token_field)
-            if spec is None or not spec.ragged:
-                raise SchemaError(f"token_field={token_field!r} must name a ragged field of schema {schema.name!r}; "
-                                  f"its ragged fields are {self._ragged_fields()}")
-        self.token_field = token_field
+        self.token_field = check_token_field(schema, token_field)
         self.filters = RowFilters(core, self)
         self.group: GroupSampler | None = cast(GroupSampler, core.sampler) if core.sampler.whole_groups else None
         if self.group is not None:
@@ -229,7 +226,8 @@ class ConsumeTracker:
     # ------------------------------------------------------------------ consume
     def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
+                max_tokens: int | None = None, lease: float | None = None,
+                admission: str | None = None) -> SampleBatch:
         """Up to `n` rows (whole groups with a Group sampler) that `task` has not consumed, marked consumed for it.
 
         Args:
@@ -242,6 +240,9 @@ class ConsumeTracker:
             max_tokens: token budget of the batch, counted over the store's token field.
             lease: seconds the rows stay in flight for `task` (`arrowbuf.store.leases`): final on `ack`, back in the
                 task's queue on `nack` or at expiry. None: final now (delivered at most once).
+            admission: None (rows in id order; `max_staleness` drops stale rows) or "oldest": the oldest eligible
+                rows first, by `policy_version` then id, rows outside the version window held back, not dropped
+                (`arrowbuf.store.admission`).
 
         Returns:
             A `SampleBatch` of every column (ragged included); `indices` are the rows' ids, oldest first;
@@ -255,6 +256,10 @@ class ConsumeTracker:
         c = self.core
         c.check_open()
         plan = self._plan(task, n, require, timeout, max_staleness, where, max_tokens)
+        plan["admission"] = check_admission(admission)
+        if plan["admission"] is not None:  # under the store's window unless the call names its own
+            self._check_version_field()
+            plan["k"] = self.max_staleness if plan["k"] is None else plan["k"]
         seconds = check_lease_seconds(lease)
         poll = _SHARED_POLL_S  # a shared store: other processes' commits and updates cannot notify this condition
         deadline = time.monotonic() + plan["timeout"]
@@ -262,6 +267,8 @@ class ConsumeTracker:
         durable: list[Callable[[], None]] = []  # what the final hooks ask to wait for, outside the lock
         cancelled = caller_cancelled()  # a server's call: its client may go away while it waits
         with c.cond:
+            if plan["admission"] is not None:
+                self._window[task] = encode_window(plan["k"])  # what `stats` counts as waiting for this task
             evaluated = False
             while True:  # commits, updates, consumption and version changes notify the condition
                 c.check_open()
@@ -294,6 +301,8 @@ class ConsumeTracker:
                 self._pins[pin] = int(seqs.min())  # first: a shared store's pin table may be full (then: nothing done)
                 try:
                     self._consumed[task][seqs % c.arena_rows] = seqs
+                    if plan["admission"] is not None:
+                        self._admitted[task] += len(seqs)
                     if seconds is not None:  # a shared store's lease table may be full: the rows go back
                         lease_id = self.leases.open(task, seqs, seconds).id
                 except BaseException:
@@ -434,7 +443,7 @@ class ConsumeTracker:
         if max_tokens is not None:
             if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens < 1:
                 raise InvalidArgument(f"consume: max_tokens must be a positive integer, got {max_tokens!r}")
-            token_field = self._token_field()
+            token_field = token_field_of(schema, self.token_field)
         return {"task": task, "n": int(n), "require": fields, "timeout": float(timeout), "k": k, "where": where,
                 "max_tokens": None if max_tokens is None else int(max_tokens), "token_field": token_field}
 
@@ -443,7 +452,7 @@ class ConsumeTracker:
         `where` predicate has not judged yet. Stale and zero-variance rows found on the way are dropped (marked
         consumed, counted)."""
         candidates = self._candidates(plan["task"])
-        window = max(4 * plan["n"], 1024)
+        window = max(4 * plan["n"], 1024) if plan.get("admission") is None else len(candidates)  # oldest: all
         while True:  # the oldest candidates first: a batch rarely needs to look at the whole ring
             seqs, full, pending = self._pick_from(candidates[:window], plan)
             if len(pending) and window < len(candidates):  # one query judges every candidate (a query costs ~0.1 s)
@@ -457,8 +466,9 @@ class ConsumeTracker:
         """`_pick` over the candidate rows `seqs` (oldest first; a prefix of them groups as all of them would)."""
         task = plan["task"]
         pending = seqs[:0]
+        oldest = plan.get("admission") is not None  # holds rows outside its window back, drops none
         if self.group is None:
-            if plan["k"] is not None and len(seqs):
+            if plan["k"] is not None and len(seqs) and not oldest:
                 stale = self._stale(seqs, plan["k"])
                 if stale.any():
                     self._drop(task, seqs[stale])
@@ -472,8 +482,11 @@ class ConsumeTracker:
         else:
             units, pending = self._ready_groups(task, seqs, plan)
             want = plan["n"] // self.group.size
+        if oldest and len(units):
+            versions = self.values("policy_version", units.reshape(-1) % self.core.arena_rows)
+            units = admit(units, versions, self._policy_version, plan["k"])
         if plan["max_tokens"] is not None and len(units):
-            tokens = self._tokens(plan["token_field"], units.reshape(-1)).reshape(units.shape).sum(axis=1)
+            tokens = token_counts(self.core, plan["token_field"], units.reshape(-1)).reshape(units.shape).sum(axis=1)
             fits = max(1, int(np.searchsorted(np.cumsum(tokens), plan["max_tokens"], side="right")))
             if fits < min(want, len(units)):
                 return units[:fits].reshape(-1), True, pending
@@ -495,7 +508,7 @@ class ConsumeTracker:
                 if len(fresh):
                     self._final(t, fresh, "dropped")
             members = members[keep]
-        if plan["k"] is not None and len(members):
+        if plan["k"] is not None and len(members) and plan.get("admission") is None:
             stale = self._stale(members.reshape(-1), plan["k"]).reshape(members.shape).any(axis=1)
             if stale.any():
                 self._drop(task, members[stale].reshape(-1))
@@ -545,37 +558,6 @@ class ConsumeTracker:
 
     def _stale(self, seqs: np.ndarray, k: int) -> np.ndarray:
         return self.values("policy_version", seqs % self.core.arena_rows) < self._policy_version - k
-
-    def _tokens(self, field: str, seqs: np.ndarray) -> np.ndarray:
-        """Token count (list length) of ragged `field` for each row, read from the list offsets only."""
-        chunk_rows = self.core.directory.chunk_rows
-        pos = seqs % self.core.arena_rows
-        arena = getattr(self.core.cols, "tier_ragged", {}).get(field)
-        if arena is not None:  # values in one arena (ring.ragged_arena): lengths without copying any value
-            return np.maximum(np.asarray(arena.length[pos], dtype=np.int64), 0)
-        slots, offs = pos // chunk_rows, pos % chunk_rows
-        out = np.zeros(len(seqs), dtype=np.int64)
-        per_slot = self.core.cols.ragged[field]
-        for s in np.unique(slots):
-            lens = pc.fill_null(pc.list_value_length(per_slot[int(s)]), 0).to_numpy(zero_copy_only=False)
-            m = slots == s
-            out[m] = lens[offs[m]]
-        return out
-
-    def _token_field(self) -> str:
-        if self.token_field is not None:
-            return self.token_field
-        ragged = self._ragged_fields()
-        if "response_tokens" in ragged:
-            return "response_tokens"
-        if len(ragged) == 1:
-            return ragged[0]
-        raise InvalidArgument(f"consume(max_tokens=...) counts the tokens of a ragged field; schema "
-                              f"{self.core.schema.name!r} has {ragged or 'none'}: pass "
-                              "ExperienceStore(..., token_field=<name>)")
-
-    def _ragged_fields(self) -> list[str]:
-        return [n for n, f in self.core.schema.fields.items() if f.ragged]
 
     def _check_version_field(self) -> None:
         spec = self.core.schema.fields.get("policy_version")
@@ -713,7 +695,8 @@ class ConsumeTracker:
             arrays[task] = done
         meta = {"tasks": self.tasks, "policy_version": self._policy_version, "max_staleness": self.max_staleness,
                 "token_field": self.token_field, "counters": dict(self.counters), "delivered": delivered,
-                "stale_dropped_by_task": dict(self._stale_by_task)}
+                "stale_dropped_by_task": dict(self._stale_by_task),
+                "admission": {t: [self._admitted[t], self._window[t]] for t in self.tasks}}
         return meta, arrays
 
     def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -736,6 +719,7 @@ class ConsumeTracker:
             self._cursor[task] = 0
             self._delivered[task] = int(meta.get("delivered", {}).get(task, 0))
             self._stale_by_task[task] = int(meta.get("stale_dropped_by_task", {}).get(task, 0))
+            self._admitted[task], self._window[task] = (int(v) for v in meta.get("admission", {}).get(task, (0, 0)))
         self._policy_version = int(meta.get("policy_version", 0))
         for k, v in meta.get("counters", {}).items():
             if k in self.counters:
@@ -766,8 +750,19 @@ class ConsumeTracker:
                                "in_flight": self.leases.in_flight(self.tasks), "leases": len(self.leases),
                                "redelivered": {t: self.leases.redelivered.get(t, 0) for t in self.tasks},
                                "leases_expired": {t: self.leases.expired.get(t, 0) for t in self.tasks}}
+        out["admission"] = {t: {"admitted": self._admitted[t], **self._waiting(t),
+                                "dropped": self._stale_by_task[t]} for t in self.tasks}
         out["groups_dropped_zero_variance"] = self.group.dropped_groups if self.group is not None else 0
         return out
+
+
+    def _waiting(self, task: str) -> dict[str, int]:
+        """Rows `task`'s oldest-first window holds back now (`arrowbuf.store.admission.waiting`)."""
+        if not self._window[task]:
+            return waiting(np.zeros(0, np.int64), 0, 0)
+        seqs = self._candidates(task)
+        versions = self.values("policy_version", seqs % self.core.arena_rows)
+        return waiting(versions, self._policy_version, self._window[task])
 
 
 def check_store_options(tier: Any, sampler: Any, tasks: Any) -> None:

@@ -10,8 +10,9 @@ Layout in a shared tier (arenas of the store's directory, recorded in its manife
     arena.consume.header     int64 [8]: policy_version, stale_dropped, insert_waits, the lease counter, the store's
                              lease token, ended leases (the rest reserved)
     arena.consume.task.<i>   int64 [arena_rows]: per ring position, the seq of the row task i consumed there (-1: none)
-    arena.consume.task.<i>.ints  int64 [5]: task i's cursor, rows delivered, rows dropped as stale, rows redelivered,
-                             leases expired
+    arena.consume.task.<i>.ints  int64 [7]: task i's cursor, rows delivered, rows dropped as stale, rows redelivered,
+                             leases expired, rows admitted oldest-first, the window of its last oldest-first consume
+                             (`arrowbuf.store.admission.encode_window`)
     arena.consume.task.<i>.lease  int64 [arena_rows]: the lease holding task i's row there (`shared_leases`)
     arena.consume.pins       int64 [PIN_SLOTS, 4]: gathers in progress: pid, its start time, pin id, oldest seq
     arena.consume.leases, arena.consume.ended: the open and recently ended leases (`arrowbuf.store.shared_leases`)
@@ -44,7 +45,8 @@ from .shared_leases import ENDED_SLOTS, LEASE_SLOTS, SharedLeaseTable
 HEADER = {"policy_version": 0, "stale_dropped": 1, "insert_waits": 2}  # 3-5: the lease table's (shared_leases)
 HEADER_LEN = 8
 #: Per-task ints of `consume.task.<i>.ints`.
-TASK_INTS = {"cursor": 0, "delivered": 1, "stale": 2, "redelivered": 3, "leases_expired": 4}
+TASK_INTS = {"cursor": 0, "delivered": 1, "stale": 2, "redelivered": 3, "leases_expired": 4, "admitted": 5,
+             "window": 6}
 #: Concurrent gathers a shared store tracks (consumers in all processes together, one each while gathering).
 PIN_SLOTS = 256
 #: Seconds a liveness check of another process's pin is trusted.
@@ -207,6 +209,8 @@ class ConsumeState:
         self.cursor = TaskInts(self._ints, TASK_INTS["cursor"])
         self.delivered = TaskInts(self._ints, TASK_INTS["delivered"])
         self.stale_by_task = TaskInts(self._ints, TASK_INTS["stale"])
+        self.admitted = TaskInts(self._ints, TASK_INTS["admitted"])  # rows delivered oldest-first (store.admission)
+        self.window = TaskInts(self._ints, TASK_INTS["window"])  # the window of its last oldest-first consume
         self.pins: MutableMapping[int, int]
         self._marks: dict[str, np.ndarray] = {}  # per task: the lease holding each row (shared leases)
         self.leases: LeaseTable

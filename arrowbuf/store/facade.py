@@ -492,7 +492,8 @@ class ExperienceStore(StoreInspection, StorePersistence):
     @timed("consume")
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
+                max_tokens: int | None = None, lease: float | None = None,
+                admission: str | None = None) -> SampleBatch:
         """Up to `n` rows (whole groups with `samplers.Group`) that `task` has not consumed yet, marked consumed.
 
         Args:
@@ -507,6 +508,8 @@ class ExperienceStore(StoreInspection, StorePersistence):
             lease: seconds the rows stay in flight for `task` (`arrowbuf.store.leases`): `ack(batch.lease)` makes
                 them final, `nack` or expiry puts them back in the task's queue (delivered again, in their order).
                 None (default): final at once.
+            admission: "oldest": the oldest rows inside the version window first, rows outside it held back, not
+                dropped (`arrowbuf.store.admission`); None (default): id order.
 
         Returns:
             A `SampleBatch` of every column; `indices` are the rows' ids, oldest first; `lease` the lease id (None
@@ -516,7 +519,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
             InvalidArgument: an unknown task, an unknown field, a bad option or predicate; nothing is consumed.
         """
         batch = self._consume.consume(task, n, require=require, timeout=timeout, max_staleness=max_staleness,
-                                      where=where, max_tokens=max_tokens, lease=lease)
+                                      where=where, max_tokens=max_tokens, lease=lease, admission=admission)
         if batch.lease is not None:
             batch.owner = self
         return batch

@@ -145,7 +145,7 @@ def mutated(base: st.SearchStrategy, keys: list[str]) -> st.SearchStrategy:
 
 
 CONSUME_KEYS = ["v", "kind", "store", "task", "n", "require", "timeout", "max_staleness", "where", "max_tokens",
-                "lease"]
+                "lease", "admission"]
 consume_tickets = mutated(st.fixed_dictionaries(
     {"v": st.just(2), "kind": st.just("consume"), "store": st.just("grpo"), "task": st.sampled_from(["ref", "train"]),
      "n": st.integers(1, 8)},
@@ -153,7 +153,8 @@ consume_tickets = mutated(st.fixed_dictionaries(
               "timeout": st.sampled_from([0, 0.01]), "max_staleness": st.integers(0, 3),
               "where": st.sampled_from(["reward > 0", "reward IS NULL", "prompt_id % 2 = 0", "seq > 10"]),
               "max_tokens": st.integers(1, 100),
-              "lease": st.sampled_from([0.05, 0.5, 0, -1, 1e9, float("inf"), "1", True])}), CONSUME_KEYS)
+              "lease": st.sampled_from([0.05, 0.5, 0, -1, 1e9, float("inf"), "1", True]),
+              "admission": st.sampled_from(["oldest", "newest", "", 1, None, ["oldest"]]) | texts}), CONSUME_KEYS)
 raw = st.binary(max_size=64) | json_values.map(lambda v: json.dumps(v).encode())
 put_commands = st.fixed_dictionaries({}, optional={"kind": st.sampled_from(["extend", "x"]) | texts,
                                                     "store": texts | numbers, "timeout": numbers, "v": numbers,
@@ -330,7 +331,8 @@ class TestFuzzEveryVerb:
     @FUZZ
     @given(ticket=consume_tickets.map(lambda d: json.dumps(d).encode()))
     def test_do_get_consume(self, target, ticket):
-        """The consume ticket (issue 16): every option typed and bounded (n, timeout, max_tokens, where length)."""
+        """The consume ticket (issue 16): every option typed and bounded (n, timeout, max_tokens, where length,
+        admission: issue 28)."""
         _outcome(lambda: event(f"consumed {target['client'].do_get(flight.Ticket(ticket), CALL).read_all().num_rows}"))
 
     @FUZZ
