@@ -189,9 +189,9 @@ def role_ab_server(shape: str, size: int) -> None:
 
 def role_ab_writer(shape: str, size: int, location: str) -> None:
     """A Flight writer (location grpc://...) or the shared-memory store's creator and writer (location shm:NAME)."""
-    import arrowbuf as ab
-
     import torch  # noqa: F401 - a trainer's or rollout worker's process has it; its import is no transfer cost
+
+    import arrowbuf as ab
 
     if location.startswith("shm:"):
         target: Any = ab.ExperienceStore(schema(shape), capacity=rows_of(shape, size), tier="shm",
@@ -212,9 +212,9 @@ def role_ab_writer(shape: str, size: int, location: str) -> None:
 
 
 def role_ab_reader(shape: str, size: int, location: str) -> None:
-    import arrowbuf as ab
-
     import torch  # noqa: F401 - see role_ab_writer
+
+    import arrowbuf as ab
 
     n = rows_of(shape, size)
     pack = shape == "grpo"
@@ -498,7 +498,8 @@ def report(shape: str, res: dict[str, dict[str, Any]]) -> None:
           f"{ratio('arrowbuf shm', 'transferqueue', 'get_s')} (target >= 4x)")
     print(f"arrowbuf flight / raw flight: PUT {ratio('arrowbuf flight', 'raw flight', 'put_s')}, GET "
           f"{ratio('arrowbuf flight', 'raw flight', 'get_s')} (target >= 0.8x); / transferqueue: PUT "
-          f"{ratio('arrowbuf flight', 'transferqueue', 'put_s')}, GET {ratio('arrowbuf flight', 'transferqueue', 'get_s')}")
+          f"{ratio('arrowbuf flight', 'transferqueue', 'put_s')}, GET "
+          f"{ratio('arrowbuf flight', 'transferqueue', 'get_s')}")
     if "transferqueue" in ok:
         for system in ("arrowbuf shm", "arrowbuf flight"):
             if system in ok:
@@ -534,7 +535,8 @@ def main(argv: list[str] | None = None) -> None:
         roles[args.role]()
         return
     repeats = args.repeats or (2 if args.quick else 3)
-    sizes = {"fixed": args.samples or (128 if args.quick else 1024), "grpo": args.prompts or (32 if args.quick else 256)}
+    sizes = {"fixed": args.samples or (128 if args.quick else 1024),
+             "grpo": args.prompts or (32 if args.quick else 256)}
     systems = [s for s in args.systems if not (args.quick and s == "transferqueue" and not args.peers)]
     t0 = time.perf_counter()
     up0 = _uptime()
