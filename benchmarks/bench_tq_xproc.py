@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_llm import FIELDS, SEQ, _dist_version, _grpo_rows, _pss, _ray_init, _tree
+from .bench_llm import FIELDS, SEQ, _dist_version, _grpo_rows, _pss, _tree
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
@@ -246,11 +246,19 @@ def role_ab_reader(shape: str, size: int, location: str) -> None:
 
 def role_tq(shape: str, size: int, repeats: int) -> None:
     """TransferQueue's side, whole: a driver with the controller and storage units, writer and reader actors."""
+    import shutil
+    import tempfile
+
+    import ray
     import transfer_queue as tq
     from omegaconf import OmegaConf
 
     n = rows_of(shape, size)
-    ray = _ray_init()
+    tmp = tempfile.mkdtemp(prefix="rtq-", dir="/tmp")
+    # a new local cluster of its own, never another job's (address="local"; a private temp dir); TransferQueue's
+    # controller and storage units each reserve a CPU: 8 logical CPUs on this 2-core machine
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level="ERROR", log_to_driver=False, _temp_dir=tmp)
     try:
         config = OmegaConf.load(pathlib.Path(tq.__file__).parent / "config.yaml")
         config.backend.storage_backend = "SimpleStorage"
@@ -314,6 +322,7 @@ def role_tq(shape: str, size: int, repeats: int) -> None:
         tq.close()
     finally:
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
     _reply({"bytes": nbytes, "put": put, "get": get, "version": _dist_version("transferqueue")})
 
 
