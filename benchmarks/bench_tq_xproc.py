@@ -257,9 +257,16 @@ def role_tq(shape: str, size: int, repeats: int) -> None:
     tmp = tempfile.mkdtemp(prefix="rtq-", dir="/tmp")
     # a new local cluster of its own, never another job's (address="local"; a private temp dir); TransferQueue's
     # controller and storage units each reserve a CPU: 8 logical CPUs on this 2-core machine
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level="ERROR", log_to_driver=False, _temp_dir=tmp)
     try:
+        for attempt in range(2):  # Ray gives its node 30 s to start; a loaded machine sometimes needs a second try
+            try:
+                ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+                         logging_level="ERROR", log_to_driver=False, _temp_dir=tmp)
+                break
+            except Exception:  # noqa: BLE001 - retried once, then raised
+                ray.shutdown()
+                if attempt:
+                    raise
         config = OmegaConf.load(pathlib.Path(tq.__file__).parent / "config.yaml")
         config.backend.storage_backend = "SimpleStorage"
         config.backend.SimpleStorage.total_storage_size = n * (repeats + 2)
