@@ -71,9 +71,13 @@ def payload(shape: str, size: int) -> dict[str, Any]:
     return {k: rows[k] for k in GRPO_FIELDS}
 
 
-def schema(shape: str) -> Any:
+def schema(shape: str, shm: bool = False) -> Any:
+    """The store's schema; `shm`: grpo's ragged fields declare the lengths a shared-memory arena is sized by (a
+    shared arena cannot grow; a host arena grows, so the Flight server keeps schemas/grpo.yaml as it is)."""
     import arrowbuf as ab
 
+    if shape == "grpo" and not shm:
+        return ab.load_schema("grpo")
     if shape == "grpo":  # schemas/grpo.yaml, with the lengths a shared-memory arena is sized by
         mean = {"prompt_tokens": 16, "response_tokens": 16384, "logprobs": 16384,
                 "ref_logprobs": 16384}  # the longest response: a chunk of long rows still fits
@@ -194,7 +198,7 @@ def role_ab_writer(shape: str, size: int, location: str) -> None:
     import arrowbuf as ab
 
     if location.startswith("shm:"):
-        target: Any = ab.ExperienceStore(schema(shape), capacity=rows_of(shape, size), tier="shm",
+        target: Any = ab.ExperienceStore(schema(shape, shm=True), capacity=rows_of(shape, size), tier="shm",
                                          name=location[4:], tasks=["train"])
     else:
         target = ab.connect(location, store="xproc")
