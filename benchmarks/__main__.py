@@ -36,6 +36,8 @@ BENCHMARKS = {
     "leases": ("benchmarks.bench_leases", ["--quick"], "Leases: consume(lease)+ack against consume"),
     "shm_consume": ("benchmarks.bench_shm_consume", ["--quick"], "consume over shared memory against in process"),
     "observe": ("benchmarks.bench_observe", ["--quick"], "Observability: metrics and lineage on vs off"),
+    "tq_xproc": ("benchmarks.bench_tq_xproc", ["--quick"],
+                 "TransferQueue's workload across processes: shared memory, Flight, raw Flight (TransferQueue: full)"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
 DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "leases", "shm_consume",
