@@ -37,6 +37,8 @@ BENCHMARKS = {
     "shm_consume": ("benchmarks.bench_shm_consume", ["--quick"], "consume over shared memory against in process"),
     "observe": ("benchmarks.bench_observe", ["--quick"], "Observability: metrics and lineage on vs off"),
     "scale": ("benchmarks.bench_scale", ["--quick"], "The 32-process scale run on a local 3-node Ray cluster"),
+    "tq_xproc": ("benchmarks.bench_tq_xproc", ["--quick"],
+                 "TransferQueue's workload across processes: shared memory, Flight, raw Flight (TransferQueue: full)"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
 DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "leases", "shm_consume",

@@ -12,6 +12,8 @@ import uuid
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import arrowbuf as ab
 from arrowbuf.ring.outpool import MIN_BYTES, PER_SHAPE, OutputPool, take_into
@@ -260,3 +262,34 @@ def test_take_into_matches_np_take_and_refuses_out_of_range_positions():
         take_into(arena, np.array([1, 50]), np.empty((2, 2, 3), np.int32))
     take_into(arena, np.array([-1, 2]), out[:2])  # negatives keep np.take's meaning
     np.testing.assert_array_equal(out[:2], arena[[-1, 2]])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 49), st.integers(1, 12)), min_size=1, max_size=20))
+def test_take_into_runs_of_consecutive_rows_match_np_take(runs: list[tuple[int, int]]) -> None:
+    # FIFO and consume gathers are a run or two (the ring wraps): copied run by run; many runs go through take
+    arena = np.arange(50 * 6, dtype=np.int32).reshape(50, 2, 3)
+    pos = np.concatenate([np.arange(a, min(a + n, 50)) for a, n in runs])
+    out = np.full((pos.size, 2, 3), -1, np.int32)
+    assert take_into(arena, pos, out) is out
+    np.testing.assert_array_equal(out, np.take(arena, pos, axis=0))
+
+
+def test_many_columns_of_one_shape_each_reuse_their_array() -> None:
+    # nine [B, 8192] float32 fields (TransferQueue's perftest rows): every column's output is reused once dropped,
+    # not only `PER_SHAPE` of them among the nine
+    fields = {f"field_{i}": {"dtype": "float32", "shape": [1024]} for i in range(9)}
+    store = ab.ExperienceStore(ab.load_schema({"name": "nine", "fields": fields}), capacity=64, tasks=["train"])
+    try:
+        rows = {k: np.full((32, 1024), i, np.float32) for i, k in enumerate(fields)}
+        store.extend(rows)
+        first = store.consume("train", 32)
+        where = {k: first[k].ctypes.data for k in fields}
+        del first
+        store.extend(rows)
+        again = store.consume("train", 32)
+        assert {k: again[k].ctypes.data for k in fields} == where
+        assert all((again[k] == i).all() for i, k in enumerate(fields))
+        assert store.stats()["output_pool"]["fresh"] == 0
+    finally:
+        store.close()

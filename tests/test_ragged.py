@@ -72,6 +72,33 @@ def test_columns_of_other_lengths_get_their_own_offsets() -> None:
         batch.to_torch(pack=True, tokens="nope")
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=0, max_size=30))
+def test_position_ids_count_from_zero_in_every_row(lens: list[int]) -> None:
+    from arrowbuf.delivery.ragged import position_ids
+
+    offs = np.concatenate(([0], np.cumsum(lens))).astype(np.int64)
+    got = position_ids(offs)
+    want = np.concatenate([np.arange(n) for n in lens]) if lens else np.zeros(0)
+    assert got.dtype == np.int64 and got.tolist() == want.astype(np.int64).tolist()
+    if got.size:
+        assert got.flags.writeable  # a fresh array: torch takes it without a copy or a warning
+
+
+def test_columns_of_the_same_other_lengths_share_their_offsets_tensors() -> None:
+    a = pa.array([[1, 2], [3]], type=pa.list_(pa.int32()))
+    b = pa.array([[1], [2, 3, 4]], type=pa.list_(pa.int32()))
+    c = pa.array([[1.0], [2.0, 3.0, 4.0]], type=pa.list_(pa.float32()))
+    batch = SampleBatch({"prompt": a, "response": b, "logprobs": c}, np.arange(2, dtype=np.int64))
+    packed = batch.to_torch(pack=True)
+    assert packed["cu_seqlens"].tolist() == [0, 2, 3]
+    assert packed["response_cu_seqlens"].tolist() == [0, 1, 4]
+    assert packed["response_position_ids"].tolist() == [0, 0, 1, 2]
+    assert packed["response_max_seqlen"] == packed["logprobs_max_seqlen"] == 3
+    assert packed["logprobs_position_ids"] is packed["response_position_ids"]  # computed once
+    assert packed["logprobs_cu_seqlens"] is packed["response_cu_seqlens"]
+
+
 def test_tokens_schema_store_round_trip() -> None:
     store = ab.ExperienceStore(ab.load_schema("tokens"), capacity=64, sampler="fifo")
     rows = [list(range(i + 1)) for i in range(5)]

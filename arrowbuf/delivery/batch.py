@@ -187,13 +187,14 @@ class SampleBatch:
         out: dict[str, Any] = {}
         ref = self._token_column(tokens) if pack is not None and self._ragged_columns() else None
         ref_offs = _ragged.flat(self._arrays[ref])[1] if ref is not None else None
+        seen: list[tuple[np.ndarray, tuple[Any, Any, int]]] = []  # offsets -> (cu_seqlens, position_ids, max_seqlen)
         for k, v in self._arrays.items():
             if _is_tensor(v):
                 out[k] = v.to(device, non_blocking=non_blocking)
                 continue
             if _ragged.is_ragged(v) and pack is not None:
                 assert ref_offs is not None
-                self._ragged_to_torch(torch, out, k, v, ref_offs, pack, pad_value, device, k == ref)
+                self._ragged_to_torch(torch, out, k, v, ref_offs, pack, pad_value, device, k == ref, seen)
                 continue
             if _ragged.is_ragged(v):
                 out[k] = [None if x is None else _torch_from_numpy(torch, x, device, non_blocking)
@@ -207,16 +208,21 @@ class SampleBatch:
 
     @staticmethod
     def _ragged_to_torch(torch: Any, out: dict[str, Any], name: str, values: Any, ref_offs: np.ndarray,
-                         pack: bool, pad_value: Any, device: Any, is_ref: bool) -> None:
+                         pack: bool, pad_value: Any, device: Any, is_ref: bool,
+                         seen: list[tuple[np.ndarray, tuple[Any, Any, int]]]) -> None:
         vals, offs = _ragged.flat(values, writable=pack)  # a gather's own memory goes to torch without a copy
         same = offs.shape == ref_offs.shape and bool(np.array_equal(offs, ref_offs))
         if pack:
             out[name] = _torch_from_numpy(torch, vals, device, False)
             if is_ref or not same:
                 prefix = "" if is_ref else f"{name}_"
-                out[f"{prefix}cu_seqlens"] = torch.from_numpy(offs.astype(np.int32)).to(device)
-                out[f"{prefix}position_ids"] = torch.from_numpy(_ragged.position_ids(offs)).to(device)
-                out[f"{prefix}max_seqlen"] = int(np.diff(offs).max()) if offs.size > 1 else 0
+                made = next((m for o, m in seen if o.shape == offs.shape and np.array_equal(o, offs)), None)
+                if made is None:  # the first column of these row lengths: computed once, shared by the rest
+                    made = (torch.from_numpy(offs.astype(np.int32)).to(device),
+                            torch.from_numpy(_ragged.position_ids(offs)).to(device),
+                            int(np.diff(offs).max()) if offs.size > 1 else 0)
+                    seen.append((offs, made))
+                out[f"{prefix}cu_seqlens"], out[f"{prefix}position_ids"], out[f"{prefix}max_seqlen"] = made
             return
         padded, mask = _ragged.pad(values, pad_value)
         out[name] = _torch_from_numpy(torch, padded, device, False)

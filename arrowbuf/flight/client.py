@@ -47,6 +47,7 @@ import pyarrow.flight as flight
 
 from ..delivery.batch import SampleBatch
 from ..errors import DeadlineExceeded, InvalidArgument, LeaseError, SchemaError, StoreClosed, Unavailable
+from ..ring.outpool import OutputPool
 from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from ..store.admission import check_admission
@@ -147,6 +148,8 @@ class RemoteStore:
         self.part_bytes = MAX_PART_BYTES
         self.sample_meta = "json"
         self._pads: dict[tuple[Any, ...], int] = {}  # sample request -> app_metadata padding that aligns its body
+        # a sample in parts is copied into these arrays; reused once the caller drops the batch (ring/outpool.py)
+        self._outputs = OutputPool()
         self._describe()
 
     # ------------------------------------------------------------------ connection
@@ -384,7 +387,7 @@ class RemoteStore:
                                                                meta=form, pad=pad, part_bytes=parts)))
 
         def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
-            return assemble(client.do_get(ticket, options=call_options), int(n))
+            return assemble(client.do_get(ticket, options=call_options), int(n), self._outputs.empty)
 
         data, meta = self._call(call, self._deadline(rpc_timeout, timeout))
         if key is not None:  # ask for the body on an 8-byte boundary next time (see protocol.realigning_pad)

@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from ..delivery.batch import SampleBatch
 from ..errors import SchemaError
+from ..ring.ragged_gather import own
 from ..schema import ExperienceSchema
 from ..schema.convert import tensor_to_numpy
 from . import protocol as P
@@ -73,11 +74,25 @@ def sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None, form: str = "json
         elif isinstance(t, pa.FixedShapeTensorType):
             arrays[name] = received(tensor_to_numpy(col))
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
-            arrays[name] = col
+            arrays[name] = _own_received(col)
         else:
             arrays[name] = received(col.to_numpy(zero_copy_only=False))
     release_after(data.nbytes)  # the receive's freed gRPC pieces: back to the OS, not kept for the next peak
     return SampleBatch(arrays, indices, weights)
+
+
+def _own_received(col: pa.Array) -> pa.Array:
+    """A received list column whose values `to_torch(pack=True)` may hand over writable, without a copy (the
+    message was received for this batch alone; see `_ReceivedMemory`). Values that `received` had to copy (not
+    aligned) are not recorded: the column and a tensor would no longer share memory, so `to_torch` copies as before."""
+    child = col.values
+    if not (pa.types.is_integer(child.type) or pa.types.is_floating(child.type)) or child.null_count:
+        return col
+    view = child.to_numpy(zero_copy_only=True)
+    mine = received(view)
+    if view.size and mine.ctypes.data == view.ctypes.data:
+        own(col, mine)
+    return col
 
 
 class _ReceivedMemory:

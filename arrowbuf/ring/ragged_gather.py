@@ -150,26 +150,30 @@ def take_chunked(chunks: list[pa.Array], chunk_rows: int, positions: np.ndarray)
 # Gather results whose values buffer this module allocated for them alone (never a view of a store's memory): a
 # trainer may get those values as writable arrays without a defensive copy. Keyed by id, checked by identity, and
 # forgotten when the array is collected.
-_PRIVATE: dict[int, weakref.ref] = {}
+_PRIVATE: dict[int, tuple[weakref.ref, np.ndarray | None]] = {}
 
 
-def own(arr: pa.Array) -> pa.Array:
-    """Record that the values buffer of list array `arr` was allocated for it alone (a gather's fresh output), so
-    `private_values` may hand it out writable. Only for memory no store or other array shares."""
+def own(arr: pa.Array, values: np.ndarray | None = None) -> pa.Array:
+    """Record that the values buffer of list array `arr` was allocated for it alone (a gather's fresh output, a
+    received Flight message), so `private_values` may hand it out writable. Only for memory no store or other array
+    shares. `values`: a writable numpy view of `arr.values` (all of the child array, from its offset) to hand out,
+    for memory Arrow marks immutable (a received message) though nothing else sees it."""
     key = id(arr)
 
     def forget(ref: weakref.ref, key: int = key) -> None:
-        if _PRIVATE.get(key) is ref:
+        entry = _PRIVATE.get(key)
+        if entry is not None and entry[0] is ref:
             _PRIVATE.pop(key, None)
 
-    _PRIVATE[key] = weakref.ref(arr, forget)
+    _PRIVATE[key] = (weakref.ref(arr, forget), values)
     return arr
 
 
 def private_values(arr: Any) -> np.ndarray | None:
-    """A writable view of the values of list array `arr` (no nulls) when a gather here allocated them for it."""
-    ref = _PRIVATE.get(id(arr))
-    if ref is None or ref() is not arr or arr is None or arr.null_count:
+    """A writable view of the values of list array `arr` (no nulls) when a gather here allocated them for it, or a
+    receiver recorded them as its own (`own`)."""
+    entry = _PRIVATE.get(id(arr))
+    if entry is None or entry[0]() is not arr or arr is None or arr.null_count:
         return None
     child = arr.values
     if not (pa.types.is_integer(child.type) or pa.types.is_floating(child.type)):
@@ -178,6 +182,8 @@ def private_values(arr: Any) -> np.ndarray | None:
     dtype = np.dtype(child.type.to_pandas_dtype())
     first = int(offs[0]) if len(offs) else 0
     count = int(offs[-1]) - first if len(offs) else 0
+    if entry[1] is not None:
+        return entry[1][first:first + count]
     buf = child.buffers()[1]
     if buf is None or not buf.is_mutable:
         return None

@@ -338,7 +338,8 @@ class StoreReader:
         arena = cols.arrays[name]
         if len(positions) * (arena.nbytes // arena.shape[0]) < self.outputs.min_bytes:
             return np.take(arena, positions, axis=0)
-        return take_into(arena, positions, self.outputs.empty((len(positions), *arena.shape[1:]), arena.dtype))
+        return take_into(arena, positions,
+                         self.outputs.empty((len(positions), *arena.shape[1:]), arena.dtype, tag=name))
 
     def _torn(self, seqs: np.ndarray, arrays: dict[str, Any]) -> np.ndarray:
         """After a gather: per item, whether a writer recycled any row (or final-observation slot) it read."""

@@ -98,3 +98,39 @@ def test_received_arrays_outlive_the_batch_and_its_record_batch(remote):
     _ = [np.ones(1 << 16) for _ in range(8)]  # reuse of freed memory would show as changed values
     np.testing.assert_array_equal(obs, obs_of(indices))
     assert isinstance(pa.array(obs.ravel()), pa.Array)
+
+
+@pytest.mark.parametrize("n, part_bytes", [(64, None), (3000, 1 << 20)])  # one message; a sample in parts
+def test_packed_ragged_columns_of_a_received_batch_reach_torch_without_a_copy(n, part_bytes):
+    pytest.importorskip("torch")
+    from arrowbuf.flight import protocol as P
+
+    store = ab.ExperienceStore(SCHEMAS / "grpo.yaml", capacity=4096, seed=0)
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 300, n)
+    offs = pa.array(np.concatenate(([0], np.cumsum(lens))).astype(np.int32))
+    toks = rng.integers(0, 1000, int(lens.sum()), dtype=np.int32)
+    store.extend({"prompt_id": np.arange(n), "policy_version": np.zeros(n, np.int64), "done": np.ones(n, bool),
+                  "prompt_tokens": pa.ListArray.from_arrays(offs, pa.array(toks)),
+                  "response_tokens": pa.ListArray.from_arrays(offs, pa.array(toks + 1)),
+                  "logprobs": pa.ListArray.from_arrays(offs, pa.array(-toks.astype(np.float32)))})
+    try:
+        with ab.serve(store) as server, ab.connect(server.location) as remote:
+            if part_bytes is not None:
+                remote.part_bytes = max(part_bytes, P.MIN_PART_BYTES)
+            batch = remote.sample(n, columns=["response_tokens", "logprobs"])
+            values = {k: batch[k].values.buffers()[1] for k in ("response_tokens", "logprobs")}
+            t = batch.to_torch(pack=True)
+            for k, buf in values.items():  # the received values themselves: no copy
+                assert buf.address <= t[k].data_ptr() < buf.address + buf.size, k
+            o = offs.to_numpy()
+
+            def want(ids: np.ndarray) -> list[int]:
+                return np.concatenate([toks[o[i]:o[i + 1]] + 1 for i in ids]).tolist()
+
+            assert t["response_tokens"].tolist() == want(batch.indices)
+            t["response_tokens"].zero_()  # the batch's own memory: writing it never reaches the store
+            again = remote.sample(n, columns=["response_tokens"])
+            assert again.to_torch(pack=True)["response_tokens"].tolist() == want(again.indices)
+    finally:
+        store.close()

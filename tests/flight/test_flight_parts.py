@@ -218,6 +218,32 @@ def test_a_large_sample_comes_in_bounded_messages_and_is_assembled_whole(servers
         remote.close()
 
 
+def test_samples_in_parts_reuse_a_dropped_batch_and_never_overwrite_a_kept_one(servers):
+    store = ab.ExperienceStore(SCHEMA, capacity=8192, seed=0)
+    batch = _batch(3000)
+    store.extend(batch)
+    server = servers(store)
+    remote = ab.connect(server.location)
+    try:
+        remote.part_bytes = P.MIN_PART_BYTES  # every sample of 2000 rows comes in several messages
+        kept = remote.sample(2000)
+        kept_obs = kept.to_numpy()["obs"]
+        want = batch["obs"][kept.indices].copy()
+        address = None
+        for _ in range(4):  # the kept batch keeps its memory; dropped ones hand theirs to the next sample
+            b = remote.sample(2000)
+            obs = b.to_numpy()["obs"]
+            np.testing.assert_array_equal(obs, batch["obs"][b.indices])
+            assert not np.shares_memory(obs, kept_obs)
+            if address is not None:
+                assert obs.ctypes.data == address  # warm memory, no fresh pages per sample
+            address = obs.ctypes.data
+            del b, obs
+        np.testing.assert_array_equal(kept_obs, want)
+    finally:
+        remote.close()
+
+
 @pytest.mark.parametrize("extra", [{"v": 3, "part_bytes": 1024}, {"v": 2, "part_bytes": 1 << 20},
                                    {"v": 3, "part_bytes": -1}, {"v": 3, "part_bytes": "x"}])
 def test_bad_part_bytes_in_a_ticket_is_refused(servers, extra):
