@@ -27,9 +27,10 @@ Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on retu
 
 - "batch": the record is on disk (fdatasync of the segment before the ack; callers waiting at the same time share
   one fdatasync).
-- "group": group commit: as "batch", and while several callers wait, the one that syncs first waits a window of
-  `window_s` (2 ms) so that the records other writers append meanwhile share its fdatasync (fewer fsyncs, a
-  little more latency; a lone writer never waits the window).
+- "group": group commit: as "batch", and the fdatasync waits (at most a window of `window_s`, 2 ms) for the writers
+  that announced a record (`expect`) and have not appended it yet, so that their records share it; it never waits
+  when no other writer is on its way (a lone writer, or writers that all wait already: their records are in the
+  file, one fdatasync covers them), and it stops waiting as soon as the last announced record is appended.
 - `sync_soon(ticket)` starts the fdatasync on the journal's sync thread and returns at once: a writer that records
   its batch before copying its rows overlaps the two, then `wait`s.
 - "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
@@ -236,7 +237,7 @@ class Journal:
         self._cond = threading.Condition(threading.Lock())  # the durable lsn and the count of waiting callers
         self._next = int(first_lsn)
         self._durable = int(first_lsn) - 1
-        self._waiting = 0  # callers in `wait` (group commit waits a window only when several write at once)
+        self._coming = 0  # records announced (`expect`) and not appended yet: what a group commit waits for
         self._fd = -1
         self._size = 0
         self._closed = False
@@ -259,9 +260,30 @@ class Journal:
         """Append one record (in the order of the calls); returns its ticket for `wait`."""
         return self.append_prepared(prepare(kind, meta, payload))
 
-    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None) -> int:
+    def expect(self) -> None:
+        """Announce a record this caller will append soon (a writer about to encode its batch): a group commit
+        that starts meanwhile waits for it (at most its window) instead of syncing without it. Pair with one
+        `append_prepared(..., expected=True)` or `unexpect()`."""
+        with self._cond:
+            self._coming += 1
+
+    def unexpect(self) -> None:
+        """Withdraw an `expect` whose record will not come (the caller failed before appending it)."""
+        with self._cond:
+            self._coming = max(0, self._coming - 1)
+            self._cond.notify_all()
+
+    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None, expected: bool = False) -> int:
         """Append a record `prepare`d before (outside this journal's lock: the payload's copy and checksum are
-        done by then), with `meta` if given (within the width prepared); returns its ticket for `wait`."""
+        done by then), with `meta` if given (within the width prepared); returns its ticket for `wait`.
+        `expected`: the record announced by this caller's `expect` (counted as arrived, even if this raises)."""
+        try:
+            return self._append_prepared(record, meta)
+        finally:
+            if expected:
+                self.unexpect()
+
+    def _append_prepared(self, record: Prepared, meta: dict[str, Any] | None) -> int:
         with self._lock:
             if self._closed:
                 raise InvalidArgument("the journal is closed")
@@ -292,17 +314,11 @@ class Journal:
 
         Leader and followers: a caller takes the sync lock and fdatasyncs everything appended so far; callers that
         arrive meanwhile queue on the lock and find their records covered (one fdatasync for all of them) or sync the
-        next batch. "group" also waits a window before syncing while other callers wait, to gather more of them.
+        next batch. "group" first waits (at most its window) for records other writers announced (`expect`).
         """
         if self._durable >= ticket:
             return
-        with self._cond:
-            self._waiting += 1
-        try:
-            self._sync_upto(ticket, gather=self.policy == "group")
-        finally:
-            with self._cond:
-                self._waiting -= 1
+        self._sync_upto(ticket, gather=self.policy == "group")
 
     def sync_soon(self, ticket: int) -> None:
         """Start making record `ticket` durable on the journal's sync thread and return at once: a writer that
@@ -326,7 +342,7 @@ class Journal:
                     return
                 upto = self._kick_upto
             try:
-                self._sync_upto(upto)
+                self._sync_upto(upto, gather=self.policy == "group")
             except OSError:  # the callers' `wait` syncs again and raises to them
                 with self._kick:
                     self._kick_upto = self._durable
@@ -335,14 +351,25 @@ class Journal:
         with self._sync_lock:
             if self._durable >= ticket or self._closed:
                 return
-            if gather and self._waiting > 1:  # others write at the same time: gather their records (commit_delay)
-                time.sleep(self.window_s)
+            if gather:
+                self._gather()
             with self._lock:
                 fd, last = self._fd, self._next - 1
             os.fdatasync(fd)
             self.stats["fsyncs"] += 1
             with self._cond:
                 self._durable = max(self._durable, last)
+
+    def _gather(self) -> None:
+        """Group commit: wait until the records other writers announced are appended (they then share this
+        fdatasync), at most `window_s`; at once when none is announced."""
+        deadline = time.monotonic() + self.window_s
+        with self._cond:
+            while self._coming > 0 and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def rotate(self, only_if_full: bool = False) -> int:
         """Start a new segment (the old one is closed with an `end` record and synced); returns its first lsn: the

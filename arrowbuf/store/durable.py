@@ -68,12 +68,13 @@ def read_policy(root: str) -> str | None:
 class _Pending:
     """A batch being extended: its payload, and once its seqs are reserved its first seq and journal ticket."""
 
-    __slots__ = ("payload", "n", "record", "first", "ticket")
+    __slots__ = ("payload", "n", "record", "first", "ticket", "expected")
 
-    def __init__(self, payload: Any, n: int, record: jr.Prepared) -> None:
+    def __init__(self, payload: Any, n: int, record: jr.Prepared, expected: bool = False) -> None:
         self.payload, self.n, self.record = payload, n, record
         self.first = -1
         self.ticket: int | None = None
+        self.expected = expected  # announced to the journal (`Journal.expect`), not appended yet
 
 
 class DurableLog:
@@ -118,7 +119,9 @@ class DurableLog:
                 self.journal.append("issued", {"next": int(next_seq)})
                 os.kill(os.getpid(), signal.SIGKILL)
             pending.first = first
-            pending.ticket = self.journal.append_prepared(pending.record, {"first": first, "n": pending.n})
+            expected, pending.expected = pending.expected, False
+            pending.ticket = self.journal.append_prepared(pending.record, {"first": first, "n": pending.n},
+                                                          expected=expected)
             with self._order:
                 self._recorded = max(self._recorded, first + pending.n)
             self.journal.sync_soon(pending.ticket)
@@ -135,23 +138,31 @@ class DurableLog:
 
     # ------------------------------------------------------------------ journaled writes
     def extend(self, batch: Any, timeout: float | None, single: bool = False) -> np.ndarray:
-        cols, n = self.core.schema.validate_batch(batch, single=single)
-        if n == 0:
-            return np.zeros(0, dtype=np.int64)
-        # the record is encoded and checksummed here, outside every lock: the reservation (`note_issued`) only adds
-        # its lsn and seqs (a fixed-width meta), so writers overlap the checksum with each other's writes and fsyncs
-        payload = jr.table_bytes(columns_table(cols))
-        pending = _Pending(payload, n, jr.prepare("batch", {"first": 0, "n": n}, payload,
-                                                  meta_width=len(f'{{"first":{2 ** 63 - 1},"n":{n}}}')))
-        self._local.pending = pending  # `note_issued` appends the batch record at the reservation
+        # announced first: a group commit that starts while this batch is validated and encoded waits for its record
+        self.journal.expect()
+        pending: _Pending | None = None
         try:
+            cols, n = self.core.schema.validate_batch(batch, single=single)
+            if n == 0:
+                return np.zeros(0, dtype=np.int64)
+            # the record is encoded and checksummed here, outside every lock: the reservation (`note_issued`) only
+            # adds its lsn and seqs (a fixed-width meta), so writers overlap the checksum with each other's writes
+            payload = jr.table_bytes(columns_table(cols))
+            pending = _Pending(payload, n, jr.prepare("batch", {"first": 0, "n": n}, payload,
+                                                      meta_width=len(f'{{"first":{2 ** 63 - 1},"n":{n}}}')), True)
+            self._local.pending = pending  # `note_issued` appends the batch record at the reservation
             ids = self.writer.extend_columns(cols, n, timeout=timeout)
         except BaseException:
-            if pending.ticket is not None:  # recorded, then not stored (a failed copy: its seqs are holes)
+            if pending is not None and pending.ticket is not None:  # recorded, then not stored: its seqs are holes
                 self.journal.append("aborted", {"first": pending.first, "n": n})
             raise
         finally:
             self._local.pending = None
+            if pending is None or pending.expected:
+                self.journal.unexpect()  # the announced record never came (failed, empty, or recorded late)
+                if pending is not None:
+                    pending.expected = False
+        assert pending is not None
         if pending.ticket is None:  # not reserved through the writer's hook (never expected): record it now
             pending.ticket = self._record_batch(int(ids[0]), n, jr.prepare("batch", {"first": int(ids[0]), "n": n},
                                                                           pending.payload))
