@@ -304,7 +304,8 @@ def resume(root: str, manifest: dict[str, Any], policy: str | None, core: Any, w
         hold, writer.hold = writer.hold, None
         limiter, core.rate_limiter = core.rate_limiter, None
         try:
-            counts = replay(records, _Target(core, writer, reader, updater, consume), f"journal of {root}")
+            counts = replay(records, _Target(core, writer, reader, updater, consume), f"journal of {root}",
+                            capacity=int(core.capacity))
         finally:
             writer.hold, core.rate_limiter = hold, limiter
         first = jr.seal_last(root, next_lsn, torn, prev=last_crc)
