@@ -309,16 +309,36 @@ class Journal:
         seqs = np.ascontiguousarray(seqs, dtype=np.int64)
         return self.append("consumed", {"task": task}, seqs.tobytes())
 
-    def wait(self, ticket: int) -> None:
-        """Return once the record `ticket` (and every one before it) is durable under the policy.
+    def is_durable(self, ticket: int) -> bool:
+        """Whether record `ticket` (and every one before it) is durable under the policy now."""
+        return self._durable >= ticket
+
+    def wait(self, ticket: int, timeout: float | None = None) -> bool:
+        """Return once the record `ticket` (and every one before it) is durable under the policy (True), or, with a
+        `timeout`, after that many seconds if it is not (False; the journal's sync thread goes on with it).
 
         Leader and followers: a caller takes the sync lock and fdatasyncs everything appended so far; callers that
         arrive meanwhile queue on the lock and find their records covered (one fdatasync for all of them) or sync the
         next batch. "group" first waits (at most its window) for records other writers announced (`expect`).
         """
         if self._durable >= ticket:
-            return
+            return True
+        if timeout is not None:
+            return self._wait_for(ticket, timeout)
         self._sync_upto(ticket, gather=self.policy == "group")
+        return True
+
+    def _wait_for(self, ticket: int, timeout: float) -> bool:
+        """`wait` with a timeout: the sync thread makes the record durable; this waits for it, at most `timeout`."""
+        self.sync_soon(ticket)
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while self._durable < ticket and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._durable >= ticket
 
     def sync_soon(self, ticket: int) -> None:
         """Start making record `ticket` durable on the journal's sync thread and return at once: a writer that
@@ -359,6 +379,7 @@ class Journal:
             self.stats["fsyncs"] += 1
             with self._cond:
                 self._durable = max(self._durable, last)
+                self._cond.notify_all()  # `wait(ticket, timeout)` callers
 
     def _gather(self) -> None:
         """Group commit: wait until the records other writers announced are appended (they then share this

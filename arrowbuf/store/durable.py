@@ -34,6 +34,7 @@ from ..persist.checkpoint import checkpoint as write_checkpoint
 from ..persist.replay import columns_table, replay
 from ..ring.reservations import HOLE
 from ..samplers.base import validate_priorities
+from .pending import PendingWrite
 from .update import update_ids, validate_update
 
 DURABLE = "_durable.json"
@@ -137,7 +138,9 @@ class DurableLog:
         self.journal.wait(ticket)
 
     # ------------------------------------------------------------------ journaled writes
-    def extend(self, batch: Any, timeout: float | None, single: bool = False) -> np.ndarray:
+    def extend(self, batch: Any, timeout: float | None, single: bool = False, wait: bool = True) -> Any:
+        """Journal and store `batch`; returns its ids once durable, or with `wait=False` a `PendingWrite` at once
+        (the rows stored and their record written; durable later: `arrowbuf.store.pending`)."""
         # announced first: a group commit that starts while this batch is validated and encoded waits for its record
         self.journal.expect()
         pending: _Pending | None = None
@@ -166,6 +169,9 @@ class DurableLog:
         if pending.ticket is None:  # not reserved through the writer's hook (never expected): record it now
             pending.ticket = self._record_batch(int(ids[0]), n, jr.prepare("batch", {"first": int(ids[0]), "n": n},
                                                                           pending.payload))
+            self.journal.sync_soon(pending.ticket)
+        if not wait:
+            return PendingWrite(ids, self.journal, pending.ticket)
         self.journal.wait(pending.ticket)
         return ids
 
