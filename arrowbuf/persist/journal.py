@@ -53,7 +53,6 @@ import re
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +60,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, StoreCorrupt
+from .crc import crc32
 
 JOURNAL = "_journal"
 OWNER = "_owner.lock"
@@ -72,7 +72,7 @@ _FIELDS = [("lsn", pa.int64()), ("kind", pa.string()), ("meta", pa.string()), ("
            ("prev", pa.uint32()), ("crc32", pa.uint32())]
 RECORD_SCHEMA = pa.schema(_FIELDS, metadata={"arrowbuf.journal": str(FORMAT_VERSION)})
 _SCHEMA_BYTES = RECORD_SCHEMA.serialize().to_pybytes()
-_SCHEMA_CRC = zlib.crc32(_SCHEMA_BYTES) & 0xFFFFFFFF
+_SCHEMA_CRC = crc32(_SCHEMA_BYTES) & 0xFFFFFFFF
 _V1_SCHEMA_BYTES = pa.schema(_FIELDS).serialize().to_pybytes()  # version 1 (no metadata): refused
 _U32 = struct.Struct("<I")
 _ZERO4 = b"\0\0\0\0"
@@ -119,7 +119,7 @@ def prepare(kind: str, meta: dict[str, Any], payload: Any = b"", meta_width: int
     lsn_at = 8 + int.from_bytes(view[4:8], "little")  # the body starts with the lsn
     meta_at = lsn_at + 8 + 8 + _pad8(len(k)) + 8      # lsn, kind offsets, kind, meta offsets (buffers 8-aligned)
     p0 = meta_at + _pad8(w) + 8                         # meta, payload offsets
-    return Prepared(view, lsn_at, meta_at, w, p0, zlib.crc32(view[p0:-16]))
+    return Prepared(view, lsn_at, meta_at, w, p0, crc32(view[p0:-16]))
 
 
 def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | None = None) -> tuple[list[Any], int]:
@@ -138,7 +138,7 @@ def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | None = None) -
     lsn_b, prev_b = _I64.pack(lsn), _U32.pack(prev) + _ZERO4
     crc = p.crc
     for piece in (v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:p.p0], prev_b):
-        crc = zlib.crc32(piece, crc)
+        crc = crc32(piece, crc)
     crc &= 0xFFFFFFFF
     return [v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:-16],
             prev_b + _U32.pack(crc) + _ZERO4], crc
@@ -165,8 +165,8 @@ def record_crc(view: memoryview, off: int, total: int) -> int:
     p0 = mo + 8 + _pad8(m1) + 8
     if m0 != 0 or m1 < 0 or p0 > end - 16:
         return -1
-    crc = zlib.crc32(view[off:p0], zlib.crc32(view[p0:end - 16]))
-    return zlib.crc32(view[end - 16:end - 8], crc) & 0xFFFFFFFF
+    crc = crc32(view[off:p0], crc32(view[p0:end - 16]))
+    return crc32(view[end - 16:end - 8], crc) & 0xFFFFFFFF
 
 
 def _one(type_: pa.DataType, value: Any) -> pa.Array:
@@ -533,7 +533,7 @@ def read_journal(directory: str, from_lsn: int) -> tuple[list[Record], TornTail 
 
 class _Loader:
     """Reads a segment file into memory on a thread, in large sequential reads, while the caller checks the records
-    already read (reading and checksumming overlap: zlib and the reads release the GIL). `upto(k)` waits until
+    already read (reading and checksumming overlap: the CRC and the reads release the GIL). `upto(k)` waits until
     the first k bytes (at most the file's size) are in `buf`."""
 
     CHUNK = 8 << 20

@@ -31,6 +31,7 @@ from ..errors import InvalidArgument, StoreCorrupt
 from ..persist import journal as jr
 from ..persist import manifest as mf
 from ..persist.checkpoint import checkpoint as write_checkpoint
+from ..persist.crc import IMPLEMENTATION as CRC_IMPLEMENTATION
 from ..persist.replay import columns_table, replay
 from ..ring.reservations import HOLE
 from ..samplers.base import validate_priorities
@@ -240,7 +241,7 @@ class DurableLog:
     def stats(self) -> dict[str, Any]:
         """For `store.stats()["journal"]`: policy, records, bytes and fsyncs since this store opened its journal,
         and what its restore replayed (records per kind, torn bytes dropped)."""
-        return {"durability": self.journal.policy, "path": self.root, **self.journal.stats,
+        return {"durability": self.journal.policy, "path": self.root, "crc32": CRC_IMPLEMENTATION, **self.journal.stats,
                 "next_lsn": self.journal.next_lsn, "replayed": dict(self.replayed)}
 
     # ------------------------------------------------------------------ checkpoints and lifetime
