@@ -302,12 +302,13 @@ class Journal:
             self.rotate(only_if_full=True)
         return lsn
 
-    def record_consumed(self, task: str, seqs: np.ndarray) -> int:
+    def record_consumed(self, task: str, seqs: np.ndarray, meta: dict[str, Any] | None = None) -> int:
         """Record that `task` consumed the rows `seqs` (the consume path calls this when it marks rows consumed
-        without a lease, and the lease path when a lease is acked). Returns the ticket to `wait` for before the rows
-        are handed out (or the ack returns)."""
+        without a lease, and the lease path when a lease is acked); `meta`: more of the record's meta (the
+        consumer and time, for the lineage). Returns the ticket to `wait` for before the rows are handed out (or the
+        ack returns)."""
         seqs = np.ascontiguousarray(seqs, dtype=np.int64)
-        return self.append("consumed", {"task": task}, seqs.tobytes())
+        return self.append("consumed", {**(meta or {}), "task": task}, seqs.tobytes())
 
     def is_durable(self, ticket: int) -> bool:
         """Whether record `ticket` (and every one before it) is durable under the policy now."""

@@ -2,7 +2,11 @@
 
 A record's payload is Arrow (module `journal`): a batch's rows are the validated input columns as an Arrow IPC
 stream (fields, derived fields given on episode ends, stream keys); an update's are `seq` plus the updated fields;
-priorities are `seq` and `priority`; consumption is the seqs as little-endian int64.
+priorities are `seq` and `priority`; consumption is the seqs as little-endian int64. For the lineage, a batch's
+meta names its writer and the time it was recorded (`w`, `t`: Unix microseconds), a consumption's its consumer,
+time and lineage outcome (`c`, `t`, `o`: 1 delivered, 3 acked); replay puts them back (`restamp_written`,
+`restamp_consumed`), so a restored store does not show the restoring process as the writer and consumer of the
+replayed rows. Records without them (older journals) replay as before.
 
 `replay(records, target)` applies the records after the checkpoint in journal order onto `target` (a
 `ReplayTarget`: the restored store's internals, with the journal and the eviction hold off). Rules that make it
@@ -49,6 +53,8 @@ class ReplayTarget(Protocol):
     def apply_policy_version(self, value: int) -> None: ...
     def apply_consumed(self, task: str, seqs: np.ndarray) -> None: ...
     def apply_end_episode(self, actor: Any, final: dict[str, Any]) -> None: ...
+    def restamp_written(self, first: int, n: int, writer: str, at: float) -> None: ...
+    def restamp_consumed(self, task: str, seqs: np.ndarray, consumer: str, at: float, outcome: int) -> None: ...
 
 
 def column_array(col: Any) -> pa.Array:
@@ -151,7 +157,16 @@ def replay(records: list[Record], target: ReplayTarget, where: str, capacity: in
         elif kind == "priorities":
             target.apply_priorities(seqs, args)
         else:
-            target.apply_consumed(args, seqs)
+            task, consumer, at, outcome = args
+            target.apply_consumed(task, seqs)
+            if consumer is not None:
+                target.restamp_consumed(task, seqs, consumer, at, outcome)
+
+    def restamp(rec: Record) -> None:
+        """Put back who wrote a replayed batch and when (journals before lineage was recorded: nothing)."""
+        who, at = rec.meta.get("w"), rec.meta.get("t")
+        if isinstance(who, str) and isinstance(at, int):
+            target.restamp_written(int(rec.meta["first"]), int(rec.meta["n"]), who, at / 1e6)
 
     def take(kind: str, seqs: np.ndarray, args: Any, select: Any) -> None:
         hi = target.next_seq()
@@ -188,6 +203,8 @@ def replay(records: list[Record], target: ReplayTarget, where: str, capacity: in
                 if len(ids) != n or int(ids[0]) != first:
                     raise StoreCorrupt(f"{where}: batch records {r.lsn}..{records[end - 1].lsn} replayed as seqs "
                                        f"{ids[:1]}.. ({len(ids)} rows), the journal says {first}.. ({n} rows)")
+                for x in records[i:end]:
+                    restamp(x)
                 flush_pending()
                 run_end = end
                 counts["batch"] = counts.get("batch", 0) + 1
@@ -214,6 +231,7 @@ def replay(records: list[Record], target: ReplayTarget, where: str, capacity: in
                 if len(ids) != n or (n and int(ids[0]) != first):
                     raise StoreCorrupt(f"{where}: batch record {r.lsn} replayed as seqs {ids[:1]}.. ({len(ids)} "
                                        f"rows), the journal says {first}.. ({n} rows)")
+                restamp(r)
                 flush_pending()
             elif r.kind == "update":
                 t = payload_table(r.payload)
@@ -225,7 +243,11 @@ def replay(records: list[Record], target: ReplayTarget, where: str, capacity: in
                 take("priorities", np.asarray(t.column("seq").to_numpy(), dtype=np.int64),
                      np.asarray(t.column("priority").to_numpy(), dtype=np.float64), _select)
             elif r.kind == "consumed":
-                take("consumed", _seqs(r.payload), str(r.meta["task"]), _select)
+                consumer, at, outcome = r.meta.get("c"), r.meta.get("t"), r.meta.get("o")
+                ok = isinstance(consumer, str) and isinstance(at, int) and outcome in (1, 3)
+                seconds = at / 1e6 if isinstance(at, int) else 0.0
+                who = (str(r.meta["task"]), consumer if ok else None, seconds, outcome)
+                take("consumed", _seqs(r.payload), who, _select)
             elif r.kind == "task":
                 target.apply_task(str(r.meta["name"]))
             elif r.kind == "policy_version":
