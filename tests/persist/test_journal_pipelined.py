@@ -133,3 +133,19 @@ def test_a_window_of_pending_writes_restores_exactly(tmp_path):
     s.close()
     with ab.ExperienceStore.restore(str(tmp_path / "run")) as again:
         assert again.to_table().equals(before)
+
+
+def test_a_remote_store_takes_wait_false_and_its_handle_is_durable(tmp_path):
+    """Over Flight the server acknowledges a DoPut once durable: the handle is durable when it comes back."""
+    root = str(tmp_path / "run")
+    s = ab.ExperienceStore(SCHEMA, capacity=1000, durable=root, durability="group")
+    try:
+        with ab.serve(s, "grpc://127.0.0.1:0") as server, ab.connect(server.location) as c:
+            handles = [c.extend(batch(i), wait=False) for i in range(3)]
+            assert all(isinstance(h, ab.PendingWrite) and h.durable for h in handles)
+            assert [h.wait(timeout=0).tolist() for h in handles] == [list(range(8 * i, 8 * i + 8)) for i in range(3)]
+            assert np.array_equal(c.extend(batch(3)), np.arange(24, 32))  # the default still returns the ids
+    finally:
+        s.close()
+    with ab.ExperienceStore.restore(root) as again:
+        assert len(again) == 32
