@@ -27,14 +27,20 @@ def test_a_lone_writer_never_waits_the_group_window(tmp_path):
 
 
 def test_writers_that_all_wait_already_do_not_wait_the_window(tmp_path):
-    """The old rule (sleep a window whenever two callers wait) made every fdatasync of N waiting writers wait."""
+    """The old rule (sleep a window whenever two callers wait) made writers queued behind a running fdatasync sleep
+    the window after it, holding the sync lock, although all their records were in the file already."""
     j = jr.Journal(str(tmp_path), "group", window_s=LONG)
     try:
+        big = j.append("batch", {"first": 0, "n": 1}, b"\1" * (16 << 20))
+        j.sync_soon(big)  # a long fdatasync on the sync thread: the writers below queue behind it
+        time.sleep(0.05)  # (it has started)
         tickets = [j.append("issued", {"next": i}) for i in range(4)]
         done: list[float] = []
+        together = threading.Barrier(4)
         t0 = time.monotonic()
 
         def waiter(t: int) -> None:
+            together.wait()  # all four wait at once, as writers that finished their copies
             j.wait(t)
             done.append(time.monotonic() - t0)
 
