@@ -260,8 +260,8 @@ def run(where: str, quick: bool) -> dict[str, Any]:
             res["ingest"][f"{kind} w{writers} group+win4"] = ingest(kind, where, "group", writers, secs, window=4)
     res["flight"] = {str(p or "none"): flight_ingest(where, p, secs) for p in (None, "group")}
     res["ack"] = {str(p or "none"): ack_latency(where, p, 100 if quick else 1000) for p in (None, *POLICIES)}
-    res["recovery"] = recovery(where, 64 if quick else 512, "frames")
-    res["recovery_grpo"] = recovery(where, 32 if quick else 256, "grpo")
+    res["recovery"] = recovery(where, 64 if quick else 256, "frames")
+    res["recovery_grpo"] = recovery(where, 32 if quick else 128, "grpo")
     from arrowbuf.persist.crc import IMPLEMENTATION
 
     res["crc32"] = IMPLEMENTATION
