@@ -38,6 +38,7 @@ from .persist import CheckpointHandle, ExperienceDataset, open_dataset
 from .query.sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
 from .store.facade import ExperienceStore
+from .store.pending import PendingWrite
 from .surface import StoreSurface, WriterSurface
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ __all__ = [
     "ExperienceDataset",
     "ExperienceSchema",
     "ExperienceStore",
+    "PendingWrite",
     "FieldSpec",
     "FinalObsWarning",
     "InsertTimeout",

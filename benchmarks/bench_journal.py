@@ -10,8 +10,8 @@ Rows (all on the disk of `--dir`):
   the MB/s over min(the no-journal MB/s, the sequential write bandwidth): a journal writes every byte, so for frames
   the disk is the ceiling;
 - acknowledgement latency p50/p99 per policy (one writer, batches of 16 GRPO rows), beside the raw fsync latency;
-- recovery: restore (checkpoint + replay) of a journal of N MB, seconds per GB, vs reading the same segment files
-  (page cache dropped before both).
+- recovery: restore (checkpoint + replay) of a journal of N MB (frames, and GRPO rows), seconds per GB, per-record
+  and bulk replay, vs reading the same segment files (page cache dropped before each; medians of 3).
 
     python -m benchmarks.bench_journal [--quick] [--dir /tmp]
     python -m benchmarks.bench_persist --journal [--quick]
@@ -22,6 +22,7 @@ Writes benchmarks/out/journal.json. The machine is shared and noisy: the load is
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import pathlib
@@ -96,8 +97,11 @@ def _store(kind: str, durable: str | None, policy: str | None, capacity: int) ->
     return ab.ExperienceStore(schema, capacity=capacity, seed=0, **kw)
 
 
-def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: float) -> dict[str, float]:
-    """Rows/s of `writers` threads extending back to back for `seconds` (the ring wraps: steady state)."""
+def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: float,
+           window: int = 0) -> dict[str, float]:
+    """Rows/s of `writers` threads extending back to back for `seconds` (the ring wraps: steady state). `window`:
+    each writer keeps that many writes unacknowledged (`extend(..., wait=False)`, then the oldest handle's `wait()`),
+    as a producer with a window does; 0: every extend acknowledges synchronously."""
     n = 256 if kind == "frames" else 64
     batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
     row_bytes = (4 * 84 * 84 + 13) if kind == "frames" else int(np.mean([len(r) for r in batch["response_tokens"]]) * 8
@@ -110,10 +114,22 @@ def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: flo
         done = [0] * writers
         stop = time.perf_counter() + seconds
 
+        cpu = [0.0] * writers
+
         def loop(i: int) -> None:
+            c0 = time.thread_time()
+            handles: collections.deque[Any] = collections.deque()
             while time.perf_counter() < stop:
-                s.extend(batch)
+                if window:
+                    handles.append(s.extend(batch, wait=False))
+                    if len(handles) > window:
+                        handles.popleft().wait()
+                else:
+                    s.extend(batch)
                 done[i] += n
+            while handles:
+                handles.popleft().wait()
+            cpu[i] = time.thread_time() - c0
 
         threads = [threading.Thread(target=loop, args=(i,)) for i in range(writers)]
         t0 = time.perf_counter()
@@ -124,7 +140,8 @@ def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: flo
         dt = time.perf_counter() - t0
         st = s.stats().get("journal", {})
         return {"rows_per_s": sum(done) / dt, "mb_per_s": sum(done) * row_bytes / dt / 1e6,
-                "fsyncs": st.get("fsyncs", 0), "records": st.get("records", 0)}
+                "fsyncs": st.get("fsyncs", 0), "records": st.get("records", 0),
+                "cpu_us_per_batch": sum(cpu) / max(1, sum(done) // n) * 1e6}
     finally:
         s.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -173,35 +190,57 @@ def _drop(path: str) -> None:
             os.close(fd)
 
 
-def recovery(where: str, mb: int) -> dict[str, float]:
-    """Restore of a durable store whose rows are all in the journal (no checkpoint after the first)."""
+def _read_files(jdir: str) -> float:
+    t0 = time.perf_counter()
+    for f in sorted(os.listdir(jdir)):
+        with open(os.path.join(jdir, f), "rb") as fh:
+            while fh.read(8 << 20):
+                pass
+    return time.perf_counter() - t0
+
+
+def recovery(where: str, mb: int, kind: str = "frames") -> dict[str, Any]:
+    """Restore of a durable store whose rows are all in the journal (no checkpoint after the first): per-record
+    replay and bulk replay (`persist.replay`) of copies of the same directory, interleaved with reads of the same
+    files, page cache dropped before each; medians of 3 (the first touch of a fresh process's arenas is part of a
+    restore's cost, and noisy)."""
+    from arrowbuf.persist import replay as rp
+
     d = tempfile.mkdtemp(dir=where, prefix="jb-")
     run = os.path.join(d, "run")
-    batch = frames_batch(256)
-    rows = max(256, (mb << 20) // (4 * 84 * 84) // 256 * 256)
-    s = _store("frames", run, "os", rows + 256)
+    n = 256 if kind == "frames" else 64
+    batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
+    row_bytes = 4 * 84 * 84 if kind == "frames" else 2600
+    rows = max(n, (mb << 20) // row_bytes // n * n)
+    s = _store(kind, run, "os", rows + n)
+    bulk_rows = rp.BULK_ROWS
+    times: dict[str, list[float]] = {"read": [], "per_record": [], "bulk": []}
     try:
-        for _ in range(rows // 256):
+        for _ in range(rows // n):
             s.extend(batch)
         s.close()
         jdir = os.path.join(run, "_journal")
         jbytes = sum(os.path.getsize(os.path.join(jdir, f)) for f in os.listdir(jdir))
-        _drop(run)
-        t0 = time.perf_counter()
-        for f in sorted(os.listdir(jdir)):
-            with open(os.path.join(jdir, f), "rb") as fh:
-                while fh.read(8 << 20):
-                    pass
-        read_s = time.perf_counter() - t0
-        _drop(run)
-        t0 = time.perf_counter()
-        with ab.ExperienceStore.restore(run) as again:
-            restore_s = time.perf_counter() - t0
-            assert len(again) == rows
+        for trial in range(3):
+            _drop(run)
+            times["read"].append(_read_files(jdir))
+            for mode in ("per_record", "bulk"):
+                copy = os.path.join(d, f"{mode}{trial}")
+                shutil.copytree(run, copy)
+                _drop(copy)
+                rp.BULK_ROWS = bulk_rows if mode == "bulk" else 0
+                t0 = time.perf_counter()
+                with ab.ExperienceStore.restore(copy) as again:
+                    times[mode].append(time.perf_counter() - t0)
+                    assert len(again) == rows
+                shutil.rmtree(copy)
         gb = jbytes / 1e9
-        return {"journal_gb": gb, "rows": rows, "restore_s": restore_s, "restore_s_per_gb": restore_s / gb,
-                "read_s_per_gb": read_s / gb, "vs_read": read_s / restore_s}
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        return {"kind": kind, "journal_gb": gb, "rows": rows, "read_s_per_gb": med["read"] / gb,
+                "per_record_s_per_gb": med["per_record"] / gb, "bulk_s_per_gb": med["bulk"] / gb,
+                "restore_s_per_gb": med["bulk"] / gb, "vs_read": med["read"] / med["bulk"], "times": times}
     finally:
+        rp.BULK_ROWS = bulk_rows
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -218,9 +257,14 @@ def run(where: str, quick: bool) -> dict[str, Any]:
                     continue
                 r = ingest(kind, where, policy, writers, secs)
                 res["ingest"][f"{kind} w{writers} {policy or 'none'}"] = r
+            res["ingest"][f"{kind} w{writers} group+win4"] = ingest(kind, where, "group", writers, secs, window=4)
     res["flight"] = {str(p or "none"): flight_ingest(where, p, secs) for p in (None, "group")}
     res["ack"] = {str(p or "none"): ack_latency(where, p, 100 if quick else 1000) for p in (None, *POLICIES)}
-    res["recovery"] = recovery(where, 64 if quick else 1024)
+    res["recovery"] = recovery(where, 64 if quick else 256, "frames")
+    res["recovery_grpo"] = recovery(where, 32 if quick else 128, "grpo")
+    from arrowbuf.persist.crc import IMPLEMENTATION
+
+    res["crc32"] = IMPLEMENTATION
     res["load_end"] = os.getloadavg()[0]
     return res
 
@@ -237,26 +281,30 @@ def table(res: dict[str, Any]) -> str:
            f"ceilings: raw fsync loop {f['fsyncs_per_s']:.0f}/s (p50 {f['p50_us']:.0f} us, p99 {f['p99_us']:.0f} "
            f"us); sequential write {res['write_gb_per_s']:.2f} GB/s",
            f"{'ingest (in process)':<28} {'rows/s':>10} {'MB/s':>8} {'x none':>7} {'x ceil':>7} {'fsyncs':>7} "
-           f"{'records':>8}"]
+           f"{'records':>8} {'cpu us/b':>9}"]
     ing = res["ingest"]
     for key, r in ing.items():
         kind, w, _ = key.split()
         none = ing[f"{kind} {w} none"]
         x_none = r["rows_per_s"] / none["rows_per_s"]
         out.append(f"{key:<28} {r['rows_per_s']:>10.0f} {r['mb_per_s']:>8.1f} {x_none:>7.2f} "
-                   f"{ceiling_ratio(res, r, none):>7.2f} {r['fsyncs']:>7} {r['records']:>8}")
+                   f"{ceiling_ratio(res, r, none):>7.2f} {r['fsyncs']:>7} {r['records']:>8} "
+                   f"{r['cpu_us_per_batch']:>9.0f}")
     out.append("x ceil: MB/s over min(the no-journal rate, sequential write bandwidth): a journal writes every byte to "
-               "the disk, so that is the most it can reach (the disk bounds frames, the CPU bounds GRPO rows)")
+               "the disk, so that is the most it can reach (the disk bounds frames, the CPU bounds GRPO rows); "
+               "group+win4: each writer keeps 4 writes unacknowledged (extend(wait=False)); cpu us/b: the writer "
+               f"threads' CPU time per batch (holds under load); CRC-32: {res.get('crc32', '?')}")
     fl = res["flight"]
     out.append(f"over Flight (grpo, 1 client): none {fl['none']:.0f} rows/s, group {fl['group']:.0f} rows/s "
                f"({fl['group'] / fl['none']:.2f}x)")
     out.append("ack latency (extend of 16 grpo rows): " + ", ".join(
         f"{p} p50 {r['p50_us']:.0f} us / p99 {r['p99_us']:.0f} us" for p, r in res["ack"].items()))
-    rc = res["recovery"]
-    out.append(f"recovery: {rc['journal_gb']:.3f} GB of journal ({rc['rows']} frames rows) restored in "
-               f"{rc['restore_s']:.2f} s = {rc['restore_s_per_gb']:.2f} s/GB; reading the files "
-               f"{rc['read_s_per_gb']:.2f}"
-               f" s/GB ({rc['vs_read']:.2f}x of the read ceiling)")
+    for key in ("recovery", "recovery_grpo"):
+        rc = res[key]
+        out.append(f"recovery ({rc['kind']}): {rc['journal_gb']:.3f} GB of journal ({rc['rows']} rows): restore "
+                   f"{rc['per_record_s_per_gb']:.2f} s/GB per record, {rc['bulk_s_per_gb']:.2f} s/GB bulk; reading "
+                   f"the files {rc['read_s_per_gb']:.2f} s/GB (bulk at {rc['vs_read']:.2f}x of the read ceiling; "
+                   "medians of 3, page cache dropped)")
     return "\n".join(out)
 
 

@@ -8,5 +8,5 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/python -m pip install -q --upgrade pip
 fi
 # torch is pinned: the CPU wheel 2.13.0 lies on this machine; an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q -e '.[query,dev,demo,ray,compat,metrics,uitest]' 'torch==2.13.0' cryptography \
-  'prometheus-client==0.26.0'
+.venv/bin/python -m pip install -q -e '.[query,dev,demo,ray,compat,metrics,uitest,fast]' 'torch==2.13.0' cryptography \
+  'prometheus-client==0.26.0' 'isal==1.9.1'

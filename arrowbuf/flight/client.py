@@ -39,7 +39,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import numpy as np
 import pyarrow as pa
@@ -51,6 +51,7 @@ from ..ring.outpool import OutputPool
 from ..samplers import validate_priorities
 from ..schema import ExperienceSchema, load_schema
 from ..store.admission import check_admission
+from ..store.pending import PendingWrite
 from . import protocol as P
 from .calls import Unreachable, check_timeout, translate
 from .messages import MAX_PADS, ack_ids, misalignment, record_batch, request_key, sample_batch, table_to_batch
@@ -260,8 +261,15 @@ class RemoteStore:
         cols, n = self.schema.validate_batch(step, single=True)
         return int(self._put(record_batch(self.schema, cols), timeout, rpc_timeout)[0])
 
-    def extend(self, batch: Any, *, timeout: float | None = None,
-               rpc_timeout: float | None | object = _DEFAULT) -> np.ndarray:
+    @overload
+    def extend(self, batch: Any, *, timeout: float | None = None, rpc_timeout: float | None | object = _DEFAULT,
+               wait: Literal[True] = True) -> np.ndarray: ...
+    @overload
+    def extend(self, batch: Any, *, timeout: float | None = None, rpc_timeout: float | None | object = _DEFAULT,
+               wait: Literal[False]) -> PendingWrite: ...
+
+    def extend(self, batch: Any, *, timeout: float | None = None, rpc_timeout: float | None | object = _DEFAULT,
+               wait: bool = True) -> Any:
         """Add many steps (dict of arrays, `pa.RecordBatch` or `pa.Table`) in one atomic DoPut.
 
         A batch over the server's `max_batch_bytes` goes in parts of one stream (zero-copy slices, protocol 3) that
@@ -271,6 +279,9 @@ class RemoteStore:
             batch: the steps.
             timeout: seconds the server's rate limiter may hold the insert back.
             rpc_timeout: this call's deadline (default: the client's `timeout` plus `timeout`).
+            wait: False returns a `PendingWrite` (the local store's `extend(..., wait=False)` surface) that is
+                durable at once: over Flight the server acknowledges a DoPut once it is durable, so this call
+                still waits for that (no pipelining over Flight yet; the same code runs on both).
 
         Returns:
             The new rows' ids, a 1-D `np.ndarray[int64]` in row order (from the acknowledgement's committed range).
@@ -283,10 +294,12 @@ class RemoteStore:
         """
         rb = self.to_batch(batch)
         if rb.num_rows == 0:  # validated, and nothing to store
-            return np.empty(0, dtype=np.int64)
-        if self.max_batch_bytes is not None and rb.nbytes > self.max_batch_bytes:
-            return self._put_parts(rb, timeout, rpc_timeout)
-        return self._put(rb, timeout, rpc_timeout)
+            ids = np.empty(0, dtype=np.int64)
+        elif self.max_batch_bytes is not None and rb.nbytes > self.max_batch_bytes:
+            ids = self._put_parts(rb, timeout, rpc_timeout)
+        else:
+            ids = self._put(rb, timeout, rpc_timeout)
+        return ids if wait else PendingWrite(ids)
 
     def _put_parts(self, rb: pa.RecordBatch, timeout: float | None,
                    rpc_timeout: float | None | object) -> np.ndarray:

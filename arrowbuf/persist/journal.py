@@ -27,9 +27,10 @@ Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on retu
 
 - "batch": the record is on disk (fdatasync of the segment before the ack; callers waiting at the same time share
   one fdatasync).
-- "group": group commit: as "batch", and while several callers wait, the one that syncs first waits a window of
-  `window_s` (2 ms) so that the records other writers append meanwhile share its fdatasync (fewer fsyncs, a
-  little more latency; a lone writer never waits the window).
+- "group": group commit: as "batch", and the fdatasync waits (at most a window of `window_s`, 2 ms) for the writers
+  that announced a record (`expect`) and have not appended it yet, so that their records share it; it never waits
+  when no other writer is on its way (a lone writer, or writers that all wait already: their records are in the
+  file, one fdatasync covers them), and it stops waiting as soon as the last announced record is appended.
 - `sync_soon(ticket)` starts the fdatasync on the journal's sync thread and returns at once: a writer that records
   its batch before copying its rows overlaps the two, then `wait`s.
 - "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
@@ -52,7 +53,6 @@ import re
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, StoreCorrupt
+from .crc import crc32
 
 JOURNAL = "_journal"
 OWNER = "_owner.lock"
@@ -71,7 +72,7 @@ _FIELDS = [("lsn", pa.int64()), ("kind", pa.string()), ("meta", pa.string()), ("
            ("prev", pa.uint32()), ("crc32", pa.uint32())]
 RECORD_SCHEMA = pa.schema(_FIELDS, metadata={"arrowbuf.journal": str(FORMAT_VERSION)})
 _SCHEMA_BYTES = RECORD_SCHEMA.serialize().to_pybytes()
-_SCHEMA_CRC = zlib.crc32(_SCHEMA_BYTES) & 0xFFFFFFFF
+_SCHEMA_CRC = crc32(_SCHEMA_BYTES) & 0xFFFFFFFF
 _V1_SCHEMA_BYTES = pa.schema(_FIELDS).serialize().to_pybytes()  # version 1 (no metadata): refused
 _U32 = struct.Struct("<I")
 _ZERO4 = b"\0\0\0\0"
@@ -118,7 +119,7 @@ def prepare(kind: str, meta: dict[str, Any], payload: Any = b"", meta_width: int
     lsn_at = 8 + int.from_bytes(view[4:8], "little")  # the body starts with the lsn
     meta_at = lsn_at + 8 + 8 + _pad8(len(k)) + 8      # lsn, kind offsets, kind, meta offsets (buffers 8-aligned)
     p0 = meta_at + _pad8(w) + 8                         # meta, payload offsets
-    return Prepared(view, lsn_at, meta_at, w, p0, zlib.crc32(view[p0:-16]))
+    return Prepared(view, lsn_at, meta_at, w, p0, crc32(view[p0:-16]))
 
 
 def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | None = None) -> tuple[list[Any], int]:
@@ -137,7 +138,7 @@ def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | None = None) -
     lsn_b, prev_b = _I64.pack(lsn), _U32.pack(prev) + _ZERO4
     crc = p.crc
     for piece in (v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:p.p0], prev_b):
-        crc = zlib.crc32(piece, crc)
+        crc = crc32(piece, crc)
     crc &= 0xFFFFFFFF
     return [v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:-16],
             prev_b + _U32.pack(crc) + _ZERO4], crc
@@ -164,8 +165,8 @@ def record_crc(view: memoryview, off: int, total: int) -> int:
     p0 = mo + 8 + _pad8(m1) + 8
     if m0 != 0 or m1 < 0 or p0 > end - 16:
         return -1
-    crc = zlib.crc32(view[off:p0], zlib.crc32(view[p0:end - 16]))
-    return zlib.crc32(view[end - 16:end - 8], crc) & 0xFFFFFFFF
+    crc = crc32(view[off:p0], crc32(view[p0:end - 16]))
+    return crc32(view[end - 16:end - 8], crc) & 0xFFFFFFFF
 
 
 def _one(type_: pa.DataType, value: Any) -> pa.Array:
@@ -236,7 +237,7 @@ class Journal:
         self._cond = threading.Condition(threading.Lock())  # the durable lsn and the count of waiting callers
         self._next = int(first_lsn)
         self._durable = int(first_lsn) - 1
-        self._waiting = 0  # callers in `wait` (group commit waits a window only when several write at once)
+        self._coming = 0  # records announced (`expect`) and not appended yet: what a group commit waits for
         self._fd = -1
         self._size = 0
         self._closed = False
@@ -259,9 +260,30 @@ class Journal:
         """Append one record (in the order of the calls); returns its ticket for `wait`."""
         return self.append_prepared(prepare(kind, meta, payload))
 
-    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None) -> int:
+    def expect(self) -> None:
+        """Announce a record this caller will append soon (a writer about to encode its batch): a group commit
+        that starts meanwhile waits for it (at most its window) instead of syncing without it. Pair with one
+        `append_prepared(..., expected=True)` or `unexpect()`."""
+        with self._cond:
+            self._coming += 1
+
+    def unexpect(self) -> None:
+        """Withdraw an `expect` whose record will not come (the caller failed before appending it)."""
+        with self._cond:
+            self._coming = max(0, self._coming - 1)
+            self._cond.notify_all()
+
+    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None, expected: bool = False) -> int:
         """Append a record `prepare`d before (outside this journal's lock: the payload's copy and checksum are
-        done by then), with `meta` if given (within the width prepared); returns its ticket for `wait`."""
+        done by then), with `meta` if given (within the width prepared); returns its ticket for `wait`.
+        `expected`: the record announced by this caller's `expect` (counted as arrived, even if this raises)."""
+        try:
+            return self._append_prepared(record, meta)
+        finally:
+            if expected:
+                self.unexpect()
+
+    def _append_prepared(self, record: Prepared, meta: dict[str, Any] | None) -> int:
         with self._lock:
             if self._closed:
                 raise InvalidArgument("the journal is closed")
@@ -280,29 +302,44 @@ class Journal:
             self.rotate(only_if_full=True)
         return lsn
 
-    def record_consumed(self, task: str, seqs: np.ndarray) -> int:
+    def record_consumed(self, task: str, seqs: np.ndarray, meta: dict[str, Any] | None = None) -> int:
         """Record that `task` consumed the rows `seqs` (the consume path calls this when it marks rows consumed
-        without a lease, and the lease path when a lease is acked). Returns the ticket to `wait` for before the rows
-        are handed out (or the ack returns)."""
+        without a lease, and the lease path when a lease is acked); `meta`: more of the record's meta (the
+        consumer and time, for the lineage). Returns the ticket to `wait` for before the rows are handed out (or the
+        ack returns)."""
         seqs = np.ascontiguousarray(seqs, dtype=np.int64)
-        return self.append("consumed", {"task": task}, seqs.tobytes())
+        return self.append("consumed", {**(meta or {}), "task": task}, seqs.tobytes())
 
-    def wait(self, ticket: int) -> None:
-        """Return once the record `ticket` (and every one before it) is durable under the policy.
+    def is_durable(self, ticket: int) -> bool:
+        """Whether record `ticket` (and every one before it) is durable under the policy now."""
+        return self._durable >= ticket
+
+    def wait(self, ticket: int, timeout: float | None = None) -> bool:
+        """Return once the record `ticket` (and every one before it) is durable under the policy (True), or, with a
+        `timeout`, after that many seconds if it is not (False; the journal's sync thread goes on with it).
 
         Leader and followers: a caller takes the sync lock and fdatasyncs everything appended so far; callers that
         arrive meanwhile queue on the lock and find their records covered (one fdatasync for all of them) or sync the
-        next batch. "group" also waits a window before syncing while other callers wait, to gather more of them.
+        next batch. "group" first waits (at most its window) for records other writers announced (`expect`).
         """
         if self._durable >= ticket:
-            return
+            return True
+        if timeout is not None:
+            return self._wait_for(ticket, timeout)
+        self._sync_upto(ticket, gather=self.policy == "group")
+        return True
+
+    def _wait_for(self, ticket: int, timeout: float) -> bool:
+        """`wait` with a timeout: the sync thread makes the record durable; this waits for it, at most `timeout`."""
+        self.sync_soon(ticket)
+        deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
-            self._waiting += 1
-        try:
-            self._sync_upto(ticket, gather=self.policy == "group")
-        finally:
-            with self._cond:
-                self._waiting -= 1
+            while self._durable < ticket and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._durable >= ticket
 
     def sync_soon(self, ticket: int) -> None:
         """Start making record `ticket` durable on the journal's sync thread and return at once: a writer that
@@ -326,7 +363,7 @@ class Journal:
                     return
                 upto = self._kick_upto
             try:
-                self._sync_upto(upto)
+                self._sync_upto(upto, gather=self.policy == "group")
             except OSError:  # the callers' `wait` syncs again and raises to them
                 with self._kick:
                     self._kick_upto = self._durable
@@ -335,14 +372,26 @@ class Journal:
         with self._sync_lock:
             if self._durable >= ticket or self._closed:
                 return
-            if gather and self._waiting > 1:  # others write at the same time: gather their records (commit_delay)
-                time.sleep(self.window_s)
+            if gather:
+                self._gather()
             with self._lock:
                 fd, last = self._fd, self._next - 1
             os.fdatasync(fd)
             self.stats["fsyncs"] += 1
             with self._cond:
                 self._durable = max(self._durable, last)
+                self._cond.notify_all()  # `wait(ticket, timeout)` callers
+
+    def _gather(self) -> None:
+        """Group commit: wait until the records other writers announced are appended (they then share this
+        fdatasync), at most `window_s`; at once when none is announced."""
+        deadline = time.monotonic() + self.window_s
+        with self._cond:
+            while self._coming > 0 and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def rotate(self, only_if_full: bool = False) -> int:
         """Start a new segment (the old one is closed with an `end` record and synced); returns its first lsn: the
@@ -485,7 +534,7 @@ def read_journal(directory: str, from_lsn: int) -> tuple[list[Record], TornTail 
 
 class _Loader:
     """Reads a segment file into memory on a thread, in large sequential reads, while the caller checks the records
-    already read (reading and checksumming overlap: zlib and the reads release the GIL). `upto(k)` waits until
+    already read (reading and checksumming overlap: the CRC and the reads release the GIL). `upto(k)` waits until
     the first k bytes (at most the file's size) are in `buf`."""
 
     CHUNK = 8 << 20

@@ -2,7 +2,11 @@
 
 A record's payload is Arrow (module `journal`): a batch's rows are the validated input columns as an Arrow IPC
 stream (fields, derived fields given on episode ends, stream keys); an update's are `seq` plus the updated fields;
-priorities are `seq` and `priority`; consumption is the seqs as little-endian int64.
+priorities are `seq` and `priority`; consumption is the seqs as little-endian int64. For the lineage, a batch's
+meta names its writer and the time it was recorded (`w`, `t`: Unix microseconds), a consumption's its consumer,
+time and lineage outcome (`c`, `t`, `o`: 1 delivered, 3 acked); replay puts them back (`restamp_written`,
+`restamp_consumed`), so a restored store does not show the restoring process as the writer and consumer of the
+replayed rows. Records without them (older journals) replay as before.
 
 `replay(records, target)` applies the records after the checkpoint in journal order onto `target` (a
 `ReplayTarget`: the restored store's internals, with the journal and the eviction hold off). Rules that make it
@@ -17,6 +21,12 @@ exact:
   outside the writer's reservation, after its commit: another thread may log a change to its rows first) wait until
   the batch is applied.
   Re-applying any of them is harmless (they set values), so a record the checkpoint already covers may be replayed.
+- Bulk: consecutive batch records with consecutive seqs and nothing between them (no other record, no aborted batch)
+  are applied as one extend (at most `BULK_ROWS` rows and `BULK_BYTES` bytes of payload, records of at most
+  `BULK_RECORD_BYTES` each: a big record goes alone, its copy already dominates the per-call cost). The store that
+  results is the same as applying them one by one (`tests/persist/test_journal_bulk.py`): the rows, seqs, episodes
+  and every later record apply to the same state; only the per-call work (validation, reservation, episode
+  planning) is paid once per run instead of once per record.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ class ReplayTarget(Protocol):
     def apply_policy_version(self, value: int) -> None: ...
     def apply_consumed(self, task: str, seqs: np.ndarray) -> None: ...
     def apply_end_episode(self, actor: Any, final: dict[str, Any]) -> None: ...
+    def restamp_written(self, first: int, n: int, writer: str, at: float) -> None: ...
+    def restamp_consumed(self, task: str, seqs: np.ndarray, consumer: str, at: float, outcome: int) -> None: ...
 
 
 def column_array(col: Any) -> pa.Array:
@@ -86,8 +98,49 @@ def _split(seqs: np.ndarray, hi: int) -> tuple[np.ndarray, np.ndarray]:
     return now, ~now
 
 
-def replay(records: list[Record], target: ReplayTarget, where: str) -> dict[str, int]:
-    """Apply `records` (checked, in journal order) onto `target`; returns counts per kind.
+#: Bulk replay (module docstring): a run of batch records applied as one extend holds at most this many rows ...
+BULK_ROWS = 65536
+#: ... and this many payload bytes; a record larger than `BULK_RECORD_BYTES` is applied alone. 0 rows: no bulk.
+BULK_BYTES = 16 << 20
+BULK_RECORD_BYTES = 1 << 20
+
+
+def _bulk_runs(records: list[Record], aborted: set[int], capacity: int | None) -> dict[int, int]:
+    """{index of a run's first record: index after its last} for the runs of >= 2 batch records applied as one
+    extend (module docstring). `capacity`: the store's rows (a run never holds more than half of it)."""
+    limit = BULK_ROWS if capacity is None else min(BULK_ROWS, max(0, capacity // 2))
+    runs: dict[int, int] = {}
+    if limit <= 0:
+        return runs
+    i, n = 0, len(records)
+    while i < n:
+        start = i
+        rows = nbytes = 0
+        expect = None
+        while i < n:
+            r = records[i]
+            if r.kind != "batch":
+                break
+            try:
+                first, k = int(r.meta["first"]), int(r.meta["n"])
+            except (KeyError, TypeError, ValueError):
+                break
+            size = len(r.payload)
+            if (first in aborted or size > BULK_RECORD_BYTES or (expect is not None and first != expect)
+                    or rows + k > limit or nbytes + size > BULK_BYTES):
+                break
+            rows, nbytes, expect = rows + k, nbytes + size, first + k
+            i += 1
+        if i - start >= 2:
+            runs[start] = i
+        if i == start:
+            i += 1
+    return runs
+
+
+def replay(records: list[Record], target: ReplayTarget, where: str, capacity: int | None = None) -> dict[str, int]:
+    """Apply `records` (checked, in journal order) onto `target`; returns counts per kind. `capacity`: the store's
+    rows (bounds a bulk run; None: `BULK_ROWS` alone).
 
     Raises:
         StoreCorrupt: a record that cannot be applied (the message names it and `where`).
@@ -104,7 +157,16 @@ def replay(records: list[Record], target: ReplayTarget, where: str) -> dict[str,
         elif kind == "priorities":
             target.apply_priorities(seqs, args)
         else:
-            target.apply_consumed(args, seqs)
+            task, consumer, at, outcome = args
+            target.apply_consumed(task, seqs)
+            if consumer is not None:
+                target.restamp_consumed(task, seqs, consumer, at, outcome)
+
+    def restamp(rec: Record) -> None:
+        """Put back who wrote a replayed batch and when (journals before lineage was recorded: nothing)."""
+        who, at = rec.meta.get("w"), rec.meta.get("t")
+        if isinstance(who, str) and isinstance(at, int):
+            target.restamp_written(int(rec.meta["first"]), int(rec.meta["n"]), who, at / 1e6)
 
     def take(kind: str, seqs: np.ndarray, args: Any, select: Any) -> None:
         hi = target.next_seq()
@@ -122,8 +184,32 @@ def replay(records: list[Record], target: ReplayTarget, where: str) -> dict[str,
         for kind, seqs, args in waiting:
             take(kind, seqs, args, _select)
 
-    for r in records:
+    runs = _bulk_runs(records, aborted, capacity)
+    run_end = -1  # records before this index were applied with their run
+    for i, r in enumerate(records):
+        if i < run_end:
+            counts["batch"] = counts.get("batch", 0) + 1
+            continue
         try:
+            tables = _run_tables(records[i:runs[i]]) if i in runs and int(r.meta["first"]) >= target.next_seq() \
+                else None
+            if tables is not None:
+                end = runs[i]
+                first = int(r.meta["first"])
+                n = sum(int(x.meta["n"]) for x in records[i:end])
+                issued = max(issued, first + n)
+                target.skip(first - target.next_seq())
+                ids = target.apply_batch(pa.concat_tables(tables, promote_options="none"))
+                if len(ids) != n or int(ids[0]) != first:
+                    raise StoreCorrupt(f"{where}: batch records {r.lsn}..{records[end - 1].lsn} replayed as seqs "
+                                       f"{ids[:1]}.. ({len(ids)} rows), the journal says {first}.. ({n} rows)")
+                for x in records[i:end]:
+                    restamp(x)
+                flush_pending()
+                run_end = end
+                counts["batch"] = counts.get("batch", 0) + 1
+                counts["bulk_runs"] = counts.get("bulk_runs", 0) + 1
+                continue
             if r.kind == "issued":
                 issued = max(issued, int(r.meta["next"]))
             elif r.kind == "aborted":
@@ -145,6 +231,7 @@ def replay(records: list[Record], target: ReplayTarget, where: str) -> dict[str,
                 if len(ids) != n or (n and int(ids[0]) != first):
                     raise StoreCorrupt(f"{where}: batch record {r.lsn} replayed as seqs {ids[:1]}.. ({len(ids)} "
                                        f"rows), the journal says {first}.. ({n} rows)")
+                restamp(r)
                 flush_pending()
             elif r.kind == "update":
                 t = payload_table(r.payload)
@@ -156,7 +243,11 @@ def replay(records: list[Record], target: ReplayTarget, where: str) -> dict[str,
                 take("priorities", np.asarray(t.column("seq").to_numpy(), dtype=np.int64),
                      np.asarray(t.column("priority").to_numpy(), dtype=np.float64), _select)
             elif r.kind == "consumed":
-                take("consumed", _seqs(r.payload), str(r.meta["task"]), _select)
+                consumer, at, outcome = r.meta.get("c"), r.meta.get("t"), r.meta.get("o")
+                ok = isinstance(consumer, str) and isinstance(at, int) and outcome in (1, 3)
+                seconds = at / 1e6 if isinstance(at, int) else 0.0
+                who = (str(r.meta["task"]), consumer if ok else None, seconds, outcome)
+                take("consumed", _seqs(r.payload), who, _select)
             elif r.kind == "task":
                 target.apply_task(str(r.meta["name"]))
             elif r.kind == "policy_version":
@@ -179,6 +270,16 @@ def replay(records: list[Record], target: ReplayTarget, where: str) -> dict[str,
         counts["skipped_seqs"] = issued - hi
     flush_pending()  # rows that exist now; what is still pending names rows that never came (nothing to apply)
     return counts
+
+
+def _run_tables(run: list[Record]) -> list[pa.Table] | None:
+    """The payload tables of a bulk run, or None when their schemas differ (a batch that gave a later field or a
+    null where the others did not): then its records are applied one by one."""
+    tables = [payload_table(x.payload) for x in run]
+    schema = tables[0].schema
+    if any(not t.schema.equals(schema, check_metadata=False) for t in tables[1:]):
+        return None
+    return tables
 
 
 def _select(args: Any, mask: np.ndarray) -> Any:

@@ -392,7 +392,7 @@ class ConsumeTracker:
                 self.core.lineage.consumed(task, seqs, 1 if how == "consumed" else 3)  # lineage DELIVERED / ACKED
         journal = self.core.journal
         if journal is not None and how != "dropped":  # a durable store: journaled in order, durable before returned
-            ticket = journal.record_consumed(task, seqs)
+            ticket = journal.record_consumed(task, seqs, how)
             if durable is not None:
                 durable.append(lambda: journal.wait(ticket))
         for hook in self.final_hooks:

@@ -81,7 +81,7 @@ class StoreCore:
     #: Calls that waited because the rate limiter held them back, this process (`/metrics`): inserts, samples.
     limiter_waits: dict[str, int] = field(default_factory=lambda: {"insert": 0, "sample": 0})
     #: A durable store's journal hooks (`arrowbuf.store.durable.DurableLog`): `note_issued(next_seq)` from the
-    #: writer's reservation, `record_consumed(task, seqs) -> ticket` and `wait(ticket)` from the consume path.
+    #: writer's reservation, `record_consumed(task, seqs, how) -> ticket` and `wait(ticket)` from the consume path.
     #: None (no cost) without `durable=`.
     journal: Any = None
     final_sources: list[str] = field(init=False)

@@ -28,12 +28,16 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, StoreCorrupt
+from ..observe import identity
+from ..observe.lineage import ACKED, DELIVERED
 from ..persist import journal as jr
 from ..persist import manifest as mf
 from ..persist.checkpoint import checkpoint as write_checkpoint
+from ..persist.crc import IMPLEMENTATION as CRC_IMPLEMENTATION
 from ..persist.replay import columns_table, replay
 from ..ring.reservations import HOLE
 from ..samplers.base import validate_priorities
+from .pending import PendingWrite
 from .update import update_ids, validate_update
 
 DURABLE = "_durable.json"
@@ -68,12 +72,23 @@ def read_policy(root: str) -> str | None:
 class _Pending:
     """A batch being extended: its payload, and once its seqs are reserved its first seq and journal ticket."""
 
-    __slots__ = ("payload", "n", "record", "first", "ticket")
+    __slots__ = ("payload", "n", "record", "first", "ticket", "expected", "who")
 
-    def __init__(self, payload: Any, n: int, record: jr.Prepared) -> None:
-        self.payload, self.n, self.record = payload, n, record
+    def __init__(self, payload: Any, n: int, record: jr.Prepared, expected: bool = False, who: str = "") -> None:
+        self.payload, self.n, self.record, self.who = payload, n, record, who
         self.first = -1
         self.ticket: int | None = None
+        self.expected = expected  # announced to the journal (`Journal.expect`), not appended yet
+
+
+def _now_us() -> int:
+    return int(time.time() * 1e6)
+
+
+def _batch_meta(first: int, n: int, who: str, at_us: int | None = None) -> dict[str, Any]:
+    """A batch record's meta: its first seq and rows, and for the lineage its writer and the time (Unix
+    microseconds) it was recorded, at its reservation (microseconds before its commit)."""
+    return {"first": int(first), "n": int(n), "w": who, "t": _now_us() if at_us is None else int(at_us)}
 
 
 class DurableLog:
@@ -118,43 +133,63 @@ class DurableLog:
                 self.journal.append("issued", {"next": int(next_seq)})
                 os.kill(os.getpid(), signal.SIGKILL)
             pending.first = first
-            pending.ticket = self.journal.append_prepared(pending.record, {"first": first, "n": pending.n})
+            expected, pending.expected = pending.expected, False
+            pending.ticket = self.journal.append_prepared(pending.record, _batch_meta(first, pending.n, pending.who),
+                                                          expected=expected)
             with self._order:
                 self._recorded = max(self._recorded, first + pending.n)
             self.journal.sync_soon(pending.ticket)
             return
         self.journal.append("issued", {"next": int(next_seq)})
 
-    def record_consumed(self, task: str, seqs: np.ndarray) -> int:
-        """`task` consumed `seqs` (without a lease, or an acked lease); returns the ticket for `wait`."""
-        return self.journal.record_consumed(task, seqs)
+    def record_consumed(self, task: str, seqs: np.ndarray, how: str = "consumed") -> int:
+        """`task` consumed `seqs` (`how`: "consumed" without a lease, "acked" for an acked lease); returns the ticket
+        for `wait`. The record names the consumer, the time (Unix microseconds) and the lineage outcome, so a
+        restore keeps the lineage."""
+        return self.journal.record_consumed(task, seqs, {"c": identity.current(), "t": _now_us(),
+                                                         "o": ACKED if how == "acked" else DELIVERED})
 
     def wait(self, ticket: int) -> None:
         """Return once record `ticket` is durable under the store's policy."""
         self.journal.wait(ticket)
 
     # ------------------------------------------------------------------ journaled writes
-    def extend(self, batch: Any, timeout: float | None, single: bool = False) -> np.ndarray:
-        cols, n = self.core.schema.validate_batch(batch, single=single)
-        if n == 0:
-            return np.zeros(0, dtype=np.int64)
-        # the record is encoded and checksummed here, outside every lock: the reservation (`note_issued`) only adds
-        # its lsn and seqs (a fixed-width meta), so writers overlap the checksum with each other's writes and fsyncs
-        payload = jr.table_bytes(columns_table(cols))
-        pending = _Pending(payload, n, jr.prepare("batch", {"first": 0, "n": n}, payload,
-                                                  meta_width=len(f'{{"first":{2 ** 63 - 1},"n":{n}}}')))
-        self._local.pending = pending  # `note_issued` appends the batch record at the reservation
+    def extend(self, batch: Any, timeout: float | None, single: bool = False, wait: bool = True) -> Any:
+        """Journal and store `batch`; returns its ids once durable, or with `wait=False` a `PendingWrite` at once
+        (the rows stored and their record written; durable later: `arrowbuf.store.pending`)."""
+        # announced first: a group commit that starts while this batch is validated and encoded waits for its record
+        self.journal.expect()
+        pending: _Pending | None = None
         try:
+            cols, n = self.core.schema.validate_batch(batch, single=single)
+            if n == 0:
+                return np.zeros(0, dtype=np.int64)
+            # the record is encoded and checksummed here, outside every lock: the reservation (`note_issued`) only
+            # adds its lsn and seqs (a fixed-width meta), so writers overlap the checksum with each other's writes
+            payload = jr.table_bytes(columns_table(cols))
+            who = identity.current()
+            width = len(json.dumps(_batch_meta(2 ** 63 - 1, n, who, 2 ** 63 - 1), separators=(",", ":")))
+            pending = _Pending(payload, n, jr.prepare("batch", {"first": 0, "n": n}, payload, meta_width=width),
+                               True, who)
+            self._local.pending = pending  # `note_issued` appends the batch record at the reservation
             ids = self.writer.extend_columns(cols, n, timeout=timeout)
         except BaseException:
-            if pending.ticket is not None:  # recorded, then not stored (a failed copy: its seqs are holes)
+            if pending is not None and pending.ticket is not None:  # recorded, then not stored: its seqs are holes
                 self.journal.append("aborted", {"first": pending.first, "n": n})
             raise
         finally:
             self._local.pending = None
+            if pending is None or pending.expected:
+                self.journal.unexpect()  # the announced record never came (failed, empty, or recorded late)
+                if pending is not None:
+                    pending.expected = False
+        assert pending is not None
         if pending.ticket is None:  # not reserved through the writer's hook (never expected): record it now
-            pending.ticket = self._record_batch(int(ids[0]), n, jr.prepare("batch", {"first": int(ids[0]), "n": n},
-                                                                          pending.payload))
+            pending.ticket = self._record_batch(int(ids[0]), n, jr.prepare(
+                "batch", _batch_meta(int(ids[0]), n, pending.who), pending.payload))
+            self.journal.sync_soon(pending.ticket)
+        if not wait:
+            return PendingWrite(ids, self.journal, pending.ticket)
         self.journal.wait(pending.ticket)
         return ids
 
@@ -223,7 +258,7 @@ class DurableLog:
     def stats(self) -> dict[str, Any]:
         """For `store.stats()["journal"]`: policy, records, bytes and fsyncs since this store opened its journal,
         and what its restore replayed (records per kind, torn bytes dropped)."""
-        return {"durability": self.journal.policy, "path": self.root, **self.journal.stats,
+        return {"durability": self.journal.policy, "path": self.root, "crc32": CRC_IMPLEMENTATION, **self.journal.stats,
                 "next_lsn": self.journal.next_lsn, "replayed": dict(self.replayed)}
 
     # ------------------------------------------------------------------ checkpoints and lifetime
@@ -272,6 +307,21 @@ class _Target:
         if task in self.consume.tasks:
             self.consume.mark_consumed(task, seqs)
 
+    def restamp_written(self, first: int, n: int, writer: str, at: float) -> None:
+        lineage = self.core.lineage
+        if lineage is not None and n > 0:
+            with self.core.cond:
+                lineage.restamp_written(np.arange(first, first + n, dtype=np.int64) % self.core.arena_rows, writer,
+                                        at)
+
+    def restamp_consumed(self, task: str, seqs: np.ndarray, consumer: str, at: float, outcome: int) -> None:
+        lineage = self.core.lineage
+        if lineage is not None and task in self.consume.tasks:
+            with self.core.cond:
+                live = seqs[self.core.index.live(seqs)]
+                lineage.consumed(task, live, outcome)  # staleness against the replayed policy_version, as then
+                lineage.restamp_consumed(task, live, consumer, at)
+
     def apply_end_episode(self, actor: Any, final: dict[str, Any]) -> None:
         self.writer.end_episode(actor, final)
 
@@ -293,7 +343,8 @@ def resume(root: str, manifest: dict[str, Any], policy: str | None, core: Any, w
         hold, writer.hold = writer.hold, None
         limiter, core.rate_limiter = core.rate_limiter, None
         try:
-            counts = replay(records, _Target(core, writer, reader, updater, consume), f"journal of {root}")
+            counts = replay(records, _Target(core, writer, reader, updater, consume), f"journal of {root}",
+                            capacity=int(core.capacity))
         finally:
             writer.hold, core.rate_limiter = hold, limiter
         first = jr.seal_last(root, next_lsn, torn, prev=last_crc)

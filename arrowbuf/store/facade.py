@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 import numpy as np
 
@@ -44,6 +44,7 @@ from .consume_state import shared_options
 from .core import StoreCore
 from .episodes import EpisodeTracker
 from .inspection import StoreInspection
+from .pending import PendingWrite
 from .persistence import StorePersistence
 from .reader import StoreReader
 from .update import StoreUpdater
@@ -326,8 +327,13 @@ class ExperienceStore(StoreInspection, StorePersistence):
             return int(self._durable.extend(step, timeout, single=True)[0])
         return self._writer.append(step, timeout=timeout)
 
+    @overload
+    def extend(self, batch: Any, *, timeout: float | None = None, wait: Literal[True] = True) -> np.ndarray: ...
+    @overload
+    def extend(self, batch: Any, *, timeout: float | None = None, wait: Literal[False]) -> PendingWrite: ...
+
     @timed("extend")
-    def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
+    def extend(self, batch: Any, *, timeout: float | None = None, wait: bool = True) -> Any:
         """Add many steps: a dict of arrays with a leading dim, a `pa.RecordBatch` or a `pa.Table`.
 
         The batch is atomic: its rows become visible to `sample`, `len` and `to_table` all at once, when this
@@ -336,7 +342,9 @@ class ExperienceStore(StoreInspection, StorePersistence):
 
         Returns:
             The new rows' ids, a 1-D `np.ndarray[int64]` (their seqs; the ids `SampleBatch.indices` uses and
-            `update_priorities` takes).
+            `update_priorities` takes). With `wait=False`, a `PendingWrite` at once: the rows are stored and
+            visible as above, `.ids` are their ids, `.wait()` / `.durable` say when they are durable under a
+            durable store's policy (`arrowbuf.store.pending`; without `durable=` it is durable at once).
 
         Raises:
             SchemaError: the batch does not match the schema; nothing is stored.
@@ -344,8 +352,9 @@ class ExperienceStore(StoreInspection, StorePersistence):
                 limiter without holding the store's write lock: other writers go on).
         """
         if self._durable is not None:
-            return self._durable.extend(batch, timeout)
-        return self._writer.extend(batch, timeout=timeout)
+            return self._durable.extend(batch, timeout, wait=wait)
+        ids = self._writer.extend(batch, timeout=timeout)
+        return ids if wait else PendingWrite(ids)
 
     def end_episode(self, actor: Any = None, **final: Any) -> bool:
         """End `actor`'s open episode at its last stored step, so that step becomes sampleable now.
