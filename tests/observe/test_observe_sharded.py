@@ -39,3 +39,44 @@ def test_a_sharded_store_is_reported_in_total_and_per_shard(ray_cluster):
         assert [got[("arrowbuf_shard_up", (("shard", str(k)), ("store", "sharded")))] for k in range(2)] == [1, 1]
     finally:
         sharded.shutdown()
+
+
+def test_a_sharded_store_has_a_lineage_table_with_the_shard(ray_cluster):
+    """`sharded.sql` sees every shard's lineage as `lineage`, with the shard: who wrote each row (the Flight peer of
+    the handle's writer), and who consumed it for the task, at which staleness."""
+    sharded = ShardedStore.create(SCHEMA, 2, 1000, seed=0, tasks=["t"], failure_timeout=20.0)  # tasks: host tier
+    try:
+        for i in range(6):  # 60 rows to each shard
+            w = sharded.writer(shard=i % 2)
+            w.extend({"x": np.arange(i * 20, (i + 1) * 20, dtype=np.int64), "done": np.ones(20, bool)})
+            w.flush()
+            w.close()
+        sharded.policy_version = 2
+        took = sharded.consume("t", 50, timeout=10.0)
+        st = sharded.stats()
+        lineage = sharded.lineage_table()
+        assert lineage.column_names[:2] == ["shard", "seq"] and lineage.num_rows == 120  # one task: a row each
+        per = sharded.sql("SELECT shard, count(*) AS n FROM lineage GROUP BY 1 ORDER BY 1").to_pylist()
+        assert per == [{"shard": k, "n": sh["size"]} for k, sh in enumerate(st["shards"])] == [
+            {"shard": 0, "n": 60}, {"shard": 1, "n": 60}]
+        joined = sharded.sql("SELECT e.x, l.writer, l.consumer, l.staleness FROM experience e "
+                             "JOIN lineage l USING (shard, seq) ORDER BY e.x").to_pylist()
+        assert [r["x"] for r in joined] == list(range(120))  # every row has its lineage, matched by (shard, seq)
+        assert all(r["writer"].startswith("flight:") for r in joined)
+        consumed = [r for r in joined if r["consumer"] is not None]
+        assert len(consumed) == len(took.indices) == 50
+        assert {r["staleness"] for r in consumed} == {2}  # written under version 0, delivered under 2
+        assert sorted(r["x"] for r in consumed) == sorted(took.data.column("x").to_pylist())
+    finally:
+        sharded.shutdown()
+
+
+def test_shared_memory_shards_say_they_record_no_lineage(ray_cluster):
+    from arrowbuf.errors import InvalidArgument
+
+    sharded = ShardedStore.create(SCHEMA, 2, 100, seed=0, tier="shm", failure_timeout=20.0)
+    try:
+        with pytest.raises(InvalidArgument, match="record no lineage"):
+            sharded.sql("SELECT count(*) FROM lineage")
+    finally:
+        sharded.shutdown()
