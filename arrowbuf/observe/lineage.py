@@ -145,36 +145,35 @@ class Lineage:
         return self.arena_rows * (ROW_BYTES + TASK_BYTES * len(self.tasks)) + self.run_cap * RUN_BYTES
 
     # ------------------------------------------------------------------ hooks (under the store's state lock)
-    def wrote(self, pos: Any, seqs: Any = None) -> None:
+    def wrote(self, pos: Any, first: int | None = None) -> None:
         """Rows were committed at ring positions `pos` (an int for one row, else an array) by `identity.current()`;
-        `seqs`: their seqs (ascending, consecutive: one batch), or None.
+        `first`: when given, the rows are one batch of consecutive seqs from `first` on (what a writer's batch is).
 
         One row costs a context-variable read, a clock read and two or three scalar stores; a batch of `MIN_RUN`
-        rows or more with its `seqs` one run record (plus one slice of versions when the rows have no version of
-        their own); a shorter batch slices."""
+        rows or more with its `first` seq one run record (plus one slice of versions when the rows have no version
+        of their own); a shorter batch slices."""
         if pos.__class__ is int:
             self.one(pos)
             return
-        code = identity.CURRENT.get()
         n = len(pos)
-        if not n:
-            return
-        if seqs is not None and n >= MIN_RUN and int(seqs[-1]) - int(seqs[0]) == n - 1:
+        if first is not None and n >= MIN_RUN:
             i = self.runs % self.run_cap
-            self._rsv[i] = int(seqs[0])
+            self._rsv[i] = first
             self._rnv[i] = n
-            self._rwv[i] = code
+            self._rwv[i] = identity.CURRENT.get()
             self._rtv[i] = _now()
             self.runs += 1
-            if self._row_version is None:
-                p0 = int(pos[0])
-                self.version[slice(p0, p0 + n) if int(pos[-1]) == p0 + n - 1 else pos] = self._version()
+            if self._row_version is not None:
+                return
+        elif not n:
             return
+        code = identity.CURRENT.get()
         p0 = int(pos[0])
         if int(pos[-1]) == p0 + n - 1:  # one contiguous run of positions (no wrap): slices, not fancy indexing
             pos = slice(p0, p0 + n)
-        self.writer[pos] = code
-        self.written_at[pos] = _now()
+        if first is None or n < MIN_RUN:  # (a run has them)
+            self.writer[pos] = code
+            self.written_at[pos] = _now()
         if self._row_version is None:
             self.version[pos] = self._version()
 

@@ -549,7 +549,7 @@ class StoreWriter:
                 if one:
                     lineage.one(pos)
                 else:
-                    lineage.wrote(pos, seqs)  # a batch: one run record
+                    lineage.wrote(pos, base + n - len(pos))  # a batch (seqs from base + skip on): a run record
             if hv[_RES] < end:  # the append fast path commits without a reservation
                 hv[_RES] = end
         if final_slots is not None:
