@@ -188,8 +188,8 @@ class Lineage:
         pos = seqs % self.arena_rows  # (rows of whole groups need not be in order: no slices here)
         staleness = self._version() - self._versions(pos)
         t.seq[pos] = seqs
-        t.at[pos] = time.time()
-        t.consumer[pos] = identity.current_code()
+        t.at[pos] = _now()
+        t.consumer[pos] = identity.CURRENT.get()
         t.staleness[pos] = staleness
         t.outcome[pos] = outcome
         if outcome != STALE:
