@@ -93,16 +93,19 @@ class Lineage:
             (then the store's version is recorded at each commit).
         live: returns the store's live seq range `(lo, hi)` (for `restamp_written` and `load_state`, which turn
             the run records of live rows back into per-row records); None: every run recorded is taken as live.
+        version_view: a live one-element view of the store's version (`view[0]` equals `version()`), read by the
+            one-row hook without a call; None: `version()` is called.
     """
 
     def __init__(self, arena_rows: int, version: Callable[[], int],
                  row_version: Callable[[np.ndarray], np.ndarray] | None = None,
-                 live: Callable[[], tuple[int, int]] | None = None) -> None:
+                 live: Callable[[], tuple[int, int]] | None = None, version_view: Any = None) -> None:
         self.arena_rows = int(arena_rows)
         self.names = identity.NAMES
         self._version = version
         self._row_version = row_version
         self._live = live
+        self._version_view = version_view
         # run records of batches (module docstring): a ring, `runs` recorded so far
         self.run_cap = self.arena_rows // MIN_RUN + 2
         self.run_seq = np.full(self.run_cap, -1, dtype=np.int64)
@@ -128,10 +131,16 @@ class Lineage:
         """`wrote` for one row at an int position, as a closure over its arrays (the append path: no attribute
         lookups)."""
         wv, tv, vv, who, now, version = self._wv, self._tv, self._vv, identity.CURRENT.get, _now, self._version
+        cur = self._version_view
         if self._row_version is not None:
             def one(pos: int) -> None:
                 wv[pos] = who()
                 tv[pos] = now()
+        elif cur is not None:
+            def one(pos: int) -> None:
+                wv[pos] = who()
+                tv[pos] = now()
+                vv[pos] = cur[0]
         else:
             def one(pos: int) -> None:
                 wv[pos] = who()
@@ -400,9 +409,9 @@ def write_table(table: pa.Table, root: Any, format: str = "parquet") -> str:
     return path
 
 
-def for_core(core: Any, version: Callable[[], int], tasks: list[str]) -> Lineage:
+def for_core(core: Any, version: Callable[[], int], tasks: list[str], version_view: Any = None) -> Lineage:
     """The `Lineage` of a store's internals (`StoreCore`): the rows' own `policy_version` when the schema has an
-    integer one, else the store's `version()` at each commit; `tasks` declared."""
+    integer one, else the store's `version()` at each commit (`version_view`: see `Lineage`); `tasks` declared."""
     spec = core.schema.fields.get("policy_version")
     row_version = None
     if spec is not None and not spec.shape and not spec.ragged and spec.dtype.kind in "iu":
@@ -410,7 +419,7 @@ def for_core(core: Any, version: Callable[[], int], tasks: list[str]) -> Lineage
             return np.asarray(core.cols.column("policy_version")[pos])
 
     idx = core.index
-    lineage = Lineage(core.arena_rows, version, row_version, live=lambda: (idx.lo, idx.hi))
+    lineage = Lineage(core.arena_rows, version, row_version, live=lambda: (idx.lo, idx.hi), version_view=version_view)
     for t in tasks:
         lineage.add_task(t)
     return lineage

@@ -236,6 +236,12 @@ class ConsumeState:
     def policy_version(self) -> int:
         return int(self.header[HEADER["policy_version"]])
 
+    def version_view(self) -> memoryview:
+        """A live one-element view of the policy version: `view[0]` reads the current version without a call
+        (lineage's per-row hook)."""
+        i = HEADER["policy_version"]
+        return self.header[i:i + 1].data
+
     @policy_version.setter
     def policy_version(self, value: int) -> None:
         self.header[HEADER["policy_version"]] = int(value)

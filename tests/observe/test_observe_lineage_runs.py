@@ -135,3 +135,20 @@ def test_the_version_of_a_run_row_is_the_version_at_its_commit(schema):
         assert [r["staleness"] for r in got] == [5] * 20 + [4] * 20 + [3] * 20
     finally:
         store.close()
+
+
+def test_an_appended_row_without_its_own_version_gets_the_version_at_its_commit():
+    """A schema without a `policy_version` field: each appended row records the store's version when it committed
+    (the one-row hook reads it through a live view of the version)."""
+    store = ab.ExperienceStore(SCHEMA, capacity=100, chunk_rows=16, tasks=["t"], seed=0)
+    try:
+        for v in range(4):
+            store.policy_version = v
+            for i in range(3):
+                store.append({"x": v * 3 + i, "done": True})
+        store.extend(batch(100, 2))  # a short batch: per-row versions too
+        store.policy_version = 9
+        got = store.sql("SELECT policy_version FROM lineage ORDER BY seq").to_pylist()
+        assert [r["policy_version"] for r in got] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3 + [3] * 2
+    finally:
+        store.close()
