@@ -236,15 +236,15 @@ class ConsumeState:
     def policy_version(self) -> int:
         return int(self.header[HEADER["policy_version"]])
 
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self.header[HEADER["policy_version"]] = int(value)
+
     def version_view(self) -> memoryview:
         """A live one-element view of the policy version: `view[0]` reads the current version without a call
         (lineage's per-row hook)."""
         i = HEADER["policy_version"]
         return self.header[i:i + 1].data
-
-    @policy_version.setter
-    def policy_version(self, value: int) -> None:
-        self.header[HEADER["policy_version"]] = int(value)
 
     def can_add(self) -> str:
         """'' when a task may be declared now, else why not (a shared store past its creation)."""
