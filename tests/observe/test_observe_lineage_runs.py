@@ -140,12 +140,13 @@ def test_the_version_of_a_run_row_is_the_version_at_its_commit(schema):
 def test_an_appended_row_without_its_own_version_gets_the_version_at_its_commit():
     """A schema without a `policy_version` field: each appended row records the store's version when it committed
     (the one-row hook reads it through a live view of the version)."""
-    store = ab.ExperienceStore(SCHEMA, capacity=100, chunk_rows=16, tasks=["t"], seed=0)
+    store = ab.ExperienceStore(SCHEMA, capacity=100, chunk_rows=16, seed=0)  # no tasks: append's fast path
     try:
         for v in range(4):
             store.policy_version = v
             for i in range(3):
                 store.append({"x": v * 3 + i, "done": True})
+        assert store.stats()["append_slow_path"] == 0
         store.extend(batch(100, 2))  # a short batch: per-row versions too
         store.policy_version = 9
         got = store.sql("SELECT policy_version FROM lineage ORDER BY seq").to_pylist()
