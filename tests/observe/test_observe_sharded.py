@@ -80,3 +80,29 @@ def test_shared_memory_shards_say_they_record_no_lineage(ray_cluster):
             sharded.sql("SELECT count(*) FROM lineage")
     finally:
         sharded.shutdown()
+
+
+def test_durable_shards_report_their_journal_progress(ray_cluster, tmp_path):
+    """A durable ShardedStore: the journal counters are the sums over the shards, the last durable lsn is per shard."""
+    sharded = ShardedStore.create(SCHEMA, 2, 1000, seed=0, durable=str(tmp_path / "run"), failure_timeout=20.0)
+    try:
+        for k in range(2):
+            w = sharded.writer(shard=k)
+            for i in range(3):
+                w.extend({"x": np.arange(i * 10, (i + 1) * 10, dtype=np.int64), "done": np.ones(10, bool)})
+            w.flush()
+            w.close()
+        shards = sharded.stats()["shards"]
+        with MetricsEndpoint.start("127.0.0.1:0", stores={"sharded": sharded}) as ep:
+            with urllib.request.urlopen(ep.url, timeout=30) as r:
+                text = r.read().decode()
+        got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in parser.text_string_to_metric_families(text) for s in fam.samples}
+        journals = [sh["journal"] for sh in shards]
+        assert all(j["records"] >= 3 for j in journals)
+        for key in ("records", "bytes", "fsyncs"):
+            assert got[(f"arrowbuf_journal_{key}_total", (("store", "sharded"),))] == sum(j[key] for j in journals)
+        assert [got[("arrowbuf_shard_journal_durable_lsn", (("shard", str(k)), ("store", "sharded")))]
+                for k in range(2)] == [j["durable_lsn"] for j in journals]
+    finally:
+        sharded.shutdown()
