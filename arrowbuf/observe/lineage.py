@@ -7,7 +7,14 @@ bounded like the ring and a recycled position simply gets the new row's record a
 - per row: writer (int32 code of a name, `arrowbuf.observe.identity`), written_at (float64, Unix seconds),
   version (int64, the store's `policy_version` at the commit): 20 bytes;
 - per (row, task): seq (int64, the row the record is about: a generation check, as consumption per task), time
-  (float64), consumer (int32), staleness (int64), outcome (int8: 1 delivered, 2 dropped as stale): 29 bytes.
+  (float64), consumer (int32), staleness (int64), outcome (int8: 1 delivered, 2 dropped as stale): 29 bytes;
+- per batch of `MIN_RUN` rows or more: one run record (first seq, rows, writer, time: 28 bytes) instead of the
+  batch's per-row writer and time, in a ring of `arena_rows // MIN_RUN + 2` records (at most 1.75 bytes per row).
+
+A batch (`extend`) of `MIN_RUN` rows or more costs one run record, whatever its length: its rows' writer and time
+are read from the run whose seqs hold the row (runs are recorded in commit order, so their first seqs are sorted and
+a row's run is a binary search away). Shorter batches and `append` store per row. The ring of runs never drops a run
+with a live row: between a run and the one that reuses its record, `arena_rows` rows or more were committed.
 
 The writer's hook is one call in the commit routine (`StoreWriter._commit_locked`, under the store's state lock);
 the consumer's hook is one call where `ConsumeTracker.consume` marks rows consumed (and where it drops stale rows),
@@ -43,6 +50,9 @@ MAX_STALENESS_BUCKET = 64
 #: Bytes per row (module docstring): fixed, and per declared task.
 ROW_BYTES = 4 + 8 + 8
 TASK_BYTES = 8 + 8 + 4 + 8 + 1
+#: A batch of this many rows or more is recorded as one run (module docstring); bytes per run record.
+MIN_RUN = 16
+RUN_BYTES = 8 + 8 + 4 + 8  # first seq (int64), rows (int64), writer (int32), time (float64)
 
 SCHEMA = pa.schema([("seq", pa.int64()), ("writer", pa.string()), ("written_at", pa.timestamp("us", tz="UTC")),
                     ("policy_version", pa.int64()), ("task", pa.string()),
@@ -81,14 +91,32 @@ class Lineage:
         version: returns the store's current policy version.
         row_version: returns the rows' own `policy_version` at ring positions, or None when the schema has none
             (then the store's version is recorded at each commit).
+        live: returns the store's live seq range `(lo, hi)` (for `restamp_written` and `load_state`, which turn
+            the run records of live rows back into per-row records); None: every run recorded is taken as live.
+        version_view: a live one-element view of the store's version (`view[0]` equals `version()`), read by the
+            one-row hook without a call; None: `version()` is called.
     """
 
     def __init__(self, arena_rows: int, version: Callable[[], int],
-                 row_version: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+                 row_version: Callable[[np.ndarray], np.ndarray] | None = None,
+                 live: Callable[[], tuple[int, int]] | None = None, version_view: Any = None) -> None:
         self.arena_rows = int(arena_rows)
         self.names = identity.NAMES
         self._version = version
         self._row_version = row_version
+        self._live = live
+        self._version_view = version_view
+        # run records of batches (module docstring): a ring, `runs` recorded so far
+        self.run_cap = self.arena_rows // MIN_RUN + 2
+        self.run_seq = np.full(self.run_cap, -1, dtype=np.int64)
+        self.run_rows = np.zeros(self.run_cap, dtype=np.int64)
+        self.run_writer = np.zeros(self.run_cap, dtype=np.int32)
+        self.run_at = np.zeros(self.run_cap, dtype=np.float64)
+        self.runs = 0
+        self._rsv: Any = self.run_seq.data
+        self._rnv: Any = self.run_rows.data
+        self._rwv: Any = self.run_writer.data
+        self._rtv: Any = self.run_at.data
         # filled (not np.zeros' untouched pages): the first write of each page would fault on the commit path
         self.writer = np.full(self.arena_rows, 0, dtype=np.int32)
         self.written_at = np.full(self.arena_rows, 0.0, dtype=np.float64)
@@ -103,10 +131,16 @@ class Lineage:
         """`wrote` for one row at an int position, as a closure over its arrays (the append path: no attribute
         lookups)."""
         wv, tv, vv, who, now, version = self._wv, self._tv, self._vv, identity.CURRENT.get, _now, self._version
+        cur = self._version_view
         if self._row_version is not None:
             def one(pos: int) -> None:
                 wv[pos] = who()
                 tv[pos] = now()
+        elif cur is not None:
+            def one(pos: int) -> None:
+                wv[pos] = who()
+                tv[pos] = now()
+                vv[pos] = cur[0]
         else:
             def one(pos: int) -> None:
                 wv[pos] = who()
@@ -117,25 +151,38 @@ class Lineage:
     @property
     def nbytes(self) -> int:
         """Bytes the records take (module docstring)."""
-        return self.arena_rows * (ROW_BYTES + TASK_BYTES * len(self.tasks))
+        return self.arena_rows * (ROW_BYTES + TASK_BYTES * len(self.tasks)) + self.run_cap * RUN_BYTES
 
     # ------------------------------------------------------------------ hooks (under the store's state lock)
-    def wrote(self, pos: Any) -> None:
-        """Rows were committed at ring positions `pos` (an int for one row, else an array) by `identity.current()`.
+    def wrote(self, pos: Any, first: int | None = None) -> None:
+        """Rows were committed at ring positions `pos` (an int for one row, else an array) by `identity.current()`;
+        `first`: when given, the rows are one batch of consecutive seqs from `first` on (what a writer's batch is).
 
-        One row costs a context-variable read, a clock read and two or three scalar stores."""
+        One row costs a context-variable read, a clock read and two or three scalar stores; a batch of `MIN_RUN`
+        rows or more with its `first` seq one run record (plus one slice of versions when the rows have no version
+        of their own); a shorter batch slices."""
         if pos.__class__ is int:
             self.one(pos)
             return
-        code = identity.CURRENT.get()
         n = len(pos)
-        if not n:
+        if first is not None and n >= MIN_RUN:
+            i = self.runs % self.run_cap
+            self._rsv[i] = first
+            self._rnv[i] = n
+            self._rwv[i] = identity.CURRENT.get()
+            self._rtv[i] = _now()
+            self.runs += 1
+            if self._row_version is not None:
+                return
+        elif not n:
             return
+        code = identity.CURRENT.get()
         p0 = int(pos[0])
         if int(pos[-1]) == p0 + n - 1:  # one contiguous run of positions (no wrap): slices, not fancy indexing
             pos = slice(p0, p0 + n)
-        self.writer[pos] = code
-        self.written_at[pos] = _now()
+        if first is None or n < MIN_RUN:  # (a run has them)
+            self.writer[pos] = code
+            self.written_at[pos] = _now()
         if self._row_version is None:
             self.version[pos] = self._version()
 
@@ -150,8 +197,8 @@ class Lineage:
         pos = seqs % self.arena_rows  # (rows of whole groups need not be in order: no slices here)
         staleness = self._version() - self._versions(pos)
         t.seq[pos] = seqs
-        t.at[pos] = time.time()
-        t.consumer[pos] = identity.current_code()
+        t.at[pos] = _now()
+        t.consumer[pos] = identity.CURRENT.get()
         t.staleness[pos] = staleness
         t.outcome[pos] = outcome
         if outcome != STALE:
@@ -167,6 +214,7 @@ class Lineage:
         """Replay: the rows at ring positions `pos` were written by `writer` at Unix time `at` (not by whoever
         replays them now). A journal records both per batch and calls this after replaying the batch, under the
         store's state lock."""
+        self._flatten()
         self.writer[pos] = self.names.code(writer)
         self.written_at[pos] = float(at)
 
@@ -185,6 +233,41 @@ class Lineage:
         """Declare `task` (its records start empty)."""
         if task not in self.tasks:
             self.tasks[task] = _TaskRecord(self.arena_rows)
+
+    def _flatten(self) -> None:
+        """Turn the run records of live rows into per-row records and drop every run (before per-row records are
+        put back: `restamp_written`, `load_state`). Rows of the live range only: a run's evicted rows' positions
+        may hold newer rows."""
+        h = self.runs
+        if not h:
+            return
+        lo, hi = self._live() if self._live is not None else (-1, 1 << 62)
+        lo = max(lo, hi - self.arena_rows)
+        for j in range(max(0, h - self.run_cap), h):  # oldest first
+            i = j % self.run_cap
+            s0, s1 = max(int(self.run_seq[i]), lo), min(int(self.run_seq[i] + self.run_rows[i]), hi)
+            if s1 > s0:
+                p = np.arange(s0, s1, dtype=np.int64) % self.arena_rows
+                self.writer[p] = self.run_writer[i]
+                self.written_at[p] = self.run_at[i]
+        self.run_seq[:] = -1
+        self.run_rows[:] = 0
+        self.runs = 0
+
+    def _stamps(self, seqs: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Writer codes and write times of the rows `seqs` at positions `pos`: from their run, else per row."""
+        writer = self.writer[pos]
+        at = self.written_at[pos]
+        h = self.runs
+        if h and len(seqs):
+            order = np.arange(max(0, h - self.run_cap), h, dtype=np.int64) % self.run_cap  # oldest first
+            first = self.run_seq[order]
+            i = np.searchsorted(first, seqs, side="right") - 1
+            j = order[np.maximum(i, 0)]
+            mine = (i >= 0) & (seqs < self.run_seq[j] + self.run_rows[j])
+            writer[mine] = self.run_writer[j[mine]]
+            at[mine] = self.run_at[j[mine]]
+        return writer, at
 
     def _versions(self, pos: Any) -> np.ndarray:
         if self._row_version is not None:
@@ -205,8 +288,9 @@ class Lineage:
         seqs = np.asarray(seqs, dtype=np.int64)
         pos = seqs % self.arena_rows
         names = np.array(self.names.names(), dtype=object)
-        writer = names[self.writer[pos]]
-        written = (self.written_at[pos] * 1e6).astype("datetime64[us]")
+        codes, at0 = self._stamps(seqs, pos)
+        writer = names[codes]
+        written = (at0 * 1e6).astype("datetime64[us]")
         version = self._versions(pos)
         tasks = list(self.tasks) if tasks is None else tasks
         if not tasks:
@@ -255,8 +339,8 @@ class Lineage:
                 used.setdefault(int(c), len(used))
             return np.array([used[int(c)] for c in uniq.tolist()], dtype=np.int32)[inv].reshape(-1)
 
-        arrays: dict[str, np.ndarray] = {"writer": local(self.writer[pos]), "written_at": self.written_at[pos],
-                                         "version": self.version[pos]}
+        codes, at = self._stamps(seqs, pos)
+        arrays: dict[str, np.ndarray] = {"writer": local(codes), "written_at": at, "version": self.version[pos]}
         tasks = list(self.tasks)
         for i, task in enumerate(tasks):
             t = self.tasks[task]
@@ -286,6 +370,7 @@ class Lineage:
         if len(codes) and (codes.min() < 0 or codes.max() >= len(names)):
             raise ValueError("lineage state names a writer outside its name table")
         remap = np.array([self.names.code(n) for n in names] or [0], dtype=np.int32)  # into this process's table
+        self._flatten()  # the restored rows' runs (the restoring writes) give way to the recorded facts
         self.writer[pos] = remap[codes]
         self.written_at[pos] = arrays["written_at"]
         self.version[pos] = arrays["version"]
@@ -324,16 +409,17 @@ def write_table(table: pa.Table, root: Any, format: str = "parquet") -> str:
     return path
 
 
-def for_core(core: Any, version: Callable[[], int], tasks: list[str]) -> Lineage:
+def for_core(core: Any, version: Callable[[], int], tasks: list[str], version_view: Any = None) -> Lineage:
     """The `Lineage` of a store's internals (`StoreCore`): the rows' own `policy_version` when the schema has an
-    integer one, else the store's `version()` at each commit; `tasks` declared."""
+    integer one, else the store's `version()` at each commit (`version_view`: see `Lineage`); `tasks` declared."""
     spec = core.schema.fields.get("policy_version")
     row_version = None
     if spec is not None and not spec.shape and not spec.ragged and spec.dtype.kind in "iu":
         def row_version(pos: Any) -> np.ndarray:
             return np.asarray(core.cols.column("policy_version")[pos])
 
-    lineage = Lineage(core.arena_rows, version, row_version)
+    idx = core.index
+    lineage = Lineage(core.arena_rows, version, row_version, live=lambda: (idx.lo, idx.hi), version_view=version_view)
     for t in tasks:
         lineage.add_task(t)
     return lineage

@@ -160,6 +160,8 @@ class StoreCollector:
         if "policy_version" in st:
             gauge("arrowbuf_policy_version", "The store's policy version", ["store"]).add_metric(
                 [name], int(st["policy_version"]))
+        if isinstance(st.get("journal"), dict):  # a durable store (or durable shards: their sums)
+            self._journal(name, st["journal"], counter, gauge)
         for tier, nbytes in (st.get("bytes") or {}).items():
             gauge("arrowbuf_tier_bytes", "Bytes the store holds per memory tier", ["store", "tier"]).add_metric(
                 [name, str(tier)], int(nbytes))
@@ -236,6 +238,22 @@ class StoreCollector:
             if last.get(key) is not None:
                 gauge(f"arrowbuf_checkpoint_last_{key}", doc, ["store"]).add_metric([name], float(last[key]))
 
+    def _journal(self, name: str, j: dict[str, Any], counter: Any, gauge: Any) -> None:
+        """Journal progress of a durable store (`stats()["journal"]`, `arrowbuf.store.durable`)."""
+        for key, doc in (("records", "Journal records appended since the store opened its journal"),
+                         ("bytes", "Journal bytes appended since the store opened its journal"),
+                         ("fsyncs", "fdatasyncs of the journal (group commit: one covers many records)")):
+            if key in j:
+                counter(f"arrowbuf_journal_{key}", doc, ["store"]).add_metric([name], int(j[key]))
+        if "next_lsn" in j and "durable_lsn" in j:
+            nxt, durable = int(j["next_lsn"]), int(j["durable_lsn"])
+            gauge("arrowbuf_journal_next_lsn", "Log sequence number of the next journal record", ["store"]
+                  ).add_metric([name], nxt)
+            gauge("arrowbuf_journal_durable_lsn", "Log sequence number of the last journal record durable under "
+                  "the policy (it and every record before it survive a crash)", ["store"]).add_metric([name], durable)
+            gauge("arrowbuf_journal_pending_records", "Journal records appended and not yet durable", ["store"]
+                  ).add_metric([name], max(0, nxt - 1 - durable))
+
     def _shards(self, name: str, st: dict[str, Any], counter: Any, gauge: Any) -> dict[str, Any]:
         """Per-shard series of a sharded store (label `shard`); returns its stats with the totals the store-level
         series need (capacity, consumed per task, bytes per tier: sums over the shards that answered)."""
@@ -243,6 +261,7 @@ class StoreCollector:
         total["capacity"] = 0
         consumed: dict[str, int] = {}
         nbytes: dict[str, int] = {}
+        journal: dict[str, int] = {}
         for k, sh in enumerate(st["shards"]):
             labels = [name, str(k)]
             gauge("arrowbuf_shard_up", "1 when the shard answered the scrape", ["store", "shard"]).add_metric(
@@ -264,8 +283,18 @@ class StoreCollector:
                         ["store", "shard", "task_name"]).add_metric([*labels, task], int(n))
             for tier, b in (sh.get("bytes") or {}).items():
                 nbytes[tier] = nbytes.get(tier, 0) + int(b)
+            j = sh.get("journal")
+            if isinstance(j, dict):  # durable shards: counters summed; lsns are per shard
+                for key in ("records", "bytes", "fsyncs"):
+                    journal[key] = journal.get(key, 0) + int(j.get(key, 0))
+                if "durable_lsn" in j:
+                    gauge("arrowbuf_shard_journal_durable_lsn", "Last journal record durable per shard (lsn)",
+                          ["store", "shard"]).add_metric(labels, int(j["durable_lsn"]))
         total["consumed"] = consumed
         total["bytes"] = nbytes
+        total.pop("journal", None)
+        if journal:
+            total["journal"] = journal
         return total
 
     # ------------------------------------------------------------------ one Flight server

@@ -97,7 +97,11 @@ class Timings:
 
 def timed(op: str) -> Callable[[F], F]:
     """Decorator of a method of an object with a `timings` attribute (a `Timings` or None): records the call's
-    latency under `op`, and the exception's class name as its outcome when it raises."""
+    latency under `op`, and the exception's class name as its outcome when it raises.
+
+    A successful call costs two clock reads and a list append (`Timings.record`, inlined: no method call); the
+    first call of an operation, every `FOLD`-th and a failed one go through `record`."""
+    fold = Timings.FOLD
 
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
@@ -111,7 +115,12 @@ def timed(op: str) -> Callable[[F], F]:
             except BaseException as exc:
                 t.record(op, _clock() - t0, type(exc).__name__)
                 raise
-            t.record(op, _clock() - t0)
+            dt = _clock() - t0
+            lst = t._pending.get(op)  # (this module's own class)
+            if lst is not None and len(lst) < fold - 1:
+                lst.append(dt)
+            else:
+                t.record(op, dt)
             return out
 
         return inner  # type: ignore[return-value]

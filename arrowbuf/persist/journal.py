@@ -431,6 +431,12 @@ class Journal:
     def next_lsn(self) -> int:
         return self._next
 
+    @property
+    def durable_lsn(self) -> int:
+        """The last record durable under the policy (every record up to it survives a crash); `next_lsn - 1` when
+        nothing waits for an fdatasync."""
+        return self._durable
+
     def close(self) -> None:
         """Make everything durable and close; idempotent."""
         with self._sync_lock, self._lock:

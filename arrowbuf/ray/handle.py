@@ -663,13 +663,34 @@ class ShardedStore:
             tables.append(t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))))
         return pa.concat_tables(tables) if tables else self.schema.to_arrow().empty_table()
 
+    def lineage_table(self, timeout: float = 60.0) -> pa.Table:
+        """Every live shard's lineage (`ExperienceStore.lineage_table`), with a `shard` column first: the SQL table
+        `lineage` of `sql` (join it with `experience` on `(shard, seq)`: seqs are per shard). Fetched from each shard
+        actor through Ray (not through the shard's Flight SQL limits: the handle is the cluster's own).
+
+        Raises:
+            InvalidArgument: the shards record no lineage (shared-memory shards: create with `tier="host"` or tasks).
+        """
+        from ..observe.lineage import SCHEMA
+
+        ray = _ray()
+        live = self.members.live()
+        got = ray.get([self.actors[s.k].lineage_table.remote() for s in live], timeout=timeout)
+        tables = [t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))) for s, t in zip(live, got)
+                  if t is not None]
+        if live and not tables:
+            raise InvalidArgument("the shards record no lineage (shared-memory shards record none): create the "
+                                  "sharded store with tier='host' (or with tasks)")
+        return pa.concat_tables(tables) if tables else pa.schema([("shard", pa.int32()), *SCHEMA]).empty_table()
+
     # --- contracts: the rest of the StoreSurface (arrowbuf/surface.py)
     def sql(self, query: str) -> pa.Table:
         """DuckDB SQL, run here, over every live shard's rows (`to_table()`, with its `shard` column) as
-        `experience`. Needs `arrowbuf[query]`."""
+        `experience`, and their lineage (`lineage_table()`, also with `shard`) as `lineage`. Needs
+        `arrowbuf[query]`."""
         from ..query.frames import run_sql
 
-        return run_sql(cast(Any, self), query)  # run_sql reads only to_table()
+        return run_sql(cast(Any, self), query)  # run_sql reads only to_table() and lineage_table()
 
     def episodes(self) -> pa.Table:
         """Every live shard's episode summary, with a `shard` column first (episode ids are per shard)."""

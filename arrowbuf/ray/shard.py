@@ -334,6 +334,15 @@ class ShardActor:
         """The shard's `ShardBackend.stats`."""
         return self.shard_store.stats()
 
+    def lineage_table(self) -> Any:
+        """The store's `lineage_table()`, or None when it records no lineage (a shared-memory shard)."""
+        from ..errors import InvalidArgument
+
+        try:
+            return self.store.lineage_table()
+        except InvalidArgument:  # this store records no lineage
+            return None
+
     def set_delay(self, seconds: float) -> None:
         """Slow every sample of this shard by `seconds`: a test hook (the straggler deadline's tests and benchmarks),
         refused unless the shard's process runs with `ARROWBUF_TEST_HOOKS=1` in its environment."""

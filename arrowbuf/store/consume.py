@@ -183,6 +183,10 @@ class ConsumeTracker:
     def _policy_version(self, value: int) -> None:
         self._state.policy_version = value
 
+    def version_view(self) -> memoryview:
+        """A live one-element view of `policy_version` (`view[0]`, read without a call: lineage's per-row hook)."""
+        return self._state.version_view()
+
     @property
     def shared(self) -> bool:
         """Whether the state is in shared memory (other processes of the node consume from the same store)."""

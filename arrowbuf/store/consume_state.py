@@ -244,6 +244,12 @@ class ConsumeState:
     def policy_version(self, value: int) -> None:
         self.header[HEADER["policy_version"]] = int(value)
 
+    def version_view(self) -> memoryview:
+        """A live one-element view of the policy version: `view[0]` reads the current version without a call
+        (lineage's per-row hook)."""
+        i = HEADER["policy_version"]
+        return self.header[i:i + 1].data
+
     def can_add(self) -> str:
         """'' when a task may be declared now, else why not (a shared store past its creation)."""
         if self.shared and (not self.tier.fresh or getattr(self.tier, "sealed", False)):

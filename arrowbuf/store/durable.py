@@ -257,9 +257,12 @@ class DurableLog:
 
     def stats(self) -> dict[str, Any]:
         """For `store.stats()["journal"]`: policy, records, bytes and fsyncs since this store opened its journal,
-        and what its restore replayed (records per kind, torn bytes dropped)."""
-        return {"durability": self.journal.policy, "path": self.root, "crc32": CRC_IMPLEMENTATION, **self.journal.stats,
-                "next_lsn": self.journal.next_lsn, "replayed": dict(self.replayed)}
+        the next record's lsn and the last durable one's, and what its restore replayed (records per kind, torn
+        bytes dropped)."""
+        return {"durability": self.journal.policy, "path": self.root, "crc32": CRC_IMPLEMENTATION,
+                **self.journal.stats,
+                "next_lsn": self.journal.next_lsn, "durable_lsn": self.journal.durable_lsn,
+                "replayed": dict(self.replayed)}
 
     # ------------------------------------------------------------------ checkpoints and lifetime
     def checkpoint(self, keep: int | None, background: bool, compression: str | None) -> Any:

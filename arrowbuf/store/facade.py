@@ -224,7 +224,8 @@ class ExperienceStore(StoreInspection, StorePersistence):
     def _make_lineage(self) -> Any:
         from ..observe.lineage import for_core
 
-        return for_core(self._core, lambda: self._consume.policy_version, self._consume.tasks)
+        return for_core(self._core, lambda: self._consume.policy_version, self._consume.tasks,
+                        self._consume.version_view())
 
     @classmethod
     def attach(cls, name: str, *, seed: int | None = None, timeout: float = 0.0,

@@ -544,11 +544,12 @@ class StoreWriter:
                 self._evict_below(end - self._capacity, lo, base)
                 lo = end - self._capacity
             hv[_HI] = end  # the commit point (the watermark): the rows are visible
-            if c.lineage is not None:  # who wrote the rows, when, under which version (arrowbuf.observe.lineage)
+            lineage = c.lineage
+            if lineage is not None:  # who wrote the rows, when, under which version (arrowbuf.observe.lineage)
                 if one:
-                    c.lineage.one(pos)
+                    lineage.one(pos)
                 else:
-                    c.lineage.wrote(pos)
+                    lineage.wrote(pos, base + n - len(pos))  # a batch (seqs from base + skip on): a run record
             if hv[_RES] < end:  # the append fast path commits without a reservation
                 hv[_RES] = end
         if final_slots is not None:

@@ -178,12 +178,12 @@ def test_a_replay_can_put_back_who_wrote_and_consumed_and_when():
 
 
 def test_lineage_is_bounded_by_the_ring():
-    from arrowbuf.observe.lineage import ROW_BYTES, TASK_BYTES
+    from arrowbuf.observe.lineage import MIN_RUN, ROW_BYTES, RUN_BYTES, TASK_BYTES
 
     store = ab.ExperienceStore(SCHEMA, capacity=64, chunk_rows=16, tasks=["a", "b"], seed=0)
     before = store.observability()["lineage_bytes"]
     arena_rows = 64 + 16  # the capacity and the spare chunk
-    assert before == arena_rows * (ROW_BYTES + 2 * TASK_BYTES)
+    assert before == arena_rows * (ROW_BYTES + 2 * TASK_BYTES) + (arena_rows // MIN_RUN + 2) * RUN_BYTES
     for i in range(40):  # 40 x 16 rows through a ring of 64, every row consumed by both tasks
         store.extend(rows(i * 16, 16, version=0))
         store.consume("a", 16)

@@ -229,3 +229,30 @@ def MetricsEndpoint_start(stores):  # noqa: N802 - reads as the class method it 
     from arrowbuf.observe.metrics import MetricsEndpoint
 
     return MetricsEndpoint.start("127.0.0.1:0", stores=stores)
+
+
+def test_journal_progress_of_a_durable_store_is_served(tmp_path):
+    """Records, bytes and fsyncs of the journal (counters) and its next and last durable lsn (gauges) equal
+    `stats()["journal"]`; every acknowledged write is durable, so nothing is pending once the writes returned."""
+    store = ab.ExperienceStore(SCHEMA, capacity=1000, tasks=["t"], seed=0, durable=str(tmp_path / "run"),
+                               durability="group")
+    plain = ab.ExperienceStore({**SCHEMA, "name": "plain"}, capacity=100)
+    try:
+        for i in range(5):
+            store.extend(batch(i, n=10))
+        store.update(np.arange(10), {"reward": np.ones(10, np.float32)})
+        store.consume("t", 8)
+        with MetricsEndpoint_start({"obs": store, "plain": plain}) as ep:
+            m = scrape(ep.url)
+        j = store.stats()["journal"]
+        assert j["records"] >= 7  # 5 batches, an update, a consumption (and the task)
+        assert value(m, "arrowbuf_journal_records_total", store="obs") == j["records"]
+        assert value(m, "arrowbuf_journal_bytes_total", store="obs") == j["bytes"] > 0
+        assert value(m, "arrowbuf_journal_fsyncs_total", store="obs") == j["fsyncs"] >= 1
+        assert value(m, "arrowbuf_journal_next_lsn", store="obs") == j["next_lsn"]
+        assert value(m, "arrowbuf_journal_durable_lsn", store="obs") == j["durable_lsn"] == j["next_lsn"] - 1
+        assert value(m, "arrowbuf_journal_pending_records", store="obs") == 0
+        assert not [k for k in m if k[0].startswith("arrowbuf_journal") and ("store", "plain") in k[1]]
+    finally:
+        store.close()
+        plain.close()
