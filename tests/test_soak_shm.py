@@ -57,6 +57,10 @@ SCHEMA = {"name": "soak", "fields": {
 }}
 #: Rows the ring holds; writers pause before it is full, so nothing is evicted and every row can be checked at the end.
 CAPACITY = 1 << 17
+#: Where a consumer made to freeze stops until it is killed: inside a consume holding the store's state lock
+#: (`pick`), inside a consume gathering its leased rows outside the lock (`gather`), or after a consume returned,
+#: holding its lease (`hold`).
+FREEZES = ("pick", "gather", "hold")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -109,8 +113,12 @@ if freeze in ("pick", "gather"):  # freeze inside the consume call after a few c
     cls, attr = (ConsumeTracker, "_pick") if freeze == "pick" else (StoreReader, "gather")
     original, calls = getattr(cls, attr), [0]
     def frozen(*args, **kwargs):
+        if freeze == "gather" and not len(args[1]):
+            return original(*args, **kwargs)  # an empty batch (a consume that timed out) holds no lease
         calls[0] += 1
         if calls[0] > after:
+            if freeze == "gather":  # the rows it took under its lease: to be delivered again to another process
+                log(got=[int(x) for x in args[1]], t0=time.time())
             log(frozen=freeze)  # holding the state lock (pick), or the leased rows pinned (gather)
             time.sleep(3600)
         return original(*args, **kwargs)
@@ -253,8 +261,8 @@ def test_shm_soak_with_random_kills(names, tmp_path):
     try:
         for kind in ("writer", "writer", "ref", "train", "train"):
             start(kind)
-        modes = iter(["hold", "gather", "pick"] * 1000)
-        start(rng.choice(TASKS), next(modes))
+        for mode in FREEZES:  # one of each at any time, for "ref" or "train" at random
+            start(rng.choice(TASKS), mode)
         up = time.monotonic() + 120
         while not all('"up"' in w.text() for w in workers) and time.monotonic() < up:
             time.sleep(0.1)  # importing arrowbuf takes seconds on a loaded machine
@@ -269,7 +277,7 @@ def test_shm_soak_with_random_kills(names, tmp_path):
                     frozen.remove(w)
                     reap(w)
                     kills[f"{w.kind} frozen in {w.freeze}"] += 1
-                    start(rng.choice(TASKS), next(modes))
+                    start(rng.choice(TASKS), w.freeze)
             if time.monotonic() >= next_kill:
                 next_kill = time.monotonic() + rng.uniform(0.5, 2.0)
                 kind = rng.choice(["writer", "ref", "train", "train"])
@@ -348,6 +356,10 @@ def test_shm_soak_with_random_kills(names, tmp_path):
     for t in TASKS:  # each row consumed exactly once per task, as the store counts it
         assert left[t] == 0 and st["in_flight"][t] == 0 and st["consumed"][t] == len(ids)
     assert sum(kills.values()) >= 3 and kills["writer"] + kills["ref"] + kills["train"] >= 3
-    assert any("frozen" in k for k in kills), kills
+    for mode in FREEZES:  # killed inside a consume: each way, for either task
+        assert sum(n for k, n in kills.items() if k.endswith(f"frozen in {mode}")) >= 1, kills
     assert sum(c["orphans_redelivered"] for c in counts.values()) >= 1
-    assert sum(st["leases_expired"].values()) >= 1 and sum(st["redelivered"].values()) >= 1
+    for t in TASKS:  # a consumer killed holding a lease (frozen mid-gather or holding its batch) never acks it
+        held = sum(kills[f"{t} frozen in {mode}"] for mode in ("gather", "hold"))
+        assert st["leases_expired"][t] >= held, (t, st["leases_expired"], kills)
+        assert st["redelivered"][t] >= held and (st["redelivered"][t] >= counts[t]["orphans_redelivered"])
