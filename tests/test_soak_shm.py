@@ -19,7 +19,8 @@ with one `write` to a file of its own, so a kill loses at most the line being wr
   priority; every row present was sent by a writer, and a present row not acknowledged is in the last batch a killed
   writer had sent (it died after its rows were committed and before it logged them: allowed, docs/shared-memory.md);
 - each row is consumed exactly once per task: the store's own count of final consumption equals the rows present,
-  nothing is in flight, and a consume of either task returns nothing; from the logs, no row is acked OK twice per
+  its per-row record (the consume marks in shared memory) marks every row consumed and held by no lease, nothing is
+  in flight, and a consume of either task returns nothing; from the logs, no row is acked OK twice per
   task and no delivery of a row starts after an ack of it returned (deliveries before the ack, at least once, are
   counted);
 - the rows a killed consumer held (its last delivery, not yet being acked) were delivered again to another process,
@@ -226,6 +227,19 @@ def check_consumer_logs(workers: list[Worker], task: str) -> dict[str, int]:
             "acked_ok": len(acked_ok), "orphans_redelivered": orphans}
 
 
+def consume_marks(store: ab.ExperienceStore) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The store's own per-row consumption record, per task, read from its shared memory (the layout of
+    docs/shared-memory.md): per ring position, the seq the task consumed there (-1: none) and the lease holding it
+    (0: none)."""
+    path = store._tier.path  # the store's directory in /dev/shm (a test may look at the documented layout)
+    out = {}
+    for i, t in enumerate(store.tasks):
+        seqs = np.fromfile(os.path.join(path, f"arena.consume.task.{i}"), dtype=np.int64)
+        leases = np.fromfile(os.path.join(path, f"arena.consume.task.{i}.lease"), dtype=np.int64)
+        out[t] = (seqs, leases)
+    return out
+
+
 def test_shm_soak_with_random_kills(names, tmp_path):
     rng = random.Random(0)
     name = names()  # the fixture removes the segment even on failure, after the finally below killed every worker
@@ -313,6 +327,7 @@ def test_shm_soak_with_random_kills(names, tmp_path):
         table = store.to_table(["seq", "prompt_id", "response", "reward", "ref_logprobs"])
         seqs = table["seq"].to_numpy()
         pri = store.sampler.mass(seqs)  # alpha=1, eps=0: the priority itself
+        marks = consume_marks(store)
         left = {t: len(store.consume(t, CAPACITY).indices) for t in TASKS}
     finally:
         for w in workers:
@@ -335,8 +350,9 @@ def test_shm_soak_with_random_kills(names, tmp_path):
     unacked = [p for i, p in zip(ids.tolist(), rows["prompt_id"]) if i not in written]
     print(f"\nshm soak {SOAK_S:.0f}s: {len(ids)} rows ({len(written)} acknowledged to writers, {len(unacked)} present "
           f"unacknowledged), kills {dict(kills)}, per task {counts}, store: redelivered {st['redelivered']}, "
-          f"leases expired {st['leases_expired']}; seconds: start-up {t_up - t_start:.0f}, kills {t_drain - t_up:.0f}, "
-          f"drain {t_done - t_drain:.0f}")
+          f"leases expired {st['leases_expired']}, ids of writers killed mid-extend (holes) "
+          f"{st['next_seq'] - st['first_seq'] - len(ids)}; seconds: start-up {t_up - t_start:.0f}, "
+          f"kills {t_drain - t_up:.0f}, drain {t_done - t_drain:.0f}")
 
     assert not crashed, crashed
     assert all(st["consumed"][t] == len(ids) for t in TASKS) and st["leases"] == 0, \
@@ -353,8 +369,11 @@ def test_shm_soak_with_random_kills(names, tmp_path):
         assert rows["reward"][k] == reward(p) and rows["ref_logprobs"][k] == [-float(p % 1000)] * (p % 7 + 1)
     assert set(unacked) <= last_sent  # a row nobody acknowledged: committed just before its writer was killed
     np.testing.assert_array_equal(pri, [priority(p) for p in rows["prompt_id"]])
-    for t in TASKS:  # each row consumed exactly once per task, as the store counts it
+    for t in TASKS:  # each row consumed exactly once per task, as the store counts it and marks it, none in flight
         assert left[t] == 0 and st["in_flight"][t] == 0 and st["consumed"][t] == len(ids)
+        seqs_at, lease_at = marks[t]
+        np.testing.assert_array_equal(seqs_at[ids % len(seqs_at)], ids, err_msg=f"task {t}: a row not consumed")
+        assert not lease_at[ids % len(lease_at)].any(), f"task {t}: a row still held by a lease"
     assert sum(kills.values()) >= 3 and kills["writer"] + kills["ref"] + kills["train"] >= 3
     for mode in FREEZES:  # killed inside a consume: each way, for either task
         assert sum(n for k, n in kills.items() if k.endswith(f"frozen in {mode}")) >= 1, kills
