@@ -295,15 +295,14 @@ def test_shm_soak_with_random_kills(names, tmp_path):
                     start(TASKS[1 - TASKS.index(w.kind)], w.freeze)  # the other task's turn
             if time.monotonic() >= next_kill:
                 next_kill = time.monotonic() + rng.uniform(0.5, 2.0)
-                kind = rng.choice(["writer", "ref", "train", "train"])
-                ready = [w for w in running[kind] if '"up"' in w.text()]
+                ready = [w for ws in running.values() for w in ws if '"up"' in w.text()]  # not still starting
                 if not ready:
-                    continue  # its replacement is still starting
+                    continue
                 victim = rng.choice(ready)
-                running[kind].remove(victim)
+                running[victim.kind].remove(victim)
                 reap(victim)
-                kills[kind] += 1
-                start(kind)
+                kills[victim.kind] += 1
+                start(victim.kind)
         for w in frozen:  # not frozen yet: stopped, not counted as a kill
             reap(w)
         for w in running["writer"]:  # the writers stop; the consumers drain what is left
