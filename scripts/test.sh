@@ -2,7 +2,11 @@
 # Set up (if needed) and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+# .ci/run has just run it (ARROWBUF_SETUP_DONE=1): a second pass resolves every requirement again and rebuilds the
+# editable install, for nothing
+if [ -z "${ARROWBUF_SETUP_DONE:-}" ]; then
+  bash scripts/setup.sh
+fi
 # a temporary-directory root of this run's own: pytest prunes the older roots under /tmp/pytest-of-$USER, which
 # would pull the directories from under another pytest session running on the machine at the same time
 base=$(mktemp -d "${TMPDIR:-/tmp}/arrowbuf-pytest.XXXXXX")

@@ -16,7 +16,10 @@ mkdir "$TMP/src"
 "$TMP/venv/bin/python" -m pip wheel -q --no-deps -w "$TMP/dist" "$TMP/src"
 wheel=$(ls "$TMP"/dist/arrowbuf-*.whl)
 # (pip warns once per package about an empty local index of this machine: noise, filtered)
-"$TMP/venv/bin/python" -m pip install -q "${wheel}[demo]" 'torch==2.13.0' 2>&1 | grep -v "is ignored: it is neither" || true
+# (--no-compile: byte-compiling every installed module, torch's thousands, was most of the install's CPU time; the
+# demo compiles what it imports. The installed files are the same)
+"$TMP/venv/bin/python" -m pip install -q --no-compile "${wheel}[demo]" 'torch==2.13.0' 2>&1 \
+  | grep -v "is ignored: it is neither" || true
 "$TMP/venv/bin/python" -m pip check
 t1=$(date +%s)
 mkdir "$TMP/run"
