@@ -3,14 +3,17 @@
 A relay (an async Ray actor) keeps the newest version of one broadcast in a private file (0600, created
 O_EXCL|O_NOFOLLOW in this user's 0700 directory under /dev/shm; see `arrowbuf.tiers.shm.private`) that it fills block
 by block, checking each block's digest from the mapping before it counts it as held, so a tampered block never reaches
-a consumer or a downstream relay. It pulls blocks from the holder the directory (`directory.py`) picks for it, and
-serves the blocks it already has to the receivers downstream of it at once (pipelining): `get_block(v, i)` waits
-until block `i` is here, not until the whole object is. Consumers on the node map the file (`Broadcast.get`,
-`tensors`, `load_into`): one copy per node, zero-copy reads.
+a consumer or a downstream relay. It pulls blocks from the holder the directory (`directory.py`) picks for it, over
+one TCP connection to that holder's bucket server (`wire.py`: a hello with the broadcast's secret, then bucket
+requests), and serves the blocks it already has to the receivers downstream of it at once (pipelining): a request for
+block `i` is answered as soon as block `i` is here, not when the whole object is. Consumers on the node map the file
+(`Broadcast.get`, `tensors`, `load_into`): one copy per node, zero-copy reads.
 
-Memory: a relay asks its upstream for at most `window` (k) blocks ahead; each is one Ray object of one block, freed
-once copied into the file. So a node holds its one copy plus at most k blocks it receives, plus the blocks its
-downstream receivers asked of it (k per upload slot), in Ray's object store.
+Memory: a block moves from the sender's mapped file into the socket and from the socket into the receiver's mapped
+file (`sock_sendall` of a view of the mapping, `sock_recv_into` a view of the mapping): no user-space buffer, no Ray
+object. A receiver keeps at most `window` (k) blocks requested ahead, so at most k blocks per connection sit in the
+kernel's socket buffers (not in any process's RSS). A relay's resident memory beyond its node's copy is its fixed
+Python/Ray baseline plus the headers of the frames in flight.
 
 Why a /dev/shm file rather than Ray's object store: a Ray object is sealed whole by one `put`, so a relay could not
 forward block 3 of an object it is still writing, nor resume a half-received object after its upstream died; a file
@@ -20,17 +23,16 @@ is written in place block by block, and a consumer maps it like an object-store 
 from __future__ import annotations
 
 import asyncio
+import functools
 import mmap
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from ...errors import ArrowbufError, BroadcastRefused
 from ...tiers.shm import private
+from . import wire
 from .payload import combine, digest_of
 
 __all__ = ["Relay", "Superseded", "TokenBucket", "digest_of", "file_name", "shm_prefix"]
@@ -175,9 +177,15 @@ class Relay:
     """
 
     def __init__(self, uid: str, key: str, egress_bytes_per_s: float | None = None, window: int = 4,
-                 root: str | None = None, incarnation: int = 0) -> None:
+                 root: str | None = None, incarnation: int = 0, secret: str | None = None) -> None:
         self.uid, self.key, self.window, self.root = uid, key, max(1, int(window)), root
         self.incarnation = int(incarnation)
+        self.secret = bytes.fromhex(secret) if secret else bytes(wire.SECRET_BYTES)
+        if len(self.secret) != wire.SECRET_BYTES:
+            raise ValueError(f"the broadcast secret must be {wire.SECRET_BYTES} bytes")
+        self._lsock: Any = None
+        self._addr: tuple[str, int] | None = None
+        self._tasks: set[asyncio.Task] = set()
         self.me = f"{key}#{self.incarnation}"  # this relay as a requester (its upstream forgets it when it dies)
         self.gone: set[str] = set()
         private.sweep(root)  # on its node, the files of broadcasts whose holders died (the next start after a crash)
@@ -195,6 +203,31 @@ class Relay:
 
     async def ping(self) -> str:
         return self.key
+
+    async def address(self) -> tuple[str, int]:
+        """(host, port) of this relay's bucket server (started on first call, bound to the node's IP): receivers
+        stream buckets from it (`wire.py`)."""
+        if self._addr is None:
+            import ray
+
+            self._lsock = wire.listen(ray.util.get_node_ip_address())
+            host, port = self._lsock.getsockname()[:2]
+            self._addr = (str(host), int(port))
+            self._spawn(self._accept())
+        return self._addr
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self) -> None:
+        while True:
+            try:
+                conn = await wire.accept(self._lsock)
+            except OSError:  # closed (close) or out of descriptors: stop serving
+                return
+            self._spawn(self._serve(conn))
 
     async def _replace(self, copy: _Copy) -> None:
         old, self.cur = self.cur, copy
@@ -238,34 +271,37 @@ class Relay:
             got = await d.choose.remote(version, self.key, copy.have, reattach)
             if got is None:  # superseded
                 return
-            src_key, src = got
-            pending: deque = deque()
+            src_key, addr = got
+            sock = None
             try:
+                sock = await wire.connect(tuple(addr), self.secret, version, self.me)
                 nxt = copy.have
                 while copy.have < n:
-                    while nxt < n and len(pending) < self.window:
-                        pending.append(src.get_block.remote(version, nxt, self.me))
-                        nxt += 1
-                    data = await pending.popleft()
-                    a, b = copy.span(copy.have)
-                    copy.mm[a:b] = data
-                    del data
-                    if not copy.check(copy.have):  # checked from the mapping, before anyone downstream sees it
-                        copy.error = (f"bucket {copy.have} of version {version} from {src_key}: digest mismatch "
+                    if nxt - copy.have < self.window and nxt < n:  # keep k = window buckets asked ahead
+                        more = min(n, copy.have + self.window) - nxt
+                        await wire.request(sock, nxt, more)
+                        nxt += more
+                    i = copy.have
+                    a, b = copy.span(i)
+                    with memoryview(copy.mm) as whole, whole[a:b] as part:
+                        await wire.read_bucket(sock, i, part)  # from the socket straight into this node's file
+                    if not copy.check(i):  # checked from the mapping, before anyone downstream sees it
+                        copy.error = (f"bucket {i} of version {version} from {src_key}: digest mismatch "
                                       "(tampered or corrupted): refused")
                         break
                     async with copy.cond:
                         copy.have += 1
                         copy.cond.notify_all()
                     d.progress.remote(version, self.key, copy.have)
-                pending.clear()
                 d.release.remote(version, self.key, src_key)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the upstream died or moved on: re-attach and resume from `have`
-                pending.clear()
                 await d.lost.remote(version, self.key, src_key)
                 reattach = True
+            finally:
+                if sock is not None:
+                    sock.close()
         if self.cur is copy:
             if copy.error is None and meta["digest"] != combine(meta["digests"]):
                 copy.error = "the bucket digests do not make the payload digest"
@@ -281,24 +317,45 @@ class Relay:
         """`requester` (a relay's `me`) died: blocks queued for it are dropped instead of sent."""
         self.gone.add(requester)
 
-    async def get_block(self, version: int, i: int, requester: str | None = None) -> Any:
-        """Block `i` of `version`, as soon as it is here (pipelining), after this node's egress allows it."""
-        copy = self.cur
-        if copy is None or copy.meta["version"] != version:
-            raise Superseded(f"relay {self.key} holds no version {version}")
-        async with copy.cond:
-            await copy.cond.wait_for(lambda: copy.have > i or self.cur is not copy or copy.error is not None)
-        if self.cur is not copy:
-            raise Superseded(f"relay {self.key}: version {version} was superseded")
-        if copy.have <= i:
-            raise BroadcastRefused(f"relay {self.key}: {copy.error}")
-        a, b = copy.span(i)
-        if not await self.bucket.take(b - a, None if requester is None else lambda: requester not in self.gone):
-            raise Superseded(f"relay {self.key}: requester {requester} is gone")
-        # a view of the node's file, not a copy: Ray pickles numpy out of band (one copy into the object store,
-        # then the receiver maps it); blocks are immutable once written, and a dropped version's mapping lives on
-        # in the view
-        return np.frombuffer(copy.mm, dtype=np.uint8, count=b - a, offset=a)
+    def _ready(self, copy: _Copy, i: int) -> bool:
+        """Bucket `i` of `copy` is here, or it never will be (superseded, refused)."""
+        return copy.have > i or self.cur is not copy or copy.error is not None
+
+    async def _serve(self, conn: Any) -> None:
+        """Serve one receiver's connection: check its hello, then answer its requests in order, each bucket as soon
+        as it is here (pipelining) and this node's egress allows it, sent from this node's file (no copy)."""
+        try:
+            version, requester = await wire.read_hello(conn, self.secret)
+            copy = self.cur
+            if copy is None or copy.meta["version"] != version:
+                await wire.send_error(conn, wire.SUPERSEDED, 0, f"relay {self.key} holds no version {version}")
+                return
+            while True:
+                i = await wire.read_request(conn)
+                if i is None:
+                    return
+                if i >= copy.meta["nblocks"]:
+                    await wire.send_error(conn, wire.BAD, i, f"version {version} has no bucket {i}")
+                    return
+                async with copy.cond:
+                    await copy.cond.wait_for(functools.partial(self._ready, copy, i))
+                if self.cur is not copy:
+                    await wire.send_error(conn, wire.SUPERSEDED, i, f"relay {self.key}: version {version} was "
+                                          "superseded")
+                    return
+                if copy.have <= i:
+                    await wire.send_error(conn, wire.REFUSED, i, f"relay {self.key}: {copy.error}")
+                    return
+                a, b = copy.span(i)
+                if not await self.bucket.take(b - a, lambda: requester not in self.gone):
+                    await wire.send_error(conn, wire.GONE, i, f"relay {self.key}: requester {requester} is gone")
+                    return
+                with memoryview(copy.mm) as whole, whole[a:b] as part:
+                    await wire.send_bucket(conn, i, part)
+        except (TimeoutError, OSError, wire.WireError):  # the receiver went away or broke the protocol
+            return
+        finally:
+            conn.close()
 
     def _answer(self, cur: _Copy) -> tuple[int, str, dict]:
         if cur.error:
@@ -343,7 +400,11 @@ class Relay:
         return out
 
     async def close(self) -> None:
-        """Stop receiving and remove this node's file."""
+        """Stop receiving and serving, and remove this node's file."""
+        if self._lsock is not None:
+            self._lsock.close()
+        for t in list(self._tasks):
+            t.cancel()
         if self.cur is not None:
             self.cur.drop()
             self.cur = None
