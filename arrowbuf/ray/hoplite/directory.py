@@ -105,10 +105,13 @@ class BlockDirectory:
                 best, best_rank = k, rank
         return best
 
-    async def choose(self, version: int, me: str, have: int, reattach: bool = False
-                     ) -> tuple[str, tuple[str, int]] | None:
+    async def choose(self, version: int, me: str, have: int, reattach: bool = False, lost: str | None = None
+                     ) -> tuple[str, tuple[str, int], Any] | None:
         """Pick (and reserve an upload slot of) the holder `me` should pull from: (its key, its bucket server's
-        address); None once `version` is superseded."""
+        address, its relay handle); None once `version` is superseded. `lost`: the holder `me` could not pull from
+        (see `lost`), reported in the same call."""
+        if lost is not None:
+            await self.lost(version, me, lost)
         async with self.cond:
             await self.cond.wait_for(lambda: self.meta is None or self.meta["version"] != version
                                      or self._pick(me, have, reattach) is not None)
@@ -118,7 +121,7 @@ class BlockDirectory:
             assert k is not None
             self.uploads[k] = self.uploads.get(k, 0) + 1
             self.upstream[me] = k
-            return k, self.addresses[k]
+            return k, self.addresses[k], self.relays[k]
 
     async def progress(self, version: int, key: str, count: int) -> None:
         if self.meta is not None and self.meta["version"] == version and key not in self.dead:

@@ -23,6 +23,7 @@ is written in place block by block, and a consumer maps it like an object-store 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import mmap
 import os
@@ -36,6 +37,14 @@ from . import wire
 from .payload import combine, digest_of
 
 __all__ = ["Relay", "Superseded", "TokenBucket", "digest_of", "file_name", "shm_prefix"]
+
+
+#: a relay reports its progress to the directory on its first and last bucket and otherwise at most this often (the
+#: directory needs counts only to pick holders for late joiners and re-attaching receivers; pipelining between relays
+#: does not wait for it)
+PROGRESS_S = 0.05
+#: seconds a bucket may take before the receiver asks Ray whether its upstream relay is still alive
+STALL_S = 1.0
 
 
 class Superseded(ArrowbufError, RuntimeError):
@@ -186,6 +195,9 @@ class Relay:
         self._lsock: Any = None
         self._addr: tuple[str, int] | None = None
         self._tasks: set[asyncio.Task] = set()
+        #: the last 16 re-attachments: version, upstream lost, buckets held, time.monotonic() of the last bucket
+        #: before the loss, of its detection and of the first bucket after (`resumed`); benchmarks measure the gap
+        self.failovers: list[dict] = []
         self.me = f"{key}#{self.incarnation}"  # this relay as a requester (its upstream forgets it when it dies)
         self.gone: set[str] = set()
         private.sweep(root)  # on its node, the files of broadcasts whose holders died (the next start after a crash)
@@ -267,11 +279,15 @@ class Relay:
         d, meta = self._dir(), copy.meta
         version, n = meta["version"], meta["nblocks"]
         reattach = False
+        lost: str | None = None
+        reported = 0.0
+        landed = time.monotonic()  # when the last bucket landed (failover records)
         while copy.have < n and self.cur is copy and copy.error is None:
-            got = await d.choose.remote(version, self.key, copy.have, reattach)
+            got = await d.choose.remote(version, self.key, copy.have, reattach, lost)
+            lost = None
             if got is None:  # superseded
                 return
-            src_key, addr = got
+            src_key, addr, src = got
             sock = None
             try:
                 sock = await wire.connect(tuple(addr), self.secret, version, self.me)
@@ -284,7 +300,7 @@ class Relay:
                     i = copy.have
                     a, b = copy.span(i)
                     with memoryview(copy.mm) as whole, whole[a:b] as part:
-                        await wire.read_bucket(sock, i, part)  # from the socket straight into this node's file
+                        await self._read(sock, i, part, src)  # from the socket straight into this node's file
                     if not copy.check(i):  # checked from the mapping, before anyone downstream sees it
                         copy.error = (f"bucket {i} of version {version} from {src_key}: digest mismatch "
                                       "(tampered or corrupted): refused")
@@ -292,16 +308,26 @@ class Relay:
                     async with copy.cond:
                         copy.have += 1
                         copy.cond.notify_all()
-                    d.progress.remote(version, self.key, copy.have)
+                    now = time.monotonic()
+                    if self.failovers and "resumed" not in self.failovers[-1]:
+                        self.failovers[-1]["resumed"] = now
+                    landed = now
+                    if copy.have in (1, n) or now - reported >= PROGRESS_S:
+                        d.progress.remote(version, self.key, copy.have)
+                        reported = now
                 d.release.remote(version, self.key, src_key)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the upstream died or moved on: re-attach and resume from `have`
-                await d.lost.remote(version, self.key, src_key)
-                reattach = True
+                self.failovers.append({"version": version, "upstream": src_key, "have": copy.have,
+                                       "last_bucket": landed, "detected": time.monotonic()})
+                del self.failovers[:-16]
+                lost, reattach = src_key, True  # told to the directory with the next `choose` (one round trip)
             finally:
                 if sock is not None:
                     sock.close()
+        if lost is not None:
+            d.lost.remote(version, self.key, lost)
         if self.cur is copy:
             if copy.error is None and meta["digest"] != combine(meta["digests"]):
                 copy.error = "the bucket digests do not make the payload digest"
@@ -312,6 +338,26 @@ class Relay:
                 d.verified.remote(version, self.key)
             async with self.changed:
                 self.changed.notify_all()
+
+    async def _read(self, sock: Any, i: int, into: memoryview, src: Any) -> None:
+        """Read bucket `i` into `into`; while it takes longer than `STALL_S`, ask Ray whether the upstream relay
+        `src` still lives (a killed or crashed relay's connection may not close at once: its process can outlive the
+        kill for a while, and a dead node's TCP peer never answers); its death raises (the caller re-attaches)."""
+        read = asyncio.ensure_future(wire.read_bucket(sock, i, into))
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=STALL_S)
+                if done:
+                    return read.result()
+                try:
+                    await asyncio.wait_for(asyncio.ensure_future(src.ping.remote()), STALL_S)
+                except TimeoutError:  # a busy upstream, not a dead one: keep reading
+                    pass
+        finally:
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(BaseException):
+                    await read
 
     async def forget(self, requester: str) -> None:
         """`requester` (a relay's `me`) died: blocks queued for it are dropped instead of sent."""
@@ -378,6 +424,10 @@ class Relay:
         if cur is None or not cur.verified:
             return None
         return self._answer(cur)
+
+    async def failover_log(self) -> list[dict]:
+        """This relay's recent re-attachments (see `failovers`)."""
+        return [dict(f) for f in self.failovers]
 
     async def progress(self) -> tuple[int, int]:
         """(version, blocks held) of this node's copy; (-1, 0) when it holds none."""
