@@ -319,8 +319,12 @@ def _gloo_rank(rank: int, world: int, port: int, total_mb: int, q) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    sd = _sd_model(total_mb).state_dict() if rank == 0 else {k: torch.empty_like(t) for k, t in
-                                                              _sd_model(total_mb).state_dict().items()}
+    if rank == 0:
+        sd = _sd_model(total_mb).state_dict()
+    else:  # the shapes only (a meta model), then empty CPU tensors: one copy per rank, not two
+        with torch.device("meta"):
+            shapes = _sd_model(total_mb).state_dict()
+        sd = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in shapes.items()}
     dist.barrier()
     t0 = time.perf_counter()
     for k in sorted(sd):
