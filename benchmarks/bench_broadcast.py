@@ -233,6 +233,7 @@ class _Chain:
 
         S, bc = _sd_bytes(sd), self.bc
         rss0 = dict(zip(self.relays, ray.get([r.memory.remote(reset=True) for r in self.relays.values()])))
+        cpu0 = dict(zip(self.relays, ray.get([r.cpu.remote() for r in self.relays.values()])))
         plasma = _PlasmaPeak()
         self.version += 1
         t0 = time.perf_counter()
@@ -259,6 +260,7 @@ class _Chain:
         peak_plasma = plasma.stop()
         alive = [k for k in self.relays if k != killed]
         mem = dict(zip(alive, ray.get([self.relays[k].memory.remote() for k in alive])))
+        cpu = sum(ray.get([self.relays[k].cpu.remote() for k in alive])) - sum(cpu0[k] for k in alive)
         # beyond the node's one copy (its file's pages count in the relay's RSS): what the transfer added at peak;
         # `anon` is the relay's private growth (its heap)
         extra = {k: mem[k]["peak"] - rss0[k]["rss"] - S for k in alive}
@@ -279,6 +281,7 @@ class _Chain:
                        root_slots=1, pipelined=True)
         ray.get([r.wait.remote(v) for r in self.relays.values()])
         return {"seconds": secs, "publish_s": t_pub, "finish": finish, "killed": killed, "gap": gap,
+                "relay_cpu_s_per_gb": cpu / (len(self.keys) * S / 2**30),
                 "extra_rss_max": max(extra.values()), "extra_rss_by_node": extra, "anon_max": max(anon.values()),
                 "plasma_peak": peak_plasma}
 
@@ -392,7 +395,8 @@ def statedict_main(argv: list[str]) -> None:
         B = args.fill * aggregate / nmax
         rows.append({"run": "arrowbuf unthrottled", "nodes": nmax, "seconds": unthr["seconds"],
                      "per_receiver_mb_s": S / unthr["seconds"] / 2**20, "aggregate_mb_s": aggregate / 2**20,
-                     "extra_rss_mb": unthr["extra_rss_max"] / 2**20, "anon_mb": unthr["anon_max"] / 2**20})
+                     "extra_rss_mb": unthr["extra_rss_max"] / 2**20, "anon_mb": unthr["anon_max"] / 2**20,
+                     "relay_cpu_s_per_gb": unthr["relay_cpu_s_per_gb"]})
         bucket_s = bucket / B
         for n in args.nodes:
             chain = _Chain(n, B, bucket, args.window)
@@ -402,7 +406,7 @@ def statedict_main(argv: list[str]) -> None:
                 rates = [S / (t - r["publish_s"]) / B for t in r["finish"].values()]  # from the source's copy
                 rows.append({"run": "arrowbuf throttled", "nodes": n, "seconds": r["seconds"], "model_s": model,
                              "vs_model": r["seconds"] / model, "publish_s": r["publish_s"],
-                             "min_rate_vs_link": min(rates),
+                             "min_rate_vs_link": min(rates), "relay_cpu_s_per_gb": r["relay_cpu_s_per_gb"],
                              "extra_rss_mb": r["extra_rss_max"] / 2**20, "anon_mb": r["anon_max"] / 2**20,
                              "extra_rss_buckets": r["extra_rss_max"] / bucket, "anon_buckets": r["anon_max"] / bucket,
                              "plasma_peak_buckets_per_node": r["plasma_peak"] / bucket / n})
@@ -410,14 +414,17 @@ def statedict_main(argv: list[str]) -> None:
                     # failover: the relay the source feeds killed at a fixed bucket (half way), interleaved with
                     # runs of the same configuration without a kill
                     for _ in range(args.reps):
-                        base = chain.run(sd)["seconds"]
+                        br = chain.run(sd)
+                        base = br["seconds"]
                         kr = chain.run(sd, kill_at=0.5)
                         killed = kr["seconds"]
                         pairs.append((base, killed))
                         if kr["gap"] is not None:
                             gaps.append(kr["gap"])
                         rows.append({"run": "arrowbuf throttled, no kill (failover pair)", "nodes": n,
-                                     "seconds": base})
+                                     "seconds": base, "extra_rss_mb": br["extra_rss_max"] / 2**20,
+                                     "extra_rss_buckets": br["extra_rss_max"] / bucket,
+                                     "anon_mb": br["anon_max"] / 2**20})
                         rows.append({"run": "arrowbuf throttled, relay fed by the source killed at 50%",
                                      "nodes": n, "seconds": killed, "failover_s": killed - base,
                                      "failover_vs_bucket": (killed - base) / bucket_s, "gap": kr["gap"]})
@@ -438,8 +445,9 @@ def statedict_main(argv: list[str]) -> None:
           f"emulated link (N x B = {args.fill:g} of it); one bucket = {bucket_s * 1e3:.0f} ms at B; "
           f"load average before/after {load0[0]:.1f}/{load1[0]:.1f}")
     print("| run | N | seconds | model (s) | measured / model | slowest receiver / B | relay peak RSS beyond the copy "
-          "(MB / buckets) | relay private growth (MB) | object store peak per node (buckets) | failover / one bucket |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "(MB / buckets) | relay private growth (MB) | object store peak per node (buckets) | failover / one bucket "
+          "| relay CPU s per GB received |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(x: dict, key: str, fmt: str) -> str:
         return "-" if x.get(key) is None else format(x[key], fmt)
@@ -448,7 +456,8 @@ def statedict_main(argv: list[str]) -> None:
         print(f"| {x['run']} | {x['nodes']} | {x['seconds']:.2f} | {f(x, 'model_s', '.2f')} | "
               f"{f(x, 'vs_model', '.2f')} | {f(x, 'min_rate_vs_link', '.2f')} | {f(x, 'extra_rss_mb', '.1f')} / "
               f"{f(x, 'extra_rss_buckets', '.1f')} | {f(x, 'anon_mb', '.1f')} | "
-              f"{f(x, 'plasma_peak_buckets_per_node', '.1f')} | {f(x, 'failover_vs_bucket', '.2f')} |")
+              f"{f(x, 'plasma_peak_buckets_per_node', '.1f')} | {f(x, 'failover_vs_bucket', '.2f')} | "
+              f"{f(x, 'relay_cpu_s_per_gb', '.2f')} |")
     print(f"\ntime at N={nmax} / time at N={min(args.nodes)}: {tN / t1:.2f} (checkpoint-engine shape: <= 1.15)")
     failover = sorted((k - b) / bucket_s for b, k in pairs)
     if failover:

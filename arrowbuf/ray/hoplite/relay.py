@@ -433,6 +433,10 @@ class Relay:
         """(version, blocks held) of this node's copy; (-1, 0) when it holds none."""
         return (-1, 0) if self.cur is None else (self.cur.meta["version"], self.cur.have)
 
+    async def cpu(self) -> float:
+        """CPU seconds this relay's process has used (all its threads: the event loop, hashing, Ray's own)."""
+        return time.process_time()
+
     async def memory(self, reset: bool = False) -> dict[str, int]:
         """This relay process's memory from /proc/self/status, in bytes: `peak` (VmHWM), `rss`, `anon` (RssAnon),
         `shmem` (RssShmem: its file's pages and the Ray object-store pages it touched). `reset` restarts the peak
