@@ -260,7 +260,9 @@ class _Chain:
         peak_plasma = plasma.stop()
         alive = [k for k in self.relays if k != killed]
         mem = dict(zip(alive, ray.get([self.relays[k].memory.remote() for k in alive])))
-        cpu = sum(ray.get([self.relays[k].cpu.remote() for k in alive])) - sum(cpu0[k] for k in alive)
+        cpu1 = dict(zip(alive, ray.get([self.relays[k].cpu.remote() for k in alive])))
+        cpu = {w: sum(cpu1[k][w] - cpu0[k][w] for k in alive) for w in ("process", "loop")}
+        gb = len(self.keys) * S / 2**30
         # beyond the node's one copy (its file's pages count in the relay's RSS): what the transfer added at peak;
         # `anon` is the relay's private growth (its heap)
         extra = {k: mem[k]["peak"] - rss0[k]["rss"] - S for k in alive}
@@ -281,7 +283,7 @@ class _Chain:
                        root_slots=1, pipelined=True)
         ray.get([r.wait.remote(v) for r in self.relays.values()])
         return {"seconds": secs, "publish_s": t_pub, "finish": finish, "killed": killed, "gap": gap,
-                "relay_cpu_s_per_gb": cpu / (len(self.keys) * S / 2**30),
+                "relay_cpu_s_per_gb": cpu["process"] / gb, "loop_cpu_s_per_gb": cpu["loop"] / gb,
                 "extra_rss_max": max(extra.values()), "extra_rss_by_node": extra, "anon_max": max(anon.values()),
                 "plasma_peak": peak_plasma}
 
@@ -396,7 +398,8 @@ def statedict_main(argv: list[str]) -> None:
         rows.append({"run": "arrowbuf unthrottled", "nodes": nmax, "seconds": unthr["seconds"],
                      "per_receiver_mb_s": S / unthr["seconds"] / 2**20, "aggregate_mb_s": aggregate / 2**20,
                      "extra_rss_mb": unthr["extra_rss_max"] / 2**20, "anon_mb": unthr["anon_max"] / 2**20,
-                     "relay_cpu_s_per_gb": unthr["relay_cpu_s_per_gb"]})
+                     "relay_cpu_s_per_gb": unthr["relay_cpu_s_per_gb"],
+                     "loop_cpu_s_per_gb": unthr["loop_cpu_s_per_gb"]})
         bucket_s = bucket / B
         for n in args.nodes:
             chain = _Chain(n, B, bucket, args.window)
@@ -407,6 +410,7 @@ def statedict_main(argv: list[str]) -> None:
                 rows.append({"run": "arrowbuf throttled", "nodes": n, "seconds": r["seconds"], "model_s": model,
                              "vs_model": r["seconds"] / model, "publish_s": r["publish_s"],
                              "min_rate_vs_link": min(rates), "relay_cpu_s_per_gb": r["relay_cpu_s_per_gb"],
+                             "loop_cpu_s_per_gb": r["loop_cpu_s_per_gb"],
                              "extra_rss_mb": r["extra_rss_max"] / 2**20, "anon_mb": r["anon_max"] / 2**20,
                              "extra_rss_buckets": r["extra_rss_max"] / bucket, "anon_buckets": r["anon_max"] / bucket,
                              "plasma_peak_buckets_per_node": r["plasma_peak"] / bucket / n})
@@ -446,7 +450,7 @@ def statedict_main(argv: list[str]) -> None:
           f"load average before/after {load0[0]:.1f}/{load1[0]:.1f}")
     print("| run | N | seconds | model (s) | measured / model | slowest receiver / B | relay peak RSS beyond the copy "
           "(MB / buckets) | relay private growth (MB) | object store peak per node (buckets) | failover / one bucket "
-          "| relay CPU s per GB received |")
+          "| relay CPU s per GB received: processes / event loops |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(x: dict, key: str, fmt: str) -> str:
@@ -457,7 +461,7 @@ def statedict_main(argv: list[str]) -> None:
               f"{f(x, 'vs_model', '.2f')} | {f(x, 'min_rate_vs_link', '.2f')} | {f(x, 'extra_rss_mb', '.1f')} / "
               f"{f(x, 'extra_rss_buckets', '.1f')} | {f(x, 'anon_mb', '.1f')} | "
               f"{f(x, 'plasma_peak_buckets_per_node', '.1f')} | {f(x, 'failover_vs_bucket', '.2f')} | "
-              f"{f(x, 'relay_cpu_s_per_gb', '.2f')} |")
+              f"{f(x, 'relay_cpu_s_per_gb', '.2f')} / {f(x, 'loop_cpu_s_per_gb', '.2f')} |")
     print(f"\ntime at N={nmax} / time at N={min(args.nodes)}: {tN / t1:.2f} (checkpoint-engine shape: <= 1.15)")
     failover = sorted((k - b) / bucket_s for b, k in pairs)
     if failover:

@@ -433,9 +433,10 @@ class Relay:
         """(version, blocks held) of this node's copy; (-1, 0) when it holds none."""
         return (-1, 0) if self.cur is None else (self.cur.meta["version"], self.cur.have)
 
-    async def cpu(self) -> float:
-        """CPU seconds this relay's process has used (all its threads: the event loop, hashing, Ray's own)."""
-        return time.process_time()
+    async def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by this relay's `process` (all its threads: Ray's own too) and by its event `loop`
+        thread (the data plane: sockets, per-bucket hashing, frames, calls to the directory)."""
+        return {"process": time.process_time(), "loop": time.thread_time()}
 
     async def memory(self, reset: bool = False) -> dict[str, int]:
         """This relay process's memory from /proc/self/status, in bytes: `peak` (VmHWM), `rss`, `anon` (RssAnon),
