@@ -27,6 +27,7 @@ import contextlib
 import functools
 import mmap
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -281,16 +282,17 @@ class Relay:
         reattach = False
         lost: str | None = None
         reported = 0.0
-        landed = time.monotonic()  # when the last bucket landed (failover records)
+        landed = [time.monotonic()]  # when the last bucket landed (the stall watch, failover records)
         while copy.have < n and self.cur is copy and copy.error is None:
             got = await d.choose.remote(version, self.key, copy.have, reattach, lost)
             lost = None
             if got is None:  # superseded
                 return
             src_key, addr, src = got
-            sock = None
+            sock = watch = None
             try:
                 sock = await wire.connect(tuple(addr), self.secret, version, self.me)
+                watch = asyncio.get_running_loop().create_task(self._watch(sock, src, landed))
                 nxt = copy.have
                 while copy.have < n:
                     if nxt - copy.have < self.window and nxt < n:  # keep k = window buckets asked ahead
@@ -300,7 +302,7 @@ class Relay:
                     i = copy.have
                     a, b = copy.span(i)
                     with memoryview(copy.mm) as whole, whole[a:b] as part:
-                        await self._read(sock, i, part, src)  # from the socket straight into this node's file
+                        await wire.read_bucket(sock, i, part)  # from the socket straight into this node's file
                     if not copy.check(i):  # checked from the mapping, before anyone downstream sees it
                         copy.error = (f"bucket {i} of version {version} from {src_key}: digest mismatch "
                                       "(tampered or corrupted): refused")
@@ -311,7 +313,7 @@ class Relay:
                     now = time.monotonic()
                     if self.failovers and "resumed" not in self.failovers[-1]:
                         self.failovers[-1]["resumed"] = now
-                    landed = now
+                    landed[0] = now
                     if copy.have in (1, n) or now - reported >= PROGRESS_S:
                         d.progress.remote(version, self.key, copy.have)
                         reported = now
@@ -320,10 +322,12 @@ class Relay:
                 raise
             except Exception:  # noqa: BLE001 - the upstream died or moved on: re-attach and resume from `have`
                 self.failovers.append({"version": version, "upstream": src_key, "have": copy.have,
-                                       "last_bucket": landed, "detected": time.monotonic()})
+                                       "last_bucket": landed[0], "detected": time.monotonic()})
                 del self.failovers[:-16]
                 lost, reattach = src_key, True  # told to the directory with the next `choose` (one round trip)
             finally:
+                if watch is not None:
+                    watch.cancel()
                 if sock is not None:
                     sock.close()
         if lost is not None:
@@ -339,25 +343,22 @@ class Relay:
             async with self.changed:
                 self.changed.notify_all()
 
-    async def _read(self, sock: Any, i: int, into: memoryview, src: Any) -> None:
-        """Read bucket `i` into `into`; while it takes longer than `STALL_S`, ask Ray whether the upstream relay
-        `src` still lives (a killed or crashed relay's connection may not close at once: its process can outlive the
-        kill for a while, and a dead node's TCP peer never answers); its death raises (the caller re-attaches)."""
-        read = asyncio.ensure_future(wire.read_bucket(sock, i, into))
-        try:
-            while True:
-                done, _ = await asyncio.wait({read}, timeout=STALL_S)
-                if done:
-                    return read.result()
-                try:
-                    await asyncio.wait_for(asyncio.ensure_future(src.ping.remote()), STALL_S)
-                except TimeoutError:  # a busy upstream, not a dead one: keep reading
-                    pass
-        finally:
-            if not read.done():
-                read.cancel()
-                with contextlib.suppress(BaseException):
-                    await read
+    async def _watch(self, sock: Any, src: Any, landed: list[float]) -> None:
+        """While no bucket has landed for `STALL_S`, ask Ray whether the upstream relay `src` still lives (a killed
+        relay's connection closes with its process, but a hung process or a dead node's TCP peer never closes it);
+        if it died, shut the connection down, so the pending read fails and the receiver re-attaches."""
+        while True:
+            await asyncio.sleep(STALL_S)
+            if time.monotonic() - landed[0] < STALL_S:
+                continue
+            try:
+                await asyncio.wait_for(asyncio.ensure_future(src.ping.remote()), STALL_S)
+            except TimeoutError:  # a busy upstream, not a dead one
+                continue
+            except Exception:  # noqa: BLE001 - the upstream is dead
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                return
 
     async def forget(self, requester: str) -> None:
         """`requester` (a relay's `me`) died: blocks queued for it are dropped instead of sent."""
