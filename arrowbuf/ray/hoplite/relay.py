@@ -44,6 +44,8 @@ __all__ = ["Relay", "Superseded", "TokenBucket", "digest_of", "file_name", "shm_
 #: directory needs counts only to pick holders for late joiners and re-attaching receivers; pipelining between relays
 #: does not wait for it)
 PROGRESS_S = 0.05
+#: bucket requests a relay reads ahead of the one it serves, per connection (the rest wait in TCP's buffers)
+MAX_QUEUED = 64
 #: seconds a bucket may take before the receiver asks Ray whether its upstream relay is still alive
 STALL_S = 1.0
 
@@ -79,8 +81,15 @@ class TokenBucket:
         self._free_at = 0.0
         self._tail: asyncio.Future | None = None  # done when the last send asked so far has left the link
 
-    async def take(self, n: int, alive: Callable[[], bool] | None = None) -> bool:
-        """Wait for the link and hold it for this send; False (the link untouched) if `alive()` turned False."""
+    async def take(self, n: int, alive: Callable[[], bool] | None = None, since: float | None = None) -> bool:
+        """Wait for the link and hold it for this send; False (the link untouched) if `alive()` turned False.
+
+        `since`: when this send became possible (`time.monotonic()`: the request had arrived and the block was
+        here; default now). Its slot on the link starts then, or when the link's previous slot ends if later, and
+        lasts n / rate; the caller sends when the slot ends. So the time the caller then spends copying a block into
+        the socket overlaps the next slot (as on a real link) instead of adding to every block, and the link still
+        never carries more than `rate` (slots never overlap, and every send waits for the end of its slot).
+        """
         if self.rate is None:
             return alive is None or alive()
         prev, mine = self._tail, asyncio.get_running_loop().create_future()
@@ -94,8 +103,9 @@ class TokenBucket:
                 return False
             now = time.monotonic()
             # behind a send that just left the link, this one starts where it ended (however late we woke)
-            self._free_at = (self._free_at if backlogged else max(self._free_at, now)) + n / self.rate
-            await asyncio.sleep(self._free_at - now)
+            start = self._free_at if backlogged else max(self._free_at, now if since is None else min(since, now))
+            self._free_at = start + n / self.rate
+            await asyncio.sleep(max(0.0, self._free_at - now))
             return True
         finally:
             mine.set_result(None)
@@ -113,6 +123,7 @@ class _Copy:
     def __init__(self, meta: dict, name: str, create: bool, root: str | None) -> None:
         self.meta, self.name, self.root = meta, name, root
         self.have = 0
+        self.at = [0.0] * int(meta["nblocks"])  # time.monotonic() when each bucket was here and verified
         self.cond = asyncio.Condition()
         self.task: asyncio.Task | None = None
         self.error: str | None = None
@@ -158,6 +169,7 @@ class _Copy:
                     break
             else:
                 self.have = self.meta["nblocks"]
+                self.at = [time.monotonic()] * self.have
         self.verified = True
 
     def drop(self) -> None:
@@ -307,6 +319,7 @@ class Relay:
                         copy.error = (f"bucket {i} of version {version} from {src_key}: digest mismatch "
                                       "(tampered or corrupted): refused")
                         break
+                    copy.at[i] = time.monotonic()
                     async with copy.cond:
                         copy.have += 1
                         copy.cond.notify_all()
@@ -371,16 +384,20 @@ class Relay:
     async def _serve(self, conn: Any) -> None:
         """Serve one receiver's connection: check its hello, then answer its requests in order, each bucket as soon
         as it is here (pipelining) and this node's egress allows it, sent from this node's file (no copy)."""
+        reader = None
         try:
             version, requester = await wire.read_hello(conn, self.secret)
             copy = self.cur
             if copy is None or copy.meta["version"] != version:
                 await wire.send_error(conn, wire.SUPERSEDED, 0, f"relay {self.key} holds no version {version}")
                 return
+            reqs: asyncio.Queue = asyncio.Queue(maxsize=MAX_QUEUED)
+            reader = asyncio.get_running_loop().create_task(self._requests(conn, reqs))
             while True:
-                i = await wire.read_request(conn)
-                if i is None:
+                got = await reqs.get()
+                if got is None:
                     return
+                i, asked = got
                 if i >= copy.meta["nblocks"]:
                     await wire.send_error(conn, wire.BAD, i, f"version {version} has no bucket {i}")
                     return
@@ -394,7 +411,8 @@ class Relay:
                     await wire.send_error(conn, wire.REFUSED, i, f"relay {self.key}: {copy.error}")
                     return
                 a, b = copy.span(i)
-                if not await self.bucket.take(b - a, lambda: requester not in self.gone):
+                if not await self.bucket.take(b - a, lambda: requester not in self.gone,
+                                              since=max(asked, copy.at[i])):
                     await wire.send_error(conn, wire.GONE, i, f"relay {self.key}: requester {requester} is gone")
                     return
                 with memoryview(copy.mm) as whole, whole[a:b] as part:
@@ -402,7 +420,20 @@ class Relay:
         except (TimeoutError, OSError, wire.WireError):  # the receiver went away or broke the protocol
             return
         finally:
+            if reader is not None:
+                reader.cancel()
             conn.close()
+
+    @staticmethod
+    async def _requests(conn: Any, out: asyncio.Queue) -> None:
+        """Read a connection's bucket requests as they arrive, each with its arrival time, into `out` (bounded: a
+        receiver that asks for more than `MAX_QUEUED` ahead is held back by TCP); None at the end."""
+        try:
+            while (i := await wire.read_request(conn)) is not None:
+                await out.put((i, time.monotonic()))
+        except (OSError, wire.WireError):
+            pass
+        await out.put(None)
 
     def _answer(self, cur: _Copy) -> tuple[int, str, dict]:
         if cur.error:
