@@ -321,3 +321,27 @@ def test_the_emulated_link_overlaps_the_copy_of_a_bucket_with_the_next_slot(monk
 
     asyncio.run(run())
     assert slept == [1.0, 0.0, 1.0]
+
+
+# ------------------------------------------------------------------------------------------ the directory
+def test_a_loss_reported_for_a_superseded_version_does_not_mark_the_holder_dead():
+    """A receiver still pulling version 1 from a holder that moved on to version 2 gets "superseded" and reports the
+    loss; that must not make the holder dead for version 2 (it was: its upstream then refused it forever as `gone`,
+    and its version-2 copy never completed)."""
+    import asyncio
+
+    from arrowbuf.ray.hoplite.directory import BlockDirectory
+
+    def meta(v: int) -> dict:
+        return {"version": v, "nblocks": 8, "upload_slots": 1, "root_slots": 1, "pipelined": True}
+
+    async def run() -> dict:
+        d = BlockDirectory("t", {})
+        await d.publish(meta(1), "root")
+        await d.publish(meta(2), "root")
+        await d.progress(2, "a", 3)
+        await d.lost(1, "b", "a")  # late: b's version-1 pull from a, which holds version 2 now
+        return await d.state()
+
+    state = asyncio.run(run())
+    assert state["dead"] == [] and state["count"].get("a") == 3

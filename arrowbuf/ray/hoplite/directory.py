@@ -136,7 +136,12 @@ class BlockDirectory:
             await self._notify()
 
     async def lost(self, version: int, me: str, src: str) -> None:
-        """`me` could not pull from `src` (it died or moved on): forget `src` as a holder and free `me`'s slot."""
+        """`me` could not pull from `src` (it died or moved on): forget `src` as a holder and free `me`'s slot.
+
+        Only for the current version: a loss of an older version's transfer (its holder moved on to this one, and
+        answered that it was superseded) says nothing about the holder now."""
+        if self.meta is None or self.meta["version"] != version:
+            return
         await self.release(version, me, src)
         if src != self.root:
             self.dead.add(src)

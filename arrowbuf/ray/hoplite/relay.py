@@ -411,7 +411,8 @@ class Relay:
                     await wire.send_error(conn, wire.REFUSED, i, f"relay {self.key}: {copy.error}")
                     return
                 a, b = copy.span(i)
-                if not await self.bucket.take(b - a, lambda: requester not in self.gone,
+                # a receiver reported dead, or whose connection closed, costs the link nothing more
+                if not await self.bucket.take(b - a, functools.partial(self._alive, requester, reader),
                                               since=max(asked, copy.at[i])):
                     await wire.send_error(conn, wire.GONE, i, f"relay {self.key}: requester {requester} is gone")
                     return
@@ -423,6 +424,9 @@ class Relay:
             if reader is not None:
                 reader.cancel()
             conn.close()
+
+    def _alive(self, requester: str, reader: asyncio.Task) -> bool:
+        return requester not in self.gone and not reader.done()
 
     @staticmethod
     async def _requests(conn: Any, out: asyncio.Queue) -> None:
