@@ -206,32 +206,51 @@ class _PlasmaPeak:
         return self.peak
 
 
-def _sd_run(sd, n: int, bw: float | None, bucket: int, window: int, version: int,
-            kill_at: float | None = None) -> dict:
-    """One publish of `sd` from "src" to `n` emulated nodes (a pipelined chain); every node's relay holds a verified
-    copy at the end. Returns seconds, each receiver's completion time, peak extra memory, the killed relay."""
-    import ray
+class _Chain:
+    """One broadcast with relays "src" and n00..n<n-1> (emulated nodes on this Ray node), publishing a pipelined chain;
+    reused for several runs of the same configuration (a relay killed by a run is replaced before the next)."""
 
-    from arrowbuf.ray import Broadcast
+    def __init__(self, n: int, bw: float | None, bucket: int, window: int) -> None:
+        import ray
 
-    S = _sd_bytes(sd)
-    keys = [f"n{i:02d}" for i in range(n)]
-    here = ray.get_runtime_context().get_node_id()
-    with Broadcast.create(bucket_size=bucket, egress_bytes_per_s=bw, nodes=False, window=window) as bc:
-        relays = {k: bc.relay(k, here) for k in ["src", *keys]}
-        rss0 = dict(zip(relays, ray.get([r.memory.remote(reset=True) for r in relays.values()])))
+        from arrowbuf.ray import Broadcast
+
+        self.bucket, self.keys = bucket, [f"n{i:02d}" for i in range(n)]
+        self.here = ray.get_runtime_context().get_node_id()
+        self.bc = Broadcast.create(bucket_size=bucket, egress_bytes_per_s=bw, nodes=False, window=window)
+        self.relays = {k: self.bc.relay(k, self.here) for k in ["src", *self.keys]}
+        self.version = 0
+
+    def close(self) -> None:
+        self.bc.close()
+
+    def run(self, sd, kill_at: float | None = None) -> dict:
+        """One publish of `sd` to every receiver; every relay holds a verified copy at the end (each bucket checked
+        against the producer's digest as it landed). With `kill_at`, the relay the source feeds is killed when it
+        holds that fraction of the buckets (a fixed bucket), and replaced after the run. Returns seconds, each
+        receiver's completion time, peak extra RSS per relay beyond its copy, the killed relay."""
+        import ray
+
+        S, bc = _sd_bytes(sd), self.bc
+        rss0 = dict(zip(self.relays, ray.get([r.memory.remote(reset=True) for r in self.relays.values()])))
+        cpu0 = dict(zip(self.relays, ray.get([r.cpu.remote() for r in self.relays.values()])))
         plasma = _PlasmaPeak()
+        self.version += 1
         t0 = time.perf_counter()
-        v = bc.publish(sd, version, source="src", upload_slots=1, root_slots=1, pipelined=True)
+        v = bc.publish(sd, self.version, source="src", upload_slots=1, root_slots=1, pipelined=True)
         t_pub = time.perf_counter() - t0
         killed = None
         if kill_at is not None:
-            target = max(1, int(bc.wait(v, key="src")["nblocks"] * kill_at))
-            refs = {bc.directory.wait_count.remote(k, target): k for k in keys}
-            done, _ = ray.wait(list(refs), num_returns=1)
-            killed = refs[done[0]]
-            bc.kill_relay(killed)
-        pending = {relays[k].wait.remote(v): k for k in keys if k != killed}
+            ray.get([bc.directory.wait_count.remote(k, 1) for k in self.keys])  # the chain is built
+            killed = next(k for k, up in bc.state()["upstream"].items() if up == "src")
+            at = max(1, int(bc.wait(v, key="src")["nblocks"] * kill_at))
+            ray.get(bc.directory.wait_count.remote(killed, at))
+            handle = self.relays[killed]
+            t_kill = time.monotonic()
+            ray.kill(handle, no_restart=True)  # (bc.kill_relay, without its look-up of the handle)
+            ray.get(bc.directory.mark_dead.remote(killed, handle))
+            behind = next((k for k, up in bc.state()["upstream"].items() if up == killed), None)
+        pending = {self.relays[k].wait.remote(v): k for k in self.keys if k != killed}
         finish: dict[str, float] = {}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
@@ -239,18 +258,42 @@ def _sd_run(sd, n: int, bw: float | None, bucket: int, window: int, version: int
             finish[pending.pop(done[0])] = time.perf_counter() - t0
         secs = time.perf_counter() - t0
         peak_plasma = plasma.stop()
-        alive = [k for k in relays if k != killed]
-        mem = dict(zip(alive, ray.get([relays[k].memory.remote() for k in alive])))
-        # beyond the node's one copy (its file's pages count in the relay's RSS): what the transfer added at peak.
-        # It includes the pages of Ray's object-store arena the relay touched (shared memory that plasma keeps
-        # resident once touched, bounded by object_store_memory, not by k); `anon` is the relay's private growth.
+        alive = [k for k in self.relays if k != killed]
+        mem = dict(zip(alive, ray.get([self.relays[k].memory.remote() for k in alive])))
+        cpu1 = dict(zip(alive, ray.get([self.relays[k].cpu.remote() for k in alive])))
+        cpu = {w: sum(cpu1[k][w] - cpu0[k][w] for k in alive) for w in ("process", "loop")}
+        gb = len(self.keys) * S / 2**30
+        # beyond the node's one copy (its file's pages count in the relay's RSS): what the transfer added at peak;
+        # `anon` is the relay's private growth (its heap)
         extra = {k: mem[k]["peak"] - rss0[k]["rss"] - S for k in alive}
         anon = {k: mem[k]["anon"] - rss0[k]["anon"] for k in alive}
-        digests = {bc.digest(v, key=k) for k in alive}
-        assert len(digests) == 1, "the copies differ"
-    return {"seconds": secs, "publish_s": t_pub, "finish": finish, "killed": killed,
-            "extra_rss_max": max(extra.values()), "extra_rss_by_node": extra, "anon_max": max(anon.values()),
-            "plasma_peak": peak_plasma}
+        gap = None
+        if killed is not None and behind is not None:
+            # the receiver the killed relay fed: the time between its last bucket from the dead relay and its first
+            # after re-attaching (one bucket time when nothing is lost)
+            f = [x for x in ray.get(self.relays[behind].failover_log.remote()) if x["version"] == v]
+            if f and "resumed" in f[-1]:
+                gap = {"gap_s": f[-1]["resumed"] - f[-1]["last_bucket"], "kill_to_resume_s": f[-1]["resumed"] - t_kill,
+                       "detect_s": f[-1]["detected"] - t_kill}
+        if killed is not None:  # the same configuration for the next run: a new relay
+            self.relays[killed] = bc.relay(killed, self.here)
+        # a one-bucket version to every relay: whatever the links still do for this one is done before the next run
+        self.version += 1
+        v = bc.publish({"drain": np.zeros(1, np.float32)}, self.version, source="src", upload_slots=1,
+                       root_slots=1, pipelined=True)
+        ray.get([r.wait.remote(v) for r in self.relays.values()])
+        return {"seconds": secs, "publish_s": t_pub, "finish": finish, "killed": killed, "gap": gap,
+                "relay_cpu_s_per_gb": cpu["process"] / gb, "loop_cpu_s_per_gb": cpu["loop"] / gb,
+                "extra_rss_max": max(extra.values()), "extra_rss_by_node": extra, "anon_max": max(anon.values()),
+                "plasma_peak": peak_plasma}
+
+
+def _sd_run(sd, n: int, bw: float | None, bucket: int, window: int, kill_at: float | None = None) -> dict:
+    chain = _Chain(n, bw, bucket, window)
+    try:
+        return chain.run(sd, kill_at)
+    finally:
+        chain.close()
 
 
 def _rayput_peer(sd, n: int) -> float:
@@ -281,8 +324,12 @@ def _gloo_rank(rank: int, world: int, port: int, total_mb: int, q) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    sd = _sd_model(total_mb).state_dict() if rank == 0 else {k: torch.empty_like(t) for k, t in
-                                                              _sd_model(total_mb).state_dict().items()}
+    if rank == 0:
+        sd = _sd_model(total_mb).state_dict()
+    else:  # the shapes only (a meta model), then empty CPU tensors: one copy per rank, not two
+        with torch.device("meta"):
+            shapes = _sd_model(total_mb).state_dict()
+        sd = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in shapes.items()}
     dist.barrier()
     t0 = time.perf_counter()
     for k in sorted(sd):
@@ -323,12 +370,14 @@ def statedict_main(argv: list[str]) -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--peer-nodes", type=int, nargs="+", default=None, help="receivers for the peers (default --nodes)")
     ap.add_argument("--window", type=int, default=4, help="k: buckets a relay requests ahead")
+    ap.add_argument("--no-peers", action="store_true", help="skip the ray.put and gloo peers")
+    ap.add_argument("--reps", type=int, default=2, help="failover pairs (no kill, kill) at the largest N")
     ap.add_argument("--fill", type=float, default=0.5,
                     help="N_max x B as a fraction of the measured unthrottled aggregate")
     args = ap.parse_args(argv)
     size_mb = args.size_mb or (16 if args.quick else 256)
     bucket = (args.bucket_kb or (128 if args.quick else 1024)) << 10
-    peer_nodes = args.peer_nodes or args.nodes
+    peer_nodes = [] if args.no_peers else (args.peer_nodes or args.nodes)
     load0 = os.getloadavg()
 
     import ray
@@ -339,30 +388,52 @@ def statedict_main(argv: list[str]) -> None:
     ray.init(address="local", num_cpus=2, object_store_memory=max(256 << 20, 2 * S), include_dashboard=False,
              logging_level="ERROR", log_to_driver=False)
     rows: list[dict] = []
-    version = 0
+    pairs: list[tuple[float, float]] = []
+    gaps: list[dict] = []
     try:
         # the ceiling: unthrottled, every receiver; its aggregate (N x S / t) scales the emulated links
-        version += 1
-        unthr = _sd_run(sd, nmax, None, bucket, args.window, version)
+        unthr = _sd_run(sd, nmax, None, bucket, args.window)
         aggregate = nmax * S / unthr["seconds"]
         B = args.fill * aggregate / nmax
         rows.append({"run": "arrowbuf unthrottled", "nodes": nmax, "seconds": unthr["seconds"],
-                     "per_receiver_mb_s": S / unthr["seconds"] / 2**20, "aggregate_mb_s": aggregate / 2**20})
+                     "per_receiver_mb_s": S / unthr["seconds"] / 2**20, "aggregate_mb_s": aggregate / 2**20,
+                     "extra_rss_mb": unthr["extra_rss_max"] / 2**20, "anon_mb": unthr["anon_max"] / 2**20,
+                     "relay_cpu_s_per_gb": unthr["relay_cpu_s_per_gb"],
+                     "loop_cpu_s_per_gb": unthr["loop_cpu_s_per_gb"]})
         bucket_s = bucket / B
         for n in args.nodes:
-            version += 1
-            r = _sd_run(sd, n, B, bucket, args.window, version)
-            model = S / B + (n - 1) * bucket / B
-            rates = [S / t / B for t in r["finish"].values()]
-            rows.append({"run": "arrowbuf throttled", "nodes": n, "seconds": r["seconds"], "model_s": model,
-                         "vs_model": r["seconds"] / model, "min_rate_vs_link": min(rates),
-                         "extra_rss_buckets": r["extra_rss_max"] / bucket, "anon_buckets": r["anon_max"] / bucket,
-                         "plasma_peak_buckets_per_node": r["plasma_peak"] / bucket / n})
-        version += 1
-        k = _sd_run(sd, nmax, B, bucket, args.window, version, kill_at=0.5)
-        base = next(x for x in rows if x["run"] == "arrowbuf throttled" and x["nodes"] == nmax)["seconds"]
-        rows.append({"run": "arrowbuf throttled, relay killed at 50%", "nodes": nmax, "seconds": k["seconds"],
-                     "failover_s": k["seconds"] - base, "failover_vs_bucket": (k["seconds"] - base) / bucket_s})
+            chain = _Chain(n, B, bucket, args.window)
+            try:
+                r = chain.run(sd)
+                model = S / B + (n - 1) * bucket / B
+                rates = [S / (t - r["publish_s"]) / B for t in r["finish"].values()]  # from the source's copy
+                rows.append({"run": "arrowbuf throttled", "nodes": n, "seconds": r["seconds"], "model_s": model,
+                             "vs_model": r["seconds"] / model, "publish_s": r["publish_s"],
+                             "min_rate_vs_link": min(rates), "relay_cpu_s_per_gb": r["relay_cpu_s_per_gb"],
+                             "loop_cpu_s_per_gb": r["loop_cpu_s_per_gb"],
+                             "extra_rss_mb": r["extra_rss_max"] / 2**20, "anon_mb": r["anon_max"] / 2**20,
+                             "extra_rss_buckets": r["extra_rss_max"] / bucket, "anon_buckets": r["anon_max"] / bucket,
+                             "plasma_peak_buckets_per_node": r["plasma_peak"] / bucket / n})
+                if n == nmax:
+                    # failover: the relay the source feeds killed at a fixed bucket (half way), interleaved with
+                    # runs of the same configuration without a kill
+                    for _ in range(args.reps):
+                        br = chain.run(sd)
+                        base = br["seconds"]
+                        kr = chain.run(sd, kill_at=0.5)
+                        killed = kr["seconds"]
+                        pairs.append((base, killed))
+                        if kr["gap"] is not None:
+                            gaps.append(kr["gap"])
+                        rows.append({"run": "arrowbuf throttled, no kill (failover pair)", "nodes": n,
+                                     "seconds": base, "extra_rss_mb": br["extra_rss_max"] / 2**20,
+                                     "extra_rss_buckets": br["extra_rss_max"] / bucket,
+                                     "anon_mb": br["anon_max"] / 2**20})
+                        rows.append({"run": "arrowbuf throttled, relay fed by the source killed at 50%",
+                                     "nodes": n, "seconds": killed, "failover_s": killed - base,
+                                     "failover_vs_bucket": (killed - base) / bucket_s, "gap": kr["gap"]})
+            finally:
+                chain.close()
         for n in peer_nodes:
             rows.append({"run": "peer ray.put/ray.get (unthrottled)", "nodes": n, "seconds": _rayput_peer(sd, n)})
     finally:
@@ -378,21 +449,36 @@ def statedict_main(argv: list[str]) -> None:
           f"emulated link (N x B = {args.fill:g} of it); one bucket = {bucket_s * 1e3:.0f} ms at B; "
           f"load average before/after {load0[0]:.1f}/{load1[0]:.1f}")
     print("| run | N | seconds | model (s) | measured / model | slowest receiver / B | relay peak RSS beyond the copy "
-          "(buckets) | relay private growth (buckets) | object store peak per node (buckets) | failover / one bucket |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "(MB / buckets) | relay private growth (MB) | object store peak per node (buckets) | failover / one bucket "
+          "| relay CPU s per GB received: processes / event loops |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(x: dict, key: str, fmt: str) -> str:
         return "-" if x.get(key) is None else format(x[key], fmt)
 
     for x in rows:
         print(f"| {x['run']} | {x['nodes']} | {x['seconds']:.2f} | {f(x, 'model_s', '.2f')} | "
-              f"{f(x, 'vs_model', '.2f')} | {f(x, 'min_rate_vs_link', '.2f')} | {f(x, 'extra_rss_buckets', '.1f')} | "
-              f"{f(x, 'anon_buckets', '.1f')} | "
-              f"{f(x, 'plasma_peak_buckets_per_node', '.1f')} | {f(x, 'failover_vs_bucket', '.2f')} |")
+              f"{f(x, 'vs_model', '.2f')} | {f(x, 'min_rate_vs_link', '.2f')} | {f(x, 'extra_rss_mb', '.1f')} / "
+              f"{f(x, 'extra_rss_buckets', '.1f')} | {f(x, 'anon_mb', '.1f')} | "
+              f"{f(x, 'plasma_peak_buckets_per_node', '.1f')} | {f(x, 'failover_vs_bucket', '.2f')} | "
+              f"{f(x, 'relay_cpu_s_per_gb', '.2f')} / {f(x, 'loop_cpu_s_per_gb', '.2f')} |")
     print(f"\ntime at N={nmax} / time at N={min(args.nodes)}: {tN / t1:.2f} (checkpoint-engine shape: <= 1.15)")
+    failover = sorted((k - b) / bucket_s for b, k in pairs)
+    if failover:
+        print(f"failover (kill run - the no-kill run before it, in bucket times of {bucket_s * 1e3:.0f} ms), "
+              f"{len(pairs)} interleaved pairs: {', '.join(f'{x:.2f}' for x in failover)}; "
+              f"median {failover[len(failover) // 2]:.2f}; no-kill runs "
+              f"{', '.join(f'{b:.2f}' for b, _ in pairs)} s")
+    if gaps:
+        print("failover at the receiver the killed relay fed: gap between its last bucket from the dead relay and its "
+              "first after re-attaching, minus one bucket time (the cost), in bucket times: "
+              + ", ".join(f"{(g['gap_s'] - bucket_s) / bucket_s:.2f}" for g in gaps)
+              + "; kill to detection (ms): " + ", ".join(f"{g['detect_s'] * 1e3:.0f}" for g in gaps)
+              + "; kill to its next bucket (ms): " + ", ".join(f"{g['kill_to_resume_s'] * 1e3:.0f}" for g in gaps))
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "args": vars(args), "size_bytes": S,
             "bucket": bucket, "B": B, "aggregate": aggregate, "t_max_over_t_min": tN / t1,
+            "failover_pairs_s": pairs, "failover_buckets": failover, "failover_gaps": gaps,
             "loadavg_before": load0, "loadavg_after": load1}
     name = f"broadcast-statedict-{size_mb}mb{'-quick' if args.quick else ''}.json"
     (OUT / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))

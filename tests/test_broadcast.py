@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import sys
 import time
 
@@ -17,6 +18,7 @@ import arrowbuf as ab
 from arrowbuf import errors as ab_errors
 from arrowbuf.errors import BroadcastRefused
 from arrowbuf.ray import Broadcast
+from arrowbuf.ray.hoplite import wire
 from arrowbuf.ray.hoplite.relay import digest_of, file_name, shm_prefix
 from arrowbuf.tiers.shm import private
 
@@ -451,3 +453,22 @@ def test_close_and_a_killed_driver_plus_shm_gc_leave_nothing_in_dev_shm(cluster,
         time.sleep(0.5)
     assert not glob.glob(shm_prefix(uid) + "*")
     assert not [f for f in glob.glob("/dev/shm/**", recursive=True) if uid in f]
+
+
+def test_a_relay_serves_no_bucket_without_the_broadcast_secret(bcast):
+    bc = bcast(block_size=64 << 10)
+    v = bc.publish(_model(1).state_dict(), 1)
+    here = ray.get_runtime_context().get_node_id()
+    bc.wait(v, key=here, timeout=60)
+    host, port = ray.get(bc.relay(here).address.remote(), timeout=60)
+    for secret in (bytes(16), b"\x01" * 16):  # a local process that is not part of the broadcast guesses
+        with socket.create_connection((host, port), timeout=30) as s:
+            s.sendall(wire.hello(secret, v, "intruder") + b"".join(wire.REQUEST.pack(i) for i in range(4)))
+            got = b""
+            try:
+                while chunk := s.recv(1 << 16):
+                    got += chunk
+            except ConnectionResetError:  # closed with our requests unread: a reset, and nothing sent
+                pass
+        assert got == b"", "a relay answered a connection without the secret"
+    assert len({bc.digest(v, key=n) for n in _nodes()}) == 1  # and the broadcast itself is unharmed

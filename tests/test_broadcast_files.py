@@ -289,3 +289,59 @@ def test_the_emulated_link_sends_in_order_and_skips_receivers_that_died():
 
     got, order = asyncio.run(run())
     assert order == [0, 1, 4, 6, 7] and got == [i not in {2, 3, 5} for i in range(8)]
+
+
+def test_the_emulated_link_overlaps_the_copy_of_a_bucket_with_the_next_slot(monkeypatch):
+    """A slot starts when its send became possible (`since`), not after the previous bucket was copied into the
+    socket: the copy time is not added to every bucket. Slots never overlap: a send asked when the link is idle
+    waits one full slot. (A fake clock: the schedule is checked, not the machine's timing.)"""
+    import asyncio
+    import types
+
+    from arrowbuf.ray.hoplite import relay
+
+    clock = [100.0]
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def fake_sleep(d: float) -> None:
+        slept.append(round(d, 6))
+        clock[0] += d
+        await real_sleep(0)
+
+    monkeypatch.setattr(relay, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(relay.asyncio, "sleep", fake_sleep)
+
+    async def run() -> None:
+        tb = relay.TokenBucket(1.0)  # 1 byte/s: a 1-byte bucket is a 1 s slot
+        assert await tb.take(1, since=100.0)  # the link is idle: one full slot (100 -> 101)
+        clock[0] += 3.0  # copying that bucket into the socket took 3 s (a loaded machine)
+        assert await tb.take(1, since=100.5)  # asked at 100.5 with the bucket there: its slot was 101 -> 102, past
+        assert await tb.take(1, since=clock[0])  # asked now (104), the link idle since 102: a full slot again
+
+    asyncio.run(run())
+    assert slept == [1.0, 0.0, 1.0]
+
+
+# ------------------------------------------------------------------------------------------ the directory
+def test_a_loss_reported_for_a_superseded_version_does_not_mark_the_holder_dead():
+    """A receiver still pulling version 1 from a holder that moved on to version 2 gets "superseded" and reports the
+    loss; that must not make the holder dead for version 2 (it was: its upstream then refused it forever as `gone`,
+    and its version-2 copy never completed)."""
+    import asyncio
+
+    from arrowbuf.ray.hoplite.directory import BlockDirectory
+
+    def meta(v: int) -> dict:
+        return {"version": v, "nblocks": 8, "upload_slots": 1, "root_slots": 1, "pipelined": True}
+
+    async def run() -> dict:
+        d = BlockDirectory("t", {})
+        await d.publish(meta(1), "root")
+        await d.publish(meta(2), "root")
+        await d.progress(2, "a", 3)
+        await d.lost(1, "b", "a")  # late: b's version-1 pull from a, which holds version 2 now
+        return await d.state()
+
+    state = asyncio.run(run())
+    assert state["dead"] == [] and state["count"].get("a") == 3

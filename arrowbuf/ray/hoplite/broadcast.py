@@ -110,7 +110,8 @@ class Broadcast:
         uid = secrets.token_hex(4)
         directory = ray.remote(BlockDirectory).options(
             name=f"arrowbuf-bc-{uid}-directory", num_cpus=0, max_concurrency=1000).remote(
-            uid, {"egress_bytes_per_s": egress_bytes_per_s, "window": window, "root": root})
+            uid, {"egress_bytes_per_s": egress_bytes_per_s, "window": window, "root": root,
+                  "secret": secrets.token_hex(16)})  # relays accept only connections that know it (wire.py)
         bc = cls(uid, directory, int(block_size), int(upload_slots),
                  int(upload_slots if root_slots is None else root_slots), bool(pipelined), root)
         if nodes:

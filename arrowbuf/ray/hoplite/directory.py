@@ -21,6 +21,7 @@ class BlockDirectory:
         self.uid = uid
         self.relay_options = relay_options
         self.relays: dict[str, Any] = {}
+        self.addresses: dict[str, tuple[str, int]] = {}  # node key -> its relay's bucket server (wire.py)
         self.incarnations: dict[str, int] = {}  # relays created per node key so far
         self.ids: dict[str, str] = {}           # node key -> its relay as a requester ("key#incarnation")
         self.meta: dict | None = None
@@ -67,7 +68,7 @@ class BlockDirectory:
         self.ids[key] = f"{key}#{incarnation}"
         r: Any = ray.remote(Relay).options(**opts).remote(self.uid, key, incarnation=incarnation,
                                                           **self.relay_options)
-        await r.ping.remote()
+        self.addresses[key] = tuple(await r.address.remote())  # also: the relay is up
         self.relays[key] = r
         self.dead.discard(key)
         self.count.pop(key, None)
@@ -104,8 +105,13 @@ class BlockDirectory:
                 best, best_rank = k, rank
         return best
 
-    async def choose(self, version: int, me: str, have: int, reattach: bool = False) -> tuple[str, Any] | None:
-        """Pick (and reserve an upload slot of) the holder `me` should pull from; None once `version` is superseded."""
+    async def choose(self, version: int, me: str, have: int, reattach: bool = False, lost: str | None = None
+                     ) -> tuple[str, tuple[str, int], Any] | None:
+        """Pick (and reserve an upload slot of) the holder `me` should pull from: (its key, its bucket server's
+        address, its relay handle); None once `version` is superseded. `lost`: the holder `me` could not pull from
+        (see `lost`), reported in the same call."""
+        if lost is not None:
+            await self.lost(version, me, lost)
         async with self.cond:
             await self.cond.wait_for(lambda: self.meta is None or self.meta["version"] != version
                                      or self._pick(me, have, reattach) is not None)
@@ -115,7 +121,7 @@ class BlockDirectory:
             assert k is not None
             self.uploads[k] = self.uploads.get(k, 0) + 1
             self.upstream[me] = k
-            return k, self.relays[k]
+            return k, self.addresses[k], self.relays[k]
 
     async def progress(self, version: int, key: str, count: int) -> None:
         if self.meta is not None and self.meta["version"] == version and key not in self.dead:
@@ -130,7 +136,12 @@ class BlockDirectory:
             await self._notify()
 
     async def lost(self, version: int, me: str, src: str) -> None:
-        """`me` could not pull from `src` (it died or moved on): forget `src` as a holder and free `me`'s slot."""
+        """`me` could not pull from `src` (it died or moved on): forget `src` as a holder and free `me`'s slot.
+
+        Only for the current version: a loss of an older version's transfer (its holder moved on to this one, and
+        answered that it was superseded) says nothing about the holder now."""
+        if self.meta is None or self.meta["version"] != version:
+            return
         await self.release(version, me, src)
         if src != self.root:
             self.dead.add(src)

@@ -3,14 +3,17 @@
 A relay (an async Ray actor) keeps the newest version of one broadcast in a private file (0600, created
 O_EXCL|O_NOFOLLOW in this user's 0700 directory under /dev/shm; see `arrowbuf.tiers.shm.private`) that it fills block
 by block, checking each block's digest from the mapping before it counts it as held, so a tampered block never reaches
-a consumer or a downstream relay. It pulls blocks from the holder the directory (`directory.py`) picks for it, and
-serves the blocks it already has to the receivers downstream of it at once (pipelining): `get_block(v, i)` waits
-until block `i` is here, not until the whole object is. Consumers on the node map the file (`Broadcast.get`,
-`tensors`, `load_into`): one copy per node, zero-copy reads.
+a consumer or a downstream relay. It pulls blocks from the holder the directory (`directory.py`) picks for it, over
+one TCP connection to that holder's bucket server (`wire.py`: a hello with the broadcast's secret, then bucket
+requests), and serves the blocks it already has to the receivers downstream of it at once (pipelining): a request for
+block `i` is answered as soon as block `i` is here, not when the whole object is. Consumers on the node map the file
+(`Broadcast.get`, `tensors`, `load_into`): one copy per node, zero-copy reads.
 
-Memory: a relay asks its upstream for at most `window` (k) blocks ahead; each is one Ray object of one block, freed
-once copied into the file. So a node holds its one copy plus at most k blocks it receives, plus the blocks its
-downstream receivers asked of it (k per upload slot), in Ray's object store.
+Memory: a block moves from the sender's mapped file into the socket and from the socket into the receiver's mapped
+file (`sock_sendall` of a view of the mapping, `sock_recv_into` a view of the mapping): no user-space buffer, no Ray
+object. A receiver keeps at most `window` (k) blocks requested ahead, so at most k blocks per connection sit in the
+kernel's socket buffers (not in any process's RSS). A relay's resident memory beyond its node's copy is its fixed
+Python/Ray baseline plus the headers of the frames in flight.
 
 Why a /dev/shm file rather than Ray's object store: a Ray object is sealed whole by one `put`, so a relay could not
 forward block 3 of an object it is still writing, nor resume a half-received object after its upstream died; a file
@@ -20,20 +23,31 @@ is written in place block by block, and a consumer maps it like an object-store 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import mmap
 import os
+import socket
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from ...errors import ArrowbufError, BroadcastRefused
 from ...tiers.shm import private
+from . import wire
 from .payload import combine, digest_of
 
 __all__ = ["Relay", "Superseded", "TokenBucket", "digest_of", "file_name", "shm_prefix"]
+
+
+#: a relay reports its progress to the directory on its first and last bucket and otherwise at most this often (the
+#: directory needs counts only to pick holders for late joiners and re-attaching receivers; pipelining between relays
+#: does not wait for it)
+PROGRESS_S = 0.05
+#: bucket requests a relay reads ahead of the one it serves, per connection (the rest wait in TCP's buffers)
+MAX_QUEUED = 64
+#: seconds a bucket may take before the receiver asks Ray whether its upstream relay is still alive
+STALL_S = 1.0
 
 
 class Superseded(ArrowbufError, RuntimeError):
@@ -67,8 +81,15 @@ class TokenBucket:
         self._free_at = 0.0
         self._tail: asyncio.Future | None = None  # done when the last send asked so far has left the link
 
-    async def take(self, n: int, alive: Callable[[], bool] | None = None) -> bool:
-        """Wait for the link and hold it for this send; False (the link untouched) if `alive()` turned False."""
+    async def take(self, n: int, alive: Callable[[], bool] | None = None, since: float | None = None) -> bool:
+        """Wait for the link and hold it for this send; False (the link untouched) if `alive()` turned False.
+
+        `since`: when this send became possible (`time.monotonic()`: the request had arrived and the block was
+        here; default now). Its slot on the link starts then, or when the link's previous slot ends if later, and
+        lasts n / rate; the caller sends when the slot ends. So the time the caller then spends copying a block into
+        the socket overlaps the next slot (as on a real link) instead of adding to every block, and the link still
+        never carries more than `rate` (slots never overlap, and every send waits for the end of its slot).
+        """
         if self.rate is None:
             return alive is None or alive()
         prev, mine = self._tail, asyncio.get_running_loop().create_future()
@@ -82,8 +103,9 @@ class TokenBucket:
                 return False
             now = time.monotonic()
             # behind a send that just left the link, this one starts where it ended (however late we woke)
-            self._free_at = (self._free_at if backlogged else max(self._free_at, now)) + n / self.rate
-            await asyncio.sleep(self._free_at - now)
+            start = self._free_at if backlogged else max(self._free_at, now if since is None else min(since, now))
+            self._free_at = start + n / self.rate
+            await asyncio.sleep(max(0.0, self._free_at - now))
             return True
         finally:
             mine.set_result(None)
@@ -101,6 +123,7 @@ class _Copy:
     def __init__(self, meta: dict, name: str, create: bool, root: str | None) -> None:
         self.meta, self.name, self.root = meta, name, root
         self.have = 0
+        self.at = [0.0] * int(meta["nblocks"])  # time.monotonic() when each bucket was here and verified
         self.cond = asyncio.Condition()
         self.task: asyncio.Task | None = None
         self.error: str | None = None
@@ -146,6 +169,7 @@ class _Copy:
                     break
             else:
                 self.have = self.meta["nblocks"]
+                self.at = [time.monotonic()] * self.have
         self.verified = True
 
     def drop(self) -> None:
@@ -175,9 +199,18 @@ class Relay:
     """
 
     def __init__(self, uid: str, key: str, egress_bytes_per_s: float | None = None, window: int = 4,
-                 root: str | None = None, incarnation: int = 0) -> None:
+                 root: str | None = None, incarnation: int = 0, secret: str | None = None) -> None:
         self.uid, self.key, self.window, self.root = uid, key, max(1, int(window)), root
         self.incarnation = int(incarnation)
+        self.secret = bytes.fromhex(secret) if secret else bytes(wire.SECRET_BYTES)
+        if len(self.secret) != wire.SECRET_BYTES:
+            raise ValueError(f"the broadcast secret must be {wire.SECRET_BYTES} bytes")
+        self._lsock: Any = None
+        self._addr: tuple[str, int] | None = None
+        self._tasks: set[asyncio.Task] = set()
+        #: the last 16 re-attachments: version, upstream lost, buckets held, time.monotonic() of the last bucket
+        #: before the loss, of its detection and of the first bucket after (`resumed`); benchmarks measure the gap
+        self.failovers: list[dict] = []
         self.me = f"{key}#{self.incarnation}"  # this relay as a requester (its upstream forgets it when it dies)
         self.gone: set[str] = set()
         private.sweep(root)  # on its node, the files of broadcasts whose holders died (the next start after a crash)
@@ -195,6 +228,31 @@ class Relay:
 
     async def ping(self) -> str:
         return self.key
+
+    async def address(self) -> tuple[str, int]:
+        """(host, port) of this relay's bucket server (started on first call, bound to the node's IP): receivers
+        stream buckets from it (`wire.py`)."""
+        if self._addr is None:
+            import ray
+
+            self._lsock = wire.listen(ray.util.get_node_ip_address())
+            host, port = self._lsock.getsockname()[:2]
+            self._addr = (str(host), int(port))
+            self._spawn(self._accept())
+        return self._addr
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self) -> None:
+        while True:
+            try:
+                conn = await wire.accept(self._lsock)
+            except OSError:  # closed (close) or out of descriptors: stop serving
+                return
+            self._spawn(self._serve(conn))
 
     async def _replace(self, copy: _Copy) -> None:
         old, self.cur = self.cur, copy
@@ -234,38 +292,59 @@ class Relay:
         d, meta = self._dir(), copy.meta
         version, n = meta["version"], meta["nblocks"]
         reattach = False
+        lost: str | None = None
+        reported = 0.0
+        landed = [time.monotonic()]  # when the last bucket landed (the stall watch, failover records)
         while copy.have < n and self.cur is copy and copy.error is None:
-            got = await d.choose.remote(version, self.key, copy.have, reattach)
+            got = await d.choose.remote(version, self.key, copy.have, reattach, lost)
+            lost = None
             if got is None:  # superseded
                 return
-            src_key, src = got
-            pending: deque = deque()
+            src_key, addr, src = got
+            sock = watch = None
             try:
+                sock = await wire.connect(tuple(addr), self.secret, version, self.me)
+                watch = asyncio.get_running_loop().create_task(self._watch(sock, src, landed))
                 nxt = copy.have
                 while copy.have < n:
-                    while nxt < n and len(pending) < self.window:
-                        pending.append(src.get_block.remote(version, nxt, self.me))
-                        nxt += 1
-                    data = await pending.popleft()
-                    a, b = copy.span(copy.have)
-                    copy.mm[a:b] = data
-                    del data
-                    if not copy.check(copy.have):  # checked from the mapping, before anyone downstream sees it
-                        copy.error = (f"bucket {copy.have} of version {version} from {src_key}: digest mismatch "
+                    if nxt - copy.have < self.window and nxt < n:  # keep k = window buckets asked ahead
+                        more = min(n, copy.have + self.window) - nxt
+                        await wire.request(sock, nxt, more)
+                        nxt += more
+                    i = copy.have
+                    a, b = copy.span(i)
+                    with memoryview(copy.mm) as whole, whole[a:b] as part:
+                        await wire.read_bucket(sock, i, part)  # from the socket straight into this node's file
+                    if not copy.check(i):  # checked from the mapping, before anyone downstream sees it
+                        copy.error = (f"bucket {i} of version {version} from {src_key}: digest mismatch "
                                       "(tampered or corrupted): refused")
                         break
+                    copy.at[i] = time.monotonic()
                     async with copy.cond:
                         copy.have += 1
                         copy.cond.notify_all()
-                    d.progress.remote(version, self.key, copy.have)
-                pending.clear()
+                    now = time.monotonic()
+                    if self.failovers and "resumed" not in self.failovers[-1]:
+                        self.failovers[-1]["resumed"] = now
+                    landed[0] = now
+                    if copy.have in (1, n) or now - reported >= PROGRESS_S:
+                        d.progress.remote(version, self.key, copy.have)
+                        reported = now
                 d.release.remote(version, self.key, src_key)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the upstream died or moved on: re-attach and resume from `have`
-                pending.clear()
-                await d.lost.remote(version, self.key, src_key)
-                reattach = True
+                self.failovers.append({"version": version, "upstream": src_key, "have": copy.have,
+                                       "last_bucket": landed[0], "detected": time.monotonic()})
+                del self.failovers[:-16]
+                lost, reattach = src_key, True  # told to the directory with the next `choose` (one round trip)
+            finally:
+                if watch is not None:
+                    watch.cancel()
+                if sock is not None:
+                    sock.close()
+        if lost is not None:
+            d.lost.remote(version, self.key, lost)
         if self.cur is copy:
             if copy.error is None and meta["digest"] != combine(meta["digests"]):
                 copy.error = "the bucket digests do not make the payload digest"
@@ -277,28 +356,88 @@ class Relay:
             async with self.changed:
                 self.changed.notify_all()
 
+    async def _watch(self, sock: Any, src: Any, landed: list[float]) -> None:
+        """While no bucket has landed for `STALL_S`, ask Ray whether the upstream relay `src` still lives (a killed
+        relay's connection closes with its process, but a hung process or a dead node's TCP peer never closes it);
+        if it died, shut the connection down, so the pending read fails and the receiver re-attaches."""
+        while True:
+            await asyncio.sleep(STALL_S)
+            if time.monotonic() - landed[0] < STALL_S:
+                continue
+            try:
+                await asyncio.wait_for(asyncio.ensure_future(src.ping.remote()), STALL_S)
+            except TimeoutError:  # a busy upstream, not a dead one
+                continue
+            except Exception:  # noqa: BLE001 - the upstream is dead
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                return
+
     async def forget(self, requester: str) -> None:
         """`requester` (a relay's `me`) died: blocks queued for it are dropped instead of sent."""
         self.gone.add(requester)
 
-    async def get_block(self, version: int, i: int, requester: str | None = None) -> Any:
-        """Block `i` of `version`, as soon as it is here (pipelining), after this node's egress allows it."""
-        copy = self.cur
-        if copy is None or copy.meta["version"] != version:
-            raise Superseded(f"relay {self.key} holds no version {version}")
-        async with copy.cond:
-            await copy.cond.wait_for(lambda: copy.have > i or self.cur is not copy or copy.error is not None)
-        if self.cur is not copy:
-            raise Superseded(f"relay {self.key}: version {version} was superseded")
-        if copy.have <= i:
-            raise BroadcastRefused(f"relay {self.key}: {copy.error}")
-        a, b = copy.span(i)
-        if not await self.bucket.take(b - a, None if requester is None else lambda: requester not in self.gone):
-            raise Superseded(f"relay {self.key}: requester {requester} is gone")
-        # a view of the node's file, not a copy: Ray pickles numpy out of band (one copy into the object store,
-        # then the receiver maps it); blocks are immutable once written, and a dropped version's mapping lives on
-        # in the view
-        return np.frombuffer(copy.mm, dtype=np.uint8, count=b - a, offset=a)
+    def _ready(self, copy: _Copy, i: int) -> bool:
+        """Bucket `i` of `copy` is here, or it never will be (superseded, refused)."""
+        return copy.have > i or self.cur is not copy or copy.error is not None
+
+    async def _serve(self, conn: Any) -> None:
+        """Serve one receiver's connection: check its hello, then answer its requests in order, each bucket as soon
+        as it is here (pipelining) and this node's egress allows it, sent from this node's file (no copy)."""
+        reader = None
+        try:
+            version, requester = await wire.read_hello(conn, self.secret)
+            copy = self.cur
+            if copy is None or copy.meta["version"] != version:
+                await wire.send_error(conn, wire.SUPERSEDED, 0, f"relay {self.key} holds no version {version}")
+                return
+            reqs: asyncio.Queue = asyncio.Queue(maxsize=MAX_QUEUED)
+            reader = asyncio.get_running_loop().create_task(self._requests(conn, reqs))
+            while True:
+                got = await reqs.get()
+                if got is None:
+                    return
+                i, asked = got
+                if i >= copy.meta["nblocks"]:
+                    await wire.send_error(conn, wire.BAD, i, f"version {version} has no bucket {i}")
+                    return
+                async with copy.cond:
+                    await copy.cond.wait_for(functools.partial(self._ready, copy, i))
+                if self.cur is not copy:
+                    await wire.send_error(conn, wire.SUPERSEDED, i, f"relay {self.key}: version {version} was "
+                                          "superseded")
+                    return
+                if copy.have <= i:
+                    await wire.send_error(conn, wire.REFUSED, i, f"relay {self.key}: {copy.error}")
+                    return
+                a, b = copy.span(i)
+                # a receiver reported dead, or whose connection closed, costs the link nothing more
+                if not await self.bucket.take(b - a, functools.partial(self._alive, requester, reader),
+                                              since=max(asked, copy.at[i])):
+                    await wire.send_error(conn, wire.GONE, i, f"relay {self.key}: requester {requester} is gone")
+                    return
+                with memoryview(copy.mm) as whole, whole[a:b] as part:
+                    await wire.send_bucket(conn, i, part)
+        except (TimeoutError, OSError, wire.WireError):  # the receiver went away or broke the protocol
+            return
+        finally:
+            if reader is not None:
+                reader.cancel()
+            conn.close()
+
+    def _alive(self, requester: str, reader: asyncio.Task) -> bool:
+        return requester not in self.gone and not reader.done()
+
+    @staticmethod
+    async def _requests(conn: Any, out: asyncio.Queue) -> None:
+        """Read a connection's bucket requests as they arrive, each with its arrival time, into `out` (bounded: a
+        receiver that asks for more than `MAX_QUEUED` ahead is held back by TCP); None at the end."""
+        try:
+            while (i := await wire.read_request(conn)) is not None:
+                await out.put((i, time.monotonic()))
+        except (OSError, wire.WireError):
+            pass
+        await out.put(None)
 
     def _answer(self, cur: _Copy) -> tuple[int, str, dict]:
         if cur.error:
@@ -322,9 +461,18 @@ class Relay:
             return None
         return self._answer(cur)
 
+    async def failover_log(self) -> list[dict]:
+        """This relay's recent re-attachments (see `failovers`)."""
+        return [dict(f) for f in self.failovers]
+
     async def progress(self) -> tuple[int, int]:
         """(version, blocks held) of this node's copy; (-1, 0) when it holds none."""
         return (-1, 0) if self.cur is None else (self.cur.meta["version"], self.cur.have)
+
+    async def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by this relay's `process` (all its threads: Ray's own too) and by its event `loop`
+        thread (the data plane: sockets, per-bucket hashing, frames, calls to the directory)."""
+        return {"process": time.process_time(), "loop": time.thread_time()}
 
     async def memory(self, reset: bool = False) -> dict[str, int]:
         """This relay process's memory from /proc/self/status, in bytes: `peak` (VmHWM), `rss`, `anon` (RssAnon),
@@ -343,7 +491,11 @@ class Relay:
         return out
 
     async def close(self) -> None:
-        """Stop receiving and remove this node's file."""
+        """Stop receiving and serving, and remove this node's file."""
+        if self._lsock is not None:
+            self._lsock.close()
+        for t in list(self._tasks):
+            t.cancel()
         if self.cur is not None:
             self.cur.drop()
             self.cur = None

@@ -1,0 +1,107 @@
+"""The relay-to-relay wire format of the broadcast (`arrowbuf.ray.hoplite.wire`), fuzzed over real socket pairs: a
+hostile peer's bytes are refused or read exactly as the format says, never anything else (no Ray needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from arrowbuf.ray.hoplite import wire
+
+SECRET = bytes(range(16))
+_FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _feed(data: bytes, coro_fn):
+    """Run `coro_fn(sock)` on one end of a socket pair whose other end sent `data` and closed."""
+
+    async def main():
+        a, b = socket.socketpair()
+        try:
+            a.setblocking(False)
+            b.sendall(data)
+            b.shutdown(socket.SHUT_WR)
+            return await asyncio.wait_for(coro_fn(a), 5)
+        finally:
+            a.close()
+            b.close()
+
+    return asyncio.run(main())
+
+
+def test_a_good_hello_reads_back():
+    assert _feed(wire.hello(SECRET, 7, "node#0"), lambda s: wire.read_hello(s, SECRET)) == (7, "node#0")
+
+
+@pytest.mark.parametrize("data, why", [
+    (wire.hello(bytes(16), 7, "x"), "wrong broadcast secret"),
+    (b"NOTARELY" + wire.hello(SECRET, 7, "x")[8:], "not a broadcast relay"),
+    (struct.pack("<8s16sQH", wire.MAGIC, SECRET, 7, wire.MAX_REQUESTER + 1) + b"x" * 300, "requester name of"),
+    (struct.pack("<8s16sQH", wire.MAGIC, SECRET, 7, 2) + b"\xff\xfe", "not UTF-8"),
+])
+def test_a_bad_hello_is_refused(data, why):
+    with pytest.raises(wire.WireError, match=why):
+        _feed(data, lambda s: wire.read_hello(s, SECRET))
+
+
+@_FUZZ
+@given(st.binary(max_size=400) | st.builds(lambda tail: wire.MAGIC + SECRET + tail, st.binary(max_size=300)))
+def test_a_mangled_hello_is_refused_or_read_exactly(data):
+    try:
+        version, who = _feed(data, lambda s: wire.read_hello(s, SECRET))
+    except (wire.WireError, ConnectionError):
+        return
+    # accepted only with the magic, the secret and a name of the stated length
+    magic, secret, v, n = struct.unpack_from("<8s16sQH", data)
+    assert (magic, secret, v, n) == (wire.MAGIC, SECRET, version, len(who.encode()))
+    assert data[wire.HELLO.size:wire.HELLO.size + n].decode() == who
+
+
+def test_requests_read_back_in_order_and_end_cleanly():
+    async def read_all(s):
+        out = []
+        while (i := await wire.read_request(s)) is not None:
+            out.append(i)
+        return out
+
+    data = b"".join(wire.REQUEST.pack(i) for i in [3, 4, 5, 2**63])
+    assert _feed(data, read_all) == [3, 4, 5, 2**63]
+    with pytest.raises(ConnectionError):  # a request cut short is not a request
+        _feed(data + b"\x01\x02", read_all)
+
+
+@_FUZZ
+@given(st.binary(max_size=300),
+       st.builds(lambda status, index, n, body: wire.FRAME.pack(status, index, n) + body,
+                 st.sampled_from([0, 1, 2, 3, 4, 5, 255]), st.sampled_from([0, 1, 9, 2**64 - 1]),
+                 st.sampled_from([0, 5, 16, 17, 4096, 4097, 2**64 - 1]), st.binary(max_size=64)))
+def test_a_mangled_frame_is_refused_or_read_exactly(junk, frame):
+    for data in (junk, frame):
+        into = bytearray(16)
+        try:
+            _feed(data, lambda s, into=into: wire.read_bucket(s, 1, memoryview(into)))
+        except wire.PeerError as exc:  # an error frame: a known status, a bounded message
+            status, _, n = wire.FRAME.unpack_from(data)
+            assert status == exc.status and status in wire.STATUSES and status != wire.OK and n <= wire.MAX_MESSAGE
+            continue
+        except (wire.WireError, ConnectionError):
+            assert into == bytearray(16) or data[:wire.FRAME.size] == wire.FRAME.pack(wire.OK, 1, 16)
+            continue
+        # accepted: exactly bucket 1 of exactly 16 bytes, and those bytes
+        assert data[:wire.FRAME.size] == wire.FRAME.pack(wire.OK, 1, 16)
+        assert bytes(into) == data[wire.FRAME.size:wire.FRAME.size + 16]
+
+
+def test_a_bucket_lands_in_the_callers_buffer():
+    payload = bytes(range(256)) * 64
+    frame = wire.FRAME.pack(wire.OK, 3, len(payload)) + payload
+    into = bytearray(len(payload))
+    _feed(frame, lambda s: wire.read_bucket(s, 3, memoryview(into)))
+    assert bytes(into) == payload
+    with pytest.raises(wire.WireError, match="expected bucket 4"):
+        _feed(frame, lambda s: wire.read_bucket(s, 4, memoryview(bytearray(len(payload)))))
