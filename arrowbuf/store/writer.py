@@ -179,6 +179,67 @@ class StoreWriter:
             c.episodes.close(actor)
         return True
 
+    # ------------------------------------------------------------------ one batch written in pieces
+    def pieces_ok(self, n: int, names: Any) -> bool:
+        """Whether a batch of `n` rows with columns `names` may be written in pieces (`begin_pieces`): plain arena
+        columns (no tiered slot table, no ragged fields), no consume hold, rate limiter or journal, no episode
+        ends, derived fields, actor or episode_id column (the episode plan is then known before the rows are), and
+        no more rows than the capacity."""
+        c = self.core
+        return (c.cols.direct and not c.cols.ragged and self.hold is None and c.rate_limiter is None
+                and c.journal is None and not c.end_fields and not c.final_sources and 0 < n <= c.capacity
+                and "actor" not in names and "episode_id" not in names)
+
+    def begin_pieces(self, n: int) -> _Reservation:
+        """Step 1 for a batch of `n` rows whose columns come later, in pieces (`pieces_ok` must hold): reserve seqs
+        [base, base + n) and their ring positions. Each `write_piece` copies rows straight into the ring;
+        `finish_pieces` commits them as ONE extend, `abort_pieces` gives the reservation up (nothing stored)."""
+        c = self.core
+        c.check_open()
+        with self._streams:
+            first_id = c.episodes.next_episode_id
+            plan = c.episodes.plan(n, np.zeros(n, dtype=bool), actor=None)
+            with c.write_lock:
+                c.check_open()
+                return self._reserve({}, n, np.zeros(n, dtype=bool), plan, first_id)
+
+    def write_piece(self, r: _Reservation, offset: int, cols: dict[str, Any], m: int) -> None:
+        """Step 2 for rows [offset, offset + m) of a batch begun with `begin_pieces` (validated columns; no lock)."""
+        arenas = self.core.cols
+        for s0, s1, off in r.segs:
+            lo, hi = max(off, offset), min(off + (s1 - s0), offset + m)
+            if lo >= hi:
+                continue
+            for name in arenas.arrays:
+                arenas.write(name, s0 + lo - off, cols[name][lo - offset:hi - offset])
+
+    def finish_pieces(self, r: _Reservation) -> np.ndarray:
+        """Step 3: the index entries, then the commit (every row visible at once); returns the rows' ids."""
+        idx = self.core.index
+        plan = r.plan
+        succ = plan.succ
+        nxt = np.where(succ >= 0, (r.base + succ) % self.core.arena_rows, np.where(succ == -2, ENDED, PENDING))
+        for s0, s1, off in r.segs:
+            k = s1 - s0
+            idx.episode_id[s0:s1] = plan.episode_id[off:off + k]
+            idx.step[s0:s1] = plan.step[off:off + k]
+            idx.next_pos[s0:s1] = nxt[off:off + k]
+        r.ready = r.pos
+        r.links = [(prev, (r.base + j) % self.core.arena_rows) for prev, j in plan.patches]
+        self._commit_reserved(r)
+        return np.arange(r.base, r.base + r.n, dtype=np.int64)
+
+    def abort_pieces(self, r: _Reservation) -> None:
+        """Give a pieces reservation up: none of its rows is stored; its seqs become a hole (now when it is at the
+        watermark, else when the writer before it commits and a later one waits)."""
+        c = self.core
+        c.reservations.abort(r.slot)
+        with c.cond:
+            if c.index.hi == r.base:
+                gone = c.reservations.stale(r.base)
+                if gone:
+                    self._commit_hole(r.base, gone)
+
     # ------------------------------------------------------------------ the append fast path
     def _fast_plan(self) -> list[tuple] | None:
         """Per-field checks for the append fast path (`arrowbuf.store.stepcheck`), or None when the schema needs the
