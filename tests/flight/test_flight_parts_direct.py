@@ -67,7 +67,11 @@ def test_the_direct_path_is_taken_only_where_it_keeps_extends_guarantees(tmp_pat
     ragged = {"name": "r", "fields": {"t": {"dtype": "int32", "ragged": True}}}
     assert ab.ExperienceStore(ragged, capacity=64).begin_extend(10, ["t"]) is None
     done = {"name": "d", "fields": {"x": {"dtype": "int64"}, "done": {"dtype": "bool"}}}
-    assert ab.ExperienceStore(done, capacity=64).begin_extend(10, ["x", "done"]) is None  # episode ends
+    assert ab.ExperienceStore(done, capacity=64).begin_extend(10, ["x", "done"]) is not None  # planned at commit
+    assert ab.ExperienceStore(done, capacity=64).begin_extend(10, ["x", "done", "actor"]) is None
+    derived = {"name": "n", "fields": {"obs": {"dtype": "float32"}, "done": {"dtype": "bool"}},
+               "derived": {"next_obs": {"next_of": "obs"}}}
+    assert ab.ExperienceStore(derived, capacity=64).begin_extend(10, ["obs", "done"]) is None  # final observations
     durable = ab.ExperienceStore(FIXED, capacity=64, durable=tmp_path / "d", durability="os")
     try:
         assert durable.begin_extend(10, ["obs", "x"]) is None  # journaled whole (see the durable test)
@@ -95,6 +99,33 @@ def test_a_parted_put_gives_the_same_store_as_one_message(servers):
         whole.extend(_batch(3000, 3000))
         assert len(parted) == 4096 and parted.to_table().equals(whole.to_table())
         assert parted.update(np.arange(5000, 5004), {"score": np.ones(4, np.float32)}) == 4  # fills later fields
+    finally:
+        remote.close()
+
+
+WITH_DONE = {"name": "episodes", "fields": {
+    "obs": {"dtype": "float32", "shape": [64, 4]},
+    "x": {"dtype": "int64"},
+    "done": {"dtype": "bool"}}}
+
+
+def test_a_parted_put_with_episode_ends_plans_its_episodes_as_one_extend(servers):
+    """Episode ends come with the parts: ids, episode ids, steps and what is sampleable equal one extend's, also when
+    a local writer of the server's process writes between parted puts."""
+    parted = ab.ExperienceStore(WITH_DONE, capacity=8192)
+    whole = ab.ExperienceStore(WITH_DONE, capacity=8192)
+    server = servers(parted, max_batch_bytes=MIB)
+    remote = ab.connect(server.location)
+    try:
+        for k in range(3):
+            batch = {**_batch(1500, 1500 * k)}
+            batch["done"] = (np.arange(1500) % 7) == 6
+            batch["done"][-1] = k == 1  # an episode left open across batches
+            np.testing.assert_array_equal(remote.extend(batch), whole.extend(batch))
+            step = {"obs": np.zeros((64, 4), np.float32), "x": -k, "done": False}
+            assert parted.append(step) == whole.append(step)
+        assert parted.to_table().equals(whole.to_table())
+        assert len(parted) == len(whole) == 4503
     finally:
         remote.close()
 
