@@ -263,12 +263,28 @@ def test_a_durable_store_journals_a_parted_put_as_one_batch(servers, tmp_path):
     recs, torn, _ = jr.read_segments(str(d), 0)
     batches = [r for r in recs if r.kind == "batch"]
     assert torn is None and len(batches) == 1 and batches[0].meta["n"] == 3000
-    back = ab.ExperienceStore.restore(d) if hasattr(ab.ExperienceStore, "restore") else None
-    if back is not None:
-        try:
-            assert back.to_table().equals(want)
-        finally:
-            back.close()
+    back = ab.ExperienceStore.restore(d)
+    try:
+        assert back.to_table().equals(want)
+    finally:
+        back.close()
+
+
+def test_a_parted_put_into_a_shared_memory_store_is_whole_for_an_attached_reader(servers):
+    store = ab.ExperienceStore(WITH_DONE, capacity=4096, tier="shm", name=f"parts-{os.getpid()}")
+    reader = ab.ExperienceStore.attach(f"parts-{os.getpid()}", timeout=10.0)
+    server = servers(store, max_batch_bytes=MIB)
+    remote = ab.connect(server.location)
+    try:
+        assert store.begin_extend(10, ["obs", "x", "done"]) is not None
+        whole = ab.ExperienceStore(WITH_DONE, capacity=4096)
+        batch = {**_batch(3000), "done": (np.arange(3000) % 5) == 4}
+        np.testing.assert_array_equal(remote.extend(batch), whole.extend(batch))
+        assert len(reader) == 3000 and reader.to_table().equals(whole.to_table())
+    finally:
+        remote.close()
+        reader.close()
+        store.close()
 
 
 def _data(store) -> list:
