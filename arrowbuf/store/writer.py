@@ -185,10 +185,12 @@ class StoreWriter:
         """Whether a batch of `n` rows with columns `names` may be written in pieces (`begin_pieces`): plain arena
         columns (no tiered slot table, no ragged fields), no consume hold, rate limiter or journal, no derived
         fields (final observations), no actor or episode_id column, and no more rows than the capacity. Episode-end
-        fields are taken: their plan is made at commit."""
+        fields are taken in one process's store (their plan is made at commit, under the write lock; in a shared
+        store another process's writer may hold that lock while it waits for these rows)."""
         c = self.core
         return (c.cols.direct and not c.cols.ragged and self.hold is None and c.rate_limiter is None
                 and c.journal is None and not c.final_sources and 0 < n <= c.capacity
+                and not (c.end_fields and c.tier.shared)
                 and "actor" not in names and "episode_id" not in names)
 
     def begin_pieces(self, n: int) -> _Reservation:
@@ -217,6 +219,7 @@ class StoreWriter:
 
     def write_piece(self, r: _Reservation, offset: int, cols: dict[str, Any], m: int) -> None:
         """Step 2 for rows [offset, offset + m) of a batch begun with `begin_pieces` (validated columns; no lock)."""
+        self.core.check_open()  # the store may have closed while the previous piece came
         arenas = self.core.cols
         if r.ends is not None:
             for name in self.core.end_fields:
