@@ -39,6 +39,8 @@ BENCHMARKS = {
     "scale": ("benchmarks.bench_scale", ["--quick"], "The 32-process scale run on a local 3-node Ray cluster"),
     "tq_xproc": ("benchmarks.bench_tq_xproc", ["--quick"],
                  "TransferQueue's workload across processes: shared memory, Flight, raw Flight (TransferQueue: full)"),
+    "parts_cpu": ("benchmarks.bench_parts_cpu", ["--quick"],
+                  "CPU of a parted Flight PUT (direct into the ring, assembled) against raw DoPut, one process"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
 DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "leases", "shm_consume",

@@ -185,7 +185,8 @@ def role_ab_server(shape: str, size: int) -> None:
     import arrowbuf as ab
 
     store = ab.ExperienceStore(schema(shape), capacity=rows_of(shape, size), sampler="fifo", name="xproc")
-    server = ab.serve(store, max_batch_rows=max(65_536, rows_of(shape, size)))
+    # the writer is our own process (trusted): parts go straight into the ring (ServerLimits.parts_into_ring)
+    server = ab.serve(store, max_batch_rows=max(65_536, rows_of(shape, size)), parts_into_ring=True)
     _loop({"where": lambda _: {"location": server.location}})
     server.close()
     store.close()

@@ -38,7 +38,12 @@ class ServerLimits:
         max_batch_bytes: the largest DoPut batch (one Flight message) in bytes (ragged and string columns have no
             row size); a client cuts a larger extend into parts of at most this size (protocol 3).
         max_extend_bytes: the largest extend sent in parts, in bytes: the server holds it whole (assembled) before
-            it commits it as one.
+            it commits it as one, unless `parts_into_ring`.
+        parts_into_ring: write each part of an extend sent in parts straight into ring rows reserved at its first
+            part (one copy instead of two, no assembled copy held; stores of plain columns only, others assemble).
+            False by default: until the last part arrives, the reservation holds back the commits of every later
+            writer of the store, so a client that stalls mid-batch stalls the store's ingest until its stream is cut
+            (`stream_idle_timeout`, a cancelled call). Turn it on where the clients are trusted (your own actors).
         max_prefetch_bytes: bytes of prefetched batches one learner session may hold on the server.
         max_n_step: the largest `n_step` a sample may ask for (its cost grows with n * n_step).
         max_timeout: the longest wait, in seconds, any request may ask for (sample, session and insert timeouts).
@@ -65,6 +70,7 @@ class ServerLimits:
     max_batch_rows: int = 65_536
     max_batch_bytes: int = 256 << 20
     max_extend_bytes: int = 4 << 30
+    parts_into_ring: bool = False
     max_prefetch_bytes: int = 512 << 20
     max_n_step: int = 1_000
     max_timeout: float = 3_600.0

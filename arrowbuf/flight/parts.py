@@ -168,9 +168,38 @@ def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
         SchemaError: more rows than `max_batch_rows`, a part over `max_batch_bytes`, the parts together over
             `max_extend_bytes`, more or fewer parts or rows than declared, or a part with no rows. Nothing is stored.
     """
-    limits.check_rows(req.rows, "an extend in parts")
     assembler = PartsAssembler(reader.schema, req.rows)
-    k = total = 0
+    _read_parts(reader, req, limits, check_open, moved, assembler.add)
+    return assembler.batch()
+
+
+def receive_into(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
+                 sink: Any) -> np.ndarray:
+    """Read the parts of an extend like `receive`, each copied straight into the store's reserved rows by `sink` (an
+    `arrowbuf.store.pieces.ExtendInPieces`: one copy, no assembled batch), then commit them as one extend.
+
+    Returns:
+        The rows' ids (consecutive).
+
+    Raises:
+        SchemaError: as `receive`, or a part that does not match the store's schema; the stream breaking or the
+            server closing (their own errors). In every case the sink is aborted: nothing is stored, nothing stays
+            reserved.
+    """
+    try:
+        _read_parts(reader, req, limits, check_open, moved, sink.write)
+        return np.asarray(sink.commit(), dtype=np.int64)
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def _read_parts(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
+                add: Callable[[pa.RecordBatch], None]) -> None:
+    """The parts of an extend, each bounded (rows, bytes, the running total) before `add` sees it, and the count of
+    parts and rows checked at the end (see `receive`)."""
+    limits.check_rows(req.rows, "an extend in parts")
+    k = total = filled = 0
     while True:
         try:
             chunk = reader.read_chunk()
@@ -183,9 +212,9 @@ def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
         check_open()
         if k >= req.parts:
             raise SchemaError(f"an extend in parts: more than the {req.parts} parts declared; nothing stored")
-        if part.num_rows == 0 or assembler.filled + part.num_rows > req.rows:
+        if part.num_rows == 0 or filled + part.num_rows > req.rows:
             raise SchemaError(f"an extend in parts: part {k} brings {part.num_rows} rows, after "
-                              f"{assembler.filled} of the {req.rows} declared; nothing stored")
+                              f"{filled} of the {req.rows} declared; nothing stored")
         if part.nbytes > limits.max_batch_bytes:
             raise SchemaError(f"part {k} of {part.nbytes} bytes is over this server's max_batch_bytes "
                               f"{limits.max_batch_bytes}; cut smaller parts")
@@ -193,17 +222,17 @@ def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
         if total > limits.max_extend_bytes:
             raise SchemaError(f"an extend in parts of more than {total} bytes is over this server's "
                               f"max_extend_bytes {limits.max_extend_bytes}; send smaller extends")
-        assembler.add(part)
+        add(part)
+        filled += part.num_rows
         size = part.nbytes
         del part, chunk  # the message goes before the next one is read, and its heap pieces back to the OS
         release_after(size)
         k += 1
         if k == req.parts:
             break
-    if k != req.parts or assembler.filled != req.rows:
-        raise SchemaError(f"an extend in parts ended after {k} of {req.parts} parts ({assembler.filled} of "
+    if k != req.parts or filled != req.rows:
+        raise SchemaError(f"an extend in parts ended after {k} of {req.parts} parts ({filled} of "
                           f"{req.rows} rows); nothing stored")
-    return assembler.batch()
 
 
 def parts_stream(data: pa.RecordBatch, meta: pa.Buffer | None, limit: int) -> flight.FlightDataStream:
@@ -263,4 +292,4 @@ def _add_checked(asm: PartsAssembler, part: pa.RecordBatch, rows: int) -> None:
 
 
 __all__ = ["MAX_PART_BYTES", "PART_FILL", "PartsAssembler", "assemble", "part_bytes", "parts_stream", "receive",
-           "split_rows"]
+           "receive_into", "split_rows"]

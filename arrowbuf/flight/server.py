@@ -52,6 +52,7 @@ from .idle import OpenStreams
 from .limits import CallGate, ServerLimits
 from .parts import parts_stream
 from .parts import receive as receive_parts
+from .parts import receive_into as receive_parts_into
 from .prefetch import Prefetcher
 from .server_config import TokenMiddlewareFactory, is_loopback, named_stores, parse_location, read_tls
 from .server_streams import bounded_batches, put_update, table_batches
@@ -517,7 +518,14 @@ class _FlightService(flight.FlightServerBase):
         # the stream's schema message comes first: names, types and shapes are checked before any batch is read
         store.schema.check_input_types(reader.schema, "DoPut")
         kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
-        if req.parts is not None:  # one extend in parts (protocol 3): assembled, then committed once
+        if req.parts is not None:  # one extend in parts (protocol 3), committed once
+            begin = getattr(store, "begin_extend", None) if limits.parts_into_ring else None
+            sink = begin(req.rows, reader.schema.names) if begin is not None else None
+            if sink is not None:  # each part copied straight into the ring's reserved rows (store/pieces.py)
+                ids = receive_parts_into(reader, req, limits, self.owner.check_open, self.owner.streams.touch, sink)
+                writer.write(pa.py_buffer(P.encode_ack(0, int(ids[0]) if len(ids) else 0, len(ids))))
+                return
+            # a store that takes such a batch only whole (durable, ragged, tiered, tasks): assembled, then extended
             whole = receive_parts(reader, req, limits, self.owner.check_open, self.owner.streams.touch)
             ids = np.asarray(store.extend(whole, **kwargs), dtype=np.int64).reshape(-1)
             writer.write(pa.py_buffer(P.encode_ack(0, int(ids[0]) if len(ids) else 0, whole.num_rows)))

@@ -314,6 +314,17 @@ class ExperienceStore(StoreInspection, StorePersistence):
             raise StoreClosed(f"store {self.name!r} is closed")
 
     # ------------------------------------------------------------------ writing (StoreWriter)
+    def begin_extend(self, rows: int, names: Any) -> Any:
+        """One extend of `rows` rows (columns `names`) that arrives in pieces, each copied straight into the ring
+        (`arrowbuf.store.pieces.ExtendInPieces`: write, commit, abort; the guarantees of one `extend`), or None
+        when this store takes such a batch only whole (`StoreWriter.pieces_ok`: durable, ragged, tiered, tasks,
+        a rate limiter, derived fields, episode ends in a shared store): then assemble it and call `extend`."""
+        if self._durable is not None or not self._writer.pieces_ok(int(rows), set(names)):
+            return None
+        from .pieces import ExtendInPieces
+
+        return ExtendInPieces(self._writer.core.schema, self._writer, int(rows))
+
     def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
         """Add one step (a dict of scalars and arrays). Returns the new row's id (an int: its seq).
 
