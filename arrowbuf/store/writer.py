@@ -39,7 +39,6 @@ import threading
 import time
 import warnings
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 from math import isfinite
 from typing import Any
 
@@ -52,6 +51,9 @@ from ..ring.reservations import CHECK_S, HOLE, waited
 from ..samplers import Sampler
 from . import stepcheck
 from .core import StoreCore
+from .reservation import Reservation as _Reservation
+from .reservation import segments as _segments
+from .reservation import shift_new_episodes as _shift_new_episodes
 
 _MISSING = object()
 _DEFER = object()  # `_reserve`: the episode plan is made at commit (a batch in pieces whose episode ends come later)
@@ -780,42 +782,3 @@ class StoreWriter:
                 + ("did not wait (timeout=None)" if timeout is None else f"waited {timeout}s")
                 + ": sample more, or pass a longer timeout="
             )
-
-
-@dataclass
-class _Reservation:
-    """One batch between reserve and commit (see `StoreWriter._reserve`)."""
-
-    base: int
-    n: int
-    skip: int                      # leading rows of a batch longer than the ring: counted, never stored
-    slot: int                      # its entry in the reservation table
-    segs: list[tuple[int, int, int]]
-    plan: Any
-    seqs: np.ndarray
-    pos: np.ndarray
-    final_slots: np.ndarray | None = None
-    owners: Any = None
-    ending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    ready: Any = None
-    links: list[tuple[int, int]] = field(default_factory=list)
-    ends: np.ndarray | None = None  # a batch in pieces whose episode plan waits for these (`begin_pieces`)
-
-
-def _shift_new_episodes(plan: Any, first_id: int, delta: int) -> None:
-    """Move the episode ids a plan handed out (those >= `first_id`; older ones continue open episodes) by `delta`."""
-    fresh = plan.episode_id >= first_id
-    plan.episode_id[fresh] += delta
-    for st in plan.streams.values():
-        if st is not None and st.episode_id >= first_id:
-            st.episode_id += delta
-    plan.next_episode_id += delta
-
-
-def _segments(first_pos: int, count: int, arena_rows: int) -> list[tuple[int, int, int]]:
-    """Contiguous (arena_start, arena_stop, offset) pieces of `count` rows starting at `first_pos`."""
-    end = first_pos + count
-    if end <= arena_rows:
-        return [(first_pos, end, 0)]
-    head = arena_rows - first_pos
-    return [(first_pos, arena_rows, 0), (0, count - head, head)]
