@@ -61,6 +61,7 @@ import pyarrow as pa
 
 from ..errors import InvalidArgument, StoreCorrupt
 from .crc import crc32
+from .manifest import fsync_dir as _fsync_dir
 
 JOURNAL = "_journal"
 OWNER = "_owner.lock"
@@ -796,10 +797,3 @@ def _writev_all(fd: int, pieces: list[Any]) -> int:
             views[0] = views[0][n:]
     return total
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
