@@ -39,6 +39,10 @@ import pyarrow as pa
 from . import identity
 
 _now = time.time
+#: what one row's record is stamped with: the writer's code (`identity.current`) and the time (Unix seconds). The
+#: append path of `arrowbuf.store.writer` stores these itself through `Lineage.stamp` (module docstring)
+STAMP_WRITER = identity.CURRENT.get
+STAMP_CLOCK = _now
 
 DELIVERED = 1
 STALE = 2
@@ -126,6 +130,11 @@ class Lineage:
         self._vv: Any = self.version.data
         self.tasks: dict[str, _TaskRecord] = {}
         self.one = self._one_row()
+        #: (writer codes, write times) as memoryviews when one row's record is just those two scalars (its version
+        #: is read from the row itself): a one-row commit may store `STAMP_WRITER()` and `STAMP_CLOCK()` at the
+        #: row's position itself instead of calling `one` (the append path: a call is ~1% of an append). None:
+        #: the record has more (a version stamp), call `one`.
+        self.stamp: tuple[Any, Any] | None = (self._wv, self._tv) if self._row_version is not None else None
 
     def _one_row(self) -> Callable[[int], None]:
         """`wrote` for one row at an int position, as a closure over its arrays (the append path: no attribute

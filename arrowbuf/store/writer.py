@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import AppendSlowPathWarning, ArrowbufError, FinalObsWarning, InsertTimeout, SchemaError
+from ..observe.lineage import STAMP_CLOCK as _now
+from ..observe.lineage import STAMP_WRITER as _who
 from ..rate_limiters import RateLimiter
 from ..ring.index import ENDED, HEADER, PENDING
 from ..ring.reservations import CHECK_S, HOLE, waited
@@ -647,7 +649,12 @@ class StoreWriter:
             lineage = c.lineage
             if lineage is not None:  # who wrote the rows, when, under which version (arrowbuf.observe.lineage)
                 if one:
-                    lineage.one(pos)
+                    st = lineage.stamp
+                    if st is None:
+                        lineage.one(pos)
+                    else:  # the record is two scalars: store them here (no call: ~1% of an append)
+                        st[0][pos] = _who()
+                        st[1][pos] = _now()
                 else:
                     lineage.wrote(pos, base + n - len(pos))  # a batch (seqs from base + skip on): a run record
             if hv[_RES] < end:  # the append fast path commits without a reservation
