@@ -94,9 +94,11 @@ class StoreSurface(Protocol):
 
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
-                max_tokens: int | None = None, lease: float | None = None) -> SampleBatch:
+                max_tokens: int | None = None, lease: float | None = None,
+                admission: str | None = None) -> SampleBatch:
         """Up to `n` rows (whole groups with a `Group` sampler) that `task` has not consumed yet, marked consumed
-        (with `lease=`: in flight until acked); see `ExperienceStore.consume`."""
+        (with `lease=`: in flight until acked; with `admission="oldest"`: oldest policy version first, rows outside
+        the version window held back, not dropped); see `ExperienceStore.consume`."""
         ...
 
     def ack(self, lease: str) -> int:
