@@ -146,6 +146,16 @@ class StoreCollector:
                          ("priority_updates_ignored", "Priority updates of evicted or recycled items")):
             if key in st:
                 counter(f"arrowbuf_{key}", doc, ["store"]).add_metric([name], int(st[key]))
+        for task, a in (st.get("admission") or {}).items():  # oldest-first admission (consume(admission=...))
+            labels = [name, task]
+            counter("arrowbuf_task_admitted_rows", "Rows delivered by oldest-first consumes per task",
+                    ["store", "task_name"]).add_metric(labels, int(a.get("admitted", 0)))
+            counter("arrowbuf_task_admission_dropped_rows", "Rows dropped as stale for a task",
+                    ["store", "task_name"]).add_metric(labels, int(a.get("dropped", 0)))
+            for key, doc in (("waiting_ahead", "Live rows newer than the store's policy version, held back"),
+                             ("waiting_stale", "Live rows older than the task's version window, held back")):
+                gauge(f"arrowbuf_task_admission_{key}_rows", doc, ["store", "task_name"]).add_metric(
+                    labels, int(a.get(key, 0)))
         gauge("arrowbuf_rows", "Live rows", ["store"]).add_metric([name], size)
         gauge("arrowbuf_capacity_rows", "Rows the ring holds", ["store"]).add_metric([name], cap)
         gauge("arrowbuf_fill_ratio", "Live rows / capacity", ["store"]).add_metric([name], size / cap if cap else 0.0)

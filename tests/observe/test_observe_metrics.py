@@ -256,3 +256,23 @@ def test_journal_progress_of_a_durable_store_is_served(tmp_path):
     finally:
         store.close()
         plain.close()
+
+
+def test_oldest_first_admission_counts_are_served_per_task():
+    """consume(admission="oldest") holds back rows outside the task's version window: the scrape shows what it
+    admitted and what waits (ahead of the store's version, or older than the window), equal to stats()."""
+    store = ab.ExperienceStore(SCHEMA, capacity=1000, tasks=["train"], seed=0)
+    store.policy_version = 5
+    for v in (1, 5, 7):  # 1: stale for a window of 2, 5: admissible, 7: ahead of the store
+        store.extend({"prompt_id": np.arange(v * 10, v * 10 + 4, dtype=np.int64), "done": np.ones(4, bool),
+                      "policy_version": np.full(4, v, np.int64)})
+    got = store.consume("train", 100, admission="oldest", max_staleness=2)
+    assert len(got) == 4
+    want = store.stats()["admission"]["train"]
+    with store.serve_metrics("127.0.0.1:0") as endpoint:
+        m = scrape(endpoint.url)
+    store.close()
+    assert value(m, "arrowbuf_task_admitted_rows_total", store="obs", task_name="train") == want["admitted"] == 4
+    assert value(m, "arrowbuf_task_admission_waiting_ahead_rows", task_name="train") == want["waiting_ahead"] == 4
+    assert value(m, "arrowbuf_task_admission_waiting_stale_rows", task_name="train") == want["waiting_stale"] == 4
+    assert value(m, "arrowbuf_task_admission_dropped_rows_total", task_name="train") == want["dropped"] == 0
