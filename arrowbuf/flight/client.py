@@ -68,6 +68,14 @@ class _Default:
 
 
 #: `rpc_timeout` not given: the client's `timeout` applies (None is a valid value: no deadline).
+
+#: gRPC channel arguments of every client connection. gRPC's bandwidth-delay probe grows a stream's receive window
+#: with the link's measured bandwidth; on loopback it grew far enough that gRPC buffered a large part of a DoGet's
+#: reply ahead of the reader copying it into its batch (a reader's peak 60-100 MiB higher for a 302 MB sample,
+#: benchmarks/README.md "Flight memory"). A fixed 16 MiB window bounds what a stream buffers ahead of its reader and
+#: still fills a link of 16 MiB per round trip (16 GB/s at 1 ms).
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16 << 20))
+
 _DEFAULT: Any = _Default()
 
 
@@ -113,7 +121,7 @@ class RemoteStore:
         max_batch_bytes: the largest DoPut message the server accepts; `extend` cuts a larger batch into parts
             (protocol 3) and the server commits them as one extend (None: the server does not say).
         protocols: the wire protocol versions the server speaks (`describe`; [1, 2] for servers before version 3).
-        part_bytes: the largest message a sample comes in from a server that speaks protocol 3 (default 64 MiB,
+        part_bytes: the largest message a sample comes in from a server that speaks protocol 3 (default 8 MiB,
             at least `protocol.MIN_PART_BYTES`): a larger sample comes in several, assembled here as they arrive.
         timeout: the default deadline of every call in seconds, or None.
         sample_meta: how sampled batches carry their ids and weights (`protocol.SAMPLE_META`): "columns" where the
@@ -169,7 +177,7 @@ class RemoteStore:
                     kwargs["tls_root_certs"] = self._tls_root_certs
                 if self._disable_verification:
                     kwargs["disable_server_verification"] = True
-                self._client = flight.FlightClient(self.location, **kwargs)
+                self._client = flight.FlightClient(self.location, generic_options=list(CHANNEL_OPTIONS), **kwargs)
             return self._client
 
     def _drop(self, client: flight.FlightClient) -> None:

@@ -37,14 +37,17 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ..errors import SchemaError
-from .heap import release_after
+from .heap import Trimmer
 
 #: The share of `max_batch_bytes` a part is cut to (headroom for the bytes a received message adds: validity
 #: bitmaps rounded up, IPC padding).
 PART_FILL = 0.9
-#: The largest part sent whatever the server allows: the server holds the assembled batch plus one message, so
-#: smaller messages keep its peak near the payload (64 MiB messages still cost little per message).
-MAX_PART_BYTES = 64 << 20
+#: The largest part sent whatever the server allows (DoPut parts, and the sample parts a client asks for). A receiver
+#: holds a message twice while it arrives (gRPC's slices, then Arrow's one buffer) and gRPC reads the next one ahead,
+#: so the part size sets the transient memory of both sides: with 64 MiB parts a 302 MB transfer peaked 200-370 MiB
+#: above the payload on the receiving side, with 8 MiB parts 30-100 MiB (benchmarks/README.md, "Flight memory", with
+#: the throughput of both).
+MAX_PART_BYTES = 8 << 20
 
 
 def part_bytes(max_batch_bytes: int) -> int:
@@ -199,6 +202,15 @@ def _read_parts(reader: Any, req: Any, limits: Any, check_open: Callable[[], Non
     """The parts of an extend, each bounded (rows, bytes, the running total) before `add` sees it, and the count of
     parts and rows checked at the end (see `receive`)."""
     limits.check_rows(req.rows, "an extend in parts")
+    trim = Trimmer()
+    try:
+        _read_parts_loop(reader, req, limits, check_open, moved, add, trim)
+    finally:
+        trim.flush()
+
+
+def _read_parts_loop(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
+                     add: Callable[[pa.RecordBatch], None], trim: Trimmer) -> None:
     k = total = filled = 0
     while True:
         try:
@@ -226,7 +238,7 @@ def _read_parts(reader: Any, req: Any, limits: Any, check_open: Callable[[], Non
         filled += part.num_rows
         size = part.nbytes
         del part, chunk  # the message goes before the next one is read, and its heap pieces back to the OS
-        release_after(size)
+        trim.released(size)
         k += 1
         if k == req.parts:
             break
@@ -266,22 +278,26 @@ def assemble(reader: Any, rows: int, empty: Empty = _fresh) -> tuple[pa.RecordBa
     if first.data is None or second.data is None:
         raise SchemaError("a sample in parts: a message without a batch")
     asm = PartsAssembler(first.data.schema, rows, empty)
-    size = first.data.nbytes
+    size = first.data.nbytes + second.data.nbytes
     for chunk in (first, second):
         _add_checked(asm, chunk.data, rows)
     del first, second, chunk
-    release_after(size)  # each message's heap pieces back to the OS once copied (flight/heap.py)
-    while True:
-        try:
-            chunk = reader.read_chunk()
-        except StopIteration:
-            break
-        if chunk.data is None:
-            raise SchemaError("a sample in parts: a message without a batch")
-        _add_checked(asm, chunk.data, rows)
-        size = chunk.data.nbytes
-        del chunk
-        release_after(size)
+    trim = Trimmer()  # the messages' heap pieces back to the OS once copied (flight/heap.py)
+    try:
+        trim.released(size)
+        while True:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                break
+            if chunk.data is None:
+                raise SchemaError("a sample in parts: a message without a batch")
+            _add_checked(asm, chunk.data, rows)
+            size = chunk.data.nbytes
+            del chunk
+            trim.released(size)
+    finally:
+        trim.flush()
     return asm.batch(), meta
 
 
