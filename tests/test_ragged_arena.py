@@ -40,9 +40,9 @@ def test_host_stores_keep_ragged_columns_in_a_growable_arena():
     s = ab.ExperienceStore(SCHEMA, capacity=64)
     arena = s._core.cols.tier_ragged["tokens"]
     assert isinstance(arena, RaggedArena) and arena.growable
-    cap = arena.slot_cap
+    cap = arena.capacity
     s.extend(_rows(list(range(8)), [100] * 8))  # 50x the declared mean length: grows, no OutOfSpace
-    assert arena.slot_cap >= 800 > cap and arena.grown >= 1
+    assert arena.capacity >= 800 > cap and arena.grown >= 1
     _check_table(s, {k: 100 for k in range(8)}, {})
     s.close()
 
