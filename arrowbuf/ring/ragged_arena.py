@@ -55,6 +55,7 @@ import pyarrow.compute as pc
 from ..errors import OutOfSpace
 from ..schema import FieldSpec
 from ..tiers.base import Tier
+from .outpool import OutputPool
 from .ragged_gather import own as _own
 
 #: Mean elements per row a ragged field is sized for when its schema does not say (`mean_length`).
@@ -111,6 +112,8 @@ class RaggedArena:
         self.meta = tier.allocate(f"{key}.meta", i64, 8)
         self.values = tier.allocate(f"{key}.values", spec.dtype, max(1, cap))
         self.grown = 0  # times the arena grew (a growable tier)
+        #: where large gathers put their values (the store reader's pool, `ColumnArenas.use_outputs`), or None
+        self.outputs: OutputPool | None = None
         if tier.fresh:
             self.start.fill(0)
             self.length.fill(-1)
@@ -273,6 +276,17 @@ class RaggedArena:
             raise OutOfSpace(f"ragged field {self.spec.name!r}: {int(offsets[-1])} elements in one gather are more "
                              "than a list column's int32 offsets address; gather fewer rows")
         flat: Any
+        outputs = self.outputs
+        count = int(offsets[-1])
+        if flat_values is not None and outputs is not None and count * values.itemsize >= outputs.min_bytes:
+            # into a pooled array: warm pages, kept through pauses (Arrow's allocator hands freed memory back to
+            # the kernel after a short delay, so a gather after a pause faulted its output in again)
+            out = outputs.at_least(count, values.dtype, tag=self.key)
+            np.concatenate([values[a:b] for a, b in zip(starts.tolist(), (starts + lens).tolist())], out=out)
+            mask = None if valid.all() else pa.array(~valid)
+            res = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(out, type=self.type.value_type),
+                                           type=self.type, mask=mask)
+            return _own(res, out)
         if flat_values is not None and total < 2**31:
             view = pa.ListViewArray.from_arrays(pa.array(starts.astype(np.int32)), pa.array(lens.astype(np.int32)),
                                                 flat_values)
