@@ -282,7 +282,11 @@ class RaggedArena:
             # into a pooled array: warm pages, kept through pauses (Arrow's allocator hands freed memory back to
             # the kernel after a short delay, so a gather after a pause faulted its output in again)
             out = outputs.at_least(count, values.dtype, tag=self.key)
-            np.concatenate([values[a:b] for a, b in zip(starts.tolist(), (starts + lens).tolist())], out=out)
+            ends = starts + lens
+            cut = np.flatnonzero(starts[1:] != ends[:-1]) + 1  # rows side by side in the arena: one run (FIFO)
+            lo = starts[np.concatenate(([0], cut))].tolist()
+            hi = ends[np.concatenate((cut - 1, [len(ends) - 1]))].tolist()
+            np.concatenate([values[a:b] for a, b in zip(lo, hi)], out=out)
             mask = None if valid.all() else pa.array(~valid)
             res = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(out, type=self.type.value_type),
                                            type=self.type, mask=mask)
