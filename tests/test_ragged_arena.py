@@ -204,13 +204,15 @@ def test_a_shared_arena_is_sized_by_mean_length_per_ring_row_whatever_one_chunk_
        st.integers(0, 2**16))
 def test_shared_rows_match_a_reference_across_wraps_updates_and_refusals(ops, seed):
     """A fixed (shared-memory) arena of 10 elements per ring row: rows keep their values across ring turns and
-    updates, and a batch or update that does not fit is refused whole (the store as it was)."""
+    updates, and a batch or update that does not fit is refused whole (the store as it was); gathers go through
+    the reader's output pool (reused arrays, runs of rows side by side)."""
     schema = {"name": "arena", "fields": {"k": {"dtype": "int64"},
                                           "tokens": {"dtype": "int32", "ragged": True, "mean_length": 10},
                                           "extra": {"dtype": "float32", "ragged": True, "later": True,
                                                     "mean_length": 10},
                                           "done": {"dtype": "bool"}}}
     s = ab.ExperienceStore(schema, capacity=24, chunk_rows=4, tier="shm", name=f"arena{uuid.uuid4().hex[:8]}")
+    s._reader.outputs.min_bytes = 0  # every gather through the pooled path (large gathers take it by default)
     try:
         rng = np.random.default_rng(seed)
         ref: dict[int, int] = {}

@@ -278,7 +278,7 @@ class RaggedArena:
         flat: Any
         outputs = self.outputs
         count = int(offsets[-1])
-        if flat_values is not None and outputs is not None and count * values.itemsize >= outputs.min_bytes:
+        if flat_values is not None and outputs is not None and count and count * values.itemsize >= outputs.min_bytes:
             # into a pooled array: warm pages, kept through pauses (Arrow's allocator hands freed memory back to
             # the kernel after a short delay, so a gather after a pause faulted its output in again)
             out = outputs.at_least(count, values.dtype, tag=self.key)
