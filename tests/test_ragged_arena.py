@@ -251,3 +251,11 @@ def test_shared_rows_match_a_reference_across_wraps_updates_and_refusals(ops, se
                 assert toks == [k] * ref[k]
     finally:
         s.close()
+
+
+def test_a_growing_arena_takes_a_quarter_more_with_its_slack_capped():
+    from arrowbuf.ring.ragged_arena import MAX_SLACK_BYTES, grown_capacity
+
+    assert grown_capacity(1000, 4) == 1250
+    huge = 8 * MAX_SLACK_BYTES  # elements of 1 byte: a quarter would be 2 GiB of slack
+    assert grown_capacity(huge, 1) == huge + MAX_SLACK_BYTES
