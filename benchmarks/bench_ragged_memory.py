@@ -6,10 +6,12 @@ Each case makes a store of `capacity` = one payload's rows, extends the payload 
 last payload is what the ring holds), then measures, per ragged column, what its arena keeps:
   host  pages of the arena's values array resident now (mincore(2): what the kernel holds, not a counter of ours)
   shm   the arena's values file (reserved whole at creation, posix_fallocate)
+  disk  a tiered store (`tiers={"host": "64MiB", "disk": a temp dir}`): its ragged arenas live in the disk tier;
+        the values file as reserved (its size), as shm (`--tiers host shm disk`; not in the default run)
 and divides the sum by the ragged payload bytes (the values buffers of the ragged columns of one payload). This is a
 count of bytes, so it holds under load. Also the growth of the process's RSS over the store's life (host).
 
-    python -m benchmarks.bench_ragged_memory [--quick] [--tiers host shm] [--shapes grpo uniform]
+    python -m benchmarks.bench_ragged_memory [--quick] [--tiers host shm disk] [--shapes grpo uniform]
 
 Full mode (256 prompts: 2048 rows, about 218 MB a payload) takes under a minute; --quick (32 prompts) a few
 seconds. Prints a table, writes benchmarks/out/ragged_memory.json.
@@ -21,6 +23,8 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -79,19 +83,25 @@ def measure(tier: str, shape: str, prompts: int) -> dict[str, Any]:
     ragged = [k for k in GRPO_FIELDS if k in rows and hasattr(rows[k], "offsets")]
     payload_bytes = sum(rows[k].values.nbytes for k in ragged)
     base = rss()
+    spill = None
     if tier == "shm":
         store = ab.ExperienceStore(schema("grpo", shm=True), capacity=n, tier="shm",
                                    name=f"rgmem{uuid.uuid4().hex[:8]}")
+    elif tier == "disk":
+        spill = tempfile.mkdtemp(prefix="rgmem-")
+        store = ab.ExperienceStore(schema("grpo", shm=True), capacity=n, tiers={"host": "64MiB", "disk": spill})
     else:
         store = ab.ExperienceStore(schema("grpo"), capacity=n)
     try:
         for _ in range(ROUNDS):
             store.extend(rows)
         arenas = store._core.cols.tier_ragged  # the benchmark reads the arenas' arrays, as a test would
-        held = {k: (arenas[k].values.nbytes if tier == "shm" else resident_bytes(arenas[k].values)) for k in ragged}
+        held = {k: (resident_bytes(arenas[k].values) if tier == "host" else arenas[k].values.nbytes) for k in ragged}
         grown = rss() - base
     finally:
         store.close()
+        if spill is not None:
+            shutil.rmtree(spill, ignore_errors=True)
     return {"tier": tier, "shape": shape, "rows": n, "payload_bytes": payload_bytes, "held_bytes": sum(held.values()),
             "held_per_payload": sum(held.values()) / payload_bytes, "per_column": held,
             "rss_growth_per_payload": grown / payload_bytes if tier == "host" else None}
