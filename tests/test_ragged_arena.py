@@ -1,6 +1,9 @@
 """Ragged values in one arena per column on every tier (issue 28): a host store's arena grows instead of running out
 of room, rows stay intact across growth, ring wraps and updates of later fields (a reference model), readers racing
-a growing writer see whole rows, and a uniform gather's values are the batch's own (writable without a copy)."""
+a growing writer see whole rows, and a uniform gather's values are the batch's own (writable without a copy).
+Memory: a host arena holds close to the rows in its ring and stops growing once the ring turns; a shared arena holds
+mean_length elements per ring row, takes a chunk of long rows, refuses what does not fit whole, and keeps rows
+intact across wraps, updates and refusals (a Hypothesis model, gathers through the reader's output pool)."""
 
 from __future__ import annotations
 
