@@ -39,6 +39,7 @@ import json
 import os
 import pathlib
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -484,39 +485,55 @@ def child_ragged(samples: int, repeats: int, pause: float) -> dict[str, Any]:
     src = np.ones(nbytes // 2, dtype=np.float32)  # warm source, 2x: a uniform batch may hold more bytes
 
     def memcpy(nb: int) -> float:
-        """Median of 3 copies of `nb` bytes into freshly allocated memory (what a gather's output is)."""
-        return statistics.median(_timed(lambda: np.copyto(np.empty(nb // 4, np.float32), src[:nb // 4]))
-                                 for _ in range(3))
+        """Median of 3 copies of `nb` bytes into freshly allocated memory (what a gather's output is), each after
+        the same pause as the GET it is compared with (one operation after an idle spell, as the GET is timed)."""
+        def one() -> float:
+            time.sleep(pause)
+            return _timed(lambda: np.copyto(np.empty(nb // 4, np.float32), src[:nb // 4]))
+        return statistics.median(one() for _ in range(3))
+
+    def get(store: Any) -> tuple[float, int, int, float]:
+        """One GET (sample + packed tensors: values + cu_seqlens, what a varlen trainer takes): seconds, bytes,
+        minor page faults and thread CPU seconds it took (the last two hold under load)."""
+        f0, c0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.thread_time()
+        t0 = time.perf_counter()
+        t = store.sample(samples, columns=list(payload)).to_torch(pack=True)
+        s = time.perf_counter() - t0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        cpu = time.thread_time() - c0
+        nb = sum(t[k].numel() * 4 for k in payload)
+        del t
+        return s, nb, faults, cpu
 
     put, get_fifo, get_uni, memcpy_fifo, memcpy_uni, r_fifo, r_uni = [], [], [], [], [], [], []
+    faults_fifo, faults_uni, cpu_fifo, cpu_uni = [], [], [], []
     got = got_uni = 0
-    for _ in range(repeats + 1):
+    for i in range(repeats + 1):
         time.sleep(pause)
         put.append(_timed(lambda: fifo.extend(rows)))
         time.sleep(pause)
-        t0 = time.perf_counter()
-        t = fifo.sample(samples, columns=list(payload)).to_torch(pack=True)  # values + cu_seqlens: a varlen trainer
-        get_fifo.append(time.perf_counter() - t0)
-        got = sum(t[k].numel() * 4 for k in payload)
-        del t
-        time.sleep(pause)
+        s, got, f, c = get(fifo)
+        get_fifo.append(s)
         memcpy_fifo.append(memcpy(got))
         r_fifo.append(memcpy_fifo[-1] / get_fifo[-1])
         time.sleep(pause)
-        t0 = time.perf_counter()
-        t = uni.sample(samples, columns=list(payload)).to_torch(pack=True)
-        get_uni.append(time.perf_counter() - t0)
-        got_uni = sum(t[k].numel() * 4 for k in payload)
-        del t
-        time.sleep(pause)
+        s, got_uni, fu, cu = get(uni)
+        get_uni.append(s)
         memcpy_uni.append(memcpy(got_uni))
         r_uni.append(memcpy_uni[-1] / get_uni[-1])
+        if i:  # after the warm-up round
+            faults_fifo.append(f)
+            faults_uni.append(fu)
+            cpu_fifo.append(c)
+            cpu_uni.append(cu)
     fifo.close()
     uni.close()
     return {"put_s": _med(put), "get_fifo_s": _med(get_fifo), "get_uniform_s": _med(get_uni),
             "memcpy_fifo_s": _med(memcpy_fifo), "memcpy_uniform_s": _med(memcpy_uni), "bytes": nbytes,
             "fifo_bytes": got, "uniform_bytes": got_uni, "pause_s": pause, "ratio_fifo": _med(r_fifo),
-            "ratio_uniform": _med(r_uni)}
+            "ratio_uniform": _med(r_uni), "faults_fifo": statistics.median(faults_fifo),
+            "faults_uniform": statistics.median(faults_uni), "cpu_fifo_s": statistics.median(cpu_fifo),
+            "cpu_uniform_s": statistics.median(cpu_uni)}
 
 
 def child_grpo(prompts: int, repeats: int) -> dict[str, Any]:
@@ -919,7 +936,9 @@ def _print_ragged(pause: float, r: dict[str, Any]) -> None:
     fifo, uni = r["ratio_fifo"], r["ratio_uniform"]
     print(f"ragged pause {pause:3.1f}  PUT {_gbs(r['bytes'], r['put_s'])} GB/s  GET fifo "
           f"{_gbs(r['fifo_bytes'], r['get_fifo_s'])} GB/s ({fifo:4.2f}x memcpy)  GET uniform "
-          f"{_gbs(r['uniform_bytes'], r['get_uniform_s'])} GB/s ({uni:4.2f}x memcpy)", flush=True)
+          f"{_gbs(r['uniform_bytes'], r['get_uniform_s'])} GB/s ({uni:4.2f}x memcpy); per GET fifo/uniform: "
+          f"{r['faults_fifo']:.0f}/{r['faults_uniform']:.0f} page faults, "
+          f"{r['cpu_fifo_s'] * 1e3:.1f}/{r['cpu_uniform_s'] * 1e3:.1f} ms thread CPU", flush=True)
 
 
 def _print_grpo(r: dict[str, Any]) -> None:

@@ -293,3 +293,55 @@ def test_many_columns_of_one_shape_each_reuse_their_array() -> None:
         assert store.stats()["output_pool"]["fresh"] == 0
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------------------------------------------- ragged outputs
+def test_at_least_hands_out_a_view_of_a_size_class_and_reuses_it_once_dropped() -> None:
+    pool = OutputPool(max_bytes=64 << 20, min_bytes=1 << 10, per_shape=2)
+    a = pool.at_least(100_000, np.float32, tag="t")
+    assert a.shape == (100_000,) and a.base is not None and len(a.base) <= 100_000 * 9 // 8
+    base = a.base.ctypes.data
+    kept = pool.at_least(90_000, np.float32, tag="t")  # `a` is held: another array
+    assert kept.base.ctypes.data != base
+    del a
+    b = pool.at_least(95_000, np.float32, tag="t")  # a smaller request fits the idle array
+    assert b.base.ctypes.data == base and pool.hits == 1
+    other = pool.at_least(95_000, np.float32, tag="u")  # another tag: its own array
+    assert other.base.ctypes.data not in (base, kept.base.ctypes.data)
+    assert pool.at_least(10, np.float32).base is None  # under min_bytes: fresh, untracked
+    assert pool.nbytes <= 64 << 20
+
+
+RAGGED = {"name": "rg", "fields": {"k": {"dtype": "int64"}, "tok": {"dtype": "int32", "ragged": True},
+                                   "done": {"dtype": "bool"}}}
+
+
+def test_large_ragged_gathers_reuse_pooled_values_and_never_overwrite_a_kept_batch() -> None:
+    """A uniform gather of ragged rows puts its values in the reader's pool (warm pages across gathers and pauses):
+    dropped batches' arrays are reused, kept ones (or tensors of them) are never written."""
+    torch = pytest.importorskip("torch")
+    n = 64
+    s = ab.ExperienceStore(RAGGED, capacity=n, sampler="uniform", seed=0)
+    try:
+        s.extend({"k": np.arange(n), "tok": [np.full(2000 + k, k, np.int32) for k in range(n)],
+                  "done": np.ones(n, bool)})
+        before = s.stats()["output_pool"]["hits"]
+        for _ in range(4):  # dropped at once: reused
+            b = s.sample(32)
+            assert all(t == [k] * (2000 + k) for k, t in zip(b.data.column("k").to_pylist(),
+                                                               b.data.column("tok").to_pylist()))
+            del b
+        assert s.stats()["output_pool"]["hits"] >= before + 2
+        kept = [s.sample(32) for _ in range(3)]
+        packed = kept[0].to_torch(pack=True)["tok"]  # the batch's own values, writable without a copy
+        want = [b.data.column("tok").to_pylist() for b in kept]
+        for _ in range(6):
+            s.sample(32)
+        assert [b.data.column("tok").to_pylist() for b in kept] == want
+        packed.fill_(-1)  # writing into a delivered tensor reaches neither the store nor another batch
+        assert [b.data.column("tok").to_pylist() for b in kept[1:]] == want[1:]
+        d = s.to_table()
+        assert all(t == [k] * (2000 + k) for k, t in zip(d.column("k").to_pylist(), d.column("tok").to_pylist()))
+        del torch
+    finally:
+        s.close()

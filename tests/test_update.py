@@ -510,18 +510,21 @@ def test_ragged_fields_in_shared_memory_survive_the_ring_turning():
         assert s.to_table(["ref"]).column(0).null_count > 0
 
 
-def test_ragged_rows_over_a_slots_room_are_refused_clearly():
+def test_ragged_rows_over_the_arenas_room_are_refused_clearly():
+    # the arena holds mean_length (8) elements per ring row, 24 rows: 192 elements for the whole column
     with ab.ExperienceStore(RAGGED_SHM, capacity=20, chunk_rows=4, tier="shm",
                             name=f"rg-{uuid.uuid4().hex[:8]}") as s:
         ids = s.extend(ragged_rows(0, 4))
         before = s.to_table().to_pydict()
         with pytest.raises(ab.OutOfSpace, match="mean_length"):
-            s.update(ids[:1], {"ref": [np.zeros(100, np.float32)]})
+            s.update(ids[:1], {"ref": [np.zeros(300, np.float32)]})
         assert s.to_table().to_pydict() == before
         with pytest.raises(ab.OutOfSpace, match="mean_length"):
-            s.extend({**ragged_rows(4, 1), "tok": [np.zeros(100, np.int32)]})
+            s.extend({**ragged_rows(4, 1), "tok": [np.zeros(300, np.int32)]})
         s.extend(ragged_rows(5, 3))  # the store goes on (the refused batch is left out)
         check_ragged_rows(s)
+        s.update(ids[:1], {"ref": [np.ones(100, np.float32)]})  # a row over a chunk's share of the arena fits
+        assert s.to_table(["ref"]).column(0)[0].as_py() == [1.0] * 100
 
 
 def _shm_ragged_worker(name, q):

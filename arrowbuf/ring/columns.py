@@ -230,6 +230,12 @@ class ColumnArenas:
             return self.tier_ragged[name].take(positions)
         return _ragged.take_chunked(self.ragged[name], self.chunk_rows, positions)
 
+    def use_outputs(self, pool: Any) -> None:
+        """Gathers of the ragged arenas put large values into `pool` (an `arrowbuf.ring.outpool.OutputPool`: the
+        store reader's), so their pages stay warm between gathers, pauses included."""
+        for arena in self.tier_ragged.values():
+            arena.outputs = pool
+
     def count_access(self, key: Any, rows: int, resolve: Any, *args: Any) -> None:
         """Placement input (tiered stores): rows read per column. Nothing to count with one tier."""
 

@@ -118,6 +118,43 @@ class OutputPool:
         self.fresh += 1
         return np.empty(shape, dtype)
 
+    def at_least(self, count: int, dtype: Any, tag: str = "") -> np.ndarray:
+        """The first `count` elements of a 1-D array no one else holds (a view): for outputs whose size changes
+        from call to call (a ragged gather's values). Reuses the smallest idle array of `dtype` and `tag` with at
+        least `count` elements; a new one is rounded up to a size class (at most 1/8 more), so batches of about the
+        same size share arrays. The same bounds and safety rule as `empty` (the view holds the array)."""
+        dtype = np.dtype(dtype)
+        count = int(count)
+        step = 1 << max(0, count.bit_length() - 4)
+        size = -(-max(1, count) // step) * step  # the size class: <= 1/8 over count
+        nbytes = size * dtype.itemsize
+        if nbytes < self.min_bytes or nbytes > self.max_bytes:
+            self.fresh += 1
+            return np.empty(count, dtype)
+        key = ((-1,), dtype.str, tag)
+        with self._lock:
+            arrays = self._arrays.pop(key, [])
+            self._arrays[key] = arrays  # most recently used last
+            idle = [i for i in range(len(arrays)) if _refs(arrays, i) == _IDLE]
+            fits = [i for i in idle if len(arrays[i]) >= count]
+            if fits:
+                self.hits += 1
+                return arrays[min(fits, key=lambda i: len(arrays[i]))][:count]
+            if len(arrays) >= self.per_shape and idle:  # full: an idle array too small for this makes way
+                i = min(idle, key=lambda i: len(arrays[i]))
+                self._bytes -= arrays[i].nbytes
+                del arrays[i]
+            if len(arrays) < self.per_shape and self._make_room(nbytes, key):
+                out = np.empty(size, dtype)
+                arrays.append(out)
+                self._bytes += nbytes
+                self.misses += 1
+                return out[:count]
+            if not arrays:
+                del self._arrays[key]
+        self.fresh += 1
+        return np.empty(count, dtype)
+
     def _make_room(self, nbytes: int, keep: tuple[tuple[int, ...], str, str]) -> bool:
         """Drop idle arrays of other shapes, least recently used first, until `nbytes` more fit (under the lock)."""
         for key in list(self._arrays):

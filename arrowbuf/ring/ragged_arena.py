@@ -2,39 +2,46 @@
 
 Every store keeps a ragged column here (host memory, shared memory, the bottom tier of a tiered store), so that a
 gather of any rows, in any order, is one ranged copy per row into the output (`take`: Arrow ListView over the
-arena, flattened), where one Arrow array per chunk slot needed two or three (one per slot touched, a concatenation,
-one back into the order asked). `RaggedArena` keeps the rows in four arrays allocated from the tier:
+arena, flattened). `RaggedArena` keeps the rows in tier arrays:
 
-- `values`: the elements, two regions of `slot_cap = chunk_rows * mean_length` elements per chunk slot
-  (`FieldSpec.mean_length`, default 256), used by the slot's generations in turn;
+- `values`: the elements, one ring of `capacity` elements for the whole column. A write or an update appends its
+  rows' elements at the head (`HEAD`, a logical offset that only grows; physical offset `(L - BASE) % capacity`); a
+  row's elements are contiguous (a row that would cross the ring's end starts at 0 instead, the skipped tail being
+  padding);
 - `start`, `length` per ring position: where a row's elements are (length -1: null, a later field not written);
-- `fill` per region: elements used (a bump pointer); `half` and `last` per slot: the region the slot's current
-  generation writes, and the highest row offset it wrote.
+  `lstart` the same start as a logical offset, `origin` the logical offset the row's first write allocated at;
+- `meta`: the head, the base, the capacity, the ring position after the last row written, and the very first
+  allocation.
 
-Why two regions: the ring evicts a slot's old rows piece by piece as new rows replace them, so while a new generation
-fills a slot, rows of the old one further along are still live; their elements stay untouched in the other region.
-A write at a row offset at or below `last` starts a new generation (offsets only grow within one), which switches
-to the other region and empties it (every row pointing there is two generations old: evicted). Rows are appended;
-`update` of a later field appends the new elements to the region the row's generation uses and then points the row
-at them, so a reader never sees elements overwritten under it. Rows that need more than a region raise
-`OutOfSpace` before anything is written (raise `mean_length` in the schema), except on a growable tier (the process
-heap, `Tier.growable`): there the arena grows (regions at least doubled, the used part of each copied, rows
-re-pointed) and readers holding the old arrays keep reading them: a reader takes the arrays once per gather
-(`_view`), and the rows it must not trust are caught by the same seq and presence checks as any concurrent write.
-Host arenas start at `mean_length` (default 64 elements per row) and grow to what the rows need; the two regions
-per slot make an arena up to about twice the live elements.
+What may be overwritten: rows are written in seq order (under the store's write lock), so the elements that rows
+still in the ring (written and not yet overwritten, live or evicted) may point at all lie at or after the `origin`
+of the oldest of them: the row at the ring position after the rows being written (or, before the ring has wrapped
+once, the first allocation). An append must keep `HEAD - tail <= capacity`. Updates of later fields append and
+re-point (a row's `origin` stays): their old elements become garbage that the head reuses once the row leaves the
+ring. So the arena holds the elements of the rows in the ring plus updated-away elements and at most one row of
+padding: close to the payload, where two regions per chunk slot held up to twice it.
 
-Readers gather rows with one ranged copy (Arrow ListView over the mapped `values`, flattened), clamped to the region
+Sizing: a shared tier (and a tiered store's bottom tier) cannot grow: `capacity = arena_rows * mean_length`
+(`FieldSpec.mean_length`, default 256) and rows that do not fit raise `OutOfSpace` before anything is written (the
+arena holds `mean_length` elements per ring row on average, whatever any one chunk holds). On a growable tier (the
+process heap, `Tier.growable`) the arena starts at `mean_length` (default 64) per row and grows to what the rows need
+plus a quarter (at most `MAX_SLACK_BYTES`): new arrays, the live elements copied, rows re-pointed; readers holding
+the old arrays keep reading them (a reader takes the arrays once per gather, `_view`), and the rows it must not
+trust are caught by the same seq and presence checks as any concurrent write.
+
+Readers gather rows with one ranged copy (Arrow ListView over the mapped `values`, flattened), clamped to the arena
 so a row being rewritten meanwhile can never point outside it; the store's seq check (eviction) and the presence
-seqlock (updates, `arrowbuf.ring.presence`) then discard any row read while it changed. All writes happen under the
+seqlock (updates, `arrowbuf.ring.presence`) then discard any row read while it changed: the head only overwrites
+elements of rows that left the ring (their seqs were invalidated first) or garbage. All writes happen under the
 store's write lock, which is cross-process for a shared tier.
 
-Usage (what `arrowbuf.ring.columns.ColumnArenas` does for a shared tier)::
+Usage (what `arrowbuf.ring.columns.ColumnArenas` does)::
 
     arena = RaggedArena(spec, tier, chunk_rows, num_slots, arena_rows)
-    arena.write(first_pos, list_array)      # rows [first_pos, first_pos + n) of the ring
+    arena.write(first_pos, list_array)      # rows [first_pos, first_pos + n) of the ring, in seq order
     arena.update(positions, list_array)     # later fields: new elements for live rows
     arena.take(positions)                   # pa.ListArray (a copy)
+    arena.held_bytes()                      # bytes of elements the arena holds (its memory)
 """
 
 from __future__ import annotations
@@ -48,23 +55,33 @@ import pyarrow.compute as pc
 from ..errors import OutOfSpace
 from ..schema import FieldSpec
 from ..tiers.base import Tier
+from .outpool import OutputPool
 from .ragged_gather import own as _own
-from .ragged_gather import take as _ragged_take
 
 #: Mean elements per row a ragged field is sized for when its schema does not say (`mean_length`).
 DEFAULT_MEAN_LENGTH = 256
 #: The same for an arena on a growable tier (host memory): it starts small and grows to what the rows need.
 GROWABLE_MEAN_LENGTH = 64
+#: A growing arena takes a quarter more than it needs, at most this many bytes more.
+MAX_SLACK_BYTES = 1 << 30
+
+# meta slots
+_HEAD, _BASE, _CAP, _NEXT, _FIRST = range(5)
 
 
-def slot_capacity(spec: FieldSpec, chunk_rows: int) -> int:
-    """Elements one chunk slot of ragged field `spec` holds."""
-    return int(chunk_rows) * int(spec.mean_length or DEFAULT_MEAN_LENGTH)
+def arena_capacity(spec: FieldSpec, arena_rows: int) -> int:
+    """Elements a fixed (shared or disk) arena of ragged field `spec` holds: `mean_length` per ring row."""
+    return int(arena_rows) * int(spec.mean_length or DEFAULT_MEAN_LENGTH)
 
 
 def planned_bytes(spec: FieldSpec, chunk_rows: int, num_slots: int, arena_rows: int) -> int:
     """Bytes a `RaggedArena` of `spec` takes (a shared tier checks its free space before anything is made)."""
-    return 2 * num_slots * slot_capacity(spec, chunk_rows) * spec.dtype.itemsize + 16 * arena_rows + 32 * num_slots
+    return arena_capacity(spec, arena_rows) * spec.dtype.itemsize + 32 * arena_rows + 64
+
+
+def grown_capacity(needed: int, itemsize: int) -> int:
+    """Elements a growable arena takes when it needs `needed`: a quarter more, the slack at most `MAX_SLACK_BYTES`."""
+    return int(needed) + min(int(needed) // 4, MAX_SLACK_BYTES // max(1, int(itemsize)))
 
 
 class RaggedArena:
@@ -81,133 +98,164 @@ class RaggedArena:
         self.type = spec.arrow_type()
         self.chunk_rows = int(chunk_rows)
         self.num_slots = int(num_slots)
+        self.arena_rows = int(arena_rows)
         self.tier = tier
         self.growable = bool(getattr(tier, "growable", False)) and not tier.shared
-        self.slot_cap = (int(chunk_rows) * int(spec.mean_length or GROWABLE_MEAN_LENGTH) if self.growable
-                         else slot_capacity(spec, chunk_rows))
+        cap = (int(arena_rows) * int(spec.mean_length or GROWABLE_MEAN_LENGTH) if self.growable
+               else arena_capacity(spec, arena_rows))
         self.key = key = f"ragged.{spec.name}"
-        self.start = tier.allocate(f"{key}.start", np.dtype(np.int64), arena_rows)
-        self.length = tier.allocate(f"{key}.length", np.dtype(np.int64), arena_rows)
-        self.fill = tier.allocate(f"{key}.fill", np.dtype(np.int64), 2 * num_slots)
-        self.half = tier.allocate(f"{key}.half", np.dtype(np.int64), num_slots)
-        self.last = tier.allocate(f"{key}.last", np.dtype(np.int64), num_slots)
-        self.values = tier.allocate(f"{key}.values", spec.dtype, 2 * num_slots * self.slot_cap)
+        i64 = np.dtype(np.int64)
+        self.start = tier.allocate(f"{key}.start", i64, arena_rows)
+        self.length = tier.allocate(f"{key}.length", i64, arena_rows)
+        self.lstart = tier.allocate(f"{key}.lstart", i64, arena_rows)
+        self.origin = tier.allocate(f"{key}.origin", i64, arena_rows)
+        self.meta = tier.allocate(f"{key}.meta", i64, 8)
+        self.values = tier.allocate(f"{key}.values", spec.dtype, max(1, cap))
         self.grown = 0  # times the arena grew (a growable tier)
+        #: where large gathers put their values (the store reader's pool, `ColumnArenas.use_outputs`), or None
+        self.outputs: OutputPool | None = None
         if tier.fresh:
             self.start.fill(0)
             self.length.fill(-1)
-            self.fill.fill(0)
-            self.half.fill(0)
-            self.last.fill(-1)
+            self.lstart.fill(0)
+            self.origin.fill(-1)  # never written
+            self.meta.fill(0)
+            self.meta[_CAP] = len(self.values)
+            self.meta[_FIRST] = -1
         # the elements as one Arrow array over the mapped memory (zero-copy for numbers; bools are bit-packed in
         # Arrow, so they are gathered with numpy instead)
         self._flat = None if spec.dtype == np.bool_ else pa.array(self.values, type=self.type.value_type)
         self._view = (self.values, self._flat, self.start, self.length)  # what a reader reads, taken once
 
+    @property
+    def capacity(self) -> int:
+        """Elements the arena holds."""
+        return int(self.meta[_CAP])
+
+    def held_bytes(self) -> int:
+        """Bytes of element memory the arena keeps (what it costs beyond 32 bytes of bookkeeping per ring row)."""
+        return self.capacity * self.spec.dtype.itemsize
+
     # ------------------------------------------------------------------ writes (under the store's write lock)
     def write(self, first_pos: int, values: pa.Array) -> None:
-        """Rows [first_pos, first_pos + len(values)) of the ring (wrapping at its end).
+        """Rows [first_pos, first_pos + len(values)) of the ring (wrapping at its end), the next rows in seq order.
 
         Raises:
-            OutOfSpace: a region cannot hold the rows' elements; nothing written.
+            OutOfSpace: the arena cannot hold the rows' elements; nothing written.
         """
-        pieces = []
-        pos, done, n = int(first_pos), 0, len(values)
-        arena_rows = len(self.start)
-        while done < n:
-            slot, off = divmod(pos, self.chunk_rows)
-            take = min(n - done, self.chunk_rows - off)
-            pieces.append((slot, off, pos, values.slice(done, take)))
-            done += take
-            pos = (pos + take) % arena_rows
-        plan = []
-        used: dict[int, int] = {}
-        for slot, off, p, part in pieces:  # room first: a batch that does not fit writes nothing
-            fresh = off <= int(self.last[slot])  # a new generation of the slot: the other region, emptied
-            region = 2 * slot + (1 - int(self.half[slot]) if fresh else int(self.half[slot]))
-            used[region] = (0 if fresh else used.get(region, int(self.fill[region]))) + self._count(part)
-            self._check_room(slot, used[region])
-            plan.append((slot, off, p, part, fresh, region))
-        for slot, off, p, part, fresh, region in plan:
-            if fresh:
-                self.half[slot] = region - 2 * slot
-                self.fill[region] = 0
-            self.last[slot] = off + len(part) - 1
-            self._append(region, np.arange(p, p + len(part), dtype=np.int64), part)
+        n = len(values)
+        if not n:
+            return
+        offs = np.asarray(values.offsets, dtype=np.int64)
+        lens = np.diff(offs)
+        nxt = (int(first_pos) + n) % self.arena_rows
+        tail = self._tail(nxt)
+        starts = self._place(lens, tail, f"{n} rows at ring position {first_pos}")
+        pos = (int(first_pos) + np.arange(n, dtype=np.int64)) % self.arena_rows
+        self._copy(starts, values, offs)
+        self._point(pos, starts, lens, values)
+        self.origin[pos] = starts
+        if int(self.meta[_FIRST]) < 0:
+            self.meta[_FIRST] = int(starts[0])
+        self.meta[_NEXT] = nxt
 
     def update(self, positions: np.ndarray, values: pa.Array) -> None:
-        """New elements for the rows at `positions` (distinct, live): appended to the regions their generations
-        use, then the rows point at them. The caller brackets this with the presence seqlock.
+        """New elements for the rows at `positions` (distinct, live): appended at the head, then the rows point at
+        them. The caller brackets this with the presence seqlock.
 
         Raises:
-            OutOfSpace: a region cannot hold the new elements; nothing written.
+            OutOfSpace: the arena cannot hold the new elements; nothing written.
         """
-        regions = self.regions(positions)
-        lens = np.diff(np.asarray(values.offsets, dtype=np.int64))
-        todo = []
-        for r in np.unique(regions).tolist():
-            sel = np.flatnonzero(regions == r)
-            self._check_room(r // 2, int(self.fill[r]) + int(lens[sel].sum()))
-            todo.append((r, sel))
-        for r, sel in todo:
-            self._append(r, positions[sel], _ragged_take(values, sel))
-
-    def regions(self, positions: np.ndarray) -> np.ndarray:
-        """The region each row at `positions` belongs to: its slot's current one for offsets its generation wrote
-        (up to `last`), the other one for the older rows further along (exact, even for an empty row at a region's
-        end, whose start alone would name the next region)."""
-        pos = np.asarray(positions, dtype=np.int64)
-        slot, off = np.divmod(pos, self.chunk_rows)
-        half = self.half[slot]
-        return 2 * slot + np.where(off <= self.last[slot], half, 1 - half)
-
-    def _append(self, region: int, positions: np.ndarray, part: pa.Array) -> None:
-        """Elements of `part`'s rows at the end of `region`; rows `positions` point at them."""
-        offs = np.asarray(part.offsets, dtype=np.int64)
-        first, last = int(offs[0]), int(offs[-1])
-        base = region * self.slot_cap + int(self.fill[region])
-        if last > first:
-            child = part.values.slice(first, last - first)
-            self.values[base:base + last - first] = child.to_numpy(zero_copy_only=False)
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if not pos.size:
+            return
+        offs = np.asarray(values.offsets, dtype=np.int64)
         lens = np.diff(offs)
-        if part.null_count:
-            lens = np.where(np.asarray(part.is_valid(), dtype=bool), lens, -1)
-        self.start[positions] = base + offs[:-1] - first
-        self.length[positions] = lens
-        self.fill[region] += last - first
+        starts = self._place(lens, self._tail(int(self.meta[_NEXT])), f"an update of {pos.size} rows")
+        self._copy(starts, values, offs)
+        self._point(pos, starts, lens, values)
 
-    def _count(self, part: pa.Array) -> int:
-        offs = part.offsets
-        return int(offs[len(offs) - 1].as_py()) - int(offs[0].as_py()) if len(part) else 0
+    def _tail(self, nxt: int) -> int:
+        """The lowest logical offset rows still in the ring may point at, once the rows up to ring position `nxt`
+        are (re)written: the first allocation of the row at `nxt` (the oldest left), or of the very first row
+        while the ring has not wrapped (conservative: only ever too low)."""
+        first = int(self.meta[_FIRST])
+        o = int(self.origin[nxt])
+        if first < 0:
+            return int(self.meta[_HEAD])
+        return o if o >= 0 else first
 
-    def _check_room(self, slot: int, elements: int) -> None:
-        if elements > self.slot_cap and self.growable:
-            self._grow(elements)
-        if elements > self.slot_cap:
-            mean = self.spec.mean_length or DEFAULT_MEAN_LENGTH
-            raise OutOfSpace(f"ragged field {self.spec.name!r}: chunk slot {slot} needs {elements} elements, more "
-                             f"than its region of {self.slot_cap} ({self.chunk_rows} rows x mean_length {mean}); "
-                             f"declare a larger mean_length for it in the schema (e.g. {2 * mean})")
+    def _place(self, lens: np.ndarray, tail: int, what: str) -> np.ndarray:
+        """Logical starts for rows of `lens` elements (nulls: -1, no elements) appended at the head, growing the
+        arena or raising `OutOfSpace` when `HEAD - tail` would pass its capacity; advances the head."""
+        sizes = np.maximum(lens, 0)
+        need = int(sizes.sum())
+        if int(sizes.max(initial=0)) > (1 << 62):
+            raise OutOfSpace(f"ragged field {self.spec.name!r}: a row too long")
+        for attempt in range(2):
+            cap = self.capacity
+            head, base = int(self.meta[_HEAD]), int(self.meta[_BASE])
+            starts, end = _layout(sizes, head, (head - base) % cap if cap else 0, cap)
+            if end - tail <= cap:
+                break
+            if attempt or not self.growable:
+                mean = self.spec.mean_length or DEFAULT_MEAN_LENGTH
+                raise OutOfSpace(
+                    f"ragged field {self.spec.name!r}: {what} need {need} elements; the arena of {cap} elements "
+                    f"({self.arena_rows} ring rows x mean_length {mean}) has {max(0, cap - (head - tail))} free "
+                    f"(the rows still in the ring hold the rest); declare a larger mean_length for it in the "
+                    f"schema (e.g. {2 * mean})")
+            self._grow(tail, end - tail + int(sizes.max(initial=0)))
+        self.meta[_HEAD] = end
+        return starts
 
-    def _grow(self, elements: int) -> None:
-        """Regions of at least `elements` (and at least twice the old size): new arrays, the used part of every
-        region copied, rows re-pointed; then readers are switched to them (under the store's write lock)."""
-        old, new = self.slot_cap, max(2 * self.slot_cap, int(elements))
-        n_regions = 2 * self.num_slots
-        values = self.tier.allocate(f"{self.key}.values", self.spec.dtype, n_regions * new)
-        for r in range(n_regions):
-            used = int(self.fill[r])
-            if used:
-                values[r * new:r * new + used] = self.values[r * old:r * old + used]
-        arena_rows = len(self.start)
-        rows = np.arange(arena_rows, dtype=np.int64)
-        regions = self.regions(rows)
-        start = self.tier.allocate(f"{self.key}.start", np.dtype(np.int64), arena_rows)
-        length = self.tier.allocate(f"{self.key}.length", np.dtype(np.int64), arena_rows)
-        start[:] = self.start + regions * (new - old)
-        length[:] = self.length
+    def _copy(self, starts: np.ndarray, values: pa.Array, offs: np.ndarray) -> None:
+        """The elements of `values`' rows to logical `starts` (consecutive rows in one piece each side of a wrap)."""
+        first, last = int(offs[0]), int(offs[-1])
+        if last <= first:
+            return
+        flat = values.values.slice(first, last - first).to_numpy(zero_copy_only=False)
+        rel = offs - first
+        cap, base = self.capacity, int(self.meta[_BASE])
+        phys = (starts - base) % cap
+        # rows laid out back to back except at the one wrap (if any): copy in at most two ranges
+        cut = np.flatnonzero(np.diff(phys) != np.diff(offs)[:-1]) + 1
+        bounds = [0, *cut.tolist(), len(starts)]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            lo, hi = int(rel[a]), int(rel[b])
+            if hi > lo:
+                p = int(phys[a])
+                self.values[p:p + hi - lo] = flat[lo:hi]
+
+    def _point(self, pos: np.ndarray, starts: np.ndarray, lens: np.ndarray, values: pa.Array) -> None:
+        if values.null_count:
+            lens = np.where(np.asarray(values.is_valid(), dtype=bool), lens, -1)
+        self.lstart[pos] = starts
+        self.start[pos] = (starts - int(self.meta[_BASE])) % self.capacity
+        self.length[pos] = lens
+
+    def _grow(self, tail: int, needed: int) -> None:
+        """A new ring of `grown_capacity(needed)` elements holding logical [tail, HEAD) from its start: new arrays,
+        the used part copied, rows re-pointed; then readers are switched to them (under the store's write lock)."""
+        old_cap, head, base = self.capacity, int(self.meta[_HEAD]), int(self.meta[_BASE])
+        new_cap = max(grown_capacity(needed, self.spec.dtype.itemsize), old_cap + 1)
+        values = self.tier.allocate(f"{self.key}.values", self.spec.dtype, new_cap)
+        used = head - tail
+        if used > 0:
+            p = (tail - base) % old_cap
+            first = min(used, old_cap - p)
+            values[:first] = self.values[p:p + first]
+            if used > first:
+                values[first:used] = self.values[:used - first]
+        rows = self.arena_rows
+        start = self.tier.allocate(f"{self.key}.start", np.dtype(np.int64), rows)
+        length = self.tier.allocate(f"{self.key}.length", np.dtype(np.int64), rows)
+        kept = self.lstart >= tail  # every row still in the ring (rows below are being rewritten now)
+        start[:] = np.where(kept, self.lstart - tail, 0)
+        length[:] = np.where(kept, self.length, -1)
         flat = None if self.spec.dtype == np.bool_ else pa.array(values, type=self.type.value_type)
-        self.values, self.start, self.length, self._flat, self.slot_cap = values, start, length, flat, new
+        self.values, self.start, self.length, self._flat = values, start, length, flat
+        self.meta[_BASE], self.meta[_CAP] = tail, new_cap
         self._view = (values, flat, start, length)
         self.grown += 1
 
@@ -220,7 +268,7 @@ class RaggedArena:
         starts = start[pos].copy()
         valid = lens >= 0
         total = len(values)
-        starts = np.clip(starts, 0, total)  # a row rewritten while read may hold anything: stay inside the region
+        starts = np.clip(starts, 0, total)  # a row rewritten while read may hold anything: stay inside the arena
         lens = np.clip(np.where(valid, lens, 0), 0, total - starts)
         offsets = np.zeros(len(pos) + 1, dtype=np.int64)
         np.cumsum(lens, out=offsets[1:])
@@ -228,6 +276,21 @@ class RaggedArena:
             raise OutOfSpace(f"ragged field {self.spec.name!r}: {int(offsets[-1])} elements in one gather are more "
                              "than a list column's int32 offsets address; gather fewer rows")
         flat: Any
+        outputs = self.outputs
+        count = int(offsets[-1])
+        if flat_values is not None and outputs is not None and count and count * values.itemsize >= outputs.min_bytes:
+            # into a pooled array: warm pages, kept through pauses (Arrow's allocator hands freed memory back to
+            # the kernel after a short delay, so a gather after a pause faulted its output in again)
+            out = outputs.at_least(count, values.dtype, tag=self.key)
+            ends = starts + lens
+            cut = np.flatnonzero(starts[1:] != ends[:-1]) + 1  # rows side by side in the arena: one run (FIFO)
+            lo = starts[np.concatenate(([0], cut))].tolist()
+            hi = ends[np.concatenate((cut - 1, [len(ends) - 1]))].tolist()
+            np.concatenate([values[a:b] for a, b in zip(lo, hi)], out=out)
+            mask = None if valid.all() else pa.array(~valid)
+            res = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(out, type=self.type.value_type),
+                                           type=self.type, mask=mask)
+            return _own(res, out)
         if flat_values is not None and total < 2**31:
             view = pa.ListViewArray.from_arrays(pa.array(starts.astype(np.int32)), pa.array(lens.astype(np.int32)),
                                                 flat_values)
@@ -246,6 +309,19 @@ class RaggedArena:
         return self.take(np.arange(s * self.chunk_rows, (s + 1) * self.chunk_rows, dtype=np.int64))
 
 
+def _layout(sizes: np.ndarray, head: int, phead: int, cap: int) -> tuple[np.ndarray, int]:
+    """Logical starts of rows of `sizes` elements appended at logical `head` (physical `phead`) of a ring of `cap`
+    elements, each row contiguous: the first row that would cross the ring's end starts at its beginning (the rest
+    of the ring is padding). Returns (starts, the new head)."""
+    ends = np.cumsum(sizes)
+    rel = ends - sizes  # starts relative to the head, no wrap
+    room = cap - phead
+    cross = np.flatnonzero(ends > room)
+    if cross.size and cap:
+        k = int(cross[0])
+        rel[k:] += room - int(rel[k])  # row k and after start at the ring's beginning
+    end = head + (int(rel[-1] + sizes[-1]) if sizes.size else 0)
+    return head + rel, end
 def _outside(flat: pa.Array, values: np.ndarray) -> bool:
     """Whether `flat`'s buffer is memory of its own, not a view into the arena `values` (only such a gather result
     may be handed to a trainer as writable memory)."""

@@ -57,8 +57,9 @@ class FieldSpec:
         later: a field that a later stage fills (`store.update`): nullable, and `extend`/`append` may leave it out
             (the row then holds no value for it, read back as null, until an update writes one).
         mean_length: ragged fields: the expected mean number of elements per row. Sizes the flat storage of a
-            store in shared memory (each chunk slot holds `chunk_rows * mean_length` elements; a chunk whose rows
-            hold more raises `OutOfSpace`) and the chunk size estimate. None: 256.
+            store in shared memory or on disk (one ring of `arena_rows * mean_length` elements per column: the rows
+            in the ring may hold that many on average, whatever one chunk holds; more raises `OutOfSpace`) and the
+            chunk size estimate. None: 256. A host store's arena grows to what the rows need.
     """
 
     name: str

@@ -71,6 +71,7 @@ class StoreReader:
         self.core = core
         self.count_access = False
         self.outputs = OutputPool()
+        core.cols.use_outputs(self.outputs)  # large ragged gathers too
 
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
