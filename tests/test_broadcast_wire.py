@@ -69,8 +69,8 @@ def test_requests_read_back_in_order_and_end_cleanly():
             out.append(i)
         return out
 
-    data = b"".join(wire.REQUEST.pack(i) for i in [3, 4, 5, 2**63])
-    assert _feed(data, read_all) == [3, 4, 5, 2**63]
+    data = b"".join(wire.REQUEST.pack(i, off) for i, off in [(3, 0), (4, 17), (5, 0), (2**63, 2**64 - 1)])
+    assert _feed(data, read_all) == [(3, 0), (4, 17), (5, 0), (2**63, 2**64 - 1)]
     with pytest.raises(ConnectionError):  # a request cut short is not a request
         _feed(data + b"\x01\x02", read_all)
 
@@ -105,3 +105,48 @@ def test_a_bucket_lands_in_the_callers_buffer():
     assert bytes(into) == payload
     with pytest.raises(wire.WireError, match="expected bucket 4"):
         _feed(frame, lambda s: wire.read_bucket(s, 4, memoryview(bytearray(len(payload)))))
+
+
+def test_a_bucket_cut_mid_way_says_how_many_of_its_bytes_landed():
+    """An upstream that dies inside a bucket's bytes: the receiver learns exactly how many landed (a resume keeps
+    them); cut inside the header, none did."""
+    payload = bytes(range(256)) * 64
+    frame = wire.FRAME.pack(wire.OK, 3, len(payload)) + payload
+    into = bytearray(len(payload))
+    with pytest.raises(wire.Cut) as cut:
+        _feed(frame[:wire.FRAME.size + 1000], lambda s: wire.read_bucket(s, 3, memoryview(into)))
+    assert cut.value.got == 1000 and bytes(into[:1000]) == payload[:1000]
+    with pytest.raises(wire.Cut) as cut:
+        _feed(frame[:wire.FRAME.size - 1], lambda s: wire.read_bucket(s, 3, memoryview(bytearray(len(payload)))))
+    assert cut.value.got == 0
+
+
+def test_a_resumed_request_asks_for_the_rest_of_the_bucket_only():
+    """`request(..., offset)` asks for the first bucket from the offset on, the others whole; the answer to a resume
+    carries exactly the rest of the bucket, read into the rest of the caller's buffer."""
+
+    async def requests(s):
+        out = []
+        while (r := await wire.read_request(s)) is not None:
+            out.append(r)
+        return out
+
+    async def ask(sock):
+        await wire.request(sock, 7, 3, 1000)
+
+    a, b = socket.socketpair()
+    try:
+        a.setblocking(False)
+        asyncio.run(ask(a))
+        a.shutdown(socket.SHUT_WR)
+        data = b.recv(1 << 16)
+    finally:
+        a.close()
+        b.close()
+    assert _feed(data, requests) == [(7, 1000), (8, 0), (9, 0)]
+    payload = bytes(range(256)) * 64
+    into = bytearray(len(payload))
+    into[:1000] = payload[:1000]
+    _feed(wire.frame_header(7, len(payload) - 1000) + payload[1000:],
+          lambda s: wire.read_bucket(s, 7, memoryview(into)[1000:]))
+    assert bytes(into) == payload

@@ -4,8 +4,10 @@ The schedule is built as receivers arrive (Hoplite's receiver-driven rule): a re
 which hands it the live holder with the most blocks beyond the asker's own that still has a spare upload slot, and
 waits (no polling: an `asyncio.Condition` woken by progress, releases and losses) when none has. `upload_slots=1`
 makes a chain, whose pipelined time is about S/B + (N-1)·b/B; 2 makes a binary tree; the producer's node has
-`root_slots`. A receiver whose upstream died asks again with `reattach=True`, which may also use one spare slot of the
-producer's node, and resumes from the blocks it has.
+`root_slots`. With each answer comes a backup (the holder's own upstream, else the producer's node): a receiver whose
+upstream died switches to it at once and tells the directory afterwards (`switched`); without one it asks again with
+`reattach=True`, which may also use one spare slot of the producer's node. Either way it resumes from the blocks (and
+the bytes of the cut bucket) it has.
 """
 
 from __future__ import annotations
@@ -105,10 +107,21 @@ class BlockDirectory:
                 best, best_rank = k, rank
         return best
 
+    def _backup(self, me: str, holder: str) -> tuple[str, tuple[str, int], Any] | None:
+        """The source `me` should switch to, without asking again, if `holder` dies: `holder`'s own upstream (it
+        holds more than `holder`, and `holder`'s death frees the upload slot it used, so its link is not split
+        between two children), else the producer's node (which keeps one spare slot for re-attaching receivers);
+        None when `holder` is the producer's node."""
+        for k in (self.upstream.get(holder), self.root):
+            if k is not None and k not in (me, holder) and k not in self.dead and k in self.addresses:
+                return k, self.addresses[k], self.relays[k]
+        return None
+
     async def choose(self, version: int, me: str, have: int, reattach: bool = False, lost: str | None = None
-                     ) -> tuple[str, tuple[str, int], Any] | None:
+                     ) -> tuple[str, tuple[str, int], Any, tuple[str, tuple[str, int], Any] | None] | None:
         """Pick (and reserve an upload slot of) the holder `me` should pull from: (its key, its bucket server's
-        address, its relay handle); None once `version` is superseded. `lost`: the holder `me` could not pull from
+        address, its relay handle, the backup: the same three of the holder to switch to at once if this one dies,
+        or None; see `_backup`); None once `version` is superseded. `lost`: the holder `me` could not pull from
         (see `lost`), reported in the same call."""
         if lost is not None:
             await self.lost(version, me, lost)
@@ -121,7 +134,19 @@ class BlockDirectory:
             assert k is not None
             self.uploads[k] = self.uploads.get(k, 0) + 1
             self.upstream[me] = k
-            return k, self.addresses[k], self.relays[k]
+            return k, self.addresses[k], self.relays[k], self._backup(me, k)
+
+    async def switched(self, version: int, me: str, lost: str, new: str) -> None:
+        """`me` lost `lost` and already pulls from its backup `new` (no `choose`): record the loss (as `lost`) and
+        book an upload slot of `new` (over its count if a re-attaching receiver took the freed slot first: the
+        receiver is pulling already)."""
+        if self.meta is None or self.meta["version"] != version:
+            return
+        await self.lost(version, me, lost)
+        if new not in self.dead and self.upstream.get(me) is None:
+            self.uploads[new] = self.uploads.get(new, 0) + 1
+            self.upstream[me] = new
+            await self._notify()
 
     async def progress(self, version: int, key: str, count: int) -> None:
         if self.meta is not None and self.meta["version"] == version and key not in self.dead:
