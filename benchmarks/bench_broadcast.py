@@ -227,12 +227,14 @@ class _Chain:
     def close(self) -> None:
         self.bc.close()
 
-    def run(self, sd, kill_at: float | None = None, light: bool = False) -> dict:
+    def run(self, sd, kill_at: float | None = None, light: bool = False, sigkill: bool = False) -> dict:
         """One publish of `sd` to every receiver; every relay holds a verified copy at the end (each bucket checked
         against the producer's digest as it landed). With `kill_at`, the relay the source feeds is killed when it
         holds that fraction of the buckets (a fixed bucket), and replaced after the run. Returns seconds, each
         receiver's completion time, peak extra RSS per relay beyond its copy, the killed relay. `light`: no sampling
-        of the object store (a thread polling the raylet: CPU that the failover mode keeps off the machine)."""
+        of the object store (a thread polling the raylet: CPU that the failover mode keeps off the machine).
+        `sigkill`: the relay's process is killed with SIGKILL (a crash: its sockets close at once) instead of by
+        `ray.kill` (which tears the actor down first: it stops sending some tens of ms before its sockets close)."""
         import ray
 
         S, bc = _sd_bytes(sd), self.bc
@@ -252,7 +254,12 @@ class _Chain:
             at = max(1, int(bc.wait(v, key="src")["nblocks"] * kill_at))
             ray.get(bc.directory.wait_count.remote(killed, at))
             handle = self.relays[killed]
+            pid = ray.get(handle.pid.remote()) if sigkill else None
             t_kill = time.monotonic()
+            if pid is not None:
+                import signal
+
+                os.kill(pid, signal.SIGKILL)
             ray.kill(handle, no_restart=True)  # (bc.kill_relay, without its look-up of the handle)
             ray.get(bc.directory.mark_dead.remote(killed, handle))
         pending = {self.relays[k].wait.remote(v): k for k in self.keys if k != killed}
@@ -285,7 +292,8 @@ class _Chain:
                        "first_bucket_s": f[-1]["resumed"] - f[-1]["attached"] if "attached" in f[-1] else None,
                        "inter_bucket_s": f[0].get("inter_bucket_s"), "via": f[0].get("via"),
                        "new_source": f[-1].get("to"), "dead_upstream": "src",
-                       "kept": f[0].get("kept"), "bucket_bytes": f[0].get("bucket_bytes")}
+                       "kept": f[0].get("kept"), "bucket_bytes": f[0].get("bucket_bytes"),
+                       "silent_s": f[0]["detected"] - f[0]["last_bytes"] if "last_bytes" in f[0] else None}
         if killed is not None:  # the same configuration for the next run: a new relay
             self.relays[killed] = bc.relay(killed, self.here)
         # a one-bucket version to every relay: whatever the links still do for this one is done before the next run
@@ -526,6 +534,8 @@ def failover_main(argv: list[str]) -> None:
     ap.add_argument("--window", type=int, default=4, help="k: buckets a relay requests ahead")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--kill-at", type=float, default=0.5)
+    ap.add_argument("--sigkill", action="store_true",
+                    help="kill the relay's process with SIGKILL (a crash) instead of ray.kill")
     args = ap.parse_args(argv)
     size_mb = args.size_mb or (32 if args.quick else 256)
     bucket, B = args.bucket_kb << 10, args.bw_mb * 2**20
@@ -540,12 +550,16 @@ def failover_main(argv: list[str]) -> None:
     ray.init(address="local", num_cpus=2, object_store_memory=max(256 << 20, 2 * S), include_dashboard=False,
              logging_level="ERROR", log_to_driver=False)
     pairs: list[dict] = []
+
+    def f(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
     try:
         chain = _Chain(args.nodes, B, bucket, args.window)
         try:
             for _ in range(args.pairs):
                 base = chain.run(sd, light=True)
-                kill = chain.run(sd, kill_at=args.kill_at, light=True)
+                kill = chain.run(sd, kill_at=args.kill_at, light=True, sigkill=args.sigkill)
                 g = kill["gap"] or {}
                 normal = g.get("inter_bucket_s") or bucket_s
                 pairs.append({
@@ -557,13 +571,19 @@ def failover_main(argv: list[str]) -> None:
                     "notice_to_attached_ms": None if g.get("attach_s") is None else g["attach_s"] * 1e3,
                     "attached_to_bucket_ms": None if g.get("first_bucket_s") is None else g["first_bucket_s"] * 1e3,
                     "last_bucket_to_kill_ms": None if "last_to_kill_s" not in g else g["last_to_kill_s"] * 1e3,
+                    "last_bytes_to_noticed_ms": None if g.get("silent_s") is None else g["silent_s"] * 1e3,
                     "kept_kb": None if g.get("kept") is None else g["kept"] / 1024,
                     "via": g.get("via"), "new_source": g.get("new_source"), "losses": g.get("losses"),
-                    "killed": kill["killed"], "orphan": g.get("orphan")})
+                    "killed": kill["killed"], "orphan": g.get("orphan"),
+                    # the receivers' completion times, sorted (each run builds its chain anew, in arrival order, so
+                    # a receiver's place differs between runs; the kill run has one receiver fewer)
+                    "finish_no_kill_s": sorted(base["finish"].values()),
+                    "finish_kill_s": sorted(kill["finish"].values()),
+                    "publish_diff_buckets": (kill["publish_s"] - base["publish_s"]) / bucket_s})
                 p = pairs[-1]
                 print(f"pair {len(pairs)}: no kill {p['no_kill_s']:.2f} s, kill {p['kill_s']:.2f} s, "
-                      f"diff {p['run_diff_buckets']:.2f} buckets, orphan stall {p['stall_buckets']} buckets",
-                      flush=True)
+                      f"diff {p['run_diff_buckets']:.2f} buckets, orphan stall {f(p['stall_buckets'], '.2f')} "
+                      "buckets", flush=True)
         finally:
             chain.close()
     finally:
@@ -571,21 +591,21 @@ def failover_main(argv: list[str]) -> None:
     load1 = os.getloadavg()
     wall = time.perf_counter() - t_start
 
-    def f(x: float | None, fmt: str) -> str:
-        return "-" if x is None else format(x, fmt)
-
     print(f"\nstate_dict {S / 2**20:.1f} MB, buckets of {bucket >> 10} KB, k = {args.window}, {args.nodes} receivers "
           f"in a chain, B = {args.bw_mb:g} MB/s per emulated link: one bucket = {bucket_s * 1e3:.0f} ms; the relay "
-          f"the source feeds killed at {args.kill_at:.0%}; load average before/after {load0[0]:.1f}/{load1[0]:.1f}; "
+          f"the source feeds killed ({'SIGKILL' if args.sigkill else 'ray.kill'}) at {args.kill_at:.0%}; "
+          f"load average before/after {load0[0]:.1f}/{load1[0]:.1f}; "
           f"{wall:.0f} s in all")
     print("| pair | no kill (s) | kill (s) | (a) run difference (buckets) | (b) orphan stall (buckets) | "
           "orphan's normal inter-bucket (ms) | last bucket -> kill (ms) | kill -> noticed (ms) | "
+          "last bytes from the dead relay -> noticed (ms) | "
           "noticed -> attached (ms) | attached -> bucket (ms) | cut bucket kept (KB) | new source (via) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i, p in enumerate(pairs, 1):
         print(f"| {i} | {p['no_kill_s']:.2f} | {p['kill_s']:.2f} | {p['run_diff_buckets']:.2f} | "
               f"{f(p['stall_buckets'], '.2f')} | {p['normal_inter_bucket_ms']:.0f} | "
               f"{f(p['last_bucket_to_kill_ms'], '.0f')} | {f(p['kill_to_notice_ms'], '.1f')} | "
+              f"{f(p['last_bytes_to_noticed_ms'], '.1f')} | "
               f"{f(p['notice_to_attached_ms'], '.1f')} | {f(p['attached_to_bucket_ms'], '.0f')} | "
               f"{f(p['kept_kb'], '.0f')} | {p['new_source']} ({p['via']}) |")
     med_a = _median([p["run_diff_buckets"] for p in pairs])
@@ -596,7 +616,7 @@ def failover_main(argv: list[str]) -> None:
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "args": vars(args), "size_bytes": S,
             "bucket": bucket, "B": B, "bucket_s": bucket_s, "median_run_diff_buckets": med_a,
             "median_stall_buckets": med_b, "loadavg_before": load0, "loadavg_after": load1, "wall_s": wall}
-    name = f"broadcast-failover-{size_mb}mb{'-quick' if args.quick else ''}.json"
+    name = f"broadcast-failover-{size_mb}mb{'-sigkill' if args.sigkill else ''}{'-quick' if args.quick else ''}.json"
     (OUT / name).write_text(json.dumps({"meta": meta, "pairs": pairs}, indent=1, default=str))
 
 

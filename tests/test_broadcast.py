@@ -429,7 +429,7 @@ def test_the_orphan_of_a_killed_relay_switches_to_its_backup_at_once_and_resumes
     # the cut bucket resumes at the bytes that landed: what it asked for again is less than the bucket whenever the
     # kill fell inside the bucket's bytes (and never more than the bucket)
     assert 0 <= f["kept"] < f["bucket_bytes"] == bucket
-    print(f"tail kept {f['kept']} of {bucket} bytes of the cut bucket; kill to attach "
+    print(f"tail kept {f['kept']} of {bucket} bytes of the cut bucket; attached to the backup "
           f"{(f['attached'] - f['detected']) * 1e3:.1f} ms after detection; pieces of {relay_mod.LINK_PIECE}")
 
 

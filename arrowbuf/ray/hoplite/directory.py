@@ -176,10 +176,11 @@ class BlockDirectory:
             if up is not None:
                 self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
                 self._forget(up, src)
+            self._tell_orphans(src)
         await self._notify()
 
     async def mark_dead(self, key: str, handle: Any = None) -> None:
-        """Forget `key`'s relay (it was killed); receivers pulling from it re-attach when their next pull fails.
+        """Forget `key`'s relay (it was killed); receivers pulling from it are told at once and re-attach.
 
         With `handle`, only if that is still `key`'s relay (a consumer may have replaced it already).
         """
@@ -192,6 +193,7 @@ class BlockDirectory:
         if up is not None:
             self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
             self._forget(up, key)
+        self._tell_orphans(key)
         await self._notify()
 
     async def verified(self, version: int, key: str) -> None:
@@ -228,6 +230,16 @@ class BlockDirectory:
         async with self.cond:
             await self.cond.wait_for(lambda: self.fence(receivers, loads) >= version)
         return self.fence(receivers, loads)
+
+    def _tell_orphans(self, dead: str) -> None:
+        """Tell every relay pulling from `dead` that it died (fire and forget): each cuts its connection and fails
+        over to its backup now, not when the dead process's sockets close."""
+        if self.meta is None:
+            return
+        for me, up in list(self.upstream.items()):
+            r = self.relays.get(me)
+            if up == dead and r is not None and me not in self.dead:
+                r.upstream_died.remote(self.meta["version"], dead)
 
     def _forget(self, holder: str, dead: str) -> None:
         """Tell `holder` to drop the blocks queued for `dead`'s relay (its egress goes to the living at once)."""

@@ -266,6 +266,7 @@ class Relay:
         private.sweep(root)  # on its node, the files of broadcasts whose holders died (the next start after a crash)
         self.bucket = TokenBucket(egress_bytes_per_s)
         self.cur: _Copy | None = None
+        self._upstream: tuple[int, str, Any] | None = None  # (version, holder, socket) of the pull under way
         self.changed = asyncio.Condition()
         self._directory: Any = None
 
@@ -278,6 +279,21 @@ class Relay:
 
     async def ping(self) -> str:
         return self.key
+
+    async def upstream_died(self, version: int, holder: str) -> bool:
+        """The directory learnt that `holder` died (its killer or another of its receivers said so): if this relay
+        pulls `version` from it, cut that connection now, so the pull fails over at once instead of waiting for the
+        dead process's sockets to close (a `ray.kill` stops an actor some tens of ms before they do). True if cut."""
+        up = self._upstream
+        if up is None or up[0] != version or up[1] != holder:
+            return False
+        with contextlib.suppress(OSError):
+            up[2].shutdown(socket.SHUT_RDWR)
+        return True
+
+    async def pid(self) -> int:
+        """This relay's process id (failure injection: a benchmark kills it with SIGKILL, as a crash would)."""
+        return os.getpid()
 
     async def address(self) -> tuple[str, int]:
         """(host, port) of this relay's bucket server (started on first call, bound to the node's IP): receivers
@@ -341,12 +357,13 @@ class Relay:
     async def _pull(self, copy: _Copy) -> None:
         """Fill `copy` bucket by bucket from the holder the directory picks; on a lost upstream, resume.
 
-        Failover (docs/ray.md): a killed upstream's connection closes with its process, so the loss is seen at once
-        (the stall watch covers a hung upstream). The receiver then connects straight to the backup the directory
-        named with its upstream (that upstream's own upstream, whose upload slot the death frees; else the
-        producer's node): no directory round trip before the bytes flow again; the directory hears of the switch
-        in the background. The bucket in flight resumes at the byte where it was cut (the whole bucket is checked
-        against the producer's digest when complete). Without a usable backup it asks the directory (`choose`).
+        Failover (docs/ray.md): a killed upstream's connection closes with its process, so the loss is seen at once;
+        sooner when the directory hears of the death first (`upstream_died`); the stall watch covers a hung
+        upstream. The receiver then connects straight to the backup the directory named with its upstream (that
+        upstream's own upstream, whose upload slot the death frees; else the producer's node): no directory round
+        trip before the bytes flow again; the directory hears of the switch in the background. The bucket in
+        flight resumes at the byte where it was cut (the whole bucket is checked against the producer's digest
+        when complete). Without a usable backup it asks the directory (`choose`).
         """
         d, meta = self._dir(), copy.meta
         version, n = meta["version"], meta["nblocks"]
@@ -354,6 +371,7 @@ class Relay:
         lost: str | None = None
         reported = 0.0
         landed = [time.monotonic()]  # when the last bucket landed (the stall watch, failover records)
+        bytes_at = [landed[0]]  # when the last bytes of a bucket landed (failover records)
         kept = 0  # bytes of bucket `copy.have` already in the file (a bucket cut mid-way by a dead upstream)
         got: Any = None  # the source to use next: (key, address, handle, backup) from the directory or a backup
         failed: set[str] = set()  # holders lost during this pull (never taken as a backup again)
@@ -368,6 +386,7 @@ class Relay:
             sock = watch = None
             try:
                 sock = await wire.connect(tuple(addr), self.secret, version, self.me)
+                self._upstream = (version, src_key, sock)
                 watch = asyncio.get_running_loop().create_task(self._watch(sock, src, landed))
                 nxt = copy.have
                 if self.failovers and "attached" not in self.failovers[-1]:
@@ -381,7 +400,8 @@ class Relay:
                     a, b = copy.span(i)
                     with memoryview(copy.mm) as whole, whole[a + kept:b] as part:
                         try:
-                            await wire.read_bucket(sock, i, part)  # from the socket straight into this node's file
+                            # from the socket straight into this node's file
+                            await wire.read_bucket(sock, i, part, bytes_at)
                         except wire.Cut as cut:
                             kept += cut.got  # these bytes stay: the next source sends the rest
                             raise
@@ -412,7 +432,8 @@ class Relay:
                                        "bucket_bytes": copy.span(copy.have)[1] - copy.span(copy.have)[0]
                                        if copy.have < n else 0,
                                        "inter_bucket_s": gaps[len(gaps) // 2] if gaps else None,
-                                       "last_bucket": landed[0], "detected": now, "via": "directory"})
+                                       "last_bucket": landed[0], "last_bytes": max(bytes_at[0], landed[0]),
+                                       "detected": now, "via": "directory"})
                 del self.failovers[:-16]
                 reattach = True
                 if backup is not None and backup[0] != src_key and backup[0] not in failed:
@@ -429,6 +450,8 @@ class Relay:
                 if watch is not None:
                     watch.cancel()
                 if sock is not None:
+                    if self._upstream is not None and self._upstream[2] is sock:
+                        self._upstream = None
                     sock.close()
         if lost is not None:
             d.lost.remote(version, self.key, lost)

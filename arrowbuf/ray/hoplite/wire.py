@@ -31,6 +31,7 @@ import asyncio
 import hmac
 import socket
 import struct
+import time
 from typing import Any
 
 from ...errors import ArrowbufError
@@ -69,9 +70,10 @@ class Cut(ConnectionError):
         self.got = got
 
 
-async def recv_into(sock: socket.socket, view: memoryview) -> None:
+async def recv_into(sock: socket.socket, view: memoryview, stamp: list[float] | None = None) -> None:
     """Fill `view` from `sock` (non-blocking, on the running loop): straight into the caller's buffer, no copy.
-    Raises `Cut` (a ConnectionError saying how many bytes landed) when the peer closes or resets first."""
+    Raises `Cut` (a ConnectionError saying how many bytes landed) when the peer closes or resets first.
+    `stamp[0]`: set to `time.monotonic()` whenever bytes land (failover records: when the last bytes came)."""
     loop = asyncio.get_running_loop()
     got, n = 0, len(view)
     while got < n:
@@ -82,6 +84,8 @@ async def recv_into(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise Cut(f"the peer closed the connection after {got} of {n} bytes", got)
         got += k
+        if stamp is not None:
+            stamp[0] = time.monotonic()
 
 
 async def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -192,13 +196,14 @@ async def send_error(sock: socket.socket, status: int, index: int, message: str)
     await send(sock, FRAME.pack(status, index, len(body)) + body)
 
 
-async def read_bucket(sock: socket.socket, index: int, into: memoryview) -> None:
+async def read_bucket(sock: socket.socket, index: int, into: memoryview, stamp: list[float] | None = None) -> None:
     """Read the answer to the request for bucket `index` straight into `into` (the bytes asked for: the bucket from
     the requested offset on).
 
     Raises `PeerError` for an error frame, `WireError` for a frame that is not the answer asked for (an unknown
     status, another index, another size, an oversized message), ConnectionError when the upstream closed: `Cut`
     with `got` the bytes of `into` that landed when it closed inside the bucket's bytes (a resume keeps them).
+    `stamp`: see `recv_into`.
     """
     try:
         status, got, n = FRAME.unpack(await recv_exactly(sock, FRAME.size))
@@ -216,4 +221,4 @@ async def read_bucket(sock: socket.socket, index: int, into: memoryview) -> None
         raise PeerError(status, message.decode(errors="replace"))
     if got != index or n != len(into):
         raise WireError(f"frame for bucket {got} of {n} bytes, expected bucket {index} of {len(into)} bytes")
-    await recv_into(sock, into)
+    await recv_into(sock, into, stamp)
