@@ -150,3 +150,67 @@ def test_a_resumed_request_asks_for_the_rest_of_the_bucket_only():
     _feed(wire.frame_header(7, len(payload) - 1000) + payload[1000:],
           lambda s: wire.read_bucket(s, 7, memoryview(into)[1000:]))
     assert bytes(into) == payload
+
+
+def test_a_relay_serves_the_rest_of_a_bucket_from_the_offset_asked_and_refuses_an_offset_outside_it(tmp_path):
+    """The serving side of a resume, on a real relay object and a real socket pair (no Ray): a request with an offset
+    is answered with exactly the rest of that bucket, from the node's file; an offset at or past the bucket's end is
+    refused (BAD) before anything is sent, and the connection ends."""
+    from arrowbuf.ray.hoplite.payload import bucket_digests, combine
+    from arrowbuf.ray.hoplite.relay import Relay, _Copy, file_name
+
+    size, bs = 3000, 1024
+    data = bytes((i * 7) % 251 for i in range(size))
+    digests = bucket_digests(memoryview(data), bs)
+    meta = {"version": 1, "size": size, "block_size": bs, "nblocks": len(digests), "digests": digests,
+            "digest": combine(digests)}
+
+    async def main():
+        r = Relay("t1", "k", root=str(tmp_path), secret=SECRET.hex())
+        copy = _Copy(meta, file_name("t1", "k", 1), create=True, root=str(tmp_path))
+        copy.mm[:] = data
+        copy.have = copy.meta["nblocks"]
+        r.cur = copy
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        try:
+            served = asyncio.create_task(r._serve(a))
+            await wire.send(b, wire.hello(SECRET, 1, "me") + wire.REQUEST.pack(1, 100) + wire.REQUEST.pack(2, 0)
+                            + wire.REQUEST.pack(0, bs))
+            into = bytearray(bs)
+            await wire.read_bucket(b, 1, memoryview(into)[100:])
+            assert bytes(into[100:]) == data[bs + 100:2 * bs]
+            last = bytearray(size - 2 * bs)
+            await wire.read_bucket(b, 2, memoryview(last))
+            assert bytes(last) == data[2 * bs:]
+            with pytest.raises(wire.PeerError, match="has no byte 1024") as refused:
+                await wire.read_bucket(b, 0, memoryview(bytearray(bs)))
+            assert refused.value.status == wire.BAD
+            await asyncio.wait_for(served, 5)
+        finally:
+            b.close()
+            await r.close()
+
+    asyncio.run(main())
+
+
+@_FUZZ
+@given(st.binary(max_size=200))
+def test_mangled_requests_read_as_whole_index_offset_pairs_or_not_at_all(data):
+    """Any bytes a receiver sends read as whole (index, offset) requests, 16 bytes each, in order; a trailing part of
+    a request is a broken connection, never a request (the relay bounds both numbers before serving)."""
+
+    async def read_all(s):
+        out = []
+        while (r := await wire.read_request(s)) is not None:
+            out.append(r)
+        return out
+
+    whole = len(data) - len(data) % wire.REQUEST.size
+    expected = [wire.REQUEST.unpack_from(data, o) for o in range(0, whole, wire.REQUEST.size)]
+    if whole == len(data):
+        assert _feed(data, read_all) == expected
+    else:
+        with pytest.raises(ConnectionError):
+            _feed(data, read_all)
