@@ -258,8 +258,12 @@ class Relay:
         self._lsock: Any = None
         self._addr: tuple[str, int] | None = None
         self._tasks: set[asyncio.Task] = set()
-        #: the last 16 re-attachments: version, upstream lost, buckets held, time.monotonic() of the last bucket
-        #: before the loss, of its detection and of the first bucket after (`resumed`); benchmarks measure the gap
+        #: the last 16 re-attachments: version, upstream lost, buckets held (`have`), bytes of the cut bucket kept
+        #: (`kept`, of `bucket_bytes`), the median time between the last buckets before the loss (`inter_bucket_s`),
+        #: time.monotonic() of the last bucket (`last_bucket`) and the last bytes (`last_bytes`) before the loss, of
+        #: its detection (`detected`), of the connection to the new source (`attached`) and of the first bucket after
+        #: (`resumed`); `via` "backup" (no directory round trip, `to` the backup) or "directory" (`choose`);
+        #: benchmarks measure the stall from them
         self.failovers: list[dict] = []
         self.me = f"{key}#{self.incarnation}"  # this relay as a requester (its upstream forgets it when it dies)
         self.gone: set[str] = set()
