@@ -433,6 +433,32 @@ def test_the_orphan_of_a_killed_relay_switches_to_its_backup_at_once_and_resumes
           f"{(f['attached'] - f['detected']) * 1e3:.1f} ms after detection; pieces of {relay_mod.LINK_PIECE}")
 
 
+def test_an_orphan_mid_chain_switches_to_the_dead_relays_upstream_not_the_source(bcast):
+    """Four emulated nodes on this Ray node in a chain src -> x -> y -> z: when y (fed by x, not by the source) dies,
+    z's backup is y's upstream x, whose upload slot y's death frees (the source's link stays x's alone); every
+    survivor ends bit-exact."""
+    here = ray.get_runtime_context().get_node_id()
+    bc = bcast(block_size=256 << 10, upload_slots=1, egress_bytes_per_s=2 << 20, window=2, nodes=False)
+    for k in ["src", "r0", "r1", "r2"]:
+        bc.relay(k, here)
+    sd = _model(7).state_dict()
+    v = bc.publish(sd, 1, source="src")
+    for k in ["r0", "r1", "r2"]:
+        ray.get(bc.directory.wait_count.remote(k, 1), timeout=60)
+    up = bc.state()["upstream"]
+    x = next(k for k, u in up.items() if u == "src")
+    y = next(k for k, u in up.items() if u == x)
+    z = next(k for k, u in up.items() if u == y)
+    ray.get(bc.directory.wait_count.remote(y, 4), timeout=60)
+    bc.kill_relay(y)
+    src_meta = bc.wait(v, key="src", timeout=60)
+    for k in (x, z):
+        assert bc.wait(v, key=k, timeout=120)["version"] == v
+        assert bc.digest(v, key=k, timeout=60) == src_meta["digest"]
+    log = [f for f in ray.get(bc.relay(z).failover_log.remote()) if f["version"] == v]
+    assert [(f["upstream"], f["via"], f.get("to")) for f in log] == [(y, "backup", x)]
+
+
 def test_the_version_fence_follows_delivery_and_loads(bcast):
     store = ab.ExperienceStore(SCHEMAS / "cartpole.yaml", capacity=100)
     try:
