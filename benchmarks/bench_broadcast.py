@@ -25,6 +25,12 @@ The state_dict path (issue 29; `--state-dict`, see `statedict_main`): a real tor
 per node, failover cost, and the peers (`ray.put`/`ray.get` of the state_dict; torch.distributed broadcast over gloo).
 
     python -m benchmarks.bench_broadcast --state-dict --quick
+
+The failover pairs only (`--failover`, see `failover_main`): 256 MB, 1 MB buckets, a chain of 4 receivers, 3
+interleaved kill/no-kill pairs; the run difference and the orphan's stall from its own timestamps, in bucket times
+(~3 minutes; `--sigkill` kills the relay's process instead of `ray.kill`; `--quick` 32 MB).
+
+    python -m benchmarks.bench_broadcast --failover [--sigkill] [--quick]
 """
 
 from __future__ import annotations
