@@ -25,6 +25,12 @@ The state_dict path (issue 29; `--state-dict`, see `statedict_main`): a real tor
 per node, failover cost, and the peers (`ray.put`/`ray.get` of the state_dict; torch.distributed broadcast over gloo).
 
     python -m benchmarks.bench_broadcast --state-dict --quick
+
+The failover pairs only (`--failover`, see `failover_main`): 256 MB, 1 MB buckets, a chain of 4 receivers, 3
+interleaved kill/no-kill pairs; the run difference and the orphan's stall from its own timestamps, in bucket times
+(~3 minutes; `--sigkill` kills the relay's process instead of `ray.kill`; `--quick` 32 MB).
+
+    python -m benchmarks.bench_broadcast --failover [--sigkill] [--quick]
 """
 
 from __future__ import annotations
@@ -76,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--failover" in argv:
+        failover_main([a for a in argv if a != "--failover"])
+        return
     if "--state-dict" in argv:
         statedict_main([a for a in argv if a != "--state-dict"])
         return
@@ -224,17 +233,20 @@ class _Chain:
     def close(self) -> None:
         self.bc.close()
 
-    def run(self, sd, kill_at: float | None = None) -> dict:
+    def run(self, sd, kill_at: float | None = None, light: bool = False, sigkill: bool = False) -> dict:
         """One publish of `sd` to every receiver; every relay holds a verified copy at the end (each bucket checked
         against the producer's digest as it landed). With `kill_at`, the relay the source feeds is killed when it
         holds that fraction of the buckets (a fixed bucket), and replaced after the run. Returns seconds, each
-        receiver's completion time, peak extra RSS per relay beyond its copy, the killed relay."""
+        receiver's completion time, peak extra RSS per relay beyond its copy, the killed relay. `light`: no sampling
+        of the object store (a thread polling the raylet: CPU that the failover mode keeps off the machine).
+        `sigkill`: the relay's process is killed with SIGKILL (a crash: its sockets close at once) instead of by
+        `ray.kill` (which tears the actor down first: it stops sending some tens of ms before its sockets close)."""
         import ray
 
         S, bc = _sd_bytes(sd), self.bc
         rss0 = dict(zip(self.relays, ray.get([r.memory.remote(reset=True) for r in self.relays.values()])))
         cpu0 = dict(zip(self.relays, ray.get([r.cpu.remote() for r in self.relays.values()])))
-        plasma = _PlasmaPeak()
+        plasma = None if light else _PlasmaPeak()
         self.version += 1
         t0 = time.perf_counter()
         v = bc.publish(sd, self.version, source="src", upload_slots=1, root_slots=1, pipelined=True)
@@ -242,14 +254,20 @@ class _Chain:
         killed = None
         if kill_at is not None:
             ray.get([bc.directory.wait_count.remote(k, 1) for k in self.keys])  # the chain is built
-            killed = next(k for k, up in bc.state()["upstream"].items() if up == "src")
+            ups = bc.state()["upstream"]
+            killed = next(k for k, up in ups.items() if up == "src")
+            behind = next((k for k, up in ups.items() if up == killed), None)  # (before: it re-attaches in ms)
             at = max(1, int(bc.wait(v, key="src")["nblocks"] * kill_at))
             ray.get(bc.directory.wait_count.remote(killed, at))
             handle = self.relays[killed]
+            pid = ray.get(handle.pid.remote()) if sigkill else None
             t_kill = time.monotonic()
+            if pid is not None:
+                import signal
+
+                os.kill(pid, signal.SIGKILL)
             ray.kill(handle, no_restart=True)  # (bc.kill_relay, without its look-up of the handle)
             ray.get(bc.directory.mark_dead.remote(killed, handle))
-            behind = next((k for k, up in bc.state()["upstream"].items() if up == killed), None)
         pending = {self.relays[k].wait.remote(v): k for k in self.keys if k != killed}
         finish: dict[str, float] = {}
         while pending:
@@ -257,7 +275,7 @@ class _Chain:
             ray.get(done[0])
             finish[pending.pop(done[0])] = time.perf_counter() - t0
         secs = time.perf_counter() - t0
-        peak_plasma = plasma.stop()
+        peak_plasma = 0 if plasma is None else plasma.stop()
         alive = [k for k in self.relays if k != killed]
         mem = dict(zip(alive, ray.get([self.relays[k].memory.remote() for k in alive])))
         cpu1 = dict(zip(alive, ray.get([self.relays[k].cpu.remote() for k in alive])))
@@ -274,7 +292,14 @@ class _Chain:
             f = [x for x in ray.get(self.relays[behind].failover_log.remote()) if x["version"] == v]
             if f and "resumed" in f[-1]:
                 gap = {"gap_s": f[-1]["resumed"] - f[-1]["last_bucket"], "kill_to_resume_s": f[-1]["resumed"] - t_kill,
-                       "detect_s": f[-1]["detected"] - t_kill}
+                       "detect_s": f[-1]["detected"] - t_kill, "orphan": behind, "losses": len(f),
+                       "last_to_kill_s": t_kill - f[0]["last_bucket"],
+                       "attach_s": f[-1]["attached"] - f[0]["detected"] if "attached" in f[-1] else None,
+                       "first_bucket_s": f[-1]["resumed"] - f[-1]["attached"] if "attached" in f[-1] else None,
+                       "inter_bucket_s": f[0].get("inter_bucket_s"), "via": f[0].get("via"),
+                       "new_source": f[-1].get("to"), "dead_upstream": "src",
+                       "kept": f[0].get("kept"), "bucket_bytes": f[0].get("bucket_bytes"),
+                       "silent_s": f[0]["detected"] - f[0]["last_bytes"] if "last_bytes" in f[0] else None}
         if killed is not None:  # the same configuration for the next run: a new relay
             self.relays[killed] = bc.relay(killed, self.here)
         # a one-bucket version to every relay: whatever the links still do for this one is done before the next run
@@ -482,6 +507,123 @@ def statedict_main(argv: list[str]) -> None:
             "loadavg_before": load0, "loadavg_after": load1}
     name = f"broadcast-statedict-{size_mb}mb{'-quick' if args.quick else ''}.json"
     (OUT / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+
+
+# ----------------------------------------------------------------------------------------- failover only (29)
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
+def failover_main(argv: list[str]) -> None:
+    """`--failover`: only the failover pairs (issue 29's "failover cost under one bucket's time"), measured two ways.
+
+    One pipelined chain src -> n00 -> ... (the state_dict of a real torch model), `--pairs` interleaved pairs of runs:
+    no kill, then the relay the source feeds killed when it holds `--kill-at` of the buckets (its downstream, the
+    orphan, has children of its own). Per pair: (a) the kill run's time minus the no-kill run's, in bucket times
+    (b / B: noisy on a loaded machine, it swings by more than a bucket); (b) the orphan's stall, from its own
+    timestamps: the time between its last bucket from the dead relay and its next bucket, minus its normal
+    inter-bucket time (the median of its last few before the loss), in bucket times; and where that time went:
+    kill -> the orphan notices (the socket closes), -> it is connected to its new source (backup: no directory
+    round trip), -> the bucket in flight lands; and the bytes of the cut bucket it kept (resume) and the source it
+    switched to (the dead relay's upstream, whose upload slot the death freed).
+    """
+    ap = argparse.ArgumentParser(description="broadcast failover pairs (issue 29)")
+    ap.add_argument("--quick", action="store_true", help="32 MB (a check that it runs)")
+    ap.add_argument("--size-mb", type=int, default=None, help="state_dict size (default 256; quick 32)")
+    ap.add_argument("--bucket-kb", type=int, default=1024)
+    ap.add_argument("--nodes", type=int, default=4, help="receivers in the chain")
+    ap.add_argument("--bw-mb", type=float, default=12.0, help="emulated per-node egress B, MB/s")
+    ap.add_argument("--window", type=int, default=4, help="k: buckets a relay requests ahead")
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--kill-at", type=float, default=0.5)
+    ap.add_argument("--sigkill", action="store_true",
+                    help="kill the relay's process with SIGKILL (a crash) instead of ray.kill")
+    args = ap.parse_args(argv)
+    size_mb = args.size_mb or (32 if args.quick else 256)
+    bucket, B = args.bucket_kb << 10, args.bw_mb * 2**20
+    bucket_s = bucket / B
+    load0 = os.getloadavg()
+    t_start = time.perf_counter()
+
+    import ray
+
+    sd = _sd_model(size_mb).state_dict()
+    S = _sd_bytes(sd)
+    ray.init(address="local", num_cpus=2, object_store_memory=max(256 << 20, 2 * S), include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False)
+    pairs: list[dict] = []
+
+    def f(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    try:
+        chain = _Chain(args.nodes, B, bucket, args.window)
+        try:
+            for _ in range(args.pairs):
+                base = chain.run(sd, light=True)
+                kill = chain.run(sd, kill_at=args.kill_at, light=True, sigkill=args.sigkill)
+                g = kill["gap"] or {}
+                normal = g.get("inter_bucket_s") or bucket_s
+                pairs.append({
+                    "no_kill_s": base["seconds"], "kill_s": kill["seconds"],
+                    "run_diff_buckets": (kill["seconds"] - base["seconds"]) / bucket_s,
+                    "stall_buckets": None if "gap_s" not in g else (g["gap_s"] - normal) / bucket_s,
+                    "normal_inter_bucket_ms": normal * 1e3,
+                    "kill_to_notice_ms": None if "detect_s" not in g else g["detect_s"] * 1e3,
+                    "notice_to_attached_ms": None if g.get("attach_s") is None else g["attach_s"] * 1e3,
+                    "attached_to_bucket_ms": None if g.get("first_bucket_s") is None else g["first_bucket_s"] * 1e3,
+                    "last_bucket_to_kill_ms": None if "last_to_kill_s" not in g else g["last_to_kill_s"] * 1e3,
+                    "last_bytes_to_noticed_ms": None if g.get("silent_s") is None else g["silent_s"] * 1e3,
+                    "kept_kb": None if g.get("kept") is None else g["kept"] / 1024,
+                    "via": g.get("via"), "new_source": g.get("new_source"), "losses": g.get("losses"),
+                    "killed": kill["killed"], "orphan": g.get("orphan"),
+                    # the receivers' completion times, sorted (each run builds its chain anew, in arrival order, so
+                    # a receiver's place differs between runs; the kill run has one receiver fewer)
+                    "finish_no_kill_s": sorted(base["finish"].values()),
+                    "finish_kill_s": sorted(kill["finish"].values()),
+                    "publish_diff_buckets": (kill["publish_s"] - base["publish_s"]) / bucket_s})
+                p = pairs[-1]
+                print(f"pair {len(pairs)}: no kill {p['no_kill_s']:.2f} s, kill {p['kill_s']:.2f} s, "
+                      f"diff {p['run_diff_buckets']:.2f} buckets, orphan stall {f(p['stall_buckets'], '.2f')} "
+                      "buckets", flush=True)
+        finally:
+            chain.close()
+    finally:
+        ray.shutdown()
+    load1 = os.getloadavg()
+    wall = time.perf_counter() - t_start
+
+    print(f"\nstate_dict {S / 2**20:.1f} MB, buckets of {bucket >> 10} KB, k = {args.window}, {args.nodes} receivers "
+          f"in a chain, B = {args.bw_mb:g} MB/s per emulated link: one bucket = {bucket_s * 1e3:.0f} ms; the relay "
+          f"the source feeds killed ({'SIGKILL' if args.sigkill else 'ray.kill'}) at {args.kill_at:.0%}; "
+          f"load average before/after {load0[0]:.1f}/{load1[0]:.1f}; "
+          f"{wall:.0f} s in all")
+    print("| pair | no kill (s) | kill (s) | (a) run difference (buckets) | (b) orphan stall (buckets) | "
+          "orphan's normal inter-bucket (ms) | last bucket -> kill (ms) | kill -> noticed (ms) | "
+          "last bytes from the dead relay -> noticed (ms) | "
+          "noticed -> attached (ms) | attached -> bucket (ms) | cut bucket kept (KB) | new source (via) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for i, p in enumerate(pairs, 1):
+        print(f"| {i} | {p['no_kill_s']:.2f} | {p['kill_s']:.2f} | {p['run_diff_buckets']:.2f} | "
+              f"{f(p['stall_buckets'], '.2f')} | {p['normal_inter_bucket_ms']:.0f} | "
+              f"{f(p['last_bucket_to_kill_ms'], '.0f')} | {f(p['kill_to_notice_ms'], '.1f')} | "
+              f"{f(p['last_bytes_to_noticed_ms'], '.1f')} | "
+              f"{f(p['notice_to_attached_ms'], '.1f')} | {f(p['attached_to_bucket_ms'], '.0f')} | "
+              f"{f(p['kept_kb'], '.0f')} | {p['new_source']} ({p['via']}) |")
+    med_a = _median([p["run_diff_buckets"] for p in pairs])
+    med_b = _median([p["stall_buckets"] for p in pairs])
+    print(f"\nmedians over {len(pairs)} pairs, in bucket times of {bucket_s * 1e3:.0f} ms: (a) run difference "
+          f"{f(med_a, '.2f')}, (b) orphan stall {f(med_b, '.2f')} (target: under 1)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "args": vars(args), "size_bytes": S,
+            "bucket": bucket, "B": B, "bucket_s": bucket_s, "median_run_diff_buckets": med_a,
+            "median_stall_buckets": med_b, "loadavg_before": load0, "loadavg_after": load1, "wall_s": wall}
+    name = f"broadcast-failover-{size_mb}mb{'-sigkill' if args.sigkill else ''}{'-quick' if args.quick else ''}.json"
+    (OUT / name).write_text(json.dumps({"meta": meta, "pairs": pairs}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -323,6 +323,43 @@ def test_the_emulated_link_overlaps_the_copy_of_a_bucket_with_the_next_slot(monk
     assert slept == [1.0, 0.0, 1.0]
 
 
+def test_the_emulated_link_streams_pieces_and_is_free_when_its_receiver_dies_mid_bucket(monkeypatch):
+    """`transmit` sends a bucket piece by piece, each when the link has carried it (a receiver whose upstream dies
+    keeps the pieces that arrived); when the receiver dies mid-bucket the link stops and is free at once, so the
+    next send does not wait for the rest of the dead receiver's slot. (A fake clock.)"""
+    import asyncio
+    import types
+
+    from arrowbuf.ray.hoplite import relay
+
+    clock = [100.0]
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def fake_sleep(d: float) -> None:
+        slept.append(round(d, 6))
+        clock[0] += d
+        await real_sleep(0)
+
+    monkeypatch.setattr(relay, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(relay.asyncio, "sleep", fake_sleep)
+    monkeypatch.setattr(relay, "LINK_PIECE", 1)
+    sent: list[tuple[int, int, float]] = []
+
+    async def send(off: int, n: int) -> None:
+        sent.append((off, n, clock[0]))
+
+    async def run() -> tuple[int, int]:
+        tb = relay.TokenBucket(1.0)  # 1 byte/s, pieces of 1 byte: a piece a second
+        first = await tb.transmit(8, send, alive=lambda: len(sent) < 3, since=100.0)  # dies after 3 pieces
+        second = await tb.transmit(2, send, since=clock[0])  # the link was freed at 104, not at 108
+        return first, second
+
+    assert asyncio.run(run()) == (3, 2)
+    assert sent == [(0, 1, 101.0), (1, 1, 102.0), (2, 1, 103.0), (0, 1, 105.0), (1, 1, 106.0)]
+    assert slept == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+
+
 # ------------------------------------------------------------------------------------------ the directory
 def test_a_loss_reported_for_a_superseded_version_does_not_mark_the_holder_dead():
     """A receiver still pulling version 1 from a holder that moved on to version 2 gets "superseded" and reports the

@@ -4,8 +4,10 @@ The schedule is built as receivers arrive (Hoplite's receiver-driven rule): a re
 which hands it the live holder with the most blocks beyond the asker's own that still has a spare upload slot, and
 waits (no polling: an `asyncio.Condition` woken by progress, releases and losses) when none has. `upload_slots=1`
 makes a chain, whose pipelined time is about S/B + (N-1)·b/B; 2 makes a binary tree; the producer's node has
-`root_slots`. A receiver whose upstream died asks again with `reattach=True`, which may also use one spare slot of the
-producer's node, and resumes from the blocks it has.
+`root_slots`. With each answer comes a backup (the holder's own upstream, else the producer's node): a receiver whose
+upstream died switches to it at once and tells the directory afterwards (`switched`); without one it asks again with
+`reattach=True`, which may also use one spare slot of the producer's node. Either way it resumes from the blocks (and
+the bytes of the cut bucket) it has.
 """
 
 from __future__ import annotations
@@ -105,10 +107,21 @@ class BlockDirectory:
                 best, best_rank = k, rank
         return best
 
+    def _backup(self, me: str, holder: str) -> tuple[str, tuple[str, int], Any] | None:
+        """The source `me` should switch to, without asking again, if `holder` dies: `holder`'s own upstream (it
+        holds more than `holder`, and `holder`'s death frees the upload slot it used, so its link is not split
+        between two children), else the producer's node (which keeps one spare slot for re-attaching receivers);
+        None when `holder` is the producer's node."""
+        for k in (self.upstream.get(holder), self.root):
+            if k is not None and k not in (me, holder) and k not in self.dead and k in self.addresses:
+                return k, self.addresses[k], self.relays[k]
+        return None
+
     async def choose(self, version: int, me: str, have: int, reattach: bool = False, lost: str | None = None
-                     ) -> tuple[str, tuple[str, int], Any] | None:
+                     ) -> tuple[str, tuple[str, int], Any, tuple[str, tuple[str, int], Any] | None] | None:
         """Pick (and reserve an upload slot of) the holder `me` should pull from: (its key, its bucket server's
-        address, its relay handle); None once `version` is superseded. `lost`: the holder `me` could not pull from
+        address, its relay handle, the backup: the same three of the holder to switch to at once if this one dies,
+        or None; see `_backup`); None once `version` is superseded. `lost`: the holder `me` could not pull from
         (see `lost`), reported in the same call."""
         if lost is not None:
             await self.lost(version, me, lost)
@@ -121,7 +134,19 @@ class BlockDirectory:
             assert k is not None
             self.uploads[k] = self.uploads.get(k, 0) + 1
             self.upstream[me] = k
-            return k, self.addresses[k], self.relays[k]
+            return k, self.addresses[k], self.relays[k], self._backup(me, k)
+
+    async def switched(self, version: int, me: str, lost: str, new: str) -> None:
+        """`me` lost `lost` and already pulls from its backup `new` (no `choose`): record the loss (as `lost`) and
+        book an upload slot of `new` (over its count if a re-attaching receiver took the freed slot first: the
+        receiver is pulling already)."""
+        if self.meta is None or self.meta["version"] != version:
+            return
+        await self.lost(version, me, lost)
+        if new not in self.dead and self.upstream.get(me) is None:
+            self.uploads[new] = self.uploads.get(new, 0) + 1
+            self.upstream[me] = new
+            await self._notify()
 
     async def progress(self, version: int, key: str, count: int) -> None:
         if self.meta is not None and self.meta["version"] == version and key not in self.dead:
@@ -151,10 +176,11 @@ class BlockDirectory:
             if up is not None:
                 self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
                 self._forget(up, src)
+            self._tell_orphans(src)
         await self._notify()
 
     async def mark_dead(self, key: str, handle: Any = None) -> None:
-        """Forget `key`'s relay (it was killed); receivers pulling from it re-attach when their next pull fails.
+        """Forget `key`'s relay (it was killed); receivers pulling from it are told at once and re-attach.
 
         With `handle`, only if that is still `key`'s relay (a consumer may have replaced it already).
         """
@@ -167,6 +193,7 @@ class BlockDirectory:
         if up is not None:
             self.uploads[up] = max(0, self.uploads.get(up, 0) - 1)
             self._forget(up, key)
+        self._tell_orphans(key)
         await self._notify()
 
     async def verified(self, version: int, key: str) -> None:
@@ -203,6 +230,16 @@ class BlockDirectory:
         async with self.cond:
             await self.cond.wait_for(lambda: self.fence(receivers, loads) >= version)
         return self.fence(receivers, loads)
+
+    def _tell_orphans(self, dead: str) -> None:
+        """Tell every relay pulling from `dead` that it died (fire and forget): each cuts its connection and fails
+        over to its backup now, not when the dead process's sockets close."""
+        if self.meta is None:
+            return
+        for me, up in list(self.upstream.items()):
+            r = self.relays.get(me)
+            if up == dead and r is not None and me not in self.dead:
+                r.upstream_died.remote(self.meta["version"], dead)
 
     def _forget(self, holder: str, dead: str) -> None:
         """Tell `holder` to drop the blocks queued for `dead`'s relay (its egress goes to the living at once)."""

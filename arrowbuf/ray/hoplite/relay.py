@@ -29,7 +29,7 @@ import mmap
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ...errors import ArrowbufError, BroadcastRefused
@@ -48,6 +48,9 @@ PROGRESS_S = 0.05
 MAX_QUEUED = 64
 #: seconds a bucket may take before the receiver asks Ray whether its upstream relay is still alive
 STALL_S = 1.0
+#: bytes an emulated link (`TokenBucket.transmit`) sends at a time: a bucket streams in pieces as on a real link, so a
+#: receiver whose upstream dies mid-bucket keeps what arrived (the cost of a loss is at most one piece, not a bucket)
+LINK_PIECE = 128 << 10
 
 
 class Superseded(ArrowbufError, RuntimeError):
@@ -74,6 +77,11 @@ class TokenBucket:
     A send takes the link when the sends asked before it are done (back to back: no idle gap on a backlogged link),
     and only if its receiver is still `alive` then: blocks queued for a receiver that died meanwhile cost the link
     nothing, so failover does not wait behind them. `rate=None` is unlimited.
+
+    `transmit` streams a block as a link does: piece by piece (`LINK_PIECE` bytes), each piece leaving when the link
+    has had the time to carry it, so a receiver whose upstream dies mid-block holds the pieces that arrived (and
+    resumes after them), and a link whose receiver dies mid-block is free at once (its remaining time goes to the
+    next send, as a real link's does when the peer resets the connection).
     """
 
     def __init__(self, rate: float | None) -> None:
@@ -107,6 +115,48 @@ class TokenBucket:
             self._free_at = start + n / self.rate
             await asyncio.sleep(max(0.0, self._free_at - now))
             return True
+        finally:
+            mine.set_result(None)
+
+    async def transmit(self, n: int, send: Callable[[int, int], Awaitable[None]],
+                       alive: Callable[[], bool] | None = None, since: float | None = None,
+                       abort: asyncio.Future | None = None) -> int:
+        """Carry `n` bytes over the link: `await send(offset, length)` for consecutive pieces, each when the link
+        has carried it (the slot starts as in `take`); returns the bytes sent: `n`, or fewer when the receiver died
+        (`alive()` turned False before the first piece, or `abort` finished meanwhile): the link is then free from
+        that moment. `rate=None`: one piece at once."""
+        if self.rate is None:
+            if (alive is not None and not alive()) or (abort is not None and abort.done()):
+                return 0
+            await send(0, n)
+            return n
+        prev, mine = self._tail, asyncio.get_running_loop().create_future()
+        self._tail = mine
+        try:
+            backlogged = prev is not None and not prev.done()
+            if backlogged:
+                assert prev is not None
+                await asyncio.wait({prev})
+            if (alive is not None and not alive()) or (abort is not None and abort.done()):
+                return 0
+            now = time.monotonic()
+            start = self._free_at if backlogged else max(self._free_at, now if since is None else min(since, now))
+            end = self._free_at = start + n / self.rate
+            off = 0
+            while off < n:
+                step = min(LINK_PIECE, n - off)
+                delay = start + (off + step) / self.rate - time.monotonic()
+                if abort is None:
+                    await asyncio.sleep(max(0.0, delay))
+                elif delay > 0:
+                    await asyncio.wait({abort}, timeout=delay)
+                if (abort is not None and abort.done()) or (alive is not None and not alive()):
+                    # the receiver is gone: the link is free now (the successors wait on `mine`, none has booked)
+                    self._free_at = max(start, min(end, time.monotonic()))
+                    return off
+                await send(off, step)
+                off += step
+            return n
         finally:
             mine.set_result(None)
 
@@ -208,14 +258,19 @@ class Relay:
         self._lsock: Any = None
         self._addr: tuple[str, int] | None = None
         self._tasks: set[asyncio.Task] = set()
-        #: the last 16 re-attachments: version, upstream lost, buckets held, time.monotonic() of the last bucket
-        #: before the loss, of its detection and of the first bucket after (`resumed`); benchmarks measure the gap
+        #: the last 16 re-attachments: version, upstream lost, buckets held (`have`), bytes of the cut bucket kept
+        #: (`kept`, of `bucket_bytes`), the median time between the last buckets before the loss (`inter_bucket_s`),
+        #: time.monotonic() of the last bucket (`last_bucket`) and the last bytes (`last_bytes`) before the loss, of
+        #: its detection (`detected`), of the connection to the new source (`attached`) and of the first bucket after
+        #: (`resumed`); `via` "backup" (no directory round trip, `to` the backup) or "directory" (`choose`);
+        #: benchmarks measure the stall from them
         self.failovers: list[dict] = []
         self.me = f"{key}#{self.incarnation}"  # this relay as a requester (its upstream forgets it when it dies)
         self.gone: set[str] = set()
         private.sweep(root)  # on its node, the files of broadcasts whose holders died (the next start after a crash)
         self.bucket = TokenBucket(egress_bytes_per_s)
         self.cur: _Copy | None = None
+        self._upstream: tuple[int, str, Any] | None = None  # (version, holder, socket) of the pull under way
         self.changed = asyncio.Condition()
         self._directory: Any = None
 
@@ -228,6 +283,21 @@ class Relay:
 
     async def ping(self) -> str:
         return self.key
+
+    async def upstream_died(self, version: int, holder: str) -> bool:
+        """The directory learnt that `holder` died (its killer or another of its receivers said so): if this relay
+        pulls `version` from it, cut that connection now, so the pull fails over at once instead of waiting for the
+        dead process's sockets to close (a `ray.kill` stops an actor some tens of ms before they do). True if cut."""
+        up = self._upstream
+        if up is None or up[0] != version or up[1] != holder:
+            return False
+        with contextlib.suppress(OSError):
+            up[2].shutdown(socket.SHUT_RDWR)
+        return True
+
+    async def pid(self) -> int:
+        """This relay's process id (failure injection: a benchmark kills it with SIGKILL, as a crash would)."""
+        return os.getpid()
 
     async def address(self) -> tuple[str, int]:
         """(host, port) of this relay's bucket server (started on first call, bound to the node's IP): receivers
@@ -289,32 +359,57 @@ class Relay:
         return True
 
     async def _pull(self, copy: _Copy) -> None:
+        """Fill `copy` bucket by bucket from the holder the directory picks; on a lost upstream, resume.
+
+        Failover (docs/ray.md): a killed upstream's connection closes with its process, so the loss is seen at once;
+        sooner when the directory hears of the death first (`upstream_died`); the stall watch covers a hung
+        upstream. The receiver then connects straight to the backup the directory named with its upstream (that
+        upstream's own upstream, whose upload slot the death frees; else the producer's node): no directory round
+        trip before the bytes flow again; the directory hears of the switch in the background. The bucket in
+        flight resumes at the byte where it was cut (the whole bucket is checked against the producer's digest
+        when complete). Without a usable backup it asks the directory (`choose`).
+        """
         d, meta = self._dir(), copy.meta
         version, n = meta["version"], meta["nblocks"]
         reattach = False
         lost: str | None = None
         reported = 0.0
         landed = [time.monotonic()]  # when the last bucket landed (the stall watch, failover records)
+        bytes_at = [landed[0]]  # when the last bytes of a bucket landed (failover records)
+        kept = 0  # bytes of bucket `copy.have` already in the file (a bucket cut mid-way by a dead upstream)
+        got: Any = None  # the source to use next: (key, address, handle, backup) from the directory or a backup
+        failed: set[str] = set()  # holders lost during this pull (never taken as a backup again)
         while copy.have < n and self.cur is copy and copy.error is None:
-            got = await d.choose.remote(version, self.key, copy.have, reattach, lost)
-            lost = None
-            if got is None:  # superseded
-                return
-            src_key, addr, src = got
+            if got is None:
+                got = await d.choose.remote(version, self.key, copy.have, reattach, lost)
+                lost = None
+                if got is None:  # superseded
+                    return
+            src_key, addr, src, backup = got
+            got = None
             sock = watch = None
             try:
                 sock = await wire.connect(tuple(addr), self.secret, version, self.me)
+                self._upstream = (version, src_key, sock)
                 watch = asyncio.get_running_loop().create_task(self._watch(sock, src, landed))
                 nxt = copy.have
+                if self.failovers and "attached" not in self.failovers[-1]:
+                    self.failovers[-1]["attached"] = time.monotonic()
                 while copy.have < n:
                     if nxt - copy.have < self.window and nxt < n:  # keep k = window buckets asked ahead
                         more = min(n, copy.have + self.window) - nxt
-                        await wire.request(sock, nxt, more)
+                        await wire.request(sock, nxt, more, kept if nxt == copy.have else 0)
                         nxt += more
                     i = copy.have
                     a, b = copy.span(i)
-                    with memoryview(copy.mm) as whole, whole[a:b] as part:
-                        await wire.read_bucket(sock, i, part)  # from the socket straight into this node's file
+                    with memoryview(copy.mm) as whole, whole[a + kept:b] as part:
+                        try:
+                            # from the socket straight into this node's file
+                            await wire.read_bucket(sock, i, part, bytes_at)
+                        except wire.Cut as cut:
+                            kept += cut.got  # these bytes stay: the next source sends the rest
+                            raise
+                    kept = 0
                     if not copy.check(i):  # checked from the mapping, before anyone downstream sees it
                         copy.error = (f"bucket {i} of version {version} from {src_key}: digest mismatch "
                                       "(tampered or corrupted): refused")
@@ -334,14 +429,33 @@ class Relay:
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the upstream died or moved on: re-attach and resume from `have`
-                self.failovers.append({"version": version, "upstream": src_key, "have": copy.have,
-                                       "last_bucket": landed[0], "detected": time.monotonic()})
+                now = time.monotonic()
+                ats = [t for t in copy.at[max(0, copy.have - 9):copy.have] if t > 0]
+                gaps = sorted(y - x for x, y in zip(ats, ats[1:]))
+                self.failovers.append({"version": version, "upstream": src_key, "have": copy.have, "kept": kept,
+                                       "bucket_bytes": copy.span(copy.have)[1] - copy.span(copy.have)[0]
+                                       if copy.have < n else 0,
+                                       "inter_bucket_s": gaps[len(gaps) // 2] if gaps else None,
+                                       "last_bucket": landed[0], "last_bytes": max(bytes_at[0], landed[0]),
+                                       "detected": now, "via": "directory"})
                 del self.failovers[:-16]
-                lost, reattach = src_key, True  # told to the directory with the next `choose` (one round trip)
+                reattach = True
+                if backup is not None and backup[0] != src_key and backup[0] not in failed:
+                    # the backup, at once; the directory is told in the background (it frees the dead holder's
+                    # slots and books the backup's)
+                    got = (*backup, None)
+                    self.failovers[-1]["via"] = "backup"
+                    self.failovers[-1]["to"] = backup[0]
+                    d.switched.remote(version, self.key, src_key, backup[0])
+                else:
+                    lost = src_key  # told to the directory with the next `choose` (one round trip)
+                failed.add(src_key)
             finally:
                 if watch is not None:
                     watch.cancel()
                 if sock is not None:
+                    if self._upstream is not None and self._upstream[2] is sock:
+                        self._upstream = None
                     sock.close()
         if lost is not None:
             d.lost.remote(version, self.key, lost)
@@ -397,9 +511,13 @@ class Relay:
                 got = await reqs.get()
                 if got is None:
                     return
-                i, asked = got
+                (i, off), asked = got
                 if i >= copy.meta["nblocks"]:
                     await wire.send_error(conn, wire.BAD, i, f"version {version} has no bucket {i}")
+                    return
+                a, b = copy.span(i)
+                if off >= b - a:
+                    await wire.send_error(conn, wire.BAD, i, f"bucket {i} has no byte {off}")
                     return
                 async with copy.cond:
                     await copy.cond.wait_for(functools.partial(self._ready, copy, i))
@@ -410,20 +528,32 @@ class Relay:
                 if copy.have <= i:
                     await wire.send_error(conn, wire.REFUSED, i, f"relay {self.key}: {copy.error}")
                     return
-                a, b = copy.span(i)
-                # a receiver reported dead, or whose connection closed, costs the link nothing more
-                if not await self.bucket.take(b - a, functools.partial(self._alive, requester, reader),
-                                              since=max(asked, copy.at[i])):
+                # a receiver reported dead, or whose connection closed, costs the link nothing more (not even the
+                # rest of a bucket it was receiving: the link streams pieces and stops when the receiver is gone)
+                with memoryview(copy.mm) as whole, whole[a + off:b] as part:
+                    sent = await self.bucket.transmit(
+                        len(part), functools.partial(self._piece, conn, i, part),
+                        functools.partial(self._alive, requester, reader), since=max(asked, copy.at[i]),
+                        abort=reader)
+                if sent == 0:
                     await wire.send_error(conn, wire.GONE, i, f"relay {self.key}: requester {requester} is gone")
                     return
-                with memoryview(copy.mm) as whole, whole[a:b] as part:
-                    await wire.send_bucket(conn, i, part)
+                if sent < b - a - off:  # gone mid-bucket: the frame cannot be finished
+                    return
         except (TimeoutError, OSError, wire.WireError):  # the receiver went away or broke the protocol
             return
         finally:
             if reader is not None:
                 reader.cancel()
             conn.close()
+
+    @staticmethod
+    async def _piece(conn: Any, index: int, part: memoryview, offset: int, length: int) -> None:
+        """Send bytes offset .. offset + length of `part` (the frame's payload), the frame's header first."""
+        if offset == 0:
+            await wire.send(conn, wire.frame_header(index, len(part)))
+        with part[offset:offset + length] as piece:
+            await wire.send(conn, piece)
 
     def _alive(self, requester: str, reader: asyncio.Task) -> bool:
         return requester not in self.gone and not reader.done()

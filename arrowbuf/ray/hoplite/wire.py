@@ -9,17 +9,20 @@ kernel's socket buffers in between.
 
 The protocol (little-endian, all sizes fixed or bounded before anything is read)::
 
-    receiver -> upstream   hello:   "ABBCREL1"  secret (16 bytes)  u64 version  u16 n  requester (n <= 256 bytes)
-                           then any number of requests: u64 bucket index (the receiver keeps k = window ahead)
+    receiver -> upstream   hello:   "ABBCREL2"  secret (16 bytes)  u64 version  u16 n  requester (n <= 256 bytes)
+                           then any number of requests: u64 bucket index  u64 offset (the receiver keeps k = window
+                           ahead; the offset is 0 but for a bucket resumed after its upstream died mid-bucket)
     upstream -> receiver   per request, in order: u8 status  u64 index  u64 n  then n bytes:
-                           status OK: bucket `index`, n its exact size; else an error (n <= 4096 bytes of UTF-8),
-                           after which the upstream closes the connection
+                           status OK: bytes offset.. of bucket `index`, n exactly the bucket's size minus the offset;
+                           else an error (n <= 4096 bytes of UTF-8), after which the upstream closes the connection
 
 The secret is the broadcast's (random, 16 bytes, given to its relays by the directory through Ray): a local process
 that is not part of the broadcast cannot read the weights through a relay's port. The upstream checks the hello
 within `HELLO_TIMEOUT_S`, refuses a wrong magic, secret or length and closes; it serves only indices of the version it
-holds. The receiver accepts a frame only if its status is known, its index is the one it asked for next and its size
-is the bucket's size; every bucket is then checked against the producer's digest (relay.py) before it counts.
+holds, and an offset only inside the bucket. The receiver accepts a frame only if its status is known, its index is
+the one it asked for next and its size is what it asked for; every bucket is then checked whole against the
+producer's digest (relay.py) before it counts, so the bytes kept from a dead upstream and the rest from the new one
+are verified together (a resume is as safe as a whole re-fetch).
 """
 
 from __future__ import annotations
@@ -28,14 +31,15 @@ import asyncio
 import hmac
 import socket
 import struct
+import time
 from typing import Any
 
 from ...errors import ArrowbufError
 
-MAGIC = b"ABBCREL1"
+MAGIC = b"ABBCREL2"
 SECRET_BYTES = 16
 HELLO = struct.Struct("<8s16sQH")
-REQUEST = struct.Struct("<Q")
+REQUEST = struct.Struct("<QQ")
 FRAME = struct.Struct("<BQQ")
 MAX_REQUESTER = 256
 MAX_MESSAGE = 4096
@@ -58,16 +62,30 @@ class PeerError(ArrowbufError, RuntimeError):
         self.status = status
 
 
-async def recv_into(sock: socket.socket, view: memoryview) -> None:
+class Cut(ConnectionError):
+    """The peer closed (or reset) the connection after `got` bytes of the buffer had landed."""
+
+    def __init__(self, message: str, got: int) -> None:
+        super().__init__(message)
+        self.got = got
+
+
+async def recv_into(sock: socket.socket, view: memoryview, stamp: list[float] | None = None) -> None:
     """Fill `view` from `sock` (non-blocking, on the running loop): straight into the caller's buffer, no copy.
-    Raises ConnectionError when the peer closes first."""
+    Raises `Cut` (a ConnectionError saying how many bytes landed) when the peer closes or resets first.
+    `stamp[0]`: set to `time.monotonic()` whenever bytes land (failover records: when the last bytes came)."""
     loop = asyncio.get_running_loop()
     got, n = 0, len(view)
     while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
+        try:
+            k = await loop.sock_recv_into(sock, view[got:])
+        except OSError as exc:  # reset by the peer (a killed process), or shut down by the stall watch
+            raise Cut(f"the connection failed after {got} of {n} bytes: {exc}", got) from exc
         if k == 0:
-            raise ConnectionError(f"the peer closed the connection after {got} of {n} bytes")
+            raise Cut(f"the peer closed the connection after {got} of {n} bytes", got)
         got += k
+        if stamp is not None:
+            stamp[0] = time.monotonic()
 
 
 async def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -143,8 +161,9 @@ async def read_hello(sock: socket.socket, secret: bytes) -> tuple[int, str]:
     return await asyncio.wait_for(read(), HELLO_TIMEOUT_S)
 
 
-async def read_request(sock: socket.socket) -> int | None:
-    """The next bucket index asked for, or None when the receiver closed the connection between requests."""
+async def read_request(sock: socket.socket) -> tuple[int, int] | None:
+    """The next (bucket index, byte offset) asked for, or None when the receiver closed the connection between
+    requests (the caller checks both against the bucket before serving)."""
     loop = asyncio.get_running_loop()
     buf = bytearray(REQUEST.size)
     view = memoryview(buf)
@@ -153,16 +172,22 @@ async def read_request(sock: socket.socket) -> int | None:
         return None
     if k < len(buf):
         await recv_into(sock, view[k:])
-    return int(REQUEST.unpack(buf)[0])
+    index, offset = REQUEST.unpack(buf)
+    return int(index), int(offset)
 
 
-async def request(sock: socket.socket, first: int, count: int) -> None:
-    """Ask for buckets first .. first + count - 1 (one send)."""
-    await send(sock, b"".join(REQUEST.pack(i) for i in range(first, first + count)))
+async def request(sock: socket.socket, first: int, count: int, offset: int = 0) -> None:
+    """Ask for buckets first .. first + count - 1 (one send); the first from byte `offset` on (a resume)."""
+    await send(sock, b"".join(REQUEST.pack(i, offset if i == first else 0) for i in range(first, first + count)))
+
+
+def frame_header(index: int, n: int) -> bytes:
+    """The header of an OK frame carrying `n` bytes of bucket `index` (the sender then sends those bytes)."""
+    return FRAME.pack(OK, index, n)
 
 
 async def send_bucket(sock: socket.socket, index: int, data: memoryview) -> None:
-    await send(sock, FRAME.pack(OK, index, len(data)))
+    await send(sock, frame_header(index, len(data)))
     await send(sock, data)
 
 
@@ -171,19 +196,29 @@ async def send_error(sock: socket.socket, status: int, index: int, message: str)
     await send(sock, FRAME.pack(status, index, len(body)) + body)
 
 
-async def read_bucket(sock: socket.socket, index: int, into: memoryview) -> None:
-    """Read the answer to the request for bucket `index` straight into `into` (its exact size).
+async def read_bucket(sock: socket.socket, index: int, into: memoryview, stamp: list[float] | None = None) -> None:
+    """Read the answer to the request for bucket `index` straight into `into` (the bytes asked for: the bucket from
+    the requested offset on).
 
     Raises `PeerError` for an error frame, `WireError` for a frame that is not the answer asked for (an unknown
-    status, another index, another size, an oversized message), ConnectionError when the upstream closed.
+    status, another index, another size, an oversized message), ConnectionError when the upstream closed: `Cut`
+    with `got` the bytes of `into` that landed when it closed inside the bucket's bytes (a resume keeps them).
+    `stamp`: see `recv_into`.
     """
-    status, got, n = FRAME.unpack(await recv_exactly(sock, FRAME.size))
+    try:
+        status, got, n = FRAME.unpack(await recv_exactly(sock, FRAME.size))
+    except Cut as exc:  # none of the bucket's bytes landed
+        raise Cut(str(exc), 0) from exc
     if status not in STATUSES:
         raise WireError(f"unknown frame status {status}")
     if status != OK:
         if n > MAX_MESSAGE:
             raise WireError(f"error message of {n} bytes (at most {MAX_MESSAGE})")
-        raise PeerError(status, (await recv_exactly(sock, n)).decode(errors="replace"))
+        try:
+            message = await recv_exactly(sock, n)
+        except Cut as exc:
+            raise Cut(str(exc), 0) from exc
+        raise PeerError(status, message.decode(errors="replace"))
     if got != index or n != len(into):
         raise WireError(f"frame for bucket {got} of {n} bytes, expected bucket {index} of {len(into)} bytes")
-    await recv_into(sock, into)
+    await recv_into(sock, into, stamp)
