@@ -45,6 +45,23 @@ PART_FILL = 0.9
 #: The largest part sent whatever the server allows: the server holds the assembled batch plus one message, so
 #: smaller messages keep its peak near the payload (64 MiB messages still cost little per message).
 MAX_PART_BYTES = 64 << 20
+#: The part size of a batch under `max_batch_bytes` sent in parts to a server that writes parts straight into its
+#: ring (`ServerLimits.parts_into_ring`): the server copies each part into the ring while the next one travels, so
+#: its copy hides behind the transfer instead of following it; a batch of at most twice this goes whole.
+PIPELINE_PART_BYTES = 32 << 20
+
+
+def pipelined(nbytes: int, max_batch_bytes: int | None, into_ring: bool) -> int | None:
+    """The part size to send a batch of `nbytes` in, or None to send it as one message: parts of at most
+    `part_bytes(max_batch_bytes)` when it is over `max_batch_bytes`; parts of `PIPELINE_PART_BYTES` when the server
+    writes parts into its ring (`into_ring`) and the batch is more than twice that; else None."""
+    if max_batch_bytes is None:
+        return None
+    if nbytes > max_batch_bytes:
+        return part_bytes(max_batch_bytes)
+    if into_ring and nbytes > 2 * PIPELINE_PART_BYTES:
+        return min(part_bytes(max_batch_bytes), PIPELINE_PART_BYTES)
+    return None
 
 
 def part_bytes(max_batch_bytes: int) -> int:
@@ -291,5 +308,5 @@ def _add_checked(asm: PartsAssembler, part: pa.RecordBatch, rows: int) -> None:
     asm.add(part)
 
 
-__all__ = ["MAX_PART_BYTES", "PART_FILL", "PartsAssembler", "assemble", "part_bytes", "parts_stream", "receive",
-           "receive_into", "split_rows"]
+__all__ = ["MAX_PART_BYTES", "PART_FILL", "PIPELINE_PART_BYTES", "PartsAssembler", "assemble", "part_bytes",
+           "parts_stream", "pipelined", "receive", "receive_into", "split_rows"]
