@@ -101,6 +101,12 @@ def connect(location: str, token: str | None = None, store: str | None = None, *
                        reconnect_timeout=reconnect_timeout, timeout=timeout)
 
 
+def into_ring_of(info: dict[str, Any], protocols: tuple[int, ...]) -> bool:
+    """Whether a server's `describe` answer says it writes an extend in parts straight into the store's ring: only a
+    JSON `true` from a server that speaks parts (protocol 3); anything else (absent, malformed) reads as False."""
+    return info.get("parts_into_ring") is True and P.PARTS_VERSION in protocols
+
+
 class RemoteStore:
     """A store on a Flight server, with the local `ExperienceStore` surface. Build one with `ab.connect`.
 
@@ -245,7 +251,7 @@ class RemoteStore:
         versions = info.get("protocols")
         if isinstance(versions, list) and all(isinstance(v, int) for v in versions):
             self.protocols = tuple(versions)
-        self.parts_into_ring = info.get("parts_into_ring") is True and P.PARTS_VERSION in self.protocols
+        self.parts_into_ring = into_ring_of(info, self.protocols)
         # ids and weights as Arrow columns where the server speaks it (protocol.SAMPLE_META); JSON otherwise
         offered = info.get("sample_meta")
         self.sample_meta = "columns" if isinstance(offered, list) and "columns" in offered else "json"
