@@ -23,7 +23,8 @@ Systems (every side is its own process; the parent drives them over pipes and ti
 Throughput: payload bytes / seconds, medians of `--repeats` after one warm-up round. Memory: peak PSS of each side's
 process tree (the TransferQueue side is its driver and all of Ray's processes), sampled every 20 ms by the parent,
 as absolute peak and as growth above the side's idle PSS (imports done, before the payload is made); the payload
-itself is created in the writer (TransferQueue's writer actor too), so it counts once on every system.
+itself is created in the writer (TransferQueue's writer actor too), so it counts once on every system. CPU: the
+Flight server process's CPU seconds (all threads) per PUT, raw and arrowbuf, which holds under load.
 
     python -m benchmarks.bench_tq_xproc [--quick] [--shapes fixed grpo] [--systems ...] [--repeats R]
 
@@ -420,6 +421,16 @@ class Sampler:
         self._thread.join()
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used: a measure per PUT that holds under load."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def _med(xs: list[float]) -> float:
     return float(np.median(xs[1:] if len(xs) > 1 else xs))
 
@@ -464,11 +475,14 @@ def run_pair(system: str, shape: str, size: int, repeats: int) -> dict[str, Any]
                 reader = Side("reader", "ab-reader", shape, size, ["--location", location])
                 sides.append(reader)
                 reader.read()
-        put, get = [], []
+        put, get, put_cpu = [], [], []
+        store_side = sides[0]  # the server (Flight) or the shm store's creator
         with Sampler(sides) as sampler:
             nbytes = writer.ask("make")["bytes"]
             for i in range(repeats + 1):
+                c0 = _cpu_s(store_side.proc.pid)
                 put.append(writer.ask("put")["s"])
+                put_cpu.append(_cpu_s(store_side.proc.pid) - c0)
                 get.append(reader.ask("get")["s"])
                 if i == 0:
                     sampler.mark_warm()
@@ -476,7 +490,7 @@ def run_pair(system: str, shape: str, size: int, repeats: int) -> dict[str, Any]
         for s in reversed(sides):
             s.close()
     return {"bytes": nbytes, "put_s": _med(put), "get_s": _med(get), "put_all_s": put, "get_all_s": get,
-            "memory": _memory(sides)}
+            "put_cpu_s": _med(put_cpu), "put_cpu_all_s": put_cpu, "memory": _memory(sides)}
 
 
 def run_tq(shape: str, size: int, repeats: int) -> dict[str, Any]:
@@ -531,6 +545,12 @@ def report(shape: str, res: dict[str, dict[str, Any]]) -> None:
     def total(system: str) -> float:
         return sum(v["peak_MiB"] for v in ok[system]["memory"].values())
 
+    for system in ("raw flight", "arrowbuf flight"):
+        if system in ok and "put_cpu_s" in ok[system]:
+            r = ok[system]
+            print(f"{system}: server process CPU per PUT {r['put_cpu_s'] * 1e3:.0f} ms (median after the warm-up "
+                  f"round; all rounds {[round(x * 1e3) for x in r['put_cpu_all_s']]}; 10 ms ticks); PUT seconds "
+                  f"{[round(x, 3) for x in r['put_all_s']]}")
     print(f"arrowbuf shm / transferqueue: PUT {ratio('arrowbuf shm', 'transferqueue', 'put_s')}, GET "
           f"{ratio('arrowbuf shm', 'transferqueue', 'get_s')} (target >= 4x)")
     print(f"arrowbuf flight / raw flight: PUT {ratio('arrowbuf flight', 'raw flight', 'put_s')}, GET "

@@ -14,6 +14,12 @@ server (`receive`) reads exactly that many parts, each bounded like any DoPut ba
   kept per part (copied out of the message when it also carries fixed-width columns, so the message can go) and
   concatenated once at the end.
 
+With `ServerLimits.parts_into_ring` the server writes each part straight into the store's reserved ring rows instead
+(`receive_into`, `arrowbuf.store.pieces`), and says so in `describe`; the client then cuts any batch over twice
+`PIPELINE_PART_BYTES` into parts of that size (`pipelined`), so the server's copy of one part overlaps the transfer of
+the next instead of following the whole message (measured on the GRPO shape: the server's CPU per PUT falls to raw
+DoPut's, see benchmarks/README.md).
+
 The same in the other direction: a sample ticket with `part_bytes` (version 3) makes the server send a larger
 sample as zero-copy slices of at most that size (`parts_stream`; the app_metadata rides on the first), and the
 client (`assemble`) copies each message into the preallocated batch as it arrives, so neither side holds the
