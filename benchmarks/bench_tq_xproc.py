@@ -431,8 +431,8 @@ def _cpu_s(pid: int) -> float:
         return float("nan")
 
 
-def _med(xs: list[float]) -> float:
-    return float(np.median(xs[1:] if len(xs) > 1 else xs))
+def _med(xs: list[float], warmup: int = 1) -> float:
+    return float(np.median(xs[warmup:] if len(xs) > warmup else xs))
 
 
 def _memory(sides: list[Side]) -> dict[str, Any]:
@@ -448,8 +448,9 @@ def run_memcpy(shape: str, size: int, repeats: int) -> dict[str, Any]:
     return {"bytes": nbytes, "put_s": min(s), "get_s": min(s)}
 
 
-def run_pair(system: str, shape: str, size: int, repeats: int) -> dict[str, Any]:
-    """raw flight, arrowbuf flight, arrowbuf shm: a store side (server or shm creator), a writer, a reader."""
+def run_pair(system: str, shape: str, size: int, repeats: int, warmup: int = 1) -> dict[str, Any]:
+    """raw flight, arrowbuf flight, arrowbuf shm: a store side (server or shm creator), a writer, a reader;
+    `warmup` rounds first, not counted."""
     sides: list[Side] = []
     try:
         if system == "arrowbuf shm":
@@ -479,18 +480,18 @@ def run_pair(system: str, shape: str, size: int, repeats: int) -> dict[str, Any]
         store_side = sides[0]  # the server (Flight) or the shm store's creator
         with Sampler(sides) as sampler:
             nbytes = writer.ask("make")["bytes"]
-            for i in range(repeats + 1):
+            for i in range(repeats + warmup):
                 c0 = _cpu_s(store_side.proc.pid)
                 put.append(writer.ask("put")["s"])
                 put_cpu.append(_cpu_s(store_side.proc.pid) - c0)
                 get.append(reader.ask("get")["s"])
-                if i == 0:
+                if i == warmup - 1:
                     sampler.mark_warm()
     finally:
         for s in reversed(sides):
             s.close()
-    return {"bytes": nbytes, "put_s": _med(put), "get_s": _med(get), "put_all_s": put, "get_all_s": get,
-            "put_cpu_s": _med(put_cpu), "put_cpu_all_s": put_cpu, "memory": _memory(sides)}
+    return {"bytes": nbytes, "put_s": _med(put, warmup), "get_s": _med(get, warmup), "put_all_s": put,
+            "get_all_s": get, "put_cpu_s": _med(put_cpu, warmup), "put_cpu_all_s": put_cpu, "memory": _memory(sides)}
 
 
 def run_tq(shape: str, size: int, repeats: int) -> dict[str, Any]:
@@ -505,13 +506,13 @@ def run_tq(shape: str, size: int, repeats: int) -> dict[str, Any]:
             "get_all_s": res["get"], "version": res["version"], "memory": _memory([side])}
 
 
-def run_system(system: str, shape: str, size: int, repeats: int) -> dict[str, Any]:
+def run_system(system: str, shape: str, size: int, repeats: int, warmup: int = 1) -> dict[str, Any]:
     try:
         if system == "memcpy":
             return run_memcpy(shape, size, repeats)
         if system == "transferqueue":
             return run_tq(shape, size, repeats)
-        return run_pair(system, shape, size, repeats)
+        return run_pair(system, shape, size, repeats, warmup)
     except Exception as exc:  # noqa: BLE001 - one system's failure is a row, not the end of the run
         return {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
 
@@ -549,7 +550,7 @@ def report(shape: str, res: dict[str, dict[str, Any]]) -> None:
         if system in ok and "put_cpu_s" in ok[system]:
             r = ok[system]
             print(f"{system}: server process CPU per PUT {r['put_cpu_s'] * 1e3:.0f} ms (median after the warm-up "
-                  f"round; all rounds {[round(x * 1e3) for x in r['put_cpu_all_s']]}; 10 ms ticks); PUT seconds "
+                  f"rounds; all rounds {[round(x * 1e3) for x in r['put_cpu_all_s']]}; 10 ms ticks); PUT seconds "
                   f"{[round(x, 3) for x in r['put_all_s']]}")
     print(f"arrowbuf shm / transferqueue: PUT {ratio('arrowbuf shm', 'transferqueue', 'put_s')}, GET "
           f"{ratio('arrowbuf shm', 'transferqueue', 'get_s')} (target >= 4x)")
@@ -580,6 +581,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", nargs="+", default=["fixed", "grpo"])
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), help=f"from {SYSTEMS}")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="rounds before the counted ones (raw and arrowbuf; TransferQueue: one): a store's ring is "
+                         "first-touched memory for its first fills (a grpo ring's ragged regions: about 3 rounds)")
     ap.add_argument("--samples", type=int, default=None, help="fixed shape's samples (default 1024)")
     ap.add_argument("--prompts", type=int, default=None, help="grpo shape's prompts (default 256)")
     ap.add_argument("--role", help=argparse.SUPPRESS)
@@ -607,7 +611,7 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.shapes:
         results[shape] = {}
         for system in systems:
-            results[shape][system] = run_system(system, shape, sizes[shape], repeats)
+            results[shape][system] = run_system(system, shape, sizes[shape], repeats, args.warmup)
             r = results[shape][system]
             print(f"  {shape} {system}: " + (r["error"] if "error" in r else
                   f"PUT {r['bytes'] / r['put_s'] / 1e9:.2f} GB/s GET {r['bytes'] / r['get_s'] / 1e9:.2f} GB/s"),
@@ -615,11 +619,11 @@ def main(argv: list[str] | None = None) -> None:
         report(shape, results[shape])
     up1 = _uptime()
     elapsed = time.perf_counter() - t0
-    print(f"\n({elapsed:.0f}s; medians of {repeats} after a warm-up round; load before: {up0.split('load')[-1]}, "
-          f"after: {up1.split('load')[-1]})")
+    print(f"\n({elapsed:.0f}s; medians of {repeats} after {args.warmup} warm-up round(s); load before: "
+          f"{up0.split('load')[-1]}, after: {up1.split('load')[-1]})")
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "cpus": os.cpu_count(), "seconds": elapsed, "uptime_before": up0,
-            "uptime_after": up1, "sizes": sizes, "repeats": repeats, "quick": args.quick,
+            "uptime_after": up1, "sizes": sizes, "repeats": repeats, "warmup": args.warmup, "quick": args.quick,
             "memory": "peak PSS of each side's process tree (absolute and above its idle value), sampled every 20 ms"}
     (OUT / "tq_xproc.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {OUT / 'tq_xproc.json'}")
