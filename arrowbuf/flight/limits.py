@@ -41,8 +41,8 @@ class ServerLimits:
             it commits it as one, unless `parts_into_ring`.
         parts_into_ring: write each part of an extend sent in parts straight into ring rows reserved at its first
             part (one copy instead of two, no assembled copy held; stores of plain columns, and host stores with
-            ragged fields; others assemble). A client then also sends a batch over 2 x `parts.PIPELINE_PART_BYTES`
-            in parts (`describe` says so), so the server copies each part while the next one travels.
+            ragged fields; others assemble). A client then sends any batch over 2 x `parts.PIPELINE_PART_BYTES`
+            in parts of that size (`describe` says so), so the server copies each part while the next one travels.
             False by default: until the last part arrives, the reservation holds back the commits of every later
             writer of the store (a store with ragged fields holds its write lock for the whole batch: also other
             writers' reservations, `update` and checkpoints wait), so a client that stalls mid-batch stalls the
