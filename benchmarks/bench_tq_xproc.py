@@ -11,6 +11,9 @@ Systems (every side is its own process; the parent drives them over pipes and ti
   memcpy          the ceiling: one np.copyto of the payload bytes into memory already touched, in one process
   raw flight      a pyarrow Flight server that keeps the DoPut's table and sends it back on DoGet; a client process
                   does DoPut of the payload as one record batch, then DoGet + read_all (no validation, no store)
+  raw flight parts the same, the DoPut's batch sent as zero-copy slices of 8 MiB (`parts.PIPELINE_PART_BYTES`, what
+                  arrowbuf's client sends to a server that writes parts into its ring): a peer ceiling, since
+                  smaller messages land in reused heap memory on the receiver
   arrowbuf flight `ab.serve(store)` in a server process (defaults: max_batch_bytes 256 MiB, so a 302 MB extend goes
                   in parts); a writer process `remote.extend(rows)` (one call); a reader process
                   `remote.sample(n)` of a FIFO store (the rows just put) + `to_torch()` (pack=True for ragged)
@@ -53,7 +56,7 @@ from .bench_llm import FIELDS, SEQ, _dist_version, _grpo_rows, _pss, _tree
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
-SYSTEMS = ("memcpy", "raw flight", "arrowbuf flight", "arrowbuf shm", "transferqueue")
+SYSTEMS = ("memcpy", "raw flight", "raw flight parts", "arrowbuf flight", "arrowbuf shm", "transferqueue")
 GRPO_FIELDS = ("prompt_id", "prompt_tokens", "response_tokens", "logprobs", "ref_logprobs", "reward",
                "policy_version", "done")
 
@@ -151,8 +154,12 @@ def role_raw_server(shape: str, size: int) -> None:
     raw.shutdown()
 
 
-def role_raw_client(shape: str, size: int, location: str) -> None:
+def role_raw_client(shape: str, size: int, location: str, parts: bool = False) -> None:
+    """`parts`: the batch goes as zero-copy slices of `parts.PIPELINE_PART_BYTES` in one DoPut (the message size
+    arrowbuf's client sends to a server that writes parts into its ring), else as one record batch."""
     import pyarrow.flight as flight
+
+    from arrowbuf.flight.parts import PIPELINE_PART_BYTES, split_rows
 
     client = flight.FlightClient(location)
     state: dict[str, Any] = {}
@@ -166,7 +173,11 @@ def role_raw_client(shape: str, size: int, location: str) -> None:
 
         def go() -> None:
             writer, _ = client.do_put(flight.FlightDescriptor.for_path("x"), rb.schema)
-            writer.write_batch(rb)
+            if parts:
+                for offset, rows in split_rows(rb, PIPELINE_PART_BYTES):
+                    writer.write_batch(rb.slice(offset, rows))
+            else:
+                writer.write_batch(rb)
             writer.close()
 
         return {"s": _timed(go)}
@@ -462,13 +473,13 @@ def run_pair(system: str, shape: str, size: int, repeats: int, warmup: int = 1) 
             sides.append(reader)
             reader.read()
         else:
-            raw = system == "raw flight"
+            raw = system.startswith("raw flight")
             server = Side("server", "raw-server" if raw else "ab-server", shape, size)
             sides.append(server)
             server.read()
             location = server.ask("where")["location"]
             writer = Side("client" if raw else "writer", "raw-client" if raw else "ab-writer", shape, size,
-                          ["--location", location])
+                          ["--location", location] + (["--parts"] if system == "raw flight parts" else []))
             sides.append(writer)
             writer.read()
             reader = writer
@@ -546,7 +557,10 @@ def report(shape: str, res: dict[str, dict[str, Any]]) -> None:
     def total(system: str) -> float:
         return sum(v["peak_MiB"] for v in ok[system]["memory"].values())
 
-    for system in ("raw flight", "arrowbuf flight"):
+    print(f"arrowbuf flight / raw flight parts (the same bytes in the messages arrowbuf sends): PUT "
+          f"{ratio('arrowbuf flight', 'raw flight parts', 'put_s')}, GET "
+          f"{ratio('arrowbuf flight', 'raw flight parts', 'get_s')}")
+    for system in ("raw flight", "raw flight parts", "arrowbuf flight"):
         if system in ok and "put_cpu_s" in ok[system]:
             r = ok[system]
             print(f"{system}: server process CPU per PUT {r['put_cpu_s'] * 1e3:.0f} ms (median after the warm-up "
@@ -590,10 +604,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--location", help=argparse.SUPPRESS)
+    ap.add_argument("--parts", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.role:
         roles = {"raw-server": lambda: role_raw_server(args.shape, args.size),
-                 "raw-client": lambda: role_raw_client(args.shape, args.size, args.location),
+                 "raw-client": lambda: role_raw_client(args.shape, args.size, args.location, args.parts),
                  "ab-server": lambda: role_ab_server(args.shape, args.size),
                  "ab-writer": lambda: role_ab_writer(args.shape, args.size, args.location),
                  "ab-reader": lambda: role_ab_reader(args.shape, args.size, args.location),
