@@ -159,8 +159,6 @@ def role_raw_client(shape: str, size: int, location: str, parts: bool = False) -
     arrowbuf's client sends to a server that writes parts into its ring), else as one record batch."""
     import pyarrow.flight as flight
 
-    from arrowbuf.flight.parts import PIPELINE_PART_BYTES, split_rows
-
     client = flight.FlightClient(location)
     state: dict[str, Any] = {}
 
@@ -174,6 +172,8 @@ def role_raw_client(shape: str, size: int, location: str, parts: bool = False) -
         def go() -> None:
             writer, _ = client.do_put(flight.FlightDescriptor.for_path("x"), rb.schema)
             if parts:
+                from arrowbuf.flight.parts import PIPELINE_PART_BYTES, split_rows
+
                 for offset, rows in split_rows(rb, PIPELINE_PART_BYTES):
                     writer.write_batch(rb.slice(offset, rows))
             else:
