@@ -311,3 +311,33 @@ def test_the_describe_flag_is_taken_only_when_it_is_true(value):
     assert into_ring_of({"parts_into_ring": value}, (1, 2, 3)) is (value is True)
     assert into_ring_of({"parts_into_ring": value}, (1, 2)) is False  # a server before parts
     assert into_ring_of({}, (1, 2, 3)) is False
+
+
+def test_closing_the_server_ends_a_stalled_ragged_batch_and_frees_the_store(servers):
+    """A stalled ragged batch in parts holds the store's write lock; closing the server cuts its stream, which
+    aborts the batch, so the store closes (its close takes the write lock) instead of waiting for the client."""
+    store = ab.ExperienceStore(RAGGED, capacity=4096, chunk_rows=256)
+    server = servers(store, max_batch_bytes=MIB)
+    remote = ab.connect(server.location)
+    client = flight.FlightClient(server.location)
+    try:
+        rb = remote.to_batch(_batch(1500, 1))
+        parts = [rb.slice(o, n) for o, n in split_rows(rb, MIB // 4)]
+        cmd = {"v": 3, "kind": "extend", "parts": len(parts), "rows": rb.num_rows}
+        writer, _ = client.do_put(flight.FlightDescriptor.for_command(json.dumps(cmd).encode()), rb.schema,
+                                  options=flight.FlightCallOptions(timeout=30))
+        writer.write_batch(parts[0])  # ... and stalls
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        server.close()
+        closed = threading.Event()
+        threading.Thread(target=lambda: (store.close(), closed.set()), daemon=True).start()
+        assert closed.wait(15.0), "the store's close waited for the stalled client"
+        assert time.monotonic() - t0 < 15.0
+        try:
+            writer.close()
+        except flight.FlightError:
+            pass
+    finally:
+        client.close()
+        remote.close()
