@@ -341,3 +341,51 @@ def test_closing_the_server_ends_a_stalled_ragged_batch_and_frees_the_store(serv
     finally:
         client.close()
         remote.close()
+
+
+def _hostile_offsets_batch() -> pa.RecordBatch:
+    """Offsets [0, 3, 1]: first and last within the values (Arrow's cheap validation, which the IPC reader runs,
+    passes) but decreasing, so row 0 spans 3 values of which 1 exists and row 1 has length -2."""
+    offsets = pa.py_buffer(np.array([0, 3, 1], np.int32).tobytes())
+    values = pa.array(np.arange(5, dtype=np.int32))
+    tokens = pa.Array.from_buffers(pa.list_(pa.int32()), 2, [None, offsets], children=[values])
+    return pa.RecordBatch.from_arrays([tokens, pa.array([True, True])], names=["tokens", "done"])
+
+
+RAGGED_ONE = {"name": "r1", "fields": {"tokens": {"dtype": "int32", "ragged": True}, "done": {"dtype": "bool"}},
+              "episode_end": ["done"]}
+
+
+def test_a_ragged_column_with_decreasing_offsets_is_refused_locally():
+    store = ab.ExperienceStore(RAGGED_ONE, capacity=64, chunk_rows=16)
+    try:
+        with pytest.raises(ab.SchemaError, match="offsets"):
+            store.extend(_hostile_offsets_batch())
+        assert len(store) == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("parts", [None, 1])
+def test_a_ragged_column_with_decreasing_offsets_is_refused_over_flight(servers, parts):
+    """A hostile client's offsets would make the store read values it never wrote (another row's, or stale arena
+    memory) and store a negative length: refused, nothing stored, in one message and in parts."""
+    store = ab.ExperienceStore(RAGGED_ONE, capacity=64, chunk_rows=16)
+    server = servers(store)
+    client = flight.FlightClient(server.location)
+    try:
+        store.extend({"tokens": pa.array([[7, 8]], pa.list_(pa.int32())), "done": np.array([True])})
+        before = store.to_table()
+        rb = _hostile_offsets_batch()
+        cmd = {"v": 3, "kind": "extend"} if parts is None else {"v": 3, "kind": "extend", "parts": 1, "rows": 2}
+        writer, reader = client.do_put(flight.FlightDescriptor.for_command(json.dumps(cmd).encode()), rb.schema)
+        with pytest.raises(flight.FlightError, match="offsets"):
+            writer.write_batch(rb)
+            writer.done_writing()
+            reader.read()
+            writer.close()
+        assert store.to_table().equals(before)
+        assert len(store.extend({"tokens": pa.array([[1]], pa.list_(pa.int32())), "done": np.array([True])})) == 1
+    finally:
+        client.close()
+        store.close()
