@@ -364,6 +364,14 @@ def test_a_ragged_column_with_decreasing_offsets_is_refused_locally():
         assert len(store) == 0
     finally:
         store.close()
+    later = ab.ExperienceStore(RAGGED, capacity=64, chunk_rows=16)  # the same check on update (a later field)
+    try:
+        ids = later.extend(_batch(2, 1, ref=False))
+        with pytest.raises(ab.SchemaError, match="offsets"):
+            later.update(ids, {"ref": _hostile_offsets_batch().column(0).cast(pa.list_(pa.float32()))})
+        assert later.to_table().column("ref").to_pylist() == [None, None]
+    finally:
+        later.close()
 
 
 @pytest.mark.parametrize("parts", [None, 1])
