@@ -397,3 +397,21 @@ def test_a_ragged_column_with_decreasing_offsets_is_refused_over_flight(servers,
     finally:
         client.close()
         store.close()
+
+
+def test_a_parted_ragged_batch_over_the_capacity_keeps_the_newest_rows_as_one_extend(servers):
+    """A batch longer than the ring is not written in pieces (`pieces_ok`): the server assembles it and extends once,
+    which keeps its newest rows, as a local extend does."""
+    parted = ab.ExperienceStore(RAGGED, capacity=500, chunk_rows=64)
+    whole = ab.ExperienceStore(RAGGED, capacity=500, chunk_rows=64)
+    remote = ab.connect(servers(parted, max_batch_bytes=MIB).location)
+    try:
+        assert parted.begin_extend(1200, list(RAGGED["fields"])) is None
+        batch = _batch(1200, 4)
+        assert remote.to_batch(batch).nbytes > 2 * MIB
+        np.testing.assert_array_equal(remote.extend(batch), whole.extend(batch))
+        assert len(parted) == 500 and parted.to_table().equals(whole.to_table())
+    finally:
+        remote.close()
+        parted.close()
+        whole.close()
