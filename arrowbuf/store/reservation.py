@@ -9,6 +9,10 @@ from typing import Any
 
 import numpy as np
 
+#: `StoreWriter._reserve`'s plan argument: the episode plan is made at commit (a batch in pieces whose episode ends
+#: come later).
+DEFER = object()
+
 
 @dataclass
 class Reservation:
