@@ -9,8 +9,9 @@ after one warm-up each, interleaved (raw, direct, assembled, raw, ...):
   raw         a pyarrow Flight server whose DoPut keeps the received table (`read_all`); the client sends the
               payload as ONE record batch (no validation, no store)
   direct      `RemoteStore.extend(rows)` (one call) into `ab.serve(store)` with max_batch_bytes 256 MiB: the batch
-              goes in parts of up to 64 MiB, each copied by the server straight into the ring (store/pieces.py)
-  assembled   the same into a server with the default `parts_into_ring=False` (the parts are copied
+              goes in parts of 8 MiB (`parts.PIPELINE_PART_BYTES`, the size a client sends to a server that writes
+              parts into its ring), each copied by the server straight into the ring (store/pieces.py)
+  assembled   the same into a server with the default `parts_into_ring=False` (parts of up to 64 MiB, copied
               into one assembled batch, then `store.extend` copies that into the ring)
 
     python -m benchmarks.bench_parts_cpu [--quick] [--samples N] [--repeats R]

@@ -11,6 +11,9 @@ Systems (every side is its own process; the parent drives them over pipes and ti
   memcpy          the ceiling: one np.copyto of the payload bytes into memory already touched, in one process
   raw flight      a pyarrow Flight server that keeps the DoPut's table and sends it back on DoGet; a client process
                   does DoPut of the payload as one record batch, then DoGet + read_all (no validation, no store)
+  raw flight parts the same, the DoPut's batch sent as zero-copy slices of 8 MiB (`parts.PIPELINE_PART_BYTES`, what
+                  arrowbuf's client sends to a server that writes parts into its ring): a peer ceiling, since
+                  smaller messages land in reused heap memory on the receiver
   arrowbuf flight `ab.serve(store)` in a server process (defaults: max_batch_bytes 256 MiB, so a 302 MB extend goes
                   in parts); a writer process `remote.extend(rows)` (one call); a reader process
                   `remote.sample(n)` of a FIFO store (the rows just put) + `to_torch()` (pack=True for ragged)
@@ -23,7 +26,8 @@ Systems (every side is its own process; the parent drives them over pipes and ti
 Throughput: payload bytes / seconds, medians of `--repeats` after one warm-up round. Memory: peak PSS of each side's
 process tree (the TransferQueue side is its driver and all of Ray's processes), sampled every 20 ms by the parent,
 as absolute peak and as growth above the side's idle PSS (imports done, before the payload is made); the payload
-itself is created in the writer (TransferQueue's writer actor too), so it counts once on every system.
+itself is created in the writer (TransferQueue's writer actor too), so it counts once on every system. CPU: the
+Flight server process's CPU seconds (all threads) per PUT, raw and arrowbuf, which holds under load.
 
     python -m benchmarks.bench_tq_xproc [--quick] [--shapes fixed grpo] [--systems ...] [--repeats R]
 
@@ -52,7 +56,7 @@ from .bench_llm import FIELDS, SEQ, _dist_version, _grpo_rows, _pss, _tree
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
-SYSTEMS = ("memcpy", "raw flight", "arrowbuf flight", "arrowbuf shm", "transferqueue")
+SYSTEMS = ("memcpy", "raw flight", "raw flight parts", "arrowbuf flight", "arrowbuf shm", "transferqueue")
 GRPO_FIELDS = ("prompt_id", "prompt_tokens", "response_tokens", "logprobs", "ref_logprobs", "reward",
                "policy_version", "done")
 
@@ -151,7 +155,9 @@ def role_raw_server(shape: str, size: int) -> None:
     raw.shutdown()
 
 
-def role_raw_client(shape: str, size: int, location: str) -> None:
+def role_raw_client(shape: str, size: int, location: str, parts: bool = False) -> None:
+    """`parts`: the batch goes as zero-copy slices of `parts.PIPELINE_PART_BYTES` in one DoPut (the message size
+    arrowbuf's client sends to a server that writes parts into its ring), else as one record batch."""
     import pyarrow.flight as flight
 
     client = flight.FlightClient(location)
@@ -166,7 +172,13 @@ def role_raw_client(shape: str, size: int, location: str) -> None:
 
         def go() -> None:
             writer, _ = client.do_put(flight.FlightDescriptor.for_path("x"), rb.schema)
-            writer.write_batch(rb)
+            if parts:
+                from arrowbuf.flight.parts import PIPELINE_PART_BYTES, split_rows
+
+                for offset, rows in split_rows(rb, PIPELINE_PART_BYTES):
+                    writer.write_batch(rb.slice(offset, rows))
+            else:
+                writer.write_batch(rb)
             writer.close()
 
         return {"s": _timed(go)}
@@ -421,8 +433,18 @@ class Sampler:
         self._thread.join()
 
 
-def _med(xs: list[float]) -> float:
-    return float(np.median(xs[1:] if len(xs) > 1 else xs))
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used: a measure per PUT that holds under load."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _med(xs: list[float], warmup: int = 1) -> float:
+    return float(np.median(xs[warmup:] if len(xs) > warmup else xs))
 
 
 def _memory(sides: list[Side]) -> dict[str, Any]:
@@ -438,8 +460,9 @@ def run_memcpy(shape: str, size: int, repeats: int) -> dict[str, Any]:
     return {"bytes": nbytes, "put_s": min(s), "get_s": min(s)}
 
 
-def run_pair(system: str, shape: str, size: int, repeats: int) -> dict[str, Any]:
-    """raw flight, arrowbuf flight, arrowbuf shm: a store side (server or shm creator), a writer, a reader."""
+def run_pair(system: str, shape: str, size: int, repeats: int, warmup: int = 1) -> dict[str, Any]:
+    """raw flight, arrowbuf flight, arrowbuf shm: a store side (server or shm creator), a writer, a reader;
+    `warmup` rounds first, not counted."""
     sides: list[Side] = []
     try:
         if system == "arrowbuf shm":
@@ -451,13 +474,13 @@ def run_pair(system: str, shape: str, size: int, repeats: int) -> dict[str, Any]
             sides.append(reader)
             reader.read()
         else:
-            raw = system == "raw flight"
+            raw = system.startswith("raw flight")
             server = Side("server", "raw-server" if raw else "ab-server", shape, size)
             sides.append(server)
             server.read()
             location = server.ask("where")["location"]
             writer = Side("client" if raw else "writer", "raw-client" if raw else "ab-writer", shape, size,
-                          ["--location", location])
+                          ["--location", location] + (["--parts"] if system == "raw flight parts" else []))
             sides.append(writer)
             writer.read()
             reader = writer
@@ -465,19 +488,22 @@ def run_pair(system: str, shape: str, size: int, repeats: int) -> dict[str, Any]
                 reader = Side("reader", "ab-reader", shape, size, ["--location", location])
                 sides.append(reader)
                 reader.read()
-        put, get = [], []
+        put, get, put_cpu = [], [], []
+        store_side = sides[0]  # the server (Flight) or the shm store's creator
         with Sampler(sides) as sampler:
             nbytes = writer.ask("make")["bytes"]
-            for i in range(repeats + 1):
+            for i in range(repeats + warmup):
+                c0 = _cpu_s(store_side.proc.pid)
                 put.append(writer.ask("put")["s"])
+                put_cpu.append(_cpu_s(store_side.proc.pid) - c0)
                 get.append(reader.ask("get")["s"])
-                if i == 0:
+                if i == warmup - 1:
                     sampler.mark_warm()
     finally:
         for s in reversed(sides):
             s.close()
-    return {"bytes": nbytes, "put_s": _med(put), "get_s": _med(get), "put_all_s": put, "get_all_s": get,
-            "memory": _memory(sides)}
+    return {"bytes": nbytes, "put_s": _med(put, warmup), "get_s": _med(get, warmup), "put_all_s": put,
+            "get_all_s": get, "put_cpu_s": _med(put_cpu, warmup), "put_cpu_all_s": put_cpu, "memory": _memory(sides)}
 
 
 def run_tq(shape: str, size: int, repeats: int) -> dict[str, Any]:
@@ -492,13 +518,13 @@ def run_tq(shape: str, size: int, repeats: int) -> dict[str, Any]:
             "get_all_s": res["get"], "version": res["version"], "memory": _memory([side])}
 
 
-def run_system(system: str, shape: str, size: int, repeats: int) -> dict[str, Any]:
+def run_system(system: str, shape: str, size: int, repeats: int, warmup: int = 1) -> dict[str, Any]:
     try:
         if system == "memcpy":
             return run_memcpy(shape, size, repeats)
         if system == "transferqueue":
             return run_tq(shape, size, repeats)
-        return run_pair(system, shape, size, repeats)
+        return run_pair(system, shape, size, repeats, warmup)
     except Exception as exc:  # noqa: BLE001 - one system's failure is a row, not the end of the run
         return {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
 
@@ -532,6 +558,15 @@ def report(shape: str, res: dict[str, dict[str, Any]]) -> None:
     def total(system: str) -> float:
         return sum(v["peak_MiB"] for v in ok[system]["memory"].values())
 
+    print(f"arrowbuf flight / raw flight parts (the same bytes in the messages arrowbuf sends): PUT "
+          f"{ratio('arrowbuf flight', 'raw flight parts', 'put_s')}, GET "
+          f"{ratio('arrowbuf flight', 'raw flight parts', 'get_s')}")
+    for system in ("raw flight", "raw flight parts", "arrowbuf flight"):
+        if system in ok and "put_cpu_s" in ok[system]:
+            r = ok[system]
+            print(f"{system}: server process CPU per PUT {r['put_cpu_s'] * 1e3:.0f} ms (median after the warm-up "
+                  f"rounds; all rounds {[round(x * 1e3) for x in r['put_cpu_all_s']]}; 10 ms ticks); PUT seconds "
+                  f"{[round(x, 3) for x in r['put_all_s']]}")
     print(f"arrowbuf shm / transferqueue: PUT {ratio('arrowbuf shm', 'transferqueue', 'put_s')}, GET "
           f"{ratio('arrowbuf shm', 'transferqueue', 'get_s')} (target >= 4x)")
     print(f"arrowbuf flight / raw flight: PUT {ratio('arrowbuf flight', 'raw flight', 'put_s')}, GET "
@@ -561,16 +596,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", nargs="+", default=["fixed", "grpo"])
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), help=f"from {SYSTEMS}")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="rounds before the counted ones (raw and arrowbuf; TransferQueue: one): a store's ring is "
+                         "first-touched memory for its first fills (a grpo ring's ragged regions: about 3 rounds)")
     ap.add_argument("--samples", type=int, default=None, help="fixed shape's samples (default 1024)")
     ap.add_argument("--prompts", type=int, default=None, help="grpo shape's prompts (default 256)")
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--location", help=argparse.SUPPRESS)
+    ap.add_argument("--parts", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.role:
         roles = {"raw-server": lambda: role_raw_server(args.shape, args.size),
-                 "raw-client": lambda: role_raw_client(args.shape, args.size, args.location),
+                 "raw-client": lambda: role_raw_client(args.shape, args.size, args.location, args.parts),
                  "ab-server": lambda: role_ab_server(args.shape, args.size),
                  "ab-writer": lambda: role_ab_writer(args.shape, args.size, args.location),
                  "ab-reader": lambda: role_ab_reader(args.shape, args.size, args.location),
@@ -588,7 +627,7 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.shapes:
         results[shape] = {}
         for system in systems:
-            results[shape][system] = run_system(system, shape, sizes[shape], repeats)
+            results[shape][system] = run_system(system, shape, sizes[shape], repeats, args.warmup)
             r = results[shape][system]
             print(f"  {shape} {system}: " + (r["error"] if "error" in r else
                   f"PUT {r['bytes'] / r['put_s'] / 1e9:.2f} GB/s GET {r['bytes'] / r['get_s'] / 1e9:.2f} GB/s"),
@@ -596,11 +635,11 @@ def main(argv: list[str] | None = None) -> None:
         report(shape, results[shape])
     up1 = _uptime()
     elapsed = time.perf_counter() - t0
-    print(f"\n({elapsed:.0f}s; medians of {repeats} after a warm-up round; load before: {up0.split('load')[-1]}, "
-          f"after: {up1.split('load')[-1]})")
+    print(f"\n({elapsed:.0f}s; medians of {repeats} after {args.warmup} warm-up round(s); load before: "
+          f"{up0.split('load')[-1]}, after: {up1.split('load')[-1]})")
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "cpus": os.cpu_count(), "seconds": elapsed, "uptime_before": up0,
-            "uptime_after": up1, "sizes": sizes, "repeats": repeats, "quick": args.quick,
+            "uptime_after": up1, "sizes": sizes, "repeats": repeats, "warmup": args.warmup, "quick": args.quick,
             "memory": "peak PSS of each side's process tree (absolute and above its idle value), sampled every 20 ms"}
     (OUT / "tq_xproc.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {OUT / 'tq_xproc.json'}")

@@ -55,7 +55,7 @@ from ..store.pending import PendingWrite
 from . import protocol as P
 from .calls import Unreachable, check_timeout, translate
 from .messages import MAX_PADS, ack_ids, misalignment, record_batch, request_key, sample_batch, table_to_batch
-from .parts import MAX_PART_BYTES, assemble, part_bytes, split_rows
+from .parts import MAX_PART_BYTES, assemble, pipelined, split_rows
 from .session import LearnerSession
 from .writer import RemoteWriter
 
@@ -109,6 +109,12 @@ def connect(location: str, token: str | None = None, store: str | None = None, *
                        reconnect_timeout=reconnect_timeout, timeout=timeout)
 
 
+def into_ring_of(info: dict[str, Any], protocols: tuple[int, ...]) -> bool:
+    """Whether a server's `describe` answer says it writes an extend in parts straight into the store's ring: only a
+    JSON `true` from a server that speaks parts (protocol 3); anything else (absent, malformed) reads as False."""
+    return info.get("parts_into_ring") is True and P.PARTS_VERSION in protocols
+
+
 class RemoteStore:
     """A store on a Flight server, with the local `ExperienceStore` surface. Build one with `ab.connect`.
 
@@ -121,6 +127,9 @@ class RemoteStore:
         max_batch_bytes: the largest DoPut message the server accepts; `extend` cuts a larger batch into parts
             (protocol 3) and the server commits them as one extend (None: the server does not say).
         protocols: the wire protocol versions the server speaks (`describe`; [1, 2] for servers before version 3).
+        parts_into_ring: the server writes an extend in parts straight into this store's ring (`describe`): a
+            batch over 2 x `parts.PIPELINE_PART_BYTES` goes in parts then, so the server's copy of each part
+            overlaps the transfer of the next (`parts.pipelined`).
         part_bytes: the largest message a sample comes in from a server that speaks protocol 3 (default 8 MiB,
             at least `protocol.MIN_PART_BYTES`): a larger sample comes in several, assembled here as they arrive.
         timeout: the default deadline of every call in seconds, or None.
@@ -155,6 +164,7 @@ class RemoteStore:
         self.max_batch_bytes: int | None = None
         self.protocols: tuple[int, ...] = (1, 2)
         self.part_bytes = MAX_PART_BYTES
+        self.parts_into_ring = False
         self.sample_meta = "json"
         self._pads: dict[tuple[Any, ...], int] = {}  # sample request -> app_metadata padding that aligns its body
         # a sample in parts is copied into these arrays; reused once the caller drops the batch (ring/outpool.py)
@@ -249,6 +259,7 @@ class RemoteStore:
         versions = info.get("protocols")
         if isinstance(versions, list) and all(isinstance(v, int) for v in versions):
             self.protocols = tuple(versions)
+        self.parts_into_ring = into_ring_of(info, self.protocols)
         # ids and weights as Arrow columns where the server speaks it (protocol.SAMPLE_META); JSON otherwise
         offered = info.get("sample_meta")
         self.sample_meta = "columns" if isinstance(offered, list) and "columns" in offered else "json"
@@ -303,22 +314,23 @@ class RemoteStore:
         rb = self.to_batch(batch)
         if rb.num_rows == 0:  # validated, and nothing to store
             ids = np.empty(0, dtype=np.int64)
-        elif self.max_batch_bytes is not None and rb.nbytes > self.max_batch_bytes:
-            ids = self._put_parts(rb, timeout, rpc_timeout)
+        elif (limit := pipelined(rb.nbytes, self.max_batch_bytes, self.parts_into_ring)) is not None:
+            ids = self._put_parts(rb, limit, timeout, rpc_timeout)
         else:
             ids = self._put(rb, timeout, rpc_timeout)
         return ids if wait else PendingWrite(ids)
 
-    def _put_parts(self, rb: pa.RecordBatch, timeout: float | None,
+    def _put_parts(self, rb: pa.RecordBatch, limit: int, timeout: float | None,
                    rpc_timeout: float | None | object) -> np.ndarray:
-        """One extend in parts (`arrowbuf.flight.parts`): one DoPut of zero-copy slices, one acknowledgement."""
+        """One extend in parts of at most `limit` bytes (`arrowbuf.flight.parts`): one DoPut of zero-copy slices,
+        one acknowledgement."""
         assert self.max_batch_bytes is not None
         if P.PARTS_VERSION not in self.protocols:
             raise SchemaError(f"a batch of {rb.nbytes} bytes is over this server's max_batch_bytes "
                               f"{self.max_batch_bytes}, and the server (protocol versions {list(self.protocols)}) "
                               f"cannot take one in parts (protocol {P.PARTS_VERSION}); split it, or upgrade the "
                               "server")
-        ranges = split_rows(rb, part_bytes(self.max_batch_bytes))
+        ranges = split_rows(rb, limit)
         descriptor = P.put_descriptor(self.name, timeout, parts=len(ranges), rows=rb.num_rows)
 
         def call(client: flight.FlightClient, options: flight.FlightCallOptions) -> dict[str, Any]:

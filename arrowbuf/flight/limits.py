@@ -40,10 +40,14 @@ class ServerLimits:
         max_extend_bytes: the largest extend sent in parts, in bytes: the server holds it whole (assembled) before
             it commits it as one, unless `parts_into_ring`.
         parts_into_ring: write each part of an extend sent in parts straight into ring rows reserved at its first
-            part (one copy instead of two, no assembled copy held; stores of plain columns only, others assemble).
+            part (one copy instead of two, no assembled copy held; stores of plain columns, and host stores with
+            ragged fields; others assemble). A client then sends any batch over 2 x `parts.PIPELINE_PART_BYTES`
+            in parts of that size (`describe` says so), so the server copies each part while the next one travels.
             False by default: until the last part arrives, the reservation holds back the commits of every later
-            writer of the store, so a client that stalls mid-batch stalls the store's ingest until its stream is cut
-            (`stream_idle_timeout`, a cancelled call). Turn it on where the clients are trusted (your own actors).
+            writer of the store (a store with ragged fields holds its write lock for the whole batch: also other
+            writers' reservations, `update` and checkpoints wait), so a client that stalls mid-batch stalls the
+            store's ingest until its stream is cut (`stream_idle_timeout`, a cancelled call). Turn it on where the
+            clients are trusted (your own actors).
         max_prefetch_bytes: bytes of prefetched batches one learner session may hold on the server.
         max_n_step: the largest `n_step` a sample may ask for (its cost grows with n * n_step).
         max_timeout: the longest wait, in seconds, any request may ask for (sample, session and insert timeouts).

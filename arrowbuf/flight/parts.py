@@ -14,6 +14,11 @@ server (`receive`) reads exactly that many parts, each bounded like any DoPut ba
   kept per part (copied out of the message when it also carries fixed-width columns, so the message can go) and
   concatenated once at the end.
 
+With `ServerLimits.parts_into_ring` the server writes each part straight into the store's reserved ring rows instead
+(`receive_into`, `arrowbuf.store.pieces`), and says so in `describe`; the client then cuts any batch over twice
+`PIPELINE_PART_BYTES` into parts of that size (`pipelined`), so the server's copy of one part overlaps the transfer of
+the next instead of following the whole message, and each message lands in reused heap memory (see the constant).
+
 The same in the other direction: a sample ticket with `part_bytes` (version 3) makes the server send a larger
 sample as zero-copy slices of at most that size (`parts_stream`; the app_metadata rides on the first), and the
 client (`assemble`) copies each message into the preallocated batch as it arrives, so neither side holds the
@@ -48,6 +53,27 @@ PART_FILL = 0.9
 #: above the payload on the receiving side, with 8 MiB parts 30-100 MiB (benchmarks/README.md, "Flight memory", with
 #: the throughput of both).
 MAX_PART_BYTES = 8 << 20
+#: The part size of a batch sent to a server that writes parts straight into its ring (`ServerLimits.parts_into_ring`):
+#: the server copies each part into the ring while the next one travels, so its copy hides behind the transfer
+#: instead of following it, and a message this small is received into heap memory that is reused warm (no fresh
+#: pages to fault in per message, no trim: under `heap.LARGE_MESSAGE`). Measured server CPU per PUT of the GRPO shape
+#: (218 MB, load 6): one message 360-400 ms, 32 MiB parts 250-275, 8 MiB 120-170, raw Flight's one message 220-270.
+#: A batch of at most twice this goes whole.
+PIPELINE_PART_BYTES = 8 << 20
+
+
+def pipelined(nbytes: int, max_batch_bytes: int | None, into_ring: bool) -> int | None:
+    """The part size to send a batch of `nbytes` in, or None to send it as one message: parts of at most
+    `PIPELINE_PART_BYTES` (and `part_bytes(max_batch_bytes)`) when the server writes parts into its ring
+    (`into_ring`) and the batch is more than twice that; else parts of `part_bytes(max_batch_bytes)` when it is over
+    `max_batch_bytes`; else None."""
+    if max_batch_bytes is None:
+        return None
+    if into_ring and nbytes > 2 * PIPELINE_PART_BYTES:
+        return min(part_bytes(max_batch_bytes), PIPELINE_PART_BYTES)
+    if nbytes > max_batch_bytes:
+        return part_bytes(max_batch_bytes)
+    return None
 
 
 def part_bytes(max_batch_bytes: int) -> int:
@@ -307,5 +333,5 @@ def _add_checked(asm: PartsAssembler, part: pa.RecordBatch, rows: int) -> None:
     asm.add(part)
 
 
-__all__ = ["MAX_PART_BYTES", "PART_FILL", "PartsAssembler", "assemble", "part_bytes", "parts_stream", "receive",
-           "receive_into", "split_rows"]
+__all__ = ["MAX_PART_BYTES", "PART_FILL", "PIPELINE_PART_BYTES", "PartsAssembler", "assemble", "part_bytes",
+           "parts_stream", "pipelined", "receive", "receive_into", "split_rows"]

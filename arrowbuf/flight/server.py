@@ -611,6 +611,19 @@ class _FlightService(flight.FlightServerBase):
                 self._sessions -= 1
                 self._prefetchers.discard(prefetcher)
 
+    def _parts_into_ring(self, store: Any) -> bool:
+        """Whether an extend in parts goes straight into this store's ring (`ServerLimits.parts_into_ring` and a
+        store that takes pieces): a client then sends a large batch in parts even under `max_batch_bytes`, so the
+        server copies each part while the next one travels."""
+        begin = getattr(store, "begin_extend", None) if self.owner.limits.parts_into_ring else None
+        if begin is None:
+            return False
+        probe = begin(1, list(store.schema.fields))  # reserves nothing until a first piece is written
+        if probe is None:
+            return False
+        probe.abort()
+        return True
+
     # ------------------------------------------------------------------ DoAction
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
         return list(P.ACTIONS.items())
@@ -627,7 +640,8 @@ class _FlightService(flight.FlightServerBase):
                                    "protocols": list(P.SUPPORTED_VERSIONS),
                                    "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe(),
                                    "sample_options": self.owner.sample_options(store),
-                                   "sample_meta": list(P.SAMPLE_META)}
+                                   "sample_meta": list(P.SAMPLE_META),
+                                   "parts_into_ring": self._parts_into_ring(store)}
         elif req.type == "stats":
             out = dict(store.stats())
             with self._lock:

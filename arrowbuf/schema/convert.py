@@ -273,10 +273,24 @@ def _cast(spec: FieldSpec, arr: np.ndarray) -> np.ndarray:
     return out
 
 
+def _check_offsets(spec: FieldSpec, arr: pa.Array) -> None:
+    """Refuse a list array whose offsets decrease: Arrow's cheap validation (what the IPC reader of a Flight server
+    runs on a received batch) checks only the first and last offsets, so such an array can arrive from a client, and
+    its rows would read values never written for them and store negative lengths (O(rows), no values read)."""
+    offsets = getattr(arr, "offsets", None)
+    if offsets is None or len(offsets) < 2:
+        return
+    offs = offsets.to_numpy(zero_copy_only=False)
+    if offs[0] < 0 or (np.diff(offs) < 0).any():
+        raise SchemaError(f"field {spec.name!r}: a ragged column whose list offsets decrease (or start below 0) is "
+                          "not a valid Arrow list array; build it with pyarrow (pa.array, ListArray.from_arrays)")
+
+
 def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
     value_type = pa.from_numpy_dtype(spec.dtype)
     if isinstance(value, pa.Array):
         arr = value
+        _check_offsets(spec, arr)
         vt = arr.type.value_type
         if vt != value_type:
             inner = _cast(spec, arr.flatten().to_numpy(zero_copy_only=False))

@@ -317,8 +317,9 @@ class ExperienceStore(StoreInspection, StorePersistence):
     def begin_extend(self, rows: int, names: Any) -> Any:
         """One extend of `rows` rows (columns `names`) that arrives in pieces, each copied straight into the ring
         (`arrowbuf.store.pieces.ExtendInPieces`: write, commit, abort; the guarantees of one `extend`), or None
-        when this store takes such a batch only whole (`StoreWriter.pieces_ok`: durable, ragged, tiered, tasks,
-        a rate limiter, derived fields, episode ends in a shared store): then assemble it and call `extend`."""
+        when this store takes such a batch only whole (`StoreWriter.pieces_ok`: durable, tiered, tasks, a rate
+        limiter, derived fields, episode ends or ragged fields in a shared store): then assemble it and call
+        `extend`. With ragged fields the sink holds the write lock until its commit or abort."""
         if self._durable is not None or not self._writer.pieces_ok(int(rows), set(names)):
             return None
         from .pieces import ExtendInPieces

@@ -1,8 +1,11 @@
 """ExtendInPieces: one extend whose rows arrive in pieces (a Flight DoPut in parts), copied straight into the ring.
 
-`ExperienceStore.begin_extend(rows, names)` returns one when the store can take it (`StoreWriter.pieces_ok`: plain
-arena columns, no ragged fields, no consume hold, rate limiter, journal, derived fields, no episode-end fields in a
-shared store), else None (the caller assembles the batch and calls `extend`). The guarantees are those of one `extend`:
+`ExperienceStore.begin_extend(rows, names)` returns one when the store can take it (`StoreWriter.pieces_ok`: arena
+columns, ragged fields only outside shared memory, no consume hold, rate limiter, journal, derived fields, no
+episode-end fields in a shared store), else None (the caller assembles the batch and calls `extend`). A store with
+ragged fields appends their values to each chunk's region in ring order, so its batch in pieces holds the store's
+write lock from the first piece to `commit` or `abort` (other writers, `update` and checkpoints wait): the caller
+must end every sink it begins. The guarantees are those of one `extend`:
 
 - the rows are reserved on the first piece (seqs [base, base + rows), their ring positions freed), each piece is
   validated against the schema and copied into its rows (one copy: no assembled batch), and `commit` makes every

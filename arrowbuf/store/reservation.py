@@ -9,6 +9,10 @@ from typing import Any
 
 import numpy as np
 
+#: `StoreWriter._reserve`'s plan argument: the episode plan is made at commit (a batch in pieces whose episode ends
+#: come later).
+DEFER = object()
+
 
 @dataclass
 class Reservation:
@@ -28,6 +32,7 @@ class Reservation:
     ready: Any = None
     links: list[tuple[int, int]] = field(default_factory=list)
     ends: np.ndarray | None = None  # a batch in pieces whose episode plan waits for these (`begin_pieces`)
+    locked: bool = False  # a batch in pieces of a ragged store: it holds the write lock until commit or abort
 
 
 def shift_new_episodes(plan: Any, first_id: int, delta: int) -> None:

@@ -53,17 +53,18 @@ from ..ring.reservations import CHECK_S, HOLE, waited
 from ..samplers import Sampler
 from . import stepcheck
 from .core import StoreCore
+from .pieces_writer import PiecesWriter
+from .reservation import DEFER as _DEFER
 from .reservation import Reservation as _Reservation
 from .reservation import segments as _segments
 from .reservation import shift_new_episodes as _shift_new_episodes
 
 _MISSING = object()
-_DEFER = object()  # `_reserve`: the episode plan is made at commit (a batch in pieces whose episode ends come later)
 _LO, _HI, _INSERTS = HEADER["lo"], HEADER["hi"], HEADER["inserts"]
 _RES, _WAITERS, _HOLES = HEADER["reserve_head"], HEADER["commit_waiters"], HEADER["holes"]
 
 
-class StoreWriter:
+class StoreWriter(PiecesWriter):
     """append, extend and end_episode over a store's `StoreCore` (see the module docstring for the protocol)."""
 
     def __init__(self, core: StoreCore) -> None:
@@ -183,99 +184,6 @@ class StoreWriter:
                          slots, np.array([prev], dtype=np.int64))
             c.episodes.close(actor)
         return True
-
-    # ------------------------------------------------------------------ one batch written in pieces
-    def pieces_ok(self, n: int, names: Any) -> bool:
-        """Whether a batch of `n` rows with columns `names` may be written in pieces (`begin_pieces`): plain arena
-        columns (no tiered slot table, no ragged fields), no consume hold, rate limiter or journal, no derived
-        fields (final observations), no actor or episode_id column, and no more rows than the capacity. Episode-end
-        fields are taken in one process's store (their plan is made at commit, under the write lock; in a shared
-        store another process's writer may hold that lock while it waits for these rows)."""
-        c = self.core
-        return (c.cols.direct and not c.cols.ragged and self.hold is None and c.rate_limiter is None
-                and c.journal is None and not c.final_sources and 0 < n <= c.capacity
-                and not (c.end_fields and c.tier.shared)
-                and "actor" not in names and "episode_id" not in names)
-
-    def begin_pieces(self, n: int) -> _Reservation:
-        """Step 1 for a batch of `n` rows whose columns come later, in pieces (`pieces_ok` must hold): reserve seqs
-        [base, base + n) and their ring positions. Each `write_piece` copies rows straight into the ring;
-        `finish_pieces` commits them as ONE extend, `abort_pieces` gives the reservation up (nothing stored)."""
-        c = self.core
-        c.check_open()
-        if c.end_fields:  # the episode plan needs every row's end flag: made at commit, this process's other
-            self._streams.acquire()  # writers waiting meanwhile (their rows must follow these in every stream)
-            try:
-                with c.write_lock:
-                    c.check_open()
-                    r = self._reserve({}, n, np.zeros(n, dtype=bool), _DEFER)
-            except BaseException:
-                self._streams.release()
-                raise
-            r.ends = np.zeros(n, dtype=bool)
-            return r
-        with self._streams:
-            first_id = c.episodes.next_episode_id
-            plan = c.episodes.plan(n, np.zeros(n, dtype=bool), actor=None)
-            with c.write_lock:
-                c.check_open()
-                return self._reserve({}, n, np.zeros(n, dtype=bool), plan, first_id)
-
-    def write_piece(self, r: _Reservation, offset: int, cols: dict[str, Any], m: int) -> None:
-        """Step 2 for rows [offset, offset + m) of a batch begun with `begin_pieces` (validated columns; no lock)."""
-        self.core.check_open()  # the store may have closed while the previous piece came
-        arenas = self.core.cols
-        if r.ends is not None:
-            for name in self.core.end_fields:
-                r.ends[offset:offset + m] |= np.asarray(cols[name], dtype=bool)
-        for s0, s1, off in r.segs:
-            lo, hi = max(off, offset), min(off + (s1 - s0), offset + m)
-            if lo >= hi:
-                continue
-            for name in arenas.arrays:
-                arenas.write(name, s0 + lo - off, cols[name][lo - offset:hi - offset])
-
-    def finish_pieces(self, r: _Reservation) -> np.ndarray:
-        """Step 3: the index entries, then the commit (every row visible at once); returns the rows' ids."""
-        c = self.core
-        idx = c.index
-        if r.ends is not None:  # the deferred episode plan, under `_streams` (held since `begin_pieces`)
-            with c.write_lock:
-                r.plan = c.episodes.plan(r.n, r.ends, actor=None)
-                c.episodes.next_episode_id = r.plan.next_episode_id
-                c.episodes.apply(r.plan, r.base)
-        plan = r.plan
-        succ = plan.succ
-        nxt = np.where(succ >= 0, (r.base + succ) % self.core.arena_rows, np.where(succ == -2, ENDED, PENDING))
-        for s0, s1, off in r.segs:
-            k = s1 - s0
-            idx.episode_id[s0:s1] = plan.episode_id[off:off + k]
-            idx.step[s0:s1] = plan.step[off:off + k]
-            idx.next_pos[s0:s1] = nxt[off:off + k]
-        r.ready = r.pos
-        r.links = [(prev, (r.base + j) % self.core.arena_rows) for prev, j in plan.patches]
-        self._commit_reserved(r)
-        self._release_streams(r)
-        return np.arange(r.base, r.base + r.n, dtype=np.int64)
-
-    def _release_streams(self, r: _Reservation) -> None:
-        if r.ends is not None:
-            r.ends = None
-            self._streams.release()
-
-    def abort_pieces(self, r: _Reservation) -> None:
-        """Give a pieces reservation up: none of its rows is stored; its seqs become a hole (now when it is at the
-        watermark, else when the writer before it commits and a later one waits)."""
-        c = self.core
-        try:
-            c.reservations.abort(r.slot)
-            with c.cond:
-                if c.index.hi == r.base:
-                    gone = c.reservations.stale(r.base)
-                    if gone:
-                        self._commit_hole(r.base, gone)
-        finally:
-            self._release_streams(r)
 
     # ------------------------------------------------------------------ the append fast path
     def _fast_plan(self) -> list[tuple] | None:

@@ -77,7 +77,7 @@ def test_the_direct_path_is_taken_only_where_it_keeps_extends_guarantees(tmp_pat
     assert ab.ExperienceStore(FIXED, capacity=64).begin_extend(10, ["obs", "x"]) is not None
     assert ab.ExperienceStore(FIXED, capacity=64).begin_extend(65, ["obs", "x"]) is None  # over the capacity
     ragged = {"name": "r", "fields": {"t": {"dtype": "int32", "ragged": True}}}
-    assert ab.ExperienceStore(ragged, capacity=64).begin_extend(10, ["t"]) is None
+    assert ab.ExperienceStore(ragged, capacity=64).begin_extend(10, ["t"]) is not None  # under the write lock
     done = {"name": "d", "fields": {"x": {"dtype": "int64"}, "done": {"dtype": "bool"}}}
     assert ab.ExperienceStore(done, capacity=64).begin_extend(10, ["x", "done"]) is not None  # planned at commit
     assert ab.ExperienceStore(done, capacity=64).begin_extend(10, ["x", "done", "actor"]) is None
