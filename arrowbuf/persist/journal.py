@@ -50,7 +50,6 @@ import fcntl
 import json
 import os
 import re
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -60,23 +59,33 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, StoreCorrupt
-from .crc import crc32
 from .manifest import fsync_dir as _fsync_dir
+from .record import (
+    FORMAT_VERSION,
+    RECORD_SCHEMA,
+    Prepared,
+    encode,
+    payload_table,
+    prepare,
+    record_crc,
+    seal,
+    table_bytes,
+    table_pieces,
+)
+from .record import SCHEMA_BYTES as _SCHEMA_BYTES
+from .record import SCHEMA_CRC as _SCHEMA_CRC
+from .record import U32 as _U32
+from .record import V1_SCHEMA_BYTES as _V1_SCHEMA_BYTES
+from .record import ZERO4 as _ZERO4
+
+__all__ = ["FORMAT_VERSION", "RECORD_SCHEMA", "Prepared", "encode", "payload_table", "prepare", "record_crc", "seal",
+           "table_bytes", "table_pieces", "Journal", "Record", "read_segments", "read_journal", "seal_last",
+           "segments", "lock_journal", "TornTail"]
 
 JOURNAL = "_journal"
 OWNER = "_owner.lock"
 SEGMENT = re.compile(r"^(\d{20})\.arrows$")
 POLICIES = ("batch", "group", "os")
-#: The journal format version (docs/format.md), in the segment schema's metadata.
-FORMAT_VERSION = 2
-_FIELDS = [("lsn", pa.int64()), ("kind", pa.string()), ("meta", pa.string()), ("payload", pa.binary()),
-           ("prev", pa.uint32()), ("crc32", pa.uint32())]
-RECORD_SCHEMA = pa.schema(_FIELDS, metadata={"arrowbuf.journal": str(FORMAT_VERSION)})
-_SCHEMA_BYTES = RECORD_SCHEMA.serialize().to_pybytes()
-_SCHEMA_CRC = crc32(_SCHEMA_BYTES) & 0xFFFFFFFF
-_V1_SCHEMA_BYTES = pa.schema(_FIELDS).serialize().to_pybytes()  # version 1 (no metadata): refused
-_U32 = struct.Struct("<I")
-_ZERO4 = b"\0\0\0\0"
 #: Segments are rotated once they pass this size (also at every checkpoint).
 SEGMENT_BYTES = 256 << 20
 #: Group commit window.
@@ -85,130 +94,6 @@ GROUP_WINDOW_S = 0.002
 
 def segment_name(first_lsn: int) -> str:
     return f"{first_lsn:020d}.arrows"
-
-
-@dataclass
-class Prepared:
-    """A record encoded but for its lsn, prev and (optionally) its meta (`prepare`, outside every lock); `seal`
-    places it. The payload, the costly part, is copied and checksummed already."""
-
-    view: Any     # the serialized message; its lsn, meta and prev slots are filled by `seal`
-    lsn_at: int   # the lsn's 8 bytes (the body's first buffer)
-    meta_at: int  # the meta string's bytes (`meta_w` of them: JSON padded with spaces)
-    meta_w: int
-    p0: int       # the payload's bytes start here and run (with their padding) to the prev slot
-    crc: int      # CRC-32 of view[p0:-16]
-
-
-def _pad8(n: int) -> int:
-    return (n + 7) & ~7
-
-
-def prepare(kind: str, meta: dict[str, Any], payload: Any = b"", meta_width: int = 0) -> Prepared:
-    """Encode a record as an encapsulated Arrow IPC record-batch message, with lsn and prev left for `seal` (and its
-    meta, when `meta_width` reserves room for a meta `seal` gets: JSON padded with spaces to that width)."""
-    m = json.dumps(meta, separators=(",", ":")).encode()
-    w = max(len(m), meta_width)
-    body = pa.py_buffer(payload) if not isinstance(payload, pa.Buffer) else payload
-    if body.size >= 1 << 31:
-        raise InvalidArgument(f"a journal record holds at most 2 GiB; this one has {body.size} bytes: write smaller "
-                              "batches")
-    k = kind.encode()
-    batch = pa.RecordBatch.from_arrays([_I64_0, _one(pa.string(), k), _one(pa.string(), m.ljust(w)),
-                                        _one(pa.binary(), body), _U32_0, _U32_0], schema=RECORD_SCHEMA)
-    view = memoryview(batch.serialize()).cast("B")
-    lsn_at = 8 + int.from_bytes(view[4:8], "little")  # the body starts with the lsn
-    meta_at = lsn_at + 8 + 8 + _pad8(len(k)) + 8      # lsn, kind offsets, kind, meta offsets (buffers 8-aligned)
-    p0 = meta_at + _pad8(w) + 8                         # meta, payload offsets
-    return Prepared(view, lsn_at, meta_at, w, p0, crc32(view[p0:-16]))
-
-
-def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | None = None) -> tuple[list[Any], int]:
-    """The pieces of a prepared record at `lsn` after the record whose crc32 is `prev` (in order, for one `writev`),
-    and its crc32: CRC-32 of the payload's bytes (from its data buffer to the prev slot), continued over the bytes
-    before them (framing, metadata, lsn, kind, meta, payload offsets), then prev and its padding: every byte of the
-    record but the crc32 slot's 8. `meta`: the record's meta now (it must fit the width `prepare` reserved)."""
-    v = p.view
-    if meta is None:
-        meta_b = v[p.meta_at:p.meta_at + p.meta_w]
-    else:
-        meta_b = json.dumps(meta, separators=(",", ":")).encode()
-        if len(meta_b) > p.meta_w:
-            raise InvalidArgument(f"a journal record's meta grew past the {p.meta_w} bytes prepared for it")
-        meta_b = meta_b.ljust(p.meta_w)
-    lsn_b, prev_b = _I64.pack(lsn), _U32.pack(prev) + _ZERO4
-    crc = p.crc
-    for piece in (v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:p.p0], prev_b):
-        crc = crc32(piece, crc)
-    crc &= 0xFFFFFFFF
-    return [v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:-16],
-            prev_b + _U32.pack(crc) + _ZERO4], crc
-
-
-def encode(lsn: int, kind: str, meta: dict[str, Any], payload: Any = b"", prev: int = 0) -> bytes:
-    """One whole record as bytes (tests, tools; the journal writes `prepare` + `seal` without joining)."""
-    pieces, _ = seal(prepare(kind, meta, payload), lsn, prev)
-    return b"".join(bytes(x) for x in pieces)
-
-
-def record_crc(view: memoryview, off: int, total: int) -> int:
-    """The crc32 the record in bytes [off, off + total) of a segment should carry (`seal`); -1 when its layout
-    cannot be a record's."""
-    end = off + total
-    lsn_at = off + 8 + int.from_bytes(view[off + 4:off + 8], "little")
-    if lsn_at + 40 > end - 16:
-        return -1
-    k0, k1 = _OFFS.unpack_from(view, lsn_at + 8)
-    mo = lsn_at + 16 + _pad8(k1)
-    if k0 != 0 or k1 < 0 or mo + 8 > end - 16:
-        return -1
-    m0, m1 = _OFFS.unpack_from(view, mo)
-    p0 = mo + 8 + _pad8(m1) + 8
-    if m0 != 0 or m1 < 0 or p0 > end - 16:
-        return -1
-    crc = crc32(view[off:p0], crc32(view[p0:end - 16]))
-    return crc32(view[end - 16:end - 8], crc) & 0xFFFFFFFF
-
-
-def _one(type_: pa.DataType, value: Any) -> pa.Array:
-    """A one-value string or binary array over `value`'s bytes (zero-copy; pa.array costs ~10 us)."""
-    data = value if isinstance(value, pa.Buffer) else pa.py_buffer(value)
-    return pa.Array.from_buffers(type_, 1, [None, pa.py_buffer(_OFFS.pack(0, data.size)), data])
-
-
-_OFFS = struct.Struct("<ii")
-_I64_0 = pa.array([0], pa.int64())
-_U32_0 = pa.array([0], pa.uint32())
-_I64 = struct.Struct("<q")
-
-
-def _check_layout() -> None:
-    """The body starts with lsn (8 bytes) and ends with prev (4 + 4 padding), crc32 (4 + 4): what `seal` and the
-    reader rely on."""
-    probe = pa.record_batch([pa.array([-2], pa.int64()), pa.array(["k"]), pa.array(["{}"]), pa.array([b"xyz"]),
-                             pa.array([7], pa.uint32()), pa.array([9], pa.uint32())], schema=RECORD_SCHEMA)
-    raw = probe.serialize().to_pybytes()
-    lsn_at = 8 + int.from_bytes(raw[4:8], "little")
-    meta_at = lsn_at + 8 + 8 + 8 + 8  # lsn, kind offsets, "k" padded to 8, meta offsets
-    if raw[lsn_at:lsn_at + 8] != _I64.pack(-2) or raw[-16:] != _U32.pack(7) + _ZERO4 + _U32.pack(9) + _ZERO4 or \
-            raw[meta_at:meta_at + 2] != b"{}" or raw[meta_at + 16:meta_at + 19] != b"xyz":
-        raise ImportError("arrowbuf.persist.journal: this pyarrow lays out IPC bodies differently than the journal "
-                          "format expects")  # pragma: no cover
-
-
-_check_layout()
-
-
-def table_bytes(table: pa.Table | pa.RecordBatch) -> pa.Buffer:
-    """A table as an Arrow IPC stream (a record's payload)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write(table)
-    return sink.getvalue()
-
-
-def payload_table(payload: bytes) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
 
 
 @dataclass
@@ -290,7 +175,7 @@ class Journal:
                 raise InvalidArgument("the journal is closed")
             lsn = self._next
             pieces, crc = seal(record, lsn, self._prev, meta)
-            size = _writev_all(self._fd, pieces)
+            size = _writev_all(self._fd, pieces, record.size)
             self._prev = crc
             self._next += 1
             self._size += size
@@ -784,16 +669,24 @@ def _write_all(fd: int, data: Any) -> None:
         view = view[n:]
 
 
-def _writev_all(fd: int, pieces: list[Any]) -> int:
-    """Write `pieces` in order with as few `writev` calls as the kernel allows; returns the bytes written."""
+def _writev_all(fd: int, pieces: list[Any], total: int | None = None) -> int:
+    """Write `pieces` in order with as few `writev` calls as the kernel allows; returns the bytes written.
+    `total`: their size, when the caller knows it (one `writev` of the pieces as they are, the common case)."""
+    if total is not None:
+        n = os.writev(fd, pieces)
+        if n == total:
+            return total
+    else:
+        n = 0
     views = [memoryview(p).cast("B") for p in pieces]
     total = sum(len(v) for v in views)
     while views:
-        n = os.writev(fd, views)
         while views and n >= len(views[0]):
             n -= len(views[0])
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+            n = 0
+        if views:
+            n = os.writev(fd, views)
     return total
-

@@ -91,6 +91,21 @@ def _batch_meta(first: int, n: int, who: str, at_us: int | None = None) -> dict[
     return {"first": int(first), "n": int(n), "w": who, "t": _now_us() if at_us is None else int(at_us)}
 
 
+_WIDTHS: dict[tuple[int, str], int] = {}
+
+
+def _meta_width(n: int, who: str) -> int:
+    """The widest meta a batch record of `n` rows by `who` can have (`_batch_meta`: its first seq is known only at
+    the reservation); cached."""
+    key = (n, who)
+    w = _WIDTHS.get(key)
+    if w is None:
+        if len(_WIDTHS) > 1024:
+            _WIDTHS.clear()
+        w = _WIDTHS[key] = len(json.dumps(_batch_meta(2 ** 63 - 1, n, who, 2 ** 63 - 1), separators=(",", ":")))
+    return w
+
+
 class DurableLog:
     """The journaling side of one durable store (module docstring). Built by the facade, with its parts."""
 
@@ -166,9 +181,9 @@ class DurableLog:
                 return np.zeros(0, dtype=np.int64)
             # the record is encoded and checksummed here, outside every lock: the reservation (`note_issued`) only
             # adds its lsn and seqs (a fixed-width meta), so writers overlap the checksum with each other's writes
-            payload = jr.table_bytes(columns_table(cols))
+            payload = jr.table_pieces(columns_table(cols))  # the IPC stream's pieces: written without joining
             who = identity.current()
-            width = len(json.dumps(_batch_meta(2 ** 63 - 1, n, who, 2 ** 63 - 1), separators=(",", ":")))
+            width = _meta_width(n, who)
             pending = _Pending(payload, n, jr.prepare("batch", {"first": 0, "n": n}, payload, meta_width=width),
                                True, who)
             self._local.pending = pending  # `note_issued` appends the batch record at the reservation
