@@ -46,6 +46,7 @@ Usage::
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import json
 import os
@@ -65,6 +66,7 @@ from .record import (
     RECORD_SCHEMA,
     Prepared,
     encode,
+    meta_bytes,
     payload_table,
     prepare,
     record_crc,
@@ -106,7 +108,9 @@ class Record:
 
 class Journal:
     """An open journal: appends records to the newest segment and makes them durable under `policy` (module
-    docstring). Thread-safe; `append` is cheap (one `write`), `wait` is where a caller pays for durability."""
+    docstring). Thread-safe. `append` queues a record (its lsn is its place in commit order) and writes the queue
+    up to it; `append_prepared(..., defer=True)` leaves the write to the journal's thread (`sync_soon`) or to the
+    next `wait`/`flush`, so the caller's next work overlaps it; `wait` is where a caller pays for durability."""
 
     def __init__(self, directory: str, policy: str = "group", first_lsn: int = 0,
                  window_s: float = GROUP_WINDOW_S, lock_fd: int | None = None) -> None:
@@ -116,17 +120,24 @@ class Journal:
         self._owner = lock_journal(directory) if lock_fd is None else lock_fd
         self.policy = policy
         self.window_s = window_s
-        # lock order: _sync_lock, then _lock. _lock: appends (the file and next lsn), briefly; _sync_lock: one
-        # fdatasync at a time, and no fd is closed (rotation, close) while one runs
+        # lock order: _sync_lock, then _io, then _lock. _lock (brief): the next lsn and the queue of records not
+        # written yet; _io: the file (one writer at a time, records written in lsn order); _sync_lock: one
+        # fdatasync at a time, and no fd is closed while one runs (a rotation retires the old fd: closed later)
         self._lock = threading.Lock()
+        self._io = threading.Lock()
         self._sync_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())  # the durable lsn and the count of waiting callers
         self._next = int(first_lsn)
+        self._queue: collections.deque[tuple[int, Prepared | None, bytes | None]] = collections.deque()
+        self._queued_bytes = len(_SCHEMA_BYTES)  # the newest segment's bytes, with the queued records
+        self._written = int(first_lsn) - 1  # the last record written (in the page cache)
         self._durable = int(first_lsn) - 1
         self._coming = 0  # records announced (`expect`) and not appended yet: what a group commit waits for
         self._fd = -1
+        self._retired: list[int] = []  # fds of rotated segments, closed by the next fdatasync's caller
         self._size = 0
         self._closed = False
+        self._error: OSError | None = None  # a write failed: the file may end in a partial record; no more writes
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0}
         self._kick = threading.Condition(threading.Lock())  # `sync_soon` requests for the sync thread
         self._kick_upto = -1
@@ -135,7 +146,7 @@ class Journal:
 
     # ------------------------------------------------------------------ writing
     def _open_segment(self) -> None:
-        path = os.path.join(self.dir, segment_name(self._next))
+        path = os.path.join(self.dir, segment_name(self._written + 1))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW, 0o644)
         _write_all(fd, _SCHEMA_BYTES)
         os.fsync(fd)
@@ -143,7 +154,7 @@ class Journal:
         self._fd, self._size, self._prev = fd, len(_SCHEMA_BYTES), _SCHEMA_CRC
 
     def append(self, kind: str, meta: dict[str, Any], payload: Any = b"") -> int:
-        """Append one record (in the order of the calls); returns its ticket for `wait`."""
+        """Append one record (in the order of the calls) and write it; returns its ticket for `wait`."""
         return self.append_prepared(prepare(kind, meta, payload))
 
     def expect(self) -> None:
@@ -159,34 +170,95 @@ class Journal:
             self._coming = max(0, self._coming - 1)
             self._cond.notify_all()
 
-    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None, expected: bool = False) -> int:
-        """Append a record `prepare`d before (outside this journal's lock: the payload's copy and checksum are
-        done by then), with `meta` if given (within the width prepared); returns its ticket for `wait`.
-        `expected`: the record announced by this caller's `expect` (counted as arrived, even if this raises)."""
+    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None, expected: bool = False,
+                        defer: bool = False) -> int:
+        """Append a record `prepare`d before (outside this journal's locks: the payload's checksum is done by
+        then), with `meta` if given (within the width prepared); returns its ticket (its lsn) for `wait`.
+        The record's place (its lsn: commit order) is taken here; it is written here too unless `defer`: then
+        the journal's thread writes it (`sync_soon`), or the next `wait`/`flush` that needs it; the payload's
+        buffers must stay unchanged until then. `expected`: the record announced by this caller's `expect`
+        (counted as arrived, even if this raises)."""
         try:
-            return self._append_prepared(record, meta)
+            meta_b = None if meta is None else meta_bytes(record, meta)  # a meta too wide fails here, not later
+            with self._lock:
+                if self._closed or self._error is not None:
+                    raise self._error or InvalidArgument("the journal is closed")
+                lsn = self._next
+                self._next += 1
+                self._queue.append((lsn, record, meta_b))
+                self._queued_bytes += record.size
+                if self._queued_bytes >= SEGMENT_BYTES:  # the segment is full: the next record starts a new one
+                    self._queue.append((self._next, None, None))
+                    self._next += 1
+                    self._queued_bytes = len(_SCHEMA_BYTES)
         finally:
             if expected:
                 self.unexpect()
-
-    def _append_prepared(self, record: Prepared, meta: dict[str, Any] | None) -> int:
-        with self._lock:
-            if self._closed:
-                raise InvalidArgument("the journal is closed")
-            lsn = self._next
-            pieces, crc = seal(record, lsn, self._prev, meta)
-            size = _writev_all(self._fd, pieces, record.size)
-            self._prev = crc
-            self._next += 1
-            self._size += size
-            self.stats["records"] += 1
-            self.stats["bytes"] += size
-            if self.policy == "os":
-                self._durable = lsn
-            full = self._size >= SEGMENT_BYTES
-        if full:
-            self.rotate(only_if_full=True)
+        if not defer:
+            self.flush(lsn)
         return lsn
+
+    def flush(self, ticket: int) -> None:
+        """Return once record `ticket` (and every one before it) is written to the segment (in the operating
+        system's page cache): writes the queued records itself if no other thread is writing them.
+
+        Raises:
+            OSError: a write failed (the journal writes nothing more; the store cannot acknowledge).
+        """
+        while self._written < ticket:
+            with self._io:
+                if self._error is not None:
+                    raise self._error
+                if self._written >= ticket:
+                    return
+                try:
+                    self._write_queued()
+                except OSError as exc:
+                    self._error = exc
+                    with self._cond:
+                        self._cond.notify_all()
+                    raise
+
+    def _write_queued(self) -> None:
+        """Write the queued records (under `_io`): the records before the first rotation in one `writev`, chained
+        (each seals the previous one's crc32); at a rotation the segment is closed with its `end` record."""
+        with self._lock:
+            items: list[tuple[int, Prepared | None, bytes | None]] = []
+            while self._queue and self._queue[0][1] is not None and len(items) < 512:
+                items.append(self._queue.popleft())
+            rotate = not items and bool(self._queue)
+            if rotate:
+                end_lsn = self._queue.popleft()[0]
+        if rotate:
+            _writev_all(self._fd, seal(prepare("end", {}), end_lsn, self._prev)[0])
+            os.fdatasync(self._fd)  # the old segment whole on disk: the new one's records never outlive it
+            self._retired.append(self._fd)
+            self._written = end_lsn
+            self.stats["fsyncs"] += 1
+            with self._cond:
+                self._durable = max(self._durable, end_lsn)
+                self._cond.notify_all()
+            self._open_segment()
+            return
+        pieces: list[Any] = []
+        total, prev = 0, self._prev
+        for lsn, record, meta in items:
+            assert record is not None
+            p, prev = seal(record, lsn, prev, meta)
+            pieces.extend(p)
+            total += record.size
+        for i in range(0, len(pieces), 1000):  # IOV_MAX
+            chunk = pieces[i:i + 1000]
+            _writev_all(self._fd, chunk, None if i or len(pieces) > 1000 else total)
+        self._prev = prev
+        self._size += total
+        self._written = items[-1][0]
+        self.stats["records"] += len(items)
+        self.stats["bytes"] += total
+        if self.policy == "os":
+            with self._cond:
+                self._durable = self._written
+                self._cond.notify_all()
 
     def record_consumed(self, task: str, seqs: np.ndarray, meta: dict[str, Any] | None = None) -> int:
         """Record that `task` consumed the rows `seqs` (the consume path calls this when it marks rows consumed
@@ -204,11 +276,18 @@ class Journal:
         """Return once the record `ticket` (and every one before it) is durable under the policy (True), or, with a
         `timeout`, after that many seconds if it is not (False; the journal's sync thread goes on with it).
 
-        Leader and followers: a caller takes the sync lock and fdatasyncs everything appended so far; callers that
-        arrive meanwhile queue on the lock and find their records covered (one fdatasync for all of them) or sync the
-        next batch. "group" first waits (at most its window) for records other writers announced (`expect`).
+        Leader and followers: a caller takes the sync lock and fdatasyncs everything written so far (writing the
+        queued records up to its own first); callers that arrive meanwhile queue on the lock and find their records
+        covered (one fdatasync for all of them) or sync the next batch. "group" first waits (at most its window)
+        for records other writers announced (`expect`).
+
+        Raises:
+            OSError: the journal could not write or sync the record (it is not acknowledged).
         """
         if self._durable >= ticket:
+            return True
+        if self.policy == "os":
+            self.flush(ticket)
             return True
         if timeout is not None:
             return self._wait_for(ticket, timeout)
@@ -220,18 +299,20 @@ class Journal:
         self.sync_soon(ticket)
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
-            while self._durable < ticket and not self._closed:
+            while self._durable < ticket and not self._closed and self._error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            return self._durable >= ticket
+        if self._durable < ticket and self._error is not None:
+            raise self._error
+        return self._durable >= ticket
 
     def sync_soon(self, ticket: int) -> None:
-        """Start making record `ticket` durable on the journal's sync thread and return at once: a writer that
-        appends its record before it copies its rows calls this, copies (the fdatasync runs meanwhile), then
-        `wait`s, which then mostly finds the record durable. No-op under "os"."""
-        if self.policy == "os" or self._durable >= ticket:
+        """Start writing record `ticket` and (but under "os") making it durable on the journal's sync thread, and
+        return at once: a writer that appends its record (`defer=True`) before it copies its rows calls this,
+        copies (the write and the fdatasync run meanwhile), then `wait`s, which then mostly finds it done."""
+        if self._durable >= ticket:
             return
         with self._kick:
             if self._syncer is None and not self._closed:
@@ -249,20 +330,27 @@ class Journal:
                     return
                 upto = self._kick_upto
             try:
-                self._sync_upto(upto, gather=self.policy == "group")
-            except OSError:  # the callers' `wait` syncs again and raises to them
+                if self.policy == "os":
+                    self.flush(upto)
+                else:
+                    self._sync_upto(upto, gather=self.policy == "group")
+            except OSError:  # the callers' `wait` raises to them
                 with self._kick:
                     self._kick_upto = self._durable
 
     def _sync_upto(self, ticket: int, gather: bool = False) -> None:
+        self.flush(ticket)
         with self._sync_lock:
             if self._durable >= ticket or self._closed:
                 return
             if gather:
                 self._gather()
-            with self._lock:
-                fd, last = self._fd, self._next - 1
+                self.flush(self._next - 1)  # the records that came meanwhile share this fdatasync
+            with self._io:
+                fd, last, retired, self._retired = self._fd, self._written, self._retired, []
             os.fdatasync(fd)
+            for old in retired:
+                os.close(old)
             self.stats["fsyncs"] += 1
             with self._cond:
                 self._durable = max(self._durable, last)
@@ -281,23 +369,19 @@ class Journal:
 
     def rotate(self, only_if_full: bool = False) -> int:
         """Start a new segment (the old one is closed with an `end` record and synced); returns its first lsn: the
-        records from there on are those a checkpoint taken now does not cover."""
-        with self._sync_lock, self._lock:
+        records from there on are those a checkpoint taken now does not cover. (A segment that passes
+        `SEGMENT_BYTES` is rotated as records are appended: `only_if_full` is kept for callers of old.)"""
+        with self._lock:
             if self._closed:
                 raise InvalidArgument("the journal is closed")
-            if only_if_full and self._size < SEGMENT_BYTES:
+            if only_if_full:
                 return self._next
-            lsn = self._next
-            _writev_all(self._fd, seal(prepare("end", {}), lsn, self._prev)[0])
+            end_lsn = self._next
+            self._queue.append((end_lsn, None, None))
             self._next += 1
-            os.fdatasync(self._fd)
-            os.close(self._fd)
-            self.stats["fsyncs"] += 1
-            with self._cond:
-                self._durable = max(self._durable, lsn)
-                self._cond.notify_all()
-            self._open_segment()
-            return self._next
+            self._queued_bytes = len(_SCHEMA_BYTES)
+        self.flush(end_lsn)
+        return end_lsn + 1
 
     def truncate_before(self, lsn: int) -> int:
         """Delete the segments holding only records before `lsn` (a checkpoint covers them); returns how many."""
@@ -320,20 +404,29 @@ class Journal:
     @property
     def durable_lsn(self) -> int:
         """The last record durable under the policy (every record up to it survives a crash); `next_lsn - 1` when
-        nothing waits for an fdatasync."""
+        nothing waits for a write or an fdatasync."""
         return self._durable
 
     def close(self) -> None:
-        """Make everything durable and close; idempotent."""
-        with self._sync_lock, self._lock:
+        """Write and make everything durable, and close; idempotent."""
+        if self._error is None and not self._closed:
+            try:
+                self.flush(self._next - 1)
+            except OSError:
+                pass  # closed below all the same; the records not written are not acknowledged
+        with self._sync_lock, self._io, self._lock:
             if self._closed:
                 return
             try:
-                os.fdatasync(self._fd)
+                if self._error is None:
+                    os.fdatasync(self._fd)
             finally:
-                os.close(self._fd)
+                for fd in (*self._retired, self._fd):
+                    os.close(fd)
+                self._retired = []
             with self._cond:
-                self._durable = self._next - 1
+                if self._error is None:
+                    self._durable = self._written
                 self._closed = True
                 self._cond.notify_all()
             os.close(self._owner)  # releases the directory

@@ -109,17 +109,27 @@ def _prepare_slow(k: bytes, m: bytes, pieces: list[Any], size: int) -> Prepared:
     return Prepared(bytearray(view[:p0]), lsn_at, meta_at, len(m), [view[p0:-16]], len(view), crc32(view[p0:-16]))
 
 
-def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | None = None) -> tuple[list[Any], int]:
+def meta_bytes(p: Prepared, meta: dict[str, Any]) -> bytes:
+    """`meta` as the JSON `seal` writes in the width `p` reserved for it.
+
+    Raises:
+        InvalidArgument: it does not fit.
+    """
+    b = json.dumps(meta, separators=(",", ":")).encode()
+    if len(b) > p.meta_w:
+        raise InvalidArgument(f"a journal record's meta grew past the {p.meta_w} bytes prepared for it")
+    return b.ljust(p.meta_w)
+
+
+def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | bytes | None = None) -> tuple[list[Any], int]:
     """The pieces of a prepared record at `lsn` after the record whose crc32 is `prev` (in order, for one `writev`),
     and its crc32: CRC-32 of the payload's bytes (from its data buffer to the prev slot), continued over the bytes
     before them (framing, metadata, lsn, kind, meta, payload offsets), then prev and its padding: every byte of the
-    record but the crc32 slot's 8. `meta`: the record's meta now (it must fit the width `prepare` reserved)."""
+    record but the crc32 slot's 8. `meta`: the record's meta now (it must fit the width `prepare` reserved), or
+    `meta_bytes` of it."""
     h = p.head
     if meta is not None:
-        meta_b = json.dumps(meta, separators=(",", ":")).encode()
-        if len(meta_b) > p.meta_w:
-            raise InvalidArgument(f"a journal record's meta grew past the {p.meta_w} bytes prepared for it")
-        h[p.meta_at:p.meta_at + p.meta_w] = meta_b.ljust(p.meta_w)
+        h[p.meta_at:p.meta_at + p.meta_w] = meta if isinstance(meta, bytes) else meta_bytes(p, meta)
     _I64.pack_into(h, p.lsn_at, lsn)
     prev_b = U32.pack(prev) + ZERO4
     crc = crc32(prev_b, crc32(h, p.crc))

@@ -149,8 +149,10 @@ class DurableLog:
                 os.kill(os.getpid(), signal.SIGKILL)
             pending.first = first
             expected, pending.expected = pending.expected, False
+            # its place in commit order is taken here; the journal's thread writes it (and under "group" and
+            # "batch" syncs it) while this writer copies the rows; `extend` then waits for it
             pending.ticket = self.journal.append_prepared(pending.record, _batch_meta(first, pending.n, pending.who),
-                                                          expected=expected)
+                                                          expected=expected, defer=True)
             with self._order:
                 self._recorded = max(self._recorded, first + pending.n)
             self.journal.sync_soon(pending.ticket)
@@ -204,6 +206,7 @@ class DurableLog:
                 "batch", _batch_meta(int(ids[0]), n, pending.who), pending.payload))
             self.journal.sync_soon(pending.ticket)
         if not wait:
+            self.journal.flush(pending.ticket)  # written (a kill of the process loses nothing returned)
             return PendingWrite(ids, self.journal, pending.ticket)
         self.journal.wait(pending.ticket)
         return ids
