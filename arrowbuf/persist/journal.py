@@ -64,6 +64,7 @@ from .manifest import fsync_dir as _fsync_dir
 from .record import (
     FORMAT_VERSION,
     RECORD_SCHEMA,
+    Deferred,
     Prepared,
     encode,
     meta_bytes,
@@ -80,9 +81,9 @@ from .record import U32 as _U32
 from .record import V1_SCHEMA_BYTES as _V1_SCHEMA_BYTES
 from .record import ZERO4 as _ZERO4
 
-__all__ = ["FORMAT_VERSION", "RECORD_SCHEMA", "Prepared", "encode", "payload_table", "prepare", "record_crc", "seal",
-           "table_bytes", "table_pieces", "Journal", "Record", "read_segments", "read_journal", "seal_last",
-           "segments", "lock_journal", "TornTail"]
+__all__ = ["FORMAT_VERSION", "RECORD_SCHEMA", "Prepared", "Deferred", "encode", "payload_table", "prepare",
+           "record_crc", "seal", "table_bytes", "table_pieces", "Journal", "Record", "read_segments", "read_journal",
+           "seal_last", "segments", "lock_journal", "TornTail"]
 
 JOURNAL = "_journal"
 OWNER = "_owner.lock"
@@ -128,7 +129,7 @@ class Journal:
         self._sync_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())  # the durable lsn and the count of waiting callers
         self._next = int(first_lsn)
-        self._queue: collections.deque[tuple[int, Prepared | None, bytes | None]] = collections.deque()
+        self._queue: collections.deque[tuple[int, Prepared | Deferred | None, bytes | None]] = collections.deque()
         self._queued_bytes = len(_SCHEMA_BYTES)  # the newest segment's bytes, with the queued records
         self._written = int(first_lsn) - 1  # the last record written (in the page cache)
         self._durable = int(first_lsn) - 1
@@ -170,14 +171,14 @@ class Journal:
             self._coming = max(0, self._coming - 1)
             self._cond.notify_all()
 
-    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None, expected: bool = False,
-                        defer: bool = False) -> int:
+    def append_prepared(self, record: Prepared | Deferred, meta: dict[str, Any] | None = None,
+                        expected: bool = False, defer: bool = False) -> int:
         """Append a record `prepare`d before (outside this journal's locks: the payload's checksum is done by
         then), with `meta` if given (within the width prepared); returns its ticket (its lsn) for `wait`.
         The record's place (its lsn: commit order) is taken here; it is written here too unless `defer`: then
         the journal's thread writes it (`sync_soon`), or the next `wait`/`flush` that needs it; the payload's
         buffers must stay unchanged until then. `expected`: the record announced by this caller's `expect`
-        (counted as arrived, even if this raises)."""
+        (counted as arrived, even if this raises). A `Deferred` record is encoded when it is written."""
         try:
             meta_b = None if meta is None else meta_bytes(record, meta)  # a meta too wide fails here, not later
             with self._lock:
@@ -223,7 +224,7 @@ class Journal:
         """Write the queued records (under `_io`): the records before the first rotation in one `writev`, chained
         (each seals the previous one's crc32); at a rotation the segment is closed with its `end` record."""
         with self._lock:
-            items: list[tuple[int, Prepared | None, bytes | None]] = []
+            items: list[tuple[int, Prepared | Deferred | None, bytes | None]] = []
             while self._queue and self._queue[0][1] is not None and len(items) < 512:
                 items.append(self._queue.popleft())
             rotate = not items and bool(self._queue)
@@ -243,6 +244,11 @@ class Journal:
         pieces: list[Any] = []
         total, prev = 0, self._prev
         for lsn, record, meta in items:
+            if isinstance(record, Deferred):
+                try:
+                    record = record.build()
+                except Exception as exc:  # never an ill-formed record in the file: the journal fails instead
+                    raise OSError(f"a journal record could not be encoded: {exc!r}") from exc
             assert record is not None
             p, prev = seal(record, lsn, prev, meta)
             pieces.extend(p)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,17 @@ class Prepared:
     pieces: list[Any]  # the payload's bytes and their padding to 8 (the message's bytes up to the prev slot)
     size: int      # the whole message's bytes
     crc: int       # CRC-32 of `pieces`
+
+
+@dataclass
+class Deferred:
+    """A record to be `prepare`d when it is written (by the journal's thread, off the appending caller's): `build`
+    returns it; `size` estimates its bytes (a segment rotates once past its size); `meta_w` is the meta width
+    `build` reserves. What `build` reads must not change until the record is written."""
+
+    build: Callable[[], Prepared]
+    size: int
+    meta_w: int
 
 
 def _payload_pieces(payload: Any) -> tuple[list[Any], int]:
@@ -109,7 +121,7 @@ def _prepare_slow(k: bytes, m: bytes, pieces: list[Any], size: int) -> Prepared:
     return Prepared(bytearray(view[:p0]), lsn_at, meta_at, len(m), [view[p0:-16]], len(view), crc32(view[p0:-16]))
 
 
-def meta_bytes(p: Prepared, meta: dict[str, Any]) -> bytes:
+def meta_bytes(p: Prepared | Deferred, meta: dict[str, Any]) -> bytes:
     """`meta` as the JSON `seal` writes in the width `p` reserved for it.
 
     Raises:

@@ -70,11 +70,13 @@ def read_policy(root: str) -> str | None:
 
 
 class _Pending:
-    """A batch being extended: its payload, and once its seqs are reserved its first seq and journal ticket."""
+    """A batch being extended: its validated columns, its record (encoded when the journal writes it), and once its
+    seqs are reserved its first seq and journal ticket."""
 
     __slots__ = ("payload", "n", "record", "first", "ticket", "expected", "who")
 
-    def __init__(self, payload: Any, n: int, record: jr.Prepared, expected: bool = False, who: str = "") -> None:
+    def __init__(self, payload: Any, n: int, record: jr.Prepared | jr.Deferred, expected: bool = False,
+                 who: str = "") -> None:
         self.payload, self.n, self.record, self.who = payload, n, record, who
         self.first = -1
         self.ticket: int | None = None
@@ -104,6 +106,11 @@ def _meta_width(n: int, who: str) -> int:
             _WIDTHS.clear()
         w = _WIDTHS[key] = len(json.dumps(_batch_meta(2 ** 63 - 1, n, who, 2 ** 63 - 1), separators=(",", ":")))
     return w
+
+
+def _cols_bytes(cols: dict[str, Any]) -> int:
+    """About the bytes of a batch record of validated columns `cols` (a segment rotates once past its size)."""
+    return 1024 + sum(int(getattr(c, "nbytes", 0) or 0) for c in cols.values())
 
 
 class DurableLog:
@@ -181,13 +188,14 @@ class DurableLog:
             cols, n = self.core.schema.validate_batch(batch, single=single)
             if n == 0:
                 return np.zeros(0, dtype=np.int64)
-            # the record is encoded and checksummed here, outside every lock: the reservation (`note_issued`) only
-            # adds its lsn and seqs (a fixed-width meta), so writers overlap the checksum with each other's writes
-            payload = jr.table_pieces(columns_table(cols))  # the IPC stream's pieces: written without joining
+            # the record is encoded (IPC stream in pieces, no joined copy) and checksummed on the journal's thread
+            # when it writes it, while this writer copies the rows; the reservation (`note_issued`) takes its place
+            # in commit order and gives its seqs (a fixed-width meta). `extend` returns once it is written
             who = identity.current()
             width = _meta_width(n, who)
-            pending = _Pending(payload, n, jr.prepare("batch", {"first": 0, "n": n}, payload, meta_width=width),
-                               True, who)
+            pending = _Pending(cols, n, jr.Deferred(lambda: jr.prepare(
+                "batch", {"first": 0, "n": n}, jr.table_pieces(columns_table(cols)), meta_width=width),
+                _cols_bytes(cols), width), True, who)
             self._local.pending = pending  # `note_issued` appends the batch record at the reservation
             ids = self.writer.extend_columns(cols, n, timeout=timeout)
         except BaseException:
@@ -203,7 +211,7 @@ class DurableLog:
         assert pending is not None
         if pending.ticket is None:  # not reserved through the writer's hook (never expected): record it now
             pending.ticket = self._record_batch(int(ids[0]), n, jr.prepare(
-                "batch", _batch_meta(int(ids[0]), n, pending.who), pending.payload))
+                "batch", _batch_meta(int(ids[0]), n, pending.who), jr.table_pieces(columns_table(pending.payload))))
             self.journal.sync_soon(pending.ticket)
         if not wait:
             self.journal.flush(pending.ticket)  # written (a kill of the process loses nothing returned)

@@ -149,3 +149,22 @@ def test_wait_false_returns_written_records(tmp_path):
             h.wait()
         assert os.path.getsize(seg) > 0
         s.close()
+
+
+def test_a_record_that_cannot_be_encoded_fails_the_journal_not_the_file(tmp_path):
+    """A `Deferred` record is encoded when it is written; if that fails, its waiter gets OSError, nothing more is
+    written (never an ill-formed record), and what was written before reads back intact."""
+    j = jr.Journal(str(tmp_path), "group")
+    j.wait(j.append("batch", {"i": 0}, b"ok"))
+
+    def broken() -> jr.Prepared:
+        raise ValueError("boom")
+
+    t = j.append_prepared(jr.Deferred(broken, 100, 0), defer=True)
+    with pytest.raises(OSError, match="could not be encoded"):
+        j.wait(t)
+    with pytest.raises(OSError):
+        j.append("batch", {"i": 2}, b"late")
+    j.close()
+    recs, torn, nxt = jr.read_segments(str(tmp_path), 0)
+    assert [r.meta["i"] for r in recs] == [0] and torn is None and nxt == 1
