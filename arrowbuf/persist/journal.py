@@ -297,7 +297,13 @@ class Journal:
             return True
         if timeout is not None:
             return self._wait_for(ticket, timeout)
-        self._sync_upto(ticket, gather=self.policy == "group")
+        syncer = self._syncer
+        with self._cond:  # the sync thread has it in hand (`sync_soon`): wait for it rather than sync twice
+            while self._durable < ticket and self._kick_upto >= ticket and not self._closed and \
+                    self._error is None and syncer is not None and syncer.is_alive():
+                self._cond.wait(0.05)
+        if self._durable < ticket:
+            self._sync_upto(ticket, gather=self.policy == "group")
         return True
 
     def _wait_for(self, ticket: int, timeout: float) -> bool:
@@ -340,9 +346,11 @@ class Journal:
                     self.flush(upto)
                 else:
                     self._sync_upto(upto, gather=self.policy == "group")
-            except OSError:  # the callers' `wait` raises to them
+            except OSError:  # the callers' `wait` syncs itself and raises to them
                 with self._kick:
                     self._kick_upto = self._durable
+                with self._cond:
+                    self._cond.notify_all()
 
     def _sync_upto(self, ticket: int, gather: bool = False) -> None:
         self.flush(ticket)
