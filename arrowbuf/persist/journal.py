@@ -80,6 +80,8 @@ from .record import SCHEMA_CRC as _SCHEMA_CRC
 from .record import U32 as _U32
 from .record import V1_SCHEMA_BYTES as _V1_SCHEMA_BYTES
 from .record import ZERO4 as _ZERO4
+from .record import write_all as _write_all
+from .record import writev_all as _writev_all
 
 __all__ = ["FORMAT_VERSION", "RECORD_SCHEMA", "Prepared", "Deferred", "encode", "payload_table", "prepare",
            "record_crc", "seal", "table_bytes", "table_pieces", "Journal", "Record", "read_segments", "read_journal",
@@ -199,13 +201,16 @@ class Journal:
             self.flush(lsn)
         return lsn
 
-    def flush(self, ticket: int) -> None:
+    def flush(self, ticket: int, help_: bool = True) -> None:
         """Return once record `ticket` (and every one before it) is written to the segment (in the operating
-        system's page cache): writes the queued records itself if no other thread is writing them.
+        system's page cache): writes the queued records itself if no other thread is writing them (with
+        `help_=False`, waits instead while the sync thread has the record in hand).
 
         Raises:
             OSError: a write failed (the journal writes nothing more; the store cannot acknowledge).
         """
+        if not help_:
+            self._await_syncer(ticket, lambda: self._written)
         while self._written < ticket:
             with self._io:
                 if self._error is not None:
@@ -261,10 +266,10 @@ class Journal:
         self._written = items[-1][0]
         self.stats["records"] += len(items)
         self.stats["bytes"] += total
-        if self.policy == "os":
-            with self._cond:
+        with self._cond:
+            if self.policy == "os":
                 self._durable = self._written
-                self._cond.notify_all()
+            self._cond.notify_all()
 
     def record_consumed(self, task: str, seqs: np.ndarray, meta: dict[str, Any] | None = None) -> int:
         """Record that `task` consumed the rows `seqs` (the consume path calls this when it marks rows consumed
@@ -293,18 +298,23 @@ class Journal:
         if self._durable >= ticket:
             return True
         if self.policy == "os":
-            self.flush(ticket)
+            self.flush(ticket, help_=False)
             return True
         if timeout is not None:
             return self._wait_for(ticket, timeout)
-        syncer = self._syncer
-        with self._cond:  # the sync thread has it in hand (`sync_soon`): wait for it rather than sync twice
-            while self._durable < ticket and self._kick_upto >= ticket and not self._closed and \
-                    self._error is None and syncer is not None and syncer.is_alive():
-                self._cond.wait(0.05)
+        self._await_syncer(ticket, lambda: self._durable)
         if self._durable < ticket:
             self._sync_upto(ticket, gather=self.policy == "group")
         return True
+
+    def _await_syncer(self, ticket: int, done: Any) -> None:
+        """While the sync thread has record `ticket` in hand (`sync_soon`), wait until `done()` >= ticket: its
+        write or fdatasync is not done twice, nor on the caller's thread; returns at once otherwise."""
+        syncer = self._syncer
+        with self._cond:
+            while done() < ticket and self._kick_upto >= ticket and not self._closed and self._error is None and \
+                    syncer is not None and syncer.is_alive():
+                self._cond.wait(0.05)
 
     def _wait_for(self, ticket: int, timeout: float) -> bool:
         """`wait` with a timeout: the sync thread makes the record durable; this waits for it, at most `timeout`."""
@@ -767,33 +777,3 @@ def seal_last(directory: str, next_lsn: int, torn: TornTail | None, prev: int | 
         f.flush()
         os.fsync(f.fileno())
     return next_lsn + 1
-
-
-def _write_all(fd: int, data: Any) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def _writev_all(fd: int, pieces: list[Any], total: int | None = None) -> int:
-    """Write `pieces` in order with as few `writev` calls as the kernel allows; returns the bytes written.
-    `total`: their size, when the caller knows it (one `writev` of the pieces as they are, the common case)."""
-    if total is not None:
-        n = os.writev(fd, pieces)
-        if n == total:
-            return total
-    else:
-        n = 0
-    views = [memoryview(p).cast("B") for p in pieces]
-    total = sum(len(v) for v in views)
-    while views:
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-            n = 0
-        if views:
-            n = os.writev(fd, views)
-    return total

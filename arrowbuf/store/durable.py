@@ -214,7 +214,7 @@ class DurableLog:
                 "batch", _batch_meta(int(ids[0]), n, pending.who), jr.table_pieces(columns_table(pending.payload))))
             self.journal.sync_soon(pending.ticket)
         if not wait:
-            self.journal.flush(pending.ticket)  # written (a kill of the process loses nothing returned)
+            self.journal.flush(pending.ticket, help_=False)  # written (a kill of the process loses nothing returned)
             return PendingWrite(ids, self.journal, pending.ticket)
         self.journal.wait(pending.ticket)
         return ids
