@@ -99,10 +99,19 @@ def _store(kind: str, durable: str | None, policy: str | None, capacity: int) ->
 
 
 def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: float,
-           window: int = 0) -> dict[str, float]:
+           window: int = 0, offload: bool | None = None) -> dict[str, float]:
     """Rows/s of `writers` threads extending back to back for `seconds` (the ring wraps: steady state). `window`:
     each writer keeps that many writes unacknowledged (`extend(..., wait=False)`, then the oldest handle's `wait()`),
-    as a producer with a window does; 0: every extend acknowledges synchronously."""
+    as a producer with a window does; 0: every extend acknowledges synchronously. `offload`: a batch's record
+    encoded and written on the journal's thread (`arrowbuf.store.durable.OFFLOAD`; None: the default)."""
+    from arrowbuf.store import durable
+
+    if offload is not None:
+        default, durable.OFFLOAD = durable.OFFLOAD, offload
+        try:
+            return ingest(kind, where, policy, writers, seconds, window)
+        finally:
+            durable.OFFLOAD = default
     n = 256 if kind == "frames" else 64
     batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
     row_bytes = _row_bytes(kind, batch)
@@ -272,6 +281,11 @@ def run(where: str, quick: bool, sections: tuple[str, ...] = SECTIONS, kinds: tu
                 r = ingest(kind, where, policy, writers, secs)
                 res["ingest"][f"{kind} w{writers} {policy or 'none'}"] = r
             res["ingest"][f"{kind} w{writers} group+win4"] = ingest(kind, where, "group", writers, secs, window=4)
+            if kind == "grpo":  # the record encoded and written on the journal's thread instead of the writer's
+                res["ingest"][f"{kind} w{writers} group/offload"] = ingest(kind, where, "group", writers, secs,
+                                                                           offload=True)
+                res["ingest"][f"{kind} w{writers} group+win4/offload"] = ingest(kind, where, "group", writers, secs,
+                                                                                window=4, offload=True)
     res["flight"] = {f"{kind} {p or 'none'}": flight_ingest(kind, where, p, secs)
                      for kind in (kinds if "flight" in sections else ()) for p in (None, "group")}
     if "ack" in sections:
@@ -309,8 +323,10 @@ def table(res: dict[str, Any]) -> str:
                    f"{r['cpu_us_per_batch']:>9.0f}")
     out.append("x ceil: MB/s over min(the no-journal rate, sequential write bandwidth): a journal writes every byte to "
                "the disk, so that is the most it can reach (the disk bounds frames, the CPU bounds GRPO rows); "
-               "group+win4: each writer keeps 4 writes unacknowledged (extend(wait=False)); cpu us/b: the writer "
-               f"threads' CPU time per batch (holds under load); CRC-32: {res.get('crc32', '?')}")
+               "group+win4: each writer keeps 4 writes unacknowledged (extend(wait=False)); /offload: the batch's "
+               "record encoded and written on the journal's thread (ARROWBUF_JOURNAL_OFFLOAD=1); cpu us/b: the writer "
+               f"threads' CPU time per batch (holds under load; /offload moves part of it to the journal's thread); "
+               f"CRC-32: {res.get('crc32', '?')}")
     fl = res["flight"]
     for key, r in fl.items():
         kind, policy = key.split()

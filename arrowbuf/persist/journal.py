@@ -144,6 +144,7 @@ class Journal:
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0}
         self._kick = threading.Condition(threading.Lock())  # `sync_soon` requests for the sync thread
         self._kick_upto = -1
+        self._taken = -1  # the request the sync thread is working on
         self._syncer: threading.Thread | None = None
         self._open_segment()
 
@@ -308,11 +309,12 @@ class Journal:
         return True
 
     def _await_syncer(self, ticket: int, done: Any) -> None:
-        """While the sync thread has record `ticket` in hand (`sync_soon`), wait until `done()` >= ticket: its
-        write or fdatasync is not done twice, nor on the caller's thread; returns at once otherwise."""
+        """While the sync thread is working on record `ticket` (it took the `sync_soon` request), wait until
+        `done()` >= ticket: its write or fdatasync is not done twice, nor on the caller's thread; returns at once
+        otherwise (a sync thread not running yet, on a busy machine: the caller does the work itself)."""
         syncer = self._syncer
         with self._cond:
-            while done() < ticket and self._kick_upto >= ticket and not self._closed and self._error is None and \
+            while done() < ticket and self._taken >= ticket and not self._closed and self._error is None and \
                     syncer is not None and syncer.is_alive():
                 self._cond.wait(0.05)
 
@@ -350,7 +352,7 @@ class Journal:
                     self._kick.wait()
                 if self._closed:
                     return
-                upto = self._kick_upto
+                upto = self._taken = self._kick_upto
             try:
                 if self.policy == "os":
                     self.flush(upto)
@@ -358,7 +360,7 @@ class Journal:
                     self._sync_upto(upto, gather=self.policy == "group")
             except OSError:  # the callers' `wait` syncs itself and raises to them
                 with self._kick:
-                    self._kick_upto = self._durable
+                    self._kick_upto = self._taken = self._durable
                 with self._cond:
                     self._cond.notify_all()
 

@@ -45,6 +45,12 @@ DURABLE = "_durable.json"
 _KILL_AT: str | None = "ARROWBUF_PERSIST_KILL_AT" if "ARROWBUF_PERSIST_KILL_AT" in os.environ else None
 #: Kept checkpoints of a durable directory when the caller does not say.
 DEFAULT_KEEP = 2
+#: Whether a batch's record is encoded and written on the journal's thread while the writer copies its rows (True:
+#: the writer's thread pays ~half the journal's CPU, the hand-off costs CPU and wakeups), or encoded by the writer
+#: before its reservation and written at it (False, the default: one thread, no hand-off; the faster of the two on
+#: the 2-core machine it was measured on, docs/durability.md). `ARROWBUF_JOURNAL_OFFLOAD=1` turns it on; a store
+#: reads it when it opens its journal (`DurableLog.offload`). The journal's bytes are the same either way.
+OFFLOAD = os.environ.get("ARROWBUF_JOURNAL_OFFLOAD", "0") == "1"
 
 
 def check_new(root: str) -> None:
@@ -125,6 +131,7 @@ class DurableLog:
         self._mutate = threading.RLock()      # updates, priorities, tasks, versions: applied and logged in one order
         self._local = threading.local()       # the batch this thread is extending (`note_issued` records it)
         self.replayed: dict[str, int] = {}
+        self.offload = OFFLOAD
 
     @classmethod
     def create(cls, root: str, policy: str, core: Any, writer: Any, reader: Any, updater: Any,
@@ -159,10 +166,11 @@ class DurableLog:
             # its place in commit order is taken here; the journal's thread writes it (and under "group" and
             # "batch" syncs it) while this writer copies the rows; `extend` then waits for it
             pending.ticket = self.journal.append_prepared(pending.record, _batch_meta(first, pending.n, pending.who),
-                                                          expected=expected, defer=True)
+                                                          expected=expected, defer=self.offload)
             with self._order:
                 self._recorded = max(self._recorded, first + pending.n)
-            self.journal.sync_soon(pending.ticket)
+            if self.offload or self.journal.policy != "os":
+                self.journal.sync_soon(pending.ticket)
             return
         self.journal.append("issued", {"next": int(next_seq)})
 
@@ -193,9 +201,11 @@ class DurableLog:
             # in commit order and gives its seqs (a fixed-width meta). `extend` returns once it is written
             who = identity.current()
             width = _meta_width(n, who)
-            pending = _Pending(cols, n, jr.Deferred(lambda: jr.prepare(
+            deferred = jr.Deferred(lambda: jr.prepare(
                 "batch", {"first": 0, "n": n}, jr.table_pieces(columns_table(cols)), meta_width=width),
-                _cols_bytes(cols), width), True, who)
+                _cols_bytes(cols), width)
+            # without offload: encoded here, outside every lock, and written at the reservation
+            pending = _Pending(cols, n, deferred if self.offload else deferred.build(), True, who)
             self._local.pending = pending  # `note_issued` appends the batch record at the reservation
             ids = self.writer.extend_columns(cols, n, timeout=timeout)
         except BaseException:
@@ -282,10 +292,12 @@ class DurableLog:
         return bool(out)
 
     def stats(self) -> dict[str, Any]:
-        """For `store.stats()["journal"]`: policy, records, bytes and fsyncs since this store opened its journal,
+        """For `store.stats()["journal"]`: policy, whether records are written on the journal's thread (`OFFLOAD`),
+        records, bytes and fsyncs since this store opened its journal,
         the next record's lsn and the last durable one's, and what its restore replayed (records per kind, torn
         bytes dropped)."""
         return {"durability": self.journal.policy, "path": self.root, "crc32": CRC_IMPLEMENTATION,
+                "offload": self.offload,
                 **self.journal.stats,
                 "next_lsn": self.journal.next_lsn, "durable_lsn": self.journal.durable_lsn,
                 "replayed": dict(self.replayed)}

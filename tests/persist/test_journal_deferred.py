@@ -132,9 +132,13 @@ def test_a_failed_write_fails_every_later_record(tmp_path):
     assert torn is not None  # the partial record, dropped
 
 
-def test_wait_false_returns_written_records(tmp_path):
+@pytest.mark.parametrize("offload", [False, True])
+def test_wait_false_returns_written_records(tmp_path, monkeypatch, offload):
     """`extend(wait=False)` returns once the batch's record is written (a kill of the process loses nothing it
-    returned), under every policy, though its write was left to the journal's thread."""
+    returned), under every policy, whether the writer or the journal's thread (offload) writes it."""
+    from arrowbuf.store import durable
+
+    monkeypatch.setattr(durable, "OFFLOAD", offload)
     for policy in POLICIES:
         run = os.path.join(tmp_path, policy)
         s = ab.ExperienceStore({"name": "t", "fields": {"x": "int64"}}, capacity=1000, durable=run,
@@ -168,3 +172,37 @@ def test_a_record_that_cannot_be_encoded_fails_the_journal_not_the_file(tmp_path
     j.close()
     recs, torn, nxt = jr.read_segments(str(tmp_path), 0)
     assert [r.meta["i"] for r in recs] == [0] and torn is None and nxt == 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_offloaded_records_restore_exactly(tmp_path, monkeypatch, policy):
+    """With the records encoded and written on the journal's thread, 4 writers' batches (ragged and fixed columns)
+    restore exactly, in seq order."""
+    from arrowbuf.store import durable
+
+    monkeypatch.setattr(durable, "OFFLOAD", True)
+    schema = {"name": "t", "fields": {"x": "int64", "r": {"dtype": "int32", "ragged": True},
+                                      "o": {"dtype": "float32", "shape": [3]}}}
+    run = os.path.join(tmp_path, "run")
+    s = ab.ExperienceStore(schema, capacity=10_000, durable=run, durability=policy)
+    assert s.stats()["journal"]["offload"] is True
+
+    def writer(w: int) -> None:
+        rng = np.random.default_rng(w)
+        for k in range(25):
+            n = int(rng.integers(1, 9))
+            s.extend({"x": np.full(n, w * 1000 + k), "r": [np.arange(rng.integers(0, 5), dtype=np.int32)] * n,
+                      "o": np.full((n, 3), k, np.float32)}, wait=bool(k % 2))
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    before = s.to_table()
+    s.close()
+    again = ab.ExperienceStore.restore(run)
+    try:
+        assert again.to_table().equals(before)
+    finally:
+        again.close()
