@@ -9,6 +9,7 @@ Rows (all on the disk of `--dir`):
   in process; and over Flight (one client, group vs none, fixed tensors and GRPO rows); `x none` is the ratio to
   the no-journal rate, `x ceil` the MB/s over min(the no-journal MB/s, the sequential write bandwidth): a journal
   writes every byte, so for frames the disk is the ceiling; `cpu us/b` the writer threads' CPU time per batch;
+  GRPO rows also with `/offload` (`ARROWBUF_JOURNAL_OFFLOAD=1`: records encoded and written on the journal's thread);
 - acknowledgement latency p50/p99 per policy (one writer, batches of 16 GRPO rows), beside the raw fsync latency;
 - recovery: restore (checkpoint + replay) of a journal of N MB (frames, and GRPO rows), seconds per GB, per-record
   and bulk replay, vs reading the same segment files (page cache dropped before each; medians of 3).
