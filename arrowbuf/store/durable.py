@@ -163,8 +163,8 @@ class DurableLog:
                 os.kill(os.getpid(), signal.SIGKILL)
             pending.first = first
             expected, pending.expected = pending.expected, False
-            # its place in commit order is taken here; the journal's thread writes it (and under "group" and
-            # "batch" syncs it) while this writer copies the rows; `extend` then waits for it
+            # its place in commit order is taken here, and it is written here (with `offload`: by the journal's
+            # thread while this writer copies the rows); under "group" and "batch" the sync thread syncs it meanwhile
             pending.ticket = self.journal.append_prepared(pending.record, _batch_meta(first, pending.n, pending.who),
                                                           expected=expected, defer=self.offload)
             with self._order:
@@ -196,15 +196,14 @@ class DurableLog:
             cols, n = self.core.schema.validate_batch(batch, single=single)
             if n == 0:
                 return np.zeros(0, dtype=np.int64)
-            # the record is encoded (IPC stream in pieces, no joined copy) and checksummed on the journal's thread
-            # when it writes it, while this writer copies the rows; the reservation (`note_issued`) takes its place
-            # in commit order and gives its seqs (a fixed-width meta). `extend` returns once it is written
+            # the record (IPC stream in pieces, no joined copy; checksummed) is encoded here, outside every lock, or
+            # with `offload` on the journal's thread when it writes it; the reservation (`note_issued`) takes its
+            # place in commit order and gives its seqs (a fixed-width meta). `extend` returns once it is written
             who = identity.current()
             width = _meta_width(n, who)
             deferred = jr.Deferred(lambda: jr.prepare(
                 "batch", {"first": 0, "n": n}, jr.table_pieces(columns_table(cols)), meta_width=width),
                 _cols_bytes(cols), width)
-            # without offload: encoded here, outside every lock, and written at the reservation
             pending = _Pending(cols, n, deferred if self.offload else deferred.build(), True, who)
             self._local.pending = pending  # `note_issued` appends the batch record at the reservation
             ids = self.writer.extend_columns(cols, n, timeout=timeout)
