@@ -31,8 +31,12 @@ Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on retu
   that announced a record (`expect`) and have not appended it yet, so that their records share it; it never waits
   when no other writer is on its way (a lone writer, or writers that all wait already: their records are in the
   file, one fdatasync covers them), and it stops waiting as soon as the last announced record is appended.
-- `sync_soon(ticket)` starts the fdatasync on the journal's sync thread and returns at once: a writer that records
-  its batch before copying its rows overlaps the two, then `wait`s.
+- `sync_soon(ticket)` starts the fdatasync (and the write, of a deferred record) on the journal's sync thread and
+  returns at once: a writer that records its batch before copying its rows overlaps the two, then `wait`s.
+- Records are written in lsn order (commit order) whoever writes them: `append` writes the queue up to its record;
+  `append_prepared(..., defer=True)` only takes the record's place, and the sync thread or the next `wait`/`flush`
+  that needs it writes it (a `Deferred` record is encoded then). A failed write fails every later record (`wait`
+  and `append` raise the OSError): nothing is ever written after a partial record.
 - "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
   killed, not the machine crashing or losing power.
 
