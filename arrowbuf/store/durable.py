@@ -116,7 +116,10 @@ def _meta_width(n: int, who: str) -> int:
 
 def _cols_bytes(cols: dict[str, Any]) -> int:
     """About the bytes of a batch record of validated columns `cols` (a segment rotates once past its size)."""
-    return 1024 + sum(int(getattr(c, "nbytes", 0) or 0) for c in cols.values())
+    total = 1024
+    for c in cols.values():  # an Arrow array's `nbytes` walks its buffers in Python-visible cost: the C++ total
+        total += int(c.get_total_buffer_size()) if isinstance(c, pa.Array) else int(getattr(c, "nbytes", 0) or 0)
+    return total
 
 
 class DurableLog:
@@ -201,10 +204,12 @@ class DurableLog:
             # place in commit order and gives its seqs (a fixed-width meta). `extend` returns once it is written
             who = identity.current()
             width = _meta_width(n, who)
-            deferred = jr.Deferred(lambda: jr.prepare(
-                "batch", {"first": 0, "n": n}, jr.table_pieces(columns_table(cols)), meta_width=width),
-                _cols_bytes(cols), width)
-            pending = _Pending(cols, n, deferred if self.offload else deferred.build(), True, who)
+            def encode() -> jr.Prepared:
+                return jr.prepare("batch", {"first": 0, "n": n}, jr.table_pieces(columns_table(cols)),
+                                  meta_width=width)
+
+            pending = _Pending(cols, n, jr.Deferred(encode, _cols_bytes(cols), width) if self.offload else encode(),
+                               True, who)
             self._local.pending = pending  # `note_issued` appends the batch record at the reservation
             ids = self.writer.extend_columns(cols, n, timeout=timeout)
         except BaseException:
