@@ -121,6 +121,7 @@ def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: flo
     try:
         for _ in range(2):
             s.extend(batch)  # warm up (first touch of the ring)
+        os.sync()  # no writeback left from an earlier row (frames dirty GBs of page cache) under this row's fsyncs
         done = [0] * writers
         stop = time.perf_counter() + seconds
 
@@ -167,6 +168,7 @@ def flight_ingest(kind: str, where: str, policy: str | None, seconds: float) -> 
     try:
         with ab.serve(s, "grpc://127.0.0.1:0") as server, ab.connect(server.location) as c:
             c.extend(batch)
+            os.sync()  # as `ingest`
             rows, stop, t0 = 0, time.perf_counter() + seconds, time.perf_counter()
             while time.perf_counter() < stop:
                 c.extend(batch)
