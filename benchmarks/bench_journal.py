@@ -6,14 +6,16 @@ Rows (all on the disk of `--dir`):
   (8 MiB writes, then fsync);
 - ingest rows/s with `durability="group"`, "batch" and "os" vs the same store without a journal, for fixed tensors
   (uint8 4x84x84 frames, batches of 256) and GRPO rows (ragged tokens, batches of 64), with 1 and 4 writer threads,
-  in process; and over Flight (one client, group vs none); `x none` is the ratio to the no-journal rate, `x ceil`
-  the MB/s over min(the no-journal MB/s, the sequential write bandwidth): a journal writes every byte, so for frames
-  the disk is the ceiling;
+  in process; and over Flight (one client, group vs none, fixed tensors and GRPO rows); `x none` is the ratio to
+  the no-journal rate, `x ceil` the MB/s over min(the no-journal MB/s, the sequential write bandwidth): a journal
+  writes every byte, so for frames the disk is the ceiling; `cpu us/b` the writer threads' CPU time per batch;
+  GRPO rows also with `/offload` (`ARROWBUF_JOURNAL_OFFLOAD=1`: records encoded and written on the journal's thread);
 - acknowledgement latency p50/p99 per policy (one writer, batches of 16 GRPO rows), beside the raw fsync latency;
 - recovery: restore (checkpoint + replay) of a journal of N MB (frames, and GRPO rows), seconds per GB, per-record
   and bulk replay, vs reading the same segment files (page cache dropped before each; medians of 3).
 
-    python -m benchmarks.bench_journal [--quick] [--dir /tmp]
+    python -m benchmarks.bench_journal [--quick] [--dir /tmp] [--only ingest,flight,ack,recovery]
+                                       [--kinds frames,grpo] [--seconds S]
     python -m benchmarks.bench_persist --journal [--quick]
 
 Writes benchmarks/out/journal.json. The machine is shared and noisy: the load is printed with the table.
@@ -98,19 +100,28 @@ def _store(kind: str, durable: str | None, policy: str | None, capacity: int) ->
 
 
 def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: float,
-           window: int = 0) -> dict[str, float]:
+           window: int = 0, offload: bool | None = None) -> dict[str, float]:
     """Rows/s of `writers` threads extending back to back for `seconds` (the ring wraps: steady state). `window`:
     each writer keeps that many writes unacknowledged (`extend(..., wait=False)`, then the oldest handle's `wait()`),
-    as a producer with a window does; 0: every extend acknowledges synchronously."""
+    as a producer with a window does; 0: every extend acknowledges synchronously. `offload`: a batch's record
+    encoded and written on the journal's thread (`arrowbuf.store.durable.OFFLOAD`; None: the default)."""
+    from arrowbuf.store import durable
+
+    if offload is not None:
+        default, durable.OFFLOAD = durable.OFFLOAD, offload
+        try:
+            return ingest(kind, where, policy, writers, seconds, window)
+        finally:
+            durable.OFFLOAD = default
     n = 256 if kind == "frames" else 64
     batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
-    row_bytes = (4 * 84 * 84 + 13) if kind == "frames" else int(np.mean([len(r) for r in batch["response_tokens"]]) * 8
-                                                                 + 128 * 4 + 24)
+    row_bytes = _row_bytes(kind, batch)
     d = tempfile.mkdtemp(dir=where, prefix="jb-")
     s = _store(kind, None if policy is None else os.path.join(d, "run"), policy, 20 * n * writers)
     try:
         for _ in range(2):
             s.extend(batch)  # warm up (first touch of the ring)
+        os.sync()  # no writeback left from an earlier row (frames dirty GBs of page cache) under this row's fsyncs
         done = [0] * writers
         stop = time.perf_counter() + seconds
 
@@ -147,21 +158,32 @@ def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: flo
         shutil.rmtree(d, ignore_errors=True)
 
 
-def flight_ingest(where: str, policy: str | None, seconds: float) -> float:
-    batch = grpo_batch(64)
+def flight_ingest(kind: str, where: str, policy: str | None, seconds: float) -> dict[str, float]:
+    """Rows/s and MB/s of one Flight client extending back to back (each DoPut acknowledged once durable under
+    `policy`) into a served store on 127.0.0.1."""
+    n = 256 if kind == "frames" else 64
+    batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
     d = tempfile.mkdtemp(dir=where, prefix="jb-")
-    s = _store("grpo", None if policy is None else os.path.join(d, "run"), policy, 4096)
+    s = _store(kind, None if policy is None else os.path.join(d, "run"), policy, 20 * n)
     try:
         with ab.serve(s, "grpc://127.0.0.1:0") as server, ab.connect(server.location) as c:
             c.extend(batch)
+            os.sync()  # as `ingest`
             rows, stop, t0 = 0, time.perf_counter() + seconds, time.perf_counter()
             while time.perf_counter() < stop:
                 c.extend(batch)
-                rows += 64
-            return rows / (time.perf_counter() - t0)
+                rows += n
+            dt = time.perf_counter() - t0
+            return {"rows_per_s": rows / dt, "mb_per_s": rows * _row_bytes(kind, batch) / dt / 1e6}
     finally:
         s.close()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _row_bytes(kind: str, batch: dict[str, Any]) -> int:
+    if kind == "frames":
+        return 4 * 84 * 84 + 13
+    return int(np.mean([len(r) for r in batch["response_tokens"]]) * 8 + 128 * 4 + 24)
 
 
 def ack_latency(where: str, policy: str | None, count: int) -> dict[str, float]:
@@ -244,13 +266,17 @@ def recovery(where: str, mb: int, kind: str = "frames") -> dict[str, Any]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def run(where: str, quick: bool) -> dict[str, Any]:
-    secs = 1.0 if quick else 4.0
+SECTIONS = ("ingest", "flight", "ack", "recovery")
+
+
+def run(where: str, quick: bool, sections: tuple[str, ...] = SECTIONS, kinds: tuple[str, ...] = ("frames", "grpo"),
+        seconds: float | None = None) -> dict[str, Any]:
+    secs = seconds if seconds is not None else (1.0 if quick else 4.0)
     res: dict[str, Any] = {"load_start": os.getloadavg()[0], "cpus": os.cpu_count(), "dir": where, "quick": quick}
     res["fsync"] = fsync_loop(where, secs)
     res["write_gb_per_s"] = write_ceiling(where, (128 if quick else 1024) << 20) / 1e9
     res["ingest"] = {}
-    for kind in ("frames", "grpo"):
+    for kind in kinds if "ingest" in sections else ():
         for writers in (1, 4):
             for policy in (None, *POLICIES):
                 if quick and writers == 4 and policy in ("batch", "os"):
@@ -258,10 +284,18 @@ def run(where: str, quick: bool) -> dict[str, Any]:
                 r = ingest(kind, where, policy, writers, secs)
                 res["ingest"][f"{kind} w{writers} {policy or 'none'}"] = r
             res["ingest"][f"{kind} w{writers} group+win4"] = ingest(kind, where, "group", writers, secs, window=4)
-    res["flight"] = {str(p or "none"): flight_ingest(where, p, secs) for p in (None, "group")}
-    res["ack"] = {str(p or "none"): ack_latency(where, p, 100 if quick else 1000) for p in (None, *POLICIES)}
-    res["recovery"] = recovery(where, 64 if quick else 256, "frames")
-    res["recovery_grpo"] = recovery(where, 32 if quick else 128, "grpo")
+            if kind == "grpo":  # the record encoded and written on the journal's thread instead of the writer's
+                res["ingest"][f"{kind} w{writers} group/offload"] = ingest(kind, where, "group", writers, secs,
+                                                                           offload=True)
+                res["ingest"][f"{kind} w{writers} group+win4/offload"] = ingest(kind, where, "group", writers, secs,
+                                                                                window=4, offload=True)
+    res["flight"] = {f"{kind} {p or 'none'}": flight_ingest(kind, where, p, secs)
+                     for kind in (kinds if "flight" in sections else ()) for p in (None, "group")}
+    if "ack" in sections:
+        res["ack"] = {str(p or "none"): ack_latency(where, p, 100 if quick else 1000) for p in (None, *POLICIES)}
+    if "recovery" in sections:
+        res["recovery"] = recovery(where, 64 if quick else 256, "frames")
+        res["recovery_grpo"] = recovery(where, 32 if quick else 128, "grpo")
     from arrowbuf.persist.crc import IMPLEMENTATION
 
     res["crc32"] = IMPLEMENTATION
@@ -292,14 +326,23 @@ def table(res: dict[str, Any]) -> str:
                    f"{r['cpu_us_per_batch']:>9.0f}")
     out.append("x ceil: MB/s over min(the no-journal rate, sequential write bandwidth): a journal writes every byte to "
                "the disk, so that is the most it can reach (the disk bounds frames, the CPU bounds GRPO rows); "
-               "group+win4: each writer keeps 4 writes unacknowledged (extend(wait=False)); cpu us/b: the writer "
-               f"threads' CPU time per batch (holds under load); CRC-32: {res.get('crc32', '?')}")
+               "group+win4: each writer keeps 4 writes unacknowledged (extend(wait=False)); /offload: the batch's "
+               "record encoded and written on the journal's thread (ARROWBUF_JOURNAL_OFFLOAD=1); cpu us/b: the writer "
+               f"threads' CPU time per batch (holds under load; /offload moves part of it to the journal's thread); "
+               f"CRC-32: {res.get('crc32', '?')}")
     fl = res["flight"]
-    out.append(f"over Flight (grpo, 1 client): none {fl['none']:.0f} rows/s, group {fl['group']:.0f} rows/s "
-               f"({fl['group'] / fl['none']:.2f}x)")
-    out.append("ack latency (extend of 16 grpo rows): " + ", ".join(
-        f"{p} p50 {r['p50_us']:.0f} us / p99 {r['p99_us']:.0f} us" for p, r in res["ack"].items()))
-    for key in ("recovery", "recovery_grpo"):
+    for key, r in fl.items():
+        kind, policy = key.split()
+        if policy == "none":
+            continue
+        none = fl[f"{kind} none"]
+        out.append(f"over Flight ({kind}, 1 client): none {none['rows_per_s']:.0f} rows/s ({none['mb_per_s']:.0f} "
+                   f"MB/s), {policy} {r['rows_per_s']:.0f} rows/s ({r['mb_per_s']:.0f} MB/s): "
+                   f"{r['rows_per_s'] / none['rows_per_s']:.2f}x none, {ceiling_ratio(res, r, none):.2f}x ceil")
+    if "ack" in res:
+        out.append("ack latency (extend of 16 grpo rows): " + ", ".join(
+            f"{p} p50 {r['p50_us']:.0f} us / p99 {r['p99_us']:.0f} us" for p, r in res["ack"].items()))
+    for key in ("recovery", "recovery_grpo") if "recovery" in res else ():
         rc = res[key]
         out.append(f"recovery ({rc['kind']}): {rc['journal_gb']:.3f} GB of journal ({rc['rows']} rows): restore "
                    f"{rc['per_record_s_per_gb']:.2f} s/GB per record, {rc['bulk_s_per_gb']:.2f} s/GB bulk; reading "
@@ -312,8 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1 s per row, small recovery (a check that it runs)")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"comma-separated sections to run, of {','.join(SECTIONS)} (the ceilings always run)")
+    p.add_argument("--kinds", default="frames,grpo", help="comma-separated row shapes: frames, grpo")
+    p.add_argument("--seconds", type=float, default=None, help="seconds per ingest row (default 4; 1 with --quick)")
     args = p.parse_args(argv)
-    res = run(args.dir, args.quick)
+    res = run(args.dir, args.quick, tuple(args.only.split(",")), tuple(args.kinds.split(",")), args.seconds)
     print(table(res))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "journal.json").write_text(json.dumps(res, indent=1, default=str))

@@ -31,8 +31,12 @@ Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on retu
   that announced a record (`expect`) and have not appended it yet, so that their records share it; it never waits
   when no other writer is on its way (a lone writer, or writers that all wait already: their records are in the
   file, one fdatasync covers them), and it stops waiting as soon as the last announced record is appended.
-- `sync_soon(ticket)` starts the fdatasync on the journal's sync thread and returns at once: a writer that records
-  its batch before copying its rows overlaps the two, then `wait`s.
+- `sync_soon(ticket)` starts the fdatasync (and the write, of a deferred record) on the journal's sync thread and
+  returns at once: a writer that records its batch before copying its rows overlaps the two, then `wait`s.
+- Records are written in lsn order (commit order) whoever writes them: `append` writes the queue up to its record;
+  `append_prepared(..., defer=True)` only takes the record's place, and the sync thread or the next `wait`/`flush`
+  that needs it writes it (a `Deferred` record is encoded then). A failed write fails every later record (`wait`
+  and `append` raise the OSError): nothing is ever written after a partial record.
 - "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
   killed, not the machine crashing or losing power.
 
@@ -46,11 +50,11 @@ Usage::
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import json
 import os
 import re
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -60,23 +64,37 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, StoreCorrupt
-from .crc import crc32
 from .manifest import fsync_dir as _fsync_dir
+from .record import (
+    FORMAT_VERSION,
+    RECORD_SCHEMA,
+    Deferred,
+    Prepared,
+    encode,
+    meta_bytes,
+    payload_table,
+    prepare,
+    record_crc,
+    seal,
+    table_bytes,
+    table_pieces,
+)
+from .record import SCHEMA_BYTES as _SCHEMA_BYTES
+from .record import SCHEMA_CRC as _SCHEMA_CRC
+from .record import U32 as _U32
+from .record import V1_SCHEMA_BYTES as _V1_SCHEMA_BYTES
+from .record import ZERO4 as _ZERO4
+from .record import write_all as _write_all
+from .record import writev_all as _writev_all
+
+__all__ = ["FORMAT_VERSION", "RECORD_SCHEMA", "Prepared", "Deferred", "encode", "payload_table", "prepare",
+           "record_crc", "seal", "table_bytes", "table_pieces", "Journal", "Record", "read_segments", "read_journal",
+           "seal_last", "segments", "lock_journal", "TornTail"]
 
 JOURNAL = "_journal"
 OWNER = "_owner.lock"
 SEGMENT = re.compile(r"^(\d{20})\.arrows$")
 POLICIES = ("batch", "group", "os")
-#: The journal format version (docs/format.md), in the segment schema's metadata.
-FORMAT_VERSION = 2
-_FIELDS = [("lsn", pa.int64()), ("kind", pa.string()), ("meta", pa.string()), ("payload", pa.binary()),
-           ("prev", pa.uint32()), ("crc32", pa.uint32())]
-RECORD_SCHEMA = pa.schema(_FIELDS, metadata={"arrowbuf.journal": str(FORMAT_VERSION)})
-_SCHEMA_BYTES = RECORD_SCHEMA.serialize().to_pybytes()
-_SCHEMA_CRC = crc32(_SCHEMA_BYTES) & 0xFFFFFFFF
-_V1_SCHEMA_BYTES = pa.schema(_FIELDS).serialize().to_pybytes()  # version 1 (no metadata): refused
-_U32 = struct.Struct("<I")
-_ZERO4 = b"\0\0\0\0"
 #: Segments are rotated once they pass this size (also at every checkpoint).
 SEGMENT_BYTES = 256 << 20
 #: Group commit window.
@@ -85,130 +103,6 @@ GROUP_WINDOW_S = 0.002
 
 def segment_name(first_lsn: int) -> str:
     return f"{first_lsn:020d}.arrows"
-
-
-@dataclass
-class Prepared:
-    """A record encoded but for its lsn, prev and (optionally) its meta (`prepare`, outside every lock); `seal`
-    places it. The payload, the costly part, is copied and checksummed already."""
-
-    view: Any     # the serialized message; its lsn, meta and prev slots are filled by `seal`
-    lsn_at: int   # the lsn's 8 bytes (the body's first buffer)
-    meta_at: int  # the meta string's bytes (`meta_w` of them: JSON padded with spaces)
-    meta_w: int
-    p0: int       # the payload's bytes start here and run (with their padding) to the prev slot
-    crc: int      # CRC-32 of view[p0:-16]
-
-
-def _pad8(n: int) -> int:
-    return (n + 7) & ~7
-
-
-def prepare(kind: str, meta: dict[str, Any], payload: Any = b"", meta_width: int = 0) -> Prepared:
-    """Encode a record as an encapsulated Arrow IPC record-batch message, with lsn and prev left for `seal` (and its
-    meta, when `meta_width` reserves room for a meta `seal` gets: JSON padded with spaces to that width)."""
-    m = json.dumps(meta, separators=(",", ":")).encode()
-    w = max(len(m), meta_width)
-    body = pa.py_buffer(payload) if not isinstance(payload, pa.Buffer) else payload
-    if body.size >= 1 << 31:
-        raise InvalidArgument(f"a journal record holds at most 2 GiB; this one has {body.size} bytes: write smaller "
-                              "batches")
-    k = kind.encode()
-    batch = pa.RecordBatch.from_arrays([_I64_0, _one(pa.string(), k), _one(pa.string(), m.ljust(w)),
-                                        _one(pa.binary(), body), _U32_0, _U32_0], schema=RECORD_SCHEMA)
-    view = memoryview(batch.serialize()).cast("B")
-    lsn_at = 8 + int.from_bytes(view[4:8], "little")  # the body starts with the lsn
-    meta_at = lsn_at + 8 + 8 + _pad8(len(k)) + 8      # lsn, kind offsets, kind, meta offsets (buffers 8-aligned)
-    p0 = meta_at + _pad8(w) + 8                         # meta, payload offsets
-    return Prepared(view, lsn_at, meta_at, w, p0, crc32(view[p0:-16]))
-
-
-def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | None = None) -> tuple[list[Any], int]:
-    """The pieces of a prepared record at `lsn` after the record whose crc32 is `prev` (in order, for one `writev`),
-    and its crc32: CRC-32 of the payload's bytes (from its data buffer to the prev slot), continued over the bytes
-    before them (framing, metadata, lsn, kind, meta, payload offsets), then prev and its padding: every byte of the
-    record but the crc32 slot's 8. `meta`: the record's meta now (it must fit the width `prepare` reserved)."""
-    v = p.view
-    if meta is None:
-        meta_b = v[p.meta_at:p.meta_at + p.meta_w]
-    else:
-        meta_b = json.dumps(meta, separators=(",", ":")).encode()
-        if len(meta_b) > p.meta_w:
-            raise InvalidArgument(f"a journal record's meta grew past the {p.meta_w} bytes prepared for it")
-        meta_b = meta_b.ljust(p.meta_w)
-    lsn_b, prev_b = _I64.pack(lsn), _U32.pack(prev) + _ZERO4
-    crc = p.crc
-    for piece in (v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:p.p0], prev_b):
-        crc = crc32(piece, crc)
-    crc &= 0xFFFFFFFF
-    return [v[:p.lsn_at], lsn_b, v[p.lsn_at + 8:p.meta_at], meta_b, v[p.meta_at + p.meta_w:-16],
-            prev_b + _U32.pack(crc) + _ZERO4], crc
-
-
-def encode(lsn: int, kind: str, meta: dict[str, Any], payload: Any = b"", prev: int = 0) -> bytes:
-    """One whole record as bytes (tests, tools; the journal writes `prepare` + `seal` without joining)."""
-    pieces, _ = seal(prepare(kind, meta, payload), lsn, prev)
-    return b"".join(bytes(x) for x in pieces)
-
-
-def record_crc(view: memoryview, off: int, total: int) -> int:
-    """The crc32 the record in bytes [off, off + total) of a segment should carry (`seal`); -1 when its layout
-    cannot be a record's."""
-    end = off + total
-    lsn_at = off + 8 + int.from_bytes(view[off + 4:off + 8], "little")
-    if lsn_at + 40 > end - 16:
-        return -1
-    k0, k1 = _OFFS.unpack_from(view, lsn_at + 8)
-    mo = lsn_at + 16 + _pad8(k1)
-    if k0 != 0 or k1 < 0 or mo + 8 > end - 16:
-        return -1
-    m0, m1 = _OFFS.unpack_from(view, mo)
-    p0 = mo + 8 + _pad8(m1) + 8
-    if m0 != 0 or m1 < 0 or p0 > end - 16:
-        return -1
-    crc = crc32(view[off:p0], crc32(view[p0:end - 16]))
-    return crc32(view[end - 16:end - 8], crc) & 0xFFFFFFFF
-
-
-def _one(type_: pa.DataType, value: Any) -> pa.Array:
-    """A one-value string or binary array over `value`'s bytes (zero-copy; pa.array costs ~10 us)."""
-    data = value if isinstance(value, pa.Buffer) else pa.py_buffer(value)
-    return pa.Array.from_buffers(type_, 1, [None, pa.py_buffer(_OFFS.pack(0, data.size)), data])
-
-
-_OFFS = struct.Struct("<ii")
-_I64_0 = pa.array([0], pa.int64())
-_U32_0 = pa.array([0], pa.uint32())
-_I64 = struct.Struct("<q")
-
-
-def _check_layout() -> None:
-    """The body starts with lsn (8 bytes) and ends with prev (4 + 4 padding), crc32 (4 + 4): what `seal` and the
-    reader rely on."""
-    probe = pa.record_batch([pa.array([-2], pa.int64()), pa.array(["k"]), pa.array(["{}"]), pa.array([b"xyz"]),
-                             pa.array([7], pa.uint32()), pa.array([9], pa.uint32())], schema=RECORD_SCHEMA)
-    raw = probe.serialize().to_pybytes()
-    lsn_at = 8 + int.from_bytes(raw[4:8], "little")
-    meta_at = lsn_at + 8 + 8 + 8 + 8  # lsn, kind offsets, "k" padded to 8, meta offsets
-    if raw[lsn_at:lsn_at + 8] != _I64.pack(-2) or raw[-16:] != _U32.pack(7) + _ZERO4 + _U32.pack(9) + _ZERO4 or \
-            raw[meta_at:meta_at + 2] != b"{}" or raw[meta_at + 16:meta_at + 19] != b"xyz":
-        raise ImportError("arrowbuf.persist.journal: this pyarrow lays out IPC bodies differently than the journal "
-                          "format expects")  # pragma: no cover
-
-
-_check_layout()
-
-
-def table_bytes(table: pa.Table | pa.RecordBatch) -> pa.Buffer:
-    """A table as an Arrow IPC stream (a record's payload)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write(table)
-    return sink.getvalue()
-
-
-def payload_table(payload: bytes) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
 
 
 @dataclass
@@ -221,7 +115,9 @@ class Record:
 
 class Journal:
     """An open journal: appends records to the newest segment and makes them durable under `policy` (module
-    docstring). Thread-safe; `append` is cheap (one `write`), `wait` is where a caller pays for durability."""
+    docstring). Thread-safe. `append` queues a record (its lsn is its place in commit order) and writes the queue
+    up to it; `append_prepared(..., defer=True)` leaves the write to the journal's thread (`sync_soon`) or to the
+    next `wait`/`flush`, so the caller's next work overlaps it; `wait` is where a caller pays for durability."""
 
     def __init__(self, directory: str, policy: str = "group", first_lsn: int = 0,
                  window_s: float = GROUP_WINDOW_S, lock_fd: int | None = None) -> None:
@@ -231,26 +127,34 @@ class Journal:
         self._owner = lock_journal(directory) if lock_fd is None else lock_fd
         self.policy = policy
         self.window_s = window_s
-        # lock order: _sync_lock, then _lock. _lock: appends (the file and next lsn), briefly; _sync_lock: one
-        # fdatasync at a time, and no fd is closed (rotation, close) while one runs
+        # lock order: _sync_lock, then _io, then _lock. _lock (brief): the next lsn and the queue of records not
+        # written yet; _io: the file (one writer at a time, records written in lsn order); _sync_lock: one
+        # fdatasync at a time, and no fd is closed while one runs (a rotation retires the old fd: closed later)
         self._lock = threading.Lock()
+        self._io = threading.Lock()
         self._sync_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())  # the durable lsn and the count of waiting callers
         self._next = int(first_lsn)
+        self._queue: collections.deque[tuple[int, Prepared | Deferred | None, bytes | None]] = collections.deque()
+        self._queued_bytes = len(_SCHEMA_BYTES)  # the newest segment's bytes, with the queued records
+        self._written = int(first_lsn) - 1  # the last record written (in the page cache)
         self._durable = int(first_lsn) - 1
         self._coming = 0  # records announced (`expect`) and not appended yet: what a group commit waits for
         self._fd = -1
+        self._retired: list[int] = []  # fds of rotated segments, closed by the next fdatasync's caller
         self._size = 0
         self._closed = False
+        self._error: OSError | None = None  # a write failed: the file may end in a partial record; no more writes
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0}
         self._kick = threading.Condition(threading.Lock())  # `sync_soon` requests for the sync thread
         self._kick_upto = -1
+        self._taken = -1  # the request the sync thread is working on
         self._syncer: threading.Thread | None = None
         self._open_segment()
 
     # ------------------------------------------------------------------ writing
     def _open_segment(self) -> None:
-        path = os.path.join(self.dir, segment_name(self._next))
+        path = os.path.join(self.dir, segment_name(self._written + 1))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW, 0o644)
         _write_all(fd, _SCHEMA_BYTES)
         os.fsync(fd)
@@ -258,7 +162,7 @@ class Journal:
         self._fd, self._size, self._prev = fd, len(_SCHEMA_BYTES), _SCHEMA_CRC
 
     def append(self, kind: str, meta: dict[str, Any], payload: Any = b"") -> int:
-        """Append one record (in the order of the calls); returns its ticket for `wait`."""
+        """Append one record (in the order of the calls) and write it; returns its ticket for `wait`."""
         return self.append_prepared(prepare(kind, meta, payload))
 
     def expect(self) -> None:
@@ -274,34 +178,103 @@ class Journal:
             self._coming = max(0, self._coming - 1)
             self._cond.notify_all()
 
-    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None, expected: bool = False) -> int:
-        """Append a record `prepare`d before (outside this journal's lock: the payload's copy and checksum are
-        done by then), with `meta` if given (within the width prepared); returns its ticket for `wait`.
-        `expected`: the record announced by this caller's `expect` (counted as arrived, even if this raises)."""
+    def append_prepared(self, record: Prepared | Deferred, meta: dict[str, Any] | None = None,
+                        expected: bool = False, defer: bool = False) -> int:
+        """Append a record `prepare`d before (outside this journal's locks: the payload's checksum is done by
+        then), with `meta` if given (within the width prepared); returns its ticket (its lsn) for `wait`.
+        The record's place (its lsn: commit order) is taken here; it is written here too unless `defer`: then
+        the journal's thread writes it (`sync_soon`), or the next `wait`/`flush` that needs it; the payload's
+        buffers must stay unchanged until then. `expected`: the record announced by this caller's `expect`
+        (counted as arrived, even if this raises). A `Deferred` record is encoded when it is written."""
         try:
-            return self._append_prepared(record, meta)
+            meta_b = None if meta is None else meta_bytes(record, meta)  # a meta too wide fails here, not later
+            with self._lock:
+                if self._closed or self._error is not None:
+                    raise self._error or InvalidArgument("the journal is closed")
+                lsn = self._next
+                self._next += 1
+                self._queue.append((lsn, record, meta_b))
+                self._queued_bytes += record.size
+                if self._queued_bytes >= SEGMENT_BYTES:  # the segment is full: the next record starts a new one
+                    self._queue.append((self._next, None, None))
+                    self._next += 1
+                    self._queued_bytes = len(_SCHEMA_BYTES)
         finally:
             if expected:
                 self.unexpect()
-
-    def _append_prepared(self, record: Prepared, meta: dict[str, Any] | None) -> int:
-        with self._lock:
-            if self._closed:
-                raise InvalidArgument("the journal is closed")
-            lsn = self._next
-            pieces, crc = seal(record, lsn, self._prev, meta)
-            size = _writev_all(self._fd, pieces)
-            self._prev = crc
-            self._next += 1
-            self._size += size
-            self.stats["records"] += 1
-            self.stats["bytes"] += size
-            if self.policy == "os":
-                self._durable = lsn
-            full = self._size >= SEGMENT_BYTES
-        if full:
-            self.rotate(only_if_full=True)
+        if not defer:
+            self.flush(lsn)
         return lsn
+
+    def flush(self, ticket: int, help_: bool = True) -> None:
+        """Return once record `ticket` (and every one before it) is written to the segment (in the operating
+        system's page cache): writes the queued records itself if no other thread is writing them (with
+        `help_=False`, waits instead while the sync thread has the record in hand).
+
+        Raises:
+            OSError: a write failed (the journal writes nothing more; the store cannot acknowledge).
+        """
+        if not help_:
+            self._await_syncer(ticket, lambda: self._written)
+        while self._written < ticket:
+            with self._io:
+                if self._error is not None:
+                    raise self._error
+                if self._written >= ticket:
+                    return
+                try:
+                    self._write_queued()
+                except OSError as exc:
+                    self._error = exc
+                    with self._cond:
+                        self._cond.notify_all()
+                    raise
+
+    def _write_queued(self) -> None:
+        """Write the queued records (under `_io`): the records before the first rotation in one `writev`, chained
+        (each seals the previous one's crc32); at a rotation the segment is closed with its `end` record."""
+        with self._lock:
+            items: list[tuple[int, Prepared | Deferred | None, bytes | None]] = []
+            while self._queue and self._queue[0][1] is not None and len(items) < 512:
+                items.append(self._queue.popleft())
+            rotate = not items and bool(self._queue)
+            if rotate:
+                end_lsn = self._queue.popleft()[0]
+        if rotate:
+            _writev_all(self._fd, seal(prepare("end", {}), end_lsn, self._prev)[0])
+            os.fdatasync(self._fd)  # the old segment whole on disk: the new one's records never outlive it
+            self._retired.append(self._fd)
+            self._written = end_lsn
+            self.stats["fsyncs"] += 1
+            with self._cond:
+                self._durable = max(self._durable, end_lsn)
+                self._cond.notify_all()
+            self._open_segment()
+            return
+        pieces: list[Any] = []
+        total, prev = 0, self._prev
+        for lsn, record, meta in items:
+            if isinstance(record, Deferred):
+                try:
+                    record = record.build()
+                except Exception as exc:  # never an ill-formed record in the file: the journal fails instead
+                    raise OSError(f"a journal record could not be encoded: {exc!r}") from exc
+            assert record is not None
+            p, prev = seal(record, lsn, prev, meta)
+            pieces.extend(p)
+            total += record.size
+        for i in range(0, len(pieces), 1000):  # IOV_MAX
+            chunk = pieces[i:i + 1000]
+            _writev_all(self._fd, chunk, None if i or len(pieces) > 1000 else total)
+        self._prev = prev
+        self._size += total
+        self._written = items[-1][0]
+        self.stats["records"] += len(items)
+        self.stats["bytes"] += total
+        with self._cond:
+            if self.policy == "os":
+                self._durable = self._written
+            self._cond.notify_all()
 
     def record_consumed(self, task: str, seqs: np.ndarray, meta: dict[str, Any] | None = None) -> int:
         """Record that `task` consumed the rows `seqs` (the consume path calls this when it marks rows consumed
@@ -319,34 +292,55 @@ class Journal:
         """Return once the record `ticket` (and every one before it) is durable under the policy (True), or, with a
         `timeout`, after that many seconds if it is not (False; the journal's sync thread goes on with it).
 
-        Leader and followers: a caller takes the sync lock and fdatasyncs everything appended so far; callers that
-        arrive meanwhile queue on the lock and find their records covered (one fdatasync for all of them) or sync the
-        next batch. "group" first waits (at most its window) for records other writers announced (`expect`).
+        Leader and followers: a caller takes the sync lock and fdatasyncs everything written so far (writing the
+        queued records up to its own first); callers that arrive meanwhile queue on the lock and find their records
+        covered (one fdatasync for all of them) or sync the next batch. "group" first waits (at most its window)
+        for records other writers announced (`expect`).
+
+        Raises:
+            OSError: the journal could not write or sync the record (it is not acknowledged).
         """
         if self._durable >= ticket:
             return True
+        if self.policy == "os":
+            self.flush(ticket, help_=False)
+            return True
         if timeout is not None:
             return self._wait_for(ticket, timeout)
-        self._sync_upto(ticket, gather=self.policy == "group")
+        self._await_syncer(ticket, lambda: self._durable)
+        if self._durable < ticket:
+            self._sync_upto(ticket, gather=self.policy == "group")
         return True
+
+    def _await_syncer(self, ticket: int, done: Any) -> None:
+        """While the sync thread is working on record `ticket` (it took the `sync_soon` request), wait until
+        `done()` >= ticket: its write or fdatasync is not done twice, nor on the caller's thread; returns at once
+        otherwise (a sync thread not running yet, on a busy machine: the caller does the work itself)."""
+        syncer = self._syncer
+        with self._cond:
+            while done() < ticket and self._taken >= ticket and not self._closed and self._error is None and \
+                    syncer is not None and syncer.is_alive():
+                self._cond.wait(0.05)
 
     def _wait_for(self, ticket: int, timeout: float) -> bool:
         """`wait` with a timeout: the sync thread makes the record durable; this waits for it, at most `timeout`."""
         self.sync_soon(ticket)
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
-            while self._durable < ticket and not self._closed:
+            while self._durable < ticket and not self._closed and self._error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            return self._durable >= ticket
+        if self._durable < ticket and self._error is not None:
+            raise self._error
+        return self._durable >= ticket
 
     def sync_soon(self, ticket: int) -> None:
-        """Start making record `ticket` durable on the journal's sync thread and return at once: a writer that
-        appends its record before it copies its rows calls this, copies (the fdatasync runs meanwhile), then
-        `wait`s, which then mostly finds the record durable. No-op under "os"."""
-        if self.policy == "os" or self._durable >= ticket:
+        """Start writing record `ticket` and (but under "os") making it durable on the journal's sync thread, and
+        return at once: a writer that appends its record (`defer=True`) before it copies its rows calls this,
+        copies (the write and the fdatasync run meanwhile), then `wait`s, which then mostly finds it done."""
+        if self._durable >= ticket:
             return
         with self._kick:
             if self._syncer is None and not self._closed:
@@ -362,22 +356,31 @@ class Journal:
                     self._kick.wait()
                 if self._closed:
                     return
-                upto = self._kick_upto
+                upto = self._taken = self._kick_upto
             try:
-                self._sync_upto(upto, gather=self.policy == "group")
-            except OSError:  # the callers' `wait` syncs again and raises to them
+                if self.policy == "os":
+                    self.flush(upto)
+                else:
+                    self._sync_upto(upto, gather=self.policy == "group")
+            except OSError:  # the callers' `wait` syncs itself and raises to them
                 with self._kick:
-                    self._kick_upto = self._durable
+                    self._kick_upto = self._taken = self._durable
+                with self._cond:
+                    self._cond.notify_all()
 
     def _sync_upto(self, ticket: int, gather: bool = False) -> None:
+        self.flush(ticket)
         with self._sync_lock:
             if self._durable >= ticket or self._closed:
                 return
             if gather:
                 self._gather()
-            with self._lock:
-                fd, last = self._fd, self._next - 1
+                self.flush(self._next - 1)  # the records that came meanwhile share this fdatasync
+            with self._io:
+                fd, last, retired, self._retired = self._fd, self._written, self._retired, []
             os.fdatasync(fd)
+            for old in retired:
+                os.close(old)
             self.stats["fsyncs"] += 1
             with self._cond:
                 self._durable = max(self._durable, last)
@@ -396,23 +399,19 @@ class Journal:
 
     def rotate(self, only_if_full: bool = False) -> int:
         """Start a new segment (the old one is closed with an `end` record and synced); returns its first lsn: the
-        records from there on are those a checkpoint taken now does not cover."""
-        with self._sync_lock, self._lock:
+        records from there on are those a checkpoint taken now does not cover. (A segment that passes
+        `SEGMENT_BYTES` is rotated as records are appended: `only_if_full` is kept for callers of old.)"""
+        with self._lock:
             if self._closed:
                 raise InvalidArgument("the journal is closed")
-            if only_if_full and self._size < SEGMENT_BYTES:
+            if only_if_full:
                 return self._next
-            lsn = self._next
-            _writev_all(self._fd, seal(prepare("end", {}), lsn, self._prev)[0])
+            end_lsn = self._next
+            self._queue.append((end_lsn, None, None))
             self._next += 1
-            os.fdatasync(self._fd)
-            os.close(self._fd)
-            self.stats["fsyncs"] += 1
-            with self._cond:
-                self._durable = max(self._durable, lsn)
-                self._cond.notify_all()
-            self._open_segment()
-            return self._next
+            self._queued_bytes = len(_SCHEMA_BYTES)
+        self.flush(end_lsn)
+        return end_lsn + 1
 
     def truncate_before(self, lsn: int) -> int:
         """Delete the segments holding only records before `lsn` (a checkpoint covers them); returns how many."""
@@ -435,20 +434,29 @@ class Journal:
     @property
     def durable_lsn(self) -> int:
         """The last record durable under the policy (every record up to it survives a crash); `next_lsn - 1` when
-        nothing waits for an fdatasync."""
+        nothing waits for a write or an fdatasync."""
         return self._durable
 
     def close(self) -> None:
-        """Make everything durable and close; idempotent."""
-        with self._sync_lock, self._lock:
+        """Write and make everything durable, and close; idempotent."""
+        if self._error is None and not self._closed:
+            try:
+                self.flush(self._next - 1)
+            except OSError:
+                pass  # closed below all the same; the records not written are not acknowledged
+        with self._sync_lock, self._io, self._lock:
             if self._closed:
                 return
             try:
-                os.fdatasync(self._fd)
+                if self._error is None:
+                    os.fdatasync(self._fd)
             finally:
-                os.close(self._fd)
+                for fd in (*self._retired, self._fd):
+                    os.close(fd)
+                self._retired = []
             with self._cond:
-                self._durable = self._next - 1
+                if self._error is None:
+                    self._durable = self._written
                 self._closed = True
                 self._cond.notify_all()
             os.close(self._owner)  # releases the directory
@@ -775,25 +783,3 @@ def seal_last(directory: str, next_lsn: int, torn: TornTail | None, prev: int | 
         f.flush()
         os.fsync(f.fileno())
     return next_lsn + 1
-
-
-def _write_all(fd: int, data: Any) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def _writev_all(fd: int, pieces: list[Any]) -> int:
-    """Write `pieces` in order with as few `writev` calls as the kernel allows; returns the bytes written."""
-    views = [memoryview(p).cast("B") for p in pieces]
-    total = sum(len(v) for v in views)
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
-

@@ -45,6 +45,12 @@ DURABLE = "_durable.json"
 _KILL_AT: str | None = "ARROWBUF_PERSIST_KILL_AT" if "ARROWBUF_PERSIST_KILL_AT" in os.environ else None
 #: Kept checkpoints of a durable directory when the caller does not say.
 DEFAULT_KEEP = 2
+#: Whether a batch's record is encoded and written on the journal's thread while the writer copies its rows (True:
+#: the writer's thread pays ~half the journal's CPU, the hand-off costs CPU and wakeups), or encoded by the writer
+#: before its reservation and written at it (False, the default: one thread, no hand-off; the faster of the two on
+#: the 2-core machine it was measured on, docs/durability.md). `ARROWBUF_JOURNAL_OFFLOAD=1` turns it on; a store
+#: reads it when it opens its journal (`DurableLog.offload`). The journal's bytes are the same either way.
+OFFLOAD = os.environ.get("ARROWBUF_JOURNAL_OFFLOAD", "0") == "1"
 
 
 def check_new(root: str) -> None:
@@ -70,11 +76,13 @@ def read_policy(root: str) -> str | None:
 
 
 class _Pending:
-    """A batch being extended: its payload, and once its seqs are reserved its first seq and journal ticket."""
+    """A batch being extended: its validated columns, its record (encoded when the journal writes it), and once its
+    seqs are reserved its first seq and journal ticket."""
 
     __slots__ = ("payload", "n", "record", "first", "ticket", "expected", "who")
 
-    def __init__(self, payload: Any, n: int, record: jr.Prepared, expected: bool = False, who: str = "") -> None:
+    def __init__(self, payload: Any, n: int, record: jr.Prepared | jr.Deferred, expected: bool = False,
+                 who: str = "") -> None:
         self.payload, self.n, self.record, self.who = payload, n, record, who
         self.first = -1
         self.ticket: int | None = None
@@ -91,6 +99,29 @@ def _batch_meta(first: int, n: int, who: str, at_us: int | None = None) -> dict[
     return {"first": int(first), "n": int(n), "w": who, "t": _now_us() if at_us is None else int(at_us)}
 
 
+_WIDTHS: dict[tuple[int, str], int] = {}
+
+
+def _meta_width(n: int, who: str) -> int:
+    """The widest meta a batch record of `n` rows by `who` can have (`_batch_meta`: its first seq is known only at
+    the reservation); cached."""
+    key = (n, who)
+    w = _WIDTHS.get(key)
+    if w is None:
+        if len(_WIDTHS) > 1024:
+            _WIDTHS.clear()
+        w = _WIDTHS[key] = len(json.dumps(_batch_meta(2 ** 63 - 1, n, who, 2 ** 63 - 1), separators=(",", ":")))
+    return w
+
+
+def _cols_bytes(cols: dict[str, Any]) -> int:
+    """About the bytes of a batch record of validated columns `cols` (a segment rotates once past its size)."""
+    total = 1024
+    for c in cols.values():  # an Arrow array's `nbytes` walks its buffers in Python-visible cost: the C++ total
+        total += int(c.get_total_buffer_size()) if isinstance(c, pa.Array) else int(getattr(c, "nbytes", 0) or 0)
+    return total
+
+
 class DurableLog:
     """The journaling side of one durable store (module docstring). Built by the facade, with its parts."""
 
@@ -103,6 +134,7 @@ class DurableLog:
         self._mutate = threading.RLock()      # updates, priorities, tasks, versions: applied and logged in one order
         self._local = threading.local()       # the batch this thread is extending (`note_issued` records it)
         self.replayed: dict[str, int] = {}
+        self.offload = OFFLOAD
 
     @classmethod
     def create(cls, root: str, policy: str, core: Any, writer: Any, reader: Any, updater: Any,
@@ -134,11 +166,14 @@ class DurableLog:
                 os.kill(os.getpid(), signal.SIGKILL)
             pending.first = first
             expected, pending.expected = pending.expected, False
+            # its place in commit order is taken here, and it is written here (with `offload`: by the journal's
+            # thread while this writer copies the rows); under "group" and "batch" the sync thread syncs it meanwhile
             pending.ticket = self.journal.append_prepared(pending.record, _batch_meta(first, pending.n, pending.who),
-                                                          expected=expected)
+                                                          expected=expected, defer=self.offload)
             with self._order:
                 self._recorded = max(self._recorded, first + pending.n)
-            self.journal.sync_soon(pending.ticket)
+            if self.offload or self.journal.policy != "os":
+                self.journal.sync_soon(pending.ticket)
             return
         self.journal.append("issued", {"next": int(next_seq)})
 
@@ -164,12 +199,16 @@ class DurableLog:
             cols, n = self.core.schema.validate_batch(batch, single=single)
             if n == 0:
                 return np.zeros(0, dtype=np.int64)
-            # the record is encoded and checksummed here, outside every lock: the reservation (`note_issued`) only
-            # adds its lsn and seqs (a fixed-width meta), so writers overlap the checksum with each other's writes
-            payload = jr.table_bytes(columns_table(cols))
+            # the record (IPC stream in pieces, no joined copy; checksummed) is encoded here, outside every lock, or
+            # with `offload` on the journal's thread when it writes it; the reservation (`note_issued`) takes its
+            # place in commit order and gives its seqs (a fixed-width meta). `extend` returns once it is written
             who = identity.current()
-            width = len(json.dumps(_batch_meta(2 ** 63 - 1, n, who, 2 ** 63 - 1), separators=(",", ":")))
-            pending = _Pending(payload, n, jr.prepare("batch", {"first": 0, "n": n}, payload, meta_width=width),
+            width = _meta_width(n, who)
+            def encode() -> jr.Prepared:
+                return jr.prepare("batch", {"first": 0, "n": n}, jr.table_pieces(columns_table(cols)),
+                                  meta_width=width)
+
+            pending = _Pending(cols, n, jr.Deferred(encode, _cols_bytes(cols), width) if self.offload else encode(),
                                True, who)
             self._local.pending = pending  # `note_issued` appends the batch record at the reservation
             ids = self.writer.extend_columns(cols, n, timeout=timeout)
@@ -186,9 +225,10 @@ class DurableLog:
         assert pending is not None
         if pending.ticket is None:  # not reserved through the writer's hook (never expected): record it now
             pending.ticket = self._record_batch(int(ids[0]), n, jr.prepare(
-                "batch", _batch_meta(int(ids[0]), n, pending.who), pending.payload))
+                "batch", _batch_meta(int(ids[0]), n, pending.who), jr.table_pieces(columns_table(pending.payload))))
             self.journal.sync_soon(pending.ticket)
         if not wait:
+            self.journal.flush(pending.ticket, help_=False)  # written (a kill of the process loses nothing returned)
             return PendingWrite(ids, self.journal, pending.ticket)
         self.journal.wait(pending.ticket)
         return ids
@@ -256,10 +296,12 @@ class DurableLog:
         return bool(out)
 
     def stats(self) -> dict[str, Any]:
-        """For `store.stats()["journal"]`: policy, records, bytes and fsyncs since this store opened its journal,
+        """For `store.stats()["journal"]`: policy, whether records are written on the journal's thread (`OFFLOAD`),
+        records, bytes and fsyncs since this store opened its journal,
         the next record's lsn and the last durable one's, and what its restore replayed (records per kind, torn
         bytes dropped)."""
         return {"durability": self.journal.policy, "path": self.root, "crc32": CRC_IMPLEMENTATION,
+                "offload": self.offload,
                 **self.journal.stats,
                 "next_lsn": self.journal.next_lsn, "durable_lsn": self.journal.durable_lsn,
                 "replayed": dict(self.replayed)}
