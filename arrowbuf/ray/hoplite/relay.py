@@ -90,41 +90,29 @@ class TokenBucket:
         self._tail: asyncio.Future | None = None  # done when the last send asked so far has left the link
 
     async def take(self, n: int, alive: Callable[[], bool] | None = None, since: float | None = None) -> bool:
-        """Wait for the link and hold it for this send; False (the link untouched) if `alive()` turned False.
+        """Hold the link for a send of `n` bytes that leaves whole when the link has carried it: `transmit` with
+        nothing to send per piece. True once carried; False if `alive()` turned False first (the link then free).
 
-        `since`: when this send became possible (`time.monotonic()`: the request had arrived and the block was
-        here; default now). Its slot on the link starts then, or when the link's previous slot ends if later, and
-        lasts n / rate; the caller sends when the slot ends. So the time the caller then spends copying a block into
-        the socket overlaps the next slot (as on a real link) instead of adding to every block, and the link still
-        never carries more than `rate` (slots never overlap, and every send waits for the end of its slot).
-        """
-        if self.rate is None:
-            return alive is None or alive()
-        prev, mine = self._tail, asyncio.get_running_loop().create_future()
-        self._tail = mine
-        try:
-            backlogged = prev is not None and not prev.done()
-            if backlogged:
-                assert prev is not None
-                await asyncio.wait({prev})  # (not `await prev`: a cancelled waiter must not cancel its successor)
-            if alive is not None and not alive():
-                return False
-            now = time.monotonic()
-            # behind a send that just left the link, this one starts where it ended (however late we woke)
-            start = self._free_at if backlogged else max(self._free_at, now if since is None else min(since, now))
-            self._free_at = start + n / self.rate
-            await asyncio.sleep(max(0.0, self._free_at - now))
-            return True
-        finally:
-            mine.set_result(None)
+        `since`: as in `transmit` (when this send became possible; default now)."""
+
+        async def nothing(_off: int, _length: int) -> None:
+            return None
+
+        return await self.transmit(n, nothing, alive, since) == n
 
     async def transmit(self, n: int, send: Callable[[int, int], Awaitable[None]],
                        alive: Callable[[], bool] | None = None, since: float | None = None,
                        abort: asyncio.Future | None = None) -> int:
         """Carry `n` bytes over the link: `await send(offset, length)` for consecutive pieces, each when the link
-        has carried it (the slot starts as in `take`); returns the bytes sent: `n`, or fewer when the receiver died
-        (`alive()` turned False before the first piece, or `abort` finished meanwhile): the link is then free from
-        that moment. `rate=None`: one piece at once."""
+        has carried it; returns the bytes sent: `n`, or fewer when the receiver died (`alive()` turned False before
+        a piece, or `abort` finished meanwhile): the link is then free from that moment. `rate=None`: one piece at
+        once.
+
+        `since`: when this send became possible (`time.monotonic()`: the request had arrived and the block was
+        here; default now). Its slot on the link starts then, or when the link's previous slot ends if later, and
+        lasts n / rate. So the time the caller spends copying a piece into the socket overlaps the link's time (as
+        on a real link) instead of adding to every block, and the link never carries more than `rate` (slots never
+        overlap)."""
         if self.rate is None:
             if (alive is not None and not alive()) or (abort is not None and abort.done()):
                 return 0
