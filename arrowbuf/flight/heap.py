@@ -42,26 +42,4 @@ def release_after(nbytes: int) -> None:
         _TRIM(0)
 
 
-class Trimmer:
-    """Trims once per `LARGE_MESSAGE` bytes of messages released, for a stream of parts each smaller than that (a
-    trim per part would cost more than it returns; none would keep a whole transfer's pieces)."""
-
-    def __init__(self) -> None:
-        self.pending = 0
-
-    def released(self, nbytes: int) -> None:
-        """A message of `nbytes` was copied and dropped."""
-        self.pending += nbytes
-        if self.pending >= LARGE_MESSAGE:
-            release_after(self.pending)
-            self.pending = 0
-
-    def flush(self) -> None:
-        """The stream ended: trim what its last parts left."""
-        if self.pending:
-            self.pending = 0
-            if _TRIM is not None:
-                _TRIM(0)
-
-
-__all__ = ["LARGE_MESSAGE", "Trimmer", "release_after"]
+__all__ = ["LARGE_MESSAGE", "release_after"]

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ..errors import SchemaError
-from .heap import Trimmer
+from .heap import release_after
 
 #: The share of `max_batch_bytes` a part is cut to (headroom for the bytes a received message adds: validity
 #: bitmaps rounded up, IPC padding).
@@ -56,8 +56,9 @@ MAX_PART_BYTES = 8 << 20
 #: The part size of a batch sent to a server that writes parts straight into its ring (`ServerLimits.parts_into_ring`):
 #: the server copies each part into the ring while the next one travels, so its copy hides behind the transfer
 #: instead of following it, and a message this small is received into heap memory that is reused warm (no fresh
-#: pages to fault in per message, no trim: under `heap.LARGE_MESSAGE`). Measured server CPU per PUT of the GRPO shape
-#: (218 MB, load 6): one message 360-400 ms, 32 MiB parts 250-275, 8 MiB 120-170, raw Flight's one message 220-270.
+#: pages to fault in per message; the heap is trimmed once, when the stream ends). Measured server CPU per PUT of the
+#: GRPO shape (218 MB, load 6): one message 360-400 ms, 32 MiB parts 250-275, 8 MiB 120-170, raw Flight's one
+#: message 220-270; a trim every 16 MiB of parts took it to 250-260 (quiet), trimming at the end 150-170.
 #: A batch of at most twice this goes whole.
 PIPELINE_PART_BYTES = 8 << 20
 
@@ -228,46 +229,38 @@ def _read_parts(reader: Any, req: Any, limits: Any, check_open: Callable[[], Non
     """The parts of an extend, each bounded (rows, bytes, the running total) before `add` sees it, and the count of
     parts and rows checked at the end (see `receive`)."""
     limits.check_rows(req.rows, "an extend in parts")
-    trim = Trimmer()
-    try:
-        _read_parts_loop(reader, req, limits, check_open, moved, add, trim)
-    finally:
-        trim.flush()
-
-
-def _read_parts_loop(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
-                     add: Callable[[pa.RecordBatch], None], trim: Trimmer) -> None:
     k = total = filled = 0
-    while True:
-        try:
-            chunk = reader.read_chunk()
-        except StopIteration:
-            break
-        moved()
-        part = chunk.data
-        if part is None:  # a metadata-only message carries nothing to store
-            continue
-        check_open()
-        if k >= req.parts:
-            raise SchemaError(f"an extend in parts: more than the {req.parts} parts declared; nothing stored")
-        if part.num_rows == 0 or filled + part.num_rows > req.rows:
-            raise SchemaError(f"an extend in parts: part {k} brings {part.num_rows} rows, after "
-                              f"{filled} of the {req.rows} declared; nothing stored")
-        if part.nbytes > limits.max_batch_bytes:
-            raise SchemaError(f"part {k} of {part.nbytes} bytes is over this server's max_batch_bytes "
-                              f"{limits.max_batch_bytes}; cut smaller parts")
-        total += part.nbytes
-        if total > limits.max_extend_bytes:
-            raise SchemaError(f"an extend in parts of more than {total} bytes is over this server's "
-                              f"max_extend_bytes {limits.max_extend_bytes}; send smaller extends")
-        add(part)
-        filled += part.num_rows
-        size = part.nbytes
-        del part, chunk  # the message goes before the next one is read, and its heap pieces back to the OS
-        trim.released(size)
-        k += 1
-        if k == req.parts:
-            break
+    try:
+        while True:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                break
+            moved()
+            part = chunk.data
+            if part is None:  # a metadata-only message carries nothing to store
+                continue
+            check_open()
+            if k >= req.parts:
+                raise SchemaError(f"an extend in parts: more than the {req.parts} parts declared; nothing stored")
+            if part.num_rows == 0 or filled + part.num_rows > req.rows:
+                raise SchemaError(f"an extend in parts: part {k} brings {part.num_rows} rows, after "
+                                  f"{filled} of the {req.rows} declared; nothing stored")
+            if part.nbytes > limits.max_batch_bytes:
+                raise SchemaError(f"part {k} of {part.nbytes} bytes is over this server's max_batch_bytes "
+                                  f"{limits.max_batch_bytes}; cut smaller parts")
+            total += part.nbytes
+            if total > limits.max_extend_bytes:
+                raise SchemaError(f"an extend in parts of more than {total} bytes is over this server's "
+                                  f"max_extend_bytes {limits.max_extend_bytes}; send smaller extends")
+            add(part)
+            filled += part.num_rows
+            del part, chunk  # the message goes before the next one is read
+            k += 1
+            if k == req.parts:
+                break
+    finally:
+        release_after(total)  # the parts' heap pieces back to the OS once, when the stream ends (heap.py)
     if k != req.parts or filled != req.rows:
         raise SchemaError(f"an extend in parts ended after {k} of {req.parts} parts ({filled} of "
                           f"{req.rows} rows); nothing stored")
@@ -308,9 +301,7 @@ def assemble(reader: Any, rows: int, empty: Empty = _fresh) -> tuple[pa.RecordBa
     for chunk in (first, second):
         _add_checked(asm, chunk.data, rows)
     del first, second, chunk
-    trim = Trimmer()  # the messages' heap pieces back to the OS once copied (flight/heap.py)
     try:
-        trim.released(size)
         while True:
             try:
                 chunk = reader.read_chunk()
@@ -319,11 +310,10 @@ def assemble(reader: Any, rows: int, empty: Empty = _fresh) -> tuple[pa.RecordBa
             if chunk.data is None:
                 raise SchemaError("a sample in parts: a message without a batch")
             _add_checked(asm, chunk.data, rows)
-            size = chunk.data.nbytes
+            size += chunk.data.nbytes
             del chunk
-            trim.released(size)
     finally:
-        trim.flush()
+        release_after(size)  # the messages' heap pieces back to the OS once, when the stream ends (heap.py)
     return asm.batch(), meta
 
 
