@@ -9,16 +9,25 @@ What runs (every role a Ray actor, its own process, spread round-robin over the 
 - `trainers`: consume task "train" with `require=["reward", "ref_logprobs"]` and check each batch (whole groups,
   fields written, ragged lengths equal), oldest-first under a version window (`admission="oldest"`,
   `max_staleness=--window`); trainer 0 advances the policy version every `--version-every` seconds, writers tag their
-  rows with the version they last read (every 5th group two versions older: a slow rollout), and the rows the window
-  holds back wait (counted, `stats()["admission"]`) until the drain takes them (`--arrival`: id order, no versions).
-The store: `ShardedStore.create(grpo, num_shards=3, tasks=["reward", "ref", "train"], sampler=Group(size=8))`, one
-shard per node (a group lives on one shard). Writers write for `--seconds`; then the consumers drain and stop.
+  rows with the version they last read (each second; every 5th group `--window` versions older: a slow rollout, at
+  the window's edge, which oldest-first admission takes before newer rows), and the rows the window holds back wait
+  (counted, `stats()["admission"]`) (`--arrival`: id order, no versions).
+The store: `ShardedStore.create(grpo, num_shards=3, tasks=["reward", "ref", "train"], sampler=Group(size=8),
+max_staleness=--window + 1)`, one shard per node (a group lives on one shard). The store's bound is one version wider
+than the trainers' window: a row the window holds back waits a version longer, and then the ring may evict it when a
+writer needs the space (counted as dropped for each task that had not consumed it, docs/consume.md). Without a store
+bound, rows held back hold eviction for good and, over minutes, fill the ring: every writer then waits until the end
+(a 120 s run with 2-version stragglers and no bound wrote all its rows in the first ~20 s). Writers write for
+`--seconds`; then the consumers drain and stop.
 
 Checks (the run fails, exit status 1, when one does not hold):
 - progress: every writer wrote rows;
-- exactly once per task: for each task, the ids consumed by all its processes have no duplicate and are exactly the
-  ids written (nothing lost, nothing twice), and every batch held whole groups with their fields written;
-- oldest-first admission: at the end every row was admitted for "train", none waits, none was dropped;
+- sustained writing: the writers wrote at least a third as many rows in the last third of the write phase as in the
+  first (a ring blocked by rows nobody will take stops the writers: this check fails then);
+- exactly once per task: for each task, the ids consumed by all its processes have no duplicate, are ids written,
+  and together with the rows the store counted as dropped (stale, evicted unconsumed) account for every row written
+  (nothing lost uncounted, nothing twice), and every batch held whole groups with their fields written;
+- oldest-first admission: at the end every row was admitted for "train" or counted as dropped, none waits;
 - bounded memory: every process's peak RSS (VmHWM) is under `--max-rss-mb`, and no shard's RSS grows by more than
   `--max-growth-mb` between 40% of the write phase and its end (the ring is full by then: steady state).
 
@@ -28,7 +37,7 @@ role. RSS is read from /proc (a local cluster: every node is this machine). The 
 writing the same batches into an in-process store (`ExperienceStore.extend`), rows/s and bytes/s.
 
     python -m benchmarks.bench_scale [--quick] [--seconds S] [--writers W --updaters U --trainers T]
-                                     [--window K --version-every S | --arrival]
+                                     [--window K --version-every S [--lag L] [--no-bound] | --arrival]
 
 Prints a table and writes benchmarks/out/scale.json. `run()` is what tests/test_scale.py calls on the session's
 cluster.
@@ -54,6 +63,8 @@ TASKS = ("reward", "ref", "train")
 GROUP = 8
 #: A consumer that found nothing waits this long before it asks again, doubling up to the longest.
 _IDLE_MIN_S, _IDLE_MAX_S = 0.01, 0.2
+#: The trainers' window in the drain: every row still in the ring, however many versions back.
+_DRAIN_WINDOW = 1 << 30
 
 
 def _rss(pid: int) -> tuple[int, int]:
@@ -120,12 +131,13 @@ def actors() -> dict[str, Any]:
 
     @ray.remote(num_cpus=0, max_concurrency=2)
     class Writer(Role):
-        def run(self, start_at: float, seconds: float, period: float) -> dict[str, Any]:
+        def run(self, start_at: float, seconds: float, period: float, lag: int = 1) -> dict[str, Any]:
             import arrowbuf as ab
 
             rng = np.random.default_rng(1000 + self.index)
             ids: list[np.ndarray] = []
-            nbytes = waits = 0
+            times: list[float] = []  # seconds since the start at each group written
+            nbytes = waits = refused = 0
             version = self.sharded.policy_version
             time.sleep(max(0.0, start_at - time.time()))
             t0 = seen = time.monotonic()
@@ -138,18 +150,26 @@ def actors() -> dict[str, Any]:
                     waits += 1
                     time.sleep(0.05)
                     continue
+                except ab.InvalidArgument:  # older than the store's window: a real worker drops the rollout
+                    refused += 1
+                    version, seen = self.sharded.policy_version, time.monotonic()
+                    k += 1
+                    rows = group_rows(rng, self.index * 10_000_000 + k, version)
+                    continue
                 ids.append(np.asarray(got, np.int64))
+                times.append(time.monotonic() - t0)
                 nbytes += batch_bytes(rows)
                 k += 1
                 if time.monotonic() - seen > 1.0:  # the policy this rollout worker runs: refreshed every second
                     version, seen = self.sharded.policy_version, time.monotonic()
-                straggler = k % 5 == 4  # every 5th group: a slow rollout, started two policy versions back
-                rows = group_rows(rng, self.index * 10_000_000 + k, max(0, version - 2) if straggler else version)
+                straggler = k % 5 == 4  # every 5th group: a slow rollout, started `lag` policy versions back
+                rows = group_rows(rng, self.index * 10_000_000 + k, max(0, version - lag) if straggler else version)
                 nxt += period
                 time.sleep(max(0.0, nxt - time.monotonic()))
             elapsed = time.monotonic() - t0
             return self._report(ids=np.concatenate(ids) if ids else np.zeros(0, np.int64), bytes=nbytes,
-                                elapsed=elapsed, insert_waits=waits)
+                                elapsed=elapsed, insert_waits=waits, refused=refused,
+                                times=np.asarray(times, np.float64))
 
     class Consumer(Role):
         task = ""
@@ -223,10 +243,11 @@ def actors() -> dict[str, Any]:
         require = ["reward", "ref_logprobs"]
 
         def options(self) -> dict[str, Any]:
-            """Oldest-first under the window while the run goes on; the drain takes what waited behind it."""
+            """Oldest-first under the window while the run goes on; the drain takes what waited behind it (a window
+            wide enough for any row: None would mean the store's own bound, which a store made with one keeps)."""
             if self.window is None:
                 return {}
-            return {"admission": "oldest", "max_staleness": None if self.draining else self.window}
+            return {"admission": "oldest", "max_staleness": _DRAIN_WINDOW if self.draining else self.window}
 
         def check(self, b: Any) -> int:
             import pyarrow.compute as pc
@@ -266,14 +287,17 @@ def ceiling(seconds: float, rng_seed: int = 0) -> dict[str, float]:
 
 def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: int = 8, period: float = 0.25,
         capacity_per_shard: int = 1024, batch: int = 32, drain_s: float = 60.0, max_rss_mb: float = 2048.0,
-        max_growth_mb: float = 256.0, window: int | None = 1, version_every: float | None = 4.0) -> dict[str, Any]:
+        max_growth_mb: float = 256.0, window: int | None = 1, version_every: float | None = 4.0,
+        lag: int | None = None, bound: bool = True) -> dict[str, Any]:
     """The scale run on the Ray cluster this process is connected to (`ray.init` done; at least one node).
 
     Trainers consume oldest-first (`admission="oldest"`) under the version window `window` (None: in id order, no
     window) while trainer 0 advances the policy version every `version_every` seconds and writers tag their rows with
-    the version they last read (each second), every 5th group two versions older (a slow rollout); once the writers
-    are done the trainers drain without a lower bound, so rows that waited behind the window are delivered, none
-    dropped.
+    the version they last read (each second), every 5th group `lag` versions older (a slow rollout; default: `window`,
+    the window's edge); once the writers are done the trainers drain without a lower bound, so rows that waited
+    behind the window and are still in the ring are delivered. With `bound` (and a window) the store is made with
+    `max_staleness=window + 1`: rows held back longer than that may be evicted when a writer needs the space, counted
+    as dropped per task; without it they hold eviction until the drain (writers wait for them).
 
     `updaters` processes per updating task ("reward", "ref"): writers + 2 * updaters + trainers processes in all.
     Every actor and the store are ended before it returns, also when it fails. Returns the figures and `checks`
@@ -288,9 +312,11 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
     phases = {"begin": time.monotonic()}  # seconds of each phase: shards, actors up, writing, drain
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
     shards = min(NODES, len(nodes))
+    lag = (window or 0) if lag is None else lag
+    store_bound = window + 1 if bound and window is not None else None
     sharded = ShardedStore.create("grpo", num_shards=shards, capacity_per_shard=capacity_per_shard,
                                   sampler=ab.samplers.Group(key="prompt_id", size=GROUP), tasks=list(TASKS),
-                                  shard_cpus=0.1, failure_timeout=60.0)
+                                  shard_cpus=0.1, failure_timeout=60.0, max_staleness=store_bound)
     made: list[tuple[str, Any]] = []
     phases["shards"] = time.monotonic()
     try:
@@ -309,7 +335,7 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
         bumper = next((a for role, a in made if role == "train"), None)  # trainer 0 advances the policy version
         consumers = [(role, a.run.remote(batch, window, version_every if a is bumper else None)
                       if role == "train" else a.run.remote(batch)) for role, a in made if role != "writers"]
-        wrefs = [a.run.remote(start_at, seconds, period) for role, a in made if role == "writers"]
+        wrefs = [a.run.remote(start_at, seconds, period, lag) for role, a in made if role == "writers"]
         series: list[tuple[float, list[int]]] = []  # (seconds since start, shard RSS)
         t0 = time.monotonic() + max(0.0, start_at - time.time())
         pending = list(wrefs)
@@ -329,7 +355,8 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
         end = time.monotonic() + drain_s  # the consumers drain what is left, then stop
         while time.monotonic() < end:
             st = sharded.stats()
-            if all(st.get("consumed", {}).get(t, 0) >= len(written) for t in TASKS):
+            dropped = st.get("stale_dropped_by_task", {})
+            if all(st.get("consumed", {}).get(t, 0) + dropped.get(t, 0) >= len(written) for t in TASKS):
                 break
             time.sleep(0.5)
         phases["drain"] = time.monotonic()
@@ -348,10 +375,11 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
     res["phases_s"] = {k: round(phases[k] - phases[p], 1) for p, k in zip(keys, keys[1:])}
     adm = stats.get("admission", {}).get("train")
     if window is not None:
-        res["admission"] = {"window": window, "version_every_s": version_every, "most_waiting": waited, "end": adm}
-        if adm is None or adm["dropped"] or adm["waiting"] or adm["admitted"] != len(written):
-            res["checks"]["admission"] = [f"train: at the end {adm} (expected every row admitted, none waiting, "
-                                          "none dropped)"]
+        res["admission"] = {"window": window, "version_every_s": version_every, "most_waiting": waited, "end": adm,
+                            "straggler_lag": lag, "store_max_staleness": store_bound}
+        if adm is None or adm["waiting"] or adm["admitted"] + adm["dropped"] != len(written):
+            res["checks"]["admission"] = [f"train: at the end {adm} (expected every row admitted or counted as "
+                                          "dropped, none waiting)"]
             res["ok"] = False
     return res
 
@@ -360,14 +388,20 @@ def _report(seconds: float, wres: list[dict[str, Any]], cres: list[tuple[str, di
             series: list[tuple[float, list[int]]], shard_peaks: list[int], stats: dict[str, Any], nodes: int,
             max_rss_mb: float, max_growth_mb: float) -> dict[str, Any]:
     checks: dict[str, list[str]] = {"exactly_once": [], "whole_groups_and_fields": [], "bounded_memory": [],
-                                    "errors": [], "progress": []}
+                                    "errors": [], "progress": [], "sustained": []}
     idle = [k for k, r in enumerate(wres) if not len(r["ids"])]
     if idle:  # a run that wrote nothing would pass every other check
         checks["progress"].append(f"writers {idle} wrote no row in {seconds} s")
     write_s = max(r["elapsed"] for r in wres)
+    times = np.concatenate([r["times"] for r in wres]) if wres else np.zeros(0)
+    thirds = [int(((times >= write_s * k / 3) & (times < write_s * (k + 1) / 3)).sum()) for k in range(3)]
+    if thirds[2] * 3 < thirds[0]:
+        checks["sustained"].append(f"groups written per third of the write phase {thirds}: the writers stalled")
+    dropped = stats.get("stale_dropped_by_task", {})
     roles: dict[str, Any] = {"writers": {"processes": len(wres), "rows": len(written),
                                          "bytes": sum(r["bytes"] for r in wres),
                                          "insert_waits": sum(r["insert_waits"] for r in wres),
+                                         "refused_stale": sum(r["refused"] for r in wres), "groups_per_third": thirds,
                                          "peak_rss": [r["peak_rss"] for r in wres]}}
     roles["writers"].update(rows_s=len(written) / write_s, bytes_s=roles["writers"]["bytes"] / write_s)
     for w in wres:
@@ -379,9 +413,10 @@ def _report(seconds: float, wres: list[dict[str, Any]], cres: list[tuple[str, di
         if len(uniq) != len(got):
             checks["exactly_once"].append(f"{task}: {len(got) - len(uniq)} rows delivered twice")
         missing, extra = np.setdiff1d(written, uniq), np.setdiff1d(uniq, written)
-        if len(missing) or len(extra):
-            checks["exactly_once"].append(f"{task}: {len(missing)} written rows never delivered, {len(extra)} "
-                                          "delivered rows never written")
+        lost = len(missing) - int(dropped.get(task, 0))  # rows evicted stale are counted by the store, not lost
+        if lost or len(extra):
+            checks["exactly_once"].append(f"{task}: {len(missing)} written rows never delivered ({dropped.get(task, 0)}"
+                                          f" counted as dropped), {len(extra)} delivered rows never written")
         bad = sum(r["bad_batches"] for r in mine)
         if bad:
             checks["whole_groups_and_fields"].append(f"{task}: {bad} batches with a split group or a missing field")
@@ -389,7 +424,8 @@ def _report(seconds: float, wres: list[dict[str, Any]], cres: list[tuple[str, di
             checks["errors"] += r["errors"]
         lat = [x for r in mine for x in r["lat"]]
         elapsed = max((r["elapsed"] for r in mine), default=1.0)
-        roles[task] = {"processes": len(mine), "rows": int(len(got)), "bytes": sum(r["bytes"] for r in mine),
+        roles[task] = {"processes": len(mine), "rows": int(len(got)), "dropped": int(dropped.get(task, 0)),
+                       "bytes": sum(r["bytes"] for r in mine),
                        "rows_s": len(got) / elapsed, "bytes_s": sum(r["bytes"] for r in mine) / elapsed,
                        "consume_calls": len(lat), "consume_p50_ms": _pct(lat, 50), "consume_p99_ms": _pct(lat, 99),
                        "peak_rss": [r["peak_rss"] for r in mine]}
@@ -419,27 +455,31 @@ def _mb(x: float | None) -> str:
 
 
 def table(res: dict[str, Any], ceil: dict[str, float] | None) -> str:
-    lines = [f"{'role':10} {'procs':>5} {'rows':>7} {'rows/s':>8} {'MB/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
-             f"{'peak RSS MiB max/mean':>22}"]
+    lines = [f"{'role':10} {'procs':>5} {'rows':>7} {'dropped':>7} {'rows/s':>8} {'MB/s':>7} {'p50 ms':>7} "
+             f"{'p99 ms':>7} {'peak RSS MiB max/mean':>22}"]
     for role, r in res["roles"].items():
         peaks = np.asarray(r["peak_rss"], dtype=np.float64) / (1 << 20)
         p50, p99 = r.get("consume_p50_ms"), r.get("consume_p99_ms")
         rate = f"{r['rows_s']:.0f}" if "rows_s" in r else "-"
-        lines.append(f"{role:10} {r['processes']:>5} {r.get('rows', '-'):>7} "
+        lines.append(f"{role:10} {r['processes']:>5} {r.get('rows', '-'):>7} {r.get('dropped', '-'):>7} "
                      f"{rate:>8} {_mb(r.get('bytes_s')):>7} "
                      f"{'-' if p50 is None else f'{p50:.1f}':>7} {'-' if p99 is None else f'{p99:.1f}':>7} "
                      f"{f'{peaks.max():.0f} / {peaks.mean():.0f}' if len(peaks) else '-':>22}")
     if ceil is not None:
         w = res["roles"]["writers"]
-        lines.append(f"{'ceiling':10} {1:>5} {'':>7} {ceil['rows_s']:>8.0f} {_mb(ceil['bytes_s']):>7}   "
+        lines.append(f"{'ceiling':10} {1:>5} {'':>7} {'':>7} {ceil['rows_s']:>8.0f} {_mb(ceil['bytes_s']):>7}   "
                      f"(one process, in-process extend of the same groups; the run writes at "
                      f"{w['rows_s'] / ceil['rows_s']:.3f}x of it, rate-limited by --period)")
+        lines.append(f"writers: groups written per third of the write phase {w.get('groups_per_third')}, "
+                     f"{w['insert_waits']} waits on a full ring, {w.get('refused_stale', 0)} rollouts refused as "
+                     "older than the store's window")
     if "admission" in res:
         a = res["admission"]
         lines.append(f"train oldest-first, window {a['window']}, a new policy version every {a['version_every_s']} s: "
                      f"at most {a['most_waiting']['waiting']} rows waited behind or ahead of the window "
                      f"({a['most_waiting']['waiting_stale']} stale, {a['most_waiting']['waiting_ahead']} ahead); at "
-                     f"the end {a['end']}")
+                     f"the end {a['end']}; stragglers {a.get('straggler_lag')} versions back, the store's "
+                     f"max_staleness {a.get('store_max_staleness')}")
     if "phases_s" in res:
         lines.append("seconds per phase: " + ", ".join(f"{k} {v}" for k, v in res["phases_s"].items()))
     lines.append(f"checks: {'all hold' if res['ok'] else json.dumps(res['checks'])[:2000]}")
@@ -459,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=1, help="trainers' version window (oldest-first admission)")
     ap.add_argument("--version-every", type=float, default=4.0, help="seconds between policy versions")
     ap.add_argument("--arrival", action="store_true", help="trainers consume in id order, no window, no versions")
+    ap.add_argument("--lag", type=int, default=None, help="versions a slow rollout starts back (default: --window)")
+    ap.add_argument("--no-bound", action="store_true",
+                    help="no store max_staleness: rows held back by the window hold eviction until the drain")
     args = ap.parse_args(argv)
     seconds = args.seconds or (20.0 if args.quick else 120.0)
     import ray
@@ -475,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         res = run(seconds, args.writers, args.updaters, args.trainers, args.period, args.capacity,
                   max_rss_mb=args.max_rss_mb, window=None if args.arrival else args.window,
-                  version_every=None if args.arrival else args.version_every)
+                  version_every=None if args.arrival else args.version_every, lag=args.lag,
+                  bound=not args.no_bound)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -23,18 +24,52 @@ def test_32_processes_on_3_nodes_consume_each_row_once_per_task_in_bounded_memor
 
     assert len([n for n in ray.nodes() if n["Alive"]]) == 3
     # 8 writers, 8 reward updaters, 8 ref updaters, 8 trainers; modest rates for a 2-core machine
+    # every 5th group starts two versions back, outside the trainers' window (1): held back; the store's bound
+    # (max_staleness=2) lets the ring evict such rows a version later when a writer needs the space
     res = bench_scale.run(seconds=30.0, writers=8, updaters=8, trainers=8, period=0.5, capacity_per_shard=512,
-                          drain_s=90.0, window=1, version_every=4.0)
+                          drain_s=90.0, window=1, version_every=4.0, lag=2, bound=True)
     assert res["processes"] == 32 and res["nodes"] == 3 and res["shards"] == 3
     assert res["checks"] == {"exactly_once": [], "whole_groups_and_fields": [], "bounded_memory": [],
-                             "errors": [], "progress": []}, bench_scale.table(res, None)
+                             "errors": [], "progress": [], "sustained": []}, bench_scale.table(res, None)
     written = res["roles"]["writers"]["rows"]
     assert written >= 8 * 8 * 10  # every writer wrote (at least 10 groups each in 30 s at one per 0.5 s)
-    assert res["consumed"] == {"reward": written, "ref": written, "train": written}
+    # delivered + counted as dropped (stale, evicted unconsumed) = written, for every task
+    assert {t: res["consumed"][t] + res["roles"][t]["dropped"] for t in ("reward", "ref", "train")} == \
+        {"reward": written, "ref": written, "train": written}
     # the ring (3 x 512 rows) is smaller than what was written: eviction held rows until every task consumed them
     assert written > 3 * 512
-    # trainers consumed oldest-first under a moving version window (1; a new version every 4 s, every 5th group two
-    # versions old): slow rollouts waited behind it, counted, and were admitted in the drain, none dropped
+    # trainers consumed oldest-first under a moving version window: the slow rollouts waited behind it, counted;
+    # at the end each row was admitted or counted as dropped, none waits
     assert res["admission"]["most_waiting"]["waiting_stale"] > 0
-    assert res["admission"]["end"] == {"admitted": written, "waiting": 0, "waiting_ahead": 0, "waiting_stale": 0,
-                                       "dropped": 0}
+    end = res["admission"]["end"]
+    assert end["waiting"] == 0 and end["admitted"] + end["dropped"] == written
+
+
+def _writer(times, ids):
+    return {"ids": np.asarray(ids, np.int64), "times": np.asarray(times, np.float64), "elapsed": 30.0, "bytes": 0,
+            "insert_waits": 0, "refused": 0, "peak_rss": 0, "errors": []}
+
+
+def test_the_scale_checks_catch_writers_that_stall_and_rows_lost_uncounted():
+    """The checks themselves, on made-up results (no cluster): a write phase whose last third wrote nothing fails
+    `sustained` (a 120 s run whose ring was blocked by held-back rows wrote everything in its first 20 s and passed
+    every other check); a row neither delivered nor counted as dropped fails `exactly_once`."""
+    from benchmarks import bench_scale
+
+    written = np.arange(8)
+    steady = [_writer([1.0, 12.0, 25.0, 29.0], [0, 1, 2, 3]), _writer([2.0, 15.0, 21.0, 28.0], [4, 5, 6, 7])]
+    stalled = [_writer([1.0, 2.0, 3.0, 4.0], [0, 1, 2, 3]), _writer([2.0, 3.0, 5.0, 6.0], [4, 5, 6, 7])]
+    consumers = [(t, {"ids": written, "bad_batches": 0, "errors": [], "lat": [0.01], "elapsed": 30.0, "bytes": 0,
+                      "peak_rss": 0, "rows": 8}) for t in bench_scale.TASKS]
+    stats = {"stale_dropped_by_task": {}}
+    ok = bench_scale._report(30.0, steady, consumers, written, [], [], stats, 3, 2048.0, 256.0)
+    assert ok["ok"] and ok["roles"]["writers"]["groups_per_third"] == [2, 2, 4]
+    bad = bench_scale._report(30.0, stalled, consumers, written, [], [], stats, 3, 2048.0, 256.0)
+    assert not bad["ok"] and bad["checks"]["sustained"] and not bad["checks"]["exactly_once"]
+    # train delivered rows 0-5 only: 6 and 7 are lost unless the store counted them as dropped for train
+    short = [(t, dict(r, ids=written[:6]) if t == "train" else r) for t, r in consumers]
+    lost = bench_scale._report(30.0, steady, short, written, [], [], stats, 3, 2048.0, 256.0)
+    assert lost["checks"]["exactly_once"] and not lost["ok"]
+    counted = bench_scale._report(30.0, steady, short, written, [], [], {"stale_dropped_by_task": {"train": 2}}, 3,
+                                  2048.0, 256.0)
+    assert counted["ok"] and counted["roles"]["train"]["dropped"] == 2
