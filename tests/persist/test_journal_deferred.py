@@ -132,13 +132,15 @@ def test_a_failed_write_fails_every_later_record(tmp_path):
     assert torn is not None  # the partial record, dropped
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_wait_false_returns_written_records(tmp_path, monkeypatch, offload):
+@pytest.mark.parametrize("mode", ["writer", "offload", "defer_write"])
+def test_wait_false_returns_written_records(tmp_path, monkeypatch, mode):
     """`extend(wait=False)` returns once the batch's record is written (a kill of the process loses nothing it
-    returned), under every policy, whether the writer or the journal's thread (offload) writes it."""
+    returned), under every policy, whether the writer or the journal's thread (offload: encoded there too;
+    defer_write: encoded by the writer) writes it."""
     from arrowbuf.store import durable
 
-    monkeypatch.setattr(durable, "OFFLOAD", offload)
+    monkeypatch.setattr(durable, "OFFLOAD", mode == "offload")
+    monkeypatch.setattr(durable, "DEFER_WRITE", mode == "defer_write")
     for policy in POLICIES:
         run = os.path.join(tmp_path, policy)
         s = ab.ExperienceStore({"name": "t", "fields": {"x": "int64"}}, capacity=1000, durable=run,
@@ -174,18 +176,21 @@ def test_a_record_that_cannot_be_encoded_fails_the_journal_not_the_file(tmp_path
     assert [r.meta["i"] for r in recs] == [0] and torn is None and nxt == 1
 
 
+@pytest.mark.parametrize("mode", ["offload", "defer_write"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_offloaded_records_restore_exactly(tmp_path, monkeypatch, policy):
-    """With the records encoded and written on the journal's thread, 4 writers' batches (ragged and fixed columns)
-    restore exactly, in seq order."""
+def test_offloaded_records_restore_exactly(tmp_path, monkeypatch, policy, mode):
+    """With the records written on the journal's thread (offload: encoded there too; defer_write: encoded by the
+    writer), 4 writers' batches (ragged and fixed columns) restore exactly, in seq order."""
     from arrowbuf.store import durable
 
-    monkeypatch.setattr(durable, "OFFLOAD", True)
+    monkeypatch.setattr(durable, "OFFLOAD", mode == "offload")
+    monkeypatch.setattr(durable, "DEFER_WRITE", mode == "defer_write")
     schema = {"name": "t", "fields": {"x": "int64", "r": {"dtype": "int32", "ragged": True},
                                       "o": {"dtype": "float32", "shape": [3]}}}
     run = os.path.join(tmp_path, "run")
     s = ab.ExperienceStore(schema, capacity=10_000, durable=run, durability=policy)
-    assert s.stats()["journal"]["offload"] is True
+    assert s.stats()["journal"]["offload"] is (mode == "offload")
+    assert s.stats()["journal"]["defer_write"] is (mode == "defer_write")
 
     def writer(w: int) -> None:
         rng = np.random.default_rng(w)
