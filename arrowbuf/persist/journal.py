@@ -148,6 +148,7 @@ class Journal:
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0}
         self._kick = threading.Condition(threading.Lock())  # `sync_soon` requests for the sync thread
         self._kick_upto = -1
+        self._kick_at = 0.0  # when the sync thread starts on `_kick_upto` (later than now: a lazy `sync_soon`)
         self._taken = -1  # the request the sync thread is working on
         self._syncer: threading.Thread | None = None
         self._open_segment()
@@ -336,24 +337,37 @@ class Journal:
             raise self._error
         return self._durable >= ticket
 
-    def sync_soon(self, ticket: int) -> None:
+    def sync_soon(self, ticket: int, lazy: bool = False) -> None:
         """Start writing record `ticket` and (but under "os") making it durable on the journal's sync thread, and
         return at once: a writer that appends its record (`defer=True`) before it copies its rows calls this,
-        copies (the write and the fdatasync run meanwhile), then `wait`s, which then mostly finds it done."""
+        copies (the write and the fdatasync run meanwhile), then `wait`s, which then mostly finds it done.
+        `lazy` (a record nobody waits for yet: a pipelined `extend(wait=False)`): under "group" the sync thread
+        starts at most `window_s` later, so that the records appended meanwhile share its fdatasync; a `wait` for
+        the record before then syncs at once (on the waiter's thread)."""
         if self._durable >= ticket:
             return
+        at = time.monotonic() + self.window_s if lazy and self.policy == "group" else 0.0
         with self._kick:
             if self._syncer is None and not self._closed:
                 self._syncer = threading.Thread(target=self._sync_loop, name="arrowbuf-journal-sync", daemon=True)
                 self._syncer.start()
+            if self._kick_upto <= self._durable:  # nothing pending: this request sets when the thread starts
+                self._kick_at = at
             self._kick_upto = max(self._kick_upto, ticket)
+            self._kick_at = min(self._kick_at, at)
             self._kick.notify()
 
     def _sync_loop(self) -> None:
         while True:
             with self._kick:
-                while self._kick_upto <= self._durable and not self._closed:
-                    self._kick.wait()
+                while not self._closed:
+                    if self._kick_upto <= self._durable:
+                        self._kick.wait()
+                        continue
+                    left = self._kick_at - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._kick.wait(left)  # a lazy request: records appended meanwhile share the fdatasync
                 if self._closed:
                     return
                 upto = self._taken = self._kick_upto

@@ -86,7 +86,7 @@ class _Pending:
     """A batch being extended: its validated columns, its record (encoded when the journal writes it), and once its
     seqs are reserved its first seq and journal ticket."""
 
-    __slots__ = ("payload", "n", "record", "first", "ticket", "expected", "who")
+    __slots__ = ("payload", "n", "record", "first", "ticket", "expected", "who", "lazy")
 
     def __init__(self, payload: Any, n: int, record: jr.Prepared | jr.Deferred, expected: bool = False,
                  who: str = "") -> None:
@@ -94,6 +94,7 @@ class _Pending:
         self.first = -1
         self.ticket: int | None = None
         self.expected = expected  # announced to the journal (`Journal.expect`), not appended yet
+        self.lazy = False  # `extend(wait=False)`: nobody waits for its fdatasync yet (`Journal.sync_soon(lazy=)`)
 
 
 def _now_us() -> int:
@@ -182,7 +183,7 @@ class DurableLog:
             with self._order:
                 self._recorded = max(self._recorded, first + pending.n)
             if defer or self.journal.policy != "os":
-                self.journal.sync_soon(pending.ticket)
+                self.journal.sync_soon(pending.ticket, lazy=pending.lazy)
             return
         self.journal.append("issued", {"next": int(next_seq)})
 
@@ -219,6 +220,7 @@ class DurableLog:
 
             pending = _Pending(cols, n, jr.Deferred(encode, _cols_bytes(cols), width) if self.offload else encode(),
                                True, who)
+            pending.lazy = not wait
             self._local.pending = pending  # `note_issued` appends the batch record at the reservation
             ids = self.writer.extend_columns(cols, n, timeout=timeout)
         except BaseException:
