@@ -64,6 +64,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, StoreCorrupt
+from .loader import SegmentLoader as _Loader
 from .manifest import fsync_dir as _fsync_dir
 from .record import (
     FORMAT_VERSION,
@@ -76,6 +77,7 @@ from .record import (
     prepare,
     record_crc,
     seal,
+    start_writeback,
     table_bytes,
     table_pieces,
 )
@@ -180,13 +182,14 @@ class Journal:
             self._cond.notify_all()
 
     def append_prepared(self, record: Prepared | Deferred, meta: dict[str, Any] | None = None,
-                        expected: bool = False, defer: bool = False) -> int:
+                        expected: bool = False, defer: bool = False, writeback: bool = False) -> int:
         """Append a record `prepare`d before (outside this journal's locks: the payload's checksum is done by
         then), with `meta` if given (within the width prepared); returns its ticket (its lsn) for `wait`.
         The record's place (its lsn: commit order) is taken here; it is written here too unless `defer`: then
         the journal's thread writes it (`sync_soon`), or the next `wait`/`flush` that needs it; the payload's
         buffers must stay unchanged until then. `expected`: the record announced by this caller's `expect`
-        (counted as arrived, even if this raises). A `Deferred` record is encoded when it is written."""
+        (counted as arrived, even if this raises). A `Deferred` record is encoded when it is written. `writeback`
+        (not deferred): start the disk's write of it now (`start_writeback`), for a caller that `wait`s later."""
         try:
             meta_b = None if meta is None else meta_bytes(record, meta)  # a meta too wide fails here, not later
             with self._lock:
@@ -205,6 +208,10 @@ class Journal:
                 self.unexpect()
         if not defer:
             self.flush(lsn)
+            if writeback:
+                with self._io:
+                    if self._error is None and not self._closed:
+                        start_writeback(self._fd)
         return lsn
 
     def flush(self, ticket: int, help_: bool = True) -> None:
@@ -559,69 +566,6 @@ def read_journal(directory: str, from_lsn: int) -> tuple[list[Record], TornTail 
         expect = (recs[-1].lsn + 1) if recs else first
         out.extend(r for r in recs if r.lsn >= from_lsn and r.kind != "end")
     return out, torn, max(from_lsn, expect if expect is not None else from_lsn), last_crc
-
-
-class _Loader:
-    """Reads a segment file into memory on a thread, in large sequential reads, while the caller checks the records
-    already read (reading and checksumming overlap: the CRC and the reads release the GIL). `upto(k)` waits until
-    the first k bytes (at most the file's size) are in `buf`."""
-
-    CHUNK = 8 << 20
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.size = os.path.getsize(path)
-        self.arr = np.empty(self.size, dtype=np.uint8)
-        self.buf = pa.py_buffer(self.arr)  # zero-copy: payloads are views of it
-        self._avail = 0
-        self._done = False
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        if self.size <= self.CHUNK:  # one read: no thread
-            self._run()
-        else:
-            self._thread = threading.Thread(target=self._run, name="arrowbuf-journal-read", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                view = self.arr.data
-                while self._avail < self.size:
-                    n = os.readv(fd, [view[self._avail:self._avail + self.CHUNK]])
-                    if n <= 0:
-                        raise StoreCorrupt(f"journal segment {self.path} shrank while it was read")
-                    with self._cond:
-                        self._avail += n
-                        self._cond.notify_all()
-            finally:
-                os.close(fd)
-        except BaseException as exc:  # handed to the reading thread
-            self._error = exc
-        finally:
-            with self._cond:
-                self._done = True
-                self._cond.notify_all()
-
-    def upto(self, k: int) -> None:
-        k = min(k, self.size)
-        if self._avail >= k:
-            return
-        with self._cond:
-            while self._avail < k and not self._done:
-                self._cond.wait()
-        if self._avail < k:
-            if isinstance(self._error, StoreCorrupt):
-                raise self._error
-            raise StoreCorrupt(f"journal segment {self.path} cannot be read: {self._error}")
-
-    def join(self) -> None:
-        """Wait for the reading thread to end (whatever happened)."""
-        if self._thread is not None:
-            self._thread.join()
 
 
 def _read_segment(path: str, first: int) -> tuple[list[Record], TornTail | None, int]:

@@ -58,6 +58,13 @@ OFFLOAD = os.environ.get("ARROWBUF_JOURNAL_OFFLOAD", "0") == "1"
 #: `extend(wait=False)` still returns only once the record is written. `ARROWBUF_JOURNAL_DEFER_WRITE=0|1` sets it;
 #: a store reads it when it opens its journal (`DurableLog.defer_write`). The journal's bytes are the same.
 DEFER_WRITE = os.environ.get("ARROWBUF_JOURNAL_DEFER_WRITE", "0") == "1"
+#: Whether an `extend` that acknowledges synchronously (`wait=True`; the Flight server's too) under "group" or
+#: "batch" makes its record durable on its own thread (True): it writes the record at its reservation, starts the
+#: disk's write at once (`sync_file_range`, no wait), copies its rows meanwhile, then `fdatasync`s (writers waiting
+#: at the same time share one, as always), with no hand-off to the journal's sync thread; False: the sync thread
+#: `fdatasync`s while the writer copies (a wake-up and interpreter-lock hand-offs per batch).
+#: `ARROWBUF_JOURNAL_WRITER_SYNC=0|1`; read when a store opens its journal (`DurableLog.writer_sync`).
+WRITER_SYNC = os.environ.get("ARROWBUF_JOURNAL_WRITER_SYNC", "1") == "1"
 
 
 def check_new(root: str) -> None:
@@ -144,6 +151,7 @@ class DurableLog:
         self.replayed: dict[str, int] = {}
         self.offload = OFFLOAD
         self.defer_write = DEFER_WRITE
+        self.writer_sync = WRITER_SYNC
 
     @classmethod
     def create(cls, root: str, policy: str, core: Any, writer: Any, reader: Any, updater: Any,
@@ -178,11 +186,12 @@ class DurableLog:
             # its place in commit order is taken here, and it is written here (with `offload`: by the journal's
             # thread while this writer copies the rows); under "group" and "batch" the sync thread syncs it meanwhile
             defer = self.offload or self.defer_write
+            own = self.writer_sync and not (defer or pending.lazy) and self.journal.policy != "os"
             pending.ticket = self.journal.append_prepared(pending.record, _batch_meta(first, pending.n, pending.who),
-                                                          expected=expected, defer=defer)
+                                                          expected=expected, defer=defer, writeback=own)
             with self._order:
                 self._recorded = max(self._recorded, first + pending.n)
-            if defer or self.journal.policy != "os":
+            if not own and (defer or self.journal.policy != "os"):
                 self.journal.sync_soon(pending.ticket, lazy=pending.lazy)
             return
         self.journal.append("issued", {"next": int(next_seq)})
@@ -312,7 +321,7 @@ class DurableLog:
         the next record's lsn and the last durable one's, and what its restore replayed (records per kind, torn
         bytes dropped)."""
         return {"durability": self.journal.policy, "path": self.root, "crc32": CRC_IMPLEMENTATION,
-                "offload": self.offload, "defer_write": self.defer_write,
+                "offload": self.offload, "defer_write": self.defer_write, "writer_sync": self.writer_sync,
                 **self.journal.stats,
                 "next_lsn": self.journal.next_lsn, "durable_lsn": self.journal.durable_lsn,
                 "replayed": dict(self.replayed)}
