@@ -9,7 +9,10 @@ Rows (all on the disk of `--dir`):
   in process; and over Flight (one client, group vs none, fixed tensors and GRPO rows); `x none` is the ratio to
   the no-journal rate, `x ceil` the MB/s over min(the no-journal MB/s, the sequential write bandwidth): a journal
   writes every byte, so for frames the disk is the ceiling; `cpu us/b` the writer threads' CPU time per batch;
-  GRPO rows also with `/offload` (`ARROWBUF_JOURNAL_OFFLOAD=1`: records encoded and written on the journal's thread);
+  GRPO rows also with `/offload` (`ARROWBUF_JOURNAL_OFFLOAD=1`: records encoded and written on the journal's thread),
+  `/defer` (`ARROWBUF_JOURNAL_DEFER_WRITE=1`: written with the fdatasync by the journal's thread) and `/sync-thread`
+  (`ARROWBUF_JOURNAL_WRITER_SYNC=0`: a synchronous extend's fdatasync on the journal's thread, as before);
+  `x ceil`'s disk is measured the journal's way (186 KB appends, one fdatasync per 2 ms), several times per run;
 - acknowledgement latency p50/p99 per policy (one writer, batches of 16 GRPO rows), beside the raw fsync latency;
 - recovery: restore (checkpoint + replay) of a journal of N MB (frames, and GRPO rows), seconds per GB, per-record
   and bulk replay, vs reading the same segment files (page cache dropped before each; medians of 3).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -123,27 +128,37 @@ def _store(kind: str, durable: str | None, policy: str | None, capacity: int) ->
     return ab.ExperienceStore(schema, capacity=capacity, seed=0, **kw)
 
 
+@contextlib.contextmanager
+def durable_settings(**settings: bool | None) -> Iterator[None]:
+    """`arrowbuf.store.durable`'s journal settings (OFFLOAD, DEFER_WRITE, WRITER_SYNC by lower-case name; None:
+    the default) for the stores opened inside."""
+    from arrowbuf.store import durable
+
+    old = {}
+    try:
+        for k, v in settings.items():
+            if v is not None:
+                old[k.upper()] = getattr(durable, k.upper())
+                setattr(durable, k.upper(), v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(durable, k, v)
+
+
 def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: float,
-           window: int = 0, offload: bool | None = None, defer_write: bool | None = None) -> dict[str, float]:
+           window: int = 0, offload: bool | None = None, defer_write: bool | None = None,
+           writer_sync: bool | None = None) -> dict[str, float]:
     """Rows/s of `writers` threads extending back to back for `seconds` (the ring wraps: steady state). `window`:
     each writer keeps that many writes unacknowledged (`extend(..., wait=False)`, then the oldest handle's `wait()`),
     as a producer with a window does; 0: every extend acknowledges synchronously. `offload`: a batch's record
     encoded and written on the journal's thread (`arrowbuf.store.durable.OFFLOAD`; None: the default);
-    `defer_write`: encoded by the writer, written with its fdatasync by the journal's thread (`DEFER_WRITE`)."""
-    from arrowbuf.store import durable
-
-    if defer_write is not None:
-        default_d, durable.DEFER_WRITE = durable.DEFER_WRITE, defer_write
-        try:
-            return ingest(kind, where, policy, writers, seconds, window, offload)
-        finally:
-            durable.DEFER_WRITE = default_d
-    if offload is not None:
-        default, durable.OFFLOAD = durable.OFFLOAD, offload
-        try:
+    `defer_write`: encoded by the writer, written with its fdatasync by the journal's thread (`DEFER_WRITE`);
+    `writer_sync`: a synchronous extend fdatasyncs itself (`WRITER_SYNC`, the default) or leaves it to the sync
+    thread (False)."""
+    if offload is not None or defer_write is not None or writer_sync is not None:
+        with durable_settings(offload=offload, defer_write=defer_write, writer_sync=writer_sync):
             return ingest(kind, where, policy, writers, seconds, window)
-        finally:
-            durable.OFFLOAD = default
     n = 256 if kind == "frames" else 64
     batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
     row_bytes = _row_bytes(kind, batch)
@@ -190,17 +205,12 @@ def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: flo
 
 
 def flight_ingest(kind: str, where: str, policy: str | None, seconds: float,
-                  defer_write: bool | None = None) -> dict[str, float]:
+                  **settings: bool | None) -> dict[str, float]:
     """Rows/s and MB/s of one Flight client extending back to back (each DoPut acknowledged once durable under
-    `policy`) into a served store on 127.0.0.1. `defer_write`: as `ingest`."""
-    from arrowbuf.store import durable
-
-    if defer_write is not None:
-        default_d, durable.DEFER_WRITE = durable.DEFER_WRITE, defer_write
-        try:
+    `policy`) into a served store on 127.0.0.1. `settings`: as `ingest`'s (`durable_settings`)."""
+    if any(v is not None for v in settings.values()):
+        with durable_settings(**settings):
             return flight_ingest(kind, where, policy, seconds)
-        finally:
-            durable.DEFER_WRITE = default_d
     n = 256 if kind == "frames" else 64
     batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
     d = tempfile.mkdtemp(dir=where, prefix="jb-")
@@ -333,7 +343,9 @@ def run(where: str, quick: bool, sections: tuple[str, ...] = SECTIONS, kinds: tu
                 r = ingest(kind, where, policy, writers, secs)
                 res["ingest"][f"{kind} w{writers} {policy or 'none'}"] = r
             res["ingest"][f"{kind} w{writers} group+win4"] = ingest(kind, where, "group", writers, secs, window=4)
-            if kind == "grpo":  # the record written (and encoded: offload) on the journal's thread
+            if kind == "grpo":  # the fdatasync by the sync thread; the record written (and encoded) there
+                res["ingest"][f"{kind} w{writers} group/sync-thread"] = ingest(kind, where, "group", writers, secs,
+                                                                               writer_sync=False)
                 for tag, kw in (("defer", {"defer_write": True}), ("offload", {"offload": True})):
                     res["ingest"][f"{kind} w{writers} group/{tag}"] = ingest(kind, where, "group", writers, secs,
                                                                              **kw)
@@ -341,8 +353,9 @@ def run(where: str, quick: bool, sections: tuple[str, ...] = SECTIONS, kinds: tu
                                                                                   secs, window=4, **kw)
     res["flight"] = {}
     for kind in kinds if "flight" in sections else ():
-        for p, dw in ((None, None), ("group", None), ("group", True)):
-            res["flight"][f"{kind} {p or 'none'}{'/defer' if dw else ''}"] = flight_ingest(kind, where, p, secs, dw)
+        for p, tag, kw in ((None, "", {}), ("group", "", {}), ("group", "/sync-thread", {"writer_sync": False}),
+                           ("group", "/defer", {"defer_write": True})):
+            res["flight"][f"{kind} {p or 'none'}{tag}"] = flight_ingest(kind, where, p, secs, **kw)
     jprobe()
     res["journal_write_gb_per_s_trials"] = jw
     res["journal_write_gb_per_s"] = float(np.median(jw))
@@ -386,7 +399,9 @@ def table(res: dict[str, Any]) -> str:
     out.append("x ceil: MB/s over min(the no-journal rate, the journal-shaped write bandwidth): a journal writes every "
                "byte to the disk, so that is the most it can reach (the disk bounds frames, the CPU bounds GRPO rows); "
                "/defer: the record encoded by the writer, written with its fdatasync on the journal's thread "
-               "(ARROWBUF_JOURNAL_DEFER_WRITE=1); "
+               "(ARROWBUF_JOURNAL_DEFER_WRITE=1); /sync-thread: a synchronous extend's fdatasync done by the "
+               "journal's sync thread while the writer copies (ARROWBUF_JOURNAL_WRITER_SYNC=0; default: the writer "
+               "starts the disk write at its reservation and fdatasyncs itself); "
                "group+win4: each writer keeps 4 writes unacknowledged (extend(wait=False)); /offload: the batch's "
                "record encoded and written on the journal's thread (ARROWBUF_JOURNAL_OFFLOAD=1); cpu us/b: the writer "
                f"threads' CPU time per batch (holds under load; /offload moves part of it to the journal's thread); "
