@@ -4,10 +4,13 @@ under load better than rates, for one writer extending batches of 64 GRPO rows (
 Configurations (interleaved, `--reps` times each; medians printed):
 
 - `none`: the same store without a journal;
-- `os`, `group`: the journal as configured by default (the writer encodes and writes the record);
+- `os`, `group`: the journal as configured by default (the writer encodes and writes the record, and under
+  "group" starts its disk write and fdatasyncs itself: `WRITER_SYNC`);
+- `group/sync-thread`: `ARROWBUF_JOURNAL_WRITER_SYNC=0` (the sync thread fdatasyncs while the writer copies);
 - `group/defer`: `ARROWBUF_JOURNAL_DEFER_WRITE=1` (the sync thread writes it with its fdatasync);
 - `group+win4`: `extend(wait=False)`, 4 writes in flight;
-- `group/sleep-sync`: the fdatasync replaced by a 300 us sleep (no I/O: what the thread hand-offs cost alone).
+- `group/sleep-sync`: as `group/sync-thread` with the fdatasync replaced by a 300 us sleep (no I/O: what the
+  thread hand-offs cost alone).
 
 Phases: `validate` (`ExperienceSchema.validate_batch`), `encode` (columns as a table, its IPC pieces, the record's
 header and CRC: `columns_table` + `table_pieces` + `prepare`), `append+write` (`Journal.append_prepared`, with the
@@ -45,7 +48,7 @@ from arrowbuf.store import durable as du
 from arrowbuf.store import writer as wr
 from benchmarks.bench_journal import OUT, grpo_batch
 
-CONFIGS = ("none", "os", "group", "group/defer", "group+win4", "group/sleep-sync")
+CONFIGS = ("none", "os", "group", "group/sync-thread", "group/defer", "group+win4", "group/sleep-sync")
 _acc: collections.Counter[str] = collections.Counter()
 _main = threading.main_thread()
 _inside: set[str] = set()
@@ -97,6 +100,7 @@ def profile(config: str, where: str, batches: int) -> dict[str, float]:
     d = tempfile.mkdtemp(dir=where, prefix="jp-")
     kw: dict[str, Any] = {} if policy is None else {"durable": os.path.join(d, "run"), "durability": policy}
     default_d, du.DEFER_WRITE = du.DEFER_WRITE, config.endswith("/defer")
+    default_w, du.WRITER_SYNC = du.WRITER_SYNC, not config.endswith(("/sync-thread", "/sleep-sync"))
     s = ab.ExperienceStore(ab.load_schema("grpo"), capacity=1280, seed=0, **kw)
     try:
         b = grpo_batch(64)
@@ -118,6 +122,7 @@ def profile(config: str, where: str, batches: int) -> dict[str, float]:
     finally:
         s.close()
         du.DEFER_WRITE = default_d
+        du.WRITER_SYNC = default_w
         jr.os = old_os
         for obj, name, f in (*wraps, flush):
             setattr(obj, name, f)
