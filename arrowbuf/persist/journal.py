@@ -394,12 +394,20 @@ class Journal:
         with self._sync_lock:
             if self._durable >= ticket or self._closed:
                 return
+            if self._error is not None:  # an earlier fdatasync or write failed: nothing more is acknowledged
+                raise self._error
             if gather:
                 self._gather()
                 self.flush(self._next - 1)  # the records that came meanwhile share this fdatasync
             with self._io:
                 fd, last, retired, self._retired = self._fd, self._written, self._retired, []
-            os.fdatasync(fd)
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:  # the kernel may have dropped the pages (and marked them clean): a retry could
+                self._error = exc   # "succeed" without them on disk, so the journal fails, as after a failed write
+                with self._cond:
+                    self._cond.notify_all()
+                raise
             for old in retired:
                 os.close(old)
             self.stats["fsyncs"] += 1

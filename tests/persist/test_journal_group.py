@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import arrowbuf as ab
 from arrowbuf.persist import journal as jr
@@ -173,3 +174,37 @@ def test_pipelined_extends_share_fdatasyncs(tmp_path):
         s.close()
     with ab.ExperienceStore.restore(str(tmp_path / "run")) as again:
         assert len(again) == 40 * 10 + 25
+
+
+def test_a_failed_fdatasync_fails_that_record_and_every_later_one(tmp_path, monkeypatch):
+    """After an fdatasync fails (EIO: the kernel may have dropped the dirty pages and marks them clean, so a second
+    fdatasync can return success without the data on disk), the journal acknowledges nothing more: the record's
+    `wait` raises, and so does every later `wait` and `append`, whoever calls the fdatasync. (The failure is
+    injected into `os.fdatasync` once: a real disk error needs a device this test cannot make.)"""
+    import errno
+
+    real = jr.os.fdatasync
+    failed: list[int] = []
+
+    def once(fd: int) -> None:
+        if not failed:
+            failed.append(fd)
+            raise OSError(errno.EIO, "injected I/O error")
+        real(fd)
+
+    j = jr.Journal(str(tmp_path), "group")
+    try:
+        j.wait(j.append("issued", {"next": 0}))
+        monkeypatch.setattr(jr.os, "fdatasync", once)
+        t1 = j.append("issued", {"next": 1})
+        with pytest.raises(OSError):
+            j.wait(t1)
+        assert failed
+        with pytest.raises(OSError):
+            j.wait(t1)  # a retry must not "succeed" on pages the kernel marked clean
+        with pytest.raises(OSError):
+            j.wait(j.append("issued", {"next": 2}))
+        assert not j.is_durable(t1)
+    finally:
+        monkeypatch.setattr(jr.os, "fdatasync", real)
+        j.close()
