@@ -9,7 +9,10 @@ Rows (all on the disk of `--dir`):
   in process; and over Flight (one client, group vs none, fixed tensors and GRPO rows); `x none` is the ratio to
   the no-journal rate, `x ceil` the MB/s over min(the no-journal MB/s, the sequential write bandwidth): a journal
   writes every byte, so for frames the disk is the ceiling; `cpu us/b` the writer threads' CPU time per batch;
-  GRPO rows also with `/offload` (`ARROWBUF_JOURNAL_OFFLOAD=1`: records encoded and written on the journal's thread);
+  GRPO rows also with `/offload` (`ARROWBUF_JOURNAL_OFFLOAD=1`: records encoded and written on the journal's thread),
+  `/defer` (`ARROWBUF_JOURNAL_DEFER_WRITE=1`: written with the fdatasync by the journal's thread) and `/sync-thread`
+  (`ARROWBUF_JOURNAL_WRITER_SYNC=0`: a synchronous extend's fdatasync on the journal's thread, as before);
+  `x ceil`'s disk is measured the journal's way (186 KB appends, one fdatasync per 2 ms), several times per run;
 - acknowledgement latency p50/p99 per policy (one writer, batches of 16 GRPO rows), beside the raw fsync latency;
 - recovery: restore (checkpoint + replay) of a journal of N MB (frames, and GRPO rows), seconds per GB, per-record
   and bulk replay, vs reading the same segment files (page cache dropped before each; medians of 3).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -42,6 +47,8 @@ import arrowbuf as ab
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
 POLICIES = ("group", "batch", "os")
+#: A GRPO batch's journal record (64 rows, `grpo_batch`): the size of the appends of the journal-shaped disk probe.
+GRPO_RECORD_BYTES = 186 << 10
 
 
 def fsync_loop(where: str, seconds: float) -> dict[str, float]:
@@ -63,6 +70,28 @@ def fsync_loop(where: str, seconds: float) -> dict[str, float]:
     a = np.array(lat)
     return {"fsyncs_per_s": len(a) / a.sum(), "p50_us": float(np.percentile(a, 50) * 1e6),
             "p99_us": float(np.percentile(a, 99) * 1e6)}
+
+
+def journal_write_ceiling(where: str, record_bytes: int, seconds: float, window_s: float = 0.002) -> float:
+    """Write bandwidth of the disk under `where` (bytes/s) the way the journal writes: appends of `record_bytes`
+    (one record each, `os.writev` of one buffer) for `window_s`, then one fdatasync covering them (a group commit
+    window), repeated for `seconds`. The ceiling for a journaled row: every byte of it goes this way."""
+    path = os.path.join(where, f"jceil-{os.getpid()}.bin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    buf = np.random.default_rng(0).integers(0, 255, record_bytes, dtype=np.uint8)
+    total, t0 = 0, time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds:
+            w_end = time.perf_counter() + window_s
+            while True:
+                total += os.writev(fd, [buf])
+                if time.perf_counter() >= w_end:
+                    break
+            os.fdatasync(fd)
+        return total / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def write_ceiling(where: str, nbytes: int) -> float:
@@ -99,20 +128,37 @@ def _store(kind: str, durable: str | None, policy: str | None, capacity: int) ->
     return ab.ExperienceStore(schema, capacity=capacity, seed=0, **kw)
 
 
+@contextlib.contextmanager
+def durable_settings(**settings: bool | None) -> Iterator[None]:
+    """`arrowbuf.store.durable`'s journal settings (OFFLOAD, DEFER_WRITE, WRITER_SYNC by lower-case name; None:
+    the default) for the stores opened inside."""
+    from arrowbuf.store import durable
+
+    old = {}
+    try:
+        for k, v in settings.items():
+            if v is not None:
+                old[k.upper()] = getattr(durable, k.upper())
+                setattr(durable, k.upper(), v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(durable, k, v)
+
+
 def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: float,
-           window: int = 0, offload: bool | None = None) -> dict[str, float]:
+           window: int = 0, offload: bool | None = None, defer_write: bool | None = None,
+           writer_sync: bool | None = None) -> dict[str, float]:
     """Rows/s of `writers` threads extending back to back for `seconds` (the ring wraps: steady state). `window`:
     each writer keeps that many writes unacknowledged (`extend(..., wait=False)`, then the oldest handle's `wait()`),
     as a producer with a window does; 0: every extend acknowledges synchronously. `offload`: a batch's record
-    encoded and written on the journal's thread (`arrowbuf.store.durable.OFFLOAD`; None: the default)."""
-    from arrowbuf.store import durable
-
-    if offload is not None:
-        default, durable.OFFLOAD = durable.OFFLOAD, offload
-        try:
+    encoded and written on the journal's thread (`arrowbuf.store.durable.OFFLOAD`; None: the default);
+    `defer_write`: encoded by the writer, written with its fdatasync by the journal's thread (`DEFER_WRITE`);
+    `writer_sync`: a synchronous extend fdatasyncs itself (`WRITER_SYNC`, the default) or leaves it to the sync
+    thread (False)."""
+    if offload is not None or defer_write is not None or writer_sync is not None:
+        with durable_settings(offload=offload, defer_write=defer_write, writer_sync=writer_sync):
             return ingest(kind, where, policy, writers, seconds, window)
-        finally:
-            durable.OFFLOAD = default
     n = 256 if kind == "frames" else 64
     batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
     row_bytes = _row_bytes(kind, batch)
@@ -158,9 +204,13 @@ def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: flo
         shutil.rmtree(d, ignore_errors=True)
 
 
-def flight_ingest(kind: str, where: str, policy: str | None, seconds: float) -> dict[str, float]:
+def flight_ingest(kind: str, where: str, policy: str | None, seconds: float,
+                  **settings: bool | None) -> dict[str, float]:
     """Rows/s and MB/s of one Flight client extending back to back (each DoPut acknowledged once durable under
-    `policy`) into a served store on 127.0.0.1."""
+    `policy`) into a served store on 127.0.0.1. `settings`: as `ingest`'s (`durable_settings`)."""
+    if any(v is not None for v in settings.values()):
+        with durable_settings(**settings):
+            return flight_ingest(kind, where, policy, seconds)
     n = 256 if kind == "frames" else 64
     batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
     d = tempfile.mkdtemp(dir=where, prefix="jb-")
@@ -275,8 +325,17 @@ def run(where: str, quick: bool, sections: tuple[str, ...] = SECTIONS, kinds: tu
     res: dict[str, Any] = {"load_start": os.getloadavg()[0], "cpus": os.cpu_count(), "dir": where, "quick": quick}
     res["fsync"] = fsync_loop(where, secs)
     res["write_gb_per_s"] = write_ceiling(where, (128 if quick else 1024) << 20) / 1e9
+    # the journal's own way of writing (record-sized appends, one fdatasync per 2 ms window), measured several times
+    # in the run (before, between and after the rows: the disk's rate drifts); each row is compared with the median
+    jw: list[float] = []
+
+    def jprobe() -> None:
+        jw.append(journal_write_ceiling(where, GRPO_RECORD_BYTES, 0.5 if quick else 1.0) / 1e9)
+
+    jprobe()
     res["ingest"] = {}
     for kind in kinds if "ingest" in sections else ():
+        jprobe()
         for writers in (1, 4):
             for policy in (None, *POLICIES):
                 if quick and writers == 4 and policy in ("batch", "os"):
@@ -284,13 +343,22 @@ def run(where: str, quick: bool, sections: tuple[str, ...] = SECTIONS, kinds: tu
                 r = ingest(kind, where, policy, writers, secs)
                 res["ingest"][f"{kind} w{writers} {policy or 'none'}"] = r
             res["ingest"][f"{kind} w{writers} group+win4"] = ingest(kind, where, "group", writers, secs, window=4)
-            if kind == "grpo":  # the record encoded and written on the journal's thread instead of the writer's
-                res["ingest"][f"{kind} w{writers} group/offload"] = ingest(kind, where, "group", writers, secs,
-                                                                           offload=True)
-                res["ingest"][f"{kind} w{writers} group+win4/offload"] = ingest(kind, where, "group", writers, secs,
-                                                                                window=4, offload=True)
-    res["flight"] = {f"{kind} {p or 'none'}": flight_ingest(kind, where, p, secs)
-                     for kind in (kinds if "flight" in sections else ()) for p in (None, "group")}
+            if kind == "grpo":  # the fdatasync by the sync thread; the record written (and encoded) there
+                res["ingest"][f"{kind} w{writers} group/sync-thread"] = ingest(kind, where, "group", writers, secs,
+                                                                               writer_sync=False)
+                for tag, kw in (("defer", {"defer_write": True}), ("offload", {"offload": True})):
+                    res["ingest"][f"{kind} w{writers} group/{tag}"] = ingest(kind, where, "group", writers, secs,
+                                                                             **kw)
+                    res["ingest"][f"{kind} w{writers} group+win4/{tag}"] = ingest(kind, where, "group", writers,
+                                                                                  secs, window=4, **kw)
+    res["flight"] = {}
+    for kind in kinds if "flight" in sections else ():
+        for p, tag, kw in ((None, "", {}), ("group", "", {}), ("group", "/sync-thread", {"writer_sync": False}),
+                           ("group", "/defer", {"defer_write": True})):
+            res["flight"][f"{kind} {p or 'none'}{tag}"] = flight_ingest(kind, where, p, secs, **kw)
+    jprobe()
+    res["journal_write_gb_per_s_trials"] = jw
+    res["journal_write_gb_per_s"] = float(np.median(jw))
     if "ack" in sections:
         res["ack"] = {str(p or "none"): ack_latency(where, p, 100 if quick else 1000) for p in (None, *POLICIES)}
     if "recovery" in sections:
@@ -304,8 +372,10 @@ def run(where: str, quick: bool, sections: tuple[str, ...] = SECTIONS, kinds: tu
 
 
 def ceiling_ratio(res: dict[str, Any], r: dict[str, float], none: dict[str, float]) -> float:
-    """A row's MB/s over min(the same store's no-journal MB/s, the disk's sequential write MB/s)."""
-    return float(r["mb_per_s"] / min(none["mb_per_s"], res["write_gb_per_s"] * 1e3))
+    """A row's MB/s over min(the same store's no-journal MB/s, the disk's write MB/s the journal's way: the median
+    of the journal-shaped probes of the run, or the sequential probe in an older result)."""
+    disk = res.get("journal_write_gb_per_s", res["write_gb_per_s"])
+    return float(r["mb_per_s"] / min(none["mb_per_s"], disk * 1e3))
 
 
 def table(res: dict[str, Any]) -> str:
@@ -313,7 +383,9 @@ def table(res: dict[str, Any]) -> str:
     out = [f"journal ({'quick' if res['quick'] else 'full'}, {res['dir']}): load {res['load_start']:.1f} -> "
            f"{res['load_end']:.1f} on {res['cpus']} CPUs",
            f"ceilings: raw fsync loop {f['fsyncs_per_s']:.0f}/s (p50 {f['p50_us']:.0f} us, p99 {f['p99_us']:.0f} "
-           f"us); sequential write {res['write_gb_per_s']:.2f} GB/s",
+           f"us); sequential write {res['write_gb_per_s']:.2f} GB/s; journal-shaped write (186 KB appends, one "
+           f"fdatasync per 2 ms) median {res.get('journal_write_gb_per_s', float('nan')):.2f} GB/s of "
+           f"{', '.join(f'{x:.2f}' for x in res.get('journal_write_gb_per_s_trials', []))}",
            f"{'ingest (in process)':<28} {'rows/s':>10} {'MB/s':>8} {'x none':>7} {'x ceil':>7} {'fsyncs':>7} "
            f"{'records':>8} {'cpu us/b':>9}"]
     ing = res["ingest"]
@@ -324,8 +396,12 @@ def table(res: dict[str, Any]) -> str:
         out.append(f"{key:<28} {r['rows_per_s']:>10.0f} {r['mb_per_s']:>8.1f} {x_none:>7.2f} "
                    f"{ceiling_ratio(res, r, none):>7.2f} {r['fsyncs']:>7} {r['records']:>8} "
                    f"{r['cpu_us_per_batch']:>9.0f}")
-    out.append("x ceil: MB/s over min(the no-journal rate, sequential write bandwidth): a journal writes every byte to "
-               "the disk, so that is the most it can reach (the disk bounds frames, the CPU bounds GRPO rows); "
+    out.append("x ceil: MB/s over min(the no-journal rate, the journal-shaped write bandwidth): a journal writes every "
+               "byte to the disk, so that is the most it can reach (the disk bounds frames, the CPU bounds GRPO rows); "
+               "/defer: the record encoded by the writer, written with its fdatasync on the journal's thread "
+               "(ARROWBUF_JOURNAL_DEFER_WRITE=1); /sync-thread: a synchronous extend's fdatasync done by the "
+               "journal's sync thread while the writer copies (ARROWBUF_JOURNAL_WRITER_SYNC=0; default: the writer "
+               "starts the disk write at its reservation and fdatasyncs itself); "
                "group+win4: each writer keeps 4 writes unacknowledged (extend(wait=False)); /offload: the batch's "
                "record encoded and written on the journal's thread (ARROWBUF_JOURNAL_OFFLOAD=1); cpu us/b: the writer "
                f"threads' CPU time per batch (holds under load; /offload moves part of it to the journal's thread); "

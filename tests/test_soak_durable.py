@@ -281,6 +281,8 @@ def test_durable_flight_soak(procs, tmp_path, monkeypatch):
                 crashed.append(f.read()[-3000:])
         p.send_signal(signal.SIGKILL)
         p.communicate(timeout=30)
+        if not os.path.exists(out):  # killed while its interpreter was still starting (a busy machine): no log
+            return
         with open(out, "rb") as f:
             logs.add("writer" if kind == "writer" else "consumer", kind, killed, f.read())
 

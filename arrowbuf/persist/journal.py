@@ -64,6 +64,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, StoreCorrupt
+from .loader import SegmentLoader as _Loader
 from .manifest import fsync_dir as _fsync_dir
 from .record import (
     FORMAT_VERSION,
@@ -76,6 +77,7 @@ from .record import (
     prepare,
     record_crc,
     seal,
+    start_writeback,
     table_bytes,
     table_pieces,
 )
@@ -148,6 +150,7 @@ class Journal:
         self.stats = {"records": 0, "bytes": 0, "fsyncs": 0}
         self._kick = threading.Condition(threading.Lock())  # `sync_soon` requests for the sync thread
         self._kick_upto = -1
+        self._kick_at = 0.0  # when the sync thread starts on `_kick_upto` (later than now: a lazy `sync_soon`)
         self._taken = -1  # the request the sync thread is working on
         self._syncer: threading.Thread | None = None
         self._open_segment()
@@ -179,13 +182,14 @@ class Journal:
             self._cond.notify_all()
 
     def append_prepared(self, record: Prepared | Deferred, meta: dict[str, Any] | None = None,
-                        expected: bool = False, defer: bool = False) -> int:
+                        expected: bool = False, defer: bool = False, writeback: bool = False) -> int:
         """Append a record `prepare`d before (outside this journal's locks: the payload's checksum is done by
         then), with `meta` if given (within the width prepared); returns its ticket (its lsn) for `wait`.
         The record's place (its lsn: commit order) is taken here; it is written here too unless `defer`: then
         the journal's thread writes it (`sync_soon`), or the next `wait`/`flush` that needs it; the payload's
         buffers must stay unchanged until then. `expected`: the record announced by this caller's `expect`
-        (counted as arrived, even if this raises). A `Deferred` record is encoded when it is written."""
+        (counted as arrived, even if this raises). A `Deferred` record is encoded when it is written. `writeback`
+        (not deferred): start the disk's write of it now (`start_writeback`), for a caller that `wait`s later."""
         try:
             meta_b = None if meta is None else meta_bytes(record, meta)  # a meta too wide fails here, not later
             with self._lock:
@@ -204,6 +208,10 @@ class Journal:
                 self.unexpect()
         if not defer:
             self.flush(lsn)
+            if writeback:
+                with self._io:
+                    if self._error is None and not self._closed:
+                        start_writeback(self._fd)
         return lsn
 
     def flush(self, ticket: int, help_: bool = True) -> None:
@@ -336,24 +344,37 @@ class Journal:
             raise self._error
         return self._durable >= ticket
 
-    def sync_soon(self, ticket: int) -> None:
+    def sync_soon(self, ticket: int, lazy: bool = False) -> None:
         """Start writing record `ticket` and (but under "os") making it durable on the journal's sync thread, and
         return at once: a writer that appends its record (`defer=True`) before it copies its rows calls this,
-        copies (the write and the fdatasync run meanwhile), then `wait`s, which then mostly finds it done."""
+        copies (the write and the fdatasync run meanwhile), then `wait`s, which then mostly finds it done.
+        `lazy` (a record nobody waits for yet: a pipelined `extend(wait=False)`): under "group" the sync thread
+        starts at most `window_s` later, so that the records appended meanwhile share its fdatasync; a `wait` for
+        the record before then syncs at once (on the waiter's thread)."""
         if self._durable >= ticket:
             return
+        at = time.monotonic() + self.window_s if lazy and self.policy == "group" else 0.0
         with self._kick:
             if self._syncer is None and not self._closed:
                 self._syncer = threading.Thread(target=self._sync_loop, name="arrowbuf-journal-sync", daemon=True)
                 self._syncer.start()
+            if self._kick_upto <= self._durable:  # nothing pending: this request sets when the thread starts
+                self._kick_at = at
             self._kick_upto = max(self._kick_upto, ticket)
+            self._kick_at = min(self._kick_at, at)
             self._kick.notify()
 
     def _sync_loop(self) -> None:
         while True:
             with self._kick:
-                while self._kick_upto <= self._durable and not self._closed:
-                    self._kick.wait()
+                while not self._closed:
+                    if self._kick_upto <= self._durable:
+                        self._kick.wait()
+                        continue
+                    left = self._kick_at - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._kick.wait(left)  # a lazy request: records appended meanwhile share the fdatasync
                 if self._closed:
                     return
                 upto = self._taken = self._kick_upto
@@ -373,12 +394,20 @@ class Journal:
         with self._sync_lock:
             if self._durable >= ticket or self._closed:
                 return
+            if self._error is not None:  # an earlier fdatasync or write failed: nothing more is acknowledged
+                raise self._error
             if gather:
                 self._gather()
                 self.flush(self._next - 1)  # the records that came meanwhile share this fdatasync
             with self._io:
                 fd, last, retired, self._retired = self._fd, self._written, self._retired, []
-            os.fdatasync(fd)
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:  # the kernel may have dropped the pages (and marked them clean): a retry could
+                self._error = exc   # "succeed" without them on disk, so the journal fails, as after a failed write
+                with self._cond:
+                    self._cond.notify_all()
+                raise
             for old in retired:
                 os.close(old)
             self.stats["fsyncs"] += 1
@@ -545,69 +574,6 @@ def read_journal(directory: str, from_lsn: int) -> tuple[list[Record], TornTail 
         expect = (recs[-1].lsn + 1) if recs else first
         out.extend(r for r in recs if r.lsn >= from_lsn and r.kind != "end")
     return out, torn, max(from_lsn, expect if expect is not None else from_lsn), last_crc
-
-
-class _Loader:
-    """Reads a segment file into memory on a thread, in large sequential reads, while the caller checks the records
-    already read (reading and checksumming overlap: the CRC and the reads release the GIL). `upto(k)` waits until
-    the first k bytes (at most the file's size) are in `buf`."""
-
-    CHUNK = 8 << 20
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.size = os.path.getsize(path)
-        self.arr = np.empty(self.size, dtype=np.uint8)
-        self.buf = pa.py_buffer(self.arr)  # zero-copy: payloads are views of it
-        self._avail = 0
-        self._done = False
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        if self.size <= self.CHUNK:  # one read: no thread
-            self._run()
-        else:
-            self._thread = threading.Thread(target=self._run, name="arrowbuf-journal-read", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                view = self.arr.data
-                while self._avail < self.size:
-                    n = os.readv(fd, [view[self._avail:self._avail + self.CHUNK]])
-                    if n <= 0:
-                        raise StoreCorrupt(f"journal segment {self.path} shrank while it was read")
-                    with self._cond:
-                        self._avail += n
-                        self._cond.notify_all()
-            finally:
-                os.close(fd)
-        except BaseException as exc:  # handed to the reading thread
-            self._error = exc
-        finally:
-            with self._cond:
-                self._done = True
-                self._cond.notify_all()
-
-    def upto(self, k: int) -> None:
-        k = min(k, self.size)
-        if self._avail >= k:
-            return
-        with self._cond:
-            while self._avail < k and not self._done:
-                self._cond.wait()
-        if self._avail < k:
-            if isinstance(self._error, StoreCorrupt):
-                raise self._error
-            raise StoreCorrupt(f"journal segment {self.path} cannot be read: {self._error}")
-
-    def join(self) -> None:
-        """Wait for the reading thread to end (whatever happened)."""
-        if self._thread is not None:
-            self._thread.join()
 
 
 def _read_segment(path: str, first: int) -> tuple[list[Record], TornTail | None, int]:

@@ -17,7 +17,9 @@ Guarantees (docs/durability.md):
   (in the operating system's page cache, in commit order): it survives a kill of the process under every policy.
 - `handle.durable` is True, and `handle.wait()` returns, once the record is durable under the store's policy (for
   "batch" and "group": on disk, fdatasync'd; for "os": at once). Records are durable in commit order: once a handle
-  is durable, every batch extended before it is too.
+  is durable, every batch extended before it is too. Under "group" the fdatasync of a batch extended with
+  `wait=False` starts at most the group window (2 ms) later, shared by the batches extended meanwhile, or at once
+  when a `wait()` needs it.
 - What a crash of the machine may lose: batches whose handle was not yet durable (never one that reported durable).
   A consumer never receives rows that can be lost: `consume` waits for its own record, which follows the batch's.
 - A store without `durable=` returns a handle that is durable at once (nothing to wait for), so the same code runs

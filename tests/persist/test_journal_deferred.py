@@ -132,13 +132,15 @@ def test_a_failed_write_fails_every_later_record(tmp_path):
     assert torn is not None  # the partial record, dropped
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_wait_false_returns_written_records(tmp_path, monkeypatch, offload):
+@pytest.mark.parametrize("mode", ["writer", "offload", "defer_write"])
+def test_wait_false_returns_written_records(tmp_path, monkeypatch, mode):
     """`extend(wait=False)` returns once the batch's record is written (a kill of the process loses nothing it
-    returned), under every policy, whether the writer or the journal's thread (offload) writes it."""
+    returned), under every policy, whether the writer or the journal's thread (offload: encoded there too;
+    defer_write: encoded by the writer) writes it."""
     from arrowbuf.store import durable
 
-    monkeypatch.setattr(durable, "OFFLOAD", offload)
+    monkeypatch.setattr(durable, "OFFLOAD", mode == "offload")
+    monkeypatch.setattr(durable, "DEFER_WRITE", mode == "defer_write")
     for policy in POLICIES:
         run = os.path.join(tmp_path, policy)
         s = ab.ExperienceStore({"name": "t", "fields": {"x": "int64"}}, capacity=1000, durable=run,
@@ -174,18 +176,23 @@ def test_a_record_that_cannot_be_encoded_fails_the_journal_not_the_file(tmp_path
     assert [r.meta["i"] for r in recs] == [0] and torn is None and nxt == 1
 
 
+@pytest.mark.parametrize("mode", ["offload", "defer_write", "writer_sync", "sync_thread"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_offloaded_records_restore_exactly(tmp_path, monkeypatch, policy):
-    """With the records encoded and written on the journal's thread, 4 writers' batches (ragged and fixed columns)
-    restore exactly, in seq order."""
+def test_offloaded_records_restore_exactly(tmp_path, monkeypatch, policy, mode):
+    """With the records written on the journal's thread (offload: encoded there too; defer_write: encoded by the
+    writer), or by the writer and made durable by it (writer_sync) or by the sync thread (sync_thread), 4 writers'
+    batches (ragged and fixed columns) restore exactly, in seq order."""
     from arrowbuf.store import durable
 
-    monkeypatch.setattr(durable, "OFFLOAD", True)
+    monkeypatch.setattr(durable, "OFFLOAD", mode == "offload")
+    monkeypatch.setattr(durable, "DEFER_WRITE", mode == "defer_write")
+    monkeypatch.setattr(durable, "WRITER_SYNC", mode == "writer_sync")
     schema = {"name": "t", "fields": {"x": "int64", "r": {"dtype": "int32", "ragged": True},
                                       "o": {"dtype": "float32", "shape": [3]}}}
     run = os.path.join(tmp_path, "run")
     s = ab.ExperienceStore(schema, capacity=10_000, durable=run, durability=policy)
-    assert s.stats()["journal"]["offload"] is True
+    assert s.stats()["journal"]["offload"] is (mode == "offload")
+    assert s.stats()["journal"]["defer_write"] is (mode == "defer_write")
 
     def writer(w: int) -> None:
         rng = np.random.default_rng(w)
@@ -206,3 +213,48 @@ def test_offloaded_records_restore_exactly(tmp_path, monkeypatch, policy):
         assert again.to_table().equals(before)
     finally:
         again.close()
+
+
+def test_start_writeback_starts_the_disk_write_without_waiting(tmp_path):
+    """`record.start_writeback` (sync_file_range) succeeds on a journal-like file on Linux and leaves nothing for the
+    caller to wait for; an fd that is not open is refused (False), never raised."""
+    from arrowbuf.persist import record
+
+    fd = os.open(os.path.join(tmp_path, "f"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, b"\1" * (1 << 20))
+        assert record.start_writeback(fd) is (sys.platform == "linux")
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    assert record.start_writeback(fd) is False
+
+
+@pytest.mark.parametrize("writer_sync", [True, False])
+def test_a_synchronous_extend_syncs_on_its_own_thread(tmp_path, monkeypatch, writer_sync):
+    """With `WRITER_SYNC` (the default) a synchronous extend under "group" makes its record durable itself: no
+    journal sync thread is started, and each extend returns durable; without it the sync thread does the
+    fdatasync. A pipelined extend (wait=False) still uses the sync thread either way."""
+    from arrowbuf.store import durable
+
+    monkeypatch.setattr(durable, "WRITER_SYNC", writer_sync)
+
+    def syncers() -> int:
+        return sum(t.name == "arrowbuf-journal-sync" and t.is_alive() for t in threading.enumerate())
+
+    before = syncers()
+    s = ab.ExperienceStore({"name": "t", "fields": {"x": "int64"}}, capacity=1000, durable=str(tmp_path / "run"),
+                           durability="group")
+    try:
+        for i in range(10):
+            s.extend({"x": np.arange(i * 5, i * 5 + 5)})
+            st = s.stats()["journal"]
+            assert st["durable_lsn"] == st["next_lsn"] - 1
+        assert st["writer_sync"] is writer_sync and st["fsyncs"] >= 10
+        assert (syncers() > before) is (not writer_sync)
+        s.extend({"x": np.arange(3)}, wait=False).wait()
+        assert syncers() > before
+    finally:
+        s.close()
+    with ab.ExperienceStore.restore(str(tmp_path / "run")) as again:
+        assert len(again) == 53
