@@ -420,7 +420,8 @@ class RemoteStore:
                                                                meta=form, pad=pad, part_bytes=parts)))
 
         def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
-            return assemble(client.do_get(ticket, options=call_options), int(n), self._outputs.empty)
+            return assemble(client.do_get(ticket, options=call_options), int(n), self._outputs.empty,
+                            self._outputs.at_least)
 
         data, meta = self._call(call, self._deadline(rpc_timeout, timeout))
         if key is not None:  # ask for the body on an 8-byte boundary next time (see protocol.realigning_pad)

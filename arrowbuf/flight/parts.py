@@ -142,27 +142,120 @@ def _fresh(shape: tuple[int, ...], dtype: Any, tag: str) -> np.ndarray:
     return np.empty(shape, dtype)
 
 
+#: Allocates an uninitialised 1-D array of at least `count` elements: (count, dtype, tag) -> array, of which the
+#: caller uses the first `count` (`OutputPool.at_least`; default `np.empty`).
+AtLeast = Callable[[int, Any, str], np.ndarray]
+
+
+def _fresh_at_least(count: int, dtype: Any, tag: str) -> np.ndarray:
+    return np.empty(count, dtype)
+
+
+#: How much more room than the rows so far suggest a list column's values get (the rows still to come may be longer
+#: than the average so far). Room never written is never touched, so it costs address space, not memory.
+RAGGED_HEADROOM = 1.25
+
+
+def _list_view(col: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """(values, int64 offsets from 0) of a list column without nulls whose values are numbers without nulls (zero-copy
+    views of the message), or None."""
+    t = col.type
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or col.null_count:
+        return None
+    vt = t.value_type
+    if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)):
+        return None
+    offs = np.asarray(col.offsets, dtype=np.int64)  # respects a slice
+    first, last = int(offs[0]), int(offs[-1])
+    child = col.values.slice(first, last - first)
+    if child.null_count:
+        return None
+    return child.to_numpy(zero_copy_only=True), offs - first
+
+
+class _RaggedColumn:
+    """One list column of a stream in parts, copied as it arrives into one values array and one offsets array (no
+    per-part pieces, no concatenation at the end: the column is held once, not twice).
+
+    The values array is sized from the rows so far (`RAGGED_HEADROOM` over their average, for every row the stream
+    may bring); when the rows run longer it is regrown (one copy of what came so far). Offsets that would overflow
+    the column's offset type (list: int32) are refused like Arrow's own concatenation refuses them.
+    """
+
+    def __init__(self, type_: pa.DataType, rows: int, at_least: AtLeast, tag: str) -> None:
+        self.type = type_
+        self.rows = rows
+        self._at_least = at_least
+        self._tag = tag
+        self._large = pa.types.is_large_list(type_)
+        self.offsets = np.empty(rows + 1, np.int64 if self._large else np.int32)
+        self.offsets[0] = 0
+        self.values: np.ndarray | None = None
+        self.used = 0
+
+    def add(self, values: np.ndarray, offsets: np.ndarray, r0: int) -> None:
+        """Append the rows [r0, r0 + len(offsets) - 1) (`offsets` from 0, `values` theirs)."""
+        n = len(offsets) - 1
+        need = self.used + len(values)
+        if not self._large and need > np.iinfo(np.int32).max:
+            raise SchemaError(f"a sample in parts: list column {self._tag!r} has more than 2**31 - 1 values; "
+                              "sample fewer rows")
+        if self.values is None or need > len(self.values):
+            self._grow(need, r0 + n, values.dtype)
+        assert self.values is not None
+        self.values[self.used:need] = values
+        self.offsets[r0 + 1:r0 + n + 1] = offsets[1:] + self.used
+        self.used = need
+
+    def _grow(self, need: int, rows_after: int, dtype: np.dtype) -> None:
+        estimate = int(need / max(1, rows_after) * self.rows * RAGGED_HEADROOM) + 1
+        size = max(need, estimate)
+        if self.values is not None:
+            size = max(size, int(len(self.values) * RAGGED_HEADROOM))
+        if not self._large:
+            size = min(size, int(np.iinfo(np.int32).max))
+        grown = self._at_least(size, dtype, self._tag)
+        if self.values is not None:
+            grown[:self.used] = self.values[:self.used]
+        self.values = grown
+
+    def array(self, rows: int) -> pa.Array:
+        """The first `rows` rows as one list array over these arrays (zero-copy)."""
+        vt = self.type.value_type
+        if self.values is None:  # no row yet
+            values = pa.array(np.empty(0, vt.to_pandas_dtype()), type=vt)
+        else:
+            values = pa.Array.from_buffers(vt, self.used, [None, pa.py_buffer(self.values[:self.used])])
+        return pa.Array.from_buffers(self.type, rows, [None, pa.py_buffer(self.offsets[:rows + 1])],
+                                     children=[values])
+
+
 class PartsAssembler:
     """The parts of one extend, assembled into one batch of `rows` rows (see the module docstring).
 
     `empty` allocates the fixed-width columns' arrays (tagged with the column name): a client passes its
     `OutputPool`'s, so a sample's arrays are reused once the caller drops the previous batch (warm pages: the copy
-    runs at memcpy speed instead of faulting fresh memory in).
+    runs at memcpy speed instead of faulting fresh memory in). `at_least`, given, assembles list columns of numbers
+    (without nulls) the same way, into one values array it allocates (`OutputPool.at_least`) and one offsets array
+    (`_RaggedColumn`), instead of keeping a copy of each part and concatenating them at the end (which held the
+    column twice).
     """
 
-    def __init__(self, schema: pa.Schema, rows: int, empty: Empty = _fresh) -> None:
+    def __init__(self, schema: pa.Schema, rows: int, empty: Empty = _fresh, at_least: AtLeast | None = None) -> None:
         self.schema = schema
         self.rows = int(rows)  # the most rows that may come (`batch` returns the rows that came)
         self._empty = empty
+        self._at_least = at_least
         self.filled = 0
         self._dense: dict[str, np.ndarray] = {}
+        self._ragged: dict[str, _RaggedColumn] = {}
         self._pieces: dict[str, list[pa.Array]] = {}
 
     def add(self, batch: pa.RecordBatch) -> None:
         """Copy the part's rows in (the caller has checked that they fit)."""
         r0, n = self.filled, batch.num_rows
         views = {name: (col, _dense(col)) for name, col in zip(batch.schema.names, batch.columns)}
-        frees_message = any(v is not None for _, v in views.values())
+        frees_message = any(v is not None for _, v in views.values()) or self._at_least is not None
         for name, (col, view) in views.items():
             if name in self._dense and view is not None:
                 self._dense[name][r0:r0 + n] = view
@@ -171,9 +264,18 @@ class PartsAssembler:
                 self._dense[name] = self._empty((self.rows, view.shape[1]), view.dtype, name)
                 self._dense[name][:n] = view
                 continue
+            if self._at_least is not None and name not in self._pieces and (name in self._ragged or r0 == 0):
+                listed = _list_view(col)
+                if listed is not None:
+                    if name not in self._ragged:
+                        self._ragged[name] = _RaggedColumn(col.type, self.rows, self._at_least, name)
+                    self._ragged[name].add(listed[0], listed[1], r0)
+                    continue
             pieces = self._pieces.setdefault(name, [])
             if name in self._dense:  # nulls in a later part: the rows so far become a piece
                 pieces.append(_from_dense(self._dense.pop(name)[:r0].copy(), col.type))
+            if name in self._ragged:  # nulls in a later part: the rows so far become a piece (it keeps the arrays)
+                pieces.append(self._ragged.pop(name).array(r0))
             # a piece copied out of the message, so that the message's memory can go
             pieces.append(pa.concat_arrays([col, col.slice(0, 0)]) if frees_message else col)
         self.filled += n
@@ -184,6 +286,8 @@ class PartsAssembler:
         for field in self.schema:
             if field.name in self._dense:
                 arrays.append(_from_dense(self._dense[field.name][:self.filled], field.type))
+            elif field.name in self._ragged:
+                arrays.append(self._ragged[field.name].array(self.filled))
             else:
                 pieces = self._pieces.get(field.name, [])
                 arrays.append(pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces))
@@ -280,10 +384,12 @@ def parts_stream(data: pa.RecordBatch, meta: pa.Buffer | None, limit: int) -> fl
     return flight.GeneratorStream(data.schema, gen(), WIRE_OPTIONS)
 
 
-def assemble(reader: Any, rows: int, empty: Empty = _fresh) -> tuple[pa.RecordBatch, pa.Buffer | None]:
+def assemble(reader: Any, rows: int, empty: Empty = _fresh,
+             at_least: AtLeast = _fresh_at_least) -> tuple[pa.RecordBatch, pa.Buffer | None]:
     """Read a sample's messages from a DoGet `reader` into one batch (at most `rows` rows, the app_metadata of the
     first message): one message is returned as it is; more are copied into one preallocated batch as they arrive
-    (its fixed-width columns allocated by `empty`, see `PartsAssembler`).
+    (its fixed-width columns allocated by `empty`, its list columns of numbers into values arrays allocated by
+    `at_least`, see `PartsAssembler`): the sample is held once, plus about one message.
 
     Raises:
         SchemaError: the stream brought more than `rows` rows, or no batch.
@@ -296,7 +402,7 @@ def assemble(reader: Any, rows: int, empty: Empty = _fresh) -> tuple[pa.RecordBa
         return first.data, meta
     if first.data is None or second.data is None:
         raise SchemaError("a sample in parts: a message without a batch")
-    asm = PartsAssembler(first.data.schema, rows, empty)
+    asm = PartsAssembler(first.data.schema, rows, empty, at_least)
     size = first.data.nbytes + second.data.nbytes
     for chunk in (first, second):
         _add_checked(asm, chunk.data, rows)
@@ -323,5 +429,5 @@ def _add_checked(asm: PartsAssembler, part: pa.RecordBatch, rows: int) -> None:
     asm.add(part)
 
 
-__all__ = ["MAX_PART_BYTES", "PART_FILL", "PIPELINE_PART_BYTES", "PartsAssembler", "assemble", "part_bytes",
-           "parts_stream", "pipelined", "receive", "receive_into", "split_rows"]
+__all__ = ["MAX_PART_BYTES", "PART_FILL", "PIPELINE_PART_BYTES", "RAGGED_HEADROOM", "PartsAssembler", "assemble",
+           "part_bytes", "parts_stream", "pipelined", "receive", "receive_into", "split_rows"]
