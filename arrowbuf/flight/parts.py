@@ -384,6 +384,63 @@ def parts_stream(data: pa.RecordBatch, meta: pa.Buffer | None, limit: int) -> fl
     return flight.GeneratorStream(data.schema, gen(), WIRE_OPTIONS)
 
 
+#: A sample the server streams in parts from a store that gathers it in pieces (`ExperienceStore.sample_pieces`) is
+#: gathered about this many bytes at a time, so the server holds one or two pieces of its output (the one being cut
+#: into messages, and the last one gRPC may still be sending) instead of the whole sample.
+SAMPLE_PIECE_BYTES = 16 << 20
+#: Items of the first piece (its bytes per item size the rest).
+FIRST_PIECE_ROWS = 64
+
+
+def pieces_stream(store: Any, n: int, columns: list[str] | None, timeout: float | None, options: dict[str, Any],
+                  meta: pa.Buffer | None, limit: int) -> flight.FlightDataStream:
+    """A sample of `n` items from `store` sent in messages of at most `limit` bytes (ids and weights as trailing
+    columns: `wire_batch(..., "columns")`), gathered piece by piece as the stream is read (`store.sample_pieces`):
+    the server holds about `SAMPLE_PIECE_BYTES` of the sample's output instead of all of it. The items are selected
+    and the first piece gathered here, so errors of the selection (a timeout, bad options) are raised before the
+    stream starts; `meta` rides on the first message. A sample that fits one message (by the first piece's bytes
+    per item) goes as one: the first piece and the rest, joined (at most `limit` bytes copied)."""
+    from .wire import WIRE_OPTIONS, one_batch_stream, wire_batch
+
+    pieces = store.sample_pieces(n, min(n, FIRST_PIECE_ROWS), columns, timeout, piece_bytes=SAMPLE_PIECE_BYTES,
+                                 **options)
+    first, _ = wire_batch(next(pieces), "columns")
+    schema = first.schema
+
+    def conform(batch: pa.RecordBatch) -> pa.RecordBatch:
+        return batch if batch.schema.equals(schema) else batch.cast(schema)
+
+    if first.num_rows < n and first.nbytes * n <= limit * first.num_rows:  # small: the rest is one more piece
+        rest = [conform(wire_batch(p, "columns")[0]) for p in pieces]
+        first = pa.concat_batches([first, *rest]) if sum(b.nbytes for b in rest) + first.nbytes <= limit else first
+        if first.num_rows < n:  # the estimate was short: send what came, in parts
+            head = [first, *rest]
+            return flight.GeneratorStream(schema, _messages(iter(head), meta, limit), WIRE_OPTIONS)
+    if first.num_rows == n and first.nbytes <= limit:
+        for _ in pieces:  # none left: the sampler's on_sampled runs at the end
+            pass
+        return one_batch_stream(first, meta)
+
+    def batches() -> Any:
+        yield first
+        for piece in pieces:
+            yield conform(wire_batch(piece, "columns")[0])
+
+    return flight.GeneratorStream(schema, _messages(batches(), meta, limit), WIRE_OPTIONS)
+
+
+def _messages(batches: Any, meta: pa.Buffer | None, limit: int) -> Any:
+    """Each batch of `batches` as zero-copy slices of at most `limit` bytes, `meta` on the first; a batch is dropped
+    before the next is asked for (gathered)."""
+    sent_meta = meta is None
+    for batch in batches:
+        for offset, rows in split_rows(batch, limit):
+            piece = batch.slice(offset, rows)
+            yield piece if sent_meta else (piece, meta)
+            sent_meta = True
+        del batch
+
+
 def assemble(reader: Any, rows: int, empty: Empty = _fresh,
              at_least: AtLeast = _fresh_at_least) -> tuple[pa.RecordBatch, pa.Buffer | None]:
     """Read a sample's messages from a DoGet `reader` into one batch (at most `rows` rows, the app_metadata of the
@@ -429,5 +486,6 @@ def _add_checked(asm: PartsAssembler, part: pa.RecordBatch, rows: int) -> None:
     asm.add(part)
 
 
-__all__ = ["MAX_PART_BYTES", "PART_FILL", "PIPELINE_PART_BYTES", "RAGGED_HEADROOM", "PartsAssembler", "assemble",
-           "part_bytes", "parts_stream", "pipelined", "receive", "receive_into", "split_rows"]
+__all__ = ["FIRST_PIECE_ROWS", "MAX_PART_BYTES", "PART_FILL", "PIPELINE_PART_BYTES", "RAGGED_HEADROOM",
+           "SAMPLE_PIECE_BYTES", "PartsAssembler", "assemble", "part_bytes", "parts_stream", "pieces_stream",
+           "pipelined", "receive", "receive_into", "split_rows"]
