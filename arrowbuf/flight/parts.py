@@ -294,8 +294,17 @@ class PartsAssembler:
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
 
+#: Parts a client keeps unacknowledged when the server acknowledges each one (`protocol.PutRequest.window`): the
+#: server's receive buffers hold at most about this many parts (gRPC otherwise reads ahead of a server that copies
+#: parts slower than they arrive: measured up to about 190 MiB of a 218 MB GRPO extend held at once).
+PUT_WINDOW_PARTS = 4
+
+#: Called with the number of parts received so far, after each part is added (a windowed extend's progress).
+OnPart = Callable[[int], None]
+
+
 def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
-            moved: Callable[[], None]) -> pa.RecordBatch:
+            moved: Callable[[], None], on_part: OnPart | None = None) -> pa.RecordBatch:
     """Read the `req.parts` parts of an extend (`req.rows` rows in all) from a DoPut stream into one batch.
 
     Raises:
@@ -303,12 +312,12 @@ def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
             `max_extend_bytes`, more or fewer parts or rows than declared, or a part with no rows. Nothing is stored.
     """
     assembler = PartsAssembler(reader.schema, req.rows)
-    _read_parts(reader, req, limits, check_open, moved, assembler.add)
+    _read_parts(reader, req, limits, check_open, moved, assembler.add, on_part)
     return assembler.batch()
 
 
 def receive_into(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
-                 sink: Any) -> np.ndarray:
+                 sink: Any, on_part: OnPart | None = None) -> np.ndarray:
     """Read the parts of an extend like `receive`, each copied straight into the store's reserved rows by `sink` (an
     `arrowbuf.store.pieces.ExtendInPieces`: one copy, no assembled batch), then commit them as one extend.
 
@@ -321,7 +330,7 @@ def receive_into(reader: Any, req: Any, limits: Any, check_open: Callable[[], No
             reserved.
     """
     try:
-        _read_parts(reader, req, limits, check_open, moved, sink.write)
+        _read_parts(reader, req, limits, check_open, moved, sink.write, on_part)
         return np.asarray(sink.commit(), dtype=np.int64)
     except BaseException:
         sink.abort()
@@ -329,9 +338,9 @@ def receive_into(reader: Any, req: Any, limits: Any, check_open: Callable[[], No
 
 
 def _read_parts(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
-                add: Callable[[pa.RecordBatch], None]) -> None:
+                add: Callable[[pa.RecordBatch], None], on_part: OnPart | None = None) -> None:
     """The parts of an extend, each bounded (rows, bytes, the running total) before `add` sees it, and the count of
-    parts and rows checked at the end (see `receive`)."""
+    parts and rows checked at the end (see `receive`); `on_part(k)` after the k-th part is added."""
     limits.check_rows(req.rows, "an extend in parts")
     k = total = filled = 0
     try:
@@ -361,6 +370,8 @@ def _read_parts(reader: Any, req: Any, limits: Any, check_open: Callable[[], Non
             filled += part.num_rows
             del part, chunk  # the message goes before the next one is read
             k += 1
+            if on_part is not None:
+                on_part(k)
             if k == req.parts:
                 break
     finally:
@@ -486,6 +497,7 @@ def _add_checked(asm: PartsAssembler, part: pa.RecordBatch, rows: int) -> None:
     asm.add(part)
 
 
-__all__ = ["FIRST_PIECE_ROWS", "MAX_PART_BYTES", "PART_FILL", "PIPELINE_PART_BYTES", "RAGGED_HEADROOM",
+__all__ = ["FIRST_PIECE_ROWS", "MAX_PART_BYTES", "PART_FILL", "PIPELINE_PART_BYTES", "PUT_WINDOW_PARTS",
+           "RAGGED_HEADROOM",
            "SAMPLE_PIECE_BYTES", "PartsAssembler", "assemble", "part_bytes", "parts_stream", "pieces_stream",
            "pipelined", "receive", "receive_into", "split_rows"]

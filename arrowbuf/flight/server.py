@@ -526,12 +526,15 @@ class _FlightService(flight.FlightServerBase):
         if req.parts is not None:  # one extend in parts (protocol 3), committed once
             begin = getattr(store, "begin_extend", None) if limits.parts_into_ring else None
             sink = begin(req.rows, reader.schema.names) if begin is not None else None
+            # a windowed extend: each part acknowledged once added, so the client sends only a few ahead
+            on_part = None if req.window is None else (lambda k: writer.write(pa.py_buffer(P.encode_progress(k))))
             if sink is not None:  # each part copied straight into the ring's reserved rows (store/pieces.py)
-                ids = receive_parts_into(reader, req, limits, self.owner.check_open, self.owner.streams.touch, sink)
+                ids = receive_parts_into(reader, req, limits, self.owner.check_open, self.owner.streams.touch, sink,
+                                         on_part)
                 writer.write(pa.py_buffer(P.encode_ack(0, int(ids[0]) if len(ids) else 0, len(ids))))
                 return
             # a store that takes such a batch only whole (durable, ragged, tiered, tasks): assembled, then extended
-            whole = receive_parts(reader, req, limits, self.owner.check_open, self.owner.streams.touch)
+            whole = receive_parts(reader, req, limits, self.owner.check_open, self.owner.streams.touch, on_part)
             ids = np.asarray(store.extend(whole, **kwargs), dtype=np.int64).reshape(-1)
             writer.write(pa.py_buffer(P.encode_ack(0, int(ids[0]) if len(ids) else 0, whole.num_rows)))
             release_after(whole.nbytes)
@@ -646,7 +649,7 @@ class _FlightService(flight.FlightServerBase):
                                    "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe(),
                                    "sample_options": self.owner.sample_options(store),
                                    "sample_meta": list(P.SAMPLE_META),
-                                   "parts_into_ring": self._parts_into_ring(store)}
+                                   "parts_into_ring": self._parts_into_ring(store), "put_window": True}
         elif req.type == "stats":
             out = dict(store.stats())
             with self._lock:
