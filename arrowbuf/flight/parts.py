@@ -167,6 +167,8 @@ def _list_view(col: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
         return None
     offs = np.asarray(col.offsets, dtype=np.int64)  # respects a slice
     first, last = int(offs[0]), int(offs[-1])
+    if first < 0 or last > len(col.values) or (len(offs) > 1 and bool((np.diff(offs) < 0).any())):
+        raise SchemaError("a sample in parts: a list column's offsets run backwards or past its values")
     child = col.values.slice(first, last - first)
     if child.null_count:
         return None

@@ -179,3 +179,15 @@ def test_a_ragged_sample_in_parts_is_held_once_and_its_memory_reused(servers):
         assert kept_tokens.equal(want)
     finally:
         remote.close()
+
+
+def test_a_part_whose_list_offsets_run_backwards_is_refused():
+    """What a server sends is checked before it is copied: offsets that run backwards (or past the values)."""
+    values = pa.array(np.arange(10, dtype=np.int32))
+    for offs in ([0, 5, 3, 10], [0, 8, 2, 9]):  # (past the values: pyarrow refuses to make such an array)
+        bad = pa.ListArray.from_buffers(pa.list_(pa.int32()), len(offs) - 1,
+                                        [None, pa.py_buffer(np.array(offs, np.int32))], children=[values])
+        rb = pa.RecordBatch.from_arrays([bad], names=["l"])
+        asm = PartsAssembler(rb.schema, rb.num_rows, at_least=Counting())
+        with pytest.raises(ab.SchemaError, match="offsets"):
+            asm.add(rb)
