@@ -55,7 +55,7 @@ from ..store.pending import PendingWrite
 from . import protocol as P
 from .calls import Unreachable, check_timeout, translate
 from .messages import MAX_PADS, ack_ids, misalignment, record_batch, request_key, sample_batch, table_to_batch
-from .parts import MAX_PART_BYTES, assemble, pipelined, split_rows
+from .parts import MAX_PART_BYTES, PUT_WINDOW_PARTS, assemble, pipelined, split_rows
 from .session import LearnerSession
 from .writer import RemoteWriter
 
@@ -107,6 +107,16 @@ def connect(location: str, token: str | None = None, store: str | None = None, *
     return RemoteStore(location, token, store, tls_root_certs=tls_root_certs,
                        disable_server_verification=disable_server_verification,
                        reconnect_timeout=reconnect_timeout, timeout=timeout)
+
+
+def _progress(raw: Any, received: int, parts: int) -> int:
+    """The parts a windowed extend's server has received, from its next progress message (which must move forward
+    and stay within the `parts` sent)."""
+    got = P.decode_progress(raw)
+    if got is None or not received < got <= parts:
+        raise SchemaError(f"an extend in parts: expected the server's progress past {received} of {parts} parts, "
+                          f"got {bytes(raw or b'')[:80]!r}")
+    return got
 
 
 def into_ring_of(info: dict[str, Any], protocols: tuple[int, ...]) -> bool:
@@ -165,6 +175,7 @@ class RemoteStore:
         self.protocols: tuple[int, ...] = (1, 2)
         self.part_bytes = MAX_PART_BYTES
         self.parts_into_ring = False
+        self.put_window = False
         self.sample_meta = "json"
         self._pads: dict[tuple[Any, ...], int] = {}  # sample request -> app_metadata padding that aligns its body
         # a sample in parts is copied into these arrays; reused once the caller drops the batch (ring/outpool.py)
@@ -260,6 +271,8 @@ class RemoteStore:
         if isinstance(versions, list) and all(isinstance(v, int) for v in versions):
             self.protocols = tuple(versions)
         self.parts_into_ring = into_ring_of(info, self.protocols)
+        # the server acknowledges each part of an extend in parts: at most PUT_WINDOW_PARTS are sent ahead of it
+        self.put_window = info.get("put_window") is True and P.PARTS_VERSION in self.protocols
         # ids and weights as Arrow columns where the server speaks it (protocol.SAMPLE_META); JSON otherwise
         offered = info.get("sample_meta")
         self.sample_meta = "columns" if isinstance(offered, list) and "columns" in offered else "json"
@@ -331,14 +344,20 @@ class RemoteStore:
                               f"cannot take one in parts (protocol {P.PARTS_VERSION}); split it, or upgrade the "
                               "server")
         ranges = split_rows(rb, limit)
-        descriptor = P.put_descriptor(self.name, timeout, parts=len(ranges), rows=rb.num_rows)
+        window = PUT_WINDOW_PARTS if self.put_window and len(ranges) > PUT_WINDOW_PARTS else None
+        descriptor = P.put_descriptor(self.name, timeout, parts=len(ranges), rows=rb.num_rows, window=window)
 
         def call(client: flight.FlightClient, options: flight.FlightCallOptions) -> dict[str, Any]:
             writer, reader = client.do_put(descriptor, rb.schema, options=options)
             try:
-                for offset, rows in ranges:
+                received = 0
+                for k, (offset, rows) in enumerate(ranges):
+                    while window is not None and k - received >= window:  # the server is `window` parts behind
+                        received = _progress(reader.read(), received, len(ranges))
                     writer.write_batch(rb.slice(offset, rows))
                 ack = reader.read()
+                while window is not None and P.decode_progress(ack) is not None:  # progress, then the final ack
+                    ack = reader.read()
                 writer.done_writing()
             finally:
                 writer.close()
@@ -420,7 +439,8 @@ class RemoteStore:
                                                                meta=form, pad=pad, part_bytes=parts)))
 
         def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
-            return assemble(client.do_get(ticket, options=call_options), int(n), self._outputs.empty)
+            return assemble(client.do_get(ticket, options=call_options), int(n), self._outputs.empty,
+                            self._outputs.at_least)
 
         data, meta = self._call(call, self._deadline(rpc_timeout, timeout))
         if key is not None:  # ask for the body on an 8-byte boundary next time (see protocol.realigning_pad)

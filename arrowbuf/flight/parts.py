@@ -142,27 +142,122 @@ def _fresh(shape: tuple[int, ...], dtype: Any, tag: str) -> np.ndarray:
     return np.empty(shape, dtype)
 
 
+#: Allocates an uninitialised 1-D array of at least `count` elements: (count, dtype, tag) -> array, of which the
+#: caller uses the first `count` (`OutputPool.at_least`; default `np.empty`).
+AtLeast = Callable[[int, Any, str], np.ndarray]
+
+
+def _fresh_at_least(count: int, dtype: Any, tag: str) -> np.ndarray:
+    return np.empty(count, dtype)
+
+
+#: How much more room than the rows so far suggest a list column's values get (the rows still to come may be longer
+#: than the average so far). Room never written is never touched, so it costs address space, not memory.
+RAGGED_HEADROOM = 1.25
+
+
+def _list_view(col: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """(values, int64 offsets from 0) of a list column without nulls whose values are numbers without nulls (zero-copy
+    views of the message), or None."""
+    t = col.type
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or col.null_count:
+        return None
+    vt = t.value_type
+    if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)):
+        return None
+    offs = np.asarray(col.offsets, dtype=np.int64)  # respects a slice
+    first, last = int(offs[0]), int(offs[-1])
+    if first < 0 or last > len(col.values) or (len(offs) > 1 and bool((np.diff(offs) < 0).any())):
+        raise SchemaError("a sample in parts: a list column's offsets run backwards or past its values")
+    child = col.values.slice(first, last - first)
+    if child.null_count:
+        return None
+    return child.to_numpy(zero_copy_only=True), offs - first
+
+
+class _RaggedColumn:
+    """One list column of a stream in parts, copied as it arrives into one values array and one offsets array (no
+    per-part pieces, no concatenation at the end: the column is held once, not twice).
+
+    The values array is sized from the rows so far (`RAGGED_HEADROOM` over their average, for every row the stream
+    may bring); when the rows run longer it is regrown (one copy of what came so far). Offsets that would overflow
+    the column's offset type (list: int32) are refused like Arrow's own concatenation refuses them.
+    """
+
+    def __init__(self, type_: pa.DataType, rows: int, at_least: AtLeast, tag: str) -> None:
+        self.type = type_
+        self.rows = rows
+        self._at_least = at_least
+        self._tag = tag
+        self._large = pa.types.is_large_list(type_)
+        self.offsets = np.empty(rows + 1, np.int64 if self._large else np.int32)
+        self.offsets[0] = 0
+        self.values: np.ndarray | None = None
+        self.used = 0
+
+    def add(self, values: np.ndarray, offsets: np.ndarray, r0: int) -> None:
+        """Append the rows [r0, r0 + len(offsets) - 1) (`offsets` from 0, `values` theirs)."""
+        n = len(offsets) - 1
+        need = self.used + len(values)
+        if not self._large and need > np.iinfo(np.int32).max:
+            raise SchemaError(f"a sample in parts: list column {self._tag!r} has more than 2**31 - 1 values; "
+                              "sample fewer rows")
+        if self.values is None or need > len(self.values):
+            self._grow(need, r0 + n, values.dtype)
+        assert self.values is not None
+        self.values[self.used:need] = values
+        self.offsets[r0 + 1:r0 + n + 1] = offsets[1:] + self.used
+        self.used = need
+
+    def _grow(self, need: int, rows_after: int, dtype: np.dtype) -> None:
+        estimate = int(need / max(1, rows_after) * self.rows * RAGGED_HEADROOM) + 1
+        size = max(need, estimate)
+        if self.values is not None:
+            size = max(size, int(len(self.values) * RAGGED_HEADROOM))
+        if not self._large:
+            size = min(size, int(np.iinfo(np.int32).max))
+        grown = self._at_least(size, dtype, self._tag)
+        if self.values is not None:
+            grown[:self.used] = self.values[:self.used]
+        self.values = grown
+
+    def array(self, rows: int) -> pa.Array:
+        """The first `rows` rows as one list array over these arrays (zero-copy)."""
+        vt = self.type.value_type
+        if self.values is None:  # no row yet
+            values = pa.array(np.empty(0, vt.to_pandas_dtype()), type=vt)
+        else:
+            values = pa.Array.from_buffers(vt, self.used, [None, pa.py_buffer(self.values[:self.used])])
+        return pa.Array.from_buffers(self.type, rows, [None, pa.py_buffer(self.offsets[:rows + 1])],
+                                     children=[values])
+
+
 class PartsAssembler:
     """The parts of one extend, assembled into one batch of `rows` rows (see the module docstring).
 
     `empty` allocates the fixed-width columns' arrays (tagged with the column name): a client passes its
     `OutputPool`'s, so a sample's arrays are reused once the caller drops the previous batch (warm pages: the copy
-    runs at memcpy speed instead of faulting fresh memory in).
+    runs at memcpy speed instead of faulting fresh memory in). `at_least`, given, assembles list columns of numbers
+    (without nulls) the same way, into one values array it allocates (`OutputPool.at_least`) and one offsets array
+    (`_RaggedColumn`), instead of keeping a copy of each part and concatenating them at the end (which held the
+    column twice).
     """
 
-    def __init__(self, schema: pa.Schema, rows: int, empty: Empty = _fresh) -> None:
+    def __init__(self, schema: pa.Schema, rows: int, empty: Empty = _fresh, at_least: AtLeast | None = None) -> None:
         self.schema = schema
         self.rows = int(rows)  # the most rows that may come (`batch` returns the rows that came)
         self._empty = empty
+        self._at_least = at_least
         self.filled = 0
         self._dense: dict[str, np.ndarray] = {}
+        self._ragged: dict[str, _RaggedColumn] = {}
         self._pieces: dict[str, list[pa.Array]] = {}
 
     def add(self, batch: pa.RecordBatch) -> None:
         """Copy the part's rows in (the caller has checked that they fit)."""
         r0, n = self.filled, batch.num_rows
         views = {name: (col, _dense(col)) for name, col in zip(batch.schema.names, batch.columns)}
-        frees_message = any(v is not None for _, v in views.values())
+        frees_message = any(v is not None for _, v in views.values()) or self._at_least is not None
         for name, (col, view) in views.items():
             if name in self._dense and view is not None:
                 self._dense[name][r0:r0 + n] = view
@@ -171,9 +266,18 @@ class PartsAssembler:
                 self._dense[name] = self._empty((self.rows, view.shape[1]), view.dtype, name)
                 self._dense[name][:n] = view
                 continue
+            if self._at_least is not None and name not in self._pieces and (name in self._ragged or r0 == 0):
+                listed = _list_view(col)
+                if listed is not None:
+                    if name not in self._ragged:
+                        self._ragged[name] = _RaggedColumn(col.type, self.rows, self._at_least, name)
+                    self._ragged[name].add(listed[0], listed[1], r0)
+                    continue
             pieces = self._pieces.setdefault(name, [])
             if name in self._dense:  # nulls in a later part: the rows so far become a piece
                 pieces.append(_from_dense(self._dense.pop(name)[:r0].copy(), col.type))
+            if name in self._ragged:  # nulls in a later part: the rows so far become a piece (it keeps the arrays)
+                pieces.append(self._ragged.pop(name).array(r0))
             # a piece copied out of the message, so that the message's memory can go
             pieces.append(pa.concat_arrays([col, col.slice(0, 0)]) if frees_message else col)
         self.filled += n
@@ -184,14 +288,25 @@ class PartsAssembler:
         for field in self.schema:
             if field.name in self._dense:
                 arrays.append(_from_dense(self._dense[field.name][:self.filled], field.type))
+            elif field.name in self._ragged:
+                arrays.append(self._ragged[field.name].array(self.filled))
             else:
                 pieces = self._pieces.get(field.name, [])
                 arrays.append(pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces))
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
 
+#: Parts a client keeps unacknowledged when the server acknowledges each one (`protocol.PutRequest.window`): the
+#: server's receive buffers hold at most about this many parts (gRPC otherwise reads ahead of a server that copies
+#: parts slower than they arrive: measured up to about 190 MiB of a 218 MB GRPO extend held at once).
+PUT_WINDOW_PARTS = 4
+
+#: Called with the number of parts received so far, after each part is added (a windowed extend's progress).
+OnPart = Callable[[int], None]
+
+
 def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
-            moved: Callable[[], None]) -> pa.RecordBatch:
+            moved: Callable[[], None], on_part: OnPart | None = None) -> pa.RecordBatch:
     """Read the `req.parts` parts of an extend (`req.rows` rows in all) from a DoPut stream into one batch.
 
     Raises:
@@ -199,12 +314,12 @@ def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
             `max_extend_bytes`, more or fewer parts or rows than declared, or a part with no rows. Nothing is stored.
     """
     assembler = PartsAssembler(reader.schema, req.rows)
-    _read_parts(reader, req, limits, check_open, moved, assembler.add)
+    _read_parts(reader, req, limits, check_open, moved, assembler.add, on_part)
     return assembler.batch()
 
 
 def receive_into(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
-                 sink: Any) -> np.ndarray:
+                 sink: Any, on_part: OnPart | None = None) -> np.ndarray:
     """Read the parts of an extend like `receive`, each copied straight into the store's reserved rows by `sink` (an
     `arrowbuf.store.pieces.ExtendInPieces`: one copy, no assembled batch), then commit them as one extend.
 
@@ -217,7 +332,7 @@ def receive_into(reader: Any, req: Any, limits: Any, check_open: Callable[[], No
             reserved.
     """
     try:
-        _read_parts(reader, req, limits, check_open, moved, sink.write)
+        _read_parts(reader, req, limits, check_open, moved, sink.write, on_part)
         return np.asarray(sink.commit(), dtype=np.int64)
     except BaseException:
         sink.abort()
@@ -225,9 +340,9 @@ def receive_into(reader: Any, req: Any, limits: Any, check_open: Callable[[], No
 
 
 def _read_parts(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
-                add: Callable[[pa.RecordBatch], None]) -> None:
+                add: Callable[[pa.RecordBatch], None], on_part: OnPart | None = None) -> None:
     """The parts of an extend, each bounded (rows, bytes, the running total) before `add` sees it, and the count of
-    parts and rows checked at the end (see `receive`)."""
+    parts and rows checked at the end (see `receive`); `on_part(k)` after the k-th part is added."""
     limits.check_rows(req.rows, "an extend in parts")
     k = total = filled = 0
     try:
@@ -257,6 +372,8 @@ def _read_parts(reader: Any, req: Any, limits: Any, check_open: Callable[[], Non
             filled += part.num_rows
             del part, chunk  # the message goes before the next one is read
             k += 1
+            if on_part is not None:
+                on_part(k)
             if k == req.parts:
                 break
     finally:
@@ -280,10 +397,69 @@ def parts_stream(data: pa.RecordBatch, meta: pa.Buffer | None, limit: int) -> fl
     return flight.GeneratorStream(data.schema, gen(), WIRE_OPTIONS)
 
 
-def assemble(reader: Any, rows: int, empty: Empty = _fresh) -> tuple[pa.RecordBatch, pa.Buffer | None]:
+#: A sample the server streams in parts from a store that gathers it in pieces (`ExperienceStore.sample_pieces`) is
+#: gathered about this many bytes at a time, so the server holds one or two pieces of its output (the one being cut
+#: into messages, and the last one gRPC may still be sending) instead of the whole sample.
+SAMPLE_PIECE_BYTES = 16 << 20
+#: Items of the first piece (its bytes per item size the rest).
+FIRST_PIECE_ROWS = 64
+
+
+def pieces_stream(store: Any, n: int, columns: list[str] | None, timeout: float | None, options: dict[str, Any],
+                  meta: pa.Buffer | None, limit: int) -> flight.FlightDataStream:
+    """A sample of `n` items from `store` sent in messages of at most `limit` bytes (ids and weights as trailing
+    columns: `wire_batch(..., "columns")`), gathered piece by piece as the stream is read (`store.sample_pieces`):
+    the server holds about `SAMPLE_PIECE_BYTES` of the sample's output instead of all of it. The items are selected
+    and the first piece gathered here, so errors of the selection (a timeout, bad options) are raised before the
+    stream starts; `meta` rides on the first message. A sample that fits one message (by the first piece's bytes
+    per item) goes as one: the first piece and the rest, joined (at most `limit` bytes copied)."""
+    from .wire import WIRE_OPTIONS, one_batch_stream, wire_batch
+
+    pieces = store.sample_pieces(n, min(n, FIRST_PIECE_ROWS), columns, timeout, piece_bytes=SAMPLE_PIECE_BYTES,
+                                 **options)
+    first, _ = wire_batch(next(pieces), "columns")
+    schema = first.schema
+
+    def conform(batch: pa.RecordBatch) -> pa.RecordBatch:
+        return batch if batch.schema.equals(schema) else batch.cast(schema)
+
+    if first.num_rows < n and first.nbytes * n <= limit * first.num_rows:  # small: the rest is one more piece
+        rest = [conform(wire_batch(p, "columns")[0]) for p in pieces]
+        first = pa.concat_batches([first, *rest]) if sum(b.nbytes for b in rest) + first.nbytes <= limit else first
+        if first.num_rows < n:  # the estimate was short: send what came, in parts
+            head = [first, *rest]
+            return flight.GeneratorStream(schema, _messages(iter(head), meta, limit), WIRE_OPTIONS)
+    if first.num_rows == n and first.nbytes <= limit:
+        for _ in pieces:  # none left: the sampler's on_sampled runs at the end
+            pass
+        return one_batch_stream(first, meta)
+
+    def batches() -> Any:
+        yield first
+        for piece in pieces:
+            yield conform(wire_batch(piece, "columns")[0])
+
+    return flight.GeneratorStream(schema, _messages(batches(), meta, limit), WIRE_OPTIONS)
+
+
+def _messages(batches: Any, meta: pa.Buffer | None, limit: int) -> Any:
+    """Each batch of `batches` as zero-copy slices of at most `limit` bytes, `meta` on the first; a batch is dropped
+    before the next is asked for (gathered)."""
+    sent_meta = meta is None
+    for batch in batches:
+        for offset, rows in split_rows(batch, limit):
+            piece = batch.slice(offset, rows)
+            yield piece if sent_meta else (piece, meta)
+            sent_meta = True
+        del batch
+
+
+def assemble(reader: Any, rows: int, empty: Empty = _fresh,
+             at_least: AtLeast = _fresh_at_least) -> tuple[pa.RecordBatch, pa.Buffer | None]:
     """Read a sample's messages from a DoGet `reader` into one batch (at most `rows` rows, the app_metadata of the
     first message): one message is returned as it is; more are copied into one preallocated batch as they arrive
-    (its fixed-width columns allocated by `empty`, see `PartsAssembler`).
+    (its fixed-width columns allocated by `empty`, its list columns of numbers into values arrays allocated by
+    `at_least`, see `PartsAssembler`): the sample is held once, plus about one message.
 
     Raises:
         SchemaError: the stream brought more than `rows` rows, or no batch.
@@ -296,7 +472,7 @@ def assemble(reader: Any, rows: int, empty: Empty = _fresh) -> tuple[pa.RecordBa
         return first.data, meta
     if first.data is None or second.data is None:
         raise SchemaError("a sample in parts: a message without a batch")
-    asm = PartsAssembler(first.data.schema, rows, empty)
+    asm = PartsAssembler(first.data.schema, rows, empty, at_least)
     size = first.data.nbytes + second.data.nbytes
     for chunk in (first, second):
         _add_checked(asm, chunk.data, rows)
@@ -323,5 +499,7 @@ def _add_checked(asm: PartsAssembler, part: pa.RecordBatch, rows: int) -> None:
     asm.add(part)
 
 
-__all__ = ["MAX_PART_BYTES", "PART_FILL", "PIPELINE_PART_BYTES", "PartsAssembler", "assemble", "part_bytes",
-           "parts_stream", "pipelined", "receive", "receive_into", "split_rows"]
+__all__ = ["FIRST_PIECE_ROWS", "MAX_PART_BYTES", "PART_FILL", "PIPELINE_PART_BYTES", "PUT_WINDOW_PARTS",
+           "RAGGED_HEADROOM",
+           "SAMPLE_PIECE_BYTES", "PartsAssembler", "assemble", "part_bytes", "parts_stream", "pieces_stream",
+           "pipelined", "receive", "receive_into", "split_rows"]

@@ -385,6 +385,8 @@ class PutRequest:
     kind: str = "extend"
     parts: int | None = None  # version 3: the extend comes in this many record batches, committed as one
     rows: int | None = None  # version 3: rows in all parts
+    window: int | None = None  # version 3, with parts: each part received is acknowledged (`encode_progress`); the
+    # client keeps at most this many parts unacknowledged, so the server never buffers more than that
 
 
 @dataclass(frozen=True)
@@ -406,9 +408,14 @@ def store_descriptor(store: str) -> flight.FlightDescriptor:
     return flight.FlightDescriptor.for_path(store)
 
 
+#: The most parts a client may keep unacknowledged in a windowed extend in parts (`PutRequest.window`).
+MAX_PUT_WINDOW = 1024
+
+
 def put_descriptor(store: str | None, timeout: float | None = None, parts: int | None = None,
-                   rows: int | None = None) -> flight.FlightDescriptor:
-    """The DoPut command of an extend; with `parts` and `rows`, an extend in parts (version 3)."""
+                   rows: int | None = None, window: int | None = None) -> flight.FlightDescriptor:
+    """The DoPut command of an extend; with `parts` and `rows`, an extend in parts (version 3); with `window`, one
+    whose parts the server acknowledges as they are received."""
     obj: dict[str, Any] = {"v": PROTOCOL_VERSION if parts is None else PARTS_VERSION, "kind": "extend"}
     if store is not None:
         obj["store"] = store
@@ -416,6 +423,8 @@ def put_descriptor(store: str | None, timeout: float | None = None, parts: int |
         obj["timeout"] = timeout
     if parts is not None:
         obj["parts"], obj["rows"] = int(parts), int(rows if rows is not None else 0)
+        if window is not None:
+            obj["window"] = int(window)
     return flight.FlightDescriptor.for_command(_dumps(obj))
 
 
@@ -472,8 +481,13 @@ def decode_put_descriptor(descriptor: flight.FlightDescriptor) -> PutRequest:
         if parts > rows:
             raise SchemaError(f"DoPut descriptor command: {parts} parts cannot hold {rows} rows (a part holds at "
                               "least one row)")
+    window = f.get("window", "a positive integer")
+    if window is not None and (parts is None or window > MAX_PUT_WINDOW):
+        raise SchemaError(f"DoPut descriptor command: window is for an extend in parts, at most {MAX_PUT_WINDOW} "
+                          f"parts, got {window!r:.40}")
     req = PutRequest(store=f.get("store", "a string"),
-                     timeout=f.get("timeout", "a number of seconds in [0, 1e6]"), parts=parts, rows=rows)
+                     timeout=f.get("timeout", "a number of seconds in [0, 1e6]"), parts=parts, rows=rows,
+                     window=window)
     f.done()
     return req
 
@@ -660,6 +674,22 @@ def decode_sample_meta(raw: bytes | pa.Buffer | None, rows: int) -> tuple[np.nda
 def encode_ack(batch: int, first_seq: int, rows: int) -> bytes:
     """DoPut acknowledgement of batch number `batch` (0-based): rows [first_seq, first_seq + rows) are committed."""
     return _dumps({"v": PROTOCOL_VERSION, "batch": batch, "first_seq": int(first_seq), "rows": int(rows)})
+
+
+def encode_progress(received: int) -> bytes:
+    """The acknowledgement of the first `received` parts of a windowed extend in parts (nothing committed yet)."""
+    return _dumps({"v": PARTS_VERSION, "received": int(received)})
+
+
+def decode_progress(raw: bytes | pa.Buffer | None) -> int | None:
+    """The parts a progress message acknowledges, or None when `raw` is not one (the final acknowledgement)."""
+    obj = loads(raw, "DoPut acknowledgement")
+    received = obj.get("received")
+    if received is None:
+        return None
+    if not _is_int(received) or received < 1:
+        raise SchemaError(f"DoPut progress: expected a positive count of parts received, got {received!r:.40}")
+    return int(received)
 
 
 def decode_ack(raw: bytes | pa.Buffer | None) -> dict[str, int]:

@@ -50,7 +50,7 @@ from . import protocol as P
 from .heap import release_after
 from .idle import OpenStreams
 from .limits import CallGate, ServerLimits
-from .parts import parts_stream
+from .parts import parts_stream, pieces_stream
 from .parts import receive as receive_parts
 from .parts import receive_into as receive_parts_into
 from .prefetch import Prefetcher
@@ -425,6 +425,11 @@ class _FlightService(flight.FlightServerBase):
             self.owner.limits.check_sample(req.n, req.timeout, req.options, "sample")
             self.owner.check_sample_options(store, req.options, "sample")
             columns = None if req.columns is None else list(req.columns)  # the request may be shared: a copy
+            if req.part_bytes is not None and req.meta == "columns" and _in_pieces(store, columns, req.n,
+                                                                                   req.part_bytes):
+                # protocol 3, ids per message: gathered piece by piece as the stream goes (parts.pieces_stream)
+                return pieces_stream(store, req.n, columns, req.timeout, req.options, P.pad_metadata(req.pad),
+                                     req.part_bytes)
             data, meta = wire_batch(_sample(store, req.n, columns, req.timeout, req.options), req.meta)
             meta = meta if req.meta == "json" else P.pad_metadata(req.pad)
             if req.part_bytes is not None and data.nbytes > req.part_bytes:  # protocol 3: bounded messages
@@ -521,12 +526,15 @@ class _FlightService(flight.FlightServerBase):
         if req.parts is not None:  # one extend in parts (protocol 3), committed once
             begin = getattr(store, "begin_extend", None) if limits.parts_into_ring else None
             sink = begin(req.rows, reader.schema.names) if begin is not None else None
+            # a windowed extend: each part acknowledged once added, so the client sends only a few ahead
+            on_part = None if req.window is None else (lambda k: writer.write(pa.py_buffer(P.encode_progress(k))))
             if sink is not None:  # each part copied straight into the ring's reserved rows (store/pieces.py)
-                ids = receive_parts_into(reader, req, limits, self.owner.check_open, self.owner.streams.touch, sink)
+                ids = receive_parts_into(reader, req, limits, self.owner.check_open, self.owner.streams.touch, sink,
+                                         on_part)
                 writer.write(pa.py_buffer(P.encode_ack(0, int(ids[0]) if len(ids) else 0, len(ids))))
                 return
             # a store that takes such a batch only whole (durable, ragged, tiered, tasks): assembled, then extended
-            whole = receive_parts(reader, req, limits, self.owner.check_open, self.owner.streams.touch)
+            whole = receive_parts(reader, req, limits, self.owner.check_open, self.owner.streams.touch, on_part)
             ids = np.asarray(store.extend(whole, **kwargs), dtype=np.int64).reshape(-1)
             writer.write(pa.py_buffer(P.encode_ack(0, int(ids[0]) if len(ids) else 0, whole.num_rows)))
             release_after(whole.nbytes)
@@ -641,7 +649,7 @@ class _FlightService(flight.FlightServerBase):
                                    "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe(),
                                    "sample_options": self.owner.sample_options(store),
                                    "sample_meta": list(P.SAMPLE_META),
-                                   "parts_into_ring": self._parts_into_ring(store)}
+                                   "parts_into_ring": self._parts_into_ring(store), "put_window": True}
         elif req.type == "stats":
             out = dict(store.stats())
             with self._lock:
@@ -684,6 +692,21 @@ def _consume_action(store: Any, req: P.ActionRequest, limits: ServerLimits, lock
 
 def _sample(store: Any, n: int, columns: list[str] | None, timeout: float | None, options: dict[str, Any]) -> Any:
     return store.sample(n, columns=columns, timeout=timeout, **options)
+
+
+def _in_pieces(store: Any, columns: list[str] | None, n: int, part_bytes: int) -> bool:
+    """Whether a sample asked for in messages of `part_bytes` is gathered piece by piece (`parts.pieces_stream`): a
+    store that can (`sample_pieces`), unless the sample is fixed-width (no ragged column) and fits one message by the
+    schema's row bytes, which goes whole as before (one gather, one message, no piece to size)."""
+    if not callable(getattr(store, "sample_pieces", None)):
+        return False
+    schema = store.schema
+    try:
+        names = schema.resolve_columns(columns)
+        ragged = any(schema.spec_of(c).ragged for c in names if c in schema.fields or c in schema.derived)
+    except Exception:  # noqa: BLE001 - an unknown column: the sample itself says so, on the usual path
+        return False
+    return ragged or n * _row_bytes(schema, names) > part_bytes
 
 
 def _row_bytes(schema: Any, columns: list[str]) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal, cast, overload
 
 import numpy as np
@@ -471,6 +471,19 @@ class ExperienceStore(StoreInspection, StorePersistence):
             >>> store.close()
         """
         return self._reader.sample(n, columns, timeout, n_step=n_step, gamma=gamma)
+
+    @timed("sample")
+    def sample_pieces(self, n: int, rows: int, columns: Iterable[str] | None = None, timeout: float | None = None,
+                      *, piece_bytes: int | None = None, n_step: int | None = None,
+                      gamma: float = 0.99) -> Iterator[SampleBatch]:
+        """`sample(n)` as consecutive batches of at most `rows` items, each gathered only when the iterator asks
+        for it, for a sender that streams a large sample (the Flight server's DoGet in parts) and so holds one
+        piece's output at a time. Items are selected by this call (its errors are `sample`'s); an item whose row is
+        recycled before its piece is gathered is drawn again, as in `sample`, and each piece's `indices` name its
+        items; with `piece_bytes`, pieces after the first are sized to about that many bytes. Timed as a `sample`
+        (the selection). See `arrowbuf.store.reader.StoreReader.sample_pieces`."""
+        return self._reader.sample_pieces(n, rows, columns, timeout, piece_bytes=piece_bytes, n_step=n_step,
+                                          gamma=gamma)
 
     def take(self, ids: Any, columns: Iterable[str] | None = None) -> SampleBatch:
         """The rows `ids` (as `extend` returned them), in that order, gathered as `sample` gathers: random access

@@ -107,6 +107,69 @@ class StoreReader:
         if self.count_access:
             self.core.cols.count_access((tuple(names), n_step is not None), seqs.size, self._columns_read, names,
                                         n_step)
+        arrays = self._gather_consistent(seqs, weights, names, n_step, gamma, timeout)
+        self._sampled(seqs)
+        indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
+        return SampleBatch(arrays, indices, weights)
+
+    def sample_pieces(self, n: int, rows: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
+                      piece_bytes: int | None = None, n_step: int | None = None,
+                      gamma: float = 0.99) -> Iterator[SampleBatch]:
+        """`sample(n)` delivered as consecutive batches of at most `rows` items, each gathered only when the
+        iterator is asked for it: a sender of a large sample (the Flight server's DoGet in parts) holds one piece's
+        output at a time instead of the whole batch. With `piece_bytes`, the first piece has `rows` items and the
+        others as many as make about `piece_bytes` at the first piece's bytes per item (at least one).
+
+        The items are selected at once, here, as `sample` selects them (waiting on the rate limiter and for rows,
+        counting deliveries; `SampleTimeout` and argument errors are raised by this call, before any piece). Each
+        piece is then gathered with `sample`'s torn-row check: an item whose row a writer recycled before its piece
+        was gathered is drawn again, as `sample` draws it again, so every piece holds whole rows and names its items
+        in `indices` (which may differ from the first selection in such items). The sampler's `on_sampled` sees
+        every item once the last piece is gathered (not if the caller stops early). A store whose items are
+        distinct per batch (`max_times_sampled`, not a queue) gathers the batch as one piece: a torn row redraws
+        every item, which only the whole batch can do without repeating one.
+        """
+        if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 1:
+            raise InvalidArgument(f"rows must be a positive number of items per piece, got {rows!r}")
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"n must be a positive number of items, got {n!r}")
+        self.core.check_open()
+        names = self.core.schema.resolve_columns(list(columns) if columns is not None else None)
+        if n_step is not None:
+            self._check_n_step(n_step, gamma)
+        with self.core.cond:
+            seqs, weights = self._select(int(n), timeout)
+        if seqs.ndim == 2 and n_step is not None:
+            raise InvalidArgument("n_step returns are for transitions; a Sequence sampler returns whole windows")
+        if self.count_access:
+            self.core.cols.count_access((tuple(names), n_step is not None), seqs.size, self._columns_read, names,
+                                        n_step)
+        if self.core.max_times_sampled and not self.core.sampler.queue:
+            rows = len(seqs)  # distinct items: a torn row redraws the whole batch (see sample), so one piece
+        if piece_bytes is not None and (not isinstance(piece_bytes, (int, np.integer)) or piece_bytes < 1):
+            raise InvalidArgument(f"piece_bytes must be a positive number of bytes, got {piece_bytes!r}")
+        return self._pieces(seqs, weights, int(rows), piece_bytes, names, n_step, gamma, timeout)
+
+    def _pieces(self, seqs: np.ndarray, weights: np.ndarray | None, rows: int, piece_bytes: int | None,
+                names: list[str], n_step: int | None, gamma: float, timeout: float | None) -> Iterator[SampleBatch]:
+        start = 0
+        while start < len(seqs):
+            part = seqs[start:start + rows]  # a view: redraws land in `seqs` for on_sampled
+            w = None if weights is None else weights[start:start + rows]
+            arrays = self._gather_consistent(part, w, names, n_step, gamma, timeout)
+            if start == 0 and piece_bytes is not None:  # the rest sized from this piece's bytes per item
+                nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays.values())
+                rows = max(1, int(piece_bytes * len(part) // max(1, nbytes)))
+            start += len(part)
+            yield SampleBatch(arrays, part[:, 0].copy() if part.ndim == 2 else part.copy(),
+                              None if w is None else w.copy())
+            del arrays
+        self._sampled(seqs)
+
+    def _gather_consistent(self, seqs: np.ndarray, weights: np.ndarray | None, names: list[str],
+                           n_step: int | None, gamma: float, timeout: float | None) -> dict[str, Any]:
+        """Gather the items `seqs`; items whose rows were recycled meanwhile are drawn again, in place in `seqs`
+        (and `weights`), until every row is whole."""
         arrays = self._gather_stable(seqs, names, n_step, gamma)
         bad = self._torn(seqs, arrays)
         retries = 0
@@ -131,11 +194,12 @@ class StoreReader:
             bad[:] = False
             bad[fix] = self._torn(again, sub)
         arrays.pop("_n_step_last", None)
+        return arrays
+
+    def _sampled(self, seqs: np.ndarray) -> None:
         if type(self.core.sampler).on_sampled is not Sampler.on_sampled:
             with self.core.cond:
                 self.core.sampler.on_sampled(seqs)
-        indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
-        return SampleBatch(arrays, indices, weights)
 
     def gather(self, seqs: np.ndarray, columns: Iterable[str] | None = None) -> dict[str, Any]:
         """The columns (default: every field and derived field, ragged included) of rows `seqs`, gathered as
