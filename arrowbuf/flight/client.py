@@ -162,6 +162,10 @@ class RemoteStore:
         self.timeout = check_timeout(timeout, "timeout")
         self._lock = threading.Lock()
         self._client: flight.FlightClient | None = None
+        # calls in flight per Flight client (by id), and clients closed while calls used them: a FlightClient must
+        # not be closed under a call on another thread (pyarrow crashes), so the last such call closes it
+        self._users: dict[int, int] = {}
+        self._retired: dict[int, flight.FlightClient] = {}
         self._closed = False
         self._closing = threading.Event()  # set by close(): ends a reconnect back-off at once
         self._headers = [(P.AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token is not None else []
@@ -190,23 +194,55 @@ class RemoteStore:
             StoreClosed: this client is closed.
         """
         with self._lock:
-            if self._closed:
-                raise StoreClosed(f"the client for {self.location} is closed")
-            if self._client is None:
-                kwargs: dict[str, Any] = {}
-                if self._tls_root_certs is not None:
-                    kwargs["tls_root_certs"] = self._tls_root_certs
-                if self._disable_verification:
-                    kwargs["disable_server_verification"] = True
-                self._client = flight.FlightClient(self.location, generic_options=list(CHANNEL_OPTIONS), **kwargs)
-            return self._client
+            return self.connection_locked()
+
+    def connection_locked(self) -> flight.FlightClient:
+        """`connection()` with `_lock` held by the caller."""
+        if self._closed:
+            raise StoreClosed(f"the client for {self.location} is closed")
+        if self._client is None:
+            kwargs: dict[str, Any] = {}
+            if self._tls_root_certs is not None:
+                kwargs["tls_root_certs"] = self._tls_root_certs
+            if self._disable_verification:
+                kwargs["disable_server_verification"] = True
+            self._client = flight.FlightClient(self.location, generic_options=list(CHANNEL_OPTIONS), **kwargs)
+        return self._client
+
+    def _acquire(self) -> flight.FlightClient:
+        """`connection()` for one call: the client is not closed (by `close()` or a reconnect) until `_release`."""
+        with self._lock:
+            client = self.connection_locked()
+            self._users[id(client)] = self._users.get(id(client), 0) + 1
+            return client
+
+    def _release(self, client: flight.FlightClient) -> None:
+        """The end of a call `_acquire` began; the last call on a retired client closes it."""
+        with self._lock:
+            left = self._users.get(id(client), 1) - 1
+            if left:
+                self._users[id(client)] = left
+                return
+            self._users.pop(id(client), None)
+            retired = self._retired.pop(id(client), None)
+        if retired is not None:
+            with contextlib.suppress(Exception):
+                retired.close()
+
+    def _retire(self, client: flight.FlightClient) -> None:
+        """Close `client` now, or when the last call using it ends (closing it under a call crashes pyarrow)."""
+        with self._lock:
+            if self._users.get(id(client)):
+                self._retired[id(client)] = client
+                return
+        with contextlib.suppress(Exception):
+            client.close()
 
     def _drop(self, client: flight.FlightClient) -> None:
         with self._lock:
             if self._client is client:
                 self._client = None
-        with contextlib.suppress(Exception):
-            client.close()
+        self._retire(client)
 
     def _deadline(self, rpc_timeout: float | None | object, wait: float | None = None) -> float | None:
         """Seconds the call may take: `rpc_timeout` when given, else the client's `timeout` plus `wait` (the time
@@ -237,26 +273,29 @@ class RemoteStore:
             if left is not None and left <= 0:
                 raise DeadlineExceeded(f"the call to {self.location} did not complete within its deadline of "
                                        f"{seconds:g}s; pass a larger rpc_timeout= (or timeout= to ab.connect)")
-            client = self.connection()
+            client = self._acquire()
             options = (self.stream_options if left is None
                        else flight.FlightCallOptions(headers=self._headers, timeout=left))
             try:
                 with translate(seconds=seconds):
                     return fn(client, options)
             except Exception as exc:
-                if self._closing.is_set():  # close() from another thread closed the connection under this call
+                if self._closing.is_set():  # close() from another thread during the call
                     raise StoreClosed(f"the client for {self.location} was closed during the call") from None
                 if not isinstance(exc, Unreachable):
                     raise
                 self._drop(client)
-                now = time.monotonic()
-                if now >= give_up:
-                    raise Unavailable(f"the server at {self.location} cannot be reached: {exc}; is it running "
-                                      f"and listening there? (tried for {now - start:.1f}s, reconnect_timeout="
-                                      f"{self.reconnect_timeout:g})") from None
-                if self._closing.wait(min(delay, give_up - now)):  # back off while the server restarts
-                    raise StoreClosed(f"the client for {self.location} was closed") from None
-                delay = min(delay * 2, 0.5)
+                reason = exc
+            finally:
+                self._release(client)
+            now = time.monotonic()
+            if now >= give_up:
+                raise Unavailable(f"the server at {self.location} cannot be reached: {reason}; is it running "
+                                  f"and listening there? (tried for {now - start:.1f}s, reconnect_timeout="
+                                  f"{self.reconnect_timeout:g})") from None
+            if self._closing.wait(min(delay, give_up - now)):  # back off while the server restarts
+                raise StoreClosed(f"the client for {self.location} was closed") from None
+            delay = min(delay * 2, 0.5)
 
     def _describe(self) -> None:
         info = self._action("describe")
@@ -630,7 +669,11 @@ class RemoteStore:
         return self._closed
 
     def close(self) -> None:
-        """Close the connection; idempotent. The store on the server is untouched."""
+        """Close the connection; idempotent. The store on the server is untouched.
+
+        A call on another thread that is waiting to reconnect ends at once with `StoreClosed`; one already talking to
+        the server keeps the connection until it ends (its deadline bounds it: `timeout=` / `rpc_timeout=`), and the
+        connection is closed then: closing pyarrow's Flight client under a call crashes the process."""
         with self._lock:
             if self._closed:
                 return
@@ -638,8 +681,7 @@ class RemoteStore:
             self._closing.set()
             client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(Exception):
-                client.close()
+            self._retire(client)  # at once, or by the last call still using it
 
     def __enter__(self) -> RemoteStore:
         return self
