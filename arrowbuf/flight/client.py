@@ -194,9 +194,9 @@ class RemoteStore:
             StoreClosed: this client is closed.
         """
         with self._lock:
-            return self.connection_locked()
+            return self._connection_locked()
 
-    def connection_locked(self) -> flight.FlightClient:
+    def _connection_locked(self) -> flight.FlightClient:
         """`connection()` with `_lock` held by the caller."""
         if self._closed:
             raise StoreClosed(f"the client for {self.location} is closed")
@@ -212,7 +212,7 @@ class RemoteStore:
     def _acquire(self) -> flight.FlightClient:
         """`connection()` for one call: the client is not closed (by `close()` or a reconnect) until `_release`."""
         with self._lock:
-            client = self.connection_locked()
+            client = self._connection_locked()
             self._users[id(client)] = self._users.get(id(client), 0) + 1
             return client
 
