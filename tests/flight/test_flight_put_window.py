@@ -95,3 +95,32 @@ def test_a_client_refuses_progress_that_does_not_move_forward_within_the_parts(r
     with pytest.raises(ab.SchemaError):
         C._progress(pa.py_buffer(raw) if raw else None, 2, 5)
     assert C._progress(pa.py_buffer(b'{"v":3,"received":3}'), 2, 5) == 3
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_only_an_unwindowed_extend_in_parts_trims_the_heap_at_its_end(servers, monkeypatch, window):
+    """An extend in parts without a window may have had many parts buffered by gRPC: their freed heap goes back to
+    the OS at the end (`heap.release_after`). A windowed one had at most `window` parts in flight: what it freed is
+    kept for the next extend to reuse warm (no trim)."""
+    from arrowbuf.flight import parts
+
+    trims: list[int] = []
+    monkeypatch.setattr(parts, "release_after", trims.append)
+    store = ab.ExperienceStore(SCHEMA, capacity=1000)
+    server = servers(store)
+    rb = ab.connect(server.location).to_batch(_batch(600))
+    ranges = split_rows(rb, 64 << 10)
+    desc = P.put_descriptor(None, parts=len(ranges), rows=rb.num_rows, window=window)
+    with flight.FlightClient(server.location) as client:
+        writer, reader = client.do_put(desc, rb.schema)
+        for k, (offset, rows) in enumerate(ranges):
+            writer.write_batch(rb.slice(offset, rows))
+            if window is not None and k + 1 >= window:
+                assert P.decode_progress(reader.read()) == k + 2 - window
+        ack = reader.read()
+        while window is not None and P.decode_progress(ack) is not None:
+            ack = reader.read()
+        writer.done_writing()
+        writer.close()
+    assert P.decode_ack(ack)["rows"] == 600 and len(store) == 600
+    assert len(trims) == (0 if window is not None else 1)
