@@ -149,3 +149,13 @@ def test_a_ragged_sample_that_fits_one_message_goes_as_one(servers, n, messages)
     assert len(got) == 1 if messages == 1 else len(got) > 1
     table = pa.Table.from_batches([c.data for c in got])
     assert (table.column("key").to_numpy() == table.column(P.ID_COLUMN).to_numpy()).all()
+
+
+def test_a_bad_piece_size_is_refused_before_any_item_is_drawn():
+    """Argument errors come before the selection: a refused call counts no delivery (with `max_times_sampled=1`
+    every item can still be drawn once afterwards)."""
+    store = ab.ExperienceStore(SCHEMA, capacity=100, max_times_sampled=1, seed=0)
+    store.extend(_rows(0, 20))
+    with pytest.raises(ab.InvalidArgument):
+        store.sample_pieces(10, 4, piece_bytes=0)
+    assert sorted(store.sample(20).indices.tolist()) == list(range(20))

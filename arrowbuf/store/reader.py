@@ -94,19 +94,7 @@ class StoreReader:
         Raises:
             SampleTimeout: nothing could be served within `timeout`.
         """
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise InvalidArgument(f"n must be a positive number of items, got {n!r}")
-        self.core.check_open()
-        names = self.core.schema.resolve_columns(list(columns) if columns is not None else None)
-        if n_step is not None:
-            self._check_n_step(n_step, gamma)
-        with self.core.cond:
-            seqs, weights = self._select(int(n), timeout)
-        if seqs.ndim == 2 and n_step is not None:
-            raise InvalidArgument("n_step returns are for transitions; a Sequence sampler returns whole windows")
-        if self.count_access:
-            self.core.cols.count_access((tuple(names), n_step is not None), seqs.size, self._columns_read, names,
-                                        n_step)
+        names, seqs, weights = self._selection(n, columns, timeout, n_step, gamma)
         arrays = self._gather_consistent(seqs, weights, names, n_step, gamma, timeout)
         self._sampled(seqs)
         indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
@@ -131,6 +119,18 @@ class StoreReader:
         """
         if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 1:
             raise InvalidArgument(f"rows must be a positive number of items per piece, got {rows!r}")
+        if piece_bytes is not None and (not isinstance(piece_bytes, (int, np.integer)) or piece_bytes < 1):
+            raise InvalidArgument(f"piece_bytes must be a positive number of bytes, got {piece_bytes!r}")
+        names, seqs, weights = self._selection(n, columns, timeout, n_step, gamma)
+        if self.core.max_times_sampled and not self.core.sampler.queue:
+            rows = len(seqs)  # distinct items: a torn row redraws the whole batch (see sample), so one piece
+        return self._pieces(seqs, weights, int(rows), piece_bytes, names, n_step, gamma, timeout)
+
+    def _selection(self, n: Any, columns: Iterable[str] | None, timeout: float | None, n_step: int | None,
+                   gamma: float) -> tuple[list[str], np.ndarray, np.ndarray | None]:
+        """What `sample` and `sample_pieces` share before gathering: the arguments checked, the items selected (as
+        the sampler selects them: waiting on the rate limiter and for rows, counting deliveries) and the column
+        access counted. Returns the columns, the items' seqs and their weights."""
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
             raise InvalidArgument(f"n must be a positive number of items, got {n!r}")
         self.core.check_open()
@@ -144,11 +144,7 @@ class StoreReader:
         if self.count_access:
             self.core.cols.count_access((tuple(names), n_step is not None), seqs.size, self._columns_read, names,
                                         n_step)
-        if self.core.max_times_sampled and not self.core.sampler.queue:
-            rows = len(seqs)  # distinct items: a torn row redraws the whole batch (see sample), so one piece
-        if piece_bytes is not None and (not isinstance(piece_bytes, (int, np.integer)) or piece_bytes < 1):
-            raise InvalidArgument(f"piece_bytes must be a positive number of bytes, got {piece_bytes!r}")
-        return self._pieces(seqs, weights, int(rows), piece_bytes, names, n_step, gamma, timeout)
+        return names, seqs, weights
 
     def _pieces(self, seqs: np.ndarray, weights: np.ndarray | None, rows: int, piece_bytes: int | None,
                 names: list[str], n_step: int | None, gamma: float, timeout: float | None) -> Iterator[SampleBatch]:
