@@ -426,7 +426,7 @@ class _FlightService(flight.FlightServerBase):
             self.owner.check_sample_options(store, req.options, "sample")
             columns = None if req.columns is None else list(req.columns)  # the request may be shared: a copy
             if req.part_bytes is not None and req.meta == "columns" and _in_pieces(store, columns, req.n,
-                                                                                   req.part_bytes):
+                                                                                   req.part_bytes, req.options):
                 # protocol 3, ids per message: gathered piece by piece as the stream goes (parts.pieces_stream)
                 return pieces_stream(store, req.n, columns, req.timeout, req.options, P.pad_metadata(req.pad),
                                      req.part_bytes)
@@ -694,11 +694,15 @@ def _sample(store: Any, n: int, columns: list[str] | None, timeout: float | None
     return store.sample(n, columns=columns, timeout=timeout, **options)
 
 
-def _in_pieces(store: Any, columns: list[str] | None, n: int, part_bytes: int) -> bool:
+def _in_pieces(store: Any, columns: list[str] | None, n: int, part_bytes: int, options: Mapping[str, Any]) -> bool:
     """Whether a sample asked for in messages of `part_bytes` is gathered piece by piece (`parts.pieces_stream`): a
     store that can (`sample_pieces`), unless the sample is fixed-width (no ragged column) and fits one message by the
     schema's row bytes, which goes whole as before (one gather, one message, no piece to size)."""
-    if not callable(getattr(store, "sample_pieces", None)):
+    # the store's own method (a class attribute: a wrapper that forwards other names, like a Ray shard's backend,
+    # must sample in its own way, e.g. with global ids), taking every option of the request
+    if not callable(getattr(type(store), "sample_pieces", None)):
+        return False
+    if not all(_takes_keyword(store.sample_pieces, o) for o in options):
         return False
     schema = store.schema
     try:

@@ -191,3 +191,28 @@ def test_a_part_whose_list_offsets_run_backwards_is_refused():
         asm = PartsAssembler(rb.schema, rb.num_rows, at_least=Counting())
         with pytest.raises(ab.SchemaError, match="offsets"):
             asm.add(rb)
+
+
+@pytest.mark.parametrize("shard_info", [False, True])
+def test_a_ray_shard_backend_serves_a_large_sample_in_parts_with_its_own_ids_and_options(servers, shard_info):
+    """A Ray shard's Flight server serves a `ShardBackend`, whose `sample` returns global ids and takes
+    `shard_info`: a sample in parts from it must go through that `sample`, not the wrapped store's `sample_pieces`
+    (which its attribute forwarding would reach: local ids, and `shard_info` refused; CI's wheel test with the ray
+    extra failed on the latter)."""
+    from arrowbuf.ray.ids import decode_ids
+    from arrowbuf.ray.shard import ShardBackend
+
+    store = ab.ExperienceStore({"name": "big", "fields": {"obs": {"dtype": "float32", "shape": [1024]}}},
+                               capacity=4096, seed=0)
+    store.extend({"obs": np.ones((4096, 1024), np.float32)})
+    server = servers(ShardBackend(store, shard=2, generation=1))
+    remote = ab.connect(server.location)
+    try:
+        assert remote.sample_meta == "columns"
+        b = remote.sample(3000, **({"shard_info": True} if shard_info else {}))  # 12 MB: in parts
+        shard, _, seqs = decode_ids(b.indices)
+        assert len(b) == 3000 and (shard == 2).all() and (seqs < 4096).all()
+        assert ("_mass" in b.data.column_names) == shard_info
+    finally:
+        remote.close()
+        store.close()
