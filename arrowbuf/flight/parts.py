@@ -43,6 +43,7 @@ import pyarrow.flight as flight
 
 from ..errors import SchemaError
 from .heap import release_after
+from .server_streams import bounded_batches
 
 #: The share of `max_batch_bytes` a part is cut to (headroom for the bytes a received message adds: validity
 #: bitmaps rounded up, IPC padding).
@@ -346,32 +347,20 @@ def _read_parts(reader: Any, req: Any, limits: Any, check_open: Callable[[], Non
     limits.check_rows(req.rows, "an extend in parts")
     k = total = filled = 0
     try:
-        while True:
-            try:
-                chunk = reader.read_chunk()
-            except StopIteration:
-                break
-            moved()
-            part = chunk.data
-            if part is None:  # a metadata-only message carries nothing to store
-                continue
-            check_open()
-            if k >= req.parts:
+        for i, part in bounded_batches(reader, limits, check_open, moved, "an extend's part"):
+            if i >= req.parts:
                 raise SchemaError(f"an extend in parts: more than the {req.parts} parts declared; nothing stored")
             if part.num_rows == 0 or filled + part.num_rows > req.rows:
-                raise SchemaError(f"an extend in parts: part {k} brings {part.num_rows} rows, after "
+                raise SchemaError(f"an extend in parts: part {i} brings {part.num_rows} rows, after "
                                   f"{filled} of the {req.rows} declared; nothing stored")
-            if part.nbytes > limits.max_batch_bytes:
-                raise SchemaError(f"part {k} of {part.nbytes} bytes is over this server's max_batch_bytes "
-                                  f"{limits.max_batch_bytes}; cut smaller parts")
             total += part.nbytes
             if total > limits.max_extend_bytes:
                 raise SchemaError(f"an extend in parts of more than {total} bytes is over this server's "
                                   f"max_extend_bytes {limits.max_extend_bytes}; send smaller extends")
             add(part)
             filled += part.num_rows
-            del part, chunk  # the message goes before the next one is read
-            k += 1
+            del part  # the message goes before the next one is read
+            k = i + 1
             if on_part is not None:
                 on_part(k)
             if k == req.parts:

@@ -52,6 +52,7 @@ def bounded_batches(reader: flight.MetadataRecordBatchReader, limits: Any, check
             raise SchemaError(f"{what} {k} of {batch.nbytes} bytes is over this server's max_batch_bytes "
                               f"{limits.max_batch_bytes}; split it into smaller batches")
         yield k, batch
+        del chunk, batch  # the message goes before the next one is read (the caller drops its own reference)
         k += 1
 
 
