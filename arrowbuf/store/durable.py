@@ -317,11 +317,13 @@ class DurableLog:
 
     def stats(self) -> dict[str, Any]:
         """For `store.stats()["journal"]`: policy, whether records are written on the journal's thread (`OFFLOAD`),
+        whether large records are written with direct I/O (`arrowbuf.persist.appender`),
         records, bytes and fsyncs since this store opened its journal,
         the next record's lsn and the last durable one's, and what its restore replayed (records per kind, torn
         bytes dropped)."""
         return {"durability": self.journal.policy, "path": self.root, "crc32": CRC_IMPLEMENTATION,
                 "offload": self.offload, "defer_write": self.defer_write, "writer_sync": self.writer_sync,
+                "direct_io": self.journal.direct_io,
                 **self.journal.stats,
                 "next_lsn": self.journal.next_lsn, "durable_lsn": self.journal.durable_lsn,
                 "replayed": dict(self.replayed)}

@@ -250,6 +250,9 @@ _CHILD = textwrap.dedent("""
     import arrowbuf as ab
     from test_journal import GRPO, rollouts
     d, policy = sys.argv[1], sys.argv[2]
+    if len(sys.argv) > 3:  # every write direct (arrowbuf.persist.appender), whatever its size
+        from arrowbuf.persist import appender
+        appender.DIRECT_MIN = int(sys.argv[3])
     s = ab.ExperienceStore(GRPO, capacity=4000, chunk_rows=64, seed=0, durable=d, durability=policy,
                            sampler=ab.samplers.Prioritized(alpha=0.6, beta=0.4), tasks=["train"])
     out = sys.stdout
@@ -271,12 +274,14 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("policy", ["batch", "group", "os"])
+@pytest.mark.parametrize("policy", ["batch", "group", "os", "group/direct"])
 def test_kill_9_of_a_writing_process_loses_nothing_acknowledged(tmp_path, policy):
+    """group/direct: every record written with direct I/O (its size under `appender.DIRECT_MIN` otherwise)."""
     d = tmp_path / "run"
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), tests])}
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(d), policy], stdout=subprocess.PIPE, text=True, env=env)
+    args = [str(d), "group", "0"] if policy == "group/direct" else [str(d), policy]
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, *args], stdout=subprocess.PIPE, text=True, env=env)
     lines = []
     try:
         while len(lines) < 150:
@@ -394,13 +399,18 @@ def test_kill_9_of_a_serving_process_loses_no_acknowledged_doput(tmp_path):
         assert not set(again.consume("train", 1000).indices.tolist()) & set(b.indices.tolist())
 
 
-@pytest.mark.parametrize("policy", ["group", "batch"])
+@pytest.mark.parametrize("policy", ["group", "batch", "group/direct"])
 def test_segments_rotate_under_concurrent_writers_and_restore_exactly(tmp_path, monkeypatch, policy):
     """Full segments rotate while other writers wait for their fsync (this deadlocked once: rotation and the
-    flusher took the journal's two locks in opposite orders)."""
+    flusher took the journal's two locks in opposite orders). group/direct: every write with direct I/O."""
     import threading
 
+    from arrowbuf.persist import appender
+
     monkeypatch.setattr(jr, "SEGMENT_BYTES", 16 << 10)
+    if policy == "group/direct":
+        monkeypatch.setattr(appender, "DIRECT_MIN", 0)
+        policy = "group"
     d = tmp_path / "run"
     s = ab.ExperienceStore(GRPO, capacity=4000, chunk_rows=64, seed=0, durable=d, durability=policy)
     errors = []
