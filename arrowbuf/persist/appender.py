@@ -53,7 +53,7 @@ class SegmentFile:
     for writes of at least `DIRECT_MIN` bytes."""
 
     def __init__(self, path: str, direct: bool = True) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         self.direct = False
         self.size = 0
         self.fd = -1
@@ -70,8 +70,10 @@ class SegmentFile:
         self._stage: mmap.mmap | None = None
         self._arr: np.ndarray | None = None
         self._wrote = False  # a direct write succeeded (no falling back to the page cache after that)
+        self._stale = False  # written through the page cache since the staging buffer's partial block was kept
 
-    # Invariant while `direct`: the staging buffer's first `size % BLOCK` bytes are the file's last, partial block.
+    # Invariant while `direct` and not `_stale`: the staging buffer's first `size % BLOCK` bytes are the file's
+    # last, partial block.
     def write(self, pieces: list[Any], total: int | None = None) -> None:
         """Append `pieces` (bytes-like) in order. `total`: their size, when the caller knows it."""
         if total is None:
@@ -85,8 +87,7 @@ class SegmentFile:
                     raise
                 self.direct = False  # the filesystem took the O_DIRECT open but not the write: the page cache
         self._set_direct(False)
-        if self.direct:
-            self._keep_tail(pieces, total)
+        self._stale = True
         pwritev_all(self.fd, pieces, self.size, total)
         self.size += total
 
@@ -102,36 +103,17 @@ class SegmentFile:
             self._arr = np.frombuffer(self._stage, dtype=np.uint8)
         return self._arr
 
-    def _keep_tail(self, pieces: list[Any], total: int) -> None:
-        """Before a write through the page cache of `total` bytes: the staging buffer's partial block as it will be
-        after it (the next direct write starts by writing that block again)."""
-        arr = self._staging()
-        held = self.size % BLOCK
-        keep = (self.size + total) % BLOCK
-        if held + total == keep:  # no block boundary crossed: the new bytes follow the held ones
-            at = held
-            for p in pieces:
-                b = np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8)
-                arr[at:at + len(b)] = b
-                at += len(b)
-            return
-        need, parts = keep, []  # the last `keep` bytes of the pieces
-        for p in reversed(pieces):
-            if need == 0:
-                break
-            b = np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8)
-            parts.append(b[max(0, len(b) - need):])
-            need -= len(parts[-1])
-        at = 0
-        for b in reversed(parts):
-            arr[at:at + len(b)] = b
-            at += len(b)
-
     def _write_direct(self, pieces: list[Any]) -> None:
         arr = self._staging()
-        self._set_direct(True)
         base = self.size - self.size % BLOCK  # the file offset of the staging buffer's first byte
         fill = self.size % BLOCK
+        if self._stale and fill:  # written through the page cache since: read the partial block back (cached)
+            assert self._stage is not None
+            got = os.preadv(self.fd, [memoryview(self._stage)[:fill]], base) if not self._on else -1
+            if got != fill:
+                raise OSError(errno.EIO, f"the segment's last block could not be read back ({got} of {fill} bytes)")
+        self._stale = False
+        self._set_direct(True)
         added = 0
         for p in pieces:
             src = np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8)

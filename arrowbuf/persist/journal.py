@@ -99,9 +99,10 @@ POLICIES = ("batch", "group", "os")
 SEGMENT_BYTES = 256 << 20
 #: Group commit window.
 GROUP_WINDOW_S = 0.002
-#: Whether the segments of a "group" or "batch" journal are written with direct I/O where the filesystem allows it
-#: (`arrowbuf.persist.appender`: no page cache, ~10x less CPU per byte); "os" always writes through the page cache
-#: (what it promises is a write that returned). `ARROWBUF_JOURNAL_DIRECT=0` turns it off; read when a journal opens.
+#: Whether a journal's large writes (`appender.DIRECT_MIN`) use direct I/O where the filesystem allows it
+#: (`arrowbuf.persist.appender`: no page cache, ~4x less CPU per byte here). Under "os" a direct write that returned
+#: is at the device (more than the page cache "os" promises; nothing is fdatasynced). `ARROWBUF_JOURNAL_DIRECT=0`
+#: turns it off; read when a journal opens.
 DIRECT = os.environ.get("ARROWBUF_JOURNAL_DIRECT", "1") != "0"
 
 
@@ -144,7 +145,7 @@ class Journal:
         self._written = int(first_lsn) - 1  # the last record written (in the page cache)
         self._durable = int(first_lsn) - 1
         self._coming = 0  # records announced (`expect`) and not appended yet: what a group commit waits for
-        self.direct = DIRECT and policy != "os"  # asked for; `direct_io` says whether the filesystem took it
+        self.direct = DIRECT  # asked for; `direct_io` says whether the filesystem took it
         self._file: SegmentFile | None = None
         self._retired: list[SegmentFile] = []  # rotated segments, closed by the next fdatasync's caller
         self._size = 0
