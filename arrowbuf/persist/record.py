@@ -289,10 +289,43 @@ def table_bytes(table: pa.Table | pa.RecordBatch) -> pa.Buffer:
 _SCHEMAS: list[tuple[pa.Schema, pa.Buffer]] = []  # newest first (hashing a schema costs more than comparing it)
 
 
+#: A table of at least this many bytes is cut into pieces without a copy (`table_pieces`).
+ZERO_COPY_MIN = 1 << 20
+
+
+class _Pieces:
+    """A write-only file for `pyarrow.PythonFile` that keeps what it is given: pyarrow hands a body buffer over as
+    a `pa.Buffer` over the column's own memory (no copy), the framing and metadata as small `bytes`."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+
+    def write(self, data: Any) -> int:
+        self.parts.append(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def table_pieces(table: pa.Table | pa.RecordBatch) -> list[Any]:
     """A table as an Arrow IPC stream (a record's payload) in pieces: the schema's message (cached per schema),
     each record batch's message, the end-of-stream marker; the same bytes as `table_bytes`, one copy of the
-    data (pyarrow's `serialize`, the GIL released) instead of a stream writer's and its Python calls."""
+    data (pyarrow's `serialize`, the GIL released) instead of a stream writer's and its Python calls. A table of
+    `ZERO_COPY_MIN` bytes or more (frames: 7.2 MB a batch of 256) goes through a stream writer into `_Pieces`
+    instead: its body pieces are the columns' own buffers, no copy (~15 us against ~200-900 us for 7.2 MB; the
+    ~25 Python calls cost more than a copy of a small table). The pieces then hold the table's memory: the caller
+    leaves it unchanged until the record is written (as for every payload)."""
+    if table.nbytes >= ZERO_COPY_MIN:
+        sink = _Pieces()
+        with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), table.schema) as w:
+            w.write(table)
+        return sink.parts
     schema = table.schema
     head = next((h for known, h in _SCHEMAS if known.equals(schema, check_metadata=True)), None)
     if head is None:

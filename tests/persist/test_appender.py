@@ -68,7 +68,7 @@ def test_what_is_appended_reads_back_exactly(tmp_path_factory, sizes, split, dir
 def test_a_filesystem_that_refuses_o_direct_gets_the_page_cache(tmp_path, monkeypatch, refused_at):
     """EINVAL for O_DIRECT (some filesystems refuse it at the open, some at the first write; the fault is injected
     here, the disk under /tmp takes it): the segment is written through the page cache, nothing lost."""
-    real_open, real_pwrite = os.open, os.pwrite
+    real_open = os.open
 
     def open_(path, flags, *a):
         if refused_at == "open" and flags & os.O_DIRECT:

@@ -64,6 +64,23 @@ def test_table_pieces_are_the_stream():
     assert rc.payload_table(joined(rc.table_pieces(t))).schema.metadata is None
 
 
+def test_large_table_pieces_are_the_stream_without_a_copy():
+    """A table of `ZERO_COPY_MIN` bytes or more: the same bytes, its body pieces the columns' own buffers."""
+    obs = np.random.default_rng(0).integers(0, 255, (40, 64, 64), dtype=np.uint8)
+    t = pa.table({"obs": pa.FixedSizeListArray.from_arrays(pa.array(obs.reshape(-1)), 64 * 64),
+                  "r": pa.array([[1, 2], [], [3]] * 13 + [None], pa.list_(pa.int32()))})
+    assert t.nbytes < rc.ZERO_COPY_MIN
+    big = pa.concat_tables([t] * 8)
+    assert big.nbytes >= rc.ZERO_COPY_MIN
+    for table in (big, big.combine_chunks(), big.combine_chunks().slice(7, 200)):
+        pieces = rc.table_pieces(table)
+        assert joined(pieces) == rc.table_bytes(table).to_pybytes()
+        assert rc.payload_table(joined(pieces)).equals(table)
+    one = big.combine_chunks()
+    addr = one.column("obs").chunk(0).values.buffers()[1].address
+    assert any(isinstance(p, pa.Buffer) and p.address == addr for p in rc.table_pieces(one))  # not copied
+
+
 def test_oversized_payload_refused_before_copying():
     big = pa.allocate_buffer(1 << 20)
     with pytest.raises(Exception, match="at most 2 GiB"):
