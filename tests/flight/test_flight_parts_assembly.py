@@ -15,14 +15,7 @@ import arrowbuf as ab
 from arrowbuf.flight import protocol as P
 from arrowbuf.flight.parts import RAGGED_HEADROOM, PartsAssembler
 
-RAGGED = {"name": "rag", "fields": {
-    "prompt_id": {"dtype": "int64"},
-    "tokens": {"dtype": "int32", "ragged": True},
-    "logprobs": {"dtype": "float32", "ragged": True},
-    "ref": {"dtype": "float32", "ragged": True, "later": True},
-    "reward": {"dtype": "float32", "later": True},
-    "done": {"dtype": "bool"}},
-    "episode_end": ["done"]}
+from test_flight_parts_ragged import RAGGED  # the GRPO-like schema of the ragged parts tests
 
 
 class Counting:
