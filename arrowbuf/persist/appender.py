@@ -109,7 +109,7 @@ class SegmentFile:
         fill = self.size % BLOCK
         if self._stale and fill:  # written through the page cache since: read the partial block back (cached)
             assert self._stage is not None
-            got = os.preadv(self.fd, [memoryview(self._stage)[:fill]], base) if not self._on else -1
+            got = os.preadv(self.fd, [memoryview(self._stage)[:fill]], base)  # (the fd is not O_DIRECT yet)
             if got != fill:
                 raise OSError(errno.EIO, f"the segment's last block could not be read back ({got} of {fill} bytes)")
         self._stale = False

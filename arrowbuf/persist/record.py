@@ -17,7 +17,6 @@ journal writes a record before the call that appended it returns).
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -364,33 +363,3 @@ def start_writeback(fd: int) -> bool:
     if _SYNC_FILE_RANGE is None:
         return False
     return _SYNC_FILE_RANGE(fd, 0, 0, 2) == 0  # SYNC_FILE_RANGE_WRITE, the whole file (only dirty pages matter)
-
-
-def write_all(fd: int, data: Any) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def writev_all(fd: int, pieces: list[Any], total: int | None = None) -> int:
-    """Write `pieces` in order with as few `writev` calls as the kernel allows; returns the bytes written.
-    `total`: their size, when the caller knows it (one `writev` of the pieces as they are, the common case)."""
-    if total is not None:
-        n = os.writev(fd, pieces)
-        if n == total:
-            return total
-    else:
-        n = 0
-    views = [memoryview(p).cast("B") for p in pieces]
-    total = sum(len(v) for v in views)
-    while views:
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-            n = 0
-        if views:
-            n = os.writev(fd, views)
-    return total
