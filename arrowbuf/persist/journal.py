@@ -66,6 +66,8 @@ import pyarrow as pa
 from ..errors import InvalidArgument, StoreCorrupt
 from .appender import SegmentFile
 from .loader import SegmentLoader as _Loader
+from .loader import open_segment
+from .manifest import FILE_MODE, check_private, make_dirs
 from .manifest import fsync_dir as _fsync_dir
 from .record import (
     FORMAT_VERSION,
@@ -449,20 +451,24 @@ class Journal:
                     return
                 self._cond.wait(left)
 
-    def rotate(self, only_if_full: bool = False) -> int:
+    def rotate(self) -> int:
         """Start a new segment (the old one is closed with an `end` record and synced); returns its first lsn: the
-        records from there on are those a checkpoint taken now does not cover. (A segment that passes
-        `SEGMENT_BYTES` is rotated as records are appended: `only_if_full` is kept for callers of old.)"""
+        records from there on are those a checkpoint taken now does not cover."""
+        first = self.cut()
+        self.flush(first - 1)
+        return first
+
+    def cut(self) -> int:
+        """`rotate`'s cut point alone: the records appended from now on go to a new segment, whose first lsn is
+        returned; the old segment is closed (written and synced) by the next `flush` or `wait` that reaches it. A
+        checkpoint takes its cut under the store's locks (cheap: no I/O there) and flushes it after."""
         with self._lock:
             if self._closed:
                 raise InvalidArgument("the journal is closed")
-            if only_if_full:
-                return self._next
             end_lsn = self._next
             self._queue.append((end_lsn, None, None))
             self._next += 1
             self._queued_bytes = len(_SCHEMA_BYTES)
-        self.flush(end_lsn)
         return end_lsn + 1
 
     def truncate_before(self, lsn: int) -> int:
@@ -522,6 +528,19 @@ class Journal:
             syncer.join()
 
 
+def check_journal_dir(directory: str) -> None:
+    """Refuse a durable directory, or a `_journal` directory in it, that is not this user's alone
+    (`manifest.check_private`) or is a link.
+
+    Raises:
+        InvalidArgument: naming the directory.
+    """
+    check_private(os.fspath(directory))
+    d = os.path.join(os.fspath(directory), JOURNAL)
+    if os.path.lexists(d):
+        check_private(d)
+
+
 def lock_journal(directory: str) -> int:
     """Make `directory/_journal` and take its owner lock (flock, released when the fd closes or the process dies):
     one store journals into a durable directory at a time, and no restore cuts a segment a live store writes.
@@ -530,10 +549,11 @@ def lock_journal(directory: str) -> int:
         InvalidArgument: another store (in this or another process) has the directory open.
     """
     d = os.path.join(os.fspath(directory), JOURNAL)
-    os.makedirs(d, exist_ok=True)
     if os.path.islink(d):
         raise InvalidArgument(f"{d} is a symbolic link; a journal never follows links")
-    fd = os.open(os.path.join(d, OWNER), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    make_dirs(os.fspath(directory))
+    make_dirs(d)  # its entry in the durable directory is fsynced before any record in it is acknowledged
+    fd = os.open(os.path.join(d, OWNER), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -635,10 +655,11 @@ def _check_segment(path: str, first: int, loader: _Loader) -> tuple[list[Record]
         rec, end, crc = _parse_at(buf, view, off, lsn, prev, total)
         if rec is None:
             loader.upto(size)
-            if end == -1 or _later_record(buf, view, off + 8, lsn + 1):  # whole and wrong, or records after it
-                raise StoreCorrupt(f"journal segment {path}: record {lsn} at byte {off} is corrupt (checksum or "
-                                   "framing); the journal cannot be replayed past it")
-            return recs, TornTail(path, off, size), prev
+            if _torn(buf, view, off, total, lsn, prev):
+                return recs, TornTail(path, off, size), prev
+            raise StoreCorrupt(f"journal segment {path}: record {lsn} at byte {off} is corrupt (checksum or "
+                               "framing) and is not a torn tail (docs/format.md); the journal cannot be replayed "
+                               "past it")
         recs.append(rec)
         prev = crc
         lsn += 1
@@ -732,6 +753,42 @@ def _payload(arr: pa.Array) -> Any:
     return data.slice(lo, hi - lo)
 
 
+def _torn(buf: pa.Buffer, view: memoryview, off: int, total: int, lsn: int, prev: int) -> bool:
+    """Whether the record at byte `off` that did not check (lsn `lsn`, after the record whose crc32 is `prev`) is a
+    torn tail: bytes a crash left unwritten, never acknowledged (docs/format.md, "Torn tails"). It is when
+    - no intact record follows it (the damage is not in the middle of the segment),
+    - its trailer (the previous record's crc32 as its `prev`, then its own crc32, each padded with 4 zero bytes) is
+      not there with only zeros after it: a record whose every byte is there is whole and wrong (a flipped bit,
+      its length fields included), never torn; and
+    - the file ends inside it (its framing announces more bytes than there are: a write cut short), or its crc32
+      slot and every byte after it to the end of the file are zeros (data the machine never wrote: a lost page
+      cache, an unwritten extent after a direct write)."""
+    size = len(view)
+    if _later_record(buf, view, off + 8, lsn + 1) or _whole_at_end(view, off, prev):
+        return False
+    if total == 0:
+        return True
+    if total < 0:
+        return False
+    return not np.frombuffer(view[off + total - 8:size], dtype=np.uint8).any()
+
+
+def _whole_at_end(view: memoryview, off: int, prev: int) -> bool:
+    """Whether the bytes from `off` hold a record's trailer chained to `prev` (`prev`, 4 zero bytes, a crc32, 4 zero
+    bytes; 8-byte aligned) followed by nothing but zeros to the end of the file: the record is all there."""
+    size = len(view)
+    data = bytes(view[off:size])
+    pat = _U32.pack(prev) + _ZERO4
+    i = data.find(pat)
+    while i != -1:
+        end = i + 16
+        if i % 8 == 0 and end <= len(data) and data[i + 12:end] == _ZERO4 and \
+                not np.frombuffer(view[off + end:size], dtype=np.uint8).any():
+            return True
+        i = data.find(pat, i + 1)
+    return False
+
+
 def _later_record(buf: pa.Buffer, view: memoryview, start: int, lsn: int) -> bool:
     """Whether an intact record with lsn >= `lsn` starts somewhere after `start` (8-byte aligned, as IPC messages
     are): then the damage is in the middle of the segment, not a torn tail."""
@@ -763,7 +820,8 @@ def seal_last(directory: str, next_lsn: int, torn: TornTail | None, prev: int | 
     first, path = segs[-1]
     if prev is None:
         _, _, prev = _read_segment(path, first)  # the crc of the last intact record (the end record chains to it)
-    with open(path, "r+b") as f:
+    fd = open_segment(path, os.O_RDWR)
+    with os.fdopen(fd, "r+b") as f:
         if torn is not None and torn.path == path:
             f.truncate(torn.offset)
             f.seek(torn.offset)
@@ -775,3 +833,4 @@ def seal_last(directory: str, next_lsn: int, torn: TornTail | None, prev: int | 
         f.flush()
         os.fsync(f.fileno())
     return next_lsn + 1
+

@@ -83,6 +83,16 @@ _SHARED_POLL_MAX_S = 0.005
 ConsumeSurface = StoreSurface
 
 
+
+def check_policy_version(value: Any) -> None:
+    """Refuse a policy version that is not a non-negative integer.
+
+    Raises:
+        InvalidArgument: naming the value.
+    """
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
+
 class ConsumeTracker:
     """Per-task consumption, staleness, groups and the writer's eviction/admission hold of one store.
 
@@ -157,14 +167,22 @@ class ConsumeTracker:
         Raises:
             InvalidArgument: the name is not a non-empty string, or the task exists.
         """
-        self._check_new_task(name, [])
-        why = self._state.can_add()
-        if why:
-            raise InvalidArgument(f"cannot declare task {name!r}: {why}")
+        self.check_task(name)
         with self.core.cond:
             if name in self._consumed:
                 raise InvalidArgument(f"task {name!r} is already declared; tasks are {self.tasks}")
             self._add(name)
+
+    def check_task(self, name: Any) -> None:
+        """Refuse a task `add_task` would refuse (a bad or duplicate name, no room), changing nothing.
+
+        Raises:
+            InvalidArgument: naming the reason.
+        """
+        self._check_new_task(name, [])
+        why = self._state.can_add()
+        if why:
+            raise InvalidArgument(f"cannot declare task {name!r}: {why}")
 
     def _check_new_task(self, name: Any, others: list[str]) -> None:
         if not isinstance(name, str) or not name or len(name) > 256:
@@ -199,8 +217,7 @@ class ConsumeTracker:
 
     @policy_version.setter
     def policy_version(self, value: int) -> None:
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-            raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
+        check_policy_version(value)
         with self.core.cond:
             self._policy_version = int(value)
             self.core.cond.notify_all()  # admission waits on the version

@@ -35,8 +35,10 @@ from ..persist import manifest as mf
 from ..persist.checkpoint import checkpoint as write_checkpoint
 from ..persist.crc import IMPLEMENTATION as CRC_IMPLEMENTATION
 from ..persist.replay import columns_table, replay
+from ..persist.snapshot import Snapshot, capture, capture_held
 from ..ring.reservations import HOLE
 from ..samplers.base import validate_priorities
+from .consume import check_policy_version
 from .pending import PendingWrite
 from .update import update_ids, validate_update
 
@@ -162,10 +164,11 @@ class DurableLog:
         if core.tier.shared:
             raise InvalidArgument("durable= is not supported on a shared-memory store (tier='shm'): writes of "
                                   "attached processes would not be journaled; serve a host store over Flight")
-        os.makedirs(root, exist_ok=True)
+        mf.make_dirs(root)
+        jr.check_journal_dir(root)  # before anything is written into it
         check_new(root)
         mf.write_json_atomic(os.path.join(root, DURABLE), {"durability": policy, "journal": jr.JOURNAL})
-        write_checkpoint(core, root, keep=DEFAULT_KEEP, journal={"from_lsn": 0})
+        write_checkpoint(core, root, keep=DEFAULT_KEEP, cut=_Start())
         log = cls(root, jr.Journal(root, policy, first_lsn=0), core, writer, reader, updater, consume)
         core.journal = log
         return log
@@ -272,36 +275,44 @@ class DurableLog:
         seqs = np.arange(lo, hi, dtype=np.int64)
         return bool((idx.seq[seqs % self.core.arena_rows] == HOLE).all())
 
+    # Updates, priorities, tasks and policy versions are journaled before they are applied, both under `_mutate`
+    # (so the journal's order is the order they apply in): whoever sees a value (a consumer that then journals its
+    # consumption) sees it after its record, so a consumption that survives a crash never delivered a change that
+    # did not. Each is validated in full first: a record is appended only for a change that will apply.
     def update(self, ids: Any, values: dict[str, Any]) -> int:
         seqs = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
         cols = validate_update(self.core.schema, seqs, values, single)
-        table = columns_table({"seq": seqs, **cols})
+        self.updater.check_issued(seqs)  # ids only grow: an id issued now stays issued
+        payload = jr.table_bytes(columns_table({"seq": seqs, **cols}))
         with self._mutate:
-            n = self.updater.update(ids, values)
-            ticket = self.journal.append("update", {}, jr.table_bytes(table))
+            ticket = self.journal.append("update", {}, payload)
+            n = self.updater.apply(seqs, cols)
         self.journal.wait(ticket)
         return int(n)
 
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         seqs, pri = validate_priorities(indices, priorities)
         table = pa.table({"seq": pa.array(seqs, pa.int64()), "priority": pa.array(np.asarray(pri, np.float64))})
+        payload = jr.table_bytes(table)
         with self._mutate:
-            n = self.reader.update_priorities(indices, priorities)
-            ticket = self.journal.append("priorities", {}, jr.table_bytes(table))
+            ticket = self.journal.append("priorities", {}, payload)
+            n = self.reader.update_priorities(seqs, pri)
         self.journal.wait(ticket)
         return int(n)
 
     def add_task(self, name: str) -> None:
         with self._mutate:
-            self.consume.add_task(name)
+            self.consume.check_task(name)
             ticket = self.journal.append("task", {"name": name})
+            self.consume.add_task(name)
         self.journal.wait(ticket)
 
     def set_policy_version(self, value: int) -> None:
+        check_policy_version(value)
         with self._mutate:
-            self.consume.policy_version = value
             ticket = self.journal.append("policy_version", {"value": int(value)})
+            self.consume.policy_version = value
         self.journal.wait(ticket)
 
     def end_episode(self, actor: Any, final: dict[str, Any]) -> bool:
@@ -309,10 +320,15 @@ class DurableLog:
             raise InvalidArgument(f"a durable store journals end_episode's actor: pass a str or int, got "
                                   f"{type(actor).__name__}")
         payload = jr.table_bytes(columns_table({k: np.asarray(v)[None] for k, v in final.items()})) if final else b""
+        tickets: list[int] = []
+
+        def record() -> None:  # called by the writer once the call is valid, before it changes anything
+            tickets.append(self.journal.append("end_episode", {"actor": actor}, payload))
+
         with self._mutate:
-            out = self.writer.end_episode(actor, final)
-            ticket = self.journal.append("end_episode", {"actor": actor}, payload)
-        self.journal.wait(ticket)
+            out = self.writer.end_episode(actor, final, before=record)
+        if tickets:
+            self.journal.wait(tickets[0])
         return bool(out)
 
     def stats(self) -> dict[str, Any]:
@@ -330,16 +346,62 @@ class DurableLog:
 
     # ------------------------------------------------------------------ checkpoints and lifetime
     def checkpoint(self, keep: int | None, background: bool, compression: str | None) -> Any:
-        """Checkpoint into the durable directory; the journal it covers goes once its manifest is committed."""
-        lsn = self.journal.rotate()  # every change logged from here on is replayed after this checkpoint
+        """Checkpoint into the durable directory; the journal it covers goes once its manifest is committed
+        (`_Cut`: where the journal is cut, and when)."""
         handle = write_checkpoint(self.core, self.root, keep=DEFAULT_KEEP if keep is None else keep,
-                                        background=True, compression=compression, journal={"from_lsn": lsn},
-                                        after_commit=lambda: self.journal.truncate_before(lsn))
+                                  background=True, compression=compression, cut=_Cut(self))
         return handle if background else handle.wait()
 
     def close(self) -> None:
         self.core.journal = None
         self.journal.close()
+
+
+class _Cut:
+    """`persist.checkpoint.JournalCut` of a durable store: the snapshot and the journal's cut point are taken with
+    no change between a record and its effect (the rule of docs/durability.md: the journal may be cut only below the
+    oldest record whose effect the snapshot is sure to hold).
+
+    Under `_mutate` (no update, priority, task or version between its record and its effect) and the write lock (no
+    new reservation), the batches reserved before are waited for (`StoreWriter.wait_reserved`: each commits, or
+    becomes a hole); then every record before the cut point is in the snapshot and no record after it is, but
+    consumption (recorded and marked under the state lock: replaying one the snapshot holds marks it again, harmless).
+    The lock is held for the snapshot's copy of the small state only; the old segment is synced after it."""
+
+    def __init__(self, log: DurableLog) -> None:
+        self.log = log
+        self.lsn = -1
+
+    def capture(self, core: Any) -> tuple[Snapshot, dict[str, Any]]:
+        log = self.log
+        with log._mutate, core.write_lock:
+            log.writer.wait_reserved()
+            self.lsn = log.journal.cut()
+            snap = capture_held(core)
+        log.journal.flush(self.lsn - 1)
+        return snap, {"from_lsn": self.lsn}
+
+    def before_commit(self) -> None:
+        """The records after the cut point that the checkpoint relies on are durable: a batch that overwrote rows of a
+        chunk while it was copied evicted them, and the checkpoint leaves them out (`persist.checkpoint`)."""
+        j = self.log.journal
+        j.wait(j.next_lsn - 1)
+
+    def after_commit(self) -> None:
+        self.log.journal.truncate_before(self.lsn)
+
+
+class _Start:
+    """The `JournalCut` of a new durable directory's first checkpoint: the journal starts after it, at lsn 0."""
+
+    def capture(self, core: Any) -> tuple[Snapshot, dict[str, Any]]:
+        return capture(core), {"from_lsn": 0}
+
+    def before_commit(self) -> None:
+        pass
+
+    def after_commit(self) -> None:
+        pass
 
 
 class _Target:

@@ -150,21 +150,40 @@ class StoreUpdater:
             SchemaError, InvalidArgument: bad input; nothing written.
             StoreClosed: the store is closed.
         """
-        c = self.core
-        c.check_open()
         seqs = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
-        cols = validate_update(c.schema, seqs, values, single)
+        cols = validate_update(self.core.schema, seqs, values, single)
+        return self.apply(seqs, cols)
+
+    def check_issued(self, seqs: np.ndarray) -> None:
+        """Refuse ids this store never issued (negative, or at or past its next id).
+
+        Raises:
+            InvalidArgument: naming the id.
+            StoreClosed: the store is closed.
+        """
+        c = self.core
+        c.check_open()
         if len(seqs) and seqs.min() < 0:
             raise InvalidArgument(f"update: id {int(seqs.min())} is negative; ids are what extend/append returned")
+        hi = c.index.hi
+        if len(seqs) and seqs.max() >= hi:
+            raise InvalidArgument(f"update: id {int(seqs.max())} was never issued by store {c.name!r} (its next "
+                                  f"id is {hi}); pass ids this store's extend/append returned (a ShardedStore's "
+                                  "ids go to the ShardedStore)")
+
+    def apply(self, seqs: np.ndarray, cols: dict[str, Any]) -> int:
+        """`update` of ids and columns already checked (`update_ids`, `validate_update`); returns the rows written.
+
+        Raises:
+            InvalidArgument: an id never issued (`check_issued`); nothing written.
+            StoreClosed: the store is closed.
+        """
+        c = self.core
+        self.check_issued(seqs)
         with c.write_lock:  # rows are evicted only by writers: holding it, a live row stays live until we finish
             c.check_open()
             idx = c.index
-            hi = idx.hi
-            if len(seqs) and seqs.max() >= hi:
-                raise InvalidArgument(f"update: id {int(seqs.max())} was never issued by store {c.name!r} (its next "
-                                      f"id is {hi}); pass ids this store's extend/append returned (a ShardedStore's "
-                                      "ids go to the ShardedStore)")
             live = idx.live(seqs)
             keep = np.flatnonzero(live)
             pos = seqs[keep] % c.arena_rows

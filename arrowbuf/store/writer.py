@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from math import isfinite
 from typing import Any
 
@@ -146,8 +146,12 @@ class StoreWriter(PiecesWriter):
             h = c.index.header
             h[_RES] = max(int(h[_RES]), base + n)
 
-    def end_episode(self, actor: Hashable = None, final: dict[str, Any] | None = None) -> bool:
+    def end_episode(self, actor: Hashable = None, final: dict[str, Any] | None = None,
+                    before: Callable[[], None] | None = None) -> bool:
         """End stream `actor`'s open episode at its last stored step (see `ExperienceStore.end_episode`).
+
+        `before()` is called once the call is known to be valid, under the writer's locks, before anything changes
+        (a durable store journals the call there).
 
         Returns True when a waiting row became sampleable.
         """
@@ -164,6 +168,8 @@ class StoreWriter(PiecesWriter):
             idx = c.index
             waiting = c.final_sources and prev >= idx.lo and int(idx.seq[prev % c.arena_rows]) == prev
             if not waiting:
+                if before is not None:
+                    before()
                 c.episodes.close(actor)
                 return False
             values = {}
@@ -177,6 +183,8 @@ class StoreWriter(PiecesWriter):
                 if v.shape != spec.shape:
                     raise SchemaError(f"end_episode({actor!r}): {d.name!r} must have shape {spec.shape}, got {v.shape}")
                 values[d.next_of] = v.astype(spec.dtype, copy=False)
+            if before is not None:
+                before()
             slots = self._claim_final_slots(1)
             for src, v in values.items():
                 c.cols.write_final(src, slots, v[None])
@@ -472,6 +480,13 @@ class StoreWriter(PiecesWriter):
                                     "were not stored. Are writers of this store in several pid namespaces? Write again")
             self._commit_locked(r.base, r.n, r.pos, r.seqs, r.ready, r.links, r.final_slots, r.owners)
             c.reservations.done(r.slot)
+
+    def wait_reserved(self) -> None:
+        """With the write lock held (no new reservation starts): wait until every batch reserved so far committed,
+        or became a hole (its writer died or failed). A durable store's checkpoint cuts its journal here."""
+        target = int(self.core.index.header[_RES])
+        if self.core.index.hi < target:
+            self._wait_hi(target)
 
     def _wait_hi(self, target: int) -> None:
         """Wait (holding at most the write lock) until the watermark reaches `target`; a reservation at the watermark
