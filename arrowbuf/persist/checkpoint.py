@@ -327,6 +327,7 @@ class _Job:
                 i += 1
                 downward = i <= j and intact_from(core, snap, i) > 0  # the writer is ahead of the copy
                 continue
+            assert e is not None  # (no cut: the chunk was copied whole)
             if downward:
                 newer.append(e)
                 j -= 1
