@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("ray", ["arrowbuf.ray"]),
     ("flight", ["arrowbuf.flight"]),
     ("facade", ["=arrowbuf.store", "arrowbuf.store.facade", "arrowbuf.store.durable", "arrowbuf.store.inspection",
-                "arrowbuf.store.persistence", "arrowbuf.observe.metrics"]),
+                "arrowbuf.store.persistence", "arrowbuf.store.writes", "arrowbuf.observe.metrics"]),
     ("persist", ["arrowbuf.persist"]),
     ("store internals", ["arrowbuf.store."]),
     ("observe records", ["=arrowbuf.observe", "arrowbuf.observe."]),

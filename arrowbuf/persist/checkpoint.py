@@ -38,6 +38,7 @@ import pyarrow as pa
 from ..errors import ArrowbufError, InvalidArgument
 from ..samplers.spec import to_spec
 from ..store.core import StoreCore
+from . import faults
 from . import manifest as mf
 from .snapshot import Snapshot, capture, intact_from, later_columns, later_digest, read_chunk, tensor_array
 
@@ -45,7 +46,6 @@ from .snapshot import Snapshot, capture, intact_from, later_columns, later_diges
 #: rows exactly, {(first_seq, rows): manifest entry}. Written by checkpoints and by restore.
 _WRITTEN: weakref.WeakKeyDictionary[Any, dict[str, dict[tuple[int, int], dict[str, Any]]]] = \
     weakref.WeakKeyDictionary()
-_KILL_ENV = "ARROWBUF_PERSIST_KILL_AT"
 #: Nice increment of a background checkpoint's threads (Linux: per thread). Threads of one process share its CPU
 #: share (one scheduler group per session under autogroup, or per cgroup); at equal priority a busy checkpoint
 #: thread takes half of it from the sampling and inserting threads on a machine without a free core. At +10 it
@@ -53,14 +53,6 @@ _KILL_ENV = "ARROWBUF_PERSIST_KILL_AT"
 #: the checkpoint takes longer, so a ring that overwrites rows fast leaves more of the oldest rows out of it
 #: (`dropped_rows`). 0 runs it at the caller's priority.
 BACKGROUND_NICE = 10
-
-
-def _kill_point(name: str) -> None:
-    """Crash tests: SIGKILL this process at the named point when ARROWBUF_PERSIST_KILL_AT names it."""
-    if os.environ.get(_KILL_ENV) == name:
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fsync_path(path: str) -> None:
@@ -340,7 +332,7 @@ class _Job:
         self._sync()
         if self.cut is not None:
             self.cut.before_commit()
-        _kill_point("before_manifest")
+        faults.reached("before_manifest")
         m = {
             "format": mf.FORMAT, "version": mf.FORMAT_VERSION, "generation": gen, "created": time.time(),
             "store": {**core.config(), "schema": core.schema.to_dict(), "tier": core.tier_name,
@@ -357,18 +349,18 @@ class _Job:
         mpath = os.path.join(root, mf.MANIFESTS, f"{gen:08d}.json")
         self.written.append(mpath)
         mf.write_json_atomic(mpath, m)
-        _kill_point("before_commit")
+        faults.reached("before_commit")
         # the commit: write-temp + fsync + rename + fsync dir
         tmp = os.path.join(root, f".{mf.MANIFEST}.tmp-{os.getpid()}")
         self.written.append(tmp)
         mf.write_file(tmp, json.dumps(m, indent=1).encode())
-        _kill_point("manifest_tmp")
+        faults.reached("manifest_tmp")
         os.replace(tmp, os.path.join(root, mf.MANIFEST))
         self.committed = True
         mf.fsync_dir(root)
         if self.cut is not None:
             self.cut.after_commit()
-        _kill_point("after_commit")
+        faults.reached("after_commit")
         self._collect(m)
         self.progress = 1.0
         row_bytes = sum(e["bytes"] for e in entries)
@@ -420,7 +412,7 @@ class _Job:
                 counts["written_bytes"] += e["bytes"]
             if full and self.compression is None:
                 known[(first, n)] = {**e, "kind": "chunk", "first_seq": first, "rows": n, "later": digest}
-            _kill_point("after_chunk")
+            faults.reached("after_chunk")
         e.update(kind="chunk" if full else "tail" if i == len(snap.chunks) - 1 else "partial", first_seq=first + cut,
                  rows=n - cut)
         return e, cut

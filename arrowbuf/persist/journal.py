@@ -31,12 +31,11 @@ Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on retu
   that announced a record (`expect`) and have not appended it yet, so that their records share it; it never waits
   when no other writer is on its way (a lone writer, or writers that all wait already: their records are in the
   file, one fdatasync covers them), and it stops waiting as soon as the last announced record is appended.
-- `sync_soon(ticket)` starts the fdatasync (and the write, of a deferred record) on the journal's sync thread and
-  returns at once: a writer that records its batch before copying its rows overlaps the two, then `wait`s.
-- Records are written in lsn order (commit order) whoever writes them: `append` writes the queue up to its record;
-  `append_prepared(..., defer=True)` only takes the record's place, and the sync thread or the next `wait`/`flush`
-  that needs it writes it (a `Deferred` record is encoded then). A failed write fails every later record (`wait`
-  and `append` raise the OSError): nothing is ever written after a partial record.
+- `sync_soon(ticket)` starts the fdatasync on the journal's sync thread and returns at once: a writer that records
+  its batch before copying its rows overlaps the two, then `wait`s.
+- Records are written in lsn order (commit order) whoever writes them: `append` writes the queue up to its record.
+  A failed write fails every later record (`wait` and `append` raise the OSError): nothing is ever written after a
+  partial record.
 - "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
   killed, not the machine crashing or losing power.
 
@@ -72,7 +71,6 @@ from .manifest import fsync_dir as _fsync_dir
 from .record import (
     FORMAT_VERSION,
     RECORD_SCHEMA,
-    Deferred,
     Prepared,
     encode,
     meta_bytes,
@@ -89,7 +87,7 @@ from .record import U32 as _U32
 from .record import V1_SCHEMA_BYTES as _V1_SCHEMA_BYTES
 from .record import ZERO4 as _ZERO4
 
-__all__ = ["FORMAT_VERSION", "RECORD_SCHEMA", "Prepared", "Deferred", "encode", "payload_table", "prepare",
+__all__ = ["FORMAT_VERSION", "RECORD_SCHEMA", "Prepared", "encode", "payload_table", "prepare",
            "record_crc", "seal", "table_bytes", "table_pieces", "Journal", "Record", "read_segments", "read_journal",
            "seal_last", "segments", "lock_journal", "TornTail"]
 
@@ -123,8 +121,7 @@ class Record:
 class Journal:
     """An open journal: appends records to the newest segment and makes them durable under `policy` (module
     docstring). Thread-safe. `append` queues a record (its lsn is its place in commit order) and writes the queue
-    up to it; `append_prepared(..., defer=True)` leaves the write to the journal's thread (`sync_soon`) or to the
-    next `wait`/`flush`, so the caller's next work overlaps it; `wait` is where a caller pays for durability."""
+    up to it; `wait` is where a caller pays for durability."""
 
     def __init__(self, directory: str, policy: str = "group", first_lsn: int = 0,
                  window_s: float = GROUP_WINDOW_S, lock_fd: int | None = None) -> None:
@@ -142,7 +139,7 @@ class Journal:
         self._sync_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())  # the durable lsn and the count of waiting callers
         self._next = int(first_lsn)
-        self._queue: collections.deque[tuple[int, Prepared | Deferred | None, bytes | None]] = collections.deque()
+        self._queue: collections.deque[tuple[int, Prepared | None, bytes | None]] = collections.deque()
         self._queued_bytes = len(_SCHEMA_BYTES)  # the newest segment's bytes, with the queued records
         self._written = int(first_lsn) - 1  # the last record written (in the page cache)
         self._durable = int(first_lsn) - 1
@@ -202,15 +199,14 @@ class Journal:
             self._coming = max(0, self._coming - 1)
             self._cond.notify_all()
 
-    def append_prepared(self, record: Prepared | Deferred, meta: dict[str, Any] | None = None,
-                        expected: bool = False, defer: bool = False, writeback: bool = False) -> int:
+    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None, expected: bool = False,
+                        writeback: bool = False) -> int:
         """Append a record `prepare`d before (outside this journal's locks: the payload's checksum is done by
         then), with `meta` if given (within the width prepared); returns its ticket (its lsn) for `wait`.
-        The record's place (its lsn: commit order) is taken here; it is written here too unless `defer`: then
-        the journal's thread writes it (`sync_soon`), or the next `wait`/`flush` that needs it; the payload's
-        buffers must stay unchanged until then. `expected`: the record announced by this caller's `expect`
-        (counted as arrived, even if this raises). A `Deferred` record is encoded when it is written. `writeback`
-        (not deferred): start the disk's write of it now (`start_writeback`), for a caller that `wait`s later."""
+        The record's place (its lsn: commit order) is taken here, and it is written here (in the operating system's
+        page cache, or at the device with direct I/O). `expected`: the record announced by this caller's `expect`
+        (counted as arrived, even if this raises). `writeback`: start the disk's write of it now
+        (`start_writeback`), for a caller that `wait`s later."""
         try:
             meta_b = None if meta is None else meta_bytes(record, meta)  # a meta too wide fails here, not later
             with self._lock:
@@ -227,13 +223,12 @@ class Journal:
         finally:
             if expected:
                 self.unexpect()
-        if not defer:
-            self.flush(lsn)
-            if writeback:
-                with self._io:
-                    if self._error is None and not self._closed:
-                        assert self._file is not None
-                        self._file.start_writeback()
+        self.flush(lsn)
+        if writeback:
+            with self._io:
+                if self._error is None and not self._closed:
+                    assert self._file is not None
+                    self._file.start_writeback()
         return lsn
 
     def flush(self, ticket: int, help_: bool = True) -> None:
@@ -264,7 +259,7 @@ class Journal:
         """Write the queued records (under `_io`): the records before the first rotation in one `writev`, chained
         (each seals the previous one's crc32); at a rotation the segment is closed with its `end` record."""
         with self._lock:
-            items: list[tuple[int, Prepared | Deferred | None, bytes | None]] = []
+            items: list[tuple[int, Prepared | None, bytes | None]] = []
             while self._queue and self._queue[0][1] is not None and len(items) < 512:
                 items.append(self._queue.popleft())
             rotate = not items and bool(self._queue)
@@ -286,11 +281,6 @@ class Journal:
         pieces: list[Any] = []
         total, prev = 0, self._prev
         for lsn, record, meta in items:
-            if isinstance(record, Deferred):
-                try:
-                    record = record.build()
-                except Exception as exc:  # never an ill-formed record in the file: the journal fails instead
-                    raise OSError(f"a journal record could not be encoded: {exc!r}") from exc
             assert record is not None
             p, prev = seal(record, lsn, prev, meta)
             pieces.extend(p)
@@ -370,9 +360,9 @@ class Journal:
         return self._durable >= ticket
 
     def sync_soon(self, ticket: int, lazy: bool = False) -> None:
-        """Start writing record `ticket` and (but under "os") making it durable on the journal's sync thread, and
-        return at once: a writer that appends its record (`defer=True`) before it copies its rows calls this,
-        copies (the write and the fdatasync run meanwhile), then `wait`s, which then mostly finds it done.
+        """Start making record `ticket` durable (but under "os": written) on the journal's sync thread, and return at
+        once: a writer that appends its record before it copies its rows calls this, copies (the fdatasync runs
+        meanwhile), then `wait`s, which then mostly finds it done.
         `lazy` (a record nobody waits for yet: a pipelined `extend(wait=False)`): under "group" the sync thread
         starts at most `window_s` later, so that the records appended meanwhile share its fdatasync; a `wait` for
         the record before then syncs at once (on the waiter's thread)."""

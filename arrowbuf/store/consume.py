@@ -411,11 +411,6 @@ class ConsumeTracker:
             self._delivered[task] += len(seqs)
             if self.core.lineage is not None:  # who consumed them, when, at which staleness (arrowbuf.observe.lineage)
                 self.core.lineage.consumed(task, seqs, 1 if how == "consumed" else 3)  # lineage DELIVERED / ACKED
-        journal = self.core.journal
-        if journal is not None and how != "dropped":  # a durable store: journaled in order, durable before returned
-            ticket = journal.record_consumed(task, seqs, how)
-            if durable is not None:
-                durable.append(lambda: journal.wait(ticket))
         for hook in self.final_hooks:
             until_durable = hook(task, seqs, how)
             if until_durable is not None and durable is not None:

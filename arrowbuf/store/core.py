@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import StoreClosed
+from ..observe.lineage import Lineage
 from ..rate_limiters import Counters
 from ..ring.chunks import ChunkDirectory
 from ..ring.columns import ColumnArenas
@@ -31,6 +33,20 @@ from ..samplers import Sampler
 from ..schema import ExperienceSchema
 from ..tiers.base import Tier
 from .episodes import EpisodeTracker
+
+
+class ConsumeRecord(Protocol):
+    """What the rooms below the facade read and restore of a store's consumption (`arrowbuf.store.consume.
+    ConsumeTracker` is one): its tasks, and per live row what each task consumed (checkpoints, restore, progress)."""
+
+    @property
+    def tasks(self) -> list[str]: ...
+
+    def state(self, seqs: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]: ...
+
+    def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -72,18 +88,14 @@ class StoreCore:
     waiters: int = 0
     #: Called as `on_update(positions, fields)` after `store.update` wrote rows and notified `cond`, holding the
     #: write lock but not `lock` (`store.update` calls it; a tracker may install it).
-    on_update: Any = None
-    #: The store's `ConsumeTracker` (tasks, consumption per task, policy version); set once the facade built it. Its
-    #: `final_hooks` are the one point where a consumption becomes final (a journal records it there).
-    consume: Any = None
-    #: The store's `arrowbuf.observe.lineage.Lineage` (who wrote and consumed each row), or None: not recorded.
-    lineage: Any = None
+    on_update: Callable[[np.ndarray, list[str]], None] | None = None
+    #: The store's consumption (its `ConsumeTracker`: tasks, consumption per task, policy version); set once the
+    #: facade built it.
+    consume: ConsumeRecord | None = None
+    #: Who wrote and consumed each row, or None: not recorded.
+    lineage: Lineage | None = None
     #: Calls that waited because the rate limiter held them back, this process (`/metrics`): inserts, samples.
     limiter_waits: dict[str, int] = field(default_factory=lambda: {"insert": 0, "sample": 0})
-    #: A durable store's journal hooks (`arrowbuf.store.durable.DurableLog`): `note_issued(next_seq)` from the
-    #: writer's reservation, `record_consumed(task, seqs, how) -> ticket` and `wait(ticket)` from the consume path.
-    #: None (no cost) without `durable=`.
-    journal: Any = None
     final_sources: list[str] = field(init=False)
     end_fields: list[str] = field(init=False)
     derived: list[Any] = field(init=False)

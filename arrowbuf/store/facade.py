@@ -49,6 +49,7 @@ from .persistence import StorePersistence
 from .reader import StoreReader
 from .update import StoreUpdater
 from .writer import StoreWriter
+from .writes import DirectWrites, StoreParts, Writes
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
 
@@ -109,7 +110,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         #: latency histograms of extend, sample, consume, update (`arrowbuf.observe.timings`); None: not recorded
         self.timings: Timings | None = Timings() if observe else None
         self._checkpoints: dict[str, Any] = {"count": 0, "last": None, "handle": None}
-        self._durable: Any = None
+        self._writes: Writes | None = None
         check_store_options(tier, sampler, tasks)  # before anything is allocated
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
@@ -145,10 +146,11 @@ class ExperienceStore(StoreInspection, StorePersistence):
                                      "tasks": self._consume.tasks, "max_staleness": self._consume.max_staleness,
                                      "token_field": self._consume.token_field}})
             if durable is not None:
-                from .durable import DurableLog
+                from .durable import DurableWrites
 
-                self._durable = DurableLog.create(os.fspath(durable), durability, self._core, self._writer,
-                                                  self._reader, self._updater, self._consume)
+                self._writes = DurableWrites.create(os.fspath(durable), durability, self._parts())
+            else:
+                self._writes = DirectWrites(self._parts())
         except BaseException:
             for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
                 if not t.shared or (t.fresh and not getattr(t, "sealed", True)):  # a shared store nobody attached
@@ -220,6 +222,24 @@ class ExperienceStore(StoreInspection, StorePersistence):
             self.placement_policy.bind(target)
             self._reader.count_access = True
         self._max_times_arg = max_times_sampled  # the manifest records it (`_seal`)
+
+    def _parts(self) -> StoreParts:
+        assert self._core is not None
+        return StoreParts(self._core, self._writer, self._reader, self._updater, self._consume)
+
+    @property
+    def _w(self) -> Writes:
+        """The store's write path (`arrowbuf.store.writes`): set when the store is built."""
+        if self._writes is None:
+            self._check_open()
+            raise StoreClosed(f"store {self.name!r} is not built")
+        return self._writes
+
+    @property
+    def _durable(self) -> Any:
+        """The durable write path (`arrowbuf.store.durable.DurableWrites`: its `journal`, what its restore
+        `replayed`), or None: for tests and crash tools that look at the journal."""
+        return self._writes if self._writes is not None and self._writes.journal is not None else None
 
     def _make_lineage(self) -> Any:
         from ..observe.lineage import for_core
@@ -320,7 +340,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         when this store takes such a batch only whole (`StoreWriter.pieces_ok`: durable, tiered, tasks, a rate
         limiter, derived fields, episode ends or ragged fields in a shared store): then assemble it and call
         `extend`. With ragged fields the sink holds the write lock until its commit or abort."""
-        if self._durable is not None or not self._writer.pieces_ok(int(rows), set(names)):
+        if not self._w.accepts_pieces or not self._writer.pieces_ok(int(rows), set(names)):
             return None
         from .pieces import ExtendInPieces
 
@@ -336,9 +356,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
             SchemaError: the step does not match the schema; nothing is stored.
             InsertTimeout: the rate limiter held the insert back past `timeout` seconds.
         """
-        if self._durable is not None:
-            return int(self._durable.extend(step, timeout, single=True)[0])
-        return self._writer.append(step, timeout=timeout)
+        return self._w.append(step, timeout)
 
     @overload
     def extend(self, batch: Any, *, timeout: float | None = None, wait: Literal[True] = True) -> np.ndarray: ...
@@ -364,10 +382,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
             InsertTimeout: the rate limiter held the insert back past `timeout` seconds (a writer waits for the
                 limiter without holding the store's write lock: other writers go on).
         """
-        if self._durable is not None:
-            return self._durable.extend(batch, timeout, wait=wait)
-        ids = self._writer.extend(batch, timeout=timeout)
-        return ids if wait else PendingWrite(ids)
+        return self._w.extend(batch, timeout, wait)
 
     def end_episode(self, actor: Any = None, **final: Any) -> bool:
         """End `actor`'s open episode at its last stored step, so that step becomes sampleable now.
@@ -389,9 +404,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         Raises:
             SchemaError: a derived field is missing or has the wrong shape.
         """
-        if self._durable is not None:
-            return self._durable.end_episode(actor, final)
-        return self._writer.end_episode(actor, final)
+        return self._w.end_episode(actor, final)
 
     def flush(self, actor: Any = None, **final: Any) -> bool:
         """Deprecated name of `end_episode` (writers' `flush` waits for acknowledgements; this one never did)."""
@@ -418,9 +431,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
             SchemaError: an unknown field, a field not filled later, a wrong dtype, shape or length; nothing written.
             InvalidArgument: an id this store never issued, or an id given twice; nothing written.
         """
-        if self._durable is not None:
-            return self._durable.update(ids, values)
-        return self._updater.update(ids, values)
+        return self._w.update(ids, values)
 
     def present(self, fields: list[str], ids: Any) -> np.ndarray:
         """Per id, whether every one of `fields` has a value (False for ids whose row is no longer stored)."""
@@ -518,9 +529,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         Raises:
             InvalidArgument: counts differ, or a priority is NaN, infinite, negative or too large; nothing applied.
         """
-        if self._durable is not None:
-            return self._durable.update_priorities(indices, priorities)
-        return self._reader.update_priorities(indices, priorities)
+        return self._w.update_priorities(indices, priorities)
 
     # ------------------------------------------------------------------ consumption per task
     # Thin delegation to `arrowbuf.store.consume.ConsumeTracker`.
@@ -584,10 +593,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         Raises:
             InvalidArgument: a bad or duplicate name.
         """
-        if self._durable is not None:
-            self._durable.add_task(name)
-        else:
-            self._consume.add_task(name)
+        self._w.add_task(name)
         self._writer.hold = self._consume
         if self._core is not None and self._core.lineage is not None:
             self._core.lineage.add_task(name)
@@ -604,10 +610,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
 
     @policy_version.setter
     def policy_version(self, value: int) -> None:
-        if self._durable is not None:
-            self._durable.set_policy_version(value)
-        else:
-            self._consume.policy_version = value
+        self._w.set_policy_version(value)
 
     # ------------------------------------------------------------------ persistence (`arrowbuf.persist`)
     # checkpoint and export: `arrowbuf.store.persistence.StorePersistence`
@@ -643,8 +646,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
             from .durable import read_policy, resume
 
             if generation is None and (durability is not None or read_policy(plan.root) is not None):
-                store._durable = resume(plan.root, plan.manifest, durability, store._core, store._writer,
-                                        store._reader, store._updater, store._consume)
+                store._writes = resume(plan.root, plan.manifest, durability, store._parts())
         except BaseException:
             store.close()
             raise
@@ -671,8 +673,8 @@ class ExperienceStore(StoreInspection, StorePersistence):
         if self.closed:
             return
         assert self._core is not None
-        if self._durable is not None:
-            self._durable.close()
+        if self._writes is not None:
+            self._writes.close()
         with self._cond:
             self._core.closed = True
             self._cond.notify_all()

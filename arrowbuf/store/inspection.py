@@ -28,6 +28,7 @@ from .core import StoreCore
 from .episodes import EpisodeTracker
 from .reader import RowSnapshot, StoreReader
 from .writer import StoreWriter
+from .writes import Writes
 
 if TYPE_CHECKING:
     class _Parts:
@@ -52,7 +53,8 @@ if TYPE_CHECKING:
         _tier: Tier
         _data_tiers: list[Tier]
         _lock: Any
-        _durable: Any
+        @property
+        def _w(self) -> Writes: ...
         _checkpoints: dict[str, Any]
 
         def _check_open(self) -> None: ...
@@ -187,8 +189,9 @@ class StoreInspection(_Parts):
             counters = self._cols.placement_counters()
             if counters is not None:
                 out["placement"] = counters
-        if self._durable is not None:
-            out["journal"] = self._durable.stats()
+        journal = self._w.stats()
+        if journal is not None:
+            out["journal"] = journal
         return out
 
     def placement(self, explain: bool = False) -> pa.Table:

@@ -17,15 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ..errors import InvalidArgument
 from .core import StoreCore
+from .writes import Writes
 
 if TYPE_CHECKING:
     class _Parts:
         """What these methods read of the facade (set by `ExperienceStore.__init__`): for the type checker only."""
 
         _core: StoreCore | None
-        _durable: Any
+        @property
+        def _w(self) -> Writes: ...
         _checkpoints: dict[str, Any]
 
         def _check_open(self) -> None: ...
@@ -63,17 +64,9 @@ class StorePersistence(_Parts):
         Returns:
             A summary dict (generation, rows, files written and reused, bytes), or a handle with `background=True`.
         """
-        from ..persist import checkpoint
-
         self._check_open()
         assert self._core is not None
-        if self._durable is not None and (path is None or os.path.realpath(path) ==
-                                          os.path.realpath(self._durable.root)):
-            out = self._durable.checkpoint(keep, background, compression)
-        elif path is None:
-            raise InvalidArgument("checkpoint(path): a store without durable= needs a directory")
-        else:
-            out = checkpoint(self._core, path, keep=keep, background=background, compression=compression)
+        out: Any = self._w.checkpoint(None if path is None else os.fspath(path), keep, background, compression)
         ck = self._checkpoints  # for /metrics (arrowbuf.observe.metrics)
         ck["count"] += 1
         if background:

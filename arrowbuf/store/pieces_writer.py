@@ -36,14 +36,14 @@ class PiecesWriter:
     def pieces_ok(self, n: int, names: Any) -> bool:
         """Whether a batch of `n` rows with columns `names` may be written in pieces (`begin_pieces`): arena columns
         of one process (no tiered slot table; ragged fields only outside shared memory), no consume hold, rate
-        limiter or journal, no derived fields (final observations), no actor or episode_id column, and no more rows
+        limiter, no derived fields (final observations), no actor or episode_id column, and no more rows
         than the capacity. Episode-end fields are taken in one process's store (their plan is made at commit, under
         the write lock; in a shared store another process's writer may hold that lock while it waits for these
         rows). A store with ragged fields writes their values in ring order under the write lock, so its batch in
         pieces holds that lock from `begin_pieces` to its commit or abort (`pieces_hold_lock`)."""
         c = self.core
         return (c.cols.direct and not (c.cols.ragged and c.tier.shared) and self.hold is None
-                and c.rate_limiter is None and c.journal is None and not c.final_sources and 0 < n <= c.capacity
+                and c.rate_limiter is None and not c.final_sources and 0 < n <= c.capacity
                 and not (c.end_fields and c.tier.shared)
                 and "actor" not in names and "episode_id" not in names)
 

@@ -122,17 +122,20 @@ class StoreWriter(PiecesWriter):
                       "into float32, numpy scalars), or collect steps and call extend")
         warnings.warn(
             f"store {self.core.name!r}: append took the general (batch) path, about 10x slower per step: {reason}; "
-            f"{advice}. stats()['append_slow_path'] counts these steps", AppendSlowPathWarning, stacklevel=4)
+            f"{advice}. stats()['append_slow_path'] counts these steps", AppendSlowPathWarning, stacklevel=5)
 
     def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
         """Add many steps; returns the new rows' ids (`np.ndarray[int64]`, their seqs). See `ExperienceStore.extend`."""
         cols, n = self.core.schema.validate_batch(batch)
         return self._ingest(cols, n, timeout)
 
-    def extend_columns(self, cols: dict[str, Any], n: int, *, timeout: float | None = None) -> np.ndarray:
-        """`extend` of a batch `ExperienceSchema.validate_batch` already checked and converted (a durable store
-        journals the converted columns, then writes them)."""
-        return self._ingest(cols, n, timeout)
+    def extend_columns(self, cols: dict[str, Any], n: int, *, timeout: float | None = None,
+                       on_reserve: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """`extend` of a batch `ExperienceSchema.validate_batch` already checked and converted. `on_reserve(first,
+        n)` is called once its seqs `[first, first + n)` are reserved, under the write lock (so calls come in seq
+        order), before its rows are copied: a durable store appends the batch's journal record there. If it raises,
+        nothing of the batch is written (its seqs become a hole)."""
+        return self._ingest(cols, n, timeout, on_reserve)
 
     def skip(self, n: int) -> None:
         """Leave the next `n` seqs without rows (holes, as a dead writer's reservation): a restored durable store
@@ -325,7 +328,8 @@ class StoreWriter(PiecesWriter):
         return seq
 
     # ------------------------------------------------------------------ batches
-    def _ingest(self, cols: dict[str, Any], n: int, timeout: float | None) -> np.ndarray:
+    def _ingest(self, cols: dict[str, Any], n: int, timeout: float | None,
+                on_reserve: Callable[[int, int], None] | None = None) -> np.ndarray:
         c = self.core
         c.check_open()
         if n == 0:
@@ -359,6 +363,12 @@ class StoreWriter(PiecesWriter):
                     if not (self._may_insert(n) and (self.hold is None or self.hold.ready(cols, n))):
                         continue  # another writer used the room the limiter gave: wait again (outside the lock)
                     r = self._reserve(cols, n, ends, plan, first_id)
+                    if on_reserve is not None:
+                        try:
+                            on_reserve(r.base, n)
+                        except BaseException:
+                            c.reservations.abort(r.slot)  # the next waiter skips these rows (a hole)
+                            raise
                     if serial:
                         return self._copy_and_commit(r, cols, ends)
             break
@@ -405,8 +415,6 @@ class StoreWriter(PiecesWriter):
                 break
             self._wait_hi(idx.hi + 1)  # every entry is in use: wait for a commit
         h[_RES] = base + n
-        if c.journal is not None:  # a durable store: these seqs are issued now, never to name another row
-            c.journal.note_issued(base + n)
         if c.cols.pages is not None:  # pages ahead of the new head are prepared meanwhile (tiers/prefault.py)
             c.cols.pages.advance(base + n)
         if need > idx.lo:
