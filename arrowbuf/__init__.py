@@ -3,7 +3,7 @@
 `import arrowbuf` needs only pyarrow and numpy; torch, ray, duckdb, polars and cudf are imported when used.
 """
 
-from . import placement, rate_limiters, samplers
+from . import config, placement, rate_limiters, samplers
 from .delivery.batch import SampleBatch
 from .delivery.loader import Loader, LoaderMetrics, TorchBatch
 from .errors import (
@@ -34,6 +34,7 @@ from .flight import ServerLimits, connect, serve
 from .flight.client import RemoteStore
 from .flight.server import StoreServer
 from .observe.identity import acting_as
+from .options import StoreOptions
 from .persist import CheckpointHandle, ExperienceDataset, open_dataset
 from .query.sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
@@ -76,6 +77,7 @@ __all__ = [
     "StoreExists",
     "StoreNotFound",
     "StoreNotTrusted",
+    "StoreOptions",
     "StoreServer",
     "StoreSurface",
     "TorchBatch",
@@ -86,6 +88,7 @@ __all__ = [
     "connect",
     "load_schema",
     "open_dataset",
+    "config",
     "placement",
     "rate_limiters",
     "samplers",

@@ -29,11 +29,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("query", ["arrowbuf.query"]),
     ("placement", ["arrowbuf.placement"]),
     ("delivery", ["arrowbuf.delivery", "arrowbuf.surface"]),
-    ("samplers", ["arrowbuf.samplers"]),
+    ("samplers", ["arrowbuf.samplers", "arrowbuf.options"]),
     ("ring", ["arrowbuf.ring"]),
     ("schema", ["arrowbuf.schema", "arrowbuf.rate_limiters"]),
     ("tiers", ["arrowbuf.tiers"]),
-    ("errors", ["arrowbuf.errors"]),
+    ("errors", ["arrowbuf.errors", "arrowbuf.config"]),
 ]
 
 

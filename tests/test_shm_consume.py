@@ -301,7 +301,7 @@ def test_a_tampered_consume_entry_is_store_corrupt_naming_the_manifest(names):
                     {"tasks": ["t", "u"], "max_staleness": None, "token_field": None},  # no arena for task 2
                     {"tasks": ["t"], "max_staleness": None, "token_field": "done"}):  # not a ragged field
             m = json.loads(original)
-            m["consume"] = bad
+            m.update(bad)  # the store's options, flat in the manifest (StoreOptions.to_dict)
             with open(file, "w") as f:
                 json.dump(m, f)
             with pytest.raises(ab.StoreCorrupt) as err:
@@ -390,19 +390,21 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size
                     max_leaves=20)
 
 
-@settings(max_examples=150, deadline=None)
-@given(entry=JSON | st.fixed_dictionaries({"tasks": JSON, "max_staleness": JSON, "token_field": JSON}))
-def test_any_consume_entry_of_a_manifest_is_read_or_store_corrupt(entry):
-    """The manifest's `consume` entry is another process's output: anything is either options or StoreCorrupt."""
-    from arrowbuf.store.consume_state import shared_options
-
+@settings(max_examples=300, deadline=None)
+@given(entry=JSON | st.fixed_dictionaries(
+    {"capacity": st.integers(-2, 1 << 46) | JSON, "tasks": JSON, "max_staleness": JSON, "token_field": JSON},
+    optional={"chunk_rows": JSON, "final_obs_capacity": JSON, "max_times_sampled": JSON, "name": JSON,
+              "sampler": JSON, "rate_limiter": JSON, "observe": JSON}))
+def test_any_options_a_manifest_records_are_read_or_store_corrupt(entry):
+    """A manifest's options are another process's output (or a file anyone may have changed): anything is either
+    options or StoreCorrupt naming the manifest, never another error."""
     try:
-        opts = shared_options(entry, "manifest.json")
+        opts = ab.StoreOptions.from_dict(entry, "manifest.json")
     except ab.StoreCorrupt as exc:
         assert "manifest.json" in str(exc)
         return
-    assert set(opts) <= {"tasks", "max_staleness", "token_field"}
-    assert opts == {} or all(isinstance(t, str) and t for t in opts["tasks"] or [])
+    assert 1 <= opts.capacity <= 1 << 45
+    assert opts.tasks is None or all(isinstance(t, str) and t for t in opts.tasks)
 
 
 def test_an_overwritten_lease_slot_is_store_corrupt_once_not_a_crash_or_a_hang(names):

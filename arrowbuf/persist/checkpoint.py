@@ -212,6 +212,8 @@ class _Job:
         self.core, self.snap, self.root, self.keep, self.compression = core, snap, root, keep, compression
         self.lock_fd = lock_fd
         self.schema = core.schema.to_arrow()
+        assert core.options is not None, "a store's core carries the options it was built from"
+        self.options = core.options.to_dict()  # what the store is rebuilt from (its sampler's spec as of now)
         self.progress = 0.0
         self.error: BaseException | None = None
         self.result: dict[str, Any] | None = None
@@ -335,9 +337,8 @@ class _Job:
         faults.reached("before_manifest")
         m = {
             "format": mf.FORMAT, "version": mf.FORMAT_VERSION, "generation": gen, "created": time.time(),
-            "store": {**core.config(), "schema": core.schema.to_dict(), "tier": core.tier_name,
-                      "arena_rows": core.arena_rows, "sampler": to_spec(core.sampler),
-                      "rate_limiter": to_spec(core.rate_limiter)},
+            "store": {**self.options, "schema": core.schema.to_dict(), "tier": core.tier_name,
+                      "arena_rows": core.arena_rows},
             "rows": {"first_seq": kept_lo, "next_seq": snap.hi, "count": snap.hi - kept_lo,
                      "snapshot_first_seq": snap.lo, "dropped_rows": kept_lo - snap.lo},
             "compression": self.compression,

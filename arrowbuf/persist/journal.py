@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .. import config
 from ..errors import InvalidArgument, StoreCorrupt
 from .appender import SegmentFile
 from .loader import SegmentLoader as _Loader
@@ -99,11 +100,6 @@ POLICIES = ("batch", "group", "os")
 SEGMENT_BYTES = 256 << 20
 #: Group commit window.
 GROUP_WINDOW_S = 0.002
-#: Whether a journal's large writes (`appender.DIRECT_MIN`) use direct I/O where the filesystem allows it
-#: (`arrowbuf.persist.appender`: no page cache, ~4x less CPU per byte here). Under "os" a direct write that returned
-#: is at the device (more than the page cache "os" promises; nothing is fdatasynced). `ARROWBUF_JOURNAL_DIRECT=0`
-#: turns it off; read when a journal opens.
-DIRECT = os.environ.get("ARROWBUF_JOURNAL_DIRECT", "1") != "0"
 
 
 def segment_name(first_lsn: int) -> str:
@@ -124,7 +120,7 @@ class Journal:
     up to it; `wait` is where a caller pays for durability."""
 
     def __init__(self, directory: str, policy: str = "group", first_lsn: int = 0,
-                 window_s: float = GROUP_WINDOW_S, lock_fd: int | None = None) -> None:
+                 window_s: float = GROUP_WINDOW_S, lock_fd: int | None = None, direct: bool | None = None) -> None:
         if policy not in POLICIES:
             raise InvalidArgument(f"durability must be one of {list(POLICIES)}, got {policy!r}")
         self.dir = os.path.join(os.fspath(directory), JOURNAL)
@@ -144,7 +140,9 @@ class Journal:
         self._written = int(first_lsn) - 1  # the last record written (in the page cache)
         self._durable = int(first_lsn) - 1
         self._coming = 0  # records announced (`expect`) and not appended yet: what a group commit waits for
-        self.direct = DIRECT  # asked for; `direct_io` says whether the filesystem took it
+        # large records with direct I/O (asked for; `direct_io` says whether the filesystem took it); None: the
+        # registered ARROWBUF_JOURNAL_DIRECT (`arrowbuf.config`), read now
+        self.direct = bool(config.get("ARROWBUF_JOURNAL_DIRECT")) if direct is None else bool(direct)
         self._file: SegmentFile | None = None
         self._retired: list[SegmentFile] = []  # rotated segments, closed by the next fdatasync's caller
         self._size = 0

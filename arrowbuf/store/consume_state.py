@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgument, StoreCorrupt
+from ..errors import InvalidArgument
 from ..tiers.shm.paths import start_time as _start_time
 from .leases import LeaseTable
 from .shared_leases import ENDED_SLOTS, LEASE_SLOTS, SharedLeaseTable
@@ -270,28 +270,4 @@ class ConsumeState:
 MAX_SHARED_TASKS = 256
 
 
-def shared_options(meta: Any, where: str) -> dict[str, Any]:
-    """The tasks, `max_staleness` and `token_field` a shared store's manifest records (`consume`), checked: another
-    process wrote the file. None (a store made before tasks could be shared): no tasks.
-
-    Raises:
-        StoreCorrupt: malformed (the message names the manifest).
-    """
-    if meta is None:
-        return {}
-    tasks = meta.get("tasks") if isinstance(meta, dict) else None
-    k = meta.get("max_staleness") if isinstance(meta, dict) else None
-    field = meta.get("token_field") if isinstance(meta, dict) else None
-    ok = isinstance(tasks, list) and len(tasks) <= MAX_SHARED_TASKS and \
-        all(isinstance(t, str) and 0 < len(t) <= 256 for t in tasks) and len(set(tasks)) == len(tasks) and \
-        (k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 1 << 62)) and \
-        (field is None or (isinstance(field, str) and 0 < len(field) <= 256))
-    if not ok:
-        raise StoreCorrupt(f"{where} has a malformed 'consume' entry ({str(meta)[:200]}); expected tasks (unique "
-                           "names), max_staleness (an integer or null) and token_field (a name or null). The store "
-                           "cannot be attached. Recreate it (or remove it with `arrowbuf shm rm`)")
-    return {"tasks": tasks or None, "max_staleness": k, "token_field": field}
-
-
-__all__ = ["HEADER", "MAX_SHARED_TASKS", "PIN_SLOTS", "ConsumeState", "NamedInts", "SharedPins", "TaskInts",
-           "shared_options"]
+__all__ = ["HEADER", "MAX_SHARED_TASKS", "PIN_SLOTS", "ConsumeState", "NamedInts", "SharedPins", "TaskInts"]

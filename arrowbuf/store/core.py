@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import StoreClosed
 from ..observe.lineage import Lineage
+from ..options import StoreOptions
 from ..rate_limiters import Counters
 from ..ring.chunks import ChunkDirectory
 from ..ring.columns import ColumnArenas
@@ -94,6 +95,8 @@ class StoreCore:
     consume: ConsumeRecord | None = None
     #: Who wrote and consumed each row, or None: not recorded.
     lineage: Lineage | None = None
+    #: The options the store was built from (`arrowbuf.options.StoreOptions`, as built); set by the facade.
+    options: StoreOptions | None = None
     #: Calls that waited because the rate limiter held them back, this process (`/metrics`): inserts, samples.
     limiter_waits: dict[str, int] = field(default_factory=lambda: {"insert": 0, "sample": 0})
     final_sources: list[str] = field(init=False)
@@ -122,12 +125,6 @@ class StoreCore:
     def tier_name(self) -> str:
         """"host", "shm", ... for a store in one tier; "tiered" for one whose columns span several."""
         return "tiered" if self.cols.tiered else self.tier.name
-
-    def config(self) -> dict[str, Any]:
-        """The constructor arguments that rebuild a store of the same geometry (checkpoints record them)."""
-        return {"name": self.name, "capacity": self.capacity, "chunk_rows": self.chunk_rows,
-                "final_obs_capacity": self.final_capacity or None,
-                "max_times_sampled": self.max_times_sampled or None}
 
     def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray:
         """True where every one of `fields` has a value at ring `positions` (a field not filled later always has

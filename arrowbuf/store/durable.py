@@ -118,7 +118,7 @@ class DurableWrites:
         parts.consume.final_hooks.append(self._consumed)
 
     @classmethod
-    def create(cls, root: str, policy: str, parts: StoreParts) -> DurableWrites:
+    def create(cls, root: str, policy: str, parts: StoreParts, direct: bool | None = None) -> DurableWrites:
         """Start a new durable directory: an initial checkpoint (the store's geometry), then the journal."""
         if policy not in jr.POLICIES:
             raise InvalidArgument(f"durability must be one of {list(jr.POLICIES)}, got {policy!r}")
@@ -131,7 +131,7 @@ class DurableWrites:
         check_new(root)
         mf.write_json_atomic(os.path.join(root, DURABLE), {"durability": policy, "journal": jr.JOURNAL})
         write_checkpoint(core, root, keep=DEFAULT_KEEP, cut=_Start())
-        return cls(root, jr.Journal(root, policy, first_lsn=0), parts)
+        return cls(root, jr.Journal(root, policy, first_lsn=0, direct=direct), parts)
 
     # ------------------------------------------------------------------ rows
     def append(self, step: dict[str, Any], timeout: float | None) -> int:
@@ -410,7 +410,8 @@ def resume(root: str, manifest: dict[str, Any], policy: str | None, parts: Store
         finally:
             writer.hold, core.rate_limiter = hold, limiter
         first = jr.seal_last(root, next_lsn, torn, prev=last_crc)
-        journal = jr.Journal(root, policy, first_lsn=first, lock_fd=owner)
+        journal = jr.Journal(root, policy, first_lsn=first, lock_fd=owner,
+                             direct=None if core.options is None else core.options.journal_direct)
     except BaseException:
         os.close(owner)
         raise

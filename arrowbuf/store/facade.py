@@ -27,6 +27,7 @@ import numpy as np
 from ..delivery.batch import SampleBatch
 from ..errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed, StoreCorrupt
 from ..observe.timings import Timings, timed
+from ..options import StoreOptions
 from ..placement import PlacementTarget, make_placement
 from ..rate_limiters import RateLimiter
 from ..ring.chunks import ChunkDirectory, default_chunk_rows
@@ -35,12 +36,10 @@ from ..ring.index import HEADER, RingIndex
 from ..ring.reservations import Reservations
 from ..ring.tiered import TieredColumnArenas
 from ..samplers import Sampler, make_sampler
-from ..samplers.spec import from_spec, to_spec
 from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from ..tiers.base import Tier, format_bytes
 from ..tiers.host import HostTier
 from .consume import ConsumeTracker, check_store_options
-from .consume_state import shared_options
 from .core import StoreCore
 from .episodes import EpisodeTracker
 from .inspection import StoreInspection
@@ -99,56 +98,74 @@ class ExperienceStore(StoreInspection, StorePersistence):
             not a machine crash).
     """
 
-    def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
+    def __init__(self, schema: Any, capacity: int | None = None, sampler: str | Sampler | None = "uniform",
                  rate_limiter: RateLimiter | None = None, seed: int | None = None, *,
                  chunk_rows: int | None = None, final_obs_capacity: int | None = None,
                  max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None,
                  tiers: dict[str, Any] | None = None, placement: Any = None, tasks: Any = None,
                  max_staleness: int | None = None, token_field: str | None = None, observe: bool = True,
-                 durable: Any = None, durability: str = "group") -> None:
+                 durable: Any = None, durability: str = "group", options: StoreOptions | None = None) -> None:
         self.schema: ExperienceSchema = load_schema(schema)
+        if options is None:
+            if capacity is None:
+                raise InvalidArgument("ExperienceStore(schema, capacity): capacity (rows) is required, or pass "
+                                      "options=ab.StoreOptions(capacity=...)")
+            options = StoreOptions(
+                capacity=capacity, sampler="uniform" if sampler is None else sampler, rate_limiter=rate_limiter,
+                seed=seed, chunk_rows=chunk_rows, final_obs_capacity=final_obs_capacity,
+                max_times_sampled=max_times_sampled, tier=tier, name=name, tiers=tiers, placement=placement,
+                tasks=tasks, max_staleness=max_staleness, token_field=token_field,
+                observe=observe, durable=durable, durability=durability)
+        elif capacity is not None or any(v is not d for v, d in (
+                (sampler, "uniform"), (rate_limiter, None), (seed, None), (chunk_rows, None),
+                (final_obs_capacity, None), (max_times_sampled, None), (tier, "host"), (name, None), (tiers, None),
+                (placement, None), (tasks, None), (max_staleness, None), (token_field, None), (observe, True),
+                (durable, None), (durability, "group"))):
+            raise InvalidArgument("pass the store's options either as keywords or as options=StoreOptions(...), "
+                                  "not both (options.replace(...) changes some of them)")
+        o = options
         #: latency histograms of extend, sample, consume, update (`arrowbuf.observe.timings`); None: not recorded
-        self.timings: Timings | None = Timings() if observe else None
+        self.timings: Timings | None = Timings() if o.observe else None
         self._checkpoints: dict[str, Any] = {"count": 0, "last": None, "handle": None}
         self._writes: Writes | None = None
-        check_store_options(tier, sampler, tasks)  # before anything is allocated
-        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
-            raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
-        self.capacity = int(capacity)
-        self.name = name or self.schema.name
+        check_store_options(o.tier, o.sampler, o.tasks)  # before anything is allocated
+        self.capacity = o.capacity
+        self.name = o.name or self.schema.name
         self.placement_policy: Any = None
         self._core: StoreCore | None = None
-        if tiers is None:
-            self._tier = _make_tier(tier, self.name, self.schema)
+        if o.tiers is None:
+            self._tier = _make_tier(o.tier, self.name, self.schema)
             data_tiers = [self._tier]
         else:
-            if tier != "host":
+            if o.tier != "host":
                 raise InvalidArgument("pass either tier= (one tier) or tiers= (budgets per tier), not both")
             from ..tiers import make_tiers
 
-            self._tier, data_tiers = make_tiers(tiers)
+            self._tier, data_tiers = make_tiers(o.tiers)
         try:
-            self._build(data_tiers, chunk_rows, final_obs_capacity, max_times_sampled, sampler, rate_limiter, seed,
-                        placement)
+            self._build(data_tiers, o)
             assert self._core is not None  # per-task consumption, staleness, groups
-            self._consume: ConsumeTracker = ConsumeTracker(self._core, self._reader, tasks, max_staleness,
-                                                           token_field)
+            self._consume: ConsumeTracker = ConsumeTracker(self._core, self._reader, o.tasks, o.max_staleness,
+                                                           o.token_field)
             self._core.consume = self._consume
             if self._consume.holds:
                 self._writer.hold = self._consume
-            if observe and not self._tier.shared:
+            if o.observe and not self._tier.shared:
                 self._core.lineage = self._make_lineage()
+            #: the options this store was built from, as built (chunk rows and final-observation slots resolved)
+            self.options = o.replace(name=self.name, chunk_rows=self.chunk_rows,
+                                     final_obs_capacity=self.final_capacity or None, sampler=self.sampler,
+                                     tasks=self._consume.tasks or None,
+                                     max_staleness=self._consume.max_staleness,
+                                     token_field=self._consume.token_field)
+            self._core.options = self.options
             if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
-                self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity,
-                                 "chunk_rows": self.chunk_rows, "final_obs_capacity": self.final_capacity or None,
-                                 "sampler": to_spec(self.sampler), "rate_limiter": to_spec(self.rate_limiter),
-                                 "max_times_sampled": self._max_times_arg, "consume": {
-                                     "tasks": self._consume.tasks, "max_staleness": self._consume.max_staleness,
-                                     "token_field": self._consume.token_field}})
-            if durable is not None:
+                self._tier.seal({"schema": self.schema.to_dict(), **self.options.to_dict()})
+            if o.durable is not None:
                 from .durable import DurableWrites
 
-                self._writes = DurableWrites.create(os.fspath(durable), durability, self._parts())
+                self._writes = DurableWrites.create(os.fspath(o.durable), o.durability, self._parts(),
+                                                    direct=o.journal_direct)
             else:
                 self._writes = DirectWrites(self._parts())
         except BaseException:
@@ -157,9 +174,8 @@ class ExperienceStore(StoreInspection, StorePersistence):
                     t.close()
             raise
 
-    def _build(self, data_tiers: list[Tier], chunk_rows: int | None, final_obs_capacity: int | None,
-               max_times_sampled: int | None, sampler: Any, rate_limiter: Any, seed: int | None,
-               placement: Any) -> None:
+    def _build(self, data_tiers: list[Tier], o: StoreOptions) -> None:
+        chunk_rows, max_times_sampled = o.chunk_rows, o.max_times_sampled
         self._data_tiers = data_tiers
         self._data_tier = data_tiers[0]
         self.chunk_rows = int(chunk_rows or default_chunk_rows(self.schema.row_bytes, self.capacity))
@@ -170,7 +186,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         self.index = RingIndex(self._tier, self.capacity, self.arena_rows)
         # final observations of ended episodes, appended after the ring rows of each next_of source arena
         self._final_sources = sorted({d.next_of for d in self.schema.derived.values()})
-        self.final_capacity = self._final_obs_capacity(final_obs_capacity) if self._final_sources else 0
+        self.final_capacity = self._final_obs_capacity(o.final_obs_capacity) if self._final_sources else 0
         self._tier.reserve(self._planned_bytes(max_times_sampled))  # a shared tier fails here if it cannot fit
         for t in data_tiers:
             if t is not self._tier and not t.slotted:  # a whole ring of every column (a disk checks its free space)
@@ -188,18 +204,18 @@ class ExperienceStore(StoreInspection, StorePersistence):
         self._episodes = EpisodeTracker(self.index.header[HEADER["next_episode_id"]:HEADER["next_episode_id"] + 1])
         self._lock = self._tier.lock("state")  # cross-process locks for a shared tier
         self._write_lock = self._tier.lock("write")
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(o.seed)
         if max_times_sampled is not None and max_times_sampled < 1:
             raise InvalidArgument(f"max_times_sampled must be >= 1, got {max_times_sampled}")
         self._max_times_sampled = int(max_times_sampled or 0)
-        self.sampler = make_sampler(sampler)
-        self.rate_limiter = rate_limiter
+        self.sampler = make_sampler(o.sampler)
+        self.rate_limiter = o.rate_limiter
         self._times_sampled = (self._tier.allocate("index.times_sampled", np.dtype(np.int32), self.arena_rows)
                                if self._max_times_sampled else np.zeros(0, np.int32))
         if self._tier.fresh:
             self._times_sampled.fill(0)
         self._core = StoreCore(self.schema, self.name, self.capacity, self._tier, self._cols, self.directory,
-                               self.index, self.sampler, rate_limiter, self._rng, self._episodes, self._final_owner,
+                               self.index, self.sampler, o.rate_limiter, self._rng, self._episodes, self._final_owner,
                                self._times_sampled, self._max_times_sampled, self._lock, self._write_lock,
                                Reservations(self._tier, self.index.header, HEADER["hi"]))
         self._cond = self._core.cond
@@ -216,12 +232,11 @@ class ExperienceStore(StoreInspection, StorePersistence):
                                  f"budget is {format_bytes(t.budget)}; raise the budget"
                                  + (" or add a disk tier: tiers={..., 'disk': 'spill/'}"
                                     if t is data_tiers[-1] and t.name != "disk" else ""))
-        self.placement_policy = make_placement(placement, len(data_tiers))
+        self.placement_policy = make_placement(o.placement, len(data_tiers))
         if self.placement_policy is not None:
             target: PlacementTarget = self._core  # a policy sees the internals only through this Protocol
             self.placement_policy.bind(target)
             self._reader.count_access = True
-        self._max_times_arg = max_times_sampled  # the manifest records it (`_seal`)
 
     def _parts(self) -> StoreParts:
         assert self._core is not None
@@ -276,11 +291,9 @@ class ExperienceStore(StoreInspection, StorePersistence):
             except SchemaError as exc:
                 raise StoreCorrupt(f"{where} has an invalid schema ({str(exc)[:300]}); the store cannot be attached. "
                                    "Recreate it (or remove it with `arrowbuf shm rm`)") from None
-            consume = shared_options(m.get("consume"), where)
+            options = StoreOptions.from_dict(m, where, seed=seed, tier=tier)
             try:
-                return cls(schema, m["capacity"], from_spec(m["sampler"], where), from_spec(m["rate_limiter"], where),
-                           seed, chunk_rows=m["chunk_rows"], final_obs_capacity=m["final_obs_capacity"],
-                           max_times_sampled=m["max_times_sampled"], tier=tier, name=m["name"], **consume)
+                return cls(schema, options=options)
             except (InvalidArgument, SchemaError) as exc:  # what the manifest records does not fit together
                 raise StoreCorrupt(f"{where} records a store that cannot be rebuilt ({str(exc)[:300]}); the store "
                                    "cannot be attached. Recreate it (or remove it with `arrowbuf shm rm`)") from None
@@ -639,7 +652,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
 
         plan = plan_restore(path, tier=tier, tiers=tiers, seed=seed, name=name, schema=schema,
                             generation=generation)
-        store = cls(*plan.args, **plan.kwargs)
+        store = cls(plan.schema, options=plan.options)
         try:
             assert store._core is not None
             plan.load(store._core)

@@ -122,7 +122,7 @@ class StoreWriter(PiecesWriter):
                       "into float32, numpy scalars), or collect steps and call extend")
         warnings.warn(
             f"store {self.core.name!r}: append took the general (batch) path, about 10x slower per step: {reason}; "
-            f"{advice}. stats()['append_slow_path'] counts these steps", AppendSlowPathWarning, stacklevel=5)
+            f"{advice}. stats()['append_slow_path'] counts these steps", AppendSlowPathWarning, stacklevel=6)
 
     def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
         """Add many steps; returns the new rows' ids (`np.ndarray[int64]`, their seqs). See `ExperienceStore.extend`."""
