@@ -176,5 +176,5 @@ class FinalObsWarning(ArrowbufWarning):
 
 class AppendSlowPathWarning(ArrowbufWarning):
     """`append` stored a step through the general (batch) path, about 10x slower per step: a value needed a
-    conversion the fast path does not make (see `arrowbuf.store.stepcheck`). Warned once per store;
+    conversion the fast path does not make (see `arrowbuf.engine.stepcheck`). Warned once per store;
     `stats()["append_slow_path"]` counts such steps."""

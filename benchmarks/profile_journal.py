@@ -45,7 +45,7 @@ import numpy as np
 import arrowbuf as ab
 from arrowbuf.persist import journal as jr
 from arrowbuf.store import durable as du
-from arrowbuf.store import writer as wr
+from arrowbuf.engine import writer as wr
 from benchmarks.bench_journal import OUT, grpo_batch
 
 CONFIGS = ("none", "os", "group", "group/sync-thread", "group/defer", "group+win4", "group/sleep-sync")

@@ -111,8 +111,8 @@ def _consume_rest(name: str, q) -> None:
 def _frozen_consumer(name: str, where: str, ready) -> None:
     """Consume, and freeze inside it (the parent SIGKILLs us): holding the state lock (`pick`), or gathering the
     rows outside it with the rows pinned (`gather`)."""
-    from arrowbuf.store.consume import ConsumeTracker
-    from arrowbuf.store.reader import StoreReader
+    from arrowbuf.engine.consume import ConsumeTracker
+    from arrowbuf.engine.reader import StoreReader
 
     def freeze(*args, **kwargs):
         ready.set()
@@ -365,7 +365,7 @@ def test_where_judges_a_row_again_after_another_process_rewrote_its_field(names)
 
 
 def test_a_full_lease_table_refuses_a_lease_and_loses_no_row(names, monkeypatch):
-    from arrowbuf.store import consume_state, shared_leases
+    from arrowbuf.engine import consume_state, shared_leases
 
     monkeypatch.setattr(consume_state, "LEASE_SLOTS", 2)
     monkeypatch.setattr(shared_leases, "LEASE_SLOTS", 2)

@@ -114,7 +114,7 @@ ACTIONS: dict[str, str] = {
     "set_policy_version": 'body {"policy_version": k}; sets the store\'s policy version; returns {"policy_version": k}',
     "policy_version": 'returns {"policy_version": k}, the store\'s current policy version',
     "add_task": 'body {"task": name}; declares a consuming task; returns {"tasks": [...]}',
-    # leases of consume tickets with "lease": seconds (arrowbuf.store.leases)
+    # leases of consume tickets with "lease": seconds (arrowbuf.engine.leases)
     "ack": 'body {"lease": id}; the lease\'s rows are consumed for good by its task; returns {"rows": k}',
     "nack": 'body {"lease": id}; the lease\'s rows go back to its task\'s queue now; returns {"rows": k}',
 }

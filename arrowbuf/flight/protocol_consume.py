@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import SchemaError
-from ..store.admission import ADMISSIONS
+from ..samplers.admission import ADMISSIONS
 
 #: Longest `where` predicate a consume request may carry (characters); the store checks it against the same limit.
 MAX_WHERE_CHARS = 4096
@@ -25,9 +25,9 @@ MAX_TOKENS = 1 << 40
 MAX_TASK_CHARS = 256
 #: The actions `decode_consume_action` reads.
 CONSUME_ACTIONS = ("set_policy_version", "policy_version", "add_task", "ack", "nack")
-#: Longest lease a consume ticket may ask for (seconds), as `arrowbuf.store.leases.MAX_LEASE_S`.
+#: Longest lease a consume ticket may ask for (seconds), as `arrowbuf.engine.leases.MAX_LEASE_S`.
 MAX_LEASE_S = 86400.0
-#: What a lease id is on the wire (as `arrowbuf.store.leases.check_lease_id`): short, plain characters.
+#: What a lease id is on the wire (as `arrowbuf.engine.leases.check_lease_id`): short, plain characters.
 LEASE_ID: re.Pattern[str] = re.compile(r"[A-Za-z0-9._:/+-]{1,128}")
 
 
@@ -55,7 +55,7 @@ class ConsumeRequest:
     max_tokens: int | None = None
     lease: float | None = None
     kind: str = "consume"
-    admission: str | None = None  # "oldest" (arrowbuf.store.admission); checked by the store
+    admission: str | None = None  # "oldest" (arrowbuf.samplers.admission); checked by the store
 
 
 def encode_consume(req: ConsumeRequest) -> dict[str, Any]:

@@ -21,7 +21,7 @@ def put_update(store: Any, reader: flight.MetadataRecordBatchReader, writer: fli
                 limits: Any, check_open: Callable[[], None], moved: Callable[[], None]) -> None:
     """Apply an update stream (see `arrowbuf.flight.protocol`): the stream's schema is checked before any batch is
     read, each batch is bounded like a DoPut batch, then written with `store.update` and acknowledged."""
-    from ..store.update import check_update_types
+    from ..schema.update import check_update_types
 
     check_update_types(store.schema, reader.schema, P.UPDATE_ID_COLUMN, "DoPut update")
     for k, batch in bounded_batches(reader, limits, check_open, moved, "update batch"):

@@ -40,7 +40,7 @@ from . import identity
 
 _now = time.time
 #: what one row's record is stamped with: the writer's code (`identity.current`) and the time (Unix seconds). The
-#: append path of `arrowbuf.store.writer` stores these itself through `Lineage.stamp` (module docstring)
+#: append path of `arrowbuf.engine.writer` stores these itself through `Lineage.stamp` (module docstring)
 STAMP_WRITER = identity.CURRENT.get
 STAMP_CLOCK = _now
 

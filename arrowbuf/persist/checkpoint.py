@@ -35,9 +35,9 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from ..engine.core import StoreCore
 from ..errors import ArrowbufError, InvalidArgument
 from ..samplers.spec import to_spec
-from ..store.core import StoreCore
 from . import faults
 from . import manifest as mf
 from .snapshot import Snapshot, capture, intact_from, later_columns, later_digest, read_chunk, tensor_array

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..engine.core import StoreCore
 from ..errors import InvalidArgument, SchemaError
 from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
-from ..store.core import StoreCore
 from . import manifest as mf
 from .snapshot import arrow_column, numpy_column
 

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..engine.core import StoreCore
 from ..errors import InvalidArgument, SchemaError, StoreCorrupt
 from ..options import StoreOptions
 from ..ring.reservations import HOLE
 from ..schema import ExperienceSchema, load_schema
 from ..schema.convert import convert_later
-from ..store.core import StoreCore
 from . import manifest as mf
 from .checkpoint import known_files
 from .snapshot import later_digest, numpy_column, restore_sampler_state

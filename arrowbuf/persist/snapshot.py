@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..engine.core import StoreCore
 from ..ring.reservations import HOLE
 from ..schema.convert import tensor_to_numpy
-from ..store.core import StoreCore
 
 
 @dataclass

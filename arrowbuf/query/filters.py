@@ -21,7 +21,7 @@ store core's update hook). A shared-memory store's rows are also updated by othe
 this one: there each result also keeps the values of the later scalar fields it was computed from, and a row whose
 values differ now (or are NaN) is evaluated again.
 
-Usage (what `arrowbuf.store.consume.ConsumeTracker` does)::
+Usage (what `arrowbuf.engine.consume.ConsumeTracker` does)::
 
     filters = RowFilters(core, view)
     filters.check("reward > 0")                      # InvalidArgument for a bad predicate; cached once valid

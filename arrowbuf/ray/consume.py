@@ -3,7 +3,7 @@
 `ShardedStore` delegates `consume`, `add_task`, `tasks` and `policy_version` here, and, with an
 `ab.samplers.Group` sampler, `extend`: each row goes to the shard its group key hashes to (`group_shards`), so a
 group's rows are on one shard and each shard delivers whole groups. Each shard tracks its own rows' consumption
-(`arrowbuf.store.consume`), so each row reaches each task once however many learners consume.
+(`arrowbuf.engine.consume`), so each row reaches each task once however many learners consume.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class ShardedConsumer:
         """Up to `n` rows `task` has not consumed, from any shard (each row once per task).
 
         With `admission="oldest"` each shard delivers its oldest eligible rows first (the order is per shard, not
-        across shards; `arrowbuf.store.admission`).
+        across shards; `arrowbuf.samplers.admission`).
 
         With `lease=` each shard asked leases its part; the batch's lease id names every part with its shard
         (`"<shard>/<shard's lease>+..."`), and `ack`/`nack` end each part on its shard. A part whose shard dies

@@ -519,7 +519,7 @@ class ShardedStore:
             InvalidArgument: an id no shard of this store issued (a shard number beyond `num_shards`), or an id
                 given twice; nothing written.
         """
-        from ..store.update import update_ids, validate_update
+        from ..schema.update import update_ids, validate_update
 
         gids = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)

@@ -160,7 +160,7 @@ class ShardBackend:
     def update(self, ids: Any, values: Any) -> int:
         """The store's `update` by global ids: ids of this shard's earlier incarnations name rows that are
         gone (skipped and counted in `stats()["update_skipped"]`); ids of another shard are `InvalidArgument`."""
-        from ..store.update import update_ids, validate_update
+        from ..schema.update import update_ids, validate_update
 
         gids = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)

@@ -19,7 +19,7 @@ for snapshots. A tier that is neither shared nor growable (none ships today) kee
 
 Fields filled later (`later: true` in the schema) also have a validity array per ring position (`presence`, see
 `arrowbuf.ring.presence`): `write`/`write_ragged` record which rows were given a value, `update_rows` fills live rows in
-place (arrowbuf.store.update), and `take_later`/`snapshot_later` deliver them as Arrow columns whose nulls are the rows
+place (arrowbuf.engine.update), and `take_later`/`snapshot_later` deliver them as Arrow columns whose nulls are the rows
 without a value::
 
     cols.present(["reward"], positions)           # bool per position
@@ -145,7 +145,7 @@ class ColumnArenas:
     def update_rows(self, name: str, positions: np.ndarray, values: Any) -> None:
         """Write values of later field `name` into live rows at `positions` (distinct) and mark them present.
 
-        Callers hold the store's write lock (`arrowbuf.store.update`); readers see all of an update's rows or none of a
+        Callers hold the store's write lock (`arrowbuf.engine.update`); readers see all of an update's rows or none of a
         row (the presence seqlock). `values`: [n, *shape] numpy, or a `pa.ListArray` for a ragged field.
         """
         self.update_fields(positions, {name: values})

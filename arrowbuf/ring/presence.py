@@ -1,7 +1,7 @@
 """Presence of the fields filled later: a validity array per `later: true` field, addressed by ring position.
 
 A schema field marked `later: true` (`FieldSpec.later`) may be left out when a row is written and filled afterwards
-by `store.update` (arrowbuf.store.update). Its column arena holds the values (zeros where a row has none, so an absent
+by `store.update` (arrowbuf.engine.update). Its column arena holds the values (zeros where a row has none, so an absent
 value never shows a previous row's data); `Presence` holds, per ring position, whether the row has a value. Readers
 turn the two into an Arrow column whose validity bitmap is this array (`to_nullable`): absent values read as null.
 

@@ -2,7 +2,7 @@
 
 `GroupSampler` (exported as `ab.samplers.Group`) makes a store deliver whole groups: `G` rows that share a group
 key (`prompt_id`). `store.sample(n)` draws whole groups uniformly at random (with replacement; distinct with
-`max_times_sampled`), and `store.consume(task, n)` delivers the oldest complete groups (see `arrowbuf.store.consume`).
+`max_times_sampled`), and `store.consume(task, n)` delivers the oldest complete groups (see `arrowbuf.engine.consume`).
 
 Usage::
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..engine.consume import check_policy_version
 from ..errors import InvalidArgument, StoreCorrupt
 from ..observe import identity
 from ..observe.lineage import ACKED, DELIVERED
@@ -46,9 +47,8 @@ from ..persist.crc import IMPLEMENTATION as CRC_IMPLEMENTATION
 from ..persist.replay import columns_table, replay
 from ..persist.snapshot import Snapshot, capture, capture_held
 from ..samplers.base import validate_priorities
-from .consume import check_policy_version
+from ..schema.update import update_ids, validate_update
 from .pending import PendingWrite
-from .update import update_ids, validate_update
 from .writes import StoreParts
 
 DURABLE = "_durable.json"

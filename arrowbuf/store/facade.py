@@ -8,11 +8,12 @@ Usage::
     batch = store.sample(256)                       # SampleBatch; batch.to_numpy()["next_obs"] is derived
     store.sql("SELECT episode_id, sum(reward) FROM experience GROUP BY 1")
 
-The store is a facade: it builds the parts (`arrowbuf.store.core.StoreCore`: ring index, column arenas, sampler, locks)
-and delegates writing to a `StoreWriter` (`arrowbuf.store.writer`: append, extend, end_episode; a batch commits once,
-atomically) and reading to a `StoreReader` (`arrowbuf.store.reader`: sample, update_priorities, consistent snapshots for
-to_table, sql and episodes). Column bytes live in `arrowbuf.ring.columns` (one arena per column, or per column and tier
-for a store with `tiers=`).
+The store is a facade: it builds the engine's parts (`arrowbuf.engine.core.StoreCore`: ring index, column arenas,
+sampler, locks) and delegates writing to a `StoreWriter` (`arrowbuf.engine.writer`: append, extend, end_episode; a
+batch commits once, atomically) and reading to a `StoreReader` (`arrowbuf.engine.reader`: sample, update_priorities,
+consistent snapshots for to_table, sql and episodes). Every change goes through the store's write path
+(`arrowbuf.store.writes`: direct, or journaled by `arrowbuf.store.durable`). Column bytes live in
+`arrowbuf.ring.columns` (one arena per column, or per column and tier for a store with `tiers=`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from typing import Any, Literal, cast, overload
 import numpy as np
 
 from ..delivery.batch import SampleBatch
+from ..engine.consume import ConsumeTracker, check_store_options
+from ..engine.core import StoreCore
+from ..engine.episodes import EpisodeTracker
+from ..engine.reader import StoreReader
+from ..engine.update import StoreUpdater
+from ..engine.writer import StoreWriter
 from ..errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed, StoreCorrupt
 from ..observe.timings import Timings, timed
 from ..options import StoreOptions
@@ -39,15 +46,9 @@ from ..samplers import Sampler, make_sampler
 from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from ..tiers.base import Tier, format_bytes
 from ..tiers.host import HostTier
-from .consume import ConsumeTracker, check_store_options
-from .core import StoreCore
-from .episodes import EpisodeTracker
 from .inspection import StoreInspection
 from .pending import PendingWrite
 from .persistence import StorePersistence
-from .reader import StoreReader
-from .update import StoreUpdater
-from .writer import StoreWriter
 from .writes import DirectWrites, StoreParts, Writes
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
@@ -80,7 +81,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         placement: an `ab.placement` policy (default: `ab.placement.BandwidthAware()` when several tiers are given).
         tasks: names of the tasks that `consume` rows (each sees every row once; rows wait for them before
             eviction); more with `add_task` (not on a shared store: its tasks are fixed when it is created, and every
-            process that attaches consumes from the same state). See `arrowbuf.store.consume`.
+            process that attaches consumes from the same state). See `arrowbuf.engine.consume`.
         max_staleness: admission control by policy version: rows older than `policy_version - max_staleness`
             are refused, rows newer than `policy_version + max_staleness` wait (`InsertTimeout`); stale rows may be
             evicted unconsumed. Needs an integer `policy_version` field.
@@ -349,13 +350,13 @@ class ExperienceStore(StoreInspection, StorePersistence):
     # ------------------------------------------------------------------ writing (StoreWriter)
     def begin_extend(self, rows: int, names: Any) -> Any:
         """One extend of `rows` rows (columns `names`) that arrives in pieces, each copied straight into the ring
-        (`arrowbuf.store.pieces.ExtendInPieces`: write, commit, abort; the guarantees of one `extend`), or None
+        (`arrowbuf.engine.pieces.ExtendInPieces`: write, commit, abort; the guarantees of one `extend`), or None
         when this store takes such a batch only whole (`StoreWriter.pieces_ok`: durable, tiered, tasks, a rate
         limiter, derived fields, episode ends or ragged fields in a shared store): then assemble it and call
         `extend`. With ragged fields the sink holds the write lock until its commit or abort."""
         if not self._w.accepts_pieces or not self._writer.pieces_ok(int(rows), set(names)):
             return None
-        from .pieces import ExtendInPieces
+        from ..engine.pieces import ExtendInPieces
 
         return ExtendInPieces(self._writer.core.schema, self._writer, int(rows))
 
@@ -381,7 +382,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         """Add many steps: a dict of arrays with a leading dim, a `pa.RecordBatch` or a `pa.Table`.
 
         The batch is atomic: its rows become visible to `sample`, `len` and `to_table` all at once, when this
-        returns, and a writer that dies before that leaves none of them (`arrowbuf.store.writer`). A batch longer than
+        returns, and a writer that dies before that leaves none of them (`arrowbuf.engine.writer`). A batch longer than
         the capacity keeps its newest rows (the older ones are counted as inserted but never visible).
 
         Returns:
@@ -431,7 +432,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         """Fill fields declared `later: true` of stored rows: `store.update(ids, {"reward": r})`.
 
         Atomic per call and validated like `extend`; ids of evicted or replaced rows are skipped and counted in
-        `stats()["update_skipped"]`. See `arrowbuf.store.update`.
+        `stats()["update_skipped"]`. See `arrowbuf.engine.update`.
 
         Args:
             ids: ids that `extend`/`append` returned (a 1-D array, or one int with one value per field).
@@ -505,7 +506,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         piece's output at a time. Items are selected by this call (its errors are `sample`'s); an item whose row is
         recycled before its piece is gathered is drawn again, as in `sample`, and each piece's `indices` name its
         items; with `piece_bytes`, pieces after the first are sized to about that many bytes. Timed as a `sample`
-        (the selection). See `arrowbuf.store.reader.StoreReader.sample_pieces`."""
+        (the selection). See `arrowbuf.engine.reader.StoreReader.sample_pieces`."""
         return self._reader.sample_pieces(n, rows, columns, timeout, piece_bytes=piece_bytes, n_step=n_step,
                                           gamma=gamma)
 
@@ -545,7 +546,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         return self._w.update_priorities(indices, priorities)
 
     # ------------------------------------------------------------------ consumption per task
-    # Thin delegation to `arrowbuf.store.consume.ConsumeTracker`.
+    # Thin delegation to `arrowbuf.engine.consume.ConsumeTracker`.
     @timed("consume")
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
@@ -562,11 +563,11 @@ class ExperienceStore(StoreInspection, StorePersistence):
                 `stats()["stale_dropped"]`), never delivered.
             where: a SQL predicate over the scalar columns, e.g. `"reward > 0 AND policy_version >= 3"`.
             max_tokens: token budget of the batch over the store's `token_field` (at least one row is delivered).
-            lease: seconds the rows stay in flight for `task` (`arrowbuf.store.leases`): `ack(batch.lease)` makes
+            lease: seconds the rows stay in flight for `task` (`arrowbuf.engine.leases`): `ack(batch.lease)` makes
                 them final, `nack` or expiry puts them back in the task's queue (delivered again, in their order).
                 None (default): final at once.
             admission: "oldest": the oldest rows inside the version window first, rows outside it held back, not
-                dropped (`arrowbuf.store.admission`); None (default): id order.
+                dropped (`arrowbuf.samplers.admission`); None (default): id order.
 
         Returns:
             A `SampleBatch` of every column; `indices` are the rows' ids, oldest first; `lease` the lease id (None

@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from ..engine.consume import ConsumeTracker
+from ..engine.core import StoreCore
+from ..engine.episodes import EpisodeTracker
+from ..engine.reader import RowSnapshot, StoreReader
+from ..engine.writer import StoreWriter
 from ..errors import SchemaError
 from ..observe.timings import Timings
 from ..placement import placement_table
@@ -23,11 +28,6 @@ from ..ring.index import RingIndex
 from ..samplers import Sampler
 from ..schema import ExperienceSchema
 from ..tiers.base import Tier
-from .consume import ConsumeTracker
-from .core import StoreCore
-from .episodes import EpisodeTracker
-from .reader import RowSnapshot, StoreReader
-from .writer import StoreWriter
 from .writes import Writes
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class StoreInspection(_Parts):
         Each row is exactly as committed (no row half-replaced, no part of a batch), the rows are one contiguous
         seq range ending at the newest row committed at the call, and the table is a copy: writers go on without
         changing it. If writers replace rows faster than they are copied, the table starts at the oldest row still
-        intact (see `arrowbuf.store.reader`).
+        intact (see `arrowbuf.engine.reader`).
         """
         return self._reader.snapshot(columns).table
 
@@ -95,7 +95,7 @@ class StoreInspection(_Parts):
 
     def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
         """`to_table` with the seq range it covers: a `RowSnapshot` (lo, hi, live_lo, table). See
-        `arrowbuf.store.reader`."""
+        `arrowbuf.engine.reader`."""
         return self._reader.snapshot(columns)
 
     def to_pandas(self, columns: Iterable[str] | None = None) -> Any:
@@ -176,7 +176,7 @@ class StoreInspection(_Parts):
                 "torn_retries": idx.counter("torn_retries"),
                 "priority_updates_ignored": idx.counter("priority_updates_ignored"),
                 "removed": idx.counter("removed"),
-                # steps `append` stored through the general path (this process; `arrowbuf.store.stepcheck`), by reason
+                # steps `append` stored through the general path (this process; `arrowbuf.engine.stepcheck`), by reason
                 "append_slow_path": sum(self._writer.slow_counts.values()),
                 "append_slow_reasons": dict(self._writer.slow_counts),
                 "update_skipped": idx.counter("update_skipped"),

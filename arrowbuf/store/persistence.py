@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from .core import StoreCore
+from ..engine.core import StoreCore
 from .writes import Writes
 
 if TYPE_CHECKING:

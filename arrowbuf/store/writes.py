@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..engine.consume import ConsumeTracker
+from ..engine.core import StoreCore
+from ..engine.reader import StoreReader
+from ..engine.update import StoreUpdater
+from ..engine.writer import StoreWriter
 from ..errors import InvalidArgument
-from .consume import ConsumeTracker
-from .core import StoreCore
 from .pending import PendingWrite
-from .reader import StoreReader
-from .update import StoreUpdater
-from .writer import StoreWriter
 
 if TYPE_CHECKING:
     from ..persist.checkpoint import CheckpointHandle

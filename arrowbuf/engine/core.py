@@ -37,7 +37,7 @@ from .episodes import EpisodeTracker
 
 
 class ConsumeRecord(Protocol):
-    """What the rooms below the facade read and restore of a store's consumption (`arrowbuf.store.consume.
+    """What the rooms below the facade read and restore of a store's consumption (`arrowbuf.engine.consume.
     ConsumeTracker` is one): its tasks, and per live row what each task consumed (checkpoints, restore, progress)."""
 
     @property

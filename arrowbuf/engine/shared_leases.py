@@ -1,4 +1,4 @@
-"""Leases of a shared-memory store: the lease table of `arrowbuf.store.leases` in the store's shared memory.
+"""Leases of a shared-memory store: the lease table of `arrowbuf.engine.leases` in the store's shared memory.
 
 Every process that opens a shared store (`tier="shm"`) sees the same open leases, so a batch consumed with
 `lease=` in one process may be acked or nacked in any other (the id names the store, not the process), and the
@@ -36,7 +36,7 @@ LEASE_SLOTS = 4096
 ENDED_SLOTS = min(4096, ENDED_KEPT)
 _HOW = {"acked": 1, "nacked": 2, "expired": 3}
 _HOW_NAME = {v: k for k, v in _HOW.items()}
-#: Slots of `consume.header` this module uses (see `arrowbuf.store.consume_state.HEADER`).
+#: Slots of `consume.header` this module uses (see `arrowbuf.engine.consume_state.HEADER`).
 NEXT_LEASE, TOKEN, ENDED_COUNT = 3, 4, 5
 
 

@@ -5,7 +5,7 @@
     arrowbuf ui grpc://127.0.0.1:8815 | <shm store name> | ckpt/ [--token-file F] [--address 127.0.0.1:8800]
     arrowbuf demo [dqn|grpo|ray] [--steps N ...]   (arrowbuf.demo; without a name: dqn)
     arrowbuf inspect grpc://127.0.0.1:8815 | <shm store name> | experience.arrow | ckpt/  [--sql "SELECT ..."]
-    arrowbuf checkpoint ls|inspect|verify|export ckpt/ ...   (arrowbuf.persist.cli)
+    arrowbuf checkpoint ls|inspect|verify|export ckpt/ ...   (arrowbuf.cli.checkpoint)
     arrowbuf bench [--quick] [--only core sampling]
     arrowbuf shm ls | gc
 
@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import ArrowbufError
+from ..errors import ArrowbufError
 
 
 # ---------------------------------------------------------------------------------------------------- serve
@@ -54,9 +54,9 @@ def add_serve(sub: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from .flight.server import DEFAULT_MAX_BATCH_ROWS, serve
-    from .schema import load_schema
-    from .store.facade import ExperienceStore
+    from ..flight.server import DEFAULT_MAX_BATCH_ROWS, serve
+    from ..schema import load_schema
+    from ..store.facade import ExperienceStore
 
     if (args.tls_cert is None) != (args.tls_key is None):
         print("arrowbuf serve: --tls-cert and --tls-key go together", file=sys.stderr)
@@ -92,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     inspector = None
     if args.ui:
-        from .observe.ui import Inspector
+        from ..observe.ui import Inspector
 
         try:
             inspector = Inspector(store, args.ui, token=token)
@@ -162,7 +162,7 @@ def add_shm(sub: Any) -> None:
 
 
 def run_shm_gc(args: argparse.Namespace) -> int:
-    from .tiers.shm import gc, private
+    from ..tiers.shm import gc, private
 
     names = gc(args.root)
     print(f"arrowbuf shm gc: reclaimed {len(names)} store(s){': ' + ', '.join(names) if names else ''}")
@@ -172,7 +172,7 @@ def run_shm_gc(args: argparse.Namespace) -> int:
 
 
 def run_shm_ls(args: argparse.Namespace) -> int:
-    from .tiers.shm import list_stores
+    from ..tiers.shm import list_stores
 
     print(f"{'name':<24} {'owner':>8} {'state':<7} {'MiB':>10}  attached")
     for s in list_stores(args.root):
@@ -190,7 +190,7 @@ def add_demo(sub: Any) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .demo.entry import dispatch
+    from ..demo.entry import dispatch
 
     return dispatch(args.extra_args, prog="arrowbuf demo")
 
@@ -214,12 +214,12 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
 
     target = args.target
     if "://" in target:
-        from .flight.client import connect
+        from ..flight.client import connect
 
         return connect(target, token=args.token, store=args.store), f"Flight store at {target}"
     if os.path.isdir(target):  # a checkpoint or a dataset directory (arrowbuf.persist)
-        from .persist import manifest
-        from .store import ExperienceStore
+        from ..persist import manifest
+        from ..store import ExperienceStore
 
         if os.path.exists(os.path.join(target, manifest.MANIFEST)):
             return ExperienceStore.restore(target), f"checkpoint {target} (restored into a temporary store)"
@@ -227,8 +227,8 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
     if os.path.exists(target):
         import pyarrow.parquet as pq
 
-        from .schema import load_schema
-        from .store.facade import ExperienceStore
+        from ..schema import load_schema
+        from ..store.facade import ExperienceStore
 
         if target.endswith(".parquet"):
             table = pq.read_table(target)
@@ -254,13 +254,13 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
     if os.sep in target or target.endswith((".arrow", ".parquet", ".feather", ".ipc")):  # a path, not a name
         raise FileNotFoundError(f"no such file or directory {target!r} (a shared-memory store is named without "
                                 "'/'; `arrowbuf shm ls` lists them)")
-    from .store.facade import ExperienceStore
+    from ..store.facade import ExperienceStore
 
     return ExperienceStore.attach(target), f"shared-memory store {target!r}"
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from .errors import ArrowbufError
+    from ..errors import ArrowbufError
 
     try:
         store, what = _open_target(args)
@@ -311,8 +311,8 @@ def add_ui(sub: Any) -> None:
 
 
 def run_ui(args: argparse.Namespace) -> int:
-    from .errors import ArrowbufError
-    from .observe.ui import Inspector
+    from ..errors import ArrowbufError
+    from ..observe.ui import Inspector
 
     if args.token_file:
         with open(args.token_file) as fh:
@@ -352,7 +352,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import pathlib
     import subprocess
 
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]  # the checkout: arrowbuf/cli/__init__.py -> ./benchmarks
     if not (root / "benchmarks" / "__main__.py").exists():
         print("arrowbuf bench: the benchmarks are not part of the installed package; in a source checkout of "
               "arrowbuf (git clone), run `pip install -e '.[bench]'` and then `arrowbuf bench --quick` there",
@@ -362,7 +362,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def add_checkpoint(sub: Any) -> None:
-    from .persist.cli import add_checkpoint as add
+    from .checkpoint import add_checkpoint as add
 
     add(sub)
 
@@ -410,7 +410,3 @@ def _one_line(exc: BaseException) -> str:
     if isinstance(exc, PermissionError) and exc.filename:
         return f"permission denied: {exc.filename}"
     return text
-
-
-if __name__ == "__main__":
-    sys.exit(main())

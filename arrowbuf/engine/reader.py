@@ -83,7 +83,7 @@ class StoreReader:
             columns: columns to gather (default: every field and derived field).
             timeout: seconds to wait for the rate limiter or an empty store; None does not wait.
             n_step: add `n_step_return`, `n_step_discount` and, per derived field, `n_step_<name>` (the bootstrap
-                observation) over `n_step` steps of the episode (see `arrowbuf.store.nstep`).
+                observation) over `n_step` steps of the episode (see `arrowbuf.engine.nstep`).
             gamma: the discount for `n_step`.
 
         Returns:
@@ -199,8 +199,8 @@ class StoreReader:
 
     def gather(self, seqs: np.ndarray, columns: Iterable[str] | None = None) -> dict[str, Any]:
         """The columns (default: every field and derived field, ragged included) of rows `seqs`, gathered as
-        `sample` gathers. For callers that keep the rows in place meanwhile (`arrowbuf.store.consume` pins them while it
-        gathers): no torn-row check."""
+        `sample` gathers. For callers that keep the rows in place meanwhile (`arrowbuf.engine.consume` pins them while
+        it gathers): no torn-row check."""
         names = self.core.schema.resolve_columns(list(columns) if columns is not None else None)
         return self._gather_stable(np.asarray(seqs, dtype=np.int64), names, None, 0.99)
 

@@ -39,7 +39,7 @@ def add_checkpoint(sub: Any) -> None:
 
 
 def _manifest(path: str, generation: int | None = None) -> dict[str, Any]:
-    from .manifest import read_manifest
+    from ..persist.manifest import read_manifest
 
     return read_manifest(path, None if generation is None else f"{generation:08d}.json")
 
@@ -51,7 +51,7 @@ def _fail(cmd: str, exc: BaseException) -> int:
 
 def run_ls(args: argparse.Namespace) -> int:
     from ..errors import ArrowbufError
-    from .manifest import kept_manifests, read_manifest
+    from ..persist.manifest import kept_manifests, read_manifest
 
     try:
         latest = read_manifest(args.path)["generation"]
@@ -109,7 +109,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     from ..errors import ArrowbufError
-    from .manifest import kept_manifests, read_manifest, verify
+    from ..persist.manifest import kept_manifests, read_manifest, verify
 
     try:
         manifests = ([read_manifest(args.path, n) for n in kept_manifests(args.path)] if args.all

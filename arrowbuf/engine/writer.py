@@ -198,7 +198,7 @@ class StoreWriter(PiecesWriter):
 
     # ------------------------------------------------------------------ the append fast path
     def _fast_plan(self) -> list[tuple] | None:
-        """Per-field checks for the append fast path (`arrowbuf.store.stepcheck`), or None when the schema needs the
+        """Per-field checks for the append fast path (`arrowbuf.engine.stepcheck`), or None when the schema needs the
         general path (ragged fields; fields filled later, whose presence the general path records)."""
         plan: list[tuple] = []
         for f in self.core.schema.fields.values():
@@ -213,7 +213,7 @@ class StoreWriter(PiecesWriter):
     def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
         """Add one step (a dict of scalars and arrays). Returns its id (its seq).
 
-        A step whose values need no batch conversion (`arrowbuf.store.stepcheck`: the schema's dtypes, numpy scalars,
+        A step whose values need no batch conversion (`arrowbuf.engine.stepcheck`: the schema's dtypes, numpy scalars,
         safely castable arrays) is written and committed here, in one go under the write lock, with scalar stores
         (the per-step fast path, also with a rate limiter or a prioritized sampler). Anything else goes through
         the full validation of `extend` (same errors, same result) in `_append_general`, as does a step that must

@@ -14,7 +14,7 @@ newer row (in their original order). Delivery is at least once before an ack, ex
 A lease ends once. Acking or nacking it again, or after it expired, raises `LeaseError` naming what ended it (the
 table remembers the last `ENDED_KEPT` ended leases; an older or never issued id is "unknown"). Ids are
 `<store token>.<n>`: a random token per store object, so an id of another store (or of this store before a restart)
-is never taken for one of its own. This module keeps the table only; `arrowbuf.store.consume.ConsumeTracker`
+is never taken for one of its own. This module keeps the table only; `arrowbuf.engine.consume.ConsumeTracker`
 decides what the rows do, under the store's state lock (every method here is called holding it).
 """
 

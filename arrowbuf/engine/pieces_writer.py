@@ -1,6 +1,6 @@
-"""The steps of one batch written in pieces (`StoreWriter`'s part of `arrowbuf.store.pieces.ExtendInPieces`): which
+"""The steps of one batch written in pieces (`StoreWriter`'s part of `arrowbuf.engine.pieces.ExtendInPieces`): which
 stores take a batch in pieces, reserving its rows on the first piece, copying each piece into them, and committing
-or giving the reservation up. A mixin of `arrowbuf.store.writer.StoreWriter`, whose reservation and commit steps it
+or giving the reservation up. A mixin of `arrowbuf.engine.writer.StoreWriter`, whose reservation and commit steps it
 calls (see that module's docstring for the commit protocol).
 """
 

@@ -1,6 +1,6 @@
 """Token budgets of `consume(max_tokens=...)`: which ragged field is counted, and each row's count, from offsets.
 
-`ConsumeTracker` (`arrowbuf.store.consume`) fills a batch in order while the rows' (groups') token counts fit the
+`ConsumeTracker` (`arrowbuf.engine.consume`) fills a batch in order while the rows' (groups') token counts fit the
 budget. A count is a list length read from the Arrow offsets (or the ragged arena's lengths): no value is copied.
 """
 

@@ -18,7 +18,7 @@ stale. Under this admission mode a consume
   `dropped` (rows dropped as stale for the task). `waiting` is computed when `stats()` is called, against the
   current `policy_version` and the window of the task's last oldest-first consume.
 
-The functions here are pure: the tracker (`arrowbuf.store.consume.ConsumeTracker`) selects candidate rows and
+The functions here are pure: the tracker (`arrowbuf.engine.consume.ConsumeTracker`) selects candidate rows and
 groups as for any consume, then asks `admit` which of them may go, in which order; `waiting` counts what waits.
 """
 

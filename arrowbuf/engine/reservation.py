@@ -1,4 +1,4 @@
-"""A batch's rows between reservation and commit in a store's writer (`arrowbuf.store.writer`): the record the
+"""A batch's rows between reservation and commit in a store's writer (`arrowbuf.engine.writer`): the record the
 writer keeps per batch, and the two small computations on it (the ring segments a run of rows occupies, and moving the
 episode ids a plan handed out)."""
 
@@ -16,7 +16,7 @@ DEFER = object()
 
 @dataclass
 class Reservation:
-    """One batch between reserve and commit (see `arrowbuf.store.writer.StoreWriter`)."""
+    """One batch between reserve and commit (see `arrowbuf.engine.writer.StoreWriter`)."""
 
     base: int
     n: int

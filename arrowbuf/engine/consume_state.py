@@ -1,6 +1,6 @@
 """Where consumption per task lives: the store's tier (shared memory for `tier="shm"`) or this process's heap.
 
-`ConsumeTracker` (`arrowbuf.store.consume`) keeps its state in the objects made here, so that the processes of one
+`ConsumeTracker` (`arrowbuf.engine.consume`) keeps its state in the objects made here, so that the processes of one
 node that open a shared store (`ExperienceStore(..., tier="shm", tasks=[...])`, `ExperienceStore.attach(name)`)
 consume from one store with the semantics of one process. Every read and write of this state happens under the
 store's state lock (a cross-process robust mutex for a shared store, `arrowbuf.tiers.shm.locks`).
@@ -12,10 +12,10 @@ Layout in a shared tier (arenas of the store's directory, recorded in its manife
     arena.consume.task.<i>   int64 [arena_rows]: per ring position, the seq of the row task i consumed there (-1: none)
     arena.consume.task.<i>.ints  int64 [7]: task i's cursor, rows delivered, rows dropped as stale, rows redelivered,
                              leases expired, rows admitted oldest-first, the window of its last oldest-first consume
-                             (`arrowbuf.store.admission.encode_window`)
+                             (`arrowbuf.samplers.admission.encode_window`)
     arena.consume.task.<i>.lease  int64 [arena_rows]: the lease holding task i's row there (`shared_leases`)
     arena.consume.pins       int64 [PIN_SLOTS, 4]: gathers in progress: pid, its start time, pin id, oldest seq
-    arena.consume.leases, arena.consume.ended: the open and recently ended leases (`arrowbuf.store.shared_leases`)
+    arena.consume.leases, arena.consume.ended: the open and recently ended leases (`arrowbuf.engine.shared_leases`)
 
 Tasks are numbered in declaration order; their names are in the manifest (`consume.tasks`). A shared store's tasks
 are declared when it is created (its arenas are made once, before it is sealed).

@@ -21,7 +21,7 @@ Mechanism:
 - `consume` selects and marks rows under the store's state lock, so two consumers of one task never get the same
   row, then gathers them outside the lock through the reader's gather (every column, ragged included). While it
   gathers, the rows are pinned: the writer's eviction hold (below) keeps them in place, so no row is torn.
-- Leases (`consume(..., lease=s)`, `arrowbuf.store.leases`): the rows are marked as above (no other consumer of the
+- Leases (`consume(..., lease=s)`, `arrowbuf.engine.leases`): the rows are marked as above (no other consumer of the
   task gets them) but are not final: an `ack` makes them so, a `nack` or the lease's expiry unmarks them and moves
   the task's cursor back, so they are delivered again before newer rows. Leased rows hold eviction. Whatever makes
   a consumption final (a consume without a lease, an ack, a stale or zero-variance drop) goes through `_final`,
@@ -42,7 +42,7 @@ Mechanism:
   fields, `episode_id`, `step`, `seq`; a later field not yet written is NULL); ragged and tensor columns are never
   read for it. Rows that fail the filter stay unconsumed for the task (a later call may take them).
 - Shared memory (`tier="shm"`): the state above (consumed seqs, cursors, counters, `policy_version`, pins, leases)
-  lives in the store's shared memory (`arrowbuf.store.consume_state`, `arrowbuf.store.shared_leases`) under its
+  lives in the store's shared memory (`arrowbuf.engine.consume_state`, `arrowbuf.engine.shared_leases`) under its
   cross-process state lock, so consumers, updaters and writers in every process that attached it share it; a wait
   for rows polls there (another process's commit cannot notify this condition).
 - `max_tokens=`: a token budget over the store's `token_field` (a ragged field; default `response_tokens` when the
@@ -64,10 +64,10 @@ from ..delivery.batch import SampleBatch
 from ..errors import InsertTimeout, InvalidArgument, SchemaError
 from ..query.filters import MAX_WHERE_CHARS, RowFilters
 from ..query.sql import caller_cancelled
+from ..samplers.admission import admit, check_admission, encode_window, waiting
 from ..samplers.base import Sampler
 from ..samplers.group import GroupSampler
 from ..surface import StoreSurface
-from .admission import admit, check_admission, encode_window, waiting
 from .consume_state import ConsumeState
 from .core import StoreCore
 from .leases import LeaseTable, check_lease_seconds
@@ -108,7 +108,7 @@ class ConsumeTracker:
                  token_field: str | None = None) -> None:
         self.core = core
         self.reader = reader
-        # the state lives in the store's tier: shared memory for tier="shm" (arrowbuf.store.consume_state)
+        # the state lives in the store's tier: shared memory for tier="shm" (arrowbuf.engine.consume_state)
         self._state = ConsumeState(core.tier, core.arena_rows)
         self._consumed: dict[str, np.ndarray] = self._state.consumed
         self._cursor: MutableMapping[str, int] = self._state.cursor
@@ -121,8 +121,8 @@ class ConsumeTracker:
         self._stale_by_task: MutableMapping[str, int] = self._state.stale_by_task  # rows dropped as stale per task:
         # at consume, or evicted unconsumed
         self._admitted, self._window = self._state.admitted, self._state.window  # oldest-first (store.admission)
-        # rows in flight per task (consume with lease=), see arrowbuf.store.leases; a shared store's in shared memory
-        # (arrowbuf.store.shared_leases): any process acks or nacks, any process returns an expired lease's rows
+        # rows in flight per task (consume with lease=), see arrowbuf.engine.leases; a shared store's in shared memory
+        # (arrowbuf.engine.shared_leases): any process acks or nacks, any process returns an expired lease's rows
         self.leases: LeaseTable = self._state.leases
         #: Called as `hook(task, seqs, how)` under the state lock whenever `task`'s consumption of rows `seqs` becomes
         #: final: `how` "consumed" (a consume without a lease), "acked" (a lease acked), "dropped" (stale or
@@ -259,11 +259,11 @@ class ConsumeTracker:
             max_staleness: drop rows (groups) whose `policy_version` < `policy_version - max_staleness`.
             where: a SQL predicate over the scalar columns (module docstring).
             max_tokens: token budget of the batch, counted over the store's token field.
-            lease: seconds the rows stay in flight for `task` (`arrowbuf.store.leases`): final on `ack`, back in the
+            lease: seconds the rows stay in flight for `task` (`arrowbuf.engine.leases`): final on `ack`, back in the
                 task's queue on `nack` or at expiry. None: final now (delivered at most once).
             admission: None (rows in id order; `max_staleness` drops stale rows) or "oldest": the oldest eligible
                 rows first, by `policy_version` then id, rows outside the version window held back, not dropped
-                (`arrowbuf.store.admission`).
+                (`arrowbuf.samplers.admission`).
 
         Returns:
             A `SampleBatch` of every column (ragged included); `indices` are the rows' ids, oldest first;
@@ -351,7 +351,7 @@ class ConsumeTracker:
             batch.lease, batch.owner = lease_id, self
         return batch
 
-    # ------------------------------------------------------------------ leases (arrowbuf.store.leases)
+    # ------------------------------------------------------------------ leases (arrowbuf.engine.leases)
     def ack(self, lease: Any) -> int:
         """Make the consumption of a lease's rows final for its task; returns the rows.
 
@@ -773,7 +773,7 @@ class ConsumeTracker:
 
 
     def _waiting(self, task: str) -> dict[str, int]:
-        """Rows `task`'s oldest-first window holds back now (`arrowbuf.store.admission.waiting`)."""
+        """Rows `task`'s oldest-first window holds back now (`arrowbuf.samplers.admission.waiting`)."""
         if not self._window[task]:
             return waiting(np.zeros(0, np.int64), 0, 0)
         seqs = self._candidates(task)
@@ -784,7 +784,7 @@ class ConsumeTracker:
 def check_store_options(tier: Any, sampler: Any, tasks: Any) -> None:
     """Before a store allocates anything: a sampler whose state lives in this process's heap (`process_local`)
     cannot serve a shared-memory store. Tasks and arrowbuf's `Group` sampler can: their state lives in the store's
-    tier (`arrowbuf.store.consume_state`, `arrowbuf.samplers.group`).
+    tier (`arrowbuf.engine.consume_state`, `arrowbuf.samplers.group`).
 
     Raises:
         InvalidArgument: `tier="shm"` with a process-local sampler.
