@@ -22,6 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, require
+from ..schema import dtypes as _dtypes
+from ..schema import jsonvalues as _jsonvalues
 from . import balance as _balance
 from . import ragged as _ragged
 
@@ -32,13 +34,19 @@ def _is_tensor(values: Any) -> bool:
 
 
 def _host(values: Any) -> Any:
-    """numpy for a torch tensor (copied from the device), anything else unchanged."""
-    return values.detach().cpu().numpy() if _is_tensor(values) else values
+    """numpy for a torch tensor (copied from the device; bfloat16 and float8 as their bits, as `to_numpy` gives
+    them), anything else unchanged."""
+    return _dtypes.tensor_numpy(values, _dtypes.tensor_dtype_name(values)) if _is_tensor(values) else values
 
 
 def _to_arrow(values: Any) -> pa.Array:
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
         return values
+    if _is_tensor(values):
+        name = _dtypes.tensor_dtype_name(values)
+        if name in _dtypes.NAMES:  # a GPU tier's gather of a bfloat16, float8 or complex field
+            return _dtypes.to_arrow(_dtypes.arrow_type(name, tuple(values.shape[1:])),
+                                    _dtypes.tensor_numpy(values, name))
     values = _host(values)
     if values.ndim == 1:
         return pa.array(values)
@@ -155,7 +163,9 @@ class SampleBatch:
         """Columns as numpy arrays shaped [B, *shape] ([B, T, *shape] for sequences); ragged columns as lists."""
         out: dict[str, Any] = {}
         for k, v in self._arrays.items():
-            if _ragged.is_ragged(v):
+            if _logical_column(v):
+                out[k] = _logical_numpy(v)
+            elif _ragged.is_ragged(v):
                 out[k] = _ragged.split_rows(v)  # views over one buffer, no per-row Python conversion
             elif isinstance(v, (pa.Array, pa.ChunkedArray)):  # other Arrow types (rare): one array per row, as before
                 out[k] = [np.asarray(x) if x is not None else None for x in v.to_pylist()]
@@ -191,6 +201,9 @@ class SampleBatch:
         for k, v in self._arrays.items():
             if _is_tensor(v):
                 out[k] = v.to(device, non_blocking=non_blocking)
+                continue
+            if _logical_column(v):
+                out[k] = _logical_torch(torch, v, device, non_blocking)
                 continue
             if _ragged.is_ragged(v) and pack is not None:
                 assert ref_offs is not None
@@ -324,6 +337,41 @@ class SampleBatch:
         out = [[self.take(p) for p in micro] if micro_batches is not None else self.take(micro[0])
                for micro in batches]
         return out if rank is None else out[0]
+
+
+def _logical_column(values: Any) -> bool:
+    """A column of a dtype numpy lacks (bfloat16, float8, complex: `arrowbuf.schema.dtypes`) or of JSON values."""
+    if not isinstance(values, (pa.Array, pa.ChunkedArray)):
+        return False
+    return isinstance(values.type, (_dtypes.LogicalType, pa.JsonType))
+
+
+def _logical_numpy(values: Any) -> Any:
+    """`to_numpy` of a logical column: JSON values as a list of Python values (None: JSON null, or a later value
+    not written yet); bfloat16/float8 as their bits ([B, *shape] uint16/uint8), complex as numpy complex; a column
+    with null rows (later values not written yet) as a list of per-row arrays, None where null."""
+    if isinstance(values.type, pa.JsonType):
+        return _jsonvalues.decode(values)
+    phys = _dtypes.to_physical(values)
+    if not values.null_count:
+        return phys
+    valid = np.asarray(values.is_valid(), dtype=bool)
+    return [row if ok else None for row, ok in zip(phys, valid)]
+
+
+def _logical_torch(torch: Any, values: Any, device: Any, non_blocking: bool) -> Any:
+    """`to_torch` of a logical column: a tensor of its dtype (torch.bfloat16, torch.float8_*, complex) over the
+    batch's memory where it is writable; JSON values and columns with null rows as `_logical_numpy` gives them
+    (tensors per row)."""
+    out = _logical_numpy(values)
+    if isinstance(values.type, pa.JsonType):
+        return out
+    name = values.type.dtype_name
+    if isinstance(out, list):
+        return [None if r is None else _dtypes.torch_view(r, name).to(device, non_blocking=non_blocking)
+                for r in out]
+    t = _dtypes.torch_view(out, name)
+    return t.to(device, non_blocking=non_blocking) if str(device) != "cpu" else t
 
 
 def _torch_from_numpy(torch: Any, v: np.ndarray, device: Any, non_blocking: bool) -> Any:

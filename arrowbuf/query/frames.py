@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import SchemaError, require
+from ..schema.dtypes import LogicalType
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..schema import ExperienceSchema
@@ -28,12 +29,19 @@ class RowSource(Protocol):
     def to_table(self, columns: list[str] | None = None) -> pa.Table: ...
 
 
-def _plain(table: pa.Table) -> pa.Table:
-    """Tensor extension columns as plain (nested) fixed-size lists, which every dataframe library reads."""
+def _plain(table: pa.Table, sql: bool = False) -> pa.Table:
+    """Extension columns as their storage, which every dataframe library reads: tensors as (nested) fixed-size
+    lists, bfloat16/float8 as their bits (uint16/uint8), complex numbers as fixed-size lists of (real, imaginary)
+    floats, JSON as its text (docs/fields.md). For DuckDB (`sql`): JSON stays `arrow.json` (DuckDB's JSON type) and
+    float16 becomes float32 (exact: DuckDB reads no half floats)."""
     cols = []
     for col in table.columns:
-        if isinstance(col.type, pa.FixedShapeTensorType):
-            col = pa.chunked_array([c.storage for c in col.chunks], type=col.type.storage_type)
+        t = col.type
+        if isinstance(t, pa.FixedShapeTensorType) or isinstance(t, LogicalType) or (
+                isinstance(t, pa.JsonType) and not sql):
+            col = pa.chunked_array([c.storage for c in col.chunks], type=t.storage_type)
+        elif sql and pa.types.is_float16(t):
+            col = col.cast(pa.float32())
         cols.append(col)
     return pa.Table.from_arrays(cols, names=table.column_names)
 
@@ -73,7 +81,7 @@ def run_sql(store: RowSource, query: str, limits: SqlLimits | None = None, *,
         table = store.schema.to_arrow().empty_table()
     else:
         table = store.to_table(sql_columns(query, store.schema.to_arrow().names))
-    return sql.run(_plain(table), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled, tables=tables)
+    return sql.run(_plain(table, sql=True), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled, tables=tables)
 
 
 _LINEAGE = re.compile(r"\blineage\b", re.I)
