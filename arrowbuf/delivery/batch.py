@@ -356,7 +356,7 @@ def _logical_numpy(values: Any) -> Any:
     if not values.null_count:
         return phys
     valid = np.asarray(values.is_valid(), dtype=bool)
-    return [row if ok else None for row, ok in zip(phys, valid)]
+    return [phys[i, ...] if ok else None for i, ok in enumerate(valid.tolist())]  # rows as (0-d) array views
 
 
 def _logical_torch(torch: Any, values: Any, device: Any, non_blocking: bool) -> Any:

@@ -39,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import SchemaError
+from . import dtypes as _dtypes
 from .convert import (
     absent_values,
     arrow_type_fits,
@@ -46,7 +47,6 @@ from .convert import (
     convert_later,
     stream_column,
 )
-from . import dtypes as _dtypes
 from .spec import (
     DEFAULT_EPISODE_END,
     DEFAULT_TRUNCATION,
