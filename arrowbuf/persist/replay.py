@@ -88,7 +88,7 @@ def _complex_array(col: Any) -> pa.Array:
     mask = None
     if isinstance(col, np.ma.MaskedArray):
         m = np.asarray(np.ma.getmaskarray(col), dtype=bool)
-        mask = m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m
+        mask = np.asarray(m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m, dtype=bool)
     return _dtypes.to_arrow(_dtypes.arrow_type(data.dtype.name, tuple(data.shape[1:])), data, mask)
 
 

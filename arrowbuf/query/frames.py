@@ -81,7 +81,8 @@ def run_sql(store: RowSource, query: str, limits: SqlLimits | None = None, *,
         table = store.schema.to_arrow().empty_table()
     else:
         table = store.to_table(sql_columns(query, store.schema.to_arrow().names))
-    return sql.run(_plain(table, sql=True), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled, tables=tables)
+    return sql.run(_plain(table, sql=True), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled,
+                   tables=tables)
 
 
 _LINEAGE = re.compile(r"\blineage\b", re.I)

@@ -528,7 +528,8 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
                 dtype = np.dtype(t.to_pandas_dtype())
             except (NotImplementedError, TypeError):
                 raise SchemaError(f"pa.Schema field {f.name!r}: unsupported Arrow type {t}") from None
-            fields[f.name] = FieldSpec(f.name, *parse_dtype(f"field {f.name!r}", dtype))
+            np_dtype, logical = parse_dtype(f"field {f.name!r}", dtype)
+            fields[f.name] = FieldSpec(f.name, np_dtype, logical=logical)
         meta_f = f.metadata or {}
         if meta_f.get(b"arrowbuf.allow_nan") == b"false" or meta_f.get(b"arrowbuf.later") == b"true" or \
                 b"arrowbuf.mean_length" in meta_f:

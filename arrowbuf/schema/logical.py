@@ -48,7 +48,7 @@ def to_arrow(spec: FieldSpec, values: Any, mask: np.ndarray | None = None) -> An
         raise TypeError(f"field {spec.name!r}: an Arrow column of {values.type} is not the storage of {own}")
     if isinstance(values, np.ma.MaskedArray):
         m = np.asarray(np.ma.getmaskarray(values), dtype=bool)
-        mask = m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m
+        mask = np.asarray(m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m, dtype=bool)
         values = np.ma.getdata(values)
     arr = np.asarray(values)
     return _dtypes.to_arrow(_dtypes.arrow_type(name, tuple(arr.shape[1:])), arr, mask)
