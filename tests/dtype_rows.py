@@ -218,6 +218,29 @@ def check_torch(tensors: dict[str, Any]) -> None:
         assert list(tensors["meta"]) == [want["meta"][int(s)] for s in seqs]
 
 
+def _comparable(arr: Any) -> Any:
+    """An Arrow column as Python values in which floats are their bits (so NaN payloads compare, and equal)."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if isinstance(arr, pa.ExtensionArray):
+        arr = arr.storage
+    t = arr.type
+    if pa.types.is_floating(t):
+        return arr.view({16: pa.uint16(), 32: pa.uint32(), 64: pa.uint64()}[t.bit_width]).to_pylist()
+    if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+        lengths = arr.value_lengths().to_pylist() if not pa.types.is_fixed_size_list(t) else None
+        return arr.is_valid().to_pylist(), lengths, _comparable(arr.flatten())
+    return arr.to_pylist()
+
+
+def assert_same_table(a: pa.Table, b: pa.Table) -> None:
+    """`a` and `b` hold the same columns, types and bits (`Table.equals` says NaN != NaN)."""
+    assert a.schema.names == b.schema.names and a.num_rows == b.num_rows
+    for name in a.schema.names:
+        assert a.schema.field(name).type == b.schema.field(name).type, name
+        assert _comparable(a.column(name)) == _comparable(b.column(name)), name
+
+
 def check_table(table: pa.Table, later: dict[int, bool] | None = None) -> None:
     """A table of the store's rows (`to_table`, a checkpoint or dataset read back) holds exactly its rows, typed
     with the dtypes' Arrow types."""
@@ -229,5 +252,5 @@ def check_table(table: pa.Table, later: dict[int, bool] | None = None) -> None:
     check_columns({n: table.column(n) for n in table.column_names}, later)
 
 
-__all__ = ["DTYPES", "EPISODE", "LATER", "check_batch", "check_columns", "check_table", "check_torch", "keys_of",
+__all__ = ["DTYPES", "EPISODE", "LATER", "assert_same_table", "check_batch", "check_columns", "check_table", "check_torch", "keys_of",
            "later_values", "meta_of", "rows", "torch_rows"]

@@ -40,10 +40,28 @@ def _plain(table: pa.Table, sql: bool = False) -> pa.Table:
         if isinstance(t, pa.FixedShapeTensorType) or isinstance(t, LogicalType) or (
                 isinstance(t, pa.JsonType) and not sql):
             col = pa.chunked_array([c.storage for c in col.chunks], type=t.storage_type)
-        elif sql and pa.types.is_float16(t):
-            col = col.cast(pa.float32())
+        if sql and _has_half(col.type):
+            col = col.cast(_no_half(col.type))
         cols.append(col)
     return pa.Table.from_arrays(cols, names=table.column_names)
+
+
+def _has_half(t: pa.DataType) -> bool:
+    if pa.types.is_float16(t):
+        return True
+    return (pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)) and \
+        _has_half(t.value_type)
+
+
+def _no_half(t: pa.DataType) -> pa.DataType:
+    """`t` with float16 values as float32 (exact), inside lists too."""
+    if pa.types.is_float16(t):
+        return pa.float32()
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(_no_half(t.value_type), t.list_size)
+    if pa.types.is_large_list(t):
+        return pa.large_list(_no_half(t.value_type))
+    return pa.list_(_no_half(t.value_type))
 
 
 def table_to_pandas(table: pa.Table) -> Any:

@@ -351,7 +351,7 @@ def _cast_logical(spec: FieldSpec, arr: np.ndarray) -> np.ndarray:
         if src == bits.bits or (src.name == name and src.itemsize == bits.bits.itemsize) or (
                 src.kind in "iu" and src.itemsize == bits.bits.itemsize):
             out = arr.view(bits.bits) if src != bits.bits else arr
-        elif name == "bfloat16" and src.kind in "iuf":
+        elif name == "bfloat16" and src.kind == "f":
             with np.errstate(over="ignore", invalid="ignore"):
                 wide = arr.astype(np.float32)
             out = _dtypes.round_to_bfloat16(wide)
