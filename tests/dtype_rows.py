@@ -252,5 +252,5 @@ def check_table(table: pa.Table, later: dict[int, bool] | None = None) -> None:
     check_columns({n: table.column(n) for n in table.column_names}, later)
 
 
-__all__ = ["DTYPES", "EPISODE", "LATER", "assert_same_table", "check_batch", "check_columns", "check_table", "check_torch", "keys_of",
-           "later_values", "meta_of", "rows", "torch_rows"]
+__all__ = ["DTYPES", "EPISODE", "LATER", "assert_same_table", "check_batch", "check_columns", "check_table",
+           "check_torch", "keys_of", "later_values", "meta_of", "rows", "torch_rows"]

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import uuid
 
+import dtype_rows as D
 import ml_dtypes
 import numpy as np
 import pyarrow as pa
@@ -26,7 +27,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
-import dtype_rows as D
 from arrowbuf.schema import dtypes, jsonvalues
 from arrowbuf.schema.dtypes import BITS
 

@@ -15,17 +15,17 @@ import os
 import pickle
 import sys
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
+import dtype_rows as D
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import SMALL, make_episodes
 
 import arrowbuf as ab
 from arrowbuf.surface import STATS_KEYS
-
-import dtype_rows as D
-from conftest import SMALL, make_episodes
 
 LOCAL = ["host", "shm", "shm-attached", "tiered", "shard-adapter"]
 IMPLEMENTATIONS = [*LOCAL, "remote", "sharded"]
