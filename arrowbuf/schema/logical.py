@@ -51,6 +51,9 @@ def to_arrow(spec: FieldSpec, values: Any, mask: np.ndarray | None = None) -> An
         mask = np.asarray(m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m, dtype=bool)
         values = np.ma.getdata(values)
     arr = np.asarray(values)
+    phys = _dtypes.physical_dtype(name)
+    if arr.dtype != phys and arr.dtype.kind in "iu" and arr.dtype.itemsize > phys.itemsize:
+        arr = arr.astype(phys)  # bits a GPU tier delivered widened (uint16 as int64: `arrowbuf.tiers.gpu`)
     return _dtypes.to_arrow(_dtypes.arrow_type(name, tuple(arr.shape[1:])), arr, mask)
 
 
