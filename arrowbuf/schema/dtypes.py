@@ -285,19 +285,30 @@ def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------- torch
-def _torch() -> Any:
-    from ..errors import require
+_TORCH: list[Any] = []
 
-    return require("torch", "torch")
+
+def _torch() -> Any:
+    if not _TORCH:  # imported on first use (`import arrowbuf` needs no torch), then kept: the sample path asks
+        from ..errors import require
+
+        _TORCH.append(require("torch", "torch"))
+    return _TORCH[0]
+
+
+_TORCH_DTYPES: dict[str, Any] = {}
 
 
 def torch_dtype(name: str) -> Any:
-    """The torch dtype of `name` (needs torch)."""
+    """The torch dtype of `name` (needs torch; looked up once per name: the sample path asks per column)."""
+    t = _TORCH_DTYPES.get(name)
+    if t is not None:
+        return t
     torch = _torch()
     t = getattr(torch, name, None)
     if t is None:
         raise SchemaError(f"dtype {name!r}: this torch ({torch.__version__}) has no torch.{name}")
-    return t
+    return _TORCH_DTYPES.setdefault(name, t)
 
 
 def is_tensor(value: Any) -> bool:
