@@ -522,3 +522,32 @@ def test_shared_memory_moves_every_dtype_between_processes():
     finally:
         shm.remove(name)
     assert not [n for n in os.listdir(shm.shm_root()) if name in n]
+
+
+# ---------------------------------------------------------------------------------------------------- other paths
+@pytest.mark.filterwarnings("ignore::arrowbuf.AppendSlowPathWarning")
+def test_consume_sequences_and_the_loader_deliver_every_dtype():
+    with _store(tasks=["train"], capacity=512) as store:
+        later = _filled(store, 60)
+        got = store.consume("train", 25, lease=30.0)
+        D.check_batch(got, later)
+        got.ack()
+        rest = store.consume("train", 100)
+        assert len(rest) == 35 and sorted(D.check_batch(rest, later).tolist() + D.keys_of(got.to_numpy()).tolist()) \
+            == list(range(60))
+        loader = ab.Loader(store, batch_size=16, prefetch=2, format="torch", columns=["obs", "bf", "f8", "cx", "meta"])
+        try:
+            for _, tb in zip(range(3), loader):
+                D.check_torch(dict(tb.items()))
+        finally:
+            loader.close()
+    with ab.ExperienceStore(D.DTYPES, 256, sampler=ab.samplers.Sequence(length=4), seed=0) as seq:
+        seq.extend(D.rows(0, 60))
+        b = seq.sample(8, columns=["obs", "bf", "cx", "half"])
+        x = b.to_numpy()
+        assert x["bf"].shape == (8, 4, 4) and x["cx"].shape == (8, 4, 2)
+        want = D.rows(0, 60)
+        keys = x["obs"][:, :, 0].astype(np.int64)
+        np.testing.assert_array_equal(x["bf"], want["bf"][keys])
+        np.testing.assert_array_equal(x["cx"].view(np.uint32), want["cx"][keys].view(np.uint32))
+        assert b.to_torch()["bf"].dtype == torch.bfloat16 and b.to_torch()["bf"].shape == (8, 4, 4)
