@@ -101,6 +101,9 @@ def test_floats_round_to_bfloat16_as_torch_rounds():
     ours = dtypes.round_to_bfloat16(values)
     theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(ours, theirs)
+    wide = rng.standard_normal(50_000) * 10.0 ** rng.integers(-40, 38, 50_000)  # float64: through float32, as torch
+    np.testing.assert_array_equal(dtypes.round_to_bfloat16(wide),
+                                  torch.from_numpy(wide).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
     nan = np.array([0x7FC00001, 0xFF800001], dtype=np.uint32).view(np.float32)  # quiet and signalling NaNs
     out = dtypes.round_to_bfloat16(nan)
     assert np.isnan(dtypes.bfloat16_to_float32(out)).all() and (out >> 15).tolist() == [0, 1]  # sign kept

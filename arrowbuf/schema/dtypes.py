@@ -45,16 +45,18 @@ class BitsDtype:
     Attributes:
         name: the dtype's name (torch's and ml_dtypes' spelling).
         bits: the numpy dtype of the bits (uint16 or uint8).
-        nan: bit patterns (sign included) that are NaN, as a predicate on the bits' unsigned integers.
-        inf: the same for infinities.
+        exp_mask: the exponent field's bits.
+        man_mask: the mantissa field's bits.
+        kind: where the format keeps NaN and infinities (`nonfinite`): "ieee" (exponent all ones: NaN with a
+            mantissa, infinity without), "fn" (exponent and mantissa all ones is NaN; no infinity), "fnuz" (only the
+            negative-zero pattern is NaN; no infinity), "e8m0" (0xFF is NaN; no sign, no mantissa).
     """
 
     name: str
     bits: np.dtype
-    exp_mask: int   # the exponent field's bits
-    man_mask: int   # the mantissa field's bits
-    kind: str       # "ieee": NaN = exponent all ones, mantissa != 0 (inf: == 0); "fn": exponent and mantissa all
-                    # ones is NaN, no inf; "fnuz": only the negative-zero pattern is NaN, no inf; "e8m0": 0xFF is NaN
+    exp_mask: int
+    man_mask: int
+    kind: str
 
     def nonfinite(self, bits: np.ndarray) -> np.ndarray:
         """Mask of the values that are NaN or infinite."""
