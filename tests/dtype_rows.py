@@ -32,6 +32,7 @@ DTYPES = {
         "half": {"dtype": "float16", "shape": [2]},
         "flags": {"dtype": "bool", "shape": [3]},
         "meta": {"dtype": "json"},
+        "lp": {"dtype": "bfloat16", "ragged": True},
         "note": {"dtype": "json", "later": True},
         "late": {"dtype": "bfloat16", "shape": [2], "later": True},
         "done": {"dtype": "bool"},
@@ -60,6 +61,14 @@ def meta_of(k: int) -> Any:
             "big": 2**70 + k, "none": None, "ok": bool(k % 2)}
 
 
+def lp_of(k: int) -> np.ndarray:
+    """The ragged bfloat16 bits of row `k` (k % 4 values; a NaN with a payload and -0.0 in some rows)."""
+    out = ((k * 911 + np.arange(k % 4) * 7) % 65536).astype(np.uint16)
+    if k % 5 == 1 and len(out):
+        out[0] = 0xFFC1 if k % 2 else 0x8000
+    return out
+
+
 def note_of(k: int) -> Any:
     return {"late": int(k), "msg": [{"role": "tool", "content": f"r{k}"}]}
 
@@ -86,6 +95,7 @@ def rows(k0: int, n: int) -> dict[str, Any]:
         "half": half.view(np.float16),
         "flags": ((k[:, None] >> np.arange(3)) & 1).astype(bool),
         "meta": [meta_of(int(i)) for i in k],
+        "lp": [lp_of(int(i)) for i in k],
         "done": (k % EPISODE) == EPISODE - 1,
     }
 
@@ -99,6 +109,7 @@ def torch_rows(k0: int, n: int) -> dict[str, Any]:
     out["bf1"] = torch.from_numpy(out["bf1"].view(np.int16)).view(torch.bfloat16)
     out["f8"] = torch.from_numpy(out["f8"]).view(torch.float8_e4m3fn)
     out["f8b"] = torch.from_numpy(out["f8b"]).view(torch.float8_e5m2)
+    out["lp"] = [torch.from_numpy(r.view(np.int16)).view(torch.bfloat16) for r in out["lp"]]
     out["cx"] = torch.from_numpy(out["cx"])
     return out
 
@@ -117,6 +128,8 @@ def _physical(col: Any) -> Any:
         t = col.type
         if isinstance(t, pa.JsonType):
             return jsonvalues.decode(col)
+        if pa.types.is_list(t) or pa.types.is_large_list(t):  # rows of values (a list of bits: their integers)
+            return [None if v is None else np.asarray(v) for v in col.to_pylist()]
         if col.null_count:  # rows without a value: None, the others as arrays (bits as their integers)
             return [None if v is None else np.asarray(v) for v in col.to_pylist()]
         if isinstance(t, LogicalType):
@@ -157,6 +170,10 @@ def check_columns(cols: dict[str, Any], later: dict[int, bool] | None = None) ->
         if name == "meta":
             assert list(got) == [want["meta"][int(s)] for s in seqs], name
             _check_negative_zero(got)
+        elif name == "lp":
+            assert len(got) == len(seqs)
+            for row, s in zip(got, seqs.tolist()):
+                np.testing.assert_array_equal(np.asarray(row).astype(np.int64), lp_of(s).astype(np.int64), "lp")
         elif name in LATER:
             _check_later(name, got, seqs, later)
         else:
@@ -216,6 +233,10 @@ def check_torch(tensors: dict[str, Any]) -> None:
         _same_bits(got, np.asarray(want[name])[seqs], f"torch {name}")
     if "meta" in tensors:
         assert list(tensors["meta"]) == [want["meta"][int(s)] for s in seqs]
+    if "lp" in tensors:
+        for row, s in zip(tensors["lp"], seqs.tolist()):
+            assert row.dtype == torch.bfloat16
+            np.testing.assert_array_equal(row.view(torch.int16).numpy().view(np.uint16), lp_of(s), "torch lp")
 
 
 def _comparable(arr: Any) -> Any:
@@ -253,4 +274,4 @@ def check_table(table: pa.Table, later: dict[int, bool] | None = None) -> None:
 
 
 __all__ = ["DTYPES", "EPISODE", "LATER", "assert_same_table", "check_batch", "check_columns", "check_table",
-           "check_torch", "keys_of", "later_values", "meta_of", "rows", "torch_rows"]
+           "check_torch", "keys_of", "later_values", "lp_of", "meta_of", "rows", "torch_rows"]

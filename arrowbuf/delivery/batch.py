@@ -210,7 +210,8 @@ class SampleBatch:
                 self._ragged_to_torch(torch, out, k, v, ref_offs, pack, pad_value, device, k == ref, seen)
                 continue
             if _ragged.is_ragged(v):
-                out[k] = [None if x is None else _torch_from_numpy(torch, x, device, non_blocking)
+                kind = _list_dtype(v)
+                out[k] = [None if x is None else _values_torch(torch, x, kind, device, non_blocking)
                           for x in _ragged.split_rows(v)]
                 continue
             if isinstance(v, (pa.Array, pa.ChunkedArray)):  # other Arrow types (rare): one tensor per row, as before
@@ -225,8 +226,9 @@ class SampleBatch:
                          seen: list[tuple[np.ndarray, tuple[Any, Any, int]]]) -> None:
         vals, offs = _ragged.flat(values, writable=pack)  # a gather's own memory goes to torch without a copy
         same = offs.shape == ref_offs.shape and bool(np.array_equal(offs, ref_offs))
+        kind = _list_dtype(values)  # bfloat16 / float8 lists: their bits, viewed as the dtype
         if pack:
-            out[name] = _torch_from_numpy(torch, vals, device, False)
+            out[name] = _values_torch(torch, vals, kind, device, False)
             if is_ref or not same:
                 prefix = "" if is_ref else f"{name}_"
                 made = next((m for o, m in seen if o.shape == offs.shape and np.array_equal(o, offs)), None)
@@ -237,8 +239,11 @@ class SampleBatch:
                     seen.append((offs, made))
                 out[f"{prefix}cu_seqlens"], out[f"{prefix}position_ids"], out[f"{prefix}max_seqlen"] = made
             return
+        if kind is not None:  # the pad value as the dtype's bits
+            pad_value = torch.tensor(pad_value, dtype=torch.float32).to(_dtypes.torch_dtype(kind)).view(
+                torch.int16 if kind == "bfloat16" else torch.uint8).item() & (0xFFFF if kind == "bfloat16" else 0xFF)
         padded, mask = _ragged.pad(values, pad_value)
-        out[name] = _torch_from_numpy(torch, padded, device, False)
+        out[name] = _values_torch(torch, padded, kind, device, False)
         if is_ref or not same:
             out["attention_mask" if is_ref else f"{name}_attention_mask"] = torch.from_numpy(mask).to(device)
 
@@ -371,6 +376,20 @@ def _logical_torch(torch: Any, values: Any, device: Any, non_blocking: bool) -> 
         return [None if r is None else _dtypes.torch_view(r, name).to(device, non_blocking=non_blocking)
                 for r in out]
     t = _dtypes.torch_view(out, name)
+    return t.to(device, non_blocking=non_blocking) if str(device) != "cpu" else t
+
+
+def _list_dtype(values: Any) -> str | None:
+    """The arrowbuf dtype of a ragged column's values (a ragged bfloat16 or float8 field), or None."""
+    vt = values.type.value_type
+    return vt.dtype_name if isinstance(vt, _dtypes.LogicalType) else None
+
+
+def _values_torch(torch: Any, v: np.ndarray, kind: str | None, device: Any, non_blocking: bool) -> Any:
+    """`_torch_from_numpy`, or for the bits of an arrowbuf dtype `kind`, a tensor of that dtype over them."""
+    if kind is None:
+        return _torch_from_numpy(torch, v, device, non_blocking)
+    t = _dtypes.torch_view(v, kind)
     return t.to(device, non_blocking=non_blocking) if str(device) != "cpu" else t
 
 

@@ -28,7 +28,7 @@ import pyarrow as pa
 from ..ring.reservations import HOLE
 from ..schema import jsonvalues as _json
 from ..schema.convert import tensor_to_numpy
-from ..schema.dtypes import LogicalType, to_arrow, to_physical
+from ..schema.dtypes import LogicalType, to_arrow, to_physical, wrap_list
 from ..store.core import StoreCore
 
 
@@ -127,6 +127,8 @@ def arrow_column(values: Any, arrow_type: pa.DataType) -> pa.Array:
         return to_arrow(arrow_type, values)
     if isinstance(arrow_type, pa.JsonType):
         return _json.to_arrow(values)
+    if pa.types.is_list(arrow_type) and isinstance(arrow_type.value_type, LogicalType):  # a ragged bfloat16 field
+        return wrap_list(arrow_type.value_type.dtype_name, values)
     if isinstance(values, pa.Array):
         return values
     if isinstance(arrow_type, pa.FixedShapeTensorType):

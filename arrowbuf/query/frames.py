@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import SchemaError, require
-from ..schema.dtypes import LogicalType
+from ..schema.dtypes import LogicalType, unwrap_list
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..schema import ExperienceSchema
@@ -40,6 +40,8 @@ def _plain(table: pa.Table, sql: bool = False) -> pa.Table:
         if isinstance(t, pa.FixedShapeTensorType) or isinstance(t, LogicalType) or (
                 isinstance(t, pa.JsonType) and not sql):
             col = pa.chunked_array([c.storage for c in col.chunks], type=t.storage_type)
+        elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and isinstance(t.value_type, LogicalType):
+            col = pa.chunked_array([unwrap_list(c) for c in col.chunks])  # ragged bfloat16/float8: their bits
         if sql and _has_half(col.type):
             col = col.cast(_no_half(col.type))
         cols.append(col)

@@ -48,6 +48,7 @@ import pyarrow as pa
 from ..errors import SchemaError
 from ..schema import ExperienceSchema
 from ..schema import jsonvalues as _json
+from ..schema.dtypes import unwrap_list
 from ..tiers.base import Tier
 from . import ragged_gather as _ragged
 from .chunks import ChunkDirectory
@@ -125,6 +126,8 @@ class ColumnArenas:
     def write_ragged(self, name: str, values: pa.Array, first_pos: int) -> None:
         if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
             values = _json.to_physical(values)  # a json column as checkpoint files hold it (arrow.json): its bytes
+        else:
+            values = unwrap_list(values)  # a ragged bfloat16/float8 column as files hold it: its bits
         if self.later and name in self.later:  # a range that wraps the ring: mark it in two pieces
             head = min(len(values), self.arena_rows - first_pos)
             self.presence.mark(name, first_pos, values.slice(0, head))

@@ -114,6 +114,15 @@ def _logical_fits(spec: FieldSpec, t: pa.DataType) -> bool:
     """Whether an Arrow column of type `t` converts to a bits, complex or json field (`_convert_logical`'s rules)."""
     if spec.is_json:
         return _json.is_text_type(t)
+    if spec.ragged:
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+            return False
+        vt = t.value_type
+        if isinstance(vt, _dtypes.LogicalType):
+            return vt.dtype_name == spec.dtype_name and not vt.shape
+        bits = _dtypes.BITS[spec.dtype_name].bits
+        return (pa.types.is_integer(vt) and vt.bit_width == 8 * bits.itemsize) or (
+            spec.dtype_name == "bfloat16" and pa.types.is_floating(vt))
     if isinstance(t, _dtypes.LogicalType):
         return t.dtype_name == spec.dtype_name and int(np.prod(t.shape)) == int(np.prod(spec.shape))
     own = spec.arrow_type()
@@ -221,10 +230,10 @@ def _convert_field(spec: FieldSpec, value: Any, single: bool) -> Any:
     """Validate one field's values; return [n, *shape] numpy (fixed) or a pa.ListArray (ragged)."""
     if spec.is_json:
         return _convert_json(spec, value, single)
-    if not spec.plain:
+    if not spec.plain and not spec.ragged:
         return _convert_logical(spec, value, single)
     if _dtypes.is_tensor(value):  # a torch tensor, also of a dtype numpy lacks (bfloat16 -> float32 is exact)
-        value = _dtypes.tensor_numpy(value)
+        value = _dtypes.tensor_numpy(value, spec.logical)
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
         if single:
             raise SchemaError(f"field {spec.name!r}: append takes plain values, not Arrow arrays")
@@ -454,17 +463,24 @@ def _check_offsets(spec: FieldSpec, arr: pa.Array) -> None:
 
 def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
     value_type = pa.from_numpy_dtype(spec.dtype)
+    cast = _cast if spec.plain else _cast_logical  # bfloat16 / float8 lists: the bits, `_cast_logical`'s rules
     if isinstance(value, pa.Array):
         arr = value
         _check_offsets(spec, arr)
         vt = arr.type.value_type
+        if isinstance(vt, _dtypes.LogicalType):
+            if spec.plain or vt.dtype_name != spec.dtype_name or vt.shape:
+                raise SchemaError(f"field {spec.name!r}: expected a {spec.describe()}, got Arrow type {arr.type}; "
+                                  "convert it explicitly (no silent rounding)")
+            arr = _dtypes.unwrap_list(arr)  # its bits, zero-copy
+            vt = arr.type.value_type
         if vt != value_type:
-            inner = _cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
+            inner = cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
             arr = pa.ListArray.from_arrays(arr.offsets, pa.array(inner, type=value_type))
         elif isinstance(arr, pa.LargeListArray):
             arr = arr.cast(pa.list_(value_type))
         if not spec.allow_nan:
-            _cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
+            cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
         return arr
     rows = [value] if single else value
     if isinstance(rows, np.ndarray) and rows.dtype != object and rows.ndim == 2:
@@ -475,12 +491,12 @@ def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
         raise SchemaError(f"field {spec.name!r}: expected a ragged list per step, got {type(value).__name__}") from None
     parts = []
     for r in rows:
-        a = np.asarray(r)
+        a = _dtypes.tensor_numpy(r, spec.logical) if _dtypes.is_tensor(r) else np.asarray(r)
         if a.ndim != 1:
             raise SchemaError(
-                f"field {spec.name!r}: expected a 1-D list of {spec.dtype} per step, got shape {list(a.shape)}"
+                f"field {spec.name!r}: expected a 1-D list of {spec.dtype_name} per step, got shape {list(a.shape)}"
             )
-        parts.append(_cast(spec, a) if a.size else a.astype(spec.dtype))
+        parts.append(cast(spec, a) if a.size else np.zeros(0, spec.dtype))
     lengths = np.fromiter((len(p) for p in parts), dtype=np.int32, count=len(parts))
     offsets = np.zeros(len(parts) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])

@@ -242,6 +242,31 @@ def to_arrow(t: LogicalType, values: np.ndarray, mask: np.ndarray | None = None)
     return t.wrap_array(pa.FixedSizeListArray.from_arrays(inner, type=t.storage_type) if size else inner)
 
 
+def wrap_list(name: str, arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A list column of bits (`list<uint16>` of a ragged bfloat16 field, as the ring keeps it) as a list of
+    `arrowbuf.<name>` values over the same buffers; a list already of that type passes through."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    if isinstance(arr.type.value_type, LogicalType):
+        return arr
+    t = arrow_type(name, ())
+    list_type = pa.large_list(t) if pa.types.is_large_list(arr.type) else pa.list_(t)
+    return pa.Array.from_buffers(list_type, len(arr), arr.buffers()[:2], null_count=arr.null_count,
+                                 offset=arr.offset, children=[t.wrap_array(arr.values)])
+
+
+def unwrap_list(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """The inverse of `wrap_list`: a list of an arrowbuf dtype as the list of its storage (zero-copy)."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    vt = arr.type.value_type
+    if not isinstance(vt, LogicalType):
+        return arr
+    list_type = pa.large_list(vt.storage_type) if pa.types.is_large_list(arr.type) else pa.list_(vt.storage_type)
+    return pa.Array.from_buffers(list_type, len(arr), arr.buffers()[:2], null_count=arr.null_count,
+                                 offset=arr.offset, children=[arr.values.storage])
+
+
 def storage_values(arr: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
     """(the physical element values as a flat numpy array, the storage array) of an array of a `LogicalType` or of
     its storage type: zero-copy (read-only unless the Arrow buffer is mutable)."""
@@ -383,4 +408,5 @@ def from_device(value: Any, name: str) -> Any:
 
 __all__ = ["BITS", "COMPLEX", "NAMES", "BitsDtype", "LogicalArray", "LogicalType", "TYPES", "arrow_type",
            "bfloat16_to_float32", "from_device", "is_logical", "is_tensor", "physical_dtype", "round_to_bfloat16",
-           "storage_values", "tensor_dtype_name", "tensor_numpy", "to_arrow", "to_physical", "torch_view"]
+           "storage_values", "tensor_dtype_name", "tensor_numpy", "to_arrow", "to_physical", "torch_view",
+           "unwrap_list", "wrap_list"]

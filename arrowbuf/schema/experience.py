@@ -521,6 +521,8 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
             fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), tuple(t.shape))
         elif pa.types.is_fixed_size_list(t):
             fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), (t.list_size,))
+        elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and isinstance(t.value_type, _dtypes.LogicalType):
+            fields[f.name] = FieldSpec(f.name, t.value_type.dtype_name, (), ragged=True)  # type: ignore[arg-type]
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
             fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), (), ragged=True)
         else:

@@ -36,6 +36,8 @@ def to_arrow(spec: FieldSpec, values: Any, mask: np.ndarray | None = None) -> An
     if spec.is_json:
         return _json.to_arrow(values)
     name = spec.dtype_name
+    if spec.ragged:  # bfloat16 / float8 lists: list<bits> as a list of the dtype, over the same buffers
+        return _dtypes.wrap_list(name, values)
     if _dtypes.is_tensor(values):
         return _dtypes.from_device(values, name)
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
@@ -64,6 +66,8 @@ def to_physical(spec: FieldSpec, column: Any) -> Any:
         return column
     if spec.is_json:
         return _json.to_physical(column)
+    if spec.ragged:
+        return _dtypes.unwrap_list(column)
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     if isinstance(column, pa.Array) and not isinstance(column.type, _dtypes.LogicalType):

@@ -109,9 +109,9 @@ class FieldSpec:
                 raise SchemaError(f"field {self.name!r}: a json field holds one JSON value per step; drop 'shape' "
                                   "(a list is a JSON value)")
             object.__setattr__(self, "ragged", True)
-        elif self.ragged and not self.plain:
+        elif self.ragged and self.dtype.kind == "c":
             raise SchemaError(f"field {self.name!r}: ragged {self.dtype_name} fields are not supported; declare a "
-                              "shape, or store the values as float32 (exact for bfloat16 and float8)")
+                              "shape, or store real and imaginary parts as two float fields")
 
     @property
     def dtype_name(self) -> str:
@@ -141,7 +141,8 @@ class FieldSpec:
         if self.logical == JSON:
             return _json.JSON_TYPE
         if self.logical is not None or self.dtype.kind == "c":
-            return _dtypes.arrow_type(self.dtype_name, self.shape)
+            scalar = _dtypes.arrow_type(self.dtype_name, () if self.ragged else self.shape)
+            return pa.list_(scalar) if self.ragged else scalar
         value = pa.from_numpy_dtype(self.dtype)
         if self.ragged:
             return pa.list_(value)

@@ -32,6 +32,7 @@ from ..delivery.batch import SampleBatch
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, SchemaError
 from ..ring.index import PENDING
 from ..ring.outpool import OutputPool, take_into
+from ..ring.ragged_gather import own_as
 from ..ring.reservations import HOLE
 from ..ring.tiered import TieredColumnArenas
 from ..samplers import Sampler, validate_priorities
@@ -209,7 +210,14 @@ class StoreReader:
     def _deliver(self, arrays: dict[str, Any]) -> dict[str, Any]:
         """Gathered columns as a batch holds them: fields of a dtype numpy lacks (bfloat16, float8, complex, json)
         as the Arrow columns of their dtype over the gathered memory (`arrowbuf.schema.logical`)."""
-        return _logical.deliver(self.core.schema, arrays) if self._logical else arrays
+        if not self._logical:
+            return arrays
+        lists = {k: v for k, v in arrays.items() if isinstance(v, pa.ListArray)}
+        out = _logical.deliver(self.core.schema, arrays)
+        for k, v in lists.items():  # a ragged bfloat16 gather's own memory stays the batch's: packed without a copy
+            if out[k] is not v:
+                own_as(v, out[k])
+        return out
 
     def _check_n_step(self, n_step: int, gamma: float) -> None:
         if not isinstance(n_step, (int, np.integer)) or n_step < 1:
