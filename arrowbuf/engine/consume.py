@@ -577,7 +577,7 @@ class ConsumeTracker:
 
     def _check_version_field(self) -> None:
         spec = self.core.schema.fields.get("policy_version")
-        if spec is None or spec.shape or spec.ragged or spec.dtype.kind not in "iu":
+        if spec is None or spec.shape or spec.ragged or not spec.plain or spec.dtype.kind not in "iu":
             raise SchemaError(f"staleness needs an integer scalar field 'policy_version' in schema "
                               f"{self.core.schema.name!r}; add `policy_version: {{dtype: int64}}`")
 

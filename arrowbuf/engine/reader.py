@@ -32,10 +32,12 @@ from ..delivery.batch import SampleBatch
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, SchemaError
 from ..ring.index import PENDING
 from ..ring.outpool import OutputPool, take_into
+from ..ring.ragged_gather import own_as
 from ..ring.reservations import HOLE
 from ..ring.tiered import TieredColumnArenas
 from ..samplers import Sampler, validate_priorities
 from ..schema import FieldSpec
+from ..schema import logical as _logical
 from .core import StoreCore
 from .nstep import n_step_returns
 
@@ -72,6 +74,7 @@ class StoreReader:
         self.count_access = False
         self.outputs = OutputPool()
         core.cols.use_outputs(self.outputs)  # large ragged gathers too
+        self._logical = _logical.needs_delivery(core.schema)
 
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
@@ -98,7 +101,7 @@ class StoreReader:
         arrays = self._gather_consistent(seqs, weights, names, n_step, gamma, timeout)
         self._sampled(seqs)
         indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
-        return SampleBatch(arrays, indices, weights)
+        return SampleBatch(self._deliver(arrays), indices, weights)
 
     def sample_pieces(self, n: int, rows: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                       piece_bytes: int | None = None, n_step: int | None = None,
@@ -157,7 +160,7 @@ class StoreReader:
                 nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays.values())
                 rows = max(1, int(piece_bytes * len(part) // max(1, nbytes)))
             start += len(part)
-            yield SampleBatch(arrays, part[:, 0].copy() if part.ndim == 2 else part.copy(),
+            yield SampleBatch(self._deliver(arrays), part[:, 0].copy() if part.ndim == 2 else part.copy(),
                               None if w is None else w.copy())
             del arrays
         self._sampled(seqs)
@@ -202,7 +205,19 @@ class StoreReader:
         `sample` gathers. For callers that keep the rows in place meanwhile (`arrowbuf.engine.consume` pins them while
         it gathers): no torn-row check."""
         names = self.core.schema.resolve_columns(list(columns) if columns is not None else None)
-        return self._gather_stable(np.asarray(seqs, dtype=np.int64), names, None, 0.99)
+        return self._deliver(self._gather_stable(np.asarray(seqs, dtype=np.int64), names, None, 0.99))
+
+    def _deliver(self, arrays: dict[str, Any]) -> dict[str, Any]:
+        """Gathered columns as a batch holds them: fields of a dtype numpy lacks (bfloat16, float8, complex, json)
+        as the Arrow columns of their dtype over the gathered memory (`arrowbuf.schema.logical`)."""
+        if not self._logical:
+            return arrays
+        lists = {k: v for k, v in arrays.items() if isinstance(v, pa.ListArray)}
+        out = _logical.deliver(self.core.schema, arrays)
+        for k, v in lists.items():  # a ragged bfloat16 gather's own memory stays the batch's: packed without a copy
+            if out[k] is not v:
+                own_as(v, out[k])
+        return out
 
     def _check_n_step(self, n_step: int, gamma: float) -> None:
         if not isinstance(n_step, (int, np.integer)) or n_step < 1:
@@ -540,7 +555,8 @@ class _SnapshotIter:
                     elif n in cols:
                         arrays.append(_column_copy(cols.view(n, p0, p1), c.schema.fields[n]))
                     elif n in self.ragged:
-                        arrays.append(self.ragged[n][slot].slice(p0 - slot * chunk_rows, p1 - p0))
+                        arrays.append(_logical.to_arrow(c.schema.fields[n],
+                                                        self.ragged[n][slot].slice(p0 - slot * chunk_rows, p1 - p0)))
                     elif n == "seq":
                         arrays.append(pa.array(np.arange(s0, s0 + p1 - p0, dtype=np.int64)))
                     else:
@@ -574,13 +590,15 @@ class _SnapshotIter:
                 out[n] = cols.snapshot_later(n, p0, p1)
             else:  # ragged: the slot's current array (an update replaces it inside its bracket)
                 off = p0 - slot * self.core.directory.chunk_rows
-                out[n] = cols.ragged[n][slot].slice(off, p1 - p0)
+                out[n] = _logical.to_arrow(self.core.schema.fields[n], cols.ragged[n][slot].slice(off, p1 - p0))
         return out
 
 
 def _column_copy(values: Any, spec: FieldSpec) -> pa.Array:
     """An Arrow array of a copy of `values` (arena rows): the arena may be overwritten after the snapshot."""
     values = np.array(values, copy=True)
+    if not spec.plain:
+        return _logical.to_arrow(spec, values)
     if spec.shape:
         return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
     return pa.array(values)

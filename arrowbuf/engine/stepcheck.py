@@ -127,6 +127,8 @@ def slow_reason(schema: Any, step: Any, derived: tuple[str, ...]) -> str:
     if type(step) is not dict:
         return f"the step is a {type(step).__name__}, not a dict"
     for name, spec in schema.fields.items():
+        if not spec.plain:
+            return f"field {name!r} is {spec.dtype_name} (the general path converts it)"
         if spec.ragged or spec.later:
             return f"field {name!r} is {'ragged' if spec.ragged else 'filled later'} (the general path stores it)"
         if name not in step:

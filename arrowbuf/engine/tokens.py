@@ -15,8 +15,8 @@ from ..errors import InvalidArgument, SchemaError
 
 
 def ragged_fields(schema: Any) -> list[str]:
-    """The ragged (list) fields of `schema`, in order."""
-    return [n for n, f in schema.fields.items() if f.ragged]
+    """The ragged (list) fields of `schema`, in order (json fields are stored as bytes, but hold no tokens)."""
+    return [n for n, f in schema.fields.items() if f.ragged and not f.is_json]
 
 
 def check_token_field(schema: Any, token_field: str | None) -> str | None:
@@ -27,7 +27,7 @@ def check_token_field(schema: Any, token_field: str | None) -> str | None:
     """
     if token_field is not None:
         spec = schema.fields.get(token_field)
-        if spec is None or not spec.ragged:
+        if spec is None or not spec.ragged or spec.is_json:
             raise SchemaError(f"token_field={token_field!r} must name a ragged field of schema {schema.name!r}; "
                               f"its ragged fields are {ragged_fields(schema)}")
     return token_field

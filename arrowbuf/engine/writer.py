@@ -199,10 +199,11 @@ class StoreWriter(PiecesWriter):
     # ------------------------------------------------------------------ the append fast path
     def _fast_plan(self) -> list[tuple] | None:
         """Per-field checks for the append fast path (`arrowbuf.engine.stepcheck`), or None when the schema needs the
-        general path (ragged fields; fields filled later, whose presence the general path records)."""
+        general path (ragged fields; fields filled later, whose presence the general path records; dtypes numpy lacks,
+        `FieldSpec.plain`)."""
         plan: list[tuple] = []
         for f in self.core.schema.fields.values():
-            if f.ragged or f.later:
+            if f.ragged or f.later or not f.plain:  # not plain: bfloat16/float8 bits, complex, json convert first
                 return None
             if f.shape:
                 plan.append((f.name, f.shape, f.dtype, not f.allow_nan, None, 0, 0, f))

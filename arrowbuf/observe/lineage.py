@@ -423,7 +423,7 @@ def for_core(core: Any, version: Callable[[], int], tasks: list[str], version_vi
     integer one, else the store's `version()` at each commit (`version_view`: see `Lineage`); `tasks` declared."""
     spec = core.schema.fields.get("policy_version")
     row_version = None
-    if spec is not None and not spec.shape and not spec.ragged and spec.dtype.kind in "iu":
+    if spec is not None and not spec.shape and not spec.ragged and spec.plain and spec.dtype.kind in "iu":
         def row_version(pos: Any) -> np.ndarray:
             return np.asarray(core.cols.column("policy_version")[pos])
 

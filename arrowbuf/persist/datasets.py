@@ -204,7 +204,7 @@ def _feed(store: Any, batch: pa.RecordBatch, schema: ExperienceSchema) -> None:
         if name not in batch.schema.names:
             raise SchemaError(f"dataset rows have no field {name!r}; expected {list(schema.fields)}")
         col = batch.column(name)
-        if spec.ragged:
+        if spec.ragged or spec.later:  # as stored (a later field's nulls: rows without a value); validated by extend
             cols[name] = col
             continue
         if col.null_count:

@@ -29,7 +29,9 @@ import pyarrow as pa
 
 from ..engine.core import StoreCore
 from ..ring.reservations import HOLE
+from ..schema import jsonvalues as _json
 from ..schema.convert import tensor_to_numpy
+from ..schema.dtypes import LogicalType, to_arrow, to_physical, wrap_list
 
 
 @dataclass
@@ -127,8 +129,17 @@ def restore_sampler_state(sampler: Any, pos: np.ndarray, meta: dict[str, Any], a
     sampler.load_state(pos, meta, arrays, dropped_valid)
 
 
-def arrow_column(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
-    """A numpy column (rows first) as the Arrow array of the stored column's type."""
+def arrow_column(values: Any, arrow_type: pa.DataType) -> pa.Array:
+    """A numpy column (rows first) as the Arrow array of the stored column's type; a json column's bytes (the
+    ring's `list<uint8>`) as `arrow.json`."""
+    if isinstance(arrow_type, LogicalType):  # bfloat16, float8, complex (arrowbuf.schema.dtypes)
+        return to_arrow(arrow_type, values)
+    if isinstance(arrow_type, pa.JsonType):
+        return _json.to_arrow(values)
+    if pa.types.is_list(arrow_type) and isinstance(arrow_type.value_type, LogicalType):  # a ragged bfloat16 field
+        return wrap_list(arrow_type.value_type.dtype_name, values)
+    if isinstance(values, pa.Array):
+        return values
     if isinstance(arrow_type, pa.FixedShapeTensorType):
         return tensor_array(values)
     return pa.array(values, type=arrow_type)
@@ -149,6 +160,8 @@ def numpy_column(array: Any) -> np.ndarray:
     """An Arrow column of a row file as numpy (tensors [rows, *shape])."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
+    if isinstance(array.type, LogicalType):
+        return to_physical(array)
     if isinstance(array.type, pa.FixedShapeTensorType):
         if len(array) == 0:
             return np.empty((0, *array.type.shape), dtype=array.type.value_type.to_pandas_dtype())
@@ -170,7 +183,7 @@ def read_chunk(core: StoreCore, snap: Snapshot, i: int, schema: pa.Schema) -> pa
         elif name in snap.tail and i == len(snap.chunks) - 1 and not snap.sealed[i]:
             arrays.append(arrow_column(snap.tail[name], f.type))
         elif name in snap.ragged:
-            arrays.append(snap.ragged[name][slot].slice(p0 - slot * core.chunk_rows, n))
+            arrays.append(arrow_column(snap.ragged[name][slot].slice(p0 - slot * core.chunk_rows, n), f.type))
         elif name == "seq":
             arrays.append(pa.array(np.arange(first, first + n, dtype=np.int64)))
         elif name == "episode_id":
@@ -202,6 +215,8 @@ def later_digest(columns: dict[str, Any]) -> str | None:
         a = columns[name]
         if isinstance(a, pa.ChunkedArray):
             a = a.combine_chunks()
+        if isinstance(a.type, pa.JsonType):  # as the ring holds it (list<uint8>): the same digest either way
+            a = _json.to_physical(a)
         valid = np.asarray(a.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
         crc = zlib.crc32(valid.tobytes(), zlib.crc32(name.encode(), crc))
         given = a.filter(pa.array(valid))

@@ -52,7 +52,7 @@ class ShardedConsumer:
         self.sampler = sampler
         self._turn = -1
         self._writers: dict[tuple[int, float | None], ShardWriter] = {}  # by (shard, insert timeout)
-        ragged = [f for f, spec in schema.fields.items() if spec.ragged]
+        ragged = [f for f, spec in schema.fields.items() if spec.ragged and not spec.is_json]
         self.token_field = token_field or ("response_tokens" if "response_tokens" in ragged else
                                            (ragged[0] if len(ragged) == 1 else None))
 

@@ -26,7 +26,7 @@ from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, ShardsLost, 
 from ..options import StoreOptions
 from ..samplers import make_sampler, validate_priorities
 from ..schema import ExperienceSchema, load_schema
-from ._common import _DaemonPool, _ray
+from ._common import _DaemonPool, _ray, step_batch
 from .allocate import allocate, allocate_fanout
 from .consume import ShardedConsumer
 from .ids import MAX_SHARDS, shard_of
@@ -588,7 +588,7 @@ class ShardedStore:
 
     def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
         """Write one step through the default writer; returns its global id (`timeout` as `extend`)."""
-        return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()}, timeout=timeout)[0])
+        return int(self.extend(step_batch(step), timeout=timeout)[0])
 
     # ------------------------------------------------------------------ consumption per task
     # Thin delegation to `arrowbuf.ray.consume.ShardedConsumer`.

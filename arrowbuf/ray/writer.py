@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from ..errors import ArrowbufError, InvalidArgument, SchemaError, ShardsLost, StoreClosed, Unavailable
 from ..tiers.shm.janitor import owner_dead
-from ._common import _ray
+from ._common import _ray, step_batch
 from .ids import encode_ids
 from .shard import shm_safe
 
@@ -210,7 +210,7 @@ class ShardWriter:
 
     def append(self, step: dict[str, Any]) -> int:
         """Write one step (a dict of scalars and arrays); returns its global id."""
-        return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()})[0])
+        return int(self.extend(step_batch(step))[0])
 
     def _prepare(self, batch: Any) -> pa.RecordBatch:
         if self._closed:

@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from ..errors import ArrowbufError, SchemaError
 from ..schema import ExperienceSchema, FieldSpec
+from ..schema import logical as _logical
 from ..schema.convert import later_mask
 from ..tiers.base import Tier
 
@@ -166,6 +167,8 @@ def to_nullable(spec: FieldSpec, values: Any, present: np.ndarray, shape: tuple[
 def nullable_array(spec: FieldSpec, values: np.ndarray, present: np.ndarray) -> pa.Array:
     """`values` ([n, *shape] numpy) as an Arrow array of the field's type, null where not `present`."""
     mask = ~np.asarray(present, dtype=bool)
+    if not spec.plain:  # bfloat16, float8, complex: the Arrow type of the dtype over the same memory
+        return _logical.to_arrow(spec, values, mask)
     if not spec.shape:
         return pa.array(values, type=pa.from_numpy_dtype(spec.dtype), mask=mask)
     flat = pa.array(np.ascontiguousarray(values).reshape(-1), type=pa.from_numpy_dtype(spec.dtype))

@@ -28,6 +28,7 @@ lives in arrowbuf/schema/convert.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
@@ -38,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import SchemaError
+from . import dtypes as _dtypes
 from .convert import (
     absent_values,
     arrow_type_fits,
@@ -48,6 +50,7 @@ from .convert import (
 from .spec import (
     DEFAULT_EPISODE_END,
     DEFAULT_TRUNCATION,
+    JSON,
     STREAM_KEYS,
     SYSTEM_COLUMNS,
     DerivedSpec,
@@ -90,6 +93,9 @@ class ExperienceSchema:
                 )
             if src.ragged:
                 raise SchemaError(f"schema {self.name!r}: derived field {d.name!r} cannot derive from ragged field")
+            if src.logical is not None:
+                raise SchemaError(f"schema {self.name!r}: derived field {d.name!r} cannot derive from a "
+                                  f"{src.dtype_name} field ({d.next_of!r}); store it as a field of its own")
             if src.later:
                 raise SchemaError(f"schema {self.name!r}: derived field {d.name!r} derives from {d.next_of!r}, which "
                                   "is filled later; a next_of source is written with its row (drop `later`)")
@@ -186,8 +192,7 @@ class ExperienceSchema:
         if name in self.fields:
             return self.fields[name]
         d = self.derived[name]
-        src = self.fields[d.next_of]
-        return FieldSpec(d.name, src.dtype, src.shape, src.ragged, src.allow_nan, src.later, src.mean_length)
+        return dataclasses.replace(self.fields[d.next_of], name=d.name)
 
     @property
     def row_bytes(self) -> int:
@@ -197,10 +202,10 @@ class ExperienceSchema:
         """The dict form `load_schema` accepts (round-trips)."""
         fields: dict[str, Any] = {}
         for f in self.fields.values():
-            d: dict[str, Any] = {"dtype": f.dtype.name}
+            d: dict[str, Any] = {"dtype": f.dtype_name}
             if f.shape:
                 d["shape"] = list(f.shape)
-            if f.ragged:
+            if f.ragged and not f.is_json:
                 d["ragged"] = True
             if not f.allow_nan:
                 d["allow_nan"] = False
@@ -434,7 +439,7 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
                               "mean_length")
         if "dtype" not in spec:
             raise SchemaError(f"{loc}: missing 'dtype'")
-        dtype = parse_dtype(loc, spec["dtype"])
+        dtype, logical = parse_dtype(loc, spec["dtype"])
         shape_raw = spec.get("shape", []) or []
         if isinstance(shape_raw, int):
             shape_raw = [shape_raw]
@@ -454,11 +459,16 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
         if not isinstance(later, bool):
             raise SchemaError(f"{loc}: 'later' must be true or false, got {later!r}")
         mean_length = spec.get("mean_length")
+        if logical == JSON and ragged:
+            raise SchemaError(f"{loc}: a json field holds one JSON value per step (a list is a value); drop "
+                              "'ragged'")
         if mean_length is not None and (not isinstance(mean_length, int) or isinstance(mean_length, bool)
-                                        or not 0 < mean_length <= 1 << 30 or not ragged):
-            raise SchemaError(f"{loc}: 'mean_length' is the mean elements per row of a ragged field: a positive "
-                              f"integer (at most 2**30) on a field with ragged: true; got {mean_length!r}")
-        fields[str(name)] = FieldSpec(str(name), dtype, tuple(shape_raw), ragged, allow_nan, later, mean_length)
+                                        or not 0 < mean_length <= 1 << 30 or not (ragged or logical == JSON)):
+            raise SchemaError(f"{loc}: 'mean_length' is the mean elements per row of a ragged field (bytes of text "
+                              "of a json field): a positive integer (at most 2**30) on a field with ragged: true "
+                              f"or dtype: json; got {mean_length!r}")
+        fields[str(name)] = FieldSpec(str(name), dtype, tuple(shape_raw), ragged, allow_nan, later, mean_length,
+                                      logical)
     derived: dict[str, DerivedSpec] = {}
     derived_raw = data.get("derived") or {}
     if not isinstance(derived_raw, Mapping):
@@ -503,10 +513,16 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
         if f.name in SYSTEM_COLUMNS:
             continue
         t = f.type
-        if isinstance(t, pa.FixedShapeTensorType):
+        if isinstance(t, _dtypes.LogicalType):
+            fields[f.name] = FieldSpec(f.name, t.dtype_name, t.shape)  # type: ignore[arg-type]  # a dtype name
+        elif isinstance(t, pa.JsonType):
+            fields[f.name] = FieldSpec(f.name, JSON)  # type: ignore[arg-type]  # a dtype name
+        elif isinstance(t, pa.FixedShapeTensorType):
             fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), tuple(t.shape))
         elif pa.types.is_fixed_size_list(t):
             fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), (t.list_size,))
+        elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and isinstance(t.value_type, _dtypes.LogicalType):
+            fields[f.name] = FieldSpec(f.name, t.value_type.dtype_name, (), ragged=True)  # type: ignore[arg-type]
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
             fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), (), ragged=True)
         else:
@@ -514,17 +530,17 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
                 dtype = np.dtype(t.to_pandas_dtype())
             except (NotImplementedError, TypeError):
                 raise SchemaError(f"pa.Schema field {f.name!r}: unsupported Arrow type {t}") from None
-            fields[f.name] = FieldSpec(f.name, parse_dtype(f"field {f.name!r}", dtype))
+            np_dtype, logical = parse_dtype(f"field {f.name!r}", dtype)
+            fields[f.name] = FieldSpec(f.name, np_dtype, logical=logical)
         meta_f = f.metadata or {}
         if meta_f.get(b"arrowbuf.allow_nan") == b"false" or meta_f.get(b"arrowbuf.later") == b"true" or \
                 b"arrowbuf.mean_length" in meta_f:
             spec = fields[f.name]
             mean = meta_f.get(b"arrowbuf.mean_length")
-            fields[f.name] = FieldSpec(spec.name, spec.dtype, spec.shape, spec.ragged,
-                                       allow_nan=meta_f.get(b"arrowbuf.allow_nan") != b"false",
-                                       later=meta_f.get(b"arrowbuf.later") == b"true",
-                                       mean_length=int(mean) if mean is not None and mean.isdigit() and spec.ragged
-                                       else None)
+            fields[f.name] = dataclasses.replace(
+                spec, allow_nan=meta_f.get(b"arrowbuf.allow_nan") != b"false",
+                later=meta_f.get(b"arrowbuf.later") == b"true",
+                mean_length=int(mean) if mean is not None and mean.isdigit() and spec.ragged else None)
     derived = {}
     if b"arrowbuf.derived" in meta:
         for pair in meta[b"arrowbuf.derived"].decode().split(","):

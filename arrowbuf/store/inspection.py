@@ -212,10 +212,11 @@ class StoreInspection(_Parts):
         `pip install 'arrowbuf[gpu]'` and a GPU."""
         from ..tiers.gpu import to_cudf
 
-        scalar = [n for n, f in self.schema.fields.items() if not f.shape and not f.ragged]
+        scalar = [n for n, f in self.schema.fields.items() if not f.shape and not f.ragged and f.plain]
         names = list(columns) if columns is not None else [*scalar, "episode_id", "step", "seq"]
         tensors = [n for n in names if n in self.schema.fields and (self.schema.fields[n].shape
-                                                                     or self.schema.fields[n].ragged)]
+                                                                     or self.schema.fields[n].ragged
+                                                                     or not self.schema.fields[n].plain)]
         if tensors:
             raise SchemaError(f"to_cudf() takes scalar and metadata columns; {tensors} are tensor or list columns "
                               "(cuDF has no fixed-shape tensor type): read them with sample(...).to_torch('cuda')")
