@@ -1,6 +1,6 @@
 """ExtendInPieces: one extend whose rows arrive in pieces (a Flight DoPut in parts), copied straight into the ring.
 
-`ExperienceStore.begin_extend(rows, names)` returns one when the store can take it (`StoreWriter.pieces_ok`: arena
+`ExperienceStore.begin_extend(rows, names)` returns one when the store can take it (`PiecesWriter.ok`: arena
 columns, ragged fields only outside shared memory, no consume hold, rate limiter, journal, derived fields, no
 episode-end fields in a shared store), else None (the caller assembles the batch and calls `extend`). A store with
 ragged fields appends their values to each chunk's region in ring order, so its batch in pieces holds the store's
@@ -32,17 +32,20 @@ from typing import Any
 import numpy as np
 
 from ..errors import SchemaError
+from ..schema import ExperienceSchema
+from .pieces_writer import PiecesWriter
+from .reservation import Reservation
 
 
 class ExtendInPieces:
     """The pieces of one extend of `rows` rows (see the module docstring). One thread uses it."""
 
-    def __init__(self, schema: Any, writer: Any, rows: int) -> None:
+    def __init__(self, schema: ExperienceSchema, writer: PiecesWriter, rows: int) -> None:
         self.schema = schema
         self.rows = int(rows)
         self.filled = 0
         self._writer = writer
-        self._res: Any = None
+        self._res: Reservation | None = None
         self._done = False
 
     def write(self, piece: Any) -> None:
@@ -58,8 +61,8 @@ class ExtendInPieces:
             raise SchemaError(f"an extend in pieces: a piece of {m} rows after {self.filled} of the {self.rows} "
                               "declared; nothing stored")
         if self._res is None:
-            self._res = self._writer.begin_pieces(self.rows)
-        self._writer.write_piece(self._res, self.filled, cols, m)
+            self._res = self._writer.begin(self.rows)
+        self._writer.write(self._res, self.filled, cols, m)
         self.filled += m
 
     def commit(self) -> np.ndarray:
@@ -74,7 +77,8 @@ class ExtendInPieces:
             self.abort()
             raise SchemaError(f"an extend in pieces ended after {self.filled} of {self.rows} rows; nothing stored")
         try:
-            ids = self._writer.finish_pieces(self._res)
+            assert self._res is not None
+            ids = self._writer.finish(self._res)
         except BaseException:  # not committed (the store closed while waiting for earlier writers): a hole
             self.abort()
             raise
@@ -87,7 +91,7 @@ class ExtendInPieces:
             return
         self._done = True
         if self._res is not None:
-            self._writer.abort_pieces(self._res)
+            self._writer.abort(self._res)
             self._res = None
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-#: `StoreWriter._reserve`'s plan argument: the episode plan is made at commit (a batch in pieces whose episode ends
+#: `StoreWriter.reserve`'s plan argument: the episode plan is made at commit (a batch in pieces whose episode ends
 #: come later).
 DEFER = object()
 
@@ -31,7 +31,7 @@ class Reservation:
     ending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     ready: Any = None
     links: list[tuple[int, int]] = field(default_factory=list)
-    ends: np.ndarray | None = None  # a batch in pieces whose episode plan waits for these (`begin_pieces`)
+    ends: np.ndarray | None = None  # a batch in pieces whose episode plan waits for these (`PiecesWriter.begin`)
     locked: bool = False  # a batch in pieces of a ragged store: it holds the write lock until commit or abort
 
 

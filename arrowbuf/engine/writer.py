@@ -2,7 +2,7 @@
 
 A batch is written in three steps, and commits once (`arrowbuf.ring.reservations` has the protocol):
 
-1. Reserve (`_reserve`, holding the store's write lock, briefly): the batch takes seqs `[base, base + n)` from the
+1. Reserve (`reserve`, holding the store's write lock, briefly): the batch takes seqs `[base, base + n)` from the
    reservation head and records them in the reservation table. Its ring positions are free: the ring keeps one spare
    chunk, so a batch that fits in it touches no live row; a longer batch first evicts, under the state lock, the
    oldest rows whose positions it reuses (while it is written the store holds fewer than `capacity` rows). Each
@@ -53,7 +53,6 @@ from ..ring.reservations import CHECK_S, HOLE, waited
 from ..samplers import Sampler
 from . import stepcheck
 from .core import StoreCore
-from .pieces_writer import PiecesWriter
 from .reservation import DEFER as _DEFER
 from .reservation import Reservation as _Reservation
 from .reservation import segments as _segments
@@ -64,7 +63,7 @@ _LO, _HI, _INSERTS = HEADER["lo"], HEADER["hi"], HEADER["inserts"]
 _RES, _WAITERS, _HOLES = HEADER["reserve_head"], HEADER["commit_waiters"], HEADER["holes"]
 
 
-class StoreWriter(PiecesWriter):
+class StoreWriter:
     """append, extend and end_episode over a store's `StoreCore` (see the module docstring for the protocol)."""
 
     def __init__(self, core: StoreCore) -> None:
@@ -92,8 +91,8 @@ class StoreWriter(PiecesWriter):
         self._notify_invalid = type(core.sampler).on_invalid is not Sampler.on_invalid
         self._warned_final = False
         # this process's episode streams: planned outside the write lock (other processes plan meanwhile), so the
-        # threads of one process take turns from plan to apply. Lock order: _streams, write_lock, lock.
-        self._streams = threading.Lock()
+        # threads of one process take turns from plan to apply. Lock order: streams, write_lock, lock.
+        self.streams = threading.Lock()
         # the store's ConsumeTracker when tasks or admission control are on, else None. A write
         # waits (`hold.wait`, outside the write lock) and re-checks (`hold.ready`, under it) that the rows it evicts
         # were consumed by every task and its rows' policy versions are admitted. See arrowbuf/consume.py.
@@ -145,7 +144,7 @@ class StoreWriter(PiecesWriter):
             return
         with c.write_lock, c.cond:
             base = c.index.hi
-            self._commit_hole(base, n)
+            self.commit_hole(base, n)
             h = c.index.header
             h[_RES] = max(int(h[_RES]), base + n)
 
@@ -164,7 +163,7 @@ class StoreWriter(PiecesWriter):
         unknown = sorted(set(final) - {d.name for d in c.derived})
         if unknown:
             raise SchemaError(f"end_episode() takes the derived fields {[d.name for d in c.derived]}; got {unknown}")
-        with self._streams, c.write_lock:
+        with self.streams, c.write_lock:
             c.check_open()
             st = c.episodes.streams.get(actor)
             prev = -1 if st is None else st.pending_seq
@@ -277,7 +276,7 @@ class StoreWriter(PiecesWriter):
         hv = self._hv
         arena_rows = self._arena_rows
         cols = c.cols
-        with self._streams, c.write_lock:
+        with self.streams, c.write_lock:
             if c.closed:
                 c.check_open()
             seq = hv[_HI]
@@ -354,7 +353,7 @@ class StoreWriter(PiecesWriter):
             self._wait_insert(n, timeout, deadline)  # outside the write lock: other writers go on meanwhile
             if self.hold is not None:  # eviction hold and admission by policy version
                 self.hold.wait(cols, n, timeout, deadline)
-            with self._streams:
+            with self.streams:
                 plan = first_id = None
                 if "episode_id" not in cols:  # plan the episodes before the write lock, ids provisional
                     first_id = c.episodes.next_episode_id
@@ -363,7 +362,7 @@ class StoreWriter(PiecesWriter):
                     c.check_open()
                     if not (self._may_insert(n) and (self.hold is None or self.hold.ready(cols, n))):
                         continue  # another writer used the room the limiter gave: wait again (outside the lock)
-                    r = self._reserve(cols, n, ends, plan, first_id)
+                    r = self.reserve(cols, n, ends, plan, first_id)
                     if on_reserve is not None:
                         try:
                             on_reserve(r.base, n)
@@ -381,10 +380,10 @@ class StoreWriter(PiecesWriter):
         except BaseException:
             self.core.reservations.abort(r.slot)  # the next waiter skips these rows (a hole)
             raise
-        self._commit_reserved(r)
+        self.commit_reserved(r)
         return np.arange(r.base, r.base + r.n, dtype=np.int64)
 
-    def _reserve(self, cols: dict[str, Any], n: int, ends: np.ndarray, plan: Any = None,
+    def reserve(self, cols: dict[str, Any], n: int, ends: np.ndarray, plan: Any = None,
                  first_id: int | None = None) -> _Reservation:
         """Step 1, under the write lock: take seqs [base, base + n) from the reservation head, free their ring
         positions (evicting the rows there), claim episode ids and final-observation slots.
@@ -398,7 +397,7 @@ class StoreWriter(PiecesWriter):
         arena_rows = c.arena_rows
         if plan is None:
             plan = c.episodes.plan(n, ends, actor=cols.get("actor"), episode_id=cols.get("episode_id"))
-        elif plan is _DEFER:  # planned at commit (`finish_pieces`, the caller holding `_streams` until then)
+        elif plan is _DEFER:  # planned at commit (`finish_pieces`, the caller holding `streams` until then)
             pass
         elif first_id is not None and c.episodes.next_episode_id != first_id:
             _shift_new_episodes(plan, first_id, c.episodes.next_episode_id - first_id)
@@ -477,7 +476,7 @@ class StoreWriter(PiecesWriter):
             r.ready = np.concatenate([(base + preds) % arena_rows, (base + ending) % arena_rows])
         r.links = [(prev, (base + j) % arena_rows) for prev, j in plan.patches if j >= skip]
 
-    def _commit_reserved(self, r: _Reservation) -> None:
+    def commit_reserved(self, r: _Reservation) -> None:
         """Step 3: wait until every earlier row committed (the watermark reaches this batch), then commit."""
         c = self.core
         if c.index.hi != r.base:
@@ -517,7 +516,7 @@ class StoreWriter(PiecesWriter):
                         seen = idx.hi
                         gone = res.stale(seen)
                         if gone:
-                            self._commit_hole(seen, gone)
+                            self.commit_hole(seen, gone)
                     since = time.monotonic()
                     continue
                 c.check_open()
@@ -526,7 +525,7 @@ class StoreWriter(PiecesWriter):
             with c.cond:
                 h[_WAITERS] -= 1
 
-    def _commit_hole(self, base: int, n: int) -> None:
+    def commit_hole(self, base: int, n: int) -> None:
         """Under the state lock: skip the reservation [base, base + n) of a dead writer (see tiers/reservations)."""
         c = self.core
         idx = c.index

@@ -97,10 +97,6 @@ def columns_table(cols: dict[str, Any]) -> pa.Table:
     return pa.table({name: column_array(c) for name, c in cols.items()})
 
 
-def seqs_bytes(seqs: np.ndarray) -> bytes:
-    return np.ascontiguousarray(seqs, dtype="<i8").tobytes()
-
-
 def _seqs(payload: bytes) -> np.ndarray:
     return np.frombuffer(payload, dtype="<i8").astype(np.int64)
 

@@ -24,12 +24,15 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Literal, cast, overload
 
 import numpy as np
+import pyarrow as pa
 
 from ..delivery.batch import SampleBatch
 from ..engine.consume import ConsumeTracker, check_store_options
 from ..engine.core import StoreCore
 from ..engine.episodes import EpisodeTracker
-from ..engine.reader import StoreReader
+from ..engine.pieces import ExtendInPieces
+from ..engine.pieces_writer import PiecesWriter
+from ..engine.reader import RowSnapshot, StoreReader
 from ..engine.update import StoreUpdater
 from ..engine.writer import StoreWriter
 from ..errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed, StoreCorrupt
@@ -46,15 +49,14 @@ from ..samplers import Sampler, make_sampler
 from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from ..tiers.base import Tier, format_bytes
 from ..tiers.host import HostTier
-from .inspection import StoreInspection
 from .pending import PendingWrite
-from .persistence import StorePersistence
+from .views import StoreViews, ViewParts
 from .writes import DirectWrites, StoreParts, Writes
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
 
 
-class ExperienceStore(StoreInspection, StorePersistence):
+class ExperienceStore:
     """An in-process experience store: a FIFO ring of `capacity` rows with pluggable sampling and rate limiting.
 
     Args:
@@ -127,8 +129,8 @@ class ExperienceStore(StoreInspection, StorePersistence):
         o = options
         #: latency histograms of extend, sample, consume, update (`arrowbuf.observe.timings`); None: not recorded
         self.timings: Timings | None = Timings() if o.observe else None
-        self._checkpoints: dict[str, Any] = {"count": 0, "last": None, "handle": None}
         self._writes: Writes | None = None
+        self._views: StoreViews | None = None
         check_store_options(o.tier, o.sampler, o.tasks)  # before anything is allocated
         self.capacity = o.capacity
         self.name = o.name or self.schema.name
@@ -169,6 +171,10 @@ class ExperienceStore(StoreInspection, StorePersistence):
                                                     direct=o.journal_direct)
             else:
                 self._writes = DirectWrites(self._parts())
+            tiers = list({id(t): t for t in [self._tier, *self._data_tiers]}.values())
+            self._views = StoreViews(
+                ViewParts(self.name, self.schema, self._core, self._reader, self._writer, self._consume,
+                          self._episodes, tiers, self.timings, self.placement_policy), self._writes)
         except BaseException:
             for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
                 if not t.shared or (t.fresh and not getattr(t, "sealed", True)):  # a shared store nobody attached
@@ -221,6 +227,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
                                Reservations(self._tier, self.index.header, HEADER["hi"]))
         self._cond = self._core.cond
         self._writer = StoreWriter(self._core)
+        self._pieces = PiecesWriter(self._writer)  # extends that arrive in pieces (`begin_extend`)
         self._reader = StoreReader(self._core)
         self._updater = StoreUpdater(self._core)  # store.update
         self.sampler.bind(self.index, self._rng,
@@ -242,6 +249,14 @@ class ExperienceStore(StoreInspection, StorePersistence):
     def _parts(self) -> StoreParts:
         assert self._core is not None
         return StoreParts(self._core, self._writer, self._reader, self._updater, self._consume)
+
+    @property
+    def _v(self) -> StoreViews:
+        """The store's read-only views (`arrowbuf.store.views`): set when the store is built."""
+        if self._views is None:
+            self._check_open()
+            raise StoreClosed(f"store {self.name!r} is not built")
+        return self._views
 
     @property
     def _w(self) -> Writes:
@@ -351,14 +366,12 @@ class ExperienceStore(StoreInspection, StorePersistence):
     def begin_extend(self, rows: int, names: Any) -> Any:
         """One extend of `rows` rows (columns `names`) that arrives in pieces, each copied straight into the ring
         (`arrowbuf.engine.pieces.ExtendInPieces`: write, commit, abort; the guarantees of one `extend`), or None
-        when this store takes such a batch only whole (`StoreWriter.pieces_ok`: durable, tiered, tasks, a rate
+        when this store takes such a batch only whole (`PiecesWriter.ok`: durable, tiered, tasks, a rate
         limiter, derived fields, episode ends or ragged fields in a shared store): then assemble it and call
         `extend`. With ragged fields the sink holds the write lock until its commit or abort."""
-        if not self._w.accepts_pieces or not self._writer.pieces_ok(int(rows), set(names)):
+        if not self._w.accepts_pieces or not self._pieces.ok(int(rows), set(names)):
             return None
-        from ..engine.pieces import ExtendInPieces
-
-        return ExtendInPieces(self._writer.core.schema, self._writer, int(rows))
+        return ExtendInPieces(self.schema, self._pieces, int(rows))
 
     def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
         """Add one step (a dict of scalars and arrays). Returns the new row's id (an int: its seq).
@@ -626,8 +639,150 @@ class ExperienceStore(StoreInspection, StorePersistence):
     def policy_version(self, value: int) -> None:
         self._w.set_policy_version(value)
 
-    # ------------------------------------------------------------------ persistence (`arrowbuf.persist`)
-    # checkpoint and export: `arrowbuf.store.persistence.StorePersistence`
+
+    # ------------------------------------------------------------------ views (`arrowbuf.store.views`)
+    def to_table(self, columns: Iterable[str] | None = None) -> pa.Table:
+        """The live rows, oldest first, as a `pa.Table` of the stored columns: a consistent snapshot.
+
+        Each row is exactly as committed (no row half-replaced, no part of a batch), the rows are one contiguous
+        seq range ending at the newest row committed at the call, and the table is a copy: writers go on without
+        changing it. If writers replace rows faster than they are copied, the table starts at the oldest row still
+        intact (see `arrowbuf.engine.reader`).
+        """
+        return self._v.to_table(columns)
+
+    def iter_table(self, columns: Iterable[str] | None = None, *, max_rows: int | None = None
+                   ) -> Iterator[pa.RecordBatch]:
+        """The live rows as a stream of consistent, copied record batches, about one chunk in memory at a time.
+
+        The rows are those committed at the call (nothing newer), oldest first, each exactly as committed (no torn
+        or half-replaced row, even while writers run). Rows that writers evict before the stream reaches them are
+        skipped (a gap in `seq`), never yielded torn. See `StoreReader.iter_snapshot`.
+
+        Args:
+            columns: stored columns (default: all of them).
+            max_rows: at most this many rows per batch (default: one chunk's rows).
+
+        Raises:
+            SchemaError: an unknown column (at the call). InvalidArgument: a bad `max_rows`.
+        """
+        return self._v.iter_table(columns, max_rows)
+
+    def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
+        """`to_table` with the seq range it covers: a `RowSnapshot` (lo, hi, live_lo, table). See
+        `arrowbuf.engine.reader`."""
+        return self._v.snapshot(columns)
+
+    def to_pandas(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows as a pandas DataFrame (tensor columns as arrays per row). Needs `arrowbuf[query]`."""
+        from ..query.frames import table_to_pandas
+
+        return table_to_pandas(self.to_table(columns))
+
+    def to_polars(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows as a Polars DataFrame (tensors as Array columns). Needs `arrowbuf[query]`."""
+        from ..query.frames import table_to_polars
+
+        return table_to_polars(self.to_table(columns))
+
+    def sql(self, query: str) -> pa.Table:
+        """Run DuckDB SQL over the live rows; the store is the table `experience`, its lineage the table `lineage`
+        (docs/observability.md). Needs `arrowbuf[query]`."""
+        from ..query.frames import run_sql
+
+        return run_sql(self, query)
+
+    def lineage_table(self) -> pa.Table:
+        """The lineage of the live rows (the SQL table `lineage`): seq, writer, written_at, policy_version, task,
+        consumed_at, consumer, staleness, outcome; one row per (live row, declared task). See
+        `arrowbuf.observe.lineage`.
+
+        Raises:
+            InvalidArgument: the store records no lineage (`observe=False`, or a shared-memory store).
+        """
+        return self._v.lineage_table()
+
+    def observability(self) -> dict[str, Any]:
+        """What `/metrics` and the inspector read besides `stats()`: `timings` (latency histograms per operation),
+        `lineage` (per task: delivered, dropped as stale, staleness counts), `lineage_bytes`, `progress` (per task
+        ready / waiting / consumed / in flight: `arrowbuf.observe.progress`) and `checkpoints`."""
+        return self._v.observability()
+
+    def serve_metrics(self, address: str = "127.0.0.1:0") -> Any:
+        """Serve this store's Prometheus metrics at `http://address/metrics` (a thread; needs `arrowbuf[metrics]`).
+        Returns a `MetricsEndpoint` (`.url`, `.close()`, a context manager). See docs/observability.md."""
+        from ..observe.metrics import MetricsEndpoint
+
+        return MetricsEndpoint.start(address, stores={self.name: self})
+
+    def episodes(self) -> pa.Table:
+        """One row per episode with live rows: episode_id, length, return, first_seq, last_seq, complete."""
+        from ..query.frames import episode_table
+
+        return episode_table(self)
+
+    def stats(self) -> dict[str, Any]:
+        """Size, counters and memory of the store."""
+        return self._v.stats(self.capacity)
+
+    def placement(self, explain: bool = False) -> pa.Table:
+        """Where the columns live: one row per (column, tier) with the chunk slots and bytes there.
+
+        With `explain=True`, also why (from the placement policy's last step): the column's share of sampled rows
+        (`access_share`, `rows_per_s`), the share of the sampling mass in those chunks (`mass`), their value per
+        byte, the tier's read bandwidth (`read_gbps`) and a sentence (`why`). See `arrowbuf.placement`.
+        """
+        return self._v.placement(explain)
+
+    def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
+        tensor type: sample tensor columns with `sample(...).to_torch("cuda")` (or a GPU tier). Needs
+        `pip install 'arrowbuf[gpu]'` and a GPU."""
+        return self._v.to_cudf(columns)
+
+    def chunks(self) -> pa.Table:
+        """The chunk directory of the live rows: slot, first_seq, rows, sealed, tier per column."""
+        return self._v.chunks()
+
+    # ------------------------------------------------------------------ checkpoints and exports (`arrowbuf.persist`)
+    def checkpoint(self, path: Any = None, keep: int | None = None, background: bool = False,
+                   compression: str | None = None) -> Any:
+        """Write a consistent, incremental, atomic checkpoint into directory `path`; writers and samplers go on.
+
+        The snapshot point is the call: the checkpoint holds the rows committed then (one contiguous seq range
+        ending there, each row exactly as committed) and the sampler, rate-limiter, episode and RNG state of that
+        instant. Sealed chunks already in `path` are reused; only new chunks, the open tail and the state files are
+        written; `_manifest.json` is replaced atomically, so a crash leaves the previous checkpoint restorable. If
+        the ring overwrites rows faster than they are copied, the oldest chunks that were overwritten meanwhile
+        (and everything older) are left out: the checkpoint then starts at the oldest chunk still intact
+        (`dropped_rows` says how many went). Never a torn row. Layout: docs/format.md.
+
+        Args:
+            path: the checkpoint directory (an Arrow IPC dataset; made if missing). A durable store's own
+                directory (or None) also truncates the journal the checkpoint covers (default keep: 2).
+            keep: keep the newest `keep` checkpoints (their files); None keeps all.
+            background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread,
+                at a lower CPU priority than the process's other threads (`persist.checkpoint.BACKGROUND_NICE`).
+            compression: None (uncompressed, memory-mappable: the default), or "zstd"/"lz4" for archives.
+
+        Returns:
+            A summary dict (generation, rows, files written and reused, bytes), or a handle with `background=True`.
+        """
+        self._check_open()
+        out: Any = self._w.checkpoint(None if path is None else os.fspath(path), keep, background, compression)
+        self._v.checkpoints.started(out)  # for /metrics and the inspector
+        return out
+
+    def export(self, path: Any, format: str = "parquet", partition_by: Any = None,
+               compression: str | None = None) -> dict[str, Any]:
+        """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
+        `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
+        `ExperienceStore.from_dataset` read it back. Writers wait while rows are copied (sampling goes on).
+        The lineage of the live rows (taken right after the rows) goes to `_lineage.parquet` (`.arrow`) beside
+        them, which dataset readers skip. Returns rows and path. See `arrowbuf.persist.datasets`."""
+        return self._v.export(path, format, partition_by, compression)
+
+    # ------------------------------------------------------------------ restore (`arrowbuf.persist`)
     @classmethod
     def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
                 seed: int | None = None, name: str | None = None, schema: Any = None,
