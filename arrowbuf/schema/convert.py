@@ -490,8 +490,10 @@ def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
     except TypeError:
         raise SchemaError(f"field {spec.name!r}: expected a ragged list per step, got {type(value).__name__}") from None
     parts = []
+    ndarray = np.ndarray
     for r in rows:
-        a = _dtypes.tensor_numpy(r, spec.logical) if _dtypes.is_tensor(r) else np.asarray(r)
+        a = r if type(r) is ndarray else (  # the common case first: one type check per row
+            _dtypes.tensor_numpy(r, spec.logical) if _dtypes.is_tensor(r) else np.asarray(r))
         if a.ndim != 1:
             raise SchemaError(
                 f"field {spec.name!r}: expected a 1-D list of {spec.dtype_name} per step, got shape {list(a.shape)}"
