@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("ring", ["arrowbuf.ring"]),
     ("schema", ["arrowbuf.schema", "arrowbuf.rate_limiters"]),
     ("tiers", ["arrowbuf.tiers"]),
+    ("serving", ["arrowbuf.serving"]),
     ("errors", ["arrowbuf.errors"]),
 ]
 
