@@ -13,24 +13,34 @@ newer row (in their original order). Delivery is at least once before an ack, ex
 
 A lease ends once. Acking or nacking it again, or after it expired, raises `LeaseError` naming what ended it (the
 table remembers the last `ENDED_KEPT` ended leases; an older or never issued id is "unknown"). Ids are
-`<store token>.<n>`: a random token per store object, so an id of another store (or of this store before a restart)
-is never taken for one of its own. This module keeps the table only; `arrowbuf.store.consume.ConsumeTracker`
+`<store token>.<n>.<secret>`: a random token per store object, so an id of another store (or of this store before a
+restart) is never taken for one of its own, and 64 random bits per lease, so that a client holding one lease cannot
+guess another client's (and ack or nack it). This module keeps the table only; `arrowbuf.store.consume.ConsumeTracker`
 decides what the rows do, under the store's state lock (every method here is called holding it).
+
+Who holds a lease: its owner is whoever acts when it opens (`arrowbuf.observe.identity`: the Flight server acts as
+the calling client). A server bounds the leases one client holds open with `client_cap(n)` around the store calls it
+makes for that client (`ServerLimits.max_leases_per_client`); past it, a consume with `lease=` is refused with
+`ResourceExhausted` and takes nothing. In-process callers are not capped (their own process).
 """
 
 from __future__ import annotations
 
 import collections
+import contextvars
 import itertools
 import math
 import re
 import secrets
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InvalidArgument, LeaseError
+from ..errors import InvalidArgument, LeaseError, ResourceExhausted
+from ..observe import identity
 
 #: Longest lease a consume may ask for (seconds): a day.
 MAX_LEASE_S = 86400.0
@@ -39,6 +49,29 @@ ENDED_KEPT = 1 << 16
 #: Longest lease id (characters); ids are short, but a remote one is hostile input.
 MAX_LEASE_ID_CHARS = 128
 _ID = re.compile(r"[A-Za-z0-9._:/+-]{1,128}")
+#: Open leases one client may hold while a server caps it (None: no cap; see `client_cap`).
+_CLIENT_CAP: contextvars.ContextVar[int | None] = contextvars.ContextVar("arrowbuf_lease_client_cap", default=None)
+
+
+@contextmanager
+def client_cap(limit: int | None) -> Iterator[None]:
+    """Within the block, the caller (`identity.current()`) may hold at most `limit` open leases of a store; one
+    more is refused with `ResourceExhausted` (a server wraps the store calls it makes for a client in this)."""
+    token = _CLIENT_CAP.set(limit)
+    try:
+        yield
+    finally:
+        _CLIENT_CAP.reset(token)
+
+
+def current_client_cap() -> int | None:
+    """The cap `client_cap` set for this context (None: none)."""
+    return _CLIENT_CAP.get()
+
+
+def cap_refusal(held: int, limit: int) -> ResourceExhausted:
+    return ResourceExhausted(f"consume: this client holds {held} open leases, the server's max_leases_per_client "
+                             f"({limit}); ack or nack some before consuming with lease= again")
 
 
 def check_lease_seconds(value: object, what: str = "consume: lease") -> float | None:
@@ -69,12 +102,14 @@ def check_lease_id(value: object, what: str = "lease") -> str:
 
 @dataclass
 class Lease:
-    """One open lease: the rows (`seqs`, oldest first) `task` holds in flight until `deadline` (monotonic)."""
+    """One open lease: the rows (`seqs`, oldest first) `task` holds in flight until `deadline` (monotonic), opened
+    by `owner` (an `identity` code)."""
 
     id: str
     task: str
     seqs: np.ndarray
     deadline: float
+    owner: int = 0
 
 
 class LeaseTable:
@@ -85,6 +120,7 @@ class LeaseTable:
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._token = secrets.token_hex(6)
         self._ids = itertools.count(1)
+        self._owners: dict[int, int] = {}  # open leases per owner (client_cap)
         self.redelivered: dict[str, int] = {}  # rows returned to a task's queue (expired or nacked)
         self.expired: dict[str, int] = {}  # leases that expired, per task
 
@@ -92,10 +128,29 @@ class LeaseTable:
         return len(self._open)
 
     def open(self, task: str, seqs: np.ndarray, seconds: float) -> Lease:
-        """A new lease on `seqs` for `task`, ending `seconds` from now."""
-        lease = Lease(f"{self._token}.{next(self._ids)}", task, seqs, time.monotonic() + seconds)
+        """A new lease on `seqs` for `task`, ending `seconds` from now.
+
+        Raises:
+            ResourceExhausted: the caller holds `client_cap` open leases already.
+        """
+        owner = identity.current_code()
+        cap = current_client_cap()
+        if cap is not None:
+            held = self._owners.get(owner, 0)
+            if held >= cap:
+                raise cap_refusal(held, cap)
+        lease = Lease(f"{self._token}.{next(self._ids)}.{secrets.token_hex(8)}", task, seqs,
+                      time.monotonic() + seconds, owner)
         self._open[lease.id] = lease
+        self._owners[owner] = self._owners.get(owner, 0) + 1
         return lease
+
+    def _closed(self, lease: Lease) -> None:
+        left = self._owners.get(lease.owner, 0) - 1
+        if left > 0:
+            self._owners[lease.owner] = left
+        else:
+            self._owners.pop(lease.owner, None)
 
     def take(self, lease_id: object, verb: str) -> Lease:
         """Remove and return the open lease `lease_id` (to ack or nack it).
@@ -106,6 +161,7 @@ class LeaseTable:
         lid = check_lease_id(lease_id, verb)
         lease = self._open.pop(lid, None)
         if lease is not None:
+            self._closed(lease)
             return lease
         how = self._ended.get(lid)
         if how == "expired":
@@ -135,6 +191,7 @@ class LeaseTable:
         gone = [lease for lease in self._open.values() if lease.deadline <= now]
         for lease in gone:
             del self._open[lease.id]
+            self._closed(lease)
         return gone
 
     def next_deadline(self) -> float | None:
@@ -151,6 +208,11 @@ class LeaseTable:
         """The open leases of `task`."""
         return [lease for lease in self._open.values() if lease.task == task]
 
+    def task_seqs(self, task: str) -> np.ndarray:
+        """Seqs of every row `task` holds in flight, in one array (no work per lease beyond joining their seqs)."""
+        held = [lease.seqs for lease in self._open.values() if lease.task == task]
+        return np.concatenate(held) if held else np.zeros(0, dtype=np.int64)
+
     def in_flight(self, tasks: list[str]) -> dict[str, int]:
         """Rows in flight per task."""
         out = dict.fromkeys(tasks, 0)
@@ -159,5 +221,5 @@ class LeaseTable:
         return out
 
 
-__all__ = ["ENDED_KEPT", "MAX_LEASE_ID_CHARS", "MAX_LEASE_S", "Lease", "LeaseTable", "check_lease_id",
-           "check_lease_seconds"]
+__all__ = ["ENDED_KEPT", "MAX_LEASE_ID_CHARS", "MAX_LEASE_S", "Lease", "LeaseTable", "cap_refusal",
+           "check_lease_id", "check_lease_seconds", "client_cap", "current_client_cap"]
