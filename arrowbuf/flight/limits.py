@@ -67,6 +67,8 @@ class ServerLimits:
             False allows any non-negative version (a trainer that restarts from an older checkpoint, trusted).
         max_policy_version_step: with `monotonic_policy_version`, the most one `set_policy_version` may raise the
             version by (a jump to 2**63 - 1 could never be undone).
+        max_leases_per_client: open leases (`consume` with `lease=`) one client connection may hold on a store;
+            past it a consume with a lease is refused (`ResourceExhausted`), so no client holds every row in flight.
     """
 
     max_batch_rows: int = 65_536
@@ -86,6 +88,7 @@ class ServerLimits:
     max_tasks: int = 32
     monotonic_policy_version: bool = True
     max_policy_version_step: int = 1_000_000
+    max_leases_per_client: int = 1_024
 
     def __post_init__(self) -> None:
         for f in fields(self):
