@@ -101,7 +101,8 @@ def test_a_sample_of_zero_bytes_is_refused(served):
     send; the server refuses it rather than keep bookkeeping for millions of samples."""
     state, server, client = served
     kind = FieldKind("dense", "float32", (0,))
-    table = pa.table({"x": pa.FixedShapeTensorArray.from_numpy_ndarray(np.zeros((100_000, 0), np.float32))})
+    storage = pa.array([[]] * 50_000, pa.list_(pa.float32(), 0))
+    table = pa.table({"x": pa.ExtensionArray.from_storage(arrow_type(kind), storage)})
     with pytest.raises(flight.FlightError) as err:
         writer, reader = client.do_put(flight.FlightDescriptor.for_command(_put_command("z", {"x": kind})),
                                        pa.schema([pa.field("x", arrow_type(kind))]), CALL)
@@ -294,4 +295,29 @@ def test_the_limits_are_validated_and_stated():
         described = json.loads(list(client.do_action(flight.Action("tq.v1.limits", b"{}"), CALL))[0].body.to_pybytes())
         assert described["max_tasks"] == 5 and set(SERVERS["tq.v1"].limits) <= set(described)
         client.close()
+    state.close()
+
+
+def test_a_field_group_grows_from_a_few_rows_and_reads_back_across_growth_and_eviction():
+    """The small first store (issue 42) grows by copying its rows; ids stay valid across each growth, and past the
+    partition's capacity the oldest values are evicted as before."""
+    from arrowbuf.compat import tq_state
+    from arrowbuf.errors import SchemaError
+
+    state = TQState(capacity=100)
+    written: list[tuple[int, float]] = []
+    n = 0
+    for size in [1, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37]:
+        vals = np.arange(n, n + size, dtype=np.float32)
+        gidx = state.put_indexes("p", None, size, {"x": F32}, {"x": pa.array(vals)})
+        written += list(zip(gidx.tolist(), vals.tolist()))
+        n += size
+        group = state.partitions["p"].stores[0]
+        assert group.store.capacity <= max(tq_state.INITIAL_ROWS, 2 * n)  # grows with what it holds
+        live = written[-100:]
+        cols, _ = state.read("p", np.array([g for g, _ in live]), ["x"])
+        assert cols["x"].to_pylist() == [v for _, v in live]
+    assert state.partitions["p"].stores[0].store.capacity == 100
+    with pytest.raises(SchemaError, match="evicted"):
+        state.read("p", np.array([written[0][0]]), ["x"])
     state.close()
