@@ -118,8 +118,8 @@ class RequestGuard:
         """Why a request is refused (None: it is not). `needs_origin`: a request that acts (POST) or reads data."""
         host = headers.get("Host")
         if not self.host_ok(host):
-            return (f"Host {str(host)[:100]!r} does not name this server (DNS rebinding?): use http://127.0.0.1:<port>/ "
-                    "or an IP address, or start the server with that name allowed")
+            return (f"Host {str(host)[:100]!r} does not name this server (DNS rebinding?): use "
+                    "http://127.0.0.1:<port>/ or an IP address, or start the server with that name allowed")
         if needs_origin and not self.origin_ok(headers.get("Origin"), host, headers.get("Sec-Fetch-Site")):
             return "a cross-origin request: this server answers its own page only"
         return None
@@ -224,14 +224,19 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     Attributes:
         connections: the `CallGate` counting open connections (`running()["connection"]`).
         refused: connections answered 503 because every slot was taken.
+        peak: the most connections handled at once so far.
     """
 
     daemon_threads = True
+    # the listen backlog: connections past the cap are accepted and answered 503 at once, so the backlog only needs
+    # to cover a burst between two accepts (socketserver's default of 5 drops SYNs: clients then stall a second)
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: type[GuardedHandler], limits: NetLimits) -> None:
         self.limits = limits
         self.connections = CallGate({"connection": limits.max_connections})
         self.refused = 0
+        self.peak = 0
         self._open: dict[int, tuple[socket.socket, float]] = {}
         self._open_lock = threading.Lock()
         self._stop = threading.Event()
@@ -252,6 +257,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         request.settimeout(self.limits.idle_timeout)
         with self._open_lock:
             self._open[id(request)] = (request, time.monotonic())
+            self.peak = max(self.peak, len(self._open))
         try:
             super().process_request(request, client_address)
         except BaseException:

@@ -81,8 +81,9 @@ def test_a_cross_origin_post_runs_no_sql(inspector):
     store = inspector.store
     with Inspector(store, "127.0.0.1:0") as open_one:  # no token: the default loopback inspector
         port = open_one.port
-        for origin, ctype in (("http://attacker.example", "text/plain"), ("http://attacker.example", "application/json"),
-                              ("null", "application/json"), (f"http://localhost:{port + 1}", "application/json")):
+        for origin, ctype in (("http://attacker.example", "text/plain"),
+                              ("http://attacker.example", "application/json"), ("null", "application/json"),
+                              (f"http://localhost:{port + 1}", "application/json")):
             status, _, payload = request(port, "POST", "/api/sql", {"Host": f"127.0.0.1:{port}", "Origin": origin,
                                                                     "Content-Type": ctype}, SQL)
             assert status in (403, 415), (origin, ctype, status, payload[:200])
@@ -175,7 +176,7 @@ def test_half_sent_requests_are_capped_and_dropped_after_the_idle_timeout(store)
         socks = _half_sent(ins.port, 200)
         try:
             assert ins.http.wait_connections(0, timeout=30)  # every held connection ended at its idle timeout
-            assert ins.http.refused >= 200 - 8  # past the cap: answered 503 at once, no thread
+            assert ins.http.peak <= 8 and ins.http.refused > 0  # past the cap: answered 503 at once, no thread
             assert threading.active_count() <= threads_before + 1
             status, _, _ = request(ins.port, "GET", "/api/overview", {"Host": f"127.0.0.1:{ins.port}"})
             assert status == 200  # and it still serves
@@ -255,7 +256,7 @@ def test_metrics_refuse_a_foreign_host_and_cap_connections(store):
         socks = _half_sent(port, 50)
         try:
             assert endpoint.http.wait_connections(0, timeout=30)
-            assert endpoint.http.refused >= 50 - 4
+            assert endpoint.http.peak <= 4 and endpoint.http.refused > 0
         finally:
             for s in socks:
                 s.close()
