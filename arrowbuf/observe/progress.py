@@ -28,16 +28,20 @@ def task_progress(core: Any) -> dict[str, Any]:
     later = [f.name for f in core.schema.fields.values() if f.later]
     with core.lock:
         idx = core.index
-        seqs = np.arange(idx.lo, idx.hi, dtype=np.int64)
-        pos = seqs % core.arena_rows
-        seq_at = idx.seq[pos]
-        valid_at = np.asarray(idx.valid[pos], dtype=bool)
-        present = np.array(core.present(later, pos), dtype=bool) if later and len(pos) else None
-        tasks = tracker.progress_state(seqs) if tracker is not None and tracker.tasks else {}
+        lo, hi = int(idx.lo), int(idx.hi)
+        segments = ring_segments(lo, hi, core.arena_rows)
+        seq_at = _joined([idx.seq[a:b] for a, b in segments], np.int64)
+        valid_at = _joined([idx.valid[a:b] for a, b in segments], bool)
+        present = None
+        if later and hi > lo:
+            pos = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in segments])
+            present = np.array(core.present(later, pos), dtype=bool)
+        tasks = tracker.progress_state(segments) if tracker is not None and tracker.tasks else {}
+    seqs = np.arange(lo, hi, dtype=np.int64)
     live = seq_at == seqs
     valid = live & valid_at
     if present is None:
-        present = np.ones(len(pos), dtype=bool)
+        present = np.ones(len(seqs), dtype=bool)
     out: dict[str, Any] = {"live": int(live.sum()), "produced": int((live & present).sum()), "tasks": {}}
     for task, t in tasks.items():
         # leased and still-gathered rows are marked consumed until they are final (or come back): in flight
@@ -51,6 +55,20 @@ def task_progress(core: Any) -> dict[str, Any]:
             "delivered": t["delivered"],
         }
     return out
+
+
+def ring_segments(lo: int, hi: int, rows: int) -> list[tuple[int, int]]:
+    """The ring positions of seqs [lo, hi) as at most two [start, stop) slices (the ring wraps once at most)."""
+    if hi <= lo:
+        return []
+    a, n = lo % rows, hi - lo
+    if a + n <= rows:
+        return [(a, a + n)]
+    return [(a, rows), (0, a + n - rows)]
+
+
+def _joined(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 def observed(core: Any, timings: Any, checkpoints: dict[str, Any]) -> dict[str, Any]:

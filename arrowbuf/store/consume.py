@@ -703,19 +703,21 @@ class ConsumeTracker:
                 "admission": {t: [self._admitted[t], self._window[t]] for t in self.tasks}}
         return meta, arrays
 
-    def progress_state(self, seqs: np.ndarray) -> dict[str, Any]:
+    def progress_state(self, segments: list[tuple[int, int]]) -> dict[str, Any]:
         """What per-task progress (`arrowbuf.observe.progress`) needs, copied under the store's state lock so that
         the counting runs outside it, with no work per lease or per gather: per task the seq it marked consumed at
-        each position of the live rows `seqs` (leased and still-gathered rows are marked too), the rows it holds in
-        flight (leased, and taken but still being gathered) and the rows delivered to it."""
+        each ring position of `segments` (the live rows' positions, as [start, stop) slices; leased and
+        still-gathered rows are marked too), the rows it holds in flight (leased, and taken but still being
+        gathered) and the rows delivered to it."""
         self.expire()
-        pos = seqs % self.core.arena_rows
         leased = self.leases.in_flight(self.tasks)
         out: dict[str, Any] = {}
         for task, arr in self._consumed.items():
             gathering = sum(len(inflight) for t, inflight in self._gathering.values() if t == task)
-            out[task] = {"consumed_at": np.array(arr[pos]), "leased": int(leased.get(task, 0)),
-                         "gathering": gathering, "delivered": int(self._delivered.get(task, 0))}
+            marks = [arr[a:b] for a, b in segments]
+            out[task] = {"consumed_at": np.concatenate(marks) if marks else np.zeros(0, np.int64),
+                         "leased": int(leased.get(task, 0)), "gathering": gathering,
+                         "delivered": int(self._delivered.get(task, 0))}
         return out
 
     def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:

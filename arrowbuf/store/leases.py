@@ -121,6 +121,7 @@ class LeaseTable:
         self._token = secrets.token_hex(6)
         self._ids = itertools.count(1)
         self._owners: dict[int, int] = {}  # open leases per owner (client_cap)
+        self._rows: dict[str, int] = {}  # rows in flight per task (counted as leases open and end)
         self.redelivered: dict[str, int] = {}  # rows returned to a task's queue (expired or nacked)
         self.expired: dict[str, int] = {}  # leases that expired, per task
 
@@ -143,6 +144,7 @@ class LeaseTable:
                       time.monotonic() + seconds, owner)
         self._open[lease.id] = lease
         self._owners[owner] = self._owners.get(owner, 0) + 1
+        self._rows[task] = self._rows.get(task, 0) + len(seqs)
         return lease
 
     def _closed(self, lease: Lease) -> None:
@@ -151,6 +153,7 @@ class LeaseTable:
             self._owners[lease.owner] = left
         else:
             self._owners.pop(lease.owner, None)
+        self._rows[lease.task] = self._rows.get(lease.task, 0) - len(lease.seqs)
 
     def take(self, lease_id: object, verb: str) -> Lease:
         """Remove and return the open lease `lease_id` (to ack or nack it).
@@ -214,10 +217,9 @@ class LeaseTable:
         return np.concatenate(held) if held else np.zeros(0, dtype=np.int64)
 
     def in_flight(self, tasks: list[str]) -> dict[str, int]:
-        """Rows in flight per task."""
+        """Rows in flight per task (counted as leases open and end: no work per lease)."""
         out = dict.fromkeys(tasks, 0)
-        for lease in self._open.values():
-            out[lease.task] = out.get(lease.task, 0) + len(lease.seqs)
+        out.update({task: n for task, n in self._rows.items() if n})
         return out
 
 

@@ -55,3 +55,24 @@ def test_a_scrape_does_no_work_per_open_lease(leased, monkeypatch):
     for b in held[:10]:
         b.ack()
     assert store.observability()["progress"]["tasks"]["a"]["in_flight"] == LEASES - 10
+
+
+@pytest.mark.parametrize("tier", ["host", "shm"])
+def test_progress_is_exact_on_a_ring_that_wrapped(tier, names):
+    from arrowbuf.observe.progress import ring_segments
+
+    assert ring_segments(5, 5, 8) == [] and ring_segments(3, 7, 8) == [(3, 7)]
+    assert ring_segments(6, 11, 8) == [(6, 8), (0, 3)]
+    kw = {"tier": "shm", "name": names()} if tier == "shm" else {}
+    store = ab.ExperienceStore({"name": "wrap", "fields": {"x": {"dtype": "int64"}, "done": {"dtype": "bool"}}},
+                               capacity=64, tasks=["a"], **kw)
+    try:
+        store.extend({"x": np.arange(50), "done": np.ones(50, bool)})
+        store.consume("a", 50)
+        store.extend({"x": np.arange(40), "done": np.ones(40, bool)})  # 90 rows written: the oldest 26 evicted
+        store.consume("a", 5, lease=60)
+        p = store.observability()["progress"]
+        assert p["live"] == 64 and p["produced"] == 64
+        assert p["tasks"]["a"] == {"ready": 35, "waiting": 0, "consumed": 24, "in_flight": 5, "delivered": 50}
+    finally:
+        store.close()
