@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import ArrowbufError
+from .errors import ArrowbufError, InvalidArgument
 
 
 # ---------------------------------------------------------------------------------------------------- serve
@@ -84,6 +84,10 @@ def run_serve(args: argparse.Namespace) -> int:
         server = serve(store, f"grpc://{host}:{args.port}", token=token, tls=tls,
                        max_batch_rows=args.max_batch_rows or DEFAULT_MAX_BATCH_ROWS, metrics=args.metrics,
                        allow_unauthenticated=args.allow_unauthenticated)
+    except InvalidArgument as exc:  # the bind policy (a token beyond loopback), a bad limit: its own message
+        store.close()
+        print(f"arrowbuf serve: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # pyarrow says only "Server did not start properly": name the address
         store.close()
         print(f"arrowbuf serve: the Flight server did not start on {host}:{args.port} ({exc}); is the port in use or "
