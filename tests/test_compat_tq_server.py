@@ -321,3 +321,19 @@ def test_a_field_group_grows_from_a_few_rows_and_reads_back_across_growth_and_ev
     with pytest.raises(SchemaError, match="evicted"):
         state.read("p", np.array([written[0][0]]), ["x"])
     state.close()
+
+
+def test_key_and_tag_lookups_name_each_sample_once(served):
+    """The read's rule for the lookups whose replies repeat stored values (a 1,024-character key named 500,000 times
+    by a 1 MiB request would be a 500 MB reply)."""
+    state, server, client = served
+    backend = RemoteBackend(server.location)
+    backend.put_keys("p", ["k" * 1024], {"x": F32}, {"x": pa.array(np.ones(1, np.float32))}, [{"a": 1}])
+    for op in ("keys_of", "tags_of"):
+        body = json.dumps({"partition_id": "p", "gidx": [0] * 1000}).encode()
+        with pytest.raises(flight.FlightError) as err:
+            list(client.do_action(flight.Action(f"tq.v1.{op}", body), CALL))
+        assert "more than once" in _refusal(err.value)["message"]
+    assert backend.keys_of("p", np.array([0])) == ["k" * 1024]
+    assert backend.tags_of("p", np.array([0])) == [{"a": 1}]
+    backend.close_client()

@@ -327,14 +327,18 @@ class TQServer(flight.FlightServerBase):
             s.clear_partition(pid)
             return None
         if op == "tags_of":
-            return s.tags_of(pid, _ids(b, "gidx"))
+            gidx = _ids(b, "gidx")
+            lim.check_read(gidx, "tags_of")
+            return s.tags_of(pid, gidx)
         if op == "key_indexes":
             return self._key_indexes(pid, _strs(b, "keys")).tolist()
         if op == "field_names":
             with s.lock:
                 return sorted(s.partition(pid).group_of)
         if op == "keys_of":
-            return s.keys_of(pid, _ids(b, "gidx"))
+            gidx = _ids(b, "gidx")
+            lim.check_read(gidx, "keys_of")
+            return s.keys_of(pid, gidx)
         if op == "field_kinds":
             return {f: k.to_json() for f, k in s.field_kinds(pid).items()}
         if op == "put_tags":

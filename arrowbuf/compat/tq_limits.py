@@ -72,12 +72,13 @@ class TQLimits(NetLimits):
         if n > self.max_ids:
             raise ResourceExhausted(f"{what}: {n} ids in one request, over this server's max_ids ({self.max_ids})")
 
-    def check_read(self, gidx: np.ndarray) -> None:
-        """A read names each sample once: a reply is never larger than the samples it names."""
-        self.check_ids(len(gidx), "read")
+    def check_read(self, gidx: np.ndarray, what: str = "read") -> None:
+        """A read (or a lookup of keys or tags) names each sample once: a reply is never larger than the samples it
+        names."""
+        self.check_ids(len(gidx), what)
         if len(np.unique(gidx)) != len(gidx):
-            raise InvalidArgument("read: the request names a sample more than once; a reply holds each sample once "
-                                  "(read the distinct ids and repeat them on the client)")
+            raise InvalidArgument(f"{what}: the request names a sample more than once; a reply holds each sample once "
+                                  "(ask for the distinct ids and repeat them on the client)")
 
     def check_task(self, task: Any) -> None:
         if task is not None and (not isinstance(task, str) or not 0 < len(task) <= self.max_task_chars):
