@@ -161,6 +161,7 @@ class GuardedHandler(BaseHTTPRequestHandler):
     limits: NetLimits
     server_version = "arrowbuf"
     protocol_version = "HTTP/1.0"  # one request per connection: `request_timeout` bounds the request
+    default_request_version = "HTTP/1.0"  # an unparsable request is answered with a status line (not as HTTP/0.9)
 
     def setup(self) -> None:
         super().setup()
