@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("ring", ["arrowbuf.ring"]),
     ("schema", ["arrowbuf.schema", "arrowbuf.rate_limiters"]),
     ("tiers", ["arrowbuf.tiers"]),
+    ("serving", ["arrowbuf.serving"]),
     ("errors", ["arrowbuf.errors", "arrowbuf.config"]),
 ]
 

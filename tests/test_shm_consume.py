@@ -414,8 +414,10 @@ def test_an_overwritten_lease_slot_is_store_corrupt_once_not_a_crash_or_a_hang(n
         store.extend(groups(0, 2))
         b = store.consume("t", 4, lease=0.05)
         path = os.path.join(store._tier.path, "arena.consume.leases")
-        table = np.memmap(path, dtype=np.int64, mode="r+", shape=(4096, 6))
-        table[0, 4:] = (0, 1 << 60)  # a range no ring has
+        from arrowbuf.engine.shared_leases import SLOT_INTS
+
+        table = np.memmap(path, dtype=np.int64, mode="r+", shape=(4096, SLOT_INTS))
+        table[0, 4:6] = (0, 1 << 60)  # a range no ring has
         table.flush()
         del table
         time.sleep(0.1)  # expired: the next look at consumption ends it

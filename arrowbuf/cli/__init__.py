@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import ArrowbufError
+from ..errors import ArrowbufError, InvalidArgument
 
 
 # ---------------------------------------------------------------------------------------------------- serve
@@ -42,7 +42,10 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: a free port, printed on start)")
-    p.add_argument("--token-file", default=None, help="file whose first line is the bearer token clients send")
+    p.add_argument("--token-file", default=None, help="file whose first line is the bearer token clients send "
+                   "(required to bind beyond loopback)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="bind beyond loopback without a token anyway (anyone who reaches the port reads and writes)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (with --tls-key: serve grpc+tls)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--max-batch-rows", type=int, default=None, help="largest batch accepted or served")
@@ -79,7 +82,12 @@ def run_serve(args: argparse.Namespace) -> int:
     store = ExperienceStore(schema, capacity=args.capacity, sampler=args.sampler, seed=args.seed, name=args.name)
     try:
         server = serve(store, f"grpc://{host}:{args.port}", token=token, tls=tls,
-                       max_batch_rows=args.max_batch_rows or DEFAULT_MAX_BATCH_ROWS, metrics=args.metrics)
+                       max_batch_rows=args.max_batch_rows or DEFAULT_MAX_BATCH_ROWS, metrics=args.metrics,
+                       allow_unauthenticated=args.allow_unauthenticated)
+    except InvalidArgument as exc:  # the bind policy (a token beyond loopback), a bad limit: its own message
+        store.close()
+        print(f"arrowbuf serve: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # pyarrow says only "Server did not start properly": name the address
         store.close()
         print(f"arrowbuf serve: the Flight server did not start on {host}:{args.port} ({exc}); is the port in use or "
@@ -95,7 +103,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from ..observe.ui import Inspector
 
         try:
-            inspector = Inspector(store, args.ui, token=token)
+            # the Flight server's gate: inspector queries and Flight's sql tickets share max_concurrent_sql
+            inspector = Inspector(store, args.ui, token=token, sql_gate=server.calls)
         except Exception as exc:
             server.close()
             store.close()

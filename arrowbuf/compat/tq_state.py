@@ -42,24 +42,65 @@ def _grow(arr: np.ndarray, n: int, fill: Any) -> np.ndarray:
     return out
 
 
+#: Rows a field group's store starts with: it doubles (its rows copied into a store twice its size) until it holds
+#: the partition's `capacity`, so that a partition written a few samples holds a few rows, not a whole ring.
+INITIAL_ROWS = 16
+
+
 class FieldGroup:
-    """One arrowbuf store holding the fields written together; rows addressed by their seq."""
+    """One arrowbuf store holding the fields written together; rows addressed by a row id (the store's seq, less
+    `base`: a store that grows is replaced by a larger one, whose seqs start elsewhere)."""
 
     def __init__(self, name: str, kinds: dict[str, FieldKind], capacity: int) -> None:
+        self.name = name
+        self.capacity = capacity
         self.fields = tuple(sorted(kinds))
         # a field named like a store column (seq, step, episode_id, actor) is stored as `<name>__tq`
         self.column = {f: f"{f}__tq" if f in RESERVED else f for f in self.fields}
-        schema = {"name": name, "fields": {self.column[f]: kinds[f].schema_entry() for f in self.fields},
-                  "episode_end": [], "truncation": []}  # a sample is a row; no field ends an episode
-        self.store = ExperienceStore(schema, capacity=capacity, sampler="fifo", name=name)
+        self._schema = {"name": name, "fields": {self.column[f]: kinds[f].schema_entry() for f in self.fields},
+                        "episode_end": [], "truncation": []}  # a sample is a row; no field ends an episode
+        # (store, base): a row id's seq in the store is id + base; replaced as one when the store grows, so that a
+        # read that took it under the state's lock reads a consistent pair after the lock is released
+        self.current: tuple[ExperienceStore, int] = (self._new_store(min(capacity, INITIAL_ROWS)), 0)
+
+    @property
+    def store(self) -> ExperienceStore:
+        return self.current[0]
+
+    def _new_store(self, rows: int) -> ExperienceStore:
+        return ExperienceStore(self._schema, capacity=rows, sampler="fifo", name=self.name)
+
+    def _make_room(self, n: int) -> None:
+        """Grow the store (double it, or to what `n` more rows need; at most `capacity`) before a write of `n`
+        rows would evict a row while it is smaller than `capacity`. Below `capacity` the ring never wrapped, so
+        every row since its first is live, and a row's new seq is its old one shifted."""
+        store, base = self.current
+        size, used = store.capacity, len(store)
+        if used + n <= size or size >= self.capacity:
+            return
+        bigger = self._new_store(min(self.capacity, max(2 * size, used + n)))
+        try:
+            first = int(store.stats()["first_seq"]) if used else 0
+            new_first = int(bigger.extend(store.to_table([self.column[f] for f in self.fields]))[0]) if used else 0
+        except BaseException:
+            bigger.close()
+            raise
+        # the smaller store is not closed: a read planned before reads it to the end (its rows do not change any
+        # more), and it is freed with the last reference
+        self.current = (bigger, base + new_first - first)
 
     def write(self, cols: dict[str, pa.Array]) -> np.ndarray:
         batch = pa.record_batch([cols[f] for f in self.fields], names=[self.column[f] for f in self.fields])
-        return np.asarray(self.store.extend(batch), dtype=np.int64)
+        self._make_room(batch.num_rows)
+        store, base = self.current
+        return np.asarray(store.extend(batch), dtype=np.int64) - base
 
-    def read(self, fields: list[str], seqs: np.ndarray) -> dict[str, pa.Array]:
+    def read(self, fields: list[str], seqs: np.ndarray, current: tuple[ExperienceStore, int] | None = None
+             ) -> dict[str, pa.Array]:
+        """The values of `fields` of rows `seqs`, from `current` (the (store, base) pair a plan took) or now."""
+        store, base = current or self.current
         try:
-            batch = self.store.take(seqs, columns=[self.column[f] for f in fields])
+            batch = store.take(seqs + base, columns=[self.column[f] for f in fields])
         except InvalidArgument:
             raise SchemaError(f"fields {fields} of some sample(s) were evicted from the ring (raise `capacity` in "
                               "init's conf, or clear what you no longer need)") from None
@@ -188,6 +229,11 @@ class PartitionState:
         return ok
 
     def read(self, gidx: np.ndarray, fields: list[str]) -> dict[str, pa.Array]:
+        return run_read(self.plan_read(gidx, fields))
+
+    def plan_read(self, gidx: np.ndarray, fields: list[str]) -> list[tuple[str, list[Any]]]:
+        """Where the values of `fields` of samples `gidx` are (call under the state's lock; `run_read` then reads
+        them without it): per field, (which of `gidx`, the group's (store, base), their rows)."""
         self.check_live(gidx)
         for f in fields:
             if f not in self.group_of or (self.group_of[f][gidx] < 0).any():
@@ -195,27 +241,16 @@ class PartitionState:
                 who = [self.key_of.get(int(i), int(i)) for i in missing[:8]]
                 raise SchemaError(f"field {f!r} has no value for sample(s) {who} in partition "
                                   f"{self.partition_id!r} (not produced yet)")
-        out: dict[str, Any] = {}
-        groups: dict[int, list[str]] = {}
+        plan: list[tuple[str, list[Any]]] = []
         for f in fields:
-            for g in np.unique(self.group_of[f][gidx]):
-                groups.setdefault(int(g), []).append(f)
-        for g, fs in groups.items():
-            for f in fs:
-                mine = self.group_of[f][gidx] == g
-                got = self.stores[g].read([f], self.seq_of[f][gidx][mine])[f]
-                out.setdefault(f, []).append((mine, got))
-        result: dict[str, pa.Array] = {}
-        for f, pieces in out.items():
-            if len(pieces) == 1:
-                col = pieces[0][1]
-                result[f] = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-                continue
-            order = np.concatenate([np.flatnonzero(m) for m, _ in pieces])
-            joined = pa.concat_arrays([p.combine_chunks() if isinstance(p, pa.ChunkedArray) else p
-                                       for _, p in pieces])
-            result[f] = joined.take(pa.array(np.argsort(order, kind="stable")))
-        return result
+            groups, seqs = self.group_of[f][gidx], self.seq_of[f][gidx]
+            pieces = []
+            for g in np.unique(groups):
+                mine = groups == g
+                group = self.stores[int(g)]
+                pieces.append((mine, group, group.current, seqs[mine]))
+            plan.append((f, pieces))
+        return plan
 
     # ------------------------------------------------------------------ status
     def consumed_of(self, task: str) -> np.ndarray:
@@ -238,6 +273,21 @@ class PartitionState:
         for s in self.stores:
             s.close()
         self.stores = []
+
+
+def run_read(plan: list[tuple[str, list[Any]]]) -> dict[str, pa.Array]:
+    """Read what `PartitionState.plan_read` planned (no lock needed: each group's store is read as planned)."""
+    result: dict[str, pa.Array] = {}
+    for f, pieces in plan:
+        got = [(mine, group.read([f], seqs, current)[f]) for mine, group, current, seqs in pieces]
+        if len(got) == 1:
+            col = got[0][1]
+            result[f] = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+            continue
+        order = np.concatenate([np.flatnonzero(m) for m, _ in got])
+        joined = pa.concat_arrays([p.combine_chunks() if isinstance(p, pa.ChunkedArray) else p for _, p in got])
+        result[f] = joined.take(pa.array(np.argsort(order, kind="stable")))
+    return result
 
 
 class TQState:
@@ -306,13 +356,14 @@ class TQState:
     # ------------------------------------------------------------------ reads and status
     def read(self, partition_id: str, gidx: np.ndarray, fields: list[str] | None) -> tuple[dict[str, Any],
                                                                                            dict[str, FieldKind]]:
-        with self.lock:
+        with self.lock:  # where the values are; they are read after the lock is released (writers go on)
             p = self.partition(partition_id)
             p.check_live(gidx)
             # every field any of the samples has: a sample without one of them is an error, as in TransferQueue
             names = (sorted(f for f in p.group_of if (p.group_of[f][gidx] >= 0).any()) if fields is None
                      else list(fields))
-            return p.read(gidx, names), {f: p.kinds[f] for f in names}
+            plan, kinds = p.plan_read(gidx, names), {f: p.kinds[f] for f in names}
+        return run_read(plan), kinds
 
     def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int, mode: str,
                  task_name: str | None, sampler: BaseSampler | None, sampling_config: dict[str, Any]
@@ -352,7 +403,8 @@ class TQState:
         with self.lock:
             p = self.partition(partition_id)
             idx = np.flatnonzero(p.live[: p.n])
-            return idx, p.consumed_of(task_name)[idx].astype(np.int8)
+            done = p.consumed.get(task_name)  # a task that never consumed is created by its first get_meta only
+            return idx, (np.zeros(len(idx), np.int8) if done is None else done[idx].astype(np.int8))
 
     def reset_consumption(self, partition_id: str, task_name: str | None) -> bool:
         with self.lock:

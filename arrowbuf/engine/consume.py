@@ -702,18 +702,35 @@ class ConsumeTracker:
         arrays: dict[str, np.ndarray] = {}
         for task, arr in self._consumed.items():
             done = arr[pos] == seqs
-            for t, inflight in self._gathering.values():
-                if t == task:
-                    done &= ~np.isin(seqs, inflight)
-                    delivered[t] -= len(inflight)
-            for held in self.leases.of_task(task):  # in flight, not acked: delivered again after a restore
-                done &= ~np.isin(seqs, held.seqs)
+            out = [inflight for t, inflight in self._gathering.values() if t == task]
+            delivered[task] -= sum(len(inflight) for inflight in out)
+            out.append(self.leases.task_seqs(task))  # in flight, not acked: delivered again after a restore
+            back = np.concatenate(out)
+            if len(back):  # one pass per task, whatever the number of leases and gathers
+                done &= ~np.isin(seqs, back)
             arrays[task] = done
         meta = {"tasks": self.tasks, "policy_version": self._policy_version, "max_staleness": self.max_staleness,
                 "token_field": self.token_field, "counters": dict(self.counters), "delivered": delivered,
                 "stale_dropped_by_task": dict(self._stale_by_task),
                 "admission": {t: [self._admitted[t], self._window[t]] for t in self.tasks}}
         return meta, arrays
+
+    def progress_state(self, segments: list[tuple[int, int]]) -> dict[str, Any]:
+        """What per-task progress (`arrowbuf.observe.progress`) needs, copied under the store's state lock so that
+        the counting runs outside it, with no work per lease or per gather: per task the seq it marked consumed at
+        each ring position of `segments` (the live rows' positions, as [start, stop) slices; leased and
+        still-gathered rows are marked too), the rows it holds in flight (leased, and taken but still being
+        gathered) and the rows delivered to it."""
+        self.expire()
+        leased = self.leases.in_flight(self.tasks)
+        out: dict[str, Any] = {}
+        for task, arr in self._consumed.items():
+            gathering = sum(len(inflight) for t, inflight in self._gathering.values() if t == task)
+            marks = [arr[a:b] for a, b in segments]
+            out[task] = {"consumed_at": np.concatenate(marks) if marks else np.zeros(0, np.int64),
+                         "leased": int(leased.get(task, 0)), "gathering": gathering,
+                         "delivered": int(self._delivered.get(task, 0))}
+        return out
 
     def load_state(self, seqs: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Put back what `state` recorded, for the rows now at `seqs` (a fresh store built with the recorded tasks,

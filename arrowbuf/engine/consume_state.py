@@ -8,7 +8,7 @@ store's state lock (a cross-process robust mutex for a shared store, `arrowbuf.t
 Layout in a shared tier (arenas of the store's directory, recorded in its manifest and checked on attach)::
 
     arena.consume.header     int64 [8]: policy_version, stale_dropped, insert_waits, the lease counter, the store's
-                             lease token, ended leases (the rest reserved)
+                             lease token, ended leases, the 128-bit key of lease ids (`shared_leases`)
     arena.consume.task.<i>   int64 [arena_rows]: per ring position, the seq of the row task i consumed there (-1: none)
     arena.consume.task.<i>.ints  int64 [7]: task i's cursor, rows delivered, rows dropped as stale, rows redelivered,
                              leases expired, rows admitted oldest-first, the window of its last oldest-first consume
@@ -39,10 +39,10 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..tiers.shm.paths import start_time as _start_time
 from .leases import LeaseTable
-from .shared_leases import ENDED_SLOTS, LEASE_SLOTS, SharedLeaseTable
+from .shared_leases import ENDED_SLOTS, LEASE_SLOTS, SLOT_INTS, SharedLeaseTable
 
 #: Header slots of `consume.header`.
-HEADER = {"policy_version": 0, "stale_dropped": 1, "insert_waits": 2}  # 3-5: the lease table's (shared_leases)
+HEADER = {"policy_version": 0, "stale_dropped": 1, "insert_waits": 2}  # 3-7: the lease table's (shared_leases)
 HEADER_LEN = 8
 #: Per-task ints of `consume.task.<i>.ints`.
 TASK_INTS = {"cursor": 0, "delivered": 1, "stale": 2, "redelivered": 3, "leases_expired": 4, "admitted": 5,
@@ -220,7 +220,7 @@ class ConsumeState:
                 table.fill(0)
             self.pins = SharedPins(table, getattr(tier, "path", None))
             self.leases = SharedLeaseTable(
-                self.header, tier.allocate("consume.leases", np.dtype(np.int64), LEASE_SLOTS, (6,)),
+                self.header, tier.allocate("consume.leases", np.dtype(np.int64), LEASE_SLOTS, (SLOT_INTS,)),
                 tier.allocate("consume.ended", np.dtype(np.int64), ENDED_SLOTS, (2,)), self._marks, self.consumed,
                 TaskInts(self._ints, TASK_INTS["redelivered"]), TaskInts(self._ints, TASK_INTS["leases_expired"]),
                 fresh=bool(tier.fresh))

@@ -13,9 +13,15 @@ newer row (in their original order). Delivery is at least once before an ack, ex
 
 A lease ends once. Acking or nacking it again, or after it expired, raises `LeaseError` naming what ended it (the
 table remembers the last `ENDED_KEPT` ended leases; an older or never issued id is "unknown"). Ids are
-`<store token>.<n>`: a random token per store object, so an id of another store (or of this store before a restart)
-is never taken for one of its own. This module keeps the table only; `arrowbuf.engine.consume.ConsumeTracker`
+`<store token>.<n>.<secret>`: a random token per store object, so an id of another store (or of this store before a
+restart) is never taken for one of its own, and 64 random bits per lease, so that a client holding one lease cannot
+guess another client's (and ack or nack it). This module keeps the table only; `arrowbuf.engine.consume.ConsumeTracker`
 decides what the rows do, under the store's state lock (every method here is called holding it).
+
+Who holds a lease: its owner is whoever acts when it opens (`arrowbuf.observe.identity`: the Flight server acts as
+the calling client). A server bounds the leases one client holds open with `client_cap(n)` around the store calls it
+makes for that client (`ServerLimits.max_leases_per_client`); past it, a consume with `lease=` is refused with
+`ResourceExhausted` and takes nothing. In-process callers are not capped (their own process).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InvalidArgument, LeaseError
+from ..errors import InvalidArgument, LeaseError, ResourceExhausted
+from ..observe import identity
+from ..serving.limits import current_client_cap
 
 #: Longest lease a consume may ask for (seconds): a day.
 MAX_LEASE_S = 86400.0
@@ -39,6 +47,9 @@ ENDED_KEPT = 1 << 16
 #: Longest lease id (characters); ids are short, but a remote one is hostile input.
 MAX_LEASE_ID_CHARS = 128
 _ID = re.compile(r"[A-Za-z0-9._:/+-]{1,128}")
+def cap_refusal(held: int, limit: int) -> ResourceExhausted:
+    return ResourceExhausted(f"consume: this client holds {held} open leases, the server's max_leases_per_client "
+                             f"({limit}); ack or nack some before consuming with lease= again")
 
 
 def check_lease_seconds(value: object, what: str = "consume: lease") -> float | None:
@@ -69,12 +80,14 @@ def check_lease_id(value: object, what: str = "lease") -> str:
 
 @dataclass
 class Lease:
-    """One open lease: the rows (`seqs`, oldest first) `task` holds in flight until `deadline` (monotonic)."""
+    """One open lease: the rows (`seqs`, oldest first) `task` holds in flight until `deadline` (monotonic), opened
+    by `owner` (an `identity` code)."""
 
     id: str
     task: str
     seqs: np.ndarray
     deadline: float
+    owner: int = 0
 
 
 class LeaseTable:
@@ -85,6 +98,8 @@ class LeaseTable:
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._token = secrets.token_hex(6)
         self._ids = itertools.count(1)
+        self._owners: dict[int, int] = {}  # open leases per owner (client_cap)
+        self._rows: dict[str, int] = {}  # rows in flight per task (counted as leases open and end)
         self.redelivered: dict[str, int] = {}  # rows returned to a task's queue (expired or nacked)
         self.expired: dict[str, int] = {}  # leases that expired, per task
 
@@ -92,10 +107,31 @@ class LeaseTable:
         return len(self._open)
 
     def open(self, task: str, seqs: np.ndarray, seconds: float) -> Lease:
-        """A new lease on `seqs` for `task`, ending `seconds` from now."""
-        lease = Lease(f"{self._token}.{next(self._ids)}", task, seqs, time.monotonic() + seconds)
+        """A new lease on `seqs` for `task`, ending `seconds` from now.
+
+        Raises:
+            ResourceExhausted: the caller holds `client_cap` open leases already.
+        """
+        owner = identity.current_code()
+        cap = current_client_cap()
+        if cap is not None:
+            held = self._owners.get(owner, 0)
+            if held >= cap:
+                raise cap_refusal(held, cap)
+        lease = Lease(f"{self._token}.{next(self._ids)}.{secrets.token_hex(8)}", task, seqs,
+                      time.monotonic() + seconds, owner)
         self._open[lease.id] = lease
+        self._owners[owner] = self._owners.get(owner, 0) + 1
+        self._rows[task] = self._rows.get(task, 0) + len(seqs)
         return lease
+
+    def _closed(self, lease: Lease) -> None:
+        left = self._owners.get(lease.owner, 0) - 1
+        if left > 0:
+            self._owners[lease.owner] = left
+        else:
+            self._owners.pop(lease.owner, None)
+        self._rows[lease.task] = self._rows.get(lease.task, 0) - len(lease.seqs)
 
     def take(self, lease_id: object, verb: str) -> Lease:
         """Remove and return the open lease `lease_id` (to ack or nack it).
@@ -106,6 +142,7 @@ class LeaseTable:
         lid = check_lease_id(lease_id, verb)
         lease = self._open.pop(lid, None)
         if lease is not None:
+            self._closed(lease)
             return lease
         how = self._ended.get(lid)
         if how == "expired":
@@ -135,6 +172,7 @@ class LeaseTable:
         gone = [lease for lease in self._open.values() if lease.deadline <= now]
         for lease in gone:
             del self._open[lease.id]
+            self._closed(lease)
         return gone
 
     def next_deadline(self) -> float | None:
@@ -151,13 +189,17 @@ class LeaseTable:
         """The open leases of `task`."""
         return [lease for lease in self._open.values() if lease.task == task]
 
+    def task_seqs(self, task: str) -> np.ndarray:
+        """Seqs of every row `task` holds in flight, in one array (no work per lease beyond joining their seqs)."""
+        held = [lease.seqs for lease in self._open.values() if lease.task == task]
+        return np.concatenate(held) if held else np.zeros(0, dtype=np.int64)
+
     def in_flight(self, tasks: list[str]) -> dict[str, int]:
-        """Rows in flight per task."""
+        """Rows in flight per task (counted as leases open and end: no work per lease)."""
         out = dict.fromkeys(tasks, 0)
-        for lease in self._open.values():
-            out[lease.task] = out.get(lease.task, 0) + len(lease.seqs)
+        out.update({task: n for task, n in self._rows.items() if n})
         return out
 
 
-__all__ = ["ENDED_KEPT", "MAX_LEASE_ID_CHARS", "MAX_LEASE_S", "Lease", "LeaseTable", "check_lease_id",
-           "check_lease_seconds"]
+__all__ = ["ENDED_KEPT", "MAX_LEASE_ID_CHARS", "MAX_LEASE_S", "Lease", "LeaseTable", "cap_refusal",
+           "check_lease_id", "check_lease_seconds"]

@@ -25,7 +25,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -46,6 +45,7 @@ from ..errors import (
 from ..observe import identity
 from ..observe.timings import Timings
 from ..query.sql import serving as sql_serving
+from ..serving.limits import check_bind, client_cap
 from . import protocol as P
 from .heap import release_after
 from .idle import OpenStreams
@@ -54,7 +54,7 @@ from .parts import parts_stream, pieces_stream
 from .parts import receive as receive_parts
 from .parts import receive_into as receive_parts_into
 from .prefetch import Prefetcher
-from .server_config import TokenMiddlewareFactory, is_loopback, named_stores, parse_location, read_tls
+from .server_config import TokenMiddlewareFactory, named_stores, parse_location, read_tls
 from .server_streams import bounded_batches, put_update, table_batches
 from .sockets import cut_server_connections
 from .wire import WIRE_OPTIONS, one_batch_stream, wire_batch
@@ -69,15 +69,16 @@ _STREAM_SLOT_WAIT = 5.0
 
 def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str | None = None,
           tls: Any = None, *, limits: ServerLimits | None = None, checkpoint_root: Any = None,
-          metrics: str | None = None, **overrides: Any) -> StoreServer:
+          metrics: str | None = None, allow_unauthenticated: bool = False, **overrides: Any) -> StoreServer:
     """Serve one or more stores over Arrow Flight.
 
     Args:
         store_or_stores: a store (anything that implements `ab.StoreSurface`: an `ExperienceStore`, a shard
             adapter, ...), a list of stores (named by `store.name`) or a dict name -> store.
         location: `grpc://host:port`; port 0 picks a free port (see `server.location`). Binds 127.0.0.1 by default;
-            pass `grpc://0.0.0.0:<port>` to accept other machines (then use a token and TLS).
-        token: bearer token every call must carry (`authorization: Bearer <token>`); None accepts every caller.
+            pass `grpc://0.0.0.0:<port>` to accept other machines (then a token is required, and use TLS).
+        token: bearer token every call must carry (`authorization: Bearer <token>`); None accepts every caller, and
+            then only a loopback address may be bound (unless `allow_unauthenticated`).
         tls: `(certificate, private_key)` as PEM bytes/str or file paths; the server then speaks `grpc+tls`.
         limits: the bounds of every request (`ServerLimits`; safe defaults). docs/security.md lists them.
         checkpoint_root: a directory under which the `checkpoint` action may write (a client names a relative
@@ -85,6 +86,8 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
         metrics: "HOST:PORT" to serve Prometheus metrics of the stores and of this server at
             `http://HOST:PORT/metrics` (`server.metrics_url`; port 0 picks one; needs `arrowbuf[metrics]`).
             docs/observability.md lists them.
+        allow_unauthenticated: bind an address beyond loopback without a token anyway (a warning; only on a
+            network where everyone who can reach the port may read and write the stores).
         **overrides: single limits by name, e.g. `max_batch_rows=50_000`, `shutdown_timeout=1.0`,
             `sql_limits=ab.SqlLimits(timeout=5.0)`, `max_concurrent_calls=32` (see `ServerLimits`).
 
@@ -92,7 +95,8 @@ def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str
         A running `StoreServer` (a context manager).
     """
     return StoreServer(store_or_stores, location, token=token, tls=tls, limits=limits,
-                       checkpoint_root=checkpoint_root, metrics=metrics, **overrides)
+                       checkpoint_root=checkpoint_root, metrics=metrics,
+                       allow_unauthenticated=allow_unauthenticated, **overrides)
 
 
 class StoreServer:
@@ -109,7 +113,7 @@ class StoreServer:
 
     def __init__(self, store_or_stores: Any, location: str = "grpc://127.0.0.1:0", *, token: str | None = None,
                  tls: Any = None, limits: ServerLimits | None = None, checkpoint_root: Any = None,
-                 metrics: str | None = None, **overrides: Any) -> None:
+                 metrics: str | None = None, allow_unauthenticated: bool = False, **overrides: Any) -> None:
         self.stores = named_stores(store_or_stores)
         self.timings = Timings()
         self.metrics_url: str | None = None
@@ -128,9 +132,7 @@ class StoreServer:
             raise InvalidArgument("token must be a non-empty string (or None for no authentication)")
         scheme, host, port = parse_location(location, tls is not None)
         certs = [flight.CertKeyPair(*read_tls(tls))] if tls is not None else None
-        if token is None and not is_loopback(host):
-            warnings.warn(f"serving on {host} without a token: anyone who can reach the port can read and write "
-                          "the store; pass token= (and tls=)", stacklevel=3)
+        check_bind("Flight server", host, token, allow_unauthenticated=allow_unauthenticated, stacklevel=4)
         middleware = {"auth": TokenMiddlewareFactory(token)} if token is not None else None
         self._closing = threading.Event()
         self._closed = threading.Event()
@@ -302,6 +304,7 @@ def _handler(verb: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                     slots.enter_context(self.owner.calls.enter("call"))
                     # lineage names the client as the writer or consumer of what this call does
                     slots.enter_context(identity.acting_as(f"flight:{args[0].peer()}"))
+                    slots.enter_context(client_cap(self.owner.limits.max_leases_per_client))
                     return fn(self, *args)
             except flight.FlightError:
                 outcome = "FlightError"

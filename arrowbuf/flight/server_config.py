@@ -5,7 +5,6 @@ check every call passes before a handler runs. `arrowbuf.flight.server.StoreServ
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,6 +12,7 @@ from urllib.parse import urlsplit
 import pyarrow.flight as flight
 
 from ..errors import InvalidArgument, Unauthenticated
+from ..serving.limits import is_loopback as _is_loopback
 from ..surface import check_surface
 from . import protocol as P
 
@@ -80,13 +80,8 @@ def parse_location(location: str, tls: bool) -> tuple[str, str, int]:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether `host` is localhost or a loopback address (a server elsewhere without a token is warned about)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """Whether `host` is localhost or a loopback address (`arrowbuf.serving.limits.is_loopback`)."""
+    return _is_loopback(host)
 
 
 def read_tls(tls: Any) -> tuple[bytes, bytes]:

@@ -174,7 +174,7 @@ class ExperienceStore:
             tiers = list({id(t): t for t in [self._tier, *self._data_tiers]}.values())
             self._views = StoreViews(
                 ViewParts(self.name, self.schema, self._core, self._reader, self._writer, self._consume,
-                          self._episodes, tiers, self.timings, self.placement_policy), self._writes)
+                          self._episodes, tiers, self.timings, self.placement_policy))
         except BaseException:
             for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
                 if not t.shared or (t.fresh and not getattr(t, "sealed", True)):  # a shared store nobody attached
@@ -723,7 +723,7 @@ class ExperienceStore:
 
     def stats(self) -> dict[str, Any]:
         """Size, counters and memory of the store."""
-        return self._v.stats(self.capacity)
+        return self._v.stats(self.capacity, self._w.stats())
 
     def placement(self, explain: bool = False) -> pa.Table:
         """Where the columns live: one row per (column, tier) with the chunk slots and bytes there.

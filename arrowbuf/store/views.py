@@ -7,7 +7,7 @@ reads them through their own methods and changes nothing.
 
 Usage (what `ExperienceStore` does)::
 
-    views = StoreViews(ViewParts(name, schema, core, reader, writer, consume, episodes, tiers, timings), writes)
+    views = StoreViews(ViewParts(name, schema, core, reader, writer, consume, episodes, tiers, timings))
     views.to_table(["obs"]); views.stats(); views.placement(explain=True)
     views.checkpoints.started(summary)      # the record `/metrics` and the inspector read
 """
@@ -31,7 +31,6 @@ from ..observe.timings import Timings
 from ..placement import placement_table
 from ..schema import ExperienceSchema
 from ..tiers.base import Tier
-from .writes import Writes
 
 if TYPE_CHECKING:
     from ..persist.checkpoint import CheckpointHandle
@@ -79,8 +78,8 @@ class ViewParts:
 class StoreViews:
     """A store's read-only views (module docstring)."""
 
-    def __init__(self, parts: ViewParts, writes: Writes) -> None:
-        self.parts, self.writes = parts, writes
+    def __init__(self, parts: ViewParts) -> None:
+        self.parts = parts
         self.schema = parts.schema
         self.checkpoints = parts.checkpoints
 
@@ -121,7 +120,8 @@ class StoreViews:
         return observed(self.parts.core, self.parts.timings, self.checkpoints.as_dict())
 
     # ------------------------------------------------------------------ counters, memory, placement
-    def stats(self, capacity: int) -> dict[str, Any]:
+    def stats(self, capacity: int, journal: dict[str, Any] | None) -> dict[str, Any]:
+        """The store's counters; `journal`: its write path's (`Writes.stats`), or None."""
         p = self.parts
         core = p.core
         with core.lock:
@@ -159,7 +159,6 @@ class StoreViews:
             counters = core.cols.placement_counters()
             if counters is not None:
                 out["placement"] = counters
-        journal = self.writes.stats()
         if journal is not None:
             out["journal"] = journal
         return out
