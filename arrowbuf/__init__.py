@@ -40,11 +40,26 @@ from .query.sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
 from .store.facade import ExperienceStore
 from .store.pending import PendingWrite
-from .surface import StoreSurface, WriterSurface
+from .surface import (
+    Bounded,
+    ExtendSink,
+    LineageSource,
+    Observable,
+    PieceSink,
+    StoreSurface,
+    TableStream,
+    WriterSurface,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "TableStream",
+    "PieceSink",
+    "Observable",
+    "LineageSource",
+    "ExtendSink",
+    "Bounded",
     "AppendSlowPathWarning",
     "ArrowbufError",
     "ArrowbufWarning",

@@ -308,3 +308,23 @@ def test_serve_takes_any_surface_and_refuses_other_objects(surface):
         assert surface.update_priorities(again, np.ones(16)) == 16  # the served store's own ids
     with pytest.raises(TypeError, match="StoreSurface"):
         ab.serve({"x": object()}, "grpc://127.0.0.1:0")
+
+
+def test_capabilities_beyond_the_surface_are_declared(tmp_path):
+    """Optional capabilities are runtime-checkable Protocols (issue 39): the Flight server, /metrics and the SQL
+    sandbox ask `isinstance(store, ab.TableStream)` instead of probing attributes."""
+    import arrowbuf as ab
+
+    schema = {"name": "cap", "fields": {"x": "int64"}}
+    with ab.ExperienceStore(schema, 64) as plain, \
+            ab.ExperienceStore(schema, 64, durable=str(tmp_path / "run")) as durable:
+        for cap in (ab.TableStream, ab.PieceSink, ab.Observable, ab.LineageSource, ab.Bounded):
+            assert isinstance(plain, cap) and isinstance(durable, cap), cap
+        assert plain.takes_pieces and not durable.takes_pieces  # a durable store journals a batch whole
+        with ab.serve(plain, "grpc://127.0.0.1:0", parts_into_ring=True) as server, \
+                ab.connect(server.location) as remote:
+            assert not isinstance(remote, (ab.PieceSink, ab.Observable))
+            assert remote.parts_into_ring and remote.capacity == 64
+        with ab.serve(durable, "grpc://127.0.0.1:0", parts_into_ring=True) as server, \
+                ab.connect(server.location) as remote:
+            assert not remote.parts_into_ring  # decided once, when the server started: this store takes none

@@ -46,6 +46,7 @@ from ..observe import identity
 from ..observe.timings import Timings
 from ..query.sql import serving as sql_serving
 from ..serving.limits import check_bind, client_cap
+from ..surface import Bounded, PieceSink, TableStream
 from . import protocol as P
 from .heap import release_after
 from .idle import OpenStreams
@@ -126,6 +127,10 @@ class StoreServer:
                                "table": self.limits.max_table_streams,
                                "stream": self.limits.stream_slots})
         self.streams = OpenStreams()
+        # an extend in parts goes straight into a store's ring (`ServerLimits.parts_into_ring` and a store that takes
+        # pieces: `ab.PieceSink`): decided once per store, here; `describe` tells clients
+        self._into_ring = {id(s): self.limits.parts_into_ring and isinstance(s, PieceSink) and s.takes_pieces
+                           for s in self.stores.values()}
         self.max_batch_rows = self.limits.max_batch_rows
         self.shutdown_timeout = float(self.limits.shutdown_timeout)
         if token is not None and (not isinstance(token, str) or not token):
@@ -235,6 +240,10 @@ class StoreServer:
         self.close()
 
     # ------------------------------------------------------------------ helpers for the service
+    def into_ring(self, store: Any) -> bool:
+        """Whether an extend in parts goes straight into `store`'s ring (decided when the server started)."""
+        return self._into_ring.get(id(store), False)
+
     def store(self, name: str | None) -> Any:
         if name is None:
             if len(self.stores) == 1:
@@ -457,12 +466,11 @@ class _FlightService(flight.FlightServerBase):
         lost for the task (at most once); a client lease stays in flight until acked or expired, whatever happens to
         the reply or the client (at least once)."""
         self.owner.limits.check_sample(req.n, req.timeout, {}, "consume")
-        leased = req.lease is not None or hasattr(store, "ack")  # a store without leases: the old path
         # --- hardening: the where= predicate runs in the SQL sandbox under this server's sql_limits, each run
         # holding a max_concurrent_sql slot (not the whole wait), and stops when the client goes away
         with sql_serving(self.owner.limits.sql_limits, gate=lambda: self.owner.calls.enter("sql"),
                          cancelled=context.is_cancelled):
-            extra = {"lease": req.lease if req.lease is not None else _GUARD_LEASE_S} if leased else {}
+            extra = {"lease": req.lease if req.lease is not None else _GUARD_LEASE_S}
             batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
                                   max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens,
                                   **extra, **({"admission": req.admission} if req.admission else {}))
@@ -494,8 +502,8 @@ class _FlightService(flight.FlightServerBase):
             if unknown:
                 raise SchemaError(f"table: unknown stored column(s) {unknown}; expected some of {stored.names}")
             schema = pa.schema([stored.field(n) for n in names], metadata=stored.metadata)
-            iter_table = getattr(store, "iter_table", None)
-            source = iter_table(columns) if iter_table is not None else store.to_table(columns).to_batches()
+            source = store.iter_table(columns) if isinstance(store, TableStream) else \
+                store.to_table(columns).to_batches()
         except BaseException:
             gate.release("table")
             raise
@@ -527,8 +535,7 @@ class _FlightService(flight.FlightServerBase):
         store.schema.check_input_types(reader.schema, "DoPut")
         kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
         if req.parts is not None:  # one extend in parts (protocol 3), committed once
-            begin = getattr(store, "begin_extend", None) if limits.parts_into_ring else None
-            sink = begin(req.rows, reader.schema.names) if begin is not None else None
+            sink = store.begin_extend(req.rows, reader.schema.names) if self.owner.into_ring(store) else None
             # a windowed extend: each part acknowledged once added, so the client sends only a few ahead
             on_part = None if req.window is None else (lambda k: writer.write(pa.py_buffer(P.encode_progress(k))))
             if sink is not None:  # each part copied straight into the ring's reserved rows (store/pieces.py)
@@ -622,19 +629,6 @@ class _FlightService(flight.FlightServerBase):
                 self._sessions -= 1
                 self._prefetchers.discard(prefetcher)
 
-    def _parts_into_ring(self, store: Any) -> bool:
-        """Whether an extend in parts goes straight into this store's ring (`ServerLimits.parts_into_ring` and a
-        store that takes pieces): a client then sends a large batch in parts even under `max_batch_bytes`, so the
-        server copies each part while the next one travels."""
-        begin = getattr(store, "begin_extend", None) if self.owner.limits.parts_into_ring else None
-        if begin is None:
-            return False
-        probe = begin(1, list(store.schema.fields))  # reserves nothing until a first piece is written
-        if probe is None:
-            return False
-        probe.abort()
-        return True
-
     # ------------------------------------------------------------------ DoAction
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
         return list(P.ACTIONS.items())
@@ -646,13 +640,14 @@ class _FlightService(flight.FlightServerBase):
         store = self.owner.store(req.store)
         if req.type == "describe":
             out: dict[str, Any] = {"v": P.PROTOCOL_VERSION, "store": _name_of(self.owner, store),
-                                   "schema": store.schema.to_dict(), "capacity": getattr(store, "capacity", None),
+                                   "schema": store.schema.to_dict(),
+                                   "capacity": store.capacity if isinstance(store, Bounded) else None,
                                    "max_batch_rows": self.owner.limits.max_batch_rows, "protocol": P.PROTOCOL_VERSION,
                                    "protocols": list(P.SUPPORTED_VERSIONS),
                                    "stores": sorted(self.owner.stores), "limits": self.owner.limits.describe(),
                                    "sample_options": self.owner.sample_options(store),
                                    "sample_meta": list(P.SAMPLE_META),
-                                   "parts_into_ring": self._parts_into_ring(store), "put_window": True}
+                                   "parts_into_ring": self.owner.into_ring(store), "put_window": True}
         elif req.type == "stats":
             out = dict(store.stats())
             with self._lock:
@@ -689,7 +684,7 @@ def _consume_action(store: Any, req: P.ActionRequest, limits: ServerLimits, lock
         store.add_task(req.task)
         return {"tasks": list(store.tasks)}
     elif req.type in ("ack", "nack"):  # the id was checked by the decoder (a short plain string)
-        return {"rows": int(getattr(store, req.type)(req.lease))}
+        return {"rows": int(store.ack(req.lease) if req.type == "ack" else store.nack(req.lease))}
     return {"policy_version": int(store.policy_version)}
 
 

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 
 from ..errors import SchemaError, require
 from ..schema.dtypes import LogicalType, unwrap_list
+from ..surface import LineageSource
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..schema import ExperienceSchema
@@ -94,9 +95,8 @@ def run_sql(store: RowSource, query: str, limits: SqlLimits | None = None, *,
     if not isinstance(query, str) or not query.strip():
         raise SchemaError("sql() takes a non-empty SQL string")
     tables = {}
-    lineage = getattr(store, "lineage_table", None)  # a store that records lineage: the table `lineage`
-    if lineage is not None and _LINEAGE.search(_STRINGS.sub(" ", query)):
-        tables["lineage"] = lineage()
+    if isinstance(store, LineageSource) and _LINEAGE.search(_STRINGS.sub(" ", query)):  # the table `lineage`
+        tables["lineage"] = store.lineage_table()
     if tables and not _EXPERIENCE.search(_STRINGS.sub(" ", query)):  # only the other tables: copy no rows
         table = store.schema.to_arrow().empty_table()
     else:

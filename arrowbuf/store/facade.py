@@ -363,7 +363,14 @@ class ExperienceStore:
             raise StoreClosed(f"store {self.name!r} is closed")
 
     # ------------------------------------------------------------------ writing (StoreWriter)
-    def begin_extend(self, rows: int, names: Any) -> Any:
+    @property
+    def takes_pieces(self) -> bool:
+        """Whether this store takes an extend in pieces at all (`begin_extend`; `ab.PieceSink`): not a durable store
+        (a batch is journaled whole), nor one whose writes wait for tasks, a rate limiter or final observations, nor
+        a tiered one."""
+        return self._w.accepts_pieces and self._pieces.ok(1, set())
+
+    def begin_extend(self, rows: int, names: Any) -> ExtendInPieces | None:
         """One extend of `rows` rows (columns `names`) that arrives in pieces, each copied straight into the ring
         (`arrowbuf.engine.pieces.ExtendInPieces`: write, commit, abort; the guarantees of one `extend`), or None
         when this store takes such a batch only whole (`PiecesWriter.ok`: durable, tiered, tasks, a rate
