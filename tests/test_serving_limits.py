@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import arrowbuf as ab
-from arrowbuf.flight import protocol_errors
+from arrowbuf.flight.protocol import errors as protocol_errors
 from arrowbuf.serving.limits import (
     SERVERS,
     InsecureServerWarning,

@@ -43,7 +43,7 @@ import pyarrow.flight as flight
 
 from ..errors import SchemaError
 from .heap import release_after
-from .server_streams import bounded_batches
+from .streams import bounded_batches
 
 #: The share of `max_batch_bytes` a part is cut to (headroom for the bytes a received message adds: validity
 #: bitmaps rounded up, IPC padding).

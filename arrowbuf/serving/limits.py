@@ -331,7 +331,7 @@ class CallGate:
 
 
 # ---------------------------------------------------------------------------------------------------- errors
-#: Status code per error class, most specific first (the Flight error table, `arrowbuf.flight.protocol_errors`,
+#: Status code per error class, most specific first (the Flight error table, `arrowbuf.flight.protocol.errors`,
 #: carries the same codes; tests/test_serving_limits.py checks they agree).
 CODES: tuple[tuple[type[BaseException], str], ...] = (
     (Unauthenticated, "UNAUTHENTICATED"),

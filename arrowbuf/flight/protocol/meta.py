@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from ..errors import SchemaError
+from ...errors import SchemaError
 
 #: How a sampled batch names its items: the request key "meta" (DoGet sample tickets, DoExchange session commands).
 #: "json" (the default): the batch's app_metadata `{"v":1,"indices":[...],"weights":[...]}`. "columns": two more

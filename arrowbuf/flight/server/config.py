@@ -11,10 +11,10 @@ from urllib.parse import urlsplit
 
 import pyarrow.flight as flight
 
-from ..errors import InvalidArgument, Unauthenticated
-from ..serving.limits import is_loopback as _is_loopback
-from ..surface import check_surface
-from . import protocol as P
+from ...errors import InvalidArgument, Unauthenticated
+from ...serving.limits import is_loopback as _is_loopback
+from ...surface import check_surface
+from .. import protocol as P
 
 
 class TokenMiddlewareFactory(flight.ServerMiddlewareFactory):

@@ -25,8 +25,8 @@ Errors: every error a server raises on purpose is a Flight error whose `extra_in
 is `{"v":1,"error":<class>,"code":<status>,"message":<text>}`; `ERRORS` is the one table, in both directions.
 
 Three parts live in their own modules, re-exported here (import them from this module): the consume verbs and lease
-actions (`arrowbuf.flight.protocol_consume`), the error table (`arrowbuf.flight.protocol_errors`) and the sample
-metadata in columns (`arrowbuf.flight.protocol_meta`). They import nothing from this module (the consume decoders
+actions (`arrowbuf.flight.protocol.consume`), the error table (`arrowbuf.flight.protocol.errors`) and the sample
+metadata in columns (`arrowbuf.flight.protocol.meta`). They import nothing from this module (the consume decoders
 get the field reader passed in), so the wire format forms no import cycle.
 """
 
@@ -41,23 +41,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ..errors import SchemaError
-from .protocol_consume import CONSUME_ACTIONS as CONSUME_ACTIONS
-from .protocol_consume import LEASE_ID as LEASE_ID
-from .protocol_consume import MAX_LEASE_S as MAX_LEASE_S
-from .protocol_consume import MAX_TASK_CHARS as MAX_TASK_CHARS
-from .protocol_consume import MAX_TOKENS as MAX_TOKENS
-from .protocol_consume import MAX_WHERE_CHARS as MAX_WHERE_CHARS
-from .protocol_consume import ConsumeRequest as ConsumeRequest
-from .protocol_consume import decode_consume, decode_consume_action, encode_consume
-from .protocol_errors import ERRORS as ERRORS
-from .protocol_errors import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
-from .protocol_errors import ErrorMapping as ErrorMapping
-from .protocol_errors import decode_error as decode_error
-from .protocol_errors import error_mapping as error_mapping
-from .protocol_errors import error_message as error_message
-from .protocol_errors import from_flight_error as from_flight_error
-from .protocol_meta import (
+from ...errors import SchemaError
+from .consume import CONSUME_ACTIONS as CONSUME_ACTIONS
+from .consume import LEASE_ID as LEASE_ID
+from .consume import MAX_LEASE_S as MAX_LEASE_S
+from .consume import MAX_TASK_CHARS as MAX_TASK_CHARS
+from .consume import MAX_TOKENS as MAX_TOKENS
+from .consume import MAX_WHERE_CHARS as MAX_WHERE_CHARS
+from .consume import ConsumeRequest as ConsumeRequest
+from .consume import decode_consume, decode_consume_action, encode_consume
+from .errors import ERRORS as ERRORS
+from .errors import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from .errors import ErrorMapping as ErrorMapping
+from .errors import decode_error as decode_error
+from .errors import error_mapping as error_mapping
+from .errors import error_message as error_message
+from .errors import from_flight_error as from_flight_error
+from .meta import (
     ID_COLUMN,
     MAX_PAD,
     SAMPLE_META,
@@ -121,7 +121,7 @@ ACTIONS: dict[str, str] = {
 
 
 # ---------------------------------------------------------------------------------------------------- errors
-# The table (ERRORS) and the decoding side are in arrowbuf.flight.protocol_errors; the encoding side is here.
+# The table (ERRORS) and the decoding side are in arrowbuf.flight.protocol.errors; the encoding side is here.
 def error_info(exc: BaseException) -> bytes:
     """The JSON status detail of an error (`extra_info` and in-band exchange errors)."""
     m = error_mapping(exc)
@@ -601,7 +601,7 @@ def decode_action(action: flight.Action) -> ActionRequest:
 
 # ---------------------------------------------------------------------------------------------------- consume
 # DoGet kind "consume" and the actions set_policy_version, policy_version, add_task, ack, nack: their fields and
-# bounds are in arrowbuf.flight.protocol_consume; the version gate is here.
+# bounds are in arrowbuf.flight.protocol.consume; the version gate is here.
 def _needs_llm_version(f: _Fields, what: str) -> None:
     """Consume verbs are version 2 (as DoPut kind "update"): a version-1 request for them is refused."""
     if f.obj.get("v", PROTOCOL_VERSION) < LLM_VERSION:
@@ -623,7 +623,7 @@ def _decode_consume_action(type_: str, f: _Fields, store: str | None) -> ActionR
 
 
 # ---------------------------------------------------------------------------------------------------- metadata
-# The request keys "meta" and "pad" (SAMPLE_META, MAX_PAD: arrowbuf.flight.protocol_meta) and the JSON metadata.
+# The request keys "meta" and "pad" (SAMPLE_META, MAX_PAD: arrowbuf.flight.protocol.meta) and the JSON metadata.
 def _sample_meta(f: _Fields, where: str) -> str:
     meta = f.get("meta", "a string", default="json")
     if meta not in SAMPLE_META:

@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import SchemaError
-from ..samplers.admission import ADMISSIONS
+from ...errors import SchemaError
+from ...samplers.admission import ADMISSIONS
 
 #: Longest `where` predicate a consume request may carry (characters); the store checks it against the same limit.
 MAX_WHERE_CHARS = 4096

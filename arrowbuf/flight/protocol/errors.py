@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ..errors import (
+from ...errors import (
     ArrowbufError,
     InsertTimeout,
     InvalidArgument,

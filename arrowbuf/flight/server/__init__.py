@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ..errors import (
+from ...errors import (
     ArrowbufError,
     InvalidArgument,
     ResourceExhausted,
@@ -42,23 +42,23 @@ from ..errors import (
     StoreNotFound,
     Unavailable,
 )
-from ..observe import identity
-from ..observe.timings import Timings
-from ..query.sql import serving as sql_serving
-from ..serving.limits import check_bind, client_cap
-from ..surface import Bounded, PieceSink, TableStream
-from . import protocol as P
-from .heap import release_after
-from .idle import OpenStreams
-from .limits import CallGate, ServerLimits
-from .parts import parts_stream, pieces_stream
-from .parts import receive as receive_parts
-from .parts import receive_into as receive_parts_into
-from .prefetch import Prefetcher
-from .server_config import TokenMiddlewareFactory, named_stores, parse_location, read_tls
-from .server_streams import bounded_batches, put_update, table_batches
-from .sockets import cut_server_connections
-from .wire import WIRE_OPTIONS, one_batch_stream, wire_batch
+from ...observe import identity
+from ...observe.timings import Timings
+from ...query.sql import serving as sql_serving
+from ...serving.limits import check_bind, client_cap
+from ...surface import Bounded, PieceSink, TableStream
+from .. import protocol as P
+from ..heap import release_after
+from ..idle import OpenStreams
+from ..limits import CallGate, ServerLimits
+from ..parts import parts_stream, pieces_stream
+from ..parts import receive as receive_parts
+from ..parts import receive_into as receive_parts_into
+from ..prefetch import Prefetcher
+from ..sockets import cut_server_connections
+from ..streams import bounded_batches, put_update, table_batches
+from ..wire import WIRE_OPTIONS, one_batch_stream, wire_batch
+from .config import TokenMiddlewareFactory, named_stores, parse_location, read_tls
 
 log = logging.getLogger("arrowbuf.flight")
 
@@ -154,7 +154,7 @@ class StoreServer:
         self._close_at_exit = _exit_hook(weakref.ref(self))
         atexit.register(self._close_at_exit)
         if metrics is not None:  # Prometheus /metrics of the stores and this server (arrowbuf.observe.metrics)
-            from ..observe.metrics import MetricsEndpoint
+            from ...observe.metrics import MetricsEndpoint
 
             try:
                 self._metrics = MetricsEndpoint.start(metrics, stores=lambda: self.stores, servers=[self])
@@ -515,7 +515,7 @@ class _FlightService(flight.FlightServerBase):
     def _sql(self, store: Any, query: str, context: Any) -> pa.Table:
         """The `sql` ticket: the sandbox of `arrowbuf.query.sql` with this server's limits; stops when the client
         goes."""
-        from ..query.frames import run_sql
+        from ...query.frames import run_sql
 
         with self.owner.calls.enter("sql"):
             return run_sql(store, query, self.owner.limits.sql_limits, cancelled=context.is_cancelled)
@@ -656,7 +656,7 @@ class _FlightService(flight.FlightServerBase):
         elif req.type == "len":
             out = {"len": len(store)}
         elif req.type == "checkpoint":  # only under the server's root
-            from ..persist.remote import checkpoint_under_root
+            from ...persist.remote import checkpoint_under_root
 
             out = checkpoint_under_root(store, self.owner.checkpoint_root, req.path or "", req.keep)
         elif req.type in P.CONSUME_ACTIONS:
