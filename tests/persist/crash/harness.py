@@ -47,6 +47,7 @@ policy, seq, rid and task.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import random
@@ -57,10 +58,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import numpy as np
+from typing import Any
 
 import arrowbuf as ab
 from crash import oracle as orc
@@ -94,13 +94,17 @@ class RunResult:
         return {k.split(":", 1)[1]: n for k, n in self.counts.items() if k.startswith("violation:")}
 
     def line(self) -> str:
+        """The run's counts. "acknowledged rows checked" counts a row once per restore it was found in."""
         c = self.counts
-        return (f"crash {self.mode}/{self.policy}/{self.variant}: kills {self.kills} (during checkpoint "
-                f"{self.kills_during_checkpoint}), acked rows checked {c['rows_checked']} of {c['acked_rows']} "
-                f"acknowledged, updates {c['updates']}, priorities {c['priorities']}, leases {c['leases']} "
-                f"({c['leased_rows']} rows, {c['acks']} acked, {c['nacks']} nacked, {c['abandons']} abandoned), "
-                f"checkpoints {c['checkpoints']}, images {c['images']}, violations {self.by_kind() or 0}, "
-                f"{self.seconds:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in self.timing.items())})")
+        what = (f"images restored {c['images']} of {c['images_taken']} taken ({c['images_with_violations']} "
+                f"with violations)" if self.mode == "powerloss" else
+                f"kills {self.kills} (during a checkpoint {self.kills_during_checkpoint})")
+        timing = ", ".join(f"{k} {v:.1f}" for k, v in self.timing.items())
+        return (f"crash {self.mode}/{self.policy}/{self.variant}: {what}, acknowledged rows {c['acked_rows']}, "
+                f"acknowledged rows checked {c['rows_checked']}, updates {c['updates']}, priorities "
+                f"{c['priorities']}, leases {c['leases']} ({c['leased_rows']} rows, {c['acks']} acked, {c['nacks']} "
+                f"nacked, {c['abandons']} abandoned), checkpoints {c['checkpoints']}, violations "
+                f"{self.by_kind() or 0}, {self.seconds:.1f} s" + (f" ({timing})" if timing else ""))
 
     def message(self) -> str:
         """The assertion message: the counts and every violation kept."""
@@ -125,7 +129,8 @@ def record(result: RunResult) -> RunResult:
 
 
 def summary() -> dict[str, Any]:
-    """Totals over every run of this session (what the long variant prints and writes)."""
+    """Totals over every run of this session (what the long variant prints and writes). Violations count
+    instances (a row, a call, an image), per kind."""
     total: collections.Counter = collections.Counter()
     kinds: collections.Counter = collections.Counter()
     for r in RESULTS:
@@ -184,13 +189,39 @@ def _tail(path: str, n: int = 3000) -> str:
         return ""
 
 
-def wait_line(path: str, match: Callable[[dict[str, Any]], bool], timeout: float,
+class Tail:
+    """Follows a side log as it grows: `new()` parses only the complete lines written since the last call."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.offset, self.rest = path, 0, b""
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        lines = (self.rest + data).split(b"\n")
+        self.rest = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+
+def wait_line(tail: Tail, match: Callable[[dict[str, Any]], bool], timeout: float,
               procs: list[tuple[subprocess.Popen, str]]) -> dict[str, Any] | None:
-    """The first line of side log `path` that `match`es, polling; None at the timeout. Raises if a process of
-    `procs` ended meanwhile (its stderr tail in the message): a worker only ends by our SIGKILL."""
+    """The first line from here on of the side log `tail` follows that `match`es, polling; None at the timeout.
+    Raises if a process of `procs` ended meanwhile (its stderr tail in the message): a worker only ends by our
+    SIGKILL."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        for e in wl.read_log(path):
+        for e in tail.new():
             if match(e):
                 return e
         for p, err in procs:
@@ -253,7 +284,8 @@ class KillRun:
         self.procs.append(main)
         watched = [(main, err)]
         client = None
-        opened = wait_line(main_log, lambda e: e["op"] == "open", 120, watched)
+        main_tail = Tail(main_log)
+        opened = wait_line(main_tail, lambda e: e["op"] == "open", 120, watched)
         assert opened is not None, f"generation {gen}: the worker did not open the store in 120 s:\n{_tail(err)}"
         if self.mode == "served":
             client_log = os.path.join(self.logs, f"g{gen}-client.jsonl")
@@ -261,7 +293,7 @@ class KillRun:
             client = spawn(self._config(gen, "client", client_log, location=opened["loc"]), err + ".client")
             self.procs.append(client)
             watched.append((client, err + ".client"))
-            ready = wait_line(client_log, lambda e: e["op"] == "ready", 120, watched)
+            ready = wait_line(Tail(client_log), lambda e: e["op"] == "ready", 120, watched)
             assert ready is not None, f"generation {gen}: the client did not connect:\n{_tail(err + '.client')}"
         # every other kill lands in a checkpoint; of the others, every other one right after a checkpoint returned
         # (a checkpoint that lost rows shows them lost only until the next one commits), the rest anywhere
@@ -271,10 +303,9 @@ class KillRun:
         time.sleep(self.rng.uniform(0.4, 1.2) if how != "random" else self.rng.uniform(0.4, 2.0))
         ckpt = None
         if how != "random":
-            last_k = max([e["k"] for e in wl.read_log(main_log) if e["op"] == "ckpt"] or [0])
-            ph = "s" if how == "during" else "d"
-            ckpt = wait_line(main_log, lambda e: e["op"] == "ckpt" and e["ph"] == ph and e["k"] > last_k,
-                             10, watched)
+            ph = "s" if how == "during" else "d"  # the next checkpoint that starts (or returns) from now on
+            main_tail.new()
+            ckpt = wait_line(main_tail, lambda e: e["op"] == "ckpt" and e["ph"] == ph, 10, watched)
             time.sleep(self.rng.uniform(0.0, 0.03 if how == "during" else 0.05))
             if how == "after":
                 ckpt = None
@@ -313,6 +344,7 @@ class KillRun:
                 return False
             try:
                 got = orc.snapshot(store, self.variant.tasks)
+                got.checkpoint = _checkpoint_of(copy)
                 # what the next generation's worker must find when it restores the directory itself
                 self.oracle.expect_open = (got.next_seq, got.table.num_rows, int(got.policy_version or 0))
                 self.result.violations += self.oracle.check(got)
@@ -321,6 +353,17 @@ class KillRun:
         finally:
             shutil.rmtree(copy, ignore_errors=True)
         return True
+
+
+def _checkpoint_of(path: str) -> dict[str, Any] | None:
+    """The `rows` entry (and the journal's `from_lsn`) of the checkpoint a durable directory restores from."""
+    try:
+        with open(os.path.join(path, "_manifest.json")) as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return {**{k: m["rows"].get(k) for k in ("first_seq", "next_seq", "dropped_rows")},
+            "generation": m.get("generation"), "from_lsn": (m.get("journal") or {}).get("from_lsn")}
 
 
 def pick(ci: int, long: int) -> int:
@@ -344,14 +387,21 @@ def _actor_info(ray: Any, actor: Any, other_than: int | None = None) -> dict[str
     raise AssertionError("the shard actor did not come back")
 
 
+def _own_handle(store: Any, handles: list[Any]) -> Any:
+    """A handle of its own on sharded `store` (its own connections, as another process would have)."""
+    import pickle
+
+    h = pickle.loads(pickle.dumps(store))
+    handles.append(h)
+    return h
+
+
 def run_ray(tmp: str, policy: str, kills: int, seed: int = 0) -> RunResult:
     """A durable `ShardedStore` shard (one shard, the "ragged" variant, `checkpoint_every`) whose actor process is
     SIGKILLed `kills` times while threads of this process write, update and consume through their own handles and
     another calls `checkpoint()` (every other kill lands in one of those). After each restart its rows and later
     field are checked through the handle (a partial check: reading consumption back would consume); at the end the
     shard is shut down and its directory restored here and checked in full (module docstring)."""
-    import pickle
-
     import ray
 
     from arrowbuf.ray import ShardedStore
@@ -373,12 +423,7 @@ def run_ray(tmp: str, policy: str, kills: int, seed: int = 0) -> RunResult:
             log = wl.MemoryLog(gen)
             shared = wl.Shared()
             handles: list[Any] = []
-
-            def handle() -> Any:
-                h = pickle.loads(pickle.dumps(s))  # its own connections, as another process would have
-                handles.append(h)
-                return h
-
+            handle = functools.partial(_own_handle, s, handles)
             threads = wl.client_threads(handle, log, variant, gen, shared, seed * 1000 + gen, lease_s=2.0)
             ck = threading.Thread(target=wl.checkpointer, args=(handle(), log, shared, seed * 1000 + gen),
                                   daemon=True)
@@ -432,7 +477,9 @@ def run_ray(tmp: str, policy: str, kills: int, seed: int = 0) -> RunResult:
     try:
         store = ab.ExperienceStore.restore(copy)
         try:
-            result.violations += oracle.check(orc.snapshot(store, variant.tasks))
+            got = orc.snapshot(store, variant.tasks)
+            got.checkpoint = _checkpoint_of(copy)
+            result.violations += oracle.check(got)
         finally:
             store.close()
     finally:

@@ -39,8 +39,9 @@ call took beyond the counts above.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -75,6 +76,8 @@ class Restored:
     unconsumed: dict[str, set[int]] | None = None
     priority: Callable[[np.ndarray], np.ndarray] | None = None
     policy_version: int | None = None
+    #: the `rows` entry of the checkpoint the restore started from (`_manifest.json`), for the messages
+    checkpoint: dict[str, Any] | None = None
 
 
 def snapshot(store: Any, tasks: tuple[str, ...]) -> Restored:
@@ -371,10 +374,9 @@ class Oracle:
         ms, mr = np.concatenate([self.base_seqs, new_seqs]), np.concatenate([self.base_rids, new_rids])
         present = np.isin(ms, seqs)
         self.counts["rows_checked"] += int(present.sum())
-        context = self._ckpt_context()
         for i in np.flatnonzero(~present & (ms >= hi - cap)):
             out.append(self._v("acked row lost", int(ms[i]), int(mr[i]),
-                               detail=f"live window [{hi - cap}, {hi}); {context}"))
+                               detail=f"live window [{hi - cap}, {hi}); {self._ckpt_context(int(ms[i]), got)}"))
         evicted_unconsumed: dict[str, list[tuple[int, int]]] = {t_: [] for t_ in self.tasks}
         if self.tasks:  # evicted: only once every task consumed it for good
             for i in np.flatnonzero(~present & (ms < hi - cap)):
@@ -423,7 +425,7 @@ class Oracle:
                                                "row under another id" else f"given to rid {int(owner[i])} before")
                 out.append(self._v(kind, int(seqs[i]), int(rids[i]), detail=detail))
         rewards = t.column("reward").to_pylist()
-        for i, (s, rid, value) in enumerate(zip(seqs.tolist(), rids.tolist(), rewards)):
+        for s, rid, value in zip(seqs.tolist(), rids.tolist(), rewards):
             allowed = self.reward.get(s, {None})
             if value not in allowed:
                 kind = "update lost" if value is None else "update value wrong"
@@ -501,9 +503,18 @@ class Oracle:
                                                                   f"{sorted(allowed)}"))
         return out
 
-    def _ckpt_context(self) -> str:
-        last = self.checkpoints[-3:]
-        return f"last checkpoints {last}" if last else "no checkpoint completed in this generation"
+    def _ckpt_context(self, seq: int, got: Restored) -> str:
+        """Where a lost row stands against the checkpoint the restore started from (the journal after it replayed
+        the rest): below its first seq (the checkpoint left out a chunk that still had live rows), or at or after its
+        snapshot point (neither in the checkpoint nor in the journal after it)."""
+        c = got.checkpoint
+        if c is None:
+            return f"checkpoints of this generation: {self.checkpoints[-3:] or 'none completed'}"
+        where = (f"below the checkpoint's first seq {c.get('first_seq')} (it dropped {c.get('dropped_rows')} rows)"
+                 if seq < int(c.get("first_seq", 0)) else
+                 f"at or after the checkpoint's snapshot point {c.get('next_seq')}, not in the journal after it"
+                 if seq >= int(c.get("next_seq", 0)) else "inside the checkpoint's range")
+        return f"restored from checkpoint {c}: {where}"
 
     def _rebase(self, got: Restored, seqs: np.ndarray, rids: np.ndarray, rewards: list[Any], partial: bool) -> None:
         """The restored state is the baseline from here on (the next generation restores the same directory).

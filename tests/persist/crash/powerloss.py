@@ -315,9 +315,8 @@ def materialize(image: dict[str, Any], root: str, dest: str) -> None:
 # ---------------------------------------------------------------------------------------------- the workload
 def workload(store: Any, fs: ShadowFS, variant: Any, n_ops: int, seed: int, ckpt: bool) -> list[dict[str, Any]]:
     """One thread of calls; returns the side log's events (start and done lines) in order."""
-    from crash import workload as wl
-
     import arrowbuf as ab
+    from crash import workload as wl
 
     rng = random.Random(seed)
     events: list[dict[str, Any]] = []
@@ -433,10 +432,9 @@ def _events_at(events: list[dict[str, Any]], acked: int, policy: str) -> list[di
 
 # ---------------------------------------------------------------------------------------------- a run
 def run(config: dict[str, Any]) -> dict[str, Any]:
+    import arrowbuf as ab
     from crash import oracle as orc
     from crash import workload as wl
-
-    import arrowbuf as ab
 
     policy, variant = config["policy"], wl.VARIANTS[config["variant"]]
     work = config["dir"]
@@ -490,7 +488,13 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
                 found += o._limit([o._v("restore failed", detail=f"{type(exc).__name__}: {str(exc)[:300]}")])
             else:
                 try:
-                    found += o.check(orc.snapshot(r, variant.tasks))
+                    got = orc.snapshot(r, variant.tasks)
+                    with open(os.path.join(dest, "_manifest.json")) as f:
+                        m = json.load(f)
+                    got.checkpoint = {**{k: m["rows"].get(k) for k in ("first_seq", "next_seq", "dropped_rows")},
+                                      "journal_segments": sorted(os.listdir(os.path.join(dest, "_journal")))
+                                      if os.path.isdir(os.path.join(dest, "_journal")) else "no _journal directory"}
+                    found += o.check(got)
                 finally:
                     r.close()
         for k, v in o.counts.items():
@@ -507,7 +511,8 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     return {"policy": policy, "variant": variant.name, "ckpt": bool(config["ckpt"]),
             "calls": len(events) // 2, "events": fs.events, "images": len(images), "images_checked": len(chosen),
             "checkpoints": sum(1 for e in events if e["op"] == "ckpt" and e["ph"] == "d"),
-            "model_errors": model_errors, "violations_by_kind": kinds, "images_with_violations": len(failed_images), "violations": violations[:300],
+            "model_errors": model_errors, "violations_by_kind": kinds,
+            "images_with_violations": len(failed_images), "violations": violations[:300],
             "counts": counts, "seconds_run": round(t_run, 1), "seconds": round(time.monotonic() - t0, 1)}
 
 

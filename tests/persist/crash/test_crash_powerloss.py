@@ -5,7 +5,6 @@ directory operations durable at once) restored and checked. Each run is a proces
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -32,7 +31,7 @@ def run_model(tmp_path, policy: str, variant: str, ckpt: bool, ops: int, max_ima
 @pytest.mark.parametrize("policy", ["group", "batch", "os"])
 def test_powerloss_ragged(tmp_path, policy, ckpt):
     r = h.record_powerloss(run_model(tmp_path, policy, "ragged", ckpt, ops=h.pick(40, 120),
-                                     max_images=h.pick(60, 0)))
+                                     max_images=h.pick(60, 400)))
     h.assert_clean(r)
 
 
@@ -41,5 +40,5 @@ def test_powerloss_fixed_direct_io(tmp_path, policy):
     """Batches of 0.25-2 MB: the journal writes the larger ones with direct I/O (`os.pwrite` from its staging
     buffer, `arrowbuf.persist.appender`) where the filesystem allows it."""
     r = h.record_powerloss(run_model(tmp_path, policy, "fixed", True, ops=h.pick(20, 60),
-                                     max_images=h.pick(40, 0)))
+                                     max_images=h.pick(40, 300)))
     h.assert_clean(r)
