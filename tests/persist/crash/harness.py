@@ -11,9 +11,10 @@ How a run goes (`KillRun`, one durable directory, several generations):
    0.2-0.8 s. Every call is logged before it starts and after it returns (the acknowledgement) in a side log.
    Variants (`crash.workload.VARIANTS`): "ragged" (a ragged field, a tensor field, two tasks with their eviction hold,
    consumers) and "fixed" (fixed-size fields only and no tasks: rows are copied outside the writer's lock).
-2. The harness SIGKILLs it: at a random moment, or, for every other kill, while a checkpoint is in progress (it waits
-   for the worker's "checkpoint started" line and kills after a random 0-30 ms; whether the checkpoint was still
-   running is read back from the log: `kills_during_checkpoint` counts those).
+2. The harness SIGKILLs it: every other kill while a checkpoint is in progress (it waits for the worker's "checkpoint
+   started" line and kills after a random 0-30 ms; whether the checkpoint was still running is read back from the
+   log: `kills_during_checkpoint` counts those), half of the others 0-50 ms after a checkpoint returned (a checkpoint
+   that lost rows shows it only until the next one commits or the ring evicts them), the rest at a random moment.
 3. It copies DIR, restores the copy in this process and checks it against the side logs of every generation so far
    (`crash.oracle`: every acknowledged row present unless the ring could evict it, byte-exact; no row nobody sent;
    the latest acknowledged update and priority of each live row; rows consumed for good stay consumed; rows of

@@ -14,6 +14,9 @@ current entries and the durable ones. Two models of what survives a power cut:
 - model A (pessimistic POSIX): a file's data is durable only once an `fsync`/`fdatasync` of that file returned; a
   directory entry (a create, rename, unlink, mkdir) only once an `fsync` of its directory returned.
 - model B (metadata journaling, ext4/XFS-like): directory operations are durable at once; file data as in A.
+- model C (a size that reached the disk before the data): as B, and every file keeps its current size, the bytes
+  past its durable data reading as zeros (an appending direct write's unwritten extent, a lost page cache after a
+  size update). docs/format.md calls a last record that ends in such zeros a torn tail: dropped, never applied.
 
 A crash image is taken after every acknowledged call of the workload and after every sync, rename, unlink and
 mkdir. Images that are the same files with the same bytes are restored once, with the most acknowledged calls any of
@@ -27,8 +30,8 @@ policy versions and, unless `ckpt` is false, checkpoints. After the run the mode
 bytes in the shadow must equal the real file's (a write the wrappers missed would make the images wrong).
 
 Not modelled: a restore's own writes (`journal.seal_last` writes through `open()`; the kill harness covers restarts),
-torn writes inside a page, and reordering of data writes between syncs (a sync makes a file's whole current content
-durable at once).
+torn writes inside a page other than C's zeros, and reordering of data writes between syncs (a sync makes a file's
+whole current content durable at once).
 """
 
 from __future__ import annotations
@@ -260,21 +263,30 @@ class ShadowFS:
                 self._snap(f"rmdir:{os.path.basename(p)}")
 
     # ------------------------------------------------------------------ images
-    def _image(self, ns: dict[str, int], dirs: set[str]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _image(self, ns: dict[str, int], dirs: set[str], sizes: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The image of namespace `ns` and `dirs` with each file's durable bytes; `sizes`: at its current size
+        (zeros past its durable bytes). A file is (pages, durable length, size)."""
         ok = set()
         for d in sorted(dirs, key=len):  # a directory exists if its parent does
             if d == self.root or os.path.dirname(d) in ok:
                 ok.add(d)
-        files = {p: (i, self.inodes[i].ver, self.inodes[i].dur) for p, i in ns.items() if os.path.dirname(p) in ok}
-        key = (tuple(sorted((p, i, v) for p, (i, v, _) in files.items())), tuple(sorted(ok)))
-        return key, {"dirs": sorted(ok), "files": {p: dur for p, (_, _, dur) in files.items()}}
+        files = {}
+        for p, i in ns.items():
+            if os.path.dirname(p) in ok:
+                ino = self.inodes[i]
+                pages, n = ino.dur
+                files[p] = (i, ino.ver, (pages, n, len(ino.cur) if sizes else n))
+        key = (tuple(sorted((p, i, v, f[2]) for p, (i, v, f) in files.items())), tuple(sorted(ok)))
+        return key, {"dirs": sorted(ok), "files": {p: f for p, (_, _, f) in files.items()}}
 
     def _snap(self, label: str) -> None:
-        """The images of this moment (both models), with the calls acknowledged so far."""
+        """The images of this moment (every model), with the calls acknowledged so far."""
         with self.lock:
             self.events += 1
-            for model, ns, dirs in (("A", self.dur_ns, self.dur_dirs), ("B", self.cur_ns, self.cur_dirs)):
-                key, img = self._image(ns, dirs)
+            for model, ns, dirs, sizes in (("A", self.dur_ns, self.dur_dirs, False),
+                                           ("B", self.cur_ns, self.cur_dirs, False),
+                                           ("C", self.cur_ns, self.cur_dirs, True)):
+                key, img = self._image(ns, dirs, sizes)
                 key = (model, key)
                 old = self.images.get(key)
                 if old is None:
@@ -307,9 +319,10 @@ def materialize(image: dict[str, Any], root: str, dest: str) -> None:
     shutil.rmtree(dest, ignore_errors=True)
     for d in image["dirs"]:
         os.makedirs(dest + d[len(root):], exist_ok=True)
-    for p, (pages, n) in image["files"].items():
+    for p, (pages, n, size) in image["files"].items():
+        data = b"".join(pages)[:min(n, size)]
         with open(dest + p[len(root):], "wb") as f:
-            f.write(b"".join(pages)[:n])
+            f.write(data + bytes(size - len(data)))
 
 
 # ---------------------------------------------------------------------------------------------- the workload
@@ -326,10 +339,12 @@ def workload(store: Any, fs: ShadowFS, variant: Any, n_ops: int, seed: int, ckpt
     k = 0
 
     def log(op: str, args: dict[str, Any], result: dict[str, Any]) -> None:
+        """Call `k` returned: logged, and acknowledged for the images from now on (the next one is in flight)."""
         nonlocal k
         k += 1
         events.append({"g": 0, "th": "p", "k": k, "op": op, "ph": "s", **args})
         events.append({"g": 0, "th": "p", "k": k, "op": op, "ph": "d", **result})
+        fs.ack(k, op)
 
     def release() -> None:
         while open_leases:
@@ -340,7 +355,6 @@ def workload(store: Any, fs: ShadowFS, variant: Any, n_ops: int, seed: int, ckpt
     i = 0
     while i < n_ops:
         x = rng.random()
-        op = None
         if x < 0.4 or not acked_ids:
             n = rng.randint(*variant.batch)
             try:
@@ -351,30 +365,25 @@ def workload(store: Any, fs: ShadowFS, variant: Any, n_ops: int, seed: int, ckpt
                     b = store.consume(task, variant.capacity)
                     log("consume", {"task": task, "n": variant.capacity, "lease": None},
                         {"ids": np.asarray(b.indices).tolist(), "rw": _rw(b)})
-                op = "drain"
             else:
                 log("extend", {"rid0": rid, "n": n}, {"first": int(ids[0]), "n": len(ids)})
                 acked_ids.extend(int(s) for s in ids)
                 rid += n
-                op = "extend"
         elif x < 0.52:
             seqs = sorted(set(rng.sample(acked_ids[-200:], min(8, len(acked_ids)))))
             v = float(100_000 + i)
             store.update(np.asarray(seqs), {"reward": np.full(len(seqs), v, np.float32)})
             log("update", {"ids": seqs, "v": v}, {})
-            op = "update"
         elif x < 0.6:
             seqs = sorted(set(rng.sample(acked_ids[-200:], min(8, len(acked_ids)))))
             v = float(200_000 + i)
             store.update_priorities(np.asarray(seqs), np.full(len(seqs), v))
             log("prio", {"ids": seqs, "v": v}, {})
-            op = "prio"
         elif x < 0.7 and variant.tasks:
             n = rng.randint(8, 64)
             b = store.consume("train", n)
             log("consume", {"task": "train", "n": n, "lease": None},
                 {"ids": np.asarray(b.indices).tolist(), "rw": _rw(b)})
-            op = "consume"
         elif x < 0.82 and variant.tasks:
             if len(open_leases) > 1:
                 release()
@@ -383,27 +392,49 @@ def workload(store: Any, fs: ShadowFS, variant: Any, n_ops: int, seed: int, ckpt
             ids = np.asarray(b.indices).tolist()
             log("consume", {"task": "ref", "n": n, "lease": 600}, {"ids": ids, "lease_id": b.lease, "rw": _rw(b)})
             if b.lease is not None:
-                fs.ack(len(events) // 2, "consume-lease")
                 if rng.random() < 0.7:
                     store.ack(b.lease)
                     log("ack", {"task": "ref", "lease_id": b.lease, "ids": ids}, {})
                 else:
                     open_leases.append(("ref", b.lease, ids))
-            op = "lease"
         elif x < 0.88:
             store.policy_version = 1000 + i
             log("pv", {"v": 1000 + i}, {})
-            op = "pv"
         elif x < 0.97 and ckpt:
             info = store.checkpoint()
             log("ckpt", {}, {k_: info.get(k_) for k_ in ("generation", "first_seq", "next_seq", "dropped_rows")})
-            op = "ckpt"
         else:
             release()
-            op = "release"
-        fs.ack(len(events) // 2, op)
         i += 1
     return events
+
+
+def choose(images: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
+    """At most `limit` images (0: all), the same share for each model: first the first image of each count of
+    acknowledged calls, then others, evenly spread over the run."""
+    if not limit or len(images) <= limit:
+        return images
+    models = sorted({img["model"] for img in images})
+    per = max(1, limit // len(models))
+    out = []
+    for model in models:
+        mine = [img for img in images if img["model"] == model]
+        seen: set[int] = set()
+        firsts = [i for i, img in enumerate(mine) if not (img["acked"] in seen or seen.add(img["acked"]))]
+        rest = [i for i in range(len(mine)) if i not in set(firsts)]
+        pick = _spread(firsts, per)
+        pick += _spread(rest, per - len(pick))
+        out += [mine[i] for i in sorted(pick)]
+    return out
+
+
+def _spread(items: list[int], n: int) -> list[int]:
+    """`n` of `items`, evenly spaced (all of them if there are no more)."""
+    if n <= 0:
+        return []
+    if len(items) <= n:
+        return list(items)
+    return [items[int(j * len(items) / n)] for j in range(n)]
 
 
 def _rw(b: Any) -> list[list[Any]]:
@@ -411,6 +442,19 @@ def _rw(b: Any) -> list[list[Any]]:
     if not ids:
         return []
     return [[i, v] for i, v in zip(ids, b["reward"].to_pylist()) if v is not None]
+
+
+def _image_context(path: str) -> dict[str, Any] | None:
+    """What a violation's message says about an image: its checkpoint's rows and its journal segments (sizes)."""
+    try:
+        with open(os.path.join(path, "_manifest.json")) as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return None
+    d = os.path.join(path, "_journal")
+    segs = ({n: os.path.getsize(os.path.join(d, n)) for n in sorted(os.listdir(d)) if n.endswith(".arrows")}
+            if os.path.isdir(d) else "no _journal directory")
+    return {**{k: m["rows"].get(k) for k in ("first_seq", "next_seq", "dropped_rows")}, "journal": segs}
 
 
 def _events_at(events: list[dict[str, Any]], acked: int, policy: str) -> list[dict[str, Any]]:
@@ -455,19 +499,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     t_run = time.monotonic() - t0
     model_errors = fs.verify()
     images = list(fs.images.values())
-    # which images to restore: every one where the acknowledged count changed, then others evenly, up to the limit
-    limit = int(config.get("max_images") or 0)
-    chosen = images
-    if limit and len(images) > limit:
-        firsts, seen = [], set()
-        for idx, img in enumerate(images):
-            if (img["model"], img["acked"]) not in seen:
-                seen.add((img["model"], img["acked"]))
-                firsts.append(idx)
-        rest = [i for i in range(len(images)) if i not in set(firsts)]
-        room = max(0, limit - len(firsts))
-        extra = rest[::max(1, -(-len(rest) // room))] if room else []
-        chosen = [images[i] for i in sorted(set(firsts[:limit]) | set(extra))]
+    chosen = choose(images, int(config.get("max_images") or 0))
     where = {"mode": "powerloss", "policy": policy, "variant": variant.name, "ckpt": bool(config["ckpt"])}
     violations: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
@@ -478,6 +510,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
                                  "acked_calls": acked})
         found = o.ingest(_events_at(events, acked, policy))
         materialize(img, root, dest)
+        context = _image_context(dest)  # before the restore writes into the image (its journal, a new segment)
         if not os.path.exists(os.path.join(dest, "_manifest.json")):
             if acked > 0:
                 found += o._limit([o._v("store gone", detail="no _manifest.json in the image")])
@@ -489,11 +522,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
             else:
                 try:
                     got = orc.snapshot(r, variant.tasks)
-                    with open(os.path.join(dest, "_manifest.json")) as f:
-                        m = json.load(f)
-                    got.checkpoint = {**{k: m["rows"].get(k) for k in ("first_seq", "next_seq", "dropped_rows")},
-                                      "journal_segments": sorted(os.listdir(os.path.join(dest, "_journal")))
-                                      if os.path.isdir(os.path.join(dest, "_journal")) else "no _journal directory"}
+                    got.checkpoint = context
                     found += o.check(got)
                 finally:
                     r.close()
