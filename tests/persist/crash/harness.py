@@ -426,8 +426,8 @@ def run_ray(tmp: str, policy: str, kills: int, seed: int = 0) -> RunResult:
             handles: list[Any] = []
             handle = functools.partial(_own_handle, s, handles)
             threads = wl.client_threads(handle, log, variant, gen, shared, seed * 1000 + gen, lease_s=2.0)
-            ck = threading.Thread(target=wl.checkpointer, args=(handle(), log, shared, seed * 1000 + gen),
-                                  daemon=True)
+            ck = threading.Thread(target=wl.guarded, daemon=True,
+                                  args=(wl.checkpointer, log, handle(), log, shared, seed * 1000 + gen))
             ck.start()
             threads.append(ck)
             started = time.monotonic()

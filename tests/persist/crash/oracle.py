@@ -114,6 +114,9 @@ def calls(events: list[dict[str, Any]]) -> list[_Op]:
     for e in events:
         key = (e.get("g"), e.get("th"), e.get("k"), e["op"])
         ph = e.get("ph")
+        if e["op"] == "died":
+            raise AssertionError(f"a workload thread died (a harness bug; the run did less than it logs):\n"
+                                 f"{e.get('trace')}")
         if e["op"] in ("open", "ready"):
             order[(*key, len(order))] = _Op(e["op"], "acked", {}, e)
             continue

@@ -49,7 +49,7 @@ def main(config: dict) -> None:
             server = ab.serve(store, "grpc://127.0.0.1:0")
             opened["loc"] = server.location
         log(op="open", ph="d", **opened)
-        threading.Thread(target=wl.checkpointer, args=(store, log, shared, seed), daemon=True).start()
+        threading.Thread(target=wl.guarded, args=(wl.checkpointer, log, store, log, shared, seed), daemon=True).start()
         if mode == "inproc":
             wl.client_threads(lambda: store, log, variant, gen, shared, seed)
     else:

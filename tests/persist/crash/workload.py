@@ -277,6 +277,14 @@ def updater(store: Any, log: Callable[..., None], gen: int, shared: Shared, seed
         _pause(shared, rng.uniform(0.002, 0.01))
 
 
+def values(column: Any) -> list[Any]:
+    """A delivered column as Python values, None for a null (an Arrow array, or numpy where a sharded handle joined
+    the shards' parts: NaN there; the harness never writes NaN)."""
+    if hasattr(column, "to_pylist"):
+        return list(column.to_pylist())
+    return [None if v is None or (isinstance(v, float) and v != v) else float(v) for v in np.asarray(column).tolist()]
+
+
 def consumer(store: Any, log: Callable[..., None], task: str, lease: float | None, name: str, shared: Shared,
              seed: int, ack_share: float = 0.7, nack_share: float = 0.15) -> None:
     """`consume(task, n)` (final at once), or with `lease`: then `ack` (final), `nack` or abandon (the lease
@@ -293,7 +301,7 @@ def consumer(store: Any, log: Callable[..., None], task: str, lease: float | Non
             _pause(shared, 0.05)
             continue
         ids = np.asarray(b.indices, np.int64).tolist()
-        rewards = b["reward"].to_pylist() if ids else []
+        rewards = values(b["reward"]) if ids else []
         call.done(ids=ids, lease_id=b.lease, rw=[[i, v] for i, v in zip(ids, rewards) if v is not None])
         if not ids:
             continue
@@ -342,6 +350,18 @@ def checkpointer(store: Any, log: Callable[..., None], shared: Shared, seed: int
         call.done(**{k: info.get(k) for k in ("generation", "first_seq", "next_seq", "dropped_rows")})
 
 
+def guarded(fn: Callable[..., None], log: Callable[..., None], *args: Any) -> None:
+    """Run a workload thread; if it dies of an exception (a bug of the harness: the store's own errors are logged
+    as outcomes), log it, so the harness fails instead of checking a run that did less than it says."""
+    try:
+        fn(*args)
+    except BaseException:
+        import traceback
+
+        log(op="died", ph="d", th=fn.__name__, trace=traceback.format_exc()[-3000:])
+        raise
+
+
 def client_threads(store_for: Callable[[], Any], log: Callable[..., None], variant: Variant, gen: int,
                    shared: Shared, seed: int, lease_s: float = 0.5) -> list[threading.Thread]:
     """The writer, updater and consumer threads of one process (started); `store_for()` gives each its store
@@ -356,7 +376,8 @@ def client_threads(store_for: Callable[[], Any], log: Callable[..., None], varia
         specs.append((consumer, (log, "ref", lease_s, "cr", shared, seed, 0.6, 0.2)))
     threads = []
     for fn, args in specs:
-        t = threading.Thread(target=fn, args=(store_for(), *args), daemon=True, name=f"crash-{fn.__name__}")
+        t = threading.Thread(target=guarded, args=(fn, log, store_for(), *args), daemon=True,
+                             name=f"crash-{fn.__name__}")
         t.start()
         threads.append(t)
     return threads
