@@ -448,6 +448,7 @@ def run_ray(tmp: str, policy: str, kills: int, seed: int = 0) -> RunResult:
                 info = _actor_info(ray, s.actors[0])
                 killed_pid = info["pid"]
                 ckpt_open = [e["k"] for e in log.events if e["op"] == "ckpt" and e["ph"] == "s"]
+                oracle.kills.append(time.time())
                 os.kill(killed_pid, signal.SIGKILL)
                 result.kills += 1
                 done = {e["k"] for e in log.events if e["op"] == "ckpt" and e["ph"] != "s"}

@@ -128,7 +128,7 @@ def calls(events: list[dict[str, Any]]) -> list[_Op]:
         elif ph == "d":
             op.status, op.result = "acked", e
         elif ph == "f":
-            op.status = "failed"
+            op.status, op.result = "failed", e  # the result: when and how it failed
         elif ph == "u":
             op.status, op.result = "unknown", e
         # "e": raised, outcome unknown (the default)
@@ -211,6 +211,9 @@ class Oracle:
         self.new_rows: list[tuple[int, int, int]] = []  # (first seq, first rid, n)
         self.sent = Ranges()  # every rid a writer sent
         self.failed = Ranges()  # rids of extends that raised InsertTimeout
+        self.failed_why: dict[int, str] = {}  # first rid of such an extend -> when it ran (for the message)
+        #: when the harness killed the store (time.time()), to say whether a failed call spanned a kill
+        self.kills: list[float] = []
         self.rid_seq = Ranges()  # rid -> the seq its acked extend returned (or a restore showed)
         self.maybe_seq = Ranges()  # rid -> seq of extends with an unknown outcome whose ids are known
         self.owner = Ranges()  # seq -> the rid it was given to (acked, or seen restored)
@@ -261,6 +264,11 @@ class Oracle:
                 self.sent.add_range(rid0, rid0, n)
                 if st == "failed":
                     self.failed.add_range(rid0, rid0, n)
+                    t0, t1 = a.get("t"), (r or {}).get("t")
+                    spans = t0 is not None and t1 is not None and any(t0 <= k <= t1 for k in self.kills)
+                    self.failed_why[rid0] = (f"its extend (rids {rid0}..{rid0 + n - 1}) raised "
+                                             f"{(r or {}).get('err', 'InsertTimeout')}"
+                                             + (", and the store was killed while it ran" if spans else ""))
                 elif st == "acked":
                     assert r is not None
                     seqs = self._extend_seqs(r)
@@ -404,7 +412,7 @@ class Oracle:
         sent, _ = self.sent.lookup(rids)
         bad["phantom row"] = ~sent
         failed, _ = self.failed.lookup(rids)
-        bad["row of a failed write"] = failed
+        bad["row of a failed write"] = failed & ~np.isin(seqs, self.base_seqs)  # reported once, when it appears
         acked, want = self.rid_seq.lookup(rids)
         maybe, want_maybe = self.maybe_seq.lookup(rids)
         want = np.where(acked, want, want_maybe)
@@ -419,13 +427,17 @@ class Oracle:
         owned, owner = self.owner.lookup(seqs)
         bad["id reused"] = owned & (owner != rids)
         bad["content differs"] = ~self._content(t, rids)
-        details = {"phantom row": "no writer sent this rid", "row of a failed write": "its extend raised "
-                   "InsertTimeout", "duplicate row": "the rid is stored twice", "content differs": "a field is not "
-                   "the rid's content"}
+        details = {"phantom row": "no writer sent this rid",
+                   "row of a failed write": "its extend raised InsertTimeout (nothing written)",
+                   "duplicate row": "the rid is stored twice", "content differs": "a field is not the rid's content"}
+        failed_firsts = sorted(self.failed_why)
         for kind, mask in bad.items():
             for i in np.flatnonzero(mask):
                 detail = details.get(kind) or (f"its extend returned id {int(want[i])}" if kind ==
                                                "row under another id" else f"given to rid {int(owner[i])} before")
+                if kind == "row of a failed write":
+                    j = int(np.searchsorted(failed_firsts, int(rids[i]), side="right")) - 1
+                    detail = self.failed_why.get(failed_firsts[j], detail) if j >= 0 else detail
                 out.append(self._v(kind, int(seqs[i]), int(rids[i]), detail=detail))
         rewards = t.column("reward").to_pylist()
         for s, rid, value in zip(seqs.tolist(), rids.tolist(), rewards):
