@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..delivery.batch import SampleBatch
-from ..errors import InvalidArgument, LeaseError, StoreClosed
+from ..errors import InvalidArgument, LeaseError, StoreClosed, Unavailable
 from ..samplers.group import GroupSampler
 from .writer import ShardWriter
 
@@ -203,10 +203,29 @@ class ShardedConsumer:
         return int(pc.sum(pc.list_value_length(batch[self.token_field])).as_py() or 0)
 
     # ------------------------------------------------------------------ tasks and versions
+    def _every_shard(self, what: str, call: Any) -> None:
+        """`call(client)` on every live shard; then, if a shard is down, `Unavailable` naming it: the change must not
+        be acknowledged while a shard that comes back would not have it (the call is idempotent: repeat it once
+        the shard is back)."""
+        done, down = [], []
+        for k in range(self.members.num_shards):
+            client = self.members.shard_client(k)
+            if client is None:
+                down.append(k)
+                continue
+            call(client)
+            done.append(k)
+        if down:
+            raise Unavailable(f"{what}: done on shards {done} but shards {down} are down (restarting or lost), so "
+                              "they do not have it; repeat the call once they are back (wait_for_shards)")
+
     def add_task(self, name: str) -> None:
-        """Declare a consuming task on every live shard."""
-        for _, client in self._live():
-            client.add_task(name)
+        """Declare a consuming task on every shard.
+
+        Raises:
+            Unavailable: a shard is down (the task is declared on the others; repeat the call once it is back).
+        """
+        self._every_shard(f"add_task({name!r})", lambda c: c.add_task(name))
 
     def tasks(self) -> list[str]:
         """The consuming tasks, as the first live shard has them ([] when none is live)."""
@@ -219,11 +238,18 @@ class ShardedConsumer:
         return int(live[0][1].policy_version) if live else 0
 
     def set_policy_version(self, value: int) -> None:
-        """Set every live shard's policy version."""
+        """Set every shard's policy version.
+
+        Raises:
+            Unavailable: a shard is down (the others have the new version; set it again once it is back).
+        """
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
             raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
-        for _, client in self._live():
+
+        def set_on(client: Any) -> None:
             client.policy_version = int(value)
+
+        self._every_shard(f"policy_version = {int(value)}", set_on)
 
 
 __all__ = ["ShardedConsumer", "group_shards"]
