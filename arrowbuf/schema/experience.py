@@ -57,7 +57,6 @@ from .spec import (
     parse_dtype,
 )
 
-
 #: Arrow schema metadata keys of `ExperienceSchema.metadata` entries.
 _META_PREFIX = b"arrowbuf.meta."
 
