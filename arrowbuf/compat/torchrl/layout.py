@@ -29,7 +29,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from tensordict import (
     LazyStackedTensorDict,
@@ -46,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from ...errors import SchemaError
 from ...schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
-from .codecs import BitsCodec, Codec, DenseCodec, JsonCodec, codec_from, dtype_name, tensor_codec
+from .codecs import BitsCodec, Codec, DenseCodec, JsonCodec, check_json, codec_from, dtype_name, tensor_codec
 
 #: schema metadata key of the layout (JSON)
 METADATA_KEY = "torchrl.layout"
@@ -90,7 +89,7 @@ def import_class(name: str) -> type:
         raise SchemaError(f"the stored data are tensorclass {qual!r} of module {module!r}, which this process cannot "
                           "import (a class defined inside a function?); define the tensorclass at module level so "
                           "that every process that reads the storage can rebuild it") from None
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 @dataclass(frozen=True)
@@ -239,10 +238,11 @@ class Layout:
         raise SchemaError(f"the write selects elements of shape {list(shape)} (the index's dims), the data has "
                           f"leading dims {list(lead)}")
 
-    def columns(self, data: Any, lead: int, partial: bool = False) -> dict[str, Any]:
+    def columns(self, data: Any, lead: int, partial: bool = False, encode: bool = True) -> dict[str, Any]:
         """{column: values} of `data`, whose first `lead` dims are the written elements' (flattened into rows).
         `partial`: a TensorDict may bring a subset of the keys (an in-place write); otherwise every key, and no
-        other, must be there.
+        other, must be there. `encode=False` only checks (what `ArrowbufStorage` does before a writer moves its
+        cursor) and returns nothing.
 
         Raises:
             SchemaError: the data does not fit the layout (kind, keys, dtypes, shapes), naming what differs.
@@ -285,7 +285,11 @@ class Layout:
                     raise SchemaError(f"{where} holds non-tensor data (NonTensorData) in the storage, got "
                                       f"{type(v).__name__}")
                 flat_values = _flatten_nested(v.tolist(), lead)
-                out[leaf.column] = leaf.codec.encode_values(flat_values, where)
+                if encode:
+                    out[leaf.column] = leaf.codec.encode_values(flat_values, where)
+                else:
+                    for value in flat_values:
+                        check_json(value, where)
                 n = len(flat_values)
             else:
                 if not isinstance(v, torch.Tensor) or is_tensor_collection(v):
@@ -301,9 +305,9 @@ class Layout:
                 if got != want:
                     raise SchemaError(f"{where}: each element holds shape {list(want)} in the storage, got "
                                       f"{list(got)}")
-                arr = leaf.codec.encode(v.reshape(-1, *got))
-                out[leaf.column] = arr
-                n = len(arr)
+                n = math.prod(v.shape[:lead])
+                if encode:
+                    out[leaf.column] = leaf.codec.encode(v.reshape(n, *got))
             if rows >= 0 and n != rows:
                 raise SchemaError(f"{where}: {n} elements, the other keys have {rows}")
             rows = n
@@ -356,7 +360,7 @@ class Layout:
             cls_name = self.classes.get(path)
             if cls_name is None:
                 return td
-            cls = self._class_objects.get(path) or import_class(cls_name)
+            cls: Any = self._class_objects.get(path) or import_class(cls_name)
             return cls.from_tensordict(td)
 
         return make(())
@@ -406,8 +410,8 @@ def _as_tensordict(data: Any) -> TensorDictBase:
                               "cannot be stored by ArrowbufStorage: its columns are fixed-shape per key; pad the "
                               f"entries to one shape ({str(exc)[:120]})") from None
     if is_tensorclass(data):
-        return data.to_tensordict()  # type: ignore[no-any-return]
-    return data  # type: ignore[no-any-return]
+        return data.to_tensordict()
+    return data
 
 
 def _infer_collection(data: Any, ndim: int) -> Layout:

@@ -34,7 +34,7 @@ def gather(store: Any, ids: np.ndarray, columns: list[str]) -> dict[str, Any]:
     """
     ids = np.asarray(ids, dtype=np.int64)
     if isinstance(store, ExperienceStore):
-        return store.take(ids, columns=columns).to_numpy()  # type: ignore[no-any-return]
+        return store.take(ids, columns=columns).to_numpy()
     table = store.to_table(columns=[*columns, "seq"])
     seqs = table.column("seq").to_numpy()
     first = int(seqs[0]) if len(seqs) else 0

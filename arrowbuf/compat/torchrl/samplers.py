@@ -3,15 +3,18 @@ against torch 2.13): two samplers, for two places to keep the priorities.
 
 - `ArrowbufPrioritizedSampler`: TorchRL's own `PrioritizedSampler` (its algorithm, its state: priorities per
   storage position, max-priority tracking, `alpha`/`beta`/`eps`, `reduction`, importance weights
-  `(p_i / p_min) ** -beta`) running on arrowbuf's vectorised sum and min trees instead of the C++ segment trees.
-  It is a `PrioritizedSampler`, so `TensorDictReplayBuffer.update_tensordict_priority`,
-  `TensorDictPrioritizedReplayBuffer` and `PrioritizedReplayBuffer` treat it as theirs; it works over any storage::
+  `(p_i / p_min) ** -beta`) running on arrowbuf's vectorised sum and min trees (`sumtrees`) instead of the C++
+  segment trees. It is a `PrioritizedSampler`, so `TensorDictReplayBuffer.update_tensordict_priority` and
+  `PrioritizedReplayBuffer(sampler=...)` treat it as theirs; it works over any storage::
 
       sampler = ArrowbufPrioritizedSampler(max_capacity=100_000, alpha=0.6, beta=0.4)
-      rb = TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=ArrowbufStorage(100_000),
-                                             sampler=sampler, priority_key="td_error", batch_size=256)
+      rb = TensorDictReplayBuffer(storage=ArrowbufStorage(100_000), sampler=sampler, priority_key="td_error",
+                                  batch_size=256)
       batch = rb.sample(); loss = ...; batch["td_error"] = td_error
       rb.update_tensordict_priority(batch)
+
+  `TensorDictPrioritizedReplayBuffer` takes no sampler: it builds TorchRL's `PrioritizedSampler`, which works
+  once `use_arrowbuf_sum_trees()` gave TorchRL these trees.
 
 - `ArrowbufSampler`: delegates to the `ArrowbufStorage`'s own store sampler (e.g. `ab.samplers.Prioritized`), so
   the priorities live in the store: shared by every process of a shared-memory store, kept by its checkpoints.
@@ -20,7 +23,6 @@ against torch 2.13): two samplers, for two places to keep the priorities.
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 from typing import Any
 
@@ -30,69 +32,7 @@ from tensordict import MemoryMappedTensor
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler, Sampler
 
 from ...errors import InvalidArgument
-from ...samplers.sumtree import MinTree, SumTree
-
-
-def _index_array(index: Any) -> np.ndarray:
-    if isinstance(index, torch.Tensor):
-        return index.detach().cpu().numpy().astype(np.int64, copy=False)
-    return np.asarray(index, dtype=np.int64)
-
-
-class _Tree:
-    """The C++ segment tree interface TorchRL's `PrioritizedSampler` calls (`tree[i]`, `tree[i] = p`,
-    `query(lo, hi)`, `scan_lower_bound(mass)`) over an arrowbuf `SumTree` or `MinTree`."""
-
-    def __init__(self, tree: SumTree | MinTree, dtype: torch.dtype) -> None:
-        self.tree = tree
-        self.dtype = dtype
-        self.hi = 0  # one past the highest slot ever set: a query over [0, >= hi) reads the root
-
-    def __len__(self) -> int:
-        return self.tree.capacity
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, (int, np.integer)):
-            return float(self.tree.get(np.array([int(index)]))[0])
-        return torch.as_tensor(self.tree.get(_index_array(index)), dtype=self.dtype)
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        idx = _index_array(index).reshape(-1)
-        if idx.size == 0:
-            return
-        vals = value.detach().cpu().double().numpy() if isinstance(value, torch.Tensor) else np.asarray(value, float)
-        vals = np.broadcast_to(vals.reshape(-1) if vals.size != 1 else vals.reshape(()), idx.shape)
-        self.tree.update(idx, np.ascontiguousarray(vals, dtype=np.float64))
-        self.hi = max(self.hi, int(idx.max()) + 1)
-
-    def _covers(self, lo: int, hi: int) -> bool:
-        return lo <= 0 and hi >= self.hi
-
-    def query(self, lo: Any, hi: Any) -> float:
-        lo, hi = int(lo), int(hi)
-        if isinstance(self.tree, SumTree):
-            if self._covers(lo, hi):
-                return self.tree.total()
-            return float(self.tree.get(np.arange(lo, hi)).sum())
-        if self._covers(lo, hi):
-            return self.tree.min()
-        return float(self.tree.get(np.arange(lo, hi)).min()) if hi > lo else math.inf
-
-    def scan_lower_bound(self, mass: Any) -> np.ndarray:
-        assert isinstance(self.tree, SumTree)
-        m = mass.detach().cpu().double().numpy() if isinstance(mass, torch.Tensor) else np.asarray(mass, float)
-        return self.tree.find_prefixsum(m)
-
-    def values(self) -> np.ndarray:
-        return self.tree.get(np.arange(self.tree.capacity))
-
-    def load(self, values: np.ndarray) -> None:
-        self.tree.clear()
-        values = np.asarray(values, dtype=np.float64)
-        written = np.flatnonzero(values != (0.0 if isinstance(self.tree, SumTree) else math.inf))
-        if written.size:
-            self.tree.update(written, values[written])
-        self.hi = int(written.max()) + 1 if written.size else 0
+from .sumtrees import MinSegmentTree, SumSegmentTree
 
 
 class ArrowbufPrioritizedSampler(PrioritizedSampler):
@@ -108,6 +48,8 @@ class ArrowbufPrioritizedSampler(PrioritizedSampler):
         reduction: how a multi-dimensional priority is reduced ("max", "min", "median", "mean").
         max_priority_within_buffer: track the max priority among stored items only.
     """
+
+    _max_priority: Any  # TorchRL's property: (value, index), or (None, None) before the first update
 
     def __init__(self, max_capacity: int, alpha: float, beta: float, eps: float = 1e-8,
                  dtype: torch.dtype = torch.float, reduction: str = "max", max_priority_within_buffer: bool = False,
@@ -128,8 +70,8 @@ class ArrowbufPrioritizedSampler(PrioritizedSampler):
         self._init()
 
     def _init(self) -> None:
-        self._sum_tree = _Tree(SumTree(self._max_capacity), self.dtype)
-        self._min_tree = _Tree(MinTree(self._max_capacity), self.dtype)
+        self._sum_tree = SumSegmentTree(self._max_capacity, self.dtype)
+        self._min_tree = MinSegmentTree(self._max_capacity, self.dtype)
         self._max_priority = None
 
     def _tree_device_from_storage(self, storage: Any) -> torch.device | None:

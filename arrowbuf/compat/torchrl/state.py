@@ -26,7 +26,8 @@ has no place for (NonTensorData as JSON, tensorclass and pytree layouts). Go thr
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -39,90 +40,95 @@ from .layout import Layout
 from .rows import gather, live_range
 from .slots import SLOT_COLUMN
 
-if TYPE_CHECKING:
-    from .storage import ArrowbufStorage
-
 FORMAT_KEY = "_arrowbuf_storage"
 FORMAT_VERSION = 1
 _RETRIES = 8
 
 
-def empty_state(storage: ArrowbufStorage) -> dict[str, Any]:
-    return {FORMAT_KEY: FORMAT_VERSION, "initialized": False, "max_size": storage.max_size, "ndim": storage.ndim,
-            "_len": 0}
+def empty_state(max_size: int, ndim: int) -> dict[str, Any]:
+    """The state_dict of a storage that holds nothing yet."""
+    return {FORMAT_KEY: FORMAT_VERSION, "initialized": False, "max_size": max_size, "ndim": ndim, "_len": 0}
 
 
-def dump(storage: ArrowbufStorage) -> dict[str, Any]:
-    """The state_dict of an initialized storage (see the module doc)."""
-    layout = storage.layout
-    assert layout is not None
+def dump(store: Any, layout: Layout, max_size: int, ndim: int) -> dict[str, Any]:
+    """The state_dict of a storage over `store` (see the module doc)."""
+    slot = [SLOT_COLUMN] if SLOT_COLUMN in store.schema.fields else []
     for attempt in range(_RETRIES):
-        lo, hi = live_range(storage.store)
+        lo, hi = live_range(store)
         seqs = np.arange(lo, hi, dtype=np.int64)
         try:
-            got = gather(storage.store, seqs, [*layout.columns_names, *_slot(storage)])
+            got = gather(store, seqs, [*layout.columns_names, *slot])
         except InvalidArgument:  # a writer of a shared store evicted rows meanwhile: read again
             if attempt == _RETRIES - 1:
                 raise
             continue
         break
-    positions = got[SLOT_COLUMN] if _slot(storage) else seqs % storage.max_size
+    positions = got[SLOT_COLUMN] if slot else seqs % max_size
     columns: dict[str, Any] = {}
     for leaf in layout.leaves:
         col = got[leaf.column]
         if isinstance(leaf.codec, JsonCodec):
-            lengths = np.array([len(r) for r in col], dtype=np.int64)
             offsets = np.zeros(len(col) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=offsets[1:])
+            np.cumsum([len(r) for r in col], out=offsets[1:])
             values = np.concatenate([np.asarray(r, dtype=np.uint8) for r in col]) if len(col) else \
                 np.zeros(0, np.uint8)
             columns[leaf.column] = {"values": torch.from_numpy(values), "offsets": torch.from_numpy(offsets)}
         else:
             columns[leaf.column] = torch.from_numpy(np.ascontiguousarray(col))
-    return {FORMAT_KEY: FORMAT_VERSION, "initialized": True, "max_size": storage.max_size, "ndim": storage.ndim,
+    return {FORMAT_KEY: FORMAT_VERSION, "initialized": True, "max_size": max_size, "ndim": ndim,
             "_len": int(hi - lo), "layout": layout.to_json(),
             "positions": torch.from_numpy(np.asarray(positions, dtype=np.int64).copy()), "columns": columns}
 
 
-def _slot(storage: ArrowbufStorage) -> list[str]:
-    return [SLOT_COLUMN] if SLOT_COLUMN in storage.store.schema.fields else []
+@dataclass
+class Loaded:
+    """What a state_dict holds, ready to write into a storage.
+
+    Attributes:
+        layout: the data's layout (None: the storage was empty).
+        max_size: the storage's size in elements (rounded to whole entries along dim 0).
+        positions, columns: an ArrowbufStorage state: rows (oldest first) and their positions.
+        data, entries: a LazyTensorStorage state: its data and how many entries along dim 0 are stored.
+    """
+
+    layout: Layout | None
+    max_size: int
+    positions: np.ndarray | None = None
+    columns: dict[str, Any] = field(default_factory=dict)
+    data: Any = None
+    entries: int = 0
 
 
-def load(storage: ArrowbufStorage, state: dict[str, Any]) -> None:
-    """Load an ArrowbufStorage or a LazyTensorStorage state_dict into `storage` (see the module doc).
+def read(state: dict[str, Any], max_size: int, ndim: int) -> Loaded:
+    """Read an ArrowbufStorage or a LazyTensorStorage state_dict for a storage of `max_size` and `ndim`.
 
     Raises:
         InvalidArgument: a state of another size or ndim, or not a storage state_dict.
     """
     if FORMAT_KEY in state:
-        _load_own(storage, state)
-    elif "_storage" in state and "_len" in state:
-        _load_lazy_tensor(storage, state)
-    else:
-        raise InvalidArgument(f"not a storage state_dict (keys {sorted(state)[:8]}): ArrowbufStorage loads its own "
-                              "state_dicts and LazyTensorStorage's")
+        return _read_own(state, max_size, ndim)
+    if "_storage" in state and "_len" in state:
+        return _read_lazy_tensor(state, max_size, ndim)
+    raise InvalidArgument(f"not a storage state_dict (keys {sorted(state)[:8]}): ArrowbufStorage loads its own "
+                          "state_dicts and LazyTensorStorage's")
 
 
-def _check_size(storage: ArrowbufStorage, max_size: int, per: int, ndim: int) -> None:
-    if ndim != storage.ndim:
-        raise InvalidArgument(f"state of a storage with ndim={ndim}, this one has ndim={storage.ndim}")
-    mine = math.ceil(storage.max_size / per) * per
-    if int(max_size) != mine:
-        raise InvalidArgument(f"state of a storage of {max_size} slots, this one has {storage.max_size}")
+def _check_size(max_size: int, ndim: int, theirs: int, their_ndim: int, per: int) -> int:
+    if their_ndim != ndim:
+        raise InvalidArgument(f"state of a storage with ndim={their_ndim}, this one has ndim={ndim}")
+    if int(theirs) != math.ceil(max_size / per) * per:
+        raise InvalidArgument(f"state of a storage of {theirs} slots, this one has {max_size}")
+    return int(theirs)
 
 
-def _load_own(storage: ArrowbufStorage, state: dict[str, Any]) -> None:
+def _read_own(state: dict[str, Any], max_size: int, ndim: int) -> Loaded:
     if state[FORMAT_KEY] != FORMAT_VERSION:
         raise InvalidArgument(f"an ArrowbufStorage state_dict of format {state[FORMAT_KEY]!r}; this arrowbuf reads "
                               f"format {FORMAT_VERSION}")
     if not state["initialized"]:
-        _check_size(storage, state["max_size"], 1, int(state["ndim"]))
-        storage._replace_store(None)
-        return
+        return Loaded(None, _check_size(max_size, ndim, state["max_size"], int(state["ndim"]), 1))
     layout = Layout.from_json(state["layout"])
-    _check_size(storage, state["max_size"], layout.per_element, int(state["ndim"]))
-    storage.max_size = int(state["max_size"])
-    storage._replace_store(layout)
+    size = _check_size(max_size, ndim, state["max_size"], int(state["ndim"]), layout.per_element)
     positions = np.asarray(state["positions"], dtype=np.int64)
     cols: dict[str, Any] = {}
     for leaf in layout.leaves:
@@ -135,14 +141,12 @@ def _load_own(storage: ArrowbufStorage, state: dict[str, Any]) -> None:
         if len(cols[leaf.column]) != len(positions):
             raise SchemaError(f"state column {leaf.column!r} holds {len(cols[leaf.column])} rows for "
                               f"{len(positions)} positions")
-    if len(positions):
-        storage._append_rows(positions, cols)
+    return Loaded(layout, size, positions, cols)
 
 
-def _load_lazy_tensor(storage: ArrowbufStorage, state: dict[str, Any]) -> None:
+def _read_lazy_tensor(state: dict[str, Any], max_size: int, ndim: int) -> Loaded:
     if not state["initialized"]:
-        storage._replace_store(None)
-        return
+        return Loaded(None, max_size)
     raw = state["_storage"]
     if isinstance(raw, torch.Tensor):
         data: Any = raw
@@ -151,9 +155,7 @@ def _load_lazy_tensor(storage: ArrowbufStorage, state: dict[str, Any]) -> None:
     else:
         raise InvalidArgument(f"a LazyTensorStorage state whose _storage is a {type(raw).__name__}; ArrowbufStorage "
                               "loads tensor and TensorDict storages")
-    per = math.prod(data.shape[1:storage.ndim])
-    _check_size(storage, data.shape[0] * per, per, storage.ndim)
-    rows0 = -(int(state["_len"]) // -per)
-    storage._replace_store(None)
-    if rows0:
-        storage.set(torch.arange(rows0), data[:rows0], set_cursor=False)
+    per = math.prod(data.shape[1:ndim])
+    size = _check_size(max_size, ndim, data.shape[0] * per, ndim, per)
+    entries = -(int(state["_len"]) // -per)
+    return Loaded(Layout.infer(data[:max(entries, 1)], ndim), size, data=data[:entries], entries=entries)

@@ -104,6 +104,8 @@ class ArrowbufStorage(StoreStorage):
         init_timeout: seconds a process that writes first waits for the home process to create a shared store.
     """
 
+    max_size: int
+
     def __init__(self, max_size: int | None = None, *, device: Any = "cpu", ndim: int = 1, compilable: bool = False,
                  shared_init: bool = False, scratch_dir: Any = None, store: Any = None, tier: str | None = None,
                  name: str | None = None, sampler: Any = "fifo", seed: int | None = None,
@@ -273,6 +275,11 @@ class ArrowbufStorage(StoreStorage):
         pass
 
     def _max_size_along_dim0(self, *, single_data: Any = None, batched_data: Any = None) -> int:
+        # TorchRL's writers call this before they move their cursor and then write: data this storage cannot
+        # hold is refused here, so the writer stays in step with what is stored
+        data = batched_data if batched_data is not None else single_data
+        if data is not None:
+            self._check(data, batched=batched_data is not None)
         if self.ndim == 1:
             return self.max_size
         if self._layout is None and single_data is None and batched_data is None:
@@ -317,6 +324,14 @@ class ArrowbufStorage(StoreStorage):
         if is_tensor_collection(data) or isinstance(data, torch.Tensor):
             return TensorStorage(data.flatten(0, self.ndim - 1))
         return TensorStorage(pytree.tree_map(lambda t: t.flatten(0, self.ndim - 1), data))
+
+    def _check(self, data: Any, batched: bool) -> None:
+        """Raise `SchemaError` (or RuntimeError for a list that does not stack) unless `data` can be written."""
+        if isinstance(data, list):
+            data = _stack_list(data)
+        batch = data if batched else _unsqueeze(data)
+        layout = self._layout if self._layout is not None else Layout.infer(batch, self.ndim)
+        layout.columns(batch, self.ndim, partial=True, encode=False)
 
     # ------------------------------------------------------------------ Storage: writes
     @_compile_disable()
@@ -367,14 +382,6 @@ class ArrowbufStorage(StoreStorage):
             rows = cols if append.all() else {k: _take(v, np.flatnonzero(append)) for k, v in cols.items()}
             ids = self._store.extend(rows)
             self._slots.record(positions[keep][append], ids)
-
-    def _append_rows(self, positions: np.ndarray, cols: dict[str, Any]) -> None:
-        """Append rows (columns of the layout) at `positions`, oldest first (load_state_dict)."""
-        assert self._slots is not None
-        if self._slots.recorded:
-            cols = {**cols, SLOT_COLUMN: positions}
-        ids = self._store.extend(cols)
-        self._slots.record(positions, ids)
 
     # ------------------------------------------------------------------ Storage: reads
     @_compile_disable()
@@ -496,17 +503,30 @@ class ArrowbufStorage(StoreStorage):
     def state_dict(self) -> dict[str, Any]:
         """A state_dict of plain containers and tensors (`torch.load(weights_only=True)` reads it; see `state`)."""
         if not self.initialized:
-            return state_io.empty_state(self)
-        return state_io.dump(self)
+            return state_io.empty_state(self.max_size, self.ndim)
+        assert self._layout is not None
+        return state_io.dump(self._store, self._layout, self.max_size, self.ndim)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Replace the elements with those of `state_dict` (this storage's or a LazyTensorStorage's); every element
         keeps its position, and the store keeps this storage's sampler."""
-        state_io.load(self, state_dict)
+        loaded = state_io.read(state_dict, self.max_size, self.ndim)
+        self._replace_store(None)
+        if loaded.layout is not None:
+            self.max_size = loaded.max_size
+            self._create(loaded.layout)
+            assert self._slots is not None
+            if loaded.positions is not None and len(loaded.positions):
+                cols = dict(loaded.columns)
+                if self._slots.recorded:
+                    cols[SLOT_COLUMN] = loaded.positions
+                self._slots.record(loaded.positions, self._store.extend(cols))
+            elif loaded.entries:
+                self.set(torch.arange(loaded.entries), loaded.data, set_cursor=False)
         self._bump_mutation_revision()
 
     def _replace_store(self, layout: Layout | None) -> None:
-        """Drop the store (host) and, for `layout`, make an empty one (used by load_state_dict)."""
+        """Drop the store (host) and, for `layout`, make an empty one (load_state_dict, loads)."""
         if self._store is not None:
             if self._tier != "host":
                 raise NotImplementedError("loading a state into a shared ArrowbufStorage that holds a store is not "
