@@ -138,6 +138,18 @@ def test_in_place_writes_match_lazy_tensor_storage() -> None:
     assert results[0] == results[1]
 
 
+def test_non_tensor_data_written_in_place() -> None:
+    got = []
+    for storage in (ArrowbufStorage(6), LazyTensorStorage(6)):
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+        rb.extend(TensorDict({"x": torch.arange(4), "note": NonTensorStack(*[NonTensorData(f"n{i}")
+                                                                               for i in range(4)])}, [4]))
+        rb[1] = rb[3]
+        rb[2:4] = rb[torch.tensor([0, 0])]
+        got.append(list(rb[torch.arange(4)]["note"]))
+    assert got[0] == got[1] == ["n0", "n3", "n0", "n0"]
+
+
 def test_max_value_writer_matches_lazy_tensor_storage() -> None:
     results = []
     for storage in (ArrowbufStorage(4), LazyTensorStorage(4)):
@@ -325,6 +337,45 @@ def test_shared_memory_storage_across_processes() -> None:
         _across(storage, TensorDictReplayBuffer(storage=storage, batch_size=4))
     finally:
         storage.close()
+
+
+def _first_writer(rb: Any, worker: int, out: Any) -> None:
+    import torch
+    from tensordict import TensorDict
+
+    data = TensorDict({"x": torch.full((2,), worker), "obs": torch.full((2, 3), float(worker))}, [2])
+    index = rb.extend(data)
+    out.put((worker, index.tolist(), bool((rb[index]["x"] == worker).all())))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_shared_storage_handed_to_workers_before_its_first_write(method: str) -> None:
+    """Every worker writes first (no StoreExists race, no hang); the process that made the storage owns the store,
+    so its rows outlive the workers."""
+    storage = ArrowbufStorage(100, shared_init=True, name=f"torchrl-{uuid.uuid4().hex[:8]}")
+    try:
+        rb = ReplayBuffer(storage=storage, batch_size=2).share(True)
+        ctx = mp.get_context(method)
+        out = ctx.Queue()
+        workers = [ctx.Process(target=_first_writer, args=(rb, i, out)) for i in range(4)]
+        for w in workers:
+            w.start()
+        got = [out.get(timeout=120) for _ in workers]
+        for w in workers:
+            w.join(60)
+            assert w.exitcode == 0
+        assert all(ok for _, _, ok in got)
+        assert sorted(i for _, index, _ in got for i in index) == list(range(8))
+        every = storage[torch.arange(8)]
+        for worker, index, _ in got:  # read after every worker has exited
+            assert every["x"][index].tolist() == [worker, worker]
+            assert every["obs"][index].tolist() == [[float(worker)] * 3] * 2
+        assert len(rb) == 8 and storage.store is not None
+    finally:
+        storage.close()
+    with pytest.raises(ab.StoreNotFound):
+        ab.ExperienceStore.attach(storage._name)
 
 
 @pytest.mark.slow

@@ -59,10 +59,12 @@ def _run_module() -> Any:
 @pytest.mark.slow
 def test_torchrl_replay_buffer_suite_passes_where_lazy_tensor_storage_passes(tmp_path: pathlib.Path) -> None:
     run = _run_module()
-    records = run.run(tmp_path / "suite", timeout=120.0, file_timeout=3000.0)
+    # with arrowbuf's sum trees standing in for TorchRL's C++ ones (which do not load against torch 2.13), the
+    # prioritized tests run too: LazyTensorStorage then passes every test it does not skip
+    records = run.run(tmp_path / "suite", timeout=120.0, file_timeout=3000.0, sum_trees=True)
     counts = run.counts(records)
     print({k: dict(v) for k, v in counts.items()})
-    assert counts[run.OURS]["passed"] > 800, counts  # the suite ran (1655 ArrowbufStorage tests at this commit)
+    assert counts[run.OURS]["passed"] > 1200, counts  # the suite ran (1,655 ArrowbufStorage tests at this commit)
     assert counts[run.OURS]["timeout"] == 0, [r["nodeid"] for r in records if r["outcome"] == "timeout"]
     got = run.regressions(records)
     unexpected = {k: v for k, v in got.items() if k not in EXPECTED_FAILURES}

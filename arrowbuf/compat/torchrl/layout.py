@@ -499,7 +499,9 @@ def _infer_pytree(data: Any, ndim: int) -> Layout:
 
 
 def _flatten_nested(values: Any, depth: int) -> list[Any]:
-    """The first `depth` levels of nested lists flattened into one list."""
+    """The first `depth` levels of nested lists flattened into one list (depth 0: the one value)."""
+    if depth == 0:
+        return [values]
     out = values
     for _ in range(depth - 1):
         out = [x for sub in out for x in sub]

@@ -7,6 +7,10 @@ Each line: {"nodeid", "twin" (the nodeid with ArrowbufStorage named LazyTensorSt
 "LazyTensorStorage" or null), "outcome" ("passed", "failed", "skipped", "timeout"), "message"}. A line is written
 and flushed when a test ends, so a run killed from outside still reports every test that ended.
 
+With --ab-sum-trees, TorchRL's `PrioritizedSampler` runs on arrowbuf's sum trees (`use_arrowbuf_sum_trees`) for
+every storage, so the prioritized tests that need TorchRL's C++ extension (which does not load against torch 2.13)
+run too.
+
 A test that runs past --ab-timeout seconds (a phase: setup, call or teardown) is interrupted by SIGALRM and reported
 as "timeout"; TorchRL's waits (queues, joins, locks) are interruptible, so a hang becomes a failure, not a stuck run.
 """
@@ -31,6 +35,8 @@ class PhaseTimeout(BaseException):
 def pytest_addoption(parser: Any) -> None:
     parser.addoption("--ab-report", default=None, help="write the JSON-lines report here")
     parser.addoption("--ab-timeout", type=float, default=60.0, help="seconds per test phase")
+    parser.addoption("--ab-sum-trees", action="store_true",
+                     help="give TorchRL's PrioritizedSampler arrowbuf's sum trees (its C++ ones do not load here)")
 
 
 def pytest_make_parametrize_id(config: Any, val: Any, argname: str) -> str | None:
@@ -84,6 +90,10 @@ _report: _Report | None = None
 def pytest_configure(config: Any) -> None:
     global _report
     _report = _Report(config.getoption("--ab-report"))
+    if config.getoption("--ab-sum-trees"):
+        from arrowbuf.compat.torchrl import use_arrowbuf_sum_trees
+
+        use_arrowbuf_sum_trees()
 
 
 def pytest_unconfigure(config: Any) -> None:

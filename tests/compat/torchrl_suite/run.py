@@ -31,7 +31,7 @@ OURS, PEER = "ArrowbufStorage", "LazyTensorStorage"
 
 
 def run(out: pathlib.Path, files: list[str] | None = None, timeout: float = 60.0,
-        file_timeout: float = 3600.0, root: pathlib.Path = ROOT) -> list[dict]:
+        file_timeout: float = 3600.0, root: pathlib.Path = ROOT, sum_trees: bool = False) -> list[dict]:
     """Generate the suite into `out`, run it with arrowbuf imported from `root`, and return the report's records
     (one per test)."""
     added = generate(out)
@@ -43,7 +43,7 @@ def run(out: pathlib.Path, files: list[str] | None = None, timeout: float = 60.0
         report = out / f"{name}.jsonl"
         cmd = [sys.executable, "-m", "pytest", "-p", "report_plugin", f"--ab-report={report}",
                f"--ab-timeout={timeout}", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-               "-k", f"{OURS} or {PEER}", f"rb/{name}"]
+               "-k", f"{OURS} or {PEER}", f"rb/{name}", *(["--ab-sum-trees"] if sum_trees else [])]
         try:
             subprocess.run(cmd, cwd=out, env=env, timeout=file_timeout, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
@@ -89,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", action="store_true")
     p.add_argument("--json", type=pathlib.Path, default=None, help="write every record here")
     p.add_argument("--root", type=pathlib.Path, default=ROOT, help="import arrowbuf from here (default: this checkout)")
+    p.add_argument("--sum-trees", action="store_true", help="TorchRL's PrioritizedSampler on arrowbuf's sum trees")
     args = p.parse_args(argv)
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="torchrl_suite_"))
-    records = run(out, args.file, args.timeout, root=args.root)
+    records = run(out, args.file, args.timeout, root=args.root, sum_trees=args.sum_trees)
     if args.json:
         args.json.write_text(json.dumps(records, indent=0))
     for storage, c in counts(records).items():
