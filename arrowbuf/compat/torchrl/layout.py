@@ -128,6 +128,10 @@ class Layout:
     _class_objects: dict[tuple[str, ...], type] = field(default_factory=dict, repr=False, compare=False)
     _spec: Any = field(default=None, repr=False, compare=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # class objects (maybe local to a function) and the parsed treespec stay behind: they are rebuilt by name
+        return {**self.__dict__, "_class_objects": {}, "_spec": None}
+
     # ------------------------------------------------------------------ properties
     @property
     def per_element(self) -> int:

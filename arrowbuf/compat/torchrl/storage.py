@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import weakref
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import numpy as np
@@ -227,8 +228,8 @@ class ArrowbufStorage(StoreStorage):
 
     def _check_layout(self, layout: Layout) -> None:
         assert self._layout is not None
-        mine = [(x.column, x.codec.name, x.feature) for x in self._layout.leaves]
-        theirs = [(x.column, x.codec.name, x.feature) for x in layout.leaves]
+        mine = [(x.column, x.codec.name, str(x.codec.dtype), x.feature) for x in self._layout.leaves]
+        theirs = [(x.column, x.codec.name, str(x.codec.dtype), x.feature) for x in layout.leaves]
         if (mine, self._layout.kind, self._layout.extra, self._layout.inner) != \
                 (theirs, layout.kind, layout.extra, layout.inner):
             raise SchemaError(f"the storage holds {self._layout.kind} data with columns {mine} (batch dims "
@@ -571,6 +572,10 @@ class ArrowbufStorage(StoreStorage):
         if self._tier == "host" and self._store is not None and isinstance(self._store, ExperienceStore):
             raise TypeError("an ArrowbufStorage whose store lives in this process's heap cannot be pickled; create it "
                             "with tier='shm' (or shared_init=True) to share it with other processes")
+        if self._tier == "host" and self._store is None and get_spawning_popen() is not None:
+            raise RuntimeError("Cowardly refusing to share an ArrowbufStorage that keeps its rows in this process's "
+                               "heap with another process: what the other process writes would stay there. Make it "
+                               "with shared_init=True (shared memory), or write to it in this process only")
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
