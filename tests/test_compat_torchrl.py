@@ -150,6 +150,15 @@ def test_non_tensor_data_written_in_place() -> None:
     assert got[0] == got[1] == ["n0", "n3", "n0", "n0"]
 
 
+def test_keys_with_dots_and_named_like_store_columns() -> None:
+    storage = ArrowbufStorage(4)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(TensorDict({"a.b": torch.arange(3), "seq": torch.ones(3), "50%": {"x.y": torch.zeros(3)}}, [3]))
+    assert sorted(map(str, rb[0].keys(True, True))) == ["('50%', 'x.y')", "a.b", "index", "seq"]
+    assert rb[torch.tensor([2])]["a.b"].tolist() == [2]
+    assert set(storage.store.schema.fields) == {"a%2Eb", "seq__rl", "50%25.x%2Ey", "index", "slot"}
+
+
 def test_max_value_writer_matches_lazy_tensor_storage() -> None:
     results = []
     for storage in (ArrowbufStorage(4), LazyTensorStorage(4)):

@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 from ...errors import SchemaError
 from ...schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
 from .codecs import BitsCodec, Codec, DenseCodec, JsonCodec, check_json, codec_from, dtype_name, tensor_codec
+from .slots import SLOT_COLUMN
 
 #: schema metadata key of the layout (JSON)
 METADATA_KEY = "torchrl.layout"
@@ -57,6 +58,10 @@ KINDS = ("tensor", "tensordict", "tensorclass", "pytree")
 
 def _escape(part: str) -> str:
     return part.replace("%", "%25").replace(".", "%2E")
+
+
+def _unescape(part: str) -> str:
+    return part.replace("%2E", ".").replace("%25", "%")
 
 
 def column_name(path: tuple[str, ...]) -> str:
@@ -149,10 +154,6 @@ class Layout:
                 return self.nodes[tuple(leaf.path[:i])]
         return self.extra
 
-    @property
-    def json_columns(self) -> list[str]:
-        return [leaf.column for leaf in self.leaves if isinstance(leaf.codec, JsonCodec)]
-
     # ------------------------------------------------------------------ serialisation
     def to_json(self) -> str:
         return json.dumps({
@@ -186,11 +187,13 @@ class Layout:
             return Layout.from_json(meta[METADATA_KEY])
         leaves = []
         for f in schema.fields.values():
+            if f.name == SLOT_COLUMN:
+                continue
             if f.ragged:
                 raise SchemaError(f"field {f.name!r} of the store is ragged; ArrowbufStorage reads fixed-shape fields "
                                   "(and JSON text it wrote itself)")
             codec = DenseCodec(getattr(torch, f.dtype.name))
-            path = (TENSOR_COLUMN,) if f.name == TENSOR_COLUMN else tuple(_key(f.name).split("."))
+            path = (TENSOR_COLUMN,) if f.name == TENSOR_COLUMN else tuple(_unescape(p) for p in _key(f.name).split("."))
             leaves.append(Leaf(path, f.name, codec, tuple(f.shape)))
         kind = "tensor" if [x.column for x in leaves] == [TENSOR_COLUMN] else "tensordict"
         return Layout(kind, tuple(leaves))
