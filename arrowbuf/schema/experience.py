@@ -16,6 +16,8 @@ A schema is declared once, in YAML, a dict, or a `pa.Schema`::
     episode_end: [terminated, truncated]   # optional; default: the fields named done/terminated/truncated
     truncation: [truncated]          # optional: the episode_end fields that cut an episode short (time limits):
                                      # n-step returns bootstrap there; the others terminate. Default: `truncated`
+    metadata: {owner: team-a}        # optional: string -> string, kept with the schema (manifests, checkpoints,
+                                     # Arrow schema metadata `arrowbuf.meta.<key>`); arrowbuf never reads it
 
 Usage::
 
@@ -58,8 +60,10 @@ from .spec import (
     parse_dtype,
 )
 
+#: Arrow schema metadata keys of `ExperienceSchema.metadata` entries.
+_META_PREFIX = b"arrowbuf.meta."
 
-#: Columns the store adds to every row.
+
 @dataclass(frozen=True)
 class ExperienceSchema:
     """The layout of one step: stored fields, derived fields and which fields end an episode.
@@ -75,6 +79,9 @@ class ExperienceSchema:
     #: The episode_end fields that mean truncation (bootstrap from the next observation); the other end fields
     #: mean termination. Default: `truncated`, when it is an end field.
     truncation: tuple[str, ...] = DEFAULT_TRUNCATION
+    #: Free-form string -> string metadata that travels with the schema (to_dict, to_arrow, shared-memory manifests,
+    #: checkpoints); arrowbuf itself never interprets it (integrations keep their own layout descriptions there).
+    metadata: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.fields:
@@ -145,6 +152,8 @@ class ExperienceSchema:
         if self.episode_end:
             meta[b"arrowbuf.episode_end"] = ",".join(self.episode_end).encode()
             meta[b"arrowbuf.truncation"] = ",".join(self.truncation).encode()
+        for k, v in self.metadata.items():
+            meta[_META_PREFIX + k.encode()] = v.encode()
         return pa.schema(cols, metadata=meta)
 
     def input_schema(self) -> pa.Schema:
@@ -221,6 +230,8 @@ class ExperienceSchema:
             out["derived"] = {d.name: {"next_of": d.next_of} for d in self.derived.values()}
         out["episode_end"] = list(self.episode_end)
         out["truncation"] = list(self.truncation)
+        if self.metadata:
+            out["metadata"] = dict(self.metadata)
         return out
 
     # ---------------------------------------------------------------- validation
@@ -419,7 +430,7 @@ def load_schema(source: str | os.PathLike | Mapping[str, Any] | pa.Schema | Expe
 
 
 def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
-    known = {"name", "version", "fields", "derived", "episode_end", "truncation", "description"}
+    known = {"name", "version", "fields", "derived", "episode_end", "truncation", "description", "metadata"}
     extra = set(data) - known
     if extra:
         raise SchemaError(f"{where}: unknown top-level key(s) {sorted(extra)}; expected {sorted(known)}")
@@ -502,8 +513,12 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
         if not isinstance(raw, (list, tuple)) or not all(isinstance(t, str) for t in raw):
             raise SchemaError(f"{where}: 'truncation' must be a list of episode_end field names, got {raw!r}")
         truncation = tuple(raw)
+    metadata = data.get("metadata") or {}
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in metadata.items()):
+        raise SchemaError(f"{where}: 'metadata' must be a mapping of strings to strings, got {metadata!r}")
     return ExperienceSchema(name=name, fields=fields, derived=derived, episode_end=episode_end, version=version,
-                            truncation=truncation)
+                            truncation=truncation, metadata=dict(metadata))
 
 
 def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
@@ -555,5 +570,6 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
     trunc = DEFAULT_TRUNCATION
     if b"arrowbuf.truncation" in meta:
         trunc = tuple(t for t in meta[b"arrowbuf.truncation"].decode().split(",") if t)
+    metadata = {k[len(_META_PREFIX):].decode(): v.decode() for k, v in meta.items() if k.startswith(_META_PREFIX)}
     return ExperienceSchema(name=name, fields=fields, derived=derived, episode_end=ends, version=version,
-                            truncation=trunc)
+                            truncation=trunc, metadata=metadata)
