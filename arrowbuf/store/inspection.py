@@ -189,6 +189,8 @@ class StoreInspection(_Parts):
             counters = self._cols.placement_counters()
             if counters is not None:
                 out["placement"] = counters
+            if self._reader.device is not None:  # the device ring's sample path (arrowbuf.engine.device_sample)
+                out["device"] = self._reader.device.describe()
         journal = self._w.stats()
         if journal is not None:
             out["journal"] = journal
@@ -206,12 +208,23 @@ class StoreInspection(_Parts):
         with self._lock:
             return placement_table(self._core, self.placement_policy, explain)
 
-    def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
+    def to_cudf(self, columns: Iterable[str] | None = None, *, device: bool = False) -> Any:
         """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
         tensor type: sample tensor columns with `sample(...).to_torch("cuda")` (or a GPU tier). Needs
-        `pip install 'arrowbuf[gpu]'` and a GPU."""
-        from ..tiers.gpu import to_cudf
+        `pip install 'arrowbuf[gpu]'` and a GPU.
 
+        Args:
+            columns: scalar fields and metadata columns (default: all of them).
+            device: views of the device ring's columns instead of a copy of the rows (a store whose GPU tier mirrors
+                its ring, `arrowbuf.ring.device_ring`): no copy at all, every ring position in position order, with
+                `seq` and a `live` column (`df[df.live].sort_values("seq")` is the table's order); a live view, which
+                the store's next sample updates in place.
+
+        Raises:
+            MissingDependency: cuDF is not installed or there is no GPU (the message says what was found).
+            InvalidArgument: `device=True` on a store without a device ring, or with it on the CPU.
+            SchemaError: a tensor or list column.
+        """
         scalar = [n for n, f in self.schema.fields.items() if not f.shape and not f.ragged and f.plain]
         names = list(columns) if columns is not None else [*scalar, "episode_id", "step", "seq"]
         tensors = [n for n in names if n in self.schema.fields and (self.schema.fields[n].shape
@@ -220,6 +233,19 @@ class StoreInspection(_Parts):
         if tensors:
             raise SchemaError(f"to_cudf() takes scalar and metadata columns; {tensors} are tensor or list columns "
                               "(cuDF has no fixed-shape tensor type): read them with sample(...).to_torch('cuda')")
+        if device:
+            self._check_open()
+            if self._reader.device is None:
+                from ..errors import InvalidArgument
+
+                raise InvalidArgument("to_cudf(device=True) views the store's device ring, and this store has none: "
+                                      "make it with tiers={'gpu': GpuTier(budget, ring=True), 'host': ...} (a "
+                                      "uniform or prioritized sampler), or call to_cudf() for a copy of the rows")
+            from ..tiers.gpu import cudf_views
+
+            return cudf_views(self._reader.device.views(names))
+        from ..tiers.gpu import to_cudf
+
         return to_cudf(self.to_table(names))
 
     def chunks(self) -> pa.Table:
