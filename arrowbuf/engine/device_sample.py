@@ -320,18 +320,18 @@ class DeviceOutputs:
     def __init__(self, torch: Any, device: Any) -> None:
         self.torch = torch
         self.device = device
-        self.sets: dict[tuple, list[tuple[dict[str, Any], list[tuple[int, int]]]]] = {}
+        self.sets: dict[tuple, list[OutputSet]] = {}
         self.made = 0
 
     def take(self, key: tuple, plan: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, Any]:
         """A free output set for request `key`."""
         sets = self.sets.setdefault(key, [])
-        for outs, base in sets:
-            if _counts(outs) == base:
-                return outs
+        for one in sets:
+            if one.free():
+                return one.outs
         outs = self.make(plan)
         if len(sets) < _MAX_SETS:
-            sets.append((outs, _counts(outs)))
+            sets.append(OutputSet(outs))
         return outs
 
     def make(self, plan: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, Any]:
@@ -339,18 +339,34 @@ class DeviceOutputs:
         self.made += 1
         return {k: self.torch.empty(shape, dtype=dtype, device=self.device) for k, (shape, dtype) in plan.items()}
 
-    @staticmethod
-    def free(outs: dict[str, Any], base: list[tuple[int, int]]) -> bool:
-        """Whether output set `outs` (made with references `base`) is referenced only by the pool."""
-        return _counts(outs) == base
 
+class OutputSet:
+    """Output tensors and how to tell that only the pool references them: their Python references (a batch holds the
+    tensor itself) and the users of their memory (a view, a DLPack or numpy export), compared with the counts when
+    only the pool held them."""
 
-def _counts(outs: dict[str, Any]) -> list[tuple[int, int]]:
-    """Per tensor: Python references and users of its memory (a view, a DLPack or numpy export, another tensor)."""
-    import torch
+    def __init__(self, outs: dict[str, Any]) -> None:
+        import torch
 
-    use = getattr(torch._C, "_storage_Use_Count", None)
-    return [(sys.getrefcount(t), use(t.untyped_storage()._cdata) if use is not None else 0) for t in outs.values()]
+        self.outs = outs
+        self.tensors = list(outs.values())
+        self._use = getattr(torch._C, "_storage_Use_Count", None)
+        # the storage's address, read once: asking for `untyped_storage()` each time costs a Python object
+        self._storages = [t.untyped_storage()._cdata for t in self.tensors] if self._use is not None else []
+        self.base = self._counts()
+
+    def _counts(self) -> tuple[list[int], list[int]]:
+        refs = [sys.getrefcount(t) for t in self.tensors]
+        use = self._use
+        return refs, ([use(c) for c in self._storages] if use is not None else [])
+
+    def free(self) -> bool:
+        """Whether nothing outside the pool references these outputs."""
+        refs = [sys.getrefcount(t) for t in self.tensors]
+        if refs != self.base[0]:
+            return False
+        use = self._use
+        return use is None or [use(c) for c in self._storages] == self.base[1]
 
 
 class _Graphs:  # pragma: no cover - needs a CUDA device
@@ -363,7 +379,7 @@ class _Graphs:  # pragma: no cover - needs a CUDA device
 
     def __init__(self, owner: DeviceSampling) -> None:
         self.owner = owner
-        self.graphs: dict[tuple, list[tuple[Any, dict[str, Any], list[tuple[int, int]]]]] = {}
+        self.graphs: dict[tuple, list[tuple[Any, OutputSet]]] = {}
         self.seen: dict[tuple, int] = {}
         self.off = False
 
@@ -371,11 +387,11 @@ class _Graphs:  # pragma: no cover - needs a CUDA device
         """Replay a free graph of `key` (capturing one when due); None: sample eagerly."""
         if self.off:
             return None
-        for graph, outs, base in self.graphs.get(key, []):
-            if _counts(outs) == base:
+        for graph, one in self.graphs.get(key, []):
+            if one.free():
                 graph.replay()
                 self.owner.stats["graph_replays"] += 1
-                return outs
+                return one.outs
         seen = self.seen[key] = self.seen.get(key, 0) + 1
         if seen <= _WARM or len(self.graphs.get(key, [])) >= _GRAPHS:
             return None
@@ -385,7 +401,7 @@ class _Graphs:  # pragma: no cover - needs a CUDA device
             self.off = True
             self.owner.stats["graphs_off"] = f"{type(exc).__name__}: {exc}"[:300]
             return None
-        self.graphs.setdefault(key, []).append((graph, outs, _counts(outs)))
+        self.graphs.setdefault(key, []).append((graph, OutputSet(outs)))
         self.owner.stats["graph_captures"] += 1
         graph.replay()
         self.owner.stats["graph_replays"] += 1
