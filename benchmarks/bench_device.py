@@ -552,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
+    if not cuda:  # numpy's host gathers use one thread; torch's OpenMP threads spin against a busy small machine
+        torch.set_num_threads(1)
     sz = Sizes(device, args.quick)
     clock = Clock(torch, cuda)
     res: dict[str, Any] = {"env": environment(torch, device), "quick": args.quick}
