@@ -408,7 +408,7 @@ def device_cpu(quick: bool) -> dict:
     from arrowbuf.tiers import GpuTier
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # numpy's gathers use one thread; OpenMP's spinning threads on a busy 2-core VM: 10x slower
+    torch.set_num_threads(1)  # numpy gathers on one thread; OpenMP's spinning threads on a busy 2-core VM: 10x slower
     schema = ab.load_schema(ROOT / "schemas" / "atari.yaml")
     cap, batch = (4_000, 256) if quick else (10_000, 1024)
     pool = make_steps("atari", 1000, seed=0, episode_len=500)

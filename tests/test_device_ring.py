@@ -500,3 +500,46 @@ def test_cuda_graph_replays_serve_whole_rows_and_no_host_sync():  # pragma: no c
             torch.cuda.set_sync_debug_mode("default")
         check(store.sample(512))
         assert cuda_available()
+
+
+# ---------------------------------------------------------------------- the Loader over a device ring
+def test_a_loader_over_a_device_ring_keeps_ids_weights_and_priorities_on_the_device():
+    with make("cpu", 400, sampler=ab.samplers.Prioritized(alpha=1.0, eps=0.0)) as store:
+        store.extend(rows(0, 400))
+        with ab.Loader(store, batch_size=64, prefetch=2, format="torch", device="cpu") as loader:
+            tb = next(loader)
+            assert isinstance(tb.indices, torch.Tensor) and isinstance(tb.weights, torch.Tensor)
+            seq = host(tb.indices)
+            np.testing.assert_array_equal(host(tb["obs"])[:, 0], seq.astype(np.float32))
+            loader.update_priorities(tb, torch.full((64,), 7.0))  # tensors go through as tensors
+            with pytest.raises(ab.InvalidArgument, match="64 indices but 3 priorities"):
+                loader.update_priorities(tb, torch.ones(3))
+            for _ in range(3):
+                next(loader)
+        store._reader.device.flush()
+        np.testing.assert_allclose(store.sampler.sum_tree.get(seq % store.arena_rows), 7.0)
+        assert store.stats()["device"]["priority_updates"] >= 1
+
+
+def test_use_rmm_pool_names_what_is_missing():
+    from arrowbuf.tiers.gpu import use_rmm_pool
+
+    if cuda_available():  # pragma: no cover - a GPU machine: switching allocators is a process-wide act
+        pytest.skip("would switch this process's CUDA allocator")
+    with pytest.raises(ab.MissingDependency, match=r"arrowbuf\[gpu\]"):
+        use_rmm_pool("1GiB")
+
+
+def test_a_durable_store_journals_device_priority_updates(tmp_path):
+    # the journal needs the ids and priorities in host memory: a durable store copies them back (it waits for the
+    # device there, by design) and the restore gets them
+    store = ab.ExperienceStore(SCHEMA, 300, seed=0, sampler=ab.samplers.Prioritized(alpha=1.0, eps=0.0),
+                               tiers={"gpu": GpuTier(device="cpu", ring=True), "host": None}, durable=tmp_path / "run")
+    with store:
+        store.extend(rows(0, 300))
+        b = store.sample(32)
+        assert int(store.update_priorities(b.indices, torch.full((32,), 5.0))) == 32
+        seq = host(b.indices)
+    again = ab.ExperienceStore.restore(tmp_path / "run")
+    with again:
+        np.testing.assert_allclose(again.sampler.sum_tree.get(seq % again.arena_rows), 5.0)
