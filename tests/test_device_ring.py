@@ -543,3 +543,22 @@ def test_a_durable_store_journals_device_priority_updates(tmp_path):
     again = ab.ExperienceStore.restore(tmp_path / "run")
     with again:
         np.testing.assert_allclose(again.sampler.sum_tree.get(seq % again.arena_rows), 5.0)
+
+
+def test_a_device_sample_waits_for_rows_without_holding_others_up():
+    with make("cpu", 300, sampler=ab.samplers.Prioritized(),
+              rate_limiter=ab.rate_limiters.MinSize(50)) as store:
+        with pytest.raises(ab.SampleTimeout, match="did not wait"):
+            store.sample(8)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(store.sample(8, timeout=30)))
+        t.start()
+        store.extend(rows(0, 20))  # below MinSize: the sampler waits on
+        # meanwhile another thread's priority update is not held up by the waiting sample
+        done = threading.Event()
+        threading.Thread(target=lambda: (store.update_priorities(np.arange(5), np.ones(5)), done.set())).start()
+        assert done.wait(10)
+        store.extend(rows(20, 100))
+        t.join(30)
+        assert got and len(check(got[0])) == 8
+        assert store._core.limiter_waits["sample"] >= 1

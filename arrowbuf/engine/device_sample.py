@@ -28,6 +28,7 @@ device updates once their copies land (new rows enter at the maximum known then)
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -96,44 +97,72 @@ class DeviceSampling:
     # ------------------------------------------------------------------ sample
     def sample(self, n: int, names: list[str], timeout: float | None, n_step: int | None,
                gamma: float) -> SampleBatch:
-        """`n` items drawn and gathered on the device (the caller checked the arguments and `serves`)."""
+        """`n` items drawn and gathered on the device (the caller checked the arguments and `serves`).
+
+        Waiting (for the rate limiter, for rows) happens under the state lock only, never holding the ring's lock, so
+        a thread waiting for data does not hold up another's priority update or sample."""
         ring = self.ring
-        with ring.lock, ring.on_stream():
-            with self.core.cond:
-                self._ready(n, timeout)
-            plan_key = (n, tuple(names), n_step, float(gamma))
-            plan = self._plan(plan_key)
-            outs = self.graphs.run(plan_key, plan) if self.graphs is not None else None
-            if outs is None:
-                outs = self.outputs.take(plan_key, plan)
-                self.run(plan_key, outs)
-                self.stats["eager"] += 1
-            self.stats["samples"] += 1
+        core = self.core
+        deadline = None if timeout is None or timeout <= 0 else time.monotonic() + timeout
+        held = [False]
+        seen: tuple[int, int] | None = None
+        while True:
+            with core.cond:
+                self._wait(n, timeout, deadline, held, seen)
+            with ring.lock, ring.on_stream():
+                with core.cond:
+                    ready = self._ready(n)
+                    if ready is False:  # no sampleable row on the device yet: wait for a commit
+                        seen = (core.index.hi, core.index.counter("final_count"))
+                    elif ready is None:  # the rate limiter changed its mind meanwhile: wait on it again
+                        held[0], seen = True, None
+                if ready:
+                    plan_key = (n, tuple(names), n_step, float(gamma))
+                    plan = self._plan(plan_key)
+                    outs = self.graphs.run(plan_key, plan) if self.graphs is not None else None
+                    if outs is None:
+                        outs = self.outputs.take(plan_key, plan)
+                        self.run(plan_key, outs)
+                        self.stats["eager"] += 1
+                    self.stats["samples"] += 1
+                    break
+        if held[0]:
+            core.limiter_waits["sample"] += 1
         arrays = {k: outs[k] for k in plan if not k.startswith("_")}
         return SampleBatch(arrays, outs["_indices"], outs.get("_weights"))
 
-    def _ready(self, n: int, timeout: float | None) -> None:
-        """Under the state lock: wait for the rate limiter and a sampleable row, syncing the mirror as rows come;
-        count the sample."""
+    def _wait(self, n: int, timeout: float | None, deadline: float | None, held: list[bool],
+              seen: tuple[int, int] | None) -> None:
+        """Under the state lock: wait for the rate limiter and for rows (`seen`: the commit point when the mirror had
+        no sampleable row: wait for a later one); raise `SampleTimeout` past the deadline."""
         core = self.core
-        held = [False]
-        weighted = self.sampler.weighted
+        index = core.index
 
         def ready() -> bool:
             core.check_open()
             if core.rate_limiter is not None and not core.rate_limiter.can_sample(n, core.counters()):
                 held[0] = True
                 return False
-            self._sync()
-            return self.ring.valid_count > 0 and (not weighted or core.sampler.total_mass() > 0)
+            if seen is not None:
+                return (index.hi, index.counter("final_count")) != seen
+            return len(index) > 0
 
-        ok = core.wait_for(ready, timeout)
-        if held[0]:
-            core.limiter_waits["sample"] += 1
-        if not ok:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not core.wait_for(ready, left if left is None or left > 0 else None):
             raise self.timeout_error(n, timeout)
+
+    def _ready(self, n: int) -> bool | None:
+        """Under the state lock and the ring's: sync the mirror; when the limiter allows and a row is sampleable,
+        count the sample (it is served now): True; False: no sampleable row; None: the limiter says no."""
+        core = self.core
+        if core.rate_limiter is not None and not core.rate_limiter.can_sample(n, core.counters()):
+            return None
+        self._sync()
+        if not (self.ring.valid_count > 0 and (not self.sampler.weighted or core.sampler.total_mass() > 0)):
+            return False
         core.index.count("samples", n)
         core.cond.notify_all()
+        return True
 
     def _sync(self) -> None:
         """Under the state lock: device updates that landed go to the host sampler; then the mirror catches up."""
