@@ -254,6 +254,10 @@ def test_a_kept_batch_is_never_overwritten_by_later_samples(device):
         for _ in range(10):
             store.sample(64)  # nothing kept: the pool's sets are reused
         assert store._reader.device.outputs.made == made
+        held = [store.sample(64) for _ in range(12)]  # more kept than the pool holds: the rest made for the caller
+        for b in held:
+            check(b)
+        assert len({b["obs"].data_ptr() for b in held}) == 12
 
 
 # ---------------------------------------------------------------------- no host sync inside sample()

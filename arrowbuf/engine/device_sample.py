@@ -121,9 +121,11 @@ class DeviceSampling:
                     plan = self._plan(plan_key)
                     outs = self.graphs.run(plan_key, plan) if self.graphs is not None else None
                     if outs is None:
-                        outs = self.outputs.take(plan_key, plan)
+                        outs, pooled = self.outputs.take(plan_key, plan)
                         self.run(plan_key, outs)
                         self.stats["eager"] += 1
+                        if not pooled:  # the caller's alone: its memory goes back when the caller drops it
+                            ring.hand_over(outs.values())
                     self.stats["samples"] += 1
                     break
         if held[0]:
@@ -270,6 +272,7 @@ class DeviceSampling:
             with self.core.cond:  # the mirror as of now: ids of rows evicted meanwhile are ignored, as on the host
                 self._sync()
             applied = self.sampler.update(ids, pri, ring.seq, ring.valid, self.core.arena_rows)
+            ring.hand_over([applied])
             self.stats["priority_updates"] += 1
         return applied
 
@@ -352,16 +355,17 @@ class DeviceOutputs:
         self.sets: dict[tuple, list[OutputSet]] = {}
         self.made = 0
 
-    def take(self, key: tuple, plan: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, Any]:
-        """A free output set for request `key`."""
+    def take(self, key: tuple, plan: dict[str, tuple[tuple[int, ...], Any]]) -> tuple[dict[str, Any], bool]:
+        """A free output set for request `key`, and whether the pool keeps it (else it is made for this sample)."""
         sets = self.sets.setdefault(key, [])
         for one in sets:
             if one.free():
-                return one.outs
+                return one.outs, True
         outs = self.make(plan)
         if len(sets) < _MAX_SETS:
             sets.append(OutputSet(outs))
-        return outs
+            return outs, True
+        return outs, False
 
     def make(self, plan: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, Any]:
         """A new output set for `plan`."""

@@ -119,6 +119,7 @@ class DeviceRing:
         self.staging = tier.staging
         self.stream = torch.cuda.Stream(device=self.device) if tier.cuda else None
         self.lock = threading.RLock()
+        self.caller: Any = None  # the stream of the sample in progress (`on_stream`)
         # what was copied, as of the last sync (host memory only: reading it never waits for the device)
         self.lo = self.hi = 0
         self.fin_mark = 0  # final-observation slots claimed before this count are settled on the device
@@ -157,10 +158,18 @@ class DeviceRing:
             return
         torch = self.torch
         caller = torch.cuda.current_stream(self.device)
+        self.caller = caller
         self.stream.wait_stream(caller)
         with torch.cuda.stream(self.stream):
             yield
         caller.wait_stream(self.stream)
+
+    def hand_over(self, tensors: Any) -> None:
+        """Tensors made on the ring's stream that the caller gets to keep (and may free): tell the caching allocator
+        the caller's stream uses them, so their memory is not reused before its work on them is done."""
+        if self.stream is not None:
+            for t in tensors:
+                t.record_stream(self.caller)
 
     def mark(self, positions: np.ndarray) -> None:
         """Positions whose index entry or mass changed outside a commit (a priority update given on the host): copied
