@@ -1,21 +1,29 @@
-"""The GPU tier: a column's GPU-resident chunks as slots of one torch CUDA tensor per column.
+"""The GPU tier: a store's columns in device memory, as a device ring (the whole ring mirrored) or as chunk slots.
 
 Usage::
 
     store = ExperienceStore(schema, capacity, tiers={"gpu": "8GiB", "host": "16GiB", "disk": "spill/"})
     batch = store.sample(4096, columns=["obs", "action", "reward"])
-    batch["obs"]            # a torch CUDA tensor when obs has GPU-resident chunks: gathered on the device
-    store.to_cudf()         # scalar and metadata columns as a cuDF DataFrame
+    batch["obs"]            # a torch CUDA tensor: gathered on the device
+    store.to_cudf()         # scalar and metadata columns as a cuDF DataFrame (a copy); device=True: views
 
 Needs the optional extra ``pip install 'arrowbuf[gpu]'`` (a CUDA build of torch, cupy, cudf) and a CUDA device;
-torch, cupy and cudf are imported only when a GPU tier is made. Device memory cannot be over-committed like host
-memory, so this tier is *slotted*: each column's arena holds a fixed number of chunk slots, and the store's slot table
-maps a ring chunk to its local slot. A gather over the tier is one `index_select` on the device; data reaches the
-device by copies of whole sealed chunks (migrations), never on the append path. Tensors cross to other libraries
-through DLPack (`torch.utils.dlpack`, `cupy.from_dlpack`, `cudf.from_dlpack`); cuDF has no fixed-shape tensor type,
-so tensor columns stay torch tensors and cuDF gets the scalar and metadata columns.
+torch, cupy and cudf are imported only when a GPU tier is made. Two uses of the tier (`GpuTier(ring=...)`):
 
-`device="cpu"` runs the same code on torch CPU tensors: the tests use it to exercise the slotted path without a GPU.
+- the device ring (`arrowbuf.ring.device_ring`, docs/tiers.md): every mirrorable column's whole ring on the device,
+  pulled from the host arenas at each sample; sampling, gathers and priority updates then run on the device with no
+  host sync. The default on a CUDA device when the columns fit the budget.
+- chunk slots: device memory cannot be over-committed like host memory, so each column's arena holds a fixed number
+  of chunk slots, and the store's slot table maps a ring chunk to its local slot; data reaches the device by copies
+  of whole sealed chunks (migrations, decided by the placement policy), never on the append path. A gather over the
+  tier is one `index_select` on the device.
+
+Tensors cross to other libraries through DLPack (`torch.utils.dlpack`, `cupy.from_dlpack`, `cudf.from_dlpack`) or
+`__cuda_array_interface__` (`cudf_views`); cuDF has no fixed-shape tensor type, so tensor columns stay torch tensors
+and cuDF gets the scalar and metadata columns. `Staging` feeds host-to-device copies through pinned memory without
+waiting; `use_rmm_pool` puts torch and cuDF on one RMM pool.
+
+`device="cpu"` runs the same code on torch CPU tensors: the tests use it to exercise both paths without a GPU.
 """
 
 from __future__ import annotations
