@@ -147,6 +147,27 @@ def test_a_store_returns_the_same_rows_on_every_tier(kind, tmp_path):
         assert ref.episodes().equals(store.episodes())
 
 
+@pytest.mark.parametrize("kind", ["gpu-ring-on-cpu", pytest.param("gpu-ring", marks=needs_gpu)])
+def test_a_store_with_a_device_ring_holds_the_same_rows_and_samples_them_whole(kind):
+    """The device ring (issue 43; tests/test_device_ring.py has the rest): the same table and episodes as a host
+    store of the same data, and whole rows from the device (its own PRNG: other rows than the host's draws)."""
+    import torch
+
+    device = "cpu" if kind.endswith("on-cpu") else "cuda"
+    ref = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32)
+    store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32,
+                               tiers={"gpu": GpuTier(budget="64MiB", device=device, ring=True), "host": None})
+    with ref, store:
+        for s in (ref, store):
+            s.extend(rows(0, 700))
+        for _ in range(3):
+            b = store.sample(64)
+            assert isinstance(b.indices, torch.Tensor) and b["obs"].device.type == device
+            check_batch(ab.SampleBatch({k: b[k] for k in b.columns}, b.indices.cpu().numpy()))
+        assert ref.to_table().equals(store.to_table())
+        assert ref.episodes().equals(store.episodes())
+
+
 @pytest.mark.parametrize("kind", TIERS)
 @pytest.mark.filterwarnings("ignore::arrowbuf.AppendSlowPathWarning")
 def test_every_dtype_round_trips_bit_exactly_on_every_tier(kind, tmp_path):
