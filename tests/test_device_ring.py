@@ -323,10 +323,12 @@ def test_sample_makes_no_host_sync_within_op_copy_and_allocation_budgets(device,
             b = store.sample(256)
         check(b)
         assert guard.copies <= (1 if kind == "prioritized" else 0)  # the weights into their pooled output
+        # measured (torch 2.13, CPU): uniform 35 aten ops and 26 allocations for 6 columns, prioritized 47 and 36
+        # (the draw's intermediates: a CUDA graph replays them from its own pool); a per-column upload or a second
+        # search would break these
         n_cols = len(b.columns)
-        budget_ops = 60 + 4 * n_cols + (10 if kind == "prioritized" else 0)
-        assert ops.ops <= budget_ops, ops.ops
-        assert ops.allocs <= 40, ops.allocs
+        assert ops.ops <= 20 + 3 * n_cols + (12 if kind == "prioritized" else 0), ops.ops
+        assert ops.allocs <= (30 if kind == "uniform" else 40), ops.allocs
         # with rows written meanwhile: their copies (one per column per ring range, index entries in one) and
         # still no host sync
         store.extend(rows(700, 40))
