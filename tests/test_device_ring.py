@@ -315,7 +315,7 @@ def test_sample_makes_no_host_sync_within_op_copy_and_allocation_budgets(device,
     sampler = ab.samplers.Prioritized() if kind == "prioritized" else "uniform"
     with make(device, 500, sampler=sampler) as store:
         store.extend(rows(0, 700))
-        for _ in range(2):
+        for _ in range(4):  # on CUDA the third sample of a shape captures its graph: done before the guards
             store.sample(256, n_step=3)
             store.sample(256)
         # steady state, nothing written: no copies but the gathers', every op within budget
