@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..tiers.gpu import host_view
 from .base import MAX_LEAF, MAX_PRIORITY, Sampler
 from .prioritized import PrioritizedSampler
 from .sumtree import _CLAMP_EPS, _SUMMARY_DEPTH
@@ -325,7 +326,8 @@ class DeviceSampler:
         h_ids = torch.empty(size, dtype=torch.int64, pin_memory=pin)
         h_pri = torch.empty(size, dtype=torch.float64, pin_memory=pin)
         h_ok = torch.empty(1, dtype=torch.bool, pin_memory=pin)
-        buf = (h_ids, h_pri, h_ok, h_ids.numpy(), h_pri.numpy(), h_ok.numpy())
+        buf = (h_ids, h_pri, h_ok, host_view(h_ids).view(np.int64), host_view(h_pri).view(np.float64),
+               host_view(h_ok).view(np.bool_))
         self._pinned.append(buf)
         return buf
 
