@@ -393,9 +393,19 @@ def test_a_refused_device_priority_update_changes_nothing_and_is_reported_by_the
         store.update_priorities(b.indices, bad)
         np.testing.assert_array_equal(
             host(store._reader.device.tree.get(torch.arange(store.arena_rows, device=device))), tree_before)
+        if device == "cuda":
+            torch.cuda.synchronize()  # the copy has landed: the next call drains it (else a later one would)
         with pytest.raises(ab.InvalidArgument, match="refused and not applied"):
-            store._reader.device.flush()
-        assert store.sampler.max_priority == 1.0
+            store.sample(4)  # the next call reports it: a sample then serves nothing
+        # an update reports it too, having applied its own priorities first
+        b2 = store.sample(4)
+        store.update_priorities(b2.indices, bad[:4])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        with pytest.raises(ab.InvalidArgument, match="refused and not applied"):
+            store.update_priorities(b2.indices, torch.full((4,), 2.0, device=device))
+        store._reader.device.flush()
+        assert store.sampler.max_priority == pytest.approx(2.0 + 1e-6)
         with pytest.raises(ab.InvalidArgument, match="3 indices but 2 priorities"):
             store.update_priorities(torch.arange(3, device=device), torch.ones(2, device=device))
         check(store.sample(32))  # the store serves on

@@ -167,10 +167,15 @@ class DeviceSampling:
         return True
 
     def _sync(self) -> None:
-        """Under the state lock: device updates that landed go to the host sampler; then the mirror catches up."""
-        core = self.core
+        """Under the state lock: device updates that landed go to the host sampler (raising for one the device
+        refused); then the mirror catches up."""
         if self.sampler.pending:
             self.sampler.drain(self._apply_host)
+        self._pull()
+
+    def _pull(self) -> None:
+        """Under the state lock: the mirror catches up with the host (`DeviceRing.sync`), the tree's leaves too."""
+        core = self.core
         got = self.ring.sync(core.index, core.final_owner, self.cols.rows, self.cols.final_rows, self.sampler.mass)
         if got is not None:
             pos, leaves = got
@@ -268,12 +273,20 @@ class DeviceSampling:
                                                                                 device=ring.device)
         pri = priorities if isinstance(priorities, torch.Tensor) else torch.as_tensor(np.asarray(priorities),
                                                                                       device=ring.device)
+        refused: InvalidArgument | None = None
         with ring.lock, ring.on_stream():
             with self.core.cond:  # the mirror as of now: ids of rows evicted meanwhile are ignored, as on the host
-                self._sync()
+                try:
+                    if self.sampler.pending:
+                        self.sampler.drain(self._apply_host)
+                except InvalidArgument as exc:  # an earlier call's: reported once this one is applied
+                    refused = exc
+                self._pull()
             applied = self.sampler.update(ids, pri, ring.seq, ring.valid, self.core.arena_rows)
             ring.hand_over([applied])
             self.stats["priority_updates"] += 1
+        if refused is not None:
+            raise refused
         return applied
 
     def _apply_host(self, ids: np.ndarray, pri: np.ndarray) -> None:

@@ -352,5 +352,6 @@ class DeviceSampler:
                     "an earlier update_priorities(<device tensors>) was refused and not applied: priorities must be "
                     f"finite, >= 0 and <= {MAX_PRIORITY:g}, and (p + eps)^alpha at most {MAX_LEAF:g}; got "
                     f"{bad[:3].tolist()} among {len(pri)} (device updates are checked on the device, so the error "
-                    "comes with the next call that reads their copies back)")
+                    "comes with the next call that reads their copies back: a sample raising it served nothing, an "
+                    "update_priorities raising it applied its own priorities first)")
             apply(ids.copy(), pri.copy())
