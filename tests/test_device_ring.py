@@ -71,7 +71,10 @@ def test_the_device_sum_tree_picks_the_host_trees_slots_for_the_same_uniforms(de
     ref.update(np.arange(capacity), vals)
     tree.set(torch.arange(capacity, device=device), torch.from_numpy(vals).to(device))
     for _ in range(3):
-        assert float(tree.total()) == ref.total()
+        if device == "cpu":
+            assert float(tree.total()) == ref.total()
+        else:  # a parallel scan sums in another order
+            assert float(tree.total()) == pytest.approx(ref.total(), rel=1e-12)
         np.testing.assert_array_equal(host(tree.get(torch.arange(capacity, device=device))),
                                       ref.get(np.arange(capacity)))
         for stratified in (True, False):
