@@ -591,7 +591,9 @@ class Loader:
         """Queue new priorities for a batch's rows (or for an array of ids); returns at once.
 
         The background thread applies them before the next `source.sample` it starts; see the module docstring for
-        the bound on batches already prefetched. Errors from the source surface from `next(loader)`.
+        the bound on batches already prefetched. Errors from the source surface from `next(loader)`. A batch sampled
+        on the device (a store's device ring: its `indices` are a device tensor) with priorities given as a tensor
+        stays on the device: the counts are checked here, the values by the store when it applies them.
 
         Raises:
             InvalidArgument: the number of priorities does not match the ids, or a priority is negative, not finite
