@@ -741,11 +741,24 @@ class ExperienceStore:
         """
         return self._v.placement(explain)
 
-    def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
+    def to_cudf(self, columns: Iterable[str] | None = None, *, device: bool = False) -> Any:
         """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
         tensor type: sample tensor columns with `sample(...).to_torch("cuda")` (or a GPU tier). Needs
-        `pip install 'arrowbuf[gpu]'` and a GPU."""
-        return self._v.to_cudf(columns)
+        `pip install 'arrowbuf[gpu]'` and a GPU.
+
+        Args:
+            columns: scalar fields and metadata columns (default: all of them).
+            device: views of the device ring's columns instead of a copy of the rows (a store whose GPU tier mirrors
+                its ring, `arrowbuf.ring.device_ring`): no copy at all, every ring position in position order, with
+                `seq` and a `live` column (`df[df.live].sort_values("seq")` is the table's order); a live view, which
+                the store's next sample updates in place.
+
+        Raises:
+            MissingDependency: cuDF is not installed or there is no GPU (the message says what was found).
+            InvalidArgument: `device=True` on a store without a device ring, or with it on the CPU.
+            SchemaError: a tensor or list column.
+        """
+        return self._v.to_cudf(columns, device)
 
     def chunks(self) -> pa.Table:
         """The chunk directory of the live rows: slot, first_seq, rows, sealed, tier per column."""

@@ -26,7 +26,7 @@ from ..engine.core import StoreCore
 from ..engine.episodes import EpisodeTracker
 from ..engine.reader import RowSnapshot, StoreReader
 from ..engine.writer import StoreWriter
-from ..errors import SchemaError
+from ..errors import InvalidArgument, SchemaError
 from ..observe.timings import Timings
 from ..placement import placement_table
 from ..schema import ExperienceSchema
@@ -94,9 +94,7 @@ class StoreViews:
     def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
         return self.parts.reader.snapshot(columns)
 
-    def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
-        from ..tiers.gpu import to_cudf
-
+    def to_cudf(self, columns: Iterable[str] | None = None, device: bool = False) -> Any:
         fields = self.schema.fields
         scalar = [n for n, f in fields.items() if not f.shape and not f.ragged and f.plain]
         names = list(columns) if columns is not None else [*scalar, "episode_id", "step", "seq"]
@@ -104,6 +102,18 @@ class StoreViews:
         if tensors:
             raise SchemaError(f"to_cudf() takes scalar and metadata columns; {tensors} are tensor or list columns "
                               "(cuDF has no fixed-shape tensor type): read them with sample(...).to_torch('cuda')")
+        if device:
+            self.parts.core.check_open()
+            ring = self.parts.reader.device
+            if ring is None:
+                raise InvalidArgument("to_cudf(device=True) views the store's device ring, and this store has none: "
+                                      "make it with tiers={'gpu': GpuTier(budget, ring=True), 'host': ...} (a "
+                                      "uniform or prioritized sampler), or call to_cudf() for a copy of the rows")
+            from ..tiers.gpu import cudf_views
+
+            return cudf_views(ring.views(names))
+        from ..tiers.gpu import to_cudf
+
         return to_cudf(self.to_table(names))
 
     # ------------------------------------------------------------------ observability (arrowbuf.observe)
@@ -159,6 +169,8 @@ class StoreViews:
             counters = core.cols.placement_counters()
             if counters is not None:
                 out["placement"] = counters
+            if p.reader.device is not None:  # the device ring's sample path (arrowbuf.engine.device_sample)
+                out["device"] = p.reader.device.describe()
         if journal is not None:
             out["journal"] = journal
         return out
