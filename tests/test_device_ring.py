@@ -460,8 +460,7 @@ def test_a_restored_store_rebuilds_its_device_ring_in_one_bulk_copy(device, tmp_
         store.extend(rows(0, 400))
         b = store.sample(64)
         store.update_priorities(b.indices, torch.rand(64, device=device) * 3)
-        store._reader.device.flush()
-        store.checkpoint(tmp_path / "ckpt")
+        store.checkpoint(tmp_path / "ckpt")  # the device's queued priority updates are settled into the checkpoint
         tree = store.sampler.sum_tree.get(np.arange(store.arena_rows))
     again = ab.ExperienceStore.restore(tmp_path / "ckpt", tiers={"gpu": GpuTier(device=device, ring=True),
                                                                    "host": None})

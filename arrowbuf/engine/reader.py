@@ -477,6 +477,12 @@ class StoreReader:
                     ok[fin] &= self.core.final_owner[lnext[fin] - self.core.arena_rows] == idx.seq[last[fin]]
         return ~ok.reshape(len(seqs), -1).all(axis=1)
 
+    def settle(self) -> None:
+        """Apply the priority updates the device path still holds queued to the host sampler (the host's state is
+        then complete: what a checkpoint copies); nothing to do without a device ring."""
+        if self.device is not None:
+            self.device.flush()
+
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
 

@@ -266,6 +266,7 @@ class DurableWrites:
         """Checkpoint into the durable directory (`path` None or that directory): the journal it covers goes once
         its manifest is committed (`_Cut`: where the journal is cut, and when); any other `path` is a plain
         checkpoint there."""
+        self.parts.reader.settle()  # the device path's queued priority updates: in the sampler state copied
         if path is not None and os.path.realpath(path) != os.path.realpath(self.root):
             out: dict[str, Any] | CheckpointHandle = write_checkpoint(
                 self.core, path, keep=keep, background=background, compression=compression)
