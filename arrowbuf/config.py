@@ -27,7 +27,10 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
+
+#: What a variable holds once parsed.
+Value: TypeAlias = str | int | float | bool
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,8 @@ class Variable:
     """One registered environment variable: its parser (the environment's string to a value) and default."""
 
     name: str
-    default: Any
-    parse: Callable[[str], Any]
+    default: Value
+    parse: Callable[[str], Value]
     doc: str
 
 
@@ -45,11 +48,11 @@ def _flag(text: str) -> bool:
 
 
 REGISTRY: dict[str, Variable] = {}
-_overrides: dict[str, Any] = {}
+_overrides: dict[str, Value] = {}
 _lock = threading.Lock()
 
 
-def register(name: str, default: Any, parse: Callable[[str], Any], doc: str) -> Variable:
+def register(name: str, default: Value, parse: Callable[[str], Value], doc: str) -> Variable:
     """Register variable `name` (once; the module docstring lists them)."""
     if not name.startswith("ARROWBUF_"):
         raise ValueError(f"arrowbuf's variables start with ARROWBUF_, got {name!r}")
@@ -64,7 +67,7 @@ register("ARROWBUF_JOURNAL_DIRECT", True, _flag,
          "a durable store's journal writes records of 1 MiB and more with direct I/O where the filesystem allows it")
 
 
-def get(name: str) -> Any:
+def get(name: str) -> Value:
     """The value of registered variable `name` now: an `override`, else the environment's (parsed), else the
     default.
 
@@ -80,7 +83,7 @@ def get(name: str) -> Any:
 
 
 @contextlib.contextmanager
-def override(**values: Any) -> Iterator[None]:
+def override(**values: Value) -> Iterator[None]:
     """Set registered variables for the stores opened inside the block (then restore them)."""
     unknown = sorted(set(values) - set(REGISTRY))
     if unknown:
@@ -97,7 +100,7 @@ def override(**values: Any) -> Iterator[None]:
             _overrides.update(saved)
 
 
-def describe() -> dict[str, tuple[Any, str]]:
+def describe() -> dict[str, tuple[Value, str]]:
     """Every registered variable: its value now and what it means."""
     return {name: (get(name), var.doc) for name, var in REGISTRY.items()}
 

@@ -32,7 +32,7 @@ never on the message.
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
 
 
 class ArrowbufError(Exception):
@@ -132,7 +132,7 @@ class Unauthenticated(ArrowbufError, PermissionError):
     """A call came with a wrong or missing token."""
 
 
-def require(module: str, extra: str) -> Any:
+def require(module: str, extra: str) -> ModuleType:
     """Import an optional dependency, or raise `MissingDependency` naming the extra that provides it."""
     import importlib
 

@@ -30,8 +30,9 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 from .limits import HTTP_STATUS, LOOPBACK_NAMES, CallGate, NetLimits, PublicError, public_error
@@ -114,7 +115,7 @@ class RequestGuard:
             return False  # "null" (a sandboxed frame, a file), or garbage
         return parts.netloc.lower() == host_header.strip().lower()
 
-    def refusal(self, headers: Any, *, needs_origin: bool) -> str | None:
+    def refusal(self, headers: Message, *, needs_origin: bool) -> str | None:
         """Why a request is refused (None: it is not). `needs_origin`: a request that acts (POST) or reads data."""
         host = headers.get("Host")
         if not self.host_ok(host):
@@ -128,7 +129,7 @@ class RequestGuard:
 class _CappedReader:
     """A connection's read side that hands out at most `cap` bytes in all (then reads as end of stream)."""
 
-    def __init__(self, raw: Any, cap: int) -> None:
+    def __init__(self, raw: IO[bytes], cap: int) -> None:
         self._raw, self.left = raw, cap
 
     def readline(self, limit: int = -1) -> bytes:
@@ -167,7 +168,7 @@ class GuardedHandler(BaseHTTPRequestHandler):
         super().setup()
         self.rfile = _CappedReader(self.rfile, MAX_HEADER_BYTES + self.limits.max_request_bytes)  # type: ignore
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
         log.debug("%s: " + format, type(self).__name__, *args)
 
     def send(self, status: int, body: bytes, ctype: str, csp: str = DEFAULT_CSP) -> None:
@@ -184,7 +185,7 @@ class GuardedHandler(BaseHTTPRequestHandler):
         except OSError:  # the client went away (reset, timed out) while it was answered
             self.close_connection = True
 
-    def send_json(self, status: int, obj: Any) -> None:
+    def send_json(self, status: int, obj: object) -> None:
         self.send(status, json.dumps(obj).encode(), "application/json")
 
     def send_error_json(self, err: PublicError) -> None:

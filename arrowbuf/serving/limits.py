@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Self
 
 from ..errors import (
     ArrowbufError,
@@ -161,7 +161,7 @@ class NetLimits:
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{f.name} must be a positive integer, got {value!r}")
 
-    def with_overrides(self, **overrides: Any) -> Any:
+    def with_overrides(self, **overrides: Any) -> Self:
         """A copy with some limits changed; unknown names are an error."""
         known = {f.name for f in fields(self)}
         unknown = sorted(set(overrides) - known)
