@@ -16,10 +16,11 @@ import pyarrow as pa
 from ..errors import SchemaError
 from . import dtypes as _dtypes
 from . import jsonvalues as _json
+from .inputs import Converted
 from .spec import FieldSpec
 
 
-def absent_values(spec: FieldSpec, n: int) -> Any:
+def absent_values(spec: FieldSpec, n: int) -> Converted:
     """`n` rows of later field `spec` with no value: a `np.ma.MaskedArray` (zeros, all masked) for a fixed field,
     a `pa.ListArray` of nulls for a ragged one (what `validate_batch` gives for a later field left out)."""
     if spec.ragged:
@@ -27,7 +28,7 @@ def absent_values(spec: FieldSpec, n: int) -> Any:
     return np.ma.MaskedArray(np.zeros((n, *spec.shape), dtype=spec.dtype), mask=np.ones((n, *spec.shape), bool))
 
 
-def later_mask(values: Any) -> np.ndarray | None:
+def later_mask(values: Converted) -> np.ndarray | None:
     """Per row, whether a later field's validated values (`validate_batch`, `convert_later`) hold a value; None
     when every row does."""
     if isinstance(values, np.ma.MaskedArray):
@@ -39,7 +40,7 @@ def later_mask(values: Any) -> np.ndarray | None:
     return None
 
 
-def convert_later(spec: FieldSpec, value: Any, single: bool = False) -> Any:
+def convert_later(spec: FieldSpec, value: object, single: bool = False) -> Converted:
     """Validate values of a later field: as `_convert_field`, but rows may be null (an Arrow null, a masked row of
     a `np.ma.MaskedArray`, or None in a list). Only the rows with a value are checked. Returns numpy (no null), a
     `np.ma.MaskedArray` (zeros where null; fixed fields) or a `pa.ListArray` with nulls (ragged fields)."""
@@ -156,7 +157,7 @@ def arrow_type_fits(spec: FieldSpec, t: pa.DataType) -> bool:
     return size == int(np.prod(spec.shape)) and _scalar_fits(spec.dtype, t)
 
 
-def stream_column(name: str, value: Any, single: bool) -> np.ndarray:
+def stream_column(name: str, value: object, single: bool) -> np.ndarray:
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
         value = value.to_numpy(zero_copy_only=False)
     arr = np.asarray(value)
@@ -193,7 +194,7 @@ def tensor_to_numpy(value: pa.FixedShapeTensorArray) -> np.ndarray:
     return value.to_numpy_ndarray()
 
 
-def _arrow_to_numpy(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> Any:
+def _arrow_to_numpy(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> Converted:
     if isinstance(value, pa.ChunkedArray):
         value = value.combine_chunks() if value.num_chunks != 1 else value.chunk(0)
     if value.null_count:
@@ -226,7 +227,7 @@ def _inner_nulls(value: pa.Array) -> int:
     return total
 
 
-def _convert_field(spec: FieldSpec, value: Any, single: bool) -> Any:
+def _convert_field(spec: FieldSpec, value: object, single: bool) -> Converted:
     """Validate one field's values; return [n, *shape] numpy (fixed) or a pa.ListArray (ragged)."""
     if spec.is_json:
         return _convert_json(spec, value, single)
@@ -276,7 +277,7 @@ def _shaped(spec: FieldSpec, arr: np.ndarray, single: bool) -> np.ndarray:
     return arr
 
 
-def _convert_json(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
+def _convert_json(spec: FieldSpec, value: object, single: bool) -> pa.Array:
     """A json field's values (Python values, one per step; or an Arrow column of JSON text) as the physical
     `list<uint8>` column of their JSON text (`arrowbuf.schema.jsonvalues`)."""
     where = f"field {spec.name!r}"
@@ -301,7 +302,7 @@ def _convert_json(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
     return _json.encode(where, rows)
 
 
-def _convert_logical(spec: FieldSpec, value: Any, single: bool) -> np.ndarray:
+def _convert_logical(spec: FieldSpec, value: object, single: bool) -> np.ndarray:
     """A bits (bfloat16, float8) or complex field's values as physical numpy [n, *shape] (`_cast_logical`)."""
     name = spec.dtype_name
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
@@ -397,7 +398,7 @@ def _cast_logical(spec: FieldSpec, arr: np.ndarray) -> np.ndarray:
     return out
 
 
-def convert_field(spec: FieldSpec, value: Any, single: bool = False) -> Any:
+def convert_field(spec: FieldSpec, value: object, single: bool = False) -> Converted:
     """Validate values of one field as `validate_batch` does (no null allowed): [n, *shape] numpy for a fixed field,
     a `pa.ListArray` for a ragged one; with `single`, one value (returned with a leading dimension of 1).
 
@@ -461,7 +462,7 @@ def _check_offsets(spec: FieldSpec, arr: pa.Array) -> None:
                           "not a valid Arrow list array; build it with pyarrow (pa.array, ListArray.from_arrays)")
 
 
-def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
+def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:  # anything: `list()` says if it is rows
     value_type = pa.from_numpy_dtype(spec.dtype)
     cast = _cast if spec.plain else _cast_logical  # bfloat16 / float8 lists: the bits, `_cast_logical`'s rules
     if isinstance(value, pa.Array):

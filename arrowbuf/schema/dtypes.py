@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from types import ModuleType
+from typing import TYPE_CHECKING, ClassVar, TypeGuard
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import SchemaError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,7 @@ class LogicalType(pa.ExtensionType):
     def __hash__(self) -> int:
         return hash((self.extension_name, self.shape))
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> tuple[type[LogicalType], tuple[tuple[int, ...]]]:
         return type(self), (self.shape,)
 
 
@@ -324,10 +328,10 @@ def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------- torch
-_TORCH: list[Any] = []
+_TORCH: list[ModuleType] = []
 
 
-def _torch() -> Any:
+def _torch() -> ModuleType:
     if not _TORCH:  # imported on first use (`import arrowbuf` needs no torch), then kept: the sample path asks
         from ..errors import require
 
@@ -335,10 +339,10 @@ def _torch() -> Any:
     return _TORCH[0]
 
 
-_TORCH_DTYPES: dict[str, Any] = {}
+_TORCH_DTYPES: dict[str, torch.dtype] = {}
 
 
-def torch_dtype(name: str) -> Any:
+def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of `name` (needs torch; looked up once per name: the sample path asks per column)."""
     t = _TORCH_DTYPES.get(name)
     if t is not None:
@@ -350,12 +354,12 @@ def torch_dtype(name: str) -> Any:
     return _TORCH_DTYPES.setdefault(name, t)
 
 
-def is_tensor(value: Any) -> bool:
+def is_tensor(value: object) -> TypeGuard[torch.Tensor]:
     """A torch tensor, recognised without importing torch."""
     return type(value).__module__.startswith("torch") and hasattr(value, "dtype") and hasattr(value, "device")
 
 
-def torch_view(values: np.ndarray, name: str) -> Any:
+def torch_view(values: np.ndarray, name: str) -> torch.Tensor:
     """Physical numpy values as a CPU torch tensor of dtype `name`, over the same memory (a read-only array is
     copied first: torch tensors are writable)."""
     torch = _torch()
@@ -367,12 +371,12 @@ def torch_view(values: np.ndarray, name: str) -> Any:
     return torch.from_numpy(bits).view(torch_dtype(name))
 
 
-def tensor_dtype_name(value: Any) -> str:
+def tensor_dtype_name(value: torch.Tensor) -> str:
     """The dtype name of a torch tensor ("bfloat16", "float32", ...)."""
     return str(value.dtype).removeprefix("torch.")
 
 
-def tensor_numpy(value: Any, name: str | None = None) -> np.ndarray:
+def tensor_numpy(value: torch.Tensor, name: str | None = None) -> np.ndarray:
     """A torch tensor as numpy: a tensor of dtype `name` (an arrowbuf dtype) as its physical values, any other
     tensor of a dtype numpy lacks (bfloat16, float8) as float32 values (exact), the rest as `Tensor.numpy()`.
     Zero-copy for a contiguous CPU tensor except for the float32 widening."""
@@ -388,7 +392,7 @@ def tensor_numpy(value: Any, name: str | None = None) -> np.ndarray:
     return np.asarray(t.numpy())
 
 
-def from_device(value: Any, name: str) -> Any:
+def from_device(value: torch.Tensor, name: str) -> torch.Tensor:
     """A gathered torch tensor (a GPU tier's delivery of physical values) as a tensor of dtype `name`.
 
     The GPU tier stores uint16 as int16 and delivers it widened to int64 (`arrowbuf.tiers.gpu`): those values go

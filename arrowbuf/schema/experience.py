@@ -49,6 +49,7 @@ from .convert import (
     convert_later,
     stream_column,
 )
+from .inputs import BatchLike, StepLike
 from .spec import (
     DEFAULT_EPISODE_END,
     DEFAULT_TRUNCATION,
@@ -271,7 +272,7 @@ class ExperienceSchema:
                 raise SchemaError(f"{where}: column {f.name!r} has Arrow type {_clip(str(f.type))}; expected "
                                   f"{want} (GetSchema [store, \"input\"] gives the exact schema)")
 
-    def validate_batch(self, batch: Any, *, single: bool = False) -> tuple[dict[str, Any], int]:
+    def validate_batch(self, batch: BatchLike | StepLike, *, single: bool = False) -> tuple[dict[str, Any], int]:
         """Check a batch against the schema and convert it to columns.
 
         Args:
@@ -364,7 +365,7 @@ def _later_hint(schema: ExperienceSchema) -> str:
     return " (a field that a later stage fills can be declared `later: true` and left out)"
 
 
-def _clip(value: Any, limit: int = 200) -> str:
+def _clip(value: object, limit: int = 200) -> str:
     """A client-supplied value cut to `limit` characters for an error message."""
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"

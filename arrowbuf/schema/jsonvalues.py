@@ -27,12 +27,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import NoReturn
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import SchemaError
+from .inputs import JsonValue
 
 #: The deepest nesting of lists and dicts a value may have (a value at the top level is depth 1).
 MAX_DEPTH = 64
@@ -54,7 +55,7 @@ def _refuse(where: str, row: int | None, what: str) -> SchemaError:
                        "(e.g. a tuple to a list, a set to a sorted list)")
 
 
-def check(where: str, value: Any, row: int | None = None) -> None:
+def check(where: str, value: object, row: int | None = None) -> None:
     """Refuse `value` unless it is a JSON value (see the module docstring); iterative, so any nesting is an error
     of its own, never a RecursionError (a value that contains itself is too deep)."""
     stack = [(value, 1)]
@@ -83,13 +84,13 @@ def check(where: str, value: Any, row: int | None = None) -> None:
                       if type(v).__module__ != "builtins" else f"a {type(v).__name__} is not JSON")
 
 
-def _numpy_default(v: Any) -> Any:
+def _numpy_default(v: object) -> int | float | bool | str:
     if isinstance(v, _NUMPY):
         return v.item()
     raise TypeError(f"{type(v).__name__} is not JSON")  # not reached: `check` refused it
 
 
-def dumps(where: str, value: Any, row: int | None = None) -> bytes:
+def dumps(where: str, value: object, row: int | None = None) -> bytes:
     """One checked value as compact UTF-8 JSON text (non-ASCII characters as they are; a string holding a lone
     surrogate, which UTF-8 cannot hold, makes the value's text ASCII with escapes instead: still exact)."""
     check(where, value, row)
@@ -120,7 +121,7 @@ def _physical(parts: list[bytes], nulls: np.ndarray | None = None) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, type=PHYSICAL_TYPE, mask=mask)
 
 
-def encode(where: str, values: Iterable[Any]) -> pa.Array:
+def encode(where: str, values: Iterable[object]) -> pa.Array:
     """Python values (one per row) as the physical column (`list<uint8>` of JSON text).
 
     Raises:
@@ -129,11 +130,11 @@ def encode(where: str, values: Iterable[Any]) -> pa.Array:
     return _physical([dumps(where, v, i) for i, v in enumerate(values)])
 
 
-def _strict_constant(name: str) -> Any:
+def _strict_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def loads_checked(where: str, text: bytes | str, row: int | None = None) -> Any:
+def loads_checked(where: str, text: bytes | str, row: int | None = None) -> JsonValue:
     """Parse one row's JSON text, refusing what `check` refuses (NaN and Infinity literals, deep nesting)."""
     try:
         value = json.loads(text, parse_constant=_strict_constant)
@@ -232,14 +233,14 @@ def from_text(where: str, arr: pa.Array | pa.ChunkedArray, allow_nulls: bool = F
     return physical
 
 
-def decode(arr: pa.Array | pa.ChunkedArray) -> list[Any]:
+def decode(arr: pa.Array | pa.ChunkedArray) -> list[JsonValue]:
     """A JSON column (physical or `arrow.json`) as Python values, one per row; None for a null row (a later value
     not written yet) as for JSON null: `arr.is_valid()` tells them apart."""
     text = to_arrow(arr).storage
     return [None if s is None else json.loads(s) for s in text.to_pylist()]
 
 
-def _clip(value: Any, limit: int = 80) -> str:
+def _clip(value: object, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 

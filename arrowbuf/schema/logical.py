@@ -14,7 +14,7 @@ Plain fields pass through unchanged, so a schema without these dtypes costs noth
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +22,9 @@ import pyarrow as pa
 from . import dtypes as _dtypes
 from . import jsonvalues as _json
 from .spec import FieldSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .experience import ExperienceSchema
 
 
 def to_arrow(spec: FieldSpec, values: Any, mask: np.ndarray | None = None) -> Any:
@@ -77,7 +80,7 @@ def to_physical(spec: FieldSpec, column: Any) -> Any:
     return np.asarray(column)
 
 
-def deliver(schema: Any, arrays: dict[str, Any]) -> dict[str, Any]:
+def deliver(schema: ExperienceSchema, arrays: dict[str, Any]) -> dict[str, Any]:
     """A gather's columns (`arrays`, keyed by column name) with every column of a bits, complex or json field as
     its Arrow column (`to_arrow`), in place; `n_step_<name>` columns follow their derived field `<name>`."""
     for name, values in arrays.items():
@@ -87,7 +90,7 @@ def deliver(schema: Any, arrays: dict[str, Any]) -> dict[str, Any]:
     return arrays
 
 
-def _spec(schema: Any, name: str) -> FieldSpec | None:
+def _spec(schema: ExperienceSchema, name: str) -> FieldSpec | None:
     if name in schema.fields:
         return schema.fields[name]
     if name in schema.derived:
@@ -97,7 +100,7 @@ def _spec(schema: Any, name: str) -> FieldSpec | None:
     return None
 
 
-def needs_delivery(schema: Any) -> bool:
+def needs_delivery(schema: ExperienceSchema) -> bool:
     """Whether any field of `schema` has a dtype `deliver` converts (else it is a no-op)."""
     return any(not f.plain for f in schema.fields.values())
 

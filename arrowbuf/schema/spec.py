@@ -4,7 +4,6 @@ and the conversion of incoming values both build on it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -43,7 +42,7 @@ def dtype_names() -> list[str]:
     return sorted([*DTYPES, *LOGICAL])
 
 
-def parse_dtype(where: str, value: Any) -> tuple[np.dtype, str | None]:
+def parse_dtype(where: str, value: object) -> tuple[np.dtype, str | None]:
     """A field's dtype from its declaration (a name, a numpy dtype or type, a torch dtype): (the numpy dtype the
     store keeps it in, the logical dtype name for the dtypes numpy lacks, else None)."""
     if isinstance(value, np.dtype):

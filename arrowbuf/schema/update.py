@@ -5,19 +5,23 @@ the Flight client and server, and Ray shards check with these before anything is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, SchemaError
 from .convert import convert_field
+from .inputs import Converted, IdsLike
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .experience import ExperienceSchema
 
 #: Most ids one update call takes (a remote call is bounded by the same number; split larger updates).
 MAX_UPDATE_ROWS = 1 << 24
 
 
-def update_ids(ids: Any) -> np.ndarray:
+def update_ids(ids: IdsLike | pa.Array | pa.ChunkedArray) -> np.ndarray:
     """`ids` (a sequence, numpy or Arrow array of integers) as a 1-D int64 array.
 
     Raises:
@@ -40,7 +44,8 @@ def update_ids(ids: Any) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def validate_update(schema: Any, ids: np.ndarray, values: Any, single: bool = False) -> dict[str, Any]:
+def validate_update(schema: ExperienceSchema, ids: np.ndarray, values: object, single: bool = False
+                    ) -> dict[str, Converted]:
     """Check an update's values against the schema (no store state needed); returns the converted columns.
     `single`: one id was given as a plain int, and each field's value is one row's value.
 
@@ -53,7 +58,7 @@ def validate_update(schema: Any, ids: np.ndarray, values: Any, single: bool = Fa
         raise InvalidArgument("update takes a non-empty dict {field: values}, e.g. store.update(ids, "
                               f"{{'reward': rewards}}); got {type(values).__name__}")
     later = schema.later_fields
-    out: dict[str, Any] = {}
+    out: dict[str, Converted] = {}
     for name, value in values.items():
         spec = schema.fields.get(name)
         if spec is None:
@@ -79,7 +84,8 @@ def validate_update(schema: Any, ids: np.ndarray, values: Any, single: bool = Fa
     return out
 
 
-def check_update_types(schema: Any, incoming: pa.Schema, id_column: str = "id", where: str = "update") -> None:
+def check_update_types(schema: ExperienceSchema, incoming: pa.Schema, id_column: str = "id",
+                       where: str = "update") -> None:
     """Check an update stream's Arrow schema before any of its data is read: an integer `id_column` and one column
     per field to fill, each a field declared `later: true` of a type `extend` would take for it.
 
