@@ -19,11 +19,33 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 
 from ..errors import InvalidArgument
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .prefault import PagePreparer
+
+#: A byte size as the tiers take it: an int, a string such as "8GiB" or "512MiB", or None (no limit); `parse_bytes`.
+ByteSize: TypeAlias = "int | np.integer | str | None"
+
+
+class TierLock(Protocol):
+    """What `Tier.lock` returns: a `threading.Lock` in one process, a cross-process robust mutex or file lock
+    (`arrowbuf.tiers.shm.locks`) for a shared tier. A store holds it as `with lock:` and builds its
+    `threading.Condition` over it."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
+
+    def release(self) -> None: ...
+
+    def __enter__(self) -> bool: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None,
+                 /) -> None: ...
 
 
 class Tier(abc.ABC):
@@ -53,7 +75,7 @@ class Tier(abc.ABC):
     def nbytes(self) -> int:
         """Bytes held by this tier's arenas."""
 
-    def prepare_pages(self, keys: list[str], ring_rows: int, name: str = "") -> Any:
+    def prepare_pages(self, keys: list[str], ring_rows: int, name: str = "") -> PagePreparer | None:
         """Start preparing the pages of arenas `keys` ahead of the write head (a `PagePreparer`, see
         tiers/prefault.py), or None: this tier does not (the default)."""
         return None
@@ -81,7 +103,7 @@ class Tier(abc.ABC):
         """Whether `nbytes` more stay within the budget."""
         return self.budget is None or self.nbytes() + nbytes <= self.budget
 
-    def lock(self, key: str) -> Any:
+    def lock(self, key: str) -> TierLock:
         """A lock guarding `key` among the users of this tier: a `threading.Lock` for in-process tiers, a
         cross-process lock (with acquire/release, usable by `threading.Condition`) for shared ones."""
         return threading.Lock()
@@ -110,7 +132,7 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40}
 
 
-def parse_bytes(value: Any) -> int | None:
+def parse_bytes(value: object) -> int | None:
     """A byte size: an int, or a string such as "8GiB", "512MiB", "1.5 GB", "4096"; None stays None (no limit).
 
     Raises:

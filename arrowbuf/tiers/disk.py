@@ -26,13 +26,13 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, OutOfSpace, StoreClosed
-from .base import Tier, format_bytes, parse_bytes
+from .base import ByteSize, Tier, format_bytes, parse_bytes
 
 
 class _Mapped:
@@ -53,7 +53,7 @@ class DiskTier(Tier):
 
     name = "disk"
 
-    def __init__(self, directory: str | os.PathLike[str], budget: Any = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str], budget: ByteSize = None) -> None:
         self.directory = os.fspath(directory)
         self.budget = parse_bytes(budget)
         # the directories this tier creates, deepest first: close() removes those still empty, so a store refused
@@ -230,10 +230,10 @@ class _SkipZeros:
     closed = False
     mode = "wb"
 
-    def __init__(self, raw: Any, lo: int, hi: int) -> None:
+    def __init__(self, raw: BinaryIO, lo: int, hi: int) -> None:
         self.raw, self.lo, self.hi = raw, lo, hi
 
-    def write(self, data: Any) -> int:
+    def write(self, data: pa.Buffer | bytes) -> int:
         if isinstance(data, pa.Buffer) and self.lo <= data.address and data.address + data.size <= self.hi:
             self.raw.seek(data.size, os.SEEK_CUR)
             return data.size

@@ -29,12 +29,18 @@ waiting; `use_rmm_pool` puts torch and cuDF on one RMM pool.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import InvalidArgument, MissingDependency, OutOfSpace
-from .base import Tier, format_bytes, parse_bytes
+from .base import ByteSize, Tier, format_bytes, parse_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    import cudf
+    import pyarrow as pa
+    import torch
 
 # numpy dtypes torch has no (full) support for: stored as the signed type of the same width, delivered widened.
 _SIGNED: dict[np.dtype, np.dtype] = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32),
@@ -65,7 +71,7 @@ def gpu_environment() -> str:
     return ", ".join(found)
 
 
-def require_torch_device(device: str) -> Any:
+def require_torch_device(device: str) -> ModuleType:
     """torch, checked to reach `device`; raises `MissingDependency` naming the extra and what was found."""
     hint = "pip install 'arrowbuf[gpu]' (a CUDA build of torch, cupy-cuda13x, cudf-cu13) on a machine with a GPU"
     try:
@@ -92,7 +98,7 @@ class GpuTier(Tier):
     name = "gpu"
     slotted = True
 
-    def __init__(self, budget: Any = None, device: str = "cuda", ring: bool | list[str] | None = None) -> None:
+    def __init__(self, budget: ByteSize = None, device: str = "cuda", ring: bool | list[str] | None = None) -> None:
         self.torch = require_torch_device(device)
         self.device = self.torch.device(device)
         self.budget = parse_bytes(budget)
@@ -104,12 +110,12 @@ class GpuTier(Tier):
         #: True: always (`OutOfSpace` when the columns do not fit); False: never (chunk slots placed by the policy);
         #: a list: those columns.
         self.ring = list(ring) if isinstance(ring, (list, tuple)) else ring
-        self._arenas: dict[str, Any] = {}
+        self._arenas: dict[str, torch.Tensor] = {}
         self._dtypes: dict[str, np.dtype] = {}
         self._staging: Staging | None = None
 
     # ------------------------------------------------------------------ Tier
-    def allocate(self, key: str, dtype: np.dtype, rows: int, shape: tuple[int, ...] = ()) -> Any:
+    def allocate(self, key: str, dtype: np.dtype, rows: int, shape: tuple[int, ...] = ()) -> Any:  # a Tensor
         """A torch tensor [rows, *shape] on the device (unsigned 16/32/64-bit dtypes are stored as signed)."""
         dtype = np.dtype(dtype)
         store = _SIGNED.get(dtype, dtype)
@@ -147,17 +153,17 @@ class GpuTier(Tier):
         return self._staging
 
     # ------------------------------------------------------------------ data movement (used by the column store)
-    def put(self, arena: Any, start: int, values: np.ndarray) -> None:
+    def put(self, arena: torch.Tensor, start: int, values: np.ndarray) -> None:
         """Copy host rows into arena rows [start, start + len(values))."""
         src = self.torch.from_numpy(np.ascontiguousarray(_as_signed(values)))
         arena[start:start + len(values)].copy_(src)
 
-    def get(self, arena: Any, start: int, stop: int, dtype: np.dtype) -> np.ndarray:
+    def get(self, arena: torch.Tensor, start: int, stop: int, dtype: np.dtype) -> np.ndarray:
         """Arena rows [start, stop) as a host numpy array of `dtype`."""
         out = arena[start:stop].cpu().numpy()
         return out.view(dtype) if out.dtype != dtype else out
 
-    def take(self, arena: Any, positions: np.ndarray, dtype: np.dtype) -> Any:
+    def take(self, arena: torch.Tensor, positions: np.ndarray, dtype: np.dtype) -> torch.Tensor:
         """Rows at arena `positions`, gathered on the device: a device tensor (unsigned types widened to int64).
 
         One `index_select` over the arena's rows. (Measured on an H200: an atari frame column gathers at 0.89x a
@@ -165,19 +171,19 @@ class GpuTier(Tier):
         idx = self.torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(self.device, non_blocking=True)
         return _widen(self.torch, arena.index_select(0, idx), dtype)
 
-    def scatter(self, out: Any, rows: np.ndarray, part: Any) -> None:
+    def scatter(self, out: torch.Tensor, rows: np.ndarray, part: torch.Tensor) -> None:
         """`out[rows] = part` on the device, for `out` from `empty` and `part` in the representation `take` and
         `to_device` deliver (the rows of a batch that came from different tiers, put in their places)."""
         idx = self.torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(out.device, non_blocking=True)
         out.index_copy_(0, idx, part)
 
-    def to_device(self, values: np.ndarray) -> Any:
+    def to_device(self, values: np.ndarray) -> torch.Tensor:
         """A host array as a device tensor in the representation `take` delivers."""
         dtype = values.dtype
         t = self.torch.from_numpy(np.ascontiguousarray(_as_signed(values))).to(self.device)
         return _widen(self.torch, t, dtype)
 
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
         """An uninitialised device tensor of the representation `take` delivers for `dtype`."""
         if dtype in _SIGNED:
             return self.torch.empty(shape, dtype=self.torch.int64, device=self.device)
@@ -192,7 +198,7 @@ def _as_signed(values: np.ndarray) -> np.ndarray:
     return values.view(signed) if signed is not None else values
 
 
-def _widen(torch: Any, t: Any, dtype: np.dtype) -> Any:
+def _widen(torch: ModuleType, t: torch.Tensor, dtype: np.dtype) -> torch.Tensor:
     """Undo the signed storage of unsigned types: uint16/uint32 as exact int64 values, uint64 as its int64 bits."""
     if dtype == np.uint16:
         return t.to(torch.int64) & 0xFFFF
@@ -201,11 +207,11 @@ def _widen(torch: Any, t: Any, dtype: np.dtype) -> Any:
     return t
 
 
-def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
+def _torch_dtype(torch: ModuleType, dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
 
 
-def torch_dtype(torch: Any, dtype: np.dtype) -> Any:
+def torch_dtype(torch: ModuleType, dtype: np.dtype) -> torch.dtype:
     """The torch dtype this tier stores numpy `dtype` as (unsigned 16/32/64-bit as the signed type of the width)."""
     return _torch_dtype(torch, _SIGNED.get(np.dtype(dtype), np.dtype(dtype)))
 
@@ -215,12 +221,12 @@ def as_signed(values: np.ndarray) -> np.ndarray:
     return _as_signed(values)
 
 
-def widen(torch: Any, t: Any, dtype: np.dtype) -> Any:
+def widen(torch: ModuleType, t: torch.Tensor, dtype: np.dtype) -> torch.Tensor:
     """A gathered tensor as this tier delivers numpy `dtype` (uint16/uint32 widened to int64 values)."""
     return _widen(torch, t, np.dtype(dtype))
 
 
-def host_view(t: Any) -> np.ndarray:
+def host_view(t: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view of a host (CPU, pinned or not) tensor's bytes, made from its address: the caller keeps `t`
     alive as long as the view. (Not `t.numpy()`: a view of host memory reads nothing from a device, and this keeps
     the sync-freedom tests' ban on `.numpy()` simple.)"""
@@ -245,7 +251,7 @@ class Staging:
         uploads: copies queued; bytes: bytes uploaded.
     """
 
-    def __init__(self, torch: Any, device: Any, limit: int = 512 << 20, big: int = 64 << 20) -> None:
+    def __init__(self, torch: ModuleType, device: torch.device, limit: int = 512 << 20, big: int = 64 << 20) -> None:
         self.torch = torch
         self.device = device
         self.cuda = device.type == "cuda"
@@ -256,7 +262,7 @@ class Staging:
         self.uploads = 0
         self.bytes = 0
 
-    def copy_into(self, dst: Any, values: np.ndarray) -> None:
+    def copy_into(self, dst: torch.Tensor, values: np.ndarray) -> None:
         """`dst.copy_(values)` (shapes alike; `values` in the tier's storage dtype, see `as_signed`)."""
         values = np.ascontiguousarray(values)
         self.uploads += 1
@@ -281,7 +287,7 @@ class Staging:
         event.record(self.torch.cuda.current_stream(self.device))
         buf[2] = event
 
-    def to_device(self, values: np.ndarray) -> Any:
+    def to_device(self, values: np.ndarray) -> torch.Tensor:
         """A new device tensor holding `values` (queued, as `copy_into`)."""
         values = np.ascontiguousarray(values)
         out = self.torch.empty(values.shape, dtype=torch_dtype(self.torch, values.dtype), device=self.device)
@@ -315,7 +321,7 @@ class Staging:
         return sum(int(b[0].shape[0]) for b in self._bufs)
 
 
-def use_rmm_pool(budget: Any = None, device: int = 0) -> Any:
+def use_rmm_pool(budget: ByteSize = None, device: int = 0) -> Any:
     """Make torch allocate device memory from an RMM pool, the pool cuDF uses too (one pool for both, at most `budget`
     bytes: a GPU tier's budget then bounds what torch and cuDF hold together). Call it once, before anything allocates
     CUDA memory in the process (torch cannot switch allocators afterwards). Returns the RMM memory resource.
@@ -342,7 +348,7 @@ def use_rmm_pool(budget: Any = None, device: int = 0) -> Any:
     return pool
 
 
-def _cudf() -> Any:
+def _cudf() -> ModuleType:
     try:
         return importlib.import_module("cudf")
     except Exception as exc:  # cuDF raises more than ImportError when CUDA is absent
@@ -350,12 +356,12 @@ def _cudf() -> Any:
                                 f"with a GPU; found: {gpu_environment()}") from exc
 
 
-def to_cudf(table: Any) -> Any:
+def to_cudf(table: pa.Table) -> cudf.DataFrame:
     """A cuDF DataFrame of a table's scalar columns (cuDF has no fixed-shape tensor type): a copy to the device."""
     return _cudf().DataFrame.from_arrow(table)
 
 
-def cudf_views(columns: dict[str, Any]) -> Any:
+def cudf_views(columns: dict[str, torch.Tensor]) -> cudf.DataFrame:
     """A cuDF DataFrame whose columns are views of 1-D device tensors (read through `__cuda_array_interface__`, no
     copy): what `store.to_cudf(device=True)` returns.
 
@@ -373,7 +379,7 @@ def cudf_views(columns: dict[str, Any]) -> Any:
     return cudf.DataFrame._from_data(data) if hasattr(cudf.DataFrame, "_from_data") else cudf.DataFrame(data)
 
 
-def _cudf_column(cudf: Any, t: Any) -> Any:
+def _cudf_column(cudf: ModuleType, t: torch.Tensor) -> Any:
     """A cuDF column over tensor `t`'s memory (zero-copy through `__cuda_array_interface__`)."""
     try:
         from cudf.core.column import as_column

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import mmap
 import sys
-from typing import Any
 
 import numpy as np
 
-from .base import Tier, parse_bytes
+from .base import ByteSize, Tier, parse_bytes
 from .prefault import DEFAULT_WINDOW, MIN_RING_BYTES, PagePreparer, fits_in_ram
 
 PAGE = mmap.PAGESIZE
@@ -99,7 +98,8 @@ class HostTier(Tier):
 
     name = "host"
 
-    def __init__(self, budget: Any = None, *, prefault: bool = True, prefault_window: Any = DEFAULT_WINDOW) -> None:
+    def __init__(self, budget: ByteSize = None, *, prefault: bool = True,
+                 prefault_window: ByteSize = DEFAULT_WINDOW) -> None:
         self.budget = parse_bytes(budget)
         self.prefault = bool(prefault)
         self.prefault_window = parse_bytes(prefault_window) or DEFAULT_WINDOW

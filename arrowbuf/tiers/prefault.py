@@ -63,10 +63,10 @@ _FAST_BPS = 3e9  # pages mapped faster than this (bytes/s) are cheap: prepare on
 _SMALL = 1 << 20  # arenas with fewer ring bytes (rewards, flags, actions) are left to fault in the writer
 _NEVER = 1 << 62
 
-_libc: Any = None
+_libc: ctypes.CDLL | None = None
 
 
-def _lib() -> Any:
+def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
         lib = libc()

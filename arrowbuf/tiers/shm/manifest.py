@@ -83,7 +83,7 @@ def _int(m: dict[str, Any], key: str, lo: int, hi: int, optional: bool = False) 
     return v
 
 
-def _short(v: Any) -> str:
+def _short(v: object) -> str:
     text = repr(v)
     return text if len(text) <= 80 else text[:77] + "..."
 

@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import quote
 
 import numpy as np
+import numpy.typing as npt
 
 from ... import config
 from ...errors import ArrowbufError, OutOfSpace, StoreClosed, StoreCorrupt, StoreExists, StoreNotFound
@@ -176,7 +177,7 @@ class SharedMemoryTier(Tier):
                 "create the store with a smaller capacity"
             )
 
-    def allocate(self, key: str, dtype: Any, rows: int, shape: tuple[int, ...] = ()) -> np.ndarray:
+    def allocate(self, key: str, dtype: npt.DTypeLike, rows: int, shape: tuple[int, ...] = ()) -> np.ndarray:
         """A writable array [rows, *shape] over the file of `key`: created (and reserved) by the creator, mapped
         as it is by an attaching process, which checks it against the manifest."""
         self._check_open()
@@ -184,8 +185,8 @@ class SharedMemoryTier(Tier):
         count = rows * int(np.prod(shape, dtype=np.int64))
         nbytes = count * dtype.itemsize
         size = max(PAGE, -(-nbytes // PAGE) * PAGE)
-        entry = {"file": "arena." + quote(key, safe=""), "dtype": dtype.str, "rows": rows, "shape": list(shape),
-                 "bytes": size}
+        entry: dict[str, Any] = {"file": "arena." + quote(key, safe=""), "dtype": dtype.str, "rows": rows,
+                                 "shape": list(shape), "bytes": size}
         file = os.path.join(self.path, entry["file"])
         if self.fresh:
             if self._sealed or key in self._layout:
