@@ -15,12 +15,17 @@ floats (and small integers) give float32; 32- and 64-bit integer rewards give fl
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..ring.columns import RowsByPosition
 from ..ring.index import RingIndex
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 def n_step_dtype(reward_dtype: np.dtype) -> np.dtype:
@@ -28,7 +33,8 @@ def n_step_dtype(reward_dtype: np.dtype) -> np.dtype:
     return np.result_type(reward_dtype, np.float32)
 
 
-def n_step_returns(index: RingIndex, reward: np.ndarray, terminal: list[np.ndarray], truncation: list[np.ndarray],
+def n_step_returns(index: RingIndex, reward: RowsByPosition, terminal: list[RowsByPosition],
+                   truncation: list[RowsByPosition],
                    pos: np.ndarray, k: int, gamma: float,
                    has_next: Callable[[np.ndarray], np.ndarray] | None = None,
                    has_reward: Callable[[np.ndarray], np.ndarray] | None = None,
@@ -84,9 +90,10 @@ def n_step_returns(index: RingIndex, reward: np.ndarray, terminal: list[np.ndarr
     return ret.astype(dtype), discount.astype(dtype), cur
 
 
-def n_step_returns_device(torch: Any, next_pos: Any, known: Any, reward: Any, terminal: list[Any],
-                          truncation: list[Any], pos: Any, k: int, gamma: float, arena_rows: int,
-                          out_dtype: Any) -> tuple[Any, Any, Any]:
+def n_step_returns_device(torch: ModuleType, next_pos: torch.Tensor, known: torch.Tensor, reward: torch.Tensor,
+                          terminal: list[torch.Tensor], truncation: list[torch.Tensor], pos: torch.Tensor, k: int,
+                          gamma: float, arena_rows: int, out_dtype: torch.dtype
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`n_step_returns` over a device ring's mirrors, in torch ops with no host sync: the same windows, the same
     float64 accumulation, the same dtypes out.
 

@@ -40,20 +40,33 @@ device memory, which cannot be over-committed, is slotted.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Callable, Hashable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from ..errors import SchemaError
 from ..schema import ExperienceSchema
 from ..schema import jsonvalues as _json
 from ..schema.dtypes import unwrap_list
+from ..schema.inputs import Converted, Gathered
 from ..tiers.base import Tier
 from . import ragged_gather as _ragged
 from .chunks import ChunkDirectory
 from .presence import Presence, nullable_array, to_nullable
 from .ragged_arena import RaggedArena, SlotView
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..tiers.prefault import PagePreparer
+    from .outpool import OutputPool
+
+
+class RowsByPosition(Protocol):
+    """A column seen as `col[positions]` -> its host rows at those ring positions (`ColumnArenas.column`)."""
+
+    def __getitem__(self, positions: np.ndarray, /) -> np.ndarray: ...
 
 
 class ColumnArenas:
@@ -73,7 +86,7 @@ class ColumnArenas:
 
     #: True when `arrays[name]` is the whole column (ring rows then final rows), so callers may index it directly.
     direct = True
-    pages: Any = None  # a `tiers.prefault.PagePreparer` when the tier prepares pages (a tiered store: never)
+    pages: PagePreparer | None = None  # when the tier prepares pages (a tiered store: never)
 
     def __init__(self, schema: ExperienceSchema, directory: ChunkDirectory, tier: Tier, final_capacity: int,
                  final_sources: list[str]) -> None:
@@ -103,23 +116,23 @@ class ColumnArenas:
                 self.arrays[f.name] = tier.allocate(f.name, f.dtype, self.arena_rows + extra, f.shape)
         self.pages = tier.prepare_pages(list(self.arrays), self.arena_rows, schema.name)  # the writer advances it
 
-    def _consistent(self, name: str, take: Any) -> Any:
+    def _consistent(self, name: str, take: Callable[[np.ndarray], pa.Array]) -> Callable[[np.ndarray], pa.Array]:
         """`take(positions)` of later field `name` under the presence seqlock (never half an update)."""
         return lambda positions: self.presence.read(name, positions, take)[0]
 
     # ------------------------------------------------------------------ writes (free rows; no lock needed)
-    def write(self, name: str, first_pos: int, values: Any) -> None:
+    def write(self, name: str, first_pos: int, values: Converted) -> None:
         """Rows [first_pos, first_pos + len(values)) of column `name`; the range must not wrap the ring."""
         if self.later and name in self.later:
             values = self.presence.mark(name, first_pos, values)
         self.arrays[name][first_pos:first_pos + len(values)] = values
 
-    def write_row(self, name: str, pos: int, value: Any) -> None:
+    def write_row(self, name: str, pos: int, value: npt.ArrayLike) -> None:
         if self.later and name in self.later:
             self.presence.mark_row(name, pos)
         self.arrays[name][pos] = value
 
-    def write_final(self, name: str, slots: np.ndarray | int, values: Any) -> None:
+    def write_final(self, name: str, slots: np.ndarray | int, values: np.ndarray) -> None:
         """Final observations into final-observation `slots` of source column `name`."""
         self.arrays[name][self.arena_rows + slots] = values
 
@@ -148,7 +161,7 @@ class ColumnArenas:
             pos = (pos + take) % self.arena_rows
 
     # ------------------------------------------------------------------ fields filled later
-    def update_rows(self, name: str, positions: np.ndarray, values: Any) -> None:
+    def update_rows(self, name: str, positions: np.ndarray, values: Converted) -> None:
         """Write values of later field `name` into live rows at `positions` (distinct) and mark them present.
 
         Callers hold the store's write lock (`arrowbuf.engine.update`); readers see all of an update's rows or none of a
@@ -156,7 +169,7 @@ class ColumnArenas:
         """
         self.update_fields(positions, {name: values})
 
-    def update_fields(self, positions: np.ndarray, values: dict[str, Any]) -> None:
+    def update_fields(self, positions: np.ndarray, values: dict[str, Converted]) -> None:
         """Write several later fields of live rows at `positions` (distinct) as one update: every value is written,
         then every field's presence is published, all inside one seqlock bracket, so a reader (a consume with
         `require=`, a gather, `to_table`) sees all of a row's update or none of it. Callers hold the write lock."""
@@ -202,7 +215,7 @@ class ColumnArenas:
         """True where every one of `fields` has a value at ring `positions` (fields not filled later always do)."""
         return self.presence.present(fields, positions, self.schema)
 
-    def take_later(self, name: str, positions: np.ndarray, shape: tuple[int, ...] = (), *extra: Any) -> Any:
+    def take_later(self, name: str, positions: np.ndarray, shape: tuple[int, ...] = (), *extra: object) -> Gathered:
         """Rows of later field `name` at `positions` as `to_nullable` delivers them (null where absent); `shape` is
         the batch shape ([B] or [B, T] windows); `extra` goes to `take` (a tiered store's read record)."""
         spec = self.schema.fields[name]
@@ -222,11 +235,11 @@ class ColumnArenas:
         return nullable_array(spec, values, present)
 
     # ------------------------------------------------------------------ reads
-    def take(self, name: str, positions: np.ndarray) -> Any:
+    def take(self, name: str, positions: np.ndarray) -> Gathered:
         """Rows at ring `positions` of column `name` (one gather)."""
         return np.take(self.arrays[name], positions, axis=0)
 
-    def take_next(self, name: str, positions: np.ndarray) -> Any:
+    def take_next(self, name: str, positions: np.ndarray) -> Gathered:
         """Rows at `positions` that are ring positions or final-observation slots (`arena_rows + slot`)."""
         return np.take(self.arrays[name], positions, axis=0)
 
@@ -236,16 +249,16 @@ class ColumnArenas:
             return self.tier_ragged[name].take(positions)
         return _ragged.take_chunked(self.ragged[name], self.chunk_rows, positions)
 
-    def use_outputs(self, pool: Any) -> None:
+    def use_outputs(self, pool: OutputPool) -> None:
         """Gathers of the ragged arenas put large values into `pool` (an `arrowbuf.ring.outpool.OutputPool`: the
         store reader's), so their pages stay warm between gathers, pauses included."""
         for arena in self.tier_ragged.values():
             arena.outputs = pool
 
-    def count_access(self, key: Any, rows: int, resolve: Any, *args: Any) -> None:
+    def count_access(self, key: Hashable, rows: int, resolve: Callable[..., Iterable[str]], *args: object) -> None:
         """Placement input (tiered stores): rows read per column. Nothing to count with one tier."""
 
-    def column(self, name: str) -> Any:
+    def column(self, name: str) -> RowsByPosition:
         """Something indexable by a position array (`col[pos]`) giving host rows: n-step returns read through it."""
         return self.arrays[name]
 

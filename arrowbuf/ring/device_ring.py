@@ -35,9 +35,9 @@ A restore (or any jump of more than a ring) is a full rebuild: every live row co
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,10 @@ from ..schema import ExperienceSchema, FieldSpec
 from ..tiers.base import format_bytes
 from ..tiers.gpu import GpuTier, as_signed
 from .index import PENDING, RingIndex
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch.cuda import Stream
 
 #: Bytes per ring position of the index mirrors (seq, next_pos, episode_id, step: int64; valid: bool) and the tree.
 INDEX_BYTES = 4 * 8 + 1
@@ -119,7 +123,7 @@ class DeviceRing:
         self.staging = tier.staging
         self.stream = torch.cuda.Stream(device=self.device) if tier.cuda else None
         self.lock = threading.RLock()
-        self.caller: Any = None  # the stream of the sample in progress (`on_stream`)
+        self.caller: Stream | None = None  # the stream of the sample in progress (`on_stream`)
         # what was copied, as of the last sync (host memory only: reading it never waits for the device)
         self.lo = self.hi = 0
         self.fin_mark = 0  # final-observation slots claimed before this count are settled on the device
@@ -131,7 +135,7 @@ class DeviceRing:
         self.extra: list[np.ndarray] = []
         self.stats = {"syncs": 0, "rows_copied": 0, "index_copied": 0, "final_copied": 0, "rebuilds": 0}
 
-    def _alloc(self, key: str, dtype: np.dtype, rows: int, shape: tuple[int, ...] = ()) -> Any:
+    def _alloc(self, key: str, dtype: np.dtype, rows: int, shape: tuple[int, ...] = ()) -> torch.Tensor:
         self._keys.append(key)
         return self.tier.allocate(key, dtype, rows, shape)
 
@@ -164,10 +168,11 @@ class DeviceRing:
             yield
         caller.wait_stream(self.stream)
 
-    def hand_over(self, tensors: Any) -> None:
+    def hand_over(self, tensors: Iterable[torch.Tensor]) -> None:
         """Tensors made on the ring's stream that the caller gets to keep (and may free): tell the caching allocator
         the caller's stream uses them, so their memory is not reused before its work on them is done."""
         if self.stream is not None:
+            assert self.caller is not None, "hand_over runs inside on_stream"
             for t in tensors:
                 t.record_stream(self.caller)
 

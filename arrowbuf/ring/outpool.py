@@ -34,9 +34,9 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["OutputPool", "take_into", "DEFAULT_MAX_BYTES", "MIN_BYTES", "PER_SHAPE"]
 
@@ -85,7 +85,7 @@ class OutputPool:
         self.misses = 0  # a new array allocated and tracked
         self.fresh = 0  # a new array not tracked (too small, too big, over a bound)
 
-    def empty(self, shape: tuple[int, ...], dtype: Any, tag: str = "") -> np.ndarray:
+    def empty(self, shape: tuple[int, ...], dtype: npt.DTypeLike, tag: str = "") -> np.ndarray:
         """An uninitialised C-contiguous array of `shape` and `dtype` that no one else holds: reused when possible.
 
         `tag` (a column name) keeps arrays apart in the pool: `per_shape` bounds the arrays of one (shape, dtype,
@@ -118,7 +118,7 @@ class OutputPool:
         self.fresh += 1
         return np.empty(shape, dtype)
 
-    def at_least(self, count: int, dtype: Any, tag: str = "") -> np.ndarray:
+    def at_least(self, count: int, dtype: npt.DTypeLike, tag: str = "") -> np.ndarray:
         """The first `count` elements of a 1-D array no one else holds (a view): for outputs whose size changes
         from call to call (a ragged gather's values). Reuses the smallest idle array of `dtype` and `tag` with at
         least `count` elements; a new one is rounded up to a size class (at most 1/8 more), so batches of about the

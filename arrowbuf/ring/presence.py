@@ -27,7 +27,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -36,7 +36,10 @@ from ..errors import ArrowbufError, SchemaError
 from ..schema import ExperienceSchema, FieldSpec
 from ..schema import logical as _logical
 from ..schema.convert import later_mask
+from ..schema.inputs import Converted, Gathered
 from ..tiers.base import Tier
+
+T = TypeVar("T")
 
 _GIVE_UP_S = 30.0  # seqlock: seconds of overlapping updates before a read gives up (one takes micro- to milliseconds)
 
@@ -75,7 +78,7 @@ class Presence:
         return bool(self.valid)
 
     # ------------------------------------------------------------------ writes
-    def mark(self, name: str, first_pos: int, values: Any) -> Any:
+    def mark(self, name: str, first_pos: int, values: Converted) -> Converted:
         """Record which of the rows [first_pos, first_pos + len(values)) hold a value (from `validate_batch`'s
         masked or null rows); returns the values to store (numpy data, zeros where absent, or the Arrow list)."""
         present = later_mask(values)
@@ -117,12 +120,12 @@ class Presence:
                 out &= self.valid[name][positions]
         return out
 
-    def read(self, name: str, positions: np.ndarray, take: Callable[[np.ndarray], Any]) -> tuple[Any, np.ndarray]:
+    def read(self, name: str, positions: np.ndarray, take: Callable[[np.ndarray], T]) -> tuple[T, np.ndarray]:
         """`take(positions)` and the rows' validity, consistent with each other (the update seqlock)."""
         valid = self.valid[name]
         return self.consistent(lambda: (take(positions), valid[positions]), name)
 
-    def consistent(self, read: Callable[[], Any], what: str = "fields filled later") -> Any:
+    def consistent(self, read: Callable[[], T], what: str = "fields filled later") -> T:
         """`read()` run while no update writes: again if one wrote meanwhile (the update seqlock). Reading several
         later fields inside one `read` sees all of each update or none of it, across the fields (an update of
         several fields is one bracket: `ColumnArenas.update_fields`). Nested reads are fine (they wait likewise)."""
@@ -145,7 +148,7 @@ class Presence:
             os.sched_yield()
 
 
-def to_nullable(spec: FieldSpec, values: Any, present: np.ndarray, shape: tuple[int, ...] = ()) -> Any:
+def to_nullable(spec: FieldSpec, values: Gathered, present: np.ndarray, shape: tuple[int, ...] = ()) -> Gathered:
     """Values of a later field as delivered: numpy (or a device tensor) shaped `shape + spec.shape` when every row has
     a value, else an Arrow array whose validity is `present` (null where a row has none; tensor fields as
     `fixed_shape_tensor`).

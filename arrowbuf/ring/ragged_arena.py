@@ -46,7 +46,7 @@ Usage (what `arrowbuf.ring.columns.ColumnArenas` does)::
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -275,7 +275,7 @@ class RaggedArena:
         if offsets[-1] >= 2**31:
             raise OutOfSpace(f"ragged field {self.spec.name!r}: {int(offsets[-1])} elements in one gather are more "
                              "than a list column's int32 offsets address; gather fewer rows")
-        flat: Any
+        flat: pa.Array
         outputs = self.outputs
         count = int(offsets[-1])
         if flat_values is not None and outputs is not None and count and count * values.itemsize >= outputs.min_bytes:
@@ -337,7 +337,7 @@ class SlotView:
     slot `s`'s rows, copied when asked (snapshots copy a slot, then check its rows' seqs). `read` is the presence
     seqlock of a later field, or None."""
 
-    def __init__(self, arena: RaggedArena, read: Any = None) -> None:
+    def __init__(self, arena: RaggedArena, read: Callable[[np.ndarray], pa.Array] | None = None) -> None:
         self.arena = arena
         self.read = read
 
@@ -350,5 +350,5 @@ class SlotView:
         pos = np.arange(int(s) * self.arena.chunk_rows, (int(s) + 1) * self.arena.chunk_rows, dtype=np.int64)
         return self.read(pos)
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[pa.Array]:
         return (self[s] for s in range(len(self)))

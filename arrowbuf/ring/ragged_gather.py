@@ -11,16 +11,16 @@ list column or a numpy gather of per-element indices builds an 8-byte index per 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import InvalidArgument
 
 
-def one_array(values: Any) -> pa.Array:
+def one_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(values, pa.ChunkedArray):
         return values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)
     return values
@@ -68,7 +68,7 @@ def _assemble(list_type: pa.DataType, values: pa.Array, lens: np.ndarray, valid:
     return out
 
 
-def take(values: Any, rows: Any) -> pa.Array:
+def take(values: pa.Array | pa.ChunkedArray, rows: npt.ArrayLike) -> pa.Array:
     """Rows `rows` (int positions, any order, repeats allowed) of one list column, as a new list array.
 
     Consecutive rows are a zero-copy slice; otherwise the row values are copied once, range by range (no per-row
@@ -169,7 +169,7 @@ def own(arr: pa.Array, values: np.ndarray | None = None) -> pa.Array:
     return arr
 
 
-def private_values(arr: Any) -> np.ndarray | None:
+def private_values(arr: pa.Array | None) -> np.ndarray | None:
     """A writable view of the values of list array `arr` (no nulls) when a gather here allocated them for it, or a
     receiver recorded them as its own (`own`)."""
     entry = _PRIVATE.get(id(arr))
@@ -192,7 +192,7 @@ def private_values(arr: Any) -> np.ndarray | None:
     return np.frombuffer(buf, dtype=dtype, count=count, offset=(child.offset + first) * dtype.itemsize)
 
 
-def own_as(src: Any, dst: pa.Array) -> pa.Array:
+def own_as(src: pa.Array, dst: pa.Array) -> pa.Array:
     """`dst`, a list array over the same buffers as `src` under another type (a ragged bfloat16 field's bits seen as
     bfloat16 values), owned as `src` is: `private_values(dst)` hands them out writable when it would for `src`."""
     entry = _PRIVATE.get(id(src))

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import Any, Literal, overload
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import InvalidArgument
 from ..schema import ExperienceSchema
-from ..tiers.base import Tier
+from ..schema.inputs import Converted, Gathered
+from ..tiers.base import Tier, TierLock
 from ..tiers.gpu import GpuTier
 from .chunks import ChunkDirectory
-from .columns import ColumnArenas
+from .columns import ColumnArenas, RowsByPosition
 from .device_ring import DeviceRing, mirrorable, planned_bytes
+from .index import RingIndex
 from .presence import Presence
 from .ragged_arena import RaggedArena, SlotView
 
@@ -63,7 +66,7 @@ class TieredColumnArenas(ColumnArenas):
     direct = False
 
     def __init__(self, schema: ExperienceSchema, directory: ChunkDirectory, meta: Tier, tiers: list[Tier],
-                 final_capacity: int, final_sources: list[str], index: Any) -> None:
+                 final_capacity: int, final_sources: list[str], index: RingIndex) -> None:
         import threading
 
         self.index = index
@@ -200,7 +203,7 @@ class TieredColumnArenas(ColumnArenas):
             self.single[ci] = int(full[0]) if len(full) else -1
 
     # ------------------------------------------------------------------ writes
-    def write(self, name: str, first_pos: int, values: Any) -> None:
+    def write(self, name: str, first_pos: int, values: Converted) -> None:
         if self.later and name in self.later:
             values = self.presence.mark(name, first_pos, values)
         ci = self.ci[name]
@@ -215,7 +218,7 @@ class TieredColumnArenas(ColumnArenas):
             off += q - p
             p = q
 
-    def write_row(self, name: str, pos: int, value: Any) -> None:
+    def write_row(self, name: str, pos: int, value: npt.ArrayLike) -> None:
         if self.later and name in self.later:
             self.presence.mark_row(name, pos)
         ci = self.ci[name]
@@ -224,7 +227,7 @@ class TieredColumnArenas(ColumnArenas):
             self._recycle(ci, name, s)
         self.arenas[self.res[ci, s]][name][pos] = value
 
-    def write_final(self, name: str, slots: np.ndarray | int, values: Any) -> None:
+    def write_final(self, name: str, slots: np.ndarray | int, values: np.ndarray) -> None:
         self.final[name][slots] = values
 
     def _put_rows(self, name: str, positions: np.ndarray, values: np.ndarray) -> None:
@@ -244,7 +247,7 @@ class TieredColumnArenas(ColumnArenas):
                     sel = np.flatnonzero(slots == s)
                     code = int(self.res[ci, s])
                     if self.slotted[code]:  # device memory: read the chunk, change its rows, write it back
-                        tier: Any = self.tiers[code]
+                        tier = self._device(code)
                         arena = self.arenas[code][name]
                         off = int(self.local[ci, s]) * cr
                         chunk = np.array(tier.get(arena, off, off + cr, self.spec[name].dtype))
@@ -310,7 +313,14 @@ class TieredColumnArenas(ColumnArenas):
                 return
 
     # ------------------------------------------------------------------ reads
-    def take(self, name: str, positions: np.ndarray, reads: list | None = None, host: bool = False) -> Any:
+    @overload
+    def take(self, name: str, positions: np.ndarray, reads: list | None = None, *,
+             host: Literal[True]) -> np.ndarray: ...
+
+    @overload
+    def take(self, name: str, positions: np.ndarray, reads: list | None = None, host: bool = False) -> Gathered: ...
+
+    def take(self, name: str, positions: np.ndarray, reads: list | None = None, host: bool = False) -> Gathered:
         """Rows at ring `positions`: one take per tier the rows live in (straight into the output). A device tensor
         when some rows are in a slotted (GPU) tier, unless `host`."""
         ci = self.ci[name]
@@ -327,7 +337,7 @@ class TieredColumnArenas(ColumnArenas):
         slots = positions // self.chunk_rows
         return self._gather(name, ci, positions, slots, self.res[ci, slots], host)
 
-    def take_next(self, name: str, positions: np.ndarray, reads: list | None = None, host: bool = False) -> Any:
+    def take_next(self, name: str, positions: np.ndarray, reads: list | None = None, host: bool = False) -> Gathered:
         """Rows at ring positions or final-observation slots (`arena_rows + slot`, on the host: they never move)."""
         ci = self.ci[name]
         if reads is not None:  # `moved` skips final-observation slots
@@ -341,7 +351,7 @@ class TieredColumnArenas(ColumnArenas):
         return self._gather(name, ci, positions, slots, codes, host)
 
     def _gather(self, name: str, ci: int, positions: np.ndarray, slots: np.ndarray, codes: np.ndarray,
-                host: bool) -> Any:
+                host: bool) -> Gathered:
         """Rows of one column from the tiers `codes` name per row (`_final_code`: final-observation rows)."""
         if len(codes) == 0 or (codes == codes[0]).all():
             code = int(codes[0]) if len(codes) else self.bottom
@@ -350,7 +360,7 @@ class TieredColumnArenas(ColumnArenas):
         present = np.flatnonzero(np.bincount(codes, minlength=self._final_code + 1)).tolist()
         slotted = [c for c in present if self._is_slotted(c)]
         started = self._prefetch_rows(name, ci, positions, codes, present)
-        device: Any = None if host or not slotted else self.tiers[slotted[0]]
+        device = None if host or not slotted else self._device(slotted[0])
         if device is None:
             out = np.empty((len(positions), *spec.shape), dtype=spec.dtype)
             cuts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
@@ -375,14 +385,14 @@ class TieredColumnArenas(ColumnArenas):
                     out[idx] = self._take_from(c, name, ci, positions[idx], slots[idx], True)
             self._note_speed(ci, started, out.nbytes)
             return out
-        out = device.empty((len(positions), *spec.shape), spec.dtype)
+        batch = device.empty((len(positions), *spec.shape), spec.dtype)
         for c in present:
             idx = np.flatnonzero(codes == c)
             part = self._take_from(c, name, ci, positions[idx], slots[idx], False)
             if isinstance(part, np.ndarray):
                 part = device.to_device(part)
-            device.scatter(out, idx, part)
-        return out
+            device.scatter(batch, idx, part)
+        return batch
 
     def _prefetch_rows(self, name: str, ci: int, positions: np.ndarray, codes: np.ndarray | None,
                        present: list[int]) -> float:
@@ -401,9 +411,12 @@ class TieredColumnArenas(ColumnArenas):
         if any(self._prefetch):
             self._cold[ci] = nbytes > _COLD_BW * (time.perf_counter() - started)
 
-    def _device(self, code: int) -> Any:
-        """The slotted tier `code` (its data-movement helpers: take, put, get)."""
-        return self.tiers[code]
+    def _device(self, code: int) -> GpuTier:
+        """The slotted tier `code` (its data-movement helpers: take, put, get): device memory, the one slotted tier."""
+        tier = self.tiers[code]
+        if not isinstance(tier, GpuTier):
+            raise TypeError(f"tier {code} ({tier.name!r}) is not a GpuTier: only device memory is held in chunk slots")
+        return tier
 
     def _is_slotted(self, code: int) -> bool:
         return code < len(self.tiers) and self.slotted[code]
@@ -414,7 +427,8 @@ class TieredColumnArenas(ColumnArenas):
             return self.final[name], self.arena_rows
         return self.arenas[code][name], 0
 
-    def _take_from(self, code: int, name: str, ci: int, positions: np.ndarray, slots: np.ndarray, host: bool) -> Any:
+    def _take_from(self, code: int, name: str, ci: int, positions: np.ndarray, slots: np.ndarray,
+                   host: bool) -> Gathered:
         if not self._is_slotted(code):
             arena, offset = self._arena_of(code, name)
             return arena.take(positions - offset if offset else positions, axis=0)
@@ -423,15 +437,14 @@ class TieredColumnArenas(ColumnArenas):
             return np.zeros((len(positions), *self.spec[name].shape), dtype=self.spec[name].dtype)
         local = np.clip(self.local[ci, slots], 0, len(device_arena) // self.chunk_rows - 1) * self.chunk_rows
         local += positions % self.chunk_rows
-        tier: Any = self.tiers[code]
-        out = tier.take(device_arena, local, self.spec[name].dtype)
+        out = self._device(code).take(device_arena, local, self.spec[name].dtype)
         if host:
-            out = out.cpu().numpy()
+            rows = out.cpu().numpy()
             dtype = self.spec[name].dtype
-            return out.view(dtype) if out.dtype != dtype and out.dtype.itemsize == dtype.itemsize else out
+            return rows.view(dtype) if rows.dtype != dtype and rows.dtype.itemsize == dtype.itemsize else rows
         return out
 
-    def column(self, name: str, reads: list | None = None) -> Any:
+    def column(self, name: str, reads: list | None = None) -> RowsByPosition:
         return _TrackedColumn(self, name, reads)
 
     def view(self, name: str, p0: int, p1: int) -> np.ndarray:
@@ -473,7 +486,7 @@ class TieredColumnArenas(ColumnArenas):
             return None
         return np.asarray(bad.reshape(items, -1).any(axis=1))
 
-    def count_access(self, key: Any, rows: int, resolve: Any, *args: Any) -> None:
+    def count_access(self, key: Hashable, rows: int, resolve: Callable[..., Iterable[str]], *args: object) -> None:
         """Count `rows` read from the columns `resolve(*args)` names (cached under `key`: the sample path)."""
         idx = self._access_idx.get(key)
         if idx is None:
@@ -505,8 +518,8 @@ class TieredColumnArenas(ColumnArenas):
         arena = self.arenas[code].get(name)
         return 0 if arena is None else len(arena) // self.chunk_rows
 
-    def migrate(self, name: str, s: int, target: int, gen: int | None, index: Any, state_lock: Any,
-                write_lock: Any = None) -> bool:
+    def migrate(self, name: str, s: int, target: int, gen: int | None, index: RingIndex, state_lock: TierLock,
+                write_lock: TierLock | None = None) -> bool:
         """Copy chunk slot `s` of column `name` to tier `target` and flip the slot table; False (and nothing changed)
         if there is no room, the slot is already moving, or the chunk changed meanwhile.
 
@@ -523,7 +536,8 @@ class TieredColumnArenas(ColumnArenas):
                 write_lock.release()
         return self._migrate(name, s, target, gen, index, state_lock)
 
-    def _migrate(self, name: str, s: int, target: int, gen: int | None, index: Any, state_lock: Any) -> bool:
+    def _migrate(self, name: str, s: int, target: int, gen: int | None, index: RingIndex,
+                 state_lock: TierLock) -> bool:
         ci = self.ci[name]
         cr = self.chunk_rows
         p0, p1 = s * cr, (s + 1) * cr

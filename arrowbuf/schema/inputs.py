@@ -45,7 +45,11 @@ ValuesLike: TypeAlias = "npt.ArrayLike | torch.Tensor"
 #: ragged or json field.
 Converted: TypeAlias = "np.ndarray | pa.Array"
 
+#: One column of rows as a gather delivers it (`ColumnArenas.take`, a `SampleBatch`'s values): a [n, *shape] numpy
+#: array, a `pa.Array` (ragged fields, later fields with rows without a value), or a torch tensor (a GPU tier).
+Gathered: TypeAlias = "np.ndarray | pa.Array | torch.Tensor"
+
 #: A JSON value (json fields, manifests, protocol bodies).
 JsonValue: TypeAlias = "None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]"
 
-__all__ = ["BatchLike", "ColumnLike", "Converted", "IdsLike", "JsonValue", "StepLike", "ValuesLike"]
+__all__ = ["BatchLike", "ColumnLike", "Converted", "Gathered", "IdsLike", "JsonValue", "StepLike", "ValuesLike"]
