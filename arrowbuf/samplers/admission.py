@@ -24,8 +24,6 @@ groups as for any consume, then asks `admit` which of them may go, in which orde
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ..errors import InvalidArgument
@@ -38,7 +36,7 @@ ADMISSIONS = ("oldest",)
 _NEVER, _UNBOUNDED = 0, 1
 
 
-def check_admission(value: Any) -> str | None:
+def check_admission(value: object) -> str | None:
     """The admission mode a consume asked for, checked.
 
     Raises:

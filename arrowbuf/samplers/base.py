@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import InvalidArgument
 from ..ring.index import RingIndex
+from ..schema.inputs import IdsLike, ValuesLike
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 #: Largest priority `update_priorities` accepts: far above any TD error, far below where sums of many priorities (or
 #: their `alpha` powers) overflow float64.
@@ -41,7 +46,7 @@ MAX_PRIORITY = 1e100
 MAX_LEAF = 1e250
 
 
-def validate_priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
+def validate_priorities(indices: IdsLike, priorities: ValuesLike) -> tuple[np.ndarray, np.ndarray]:
     """Check a priority update before anything is applied: the one copy of this check in arrowbuf.
 
     Args:
@@ -66,12 +71,16 @@ def validate_priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.n
     return ids, pri
 
 
-def _host(values: Any) -> Any:
+def _host(values: IdsLike) -> npt.ArrayLike:
     """A torch tensor's values in host memory (a device tensor is copied back: the caller waits for the device), so
     that a journal or a host sampler can take the ids and priorities of a device batch; anything else as it is."""
-    if type(values).__module__.startswith("torch"):
+    if _from_torch(values):
         return values.detach().cpu().numpy()
     return values
+
+
+def _from_torch(values: object) -> TypeGuard[torch.Tensor]:
+    return type(values).__module__.startswith("torch")
 
 
 class Sampler(abc.ABC):

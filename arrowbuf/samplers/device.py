@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +42,9 @@ from .base import MAX_LEAF, MAX_PRIORITY, Sampler
 from .prioritized import PrioritizedSampler
 from .sumtree import _CLAMP_EPS, _SUMMARY_DEPTH
 from .uniform import UniformSampler
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 __all__ = ["DeviceSumTree", "DeviceSampler", "device_kind"]
 
@@ -69,7 +73,7 @@ class DeviceSumTree:
         """Elements of the storage a tree of `capacity` leaves uses (the host tree's layout)."""
         return 2 << (int(capacity) - 1).bit_length()
 
-    def __init__(self, capacity: int, storage: Any) -> None:
+    def __init__(self, capacity: int, storage: torch.Tensor) -> None:
         import torch
 
         self.torch = torch
@@ -93,7 +97,7 @@ class DeviceSumTree:
         self._inf = torch.tensor(math.inf, dtype=torch.float64, device=self.device)
 
     # ------------------------------------------------------------------ updates
-    def set(self, positions: Any, values: Any, unique: bool = False) -> None:
+    def set(self, positions: torch.Tensor, values: torch.Tensor, unique: bool = False) -> None:
         """Set leaves `positions` (int64 tensor) to `values` (float64 tensor) and recompute their ancestors and the
         summary's prefix sums. Repeated positions: the last write wins (as `SumTree.update`); `unique=True` when the
         caller knows there are none (skips the ordering)."""
@@ -133,20 +137,20 @@ class DeviceSumTree:
         self.torch.cumsum(self.summary, 0, out=self.prefix_ends)
 
     # ------------------------------------------------------------------ reads
-    def total(self) -> Any:
+    def total(self) -> torch.Tensor:
         """The sum of the leaves: a 0-d device tensor."""
         return self.prefix[-1]
 
-    def min_positive(self) -> Any:
+    def min_positive(self) -> torch.Tensor:
         """The smallest positive leaf (+inf when none): a 0-d device tensor (the host's min tree over positive
         leaves)."""
         return self.torch.where(self.leaves > 0, self.leaves, self._inf).amin()
 
-    def get(self, positions: Any) -> Any:
+    def get(self, positions: torch.Tensor) -> torch.Tensor:
         """Leaves at `positions`."""
         return self.leaves.take(positions)
 
-    def targets(self, u: Any, stratified: bool) -> Any:
+    def targets(self, u: torch.Tensor, stratified: bool) -> torch.Tensor:
         """Masses to search for uniforms `u` in [0, 1): one per equal slice of the total (`stratified`, as
         `SumTree.sample`) or iid over it, clamped below the total as the host clamps them."""
         torch = self.torch
@@ -163,7 +167,7 @@ class DeviceSumTree:
         upper = torch.where(upper < total, upper, torch.nextafter(total, torch.zeros_like(total)))
         return torch.minimum(t, upper)
 
-    def find(self, targets: Any) -> Any:
+    def find(self, targets: torch.Tensor) -> torch.Tensor:
         """For each target mass, the leaf whose prefix-sum interval holds it: `SumTree._find` step for step, with its
         guarded search (which only steps into nodes of positive mass) computed for every target and taken where the
         plain search ended on an empty leaf (rounding), so no branch depends on device values."""
@@ -207,7 +211,7 @@ class DeviceSampler:
         generator: a `torch.Generator` on the tree's device (the device PRNG).
     """
 
-    def __init__(self, host: Sampler, tree: DeviceSumTree, generator: Any) -> None:
+    def __init__(self, host: Sampler, tree: DeviceSumTree, generator: torch.Generator) -> None:
         kind = device_kind(host)
         if kind is None:
             raise InvalidArgument(f"{type(host).__name__} does not draw on the device (uniform and prioritized do)")
@@ -235,14 +239,16 @@ class DeviceSampler:
         return np.asarray(self.host.mass(positions), dtype=np.float64)
 
     # ------------------------------------------------------------------ drawing
-    def draw(self, n: int, out_pos: Any = None, out_weights: Any = None) -> tuple[Any, Any]:
+    def draw(self, n: int, out_pos: torch.Tensor | None = None, out_weights: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`n` positions drawn by mass (sorted, as the host samplers return them) and their importance weights
         (float32, prioritized) or None, as device tensors (written into `out_pos`/`out_weights` when given)."""
         torch = self.torch
         u = torch.rand(n, generator=self.generator, dtype=torch.float64, device=self.device)
         return self.draw_from(u, out_pos, out_weights)
 
-    def draw_from(self, u: Any, out_pos: Any = None, out_weights: Any = None) -> tuple[Any, Any]:
+    def draw_from(self, u: torch.Tensor, out_pos: torch.Tensor | None = None, out_weights: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`draw` with the uniforms given (float64 in [0, 1)): the same uniforms pick the same rows as the host
         sampler's tree (`SumTree.sample` with those numbers)."""
         torch = self.torch
@@ -257,7 +263,7 @@ class DeviceSampler:
             return pos, None
         return pos, self.weights(pos, out_weights)
 
-    def weights(self, positions: Any, out: Any = None) -> Any:
+    def weights(self, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Importance weights `(P(i) / P_min)^-beta` (float32), as `PrioritizedSampler.weights` computes them."""
         torch = self.torch
         total = self.tree.total()
@@ -270,7 +276,8 @@ class DeviceSampler:
         return out
 
     # ------------------------------------------------------------------ priorities
-    def update(self, ids: Any, priorities: Any, seq: Any, valid: Any, arena_rows: int) -> Any:
+    def update(self, ids: torch.Tensor, priorities: torch.Tensor, seq: torch.Tensor, valid: torch.Tensor,
+               arena_rows: int) -> torch.Tensor:
         """Apply priority updates given as device tensors; returns the number applied as a 0-d device tensor.
 
         The ids are checked against the device's mirror of the ring (`seq`, `valid`: an id whose row was evicted or
@@ -298,7 +305,7 @@ class DeviceSampler:
         self._queue(ids, pri, ok)
         return apply.sum()
 
-    def _queue(self, ids: Any, pri: Any, ok: Any) -> None:
+    def _queue(self, ids: torch.Tensor, pri: torch.Tensor, ok: torch.Tensor) -> None:
         """Copy an update to host memory without waiting (pinned buffers and an event on CUDA)."""
         torch = self.torch
         n = ids.shape[0]
@@ -331,7 +338,7 @@ class DeviceSampler:
         self._pinned.append(buf)
         return buf
 
-    def drain(self, apply: Any, block: bool = False) -> None:
+    def drain(self, apply: Callable[[np.ndarray, np.ndarray], object], block: bool = False) -> None:
         """Hand queued device updates whose copies have landed to the host: `apply(ids, priorities)` in order
         (`block`: wait for all of them). An update the device refused is dropped from the queue and raised here.
 

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import InvalidArgument, SchemaError
+from ..schema import ExperienceSchema
 from .base import Sampler
 
 
@@ -126,7 +127,7 @@ class GroupSampler(Sampler):
             count[0] = self.dropped_groups
         self._count = count
 
-    def attach(self, view: RowView, schema: Any) -> None:
+    def attach(self, view: RowView, schema: ExperienceSchema) -> None:
         """Give the sampler its store's rows (called once by the store); checks the fields it reads.
 
         Raises:

@@ -39,7 +39,7 @@ _LEGACY_MODULES = ("arrowbuf.samplers", "arrowbuf.rate_limiters")
 MAX_DEPTH = 4
 
 
-def to_spec(obj: Any) -> dict[str, Any] | None:
+def to_spec(obj: Sampler | RateLimiter | None) -> dict[str, Any] | None:
     """The spec of a sampler or rate limiter (None for None).
 
     Raises:
@@ -73,7 +73,7 @@ def to_spec(obj: Any) -> dict[str, Any] | None:
     return {"kind": name, "args": args}
 
 
-def from_spec(spec: Any, where: str, _depth: int = 0) -> Any:
+def from_spec(spec: object, where: str, _depth: int = 0) -> Sampler | RateLimiter | None:
     """Build the object a spec names (None for None).
 
     Args:
@@ -116,7 +116,7 @@ def from_spec(spec: Any, where: str, _depth: int = 0) -> Any:
         raise StoreCorrupt(f"{where}: the spec does not build a {cls.__name__}: {exc}") from None
 
 
-def spec_class_name(spec: Any) -> str | None:
+def spec_class_name(spec: object) -> str | None:
     """The class a spec names (`"PrioritizedSampler"`), for display; None for None or a malformed spec."""
     if not isinstance(spec, dict):
         return None
