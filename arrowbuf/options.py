@@ -20,13 +20,17 @@ arguments are documented on `ExperienceStore`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .errors import InvalidArgument, StoreCorrupt
+from .rate_limiters import RateLimiter
+from .samplers.base import Sampler
 from .samplers.spec import from_spec, to_spec
+from .tiers.base import Tier
 
 #: Bounds of what a manifest may claim (checked before anything is allocated).
 MAX_ROWS = 1 << 45
@@ -44,21 +48,22 @@ class StoreOptions:
     documented on `ExperienceStore`)."""
 
     capacity: int
-    sampler: Any = "uniform"
-    rate_limiter: Any = None
+    sampler: str | Sampler | type[Sampler] = "uniform"
+    rate_limiter: RateLimiter | None = None
     seed: int | None = None
     chunk_rows: int | None = None
     final_obs_capacity: int | None = None
     max_times_sampled: int | None = None
-    tier: Any = "host"
+    tier: str | Tier = "host"
     name: str | None = None
     tiers: dict[str, Any] | None = None
-    placement: Any = None
+    #: a placement policy, its class or its name (`arrowbuf.placement.make_placement` checks it), or None
+    placement: object = None
     tasks: list[str] | None = None
     max_staleness: int | None = None
     token_field: str | None = None
     observe: bool = True
-    durable: Any = None
+    durable: str | os.PathLike[str] | None = None
     durability: str = "group"
     #: large journal records written with direct I/O where the filesystem allows it; None: the registered
     #: `ARROWBUF_JOURNAL_DIRECT` (`arrowbuf.config`), read when the store opens its journal
@@ -90,7 +95,7 @@ class StoreOptions:
         return out
 
     @classmethod
-    def from_dict(cls, d: Any, where: str, **more: Any) -> StoreOptions:
+    def from_dict(cls, d: object, where: str, **more: Any) -> StoreOptions:
         """Options from what `to_dict` wrote (a manifest: also a checkpoint's `store` entry of format 1, whose keys
         are the same), checked: keys it does not know are ignored, a value of the wrong kind or size raises. `more`
         sets the options a manifest does not record (tier, seed, ...).
