@@ -16,14 +16,16 @@ is stored: `update_priorities` ignores (and counts) ids whose row was evicted or
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Collection, Iterable, Iterator
+from types import TracebackType
+from typing import Any, Protocol, Self, runtime_checkable
 
 import numpy as np
 import pyarrow as pa
 
 from .delivery.batch import SampleBatch
 from .schema import ExperienceSchema
+from .schema.inputs import BatchLike, IdsLike, ValuesLike
 
 
 @runtime_checkable
@@ -61,7 +63,7 @@ class StoreSurface(Protocol):
         """Add one step (a dict of scalars and arrays); returns the new row's id."""
         ...
 
-    def extend(self, batch: Any) -> np.ndarray:
+    def extend(self, batch: BatchLike) -> np.ndarray:
         """Add many steps (dict of arrays with a leading dim, `pa.RecordBatch`, `pa.Table`) atomically; returns the
         new rows' ids, a 1-D `np.ndarray[int64]` in row order.
 
@@ -78,11 +80,11 @@ class StoreSurface(Protocol):
         """
         ...
 
-    def update_priorities(self, indices: Any, priorities: Any) -> int:
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> int:
         """Set the priorities of sampled ids; returns how many ids still named a stored row."""
         ...
 
-    def update(self, ids: Any, values: dict[str, Any]) -> int:
+    def update(self, ids: IdsLike, values: dict[str, Any]) -> int:
         """Write fields declared `later: true` of stored rows (`{"reward": r, ...}`, one value per id), atomically
         and validated like `extend`; returns how many ids still named a stored row (the others are skipped).
 
@@ -158,10 +160,11 @@ class StoreSurface(Protocol):
         """Release what this object holds; idempotent. Calls after `close()` raise `StoreClosed`."""
         ...
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         ...
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         ...
 
 
@@ -184,7 +187,7 @@ class ExtendSink(Protocol):
     """One extend whose rows arrive in pieces (`PieceSink.begin_extend`): `write` each, then `commit` (the ids) or
     `abort` (nothing stored)."""
 
-    def write(self, piece: Any) -> None: ...
+    def write(self, piece: BatchLike) -> None: ...
 
     def commit(self) -> np.ndarray: ...
 
@@ -200,7 +203,7 @@ class PieceSink(Protocol):
     @property
     def takes_pieces(self) -> bool: ...
 
-    def begin_extend(self, rows: int, names: Any) -> ExtendSink | None: ...
+    def begin_extend(self, rows: int, names: Collection[str]) -> ExtendSink | None: ...
 
 
 @runtime_checkable
@@ -233,7 +236,7 @@ class LineageSource(Protocol):
 STATS_KEYS = ("size", "inserts", "samples")
 
 
-def check_surface(obj: Any, what: str = "store") -> StoreSurface:
+def check_surface(obj: object, what: str = "store") -> StoreSurface:
     """`obj` if it implements `StoreSurface`, else `TypeError` naming what is missing."""
     if isinstance(obj, StoreSurface):
         return obj
@@ -268,11 +271,11 @@ class WriterSurface(Protocol):
         """Write one step and wait for it; returns its id."""
         ...
 
-    def extend(self, batch: Any) -> np.ndarray:
+    def extend(self, batch: BatchLike) -> np.ndarray:
         """Write a batch and wait until it is committed; returns its rows' ids, in row order."""
         ...
 
-    def send(self, batch: Any) -> None:
+    def send(self, batch: BatchLike) -> None:
         """Write a batch without waiting for it (bounded: a writer keeps a few batches in flight at most)."""
         ...
 
@@ -284,10 +287,11 @@ class WriterSurface(Protocol):
         """Flush and release the writer; idempotent."""
         ...
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         ...
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         ...
 
 

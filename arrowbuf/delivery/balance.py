@@ -30,9 +30,10 @@ van Leeuwen and Spieksma's (2007: KK's worst-case ratio for k parts lies between
 from __future__ import annotations
 
 import heapq
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import InvalidArgument
 
@@ -41,7 +42,7 @@ METHODS = ("kk", "lpt")
 COSTS = ("tokens", "tokens^2", "rows")
 
 
-def _group_weights(weights: np.ndarray, groups: Any) -> tuple[np.ndarray, np.ndarray]:
+def _group_weights(weights: np.ndarray, groups: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """(weight per group, group number per row), groups numbered by first appearance (vectorised)."""
     keys = np.asarray(groups)
     if keys.shape != weights.shape:
@@ -92,7 +93,8 @@ def _lpt(weights: np.ndarray, k: int) -> list[list[int]]:
     return parts
 
 
-def partition(weights: Any, k: int, groups: Any = None, method: str = "kk") -> list[np.ndarray]:
+def partition(weights: npt.ArrayLike, k: int, groups: npt.ArrayLike | None = None,
+              method: str = "kk") -> list[np.ndarray]:
     """Split positions 0..n-1 into `k` parts of near-equal total weight.
 
     Args:
@@ -133,7 +135,7 @@ def partition(weights: Any, k: int, groups: Any = None, method: str = "kk") -> l
     return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
 
 
-def costs(lengths: Any, balance: Any) -> np.ndarray:
+def costs(lengths: npt.ArrayLike, balance: str | Callable[[np.ndarray], npt.ArrayLike]) -> np.ndarray:
     """Per-row cost (float64) of rows of `lengths` tokens under `balance` (module docstring).
 
     Raises:
@@ -161,7 +163,7 @@ def costs(lengths: Any, balance: Any) -> np.ndarray:
                           f"got {balance!r}")
 
 
-def split_plan(weights: Any, k: int, micro_batches: int | None = None, groups: Any = None,
+def split_plan(weights: npt.ArrayLike, k: int, micro_batches: int | None = None, groups: npt.ArrayLike | None = None,
                method: str = "kk") -> list[list[np.ndarray]]:
     """`partition` into `k` parts, then each part into exactly `micro_batches` parts of near-equal weight.
 
@@ -211,7 +213,7 @@ def _fill_empty(micro: list[np.ndarray], w: np.ndarray, keys: np.ndarray | None)
         micro[empty[0]] = np.sort(moved)
 
 
-def imbalance(weights: Any, parts: list[np.ndarray]) -> float:
+def imbalance(weights: npt.ArrayLike, parts: list[np.ndarray]) -> float:
     """max part weight / mean part weight (1.0 is perfect; 0 rows or 0 weight counts as 1.0)."""
     w = np.asarray(weights, dtype=np.float64)
     sums = np.array([w[p].sum() for p in parts])

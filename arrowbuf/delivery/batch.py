@@ -16,30 +16,45 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from ..errors import InvalidArgument, require
 from ..schema import dtypes as _dtypes
 from ..schema import jsonvalues as _jsonvalues
+from ..schema.inputs import DeviceLike, Gathered, JsonValue
 from . import balance as _balance
 from . import ragged as _ragged
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from typing_extensions import TypeIs
 
-def _is_tensor(values: Any) -> bool:
+
+class LeaseOwner(Protocol):
+    """What acks a leased batch (`SampleBatch.ack`, `nack`): the store or client that delivered it."""
+
+    def ack(self, lease: str) -> int: ...
+
+    def nack(self, lease: str) -> int: ...
+
+
+def _is_tensor(values: object) -> TypeIs[torch.Tensor]:
     """A torch tensor (what a GPU tier delivers), recognised without importing torch."""
     return type(values).__module__.startswith("torch")
 
 
-def _host(values: Any) -> Any:
+def _host(values: Gathered) -> np.ndarray | pa.Array:
     """numpy for a torch tensor (copied from the device; bfloat16 and float8 as their bits, as `to_numpy` gives
     them), anything else unchanged."""
     return _dtypes.tensor_numpy(values, _dtypes.tensor_dtype_name(values)) if _is_tensor(values) else values
 
 
-def _to_arrow(values: Any) -> pa.Array:
+def _to_arrow(values: Gathered) -> pa.Array:
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
         return values
     if _is_tensor(values):
@@ -51,6 +66,10 @@ def _to_arrow(values: Any) -> pa.Array:
     if values.ndim == 1:
         return pa.array(values)
     return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(values))
+
+
+#: What `SampleBatch.split` balances: "tokens", "tokens^2", "rows", a callable on the rows' token counts, or None.
+Balance = str | Callable[[np.ndarray], npt.ArrayLike] | None
 
 
 class SampleBatch:
@@ -73,7 +92,7 @@ class SampleBatch:
         self._data: pa.RecordBatch | None = None
         self.info = info or {}
         self.lease: str | None = None  # the lease id of a batch consumed with lease= (None: final already)
-        self.owner: Any = None  # what acks the lease: the store (or client) that delivered the batch
+        self.owner: LeaseOwner | None = None  # what acks the lease: the store (or client) that delivered the batch
 
     def ack(self) -> int:
         """Acknowledge this batch's lease (`store.ack(batch.lease)`): its rows are consumed for good by the task;
@@ -97,7 +116,7 @@ class SampleBatch:
             return 0
         return int(self._owner("nack").nack(self.lease))
 
-    def _owner(self, verb: str) -> Any:
+    def _owner(self, verb: str) -> LeaseOwner:
         if self.owner is None:
             from ..errors import LeaseError
 
@@ -173,8 +192,8 @@ class SampleBatch:
                 out[k] = _host(v)
         return out
 
-    def to_torch(self, device: str | Any = "cpu", non_blocking: bool = False, pack: bool | None = None,
-                 tokens: str | None = None, pad_value: Any = 0) -> dict[str, Any]:
+    def to_torch(self, device: DeviceLike = "cpu", non_blocking: bool = False, pack: bool | None = None,
+                 tokens: str | None = None, pad_value: float = 0) -> dict[str, Any]:
         """Columns as torch tensors on `device` (zero-copy on the CPU where the dtype allows).
 
         Columns gathered on a GPU tier are already device tensors and move only if `device` differs. Needs
@@ -221,8 +240,8 @@ class SampleBatch:
         return out
 
     @staticmethod
-    def _ragged_to_torch(torch: Any, out: dict[str, Any], name: str, values: Any, ref_offs: np.ndarray,
-                         pack: bool, pad_value: Any, device: Any, is_ref: bool,
+    def _ragged_to_torch(torch: ModuleType, out: dict[str, Any], name: str, values: pa.Array, ref_offs: np.ndarray,
+                         pack: bool, pad_value: float, device: DeviceLike, is_ref: bool,
                          seen: list[tuple[np.ndarray, tuple[Any, Any, int]]]) -> None:
         vals, offs = _ragged.flat(values, writable=pack)  # a gather's own memory goes to torch without a copy
         same = offs.shape == ref_offs.shape and bool(np.array_equal(offs, ref_offs))
@@ -267,7 +286,7 @@ class SampleBatch:
         """int64 tokens per row of the ragged column `tokens` (default: the first ragged column)."""
         return _ragged.lengths(self._arrays[self._token_column(tokens)])
 
-    def take(self, rows: Any) -> SampleBatch:
+    def take(self, rows: npt.ArrayLike) -> SampleBatch:
         """The batch's rows at positions `rows` (int array), in that order, as a new batch."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
@@ -285,9 +304,22 @@ class SampleBatch:
         weights = None if self.weights is None else self.weights[rows]
         return SampleBatch(arrays, self.indices[rows], weights, dict(self.info))
 
-    def split(self, ranks: int, balance: str | Callable[[np.ndarray], Any] | None = "tokens",
-              rank: int | None = None, group: str | None = None, tokens: str | None = None,
-              method: str = "kk", micro_batches: int | None = None) -> Any:
+    @overload
+    def split(self, ranks: int, balance: Balance = "tokens", rank: None = None, group: str | None = None,
+              tokens: str | None = None, method: str = "kk", micro_batches: None = None) -> list[SampleBatch]: ...
+
+    @overload
+    def split(self, ranks: int, balance: Balance = "tokens", *, rank: int, group: str | None = None,
+              tokens: str | None = None, method: str = "kk", micro_batches: None = None) -> SampleBatch: ...
+
+    @overload
+    def split(self, ranks: int, balance: Balance = "tokens", rank: int | None = None, group: str | None = None,
+              tokens: str | None = None, method: str = "kk", micro_batches: int | None = None
+              ) -> SampleBatch | list[SampleBatch] | list[list[SampleBatch]]: ...
+
+    def split(self, ranks: int, balance: Balance = "tokens", rank: int | None = None, group: str | None = None,
+              tokens: str | None = None, method: str = "kk", micro_batches: int | None = None
+              ) -> SampleBatch | list[SampleBatch] | list[list[SampleBatch]]:
         """Cut the batch into `ranks` parts for data-parallel ranks, balanced by a cost.
 
         The partition depends only on the batch's contents (ties broken by row position), so R processes that each
@@ -339,24 +371,31 @@ class SampleBatch:
         weights = _balance.costs(lengths, balance)
         plan = _balance.split_plan(weights, int(ranks), micro_batches, groups=keys, method=method)
         batches = plan if rank is None else [plan[int(rank)]]
-        out = [[self.take(p) for p in micro] if micro_batches is not None else self.take(micro[0])
-               for micro in batches]
+        if micro_batches is not None:
+            nested = [[self.take(p) for p in micro] for micro in batches]
+            return nested if rank is None else nested[0]
+        out = [self.take(micro[0]) for micro in batches]
         return out if rank is None else out[0]
 
 
-def _logical_column(values: Any) -> bool:
+def _logical_column(values: Gathered) -> bool:
     """A column of a dtype numpy lacks (bfloat16, float8, complex: `arrowbuf.schema.dtypes`) or of JSON values."""
     if not isinstance(values, (pa.Array, pa.ChunkedArray)):
         return False
     return isinstance(values.type, (_dtypes.LogicalType, pa.JsonType))
 
 
-def _logical_numpy(values: Any) -> Any:
+def _logical_numpy(values: pa.Array) -> np.ndarray | list[JsonValue] | list[np.ndarray | None]:
     """`to_numpy` of a logical column: JSON values as a list of Python values (None: JSON null, or a later value
     not written yet); bfloat16/float8 as their bits ([B, *shape] uint16/uint8), complex as numpy complex; a column
     with null rows (later values not written yet) as a list of per-row arrays, None where null."""
     if isinstance(values.type, pa.JsonType):
         return _jsonvalues.decode(values)
+    return _logical_rows(values)
+
+
+def _logical_rows(values: pa.Array) -> np.ndarray | list[np.ndarray | None]:
+    """`_logical_numpy` of a column of an arrowbuf dtype (not JSON)."""
     phys = _dtypes.to_physical(values)
     if not values.null_count:
         return phys
@@ -364,13 +403,14 @@ def _logical_numpy(values: Any) -> Any:
     return [phys[i, ...] if ok else None for i, ok in enumerate(valid.tolist())]  # rows as (0-d) array views
 
 
-def _logical_torch(torch: Any, values: Any, device: Any, non_blocking: bool) -> Any:
+def _logical_torch(torch: ModuleType, values: pa.Array, device: DeviceLike, non_blocking: bool
+                   ) -> torch.Tensor | list[JsonValue] | list[torch.Tensor | None]:
     """`to_torch` of a logical column: a tensor of its dtype (torch.bfloat16, torch.float8_*, complex) over the
     batch's memory where it is writable; JSON values and columns with null rows as `_logical_numpy` gives them
     (tensors per row)."""
-    out = _logical_numpy(values)
     if isinstance(values.type, pa.JsonType):
-        return out
+        return _jsonvalues.decode(values)
+    out = _logical_rows(values)
     name = values.type.dtype_name
     if isinstance(out, list):
         return [None if r is None else _dtypes.torch_view(r, name).to(device, non_blocking=non_blocking)
@@ -379,13 +419,14 @@ def _logical_torch(torch: Any, values: Any, device: Any, non_blocking: bool) -> 
     return t.to(device, non_blocking=non_blocking) if str(device) != "cpu" else t
 
 
-def _list_dtype(values: Any) -> str | None:
+def _list_dtype(values: pa.Array) -> str | None:
     """The arrowbuf dtype of a ragged column's values (a ragged bfloat16 or float8 field), or None."""
     vt = values.type.value_type
     return vt.dtype_name if isinstance(vt, _dtypes.LogicalType) else None
 
 
-def _values_torch(torch: Any, v: np.ndarray, kind: str | None, device: Any, non_blocking: bool) -> Any:
+def _values_torch(torch: ModuleType, v: np.ndarray, kind: str | None, device: DeviceLike, non_blocking: bool
+                  ) -> torch.Tensor:
     """`_torch_from_numpy`, or for the bits of an arrowbuf dtype `kind`, a tensor of that dtype over them."""
     if kind is None:
         return _torch_from_numpy(torch, v, device, non_blocking)
@@ -393,7 +434,7 @@ def _values_torch(torch: Any, v: np.ndarray, kind: str | None, device: Any, non_
     return t.to(device, non_blocking=non_blocking) if str(device) != "cpu" else t
 
 
-def _torch_from_numpy(torch: Any, v: np.ndarray, device: Any, non_blocking: bool) -> Any:
+def _torch_from_numpy(torch: ModuleType, v: np.ndarray, device: DeviceLike, non_blocking: bool) -> torch.Tensor:
     if v.dtype in (np.uint16, np.uint32, np.uint64):
         v = v.astype(np.int64)
     if not v.flags.writeable:

@@ -52,14 +52,63 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeGuard, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from ..errors import InvalidArgument, SampleTimeout, SchemaError, StoreClosed, Unavailable, require
 from ..samplers import validate_priorities
+from ..schema.inputs import BatchLike, DeviceLike, Gathered, IdsLike, ValuesLike
 from .batch import SampleBatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import Tensor
+    from typing_extensions import TypeIs
+
+
+class SampleSource(Protocol):
+    """What a Loader draws from: any `ab.StoreSurface` (a store, an attached store, `ab.connect(...)`'s client, a
+    `ShardedStore`), or a narrower source such as arrowbuf.rllib's `QueuedSource`. `extend` is used by
+    `Loader.extend` only; a source may also offer `maintain()` (called between batches) and learner sessions
+    (`SessionSource`)."""
+
+    def sample(self, n: int, /, columns: Iterable[str] | None = None, timeout: float | None = None) -> SampleBatch: ...
+
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike, /) -> object: ...
+
+    def extend(self, batch: BatchLike, /) -> object: ...
+
+
+class BatchSession(Protocol):
+    """A learner session of a remote source: batches of a fixed size, prefetched by the server
+    (`arrowbuf.flight.session.LearnerSession`)."""
+
+    def __next__(self) -> SampleBatch: ...
+
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> None: ...
+
+    def cancel(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class _Indexed(Protocol):
+    """A batch that names its rows (`SampleBatch`, `TorchBatch`): `update_priorities` takes it for its ids."""
+
+    @property
+    def indices(self) -> IdsLike: ...
+
+
+class SessionSource(Protocol):
+    """A source that serves a fixed batch size through a learner session: its class declares
+    `learner_sessions = True` (`ab.flight.RemoteStore`)."""
+
+    def session(self, n: int, columns: list[str] | None = None, *, prefetch: int, timeout: float,
+                **options: Any) -> BatchSession: ...
 
 #: Longest single wait the background thread makes on a local source before it checks for `close()`.
 _WAIT_SLICE_S = 0.05
@@ -82,7 +131,8 @@ class TorchBatch(dict):
 
     __slots__ = ("indices", "info", "weights")
 
-    def __init__(self, tensors: dict[str, Any], indices: np.ndarray, weights: Any, info: dict[str, Any]) -> None:
+    def __init__(self, tensors: dict[str, Any], indices: np.ndarray, weights: torch.Tensor | None,
+                 info: dict[str, Any]) -> None:
         super().__init__(tensors)
         self.indices = indices
         self.weights = weights
@@ -197,7 +247,7 @@ class _Config:
     columns: list[str] | None
     drop_version: bool
     format: str
-    device: Any
+    device: DeviceLike
     cuda: bool
     sample_options: dict[str, Any]
     filtered: bool
@@ -214,7 +264,7 @@ class _Shared:
     outstanding: int = 0            # batches drawn from the source and not yet taken (being prepared included)
     stop: bool = False
     error: BaseException | None = None
-    pending: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    pending: list[_Pending] = field(default_factory=list)
     stop_event: threading.Event = field(default_factory=threading.Event)
     cancel: Callable[[], None] | None = None  # wakes the background thread from a blocking remote read
 
@@ -222,13 +272,14 @@ class _Shared:
 class _Pipeline:
     """The background thread's side. Holds no reference to the Loader, so a forgotten Loader can be collected."""
 
-    def __init__(self, source: Any, cfg: _Config, shared: _Shared) -> None:
+    def __init__(self, source: SampleSource, cfg: _Config, shared: _Shared) -> None:
         self.source = source
         self.cfg = cfg
         self.s = shared
         self._maintain = getattr(source, "maintain", None)
-        self._session: Any = None
-        self._remote = _is_remote(source) and not cfg.filtered  # a fixed batch size: a DoExchange session serves it
+        self._session: BatchSession | None = None
+        self._sessions = source if _is_remote(source) else None
+        self._remote = self._sessions is not None and not cfg.filtered  # a fixed batch size: a DoExchange session
         self._stream = None
         if cfg.cuda:  # pragma: no cover - needs a GPU
             torch = require("torch", "torch")
@@ -277,22 +328,22 @@ class _Pipeline:
         session they go up in-band, ahead of the next requests."""
         with self.s.cond:
             updates, self.s.pending = self.s.pending, []
-        for ids, pri in updates:
-            if isinstance(pri, _DeviceUpdate):
-                ids, pri = pri.ready(ids)
+        for update in updates:
+            ids, pri = _ready(*update)
             if self._session is not None:
                 self._session.update_priorities(ids, pri)
             else:
                 self.source.update_priorities(ids, pri)
 
     # ---------------------------------------------------------------- a remote source: one DoExchange session
-    def _open_session(self) -> Any:
+    def _open_session(self) -> BatchSession:
         """The learner session batches come from (server-side prefetch; no polling): `close()` cancels its read."""
         cfg = self.cfg
+        assert self._sessions is not None, "only a remote source opens sessions"
         with self.s.cond:
             if self.s.stop:
                 raise _Stopped
-            self._session = self.source.session(cfg.batch_size, cfg.columns, prefetch=cfg.prefetch,
+            self._session = self._sessions.session(cfg.batch_size, cfg.columns, prefetch=cfg.prefetch,
                                                 timeout=_REMOTE_WAIT_S, **cfg.sample_options)
             self.s.cancel = self._session.cancel
         return self._session
@@ -390,9 +441,8 @@ class _Pipeline:
         host = SampleBatch({k: batch[k] for k in batch.columns if k not in on_device}, batch.indices, batch.weights)
         tensors = {**host.to_torch("cpu"), **on_device}
         tensors = {k: tensors[k] for k in batch.columns}
-        weights: Any = batch.weights
-        if weights is not None and not _is_tensor(weights):
-            weights = torch.from_numpy(np.asarray(weights))
+        w: np.ndarray | Tensor | None = batch.weights
+        weights: Tensor | None = w if w is None or _is_tensor(w) else torch.from_numpy(np.asarray(w))
         if self.cfg.cuda:  # pragma: no cover - needs a GPU
             tensors = {k: _map_tensors(v, lambda t: t if t.is_cuda else t.pin_memory()) for k, v in tensors.items()}
             weights = weights if weights is None or weights.is_cuda else weights.pin_memory()
@@ -434,8 +484,8 @@ class Loader:
         **sample_options: passed to every `source.sample` (e.g. `n_step=3, gamma=0.99`).
     """
 
-    def __init__(self, source: Any, batch_size: int, prefetch: int = 4, columns: Iterable[str] | None = None,
-                 device: Any = "cpu", format: str = "batch", *, timeout: float | None = None,
+    def __init__(self, source: SampleSource, batch_size: int, prefetch: int = 4, columns: Iterable[str] | None = None,
+                 device: DeviceLike = "cpu", format: str = "batch", *, timeout: float | None = None,
                  max_staleness: int | None = None, min_policy_version: int | None = None,
                  policy_version: int | Callable[[], int] | None = None, history: int = 100_000,
                  collate: Callable[[SampleBatch], Any] | None = None, **sample_options: Any) -> None:
@@ -587,7 +637,7 @@ class Loader:
         return TorchBatch(out, tb.indices[keep], w, tb.info), dropped
 
     # ---------------------------------------------------------------- priorities and inserts
-    def update_priorities(self, batch: Any, priorities: Any) -> None:
+    def update_priorities(self, batch: SampleBatch | TorchBatch | IdsLike, priorities: ValuesLike) -> None:
         """Queue new priorities for a batch's rows (or for an array of ids); returns at once.
 
         The background thread applies them before the next `source.sample` it starts; see the module docstring for
@@ -599,25 +649,25 @@ class Loader:
             InvalidArgument: the number of priorities does not match the ids, or a priority is negative, not finite
                 or too large (`samplers.validate_priorities`, the one check).
         """
-        ids, pri = getattr(batch, "indices", batch), priorities
+        ids: IdsLike = batch.indices if isinstance(batch, _Indexed) else batch
+        pri = priorities
+        update: _Pending
         if _is_tensor(ids) and _is_tensor(pri):
-            ids, pri = _queued_tensors(ids, pri)  # a device sample's ids: stay on the device (no host sync)
+            update = _queued_tensors(ids, pri)  # a device sample's ids: stay on the device (no host sync)
         else:
-            ids, pri = validate_priorities(_to_numpy(ids), _to_numpy(pri))
-            ids, pri = ids.copy(), pri.copy()  # the learner may reuse its buffers before the thread applies them
+            h_ids, h_pri = validate_priorities(_to_numpy(ids), _to_numpy(pri))
+            update = h_ids.copy(), h_pri.copy()  # the learner may reuse its buffers before the thread applies them
         s = self._shared
         with s.cond:
             if self._closed:
                 raise StoreClosed("the Loader is closed")
             if s.error is not None or not self._thread.is_alive():
-                if isinstance(pri, _DeviceUpdate):
-                    ids, pri = pri.ready(ids)
-                self.source.update_priorities(ids, pri)  # no background thread to hand it to
+                self.source.update_priorities(*_ready(*update))  # no background thread to hand it to
                 return
-            s.pending.append((ids, pri))
+            s.pending.append(update)
             s.cond.notify_all()
 
-    def extend(self, batch: Any, **kwargs: Any) -> Any:
+    def extend(self, batch: BatchLike, **kwargs: Any) -> object:
         """`source.extend(batch, **kwargs)`, timed: the blocking insert time counts in this iteration's exposed latency.
 
         For learners that also write (single-process loops); writers elsewhere are not seen by the Loader.
@@ -667,11 +717,9 @@ class Loader:
         with s.cond:
             s.ready.clear()
             pending, s.pending = s.pending, []
-        for ids, pri in pending:  # priorities the learner computed are not lost on shutdown
+        for update in pending:  # priorities the learner computed are not lost on shutdown
             try:
-                if isinstance(pri, _DeviceUpdate):
-                    ids, pri = pri.ready(ids)
-                self.source.update_priorities(ids, pri)
+                self.source.update_priorities(*_ready(*update))
             except StoreClosed:
                 break
         self._finalizer.detach()
@@ -694,7 +742,7 @@ def _stop(shared: _Shared) -> None:
         cancel()
 
 
-def _is_remote(source: Any) -> bool:
+def _is_remote(source: object) -> TypeGuard[SessionSource]:
     """Whether `source` serves a fixed batch size through a learner session (`session(n, columns, prefetch=...,
     ...)`): a capability the class declares (`learner_sessions = True`, as `ab.flight.RemoteStore` does)."""
     return bool(getattr(type(source), "learner_sessions", False)) and callable(getattr(source, "session", None))
@@ -712,7 +760,7 @@ def _weak_floor(loader: Loader) -> Callable[[], float]:
     return floor
 
 
-def _is_tensor(x: Any) -> bool:
+def _is_tensor(x: object) -> TypeIs[torch.Tensor]:
     return type(x).__module__.startswith("torch")
 
 
@@ -720,10 +768,10 @@ class _DeviceUpdate:
     """Priorities queued as tensors (a device sample's ids and the learner's priorities): copies made on the learner's
     stream, and on CUDA an event the applying thread's stream waits for, so neither side waits on the host."""
 
-    def __init__(self, pri: Any, event: Any) -> None:
+    def __init__(self, pri: torch.Tensor, event: torch.cuda.Event | None) -> None:
         self.pri, self.event = pri, event
 
-    def ready(self, ids: Any) -> tuple[Any, Any]:
+    def ready(self, ids: IdsLike) -> tuple[IdsLike, torch.Tensor]:
         """(ids, priorities), the calling thread's stream ordered after the learner's copies."""
         if self.event is not None:  # pragma: no cover - needs a GPU
             import torch
@@ -732,7 +780,16 @@ class _DeviceUpdate:
         return ids, self.pri
 
 
-def _queued_tensors(ids: Any, pri: Any) -> tuple[Any, _DeviceUpdate]:
+#: A queued priority update: host ids and priorities, or a device sample's ids with its queued tensor priorities.
+_Pending = tuple[np.ndarray, np.ndarray] | tuple[IdsLike, "_DeviceUpdate"]
+
+
+def _ready(ids: IdsLike, pri: np.ndarray | _DeviceUpdate) -> tuple[IdsLike, ValuesLike]:
+    """A queued update as (ids, priorities) to apply, a device one ordered after the learner's copies."""
+    return pri.ready(ids) if isinstance(pri, _DeviceUpdate) else (ids, pri)
+
+
+def _queued_tensors(ids: torch.Tensor, pri: torch.Tensor) -> tuple[torch.Tensor, _DeviceUpdate]:
     """Tensor priorities for the queue: counts checked now (shapes: no device read), values by the store when the
     update is applied (a refused one surfaces from `next(loader)`)."""
     if ids.numel() != pri.numel():
@@ -747,13 +804,13 @@ def _queued_tensors(ids: Any, pri: Any) -> tuple[Any, _DeviceUpdate]:
     return ids, _DeviceUpdate(pri, event)
 
 
-def _to_numpy(x: Any) -> Any:
+def _to_numpy(x: IdsLike) -> npt.ArrayLike:
     if hasattr(x, "detach"):  # a torch tensor, possibly on a GPU
         return x.detach().cpu().numpy()
     return x
 
 
-def _take(values: Any, rows: np.ndarray) -> Any:
+def _take(values: Gathered, rows: np.ndarray) -> Gathered:
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
         return values.take(pa.array(rows))
     return values[rows]
@@ -766,7 +823,8 @@ def _select_rows(batch: SampleBatch, keep: np.ndarray) -> SampleBatch:
     return SampleBatch(arrays, batch.indices[rows], weights, batch.info)
 
 
-def _map_tensors(v: Any, fn: Callable[[Any], Any]) -> Any:
+def _map_tensors(v: torch.Tensor | list[torch.Tensor],
+                 fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
     return [fn(t) for t in v] if isinstance(v, list) else fn(v)
 
 

@@ -18,8 +18,6 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,7 +26,7 @@ from ..errors import InvalidArgument
 from ..ring.ragged_gather import one_array, private_values, take, take_chunked
 
 
-def is_ragged(values: Any) -> bool:
+def is_ragged(values: object) -> bool:
     """Whether `values` is an Arrow list column (list or large_list)."""
     if not isinstance(values, (pa.Array, pa.ChunkedArray)):
         return False
@@ -36,7 +34,7 @@ def is_ragged(values: Any) -> bool:
     return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
 
 
-def flat(values: Any, writable: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def flat(values: pa.Array | pa.ChunkedArray, writable: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(values, offsets): the concatenated row values and int64 offsets starting at 0 (length rows + 1).
 
     Null rows count as empty. Zero-copy for the values where the dtype allows (a sliced array is respected); the
@@ -65,7 +63,7 @@ def flat(values: Any, writable: bool = False) -> tuple[np.ndarray, np.ndarray]:
     return vals.to_numpy(zero_copy_only=False), offs
 
 
-def lengths(values: Any) -> np.ndarray:
+def lengths(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """int64 length of each row (0 for null rows)."""
     return np.diff(flat(values)[1])
 
@@ -97,7 +95,8 @@ def position_ids(offsets: np.ndarray) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.int64, count=total, offset=flat_ids.offset * 8)
 
 
-def pad(values: Any, value: Any = 0, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pad(values: pa.Array | pa.ChunkedArray, value: float = 0,
+        length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """([B, L] padded values, [B, L] bool mask); L is the longest row unless `length` is given (>= it)."""
     vals, offs = flat(values)
     lens = np.diff(offs)
@@ -114,7 +113,7 @@ def pad(values: Any, value: Any = 0, length: int | None = None) -> tuple[np.ndar
     return out.reshape(rows, width), mask.reshape(rows, width)
 
 
-def split_rows(values: Any) -> list[np.ndarray | None]:
+def split_rows(values: pa.Array | pa.ChunkedArray) -> list[np.ndarray | None]:
     """Per-row numpy views over one flat buffer (None for null rows): `np.split`, not `to_pylist`."""
     arr = one_array(values)
     vals, offs = flat(arr)

@@ -49,7 +49,11 @@ Converted: TypeAlias = "np.ndarray | pa.Array"
 #: array, a `pa.Array` (ragged fields, later fields with rows without a value), or a torch tensor (a GPU tier).
 Gathered: TypeAlias = "np.ndarray | pa.Array | torch.Tensor"
 
+#: A torch device as arrowbuf's `to_torch`/`Loader` take it: "cpu", "cuda:0", an index or a `torch.device`.
+DeviceLike: TypeAlias = "str | int | torch.device"
+
 #: A JSON value (json fields, manifests, protocol bodies).
 JsonValue: TypeAlias = "None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]"
 
-__all__ = ["BatchLike", "ColumnLike", "Converted", "Gathered", "IdsLike", "JsonValue", "StepLike", "ValuesLike"]
+__all__ = ["BatchLike", "ColumnLike", "Converted", "DeviceLike", "Gathered", "IdsLike", "JsonValue", "StepLike",
+           "ValuesLike"]
