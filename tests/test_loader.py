@@ -385,6 +385,21 @@ def test_prioritized_updates_through_the_loader_steer_the_next_samples():
     assert after[-1].weights is not None
 
 
+def test_update_priorities_takes_ids_given_as_a_tensor():
+    # a tensor has a method `indices` (sparse tensors): the ids are the tensor itself, not that method
+    torch = pytest.importorskip("torch")
+    store = ab.ExperienceStore(CARTPOLE, capacity=1000, sampler=ab.samplers.Prioritized(alpha=1.0, beta=1.0, eps=0.0),
+                               seed=0)
+    store.extend(cartpole_steps(200))
+    prefetch = 2
+    with ab.Loader(store, 16, prefetch=prefetch) as loader:
+        assert loader.fill(WAIT)
+        ids = torch.arange(200)
+        loader.update_priorities(ids, torch.where(ids == 7, 1.0, 1e-12).double())
+        after = [next(loader) for _ in range(prefetch + 3)]
+    assert all((b.indices == 7).all() for b in after[prefetch:])
+
+
 def test_loader_over_flight_matches_local_sampling():
     pytest.importorskip("pyarrow.flight")
     served, local = cartpole_store(seed=11), cartpole_store(seed=11)

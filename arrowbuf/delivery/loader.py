@@ -649,7 +649,8 @@ class Loader:
             InvalidArgument: the number of priorities does not match the ids, or a priority is negative, not finite
                 or too large (`samplers.validate_priorities`, the one check).
         """
-        ids: IdsLike = batch.indices if isinstance(batch, _Indexed) else batch
+        # a batch's ids; a tensor's `indices` is a method (of sparse tensors): a tensor is the ids themselves
+        ids: IdsLike = batch.indices if isinstance(batch, _Indexed) and not _is_tensor(batch) else batch
         pri = priorities
         update: _Pending
         if _is_tensor(ids) and _is_tensor(pri):
