@@ -211,6 +211,22 @@ def test_scheduled_sample_sees_every_add_before_the_first_sample_and_updates_pri
         buf.close()
 
 
+def test_a_scheduled_buffer_over_a_given_store_samples_before_its_first_add():
+    filled = ArrowbufEpisodeReplayBuffer(capacity=500, seed=0)
+    filled.add(_episodes([10, 10]))
+    buf = ArrowbufEpisodeReplayBuffer(capacity=500, store=filled.store, schedule=True, prefetch=1, seed=0)
+    try:
+        eps = buf.sample(num_items=8, n_step=1, gamma=0.9)  # no add yet: the store given holds the rows
+        assert len(eps) == 8
+        buf.add(_episodes([5], seed=1))  # adds now go through the background commit
+        buf.sample(num_items=8, n_step=1, gamma=0.9)
+        buf._flush()
+        assert len(filled.store) == 25
+    finally:
+        buf.close()
+        filled.close()
+
+
 def test_fast_episode_conversion_equals_rllibs_constructor():
     if not FAST_COPY:
         pytest.skip("RLlib's SingleAgentEpisode layout differs: the constructor path is used")

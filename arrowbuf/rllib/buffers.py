@@ -195,8 +195,15 @@ class _ArrowbufBuffer:
                 self.store = ExperienceStore(schema, self._capacity_rows, self._sampler, seed=self._seed)
         if self._store_writer is None:
             self._store_writer = _StoreWriter(self.store)
-        if self._committer is not None and self._source is None:
+        if self._committer is not None:
+            self._queued_source()
+
+    def _queued_source(self) -> QueuedSource:
+        """The scheduled buffer's source (sampling from the store, adds through the committer), made once."""
+        if self._source is None:
+            assert self._committer is not None and self._store_writer is not None, "a scheduled buffer with a store"
             self._source = QueuedSource(self.store, self._committer, self._store_writer.write)
+        return self._source
 
     def _flush(self) -> None:
         """Every add so far committed and visible to `sample`."""
@@ -285,7 +292,8 @@ class _ArrowbufBuffer:
             self.loader.close()
         self._flush()  # the first scheduled batch sees every add before it, as a synchronous one would
         collate = _collate_fn(BatchConverter(k, gamma, self._fast), beta, self._beta0)
-        self.loader = Loader(self._source, b, prefetch=self.prefetch, columns=_COLUMNS, collate=collate,
+        # a store given to the buffer may be sampled before the first add made the source
+        self.loader = Loader(self._queued_source(), b, prefetch=self.prefetch, columns=_COLUMNS, collate=collate,
                              history=1024, n_step=k, gamma=gamma)
         self._loader_key = key
         self._totals = dict(self.loader.metrics.totals)
