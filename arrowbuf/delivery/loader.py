@@ -60,7 +60,7 @@ import pyarrow as pa
 
 from ..errors import InvalidArgument, SampleTimeout, SchemaError, StoreClosed, Unavailable, require
 from ..samplers import validate_priorities
-from ..schema.inputs import BatchLike, DeviceLike, Gathered, IdsLike, ValuesLike
+from ..schema.inputs import DeviceLike, Gathered, IdsLike, ValuesLike
 from .batch import SampleBatch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,7 +79,7 @@ class SampleSource(Protocol):
 
     def update_priorities(self, indices: IdsLike, priorities: ValuesLike, /) -> object: ...
 
-    def extend(self, batch: BatchLike, /) -> object: ...
+    def extend(self, batch: Any, /) -> object: ...  # what the source takes (a batch; RLlib episodes)
 
 
 class BatchSession(Protocol):
@@ -668,7 +668,7 @@ class Loader:
             s.pending.append(update)
             s.cond.notify_all()
 
-    def extend(self, batch: BatchLike, **kwargs: Any) -> object:
+    def extend(self, batch: object, **kwargs: Any) -> object:
         """`source.extend(batch, **kwargs)`, timed: the blocking insert time counts in this iteration's exposed latency.
 
         For learners that also write (single-process loops); writers elsewhere are not seen by the Loader.

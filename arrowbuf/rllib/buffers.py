@@ -41,9 +41,11 @@ import math
 import os
 import time
 import zlib
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import InvalidArgument, require
 from ..samplers import Prioritized
@@ -56,8 +58,35 @@ from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (  # noqa:
     PrioritizedEpisodeReplayBuffer,
 )
 
+from ..surface import StoreSurface  # noqa: E402
 from .convert import BatchConverter, Converted, episodes_to_columns, schema_for  # noqa: E402
 from .scheduling import BackgroundCommitter, QueuedSource  # noqa: E402
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
+    from ..delivery.batch import SampleBatch
+    from ..delivery.loader import Loader
+    from ..samplers import Sampler
+    from ..surface import WriterSurface
+
+
+class NStepStore(StoreSurface, Protocol):
+    """A store whose `sample` computes n-step returns (`n_step=`, `gamma=`): every arrowbuf store does (the buffer's
+    `store=`)."""
+
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
+               n_step: int | None = None, gamma: float = 0.99) -> SampleBatch: ...
+
+
+@runtime_checkable
+class _Sharded(Protocol):
+    """A store of shards (`ShardedStore`): each episode is written through the writer of the shard its id hashes to."""
+
+    @property
+    def num_shards(self) -> int: ...
+
+    def writer(self, shard: int | None = None) -> WriterSurface: ...
 
 #: Where the experience-path metrics go in the buffer's metrics logger (so: `result["replay_buffer"]["arrowbuf"]`).
 METRICS_KEY = "arrowbuf"
@@ -68,7 +97,7 @@ _COLUMNS = ["obs", "action"]
 
 
 def replay_buffer_config(capacity: int = 50_000, *, prioritized: bool = False, alpha: float = 0.6,
-                         beta: float = 0.4, num_shards: int | None = None, store: Any = None,
+                         beta: float = 0.4, num_shards: int | None = None, store: NStepStore | None = None,
                          schedule: bool = False, prefetch: int = 1, max_pending_adds: int = 2,
                          **kwargs: Any) -> dict[str, Any]:
     """The `replay_buffer_config` dict for RLlib's DQN/SAC config that puts the buffer in arrowbuf.
@@ -96,7 +125,7 @@ def replay_buffer_config(capacity: int = 50_000, *, prioritized: bool = False, a
     return out
 
 
-def _scale_weights(weights: Any, beta: float | None, beta0: float | None, b: int) -> np.ndarray:
+def _scale_weights(weights: np.ndarray | None, beta: float | None, beta0: float | None, b: int) -> np.ndarray:
     """IS weights for RLlib: 1 for the uniform buffer; the store's `(P_i / P_min)^-beta0` rescaled to `beta`."""
     if weights is None or beta0 is None:
         return np.ones(b, dtype=np.float32)
@@ -111,19 +140,20 @@ class _StoreWriter:
     Holds no reference to the buffer, so the background threads never keep a buffer alive.
     """
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: StoreSurface) -> None:
         self.store = store
-        self._writers: list[Any] | None = None
+        self._writers: list[WriterSurface] | None = None
 
     def write(self, episodes: list[SingleAgentEpisode]) -> None:
         batch = episodes_to_columns(episodes, self.store.schema)
         if batch is None:
             return
-        if not hasattr(self.store, "num_shards"):
-            self.store.extend(batch)
+        store = self.store
+        if not isinstance(store, _Sharded):
+            store.extend(batch)
             return
         if self._writers is None:  # one writer per shard; an episode stays on the shard its id hashes to
-            self._writers = [self.store.writer(shard=k) for k in range(self.store.num_shards)]
+            self._writers = [store.writer(shard=k) for k in range(store.num_shards)]
         owner = np.array([zlib.crc32(a.encode()) for a in batch["actor"]]) % len(self._writers)
         for k in np.unique(owner):
             rows = np.flatnonzero(owner == k)
@@ -134,10 +164,11 @@ class _StoreWriter:
             w.flush()
 
 
-def _collate_fn(converter: BatchConverter, beta: float | None, beta0: float | None) -> Any:
+def _collate_fn(converter: BatchConverter, beta: float | None,
+                beta0: float | None) -> Callable[[SampleBatch], Converted]:
     """The Loader's collate (background thread): a SampleBatch to `Converted` episodes. References no buffer."""
 
-    def collate(batch: Any) -> Converted:
+    def collate(batch: SampleBatch) -> Converted:
         t0 = time.perf_counter()
         weights = _scale_weights(batch.weights, beta, beta0, len(batch))
         episodes = converter(batch, weights)
@@ -149,14 +180,15 @@ def _collate_fn(converter: BatchConverter, beta: float | None, beta0: float | No
 class _ArrowbufBuffer:
     """The arrowbuf side shared by both buffers (a mixin placed before RLlib's class)."""
 
-    _sampler: Any = "uniform"
+    _sampler: str | Sampler = "uniform"
     _beta0: float | None = None
     batch_size_B: int  # set by RLlib's __init__
-    metrics: Any  # RLlib's MetricsLogger, set by EpisodeReplayBuffer.__init__
+    metrics: MetricsLogger  # set by EpisodeReplayBuffer.__init__
 
-    def _setup(self, capacity: int, store: Any, num_shards: int | None, seed: int | None,
+    def _setup(self, capacity: int, store: NStepStore | None, num_shards: int | None, seed: int | None,
                shard_options: dict[str, Any] | None, schedule: bool = False, prefetch: int = 1,
-               max_pending_adds: int = 2, fast_episodes: bool = True, checkpoint_dir: Any = None) -> None:
+               max_pending_adds: int = 2, fast_episodes: bool = True,
+               checkpoint_dir: str | os.PathLike[str] | None = None) -> None:
         if schedule and (not isinstance(prefetch, int) or prefetch < 1):
             raise InvalidArgument(f"prefetch must be >= 1 batches drawn ahead, got {prefetch!r}")
         self.store = store
@@ -174,7 +206,7 @@ class _ArrowbufBuffer:
         self._store_writer: _StoreWriter | None = _StoreWriter(store) if store is not None else None
         self._committer = BackgroundCommitter(int(max_pending_adds)) if schedule else None
         self._source: QueuedSource | None = None
-        self.loader: Any = None  # the ab.Loader that serves `sample` with scheduling (made on the first sample)
+        self.loader: Loader | None = None  # the ab.Loader serving `sample` with scheduling (made on the first sample)
         self._loader_key: tuple[Any, ...] | None = None
         self._add_s = 0.0  # blocking add time since the last sample (synchronous mode)
         self._totals = dict.fromkeys(("wait_s", "insert_s", "exposed_s", "path_s", "exposed_path_s"), 0.0)
@@ -201,8 +233,9 @@ class _ArrowbufBuffer:
     def _queued_source(self) -> QueuedSource:
         """The scheduled buffer's source (sampling from the store, adds through the committer), made once."""
         if self._source is None:
-            assert self._committer is not None and self._store_writer is not None, "a scheduled buffer with a store"
-            self._source = QueuedSource(self.store, self._committer, self._store_writer.write)
+            store, committer, writer = self.store, self._committer, self._store_writer
+            assert store is not None and committer is not None and writer is not None, "a scheduled buffer's store"
+            self._source = QueuedSource(store, committer, writer.write)
         return self._source
 
     def _flush(self) -> None:
@@ -213,7 +246,7 @@ class _ArrowbufBuffer:
             self._store_writer.flush()
 
     # ------------------------------------------------------------------ RLlib surface
-    def add(self, episodes: Any) -> None:
+    def add(self, episodes: SingleAgentEpisode | list[SingleAgentEpisode]) -> None:
         """Append the steps of each episode chunk (stream key: the episode id); with scheduling, in the background."""
         from ray.rllib.utils import force_list
 
@@ -232,8 +265,8 @@ class _ArrowbufBuffer:
         self._add_s += time.perf_counter() - t0
 
     def sample(self, num_items: int | None = None, *, batch_size_B: int | None = None,
-               batch_length_T: int | None = None, n_step: Any = None, beta: float | None = None,
-               gamma: float = 0.99, sample_episodes: bool | None = True,
+               batch_length_T: int | None = None, n_step: int | tuple[int, int] | None = None,
+               beta: float | None = None, gamma: float = 0.99, sample_episodes: bool | None = True,
                **kwargs: Any) -> list[SingleAgentEpisode]:
         """`num_items` transitions as 1-step episodes (what DQN's and SAC's learners take)."""
         if batch_length_T:
@@ -281,7 +314,7 @@ class _ArrowbufBuffer:
                    "scheduled": 1.0})
         return item.episodes
 
-    def _loader_for(self, b: int, k: int, gamma: float, beta: float | None) -> Any:
+    def _loader_for(self, b: int, k: int, gamma: float, beta: float | None) -> Loader:
         """The Loader serving this request (one per request shape; a new shape replaces it)."""
         key = (b, k, gamma, beta)
         if self.loader is not None and key == self._loader_key:
@@ -311,20 +344,20 @@ class _ArrowbufBuffer:
         if self._committer is not None:
             self._committer.close()
 
-    def get_num_timesteps(self, module_id: Any = None) -> int:
+    def get_num_timesteps(self, module_id: str | None = None) -> int:
         """Committed steps (with scheduling, adds still queued are not counted yet)."""
         return len(self.store) if self.store is not None else 0
 
     def __len__(self) -> int:
         return self.get_num_timesteps()
 
-    def get_added_timesteps(self, module_id: Any = None) -> int:
+    def get_added_timesteps(self, module_id: str | None = None) -> int:
         return self._added
 
-    def get_sampled_timesteps(self, module_id: Any = None) -> int:
+    def get_sampled_timesteps(self, module_id: str | None = None) -> int:
         return self._sampled
 
-    def get_num_episodes(self, module_id: Any = None) -> int:
+    def get_num_episodes(self, module_id: str | None = None) -> int:
         if self.store is None or not hasattr(self.store, "episodes"):
             return 0
         return self.store.episodes().num_rows
@@ -381,7 +414,7 @@ class ArrowbufEpisodeReplayBuffer(_ArrowbufBuffer, EpisodeReplayBuffer):  # type
         + _CLASS_ARGS
 
     def __init__(self, capacity: int = 10_000, *, batch_size_B: int = 16, batch_length_T: int = 1,
-                 store: Any = None, num_shards: int | None = None, seed: int | None = None,
+                 store: NStepStore | None = None, num_shards: int | None = None, seed: int | None = None,
                  shard_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         EpisodeReplayBuffer.__init__(self, capacity, batch_size_B=batch_size_B, batch_length_T=batch_length_T,
                                      **{k: v for k, v in kwargs.items() if k == "metrics_num_episodes_for_smoothing"})
@@ -400,7 +433,7 @@ class ArrowbufPrioritizedEpisodeReplayBuffer(_ArrowbufBuffer, PrioritizedEpisode
 """
 
     def __init__(self, capacity: int = 10_000, *, batch_size_B: int = 16, batch_length_T: int = 1,
-                 alpha: float = 0.6, beta: float = 0.4, store: Any = None, num_shards: int | None = None,
+                 alpha: float = 0.6, beta: float = 0.4, store: NStepStore | None = None, num_shards: int | None = None,
                  seed: int | None = None, shard_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         # RLlib's own segment trees are not used: skip PrioritizedEpisodeReplayBuffer.__init__ (which sizes them)
         EpisodeReplayBuffer.__init__(self, capacity, batch_size_B=batch_size_B, batch_length_T=batch_length_T,
@@ -416,7 +449,7 @@ class ArrowbufPrioritizedEpisodeReplayBuffer(_ArrowbufBuffer, PrioritizedEpisode
         self._last_sampled_indices = self._last_ids.tolist()
         return out
 
-    def update_priorities(self, priorities: Any, module_id: Any = None) -> None:
+    def update_priorities(self, priorities: npt.ArrayLike, module_id: str | None = None) -> None:
         """New priorities (|TD error|) for the items of the last `sample` (queued to the Loader with scheduling)."""
         pri = np.abs(np.asarray(priorities, dtype=np.float64).reshape(-1))
         if len(pri) != len(self._last_ids):
@@ -424,7 +457,7 @@ class ArrowbufPrioritizedEpisodeReplayBuffer(_ArrowbufBuffer, PrioritizedEpisode
         pri = np.maximum(pri, 1e-12)
         if self.loader is not None:
             self.loader.update_priorities(self._last_ids, pri)
-        else:
+        elif self.store is not None:  # (no store: no sample yet, and no priorities to set)
             self.store.update_priorities(self._last_ids, pri)
         self._last_sampled_indices = []
 

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ray.rllib.algorithms.algorithm import Algorithm
 
 STATE_FILE = "arrowbuf_replay_buffer.json"
 STORE_DIR = "arrowbuf_replay_buffer"
 
 
-def save_with_buffer(algo: Any, path: str | os.PathLike) -> str:
+def save_with_buffer(algo: Algorithm, path: str | os.PathLike) -> str:
     """`algo.save_to_path(path)` and the algorithm's arrowbuf replay buffer by checkpoint reference; returns path."""
     from ..persist.manifest import write_json_atomic
 
@@ -37,7 +40,7 @@ def save_with_buffer(algo: Any, path: str | os.PathLike) -> str:
     return str(out)
 
 
-def from_checkpoint_with_buffer(path: str | os.PathLike, **kwargs: Any) -> Any:
+def from_checkpoint_with_buffer(path: str | os.PathLike, **kwargs: Any) -> Algorithm:
     """`Algorithm.from_checkpoint(path)`, then its arrowbuf replay buffer restored from the saved reference."""
     from ray.rllib.algorithms.algorithm import Algorithm
 

@@ -16,13 +16,17 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402  (arrowbuf.rllib checked RLlib)
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer  # noqa: E402
 
 from ..errors import SchemaError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..delivery.batch import SampleBatch
+    from ..schema import ExperienceSchema
 
 #: `SingleAgentEpisode.__slots__` as of Ray 2.60, the layout the fast copy was checked against.
 _KNOWN_SLOTS = ("actions", "agent_id", "extra_model_outputs", "id_", "infos", "is_terminated", "is_truncated",
@@ -53,7 +57,7 @@ def schema_for(episode: SingleAgentEpisode) -> dict[str, Any]:
     return {"name": "rllib", "fields": fields, "derived": {"next_obs": {"next_of": "obs"}}}
 
 
-def episodes_to_columns(episodes: list[SingleAgentEpisode], schema: Any) -> dict[str, np.ndarray] | None:
+def episodes_to_columns(episodes: list[SingleAgentEpisode], schema: ExperienceSchema) -> dict[str, np.ndarray] | None:
     """One column batch from RLlib episode chunks (None when they hold no step)."""
     cols: dict[str, list[Any]] = {k: [] for k in COLUMNS}
     obs_dtype = schema.fields["obs"].dtype
@@ -104,7 +108,7 @@ class BatchConverter:
         self.gamma = float(gamma)
         self.fast = FAST_COPY if fast is None else bool(fast) and FAST_COPY
 
-    def columns(self, batch: Any) -> tuple[np.ndarray, ...]:
+    def columns(self, batch: SampleBatch) -> tuple[np.ndarray, ...]:
         """The vectorised part: observations, next observations, actions, rewards, terminated, m."""
         k, gamma = self.n_step, self.gamma
         disc = np.asarray(batch["n_step_discount"], dtype=np.float64)
@@ -117,7 +121,7 @@ class BatchConverter:
         return (np.asarray(batch["obs"]), np.asarray(batch["n_step_next_obs"]), np.asarray(batch["action"]), ret,
                 terminated, m.astype(np.int64))
 
-    def __call__(self, batch: Any, weights: np.ndarray) -> list[SingleAgentEpisode]:
+    def __call__(self, batch: SampleBatch, weights: np.ndarray) -> list[SingleAgentEpisode]:
         obs, nxt, act, ret, terminated, m = self.columns(batch)
         rewards = ret.tolist()
         term = terminated.tolist()

@@ -16,10 +16,18 @@ import collections
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument, StoreClosed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    from ..delivery.batch import SampleBatch
+    from ..schema import ExperienceSchema
+    from ..schema.inputs import IdsLike, ValuesLike
+    from ..surface import StoreSurface
 
 
 class _State:
@@ -89,7 +97,7 @@ class BackgroundCommitter:
             err, st.error = st.error, None
             raise err
 
-    def put(self, fn: Callable[..., Any], *args: Any) -> float:
+    def put(self, fn: Callable[..., object], *args: object) -> float:
         """Queue `fn(*args)`; returns the seconds spent blocked by back-pressure.
 
         Raises:
@@ -151,22 +159,24 @@ class QueuedSource:
         write: the function that commits one add (`write(episodes)`), called on the committer's thread.
     """
 
-    def __init__(self, store: Any, committer: BackgroundCommitter, write: Callable[[Any], Any]) -> None:
+    def __init__(self, store: StoreSurface, committer: BackgroundCommitter,
+                 write: Callable[[list[SingleAgentEpisode]], None]) -> None:
         self.store = store
         self.committer = committer
         self._write = write
 
     @property
-    def schema(self) -> Any:
+    def schema(self) -> ExperienceSchema:
         return self.store.schema
 
-    def sample(self, n: int, columns: Any = None, timeout: float | None = None, **options: Any) -> Any:
+    def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None,
+               **options: Any) -> SampleBatch:
         return self.store.sample(n, columns, timeout=timeout, **options)
 
-    def update_priorities(self, ids: Any, priorities: Any) -> Any:
+    def update_priorities(self, ids: IdsLike, priorities: ValuesLike) -> int:
         return self.store.update_priorities(ids, priorities)
 
-    def extend(self, episodes: Any) -> float:
+    def extend(self, episodes: list[SingleAgentEpisode]) -> float:
         """Queue the add; returns the seconds blocked by back-pressure."""
         return self.committer.put(self._write, episodes)
 
