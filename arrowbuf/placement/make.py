@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..errors import InvalidArgument
 from .bandwidth import BandwidthAware
 from .base import Placement, Static
 
 
-def make_placement(spec: Any, tiers: int) -> Placement | None:
+def make_placement(spec: object, tiers: int) -> Placement | None:
     """The policy for a store with `tiers` data tiers: the one given, BandwidthAware() for several, else None."""
     if spec is None:
         return BandwidthAware() if tiers > 1 else None

@@ -31,13 +31,18 @@ Usage (what `arrowbuf.engine.consume.ConsumeTracker` does)::
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument
+from ..samplers.group import RowView
+from ..schema import ExperienceSchema
+from ..tiers.base import Tier
 from .predicate import CompiledPredicate, compile_where
 
 #: Longest predicate accepted (characters).
@@ -60,6 +65,25 @@ class _Results:
         self.values = {name: np.zeros(rows, dtype=dt) for name, dt in (values or {}).items()}
 
 
+class FilterHost(Protocol):
+    """What `RowFilters` reads of its store (`arrowbuf.engine.core.StoreCore` is one): the schema, where rows live,
+    the condition commits notify, and the hook `store.update` calls (`on_update`, installed here if free)."""
+
+    @property
+    def schema(self) -> ExperienceSchema: ...
+
+    @property
+    def tier(self) -> Tier: ...
+
+    @property
+    def arena_rows(self) -> int: ...
+
+    @property
+    def cond(self) -> threading.Condition: ...
+
+    on_update: Callable[[np.ndarray, list[str]], None] | None
+
+
 class RowFilters:
     """The `where=` predicates of one store (see the module docstring).
 
@@ -68,7 +92,7 @@ class RowFilters:
         view: reads scalar values and presence at ring positions (`values(name, pos)`, `present(fields, pos)`).
     """
 
-    def __init__(self, core: Any, view: Any) -> None:
+    def __init__(self, core: FilterHost, view: RowView) -> None:
         self.core = core
         self.view = view
         schema = core.schema
@@ -92,7 +116,7 @@ class RowFilters:
         return [*self.scalars, *_SYSTEM]
 
     # ------------------------------------------------------------------ validation
-    def check(self, where: Any) -> None:
+    def check(self, where: object) -> None:
         """Raise `InvalidArgument` unless `where` is a predicate over the scalar columns (compiled once)."""
         if not isinstance(where, str) or not where.strip():
             raise InvalidArgument(f"consume: where= takes a SQL predicate string, got {where!r:.100}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +18,9 @@ from ..schema.dtypes import LogicalType, unwrap_list
 from ..surface import LineageSource
 
 if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+    import polars as pl
+
     from ..schema import ExperienceSchema
     from .sql import SqlLimits
 
@@ -67,7 +70,7 @@ def _no_half(t: pa.DataType) -> pa.DataType:
     return pa.list_(_no_half(t.value_type))
 
 
-def table_to_pandas(table: pa.Table) -> Any:
+def table_to_pandas(table: pa.Table) -> pd.DataFrame:
     require("pandas", "query")
     df = _plain(table).to_pandas()
     for f in table.schema:
@@ -77,7 +80,7 @@ def table_to_pandas(table: pa.Table) -> Any:
     return df
 
 
-def table_to_polars(table: pa.Table) -> Any:
+def table_to_polars(table: pa.Table) -> pl.DataFrame:
     pl = require("polars", "query")
     return pl.from_arrow(_plain(table))
 

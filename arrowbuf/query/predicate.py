@@ -48,6 +48,8 @@ class _Unsupported(Exception):
 
 # An operand: ("col", name, arrow type) or ("lit", kind, python value) with kind in int, decimal, double, str,
 # bool, null. A compiled boolean node: a function of the table's columns returning a boolean array.
+#: A literal's value: an int, a float, a decimal's text, a string, a bool, or None (NULL).
+_Value = int | float | str | bool | None
 _Operand = tuple[str, str, Any]
 _Node = Callable[[dict[str, pa.Array], int], pa.Array]
 
@@ -244,7 +246,7 @@ class _Compiler:
         raise _Unsupported
 
 
-def _literal(literal: dict[str, Any]) -> tuple[str, Any]:
+def _literal(literal: dict[str, Any]) -> tuple[str, _Value]:
     kind, text = literal.get("kind"), literal.get("text")
     if not isinstance(text, str):
         raise _Unsupported

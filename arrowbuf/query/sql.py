@@ -33,11 +33,17 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 
 from ..errors import InvalidArgument, QueryTimeout, ResourceExhausted, require
+
+if TYPE_CHECKING:  # pragma: no cover
+    from duckdb import DuckDBPyConnection
+
+N = TypeVar("N", int, float)
 
 #: Table functions a query may call (everything else is a file reader, a catalog view or a nested query runner).
 TABLE_FUNCTIONS = frozenset({"range", "generate_series", "unnest"})
@@ -90,7 +96,7 @@ class SqlLimits:
     def tighter(self, other: SqlLimits) -> SqlLimits:
         """The stricter of `self` and `other` in every bound (None is no bound)."""
 
-        def least(a: Any, b: Any) -> Any:
+        def least(a: N | None, b: N | None) -> N | None:
             return b if a is None else a if b is None else min(a, b)
 
         return SqlLimits(timeout=least(self.timeout, other.timeout),
@@ -227,7 +233,7 @@ class Sandbox:
                 self._drop(limits)
                 raise
 
-    def _query(self, duckdb: Any, table: pa.Table, query: str, limits: SqlLimits,
+    def _query(self, duckdb: ModuleType, table: pa.Table, query: str, limits: SqlLimits,
                cancelled: Callable[[], bool] | None) -> pa.Table:
         with self._lock:
             con = self._connection(duckdb, limits)
@@ -248,7 +254,7 @@ class Sandbox:
                 if not healthy:
                     self._drop(limits)
 
-    def _connection(self, duckdb: Any, limits: SqlLimits) -> Any:
+    def _connection(self, duckdb: ModuleType, limits: SqlLimits) -> DuckDBPyConnection:
         key = (limits.memory_limit, limits.threads)
         con = self._cons.get(key)
         if con is None:
@@ -295,7 +301,7 @@ def _run(table: pa.Table, query: str, limits: SqlLimits, cancelled: Callable[[],
         con.close()
 
 
-def _query(duckdb: Any, con: Any, table: pa.Table, query: str, limits: SqlLimits,
+def _query(duckdb: ModuleType, con: DuckDBPyConnection, table: pa.Table, query: str, limits: SqlLimits,
            cancelled: Callable[[], bool] | None, tables: dict[str, pa.Table] | None = None) -> pa.Table:
     """Check and run `query` over `table` (and the `tables` beside it) on an open sandboxed connection. An
     `InvalidArgument` or `ResourceExhausted` that left the connection as it was carries `_arrowbuf_clean = True`."""
@@ -324,7 +330,7 @@ def _query(duckdb: Any, con: Any, table: pa.Table, query: str, limits: SqlLimits
             raise error from None
 
 
-def _connect(duckdb: Any, limits: SqlLimits) -> Any:
+def _connect(duckdb: ModuleType, limits: SqlLimits) -> DuckDBPyConnection:
     config: dict[str, Any] = {"enable_external_access": False, "temp_directory": "", "threads": limits.threads,
                               "autoload_known_extensions": False, "autoinstall_known_extensions": False}
     if limits.memory_limit is not None:
@@ -342,7 +348,7 @@ def _connect(duckdb: Any, limits: SqlLimits) -> Any:
     return con
 
 
-def _check(con: Any, query: str, extra: frozenset[str] = frozenset()) -> dict[str, Any]:
+def _check(con: DuckDBPyConnection, query: str, extra: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Parse `query` with DuckDB's parser and refuse anything but one SELECT over `experience` (and the `extra`
     tables) (module docstring); return the statement's parse tree."""
     raw = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [query]).fetchall()[0][0]
@@ -380,7 +386,7 @@ def _check(con: Any, query: str, extra: frozenset[str] = frozenset()) -> dict[st
     return dict(statements[0])
 
 
-def _walk(value: Any) -> Iterator[dict[str, Any]]:
+def _walk(value: object) -> Iterator[dict[str, Any]]:
     stack = [value]
     while stack:
         item = stack.pop()
@@ -391,7 +397,7 @@ def _walk(value: Any) -> Iterator[dict[str, Any]]:
             stack.extend(item)
 
 
-def _cte_names(tree: Any) -> Iterator[str]:
+def _cte_names(tree: object) -> Iterator[str]:
     for node in _walk(tree):
         cte_map = node.get("cte_map")
         if isinstance(cte_map, dict):
@@ -405,7 +411,7 @@ def _qualified(node: dict[str, Any], key: str) -> str:
     return ".".join([p for p in parts if p] + [str(node.get(key, ""))])
 
 
-def _fetch(con: Any, query: str, limits: SqlLimits) -> pa.Table:
+def _fetch(con: DuckDBPyConnection, query: str, limits: SqlLimits) -> pa.Table:
     """Stream the result batch by batch, stopping as soon as it passes `max_result_bytes`."""
     relation = con.sql(query)
     reader_of = getattr(relation, "to_arrow_reader", None) or relation.fetch_arrow_reader  # DuckDB >= 1.4 / older
@@ -423,7 +429,7 @@ def _fetch(con: Any, query: str, limits: SqlLimits) -> pa.Table:
 class _Deadline:
     """Interrupts a DuckDB connection when its deadline passes or its caller goes away (one thread per query)."""
 
-    def __init__(self, con: Any, timeout: float | None, cancelled: Callable[[], bool] | None) -> None:
+    def __init__(self, con: DuckDBPyConnection, timeout: float | None, cancelled: Callable[[], bool] | None) -> None:
         self._con = con
         self._timeout = timeout
         self._cancelled = cancelled
