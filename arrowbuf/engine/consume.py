@@ -55,7 +55,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any, cast
 
 import numpy as np
@@ -68,9 +68,11 @@ from ..samplers.admission import admit, check_admission, encode_window, waiting
 from ..samplers.base import Sampler
 from ..samplers.group import GroupSampler
 from ..surface import StoreSurface
+from ..tiers.base import Tier
 from .consume_state import ConsumeState
 from .core import StoreCore
 from .leases import LeaseTable, check_lease_seconds
+from .reader import StoreReader
 from .tokens import check_token_field, token_counts, token_field_of
 
 #: Seconds between checks that a server's caller is still there, while a consume waits for rows.
@@ -84,7 +86,7 @@ ConsumeSurface = StoreSurface
 
 
 
-def check_policy_version(value: Any) -> None:
+def check_policy_version(value: object) -> None:
     """Refuse a policy version that is not a non-negative integer.
 
     Raises:
@@ -104,7 +106,8 @@ class ConsumeTracker:
         token_field: the ragged field `max_tokens` counts, or None for the default (module docstring).
     """
 
-    def __init__(self, core: StoreCore, reader: Any, tasks: Any = None, max_staleness: int | None = None,
+    def __init__(self, core: StoreCore, reader: StoreReader, tasks: Iterable[str] | None = None,
+                 max_staleness: int | None = None,
                  token_field: str | None = None) -> None:
         self.core = core
         self.reader = reader
@@ -173,7 +176,7 @@ class ConsumeTracker:
                 raise InvalidArgument(f"task {name!r} is already declared; tasks are {self.tasks}")
             self._add(name)
 
-    def check_task(self, name: Any) -> None:
+    def check_task(self, name: object) -> None:
         """Refuse a task `add_task` would refuse (a bad or duplicate name, no room), changing nothing.
 
         Raises:
@@ -184,7 +187,7 @@ class ConsumeTracker:
         if why:
             raise InvalidArgument(f"cannot declare task {name!r}: {why}")
 
-    def _check_new_task(self, name: Any, others: list[str]) -> None:
+    def _check_new_task(self, name: object, others: list[str]) -> None:
         if not isinstance(name, str) or not name or len(name) > 256:
             raise InvalidArgument(f"a task name is a non-empty string of at most 256 characters, got {name!r}")
         if name in self._consumed or others.count(name) > 1:
@@ -245,7 +248,7 @@ class ConsumeTracker:
         return np.asarray(self.core.present(list(fields), positions), dtype=bool)
 
     # ------------------------------------------------------------------ consume
-    def consume(self, task: str, n: int, *, require: Any = None, timeout: float | None = 0.0,
+    def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
                 max_tokens: int | None = None, lease: float | None = None,
                 admission: str | None = None) -> SampleBatch:
@@ -352,7 +355,7 @@ class ConsumeTracker:
         return batch
 
     # ------------------------------------------------------------------ leases (arrowbuf.engine.leases)
-    def ack(self, lease: Any) -> int:
+    def ack(self, lease: str) -> int:
         """Make the consumption of a lease's rows final for its task; returns the rows.
 
         Raises:
@@ -369,7 +372,7 @@ class ConsumeTracker:
             until_durable()
         return len(held.seqs)
 
-    def nack(self, lease: Any) -> int:
+    def nack(self, lease: str) -> int:
         """Put a lease's rows back in its task's queue now (delivered again, before newer rows); returns the rows.
 
         Raises:
@@ -424,8 +427,9 @@ class ConsumeTracker:
         until = max(0.0, nxt - time.monotonic()) + 1e-3
         return until if left is None else min(left, until)
 
-    def _plan(self, task: Any, n: Any, require: Any, timeout: Any, max_staleness: Any, where: Any,
-              max_tokens: Any) -> dict[str, Any]:
+    def _plan(self, task: object, n: object, require: str | Iterable[str] | None, timeout: object,
+              max_staleness: object, where: object,
+              max_tokens: object) -> dict[str, Any]:
         """Validate a consume request before anything is touched."""
         schema = self.core.schema
         if not isinstance(task, str) or task not in self._consumed:
@@ -798,7 +802,7 @@ class ConsumeTracker:
         return waiting(versions, self._policy_version, self._window[task])
 
 
-def check_store_options(tier: Any, sampler: Any, tasks: Any) -> None:
+def check_store_options(tier: str | Tier, sampler: object, tasks: object) -> None:
     """Before a store allocates anything: a sampler whose state lives in this process's heap (`process_local`)
     cannot serve a shared-memory store. Tasks and arrowbuf's `Group` sampler can: their state lives in the store's
     tier (`arrowbuf.engine.consume_state`, `arrowbuf.samplers.group`).
@@ -814,7 +818,7 @@ def check_store_options(tier: Any, sampler: Any, tasks: Any) -> None:
                               "share it between processes")
 
 
-def _check_staleness(value: Any, what: str) -> int | None:
+def _check_staleness(value: object, what: str) -> int | None:
     if value is None:
         return None
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:

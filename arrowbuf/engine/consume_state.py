@@ -32,11 +32,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, MutableMapping
-from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..tiers.base import Tier
 from ..tiers.shm.paths import start_time as _start_time
 from .leases import LeaseTable
 from .shared_leases import ENDED_SLOTS, LEASE_SLOTS, SLOT_INTS, SharedLeaseTable
@@ -198,7 +198,7 @@ class ConsumeState:
         pins: {pin id: oldest seq} of gathers in progress (every process's, for a shared store).
     """
 
-    def __init__(self, tier: Any, arena_rows: int) -> None:
+    def __init__(self, tier: Tier, arena_rows: int) -> None:
         self.tier = tier
         self.shared = bool(tier.shared)
         self.arena_rows = int(arena_rows)

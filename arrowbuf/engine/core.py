@@ -18,21 +18,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
 from ..errors import StoreClosed
 from ..observe.lineage import Lineage
 from ..options import StoreOptions
-from ..rate_limiters import Counters
+from ..rate_limiters import Counters, RateLimiter
 from ..ring.chunks import ChunkDirectory
 from ..ring.columns import ColumnArenas
 from ..ring.index import RingIndex
 from ..ring.reservations import Reservations
+from ..ring.tiered import TieredColumnArenas
 from ..samplers import Sampler
 from ..schema import ExperienceSchema
-from ..tiers.base import Tier
+from ..tiers.base import Tier, TierLock
 from .episodes import EpisodeTracker
 
 
@@ -74,14 +75,14 @@ class StoreCore:
     directory: ChunkDirectory
     index: RingIndex
     sampler: Sampler
-    rate_limiter: Any
+    rate_limiter: RateLimiter | None
     rng: np.random.Generator
     episodes: EpisodeTracker
     final_owner: np.ndarray
     times_sampled: np.ndarray
     max_times_sampled: int
-    lock: Any
-    write_lock: Any
+    lock: TierLock
+    write_lock: TierLock
     reservations: Reservations
     cond: threading.Condition = field(init=False)
     closed: bool = False
@@ -106,7 +107,8 @@ class StoreCore:
 
     def __post_init__(self) -> None:
         self.arena_rows = int(self.directory.arena_rows)
-        self.cond = threading.Condition(self.lock)
+        # any lock with acquire/release serves a Condition (typeshed names threading's own only)
+        self.cond = threading.Condition(cast(threading.Lock, self.lock))
         self.final_sources = sorted({d.next_of for d in self.schema.derived.values()})
         self.end_fields = list(self.schema.episode_end)
         self.derived = list(self.schema.derived.values())
@@ -146,7 +148,7 @@ class StoreCore:
         size = self.sampler.available() if self.sampler.queue else len(idx)
         return Counters(inserts=idx.counter("inserts"), samples=idx.counter("samples"), size=size)
 
-    def wait_for(self, predicate: Any, timeout: float | None) -> bool:
+    def wait_for(self, predicate: Callable[[], object], timeout: float | None) -> bool:
         """Wait on `cond` (held by the caller) until `predicate()`; False on timeout. None waits not at all."""
         if timeout is None or timeout <= 0:
             return bool(predicate())
@@ -186,21 +188,21 @@ class StoreCore:
         return bool(self.cols.tiered)
 
     @property
-    def tiers(self) -> list[Any]:
+    def tiers(self) -> list[Tier]:
         """The data tiers, top (fastest) to bottom; a tier code indexes this list."""
         return list(self.cols.tiers)
 
     @property
     def columns(self) -> list[str]:
         """The placed columns: a tiered store's fixed-width fields, in arena order; none with one tier."""
-        cols: Any = self.cols
-        return list(cols.names) if cols.tiered else []
+        cols = self.cols
+        return list(cols.names) if isinstance(cols, TieredColumnArenas) else []
 
     @property
     def slotted(self) -> list[bool]:
         """Per tier: whether it holds fixed chunk slots (device memory) instead of the whole ring."""
-        cols: Any = self.cols
-        return list(cols.slotted) if cols.tiered else [False]
+        cols = self.cols
+        return list(cols.slotted) if isinstance(cols, TieredColumnArenas) else [False]
 
     @property
     def bottom(self) -> int:
@@ -212,34 +214,41 @@ class StoreCore:
         """Whether the sampler is a queue (each item delivered once: new chunks hold the mass)."""
         return bool(self.sampler.queue)
 
+    def _tiered(self) -> TieredColumnArenas:
+        """The columns of a tiered store (what the placement methods below read)."""
+        cols = self.cols
+        if not isinstance(cols, TieredColumnArenas):
+            raise TypeError(f"store {self.name!r} keeps its columns in one tier: nothing to place")
+        return cols
+
     def _placed(self) -> np.ndarray:
         """The arena rows of `columns` (indices into the per-column residency arrays)."""
-        cols: Any = self.cols
+        cols = self._tiered()
         return np.array([cols.ci[n] for n in self.columns], dtype=np.int64)
 
     def chunk_bytes(self) -> np.ndarray:
         """[C] bytes of one chunk of each column."""
-        cols: Any = self.cols
+        cols = self._tiered()
         return np.array([cols.chunk_bytes[n] for n in self.columns], dtype=np.int64)
 
     def residency(self) -> np.ndarray:
         """[C, S] the tier code (index into `tiers`) of each (column, chunk slot); a copy."""
-        cols: Any = self.cols
+        cols = self._tiered()
         return np.asarray(cols.res[self._placed()], dtype=np.int64)
 
     def moving(self) -> np.ndarray:
         """[C, S] whether a (column, chunk slot) is being moved or written now; a copy."""
-        cols: Any = self.cols
+        cols = self._tiered()
         return np.array(cols.moving[self._placed()])
 
     def write_tiers(self) -> np.ndarray:
         """[C] where writers put each column's new chunks (a tier code)."""
-        cols: Any = self.cols
+        cols = self._tiered()
         return np.asarray(cols.write_tier)[self._placed()].astype(np.int64)
 
     def set_write_tiers(self, codes: np.ndarray) -> None:
         """Where writers put each column's new chunks from now on (never a slotted tier)."""
-        cols: Any = self.cols
+        cols = self._tiered()
         for i, ci in enumerate(self._placed().tolist()):
             cols.write_tier[ci] = int(codes[i])
 
@@ -248,7 +257,7 @@ class StoreCore:
         `inserts` and `access` ([C] rows read per column so far)."""
         idx = self.index
         cr = self.chunk_rows
-        cols: Any = self.cols
+        cols = self._tiered()
         cis = self._placed()
         first = np.arange(self.num_slots, dtype=np.int64) * cr
         with self.lock:
@@ -263,23 +272,23 @@ class StoreCore:
 
     def fixed_bytes(self, code: int) -> int:
         """Bytes tier `code` holds besides column chunks (the index, samplers, final observations on the host)."""
-        cols: Any = self.cols
+        cols = self._tiered()
         data = sum(int((cols.res[cols.ci[n]] == code).sum()) * cols.chunk_bytes[n] for n in self.columns)
         return max(0, int(cols.tiers[code].nbytes()) - data)
 
     def slots_total(self, code: int, column: str) -> int:
         """Chunk slots column `column` has in slotted tier `code` (0: no arena there yet)."""
-        cols: Any = self.cols
+        cols = self._tiered()
         return int(cols.slots_total(code, column))
 
     def ensure_arena(self, code: int, column: str, slots: int) -> bool:
         """Give `column` an arena of `slots` chunk slots in slotted tier `code`; False if it does not fit."""
-        cols: Any = self.cols
+        cols = self._tiered()
         return bool(cols.ensure_arena(code, column, slots))
 
     def migrate(self, column: str, slot: int, tier: int, gen: int | None) -> bool:
         """Copy chunk slot `slot` of `column` to tier `tier` and flip the slot table; False (nothing changed) if there
         is no room, it is already moving, or the chunk changed meanwhile. `gen`: the sealed chunk's first seq, or
         None for a slot that is not sealed (moved only while no writer is busy)."""
-        cols: Any = self.cols
+        cols = self._tiered()
         return bool(cols.migrate(column, slot, tier, gen, self.index, self.lock, self.write_lock))

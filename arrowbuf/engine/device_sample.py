@@ -30,7 +30,8 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,6 +43,11 @@ from ..samplers.device import DeviceSampler, DeviceSumTree
 from ..tiers.gpu import torch_dtype
 from .core import StoreCore
 from .nstep import n_step_dtype, n_step_returns_device
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from ..schema.inputs import IdsLike, ValuesLike
 
 _SYSTEM = ("seq", "episode_id", "step")
 _MAX_SETS = 8     # output sets kept per request shape (a learner holds one or two batches; a Loader `prefetch` more)
@@ -252,7 +258,7 @@ class DeviceSampling:
             for d, src in self.derived.items():
                 self._gather(src, last_next, f"n_step_{d}", outs)
 
-    def _gather(self, source: str, rows: Any, name: str, outs: dict[str, Any]) -> None:
+    def _gather(self, source: str, rows: torch.Tensor, name: str, outs: dict[str, Any]) -> None:
         torch = self.torch
         raw = outs.get(f"_raw.{name}")
         if raw is None:
@@ -263,7 +269,7 @@ class DeviceSampling:
         torch.bitwise_and(raw.to(torch.int64), mask, out=outs[name])
 
     # ------------------------------------------------------------------ priorities
-    def update_priorities(self, indices: Any, priorities: Any) -> Any:
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> Any:  # a 0-d device tensor
         """Priorities given as device tensors, applied on the device (see `DeviceSampler.update`); returns the number
         applied as a 0-d device tensor."""
         torch = self.torch
@@ -341,7 +347,7 @@ class DeviceSampling:
 _UNSIGNED = {np.dtype(np.uint16), np.dtype(np.uint32)}
 
 
-def _delivered(torch: Any, dtype: np.dtype) -> Any:
+def _delivered(torch: ModuleType, dtype: np.dtype) -> torch.dtype:
     """The torch dtype a device gather delivers for numpy `dtype` (uint16/uint32 widened to int64, as `GpuTier.take`
     delivers them)."""
     return torch.int64 if np.dtype(dtype) in _UNSIGNED else torch_dtype(torch, dtype)
@@ -362,7 +368,7 @@ class DeviceOutputs:
     caller keeps is never overwritten. Up to `_MAX_SETS` sets per request shape are kept; past that, a set is made
     for the one sample."""
 
-    def __init__(self, torch: Any, device: Any) -> None:
+    def __init__(self, torch: ModuleType, device: torch.device) -> None:
         self.torch = torch
         self.device = device
         self.sets: dict[tuple, list[OutputSet]] = {}

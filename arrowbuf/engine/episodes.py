@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import InvalidArgument, SchemaError
+from ..schema.inputs import JsonValue
 
 
 @dataclass
@@ -85,7 +87,8 @@ class EpisodeTracker:
         self.ended = ended
         self.next_episode_id = int(state["next_episode_id"])
 
-    def plan(self, n: int, ends: np.ndarray, actor: Any = None, episode_id: np.ndarray | None = None) -> IngestPlan:
+    def plan(self, n: int, ends: np.ndarray, actor: npt.ArrayLike | None = None,
+             episode_id: np.ndarray | None = None) -> IngestPlan:
         ep = np.empty(n, dtype=np.int64)
         step = np.empty(n, dtype=np.int64)
         succ = np.full(n, -1, dtype=np.int64)
@@ -211,11 +214,11 @@ def _after(episode_id: int, step: int, ended: bool, pending: int, into: _Stream 
     return into
 
 
-def _key(value: Any) -> Hashable:
+def _key(value: Hashable) -> Hashable:
     return value.item() if hasattr(value, "item") else value
 
 
-def _encode_key(key: Any) -> Any:
+def _encode_key(key: Hashable) -> dict[str, JsonValue]:
     if key is None or isinstance(key, (int, str)):
         return {"v": key}
     if isinstance(key, tuple) and len(key) == 2 and key[0] == "ep":
@@ -225,7 +228,7 @@ def _encode_key(key: Any) -> Any:
     raise InvalidArgument(f"an episode stream key {key!r} cannot be checkpointed (actor keys are ints or strings)")
 
 
-def _decode_key(obj: dict[str, Any]) -> Any:
+def _decode_key(obj: dict[str, Any]) -> Hashable:
     if "ep" in obj:
         return ("ep", obj["ep"])
     return obj["v"]

@@ -27,12 +27,11 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ..errors import SchemaError
 from ..schema import ExperienceSchema
+from ..schema.inputs import BatchLike
 from .pieces_writer import PiecesWriter
 from .reservation import Reservation
 
@@ -48,7 +47,7 @@ class ExtendInPieces:
         self._res: Reservation | None = None
         self._done = False
 
-    def write(self, piece: Any) -> None:
+    def write(self, piece: BatchLike) -> None:
         """Validate `piece` (a batch of the store's schema) and copy its rows into the next reserved rows.
 
         Raises:

@@ -6,6 +6,7 @@ that module's docstring for the commit protocol).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ class PiecesWriter:
         self.writer = writer
         self.core = writer.core
 
-    def ok(self, n: int, names: Any) -> bool:
+    def ok(self, n: int, names: Collection[str]) -> bool:
         """Whether a batch of `n` rows with columns `names` may be written in pieces (`begin`): arena columns
         of one process (no tiered slot table; ragged fields only outside shared memory), no consume hold, rate
         limiter, no derived fields (final observations), no actor or episode_id column, and no more rows
@@ -116,7 +117,7 @@ class PiecesWriter:
             finally:
                 if not r.locked:
                     c.write_lock.release()
-        plan = r.plan
+        plan = r.planned()
         succ = plan.succ
         nxt = np.where(succ >= 0, (r.base + succ) % self.core.arena_rows, np.where(succ == -2, ENDED, PENDING))
         for s0, s1, off in r.segs:

@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from ..delivery.batch import SampleBatch
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, SchemaError
+from ..ring.columns import ColumnArenas
 from ..ring.index import PENDING
 from ..ring.outpool import OutputPool, take_into
 from ..ring.ragged_gather import own_as
@@ -39,10 +41,14 @@ from ..samplers import Sampler, validate_priorities
 from ..samplers.device import device_kind
 from ..schema import FieldSpec
 from ..schema import logical as _logical
+from ..schema.inputs import Gathered, IdsLike, ValuesLike
 from .core import StoreCore
 from .nstep import n_step_returns
 
 if TYPE_CHECKING:
+    import torch
+    from typing_extensions import TypeIs
+
     from .device_sample import DeviceSampling
 
 _OPTIMISTIC_ROUNDS = 4  # seqlock rounds a tiered gather tries before it holds migrations off
@@ -122,7 +128,7 @@ class StoreReader:
         indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
         return SampleBatch(self._deliver(arrays), indices, weights)
 
-    def _sample_device(self, n: Any, columns: Iterable[str] | None, timeout: float | None, n_step: int | None,
+    def _sample_device(self, n: int, columns: Iterable[str] | None, timeout: float | None, n_step: int | None,
                        gamma: float) -> SampleBatch | None:
         """`sample` on the device ring (`arrowbuf.engine.device_sample`), or None when a column asked for is not
         mirrored there (the host path serves it)."""
@@ -167,7 +173,7 @@ class StoreReader:
             rows = len(seqs)  # distinct items: a torn row redraws the whole batch (see sample), so one piece
         return self._pieces(seqs, weights, int(rows), piece_bytes, names, n_step, gamma, timeout)
 
-    def _selection(self, n: Any, columns: Iterable[str] | None, timeout: float | None, n_step: int | None,
+    def _selection(self, n: int, columns: Iterable[str] | None, timeout: float | None, n_step: int | None,
                    gamma: float) -> tuple[list[str], np.ndarray, np.ndarray | None]:
         """What `sample` and `sample_pieces` share before gathering: the arguments checked, the items selected (as
         the sampler selects them: waiting on the rate limiter and for rows, counting deliveries) and the column
@@ -445,12 +451,13 @@ class StoreReader:
             out["_n_step_last"] = last
         return out
 
-    def _rows(self, cols: Any, name: str, positions: np.ndarray, reads: list | None, final: bool = False) -> Any:
+    def _rows(self, cols: ColumnArenas, name: str, positions: np.ndarray, reads: list | None,
+              final: bool = False) -> Gathered:
         """Rows of column `name` at `positions` (`final`: ring positions or final-observation slots, a derived
         column's source). A one-tier column (`ColumnArenas.direct`: ring rows, then final rows) is gathered into a
         pooled output array when the output is big enough to be pooled, else by a plain `np.take` (small blocks cost
         malloc nothing); a tiered store's gathers from each tier a row lives in (`reads`: a tracked gather's log)."""
-        if not cols.direct:
+        if isinstance(cols, TieredColumnArenas):  # not `direct`
             take = cols.take_next if final else cols.take
             return take(name, positions) if reads is None else take(name, positions, reads)
         arena = cols.arrays[name]
@@ -483,7 +490,7 @@ class StoreReader:
         if self.device is not None:
             self.device.flush()
 
-    def update_priorities(self, indices: Any, priorities: Any) -> int:
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> int:
         """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
 
         Returns the number of ids applied.
@@ -659,7 +666,7 @@ class _SnapshotIter:
         return out
 
 
-def _column_copy(values: Any, spec: FieldSpec) -> pa.Array:
+def _column_copy(values: np.ndarray, spec: FieldSpec) -> pa.Array:
     """An Arrow array of a copy of `values` (arena rows): the arena may be overwritten after the snapshot."""
     values = np.array(values, copy=True)
     if not spec.plain:
@@ -669,23 +676,23 @@ def _column_copy(values: Any, spec: FieldSpec) -> pa.Array:
     return pa.array(values)
 
 
-def _is_tensor(values: Any) -> bool:
+def _is_tensor(values: object) -> TypeIs[torch.Tensor]:
     return type(values).__module__.startswith("torch")
 
 
-def _on_device(indices: Any, priorities: Any, device: Any) -> bool:
+def _on_device(indices: IdsLike, priorities: ValuesLike, device: torch.device) -> bool:
     """Whether a priority update comes as tensors on the device ring's device (both; or ids there and priorities a
     tensor on the same device)."""
     return (_is_tensor(indices) and _is_tensor(priorities) and indices.device == device
             and priorities.device == device)
 
 
-def _host(values: Any) -> Any:
+def _host(values: IdsLike) -> npt.ArrayLike:
     """A tensor's values as numpy (a device tensor is copied back: the host path waits for it)."""
     return values.detach().cpu().numpy() if _is_tensor(values) else values
 
 
-def _assign_rows(arr: Any, rows: np.ndarray, values: Any) -> Any:
+def _assign_rows(arr: Gathered, rows: np.ndarray, values: Gathered) -> Gathered:
     """`arr` with `arr[rows] = values`: in place for numpy arrays and torch tensors, a new array for Arrow."""
     if isinstance(arr, np.ndarray):
         arr[rows] = values

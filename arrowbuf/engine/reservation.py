@@ -4,14 +4,22 @@ episode ids a plan handed out)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-#: `StoreWriter.reserve`'s plan argument: the episode plan is made at commit (a batch in pieces whose episode ends
-#: come later).
-DEFER = object()
+from .episodes import IngestPlan
+
+
+class Deferred(enum.Enum):
+    """`StoreWriter.reserve`'s plan argument `DEFER`: the episode plan is made at commit (a batch in pieces whose
+    episode ends come later)."""
+
+    PLAN = "plan"
+
+
+DEFER = Deferred.PLAN
 
 
 @dataclass
@@ -23,19 +31,30 @@ class Reservation:
     skip: int                      # leading rows of a batch longer than the ring: counted, never stored
     slot: int                      # its entry in the reservation table
     segs: list[tuple[int, int, int]]
-    plan: Any
+    plan: IngestPlan | Deferred
     seqs: np.ndarray
     pos: np.ndarray
     final_slots: np.ndarray | None = None
-    owners: Any = None
+    owners: np.ndarray | None = None  # the seqs owning `final_slots`
     ending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    ready: Any = None
+    ready: np.ndarray | None = None  # positions this batch alone made sampleable
     links: list[tuple[int, int]] = field(default_factory=list)
     ends: np.ndarray | None = None  # a batch in pieces whose episode plan waits for these (`PiecesWriter.begin`)
     locked: bool = False  # a batch in pieces of a ragged store: it holds the write lock until commit or abort
 
+    def planned(self) -> IngestPlan:
+        """The batch's episode plan, made by now (a deferred one at `PiecesWriter.finish`, before its index entries).
 
-def shift_new_episodes(plan: Any, first_id: int, delta: int) -> None:
+        Raises:
+            RuntimeError: the plan was deferred and is not made yet (a bug in the caller's order of steps).
+        """
+        plan = self.plan
+        if isinstance(plan, Deferred):
+            raise RuntimeError("the episode plan of a batch in pieces is made at its commit; it was read before")
+        return plan
+
+
+def shift_new_episodes(plan: IngestPlan, first_id: int, delta: int) -> None:
     """Move the episode ids a plan handed out (those >= `first_id`; older ones continue open episodes) by `delta`."""
     fresh = plan.episode_id >= first_id
     plan.episode_id[fresh] += delta

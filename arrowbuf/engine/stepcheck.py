@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..schema import FieldSpec
+from ..schema import ExperienceSchema, FieldSpec
 
 #: numpy scalar types by kind (the platform's aliases included: np.longlong is a type of its own)
 _NP_SCALARS = {
@@ -121,7 +121,7 @@ def array_ok(spec: FieldSpec, v: Any) -> np.ndarray | None:
     return out
 
 
-def slow_reason(schema: Any, step: Any, derived: tuple[str, ...]) -> str:
+def slow_reason(schema: ExperienceSchema, step: object, derived: tuple[str, ...]) -> str:
     """Why a step (that the general path then stored) did not take the fast path: a short category that names the
     field and what came, e.g. "field 'action': list (expected int64 scalar)"."""
     if type(step) is not dict:

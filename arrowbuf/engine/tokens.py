@@ -6,20 +6,24 @@ budget. A count is a list length read from the Arrow offsets (or the ragged aren
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow.compute as pc
 
 from ..errors import InvalidArgument, SchemaError
 
+if TYPE_CHECKING:  # pragma: no cover
+    from ..schema import ExperienceSchema
+    from .core import StoreCore
 
-def ragged_fields(schema: Any) -> list[str]:
+
+def ragged_fields(schema: ExperienceSchema) -> list[str]:
     """The ragged (list) fields of `schema`, in order (json fields are stored as bytes, but hold no tokens)."""
     return [n for n, f in schema.fields.items() if f.ragged and not f.is_json]
 
 
-def check_token_field(schema: Any, token_field: str | None) -> str | None:
+def check_token_field(schema: ExperienceSchema, token_field: str | None) -> str | None:
     """A store's `token_field=` option, checked.
 
     Raises:
@@ -33,7 +37,7 @@ def check_token_field(schema: Any, token_field: str | None) -> str | None:
     return token_field
 
 
-def token_field_of(schema: Any, token_field: str | None) -> str:
+def token_field_of(schema: ExperienceSchema, token_field: str | None) -> str:
     """The field a token budget counts: the store's `token_field`, else `response_tokens`, else the only ragged one.
 
     Raises:
@@ -50,7 +54,7 @@ def token_field_of(schema: Any, token_field: str | None) -> str:
                           f"{schema.name!r} has {ragged or 'none'}: pass ExperienceStore(..., token_field=<name>)")
 
 
-def token_counts(core: Any, field: str, seqs: np.ndarray) -> np.ndarray:
+def token_counts(core: StoreCore, field: str, seqs: np.ndarray) -> np.ndarray:
     """Token count (list length) of ragged `field` for each row `seqs` of the store `core` (a `StoreCore`), read
     from the list offsets only (an unwritten value counts 0)."""
     chunk_rows = core.directory.chunk_rows

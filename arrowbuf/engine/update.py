@@ -27,12 +27,14 @@ Semantics:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument
+from ..schema.inputs import IdsLike
 from ..schema.update import update_ids, validate_update
 from .core import StoreCore
 
@@ -43,7 +45,7 @@ class StoreUpdater:
     def __init__(self, core: StoreCore) -> None:
         self.core = core
 
-    def update(self, ids: Any, values: Any) -> int:
+    def update(self, ids: IdsLike, values: Mapping[str, object]) -> int:
         """Fill later fields of stored rows; returns the number of rows written (see the module docstring).
 
         Raises:

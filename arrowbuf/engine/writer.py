@@ -40,7 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Hashable
 from math import isfinite
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -51,9 +51,12 @@ from ..rate_limiters import RateLimiter
 from ..ring.index import ENDED, HEADER, PENDING
 from ..ring.reservations import CHECK_S, HOLE, waited
 from ..samplers import Sampler
+from ..schema.inputs import BatchLike, StepLike
 from . import stepcheck
 from .core import StoreCore
+from .episodes import IngestPlan
 from .reservation import DEFER as _DEFER
+from .reservation import Deferred
 from .reservation import Reservation as _Reservation
 from .reservation import segments as _segments
 from .reservation import shift_new_episodes as _shift_new_episodes
@@ -61,6 +64,17 @@ from .reservation import shift_new_episodes as _shift_new_episodes
 _MISSING = object()
 _LO, _HI, _INSERTS = HEADER["lo"], HEADER["hi"], HEADER["inserts"]
 _RES, _WAITERS, _HOLES = HEADER["reserve_head"], HEADER["commit_waiters"], HEADER["holes"]
+
+
+class WriteHold(Protocol):
+    """What may hold a write back (`StoreWriter.hold`): the store's `ConsumeTracker` (eviction waits for every task;
+    admission by policy version)."""
+
+    def wait(self, cols: dict[str, Any], n: int, timeout: float | None, deadline: float | None) -> None:
+        """Outside the write lock: wait until `n` new rows with columns `cols` may be admitted and evict."""
+
+    def ready(self, cols: dict[str, Any], n: int) -> bool:
+        """Under the write lock: whether they may, now."""
 
 
 class StoreWriter:
@@ -96,7 +110,7 @@ class StoreWriter:
         # the store's ConsumeTracker when tasks or admission control are on, else None. A write
         # waits (`hold.wait`, outside the write lock) and re-checks (`hold.ready`, under it) that the rows it evicts
         # were consumed by every task and its rows' policy versions are admitted. See arrowbuf/consume.py.
-        self.hold: Any = None
+        self.hold: WriteHold | None = None
         limiter = core.rate_limiter
         self._limit_inserts = limiter is not None and getattr(type(limiter), "can_insert",
                                                                None) is not RateLimiter.can_insert
@@ -104,7 +118,7 @@ class StoreWriter:
         self._warned_slow = False
 
     # ------------------------------------------------------------------ public surface
-    def _count_slow(self, step: Any) -> None:
+    def _count_slow(self, step: StepLike) -> None:
         """Count a step stored by the general path (`stats()["append_slow_path"]`); warn the first time."""
         if self.hold is not None:
             reason = "the store has consume tasks or admission control (its writes wait for them)"
@@ -123,7 +137,7 @@ class StoreWriter:
             f"store {self.core.name!r}: append took the general (batch) path, about 10x slower per step: {reason}; "
             f"{advice}. stats()['append_slow_path'] counts these steps", AppendSlowPathWarning, stacklevel=6)
 
-    def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
+    def extend(self, batch: BatchLike, *, timeout: float | None = None) -> np.ndarray:
         """Add many steps; returns the new rows' ids (`np.ndarray[int64]`, their seqs). See `ExperienceStore.extend`."""
         cols, n = self.core.schema.validate_batch(batch)
         return self._ingest(cols, n, timeout)
@@ -281,9 +295,10 @@ class StoreWriter:
                 c.check_open()
             seq = hv[_HI]
             free = hv[_RES] <= seq  # else other writers' reservations are open: take the reserving path
-            if free and self._limit_inserts:  # a limiter that can hold inserts back (SampleToInsertRatio)
-                with c.lock:
-                    free = c.rate_limiter.can_insert(1, c.counters())
+            limiter = c.rate_limiter
+            if free and self._limit_inserts and limiter is not None:  # a limiter that can hold inserts back
+                with c.lock:  # (SampleToInsertRatio)
+                    free = limiter.can_insert(1, c.counters())
             if free:
                 pos = seq % arena_rows  # one row always fits in the spare chunk: a free position
                 if cols.pages is not None:
@@ -318,7 +333,7 @@ class StoreWriter:
             return self._append_general(step, timeout, False)
         return seq
 
-    def _append_general(self, step: Any, timeout: float | None, slow: bool) -> int:
+    def _append_general(self, step: StepLike, timeout: float | None, slow: bool) -> int:
         """`append` through `extend`'s validation and write path; `slow`: count the step as a slow-path one (not
         when it only had to wait)."""
         cols, n = self.core.schema.validate_batch(step, single=True)
@@ -383,7 +398,7 @@ class StoreWriter:
         self.commit_reserved(r)
         return np.arange(r.base, r.base + r.n, dtype=np.int64)
 
-    def reserve(self, cols: dict[str, Any], n: int, ends: np.ndarray, plan: Any = None,
+    def reserve(self, cols: dict[str, Any], n: int, ends: np.ndarray, plan: IngestPlan | Deferred | None = None,
                  first_id: int | None = None) -> _Reservation:
         """Step 1, under the write lock: take seqs [base, base + n) from the reservation head, free their ring
         positions (evicting the rows there), claim episode ids and final-observation slots.
@@ -447,7 +462,7 @@ class StoreWriter:
         c = self.core
         idx = c.index
         arena_rows = c.arena_rows
-        skip, base, segs, plan = r.skip, r.base, r.segs, r.plan
+        skip, base, segs, plan = r.skip, r.base, r.segs, r.planned()
         m = r.n - skip
         arenas = c.cols
         for name in arenas.arrays:
