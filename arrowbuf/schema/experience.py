@@ -35,7 +35,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -394,7 +394,12 @@ def bundled_schema_path(name: str) -> str | None:
     return path if os.path.isfile(path) else None
 
 
-def load_schema(source: str | os.PathLike | Mapping[str, Any] | pa.Schema | ExperienceSchema) -> ExperienceSchema:
+#: What `load_schema` (and every constructor taking a schema) accepts: a YAML path, a shipped schema's name, a dict
+#: of the YAML's form, a `pa.Schema`, or an `ExperienceSchema`.
+SchemaLike: TypeAlias = "str | os.PathLike[str] | Mapping[str, Any] | pa.Schema | ExperienceSchema"
+
+
+def load_schema(source: SchemaLike) -> ExperienceSchema:
     """Load an `ExperienceSchema` from a YAML path, the name of a shipped schema ("atari", see `bundled_schemas`), a
     dict of the same form, or a `pa.Schema`.
 

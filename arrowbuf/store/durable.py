@@ -28,13 +28,14 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Literal, overload
 
 import numpy as np
 import pyarrow as pa
 
 from ..engine.consume import check_policy_version
+from ..engine.core import StoreCore
 from ..errors import InvalidArgument, StoreCorrupt
 from ..observe import identity
 from ..observe.lineage import ACKED, DELIVERED
@@ -47,6 +48,7 @@ from ..persist.crc import IMPLEMENTATION as CRC_IMPLEMENTATION
 from ..persist.replay import columns_table, replay
 from ..persist.snapshot import Snapshot, capture, capture_held
 from ..samplers.base import validate_priorities
+from ..schema.inputs import BatchLike, IdsLike, StepLike, ValuesLike
 from ..schema.update import update_ids, validate_update
 from .pending import PendingWrite
 from .writes import StoreParts
@@ -137,10 +139,19 @@ class DurableWrites:
     def append(self, step: dict[str, Any], timeout: float | None) -> int:
         return int(self._extend(step, timeout, True, True)[0])
 
-    def extend(self, batch: Any, timeout: float | None, wait: bool) -> np.ndarray | PendingWrite:
+    def extend(self, batch: BatchLike, timeout: float | None, wait: bool) -> np.ndarray | PendingWrite:
         return self._extend(batch, timeout, False, wait)
 
-    def _extend(self, batch: Any, timeout: float | None, single: bool, wait: bool) -> Any:
+    @overload
+    def _extend(self, batch: BatchLike | StepLike, timeout: float | None, single: bool,
+                wait: Literal[True]) -> np.ndarray: ...
+
+    @overload
+    def _extend(self, batch: BatchLike | StepLike, timeout: float | None, single: bool,
+                wait: bool) -> np.ndarray | PendingWrite: ...
+
+    def _extend(self, batch: BatchLike | StepLike, timeout: float | None, single: bool,
+                wait: bool) -> np.ndarray | PendingWrite:
         """Journal and store `batch`; returns its ids once durable, or with `wait=False` a `PendingWrite` at once
         (the rows stored and their record written; durable later: `arrowbuf.store.pending`)."""
         journal = self.journal
@@ -206,7 +217,7 @@ class DurableWrites:
     # whoever sees a value (a consumer that then journals its consumption) sees it after its record, so a consumption
     # that survives a crash never delivered a change that did not. Each is validated in full first: a record is
     # appended only for a change that will apply.
-    def update(self, ids: Any, values: Any) -> int:
+    def update(self, ids: IdsLike, values: Mapping[str, object]) -> int:
         seqs = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
         cols = validate_update(self.core.schema, seqs, values, single)
@@ -219,7 +230,7 @@ class DurableWrites:
         self.journal.wait(ticket)
         return int(n)
 
-    def update_priorities(self, indices: Any, priorities: Any) -> int:
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> int:
         seqs, pri = validate_priorities(indices, priorities)
         table = pa.table({"seq": pa.array(seqs, pa.int64()), "priority": pa.array(np.asarray(pri, np.float64))})
         payload = jr.table_bytes(table)
@@ -306,7 +317,7 @@ class _Cut:
         self.log = log
         self.lsn = -1
 
-    def capture(self, core: Any) -> tuple[Snapshot, dict[str, Any]]:
+    def capture(self, core: StoreCore) -> tuple[Snapshot, dict[str, Any]]:
         log = self.log
         with log._mutate, core.write_lock:
             log.parts.writer.wait_reserved()
@@ -328,7 +339,7 @@ class _Cut:
 class _Start:
     """The `JournalCut` of a new durable directory's first checkpoint: the journal starts after it, at lsn 0."""
 
-    def capture(self, core: Any) -> tuple[Snapshot, dict[str, Any]]:
+    def capture(self, core: StoreCore) -> tuple[Snapshot, dict[str, Any]]:
         return capture(core), {"from_lsn": 0}
 
     def before_commit(self) -> None:
@@ -386,7 +397,7 @@ class _Target:
                 lineage.consumed(task, live, outcome)  # staleness against the replayed policy_version, as then
                 lineage.restamp_consumed(task, live, consumer, at)
 
-    def apply_end_episode(self, actor: Any, final: dict[str, Any]) -> None:
+    def apply_end_episode(self, actor: Hashable, final: dict[str, Any]) -> None:
         self.parts.writer.end_episode(actor, final)
 
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Iterator
-from typing import Any, Literal, cast, overload
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from ..delivery.batch import SampleBatch
@@ -38,7 +39,7 @@ from ..engine.writer import StoreWriter
 from ..errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed, StoreCorrupt
 from ..observe.timings import Timings, timed
 from ..options import StoreOptions
-from ..placement import PlacementTarget, make_placement
+from ..placement import Placement, PlacementTarget, make_placement
 from ..rate_limiters import RateLimiter
 from ..ring.chunks import ChunkDirectory, default_chunk_rows
 from ..ring.columns import ColumnArenas
@@ -46,12 +47,22 @@ from ..ring.index import HEADER, RingIndex
 from ..ring.reservations import Reservations
 from ..ring.tiered import TieredColumnArenas
 from ..samplers import Sampler, make_sampler
-from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
+from ..schema import SYSTEM_COLUMNS, ExperienceSchema, SchemaLike, load_schema
+from ..schema.inputs import BatchLike, IdsLike, ValuesLike
 from ..tiers.base import Tier, format_bytes
 from ..tiers.host import HostTier
 from .pending import PendingWrite
 from .views import StoreViews, ViewParts
 from .writes import DirectWrites, StoreParts, Writes
+
+if TYPE_CHECKING:  # pragma: no cover
+    import cudf
+    import pandas as pd
+    import polars as pl
+
+    from ..observe.lineage import Lineage
+    from ..observe.metrics import MetricsEndpoint
+    from ..persist.checkpoint import CheckpointHandle
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
 
@@ -101,13 +112,14 @@ class ExperienceStore:
             not a machine crash).
     """
 
-    def __init__(self, schema: Any, capacity: int | None = None, sampler: str | Sampler | None = "uniform",
+    def __init__(self, schema: SchemaLike, capacity: int | None = None, sampler: str | Sampler | None = "uniform",
                  rate_limiter: RateLimiter | None = None, seed: int | None = None, *,
                  chunk_rows: int | None = None, final_obs_capacity: int | None = None,
                  max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None,
-                 tiers: dict[str, Any] | None = None, placement: Any = None, tasks: Any = None,
+                 tiers: dict[str, Any] | None = None, placement: object = None, tasks: list[str] | None = None,
                  max_staleness: int | None = None, token_field: str | None = None, observe: bool = True,
-                 durable: Any = None, durability: str = "group", options: StoreOptions | None = None) -> None:
+                 durable: str | os.PathLike[str] | None = None, durability: str = "group",
+                 options: StoreOptions | None = None) -> None:
         self.schema: ExperienceSchema = load_schema(schema)
         if options is None:
             if capacity is None:
@@ -134,7 +146,7 @@ class ExperienceStore:
         check_store_options(o.tier, o.sampler, o.tasks)  # before anything is allocated
         self.capacity = o.capacity
         self.name = o.name or self.schema.name
-        self.placement_policy: Any = None
+        self.placement_policy: Placement | None = None
         self._core: StoreCore | None = None
         if o.tiers is None:
             self._tier = _make_tier(o.tier, self.name, self.schema)
@@ -267,12 +279,12 @@ class ExperienceStore:
         return self._writes
 
     @property
-    def _durable(self) -> Any:
+    def _durable(self) -> Writes | None:
         """The durable write path (`arrowbuf.store.durable.DurableWrites`: its `journal`, what its restore
         `replayed`), or None: for tests and crash tools that look at the journal."""
         return self._writes if self._writes is not None and self._writes.journal is not None else None
 
-    def _make_lineage(self) -> Any:
+    def _make_lineage(self) -> Lineage:
         from ..observe.lineage import for_core
 
         return for_core(self._core, lambda: self._consume.policy_version, self._consume.tasks,
@@ -370,7 +382,7 @@ class ExperienceStore:
         a tiered one."""
         return self._w.accepts_pieces and self._pieces.ok(1, set())
 
-    def begin_extend(self, rows: int, names: Any) -> ExtendInPieces | None:
+    def begin_extend(self, rows: int, names: Collection[str]) -> ExtendInPieces | None:
         """One extend of `rows` rows (columns `names`) that arrives in pieces, each copied straight into the ring
         (`arrowbuf.engine.pieces.ExtendInPieces`: write, commit, abort; the guarantees of one `extend`), or None
         when this store takes such a batch only whole (`PiecesWriter.ok`: durable, tiered, tasks, a rate
@@ -393,12 +405,13 @@ class ExperienceStore:
         return self._w.append(step, timeout)
 
     @overload
-    def extend(self, batch: Any, *, timeout: float | None = None, wait: Literal[True] = True) -> np.ndarray: ...
+    def extend(self, batch: BatchLike, *, timeout: float | None = None, wait: Literal[True] = True) -> np.ndarray: ...
     @overload
-    def extend(self, batch: Any, *, timeout: float | None = None, wait: Literal[False]) -> PendingWrite: ...
+    def extend(self, batch: BatchLike, *, timeout: float | None = None, wait: Literal[False]) -> PendingWrite: ...
 
     @timed("extend")
-    def extend(self, batch: Any, *, timeout: float | None = None, wait: bool = True) -> Any:
+    def extend(self, batch: BatchLike, *, timeout: float | None = None,
+               wait: bool = True) -> np.ndarray | PendingWrite:
         """Add many steps: a dict of arrays with a leading dim, a `pa.RecordBatch` or a `pa.Table`.
 
         The batch is atomic: its rows become visible to `sample`, `len` and `to_table` all at once, when this
@@ -418,7 +431,7 @@ class ExperienceStore:
         """
         return self._w.extend(batch, timeout, wait)
 
-    def end_episode(self, actor: Any = None, **final: Any) -> bool:
+    def end_episode(self, actor: Hashable = None, **final: npt.ArrayLike) -> bool:
         """End `actor`'s open episode at its last stored step, so that step becomes sampleable now.
 
         With a derived field (`next_obs`), the last step of an open episode waits for the episode's next step to know
@@ -440,7 +453,7 @@ class ExperienceStore:
         """
         return self._w.end_episode(actor, final)
 
-    def flush(self, actor: Any = None, **final: Any) -> bool:
+    def flush(self, actor: Hashable = None, **final: npt.ArrayLike) -> bool:
         """Deprecated name of `end_episode` (writers' `flush` waits for acknowledgements; this one never did)."""
         warnings.warn("ExperienceStore.flush(actor, ...) is deprecated: it ends an episode stream; call "
                       "end_episode(actor, ...) instead", DeprecationWarning, stacklevel=2)
@@ -448,7 +461,7 @@ class ExperienceStore:
 
     # ------------------------------------------------------------------ fields filled later
     @timed("update")
-    def update(self, ids: Any, values: dict[str, Any]) -> int:
+    def update(self, ids: IdsLike, values: dict[str, Any]) -> int:
         """Fill fields declared `later: true` of stored rows: `store.update(ids, {"reward": r})`.
 
         Atomic per call and validated like `extend`; ids of evicted or replaced rows are skipped and counted in
@@ -467,7 +480,7 @@ class ExperienceStore:
         """
         return self._w.update(ids, values)
 
-    def present(self, fields: list[str], ids: Any) -> np.ndarray:
+    def present(self, fields: list[str], ids: IdsLike) -> np.ndarray:
         """Per id, whether every one of `fields` has a value (False for ids whose row is no longer stored)."""
         seqs = np.atleast_1d(np.asarray(ids, dtype=np.int64))
         with self._lock:
@@ -530,7 +543,7 @@ class ExperienceStore:
         return self._reader.sample_pieces(n, rows, columns, timeout, piece_bytes=piece_bytes, n_step=n_step,
                                           gamma=gamma)
 
-    def take(self, ids: Any, columns: Iterable[str] | None = None) -> SampleBatch:
+    def take(self, ids: IdsLike, columns: Iterable[str] | None = None) -> SampleBatch:
         """The rows `ids` (as `extend` returned them), in that order, gathered as `sample` gathers: random access
         by id, for callers that keep their own index of rows (`arrowbuf.compat`'s TorchRL storage and
         TransferQueue API). Counts as no sample (no sampler, limiter or `max_times_sampled` effect).
@@ -555,7 +568,7 @@ class ExperienceStore:
             raise InvalidArgument(f"take: rows {seqs[~again][:8].tolist()} were evicted while they were read")
         return SampleBatch(arrays, seqs.copy(), None)
 
-    def update_priorities(self, indices: Any, priorities: Any) -> int:
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> int:
         """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
 
         Returns the number of ids applied.
@@ -680,13 +693,13 @@ class ExperienceStore:
         `arrowbuf.engine.reader`."""
         return self._v.snapshot(columns)
 
-    def to_pandas(self, columns: Iterable[str] | None = None) -> Any:
+    def to_pandas(self, columns: Iterable[str] | None = None) -> pd.DataFrame:
         """The live rows as a pandas DataFrame (tensor columns as arrays per row). Needs `arrowbuf[query]`."""
         from ..query.frames import table_to_pandas
 
         return table_to_pandas(self.to_table(columns))
 
-    def to_polars(self, columns: Iterable[str] | None = None) -> Any:
+    def to_polars(self, columns: Iterable[str] | None = None) -> pl.DataFrame:
         """The live rows as a Polars DataFrame (tensors as Array columns). Needs `arrowbuf[query]`."""
         from ..query.frames import table_to_polars
 
@@ -715,7 +728,7 @@ class ExperienceStore:
         ready / waiting / consumed / in flight: `arrowbuf.observe.progress`) and `checkpoints`."""
         return self._v.observability()
 
-    def serve_metrics(self, address: str = "127.0.0.1:0") -> Any:
+    def serve_metrics(self, address: str = "127.0.0.1:0") -> MetricsEndpoint:
         """Serve this store's Prometheus metrics at `http://address/metrics` (a thread; needs `arrowbuf[metrics]`).
         Returns a `MetricsEndpoint` (`.url`, `.close()`, a context manager). See docs/observability.md."""
         from ..observe.metrics import MetricsEndpoint
@@ -741,7 +754,7 @@ class ExperienceStore:
         """
         return self._v.placement(explain)
 
-    def to_cudf(self, columns: Iterable[str] | None = None, *, device: bool = False) -> Any:
+    def to_cudf(self, columns: Iterable[str] | None = None, *, device: bool = False) -> cudf.DataFrame:
         """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
         tensor type: sample tensor columns with `sample(...).to_torch("cuda")` (or a GPU tier). Needs
         `pip install 'arrowbuf[gpu]'` and a GPU.
@@ -765,8 +778,20 @@ class ExperienceStore:
         return self._v.chunks()
 
     # ------------------------------------------------------------------ checkpoints and exports (`arrowbuf.persist`)
-    def checkpoint(self, path: Any = None, keep: int | None = None, background: bool = False,
-                   compression: str | None = None) -> Any:
+    @overload
+    def checkpoint(self, path: str | os.PathLike[str] | None = None, keep: int | None = None,
+                   background: Literal[False] = False, compression: str | None = None) -> dict[str, Any]: ...
+
+    @overload
+    def checkpoint(self, path: str | os.PathLike[str] | None = None, keep: int | None = None, *,
+                   background: Literal[True], compression: str | None = None) -> CheckpointHandle: ...
+
+    @overload
+    def checkpoint(self, path: str | os.PathLike[str] | None = None, keep: int | None = None,
+                   background: bool = False, compression: str | None = None) -> dict[str, Any] | CheckpointHandle: ...
+
+    def checkpoint(self, path: str | os.PathLike[str] | None = None, keep: int | None = None, background: bool = False,
+                   compression: str | None = None) -> dict[str, Any] | CheckpointHandle:
         """Write a consistent, incremental, atomic checkpoint into directory `path`; writers and samplers go on.
 
         The snapshot point is the call: the checkpoint holds the rows committed then (one contiguous seq range
@@ -789,11 +814,11 @@ class ExperienceStore:
             A summary dict (generation, rows, files written and reused, bytes), or a handle with `background=True`.
         """
         self._check_open()
-        out: Any = self._w.checkpoint(None if path is None else os.fspath(path), keep, background, compression)
+        out = self._w.checkpoint(None if path is None else os.fspath(path), keep, background, compression)
         self._v.checkpoints.started(out)  # for /metrics and the inspector
         return out
 
-    def export(self, path: Any, format: str = "parquet", partition_by: Any = None,
+    def export(self, path: str | os.PathLike[str], format: str = "parquet", partition_by: str | list[str] | None = None,
                compression: str | None = None) -> dict[str, Any]:
         """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
         `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
@@ -804,8 +829,8 @@ class ExperienceStore:
 
     # ------------------------------------------------------------------ restore (`arrowbuf.persist`)
     @classmethod
-    def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
-                seed: int | None = None, name: str | None = None, schema: Any = None,
+    def restore(cls, path: str | os.PathLike[str], *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
+                seed: int | None = None, name: str | None = None, schema: SchemaLike | None = None,
                 generation: int | None = None, durability: str | None = None) -> ExperienceStore:
         """The store checkpointed at `path`: same rows under the same ids, same sampler, limiter and episode state.
 
@@ -842,7 +867,8 @@ class ExperienceStore:
         return store
 
     @classmethod
-    def from_dataset(cls, path: Any, capacity: int | None = None, *, schema: Any = None,
+    def from_dataset(cls, path: str | os.PathLike[str], capacity: int | None = None, *,
+                     schema: SchemaLike | None = None,
                      **kwargs: Any) -> ExperienceStore:
         """A new store filled from a dataset directory: an arrowbuf export or checkpoint, Parquet with arrowbuf's
         schema, or a Minari dataset with the Arrow backend (the newest `capacity` rows when there are more; default:
@@ -879,7 +905,7 @@ class ExperienceStore:
         """Shared store: remove its name now (from any process); users keep their mappings until they close."""
         self._tier.unlink()
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> tuple[Callable[[str], ExperienceStore], tuple[str]]:
         if self._tier.shared:  # a shared store pickles by name: the receiving process attaches to it
             return (ExperienceStore.attach, (self.name,))
         raise TypeError(f"store {self.name!r} lives in this process's heap and cannot be pickled; "

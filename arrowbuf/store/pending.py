@@ -28,11 +28,14 @@ Guarantees (docs/durability.md):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InsertTimeout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..persist.journal import Journal
 
 
 class PendingWrite:
@@ -41,7 +44,7 @@ class PendingWrite:
 
     __slots__ = ("ids", "_journal", "_ticket")
 
-    def __init__(self, ids: np.ndarray, journal: Any = None, ticket: int = -1) -> None:
+    def __init__(self, ids: np.ndarray, journal: Journal | None = None, ticket: int = -1) -> None:
         self.ids = ids          #: the new rows' ids, as `extend` returns them
         self._journal = journal  # a `persist.journal.Journal` (None: nothing to wait for)
         self._ticket = int(ticket)

@@ -14,6 +14,7 @@ Usage (what `ExperienceStore` does)::
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -28,11 +29,13 @@ from ..engine.reader import RowSnapshot, StoreReader
 from ..engine.writer import StoreWriter
 from ..errors import InvalidArgument, SchemaError
 from ..observe.timings import Timings
-from ..placement import placement_table
+from ..placement import Placement, placement_table
 from ..schema import ExperienceSchema
 from ..tiers.base import Tier
 
 if TYPE_CHECKING:
+    import cudf
+
     from ..persist.checkpoint import CheckpointHandle
 
 
@@ -71,7 +74,7 @@ class ViewParts:
     episodes: EpisodeTracker
     tiers: list[Tier]  # the index's tier first, then the data tiers (each once)
     timings: Timings | None
-    placement_policy: Any = None
+    placement_policy: Placement | None = None
     checkpoints: CheckpointRecord = field(default_factory=CheckpointRecord)
 
 
@@ -94,7 +97,7 @@ class StoreViews:
     def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
         return self.parts.reader.snapshot(columns)
 
-    def to_cudf(self, columns: Iterable[str] | None = None, device: bool = False) -> Any:
+    def to_cudf(self, columns: Iterable[str] | None = None, device: bool = False) -> cudf.DataFrame:
         fields = self.schema.fields
         scalar = [n for n, f in fields.items() if not f.shape and not f.ragged and f.plain]
         names = list(columns) if columns is not None else [*scalar, "episode_id", "step", "seq"]
@@ -187,7 +190,8 @@ class StoreViews:
             return core.directory.table(core.index.lo, core.index.hi)
 
     # ------------------------------------------------------------------ persistence
-    def export(self, path: Any, format: str, partition_by: Any, compression: str | None) -> dict[str, Any]:
+    def export(self, path: str | os.PathLike[str], format: str, partition_by: str | list[str] | None,
+               compression: str | None) -> dict[str, Any]:
         from ..persist import export
 
         core = self.parts.core

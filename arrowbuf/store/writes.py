@@ -17,7 +17,7 @@ The facade never asks which one it holds. Usage (what `ExperienceStore` does)::
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,6 +29,7 @@ from ..engine.reader import StoreReader
 from ..engine.update import StoreUpdater
 from ..engine.writer import StoreWriter
 from ..errors import InvalidArgument
+from ..schema.inputs import BatchLike, IdsLike, ValuesLike
 from .pending import PendingWrite
 
 if TYPE_CHECKING:
@@ -59,13 +60,13 @@ class Writes(Protocol):
 
     def append(self, step: dict[str, Any], timeout: float | None) -> int: ...
 
-    def extend(self, batch: Any, timeout: float | None, wait: bool) -> np.ndarray | PendingWrite: ...
+    def extend(self, batch: BatchLike, timeout: float | None, wait: bool) -> np.ndarray | PendingWrite: ...
 
     def end_episode(self, actor: Hashable, final: dict[str, Any]) -> bool: ...
 
-    def update(self, ids: Any, values: Any) -> int: ...
+    def update(self, ids: IdsLike, values: Mapping[str, object]) -> int: ...
 
-    def update_priorities(self, indices: Any, priorities: Any) -> int: ...
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> int: ...
 
     def add_task(self, name: str) -> None: ...
 
@@ -93,17 +94,17 @@ class DirectWrites:
     def append(self, step: dict[str, Any], timeout: float | None) -> int:
         return self.parts.writer.append(step, timeout=timeout)
 
-    def extend(self, batch: Any, timeout: float | None, wait: bool) -> np.ndarray | PendingWrite:
+    def extend(self, batch: BatchLike, timeout: float | None, wait: bool) -> np.ndarray | PendingWrite:
         ids = self.parts.writer.extend(batch, timeout=timeout)
         return ids if wait else PendingWrite(ids)
 
     def end_episode(self, actor: Hashable, final: dict[str, Any]) -> bool:
         return self.parts.writer.end_episode(actor, final)
 
-    def update(self, ids: Any, values: Any) -> int:
+    def update(self, ids: IdsLike, values: Mapping[str, object]) -> int:
         return self.parts.updater.update(ids, values)
 
-    def update_priorities(self, indices: Any, priorities: Any) -> int:
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> int:
         return self.parts.reader.update_priorities(indices, priorities)
 
     def add_task(self, name: str) -> None:
