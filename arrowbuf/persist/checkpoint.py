@@ -30,7 +30,9 @@ import shutil
 import threading
 import time
 import weakref
-from typing import Any, Protocol
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +42,10 @@ from ..errors import ArrowbufError, InvalidArgument
 from ..samplers.spec import to_spec
 from . import faults
 from . import manifest as mf
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Buffer
+
 from .snapshot import Snapshot, capture, intact_from, later_columns, later_digest, read_chunk, tensor_array
 
 #: Per store (keyed by its ring index) and checkpoint directory: the row files of sealed chunks known to hold its
@@ -163,8 +169,27 @@ class JournalCut(Protocol):
     def after_commit(self) -> None: ...
 
 
+@overload
+def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None, background: Literal[False] = False,
+               compression: str | None = None, _after_read: Callable[[int], object] | None = None,
+               cut: JournalCut | None = None) -> dict[str, Any]: ...
+
+
+@overload
+def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None, *, background: Literal[True],
+               compression: str | None = None, _after_read: Callable[[int], object] | None = None,
+               cut: JournalCut | None = None) -> CheckpointHandle: ...
+
+
+@overload
 def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None, background: bool = False,
-               compression: str | None = None, _after_read: Any = None, cut: JournalCut | None = None) -> Any:
+               compression: str | None = None, _after_read: Callable[[int], object] | None = None,
+               cut: JournalCut | None = None) -> dict[str, Any] | CheckpointHandle: ...
+
+
+def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None, background: bool = False,
+               compression: str | None = None, _after_read: Callable[[int], object] | None = None,
+               cut: JournalCut | None = None) -> dict[str, Any] | CheckpointHandle:
     """Write a checkpoint of the store whose internals are `core` into directory `path` (see the module docstring
     and `ExperienceStore.checkpoint`, which calls this).
 
@@ -203,6 +228,7 @@ def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None
     job.run()
     if job.error is not None:
         raise job.error
+    assert job.result is not None, "a checkpoint that ran without an error has its summary"
     return job.result
 
 
@@ -217,9 +243,9 @@ class _Job:
         self.progress = 0.0
         self.error: BaseException | None = None
         self.result: dict[str, Any] | None = None
-        self.after_read: Any = None
+        self.after_read: Callable[[int], object] | None = None
         self.unsynced: list[Any] = []
-        self.syncer: Any = None
+        self.syncer: ThreadPoolExecutor | None = None
         self.journal: dict[str, Any] | None = None
         self.cut: JournalCut | None = None
         self.written: list[str] = []  # paths this checkpoint created (removed again if it fails before its commit)
@@ -262,7 +288,7 @@ class _Job:
                 w.write_batch(batch)
         return sink.getvalue()
 
-    def _write(self, name: str, data: Any, sub: str = "", crc: int | None = None) -> dict[str, Any]:
+    def _write(self, name: str, data: Buffer, sub: str = "", crc: int | None = None) -> dict[str, Any]:
         """Write a file through temp + rename; a background thread fsyncs it while the next file is prepared, and
         `_sync` waits for all of them before the manifest names them."""
         path = os.path.join(self.root, sub, name)

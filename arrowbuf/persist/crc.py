@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Buffer
 
 _crc: Callable[[Any, int], int]
 try:
@@ -25,6 +28,6 @@ except ImportError:  # pragma: no cover - the standard library's
     IMPLEMENTATION = "zlib"
 
 
-def crc32(data: Any, value: int = 0) -> int:
+def crc32(data: Buffer, value: int = 0) -> int:
     """CRC-32 of `data` (any bytes-like object), continued from `value` (a previous call's result)."""
     return _crc(data, value) & 0xFFFFFFFF

@@ -56,8 +56,9 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -88,6 +89,9 @@ from .record import U32 as _U32
 from .record import V1_SCHEMA_BYTES as _V1_SCHEMA_BYTES
 from .record import ZERO4 as _ZERO4
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .record import Payload
+
 __all__ = ["FORMAT_VERSION", "RECORD_SCHEMA", "Prepared", "encode", "payload_table", "prepare",
            "record_crc", "seal", "table_bytes", "table_pieces", "Journal", "Record", "read_segments", "read_journal",
            "seal_last", "segments", "lock_journal", "TornTail"]
@@ -111,7 +115,7 @@ class Record:
     lsn: int
     kind: str
     meta: dict[str, Any]
-    payload: Any  # bytes-like (a zero-copy `pa.Buffer` when read back)
+    payload: bytes | pa.Buffer  # a zero-copy `pa.Buffer` when read back
 
 
 class Journal:
@@ -183,7 +187,7 @@ class Journal:
         assert self._file is not None
         return self._file.fd
 
-    def append(self, kind: str, meta: dict[str, Any], payload: Any = b"") -> int:
+    def append(self, kind: str, meta: dict[str, Any], payload: Payload = b"") -> int:
         """Append one record (in the order of the calls) and write it; returns its ticket for `wait`."""
         return self.append_prepared(prepare(kind, meta, payload))
 
@@ -340,7 +344,7 @@ class Journal:
             self._sync_upto(ticket, gather=self.policy == "group")
         return True
 
-    def _await_syncer(self, ticket: int, done: Any) -> None:
+    def _await_syncer(self, ticket: int, done: Callable[[], int]) -> None:
         """While the sync thread is working on record `ticket` (it took the `sync_soon` request), wait until
         `done()` >= ticket: its write or fdatasync is not done twice, nor on the caller's thread; returns at once
         otherwise (a sync thread not running yet, on a busy machine: the caller does the work itself)."""
@@ -664,7 +668,7 @@ def _check_segment(path: str, first: int, loader: _Loader) -> tuple[list[Record]
     return recs, None, prev
 
 
-def _frame_size(view: memoryview, off: int, need: Any = None) -> int:
+def _frame_size(view: memoryview, off: int, need: Callable[[int], object] | None = None) -> int:
     """The byte size of the encapsulated IPC message at `off` from its framing (continuation marker, metadata
     length, the flatbuffer's bodyLength); 0 when the bytes end inside the framing (torn), -1 when it is malformed.
     `need(k)`: called before bytes below k are read (a segment still being loaded)."""
@@ -738,7 +742,7 @@ def _parse_at(buf: pa.Buffer, view: memoryview, off: int, lsn: int, prev: int,
     return Record(lsn, row["kind"], meta, payload), off + total, crc
 
 
-def _payload(arr: pa.Array) -> Any:
+def _payload(arr: pa.Array) -> bytes | pa.Buffer:
     """The payload of a one-row binary column, zero-copy (a `pa.Buffer`)."""
     if arr.null_count:
         return b""

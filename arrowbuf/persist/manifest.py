@@ -25,10 +25,13 @@ import json
 import os
 import re
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument, StoreCorrupt
 from .crc import crc32 as _crc32
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Buffer
 
 FORMAT = "arrowbuf-checkpoint"
 #: Version of the layout; bumped on any incompatible change (docs/format.md lists them).
@@ -42,7 +45,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 ROW_FILE = re.compile(r"^(\d{20})-(\d+)-([0-9a-f]{8})\.arrow$")
 
 
-def crc32(data: Any, value: int = 0) -> int:
+def crc32(data: Buffer, value: int = 0) -> int:
     return _crc32(memoryview(data).cast("B"), value)
 
 
@@ -107,7 +110,7 @@ def check_private(path: str) -> None:
             "forge its records); use a directory of your own, or `chmod go-w` it")
 
 
-def write_file(path: str, data: Any, *, sync: bool = True) -> None:
+def write_file(path: str, data: Buffer, *, sync: bool = True) -> None:
     """Write `data` to `path` through a temp file and a rename (never a half-written `path`)."""
     d, base = os.path.split(path)
     tmp = os.path.join(d, f".{base}.tmp-{os.getpid()}")
@@ -135,7 +138,7 @@ def write_file(path: str, data: Any, *, sync: bool = True) -> None:
         raise
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
+def write_json_atomic(path: str, obj: object) -> None:
     """Write JSON to `path` with write-temp + fsync + rename + fsync of the directory."""
     write_file(path, json.dumps(obj, indent=1).encode())
     fsync_dir(os.path.dirname(path) or ".")

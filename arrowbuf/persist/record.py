@@ -20,12 +20,19 @@ import json
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import pyarrow as pa
 
 from ..errors import InvalidArgument
 from .crc import crc32
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Buffer
+
+#: A record's payload: bytes-like (bytes, a memoryview, a `pa.Buffer`), or a list of them written one after the other
+#: (`table_pieces`).
+Payload: TypeAlias = "Buffer | list[Buffer]"
 
 #: The journal format version (docs/format.md), in the segment schema's metadata.
 FORMAT_VERSION = 2
@@ -54,7 +61,7 @@ class Prepared:
     """A record encoded but for its lsn, prev and (optionally) its meta (`prepare`, outside every lock); `seal`
     places it. The payload is checksummed already (not copied: `pieces` are the caller's buffers)."""
 
-    head: Any      # the message's bytes before the payload: framing, metadata, lsn, kind, meta, payload offsets
+    head: bytearray  # the message's bytes before the payload: framing, metadata, lsn, kind, meta, payload offsets
     lsn_at: int    # the lsn's 8 bytes in `head` (the body's first buffer)
     meta_at: int   # the meta string's bytes in `head` (`meta_w` of them: JSON padded with spaces)
     meta_w: int
@@ -63,7 +70,7 @@ class Prepared:
     crc: int       # CRC-32 of `pieces`
 
 
-def _payload_pieces(payload: Any) -> tuple[list[Any], int]:
+def _payload_pieces(payload: Payload) -> tuple[list[Any], int]:
     """`payload` (bytes-like, a `pa.Buffer`, or a list of them: `table_pieces`) as a list of buffers, and its
     size."""
     parts = payload if isinstance(payload, list) else [payload]
@@ -71,7 +78,7 @@ def _payload_pieces(payload: Any) -> tuple[list[Any], int]:
     return out, sum(p.size if isinstance(p, pa.Buffer) else len(p) for p in out)
 
 
-def prepare(kind: str, meta: dict[str, Any], payload: Any = b"", meta_width: int = 0) -> Prepared:
+def prepare(kind: str, meta: dict[str, Any], payload: Payload = b"", meta_width: int = 0) -> Prepared:
     """Encode a record (an encapsulated Arrow IPC record-batch message) with lsn and prev left for `seal` (and its
     meta, when `meta_width` reserves room for a meta `seal` gets: JSON padded with spaces to that width).
     `payload`: bytes-like, or a list of buffers written one after the other (`table_pieces`)."""
@@ -137,7 +144,7 @@ def seal(p: Prepared, lsn: int, prev: int, meta: dict[str, Any] | bytes | None =
     return [h, *p.pieces, prev_b + U32.pack(crc) + ZERO4], crc
 
 
-def encode(lsn: int, kind: str, meta: dict[str, Any], payload: Any = b"", prev: int = 0) -> bytes:
+def encode(lsn: int, kind: str, meta: dict[str, Any], payload: Payload = b"", prev: int = 0) -> bytes:
     """One whole record as bytes (tests, tools; the journal writes `prepare` + `seal` without joining)."""
     pieces, _ = seal(prepare(kind, meta, payload), lsn, prev)
     return b"".join(bytes(memoryview(x).cast("B")) for x in pieces)
@@ -162,7 +169,7 @@ def record_crc(view: memoryview, off: int, total: int) -> int:
     return crc32(view[end - 16:end - 8], crc) & 0xFFFFFFFF
 
 
-def _one(type_: pa.DataType, value: Any) -> pa.Array:
+def _one(type_: pa.DataType, value: Buffer) -> pa.Array:
     """A one-value string or binary array over `value`'s bytes (zero-copy; pa.array costs ~10 us)."""
     data = value if isinstance(value, pa.Buffer) else pa.py_buffer(value)
     return pa.Array.from_buffers(type_, 1, [None, pa.py_buffer(OFFS.pack(0, data.size)), data])
@@ -290,7 +297,7 @@ class _Pieces:
     def __init__(self) -> None:
         self.parts: list[Any] = []
 
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes | pa.Buffer) -> int:
         self.parts.append(data)
         return len(data)
 

@@ -11,9 +11,16 @@ from __future__ import annotations
 import os
 import re
 import stat
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from ..errors import InvalidArgument
+
+
+class Checkpointable(Protocol):
+    """A store that checkpoints itself into a directory (`ExperienceStore`, a Ray shard's store)."""
+
+    def checkpoint(self, path: str, keep: int | None = None) -> Mapping[str, Any]: ...
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
 MAX_DEPTH = 8
@@ -55,7 +62,8 @@ def resolve_under_root(root: str, name: str) -> str:
     return path
 
 
-def checkpoint_under_root(store: Any, root: str | None, name: str, keep: int | None = None) -> dict[str, Any]:
+def checkpoint_under_root(store: Checkpointable, root: str | None, name: str,
+                          keep: int | None = None) -> dict[str, Any]:
     """Checkpoint `store` into `root/name` for a remote caller; JSON-able summary (paths relative to the root).
 
     Raises:

@@ -31,6 +31,7 @@ exact:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,6 +39,7 @@ import pyarrow as pa
 
 from ..errors import StoreCorrupt
 from ..schema import dtypes as _dtypes
+from ..schema.inputs import Converted
 from .journal import Record, payload_table
 from .snapshot import tensor_array
 
@@ -53,12 +55,12 @@ class ReplayTarget(Protocol):
     def apply_task(self, name: str) -> None: ...
     def apply_policy_version(self, value: int) -> None: ...
     def apply_consumed(self, task: str, seqs: np.ndarray) -> None: ...
-    def apply_end_episode(self, actor: Any, final: dict[str, Any]) -> None: ...
+    def apply_end_episode(self, actor: Hashable, final: dict[str, Any]) -> None: ...
     def restamp_written(self, first: int, n: int, writer: str, at: float) -> None: ...
     def restamp_consumed(self, task: str, seqs: np.ndarray, consumer: str, at: float, outcome: int) -> None: ...
 
 
-def column_array(col: Any) -> pa.Array:
+def column_array(col: Converted) -> pa.Array:
     """A validated column (`ExperienceSchema.validate_batch`) as an Arrow array: numpy -> plain or fixed-shape
     tensor arrays (zero-copy), masked arrays -> arrays with nulls, Arrow arrays as they are."""
     if isinstance(col, (pa.Array, pa.ChunkedArray)):
@@ -83,7 +85,7 @@ def column_array(col: Any) -> pa.Array:
     return pa.array(arr)
 
 
-def _complex_array(col: Any) -> pa.Array:
+def _complex_array(col: np.ndarray) -> pa.Array:
     data = np.ma.getdata(col)
     mask = None
     if isinstance(col, np.ma.MaskedArray):
@@ -92,7 +94,7 @@ def _complex_array(col: Any) -> pa.Array:
     return _dtypes.to_arrow(_dtypes.arrow_type(data.dtype.name, tuple(data.shape[1:])), data, mask)
 
 
-def columns_table(cols: dict[str, Any]) -> pa.Table:
+def columns_table(cols: Mapping[str, Converted]) -> pa.Table:
     """Validated columns as a table (a batch record's payload)."""
     return pa.table({name: column_array(c) for name, c in cols.items()})
 
@@ -176,7 +178,7 @@ def replay(records: list[Record], target: ReplayTarget, where: str, capacity: in
         if isinstance(who, str) and isinstance(at, int):
             target.restamp_written(int(rec.meta["first"]), int(rec.meta["n"]), who, at / 1e6)
 
-    def take(kind: str, seqs: np.ndarray, args: Any, select: Any) -> None:
+    def take(kind: str, seqs: np.ndarray, args: Any, select: Callable[[Any, np.ndarray], Any]) -> None:
         hi = target.next_seq()
         now, later = _split(seqs, hi)
         if now.any():

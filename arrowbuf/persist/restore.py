@@ -24,8 +24,9 @@ from ..engine.core import StoreCore
 from ..errors import InvalidArgument, SchemaError, StoreCorrupt
 from ..options import StoreOptions
 from ..ring.reservations import HOLE
-from ..schema import ExperienceSchema, load_schema
+from ..schema import ExperienceSchema, SchemaLike, load_schema
 from ..schema.convert import convert_later
+from ..tiers.base import Tier
 from . import manifest as mf
 from .checkpoint import known_files
 from .snapshot import later_digest, numpy_column, restore_sampler_state
@@ -75,8 +76,8 @@ class RestorePlan:
         load_into(core, self.root, self.manifest, restore_rng=self.restore_rng, consume=self.consume)
 
 
-def plan_restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any] | None = None,
-                 seed: int | None = None, name: str | None = None, schema: Any = None,
+def plan_restore(path: str | os.PathLike, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
+                 seed: int | None = None, name: str | None = None, schema: SchemaLike | None = None,
                  generation: int | None = None) -> RestorePlan:
     """Read and check the manifest of the checkpoint at `path` (see `ExperienceStore.restore`); `generation` picks a
     kept checkpoint other than the latest.

@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from ..engine.core import StoreCore
 from ..ring.reservations import HOLE
+from ..samplers import Sampler
 from ..schema import jsonvalues as _json
 from ..schema.convert import tensor_to_numpy
 from ..schema.dtypes import LogicalType, to_arrow, to_physical, wrap_list
@@ -113,7 +114,7 @@ def _final_state(core: StoreCore, pos: np.ndarray, lo: int) -> dict[str, Any]:
     return {"slot": slots, "owner": owners, "data": data}
 
 
-def sampler_state(sampler: Any, pos: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def sampler_state(sampler: Sampler, pos: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A sampler's state for the rows at `pos`: JSON-able scalars and per-row arrays (`Sampler.state`).
 
     Raises:
@@ -123,13 +124,13 @@ def sampler_state(sampler: Any, pos: np.ndarray) -> tuple[dict[str, Any], dict[s
     return meta, arrays
 
 
-def restore_sampler_state(sampler: Any, pos: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+def restore_sampler_state(sampler: Sampler, pos: np.ndarray, meta: dict[str, Any], arrays: dict[str, np.ndarray],
                           dropped_valid: int = 0) -> None:
     """Put back what `sampler_state` recorded, for the rows now at `pos` (a fresh store's sampler)."""
     sampler.load_state(pos, meta, arrays, dropped_valid)
 
 
-def arrow_column(values: Any, arrow_type: pa.DataType) -> pa.Array:
+def arrow_column(values: np.ndarray | pa.Array, arrow_type: pa.DataType) -> pa.Array:
     """A numpy column (rows first) as the Arrow array of the stored column's type; a json column's bytes (the
     ring's `list<uint8>`) as `arrow.json`."""
     if isinstance(arrow_type, LogicalType):  # bfloat16, float8, complex (arrowbuf.schema.dtypes)
@@ -156,7 +157,7 @@ def tensor_array(values: np.ndarray) -> pa.Array:
     return pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(value_type, shape), storage)
 
 
-def numpy_column(array: Any) -> np.ndarray:
+def numpy_column(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """An Arrow column of a row file as numpy (tensors [rows, *shape])."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
