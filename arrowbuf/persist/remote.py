@@ -12,15 +12,18 @@ import os
 import re
 import stat
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import InvalidArgument
 
 
+@runtime_checkable
 class Checkpointable(Protocol):
-    """A store that checkpoints itself into a directory (`ExperienceStore`, a Ray shard's store)."""
+    """A store that checkpoints itself into a directory (`ExperienceStore`, a Ray shard's store): a capability a
+    served store may lack (a proxy over a store, a store of the user's own)."""
 
     def checkpoint(self, path: str, keep: int | None = None) -> Mapping[str, Any]: ...
+
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
 MAX_DEPTH = 8
@@ -62,15 +65,18 @@ def resolve_under_root(root: str, name: str) -> str:
     return path
 
 
-def checkpoint_under_root(store: Checkpointable, root: str | None, name: str,
+def checkpoint_under_root(store: object, root: str | None, name: str,
                           keep: int | None = None) -> dict[str, Any]:
     """Checkpoint `store` into `root/name` for a remote caller; JSON-able summary (paths relative to the root).
 
     Raises:
-        InvalidArgument: the server has no checkpoint root, or `name` would leave it.
+        InvalidArgument: the server has no checkpoint root, the store takes no checkpoints, or `name` would leave
+            it.
     """
     if root is None:
         raise InvalidArgument("this server takes no checkpoints: start it with ab.serve(..., checkpoint_root=DIR)")
+    if not isinstance(store, Checkpointable):
+        raise InvalidArgument(f"this store ({type(store).__name__}) takes no checkpoints: it has no checkpoint()")
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= 1000):
         raise InvalidArgument(f"keep must be an integer in [1, 1000], got {keep!r}")
     path = resolve_under_root(root, name)

@@ -90,3 +90,34 @@ def test_a_remote_store_of_a_server_without_a_root_cannot_checkpoint(tmp_path):
         with ab.serve(store, "grpc://127.0.0.1:0") as server, ab.connect(server.location) as client:
             with pytest.raises(ab.ArrowbufError, match="checkpoint_root"):
                 client.checkpoint("run")
+
+
+class _NoCheckpoints:
+    """A store surface without `checkpoint` (a proxy over a store): the action refuses it by name."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        if name in ("checkpoint", "_store"):
+            raise AttributeError(name)
+        return getattr(self._store, name)
+
+    def __len__(self):
+        return len(self._store)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def test_checkpoint_action_refuses_a_store_that_takes_no_checkpoints(tmp_path):
+    with ab.ExperienceStore(SMALL, capacity=100, seed=0) as store:
+        store.extend(make_episodes([20])[0])
+        with ab.serve({"proxy": _NoCheckpoints(store)}, "grpc://127.0.0.1:0", checkpoint_root=tmp_path) as server:
+            with pytest.raises(flight.FlightError) as info:
+                _call(server.location, {"path": "run-1"})
+    assert "takes no checkpoints" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
