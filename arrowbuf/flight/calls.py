@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow.flight as flight
@@ -19,13 +19,14 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from ..schema import ExperienceSchema
+    from ..schema.inputs import BatchLike
 
 
 class Unreachable(Exception):
     """A transport failure: the server is down or restarting (no arrowbuf status detail)."""
 
 
-def check_timeout(value: Any, what: str) -> float | None:
+def check_timeout(value: object, what: str) -> float | None:
     """`value` as seconds (a positive number) or None.
 
     Raises:
@@ -71,6 +72,6 @@ class StreamSource(Protocol):
         """The client's Flight connection (opened, or re-opened after the server restarted)."""
         ...
 
-    def to_batch(self, batch: Any) -> pa.RecordBatch:
+    def to_batch(self, batch: BatchLike) -> pa.RecordBatch:
         """`batch` (dict of arrays, RecordBatch or Table) validated and converted to one record batch."""
         ...

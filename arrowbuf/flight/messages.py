@@ -35,7 +35,8 @@ def ack_ids(ack: dict[str, int], rows: int) -> np.ndarray:
 MAX_PADS = 64
 
 
-def request_key(n: int, cols: list[str] | None, timeout: float | None, options: dict[str, Any]) -> Any:
+def request_key(n: int, cols: list[str] | None, timeout: float | None,
+                options: dict[str, Any]) -> tuple[Any, ...] | None:
     """A hashable key of a sample request (None when an option value is not hashable: such a request is not
     padded)."""
     key = (n, None if cols is None else tuple(cols), timeout, tuple(options.items()))

@@ -34,16 +34,33 @@ Usage (what `RemoteStore.extend`, `RemoteStore.sample` and the server's DoPut an
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from ..errors import SchemaError
 from .heap import release_after
 from .streams import bounded_batches
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..delivery.batch import SampleBatch
+    from ..schema import ExperienceSchema
+    from ..surface import ExtendSink
+    from .limits import ServerLimits
+
+
+class PieceSampler(Protocol):
+    """A store that gathers a sample piece by piece as a stream is read (`ExperienceStore.sample_pieces`)."""
+
+    @property
+    def schema(self) -> ExperienceSchema: ...
+
+    def sample_pieces(self, n: int, rows: int, columns: Iterable[str] | None = None, timeout: float | None = None,
+                      *, piece_bytes: int | None = None) -> Iterator[SampleBatch]: ...
 
 #: The share of `max_batch_bytes` a part is cut to (headroom for the bytes a received message adds: validity
 #: bitmaps rounded up, IPC padding).
@@ -139,7 +156,7 @@ def _from_dense(values: np.ndarray, type_: pa.DataType) -> pa.Array:
 Empty = Callable[[tuple[int, ...], Any, str], np.ndarray]
 
 
-def _fresh(shape: tuple[int, ...], dtype: Any, tag: str) -> np.ndarray:
+def _fresh(shape: tuple[int, ...], dtype: npt.DTypeLike, tag: str) -> np.ndarray:
     return np.empty(shape, dtype)
 
 
@@ -148,7 +165,7 @@ def _fresh(shape: tuple[int, ...], dtype: Any, tag: str) -> np.ndarray:
 AtLeast = Callable[[int, Any, str], np.ndarray]
 
 
-def _fresh_at_least(count: int, dtype: Any, tag: str) -> np.ndarray:
+def _fresh_at_least(count: int, dtype: npt.DTypeLike, tag: str) -> np.ndarray:
     return np.empty(count, dtype)
 
 
@@ -306,7 +323,7 @@ PUT_WINDOW_PARTS = 4
 OnPart = Callable[[int], None]
 
 
-def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
+def receive(reader: flight.MetadataRecordBatchReader, req: Any, limits: ServerLimits, check_open: Callable[[], None],
             moved: Callable[[], None], on_part: OnPart | None = None) -> pa.RecordBatch:
     """Read the `req.parts` parts of an extend (`req.rows` rows in all) from a DoPut stream into one batch.
 
@@ -319,8 +336,9 @@ def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
     return assembler.batch()
 
 
-def receive_into(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
-                 sink: Any, on_part: OnPart | None = None) -> np.ndarray:
+def receive_into(reader: flight.MetadataRecordBatchReader, req: Any, limits: ServerLimits,
+                 check_open: Callable[[], None], moved: Callable[[], None],
+                 sink: ExtendSink, on_part: OnPart | None = None) -> np.ndarray:
     """Read the parts of an extend like `receive`, each copied straight into the store's reserved rows by `sink` (an
     `arrowbuf.engine.pieces.ExtendInPieces`: one copy, no assembled batch), then commit them as one extend.
 
@@ -340,7 +358,8 @@ def receive_into(reader: Any, req: Any, limits: Any, check_open: Callable[[], No
         raise
 
 
-def _read_parts(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
+def _read_parts(reader: flight.MetadataRecordBatchReader, req: Any, limits: ServerLimits,
+                check_open: Callable[[], None], moved: Callable[[], None],
                 add: Callable[[pa.RecordBatch], None], on_part: OnPart | None = None) -> None:
     """The parts of an extend, each bounded (rows, bytes, the running total) before `add` sees it, and the count of
     parts and rows checked at the end (see `receive`); `on_part(k)` after the k-th part is added."""
@@ -383,7 +402,7 @@ def parts_stream(data: pa.RecordBatch, meta: pa.Buffer | None, limit: int) -> fl
 
     ranges = split_rows(data, limit)
 
-    def gen() -> Any:
+    def gen() -> Iterator[pa.RecordBatch | tuple[pa.RecordBatch, pa.Buffer]]:
         for k, (offset, rows) in enumerate(ranges):
             piece = data.slice(offset, rows)
             yield (piece, meta) if k == 0 and meta is not None else piece
@@ -399,8 +418,8 @@ SAMPLE_PIECE_BYTES = 16 << 20
 FIRST_PIECE_ROWS = 64
 
 
-def pieces_stream(store: Any, n: int, columns: list[str] | None, timeout: float | None, options: dict[str, Any],
-                  meta: pa.Buffer | None, limit: int) -> flight.FlightDataStream:
+def pieces_stream(store: PieceSampler, n: int, columns: list[str] | None, timeout: float | None,
+                  options: dict[str, Any], meta: pa.Buffer | None, limit: int) -> flight.FlightDataStream:
     """A sample of `n` items from `store` sent in messages of at most `limit` bytes (ids and weights as trailing
     columns: `wire_batch(..., "columns")`), gathered piece by piece as the stream is read (`store.sample_pieces`):
     the server holds about `SAMPLE_PIECE_BYTES` of the sample's output instead of all of it. The items are selected
@@ -428,7 +447,7 @@ def pieces_stream(store: Any, n: int, columns: list[str] | None, timeout: float 
             pass
         return one_batch_stream(first, meta)
 
-    def batches() -> Any:
+    def batches() -> Iterator[pa.RecordBatch]:
         yield first
         for piece in pieces:
             yield conform(wire_batch(piece, "columns")[0])
@@ -436,7 +455,8 @@ def pieces_stream(store: Any, n: int, columns: list[str] | None, timeout: float 
     return flight.GeneratorStream(schema, _messages(batches(), meta, limit), WIRE_OPTIONS)
 
 
-def _messages(batches: Any, meta: pa.Buffer | None, limit: int) -> Any:
+def _messages(batches: Iterable[pa.RecordBatch], meta: pa.Buffer | None,
+              limit: int) -> Iterator[pa.RecordBatch | tuple[pa.RecordBatch, pa.Buffer | None]]:
     """Each batch of `batches` as zero-copy slices of at most `limit` bytes, `meta` on the first; a batch is dropped
     before the next is asked for (gathered)."""
     sent_meta = meta is None
@@ -448,7 +468,7 @@ def _messages(batches: Any, meta: pa.Buffer | None, limit: int) -> Any:
         del batch
 
 
-def assemble(reader: Any, rows: int, empty: Empty = _fresh,
+def assemble(reader: flight.FlightStreamReader, rows: int, empty: Empty = _fresh,
              at_least: AtLeast = _fresh_at_least) -> tuple[pa.RecordBatch, pa.Buffer | None]:
     """Read a sample's messages from a DoGet `reader` into one batch (at most `rows` rows, the app_metadata of the
     first message): one message is returned as it is; more are copied into one preallocated batch as they arrive

@@ -14,6 +14,7 @@ import pyarrow.flight as flight
 from ..delivery.batch import SampleBatch
 from ..errors import InvalidArgument, SchemaError, StoreClosed, Unavailable
 from ..samplers import validate_priorities
+from ..schema.inputs import IdsLike, ValuesLike
 from . import protocol as P
 from .calls import StreamSource, translate
 from .messages import misalignment, sample_batch
@@ -137,7 +138,7 @@ class LearnerSession:
                 self._stale = self._pending
             raise exc
 
-    def update_priorities(self, indices: Any, priorities: Any) -> None:
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> None:
         """Send priorities up (asynchronously; an error comes back from a later `next()`)."""
         idx, pri = validate_priorities(indices, priorities)
         self._send(P.encode_priorities(idx, pri))

@@ -7,7 +7,7 @@ and byte limits before the store sees it), the update stream (DoPut kind "update
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -15,10 +15,14 @@ import pyarrow.flight as flight
 from ..errors import SchemaError, StoreClosed
 from . import protocol as P
 
+if TYPE_CHECKING:  # pragma: no cover
+    from ..surface import StoreSurface
+    from .limits import ServerLimits
+
 
 # DoPut kind "update": each batch is one atomic store.update.
-def put_update(store: Any, reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter,
-                limits: Any, check_open: Callable[[], None], moved: Callable[[], None]) -> None:
+def put_update(store: StoreSurface, reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter,
+                limits: ServerLimits, check_open: Callable[[], None], moved: Callable[[], None]) -> None:
     """Apply an update stream (see `arrowbuf.flight.protocol`): the stream's schema is checked before any batch is
     read, each batch is bounded like a DoPut batch, then written with `store.update` and acknowledged."""
     from ..schema.update import check_update_types
@@ -31,7 +35,7 @@ def put_update(store: Any, reader: flight.MetadataRecordBatchReader, writer: fli
         writer.write(pa.py_buffer(P.encode_update_ack(k, written, batch.num_rows - written)))
 
 
-def bounded_batches(reader: flight.MetadataRecordBatchReader, limits: Any, check_open: Callable[[], None],
+def bounded_batches(reader: flight.MetadataRecordBatchReader, limits: ServerLimits, check_open: Callable[[], None],
                      moved: Callable[[], None], what: str) -> Iterator[tuple[int, pa.RecordBatch]]:
     """The data batches of a DoPut stream, numbered from 0, each checked against the server's row and byte limits
     (and the server still open) before the caller touches the store; metadata-only messages are skipped. `moved` is

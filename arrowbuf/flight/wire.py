@@ -3,13 +3,16 @@ zero-copy, layouts' types cached), one-batch DoGet streams sent from C++, and th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from . import protocol as P
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..delivery.batch import SampleBatch
 
 #: (dtype, shape) -> (tensor type, its storage's value type, values per row): built once per layout.
 _TENSOR_TYPES: dict[tuple[Any, tuple[int, ...]], tuple[pa.DataType, pa.DataType, int]] = {}
@@ -20,7 +23,7 @@ WIRE_OPTIONS = pa.ipc.IpcWriteOptions()
 _SCALAR_TYPES: dict[Any, pa.DataType] = {}
 
 
-def wire_batch(batch: Any, meta: str = "json") -> tuple[pa.RecordBatch, pa.Buffer | None]:
+def wire_batch(batch: SampleBatch, meta: str = "json") -> tuple[pa.RecordBatch, pa.Buffer | None]:
     """A SampleBatch as the RecordBatch and app_metadata that go on the wire (tensor columns zero-copy).
 
     `meta` "json": the ids and weights in the app_metadata; "columns": as trailing columns, and no app_metadata
@@ -47,7 +50,7 @@ def one_batch_stream(data: pa.RecordBatch, meta: pa.Buffer | None) -> flight.Fli
     return flight.GeneratorStream(data.schema, iter([(data, meta)]), WIRE_OPTIONS)
 
 
-def wire_array(value: Any) -> Any:
+def wire_array(value: np.ndarray | pa.Array | pa.ChunkedArray) -> pa.Array:
     """One sampled column as an Arrow array over the same memory: 1-D as a plain array, [B, *shape] as a
     `fixed_shape_tensor` column.
 

@@ -7,7 +7,7 @@ acknowledgement and return ids, `send` pipelines under a credit of `max_in_fligh
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +17,9 @@ from ..errors import InvalidArgument, StoreClosed, Unavailable
 from . import protocol as P
 from .calls import StreamSource, translate
 from .messages import record_batch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..schema.inputs import BatchLike
 
 
 class RemoteWriter:
@@ -54,11 +57,11 @@ class RemoteWriter:
         cols, _ = self.remote.schema.validate_batch(step, single=True)
         return int(self._write_and_wait(record_batch(self.remote.schema, cols))[0])
 
-    def extend(self, batch: Any) -> np.ndarray:
+    def extend(self, batch: BatchLike) -> np.ndarray:
         """Write a batch and wait for its acknowledgement; returns its rows' ids (`np.ndarray[int64]`, row order)."""
         return self._write_and_wait(self.remote.to_batch(batch))
 
-    def send(self, batch: Any) -> None:
+    def send(self, batch: BatchLike) -> None:
         """Send a batch; returns once it is on its way (at most `max_in_flight` unacknowledged; `flush` waits)."""
         self._write(self.remote.to_batch(batch))
 
@@ -148,7 +151,7 @@ class RemoteWriter:
     def __enter__(self) -> RemoteWriter:
         return self
 
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
             self.close()
         else:

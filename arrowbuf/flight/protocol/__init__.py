@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import pyarrow as pa
@@ -66,6 +66,9 @@ from .meta import (
     realigning_pad,
     split_sample_columns,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...schema.inputs import IdsLike, ValuesLike
 
 #: The version of the base verbs; requests may omit "v" (meaning this version), and replies to them carry it.
 PROTOCOL_VERSION = 1
@@ -147,7 +150,7 @@ def _dumps(obj: dict[str, Any]) -> bytes:
         return json.dumps(_finite(obj), separators=(",", ":"), default=_json_default, allow_nan=False).encode()
 
 
-def _finite(value: Any) -> Any:
+def _finite(value: object) -> object:
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -159,7 +162,7 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _json_default(value: Any) -> Any:
+def _json_default(value: object) -> int | float | bool | str | list[Any]:
     if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, np.floating):
@@ -241,11 +244,11 @@ class _Fields:
             raise SchemaError(f"{self.where}: unknown key(s) {shown}; expected {sorted(self.used - {'v'})}")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_int64(v: Any) -> bool:
+def _is_int64(v: object) -> bool:
     return _is_int(v) and -(2**63) <= v < 2**63
 
 
@@ -721,7 +724,7 @@ def encode_exchange(msg: ExchangeMessage) -> bytes:
     return _dumps({"op": msg.op, "indices": msg.indices, "priorities": msg.priorities})
 
 
-def encode_priorities(indices: Any, priorities: Any) -> bytes:
+def encode_priorities(indices: IdsLike, priorities: ValuesLike) -> bytes:
     return _dumps({"op": "update_priorities", "indices": np.asarray(indices, dtype=np.int64).reshape(-1).tolist(),
                    "priorities": np.asarray(priorities, dtype=np.float64).reshape(-1).tolist()})
 

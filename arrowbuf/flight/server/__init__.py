@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard
 
 import numpy as np
 import pyarrow as pa
@@ -45,8 +45,9 @@ from ...errors import (
 from ...observe import identity
 from ...observe.timings import Timings
 from ...query.sql import serving as sql_serving
+from ...schema import ExperienceSchema
 from ...serving.limits import check_bind, client_cap
-from ...surface import Bounded, PieceSink, TableStream
+from ...surface import Bounded, PieceSink, StoreSurface, TableStream
 from .. import protocol as P
 from ..heap import release_after
 from ..idle import OpenStreams
@@ -58,7 +59,12 @@ from ..prefetch import Prefetcher
 from ..sockets import cut_server_connections
 from ..streams import bounded_batches, put_update, table_batches
 from ..wire import WIRE_OPTIONS, one_batch_stream, wire_batch
-from .config import TokenMiddlewareFactory, named_stores, parse_location, read_tls
+from .config import Stores, TlsLike, TokenMiddlewareFactory, named_stores, parse_location, read_tls
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...delivery.batch import SampleBatch
+    from ...observe.metrics import MetricsEndpoint
+    from ..parts import PieceSampler
 
 log = logging.getLogger("arrowbuf.flight")
 
@@ -68,8 +74,9 @@ DEFAULT_PREFETCH_BYTES = ServerLimits.max_prefetch_bytes
 _STREAM_SLOT_WAIT = 5.0
 
 
-def serve(store_or_stores: Any, location: str = "grpc://127.0.0.1:0", token: str | None = None,
-          tls: Any = None, *, limits: ServerLimits | None = None, checkpoint_root: Any = None,
+def serve(store_or_stores: Stores, location: str = "grpc://127.0.0.1:0", token: str | None = None,
+          tls: TlsLike | None = None, *, limits: ServerLimits | None = None,
+          checkpoint_root: str | os.PathLike[str] | None = None,
           metrics: str | None = None, allow_unauthenticated: bool = False, **overrides: Any) -> StoreServer:
     """Serve one or more stores over Arrow Flight.
 
@@ -112,13 +119,14 @@ class StoreServer:
         metrics_url: `http://host:port/metrics` when started with `metrics=`, else None.
     """
 
-    def __init__(self, store_or_stores: Any, location: str = "grpc://127.0.0.1:0", *, token: str | None = None,
-                 tls: Any = None, limits: ServerLimits | None = None, checkpoint_root: Any = None,
+    def __init__(self, store_or_stores: Stores, location: str = "grpc://127.0.0.1:0", *, token: str | None = None,
+                 tls: TlsLike | None = None, limits: ServerLimits | None = None,
+                 checkpoint_root: str | os.PathLike[str] | None = None,
                  metrics: str | None = None, allow_unauthenticated: bool = False, **overrides: Any) -> None:
         self.stores = named_stores(store_or_stores)
         self.timings = Timings()
         self.metrics_url: str | None = None
-        self._metrics: Any = None
+        self._metrics: MetricsEndpoint | None = None
         self.checkpoint_root = None if checkpoint_root is None else os.fspath(checkpoint_root)
         if limits is not None and not isinstance(limits, ServerLimits):
             raise InvalidArgument(f"limits must be a ServerLimits, got {type(limits).__name__}")
@@ -240,11 +248,11 @@ class StoreServer:
         self.close()
 
     # ------------------------------------------------------------------ helpers for the service
-    def into_ring(self, store: Any) -> bool:
+    def into_ring(self, store: StoreSurface) -> TypeGuard[PieceSink]:
         """Whether an extend in parts goes straight into `store`'s ring (decided when the server started)."""
         return self._into_ring.get(id(store), False)
 
-    def store(self, name: str | None) -> Any:
+    def store(self, name: str | None) -> StoreSurface:
         if name is None:
             if len(self.stores) == 1:
                 return next(iter(self.stores.values()))
@@ -255,7 +263,7 @@ class StoreServer:
             raise StoreNotFound(f"no store {name!r:.80} on this server; it holds {sorted(self.stores)}") from None
 
     @contextlib.contextmanager
-    def stream_slot(self, context: Any) -> Iterator[None]:
+    def stream_slot(self, context: flight.ServerCallContext) -> Iterator[None]:
         """Hold a stream slot (and record the stream in `streams`) while an upload or session runs; when every
         slot is taken, cut the connections of idle streams first (`arrowbuf.flight.idle`)."""
         try:
@@ -278,11 +286,11 @@ class StoreServer:
         if self._closing.is_set():
             raise StoreClosed(f"the server at {self.location} is shutting down")
 
-    def sample_options(self, store: Any) -> list[str]:
+    def sample_options(self, store: StoreSurface) -> list[str]:
         """The sampler options (`protocol.SAMPLE_OPTIONS`) that `store.sample` takes (`describe` states them)."""
         return [o for o in P.SAMPLE_OPTIONS if _takes_keyword(store.sample, o)]
 
-    def check_sample_options(self, store: Any, options: Mapping[str, Any], what: str) -> None:
+    def check_sample_options(self, store: StoreSurface, options: Mapping[str, Any], what: str) -> None:
         """Refuse an option this store's `sample` does not take (`shard_info` is a Ray shard server's only)."""
         if not options:
             return
@@ -356,7 +364,7 @@ class _NoTraceback:
     `__notes__` (which that formatting does) raises, so the client gets the message without a traceback."""
 
     @property
-    def __notes__(self) -> Any:
+    def __notes__(self) -> NoReturn:
         raise RuntimeError("no traceback for clients")
 
 
@@ -392,19 +400,20 @@ class _FlightService(flight.FlightServerBase):
             p.wake()
 
     # ------------------------------------------------------------------ metadata verbs
-    def _info(self, name: str, store: Any) -> flight.FlightInfo:
+    def _info(self, name: str, store: StoreSurface) -> flight.FlightInfo:
         n = len(store)
         ticket = P.encode_ticket(P.TableRequest("table", name))
         return flight.FlightInfo(store.schema.to_arrow(), P.store_descriptor(name),
                                  [flight.FlightEndpoint(ticket, [])], n, n * store.schema.row_bytes)
 
     @_handler("ListFlights")
-    def list_flights(self, context: Any, criteria: bytes) -> Iterable[flight.FlightInfo]:
+    def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterable[flight.FlightInfo]:
         self.owner.check_open()
         return [self._info(name, store) for name, store in self.owner.stores.items()]
 
     @_handler("GetFlightInfo")
-    def get_flight_info(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
+    def get_flight_info(self, context: flight.ServerCallContext,
+                        descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
         name, view = P.decode_path(descriptor, "GetFlightInfo descriptor")
         return self._info(name, self.owner.store(name))
 
@@ -413,21 +422,23 @@ class _FlightService(flight.FlightServerBase):
     # is no server path, and the error it raises carries no other frame
     get_schema = _GET_SCHEMA
 
-    def _get_schema(self, context: Any, descriptor: flight.FlightDescriptor) -> Any:
+    def _get_schema(self, context: flight.ServerCallContext,
+                    descriptor: flight.FlightDescriptor) -> flight.SchemaResult | BaseException:
         try:
             return self._schema_result(context, descriptor)
         except flight.FlightError as exc:
             return _untraceable(exc)
 
     @_handler("GetSchema")
-    def _schema_result(self, context: Any, descriptor: flight.FlightDescriptor) -> flight.SchemaResult:
+    def _schema_result(self, context: flight.ServerCallContext,
+                       descriptor: flight.FlightDescriptor) -> flight.SchemaResult:
         name, view = P.decode_path(descriptor, "GetSchema descriptor")
         schema = self.owner.store(name).schema
         return flight.SchemaResult(schema.input_schema() if view == "input" else schema.to_arrow())
 
     # ------------------------------------------------------------------ DoGet
     @_handler("DoGet")
-    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.FlightDataStream:
         self.owner.check_open()
         req = P.decode_ticket(ticket.ticket)
         store = self.owner.store(req.store)
@@ -455,7 +466,8 @@ class _FlightService(flight.FlightServerBase):
             table = self._sql(store, req.query or "", context)
         return flight.RecordBatchStream(table, WIRE_OPTIONS)
 
-    def _consume(self, store: Any, req: P.ConsumeRequest, context: Any) -> flight.FlightDataStream:
+    def _consume(self, store: StoreSurface, req: P.ConsumeRequest,
+                 context: flight.ServerCallContext) -> flight.FlightDataStream:
         """The `consume` ticket: bounded like a sample, then `store.consume`.
 
         A call whose client went away (cancelled: killed, timed out, disconnected) consumes nothing: while it waits
@@ -470,10 +482,12 @@ class _FlightService(flight.FlightServerBase):
         # holding a max_concurrent_sql slot (not the whole wait), and stops when the client goes away
         with sql_serving(self.owner.limits.sql_limits, gate=lambda: self.owner.calls.enter("sql"),
                          cancelled=context.is_cancelled):
-            extra = {"lease": req.lease if req.lease is not None else _GUARD_LEASE_S}
+            extra: dict[str, Any] = {"lease": req.lease if req.lease is not None else _GUARD_LEASE_S}
+            if req.admission:
+                extra["admission"] = req.admission
             batch = store.consume(req.task, req.n, require=req.require, timeout=req.timeout or 0.0,
                                   max_staleness=req.max_staleness, where=req.where, max_tokens=req.max_tokens,
-                                  **extra, **({"admission": req.admission} if req.admission else {}))
+                                  **extra)
         if batch.lease is not None:
             if context.is_cancelled():  # nobody will read the reply: the rows go back now
                 store.nack(batch.lease)
@@ -484,7 +498,7 @@ class _FlightService(flight.FlightServerBase):
                 batch.lease = None
         return one_batch_stream(*wire_batch(batch))
 
-    def _table_stream(self, store: Any, columns: list[str] | None) -> flight.FlightDataStream:
+    def _table_stream(self, store: StoreSurface, columns: list[str] | None) -> flight.FlightDataStream:
         """The `table` ticket: a consistent snapshot of the store, streamed one chunk at a time.
 
         `store.iter_table` copies one chunk when the stream needs it (each row as committed, nothing newer than the
@@ -512,7 +526,7 @@ class _FlightService(flight.FlightServerBase):
         return flight.GeneratorStream(schema, batches if first is None else itertools.chain([first], batches),
                                       WIRE_OPTIONS)
 
-    def _sql(self, store: Any, query: str, context: Any) -> pa.Table:
+    def _sql(self, store: StoreSurface, query: str, context: flight.ServerCallContext) -> pa.Table:
         """The `sql` ticket: the sandbox of `arrowbuf.query.sql` with this server's limits; stops when the client
         goes."""
         from ...query.frames import run_sql
@@ -522,7 +536,8 @@ class _FlightService(flight.FlightServerBase):
 
     # ------------------------------------------------------------------ DoPut
     @_handler("DoPut")
-    def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: flight.MetadataRecordBatchReader,
+    def do_put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
+               reader: flight.MetadataRecordBatchReader,
                writer: flight.FlightMetadataWriter) -> None:
         self.owner.check_open()
         req = P.decode_put_descriptor(descriptor)
@@ -535,6 +550,7 @@ class _FlightService(flight.FlightServerBase):
         store.schema.check_input_types(reader.schema, "DoPut")
         kwargs = {"timeout": req.timeout} if req.timeout is not None else {}
         if req.parts is not None:  # one extend in parts (protocol 3), committed once
+            assert req.rows is not None, "the decoder requires rows with parts"
             sink = store.begin_extend(req.rows, reader.schema.names) if self.owner.into_ring(store) else None
             # a windowed extend: each part acknowledged once added, so the client sends only a few ahead
             on_part = None if req.window is None else (lambda k: writer.write(pa.py_buffer(P.encode_progress(k))))
@@ -559,7 +575,8 @@ class _FlightService(flight.FlightServerBase):
 
     # ------------------------------------------------------------------ DoExchange
     @_handler("DoExchange")
-    def do_exchange(self, context: Any, descriptor: flight.FlightDescriptor, reader: flight.MetadataRecordBatchReader,
+    def do_exchange(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
+                    reader: flight.MetadataRecordBatchReader,
                     writer: flight.MetadataRecordBatchWriter) -> None:
         self.owner.check_open()
         req = P.decode_session_descriptor(descriptor)
@@ -595,6 +612,7 @@ class _FlightService(flight.FlightServerBase):
                     raise SchemaError("DoExchange: a learner session sends metadata messages only, not batches")
                 msg = P.decode_exchange(chunk.app_metadata)
                 if msg.op == "update_priorities":
+                    assert msg.indices is not None and msg.priorities is not None, "required by the decoder"
                     try:
                         store.update_priorities(msg.indices, msg.priorities)
                     except (ArrowbufError, ValueError, TypeError) as exc:
@@ -630,11 +648,11 @@ class _FlightService(flight.FlightServerBase):
                 self._prefetchers.discard(prefetcher)
 
     # ------------------------------------------------------------------ DoAction
-    def list_actions(self, context: Any) -> list[tuple[str, str]]:
+    def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
         return list(P.ACTIONS.items())
 
     @_handler("DoAction")
-    def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
+    def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> list[bytes]:
         self.owner.check_open()
         req = P.decode_action(action)
         store = self.owner.store(req.store)
@@ -664,6 +682,7 @@ class _FlightService(flight.FlightServerBase):
                 self.owner.limits.check_add_task(len(store.tasks), "add_task")
             out = _consume_action(store, req, self.owner.limits, self._lock)
         else:  # update_priorities
+            assert req.indices is not None and req.priorities is not None, "required by the decoder"
             out = {"applied": int(store.update_priorities(req.indices, req.priorities))}
         return [P.dumps(out)]
 
@@ -672,7 +691,8 @@ class _FlightService(flight.FlightServerBase):
 #: The lease a consume without one is served under until its reply is built (see `_FlightService._consume`): seconds.
 _GUARD_LEASE_S = 300.0
 
-def _consume_action(store: Any, req: P.ActionRequest, limits: ServerLimits, lock: threading.Lock) -> dict[str, Any]:
+def _consume_action(store: StoreSurface, req: P.ActionRequest, limits: ServerLimits,
+                    lock: threading.Lock) -> dict[str, Any]:
     """The actions set_policy_version (checked against the current version under `lock`: two clients cannot both
     pass the monotonic check and then move it back), policy_version and add_task."""
     if req.type == "set_policy_version":
@@ -681,24 +701,28 @@ def _consume_action(store: Any, req: P.ActionRequest, limits: ServerLimits, lock
             limits.check_policy_version(int(store.policy_version), req.policy_version, "set_policy_version")
             store.policy_version = req.policy_version
     elif req.type == "add_task":
+        assert req.task is not None, "required by the decoder"
         store.add_task(req.task)
         return {"tasks": list(store.tasks)}
     elif req.type in ("ack", "nack"):  # the id was checked by the decoder (a short plain string)
+        assert req.lease is not None, "required by the decoder"
         return {"rows": int(store.ack(req.lease) if req.type == "ack" else store.nack(req.lease))}
     return {"policy_version": int(store.policy_version)}
 
 
-def _sample(store: Any, n: int, columns: list[str] | None, timeout: float | None, options: dict[str, Any]) -> Any:
+def _sample(store: StoreSurface, n: int, columns: list[str] | None, timeout: float | None,
+            options: dict[str, Any]) -> SampleBatch:
     return store.sample(n, columns=columns, timeout=timeout, **options)
 
 
-def _in_pieces(store: Any, columns: list[str] | None, n: int, part_bytes: int, options: Mapping[str, Any]) -> bool:
+def _in_pieces(store: StoreSurface, columns: list[str] | None, n: int, part_bytes: int,
+               options: Mapping[str, Any]) -> TypeGuard[PieceSampler]:
     """Whether a sample asked for in messages of `part_bytes` is gathered piece by piece (`parts.pieces_stream`): a
     store that can (`sample_pieces`), unless the sample is fixed-width (no ragged column) and fits one message by the
     schema's row bytes, which goes whole as before (one gather, one message, no piece to size)."""
     # the store's own method (a class attribute: a wrapper that forwards other names, like a Ray shard's backend,
     # must sample in its own way, e.g. with global ids), taking every option of the request
-    if not callable(getattr(type(store), "sample_pieces", None)):
+    if not _samples_in_pieces(store):
         return False
     if not all(_takes_keyword(store.sample_pieces, o) for o in options):
         return False
@@ -711,7 +735,11 @@ def _in_pieces(store: Any, columns: list[str] | None, n: int, part_bytes: int, o
     return ragged or n * _row_bytes(schema, names) > part_bytes
 
 
-def _row_bytes(schema: Any, columns: list[str]) -> int:
+def _samples_in_pieces(store: StoreSurface) -> TypeGuard[PieceSampler]:
+    return callable(getattr(type(store), "sample_pieces", None))
+
+
+def _row_bytes(schema: ExperienceSchema, columns: list[str]) -> int:
     total = 0
     for c in columns:
         total += schema.spec_of(c).row_bytes if c in schema.fields or c in schema.derived else 8
@@ -747,7 +775,7 @@ def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def _name_of(owner: StoreServer, store: Any) -> str:
+def _name_of(owner: StoreServer, store: StoreSurface) -> str:
     return next(n for n, s in owner.stores.items() if s is store)
 
 

@@ -5,16 +5,24 @@ check every call passes before a handler runs. `arrowbuf.flight.server.StoreServ
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 from urllib.parse import urlsplit
 
 import pyarrow.flight as flight
 
 from ...errors import InvalidArgument, Unauthenticated
 from ...serving.limits import is_loopback as _is_loopback
-from ...surface import check_surface
+from ...surface import StoreSurface, check_surface
 from .. import protocol as P
+
+#: What `serve` takes: one store, a list of stores (named by `store.name`) or a dict name -> store.
+Stores: TypeAlias = "StoreSurface | list[StoreSurface] | tuple[StoreSurface, ...] | Mapping[str, StoreSurface]"
+#: A PEM certificate or private key: its text or bytes, or the path of a file holding it.
+PemSource: TypeAlias = "str | bytes | os.PathLike[str]"
+#: `tls=`: (certificate, private key), or a dict with "cert" and "key".
+TlsLike: TypeAlias = "tuple[PemSource, PemSource] | list[PemSource] | Mapping[str, PemSource]"
 
 
 class TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
@@ -23,7 +31,7 @@ class TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-    def start_call(self, info: Any, headers: Mapping[str, list[Any]]) -> None:
+    def start_call(self, info: flight.CallInfo, headers: Mapping[str, list[Any]]) -> None:
         for value in headers.get(P.AUTH_HEADER, []):
             raw = value if isinstance(value, bytes) else str(value).encode()
             if hmac.compare_digest(raw, self._expected):
@@ -34,7 +42,7 @@ class TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
         raise P.to_flight_error(exc)
 
 
-def named_stores(value: Any) -> dict[str, Any]:
+def named_stores(value: Stores) -> dict[str, StoreSurface]:
     """name -> store of what `serve` was given (a store, a list named by `store.name`, or a dict); each checked to
     implement `ab.StoreSurface` (`InvalidArgument` otherwise, or for none, or for two of one name)."""
     if isinstance(value, Mapping):
@@ -84,7 +92,7 @@ def is_loopback(host: str) -> bool:
     return _is_loopback(host)
 
 
-def read_tls(tls: Any) -> tuple[bytes, bytes]:
+def read_tls(tls: TlsLike) -> tuple[bytes, bytes]:
     """(certificate, private key) PEM bytes of `tls=`: a pair (or a dict with "cert" and "key") of PEM bytes/str or
     file paths."""
     if isinstance(tls, Mapping):
@@ -94,7 +102,7 @@ def read_tls(tls: Any) -> tuple[bytes, bytes]:
     return _pem(tls[0]), _pem(tls[1])
 
 
-def _pem(value: Any) -> bytes:
+def _pem(value: PemSource) -> bytes:
     if isinstance(value, bytes):
         return value
     text = str(value)
