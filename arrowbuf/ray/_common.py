@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -11,7 +13,7 @@ import numpy as np
 from ..errors import require
 
 
-def _ray() -> Any:
+def _ray() -> ModuleType:
     return require("ray", "ray")
 
 
@@ -56,7 +58,7 @@ class _DaemonPool:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
                 fut.set_exception(exc)
 
-    def submit(self, fn: Any, *args: Any) -> cf.Future:
+    def submit(self, fn: Callable[..., object], *args: object) -> cf.Future:
         fut: cf.Future = cf.Future()
         self._queue.put((fut, fn, args))
         return fut

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -23,7 +23,10 @@ from ..samplers.group import GroupSampler
 from .writer import ShardWriter
 
 if TYPE_CHECKING:
+    from ..flight.client import RemoteStore
+    from ..samplers import Sampler
     from ..schema import ExperienceSchema
+    from ..schema.inputs import BatchLike
     from .membership import ShardMembership
 
 
@@ -45,7 +48,7 @@ class ShardedConsumer:
         token_field: the ragged field `max_tokens` counts (None: `response_tokens`, or the only ragged field).
     """
 
-    def __init__(self, members: ShardMembership, schema: ExperienceSchema, sampler: Any,
+    def __init__(self, members: ShardMembership, schema: ExperienceSchema, sampler: Sampler,
                  token_field: str | None = None) -> None:
         self.members = members
         self.schema = schema
@@ -56,7 +59,7 @@ class ShardedConsumer:
         self.token_field = token_field or ("response_tokens" if "response_tokens" in ragged else
                                            (ragged[0] if len(ragged) == 1 else None))
 
-    def _live(self) -> list[tuple[int, Any]]:
+    def _live(self) -> list[tuple[int, RemoteStore]]:
         out = []
         for k in range(self.members.num_shards):
             client = self.members.shard_client(k)
@@ -65,7 +68,7 @@ class ShardedConsumer:
         return out
 
     # ------------------------------------------------------------------ writing whole groups to one shard
-    def extend_by_group(self, batch: Any, timeout: float | None = None) -> np.ndarray:
+    def extend_by_group(self, batch: BatchLike, timeout: float | None = None) -> np.ndarray:
         """Write `batch`, each row to the shard of its group key (one writer per shard); the rows' global ids."""
         from ..flight.messages import record_batch
 
@@ -161,11 +164,11 @@ class ShardedConsumer:
         out.lease, out.owner = ("+".join(leases), None) if leases else (None, None)
         return out
 
-    def _one(self, k: int, client: Any, task: str, n: int, timeout: float, max_tokens: int | None,
+    def _one(self, k: int, client: RemoteStore, task: str, n: int, timeout: float, max_tokens: int | None,
              opts: dict[str, Any]) -> SampleBatch | None:
         """Shard `k`'s consume; None when the shard is unreachable (reported down)."""
         try:
-            part = cast(SampleBatch, client.consume(task, n, timeout=timeout, max_tokens=max_tokens, **opts))
+            part = client.consume(task, n, timeout=timeout, max_tokens=max_tokens, **opts)
         except (StoreClosed, OSError, pa.ArrowException, ConnectionError) as exc:
             self.members.report_down(k, exc)
             return None
@@ -173,7 +176,7 @@ class ShardedConsumer:
             part.lease = f"{k}/{part.lease}"  # the lease names its shard
         return part
 
-    def end_lease(self, lease: Any, verb: str) -> int:
+    def end_lease(self, lease: object, verb: str) -> int:
         """`ack` or `nack` (`verb`) a lease of `consume`: each shard's part on its shard; returns the rows.
 
         Raises:
@@ -203,7 +206,7 @@ class ShardedConsumer:
         return int(pc.sum(pc.list_value_length(batch[self.token_field])).as_py() or 0)
 
     # ------------------------------------------------------------------ tasks and versions
-    def _every_shard(self, what: str, call: Any) -> None:
+    def _every_shard(self, what: str, call: Callable[[RemoteStore], object]) -> None:
         """`call(client)` on every live shard; then, if a shard is down, `Unavailable` naming it: the change must not
         be acknowledged while a shard that comes back would not have it (the call is idempotent: repeat it once
         the shard is back)."""
@@ -246,7 +249,7 @@ class ShardedConsumer:
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
             raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
 
-        def set_on(client: Any) -> None:
+        def set_on(client: RemoteStore) -> None:
             client.policy_version = int(value)
 
         self._every_shard(f"policy_version = {int(value)}", set_on)

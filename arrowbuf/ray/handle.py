@@ -14,9 +14,9 @@ import os
 import secrets
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from types import EllipsisType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -24,8 +24,10 @@ import pyarrow as pa
 from ..delivery.batch import SampleBatch
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, ShardsLost, StoreClosed
 from ..options import StoreOptions
-from ..samplers import make_sampler, validate_priorities
-from ..schema import ExperienceSchema, load_schema
+from ..rate_limiters import RateLimiter
+from ..samplers import Sampler, make_sampler, validate_priorities
+from ..schema import ExperienceSchema, SchemaLike, load_schema
+from ..schema.inputs import BatchLike, IdsLike, ValuesLike
 from ._common import _DaemonPool, _ray, step_batch
 from .allocate import allocate, allocate_fanout
 from .consume import ShardedConsumer
@@ -33,6 +35,9 @@ from .ids import MAX_SHARDS, shard_of
 from .membership import ShardMembership, ShardState
 from .shard import _INFO_COLUMNS, ShardActor, ShardDirectory, is_exponent
 from .writer import ShardWriter
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..flight.client import RemoteStore
 
 log = logging.getLogger("arrowbuf.ray")
 
@@ -85,14 +90,15 @@ class ShardedStore:
 
     # ------------------------------------------------------------------ creation
     @classmethod
-    def create(cls, schema: Any, num_shards: int, capacity_per_shard: int, sampler: Any = "uniform", *,
-               rate_limiter: Any = None, seed: int | None = None, tier: str = "auto", name: str | None = None,
+    def create(cls, schema: SchemaLike, num_shards: int, capacity_per_shard: int,
+               sampler: str | Sampler | type[Sampler] = "uniform", *, rate_limiter: RateLimiter | None = None,
+               seed: int | None = None, tier: str = "auto", name: str | None = None,
                strategy: str = "SPREAD", shard_cpus: float = 0.25, max_restarts: int = -1,
                deadline: float | None = None, fanout: int | None = None, failure_timeout: float = 30.0,
                chunk_rows: int | None = None,
                max_batch_rows: int = 65_536, bind: str | None = None, timeout: float = 120.0,
                checkpoint_root: str | None = None, checkpoint_every: float | None = None,
-               tasks: Any = None, max_staleness: int | None = None,
+               tasks: list[str] | None = None, max_staleness: int | None = None,
                token_field: str | None = None, durable: str | None = None,
                durability: str = "group", options: StoreOptions | None = None,
                _test_hooks: bool = False) -> ShardedStore:
@@ -216,7 +222,7 @@ class ShardedStore:
                  "max_restarts": max_restarts, "tier": tier, "uid": uid, "token_field": token_field}
         return cls(state, owner=True)
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> tuple[type[ShardedStore], tuple[dict[str, Any]]]:
         with self._lock:
             state = dict(self._state, infos=[s.info for s in self.members.shards])
         return (ShardedStore, (state,))
@@ -239,7 +245,7 @@ class ShardedStore:
         return self._pool
 
     # ------------------------------------------------------------------ membership (`arrowbuf.ray.membership`)
-    def shard_client(self, k: int) -> Any:
+    def shard_client(self, k: int) -> RemoteStore | None:
         """Shard `k`'s Flight client, or None while it is down (see `ShardMembership.shard_client`)."""
         return self.members.shard_client(k)
 
@@ -479,7 +485,7 @@ class ShardedStore:
         info["shard"] = s.k
         return SampleBatch(arrays, part.indices, weights, info)
 
-    def update_priorities(self, indices: Any, priorities: Any) -> int:
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> int:
         """Route priority updates to the shards that own the ids; ids of down shards or dead incarnations are
         dropped (counted in `counters["updates_dropped"]`). Returns how many were applied.
 
@@ -508,7 +514,7 @@ class ShardedStore:
         return applied
 
     # ------------------------------------------------------------------ fields filled later
-    def update(self, ids: Any, values: dict[str, Any]) -> int:
+    def update(self, ids: IdsLike, values: dict[str, Any]) -> int:
         """Fill fields declared `later: true` of stored rows (see `ExperienceStore.update`), routed by the shard each
         global id encodes. Validated here before any shard is written; atomic per shard (not across shards). Ids
         on a down shard are dropped (counted in `counters["updates_dropped"]`); ids of evicted rows, or of a shard's
@@ -550,7 +556,7 @@ class ShardedStore:
 
     # ------------------------------------------------------------------ writing
     def writer(self, shard: int | None = None, *, transport: str = "auto", max_in_flight: int = 8,
-               actor: Any = None, timeout: float | None = None) -> ShardWriter:
+               actor: Hashable = None, timeout: float | None = None) -> ShardWriter:
         """A writer to one shard: `shard`, else a shard on this process's node, else one picked by writer id.
         `timeout`: seconds a shard's rate limiter may hold each write back (`InsertTimeout` after; None: no wait)."""
         if self._closed:  # contracts: a closed handle stays closed (StoreSurface)
@@ -569,7 +575,7 @@ class ShardedStore:
             w = self._default_writers[timeout] = self.writer(timeout=timeout)
         return w
 
-    def extend(self, batch: Any, *, timeout: float | None = None) -> np.ndarray:
+    def extend(self, batch: BatchLike, *, timeout: float | None = None) -> np.ndarray:
         """Write through this handle's default writer (see `writer`); returns the rows' global ids
         (`np.ndarray[int64]`, in row order) once the shard has committed them. With an `ab.samplers.Group` sampler
         each row goes to the shard its group key hashes to (a group stays on one shard).
@@ -673,7 +679,7 @@ class ShardedStore:
         """Every live shard's rows, with a `shard` column first."""
         tables = []
         for s in self.members.live():
-            t = s.client.to_table(columns)
+            t = s.connected().to_table(columns)
             tables.append(t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))))
         return pa.concat_tables(tables) if tables else self.schema.to_arrow().empty_table()
 
@@ -710,7 +716,7 @@ class ShardedStore:
         """Every live shard's episode summary, with a `shard` column first (episode ids are per shard)."""
         tables = []
         for s in self.members.live():
-            t = s.client.episodes()
+            t = s.connected().episodes()
             tables.append(t.add_column(0, "shard", pa.array(np.full(t.num_rows, s.k, np.int32))))
         if tables:
             return pa.concat_tables(tables)
@@ -782,5 +788,5 @@ def _resolve_tier(tier: str, schema: ExperienceSchema) -> str:
     return "shm" if ok else "host"
 
 
-def _stats_of(client: Any) -> dict[str, Any]:
+def _stats_of(client: RemoteStore) -> dict[str, Any]:
     return client.stats()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+import numpy.typing as npt
 
 #: Bit layout of a global id: [0][shard: 10][generation: 8][seq: 45].
 SEQ_BITS = 45
@@ -22,13 +21,13 @@ def encode_ids(shard: int, generation: int, seqs: np.ndarray) -> np.ndarray:
         seqs & _SEQ_MASK)
 
 
-def decode_ids(ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def decode_ids(ids: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(shard, generation, seq) arrays of global ids."""
     ids = np.asarray(ids, dtype=np.int64)
     return ids >> (GEN_BITS + SEQ_BITS), (ids >> SEQ_BITS) & _GEN_MASK, ids & _SEQ_MASK
 
 
-def shard_of(ids: Any) -> np.ndarray:
+def shard_of(ids: npt.ArrayLike) -> np.ndarray:
     """The shard of each global id."""
     return np.asarray(ids, dtype=np.int64) >> (GEN_BITS + SEQ_BITS)
 

@@ -20,12 +20,18 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ..errors import StoreClosed
+from ..errors import StoreClosed, Unavailable
 from ._common import _ray
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+    from ..flight.client import RemoteStore
 
 log = logging.getLogger("arrowbuf.ray")
 
@@ -33,11 +39,11 @@ log = logging.getLogger("arrowbuf.ray")
 class ShardState:
     """What a handle knows about one shard: its connection, state and the last mass it reported."""
 
-    def __init__(self, k: int, actor: Any, info: dict[str, Any] | None) -> None:
+    def __init__(self, k: int, actor: ActorHandle, info: dict[str, Any] | None) -> None:
         self.k = k
         self.actor = actor
         self.info = info
-        self.client: Any = None
+        self.client: RemoteStore | None = None
         self.down = info is None
         self.down_since = time.monotonic() if self.down else 0.0
         self.lost = False            # dead for good (restarts exhausted)
@@ -47,8 +53,18 @@ class ShardState:
         self.size = 0
         self.mass_at = 0.0           # when the mass was last reported
         self.refreshing: cf.Future | None = None  # an asynchronous stats call for a shard reported empty
-        self.probe: Any = None       # an outstanding actor.get_info() while down
+        self.probe: ObjectRef | None = None  # an outstanding actor.get_info() while down
         self.probe_at = 0.0          # when it was sent
+
+    def connected(self) -> RemoteStore:
+        """The Flight client of a shard `ShardMembership.live` returned.
+
+        Raises:
+            Unavailable: the shard went down since (its client was closed).
+        """
+        if self.client is None:
+            raise Unavailable(f"shard {self.k} went down during the call; retry")
+        return self.client
 
 
 class ShardMembership:
@@ -64,7 +80,7 @@ class ShardMembership:
         shards: a `ShardState` per shard. lock: guards them. counters: `failed` and `revived` so far.
     """
 
-    def __init__(self, actors: list[Any], infos: list[dict[str, Any] | None], token: str | None,
+    def __init__(self, actors: list[ActorHandle], infos: list[dict[str, Any] | None], token: str | None,
                  failure_timeout: float) -> None:
         self.shards = [ShardState(k, a, info) for k, (a, info) in enumerate(zip(actors, infos))]
         self.lock = threading.RLock()
@@ -87,7 +103,7 @@ class ShardMembership:
         """Each shard's last known info: location, generation, node_id, pid, shm name, ..."""
         return [s.info for s in self.shards]
 
-    def shard_client(self, k: int) -> Any:
+    def shard_client(self, k: int) -> RemoteStore | None:
         """Shard `k`'s Flight client (an `ab.connect` `RemoteStore`), or None while it is down. For a down shard this
         looks (without waiting) whether it came back."""
         return self.client(self.shards[k])
@@ -96,7 +112,7 @@ class ShardMembership:
         """Shard `k` failed a call (a writer saw it): it gets no share of batches until it answers again."""
         self.mark_down(self.shards[k], exc)
 
-    def client(self, s: ShardState) -> Any:
+    def client(self, s: ShardState) -> RemoteStore | None:
         """The shard's Flight client, or None while it is down."""
         if self.closed:  # contracts: a closed handle stays closed (StoreSurface)
             raise StoreClosed("this ShardedStore handle is closed; unpickle or create another")

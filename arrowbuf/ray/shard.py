@@ -8,8 +8,8 @@ import secrets
 import threading
 import time
 import warnings
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +20,10 @@ from ..samplers import Sampler, make_sampler, validate_priorities
 from ..schema import load_schema
 from ._common import _ray
 from .ids import _GEN_MASK, GEN_BITS, decode_ids, encode_ids
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..schema.inputs import BatchLike, IdsLike, ValuesLike
+    from ..store.facade import ExperienceStore
 
 #: Internal columns a shard adds to a batch for the learner's global weights (never reach the user).
 _INFO_COLUMNS = ("_mass", "_shard_mass", "_shard_min", "_shard_size")
@@ -64,7 +68,7 @@ class ShardBackend:
     weights and strips. Everything else is the store's surface.
     """
 
-    def __init__(self, store: Any, shard: int, generation: int) -> None:
+    def __init__(self, store: ExperienceStore, shard: int, generation: int) -> None:
         self.store = store
         self.shard = int(shard)
         self.generation = int(generation) & _GEN_MASK
@@ -80,11 +84,11 @@ class ShardBackend:
         return float(sampler.total_mass()), float(sampler.min_mass()), len(self.store)
 
     # --- contracts: the StoreSurface (arrowbuf/surface.py), explicitly rather than through __getattr__
-    def extend(self, batch: Any, **kwargs: Any) -> np.ndarray:
+    def extend(self, batch: BatchLike, **kwargs: Any) -> np.ndarray:
         """The store's `extend`; returns the rows' global ids."""
         return encode_ids(self.shard, self.generation, np.asarray(self.store.extend(batch, **kwargs)))
 
-    def append(self, step: Any, **kwargs: Any) -> int:
+    def append(self, step: dict[str, Any], **kwargs: Any) -> int:
         """The store's `append`; returns the row's global id."""
         return int(encode_ids(self.shard, self.generation, np.array([self.store.append(step, **kwargs)]))[0])
 
@@ -149,7 +153,7 @@ class ShardBackend:
         self.store.policy_version = value
     # --- end consume
 
-    def update_priorities(self, indices: Any, priorities: Any) -> int:
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike) -> int:
         """The store's `update_priorities` by global ids; ids of other shards or earlier incarnations are
         ignored. Returns how many were applied."""
         ids, pri = validate_priorities(indices, priorities)
@@ -157,7 +161,7 @@ class ShardBackend:
         mine = (shard == self.shard) & (gen == self.generation)  # ids of a dead incarnation are not ours
         return int(self.store.update_priorities(seq[mine], pri[mine])) if mine.any() else 0
 
-    def update(self, ids: Any, values: Any) -> int:
+    def update(self, ids: IdsLike, values: dict[str, Any]) -> int:
         """The store's `update` by global ids: ids of this shard's earlier incarnations name rows that are
         gone (skipped and counted in `stats()["update_skipped"]`); ids of another shard are `InvalidArgument`."""
         from ..schema.update import update_ids, validate_update
@@ -191,19 +195,19 @@ class ShardBackend:
         out["update_skipped"] = out.get("update_skipped", 0) + self.update_skipped  # ids of earlier incarnations
         return out
 
-    def to_table(self, columns: list[str] | None = None) -> Any:
+    def to_table(self, columns: list[str] | None = None) -> pa.Table:
         """The store's `to_table`."""
         return self.store.to_table(columns)
 
-    def iter_table(self, columns: list[str] | None = None) -> Any:
+    def iter_table(self, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
         """The store's `iter_table` (the Flight server's `table` stream: one chunk copied at a time)."""
         return self.store.iter_table(columns)
 
-    def sql(self, query: str) -> Any:
+    def sql(self, query: str) -> pa.Table:
         """The store's `sql`."""
         return self.store.sql(query)
 
-    def episodes(self) -> Any:
+    def episodes(self) -> pa.Table:
         """The store's `episodes`."""
         return self.store.episodes()
 
@@ -332,7 +336,7 @@ class ShardActor:
         """The shard's `ShardBackend.stats`."""
         return self.shard_store.stats()
 
-    def lineage_table(self) -> Any:
+    def lineage_table(self) -> pa.Table:
         """The store's `lineage_table()`, or None when it records no lineage (a shared-memory shard)."""
         from ..errors import InvalidArgument
 

@@ -8,9 +8,11 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from ..errors import (
@@ -28,7 +30,9 @@ from .ids import encode_ids
 from .shard import shm_safe
 
 if TYPE_CHECKING:
+    from ..samplers import Sampler
     from ..schema import ExperienceSchema
+    from ..schema.inputs import BatchLike
     from .membership import ShardMembership
 
 log = logging.getLogger("arrowbuf.ray")
@@ -59,8 +63,8 @@ class ShardWriter:
         w.rows                      # rows acknowledged (Flight) or committed (shared memory)
     """
 
-    def __init__(self, members: ShardMembership, schema: ExperienceSchema, sampler: Any, shard: int | None = None,
-                 *, transport: str = "auto", max_in_flight: int = 8, actor: Any = None,
+    def __init__(self, members: ShardMembership, schema: ExperienceSchema, sampler: Sampler, shard: int | None = None,
+                 *, transport: str = "auto", max_in_flight: int = 8, actor: Hashable = None,
                  reroute_timeout: float | None = None, timeout: float | None = None) -> None:
         if transport not in ("auto", "shm", "flight"):
             raise InvalidArgument(f"transport must be 'auto', 'shm' or 'flight', got {transport!r}")
@@ -185,7 +189,7 @@ class ShardWriter:
                 self._connect(self.shard)
 
     # ------------------------------------------------------------------ writing
-    def _with_actor(self, batch: Any) -> Any:
+    def _with_actor(self, batch: BatchLike) -> BatchLike:
         if isinstance(batch, dict):
             if "actor" in batch or "episode_id" in batch:
                 return batch
@@ -197,7 +201,7 @@ class ShardWriter:
             return batch.append_column("actor", pa.array(np.full(batch.num_rows, self.actor_id, dtype=np.int64)))
         raise SchemaError(f"expected a dict of arrays, a pa.RecordBatch or a pa.Table; got {type(batch).__name__}")
 
-    def extend(self, batch: Any) -> np.ndarray:
+    def extend(self, batch: BatchLike) -> np.ndarray:
         """Write a batch (dict of arrays, RecordBatch or Table) and return its rows' global ids once the shard has
         committed it (over Flight this waits for the batch's acknowledgement; `send` does not wait).
 
@@ -214,7 +218,7 @@ class ShardWriter:
         self.flush()  # over Flight: this batch is the last acknowledged one (shared memory: committed already)
         return self._last_ids
 
-    def send(self, batch: Any) -> None:
+    def send(self, batch: BatchLike) -> None:
         """Write a batch without waiting for it: over Flight at most `max_in_flight` batches are unacknowledged
         (`flush` waits for them); through shared memory it is committed before `send` returns. Validated here."""
         rb = self._prepare(batch)
@@ -225,7 +229,7 @@ class ShardWriter:
         """Write one step (a dict of scalars and arrays); returns its global id."""
         return int(self.extend(step_batch(step))[0])
 
-    def _prepare(self, batch: Any) -> pa.RecordBatch:
+    def _prepare(self, batch: BatchLike) -> pa.RecordBatch:
         if self._closed:
             raise StoreClosed("this writer is closed")
         self._maybe_go_home()
@@ -309,7 +313,7 @@ class ShardWriter:
     def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -320,7 +324,7 @@ class ShardWriter:
         return f"ShardWriter(home={self.home}, shard={self.shard}, via={self.via!r}, rows={self.rows})"
 
 
-def _row_ids(local: Any, n: int) -> np.ndarray:
+def _row_ids(local: npt.ArrayLike, n: int) -> np.ndarray:
     """A local store's ids of the `n` rows `extend` committed: its array of ids, or (stores that return the first
     seq) the range from it."""
     ids = np.asarray(local, dtype=np.int64)
