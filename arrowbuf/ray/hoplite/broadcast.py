@@ -27,10 +27,11 @@ Usage::
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ...errors import BroadcastRefused, InvalidArgument
 from ...tiers.shm import private
@@ -39,8 +40,14 @@ from .directory import BlockDirectory
 from .payload import bucket_digests, combine, decode, encode, flat_tensors
 from .relay import file_name, shm_prefix
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from ray.actor import ActorHandle
 
-def broadcast(obj: Any, actors: Iterable[Any] | None = None, method: str | None = None, *args: Any,
+    from ...surface import StoreSurface
+
+
+def broadcast(obj: object, actors: Iterable[ActorHandle] | None = None, method: str | None = None, *args: Any,
               **kwargs: Any) -> Any:
     """Send `obj` to many actors through Ray's object store: one `ray.put`, then every actor gets the same object.
 
@@ -78,7 +85,7 @@ class Broadcast:
         self.root = root
         self._version = 0
         self._maps: list[Any] = []
-        self._relay_cache: Any = None
+        self._relay_cache: ActorHandle | None = None
         self._receiver: str | None = None
 
     @classmethod
@@ -120,7 +127,7 @@ class Broadcast:
                     bc.relay(n["NodeID"], n["NodeID"])
         return bc
 
-    def relay(self, key: str | None = None, node_id: str | None = None) -> Any:
+    def relay(self, key: str | None = None, node_id: str | None = None) -> ActorHandle:
         """The relay actor of node `key` (default: this process's node), created if missing; it joins the running
         broadcast at once. `node_id` pins it to that Ray node (default: `key` when `key` is omitted)."""
         ray = _ray()
@@ -128,7 +135,7 @@ class Broadcast:
             key = node_id = _this_node()
         return ray.get(self.directory.relay.remote(key, node_id))
 
-    def publish(self, obj: Any, version: int | None = None, *, source: str | None = None,
+    def publish(self, obj: object, version: int | None = None, *, source: str | None = None,
                 upload_slots: int | None = None, root_slots: int | None = None, pipelined: bool | None = None,
                 allow_pickle: bool = False) -> int:
         """Publish `obj` (a state_dict, tensors, arrays, Arrow tables, JSON scalars in dicts and lists) as `version`
@@ -181,7 +188,7 @@ class Broadcast:
         _, _, meta = ray.get(self.relay(key).wait.remote(version), timeout=timeout)
         return dict(meta)
 
-    def _map(self, name: str, meta: dict, cow: bool) -> Any:
+    def _map(self, name: str, meta: dict, cow: bool) -> mmap.mmap:
         """Open this node's file once, check it is the relay's own (see `private.open_verified`), map it (read-only,
         or copy-on-write for torch views), close the descriptor: the name is never opened again."""
         import mmap
@@ -242,7 +249,8 @@ class Broadcast:
         self._ack(v)
         return v, obj
 
-    def load_into(self, target: Any, version: int = 0, timeout: float | None = None, *, strict: bool = True) -> int:
+    def load_into(self, target: torch.nn.Module | Mapping[str, torch.Tensor], version: int = 0,
+                  timeout: float | None = None, *, strict: bool = True) -> int:
         """Copy a version >= `version` into existing tensors in place and return its number.
 
         `target`: a torch module (its `state_dict()` tensors: parameters and buffers, sharing their storage) or a
@@ -302,7 +310,7 @@ class Broadcast:
         self._ack(v)
         return v, obj
 
-    def fence(self, store: Any = None, receivers: int | None = None, *, loads: bool = False,
+    def fence(self, store: StoreSurface | None = None, receivers: int | None = None, *, loads: bool = False,
               wait: int | None = None, timeout: float | None = None) -> int:
         """The version fence: the newest version fully delivered to `receivers` nodes (None: to every live node's
         relay), or with `loads`, loaded (`get`, `fetch`, `poll`, `tensors`, `load_into`) by `receivers` receiver
@@ -319,7 +327,7 @@ class Broadcast:
             store.policy_version = v
         return v
 
-    def _local_relay(self, timeout: float | None) -> Any:
+    def _local_relay(self, timeout: float | None) -> ActorHandle:
         """This node's relay, remembered between polls (asked again after it died)."""
         if self._relay_cache is None:
             ray = _ray()
@@ -386,5 +394,5 @@ class Broadcast:
     def __enter__(self) -> Broadcast:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -13,7 +13,10 @@ the bytes of the cut bucket) it has.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ray.actor import ActorHandle
 
 
 class BlockDirectory:
@@ -41,7 +44,7 @@ class BlockDirectory:
         async with self.cond:
             self.cond.notify_all()
 
-    async def relay(self, key: str, node_id: str | None = None, dead: Any = None) -> Any:
+    async def relay(self, key: str, node_id: str | None = None, dead: ActorHandle | None = None) -> ActorHandle:
         """The relay of node `key`, created (on Ray node `node_id` when given) if it has none or its relay died.
 
         A relay created while a version is in flight starts receiving it at once: late joiners join the running
@@ -53,7 +56,7 @@ class BlockDirectory:
                 await self.mark_dead(key)
             return await self._relay(key, node_id)
 
-    async def _relay(self, key: str, node_id: str | None) -> Any:
+    async def _relay(self, key: str, node_id: str | None) -> ActorHandle:
         if key in self.relays and key not in self.dead:
             return self.relays[key]
         import ray
@@ -179,7 +182,7 @@ class BlockDirectory:
             self._tell_orphans(src)
         await self._notify()
 
-    async def mark_dead(self, key: str, handle: Any = None) -> None:
+    async def mark_dead(self, key: str, handle: ActorHandle | None = None) -> None:
         """Forget `key`'s relay (it was killed); receivers pulling from it are told at once and re-attach.
 
         With `handle`, only if that is still `key`'s relay (a consumer may have replaced it already).

@@ -27,15 +27,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import struct
 import sys
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...errors import BroadcastRefused, InvalidArgument, PickleWarning
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from typing_extensions import Buffer
 
 MAGIC = b"ABBCAST2"
 FORMAT = "arrowbuf.broadcast/2"
@@ -55,12 +61,12 @@ DTYPES: dict[str, tuple[str, int]] = {
 }
 
 
-def digest_of(buf: Any) -> str:
+def digest_of(buf: Buffer) -> str:
     """BLAKE2b-128 (hex) of a bytes-like object."""
     return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
 
 
-def bucket_digests(buf: Any, bucket_size: int) -> list[str]:
+def bucket_digests(buf: Buffer, bucket_size: int) -> list[str]:
     """The digest of every bucket of `buf`."""
     mv = memoryview(buf).cast("B")
     return [digest_of(mv[i:i + bucket_size]) for i in range(0, max(len(mv), 1), bucket_size)]
@@ -81,7 +87,7 @@ class Layout:
     def __init__(self, header: bytes, size: int, chunks: list[tuple[int, Any]]) -> None:
         self.header, self.size, self.chunks = header, size, chunks
 
-    def write(self, buf: Any) -> None:
+    def write(self, buf: mmap.mmap | bytearray | memoryview) -> None:
         """Write the payload into `buf` (a writable buffer of `size` bytes, e.g. a mapping): one copy per tensor."""
         out = np.frombuffer(buf, dtype=np.uint8, count=self.size)
         out[:PREFIX] = np.frombuffer(MAGIC + struct.pack("<Q", len(self.header)), np.uint8)
@@ -92,7 +98,7 @@ class Layout:
                 out[off:off + n] = src
 
 
-def _torch_bytes(t: Any) -> tuple[str, list[int], np.ndarray]:
+def _torch_bytes(t: torch.Tensor) -> tuple[str, list[int], np.ndarray]:
     torch = sys.modules["torch"]
     name = str(t.dtype).removeprefix("torch.")
     if name not in DTYPES:
@@ -114,7 +120,7 @@ def _numpy_bytes(a: np.ndarray) -> tuple[str, list[int], np.ndarray]:
     return name, list(a.shape), c.reshape(-1).view(np.uint8)
 
 
-def encode(obj: Any, allow_pickle: bool = False) -> Layout:
+def encode(obj: object, allow_pickle: bool = False) -> Layout:
     """Lay out `obj` (tensors, numpy arrays, Arrow tables and record batches, JSON scalars, in dicts with string keys,
     lists and tuples) as a payload. Anything else raises `InvalidArgument`, unless `allow_pickle` (then it is pickled,
     with a `PickleWarning`)."""
@@ -128,7 +134,7 @@ def encode(obj: Any, allow_pickle: bool = False) -> Layout:
         pos = _align(pos + src.nbytes)
         return off
 
-    def node(x: Any, depth: int) -> dict:
+    def node(x: object, depth: int) -> dict:
         if depth > MAX_DEPTH:
             raise InvalidArgument(f"the object nests deeper than {MAX_DEPTH} levels")
         torch = sys.modules.get("torch")
@@ -161,7 +167,7 @@ def encode(obj: Any, allow_pickle: bool = False) -> Layout:
                     "nbytes": int(raw.nbytes)}
         return fallback(x, f"a {type(x).__name__}")
 
-    def fallback(x: Any, what: str) -> dict:
+    def fallback(x: object, what: str) -> dict:
         if not allow_pickle:
             raise InvalidArgument(f"{what} cannot be broadcast without pickle: send tensors, numpy arrays, Arrow "
                                   "tables, JSON scalars in dicts (string keys) and lists, or opt in with "
@@ -179,7 +185,7 @@ def encode(obj: Any, allow_pickle: bool = False) -> Layout:
     return Layout(header, max(data_start + pos, 1), [(data_start + o, c) for o, c in chunks])
 
 
-def read_header(buf: Any) -> tuple[dict, int]:
+def read_header(buf: Buffer) -> tuple[dict, int]:
     """(header tree, data start) of a payload; refuses a malformed one before reading its data."""
     mv = memoryview(buf).cast("B")
     if len(mv) < PREFIX or bytes(mv[:len(MAGIC)]) != MAGIC:
@@ -219,7 +225,7 @@ def _tensor_spec(n: dict) -> tuple[str, list[int]]:
     return dtype, shape
 
 
-def decode(buf: Any, *, torch_views: bool = False, allow_pickle: bool = False) -> Any:
+def decode(buf: Buffer, *, torch_views: bool = False, allow_pickle: bool = False) -> Any:
     """The object a payload holds, its tensors as views of `buf` (no copy).
 
     `torch_views`: tensors become torch tensors (`buf` must be writable: map the file copy-on-write, so a write
@@ -236,11 +242,11 @@ def decode(buf: Any, *, torch_views: bool = False, allow_pickle: bool = False) -
         raise BroadcastRefused(f"broadcast payload refused: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
-def _decode(buf: Any, torch_views: bool, allow_pickle: bool) -> Any:
+def _decode(buf: Buffer, torch_views: bool, allow_pickle: bool) -> Any:
     mv = memoryview(buf).cast("B")
     tree, start = read_header(mv)
     size = len(mv)
-    torch: Any = None
+    torch: ModuleType | None = None
     if torch_views:
         import torch as torch_module
 
@@ -256,7 +262,7 @@ def _decode(buf: Any, torch_views: bool, allow_pickle: bool) -> Any:
             return torch.frombuffer(mv, dtype=tdt, count=nbytes // DTYPES[dtype][1], offset=off).view(shape)
         return np.frombuffer(mv, dtype=DTYPES[dtype][0], count=nbytes // DTYPES[dtype][1], offset=off).reshape(shape)
 
-    def walk(n: Any, depth: int) -> Any:
+    def walk(n: object, depth: int) -> Any:
         if depth > MAX_DEPTH or not isinstance(n, dict):
             raise BroadcastRefused("broadcast header: malformed tree")
         k = n.get("k")
@@ -300,11 +306,11 @@ def _decode(buf: Any, torch_views: bool, allow_pickle: bool) -> Any:
     return walk(tree, 0)
 
 
-def flat_tensors(obj: Any) -> dict[str, Any]:
+def flat_tensors(obj: object) -> dict[str, Any]:
     """The tensors of a decoded state_dict-like tree, by dotted name (nested dicts joined with '.')."""
     out: dict[str, Any] = {}
 
-    def go(prefix: str, x: Any) -> None:
+    def go(prefix: str, x: object) -> None:
         if isinstance(x, dict):
             for k, v in x.items():
                 go(f"{prefix}{k}.", v)

@@ -29,13 +29,16 @@ import mmap
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from ...errors import ArrowbufError, BroadcastRefused
 from ...tiers.shm import private
 from . import wire
 from .payload import combine, digest_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ray.actor import ActorHandle
 
 __all__ = ["Relay", "Superseded", "TokenBucket", "digest_of", "file_name", "shm_prefix"]
 
@@ -167,7 +170,7 @@ class _Copy:
         self.error: str | None = None
         self.verified = False
         self.fd = -1
-        self.mm: Any = None
+        self.mm: Any = None  # the file's mmap.mmap once opened
         self.ident: tuple[int, int] = (0, 0)
         size = meta["size"]
         try:
@@ -243,7 +246,7 @@ class Relay:
         self.secret = bytes.fromhex(secret) if secret else bytes(wire.SECRET_BYTES)
         if len(self.secret) != wire.SECRET_BYTES:
             raise ValueError(f"the broadcast secret must be {wire.SECRET_BYTES} bytes")
-        self._lsock: Any = None
+        self._lsock: Any = None  # the listening socket.socket once serving
         self._addr: tuple[str, int] | None = None
         self._tasks: set[asyncio.Task] = set()
         #: the last 16 re-attachments: version, upstream lost, buckets held (`have`), bytes of the cut bucket kept
@@ -260,9 +263,9 @@ class Relay:
         self.cur: _Copy | None = None
         self._upstream: tuple[int, str, Any] | None = None  # (version, holder, socket) of the pull under way
         self.changed = asyncio.Condition()
-        self._directory: Any = None
+        self._directory: ActorHandle | None = None
 
-    def _dir(self) -> Any:
+    def _dir(self) -> ActorHandle:
         if self._directory is None:
             import ray
 
@@ -301,7 +304,7 @@ class Relay:
             self._spawn(self._accept())
         return self._addr
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -460,7 +463,7 @@ class Relay:
             async with self.changed:
                 self.changed.notify_all()
 
-    async def _watch(self, sock: Any, src: Any, landed: list[float]) -> None:
+    async def _watch(self, sock: socket.socket, src: ActorHandle, landed: list[float]) -> None:
         """While no bucket has landed for `STALL_S`, ask Ray whether the upstream relay `src` still lives (a killed
         relay's connection closes with its process, but a hung process or a dead node's TCP peer never closes it);
         if it died, shut the connection down, so the pending read fails and the receiver re-attaches."""
@@ -485,7 +488,7 @@ class Relay:
         """Bucket `i` of `copy` is here, or it never will be (superseded, refused)."""
         return copy.have > i or self.cur is not copy or copy.error is not None
 
-    async def _serve(self, conn: Any) -> None:
+    async def _serve(self, conn: socket.socket) -> None:
         """Serve one receiver's connection: check its hello, then answer its requests in order, each bucket as soon
         as it is here (pipelining) and this node's egress allows it, sent from this node's file (no copy)."""
         reader = None
@@ -538,7 +541,7 @@ class Relay:
             conn.close()
 
     @staticmethod
-    async def _piece(conn: Any, index: int, part: memoryview, offset: int, length: int) -> None:
+    async def _piece(conn: socket.socket, index: int, part: memoryview, offset: int, length: int) -> None:
         """Send bytes offset .. offset + length of `part` (the frame's payload), the frame's header first."""
         if offset == 0:
             await wire.send(conn, wire.frame_header(index, len(part)))
@@ -549,7 +552,7 @@ class Relay:
         return requester not in self.gone and not reader.done()
 
     @staticmethod
-    async def _requests(conn: Any, out: asyncio.Queue) -> None:
+    async def _requests(conn: socket.socket, out: asyncio.Queue) -> None:
         """Read a connection's bucket requests as they arrive, each with its arrival time, into `out` (bounded: a
         receiver that asks for more than `MAX_QUEUED` ahead is held back by TCP); None at the end."""
         try:

@@ -32,9 +32,12 @@ import hmac
 import socket
 import struct
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...errors import ArrowbufError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Buffer
 
 MAGIC = b"ABBCREL2"
 SECRET_BYTES = 16
@@ -95,7 +98,7 @@ async def recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-async def send(sock: socket.socket, data: Any) -> None:
+async def send(sock: socket.socket, data: Buffer) -> None:
     """Send all of `data` (a bytes-like object; a view of a mapping is sent from the mapping, not copied)."""
     await asyncio.get_running_loop().sock_sendall(sock, data)
 
