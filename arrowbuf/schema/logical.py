@@ -21,13 +21,14 @@ import pyarrow as pa
 
 from . import dtypes as _dtypes
 from . import jsonvalues as _json
+from .inputs import Converted, Gathered
 from .spec import FieldSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from .experience import ExperienceSchema
 
 
-def to_arrow(spec: FieldSpec, values: Any, mask: np.ndarray | None = None) -> Any:
+def to_arrow(spec: FieldSpec, values: Gathered, mask: np.ndarray | None = None) -> Gathered:
     """A physical column of field `spec` as its Arrow column (zero-copy where the layout allows): numpy
     [n, *rest] of a bits or complex field as its extension type of shape `rest` (a sequence batch [B, T, *shape]
     gives shape (T, *shape)), the bytes of a json field's text (`list<uint8>`) as `arrow.json`. An Arrow array of the
@@ -62,7 +63,7 @@ def to_arrow(spec: FieldSpec, values: Any, mask: np.ndarray | None = None) -> An
     return _dtypes.to_arrow(_dtypes.arrow_type(name, tuple(arr.shape[1:])), arr, mask)
 
 
-def to_physical(spec: FieldSpec, column: Any) -> Any:
+def to_physical(spec: FieldSpec, column: np.ndarray | pa.Array | pa.ChunkedArray) -> Converted | pa.ChunkedArray:
     """The inverse of `to_arrow`: numpy [n, *shape] of a bits or complex field (its physical values, zero-copy),
     the `list<uint8>` bytes of a json field's text. Plain fields pass through."""
     if spec.plain:
