@@ -9,8 +9,10 @@ Usage::
     offline = ab.ExperienceStore.from_dataset("data/", capacity=1_000_000)   # offline / offline-to-online RL
 
 An export holds the live rows with their system columns and the derived columns materialised (`next_obs`: null on
-the last row of an episode that is still open), plus `_arrowbuf.json` (the schema, so derived fields and episode
-ends survive a round trip through formats without Arrow metadata). `export` holds the store's write lock while it
+the last row of an episode that is still open), plus a metadata folder `_arrowbuf/`: `dataset.json` (the schema, so
+derived fields and episode ends survive a round trip through formats without Arrow metadata) and the lineage of the
+rows (`lineage.parquet`). The metadata lies in a folder so that a glob of the data files (`DIR/*.parquet` in DuckDB
+or Polars) never reaches it; exports written before (`_arrowbuf.json` beside the rows) open as before. `export` holds the store's write lock while it
 copies (writers wait; sampling goes on); `checkpoint` is the non-blocking copy.
 """
 
@@ -30,7 +32,11 @@ from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from . import manifest as mf
 from .snapshot import arrow_column, numpy_column
 
-SIDE_FILE = "_arrowbuf.json"
+#: The export's metadata folder (schema, lineage): out of reach of `DIR/*.parquet`; dataset readers skip `_` names.
+META_DIR = mf.DATASET_META_DIR
+#: The schema file inside `META_DIR`, and where exports of earlier versions kept it (still read).
+SIDE_FILE = mf.DATASET_SIDE_FILE
+OLD_SIDE_FILE = mf.OLD_DATASET_SIDE_FILE
 _FEED_ROWS = 65_536
 
 
@@ -68,9 +74,15 @@ def export(core: StoreCore, rows: Callable[[], pa.Table], path: str | os.PathLik
     pads.write_dataset(table, root, format=fmt, file_options=opts, partitioning=cols or None,
                        partitioning_flavor="hive" if cols else None, existing_data_behavior="overwrite_or_ignore",
                        basename_template=f"part-{{i}}.{ext}")
+    os.makedirs(os.path.join(root, META_DIR), exist_ok=True)
     mf.write_json_atomic(os.path.join(root, SIDE_FILE), {"format": "arrowbuf-dataset", "version": 1,
                                                          "schema": core.schema.to_dict(), "rows": table.num_rows})
     return {"path": root, "rows": table.num_rows, "format": format}
+
+
+def lineage_path(root: str | os.PathLike, format: str = "parquet") -> str:
+    """Where an export into `root` puts the lineage of its rows (inside the metadata folder)."""
+    return os.path.join(os.fspath(root), META_DIR, "lineage.parquet" if format == "parquet" else "lineage.arrow")
 
 
 def _with_derived(table: pa.Table, core: StoreCore) -> pa.Table:
@@ -249,14 +261,13 @@ def open_dataset(path: str | os.PathLike) -> ExperienceDataset:
     minari = _minari_root(root)
     if minari is not None:
         return ExperienceDataset(root, "minari", _minari_schema(minari), _minari_files(minari), "ipc")
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
-                   if not f.startswith(("_", ".")) and f.endswith((".parquet", ".arrow", ".feather")))
+    files = sorted(_data_files(root))
     if not files:
         raise InvalidArgument(f"{root} holds no arrowbuf checkpoint (_manifest.json), no Minari dataset "
                               "(data/metadata.json with data_format 'arrow') and no .parquet/.arrow files")
     fmt = "parquet" if files[0].endswith(".parquet") else "ipc"
-    side = os.path.join(root, SIDE_FILE)
-    if os.path.exists(side):
+    side = next((p for p in (os.path.join(root, f) for f in (SIDE_FILE, OLD_SIDE_FILE)) if os.path.exists(p)), None)
+    if side is not None:
         with open(side) as f:
             schema = load_schema(json.load(f)["schema"])
     else:
@@ -267,6 +278,16 @@ def open_dataset(path: str | os.PathLike) -> ExperienceDataset:
                    if d}
         schema = load_schema(pa.schema([f for f in arrow if f.name not in derived], metadata=arrow.metadata))
     return ExperienceDataset(root, "parquet" if fmt == "parquet" else "arrow", schema, files, fmt)
+
+
+def _data_files(root: str) -> Iterator[str]:
+    """The data files under `root`: neither the files nor the folders on the way may start with `_` or `.` (the
+    metadata folder, hidden files), as pyarrow's dataset discovery skips them."""
+    for d, dirs, fs in os.walk(root):
+        dirs[:] = [x for x in dirs if not x.startswith(("_", "."))]
+        for f in fs:
+            if not f.startswith(("_", ".")) and f.endswith((".parquet", ".arrow", ".feather")):
+                yield os.path.join(d, f)
 
 
 def check_schema(ds: ExperienceDataset, expected: Any) -> None:

@@ -39,6 +39,12 @@ STATE = "_state"
 RETAINED = "_retained"
 LOCK = "_lock"
 MAX_MANIFEST_BYTES = 64 << 20
+#: An export's (`store.export`, `arrowbuf.persist.datasets`) metadata folder and schema file in it, and where exports
+#: of earlier versions kept the schema file: defined here, beside the checkpoint's names, so that `read_manifest`
+#: can tell a user who points it at an export what it is.
+DATASET_META_DIR = "_arrowbuf"
+DATASET_SIDE_FILE = os.path.join(DATASET_META_DIR, "dataset.json")
+OLD_DATASET_SIDE_FILE = "_arrowbuf.json"
 ROW_FILE = re.compile(r"^(\d{20})-(\d+)-([0-9a-f]{8})\.arrow$")
 
 
@@ -196,6 +202,12 @@ def read_manifest(root: str, name: str | None = None) -> dict[str, Any]:
     """
     path = os.path.join(root, MANIFEST) if name is None else os.path.join(root, MANIFESTS, name)
     if not os.path.exists(path):
+        if name is None and any(os.path.exists(os.path.join(root, f))
+                                for f in (DATASET_SIDE_FILE, OLD_DATASET_SIDE_FILE)):
+            raise FileNotFoundError(f"{root} is an exported dataset (store.export), not a checkpoint: load it with "
+                                    f"ExperienceStore.from_dataset({root!r}) (or read it with "
+                                    f"ab.open_dataset({root!r})); restore() reads checkpoint directories "
+                                    "(store.checkpoint)")
         raise FileNotFoundError(f"no checkpoint at {root}: {path} does not exist")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)

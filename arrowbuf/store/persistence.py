@@ -81,16 +81,19 @@ class StorePersistence(_Parts):
         """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
         `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
         `ExperienceStore.from_dataset` read it back. Writers wait while rows are copied (sampling goes on).
-        The lineage of the live rows (taken right after the rows) goes to `_lineage.parquet` (`.arrow`) beside
-        them, which dataset readers skip. Returns rows and path. See `arrowbuf.persist.datasets`."""
+        The schema and the lineage of the live rows (taken right after the rows) go into the metadata folder
+        `_arrowbuf/` (`dataset.json`, `lineage.parquet` or `.arrow`), where a glob of the data files such as DuckDB's
+        or Polars' `read_parquet("DIR/*.parquet")` does not reach. Returns rows and path (and `lineage`: its
+        file). See `arrowbuf.persist.datasets`."""
         from ..persist import export
+        from ..persist.datasets import lineage_path
 
         self._check_open()
         assert self._core is not None
         out = export(self._core, self.to_table, path, format=format, partition_by=partition_by,
                      compression=compression)
-        if self._core.lineage is not None:  # beside the rows, ignored by dataset readers (`_` prefix)
+        if self._core.lineage is not None:  # in the metadata folder: out of reach of a glob of the data files
             from ..observe.lineage import write_table
 
-            out["lineage"] = write_table(self.lineage_table(), path, format)
+            out["lineage"] = write_table(self.lineage_table(), lineage_path(path, format), format)
         return out
