@@ -189,7 +189,7 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
             loader = Loader(source, batch_size=cfg.batch_size, prefetch=2, columns=LEARNER_COLUMNS, timeout=0.25,
                             n_step=cfg.n_step, gamma=cfg.gamma)
             t_train = None
-            t_learn = None
+            learn_step = None  # environment steps stored when the first gradient step ran
             publish_every = 50
 
             def drain() -> None:
@@ -227,7 +227,7 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
                 if batch is not None:
                     if t_train is None:
                         t_train = t0
-                        t_learn = time.time() - t_start
+                        learn_step = len(store)
                     td = learner.train(batch.to_numpy(), batch.weights)
                     t2 = time.perf_counter()
                     timing["train_s"] += t2 - t1
@@ -281,7 +281,7 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
     last20 = float(np.mean(rets[-20:])) if rets else float("nan")
     (out_dir / "episodes.json").write_text(json.dumps(episodes))
     plot = _plot(episodes, out_dir / "returns.png", f"DQN on CartPole-v1, {actors} actors, transport={transport}",
-                 t_learn)
+                 learn_step)
     return DemoResult(transport, episodes, learner.updates, total_steps, wall, summary,
                       loader.metrics.summary() if loader is not None else "", timing, plot, first20, last20)
 
@@ -296,7 +296,9 @@ def _summary_sql(store: Any) -> Any:
         "round(avg(length), 1) AS mean_length FROM q GROUP BY quarter ORDER BY quarter")
 
 
-def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str, t_learn: float | None = None) -> str | None:
+def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str,
+          learn_step: int | None = None) -> str | None:
+    """Write the returns plot (`returns_figure`) to `path`; None without matplotlib."""
     try:
         import matplotlib
 
@@ -304,25 +306,37 @@ def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str, t_lear
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    fig = returns_figure(episodes, title, learn_step)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def returns_figure(episodes: list[dict[str, Any]], title: str, learn_step: int | None = None) -> Any:
+    """Episode returns over environment steps (all actors; each episode at the steps done when it ended), with a
+    20-episode mean and the first gradient step (`learn_step`: environment steps then). Steps, not wall time: a
+    loaded machine stretches the start-up (processes, imports) without moving the episodes against each other."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(10, 4.5))
     if episodes:
-        t = np.array([e["t"] for e in episodes])
-        r = np.array([e["return"] for e in episodes])
-        ax.scatter(t, r, s=6, alpha=0.35, label="episode return")
+        ordered = sorted(episodes, key=lambda e: e["t"])
+        x = np.cumsum([e["length"] for e in ordered])
+        r = np.array([e["return"] for e in ordered])
+        ax.scatter(x, r, s=6, alpha=0.35, label="episode return")
         k = min(20, len(r))
         ma = np.convolve(r, np.ones(k) / k, mode="valid")
-        ax.plot(t[k - 1:], ma, color="C1", lw=2, label=f"mean of last {k}")
-    if t_learn is not None:
-        ax.axvline(t_learn, color="grey", ls="--", lw=1, label="first gradient step")
-    ax.set_xlabel("wall time (s)")
+        ax.plot(x[k - 1:], ma, color="C1", lw=2, label=f"mean of last {k}")
+        ax.set_xlim(0, max(int(x[-1]), learn_step or 0) * 1.02)
+    if learn_step is not None:
+        ax.axvline(learn_step, color="grey", ls="--", lw=1, label="first gradient step")
+    ax.set_xlabel("environment steps (all actors)")
     ax.set_ylabel("return")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the axes: never on a point
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return fig
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -323,6 +323,7 @@ def _ends(per_version: dict[str, list]) -> tuple[float, float]:
 
 
 def _plot(per_version: dict[str, list], history: list[dict[str, Any]], path: pathlib.Path) -> str | None:
+    """Write the reward plot (`reward_figure`) to `path`; None without matplotlib."""
     try:
         import matplotlib
 
@@ -330,6 +331,17 @@ def _plot(per_version: dict[str, list], history: list[dict[str, Any]], path: pat
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    fig = reward_figure(per_version)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def reward_figure(per_version: dict[str, list]) -> Any:
+    """Mean reward per policy version (ticks at whole versions only) and its 10-version mean."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(10, 4.5))
     v = np.asarray(per_version.get("policy_version", []))
     r = np.asarray(per_version.get("mean_reward", []), dtype=np.float64)
@@ -337,6 +349,7 @@ def _plot(per_version: dict[str, list], history: list[dict[str, Any]], path: pat
         ax.plot(v, r, ".", alpha=0.4, label="mean reward of the\ncompletions of a version")
         k = min(10, v.size)
         ax.plot(v[k - 1:], np.convolve(r, np.ones(k) / k, mode="valid"), color="C1", lw=2, label=f"mean of {k}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a policy version is a whole number
     ax.axhline(0.2, color="grey", ls="--", lw=1, label="uniformly random policy")
     ax.set_xlabel("policy version (trainer steps)")
     ax.set_ylabel("reward (share of digits right)")
@@ -345,9 +358,7 @@ def _plot(per_version: dict[str, list], history: list[dict[str, Any]], path: pat
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the axes: never on a point
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return fig
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

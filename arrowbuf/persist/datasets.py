@@ -12,8 +12,8 @@ An export holds the live rows with their system columns and the derived columns 
 the last row of an episode that is still open), plus a metadata folder `_arrowbuf/`: `dataset.json` (the schema, so
 derived fields and episode ends survive a round trip through formats without Arrow metadata) and the lineage of the
 rows (`lineage.parquet`). The metadata lies in a folder so that a glob of the data files (`DIR/*.parquet` in DuckDB
-or Polars) never reaches it; exports written before (`_arrowbuf.json` beside the rows) open as before. `export` holds the store's write lock while it
-copies (writers wait; sampling goes on); `checkpoint` is the non-blocking copy.
+or Polars) never reaches it; exports written before (`_arrowbuf.json` beside the rows) open as before. `export`
+holds the store's write lock while it copies (writers wait; sampling goes on); `checkpoint` is the non-blocking copy.
 """
 
 from __future__ import annotations

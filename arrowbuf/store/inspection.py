@@ -18,6 +18,7 @@ from ..engine.consume import ConsumeTracker
 from ..engine.core import StoreCore
 from ..engine.episodes import EpisodeTracker
 from ..engine.reader import RowSnapshot, StoreReader
+from ..engine.sizes import ragged_placement, store_sizes
 from ..engine.writer import StoreWriter
 from ..errors import SchemaError
 from ..observe.timings import Timings
@@ -154,7 +155,13 @@ class StoreInspection(_Parts):
         return episode_table(self)
 
     def stats(self) -> dict[str, Any]:
-        """Size, counters and memory of the store."""
+        """Size, counters and memory of the store.
+
+        Memory in two labelled numbers (`arrowbuf.engine.sizes`, the one definition `arrowbuf inspect`, the inspector
+        and `/metrics` show too): `rows_bytes`, what the live rows' values take, and `reserved_bytes`, what the
+        store's tiers hold for it (the ring of `capacity` rows and the rest; `bytes` splits it per tier);
+        `columns` gives both per column.
+        """
         with self._lock:
             idx = self.index
             out = {
@@ -189,22 +196,34 @@ class StoreInspection(_Parts):
             counters = self._cols.placement_counters()
             if counters is not None:
                 out["placement"] = counters
+            out.update(store_sizes(self._core, self._placement_table(False), out["bytes"]))
         journal = self._w.stats()
         if journal is not None:
             out["journal"] = journal
         return out
 
     def placement(self, explain: bool = False) -> pa.Table:
-        """Where the columns live: one row per (column, tier) with the chunk slots and bytes there.
+        """Where the columns live: one row per (column, tier) with the chunk slots and bytes there. A ragged
+        column has one row: the tier of its arena, every chunk slot, the bytes the arena holds (placement does not
+        move it).
 
         With `explain=True`, also why (from the placement policy's last step): the column's share of sampled rows
         (`access_share`, `rows_per_s`), the share of the sampling mass in those chunks (`mass`), their value per
         byte, the tier's read bandwidth (`read_gbps`) and a sentence (`why`). See `arrowbuf.placement`.
         """
         self._check_open()
-        assert self._core is not None
         with self._lock:
-            return placement_table(self._core, self.placement_policy, explain)
+            return self._placement_table(explain)
+
+    def _placement_table(self, explain: bool) -> pa.Table:
+        """`placement()` under the state lock: the placed columns, then the ragged ones (in their arena's tier)."""
+        assert self._core is not None
+        table = placement_table(self._core, self.placement_policy, explain)
+        ragged = ragged_placement(self._core)
+        if not ragged:
+            return table
+        extra = pa.Table.from_pylist([{c: r.get(c) for c in table.column_names} for r in ragged])
+        return pa.concat_tables([table, extra], promote_options="permissive")
 
     def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
         """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
