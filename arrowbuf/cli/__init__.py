@@ -218,12 +218,17 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
 
         return connect(target, token=args.token, store=args.store), f"Flight store at {target}"
     if os.path.isdir(target):  # a checkpoint or a dataset directory (arrowbuf.persist)
+        from ..observe.meter import PhasedProgress
         from ..persist import manifest
         from ..store import ExperienceStore
 
-        if os.path.exists(os.path.join(target, manifest.MANIFEST)):
-            return ExperienceStore.restore(target), f"checkpoint {target} (restored into a temporary store)"
-        return ExperienceStore.from_dataset(target), f"dataset {target} (loaded into a temporary store)"
+        command = getattr(args, "command", "inspect")
+        with PhasedProgress(f"arrowbuf {command}: ") as progress:  # restoring a large journal takes a while
+            if os.path.exists(os.path.join(target, manifest.MANIFEST)):
+                return (ExperienceStore.restore(target, progress=progress),
+                        f"checkpoint {target} (restored into a temporary store)")
+            return (ExperienceStore.from_dataset(target, progress=progress),
+                    f"dataset {target} (loaded into a temporary store)")
     if os.path.exists(target):
         import pyarrow.parquet as pq
 

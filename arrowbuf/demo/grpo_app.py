@@ -181,12 +181,22 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
     """Run the GRPO demo (see the module docstring) for `steps` trainer steps.
 
     `transport="local"` runs the workers as threads on the store itself (no Flight): for debugging only.
+    `progress`: a bar on a terminal, a line every 2 s otherwise (`arrowbuf.observe.meter`), from the start (imports,
+    workers starting: tens of seconds on a busy machine) to the plot.
     """
+    from ..observe.meter import ProgressMeter
+
+    with ProgressMeter(steps, "grpo", "trainer step", enabled=progress) as bar:
+        bar.note("starting: importing torch")
+        return _run(steps, workers, seed, out, cfg, bar, log, transport)
+
+
+def _run(steps: int, workers: int, seed: int, out: str | os.PathLike[str], cfg: GRPOConfig | None, bar: Any,
+         log: Any, transport: str) -> GRPOResult:
     torch = require("torch", "demo")
     from ..flight import connect, serve
     from ..samplers import Group
     from ..store.facade import ExperienceStore
-    from .app import Progress
 
     if transport not in ("flight", "local"):
         raise InvalidArgument(f"transport must be 'flight' or 'local', got {transport!r}")
@@ -209,7 +219,6 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
     stop: Any = threading.Event() if local else ctx.Event()
     credits: Any = threading.Semaphore(0) if local else ctx.Semaphore(0)
     errors: Any = queue_mod.Queue() if local else ctx.Queue()
-    bar = Progress(steps, enabled=progress)
     try:
         with serve(store, "grpc://127.0.0.1:0") as server:
             policy_file = PolicyFile(out_dir / "policy.pt")
@@ -228,6 +237,7 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
                           ctx.Process(target=worker_main, args=(s, stop, credits, errors), daemon=True, name=name))
                 start_quietly(p)
                 procs.append(p)
+            bar.note(f"{len(procs)} workers starting (each imports torch); waiting for the first rewarded groups")
             remote: Any = store if local else connect(server.location)
             try:
                 compensated = 0
@@ -258,19 +268,20 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
                                     "lag": float((trainer.version - 1 - versions).mean()),
                                     "t": time.time() - t_start, **info})
                     recent = [h["reward"] for h in history[-10:]]
-                    bar.update(trainer.version, {"reward(last10)": f"{np.mean(recent):.3f}",
-                                                 "kl": f"{info['kl']:.3f}", "lag": f"{history[-1]['lag']:.1f}",
-                                                 "policy": f"v{trainer.version}"})
+                    bar.update_to(trainer.version, **{"reward(last10)": f"{np.mean(recent):.3f}",
+                                                      "kl": f"{info['kl']:.3f}", "lag": f"{history[-1]['lag']:.1f}",
+                                                      "policy": f"v{trainer.version}"})
                 stats = remote.stats()
             finally:
+                bar.note("stopping the workers")
                 stop.set()
                 if not local:
                     remote.close()
                 _stop_workers(procs)
             wall = time.time() - t_start
+            bar.note("summary (store.sql) and plot")
             summary = _summary_sql(store)
     finally:
-        bar.close()
         stop.set()
         _stop_workers(procs)
         store.close()

@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from ..engine.core import StoreCore
 from ..errors import InvalidArgument, SchemaError
+from ..observe.meter import ProgressSink
 from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from . import manifest as mf
 from .snapshot import arrow_column, numpy_column
@@ -36,26 +37,34 @@ from .snapshot import arrow_column, numpy_column
 META_DIR = mf.DATASET_META_DIR
 #: The schema file inside `META_DIR`, and where exports of earlier versions kept it (still read).
 SIDE_FILE = mf.DATASET_SIDE_FILE
+#: With a `progress` sink, rows are written and loaded in pieces of about this many bytes, each one reported.
+_PROGRESS_BYTES = 32 << 20
 OLD_SIDE_FILE = mf.OLD_DATASET_SIDE_FILE
 _FEED_ROWS = 65_536
 
 
 def export(core: StoreCore, rows: Callable[[], pa.Table], path: str | os.PathLike, format: str = "parquet",
-           partition_by: Any = None, compression: str | None = None) -> dict[str, Any]:
+           partition_by: Any = None, compression: str | None = None,
+           progress: ProgressSink | None = None) -> dict[str, Any]:
     """Write a store's live rows as a dataset (see the module docstring). Returns rows and files written.
 
     Args:
         core: the store's internals (its write lock is held while the rows are copied).
         rows: returns the live rows as a table (`ExperienceStore.to_table`).
+        progress: hears the rows copied ("export: copy") and written ("export: write", in `_FEED_ROWS` batches).
     """
     import pyarrow.dataset as pads
 
     if format not in ("parquet", "arrow"):
         raise InvalidArgument(f"format must be 'parquet' or 'arrow', got {format!r}")
     core.check_open()
+    if progress is not None:
+        progress("export: copy", 0, None, "row")
     with core.write_lock:  # no row is overwritten or committed while it is copied
         table = _with_derived(rows(), core)
         table = table.combine_chunks()
+    if progress is not None:
+        progress("export: copy", table.num_rows, None, "row")
     cols = [partition_by] if isinstance(partition_by, str) else list(partition_by or [])
     unknown = [c for c in cols if c not in table.column_names]
     if unknown:
@@ -71,7 +80,18 @@ def export(core: StoreCore, rows: Callable[[], pa.Table], path: str | os.PathLik
         fmt = pads.IpcFileFormat()
         opts = fmt.make_write_options(compression=compression)
         ext = "arrow"
-    pads.write_dataset(table, root, format=fmt, file_options=opts, partitioning=cols or None,
+    def counted() -> Iterator[pa.RecordBatch]:  # the rows as they are written, for `progress`
+        done = 0
+        for batch in table.to_batches(max_chunksize=_progress_rows(table)):
+            yield batch
+            done += batch.num_rows
+            if progress is not None:
+                progress("export: write", done, table.num_rows, "row")
+
+    if progress is not None:
+        progress("export: write", 0, table.num_rows, "row")
+    source: Any = table if progress is None else pa.RecordBatchReader.from_batches(table.schema, counted())
+    pads.write_dataset(source, root, format=fmt, file_options=opts, partitioning=cols or None,
                        partitioning_flavor="hive" if cols else None, existing_data_behavior="overwrite_or_ignore",
                        basename_template=f"part-{{i}}.{ext}")
     os.makedirs(os.path.join(root, META_DIR), exist_ok=True)
@@ -83,6 +103,12 @@ def export(core: StoreCore, rows: Callable[[], pa.Table], path: str | os.PathLik
 def lineage_path(root: str | os.PathLike, format: str = "parquet") -> str:
     """Where an export into `root` puts the lineage of its rows (inside the metadata folder)."""
     return os.path.join(os.fspath(root), META_DIR, "lineage.parquet" if format == "parquet" else "lineage.arrow")
+
+
+def _progress_rows(data: pa.Table | pa.RecordBatch) -> int:
+    """Rows per piece of `data` for progress reports: about `_PROGRESS_BYTES`, at most `_FEED_ROWS`."""
+    per_row = max(1, data.nbytes // max(1, data.num_rows))
+    return int(max(1, min(_FEED_ROWS, _PROGRESS_BYTES // per_row)))
 
 
 def _with_derived(table: pa.Table, core: StoreCore) -> pa.Table:
@@ -126,6 +152,8 @@ class ExperienceDataset:
 
     @property
     def num_rows(self) -> int:
+        if self.kind in ("parquet", "arrow"):  # from the files' metadata, without reading the rows
+            return int(self.dataset.count_rows())
         return sum(b.num_rows for b in self.batches())
 
     def to_table(self) -> pa.Table:
@@ -151,13 +179,27 @@ class ExperienceDataset:
             table = table.sort_by("seq")
         yield from table.to_batches(max_chunksize=_FEED_ROWS)
 
-    def to_store(self, capacity: int | None = None, *, store_cls: Any, **kwargs: Any) -> Any:
+    def to_store(self, capacity: int | None = None, *, store_cls: Any, progress: ProgressSink | None = None,
+                 **kwargs: Any) -> Any:
         """A new store of class `store_cls` (`ab.ExperienceStore`) holding these rows (the newest `capacity` when
-        there are more); `ab.ExperienceStore.from_dataset(path)` is the usual way in."""
-        store = store_cls(self.schema, int(capacity or max(1, self.num_rows)), **kwargs)
+        there are more); `ab.ExperienceStore.from_dataset(path)` is the usual way in. `progress` hears the rows
+        loaded (phase "load dataset")."""
+        total = self.num_rows if capacity is None or progress is not None else None
+        store = store_cls(self.schema, int(capacity or max(1, total or 0)), **kwargs)
+        done = 0
         try:
+            if progress is not None:
+                progress("load dataset", 0, total, "row")
             for batch in self.batches():
-                _feed(store, batch, self.schema)
+                if progress is None:
+                    _feed(store, batch, self.schema)
+                    continue
+                step = _progress_rows(batch)  # consecutive extends of a batch's rows store what one does
+                for k in range(0, batch.num_rows, step):
+                    part = batch.slice(k, step)
+                    _feed(store, part, self.schema)
+                    done += part.num_rows
+                    progress("load dataset", done, total, "row")
         except BaseException:
             store.close()
             raise
@@ -302,13 +344,13 @@ def check_schema(ds: ExperienceDataset, expected: Any) -> None:
 
 
 def from_dataset(path: str | os.PathLike, capacity: int | None = None, *, store_cls: Any, schema: Any = None,
-                 **kwargs: Any) -> Any:
+                 progress: ProgressSink | None = None, **kwargs: Any) -> Any:
     """A new store of class `store_cls` filled from a dataset (`open_dataset` formats); `schema=` checks the dataset
     against one. `ExperienceStore.from_dataset` calls this with its own class."""
     ds = open_dataset(path)
     if schema is not None:
         check_schema(ds, schema)
-    return ds.to_store(capacity, store_cls=store_cls, **kwargs)
+    return ds.to_store(capacity, store_cls=store_cls, progress=progress, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ Minari

@@ -28,6 +28,7 @@ import stat
 from typing import Any
 
 from ..errors import InvalidArgument, StoreCorrupt
+from ..observe.meter import ProgressSink
 from .crc import crc32 as _crc32
 
 FORMAT = "arrowbuf-checkpoint"
@@ -250,16 +251,24 @@ def kept_manifests(root: str) -> list[str]:
     return sorted(n for n in os.listdir(d) if re.fullmatch(r"\d{8}\.json", n))
 
 
-def verify(root: str, manifest: dict[str, Any] | None = None) -> list[str]:
-    """Check every file of a checkpoint (sizes, checksums); returns the problems found (empty: intact)."""
+def verify(root: str, manifest: dict[str, Any] | None = None, progress: ProgressSink | None = None) -> list[str]:
+    """Check every file of a checkpoint (sizes, checksums); returns the problems found (empty: intact). `progress`
+    hears the bytes checked (phase "verify")."""
     problems = []
     try:
         m = manifest or read_manifest(root)
     except (FileNotFoundError, StoreCorrupt) as exc:
         return [str(exc)]
+    total = sum(int(e["bytes"]) for e in m["files"])
+    done = 0
+    if progress is not None:
+        progress("verify", 0, total, "B")
     for e in m["files"]:
         try:
             read_verified(root, e)
         except StoreCorrupt as exc:
             problems.append(str(exc))
+        done += int(e["bytes"])
+        if progress is not None:
+            progress("verify", done, total, "B")
     return problems

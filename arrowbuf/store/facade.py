@@ -33,6 +33,7 @@ from ..engine.reader import StoreReader
 from ..engine.update import StoreUpdater
 from ..engine.writer import StoreWriter
 from ..errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed, StoreCorrupt
+from ..observe.meter import ProgressSink
 from ..observe.timings import Timings, timed
 from ..options import StoreOptions
 from ..placement import PlacementTarget, make_placement
@@ -631,7 +632,8 @@ class ExperienceStore(StoreInspection, StorePersistence):
     @classmethod
     def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
                 seed: int | None = None, name: str | None = None, schema: Any = None,
-                generation: int | None = None, durability: str | None = None) -> ExperienceStore:
+                generation: int | None = None, durability: str | None = None,
+                progress: ProgressSink | None = None) -> ExperienceStore:
         """The store checkpointed at `path`: same rows under the same ids, same sampler, limiter and episode state.
 
         Args:
@@ -644,6 +646,9 @@ class ExperienceStore(StoreInspection, StorePersistence):
             generation: a kept checkpoint other than the latest (`arrowbuf checkpoint ls` lists them).
             durability: a durable directory (`durable=`) is restored as its last checkpoint plus the journal after
                 it, and the store journals on under this policy (default: the recorded one).
+            progress: told how the restore advances, `progress(phase, done, total, unit)` (phases "restore",
+                "journal: read", "journal: replay"); `arrowbuf.observe.meter.PhasedProgress()` shows it as bars or
+                lines (what `arrowbuf inspect ckpt/` does).
 
         Raises:
             StoreCorrupt: a file is missing, truncated or corrupt (the message names it).
@@ -656,11 +661,11 @@ class ExperienceStore(StoreInspection, StorePersistence):
         store = cls(plan.schema, options=plan.options)
         try:
             assert store._core is not None
-            plan.load(store._core)
+            plan.load(store._core, progress)
             from .durable import read_policy, resume
 
             if generation is None and (durability is not None or read_policy(plan.root) is not None):
-                store._writes = resume(plan.root, plan.manifest, durability, store._parts())
+                store._writes = resume(plan.root, plan.manifest, durability, store._parts(), progress)
         except BaseException:
             store.close()
             raise
@@ -668,14 +673,15 @@ class ExperienceStore(StoreInspection, StorePersistence):
 
     @classmethod
     def from_dataset(cls, path: Any, capacity: int | None = None, *, schema: Any = None,
-                     **kwargs: Any) -> ExperienceStore:
+                     progress: ProgressSink | None = None, **kwargs: Any) -> ExperienceStore:
         """A new store filled from a dataset directory: an arrowbuf export or checkpoint, Parquet with arrowbuf's
         schema, or a Minari dataset with the Arrow backend (the newest `capacity` rows when there are more; default:
-        all). `schema=` checks the dataset against a schema (SchemaError naming the fields); other keyword
-        arguments go to the constructor (sampler, seed, tier, ...)."""
+        all). `schema=` checks the dataset against a schema (SchemaError naming the fields); `progress` hears the
+        rows loaded (as `restore`'s); other keyword arguments go to the constructor (sampler, seed, tier, ...)."""
         from ..persist import from_dataset
 
-        return cast("ExperienceStore", from_dataset(path, capacity, store_cls=cls, schema=schema, **kwargs))
+        return cast("ExperienceStore", from_dataset(path, capacity, store_cls=cls, schema=schema, progress=progress,
+                                                    **kwargs))
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from ..engine.core import StoreCore
+from ..observe.meter import ProgressSink
 from .writes import Writes
 
 if TYPE_CHECKING:
@@ -77,21 +78,22 @@ class StorePersistence(_Parts):
         return out
 
     def export(self, path: Any, format: str = "parquet", partition_by: Any = None,
-               compression: str | None = None) -> dict[str, Any]:
+               compression: str | None = None, progress: ProgressSink | None = None) -> dict[str, Any]:
         """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
         `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
         `ExperienceStore.from_dataset` read it back. Writers wait while rows are copied (sampling goes on).
         The schema and the lineage of the live rows (taken right after the rows) go into the metadata folder
         `_arrowbuf/` (`dataset.json`, `lineage.parquet` or `.arrow`), where a glob of the data files such as DuckDB's
         or Polars' `read_parquet("DIR/*.parquet")` does not reach. Returns rows and path (and `lineage`: its
-        file). See `arrowbuf.persist.datasets`."""
+        file). `progress` hears the rows written (as `ExperienceStore.restore`'s). See
+        `arrowbuf.persist.datasets`."""
         from ..persist import export
         from ..persist.datasets import lineage_path
 
         self._check_open()
         assert self._core is not None
         out = export(self._core, self.to_table, path, format=format, partition_by=partition_by,
-                     compression=compression)
+                     compression=compression, progress=progress)
         if self._core.lineage is not None:  # in the metadata folder: out of reach of a glob of the data files
             from ..observe.lineage import write_table
 
