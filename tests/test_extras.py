@@ -37,6 +37,10 @@ def _readme_block(heading: str) -> str:
     return next(b.code for b in docs_blocks.extract(str(path)) if b.line > at and b.lang == "python")
 
 
+def _first_block(path: Any) -> str:
+    return next(b.code for b in docs_blocks.extract(str(path)) if b.lang == "python")
+
+
 BASE = '''
 import arrowbuf as ab, numpy as np
 # Flight, a checkpoint and its restore, an export and the command line: no extra
@@ -198,8 +202,8 @@ EXTRAS: dict[str, tuple[list[str], Any]] = {
     "torch": ([TORCH], lambda: [("batch.to_torch()", ["python", "-c", TORCH_CHECK])]),
     "metrics": ([], lambda: [("/metrics", ["python", "-c", METRICS])]),
     "compat": ([TORCH], lambda: [("TorchRL storage, TransferQueue API", ["python", "-c", COMPAT]),
-                                 ("docs/integrations.md", ["python", str(ROOT / "scripts" / "docs_blocks.py"),
-                                                           str(ROOT / "docs" / "integrations.md")])]),
+                                 ("docs/integrations.md's TransferQueue block",
+                                  ["python", "-c", _first_block(ROOT / "docs" / "integrations.md")])]),
     "ray": ([], lambda: [("ShardedStore", ["python", "-c", RAY])]),
     "datasets": ([], lambda: [("a Minari dataset", ["python", "-c", DATASETS])]),
     "fast": ([], lambda: [("ISA-L CRC-32", ["python", "-c", FAST])]),
