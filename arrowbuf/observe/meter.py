@@ -68,7 +68,8 @@ def _units(unit: str) -> str:
 
 class ProgressMeter:
     """A progress display (see the module docstring): a tqdm bar on a terminal, a line every `interval` seconds
-    otherwise. A context manager; `close()` is idempotent and prints a last line.
+    otherwise. A context manager; `close()` is idempotent and ends the bar, or prints a last line when lines were
+    printed before.
 
     Args:
         total: the amount of work (None: unknown, then no percentage or time left).
