@@ -56,13 +56,13 @@ def store_sizes(core: Any, placement: pa.Table, tier_bytes: dict[str, int]) -> d
     reserved_of: dict[str, int] = {}
     for name, nbytes in zip(placement.column("column").to_pylist(), placement.column("bytes").to_pylist()):
         reserved_of[name] = reserved_of.get(name, 0) + int(nbytes)
-    positions = None
+    live_rows: list[slice] | np.ndarray | None = None
     columns: dict[str, dict[str, int]] = {}
     for f in core.schema.fields.values():
         if f.ragged:
-            if positions is None:
-                positions = _live_positions(core)
-            rows = _ragged_rows_bytes(core, f, positions)
+            if live_rows is None:
+                live_rows = _live_rows(core)
+            rows = _ragged_rows_bytes(core, f, live_rows)
         else:
             rows = live * int(f.row_bytes)
         columns[f.name] = {"rows_bytes": int(rows), "reserved_bytes": reserved_of.get(f.name, 0)}
@@ -72,20 +72,30 @@ def store_sizes(core: Any, placement: pa.Table, tier_bytes: dict[str, int]) -> d
             "reserved_bytes": int(sum(tier_bytes.values())), "columns": columns}
 
 
-def _live_positions(core: Any) -> np.ndarray:
+def _live_rows(core: Any) -> list[slice] | np.ndarray:
+    """The ring positions of the live rows: one or two slices when every seq of [lo, hi) is live (no holes: the
+    usual case, summed without a gather), else the positions themselves."""
     idx = core.index
-    seqs = np.arange(idx.lo, idx.hi, dtype=np.int64)
-    pos = seqs % core.arena_rows
+    lo, hi, arena = int(idx.lo), int(idx.hi), int(core.arena_rows)
+    if len(idx) == hi - lo:
+        p0, n = lo % arena, hi - lo
+        return [slice(p0, p0 + n)] if p0 + n <= arena else [slice(p0, arena), slice(0, p0 + n - arena)]
+    seqs = np.arange(lo, hi, dtype=np.int64)
+    pos = seqs % arena
     return pos[idx.seq[pos] == seqs]
 
 
-def _ragged_rows_bytes(core: Any, spec: Any, positions: np.ndarray) -> int:
+def _ragged_rows_bytes(core: Any, spec: Any, live: list[slice] | np.ndarray) -> int:
     """Bytes of the elements of the live rows of ragged field `spec` (a row not written yet counts 0)."""
     cols = core.cols
     arena = cols.tier_ragged.get(spec.name)
     if arena is not None:
-        lengths = np.asarray(arena.length)[positions]
-        return int(np.maximum(lengths, 0).sum()) * int(arena.values.dtype.itemsize)
+        lengths = np.asarray(arena.length)
+        parts = [lengths[s] for s in live] if isinstance(live, list) else [lengths[live]]
+        elements = sum(int(p.sum()) + int((p < 0).sum()) for p in parts)  # -1: no value yet, counts 0
+        return elements * int(arena.values.dtype.itemsize)
+    positions = (np.concatenate([np.arange(s.start, s.stop) for s in live]) if isinstance(live, list)
+                 else live)
     slots = cols.ragged_snapshot()[spec.name]
     chunk_rows = int(core.chunk_rows)
     total = 0
