@@ -135,3 +135,16 @@ def test_inspect_names_every_type_whole(tmp_path, capsys):
     line = next(x for x in out.splitlines() if x.startswith("a_very_long_field_name_for_images"))
     assert "tensor<float>[3,64,64,2]" in line
     assert "list<int32>" in out
+
+
+def test_rows_bytes_of_ragged_columns_follow_the_ring_when_it_wraps():
+    import pyarrow.compute as pc
+
+    with ab.ExperienceStore("grpo", capacity=100, seed=0) as store:
+        for k in range(5):  # 250 rows into 100: the ring wraps, the live rows straddle its end
+            store.extend(_grpo(50) | {"prompt_id": np.arange(50) + 50 * k})
+        cols = store.stats()["columns"]
+        table = store.to_table()
+        for name in ("prompt_tokens", "response_tokens", "logprobs"):
+            elements = pc.sum(pc.list_value_length(table.column(name))).as_py()
+            assert cols[name]["rows_bytes"] == 4 * elements, name
