@@ -24,14 +24,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..schema import SYSTEM_COLUMNS  # the columns the store adds to every row (int64 each), kept in the ring index
+from ..schema import SYSTEM_COLUMNS, FieldSpec  # SYSTEM_COLUMNS: int64 columns the store adds, kept in the index
+from .core import StoreCore
 
 
-def ragged_placement(core: Any) -> list[dict[str, Any]]:
+def ragged_placement(core: StoreCore) -> list[dict[str, Any]]:
     """Rows of `store.placement()` for the ragged columns (which live outside the chunk residency that placement
     moves): per ragged field, its tier, the ring's chunk slots and the bytes its arena holds."""
     cols = core.cols
-    out = []
+    out: list[dict[str, Any]] = []
+    if core.closed:  # its memory is gone (stats() of a closed store still answers)
+        return out
     for f in core.schema.fields.values():
         if not f.ragged:
             continue
@@ -47,7 +50,7 @@ def ragged_placement(core: Any) -> list[dict[str, Any]]:
     return out
 
 
-def store_sizes(core: Any, placement: pa.Table, tier_bytes: dict[str, int]) -> dict[str, Any]:
+def store_sizes(core: StoreCore, placement: pa.Table, tier_bytes: dict[str, int]) -> dict[str, Any]:
     """`{"rows_bytes", "reserved_bytes", "columns": {name: {"rows_bytes", "reserved_bytes"}}}` of a store's
     internals (`StoreCore`; call under its state lock), from its `placement()` table (ragged rows included) and the
     bytes its tiers hold (`stats()["bytes"]`). See the module docstring for what each number means."""
@@ -72,7 +75,7 @@ def store_sizes(core: Any, placement: pa.Table, tier_bytes: dict[str, int]) -> d
             "reserved_bytes": int(sum(tier_bytes.values())), "columns": columns}
 
 
-def _live_rows(core: Any) -> list[slice] | np.ndarray:
+def _live_rows(core: StoreCore) -> list[slice] | np.ndarray:
     """The ring positions of the live rows: one or two slices when every seq of [lo, hi) is live (no holes: the
     usual case, summed without a gather), else the positions themselves."""
     idx = core.index
@@ -85,8 +88,11 @@ def _live_rows(core: Any) -> list[slice] | np.ndarray:
     return pos[idx.seq[pos] == seqs]
 
 
-def _ragged_rows_bytes(core: Any, spec: Any, live: list[slice] | np.ndarray) -> int:
-    """Bytes of the elements of the live rows of ragged field `spec` (a row not written yet counts 0)."""
+def _ragged_rows_bytes(core: StoreCore, spec: FieldSpec, live: list[slice] | np.ndarray) -> int:
+    """Bytes of the elements of the live rows of ragged field `spec` (a row not written yet counts 0; a closed
+    store's rows: 0, their memory is gone)."""
+    if core.closed:
+        return 0
     cols = core.cols
     arena = cols.tier_ragged.get(spec.name)
     if arena is not None:

@@ -196,6 +196,7 @@ class StoreInspection(_Parts):
             counters = self._cols.placement_counters()
             if counters is not None:
                 out["placement"] = counters
+            assert self._core is not None
             out.update(store_sizes(self._core, self._placement_table(False), out["bytes"]))
         journal = self._w.stats()
         if journal is not None:

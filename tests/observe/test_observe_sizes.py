@@ -148,3 +148,13 @@ def test_rows_bytes_of_ragged_columns_follow_the_ring_when_it_wraps():
         for name in ("prompt_tokens", "response_tokens", "logprobs"):
             elements = pc.sum(pc.list_value_length(table.column(name))).as_py()
             assert cols[name]["rows_bytes"] == 4 * elements, name
+
+
+@pytest.mark.parametrize("kind", sorted(STORES))
+def test_stats_of_a_closed_store_still_answers(kind):
+    make, rows = STORES[kind]
+    store = make()
+    store.extend(rows(10))
+    store.close()
+    st = store.stats()  # as before sizes were added: a closed store still reports its counters
+    assert st["inserts"] == 10 and "rows_bytes" in st and "reserved_bytes" in st
