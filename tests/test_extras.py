@@ -117,8 +117,10 @@ print("compat ok")
 '''
 
 RAY = '''
-import numpy as np, arrowbuf as ab
+import numpy as np, ray, arrowbuf as ab
 from arrowbuf.ray import ShardedStore
+# a cluster of its own: a plain ray.init() joins any cluster `ray start` left on this machine (other test sessions')
+ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
 sharded = ShardedStore.create(ab.load_schema("cartpole"), num_shards=2, capacity_per_shard=1000)
 try:
     sharded.writer().extend({"obs": np.zeros((64, 4), np.float32), "action": np.zeros(64, np.int64),
@@ -128,7 +130,6 @@ try:
     assert len(sharded) == 64 and len(sharded.sample(16).indices) == 16
 finally:
     sharded.shutdown()
-import ray
 ray.shutdown()
 print("ray ok")
 '''
