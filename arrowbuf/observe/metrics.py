@@ -174,9 +174,20 @@ class StoreCollector:
                 [name], int(st["policy_version"]))
         if isinstance(st.get("journal"), dict):  # a durable store (or durable shards: their sums)
             self._journal(name, st["journal"], counter, gauge)
+        # sizes: the one definition of arrowbuf.engine.sizes (stats(), arrowbuf inspect and the inspector show the same)
+        if "rows_bytes" in st:
+            gauge("arrowbuf_rows_bytes", "Bytes of the live rows' values as the store keeps them (rows' bytes)",
+                  ["store"]).add_metric([name], int(st["rows_bytes"]))
+        if "reserved_bytes" in st:
+            gauge("arrowbuf_reserved_bytes", "Bytes the store's memory tiers hold for it, rows or not (reserved: the "
+                  "ring of capacity rows plus one chunk, final observations, the index)", ["store"]).add_metric(
+                [name], int(st["reserved_bytes"]))
+        for column, sizes in (st.get("columns") or {}).items():
+            gauge("arrowbuf_column_rows_bytes", "Bytes of the live rows' values per column (rows' bytes)",
+                  ["store", "column"]).add_metric([name, str(column)], int(sizes.get("rows_bytes", 0)))
         for tier, nbytes in (st.get("bytes") or {}).items():
-            gauge("arrowbuf_tier_bytes", "Bytes the store holds per memory tier", ["store", "tier"]).add_metric(
-                [name, str(tier)], int(nbytes))
+            gauge("arrowbuf_tier_bytes", "Reserved bytes per memory tier (what the tier holds for the store, rows or "
+                  "not)", ["store", "tier"]).add_metric([name, str(tier)], int(nbytes))
         placement = getattr(store, "placement", None)
         if callable(placement):
             try:
@@ -184,7 +195,7 @@ class StoreCollector:
             except Exception:  # noqa: BLE001 - a surface without per-column placement
                 table = []
             for row in table:
-                gauge("arrowbuf_column_bytes", "Bytes per column per tier (store.placement())",
+                gauge("arrowbuf_column_bytes", "Reserved bytes per column per tier: its arenas (store.placement())",
                       ["store", "column", "tier"]).add_metric([name, str(row["column"]), str(row["tier"])],
                                                               int(row["bytes"]))
         observability = getattr(store, "observability", None)
@@ -274,6 +285,7 @@ class StoreCollector:
         consumed: dict[str, int] = {}
         nbytes: dict[str, int] = {}
         journal: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         for k, sh in enumerate(st["shards"]):
             labels = [name, str(k)]
             gauge("arrowbuf_shard_up", "1 when the shard answered the scrape", ["store", "shard"]).add_metric(
@@ -295,6 +307,8 @@ class StoreCollector:
                         ["store", "shard", "task_name"]).add_metric([*labels, task], int(n))
             for tier, b in (sh.get("bytes") or {}).items():
                 nbytes[tier] = nbytes.get(tier, 0) + int(b)
+            for key in ("rows_bytes", "reserved_bytes"):
+                sizes[key] = sizes.get(key, 0) + int(sh.get(key, 0) or 0)
             j = sh.get("journal")
             if isinstance(j, dict):  # durable shards: counters summed; lsns are per shard
                 for key in ("records", "bytes", "fsyncs"):
@@ -304,6 +318,7 @@ class StoreCollector:
                           ["store", "shard"]).add_metric(labels, int(j["durable_lsn"]))
         total["consumed"] = consumed
         total["bytes"] = nbytes
+        total.update(sizes)
         total.pop("journal", None)
         if journal:
             total["journal"] = journal

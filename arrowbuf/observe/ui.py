@@ -150,7 +150,8 @@ class Inspector:
         st = store.stats()
         out: dict[str, Any] = {"stats": {k: st.get(k) for k in (
             "name", "schema", "size", "capacity", "inserts", "samples", "first_seq", "next_seq", "chunk_rows",
-            "chunks", "sealed_chunks", "bytes", "policy_version", "tasks", "consumed", "stale_dropped",
+            "chunks", "sealed_chunks", "bytes", "rows_bytes", "reserved_bytes", "columns", "policy_version", "tasks",
+            "consumed", "stale_dropped",
             "groups_dropped_zero_variance", "sampler")}}
         try:
             out["placement"] = store.placement().select(["column", "tier", "chunks", "bytes"]).to_pylist()
