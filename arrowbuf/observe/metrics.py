@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import InvalidArgument, MissingDependency
+from ..errors import InvalidArgument, MissingDependency, StoreClosed
 from ..serving.http import BoundedHTTPServer, GuardedHandler, RequestGuard
 from ..serving.limits import NetLimits, check_bind
+from ..surface import Observable
 
 log = logging.getLogger("arrowbuf.observe")
 
@@ -124,7 +125,7 @@ class StoreCollector:
     # ------------------------------------------------------------------ one store
     def _store(self, name: str, store: Any, counter: Any, gauge: Any, hist: Any) -> None:
         st = store.stats()
-        row_bytes = int(getattr(getattr(store, "schema", None), "row_bytes", 0) or 0)
+        row_bytes = int(store.schema.row_bytes)
         if isinstance(st.get("shards"), list):  # a ShardedStore: totals here, and one series per shard
             st = self._shards(name, st, counter, gauge)
         size, cap = int(st.get("size", 0)), int(st.get("capacity", 0) or 0)
@@ -188,19 +189,16 @@ class StoreCollector:
         for tier, nbytes in (st.get("bytes") or {}).items():
             gauge("arrowbuf_tier_bytes", "Reserved bytes per memory tier (what the tier holds for the store, rows or "
                   "not)", ["store", "tier"]).add_metric([name, str(tier)], int(nbytes))
-        placement = getattr(store, "placement", None)
-        if callable(placement):
+        if isinstance(store, Observable):  # a store in this process: per-column placement and what it records
             try:
-                table = placement().to_pylist()
-            except Exception:  # noqa: BLE001 - a surface without per-column placement
+                table = store.placement().to_pylist()
+            except StoreClosed:
                 table = []
             for row in table:
                 gauge("arrowbuf_column_bytes", "Reserved bytes per column per tier: its arenas (store.placement())",
                       ["store", "column", "tier"]).add_metric([name, str(row["column"]), str(row["tier"])],
                                                               int(row["bytes"]))
-        observability = getattr(store, "observability", None)
-        if callable(observability):
-            self._observed(name, observability(), counter, gauge, hist)
+            self._observed(name, store.observability(), counter, gauge, hist)
 
     def _observed(self, name: str, obs: dict[str, Any], counter: Any, gauge: Any, hist: Any) -> None:
         progress = obs.get("progress") or {}
