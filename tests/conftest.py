@@ -19,6 +19,11 @@ import arrowbuf as ab
 from arrowbuf.tiers import shm
 
 
+#: TorchRL's vendored replay-buffer suite (tests/compat/torchrl_suite/) has a conftest of its own and is run by
+#: tests/test_compat_torchrl_suite.py in a process of its own, never collected with this suite.
+collect_ignore = ["compat"]
+
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "schemas"
 
