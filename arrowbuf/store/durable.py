@@ -39,6 +39,7 @@ from ..engine.core import StoreCore
 from ..errors import InvalidArgument, StoreCorrupt
 from ..observe import identity
 from ..observe.lineage import ACKED, DELIVERED
+from ..observe.meter import ProgressSink
 from ..persist import faults
 from ..persist import journal as jr
 from ..persist import manifest as mf
@@ -401,9 +402,11 @@ class _Target:
         self.parts.writer.end_episode(actor, final)
 
 
-def resume(root: str, manifest: dict[str, Any], policy: str | None, parts: StoreParts) -> DurableWrites:
+def resume(root: str, manifest: dict[str, Any], policy: str | None, parts: StoreParts,
+           progress: ProgressSink | None = None) -> DurableWrites:
     """After a durable directory's last checkpoint was loaded into a fresh store: replay the journal after it (the
     writer's eviction hold off: the journal holds the evictions as they happened), cut a torn tail off, journal on.
+    `progress` hears the journal's bytes read and its records replayed.
 
     Raises:
         StoreCorrupt: a damaged journal record (other than a torn tail), naming the segment.
@@ -413,12 +416,13 @@ def resume(root: str, manifest: dict[str, Any], policy: str | None, parts: Store
     core, writer = parts.core, parts.writer
     owner = jr.lock_journal(root)  # no live store writes it while it is read, cut and continued
     try:
-        records, torn, next_lsn, last_crc = jr.read_journal(root, from_lsn)
+        records, torn, next_lsn, last_crc = jr.read_journal(root, from_lsn, progress)
         # the journal holds the inserts as they happened: no eviction hold, no rate limiter may refuse them again
         hold, writer.hold = writer.hold, None
         limiter, core.rate_limiter = core.rate_limiter, None
         try:
-            counts = replay(records, _Target(parts), f"journal of {root}", capacity=int(core.capacity))
+            counts = replay(records, _Target(parts), f"journal of {root}", capacity=int(core.capacity),
+                            progress=progress)
         finally:
             writer.hold, core.rate_limiter = hold, limiter
         first = jr.seal_last(root, next_lsn, torn, prev=last_crc)

@@ -26,8 +26,10 @@ from ..engine.consume import ConsumeTracker
 from ..engine.core import StoreCore
 from ..engine.episodes import EpisodeTracker
 from ..engine.reader import RowSnapshot, StoreReader
+from ..engine.sizes import ragged_placement, store_sizes
 from ..engine.writer import StoreWriter
 from ..errors import InvalidArgument, SchemaError
+from ..observe.meter import ProgressSink
 from ..observe.timings import Timings
 from ..placement import Placement, placement_table
 from ..schema import ExperienceSchema
@@ -174,6 +176,7 @@ class StoreViews:
                 out["placement"] = counters
             if p.reader.device is not None:  # the device ring's sample path (arrowbuf.engine.device_sample)
                 out["device"] = p.reader.device.describe()
+            out.update(store_sizes(core, self._placement_table(False), out["bytes"]))
         if journal is not None:
             out["journal"] = journal
         return out
@@ -182,7 +185,17 @@ class StoreViews:
         core = self.parts.core
         core.check_open()
         with core.lock:
-            return placement_table(core, self.parts.placement_policy, explain)
+            return self._placement_table(explain)
+
+    def _placement_table(self, explain: bool) -> pa.Table:
+        """`placement()` under the state lock: the placed columns, then the ragged ones (in their arena's tier)."""
+        core = self.parts.core
+        table = placement_table(core, self.parts.placement_policy, explain)
+        ragged = ragged_placement(core)
+        if not ragged:
+            return table
+        extra = pa.Table.from_pylist([{c: r.get(c) for c in table.column_names} for r in ragged])
+        return pa.concat_tables([table, extra], promote_options="permissive")
 
     def chunks(self) -> pa.Table:
         core = self.parts.core
@@ -191,15 +204,17 @@ class StoreViews:
 
     # ------------------------------------------------------------------ persistence
     def export(self, path: str | os.PathLike[str], format: str, partition_by: str | list[str] | None,
-               compression: str | None) -> dict[str, Any]:
+               compression: str | None, progress: ProgressSink | None = None) -> dict[str, Any]:
         from ..persist import export
+        from ..persist.datasets import lineage_path
 
         core = self.parts.core
         core.check_open()
-        out = export(core, self.to_table, path, format=format, partition_by=partition_by, compression=compression)
-        if core.lineage is not None:  # beside the rows, ignored by dataset readers (`_` prefix)
+        out = export(core, self.to_table, path, format=format, partition_by=partition_by, compression=compression,
+                     progress=progress)
+        if core.lineage is not None:  # in the metadata folder: out of reach of a glob of the data files
             from ..observe.lineage import write_table
 
-            out["lineage"] = write_table(self.lineage_table(), path, format)
+            out["lineage"] = write_table(self.lineage_table(), lineage_path(path, format), format)
         return out
 
