@@ -39,7 +39,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, TypeVar, overload
 
 import numpy as np
 import pyarrow as pa
@@ -51,6 +51,7 @@ from ..ring.outpool import OutputPool
 from ..samplers import validate_priorities
 from ..samplers.admission import check_admission
 from ..schema import ExperienceSchema, load_schema
+from ..schema.inputs import BatchLike, IdsLike, ValuesLike
 from ..store.pending import PendingWrite
 from . import protocol as P
 from .calls import Unreachable, check_timeout, translate
@@ -58,6 +59,10 @@ from .messages import MAX_PADS, ack_ids, misalignment, record_batch, request_key
 from .parts import MAX_PART_BYTES, PUT_WINDOW_PARTS, assemble, pipelined, split_rows
 from .session import LearnerSession
 from .writer import RemoteWriter
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+    import polars as pl
 
 T = TypeVar("T")
 
@@ -76,7 +81,7 @@ class _Default:
 #: still fills a link of 16 MiB per round trip (16 GB/s at 1 ms).
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16 << 20))
 
-_DEFAULT: Any = _Default()
+_DEFAULT: Final = _Default()
 
 
 def connect(location: str, token: str | None = None, store: str | None = None, *,
@@ -109,7 +114,7 @@ def connect(location: str, token: str | None = None, store: str | None = None, *
                        reconnect_timeout=reconnect_timeout, timeout=timeout)
 
 
-def _progress(raw: Any, received: int, parts: int) -> int:
+def _progress(raw: pa.Buffer | None, received: int, parts: int) -> int:
     """The parts a windowed extend's server has received, from its next progress message (which must move forward
     and stay within the `parts` sent)."""
     got = P.decode_progress(raw)
@@ -316,12 +321,13 @@ class RemoteStore:
         offered = info.get("sample_meta")
         self.sample_meta = "columns" if isinstance(offered, list) and "columns" in offered else "json"
 
-    def _action(self, type_: str, rpc_timeout: float | None | object = _DEFAULT, **body: Any) -> Any:
+    def _action(self, type_: str, rpc_timeout: float | None | object = _DEFAULT, **body: object) -> dict[str, Any]:
+        """One action's JSON answer (the server answers every action with one object; none is a SchemaError)."""
         action = P.encode_action(type_, self._requested if type_ == "describe" else self.name, **body)
 
-        def call(client: flight.FlightClient, options: flight.FlightCallOptions) -> Any:
+        def call(client: flight.FlightClient, options: flight.FlightCallOptions) -> dict[str, Any]:
             results = list(client.do_action(action, options=options))
-            return P.loads(results[0].body, f"{type_} result") if results else None
+            return P.loads(results[0].body if results else None, f"{type_} result")
 
         return self._call(call, self._deadline(rpc_timeout))
 
@@ -333,14 +339,14 @@ class RemoteStore:
         return int(self._put(record_batch(self.schema, cols), timeout, rpc_timeout)[0])
 
     @overload
-    def extend(self, batch: Any, *, timeout: float | None = None, rpc_timeout: float | None | object = _DEFAULT,
-               wait: Literal[True] = True) -> np.ndarray: ...
+    def extend(self, batch: BatchLike, *, timeout: float | None = None,
+               rpc_timeout: float | None | object = _DEFAULT, wait: Literal[True] = True) -> np.ndarray: ...
     @overload
-    def extend(self, batch: Any, *, timeout: float | None = None, rpc_timeout: float | None | object = _DEFAULT,
-               wait: Literal[False]) -> PendingWrite: ...
+    def extend(self, batch: BatchLike, *, timeout: float | None = None,
+               rpc_timeout: float | None | object = _DEFAULT, wait: Literal[False]) -> PendingWrite: ...
 
-    def extend(self, batch: Any, *, timeout: float | None = None, rpc_timeout: float | None | object = _DEFAULT,
-               wait: bool = True) -> Any:
+    def extend(self, batch: BatchLike, *, timeout: float | None = None,
+               rpc_timeout: float | None | object = _DEFAULT, wait: bool = True) -> np.ndarray | PendingWrite:
         """Add many steps (dict of arrays, `pa.RecordBatch` or `pa.Table`) in one atomic DoPut.
 
         A batch over the server's `max_batch_bytes` goes in parts of one stream (zero-copy slices, protocol 3) that
@@ -405,7 +411,7 @@ class RemoteStore:
         ack = self._call(call, self._deadline(rpc_timeout, timeout))
         return ack_ids(ack, rb.num_rows)
 
-    def to_batch(self, batch: Any) -> pa.RecordBatch:
+    def to_batch(self, batch: BatchLike) -> pa.RecordBatch:
         """`batch` as one record batch to send: a dict of arrays is validated against the schema and converted
         here; a `pa.RecordBatch` goes as it is and a `pa.Table` is combined into one (the server validates both).
 
@@ -430,7 +436,7 @@ class RemoteStore:
         return ack_ids(ack, rb.num_rows)
 
     def _put_one(self, descriptor: flight.FlightDescriptor, rb: pa.RecordBatch,
-                 decode: Callable[[Any], dict[str, Any]], deadline: float | None) -> dict[str, Any]:
+                 decode: Callable[[pa.Buffer | None], dict[str, Any]], deadline: float | None) -> dict[str, Any]:
         """One DoPut of one batch: write it, read the one acknowledgement, decode it (with the client's retries)."""
 
         def call(client: flight.FlightClient, options: flight.FlightCallOptions) -> dict[str, Any]:
@@ -451,7 +457,7 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ sampling
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
-               rpc_timeout: float | None | object = _DEFAULT, **options: Any) -> SampleBatch:
+               rpc_timeout: float | None | object = _DEFAULT, **options: object) -> SampleBatch:
         """Sample `n` items (one DoGet). Arrays are zero-copy, writable views of the received message (the batch's own).
 
         Args:
@@ -477,7 +483,8 @@ class RemoteStore:
         ticket = flight.Ticket(P.encode_ticket(P.SampleRequest(int(n), self.name, cols, timeout, options,
                                                                meta=form, pad=pad, part_bytes=parts)))
 
-        def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
+        def call(client: flight.FlightClient,
+                 call_options: flight.FlightCallOptions) -> tuple[pa.RecordBatch, pa.Buffer | None]:
             return assemble(client.do_get(ticket, options=call_options), int(n), self._outputs.empty,
                             self._outputs.at_least)
 
@@ -517,7 +524,7 @@ class RemoteStore:
             task, int(n), self.name, req_fields, wait, max_staleness, where, max_tokens,
             None if lease is None else float(lease), admission=check_admission(admission))))
 
-        def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> Any:
+        def call(client: flight.FlightClient, call_options: flight.FlightCallOptions) -> flight.FlightStreamChunk:
             reader = client.do_get(ticket, options=call_options)
             chunk = reader.read_chunk()
             with contextlib.suppress(StopIteration):
@@ -565,18 +572,18 @@ class RemoteStore:
         self._action("set_policy_version", v=P.LLM_VERSION, policy_version=int(value))
 
     def session(self, n: int, columns: list[str] | None = None, *, prefetch: int = 2, ahead: int = 2,
-                timeout: float | None = None, **options: Any) -> LearnerSession:
+                timeout: float | None = None, **options: object) -> LearnerSession:
         """A learner session over DoExchange; see `LearnerSession`."""
         return LearnerSession(self, n, columns, prefetch=prefetch, ahead=ahead, timeout=timeout, options=options)
 
-    def update_priorities(self, indices: Any, priorities: Any, *,
+    def update_priorities(self, indices: IdsLike, priorities: ValuesLike, *,
                           rpc_timeout: float | None | object = _DEFAULT) -> int:
         """Set priorities of sampled items; returns how many ids were still live."""
         idx, pri = validate_priorities(indices, priorities)
         return int(self._action("update_priorities", rpc_timeout, indices=idx, priorities=pri)["applied"])
 
     # ------------------------------------------------------------------ fields filled later
-    def update(self, ids: Any, values: dict[str, Any], *, rpc_timeout: float | None | object = _DEFAULT) -> int:
+    def update(self, ids: IdsLike, values: dict[str, Any], *, rpc_timeout: float | None | object = _DEFAULT) -> int:
         """Fill fields declared `later: true` of stored rows (one DoPut of kind "update"; see `ExperienceStore.update`
         and `arrowbuf.engine.update`). Validated here first, and again by the server; atomic on the server.
 
@@ -642,13 +649,13 @@ class RemoteStore:
         return self._table(P.TableRequest("table", self.name, list(columns) if columns is not None else None),
                            rpc_timeout)
 
-    def to_pandas(self, columns: list[str] | None = None) -> Any:
+    def to_pandas(self, columns: list[str] | None = None) -> pd.DataFrame:
         """The stored rows as a pandas DataFrame (`to_table`, converted here; needs pandas)."""
         from ..query.frames import table_to_pandas
 
         return table_to_pandas(self.to_table(columns))
 
-    def to_polars(self, columns: list[str] | None = None) -> Any:
+    def to_polars(self, columns: list[str] | None = None) -> pl.DataFrame:
         """The stored rows as a Polars DataFrame (`to_table`, converted here; needs `arrowbuf[query]`)."""
         from ..query.frames import table_to_polars
 
@@ -715,7 +722,7 @@ def _pem_or_none(value: bytes | str | None) -> bytes | None:
         return fh.read()
 
 
-def _lease_id(value: Any) -> str:
+def _lease_id(value: object) -> str:
     """A lease id as the wire takes it (checked here too, so a bad one is a clear local error)."""
     if not isinstance(value, str) or P.LEASE_ID.fullmatch(value) is None:
         raise LeaseError(f"{value!r:.80} is not a lease id; pass batch.lease of a batch consumed with lease=")
