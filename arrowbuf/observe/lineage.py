@@ -29,14 +29,21 @@ while the task has not taken the row.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import pyarrow as pa
 
 from . import identity
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..ring.columns import ColumnArenas
+    from ..ring.index import RingIndex
+    from ..schema import ExperienceSchema
+    from ..tiers.base import TierLock
 
 _now = time.time
 #: what one row's record is stamped with: the writer's code (`identity.current`) and the time (Unix seconds). The
@@ -87,6 +94,19 @@ class _TaskRecord:
                                      minlength=MAX_STALENESS_BUCKET + 1)
 
 
+class ScalarView(Protocol):
+    """A numpy array's memory as a typed memoryview (`arr.data`): one item read or stored without numpy's per-call
+    cost (the one-row commit). typeshed types a memoryview's items as ints; an `f8` view takes floats as well."""
+
+    def __getitem__(self, i: int, /) -> float: ...
+
+    def __setitem__(self, i: int, value: float, /) -> None: ...
+
+
+def _view(arr: np.ndarray) -> ScalarView:
+    return cast(ScalarView, arr.data)
+
+
 class Lineage:
     """The lineage of one store's rows (module docstring).
 
@@ -103,7 +123,8 @@ class Lineage:
 
     def __init__(self, arena_rows: int, version: Callable[[], int],
                  row_version: Callable[[np.ndarray], np.ndarray] | None = None,
-                 live: Callable[[], tuple[int, int]] | None = None, version_view: Any = None) -> None:
+                 live: Callable[[], tuple[int, int]] | None = None,
+                 version_view: memoryview | None = None) -> None:
         self.arena_rows = int(arena_rows)
         self.names = identity.NAMES
         self._version = version
@@ -117,24 +138,25 @@ class Lineage:
         self.run_writer = np.zeros(self.run_cap, dtype=np.int32)
         self.run_at = np.zeros(self.run_cap, dtype=np.float64)
         self.runs = 0
-        self._rsv: Any = self.run_seq.data
-        self._rnv: Any = self.run_rows.data
-        self._rwv: Any = self.run_writer.data
-        self._rtv: Any = self.run_at.data
+        self._rsv = _view(self.run_seq)
+        self._rnv = _view(self.run_rows)
+        self._rwv = _view(self.run_writer)
+        self._rtv = _view(self.run_at)
         # filled (not np.zeros' untouched pages): the first write of each page would fault on the commit path
         self.writer = np.full(self.arena_rows, 0, dtype=np.int32)
         self.written_at = np.full(self.arena_rows, 0.0, dtype=np.float64)
         self.version = np.full(self.arena_rows, 0, dtype=np.int64)
-        self._wv: Any = self.writer.data  # scalar stores for the one-row commit (append)
-        self._tv: Any = self.written_at.data
-        self._vv: Any = self.version.data
+        self._wv = _view(self.writer)  # scalar stores for the one-row commit (append)
+        self._tv = _view(self.written_at)
+        self._vv = _view(self.version)
         self.tasks: dict[str, _TaskRecord] = {}
         self.one = self._one_row()
         #: (writer codes, write times) as memoryviews when one row's record is just those two scalars (its version
         #: is read from the row itself): a one-row commit may store `STAMP_WRITER()` and `STAMP_CLOCK()` at the
         #: row's position itself instead of calling `one` (the append path: a call is ~1% of an append). None:
         #: the record has more (a version stamp), call `one`.
-        self.stamp: tuple[Any, Any] | None = (self._wv, self._tv) if self._row_version is not None else None
+        self.stamp: tuple[ScalarView, ScalarView] | None = \
+            (self._wv, self._tv) if self._row_version is not None else None
 
     def _one_row(self) -> Callable[[int], None]:
         """`wrote` for one row at an int position, as a closure over its arrays (the append path: no attribute
@@ -219,7 +241,7 @@ class Lineage:
             t.stale += len(seqs)
 
     # ------------------------------------------------------------------ replay (a journal puts recorded facts back)
-    def restamp_written(self, pos: Any, writer: str, at: float) -> None:
+    def restamp_written(self, pos: np.ndarray, writer: str, at: float) -> None:
         """Replay: the rows at ring positions `pos` were written by `writer` at Unix time `at` (not by whoever
         replays them now). A journal records both per batch and calls this after replaying the batch, under the
         store's state lock."""
@@ -278,7 +300,7 @@ class Lineage:
             at[mine] = self.run_at[j[mine]]
         return writer, at
 
-    def _versions(self, pos: Any) -> np.ndarray:
+    def _versions(self, pos: np.ndarray) -> np.ndarray:
         if self._row_version is not None:
             return np.asarray(self._row_version(pos), dtype=np.int64)
         return self.version[pos]
@@ -402,11 +424,9 @@ class Lineage:
             t.hist[: len(hist)] = hist
 
 
-def write_table(table: pa.Table, path: Any, format: str = "parquet") -> str:
+def write_table(table: pa.Table, path: str | os.PathLike[str], format: str = "parquet") -> str:
     """Write a lineage table as a Parquet (or, `format="arrow"`, Arrow IPC) file at `path`; returns the path.
     (`store.export` puts it in the export's metadata folder: `arrowbuf.persist.datasets.lineage_path`.)"""
-    import os
-
     path = os.fspath(path)
     if format == "parquet":
         import pyarrow.parquet as pq
@@ -418,13 +438,26 @@ def write_table(table: pa.Table, path: Any, format: str = "parquet") -> str:
     return path
 
 
-def for_core(core: Any, version: Callable[[], int], tasks: list[str], version_view: Any = None) -> Lineage:
+class LineageCore(Protocol):
+    """The internals of a store (`arrowbuf.engine.core.StoreCore`) that its lineage is built over and read from."""
+
+    name: str
+    schema: ExperienceSchema
+    cols: ColumnArenas
+    index: RingIndex
+    arena_rows: int
+    lock: TierLock
+    lineage: Lineage | None
+
+
+def for_core(core: LineageCore, version: Callable[[], int], tasks: list[str],
+             version_view: memoryview | None = None) -> Lineage:
     """The `Lineage` of a store's internals (`StoreCore`): the rows' own `policy_version` when the schema has an
     integer one, else the store's `version()` at each commit (`version_view`: see `Lineage`); `tasks` declared."""
     spec = core.schema.fields.get("policy_version")
     row_version = None
     if spec is not None and not spec.shape and not spec.ragged and spec.plain and spec.dtype.kind in "iu":
-        def row_version(pos: Any) -> np.ndarray:
+        def row_version(pos: np.ndarray) -> np.ndarray:
             return np.asarray(core.cols.column("policy_version")[pos])
 
     idx = core.index
@@ -434,7 +467,7 @@ def for_core(core: Any, version: Callable[[], int], tasks: list[str], version_vi
     return lineage
 
 
-def live_table(core: Any, tasks: list[str]) -> pa.Table:
+def live_table(core: LineageCore, tasks: list[str]) -> pa.Table:
     """The lineage table of a store's live rows (takes its state lock).
 
     Raises:

@@ -19,14 +19,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 from urllib.parse import urlsplit
 
 from ..errors import InvalidArgument, MissingDependency, StoreClosed
 from ..serving.http import BoundedHTTPServer, GuardedHandler, RequestGuard
 from ..serving.limits import NetLimits, check_bind
-from ..surface import Observable
+from ..surface import Observable, StoreSurface
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prometheus_client.registry import CollectorRegistry
 
 log = logging.getLogger("arrowbuf.observe")
 
@@ -37,7 +41,26 @@ LIMIT_KINDS = {"ResourceExhausted": "busy", "InvalidArgument": "refused", "Schem
                "ValueError": "refused", "TypeError": "refused", "QueryTimeout": "timed_out"}
 
 
-def _prometheus() -> Any:
+class _Family(Protocol):
+    """A counter or gauge metric family being filled (prometheus_client's CounterMetricFamily, GaugeMetricFamily)."""
+
+    def add_metric(self, labels: Sequence[str], value: float) -> None: ...
+
+
+class _Histogram(Protocol):
+    """A histogram metric family being filled (prometheus_client's HistogramMetricFamily)."""
+
+    def add_metric(self, labels: Sequence[str], buckets: Sequence[tuple[str, float]], sum_value: float) -> None: ...
+
+
+#: The family of a name (made on first use): (name, documentation, label names) -> family.
+Families: TypeAlias = Callable[[str, str, list[str]], _Family]
+Histograms: TypeAlias = Callable[[str, str, list[str]], _Histogram]
+#: The stores a collector reports: name -> store, or a callable returning that (a server's current stores).
+Stores: TypeAlias = "Mapping[str, StoreSurface] | Callable[[], Mapping[str, StoreSurface]]"
+
+
+def _prometheus() -> ModuleType:
     try:
         import prometheus_client
     except ImportError:
@@ -73,34 +96,33 @@ class StoreCollector:
         servers: Flight servers (`StoreServer`) whose verb latencies and limits hit to report.
     """
 
-    def __init__(self, stores: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
-                 servers: list[Any] | None = None) -> None:
+    def __init__(self, stores: Stores, servers: list[object] | None = None) -> None:
         self._stores = stores
         self.servers = list(servers or [])
         self.started = time.time()
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[object]:
         return []  # families are produced at scrape time (labels depend on the stores' tasks)
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[object]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         stores = self._stores() if callable(self._stores) else self._stores
-        c: dict[str, Any] = {}
-        g: dict[str, Any] = {}
-        h: dict[str, Any] = {}
+        c: dict[str, CounterMetricFamily] = {}
+        g: dict[str, GaugeMetricFamily] = {}
+        h: dict[str, HistogramMetricFamily] = {}
 
-        def counter(name: str, doc: str, labels: list[str]) -> Any:
+        def counter(name: str, doc: str, labels: list[str]) -> _Family:
             if name not in c:
                 c[name] = CounterMetricFamily(name, doc, labels=labels)
             return c[name]
 
-        def gauge(name: str, doc: str, labels: list[str]) -> Any:
+        def gauge(name: str, doc: str, labels: list[str]) -> _Family:
             if name not in g:
                 g[name] = GaugeMetricFamily(name, doc, labels=labels)
             return g[name]
 
-        def hist(name: str, doc: str, labels: list[str]) -> Any:
+        def hist(name: str, doc: str, labels: list[str]) -> _Histogram:
             if name not in h:
                 h[name] = HistogramMetricFamily(name, doc, labels=labels)
             return h[name]
@@ -123,7 +145,7 @@ class StoreCollector:
         yield from h.values()
 
     # ------------------------------------------------------------------ one store
-    def _store(self, name: str, store: Any, counter: Any, gauge: Any, hist: Any) -> None:
+    def _store(self, name: str, store: StoreSurface, counter: Families, gauge: Families, hist: Histograms) -> None:
         st = store.stats()
         row_bytes = int(store.schema.row_bytes)
         if isinstance(st.get("shards"), list):  # a ShardedStore: totals here, and one series per shard
@@ -200,7 +222,8 @@ class StoreCollector:
                                                               int(row["bytes"]))
             self._observed(name, store.observability(), counter, gauge, hist)
 
-    def _observed(self, name: str, obs: dict[str, Any], counter: Any, gauge: Any, hist: Any) -> None:
+    def _observed(self, name: str, obs: dict[str, Any], counter: Families, gauge: Families,
+                  hist: Histograms) -> None:
         progress = obs.get("progress") or {}
         live = int(progress.get("live", 0))
         produced = int(progress.get("produced", 0))
@@ -259,7 +282,7 @@ class StoreCollector:
             if last.get(key) is not None:
                 gauge(f"arrowbuf_checkpoint_last_{key}", doc, ["store"]).add_metric([name], float(last[key]))
 
-    def _journal(self, name: str, j: dict[str, Any], counter: Any, gauge: Any) -> None:
+    def _journal(self, name: str, j: dict[str, Any], counter: Families, gauge: Families) -> None:
         """Journal progress of a durable store (`stats()["journal"]`, `arrowbuf.store.durable`)."""
         for key, doc in (("records", "Journal records appended since the store opened its journal"),
                          ("bytes", "Journal bytes appended since the store opened its journal"),
@@ -275,7 +298,7 @@ class StoreCollector:
             gauge("arrowbuf_journal_pending_records", "Journal records appended and not yet durable", ["store"]
                   ).add_metric([name], max(0, nxt - 1 - durable))
 
-    def _shards(self, name: str, st: dict[str, Any], counter: Any, gauge: Any) -> dict[str, Any]:
+    def _shards(self, name: str, st: dict[str, Any], counter: Families, gauge: Families) -> dict[str, Any]:
         """Per-shard series of a sharded store (label `shard`); returns its stats with the totals the store-level
         series need (capacity, consumed per task, bytes per tier: sums over the shards that answered)."""
         total: dict[str, Any] = dict(st)
@@ -323,7 +346,7 @@ class StoreCollector:
         return total
 
     # ------------------------------------------------------------------ one Flight server
-    def _server(self, server: Any, counter: Any, gauge: Any, hist: Any) -> None:
+    def _server(self, server: object, counter: Families, gauge: Families, hist: Histograms) -> None:
         timings = getattr(server, "timings", None)
         loc = str(getattr(server, "location", ""))
         snap = timings.snapshot() if timings is not None else {}
@@ -366,7 +389,7 @@ class _MetricsHandler(GuardedHandler):
     """GET /metrics (or /): the registry in Prometheus' text format; Host and Origin checked (a browser page cannot
     read it through DNS rebinding), nothing else served."""
 
-    registry: Any
+    registry: CollectorRegistry
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         if not self.check_request(needs_origin=True):
@@ -394,7 +417,7 @@ class MetricsEndpoint:
     """
 
     def __init__(self, httpd: BoundedHTTPServer, thread: threading.Thread, host: str, collector: StoreCollector,
-                 registry: Any) -> None:
+                 registry: CollectorRegistry) -> None:
         self.http = httpd
         self._thread = thread
         self.collector = collector
@@ -406,8 +429,8 @@ class MetricsEndpoint:
         self._closed = False
 
     @classmethod
-    def start(cls, address: str = "127.0.0.1:0", *, stores: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
-              servers: list[Any] | None = None, limits: NetLimits | None = None,
+    def start(cls, address: str = "127.0.0.1:0", *, stores: Stores,
+              servers: list[object] | None = None, limits: NetLimits | None = None,
               allowed_hosts: tuple[str, ...] = ()) -> MetricsEndpoint:
         """Serve the metrics of `stores` (and `servers`) at `http://address/metrics`.
 

@@ -288,6 +288,7 @@ class ExperienceStore:
     def _make_lineage(self) -> Lineage:
         from ..observe.lineage import for_core
 
+        assert self._core is not None, "the lineage of a store whose core is built"
         return for_core(self._core, lambda: self._consume.policy_version, self._consume.tasks,
                         self._consume.version_view())
 
