@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import InsertTimeout, require
 from .dqn import DQNConfig, EpsilonGreedy, epsilon_at, make_env
+from .entry import DemoStore, Mailbox, StopFlag
 
 
 # ---------------------------------------------------------------------------------------------------------- weights
@@ -67,8 +68,9 @@ class ActorSpec:
     poll_every: int = 50      # steps between policy-file checks
 
 
-def _open_store(spec: ActorSpec, local_store: Any) -> tuple[Any, Callable[[], None]]:
+def _open_store(spec: ActorSpec, local_store: DemoStore | None) -> tuple[DemoStore, Callable[[], None]]:
     if spec.transport == "local":
+        assert local_store is not None, "an actor thread is given the store"
         return local_store, lambda: None
     if spec.transport == "flight":
         from ..flight import connect
@@ -81,7 +83,8 @@ def _open_store(spec: ActorSpec, local_store: Any) -> tuple[Any, Callable[[], No
     return shared, shared.close
 
 
-def actor_main(spec: ActorSpec, events: Any, stop: Any, local_store: Any = None) -> None:
+def actor_main(spec: ActorSpec, events: Mailbox[tuple[Any, ...]], stop: StopFlag,
+               local_store: DemoStore | None = None) -> None:
     """One actor: play `spec.steps` CartPole steps, write them in pieces of `spec.flush`, report episodes on `events`.
 
     Runs as a spawned process (flight, shm) or a thread (local). Puts ("episode", actor, return, length, time,
@@ -102,7 +105,7 @@ def actor_main(spec: ActorSpec, events: Any, stop: Any, local_store: Any = None)
     events.put(("done", spec.actor_id, spec.steps))
 
 
-def _play(spec: ActorSpec, store: Any, events: Any, stop: Any) -> None:
+def _play(spec: ActorSpec, store: DemoStore, events: Mailbox[tuple[Any, ...]], stop: StopFlag) -> None:
     cfg = spec.cfg
     env = make_env(spec.seed)
     policy = EpsilonGreedy(cfg, seed=spec.seed)

@@ -12,14 +12,22 @@ import queue as queue_mod
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, require
 from .actors import ActorSpec, PolicyFile, actor_main
 from .dqn import DQNConfig, DQNLearner
-from .entry import demos_epilog, run_cli, start_quietly
+from .entry import DemoStore, Mailbox, StopFlag, Worker, demos_epilog, run_cli, start_quietly
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow as pa
+    from matplotlib.figure import Figure
+
+    from ..observe.meter import ProgressMeter
+    from ..schema import ExperienceSchema
+    from ..store.facade import ExperienceStore
 
 #: What the learner reads per batch (the n-step columns come with `n_step=`).
 LEARNER_COLUMNS = ["obs", "action", "next_obs"]
@@ -29,7 +37,7 @@ SHORT_RUN_STEPS = 10_000
 _DESCRIPTION = "The end-to-end demo: distributed DQN on CartPole-v1 with arrowbuf in the middle."
 
 
-def cartpole_schema() -> Any:
+def cartpole_schema() -> ExperienceSchema:
     from ..schema import load_schema
 
     return load_schema("cartpole")  # schemas/cartpole.yaml, shipped inside the package
@@ -61,7 +69,7 @@ class DemoResult:
     updates: int
     steps: int
     wall_s: float
-    summary: Any                            # pa.Table from store.sql
+    summary: pa.Table                       # from store.sql
     loader_summary: str
     learner_s: dict[str, float]             # learner loop time: wait_s (next(loader)), train_s, other_s
     plot: str | None
@@ -82,7 +90,7 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
 
 
 def _run(actors: int, steps: int, transport: str, seed: int, out: str | os.PathLike[str], cfg: DQNConfig | None,
-         capacity: int | None, bar: Any, log: Callable[[str], None]) -> DemoResult:
+         capacity: int | None, bar: ProgressMeter, log: Callable[[str], None]) -> DemoResult:
     torch = require("torch", "demo")
     require("gymnasium", "demo")
     from .. import rate_limiters, samplers
@@ -120,9 +128,9 @@ def _run(actors: int, steps: int, transport: str, seed: int, out: str | os.PathL
         policy_file.publish(learner.q.state_dict(), version)
 
         server = None
-        workers: list[Any] = []
-        events: Any = ctx.Queue() if transport != "local" else queue_mod.Queue()
-        stop: Any = ctx.Event() if transport != "local" else threading.Event()
+        workers: list[Worker] = []
+        events: Mailbox[tuple[Any, ...]] = ctx.Queue() if transport != "local" else queue_mod.Queue()
+        stop: StopFlag = ctx.Event() if transport != "local" else threading.Event()
         loader = None
         client = None
         episodes: list[dict[str, Any]] = []
@@ -135,7 +143,7 @@ def _run(actors: int, steps: int, transport: str, seed: int, out: str | os.PathL
                 server = serve(store, "grpc://127.0.0.1:0")
                 address = server.location
                 client = connect(address)
-                source: Any = client
+                source: DemoStore = client
                 log(f"store served over Arrow Flight at {address}; {actors} actor processes; learner reads through "
                     f"ab.Loader over Flight")
             elif transport == "shm":
@@ -150,7 +158,7 @@ def _run(actors: int, steps: int, transport: str, seed: int, out: str | os.PathL
                 spec = ActorSpec(i, transport, address, per_actor[i], seed * 1000 + i, str(policy_file.path), cfg,
                                  flush=flush)
                 if transport == "local":
-                    w: Any = threading.Thread(target=actor_main, args=(spec, events, stop, store), daemon=True,
+                    w: Worker = threading.Thread(target=actor_main, args=(spec, events, stop, store), daemon=True,
                                               name=f"actor-{i}")
                 else:
                     w = ctx.Process(target=actor_main, args=(spec, events, stop), daemon=True, name=f"actor-{i}")
@@ -259,7 +267,7 @@ def _run(actors: int, steps: int, transport: str, seed: int, out: str | os.PathL
                       loader.metrics.summary() if loader is not None else "", timing, plot, first20, last20)
 
 
-def _summary_sql(store: Any) -> Any:
+def _summary_sql(store: ExperienceStore) -> pa.Table:
     """Episode returns by quarter of the run (in insert order), straight from the live buffer with DuckDB."""
     return store.sql(
         "WITH ep AS (SELECT episode_id, count(*) AS length, sum(reward) AS ret, min(seq) AS first_seq, "
@@ -285,7 +293,7 @@ def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str,
     return str(path)
 
 
-def returns_figure(episodes: list[dict[str, Any]], title: str, learn_step: int | None = None) -> Any:
+def returns_figure(episodes: list[dict[str, Any]], title: str, learn_step: int | None = None) -> Figure:
     """Episode returns over environment steps (all actors; each episode at the steps done when it ended), with a
     20-episode mean and the first gradient step (`learn_step`: environment steps then). Steps, not wall time: a
     loaded machine stretches the start-up (processes, imports) without moving the episodes against each other."""

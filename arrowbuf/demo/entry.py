@@ -8,7 +8,40 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..flight.client import RemoteStore
+    from ..store.facade import ExperienceStore
+
+T = TypeVar("T")
+
+#: A demo's worker: a process (flight, shm) or a thread (`--transport local`).
+Worker: TypeAlias = "threading.Thread | BaseProcess"
+#: The store a demo's worker writes and reads: the store itself (local), attached (shm) or over Flight.
+DemoStore: TypeAlias = "ExperienceStore | RemoteStore"
+
+
+class StopFlag(Protocol):
+    """When the workers stop: a `threading.Event` or a multiprocessing one."""
+
+    def is_set(self) -> bool: ...
+
+    def set(self) -> None: ...
+
+
+class Mailbox(Protocol[T]):
+    """Messages from the workers: a `queue.Queue` or a multiprocessing one."""
+
+    def put(self, item: T, /) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> T: ...
+
+    def get_nowait(self) -> T: ...
+
+    def empty(self) -> bool: ...
 
 #: The demos: name -> (module with `main(argv, prog)`, one line on what it runs). The first is the default.
 DEMOS: dict[str, tuple[str, str]] = {
@@ -47,7 +80,7 @@ def dispatch(argv: Sequence[str] | None = None, prog: str = "python -m arrowbuf.
     return int(module.main(args, prog=f"{prog} {shown}"))
 
 
-def start_quietly(worker: Any) -> None:
+def start_quietly(worker: Worker) -> None:
     """Start a worker process (or thread) that ignores Ctrl-C: a child spawned while SIGINT is ignored keeps
     ignoring it, so Ctrl-C reaches the main process only, which stops the workers itself (a Ctrl-C in every
     child printed a traceback per child). Threads start as they are."""
@@ -81,5 +114,5 @@ def run_cli(run: Callable[[], int], stopped: str) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _terminate(signum: int, frame: Any) -> None:
+def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)

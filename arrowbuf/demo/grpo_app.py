@@ -30,20 +30,32 @@ import pathlib
 import queue as queue_mod
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ..errors import ArrowbufError, InsertTimeout, InvalidArgument, require
 from .actors import PolicyFile
-from .entry import demos_epilog, run_cli, start_quietly
+from .entry import DemoStore, Mailbox, StopFlag, Worker, demos_epilog, run_cli, start_quietly
 from .grpo import GRPOConfig, GRPOTrainer, generate, make_policy, make_prompts, rewards, token_logprobs
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy.typing as npt
+    import pyarrow
+    from matplotlib.figure import Figure
+
+    from ..observe.meter import ProgressMeter
+    from ..schema import ExperienceSchema
+    from ..schema.inputs import ColumnLike
+    from ..store.facade import ExperienceStore
 
 _DESCRIPTION = "GRPO over arrowbuf: rollout, reward and reference workers and a trainer, all through Arrow Flight."
 TASKS = ["reward", "ref", "train"]
 
 
-def grpo_schema() -> Any:
+def grpo_schema() -> ExperienceSchema:
     """One row per completion; `reward` and `ref_logprobs` are filled later by their workers."""
     from ..schema import load_schema
 
@@ -70,11 +82,11 @@ class WorkerSpec:
     workers: int = 2          # rollout workers (prompt ids are worker_id + workers * k)
 
 
-def _rows(pa: Any, prompt_ids: np.ndarray, version: int, prompts: np.ndarray, responses: np.ndarray,
-          logps: np.ndarray) -> dict[str, Any]:
+def _rows(pa: ModuleType, prompt_ids: np.ndarray, version: int, prompts: np.ndarray, responses: np.ndarray,
+          logps: np.ndarray) -> dict[str, ColumnLike]:
     n, length = responses.shape
 
-    def ragged(values: np.ndarray, dtype: Any) -> Any:
+    def ragged(values: np.ndarray, dtype: npt.DTypeLike) -> pyarrow.ListArray:
         offs = pa.array(np.arange(0, n * length + 1, length, dtype=np.int32))
         return pa.ListArray.from_arrays(offs, pa.array(values.reshape(-1).astype(dtype)))
 
@@ -83,7 +95,16 @@ def _rows(pa: Any, prompt_ids: np.ndarray, version: int, prompts: np.ndarray, re
             "logprobs": ragged(logps, np.float32), "done": np.ones(n, bool)}
 
 
-def worker_main(spec: WorkerSpec, stop: Any, credits: Any, errors: Any, local_store: Any = None) -> None:
+class Credits(Protocol):
+    """The groups the trainer grants the rollout workers: a `threading.Semaphore` or a multiprocessing one."""
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+def worker_main(spec: WorkerSpec, stop: StopFlag, credits: Credits, errors: Mailbox[str],
+                local_store: DemoStore | None = None) -> None:
     """A worker: `rollout`, `reward` or `ref` (see the module docstring). Exits when `stop` is set.
 
     A process connects to `spec.location` over Flight; with `--transport local` it is a thread given the store.
@@ -109,7 +130,8 @@ def worker_main(spec: WorkerSpec, stop: Any, credits: Any, errors: Any, local_st
             errors.put(f"{spec.role} worker {spec.worker_id}: {type(exc).__name__}: {exc}")
 
 
-def _rollout(spec: WorkerSpec, store: Any, stop: Any, credits: Any, torch: Any, pa: Any) -> None:
+def _rollout(spec: WorkerSpec, store: DemoStore, stop: StopFlag, credits: Credits, torch: ModuleType,
+             pa: ModuleType) -> None:
     cfg = spec.cfg
     rng = np.random.default_rng(spec.seed)
     gen = torch.Generator().manual_seed(spec.seed)
@@ -142,7 +164,7 @@ def _rollout(spec: WorkerSpec, store: Any, stop: Any, credits: Any, torch: Any, 
                 continue
 
 
-def _fill(spec: WorkerSpec, store: Any, stop: Any, torch: Any, pa: Any) -> None:
+def _fill(spec: WorkerSpec, store: DemoStore, stop: StopFlag, torch: ModuleType, pa: ModuleType) -> None:
     cfg = spec.cfg
     ref = make_policy(cfg, seed=0)  # the initial policy (the trainer starts from the same seed), frozen
     ref.eval()
@@ -167,7 +189,7 @@ class GRPOResult:
     steps: int
     wall_s: float
     history: list[dict[str, Any]]     # per trainer step: version, reward, rows, lag, t
-    summary: Any                      # pa.Table from store.sql: per policy version
+    summary: pyarrow.Table            # from store.sql: per policy version
     stats: dict[str, Any]
     plot: str | None
     first: float                      # mean reward of completions from the first fifth of the policy versions
@@ -176,7 +198,7 @@ class GRPOResult:
 
 
 def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLike[str] = "demo_out",
-        cfg: GRPOConfig | None = None, progress: bool = True, log: Any = print,
+        cfg: GRPOConfig | None = None, progress: bool = True, log: Callable[[str], object] = print,
         transport: str = "flight") -> GRPOResult:
     """Run the GRPO demo (see the module docstring) for `steps` trainer steps.
 
@@ -191,8 +213,8 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
         return _run(steps, workers, seed, out, cfg, bar, log, transport)
 
 
-def _run(steps: int, workers: int, seed: int, out: str | os.PathLike[str], cfg: GRPOConfig | None, bar: Any,
-         log: Any, transport: str) -> GRPOResult:
+def _run(steps: int, workers: int, seed: int, out: str | os.PathLike[str], cfg: GRPOConfig | None,
+         bar: ProgressMeter, log: Callable[[str], object], transport: str) -> GRPOResult:
     torch = require("torch", "demo")
     from ..flight import connect, serve
     from ..samplers import Group
@@ -213,12 +235,12 @@ def _run(steps: int, workers: int, seed: int, out: str | os.PathLike[str], cfg: 
     store = ExperienceStore(grpo_schema(), capacity=capacity, sampler=Group(key="prompt_id", size=cfg.group),
                             tasks=TASKS, seed=seed)
     t_start = time.time()
-    procs: list[Any] = []
+    procs: list[Worker] = []
     history: list[dict[str, Any]] = []
     local = transport == "local"
-    stop: Any = threading.Event() if local else ctx.Event()
-    credits: Any = threading.Semaphore(0) if local else ctx.Semaphore(0)
-    errors: Any = queue_mod.Queue() if local else ctx.Queue()
+    stop: StopFlag = threading.Event() if local else ctx.Event()
+    credits: Credits = threading.Semaphore(0) if local else ctx.Semaphore(0)
+    errors: Mailbox[str] = queue_mod.Queue() if local else ctx.Queue()
     try:
         with serve(store, "grpc://127.0.0.1:0") as server:
             policy_file = PolicyFile(out_dir / "policy.pt")
@@ -232,13 +254,13 @@ def _run(steps: int, workers: int, seed: int, out: str | os.PathLike[str], cfg: 
                       for r in ("reward", "ref")]
             for s in specs:
                 name = f"grpo-{s.role}-{s.worker_id}"
-                p: Any = (threading.Thread(target=worker_main, args=(s, stop, credits, errors, store), daemon=True,
+                p: Worker = (threading.Thread(target=worker_main, args=(s, stop, credits, errors, store), daemon=True,
                                            name=name) if local else
                           ctx.Process(target=worker_main, args=(s, stop, credits, errors), daemon=True, name=name))
                 start_quietly(p)
                 procs.append(p)
             bar.note(f"{len(procs)} workers starting (each imports torch); waiting for the first rewarded groups")
-            remote: Any = store if local else connect(server.location)
+            remote: DemoStore = store if local else connect(server.location)
             try:
                 compensated = 0
                 for _ in range(2 * cfg.prompts_per_step):  # two batches in flight
@@ -296,7 +318,7 @@ def _run(steps: int, workers: int, seed: int, out: str | os.PathLike[str], cfg: 
                       [getattr(p, "pid", 0) for p in procs])
 
 
-def _raise_worker_errors(errors: Any, procs: list[Any]) -> None:
+def _raise_worker_errors(errors: Mailbox[str], procs: list[Worker]) -> None:
     if not errors.empty():
         raise ArrowbufError(f"a worker failed: {errors.get()}")
     dead = [p.name for p in procs if not p.is_alive()]
@@ -304,7 +326,7 @@ def _raise_worker_errors(errors: Any, procs: list[Any]) -> None:
         raise ArrowbufError(f"workers exited early: {dead}")
 
 
-def _stop_workers(procs: list[Any]) -> None:
+def _stop_workers(procs: list[Worker]) -> None:
     for p in procs:
         p.join(10)
     for p in procs:
@@ -313,7 +335,7 @@ def _stop_workers(procs: list[Any]) -> None:
             p.join(5)
 
 
-def _summary_sql(store: Any) -> Any:
+def _summary_sql(store: ExperienceStore) -> pyarrow.Table:
     """Per policy version: completions, mean reward, share solved, mean response length (DuckDB over the buffer)."""
     return store.sql(
         "SELECT policy_version, count(*) AS completions, count(DISTINCT prompt_id) AS prompts, "
@@ -348,7 +370,7 @@ def _plot(per_version: dict[str, list], history: list[dict[str, Any]], path: pat
     return str(path)
 
 
-def reward_figure(per_version: dict[str, list]) -> Any:
+def reward_figure(per_version: dict[str, list]) -> Figure:
     """Mean reward per policy version (ticks at whole versions only) and its 10-version mean."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator

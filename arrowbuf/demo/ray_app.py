@@ -29,14 +29,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, require
 from .dqn import DQNConfig, DQNLearner, EpsilonGreedy, epsilon_at, make_env
 from .entry import demos_epilog, run_cli
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..observe.meter import ProgressMeter
+    from ..ray.handle import ShardedStore
+    from ..ray.hoplite.broadcast import Broadcast
 
 LEARNER_COLUMNS = ["obs", "action", "next_obs"]
 
@@ -56,7 +61,7 @@ def weights_digest(state: Mapping[str, Any]) -> str:
 class DemoActor:
     """One actor (a Ray actor): plays CartPole, writes to its node's shard, loads broadcast weights."""
 
-    def __init__(self, actor_id: int, sharded: Any, bc: Any, cfg: DQNConfig, seed: int, flush: int = 32,
+    def __init__(self, actor_id: int, sharded: ShardedStore, bc: Broadcast, cfg: DQNConfig, seed: int, flush: int = 32,
                  poll_every: int = 50) -> None:
         torch = require("torch", "demo")
         torch.set_num_threads(1)
@@ -152,7 +157,7 @@ class RayDemoResult:
 
 def run(actors: int = 3, steps: int = 15_000, shards: int = 2, seed: int = 0, cfg: DQNConfig | None = None,
         publish_every: int = 50, min_version: int = 1, block_size: int = 16 << 10, kill_relay: bool = False,
-        address: str | None = None, progress: bool = True, log: Any = print) -> RayDemoResult:
+        address: str | None = None, progress: bool = True, log: Callable[[str], object] = print) -> RayDemoResult:
     """Run the Ray demo (see the module docstring) and return what it measured.
 
     Args:
@@ -176,8 +181,8 @@ def run(actors: int = 3, steps: int = 15_000, shards: int = 2, seed: int = 0, cf
 
 
 def _run(actors: int, steps: int, shards: int, seed: int, cfg: DQNConfig | None, publish_every: int,
-         min_version: int, block_size: int, kill_relay: bool, address: str | None, bar: Any,
-         log: Any) -> RayDemoResult:
+         min_version: int, block_size: int, kill_relay: bool, address: str | None, bar: ProgressMeter,
+         log: Callable[[str], object]) -> RayDemoResult:
     require("torch", "demo")
     require("gymnasium", "demo")
     from .. import samplers
@@ -231,7 +236,7 @@ def _run(actors: int, steps: int, shards: int, seed: int, cfg: DQNConfig | None,
         actor_nodes = ray.get([h.node.remote() for h in handles])
         runs = {h.run.remote(per_actor[i], min_version): i for i, h in enumerate(handles)}
         pending = list(runs)
-        results: list[Any] = []
+        results: list[dict[str, Any]] = []
         killed: str | None = None
         rows = 0
         while pending:
@@ -278,7 +283,7 @@ def _run(actors: int, steps: int, shards: int, seed: int, cfg: DQNConfig | None,
                          float(np.mean(rets[-20:])) if rets else float("nan"))
 
 
-def _kill_one_relay(bc: Any, learner_node: str, actor_nodes: list[str]) -> str:
+def _kill_one_relay(bc: Broadcast, learner_node: str, actor_nodes: list[str]) -> str:
     """Kill the relay of the first node other than the learner's that runs an actor; return that node's id."""
     others = [n for n in actor_nodes if n != learner_node]
     if not others:
