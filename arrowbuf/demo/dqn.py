@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import require
+
+if TYPE_CHECKING:  # pragma: no cover
+    import gymnasium
+    import numpy.typing as npt
+    import torch
 
 
 @dataclasses.dataclass
@@ -40,7 +45,7 @@ def epsilon_at(cfg: DQNConfig, progress: float) -> float:
     return cfg.eps_start + frac * (cfg.eps_end - cfg.eps_start)
 
 
-def make_qnetwork(obs_dim: int, n_actions: int, hidden: int) -> Any:
+def make_qnetwork(obs_dim: int, n_actions: int, hidden: int) -> torch.nn.Module:
     torch = require("torch", "demo")
     nn = torch.nn
     return nn.Sequential(nn.Linear(obs_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
@@ -81,7 +86,7 @@ class DQNLearner:
         self.opt = torch.optim.Adam(self.q.parameters(), lr=cfg.lr)
         self.updates = 0
 
-    def train(self, batch: dict[str, Any], weights: Any = None) -> np.ndarray:
+    def train(self, batch: dict[str, Any], weights: npt.ArrayLike | None = None) -> np.ndarray:
         """One gradient step on a batch (numpy arrays); returns |TD error| per row (the new priorities)."""
         torch = self.torch
         t = {k: torch.as_tensor(_writable(batch[k])) for k in
@@ -116,13 +121,13 @@ class DQNLearner:
         return act
 
 
-def _writable(a: Any) -> np.ndarray:
+def _writable(a: npt.ArrayLike) -> np.ndarray:
     """Arrays received over Flight are read-only views of the message; torch wants writable memory."""
     a = np.asarray(a)
     return a if a.flags.writeable else a.copy()
 
 
-def make_env(seed: int) -> Any:
+def make_env(seed: int) -> gymnasium.Env:
     gym = require("gymnasium", "demo")
     env = gym.make("CartPole-v1")
     env.action_space.seed(seed)

@@ -16,11 +16,15 @@ KL(policy || reference) per token, averaged over each completion's tokens and th
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import require
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import Tensor
 
 DIGITS = 5            # digits 0..DIGITS-1
 SEP = DIGITS          # separates prompt and response
@@ -63,7 +67,7 @@ def rewards(prompts: list[np.ndarray], responses: list[np.ndarray]) -> np.ndarra
 
 
 # ---------------------------------------------------------------------------------------------------------- policy
-def make_policy(cfg: GRPOConfig, seed: int = 0) -> Any:
+def make_policy(cfg: GRPOConfig, seed: int = 0) -> torch.nn.Module:
     """A GRU language model over the task's vocabulary (a `torch.nn.Module`)."""
     torch = require("torch", "demo")
     nn = torch.nn
@@ -76,14 +80,15 @@ def make_policy(cfg: GRPOConfig, seed: int = 0) -> Any:
             self.gru = nn.GRU(cfg.embed, cfg.hidden, batch_first=True)
             self.head = nn.Linear(cfg.hidden, VOCAB)
 
-        def forward(self, tokens: Any, state: Any = None) -> tuple[Any, Any]:
+        def forward(self, tokens: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
             out, state = self.gru(self.embed(tokens), state)
             return self.head(out), state
 
     return Policy()
 
 
-def generate(policy: Any, prompts: np.ndarray, group: int, generator: Any) -> tuple[np.ndarray, np.ndarray]:
+def generate(policy: torch.nn.Module, prompts: np.ndarray, group: int,
+             generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Sample `group` completions of each prompt (rows repeat each prompt `group` times, prompt-major).
 
     Returns (responses int32 [P*G, L], log-probs float32 [P*G, L]) under `policy` at temperature 1; the
@@ -106,7 +111,8 @@ def generate(policy: Any, prompts: np.ndarray, group: int, generator: Any) -> tu
     return (torch.cat(toks, 1).numpy().astype(np.int32), torch.cat(lps, 1).numpy().astype(np.float32))
 
 
-def token_logprobs(policy: Any, prompts: list[np.ndarray], responses: list[np.ndarray]) -> list[Any]:
+def token_logprobs(policy: torch.nn.Module, prompts: list[np.ndarray],
+                   responses: list[np.ndarray]) -> list[torch.Tensor]:
     """Log-probs (torch, with grad) of each response's tokens under `policy`, one 1-D tensor per row.
 
     Rows are batched by length (one forward pass per distinct prompt length), no padding.
@@ -138,8 +144,8 @@ def group_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float = 1e-4)
     return ((r - mean[inv]) / (std[inv] + eps)).astype(np.float32)
 
 
-def grpo_loss(new_logps: list[Any], old_logps: list[np.ndarray], ref_logps: list[np.ndarray],
-              advantages: np.ndarray, clip: float, kl_coef: float) -> tuple[Any, dict[str, float]]:
+def grpo_loss(new_logps: list[torch.Tensor], old_logps: list[np.ndarray], ref_logps: list[np.ndarray],
+              advantages: np.ndarray, clip: float, kl_coef: float) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss over a batch (see the module docstring) and a few diagnostics."""
     torch = require("torch", "demo")
     new = torch.cat(new_logps)
