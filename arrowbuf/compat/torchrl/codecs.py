@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from ...errors import SchemaError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy.typing as npt
 
 #: torch dtypes arrowbuf columns hold as they are (their numpy name is the schema dtype)
 DENSE = {torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
@@ -63,7 +67,7 @@ class DenseCodec:
     def encode(self, t: torch.Tensor) -> np.ndarray:
         return t.detach().cpu().contiguous().numpy()
 
-    def decode(self, column: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(self, column: npt.ArrayLike, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(column)).reshape(shape)
 
 
@@ -89,7 +93,7 @@ class BitsCodec:
             return t.view(_UNSIGNED[self.itemsize]).numpy()
         return t.unsqueeze(-1).view(torch.uint8).numpy()
 
-    def decode(self, column: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    def decode(self, column: npt.ArrayLike, shape: tuple[int, ...]) -> torch.Tensor:
         bits = torch.from_numpy(np.ascontiguousarray(column))
         if self.itemsize in _UNSIGNED:
             return bits.view(self.dtype).reshape(shape)
@@ -145,7 +149,7 @@ class JsonCodec:
         values_arr = np.frombuffer(b"".join(blobs), dtype=np.uint8)
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values_arr, type=pa.uint8()))
 
-    def decode_values(self, rows: Any) -> list[Any]:
+    def decode_values(self, rows: Iterable[npt.ArrayLike]) -> list[Any]:
         """The values of gathered rows (`SampleBatch.to_numpy()`'s list of uint8 arrays, one per row)."""
         return [json.loads(np.asarray(r, dtype=np.uint8).tobytes().decode()) for r in rows]
 

@@ -16,15 +16,23 @@ multi-dimensional storages and `SliceSampler` pass), `Ellipsis` and `None`. An i
 from __future__ import annotations
 
 import math
-from typing import Any
+from types import EllipsisType
+from typing import TypeAlias, TypeGuard
 
 import numpy as np
 import torch
 
 from ...errors import InvalidArgument
 
+#: TorchRL's index forms of a storage: an int, a tensor or array of ints or bools, a list, a range, a slice, an
+#: Ellipsis, None (a new axis), or a tuple of those (one per storage dim).
+TorchIndex: TypeAlias = ("int | np.integer | torch.Tensor | np.ndarray | list[int] | list[torch.Tensor] | range "
+                         "| slice | EllipsisType | None | tuple[TorchIndex, ...]")
+#: One index (of a tuple's) as numpy takes it.
+_NumpyIndex: TypeAlias = "int | np.integer | np.ndarray | slice | EllipsisType | None | tuple[TorchIndex, ...]"
 
-def _as_numpy(index: Any) -> Any:
+
+def _as_numpy(index: TorchIndex) -> _NumpyIndex:
     if isinstance(index, torch.Tensor):
         return index.detach().cpu().numpy()
     if isinstance(index, range):
@@ -34,7 +42,7 @@ def _as_numpy(index: Any) -> Any:
     return index
 
 
-def _int_like(index: Any) -> bool:
+def _int_like(index: object) -> TypeGuard[int | np.integer | torch.Tensor]:
     if isinstance(index, (bool, np.bool_)):
         return False
     if isinstance(index, (int, np.integer)):
@@ -43,7 +51,7 @@ def _int_like(index: Any) -> bool:
         and index.dtype != torch.bool
 
 
-def resolve(index: Any, dims: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, ...]]:
+def resolve(index: TorchIndex, dims: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, ...]]:
     """Flat positions and result dims of `index` over a storage view of `dims` (see the module doc).
 
     Raises:
@@ -75,7 +83,7 @@ def resolve(index: Any, dims: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, .
         if arr.dtype.kind == "f" and arr.size == 0:  # an empty list
             return np.zeros(0, dtype=np.int64), tuple(arr.shape)
     # the general case: numpy's indexing of a grid of positions (same rules as torch's)
-    idx: Any = tuple(_as_numpy(i) for i in index) if isinstance(index, tuple) else _as_numpy(index)
+    idx = tuple(_as_numpy(i) for i in index) if isinstance(index, tuple) else _as_numpy(index)
     parts = idx if isinstance(idx, tuple) else (idx,)
     used = sum(p.ndim if isinstance(p, np.ndarray) and p.dtype == np.bool_ else
                (0 if p is None or p is Ellipsis else 1) for p in parts)
@@ -89,5 +97,5 @@ def resolve(index: Any, dims: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, .
         if not (p is None or p is Ellipsis or isinstance(p, (slice, np.ndarray, int, np.integer))):
             raise InvalidArgument(f"ArrowbufStorage cannot index with {type(p).__name__} ({p!r})")
     grid = np.arange(math.prod(dims), dtype=np.int64).reshape(dims)
-    sel = grid[idx]
+    sel = grid[idx]  # type: ignore[index]  # (numpy's stubs take no union; the loop above checked each part)
     return np.asarray(sel, dtype=np.int64).reshape(-1), tuple(np.shape(sel))

@@ -26,8 +26,9 @@ import importlib
 import json
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import (
@@ -47,6 +48,9 @@ from ...errors import SchemaError
 from ...schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
 from .codecs import BitsCodec, Codec, DenseCodec, JsonCodec, check_json, codec_from, dtype_name, tensor_codec
 from .slots import SLOT_COLUMN
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...schema import ExperienceSchema
 
 #: schema metadata key of the layout (JSON)
 METADATA_KEY = "torchrl.layout"
@@ -131,7 +135,7 @@ class Layout:
     classes: dict[tuple[str, ...], str] = field(default_factory=dict)
     treespec: str | None = None
     _class_objects: dict[tuple[str, ...], type] = field(default_factory=dict, repr=False, compare=False)
-    _spec: Any = field(default=None, repr=False, compare=False)
+    _spec: pytree.TreeSpec | None = field(default=None, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
         # class objects (maybe local to a function) and the parsed treespec stay behind: they are rebuilt by name
@@ -179,7 +183,7 @@ class Layout:
                 "metadata": {METADATA_KEY: self.to_json()}}
 
     @staticmethod
-    def from_schema(schema: Any) -> Layout:
+    def from_schema(schema: ExperienceSchema) -> Layout:
         """The layout a store's schema records, or, for a store made elsewhere, the one its fields imply: a tensor
         for a lone `_tensor` field, else a TensorDict whose keys are the field names split at "."."""
         meta = getattr(schema, "metadata", {}) or {}
@@ -372,7 +376,7 @@ class Layout:
 
         return make(())
 
-    def _treespec(self) -> Any:
+    def _treespec(self) -> pytree.TreeSpec:
         if self._spec is None:
             if self.treespec is None:
                 raise SchemaError("a pytree layout without its structure")
@@ -395,7 +399,7 @@ def _kind(data: Any) -> str:
     return "pytree"
 
 
-def _check_dims(shape: Any, ndim: int, what: str) -> None:
+def _check_dims(shape: Sequence[int], ndim: int, what: str) -> None:
     if len(shape) < ndim:
         raise SchemaError(f"{what} has {len(shape)} batch dim(s); a storage with ndim={ndim} needs at least {ndim}")
     if 0 in tuple(shape[1:]):

@@ -15,10 +15,11 @@ import pyarrow as pa
 
 from ...errors import InvalidArgument
 from ...store.facade import ExperienceStore
+from ...surface import StoreSurface
 from ..tq_columns import dense_numpy
 
 
-def live_range(store: Any) -> tuple[int, int]:
+def live_range(store: StoreSurface) -> tuple[int, int]:
     """The live seqs [lo, hi) of `store`."""
     if isinstance(store, ExperienceStore):
         return int(store.index.lo), int(store.index.hi)
@@ -26,7 +27,7 @@ def live_range(store: Any) -> tuple[int, int]:
     return int(st["first_seq"]), int(st["next_seq"])
 
 
-def gather(store: Any, ids: np.ndarray, columns: list[str]) -> dict[str, Any]:
+def gather(store: StoreSurface, ids: np.ndarray, columns: list[str]) -> dict[str, Any]:
     """The rows `ids`, in that order: {column: values} as `SampleBatch.to_numpy()` gives them.
 
     Raises:

@@ -23,8 +23,9 @@ against torch 2.13): two samplers, for two places to keep the priorities.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,7 +33,12 @@ from tensordict import MemoryMappedTensor
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler, Sampler
 
 from ...errors import InvalidArgument
+from ...schema.inputs import ValuesLike
+from .index import TorchIndex
 from .sumtrees import MinSegmentTree, SumSegmentTree
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .storage import ArrowbufStorage
 
 
 class ArrowbufPrioritizedSampler(PrioritizedSampler):
@@ -74,7 +80,7 @@ class ArrowbufPrioritizedSampler(PrioritizedSampler):
         self._min_tree = MinSegmentTree(self._max_capacity, self.dtype)
         self._max_priority = None
 
-    def _tree_device_from_storage(self, storage: Any) -> torch.device | None:
+    def _tree_device_from_storage(self, storage: object) -> torch.device | None:
         return None
 
     @property
@@ -101,7 +107,7 @@ class ArrowbufPrioritizedSampler(PrioritizedSampler):
         self._sum_tree.load(state_dict["_sum_tree"].double().numpy())
         self._min_tree.load(state_dict["_min_tree"].double().numpy())
 
-    def dumps(self, path: Any) -> None:
+    def dumps(self, path: str | os.PathLike[str]) -> None:
         path = pathlib.Path(path).absolute()
         path.mkdir(exist_ok=True)
         for name, tree in (("sumtree", self._sum_tree), ("mintree", self._min_tree)):
@@ -113,7 +119,7 @@ class ArrowbufPrioritizedSampler(PrioritizedSampler):
                     "_max_capacity": float(self._max_capacity), "_schema_version": self._STATE_SCHEMA_VERSION}
         (path / "sampler_metadata.json").write_text(json.dumps(metadata))
 
-    def loads(self, path: Any) -> None:
+    def loads(self, path: str | os.PathLike[str]) -> None:
         path = pathlib.Path(path).absolute()
         metadata = json.loads((path / "sampler_metadata.json").read_text())
         if int(metadata["_max_capacity"]) != self._max_capacity:
@@ -143,14 +149,16 @@ class ArrowbufSampler(Sampler):
     `PrioritizedSampler`: use `ArrowbufPrioritizedSampler` for that API, or call `update_priority` as above.
     """
 
-    def sample(self, storage: Any, batch_size: int) -> tuple[Any, dict[str, Any]]:
+    def sample(self, storage: ArrowbufStorage,
+               batch_size: int) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], dict[str, Any]]:
         batch, positions = storage.sample_store(batch_size)
         info: dict[str, Any] = {}
         if batch.weights is not None:
             info["priority_weight"] = torch.as_tensor(np.asarray(batch.weights, dtype=np.float32))
         return storage.index_of(positions), info
 
-    def update_priority(self, index: Any, priority: Any, *, storage: Any = None) -> None:
+    def update_priority(self, index: TorchIndex, priority: ValuesLike, *,
+                        storage: ArrowbufStorage | None = None) -> None:
         if storage is None or not hasattr(storage, "update_store_priorities"):
             raise InvalidArgument("ArrowbufSampler.update_priority needs its ArrowbufStorage (a replay buffer passes "
                                   "it as storage=)")
@@ -166,10 +174,10 @@ class ArrowbufSampler(Sampler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
 
-    def dumps(self, path: Any) -> None:
+    def dumps(self, path: str | os.PathLike[str]) -> None:
         pass
 
-    def loads(self, path: Any) -> None:
+    def loads(self, path: str | os.PathLike[str]) -> None:
         pass
 
 

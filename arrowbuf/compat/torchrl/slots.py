@@ -18,10 +18,11 @@ seq (insert order; the ring keeps the newest `capacity`). Two maps, one Protocol
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from ...surface import StoreSurface
 from .rows import gather
 
 SLOT_COLUMN = "slot"
@@ -33,13 +34,13 @@ class SlotMap(Protocol):
     #: whether rows carry their position in `SLOT_COLUMN` (so any write order works)
     recorded: bool
 
-    def refresh(self, store: Any, lo: int, hi: int) -> None:
+    def refresh(self, store: StoreSurface, lo: int, hi: int) -> None:
         """Catch up with rows committed below `hi` that this process has not seen."""
 
     def seqs(self, positions: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """The seqs at `positions` and whether each is a live row (in [lo, hi))."""
 
-    def positions(self, seqs: np.ndarray, store: Any) -> np.ndarray:
+    def positions(self, seqs: np.ndarray, store: StoreSurface) -> np.ndarray:
         """The positions of live rows `seqs`."""
 
     def record(self, positions: np.ndarray, seqs: np.ndarray) -> None:
@@ -56,7 +57,7 @@ class SlotColumn:
         self._seq = np.full(self.size, -1, dtype=np.int64)  # position -> seq (-1: never written)
         self._seen = 0  # rows below this seq have been read into _seq
 
-    def refresh(self, store: Any, lo: int, hi: int) -> None:
+    def refresh(self, store: StoreSurface, lo: int, hi: int) -> None:
         if hi <= self._seen:
             return
         start = max(self._seen, lo)
@@ -70,7 +71,7 @@ class SlotColumn:
         s = self._seq[positions]
         return s, (s >= lo) & (s < hi)
 
-    def positions(self, seqs: np.ndarray, store: Any) -> np.ndarray:
+    def positions(self, seqs: np.ndarray, store: StoreSurface) -> np.ndarray:
         if len(seqs) == 0:
             return np.zeros(0, dtype=np.int64)
         return np.asarray(gather(store, np.asarray(seqs, dtype=np.int64), [SLOT_COLUMN])[SLOT_COLUMN], dtype=np.int64)
@@ -90,7 +91,7 @@ class SeqModulo:
     def __init__(self, size: int) -> None:
         self.size = int(size)
 
-    def refresh(self, store: Any, lo: int, hi: int) -> None:
+    def refresh(self, store: StoreSurface, lo: int, hi: int) -> None:
         return None
 
     def seqs(self, positions: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
@@ -100,7 +101,7 @@ class SeqModulo:
         s = lo + (positions - lo) % self.size
         return s, s < hi
 
-    def positions(self, seqs: np.ndarray, store: Any) -> np.ndarray:
+    def positions(self, seqs: np.ndarray, store: StoreSurface) -> np.ndarray:
         return np.asarray(seqs, dtype=np.int64) % self.size
 
     def record(self, positions: np.ndarray, seqs: np.ndarray) -> None:

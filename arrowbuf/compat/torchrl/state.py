@@ -35,6 +35,7 @@ import torch
 from tensordict import TensorDict
 
 from ...errors import InvalidArgument, SchemaError
+from ...surface import StoreSurface
 from .codecs import JsonCodec
 from .layout import Layout
 from .rows import gather, live_range
@@ -50,7 +51,7 @@ def empty_state(max_size: int, ndim: int) -> dict[str, Any]:
     return {FORMAT_KEY: FORMAT_VERSION, "initialized": False, "max_size": max_size, "ndim": ndim, "_len": 0}
 
 
-def dump(store: Any, layout: Layout, max_size: int, ndim: int) -> dict[str, Any]:
+def dump(store: StoreSurface, layout: Layout, max_size: int, ndim: int) -> dict[str, Any]:
     """The state_dict of a storage over `store` (see the module doc)."""
     slot = [SLOT_COLUMN] if SLOT_COLUMN in store.schema.fields else []
     for attempt in range(_RETRIES):

@@ -21,7 +21,7 @@ import sys
 import threading
 import weakref
 from multiprocessing.context import get_spawning_popen
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -29,15 +29,28 @@ from tensordict import is_tensor_collection
 from torch.utils import _pytree as pytree
 from torchrl.data.replay_buffers.storages import Storage, StoreStorage, TensorStorage
 
+from ...delivery.batch import SampleBatch
 from ...errors import InvalidArgument, SchemaError, StoreExists
+from ...samplers import Sampler
 from ...samplers.spec import from_spec, to_spec
+from ...schema.inputs import DeviceLike
 from ...store.facade import ExperienceStore
+from ...surface import StoreSurface
 from . import state as state_io
-from .index import resolve
+from .index import TorchIndex, resolve
 from .layout import Layout
 from .rows import gather, live_range
 from .shared import StoreHome, request_store
 from .slots import SLOT_COLUMN, SeqModulo, SlotColumn, SlotMap, plan_write
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow as pa
+    from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
+
+    from ...persist.remote import Checkpointable
+
+#: The store's own sampler: a name ("fifo", "uniform"), a sampler class, or an instance (copied per store).
+SamplerArg = str | type[Sampler] | Sampler | None
 
 try:
     from torch.compiler import disable as _compile_disable
@@ -74,11 +87,11 @@ def _unsqueeze(data: Any) -> Any:
     return pytree.tree_map(lambda t: t.unsqueeze(0), data)
 
 
-def _sampler_of(spec: Any) -> Any:
+def _sampler_of(spec: SamplerArg) -> SamplerArg:
     """A fresh store sampler for `spec` (a sampler instance is bound to one store; a new store needs its own)."""
     if isinstance(spec, (str, type)) or spec is None:
         return spec
-    return from_spec(to_spec(spec), "ArrowbufStorage(sampler=...)")
+    return cast(Sampler, from_spec(to_spec(spec), "ArrowbufStorage(sampler=...)"))  # a sampler's spec: a sampler
 
 
 class ArrowbufStorage(StoreStorage):
@@ -107,10 +120,11 @@ class ArrowbufStorage(StoreStorage):
 
     max_size: int
 
-    def __init__(self, max_size: int | None = None, *, device: Any = "cpu", ndim: int = 1, compilable: bool = False,
-                 shared_init: bool = False, scratch_dir: Any = None, store: Any = None, tier: str | None = None,
-                 name: str | None = None, sampler: Any = "fifo", seed: int | None = None,
-                 init_timeout: float = 60.0, checkpointer: Any = None) -> None:
+    def __init__(self, max_size: int | None = None, *, device: DeviceLike = "cpu", ndim: int = 1,
+                 compilable: bool = False, shared_init: bool = False, scratch_dir: str | os.PathLike[str] | None = None,
+                 store: StoreSurface | None = None, tier: str | None = None, name: str | None = None,
+                 sampler: SamplerArg = "fifo", seed: int | None = None, init_timeout: float = 60.0,
+                 checkpointer: StorageCheckpointerBase | None = None) -> None:
         if max_size is None:
             if store is None:
                 raise InvalidArgument("ArrowbufStorage needs max_size (or a store to take it from)")
@@ -133,7 +147,7 @@ class ArrowbufStorage(StoreStorage):
         self.ndim = ndim
         self.shared_init = shared_init
         self.scratch_dir = None if scratch_dir is None else os.fspath(scratch_dir)
-        self._store: Any = store
+        self._store: StoreSurface | None = store
         self._sampler_spec = sampler
         self._seed = seed
         self._tier = tier
@@ -154,7 +168,7 @@ class ArrowbufStorage(StoreStorage):
 
     # ------------------------------------------------------------------ the store
     @property
-    def _init_lock(self) -> Any:
+    def _init_lock(self) -> threading.RLock:
         """Guards the store's creation (the home's thread may create it while this thread writes). One per process:
         a lock inherited through fork may be held by a thread that does not exist in the child."""
         if self._lock_pid != os.getpid():
@@ -163,7 +177,7 @@ class ArrowbufStorage(StoreStorage):
         return self._lock
 
     @property
-    def store(self) -> Any:
+    def store(self) -> StoreSurface | None:
         """The arrowbuf store underneath (None until the first write): `sql`, `to_table`, `checkpoint` work on it."""
         return self._store
 
@@ -172,7 +186,7 @@ class ArrowbufStorage(StoreStorage):
         """How the stored data map onto the store's columns (None until the first write)."""
         return self._layout
 
-    def _adopt(self, store: Any) -> None:
+    def _adopt(self, store: StoreSurface) -> None:
         cap = int(store.stats()["capacity"])
         layout = Layout.from_schema(store.schema)
         if layout.ndim != self.ndim:
@@ -248,9 +262,14 @@ class ArrowbufStorage(StoreStorage):
             return False
         return True
 
+    def _the_store(self) -> StoreSurface:
+        """The store of an initialized storage."""
+        assert self._store is not None, "the storage is initialized"
+        return self._store
+
     def _range(self) -> tuple[int, int]:
         """The live seqs [lo, hi) of the store."""
-        return live_range(self._store)
+        return live_range(self._the_store())
 
     def _per_element(self, data: Any = None, batched: bool = True) -> int:
         if self._layout is not None:
@@ -310,14 +329,14 @@ class ArrowbufStorage(StoreStorage):
         return total if self._is_full else torch.Size([self._len_along_dim0, *total[1:]])
 
     @_compile_disable()
-    def _rand_given_ndim(self, batch_size: int) -> Any:
+    def _rand_given_ndim(self, batch_size: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.ndim == 1:
             return torch.randint(0, len(self), (batch_size,), generator=self._rng)
         shape = self.shape
         assert shape is not None
         return tuple(torch.randint(d, (batch_size,), generator=self._rng) for d in shape)
 
-    def flatten(self) -> Any:
+    def flatten(self) -> TensorStorage | ArrowbufStorage:
         """A `TensorStorage` of the elements with the storage dims flattened (a copy, as TorchRL's is a view)."""
         if self.ndim == 1:
             return self
@@ -336,7 +355,7 @@ class ArrowbufStorage(StoreStorage):
 
     # ------------------------------------------------------------------ Storage: writes
     @_compile_disable()
-    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+    def set(self, cursor: TorchIndex, data: Any, *, set_cursor: bool = True) -> None:
         if isinstance(data, list):
             data = _stack_list(data)
         single = isinstance(cursor, (int, np.integer)) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0)
@@ -365,7 +384,8 @@ class ArrowbufStorage(StoreStorage):
     def _write(self, positions: np.ndarray, data: Any, lead: int) -> None:
         assert self._layout is not None and self._slots is not None
         lo, hi = self._range()
-        self._slots.refresh(self._store, lo, hi)
+        store = self._the_store()
+        self._slots.refresh(store, lo, hi)
         keep, update_seqs, append = plan_write(self._slots, positions, lo, hi, self.max_size)
         cols = self._layout.columns(data, lead, partial=not append.any())
         n = len(positions)
@@ -378,15 +398,15 @@ class ArrowbufStorage(StoreStorage):
             cols = {k: _take(v, keep) for k, v in cols.items()}
         if (~append).any():
             upd = {k: _take(v, np.flatnonzero(~append)) for k, v in cols.items() if k != SLOT_COLUMN}
-            self._store.update(update_seqs, upd)
+            store.update(update_seqs, upd)
         if append.any():
             rows = cols if append.all() else {k: _take(v, np.flatnonzero(append)) for k, v in cols.items()}
-            ids = self._store.extend(rows)
+            ids = store.extend(rows)
             self._slots.record(positions[keep][append], ids)
 
     # ------------------------------------------------------------------ Storage: reads
     @_compile_disable()
-    def get(self, index: Any) -> Any:
+    def get(self, index: TorchIndex) -> Any:
         if not self.initialized:
             raise RuntimeError("Cannot get elements out of a non-initialized storage.")
         if _whole(index) and _writing_through_a_read():
@@ -397,7 +417,7 @@ class ArrowbufStorage(StoreStorage):
         assert self._layout is not None and self._slots is not None
         for attempt in range(_READ_RETRIES):
             lo, hi = self._range()
-            self._slots.refresh(self._store, lo, hi)
+            self._slots.refresh(self._the_store(), lo, hi)
             dims = (-(max(hi - lo, 0) // -self._layout.per_element), *self._layout.inner)
             if hi - lo == self.max_size:
                 dims = (self.max_size // self._layout.per_element, *self._layout.inner)
@@ -419,18 +439,18 @@ class ArrowbufStorage(StoreStorage):
 
     def _gather(self, seqs: np.ndarray) -> dict[str, Any]:
         assert self._layout is not None
-        return gather(self._store, seqs, self._layout.columns_names)
+        return gather(self._the_store(), seqs, self._layout.columns_names)
 
     def __len__(self) -> int:
         if not self.initialized:
             return 0
-        return len(self._store)
+        return len(self._the_store())
 
     @property
     def _is_full(self) -> bool:
         return len(self) == self.max_size
 
-    def contains(self, item: Any) -> Any:
+    def contains(self, item: object) -> bool | torch.Tensor:
         n = self._len_along_dim0
         if isinstance(item, int):
             return 0 <= (item + n if item < 0 else item) < n
@@ -439,20 +459,21 @@ class ArrowbufStorage(StoreStorage):
         raise NotImplementedError(f"type {type(item)} is not supported yet.")
 
     # ------------------------------------------------------------------ the store's own sampler (ArrowbufSampler)
-    def sample_store(self, batch_size: int) -> tuple[Any, np.ndarray]:
+    def sample_store(self, batch_size: int) -> tuple[SampleBatch, np.ndarray]:
         """A batch drawn by the store's own sampler: (the `SampleBatch` of its ids, their positions)."""
         if not self.initialized:
             raise RuntimeError("Cannot sample from an empty storage.")
         assert self._slots is not None
         cols = [SLOT_COLUMN] if self._slots.recorded else []
-        batch = self._store.sample(batch_size, columns=cols)
+        store = self._the_store()
+        batch = store.sample(batch_size, columns=cols)
         if self._slots.recorded:
             positions = np.asarray(batch.to_numpy()[SLOT_COLUMN], dtype=np.int64)
         else:
-            positions = self._slots.positions(batch.indices, self._store)
+            positions = self._slots.positions(batch.indices, store)
         return batch, positions
 
-    def index_of(self, positions: np.ndarray) -> Any:
+    def index_of(self, positions: np.ndarray) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """TorchRL's index of element positions: a tensor, or a tuple of tensors (one per dim) when ndim > 1."""
         t = torch.as_tensor(positions, dtype=torch.long)
         if self.ndim == 1:
@@ -461,7 +482,7 @@ class ArrowbufStorage(StoreStorage):
         assert shape is not None
         return tuple(torch.as_tensor(x) for x in np.unravel_index(positions, tuple(shape)))
 
-    def positions_of(self, index: Any) -> np.ndarray:
+    def positions_of(self, index: TorchIndex) -> np.ndarray:
         """Element positions of a TorchRL index (flat positions, a tuple per dim, or [N, ndim] coordinates)."""
         shape = self._total_shape
         if isinstance(index, tuple) and shape is not None:
@@ -471,24 +492,25 @@ class ArrowbufStorage(StoreStorage):
             return np.ravel_multi_index(tuple(arr.T), tuple(shape))
         return arr.reshape(-1)
 
-    def update_store_priorities(self, index: Any, priorities: np.ndarray) -> None:
+    def update_store_priorities(self, index: TorchIndex, priorities: np.ndarray) -> None:
         """Priorities of elements (a TorchRL index) to the store's sampler."""
         if not self.initialized:
             raise RuntimeError("the storage holds nothing yet")
         assert self._slots is not None
         lo, hi = self._range()
-        self._slots.refresh(self._store, lo, hi)
+        store = self._the_store()
+        self._slots.refresh(store, lo, hi)
         positions = self.positions_of(index)
         seqs, live = self._slots.seqs(positions, lo, hi)
         if len(priorities) == 1 and len(seqs) > 1:
             priorities = np.repeat(priorities, len(seqs))
-        self._store.update_priorities(seqs[live], priorities[live])
+        store.update_priorities(seqs[live], priorities[live])
 
-    def seqs_of(self, index: Any) -> np.ndarray:
+    def seqs_of(self, index: TorchIndex) -> np.ndarray:
         """The row ids (seqs) behind a TorchRL index."""
         assert self._slots is not None
         lo, hi = self._range()
-        self._slots.refresh(self._store, lo, hi)
+        self._slots.refresh(self._the_store(), lo, hi)
         return self._slots.seqs(self.positions_of(index), lo, hi)[0]
 
     # ------------------------------------------------------------------ lifetime, state
@@ -506,7 +528,7 @@ class ArrowbufStorage(StoreStorage):
         if not self.initialized:
             return state_io.empty_state(self.max_size, self.ndim)
         assert self._layout is not None
-        return state_io.dump(self._store, self._layout, self.max_size, self.ndim)
+        return state_io.dump(self._the_store(), self._layout, self.max_size, self.ndim)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Replace the elements with those of `state_dict` (this storage's or a LazyTensorStorage's); every element
@@ -521,7 +543,7 @@ class ArrowbufStorage(StoreStorage):
                 cols = dict(loaded.columns)
                 if self._slots.recorded:
                     cols[SLOT_COLUMN] = loaded.positions
-                self._slots.record(loaded.positions, self._store.extend(cols))
+                self._slots.record(loaded.positions, self._the_store().extend(cols))
             elif loaded.entries:
                 self.set(torch.arange(loaded.entries), loaded.data, set_cursor=False)
         self._bump_mutation_revision()
@@ -537,13 +559,14 @@ class ArrowbufStorage(StoreStorage):
         if layout is not None:
             self._create(layout)
 
-    def dumps(self, path: Any) -> None:
+    def dumps(self, path: str | os.PathLike[str]) -> None:
         """An arrowbuf checkpoint of the store at `path` (rows, positions, the store sampler's state)."""
         if not self.initialized:
             raise RuntimeError("nothing to dump: the storage was never written")
-        self._store.checkpoint(path)
+        # every store a storage takes checkpoints itself (ExperienceStore, an attached one, ab.connect's)
+        cast("Checkpointable", self._the_store()).checkpoint(os.fspath(path))
 
-    def loads(self, path: Any) -> None:
+    def loads(self, path: str | os.PathLike[str]) -> None:
         """Replace the store with the checkpoint at `path` (`dumps`)."""
         if self._store is not None:
             self._replace_store(None)
@@ -599,14 +622,14 @@ class _RemoteHome:
         pass
 
 
-def _close_home(ref: Any) -> None:
+def _close_home(ref: weakref.ref[ArrowbufStorage]) -> None:
     """At exit of the process that made a shared storage: stop listening and close (unlink) its store."""
     storage = ref()
     if storage is not None and isinstance(storage._home, StoreHome) and storage._home.pid == os.getpid():
         storage.close()
 
 
-def _whole(index: Any) -> bool:
+def _whole(index: TorchIndex) -> bool:
     if isinstance(index, tuple):
         return all(_whole(i) for i in index)
     return isinstance(index, slice) and index == slice(None)
@@ -625,7 +648,7 @@ def _writing_through_a_read() -> bool:
     return False
 
 
-def _take(values: Any, idx: np.ndarray) -> Any:
+def _take(values: np.ndarray | pa.Array, idx: np.ndarray) -> np.ndarray | pa.Array:
     if isinstance(values, np.ndarray):
         return values[idx]
     return values.take(idx)  # a pa.Array (JSON text)

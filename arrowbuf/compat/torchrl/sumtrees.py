@@ -18,15 +18,16 @@ The trees live on the CPU; values are kept in float64 and read back in the tree'
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, SupportsInt
 
 import numpy as np
 import torch
 
 from ...samplers.sumtree import MinTree, SumTree
+from ...schema.inputs import IdsLike, ValuesLike
 
 
-def _index_array(index: Any) -> np.ndarray:
+def _index_array(index: IdsLike) -> np.ndarray:
     if isinstance(index, torch.Tensor):
         return index.detach().cpu().numpy().astype(np.int64, copy=False)
     return np.asarray(index, dtype=np.int64)
@@ -46,12 +47,12 @@ class _SegmentTree:
     def __len__(self) -> int:
         return self.tree.capacity
 
-    def __getitem__(self, index: Any) -> Any:
+    def __getitem__(self, index: IdsLike) -> float | torch.Tensor:
         if isinstance(index, (int, np.integer)):
             return float(self.tree.get(np.array([int(index)]))[0])
         return torch.as_tensor(self.tree.get(_index_array(index)), dtype=self.dtype)
 
-    def __setitem__(self, index: Any, value: Any) -> None:
+    def __setitem__(self, index: IdsLike, value: ValuesLike) -> None:
         idx = _index_array(index).reshape(-1)
         if idx.size == 0:
             return
@@ -93,13 +94,13 @@ class SumSegmentTree(_SegmentTree):
 
     _tree_cls = SumTree
 
-    def query(self, lo: Any, hi: Any) -> float:
+    def query(self, lo: SupportsInt, hi: SupportsInt) -> float:
         lo, hi = int(lo), int(hi)
         if self._whole(lo, hi):
             return self.tree.total()  # type: ignore[union-attr]
         return float(self.tree.get(np.arange(lo, hi)).sum())
 
-    def scan_lower_bound(self, mass: Any) -> np.ndarray:
+    def scan_lower_bound(self, mass: ValuesLike) -> np.ndarray:
         """For each mass, the smallest slot whose prefix sum (inclusive) exceeds it."""
         m = mass.detach().cpu().double().numpy() if isinstance(mass, torch.Tensor) else np.asarray(mass, float)
         return self.tree.find_prefixsum(m)  # type: ignore[union-attr]
@@ -113,7 +114,7 @@ class MinSegmentTree(_SegmentTree):
     def _neutral(self) -> float:
         return math.inf
 
-    def query(self, lo: Any, hi: Any) -> float:
+    def query(self, lo: SupportsInt, hi: SupportsInt) -> float:
         lo, hi = int(lo), int(hi)
         if self._whole(lo, hi):
             return self.tree.min()  # type: ignore[union-attr]
