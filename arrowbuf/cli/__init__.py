@@ -25,13 +25,20 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, SupportsInt, TypeAlias
 
 from ..errors import ArrowbufError, InvalidArgument
 
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow as pa
+
+#: The `arrowbuf` parser's subcommands, which each `add_*` adds its parser to.
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
 
 # ---------------------------------------------------------------------------------------------------- serve
-def add_serve(sub: Any) -> None:
+def add_serve(sub: Subcommands) -> None:
     p = sub.add_parser("serve", help="serve a new store over Arrow Flight",
                        description="Create a store from a schema and serve it over Arrow Flight until SIGINT/SIGTERM.")
     p.add_argument("--schema", required=True,
@@ -95,7 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     stop = threading.Event()
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
     inspector = None
@@ -156,7 +163,7 @@ def _port_in_use(host: str, port: int) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------- shm
-def add_shm(sub: Any) -> None:
+def add_shm(sub: Subcommands) -> None:
     p = sub.add_parser("shm", help="shared-memory stores on this node: list, reclaim",
                        description="Shared-memory stores (tier='shm') live in /dev/shm/arrowbuf.<name>/.")
     shm_sub = p.add_subparsers(dest="shm_command", metavar="shm_command")
@@ -192,7 +199,7 @@ def run_shm_ls(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- demo
-def add_demo(sub: Any) -> None:
+def add_demo(sub: Subcommands) -> None:
     p = sub.add_parser("demo", help="the demos: dqn (default), grpo, ray; arrowbuf demo --help lists them",
                        description="The demos: arrowbuf demo [dqn|grpo|ray] [flags].", add_help=False)
     p.set_defaults(func=run_demo, extra=True)  # `arrowbuf demo [dqn|grpo|ray] ...`: the demo parses its own flags
@@ -205,7 +212,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- inspect
-def add_inspect(sub: Any) -> None:
+def add_inspect(sub: Subcommands) -> None:
     p = sub.add_parser("inspect", help="schema, size, episode summary and column bytes of a store",
                        description="Inspect a store: a Flight location (grpc://host:port), the name of a shared-memory "
                                    "store on this node, or an Arrow IPC / Parquet file of experience.")
@@ -305,7 +312,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_sizes(stats: dict[str, Any], schema: Any) -> None:
+def _print_sizes(stats: dict[str, Any], schema: pa.Schema) -> None:
     """Per column: its type, rows' bytes and reserved bytes (`arrowbuf.engine.sizes`: the numbers `stats()`, the
     inspector and /metrics show), then the totals, each labelled."""
     columns = stats.get("columns") or {}
@@ -324,7 +331,7 @@ def _print_sizes(stats: dict[str, Any], schema: Any) -> None:
               f"capacity of {stats.get('capacity'):,} rows: the ring, final observations, the index)")
 
 
-def type_name(t: Any) -> str:
+def type_name(t: pa.DataType) -> str:
     """A short, whole name of an Arrow type: tensors as `tensor<uint8>[4,84,84]`, arrowbuf's dtypes by name."""
     import pyarrow as pa
 
@@ -339,7 +346,7 @@ def type_name(t: Any) -> str:
     return str(t)
 
 
-def _n(v: Any) -> str:
+def _n(v: SupportsInt | None) -> str:
     return "-" if v is None else f"{int(v):,}"
 
 
@@ -352,7 +359,7 @@ def _human(n: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- ui
-def add_ui(sub: Any) -> None:
+def add_ui(sub: Subcommands) -> None:
     p = sub.add_parser("ui", help="a live web inspector of a store (overview, rates, tasks, SQL, lineage)",
                        description="Serve a live web page over a store until SIGINT/SIGTERM: a Flight location, a "
                                    "shared-memory store name, a checkpoint or dataset directory, or a file.")
@@ -397,7 +404,7 @@ def run_ui(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- bench
-def add_bench(sub: Any) -> None:
+def add_bench(sub: Subcommands) -> None:
     p = sub.add_parser("bench", help="run the benchmarks (python -m benchmarks) from a source checkout",
                        description="Run benchmarks/ (a source checkout is needed: the benchmarks are not in the wheel) "
                                    "and write benchmarks/RESULTS.md. Other arguments go to python -m benchmarks, e.g. "
@@ -418,13 +425,13 @@ def run_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "benchmarks", *args.extra_args], cwd=root)
 
 
-def add_checkpoint(sub: Any) -> None:
+def add_checkpoint(sub: Subcommands) -> None:
     from .checkpoint import add_checkpoint as add
 
     add(sub)
 
 
-COMMANDS: list[Callable[[Any], None]] = [add_serve, add_shm, add_demo, add_inspect, add_ui, add_bench,
+COMMANDS: list[Callable[[Subcommands], None]] = [add_serve, add_shm, add_demo, add_inspect, add_ui, add_bench,
                                          add_checkpoint]
 
 

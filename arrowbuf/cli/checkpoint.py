@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 
-def add_checkpoint(sub: Any) -> None:
+def add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("checkpoint", help="checkpoint directories: list, inspect, verify, export",
                        description="Checkpoint directories written by store.checkpoint(path) (docs/format.md).")
     cs = p.add_subparsers(dest="checkpoint_command", metavar="checkpoint_command")
