@@ -50,6 +50,8 @@ class ConsumeRecord(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+    def progress_state(self, segments: list[tuple[int, int]]) -> dict[str, Any]: ...
+
 
 @dataclass
 class StoreCore:
