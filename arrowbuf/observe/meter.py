@@ -28,9 +28,12 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from .. import config
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tqdm import tqdm as Tqdm
 
 
 class ProgressSink(Protocol):
@@ -98,7 +101,7 @@ class ProgressMeter:
         self._first: tuple[float, float] | None = None  # (time, amount) of the first advance
         self._lock = threading.Lock()
         self._closed = False
-        self._bar: Any = None
+        self._bar: Tqdm | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if not enabled:
@@ -117,11 +120,11 @@ class ProgressMeter:
         self._thread.start()
 
     # ------------------------------------------------------------------ what the work calls
-    def update(self, n: float = 1, **info: Any) -> None:
+    def update(self, n: float = 1, **info: object) -> None:
         """Advance by `n`; `info` replaces the text after the numbers (`key=value, ...`)."""
         self.update_to(self.n + n, **info)
 
-    def update_to(self, done: float, **info: Any) -> None:
+    def update_to(self, done: float, **info: object) -> None:
         """Set the amount done to `done`; `info` replaces the text after the numbers (`key=value, ...`)."""
         if not self.enabled or self._closed:
             return

@@ -10,12 +10,47 @@ written), `waiting` (not consumed, some field filled later missing), `consumed` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy.typing as npt
 
-def task_progress(core: Any) -> dict[str, Any]:
+    from ..ring.index import RingIndex
+    from ..schema import ExperienceSchema
+    from ..tiers.base import TierLock
+    from .lineage import Lineage
+    from .timings import Timings
+
+
+class ProgressTracker(Protocol):
+    """A store's consumption as progress reads it (`arrowbuf.engine.consume.ConsumeTracker`)."""
+
+    @property
+    def tasks(self) -> list[str]: ...
+
+    def progress_state(self, segments: list[tuple[int, int]]) -> dict[str, Any]: ...
+
+
+class ProgressCore(Protocol):
+    """The internals of a store (`arrowbuf.engine.core.StoreCore`) that progress and `observability()` read; observe
+    sits below the engine, so it names what it reads."""
+
+    schema: ExperienceSchema
+    lock: TierLock
+    index: RingIndex
+    arena_rows: int
+    lineage: Lineage | None
+    limiter_waits: dict[str, int]
+
+    @property
+    def consume(self) -> ProgressTracker | None: ...
+
+    def present(self, fields: list[str], positions: np.ndarray) -> np.ndarray: ...
+
+
+def task_progress(core: ProgressCore) -> dict[str, Any]:
     """`{"live": n, "produced": n, "tasks": {task: {ready, waiting, consumed, in_flight, delivered}}}` of a
     `StoreCore`.
 
@@ -67,11 +102,11 @@ def ring_segments(lo: int, hi: int, rows: int) -> list[tuple[int, int]]:
     return [(a, rows), (0, a + n - rows)]
 
 
-def _joined(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+def _joined(parts: list[np.ndarray], dtype: npt.DTypeLike) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def observed(core: Any, timings: Any, checkpoints: dict[str, Any]) -> dict[str, Any]:
+def observed(core: ProgressCore, timings: Timings | None, checkpoints: dict[str, Any]) -> dict[str, Any]:
     """`ExperienceStore.observability()`: timings, lineage counters and bytes, rate-limiter waits, per-task progress
     and checkpoints (`checkpoints`: the facade's record: count, last summary, the latest background handle)."""
     with core.lock:

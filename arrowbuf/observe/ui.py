@@ -30,6 +30,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -254,7 +255,7 @@ class _Handler(GuardedHandler):
                              "message": "wrong or missing token: this inspector needs the store's token"})
         return False
 
-    def _api(self, fn: Any) -> None:
+    def _api(self, fn: Callable[[], object]) -> None:
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - the page shows it (INTERNAL without details when unexpected)
@@ -334,7 +335,7 @@ class _Handler(GuardedHandler):
             return
         body = self.rfile.read(length)
 
-        def run() -> Any:
+        def run() -> dict[str, Any]:
             check_json_depth(body, self.limits.max_json_depth, "sql")
             try:
                 query = json.loads(body)["query"]
