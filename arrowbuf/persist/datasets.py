@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +32,23 @@ from ..observe.meter import ProgressSink
 from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from . import manifest as mf
 from .snapshot import arrow_column, numpy_column
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow.dataset as pads
+
+    from ..schema import SchemaLike
+    from ..schema.inputs import BatchLike
+
+
+class DatasetStore(Protocol):
+    """What a dataset is loaded into (`ExperienceStore`): rows extended in batches, closed when the load fails."""
+
+    def extend(self, batch: BatchLike) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=DatasetStore)
 
 #: The export's metadata folder (schema, lineage): out of reach of `DIR/*.parquet`; dataset readers skip `_` names.
 META_DIR = mf.DATASET_META_DIR
@@ -44,7 +61,7 @@ _FEED_ROWS = 65_536
 
 
 def export(core: StoreCore, rows: Callable[[], pa.Table], path: str | os.PathLike, format: str = "parquet",
-           partition_by: Any = None, compression: str | None = None,
+           partition_by: str | Sequence[str] | None = None, compression: str | None = None,
            progress: ProgressSink | None = None) -> dict[str, Any]:
     """Write a store's live rows as a dataset (see the module docstring). Returns rows and files written.
 
@@ -71,7 +88,7 @@ def export(core: StoreCore, rows: Callable[[], pa.Table], path: str | os.PathLik
         raise InvalidArgument(f"partition_by names unknown columns {unknown}; expected some of {table.column_names}")
     root = os.fspath(path)
     os.makedirs(root, exist_ok=True)
-    fmt: Any
+    fmt: pads.FileFormat
     if format == "parquet":
         fmt = pads.ParquetFileFormat()
         opts = fmt.make_write_options(compression=compression or "zstd")
@@ -90,7 +107,8 @@ def export(core: StoreCore, rows: Callable[[], pa.Table], path: str | os.PathLik
 
     if progress is not None:
         progress("export: write", 0, table.num_rows, "row")
-    source: Any = table if progress is None else pa.RecordBatchReader.from_batches(table.schema, counted())
+    source: pa.Table | pa.RecordBatchReader = \
+        table if progress is None else pa.RecordBatchReader.from_batches(table.schema, counted())
     pads.write_dataset(source, root, format=fmt, file_options=opts, partitioning=cols or None,
                        partitioning_flavor="hive" if cols else None, existing_data_behavior="overwrite_or_ignore",
                        basename_template=f"part-{{i}}.{ext}")
@@ -144,7 +162,7 @@ class ExperienceDataset:
         return f"ExperienceDataset({self.path!r}, kind={self.kind!r}, schema={self.schema.name!r})"
 
     @property
-    def dataset(self) -> Any:
+    def dataset(self) -> pads.Dataset:
         """The rows as a `pyarrow.dataset.Dataset` (Minari: one fragment per episode, raw Minari columns)."""
         import pyarrow.dataset as pads
 
@@ -179,8 +197,8 @@ class ExperienceDataset:
             table = table.sort_by("seq")
         yield from table.to_batches(max_chunksize=_FEED_ROWS)
 
-    def to_store(self, capacity: int | None = None, *, store_cls: Any, progress: ProgressSink | None = None,
-                 **kwargs: Any) -> Any:
+    def to_store(self, capacity: int | None = None, *, store_cls: Callable[..., S],
+                 progress: ProgressSink | None = None, **kwargs: object) -> S:
         """A new store of class `store_cls` (`ab.ExperienceStore`) holding these rows (the newest `capacity` when
         there are more); `ab.ExperienceStore.from_dataset(path)` is the usual way in. `progress` hears the rows
         loaded (phase "load dataset")."""
@@ -252,7 +270,7 @@ def _masked(col: pa.Array, null: np.ndarray) -> pa.Array:
     return pa.ExtensionArray.from_storage(col.type, storage) if isinstance(col, pa.ExtensionArray) else storage
 
 
-def _feed(store: Any, batch: pa.RecordBatch, schema: ExperienceSchema) -> None:
+def _feed(store: DatasetStore, batch: pa.RecordBatch, schema: ExperienceSchema) -> None:
     cols: dict[str, Any] = {}
     for name, spec in schema.fields.items():
         if name not in batch.schema.names:
@@ -332,7 +350,7 @@ def _data_files(root: str) -> Iterator[str]:
                 yield os.path.join(d, f)
 
 
-def check_schema(ds: ExperienceDataset, expected: Any) -> None:
+def check_schema(ds: ExperienceDataset, expected: SchemaLike) -> None:
     """Raise SchemaError naming the fields when `expected` differs from the dataset's schema."""
     from .restore import schema_difference
 
@@ -343,8 +361,8 @@ def check_schema(ds: ExperienceDataset, expected: Any) -> None:
         raise SchemaError(f"dataset {ds.path} ({ds.kind}) does not match the schema {want.name!r}: {diff}")
 
 
-def from_dataset(path: str | os.PathLike, capacity: int | None = None, *, store_cls: Any, schema: Any = None,
-                 progress: ProgressSink | None = None, **kwargs: Any) -> Any:
+def from_dataset(path: str | os.PathLike, capacity: int | None = None, *, store_cls: Callable[..., S],
+                 schema: SchemaLike | None = None, progress: ProgressSink | None = None, **kwargs: object) -> S:
     """A new store of class `store_cls` filled from a dataset (`open_dataset` formats); `schema=` checks the dataset
     against one. `ExperienceStore.from_dataset` calls this with its own class."""
     ds = open_dataset(path)
@@ -427,7 +445,7 @@ def _minari_batches(ds: ExperienceDataset) -> Iterator[pa.RecordBatch]:
         yield pa.RecordBatch.from_pydict(cols)
 
 
-def _dense(col: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+def _dense(col: pa.Array | pa.ChunkedArray, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if pa.types.is_fixed_size_list(col.type):
         return np.asarray(col.flatten().to_numpy(zero_copy_only=False), dtype=dtype).reshape(len(col), *shape)
