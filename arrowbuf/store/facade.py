@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -893,8 +893,7 @@ class ExperienceStore:
         rows loaded (as `restore`'s); other keyword arguments go to the constructor (sampler, seed, tier, ...)."""
         from ..persist import from_dataset
 
-        return cast("ExperienceStore", from_dataset(path, capacity, store_cls=cls, schema=schema, progress=progress,
-                                                    **kwargs))
+        return from_dataset(path, capacity, store_cls=cls, schema=schema, progress=progress, **kwargs)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
