@@ -108,7 +108,7 @@ class SessionSource(Protocol):
     `learner_sessions = True` (`ab.flight.RemoteStore`)."""
 
     def session(self, n: int, columns: list[str] | None = None, *, prefetch: int, timeout: float,
-                **options: Any) -> BatchSession: ...
+                **options: object) -> BatchSession: ...
 
 #: Longest single wait the background thread makes on a local source before it checks for `close()`.
 _WAIT_SLICE_S = 0.05
@@ -488,7 +488,7 @@ class Loader:
                  device: DeviceLike = "cpu", format: str = "batch", *, timeout: float | None = None,
                  max_staleness: int | None = None, min_policy_version: int | None = None,
                  policy_version: int | Callable[[], int] | None = None, history: int = 100_000,
-                 collate: Callable[[SampleBatch], Any] | None = None, **sample_options: Any) -> None:
+                 collate: Callable[[SampleBatch], Any] | None = None, **sample_options: object) -> None:
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
             raise InvalidArgument(f"batch_size must be a positive number of rows, got {batch_size!r}")
         if not isinstance(prefetch, (int, np.integer)) or isinstance(prefetch, bool) or prefetch < 1:

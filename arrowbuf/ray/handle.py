@@ -303,7 +303,7 @@ class ShardedStore:
     # ------------------------------------------------------------------ sampling
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                deadline: float | None | EllipsisType = ..., fanout: int | None | EllipsisType = ...,
-               **options: Any) -> SampleBatch:
+               **options: object) -> SampleBatch:
         """Sample `n` items over all shards: each shard in parallel, `n_k` of them in proportion to its mass.
 
         Args:
@@ -336,7 +336,7 @@ class ShardedStore:
 
     def stream(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                deadline: float | None | EllipsisType = ..., fanout: int | None | EllipsisType = ...,
-               **options: Any) -> Iterator[SampleBatch]:
+               **options: object) -> Iterator[SampleBatch]:
         """The parts of `sample(n, ...)` as each shard's arrives (see `sample`): `n` rows in all."""
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
             raise InvalidArgument(f"n must be a positive number of items, got {n!r}")

@@ -170,7 +170,7 @@ class QueuedSource:
         return self.store.schema
 
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None,
-               **options: Any) -> SampleBatch:
+               **options: object) -> SampleBatch:
         return self.store.sample(n, columns, timeout=timeout, **options)
 
     def update_priorities(self, ids: IdsLike, priorities: ValuesLike) -> int:

@@ -570,7 +570,7 @@ class ActionRequest:
     lease: str | None = None           # ack, nack
 
 
-def encode_action(type_: str, store: str | None, **body: Any) -> flight.Action:
+def encode_action(type_: str, store: str | None, **body: object) -> flight.Action:
     obj: dict[str, Any] = {"v": PROTOCOL_VERSION}
     if store is not None:
         obj["store"] = store

@@ -77,7 +77,7 @@ _STREAM_SLOT_WAIT = 5.0
 def serve(store_or_stores: Stores, location: str = "grpc://127.0.0.1:0", token: str | None = None,
           tls: TlsLike | None = None, *, limits: ServerLimits | None = None,
           checkpoint_root: str | os.PathLike[str] | None = None,
-          metrics: str | None = None, allow_unauthenticated: bool = False, **overrides: Any) -> StoreServer:
+          metrics: str | None = None, allow_unauthenticated: bool = False, **overrides: object) -> StoreServer:
     """Serve one or more stores over Arrow Flight.
 
     Args:
@@ -122,7 +122,7 @@ class StoreServer:
     def __init__(self, store_or_stores: Stores, location: str = "grpc://127.0.0.1:0", *, token: str | None = None,
                  tls: TlsLike | None = None, limits: ServerLimits | None = None,
                  checkpoint_root: str | os.PathLike[str] | None = None,
-                 metrics: str | None = None, allow_unauthenticated: bool = False, **overrides: Any) -> None:
+                 metrics: str | None = None, allow_unauthenticated: bool = False, **overrides: object) -> None:
         self.stores = named_stores(store_or_stores)
         self.timings = Timings()
         self.metrics_url: str | None = None
