@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..schema import ExperienceSchema
     from ..surface import ExtendSink
     from .limits import ServerLimits
+    from .protocol import PutRequest
 
 
 class PieceSampler(Protocol):
@@ -323,20 +324,21 @@ PUT_WINDOW_PARTS = 4
 OnPart = Callable[[int], None]
 
 
-def receive(reader: flight.MetadataRecordBatchReader, req: Any, limits: ServerLimits, check_open: Callable[[], None],
-            moved: Callable[[], None], on_part: OnPart | None = None) -> pa.RecordBatch:
+def receive(reader: flight.MetadataRecordBatchReader, req: PutRequest, limits: ServerLimits,
+            check_open: Callable[[], None], moved: Callable[[], None], on_part: OnPart | None = None) -> pa.RecordBatch:
     """Read the `req.parts` parts of an extend (`req.rows` rows in all) from a DoPut stream into one batch.
 
     Raises:
         SchemaError: more rows than `max_batch_rows`, a part over `max_batch_bytes`, the parts together over
             `max_extend_bytes`, more or fewer parts or rows than declared, or a part with no rows. Nothing is stored.
     """
+    assert req.rows is not None, "the descriptor's decoder requires rows with parts"
     assembler = PartsAssembler(reader.schema, req.rows)
     _read_parts(reader, req, limits, check_open, moved, assembler.add, on_part)
     return assembler.batch()
 
 
-def receive_into(reader: flight.MetadataRecordBatchReader, req: Any, limits: ServerLimits,
+def receive_into(reader: flight.MetadataRecordBatchReader, req: PutRequest, limits: ServerLimits,
                  check_open: Callable[[], None], moved: Callable[[], None],
                  sink: ExtendSink, on_part: OnPart | None = None) -> np.ndarray:
     """Read the parts of an extend like `receive`, each copied straight into the store's reserved rows by `sink` (an
@@ -358,11 +360,12 @@ def receive_into(reader: flight.MetadataRecordBatchReader, req: Any, limits: Ser
         raise
 
 
-def _read_parts(reader: flight.MetadataRecordBatchReader, req: Any, limits: ServerLimits,
+def _read_parts(reader: flight.MetadataRecordBatchReader, req: PutRequest, limits: ServerLimits,
                 check_open: Callable[[], None], moved: Callable[[], None],
                 add: Callable[[pa.RecordBatch], None], on_part: OnPart | None = None) -> None:
     """The parts of an extend, each bounded (rows, bytes, the running total) before `add` sees it, and the count of
     parts and rows checked at the end (see `receive`); `on_part(k)` after the k-th part is added."""
+    assert req.parts is not None and req.rows is not None, "the descriptor's decoder requires both with parts"
     limits.check_rows(req.rows, "an extend in parts")
     k = total = filled = 0
     try:
