@@ -11,4 +11,8 @@ fi
 # would pull the directories from under another pytest session running on the machine at the same time
 base=$(mktemp -d "${TMPDIR:-/tmp}/arrowbuf-pytest.XXXXXX")
 trap 'rm -rf "$base"' EXIT
-.venv/bin/python -m pytest -q --durations=25 --basetemp="$base" "$@"
+# the suite runs in pytest-xdist workers, one per core (most tests wait on processes, servers and disks): a group of
+# tests that must share one worker says so with xdist_group (the Ray tests: tests/conftest.py). ARROWBUF_TEST_WORKERS
+# overrides the count ("0": in this process, as plain pytest)
+workers=${ARROWBUF_TEST_WORKERS:-$(nproc)}
+.venv/bin/python -m pytest -q --durations=25 --basetemp="$base" -n "$workers" --dist loadgroup "$@"

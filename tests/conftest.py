@@ -136,6 +136,17 @@ def _no_leaked_threads():
     assert not leaked, f"test leaked threads: {leaked}"
 
 
+@pytest.fixture(autouse=True)
+def _no_sys_path_change():
+    """A test leaves sys.path as it found it: processes the suite starts with multiprocessing's spawn inherit it, and a
+    folder put first (one with a conftest.py of its own, say) changes what every later such process imports."""
+    before = list(sys.path)
+    yield
+    after = list(sys.path)
+    sys.path[:] = before
+    assert after == before, f"the test changed sys.path: {sorted(set(after) ^ set(before))}"
+
+
 os.environ.setdefault("ARROWBUF_TEST", "1")
 
 
@@ -280,12 +291,19 @@ def ray_cluster() -> Iterator[Any]:
         yield c
 
 
+def _on_ray(item: pytest.Item) -> bool:
+    return "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray") is not None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests on the session's Ray cluster run last, together (in their order): the cluster starts once, late, and
     its idle processes do not share the CPUs with the other tests. A test that asks for the cluster through
-    `request.getfixturevalue` carries the `ray` marker instead."""
-    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ())
-               or item.get_closest_marker("ray") is not None)
+    `request.getfixturevalue` carries the `ray` marker instead. Under pytest-xdist (`--dist loadgroup`, as
+    scripts/test.sh runs the suite) they are one group: one worker starts the cluster and runs them all."""
+    for item in items:
+        if _on_ray(item):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+    items.sort(key=_on_ray)
 
 
 @pytest.fixture

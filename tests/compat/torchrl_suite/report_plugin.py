@@ -11,6 +11,9 @@ With --ab-sum-trees, TorchRL's `PrioritizedSampler` runs on arrowbuf's sum trees
 every storage, so the prioritized tests that need TorchRL's C++ extension (which does not load against torch 2.13)
 run too.
 
+With --ab-shard=I/N, only shard I of N runs: the tests whose twin id hashes to I (a test and its twin always share a
+shard, so each shard's report compares them on its own); the project's suite runs the shards side by side.
+
 A test that runs past --ab-timeout seconds (a phase: setup, call or teardown) is interrupted by SIGALRM and reported
 as "timeout"; TorchRL's waits (queues, joins, locks) are interruptible, so a hang becomes a failure, not a stuck run.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import signal
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +41,7 @@ def pytest_addoption(parser: Any) -> None:
     parser.addoption("--ab-timeout", type=float, default=60.0, help="seconds per test phase")
     parser.addoption("--ab-sum-trees", action="store_true",
                      help="give TorchRL's PrioritizedSampler arrowbuf's sum trees (its C++ ones do not load here)")
+    parser.addoption("--ab-shard", default=None, help="I/N: run shard I (0-based) of N (by the twin id's hash)")
 
 
 def pytest_make_parametrize_id(config: Any, val: Any, argname: str) -> str | None:
@@ -85,6 +90,23 @@ class _Report:
 
 
 _report: _Report | None = None
+
+
+def shard_of(nodeid: str, shards: int) -> int:
+    """The shard of a test: its twin id's hash (stable across processes and runs)."""
+    return zlib.crc32(nodeid.replace(OURS, PEER).encode()) % shards
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    shard = config.getoption("--ab-shard")
+    if not shard:
+        return
+    i, n = (int(x) for x in shard.split("/"))
+    keep = [it for it in items if shard_of(it.nodeid, n) == i]
+    dropped = [it for it in items if shard_of(it.nodeid, n) != i]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
 
 
 def pytest_configure(config: Any) -> None:

@@ -12,6 +12,7 @@ ArrowbufStorage test that fails where its LazyTensorStorage twin passes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -20,30 +21,44 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from types import ModuleType
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent.parent
-sys.path.insert(0, str(HERE))
 
-from generate import generate  # noqa: E402
+
+def _generate_module() -> ModuleType:
+    # loaded by path, not through sys.path: this folder holds the suite's conftest.py, and a process started by a
+    # test of the project's suite (multiprocessing's spawn copies sys.path) would import it as its `conftest`
+    spec = importlib.util.spec_from_file_location("torchrl_suite_generate", HERE / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+generate = _generate_module().generate
 
 OURS, PEER = "ArrowbufStorage", "LazyTensorStorage"
 
 
 def run(out: pathlib.Path, files: list[str] | None = None, timeout: float = 60.0,
-        file_timeout: float = 3600.0, root: pathlib.Path = ROOT, sum_trees: bool = False) -> list[dict]:
+        file_timeout: float = 3600.0, root: pathlib.Path = ROOT, sum_trees: bool = False,
+        shard: tuple[int, int] | None = None) -> list[dict]:
     """Generate the suite into `out`, run it with arrowbuf imported from `root`, and return the report's records
-    (one per test)."""
+    (one per test); `shard=(i, n)`: only shard i of n of each file (report_plugin's --ab-shard)."""
     added = generate(out)
     shutil.copy(HERE / "report_plugin.py", out / "report_plugin.py")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(out), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     records: list[dict] = []
+    sharding = [f"--ab-shard={shard[0]}/{shard[1]}"] if shard else []
     for name in files or sorted(added):
         report = out / f"{name}.jsonl"
         cmd = [sys.executable, "-m", "pytest", "-p", "report_plugin", f"--ab-report={report}",
                f"--ab-timeout={timeout}", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-               "-k", f"{OURS} or {PEER}", f"rb/{name}", *(["--ab-sum-trees"] if sum_trees else [])]
+               "-k", f"{OURS} or {PEER}", f"rb/{name}", *(["--ab-sum-trees"] if sum_trees else []), *sharding]
         try:
             subprocess.run(cmd, cwd=out, env=env, timeout=file_timeout, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
@@ -54,7 +69,7 @@ def run(out: pathlib.Path, files: list[str] | None = None, timeout: float = 60.0
         if killed:  # the tests it never finished: collect them and report them as timeouts
             done = {r["nodeid"] for r in got}
             listed = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "report_plugin",
-                                     "-k", f"{OURS} or {PEER}", f"rb/{name}"], cwd=out, env=env,
+                                     "-k", f"{OURS} or {PEER}", f"rb/{name}", *sharding], cwd=out, env=env,
                                     capture_output=True, text=True).stdout.splitlines()
             for nid in (x for x in listed if "::" in x and x not in done):
                 st = OURS if OURS in nid else PEER if PEER in nid else None
