@@ -16,8 +16,8 @@ tensordict = pytest.importorskip("tensordict")
 TensorDict = tensordict.TensorDict
 
 import arrowbuf.compat.transfer_queue as tq  # noqa: E402
-from arrowbuf.compat.tq_flight import TQServer  # noqa: E402
-from arrowbuf.compat.tq_state import TQState  # noqa: E402
+from arrowbuf.compat.transfer_queue.server import TQServer  # noqa: E402
+from arrowbuf.compat.transfer_queue.state import TQState  # noqa: E402
 from arrowbuf.errors import SchemaError  # noqa: E402
 
 
@@ -416,7 +416,7 @@ def test_init_in_a_ray_job_finds_one_system(ray_cluster: Any) -> None:
     tq.close()
     tq.init()
     try:
-        from arrowbuf.compat.tq_ray import ACTOR_NAME, NAMESPACE
+        from arrowbuf.compat.transfer_queue.ray import ACTOR_NAME, NAMESPACE
 
         assert ray.get_actor(ACTOR_NAME, namespace=NAMESPACE) is not None
         tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields={"x": torch.tensor([[1, 2], [3, 4]])})

@@ -1,6 +1,6 @@
-"""arrowbuf.compat.transfer_queue on a sharded system (`tq_sharded`): `init({"arrowbuf": {"shards": 2}})` inside a
-Ray job starts one named Ray actor per shard, each serving a `TQState` over Flight; keys are routed by hash, the
-new samples of a put go whole to one shard. The in-process tests of test_compat_tq.py run again here on that
+"""arrowbuf.compat.transfer_queue on a sharded system (its `sharded` module): `init({"arrowbuf": {"shards": 2}})`
+inside a Ray job starts one named Ray actor per shard, each serving a `TQState` over Flight; keys are routed by hash,
+the new samples of a put go whole to one shard. The in-process tests of test_compat_tq.py run again here on that
 system (their `system` fixture is this module's), plus checks that only hold or matter with several shards."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ pytest.importorskip("ray")
 TensorDict = tensordict.TensorDict
 
 import arrowbuf.compat.transfer_queue as tq  # noqa: E402
-from arrowbuf.compat.tq_flight import RemoteBackend, TQServer  # noqa: E402
-from arrowbuf.compat.tq_ray import ACTOR_NAME, NAMESPACE  # noqa: E402
-from arrowbuf.compat.tq_sharded import decode, key_shard  # noqa: E402
-from arrowbuf.compat.tq_state import TQState  # noqa: E402
+from arrowbuf.compat.transfer_queue.ray import ACTOR_NAME, NAMESPACE  # noqa: E402
+from arrowbuf.compat.transfer_queue.remote import RemoteBackend  # noqa: E402
+from arrowbuf.compat.transfer_queue.server import TQServer  # noqa: E402
+from arrowbuf.compat.transfer_queue.sharded import decode, key_shard  # noqa: E402
+from arrowbuf.compat.transfer_queue.state import TQState  # noqa: E402
 from arrowbuf.errors import SchemaError  # noqa: E402
 
 # the same checks as in one process, on 2 shards (imported: pytest runs them again with this module's fixture)

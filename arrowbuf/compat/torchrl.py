@@ -36,7 +36,7 @@ from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 from ..errors import InvalidArgument, SchemaError
 from ..schema.spec import DTYPES, STREAM_KEYS, SYSTEM_COLUMNS
 from ..store.facade import ExperienceStore
-from .tq_columns import dense_numpy
+from .transfer_queue.columns import dense_numpy
 
 _TENSOR = "_tensor"
 _RESERVED = frozenset(SYSTEM_COLUMNS) | frozenset(STREAM_KEYS)

@@ -1,26 +1,10 @@
-"""`arrowbuf.compat.transfer_queue` over Arrow Flight: one process holds the system (`tq.serve`), others join it
-with `tq.init({"arrowbuf": {"location": server.location}})`.
-
-Wire format, version `tq.v1` (everything a remote client sends is bounded and validated before bulk data is read):
-- DoAction `tq.v1.<op>` with a JSON object body (at most `MAX_JSON` bytes) for the metadata calls (`get_meta`,
-  `production_status`, `consumption_status`, `reset_consumption`, `clear_keys`, `clear_samples`,
-  `clear_partition`, `kv_list`, `tags_of`, `key_indexes`, `keys_of`, `field_names`, `put_tags`); the result is one
-  JSON object.
-- DoPut with a JSON command descriptor `{"op": "put_keys"|"put_indexes", "partition_id", "keys"|"gidx"|"count",
-  "kinds": {field: [kind, dtype, shape]}, "tags"}` and a stream of record batches whose columns are the fields
-  (the Arrow types `tq_columns` gives them; checked against `kinds` before any value is read into the state). The
-  put result is one JSON object sent back as metadata.
-- DoGet with a JSON ticket `{"op": "read", "partition_id", "gidx"|"keys", "fields"}`: one table of the fields, with
-  the field kinds as JSON under the schema metadata key `tq.kinds`.
-Errors cross as `FlightServerError("tq.v1 error <Type>: <message>")` and are raised again on the client as
-`KeyError`, `SchemaError`, `InvalidArgument` or `ValueError`. Tags must be JSON values.
-"""
+"""The server side of `tq.v1` (`wire`): a `TQState` served over Arrow Flight, every request bounded and validated
+before bulk data is read."""
 
 from __future__ import annotations
 
 import hmac
 import json
-import re
 import threading
 from typing import Any
 
@@ -28,19 +12,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ..errors import InvalidArgument, SchemaError
-from .tq_columns import FieldKind
-from .tq_samplers import SAMPLERS, BaseSampler
-from .tq_state import TQState
-
-VERSION = "tq.v1"
-MAX_JSON = 1 << 20
-MAX_IDS = 1 << 22
-MAX_PUT_BYTES = 16 << 30
-MAX_FIELDS = 4096
-_ERR = re.compile(r"tq\.v1 error (KeyError|SchemaError|InvalidArgument|ValueError): (.*)", re.S)
-_ERRORS: dict[str, type[Exception]] = {"KeyError": KeyError, "SchemaError": SchemaError,
-                                       "InvalidArgument": InvalidArgument, "ValueError": ValueError}
+from ...errors import InvalidArgument, SchemaError
+from .columns import FieldKind
+from .samplers import SAMPLERS, BaseSampler
+from .state import TQState
+from .wire import ERRORS, MAX_FIELDS, MAX_IDS, MAX_JSON, MAX_PUT_BYTES, VERSION, arrow_type
 
 
 def _loads(raw: bytes, what: str) -> dict[str, Any]:
@@ -102,27 +78,6 @@ def _kinds(obj: dict[str, Any]) -> dict[str, FieldKind]:
     return out
 
 
-def arrow_type(kind: FieldKind) -> pa.DataType:
-    """The Arrow type a field of `kind` travels and is stored as."""
-    value = pa.from_numpy_dtype(np.dtype(kind.dtype))
-    if kind.kind != "dense":
-        return pa.list_(value)
-    if kind.shape:
-        return pa.fixed_shape_tensor(value, list(kind.shape))
-    return value
-
-
-def sampler_spec(sampler: BaseSampler | None) -> Any:
-    """A JSON spec of one of the shipped samplers (None for the system's default)."""
-    if sampler is None:
-        return None
-    name = type(sampler).__name__
-    if SAMPLERS.get(name) is not type(sampler):
-        raise InvalidArgument(f"over Flight, get_meta takes one of the shipped samplers {sorted(SAMPLERS)}, "
-                              f"got {name}")
-    args = {k: getattr(sampler, k) for k in ("n_samples_per_prompt", "dp_size") if hasattr(sampler, k)}
-    return {"name": name, "args": args}
-
 
 class _AuthFactory(flight.ServerMiddlewareFactory):
     def __init__(self, token: str) -> None:
@@ -171,7 +126,7 @@ class TQServer(flight.FlightServerBase):
         if isinstance(e, InvalidArgument) and not isinstance(e, SchemaError):
             name = "InvalidArgument"
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        if name not in _ERRORS:
+        if name not in ERRORS:
             name, msg = "ValueError", f"{type(e).__name__}: {msg}"
         return flight.FlightServerError(f"{VERSION} error {name}: {msg}")
 
@@ -307,119 +262,3 @@ class TQServer(flight.FlightServerBase):
         table = pa.table({f: cols[f] for f in kinds}) if kinds else pa.table({})
         return flight.RecordBatchStream(table.replace_schema_metadata(meta))
 
-
-class RemoteBackend:
-    """The client side: the calls `TransferQueueClient` makes, over Flight."""
-
-    def __init__(self, location: str, token: str | None = None) -> None:
-        self.location = location
-        self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-        self._client = flight.FlightClient(location)
-        self._options = flight.FlightCallOptions(headers=self._headers)
-
-    def _raise(self, e: Exception) -> None:
-        m = _ERR.search(str(e))
-        if m is None:
-            raise e
-        msg = m.group(2).split("\n")[0].split(". Detail:")[0]
-        raise _ERRORS[m.group(1)](msg) from None
-
-    def _act(self, op: str, **body: Any) -> Any:
-        try:
-            out = list(self._client.do_action(flight.Action(f"{VERSION}.{op}", json.dumps(body).encode()),
-                                              self._options))
-        except flight.FlightError as e:
-            self._raise(e)
-        return json.loads(out[0].body.to_pybytes())
-
-    def _put(self, command: dict[str, Any], kinds: dict[str, FieldKind], cols: dict[str, Any], n: int) -> Any:
-        command["kinds"] = {f: k.to_json() for f, k in kinds.items()}
-        schema = pa.schema([pa.field(f, arrow_type(k)) for f, k in kinds.items()])
-        table = pa.table({f: cols[f] for f in kinds}, schema=schema) if kinds else pa.table({})
-        try:
-            writer, reader = self._client.do_put(flight.FlightDescriptor.for_command(json.dumps(command).encode()),
-                                                 table.schema, self._options)
-            with writer:
-                if table.num_columns:
-                    writer.write_table(table)
-                writer.done_writing()
-                buf = reader.read()
-        except flight.FlightError as e:
-            self._raise(e)
-        return json.loads(buf.to_pybytes())
-
-    def put_keys(self, partition_id: str, keys: list[str], kinds: dict[str, FieldKind], cols: dict[str, Any],
-                 tags: list[dict[str, Any]] | None) -> tuple[np.ndarray, list[str]]:
-        out = self._put({"op": "put_keys", "partition_id": partition_id, "keys": keys, "tags": tags}, kinds, cols,
-                        len(keys))
-        return np.asarray(out["gidx"], dtype=np.int64), list(out["fields"])
-
-    def put_indexes(self, partition_id: str, gidx: np.ndarray | None, count: int, kinds: dict[str, FieldKind],
-                    cols: dict[str, Any], tags: list[dict[str, Any]] | None = None) -> np.ndarray:
-        if not kinds and gidx is not None:
-            return np.asarray(self._act("put_tags", partition_id=partition_id, gidx=gidx.tolist(), tags=tags))
-        out = self._put({"op": "put_indexes", "partition_id": partition_id,
-                         "gidx": None if gidx is None else gidx.tolist(), "tags": tags}, kinds, cols, count)
-        return np.asarray(out["gidx"], dtype=np.int64)
-
-    def read(self, partition_id: str, gidx: np.ndarray, fields: list[str] | None
-             ) -> tuple[dict[str, Any], dict[str, FieldKind]]:
-        ticket = {"op": "read", "partition_id": partition_id, "gidx": gidx.tolist(), "fields": fields}
-        try:
-            table = self._client.do_get(flight.Ticket(json.dumps(ticket).encode()), self._options).read_all()
-        except flight.FlightError as e:
-            self._raise(e)
-        raw = json.loads((table.schema.metadata or {}).get(b"tq.kinds", b"{}"))
-        kinds = {f: FieldKind.from_json(k) for f, k in raw.items()}
-        return {f: table.column(f) for f in kinds}, kinds
-
-    def key_indexes(self, partition_id: str, keys: list[str]) -> np.ndarray:
-        return np.asarray(self._act("key_indexes", partition_id=partition_id, keys=keys), dtype=np.int64)
-
-    def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int, mode: str,
-                 task_name: str | None, sampler: BaseSampler | None, sampling_config: dict[str, Any]) -> np.ndarray:
-        cfg = {k: v for k, v in sampling_config.items() if k in ("dp_rank", "batch_index")}
-        return np.asarray(self._act("get_meta", partition_id=partition_id, data_fields=data_fields,
-                                    batch_size=batch_size, mode=mode, task_name=task_name,
-                                    sampler=sampler_spec(sampler), sampling_config=cfg), dtype=np.int64)
-
-    def production_status(self, partition_id: str, data_fields: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        idx, st = self._act("production_status", partition_id=partition_id, data_fields=data_fields)
-        return np.asarray(idx, dtype=np.int64), np.asarray(st, dtype=np.int8)
-
-    def consumption_status(self, partition_id: str, task_name: str) -> tuple[np.ndarray, np.ndarray]:
-        idx, st = self._act("consumption_status", partition_id=partition_id, task_name=task_name)
-        return np.asarray(idx, dtype=np.int64), np.asarray(st, dtype=np.int8)
-
-    def reset_consumption(self, partition_id: str, task_name: str | None) -> bool:
-        return bool(self._act("reset_consumption", partition_id=partition_id, task_name=task_name))
-
-    def clear_keys(self, partition_id: str, keys: list[str]) -> None:
-        self._act("clear_keys", partition_id=partition_id, keys=keys)
-
-    def clear_samples(self, partition_id: str, gidx: np.ndarray) -> None:
-        self._act("clear_samples", partition_id=partition_id, gidx=gidx.tolist())
-
-    def clear_partition(self, partition_id: str) -> None:
-        self._act("clear_partition", partition_id=partition_id)
-
-    def kv_list(self, partition_id: str | None) -> dict[str, dict[str, Any]]:
-        return dict(self._act("kv_list", partition_id=partition_id))
-
-    def tags_of(self, partition_id: str, gidx: np.ndarray) -> list[dict[str, Any]]:
-        return list(self._act("tags_of", partition_id=partition_id, gidx=np.asarray(gidx).tolist()))
-
-    def field_names(self, partition_id: str) -> list[str]:
-        return list(self._act("field_names", partition_id=partition_id))
-
-    def field_kinds(self, partition_id: str) -> dict[str, FieldKind]:
-        raw = self._act("field_kinds", partition_id=partition_id)
-        if not isinstance(raw, dict):
-            raise SchemaError("field_kinds: the server sent no mapping")
-        return {str(f): FieldKind.from_json(k) for f, k in raw.items()}
-
-    def keys_of(self, partition_id: str, gidx: np.ndarray) -> list[str | None]:
-        return list(self._act("keys_of", partition_id=partition_id, gidx=np.asarray(gidx).tolist()))
-
-    def close_client(self) -> None:
-        self._client.close()

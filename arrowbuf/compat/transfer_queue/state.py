@@ -3,7 +3,7 @@ per-task consumption status (TransferQueue's controller), with the field values 
 
 Layout: a partition holds samples numbered by global index (0, 1, ...). Field values live in arrowbuf
 `ExperienceStore`s, one per *field group*: the set of fields written together by one put. A group's schema is
-inferred from its first put (`tq_columns`); a put that brings new fields, or fills fields of existing samples,
+inferred from its first put (`columns`); a put that brings new fields, or fills fields of existing samples,
 writes a row into the group store of exactly those fields and records, per (field, sample), which group and row hold
 the value. This is how a schema-free API sits on schema-first stores: schema evolution happens in this layer (a new
 field group is a new store, whose columns `sql()` and checkpoints see by their names), not inside one store.
@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import InvalidArgument, SchemaError
-from ..schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
-from ..store.facade import ExperienceStore
-from .tq_columns import FieldKind
-from .tq_samplers import BaseSampler
+from ...errors import InvalidArgument, SchemaError
+from ...schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
+from ...store.facade import ExperienceStore
+from .columns import FieldKind
+from .samplers import BaseSampler
 
 RESERVED = frozenset(SYSTEM_COLUMNS) | frozenset(STREAM_KEYS)
 
@@ -246,7 +246,7 @@ class TQState:
     def __init__(self, capacity: int = 65_536, sampler: BaseSampler | None = None) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
-        from .tq_samplers import SequentialSampler
+        from .samplers import SequentialSampler
 
         self.capacity = capacity
         self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()

@@ -1,5 +1,5 @@
 """`tq.init()` inside a Ray job, as TransferQueue's: the first process to call it starts the system in a named Ray
-actor (which serves it over Flight, `tq_flight`), and every later `init` in any process of the job finds that actor
+actor (which serves it over Flight, `server`), and every later `init` in any process of the job finds that actor
 and joins the system over Flight. The process whose `init` created the actor stops it in `close()`.
 
 The actor binds 127.0.0.1 unless `{"arrowbuf": {"host": ...}}` says otherwise (a multi-node job needs the node's
@@ -18,9 +18,9 @@ class _Host:
     """The Ray actor: one `TQState` served over Flight."""
 
     def __init__(self, capacity: int, sampler: Any, host: str, token: str | None) -> None:
-        from .tq_flight import TQServer
-        from .tq_samplers import make_sampler
-        from .tq_state import TQState
+        from .samplers import make_sampler
+        from .server import TQServer
+        from .state import TQState
 
         self.state = TQState(capacity=capacity, sampler=make_sampler(sampler))
         self.server = TQServer(self.state, f"grpc://{host}:0", token=token)
@@ -64,7 +64,7 @@ def join_or_start(capacity: int, sampler: Any, host: str, token: str | None) -> 
 
 def join_or_start_shards(n: int, capacity: int, sampler: Any, host: str, token: str | None
                          ) -> tuple[list[str], list[Any]]:
-    """The Flight locations of the job's `n`-shard system (`tq_sharded`): one named actor per shard, found by every
+    """The Flight locations of the job's `n`-shard system (`sharded`): one named actor per shard, found by every
     later `init` with the same `n`; and the actors this call started (stopped by its `close`)."""
     import ray
 

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import SchemaError
-from ..schema.convert import tensor_to_numpy
-from ..schema.spec import DTYPES
+from ...errors import SchemaError
+from ...schema.convert import tensor_to_numpy
+from ...schema.spec import DTYPES
 
 #: What a field is, so that a get returns what the put gave.
 KINDS = ("dense", "jagged", "str")

@@ -1,7 +1,7 @@
 """One TransferQueue-compatible system spread over N served systems (shards): the smallest honest sharding.
 
-Each shard is a whole `TQState` served over Flight (`tq_flight.TQServer`; inside a Ray job one named Ray actor per
-shard, `tq_ray.join_or_start_shards`). `ShardedBackend` is a client-side router with the calls
+Each shard is a whole `TQState` served over Flight (`server.TQServer`; inside a Ray job one named Ray actor per
+shard, `ray.join_or_start_shards`). `ShardedBackend` is a client-side router with the calls
 `TransferQueueClient` makes, so every process that joins with the same shard locations sees one system:
 
 - KV path: a key lives on shard `crc32(key) % N` (the same in every process). `kv_batch_put`/`kv_batch_get`/
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import InvalidArgument, SchemaError
-from .tq_columns import FieldKind
+from ...errors import InvalidArgument, SchemaError
+from .columns import FieldKind
 
 SHARD_SHIFT = 40
 MAX_SHARDS = 1 << 12

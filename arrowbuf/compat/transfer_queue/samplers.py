@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..delivery.balance import partition as balanced_partition
-from ..samplers.group import complete_groups
+from ...delivery.balance import partition as balanced_partition
+from ...samplers.group import complete_groups
 
 Pick = tuple[list[int], list[int]]
 

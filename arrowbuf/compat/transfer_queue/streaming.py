@@ -1,0 +1,150 @@
+"""TransferQueue's streaming loader: `StreamingDataset` (a per-rank stream of `(batch, BatchMeta)` micro-batches
+over `get_meta`/`get_data`) and `StreamingDataLoader`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import api
+from .client import TransferQueueClient, conf_get
+from .columns import batch_items, to_output, torch_module
+from .meta import BatchMeta
+from .samplers import make_sampler
+
+
+def _dataset_base() -> Any:
+    return torch_module().utils.data.IterableDataset
+
+
+class StreamingDataset(_dataset_base()):  # type: ignore[misc]
+    """Per-rank stream of `(batch, BatchMeta)` micro-batches, as TransferQueue's: each `dp_rank` asks for
+    `batch_size` samples of `partition_id` for `task_name` (ranks with the same `dp_rank` get the same samples with a
+    `RankAwareSampler`; different `dp_rank`s get disjoint ones), then yields them in `micro_batch_size` pieces.
+
+    With `should_check_consumption_status=True` the stream ends once the task consumed every sample of the
+    partition; otherwise it polls for new samples (every `poll_interval` seconds) until `max_wait` seconds pass
+    without any (None: forever, as TransferQueue's)."""
+
+    def __init__(self, config: Any, batch_size: int, micro_batch_size: int, data_fields: list[str],
+                 partition_id: str, task_name: str, dp_rank: int, should_check_consumption_status: bool = False,
+                 fetch_batch_fn: Callable[..., Any] | None = None, process_batch_fn: Callable[..., Any] | None = None,
+                 sampler: Any = None, poll_interval: float = 0.05, max_wait: float | None = None) -> None:
+        super().__init__()
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if len(data_fields) < 1:
+            raise ValueError(f"data_fields must be a list with at least one field name, got {data_fields}")
+        if dp_rank < 0:
+            raise ValueError(f"dp_rank {dp_rank} must be greater than or equal to 0")
+        self.config, self.batch_size, self.micro_batch_size = config, batch_size, micro_batch_size
+        self.data_fields, self.partition_id, self.task_name = list(data_fields), partition_id, task_name
+        self.dp_rank, self.should_check_consumption_status = dp_rank, should_check_consumption_status
+        self.fetch_batch_fn = fetch_batch_fn or default_fetch_batch_fn
+        self.process_batch_fn = process_batch_fn or chunk_batch_fn
+        self.sampler = make_sampler(sampler) if sampler is not None else None  # None: the system's sampler
+        self.poll_interval, self.max_wait = poll_interval, max_wait
+        self.buffer: list[tuple[Any, BatchMeta]] = []
+        self.batch_index = 0
+
+    def _client(self) -> TransferQueueClient:
+        location = conf_get(self.config, "arrowbuf", "location")
+        if location and api._CLIENT is None:
+            api.init(self.config)
+        return api.get_client()
+
+    def __iter__(self) -> Iterator[tuple[Any, BatchMeta]]:
+        client = self._client()
+        idle_since = time.monotonic()
+        while (not self.should_check_consumption_status
+               or not client.check_consumption_status(self.task_name, self.partition_id)
+               or self.batch_index < len(self.buffer)):
+            if self.batch_index < len(self.buffer):
+                data, meta = self.buffer[self.batch_index]
+                self.batch_index += 1
+                yield from self.process_batch_fn(data, meta, micro_batch_size=self.micro_batch_size)
+                idle_since = time.monotonic()
+                continue
+            data, meta = self.fetch_batch_fn(client, self.data_fields, self.batch_size, self.partition_id,
+                                             self.task_name, {"dp_rank": self.dp_rank}, self.batch_index,
+                                             self.sampler)
+            if data is not None:
+                self.buffer.append((data, meta))
+            elif self.max_wait is not None and time.monotonic() - idle_since > self.max_wait:
+                return
+            else:
+                time.sleep(self.poll_interval)
+
+    def reset(self) -> None:
+        """Replay the buffered batches from the start."""
+        self.batch_index = 0
+
+    def step(self, partition_id: str) -> None:
+        """Switch to another partition with an empty buffer."""
+        self.buffer, self.batch_index, self.partition_id = [], 0, partition_id
+
+
+def default_fetch_batch_fn(client: TransferQueueClient, data_fields: list[str], batch_size: int,
+                           partition_id: str, task_name: str, sampling_config: dict[str, Any], batch_index: int,
+                           sampler: Any = None) -> tuple[Any, BatchMeta]:
+    """`get_meta` then `get_data`; (None, empty meta) when nothing is ready."""
+    config = {**sampling_config, "batch_index": batch_index}
+    meta = client.get_meta(data_fields, batch_size, partition_id, task_name=task_name, sampling_config=config,
+                           sampler=sampler)
+    if meta.size == 0:
+        return None, meta
+    return client.get_data(meta), meta
+
+
+def chunk_batch_fn(data: Any, meta: BatchMeta, micro_batch_size: int = 1) -> list[tuple[Any, BatchMeta]]:
+    """Split a batch and its metadata into micro-batches of `micro_batch_size` (the last may be smaller)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size}")
+    n = meta.size
+    out = []
+    for start in range(0, n, micro_batch_size):
+        rows = list(range(start, min(n, start + micro_batch_size)))
+        out.append((_select_rows(data, rows), meta.select_samples(rows)))
+    return out
+
+
+def _select_rows(data: Any, rows: list[int]) -> Any:
+    torch = torch_module()
+    items, _ = batch_items(data)
+    picked: dict[str, Any] = {}
+    for name, v in items:
+        if isinstance(v, torch.Tensor) and v.is_nested:
+            parts = v.unbind(0)
+            picked[name] = torch.nested.as_nested_tensor([parts[i] for i in rows], layout=torch.jagged)
+        elif isinstance(v, torch.Tensor):
+            picked[name] = v[rows]
+        else:
+            vals = v.tolist() if hasattr(v, "tolist") else list(v)
+            picked[name] = [vals[i] for i in rows]
+    return to_output(picked, len(rows))
+
+
+class StreamingDataLoader(torch_module().utils.data.DataLoader):  # type: ignore[misc]
+    """A `torch.utils.data.DataLoader` over a `StreamingDataset` that passes `(batch, BatchMeta)` through."""
+
+    def __init__(self, dataset: StreamingDataset, num_workers: int = 0, collate_fn: Any = None,
+                 pin_memory: bool = False, worker_init_fn: Any = None, multiprocessing_context: Any = None,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "") -> None:
+        self.dataset_ = dataset
+        super().__init__(dataset=dataset, batch_size=None, num_workers=num_workers,
+                         collate_fn=collate_fn or (lambda x: x), pin_memory=pin_memory,
+                         worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device)
+
+    def reset(self) -> None:
+        self.dataset_.reset()
+
+    def step(self, partition_id: str) -> None:
+        self.dataset_.step(partition_id)
+
+    def get_buffer(self) -> list[tuple[Any, BatchMeta]]:
+        return self.dataset_.buffer
+
