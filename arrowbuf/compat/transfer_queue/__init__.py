@@ -47,6 +47,7 @@ from .api import (
     get_consumption_status,
     get_data,
     get_meta,
+    get_metrics_endpoint,
     get_partition_list,
     get_production_status,
     init,
@@ -64,18 +65,20 @@ from .api import (
     set_custom_meta,
     stores,
 )
-from .client import TransferQueueClient
-from .meta import BatchMeta, KVBatchMeta
+from .client import ControllerError, TransferQueueClient
+from .meta import BatchMeta, KVBatchMeta, PartitionSnapshot
 from .samplers import BaseSampler, GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler, SequentialSampler
+from .state import GetMetaTimeout, StorageKeyNotFoundError
 from .streaming import StreamingDataLoader, StreamingDataset
 
 __all__ = [
-    "BaseSampler", "BatchMeta", "GRPOGroupNSampler", "KVBatchMeta", "RankAwareSampler", "SeqlenBalancedSampler",
-    "SequentialSampler", "StreamingDataLoader", "StreamingDataset", "TransferQueueClient",
+    "BaseSampler", "BatchMeta", "ControllerError", "GRPOGroupNSampler", "GetMetaTimeout", "KVBatchMeta",
+    "PartitionSnapshot", "RankAwareSampler", "SeqlenBalancedSampler", "SequentialSampler", "StorageKeyNotFoundError",
+    "StreamingDataLoader", "StreamingDataset", "TransferQueueClient",
     "async_kv_batch_get", "async_kv_batch_get_by_meta", "async_kv_batch_put", "async_kv_clear", "async_kv_list",
     "async_kv_put", "check_consumption_status", "check_production_status", "clear_partition", "clear_samples",
-    "close", "get_client", "get_consumption_status", "get_data", "get_meta", "get_partition_list",
-    "get_production_status", "init", "kv_batch_get", "kv_batch_get_by_meta", "kv_batch_put", "kv_clear",
-    "kv_list", "kv_put", "load_checkpoint", "put", "reset_consumption", "save_checkpoint", "serve",
+    "close", "get_client", "get_consumption_status", "get_data", "get_meta", "get_metrics_endpoint",
+    "get_partition_list", "get_production_status", "init", "kv_batch_get", "kv_batch_get_by_meta", "kv_batch_put",
+    "kv_clear", "kv_list", "kv_put", "load_checkpoint", "put", "reset_consumption", "save_checkpoint", "serve",
     "set_custom_meta", "stores",
 ]

@@ -1,21 +1,64 @@
-"""`TransferQueueClient`: the client behind TransferQueue's module functions (`api`), over a system in this process
-(`LocalBackend`, a `TQState`) or a remote one (`remote.RemoteBackend`, `sharded.ShardedBackend`)."""
+"""`TransferQueueClient`: TransferQueue 0.1.11's client (the metadata path, the KV lookups, statuses, clears,
+checkpoints; every method also as an `async_` twin), over a system in this process (a `state.TQState`) or a remote
+one (`remote.RemoteBackend` over Flight, `sharded.ShardedBackend` over several).
+
+Errors as TransferQueue's client raises them: a call the system refuses (a bad mode, a sampler's ValueError, a
+`fetch` without polling_mode that times out) is a `ControllerError` (a RuntimeError, as TransferQueue's client wraps
+every controller-side failure), the cause chained; a read of a value that is not there is a
+`StorageKeyNotFoundError` (a KeyError); bad input the client checks itself is a ValueError or TypeError.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ...errors import InvalidArgument, SchemaError
-from .columns import FieldKind, batch_items, columns_of, from_column, tensordict_module, to_output, torch_module
-from .meta import BatchMeta, KVBatchMeta
-from .samplers import BaseSampler, make_sampler
-from .state import TQState
+from ...errors import ArrowbufError, InvalidArgument, SchemaError
+from .columns import FieldValues, batch_items, batch_size_of, put_fields, to_output, to_torch_field, torch_module
+from .meta import BatchMeta, KVBatchMeta, PartitionSnapshot, apply_put, torch_schema
+from .samplers import sampler_spec
+from .state import GetMetaTimeout, StorageKeyNotFoundError
 
 DEFAULT_CAPACITY = 65_536
+
+
+class ControllerError(ArrowbufError, RuntimeError):
+    """The system refused a metadata call (TransferQueue's client raises RuntimeError for every failure on its
+    controller); the original error is the cause."""
+
+
+class Backend(Protocol):
+    """The calls a `TransferQueueClient` makes on its system (`state.TQState` has them all; `remote.RemoteBackend`
+    and `sharded.ShardedBackend` carry them elsewhere). Metadata travels as JSON-able records, values as
+    `FieldValues`; `in_process` says whether arguments reach the system as they are (any sampler object) or as
+    JSON (samplers as `samplers.sampler_spec`)."""
+
+    in_process: bool
+
+    def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int | None, mode: str = "fetch",
+                 task_name: str | None = None, sampler: Any = None,
+                 sampling_config: dict[str, Any] | None = None) -> dict[str, Any]: ...
+    def kv_retrieve_meta(self, partition_id: str, keys: list[str], create: bool = False) -> dict[str, Any]: ...
+    def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
+               schema: dict[str, dict[str, Any]], tags: list[dict[str, Any]] | None) -> dict[str, Any]: ...
+    def kv_retrieve_keys(self, partition_id: str, gidx: list[int]) -> list[str | None]: ...
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]: ...
+    def set_custom_meta(self, custom_meta: dict[str, dict[int, dict[str, Any]]]) -> None: ...
+    def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
+            schema: dict[str, dict[str, Any]]) -> None: ...
+    def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]: ...
+    def production_status(self, partition_id: str, data_fields: list[str]) -> Any: ...
+    def consumption_status(self, partition_id: str, task_name: str) -> Any: ...
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool: ...
+    def clear_samples(self, partition_ids: list[str], gidx: list[int]) -> None: ...
+    def clear_partition(self, partition_id: str) -> None: ...
+    def list_partitions(self) -> list[str]: ...
+    def snapshot(self, partition_id: str) -> dict[str, Any] | None: ...
+    def save_checkpoint(self, path: str) -> None: ...
+    def load_checkpoint(self, path: str) -> None: ...
 
 
 def conf_get(conf: Any, *path: str, default: Any = None) -> Any:
@@ -31,248 +74,248 @@ def conf_get(conf: Any, *path: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
-class TransferQueueClient:
-    """The client behind the module functions: local (`TQState` in this process) or remote (Flight)."""
+def to_batch_meta(record: dict[str, Any]) -> BatchMeta:
+    """A meta record of the system as a BatchMeta."""
+    gidx = record["global_indexes"]
+    if not gidx:
+        return BatchMeta.empty()
+    return BatchMeta(gidx, [record["partition_id"]] * len(gidx), torch_schema(record["field_schema"]),
+                     np.asarray(record["production_status"], dtype=np.int8), custom_meta=record["custom_meta"])
 
-    def __init__(self, backend: Any, conf: Any = None, owned: TQState | None = None) -> None:
+
+def _controller(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return call(*args, **kwargs)
+    except (ControllerError, GetMetaTimeout, StorageKeyNotFoundError):
+        raise
+    except (ValueError, TypeError, KeyError, AssertionError) as e:
+        raise ControllerError(f"the TransferQueue system refused the call: {e}") from e
+
+
+class TransferQueueClient:
+    """TransferQueue's client over a `Backend` (see the module docstring). `output` is how tensor fields come back
+    ("jagged", TransferQueue's; "dense": fields of one shape as `[B, *S]`)."""
+
+    def __init__(self, backend: Backend, conf: Any = None, owned: Any = None, output: str = "jagged") -> None:
+        if output not in ("jagged", "dense"):
+            raise InvalidArgument(f"output must be 'jagged' or 'dense', got {output!r}")
         self.backend = backend
         self.conf = conf
+        self.output = output
         self._owned = owned
-        self._samplers: dict[Any, BaseSampler] = {}
-
-    # ------------------------------------------------------------------ helpers
-    def _out(self, cols: dict[str, Any], kinds: dict[str, FieldKind], n: int) -> Any:
-        return to_output({f: from_column(kinds[f], cols[f]) for f in cols}, n)
-
-    @staticmethod
-    def _batch(fields: Any) -> int:
-        items, size = batch_items(fields)
-        if size is not None:
-            return size
-        torch = torch_module()
-        sizes = set()
-        for name, v in items:
-            if isinstance(v, torch.Tensor):
-                sizes.add(int(v.size(0)) if v.dim() else 0)
-            elif isinstance(v, (list, tuple, np.ndarray)):
-                sizes.add(len(v))
-            else:
-                raise SchemaError(f"field {name!r}: expected a tensor, array or list per field, got "
-                                  f"{type(v).__name__}")
-        if len(sizes) > 1:
-            raise SchemaError(f"fields disagree on the batch size: {sorted(sizes)}; nothing was written")
-        return sizes.pop() if sizes else 0
 
     # ------------------------------------------------------------------ metadata path
     def get_meta(self, data_fields: list[str], batch_size: int, partition_id: str, mode: str = "fetch",
                  task_name: str | None = None, sampling_config: dict[str, Any] | None = None,
                  sampler: Any = None) -> BatchMeta:
-        """Samples of `partition_id` whose `data_fields` are all produced and that `task_name` has not consumed,
-        picked by the sampler (the system's, or `sampler`) and marked consumed for that task. May be empty
-        (`size == 0`) when not enough are ready. `mode="force_fetch"` returns samples regardless of readiness and
-        consumption and marks nothing."""
-        fields = [data_fields] if isinstance(data_fields, str) else list(data_fields)
-        s = None
-        if sampler is not None:  # one instance per name, so that samplers that cache picks (per rank) keep them
-            key = sampler if isinstance(sampler, str) else id(sampler)
-            s = self._samplers.get(key) if isinstance(sampler, str) else None
-            if s is None:
-                s = make_sampler(sampler)
-                if isinstance(sampler, str):
-                    self._samplers[key] = s
-        gidx = self.backend.get_meta(partition_id, fields, batch_size, mode, task_name, s, dict(sampling_config or {}))
-        return self._meta(partition_id, gidx, fields)
+        """Samples of `partition_id` (TransferQueue's modes): `fetch` picks `batch_size` ready samples that
+        `task_name` has not consumed, through the system's sampler (or `sampler`, an arrowbuf extension), and marks
+        them consumed (an empty BatchMeta in polling_mode when not enough are ready); `force_fetch` returns every
+        sample of the partition; `insert` allocates `batch_size` new ones."""
+        fields = [data_fields] if isinstance(data_fields, str) else list(data_fields or [])
+        if sampler is not None and not self.backend.in_process:
+            sampler = sampler_spec(sampler)  # ValueError here, before the call, for a sampler that cannot travel
+        return to_batch_meta(_controller(self.backend.get_meta, partition_id, fields, batch_size, mode, task_name,
+                                         sampler, dict(sampling_config or {})))
 
-    def _meta(self, partition_id: str, gidx: np.ndarray, fields: list[str]) -> BatchMeta:
-        if len(gidx) == 0:
-            return BatchMeta.empty()
-        _, status = self.backend.production_status(partition_id, fields)
-        idx, _ = self.backend.production_status(partition_id, [])
-        pos = np.searchsorted(idx, gidx)
-        ready = status[np.clip(pos, 0, max(len(status) - 1, 0))] if len(status) else np.zeros(len(gidx))
-        tags = self.backend.tags_of(partition_id, gidx)
-        return BatchMeta(gidx.tolist(), [partition_id] * len(gidx), {f: {} for f in fields}, ready,
-                         custom_meta=tags)
+    def set_custom_meta(self, metadata: BatchMeta) -> None:
+        """Store the custom metadata of `metadata`'s samples (replacing theirs)."""
+        if metadata.size == 0:
+            return
+        per: dict[str, dict[int, dict[str, Any]]] = {}
+        for g, pid, m in zip(metadata.global_indexes, metadata.partition_ids, metadata.get_all_custom_meta(),
+                             strict=True):
+            per.setdefault(pid, {})[int(g)] = m
+        _controller(self.backend.set_custom_meta, per)
 
     def put(self, data: Any, metadata: BatchMeta | None = None, partition_id: str | None = None,
             data_parser: Callable[[Any], Any] | None = None) -> BatchMeta:
-        """Write `data` (batch == metadata.size) into the samples of `metadata`, or insert new samples into
-        `partition_id` when no metadata is given. Returns the metadata with the written fields added."""
+        """Write `data` into the samples of `metadata` (batch == metadata.size), or into new samples of
+        `partition_id` (allocated as get_meta(mode="insert") does). The written fields are added to `metadata`
+        (in place, every sample produced) and it is returned; its custom metadata is stored with the samples."""
         if data_parser is not None:
-            raise InvalidArgument("data_parser is not supported by arrowbuf.compat; parse before put")
-        n = self._batch(data)
-        kinds, cols = columns_of(data, n)
+            data = _parsed(data, data_parser)
+        n = batch_size_of(data)
         if metadata is None:
             if partition_id is None:
                 raise ValueError("partition_id must be provided if metadata is not given")
-            gidx = self.backend.put_indexes(partition_id, None, n, kinds, cols, None)
-            return self._meta(partition_id, np.asarray(gidx, dtype=np.int64), sorted(kinds))
-        if metadata.size == 0:
+            names = [name for name, _, _ in batch_items(data)[0]]
+            metadata = self.get_meta(names, n, partition_id, mode="insert")
+        if not metadata or metadata.size == 0:
             raise ValueError("metadata cannot be none or empty")
-        if n != metadata.size:
-            raise SchemaError(f"data has batch size {n} but metadata holds {metadata.size} samples; nothing was "
-                              "written")
-        pid = metadata.partition_id
-        gidx = np.asarray(metadata.global_indexes, dtype=np.int64)
-        self.backend.put_indexes(pid, gidx, n, kinds, cols, metadata.custom_meta)
-        out = metadata.select_fields(metadata.field_names)
-        for f in kinds:
-            out.field_schema.setdefault(f, {})
-        _, status = self.backend.production_status(pid, out.field_names)
-        idx, _ = self.backend.production_status(pid, [])
-        out.production_status = status[np.searchsorted(idx, gidx)]
-        return out
+        values, schema = put_fields(data, metadata.size)
+        parts = metadata.chunk_by_partition() if len(set(metadata.partition_ids)) > 1 else [metadata]
+        if len(parts) > 1:
+            raise SchemaError(f"put: the BatchMeta spans partitions {sorted(set(metadata.partition_ids))}; put "
+                              "each partition's samples separately; nothing was written")
+        self.backend.put(metadata.partition_ids[0], list(metadata.global_indexes), values, schema)
+        self.set_custom_meta(metadata)
+        return apply_put(metadata, torch_schema(schema))
 
     def get_data(self, metadata: BatchMeta) -> Any:
-        """The fields of `metadata`'s samples, in its order (an empty TensorDict for an empty metadata)."""
-        if metadata.size == 0 or not metadata.field_names:
+        """The fields of `metadata`'s samples, in its order (an empty TensorDict for an empty metadata).
+
+        Raises:
+            StorageKeyNotFoundError: a sample without a value for one of the fields.
+        """
+        if not metadata or metadata.size == 0 or not metadata.field_names:
             return to_output({}, 0)
-        gidx = np.asarray(metadata.global_indexes, dtype=np.int64)
-        cols, kinds = self.backend.read(metadata.partition_id, gidx, metadata.field_names)
-        return self._out(cols, kinds, metadata.size)
+        fields = metadata.field_names
+        if len(set(metadata.partition_ids)) == 1:
+            values = self.backend.read(metadata.partition_ids[0], list(metadata.global_indexes), fields)
+        else:
+            pieces: dict[str, list[tuple[np.ndarray, FieldValues]]] = {f: [] for f in fields}
+            for pid in dict.fromkeys(metadata.partition_ids):
+                pos = np.asarray([i for i, p in enumerate(metadata.partition_ids) if p == pid], dtype=np.int64)
+                got = self.backend.read(pid, [metadata.global_indexes[i] for i in pos], fields)
+                for f in fields:
+                    pieces[f].append((pos, got[f]))
+            values = {f: FieldValues.join(p, metadata.size) for f, p in pieces.items()}
+        return to_output({f: to_torch_field(values[f], self.output) for f in fields}, metadata.size)
 
-    def set_custom_meta(self, metadata: BatchMeta) -> None:
-        """Store `metadata.custom_meta` as the samples' tags."""
-        if metadata.size:
-            self.backend.put_indexes(metadata.partition_id, np.asarray(metadata.global_indexes, dtype=np.int64),
-                                     metadata.size, {}, {}, metadata.custom_meta)
+    def clear_partition(self, partition_id: str) -> None:
+        """Drop a partition: its samples, keys, statuses and values (an unknown one: nothing)."""
+        _controller(self.backend.clear_partition, partition_id)
 
-    def get_production_status(self, data_fields: list[str], partition_id: str) -> tuple[Any, Any]:
-        """(global indexes, 1 where every field is produced else 0) over the partition's samples, as tensors."""
-        torch = torch_module()
-        idx, st = self.backend.production_status(partition_id, list(data_fields))
-        return torch.from_numpy(idx), torch.from_numpy(st)
+    def clear_samples(self, metadata: BatchMeta) -> None:
+        """Drop `metadata`'s samples (their global indexes are reused later)."""
+        if metadata.size == 0:
+            return
+        _controller(self.backend.clear_samples, list(metadata.partition_ids), list(metadata.global_indexes))
 
     def get_consumption_status(self, task_name: str, partition_id: str) -> tuple[Any, Any]:
-        """(global indexes, 1 where `task_name` consumed the sample else 0), as tensors."""
+        """(global indexes, int8 1 where `task_name` consumed the sample) of the partition; (None, None) for an
+        unknown partition."""
+        got = _controller(self.backend.consumption_status, partition_id, task_name)
+        if got is None:
+            return None, None
         torch = torch_module()
-        idx, st = self.backend.consumption_status(partition_id, task_name)
-        return torch.from_numpy(idx), torch.from_numpy(st)
+        return torch.tensor(got[0], dtype=torch.long), torch.tensor(got[1], dtype=torch.int8)
 
-    def check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
-        _, st = self.backend.production_status(partition_id, list(data_fields))
-        return bool(len(st)) and bool(np.all(st == 1))
+    def get_production_status(self, data_fields: list[str], partition_id: str) -> tuple[Any, Any]:
+        """(global indexes, int8 [samples, fields] 1 where produced) of the partition; (None, None) for an unknown
+        partition or field."""
+        got = _controller(self.backend.production_status, partition_id, list(data_fields))
+        if got is None:
+            return None, None
+        torch = torch_module()
+        status = torch.tensor(got[1], dtype=torch.int8).reshape(len(got[0]), len(data_fields))
+        return torch.tensor(got[0], dtype=torch.long), status
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
-        try:
-            _, st = self.backend.consumption_status(partition_id, task_name)
-        except KeyError:
-            return False
-        return bool(len(st)) and bool(np.all(st == 1))
+        """Whether `task_name` consumed every sample of the partition (False for an empty or unknown one)."""
+        _, status = self.get_consumption_status(task_name, partition_id)
+        return status is not None and status.numel() > 0 and bool(status.eq(1).all())
+
+    def check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
+        """Whether every sample of the partition has every field (False for an unknown partition or field)."""
+        _, status = self.get_production_status(data_fields, partition_id)
+        return status is not None and bool(status.eq(1).all())
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         """Let `task_name` (every task when None) consume the partition's samples again."""
-        return bool(self.backend.reset_consumption(partition_id, task_name))
-
-    def clear_partition(self, partition_id: str) -> None:
-        """Drop a partition: its samples, keys, tags, statuses and stores."""
-        self.backend.clear_partition(partition_id)
-
-    def clear_samples(self, metadata: BatchMeta) -> None:
-        if metadata.size:
-            self.backend.clear_samples(metadata.partition_id, np.asarray(metadata.global_indexes, dtype=np.int64))
+        return bool(_controller(self.backend.reset_consumption, partition_id, task_name))
 
     def get_partition_list(self) -> list[str]:
-        return sorted(self.backend.kv_list(None))
+        return list(_controller(self.backend.list_partitions))
+
+    def get_partition_snapshot(self, partition_id: str) -> PartitionSnapshot | None:
+        """A copy of a partition's bookkeeping (None for an unknown partition)."""
+        record = _controller(self.backend.snapshot, partition_id)
+        return None if record is None else PartitionSnapshot(record)
 
     # ------------------------------------------------------------------ KV path
     def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
-                     tags: list[dict[str, Any]] | None = None) -> KVBatchMeta:
+                     tags: list[dict[str, Any]] | None = None,
+                     data_parser: Callable[[Any], Any] | None = None) -> KVBatchMeta:
+        """TransferQueue's `kv_batch_put` in one atomic call to the system (it makes three: create the keys, put,
+        store the tags): refused input changes nothing, not even the keys."""
         if fields is None and tags is None:
             raise ValueError("Please provide at least one parameter of `fields` or `tags`.")
         keys = [keys] if isinstance(keys, str) else list(keys)
-        kinds: dict[str, FieldKind] = {}
-        cols: dict[str, Any] = {}
+        if tags is not None and len(tags) != len(keys):
+            raise ValueError(f"keys with length {len(keys)} does not match length of tags {len(tags)}")
+        values: dict[str, FieldValues] = {}
+        schema: dict[str, dict[str, Any]] = {}
         if fields is not None:
-            n = self._batch(fields)
+            if data_parser is not None:
+                fields = _parsed(fields, data_parser)
+            n = batch_size_of(fields)
             if n != len(keys):
                 raise ValueError(f"`keys` with length {len(keys)} does not match the `fields` TensorDict with "
                                  f"batch_size {n}")
-            kinds, cols = columns_of(fields, n)
-        if tags is not None and len(tags) != len(keys):
-            raise ValueError(f"keys with length {len(keys)} does not match length of tags {len(tags)}")
-        gidx, stored = self.backend.put_keys(partition_id, keys, kinds, cols, tags)
-        return KVBatchMeta(keys=keys, tags=self.backend.tags_of(partition_id, np.asarray(gidx)),
-                           partition_id=partition_id, fields=list(stored))
+            values, schema = put_fields(fields, n)
+        got = self.backend.kv_put(partition_id, keys, values, schema, None if tags is None else list(tags))
+        return KVBatchMeta(keys=keys, tags=got["tags"], partition_id=partition_id, fields=got["fields"])
 
-    def kv_put(self, key: str, partition_id: str, fields: Any = None,
-               tag: dict[str, Any] | None = None) -> KVBatchMeta:
-        if fields is None and tag is None:
-            raise ValueError("Please provide at least one parameter of `fields` or `tag`.")
-        batched = None
-        if fields is not None:
-            batched = self._unsqueeze(fields)
-        return self.kv_batch_put([key], partition_id, batched, None if tag is None else [tag])
+    # ------------------------------------------------------------------ KV lookups
+    def kv_retrieve_meta(self, keys: list[str] | str, partition_id: str, create: bool = False) -> BatchMeta:
+        """The BatchMeta of `keys` (unknown keys left out, or created as new samples when `create`), with the
+        fields all of them have."""
+        if isinstance(keys, str):
+            keys = [keys]
+        elif isinstance(keys, list):
+            if not keys:
+                raise ValueError("Received an empty list as keys.")
+            if not all(isinstance(k, str) for k in keys):
+                raise TypeError("Not all elements in `keys` are strings.")
+        else:
+            raise TypeError("Only string or list of strings are allowed as `keys`.")
+        return to_batch_meta(_controller(self.backend.kv_retrieve_meta, partition_id, keys, create))
 
-    @staticmethod
-    def _unsqueeze(fields: Any) -> Any:
-        td = tensordict_module()
-        torch = torch_module()
-        if td is not None and isinstance(fields, td.TensorDictBase):
-            if len(fields.batch_size) and fields.batch_size[0] == 1:
-                return fields
-            if len(fields.batch_size):
-                raise SchemaError(f"kv_put takes one sample; got a TensorDict of batch_size {fields.batch_size}")
-            return fields.unsqueeze(0)
-        items, _ = batch_items(fields)
-        out: dict[str, Any] = {}
-        for name, v in items:
-            if isinstance(v, torch.Tensor):
-                if v.is_nested:
-                    raise ValueError(f"field {name!r}: nested tensors go through kv_batch_put")
-                out[name] = v.unsqueeze(0)
-            elif isinstance(v, str):
-                out[name] = [v]
-            elif isinstance(v, (int, float, bool, np.number, np.bool_)):
-                out[name] = np.asarray([v])
-            else:
-                out[name] = np.asarray(v)[None]
-        return out
-
-    def kv_batch_get(self, keys: list[str] | str, partition_id: str,
-                     select_fields: list[str] | str | None = None) -> Any:
-        keys = [keys] if isinstance(keys, str) else list(keys)
-        fields = [select_fields] if isinstance(select_fields, str) else select_fields
-        gidx = self.backend.key_indexes(partition_id, keys)
-        cols, kinds = self.backend.read(partition_id, gidx, fields)
-        return self._out(cols, kinds, len(keys))
+    def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
+        """The keys of samples (RuntimeError when one has none)."""
+        if isinstance(global_indexes, int):
+            global_indexes = [global_indexes]
+        elif isinstance(global_indexes, list):
+            if not global_indexes:
+                raise ValueError("Received an empty list as `global_indexes`.")
+            if not all(isinstance(i, int) for i in global_indexes):
+                raise TypeError("Not all elements in `global_indexes` are int.")
+        else:
+            raise TypeError("Only int or list of int are allowed as `global_indexes`.")
+        keys = _controller(self.backend.kv_retrieve_keys, partition_id, global_indexes)
+        if len(keys) != len(global_indexes) or any(k is None for k in keys):
+            raise ControllerError("Some global_indexes have no corresponding keys!")
+        return list(keys)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-        return dict(self.backend.kv_list(partition_id))
+        """{partition_id: {key: custom metadata}} of one partition (an unknown one: {}) or all."""
+        return dict(_controller(self.backend.kv_list, partition_id))
 
-    def kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
-        self.backend.clear_keys(partition_id, [keys] if isinstance(keys, str) else list(keys))
+    # ------------------------------------------------------------------ checkpoints
+    def save_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        """Write the whole system (arrowbuf checkpoints the controller's bookkeeping and the values together, one
+        format) under `checkpoint_dir`/arrowbuf."""
+        import os
 
-    def kv_retrieve_meta(self, keys: list[str], partition_id: str, create: bool = False) -> BatchMeta:
-        """The BatchMeta of `keys` (new keys are created as empty samples when `create`), with every field each
-        of them has."""
-        keys = [keys] if isinstance(keys, str) else list(keys)
-        if create:
-            gidx, _ = self.backend.put_keys(partition_id, keys, {}, {}, None)
-        else:
-            gidx = self.backend.key_indexes(partition_id, keys)
-        gidx = np.asarray(gidx, dtype=np.int64)
-        fields = [f for f in self._fields(partition_id) if self._has(partition_id, f, gidx)]
-        return self._meta(partition_id, gidx, fields)
+        self.backend.save_checkpoint(os.path.join(str(checkpoint_dir), "arrowbuf"))
 
-    def _fields(self, partition_id: str) -> list[str]:
-        return list(self.backend.field_names(partition_id))
+    def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        """Restore the system from `save_storage_checkpoint`'s directory."""
+        import os
 
-    def _has(self, partition_id: str, field: str, gidx: np.ndarray) -> bool:
-        idx, st = self.backend.production_status(partition_id, [field])
-        pos = np.searchsorted(idx, gidx)
-        return bool(len(gidx)) and bool(np.all(st[pos] == 1))
+        self.backend.load_checkpoint(os.path.join(str(checkpoint_dir), "arrowbuf"))
 
-    def kv_retrieve_keys(self, global_indexes: list[int], partition_id: str) -> list[str | None]:
-        """The user keys of samples (None for samples inserted without one)."""
-        return list(self.backend.keys_of(partition_id, np.asarray(global_indexes, dtype=np.int64)))
+    def save_controller_checkpoint(self, path: str) -> None:
+        """Not separate in arrowbuf: the bookkeeping and the values form one checkpoint."""
+        raise NotImplementedError("arrowbuf checkpoints the controller's bookkeeping together with the values: use "
+                                  "save_storage_checkpoint(dir) or tq.save_checkpoint(dir)")
 
-    # the async twins of the client's methods, as TransferQueue's client has them (run in a worker thread)
+    def load_controller_checkpoint(self, path: str) -> None:
+        """Not separate in arrowbuf (see `save_controller_checkpoint`)."""
+        raise NotImplementedError("arrowbuf restores the controller's bookkeeping together with the values: use "
+                                  "load_storage_checkpoint(dir) or tq.load_checkpoint(dir)")
+
+    # ------------------------------------------------------------------ async twins (run in a worker thread)
     async def async_get_meta(self, data_fields: list[str], batch_size: int, partition_id: str, mode: str = "fetch",
                              task_name: str | None = None, sampling_config: dict[str, Any] | None = None,
                              sampler: Any = None) -> BatchMeta:
         return await asyncio.to_thread(self.get_meta, data_fields, batch_size, partition_id, mode, task_name,
                                        sampling_config, sampler)
+
+    async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
+        await asyncio.to_thread(self.set_custom_meta, metadata)
 
     async def async_put(self, data: Any, metadata: BatchMeta | None = None, partition_id: str | None = None,
                         data_parser: Callable[[Any], Any] | None = None) -> BatchMeta:
@@ -281,22 +324,48 @@ class TransferQueueClient:
     async def async_get_data(self, metadata: BatchMeta) -> Any:
         return await asyncio.to_thread(self.get_data, metadata)
 
-    async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
-        await asyncio.to_thread(self.set_custom_meta, metadata)
-
-    async def async_kv_retrieve_meta(self, keys: list[str], partition_id: str, create: bool = False) -> BatchMeta:
-        return await asyncio.to_thread(self.kv_retrieve_meta, keys, partition_id, create)
-
-    async def async_kv_retrieve_keys(self, global_indexes: list[int], partition_id: str) -> list[str | None]:
-        return await asyncio.to_thread(self.kv_retrieve_keys, global_indexes, partition_id)
-
     async def async_clear_partition(self, partition_id: str) -> None:
         await asyncio.to_thread(self.clear_partition, partition_id)
+
+    async def async_clear_samples(self, metadata: BatchMeta) -> None:
+        await asyncio.to_thread(self.clear_samples, metadata)
+
+    async def async_get_consumption_status(self, task_name: str, partition_id: str) -> tuple[Any, Any]:
+        return await asyncio.to_thread(self.get_consumption_status, task_name, partition_id)
+
+    async def async_get_production_status(self, data_fields: list[str], partition_id: str) -> tuple[Any, Any]:
+        return await asyncio.to_thread(self.get_production_status, data_fields, partition_id)
+
+    async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        return await asyncio.to_thread(self.check_consumption_status, task_name, partition_id)
+
+    async def async_check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
+        return await asyncio.to_thread(self.check_production_status, data_fields, partition_id)
 
     async def async_reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         return await asyncio.to_thread(self.reset_consumption, partition_id, task_name)
 
+    async def async_get_partition_list(self) -> list[str]:
+        return await asyncio.to_thread(self.get_partition_list)
+
+    async def async_kv_retrieve_meta(self, keys: list[str] | str, partition_id: str,
+                                     create: bool = False) -> BatchMeta:
+        return await asyncio.to_thread(self.kv_retrieve_meta, keys, partition_id, create)
+
+    async def async_kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
+        return await asyncio.to_thread(self.kv_retrieve_keys, global_indexes, partition_id)
+
+    async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+        return await asyncio.to_thread(self.kv_list, partition_id)
+
+    async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        await asyncio.to_thread(self.save_storage_checkpoint, checkpoint_dir)
+
+    async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        await asyncio.to_thread(self.load_storage_checkpoint, checkpoint_dir)
+
     def close(self) -> None:
+        """Close the connection (and the system, when this client owns it); idempotent."""
         close = getattr(self.backend, "close_client", None)
         if close is not None:
             close()
@@ -305,25 +374,47 @@ class TransferQueueClient:
             self._owned = None
 
 
-class LocalBackend:
-    """A `TQState` in this process, with the calls the client makes."""
+def _parsed(data: Any, parser: Callable[[Any], Any]) -> Any:
+    """`data` after TransferQueue's `data_parser` contract: the parser gets {field: batched tensor, or a list of
+    per-sample values for nested and non-tensor fields}, changes values in place (same keys, same counts, same
+    order) and returns the dict."""
+    torch = torch_module()
+    items, size = batch_items(data)
+    plain: dict[str, Any] = {}
+    for name, value, values in items:
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            plain[name] = list(value.unbind(0))
+        elif isinstance(value, torch.Tensor):
+            plain[name] = value
+        else:
+            plain[name] = list(values if values is not None else value)
+    counts = {k: len(v) for k, v in plain.items()}
+    out = parser(plain)
+    if not isinstance(out, dict):
+        raise TypeError(f"data_parser must return a dict, got {type(out).__name__}")
+    if set(out) != set(plain):
+        raise ValueError(f"data_parser must not change dict keys: {sorted(plain)} -> {sorted(out)}")
+    for k, v in out.items():
+        if len(v) != counts[k]:
+            raise ValueError(f"data_parser changed the number of elements for key '{k}': {counts[k]} -> {len(v)}")
+    return out if size is None else _as_tensordict(out, size)
 
-    def __init__(self, state: TQState) -> None:
-        self.state = state
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.state, name)
+def _as_tensordict(data: dict[str, Any], size: int) -> Any:
+    from .columns import tensordict_module
 
-    def put_indexes(self, *args: Any) -> np.ndarray:
-        return self.state.put_indexes(*args)
+    td = tensordict_module()
+    assert td is not None
+    torch = torch_module()
+    fields: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, list) and v and all(isinstance(x, torch.Tensor) for x in v):
+            fields[k] = torch.nested.as_nested_tensor(v, layout=torch.jagged)
+        elif isinstance(v, list):
+            fields[k] = td.NonTensorStack(*v)
+        else:
+            fields[k] = v
+    return td.TensorDict(fields, batch_size=[size])
 
-    def field_names(self, partition_id: str) -> list[str]:
-        with self.state.lock:
-            return sorted(self.state.partition(partition_id).group_of)
 
-    def key_indexes(self, partition_id: str, keys: list[str]) -> np.ndarray:
-        with self.state.lock:
-            p = self.state.partition(partition_id)
-            gidx, _ = p.plan_keys(keys, create=False)
-            return gidx
-
+__all__ = ["Backend", "ControllerError", "TransferQueueClient", "conf_get", "to_batch_meta"]

@@ -1,25 +1,38 @@
-"""TransferQueue fields <-> Arrow columns, exactly or not at all.
+"""TransferQueue fields <-> arrowbuf columns, exactly or not at all.
 
-TransferQueue is schema-free: a field is whatever tensor the first writer passed. arrowbuf stores typed columns, so
-each field gets a `FieldKind` inferred from the first put of it into a partition, and every later put of that field
-must match it. What maps, and how:
+TransferQueue is schema-free: a field is whatever the writer passed, sample by sample. arrowbuf stores typed columns,
+so a field has a `FieldKind` (what one sample is: a tensor of a dtype, a str, bytes, ...) fixed by its first put into
+a partition, and a put's values of one field travel and are stored as `FieldValues`:
 
-| TransferQueue value (a batch of B)                     | kind      | Arrow column                        |
-|--------------------------------------------------------|-----------|-------------------------------------|
-| dense tensor / ndarray `[B, *shape]` (bool, ints, floats) | `dense`   | scalar or `fixed_shape_tensor`      |
-| jagged nested tensor `[B, j]`, or B 1-D tensors         | `jagged`  | `list<dtype>` (ragged; offsets = cu_seqlens) |
-| `NonTensorStack` of str, or a list of B str            | `str`     | `list<uint8>` of the UTF-8 bytes    |
+| TransferQueue value (a batch of B)                  | kind                | stored as                              |
+|-----------------------------------------------------|---------------------|----------------------------------------|
+| dense tensor `[B, *S]` (bool, ints, floats)         | `tensor`            | `[B, *S]` (scalar or fixed-shape)      |
+| nested tensor (jagged, strided), B tensors of       | `tensor`            | `list<dtype>` of the flattened samples |
+| varying shapes                                      |                     | plus each sample's shape (ragged)      |
+| `NonTensorStack`/list of str, np.str_, bytes,       | `str`, `npstr`,     | `list<uint8>` of UTF-8 / raw bytes     |
+| np.bytes_                                           | `bytes`, `npbytes`  |                                        |
 
-Refused with `SchemaError` (nothing is written): bfloat16, complex and object dtypes, nested tensors whose components
-are not 1-D, B tensors of mixed dtypes or of mixed ranks, a batch dimension that disagrees with the keys, and a later
-put whose dtype, shape or kind differs from the field's first put.
+A field whose per-sample shape changes between puts becomes ragged for that field from then on (the partition's
+state decides; the values of the earlier puts stay where they are).
+
+Read back, a field comes as TransferQueue 0.1.11 returns it: samples that are 0-dim tensors as one `[B]` tensor,
+every other tensor field as a jagged nested tensor (a strided one where two dimensions vary, a `NonTensorStack` of
+tensors where ranks differ), non-tensor fields as a `NonTensorStack`. `output="dense"` (`tq.init({"arrowbuf":
+{"output": "dense"}})`) returns a tensor field whose samples share one shape as a dense `[B, *S]` tensor instead.
+
+Refused with `SchemaError` (nothing is written): dtypes arrowbuf cannot store exactly yet (bfloat16, the float8
+formats, complex: `storage_dtype` is the seam where arrowbuf's logical dtypes plug in) and non-tensor values other
+than str and bytes (dicts, lists, numbers: `json_values` is the seam for arrowbuf's JSON columns); mixed value types
+in one field; a batch dimension that disagrees with the keys; a later put whose kind or dtype differs from the
+field's first put.
 
 torch is needed (TransferQueue's values are tensors); tensordict is optional: without it, plain dicts of tensors go
-in and come out (`str` fields come out as lists of str).
+in and come out (non-tensor fields as lists).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,38 +40,13 @@ import numpy as np
 import pyarrow as pa
 
 from ...errors import SchemaError
-from ...schema.convert import tensor_to_numpy
 from ...schema.spec import DTYPES
 
-#: What a field is, so that a get returns what the put gave.
-KINDS = ("dense", "jagged", "str")
-
-
-@dataclass(frozen=True)
-class FieldKind:
-    """The inferred type of one field: its kind, element dtype and per-sample shape (`()` for jagged and str)."""
-
-    kind: str
-    dtype: str
-    shape: tuple[int, ...] = ()
-
-    def schema_entry(self) -> dict[str, Any]:
-        """This field as an entry of an arrowbuf schema dict."""
-        if self.kind == "dense":
-            return {"dtype": self.dtype, "shape": list(self.shape)}
-        return {"dtype": self.dtype, "ragged": True}
-
-    def to_json(self) -> list[Any]:
-        return [self.kind, self.dtype, list(self.shape)]
-
-    @classmethod
-    def from_json(cls, value: Any) -> FieldKind:
-        """Parse `to_json`'s output; raises SchemaError on anything else (remote input)."""
-        if (not isinstance(value, list) or len(value) != 3 or value[0] not in KINDS or value[1] not in DTYPES
-                or not isinstance(value[2], list) or len(value[2]) > 8
-                or not all(isinstance(d, int) and 0 <= d < 2**31 for d in value[2])):
-            raise SchemaError(f"bad field kind {value!r}")
-        return cls(value[0], value[1], tuple(value[2]))
+#: What one sample of a field is.
+KINDS = ("tensor", "str", "bytes", "npstr", "npbytes", "json")
+TEXT_KINDS = ("str", "bytes", "npstr", "npbytes")
+#: Output forms of tensor fields.
+OUTPUTS = ("jagged", "dense")
 
 
 def torch_module() -> Any:
@@ -78,116 +66,297 @@ def tensordict_module() -> Any | None:
     return tensordict
 
 
-def _np_dtype(where: str, dtype: Any) -> str:
+@dataclass(frozen=True)
+class FieldKind:
+    """What one sample of a field is: `kind` (see KINDS) and, for tensors, the numpy dtype name."""
+
+    kind: str
+    dtype: str = ""
+
+    def to_json(self) -> list[str]:
+        return [self.kind, self.dtype]
+
+    @classmethod
+    def from_json(cls, value: Any) -> FieldKind:
+        """Parse `to_json`'s output; raises SchemaError on anything else (remote input)."""
+        if (not isinstance(value, list) or len(value) != 2 or value[0] not in KINDS
+                or not isinstance(value[1], str) or (value[0] == "tensor" and value[1] not in DTYPES)):
+            raise SchemaError(f"bad field kind {value!r}")
+        return cls(value[0], value[1])
+
+    def describe(self) -> str:
+        return f"{self.dtype} tensors" if self.kind == "tensor" else f"{self.kind} values"
+
+
+# ---------------------------------------------------------------------- the seams for arrowbuf's logical dtypes
+def storage_dtype(where: str, dtype: Any) -> str:
+    """The dtype name a tensor field of `dtype` (torch or numpy) is stored under, or SchemaError.
+
+    The seam for arrowbuf's logical dtypes: bfloat16, float8 and complex fields are refused here until the store
+    keeps them exactly (as Arrow extension types); then this maps them to their store dtype, and `to_numpy` /
+    `tensor_of` view their bits."""
     name = str(dtype).replace("torch.", "")
-    if name not in DTYPES:
-        raise SchemaError(f"field {where!r}: dtype {name} cannot be stored exactly (expected one of "
-                          f"{', '.join(sorted(DTYPES))}); cast it first, e.g. bfloat16 -> float32")
-    return name
+    if name in DTYPES:
+        return name
+    raise SchemaError(f"field {where!r}: dtype {name} cannot be stored exactly by this arrowbuf build (it keeps "
+                      f"{', '.join(sorted(DTYPES))}); nothing was written. Cast explicitly if a different dtype is "
+                      "acceptable, e.g. .float() for bfloat16")
 
 
-def _to_numpy(where: str, value: Any) -> np.ndarray:
+def json_values(where: str, values: list[Any]) -> FieldValues:
+    """Non-tensor values other than str and bytes (dicts, lists, numbers: chat messages, tool calls).
+
+    The seam for arrowbuf's JSON columns: refused until the store keeps JSON values exactly; nothing is pickled."""
+    kinds = sorted({type(v).__name__ for v in values})
+    raise SchemaError(f"field {where!r}: non-tensor values of type {', '.join(kinds)} cannot be stored exactly by "
+                      "this arrowbuf build (it stores tensors, str and bytes; JSON values need arrowbuf's JSON "
+                      "columns); nothing was written. Serialize them to str (e.g. json.dumps) if that is acceptable")
+
+
+def to_numpy(where: str, tensor: Any) -> np.ndarray:
+    """A CPU torch tensor's values as numpy (zero-copy when contiguous on the CPU), its dtype checked."""
+    storage_dtype(where, tensor.dtype)
+    return tensor.detach().cpu().contiguous().numpy()
+
+
+def tensor_of(arr: np.ndarray) -> Any:
+    """A torch tensor over `arr` (which the caller may hand out writable)."""
+    return torch_module().from_numpy(arr)
+
+
+# ---------------------------------------------------------------------- values of one field
+@dataclass
+class FieldValues:
+    """One field's values for n samples, as one of: `dense` (`[n, *S]`, tensors of one shape); `flat` + `offsets`
+    (int64, n + 1, from 0) with `shapes` (tensors of varying shapes, flattened) or without (text kinds: bytes)."""
+
+    kind: FieldKind
+    n: int
+    dense: np.ndarray | None = None
+    flat: np.ndarray | None = None
+    offsets: np.ndarray | None = None
+    shapes: list[tuple[int, ...]] | None = None
+
+    @property
+    def ragged(self) -> bool:
+        """Tensors stored flattened with per-sample shapes."""
+        return self.kind.kind == "tensor" and self.dense is None
+
+    def sample_shapes(self) -> list[tuple[int, ...]]:
+        """Each sample's shape (tensor kinds)."""
+        if self.dense is not None:
+            return [tuple(self.dense.shape[1:])] * self.n
+        return list(self.shapes or [])
+
+    def uniform_shape(self) -> tuple[int, ...] | None:
+        """The one shape every sample has, or None."""
+        if self.dense is not None:
+            return tuple(self.dense.shape[1:])
+        shapes = set(self.shapes or [])
+        return shapes.pop() if len(shapes) == 1 else None
+
+    def as_ragged(self) -> FieldValues:
+        """Tensors of one shape flattened (the form of a field that became ragged)."""
+        if self.dense is None:
+            return self
+        per = int(np.prod(self.dense.shape[1:], dtype=np.int64))
+        return FieldValues(self.kind, self.n, flat=self.dense.reshape(-1),
+                           offsets=np.arange(self.n + 1, dtype=np.int64) * per, shapes=self.sample_shapes())
+
+    def to_arrow(self) -> pa.Array:
+        """The Arrow column these values travel and are stored as (zero-copy where numpy allows)."""
+        if self.dense is not None:
+            if self.dense.ndim == 1:
+                return pa.array(self.dense)
+            if self.n == 0 or 0 in self.dense.shape[1:]:
+                typ = pa.fixed_shape_tensor(pa.from_numpy_dtype(self.dense.dtype), list(self.dense.shape[1:]))
+                storage = pa.FixedSizeListArray.from_arrays(pa.array(self.dense.reshape(-1)),
+                                                            int(np.prod(self.dense.shape[1:])))
+                return pa.ExtensionArray.from_storage(typ, storage)
+            return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(self.dense))
+        assert self.flat is not None and self.offsets is not None
+        offsets = self.offsets
+        if offsets[-1] < 2**31:
+            return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(self.flat))
+        return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(self.flat))
+
+    @classmethod
+    def from_arrow(cls, kind: FieldKind, col: Any, shapes: list[tuple[int, ...]] | None,
+                   writable: bool = False) -> FieldValues:
+        """Values from an Arrow column (`to_arrow`'s forms); `writable`: the column's memory is this caller's alone
+        (a gather's output, a received message), so the arrays may be handed out writable without a copy."""
+        from ...delivery import ragged as _ragged
+        from ...flight.messages import received
+        from ...schema.convert import tensor_to_numpy
+
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        n = len(col)
+        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            flat, offsets = _ragged.flat(col, writable=writable)
+            if writable:
+                flat = received(flat)
+            return cls(kind, n, flat=flat, offsets=offsets, shapes=shapes)
+        if isinstance(col.type, pa.FixedShapeTensorType):
+            dense = tensor_to_numpy(col).reshape((n, *col.type.shape))
+        else:
+            dense = col.to_numpy(zero_copy_only=False)
+        return cls(kind, n, dense=received(dense) if writable else dense)
+
+    def take(self, rows: np.ndarray) -> FieldValues:
+        """The values of samples at positions `rows`, in that order."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.dense is not None:
+            return FieldValues(self.kind, len(rows), dense=self.dense[rows])
+        assert self.flat is not None and self.offsets is not None
+        starts, ends = self.offsets[rows], self.offsets[rows + 1]
+        lens = ends - starts
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        pieces = [self.flat[s:e] for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
+        flat = np.concatenate(pieces) if pieces else self.flat[:0]
+        shapes = None if self.shapes is None else [self.shapes[i] for i in rows.tolist()]
+        return FieldValues(self.kind, len(rows), flat=flat, offsets=offsets, shapes=shapes)
+
+    @classmethod
+    def join(cls, parts: list[tuple[np.ndarray, FieldValues]], n: int) -> FieldValues:
+        """One field's values for n samples from (positions, values) pieces that cover 0..n-1 once."""
+        if len(parts) == 1 and len(parts[0][0]) == n and np.array_equal(parts[0][0], np.arange(n)):
+            return parts[0][1]
+        kind = parts[0][1].kind
+        order = np.argsort(np.concatenate([p for p, _ in parts]), kind="stable")
+        denses = [v.dense for _, v in parts]
+        if all(d is not None for d in denses) and len({d.shape[1:] for d in denses}) == 1:  # type: ignore[union-attr]
+            return cls(kind, n, dense=np.concatenate(denses)[order])  # type: ignore[arg-type]
+        flat_parts = [v.as_ragged() for _, v in parts]
+        lens = np.concatenate([np.diff(np.asarray(v.offsets)) for v in flat_parts])
+        offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        joined = cls(kind, len(lens), flat=np.concatenate([np.asarray(v.flat) for v in flat_parts]),
+                     offsets=offsets,
+                     shapes=None if kind.kind != "tensor" else [s for v in flat_parts for s in v.sample_shapes()])
+        return joined.take(order)
+
+    # ------------------------------------------------------------------ per-sample Python values
+    def components(self) -> list[Any]:
+        """Each sample as numpy (tensor kinds) or its Python value (text kinds)."""
+        if self.kind.kind == "tensor":
+            if self.dense is not None:
+                return list(self.dense)
+            assert self.flat is not None and self.offsets is not None and self.shapes is not None
+            return [self.flat[s:e].reshape(shape) for s, e, shape in
+                    zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist(), self.shapes, strict=True)]
+        assert self.flat is not None and self.offsets is not None
+        raw = np.ascontiguousarray(self.flat).tobytes()
+        items = [raw[s:e] for s, e in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist(), strict=True)]
+        if self.kind.kind == "str":
+            return [b.decode("utf-8") for b in items]
+        if self.kind.kind == "npstr":
+            return [np.str_(b.decode("utf-8")) for b in items]
+        if self.kind.kind == "npbytes":
+            return [np.bytes_(b) for b in items]
+        return items
+
+
+# ---------------------------------------------------------------------- input: one field of a put
+def _text(where: str, values: list[Any]) -> FieldValues | None:
+    """str/bytes values (one Python type for the whole batch) as a text field, else None."""
+    types = {type(v) for v in values}
+    if len(types) != 1:
+        if types and all(issubclass(t, (str, bytes)) for t in types):
+            raise SchemaError(f"field {where!r}: mixed value types {sorted(t.__name__ for t in types)} in one "
+                              "batch; a field holds one type; nothing was written")
+        return None
+    t = types.pop()
+    names: dict[type, str] = {str: "str", np.str_: "npstr", bytes: "bytes", np.bytes_: "npbytes"}
+    kind = names.get(t)
+    if kind is None:
+        return None
+    raw = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
+    offsets = np.zeros(len(raw) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in raw], out=offsets[1:])
+    return FieldValues(FieldKind(kind, "uint8"), len(raw), flat=np.frombuffer(b"".join(raw), dtype=np.uint8),
+                       offsets=offsets)
+
+
+def tensors_values(where: str, parts: list[Any]) -> FieldValues:
+    """B tensors (or numeric arrays), one per sample, as one field (dense when they share a shape)."""
     torch = torch_module()
-    if isinstance(value, torch.Tensor):
-        _np_dtype(where, value.dtype)
-        return value.detach().cpu().contiguous().numpy()
-    arr = np.asarray(value)
-    if arr.dtype == object or arr.dtype.kind in "USc":
-        raise SchemaError(f"field {where!r}: values of dtype {arr.dtype} cannot be stored exactly; pass tensors, "
-                          "arrays or a list of str")
-    _np_dtype(where, arr.dtype)
-    return arr
-
-
-def _ragged(values: np.ndarray, lengths: np.ndarray) -> pa.Array:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-
-
-def _jagged_from_list(where: str, items: list[Any]) -> tuple[FieldKind, pa.Array]:
-    arrays = [_to_numpy(where, v) for v in items]
+    arrays = [to_numpy(where, p) if isinstance(p, torch.Tensor) else np.asarray(p) for p in parts]
     dtypes = {a.dtype.name for a in arrays}
     if len(dtypes) > 1:
-        raise SchemaError(f"field {where!r}: mixed dtypes {sorted(dtypes)} in one batch; a field has one dtype")
-    ranks = {a.ndim for a in arrays}
-    if len(ranks) > 1:
-        raise SchemaError(f"field {where!r}: samples of mixed ranks {sorted(ranks)}; a field has one rank")
-    shapes = {a.shape for a in arrays}
-    dtype = dtypes.pop() if dtypes else "float32"
-    if len(shapes) <= 1:  # every sample has the same shape: a dense field
-        shape = shapes.pop() if shapes else ()
-        dense = np.stack(arrays) if arrays else np.zeros((0, *shape), dtype=dtype)
-        return dense_column(where, dense)
-    if ranks != {1}:
-        raise SchemaError(f"field {where!r}: samples of shapes {sorted(shapes)[:3]}...: only 1-D samples may differ "
-                          "in length (a ragged column); pad or flatten them")
-    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
-    return FieldKind("jagged", dtype), _ragged(flat, lengths)
+        raise SchemaError(f"field {where!r}: mixed dtypes {sorted(dtypes)} in one batch; a field has one dtype; "
+                          "nothing was written")
+    dtype = storage_dtype(where, dtypes.pop() if dtypes else "float32")
+    kind = FieldKind("tensor", dtype)
+    shapes = [tuple(int(d) for d in a.shape) for a in arrays]
+    if len(set(shapes)) <= 1:
+        shape = shapes[0] if shapes else ()
+        return FieldValues(kind, len(arrays), dense=np.stack(arrays) if arrays else np.zeros((0, *shape), dtype))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([a.size for a in arrays], out=offsets[1:])
+    return FieldValues(kind, len(arrays), flat=np.concatenate([a.reshape(-1) for a in arrays]), offsets=offsets,
+                       shapes=shapes)
 
 
-def dense_column(where: str, arr: np.ndarray) -> tuple[FieldKind, pa.Array]:
-    """A dense batch `[B, *shape]` as its kind and Arrow column."""
-    dtype = _np_dtype(where, arr.dtype)
-    if arr.ndim == 0:
-        raise SchemaError(f"field {where!r}: a scalar has no batch dimension; pass one value per sample")
-    kind = FieldKind("dense", dtype, tuple(int(d) for d in arr.shape[1:]))
-    if arr.ndim == 1:
-        return kind, pa.array(arr)
-    return kind, pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(arr))
+def _nested(where: str, value: Any) -> FieldValues:
+    torch = torch_module()
+    if value.layout == torch.jagged and getattr(value, "_ragged_idx", 1) == 1:
+        storage_dtype(where, value.dtype)
+        values = value.values().detach().cpu()
+        offsets = value.offsets().detach().cpu().numpy().astype(np.int64)
+        rest = tuple(int(d) for d in values.shape[1:])
+        lens = np.diff(offsets)
+        flat = values.contiguous().numpy()[offsets[0]:offsets[-1]]
+        kind = FieldKind("tensor", storage_dtype(where, value.dtype))
+        n = len(lens)
+        if n and (lens == lens[0]).all():
+            return FieldValues(kind, n, dense=flat.reshape((n, int(lens[0]), *rest)))
+        per = int(np.prod(rest, dtype=np.int64))
+        return FieldValues(kind, n, flat=flat.reshape(-1), offsets=(offsets - offsets[0]) * per,
+                           shapes=[(int(L), *rest) for L in lens.tolist()])
+    return tensors_values(where, list(value.unbind(0)))
 
 
-def str_column(where: str, items: list[Any]) -> tuple[FieldKind, pa.Array]:
-    """B strings as UTF-8 bytes in a `list<uint8>` column."""
-    if not all(isinstance(s, str) for s in items):
-        kinds = sorted({type(s).__name__ for s in items})
-        raise SchemaError(f"field {where!r}: mixed value types {kinds}; a non-tensor field holds str only")
-    raw = [s.encode("utf-8") for s in items]
-    flat = np.frombuffer(b"".join(raw), dtype=np.uint8)
-    return FieldKind("str", "uint8"), _ragged(flat, np.array([len(r) for r in raw], dtype=np.int64))
-
-
-def to_column(where: str, value: Any, batch: int) -> tuple[FieldKind, pa.Array]:
-    """One field's batch of values as `(kind, Arrow column)`, or SchemaError naming the field."""
+def field_values(where: str, value: Any, non_tensor: Any = None) -> FieldValues:
+    """One field of a put as `FieldValues`. `value` is what a TensorDict holds (`td.get(name)`) or a dict value;
+    `non_tensor` the per-sample values of a non-tensor field (`td[name]`), when the caller has them."""
     torch = torch_module()
     td = tensordict_module()
-    if td is not None and isinstance(value, td.NonTensorStack):
-        value = value.tolist()
-    elif td is not None and isinstance(value, td.NonTensorData):
-        value = [value.data] * batch
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        if value.layout == torch.jagged:
-            if value.dim() != 2:
-                raise SchemaError(f"field {where!r}: a jagged tensor of {value.dim()} dims; only [B, j] (1-D "
-                                  "samples) maps onto a ragged column")
-            _np_dtype(where, value.dtype)
-            values = value.values().detach().cpu().contiguous().numpy()
-            offsets = value.offsets().detach().cpu().numpy().astype(np.int64)
-            if offsets[0] != 0 or values.shape[0] != offsets[-1]:
-                values, lengths = values[offsets[0]:offsets[-1]], np.diff(offsets)
-            else:
-                lengths = np.diff(offsets)
-            kind, col = FieldKind("jagged", values.dtype.name), _ragged(values, lengths)
-        else:
-            kind, col = _jagged_from_list(where, list(value.unbind(0)))
-    elif isinstance(value, (list, tuple)):
-        if value and all(isinstance(v, str) for v in value):
-            kind, col = str_column(where, list(value))
-        elif any(isinstance(v, str) for v in value):
-            raise SchemaError(f"field {where!r}: mixed str and non-str values in one batch")
-        else:
-            kind, col = _jagged_from_list(where, list(value))
+    if isinstance(value, torch.Tensor) and not (td is not None and isinstance(value, td.NonTensorData)):
+        if value.is_nested:
+            return _nested(where, value)
+        if value.dim() == 0:
+            raise SchemaError(f"field {where!r}: a scalar has no batch dimension; pass one value per sample")
+        arr = to_numpy(where, value)
+        return FieldValues(FieldKind("tensor", storage_dtype(where, arr.dtype)), int(arr.shape[0]), dense=arr)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        if value.ndim == 0:
+            raise SchemaError(f"field {where!r}: a scalar has no batch dimension; pass one value per sample")
+        return FieldValues(FieldKind("tensor", storage_dtype(where, value.dtype)), len(value), dense=value)
+    if non_tensor is not None:
+        values = list(non_tensor)
+    elif td is not None and isinstance(value, (td.NonTensorStack, td.NonTensorData)):
+        values = value.tolist()
+        values = values if isinstance(values, list) else [values]
+    elif isinstance(value, (list, tuple, np.ndarray)):
+        values = list(value)
     else:
-        kind, col = dense_column(where, _to_numpy(where, value))
-    if len(col) != batch:
-        raise SchemaError(f"field {where!r}: batch dimension {len(col)} does not match the {batch} keys/samples "
-                          "given; nothing was written")
-    return kind, col
+        raise SchemaError(f"field {where!r}: expected a tensor, an array or one value per sample, got "
+                          f"{type(value).__name__}")
+    if values and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
+        return tensors_values(where, values)
+    text = _text(where, values)
+    if text is not None:
+        return text
+    if values and all(isinstance(v, (bool, int, float)) for v in values) and not isinstance(value, np.ndarray):
+        arr = torch.as_tensor(values).numpy()  # a list of numbers, as a TensorDict takes it: one tensor
+        return FieldValues(FieldKind("tensor", storage_dtype(where, arr.dtype)), len(values), dense=arr)
+    return json_values(where, values)
 
 
-def batch_items(fields: Any) -> tuple[list[tuple[str, Any]], int | None]:
-    """The (name, value) pairs of a TensorDict or dict, and the TensorDict's batch size (None for a dict)."""
+def batch_items(fields: Any) -> tuple[list[tuple[str, Any, Any]], int | None]:
+    """(name, value, per-sample values of a non-tensor field or None) of a TensorDict or dict, and the
+    TensorDict's batch size (None for a dict)."""
     td = tensordict_module()
     if td is not None and isinstance(fields, td.TensorDictBase):
         size = int(fields.batch_size[0]) if len(fields.batch_size) else None
@@ -195,32 +364,81 @@ def batch_items(fields: Any) -> tuple[list[tuple[str, Any]], int | None]:
         for name in fields.keys():
             if not isinstance(name, str):
                 raise SchemaError(f"nested keys are not supported: {name!r}; flatten the TensorDict first")
-            out.append((name, fields.get(name)))
+            value = fields.get(name)
+            if isinstance(value, td.TensorDictBase) and not isinstance(value, (td.NonTensorData,
+                                                                                td.NonTensorStack)):
+                raise SchemaError(f"field {name!r}: a nested TensorDict; flatten it first")
+            plain = None if isinstance(value, torch_module().Tensor) and not isinstance(
+                value, td.NonTensorData) else fields[name]
+            out.append((name, value, plain))
         return out, size
     if isinstance(fields, dict):
         for name in fields:
             if not isinstance(name, str) or not name:
                 raise SchemaError(f"field names are non-empty str, got {name!r}")
-        return list(fields.items()), None
+        return [(k, v, None) for k, v in fields.items()], None
     raise SchemaError(f"fields must be a TensorDict or a dict of tensors, got {type(fields).__name__}")
 
 
-def columns_of(fields: Any, batch: int) -> tuple[dict[str, FieldKind], dict[str, pa.Array]]:
-    """Convert every field of a batch (all or nothing)."""
+def schema_entry(value: FieldValues, nested: bool) -> dict[str, Any]:
+    """The `field_schema` entry TransferQueue records for a put of these values (dtype and shape names, JSON-able:
+    the system keeps them; the client turns them into torch dtypes and sizes): a tensor field's first sample's
+    shape (a batch of 0-dim samples counts as shape (1,)), nested inputs with every sample's shape."""
+    if value.kind.kind != "tensor":
+        return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
+    shapes = value.sample_shapes()
+    first = list(shapes[0]) if shapes else []
+    entry: dict[str, Any] = {"dtype": value.kind.dtype, "shape": first if (first or nested) else [1],
+                             "is_nested": nested, "is_non_tensor": False}
+    if nested:
+        entry["per_sample_shapes"] = [list(s) for s in shapes]
+    return entry
+
+
+def put_fields(fields: Any, batch: int) -> tuple[dict[str, FieldValues], dict[str, dict[str, Any]]]:
+    """Every field of a put (all or nothing): its values and its `field_schema` entry."""
+    torch = torch_module()
     items, size = batch_items(fields)
     if size is not None and size != batch:
         raise SchemaError(f"the TensorDict's batch_size {size} does not match the {batch} keys/samples given; "
                           "nothing was written")
-    kinds: dict[str, FieldKind] = {}
-    cols: dict[str, pa.Array] = {}
-    for name, value in items:
-        kinds[name], cols[name] = to_column(name, value, batch)
-    return kinds, cols
+    values: dict[str, FieldValues] = {}
+    schema: dict[str, dict[str, Any]] = {}
+    for name, value, plain in items:
+        fv = field_values(name, value, plain)
+        if fv.n != batch:
+            raise SchemaError(f"field {name!r}: batch dimension {fv.n} does not match the {batch} keys/samples "
+                              "given; nothing was written")
+        nested = (isinstance(value, torch.Tensor) and value.is_nested) or (
+            fv.kind.kind == "tensor" and isinstance(value, (list, tuple)) and fv.dense is None)
+        values[name], schema[name] = fv, schema_entry(fv, nested)
+    return values, schema
+
+
+def batch_size_of(fields: Any) -> int:
+    """The batch size of a put's fields: a TensorDict's, else the length of the first field."""
+    items, size = batch_items(fields)
+    if size is not None:
+        return size
+    torch = torch_module()
+    sizes = set()
+    for name, v, _ in items:
+        if isinstance(v, torch.Tensor):
+            sizes.add(int(v.size(0)) if v.dim() else 0)
+        elif isinstance(v, (list, tuple, np.ndarray)):
+            sizes.add(len(v))
+        else:
+            raise SchemaError(f"field {name!r}: expected a tensor, array or list per field, got {type(v).__name__}")
+    if len(sizes) > 1:
+        raise SchemaError(f"fields disagree on the batch size: {sorted(sizes)}; nothing was written")
+    return sizes.pop() if sizes else 0
 
 
 def dense_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A scalar or `fixed_shape_tensor` column as an ndarray `[B, *shape]` (bool tensors included, which
     pyarrow's `to_numpy_ndarray` refuses)."""
+    from ...schema.convert import tensor_to_numpy
+
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if isinstance(col.type, pa.FixedShapeTensorType):
@@ -228,33 +446,61 @@ def dense_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return col.to_numpy(zero_copy_only=False)
 
 
-def from_column(kind: FieldKind, col: pa.Array | pa.ChunkedArray) -> Any:
-    """An Arrow column back to what the put gave: a tensor, a jagged nested tensor, or a list of str."""
+# ---------------------------------------------------------------------- output
+def _pack_tensors(parts: list[Any]) -> Any:
+    """B tensors as TransferQueue packs them: all 0-dim -> stacked; else a jagged nested tensor, else a strided
+    one, else a NonTensorStack."""
     torch = torch_module()
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-    if kind.kind == "dense":
-        arr = np.asarray(dense_numpy(col), dtype=kind.dtype).reshape((len(col), *kind.shape))
-        return torch.from_numpy(np.array(arr, copy=True) if not arr.flags.writeable else arr)
-    offsets = np.asarray(col.offsets, dtype=np.int64)
-    flat = col.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
-    offsets = offsets - offsets[0]
-    if kind.kind == "str":
-        raw = flat.tobytes()
-        return [raw[offsets[i]:offsets[i + 1]].decode("utf-8") for i in range(len(col))]
-    values = torch.from_numpy(np.array(flat, dtype=kind.dtype, copy=True))
-    return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
+    if all(p.dim() == 0 for p in parts):
+        return torch.stack(parts)
+    try:
+        return torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+    except (RuntimeError, TypeError):
+        try:
+            return torch.nested.as_nested_tensor(parts, layout=torch.strided)
+        except (RuntimeError, TypeError):
+            return _non_tensor_stack(parts)
+
+
+def _non_tensor_stack(values: list[Any]) -> Any:
+    td = tensordict_module()
+    return values if td is None else td.NonTensorStack(*values)
+
+
+def to_torch_field(values: FieldValues, output: str = "jagged") -> Any:
+    """A field read back, as TransferQueue 0.1.11 returns it (see the module docstring); `output="dense"` gives a
+    field of one shape as `[B, *S]`. Tensors are over the values' memory (no copy)."""
+    torch = torch_module()
+    if values.kind.kind != "tensor":
+        return _non_tensor_stack(values.components())
+    n = values.n
+    if values.dense is not None:
+        dense = values.dense
+        if dense.ndim == 1 or output == "dense":
+            return tensor_of(dense)
+        if n == 0:
+            return tensor_of(dense)
+        length = dense.shape[1]
+        flat = dense.reshape((n * length, *dense.shape[2:]))
+        offsets = torch.arange(n + 1, dtype=torch.int64) * length
+        return torch.nested.nested_tensor_from_jagged(tensor_of(flat), offsets)
+    assert values.flat is not None and values.offsets is not None and values.shapes is not None
+    shapes = values.shapes
+    if output == "dense" and len(set(shapes)) == 1:
+        return tensor_of(values.flat.reshape((n, *shapes[0])))
+    ranks = {len(s) for s in shapes}
+    if len(ranks) == 1 and ranks != {0} and len({s[1:] for s in shapes}) == 1:  # only the first dimension varies
+        rest = shapes[0][1:]
+        per = math.prod(rest)
+        flat = values.flat.reshape((-1, *rest))
+        return torch.nested.nested_tensor_from_jagged(tensor_of(flat),
+                                                      torch.from_numpy(values.offsets // max(per, 1)))
+    return _pack_tensors([tensor_of(c) for c in values.components()])
 
 
 def to_output(data: dict[str, Any], batch: int, as_tensordict: bool = True) -> Any:
-    """A TensorDict of `data` (str fields as `NonTensorStack`) when tensordict is installed, else the dict."""
+    """A TensorDict of `data` when tensordict is installed, else the dict."""
     td = tensordict_module()
     if td is None or not as_tensordict:
         return data
-    out = td.TensorDict({}, batch_size=[batch])
-    for name, value in data.items():
-        if isinstance(value, list):
-            out.set(name, td.NonTensorStack.from_list(value))
-        else:
-            out.set(name, value)
-    return out
+    return td.TensorDict(data, batch_size=[batch])

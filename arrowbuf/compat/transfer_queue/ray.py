@@ -1,32 +1,63 @@
-"""`tq.init()` inside a Ray job, as TransferQueue's: the first process to call it starts the system in a named Ray
-actor (which serves it over Flight, `server`), and every later `init` in any process of the job finds that actor
-and joins the system over Flight. The process whose `init` created the actor stops it in `close()`.
+"""`tq.init()` inside a Ray job, as TransferQueue's: the first process to call it starts the system in a Ray actor
+named "TransferQueueController" in the namespace "transfer_queue" (TransferQueue's controller's name: code that
+looks the controller up with `ray.get_actor` finds this system), which serves it over Flight (`server`); every later
+`init` in any process of the job finds that actor and joins the system over Flight. The process whose `init` created
+the actor stops it in `close()`.
 
 The actor binds 127.0.0.1 unless `{"arrowbuf": {"host": ...}}` says otherwise (a multi-node job needs the node's
-address, and then a token: `{"arrowbuf": {"token": ...}}`).
+address, and then a token: `{"arrowbuf": {"token": ...}}`). The sampler travels as its spec (class and parameters,
+`samplers.sampler_spec`), so `GRPOGroupNSampler(4)` is a 4-sampler in the actor too. Besides `location`, the actor
+answers TransferQueue's controller calls that tests and tools make: `list_partitions`, `clear_partition`,
+`get_partition_snapshot`, `get_config`, and `save_checkpoint`/`load_checkpoint` (paths on the actor's node).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-ACTOR_NAME = "ArrowbufTransferQueue"
-NAMESPACE = "arrowbuf_transfer_queue"
+from .samplers import sampler_spec
+
+ACTOR_NAME = "TransferQueueController"
+NAMESPACE = "transfer_queue"
 
 
-class _Host:
+class TransferQueueController:
     """The Ray actor: one `TQState` served over Flight."""
 
-    def __init__(self, capacity: int, sampler: Any, host: str, token: str | None) -> None:
-        from .samplers import make_sampler
+    def __init__(self, settings: dict[str, Any], host: str, token: str | None) -> None:
         from .server import TQServer
         from .state import TQState
 
-        self.state = TQState(capacity=capacity, sampler=make_sampler(sampler))
+        self.settings = settings
+        self.state = TQState(capacity=settings["capacity"], sampler=settings["sampler"],
+                             polling_mode=settings["polling_mode"], wait=settings["wait"])
         self.server = TQServer(self.state, f"grpc://{host}:0", token=token)
 
     def location(self) -> str:
         return str(self.server.location)
+
+    def get_config(self) -> dict[str, Any]:
+        """The settings the system was started with."""
+        return dict(self.settings)
+
+    def list_partitions(self) -> list[str]:
+        return self.state.list_partitions()
+
+    def clear_partition(self, partition_id: str) -> None:
+        self.state.clear_partition(partition_id)
+
+    def get_partition_snapshot(self, partition_id: str) -> Any:
+        """A copy of a partition's bookkeeping (`meta.PartitionSnapshot`), or None."""
+        from .meta import PartitionSnapshot
+
+        record = self.state.snapshot(partition_id)
+        return None if record is None else PartitionSnapshot(record)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.state.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.state.load_checkpoint(path)
 
     def shutdown(self) -> None:
         self.server.close()
@@ -42,27 +73,37 @@ def ray_running() -> bool:
     return bool(ray.is_initialized())
 
 
-def join_or_start(capacity: int, sampler: Any, host: str, token: str | None) -> tuple[str, Any]:
-    """The Flight location of the job's system, and the actor handle when this call started it (else None)."""
+def _spec(settings: dict[str, Any]) -> dict[str, Any]:
+    """What the actor needs of `api._settings` (no token: `get_config` hands this out)."""
+    return {"capacity": settings["capacity"], "polling_mode": settings["polling_mode"], "wait": settings["wait"],
+            "sampler": sampler_spec(settings["sampler"])}
+
+
+def _start(name: str, settings: dict[str, Any], host: str, token: str | None, **options: Any) -> tuple[Any, bool]:
+    """The named actor: found, or started by this call (then True)."""
     import ray
 
-    actor: Any
-    owned: Any = None
     try:
-        actor = ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
+        return ray.get_actor(name, namespace=NAMESPACE), False
     except ValueError:
-        spec = sampler if isinstance(sampler, str) or sampler is None else type(sampler).__name__
-        try:
-            actor = ray.remote(_Host).options(name=ACTOR_NAME, namespace=NAMESPACE, num_cpus=0,
-                                              lifetime=None).remote(capacity, spec, host, token)
-            owned = actor
-        except ValueError:  # another process created it meanwhile
-            actor = ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
-            owned = None
-    return str(ray.get(actor.location.remote())), owned
+        pass
+    spec = _spec(settings)
+    try:
+        return ray.remote(TransferQueueController).options(name=name, namespace=NAMESPACE, num_cpus=0,
+                                                           lifetime=None, **options).remote(spec, host, token), True
+    except ValueError:  # another process created it meanwhile
+        return ray.get_actor(name, namespace=NAMESPACE), False
 
 
-def join_or_start_shards(n: int, capacity: int, sampler: Any, host: str, token: str | None
+def join_or_start(settings: dict[str, Any], host: str, token: str | None) -> tuple[str, Any, Any]:
+    """(the Flight location of the job's system, its actor, the actor when this call started it else None)."""
+    import ray
+
+    actor, started = _start(ACTOR_NAME, settings, host, token)
+    return str(ray.get(actor.location.remote())), actor, actor if started else None
+
+
+def join_or_start_shards(n: int, settings: dict[str, Any], host: str, token: str | None
                          ) -> tuple[list[str], list[Any]]:
     """The Flight locations of the job's `n`-shard system (`sharded`): one named actor per shard, found by every
     later `init` with the same `n`; and the actors this call started (stopped by its `close`)."""
@@ -70,19 +111,10 @@ def join_or_start_shards(n: int, capacity: int, sampler: Any, host: str, token: 
 
     locations: list[str] = []
     owned: list[Any] = []
-    spec = sampler if isinstance(sampler, str) or sampler is None else type(sampler).__name__
     for k in range(n):
-        name = f"{ACTOR_NAME}-{k}-of-{n}"
-        actor: Any
-        try:
-            actor = ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            try:
-                actor = ray.remote(_Host).options(name=name, namespace=NAMESPACE, num_cpus=0, lifetime=None,
-                                                  scheduling_strategy="SPREAD").remote(capacity, spec, host, token)
-                owned.append(actor)
-            except ValueError:  # another process created it meanwhile
-                actor = ray.get_actor(name, namespace=NAMESPACE)
+        actor, started = _start(f"{ACTOR_NAME}-{k}-of-{n}", settings, host, token, scheduling_strategy="SPREAD")
+        if started:
+            owned.append(actor)
         locations.append(str(ray.get(actor.location.remote())))
     return locations, owned
 

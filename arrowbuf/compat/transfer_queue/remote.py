@@ -1,28 +1,33 @@
-"""The client side of `tq.v1` (`wire`): the calls `TransferQueueClient` makes, over Arrow Flight."""
+"""The client side of `tq.v2` (`wire`): the calls `TransferQueueClient` makes (`client.Backend`), over Arrow Flight.
+
+Inside a Ray job the system's actor is known too (`actor`): checkpoints go to it as Ray calls (the actor writes and
+reads the files; the Flight server takes no paths)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ...errors import SchemaError
-from .columns import FieldKind
-from .samplers import BaseSampler
-from .wire import ERROR_RE, ERRORS, VERSION, arrow_type, sampler_spec
+from ...errors import InvalidArgument, SchemaError
+from .columns import FieldKind, FieldValues
+from .samplers import sampler_spec
+from .wire import ERROR_RE, ERRORS, VERSION
 
 
 class RemoteBackend:
-    """The client side: the calls `TransferQueueClient` makes, over Flight."""
+    """`client.Backend` over Flight (see the module docstring)."""
 
-    def __init__(self, location: str, token: str | None = None) -> None:
+    in_process = False
+
+    def __init__(self, location: str, token: str | None = None, actor: Any = None) -> None:
         self.location = location
-        self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self.actor = actor
+        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._client = flight.FlightClient(location)
-        self._options = flight.FlightCallOptions(headers=self._headers)
+        self._options = flight.FlightCallOptions(headers=headers)
 
     def _raise(self, e: Exception) -> None:
         m = ERROR_RE.search(str(e))
@@ -33,16 +38,66 @@ class RemoteBackend:
 
     def _act(self, op: str, **body: Any) -> Any:
         try:
-            out = list(self._client.do_action(flight.Action(f"{VERSION}.{op}", json.dumps(body).encode()),
-                                              self._options))
+            payload = json.dumps(body).encode()
+        except TypeError as e:
+            raise InvalidArgument(f"{op}: arguments must be JSON values over Flight ({e})") from None
+        try:
+            out = list(self._client.do_action(flight.Action(f"{VERSION}.{op}", payload), self._options))
         except flight.FlightError as e:
             self._raise(e)
-        return json.loads(out[0].body.to_pybytes())
+        return json.loads(out[0].body.to_pybytes())["result"]
 
-    def _put(self, command: dict[str, Any], kinds: dict[str, FieldKind], cols: dict[str, Any], n: int) -> Any:
-        command["kinds"] = {f: k.to_json() for f, k in kinds.items()}
-        schema = pa.schema([pa.field(f, arrow_type(k)) for f, k in kinds.items()])
-        table = pa.table({f: cols[f] for f in kinds}, schema=schema) if kinds else pa.table({})
+    # ------------------------------------------------------------------ metadata
+    def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int | None, mode: str = "fetch",
+                 task_name: str | None = None, sampler: Any = None,
+                 sampling_config: dict[str, Any] | None = None) -> dict[str, Any]:
+        spec = sampler_spec(sampler)  # a sampler travels as its class and parameters, never only its name
+        return dict(self._act("get_meta", partition_id=partition_id, data_fields=data_fields, batch_size=batch_size,
+                              mode=mode, task_name=task_name, sampler=spec, sampling_config=sampling_config or {}))
+
+    def kv_retrieve_meta(self, partition_id: str, keys: list[str], create: bool = False) -> dict[str, Any]:
+        return dict(self._act("kv_retrieve_meta", partition_id=partition_id, keys=keys, create=create))
+
+    def kv_retrieve_keys(self, partition_id: str, gidx: list[int]) -> list[str | None]:
+        return list(self._act("kv_retrieve_keys", partition_id=partition_id, gidx=list(gidx)))
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+        return dict(self._act("kv_list", partition_id=partition_id))
+
+    def set_custom_meta(self, custom_meta: dict[str, dict[int, dict[str, Any]]]) -> None:
+        self._act("set_custom_meta", custom_meta={p: [[int(g), m] for g, m in per.items()]
+                                                  for p, per in custom_meta.items()})
+
+    def production_status(self, partition_id: str, data_fields: list[str]) -> Any:
+        return self._act("production_status", partition_id=partition_id, data_fields=data_fields)
+
+    def consumption_status(self, partition_id: str, task_name: str) -> Any:
+        return self._act("consumption_status", partition_id=partition_id, task_name=task_name)
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        return bool(self._act("reset_consumption", partition_id=partition_id, task_name=task_name))
+
+    def clear_samples(self, partition_ids: list[str], gidx: list[int]) -> None:
+        self._act("clear_samples", partition_ids=list(partition_ids), gidx=[int(g) for g in gidx])
+
+    def clear_partition(self, partition_id: str) -> None:
+        self._act("clear_partition", partition_id=partition_id)
+
+    def list_partitions(self) -> list[str]:
+        return list(self._act("list_partitions"))
+
+    def snapshot(self, partition_id: str) -> dict[str, Any] | None:
+        return self._act("snapshot", partition_id=partition_id)
+
+    def field_kinds(self, partition_id: str) -> dict[str, list[str]]:
+        return dict(self._act("field_kinds", partition_id=partition_id))
+
+    # ------------------------------------------------------------------ values
+    def _put(self, command: dict[str, Any], values: dict[str, FieldValues]) -> Any:
+        names = list(values)
+        command["kinds"] = {f: values[f].kind.to_json() for f in names}
+        command["shapes"] = {f: [list(s) for s in v.sample_shapes()] for f, v in values.items() if v.ragged}
+        table = pa.table([values[f].to_arrow() for f in names], names=names) if names else pa.table({})
         try:
             writer, reader = self._client.do_put(flight.FlightDescriptor.for_command(json.dumps(command).encode()),
                                                  table.schema, self._options)
@@ -53,80 +108,53 @@ class RemoteBackend:
                 buf = reader.read()
         except flight.FlightError as e:
             self._raise(e)
-        return json.loads(buf.to_pybytes())
+        return json.loads(buf.to_pybytes())["result"]
 
-    def put_keys(self, partition_id: str, keys: list[str], kinds: dict[str, FieldKind], cols: dict[str, Any],
-                 tags: list[dict[str, Any]] | None) -> tuple[np.ndarray, list[str]]:
-        out = self._put({"op": "put_keys", "partition_id": partition_id, "keys": keys, "tags": tags}, kinds, cols,
-                        len(keys))
-        return np.asarray(out["gidx"], dtype=np.int64), list(out["fields"])
+    def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
+            schema: dict[str, dict[str, Any]]) -> None:
+        self._put({"op": "put", "partition_id": partition_id, "gidx": [int(g) for g in gidx], "schema": schema},
+                  values)
 
-    def put_indexes(self, partition_id: str, gidx: np.ndarray | None, count: int, kinds: dict[str, FieldKind],
-                    cols: dict[str, Any], tags: list[dict[str, Any]] | None = None) -> np.ndarray:
-        if not kinds and gidx is not None:
-            return np.asarray(self._act("put_tags", partition_id=partition_id, gidx=gidx.tolist(), tags=tags))
-        out = self._put({"op": "put_indexes", "partition_id": partition_id,
-                         "gidx": None if gidx is None else gidx.tolist(), "tags": tags}, kinds, cols, count)
-        return np.asarray(out["gidx"], dtype=np.int64)
+    def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
+               schema: dict[str, dict[str, Any]], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
+        try:
+            tags_json = json.loads(json.dumps(tags))
+        except TypeError as e:
+            raise InvalidArgument(f"tags must be JSON values over Flight ({e})") from None
+        return dict(self._put({"op": "kv_put", "partition_id": partition_id, "keys": list(keys), "tags": tags_json,
+                               "schema": schema}, values))
 
-    def read(self, partition_id: str, gidx: np.ndarray, fields: list[str] | None
-             ) -> tuple[dict[str, Any], dict[str, FieldKind]]:
-        ticket = {"op": "read", "partition_id": partition_id, "gidx": gidx.tolist(), "fields": fields}
+    def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]:
+        ticket = {"op": "read", "partition_id": partition_id, "gidx": [int(g) for g in gidx], "fields": fields}
         try:
             table = self._client.do_get(flight.Ticket(json.dumps(ticket).encode()), self._options).read_all()
         except flight.FlightError as e:
             self._raise(e)
-        raw = json.loads((table.schema.metadata or {}).get(b"tq.kinds", b"{}"))
-        kinds = {f: FieldKind.from_json(k) for f, k in raw.items()}
-        return {f: table.column(f) for f in kinds}, kinds
+        meta = table.schema.metadata or {}
+        kinds = {f: FieldKind.from_json(k) for f, k in json.loads(meta.get(b"tq.kinds", b"{}")).items()}
+        shapes = json.loads(meta.get(b"tq.shapes", b"{}"))
+        if set(kinds) != set(fields):
+            raise SchemaError(f"read: the server sent fields {sorted(kinds)} for {sorted(fields)}")
+        return {f: FieldValues.from_arrow(kinds[f], table.column(f),
+                                          None if f not in shapes else [tuple(s) for s in shapes[f]], writable=True)
+                for f in fields}
 
-    def key_indexes(self, partition_id: str, keys: list[str]) -> np.ndarray:
-        return np.asarray(self._act("key_indexes", partition_id=partition_id, keys=keys), dtype=np.int64)
+    # ------------------------------------------------------------------ checkpoints (Ray actor only)
+    def _actor(self, what: str) -> Any:
+        if self.actor is None:
+            raise InvalidArgument(f"{what} of a system joined over Flight is not offered (the server takes no "
+                                  "paths); checkpoint it in the process that serves it, or inside Ray")
+        import ray
 
-    def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int, mode: str,
-                 task_name: str | None, sampler: BaseSampler | None, sampling_config: dict[str, Any]) -> np.ndarray:
-        cfg = {k: v for k, v in sampling_config.items() if k in ("dp_rank", "batch_index")}
-        return np.asarray(self._act("get_meta", partition_id=partition_id, data_fields=data_fields,
-                                    batch_size=batch_size, mode=mode, task_name=task_name,
-                                    sampler=sampler_spec(sampler), sampling_config=cfg), dtype=np.int64)
+        return ray
 
-    def production_status(self, partition_id: str, data_fields: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        idx, st = self._act("production_status", partition_id=partition_id, data_fields=data_fields)
-        return np.asarray(idx, dtype=np.int64), np.asarray(st, dtype=np.int8)
+    def save_checkpoint(self, path: str) -> None:
+        ray = self._actor("save_checkpoint")
+        ray.get(self.actor.save_checkpoint.remote(path))
 
-    def consumption_status(self, partition_id: str, task_name: str) -> tuple[np.ndarray, np.ndarray]:
-        idx, st = self._act("consumption_status", partition_id=partition_id, task_name=task_name)
-        return np.asarray(idx, dtype=np.int64), np.asarray(st, dtype=np.int8)
-
-    def reset_consumption(self, partition_id: str, task_name: str | None) -> bool:
-        return bool(self._act("reset_consumption", partition_id=partition_id, task_name=task_name))
-
-    def clear_keys(self, partition_id: str, keys: list[str]) -> None:
-        self._act("clear_keys", partition_id=partition_id, keys=keys)
-
-    def clear_samples(self, partition_id: str, gidx: np.ndarray) -> None:
-        self._act("clear_samples", partition_id=partition_id, gidx=gidx.tolist())
-
-    def clear_partition(self, partition_id: str) -> None:
-        self._act("clear_partition", partition_id=partition_id)
-
-    def kv_list(self, partition_id: str | None) -> dict[str, dict[str, Any]]:
-        return dict(self._act("kv_list", partition_id=partition_id))
-
-    def tags_of(self, partition_id: str, gidx: np.ndarray) -> list[dict[str, Any]]:
-        return list(self._act("tags_of", partition_id=partition_id, gidx=np.asarray(gidx).tolist()))
-
-    def field_names(self, partition_id: str) -> list[str]:
-        return list(self._act("field_names", partition_id=partition_id))
-
-    def field_kinds(self, partition_id: str) -> dict[str, FieldKind]:
-        raw = self._act("field_kinds", partition_id=partition_id)
-        if not isinstance(raw, dict):
-            raise SchemaError("field_kinds: the server sent no mapping")
-        return {str(f): FieldKind.from_json(k) for f, k in raw.items()}
-
-    def keys_of(self, partition_id: str, gidx: np.ndarray) -> list[str | None]:
-        return list(self._act("keys_of", partition_id=partition_id, gidx=np.asarray(gidx).tolist()))
+    def load_checkpoint(self, path: str) -> None:
+        ray = self._actor("load_checkpoint")
+        ray.get(self.actor.load_checkpoint.remote(path))
 
     def close_client(self) -> None:
         self._client.close()

@@ -1,53 +1,52 @@
 """One TransferQueue-compatible system spread over N served systems (shards): the smallest honest sharding.
 
 Each shard is a whole `TQState` served over Flight (`server.TQServer`; inside a Ray job one named Ray actor per
-shard, `ray.join_or_start_shards`). `ShardedBackend` is a client-side router with the calls
-`TransferQueueClient` makes, so every process that joins with the same shard locations sees one system:
+shard, `ray.join_or_start_shards`). `ShardedBackend` is a client-side router with the calls `TransferQueueClient`
+makes (`client.Backend`), so every process that joins with the same shard locations sees one system:
 
-- KV path: a key lives on shard `crc32(key) % N` (the same in every process). `kv_batch_put`/`kv_batch_get`/
-  `kv_clear` split their keys by shard and reassemble the caller's order; `kv_list` merges the shards.
-- Metadata path: the new samples of one `put(data, partition_id=...)` go *whole* to one shard (a GRPO group put
-  together stays together); successive puts of this client rotate over the shards, starting at shard 0. Every
-  global index handed out carries its shard: `shard << 40 | index on the shard` (shard 0's indexes are the plain
-  ones), and every index passed back is routed by it.
+- KV path: a key lives on shard `crc32(key) % N` (the same in every process). Key lookups, puts, gets and clears
+  split their keys by shard and reassemble the caller's order; `kv_list` merges the shards.
+- Metadata path: the new samples of one `put(data, partition_id=...)` (get_meta `insert`) go *whole* to one shard
+  (a GRPO group put together stays together); successive inserts of this client rotate over the shards, starting
+  at shard 0. Every global index handed out carries its shard: `shard << 40 | index on the shard` (shard 0's indexes
+  are the plain ones), and every index passed back is routed by it.
 - `get_meta(mode="fetch")` asks the shards in order 0..N-1 and returns the first non-empty batch: a batch (and so a
   GRPO group, a rank's share) comes from one shard and is marked consumed there, so each task still sees each sample
   once, and ranks of one DP group (rank-aware sampler, cached per shard) get the same batch. A batch is *not*
   assembled from several shards: with B ready samples split over shards, a `batch_size` larger than any one shard's
-  ready count gets nothing. `force_fetch` concatenates the shards.
-- Statuses, tags, key lookups, clears are split by shard and merged.
+  ready count gets nothing. Without polling_mode this router waits for a batch (the shards answer at once) and
+  raises `GetMetaTimeout` as one system would. `force_fetch` concatenates the shards.
+- Statuses, custom metadata, key lookups and clears are split by shard and merged.
 
-Not sharded: the field-group stores inside one shard (each shard holds whole `ExperienceStore`s, not an
-`arrowbuf.ray.ShardedStore`). Validation: input refused by the client (batch sizes, mixed dtypes, unknown keys, tags
-length) writes nothing anywhere; before a put with fields, every shard's kinds of those fields are fetched (one
-small call per shard) and a field whose kind differs from any shard's first put of it is refused before any shard
-writes. Not atomic across shards otherwise: a put that a shard refuses for another reason (its ring full, a
-concurrent put from another process fixing a field's kind first) may already be written on the shards before it;
-and a dense 1-D batch of a field that some shard holds as jagged is stored dense on a shard that never saw it.
+Not sharded: the field-group stores inside one shard. Not offered: partition snapshots and checkpoints of a
+sharded system (checkpoint each shard). Validation: input refused by the client (batch sizes, mixed dtypes, bad
+keys) writes nothing anywhere; a put that a shard refuses (a kind that differs from that shard's) may already be
+written on the shards before it: puts are atomic per shard, not across shards.
 """
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from ...errors import InvalidArgument, SchemaError
-from .columns import FieldKind
+from .columns import FieldValues
+from .state import GetMetaTimeout, StorageKeyNotFoundError
 
 SHARD_SHIFT = 40
 MAX_SHARDS = 1 << 12
 _LOCAL_MASK = (1 << SHARD_SHIFT) - 1
 
 
-def encode(shard: int, local: np.ndarray) -> np.ndarray:
+def encode(shard: int, local: Any) -> np.ndarray:
     """Global indexes of shard-local ones: `shard << 40 | local`."""
     return (np.int64(shard) << SHARD_SHIFT) | np.asarray(local, dtype=np.int64)
 
 
-def decode(gidx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def decode(gidx: Any) -> tuple[np.ndarray, np.ndarray]:
     """(shard, local index) of global indexes."""
     g = np.asarray(gidx, dtype=np.int64)
     return g >> SHARD_SHIFT, g & _LOCAL_MASK
@@ -60,34 +59,57 @@ def key_shard(key: str, n: int) -> int:
     return zlib.crc32(key.encode()) % n
 
 
-def _take(col: Any, idx: np.ndarray) -> Any:
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
-    return col.take(pa.array(idx, type=pa.int64()))
-
-
-def _join(parts: list[tuple[np.ndarray, Any]], n: int) -> Any:
-    """One column of `n` rows from (positions, column piece) pairs."""
-    if len(parts) == 1 and np.array_equal(parts[0][0], np.arange(n)):
-        col = parts[0][1]
-        return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    order = np.concatenate([p for p, _ in parts])
-    joined = pa.concat_arrays([c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for _, c in parts])
-    return joined.take(pa.array(np.argsort(order, kind="stable")))
+def _merge_records(parts: list[tuple[int, dict[str, Any]]], order: np.ndarray | None = None) -> dict[str, Any]:
+    """One meta record of shard records (global indexes encoded), samples in shard order or at positions `order`
+    (the position of each concatenated sample in the result); fields: those every part has."""
+    parts = [(k, r) for k, r in parts if r["global_indexes"]]
+    if not parts:
+        return {"global_indexes": [], "partition_id": None, "field_schema": {}, "production_status": [],
+                "custom_meta": []}
+    gidx = np.concatenate([encode(k, r["global_indexes"]) for k, r in parts])
+    fields = set(parts[0][1]["field_schema"])
+    for _, r in parts[1:]:
+        fields &= set(r["field_schema"])
+    schema: dict[str, Any] = {}
+    for f in sorted(fields):
+        entry = dict(parts[0][1]["field_schema"][f])
+        shapes = [r["field_schema"][f].get("per_sample_shapes") for _, r in parts]
+        if any(s is not None for s in shapes):
+            entry["per_sample_shapes"] = [
+                x for (_, r), s in zip(parts, shapes, strict=True)
+                for x in (s or [r["field_schema"][f].get("shape")] * len(r["global_indexes"]))]
+            entry["is_nested"] = True
+        schema[f] = entry
+    status = [s for _, r in parts for s in r["production_status"]]
+    custom = [c for _, r in parts for c in r["custom_meta"]]
+    rec = {"global_indexes": gidx.tolist(), "partition_id": parts[0][1]["partition_id"], "field_schema": schema,
+           "production_status": status, "custom_meta": custom}
+    if order is not None:
+        inv = np.argsort(order, kind="stable")
+        rec["global_indexes"] = [rec["global_indexes"][i] for i in inv]
+        rec["production_status"] = [status[i] for i in inv]
+        rec["custom_meta"] = [custom[i] for i in inv]
+        for e in schema.values():
+            if "per_sample_shapes" in e:
+                e["per_sample_shapes"] = [e["per_sample_shapes"][i] for i in inv]
+    return rec
 
 
 class ShardedBackend:
-    """The calls `TransferQueueClient` makes, routed over `backends` (one per shard; see the module docstring)."""
+    """`client.Backend` routed over `backends` (one per shard; see the module docstring)."""
 
-    def __init__(self, backends: list[Any]) -> None:
+    in_process = False
+
+    def __init__(self, backends: list[Any], polling_mode: bool = True, wait: float = 5.0) -> None:
         if not 1 <= len(backends) <= MAX_SHARDS:
             raise InvalidArgument(f"need 1..{MAX_SHARDS} shards, got {len(backends)}")
         self.backends = list(backends)
         self.n = len(backends)
-        self._next = 0  # the shard of this client's next metadata-path put
+        self.polling_mode = polling_mode
+        self.wait = wait
+        self._next = 0  # the shard of this client's next insert
 
-    # ------------------------------------------------------------------ routing helpers
-    def _by_shard(self, gidx: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def _by_shard(self, gidx: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """{shard: (positions in gidx, local indexes)}; refuses indexes of shards that do not exist."""
         shard, local = decode(gidx)
         bad = (shard < 0) | (shard >= self.n)
@@ -99,167 +121,184 @@ class ShardedBackend:
         shards = np.asarray([key_shard(k, self.n) for k in keys], dtype=np.int64)
         return {int(k): np.flatnonzero(shards == k) for k in np.unique(shards)}
 
-    def _each(self, call: str, partition_id: str, *args: Any) -> list[tuple[int, Any]]:
-        """`call` on every shard that has the partition (KeyError when none has it)."""
-        out: list[tuple[int, Any]] = []
-        missing: KeyError | None = None
-        for k, b in enumerate(self.backends):
-            try:
-                out.append((k, getattr(b, call)(partition_id, *args)))
-            except KeyError as e:
-                missing = e
-        if not out and missing is not None:
-            raise missing
-        return out
-
-    # ------------------------------------------------------------------ writes
-    def _check_kinds(self, partition_id: str, kinds: dict[str, FieldKind]) -> None:
-        """Refuse, before any shard writes, a field whose kind differs from any shard's first put of it (as one
-        system would: a field keeps its dtype, shape and kind in a partition, whichever shard holds the samples)."""
-        if not kinds or self.n == 1:
-            return
-        try:
-            held = self._each("field_kinds", partition_id)
-        except KeyError:
-            return  # a new partition
-        for _, theirs in held:
-            for f, k in kinds.items():
-                old = theirs.get(f)
-                if old is None or old == k:
-                    continue
-                if old.kind == "jagged" and k.kind == "dense" and len(k.shape) == 1 and k.dtype == old.dtype:
-                    continue  # taken as jagged by the shard that has it jagged (see TQState.check_kinds)
-                raise SchemaError(f"field {f!r}: this put holds {k.kind} {k.dtype}{list(k.shape)}, but the "
-                                  f"partition's first put of it held {old.kind} {old.dtype}{list(old.shape)}; "
-                                  "a field keeps its dtype, shape and kind; nothing was written")
-
-    def put_keys(self, partition_id: str, keys: list[str], kinds: dict[str, FieldKind], cols: dict[str, Any],
-                 tags: list[dict[str, Any]] | None) -> tuple[np.ndarray, list[str]]:
-        if len(set(keys)) != len(keys):
-            raise InvalidArgument("Got duplicated keys.")
-        self._check_kinds(partition_id, kinds)
-        out = np.empty(len(keys), dtype=np.int64)
-        stored: set[str] | None = None
-        for k, pos in self._keys_by_shard(keys).items():
-            sub_cols = {f: _take(c, pos) for f, c in cols.items()}
-            sub_tags = None if tags is None else [tags[i] for i in pos]
-            gidx, fields = self.backends[k].put_keys(partition_id, [keys[i] for i in pos], kinds, sub_cols, sub_tags)
-            out[pos] = encode(k, gidx)
-            stored = set(fields) if stored is None else stored & set(fields)
-        return out, sorted(stored or ())
-
-    def put_indexes(self, partition_id: str, gidx: np.ndarray | None, count: int, kinds: dict[str, FieldKind],
-                    cols: dict[str, Any], tags: list[dict[str, Any]] | None = None) -> np.ndarray:
-        self._check_kinds(partition_id, kinds)
-        if gidx is None:  # new samples: the whole put on one shard
+    # ------------------------------------------------------------------ metadata
+    def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int | None, mode: str = "fetch",
+                 task_name: str | None = None, sampler: Any = None,
+                 sampling_config: dict[str, Any] | None = None) -> dict[str, Any]:
+        if mode == "insert":
             k = self._next
             self._next = (self._next + 1) % self.n
-            return encode(k, self.backends[k].put_indexes(partition_id, None, count, kinds, cols, tags))
-        gidx = np.asarray(gidx, dtype=np.int64)
-        parts = self._by_shard(gidx)
-        for k, (pos, local) in parts.items():
-            sub_cols = {f: _take(c, pos) for f, c in cols.items()}
-            sub_tags = None if tags is None else [tags[i] for i in pos]
-            self.backends[k].put_indexes(partition_id, local, len(pos), kinds, sub_cols, sub_tags)
-        return gidx
+            rec = self.backends[k].get_meta(partition_id, data_fields, batch_size, mode, task_name, sampler,
+                                             sampling_config)
+            return _merge_records([(k, rec)])
+        if mode == "force_fetch":
+            parts, missing = [], None
+            for k, b in enumerate(self.backends):
+                try:
+                    parts.append((k, b.get_meta(partition_id, data_fields, batch_size, mode, task_name, sampler,
+                                                sampling_config)))
+                except ValueError as e:
+                    missing = e
+            if not parts and missing is not None:
+                raise missing
+            return _merge_records(parts)
+        deadline = time.monotonic() + self.wait
+        while True:
+            for k, b in enumerate(self.backends):
+                rec = b.get_meta(partition_id, data_fields, batch_size, mode, task_name, sampler, sampling_config)
+                if rec["global_indexes"]:
+                    return _merge_records([(k, rec)])
+            if self.polling_mode:
+                return _merge_records([])
+            if time.monotonic() > deadline:
+                raise GetMetaTimeout(f"Timeout while waiting for sufficient data for task {task_name}: no shard of "
+                                     f"{self.n} had {batch_size} ready samples of {data_fields} in partition "
+                                     f"{partition_id!r}")
+            time.sleep(0.02)  # the shards answer at once (polling); this router waits like one system would
 
-    # ------------------------------------------------------------------ reads
-    def read(self, partition_id: str, gidx: np.ndarray, fields: list[str] | None
-             ) -> tuple[dict[str, Any], dict[str, FieldKind]]:
-        gidx = np.asarray(gidx, dtype=np.int64)
-        parts = self._by_shard(gidx)
-        pieces: dict[str, list[tuple[np.ndarray, Any]]] = {}
-        kinds: dict[str, FieldKind] = {}
-        names: set[str] | None = None
-        for k, (pos, local) in parts.items():
-            cols, ks = self.backends[k].read(partition_id, local, fields)
-            if names is not None and set(cols) != names:  # as one system: a sample lacking a field is an error
-                lacking = sorted(names ^ set(cols))
-                raise SchemaError(f"field(s) {lacking} have no value for some of the samples in partition "
-                                  f"{partition_id!r} (not produced yet)")
-            names = set(cols)
-            kinds.update(ks)
-            for f, c in cols.items():
-                pieces.setdefault(f, []).append((pos, c))
-        return {f: _join(p, len(gidx)) for f, p in pieces.items()}, kinds
-
-    def key_indexes(self, partition_id: str, keys: list[str]) -> np.ndarray:
-        out = np.empty(len(keys), dtype=np.int64)
+    def kv_retrieve_meta(self, partition_id: str, keys: list[str], create: bool = False) -> dict[str, Any]:
+        parts: list[tuple[int, dict[str, Any]]] = []
+        positions: list[np.ndarray] = []
         for k, pos in self._keys_by_shard(keys).items():
-            out[pos] = encode(k, self.backends[k].key_indexes(partition_id, [keys[i] for i in pos]))
-        return out
+            rec = self.backends[k].kv_retrieve_meta(partition_id, [keys[i] for i in pos], create)
+            found = self.backends[k].kv_retrieve_keys(partition_id, rec["global_indexes"]) if rec[
+                "global_indexes"] else []
+            where = {keys[i]: i for i in pos}
+            parts.append((k, rec))
+            positions.append(np.asarray([where[key] for key in found], dtype=np.int64))
+        order = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
+        ranks = np.argsort(np.argsort(order, kind="stable"), kind="stable")  # positions among the found keys
+        return _merge_records(parts, ranks)
 
-    def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int, mode: str,
-                 task_name: str | None, sampler: Any, sampling_config: dict[str, Any]) -> np.ndarray:
-        got: list[np.ndarray] = []
-        for k, b in enumerate(self.backends):
-            want = batch_size - sum(len(g) for g in got) if mode == "force_fetch" and batch_size else batch_size
-            local = np.asarray(b.get_meta(partition_id, data_fields, want, mode, task_name, sampler,
-                                          sampling_config), dtype=np.int64)
-            if len(local):
-                got.append(encode(k, local))
-                if mode != "force_fetch" or (batch_size and sum(len(g) for g in got) >= batch_size):
-                    break
-        return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
-
-    def _status(self, call: str, partition_id: str, arg: Any) -> tuple[np.ndarray, np.ndarray]:
-        idx: list[np.ndarray] = []
-        st: list[np.ndarray] = []
-        for k, (i, s) in self._each(call, partition_id, arg):
-            idx.append(encode(k, i))
-            st.append(np.asarray(s, dtype=np.int8))
-        all_idx = np.concatenate(idx)
-        order = np.argsort(all_idx, kind="stable")
-        return all_idx[order], np.concatenate(st)[order]
-
-    def production_status(self, partition_id: str, data_fields: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        return self._status("production_status", partition_id, data_fields)
-
-    def consumption_status(self, partition_id: str, task_name: str) -> tuple[np.ndarray, np.ndarray]:
-        return self._status("consumption_status", partition_id, task_name)
-
-    def reset_consumption(self, partition_id: str, task_name: str | None) -> bool:
-        return any([bool(b.reset_consumption(partition_id, task_name)) for b in self.backends])
-
-    def tags_of(self, partition_id: str, gidx: np.ndarray) -> list[dict[str, Any]]:
-        out: list[Any] = [None] * len(gidx)
-        for k, (pos, local) in self._by_shard(np.asarray(gidx, dtype=np.int64)).items():
-            for i, t in zip(pos.tolist(), self.backends[k].tags_of(partition_id, local), strict=True):
-                out[i] = t
-        return out
-
-    def keys_of(self, partition_id: str, gidx: np.ndarray) -> list[str | None]:
+    def kv_retrieve_keys(self, partition_id: str, gidx: list[int]) -> list[str | None]:
         out: list[str | None] = [None] * len(gidx)
-        for k, (pos, local) in self._by_shard(np.asarray(gidx, dtype=np.int64)).items():
-            for i, key in zip(pos.tolist(), self.backends[k].keys_of(partition_id, local), strict=True):
+        for k, (pos, local) in self._by_shard(gidx).items():
+            for i, key in zip(pos.tolist(), self.backends[k].kv_retrieve_keys(partition_id, local.tolist()),
+                              strict=False):
                 out[i] = key
         return out
 
-    def field_names(self, partition_id: str) -> list[str]:
-        return sorted(set().union(*[set(f) for _, f in self._each("field_names", partition_id)]))
-
-    def kv_list(self, partition_id: str | None) -> dict[str, dict[str, Any]]:
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for b in self.backends:
             for pid, keys in b.kv_list(partition_id).items():
                 out.setdefault(pid, {}).update(keys)
         return out
 
-    # ------------------------------------------------------------------ clears
-    def clear_keys(self, partition_id: str, keys: list[str]) -> None:
-        self.key_indexes(partition_id, keys)  # every key known (KeyError otherwise) before any shard clears
-        for k, pos in self._keys_by_shard(keys).items():
-            self.backends[k].clear_keys(partition_id, [keys[i] for i in pos])
+    def set_custom_meta(self, custom_meta: dict[str, dict[int, dict[str, Any]]]) -> None:
+        for pid, per in custom_meta.items():
+            gidx = list(per)
+            for k, (pos, local) in self._by_shard(gidx).items():
+                self.backends[k].set_custom_meta({pid: {int(g): per[gidx[i]] for i, g in zip(pos.tolist(),
+                                                                                               local.tolist(),
+                                                                                               strict=True)}})
 
-    def clear_samples(self, partition_id: str, gidx: np.ndarray) -> None:
+    # ------------------------------------------------------------------ values
+    def _check_kinds(self, partition_id: str, values: dict[str, FieldValues]) -> None:
+        """Refuse, before any shard writes, a field whose kind or dtype differs from any shard's (as one system
+        would: a field keeps its kind in a partition, whichever shard holds its samples)."""
+        for b in self.backends:
+            for f, kind in b.field_kinds(partition_id).items():
+                if f in values and values[f].kind.to_json() != kind:
+                    raise SchemaError(f"field {f!r}: this put holds {values[f].kind.describe()}, but the partition's "
+                                      f"field holds {kind[1]} {kind[0]} values on another shard; a field keeps its "
+                                      "kind and dtype; nothing was written")
+
+    def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
+            schema: dict[str, dict[str, Any]]) -> None:
+        if self.n > 1:
+            self._check_kinds(partition_id, values)
+        for k, (pos, local) in self._by_shard(gidx).items():
+            sub_schema = {}
+            for f, e in schema.items():
+                e = dict(e)
+                if e.get("per_sample_shapes") is not None:
+                    e["per_sample_shapes"] = [e["per_sample_shapes"][i] for i in pos.tolist()]
+                sub_schema[f] = e
+            self.backends[k].put(partition_id, local.tolist(), {f: v.take(pos) for f, v in values.items()},
+                                 sub_schema)
+
+    def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
+               schema: dict[str, dict[str, Any]], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
+        if len(set(keys)) != len(keys):
+            raise ValueError("Got duplicated keys.")
+        if self.n > 1 and values:
+            self._check_kinds(partition_id, values)
+        merged: list[Any] = [None] * len(keys)
+        fields: set[str] | None = None
+        for k, pos in self._keys_by_shard(keys).items():
+            sub_schema = {}
+            for f, e in schema.items():
+                e = dict(e)
+                if e.get("per_sample_shapes") is not None:
+                    e["per_sample_shapes"] = [e["per_sample_shapes"][i] for i in pos.tolist()]
+                sub_schema[f] = e
+            got = self.backends[k].kv_put(partition_id, [keys[i] for i in pos],
+                                          {f: v.take(pos) for f, v in values.items()}, sub_schema,
+                                          None if tags is None else [tags[i] for i in pos])
+            for i, t in zip(pos.tolist(), got["tags"], strict=True):
+                merged[i] = t
+            fields = set(got["fields"]) if fields is None else fields & set(got["fields"])
+        return {"fields": sorted(fields or ()), "tags": merged}
+
+    def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]:
+        pieces: dict[str, list[tuple[np.ndarray, FieldValues]]] = {f: [] for f in fields}
+        for k, (pos, local) in self._by_shard(gidx).items():
+            got = self.backends[k].read(partition_id, local.tolist(), fields)
+            for f in fields:
+                pieces[f].append((pos, got[f]))
+        if not gidx:
+            raise StorageKeyNotFoundError("read of no samples")
+        return {f: FieldValues.join(p, len(gidx)) for f, p in pieces.items()}
+
+    # ------------------------------------------------------------------ status
+    def _status(self, call: str, partition_id: str, arg: Any) -> Any:
+        idx: list[np.ndarray] = []
+        st: list[np.ndarray] = []
+        for k, b in enumerate(self.backends):
+            got = getattr(b, call)(partition_id, arg)
+            if got is not None:
+                idx.append(encode(k, got[0]))
+                st.append(np.asarray(got[1], dtype=np.int8))
+        if not idx:
+            return None
+        all_idx = np.concatenate(idx)
+        order = np.argsort(all_idx, kind="stable")
+        return all_idx[order].tolist(), np.concatenate(st)[order].tolist()
+
+    def production_status(self, partition_id: str, data_fields: list[str]) -> Any:
+        return self._status("production_status", partition_id, data_fields)
+
+    def consumption_status(self, partition_id: str, task_name: str) -> Any:
+        return self._status("consumption_status", partition_id, task_name)
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        return all([bool(b.reset_consumption(partition_id, task_name)) for b in self.backends])
+
+    # ------------------------------------------------------------------ clears and partitions
+    def clear_samples(self, partition_ids: list[str], gidx: list[int]) -> None:
         shard, _ = decode(gidx)
-        ok = np.asarray(gidx)[(shard >= 0) & (shard < self.n)]
-        for k, (_, local) in self._by_shard(ok).items():
-            self.backends[k].clear_samples(partition_id, local)
+        keep = (shard >= 0) & (shard < self.n)
+        pids = [p for p, ok in zip(partition_ids, keep.tolist(), strict=True) if ok]
+        ok_gidx = np.asarray(gidx, dtype=np.int64)[keep]
+        for k, (pos, local) in self._by_shard(ok_gidx).items():
+            self.backends[k].clear_samples([pids[i] for i in pos.tolist()], local.tolist())
 
     def clear_partition(self, partition_id: str) -> None:
         for b in self.backends:
             b.clear_partition(partition_id)
+
+    def list_partitions(self) -> list[str]:
+        return list(dict.fromkeys(p for b in self.backends for p in b.list_partitions()))
+
+    def snapshot(self, partition_id: str) -> dict[str, Any] | None:
+        raise InvalidArgument("partition snapshots of a sharded system are not offered; ask each shard")
+
+    def save_checkpoint(self, path: str) -> None:
+        raise InvalidArgument("checkpoints of a sharded system are not offered; checkpoint each shard's system")
+
+    def load_checkpoint(self, path: str) -> None:
+        raise InvalidArgument("checkpoints of a sharded system are not offered; checkpoint each shard's system")
 
     def close_client(self) -> None:
         for b in self.backends:

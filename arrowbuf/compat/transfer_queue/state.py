@@ -1,37 +1,58 @@
-"""The state behind `arrowbuf.compat.transfer_queue`: partitions of samples, their keys, tags, production and
-per-task consumption status (TransferQueue's controller), with the field values in arrowbuf stores (its storage).
+"""The system behind `arrowbuf.compat.transfer_queue`: TransferQueue's controller (partitions, global indexes, keys,
+custom metadata, per-field production and per-task consumption status, field schemas, the sampler) with the field
+values in arrowbuf stores (its storage).
 
-Layout: a partition holds samples numbered by global index (0, 1, ...). Field values live in arrowbuf
-`ExperienceStore`s, one per *field group*: the set of fields written together by one put. A group's schema is
-inferred from its first put (`columns`); a put that brings new fields, or fills fields of existing samples,
-writes a row into the group store of exactly those fields and records, per (field, sample), which group and row hold
-the value. This is how a schema-free API sits on schema-first stores: schema evolution happens in this layer (a new
-field group is a new store, whose columns `sql()` and checkpoints see by their names), not inside one store.
+Bookkeeping follows TransferQueue 0.1.11's controller call for call (its public tests and the differential test
+check it): global indexes are system-wide, handed out by one counter and reused first-in first-out once released
+(`IndexManager`); a partition registers the fields put into it, in order, with TransferQueue's field-schema rules
+(`FieldInfo`: a field whose shape differs between puts becomes nested); `get_meta` has the modes `insert`, `fetch`
+(ready and unconsumed samples through the sampler, marked consumed) and `force_fetch` (every sample of the
+partition); clears of unknown keys, samples or partitions do nothing.
 
-Guarantees:
-- a put is validated whole (field kinds against the partition's, batch sizes, dtypes) before anything is written;
-  a refused put changes nothing.
-- each task sees each sample once through `get_meta` (until `reset_consumption`); partitions share nothing.
-- a cleared sample is gone from every index at once; its bytes stay in the ring until the store evicts them.
-- a group store is a ring of `capacity` rows: a value overwritten or cleared more than `capacity` rows ago is
-  evicted, and reading a sample whose value was evicted raises `SchemaError` naming the field.
+Values: a partition keeps its field values in arrowbuf `ExperienceStore`s, one per *field group* (the fields written
+together by one put, each in one storage form: a fixed shape, or ragged with a per-row shape column), and records
+per (field, global index) which group and row hold the value. A field whose shape changes between puts is stored
+ragged from then on (`FieldState.mode`); the values of earlier puts stay where they are. A group store is a ring of
+`capacity` rows: a value overwritten or cleared more than `capacity` rows ago is evicted, and reading a sample whose
+value was evicted raises `StorageKeyNotFoundError`.
+
+Guarantees: a put is validated whole (kinds and dtypes against the partition's, batch sizes) before anything is
+written, and a refused put changes nothing. Everything a remote caller passes and gets is JSON or `FieldValues`
+(Arrow on the wire): this class is what `server.TQServer` serves.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from ...errors import InvalidArgument, SchemaError
+from ...errors import ArrowbufError, InvalidArgument, SchemaError
 from ...schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
 from ...store.facade import ExperienceStore
-from .columns import FieldKind
-from .samplers import BaseSampler
+from .columns import FieldKind, FieldValues
+from .samplers import BaseSampler, SequentialSampler, make_sampler, sampler_spec
 
-RESERVED = frozenset(SYSTEM_COLUMNS) | frozenset(STREAM_KEYS)
+MODES = ("insert", "fetch", "force_fetch")
+#: The layout version of `save_checkpoint`'s directory.
+CHECKPOINT_FORMAT = "arrowbuf.tq.v1"
+
+
+class StorageKeyNotFoundError(ArrowbufError, KeyError):
+    """A sample has no value for a field that a read asked for (never written, cleared, or evicted from the ring):
+    TransferQueue's error for a read that reaches a missing key (also a `KeyError`)."""
+
+
+class GetMetaTimeout(ArrowbufError, TimeoutError, RuntimeError):
+    """`get_meta(mode="fetch")` found too few ready samples within its wait (TransferQueue's controller without
+    polling_mode; its client raises a RuntimeError, hence both builtins)."""
 
 
 def _grow(arr: np.ndarray, n: int, fill: Any) -> np.ndarray:
@@ -42,197 +63,314 @@ def _grow(arr: np.ndarray, n: int, fill: Any) -> np.ndarray:
     return out
 
 
+class IndexManager:
+    """System-wide global indexes: released ones are reused first, in release order; each partition's set of
+    indexes (a Python set, iterated as TransferQueue iterates it: `force_fetch` returns them in that order)."""
+
+    def __init__(self) -> None:
+        self.counter = 0
+        self.reusable: list[int] = []
+        self.of: dict[str, set[int]] = {}
+
+    def allocate(self, partition_id: str, count: int) -> list[int]:
+        if count <= 0:
+            raise ValueError(f"Number of indexes needed must be larger than 0, but got {count}")
+        reuse = self.reusable[:count]
+        del self.reusable[:count]
+        fresh = list(range(self.counter, self.counter + count - len(reuse)))
+        self.counter += len(fresh)
+        out = reuse + fresh
+        self.of.setdefault(partition_id, set()).update(out)
+        return out
+
+    def release_partition(self, partition_id: str) -> list[int]:
+        indexes = self.of.pop(partition_id, set())
+        self.reusable.extend(indexes)
+        return list(indexes)
+
+    def release(self, partition_id: str, indexes: list[int]) -> None:
+        mine = self.of.get(partition_id)
+        if mine is None:
+            return
+        if not set(indexes) <= mine:
+            raise ValueError("Some indexes to release do not belong to the specified partition.")
+        mine.difference_update(indexes)
+        self.reusable.extend(indexes)
+        if not mine:
+            self.of.pop(partition_id, None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"counter": self.counter, "reusable": self.reusable, "of": {p: list(s) for p, s in self.of.items()}}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> IndexManager:
+        m = cls()
+        m.counter, m.reusable = int(obj["counter"]), [int(i) for i in obj["reusable"]]
+        m.of = {str(p): {int(i) for i in s} for p, s in obj["of"].items()}
+        return m
+
+
+@dataclass
+class FieldInfo:
+    """One field's schema in a partition, as TransferQueue's controller keeps it (what `BatchMeta.field_schema`
+    reports): dtype (a name), shape (None once nested), is_nested, is_non_tensor, and each sample's shape while
+    nested. A put of another shape makes it nested; once the samples left after a clear share one shape it is not."""
+
+    indexes: set[int] = field(default_factory=set)
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    is_nested: bool | None = None
+    is_non_tensor: bool | None = None
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def first(cls, entry: dict[str, Any], gidx: list[int]) -> FieldInfo:
+        shapes = entry.get("per_sample_shapes")
+        return cls(set(gidx), entry.get("dtype"), _shape(entry.get("shape")), bool(entry.get("is_nested", False)),
+                   bool(entry.get("is_non_tensor", False)),
+                   {g: tuple(s) for g, s in zip(gidx, shapes, strict=True)} if shapes else {})
+
+    def update(self, entry: dict[str, Any], gidx: list[int]) -> None:
+        dtype = entry.get("dtype")
+        if dtype is not None:
+            if self.dtype is None:
+                self.dtype = dtype
+            elif self.dtype != dtype:
+                raise SchemaError(f"dtype mismatch: existing={self.dtype}, incoming={dtype}. All batches for the "
+                                  "same field must have the same dtype.")
+        if entry.get("is_nested"):
+            shapes = entry.get("per_sample_shapes")
+            if shapes is None:
+                raise SchemaError("Receiving a nested field without 'per_sample_shapes'!")
+            if self.is_nested is not None and not self.is_nested:
+                for g in self.indexes:
+                    self.shapes[g] = self.shape  # type: ignore[assignment]
+                self.is_nested, self.shape = True, None
+            self.shapes.update({g: tuple(s) for g, s in zip(gidx, shapes, strict=True)})
+        elif not entry.get("is_non_tensor"):
+            shape = _shape(entry.get("shape"))
+            if shape is None:
+                raise SchemaError("Receiving a regular tensor without 'shape'!")
+            if self.is_nested:
+                self.shapes.update({g: shape for g in gidx})
+            elif self.is_non_tensor is not None and not self.is_non_tensor and self.shape != shape:
+                for g in self.indexes:
+                    self.shapes[g] = self.shape  # type: ignore[assignment]
+                self.shapes.update({g: shape for g in gidx})
+                self.shape, self.is_nested = None, True
+        self.indexes.update(gidx)
+
+    def remove(self, gidx: list[int]) -> None:
+        for g in gidx:
+            self.shapes.pop(g, None)
+            self.indexes.discard(g)
+        if not self.indexes:
+            self.is_nested = self.is_non_tensor = self.shape = self.dtype = None
+            self.shapes.clear()
+        elif self.is_nested:
+            left = {tuple(s) for s in self.shapes.values()}
+            if len(left) == 1:
+                self.is_nested, self.shape = False, left.pop()
+                self.shapes.clear()
+
+    def batch_schema(self, gidx: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": None if self.shape is None else list(self.shape),
+                               "is_nested": self.is_nested, "is_non_tensor": self.is_non_tensor}
+        if self.is_nested and self.shapes:
+            out["per_sample_shapes"] = [None if self.shapes.get(g) is None else list(self.shapes[g]) for g in gidx]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"indexes": sorted(self.indexes), "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape), "is_nested": self.is_nested,
+                "is_non_tensor": self.is_non_tensor, "shapes": [[g, list(s)] for g, s in self.shapes.items()]}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> FieldInfo:
+        return cls({int(i) for i in obj["indexes"]}, obj["dtype"], _shape(obj["shape"]), obj["is_nested"],
+                   obj["is_non_tensor"], {int(g): tuple(s) for g, s in obj["shapes"]})
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(d) for d in value)
+
+
+SHAPE_PREFIX = "__shape__."
+RESERVED = frozenset(SYSTEM_COLUMNS) | frozenset(STREAM_KEYS)
+
+
 class FieldGroup:
-    """One arrowbuf store holding the fields written together; rows addressed by their seq."""
+    """One arrowbuf store holding fields written together, each in one storage form; rows addressed by seq. A
+    ragged tensor field has a companion column `__shape__.<field>` with each row's shape."""
 
-    def __init__(self, name: str, kinds: dict[str, FieldKind], capacity: int) -> None:
-        self.fields = tuple(sorted(kinds))
-        # a field named like a store column (seq, step, episode_id, actor) is stored as `<name>__tq`
-        self.column = {f: f"{f}__tq" if f in RESERVED else f for f in self.fields}
-        schema = {"name": name, "fields": {self.column[f]: kinds[f].schema_entry() for f in self.fields},
-                  "episode_end": [], "truncation": []}  # a sample is a row; no field ends an episode
-        self.store = ExperienceStore(schema, capacity=capacity, sampler="fifo", name=name)
+    def __init__(self, name: str, forms: dict[str, tuple[FieldKind, Any]], capacity: int,
+                 store: ExperienceStore | None = None) -> None:
+        self.name = name
+        self.forms = dict(forms)
+        self.fields = tuple(sorted(forms))
+        # a field is the store column of its name (SQL sees it), or `<name>__tq` where a store column has the name
+        self.column = {f: f"{f}__tq" if f in RESERVED or f.startswith(SHAPE_PREFIX) else f for f in self.fields}
+        if store is None:
+            cols: dict[str, Any] = {}
+            for f in self.fields:
+                kind, mode = forms[f]
+                if mode == "ragged" or kind.kind != "tensor":
+                    cols[self.column[f]] = {"dtype": kind.dtype, "ragged": True}
+                else:
+                    cols[self.column[f]] = {"dtype": kind.dtype, "shape": list(mode)}
+                if kind.kind == "tensor" and mode == "ragged":
+                    cols[SHAPE_PREFIX + self.column[f]] = {"dtype": "int64", "ragged": True}
+            schema = {"name": name, "fields": cols, "episode_end": [], "truncation": []}  # a sample is a row
+            store = ExperienceStore(schema, capacity=capacity, sampler="fifo", name=name)
+        self.store = store
 
-    def write(self, cols: dict[str, pa.Array]) -> np.ndarray:
-        batch = pa.record_batch([cols[f] for f in self.fields], names=[self.column[f] for f in self.fields])
-        return np.asarray(self.store.extend(batch), dtype=np.int64)
+    def write(self, values: dict[str, FieldValues]) -> np.ndarray:
+        arrays: list[pa.Array] = []
+        names: list[str] = []
+        for f in self.fields:
+            kind, mode = self.forms[f]
+            v = values[f].as_ragged() if mode == "ragged" else values[f]
+            arrays.append(v.to_arrow())
+            names.append(self.column[f])
+            if kind.kind == "tensor" and mode == "ragged":
+                shapes = v.sample_shapes()
+                offsets = np.zeros(len(shapes) + 1, dtype=np.int32)
+                np.cumsum([len(s) for s in shapes], out=offsets[1:])
+                dims = np.asarray([d for s in shapes for d in s], dtype=np.int64)
+                arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims)))
+                names.append(SHAPE_PREFIX + self.column[f])
+        return np.asarray(self.store.extend(pa.record_batch(arrays, names=names)), dtype=np.int64)
 
-    def read(self, fields: list[str], seqs: np.ndarray) -> dict[str, pa.Array]:
+    def read(self, fields: list[str], seqs: np.ndarray) -> dict[str, FieldValues] | None:
+        """The fields of rows `seqs` (None when a row was evicted)."""
+        cols = [self.column[f] for f in fields]
+        cols += [SHAPE_PREFIX + self.column[f] for f in fields if self.forms[f][1] == "ragged"
+                 and self.forms[f][0].kind == "tensor"]
         try:
-            batch = self.store.take(seqs, columns=[self.column[f] for f in fields])
+            batch = self.store.take(seqs, columns=cols)
         except InvalidArgument:
-            raise SchemaError(f"fields {fields} of some sample(s) were evicted from the ring (raise `capacity` in "
-                              "init's conf, or clear what you no longer need)") from None
-        return {f: batch.data.column(self.column[f]) for f in fields}
+            return None
+        out: dict[str, FieldValues] = {}
+        for f in fields:
+            kind, mode = self.forms[f]
+            shapes = None
+            if mode == "ragged" and kind.kind == "tensor":
+                dims = FieldValues.from_arrow(FieldKind("tensor", "int64"), batch[SHAPE_PREFIX + self.column[f]],
+                                              None)
+                assert dims.flat is not None and dims.offsets is not None
+                shapes = [tuple(dims.flat[s:e].tolist()) for s, e in
+                          zip(dims.offsets[:-1].tolist(), dims.offsets[1:].tolist(), strict=True)]
+            col = batch[self.column[f]]
+            if isinstance(col, np.ndarray):  # a dense gather: this call's own memory
+                out[f] = FieldValues(kind, len(seqs), dense=col)
+            else:
+                out[f] = FieldValues.from_arrow(kind, col, shapes, writable=True)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "forms": {f: [k.to_json(), m if m == "ragged" else list(m)]
+                                             for f, (k, m) in self.forms.items()}}
 
     def close(self) -> None:
         self.store.close()
 
 
-class PartitionState:
-    """One partition: samples, keys, tags, field locations, consumption per task."""
+@dataclass
+class FieldState:
+    """What the partition stores for one field: its kind (fixed by its first put), its storage form (a shape, or
+    "ragged" once its shape changed), and per global index which group and row hold its value (-1: none)."""
 
-    def __init__(self, partition_id: str, capacity: int) -> None:
+    kind: FieldKind
+    mode: Any
+    group: np.ndarray = field(default_factory=lambda: np.full(16, -1, dtype=np.int64))
+    seq: np.ndarray = field(default_factory=lambda: np.full(16, -1, dtype=np.int64))
+
+    def has(self, gidx: np.ndarray) -> np.ndarray:
+        inside = gidx < len(self.group)
+        out = np.zeros(len(gidx), dtype=bool)
+        out[inside] = self.group[gidx[inside]] >= 0
+        return out
+
+
+class Partition:
+    """One partition: its samples (global indexes), keys, custom metadata, field schemas and values, consumption
+    per task."""
+
+    def __init__(self, partition_id: str) -> None:
         self.partition_id = partition_id
-        self.capacity = capacity
-        self.n = 0                                   # global indexes handed out
-        self.live = np.zeros(0, dtype=bool)          # allocated and not cleared
+        self.created_at = time.time()
+        self.indexes: set[int] = set()
+        self.field_order: dict[str, int] = {}        # TransferQueue's field_name_mapping: registration order
+        self.info: dict[str, FieldInfo] = {}
+        self.fields: dict[str, FieldState] = {}
+        self.consumed: dict[str, np.ndarray] = {}
+        self.custom_meta: dict[int, dict[str, Any]] = {}
         self.keys: dict[str, int] = {}
         self.key_of: dict[int, str] = {}
-        self.tags: dict[int, dict[str, Any]] = {}
-        self.kinds: dict[str, FieldKind] = {}
-        self.group_of: dict[str, np.ndarray] = {}    # field -> group number per sample (-1: not produced)
-        self.seq_of: dict[str, np.ndarray] = {}      # field -> row seq in that group
-        self.groups: dict[tuple[str, ...], int] = {}
+        self.groups: dict[Any, int] = {}
         self.stores: list[FieldGroup] = []
-        self.consumed: dict[str, np.ndarray] = {}
-
-    # ------------------------------------------------------------------ samples and keys
-    def plan_keys(self, keys: list[str], create: bool) -> tuple[np.ndarray, list[str]]:
-        """Global indexes of `keys` (new keys get the next free indexes, committed by `commit_keys`)."""
-        if len(set(keys)) != len(keys):
-            raise InvalidArgument("Got duplicated keys.")
-        out = np.empty(len(keys), dtype=np.int64)
-        new: list[str] = []
-        for i, k in enumerate(keys):
-            if not isinstance(k, str):
-                raise InvalidArgument(f"keys are str, got {type(k).__name__} {k!r}")
-            g = self.keys.get(k)
-            if g is None:
-                if not create:
-                    raise KeyError(f"key {k!r} not found in partition {self.partition_id!r}")
-                g = self.n + len(new)
-                new.append(k)
-            out[i] = g
-        return out, new
-
-    def allocate(self, count: int) -> np.ndarray:
-        start = self.n
-        self.n += count
-        self.live = _grow(self.live, self.n, False)
-        self.live[start:self.n] = True
-        for f in self.group_of:
-            self.group_of[f] = _grow(self.group_of[f], self.n, -1)
-            self.seq_of[f] = _grow(self.seq_of[f], self.n, -1)
-        for t in self.consumed:
-            self.consumed[t] = _grow(self.consumed[t], self.n, False)
-        return np.arange(start, self.n, dtype=np.int64)
-
-    def commit_keys(self, new: list[str]) -> None:
-        for g, k in zip(self.allocate(len(new)), new, strict=True):
-            self.keys[k] = int(g)
-            self.key_of[int(g)] = k
-
-    def check_live(self, gidx: np.ndarray) -> None:
-        bad = (gidx < 0) | (gidx >= self.n)
-        bad[~bad] = ~self.live[gidx[~bad]]
-        if bad.any():
-            raise KeyError(f"samples {gidx[bad][:8].tolist()} are not in partition {self.partition_id!r} "
-                           "(never written, or cleared)")
-
-    # ------------------------------------------------------------------ field values
-    def check_kinds(self, kinds: dict[str, FieldKind], cols: dict[str, pa.Array]) -> None:
-        """Refuse fields whose kind differs from the partition's; a dense `[B, L]` batch of a jagged field is
-        taken as B samples of length L (rewritten in `cols`)."""
-        for f, k in list(kinds.items()):
-            old = self.kinds.get(f)
-            if (old is not None and old.kind == "jagged" and k.kind == "dense" and len(k.shape) == 1
-                    and k.dtype == old.dtype):
-                col = cols[f]
-                flat = col.storage.flatten() if isinstance(col.type, pa.FixedShapeTensorType) else col
-                offsets = np.arange(len(col) + 1, dtype=np.int32) * k.shape[0]
-                cols[f], kinds[f] = pa.ListArray.from_arrays(pa.array(offsets), flat), old
-                continue
-            if old is not None and old != k:
-                raise SchemaError(f"field {f!r}: this put holds {k.kind} {k.dtype}{list(k.shape)}, but the "
-                                  f"partition's first put of it held {old.kind} {old.dtype}{list(old.shape)}; "
-                                  "a field keeps its dtype, shape and kind; nothing was written")
-
-    def write(self, gidx: np.ndarray, kinds: dict[str, FieldKind], cols: dict[str, pa.Array]) -> None:
-        """Store `cols` for samples `gidx` (validated already: `check_kinds`); atomic."""
-        if not cols:
-            return
-        fields = tuple(sorted(cols))
-        g = self.groups.get(fields)
-        created = g is None
-        if g is None:
-            name = f"{self.partition_id}.g{len(self.stores)}"
-            all_kinds = {**self.kinds, **kinds}
-            self.stores.append(FieldGroup(name, {f: all_kinds[f] for f in fields}, self.capacity))
-            g = len(self.stores) - 1
-        try:
-            seqs = self.stores[g].write(cols)
-        except BaseException:
-            if created:
-                self.stores.pop().close()
-            raise
-        if created:
-            self.groups[fields] = g
-        need = max(self.n, int(gidx.max()) + 1 if len(gidx) else 0)
-        for f in fields:
-            if f not in self.group_of:
-                self.kinds[f] = kinds[f]
-                self.group_of[f] = np.full(max(need, 16), -1, dtype=np.int64)
-                self.seq_of[f] = np.full(max(need, 16), -1, dtype=np.int64)
-            self.group_of[f] = _grow(self.group_of[f], need, -1)
-            self.seq_of[f] = _grow(self.seq_of[f], need, -1)
-            self.group_of[f][gidx] = g
-            self.seq_of[f][gidx] = seqs
 
     def produced(self, fields: list[str], gidx: np.ndarray) -> np.ndarray:
-        ok = self.live[gidx].copy()
-        for f in fields:
-            if f not in self.group_of:
-                return np.zeros(len(gidx), dtype=bool)
-            ok &= self.group_of[f][gidx] >= 0
-        return ok
+        """[len(gidx), len(fields)] int8: 1 where the field has a value for the sample."""
+        out = np.zeros((len(gidx), len(fields)), dtype=np.int8)
+        for j, f in enumerate(fields):
+            st = self.fields.get(f)
+            if st is not None:
+                out[:, j] = st.has(gidx)
+        return out
 
-    def read(self, gidx: np.ndarray, fields: list[str]) -> dict[str, pa.Array]:
-        self.check_live(gidx)
-        for f in fields:
-            if f not in self.group_of or (self.group_of[f][gidx] < 0).any():
-                missing = gidx if f not in self.group_of else gidx[self.group_of[f][gidx] < 0]
-                who = [self.key_of.get(int(i), int(i)) for i in missing[:8]]
-                raise SchemaError(f"field {f!r} has no value for sample(s) {who} in partition "
-                                  f"{self.partition_id!r} (not produced yet)")
-        out: dict[str, Any] = {}
-        groups: dict[int, list[str]] = {}
-        for f in fields:
-            for g in np.unique(self.group_of[f][gidx]):
-                groups.setdefault(int(g), []).append(f)
-        for g, fs in groups.items():
-            for f in fs:
-                mine = self.group_of[f][gidx] == g
-                got = self.stores[g].read([f], self.seq_of[f][gidx][mine])[f]
-                out.setdefault(f, []).append((mine, got))
-        result: dict[str, pa.Array] = {}
-        for f, pieces in out.items():
-            if len(pieces) == 1:
-                col = pieces[0][1]
-                result[f] = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-                continue
-            order = np.concatenate([np.flatnonzero(m) for m, _ in pieces])
-            joined = pa.concat_arrays([p.combine_chunks() if isinstance(p, pa.ChunkedArray) else p
-                                       for _, p in pieces])
-            result[f] = joined.take(pa.array(np.argsort(order, kind="stable")))
-        return result
-
-    # ------------------------------------------------------------------ status
     def consumed_of(self, task: str) -> np.ndarray:
         if task not in self.consumed:
-            self.consumed[task] = np.zeros(max(self.n, 16), dtype=bool)
+            self.consumed[task] = np.zeros(16, dtype=bool)
         return self.consumed[task]
 
-    def clear(self, gidx: np.ndarray) -> None:
-        self.live[gidx] = False
-        for f in self.group_of:
-            self.group_of[f][gidx] = -1
-            self.seq_of[f][gidx] = -1
-        for g in gidx.tolist():
-            k = self.key_of.pop(int(g), None)
+    def is_consumed(self, task: str, gidx: np.ndarray) -> np.ndarray:
+        arr = self.consumed_of(task)
+        out = np.zeros(len(gidx), dtype=bool)
+        inside = gidx < len(arr)
+        out[inside] = arr[gidx[inside]]
+        return out
+
+    def mark_consumed(self, task: str, gidx: list[int]) -> None:
+        if not gidx:
+            return
+        arr = _grow(self.consumed_of(task), max(gidx) + 1, False)
+        arr[np.asarray(gidx, dtype=np.int64)] = True
+        self.consumed[task] = arr
+
+    def ready(self, fields: list[str], task: str) -> list[int]:
+        """Samples with every field produced and not consumed by `task`, ascending."""
+        if any(f not in self.fields for f in fields):
+            return []
+        idx = np.asarray(sorted(self.indexes), dtype=np.int64)
+        ok = self.produced(fields, idx).all(axis=1) & ~self.is_consumed(task, idx)
+        return idx[ok].tolist()
+
+    def clear(self, gidx: list[int], clear_consumption: bool = True) -> None:
+        arr = np.asarray(gidx, dtype=np.int64)
+        for st in self.fields.values():
+            inside = arr[arr < len(st.group)]
+            st.group[inside] = -1
+            st.seq[inside] = -1
+        if clear_consumption:
+            for c in self.consumed.values():
+                c[arr[arr < len(c)]] = False
+        self.indexes.difference_update(gidx)
+        empty = []
+        for name, info in self.info.items():
+            info.remove(gidx)
+            if not info.indexes:
+                empty.append(name)
+        if not self.indexes:
+            self.info.clear()
+        else:
+            for name in empty:
+                self.info.pop(name)
+        for g in gidx:
+            self.custom_meta.pop(g, None)
+            k = self.key_of.pop(g, None)
             if k is not None:
                 self.keys.pop(k, None)
-            self.tags.pop(int(g), None)
 
     def close(self) -> None:
         for s in self.stores:
@@ -240,183 +378,551 @@ class PartitionState:
         self.stores = []
 
 
-class TQState:
-    """Every partition of one TransferQueue-compatible system, behind one lock."""
+class PartitionView:
+    """What a sampler may ask of a partition (TransferQueue passes its partition status as `partition=`)."""
 
-    def __init__(self, capacity: int = 65_536, sampler: BaseSampler | None = None) -> None:
+    def __init__(self, partition: Partition) -> None:
+        self._p = partition
+
+    def get_custom_meta(self, global_indices: list[int]) -> dict[int, dict[str, Any]]:
+        return {i: self._p.custom_meta[i] for i in global_indices if i in self._p.custom_meta}
+
+
+class TQState:
+    """Every partition of one TransferQueue-compatible system, behind one lock (see the module docstring)."""
+
+    def __init__(self, capacity: int = 65_536, sampler: Any = None, polling_mode: bool = False,
+                 wait: float = 5.0) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
-        from .samplers import SequentialSampler
-
         self.capacity = capacity
-        self.sampler: BaseSampler = sampler if sampler is not None else SequentialSampler()
-        self.partitions: dict[str, PartitionState] = {}
+        self.sampler: BaseSampler = make_sampler(sampler) if sampler is not None else SequentialSampler()
+        self.polling_mode = bool(polling_mode)
+        self.wait = float(wait)
+        self.partitions: dict[str, Partition] = {}
+        self.index = IndexManager()
         self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self._samplers: dict[str, BaseSampler] = {}
 
-    def partition(self, partition_id: str, create: bool = False) -> PartitionState:
+    # ------------------------------------------------------------------ partitions
+    def _partition(self, partition_id: Any, create: bool = False) -> Partition | None:
         if not isinstance(partition_id, str) or not partition_id:
             raise InvalidArgument(f"partition_id must be a non-empty str, got {partition_id!r}")
         p = self.partitions.get(partition_id)
-        if p is None:
-            if not create:
-                raise KeyError(f"partition {partition_id!r} not found")
-            p = self.partitions[partition_id] = PartitionState(partition_id, self.capacity)
+        if p is None and create:
+            p = self.partitions[partition_id] = Partition(partition_id)
         return p
 
-    # ------------------------------------------------------------------ writes
-    def put_keys(self, partition_id: str, keys: list[str], kinds: dict[str, FieldKind],
-                 cols: dict[str, pa.Array], tags: list[dict[str, Any]] | None) -> tuple[np.ndarray, list[str]]:
-        """kv put: fields and/or tags of `keys` (created when new). Returns (global indexes, all stored fields)."""
+    def list_partitions(self) -> list[str]:
         with self.lock:
-            p = self.partition(partition_id, create=True)
-            gidx, new = p.plan_keys(keys, create=True)
-            p.check_kinds(kinds, cols)
-            if tags is not None and len(tags) != len(keys):
-                raise InvalidArgument(f"keys with length {len(keys)} does not match length of tags {len(tags)}")
-            p.write(gidx, kinds, cols)
-            p.commit_keys(new)
-            if tags is not None:
-                for g, t in zip(gidx.tolist(), tags, strict=True):
-                    p.tags.setdefault(int(g), {}).update(t or {})
-            return gidx, self.fields_of(p, gidx)
+            return list(self.partitions)
 
-    def put_indexes(self, partition_id: str, gidx: np.ndarray | None, count: int, kinds: dict[str, FieldKind],
-                    cols: dict[str, pa.Array], tags: list[dict[str, Any]] | None = None) -> np.ndarray:
-        """Metadata-path put: fields of existing samples `gidx`, or `count` new samples when gidx is None."""
+    # ------------------------------------------------------------------ metadata
+    def _meta(self, p: Partition, gidx: list[int], fields: list[str], mode: str) -> dict[str, Any]:
+        schema = {f: p.info[f].batch_schema(gidx) for f in fields if f in p.info}
+        if mode == "insert":
+            for f in fields:
+                schema.setdefault(f, {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False})
+        n = len(gidx)
+        if mode == "fetch":
+            status = np.ones(n, dtype=np.int8)
+        elif mode == "insert":
+            status = np.zeros(n, dtype=np.int8)
+        else:
+            known = [f for f in fields if f in p.field_order]
+            status = np.zeros(n, dtype=np.int8)
+            if known:
+                status[:] = p.produced(known, np.asarray(gidx, dtype=np.int64)).all(axis=1)
+        return {"global_indexes": list(gidx), "partition_id": p.partition_id, "field_schema": schema,
+                "production_status": status.tolist(), "custom_meta": [p.custom_meta.get(g, {}) for g in gidx]}
+
+    def _sampler(self, spec: Any) -> BaseSampler:
+        if spec is None:
+            return self.sampler
+        if isinstance(spec, BaseSampler):
+            return spec
+        key = json.dumps(sampler_spec(spec), sort_keys=True)  # one instance per spec: cached picks persist
+        if key not in self._samplers:
+            self._samplers[key] = make_sampler(json.loads(key))
+        return self._samplers[key]
+
+    def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int | None, mode: str = "fetch",
+                 task_name: str | None = None, sampler: Any = None,
+                 sampling_config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """TransferQueue's `get_metadata`: `insert` allocates `batch_size` new samples; `fetch` waits (without
+        `polling_mode`) for `batch_size` samples with every field of `data_fields` produced and not consumed by
+        `task_name`, lets the sampler pick and marks its consumed ones (empty when none are ready in polling mode);
+        `force_fetch` returns every sample of the partition. Returns a meta record (`client` makes a BatchMeta)."""
+        if mode not in MODES:
+            raise InvalidArgument(f"Invalid mode: {mode}; expected one of {list(MODES)}")
+        fields = list(data_fields or [])
         with self.lock:
-            p = self.partition(partition_id, create=gidx is None)
-            p.check_kinds(kinds, cols)
-            if gidx is not None:
-                p.check_live(gidx)
-                p.write(gidx, kinds, cols)
-            else:
-                planned = np.arange(p.n, p.n + count, dtype=np.int64)
-                p.write(planned, kinds, cols) if cols else None
-                gidx = p.allocate(count)
-            if tags is not None:
-                for g, t in zip(gidx.tolist(), tags, strict=True):
-                    if t:
-                        p.tags.setdefault(int(g), {}).update(t)
-            return gidx
-
-    @staticmethod
-    def fields_of(p: PartitionState, gidx: np.ndarray) -> list[str]:
-        return sorted(f for f in p.group_of if (p.group_of[f][gidx] >= 0).all())
-
-    # ------------------------------------------------------------------ reads and status
-    def read(self, partition_id: str, gidx: np.ndarray, fields: list[str] | None) -> tuple[dict[str, Any],
-                                                                                           dict[str, FieldKind]]:
-        with self.lock:
-            p = self.partition(partition_id)
-            p.check_live(gidx)
-            # every field any of the samples has: a sample without one of them is an error, as in TransferQueue
-            names = (sorted(f for f in p.group_of if (p.group_of[f][gidx] >= 0).any()) if fields is None
-                     else list(fields))
-            return p.read(gidx, names), {f: p.kinds[f] for f in names}
-
-    def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int, mode: str,
-                 task_name: str | None, sampler: BaseSampler | None, sampling_config: dict[str, Any]
-                 ) -> np.ndarray:
-        if mode not in ("fetch", "force_fetch"):
-            raise InvalidArgument(f"mode must be 'fetch' or 'force_fetch', got {mode!r}")
-        if not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
-            raise InvalidArgument(f"batch_size must be a non-negative int, got {batch_size!r}")
-        with self.lock:
-            if partition_id not in self.partitions:
-                return np.zeros(0, dtype=np.int64)
-            p = self.partitions[partition_id]
-            everyone = np.flatnonzero(p.live[: p.n])
+            if mode == "insert":
+                if batch_size is None:
+                    raise ValueError("must provide batch_size for inserting new data")
+                p = self._partition(partition_id, create=True)
+                assert p is not None
+                gidx = self.index.allocate(partition_id, int(batch_size))
+                p.indexes.update(gidx)
+                self.changed.notify_all()
+                return self._meta(p, gidx, fields, mode)
             if mode == "force_fetch":
-                return everyone[:batch_size] if batch_size else everyone
+                p = self._partition(partition_id)
+                if p is None:
+                    raise ValueError(f"Partition {partition_id} not found")
+                return self._meta(p, list(self.index.of.get(partition_id, set())), fields, mode)
             if task_name is None:
                 raise InvalidArgument("get_meta(mode='fetch') needs a task_name: consumption is tracked per task")
-            done = p.consumed_of(task_name)
-            ready = everyone[p.produced(list(data_fields), everyone) & ~done[everyone]]
-            s = sampler if sampler is not None else self.sampler
-            config = {k: v for k, v in sampling_config.items() if k not in ("task_name", "partition_id")}
-            sampled, consumed = s.sample([int(i) for i in ready], int(batch_size), task_name=task_name,
-                                         partition_id=partition_id, tags=lambda i: p.tags.get(int(i), {}),
-                                         **config)
-            taken = np.asarray(consumed, dtype=np.int64)
-            if len(taken):
-                done[taken] = True
-            return np.asarray(sampled, dtype=np.int64)
-
-    def production_status(self, partition_id: str, data_fields: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        with self.lock:
-            p = self.partition(partition_id)
-            idx = np.flatnonzero(p.live[: p.n])
-            return idx, p.produced(list(data_fields), idx).astype(np.int8)
-
-    def consumption_status(self, partition_id: str, task_name: str) -> tuple[np.ndarray, np.ndarray]:
-        with self.lock:
-            p = self.partition(partition_id)
-            idx = np.flatnonzero(p.live[: p.n])
-            return idx, p.consumed_of(task_name)[idx].astype(np.int8)
-
-    def reset_consumption(self, partition_id: str, task_name: str | None) -> bool:
-        with self.lock:
-            p = self.partitions.get(partition_id)
+            if batch_size is None:
+                raise ValueError("must provide batch_size in fetch mode")
+            s = self._sampler(sampler)
+            config = dict(sampling_config or {})
+            deadline = time.monotonic() + self.wait
+            while True:
+                p = self._partition(partition_id)
+                ready = p.ready(fields, task_name) if p is not None else []
+                if len(ready) >= batch_size:
+                    break
+                if self.polling_mode:
+                    if s.has_cached_result(partition_id, task_name, config):
+                        break
+                    return _empty_meta()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise GetMetaTimeout(f"Timeout while waiting for sufficient data for task {task_name}. "
+                                         f"Required: {batch_size}, Available: {len(ready)} (fields {fields} in "
+                                         f"partition {partition_id!r}); polling_mode=True returns an empty "
+                                         "BatchMeta instead")
+                self.changed.wait(left)
+            part = p if p is not None else Partition(partition_id)
+            sampled, consumed = s(ready, batch_size, partition=PartitionView(part), **config)
+            sampled, consumed = [int(i) for i in sampled], [int(i) for i in consumed]
+            if not sampled:
+                if self.polling_mode:
+                    return _empty_meta()
+                raise RuntimeError(f"Sampler returned no samples. Please check the sampler logic. Expected: "
+                                   f"{batch_size}, before sampling: {len(ready)}, after sampling: 0")
             if p is None:
-                return False
-            for t, arr in p.consumed.items():
-                if task_name is None or t == task_name:
-                    arr[:] = False
-            self.sampler.clear_cache(partition_id)
-            return True
+                return _empty_meta()
+            p.mark_consumed(task_name, consumed)
+            return self._meta(p, sampled, fields, mode)
 
-    def clear_keys(self, partition_id: str, keys: list[str]) -> None:
+    def kv_retrieve_meta(self, partition_id: str, keys: list[str], create: bool = False) -> dict[str, Any]:
+        """The samples of `keys` (unknown ones left out, or created as new samples when `create`), with the fields
+        that every one of them has."""
         with self.lock:
-            p = self.partition(partition_id)
-            gidx, _ = p.plan_keys(keys, create=False)
-            p.clear(gidx)
+            p = self._partition(partition_id, create=create)
+            if p is None:
+                return _empty_meta()
+            gidx: list[int | None] = [p.keys.get(k) for k in keys]
+            missing = [i for i, g in enumerate(gidx) if g is None]
+            if missing and create:
+                fresh = self.index.allocate(partition_id, len(missing))
+                p.indexes.update(fresh)
+                for i, g in zip(missing, fresh, strict=True):
+                    gidx[i] = g
+                    p.keys[keys[i]] = g
+                    p.key_of[g] = keys[i]
+            found = [g for g in gidx if g is not None]
+            arr = np.asarray(found, dtype=np.int64)
+            fields = [f for f in p.field_order if p.produced([f], arr).all()] if found else list(p.field_order)
+            return self._meta(p, found, fields, "force_fetch")
 
-    def clear_samples(self, partition_id: str, gidx: np.ndarray) -> None:
+    def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
+               schema: dict[str, dict[str, Any]], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """TransferQueue's KV put (retrieve-or-create the keys, put the values, merge the tags) as one atomic step:
+        refused input changes nothing, not even the keys. Returns {"fields": the fields every key has afterwards
+        as TransferQueue's returned BatchMeta lists them, "tags": the keys' merged tags}."""
+        if len(set(keys)) != len(keys):
+            raise ValueError("Got duplicated keys.")
+        if tags is not None and len(tags) != len(keys):
+            raise ValueError(f"keys with length {len(keys)} does not match length of tags {len(tags)}")
+        if any(v.n != len(keys) for v in values.values()):
+            raise ValueError(f"`keys` with length {len(keys)} does not match the values of "
+                             f"{sorted({v.n for v in values.values()})} samples")
         with self.lock:
-            p = self.partition(partition_id)
-            p.clear(gidx[(gidx >= 0) & (gidx < p.n)])
+            new_partition = partition_id not in self.partitions
+            p = self._partition(partition_id, create=True)
+            assert p is not None
+            try:
+                if values:
+                    self.check_put(partition_id, values)
+                gidx: list[int | None] = [p.keys.get(k) for k in keys]
+                missing = [i for i, g in enumerate(gidx) if g is None]
+                fresh = self.index.allocate(partition_id, len(missing)) if missing else []
+            except BaseException:
+                if new_partition:
+                    self.partitions.pop(partition_id, None)
+                raise
+            for i, g in zip(missing, fresh, strict=True):
+                gidx[i] = g
+            rows = [int(g) for g in gidx]  # type: ignore[arg-type]
+            arr = np.asarray(rows, dtype=np.int64)
+            before = [f for f in p.field_order if f in p.info and p.produced([f], arr).all()] if not missing else []
+            p.indexes.update(fresh)
+            try:
+                self.put(partition_id, rows, values, schema)
+            except BaseException:
+                p.indexes.difference_update(fresh)
+                self.index.release(partition_id, fresh)
+                if new_partition:
+                    self.partitions.pop(partition_id, None)
+                    self.index.of.pop(partition_id, None)
+                raise
+            for i, g in zip(missing, fresh, strict=True):
+                p.keys[keys[i]] = g
+                p.key_of[g] = keys[i]
+            merged = []
+            for i, g in enumerate(rows):
+                m = dict(p.custom_meta.get(g, {}))
+                if tags is not None:
+                    m.update(tags[i] or {})
+                    p.custom_meta[g] = m
+                merged.append(m)
+            return {"fields": sorted(set(before) | set(values)), "tags": merged}
 
-    def clear_partition(self, partition_id: str) -> None:
+    def kv_retrieve_keys(self, partition_id: str, gidx: list[int]) -> list[str | None]:
         with self.lock:
-            p = self.partitions.pop(partition_id, None)
-            self.sampler.clear_cache(partition_id)
-        if p is not None:
-            p.close()
+            p = self._partition(partition_id)
+            return [] if p is None else [p.key_of.get(int(g)) for g in gidx]
 
-    def kv_list(self, partition_id: str | None) -> dict[str, dict[str, dict[str, Any]]]:
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
         with self.lock:
             pids = list(self.partitions) if partition_id is None else [partition_id]
-            out: dict[str, dict[str, dict[str, Any]]] = {}
-            for pid in pids:
+            return {pid: {k: dict(self.partitions[pid].custom_meta.get(g, {}))
+                          for k, g in self.partitions[pid].keys.items()}
+                    for pid in pids if pid in self.partitions}
+
+    def set_custom_meta(self, custom_meta: dict[str, dict[int, dict[str, Any]]]) -> None:
+        """Replace the custom metadata of samples: {partition_id: {global index: dict}} (unknown partitions are
+        ignored, as TransferQueue does)."""
+        with self.lock:
+            for pid, per in custom_meta.items():
+                p = self.partitions.get(pid)
+                if p is not None:
+                    p.custom_meta.update({int(g): dict(m) for g, m in per.items()})
+
+    # ------------------------------------------------------------------ writes
+    def check_put(self, partition_id: str, values: dict[str, FieldValues]) -> Partition:
+        """The partition of a put whose kinds and dtypes match the partition's (SchemaError otherwise)."""
+        p = self._partition(partition_id)
+        if p is None:
+            raise ValueError(f"partition {partition_id!r} not found (cleared, or never created by get_meta "
+                             "insert / a KV put); nothing was written")
+        for f, v in values.items():
+            st = p.fields.get(f)
+            if st is not None and st.kind != v.kind and f in p.info:  # a field with no sample left may change
+                raise SchemaError(f"field {f!r}: this put holds {v.kind.describe()}, but the partition's field "
+                                  f"holds {st.kind.describe()}; a field keeps its kind and dtype; nothing was "
+                                  "written")
+        return p
+
+    #: Calls need no serialization (the client holds this object in its own process).
+    in_process = True
+
+    def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
+            schema: dict[str, dict[str, Any]]) -> None:
+        """Store `values` (n samples each) for samples `gidx` of the partition and register them produced;
+        atomic."""
+        if not values:
+            return
+        arr = np.asarray(gidx, dtype=np.int64)
+        with self.lock:
+            p = self.check_put(partition_id, values)
+            if any(v.n != len(arr) for v in values.values()):
+                raise SchemaError(f"put: values for {sorted({v.n for v in values.values()})} samples, "
+                                  f"{len(arr)} global indexes; nothing was written")
+            forms: dict[str, tuple[FieldKind, Any]] = {}
+            for f, v in values.items():
+                st = p.fields.get(f)
+                if st is not None and st.kind != v.kind:  # every sample of the old kind was cleared
+                    st = None
+                shape = v.uniform_shape()
+                if st is None:
+                    forms[f] = (v.kind, shape if shape is not None else "ragged")
+                elif st.mode == "ragged" or shape != st.mode:
+                    forms[f] = (v.kind, "ragged" if v.kind.kind == "tensor" else st.mode)
+                else:
+                    forms[f] = (v.kind, st.mode)
+            key = tuple(sorted((f, k.to_json()[0], k.dtype, str(m)) for f, (k, m) in forms.items()))
+            g = p.groups.get(key)
+            created = g is None
+            if g is None:
+                group = FieldGroup(f"{partition_id}.g{len(p.stores)}", forms, self.capacity)
+                p.stores.append(group)
+                g = len(p.stores) - 1
+            try:
+                seqs = p.stores[g].write(values)
+            except BaseException:
+                if created:
+                    p.stores.pop().close()
+                raise
+            if created:
+                p.groups[key] = g
+            need = int(arr.max()) + 1 if len(arr) else 0
+            for f, (kind, mode) in forms.items():
+                st = p.fields.get(f)
+                if st is None or st.kind != kind:
+                    st = p.fields[f] = FieldState(kind, mode)
+                    p.field_order.setdefault(f, len(p.field_order))
+                elif mode == "ragged":
+                    st.mode = "ragged"
+                st.group = _grow(st.group, need, -1)
+                st.seq = _grow(st.seq, need, -1)
+                st.group[arr] = g
+                st.seq[arr] = seqs
+                entry = schema.get(f) or {}
+                if f in p.info:
+                    p.info[f].update(entry, list(gidx))
+                else:
+                    p.info[f] = FieldInfo.first(entry, list(gidx))
+            p.indexes.update(gidx)
+            self.changed.notify_all()
+
+    # ------------------------------------------------------------------ reads
+    def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]:
+        """The values of `fields` for samples `gidx`, in that order.
+
+        Raises:
+            StorageKeyNotFoundError: a sample without a value for a field (never written, cleared or evicted).
+        """
+        arr = np.asarray(gidx, dtype=np.int64)
+        with self.lock:
+            p = self._partition(partition_id)
+            out: dict[str, FieldValues] = {}
+            for f in fields:
+                st = p.fields.get(f) if p is not None else None
+                has = st.has(arr) if st is not None else np.zeros(len(arr), dtype=bool)
+                if not has.all():
+                    missing = arr[~has][:8].tolist()
+                    raise StorageKeyNotFoundError(f"field {f!r} has no value for global index(es) {missing} in "
+                                                  f"partition {partition_id!r} (not produced, cleared or evicted)")
+                assert st is not None and p is not None
+                groups = st.group[arr]
+                pieces: list[tuple[np.ndarray, FieldValues]] = []
+                for g in np.unique(groups).tolist():
+                    pos = np.flatnonzero(groups == g)
+                    got = p.stores[g].read([f], st.seq[arr[pos]])
+                    if got is None:
+                        raise StorageKeyNotFoundError(f"field {f!r} of some of the samples {arr[pos][:8].tolist()} "
+                                                      f"was evicted from the ring (capacity {self.capacity} rows); "
+                                                      "raise arrowbuf.capacity in init's conf")
+                    pieces.append((pos, got[f]))
+                out[f] = FieldValues.join(pieces, len(arr))
+            return out
+
+    # ------------------------------------------------------------------ status
+    def production_status(self, partition_id: str, data_fields: list[str]) -> Any:
+        """(sorted global indexes, [n, len(fields)] 0/1) of the partition, or None (unknown partition or field,
+        no fields)."""
+        with self.lock:
+            p = self._partition(partition_id)
+            if p is None or not data_fields or any(f not in p.field_order for f in data_fields):
+                return None
+            idx = np.asarray(sorted(p.indexes), dtype=np.int64)
+            return idx.tolist(), p.produced(list(data_fields), idx).tolist()
+
+    def consumption_status(self, partition_id: str, task_name: str) -> Any:
+        """(sorted global indexes, 0/1 consumed by `task_name`), or None for an unknown partition."""
+        with self.lock:
+            p = self._partition(partition_id)
+            if p is None:
+                return None
+            idx = np.asarray(sorted(p.indexes), dtype=np.int64)
+            return idx.tolist(), p.is_consumed(task_name, idx).astype(np.int8).tolist()
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        """Let `task_name` (every task when None) consume the partition's samples again."""
+        with self.lock:
+            p = self.partitions.get(partition_id)
+            if p is not None:
+                for t, arr in p.consumed.items():
+                    if task_name is None or t == task_name:
+                        arr[:] = False
+                self.changed.notify_all()
+            return True
+
+    # ------------------------------------------------------------------ clears
+    def clear_samples(self, partition_ids: list[str], gidx: list[int]) -> None:
+        """Drop samples (ones not in their partition are ignored); their indexes are released for reuse."""
+        if len(partition_ids) != len(gidx):
+            raise ValueError(f"global_indexes and partition_ids must have the same length, got {len(gidx)} and "
+                             f"{len(partition_ids)}")
+        with self.lock:
+            by: dict[str, list[int]] = {}
+            for pid, g in sorted(zip(partition_ids, gidx, strict=True), key=lambda t: t[0]):
+                by.setdefault(pid, []).append(int(g))
+            for pid, gs in by.items():
                 p = self.partitions.get(pid)
                 if p is None:
                     continue
-                out[pid] = {k: dict(p.tags.get(g, {})) for k, g in p.keys.items()}
-            return out
+                mine = list(set(gs) & p.indexes)
+                if mine:
+                    p.clear(mine)
+                    self.index.release(pid, mine)
 
-    def tags_of(self, partition_id: str, gidx: np.ndarray) -> list[dict[str, Any]]:
+    def clear_partition(self, partition_id: str) -> None:
+        """Drop a partition: its samples, keys, statuses and stores (an unknown one: nothing)."""
         with self.lock:
-            p = self.partition(partition_id)
-            return [dict(p.tags.get(int(g), {})) for g in gidx]
+            p = self.partitions.get(partition_id)
+            if p is None:
+                return
+            p.clear(list(self.index.of.get(partition_id, set())))
+            self.index.release_partition(partition_id)
+            self.partitions.pop(partition_id)
+            self.sampler.clear_cache(partition_id)
+            for s in self._samplers.values():
+                s.clear_cache(partition_id)
+        p.close()
 
-    def keys_of(self, partition_id: str, gidx: np.ndarray) -> list[str | None]:
+    # ------------------------------------------------------------------ inspection
+    def snapshot(self, partition_id: str) -> dict[str, Any] | None:
+        """A copy of a partition's bookkeeping (TransferQueue's partition snapshot), or None."""
         with self.lock:
-            p = self.partition(partition_id)
-            return [p.key_of.get(int(g)) for g in gidx]
+            p = self.partitions.get(partition_id)
+            if p is None:
+                return None
+            valued = [int(g) for s in p.fields.values() for g in np.flatnonzero(s.group >= 0).tolist()]
+            rows = max([*p.indexes, *valued], default=-1)
+            order = list(p.field_order)
+            matrix = p.produced(order, np.arange(rows + 1, dtype=np.int64)) if order else np.zeros((rows + 1, 0))
+            return {"partition_id": p.partition_id, "created_at": p.created_at, "global_indexes": sorted(p.indexes),
+                    "keys_mapping": dict(p.keys), "custom_meta": {g: dict(m) for g, m in p.custom_meta.items()},
+                    "field_name_mapping": dict(p.field_order), "production_status": matrix.tolist(),
+                    "consumption_status": {t: np.flatnonzero(c).tolist() for t, c in p.consumed.items()},
+                    "field_schema": {f: i.to_json() for f, i in p.info.items()}}
 
-    def field_kinds(self, partition_id: str) -> dict[str, FieldKind]:
-        """Each stored field's kind in the partition (fixed by its first put)."""
+    def field_kinds(self, partition_id: str) -> dict[str, list[str]]:
+        """The kind (`FieldKind.to_json`) of each field of the partition that holds values ({} when none)."""
         with self.lock:
-            return dict(self.partition(partition_id).kinds)
+            p = self.partitions.get(partition_id)
+            return {} if p is None else {f: st.kind.to_json() for f, st in p.fields.items() if f in p.info}
 
     def stores(self, partition_id: str) -> dict[str, ExperienceStore]:
         """The arrowbuf stores of a partition's field groups, by name (for SQL, checkpoints, inspection)."""
         with self.lock:
-            p = self.partition(partition_id)
+            p = self._partition(partition_id)
+            if p is None:
+                raise KeyError(f"partition {partition_id!r} not found")
             return {s.store.name: s.store for s in p.stores}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Write the system to directory `path` (created; must not exist): `state.json` (every partition's
+        bookkeeping, the index manager, the sampler's state) and one arrowbuf checkpoint per field-group store
+        under `stores/<partition>/<group>/`. Custom metadata must be JSON values."""
+        root = pathlib.Path(path)
+        with self.lock:
+            root.mkdir(parents=True, exist_ok=False)
+            parts = []
+            for i, p in enumerate(self.partitions.values()):
+                stores = []
+                for j, g in enumerate(p.stores):
+                    where = root / "stores" / f"p{i}" / f"g{j}"
+                    g.store.checkpoint(str(where))
+                    stores.append({**g.to_json(), "dir": str(where.relative_to(root))})
+                parts.append({
+                    "partition_id": p.partition_id, "created_at": p.created_at, "indexes": sorted(p.indexes),
+                    "field_order": p.field_order, "info": {f: x.to_json() for f, x in p.info.items()},
+                    "fields": {f: {"kind": s.kind.to_json(), "mode": s.mode if s.mode == "ragged" else list(s.mode),
+                                   "group": s.group.tolist(), "seq": s.seq.tolist()} for f, s in p.fields.items()},
+                    "consumed": {t: np.flatnonzero(c).tolist() for t, c in p.consumed.items()},
+                    "custom_meta": [[g, m] for g, m in p.custom_meta.items()],
+                    "keys": list(p.keys.items()), "groups": [[list(map(list, k)), g] for k, g in p.groups.items()],
+                    "stores": stores})
+            state = {"format": CHECKPOINT_FORMAT, "capacity": self.capacity, "index": self.index.to_json(),
+                     "sampler": _jsonable(self.sampler.save_checkpoint(), "the sampler's state"),
+                     "partitions": parts}
+            data = json.dumps(state, allow_nan=True)
+            tmp = root / "state.json.tmp"
+            with open(tmp, "w") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, root / "state.json")
+
+    def load_checkpoint(self, path: str) -> None:
+        """Replace the system's state with `save_checkpoint`'s (the stores restored from their checkpoints)."""
+        root = pathlib.Path(path)
+        state_file = root / "state.json"
+        if not state_file.exists():
+            raise FileNotFoundError(f"state.json not found in {root}")
+        state = json.loads(state_file.read_text())
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise SchemaError(f"{state_file}: format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+        loaded: dict[str, Partition] = {}
+        try:
+            for obj in state["partitions"]:
+                p = Partition(obj["partition_id"])
+                p.created_at = obj["created_at"]
+                p.indexes = {int(i) for i in obj["indexes"]}
+                p.field_order = {str(f): int(i) for f, i in obj["field_order"].items()}
+                p.info = {f: FieldInfo.from_json(x) for f, x in obj["info"].items()}
+                for f, s in obj["fields"].items():
+                    p.fields[f] = FieldState(FieldKind.from_json(s["kind"]),
+                                             "ragged" if s["mode"] == "ragged" else tuple(s["mode"]),
+                                             np.asarray(s["group"], dtype=np.int64),
+                                             np.asarray(s["seq"], dtype=np.int64))
+                for t, idx in obj["consumed"].items():
+                    p.mark_consumed(t, [int(i) for i in idx])
+                    p.consumed_of(t)
+                p.custom_meta = {int(g): m for g, m in obj["custom_meta"]}
+                p.keys = {str(k): int(g) for k, g in obj["keys"]}
+                p.key_of = {g: k for k, g in p.keys.items()}
+                p.groups = {tuple(tuple(x) for x in k): int(g) for k, g in obj["groups"]}
+                for s in obj["stores"]:
+                    forms = {f: (FieldKind.from_json(k), "ragged" if m == "ragged" else tuple(m))
+                             for f, (k, m) in s["forms"].items()}
+                    store = ExperienceStore.restore(str(root / s["dir"]))
+                    p.stores.append(FieldGroup(s["name"], forms, self.capacity, store=store))
+                loaded[p.partition_id] = p
+        except BaseException:
+            for p in loaded.values():
+                p.close()
+            raise
+        with self.lock:
+            old, self.partitions = self.partitions, loaded
+            self.index = IndexManager.from_json(state["index"])
+            self.sampler.load_checkpoint(_unjson_sampler(state["sampler"]))
+            self.changed.notify_all()
+        for p in old.values():
+            p.close()
 
     def close(self) -> None:
         with self.lock:
             parts, self.partitions = list(self.partitions.values()), {}
         for p in parts:
             p.close()
+
+
+def _empty_meta() -> dict[str, Any]:
+    return {"global_indexes": [], "partition_id": None, "field_schema": {}, "production_status": [],
+            "custom_meta": []}
+
+
+def _jsonable(obj: Any, what: str) -> Any:
+    """A sampler's state as JSON: dict keys become [key, value] pairs (they may be ints or tuples)."""
+    if isinstance(obj, dict):
+        return {"__pairs__": [[_jsonable(k, what), _jsonable(v, what)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_jsonable(v, what) for v in obj]}
+    if isinstance(obj, list):
+        return [_jsonable(v, what) for v in obj]
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    raise SchemaError(f"{what}: a {type(obj).__name__} is not a JSON value; it cannot be checkpointed")
+
+
+def _unjson_sampler(obj: Any) -> Any:
+    if isinstance(obj, dict) and "__pairs__" in obj:
+        return {_key(_unjson_sampler(k)): _unjson_sampler(v) for k, v in obj["__pairs__"]}
+    if isinstance(obj, dict) and "__tuple__" in obj:
+        return tuple(_unjson_sampler(v) for v in obj["__tuple__"])
+    if isinstance(obj, list):
+        return [_unjson_sampler(v) for v in obj]
+    return obj
+
+
+def _key(k: Any) -> Any:
+    return tuple(k) if isinstance(k, list) else k
