@@ -1,4 +1,4 @@
-"""The server side of `tq.v1` (`wire`): a `TQState` served over Arrow Flight, every request bounded and validated
+"""The server side of `tq.v2` (`wire`): a `TQState` served over Arrow Flight, every request bounded and validated
 before bulk data is read."""
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ...errors import InvalidArgument, SchemaError
-from .columns import FieldKind
-from .samplers import SAMPLERS, BaseSampler
+from .columns import FieldKind, FieldValues
 from .state import TQState
-from .wire import ERRORS, MAX_FIELDS, MAX_IDS, MAX_JSON, MAX_PUT_BYTES, VERSION, arrow_type
+from .wire import ACTIONS, ERRORS, MAX_FIELDS, MAX_IDS, MAX_JSON, MAX_PUT_BYTES, VERSION, arrow_type
 
 
 def _loads(raw: bytes, what: str) -> dict[str, Any]:
@@ -57,13 +56,13 @@ def _strs(obj: dict[str, Any], name: str, optional: bool = False) -> Any:
     return v
 
 
-def _tags(obj: dict[str, Any]) -> Any:
-    v = obj.get("tags")
-    if v is None:
+def _json_dict(obj: dict[str, Any], name: str, optional: bool = True) -> Any:
+    v = obj.get(name)
+    if v is None and optional:
         return None
-    if not isinstance(v, list) or not all(isinstance(t, dict) or t is None for t in v):
-        raise InvalidArgument("tags must be a list of JSON objects")
-    return [t or {} for t in v]
+    if not isinstance(v, dict):
+        raise InvalidArgument(f"{name} must be a JSON object")
+    return v
 
 
 def _kinds(obj: dict[str, Any]) -> dict[str, FieldKind]:
@@ -77,6 +76,21 @@ def _kinds(obj: dict[str, Any]) -> dict[str, FieldKind]:
         out[name] = FieldKind.from_json(k)
     return out
 
+
+def _shapes(obj: dict[str, Any], kinds: dict[str, FieldKind], rows: int) -> dict[str, list[tuple[int, ...]]]:
+    v = obj.get("shapes") or {}
+    if not isinstance(v, dict):
+        raise InvalidArgument("shapes must be an object")
+    out = {}
+    for name, shapes in v.items():
+        if name not in kinds or kinds[name].kind != "tensor":
+            raise InvalidArgument(f"shapes given for {name!r}, which is no tensor field of this put")
+        if (not isinstance(shapes, list) or len(shapes) != rows
+                or not all(isinstance(s, list) and len(s) <= 16
+                           and all(isinstance(d, int) and 0 <= d < 2**40 for d in s) for s in shapes)):
+            raise InvalidArgument(f"shapes of {name!r} must be {rows} lists of at most 16 non-negative ints")
+        out[name] = [tuple(s) for s in shapes]
+    return out
 
 
 class _AuthFactory(flight.ServerMiddlewareFactory):
@@ -101,8 +115,6 @@ class TQServer(flight.FlightServerBase):
         host = location.split("://", 1)[-1].rsplit(":", 1)[0]
         # the address clients dial: the bound host (loopback when it binds every interface)
         self.location = f"grpc://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
-        self._samplers: dict[str, BaseSampler] = {}
-        self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self.serve, name="arrowbuf-tq-flight", daemon=True)
         self._thread.start()
@@ -122,99 +134,107 @@ class TQServer(flight.FlightServerBase):
     # ------------------------------------------------------------------ calls
     @staticmethod
     def _fail(e: Exception) -> Exception:
-        name = "SchemaError" if isinstance(e, SchemaError) else type(e).__name__
-        if isinstance(e, InvalidArgument) and not isinstance(e, SchemaError):
-            name = "InvalidArgument"
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        name = type(e).__name__
         if name not in ERRORS:
-            name, msg = "ValueError", f"{type(e).__name__}: {msg}"
+            for base in type(e).__mro__:  # the nearest type the client knows
+                if base.__name__ in ERRORS:
+                    name = base.__name__
+                    break
+            else:
+                name = "ValueError"
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         return flight.FlightServerError(f"{VERSION} error {name}: {msg}")
-
-    def _sampler(self, spec: Any) -> BaseSampler | None:
-        if spec is None:
-            return None
-        if (not isinstance(spec, dict) or spec.get("name") not in SAMPLERS or not isinstance(spec.get("args"), dict)
-                or not all(k in ("n_samples_per_prompt", "dp_size") and isinstance(v, int) and 0 < v < 1 << 20
-                           for k, v in spec["args"].items())):
-            raise InvalidArgument(f"bad sampler spec {spec!r}")
-        key = json.dumps(spec, sort_keys=True)
-        with self._lock:
-            if key not in self._samplers:
-                self._samplers[key] = SAMPLERS[spec["name"]](**spec["args"])
-            return self._samplers[key]
 
     def do_action(self, context: Any, action: Any) -> Any:
         try:
             kind = action.type
-            if not kind.startswith(VERSION + "."):
-                raise InvalidArgument(f"unknown action {kind!r} (this server speaks {VERSION})")
+            if not kind.startswith(VERSION + ".") or kind[len(VERSION) + 1:] not in ACTIONS:
+                raise InvalidArgument(f"unknown action {kind!r} (this server speaks {VERSION}: {list(ACTIONS)})")
             body = _loads(action.body.to_pybytes() if action.body is not None else b"{}", kind)
             result = self._act(kind[len(VERSION) + 1:], body)
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, TypeError, AssertionError, RuntimeError) as e:
             raise self._fail(e) from None
-        return [flight.Result(json.dumps(result).encode())]
+        return [flight.Result(json.dumps({"result": result}).encode())]
 
     def _act(self, op: str, b: dict[str, Any]) -> Any:
         s = self.state
+        if op == "list_partitions":
+            return s.list_partitions()
         if op == "kv_list":
             return s.kv_list(_str(b, "partition_id", optional=True))
-        pid = _str(b, "partition_id")
-        if op == "get_meta":
-            fields = _strs(b, "data_fields")
-            cfg = b.get("sampling_config") or {}
-            if not isinstance(cfg, dict) or not all(k in ("dp_rank", "batch_index") and isinstance(v, int)
-                                                    for k, v in cfg.items()):
-                raise InvalidArgument("sampling_config takes dp_rank and batch_index (ints)")
-            n = b.get("batch_size")
-            if not isinstance(n, int) or not 0 <= n <= MAX_IDS:
-                raise InvalidArgument(f"batch_size must be an int in [0, {MAX_IDS}]")
-            mode = b.get("mode", "fetch")
-            task = _str(b, "task_name", optional=True)
-            return s.get_meta(pid, fields, n, mode, task, self._sampler(b.get("sampler")), cfg).tolist()
-        if op == "production_status":
-            idx, st = s.production_status(pid, _strs(b, "data_fields"))
-            return [idx.tolist(), st.tolist()]
-        if op == "consumption_status":
-            idx, st = s.consumption_status(pid, _str(b, "task_name"))
-            return [idx.tolist(), st.tolist()]
-        if op == "reset_consumption":
-            return s.reset_consumption(pid, _str(b, "task_name", optional=True))
-        if op == "clear_keys":
-            s.clear_keys(pid, _strs(b, "keys"))
+        if op == "set_custom_meta":
+            per = _json_dict(b, "custom_meta", optional=False)
+            out: dict[str, dict[int, dict[str, Any]]] = {}
+            for pid, pairs in per.items():
+                if not isinstance(pairs, list) or not all(
+                        isinstance(x, list) and len(x) == 2 and isinstance(x[0], int) and isinstance(x[1], dict)
+                        for x in pairs):
+                    raise InvalidArgument("custom_meta must map partition ids to [global index, object] pairs")
+                out[str(pid)] = {int(g): m for g, m in pairs}
+            s.set_custom_meta(out)
             return None
         if op == "clear_samples":
-            s.clear_samples(pid, _ids(b, "gidx"))
-            return None
+            gidx = _ids(b, "gidx").tolist()
+            return s.clear_samples(_strs(b, "partition_ids"), gidx)
+        pid = _str(b, "partition_id")
+        if op == "get_meta":
+            n = b.get("batch_size")
+            if n is not None and (not isinstance(n, int) or not 0 <= n <= MAX_IDS):
+                raise InvalidArgument(f"batch_size must be an int in [0, {MAX_IDS}]")
+            return s.get_meta(pid, _strs(b, "data_fields"), n, b.get("mode", "fetch"),
+                              _str(b, "task_name", optional=True), b.get("sampler"),
+                              _json_dict(b, "sampling_config"))
+        if op == "kv_retrieve_meta":
+            return s.kv_retrieve_meta(pid, _strs(b, "keys"), bool(b.get("create", False)))
+        if op == "kv_retrieve_keys":
+            return s.kv_retrieve_keys(pid, _ids(b, "gidx").tolist())
+        if op == "production_status":
+            return s.production_status(pid, _strs(b, "data_fields"))
+        if op == "consumption_status":
+            return s.consumption_status(pid, _str(b, "task_name"))
+        if op == "reset_consumption":
+            return s.reset_consumption(pid, _str(b, "task_name", optional=True))
         if op == "clear_partition":
-            s.clear_partition(pid)
-            return None
-        if op == "tags_of":
-            return s.tags_of(pid, _ids(b, "gidx"))
-        if op == "key_indexes":
-            with s.lock:
-                gidx, _ = s.partition(pid).plan_keys(_strs(b, "keys"), create=False)
-            return gidx.tolist()
-        if op == "field_names":
-            with s.lock:
-                return sorted(s.partition(pid).group_of)
-        if op == "keys_of":
-            return s.keys_of(pid, _ids(b, "gidx"))
+            return s.clear_partition(pid)
+        if op == "snapshot":
+            return s.snapshot(pid)
         if op == "field_kinds":
-            return {f: k.to_json() for f, k in s.field_kinds(pid).items()}
-        if op == "put_tags":
-            return s.put_indexes(pid, _ids(b, "gidx"), 0, {}, {}, _tags(b)).tolist()
+            return s.field_kinds(pid)
         raise InvalidArgument(f"unknown action {VERSION}.{op}")
 
     def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         try:
             b = _loads(descriptor.command, "put")
+            op = b.get("op")
+            if op not in ("put", "kv_put"):
+                raise InvalidArgument(f"put: unknown op {op!r}")
             pid = _str(b, "partition_id")
+            keys = _strs(b, "keys") if op == "kv_put" else None
+            gidx = _ids(b, "gidx").tolist() if keys is None else []
+            tags = b.get("tags")
+            if keys is not None and tags is not None and (
+                    not isinstance(tags, list) or not all(isinstance(t, dict) or t is None for t in tags)):
+                raise InvalidArgument("tags must be a list of JSON objects")
+            rows = len(gidx) if keys is None else len(keys)
             kinds = _kinds(b)
-            expected = pa.schema([pa.field(f, arrow_type(k)) for f, k in kinds.items()])
+            shapes = _shapes(b, kinds, rows)
+            schema = _json_dict(b, "schema") or {}
             got = reader.schema
-            if not got.remove_metadata().equals(expected):
-                raise SchemaError(f"put: the columns {got.remove_metadata()} do not match the field kinds "
-                                  f"{expected}; nothing was written")
+            for f, k in kinds.items():
+                if f not in got.names:
+                    raise SchemaError(f"put: no column for field {f!r}; nothing was written")
+                t = got.field(f).type
+                ragged = pa.types.is_list(t) or pa.types.is_large_list(t)
+                if (f in shapes) != (ragged and k.kind == "tensor"):
+                    raise SchemaError(f"put: field {f!r} of type {t} needs per-sample shapes exactly when it is a "
+                                      "ragged tensor; nothing was written")
+                shape = tuple(t.shape) if isinstance(t, pa.FixedShapeTensorType) else ()
+                want = arrow_type(k, ragged, shape)
+                if not (t.equals(want) or (pa.types.is_large_list(t) and ragged)):
+                    raise SchemaError(f"put: field {f!r} travels as {t}, its kind {k.to_json()} as {want}; nothing "
+                                      "was written")
+            if len(got.names) != len(kinds):
+                raise SchemaError(f"put: columns {got.names} for fields {sorted(kinds)}; nothing was written")
             batches, size = [], 0
             for chunk in reader:
                 size += chunk.data.nbytes
@@ -222,25 +242,17 @@ class TQServer(flight.FlightServerBase):
                     raise InvalidArgument(f"put: more than {MAX_PUT_BYTES} bytes in one put")
                 batches.append(chunk.data)
             table = pa.Table.from_batches(batches, schema=got)
-            cols = {f: table.column(f).combine_chunks() for f in kinds}
-            tags = _tags(b)
-            if b.get("op") == "put_keys":
-                keys = _strs(b, "keys")
-                if table.num_rows != len(keys) and kinds:
-                    raise SchemaError(f"put: {table.num_rows} rows for {len(keys)} keys; nothing was written")
-                gidx, stored = self.state.put_keys(pid, keys, kinds, cols, tags)
-                result: Any = {"gidx": gidx.tolist(), "fields": stored}
-            elif b.get("op") == "put_indexes":
-                gidx_in = None if b.get("gidx") is None else _ids(b, "gidx")
-                count = table.num_rows if gidx_in is None else len(gidx_in)
-                if kinds and table.num_rows != count:
-                    raise SchemaError(f"put: {table.num_rows} rows for {count} samples; nothing was written")
-                result = {"gidx": self.state.put_indexes(pid, gidx_in, count, kinds, cols, tags).tolist()}
+            if kinds and table.num_rows != rows:
+                raise SchemaError(f"put: {table.num_rows} rows for {rows} samples; nothing was written")
+            values = {f: FieldValues.from_arrow(k, table.column(f), shapes.get(f)) for f, k in kinds.items()}
+            result: Any = None
+            if keys is None:
+                self.state.put(pid, gidx, values, schema)
             else:
-                raise InvalidArgument(f"put: unknown op {b.get('op')!r}")
-        except (KeyError, ValueError) as e:
+                result = self.state.kv_put(pid, keys, values, schema, tags)
+        except (KeyError, ValueError, TypeError, AssertionError, RuntimeError) as e:
             raise self._fail(e) from None
-        writer.write(pa.py_buffer(json.dumps(result).encode()))
+        writer.write(pa.py_buffer(json.dumps({"result": result}).encode()))
 
     def do_get(self, context: Any, ticket: Any) -> Any:
         try:
@@ -248,17 +260,12 @@ class TQServer(flight.FlightServerBase):
             if b.get("op") != "read":
                 raise InvalidArgument(f"get: unknown op {b.get('op')!r}")
             pid = _str(b, "partition_id")
-            fields = _strs(b, "fields", optional=True)
-            if b.get("keys") is not None:
-                with self.state.lock:
-                    gidx, _ = self.state.partition(pid).plan_keys(_strs(b, "keys"), create=False)
-            else:
-                gidx = _ids(b, "gidx")
-            cols, kinds = self.state.read(pid, gidx, fields)
-        except (KeyError, ValueError) as e:
+            fields = _strs(b, "fields")
+            values = self.state.read(pid, _ids(b, "gidx").tolist(), fields)
+        except (KeyError, ValueError, TypeError, AssertionError, RuntimeError) as e:
             raise self._fail(e) from None
-        meta = {b"tq.kinds": json.dumps({f: k.to_json() for f, k in kinds.items()}).encode(),
-                b"tq.rows": str(len(gidx)).encode()}
-        table = pa.table({f: cols[f] for f in kinds}) if kinds else pa.table({})
+        meta = {b"tq.kinds": json.dumps({f: v.kind.to_json() for f, v in values.items()}).encode(),
+                b"tq.shapes": json.dumps({f: [list(x) for x in v.sample_shapes()] for f, v in values.items()
+                                          if v.ragged}).encode()}
+        table = pa.table([values[f].to_arrow() for f in fields], names=fields) if fields else pa.table({})
         return flight.RecordBatchStream(table.replace_schema_metadata(meta))
-
