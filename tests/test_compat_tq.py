@@ -113,7 +113,7 @@ def test_a_field_whose_shape_changes_becomes_ragged(system: str) -> None:
     assert rows(got["tokens"]) == [[0], [0, 1, 2, 3, 4], [0, 1, 2], [0, 1, 2]]
     meta = tq.get_meta(["tokens"], 4, "p", mode="force_fetch")
     assert meta.field_schema["tokens"]["is_nested"] is True
-    assert sorted(meta.field_schema["tokens"]["per_sample_shapes"]) == [(1,), (3,), (3,), (5,)]
+    assert sorted(meta.field_schema["tokens"]["per_sample_shapes"]) == [[1], [3], [3], [5]]  # lists, as TransferQueue's
     # a batch padded to another width later: also taken, per-sample shapes kept
     tq.kv_batch_put(keys=["b0", "b1"], partition_id="p", fields={"tokens": torch.zeros(2, 7, dtype=torch.int64),
                                                                  "score": torch.ones(2)})

@@ -10,23 +10,19 @@
     tq.put(TensorDict({"responses": ...}, batch_size=8), metadata=meta)   # fields filled later
     tq.close()
 
-Mirrored (signatures from TransferQueue 0.1.11, `transfer_queue/interface.py` and `client.py`): `init(conf)`,
-`close()`, `kv_put(key, partition_id, fields, tag)`, `kv_batch_put(keys, partition_id, fields, tags)`,
-`kv_batch_get(keys, partition_id, select_fields)`, `kv_batch_get_by_meta(meta, select_fields)`,
-`kv_list(partition_id)`, `kv_clear(keys, partition_id)` and their `async_` twins; the client's metadata path as
-module functions and on `get_client()`: `get_meta(data_fields, batch_size, partition_id, mode, task_name,
-sampling_config, sampler)`, `put(data, metadata, partition_id)`, `get_data(metadata)`, `set_custom_meta`,
-`get_production_status`, `get_consumption_status`, `check_production_status`, `check_consumption_status`,
-`reset_consumption`, `clear_partition`, `clear_samples`, `get_partition_list`; the samplers; `StreamingDataset`
-and `StreamingDataLoader`. Not mirrored: `data_parser` (refused when given), `save_checkpoint`/`load_checkpoint`
-(use `stores(partition_id)` and arrowbuf's checkpoints), metrics endpoints, storage-backend configs.
+Mirrored, with TransferQueue 0.1.11's semantics (its own test suite runs against this package with only the import
+swapped; docs/integrations.md lists what fails and why): the module API (`init`, `close`, the `kv_*` calls and
+their `async_` twins, `save_checkpoint`, `load_checkpoint`, `get_metrics_endpoint`, `get_client`), the client's
+metadata path (also as module functions here: `get_meta`, `put`, `get_data`, statuses, clears), `BatchMeta`,
+`KVBatchMeta`, the samplers, `StreamingDataset`/`StreamingDataLoader`, `StorageKeyNotFoundError`.
 
-The package, one concept per module: `api` (the module functions: init, close, kv_*, get_meta, put, ...), `client`
-(`TransferQueueClient`), `meta` (`BatchMeta`, `KVBatchMeta`), `samplers`, `streaming` (`StreamingDataset`,
-`StreamingDataLoader`), `columns` (how fields map onto Arrow columns and what is refused), `state` (how partitions,
-keys, tags and consumption are kept), `wire`/`server`/`remote` (the `tq.v1` Flight protocol, its server and client),
-`ray` (the system in a named Ray actor), `sharded` (N systems as one). Values come back as a TensorDict when
-tensordict is installed (`pip install 'arrowbuf[compat]'`), else as a dict of tensors.
+The package, one concept per module: `api` (the module functions: init, close, kv_*, checkpoints, ...), `client`
+(`TransferQueueClient` and the `Backend` calls it makes), `meta` (`BatchMeta`, `KVBatchMeta`, `PartitionSnapshot`),
+`samplers`, `streaming` (`StreamingDataset`, `StreamingDataLoader`), `columns` (how fields map onto arrowbuf columns
+and back, and what is refused), `state` (the system: TransferQueue's controller over arrowbuf stores), `partition`
+(its parts), `checkpoint` (its checkpoints), `wire`/`server`/`remote` (the `tq.v2` Flight protocol, its server and
+client), `ray` (the system in the TransferQueueController Ray actor), `sharded` (N systems as one). Values come back
+as a TensorDict when tensordict is installed (`pip install 'arrowbuf[compat]'`), else as a dict of tensors.
 """
 
 from __future__ import annotations

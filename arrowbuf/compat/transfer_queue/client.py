@@ -150,7 +150,7 @@ class TransferQueueClient:
                               "each partition's samples separately; nothing was written")
         self.backend.put(metadata.partition_ids[0], list(metadata.global_indexes), values, schema)
         self.set_custom_meta(metadata)
-        return apply_put(metadata, torch_schema(schema))
+        return apply_put(metadata, torch_schema(schema, local=True))
 
     def get_data(self, metadata: BatchMeta) -> Any:
         """The fields of `metadata`'s samples, in its order (an empty TensorDict for an empty metadata).
@@ -193,13 +193,13 @@ class TransferQueueClient:
         return torch.tensor(got[0], dtype=torch.long), torch.tensor(got[1], dtype=torch.int8)
 
     def get_production_status(self, data_fields: list[str], partition_id: str) -> tuple[Any, Any]:
-        """(global indexes, int8 [samples, fields] 1 where produced) of the partition; (None, None) for an unknown
-        partition or field."""
+        """(global indexes, int8 [samples, fields] 1 where produced; the fields in the order they were first put,
+        as TransferQueue's) of the partition; (None, None) for an unknown partition or field."""
         got = _controller(self.backend.production_status, partition_id, list(data_fields))
         if got is None:
             return None, None
         torch = torch_module()
-        status = torch.tensor(got[1], dtype=torch.int8).reshape(len(got[0]), len(data_fields))
+        status = torch.tensor(got[1], dtype=torch.int8).reshape(len(got[0]), len(set(data_fields)))
         return torch.tensor(got[0], dtype=torch.long), status
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:

@@ -85,9 +85,10 @@ def extract_field_schema(data: Any) -> dict[str, dict[str, Any]]:
     return schema
 
 
-def torch_schema(schema: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Field-schema entries as the system keeps them (dtype and shapes by name, JSON) -> as BatchMeta holds them
-    (torch dtypes, `torch.Size` shapes, tuples per sample)."""
+def torch_schema(schema: dict[str, dict[str, Any]], local: bool = False) -> dict[str, dict[str, Any]]:
+    """Field-schema entries as the system keeps them (dtype and shapes by name, JSON) -> as BatchMeta holds them:
+    torch dtypes; shapes as TransferQueue's BatchMeta has them: lists in one from the system (`get_meta`, as they
+    arrive over its wire), `torch.Size` and tuples in one a put filled in this process (`local`)."""
     import torch
 
     out: dict[str, dict[str, Any]] = {}
@@ -96,9 +97,10 @@ def torch_schema(schema: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
         if e.get("dtype") is not None:
             e["dtype"] = getattr(torch, e["dtype"])
         if e.get("shape") is not None:
-            e["shape"] = torch.Size(e["shape"])
+            e["shape"] = torch.Size(e["shape"]) if local else list(e["shape"])
         if e.get("per_sample_shapes") is not None:
-            e["per_sample_shapes"] = [None if s is None else tuple(s) for s in e["per_sample_shapes"]]
+            e["per_sample_shapes"] = [None if s is None else (tuple(s) if local else list(s))
+                                      for s in e["per_sample_shapes"]]
         out[name] = e
     return out
 

@@ -18,31 +18,27 @@ value was evicted raises `StorageKeyNotFoundError`.
 
 Guarantees: a put is validated whole (kinds and dtypes against the partition's, batch sizes) before anything is
 written, and a refused put changes nothing. Everything a remote caller passes and gets is JSON or `FieldValues`
-(Arrow on the wire): this class is what `server.TQServer` serves.
+(Arrow on the wire): this class is what `server.TQServer` serves. The parts it holds are in `partition`, its
+checkpoints in `checkpoint`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from ...errors import ArrowbufError, InvalidArgument, SchemaError
-from ...schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
 from ...store.facade import ExperienceStore
+from .checkpoint import read, write
 from .columns import FieldKind, FieldValues
+from .partition import FieldGroup, FieldInfo, FieldState, IndexManager, Partition, PartitionView, grow
 from .samplers import BaseSampler, SequentialSampler, make_sampler, sampler_spec
 
 MODES = ("insert", "fetch", "force_fetch")
-#: The layout version of `save_checkpoint`'s directory.
-CHECKPOINT_FORMAT = "arrowbuf.tq.v1"
 
 
 class StorageKeyNotFoundError(ArrowbufError, KeyError):
@@ -54,338 +50,6 @@ class GetMetaTimeout(ArrowbufError, TimeoutError, RuntimeError):
     """`get_meta(mode="fetch")` found too few ready samples within its wait (TransferQueue's controller without
     polling_mode; its client raises a RuntimeError, hence both builtins)."""
 
-
-def _grow(arr: np.ndarray, n: int, fill: Any) -> np.ndarray:
-    if len(arr) >= n:
-        return arr
-    out = np.full(max(n, 2 * len(arr), 16), fill, dtype=arr.dtype)
-    out[: len(arr)] = arr
-    return out
-
-
-class IndexManager:
-    """System-wide global indexes: released ones are reused first, in release order; each partition's set of
-    indexes (a Python set, iterated as TransferQueue iterates it: `force_fetch` returns them in that order)."""
-
-    def __init__(self) -> None:
-        self.counter = 0
-        self.reusable: list[int] = []
-        self.of: dict[str, set[int]] = {}
-
-    def allocate(self, partition_id: str, count: int) -> list[int]:
-        if count <= 0:
-            raise ValueError(f"Number of indexes needed must be larger than 0, but got {count}")
-        reuse = self.reusable[:count]
-        del self.reusable[:count]
-        fresh = list(range(self.counter, self.counter + count - len(reuse)))
-        self.counter += len(fresh)
-        out = reuse + fresh
-        self.of.setdefault(partition_id, set()).update(out)
-        return out
-
-    def release_partition(self, partition_id: str) -> list[int]:
-        indexes = self.of.pop(partition_id, set())
-        self.reusable.extend(indexes)
-        return list(indexes)
-
-    def release(self, partition_id: str, indexes: list[int]) -> None:
-        mine = self.of.get(partition_id)
-        if mine is None:
-            return
-        if not set(indexes) <= mine:
-            raise ValueError("Some indexes to release do not belong to the specified partition.")
-        mine.difference_update(indexes)
-        self.reusable.extend(indexes)
-        if not mine:
-            self.of.pop(partition_id, None)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"counter": self.counter, "reusable": self.reusable, "of": {p: list(s) for p, s in self.of.items()}}
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> IndexManager:
-        m = cls()
-        m.counter, m.reusable = int(obj["counter"]), [int(i) for i in obj["reusable"]]
-        m.of = {str(p): {int(i) for i in s} for p, s in obj["of"].items()}
-        return m
-
-
-@dataclass
-class FieldInfo:
-    """One field's schema in a partition, as TransferQueue's controller keeps it (what `BatchMeta.field_schema`
-    reports): dtype (a name), shape (None once nested), is_nested, is_non_tensor, and each sample's shape while
-    nested. A put of another shape makes it nested; once the samples left after a clear share one shape it is not."""
-
-    indexes: set[int] = field(default_factory=set)
-    dtype: str | None = None
-    shape: tuple[int, ...] | None = None
-    is_nested: bool | None = None
-    is_non_tensor: bool | None = None
-    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
-
-    @classmethod
-    def first(cls, entry: dict[str, Any], gidx: list[int]) -> FieldInfo:
-        shapes = entry.get("per_sample_shapes")
-        return cls(set(gidx), entry.get("dtype"), _shape(entry.get("shape")), bool(entry.get("is_nested", False)),
-                   bool(entry.get("is_non_tensor", False)),
-                   {g: tuple(s) for g, s in zip(gidx, shapes, strict=True)} if shapes else {})
-
-    def update(self, entry: dict[str, Any], gidx: list[int]) -> None:
-        dtype = entry.get("dtype")
-        if dtype is not None:
-            if self.dtype is None:
-                self.dtype = dtype
-            elif self.dtype != dtype:
-                raise SchemaError(f"dtype mismatch: existing={self.dtype}, incoming={dtype}. All batches for the "
-                                  "same field must have the same dtype.")
-        if entry.get("is_nested"):
-            shapes = entry.get("per_sample_shapes")
-            if shapes is None:
-                raise SchemaError("Receiving a nested field without 'per_sample_shapes'!")
-            if self.is_nested is not None and not self.is_nested:
-                for g in self.indexes:
-                    self.shapes[g] = self.shape  # type: ignore[assignment]
-                self.is_nested, self.shape = True, None
-            self.shapes.update({g: tuple(s) for g, s in zip(gidx, shapes, strict=True)})
-        elif not entry.get("is_non_tensor"):
-            shape = _shape(entry.get("shape"))
-            if shape is None:
-                raise SchemaError("Receiving a regular tensor without 'shape'!")
-            if self.is_nested:
-                self.shapes.update({g: shape for g in gidx})
-            elif self.is_non_tensor is not None and not self.is_non_tensor and self.shape != shape:
-                for g in self.indexes:
-                    self.shapes[g] = self.shape  # type: ignore[assignment]
-                self.shapes.update({g: shape for g in gidx})
-                self.shape, self.is_nested = None, True
-        self.indexes.update(gidx)
-
-    def remove(self, gidx: list[int]) -> None:
-        for g in gidx:
-            self.shapes.pop(g, None)
-            self.indexes.discard(g)
-        if not self.indexes:
-            self.is_nested = self.is_non_tensor = self.shape = self.dtype = None
-            self.shapes.clear()
-        elif self.is_nested:
-            left = {tuple(s) for s in self.shapes.values()}
-            if len(left) == 1:
-                self.is_nested, self.shape = False, left.pop()
-                self.shapes.clear()
-
-    def batch_schema(self, gidx: list[int]) -> dict[str, Any]:
-        out: dict[str, Any] = {"dtype": self.dtype, "shape": None if self.shape is None else list(self.shape),
-                               "is_nested": self.is_nested, "is_non_tensor": self.is_non_tensor}
-        if self.is_nested and self.shapes:
-            out["per_sample_shapes"] = [None if self.shapes.get(g) is None else list(self.shapes[g]) for g in gidx]
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {"indexes": sorted(self.indexes), "dtype": self.dtype,
-                "shape": None if self.shape is None else list(self.shape), "is_nested": self.is_nested,
-                "is_non_tensor": self.is_non_tensor, "shapes": [[g, list(s)] for g, s in self.shapes.items()]}
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> FieldInfo:
-        return cls({int(i) for i in obj["indexes"]}, obj["dtype"], _shape(obj["shape"]), obj["is_nested"],
-                   obj["is_non_tensor"], {int(g): tuple(s) for g, s in obj["shapes"]})
-
-
-def _shape(value: Any) -> tuple[int, ...] | None:
-    return None if value is None else tuple(int(d) for d in value)
-
-
-SHAPE_PREFIX = "__shape__."
-RESERVED = frozenset(SYSTEM_COLUMNS) | frozenset(STREAM_KEYS)
-
-
-class FieldGroup:
-    """One arrowbuf store holding fields written together, each in one storage form; rows addressed by seq. A
-    ragged tensor field has a companion column `__shape__.<field>` with each row's shape."""
-
-    def __init__(self, name: str, forms: dict[str, tuple[FieldKind, Any]], capacity: int,
-                 store: ExperienceStore | None = None) -> None:
-        self.name = name
-        self.forms = dict(forms)
-        self.fields = tuple(sorted(forms))
-        # a field is the store column of its name (SQL sees it), or `<name>__tq` where a store column has the name
-        self.column = {f: f"{f}__tq" if f in RESERVED or f.startswith(SHAPE_PREFIX) else f for f in self.fields}
-        if store is None:
-            cols: dict[str, Any] = {}
-            for f in self.fields:
-                kind, mode = forms[f]
-                if mode == "ragged" or kind.kind != "tensor":
-                    cols[self.column[f]] = {"dtype": kind.dtype, "ragged": True}
-                else:
-                    cols[self.column[f]] = {"dtype": kind.dtype, "shape": list(mode)}
-                if kind.kind == "tensor" and mode == "ragged":
-                    cols[SHAPE_PREFIX + self.column[f]] = {"dtype": "int64", "ragged": True}
-            schema = {"name": name, "fields": cols, "episode_end": [], "truncation": []}  # a sample is a row
-            store = ExperienceStore(schema, capacity=capacity, sampler="fifo", name=name)
-        self.store = store
-
-    def write(self, values: dict[str, FieldValues]) -> np.ndarray:
-        arrays: list[pa.Array] = []
-        names: list[str] = []
-        for f in self.fields:
-            kind, mode = self.forms[f]
-            v = values[f].as_ragged() if mode == "ragged" else values[f]
-            arrays.append(v.to_arrow())
-            names.append(self.column[f])
-            if kind.kind == "tensor" and mode == "ragged":
-                shapes = v.sample_shapes()
-                offsets = np.zeros(len(shapes) + 1, dtype=np.int32)
-                np.cumsum([len(s) for s in shapes], out=offsets[1:])
-                dims = np.asarray([d for s in shapes for d in s], dtype=np.int64)
-                arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims)))
-                names.append(SHAPE_PREFIX + self.column[f])
-        return np.asarray(self.store.extend(pa.record_batch(arrays, names=names)), dtype=np.int64)
-
-    def read(self, fields: list[str], seqs: np.ndarray) -> dict[str, FieldValues] | None:
-        """The fields of rows `seqs` (None when a row was evicted)."""
-        cols = [self.column[f] for f in fields]
-        cols += [SHAPE_PREFIX + self.column[f] for f in fields if self.forms[f][1] == "ragged"
-                 and self.forms[f][0].kind == "tensor"]
-        try:
-            batch = self.store.take(seqs, columns=cols)
-        except InvalidArgument:
-            return None
-        out: dict[str, FieldValues] = {}
-        for f in fields:
-            kind, mode = self.forms[f]
-            shapes = None
-            if mode == "ragged" and kind.kind == "tensor":
-                dims = FieldValues.from_arrow(FieldKind("tensor", "int64"), batch[SHAPE_PREFIX + self.column[f]],
-                                              None)
-                assert dims.flat is not None and dims.offsets is not None
-                shapes = [tuple(dims.flat[s:e].tolist()) for s, e in
-                          zip(dims.offsets[:-1].tolist(), dims.offsets[1:].tolist(), strict=True)]
-            col = batch[self.column[f]]
-            if isinstance(col, np.ndarray):  # a dense gather: this call's own memory
-                out[f] = FieldValues(kind, len(seqs), dense=col)
-            else:
-                out[f] = FieldValues.from_arrow(kind, col, shapes, writable=True)
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "forms": {f: [k.to_json(), m if m == "ragged" else list(m)]
-                                             for f, (k, m) in self.forms.items()}}
-
-    def close(self) -> None:
-        self.store.close()
-
-
-@dataclass
-class FieldState:
-    """What the partition stores for one field: its kind (fixed by its first put), its storage form (a shape, or
-    "ragged" once its shape changed), and per global index which group and row hold its value (-1: none)."""
-
-    kind: FieldKind
-    mode: Any
-    group: np.ndarray = field(default_factory=lambda: np.full(16, -1, dtype=np.int64))
-    seq: np.ndarray = field(default_factory=lambda: np.full(16, -1, dtype=np.int64))
-
-    def has(self, gidx: np.ndarray) -> np.ndarray:
-        inside = gidx < len(self.group)
-        out = np.zeros(len(gidx), dtype=bool)
-        out[inside] = self.group[gidx[inside]] >= 0
-        return out
-
-
-class Partition:
-    """One partition: its samples (global indexes), keys, custom metadata, field schemas and values, consumption
-    per task."""
-
-    def __init__(self, partition_id: str) -> None:
-        self.partition_id = partition_id
-        self.created_at = time.time()
-        self.indexes: set[int] = set()
-        self.field_order: dict[str, int] = {}        # TransferQueue's field_name_mapping: registration order
-        self.info: dict[str, FieldInfo] = {}
-        self.fields: dict[str, FieldState] = {}
-        self.consumed: dict[str, np.ndarray] = {}
-        self.custom_meta: dict[int, dict[str, Any]] = {}
-        self.keys: dict[str, int] = {}
-        self.key_of: dict[int, str] = {}
-        self.groups: dict[Any, int] = {}
-        self.stores: list[FieldGroup] = []
-
-    def produced(self, fields: list[str], gidx: np.ndarray) -> np.ndarray:
-        """[len(gidx), len(fields)] int8: 1 where the field has a value for the sample."""
-        out = np.zeros((len(gidx), len(fields)), dtype=np.int8)
-        for j, f in enumerate(fields):
-            st = self.fields.get(f)
-            if st is not None:
-                out[:, j] = st.has(gidx)
-        return out
-
-    def consumed_of(self, task: str) -> np.ndarray:
-        if task not in self.consumed:
-            self.consumed[task] = np.zeros(16, dtype=bool)
-        return self.consumed[task]
-
-    def is_consumed(self, task: str, gidx: np.ndarray) -> np.ndarray:
-        arr = self.consumed_of(task)
-        out = np.zeros(len(gidx), dtype=bool)
-        inside = gidx < len(arr)
-        out[inside] = arr[gidx[inside]]
-        return out
-
-    def mark_consumed(self, task: str, gidx: list[int]) -> None:
-        if not gidx:
-            return
-        arr = _grow(self.consumed_of(task), max(gidx) + 1, False)
-        arr[np.asarray(gidx, dtype=np.int64)] = True
-        self.consumed[task] = arr
-
-    def ready(self, fields: list[str], task: str) -> list[int]:
-        """Samples with every field produced and not consumed by `task`, ascending."""
-        if any(f not in self.fields for f in fields):
-            return []
-        idx = np.asarray(sorted(self.indexes), dtype=np.int64)
-        ok = self.produced(fields, idx).all(axis=1) & ~self.is_consumed(task, idx)
-        return idx[ok].tolist()
-
-    def clear(self, gidx: list[int], clear_consumption: bool = True) -> None:
-        arr = np.asarray(gidx, dtype=np.int64)
-        for st in self.fields.values():
-            inside = arr[arr < len(st.group)]
-            st.group[inside] = -1
-            st.seq[inside] = -1
-        if clear_consumption:
-            for c in self.consumed.values():
-                c[arr[arr < len(c)]] = False
-        self.indexes.difference_update(gidx)
-        empty = []
-        for name, info in self.info.items():
-            info.remove(gidx)
-            if not info.indexes:
-                empty.append(name)
-        if not self.indexes:
-            self.info.clear()
-        else:
-            for name in empty:
-                self.info.pop(name)
-        for g in gidx:
-            self.custom_meta.pop(g, None)
-            k = self.key_of.pop(g, None)
-            if k is not None:
-                self.keys.pop(k, None)
-
-    def close(self) -> None:
-        for s in self.stores:
-            s.close()
-        self.stores = []
-
-
-class PartitionView:
-    """What a sampler may ask of a partition (TransferQueue passes its partition status as `partition=`)."""
-
-    def __init__(self, partition: Partition) -> None:
-        self._p = partition
-
-    def get_custom_meta(self, global_indices: list[int]) -> dict[int, dict[str, Any]]:
-        return {i: self._p.custom_meta[i] for i in global_indices if i in self._p.custom_meta}
 
 
 class TQState:
@@ -471,7 +135,8 @@ class TQState:
                 p = self._partition(partition_id)
                 if p is None:
                     raise ValueError(f"Partition {partition_id} not found")
-                return self._meta(p, list(self.index.of.get(partition_id, set())), fields, mode)
+                # the order TransferQueue's index manager hands them out in: a list of a copy of the set
+                return self._meta(p, list(self.index.of.get(partition_id, set()).copy()), fields, mode)
             if task_name is None:
                 raise InvalidArgument("get_meta(mode='fetch') needs a task_name: consumption is tracked per task")
             if batch_size is None:
@@ -668,8 +333,8 @@ class TQState:
                     p.field_order.setdefault(f, len(p.field_order))
                 elif mode == "ragged":
                     st.mode = "ragged"
-                st.group = _grow(st.group, need, -1)
-                st.seq = _grow(st.seq, need, -1)
+                st.group = grow(st.group, need, -1)
+                st.seq = grow(st.seq, need, -1)
                 st.group[arr] = g
                 st.seq[arr] = seqs
                 entry = schema.get(f) or {}
@@ -714,14 +379,15 @@ class TQState:
 
     # ------------------------------------------------------------------ status
     def production_status(self, partition_id: str, data_fields: list[str]) -> Any:
-        """(sorted global indexes, [n, len(fields)] 0/1) of the partition, or None (unknown partition or field,
-        no fields)."""
+        """(sorted global indexes, [n, fields] 0/1, the fields in the partition's registration order) of the
+        partition, or None (unknown partition or field, no fields)."""
         with self.lock:
             p = self._partition(partition_id)
             if p is None or not data_fields or any(f not in p.field_order for f in data_fields):
                 return None
             idx = np.asarray(sorted(p.indexes), dtype=np.int64)
-            return idx.tolist(), p.produced(list(data_fields), idx).tolist()
+            columns = [f for f in p.field_order if f in data_fields]  # TransferQueue's order: the partition's
+            return idx.tolist(), p.produced(columns, idx).tolist()
 
     def consumption_status(self, partition_id: str, task_name: str) -> Any:
         """(sorted global indexes, 0/1 consumed by `task_name`), or None for an unknown partition."""
@@ -809,82 +475,17 @@ class TQState:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:
-        """Write the system to directory `path` (created; must not exist): `state.json` (every partition's
-        bookkeeping, the index manager, the sampler's state) and one arrowbuf checkpoint per field-group store
-        under `stores/<partition>/<group>/`. Custom metadata must be JSON values."""
-        root = pathlib.Path(path)
+        """Write the system to directory `path` (see `checkpoint.write`)."""
         with self.lock:
-            root.mkdir(parents=True, exist_ok=False)
-            parts = []
-            for i, p in enumerate(self.partitions.values()):
-                stores = []
-                for j, g in enumerate(p.stores):
-                    where = root / "stores" / f"p{i}" / f"g{j}"
-                    g.store.checkpoint(str(where))
-                    stores.append({**g.to_json(), "dir": str(where.relative_to(root))})
-                parts.append({
-                    "partition_id": p.partition_id, "created_at": p.created_at, "indexes": sorted(p.indexes),
-                    "field_order": p.field_order, "info": {f: x.to_json() for f, x in p.info.items()},
-                    "fields": {f: {"kind": s.kind.to_json(), "mode": s.mode if s.mode == "ragged" else list(s.mode),
-                                   "group": s.group.tolist(), "seq": s.seq.tolist()} for f, s in p.fields.items()},
-                    "consumed": {t: np.flatnonzero(c).tolist() for t, c in p.consumed.items()},
-                    "custom_meta": [[g, m] for g, m in p.custom_meta.items()],
-                    "keys": list(p.keys.items()), "groups": [[list(map(list, k)), g] for k, g in p.groups.items()],
-                    "stores": stores})
-            state = {"format": CHECKPOINT_FORMAT, "capacity": self.capacity, "index": self.index.to_json(),
-                     "sampler": _jsonable(self.sampler.save_checkpoint(), "the sampler's state"),
-                     "partitions": parts}
-            data = json.dumps(state, allow_nan=True)
-            tmp = root / "state.json.tmp"
-            with open(tmp, "w") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, root / "state.json")
+            write(path, self.partitions, self.index, self.sampler.save_checkpoint(), self.capacity)
 
     def load_checkpoint(self, path: str) -> None:
-        """Replace the system's state with `save_checkpoint`'s (the stores restored from their checkpoints)."""
-        root = pathlib.Path(path)
-        state_file = root / "state.json"
-        if not state_file.exists():
-            raise FileNotFoundError(f"state.json not found in {root}")
-        state = json.loads(state_file.read_text())
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise SchemaError(f"{state_file}: format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        loaded: dict[str, Partition] = {}
-        try:
-            for obj in state["partitions"]:
-                p = Partition(obj["partition_id"])
-                p.created_at = obj["created_at"]
-                p.indexes = {int(i) for i in obj["indexes"]}
-                p.field_order = {str(f): int(i) for f, i in obj["field_order"].items()}
-                p.info = {f: FieldInfo.from_json(x) for f, x in obj["info"].items()}
-                for f, s in obj["fields"].items():
-                    p.fields[f] = FieldState(FieldKind.from_json(s["kind"]),
-                                             "ragged" if s["mode"] == "ragged" else tuple(s["mode"]),
-                                             np.asarray(s["group"], dtype=np.int64),
-                                             np.asarray(s["seq"], dtype=np.int64))
-                for t, idx in obj["consumed"].items():
-                    p.mark_consumed(t, [int(i) for i in idx])
-                    p.consumed_of(t)
-                p.custom_meta = {int(g): m for g, m in obj["custom_meta"]}
-                p.keys = {str(k): int(g) for k, g in obj["keys"]}
-                p.key_of = {g: k for k, g in p.keys.items()}
-                p.groups = {tuple(tuple(x) for x in k): int(g) for k, g in obj["groups"]}
-                for s in obj["stores"]:
-                    forms = {f: (FieldKind.from_json(k), "ragged" if m == "ragged" else tuple(m))
-                             for f, (k, m) in s["forms"].items()}
-                    store = ExperienceStore.restore(str(root / s["dir"]))
-                    p.stores.append(FieldGroup(s["name"], forms, self.capacity, store=store))
-                loaded[p.partition_id] = p
-        except BaseException:
-            for p in loaded.values():
-                p.close()
-            raise
+        """Replace the system's state with `save_checkpoint`'s (see `checkpoint.read`)."""
+        partitions, index, sampler_state = read(path, self.capacity)
         with self.lock:
-            old, self.partitions = self.partitions, loaded
-            self.index = IndexManager.from_json(state["index"])
-            self.sampler.load_checkpoint(_unjson_sampler(state["sampler"]))
+            old, self.partitions = self.partitions, partitions
+            self.index = index
+            self.sampler.load_checkpoint(sampler_state)
             self.changed.notify_all()
         for p in old.values():
             p.close()
@@ -900,29 +501,3 @@ def _empty_meta() -> dict[str, Any]:
     return {"global_indexes": [], "partition_id": None, "field_schema": {}, "production_status": [],
             "custom_meta": []}
 
-
-def _jsonable(obj: Any, what: str) -> Any:
-    """A sampler's state as JSON: dict keys become [key, value] pairs (they may be ints or tuples)."""
-    if isinstance(obj, dict):
-        return {"__pairs__": [[_jsonable(k, what), _jsonable(v, what)] for k, v in obj.items()]}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_jsonable(v, what) for v in obj]}
-    if isinstance(obj, list):
-        return [_jsonable(v, what) for v in obj]
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    raise SchemaError(f"{what}: a {type(obj).__name__} is not a JSON value; it cannot be checkpointed")
-
-
-def _unjson_sampler(obj: Any) -> Any:
-    if isinstance(obj, dict) and "__pairs__" in obj:
-        return {_key(_unjson_sampler(k)): _unjson_sampler(v) for k, v in obj["__pairs__"]}
-    if isinstance(obj, dict) and "__tuple__" in obj:
-        return tuple(_unjson_sampler(v) for v in obj["__tuple__"])
-    if isinstance(obj, list):
-        return [_unjson_sampler(v) for v in obj]
-    return obj
-
-
-def _key(k: Any) -> Any:
-    return tuple(k) if isinstance(k, list) else k
