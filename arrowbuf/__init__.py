@@ -3,7 +3,7 @@
 `import arrowbuf` needs only pyarrow and numpy; torch, ray, duckdb, polars and cudf are imported when used.
 """
 
-from . import placement, rate_limiters, samplers
+from . import config, placement, rate_limiters, samplers
 from .delivery.batch import SampleBatch
 from .delivery.loader import Loader, LoaderMetrics, TorchBatch
 from .errors import (
@@ -16,6 +16,7 @@ from .errors import (
     InvalidArgument,
     LeaseError,
     MissingDependency,
+    OutcomeUnknown,
     OutOfSpace,
     QueryTimeout,
     ResourceExhausted,
@@ -34,21 +35,38 @@ from .flight import ServerLimits, connect, serve
 from .flight.client import RemoteStore
 from .flight.server import StoreServer
 from .observe.identity import acting_as
+from .options import StoreOptions
 from .persist import CheckpointHandle, ExperienceDataset, open_dataset
 from .query.sql import SqlLimits
 from .schema import ExperienceSchema, FieldSpec, load_schema
 from .store.facade import ExperienceStore
 from .store.pending import PendingWrite
-from .surface import StoreSurface, WriterSurface
+from .surface import (
+    Bounded,
+    ExtendSink,
+    LineageSource,
+    Observable,
+    PieceSink,
+    StoreSurface,
+    TableStream,
+    WriterSurface,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "TableStream",
+    "PieceSink",
+    "Observable",
+    "LineageSource",
+    "ExtendSink",
+    "Bounded",
     "AppendSlowPathWarning",
     "ArrowbufError",
     "ArrowbufWarning",
     "CheckpointHandle",
     "DeadlineExceeded",
+    "OutcomeUnknown",
     "ExperienceDataset",
     "ExperienceSchema",
     "ExperienceStore",
@@ -76,6 +94,7 @@ __all__ = [
     "StoreExists",
     "StoreNotFound",
     "StoreNotTrusted",
+    "StoreOptions",
     "StoreServer",
     "StoreSurface",
     "TorchBatch",
@@ -86,6 +105,7 @@ __all__ = [
     "connect",
     "load_schema",
     "open_dataset",
+    "config",
     "placement",
     "rate_limiters",
     "samplers",

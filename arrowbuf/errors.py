@@ -13,7 +13,9 @@ ArrowbufError                       every error arrowbuf raises on purpose
 ├── StoreClosed(RuntimeError)       the store, tier, server or client was closed
 │   └── ShardsLost                  every shard of a sharded store is dead or unreachable
 ├── Unavailable(ConnectionError)    a server cannot be reached (refused, unreachable)
-│   └── DeadlineExceeded(TimeoutError) a call's deadline passed before the server answered
+│   ├── DeadlineExceeded(TimeoutError) a call's deadline passed before the server answered
+│   └── OutcomeUnknown              a write whose shard died before acknowledging it, then refused where it was
+│                                   re-sent: stored once by the dead shard, or not at all
 ├── StoreNotFound(LookupError)      no store of that name (attach, remote store names)
 ├── StoreExists(FileExistsError)    a live shared store already has that name
 ├── OutOfSpace(MemoryError)         a tier has not enough room (/dev/shm, a byte budget)
@@ -87,6 +89,13 @@ class DeadlineExceeded(Unavailable, TimeoutError):
     """
 
 
+class OutcomeUnknown(Unavailable):
+    """A write was sent to a shard that died before it acknowledged the write, and re-sending it to the shard that
+    took over was refused (`InsertTimeout`, ...: the cause is chained). The dead shard may have stored it (a durable
+    shard that journaled it brings it back, under ids never returned) or not: unlike `InsertTimeout`, this does not
+    mean nothing was written. A writer that needs exactly-once keeps its own keys in the rows."""
+
+
 class StoreNotFound(ArrowbufError, LookupError):
     """No store of the given name exists."""
 
@@ -148,6 +157,7 @@ __all__ = [
     "ShardsLost",
     "Unavailable",
     "DeadlineExceeded",
+    "OutcomeUnknown",
     "StoreNotFound",
     "StoreExists",
     "OutOfSpace",
@@ -176,5 +186,5 @@ class FinalObsWarning(ArrowbufWarning):
 
 class AppendSlowPathWarning(ArrowbufWarning):
     """`append` stored a step through the general (batch) path, about 10x slower per step: a value needed a
-    conversion the fast path does not make (see `arrowbuf.store.stepcheck`). Warned once per store;
+    conversion the fast path does not make (see `arrowbuf.engine.stepcheck`). Warned once per store;
     `stats()["append_slow_path"]` counts such steps."""

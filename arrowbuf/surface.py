@@ -16,7 +16,7 @@ is stored: `update_priorities` ignores (and counts) ids whose row was evicted or
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -163,6 +163,70 @@ class StoreSurface(Protocol):
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
         ...
+
+
+# ---------------------------------------------------------------------------------------------------- capabilities
+# What some store-like classes offer beyond `StoreSurface`, declared (runtime-checkable): code that uses one asks
+# `isinstance(store, TableStream)`, never `getattr(store, "iter_table", None)`.
+
+
+@runtime_checkable
+class TableStream(Protocol):
+    """A store that streams its rows chunk by chunk (`ExperienceStore`): a server sends a large table a chunk at a
+    time instead of copying it whole."""
+
+    def iter_table(self, columns: Iterable[str] | None = None, *,
+                   max_rows: int | None = None) -> Iterator[pa.RecordBatch]: ...
+
+
+@runtime_checkable
+class ExtendSink(Protocol):
+    """One extend whose rows arrive in pieces (`PieceSink.begin_extend`): `write` each, then `commit` (the ids) or
+    `abort` (nothing stored)."""
+
+    def write(self, piece: Any) -> None: ...
+
+    def commit(self) -> np.ndarray: ...
+
+    def abort(self) -> None: ...
+
+
+@runtime_checkable
+class PieceSink(Protocol):
+    """A store that takes an extend in pieces copied straight into its ring (`ExperienceStore`). `takes_pieces` says
+    whether it does at all (a durable, tiered, rate-limited store ... takes batches whole), decided once per store;
+    `begin_extend` may still return None for a batch it takes only whole (longer than the ring, with actor ids)."""
+
+    @property
+    def takes_pieces(self) -> bool: ...
+
+    def begin_extend(self, rows: int, names: Any) -> ExtendSink | None: ...
+
+
+@runtime_checkable
+class Bounded(Protocol):
+    """A store of a fixed number of rows (`ExperienceStore`, a Ray shard's `ShardBackend`)."""
+
+    capacity: int
+
+
+@runtime_checkable
+class Observable(Protocol):
+    """A store in this process whose internals `/metrics` and the inspector read (`ExperienceStore`): what it
+    records besides `stats()`, where its columns live and its chunk directory."""
+
+    def observability(self) -> dict[str, Any]: ...
+
+    def placement(self, explain: bool = False) -> pa.Table: ...
+
+    def chunks(self) -> pa.Table: ...
+
+
+@runtime_checkable
+class LineageSource(Protocol):
+    """A store that records the lineage of its rows: the SQL table `lineage` (`ExperienceStore`)."""
+
+    def lineage_table(self) -> pa.Table: ...
 
 
 #: Keys every implementation's `stats()` carries.

@@ -41,6 +41,8 @@ BENCHMARKS = {
                  "TransferQueue's workload across processes: shared memory, Flight, raw Flight (TransferQueue: full)"),
     "parts_cpu": ("benchmarks.bench_parts_cpu", ["--quick"],
                   "CPU of a parted Flight PUT (direct into the ring, assembled) against raw DoPut, one process"),
+    "torchrl": ("benchmarks.bench_torchrl", ["--quick"],
+                "TorchRL ReplayBuffer over ArrowbufStorage against LazyTensorStorage: extend and sample"),
     "peers": ("benchmarks.peers", [], "Peers and ceilings alone"),
 }
 DEFAULT = ["core", "sampling", "shm", "flight", "loader", "tiers", "ray", "persist", "llm", "leases", "shm_consume",

@@ -7,12 +7,14 @@ Rows (all on the disk of `--dir`):
 - ingest rows/s with `durability="group"`, "batch" and "os" vs the same store without a journal, for fixed tensors
   (uint8 4x84x84 frames, batches of 256) and GRPO rows (ragged tokens, batches of 64), with 1 and 4 writer threads,
   in process; and over Flight (one client, group vs none, fixed tensors and GRPO rows); `x none` is the ratio to
-  the no-journal rate, `x ceil` the MB/s over min(the no-journal MB/s, the sequential write bandwidth): a journal
-  writes every byte, so for frames the disk is the ceiling; `cpu us/b` the writer threads' CPU time per batch;
-  GRPO rows also with `/offload` (`ARROWBUF_JOURNAL_OFFLOAD=1`: records encoded and written on the journal's thread),
-  `/defer` (`ARROWBUF_JOURNAL_DEFER_WRITE=1`: written with the fdatasync by the journal's thread) and `/sync-thread`
-  (`ARROWBUF_JOURNAL_WRITER_SYNC=0`: a synchronous extend's fdatasync on the journal's thread, as before);
-  `x ceil`'s disk is measured the journal's way (186 KB appends, one fdatasync per 2 ms), several times per run;
+  the no-journal rate, `x ceil` the MB/s over min(the no-journal MB/s, the disk's write bandwidth measured the
+  journal's way); `cpu us/b` the writer threads' CPU time per batch;
+- the journal's cost against its own ceilings (issue 38): a lone synchronous writer (`durability="group"`, one
+  thread, every extend acknowledged) against 1 / (t_none + t_sync), where t_none is a lone writer's time per batch
+  without a journal and t_sync the p50 of writing a record of the same size the journal's way and fdatasyncing it,
+  both measured in the same run (frames and GRPO rows); and the journal's own user-space CPU per GRPO batch
+  (thread CPU with the journal, minus without it, minus the CPU its write, sync_file_range and fdatasync calls
+  took: `Journal.stats["syscall_cpu_s"]`) over the no-journal CPU per batch;
 - acknowledgement latency p50/p99 per policy (one writer, batches of 16 GRPO rows), beside the raw fsync latency;
 - recovery: restore (checkpoint + replay) of a journal of N MB (frames, and GRPO rows), seconds per GB, per-record
   and bulk replay, vs reading the same segment files (page cache dropped before each; medians of 3).
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import pathlib
@@ -37,7 +38,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -159,37 +159,11 @@ def _store(kind: str, durable: str | None, policy: str | None, capacity: int) ->
     return ab.ExperienceStore(schema, capacity=capacity, seed=0, **kw)
 
 
-@contextlib.contextmanager
-def durable_settings(**settings: bool | None) -> Iterator[None]:
-    """`arrowbuf.store.durable`'s journal settings (OFFLOAD, DEFER_WRITE, WRITER_SYNC by lower-case name; None:
-    the default) for the stores opened inside."""
-    from arrowbuf.store import durable
-
-    old = {}
-    try:
-        for k, v in settings.items():
-            if v is not None:
-                old[k.upper()] = getattr(durable, k.upper())
-                setattr(durable, k.upper(), v)
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(durable, k, v)
-
-
 def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: float,
-           window: int = 0, offload: bool | None = None, defer_write: bool | None = None,
-           writer_sync: bool | None = None) -> dict[str, float]:
+           window: int = 0) -> dict[str, float]:
     """Rows/s of `writers` threads extending back to back for `seconds` (the ring wraps: steady state). `window`:
     each writer keeps that many writes unacknowledged (`extend(..., wait=False)`, then the oldest handle's `wait()`),
-    as a producer with a window does; 0: every extend acknowledges synchronously. `offload`: a batch's record
-    encoded and written on the journal's thread (`arrowbuf.store.durable.OFFLOAD`; None: the default);
-    `defer_write`: encoded by the writer, written with its fdatasync by the journal's thread (`DEFER_WRITE`);
-    `writer_sync`: a synchronous extend fdatasyncs itself (`WRITER_SYNC`, the default) or leaves it to the sync
-    thread (False)."""
-    if offload is not None or defer_write is not None or writer_sync is not None:
-        with durable_settings(offload=offload, defer_write=defer_write, writer_sync=writer_sync):
-            return ingest(kind, where, policy, writers, seconds, window)
+    as a producer with a window does; 0: every extend acknowledges synchronously."""
     n = 256 if kind == "frames" else 64
     batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
     row_bytes = _row_bytes(kind, batch)
@@ -236,13 +210,9 @@ def ingest(kind: str, where: str, policy: str | None, writers: int, seconds: flo
         shutil.rmtree(d, ignore_errors=True)
 
 
-def flight_ingest(kind: str, where: str, policy: str | None, seconds: float,
-                  **settings: bool | None) -> dict[str, float]:
+def flight_ingest(kind: str, where: str, policy: str | None, seconds: float) -> dict[str, float]:
     """Rows/s and MB/s of one Flight client extending back to back (each DoPut acknowledged once durable under
-    `policy`) into a served store on 127.0.0.1. `settings`: as `ingest`'s (`durable_settings`)."""
-    if any(v is not None for v in settings.values()):
-        with durable_settings(**settings):
-            return flight_ingest(kind, where, policy, seconds)
+    `policy`) into a served store on 127.0.0.1."""
     n = 256 if kind == "frames" else 64
     batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
     d = tempfile.mkdtemp(dir=where, prefix="jb-")
@@ -348,7 +318,99 @@ def recovery(where: str, mb: int, kind: str = "frames") -> dict[str, Any]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-SECTIONS = ("ingest", "flight", "ack", "recovery")
+def record_sync_p50(where: str, record_bytes: int, count: int) -> float:
+    """p50 seconds of making one record of `record_bytes` durable the journal's way: appended (with direct I/O for
+    1 MiB and more, as `arrowbuf.persist.appender` does; through the page cache below) and fdatasynced."""
+    import mmap
+
+    from arrowbuf.persist.appender import DIRECT_MIN
+
+    direct = record_bytes >= DIRECT_MIN and hasattr(os, "O_DIRECT")
+    size = -(-record_bytes // 4096) * 4096 if direct else record_bytes
+    buf = mmap.mmap(-1, max(size, 4096))
+    buf.write(np.random.default_rng(0).integers(0, 255, len(buf), dtype=np.uint8).tobytes())
+    view = memoryview(buf)[:size]
+    path = os.path.join(where, f"rsync-{os.getpid()}.bin")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o600)
+    except OSError:
+        fd = os.open(path, flags, 0o600)
+    lat, off = [], 0
+    try:
+        for _ in range(count):
+            t0 = time.perf_counter()
+            off += os.pwrite(fd, view, off)
+            os.fdatasync(fd)
+            lat.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        view.release()
+        buf.close()
+    return float(np.median(lat[2:]))
+
+
+def lone_writer(kind: str, where: str, seconds: float) -> dict[str, Any]:
+    """A lone synchronous writer with `durability="group"` against the ceiling 1 / (t_none + t_sync) (module
+    docstring): t_none and t_sync measured in this call, interleaved (none, sync, journal, sync, none); the
+    writer's CPU per batch with and without the journal, and the journal's own (the CPU of its syscalls left out)."""
+    import resource
+
+    n = 256 if kind == "frames" else 64
+    batch = frames_batch(n) if kind == "frames" else grpo_batch(n)
+    record = columns_bytes(kind, batch)
+
+    def one(policy: str | None) -> dict[str, float]:
+        d = tempfile.mkdtemp(dir=where, prefix="jb-")
+        s = _store(kind, None if policy is None else os.path.join(d, "run"), policy, 20 * n)
+        try:
+            for _ in range(3):
+                s.extend(batch)
+            os.sync()
+            sys0 = (s.stats().get("journal") or {}).get("syscall_cpu_s", 0.0)
+            r0 = resource.getrusage(resource.RUSAGE_THREAD)
+            count, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                s.extend(batch)
+                count += 1
+            dt = time.perf_counter() - t0
+            r1 = resource.getrusage(resource.RUSAGE_THREAD)
+            sys1 = (s.stats().get("journal") or {}).get("syscall_cpu_s", 0.0)
+            return {"s_per_batch": dt / count, "batches": count,
+                    "cpu_us": (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / count * 1e6,
+                    "user_us": (r1.ru_utime - r0.ru_utime) / count * 1e6,
+                    "syscall_us": (sys1 - sys0) / count * 1e6}
+        finally:
+            s.close()
+            shutil.rmtree(d, ignore_errors=True)
+
+    nones, syncs = [one(None)], [record_sync_p50(where, record, 40)]
+    durable = one("group")
+    syncs.append(record_sync_p50(where, record, 40))
+    nones.append(one(None))
+    t_none = float(np.median([x["s_per_batch"] for x in nones]))
+    t_sync = float(np.median(syncs))
+    none_cpu = float(np.median([x["cpu_us"] for x in nones]))
+    own = durable["cpu_us"] - durable["syscall_us"] - none_cpu
+    return {"kind": kind, "record_bytes": record, "t_none_us": t_none * 1e6, "t_sync_us": t_sync * 1e6,
+            "ceiling_rows_per_s": n / (t_none + t_sync), "rows_per_s": n / durable["s_per_batch"],
+            "x_ceiling": (t_none + t_sync) / durable["s_per_batch"], "none_cpu_us": none_cpu,
+            "journal_cpu_us": durable["cpu_us"], "journal_syscall_cpu_us": durable["syscall_us"],
+            "journal_own_cpu_us": own, "own_cpu_share": own / none_cpu, "trials": {"none": nones, "sync": syncs,
+                                                                                  "group": durable}}
+
+
+def columns_bytes(kind: str, batch: dict[str, Any]) -> int:
+    """The bytes of a batch's journal record payload (its validated columns as an Arrow IPC stream)."""
+    from arrowbuf.persist.replay import columns_table
+
+    schema = ab.load_schema(frames_schema() if kind == "frames" else "grpo")
+    cols, _ = schema.validate_batch(batch)
+    return int(columns_table(cols).get_total_buffer_size())
+
+
+SECTIONS = ("ingest", "lone", "flight", "ack", "recovery")
 
 
 def run(where: str, quick: bool, sections: tuple[str, ...] = SECTIONS, kinds: tuple[str, ...] = ("frames", "grpo"),
@@ -378,19 +440,11 @@ def run(where: str, quick: bool, sections: tuple[str, ...] = SECTIONS, kinds: tu
                 r = ingest(kind, where, policy, writers, secs)
                 res["ingest"][f"{kind} w{writers} {policy or 'none'}"] = r
             res["ingest"][f"{kind} w{writers} group+win4"] = ingest(kind, where, "group", writers, secs, window=4)
-            if kind == "grpo":  # the fdatasync by the sync thread; the record written (and encoded) there
-                res["ingest"][f"{kind} w{writers} group/sync-thread"] = ingest(kind, where, "group", writers, secs,
-                                                                               writer_sync=False)
-                for tag, kw in (("defer", {"defer_write": True}), ("offload", {"offload": True})):
-                    res["ingest"][f"{kind} w{writers} group/{tag}"] = ingest(kind, where, "group", writers, secs,
-                                                                             **kw)
-                    res["ingest"][f"{kind} w{writers} group+win4/{tag}"] = ingest(kind, where, "group", writers,
-                                                                                  secs, window=4, **kw)
+    res["lone"] = {kind: lone_writer(kind, where, secs) for kind in (kinds if "lone" in sections else ())}
     res["flight"] = {}
     for kind in kinds if "flight" in sections else ():
-        for p, tag, kw in ((None, "", {}), ("group", "", {}), ("group", "/sync-thread", {"writer_sync": False}),
-                           ("group", "/defer", {"defer_write": True})):
-            res["flight"][f"{kind} {p or 'none'}{tag}"] = flight_ingest(kind, where, p, secs, **kw)
+        for p in (None, "group"):
+            res["flight"][f"{kind} {p or 'none'}"] = flight_ingest(kind, where, p, secs)
     jprobe()
     res["journal_write_gb_per_s_trials"] = jw
     res["journal_write_gb_per_s"] = float(np.median(jw))
@@ -443,14 +497,18 @@ def table(res: dict[str, Any]) -> str:
                "large direct writes for frames, the journal-shaped probe for GRPO rows): a journal writes every "
                "byte to the disk, so that is the most it can reach (the disk bounds frames, the CPU bounds GRPO rows); "
                f"direct I/O for records of 1 MiB and more: {res.get('direct_io', '?')}; "
-               "/defer: the record encoded by the writer, written with its fdatasync on the journal's thread "
-               "(ARROWBUF_JOURNAL_DEFER_WRITE=1); /sync-thread: a synchronous extend's fdatasync done by the "
-               "journal's sync thread while the writer copies (ARROWBUF_JOURNAL_WRITER_SYNC=0; default: the writer "
-               "starts the disk write at its reservation and fdatasyncs itself); "
-               "group+win4: each writer keeps 4 writes unacknowledged (extend(wait=False)); /offload: the batch's "
-               "record encoded and written on the journal's thread (ARROWBUF_JOURNAL_OFFLOAD=1); cpu us/b: the writer "
-               f"threads' CPU time per batch (holds under load; /offload moves part of it to the journal's thread); "
-               f"CRC-32: {res.get('crc32', '?')}")
+               "group+win4: each writer keeps 4 writes unacknowledged (extend(wait=False)); cpu us/b: the writer "
+               f"threads' CPU time per batch; CRC-32: {res.get('crc32', '?')}")
+    for kind, r in res.get("lone", {}).items():
+        out.append(f"lone synchronous writer ({kind}, group): {r['rows_per_s']:.0f} rows/s against the ceiling "
+                   f"1/(t_none {r['t_none_us']:.0f} us + t_sync {r['t_sync_us']:.0f} us, a "
+                   f"{r['record_bytes'] / 1e6:.2f} MB record written and fdatasynced) = "
+                   f"{r['ceiling_rows_per_s']:.0f} rows/s: "
+                   f"{r['x_ceiling']:.2f}x ceil (target >= 0.9)")
+        out.append(f"journal's own CPU per {kind} batch: {r['journal_own_cpu_us']:.0f} us (writer CPU "
+                   f"{r['journal_cpu_us']:.0f} us with the journal, {r['journal_syscall_cpu_us']:.0f} us of it in the "
+                   f"journal's write/sync calls, {r['none_cpu_us']:.0f} us without a journal): "
+                   f"{r['own_cpu_share']:.0%} of the no-journal CPU (target <= 25% for GRPO rows)")
     fl = res["flight"]
     for key, r in fl.items():
         kind, policy = key.split()

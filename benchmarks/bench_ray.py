@@ -31,8 +31,6 @@ import time
 
 import numpy as np
 
-# the straggler rows slow one shard through its test hook (ShardActor.set_delay); Ray workers inherit this
-os.environ.setdefault("ARROWBUF_TEST_HOOKS", "1")
 
 import arrowbuf as ab
 
@@ -245,7 +243,7 @@ def bench_straggler(seconds: float, capacity: int, batch: int, slow_ms: float, d
     from arrowbuf.ray import ShardedStore, shard_of
 
     schema = _schema()
-    s = ShardedStore.create(schema, 3, capacity, seed=0)
+    s = ShardedStore.create(schema, 3, capacity, seed=0, _test_hooks=True)  # the straggler's delay: a test hook
     fill(s, min(capacity, 10_000))
     rows = []
     for label, delay, deadline in (("no slow shard", 0.0, None), (f"shard 0 +{slow_ms:g} ms, no deadline",

@@ -4,17 +4,13 @@ under load better than rates, for one writer extending batches of 64 GRPO rows (
 Configurations (interleaved, `--reps` times each; medians printed):
 
 - `none`: the same store without a journal;
-- `os`, `group`: the journal as configured by default (the writer encodes and writes the record, and under
-  "group" starts its disk write and fdatasyncs itself: `WRITER_SYNC`);
-- `group/sync-thread`: `ARROWBUF_JOURNAL_WRITER_SYNC=0` (the sync thread fdatasyncs while the writer copies);
-- `group/defer`: `ARROWBUF_JOURNAL_DEFER_WRITE=1` (the sync thread writes it with its fdatasync);
-- `group+win4`: `extend(wait=False)`, 4 writes in flight;
-- `group/sleep-sync`: as `group/sync-thread` with the fdatasync replaced by a 300 us sleep (no I/O: what the
-  thread hand-offs cost alone).
+- `os`, `group`: the journal (the writer encodes and writes the record, and under "group" starts its disk write
+  and fdatasyncs itself);
+- `group+win4`: `extend(wait=False)`, 4 writes in flight (the journal's sync thread fdatasyncs them).
 
 Phases: `validate` (`ExperienceSchema.validate_batch`), `encode` (columns as a table, its IPC pieces, the record's
 header and CRC: `columns_table` + `table_pieces` + `prepare`), `append+write` (`Journal.append_prepared`, with the
-`writev` unless deferred), `store copy` (the store's reservation, copy and commit without the append), `wait`
+`writev`), `store copy` (the store's reservation, copy and commit without the append), `wait`
 (`Journal.wait`/`flush`/`sync_soon`: the ack), `other` (the rest of `extend`).
 
 And `--contention`: the no-journal writer's rate and thread CPU alone and beside another *process* that (a)
@@ -43,12 +39,12 @@ from typing import Any
 import numpy as np
 
 import arrowbuf as ab
+from arrowbuf.engine import writer as wr
 from arrowbuf.persist import journal as jr
 from arrowbuf.store import durable as du
-from arrowbuf.store import writer as wr
 from benchmarks.bench_journal import OUT, grpo_batch
 
-CONFIGS = ("none", "os", "group", "group/sync-thread", "group/defer", "group+win4", "group/sleep-sync")
+CONFIGS = ("none", "os", "group", "group+win4")
 _acc: collections.Counter[str] = collections.Counter()
 _main = threading.main_thread()
 _inside: set[str] = set()
@@ -74,17 +70,6 @@ def _wrap(obj: Any, name: str, label: str, unless: tuple[str, ...] = ()) -> tupl
     return obj, name, f
 
 
-class _SleepOS:
-    """`os` for the journal module with fdatasync replaced by a sleep (no I/O)."""
-
-    def __getattr__(self, k: str) -> Any:
-        return getattr(os, k)
-
-    @staticmethod
-    def fdatasync(fd: int) -> None:
-        time.sleep(0.0003)
-
-
 def profile(config: str, where: str, batches: int) -> dict[str, float]:
     policy = None if config == "none" else config.split("/")[0].split("+")[0]
     window = 4 if "+win4" in config else 0
@@ -94,13 +79,8 @@ def profile(config: str, where: str, batches: int) -> dict[str, float]:
              _wrap(jr.Journal, "append_prepared", "append"), _wrap(jr.Journal, "wait", "wait"),
              _wrap(jr.Journal, "sync_soon", "kick"), _wrap(wr.StoreWriter, "_ingest", "ingest")]
     flush = _wrap(jr.Journal, "flush", "flush", unless=("append", "wait"))
-    old_os = jr.os
-    if config.endswith("sleep-sync"):
-        jr.os = _SleepOS()  # type: ignore[assignment]
     d = tempfile.mkdtemp(dir=where, prefix="jp-")
     kw: dict[str, Any] = {} if policy is None else {"durable": os.path.join(d, "run"), "durability": policy}
-    default_d, du.DEFER_WRITE = du.DEFER_WRITE, config.endswith("/defer")
-    default_w, du.WRITER_SYNC = du.WRITER_SYNC, not config.endswith(("/sync-thread", "/sleep-sync"))
     s = ab.ExperienceStore(ab.load_schema("grpo"), capacity=1280, seed=0, **kw)
     try:
         b = grpo_batch(64)
@@ -121,9 +101,6 @@ def profile(config: str, where: str, batches: int) -> dict[str, float]:
         cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
     finally:
         s.close()
-        du.DEFER_WRITE = default_d
-        du.WRITER_SYNC = default_w
-        jr.os = old_os
         for obj, name, f in (*wraps, flush):
             setattr(obj, name, f)
         shutil.rmtree(d, ignore_errors=True)

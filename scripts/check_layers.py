@@ -16,24 +16,23 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "arrowbuf"
 #: Top to bottom. A module belongs to the layer of its longest matching entry: "pkg" matches pkg and everything in
 #: it, "pkg." only what is in it, "=mod" only mod itself.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("apps", ["=arrowbuf", "arrowbuf.cli", "arrowbuf.demo", "arrowbuf.persist.cli", "arrowbuf.conformance",
-              "arrowbuf.observe.ui", "arrowbuf.observe.ui_page"]),
+    ("apps", ["=arrowbuf", "arrowbuf.cli", "arrowbuf.demo", "arrowbuf.conformance"]),
     ("integrations", ["arrowbuf.rllib", "arrowbuf.compat"]),
     ("ray", ["arrowbuf.ray"]),
     ("flight", ["arrowbuf.flight"]),
-    ("facade", ["=arrowbuf.store", "arrowbuf.store.facade", "arrowbuf.store.durable", "arrowbuf.store.inspection",
-                "arrowbuf.store.persistence", "arrowbuf.observe.metrics"]),
+    ("facade", ["arrowbuf.store"]),
     ("persist", ["arrowbuf.persist"]),
-    ("store internals", ["arrowbuf.store."]),
-    ("observe records", ["=arrowbuf.observe", "arrowbuf.observe."]),
+    ("engine", ["arrowbuf.engine"]),
+    ("observe", ["arrowbuf.observe"]),
     ("query", ["arrowbuf.query"]),
     ("placement", ["arrowbuf.placement"]),
     ("delivery", ["arrowbuf.delivery", "arrowbuf.surface"]),
-    ("samplers", ["arrowbuf.samplers"]),
+    ("samplers", ["arrowbuf.samplers", "arrowbuf.options"]),
     ("ring", ["arrowbuf.ring"]),
     ("schema", ["arrowbuf.schema", "arrowbuf.rate_limiters"]),
     ("tiers", ["arrowbuf.tiers"]),
-    ("errors", ["arrowbuf.errors"]),
+    ("serving", ["arrowbuf.serving"]),
+    ("errors", ["arrowbuf.errors", "arrowbuf.config"]),
 ]
 
 

@@ -17,8 +17,6 @@ import pytest
 import arrowbuf as ab
 from arrowbuf.tiers import shm
 
-# shard actors started by these tests accept test hooks (ShardActor.set_delay); Ray workers inherit the environment
-os.environ["ARROWBUF_TEST_HOOKS"] = "1"
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "schemas"

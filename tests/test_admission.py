@@ -12,7 +12,7 @@ import pytest
 from conftest import LLM
 
 import arrowbuf as ab
-from arrowbuf.store.admission import admit, waiting
+from arrowbuf.samplers.admission import admit, waiting
 
 
 def rows(n, start=0, pv=0, group=4):

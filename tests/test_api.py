@@ -10,7 +10,7 @@ CONTRACT = ["ExperienceSchema", "ExperienceStore", "SampleBatch", "load_schema",
 def test_all_lists_public_names():
     import types
 
-    namespaces = {"samplers", "rate_limiters", "placement"}  # modules exported as namespaces (ab.samplers.X)
+    namespaces = {"samplers", "rate_limiters", "placement", "config"}  # modules exported as namespaces (ab.samplers.X)
     public = {n for n in dir(ab) if not n.startswith("_")
               and (not isinstance(getattr(ab, n), types.ModuleType) or n in namespaces)}
     assert set(ab.__all__) == public, "every public name is in __all__ and nothing else"

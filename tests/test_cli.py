@@ -82,3 +82,9 @@ def test_demo_entry_point(tmp_path):
     assert "mean return: first 20 episodes" in res.stdout
     assert (tmp_path / "returns.png").stat().st_size > 0
     assert np.isfinite(float(res.stdout.split("last 20 episodes")[1].split()[0]))
+
+
+def test_serve_beyond_loopback_needs_a_token(capsys):
+    """Issue 42: `arrowbuf serve` refuses a non-loopback bind without --token-file (TEST-NET-1: nothing is bound)."""
+    assert main(["serve", "--schema", "cartpole", "--capacity", "10", "--host", "192.0.2.1"]) == 2
+    assert "without a token" in capsys.readouterr().err

@@ -325,7 +325,7 @@ def test_each_task_consumes_each_row_once_across_processes_and_threads_over_flig
 
 
 def test_every_store_like_class_offers_the_consume_surface(served):
-    from arrowbuf.store.consume import ConsumeSurface
+    from arrowbuf.engine.consume import ConsumeSurface
     from arrowbuf.ray import ShardedStore
 
     s, remote = served

@@ -124,7 +124,7 @@ class Writer:
 
 @pytest.fixture(scope="module")
 def uniform(cluster):
-    s = ShardedStore.create(SMALL, NODES, 20_000, seed=0, failure_timeout=20.0)
+    s = ShardedStore.create(SMALL, NODES, 20_000, seed=0, failure_timeout=20.0, _test_hooks=True)
     yield s
     s.shutdown()
 

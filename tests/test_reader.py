@@ -1,4 +1,4 @@
-"""Consistent snapshots (arrowbuf.store.reader): to_table, sql and episodes while a writer thread or a writer process keeps
+"""Consistent snapshots (arrowbuf.engine.reader): to_table, sql and episodes while a writer thread or a writer process keeps
 overwriting a small ring. Every row encodes its own seq (obs = [seq, seq, seq], reward = seq), so a row carrying
 another row's data, or a torn row, shows."""
 

@@ -50,7 +50,7 @@ def test_episode_end_can_be_overridden():
 MALFORMED = [
     ({"name": "x"}, "fields"),
     ({"name": "x", "fields": {}}, "fields"),
-    ({"name": "x", "fields": {"a": {"dtype": "complex64"}}}, "unknown dtype"),
+    ({"name": "x", "fields": {"a": {"dtype": "complex32"}}}, "unknown dtype"),
     ({"name": "x", "fields": {"a": {"shape": [2]}}}, "missing 'dtype'"),
     ({"name": "x", "fields": {"a": {"dtype": "float32", "shape": [0]}}}, "positive integers"),
     ({"name": "x", "fields": {"a": {"dtype": "float32", "shape": "3"}}}, "positive integers"),

@@ -91,8 +91,8 @@ def _stuck_writer(name: str, where: str, ready) -> None:
     store = ab.ExperienceStore.attach(name)
     calls = []
     owner, attr = {"reserve": (store._writer, "_copy_rows"), "copy": (store._cols, "write"),
-                   "commit": (store._writer, "_commit_reserved"), "in-commit": (store._core, "notify"),
-                   "committed": (store._writer, "_commit_reserved")}[where]
+                   "commit": (store._writer, "commit_reserved"), "in-commit": (store._core, "notify"),
+                   "committed": (store._writer, "commit_reserved")}[where]
     original = getattr(owner, attr)
 
     def freeze(*args, **kwargs):
@@ -111,14 +111,14 @@ def _stuck_writer(name: str, where: str, ready) -> None:
 def _paused_writer(name: str, ready, go) -> None:
     """Reserve and copy a batch, then wait for `go` before committing it."""
     store = ab.ExperienceStore.attach(name)
-    original = store._writer._commit_reserved
+    original = store._writer.commit_reserved
 
     def pause(r):
         ready.set()
         go.wait(JOIN_S)
         original(r)
 
-    store._writer._commit_reserved = pause
+    store._writer.commit_reserved = pause
     store.extend(rows(5, 0, 300))
     store.close()
 
@@ -511,7 +511,7 @@ def test_threads_reserve_copy_and_commit_in_order_and_a_failed_copy_is_skipped()
     with ab.ExperienceStore(SCHEMA, 1000) as store:
         store.extend(rows(0, 0, 100))
         go, waiting, held = threading.Event(), threading.Event(), threading.Event()
-        commit, wait_hi = store._writer._commit_reserved, store._writer._wait_hi
+        commit, wait_hi = store._writer.commit_reserved, store._writer._wait_hi
 
         def paused(r):
             if threading.current_thread().name == "first":
@@ -523,7 +523,7 @@ def test_threads_reserve_copy_and_commit_in_order_and_a_failed_copy_is_skipped()
             waiting.set()
             wait_hi(target)
 
-        store._writer._commit_reserved, store._writer._wait_hi = paused, noted
+        store._writer.commit_reserved, store._writer._wait_hi = paused, noted
         first = threading.Thread(target=lambda: store.extend(rows(1, 0, 50)), name="first", daemon=True)
         first.start()
         assert held.wait(JOIN_S)  # the first reserved and copied its rows and holds its commit (before the second

@@ -111,8 +111,8 @@ def _consume_rest(name: str, q) -> None:
 def _frozen_consumer(name: str, where: str, ready) -> None:
     """Consume, and freeze inside it (the parent SIGKILLs us): holding the state lock (`pick`), or gathering the
     rows outside it with the rows pinned (`gather`)."""
-    from arrowbuf.store.consume import ConsumeTracker
-    from arrowbuf.store.reader import StoreReader
+    from arrowbuf.engine.consume import ConsumeTracker
+    from arrowbuf.engine.reader import StoreReader
 
     def freeze(*args, **kwargs):
         ready.set()
@@ -301,7 +301,7 @@ def test_a_tampered_consume_entry_is_store_corrupt_naming_the_manifest(names):
                     {"tasks": ["t", "u"], "max_staleness": None, "token_field": None},  # no arena for task 2
                     {"tasks": ["t"], "max_staleness": None, "token_field": "done"}):  # not a ragged field
             m = json.loads(original)
-            m["consume"] = bad
+            m.update(bad)  # the store's options, flat in the manifest (StoreOptions.to_dict)
             with open(file, "w") as f:
                 json.dump(m, f)
             with pytest.raises(ab.StoreCorrupt) as err:
@@ -365,7 +365,7 @@ def test_where_judges_a_row_again_after_another_process_rewrote_its_field(names)
 
 
 def test_a_full_lease_table_refuses_a_lease_and_loses_no_row(names, monkeypatch):
-    from arrowbuf.store import consume_state, shared_leases
+    from arrowbuf.engine import consume_state, shared_leases
 
     monkeypatch.setattr(consume_state, "LEASE_SLOTS", 2)
     monkeypatch.setattr(shared_leases, "LEASE_SLOTS", 2)
@@ -390,19 +390,21 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size
                     max_leaves=20)
 
 
-@settings(max_examples=150, deadline=None)
-@given(entry=JSON | st.fixed_dictionaries({"tasks": JSON, "max_staleness": JSON, "token_field": JSON}))
-def test_any_consume_entry_of_a_manifest_is_read_or_store_corrupt(entry):
-    """The manifest's `consume` entry is another process's output: anything is either options or StoreCorrupt."""
-    from arrowbuf.store.consume_state import shared_options
-
+@settings(max_examples=300, deadline=None)
+@given(entry=JSON | st.fixed_dictionaries(
+    {"capacity": st.integers(-2, 1 << 46) | JSON, "tasks": JSON, "max_staleness": JSON, "token_field": JSON},
+    optional={"chunk_rows": JSON, "final_obs_capacity": JSON, "max_times_sampled": JSON, "name": JSON,
+              "sampler": JSON, "rate_limiter": JSON, "observe": JSON}))
+def test_any_options_a_manifest_records_are_read_or_store_corrupt(entry):
+    """A manifest's options are another process's output (or a file anyone may have changed): anything is either
+    options or StoreCorrupt naming the manifest, never another error."""
     try:
-        opts = shared_options(entry, "manifest.json")
+        opts = ab.StoreOptions.from_dict(entry, "manifest.json")
     except ab.StoreCorrupt as exc:
         assert "manifest.json" in str(exc)
         return
-    assert set(opts) <= {"tasks", "max_staleness", "token_field"}
-    assert opts == {} or all(isinstance(t, str) and t for t in opts["tasks"] or [])
+    assert 1 <= opts.capacity <= 1 << 45
+    assert opts.tasks is None or all(isinstance(t, str) and t for t in opts.tasks)
 
 
 def test_an_overwritten_lease_slot_is_store_corrupt_once_not_a_crash_or_a_hang(names):
@@ -412,8 +414,10 @@ def test_an_overwritten_lease_slot_is_store_corrupt_once_not_a_crash_or_a_hang(n
         store.extend(groups(0, 2))
         b = store.consume("t", 4, lease=0.05)
         path = os.path.join(store._tier.path, "arena.consume.leases")
-        table = np.memmap(path, dtype=np.int64, mode="r+", shape=(4096, 6))
-        table[0, 4:] = (0, 1 << 60)  # a range no ring has
+        from arrowbuf.engine.shared_leases import SLOT_INTS
+
+        table = np.memmap(path, dtype=np.int64, mode="r+", shape=(4096, SLOT_INTS))
+        table[0, 4:6] = (0, 1 << 60)  # a range no ring has
         table.flush()
         del table
         time.sleep(0.1)  # expired: the next look at consumption ends it

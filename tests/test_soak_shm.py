@@ -110,8 +110,8 @@ CONSUMER = PRELUDE + r"""
 task, freeze = sys.argv[4], sys.argv[5]
 batches, after = 0, rng.randint(1, 4)
 if freeze in ("pick", "gather"):  # freeze inside the consume call after a few calls; the killer kills us there
-    from arrowbuf.store.consume import ConsumeTracker
-    from arrowbuf.store.reader import StoreReader
+    from arrowbuf.engine.consume import ConsumeTracker
+    from arrowbuf.engine.reader import StoreReader
     cls, attr = (ConsumeTracker, "_pick") if freeze == "pick" else (StoreReader, "gather")
     original, calls = getattr(cls, attr), [0]
     def frozen(*args, **kwargs):

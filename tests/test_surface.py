@@ -15,16 +15,17 @@ import os
 import pickle
 import sys
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
+import dtype_rows as D
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import SMALL, make_episodes
 
 import arrowbuf as ab
 from arrowbuf.surface import STATS_KEYS
-
-from conftest import SMALL, make_episodes
 
 LOCAL = ["host", "shm", "shm-attached", "tiered", "shard-adapter"]
 IMPLEMENTATIONS = [*LOCAL, "remote", "sharded"]
@@ -88,6 +89,12 @@ def ray_sharded_later(ray_local: Any) -> Iterator[Any]:
     yield from _sharded(SURF)
 
 
+@pytest.fixture(scope="module")
+def ray_sharded_dtypes(ray_local: Any) -> Iterator[Any]:
+    """The same with a field of every dtype (only tests marked `dtypes` ask for it)."""
+    yield from _sharded(D.DTYPES)
+
+
 @pytest.fixture(params=[*LOCAL, "remote", pytest.param("sharded", marks=[pytest.mark.slow, pytest.mark.ray])])
 def surface(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
     """A store-like object of each implementation, with a prioritized sampler (so priorities matter)."""
@@ -97,7 +104,9 @@ def surface(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
         request.applymarker(pytest.mark.xfail(reason=gap, strict=True))
     prio = ab.samplers.Prioritized(alpha=0.6, beta=0.4)
     later = request.node.get_closest_marker("later_fields") is not None
-    schema = SURF if later else SMALL  # a later field sends append to the general path: only where a test needs it
+    dtypes = request.node.get_closest_marker("dtypes") is not None
+    # a later field sends append to the general path: only where a test needs it
+    schema = D.DTYPES if dtypes else SURF if later else SMALL
     with contextlib.ExitStack() as stack:
         if kind == "host":
             store = stack.enter_context(ab.ExperienceStore(schema, CAPACITY, prio, seed=0))
@@ -118,7 +127,8 @@ def surface(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
             server = stack.enter_context(ab.serve(local, "grpc://127.0.0.1:0"))
             store = stack.enter_context(ab.connect(server.location))
         else:  # a fresh handle of the module's sharded store per test (close() closes the handle only)
-            sharded = request.getfixturevalue("ray_sharded_later" if later else "ray_sharded")
+            sharded = request.getfixturevalue("ray_sharded_dtypes" if dtypes else
+                                              "ray_sharded_later" if later else "ray_sharded")
             store = stack.enter_context(pickle.loads(pickle.dumps(sharded)))
         yield store
 
@@ -213,6 +223,46 @@ def test_update_writes_fields_of_stored_rows(surface, request):
     assert [score[i] for i in np.searchsorted(seq, local)] == [7.0, 8.0, 9.0, 10.0, None, None]
 
 
+@pytest.mark.dtypes
+@pytest.mark.filterwarnings("ignore::arrowbuf.AppendSlowPathWarning")  # append of bfloat16 converts first
+def test_every_dtype_round_trips_bit_exactly(surface, request):
+    """bfloat16, float8, complex, float16, bool and json fields (NaN payloads, -0.0, non-ASCII text included) come
+    back bit-exactly through extend/append, sample, update of later fields, take by id and to_table; torch tensors
+    and ml_dtypes arrays go in as they are."""
+    kind = request.node.callspec.params["surface"]
+    key0 = 1000 * (os.getpid() % 1000) if kind == "sharded" else 0  # the module's sharded store keeps older rows
+    ids = surface.extend(D.rows(key0, 40))
+    ids2 = surface.extend(D.torch_rows(key0 + 40, 8))
+    one = D.rows(key0 + 48, 1)
+    assert isinstance(surface.append({k: (v[0] if isinstance(v, np.ndarray) else v[0]) for k, v in one.items()}),
+                      int)
+    import ml_dtypes as ml  # arrowbuf[dev]
+
+    mlrows = D.rows(key0 + 49, 3)
+    mlrows["bf"] = mlrows["bf"].view(ml.bfloat16)
+    mlrows["f8b"] = mlrows["f8b"].view(ml.float8_e5m2)
+    surface.extend(mlrows)
+    keys = np.arange(key0, key0 + 52)
+    written = keys[:20:3]
+    assert surface.update(np.asarray(ids)[:20:3], D.later_values(written)) == len(written)
+    later = {int(k): bool(k in set(written.tolist())) for k in keys[:40]}
+    seen: set[int] = set()
+    for _ in range(4):
+        batch = surface.sample(64)
+        seen.update(D.check_batch(batch, later).tolist())
+    assert seen & set(keys.tolist())
+    table = surface.to_table()
+    mine = np.isin(D.keys_of({"obs": table.column("obs")}), keys)
+    D.check_table(table.filter(pa.array(mine)), later)
+    assert sorted(D.keys_of({"obs": table.column("obs")})[mine].tolist()) == keys.tolist()
+    with pytest.raises(ab.SchemaError, match="meta"):  # not JSON: refused, nothing written
+        surface.extend({**D.rows(key0 + 60, 2), "meta": [{1, 2}, None]})
+    with pytest.raises(ab.SchemaError, match="f8"):  # floats are not rounded to float8 implicitly
+        surface.extend({**D.rows(key0 + 60, 2), "f8": np.ones((2, 2), np.float32)})
+    assert len(surface.to_table()) == len(table)
+    del ids2
+
+
 def test_stats_to_table_sql_episodes(surface):
     surface.extend(_batch(40, seed=6))
     n = len(surface)
@@ -258,3 +308,23 @@ def test_serve_takes_any_surface_and_refuses_other_objects(surface):
         assert surface.update_priorities(again, np.ones(16)) == 16  # the served store's own ids
     with pytest.raises(TypeError, match="StoreSurface"):
         ab.serve({"x": object()}, "grpc://127.0.0.1:0")
+
+
+def test_capabilities_beyond_the_surface_are_declared(tmp_path):
+    """Optional capabilities are runtime-checkable Protocols (issue 39): the Flight server, /metrics and the SQL
+    sandbox ask `isinstance(store, ab.TableStream)` instead of probing attributes."""
+    import arrowbuf as ab
+
+    schema = {"name": "cap", "fields": {"x": "int64"}}
+    with ab.ExperienceStore(schema, 64) as plain, \
+            ab.ExperienceStore(schema, 64, durable=str(tmp_path / "run")) as durable:
+        for cap in (ab.TableStream, ab.PieceSink, ab.Observable, ab.LineageSource, ab.Bounded):
+            assert isinstance(plain, cap) and isinstance(durable, cap), cap
+        assert plain.takes_pieces and not durable.takes_pieces  # a durable store journals a batch whole
+        with ab.serve(plain, "grpc://127.0.0.1:0", parts_into_ring=True) as server, \
+                ab.connect(server.location) as remote:
+            assert not isinstance(remote, (ab.PieceSink, ab.Observable))
+            assert remote.parts_into_ring and remote.capacity == 64
+        with ab.serve(durable, "grpc://127.0.0.1:0", parts_into_ring=True) as server, \
+                ab.connect(server.location) as remote:
+            assert not remote.parts_into_ring  # decided once, when the server started: this store takes none

@@ -146,6 +146,41 @@ def test_a_store_returns_the_same_rows_on_every_tier(kind, tmp_path):
         assert ref.episodes().equals(store.episodes())
 
 
+@pytest.mark.parametrize("kind", TIERS)
+@pytest.mark.filterwarnings("ignore::arrowbuf.AppendSlowPathWarning")
+def test_every_dtype_round_trips_bit_exactly_on_every_tier(kind, tmp_path):
+    """bfloat16, float8, complex, float16, bool and json fields (tests/dtype_rows.py), filled later ones too, on each
+    tier: as the arena's only tier, and on the GPU tier after placement moved chunks there (the GPU tier stores
+    uint16 as int16 and delivers it widened: bfloat16 comes back as bfloat16 tensors of the same bits)."""
+    import dtype_rows as D
+
+    kw: dict = {"seed": 3, "chunk_rows": 32}
+    if kind == "host":
+        kw["tier"] = HostTier()
+    elif kind == "shm":
+        kw.update(tier="shm", name=f"tiertest-{uuid.uuid4().hex[:10]}")
+    elif kind == "disk":
+        kw["tier"] = DiskTier(tmp_path / "spill")
+    else:
+        gpu, bw = ("64MiB", None) if kind == "gpu" else (GpuTier(budget="64MiB", device="cpu"),
+                                                         {"gpu": 100e9, "host": 10e9})
+        kw.update(tiers={"gpu": gpu, "host": None}, placement=ab.placement.BandwidthAware(interval=None, bandwidth=bw))
+    with ab.ExperienceStore(D.DTYPES, 300, **kw) as store:
+        ids = store.extend(D.rows(0, 200))
+        store.extend(D.torch_rows(200, 50))
+        written = np.arange(0, 250, 3)
+        store.update(ids[written[written < 200]], D.later_values(written[written < 200]))
+        later = {k: bool(k % 3 == 0 and k < 200) for k in range(250)}
+        if kind.startswith("gpu"):
+            store.sample(64)
+            store.placement_policy.step()
+            on_gpu = store.placement().filter(pa.compute.equal(pa.compute.field("tier"), "gpu"))
+            assert {"bf", "f8", "cx"} & set(on_gpu["column"].to_pylist())
+        for _ in range(3):
+            D.check_batch(store.sample(64), later)
+        D.check_table(store.to_table(), later)
+
+
 # ---------------------------------------------------------------------- disk
 def test_disk_arenas_are_arrow_ipc_files_any_arrow_tool_reads(tmp_path):
     tier = DiskTier(tmp_path / "spill", budget="1MiB")

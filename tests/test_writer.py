@@ -1,4 +1,4 @@
-"""The write path (arrowbuf.store.writer): atomic batches (threads, killed shared-memory writer processes), the rate limiter
+"""The write path (arrowbuf.engine.writer): atomic batches (threads, killed shared-memory writer processes), the rate limiter
 waited for outside the write lock, end_episode() of an idle actor's open step, and loud final-observation drops.
 
 Rows encode their batch: `action` is the batch number and `reward` the row's index inside it, so any table read

@@ -22,6 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument, require
+from ..schema import dtypes as _dtypes
+from ..schema import jsonvalues as _jsonvalues
 from . import balance as _balance
 from . import ragged as _ragged
 
@@ -32,13 +34,19 @@ def _is_tensor(values: Any) -> bool:
 
 
 def _host(values: Any) -> Any:
-    """numpy for a torch tensor (copied from the device), anything else unchanged."""
-    return values.detach().cpu().numpy() if _is_tensor(values) else values
+    """numpy for a torch tensor (copied from the device; bfloat16 and float8 as their bits, as `to_numpy` gives
+    them), anything else unchanged."""
+    return _dtypes.tensor_numpy(values, _dtypes.tensor_dtype_name(values)) if _is_tensor(values) else values
 
 
 def _to_arrow(values: Any) -> pa.Array:
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
         return values
+    if _is_tensor(values):
+        name = _dtypes.tensor_dtype_name(values)
+        if name in _dtypes.NAMES:  # a GPU tier's gather of a bfloat16, float8 or complex field
+            return _dtypes.to_arrow(_dtypes.arrow_type(name, tuple(values.shape[1:])),
+                                    _dtypes.tensor_numpy(values, name))
     values = _host(values)
     if values.ndim == 1:
         return pa.array(values)
@@ -155,7 +163,9 @@ class SampleBatch:
         """Columns as numpy arrays shaped [B, *shape] ([B, T, *shape] for sequences); ragged columns as lists."""
         out: dict[str, Any] = {}
         for k, v in self._arrays.items():
-            if _ragged.is_ragged(v):
+            if _logical_column(v):
+                out[k] = _logical_numpy(v)
+            elif _ragged.is_ragged(v):
                 out[k] = _ragged.split_rows(v)  # views over one buffer, no per-row Python conversion
             elif isinstance(v, (pa.Array, pa.ChunkedArray)):  # other Arrow types (rare): one array per row, as before
                 out[k] = [np.asarray(x) if x is not None else None for x in v.to_pylist()]
@@ -192,12 +202,16 @@ class SampleBatch:
             if _is_tensor(v):
                 out[k] = v.to(device, non_blocking=non_blocking)
                 continue
+            if _logical_column(v):
+                out[k] = _logical_torch(torch, v, device, non_blocking)
+                continue
             if _ragged.is_ragged(v) and pack is not None:
                 assert ref_offs is not None
                 self._ragged_to_torch(torch, out, k, v, ref_offs, pack, pad_value, device, k == ref, seen)
                 continue
             if _ragged.is_ragged(v):
-                out[k] = [None if x is None else _torch_from_numpy(torch, x, device, non_blocking)
+                kind = _list_dtype(v)
+                out[k] = [None if x is None else _values_torch(torch, x, kind, device, non_blocking)
                           for x in _ragged.split_rows(v)]
                 continue
             if isinstance(v, (pa.Array, pa.ChunkedArray)):  # other Arrow types (rare): one tensor per row, as before
@@ -212,8 +226,9 @@ class SampleBatch:
                          seen: list[tuple[np.ndarray, tuple[Any, Any, int]]]) -> None:
         vals, offs = _ragged.flat(values, writable=pack)  # a gather's own memory goes to torch without a copy
         same = offs.shape == ref_offs.shape and bool(np.array_equal(offs, ref_offs))
+        kind = _list_dtype(values)  # bfloat16 / float8 lists: their bits, viewed as the dtype
         if pack:
-            out[name] = _torch_from_numpy(torch, vals, device, False)
+            out[name] = _values_torch(torch, vals, kind, device, False)
             if is_ref or not same:
                 prefix = "" if is_ref else f"{name}_"
                 made = next((m for o, m in seen if o.shape == offs.shape and np.array_equal(o, offs)), None)
@@ -224,8 +239,11 @@ class SampleBatch:
                     seen.append((offs, made))
                 out[f"{prefix}cu_seqlens"], out[f"{prefix}position_ids"], out[f"{prefix}max_seqlen"] = made
             return
+        if kind is not None:  # the pad value as the dtype's bits
+            pad_value = torch.tensor(pad_value, dtype=torch.float32).to(_dtypes.torch_dtype(kind)).view(
+                torch.int16 if kind == "bfloat16" else torch.uint8).item() & (0xFFFF if kind == "bfloat16" else 0xFF)
         padded, mask = _ragged.pad(values, pad_value)
-        out[name] = _torch_from_numpy(torch, padded, device, False)
+        out[name] = _values_torch(torch, padded, kind, device, False)
         if is_ref or not same:
             out["attention_mask" if is_ref else f"{name}_attention_mask"] = torch.from_numpy(mask).to(device)
 
@@ -324,6 +342,55 @@ class SampleBatch:
         out = [[self.take(p) for p in micro] if micro_batches is not None else self.take(micro[0])
                for micro in batches]
         return out if rank is None else out[0]
+
+
+def _logical_column(values: Any) -> bool:
+    """A column of a dtype numpy lacks (bfloat16, float8, complex: `arrowbuf.schema.dtypes`) or of JSON values."""
+    if not isinstance(values, (pa.Array, pa.ChunkedArray)):
+        return False
+    return isinstance(values.type, (_dtypes.LogicalType, pa.JsonType))
+
+
+def _logical_numpy(values: Any) -> Any:
+    """`to_numpy` of a logical column: JSON values as a list of Python values (None: JSON null, or a later value
+    not written yet); bfloat16/float8 as their bits ([B, *shape] uint16/uint8), complex as numpy complex; a column
+    with null rows (later values not written yet) as a list of per-row arrays, None where null."""
+    if isinstance(values.type, pa.JsonType):
+        return _jsonvalues.decode(values)
+    phys = _dtypes.to_physical(values)
+    if not values.null_count:
+        return phys
+    valid = np.asarray(values.is_valid(), dtype=bool)
+    return [phys[i, ...] if ok else None for i, ok in enumerate(valid.tolist())]  # rows as (0-d) array views
+
+
+def _logical_torch(torch: Any, values: Any, device: Any, non_blocking: bool) -> Any:
+    """`to_torch` of a logical column: a tensor of its dtype (torch.bfloat16, torch.float8_*, complex) over the
+    batch's memory where it is writable; JSON values and columns with null rows as `_logical_numpy` gives them
+    (tensors per row)."""
+    out = _logical_numpy(values)
+    if isinstance(values.type, pa.JsonType):
+        return out
+    name = values.type.dtype_name
+    if isinstance(out, list):
+        return [None if r is None else _dtypes.torch_view(r, name).to(device, non_blocking=non_blocking)
+                for r in out]
+    t = _dtypes.torch_view(out, name)
+    return t.to(device, non_blocking=non_blocking) if str(device) != "cpu" else t
+
+
+def _list_dtype(values: Any) -> str | None:
+    """The arrowbuf dtype of a ragged column's values (a ragged bfloat16 or float8 field), or None."""
+    vt = values.type.value_type
+    return vt.dtype_name if isinstance(vt, _dtypes.LogicalType) else None
+
+
+def _values_torch(torch: Any, v: np.ndarray, kind: str | None, device: Any, non_blocking: bool) -> Any:
+    """`_torch_from_numpy`, or for the bits of an arrowbuf dtype `kind`, a tensor of that dtype over them."""
+    if kind is None:
+        return _torch_from_numpy(torch, v, device, non_blocking)
+    t = _dtypes.torch_view(v, kind)
+    return t.to(device, non_blocking=non_blocking) if str(device) != "cpu" else t
 
 
 def _torch_from_numpy(torch: Any, v: np.ndarray, device: Any, non_blocking: bool) -> Any:

@@ -49,8 +49,8 @@ from ..delivery.batch import SampleBatch
 from ..errors import DeadlineExceeded, InvalidArgument, LeaseError, SchemaError, StoreClosed, Unavailable
 from ..ring.outpool import OutputPool
 from ..samplers import validate_priorities
+from ..samplers.admission import check_admission
 from ..schema import ExperienceSchema, load_schema
-from ..store.admission import check_admission
 from ..store.pending import PendingWrite
 from . import protocol as P
 from .calls import Unreachable, check_timeout, translate
@@ -578,7 +578,7 @@ class RemoteStore:
     # ------------------------------------------------------------------ fields filled later
     def update(self, ids: Any, values: dict[str, Any], *, rpc_timeout: float | None | object = _DEFAULT) -> int:
         """Fill fields declared `later: true` of stored rows (one DoPut of kind "update"; see `ExperienceStore.update`
-        and `arrowbuf.store.update`). Validated here first, and again by the server; atomic on the server.
+        and `arrowbuf.engine.update`). Validated here first, and again by the server; atomic on the server.
 
         Returns:
             The number of rows written (ids of evicted rows are skipped and counted in `stats()["update_skipped"]`).
@@ -589,7 +589,7 @@ class RemoteStore:
             DeadlineExceeded: no acknowledgement within the deadline (the update may or may not be applied; it can
                 be sent again: an update overwrites).
         """
-        from ..store.update import update_ids, validate_update
+        from ..schema.update import update_ids, validate_update
 
         seqs = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)

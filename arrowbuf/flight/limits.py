@@ -1,4 +1,5 @@
-"""The Flight server's limits: request bounds (`ServerLimits`) and how many calls may run at once (`CallGate`).
+"""The Flight server's limits: request bounds (`ServerLimits`) and how many calls may run at once (`CallGate`, shared
+by every arrowbuf server: `arrowbuf.serving.limits`, which also holds the bind policy and the error codes).
 
 Every number a remote client sends is bounded here before the store sees it: batch rows and bytes, n_step, how
 long a request may wait, how many calls, queries and table streams run at once, and the SQL sandbox's limits. The
@@ -18,15 +19,12 @@ Usage loop (what a handler does)::
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import InvalidArgument, ResourceExhausted, SchemaError
 from ..query.sql import DEFAULT_LIMITS, SqlLimits
+from ..serving.limits import KINDS, CallGate
 
 
 @dataclass(frozen=True)
@@ -69,6 +67,8 @@ class ServerLimits:
             False allows any non-negative version (a trainer that restarts from an older checkpoint, trusted).
         max_policy_version_step: with `monotonic_policy_version`, the most one `set_policy_version` may raise the
             version by (a jump to 2**63 - 1 could never be undone).
+        max_leases_per_client: open leases (`consume` with `lease=`) one client connection may hold on a store;
+            past it a consume with a lease is refused (`ResourceExhausted`), so no client holds every row in flight.
     """
 
     max_batch_rows: int = 65_536
@@ -88,6 +88,7 @@ class ServerLimits:
     max_tasks: int = 32
     monotonic_policy_version: bool = True
     max_policy_version_step: int = 1_000_000
+    max_leases_per_client: int = 1_024
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -174,77 +175,6 @@ def protocol_limits() -> dict[str, int]:
             "max_request_count": P.MAX_REQUEST_COUNT, "max_prefetch": P.MAX_PREFETCH,
             "max_task_chars": P.MAX_TASK_CHARS, "max_where_chars": P.MAX_WHERE_CHARS, "max_tokens": P.MAX_TOKENS,
             "max_policy_version": 2**63 - 1}
-
-
-#: What each kind of call is, for error messages.
-KINDS = {
-    "call": "calls (all verbs; streams count until their handler returns)",
-    "sql": "sql queries",
-    "table": "table streams",
-    "stream": "uploads and learner sessions (DoPut, DoExchange)",
-}
-
-
-class CallGate:
-    """Counts running calls per kind and refuses one past its limit (see the module docstring)."""
-
-    def __init__(self, limits: Mapping[str, int]) -> None:
-        for kind, limit in limits.items():
-            if kind not in KINDS:
-                raise InvalidArgument(f"unknown call kind {kind!r}; expected one of {sorted(KINDS)}")
-            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-                raise InvalidArgument(f"the limit of {KINDS[kind]} must be a positive integer, got {limit!r}")
-        self.limits = dict(limits)
-        self._running = dict.fromkeys(self.limits, 0)
-        self._cond = threading.Condition()
-
-    @contextmanager
-    def enter(self, kind: str) -> Iterator[None]:
-        """Count one call of `kind` while the block runs; `ResourceExhausted` when the limit is reached."""
-        self.acquire(kind)
-        try:
-            yield
-        finally:
-            self.release(kind)
-
-    def acquire(self, kind: str, wait: float = 0.0) -> None:
-        """Take a slot of `kind` (pair it with `release`), waiting up to `wait` seconds for one to free;
-        `ResourceExhausted` when none is free."""
-        with self._cond:
-            limit = self.limits[kind]
-            end = time.monotonic() + wait
-            while self._running[kind] >= limit and (left := end - time.monotonic()) > 0:
-                self._cond.wait(left)
-            if self._running[kind] >= limit:
-                raise ResourceExhausted(f"this server runs {limit} {KINDS[kind]} at most and all are busy; "
-                                        "retry later")
-            self._running[kind] += 1
-            self._cond.notify_all()
-
-    def release(self, kind: str) -> None:
-        with self._cond:
-            self._running[kind] -= 1
-            self._cond.notify_all()
-
-    def running(self) -> dict[str, int]:
-        """Calls running now, per kind."""
-        with self._cond:
-            return dict(self._running)
-
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until no call of any kind runs; False if `timeout` seconds passed first."""
-        return self.wait_for(lambda running: not any(running.values()), timeout)
-
-    def wait_for(self, predicate: Callable[[dict[str, int]], bool], timeout: float | None = None) -> bool:
-        """Block until `predicate(running calls per kind)` holds; False if `timeout` seconds passed first."""
-        end = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not predicate(self._running):
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
 
 
 __all__ = ["CallGate", "KINDS", "ServerLimits", "protocol_limits"]

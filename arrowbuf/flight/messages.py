@@ -16,7 +16,9 @@ from ..delivery.batch import SampleBatch
 from ..errors import SchemaError
 from ..ring.ragged_gather import own
 from ..schema import ExperienceSchema
+from ..schema import logical as _logical
 from ..schema.convert import tensor_to_numpy
+from ..schema.dtypes import LogicalType, to_arrow, to_physical
 from . import protocol as P
 from .heap import release_after
 
@@ -69,7 +71,11 @@ def sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None, form: str = "json
     for i, name in enumerate(names):
         col = data.column(i)
         t = col.type
-        if col.null_count:  # a field filled later, absent in some rows: Arrow with nulls, as a local sample gives
+        if isinstance(t, LogicalType) and not col.null_count:  # bfloat16, float8, complex: Arrow, as a local
+            # sample gives them, over a writable view of the received memory (to_torch takes it without a copy)
+            arrays[name] = to_arrow(t, received(to_physical(col)))
+        elif col.null_count or isinstance(t, (LogicalType, pa.JsonType)):  # a field filled later, absent in some
+            # rows: Arrow with nulls, as a local sample gives them; JSON values as Arrow (decoded by to_numpy)
             arrays[name] = col
         elif isinstance(t, pa.FixedShapeTensorType):
             arrays[name] = received(tensor_to_numpy(col))
@@ -136,7 +142,10 @@ def record_batch(schema: ExperienceSchema, cols: dict[str, Any]) -> pa.RecordBat
     names, arrays = [], []
     for name, value in cols.items():
         names.append(name)
-        if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        spec = schema.spec_of(name) if name in schema.fields or name in schema.derived else None
+        if spec is not None and not spec.plain:  # bfloat16, float8, complex, json: the column of its dtype
+            arrays.append(_logical.to_arrow(spec, value))
+        elif isinstance(value, (pa.Array, pa.ChunkedArray)):
             arrays.append(value)
         elif isinstance(value, np.ma.MaskedArray):  # a field filled later with rows absent: nulls on the wire
             from ..ring.presence import nullable_array

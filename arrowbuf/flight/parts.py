@@ -15,7 +15,7 @@ server (`receive`) reads exactly that many parts, each bounded like any DoPut ba
   concatenated once at the end.
 
 With `ServerLimits.parts_into_ring` the server writes each part straight into the store's reserved ring rows instead
-(`receive_into`, `arrowbuf.store.pieces`), and says so in `describe`; the client then cuts any batch over twice
+(`receive_into`, `arrowbuf.engine.pieces`), and says so in `describe`; the client then cuts any batch over twice
 `PIPELINE_PART_BYTES` into parts of that size (`pipelined`), so the server's copy of one part overlaps the transfer of
 the next instead of following the whole message, and each message lands in reused heap memory (see the constant).
 
@@ -43,7 +43,7 @@ import pyarrow.flight as flight
 
 from ..errors import SchemaError
 from .heap import release_after
-from .server_streams import bounded_batches
+from .streams import bounded_batches
 
 #: The share of `max_batch_bytes` a part is cut to (headroom for the bytes a received message adds: validity
 #: bitmaps rounded up, IPC padding).
@@ -322,7 +322,7 @@ def receive(reader: Any, req: Any, limits: Any, check_open: Callable[[], None],
 def receive_into(reader: Any, req: Any, limits: Any, check_open: Callable[[], None], moved: Callable[[], None],
                  sink: Any, on_part: OnPart | None = None) -> np.ndarray:
     """Read the parts of an extend like `receive`, each copied straight into the store's reserved rows by `sink` (an
-    `arrowbuf.store.pieces.ExtendInPieces`: one copy, no assembled batch), then commit them as one extend.
+    `arrowbuf.engine.pieces.ExtendInPieces`: one copy, no assembled batch), then commit them as one extend.
 
     Returns:
         The rows' ids (consecutive).

@@ -40,7 +40,7 @@ from . import identity
 
 _now = time.time
 #: what one row's record is stamped with: the writer's code (`identity.current`) and the time (Unix seconds). The
-#: append path of `arrowbuf.store.writer` stores these itself through `Lineage.stamp` (module docstring)
+#: append path of `arrowbuf.engine.writer` stores these itself through `Lineage.stamp` (module docstring)
 STAMP_WRITER = identity.CURRENT.get
 STAMP_CLOCK = _now
 
@@ -423,7 +423,7 @@ def for_core(core: Any, version: Callable[[], int], tasks: list[str], version_vi
     integer one, else the store's `version()` at each commit (`version_view`: see `Lineage`); `tasks` declared."""
     spec = core.schema.fields.get("policy_version")
     row_version = None
-    if spec is not None and not spec.shape and not spec.ragged and spec.dtype.kind in "iu":
+    if spec is not None and not spec.shape and not spec.ragged and spec.plain and spec.dtype.kind in "iu":
         def row_version(pos: Any) -> np.ndarray:
             return np.asarray(core.cols.column("policy_version")[pos])
 

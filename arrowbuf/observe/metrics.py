@@ -19,11 +19,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..errors import InvalidArgument, MissingDependency
+from ..serving.http import BoundedHTTPServer, GuardedHandler, RequestGuard
+from ..serving.limits import NetLimits, check_bind
 
 log = logging.getLogger("arrowbuf.observe")
 
@@ -347,32 +349,59 @@ def _buckets(counts: list[int]) -> list[tuple[str, float]]:
     return out
 
 
+class _MetricsHandler(GuardedHandler):
+    """GET /metrics (or /): the registry in Prometheus' text format; Host and Origin checked (a browser page cannot
+    read it through DNS rebinding), nothing else served."""
+
+    registry: Any
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if not self.check_request(needs_origin=True):
+            return
+        if urlsplit(self.path).path not in ("/metrics", "/"):
+            self.send_json(404, {"error": "NotFound", "code": "NOT_FOUND", "message": "this server serves /metrics"})
+            return
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        try:
+            body = generate_latest(self.registry)
+        except Exception as exc:  # noqa: BLE001 - one failing collector: an answer, not a dropped connection
+            self.send_exception(exc, "metrics scrape")
+            return
+        self.send(200, body, CONTENT_TYPE_LATEST)
+
+
 class MetricsEndpoint:
-    """A running `/metrics` HTTP endpoint (prometheus-client's server in a daemon thread); see `start`.
+    """A running `/metrics` HTTP endpoint (`arrowbuf.serving.http.BoundedHTTPServer` in a daemon thread); see
+    `start`.
 
     Attributes:
         url: `http://host:port/metrics`. collector: the `StoreCollector`. registry: its CollectorRegistry.
+        http: the HTTP server (its connections, `refused`).
     """
 
-    def __init__(self, httpd: Any, thread: threading.Thread, host: str, collector: StoreCollector,
+    def __init__(self, httpd: BoundedHTTPServer, thread: threading.Thread, host: str, collector: StoreCollector,
                  registry: Any) -> None:
-        self._httpd = httpd
+        self.http = httpd
         self._thread = thread
         self.collector = collector
         self.registry = registry
         self.host = host
-        self.port = int(httpd.server_port)
+        self.port = int(httpd.server_address[1])
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/metrics"
         self._closed = False
 
     @classmethod
     def start(cls, address: str = "127.0.0.1:0", *, stores: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
-              servers: list[Any] | None = None) -> MetricsEndpoint:
+              servers: list[Any] | None = None, limits: NetLimits | None = None,
+              allowed_hosts: tuple[str, ...] = ()) -> MetricsEndpoint:
         """Serve the metrics of `stores` (and `servers`) at `http://address/metrics`.
 
         Binds 127.0.0.1 unless told otherwise; the endpoint has no authentication (Prometheus' text format is
-        read-only), so a non-loopback address warns.
+        read-only), so a non-loopback address warns. Bounded like every arrowbuf server (`limits`: connections at
+        once, idle and total timeouts; docs/security.md), and a Host header must name this machine (by a loopback
+        name, an IP address, the bound name, or one of `allowed_hosts`).
 
         Raises:
             MissingDependency: prometheus-client is not installed. InvalidArgument: a malformed address.
@@ -380,16 +409,19 @@ class MetricsEndpoint:
         """
         prom = _prometheus()
         host, port = parse_address(address)
-        if host not in ("127.0.0.1", "::1", "localhost"):
-            warnings.warn(f"metrics served on {host}: anyone who can reach the port reads them (no token on "
-                          "/metrics); keep it on a trusted network", stacklevel=3)
+        check_bind("metrics", host, None, takes_token=False, stacklevel=3)
         from prometheus_client.process_collector import ProcessCollector
 
         registry = prom.CollectorRegistry(auto_describe=False)
         collector = StoreCollector(stores, servers)
         registry.register(collector)
         ProcessCollector(registry=registry)  # process_resident_memory_bytes (tq_*_memory_rss_bytes), cpu, fds
-        httpd, thread = prom.start_http_server(port, addr=host, registry=registry)
+        limits = limits or NetLimits()
+        handler = type("MetricsHandler", (_MetricsHandler,), {"registry": registry, "limits": limits,
+                                                              "guard": RequestGuard(host, allowed_hosts)})
+        httpd = BoundedHTTPServer((host, port), handler, limits)
+        thread = threading.Thread(target=httpd.serve_forever, name="arrowbuf-metrics", daemon=True)
+        thread.start()
         return cls(httpd, thread, host, collector, registry)
 
     def scrape(self) -> str:
@@ -402,8 +434,7 @@ class MetricsEndpoint:
         if self._closed:
             return
         self._closed = True
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self.http.close()
         self._thread.join(5.0)
 
     def __enter__(self) -> MetricsEndpoint:

@@ -17,39 +17,58 @@ import numpy as np
 
 def task_progress(core: Any) -> dict[str, Any]:
     """`{"live": n, "produced": n, "tasks": {task: {ready, waiting, consumed, in_flight, delivered}}}` of a
-    `StoreCore` (takes its state lock; O(live rows) per task)."""
+    `StoreCore`.
+
+    Under the store's state lock it only copies what it counts (the ring's seqs and validity at the live positions,
+    the presence of fields filled later, each task's consumed marks and in-flight counts: vectorised copies, no work
+    per lease or per gather); the counting runs after the lock is released, so a scrape holds writers back for the
+    time of a few array copies, however many leases are open.
+    """
     tracker = core.consume
     later = [f.name for f in core.schema.fields.values() if f.later]
     with core.lock:
         idx = core.index
-        seqs = np.arange(idx.lo, idx.hi, dtype=np.int64)
-        pos = seqs % core.arena_rows
-        live = idx.seq[pos] == seqs
-        valid = live & idx.valid[pos]
-        present = np.asarray(core.present(later, pos), dtype=bool) if later and len(pos) else np.ones(len(pos), bool)
-        out: dict[str, Any] = {"live": int(live.sum()), "produced": int((live & present).sum()), "tasks": {}}
-        if tracker is None or not tracker.tasks:
-            return out
-        meta, arrays = tracker.state(seqs)
-        delivered_now = tracker.stats()["consumed"]
-        leases = getattr(tracker, "leases", None)  # rows leased and not acked (consume(..., lease=s)), if any
-        leased = {task: np.zeros(len(seqs), dtype=bool) for task in meta["tasks"]}
-        if leases is not None:
-            for task in meta["tasks"]:
-                for held in leases.of_task(task):
-                    leased[task] |= np.isin(seqs, held.seqs)
-    for task in meta["tasks"]:
-        done = np.asarray(arrays[task], dtype=bool) & live & ~leased[task]
-        total = int(delivered_now.get(task, 0))
-        gathering = max(0, total - int(meta["delivered"].get(task, 0)))  # taken, not handed out yet
+        lo, hi = int(idx.lo), int(idx.hi)
+        segments = ring_segments(lo, hi, core.arena_rows)
+        seq_at = _joined([idx.seq[a:b] for a, b in segments], np.int64)
+        valid_at = _joined([idx.valid[a:b] for a, b in segments], bool)
+        present = None
+        if later and hi > lo:
+            pos = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in segments])
+            present = np.array(core.present(later, pos), dtype=bool)
+        tasks = tracker.progress_state(segments) if tracker is not None and tracker.tasks else {}
+    seqs = np.arange(lo, hi, dtype=np.int64)
+    live = seq_at == seqs
+    valid = live & valid_at
+    if present is None:
+        present = np.ones(len(seqs), dtype=bool)
+    out: dict[str, Any] = {"live": int(live.sum()), "produced": int((live & present).sum()), "tasks": {}}
+    for task, t in tasks.items():
+        # leased and still-gathered rows are marked consumed until they are final (or come back): in flight
+        marked = (t["consumed_at"] == seqs) & live
+        in_flight = t["leased"] + t["gathering"]
         out["tasks"][task] = {
-            "ready": int((valid & ~done & ~leased[task] & present).sum()),
-            "waiting": int((live & ~done & ~leased[task] & ~present).sum()),
-            "consumed": int(done.sum()),
-            "in_flight": gathering + int(leased[task].sum()),
-            "delivered": total,
+            "ready": int((valid & ~marked & present).sum()),
+            "waiting": int((live & ~marked & ~present).sum()),
+            "consumed": max(0, int(marked.sum()) - in_flight),
+            "in_flight": in_flight,
+            "delivered": t["delivered"],
         }
     return out
+
+
+def ring_segments(lo: int, hi: int, rows: int) -> list[tuple[int, int]]:
+    """The ring positions of seqs [lo, hi) as at most two [start, stop) slices (the ring wraps once at most)."""
+    if hi <= lo:
+        return []
+    a, n = lo % rows, hi - lo
+    if a + n <= rows:
+        return [(a, a + n)]
+    return [(a, rows), (0, a + n - rows)]
+
+
+def _joined(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 def observed(core: Any, timings: Any, checkpoints: dict[str, Any]) -> dict[str, Any]:

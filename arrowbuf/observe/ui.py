@@ -10,11 +10,15 @@ step; the machine that runs it may have no internet), and the server is `http.se
 a handful of JSON endpoints. A web framework would add a dependency to every install for five routes; the data
 already comes as dicts and Arrow tables.
 
-Safety (docs/observability.md): binds 127.0.0.1 by default and refuses a non-loopback address without a token;
-with a token every `/api/` call needs `Authorization: Bearer <token>` (the page asks for it, or reads `#token=` from
-its address; compared in constant time); SQL runs in the SQL sandbox (`arrowbuf.query.sql`) with the inspector's
-`SqlLimits` (or, for a remote store, the server's), results are cut at `MAX_ROWS` rows; request bodies are bounded
-before they are read.
+Safety (docs/security.md, "inspector"): binds 127.0.0.1 by default and refuses a non-loopback address without a
+token (and warns with one: the page sends it over plain HTTP every second); with a token every `/api/` call needs
+`Authorization: Bearer <token>` (the page asks for it, or reads `#token=` from its address; compared in constant
+time), checked before a request's body is read. Every request's Host must name this machine and a request from a
+page its own origin (`arrowbuf.serving.http.RequestGuard`: no DNS rebinding, no cross-site request), a POST must be
+`application/json`, no answer may be framed; connections are capped and time out (`BoundedHTTPServer`). SQL runs
+in the SQL sandbox (`arrowbuf.query.sql`) with the inspector's `SqlLimits` (or, for a remote store, the server's),
+each query holding a slot of `sql_gate` (`arrowbuf serve --ui` shares the Flight server's, so `max_concurrent_sql`
+bounds both together, and with it the columns queries copy out of the store); results are cut at `MAX_ROWS` rows.
 """
 
 from __future__ import annotations
@@ -28,14 +32,15 @@ import threading
 import time
 from datetime import datetime
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
-from ..errors import ArrowbufError, InvalidArgument
+from ..errors import InvalidArgument
 from ..query.sql import SqlLimits
+from ..serving.http import BoundedHTTPServer, GuardedHandler, RequestGuard
+from ..serving.limits import CallGate, NetLimits, check_bind, check_json_depth
 from .metrics import parse_address
 from .ui_page import PAGE
 
@@ -51,6 +56,11 @@ DRAIN_BODY = 8 << 20
 HISTORY = 300
 #: The inspector's own bounds of a query over an in-process store.
 DEFAULT_SQL_LIMITS = SqlLimits(timeout=5.0, memory_limit=256 << 20, max_result_bytes=16 << 20)
+#: The inspector's HTTP bounds (docs/security.md): a request body is a SQL query.
+DEFAULT_LIMITS = NetLimits(max_request_bytes=MAX_BODY)
+#: The page's Content-Security-Policy: its inline script and styles, nothing from elsewhere, never framed.
+PAGE_CSP = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:; "
+            "frame-ancestors 'none'; form-action 'none'; base-uri 'none'")
 
 
 class Inspector:
@@ -63,27 +73,41 @@ class Inspector:
         token: the bearer token `/api/` calls need (None: none; then only a loopback address is allowed).
         interval: seconds between two samples of the rates.
         sql_limits: the bounds of queries over an in-process store.
+        limits: the HTTP bounds (`NetLimits`: connections, idle and total timeouts, request bytes, JSON depth, SQL
+            queries at once).
+        sql_gate: the `CallGate` whose "sql" slots queries take (`arrowbuf serve --ui`: the Flight server's
+            `server.calls`, shared); None: the inspector's own, of `limits.max_concurrent_sql` slots.
+        allowed_hosts: names other than loopback ones and IP addresses that the Host header may carry (a DNS name
+            of this machine, when bound beyond loopback).
+
+    Attributes:
+        url, port: where it serves. http: the HTTP server (its connections, `refused`).
     """
 
     def __init__(self, store: Any, address: str = "127.0.0.1:0", *, token: str | None = None,
-                 interval: float = 1.0, sql_limits: SqlLimits | None = None) -> None:
+                 interval: float = 1.0, sql_limits: SqlLimits | None = None, limits: NetLimits | None = None,
+                 sql_gate: CallGate | None = None, allowed_hosts: tuple[str, ...] = ()) -> None:
         host, port = parse_address(address)
         if token is not None and (not isinstance(token, str) or not token):
             raise InvalidArgument("token must be a non-empty string (or None)")
-        if token is None and host not in ("127.0.0.1", "::1", "localhost"):
-            raise InvalidArgument(f"the inspector serves {host} only with a token: pass token= (--token-file), or "
-                                  "bind 127.0.0.1")
         if not (isinstance(interval, (int, float)) and 0.05 <= interval <= 60):
             raise InvalidArgument(f"interval must be in [0.05, 60] seconds, got {interval!r}")
+        check_bind("the inspector", host, token, plain_http=True, stacklevel=3)
         self.store = store
         self.token = token
         self.interval = float(interval)
         self.sql_limits = sql_limits or DEFAULT_SQL_LIMITS
+        self.limits = limits or DEFAULT_LIMITS
+        self.sql_gate = sql_gate if sql_gate is not None else CallGate({"sql": self.limits.max_concurrent_sql})
+        if "sql" not in self.sql_gate.limits:
+            raise InvalidArgument("sql_gate must count 'sql' slots (a Flight server's `server.calls`, or a "
+                                  "CallGate({'sql': n}))")
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self._stop = threading.Event()
-        handler = type("Handler", (_Handler,), {"inspector": self})
-        self._httpd = ThreadingHTTPServer((host, port), handler)
-        self._httpd.daemon_threads = True
+        handler = type("Handler", (_Handler,), {"inspector": self, "limits": self.limits,
+                                                "guard": RequestGuard(host, allowed_hosts)})
+        self.http = BoundedHTTPServer((host, port), handler, self.limits)
+        self._httpd = self.http
         self.port = int(self._httpd.server_address[1])
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/"
@@ -163,12 +187,13 @@ class Inspector:
         """Run `query` in the sandbox; columns and at most MAX_ROWS rows."""
         if not isinstance(query, str) or not query.strip():
             raise InvalidArgument("sql: expected a non-empty SQL SELECT string")
-        if hasattr(self.store, "observability"):  # an in-process store: the inspector's own bounds
-            from ..query.frames import run_sql
+        with self.sql_gate.enter("sql"):  # held while the store's columns are copied out, and the query runs
+            if hasattr(self.store, "observability"):  # an in-process store: the inspector's own bounds
+                from ..query.frames import run_sql
 
-            table = run_sql(self.store, query, self.sql_limits)
-        else:  # a remote or sharded store: its server's sandbox and limits
-            table = self.store.sql(query)
+                table = run_sql(self.store, query, self.sql_limits)
+            else:  # a remote or sharded store: its server's sandbox and limits
+                table = self.store.sql(query)
         shown = table.slice(0, MAX_ROWS)
         return _jsonable({"columns": table.column_names, "rows": [list(r.values()) for r in shown.to_pylist()],
                           "total_rows": table.num_rows, "truncated": table.num_rows > MAX_ROWS})
@@ -202,8 +227,7 @@ class Inspector:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self.http.close()
         self._server.join(5.0)
         self._sampler.join(5.0)
 
@@ -217,66 +241,62 @@ class Inspector:
         return f"Inspector({self.url!r})"
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(GuardedHandler):
+    """The inspector's routes; every check of `arrowbuf.serving.http` first (module docstring)."""
+
     inspector: Inspector
-    server_version = "arrowbuf-ui"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        log.debug("inspector: " + format, *args)
-
-    def _send(self, status: int, body: bytes, ctype: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; "
-                         "style-src 'unsafe-inline'; img-src data:")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _json(self, status: int, obj: Any) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json")
+    def _authorized(self) -> bool:
+        """The token (before any body is read); False after a 401."""
+        if self.inspector.authorized(self.headers.get("Authorization")):
+            return True
+        self.close_connection = True
+        self.send_json(401, {"error": "Unauthenticated", "code": "UNAUTHENTICATED",
+                             "message": "wrong or missing token: this inspector needs the store's token"})
+        return False
 
     def _api(self, fn: Any) -> None:
-        if not self.inspector.authorized(self.headers.get("Authorization")):
-            self._json(401, {"error": "Unauthenticated", "message": "wrong or missing token: this inspector needs "
-                                                                    "the store's token"})
-            return
         try:
-            self._json(200, fn())
-        except (BrokenPipeError, ConnectionResetError):
-            return  # the page went away (reloaded, closed) while it was answered
-        except ArrowbufError as exc:
-            self._json(400, {"error": type(exc).__name__, "message": str(exc)[:2000]})
-        except Exception as exc:  # noqa: BLE001 - the page shows it
-            log.exception("inspector: request failed")
-            self._json(500, {"error": type(exc).__name__, "message": str(exc)[:2000]})
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - the page shows it (INTERNAL without details when unexpected)
+            self.send_exception(exc, "inspector request")
+            return
+        self.send_json(200, result)
+
+    def _not_found(self, path: str) -> None:
+        self.send_json(404, {"error": "NotFound", "code": "NOT_FOUND", "message": f"no such page {path[:200]!r}"})
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         url = urlsplit(self.path)
+        api = url.path.startswith("/api/")
+        if not self.check_request(needs_origin=api):
+            return
         ins = self.inspector
         if url.path in ("/", "/index.html"):
-            self._send(200, PAGE.encode(), "text/html; charset=utf-8")
-        elif url.path == "/api/overview":
+            self.send(200, PAGE.encode(), "text/html; charset=utf-8", csp=PAGE_CSP)
+            return
+        if url.path not in ("/api/overview", "/api/returns", "/api/lineage"):
+            self._not_found(url.path)
+            return
+        if not self._authorized():
+            return
+        if url.path == "/api/overview":
             self._api(ins.overview)
         elif url.path == "/api/returns":
             self._api(ins.returns)
-        elif url.path == "/api/lineage":
+        else:
             q = parse_qs(url.query).get("seq", [""])[0]
             if not q.lstrip("-").isdigit() or len(q) > 20:
                 self._api(lambda: (_ for _ in ()).throw(InvalidArgument(f"lineage: seq must be an integer, got "
                                                                         f"{q[:40]!r}")))
             else:
                 self._api(lambda: ins.lineage(int(q)))
-        else:
-            self._json(404, {"error": "NotFound", "message": f"no such page {url.path[:200]!r}"})
 
     def _refuse_body(self, length: int) -> None:
-        """413 for a body over MAX_BODY. A body up to DRAIN_BODY is read and dropped first (at most 5 s), so the
+        """413 for a body over the limit. A body up to DRAIN_BODY is read and dropped first (at most 5 s), so the
         client, still sending, gets the answer rather than a reset connection; a larger one is not read at all."""
         self.close_connection = True
-        if MAX_BODY < length <= DRAIN_BODY:
+        if self.limits.max_request_bytes < length <= DRAIN_BODY:
             self.connection.settimeout(5.0)
             left = length
             try:
@@ -287,26 +307,39 @@ class _Handler(BaseHTTPRequestHandler):
                     left -= len(chunk)
             except OSError:
                 return
-        self._json(413, {"error": "InvalidArgument", "message": f"a query body is 1..{MAX_BODY} bytes"})
+        self.send_json(413, {"error": "InvalidArgument", "code": "INVALID_ARGUMENT",
+                             "message": f"a query body is 1..{self.limits.max_request_bytes} bytes"})
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         url = urlsplit(self.path)
+        if not self.check_request(needs_origin=True):
+            return
         if url.path != "/api/sql":
-            self._json(404, {"error": "NotFound", "message": f"no such endpoint {url.path[:200]!r}"})
+            self.close_connection = True  # its body is never read
+            self._not_found(url.path)
+            return
+        if not self._authorized():  # before a byte of the body is read
+            return
+        ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            self.close_connection = True
+            self.send_json(415, {"error": "InvalidArgument", "code": "INVALID_ARGUMENT",
+                                 "message": "a query is POSTed as application/json: {\"query\": \"<SQL>\"}"})
             return
         try:
             length = int(self.headers.get("Content-Length", "0"))
         except ValueError:
             length = -1
-        if not 0 < length <= MAX_BODY:
+        if not 0 < length <= self.limits.max_request_bytes:
             self._refuse_body(length)
             return
         body = self.rfile.read(length)
 
         def run() -> Any:
+            check_json_depth(body, self.limits.max_json_depth, "sql")
             try:
                 query = json.loads(body)["query"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 raise InvalidArgument('sql: the body is {"query": "<SQL>"}') from None
             return self.inspector.sql(query)
 

@@ -15,7 +15,7 @@ journal records hold, and applying them to a restored store; `arrowbuf.store.dur
 Flight checkpoint action's root).
 
 persist sits between the facade and the store's internals (docs/architecture.md): it reads and fills a store's one
-internals object (`arrowbuf.store.core.StoreCore`), and never builds or imports the facade; `ExperienceStore`'s
+internals object (`arrowbuf.engine.core.StoreCore`), and never builds or imports the facade; `ExperienceStore`'s
 `checkpoint`, `restore`, `export` and `from_dataset` call into it.
 """
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .manifest import FILE_MODE
 from .record import start_writeback
 
 #: The alignment of direct writes (offsets, lengths and the buffer's address): 4 KiB covers disks of 512-byte and
@@ -59,13 +60,13 @@ class SegmentFile:
         self.fd = -1
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.fd = os.open(path, flags | os.O_DIRECT, FILE_MODE)
                 self.direct = True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # the filesystem refuses O_DIRECT: the page cache below
                     raise
         if self.fd < 0:
-            self.fd = os.open(path, flags, 0o644)
+            self.fd = os.open(path, flags, FILE_MODE)
         self._on = self.direct  # whether the fd has O_DIRECT now
         self._stage: mmap.mmap | None = None
         self._arr: np.ndarray | None = None

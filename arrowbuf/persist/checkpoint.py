@@ -30,22 +30,22 @@ import shutil
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 
+from ..engine.core import StoreCore
 from ..errors import ArrowbufError, InvalidArgument
 from ..samplers.spec import to_spec
-from ..store.core import StoreCore
+from . import faults
 from . import manifest as mf
-from .snapshot import Snapshot, capture, later_columns, later_digest, read_chunk, still_intact, tensor_array
+from .snapshot import Snapshot, capture, intact_from, later_columns, later_digest, read_chunk, tensor_array
 
 #: Per store (keyed by its ring index) and checkpoint directory: the row files of sealed chunks known to hold its
 #: rows exactly, {(first_seq, rows): manifest entry}. Written by checkpoints and by restore.
 _WRITTEN: weakref.WeakKeyDictionary[Any, dict[str, dict[tuple[int, int], dict[str, Any]]]] = \
     weakref.WeakKeyDictionary()
-_KILL_ENV = "ARROWBUF_PERSIST_KILL_AT"
 #: Nice increment of a background checkpoint's threads (Linux: per thread). Threads of one process share its CPU
 #: share (one scheduler group per session under autogroup, or per cgroup); at equal priority a busy checkpoint
 #: thread takes half of it from the sampling and inserting threads on a machine without a free core. At +10 it
@@ -53,14 +53,6 @@ _KILL_ENV = "ARROWBUF_PERSIST_KILL_AT"
 #: the checkpoint takes longer, so a ring that overwrites rows fast leaves more of the oldest rows out of it
 #: (`dropped_rows`). 0 runs it at the caller's priority.
 BACKGROUND_NICE = 10
-
-
-def _kill_point(name: str) -> None:
-    """Crash tests: SIGKILL this process at the named point when ARROWBUF_PERSIST_KILL_AT names it."""
-    if os.environ.get(_KILL_ENV) == name:
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fsync_path(path: str) -> None:
@@ -151,15 +143,33 @@ class CheckpointHandle:
         return self._job.result
 
 
+class JournalCut(Protocol):
+    """How a durable store's journal and a checkpoint of it meet (docs/durability.md, "the handshake"): the
+    journal may be cut only below the oldest record whose effect the snapshot is sure to hold.
+
+    Usage (what `checkpoint(..., cut=)` does)::
+
+        snap, entry = cut.capture(core)   # under the store's locks: the snapshot and the journal's cut point
+        ...                               # row and state files written and synced
+        cut.before_commit()               # the records after the cut point that the files rely on are durable
+        ...                               # the manifest, with `entry` as its "journal", is committed
+        cut.after_commit()                # the journal before the cut point can go
+    """
+
+    def capture(self, core: StoreCore) -> tuple[Snapshot, dict[str, Any]]: ...
+
+    def before_commit(self) -> None: ...
+
+    def after_commit(self) -> None: ...
+
+
 def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None, background: bool = False,
-               compression: str | None = None, _after_read: Any = None, journal: dict[str, Any] | None = None,
-               after_commit: Any = None) -> Any:
+               compression: str | None = None, _after_read: Any = None, cut: JournalCut | None = None) -> Any:
     """Write a checkpoint of the store whose internals are `core` into directory `path` (see the module docstring
     and `ExperienceStore.checkpoint`, which calls this).
 
-    A durable store passes `journal` (`{"from_lsn": L}`: its journal's records from lsn L on are not covered by this
-    checkpoint; kept in the manifest) and `after_commit()` (called once the manifest is committed: the journal
-    before L is truncated then).
+    A durable store passes its journal's `cut` (`JournalCut`): the snapshot is taken through it, once this
+    checkpoint holds the directory's lock, so checkpoints of one directory capture and commit in one order.
 
     `_after_read(i)` (tests) runs after live chunk `i` was read and serialised, before its intact check: a test
     writes to the store there to overwrite rows mid-copy, deterministically.
@@ -169,17 +179,22 @@ def checkpoint(core: StoreCore, path: str | os.PathLike, keep: int | None = None
     if compression not in (None, "zstd", "lz4"):
         raise InvalidArgument(f"compression must be None (memory-mappable), 'zstd' or 'lz4', got {compression!r}")
     root = os.fspath(path)
-    os.makedirs(root, exist_ok=True)
+    mf.make_dirs(root, private=False)  # a checkpoint may go where its user says; its own directories are private
     refuse_links(root)
     for sub in (mf.MANIFESTS, mf.STATE, mf.RETAINED):
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
+        mf.make_dirs(os.path.join(root, sub))
     core.check_open()
-    lock_fd = os.open(os.path.join(root, mf.LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    lock_fd = os.open(os.path.join(root, mf.LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, mf.FILE_MODE)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one checkpoint writer per directory, across processes
-        job = _Job(core, capture(core), root, keep, compression, lock_fd)
+        journal: dict[str, Any] | None = None
+        if cut is not None:
+            snap, journal = cut.capture(core)
+        else:
+            snap = capture(core)
+        job = _Job(core, snap, root, keep, compression, lock_fd)
         job.after_read = _after_read
-        job.journal, job.after_commit = journal, after_commit
+        job.journal, job.cut = journal, cut
     except BaseException:
         os.close(lock_fd)
         raise
@@ -197,6 +212,8 @@ class _Job:
         self.core, self.snap, self.root, self.keep, self.compression = core, snap, root, keep, compression
         self.lock_fd = lock_fd
         self.schema = core.schema.to_arrow()
+        assert core.options is not None, "a store's core carries the options it was built from"
+        self.options = core.options.to_dict()  # what the store is rebuilt from (its sampler's spec as of now)
         self.progress = 0.0
         self.error: BaseException | None = None
         self.result: dict[str, Any] | None = None
@@ -204,7 +221,7 @@ class _Job:
         self.unsynced: list[Any] = []
         self.syncer: Any = None
         self.journal: dict[str, Any] | None = None
-        self.after_commit: Any = None
+        self.cut: JournalCut | None = None
         self.written: list[str] = []  # paths this checkpoint created (removed again if it fails before its commit)
         self.committed = False
 
@@ -290,18 +307,21 @@ class _Job:
             k = j if downward else i
             _, p0, p1, first = chunks[k]
             n = p1 - p0
-            evicted = snap.sealed[k] and core.index.lo > first  # the writer is in it already: not worth reading
-            e = None if evicted else self._copy(k, known, counts)
+            e, cut = self._copy(k, known, counts)
             done_rows += n
             self.progress = 0.95 * done_rows / total
-            if e is None:  # overwritten: it and everything older leave the snapshot
-                kept_lo = first + n
+            if cut:  # its oldest `cut` rows were overwritten: they and everything older leave the snapshot
+                kept_lo = first + cut
                 if downward:
+                    if e is not None:
+                        newer.append(e)
+                    older = []
                     break
-                older = []
+                older = [] if e is None else [e]
                 i += 1
-                downward = i <= j and core.index.lo > chunks[i][3]
+                downward = i <= j and intact_from(core, snap, i) > 0  # the writer is ahead of the copy
                 continue
+            assert e is not None  # (no cut: the chunk was copied whole)
             if downward:
                 newer.append(e)
                 j -= 1
@@ -312,12 +332,13 @@ class _Job:
         written, reused, written_bytes = counts["written"], counts["reused"], counts["written_bytes"]
         state_entries, dropped_valid = self._write_state(gen, kept_lo)
         self._sync()
-        _kill_point("before_manifest")
+        if self.cut is not None:
+            self.cut.before_commit()
+        faults.reached("before_manifest")
         m = {
             "format": mf.FORMAT, "version": mf.FORMAT_VERSION, "generation": gen, "created": time.time(),
-            "store": {**core.config(), "schema": core.schema.to_dict(), "tier": core.tier_name,
-                      "arena_rows": core.arena_rows, "sampler": to_spec(core.sampler),
-                      "rate_limiter": to_spec(core.rate_limiter)},
+            "store": {**self.options, "schema": core.schema.to_dict(), "tier": core.tier_name,
+                      "arena_rows": core.arena_rows},
             "rows": {"first_seq": kept_lo, "next_seq": snap.hi, "count": snap.hi - kept_lo,
                      "snapshot_first_seq": snap.lo, "dropped_rows": kept_lo - snap.lo},
             "compression": self.compression,
@@ -329,18 +350,18 @@ class _Job:
         mpath = os.path.join(root, mf.MANIFESTS, f"{gen:08d}.json")
         self.written.append(mpath)
         mf.write_json_atomic(mpath, m)
-        _kill_point("before_commit")
+        faults.reached("before_commit")
         # the commit: write-temp + fsync + rename + fsync dir
         tmp = os.path.join(root, f".{mf.MANIFEST}.tmp-{os.getpid()}")
         self.written.append(tmp)
         mf.write_file(tmp, json.dumps(m, indent=1).encode())
-        _kill_point("manifest_tmp")
+        faults.reached("manifest_tmp")
         os.replace(tmp, os.path.join(root, mf.MANIFEST))
         self.committed = True
         mf.fsync_dir(root)
-        if self.after_commit is not None:
-            self.after_commit()
-        _kill_point("after_commit")
+        if self.cut is not None:
+            self.cut.after_commit()
+        faults.reached("after_commit")
         self._collect(m)
         self.progress = 1.0
         row_bytes = sum(e["bytes"] for e in entries)
@@ -350,28 +371,39 @@ class _Job:
                 "seconds": time.perf_counter() - t0}
 
     def _copy(self, i: int, known: dict[tuple[int, int], dict[str, Any]],
-              counts: dict[str, int]) -> dict[str, Any] | None:
-        """Live chunk `i` as a row file of this checkpoint (reused, or read, checked intact and written): its manifest
-        entry, or None when its rows were overwritten while it was read."""
+              counts: dict[str, int]) -> tuple[dict[str, Any] | None, int]:
+        """Live chunk `i` as a row file of this checkpoint (reused, or read, checked intact and written): its
+        manifest entry and how many of its first rows were overwritten before or while it was read (they are left
+        out: the entry holds the rest; all of them: None)."""
         snap, core, root = self.snap, self.core, self.root
         _, p0, p1, first = snap.chunks[i]
         n = p1 - p0
-        full = snap.sealed[i] and n == core.chunk_rows
-        digest = later_digest(later_columns(core, snap, i))
+        cut = intact_from(core, snap, i) if snap.sealed[i] else 0
+        if cut == n:
+            return None, n
+        full = snap.sealed[i] and n == core.chunk_rows and cut == 0
+        digest = later_digest(later_columns(core, snap, i)) if full else None
         entry = known.get((first, n)) if full and self.compression is None else None
         if entry is not None and entry.get("later") == digest and self._restore_file(entry):
             e = {k: v for k, v in entry.items() if k != "later"}
             counts["reused"] += 1
         else:
             batch = read_chunk(core, snap, i, self.schema)
-            data = self._ipc(batch)
+            data = self._ipc(batch.slice(cut) if cut else batch)
             del batch
             if self.after_read is not None:
                 self.after_read(i)
-            if snap.sealed[i] and not still_intact(core, snap, i):
-                return None
+            if snap.sealed[i]:
+                now = intact_from(core, snap, i)  # the seqlock: rows from `now` on were not touched while read
+                if now == n:
+                    return None, n
+                if now > cut:  # more of its oldest rows went while it was read: keep the rest, from the copy
+                    table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
+                    data = self._ipc(table.slice(now - cut))
+                    cut = now
+                    full = False
             crc = mf.crc32(data)
-            name = mf.row_file_name(first, n, crc)
+            name = mf.row_file_name(first + cut, n - cut, crc)
             if os.path.exists(os.path.join(root, name)) and os.path.getsize(os.path.join(root, name)) == len(data):
                 e = {"name": name, "bytes": len(data), "crc32": f"{crc:08x}"}  # same content, already there
                 counts["reused"] += 1
@@ -381,10 +413,10 @@ class _Job:
                 counts["written_bytes"] += e["bytes"]
             if full and self.compression is None:
                 known[(first, n)] = {**e, "kind": "chunk", "first_seq": first, "rows": n, "later": digest}
-            _kill_point("after_chunk")
-        e.update(kind="chunk" if full else "tail" if i == len(snap.chunks) - 1 else "partial", first_seq=first,
-                 rows=n)
-        return e
+            faults.reached("after_chunk")
+        e.update(kind="chunk" if full else "tail" if i == len(snap.chunks) - 1 else "partial", first_seq=first + cut,
+                 rows=n - cut)
+        return e, cut
 
     def _restore_file(self, entry: dict[str, Any]) -> bool:
         """A known row file is usable when it is still there (moved back to the top level from `_retained/`)."""

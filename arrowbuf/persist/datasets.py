@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..engine.core import StoreCore
 from ..errors import InvalidArgument, SchemaError
 from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
-from ..store.core import StoreCore
 from . import manifest as mf
 from .snapshot import arrow_column, numpy_column
 
@@ -204,7 +204,7 @@ def _feed(store: Any, batch: pa.RecordBatch, schema: ExperienceSchema) -> None:
         if name not in batch.schema.names:
             raise SchemaError(f"dataset rows have no field {name!r}; expected {list(schema.fields)}")
         col = batch.column(name)
-        if spec.ragged:
+        if spec.ragged or spec.later:  # as stored (a later field's nulls: rows without a value); validated by extend
             cols[name] = col
             continue
         if col.null_count:

@@ -31,12 +31,11 @@ Durability policies (`Journal(policy=)`), what `wait(ticket)` guarantees on retu
   that announced a record (`expect`) and have not appended it yet, so that their records share it; it never waits
   when no other writer is on its way (a lone writer, or writers that all wait already: their records are in the
   file, one fdatasync covers them), and it stops waiting as soon as the last announced record is appended.
-- `sync_soon(ticket)` starts the fdatasync (and the write, of a deferred record) on the journal's sync thread and
-  returns at once: a writer that records its batch before copying its rows overlaps the two, then `wait`s.
-- Records are written in lsn order (commit order) whoever writes them: `append` writes the queue up to its record;
-  `append_prepared(..., defer=True)` only takes the record's place, and the sync thread or the next `wait`/`flush`
-  that needs it writes it (a `Deferred` record is encoded then). A failed write fails every later record (`wait`
-  and `append` raise the OSError): nothing is ever written after a partial record.
+- `sync_soon(ticket)` starts the fdatasync on the journal's sync thread and returns at once: a writer that records
+  its batch before copying its rows overlaps the two, then `wait`s.
+- Records are written in lsn order (commit order) whoever writes them: `append` writes the queue up to its record.
+  A failed write fails every later record (`wait` and `append` raise the OSError): nothing is ever written after a
+  partial record.
 - "os": the record is in the operating system's page cache (a `write` returned): it survives the process being
   killed, not the machine crashing or losing power.
 
@@ -63,14 +62,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .. import config
 from ..errors import InvalidArgument, StoreCorrupt
 from .appender import SegmentFile
 from .loader import SegmentLoader as _Loader
+from .loader import open_segment
+from .manifest import FILE_MODE, check_private, make_dirs
 from .manifest import fsync_dir as _fsync_dir
 from .record import (
     FORMAT_VERSION,
     RECORD_SCHEMA,
-    Deferred,
     Prepared,
     encode,
     meta_bytes,
@@ -87,7 +88,7 @@ from .record import U32 as _U32
 from .record import V1_SCHEMA_BYTES as _V1_SCHEMA_BYTES
 from .record import ZERO4 as _ZERO4
 
-__all__ = ["FORMAT_VERSION", "RECORD_SCHEMA", "Prepared", "Deferred", "encode", "payload_table", "prepare",
+__all__ = ["FORMAT_VERSION", "RECORD_SCHEMA", "Prepared", "encode", "payload_table", "prepare",
            "record_crc", "seal", "table_bytes", "table_pieces", "Journal", "Record", "read_segments", "read_journal",
            "seal_last", "segments", "lock_journal", "TornTail"]
 
@@ -99,11 +100,6 @@ POLICIES = ("batch", "group", "os")
 SEGMENT_BYTES = 256 << 20
 #: Group commit window.
 GROUP_WINDOW_S = 0.002
-#: Whether a journal's large writes (`appender.DIRECT_MIN`) use direct I/O where the filesystem allows it
-#: (`arrowbuf.persist.appender`: no page cache, ~4x less CPU per byte here). Under "os" a direct write that returned
-#: is at the device (more than the page cache "os" promises; nothing is fdatasynced). `ARROWBUF_JOURNAL_DIRECT=0`
-#: turns it off; read when a journal opens.
-DIRECT = os.environ.get("ARROWBUF_JOURNAL_DIRECT", "1") != "0"
 
 
 def segment_name(first_lsn: int) -> str:
@@ -121,11 +117,10 @@ class Record:
 class Journal:
     """An open journal: appends records to the newest segment and makes them durable under `policy` (module
     docstring). Thread-safe. `append` queues a record (its lsn is its place in commit order) and writes the queue
-    up to it; `append_prepared(..., defer=True)` leaves the write to the journal's thread (`sync_soon`) or to the
-    next `wait`/`flush`, so the caller's next work overlaps it; `wait` is where a caller pays for durability."""
+    up to it; `wait` is where a caller pays for durability."""
 
     def __init__(self, directory: str, policy: str = "group", first_lsn: int = 0,
-                 window_s: float = GROUP_WINDOW_S, lock_fd: int | None = None) -> None:
+                 window_s: float = GROUP_WINDOW_S, lock_fd: int | None = None, direct: bool | None = None) -> None:
         if policy not in POLICIES:
             raise InvalidArgument(f"durability must be one of {list(POLICIES)}, got {policy!r}")
         self.dir = os.path.join(os.fspath(directory), JOURNAL)
@@ -140,18 +135,23 @@ class Journal:
         self._sync_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())  # the durable lsn and the count of waiting callers
         self._next = int(first_lsn)
-        self._queue: collections.deque[tuple[int, Prepared | Deferred | None, bytes | None]] = collections.deque()
+        self._queue: collections.deque[tuple[int, Prepared | None, bytes | None]] = collections.deque()
         self._queued_bytes = len(_SCHEMA_BYTES)  # the newest segment's bytes, with the queued records
         self._written = int(first_lsn) - 1  # the last record written (in the page cache)
         self._durable = int(first_lsn) - 1
         self._coming = 0  # records announced (`expect`) and not appended yet: what a group commit waits for
-        self.direct = DIRECT  # asked for; `direct_io` says whether the filesystem took it
+        # large records with direct I/O (asked for; `direct_io` says whether the filesystem took it); None: the
+        # registered ARROWBUF_JOURNAL_DIRECT (`arrowbuf.config`), read now
+        self.direct = bool(config.get("ARROWBUF_JOURNAL_DIRECT")) if direct is None else bool(direct)
         self._file: SegmentFile | None = None
         self._retired: list[SegmentFile] = []  # rotated segments, closed by the next fdatasync's caller
         self._size = 0
         self._closed = False
         self._error: OSError | None = None  # a write failed: the file may end in a partial record; no more writes
-        self.stats = {"records": 0, "bytes": 0, "fsyncs": 0}
+        #: records, bytes and fsyncs since the journal opened, and the CPU time (user and system, of whichever thread)
+        #: spent in its write, sync_file_range and fdatasync calls: what the journal's own CPU cost excludes
+        #: (benchmarks/bench_journal.py)
+        self.stats: dict[str, Any] = {"records": 0, "bytes": 0, "fsyncs": 0, "syscall_cpu_s": 0.0}
         self._kick = threading.Condition(threading.Lock())  # `sync_soon` requests for the sync thread
         self._kick_upto = -1
         self._kick_at = 0.0  # when the sync thread starts on `_kick_upto` (later than now: a lazy `sync_soon`)
@@ -200,15 +200,14 @@ class Journal:
             self._coming = max(0, self._coming - 1)
             self._cond.notify_all()
 
-    def append_prepared(self, record: Prepared | Deferred, meta: dict[str, Any] | None = None,
-                        expected: bool = False, defer: bool = False, writeback: bool = False) -> int:
+    def append_prepared(self, record: Prepared, meta: dict[str, Any] | None = None, expected: bool = False,
+                        writeback: bool = False) -> int:
         """Append a record `prepare`d before (outside this journal's locks: the payload's checksum is done by
         then), with `meta` if given (within the width prepared); returns its ticket (its lsn) for `wait`.
-        The record's place (its lsn: commit order) is taken here; it is written here too unless `defer`: then
-        the journal's thread writes it (`sync_soon`), or the next `wait`/`flush` that needs it; the payload's
-        buffers must stay unchanged until then. `expected`: the record announced by this caller's `expect`
-        (counted as arrived, even if this raises). A `Deferred` record is encoded when it is written. `writeback`
-        (not deferred): start the disk's write of it now (`start_writeback`), for a caller that `wait`s later."""
+        The record's place (its lsn: commit order) is taken here, and it is written here (in the operating system's
+        page cache, or at the device with direct I/O). `expected`: the record announced by this caller's `expect`
+        (counted as arrived, even if this raises). `writeback`: start the disk's write of it now
+        (`start_writeback`), for a caller that `wait`s later."""
         try:
             meta_b = None if meta is None else meta_bytes(record, meta)  # a meta too wide fails here, not later
             with self._lock:
@@ -225,13 +224,14 @@ class Journal:
         finally:
             if expected:
                 self.unexpect()
-        if not defer:
-            self.flush(lsn)
-            if writeback:
-                with self._io:
-                    if self._error is None and not self._closed:
-                        assert self._file is not None
-                        self._file.start_writeback()
+        self.flush(lsn)
+        if writeback:
+            with self._io:
+                if self._error is None and not self._closed:
+                    assert self._file is not None
+                    c0 = time.thread_time()
+                    self._file.start_writeback()
+                    self.stats["syscall_cpu_s"] += time.thread_time() - c0
         return lsn
 
     def flush(self, ticket: int, help_: bool = True) -> None:
@@ -262,7 +262,7 @@ class Journal:
         """Write the queued records (under `_io`): the records before the first rotation in one `writev`, chained
         (each seals the previous one's crc32); at a rotation the segment is closed with its `end` record."""
         with self._lock:
-            items: list[tuple[int, Prepared | Deferred | None, bytes | None]] = []
+            items: list[tuple[int, Prepared | None, bytes | None]] = []
             while self._queue and self._queue[0][1] is not None and len(items) < 512:
                 items.append(self._queue.popleft())
             rotate = not items and bool(self._queue)
@@ -284,19 +284,16 @@ class Journal:
         pieces: list[Any] = []
         total, prev = 0, self._prev
         for lsn, record, meta in items:
-            if isinstance(record, Deferred):
-                try:
-                    record = record.build()
-                except Exception as exc:  # never an ill-formed record in the file: the journal fails instead
-                    raise OSError(f"a journal record could not be encoded: {exc!r}") from exc
             assert record is not None
             p, prev = seal(record, lsn, prev, meta)
             pieces.extend(p)
             total += record.size
         assert self._file is not None
+        c0 = time.thread_time()
         for i in range(0, len(pieces), 1000):  # IOV_MAX
             chunk = pieces[i:i + 1000]
             self._file.write(chunk, None if i or len(pieces) > 1000 else total)
+        self.stats["syscall_cpu_s"] += time.thread_time() - c0
         self._prev = prev
         self._size += total
         self._written = items[-1][0]
@@ -368,9 +365,9 @@ class Journal:
         return self._durable >= ticket
 
     def sync_soon(self, ticket: int, lazy: bool = False) -> None:
-        """Start writing record `ticket` and (but under "os") making it durable on the journal's sync thread, and
-        return at once: a writer that appends its record (`defer=True`) before it copies its rows calls this,
-        copies (the write and the fdatasync run meanwhile), then `wait`s, which then mostly finds it done.
+        """Start making record `ticket` durable (but under "os": written) on the journal's sync thread, and return at
+        once: a writer that appends its record before it copies its rows calls this, copies (the fdatasync runs
+        meanwhile), then `wait`s, which then mostly finds it done.
         `lazy` (a record nobody waits for yet: a pipelined `extend(wait=False)`): under "group" the sync thread
         starts at most `window_s` later, so that the records appended meanwhile share its fdatasync; a `wait` for
         the record before then syncs at once (on the waiter's thread)."""
@@ -424,6 +421,7 @@ class Journal:
                 self.flush(self._next - 1)  # the records that came meanwhile share this fdatasync
             with self._io:
                 fd, last, retired, self._retired = self._fd, self._written, self._retired, []
+            c0 = time.thread_time()
             try:
                 os.fdatasync(fd)
             except OSError as exc:  # the kernel may have dropped the pages (and marked them clean): a retry could
@@ -431,6 +429,7 @@ class Journal:
                 with self._cond:
                     self._cond.notify_all()
                 raise
+            self.stats["syscall_cpu_s"] += time.thread_time() - c0
             for old in retired:
                 old.close()
             self.stats["fsyncs"] += 1
@@ -449,20 +448,24 @@ class Journal:
                     return
                 self._cond.wait(left)
 
-    def rotate(self, only_if_full: bool = False) -> int:
+    def rotate(self) -> int:
         """Start a new segment (the old one is closed with an `end` record and synced); returns its first lsn: the
-        records from there on are those a checkpoint taken now does not cover. (A segment that passes
-        `SEGMENT_BYTES` is rotated as records are appended: `only_if_full` is kept for callers of old.)"""
+        records from there on are those a checkpoint taken now does not cover."""
+        first = self.cut()
+        self.flush(first - 1)
+        return first
+
+    def cut(self) -> int:
+        """`rotate`'s cut point alone: the records appended from now on go to a new segment, whose first lsn is
+        returned; the old segment is closed (written and synced) by the next `flush` or `wait` that reaches it. A
+        checkpoint takes its cut under the store's locks (cheap: no I/O there) and flushes it after."""
         with self._lock:
             if self._closed:
                 raise InvalidArgument("the journal is closed")
-            if only_if_full:
-                return self._next
             end_lsn = self._next
             self._queue.append((end_lsn, None, None))
             self._next += 1
             self._queued_bytes = len(_SCHEMA_BYTES)
-        self.flush(end_lsn)
         return end_lsn + 1
 
     def truncate_before(self, lsn: int) -> int:
@@ -522,6 +525,19 @@ class Journal:
             syncer.join()
 
 
+def check_journal_dir(directory: str) -> None:
+    """Refuse a durable directory, or a `_journal` directory in it, that is not this user's alone
+    (`manifest.check_private`) or is a link.
+
+    Raises:
+        InvalidArgument: naming the directory.
+    """
+    check_private(os.fspath(directory))
+    d = os.path.join(os.fspath(directory), JOURNAL)
+    if os.path.lexists(d):
+        check_private(d)
+
+
 def lock_journal(directory: str) -> int:
     """Make `directory/_journal` and take its owner lock (flock, released when the fd closes or the process dies):
     one store journals into a durable directory at a time, and no restore cuts a segment a live store writes.
@@ -530,10 +546,11 @@ def lock_journal(directory: str) -> int:
         InvalidArgument: another store (in this or another process) has the directory open.
     """
     d = os.path.join(os.fspath(directory), JOURNAL)
-    os.makedirs(d, exist_ok=True)
     if os.path.islink(d):
         raise InvalidArgument(f"{d} is a symbolic link; a journal never follows links")
-    fd = os.open(os.path.join(d, OWNER), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    make_dirs(os.fspath(directory))
+    make_dirs(d)  # its entry in the durable directory is fsynced before any record in it is acknowledged
+    fd = os.open(os.path.join(d, OWNER), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -635,10 +652,11 @@ def _check_segment(path: str, first: int, loader: _Loader) -> tuple[list[Record]
         rec, end, crc = _parse_at(buf, view, off, lsn, prev, total)
         if rec is None:
             loader.upto(size)
-            if end == -1 or _later_record(buf, view, off + 8, lsn + 1):  # whole and wrong, or records after it
-                raise StoreCorrupt(f"journal segment {path}: record {lsn} at byte {off} is corrupt (checksum or "
-                                   "framing); the journal cannot be replayed past it")
-            return recs, TornTail(path, off, size), prev
+            if _torn(buf, view, off, total, lsn, prev):
+                return recs, TornTail(path, off, size), prev
+            raise StoreCorrupt(f"journal segment {path}: record {lsn} at byte {off} is corrupt (checksum or "
+                               "framing) and is not a torn tail (docs/format.md); the journal cannot be replayed "
+                               "past it")
         recs.append(rec)
         prev = crc
         lsn += 1
@@ -732,6 +750,42 @@ def _payload(arr: pa.Array) -> Any:
     return data.slice(lo, hi - lo)
 
 
+def _torn(buf: pa.Buffer, view: memoryview, off: int, total: int, lsn: int, prev: int) -> bool:
+    """Whether the record at byte `off` that did not check (lsn `lsn`, after the record whose crc32 is `prev`) is a
+    torn tail: bytes a crash left unwritten, never acknowledged (docs/format.md, "Torn tails"). It is when
+    - no intact record follows it (the damage is not in the middle of the segment),
+    - its trailer (the previous record's crc32 as its `prev`, then its own crc32, each padded with 4 zero bytes) is
+      not there with only zeros after it: a record whose every byte is there is whole and wrong (a flipped bit,
+      its length fields included), never torn; and
+    - the file ends inside it (its framing announces more bytes than there are: a write cut short), or its crc32
+      slot and every byte after it to the end of the file are zeros (data the machine never wrote: a lost page
+      cache, an unwritten extent after a direct write)."""
+    size = len(view)
+    if _later_record(buf, view, off + 8, lsn + 1) or _whole_at_end(view, off, prev):
+        return False
+    if total == 0:
+        return True
+    if total < 0:
+        return False
+    return not np.frombuffer(view[off + total - 8:size], dtype=np.uint8).any()
+
+
+def _whole_at_end(view: memoryview, off: int, prev: int) -> bool:
+    """Whether the bytes from `off` hold a record's trailer chained to `prev` (`prev`, 4 zero bytes, a crc32, 4 zero
+    bytes; 8-byte aligned) followed by nothing but zeros to the end of the file: the record is all there."""
+    size = len(view)
+    data = bytes(view[off:size])
+    pat = _U32.pack(prev) + _ZERO4
+    i = data.find(pat)
+    while i != -1:
+        end = i + 16
+        if i % 8 == 0 and end <= len(data) and data[i + 12:end] == _ZERO4 and \
+                not np.frombuffer(view[off + end:size], dtype=np.uint8).any():
+            return True
+        i = data.find(pat, i + 1)
+    return False
+
+
 def _later_record(buf: pa.Buffer, view: memoryview, start: int, lsn: int) -> bool:
     """Whether an intact record with lsn >= `lsn` starts somewhere after `start` (8-byte aligned, as IPC messages
     are): then the damage is in the middle of the segment, not a torn tail."""
@@ -763,7 +817,8 @@ def seal_last(directory: str, next_lsn: int, torn: TornTail | None, prev: int | 
     first, path = segs[-1]
     if prev is None:
         _, _, prev = _read_segment(path, first)  # the crc of the last intact record (the end record chains to it)
-    with open(path, "r+b") as f:
+    fd = open_segment(path, os.O_RDWR)
+    with os.fdopen(fd, "r+b") as f:
         if torn is not None and torn.path == path:
             f.truncate(torn.offset)
             f.seek(torn.offset)
@@ -775,3 +830,4 @@ def seal_last(directory: str, next_lsn: int, torn: TornTail | None, prev: int | 
         f.flush()
         os.fsync(f.fileno())
     return next_lsn + 1
+

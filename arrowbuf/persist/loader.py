@@ -3,7 +3,10 @@ sequential reads, while the caller checks the records already read."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import stat
 import threading
 
 import numpy as np
@@ -21,7 +24,8 @@ class SegmentLoader:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.size = os.path.getsize(path)
+        self._fd = open_segment(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
         self.arr = np.empty(self.size, dtype=np.uint8)
         self.buf = pa.py_buffer(self.arr)  # zero-copy: payloads are views of it
         self._avail = 0
@@ -37,7 +41,7 @@ class SegmentLoader:
 
     def _run(self) -> None:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = self._fd
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 view = self.arr.data
@@ -73,3 +77,26 @@ class SegmentLoader:
         """Wait for the reading thread to end (whatever happened)."""
         if self._thread is not None:
             self._thread.join()
+
+
+def open_segment(path: str, flags: int) -> int:
+    """Open an existing journal segment: never through a symbolic link, never blocking (a FIFO planted there), and
+    only a regular file.
+
+    Raises:
+        StoreCorrupt: something else than a regular file sits where the segment should be.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreCorrupt(f"journal segment {path} is a symbolic link; a journal never follows links (someone "
+                               "planted it: remove it)") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise StoreCorrupt(f"journal segment {path} is not a regular file (mode {stat.filemode(st.st_mode)}); "
+                           "remove it")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd

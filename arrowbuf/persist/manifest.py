@@ -27,7 +27,7 @@ import re
 import stat
 from typing import Any
 
-from ..errors import StoreCorrupt
+from ..errors import InvalidArgument, StoreCorrupt
 from .crc import crc32 as _crc32
 
 FORMAT = "arrowbuf-checkpoint"
@@ -58,6 +58,55 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+#: Mode of the files and directories a checkpoint or a journal creates: its rows are its owner's alone, as in a
+#: shared-memory store.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def make_dirs(path: str, private: bool = True) -> None:
+    """Create directory `path` and its missing parents (mode `DIR_MODE`), each new entry made durable (its parent
+    directory fsynced before anything inside it is acknowledged); with `private`, check that `path` is a directory
+    of this user that no other user can write (`check_private`)."""
+    path = os.path.abspath(os.fspath(path))
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+        fsync_dir(os.path.dirname(d))
+    if private:
+        check_private(path)
+
+
+def check_private(path: str) -> None:
+    """Refuse a directory that another local user owns or can write (group- or world-writable): its files could
+    be forged (a journal's records are checksummed, not signed) or replaced under the store.
+
+    Raises:
+        InvalidArgument: naming the directory, its owner and mode, and what to do.
+    """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise InvalidArgument(f"{path} is a symbolic link; a checkpoint or journal directory never follows links")
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"{path} is not a directory")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise InvalidArgument(
+            f"{path} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}: a durable store's directory "
+            f"must be this user's (uid {os.geteuid()}) and not writable by group or others (another user could "
+            "forge its records); use a directory of your own, or `chmod go-w` it")
+
+
 def write_file(path: str, data: Any, *, sync: bool = True) -> None:
     """Write `data` to `path` through a temp file and a rename (never a half-written `path`)."""
     d, base = os.path.split(path)
@@ -66,7 +115,7 @@ def write_file(path: str, data: Any, *, sync: bool = True) -> None:
         os.unlink(tmp)  # a leftover of a killed writer (or a planted link: never opened through)
     except FileNotFoundError:
         pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
     try:
         try:
             view = memoryview(data).cast("B")

@@ -63,17 +63,6 @@ class Prepared:
     crc: int       # CRC-32 of `pieces`
 
 
-@dataclass
-class Deferred:
-    """A record to be `prepare`d when it is written (by the journal's thread, off the appending caller's): `build`
-    returns it; `size` estimates its bytes (a segment rotates once past its size); `meta_w` is the meta width
-    `build` reserves. What `build` reads must not change until the record is written."""
-
-    build: Callable[[], Prepared]
-    size: int
-    meta_w: int
-
-
 def _payload_pieces(payload: Any) -> tuple[list[Any], int]:
     """`payload` (bytes-like, a `pa.Buffer`, or a list of them: `table_pieces`) as a list of buffers, and its
     size."""
@@ -121,7 +110,7 @@ def _prepare_slow(k: bytes, m: bytes, pieces: list[Any], size: int) -> Prepared:
     return Prepared(bytearray(view[:p0]), lsn_at, meta_at, len(m), [view[p0:-16]], len(view), crc32(view[p0:-16]))
 
 
-def meta_bytes(p: Prepared | Deferred, meta: dict[str, Any]) -> bytes:
+def meta_bytes(p: Prepared, meta: dict[str, Any]) -> bytes:
     """`meta` as the JSON `seal` writes in the width `p` reserved for it.
 
     Raises:

@@ -37,6 +37,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import StoreCorrupt
+from ..schema import dtypes as _dtypes
 from .journal import Record, payload_table
 from .snapshot import tensor_array
 
@@ -62,6 +63,8 @@ def column_array(col: Any) -> pa.Array:
     tensor arrays (zero-copy), masked arrays -> arrays with nulls, Arrow arrays as they are."""
     if isinstance(col, (pa.Array, pa.ChunkedArray)):
         return col
+    if np.ma.getdata(col).dtype.kind == "c":  # Arrow has no complex type: arrowbuf's (arrowbuf.schema.dtypes)
+        return _complex_array(col)
     if isinstance(col, np.ma.MaskedArray):
         data = np.ascontiguousarray(np.ma.getdata(col))
         m = np.asarray(np.ma.getmaskarray(col), dtype=bool)
@@ -80,13 +83,18 @@ def column_array(col: Any) -> pa.Array:
     return pa.array(arr)
 
 
+def _complex_array(col: Any) -> pa.Array:
+    data = np.ma.getdata(col)
+    mask = None
+    if isinstance(col, np.ma.MaskedArray):
+        m = np.asarray(np.ma.getmaskarray(col), dtype=bool)
+        mask = np.asarray(m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m, dtype=bool)
+    return _dtypes.to_arrow(_dtypes.arrow_type(data.dtype.name, tuple(data.shape[1:])), data, mask)
+
+
 def columns_table(cols: dict[str, Any]) -> pa.Table:
     """Validated columns as a table (a batch record's payload)."""
     return pa.table({name: column_array(c) for name, c in cols.items()})
-
-
-def seqs_bytes(seqs: np.ndarray) -> bytes:
-    return np.ascontiguousarray(seqs, dtype="<i8").tobytes()
 
 
 def _seqs(payload: bytes) -> np.ndarray:

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..engine.core import StoreCore
 from ..errors import InvalidArgument, SchemaError, StoreCorrupt
+from ..options import StoreOptions
 from ..ring.reservations import HOLE
-from ..samplers.spec import from_spec
-from ..schema import load_schema
+from ..schema import ExperienceSchema, load_schema
 from ..schema.convert import convert_later
-from ..store.core import StoreCore
 from . import manifest as mf
 from .checkpoint import known_files
 from .snapshot import later_digest, numpy_column, restore_sampler_state
@@ -50,13 +50,13 @@ def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
 
 @dataclass
 class RestorePlan:
-    """How to rebuild a checkpointed store: build it from `args` and `kwargs`, then `load` its internals.
+    """How to rebuild a checkpointed store: build it from `schema` and `options`, then `load` its internals.
 
     `ExperienceStore.restore` does both; persist never builds a store itself (it sits below the facade).
     """
 
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    schema: ExperienceSchema
+    options: StoreOptions
     root: str
     manifest: dict[str, Any]
     restore_rng: bool
@@ -97,21 +97,17 @@ def plan_restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str
             raise SchemaError(f"checkpoint {root} holds schema {saved.name!r} whose fields differ from the schema "
                               f"asked for ({want.name!r}): {diff}; restore without schema= or convert the data")
     _check_geometry(where, st)
-    kwargs: dict[str, Any] = dict(chunk_rows=st["chunk_rows"], final_obs_capacity=st.get("final_obs_capacity"),
-                                  max_times_sampled=st.get("max_times_sampled"), name=name or st.get("name"))
+    more: dict[str, Any] = {"seed": seed, "tier": "host" if tiers is not None else tier, "tiers": tiers}
     consume = _consume_state(root, m)
     if consume is not None:  # the tracker's store-level options: tasks come back declared, admission control on
         meta = consume[1]
         for key in ("tasks", "max_staleness", "token_field"):
             if meta.get(key):
-                kwargs[key] = meta[key]
-    if tiers is not None:
-        kwargs["tiers"] = tiers
-    else:
-        kwargs["tier"] = tier
-    args = (saved, st["capacity"], from_spec(st.get("sampler"), where), from_spec(st.get("rate_limiter"), where),
-            seed)
-    return RestorePlan(args, kwargs, root, m, seed is None, consume)
+                more[key] = meta[key]
+    options = StoreOptions.from_dict(st, where, **more)
+    if name:
+        options = options.replace(name=name)
+    return RestorePlan(saved, options, root, m, seed is None, consume)
 
 
 def _check_geometry(where: str, st: dict[str, Any]) -> None:

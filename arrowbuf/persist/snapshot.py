@@ -12,7 +12,9 @@ and its state lock (commits and sampling wait) for a short, bounded copy of:
 Sealed chunks are not copied here: they are immutable until the ring evicts them, so `read_chunk` reads them
 afterwards, without any lock, and then checks each row's seq (a seqlock: a writer sets a row's seq to -1 before it
 overwrites it, and the seq never comes back). A chunk whose rows were overwritten while it was read fails that check
-and is not used (see `arrowbuf.persist.checkpoint`: the snapshot then starts after it). A torn row is never written.
+and is not used (`intact_from`: a writer overwrites a chunk oldest row first, so the rows still intact are the
+chunk's newest; `arrowbuf.persist.checkpoint` keeps them and the snapshot starts there). A torn row is never
+written.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..engine.core import StoreCore
 from ..ring.reservations import HOLE
+from ..schema import jsonvalues as _json
 from ..schema.convert import tensor_to_numpy
-from ..store.core import StoreCore
+from ..schema.dtypes import LogicalType, to_arrow, to_physical, wrap_list
 
 
 @dataclass
@@ -58,7 +62,14 @@ class Snapshot:
 
 def capture(core: StoreCore) -> Snapshot:
     """Copy the consistent state of a store (see the module docstring); holds its locks for the copy only."""
-    with core.write_lock, core.lock:
+    with core.write_lock:
+        return capture_held(core)
+
+
+def capture_held(core: StoreCore) -> Snapshot:
+    """`capture` by a caller that holds the store's write lock already (a durable store cuts its journal under it,
+    at the same point)."""
+    with core.lock:
         idx = core.index
         lo, hi = idx.lo, idx.hi
         pos = np.arange(lo, hi, dtype=np.int64) % core.arena_rows
@@ -118,8 +129,17 @@ def restore_sampler_state(sampler: Any, pos: np.ndarray, meta: dict[str, Any], a
     sampler.load_state(pos, meta, arrays, dropped_valid)
 
 
-def arrow_column(values: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
-    """A numpy column (rows first) as the Arrow array of the stored column's type."""
+def arrow_column(values: Any, arrow_type: pa.DataType) -> pa.Array:
+    """A numpy column (rows first) as the Arrow array of the stored column's type; a json column's bytes (the
+    ring's `list<uint8>`) as `arrow.json`."""
+    if isinstance(arrow_type, LogicalType):  # bfloat16, float8, complex (arrowbuf.schema.dtypes)
+        return to_arrow(arrow_type, values)
+    if isinstance(arrow_type, pa.JsonType):
+        return _json.to_arrow(values)
+    if pa.types.is_list(arrow_type) and isinstance(arrow_type.value_type, LogicalType):  # a ragged bfloat16 field
+        return wrap_list(arrow_type.value_type.dtype_name, values)
+    if isinstance(values, pa.Array):
+        return values
     if isinstance(arrow_type, pa.FixedShapeTensorType):
         return tensor_array(values)
     return pa.array(values, type=arrow_type)
@@ -140,6 +160,8 @@ def numpy_column(array: Any) -> np.ndarray:
     """An Arrow column of a row file as numpy (tensors [rows, *shape])."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
+    if isinstance(array.type, LogicalType):
+        return to_physical(array)
     if isinstance(array.type, pa.FixedShapeTensorType):
         if len(array) == 0:
             return np.empty((0, *array.type.shape), dtype=array.type.value_type.to_pandas_dtype())
@@ -149,7 +171,7 @@ def numpy_column(array: Any) -> np.ndarray:
 
 def read_chunk(core: StoreCore, snap: Snapshot, i: int, schema: pa.Schema) -> pa.RecordBatch:
     """The rows of live chunk `i` as a record batch (zero-copy views where the tier allows: the caller must
-    serialise it, then call `still_intact`)."""
+    serialise it, then call `intact_from`)."""
     slot, p0, p1, first = snap.chunks[i]
     n = p1 - p0
     off = first - snap.lo
@@ -161,7 +183,7 @@ def read_chunk(core: StoreCore, snap: Snapshot, i: int, schema: pa.Schema) -> pa
         elif name in snap.tail and i == len(snap.chunks) - 1 and not snap.sealed[i]:
             arrays.append(arrow_column(snap.tail[name], f.type))
         elif name in snap.ragged:
-            arrays.append(snap.ragged[name][slot].slice(p0 - slot * core.chunk_rows, n))
+            arrays.append(arrow_column(snap.ragged[name][slot].slice(p0 - slot * core.chunk_rows, n), f.type))
         elif name == "seq":
             arrays.append(pa.array(np.arange(first, first + n, dtype=np.int64)))
         elif name == "episode_id":
@@ -193,6 +215,8 @@ def later_digest(columns: dict[str, Any]) -> str | None:
         a = columns[name]
         if isinstance(a, pa.ChunkedArray):
             a = a.combine_chunks()
+        if isinstance(a.type, pa.JsonType):  # as the ring holds it (list<uint8>): the same digest either way
+            a = _json.to_physical(a)
         valid = np.asarray(a.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
         crc = zlib.crc32(valid.tobytes(), zlib.crc32(name.encode(), crc))
         given = a.filter(pa.array(valid))
@@ -207,8 +231,18 @@ def later_digest(columns: dict[str, Any]) -> str | None:
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
-def still_intact(core: StoreCore, snap: Snapshot, i: int) -> bool:
-    """After a sealed chunk was read and serialised: True when none of its rows was overwritten meanwhile."""
+def intact_from(core: StoreCore, snap: Snapshot, i: int) -> int:
+    """How many of live chunk `i`'s first rows were overwritten since the snapshot: its rows from there on still
+    hold their seqs (or are holes). A writer overwrites a chunk's rows in seq order, oldest first (it sets each seq to
+    -1 before it writes the row, and the seq never comes back), so what was overwritten is always a prefix. Called
+    before a chunk is read (to skip what is gone) and after it was serialised (a seqlock: the rows from the
+    returned offset on were not touched while they were read)."""
     _, p0, p1, first = snap.chunks[i]
     now = core.index.seq[p0:p1]
-    return bool(((now == np.arange(first, first + p1 - p0, dtype=np.int64)) | (now == HOLE)).all())
+    ok = now == np.arange(first, first + p1 - p0, dtype=np.int64)
+    hole = snap.index.get("hole")
+    if hole is not None:  # a hole at the snapshot point stays one until its position is reused
+        off = first - snap.lo
+        ok |= (now == HOLE) & hole[off:off + p1 - p0]
+    bad = np.flatnonzero(~ok)
+    return 0 if not len(bad) else int(bad[-1]) + 1

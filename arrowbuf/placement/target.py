@@ -1,5 +1,5 @@
 """What a placement policy sees of a store (`PlacementTarget`): a Protocol that the store's one internals object,
-`arrowbuf.store.core.StoreCore`, satisfies structurally. placement sits below the store, so it names only what a
+`arrowbuf.engine.core.StoreCore`, satisfies structurally. placement sits below the store, so it names only what a
 policy reads and calls, and imports nothing of the store."""
 
 from __future__ import annotations

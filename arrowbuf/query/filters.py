@@ -21,7 +21,7 @@ store core's update hook). A shared-memory store's rows are also updated by othe
 this one: there each result also keeps the values of the later scalar fields it was computed from, and a row whose
 values differ now (or are NaN) is evaluated again.
 
-Usage (what `arrowbuf.store.consume.ConsumeTracker` does)::
+Usage (what `arrowbuf.engine.consume.ConsumeTracker` does)::
 
     filters = RowFilters(core, view)
     filters.check("reward > 0")                      # InvalidArgument for a bad predicate; cached once valid
@@ -72,7 +72,8 @@ class RowFilters:
         self.core = core
         self.view = view
         schema = core.schema
-        self.scalars = [n for n, f in schema.fields.items() if not f.shape and not f.ragged]
+        # plain scalars only: a bfloat16 or float8 column holds bits, which a comparison would misread
+        self.scalars = [n for n, f in schema.fields.items() if not f.shape and not f.ragged and f.plain]
         self.later = [n for n in self.scalars if getattr(schema.fields[n], "later", False)]
         self._results: OrderedDict[str, _Results] = OrderedDict()
         self._valid: OrderedDict[str, CompiledPredicate | None] = OrderedDict()
@@ -186,6 +187,8 @@ class RowFilters:
                 cols[name] = pa.array(seqs, type=pa.int64())
                 continue
             values = self.view.values(name, pos)
+            if values.dtype == np.float16:  # DuckDB reads no half floats: float32 holds every one exactly
+                values = values.astype(np.float32)
             missing = None if name in _SYSTEM else ~self.view.present([name], pos)
             cols[name] = pa.array(values, mask=missing if missing is not None and missing.any() else None)
         return pa.table(cols)
@@ -202,8 +205,8 @@ class RowFilters:
             out = sql.run(table, _query(where), sql.DEFAULT_LIMITS, sandbox=self.sandbox)
         except InvalidArgument as exc:
             raise InvalidArgument(f"consume: where={where[:200]!r} is not a predicate over the scalar columns "
-                                  f"{table.column_names} ({exc}); ragged and tensor columns cannot be "
-                                  "filtered on") from None
+                                  f"{table.column_names} ({exc}); ragged, tensor, json, bfloat16, float8 and "
+                                  "complex columns cannot be filtered on") from None
         return out.column(0).to_numpy(zero_copy_only=False) if out.num_rows else np.zeros(0, np.int64)
 
 

@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import SchemaError, require
+from ..schema.dtypes import LogicalType, unwrap_list
+from ..surface import LineageSource
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..schema import ExperienceSchema
@@ -28,14 +30,41 @@ class RowSource(Protocol):
     def to_table(self, columns: list[str] | None = None) -> pa.Table: ...
 
 
-def _plain(table: pa.Table) -> pa.Table:
-    """Tensor extension columns as plain (nested) fixed-size lists, which every dataframe library reads."""
+def _plain(table: pa.Table, sql: bool = False) -> pa.Table:
+    """Extension columns as their storage, which every dataframe library reads: tensors as (nested) fixed-size
+    lists, bfloat16/float8 as their bits (uint16/uint8), complex numbers as fixed-size lists of (real, imaginary)
+    floats, JSON as its text (docs/fields.md). For DuckDB (`sql`): JSON stays `arrow.json` (DuckDB's JSON type) and
+    float16 becomes float32 (exact: DuckDB reads no half floats)."""
     cols = []
     for col in table.columns:
-        if isinstance(col.type, pa.FixedShapeTensorType):
-            col = pa.chunked_array([c.storage for c in col.chunks], type=col.type.storage_type)
+        t = col.type
+        if isinstance(t, pa.FixedShapeTensorType) or isinstance(t, LogicalType) or (
+                isinstance(t, pa.JsonType) and not sql):
+            col = pa.chunked_array([c.storage for c in col.chunks], type=t.storage_type)
+        elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and isinstance(t.value_type, LogicalType):
+            col = pa.chunked_array([unwrap_list(c) for c in col.chunks])  # ragged bfloat16/float8: their bits
+        if sql and _has_half(col.type):
+            col = col.cast(_no_half(col.type))
         cols.append(col)
     return pa.Table.from_arrays(cols, names=table.column_names)
+
+
+def _has_half(t: pa.DataType) -> bool:
+    if pa.types.is_float16(t):
+        return True
+    return (pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)) and \
+        _has_half(t.value_type)
+
+
+def _no_half(t: pa.DataType) -> pa.DataType:
+    """`t` with float16 values as float32 (exact), inside lists too."""
+    if pa.types.is_float16(t):
+        return pa.float32()
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(_no_half(t.value_type), t.list_size)
+    if pa.types.is_large_list(t):
+        return pa.large_list(_no_half(t.value_type))
+    return pa.list_(_no_half(t.value_type))
 
 
 def table_to_pandas(table: pa.Table) -> Any:
@@ -66,14 +95,14 @@ def run_sql(store: RowSource, query: str, limits: SqlLimits | None = None, *,
     if not isinstance(query, str) or not query.strip():
         raise SchemaError("sql() takes a non-empty SQL string")
     tables = {}
-    lineage = getattr(store, "lineage_table", None)  # a store that records lineage: the table `lineage`
-    if lineage is not None and _LINEAGE.search(_STRINGS.sub(" ", query)):
-        tables["lineage"] = lineage()
+    if isinstance(store, LineageSource) and _LINEAGE.search(_STRINGS.sub(" ", query)):  # the table `lineage`
+        tables["lineage"] = store.lineage_table()
     if tables and not _EXPERIENCE.search(_STRINGS.sub(" ", query)):  # only the other tables: copy no rows
         table = store.schema.to_arrow().empty_table()
     else:
         table = store.to_table(sql_columns(query, store.schema.to_arrow().names))
-    return sql.run(_plain(table), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled, tables=tables)
+    return sql.run(_plain(table, sql=True), query, limits or sql.SqlLimits.unbounded(), cancelled=cancelled,
+                   tables=tables)
 
 
 _LINEAGE = re.compile(r"\blineage\b", re.I)

@@ -1,4 +1,4 @@
-"""Generic helpers of the Ray layer: the lazy `ray` import and a daemon thread pool."""
+"""Generic helpers of the Ray layer: the lazy `ray` import, a daemon thread pool and one step as a batch."""
 
 from __future__ import annotations
 
@@ -6,11 +6,26 @@ import concurrent.futures as cf
 import threading
 from typing import Any
 
+import numpy as np
+
 from ..errors import require
 
 
 def _ray() -> Any:
     return require("ray", "ray")
+
+
+def step_batch(step: dict[str, Any]) -> dict[str, Any]:
+    """One step (`append`'s dict) as a batch of one row for `extend`: arrays and tensors get a leading dimension,
+    any other value becomes a one-element list. (`np.asarray` of every value would turn a JSON list such as
+    `[7, "x"]` into an array of strings, and refuses bfloat16 tensors.)"""
+    out: dict[str, Any] = {}
+    for k, v in step.items():
+        if isinstance(v, np.ndarray) or type(v).__module__.startswith("torch"):
+            out[k] = v[None]
+        else:
+            out[k] = [v]
+    return out
 
 
 class _DaemonPool:

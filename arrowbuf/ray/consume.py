@@ -3,7 +3,7 @@
 `ShardedStore` delegates `consume`, `add_task`, `tasks` and `policy_version` here, and, with an
 `ab.samplers.Group` sampler, `extend`: each row goes to the shard its group key hashes to (`group_shards`), so a
 group's rows are on one shard and each shard delivers whole groups. Each shard tracks its own rows' consumption
-(`arrowbuf.store.consume`), so each row reaches each task once however many learners consume.
+(`arrowbuf.engine.consume`), so each row reaches each task once however many learners consume.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..delivery.batch import SampleBatch
-from ..errors import InvalidArgument, LeaseError, StoreClosed
+from ..errors import InvalidArgument, LeaseError, StoreClosed, Unavailable
 from ..samplers.group import GroupSampler
 from .writer import ShardWriter
 
@@ -52,7 +52,7 @@ class ShardedConsumer:
         self.sampler = sampler
         self._turn = -1
         self._writers: dict[tuple[int, float | None], ShardWriter] = {}  # by (shard, insert timeout)
-        ragged = [f for f, spec in schema.fields.items() if spec.ragged]
+        ragged = [f for f, spec in schema.fields.items() if spec.ragged and not spec.is_json]
         self.token_field = token_field or ("response_tokens" if "response_tokens" in ragged else
                                            (ragged[0] if len(ragged) == 1 else None))
 
@@ -101,7 +101,7 @@ class ShardedConsumer:
         """Up to `n` rows `task` has not consumed, from any shard (each row once per task).
 
         With `admission="oldest"` each shard delivers its oldest eligible rows first (the order is per shard, not
-        across shards; `arrowbuf.store.admission`).
+        across shards; `arrowbuf.samplers.admission`).
 
         With `lease=` each shard asked leases its part; the batch's lease id names every part with its shard
         (`"<shard>/<shard's lease>+..."`), and `ack`/`nack` end each part on its shard. A part whose shard dies
@@ -203,10 +203,29 @@ class ShardedConsumer:
         return int(pc.sum(pc.list_value_length(batch[self.token_field])).as_py() or 0)
 
     # ------------------------------------------------------------------ tasks and versions
+    def _every_shard(self, what: str, call: Any) -> None:
+        """`call(client)` on every live shard; then, if a shard is down, `Unavailable` naming it: the change must not
+        be acknowledged while a shard that comes back would not have it (the call is idempotent: repeat it once
+        the shard is back)."""
+        done, down = [], []
+        for k in range(self.members.num_shards):
+            client = self.members.shard_client(k)
+            if client is None:
+                down.append(k)
+                continue
+            call(client)
+            done.append(k)
+        if down:
+            raise Unavailable(f"{what}: done on shards {done} but shards {down} are down (restarting or lost), so "
+                              "they do not have it; repeat the call once they are back (wait_for_shards)")
+
     def add_task(self, name: str) -> None:
-        """Declare a consuming task on every live shard."""
-        for _, client in self._live():
-            client.add_task(name)
+        """Declare a consuming task on every shard.
+
+        Raises:
+            Unavailable: a shard is down (the task is declared on the others; repeat the call once it is back).
+        """
+        self._every_shard(f"add_task({name!r})", lambda c: c.add_task(name))
 
     def tasks(self) -> list[str]:
         """The consuming tasks, as the first live shard has them ([] when none is live)."""
@@ -219,11 +238,18 @@ class ShardedConsumer:
         return int(live[0][1].policy_version) if live else 0
 
     def set_policy_version(self, value: int) -> None:
-        """Set every live shard's policy version."""
+        """Set every shard's policy version.
+
+        Raises:
+            Unavailable: a shard is down (the others have the new version; set it again once it is back).
+        """
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
             raise InvalidArgument(f"policy_version must be a non-negative integer, got {value!r}")
-        for _, client in self._live():
+
+        def set_on(client: Any) -> None:
             client.policy_version = int(value)
+
+        self._every_shard(f"policy_version = {int(value)}", set_on)
 
 
 __all__ = ["ShardedConsumer", "group_shards"]

@@ -23,9 +23,10 @@ import pyarrow as pa
 
 from ..delivery.batch import SampleBatch
 from ..errors import ArrowbufError, InvalidArgument, SampleTimeout, ShardsLost, StoreClosed
+from ..options import StoreOptions
 from ..samplers import make_sampler, validate_priorities
 from ..schema import ExperienceSchema, load_schema
-from ._common import _DaemonPool, _ray
+from ._common import _DaemonPool, _ray, step_batch
 from .allocate import allocate, allocate_fanout
 from .consume import ShardedConsumer
 from .ids import MAX_SHARDS, shard_of
@@ -93,7 +94,8 @@ class ShardedStore:
                checkpoint_root: str | None = None, checkpoint_every: float | None = None,
                tasks: Any = None, max_staleness: int | None = None,
                token_field: str | None = None, durable: str | None = None,
-               durability: str = "group") -> ShardedStore:
+               durability: str = "group", options: StoreOptions | None = None,
+               _test_hooks: bool = False) -> ShardedStore:
         """Start `num_shards` shard actors in a placement group and return a handle on them.
 
         Args:
@@ -131,6 +133,11 @@ class ShardedStore:
             tasks, max_staleness, token_field: consumption per task on every shard (`ExperienceStore`; `consume`).
                 With tasks, tier "auto" means "host". With an `ab.samplers.Group` sampler, `extend` routes each row
                 by a hash of its group key, so a group's rows live on one shard.
+            options: every shard store's `ab.StoreOptions` (its capacity is `capacity_per_shard`); the keywords
+                above build one when it is not given (`chunk_rows`, `final_obs_capacity`, `max_times_sampled`,
+                `observe` and the rest come only through it). Its name, seed, tier, durability and placement are
+                set per shard.
+            _test_hooks: shards accept test hooks (`ShardActor.set_delay`): tests and benchmarks.
         """
         ray = _ray()
         if not ray.is_initialized():
@@ -138,7 +145,16 @@ class ShardedStore:
         schema = load_schema(schema)
         if not 1 <= int(num_shards) <= MAX_SHARDS:
             raise InvalidArgument(f"num_shards must be in [1, {MAX_SHARDS}], got {num_shards}")
-        sampler = make_sampler(sampler)
+        if options is None:
+            options = StoreOptions(capacity=int(capacity_per_shard), sampler=sampler, rate_limiter=rate_limiter,
+                                   chunk_rows=chunk_rows, tasks=None if tasks is None else list(tasks),
+                                   max_staleness=max_staleness, token_field=token_field)
+        elif int(capacity_per_shard) != options.capacity:
+            raise InvalidArgument(f"capacity_per_shard={capacity_per_shard} but options.capacity="
+                                  f"{options.capacity}: pass the same, or only options")
+        sampler = make_sampler(options.sampler)
+        options = options.replace(sampler=sampler)
+        tasks = options.tasks
         if durable is not None:
             if tier == "shm":
                 raise InvalidArgument("durable shards live in the host tier (a shared-memory store is not journaled)")
@@ -176,14 +192,12 @@ class ShardedStore:
 
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=k)
-            spec = {"shard": k, "schema": schema.to_dict(), "capacity": int(capacity_per_shard),
-                    "sampler": sampler, "rate_limiter": rate_limiter, "seed": seed, "chunk_rows": chunk_rows,
+            spec = {"shard": k, "schema": schema.to_dict(), "options": options, "seed": seed,
                     "tier": tier, "uid": uid, "name": name or schema.name, "token": token, "bind": bind,
                     "directory": f"arrowbuf-{uid}-directory", "max_batch_rows": int(max_batch_rows),
                     "checkpoint_root": None if checkpoint_root is None else os.path.abspath(checkpoint_root),
-                    "checkpoint_every": checkpoint_every, "tasks": None if tasks is None else list(tasks),
-                    "max_staleness": max_staleness, "token_field": token_field,
-                    "durable": durable is not None, "durability": durability}
+                    "checkpoint_every": checkpoint_every, "durable": durable is not None, "durability": durability,
+                    "test_hooks": bool(_test_hooks)}
             actors.append(remote_cls.options(**opts).remote(spec))
         try:
             infos = ray.get([a.get_info.remote() for a in actors], timeout=timeout)
@@ -505,7 +519,7 @@ class ShardedStore:
             InvalidArgument: an id no shard of this store issued (a shard number beyond `num_shards`), or an id
                 given twice; nothing written.
         """
-        from ..store.update import update_ids, validate_update
+        from ..schema.update import update_ids, validate_update
 
         gids = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
@@ -574,7 +588,7 @@ class ShardedStore:
 
     def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
         """Write one step through the default writer; returns its global id (`timeout` as `extend`)."""
-        return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()}, timeout=timeout)[0])
+        return int(self.extend(step_batch(step), timeout=timeout)[0])
 
     # ------------------------------------------------------------------ consumption per task
     # Thin delegation to `arrowbuf.ray.consume.ShardedConsumer`.

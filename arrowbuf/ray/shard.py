@@ -25,7 +25,6 @@ from .ids import _GEN_MASK, GEN_BITS, decode_ids, encode_ids
 _INFO_COLUMNS = ("_mass", "_shard_mass", "_shard_min", "_shard_size")
 
 #: The environment variable that lets a shard accept test hooks (`ShardActor.set_delay`).
-TEST_HOOKS_ENV = "ARROWBUF_TEST_HOOKS"
 
 
 def is_exponent(sampler: Sampler) -> float | None:
@@ -161,7 +160,7 @@ class ShardBackend:
     def update(self, ids: Any, values: Any) -> int:
         """The store's `update` by global ids: ids of this shard's earlier incarnations name rows that are
         gone (skipped and counted in `stats()["update_skipped"]`); ids of another shard are `InvalidArgument`."""
-        from ..store.update import update_ids, validate_update
+        from ..schema.update import update_ids, validate_update
 
         gids = update_ids(ids)
         single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
@@ -274,6 +273,7 @@ class ShardActor:
         ctx = ray.get_runtime_context()
         shard = int(spec["shard"])
         self.shard = shard
+        self.test_hooks = bool(spec.get("test_hooks"))
         directory = None
         try:
             directory = ray.get_actor(spec["directory"])
@@ -295,17 +295,15 @@ class ShardActor:
             self.restored_from = {"path": self.checkpoint_dir, "rows": len(self.store)}
             if spec.get("durable"):  # the journal after the checkpoint was replayed (arrowbuf.store.durable)
                 self.restored_from["replayed"] = self.store.stats()["journal"]["replayed"]
-            for task in spec.get("tasks") or []:  # a restored shard's tasks come back declared
+            for task in spec["options"].tasks or []:  # a restored shard's tasks come back declared
                 if task not in self.store.tasks:
                     self.store.add_task(task)
         else:
-            self.store = ExperienceStore(load_schema(spec["schema"]), spec["capacity"], make_sampler(spec["sampler"]),
-                                         spec["rate_limiter"], seed, chunk_rows=spec["chunk_rows"], tier=tier,
-                                         name=shm_name or f"{spec['name']}-{shard}", tasks=spec.get("tasks"),
-                                         max_staleness=spec.get("max_staleness"),
-                                         token_field=spec.get("token_field"),
-                                         durable=self.checkpoint_dir if spec.get("durable") else None,
-                                         durability=spec.get("durability") or "group")
+            options = spec["options"].replace(
+                seed=seed, tier=tier, name=shm_name or f"{spec['name']}-{shard}",
+                durable=self.checkpoint_dir if spec.get("durable") else None,
+                durability=spec.get("durability") or "group")
+            self.store = ExperienceStore(load_schema(spec["schema"]), options=options)
         self._stop_checkpoints = threading.Event()
         self._periodic = threading.Condition()
         self._periodic_last: dict[str, Any] | None = None  # the latest periodic checkpoint's summary (or error)
@@ -345,12 +343,12 @@ class ShardActor:
 
     def set_delay(self, seconds: float) -> None:
         """Slow every sample of this shard by `seconds`: a test hook (the straggler deadline's tests and benchmarks),
-        refused unless the shard's process runs with `ARROWBUF_TEST_HOOKS=1` in its environment."""
+        refused unless the sharded store was created with `_test_hooks=True` (`ShardedStore.create`)."""
         from ..errors import InvalidArgument
 
-        if os.environ.get(TEST_HOOKS_ENV) != "1":
-            raise InvalidArgument(f"set_delay is a test hook; a shard accepts it only when its process has "
-                                  f"{TEST_HOOKS_ENV}=1 (tests and benchmarks set it before starting Ray)")
+        if not getattr(self, "test_hooks", False):
+            raise InvalidArgument("set_delay is a test hook; a shard accepts it only when its sharded store was "
+                                  "created with _test_hooks=True (tests and benchmarks do)")
         self.shard_store.delay_s = float(seconds)
 
     # --- checkpoints of this shard

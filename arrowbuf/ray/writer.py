@@ -13,9 +13,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import ArrowbufError, InvalidArgument, SchemaError, ShardsLost, StoreClosed, Unavailable
+from ..errors import (
+    ArrowbufError,
+    InvalidArgument,
+    OutcomeUnknown,
+    SchemaError,
+    ShardsLost,
+    StoreClosed,
+    Unavailable,
+)
 from ..tiers.shm.janitor import owner_dead
-from ._common import _ray
+from ._common import _ray, step_batch
 from .ids import encode_ids
 from .shard import shm_safe
 
@@ -159,7 +167,12 @@ class ShardWriter:
         self._connect((self.shard + 1) % self.members.num_shards)
         pending, self._unacked, self._acked = self._unacked, [], 0
         for rb in pending:
-            self._send(rb)
+            try:
+                self._send(rb)
+            except ArrowbufError as refused:  # the dead shard may have stored it: not "nothing written"
+                raise OutcomeUnknown(f"writer: shard {self.shard} refused a batch of {rb.num_rows} rows re-sent "
+                                     f"after its first shard failed ({exc}); that shard may have stored it before "
+                                     f"it died, or not: {refused}") from refused
 
     def _maybe_go_home(self) -> None:
         """While away from home: if the home shard is back (a non-blocking look), flush here and move home."""
@@ -210,7 +223,7 @@ class ShardWriter:
 
     def append(self, step: dict[str, Any]) -> int:
         """Write one step (a dict of scalars and arrays); returns its global id."""
-        return int(self.extend({k: np.asarray(v)[None] for k, v in step.items()})[0])
+        return int(self.extend(step_batch(step))[0])
 
     def _prepare(self, batch: Any) -> pa.RecordBatch:
         if self._closed:

@@ -19,7 +19,7 @@ for snapshots. A tier that is neither shared nor growable (none ships today) kee
 
 Fields filled later (`later: true` in the schema) also have a validity array per ring position (`presence`, see
 `arrowbuf.ring.presence`): `write`/`write_ragged` record which rows were given a value, `update_rows` fills live rows in
-place (arrowbuf.store.update), and `take_later`/`snapshot_later` deliver them as Arrow columns whose nulls are the rows
+place (arrowbuf.engine.update), and `take_later`/`snapshot_later` deliver them as Arrow columns whose nulls are the rows
 without a value::
 
     cols.present(["reward"], positions)           # bool per position
@@ -47,6 +47,8 @@ import pyarrow as pa
 
 from ..errors import SchemaError
 from ..schema import ExperienceSchema
+from ..schema import jsonvalues as _json
+from ..schema.dtypes import unwrap_list
 from ..tiers.base import Tier
 from . import ragged_gather as _ragged
 from .chunks import ChunkDirectory
@@ -94,7 +96,7 @@ class ColumnArenas:
                 read = self._consistent(f.name, arena.take) if f.later else None
                 self.ragged[f.name] = SlotView(arena, read)
             elif f.ragged:
-                empty = pa.nulls(self.chunk_rows, type=f.arrow_type())
+                empty = pa.nulls(self.chunk_rows, type=f.physical_type())
                 self.ragged[f.name] = [empty] * directory.num_slots
             else:
                 extra = self.final_capacity if f.name in self.final_sources else 0
@@ -122,6 +124,10 @@ class ColumnArenas:
         self.arrays[name][self.arena_rows + slots] = values
 
     def write_ragged(self, name: str, values: pa.Array, first_pos: int) -> None:
+        if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
+            values = _json.to_physical(values)  # a json column as checkpoint files hold it (arrow.json): its bytes
+        else:
+            values = unwrap_list(values)  # a ragged bfloat16/float8 column as files hold it: its bits
         if self.later and name in self.later:  # a range that wraps the ring: mark it in two pieces
             head = min(len(values), self.arena_rows - first_pos)
             self.presence.mark(name, first_pos, values.slice(0, head))
@@ -145,7 +151,7 @@ class ColumnArenas:
     def update_rows(self, name: str, positions: np.ndarray, values: Any) -> None:
         """Write values of later field `name` into live rows at `positions` (distinct) and mark them present.
 
-        Callers hold the store's write lock (`arrowbuf.store.update`); readers see all of an update's rows or none of a
+        Callers hold the store's write lock (`arrowbuf.engine.update`); readers see all of an update's rows or none of a
         row (the presence seqlock). `values`: [n, *shape] numpy, or a `pa.ListArray` for a ragged field.
         """
         self.update_fields(positions, {name: values})

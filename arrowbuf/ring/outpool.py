@@ -22,7 +22,7 @@ without faults). When a new array does not fit, idle arrays of other shapes are 
 first); if it still does not fit, the caller gets a fresh array the pool does not track. So the pool never holds more
 than `max_bytes`, and a caller that keeps every batch just gets fresh arrays.
 
-Usage (what `arrowbuf.store.reader.StoreReader` does)::
+Usage (what `arrowbuf.engine.reader.StoreReader` does)::
 
     pool = OutputPool()
     out = pool.empty((256, 4, 84, 84), np.uint8)     # a reused array when one is idle, else a new one

@@ -1,7 +1,7 @@
 """Presence of the fields filled later: a validity array per `later: true` field, addressed by ring position.
 
 A schema field marked `later: true` (`FieldSpec.later`) may be left out when a row is written and filled afterwards
-by `store.update` (arrowbuf.store.update). Its column arena holds the values (zeros where a row has none, so an absent
+by `store.update` (arrowbuf.engine.update). Its column arena holds the values (zeros where a row has none, so an absent
 value never shows a previous row's data); `Presence` holds, per ring position, whether the row has a value. Readers
 turn the two into an Arrow column whose validity bitmap is this array (`to_nullable`): absent values read as null.
 
@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from ..errors import ArrowbufError, SchemaError
 from ..schema import ExperienceSchema, FieldSpec
+from ..schema import logical as _logical
 from ..schema.convert import later_mask
 from ..tiers.base import Tier
 
@@ -166,6 +167,8 @@ def to_nullable(spec: FieldSpec, values: Any, present: np.ndarray, shape: tuple[
 def nullable_array(spec: FieldSpec, values: np.ndarray, present: np.ndarray) -> pa.Array:
     """`values` ([n, *shape] numpy) as an Arrow array of the field's type, null where not `present`."""
     mask = ~np.asarray(present, dtype=bool)
+    if not spec.plain:  # bfloat16, float8, complex: the Arrow type of the dtype over the same memory
+        return _logical.to_arrow(spec, values, mask)
     if not spec.shape:
         return pa.array(values, type=pa.from_numpy_dtype(spec.dtype), mask=mask)
     flat = pa.array(np.ascontiguousarray(values).reshape(-1), type=pa.from_numpy_dtype(spec.dtype))

@@ -95,7 +95,7 @@ class RaggedArena:
 
     def __init__(self, spec: FieldSpec, tier: Tier, chunk_rows: int, num_slots: int, arena_rows: int) -> None:
         self.spec = spec
-        self.type = spec.arrow_type()
+        self.type = spec.physical_type()  # json: the bytes of its text (the store gives it its Arrow type)
         self.chunk_rows = int(chunk_rows)
         self.num_slots = int(num_slots)
         self.arena_rows = int(arena_rows)

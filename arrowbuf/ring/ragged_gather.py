@@ -176,6 +176,8 @@ def private_values(arr: Any) -> np.ndarray | None:
     if entry is None or entry[0]() is not arr or arr is None or arr.null_count:
         return None
     child = arr.values
+    if isinstance(child, pa.ExtensionArray):  # a list of bfloat16 or float8 values: their bits
+        child = child.storage
     if not (pa.types.is_integer(child.type) or pa.types.is_floating(child.type)):
         return None
     offs = np.asarray(arr.offsets)
@@ -190,4 +192,13 @@ def private_values(arr: Any) -> np.ndarray | None:
     return np.frombuffer(buf, dtype=dtype, count=count, offset=(child.offset + first) * dtype.itemsize)
 
 
-__all__ = ["one_array", "own", "private_values", "take", "take_chunked"]
+def own_as(src: Any, dst: pa.Array) -> pa.Array:
+    """`dst`, a list array over the same buffers as `src` under another type (a ragged bfloat16 field's bits seen as
+    bfloat16 values), owned as `src` is: `private_values(dst)` hands them out writable when it would for `src`."""
+    entry = _PRIVATE.get(id(src))
+    if entry is not None and entry[0]() is src:
+        own(dst, entry[1])
+    return dst
+
+
+__all__ = ["one_array", "own", "own_as", "private_values", "take", "take_chunked"]

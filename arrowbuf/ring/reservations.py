@@ -1,6 +1,6 @@
 """Row reservations of a store's ring: parallel writers, commits in seq order, and recovery from dead writers.
 
-A batch is written in three steps (`arrowbuf.store.writer` drives them):
+A batch is written in three steps (`arrowbuf.engine.writer` drives them):
 
 1. **Reserve** (under the store's write lock, short): the batch takes seqs `[base, base + n)` from the reservation
    head, and `add(base, n)` records who holds them (pid and process start time) in a table in the tier's memory, so

@@ -2,7 +2,7 @@
 
 `GroupSampler` (exported as `ab.samplers.Group`) makes a store deliver whole groups: `G` rows that share a group
 key (`prompt_id`). `store.sample(n)` draws whole groups uniformly at random (with replacement; distinct with
-`max_times_sampled`), and `store.consume(task, n)` delivers the oldest complete groups (see `arrowbuf.store.consume`).
+`max_times_sampled`), and `store.consume(task, n)` delivers the oldest complete groups (see `arrowbuf.engine.consume`).
 
 Usage::
 
@@ -136,8 +136,8 @@ class GroupSampler(Sampler):
             if name is None:
                 continue
             spec = schema.fields.get(name)
-            if spec is None or spec.shape or spec.ragged:
-                scalars = [n for n, f in schema.fields.items() if not f.shape and not f.ragged]
+            if spec is None or spec.shape or spec.ragged or not spec.plain:
+                scalars = [n for n, f in schema.fields.items() if not f.shape and not f.ragged and f.plain]
                 raise SchemaError(f"Group({what}={name!r}) needs a scalar field of schema {schema.name!r}; "
                                   f"its scalar fields are {scalars}")
         self._view = view

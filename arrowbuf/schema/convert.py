@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import SchemaError
+from . import dtypes as _dtypes
+from . import jsonvalues as _json
 from .spec import FieldSpec
 
 
@@ -21,7 +23,7 @@ def absent_values(spec: FieldSpec, n: int) -> Any:
     """`n` rows of later field `spec` with no value: a `np.ma.MaskedArray` (zeros, all masked) for a fixed field,
     a `pa.ListArray` of nulls for a ragged one (what `validate_batch` gives for a later field left out)."""
     if spec.ragged:
-        return pa.nulls(n, type=spec.arrow_type())
+        return pa.nulls(n, type=spec.physical_type())
     return np.ma.MaskedArray(np.zeros((n, *spec.shape), dtype=spec.dtype), mask=np.ones((n, *spec.shape), bool))
 
 
@@ -83,7 +85,7 @@ def _scatter_ragged(spec: FieldSpec, values: pa.Array, mask: np.ndarray) -> pa.A
     idx = np.full(len(mask), -1, dtype=np.int64)
     idx[~mask] = np.arange(int((~mask).sum()))
     out = values.take(pa.array(idx, mask=mask))
-    return out.cast(spec.arrow_type()) if out.type != spec.arrow_type() else out
+    return out.cast(spec.physical_type()) if out.type != spec.physical_type() else out
 
 
 def _scalar_fits(dtype: np.dtype, t: pa.DataType) -> bool:
@@ -97,7 +99,48 @@ def _scalar_fits(dtype: np.dtype, t: pa.DataType) -> bool:
     return False
 
 
+def _elements(t: pa.DataType) -> tuple[pa.DataType, int]:
+    """(the value type, values per row) of a scalar, `fixed_shape_tensor` or (nested) fixed-size list type."""
+    if isinstance(t, pa.FixedShapeTensorType):
+        return t.value_type, int(np.prod(t.shape))
+    size = 1
+    while pa.types.is_fixed_size_list(t):
+        size *= t.list_size
+        t = t.value_type
+    return t, size
+
+
+def _logical_fits(spec: FieldSpec, t: pa.DataType) -> bool:
+    """Whether an Arrow column of type `t` converts to a bits, complex or json field (`_convert_logical`'s rules)."""
+    if spec.is_json:
+        return _json.is_text_type(t)
+    if spec.ragged:
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+            return False
+        vt = t.value_type
+        if isinstance(vt, _dtypes.LogicalType):
+            return vt.dtype_name == spec.dtype_name and not vt.shape
+        bits = _dtypes.BITS[spec.dtype_name].bits
+        return (pa.types.is_integer(vt) and vt.bit_width == 8 * bits.itemsize) or (
+            spec.dtype_name == "bfloat16" and pa.types.is_floating(vt))
+    if isinstance(t, _dtypes.LogicalType):
+        return t.dtype_name == spec.dtype_name and int(np.prod(t.shape)) == int(np.prod(spec.shape))
+    own = spec.arrow_type()
+    if t == own.storage_type:  # the column as stored, from a reader that dropped the extension type
+        return True
+    value, size = _elements(t)
+    if size != int(np.prod(spec.shape)) or (not spec.shape and t != value):
+        return False
+    if spec.logical is not None:
+        bits = _dtypes.BITS[spec.logical].bits
+        return (pa.types.is_integer(value) and value.bit_width == 8 * bits.itemsize) or (
+            spec.logical == "bfloat16" and pa.types.is_floating(value))
+    return pa.types.is_integer(value) or pa.types.is_floating(value)  # complex from real values
+
+
 def arrow_type_fits(spec: FieldSpec, t: pa.DataType) -> bool:
+    if not spec.plain:
+        return _logical_fits(spec, t)
     if spec.ragged:
         return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _scalar_fits(spec.dtype, t.value_type)
     if not spec.shape:
@@ -185,6 +228,12 @@ def _inner_nulls(value: pa.Array) -> int:
 
 def _convert_field(spec: FieldSpec, value: Any, single: bool) -> Any:
     """Validate one field's values; return [n, *shape] numpy (fixed) or a pa.ListArray (ragged)."""
+    if spec.is_json:
+        return _convert_json(spec, value, single)
+    if not spec.plain and not spec.ragged:
+        return _convert_logical(spec, value, single)
+    if _dtypes.is_tensor(value):  # a torch tensor, also of a dtype numpy lacks (bfloat16 -> float32 is exact)
+        value = _dtypes.tensor_numpy(value, spec.logical)
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
         if single:
             raise SchemaError(f"field {spec.name!r}: append takes plain values, not Arrow arrays")
@@ -205,6 +254,11 @@ def _convert_field(spec: FieldSpec, value: Any, single: bool) -> Any:
         raise SchemaError(
             f"field {spec.name!r}: expected fixed {spec.describe()} per step, got ragged or object values"
         )
+    return _cast(spec, _shaped(spec, arr, single))
+
+
+def _shaped(spec: FieldSpec, arr: np.ndarray, single: bool) -> np.ndarray:
+    """`arr` as [n, *spec.shape] (a leading dimension added for one step; flattened tensors reshaped)."""
     if single:
         arr = arr[None, ...]
     if arr.ndim == 0:
@@ -219,7 +273,128 @@ def _convert_field(spec: FieldSpec, value: Any, single: bool) -> Any:
                 + (f" (batch shape {list(arr.shape)})" if not single else "")
                 + "; reshape the input or fix the schema"
             )
-    return _cast(spec, arr)
+    return arr
+
+
+def _convert_json(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
+    """A json field's values (Python values, one per step; or an Arrow column of JSON text) as the physical
+    `list<uint8>` column of their JSON text (`arrowbuf.schema.jsonvalues`)."""
+    where = f"field {spec.name!r}"
+    if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        if single:
+            raise SchemaError(f"{where}: append takes plain values, not Arrow arrays")
+        if not _json.is_text_type(value.type):
+            raise SchemaError(f"{where}: expected a column of JSON text (arrow.json, string or binary), got Arrow "
+                              f"type {value.type}; or pass Python values, one per step")
+        return _json.from_text(where, value)
+    if single:
+        return _json.encode(where, [value])
+    if isinstance(value, np.ndarray):
+        rows = value.tolist()
+    elif isinstance(value, (list, tuple)):
+        rows = value
+    elif isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise SchemaError(f"{where}: extend takes a list of JSON values, one per step; got a {type(value).__name__} "
+                          "(append takes one step's value)")
+    else:
+        rows = list(value)
+    return _json.encode(where, rows)
+
+
+def _convert_logical(spec: FieldSpec, value: Any, single: bool) -> np.ndarray:
+    """A bits (bfloat16, float8) or complex field's values as physical numpy [n, *shape] (`_cast_logical`)."""
+    name = spec.dtype_name
+    if isinstance(value, (pa.Array, pa.ChunkedArray)):
+        if single:
+            raise SchemaError(f"field {spec.name!r}: append takes plain values, not Arrow arrays")
+        arr = _logical_from_arrow(spec, value)
+    elif _dtypes.is_tensor(value):
+        arr = _dtypes.tensor_numpy(value, name)
+    else:
+        try:
+            arr = np.asarray(value)
+        except ValueError as exc:  # inhomogeneous nested lists
+            raise SchemaError(f"field {spec.name!r}: expected fixed {spec.describe()} per step, got ragged values "
+                              f"({exc})") from None
+    if arr.dtype == object:
+        raise SchemaError(f"field {spec.name!r}: expected fixed {spec.describe()} per step, got ragged or object "
+                          "values")
+    return _cast_logical(spec, _shaped(spec, arr, single))
+
+
+def _logical_from_arrow(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """numpy of an Arrow column for a bits or complex field: the physical values of its own extension type or of
+    that type's storage, else the column's numbers (for `_cast_logical`)."""
+    if isinstance(value, pa.ChunkedArray):
+        value = value.combine_chunks() if value.num_chunks != 1 else value.chunk(0)
+    if value.null_count:
+        raise SchemaError(f"field {spec.name!r}: {value.null_count} null value(s); every step needs a value")
+    if _inner_nulls(value):
+        raise SchemaError(f"field {spec.name!r}: null element(s) inside its values; every element needs a value")
+    t = value.type
+    if isinstance(t, _dtypes.LogicalType):
+        if t.dtype_name != spec.dtype_name:
+            raise SchemaError(f"field {spec.name!r}: expected {spec.describe()}, got an Arrow column of "
+                              f"{t.dtype_name}; convert it explicitly (no silent rounding)")
+        return _dtypes.to_physical(value)
+    own = spec.arrow_type()
+    if t == own.storage_type:
+        phys = _dtypes.to_physical(pa.ExtensionArray.from_storage(own, value))
+        return phys
+    if not (pa.types.is_integer(_elements(t)[0]) or pa.types.is_floating(_elements(t)[0])):
+        raise SchemaError(f"field {spec.name!r}: expected {spec.describe()}, got Arrow type {t}")
+    return np.asarray(_arrow_to_numpy(FieldSpec(spec.name, np.dtype(np.float64)), value))
+
+
+def _cast_logical(spec: FieldSpec, arr: np.ndarray) -> np.ndarray:
+    """Values for a bits or complex field as its physical numpy values.
+
+    Bits dtypes (bfloat16, float8): an array of the dtype itself (ml_dtypes), or integers of the same width (the
+    bits: a torch tensor's `.view(torch.int16)`, `to_numpy()` of a batch); bfloat16 also takes floats, rounded to
+    nearest even as torch rounds (an out-of-range finite value is an error, as in float fields). Complex: complex
+    numbers, or real numbers (integers, floats), with the overflow check of float fields."""
+    name = spec.dtype_name
+    src = arr.dtype
+    if spec.logical is not None:
+        bits = _dtypes.BITS[name]
+        if src == bits.bits or (src.name == name and src.itemsize == bits.bits.itemsize) or (
+                src.kind in "iu" and src.itemsize == bits.bits.itemsize):
+            out = arr.view(bits.bits) if src != bits.bits else arr
+        elif name == "bfloat16" and src.kind == "f":
+            with np.errstate(over="ignore", invalid="ignore"):
+                wide = arr.astype(np.float32)
+            out = _dtypes.round_to_bfloat16(wide)
+            overflow = ((out & 0x7FFF) == 0x7F80) & ~np.isinf(arr.astype(np.float64)) if arr.size else out[:0]
+            if overflow.any():
+                raise SchemaError(f"field {spec.name!r}: {int(overflow.sum())} value(s) of {src} are out of the range "
+                                  "of bfloat16 (they would be stored as infinity); scale them or widen the field")
+        elif src.kind == "f" or src.name in _dtypes.NAMES:
+            raise SchemaError(f"field {spec.name!r}: expected {name}, got {src}; rounding to {name} is not done "
+                              f"implicitly: pass a torch tensor of dtype torch.{name} (x.to(torch.{name})), an "
+                              f"ml_dtypes array, or the bits as {bits.bits} (a tensor's .view(torch.uint8))")
+        else:
+            raise SchemaError(f"field {spec.name!r}: expected {name} (or its bits as {bits.bits}), got {src}")
+        if not spec.allow_nan and out.size and bits.nonfinite(out).any():
+            raise SchemaError(f"field {spec.name!r}: NaN or infinite values are not allowed by the schema "
+                              "(allow_nan: false)")
+        return out
+    dst = spec.dtype
+    if src == dst:
+        out = arr
+    elif src.kind in "iufc" and src.kind != "b":
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = arr.astype(dst)
+        if arr.size and (src.kind in "iu" or src.itemsize > dst.itemsize):
+            overflow = np.isinf(out) & ~np.isinf(arr) if src.kind in "fc" else np.isinf(out)
+            if overflow.any():
+                raise SchemaError(f"field {spec.name!r}: {int(overflow.sum())} value(s) of {src} are out of the range "
+                                  f"of {dst} (they would be stored as infinity); scale them or widen the field")
+    else:
+        raise SchemaError(f"field {spec.name!r}: expected {dst} (or real numbers), got {src}")
+    if not spec.allow_nan and out.size and not np.isfinite(out).all():
+        raise SchemaError(f"field {spec.name!r}: NaN or infinite values are not allowed by the schema "
+                          "(allow_nan: false)")
+    return out
 
 
 def convert_field(spec: FieldSpec, value: Any, single: bool = False) -> Any:
@@ -288,17 +463,24 @@ def _check_offsets(spec: FieldSpec, arr: pa.Array) -> None:
 
 def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
     value_type = pa.from_numpy_dtype(spec.dtype)
+    cast = _cast if spec.plain else _cast_logical  # bfloat16 / float8 lists: the bits, `_cast_logical`'s rules
     if isinstance(value, pa.Array):
         arr = value
         _check_offsets(spec, arr)
         vt = arr.type.value_type
+        if isinstance(vt, _dtypes.LogicalType):
+            if spec.plain or vt.dtype_name != spec.dtype_name or vt.shape:
+                raise SchemaError(f"field {spec.name!r}: expected a {spec.describe()}, got Arrow type {arr.type}; "
+                                  "convert it explicitly (no silent rounding)")
+            arr = _dtypes.unwrap_list(arr)  # its bits, zero-copy
+            vt = arr.type.value_type
         if vt != value_type:
-            inner = _cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
+            inner = cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
             arr = pa.ListArray.from_arrays(arr.offsets, pa.array(inner, type=value_type))
         elif isinstance(arr, pa.LargeListArray):
             arr = arr.cast(pa.list_(value_type))
         if not spec.allow_nan:
-            _cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
+            cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
         return arr
     rows = [value] if single else value
     if isinstance(rows, np.ndarray) and rows.dtype != object and rows.ndim == 2:
@@ -308,13 +490,15 @@ def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:
     except TypeError:
         raise SchemaError(f"field {spec.name!r}: expected a ragged list per step, got {type(value).__name__}") from None
     parts = []
+    ndarray = np.ndarray
     for r in rows:
-        a = np.asarray(r)
+        a = r if type(r) is ndarray else (  # the common case first: one type check per row
+            _dtypes.tensor_numpy(r, spec.logical) if _dtypes.is_tensor(r) else np.asarray(r))
         if a.ndim != 1:
             raise SchemaError(
-                f"field {spec.name!r}: expected a 1-D list of {spec.dtype} per step, got shape {list(a.shape)}"
+                f"field {spec.name!r}: expected a 1-D list of {spec.dtype_name} per step, got shape {list(a.shape)}"
             )
-        parts.append(_cast(spec, a) if a.size else a.astype(spec.dtype))
+        parts.append(cast(spec, a) if a.size else np.zeros(0, spec.dtype))
     lengths = np.fromiter((len(p) for p in parts), dtype=np.int32, count=len(parts))
     offsets = np.zeros(len(parts) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])

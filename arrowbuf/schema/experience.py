@@ -16,6 +16,8 @@ A schema is declared once, in YAML, a dict, or a `pa.Schema`::
     episode_end: [terminated, truncated]   # optional; default: the fields named done/terminated/truncated
     truncation: [truncated]          # optional: the episode_end fields that cut an episode short (time limits):
                                      # n-step returns bootstrap there; the others terminate. Default: `truncated`
+    metadata: {owner: team-a}        # optional: string -> string, kept with the schema (manifests, checkpoints,
+                                     # Arrow schema metadata `arrowbuf.meta.<key>`); arrowbuf never reads it
 
 Usage::
 
@@ -28,6 +30,7 @@ lives in arrowbuf/schema/convert.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
@@ -38,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import SchemaError
+from . import dtypes as _dtypes
 from .convert import (
     absent_values,
     arrow_type_fits,
@@ -48,6 +52,7 @@ from .convert import (
 from .spec import (
     DEFAULT_EPISODE_END,
     DEFAULT_TRUNCATION,
+    JSON,
     STREAM_KEYS,
     SYSTEM_COLUMNS,
     DerivedSpec,
@@ -55,8 +60,10 @@ from .spec import (
     parse_dtype,
 )
 
+#: Arrow schema metadata keys of `ExperienceSchema.metadata` entries.
+_META_PREFIX = b"arrowbuf.meta."
 
-#: Columns the store adds to every row.
+
 @dataclass(frozen=True)
 class ExperienceSchema:
     """The layout of one step: stored fields, derived fields and which fields end an episode.
@@ -72,6 +79,9 @@ class ExperienceSchema:
     #: The episode_end fields that mean truncation (bootstrap from the next observation); the other end fields
     #: mean termination. Default: `truncated`, when it is an end field.
     truncation: tuple[str, ...] = DEFAULT_TRUNCATION
+    #: Free-form string -> string metadata that travels with the schema (to_dict, to_arrow, shared-memory manifests,
+    #: checkpoints); arrowbuf itself never interprets it (integrations keep their own layout descriptions there).
+    metadata: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.fields:
@@ -90,6 +100,9 @@ class ExperienceSchema:
                 )
             if src.ragged:
                 raise SchemaError(f"schema {self.name!r}: derived field {d.name!r} cannot derive from ragged field")
+            if src.logical is not None:
+                raise SchemaError(f"schema {self.name!r}: derived field {d.name!r} cannot derive from a "
+                                  f"{src.dtype_name} field ({d.next_of!r}); store it as a field of its own")
             if src.later:
                 raise SchemaError(f"schema {self.name!r}: derived field {d.name!r} derives from {d.next_of!r}, which "
                                   "is filled later; a next_of source is written with its row (drop `later`)")
@@ -139,6 +152,8 @@ class ExperienceSchema:
         if self.episode_end:
             meta[b"arrowbuf.episode_end"] = ",".join(self.episode_end).encode()
             meta[b"arrowbuf.truncation"] = ",".join(self.truncation).encode()
+        for k, v in self.metadata.items():
+            meta[_META_PREFIX + k.encode()] = v.encode()
         return pa.schema(cols, metadata=meta)
 
     def input_schema(self) -> pa.Schema:
@@ -186,8 +201,7 @@ class ExperienceSchema:
         if name in self.fields:
             return self.fields[name]
         d = self.derived[name]
-        src = self.fields[d.next_of]
-        return FieldSpec(d.name, src.dtype, src.shape, src.ragged, src.allow_nan, src.later, src.mean_length)
+        return dataclasses.replace(self.fields[d.next_of], name=d.name)
 
     @property
     def row_bytes(self) -> int:
@@ -197,10 +211,10 @@ class ExperienceSchema:
         """The dict form `load_schema` accepts (round-trips)."""
         fields: dict[str, Any] = {}
         for f in self.fields.values():
-            d: dict[str, Any] = {"dtype": f.dtype.name}
+            d: dict[str, Any] = {"dtype": f.dtype_name}
             if f.shape:
                 d["shape"] = list(f.shape)
-            if f.ragged:
+            if f.ragged and not f.is_json:
                 d["ragged"] = True
             if not f.allow_nan:
                 d["allow_nan"] = False
@@ -216,6 +230,8 @@ class ExperienceSchema:
             out["derived"] = {d.name: {"next_of": d.next_of} for d in self.derived.values()}
         out["episode_end"] = list(self.episode_end)
         out["truncation"] = list(self.truncation)
+        if self.metadata:
+            out["metadata"] = dict(self.metadata)
         return out
 
     # ---------------------------------------------------------------- validation
@@ -414,7 +430,7 @@ def load_schema(source: str | os.PathLike | Mapping[str, Any] | pa.Schema | Expe
 
 
 def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
-    known = {"name", "version", "fields", "derived", "episode_end", "truncation", "description"}
+    known = {"name", "version", "fields", "derived", "episode_end", "truncation", "description", "metadata"}
     extra = set(data) - known
     if extra:
         raise SchemaError(f"{where}: unknown top-level key(s) {sorted(extra)}; expected {sorted(known)}")
@@ -434,7 +450,7 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
                               "mean_length")
         if "dtype" not in spec:
             raise SchemaError(f"{loc}: missing 'dtype'")
-        dtype = parse_dtype(loc, spec["dtype"])
+        dtype, logical = parse_dtype(loc, spec["dtype"])
         shape_raw = spec.get("shape", []) or []
         if isinstance(shape_raw, int):
             shape_raw = [shape_raw]
@@ -454,11 +470,16 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
         if not isinstance(later, bool):
             raise SchemaError(f"{loc}: 'later' must be true or false, got {later!r}")
         mean_length = spec.get("mean_length")
+        if logical == JSON and ragged:
+            raise SchemaError(f"{loc}: a json field holds one JSON value per step (a list is a value); drop "
+                              "'ragged'")
         if mean_length is not None and (not isinstance(mean_length, int) or isinstance(mean_length, bool)
-                                        or not 0 < mean_length <= 1 << 30 or not ragged):
-            raise SchemaError(f"{loc}: 'mean_length' is the mean elements per row of a ragged field: a positive "
-                              f"integer (at most 2**30) on a field with ragged: true; got {mean_length!r}")
-        fields[str(name)] = FieldSpec(str(name), dtype, tuple(shape_raw), ragged, allow_nan, later, mean_length)
+                                        or not 0 < mean_length <= 1 << 30 or not (ragged or logical == JSON)):
+            raise SchemaError(f"{loc}: 'mean_length' is the mean elements per row of a ragged field (bytes of text "
+                              "of a json field): a positive integer (at most 2**30) on a field with ragged: true "
+                              f"or dtype: json; got {mean_length!r}")
+        fields[str(name)] = FieldSpec(str(name), dtype, tuple(shape_raw), ragged, allow_nan, later, mean_length,
+                                      logical)
     derived: dict[str, DerivedSpec] = {}
     derived_raw = data.get("derived") or {}
     if not isinstance(derived_raw, Mapping):
@@ -492,8 +513,12 @@ def _from_dict(data: Mapping[str, Any], where: str) -> ExperienceSchema:
         if not isinstance(raw, (list, tuple)) or not all(isinstance(t, str) for t in raw):
             raise SchemaError(f"{where}: 'truncation' must be a list of episode_end field names, got {raw!r}")
         truncation = tuple(raw)
+    metadata = data.get("metadata") or {}
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in metadata.items()):
+        raise SchemaError(f"{where}: 'metadata' must be a mapping of strings to strings, got {metadata!r}")
     return ExperienceSchema(name=name, fields=fields, derived=derived, episode_end=episode_end, version=version,
-                            truncation=truncation)
+                            truncation=truncation, metadata=dict(metadata))
 
 
 def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
@@ -503,10 +528,16 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
         if f.name in SYSTEM_COLUMNS:
             continue
         t = f.type
-        if isinstance(t, pa.FixedShapeTensorType):
+        if isinstance(t, _dtypes.LogicalType):
+            fields[f.name] = FieldSpec(f.name, t.dtype_name, t.shape)  # type: ignore[arg-type]  # a dtype name
+        elif isinstance(t, pa.JsonType):
+            fields[f.name] = FieldSpec(f.name, JSON)  # type: ignore[arg-type]  # a dtype name
+        elif isinstance(t, pa.FixedShapeTensorType):
             fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), tuple(t.shape))
         elif pa.types.is_fixed_size_list(t):
             fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), (t.list_size,))
+        elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and isinstance(t.value_type, _dtypes.LogicalType):
+            fields[f.name] = FieldSpec(f.name, t.value_type.dtype_name, (), ragged=True)  # type: ignore[arg-type]
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
             fields[f.name] = FieldSpec(f.name, np.dtype(t.value_type.to_pandas_dtype()), (), ragged=True)
         else:
@@ -514,17 +545,17 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
                 dtype = np.dtype(t.to_pandas_dtype())
             except (NotImplementedError, TypeError):
                 raise SchemaError(f"pa.Schema field {f.name!r}: unsupported Arrow type {t}") from None
-            fields[f.name] = FieldSpec(f.name, parse_dtype(f"field {f.name!r}", dtype))
+            np_dtype, logical = parse_dtype(f"field {f.name!r}", dtype)
+            fields[f.name] = FieldSpec(f.name, np_dtype, logical=logical)
         meta_f = f.metadata or {}
         if meta_f.get(b"arrowbuf.allow_nan") == b"false" or meta_f.get(b"arrowbuf.later") == b"true" or \
                 b"arrowbuf.mean_length" in meta_f:
             spec = fields[f.name]
             mean = meta_f.get(b"arrowbuf.mean_length")
-            fields[f.name] = FieldSpec(spec.name, spec.dtype, spec.shape, spec.ragged,
-                                       allow_nan=meta_f.get(b"arrowbuf.allow_nan") != b"false",
-                                       later=meta_f.get(b"arrowbuf.later") == b"true",
-                                       mean_length=int(mean) if mean is not None and mean.isdigit() and spec.ragged
-                                       else None)
+            fields[f.name] = dataclasses.replace(
+                spec, allow_nan=meta_f.get(b"arrowbuf.allow_nan") != b"false",
+                later=meta_f.get(b"arrowbuf.later") == b"true",
+                mean_length=int(mean) if mean is not None and mean.isdigit() and spec.ragged else None)
     derived = {}
     if b"arrowbuf.derived" in meta:
         for pair in meta[b"arrowbuf.derived"].decode().split(","):
@@ -539,5 +570,6 @@ def _from_arrow(schema: pa.Schema) -> ExperienceSchema:
     trunc = DEFAULT_TRUNCATION
     if b"arrowbuf.truncation" in meta:
         trunc = tuple(t for t in meta[b"arrowbuf.truncation"].decode().split(",") if t)
+    metadata = {k[len(_META_PREFIX):].decode(): v.decode() for k, v in meta.items() if k.startswith(_META_PREFIX)}
     return ExperienceSchema(name=name, fields=fields, derived=derived, episode_end=ends, version=version,
-                            truncation=trunc)
+                            truncation=trunc, metadata=metadata)

@@ -8,11 +8,12 @@ Usage::
     batch = store.sample(256)                       # SampleBatch; batch.to_numpy()["next_obs"] is derived
     store.sql("SELECT episode_id, sum(reward) FROM experience GROUP BY 1")
 
-The store is a facade: it builds the parts (`arrowbuf.store.core.StoreCore`: ring index, column arenas, sampler, locks)
-and delegates writing to a `StoreWriter` (`arrowbuf.store.writer`: append, extend, end_episode; a batch commits once,
-atomically) and reading to a `StoreReader` (`arrowbuf.store.reader`: sample, update_priorities, consistent snapshots for
-to_table, sql and episodes). Column bytes live in `arrowbuf.ring.columns` (one arena per column, or per column and tier
-for a store with `tiers=`).
+The store is a facade: it builds the engine's parts (`arrowbuf.engine.core.StoreCore`: ring index, column arenas,
+sampler, locks) and delegates writing to a `StoreWriter` (`arrowbuf.engine.writer`: append, extend, end_episode; a
+batch commits once, atomically) and reading to a `StoreReader` (`arrowbuf.engine.reader`: sample, update_priorities,
+consistent snapshots for to_table, sql and episodes). Every change goes through the store's write path
+(`arrowbuf.store.writes`: direct, or journaled by `arrowbuf.store.durable`). Column bytes live in
+`arrowbuf.ring.columns` (one arena per column, or per column and tier for a store with `tiers=`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,20 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Literal, cast, overload
 
 import numpy as np
+import pyarrow as pa
 
 from ..delivery.batch import SampleBatch
+from ..engine.consume import ConsumeTracker, check_store_options
+from ..engine.core import StoreCore
+from ..engine.episodes import EpisodeTracker
+from ..engine.pieces import ExtendInPieces
+from ..engine.pieces_writer import PiecesWriter
+from ..engine.reader import RowSnapshot, StoreReader
+from ..engine.update import StoreUpdater
+from ..engine.writer import StoreWriter
 from ..errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed, StoreCorrupt
 from ..observe.timings import Timings, timed
+from ..options import StoreOptions
 from ..placement import PlacementTarget, make_placement
 from ..rate_limiters import RateLimiter
 from ..ring.chunks import ChunkDirectory, default_chunk_rows
@@ -35,25 +46,17 @@ from ..ring.index import HEADER, RingIndex
 from ..ring.reservations import Reservations
 from ..ring.tiered import TieredColumnArenas
 from ..samplers import Sampler, make_sampler
-from ..samplers.spec import from_spec, to_spec
 from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from ..tiers.base import Tier, format_bytes
 from ..tiers.host import HostTier
-from .consume import ConsumeTracker, check_store_options
-from .consume_state import shared_options
-from .core import StoreCore
-from .episodes import EpisodeTracker
-from .inspection import StoreInspection
 from .pending import PendingWrite
-from .persistence import StorePersistence
-from .reader import StoreReader
-from .update import StoreUpdater
-from .writer import StoreWriter
+from .views import StoreViews, ViewParts
+from .writes import DirectWrites, StoreParts, Writes
 
 _SMALL_FINAL_OBS_BYTES = 64 << 20
 
 
-class ExperienceStore(StoreInspection, StorePersistence):
+class ExperienceStore:
     """An in-process experience store: a FIFO ring of `capacity` rows with pluggable sampling and rate limiting.
 
     Args:
@@ -80,7 +83,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         placement: an `ab.placement` policy (default: `ab.placement.BandwidthAware()` when several tiers are given).
         tasks: names of the tasks that `consume` rows (each sees every row once; rows wait for them before
             eviction); more with `add_task` (not on a shared store: its tasks are fixed when it is created, and every
-            process that attaches consumes from the same state). See `arrowbuf.store.consume`.
+            process that attaches consumes from the same state). See `arrowbuf.engine.consume`.
         max_staleness: admission control by policy version: rows older than `policy_version - max_staleness`
             are refused, rows newer than `policy_version + max_staleness` wait (`InsertTimeout`); stale rows may be
             evicted unconsumed. Needs an integer `policy_version` field.
@@ -98,66 +101,88 @@ class ExperienceStore(StoreInspection, StorePersistence):
             not a machine crash).
     """
 
-    def __init__(self, schema: Any, capacity: int, sampler: str | Sampler | None = "uniform",
+    def __init__(self, schema: Any, capacity: int | None = None, sampler: str | Sampler | None = "uniform",
                  rate_limiter: RateLimiter | None = None, seed: int | None = None, *,
                  chunk_rows: int | None = None, final_obs_capacity: int | None = None,
                  max_times_sampled: int | None = None, tier: str | Tier = "host", name: str | None = None,
                  tiers: dict[str, Any] | None = None, placement: Any = None, tasks: Any = None,
                  max_staleness: int | None = None, token_field: str | None = None, observe: bool = True,
-                 durable: Any = None, durability: str = "group") -> None:
+                 durable: Any = None, durability: str = "group", options: StoreOptions | None = None) -> None:
         self.schema: ExperienceSchema = load_schema(schema)
+        if options is None:
+            if capacity is None:
+                raise InvalidArgument("ExperienceStore(schema, capacity): capacity (rows) is required, or pass "
+                                      "options=ab.StoreOptions(capacity=...)")
+            options = StoreOptions(
+                capacity=capacity, sampler="uniform" if sampler is None else sampler, rate_limiter=rate_limiter,
+                seed=seed, chunk_rows=chunk_rows, final_obs_capacity=final_obs_capacity,
+                max_times_sampled=max_times_sampled, tier=tier, name=name, tiers=tiers, placement=placement,
+                tasks=tasks, max_staleness=max_staleness, token_field=token_field,
+                observe=observe, durable=durable, durability=durability)
+        elif capacity is not None or any(v is not d for v, d in (
+                (sampler, "uniform"), (rate_limiter, None), (seed, None), (chunk_rows, None),
+                (final_obs_capacity, None), (max_times_sampled, None), (tier, "host"), (name, None), (tiers, None),
+                (placement, None), (tasks, None), (max_staleness, None), (token_field, None), (observe, True),
+                (durable, None), (durability, "group"))):
+            raise InvalidArgument("pass the store's options either as keywords or as options=StoreOptions(...), "
+                                  "not both (options.replace(...) changes some of them)")
+        o = options
         #: latency histograms of extend, sample, consume, update (`arrowbuf.observe.timings`); None: not recorded
-        self.timings: Timings | None = Timings() if observe else None
-        self._checkpoints: dict[str, Any] = {"count": 0, "last": None, "handle": None}
-        self._durable: Any = None
-        check_store_options(tier, sampler, tasks)  # before anything is allocated
-        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
-            raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
-        self.capacity = int(capacity)
-        self.name = name or self.schema.name
+        self.timings: Timings | None = Timings() if o.observe else None
+        self._writes: Writes | None = None
+        self._views: StoreViews | None = None
+        check_store_options(o.tier, o.sampler, o.tasks)  # before anything is allocated
+        self.capacity = o.capacity
+        self.name = o.name or self.schema.name
         self.placement_policy: Any = None
         self._core: StoreCore | None = None
-        if tiers is None:
-            self._tier = _make_tier(tier, self.name, self.schema)
+        if o.tiers is None:
+            self._tier = _make_tier(o.tier, self.name, self.schema)
             data_tiers = [self._tier]
         else:
-            if tier != "host":
+            if o.tier != "host":
                 raise InvalidArgument("pass either tier= (one tier) or tiers= (budgets per tier), not both")
             from ..tiers import make_tiers
 
-            self._tier, data_tiers = make_tiers(tiers)
+            self._tier, data_tiers = make_tiers(o.tiers)
         try:
-            self._build(data_tiers, chunk_rows, final_obs_capacity, max_times_sampled, sampler, rate_limiter, seed,
-                        placement)
+            self._build(data_tiers, o)
             assert self._core is not None  # per-task consumption, staleness, groups
-            self._consume: ConsumeTracker = ConsumeTracker(self._core, self._reader, tasks, max_staleness,
-                                                           token_field)
+            self._consume: ConsumeTracker = ConsumeTracker(self._core, self._reader, o.tasks, o.max_staleness,
+                                                           o.token_field)
             self._core.consume = self._consume
             if self._consume.holds:
                 self._writer.hold = self._consume
-            if observe and not self._tier.shared:
+            if o.observe and not self._tier.shared:
                 self._core.lineage = self._make_lineage()
+            #: the options this store was built from, as built (chunk rows and final-observation slots resolved)
+            self.options = o.replace(name=self.name, chunk_rows=self.chunk_rows,
+                                     final_obs_capacity=self.final_capacity or None, sampler=self.sampler,
+                                     tasks=self._consume.tasks or None,
+                                     max_staleness=self._consume.max_staleness,
+                                     token_field=self._consume.token_field)
+            self._core.options = self.options
             if self._tier.fresh and self._tier.shared:  # publish what `attach` needs to rebuild this store
-                self._tier.seal({"schema": self.schema.to_dict(), "capacity": self.capacity,
-                                 "chunk_rows": self.chunk_rows, "final_obs_capacity": self.final_capacity or None,
-                                 "sampler": to_spec(self.sampler), "rate_limiter": to_spec(self.rate_limiter),
-                                 "max_times_sampled": self._max_times_arg, "consume": {
-                                     "tasks": self._consume.tasks, "max_staleness": self._consume.max_staleness,
-                                     "token_field": self._consume.token_field}})
-            if durable is not None:
-                from .durable import DurableLog
+                self._tier.seal({"schema": self.schema.to_dict(), **self.options.to_dict()})
+            if o.durable is not None:
+                from .durable import DurableWrites
 
-                self._durable = DurableLog.create(os.fspath(durable), durability, self._core, self._writer,
-                                                  self._reader, self._updater, self._consume)
+                self._writes = DurableWrites.create(os.fspath(o.durable), o.durability, self._parts(),
+                                                    direct=o.journal_direct)
+            else:
+                self._writes = DirectWrites(self._parts())
+            tiers = list({id(t): t for t in [self._tier, *self._data_tiers]}.values())
+            self._views = StoreViews(
+                ViewParts(self.name, self.schema, self._core, self._reader, self._writer, self._consume,
+                          self._episodes, tiers, self.timings, self.placement_policy))
         except BaseException:
             for t in {id(t): t for t in [*data_tiers, self._tier]}.values():
                 if not t.shared or (t.fresh and not getattr(t, "sealed", True)):  # a shared store nobody attached
                     t.close()
             raise
 
-    def _build(self, data_tiers: list[Tier], chunk_rows: int | None, final_obs_capacity: int | None,
-               max_times_sampled: int | None, sampler: Any, rate_limiter: Any, seed: int | None,
-               placement: Any) -> None:
+    def _build(self, data_tiers: list[Tier], o: StoreOptions) -> None:
+        chunk_rows, max_times_sampled = o.chunk_rows, o.max_times_sampled
         self._data_tiers = data_tiers
         self._data_tier = data_tiers[0]
         self.chunk_rows = int(chunk_rows or default_chunk_rows(self.schema.row_bytes, self.capacity))
@@ -168,7 +193,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         self.index = RingIndex(self._tier, self.capacity, self.arena_rows)
         # final observations of ended episodes, appended after the ring rows of each next_of source arena
         self._final_sources = sorted({d.next_of for d in self.schema.derived.values()})
-        self.final_capacity = self._final_obs_capacity(final_obs_capacity) if self._final_sources else 0
+        self.final_capacity = self._final_obs_capacity(o.final_obs_capacity) if self._final_sources else 0
         self._tier.reserve(self._planned_bytes(max_times_sampled))  # a shared tier fails here if it cannot fit
         for t in data_tiers:
             if t is not self._tier and not t.slotted:  # a whole ring of every column (a disk checks its free space)
@@ -186,22 +211,23 @@ class ExperienceStore(StoreInspection, StorePersistence):
         self._episodes = EpisodeTracker(self.index.header[HEADER["next_episode_id"]:HEADER["next_episode_id"] + 1])
         self._lock = self._tier.lock("state")  # cross-process locks for a shared tier
         self._write_lock = self._tier.lock("write")
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(o.seed)
         if max_times_sampled is not None and max_times_sampled < 1:
             raise InvalidArgument(f"max_times_sampled must be >= 1, got {max_times_sampled}")
         self._max_times_sampled = int(max_times_sampled or 0)
-        self.sampler = make_sampler(sampler)
-        self.rate_limiter = rate_limiter
+        self.sampler = make_sampler(o.sampler)
+        self.rate_limiter = o.rate_limiter
         self._times_sampled = (self._tier.allocate("index.times_sampled", np.dtype(np.int32), self.arena_rows)
                                if self._max_times_sampled else np.zeros(0, np.int32))
         if self._tier.fresh:
             self._times_sampled.fill(0)
         self._core = StoreCore(self.schema, self.name, self.capacity, self._tier, self._cols, self.directory,
-                               self.index, self.sampler, rate_limiter, self._rng, self._episodes, self._final_owner,
+                               self.index, self.sampler, o.rate_limiter, self._rng, self._episodes, self._final_owner,
                                self._times_sampled, self._max_times_sampled, self._lock, self._write_lock,
                                Reservations(self._tier, self.index.header, HEADER["hi"]))
         self._cond = self._core.cond
         self._writer = StoreWriter(self._core)
+        self._pieces = PiecesWriter(self._writer)  # extends that arrive in pieces (`begin_extend`)
         self._reader = StoreReader(self._core)
         self._updater = StoreUpdater(self._core)  # store.update
         self.sampler.bind(self.index, self._rng,
@@ -214,12 +240,37 @@ class ExperienceStore(StoreInspection, StorePersistence):
                                  f"budget is {format_bytes(t.budget)}; raise the budget"
                                  + (" or add a disk tier: tiers={..., 'disk': 'spill/'}"
                                     if t is data_tiers[-1] and t.name != "disk" else ""))
-        self.placement_policy = make_placement(placement, len(data_tiers))
+        self.placement_policy = make_placement(o.placement, len(data_tiers))
         if self.placement_policy is not None:
             target: PlacementTarget = self._core  # a policy sees the internals only through this Protocol
             self.placement_policy.bind(target)
             self._reader.count_access = True
-        self._max_times_arg = max_times_sampled  # the manifest records it (`_seal`)
+
+    def _parts(self) -> StoreParts:
+        assert self._core is not None
+        return StoreParts(self._core, self._writer, self._reader, self._updater, self._consume)
+
+    @property
+    def _v(self) -> StoreViews:
+        """The store's read-only views (`arrowbuf.store.views`): set when the store is built."""
+        if self._views is None:
+            self._check_open()
+            raise StoreClosed(f"store {self.name!r} is not built")
+        return self._views
+
+    @property
+    def _w(self) -> Writes:
+        """The store's write path (`arrowbuf.store.writes`): set when the store is built."""
+        if self._writes is None:
+            self._check_open()
+            raise StoreClosed(f"store {self.name!r} is not built")
+        return self._writes
+
+    @property
+    def _durable(self) -> Any:
+        """The durable write path (`arrowbuf.store.durable.DurableWrites`: its `journal`, what its restore
+        `replayed`), or None: for tests and crash tools that look at the journal."""
+        return self._writes if self._writes is not None and self._writes.journal is not None else None
 
     def _make_lineage(self) -> Any:
         from ..observe.lineage import for_core
@@ -256,11 +307,9 @@ class ExperienceStore(StoreInspection, StorePersistence):
             except SchemaError as exc:
                 raise StoreCorrupt(f"{where} has an invalid schema ({str(exc)[:300]}); the store cannot be attached. "
                                    "Recreate it (or remove it with `arrowbuf shm rm`)") from None
-            consume = shared_options(m.get("consume"), where)
+            options = StoreOptions.from_dict(m, where, seed=seed, tier=tier)
             try:
-                return cls(schema, m["capacity"], from_spec(m["sampler"], where), from_spec(m["rate_limiter"], where),
-                           seed, chunk_rows=m["chunk_rows"], final_obs_capacity=m["final_obs_capacity"],
-                           max_times_sampled=m["max_times_sampled"], tier=tier, name=m["name"], **consume)
+                return cls(schema, options=options)
             except (InvalidArgument, SchemaError) as exc:  # what the manifest records does not fit together
                 raise StoreCorrupt(f"{where} records a store that cannot be rebuilt ({str(exc)[:300]}); the store "
                                    "cannot be attached. Recreate it (or remove it with `arrowbuf shm rm`)") from None
@@ -314,17 +363,22 @@ class ExperienceStore(StoreInspection, StorePersistence):
             raise StoreClosed(f"store {self.name!r} is closed")
 
     # ------------------------------------------------------------------ writing (StoreWriter)
-    def begin_extend(self, rows: int, names: Any) -> Any:
+    @property
+    def takes_pieces(self) -> bool:
+        """Whether this store takes an extend in pieces at all (`begin_extend`; `ab.PieceSink`): not a durable store
+        (a batch is journaled whole), nor one whose writes wait for tasks, a rate limiter or final observations, nor
+        a tiered one."""
+        return self._w.accepts_pieces and self._pieces.ok(1, set())
+
+    def begin_extend(self, rows: int, names: Any) -> ExtendInPieces | None:
         """One extend of `rows` rows (columns `names`) that arrives in pieces, each copied straight into the ring
-        (`arrowbuf.store.pieces.ExtendInPieces`: write, commit, abort; the guarantees of one `extend`), or None
-        when this store takes such a batch only whole (`StoreWriter.pieces_ok`: durable, tiered, tasks, a rate
+        (`arrowbuf.engine.pieces.ExtendInPieces`: write, commit, abort; the guarantees of one `extend`), or None
+        when this store takes such a batch only whole (`PiecesWriter.ok`: durable, tiered, tasks, a rate
         limiter, derived fields, episode ends or ragged fields in a shared store): then assemble it and call
         `extend`. With ragged fields the sink holds the write lock until its commit or abort."""
-        if self._durable is not None or not self._writer.pieces_ok(int(rows), set(names)):
+        if not self._w.accepts_pieces or not self._pieces.ok(int(rows), set(names)):
             return None
-        from .pieces import ExtendInPieces
-
-        return ExtendInPieces(self._writer.core.schema, self._writer, int(rows))
+        return ExtendInPieces(self.schema, self._pieces, int(rows))
 
     def append(self, step: dict[str, Any], *, timeout: float | None = None) -> int:
         """Add one step (a dict of scalars and arrays). Returns the new row's id (an int: its seq).
@@ -336,9 +390,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
             SchemaError: the step does not match the schema; nothing is stored.
             InsertTimeout: the rate limiter held the insert back past `timeout` seconds.
         """
-        if self._durable is not None:
-            return int(self._durable.extend(step, timeout, single=True)[0])
-        return self._writer.append(step, timeout=timeout)
+        return self._w.append(step, timeout)
 
     @overload
     def extend(self, batch: Any, *, timeout: float | None = None, wait: Literal[True] = True) -> np.ndarray: ...
@@ -350,7 +402,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         """Add many steps: a dict of arrays with a leading dim, a `pa.RecordBatch` or a `pa.Table`.
 
         The batch is atomic: its rows become visible to `sample`, `len` and `to_table` all at once, when this
-        returns, and a writer that dies before that leaves none of them (`arrowbuf.store.writer`). A batch longer than
+        returns, and a writer that dies before that leaves none of them (`arrowbuf.engine.writer`). A batch longer than
         the capacity keeps its newest rows (the older ones are counted as inserted but never visible).
 
         Returns:
@@ -364,10 +416,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
             InsertTimeout: the rate limiter held the insert back past `timeout` seconds (a writer waits for the
                 limiter without holding the store's write lock: other writers go on).
         """
-        if self._durable is not None:
-            return self._durable.extend(batch, timeout, wait=wait)
-        ids = self._writer.extend(batch, timeout=timeout)
-        return ids if wait else PendingWrite(ids)
+        return self._w.extend(batch, timeout, wait)
 
     def end_episode(self, actor: Any = None, **final: Any) -> bool:
         """End `actor`'s open episode at its last stored step, so that step becomes sampleable now.
@@ -389,9 +438,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         Raises:
             SchemaError: a derived field is missing or has the wrong shape.
         """
-        if self._durable is not None:
-            return self._durable.end_episode(actor, final)
-        return self._writer.end_episode(actor, final)
+        return self._w.end_episode(actor, final)
 
     def flush(self, actor: Any = None, **final: Any) -> bool:
         """Deprecated name of `end_episode` (writers' `flush` waits for acknowledgements; this one never did)."""
@@ -405,7 +452,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         """Fill fields declared `later: true` of stored rows: `store.update(ids, {"reward": r})`.
 
         Atomic per call and validated like `extend`; ids of evicted or replaced rows are skipped and counted in
-        `stats()["update_skipped"]`. See `arrowbuf.store.update`.
+        `stats()["update_skipped"]`. See `arrowbuf.engine.update`.
 
         Args:
             ids: ids that `extend`/`append` returned (a 1-D array, or one int with one value per field).
@@ -418,9 +465,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
             SchemaError: an unknown field, a field not filled later, a wrong dtype, shape or length; nothing written.
             InvalidArgument: an id this store never issued, or an id given twice; nothing written.
         """
-        if self._durable is not None:
-            return self._durable.update(ids, values)
-        return self._updater.update(ids, values)
+        return self._w.update(ids, values)
 
     def present(self, fields: list[str], ids: Any) -> np.ndarray:
         """Per id, whether every one of `fields` has a value (False for ids whose row is no longer stored)."""
@@ -481,7 +526,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         piece's output at a time. Items are selected by this call (its errors are `sample`'s); an item whose row is
         recycled before its piece is gathered is drawn again, as in `sample`, and each piece's `indices` name its
         items; with `piece_bytes`, pieces after the first are sized to about that many bytes. Timed as a `sample`
-        (the selection). See `arrowbuf.store.reader.StoreReader.sample_pieces`."""
+        (the selection). See `arrowbuf.engine.reader.StoreReader.sample_pieces`."""
         return self._reader.sample_pieces(n, rows, columns, timeout, piece_bytes=piece_bytes, n_step=n_step,
                                           gamma=gamma)
 
@@ -518,12 +563,10 @@ class ExperienceStore(StoreInspection, StorePersistence):
         Raises:
             InvalidArgument: counts differ, or a priority is NaN, infinite, negative or too large; nothing applied.
         """
-        if self._durable is not None:
-            return self._durable.update_priorities(indices, priorities)
-        return self._reader.update_priorities(indices, priorities)
+        return self._w.update_priorities(indices, priorities)
 
     # ------------------------------------------------------------------ consumption per task
-    # Thin delegation to `arrowbuf.store.consume.ConsumeTracker`.
+    # Thin delegation to `arrowbuf.engine.consume.ConsumeTracker`.
     @timed("consume")
     def consume(self, task: str, n: int, *, require: Iterable[str] | None = None, timeout: float | None = 0.0,
                 max_staleness: int | None = None, where: str | None = None,
@@ -540,11 +583,11 @@ class ExperienceStore(StoreInspection, StorePersistence):
                 `stats()["stale_dropped"]`), never delivered.
             where: a SQL predicate over the scalar columns, e.g. `"reward > 0 AND policy_version >= 3"`.
             max_tokens: token budget of the batch over the store's `token_field` (at least one row is delivered).
-            lease: seconds the rows stay in flight for `task` (`arrowbuf.store.leases`): `ack(batch.lease)` makes
+            lease: seconds the rows stay in flight for `task` (`arrowbuf.engine.leases`): `ack(batch.lease)` makes
                 them final, `nack` or expiry puts them back in the task's queue (delivered again, in their order).
                 None (default): final at once.
             admission: "oldest": the oldest rows inside the version window first, rows outside it held back, not
-                dropped (`arrowbuf.store.admission`); None (default): id order.
+                dropped (`arrowbuf.samplers.admission`); None (default): id order.
 
         Returns:
             A `SampleBatch` of every column; `indices` are the rows' ids, oldest first; `lease` the lease id (None
@@ -584,10 +627,7 @@ class ExperienceStore(StoreInspection, StorePersistence):
         Raises:
             InvalidArgument: a bad or duplicate name.
         """
-        if self._durable is not None:
-            self._durable.add_task(name)
-        else:
-            self._consume.add_task(name)
+        self._w.add_task(name)
         self._writer.hold = self._consume
         if self._core is not None and self._core.lineage is not None:
             self._core.lineage.add_task(name)
@@ -604,13 +644,152 @@ class ExperienceStore(StoreInspection, StorePersistence):
 
     @policy_version.setter
     def policy_version(self, value: int) -> None:
-        if self._durable is not None:
-            self._durable.set_policy_version(value)
-        else:
-            self._consume.policy_version = value
+        self._w.set_policy_version(value)
 
-    # ------------------------------------------------------------------ persistence (`arrowbuf.persist`)
-    # checkpoint and export: `arrowbuf.store.persistence.StorePersistence`
+
+    # ------------------------------------------------------------------ views (`arrowbuf.store.views`)
+    def to_table(self, columns: Iterable[str] | None = None) -> pa.Table:
+        """The live rows, oldest first, as a `pa.Table` of the stored columns: a consistent snapshot.
+
+        Each row is exactly as committed (no row half-replaced, no part of a batch), the rows are one contiguous
+        seq range ending at the newest row committed at the call, and the table is a copy: writers go on without
+        changing it. If writers replace rows faster than they are copied, the table starts at the oldest row still
+        intact (see `arrowbuf.engine.reader`).
+        """
+        return self._v.to_table(columns)
+
+    def iter_table(self, columns: Iterable[str] | None = None, *, max_rows: int | None = None
+                   ) -> Iterator[pa.RecordBatch]:
+        """The live rows as a stream of consistent, copied record batches, about one chunk in memory at a time.
+
+        The rows are those committed at the call (nothing newer), oldest first, each exactly as committed (no torn
+        or half-replaced row, even while writers run). Rows that writers evict before the stream reaches them are
+        skipped (a gap in `seq`), never yielded torn. See `StoreReader.iter_snapshot`.
+
+        Args:
+            columns: stored columns (default: all of them).
+            max_rows: at most this many rows per batch (default: one chunk's rows).
+
+        Raises:
+            SchemaError: an unknown column (at the call). InvalidArgument: a bad `max_rows`.
+        """
+        return self._v.iter_table(columns, max_rows)
+
+    def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
+        """`to_table` with the seq range it covers: a `RowSnapshot` (lo, hi, live_lo, table). See
+        `arrowbuf.engine.reader`."""
+        return self._v.snapshot(columns)
+
+    def to_pandas(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows as a pandas DataFrame (tensor columns as arrays per row). Needs `arrowbuf[query]`."""
+        from ..query.frames import table_to_pandas
+
+        return table_to_pandas(self.to_table(columns))
+
+    def to_polars(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows as a Polars DataFrame (tensors as Array columns). Needs `arrowbuf[query]`."""
+        from ..query.frames import table_to_polars
+
+        return table_to_polars(self.to_table(columns))
+
+    def sql(self, query: str) -> pa.Table:
+        """Run DuckDB SQL over the live rows; the store is the table `experience`, its lineage the table `lineage`
+        (docs/observability.md). Needs `arrowbuf[query]`."""
+        from ..query.frames import run_sql
+
+        return run_sql(self, query)
+
+    def lineage_table(self) -> pa.Table:
+        """The lineage of the live rows (the SQL table `lineage`): seq, writer, written_at, policy_version, task,
+        consumed_at, consumer, staleness, outcome; one row per (live row, declared task). See
+        `arrowbuf.observe.lineage`.
+
+        Raises:
+            InvalidArgument: the store records no lineage (`observe=False`, or a shared-memory store).
+        """
+        return self._v.lineage_table()
+
+    def observability(self) -> dict[str, Any]:
+        """What `/metrics` and the inspector read besides `stats()`: `timings` (latency histograms per operation),
+        `lineage` (per task: delivered, dropped as stale, staleness counts), `lineage_bytes`, `progress` (per task
+        ready / waiting / consumed / in flight: `arrowbuf.observe.progress`) and `checkpoints`."""
+        return self._v.observability()
+
+    def serve_metrics(self, address: str = "127.0.0.1:0") -> Any:
+        """Serve this store's Prometheus metrics at `http://address/metrics` (a thread; needs `arrowbuf[metrics]`).
+        Returns a `MetricsEndpoint` (`.url`, `.close()`, a context manager). See docs/observability.md."""
+        from ..observe.metrics import MetricsEndpoint
+
+        return MetricsEndpoint.start(address, stores={self.name: self})
+
+    def episodes(self) -> pa.Table:
+        """One row per episode with live rows: episode_id, length, return, first_seq, last_seq, complete."""
+        from ..query.frames import episode_table
+
+        return episode_table(self)
+
+    def stats(self) -> dict[str, Any]:
+        """Size, counters and memory of the store."""
+        return self._v.stats(self.capacity, self._w.stats())
+
+    def placement(self, explain: bool = False) -> pa.Table:
+        """Where the columns live: one row per (column, tier) with the chunk slots and bytes there.
+
+        With `explain=True`, also why (from the placement policy's last step): the column's share of sampled rows
+        (`access_share`, `rows_per_s`), the share of the sampling mass in those chunks (`mass`), their value per
+        byte, the tier's read bandwidth (`read_gbps`) and a sentence (`why`). See `arrowbuf.placement`.
+        """
+        return self._v.placement(explain)
+
+    def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
+        """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
+        tensor type: sample tensor columns with `sample(...).to_torch("cuda")` (or a GPU tier). Needs
+        `pip install 'arrowbuf[gpu]'` and a GPU."""
+        return self._v.to_cudf(columns)
+
+    def chunks(self) -> pa.Table:
+        """The chunk directory of the live rows: slot, first_seq, rows, sealed, tier per column."""
+        return self._v.chunks()
+
+    # ------------------------------------------------------------------ checkpoints and exports (`arrowbuf.persist`)
+    def checkpoint(self, path: Any = None, keep: int | None = None, background: bool = False,
+                   compression: str | None = None) -> Any:
+        """Write a consistent, incremental, atomic checkpoint into directory `path`; writers and samplers go on.
+
+        The snapshot point is the call: the checkpoint holds the rows committed then (one contiguous seq range
+        ending there, each row exactly as committed) and the sampler, rate-limiter, episode and RNG state of that
+        instant. Sealed chunks already in `path` are reused; only new chunks, the open tail and the state files are
+        written; `_manifest.json` is replaced atomically, so a crash leaves the previous checkpoint restorable. If
+        the ring overwrites rows faster than they are copied, the oldest chunks that were overwritten meanwhile
+        (and everything older) are left out: the checkpoint then starts at the oldest chunk still intact
+        (`dropped_rows` says how many went). Never a torn row. Layout: docs/format.md.
+
+        Args:
+            path: the checkpoint directory (an Arrow IPC dataset; made if missing). A durable store's own
+                directory (or None) also truncates the journal the checkpoint covers (default keep: 2).
+            keep: keep the newest `keep` checkpoints (their files); None keeps all.
+            background: return a `CheckpointHandle` (`.wait()`, `.progress`) at once and write in a thread,
+                at a lower CPU priority than the process's other threads (`persist.checkpoint.BACKGROUND_NICE`).
+            compression: None (uncompressed, memory-mappable: the default), or "zstd"/"lz4" for archives.
+
+        Returns:
+            A summary dict (generation, rows, files written and reused, bytes), or a handle with `background=True`.
+        """
+        self._check_open()
+        out: Any = self._w.checkpoint(None if path is None else os.fspath(path), keep, background, compression)
+        self._v.checkpoints.started(out)  # for /metrics and the inspector
+        return out
+
+    def export(self, path: Any, format: str = "parquet", partition_by: Any = None,
+               compression: str | None = None) -> dict[str, Any]:
+        """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
+        `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
+        `ExperienceStore.from_dataset` read it back. Writers wait while rows are copied (sampling goes on).
+        The lineage of the live rows (taken right after the rows) goes to `_lineage.parquet` (`.arrow`) beside
+        them, which dataset readers skip. Returns rows and path. See `arrowbuf.persist.datasets`."""
+        return self._v.export(path, format, partition_by, compression)
+
+    # ------------------------------------------------------------------ restore (`arrowbuf.persist`)
     @classmethod
     def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
                 seed: int | None = None, name: str | None = None, schema: Any = None,
@@ -636,15 +815,14 @@ class ExperienceStore(StoreInspection, StorePersistence):
 
         plan = plan_restore(path, tier=tier, tiers=tiers, seed=seed, name=name, schema=schema,
                             generation=generation)
-        store = cls(*plan.args, **plan.kwargs)
+        store = cls(plan.schema, options=plan.options)
         try:
             assert store._core is not None
             plan.load(store._core)
             from .durable import read_policy, resume
 
             if generation is None and (durability is not None or read_policy(plan.root) is not None):
-                store._durable = resume(plan.root, plan.manifest, durability, store._core, store._writer,
-                                        store._reader, store._updater, store._consume)
+                store._writes = resume(plan.root, plan.manifest, durability, store._parts())
         except BaseException:
             store.close()
             raise
@@ -671,8 +849,8 @@ class ExperienceStore(StoreInspection, StorePersistence):
         if self.closed:
             return
         assert self._core is not None
-        if self._durable is not None:
-            self._durable.close()
+        if self._writes is not None:
+            self._writes.close()
         with self._cond:
             self._core.closed = True
             self._cond.notify_all()

@@ -176,6 +176,10 @@ def _file_name(key: str) -> str:
 
 
 def _arrow_type(dtype: np.dtype) -> pa.DataType:
+    """The Arrow type of one stored element's parts: bool as uint8 (numpy's bytes), complex numbers as their two
+    floats (Arrow has no complex type)."""
+    if dtype.kind == "c":
+        return pa.from_numpy_dtype(np.dtype(f"f{dtype.itemsize // 2}"))
     return pa.uint8() if dtype == np.bool_ else pa.from_numpy_dtype(dtype)
 
 
@@ -187,15 +191,17 @@ def _write_zero_ipc(path: str, key: str, dtype: np.dtype, rows: int, shape: tupl
     file is then reserved with posix_fallocate: the body reads as zeros, costs no write, and a later write through the
     mapping cannot fail for want of disk space.
     """
-    width = int(np.prod(shape, dtype=np.int64))
-    nbytes = rows * width * dtype.itemsize
+    width = int(np.prod(shape, dtype=np.int64)) * (2 if dtype.kind == "c" else 1)  # complex: (real, imaginary)
+    nbytes = rows * width * (dtype.itemsize // (2 if dtype.kind == "c" else 1))
     zeros = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ)
     try:
         buf = pa.py_buffer(zeros).slice(0, nbytes)
         value_type = _arrow_type(dtype)
         values = pa.Array.from_buffers(value_type, rows * width, [None, buf])
-        if shape:
-            column: pa.Array = pa.ExtensionArray.from_storage(
+        if dtype.kind == "c":
+            column: pa.Array = pa.FixedSizeListArray.from_arrays(values, width)
+        elif shape:
+            column = pa.ExtensionArray.from_storage(
                 pa.fixed_shape_tensor(value_type, list(shape)), pa.FixedSizeListArray.from_arrays(values, width))
         else:
             column = values

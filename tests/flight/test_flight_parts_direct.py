@@ -1,5 +1,5 @@
 """An extend in parts written straight into the ring (issue 28): the server's parted DoPut copies each part into
-rows it reserved (`arrowbuf.store.pieces.ExtendInPieces`), with the guarantees of one extend: the same store as one
+rows it reserved (`arrowbuf.engine.pieces.ExtendInPieces`), with the guarantees of one extend: the same store as one
 message, every row or none, consecutive ids, readers never see part of it, and a client that dies or a part that
 fails leaves nothing stored and nothing reserved. Real servers on port 0, real client processes."""
 

@@ -205,7 +205,8 @@ def test_the_inspector_binds_loopback_unless_given_a_token():
         assert ins.url.startswith("http://127.0.0.1:")
         with urllib.request.urlopen(ins.url + "api/overview", timeout=5) as r:
             assert r.status == 200
-        big = urllib.request.Request(ins.url + "api/sql", data=b"x" * (1 << 20), method="POST")
+        big = urllib.request.Request(ins.url + "api/sql", data=b"x" * (1 << 20), method="POST",
+                                     headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as too_big:
             urllib.request.urlopen(big, timeout=5)
         assert too_big.value.code == 413

@@ -97,7 +97,7 @@ def test_a_failed_extend_withdraws_its_announcement(tmp_path):
     s = ab.ExperienceStore({"name": "g", "fields": {"x": "float32"}}, capacity=64, durable=str(tmp_path / "run"),
                            durability="group")
     try:
-        s._core.journal.journal.window_s = LONG
+        s._durable.journal.window_s = LONG
         for bad in ({"x": np.zeros((2, 3), np.float32)}, {"y": np.zeros(2)}):
             try:
                 s.extend(bad)

@@ -53,7 +53,8 @@ _CRASH = textwrap.dedent("""
     store.update_priorities(b.indices, np.arange(100) + 1.0)
     store.checkpoint(root, keep=2)
     store.extend(rows(1, 1500, 1300))  # wraps the ring: new chunks, evicted chunks, a new tail
-    os.environ["ARROWBUF_PERSIST_KILL_AT"] = point
+    from arrowbuf.persist import faults
+    faults.install(faults.kill_at(point))
     store.checkpoint(root, keep=2)
     print("survived")
 """)

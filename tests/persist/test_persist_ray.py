@@ -131,3 +131,31 @@ def test_a_killed_durable_shard_comes_back_with_every_acknowledged_row(cluster, 
         assert len(s) == 950
     finally:
         s.shutdown()
+
+
+def test_a_policy_version_or_task_is_never_acknowledged_while_a_shard_is_down(cluster, tmp_path):
+    """Found by the crash harness: `ShardedStore.policy_version = v` returned normally while the handle held a shard
+    as down (it set only the live shards), and the shard came back with its old version. Now the call raises
+    `Unavailable` naming the down shard; repeated once it is back, it applies everywhere."""
+    import arrowbuf as ab
+
+    root = tmp_path / "durable"
+    s = ShardedStore.create(SMALL, 1, 4000, seed=0, strategy=None, durable=str(root), durability="group")
+    try:
+        s.extend(make_episodes([20], seed=0)[0])
+        s.policy_version = 3
+        old = s.infos[0]
+        os.kill(old["pid"], signal.SIGKILL)
+        _restarted(s.actors[0], old)
+        s.report_down(0)  # what a failed call does: the handle holds the shard as down until it looks again
+        with pytest.raises(ab.Unavailable, match=r"shards \[0\] are down"):
+            s.policy_version = 7
+        with pytest.raises(ab.Unavailable, match=r"shards \[0\] are down"):
+            s.add_task("late")
+        assert s.wait_for_shards(timeout=120) == 1
+        assert s.policy_version == 3  # the shard's own (journaled) version: 7 was never acknowledged
+        s.policy_version = 7
+        s.add_task("late")
+        assert s.policy_version == 7 and "late" in s.tasks
+    finally:
+        s.shutdown()

@@ -50,6 +50,7 @@ def _settings(conf: Any) -> dict[str, Any]:
         "shards": int(conf_get(conf, "arrowbuf", "shards", default=1)),
         "ray": bool(conf_get(conf, "arrowbuf", "ray", default=True)),
         "host": str(conf_get(conf, "arrowbuf", "host", default="127.0.0.1")),
+        "limits": conf_get(conf, "arrowbuf", "limits"),
     }
 
 

@@ -102,7 +102,7 @@ def read(path: str, capacity: int) -> tuple[dict[str, Partition], IndexManager, 
                 forms = {f: (FieldKind.from_json(k), "ragged" if m == "ragged" else tuple(m))
                          for f, (k, m) in s["forms"].items()}
                 store = ExperienceStore.restore(str(root / s["dir"]))
-                p.stores.append(FieldGroup(s["name"], forms, capacity, store=store))
+                p.stores.append(FieldGroup(s["name"], forms, capacity, store=store, base=int(s.get("base", 0))))
             loaded[p.partition_id] = p
     except BaseException:
         for p in loaded.values():

@@ -17,7 +17,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from ...errors import ArrowbufError, InvalidArgument, SchemaError
-from .columns import FieldValues, batch_items, batch_size_of, put_fields, to_output, to_torch_field, torch_module
+from .columns import (
+    FieldValues,
+    batch_items,
+    batch_size_of,
+    put_fields,
+    schema_entry,
+    to_output,
+    to_torch_field,
+    torch_module,
+)
 from .meta import BatchMeta, KVBatchMeta, PartitionSnapshot, apply_put, torch_schema
 from .samplers import sampler_spec
 from .state import GetMetaTimeout, StorageKeyNotFoundError
@@ -43,12 +52,12 @@ class Backend(Protocol):
                  sampling_config: dict[str, Any] | None = None) -> dict[str, Any]: ...
     def kv_retrieve_meta(self, partition_id: str, keys: list[str], create: bool = False) -> dict[str, Any]: ...
     def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
-               schema: dict[str, dict[str, Any]], tags: list[dict[str, Any]] | None) -> dict[str, Any]: ...
+               nested: list[str], tags: list[dict[str, Any]] | None) -> dict[str, Any]: ...
     def kv_retrieve_keys(self, partition_id: str, gidx: list[int]) -> list[str | None]: ...
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]: ...
     def set_custom_meta(self, custom_meta: dict[str, dict[int, dict[str, Any]]]) -> None: ...
     def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
-            schema: dict[str, dict[str, Any]]) -> None: ...
+            nested: list[str]) -> None: ...
     def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]: ...
     def production_status(self, partition_id: str, data_fields: list[str]) -> Any: ...
     def consumption_status(self, partition_id: str, task_name: str) -> Any: ...
@@ -143,13 +152,14 @@ class TransferQueueClient:
             metadata = self.get_meta(names, n, partition_id, mode="insert")
         if not metadata or metadata.size == 0:
             raise ValueError("metadata cannot be none or empty")
-        values, schema = put_fields(data, metadata.size)
+        values, nested = put_fields(data, metadata.size)
         parts = metadata.chunk_by_partition() if len(set(metadata.partition_ids)) > 1 else [metadata]
         if len(parts) > 1:
             raise SchemaError(f"put: the BatchMeta spans partitions {sorted(set(metadata.partition_ids))}; put "
                               "each partition's samples separately; nothing was written")
-        self.backend.put(metadata.partition_ids[0], list(metadata.global_indexes), values, schema)
+        self.backend.put(metadata.partition_ids[0], list(metadata.global_indexes), values, nested)
         self.set_custom_meta(metadata)
+        schema = {f: schema_entry(v, f in nested) for f, v in values.items()}
         return apply_put(metadata, torch_schema(schema, local=True))
 
     def get_data(self, metadata: BatchMeta) -> Any:
@@ -236,7 +246,7 @@ class TransferQueueClient:
         if tags is not None and len(tags) != len(keys):
             raise ValueError(f"keys with length {len(keys)} does not match length of tags {len(tags)}")
         values: dict[str, FieldValues] = {}
-        schema: dict[str, dict[str, Any]] = {}
+        nested: list[str] = []
         if fields is not None:
             if data_parser is not None:
                 fields = _parsed(fields, data_parser)
@@ -244,8 +254,8 @@ class TransferQueueClient:
             if n != len(keys):
                 raise ValueError(f"`keys` with length {len(keys)} does not match the `fields` TensorDict with "
                                  f"batch_size {n}")
-            values, schema = put_fields(fields, n)
-        got = self.backend.kv_put(partition_id, keys, values, schema, None if tags is None else list(tags))
+            values, nested = put_fields(fields, n)
+        got = self.backend.kv_put(partition_id, keys, values, nested, None if tags is None else list(tags))
         return KVBatchMeta(keys=keys, tags=got["tags"], partition_id=partition_id, fields=got["fields"])
 
     # ------------------------------------------------------------------ KV lookups

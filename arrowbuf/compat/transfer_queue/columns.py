@@ -395,24 +395,26 @@ def schema_entry(value: FieldValues, nested: bool) -> dict[str, Any]:
     return entry
 
 
-def put_fields(fields: Any, batch: int) -> tuple[dict[str, FieldValues], dict[str, dict[str, Any]]]:
-    """Every field of a put (all or nothing): its values and its `field_schema` entry."""
+def put_fields(fields: Any, batch: int) -> tuple[dict[str, FieldValues], list[str]]:
+    """Every field of a put (all or nothing): its values, and the fields given as nested tensors (TransferQueue
+    reports those nested whatever their shapes; `schema_entry`)."""
     torch = torch_module()
     items, size = batch_items(fields)
     if size is not None and size != batch:
         raise SchemaError(f"the TensorDict's batch_size {size} does not match the {batch} keys/samples given; "
                           "nothing was written")
     values: dict[str, FieldValues] = {}
-    schema: dict[str, dict[str, Any]] = {}
+    nested: list[str] = []
     for name, value, plain in items:
         fv = field_values(name, value, plain)
         if fv.n != batch:
             raise SchemaError(f"field {name!r}: batch dimension {fv.n} does not match the {batch} keys/samples "
                               "given; nothing was written")
-        nested = (isinstance(value, torch.Tensor) and value.is_nested) or (
-            fv.kind.kind == "tensor" and isinstance(value, (list, tuple)) and fv.dense is None)
-        values[name], schema[name] = fv, schema_entry(fv, nested)
-    return values, schema
+        if (isinstance(value, torch.Tensor) and value.is_nested) or (
+                fv.kind.kind == "tensor" and isinstance(value, (list, tuple)) and fv.dense is None):
+            nested.append(name)
+        values[name] = fv
+    return values, nested
 
 
 def batch_size_of(fields: Any) -> int:

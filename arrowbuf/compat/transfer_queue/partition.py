@@ -162,32 +162,61 @@ SHAPE_PREFIX = "__shape__."
 RESERVED = frozenset(SYSTEM_COLUMNS) | frozenset(STREAM_KEYS)
 
 
+#: Rows a field group's store starts with (or the first put's rows, if more): it doubles (its rows copied into a
+#: store twice its size) until it holds the partition's `capacity`, so that a partition written a few samples
+#: holds a few rows, not a whole ring.
+INITIAL_ROWS = 16
+
+
 class FieldGroup:
-    """One arrowbuf store holding fields written together, each in one storage form; rows addressed by seq. A
-    ragged tensor field has a companion column `__shape__.<field>` with each row's shape."""
+    """One arrowbuf store holding fields written together, each in one storage form. A ragged tensor field has a
+    companion column `__shape__.<field>` with each row's shape. Rows are addressed by a row id: the store's seq less
+    `base` (a store that grows is replaced by a larger one, whose seqs start elsewhere)."""
 
     def __init__(self, name: str, forms: dict[str, tuple[FieldKind, Any]], capacity: int,
-                 store: ExperienceStore | None = None) -> None:
+                 store: ExperienceStore | None = None, base: int = 0, rows: int = INITIAL_ROWS) -> None:
         self.name = name
+        self.capacity = capacity
         self.forms = dict(forms)
         self.fields = tuple(sorted(forms))
         # a field is the store column of its name (SQL sees it), or `<name>__tq` where a store column has the name
         self.column = {f: f"{f}__tq" if f in RESERVED or f.startswith(SHAPE_PREFIX) else f for f in self.fields}
-        if store is None:
-            cols: dict[str, Any] = {}
-            for f in self.fields:
-                kind, mode = forms[f]
-                if mode == "ragged" or kind.kind != "tensor":
-                    cols[self.column[f]] = {"dtype": kind.dtype, "ragged": True}
-                else:
-                    cols[self.column[f]] = {"dtype": kind.dtype, "shape": list(mode)}
-                if kind.kind == "tensor" and mode == "ragged":
-                    cols[SHAPE_PREFIX + self.column[f]] = {"dtype": "int64", "ragged": True}
-            schema = {"name": name, "fields": cols, "episode_end": [], "truncation": []}  # a sample is a row
-            store = ExperienceStore(schema, capacity=capacity, sampler="fifo", name=name)
-        self.store = store
+        cols: dict[str, Any] = {}
+        for f in self.fields:
+            kind, mode = forms[f]
+            if mode == "ragged" or kind.kind != "tensor":
+                cols[self.column[f]] = {"dtype": kind.dtype, "ragged": True}
+            else:
+                cols[self.column[f]] = {"dtype": kind.dtype, "shape": list(mode)}
+            if kind.kind == "tensor" and mode == "ragged":
+                cols[SHAPE_PREFIX + self.column[f]] = {"dtype": "int64", "ragged": True}
+        self._schema = {"name": name, "fields": cols, "episode_end": [], "truncation": []}  # a sample is a row
+        self.store = store if store is not None else self._new_store(min(capacity, max(rows, INITIAL_ROWS)))
+        self.base = base
+
+    def _new_store(self, rows: int) -> ExperienceStore:
+        return ExperienceStore(self._schema, capacity=rows, sampler="fifo", name=self.name)
+
+    def _make_room(self, n: int) -> None:
+        """Grow the store (double it, or to what `n` more rows need; at most `capacity`) before a write of `n` rows
+        would evict a row while it is smaller than `capacity`. Below `capacity` the ring never wrapped, so every
+        row since its first is live, and a row's new seq is its old one shifted."""
+        size, used = self.store.capacity, len(self.store)
+        if used + n <= size or size >= self.capacity:
+            return
+        bigger = self._new_store(min(self.capacity, max(2 * size, used + n)))
+        try:
+            first = int(self.store.stats()["first_seq"]) if used else 0
+            new_first = int(bigger.extend(self.store.to_table(list(self._schema["fields"])))[0]) if used else 0
+        except BaseException:
+            bigger.close()
+            raise
+        old, self.store = self.store, bigger
+        self.base += new_first - first
+        old.close()
 
     def write(self, values: dict[str, FieldValues]) -> np.ndarray:
+        """Append one row per sample; returns their row ids."""
         arrays: list[pa.Array] = []
         names: list[str] = []
         for f in self.fields:
@@ -202,10 +231,13 @@ class FieldGroup:
                 dims = np.asarray([d for s in shapes for d in s], dtype=np.int64)
                 arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims)))
                 names.append(SHAPE_PREFIX + self.column[f])
-        return np.asarray(self.store.extend(pa.record_batch(arrays, names=names)), dtype=np.int64)
+        batch = pa.record_batch(arrays, names=names)
+        self._make_room(batch.num_rows)
+        return np.asarray(self.store.extend(batch), dtype=np.int64) - self.base
 
-    def read(self, fields: list[str], seqs: np.ndarray) -> dict[str, FieldValues] | None:
-        """The fields of rows `seqs` (None when a row was evicted)."""
+    def read(self, fields: list[str], rows: np.ndarray) -> dict[str, FieldValues] | None:
+        """The fields of rows `rows` (row ids; None when a row was evicted)."""
+        seqs = np.asarray(rows, dtype=np.int64) + self.base
         cols = [self.column[f] for f in fields]
         cols += [SHAPE_PREFIX + self.column[f] for f in fields if self.forms[f][1] == "ragged"
                  and self.forms[f][0].kind == "tensor"]
@@ -231,8 +263,8 @@ class FieldGroup:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "forms": {f: [k.to_json(), m if m == "ragged" else list(m)]
-                                             for f, (k, m) in self.forms.items()}}
+        return {"name": self.name, "base": self.base,
+                "forms": {f: [k.to_json(), m if m == "ragged" else list(m)] for f, (k, m) in self.forms.items()}}
 
     def close(self) -> None:
         self.store.close()

@@ -19,19 +19,25 @@ from .samplers import sampler_spec
 
 ACTOR_NAME = "TransferQueueController"
 NAMESPACE = "transfer_queue"
+#: The actor's server limits (docs/security.md): it serves its own job's processes, with TransferQueue-sized puts
+#: (perftest's are 320 MiB); `init({"arrowbuf": {"limits": {...}}})` overrides any of them.
+JOB_LIMITS: dict[str, Any] = {"max_upload_bytes": 64 << 30, "max_reply_bytes": 64 << 30, "max_put_rows": 1 << 24,
+                              "max_ids": 1 << 24, "max_request_bytes": 64 << 20}
 
 
 class TransferQueueController:
     """The Ray actor: one `TQState` served over Flight."""
 
     def __init__(self, settings: dict[str, Any], host: str, token: str | None) -> None:
+        from .limits import TQLimits
         from .server import TQServer
         from .state import TQState
 
         self.settings = settings
         self.state = TQState(capacity=settings["capacity"], sampler=settings["sampler"],
                              polling_mode=settings["polling_mode"], wait=settings["wait"])
-        self.server = TQServer(self.state, f"grpc://{host}:0", token=token)
+        limits = TQLimits(**{**JOB_LIMITS, **(settings.get("limits") or {})})
+        self.server = TQServer(self.state, f"grpc://{host}:0", token=token, limits=limits)
 
     def location(self) -> str:
         return str(self.server.location)
@@ -76,7 +82,7 @@ def ray_running() -> bool:
 def _spec(settings: dict[str, Any]) -> dict[str, Any]:
     """What the actor needs of `api._settings` (no token: `get_config` hands this out)."""
     return {"capacity": settings["capacity"], "polling_mode": settings["polling_mode"], "wait": settings["wait"],
-            "sampler": sampler_spec(settings["sampler"])}
+            "sampler": sampler_spec(settings["sampler"]), "limits": settings.get("limits")}
 
 
 def _start(name: str, settings: dict[str, Any], host: str, token: str | None, **options: Any) -> tuple[Any, bool]:

@@ -111,18 +111,18 @@ class RemoteBackend:
         return json.loads(buf.to_pybytes())["result"]
 
     def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
-            schema: dict[str, dict[str, Any]]) -> None:
-        self._put({"op": "put", "partition_id": partition_id, "gidx": [int(g) for g in gidx], "schema": schema},
-                  values)
+            nested: list[str]) -> None:
+        self._put({"op": "put", "partition_id": partition_id, "gidx": [int(g) for g in gidx],
+                   "nested": list(nested)}, values)
 
     def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
-               schema: dict[str, dict[str, Any]], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
+               nested: list[str], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
         try:
             tags_json = json.loads(json.dumps(tags))
         except TypeError as e:
             raise InvalidArgument(f"tags must be JSON values over Flight ({e})") from None
         return dict(self._put({"op": "kv_put", "partition_id": partition_id, "keys": list(keys), "tags": tags_json,
-                               "schema": schema}, values))
+                               "nested": list(nested)}, values))
 
     def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]:
         ticket = {"op": "read", "partition_id": partition_id, "gidx": [int(g) for g in gidx], "fields": fields}

@@ -205,21 +205,14 @@ class ShardedBackend:
                                       "kind and dtype; nothing was written")
 
     def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
-            schema: dict[str, dict[str, Any]]) -> None:
+            nested: list[str]) -> None:
         if self.n > 1:
             self._check_kinds(partition_id, values)
         for k, (pos, local) in self._by_shard(gidx).items():
-            sub_schema = {}
-            for f, e in schema.items():
-                e = dict(e)
-                if e.get("per_sample_shapes") is not None:
-                    e["per_sample_shapes"] = [e["per_sample_shapes"][i] for i in pos.tolist()]
-                sub_schema[f] = e
-            self.backends[k].put(partition_id, local.tolist(), {f: v.take(pos) for f, v in values.items()},
-                                 sub_schema)
+            self.backends[k].put(partition_id, local.tolist(), {f: v.take(pos) for f, v in values.items()}, nested)
 
     def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
-               schema: dict[str, dict[str, Any]], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
+               nested: list[str], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
         if len(set(keys)) != len(keys):
             raise ValueError("Got duplicated keys.")
         if self.n > 1 and values:
@@ -227,14 +220,8 @@ class ShardedBackend:
         merged: list[Any] = [None] * len(keys)
         fields: set[str] | None = None
         for k, pos in self._keys_by_shard(keys).items():
-            sub_schema = {}
-            for f, e in schema.items():
-                e = dict(e)
-                if e.get("per_sample_shapes") is not None:
-                    e["per_sample_shapes"] = [e["per_sample_shapes"][i] for i in pos.tolist()]
-                sub_schema[f] = e
             got = self.backends[k].kv_put(partition_id, [keys[i] for i in pos],
-                                          {f: v.take(pos) for f, v in values.items()}, sub_schema,
+                                          {f: v.take(pos) for f, v in values.items()}, nested,
                                           None if tags is None else [tags[i] for i in pos])
             for i, t in zip(pos.tolist(), got["tags"], strict=True):
                 merged[i] = t

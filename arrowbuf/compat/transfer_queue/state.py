@@ -34,7 +34,7 @@ import numpy as np
 from ...errors import ArrowbufError, InvalidArgument, SchemaError
 from ...store.facade import ExperienceStore
 from .checkpoint import read, write
-from .columns import FieldKind, FieldValues
+from .columns import FieldKind, FieldValues, schema_entry
 from .partition import FieldGroup, FieldInfo, FieldState, IndexManager, Partition, PartitionView, grow
 from .samplers import BaseSampler, SequentialSampler, make_sampler, sampler_spec
 
@@ -195,7 +195,7 @@ class TQState:
             return self._meta(p, found, fields, "force_fetch")
 
     def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
-               schema: dict[str, dict[str, Any]], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
+               nested: list[str], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
         """TransferQueue's KV put (retrieve-or-create the keys, put the values, merge the tags) as one atomic step:
         refused input changes nothing, not even the keys. Returns {"fields": the fields every key has afterwards
         as TransferQueue's returned BatchMeta lists them, "tags": the keys' merged tags}."""
@@ -227,7 +227,7 @@ class TQState:
             before = [f for f in p.field_order if f in p.info and p.produced([f], arr).all()] if not missing else []
             p.indexes.update(fresh)
             try:
-                self.put(partition_id, rows, values, schema)
+                self.put(partition_id, rows, values, nested)
             except BaseException:
                 p.indexes.difference_update(fresh)
                 self.index.release(partition_id, fresh)
@@ -287,9 +287,9 @@ class TQState:
     in_process = True
 
     def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
-            schema: dict[str, dict[str, Any]]) -> None:
+            nested: list[str] | tuple[str, ...] = ()) -> None:
         """Store `values` (n samples each) for samples `gidx` of the partition and register them produced;
-        atomic."""
+        atomic. `nested`: the fields the writer gave as nested tensors (their schema says nested)."""
         if not values:
             return
         arr = np.asarray(gidx, dtype=np.int64)
@@ -314,7 +314,7 @@ class TQState:
             g = p.groups.get(key)
             created = g is None
             if g is None:
-                group = FieldGroup(f"{partition_id}.g{len(p.stores)}", forms, self.capacity)
+                group = FieldGroup(f"{partition_id}.g{len(p.stores)}", forms, self.capacity, rows=len(arr))
                 p.stores.append(group)
                 g = len(p.stores) - 1
             try:
@@ -337,7 +337,7 @@ class TQState:
                 st.seq = grow(st.seq, need, -1)
                 st.group[arr] = g
                 st.seq[arr] = seqs
-                entry = schema.get(f) or {}
+                entry = schema_entry(values[f], f in nested)
                 if f in p.info:
                     p.info[f].update(entry, list(gidx))
                 else:

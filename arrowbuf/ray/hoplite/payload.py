@@ -43,6 +43,8 @@ ALIGN = 64
 PREFIX = len(MAGIC) + 8
 MAX_HEADER = 64 << 20
 MAX_DEPTH = 64
+#: JSON containers ([ and {) a header may hold: far more than any published tree needs (a tensor node is one).
+MAX_BRACKETS = 1 << 20
 
 #: dtype name -> (numpy dtype of the stored bytes, itemsize). bfloat16 has no numpy dtype: numpy sees uint16.
 DTYPES: dict[str, tuple[str, int]] = {
@@ -185,10 +187,13 @@ def read_header(buf: Any) -> tuple[dict, int]:
     (hlen,) = struct.unpack_from("<Q", mv, len(MAGIC))
     if hlen > MAX_HEADER or PREFIX + hlen > len(mv):
         raise BroadcastRefused(f"broadcast header of {hlen} bytes does not fit the payload ({len(mv)} bytes)")
+    raw = bytes(mv[PREFIX:PREFIX + hlen])
+    if raw.count(b"[") + raw.count(b"{") > MAX_BRACKETS:  # nesting is bounded below; this bounds the parse
+        raise BroadcastRefused(f"broadcast header has more than {MAX_BRACKETS} JSON containers")
     try:
-        head = json.loads(bytes(mv[PREFIX:PREFIX + hlen]))
-    except ValueError as exc:
-        raise BroadcastRefused(f"broadcast header is not JSON: {exc}") from exc
+        head = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; deep nesting recurses
+        raise BroadcastRefused(f"broadcast header is not JSON: {str(exc)[:200]}") from None
     if not isinstance(head, dict) or head.get("format") != FORMAT or "data" not in head:
         raise BroadcastRefused(f"broadcast header has no {FORMAT} tree")
     return head["data"], _align(PREFIX + hlen)
@@ -204,10 +209,11 @@ def _span(n: dict, start: int, size: int) -> tuple[int, int]:
 
 def _tensor_spec(n: dict) -> tuple[str, list[int]]:
     dtype, shape = n.get("dtype"), n.get("shape")
-    if dtype not in DTYPES:
-        raise BroadcastRefused(f"broadcast header: unknown dtype {dtype!r}")
-    if not (isinstance(shape, list) and len(shape) <= 64 and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise BroadcastRefused(f"broadcast header: bad shape {shape!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise BroadcastRefused(f"broadcast header: unknown dtype {str(dtype)[:40]!r}")
+    if not (isinstance(shape, list) and len(shape) <= 64
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in shape)):
+        raise BroadcastRefused(f"broadcast header: bad shape {str(shape)[:80]}")
     if math.prod(shape) * DTYPES[dtype][1] != n.get("nbytes"):
         raise BroadcastRefused(f"broadcast header: shape {shape} of {dtype} is not {n.get('nbytes')} bytes")
     return dtype, shape
@@ -218,7 +224,19 @@ def decode(buf: Any, *, torch_views: bool = False, allow_pickle: bool = False) -
 
     `torch_views`: tensors become torch tensors (`buf` must be writable: map the file copy-on-write, so a write
     stays private to this process); else read-only numpy arrays. A pickled leaf needs `allow_pickle` (a warning).
+
+    Raises:
+        BroadcastRefused: anything malformed in the header or the body; never another error.
     """
+    try:
+        return _decode(buf, torch_views, allow_pickle)
+    except BroadcastRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - anything a malformed payload provokes is a refusal, never a crash
+        raise BroadcastRefused(f"broadcast payload refused: {type(exc).__name__}: {str(exc)[:200]}") from exc
+
+
+def _decode(buf: Any, torch_views: bool, allow_pickle: bool) -> Any:
     mv = memoryview(buf).cast("B")
     tree, start = read_header(mv)
     size = len(mv)
@@ -242,6 +260,8 @@ def decode(buf: Any, *, torch_views: bool = False, allow_pickle: bool = False) -
         if depth > MAX_DEPTH or not isinstance(n, dict):
             raise BroadcastRefused("broadcast header: malformed tree")
         k = n.get("k")
+        if not isinstance(k, str):
+            raise BroadcastRefused("broadcast header: a node kind is not a string")
         if k == "tensor":
             return tensor(n)
         if k == "json":
@@ -254,7 +274,7 @@ def decode(buf: Any, *, torch_views: bool = False, allow_pickle: bool = False) -
         if k in ("list", "tuple") and isinstance(n.get("items"), list):
             items = [walk(v, depth + 1) for v in n["items"]]
             return tuple(items) if k == "tuple" else items
-        if k == "arrow" and n.get("type") in ("table", "batch"):
+        if k == "arrow" and n.get("type") in ("table", "batch") and isinstance(n.get("type"), str):
             import pyarrow as pa
 
             off, nbytes = _span(n, start, size)
@@ -263,8 +283,8 @@ def decode(buf: Any, *, torch_views: bool = False, allow_pickle: bool = False) -
                 reader = pa.ipc.open_stream(src)
                 out = reader.read_all() if n["type"] == "table" else reader.read_next_batch()
                 out.validate(full=False)
-            except (pa.ArrowInvalid, StopIteration) as exc:
-                raise BroadcastRefused(f"broadcast payload: bad Arrow stream: {exc}") from exc
+            except (pa.ArrowException, OSError, StopIteration) as exc:  # wrong bytes: invalid, unimplemented, IO
+                raise BroadcastRefused(f"broadcast payload: bad Arrow stream: {str(exc)[:200]}") from exc
             return out
         if k == "pickle":
             off, nbytes = _span(n, start, size)

@@ -287,13 +287,15 @@ class Relay:
         """This relay's process id (failure injection: a benchmark kills it with SIGKILL, as a crash would)."""
         return os.getpid()
 
-    async def address(self) -> tuple[str, int]:
-        """(host, port) of this relay's bucket server (started on first call, bound to the node's IP): receivers
-        stream buckets from it (`wire.py`)."""
+    async def address(self, host: str | None = None) -> tuple[str, int]:
+        """(host, port) of this relay's bucket server (started on first call, bound to `host`, by default the node's
+        IP): receivers stream buckets from it (`wire.py`)."""
         if self._addr is None:
-            import ray
+            if host is None:
+                import ray
 
-            self._lsock = wire.listen(ray.util.get_node_ip_address())
+                host = str(ray.util.get_node_ip_address())
+            self._lsock = wire.listen(host)
             host, port = self._lsock.getsockname()[:2]
             self._addr = (str(host), int(port))
             self._spawn(self._accept())

@@ -21,7 +21,7 @@ Layout: one directory per store, ``/dev/shm/arrowbuf.<name>/`` (``$ARROWBUF_SHM_
     lease.<pid>-..  one per open handle (process), flock'ed while it is open (listing; pruned by the janitor)
 
 The store above keeps more state in arenas of the same kind: consumption per task, its leases and the Group sampler's
-drops (`arena.consume.*`, `arena.sampler.group.*`: `arrowbuf.store.consume_state`, `arrowbuf.store.shared_leases`).
+drops (`arena.consume.*`, `arena.sampler.group.*`: `arrowbuf.engine.consume_state`, `arrowbuf.engine.shared_leases`).
 
 Plain files rather than `multiprocessing.shared_memory`: on Python 3.11 its resource tracker unlinks a segment when
 any process that attached to it exits.

@@ -91,13 +91,7 @@ def _short(v: Any) -> str:
 def _check_values(m: dict[str, Any], name: str) -> None:
     if m.get("name") != name:
         raise _Bad(f"names the store {_short(m.get('name'))}, not {name!r}")
-    _need(m, "schema", (dict,), "a schema object")
-    _int(m, "capacity", 1, 1 << 45)
-    _int(m, "chunk_rows", 1, 1 << 45)
-    _int(m, "final_obs_capacity", 0, 1 << 45, optional=True)
-    _int(m, "max_times_sampled", 1, 1 << 31, optional=True)
-    for key in ("sampler", "rate_limiter"):
-        _need(m, key, (dict, type(None)), "a spec object or null")
+    _need(m, "schema", (dict,), "a schema object")  # the store's options: `StoreOptions.from_dict` checks them
     owner = _need(m, "owner", (dict,), "an object with pid and start_time")
     _int(owner, "pid", 0, 1 << 31)
     _int(owner, "start_time", 0, 1 << 62)

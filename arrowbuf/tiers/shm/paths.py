@@ -8,6 +8,7 @@ import os
 import re
 from typing import Any
 
+from ... import config
 from ...errors import InvalidArgument
 
 #: Version of the on-disk layout (manifest, file names); attach refuses other versions.
@@ -27,8 +28,8 @@ LOCK_SLOTS = 16
 
 
 def shm_root(root: str | os.PathLike[str] | None = None) -> str:
-    """The directory shared stores live in: `root`, else ``$ARROWBUF_SHM_DIR``, else /dev/shm."""
-    return os.fspath(root) if root is not None else os.environ.get("ARROWBUF_SHM_DIR", "/dev/shm")
+    """The directory shared stores live in: `root`, else ``$ARROWBUF_SHM_DIR`` (`arrowbuf.config`), else /dev/shm."""
+    return os.fspath(root) if root is not None else str(config.get("ARROWBUF_SHM_DIR"))
 
 
 def store_path(name: str, root: str | os.PathLike[str] | None = None) -> str:

@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from ... import config
 from ...errors import ArrowbufError, OutOfSpace, StoreClosed, StoreCorrupt, StoreExists, StoreNotFound
 from ..base import Tier
 from .janitor import drop_lease, gc, live_leases, reclaim_if_stale, remove_dir, take_lease
@@ -66,7 +67,7 @@ class SharedMemoryTier(Tier):
         self._maps: dict[str, mmap.mmap] = {}
         self._locks: dict[str, RobustMutex | FlockLock] = {}
         info = self.manifest.get("locks", {})
-        use_flock = os.environ.get("ARROWBUF_SHM_LOCKS") == "flock" or pthread_lib() is None
+        use_flock = config.get("ARROWBUF_SHM_LOCKS") == "flock" or pthread_lib() is None
         self._lock_kind = info.get("kind") if not fresh else ("flock" if use_flock else "pthread")
         self._lock_slots: dict[str, int] = dict(info.get("slots", {}))
         self._lock_mem: np.ndarray | None = None

@@ -1,0 +1,109 @@
+"""Run the generated TorchRL suite (generate.py) over ArrowbufStorage and LazyTensorStorage and count the outcomes.
+
+    python tests/compat/torchrl_suite/run.py [--out DIR] [--timeout 60] [--file test_storages.py ...]
+
+Each test file runs in its own pytest process (one at a time), under report_plugin's per-phase time limit and a
+whole-file limit; a file killed by the latter reports its unfinished tests as "timeout". Only the tests whose
+parametrization names one of the two storages run (`-k`). Nothing is fetched: the suite is upstream/ plus the
+mechanical edit of generate.py. Prints passed/failed/skipped/timeout per storage and, with --compare, every
+ArrowbufStorage test that fails where its LazyTensorStorage twin passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent.parent.parent
+sys.path.insert(0, str(HERE))
+
+from generate import generate  # noqa: E402
+
+OURS, PEER = "ArrowbufStorage", "LazyTensorStorage"
+
+
+def run(out: pathlib.Path, files: list[str] | None = None, timeout: float = 60.0,
+        file_timeout: float = 3600.0, root: pathlib.Path = ROOT, sum_trees: bool = False) -> list[dict]:
+    """Generate the suite into `out`, run it with arrowbuf imported from `root`, and return the report's records
+    (one per test)."""
+    added = generate(out)
+    shutil.copy(HERE / "report_plugin.py", out / "report_plugin.py")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(out), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    records: list[dict] = []
+    for name in files or sorted(added):
+        report = out / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "pytest", "-p", "report_plugin", f"--ab-report={report}",
+               f"--ab-timeout={timeout}", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+               "-k", f"{OURS} or {PEER}", f"rb/{name}", *(["--ab-sum-trees"] if sum_trees else [])]
+        try:
+            subprocess.run(cmd, cwd=out, env=env, timeout=file_timeout, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+            killed = False
+        except subprocess.TimeoutExpired:
+            killed = True
+        got = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+        if killed:  # the tests it never finished: collect them and report them as timeouts
+            done = {r["nodeid"] for r in got}
+            listed = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "report_plugin",
+                                     "-k", f"{OURS} or {PEER}", f"rb/{name}"], cwd=out, env=env,
+                                    capture_output=True, text=True).stdout.splitlines()
+            for nid in (x for x in listed if "::" in x and x not in done):
+                st = OURS if OURS in nid else PEER if PEER in nid else None
+                got.append({"nodeid": nid, "twin": nid.replace(OURS, PEER), "storage": st, "outcome": "timeout",
+                            "message": "the file's run was killed"})
+        records.extend(got)
+    return records
+
+
+def counts(records: list[dict]) -> dict[str, Counter]:
+    out: dict[str, Counter] = {OURS: Counter(), PEER: Counter()}
+    for r in records:
+        if r["storage"] in out:
+            out[r["storage"]][r["outcome"]] += 1
+    return out
+
+
+def regressions(records: list[dict]) -> dict[str, str]:
+    """ArrowbufStorage tests that failed (or timed out) where their LazyTensorStorage twin passed: {nodeid: message}.
+    A test that skips itself for a storage other than LazyTensorStorage (as `test_extend_sample_recompile` does)
+    is not counted."""
+    peer = {r["nodeid"]: r["outcome"] for r in records if r["storage"] == PEER}
+    return {r["nodeid"]: f"{r['outcome']}: {r['message']}" for r in records
+            if r["storage"] == OURS and r["outcome"] in ("failed", "timeout") and peer.get(r["twin"]) == "passed"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--file", nargs="*", default=None)
+    p.add_argument("--compare", action="store_true")
+    p.add_argument("--json", type=pathlib.Path, default=None, help="write every record here")
+    p.add_argument("--root", type=pathlib.Path, default=ROOT, help="import arrowbuf from here (default: this checkout)")
+    p.add_argument("--sum-trees", action="store_true", help="TorchRL's PrioritizedSampler on arrowbuf's sum trees")
+    args = p.parse_args(argv)
+    out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="torchrl_suite_"))
+    records = run(out, args.file, args.timeout, root=args.root, sum_trees=args.sum_trees)
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=0))
+    for storage, c in counts(records).items():
+        print(f"{storage:18} " + "  ".join(f"{k} {c[k]}" for k in ("passed", "failed", "skipped", "timeout")))
+    if args.compare:
+        for nid, msg in sorted(regressions(records).items()):
+            print(f"REGRESSION {nid}  {msg}")
+    if args.out is None:
+        shutil.rmtree(out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
