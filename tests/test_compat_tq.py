@@ -12,6 +12,7 @@ import multiprocessing as mp
 import threading
 from typing import Any
 
+import numpy as np
 import pyarrow.dataset as pads
 import pyarrow.flight as flight
 import pytest
@@ -81,6 +82,33 @@ def test_kv_put_then_get_by_key_every_kind(system: str) -> None:
     assert got.get("text").tolist() == ["world", "héllo"] and got.get("raw").tolist() == [b"z", b"\x00\xff"]
     one = tq.kv_batch_get(keys="k1", partition_id="train", select_fields=["input_ids", "obs"])
     assert set(one.keys()) == {"input_ids", "obs"} and rows(one["input_ids"]) == [[10, 11, 12, 13, 14]]
+
+
+def test_every_dtype_and_json_values_round_trip_exactly(system: str) -> None:
+    """bfloat16, float8, complex (arrowbuf's logical dtypes) and JSON values (chat messages: dicts, lists, None)
+    through put and get, in one process and over Flight; numpy strings and bytes keep their numpy type."""
+    bf16 = torch.randn(3, 4).to(torch.bfloat16)
+    f8 = torch.randn(3, 2).to(torch.float8_e5m2)
+    cplx = torch.randn(3, dtype=torch.complex128)
+    msgs = [[{"role": "user", "content": "hi"}], {"tool": None, "args": [1, 2.5]}, None]
+    ragged = torch.nested.as_nested_tensor([torch.randn(n).to(torch.bfloat16) for n in (1, 4, 2)],
+                                           layout=torch.jagged)
+    fields = TensorDict({"bf16": bf16, "f8": f8, "c": cplx, "msgs": NonTensorStack(*msgs), "rag": ragged,
+                         "b": tensordict.NonTensorData(np.array([b"x", b"yy", b"z"], dtype="|S3"), batch_size=[3])},
+                        batch_size=3)
+    tq.kv_batch_put(keys=["a", "b", "c"], partition_id="p", fields=fields)
+    got = tq.kv_batch_get(keys=["c", "a", "b"], partition_id="p")
+    order = [2, 0, 1]
+    assert got["bf16"].dtype == torch.bfloat16 and all(
+        torch.equal(x, bf16[i]) for x, i in zip(got["bf16"].unbind(0), order, strict=True))
+    assert got["f8"].dtype == torch.float8_e5m2 and all(
+        torch.equal(x.view(torch.uint8), f8[i].view(torch.uint8)) for x, i in zip(got["f8"].unbind(0), order,
+                                                                                   strict=True))
+    assert got["c"].dtype == torch.complex128 and torch.equal(got["c"], cplx[order])
+    assert got.get("msgs").tolist() == [msgs[i] for i in order]
+    assert [x.tolist() for x in got["rag"].unbind(0)] == [ragged.unbind(0)[i].tolist() for i in order]
+    raw = got.get("b").tolist()
+    assert raw == [b"z", b"x", b"yy"] and all(type(v) is np.bytes_ for v in raw)
 
 
 def test_dense_output_is_an_opt_in() -> None:
@@ -327,11 +355,11 @@ def test_bad_input_is_a_clear_error_and_nothing_is_written(system: str) -> None:
     with pytest.raises(SchemaError, match="keeps its kind"):  # nor may it turn into text
         tq.kv_batch_put(keys=["a"], partition_id="p", fields={"x": ["s"]})
     unchanged()
-    with pytest.raises(SchemaError, match="bfloat16 cannot be stored exactly"):  # never stored as something else
-        tq.kv_batch_put(keys=["a"], partition_id="p", fields={"z": torch.ones(1, dtype=torch.bfloat16)})
-    with pytest.raises(SchemaError, match="dict cannot be stored exactly"):  # no pickle: JSON columns to come
+    with pytest.raises(SchemaError, match="complex32 cannot be stored exactly"):  # never stored as something else
+        tq.kv_batch_put(keys=["a"], partition_id="p", fields={"z": torch.ones(1, dtype=torch.complex32)})
+    with pytest.raises(SchemaError, match="tuple"):  # no pickle: a JSON value, or refused (a tuple would be a list)
         tq.kv_batch_put(keys=["a"], partition_id="p", fields=TensorDict(
-            {"msg": NonTensorStack({"role": "user"})}, batch_size=1))
+            {"msg": NonTensorStack({"role": ("user",)})}, batch_size=1))
     with pytest.raises(SchemaError, match="mixed value types"):
         tq.kv_batch_put(keys=["a", "b"], partition_id="p", fields={"z": ["s", b"b"]})
     with pytest.raises(SchemaError, match="batch"):

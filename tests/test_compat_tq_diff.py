@@ -3,8 +3,8 @@ arrowbuf.compat.transfer_queue give the same values, dtypes, nested-ness, key or
 
 TransferQueue always runs its controller and storage as Ray actors, so its side needs a Ray cluster (the session's,
 `ray_cluster`); arrowbuf's side runs in process, and again inside Ray (its system in the TransferQueueController
-actor). The sequences stay inside what both store (tensors of the dtypes arrowbuf keeps, str values) and use
-polling_mode, as TransferQueue's own e2e tests do; a field's shape changes between puts (so it turns nested/ragged).
+actor). The sequences put tensors (float32, int64, bool, bfloat16), str values and JSON values (chat-message dicts), use
+polling_mode, as TransferQueue's own e2e tests do, and change a field's shape between puts (so it turns nested).
 Skips only when transferqueue is not installed (scripts/setup.sh installs it)."""
 
 from __future__ import annotations
@@ -37,11 +37,16 @@ def _field(name: str, n: int, rng: random.Random) -> Any:
                                               for i in range(n)], layout=torch.jagged)
     if name == "flag":
         return torch.tensor([rng.random() < 0.5 for _ in range(n)])
+    if name == "bf":
+        return torch.randn(n, 2).to(torch.bfloat16)
+    if name == "msg":
+        return NonTensorStack(*[{"role": rng.choice(["user", "assistant"]), "n": rng.randint(0, 9),
+                                 "tools": [rng.random()] * rng.randint(0, 2)} for _ in range(n)])
     return NonTensorStack(*[f"s{rng.randint(0, 9)}" for _ in range(n)])
 
 
 def _fields(rng: random.Random, n: int, names: list[str] | None = None) -> Any:
-    names = names or rng.sample(["dense", "scalar", "jag", "flag", "text"], rng.randint(1, 3))
+    names = names or rng.sample(["dense", "scalar", "jag", "flag", "text", "bf", "msg"], rng.randint(1, 3))
     return TensorDict({f: _field(f, n, rng) for f in names}, batch_size=n)
 
 
@@ -65,7 +70,7 @@ def program(seed: int, steps: int = 40) -> list[tuple[str, dict[str, Any]]]:
                              "tag": {"j": rng.randint(0, 9)}}))
         elif op == "kv_batch_get":
             keys = rng.sample(KEYS + ["nope"], rng.randint(1, 4))
-            sel = rng.choice([None, None, ["scalar"], "dense", ["jag", "text"]])
+            sel = rng.choice([None, None, ["scalar"], "dense", ["jag", "text"], ["bf", "msg"]])
             ops.append((op, {"keys": keys, "partition_id": pid, "select_fields": sel}))
         elif op == "kv_list":
             ops.append((op, {"partition_id": rng.choice([None, pid])}))

@@ -28,6 +28,7 @@ from tests.test_compat_tq import (  # noqa: E402, F401
     rows,
     test_a_field_whose_shape_changes_becomes_ragged,
     test_async_twins,
+    test_every_dtype_and_json_values_round_trip_exactly,
     test_fields_added_to_existing_keys_and_gets_return_the_common_fields,
     test_grpo_sampler_gives_whole_groups,
     test_kv_put_of_a_plain_dict_adds_the_batch_dimension,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import tq_suite
 
-#: test id -> why it fails (the TransferQueue internal it reads, or the arrowbuf feature it waits for)
+#: test id -> why it fails (the TransferQueue internal it reads)
 EXPECTED_FAILURES = {
     "tests/test_metadata.py::TestStorageUnitDataStrict::test_put_data_length_mismatch_raises":
         "reads transfer_queue.storage.simple_storage.StorageUnitData (SimpleStorage's unit internals)",
@@ -27,29 +27,12 @@ EXPECTED_FAILURES = {
     "tests/e2e/test_ssd_offload_e2e.py::test_checkpoint_round_trip_recreates_ssd_data":
         "counts SimpleStorage's SSD offload files (*.pkl.blobs/*.bin, transfer_queue_ssd_offload/)",
 }
-#: bfloat16 tensors and dicts, refused until arrowbuf's logical dtypes and JSON columns are in (issue 40)
-NEEDS_LOGICAL_DTYPES = {
-    f"tests/e2e/test_e2e_lifecycle_consistency.py::{name}" for name in (
-        "test_core_consistency", "test_cross_shard_complex_update", "test_custom_metadata_persistence",
-        "test_reset_consumption", "test_clear_partition", "test_retrieved_data_writability_and_memory_safety")}
-
-
-def _logical_dtypes() -> bool:
-    """Whether this build stores bfloat16 exactly (the compat layer's dtype seam)."""
-    from arrowbuf.compat.transfer_queue.columns import storage_dtype
-    from arrowbuf.errors import SchemaError
-
-    try:
-        storage_dtype("probe", "bfloat16")
-    except SchemaError:
-        return False
-    return True
 
 
 @pytest.mark.slow
 def test_transfer_queues_own_suite_passes_with_the_import_swapped() -> None:
     result = tq_suite.run("arrowbuf")
-    expected = set(EXPECTED_FAILURES) | (set() if _logical_dtypes() else NEEDS_LOGICAL_DTYPES)
+    expected = set(EXPECTED_FAILURES)
     failed = set(result.ids("failed"))
     counts = result.counts()
     assert sum(counts.values()) == 204, f"expected the 204 tests of the seven files, got {counts}\n{result.output}"

@@ -1,30 +1,35 @@
 """TransferQueue fields <-> arrowbuf columns, exactly or not at all.
 
 TransferQueue is schema-free: a field is whatever the writer passed, sample by sample. arrowbuf stores typed columns,
-so a field has a `FieldKind` (what one sample is: a tensor of a dtype, a str, bytes, ...) fixed by its first put into
-a partition, and a put's values of one field travel and are stored as `FieldValues`:
+so a field has a `FieldKind` (what one sample is: a tensor of a dtype, a str, bytes, a JSON value) fixed by its first
+put into a partition, and a put's values of one field travel and are stored as `FieldValues`:
 
 | TransferQueue value (a batch of B)                  | kind                | stored as                              |
 |-----------------------------------------------------|---------------------|----------------------------------------|
-| dense tensor `[B, *S]` (bool, ints, floats)         | `tensor`            | `[B, *S]` (scalar or fixed-shape)      |
+| dense tensor `[B, *S]` of any dtype arrowbuf keeps  | `tensor`            | `[B, *S]` (scalar or fixed-shape)      |
+| (bool, ints, floats, float16, bfloat16, float8,     |                     |                                        |
+| complex)                                            |                     |                                        |
 | nested tensor (jagged, strided), B tensors of       | `tensor`            | `list<dtype>` of the flattened samples |
 | varying shapes                                      |                     | plus each sample's shape (ragged)      |
 | `NonTensorStack`/list of str, np.str_, bytes,       | `str`, `npstr`,     | `list<uint8>` of UTF-8 / raw bytes     |
 | np.bytes_                                           | `bytes`, `npbytes`  |                                        |
+| `NonTensorStack`/`NonTensorData` of dicts, lists,   | `json`              | a JSON column (`dtype: json`)          |
+| numbers, None (chat messages, tool calls)           |                     |                                        |
 
-A field whose per-sample shape changes between puts becomes ragged for that field from then on (the partition's
-state decides; the values of the earlier puts stay where they are).
+bfloat16, the float8 formats and complex are arrowbuf's logical dtypes (`arrowbuf.schema.dtypes`: their bits, or
+(real, imaginary) pairs, under an Arrow extension type); JSON values are `arrowbuf.schema.jsonvalues`'s, exactly or
+not at all (no pickle). A field whose per-sample shape changes between puts becomes ragged for that field from then
+on (the partition's state decides; the values of the earlier puts stay where they are).
 
 Read back, a field comes as TransferQueue 0.1.11 returns it: samples that are 0-dim tensors as one `[B]` tensor,
 every other tensor field as a jagged nested tensor (a strided one where two dimensions vary, a `NonTensorStack` of
 tensors where ranks differ), non-tensor fields as a `NonTensorStack`. `output="dense"` (`tq.init({"arrowbuf":
 {"output": "dense"}})`) returns a tensor field whose samples share one shape as a dense `[B, *S]` tensor instead.
 
-Refused with `SchemaError` (nothing is written): dtypes arrowbuf cannot store exactly yet (bfloat16, the float8
-formats, complex: `storage_dtype` is the seam where arrowbuf's logical dtypes plug in) and non-tensor values other
-than str and bytes (dicts, lists, numbers: `json_values` is the seam for arrowbuf's JSON columns); mixed value types
-in one field; a batch dimension that disagrees with the keys; a later put whose kind or dtype differs from the
-field's first put.
+Refused with `SchemaError` (nothing is written): dtypes arrowbuf cannot keep exactly (`storage_dtype`: float4,
+complex32, quantized types), values that are no JSON value (a tuple, a set, a non-string dict key, NaN in JSON, an
+object: `json_values`), mixed value types in one field, a batch dimension that disagrees with the keys, and a later
+put whose kind or dtype differs from the field's first put.
 
 torch is needed (TransferQueue's values are tensors); tensordict is optional: without it, plain dicts of tensors go
 in and come out (non-tensor fields as lists).
@@ -40,6 +45,7 @@ import numpy as np
 import pyarrow as pa
 
 from ...errors import SchemaError
+from ...schema import dtypes as _logical
 from ...schema.spec import DTYPES
 
 #: What one sample of a field is.
@@ -80,7 +86,7 @@ class FieldKind:
     def from_json(cls, value: Any) -> FieldKind:
         """Parse `to_json`'s output; raises SchemaError on anything else (remote input)."""
         if (not isinstance(value, list) or len(value) != 2 or value[0] not in KINDS
-                or not isinstance(value[1], str) or (value[0] == "tensor" and value[1] not in DTYPES)):
+                or not isinstance(value[1], str) or (value[0] == "tensor" and value[1] not in TENSOR_DTYPES)):
             raise SchemaError(f"bad field kind {value!r}")
         return cls(value[0], value[1])
 
@@ -88,39 +94,47 @@ class FieldKind:
         return f"{self.dtype} tensors" if self.kind == "tensor" else f"{self.kind} values"
 
 
-# ---------------------------------------------------------------------- the seams for arrowbuf's logical dtypes
-def storage_dtype(where: str, dtype: Any) -> str:
-    """The dtype name a tensor field of `dtype` (torch or numpy) is stored under, or SchemaError.
+# ---------------------------------------------------------------------- arrowbuf's logical dtypes and JSON values
+#: What a tensor field may hold: numpy's dtypes (complex included) and the ones numpy lacks, kept as their bits
+#: (bfloat16, the float8 formats: `arrowbuf.schema.dtypes`).
+TENSOR_DTYPES = frozenset(DTYPES) | frozenset(_logical.BITS)
 
-    The seam for arrowbuf's logical dtypes: bfloat16, float8 and complex fields are refused here until the store
-    keeps them exactly (as Arrow extension types); then this maps them to their store dtype, and `to_numpy` /
-    `tensor_of` view their bits."""
+
+def storage_dtype(where: str, dtype: Any) -> str:
+    """The dtype name a tensor field of `dtype` (torch or numpy) is stored under, or SchemaError (a dtype arrowbuf
+    cannot keep exactly: float4, complex32, quantized types; nothing is ever stored as another dtype)."""
     name = str(dtype).replace("torch.", "")
-    if name in DTYPES:
+    if name in TENSOR_DTYPES:
         return name
-    raise SchemaError(f"field {where!r}: dtype {name} cannot be stored exactly by this arrowbuf build (it keeps "
-                      f"{', '.join(sorted(DTYPES))}); nothing was written. Cast explicitly if a different dtype is "
-                      "acceptable, e.g. .float() for bfloat16")
+    raise SchemaError(f"field {where!r}: dtype {name} cannot be stored exactly (arrowbuf keeps "
+                      f"{', '.join(sorted(TENSOR_DTYPES))}); nothing was written. Cast explicitly if a different "
+                      "dtype is acceptable")
 
 
 def json_values(where: str, values: list[Any]) -> FieldValues:
-    """Non-tensor values other than str and bytes (dicts, lists, numbers: chat messages, tool calls).
+    """Non-tensor values other than str and bytes (dicts, lists, numbers, None: chat messages, tool calls) as a
+    JSON field (`arrowbuf.schema.jsonvalues`: each value's JSON text, exactly or not at all: a tuple, a set, a
+    non-string key, NaN or an object is refused with a SchemaError naming the field and row; nothing is pickled)."""
+    from ...delivery import ragged as _ragged
+    from ...schema import jsonvalues
 
-    The seam for arrowbuf's JSON columns: refused until the store keeps JSON values exactly; nothing is pickled."""
-    kinds = sorted({type(v).__name__ for v in values})
-    raise SchemaError(f"field {where!r}: non-tensor values of type {', '.join(kinds)} cannot be stored exactly by "
-                      "this arrowbuf build (it stores tensors, str and bytes; JSON values need arrowbuf's JSON "
-                      "columns); nothing was written. Serialize them to str (e.g. json.dumps) if that is acceptable")
+    flat, offsets = _ragged.flat(jsonvalues.encode(f"field {where!r}", values))
+    return FieldValues(FieldKind("json", "json"), len(values), flat=flat, offsets=offsets)
 
 
 def to_numpy(where: str, tensor: Any) -> np.ndarray:
-    """A CPU torch tensor's values as numpy (zero-copy when contiguous on the CPU), its dtype checked."""
-    storage_dtype(where, tensor.dtype)
+    """A CPU torch tensor's values as numpy (zero-copy when contiguous on the CPU): a dtype numpy lacks as its
+    bits (`arrowbuf.schema.dtypes`), its dtype checked."""
+    name = storage_dtype(where, tensor.dtype)
+    if name in _logical.BITS:
+        return _logical.tensor_numpy(tensor, name)
     return tensor.detach().cpu().contiguous().numpy()
 
 
-def tensor_of(arr: np.ndarray) -> Any:
-    """A torch tensor over `arr` (which the caller may hand out writable)."""
+def tensor_of(arr: np.ndarray, dtype: str = "") -> Any:
+    """A torch tensor of `dtype` over `arr` (its physical values, which the caller may hand out writable)."""
+    if dtype in _logical.BITS:
+        return _logical.torch_view(arr, dtype)
     return torch_module().from_numpy(arr)
 
 
@@ -164,8 +178,13 @@ class FieldValues:
                            offsets=np.arange(self.n + 1, dtype=np.int64) * per, shapes=self.sample_shapes())
 
     def to_arrow(self) -> pa.Array:
-        """The Arrow column these values travel and are stored as (zero-copy where numpy allows)."""
+        """The Arrow column these values travel and are stored as (zero-copy where numpy allows): a dtype numpy
+        lacks, and complex, as arrowbuf's extension type over the physical values."""
+        name = self.kind.dtype
+        logical = self.kind.kind == "tensor" and name in _logical.NAMES
         if self.dense is not None:
+            if logical:
+                return _logical.to_arrow(_logical.arrow_type(name, tuple(self.dense.shape[1:])), self.dense)
             if self.dense.ndim == 1:
                 return pa.array(self.dense)
             if self.n == 0 or 0 in self.dense.shape[1:]:
@@ -175,28 +194,42 @@ class FieldValues:
                 return pa.ExtensionArray.from_storage(typ, storage)
             return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(self.dense))
         assert self.flat is not None and self.offsets is not None
-        offsets = self.offsets
-        if offsets[-1] < 2**31:
-            return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(self.flat))
-        return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(self.flat))
+        child = (_logical.to_arrow(_logical.arrow_type(name, ()), self.flat) if logical
+                 else pa.array(self.flat))
+        if self.offsets[-1] < 2**31:
+            return pa.ListArray.from_arrays(pa.array(self.offsets.astype(np.int32)), child)
+        return pa.LargeListArray.from_arrays(pa.array(self.offsets), child)
 
     @classmethod
     def from_arrow(cls, kind: FieldKind, col: Any, shapes: list[tuple[int, ...]] | None,
                    writable: bool = False) -> FieldValues:
-        """Values from an Arrow column (`to_arrow`'s forms); `writable`: the column's memory is this caller's alone
-        (a gather's output, a received message), so the arrays may be handed out writable without a copy."""
+        """Values from an Arrow column (`to_arrow`'s forms, or a store's: JSON as `arrow.json`); `writable`: the
+        column's memory is this caller's alone (a gather's output, a received message), so the arrays may be
+        handed out writable without a copy."""
         from ...delivery import ragged as _ragged
         from ...flight.messages import received
+        from ...schema import jsonvalues
         from ...schema.convert import tensor_to_numpy
 
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         n = len(col)
+        if jsonvalues.is_text_type(col.type) or isinstance(col.type, pa.JsonType):
+            col = jsonvalues.to_physical(col)
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            if _logical.is_logical(col.type.value_type):
+                col = _logical.unwrap_list(col)
+            if pa.types.is_fixed_size_list(col.type.value_type):  # complex: (real, imaginary) pairs
+                offsets = np.asarray(col.offsets, dtype=np.int64)
+                pairs, _ = _logical.storage_values(col.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0])))
+                flat = np.ascontiguousarray(pairs).view(np.dtype(kind.dtype))
+                return cls(kind, n, flat=flat, offsets=offsets - offsets[0], shapes=shapes)
             flat, offsets = _ragged.flat(col, writable=writable)
             if writable:
                 flat = received(flat)
             return cls(kind, n, flat=flat, offsets=offsets, shapes=shapes)
-        if isinstance(col.type, pa.FixedShapeTensorType):
+        if _logical.is_logical(col.type):
+            dense = _logical.to_physical(col)
+        elif isinstance(col.type, pa.FixedShapeTensorType):
             dense = tensor_to_numpy(col).reshape((n, *col.type.shape))
         else:
             dense = col.to_numpy(zero_copy_only=False)
@@ -248,6 +281,10 @@ class FieldValues:
         assert self.flat is not None and self.offsets is not None
         raw = np.ascontiguousarray(self.flat).tobytes()
         items = [raw[s:e] for s, e in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist(), strict=True)]
+        if self.kind.kind == "json":
+            from ...schema import jsonvalues
+
+            return [jsonvalues.loads_checked("a JSON field", b) for b in items]
         if self.kind.kind == "str":
             return [b.decode("utf-8") for b in items]
         if self.kind.kind == "npstr":
@@ -281,17 +318,18 @@ def _text(where: str, values: list[Any]) -> FieldValues | None:
 def tensors_values(where: str, parts: list[Any]) -> FieldValues:
     """B tensors (or numeric arrays), one per sample, as one field (dense when they share a shape)."""
     torch = torch_module()
-    arrays = [to_numpy(where, p) if isinstance(p, torch.Tensor) else np.asarray(p) for p in parts]
-    dtypes = {a.dtype.name for a in arrays}
+    dtypes = {storage_dtype(where, p.dtype) for p in parts}
     if len(dtypes) > 1:
         raise SchemaError(f"field {where!r}: mixed dtypes {sorted(dtypes)} in one batch; a field has one dtype; "
                           "nothing was written")
-    dtype = storage_dtype(where, dtypes.pop() if dtypes else "float32")
+    arrays = [to_numpy(where, p) if isinstance(p, torch.Tensor) else np.asarray(p) for p in parts]
+    dtype = dtypes.pop() if dtypes else "float32"
     kind = FieldKind("tensor", dtype)
     shapes = [tuple(int(d) for d in a.shape) for a in arrays]
     if len(set(shapes)) <= 1:
         shape = shapes[0] if shapes else ()
-        return FieldValues(kind, len(arrays), dense=np.stack(arrays) if arrays else np.zeros((0, *shape), dtype))
+        physical = _logical.physical_dtype(dtype) if dtype in _logical.BITS else np.dtype(dtype)
+        return FieldValues(kind, len(arrays), dense=np.stack(arrays) if arrays else np.zeros((0, *shape), physical))
     offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum([a.size for a in arrays], out=offsets[1:])
     return FieldValues(kind, len(arrays), flat=np.concatenate([a.reshape(-1) for a in arrays]), offsets=offsets,
@@ -306,7 +344,7 @@ def _nested(where: str, value: Any) -> FieldValues:
         offsets = value.offsets().detach().cpu().numpy().astype(np.int64)
         rest = tuple(int(d) for d in values.shape[1:])
         lens = np.diff(offsets)
-        flat = values.contiguous().numpy()[offsets[0]:offsets[-1]]
+        flat = to_numpy(where, values)[offsets[0]:offsets[-1]]
         kind = FieldKind("tensor", storage_dtype(where, value.dtype))
         n = len(lens)
         if n and (lens == lens[0]).all():
@@ -328,7 +366,7 @@ def field_values(where: str, value: Any, non_tensor: Any = None) -> FieldValues:
         if value.dim() == 0:
             raise SchemaError(f"field {where!r}: a scalar has no batch dimension; pass one value per sample")
         arr = to_numpy(where, value)
-        return FieldValues(FieldKind("tensor", storage_dtype(where, arr.dtype)), int(arr.shape[0]), dense=arr)
+        return FieldValues(FieldKind("tensor", storage_dtype(where, value.dtype)), int(arr.shape[0]), dense=arr)
     if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
         if value.ndim == 0:
             raise SchemaError(f"field {where!r}: a scalar has no batch dimension; pass one value per sample")
@@ -348,8 +386,9 @@ def field_values(where: str, value: Any, non_tensor: Any = None) -> FieldValues:
     text = _text(where, values)
     if text is not None:
         return text
-    if values and all(isinstance(v, (bool, int, float)) for v in values) and not isinstance(value, np.ndarray):
-        arr = torch.as_tensor(values).numpy()  # a list of numbers, as a TensorDict takes it: one tensor
+    if (non_tensor is None and isinstance(value, (list, tuple)) and values
+            and all(isinstance(v, (bool, int, float)) for v in values)):
+        arr = torch.as_tensor(values).numpy()  # a plain list of numbers, as a TensorDict takes it: one tensor
         return FieldValues(FieldKind("tensor", storage_dtype(where, arr.dtype)), len(values), dense=arr)
     return json_values(where, values)
 
@@ -475,29 +514,29 @@ def to_torch_field(values: FieldValues, output: str = "jagged") -> Any:
     torch = torch_module()
     if values.kind.kind != "tensor":
         return _non_tensor_stack(values.components())
-    n = values.n
+    n, name = values.n, values.kind.dtype
     if values.dense is not None:
         dense = values.dense
         if dense.ndim == 1 or output == "dense":
-            return tensor_of(dense)
+            return tensor_of(dense, name)
         if n == 0:
-            return tensor_of(dense)
+            return tensor_of(dense, name)
         length = dense.shape[1]
         flat = dense.reshape((n * length, *dense.shape[2:]))
         offsets = torch.arange(n + 1, dtype=torch.int64) * length
-        return torch.nested.nested_tensor_from_jagged(tensor_of(flat), offsets)
+        return torch.nested.nested_tensor_from_jagged(tensor_of(flat, name), offsets)
     assert values.flat is not None and values.offsets is not None and values.shapes is not None
     shapes = values.shapes
     if output == "dense" and len(set(shapes)) == 1:
-        return tensor_of(values.flat.reshape((n, *shapes[0])))
+        return tensor_of(values.flat.reshape((n, *shapes[0])), name)
     ranks = {len(s) for s in shapes}
     if len(ranks) == 1 and ranks != {0} and len({s[1:] for s in shapes}) == 1:  # only the first dimension varies
         rest = shapes[0][1:]
         per = math.prod(rest)
         flat = values.flat.reshape((-1, *rest))
-        return torch.nested.nested_tensor_from_jagged(tensor_of(flat),
+        return torch.nested.nested_tensor_from_jagged(tensor_of(flat, name),
                                                       torch.from_numpy(values.offsets // max(per, 1)))
-    return _pack_tensors([tensor_of(c) for c in values.components()])
+    return _pack_tensors([tensor_of(c, name) for c in values.components()])
 
 
 def to_output(data: dict[str, Any], batch: int, as_tensordict: bool = True) -> Any:

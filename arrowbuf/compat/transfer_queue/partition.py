@@ -184,7 +184,9 @@ class FieldGroup:
         cols: dict[str, Any] = {}
         for f in self.fields:
             kind, mode = forms[f]
-            if mode == "ragged" or kind.kind != "tensor":
+            if kind.kind == "json":
+                cols[self.column[f]] = {"dtype": "json"}
+            elif mode == "ragged" or kind.kind != "tensor":
                 cols[self.column[f]] = {"dtype": kind.dtype, "ragged": True}
             else:
                 cols[self.column[f]] = {"dtype": kind.dtype, "shape": list(mode)}

@@ -26,6 +26,7 @@ import pyarrow.flight as flight
 from ...errors import InvalidArgument, ResourceExhausted, SchemaError
 from ...flight.idle import OpenStreams
 from ...flight.sockets import cut_server_connections
+from ...schema.dtypes import is_logical
 from ...serving.limits import CallGate, check_bind, check_bytes, error_code, public_error
 from .columns import FieldKind, FieldValues
 from .limits import TQLimits
@@ -341,7 +342,7 @@ class TQServer(flight.FlightServerBase):
                 if (f in shapes) != (ragged and k.kind == "tensor"):
                     raise SchemaError(f"put: field {f[:80]!r} of type {str(t)[:80]} needs per-sample shapes exactly "
                                       "when it is a ragged tensor; nothing was written")
-                shape = tuple(t.shape) if isinstance(t, pa.FixedShapeTensorType) else ()
+                shape = tuple(t.shape) if isinstance(t, pa.FixedShapeTensorType) or is_logical(t) else ()
                 want = arrow_type(k, ragged, shape)
                 if not (t.equals(want) or (pa.types.is_large_list(t) and ragged)):
                     raise SchemaError(f"put: field {f[:80]!r} travels as {str(t)[:80]}, its kind {k.to_json()} as "

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from ...errors import InvalidArgument, SchemaError
+from ...schema import dtypes as _logical
 from .columns import FieldKind
 from .state import GetMetaTimeout, StorageKeyNotFoundError
 
@@ -43,10 +44,15 @@ ERROR_RE = re.compile(r"tq\.v2 error (" + "|".join(ERRORS) + r"): (.*)", re.S)
 
 
 def arrow_type(kind: FieldKind, ragged: bool, shape: tuple[int, ...] = ()) -> pa.DataType:
-    """The Arrow type values of `kind` travel as: dense tensors of one shape as scalars or `fixed_shape_tensor`,
-    ragged tensors and text as `list<dtype>` (or `large_list`)."""
+    """The Arrow type values of `kind` travel as: dense tensors of one shape as scalars or `fixed_shape_tensor`
+    (arrowbuf's extension type for a dtype numpy lacks, and complex), ragged tensors as `list<dtype>` (or
+    `large_list`), text and JSON values as `list<uint8>`."""
+    if kind.kind != "tensor":
+        return pa.list_(pa.uint8())
+    if kind.dtype in _logical.NAMES:
+        return pa.list_(_logical.arrow_type(kind.dtype, ())) if ragged else _logical.arrow_type(kind.dtype, shape)
     value = pa.from_numpy_dtype(np.dtype(kind.dtype))
-    if ragged or kind.kind != "tensor":
+    if ragged:
         return pa.list_(value)
     if shape:
         return pa.fixed_shape_tensor(value, list(shape))
