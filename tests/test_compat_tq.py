@@ -23,6 +23,7 @@ TensorDict = tensordict.TensorDict
 NonTensorStack = tensordict.NonTensorStack
 
 import arrowbuf.compat.transfer_queue as tq  # noqa: E402
+from arrowbuf.compat.transfer_queue.columns import put_fields  # noqa: E402
 from arrowbuf.compat.transfer_queue.server import TQServer  # noqa: E402
 from arrowbuf.compat.transfer_queue.state import TQState  # noqa: E402
 from arrowbuf.compat.transfer_queue.wire import ACTIONS  # noqa: E402
@@ -621,3 +622,30 @@ def test_capacity_follows_transfer_queues_total_storage_size() -> None:
         assert tq.kv_batch_get(keys=["k3", "k0"], partition_id="p")["x"].tolist() == [4, 1]
     finally:
         tq.close()
+
+
+def test_a_partition_that_clears_after_use_reuses_its_store() -> None:
+    """perftest's loop (put a batch, get it, clear it) keeps one batch of rows: the ring overwrites dead rows in
+    place instead of growing; a live row is never overwritten while the store may still grow."""
+    state = TQState(capacity=10_000, polling_mode=True)
+    try:
+        for i in range(6):
+            keys = [f"it{i}-{k}" for k in range(64)]
+            x = torch.full((64, 8), float(i))
+            tq_values, _ = put_fields({"x": x}, 64)
+            state.kv_put("p", keys, tq_values, [], None)
+            meta = state.kv_retrieve_meta("p", keys)
+            assert state.read("p", meta["global_indexes"], ["x"])["x"].dense.tolist() == x.tolist()
+            state.clear_samples(["p"] * 64, meta["global_indexes"])
+        (store,) = state.stores("p").values()
+        assert store.capacity == 64  # one batch: never grew
+        keep = [f"keep-{k}" for k in range(32)]
+        state.kv_put("p", keep, put_fields({"x": torch.ones(32, 8)}, 32)[0], [], None)
+        state.kv_put("p", ["more"] * 1 + [f"m{k}" for k in range(63)], put_fields({"x": torch.zeros(64, 8)}, 64)[0],
+                     [], None)  # would overwrite live rows of `keep`: grows instead
+        (store,) = state.stores("p").values()
+        assert store.capacity > 64
+        meta = state.kv_retrieve_meta("p", keep)
+        assert state.read("p", meta["global_indexes"], ["x"])["x"].dense.tolist() == [[1.0] * 8] * 32
+    finally:
+        state.close()

@@ -199,26 +199,31 @@ class FieldGroup:
     def _new_store(self, rows: int) -> ExperienceStore:
         return ExperienceStore(self._schema, capacity=rows, sampler="fifo", name=self.name)
 
-    def _make_room(self, n: int) -> None:
+    def _make_room(self, n: int, oldest_live: int | None) -> None:
         """Grow the store (double it, or to what `n` more rows need; at most `capacity`) before a write of `n` rows
-        would evict a row while it is smaller than `capacity`. Below `capacity` the ring never wrapped, so every
-        row since its first is live, and a row's new seq is its old one shifted."""
+        would evict a live row (`oldest_live`: the oldest row id a field still points to, None: none) while it is
+        smaller than `capacity`. Rows no field points to any more (cleared, overwritten) are overwritten in place:
+        a partition whose samples are cleared after use reuses its store's memory. Below `capacity` the ring
+        never evicted a live row, and a row's new seq after a growth is its old one shifted."""
         size, used = self.store.capacity, len(self.store)
         if used + n <= size or size >= self.capacity:
             return
+        first = int(self.store.stats()["first_seq"]) - self.base if used else 0
+        if oldest_live is None or oldest_live >= first + used + n - size:
+            return  # the rows the ring overwrites are dead
         bigger = self._new_store(min(self.capacity, max(2 * size, used + n)))
         try:
-            first = int(self.store.stats()["first_seq"]) if used else 0
-            new_first = int(bigger.extend(self.store.to_table(list(self._schema["fields"])))[0]) if used else 0
+            first_seq = int(self.store.stats()["first_seq"])
+            new_first = int(bigger.extend(self.store.to_table(list(self._schema["fields"])))[0])
         except BaseException:
             bigger.close()
             raise
         old, self.store = self.store, bigger
-        self.base += new_first - first
+        self.base += new_first - first_seq
         old.close()
 
-    def write(self, values: dict[str, FieldValues]) -> np.ndarray:
-        """Append one row per sample; returns their row ids."""
+    def write(self, values: dict[str, FieldValues], oldest_live: int | None = None) -> np.ndarray:
+        """Append one row per sample; returns their row ids. `oldest_live`: see `_make_room`."""
         arrays: list[pa.Array] = []
         names: list[str] = []
         for f in self.fields:
@@ -234,7 +239,7 @@ class FieldGroup:
                 arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims)))
                 names.append(SHAPE_PREFIX + self.column[f])
         batch = pa.record_batch(arrays, names=names)
-        self._make_room(batch.num_rows)
+        self._make_room(batch.num_rows, oldest_live)
         return np.asarray(self.store.extend(batch), dtype=np.int64) - self.base
 
     def read(self, fields: list[str], rows: np.ndarray) -> dict[str, FieldValues] | None:
@@ -315,6 +320,16 @@ class Partition:
             if st is not None:
                 out[:, j] = st.has(gidx)
         return out
+
+    def oldest_live_row(self, g: int) -> int | None:
+        """The oldest row of field group `g` that a field still points to (None: none)."""
+        oldest: int | None = None
+        for st in self.fields.values():
+            rows = st.seq[st.group == g]
+            if len(rows):
+                low = int(rows.min())
+                oldest = low if oldest is None else min(oldest, low)
+        return oldest
 
     def consumed_of(self, task: str) -> np.ndarray:
         if task not in self.consumed:

@@ -318,7 +318,7 @@ class TQState:
                 p.stores.append(group)
                 g = len(p.stores) - 1
             try:
-                seqs = p.stores[g].write(values)
+                seqs = p.stores[g].write(values, None if created else p.oldest_live_row(g))
             except BaseException:
                 if created:
                     p.stores.pop().close()
