@@ -195,8 +195,10 @@ def test_partitions_are_capped():
 
 
 def test_a_put_over_the_upload_cap_is_refused_before_the_next_message_and_writes_nothing():
-    """Finding: puts were buffered up to 16 GiB per stream."""
+    """Finding: puts were buffered up to 16 GiB per stream. (The values of a put are written as they arrive: the
+    rows written before the refusal are dead, never registered.)"""
     state = TQState(capacity=64)
+    state.get_meta("big", ["x"], 800, "insert")
     with TQServer(state, max_upload_bytes=1 << 20) as server:
         client = flight.FlightClient(server.location)
         kind = F32
@@ -210,7 +212,8 @@ def test_a_put_over_the_upload_cap_is_refused_before_the_next_message_and_writes
                 writer.done_writing()
                 reader.read()
         assert _refusal(err.value)["code"] == "RESOURCE_EXHAUSTED"
-        assert "big" not in state.partitions
+        assert not state.partitions["big"].fields and not state.partitions["big"].info
+        assert state.production_status("big", ["x"]) is None  # the field was never registered
         client.close()
     state.close()
 

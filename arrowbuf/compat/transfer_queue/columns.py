@@ -169,6 +169,11 @@ class FieldValues:
         shapes = set(self.shapes or [])
         return shapes.pop() if len(shapes) == 1 else None
 
+    def spec(self) -> ValuesSpec:
+        """What a put's plan needs of these values (kind, count, shapes), without the values."""
+        return ValuesSpec(self.kind, self.n, None if self.dense is None else tuple(self.dense.shape[1:]),
+                          None if self.dense is not None else self.shapes)
+
     def as_ragged(self) -> FieldValues:
         """Tensors of one shape flattened (the form of a field that became ragged)."""
         if self.dense is None:
@@ -269,6 +274,32 @@ class FieldValues:
                      shapes=None if kind.kind != "tensor" else [s for v in flat_parts for s in v.sample_shapes()])
         return joined.take(order)
 
+    @classmethod
+    def concat(cls, chunks: list[FieldValues], out: np.ndarray | None = None) -> FieldValues:
+        """The values of consecutive chunks of samples as one (dense chunks of one shape into `out` when given: an
+        array of the whole shape, e.g. a reused one)."""
+        if len(chunks) == 1 and out is None:
+            return chunks[0]
+        kind = chunks[0].kind
+        n = sum(c.n for c in chunks)
+        denses = [c.dense for c in chunks]
+        if all(d is not None for d in denses) and len({d.shape[1:] for d in denses}) == 1:  # type: ignore[union-attr]
+            if out is None:
+                return cls(kind, n, dense=np.concatenate(denses))  # type: ignore[arg-type]
+            at = 0
+            for d in denses:
+                assert d is not None
+                out[at:at + len(d)] = d
+                at += len(d)
+            return cls(kind, n, dense=out)
+        parts = [c.as_ragged() for c in chunks]
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.concatenate([np.diff(np.asarray(c.offsets)) for c in parts]), out=offsets[1:])
+        flat = np.concatenate([np.asarray(c.flat)[int(c.offsets[0]):int(c.offsets[-1])] for c in parts  # type: ignore[index]
+                               ])
+        shapes = None if kind.kind != "tensor" else [s for c in parts for s in c.sample_shapes()]
+        return cls(kind, n, flat=flat, offsets=offsets, shapes=shapes)
+
     # ------------------------------------------------------------------ per-sample Python values
     def components(self) -> list[Any]:
         """Each sample as numpy (tensor kinds) or its Python value (text kinds)."""
@@ -292,6 +323,30 @@ class FieldValues:
         if self.kind.kind == "npbytes":
             return [np.bytes_(b) for b in items]
         return items
+
+
+@dataclass
+class ValuesSpec:
+    """What a put's plan and the schema it records need of one field's values, without them: the kind, the
+    number of samples, and the one shape of a dense batch (`dense_shape`) or each sample's shape (`shapes`, ragged
+    tensors; None for text kinds)."""
+
+    kind: FieldKind
+    n: int
+    dense_shape: tuple[int, ...] | None = None
+    shapes: list[tuple[int, ...]] | None = None
+
+    def sample_shapes(self) -> list[tuple[int, ...]]:
+        if self.dense_shape is not None:
+            return [self.dense_shape] * self.n
+        return list(self.shapes or [])
+
+    def uniform_shape(self) -> tuple[int, ...] | None:
+        """The one shape every sample has, or None (as `FieldValues.uniform_shape`)."""
+        if self.dense_shape is not None:
+            return self.dense_shape
+        shapes = set(self.shapes or [])
+        return shapes.pop() if len(shapes) == 1 else None
 
 
 # ---------------------------------------------------------------------- input: one field of a put
@@ -419,7 +474,7 @@ def batch_items(fields: Any) -> tuple[list[tuple[str, Any, Any]], int | None]:
     raise SchemaError(f"fields must be a TensorDict or a dict of tensors, got {type(fields).__name__}")
 
 
-def schema_entry(value: FieldValues, nested: bool) -> dict[str, Any]:
+def schema_entry(value: FieldValues | ValuesSpec, nested: bool) -> dict[str, Any]:
     """The `field_schema` entry TransferQueue records for a put of these values (dtype and shape names, JSON-able:
     the system keeps them; the client turns them into torch dtypes and sizes): a tensor field's first sample's
     shape (a batch of 0-dim samples counts as shape (1,)), nested inputs with every sample's shape."""

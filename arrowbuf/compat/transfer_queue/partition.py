@@ -171,7 +171,8 @@ INITIAL_ROWS = 16
 class FieldGroup:
     """One arrowbuf store holding fields written together, each in one storage form. A ragged tensor field has a
     companion column `__shape__.<field>` with each row's shape. Rows are addressed by a row id: the store's seq less
-    `base` (a store that grows is replaced by a larger one, whose seqs start elsewhere)."""
+    `base` (a store that grows is replaced by a larger one, whose seqs start elsewhere). `pending` counts the rows
+    planned into it whose writes are in flight (`make_room`)."""
 
     def __init__(self, name: str, forms: dict[str, tuple[FieldKind, Any]], capacity: int,
                  store: ExperienceStore | None = None, base: int = 0, rows: int = INITIAL_ROWS) -> None:
@@ -179,6 +180,7 @@ class FieldGroup:
         self.capacity = capacity
         self.forms = dict(forms)
         self.fields = tuple(sorted(forms))
+        self.pending = 0
         # a field is the store column of its name (SQL sees it), or `<name>__tq` where a store column has the name
         self.column = {f: f"{f}__tq" if f in RESERVED or f.startswith(SHAPE_PREFIX) else f for f in self.fields}
         cols: dict[str, Any] = {}
@@ -199,31 +201,36 @@ class FieldGroup:
     def _new_store(self, rows: int) -> ExperienceStore:
         return ExperienceStore(self._schema, capacity=rows, sampler="fifo", name=self.name)
 
-    def _make_room(self, n: int, oldest_live: int | None) -> None:
-        """Grow the store (double it, or to what `n` more rows need; at most `capacity`) before a write of `n` rows
-        would evict a live row (`oldest_live`: the oldest row id a field still points to, None: none) while it is
-        smaller than `capacity`. Rows no field points to any more (cleared, overwritten) are overwritten in place:
-        a partition whose samples are cleared after use reuses its store's memory. Below `capacity` the ring
-        never evicted a live row, and a row's new seq after a growth is its old one shifted."""
-        size, used = self.store.capacity, len(self.store)
-        if used + n <= size or size >= self.capacity:
-            return
-        first = int(self.store.stats()["first_seq"]) - self.base if used else 0
-        if oldest_live is None or oldest_live >= first + used + n - size:
-            return  # the rows the ring overwrites are dead
-        bigger = self._new_store(min(self.capacity, max(2 * size, used + n)))
+    def make_room(self, n: int, oldest_live: int | None) -> bool:
+        """Make room for `n` more rows after the `pending` ones before they are written: grow the store (double it,
+        or to what they need; at most `capacity`) where writing them would evict a live row (`oldest_live`: the
+        oldest row id a field still points to, None: none) while it is smaller than `capacity`. Rows no field points
+        to any more (cleared, overwritten) are overwritten in place: a partition whose samples are cleared after use
+        reuses its store's memory. Below `capacity` the ring never evicts a live row, and a row's new seq after a
+        growth is its old one shifted. Returns False when the store would have to grow while writes into it are in
+        flight (`pending`; it is not copied under a writer): the caller writes the rows into a new group."""
+        size = self.store.capacity
+        lo, hi = self.store.index.lo, self.store.index.hi
+        end = hi + self.pending + n   # the ring's next seq once every planned write is in
+        if end - lo <= size or size >= self.capacity:
+            return True
+        if self.pending + n <= size and (oldest_live is None or oldest_live + self.base >= end - size):
+            return True  # the rows the ring overwrites are dead
+        if self.pending:
+            return False
+        bigger = self._new_store(min(self.capacity, max(2 * size, hi - lo + n)))
         try:
-            first_seq = int(self.store.stats()["first_seq"])
-            new_first = int(bigger.extend(self.store.to_table(list(self._schema["fields"])))[0])
+            new_first = int(bigger.extend(self.store.to_table(list(self._schema["fields"])))[0]) if hi > lo else 0
         except BaseException:
             bigger.close()
             raise
         old, self.store = self.store, bigger
-        self.base += new_first - first_seq
+        self.base += (new_first - lo) if hi > lo else (int(bigger.index.hi) - hi)
         old.close()
+        return True
 
-    def write(self, values: dict[str, FieldValues], oldest_live: int | None = None) -> np.ndarray:
-        """Append one row per sample; returns their row ids. `oldest_live`: see `_make_room`."""
+    def batch(self, values: dict[str, FieldValues]) -> pa.RecordBatch:
+        """The store's record batch of `values` (each field in this group's form)."""
         arrays: list[pa.Array] = []
         names: list[str] = []
         for f in self.fields:
@@ -238,9 +245,11 @@ class FieldGroup:
                 dims = np.asarray([d for s in shapes for d in s], dtype=np.int64)
                 arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims)))
                 names.append(SHAPE_PREFIX + self.column[f])
-        batch = pa.record_batch(arrays, names=names)
-        self._make_room(batch.num_rows, oldest_live)
-        return np.asarray(self.store.extend(batch), dtype=np.int64) - self.base
+        return pa.record_batch(arrays, names=names)
+
+    def write(self, values: dict[str, FieldValues]) -> np.ndarray:
+        """Append one row per sample (room made beforehand: `make_room`); returns their row ids."""
+        return np.asarray(self.store.extend(self.batch(values)), dtype=np.int64) - self.base
 
     def read(self, fields: list[str], rows: np.ndarray) -> dict[str, FieldValues] | None:
         """The fields of rows `rows` (row ids; None when a row was evicted)."""

@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from ...errors import InvalidArgument, SchemaError
+from ...ring.outpool import OutputPool
 from .columns import FieldKind, FieldValues
 from .samplers import sampler_spec
-from .wire import ERROR_RE, ERRORS, VERSION
+from .wire import ERROR_RE, ERRORS, VERSION, chunk_rows
 
 
 class RemoteBackend:
@@ -28,6 +30,7 @@ class RemoteBackend:
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._client = flight.FlightClient(location)
         self._options = flight.FlightCallOptions(headers=headers)
+        self._pool = OutputPool()  # read replies' dense fields (an array is reused only once nothing holds it)
 
     def _raise(self, e: Exception) -> None:
         m = ERROR_RE.search(str(e))
@@ -103,7 +106,7 @@ class RemoteBackend:
                                                  table.schema, self._options)
             with writer:
                 if table.num_columns:
-                    writer.write_table(table)
+                    writer.write_table(table, max_chunksize=chunk_rows(table))
                 writer.done_writing()
                 buf = reader.read()
         except flight.FlightError as e:
@@ -126,18 +129,48 @@ class RemoteBackend:
 
     def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]:
         ticket = {"op": "read", "partition_id": partition_id, "gidx": [int(g) for g in gidx], "fields": fields}
+        n = len(gidx)
+        dense: dict[str, np.ndarray] = {}
+        pieces: dict[str, list[FieldValues]] = {f: [] for f in fields}
         try:
-            table = self._client.do_get(flight.Ticket(json.dumps(ticket).encode()), self._options).read_all()
+            stream = self._client.do_get(flight.Ticket(json.dumps(ticket).encode()), self._options)
+            meta = stream.schema.metadata or {}
+            kinds = {f: FieldKind.from_json(k) for f, k in json.loads(meta.get(b"tq.kinds", b"{}")).items()}
+            shapes = json.loads(meta.get(b"tq.shapes", b"{}"))
+            if set(kinds) != set(fields):
+                raise SchemaError(f"read: the server sent fields {sorted(kinds)} for {sorted(fields)}")
+            at = 0
+            for chunk in stream:  # each message copied into place while the next arrives
+                batch = chunk.data
+                if batch is None or batch.num_rows == 0:
+                    continue
+                end = at + batch.num_rows
+                if end > n:
+                    raise SchemaError(f"read: the server sent more than {n} rows")
+                for f in fields:
+                    v = FieldValues.from_arrow(kinds[f], batch.column(f), None if f not in shapes else
+                                               [tuple(s) for s in shapes[f][at:end]], writable=True)
+                    if v.dense is None:
+                        pieces[f].append(v)
+                        continue
+                    if f not in dense:  # a dense field: into an array of the whole reply (reused once dropped)
+                        dense[f] = self._pool.empty((n, *v.dense.shape[1:]), v.dense.dtype, tag=f)
+                    dense[f][at:end] = v.dense
+                at = end
         except flight.FlightError as e:
             self._raise(e)
-        meta = table.schema.metadata or {}
-        kinds = {f: FieldKind.from_json(k) for f, k in json.loads(meta.get(b"tq.kinds", b"{}")).items()}
-        shapes = json.loads(meta.get(b"tq.shapes", b"{}"))
-        if set(kinds) != set(fields):
-            raise SchemaError(f"read: the server sent fields {sorted(kinds)} for {sorted(fields)}")
-        return {f: FieldValues.from_arrow(kinds[f], table.column(f),
-                                          None if f not in shapes else [tuple(s) for s in shapes[f]], writable=True)
-                for f in fields}
+        if at != n:
+            raise SchemaError(f"read: the server sent {at} rows for {n} samples")
+        out: dict[str, FieldValues] = {}
+        for f in fields:
+            if f in dense:
+                out[f] = FieldValues(kinds[f], n, dense=dense[f])
+            elif pieces[f]:
+                out[f] = FieldValues.concat(pieces[f])
+            else:  # no samples
+                empty = pa.table({f: pa.array([], type=stream.schema.field(f).type)})
+                out[f] = FieldValues.from_arrow(kinds[f], empty.column(f), [] if f in shapes else None)
+        return out
 
     # ------------------------------------------------------------------ checkpoints (Ray actor only)
     def _actor(self, what: str) -> Any:

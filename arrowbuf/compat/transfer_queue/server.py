@@ -28,10 +28,10 @@ from ...flight.idle import OpenStreams
 from ...flight.sockets import cut_server_connections
 from ...schema.dtypes import is_logical
 from ...serving.limits import CallGate, check_bind, check_bytes, error_code, public_error
-from .columns import FieldKind, FieldValues
+from .columns import FieldKind, FieldValues, ValuesSpec
 from .limits import TQLimits
 from .state import TQState
-from .wire import ACTIONS, ERRORS, MAX_FIELDS, VERSION, arrow_type
+from .wire import ACTIONS, ERRORS, MAX_FIELDS, VERSION, arrow_type, chunk_rows
 
 #: The Flight error that carries each status code (the rest travel as FlightServerError).
 _FLIGHT_ERRORS: dict[str, type[flight.FlightError]] = {
@@ -349,32 +349,61 @@ class TQServer(flight.FlightServerBase):
                                       f"{str(want)[:80]}; nothing was written")
             if len(got.names) != len(kinds):
                 raise SchemaError(f"put: {len(got.names)} columns for {len(kinds)} fields; nothing was written")
-            batches = []
+            names = list(kinds)
             seen = {"bytes": 0, "rows": 0}
             started = time.monotonic()
-            for chunk in reader:  # one message at a time: every bound checked before the next is read
-                self.streams.touch()
-                if chunk.data is None:
-                    continue
-                if not kinds:
-                    raise InvalidArgument("put: a put without fields carries no record batches")
-                lim.check_put_message(chunk.data, seen, started, time.monotonic())
-                batches.append(chunk.data)
-            if kinds:
-                lim.check_put_total(seen)
-            table = pa.Table.from_batches(batches, schema=got)
-            if kinds and table.num_rows != rows:
-                raise SchemaError(f"put: {table.num_rows} rows for {rows} samples; nothing was written")
-            values = {f: FieldValues.from_arrow(k, table.column(f), shapes.get(f)) for f, k in kinds.items()}
-            result: Any = None
-            with self.state.lock:
-                lim.check_new_partition(self.state, pid)
-                lim.check_new_group(self.state, pid, values)
-                if keys is None:
-                    self.state.put(pid, gidx, values, nested)
-                else:
-                    result = self.state.kv_put(pid, keys, values, nested, tags)
-            writer.write(pa.py_buffer(json.dumps({"result": result}).encode()))
+            plan = None
+            rows_written: list[np.ndarray] = []
+            try:
+                # each message is checked, then written into the plan's field group at once (the state lock is
+                # held only to plan and to commit): a put's values are never all held at once
+                for chunk in reader:
+                    self.streams.touch()
+                    if chunk.data is None:
+                        continue
+                    if not kinds:
+                        raise InvalidArgument("put: a put without fields carries no record batches")
+                    lim.check_put_message(chunk.data, seen, started, time.monotonic())
+                    if seen["rows"] > rows:
+                        raise SchemaError(f"put: more than {rows} rows for {rows} samples; nothing was written")
+                    at = seen["rows"] - chunk.data.num_rows
+                    values = {f: FieldValues.from_arrow(kinds[f], chunk.data.column(f),
+                                                        None if f not in shapes else shapes[f][at:seen["rows"]])
+                              for f in names}
+                    if plan is None:
+                        plan = self._plan(op, pid, values, kinds, shapes, nested, rows, gidx, keys, tags)
+                    if chunk.data.num_rows:
+                        rows_written.append(self.state.write_plan(plan, values))
+                if kinds:
+                    lim.check_put_total(seen)
+                if kinds and seen["rows"] != rows:
+                    raise SchemaError(f"put: {seen['rows']} rows for {rows} samples; nothing was written")
+                if plan is None:  # no record batch: a put of no fields (keys and tags) or of no samples
+                    empty = got.empty_table()
+                    plan = self._plan(op, pid, {f: FieldValues.from_arrow(kinds[f], empty.column(f), [])
+                                                for f in names}, kinds, shapes, nested, rows, gidx, keys, tags)
+            except BaseException:
+                if plan is not None:
+                    self.state.abort_put(plan)
+                raise
+            result = self.state.commit_put(plan, np.concatenate(rows_written) if rows_written
+                                           else np.empty(0, dtype=np.int64))
+            writer.write(pa.py_buffer(json.dumps({"result": result if keys is not None else None}).encode()))
+
+    def _plan(self, op: str, pid: str, values: dict[str, FieldValues], kinds: dict[str, FieldKind],
+              shapes: dict[str, list[tuple[int, ...]]], nested: list[str], rows: int, gidx: list[int],
+              keys: list[str] | None, tags: Any) -> Any:
+        """The state's plan of a put whose first message gave `values` (the whole put's specs: `rows` samples, the
+        shapes the command sent)."""
+        dense = {f: v.dense for f, v in values.items()}
+        specs = {f: ValuesSpec(k, rows, None if (d := dense[f]) is None else tuple(d.shape[1:]), shapes.get(f))
+                 for f, k in kinds.items()}
+        with self.state.lock:
+            self.limits.check_new_partition(self.state, pid)
+            self.limits.check_new_group(self.state, pid, specs)
+            if keys is None:
+                return self.state.plan_put(pid, specs, nested, rows, gidx=gidx)
+            return self.state.plan_put(pid, specs, nested, rows, keys=keys, tags=tags)
 
     def do_get(self, context: Any, ticket: Any) -> Any:
         with self._call(context):
@@ -392,6 +421,9 @@ class TQServer(flight.FlightServerBase):
                                               if v.ragged}).encode()}
             table = pa.table([values[f].to_arrow() for f in fields], names=fields) if fields else pa.table({})
             lim.check_reply(table.nbytes + len(meta[b"tq.shapes"]), "read")
+        # several messages: the client copies each into place as the next arrives (one message of a whole reply
+        # is received before any of it is used)
+        table = pa.Table.from_batches(table.to_batches(max_chunksize=chunk_rows(table)), table.schema)
         return flight.RecordBatchStream(table.replace_schema_metadata(meta))
 
     # the verbs tq.v2 does not speak: a clean refusal, never a traceback

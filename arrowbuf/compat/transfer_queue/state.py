@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ import numpy as np
 from ...errors import ArrowbufError, InvalidArgument, SchemaError
 from ...store.facade import ExperienceStore
 from .checkpoint import read, write
-from .columns import FieldKind, FieldValues, schema_entry
+from .columns import FieldKind, FieldValues, ValuesSpec, schema_entry
 from .partition import FieldGroup, FieldInfo, FieldState, IndexManager, Partition, PartitionView, grow
 from .samplers import BaseSampler, SequentialSampler, make_sampler, sampler_spec
 
@@ -50,6 +51,26 @@ class GetMetaTimeout(ArrowbufError, TimeoutError, RuntimeError):
     """`get_meta(mode="fetch")` found too few ready samples within its wait (TransferQueue's controller without
     polling_mode; its client raises a RuntimeError, hence both builtins)."""
 
+
+
+@dataclass
+class PutPlan:
+    """A put between `TQState.plan_put` and `commit_put` (see there)."""
+
+    id: int
+    partition_id: str
+    partition: Partition
+    group: int                                  # -1: no values (a KV put of keys and tags only)
+    forms: dict[str, tuple[FieldKind, Any]]
+    specs: dict[str, ValuesSpec]
+    nested: list[str]
+    n: int
+    gidx: list[int] | None
+    keys: list[str] | None
+    tags: list[dict[str, Any]] | None
+    new_partition: bool
+    created_group: bool
+    started: float
 
 
 class TQState:
@@ -68,6 +89,9 @@ class TQState:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self._samplers: dict[str, BaseSampler] = {}
+        self._plans: dict[int, PutPlan] = {}
+        self._plan_ids = 0
+        self.plan_ttl = 600.0   # seconds a plan stays open (a writer that died between plan and commit)
 
     # ------------------------------------------------------------------ partitions
     def _partition(self, partition_id: Any, create: bool = False) -> Partition | None:
@@ -199,53 +223,15 @@ class TQState:
         """TransferQueue's KV put (retrieve-or-create the keys, put the values, merge the tags) as one atomic step:
         refused input changes nothing, not even the keys. Returns {"fields": the fields every key has afterwards
         as TransferQueue's returned BatchMeta lists them, "tags": the keys' merged tags}."""
-        if len(set(keys)) != len(keys):
-            raise ValueError("Got duplicated keys.")
-        if tags is not None and len(tags) != len(keys):
-            raise ValueError(f"keys with length {len(keys)} does not match length of tags {len(tags)}")
-        if any(v.n != len(keys) for v in values.values()):
-            raise ValueError(f"`keys` with length {len(keys)} does not match the values of "
-                             f"{sorted({v.n for v in values.values()})} samples")
         with self.lock:
-            new_partition = partition_id not in self.partitions
-            p = self._partition(partition_id, create=True)
-            assert p is not None
+            plan = self.plan_put(partition_id, {f: v.spec() for f, v in values.items()}, nested, len(keys),
+                                 keys=keys, tags=tags)
             try:
-                if values:
-                    self.check_put(partition_id, values)
-                gidx: list[int | None] = [p.keys.get(k) for k in keys]
-                missing = [i for i, g in enumerate(gidx) if g is None]
-                fresh = self.index.allocate(partition_id, len(missing)) if missing else []
+                rows = self.write_plan(plan, values)
             except BaseException:
-                if new_partition:
-                    self.partitions.pop(partition_id, None)
+                self.abort_put(plan)
                 raise
-            for i, g in zip(missing, fresh, strict=True):
-                gidx[i] = g
-            rows = [int(g) for g in gidx]  # type: ignore[arg-type]
-            arr = np.asarray(rows, dtype=np.int64)
-            before = [f for f in p.field_order if f in p.info and p.produced([f], arr).all()] if not missing else []
-            p.indexes.update(fresh)
-            try:
-                self.put(partition_id, rows, values, nested)
-            except BaseException:
-                p.indexes.difference_update(fresh)
-                self.index.release(partition_id, fresh)
-                if new_partition:
-                    self.partitions.pop(partition_id, None)
-                    self.index.of.pop(partition_id, None)
-                raise
-            for i, g in zip(missing, fresh, strict=True):
-                p.keys[keys[i]] = g
-                p.key_of[g] = keys[i]
-            merged = []
-            for i, g in enumerate(rows):
-                m = dict(p.custom_meta.get(g, {}))
-                if tags is not None:
-                    m.update(tags[i] or {})
-                    p.custom_meta[g] = m
-                merged.append(m)
-            return {"fields": sorted(set(before) | set(values)), "tags": merged}
+            return self.commit_put(plan, rows)
 
     def kv_retrieve_keys(self, partition_id: str, gidx: list[int]) -> list[str | None]:
         with self.lock:
@@ -269,7 +255,7 @@ class TQState:
                     p.custom_meta.update({int(g): dict(m) for g, m in per.items()})
 
     # ------------------------------------------------------------------ writes
-    def check_put(self, partition_id: str, values: dict[str, FieldValues]) -> Partition:
+    def check_put(self, partition_id: str, values: dict[str, FieldValues] | dict[str, ValuesSpec]) -> Partition:
         """The partition of a put whose kinds and dtypes match the partition's (SchemaError otherwise)."""
         p = self._partition(partition_id)
         if p is None:
@@ -292,58 +278,189 @@ class TQState:
         atomic. `nested`: the fields the writer gave as nested tensors (their schema says nested)."""
         if not values:
             return
-        arr = np.asarray(gidx, dtype=np.int64)
         with self.lock:
-            p = self.check_put(partition_id, values)
-            if any(v.n != len(arr) for v in values.values()):
-                raise SchemaError(f"put: values for {sorted({v.n for v in values.values()})} samples, "
-                                  f"{len(arr)} global indexes; nothing was written")
-            forms: dict[str, tuple[FieldKind, Any]] = {}
-            for f, v in values.items():
-                st = p.fields.get(f)
-                if st is not None and st.kind != v.kind:  # every sample of the old kind was cleared
-                    st = None
-                shape = v.uniform_shape()
-                if st is None:
-                    forms[f] = (v.kind, shape if shape is not None else "ragged")
-                elif st.mode == "ragged" or shape != st.mode:
-                    forms[f] = (v.kind, "ragged" if v.kind.kind == "tensor" else st.mode)
-                else:
-                    forms[f] = (v.kind, st.mode)
-            key = tuple(sorted((f, k.to_json()[0], k.dtype, str(m)) for f, (k, m) in forms.items()))
-            g = p.groups.get(key)
-            created = g is None
-            if g is None:
-                group = FieldGroup(f"{partition_id}.g{len(p.stores)}", forms, self.capacity, rows=len(arr))
-                p.stores.append(group)
-                g = len(p.stores) - 1
+            plan = self.plan_put(partition_id, {f: v.spec() for f, v in values.items()}, nested, len(gidx),
+                                 gidx=gidx)
             try:
-                seqs = p.stores[g].write(values, None if created else p.oldest_live_row(g))
+                rows = self.write_plan(plan, values)
             except BaseException:
-                if created:
-                    p.stores.pop().close()
+                self.abort_put(plan)
                 raise
-            if created:
-                p.groups[key] = g
-            need = int(arr.max()) + 1 if len(arr) else 0
-            for f, (kind, mode) in forms.items():
-                st = p.fields.get(f)
-                if st is None or st.kind != kind:
-                    st = p.fields[f] = FieldState(kind, mode)
-                    p.field_order.setdefault(f, len(p.field_order))
-                elif mode == "ragged":
-                    st.mode = "ragged"
-                st.group = grow(st.group, need, -1)
-                st.seq = grow(st.seq, need, -1)
-                st.group[arr] = g
-                st.seq[arr] = seqs
-                entry = schema_entry(values[f], f in nested)
-                if f in p.info:
-                    p.info[f].update(entry, list(gidx))
-                else:
-                    p.info[f] = FieldInfo.first(entry, list(gidx))
-            p.indexes.update(gidx)
-            self.changed.notify_all()
+            self.commit_put(plan, rows)
+
+    # A put in three steps (`put` and `kv_put` take them at once under the lock; `server` writes the values of a
+    # Flight put as they arrive, and a process of the node its shared-memory store's rows itself, with the lock
+    # released in between): `plan_put` checks it whole and picks the field group and the room for its rows,
+    # `write_plan` (or the writer) appends the rows, `commit_put` registers them (or `abort_put` forgets them: rows
+    # written for a plan never committed are dead rows, overwritten in place).
+    def plan_put(self, partition_id: str, specs: dict[str, ValuesSpec], nested: list[str] | tuple[str, ...],
+                 n: int, gidx: list[int] | None = None, keys: list[str] | None = None,
+                 tags: list[dict[str, Any]] | None = None) -> PutPlan:
+        """A put of `n` samples with values described by `specs`, for samples `gidx` or (a KV put) `keys` with
+        `tags`, checked whole (nothing is written or registered if it raises)."""
+        if keys is not None:
+            if len(set(keys)) != len(keys):
+                raise ValueError("Got duplicated keys.")
+            if tags is not None and len(tags) != len(keys):
+                raise ValueError(f"keys with length {len(keys)} does not match length of tags {len(tags)}")
+            if any(v.n != len(keys) for v in specs.values()):
+                raise ValueError(f"`keys` with length {len(keys)} does not match the values of "
+                                 f"{sorted({v.n for v in specs.values()})} samples")
+        with self.lock:
+            self._expire_plans()
+            new_partition = keys is not None and partition_id not in self.partitions
+            p = self._partition(partition_id, create=keys is not None)
+            assert p is not None or keys is None
+            try:
+                p = self.check_put(partition_id, specs) if specs or keys is None else p
+                assert p is not None
+                if keys is None and any(v.n != n for v in specs.values()):
+                    raise SchemaError(f"put: values for {sorted({v.n for v in specs.values()})} samples, "
+                                      f"{n} global indexes; nothing was written")
+                forms: dict[str, tuple[FieldKind, Any]] = {}
+                for f, v in specs.items():
+                    st = p.fields.get(f)
+                    if st is not None and st.kind != v.kind:  # every sample of the old kind was cleared
+                        st = None
+                    shape = v.uniform_shape()
+                    if st is None:
+                        forms[f] = (v.kind, shape if shape is not None else "ragged")
+                    elif st.mode == "ragged" or shape != st.mode:
+                        forms[f] = (v.kind, "ragged" if v.kind.kind == "tensor" else st.mode)
+                    else:
+                        forms[f] = (v.kind, st.mode)
+                g, created = self._target(p, forms, n) if forms else (-1, False)
+            except BaseException:
+                if new_partition:
+                    self.partitions.pop(partition_id, None)
+                raise
+            self._plan_ids += 1
+            plan = PutPlan(self._plan_ids, partition_id, p, g, forms, specs, list(nested), n, gidx, keys, tags,
+                           new_partition, created, time.monotonic())
+            if g >= 0:
+                p.stores[g].pending += n
+            self._plans[plan.id] = plan
+            return plan
+
+    def _target(self, p: Partition, forms: dict[str, tuple[FieldKind, Any]], n: int) -> tuple[int, bool]:
+        """The field group the rows of `forms` go to, with room made for `n` more (a new group when there is none,
+        or when its store must grow while writes into it are in flight); and whether it is new."""
+        key = tuple(sorted((f, k.to_json()[0], k.dtype, str(m)) for f, (k, m) in forms.items()))
+        g = p.groups.get(key)
+        rows = n
+        if g is not None:
+            group = p.stores[g]
+            if group.make_room(n, p.oldest_live_row(g)):
+                return g, False
+            rows = max(n, 2 * group.store.capacity)
+        group = FieldGroup(f"{p.partition_id}.g{len(p.stores)}", forms, self.capacity, rows=rows)
+        p.stores.append(group)
+        p.groups[key] = len(p.stores) - 1
+        return len(p.stores) - 1, True
+
+    def write_plan(self, plan: PutPlan, values: dict[str, FieldValues]) -> np.ndarray:
+        """Append the rows of `values` (some or all of a plan's samples) to its group; their row ids."""
+        if plan.group < 0:
+            return np.empty(0, dtype=np.int64)
+        return plan.partition.stores[plan.group].write(values)
+
+    def plan_of(self, plan_id: int) -> PutPlan:
+        with self.lock:
+            plan = self._plans.get(plan_id)
+        if plan is None:
+            raise InvalidArgument(f"put plan {plan_id} is not open (committed, aborted, or expired after "
+                                  f"{self.plan_ttl:g} s); nothing was registered")
+        return plan
+
+    def _close_plan(self, plan: PutPlan) -> None:
+        if self._plans.pop(plan.id, None) is None:
+            raise InvalidArgument(f"put plan {plan.id} is not open (committed, aborted, or expired after "
+                                  f"{self.plan_ttl:g} s); nothing was registered")
+        if plan.group >= 0:
+            plan.partition.stores[plan.group].pending -= plan.n
+
+    def _expire_plans(self) -> None:
+        old = time.monotonic() - self.plan_ttl
+        for plan in [pl for pl in self._plans.values() if pl.started < old]:
+            self.abort_put(plan)
+
+    def abort_put(self, plan: PutPlan) -> None:
+        """Forget a plan (its rows, if any were written, are dead); a partition it created and left empty goes."""
+        with self.lock:
+            if plan.id not in self._plans:
+                return
+            self._close_plan(plan)
+            p = plan.partition
+            if plan.created_group and plan.group == len(p.stores) - 1 and not p.stores[-1].pending and not any(
+                    (st.group == plan.group).any() for st in p.fields.values()):
+                for key in [k for k, g in p.groups.items() if g == plan.group]:
+                    p.groups.pop(key)
+                p.stores.pop().close()
+            if plan.new_partition and self.partitions.get(plan.partition_id) is p and not p.indexes and not p.stores:
+                self.partitions.pop(plan.partition_id)
+
+    def commit_put(self, plan: PutPlan, rows: np.ndarray) -> dict[str, Any]:
+        """Register a plan's samples with their values at row ids `rows` of its group (KV puts: the keys, created
+        as new samples where unknown, and the tags). Returns the KV put's result ({} for a put)."""
+        with self.lock:
+            self._close_plan(plan)
+            p = plan.partition
+            if self.partitions.get(plan.partition_id) is not p:
+                raise ValueError(f"partition {plan.partition_id!r} was cleared while the put was written; nothing "
+                                 "was registered")
+            if len(rows) != (plan.n if plan.group >= 0 else 0):
+                raise SchemaError(f"put: {len(rows)} rows written for {plan.n} samples; nothing was registered")
+            if plan.specs:
+                self.check_put(plan.partition_id, plan.specs)
+            if plan.keys is None:
+                assert plan.gidx is not None
+                self._register(plan, plan.gidx, rows)
+                return {}
+            keys, tags = plan.keys, plan.tags
+            gidx: list[int | None] = [p.keys.get(k) for k in keys]
+            missing = [i for i, g in enumerate(gidx) if g is None]
+            fresh = self.index.allocate(plan.partition_id, len(missing)) if missing else []
+            for i, g in zip(missing, fresh, strict=True):
+                gidx[i] = g
+            ids = [int(g) for g in gidx]  # type: ignore[arg-type]
+            arr = np.asarray(ids, dtype=np.int64)
+            before = [f for f in p.field_order if f in p.info and p.produced([f], arr).all()] if not missing else []
+            p.indexes.update(fresh)
+            self._register(plan, ids, rows)
+            for i, g in zip(missing, fresh, strict=True):
+                p.keys[keys[i]] = g
+                p.key_of[g] = keys[i]
+            merged = []
+            for i, g in enumerate(ids):
+                m = dict(p.custom_meta.get(g, {}))
+                if tags is not None:
+                    m.update(tags[i] or {})
+                    p.custom_meta[g] = m
+                merged.append(m)
+            return {"fields": sorted(set(before) | set(plan.specs)), "tags": merged}
+
+    def _register(self, plan: PutPlan, gidx: list[int], rows: np.ndarray) -> None:
+        p, g = plan.partition, plan.group
+        arr = np.asarray(gidx, dtype=np.int64)
+        need = int(arr.max()) + 1 if len(arr) else 0
+        for f, (kind, mode) in plan.forms.items():
+            st = p.fields.get(f)
+            if st is None or st.kind != kind:
+                st = p.fields[f] = FieldState(kind, mode)
+                p.field_order.setdefault(f, len(p.field_order))
+            elif mode == "ragged":
+                st.mode = "ragged"
+            st.group = grow(st.group, need, -1)
+            st.seq = grow(st.seq, need, -1)
+            st.group[arr] = g
+            st.seq[arr] = rows
+            entry = schema_entry(plan.specs[f], f in plan.nested)
+            if f in p.info:
+                p.info[f].update(entry, list(gidx))
+            else:
+                p.info[f] = FieldInfo.first(entry, list(gidx))
+        p.indexes.update(gidx)
+        self.changed.notify_all()
 
     # ------------------------------------------------------------------ reads
     def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]:
@@ -363,7 +480,14 @@ class TQState:
                     missing = arr[~has][:8].tolist()
                     raise StorageKeyNotFoundError(f"field {f!r} has no value for global index(es) {missing} in "
                                                   f"partition {partition_id!r} (not produced, cleared or evicted)")
-                assert st is not None and p is not None
+                if st is None or p is None:
+                    raise StorageKeyNotFoundError(f"field {f!r} has no values in partition {partition_id!r}")
+                if not len(arr):  # no samples: the field's values of none, from the group it was last put into
+                    g = max(i for i, s in enumerate(p.stores) if f in s.forms)
+                    got = p.stores[g].read([f], arr)
+                    assert got is not None
+                    out[f] = got[f]
+                    continue
                 groups = st.group[arr]
                 pieces: list[tuple[np.ndarray, FieldValues]] = []
                 for g in np.unique(groups).tolist():

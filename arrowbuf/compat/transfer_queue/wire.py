@@ -57,3 +57,16 @@ def arrow_type(kind: FieldKind, ragged: bool, shape: tuple[int, ...] = ()) -> pa
     if shape:
         return pa.fixed_shape_tensor(value, list(shape))
     return value
+
+
+#: Bytes of values per record batch of a put or a read reply: several messages per call, so that the receiver
+#: copies one into place while the next is on the wire (a whole reply in one message is all received before any of
+#: it is used; measured on one host: a 320 MiB put in 16 messages took 0.23-0.35 s, in one 0.6-0.77 s).
+CHUNK_BYTES = 16 << 20
+
+
+def chunk_rows(table: pa.Table) -> int:
+    """Rows per record batch of `table` for about `CHUNK_BYTES` each."""
+    if table.num_rows == 0:
+        return 1
+    return max(1, CHUNK_BYTES // max(1, table.nbytes // table.num_rows))
