@@ -18,6 +18,9 @@ Variables:
 - `ARROWBUF_JOURNAL_DIRECT` (default on): a durable store's journal writes records of 1 MiB and more with direct
   I/O where the filesystem allows it (`arrowbuf.persist.appender`); `0` turns it off. `StoreOptions.journal_direct`
   sets it per store.
+- `ARROWBUF_PROGRESS_INTERVAL` (default 2): seconds between two progress lines of a long-running command (the demos,
+  `arrowbuf checkpoint verify|export`, `arrowbuf inspect` of a checkpoint) when its output is not a terminal
+  (`arrowbuf.observe.meter`); read when a progress display starts.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ register("ARROWBUF_SHM_LOCKS", "pthread", lambda s: s.strip().lower(),
          "'flock' makes shared-memory stores use file locks instead of process-shared pthread mutexes")
 register("ARROWBUF_JOURNAL_DIRECT", True, _flag,
          "a durable store's journal writes records of 1 MiB and more with direct I/O where the filesystem allows it")
+register("ARROWBUF_PROGRESS_INTERVAL", 2.0, lambda s: max(0.0, float(s)),
+         "seconds between two progress lines of a long-running command when its output is not a terminal")
 
 
 def get(name: str) -> Any:

@@ -180,8 +180,8 @@ class PickleWarning(ArrowbufWarning):
 
 
 class FinalObsWarning(ArrowbufWarning):
-    """Terminal transitions stopped being sampleable: their final observation's slot was reused (raise the store's
-    `final_obs_capacity`; `stats()["final_obs_dropped"]` counts them)."""
+    """Terminal transitions stopped being sampleable: their final observation's slot was reused (give the store more
+    final-observation slots: `ab.StoreOptions`; `stats()["final_obs_dropped"]` counts them)."""
 
 
 class AppendSlowPathWarning(ArrowbufWarning):

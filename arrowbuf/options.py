@@ -38,6 +38,12 @@ RECORDED = ("name", "capacity", "chunk_rows", "final_obs_capacity", "max_times_s
             "tasks", "max_staleness", "token_field", "observe")
 
 
+def final_obs_advice(have: int, want: int) -> tuple[str, str]:
+    """The final-observation slots a store has and the option that keeps `want` of them, as a warning says them
+    (`engine.writer`: the option's name lives here)."""
+    return f"final_obs_capacity={have}", f"Pass final_obs_capacity={want} (or more)"
+
+
 @dataclass(frozen=True)
 class StoreOptions:
     """Everything an `ExperienceStore` is built from besides its schema (module docstring; the arguments are

@@ -67,14 +67,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names = args.only or DEFAULT
     sections = []
+    from arrowbuf.observe.meter import ProgressMeter
+
+    # each benchmark runs for minutes with its output captured: a bar (a terminal) or a line every 2 s (a log) says
+    # which one runs, how many are done and about how long the rest takes
+    bar = ProgressMeter(len(names), "benchmarks", "benchmark")
     for name in names:
         module, quick_args, title = BENCHMARKS[name]
         spec = module.replace(".", "/") + ".py"
         if not (ROOT / spec).exists():
             sections.append(f"## {title}\n\nnot available yet ({spec} missing)\n")
+            bar.update(1)
             continue
         cmd = [sys.executable, "-m", module, *(quick_args if args.quick else [])]
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+        bar.note(f"running {name}")
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
@@ -84,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             body, rc = f"timed out after {args.timeout:.0f}s", -1
         print(body, flush=True)
+        bar.update(1)
         sections.append(f"## {title}\n\n`python -m {module}{' --quick' if args.quick else ''}` "
                         f"({time.perf_counter() - t0:.0f}s)\n\n```\n{body.strip()}\n```\n")
     head = (f"# Benchmark results\n\nWritten by `python -m benchmarks{' --quick' if args.quick else ''}` on "
@@ -91,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}.\n"
             f"Versions: {versions()}.\n\nRatios are to the ceiling measured in the same run (memcpy, a numpy gather "
             "of the same rows, raw Flight); see benchmarks/README.md for the targets and the discussion.\n\n")
+    bar.close()
     (ROOT / "benchmarks" / "RESULTS.md").write_text(head + "\n".join(sections))
     print(f"wrote {ROOT / 'benchmarks' / 'RESULTS.md'}")
     return 0

@@ -14,10 +14,12 @@ Rows (ratios within each run, median of 3 interleaved runs):
 - cold columns: a schema with an `info` column ten times the size of the hot columns and a host budget that fits
   only the hot ones: `sample(columns=hot)` as a ratio to a store without `info` (target >= 0.9x); the same with the
   placement policy off (static placement) shows what the policy buys.
-- gpu (only with a CUDA device, `--gpu`): atari batch 4096 from GPU-resident columns vs host gather + host-to-device
-  copy; gather bandwidth vs a device-to-device copy.
+- gpu (only with a CUDA device, `--gpu`): atari batch 4096 from GPU-resident columns (the old path: chunk slots
+  placed on the device) vs host gather + host-to-device copy, and the device ring (issue 43) vs that old path;
+  gather bandwidth vs a device-to-device copy. benchmarks/bench_device.py has the issue-43 rows in full.
+- device_cpu: the device ring's code on torch's CPU device vs the host path (a sanity row, not a GPU figure).
 
-    python -m benchmarks.bench_tiers [--quick] [--spill-dir DIR] [--gpu] [--only spill cold_columns gpu]
+    python -m benchmarks.bench_tiers [--quick] [--spill-dir DIR] [--gpu] [--only spill cold_columns gpu device_cpu]
 
 Prints a table and writes benchmarks/out/tiers.json.
 """
@@ -304,11 +306,17 @@ def gpu(quick: bool) -> dict:
     pool = make_steps("atari", 1000, seed=0, episode_len=500)
     host = ab.ExperienceStore(schema, cap, seed=0)
     fill(host, pool, cap)
+    from arrowbuf.tiers import GpuTier
+
     dev = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=host.chunk_rows,
-                             tiers={"gpu": int(host._tier.nbytes() * 1.2), "host": None},
+                             tiers={"gpu": GpuTier(int(host._tier.nbytes() * 1.2), ring=False), "host": None},
                              placement=ab.placement.BandwidthAware(interval=None))
     fill(dev, pool, cap)
     settle(dev, None, batch=4096)
+    ring = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=host.chunk_rows,
+                              tiers={"gpu": GpuTier(ring=True), "host": None},
+                              placement=ab.placement.BandwidthAware(interval=None))
+    fill(ring, pool, cap)
     sync = torch.cuda.synchronize
     batch = 4096
     row_bytes = 2 * schema.fields["obs"].row_bytes + 8 + 4 + 2
@@ -329,6 +337,14 @@ def gpu(quick: bool) -> dict:
         sync()
         return 10 * batch / (time.perf_counter() - t0)
 
+    def on_ring() -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            ring.sample(batch)
+        sync()
+        return 10 * batch / (time.perf_counter() - t0)
+
     def d2d() -> float:
         src = torch.empty(batch * row_bytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
@@ -341,8 +357,6 @@ def gpu(quick: bool) -> dict:
 
     # the kernel alone: one column's gather from a tier arena (GpuTier.take) against a device copy of the same bytes;
     # the whole-batch row above adds the store's per-batch work (sampling, six columns, rows still on the host)
-    from arrowbuf.tiers import GpuTier
-
     obs = schema.fields["obs"]
     tier = GpuTier(device="cuda")
     arena = tier.allocate("obs", obs.dtype, cap, tuple(obs.shape))
@@ -363,7 +377,7 @@ def gpu(quick: bool) -> dict:
     kernel = interleaved({"take": lambda: timed(lambda: tier.take(arena, pos, obs.dtype)),
                           "copy": lambda: timed(lambda: flat2.copy_(flat))}, base="copy")
     tier.close()
-    res = interleaved({"host_h2d": via_host, "device": on_device, "d2d": d2d}, base="host_h2d")
+    res = interleaved({"host_h2d": via_host, "device": on_device, "ring": on_ring, "d2d": d2d}, base="host_h2d")
     out = {"device": torch.cuda.get_device_name(0), "capacity": cap, "batch": batch,
            "host_gather_h2d_per_s": res["host_h2d"], "device_gather_per_s": res["device"],
            "speedup_vs_host_h2d": res["device_ratio"],
@@ -373,10 +387,46 @@ def gpu(quick: bool) -> dict:
            "obs_copy_gbps": kernel["copy"] * obs.row_bytes / 1e9,
            "obs_take_vs_copy": kernel["take_ratio"],
            "obs_on_gpu": float(dev.placement().to_pandas().query("column == 'obs' and tier == 'gpu'")["bytes"].sum()
-                               / max(1, dev.placement().to_pandas().query("column == 'obs'")["bytes"].sum()))}
+                               / max(1, dev.placement().to_pandas().query("column == 'obs'")["bytes"].sum())),
+           # the device ring (issue 43): the same batch drawn and gathered on the device, no host sync
+           "ring_per_s": res["ring"], "ring_vs_old": statistics.median(
+               r / o for r, o in zip(res["runs"]["ring"], res["runs"]["device"])),
+           "ring_gbps": res["ring"] * row_bytes / 1e9, "ring_vs_d2d": res["ring"] / res["d2d"]}
     host.close()
     dev.close()
+    ring.close()
     return out
+
+
+def device_cpu(quick: bool) -> dict:
+    """The device ring's code on torch's CPU device vs the host path (numpy), atari: a sanity row of the device path
+    in torch ops (same data, same batch), not a GPU figure."""
+    try:
+        import torch
+    except ImportError:
+        return {"skipped": "torch not installed"}
+    from arrowbuf.tiers import GpuTier
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # numpy gathers on one thread; OpenMP's spinning threads on a busy 2-core VM: 10x slower
+    schema = ab.load_schema(ROOT / "schemas" / "atari.yaml")
+    cap, batch = (4_000, 256) if quick else (10_000, 1024)
+    pool = make_steps("atari", 1000, seed=0, episode_len=500)
+    host = ab.ExperienceStore(schema, cap, seed=0)
+    ring = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=host.chunk_rows,
+                              tiers={"gpu": GpuTier(device="cpu", ring=True), "host": None},
+                              placement=ab.placement.BandwidthAware(interval=None))
+    for s in (host, ring):
+        fill(s, pool, cap)
+        for _ in range(3):  # the ring's first sample copies the whole ring to the device: not the steady state
+            s.sample(batch)
+    secs = 0.5 if quick else 1.5
+    res = interleaved({"host": lambda: rate(host, batch, secs), "ring": lambda: rate(ring, batch, secs)}, base="host")
+    host.close()
+    ring.close()
+    torch.set_num_threads(threads)
+    return {"capacity": cap, "batch": batch, "torch_threads": 1, "host_per_s": res["host"], "ring_per_s": res["ring"],
+            "ring_vs_host": res["ring_ratio"], "runs": res["runs"]}
 
 
 # ---------------------------------------------------------------------- report
@@ -419,6 +469,16 @@ def table(res: dict) -> str:
             g["obs_take_vs_copy"])
     elif g:
         lines.append(f"gpu: skipped: {g['skipped']}")
+    if g and "ring_per_s" in g:
+        add("gpu atari 4096: device ring vs old GPU path (chunk slots)", g["ring_per_s"], g["device_gather_per_s"],
+            g["ring_vs_old"])
+        add("gpu device ring GB/s vs device-to-device copy", g["ring_gbps"], g["d2d_copy_gbps"], g["ring_vs_d2d"])
+    d = res.get("device_cpu")
+    if d and "skipped" not in d:
+        add(f"device ring on torch's CPU vs host path, atari {d['batch']} (sanity)", d["ring_per_s"],
+            d["host_per_s"], d["ring_vs_host"])
+    elif d:
+        lines.append(f"device_cpu: skipped: {d['skipped']}")
     return "\n".join(lines)
 
 
@@ -427,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--spill-dir", default=None, help="directory on the disk to spill to (default: a temp dir)")
     ap.add_argument("--gpu", action="store_true", help="also the GPU rows (needs a CUDA device)")
-    ap.add_argument("--only", nargs="+", choices=["spill", "cold_columns", "gpu"], help="run only these sections")
+    ap.add_argument("--only", nargs="+", choices=["spill", "cold_columns", "gpu", "device_cpu"],
+                    help="run only these sections")
     ap.add_argument("--out", default=str(OUT / "tiers.json"))
     args = ap.parse_args(argv)
     spill_dir = args.spill_dir or tempfile.mkdtemp(prefix="arrowbuf-bench-spill-", dir=os.environ.get("TMPDIR"))
@@ -442,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             res["cold_columns"] = cold_columns(args.quick, spill_dir)
         if "gpu" in only:
             res["gpu"] = gpu(args.quick)
+        if "device_cpu" in only:
+            res["device_cpu"] = device_cpu(args.quick)
     finally:
         if args.spill_dir is None:
             shutil.rmtree(spill_dir, ignore_errors=True)

@@ -377,14 +377,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['backend']:>6} seed {r['seed']}: last-20 return {last:6.1f}, greedy eval "
               f"{np.mean(r['eval']):6.1f}, {r['updates']} updates in {r['wall_s']:.1f}s", flush=True)
 
-    if args.jobs <= 0:  # in this process, one after another (no worker start-up: quick checks)
-        for b, s in jobs:
-            report(run_one(b, s, args.steps, overrides, args.eval_episodes))
-    else:
-        with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            futs = [pool.submit(run_one, b, s, args.steps, overrides, args.eval_episodes) for b, s in jobs]
-            for f in cf.as_completed(futs):
-                report(f.result())
+    from arrowbuf.observe.meter import ProgressMeter
+
+    # runs take minutes each: a bar (a terminal) or a line every 2 s says how far the whole is
+    with ProgressMeter(len(jobs), "parity", "run") as bar:
+        if args.jobs <= 0:  # in this process, one after another (no worker start-up: quick checks)
+            for b, s in jobs:
+                bar.note(f"running {b} seed {s}")
+                report(run_one(b, s, args.steps, overrides, args.eval_episodes))
+                bar.update(1)
+        else:
+            with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
+                futs = [pool.submit(run_one, b, s, args.steps, overrides, args.eval_episodes) for b, s in jobs]
+                for f in cf.as_completed(futs):
+                    report(f.result())
+                    bar.update(1)
     runs.sort(key=lambda r: (BACKENDS.index(r["backend"]), r["seed"]))
     import gymnasium
     import torch

@@ -150,7 +150,28 @@ def rates(fn: Callable[[], object], repeat: int = 5, number: int = 1,
             fn()
         dt = _CLOCK() - t0
         out.append(items * number / dt if dt > 0 else float("inf"))
+        _measured()  # outside the timed region
     return out
+
+
+_meter = None
+
+
+def _measured() -> None:
+    """Progress of a benchmark script a person runs (`python -m benchmarks.bench_x`): its table comes at the end,
+    after minutes; meanwhile a line every 2 s (a bar on a terminal, `arrowbuf.observe.meter`) counts the repeats
+    measured, from a thread that wakes twice a second (nothing inside a timed region)."""
+    global _meter
+    if _meter is None:
+        import atexit
+        import sys
+
+        from arrowbuf.observe.meter import ProgressMeter
+
+        name = os.path.basename(sys.argv[0]).removesuffix(".py") if sys.argv and sys.argv[0] else "benchmark"
+        _meter = ProgressMeter(None, name, "repeat")
+        atexit.register(_meter.close)
+    _meter.update(1)
 
 
 def median_rate(fn: Callable[[], object], repeat: int = 5, number: int = 1,

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    # what this example imports beyond arrowbuf (the [demo] extra), checked before anything runs
+    for module in ("gymnasium",):
+        ab.errors.require(module, "demo")
     # a temporary folder only when no --out and no $ARROWBUF_EXAMPLES_OUT (a default made one on every run)
     args.out = args.out or os.environ.get("ARROWBUF_EXAMPLES_OUT") or tempfile.mkdtemp(prefix="arrowbuf-")
     out = pathlib.Path(args.out)

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import pathlib
 import subprocess
+import sys
 import time
 import uuid
 from typing import Any, Iterator
@@ -16,6 +17,11 @@ import pytest
 
 import arrowbuf as ab
 from arrowbuf.tiers import shm
+
+
+#: TorchRL's vendored replay-buffer suite (tests/compat/torchrl_suite/) has a conftest of its own and is run by
+#: tests/test_compat_torchrl_suite.py in a process of its own, never collected with this suite.
+collect_ignore = ["compat"]
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -246,6 +252,22 @@ def local_ray_cluster(nodes: int) -> Iterator[Any]:
 #: the nodes of the session's Ray cluster (1 CPU each): enough for the multi-node tests (shards and broadcast relays
 #: on different nodes), few enough to start in seconds on a 2-core machine
 RAY_NODES = 3
+
+
+@pytest.fixture(scope="session")
+def arrowbuf_wheel(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A wheel of this tree, built once per test session (from a clean copy of the tracked and new files, links
+    kept: arrowbuf/schemas links to schemas/, as scripts/wheel_demo.sh copies it: no stale build output can reach
+    it). Tests that install arrowbuf into a fresh venv (test_docs_blocks, test_extras) share it."""
+    tmp = tmp_path_factory.mktemp("wheel-build")
+    src = tmp / "src"
+    src.mkdir()
+    subprocess.run(f"git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -C '{src}' -xf -",
+                   shell=True, cwd=ROOT, check=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), str(src)],
+                   check=True, env=env, timeout=600)
+    return next((tmp / "dist").glob("arrowbuf-*.whl"))
 
 
 @pytest.fixture(scope="session")

@@ -59,3 +59,45 @@ def test_a_tiered_store_refused_for_its_budget_leaves_no_spill_directory(tmp_pat
         ab.ExperienceStore(ab.load_schema("atari"), capacity=100_000,
                            tiers={"host": "1KiB", "disk": (str(spill), "1MiB")})
     assert not (tmp_path / "spill").exists()
+
+
+def test_connect_to_the_inspector_port_says_an_http_server_answered():
+    """Issue 44: `ab.connect` to the inspector's (an HTTP/1 server) port says at once what answered there, instead
+    of gRPC's 10 s of retries and `Failed parsing HTTP/2`."""
+    from arrowbuf.observe.ui import Inspector
+
+    store = ab.ExperienceStore(ab.load_schema(SMALL), capacity=16)
+    try:
+        with Inspector(store, "127.0.0.1:0") as inspector:
+            with pytest.raises(ab.Unavailable) as info:
+                ab.connect(f"grpc://127.0.0.1:{inspector.port}", reconnect_timeout=60.0)
+        msg = str(info.value)
+        assert "HTTP" in msg and "not an Arrow Flight server" in msg and "server.location" in msg, msg
+        assert "inspector" in msg and "metrics" in msg  # the likely mix-up
+    finally:
+        store.close()
+
+
+def test_connect_to_the_metrics_port_says_an_http_server_answered():
+    pytest.importorskip("prometheus_client")
+    store = ab.ExperienceStore(ab.load_schema(SMALL), capacity=16)
+    try:
+        with store.serve_metrics("127.0.0.1:0") as endpoint:
+            port = int(endpoint.url.rstrip("/").rsplit(":", 1)[1].split("/")[0])
+            with pytest.raises(ab.Unavailable, match="not an Arrow Flight server"):
+                ab.connect(f"grpc://127.0.0.1:{port}", reconnect_timeout=60.0)
+    finally:
+        store.close()
+
+
+def test_connect_still_reaches_a_flight_server():
+    store = ab.ExperienceStore(ab.load_schema(SMALL), capacity=16)
+    try:
+        with ab.serve(store, "grpc://127.0.0.1:0") as server:
+            client = ab.connect(server.location)
+            try:
+                assert len(client) == 0
+            finally:
+                client.close()
+    finally:
+        store.close()

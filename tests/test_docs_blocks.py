@@ -60,25 +60,17 @@ def test_docstring_examples_run(module):
 
 # ---------------------------------------------------------------------------------------------- from a wheel
 @pytest.fixture(scope="module")
-def wheel_venv(tmp_path_factory):
-    """A wheel of this tree installed with [query,demo,compat,metrics] (torch pinned) into a fresh venv outside the
-    repository."""
+def wheel_venv(tmp_path_factory, arrowbuf_wheel):
+    """The session's wheel of this tree (conftest.arrowbuf_wheel) installed with [query,demo,compat,metrics] (torch
+    pinned) into a fresh venv outside the repository."""
     tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"
-    src.mkdir()
-    # a clean copy of the tree (tracked and new files; links stay links: arrowbuf/schemas links to schemas/), as
-    # scripts/wheel_demo.sh makes it: no stale build output can reach the wheel
-    subprocess.run(f"git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -C '{src}' -xf -",
-                   shell=True, cwd=ROOT, check=True)
     # pip installs without byte-compiling (`--no-compile`: compiling every module of torch, ray, pandas, ... was about
     # 3/4 of the install's CPU time); what the tests import is compiled on first import instead, and its .pyc written
     # into the venv (PYTHONDONTWRITEBYTECODE dropped) for the later processes. The installed files are the same
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
     subprocess.run([sys.executable, "-m", "venv", str(tmp / "venv")], check=True)
     py = tmp / "venv" / "bin" / "python"
-    subprocess.run([py, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), str(src)], check=True,
-                   env=env, timeout=600)
-    wheel = next((tmp / "dist").glob("arrowbuf-*.whl"))
+    wheel = arrowbuf_wheel
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile", f"{wheel}[query,demo,compat,metrics]",
                     "torch==2.13.0"], check=True, env=env, timeout=1200)
     run_dir = tmp / "run"
@@ -101,11 +93,11 @@ RAY_DOCS = [ROOT / "README.md", *(ROOT / "docs" / f for f in ("ray.md", "rllib.m
 
 
 @pytest.mark.slow
-def test_wheel_with_the_ray_extra_runs_the_ray_blocks(wheel_venv, tmp_path):
+def test_wheel_with_the_ray_extra_runs_the_ray_blocks(wheel_venv, arrowbuf_wheel, tmp_path):
     """The blocks marked `ray` (a ShardedStore, the Ray actors example, RLlib's DQN with the arrowbuf buffer) run
     against the wheel with its [ray] extra, each file's local Ray cluster shut down after it."""
     py, _, env = wheel_venv
-    wheel = next(py.parent.parent.parent.glob("dist/arrowbuf-*.whl"))
+    wheel = arrowbuf_wheel
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile", f"{wheel}[ray]", "torch==2.13.0"], check=True,
                    env=env, timeout=1200)
     listed = subprocess.run([py, str(ROOT / "scripts" / "docs_blocks.py"), "--list", *map(str, RAY_DOCS)],

@@ -86,3 +86,43 @@ def test_grpo_demo_over_flight_reward_rises(tmp_path: pathlib.Path) -> None:
     assert (tmp_path / "grpo_reward.png").stat().st_size > 1000
     assert len(res["worker_pids"]) == 4
     assert not [p for p in res["worker_pids"] if _alive(p)], "the demo left worker processes behind"
+
+
+def test_grpo_demo_prints_a_line_at_least_every_5_seconds_off_a_terminal(tmp_path: pathlib.Path) -> None:
+    """Issue 44: into a pipe (not a terminal) the demo prints a progress line at least every 5 s from its first line
+    to its exit, start-up (imports, workers starting) and the summary included: it never looks hung (it printed one
+    line, then nothing for 7-27 s)."""
+    import threading
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("ARROWBUF_PROGRESS_INTERVAL", None)  # the default cadence
+    cmd = [sys.executable, "-u", "-m", "arrowbuf.demo", "grpo", "--steps", "6", "--seed", "0",
+           "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(30)
+    text = "\n".join(line for _, line in lines)
+    assert proc.returncode == 0, text[-4000:]
+    progress = [line for _, line in lines if line.startswith("grpo: ")]
+    assert any("workers starting" in line for line in progress), text
+    assert progress and "6/6 trainer steps (100%)" in progress[-1], text
+    times = np.array([t for t, _ in lines])
+    gaps = np.diff(times)
+    worst = int(np.argmax(gaps))
+    assert gaps.max() < 5.0, f"{gaps.max():.1f} s of silence after {lines[worst][1]!r}:\n{text}"

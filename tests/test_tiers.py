@@ -123,7 +123,8 @@ def test_a_store_returns_the_same_rows_on_every_tier(kind, tmp_path):
         store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tier=DiskTier(tmp_path / "spill"))
     else:  # gpu: every chunk moved to the device, then sampled there
         # on torch's CPU device the probed bandwidths are alike: give the GPU's, so the policy promotes chunks
-        gpu, bw = ("64MiB", None) if kind == "gpu" else (GpuTier(budget="64MiB", device="cpu"),
+        # ring=False: chunk slots placed on the device (the device ring has tests of its own: test_device_ring.py)
+        gpu, bw = (GpuTier("64MiB", ring=False), None) if kind == "gpu" else (GpuTier(budget="64MiB", device="cpu"),
                                                          {"gpu": 100e9, "host": 10e9})
         store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32, tiers={"gpu": gpu, "host": None},
                                    placement=ab.placement.BandwidthAware(interval=None, bandwidth=bw))
@@ -146,6 +147,27 @@ def test_a_store_returns_the_same_rows_on_every_tier(kind, tmp_path):
         assert ref.episodes().equals(store.episodes())
 
 
+@pytest.mark.parametrize("kind", ["gpu-ring-on-cpu", pytest.param("gpu-ring", marks=needs_gpu)])
+def test_a_store_with_a_device_ring_holds_the_same_rows_and_samples_them_whole(kind):
+    """The device ring (issue 43; tests/test_device_ring.py has the rest): the same table and episodes as a host
+    store of the same data, and whole rows from the device (its own PRNG: other rows than the host's draws)."""
+    import torch
+
+    device = "cpu" if kind.endswith("on-cpu") else "cuda"
+    ref = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32)
+    store = ab.ExperienceStore(SCHEMA, 500, seed=3, chunk_rows=32,
+                               tiers={"gpu": GpuTier(budget="64MiB", device=device, ring=True), "host": None})
+    with ref, store:
+        for s in (ref, store):
+            s.extend(rows(0, 700))
+        for _ in range(3):
+            b = store.sample(64)
+            assert isinstance(b.indices, torch.Tensor) and b["obs"].device.type == device
+            check_batch(ab.SampleBatch({k: b[k] for k in b.columns}, b.indices.cpu().numpy()))
+        assert ref.to_table().equals(store.to_table())
+        assert ref.episodes().equals(store.episodes())
+
+
 @pytest.mark.parametrize("kind", TIERS)
 @pytest.mark.filterwarnings("ignore::arrowbuf.AppendSlowPathWarning")
 def test_every_dtype_round_trips_bit_exactly_on_every_tier(kind, tmp_path):
@@ -162,7 +184,8 @@ def test_every_dtype_round_trips_bit_exactly_on_every_tier(kind, tmp_path):
     elif kind == "disk":
         kw["tier"] = DiskTier(tmp_path / "spill")
     else:
-        gpu, bw = ("64MiB", None) if kind == "gpu" else (GpuTier(budget="64MiB", device="cpu"),
+        # ring=False: chunk slots placed on the device (the device ring has tests of its own: test_device_ring.py)
+        gpu, bw = (GpuTier("64MiB", ring=False), None) if kind == "gpu" else (GpuTier(budget="64MiB", device="cpu"),
                                                          {"gpu": 100e9, "host": 10e9})
         kw.update(tiers={"gpu": gpu, "host": None}, placement=ab.placement.BandwidthAware(interval=None, bandwidth=bw))
     with ab.ExperienceStore(D.DTYPES, 300, **kw) as store:
@@ -285,7 +308,8 @@ def test_gpu_tier_gathers_and_scatters_rows_exactly_whatever_their_width(device,
 def test_gpu_sampling_delivers_device_tensors_gathered_on_the_device():
     import torch
 
-    with ab.ExperienceStore(SCHEMA, 2000, seed=0, chunk_rows=64, tiers={"gpu": "256MiB", "host": None},
+    with ab.ExperienceStore(SCHEMA, 2000, seed=0, chunk_rows=64, tiers={"gpu": GpuTier("256MiB", ring=False),
+                                                                      "host": None},
                             placement=ab.placement.BandwidthAware(interval=None)) as store:
         store.extend(rows(0, 2000))
         store.sample(256)

@@ -227,12 +227,17 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
 
         return connect(target, token=args.token, store=args.store), f"Flight store at {target}"
     if os.path.isdir(target):  # a checkpoint or a dataset directory (arrowbuf.persist)
+        from ..observe.meter import PhasedProgress
         from ..persist import manifest
         from ..store import ExperienceStore
 
-        if os.path.exists(os.path.join(target, manifest.MANIFEST)):
-            return ExperienceStore.restore(target), f"checkpoint {target} (restored into a temporary store)"
-        return ExperienceStore.from_dataset(target), f"dataset {target} (loaded into a temporary store)"
+        command = getattr(args, "command", "inspect")
+        with PhasedProgress(f"arrowbuf {command}: ") as progress:  # restoring a large journal takes a while
+            if os.path.exists(os.path.join(target, manifest.MANIFEST)):
+                return (ExperienceStore.restore(target, progress=progress),
+                        f"checkpoint {target} (restored into a temporary store)")
+            return (ExperienceStore.from_dataset(target, progress=progress),
+                    f"dataset {target} (loaded into a temporary store)")
     if os.path.exists(target):
         import pyarrow.parquet as pq
 
@@ -281,10 +286,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"{what}: {stats.get('name')!r}, schema {stats.get('schema')!r}")
         print(f"size {stats.get('size'):,} of {stats.get('capacity'):,} rows; inserts {stats.get('inserts'):,}, "
               f"samples {stats.get('samples'):,}")
-        table = store.to_table()
-        print(f"{'column':<20} {'type':<58} {'bytes':>14}")
-        for field, col in zip(table.schema, table.columns):
-            print(f"{field.name:<20} {str(field.type)[:58]:<58} {col.nbytes:>14,}")
+        _print_sizes(stats, store.to_table().schema)
         eps = store.episodes()
         if eps.num_rows:
             import pyarrow.compute as pc
@@ -301,6 +303,52 @@ def run_inspect(args: argparse.Namespace) -> int:
     finally:
         store.close()
     return 0
+
+
+def _print_sizes(stats: dict[str, Any], schema: Any) -> None:
+    """Per column: its type, rows' bytes and reserved bytes (`arrowbuf.engine.sizes`: the numbers `stats()`, the
+    inspector and /metrics show), then the totals, each labelled."""
+    columns = stats.get("columns") or {}
+    names = [f.name for f in schema]
+    types = [type_name(f.type) for f in schema]
+    wn = max(6, *map(len, names))
+    wt = max(4, *map(len, types))  # as wide as the longest type: never cut mid-word
+    print(f"{'column':<{wn}}  {'type':<{wt}}  {'rows bytes':>14}  {'reserved bytes':>14}")
+    for name, typ in zip(names, types):
+        sizes = columns.get(name) or {}
+        rows, reserved = sizes.get("rows_bytes"), sizes.get("reserved_bytes")
+        print(f"{name:<{wn}}  {typ:<{wt}}  {_n(rows):>14}  {_n(reserved):>14}")
+    if "rows_bytes" in stats:
+        print(f"rows' bytes:    {_human(stats['rows_bytes']):>10} (the live rows' values)")
+        print(f"reserved bytes: {_human(stats['reserved_bytes']):>10} (what the store's memory holds for its "
+              f"capacity of {stats.get('capacity'):,} rows: the ring, final observations, the index)")
+
+
+def type_name(t: Any) -> str:
+    """A short, whole name of an Arrow type: tensors as `tensor<uint8>[4,84,84]`, arrowbuf's dtypes by name."""
+    import pyarrow as pa
+
+    if isinstance(t, pa.FixedShapeTensorType):
+        return f"tensor<{type_name(t.value_type)}>[{','.join(map(str, t.shape))}]"
+    if isinstance(t, pa.ExtensionType):
+        storage = t.storage_type
+        shape = f"[{storage.list_size}]" if isinstance(storage, pa.FixedSizeListType) else ""
+        return f"{t.extension_name}{shape}"
+    if isinstance(t, (pa.ListType, pa.LargeListType)):
+        return f"list<{type_name(t.value_type)}>"
+    return str(t)
+
+
+def _n(v: Any) -> str:
+    return "-" if v is None else f"{int(v):,}"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
 
 
 # ---------------------------------------------------------------------------------------------------- ui

@@ -117,9 +117,12 @@ def run_verify(args: argparse.Namespace) -> int:
     except (ArrowbufError, OSError) as exc:
         print(f"arrowbuf checkpoint verify: {exc}", file=sys.stderr)
         return 1
+    from ..observe.meter import PhasedProgress
+
     bad = 0
     for m in manifests:
-        problems = verify(args.path, m)
+        with PhasedProgress(f"arrowbuf checkpoint verify: generation {m['generation']}: ") as progress:
+            problems = verify(args.path, m, progress=progress)
         files = len(m["files"])
         if problems:
             bad += 1
@@ -133,11 +136,13 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from ..errors import ArrowbufError
+    from ..observe.meter import PhasedProgress
     from ..store import ExperienceStore
 
     try:
-        with ExperienceStore.restore(args.path) as store:
-            info = store.export(args.out, format=args.format, partition_by=args.partition_by)
+        with PhasedProgress("arrowbuf checkpoint export: ") as progress, \
+                ExperienceStore.restore(args.path, progress=progress) as store:
+            info = store.export(args.out, format=args.format, partition_by=args.partition_by, progress=progress)
     except (ArrowbufError, OSError) as exc:
         return _fail("export", exc)
     print(f"exported {info['rows']:,} rows to {info['path']} ({info['format']})")

@@ -278,6 +278,8 @@ class _Pipeline:
         with self.s.cond:
             updates, self.s.pending = self.s.pending, []
         for ids, pri in updates:
+            if isinstance(pri, _DeviceUpdate):
+                ids, pri = pri.ready(ids)
             if self._session is not None:
                 self._session.update_priorities(ids, pri)
             else:
@@ -388,10 +390,12 @@ class _Pipeline:
         host = SampleBatch({k: batch[k] for k in batch.columns if k not in on_device}, batch.indices, batch.weights)
         tensors = {**host.to_torch("cpu"), **on_device}
         tensors = {k: tensors[k] for k in batch.columns}
-        weights = torch.from_numpy(np.asarray(batch.weights)) if batch.weights is not None else None
+        weights: Any = batch.weights
+        if weights is not None and not _is_tensor(weights):
+            weights = torch.from_numpy(np.asarray(weights))
         if self.cfg.cuda:  # pragma: no cover - needs a GPU
             tensors = {k: _map_tensors(v, lambda t: t if t.is_cuda else t.pin_memory()) for k, v in tensors.items()}
-            weights = weights.pin_memory() if weights is not None else None
+            weights = weights if weights is None or weights.is_cuda else weights.pin_memory()
         return TorchBatch(tensors, batch.indices, weights, batch.info)
 
     def _copy(self, tb: TorchBatch) -> TorchBatch:  # pragma: no cover - needs a GPU
@@ -587,19 +591,27 @@ class Loader:
         """Queue new priorities for a batch's rows (or for an array of ids); returns at once.
 
         The background thread applies them before the next `source.sample` it starts; see the module docstring for
-        the bound on batches already prefetched. Errors from the source surface from `next(loader)`.
+        the bound on batches already prefetched. Errors from the source surface from `next(loader)`. A batch sampled
+        on the device (a store's device ring: its `indices` are a device tensor) with priorities given as a tensor
+        stays on the device: the counts are checked here, the values by the store when it applies them.
 
         Raises:
             InvalidArgument: the number of priorities does not match the ids, or a priority is negative, not finite
                 or too large (`samplers.validate_priorities`, the one check).
         """
-        ids, pri = validate_priorities(_to_numpy(getattr(batch, "indices", batch)), _to_numpy(priorities))
-        ids, pri = ids.copy(), pri.copy()  # the learner may reuse its buffers before the thread applies them
+        ids, pri = getattr(batch, "indices", batch), priorities
+        if _is_tensor(ids) and _is_tensor(pri):
+            ids, pri = _queued_tensors(ids, pri)  # a device sample's ids: stay on the device (no host sync)
+        else:
+            ids, pri = validate_priorities(_to_numpy(ids), _to_numpy(pri))
+            ids, pri = ids.copy(), pri.copy()  # the learner may reuse its buffers before the thread applies them
         s = self._shared
         with s.cond:
             if self._closed:
                 raise StoreClosed("the Loader is closed")
             if s.error is not None or not self._thread.is_alive():
+                if isinstance(pri, _DeviceUpdate):
+                    ids, pri = pri.ready(ids)
                 self.source.update_priorities(ids, pri)  # no background thread to hand it to
                 return
             s.pending.append((ids, pri))
@@ -657,6 +669,8 @@ class Loader:
             pending, s.pending = s.pending, []
         for ids, pri in pending:  # priorities the learner computed are not lost on shutdown
             try:
+                if isinstance(pri, _DeviceUpdate):
+                    ids, pri = pri.ready(ids)
                 self.source.update_priorities(ids, pri)
             except StoreClosed:
                 break
@@ -696,6 +710,41 @@ def _weak_floor(loader: Loader) -> Callable[[], float]:
         return obj._floor()
 
     return floor
+
+
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+class _DeviceUpdate:
+    """Priorities queued as tensors (a device sample's ids and the learner's priorities): copies made on the learner's
+    stream, and on CUDA an event the applying thread's stream waits for, so neither side waits on the host."""
+
+    def __init__(self, pri: Any, event: Any) -> None:
+        self.pri, self.event = pri, event
+
+    def ready(self, ids: Any) -> tuple[Any, Any]:
+        """(ids, priorities), the calling thread's stream ordered after the learner's copies."""
+        if self.event is not None:  # pragma: no cover - needs a GPU
+            import torch
+
+            torch.cuda.current_stream(self.pri.device).wait_event(self.event)
+        return ids, self.pri
+
+
+def _queued_tensors(ids: Any, pri: Any) -> tuple[Any, _DeviceUpdate]:
+    """Tensor priorities for the queue: counts checked now (shapes: no device read), values by the store when the
+    update is applied (a refused one surfaces from `next(loader)`)."""
+    if ids.numel() != pri.numel():
+        raise InvalidArgument(f"{ids.numel()} indices but {pri.numel()} priorities; pass one priority per index")
+    ids, pri = ids.detach().reshape(-1).clone(), pri.detach().reshape(-1).clone()
+    event = None
+    if pri.is_cuda:  # pragma: no cover - needs a GPU
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(pri.device))
+    return ids, _DeviceUpdate(pri, event)
 
 
 def _to_numpy(x: Any) -> Any:

@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import pathlib
 import queue as queue_mod
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,43 +33,6 @@ def cartpole_schema() -> Any:
     from ..schema import load_schema
 
     return load_schema("cartpole")  # schemas/cartpole.yaml, shipped inside the package
-
-
-# ---------------------------------------------------------------------------------------------------------- progress
-class Progress:
-    """tqdm when installed, else one plain line a second."""
-
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total = total
-        self.enabled = enabled
-        self._bar = None
-        self._last = 0.0
-        self._printed = 0  # the steps of the last plain line: "steps 0/N" is never printed
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
-            except ImportError:
-                pass
-
-    def update(self, steps: int, info: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        text = ", ".join(f"{k}={v}" for k, v in info.items())
-        if self._bar is not None:
-            self._bar.n = min(steps, self.total)
-            self._bar.set_postfix_str(text, refresh=False)
-            self._bar.refresh()
-            return
-        now = time.monotonic()
-        if now - self._last >= 1.0 and steps != self._printed:  # nothing new (starting up): no line
-            self._last, self._printed = now, steps
-            print(f"steps {steps}/{self.total} | {text}", flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 # ---------------------------------------------------------------------------------------------------------- transports
@@ -110,7 +72,17 @@ class DemoResult:
 def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: int = 0,
         out: str | os.PathLike[str] = "demo_out", cfg: DQNConfig | None = None, capacity: int | None = None,
         progress: bool = True, log: Callable[[str], None] = print) -> DemoResult:
-    """Run the demo and return what it measured (see the module docstring)."""
+    """Run the demo and return what it measured (see the module docstring). `progress`: a bar on a terminal, a
+    line every 2 s otherwise (`arrowbuf.observe.meter`), from the start (imports, actors starting) to the plot."""
+    from ..observe.meter import ProgressMeter
+
+    with ProgressMeter(steps, "dqn", "step", enabled=progress) as bar:
+        bar.note("starting: importing torch and gymnasium")
+        return _run(actors, steps, transport, seed, out, cfg, capacity, bar, log)
+
+
+def _run(actors: int, steps: int, transport: str, seed: int, out: str | os.PathLike[str], cfg: DQNConfig | None,
+         capacity: int | None, bar: Any, log: Callable[[str], None]) -> DemoResult:
     torch = require("torch", "demo")
     require("gymnasium", "demo")
     from .. import rate_limiters, samplers
@@ -155,7 +127,6 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
         client = None
         episodes: list[dict[str, Any]] = []
         done: set[int] = set()
-        bar = Progress(steps, enabled=progress)
         timing = {"wait_s": 0.0, "train_s": 0.0, "other_s": 0.0}  # the learner loop's time: batches, gradients, rest
         try:
             if transport == "flight":
@@ -185,11 +156,12 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
                     w = ctx.Process(target=actor_main, args=(spec, events, stop), daemon=True, name=f"actor-{i}")
                 start_quietly(w)
                 workers.append(w)
+            bar.note(f"{actors} actors starting (each imports torch and gymnasium)")
 
             loader = Loader(source, batch_size=cfg.batch_size, prefetch=2, columns=LEARNER_COLUMNS, timeout=0.25,
                             n_step=cfg.n_step, gamma=cfg.gamma)
             t_train = None
-            t_learn = None
+            learn_step = None  # environment steps stored when the first gradient step ran
             publish_every = 50
 
             def drain() -> None:
@@ -227,7 +199,7 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
                 if batch is not None:
                     if t_train is None:
                         t_train = t0
-                        t_learn = time.time() - t_start
+                        learn_step = len(store)
                     td = learner.train(batch.to_numpy(), batch.weights)
                     t2 = time.perf_counter()
                     timing["train_s"] += t2 - t1
@@ -243,18 +215,19 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
                     m = loader.metrics
                     its = m.iterations
                     rate = (its * cfg.batch_size / (time.perf_counter() - t_train)) if t_train and its else 0.0
-                    bar.update(len(store), {
+                    bar.update_to(len(store), **{
                         "episodes": len(episodes),
                         "return(last20)": f"{np.mean(recent):.1f}" if recent else "-",
                         "samples/s": f"{rate:,.0f}",
                         "exposed": f"{m.totals['exposed_s'] / its * 1e3:.2f}ms/it" if its else "-",
                         "policy": f"v{version}"})
-            bar.update(len(store), {"episodes": len(episodes)})
+            bar.update_to(len(store), episodes=len(episodes))
+            bar.note("summary (store.sql)")
             wall = time.time() - t_start
             summary = _summary_sql(store)            # every actor is done: the buffer holds the whole run
             total_steps = len(store)
         finally:
-            bar.close()
+            bar.note("stopping the actors")
             stop.set()
             if loader is not None:
                 loader.close()
@@ -281,7 +254,7 @@ def run(actors: int = 3, steps: int = 15_000, transport: str = "flight", seed: i
     last20 = float(np.mean(rets[-20:])) if rets else float("nan")
     (out_dir / "episodes.json").write_text(json.dumps(episodes))
     plot = _plot(episodes, out_dir / "returns.png", f"DQN on CartPole-v1, {actors} actors, transport={transport}",
-                 t_learn)
+                 learn_step)
     return DemoResult(transport, episodes, learner.updates, total_steps, wall, summary,
                       loader.metrics.summary() if loader is not None else "", timing, plot, first20, last20)
 
@@ -296,7 +269,9 @@ def _summary_sql(store: Any) -> Any:
         "round(avg(length), 1) AS mean_length FROM q GROUP BY quarter ORDER BY quarter")
 
 
-def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str, t_learn: float | None = None) -> str | None:
+def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str,
+          learn_step: int | None = None) -> str | None:
+    """Write the returns plot (`returns_figure`) to `path`; None without matplotlib."""
     try:
         import matplotlib
 
@@ -304,25 +279,37 @@ def _plot(episodes: list[dict[str, Any]], path: pathlib.Path, title: str, t_lear
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    fig = returns_figure(episodes, title, learn_step)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def returns_figure(episodes: list[dict[str, Any]], title: str, learn_step: int | None = None) -> Any:
+    """Episode returns over environment steps (all actors; each episode at the steps done when it ended), with a
+    20-episode mean and the first gradient step (`learn_step`: environment steps then). Steps, not wall time: a
+    loaded machine stretches the start-up (processes, imports) without moving the episodes against each other."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(10, 4.5))
     if episodes:
-        t = np.array([e["t"] for e in episodes])
-        r = np.array([e["return"] for e in episodes])
-        ax.scatter(t, r, s=6, alpha=0.35, label="episode return")
+        ordered = sorted(episodes, key=lambda e: e["t"])
+        x = np.cumsum([e["length"] for e in ordered])
+        r = np.array([e["return"] for e in ordered])
+        ax.scatter(x, r, s=6, alpha=0.35, label="episode return")
         k = min(20, len(r))
         ma = np.convolve(r, np.ones(k) / k, mode="valid")
-        ax.plot(t[k - 1:], ma, color="C1", lw=2, label=f"mean of last {k}")
-    if t_learn is not None:
-        ax.axvline(t_learn, color="grey", ls="--", lw=1, label="first gradient step")
-    ax.set_xlabel("wall time (s)")
+        ax.plot(x[k - 1:], ma, color="C1", lw=2, label=f"mean of last {k}")
+        ax.set_xlim(0, max(int(x[-1]), learn_step or 0) * 1.02)
+    if learn_step is not None:
+        ax.axvline(learn_step, color="grey", ls="--", lw=1, label="first gradient step")
+    ax.set_xlabel("environment steps (all actors)")
     ax.set_ylabel("return")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the axes: never on a point
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return fig
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

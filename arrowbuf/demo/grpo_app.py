@@ -181,12 +181,22 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
     """Run the GRPO demo (see the module docstring) for `steps` trainer steps.
 
     `transport="local"` runs the workers as threads on the store itself (no Flight): for debugging only.
+    `progress`: a bar on a terminal, a line every 2 s otherwise (`arrowbuf.observe.meter`), from the start (imports,
+    workers starting: tens of seconds on a busy machine) to the plot.
     """
+    from ..observe.meter import ProgressMeter
+
+    with ProgressMeter(steps, "grpo", "trainer step", enabled=progress) as bar:
+        bar.note("starting: importing torch")
+        return _run(steps, workers, seed, out, cfg, bar, log, transport)
+
+
+def _run(steps: int, workers: int, seed: int, out: str | os.PathLike[str], cfg: GRPOConfig | None, bar: Any,
+         log: Any, transport: str) -> GRPOResult:
     torch = require("torch", "demo")
     from ..flight import connect, serve
     from ..samplers import Group
     from ..store.facade import ExperienceStore
-    from .app import Progress
 
     if transport not in ("flight", "local"):
         raise InvalidArgument(f"transport must be 'flight' or 'local', got {transport!r}")
@@ -209,7 +219,6 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
     stop: Any = threading.Event() if local else ctx.Event()
     credits: Any = threading.Semaphore(0) if local else ctx.Semaphore(0)
     errors: Any = queue_mod.Queue() if local else ctx.Queue()
-    bar = Progress(steps, enabled=progress)
     try:
         with serve(store, "grpc://127.0.0.1:0") as server:
             policy_file = PolicyFile(out_dir / "policy.pt")
@@ -228,6 +237,7 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
                           ctx.Process(target=worker_main, args=(s, stop, credits, errors), daemon=True, name=name))
                 start_quietly(p)
                 procs.append(p)
+            bar.note(f"{len(procs)} workers starting (each imports torch); waiting for the first rewarded groups")
             remote: Any = store if local else connect(server.location)
             try:
                 compensated = 0
@@ -258,19 +268,20 @@ def run(steps: int = 200, workers: int = 2, seed: int = 0, out: str | os.PathLik
                                     "lag": float((trainer.version - 1 - versions).mean()),
                                     "t": time.time() - t_start, **info})
                     recent = [h["reward"] for h in history[-10:]]
-                    bar.update(trainer.version, {"reward(last10)": f"{np.mean(recent):.3f}",
-                                                 "kl": f"{info['kl']:.3f}", "lag": f"{history[-1]['lag']:.1f}",
-                                                 "policy": f"v{trainer.version}"})
+                    bar.update_to(trainer.version, **{"reward(last10)": f"{np.mean(recent):.3f}",
+                                                      "kl": f"{info['kl']:.3f}", "lag": f"{history[-1]['lag']:.1f}",
+                                                      "policy": f"v{trainer.version}"})
                 stats = remote.stats()
             finally:
+                bar.note("stopping the workers")
                 stop.set()
                 if not local:
                     remote.close()
                 _stop_workers(procs)
             wall = time.time() - t_start
+            bar.note("summary (store.sql) and plot")
             summary = _summary_sql(store)
     finally:
-        bar.close()
         stop.set()
         _stop_workers(procs)
         store.close()
@@ -323,6 +334,7 @@ def _ends(per_version: dict[str, list]) -> tuple[float, float]:
 
 
 def _plot(per_version: dict[str, list], history: list[dict[str, Any]], path: pathlib.Path) -> str | None:
+    """Write the reward plot (`reward_figure`) to `path`; None without matplotlib."""
     try:
         import matplotlib
 
@@ -330,6 +342,17 @@ def _plot(per_version: dict[str, list], history: list[dict[str, Any]], path: pat
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    fig = reward_figure(per_version)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def reward_figure(per_version: dict[str, list]) -> Any:
+    """Mean reward per policy version (ticks at whole versions only) and its 10-version mean."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(10, 4.5))
     v = np.asarray(per_version.get("policy_version", []))
     r = np.asarray(per_version.get("mean_reward", []), dtype=np.float64)
@@ -337,6 +360,7 @@ def _plot(per_version: dict[str, list], history: list[dict[str, Any]], path: pat
         ax.plot(v, r, ".", alpha=0.4, label="mean reward of the\ncompletions of a version")
         k = min(10, v.size)
         ax.plot(v[k - 1:], np.convolve(r, np.ones(k) / k, mode="valid"), color="C1", lw=2, label=f"mean of {k}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a policy version is a whole number
     ax.axhline(0.2, color="grey", ls="--", lw=1, label="uniformly random policy")
     ax.set_xlabel("policy version (trainer steps)")
     ax.set_ylabel("reward (share of digits right)")
@@ -345,9 +369,7 @@ def _plot(per_version: dict[str, list], history: list[dict[str, Any]], path: pat
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the axes: never on a point
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return fig
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

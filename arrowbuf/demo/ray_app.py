@@ -165,7 +165,19 @@ def run(actors: int = 3, steps: int = 15_000, shards: int = 2, seed: int = 0, cf
         block_size: the broadcast's block size (bytes).
         kill_relay: kill one non-learner node's relay after the second publish (failure injection).
         address: a Ray cluster to connect to (default: a running connection, else a new local `ray.init()`).
+        progress: a bar on a terminal, a line every 2 s otherwise (`arrowbuf.observe.meter`).
     """
+    from ..observe.meter import ProgressMeter
+
+    with ProgressMeter(steps, "ray demo", "row", enabled=progress) as bar:
+        bar.note("starting Ray and the shards")
+        return _run(actors, steps, shards, seed, cfg, publish_every, min_version, block_size, kill_relay, address,
+                    bar, log)
+
+
+def _run(actors: int, steps: int, shards: int, seed: int, cfg: DQNConfig | None, publish_every: int,
+         min_version: int, block_size: int, kill_relay: bool, address: str | None, bar: Any,
+         log: Any) -> RayDemoResult:
     require("torch", "demo")
     require("gymnasium", "demo")
     from .. import samplers
@@ -221,7 +233,7 @@ def run(actors: int = 3, steps: int = 15_000, shards: int = 2, seed: int = 0, cf
         pending = list(runs)
         results: list[Any] = []
         killed: str | None = None
-        rows, last_log = 0, 0.0
+        rows = 0
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             results += ray.get(done)
@@ -245,10 +257,7 @@ def run(actors: int = 3, steps: int = 15_000, shards: int = 2, seed: int = 0, cf
                 if kill_relay and version == 2 and killed is None:
                     killed = _kill_one_relay(bc, ray.get_runtime_context().get_node_id(), actor_nodes)
                     log(f"killed the broadcast relay of node {killed[:8]} (failure injection)")
-            now = time.monotonic()
-            if progress and now - last_log >= 2.0:
-                last_log = now
-                log(f"rows {rows}, gradient steps {learner.updates}, policy v{version}")
+            bar.update_to(rows, **{"gradient steps": learner.updates, "policy": f"v{version}"})
         total_rows = len(sharded)
         wall = time.time() - t_start
         uid = bc.uid

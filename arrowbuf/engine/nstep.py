@@ -15,6 +15,7 @@ floats (and small integers) give float32; 32- and 64-bit integer rewards give fl
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -81,3 +82,51 @@ def n_step_returns(index: RingIndex, reward: np.ndarray, terminal: list[np.ndarr
     if no_reward is not None and no_reward.any():
         ret[no_reward] = np.nan
     return ret.astype(dtype), discount.astype(dtype), cur
+
+
+def n_step_returns_device(torch: Any, next_pos: Any, known: Any, reward: Any, terminal: list[Any],
+                          truncation: list[Any], pos: Any, k: int, gamma: float, arena_rows: int,
+                          out_dtype: Any) -> tuple[Any, Any, Any]:
+    """`n_step_returns` over a device ring's mirrors, in torch ops with no host sync: the same windows, the same
+    float64 accumulation, the same dtypes out.
+
+    Args:
+        torch: the torch module.
+        next_pos, known: the ring's mirrors of `next_pos` and `valid` (the rows whose next observation is known).
+        reward: the reward arena; terminal / truncation: arenas of the flags that end an episode with / without
+            bootstrapping (device tensors indexed by ring position).
+        pos: positions of the sampled rows (int64 device tensor).
+        out_dtype: the torch dtype of the returns and discounts (`n_step_dtype` of the reward's dtype).
+
+    Returns:
+        (n_step_return, n_step_discount, position of each window's last step) as device tensors.
+    """
+    if k < 1:
+        raise InvalidArgument(f"n_step must be >= 1, got {k}")
+    if not 0.0 <= gamma <= 1.0:
+        raise InvalidArgument(f"gamma must be in [0, 1], got {gamma}")
+    ret = torch.zeros(pos.shape, dtype=torch.float64, device=pos.device)
+    scale = torch.ones(pos.shape, dtype=torch.float64, device=pos.device)
+    terminated = torch.zeros(pos.shape, dtype=torch.bool, device=pos.device)
+    active = torch.ones(pos.shape, dtype=torch.bool, device=pos.device)
+    cur = pos
+    for j in range(k):
+        ret = ret + torch.where(active, scale * reward.take(cur).to(torch.float64), 0.0)
+        term = torch.zeros(pos.shape, dtype=torch.bool, device=pos.device)
+        for flag in terminal:
+            term = term | flag.take(cur).to(torch.bool)
+        ended = term
+        for flag in truncation:
+            ended = ended | flag.take(cur).to(torch.bool)
+        terminated = terminated | (active & term)
+        scale = torch.where(active, scale * gamma, scale)
+        if j == k - 1:
+            break
+        nxt = next_pos.take(cur)
+        inside = (nxt >= 0) & (nxt < arena_rows)
+        safe = torch.where(inside, nxt, 0)
+        step_on = active & ~ended & inside & known.take(safe)
+        cur = torch.where(step_on, nxt, cur)
+        active = step_on
+    discount = torch.where(terminated, 0.0, scale)
+    return ret.to(out_dtype), discount.to(out_dtype), cur

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -36,10 +36,14 @@ from ..ring.ragged_gather import own_as
 from ..ring.reservations import HOLE
 from ..ring.tiered import TieredColumnArenas
 from ..samplers import Sampler, validate_priorities
+from ..samplers.device import device_kind
 from ..schema import FieldSpec
 from ..schema import logical as _logical
 from .core import StoreCore
 from .nstep import n_step_returns
+
+if TYPE_CHECKING:
+    from .device_sample import DeviceSampling
 
 _OPTIMISTIC_ROUNDS = 4  # seqlock rounds a tiered gather tries before it holds migrations off
 
@@ -75,6 +79,17 @@ class StoreReader:
         self.outputs = OutputPool()
         core.cols.use_outputs(self.outputs)  # large ragged gathers too
         self._logical = _logical.needs_delivery(core.schema)
+        #: the device sample path (`arrowbuf.engine.device_sample`) when the store mirrors its ring on a device
+        self.device: DeviceSampling | None = None
+        if core.cols.tiered:
+            cols = cast(TieredColumnArenas, core.cols)
+            if cols.device_ring is not None:
+                if device_kind(core.sampler) is None or core.max_times_sampled:  # draws on the host: no mirror
+                    cols.drop_device_ring()
+                else:
+                    from .device_sample import DeviceSampling
+
+                    self.device = DeviceSampling(core, cols.device_ring, self._timeout_error)
 
     def sample(self, n: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                n_step: int | None = None, gamma: float = 0.99) -> SampleBatch:
@@ -97,11 +112,34 @@ class StoreReader:
         Raises:
             SampleTimeout: nothing could be served within `timeout`.
         """
+        if self.device is not None:
+            batch = self._sample_device(n, columns, timeout, n_step, gamma)
+            if batch is not None:
+                return batch
         names, seqs, weights = self._selection(n, columns, timeout, n_step, gamma)
         arrays = self._gather_consistent(seqs, weights, names, n_step, gamma, timeout)
         self._sampled(seqs)
         indices = seqs[:, 0].copy() if seqs.ndim == 2 else seqs
         return SampleBatch(self._deliver(arrays), indices, weights)
+
+    def _sample_device(self, n: Any, columns: Iterable[str] | None, timeout: float | None, n_step: int | None,
+                       gamma: float) -> SampleBatch | None:
+        """`sample` on the device ring (`arrowbuf.engine.device_sample`), or None when a column asked for is not
+        mirrored there (the host path serves it)."""
+        assert self.device is not None
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"n must be a positive number of items, got {n!r}")
+        self.core.check_open()
+        names = self.core.schema.resolve_columns(list(columns) if columns is not None else None)
+        if n_step is not None:
+            self._check_n_step(n_step, gamma)
+        if not self.device.serves(names, n_step):
+            return None
+        batch = self.device.sample(int(n), names, timeout, n_step, gamma)
+        if self.count_access:
+            self.core.cols.count_access((tuple(names), n_step is not None), int(n), self._columns_read, names,
+                                        n_step)
+        return batch
 
     def sample_pieces(self, n: int, rows: int, columns: Iterable[str] | None = None, timeout: float | None = None, *,
                       piece_bytes: int | None = None, n_step: int | None = None,
@@ -277,24 +315,28 @@ class StoreReader:
         if held[0]:
             self.core.limiter_waits["sample"] += 1
         if not ok:
-            if self.core.rate_limiter is not None and not self.core.rate_limiter.can_sample(n, self.core.counters()):
-                why = self.core.rate_limiter.blocked_reason(self.core.counters())
-            elif len(self.core.index) == 0:
-                why = "the store is empty"
-            else:
-                why = (f"{type(self.core.sampler).__name__} cannot serve {n} items from {len(self.core.index)} "
-                       "stored rows")
-                if self.core.max_times_sampled:
-                    why += (f" (max_times_sampled={self.core.max_times_sampled}: a batch needs {n} distinct eligible "
-                            f"items; {self.core.index.counter('removed')} were used up)")
-            wait = "did not wait (timeout=None)" if timeout is None else f"waited {timeout}s"
-            raise SampleTimeout(f"sample({n}) from {self.core.name!r}: {why}; {wait}. Add data or pass timeout= to "
-                                "wait")
+            raise self._timeout_error(n, timeout)
         self.core.index.count("samples", n)
         if self.core.max_times_sampled:
             self._count_samples(chosen[0][0])
         self.core.cond.notify_all()
         return chosen[0]
+
+    def _timeout_error(self, n: int, timeout: float | None) -> SampleTimeout:
+        """Under the state lock: the error of a sample of `n` items that could not be served within `timeout`."""
+        if self.core.rate_limiter is not None and not self.core.rate_limiter.can_sample(n, self.core.counters()):
+            why = self.core.rate_limiter.blocked_reason(self.core.counters())
+        elif len(self.core.index) == 0:
+            why = "the store is empty"
+        else:
+            why = (f"{type(self.core.sampler).__name__} cannot serve {n} items from {len(self.core.index)} "
+                   "stored rows")
+            if self.core.max_times_sampled:
+                why += (f" (max_times_sampled={self.core.max_times_sampled}: a batch needs {n} distinct eligible "
+                        f"items; {self.core.index.counter('removed')} were used up)")
+        wait = "did not wait (timeout=None)" if timeout is None else f"waited {timeout}s"
+        return SampleTimeout(f"sample({n}) from {self.core.name!r}: {why}; {wait}. Add data or pass timeout= to "
+                             "wait")
 
     def _columns_read(self, names: list[str], n_step: int | None) -> list[str]:
         """The stored columns a sample of `names` reads (what placement counts as accesses)."""
@@ -435,6 +477,12 @@ class StoreReader:
                     ok[fin] &= self.core.final_owner[lnext[fin] - self.core.arena_rows] == idx.seq[last[fin]]
         return ~ok.reshape(len(seqs), -1).all(axis=1)
 
+    def settle(self) -> None:
+        """Apply the priority updates the device path still holds queued to the host sampler (the host's state is
+        then complete: what a checkpoint copies); nothing to do without a device ring."""
+        if self.device is not None:
+            self.device.flush()
+
     def update_priorities(self, indices: Any, priorities: Any) -> int:
         """Set the priorities of sampled items; ids whose row was evicted or recycled are ignored (and counted).
 
@@ -444,8 +492,25 @@ class StoreReader:
             InvalidArgument: counts differ, or a priority is NaN, infinite, negative or too large
                 (`samplers.validate_priorities`); nothing is applied.
         """
-        seqs, pri = validate_priorities(indices, priorities)
+        dev = self.device
+        if dev is not None and _on_device(indices, priorities, dev.ring.device):
+            return dev.update_priorities(indices, priorities)  # a 0-d device tensor: reading it waits for the device
+        seqs, pri = validate_priorities(_host(indices), _host(priorities))
         c = self.core
+        if dev is not None:  # queued device updates first; the next sync copies the new leaves
+            applied = [0]
+
+            def apply() -> np.ndarray:
+                live = c.index.live(seqs)
+                pos = seqs[live] % c.arena_rows
+                if live.any():
+                    c.sampler.update_priorities(pos, pri[live])
+                c.index.count("priority_updates_ignored", int((~live).sum()))
+                applied[0] = int(live.sum())
+                return pos
+
+            dev.host_update(apply)
+            return applied[0]
         with c.lock:
             live = c.index.live(seqs)
             if live.any():
@@ -602,6 +667,22 @@ def _column_copy(values: Any, spec: FieldSpec) -> pa.Array:
     if spec.shape:
         return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
     return pa.array(values)
+
+
+def _is_tensor(values: Any) -> bool:
+    return type(values).__module__.startswith("torch")
+
+
+def _on_device(indices: Any, priorities: Any, device: Any) -> bool:
+    """Whether a priority update comes as tensors on the device ring's device (both; or ids there and priorities a
+    tensor on the same device)."""
+    return (_is_tensor(indices) and _is_tensor(priorities) and indices.device == device
+            and priorities.device == device)
+
+
+def _host(values: Any) -> Any:
+    """A tensor's values as numpy (a device tensor is copied back: the host path waits for it)."""
+    return values.detach().cpu().numpy() if _is_tensor(values) else values
 
 
 def _assign_rows(arr: Any, rows: np.ndarray, values: Any) -> Any:

@@ -47,6 +47,7 @@ import numpy as np
 from ..errors import AppendSlowPathWarning, ArrowbufError, FinalObsWarning, InsertTimeout, SchemaError
 from ..observe.lineage import STAMP_CLOCK as _now
 from ..observe.lineage import STAMP_WRITER as _who
+from ..options import final_obs_advice
 from ..rate_limiters import RateLimiter
 from ..ring.index import ENDED, HEADER, PENDING
 from ..ring.reservations import CHECK_S, HOLE, waited
@@ -682,12 +683,13 @@ class StoreWriter:
         episodes = max(1, idx.counter("final_count"))
         mean_len = max(1.0, idx.counter("inserts") / episodes)
         want = int(np.ceil(c.capacity / mean_len * 1.25))
+        have, advice = final_obs_advice(c.final_capacity, want)
         warnings.warn(
             f"store {c.name!r}: {count} terminal transition(s) stopped being sampleable because their final "
-            f"observation's slot was reused (final_obs_capacity={c.final_capacity}; episodes here average "
-            f"{mean_len:.1f} steps, so the ring holds about {int(c.capacity / mean_len)} episode ends). Pass "
-            f"final_obs_capacity={want} (or more) to keep every terminal transition; stats()['final_obs_dropped'] "
-            "counts the losses", FinalObsWarning, stacklevel=4)
+            f"observation's slot was reused ({have}; episodes here average "
+            f"{mean_len:.1f} steps, so the ring holds about {int(c.capacity / mean_len)} episode ends). {advice} "
+            "to keep every terminal transition; stats()['final_obs_dropped'] counts the losses", FinalObsWarning,
+            stacklevel=4)
 
     # ------------------------------------------------------------------ rate limiting
     def _may_insert(self, n: int) -> bool:

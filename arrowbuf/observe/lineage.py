@@ -402,12 +402,12 @@ class Lineage:
             t.hist[: len(hist)] = hist
 
 
-def write_table(table: pa.Table, root: Any, format: str = "parquet") -> str:
-    """Write a lineage table as `_lineage.parquet` (or `_lineage.arrow`) in directory `root`; returns the path.
-    The leading underscore keeps it out of the dataset the directory holds (pyarrow and `ab.open_dataset` skip it)."""
+def write_table(table: pa.Table, path: Any, format: str = "parquet") -> str:
+    """Write a lineage table as a Parquet (or, `format="arrow"`, Arrow IPC) file at `path`; returns the path.
+    (`store.export` puts it in the export's metadata folder: `arrowbuf.persist.datasets.lineage_path`.)"""
     import os
 
-    path = os.path.join(os.fspath(root), "_lineage.parquet" if format == "parquet" else "_lineage.arrow")
+    path = os.fspath(path)
     if format == "parquet":
         import pyarrow.parquet as pq
 

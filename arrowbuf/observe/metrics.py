@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import InvalidArgument, MissingDependency
+from ..errors import InvalidArgument, MissingDependency, StoreClosed
 from ..serving.http import BoundedHTTPServer, GuardedHandler, RequestGuard
 from ..serving.limits import NetLimits, check_bind
+from ..surface import Observable
 
 log = logging.getLogger("arrowbuf.observe")
 
@@ -124,7 +125,7 @@ class StoreCollector:
     # ------------------------------------------------------------------ one store
     def _store(self, name: str, store: Any, counter: Any, gauge: Any, hist: Any) -> None:
         st = store.stats()
-        row_bytes = int(getattr(getattr(store, "schema", None), "row_bytes", 0) or 0)
+        row_bytes = int(store.schema.row_bytes)
         if isinstance(st.get("shards"), list):  # a ShardedStore: totals here, and one series per shard
             st = self._shards(name, st, counter, gauge)
         size, cap = int(st.get("size", 0)), int(st.get("capacity", 0) or 0)
@@ -174,22 +175,30 @@ class StoreCollector:
                 [name], int(st["policy_version"]))
         if isinstance(st.get("journal"), dict):  # a durable store (or durable shards: their sums)
             self._journal(name, st["journal"], counter, gauge)
+        # sizes: the one definition of arrowbuf.engine.sizes (stats(), arrowbuf inspect and the inspector show the same)
+        if "rows_bytes" in st:
+            gauge("arrowbuf_rows_bytes", "Bytes of the live rows' values as the store keeps them (rows' bytes)",
+                  ["store"]).add_metric([name], int(st["rows_bytes"]))
+        if "reserved_bytes" in st:
+            gauge("arrowbuf_reserved_bytes", "Bytes the store's memory tiers hold for it, rows or not (reserved: the "
+                  "ring of capacity rows plus one chunk, final observations, the index)", ["store"]).add_metric(
+                [name], int(st["reserved_bytes"]))
+        for column, sizes in (st.get("columns") or {}).items():
+            gauge("arrowbuf_column_rows_bytes", "Bytes of the live rows' values per column (rows' bytes)",
+                  ["store", "column"]).add_metric([name, str(column)], int(sizes.get("rows_bytes", 0)))
         for tier, nbytes in (st.get("bytes") or {}).items():
-            gauge("arrowbuf_tier_bytes", "Bytes the store holds per memory tier", ["store", "tier"]).add_metric(
-                [name, str(tier)], int(nbytes))
-        placement = getattr(store, "placement", None)
-        if callable(placement):
+            gauge("arrowbuf_tier_bytes", "Reserved bytes per memory tier (what the tier holds for the store, rows or "
+                  "not)", ["store", "tier"]).add_metric([name, str(tier)], int(nbytes))
+        if isinstance(store, Observable):  # a store in this process: per-column placement and what it records
             try:
-                table = placement().to_pylist()
-            except Exception:  # noqa: BLE001 - a surface without per-column placement
+                table = store.placement().to_pylist()
+            except StoreClosed:
                 table = []
             for row in table:
-                gauge("arrowbuf_column_bytes", "Bytes per column per tier (store.placement())",
+                gauge("arrowbuf_column_bytes", "Reserved bytes per column per tier: its arenas (store.placement())",
                       ["store", "column", "tier"]).add_metric([name, str(row["column"]), str(row["tier"])],
                                                               int(row["bytes"]))
-        observability = getattr(store, "observability", None)
-        if callable(observability):
-            self._observed(name, observability(), counter, gauge, hist)
+            self._observed(name, store.observability(), counter, gauge, hist)
 
     def _observed(self, name: str, obs: dict[str, Any], counter: Any, gauge: Any, hist: Any) -> None:
         progress = obs.get("progress") or {}
@@ -274,6 +283,7 @@ class StoreCollector:
         consumed: dict[str, int] = {}
         nbytes: dict[str, int] = {}
         journal: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         for k, sh in enumerate(st["shards"]):
             labels = [name, str(k)]
             gauge("arrowbuf_shard_up", "1 when the shard answered the scrape", ["store", "shard"]).add_metric(
@@ -295,6 +305,8 @@ class StoreCollector:
                         ["store", "shard", "task_name"]).add_metric([*labels, task], int(n))
             for tier, b in (sh.get("bytes") or {}).items():
                 nbytes[tier] = nbytes.get(tier, 0) + int(b)
+            for key in ("rows_bytes", "reserved_bytes"):
+                sizes[key] = sizes.get(key, 0) + int(sh.get(key, 0) or 0)
             j = sh.get("journal")
             if isinstance(j, dict):  # durable shards: counters summed; lsns are per shard
                 for key in ("records", "bytes", "fsyncs"):
@@ -304,6 +316,7 @@ class StoreCollector:
                           ["store", "shard"]).add_metric(labels, int(j["durable_lsn"]))
         total["consumed"] = consumed
         total["bytes"] = nbytes
+        total.update(sizes)
         total.pop("journal", None)
         if journal:
             total["journal"] = journal

@@ -41,6 +41,7 @@ from ..errors import InvalidArgument
 from ..query.sql import SqlLimits
 from ..serving.http import BoundedHTTPServer, GuardedHandler, RequestGuard
 from ..serving.limits import CallGate, NetLimits, check_bind, check_json_depth
+from ..surface import Observable, StoreSurface
 from .metrics import parse_address
 from .ui_page import PAGE
 
@@ -84,7 +85,7 @@ class Inspector:
         url, port: where it serves. http: the HTTP server (its connections, `refused`).
     """
 
-    def __init__(self, store: Any, address: str = "127.0.0.1:0", *, token: str | None = None,
+    def __init__(self, store: StoreSurface, address: str = "127.0.0.1:0", *, token: str | None = None,
                  interval: float = 1.0, sql_limits: SqlLimits | None = None, limits: NetLimits | None = None,
                  sql_gate: CallGate | None = None, allowed_hosts: tuple[str, ...] = ()) -> None:
         host, port = parse_address(address)
@@ -93,7 +94,7 @@ class Inspector:
         if not (isinstance(interval, (int, float)) and 0.05 <= interval <= 60):
             raise InvalidArgument(f"interval must be in [0.05, 60] seconds, got {interval!r}")
         check_bind("the inspector", host, token, plain_http=True, stacklevel=3)
-        self.store = store
+        self.store: StoreSurface = store
         self.token = token
         self.interval = float(interval)
         self.sql_limits = sql_limits or DEFAULT_SQL_LIMITS
@@ -150,17 +151,15 @@ class Inspector:
         st = store.stats()
         out: dict[str, Any] = {"stats": {k: st.get(k) for k in (
             "name", "schema", "size", "capacity", "inserts", "samples", "first_seq", "next_seq", "chunk_rows",
-            "chunks", "sealed_chunks", "bytes", "policy_version", "tasks", "consumed", "stale_dropped",
+            "chunks", "sealed_chunks", "bytes", "rows_bytes", "reserved_bytes", "columns", "policy_version", "tasks",
+            "consumed", "stale_dropped",
             "groups_dropped_zero_variance", "sampler")}}
-        try:
-            out["placement"] = store.placement().select(["column", "tier", "chunks", "bytes"]).to_pylist()
-        except Exception:  # noqa: BLE001 - a surface without placement (remote, sharded)
-            out["placement"] = []
-        out["chunks"] = _chunks(store)
         obs = None
-        observability = getattr(store, "observability", None)
-        if callable(observability):
-            obs = observability()
+        out["placement"], out["chunks"] = [], []
+        if isinstance(store, Observable):  # a store in this process (a remote or sharded one shows its stats)
+            out["placement"] = store.placement().select(["column", "tier", "chunks", "bytes"]).to_pylist()
+            out["chunks"] = _chunks(store)
+            obs = store.observability()
         tasks = {}
         for task in st.get("tasks") or []:
             row: dict[str, Any] = {"delivered": int((st.get("consumed") or {}).get(task, 0))}
@@ -188,7 +187,7 @@ class Inspector:
         if not isinstance(query, str) or not query.strip():
             raise InvalidArgument("sql: expected a non-empty SQL SELECT string")
         with self.sql_gate.enter("sql"):  # held while the store's columns are copied out, and the query runs
-            if hasattr(self.store, "observability"):  # an in-process store: the inspector's own bounds
+            if isinstance(self.store, Observable):  # a store in this process: the inspector's own bounds
                 from ..query.frames import run_sql
 
                 table = run_sql(self.store, query, self.sql_limits)
@@ -346,16 +345,10 @@ class _Handler(GuardedHandler):
         self._api(run)
 
 
-def _chunks(store: Any, newest: int = 64) -> list[dict[str, Any]]:
+def _chunks(store: Observable, newest: int = 64) -> list[dict[str, Any]]:
     """The newest chunks of the chunk directory: slot, first_seq, rows, sealed, and where their columns live
-    (`{tier: [columns]}`); empty for a surface without `chunks()`."""
-    chunks = getattr(store, "chunks", None)
-    if not callable(chunks):
-        return []
-    try:
-        table = chunks()
-    except Exception:  # noqa: BLE001 - a remote or sharded surface
-        return []
+    (`{tier: [columns]}`)."""
+    table = store.chunks()
     rows = table.slice(max(0, table.num_rows - newest)).to_pylist()
     out = []
     for r in rows:

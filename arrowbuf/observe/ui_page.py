@@ -8,7 +8,9 @@ PAGE = r"""<!doctype html>
 body{font:14px/1.4 system-ui,sans-serif;margin:0;background:#f5f6f8;color:#1d2330}
 header{background:#1d2330;color:#fff;padding:10px 18px;display:flex;gap:16px;align-items:center}
 header h1{font-size:17px;margin:0}header .sub{opacity:.75}
-main{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:14px;padding:14px}
+main{display:grid;grid-template-columns:minmax(420px,1fr) minmax(420px,1.4fr);align-items:start;gap:14px;padding:14px}
+.stack{display:flex;flex-direction:column;gap:14px;min-width:0}
+@media (max-width:920px){main{grid-template-columns:minmax(0,1fr)}}
 section{background:#fff;border-radius:8px;padding:12px 14px;box-shadow:0 1px 2px #0002;min-width:0;overflow-x:auto}
 h2{font-size:14px;margin:0 0 8px;color:#3b4760;text-transform:uppercase;letter-spacing:.04em}
 .cards{display:flex;flex-wrap:wrap;gap:10px}.card{min-width:90px}.card b{display:block;font-size:20px}
@@ -18,7 +20,8 @@ td,th{padding:3px 6px;border-bottom:1px solid #e4e6eb;text-align:right}td:first-
 textarea{width:100%;box-sizing:border-box;font:13px monospace;height:70px}
 button{margin-top:6px;padding:4px 12px}.err{color:#b00020;white-space:pre-wrap;font-size:13px}
 .scroll{max-height:260px;overflow:auto}svg{width:100%;height:90px;background:#fafbfc}
-.wide{grid-column:1/-1}.two{grid-column:span 2}
+.wide{grid-column:1/-1}
+td.none{text-align:left;color:#667;font-style:italic}
 #auth{display:none;background:#fff3cd;padding:8px 18px}
 </style></head><body>
 <header><h1>arrowbuf inspector</h1><span class="sub" id="title">connecting...</span>
@@ -34,18 +37,24 @@ button{margin-top:6px;padding:4px 12px}.err{color:#b00020;white-space:pre-wrap;f
 <div class="card"><b id="samples">-</b><span>sampled</span></div>
 <div class="card"><b id="policy-version">-</b><span>policy version</span></div>
 <div class="card"><b id="chunks">-</b><span>chunks (sealed)</span></div>
-<div class="card"><b id="lineage-bytes">-</b><span>lineage bytes</span></div></div>
-<h2 style="margin-top:12px">Tiers and placement</h2><table id="tiers"><thead><tr><th>tier</th><th>bytes</th></tr></thead><tbody></tbody></table>
-<div class="scroll"><table id="placement"><thead><tr><th>column</th><th>tier</th><th>chunks</th><th>bytes</th></tr></thead><tbody></tbody></table></div>
-<h2 style="margin-top:12px">Chunks (newest 64)</h2>
-<div class="scroll"><table id="chunk-table"><thead><tr><th>slot</th><th>first seq</th><th>rows</th><th>sealed</th><th>columns per tier</th></tr></thead><tbody></tbody></table></div></section>
-<section><h2>Rates (rows/s, last minutes)</h2>
+<div class="card"><b id="lineage-bytes">-</b><span>lineage bytes</span></div>
+<div class="card" title="what the live rows' values take"><b id="rows-bytes">-</b><span>rows' bytes</span></div>
+<div class="card" title="what the store's memory holds for its capacity, rows or not"><b id="reserved-bytes">-</b><span>reserved bytes</span></div></div>
+<h2 style="margin-top:12px">Size per column</h2>
+<div class="scroll"><table id="columns"><thead><tr><th>column</th><th>rows' bytes</th><th>reserved bytes</th></tr></thead><tbody></tbody></table></div>
+<h2 style="margin-top:12px">Tiers and placement (reserved bytes)</h2><table id="tiers"><thead><tr><th>tier</th><th>reserved bytes</th></tr></thead><tbody></tbody></table>
+<div class="scroll"><table id="placement"><thead><tr><th>column</th><th>tier</th><th>chunks</th><th>reserved bytes</th></tr></thead><tbody></tbody></table></div>
+</section>
+<div class="stack"><section><h2>Rates (rows/s, last minutes)</h2>
 <div>ingest <b id="rate-ingest">-</b> &middot; sample <b id="rate-sample">-</b> &middot; consume <b id="rate-consume">-</b></div>
 <svg id="rates-chart" viewBox="0 0 400 90" preserveAspectRatio="none"></svg></section>
-<section class="two"><h2>Tasks</h2><table id="tasks"><thead><tr><th>task</th><th>ready</th><th>waiting</th><th>consumed</th>
+<section><h2>Tasks</h2><table id="tasks"><thead><tr><th>task</th><th>ready</th><th>waiting</th><th>consumed</th>
 <th>in flight</th><th>delivered</th><th>stale</th><th>staleness</th><th>progress</th></tr></thead><tbody></tbody></table></section>
 <section><h2 id="returns-kind">Returns</h2><svg id="returns-chart" viewBox="0 0 400 90" preserveAspectRatio="none"></svg>
 <div id="returns-summary"></div></section>
+<section><h2>Chunks (newest 64)</h2>
+<div class="scroll"><table id="chunk-table"><thead><tr><th>slot</th><th>first seq</th><th>rows</th><th>sealed</th><th>columns per tier</th></tr></thead><tbody></tbody></table></div></section>
+</div>
 <section class="wide"><h2>SQL (read-only, sandboxed)</h2>
 <textarea id="sql-query">SELECT task, count(consumed_at) AS consumed, avg(staleness) AS staleness FROM lineage GROUP BY 1</textarea>
 <button id="sql-run">run</button> <span id="sql-info"></span><div class="err" id="sql-error"></div>
@@ -72,6 +81,7 @@ async function api(path, opts) {
   $("auth").style.display = "none"; $("auth-error").textContent = ""; return body;
 }
 function rows(tbody, data, cells) { tbody.replaceChildren(...data.map((d) => { const tr = document.createElement("tr"); for (const [cls, v] of cells(d)) { const td = document.createElement("td"); td.className = cls; if (v instanceof Node) td.appendChild(v); else td.textContent = v; tr.appendChild(td); } return tr; })); }
+function none(table, text) { const tr = document.createElement("tr"), td = document.createElement("td"); td.className = "none"; td.colSpan = table.tHead.rows[0].cells.length; td.textContent = text; tr.appendChild(td); table.tBodies[0].replaceChildren(tr); }
 function chart(svg, series, colors) {
   const all = series.flat(); const max = Math.max(1e-9, ...all); const n = Math.max(2, ...series.map((s) => s.length));
   svg.replaceChildren(...series.map((s, k) => { const p = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
@@ -94,6 +104,8 @@ async function update() {
   $("inserts").textContent = fmt(s.inserts); $("samples").textContent = fmt(s.samples);
   $("policy-version").textContent = fmt(s.policy_version); $("chunks").textContent = fmt(s.chunks) + " (" + fmt(s.sealed_chunks) + ")";
   $("lineage-bytes").textContent = o.lineage_bytes == null ? "-" : bytes(o.lineage_bytes);
+  $("rows-bytes").textContent = bytes(s.rows_bytes); $("reserved-bytes").textContent = bytes(s.reserved_bytes);
+  rows($("columns").tBodies[0], Object.entries(s.columns || {}), ([c, z]) => [["column", c], ["rows-bytes", bytes(z.rows_bytes)], ["reserved-bytes", bytes(z.reserved_bytes)]]);
   rows($("tiers").tBodies[0], Object.entries(s.bytes || {}), ([t, b]) => [["tier", t], ["bytes", bytes(b)]]);
   rows($("placement").tBodies[0], o.placement, (p) => [["column", p.column], ["tier", p.tier], ["chunks", fmt(p.chunks)], ["bytes", bytes(p.bytes)]]);
   rows($("chunk-table").tBodies[0], (o.chunks || []).slice().reverse(), (c) => [["slot", fmt(c.slot)], ["first-seq", fmt(c.first_seq)], ["rows", fmt(c.rows)], ["sealed", c.sealed ? "yes" : "open"],
@@ -104,6 +116,7 @@ async function update() {
     return [["task", t], ["ready", fmt(p.ready)], ["waiting", fmt(p.waiting)], ["consumed", fmt(p.consumed)], ["in-flight", fmt(p.in_flight)],
             ["delivered", fmt(p.delivered)], ["stale", fmt(p.stale)], ["staleness", fmt(p.mean_staleness)], ["progress", bar]]; });
   for (const tr of $("tasks").tBodies[0].rows) tr.dataset.task = tr.cells[0].textContent;
+  if (!Object.keys(o.tasks).length) none($("tasks"), "no tasks (a store declares them with tasks=[...] or store.add_task(name))");
   const r = o.rates, last = r.length ? r[r.length - 1] : null;
   $("rate-ingest").textContent = last ? fmt(last.ingest) : "-"; $("rate-sample").textContent = last ? fmt(last.sample) : "-";
   $("rate-consume").textContent = last ? Object.entries(last.consume).map(([t, v]) => t + " " + fmt(v)).join(", ") || "-" : "-";

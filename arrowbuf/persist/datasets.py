@@ -9,9 +9,11 @@ Usage::
     offline = ab.ExperienceStore.from_dataset("data/", capacity=1_000_000)   # offline / offline-to-online RL
 
 An export holds the live rows with their system columns and the derived columns materialised (`next_obs`: null on
-the last row of an episode that is still open), plus `_arrowbuf.json` (the schema, so derived fields and episode
-ends survive a round trip through formats without Arrow metadata). `export` holds the store's write lock while it
-copies (writers wait; sampling goes on); `checkpoint` is the non-blocking copy.
+the last row of an episode that is still open), plus a metadata folder `_arrowbuf/`: `dataset.json` (the schema, so
+derived fields and episode ends survive a round trip through formats without Arrow metadata) and the lineage of the
+rows (`lineage.parquet`). The metadata lies in a folder so that a glob of the data files (`DIR/*.parquet` in DuckDB
+or Polars) never reaches it; exports written before (`_arrowbuf.json` beside the rows) open as before. `export`
+holds the store's write lock while it copies (writers wait; sampling goes on); `checkpoint` is the non-blocking copy.
 """
 
 from __future__ import annotations
@@ -26,30 +28,43 @@ import pyarrow as pa
 
 from ..engine.core import StoreCore
 from ..errors import InvalidArgument, SchemaError
+from ..observe.meter import ProgressSink
 from ..schema import SYSTEM_COLUMNS, ExperienceSchema, load_schema
 from . import manifest as mf
 from .snapshot import arrow_column, numpy_column
 
-SIDE_FILE = "_arrowbuf.json"
+#: The export's metadata folder (schema, lineage): out of reach of `DIR/*.parquet`; dataset readers skip `_` names.
+META_DIR = mf.DATASET_META_DIR
+#: The schema file inside `META_DIR`, and where exports of earlier versions kept it (still read).
+SIDE_FILE = mf.DATASET_SIDE_FILE
+#: With a `progress` sink, rows are written and loaded in pieces of about this many bytes, each one reported.
+_PROGRESS_BYTES = 32 << 20
+OLD_SIDE_FILE = mf.OLD_DATASET_SIDE_FILE
 _FEED_ROWS = 65_536
 
 
 def export(core: StoreCore, rows: Callable[[], pa.Table], path: str | os.PathLike, format: str = "parquet",
-           partition_by: Any = None, compression: str | None = None) -> dict[str, Any]:
+           partition_by: Any = None, compression: str | None = None,
+           progress: ProgressSink | None = None) -> dict[str, Any]:
     """Write a store's live rows as a dataset (see the module docstring). Returns rows and files written.
 
     Args:
         core: the store's internals (its write lock is held while the rows are copied).
         rows: returns the live rows as a table (`ExperienceStore.to_table`).
+        progress: hears the rows copied ("export: copy") and written ("export: write", in `_FEED_ROWS` batches).
     """
     import pyarrow.dataset as pads
 
     if format not in ("parquet", "arrow"):
         raise InvalidArgument(f"format must be 'parquet' or 'arrow', got {format!r}")
     core.check_open()
+    if progress is not None:
+        progress("export: copy", 0, None, "row")
     with core.write_lock:  # no row is overwritten or committed while it is copied
         table = _with_derived(rows(), core)
         table = table.combine_chunks()
+    if progress is not None:
+        progress("export: copy", table.num_rows, None, "row")
     cols = [partition_by] if isinstance(partition_by, str) else list(partition_by or [])
     unknown = [c for c in cols if c not in table.column_names]
     if unknown:
@@ -65,12 +80,35 @@ def export(core: StoreCore, rows: Callable[[], pa.Table], path: str | os.PathLik
         fmt = pads.IpcFileFormat()
         opts = fmt.make_write_options(compression=compression)
         ext = "arrow"
-    pads.write_dataset(table, root, format=fmt, file_options=opts, partitioning=cols or None,
+    def counted() -> Iterator[pa.RecordBatch]:  # the rows as they are written, for `progress`
+        done = 0
+        for batch in table.to_batches(max_chunksize=_progress_rows(table)):
+            yield batch
+            done += batch.num_rows
+            if progress is not None:
+                progress("export: write", done, table.num_rows, "row")
+
+    if progress is not None:
+        progress("export: write", 0, table.num_rows, "row")
+    source: Any = table if progress is None else pa.RecordBatchReader.from_batches(table.schema, counted())
+    pads.write_dataset(source, root, format=fmt, file_options=opts, partitioning=cols or None,
                        partitioning_flavor="hive" if cols else None, existing_data_behavior="overwrite_or_ignore",
                        basename_template=f"part-{{i}}.{ext}")
+    os.makedirs(os.path.join(root, META_DIR), exist_ok=True)
     mf.write_json_atomic(os.path.join(root, SIDE_FILE), {"format": "arrowbuf-dataset", "version": 1,
                                                          "schema": core.schema.to_dict(), "rows": table.num_rows})
     return {"path": root, "rows": table.num_rows, "format": format}
+
+
+def lineage_path(root: str | os.PathLike, format: str = "parquet") -> str:
+    """Where an export into `root` puts the lineage of its rows (inside the metadata folder)."""
+    return os.path.join(os.fspath(root), META_DIR, "lineage.parquet" if format == "parquet" else "lineage.arrow")
+
+
+def _progress_rows(data: pa.Table | pa.RecordBatch) -> int:
+    """Rows per piece of `data` for progress reports: about `_PROGRESS_BYTES`, at most `_FEED_ROWS`."""
+    per_row = max(1, data.nbytes // max(1, data.num_rows))
+    return int(max(1, min(_FEED_ROWS, _PROGRESS_BYTES // per_row)))
 
 
 def _with_derived(table: pa.Table, core: StoreCore) -> pa.Table:
@@ -114,6 +152,8 @@ class ExperienceDataset:
 
     @property
     def num_rows(self) -> int:
+        if self.kind in ("parquet", "arrow"):  # from the files' metadata, without reading the rows
+            return int(self.dataset.count_rows())
         return sum(b.num_rows for b in self.batches())
 
     def to_table(self) -> pa.Table:
@@ -139,13 +179,27 @@ class ExperienceDataset:
             table = table.sort_by("seq")
         yield from table.to_batches(max_chunksize=_FEED_ROWS)
 
-    def to_store(self, capacity: int | None = None, *, store_cls: Any, **kwargs: Any) -> Any:
+    def to_store(self, capacity: int | None = None, *, store_cls: Any, progress: ProgressSink | None = None,
+                 **kwargs: Any) -> Any:
         """A new store of class `store_cls` (`ab.ExperienceStore`) holding these rows (the newest `capacity` when
-        there are more); `ab.ExperienceStore.from_dataset(path)` is the usual way in."""
-        store = store_cls(self.schema, int(capacity or max(1, self.num_rows)), **kwargs)
+        there are more); `ab.ExperienceStore.from_dataset(path)` is the usual way in. `progress` hears the rows
+        loaded (phase "load dataset")."""
+        total = self.num_rows if capacity is None or progress is not None else None
+        store = store_cls(self.schema, int(capacity or max(1, total or 0)), **kwargs)
+        done = 0
         try:
+            if progress is not None:
+                progress("load dataset", 0, total, "row")
             for batch in self.batches():
-                _feed(store, batch, self.schema)
+                if progress is None:
+                    _feed(store, batch, self.schema)
+                    continue
+                step = _progress_rows(batch)  # consecutive extends of a batch's rows store what one does
+                for k in range(0, batch.num_rows, step):
+                    part = batch.slice(k, step)
+                    _feed(store, part, self.schema)
+                    done += part.num_rows
+                    progress("load dataset", done, total, "row")
         except BaseException:
             store.close()
             raise
@@ -249,14 +303,13 @@ def open_dataset(path: str | os.PathLike) -> ExperienceDataset:
     minari = _minari_root(root)
     if minari is not None:
         return ExperienceDataset(root, "minari", _minari_schema(minari), _minari_files(minari), "ipc")
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
-                   if not f.startswith(("_", ".")) and f.endswith((".parquet", ".arrow", ".feather")))
+    files = sorted(_data_files(root))
     if not files:
         raise InvalidArgument(f"{root} holds no arrowbuf checkpoint (_manifest.json), no Minari dataset "
                               "(data/metadata.json with data_format 'arrow') and no .parquet/.arrow files")
     fmt = "parquet" if files[0].endswith(".parquet") else "ipc"
-    side = os.path.join(root, SIDE_FILE)
-    if os.path.exists(side):
+    side = next((p for p in (os.path.join(root, f) for f in (SIDE_FILE, OLD_SIDE_FILE)) if os.path.exists(p)), None)
+    if side is not None:
         with open(side) as f:
             schema = load_schema(json.load(f)["schema"])
     else:
@@ -267,6 +320,16 @@ def open_dataset(path: str | os.PathLike) -> ExperienceDataset:
                    if d}
         schema = load_schema(pa.schema([f for f in arrow if f.name not in derived], metadata=arrow.metadata))
     return ExperienceDataset(root, "parquet" if fmt == "parquet" else "arrow", schema, files, fmt)
+
+
+def _data_files(root: str) -> Iterator[str]:
+    """The data files under `root`: neither the files nor the folders on the way may start with `_` or `.` (the
+    metadata folder, hidden files), as pyarrow's dataset discovery skips them."""
+    for d, dirs, fs in os.walk(root):
+        dirs[:] = [x for x in dirs if not x.startswith(("_", "."))]
+        for f in fs:
+            if not f.startswith(("_", ".")) and f.endswith((".parquet", ".arrow", ".feather")):
+                yield os.path.join(d, f)
 
 
 def check_schema(ds: ExperienceDataset, expected: Any) -> None:
@@ -281,13 +344,13 @@ def check_schema(ds: ExperienceDataset, expected: Any) -> None:
 
 
 def from_dataset(path: str | os.PathLike, capacity: int | None = None, *, store_cls: Any, schema: Any = None,
-                 **kwargs: Any) -> Any:
+                 progress: ProgressSink | None = None, **kwargs: Any) -> Any:
     """A new store of class `store_cls` filled from a dataset (`open_dataset` formats); `schema=` checks the dataset
     against one. `ExperienceStore.from_dataset` calls this with its own class."""
     ds = open_dataset(path)
     if schema is not None:
         check_schema(ds, schema)
-    return ds.to_store(capacity, store_cls=store_cls, **kwargs)
+    return ds.to_store(capacity, store_cls=store_cls, progress=progress, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ Minari

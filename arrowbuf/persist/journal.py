@@ -64,6 +64,7 @@ import pyarrow as pa
 
 from .. import config
 from ..errors import InvalidArgument, StoreCorrupt
+from ..observe.meter import ProgressSink
 from .appender import SegmentFile
 from .loader import SegmentLoader as _Loader
 from .loader import open_segment
@@ -590,10 +591,17 @@ def read_segments(directory: str, from_lsn: int) -> tuple[list[Record], TornTail
     return recs, torn, nxt
 
 
-def read_journal(directory: str, from_lsn: int) -> tuple[list[Record], TornTail | None, int, int]:
+def read_journal(directory: str, from_lsn: int, progress: ProgressSink | None = None
+                 ) -> tuple[list[Record], TornTail | None, int, int]:
     """`read_segments`, and the crc32 of the newest segment's last intact record (`seal_last` chains to it).
-    Segments are memory-mapped: payloads are zero-copy views of the files."""
+    Segments are memory-mapped: payloads are zero-copy views of the files. `progress` hears the segment bytes
+    read and checked (phase "journal: read")."""
     segs = segments(directory)
+    sizes = [os.path.getsize(path) for _, path in segs] if progress is not None else []
+    total = sum(sizes)
+    done = 0
+    if progress is not None:
+        progress("journal: read", 0, total, "B")
     out: list[Record] = []
     torn: TornTail | None = None
     expect: int | None = None
@@ -616,6 +624,9 @@ def read_journal(directory: str, from_lsn: int) -> tuple[list[Record], TornTail 
             raise StoreCorrupt(f"journal segment {path} has no end record but is not the newest segment")
         expect = (recs[-1].lsn + 1) if recs else first
         out.extend(r for r in recs if r.lsn >= from_lsn and r.kind != "end")
+        if progress is not None:
+            done += sizes[i]
+            progress("journal: read", done, total, "B")
     return out, torn, max(from_lsn, expect if expect is not None else from_lsn), last_crc
 
 

@@ -28,6 +28,7 @@ import stat
 from typing import Any
 
 from ..errors import InvalidArgument, StoreCorrupt
+from ..observe.meter import ProgressSink
 from .crc import crc32 as _crc32
 
 FORMAT = "arrowbuf-checkpoint"
@@ -39,6 +40,12 @@ STATE = "_state"
 RETAINED = "_retained"
 LOCK = "_lock"
 MAX_MANIFEST_BYTES = 64 << 20
+#: An export's (`store.export`, `arrowbuf.persist.datasets`) metadata folder and schema file in it, and where exports
+#: of earlier versions kept the schema file: defined here, beside the checkpoint's names, so that `read_manifest`
+#: can tell a user who points it at an export what it is.
+DATASET_META_DIR = "_arrowbuf"
+DATASET_SIDE_FILE = os.path.join(DATASET_META_DIR, "dataset.json")
+OLD_DATASET_SIDE_FILE = "_arrowbuf.json"
 ROW_FILE = re.compile(r"^(\d{20})-(\d+)-([0-9a-f]{8})\.arrow$")
 
 
@@ -196,6 +203,12 @@ def read_manifest(root: str, name: str | None = None) -> dict[str, Any]:
     """
     path = os.path.join(root, MANIFEST) if name is None else os.path.join(root, MANIFESTS, name)
     if not os.path.exists(path):
+        if name is None and any(os.path.exists(os.path.join(root, f))
+                                for f in (DATASET_SIDE_FILE, OLD_DATASET_SIDE_FILE)):
+            raise FileNotFoundError(f"{root} is an exported dataset (store.export), not a checkpoint: load it with "
+                                    f"ExperienceStore.from_dataset({root!r}) (or read it with "
+                                    f"ab.open_dataset({root!r})); restore() reads checkpoint directories "
+                                    "(store.checkpoint)")
         raise FileNotFoundError(f"no checkpoint at {root}: {path} does not exist")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
@@ -238,16 +251,24 @@ def kept_manifests(root: str) -> list[str]:
     return sorted(n for n in os.listdir(d) if re.fullmatch(r"\d{8}\.json", n))
 
 
-def verify(root: str, manifest: dict[str, Any] | None = None) -> list[str]:
-    """Check every file of a checkpoint (sizes, checksums); returns the problems found (empty: intact)."""
+def verify(root: str, manifest: dict[str, Any] | None = None, progress: ProgressSink | None = None) -> list[str]:
+    """Check every file of a checkpoint (sizes, checksums); returns the problems found (empty: intact). `progress`
+    hears the bytes checked (phase "verify")."""
     problems = []
     try:
         m = manifest or read_manifest(root)
     except (FileNotFoundError, StoreCorrupt) as exc:
         return [str(exc)]
+    total = sum(int(e["bytes"]) for e in m["files"])
+    done = 0
+    if progress is not None:
+        progress("verify", 0, total, "B")
     for e in m["files"]:
         try:
             read_verified(root, e)
         except StoreCorrupt as exc:
             problems.append(str(exc))
+        done += int(e["bytes"])
+        if progress is not None:
+            progress("verify", done, total, "B")
     return problems

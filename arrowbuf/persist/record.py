@@ -334,7 +334,9 @@ def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
         import ctypes
         import ctypes.util
 
-        f = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+        from ..tiers.libc import libc
+
+        f = libc().sync_file_range
         f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
         f.restype = ctypes.c_int
         return f

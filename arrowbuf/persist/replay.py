@@ -37,6 +37,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import StoreCorrupt
+from ..observe.meter import ProgressSink
 from ..schema import dtypes as _dtypes
 from .journal import Record, payload_table
 from .snapshot import tensor_array
@@ -111,6 +112,8 @@ BULK_ROWS = 65536
 #: ... and this many payload bytes; a record larger than `BULK_RECORD_BYTES` is applied alone. 0 rows: no bulk.
 BULK_BYTES = 16 << 20
 BULK_RECORD_BYTES = 1 << 20
+#: `replay` tells its `progress` every this many records.
+PROGRESS_RECORDS = 1024
 
 
 def _bulk_runs(records: list[Record], aborted: set[int], capacity: int | None) -> dict[int, int]:
@@ -146,9 +149,11 @@ def _bulk_runs(records: list[Record], aborted: set[int], capacity: int | None) -
     return runs
 
 
-def replay(records: list[Record], target: ReplayTarget, where: str, capacity: int | None = None) -> dict[str, int]:
+def replay(records: list[Record], target: ReplayTarget, where: str, capacity: int | None = None,
+           progress: ProgressSink | None = None) -> dict[str, int]:
     """Apply `records` (checked, in journal order) onto `target`; returns counts per kind. `capacity`: the store's
-    rows (bounds a bulk run; None: `BULK_ROWS` alone).
+    rows (bounds a bulk run; None: `BULK_ROWS` alone). `progress` hears the records applied (phase
+    "journal: replay", every `PROGRESS_RECORDS` records and at the end).
 
     Raises:
         StoreCorrupt: a record that cannot be applied (the message names it and `where`).
@@ -194,7 +199,11 @@ def replay(records: list[Record], target: ReplayTarget, where: str, capacity: in
 
     runs = _bulk_runs(records, aborted, capacity)
     run_end = -1  # records before this index were applied with their run
+    if progress is not None:
+        progress("journal: replay", 0, len(records), "record")
     for i, r in enumerate(records):
+        if progress is not None and i % PROGRESS_RECORDS == 0:
+            progress("journal: replay", i, len(records), "record")
         if i < run_end:
             counts["batch"] = counts.get("batch", 0) + 1
             continue
@@ -277,6 +286,8 @@ def replay(records: list[Record], target: ReplayTarget, where: str, capacity: in
         target.skip(issued - hi)
         counts["skipped_seqs"] = issued - hi
     flush_pending()  # rows that exist now; what is still pending names rows that never came (nothing to apply)
+    if progress is not None:
+        progress("journal: replay", len(records), len(records), "record")
     return counts
 
 

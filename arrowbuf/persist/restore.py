@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from ..engine.core import StoreCore
 from ..errors import InvalidArgument, SchemaError, StoreCorrupt
+from ..observe.meter import ProgressSink
 from ..options import StoreOptions
 from ..ring.reservations import HOLE
 from ..schema import ExperienceSchema, load_schema
@@ -62,8 +63,9 @@ class RestorePlan:
     restore_rng: bool
     consume: tuple[dict[str, np.ndarray], dict[str, Any]] | None
 
-    def load(self, core: StoreCore) -> None:
-        """Fill the rebuilt store's internals with the checkpoint (files verified first, chunk by chunk).
+    def load(self, core: StoreCore, progress: ProgressSink | None = None) -> None:
+        """Fill the rebuilt store's internals with the checkpoint (files verified first, chunk by chunk);
+        `progress` hears the row files' bytes read.
 
         Raises:
             StoreCorrupt: a file is missing, truncated or corrupt, or the manifest is inconsistent.
@@ -72,7 +74,8 @@ class RestorePlan:
         if core.arena_rows != st["arena_rows"]:
             raise StoreCorrupt(f"{self.manifest['_path']}: arena_rows {st['arena_rows']} but the rebuilt store has "
                                f"{core.arena_rows}; the manifest is inconsistent")
-        load_into(core, self.root, self.manifest, restore_rng=self.restore_rng, consume=self.consume)
+        load_into(core, self.root, self.manifest, restore_rng=self.restore_rng, consume=self.consume,
+                  progress=progress)
 
 
 def plan_restore(path: str | os.PathLike, *, tier: Any = "host", tiers: dict[str, Any] | None = None,
@@ -170,9 +173,11 @@ def _read_ahead(pool: ThreadPoolExecutor, root: str, entries: list[dict[str, Any
 
 
 def load_into(core: StoreCore, root: str, m: dict[str, Any], restore_rng: bool = True,
-              consume: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None) -> None:
+              consume: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
+              progress: ProgressSink | None = None) -> None:
     """Fill a fresh store's parts with checkpoint `m` of directory `root` (files verified first, chunk by chunk);
-    `consume` is the checkpoint's consume state (`_consume_state`), for a store built with its tasks."""
+    `consume` is the checkpoint's consume state (`_consume_state`), for a store built with its tasks; `progress`
+    hears the bytes of the row files read (phase "restore")."""
     where = m["_path"]
     rows = m["rows"]
     lo, hi = int(rows["first_seq"]), int(rows["next_seq"])
@@ -190,6 +195,10 @@ def load_into(core: StoreCore, root: str, m: dict[str, Any], restore_rng: bool =
     cols = core.cols
     known = known_files(core, root)
     row_files = [e for e in m["files"] if e.get("kind") in ("chunk", "partial", "tail")]
+    total_bytes = sum(int(e["bytes"]) for e in row_files)
+    done_bytes = 0
+    if progress is not None:
+        progress("restore", 0, total_bytes, "B")
     with core.write_lock, core.lock, ThreadPoolExecutor(1, thread_name_prefix="arrowbuf-restore") as pool:
         expect = lo
         for e, data in _read_ahead(pool, root, row_files):
@@ -227,6 +236,9 @@ def load_into(core: StoreCore, root: str, m: dict[str, Any], restore_rng: bool =
                 known[(int(seqs[0]), n)] = {**{k: e[k] for k in ("name", "bytes", "crc32")},
                                             "later": later_digest(later)}
             expect += n
+            done_bytes += int(e["bytes"])
+            if progress is not None:
+                progress("restore", done_bytes, total_bytes, "B")
         if expect != hi:
             raise StoreCorrupt(f"{where}: row files cover seqs [{lo}, {expect}), the manifest says [{lo}, {hi})")
         pos = np.arange(lo, hi, dtype=np.int64) % arena_rows

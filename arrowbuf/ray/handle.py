@@ -134,7 +134,7 @@ class ShardedStore:
                 With tasks, tier "auto" means "host". With an `ab.samplers.Group` sampler, `extend` routes each row
                 by a hash of its group key, so a group's rows live on one shard.
             options: every shard store's `ab.StoreOptions` (its capacity is `capacity_per_shard`); the keywords
-                above build one when it is not given (`chunk_rows`, `final_obs_capacity`, `max_times_sampled`,
+                above build one when it is not given (`chunk_rows`, the final-observation slots, `max_times_sampled`,
                 `observe` and the rest come only through it). Its name, seed, tier, durability and placement are
                 set per shard.
             _test_hooks: shards accept test hooks (`ShardActor.set_delay`): tests and benchmarks.

@@ -13,10 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidArgument
 from ..schema import ExperienceSchema
 from ..tiers.base import Tier
+from ..tiers.gpu import GpuTier
 from .chunks import ChunkDirectory
 from .columns import ColumnArenas
+from .device_ring import DeviceRing, mirrorable, planned_bytes
 from .presence import Presence
 from .ragged_arena import RaggedArena, SlotView
 
@@ -122,6 +125,46 @@ class TieredColumnArenas(ColumnArenas):
         self._cold = [True] * ncols  # per column: its last gather waited for a disk (prefetch the next one)
         self.final = {src: meta.allocate(f"final.{src}", self.spec[src].dtype, max(1, self.final_capacity),
                                          self.spec[src].shape) for src in self.final_sources}
+        #: the ring mirrored in a GPU tier (`arrowbuf.ring.device_ring`), or None: see `_device_ring`
+        self.device_ring: DeviceRing | None = self._device_ring()
+
+    def _device_ring(self) -> DeviceRing | None:
+        """The device ring a GPU tier asks for (`GpuTier(ring=...)`): None (auto) mirrors every mirrorable field when
+        the tier is on a CUDA device and the whole ring of them fits its budget; True insists (`OutOfSpace`); a list
+        names the fields. With a ring the tier holds no chunk slots: placement moves chunks between the other tiers."""
+        for t in self.tiers:
+            if not isinstance(t, GpuTier) or t.ring is False:
+                continue
+            fields = mirrorable(self.schema)
+            if isinstance(t.ring, list):
+                bad = [c for c in t.ring if c not in {f.name for f in fields}]
+                if bad:
+                    raise InvalidArgument(f"GpuTier(ring={t.ring!r}): {bad} cannot be mirrored on the device; "
+                                          f"expected fields among {[f.name for f in fields]} (fixed-width, of a numpy "
+                                          "dtype, not filled later)")
+                fields = [f for f in fields if f.name in t.ring]
+            if not fields:
+                return None
+            if t.ring is None and not (t.cuda and t.fits(planned_bytes(fields, self.arena_rows, self.final_capacity,
+                                                                         self.final_sources))):
+                return None
+            return DeviceRing(t, fields, self.arena_rows, self.final_capacity, self.final_sources)
+        return None
+
+    def rows(self, name: str, p0: int, p1: int) -> np.ndarray:
+        """Host rows [p0, p1) of column `name` (a view where they lie in one non-slotted tier, else a gather): what
+        the device ring copies."""
+        ci = self.ci[name]
+        s0, s1 = p0 // self.chunk_rows, (p1 - 1) // self.chunk_rows
+        codes = self.res[ci, s0:s1 + 1]
+        code = int(codes[0])
+        if not self.slotted[code] and (codes == code).all():
+            return self.arenas[code][name][p0:p1]
+        return self.take(name, np.arange(p0, p1, dtype=np.int64), host=True)
+
+    def final_rows(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """Final observations in `slots` of column `name` (on the host: they never move)."""
+        return self.final[name][slots]
 
     # ------------------------------------------------------------------ placement at start
     def placement_counters(self) -> dict[str, int]:
@@ -447,6 +490,8 @@ class TieredColumnArenas(ColumnArenas):
         with self.cond:
             if name in self.arenas[code]:
                 return True
+            if self.device_ring is not None and self.device_ring.tier is self.tiers[code]:
+                return False  # that tier holds the device ring: no chunk slots besides
             t = self.tiers[code]
             nbytes = slots * self.chunk_bytes[name]
             if slots < 1 or not t.fits(nbytes):
@@ -566,7 +611,14 @@ class TieredColumnArenas(ColumnArenas):
         else:
             self.tiers[code].release(name, s * self.chunk_rows, (s + 1) * self.chunk_rows)
 
+    def drop_device_ring(self) -> None:
+        """Give the device ring's memory back (its store samples on the host path): placement may use the tier."""
+        if self.device_ring is not None:
+            self.device_ring.close()
+            self.device_ring = None
+
     def close(self) -> None:
+        self.drop_device_ring()
         for d in self.arenas:
             d.clear()
         self.arrays.clear()

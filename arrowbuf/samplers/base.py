@@ -45,7 +45,7 @@ def validate_priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.n
     """Check a priority update before anything is applied: the one copy of this check in arrowbuf.
 
     Args:
-        indices: item ids (any integer array-like; flattened).
+        indices: item ids (any integer array-like, a torch tensor on any device too; flattened).
         priorities: one priority per id (flattened).
 
     Returns:
@@ -54,8 +54,8 @@ def validate_priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.n
     Raises:
         InvalidArgument: the counts differ, or a priority is NaN, infinite, negative or above `MAX_PRIORITY`.
     """
-    ids = np.asarray(indices, dtype=np.int64).reshape(-1)
-    pri = np.asarray(priorities, dtype=np.float64).reshape(-1)
+    ids = np.asarray(_host(indices), dtype=np.int64).reshape(-1)
+    pri = np.asarray(_host(priorities), dtype=np.float64).reshape(-1)
     if len(ids) != len(pri):
         raise InvalidArgument(f"{len(ids)} indices but {len(pri)} priorities; pass one priority per index")
     if len(pri) and not ((pri >= 0).all() and (pri <= MAX_PRIORITY).all()):  # NaN fails both comparisons
@@ -64,6 +64,14 @@ def validate_priorities(indices: Any, priorities: Any) -> tuple[np.ndarray, np.n
                               f"{' ...' if len(bad) > 3 else ''} among {len(pri)}: pass e.g. |TD error|, "
                               "and check the learner for NaN/inf; nothing was applied")
     return ids, pri
+
+
+def _host(values: Any) -> Any:
+    """A torch tensor's values in host memory (a device tensor is copied back: the caller waits for the device), so
+    that a journal or a host sampler can take the ids and priorities of a device batch; anything else as it is."""
+    if type(values).__module__.startswith("torch"):
+        return values.detach().cpu().numpy()
+    return values
 
 
 class Sampler(abc.ABC):

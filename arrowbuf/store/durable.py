@@ -38,6 +38,7 @@ from ..engine.consume import check_policy_version
 from ..errors import InvalidArgument, StoreCorrupt
 from ..observe import identity
 from ..observe.lineage import ACKED, DELIVERED
+from ..observe.meter import ProgressSink
 from ..persist import faults
 from ..persist import journal as jr
 from ..persist import manifest as mf
@@ -266,6 +267,7 @@ class DurableWrites:
         """Checkpoint into the durable directory (`path` None or that directory): the journal it covers goes once
         its manifest is committed (`_Cut`: where the journal is cut, and when); any other `path` is a plain
         checkpoint there."""
+        self.parts.reader.settle()  # the device path's queued priority updates: in the sampler state copied
         if path is not None and os.path.realpath(path) != os.path.realpath(self.root):
             out: dict[str, Any] | CheckpointHandle = write_checkpoint(
                 self.core, path, keep=keep, background=background, compression=compression)
@@ -389,9 +391,11 @@ class _Target:
         self.parts.writer.end_episode(actor, final)
 
 
-def resume(root: str, manifest: dict[str, Any], policy: str | None, parts: StoreParts) -> DurableWrites:
+def resume(root: str, manifest: dict[str, Any], policy: str | None, parts: StoreParts,
+           progress: ProgressSink | None = None) -> DurableWrites:
     """After a durable directory's last checkpoint was loaded into a fresh store: replay the journal after it (the
     writer's eviction hold off: the journal holds the evictions as they happened), cut a torn tail off, journal on.
+    `progress` hears the journal's bytes read and its records replayed.
 
     Raises:
         StoreCorrupt: a damaged journal record (other than a torn tail), naming the segment.
@@ -401,12 +405,13 @@ def resume(root: str, manifest: dict[str, Any], policy: str | None, parts: Store
     core, writer = parts.core, parts.writer
     owner = jr.lock_journal(root)  # no live store writes it while it is read, cut and continued
     try:
-        records, torn, next_lsn, last_crc = jr.read_journal(root, from_lsn)
+        records, torn, next_lsn, last_crc = jr.read_journal(root, from_lsn, progress)
         # the journal holds the inserts as they happened: no eviction hold, no rate limiter may refuse them again
         hold, writer.hold = writer.hold, None
         limiter, core.rate_limiter = core.rate_limiter, None
         try:
-            counts = replay(records, _Target(parts), f"journal of {root}", capacity=int(core.capacity))
+            counts = replay(records, _Target(parts), f"journal of {root}", capacity=int(core.capacity),
+                            progress=progress)
         finally:
             writer.hold, core.rate_limiter = hold, limiter
         first = jr.seal_last(root, next_lsn, torn, prev=last_crc)

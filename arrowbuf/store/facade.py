@@ -36,6 +36,7 @@ from ..engine.reader import RowSnapshot, StoreReader
 from ..engine.update import StoreUpdater
 from ..engine.writer import StoreWriter
 from ..errors import InvalidArgument, OutOfSpace, SchemaError, StoreClosed, StoreCorrupt
+from ..observe.meter import ProgressSink
 from ..observe.timings import Timings, timed
 from ..options import StoreOptions
 from ..placement import PlacementTarget, make_placement
@@ -729,11 +730,19 @@ class ExperienceStore:
         return episode_table(self)
 
     def stats(self) -> dict[str, Any]:
-        """Size, counters and memory of the store."""
+        """Size, counters and memory of the store.
+
+        Memory in two labelled numbers (`arrowbuf.engine.sizes`, the one definition `arrowbuf inspect`, the inspector
+        and `/metrics` show too): `rows_bytes`, what the live rows' values take, and `reserved_bytes`, what the
+        store's tiers hold for it (the ring of `capacity` rows and the rest; `bytes` splits it per tier);
+        `columns` gives both per column.
+        """
         return self._v.stats(self.capacity, self._w.stats())
 
     def placement(self, explain: bool = False) -> pa.Table:
-        """Where the columns live: one row per (column, tier) with the chunk slots and bytes there.
+        """Where the columns live: one row per (column, tier) with the chunk slots and bytes there. A ragged
+        column has one row: the tier of its arena, every chunk slot, the bytes the arena holds (placement does not
+        move it).
 
         With `explain=True`, also why (from the placement policy's last step): the column's share of sampled rows
         (`access_share`, `rows_per_s`), the share of the sampling mass in those chunks (`mass`), their value per
@@ -741,11 +750,24 @@ class ExperienceStore:
         """
         return self._v.placement(explain)
 
-    def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
+    def to_cudf(self, columns: Iterable[str] | None = None, *, device: bool = False) -> Any:
         """The live rows' scalar and metadata columns as a cuDF DataFrame (on the GPU). cuDF has no fixed-shape
         tensor type: sample tensor columns with `sample(...).to_torch("cuda")` (or a GPU tier). Needs
-        `pip install 'arrowbuf[gpu]'` and a GPU."""
-        return self._v.to_cudf(columns)
+        `pip install 'arrowbuf[gpu]'` and a GPU.
+
+        Args:
+            columns: scalar fields and metadata columns (default: all of them).
+            device: views of the device ring's columns instead of a copy of the rows (a store whose GPU tier mirrors
+                its ring, `arrowbuf.ring.device_ring`): no copy at all, every ring position in position order, with
+                `seq` and a `live` column (`df[df.live].sort_values("seq")` is the table's order); a live view, which
+                the store's next sample updates in place.
+
+        Raises:
+            MissingDependency: cuDF is not installed or there is no GPU (the message says what was found).
+            InvalidArgument: `device=True` on a store without a device ring, or with it on the CPU.
+            SchemaError: a tensor or list column.
+        """
+        return self._v.to_cudf(columns, device)
 
     def chunks(self) -> pa.Table:
         """The chunk directory of the live rows: slot, first_seq, rows, sealed, tier per column."""
@@ -781,19 +803,23 @@ class ExperienceStore:
         return out
 
     def export(self, path: Any, format: str = "parquet", partition_by: Any = None,
-               compression: str | None = None) -> dict[str, Any]:
+               compression: str | None = None, progress: ProgressSink | None = None) -> dict[str, Any]:
         """Write the live rows as an offline-RL dataset (Parquet or Arrow IPC files, derived columns such as
         `next_obs` materialised, optional hive partitioning by `partition_by` columns); `ab.open_dataset` and
         `ExperienceStore.from_dataset` read it back. Writers wait while rows are copied (sampling goes on).
-        The lineage of the live rows (taken right after the rows) goes to `_lineage.parquet` (`.arrow`) beside
-        them, which dataset readers skip. Returns rows and path. See `arrowbuf.persist.datasets`."""
-        return self._v.export(path, format, partition_by, compression)
+        The schema and the lineage of the live rows (taken right after the rows) go into the metadata folder
+        `_arrowbuf/` (`dataset.json`, `lineage.parquet` or `.arrow`), where a glob of the data files such as DuckDB's
+        or Polars' `read_parquet("DIR/*.parquet")` does not reach. Returns rows and path (and `lineage`: its
+        file). `progress` hears the rows written (as `ExperienceStore.restore`'s). See
+        `arrowbuf.persist.datasets`."""
+        return self._v.export(path, format, partition_by, compression, progress)
 
     # ------------------------------------------------------------------ restore (`arrowbuf.persist`)
     @classmethod
     def restore(cls, path: Any, *, tier: str | Tier = "host", tiers: dict[str, Any] | None = None,
                 seed: int | None = None, name: str | None = None, schema: Any = None,
-                generation: int | None = None, durability: str | None = None) -> ExperienceStore:
+                generation: int | None = None, durability: str | None = None,
+                progress: ProgressSink | None = None) -> ExperienceStore:
         """The store checkpointed at `path`: same rows under the same ids, same sampler, limiter and episode state.
 
         Args:
@@ -806,6 +832,9 @@ class ExperienceStore:
             generation: a kept checkpoint other than the latest (`arrowbuf checkpoint ls` lists them).
             durability: a durable directory (`durable=`) is restored as its last checkpoint plus the journal after
                 it, and the store journals on under this policy (default: the recorded one).
+            progress: told how the restore advances, `progress(phase, done, total, unit)` (phases "restore",
+                "journal: read", "journal: replay"); `arrowbuf.observe.meter.PhasedProgress()` shows it as bars or
+                lines (what `arrowbuf inspect ckpt/` does).
 
         Raises:
             StoreCorrupt: a file is missing, truncated or corrupt (the message names it).
@@ -818,11 +847,11 @@ class ExperienceStore:
         store = cls(plan.schema, options=plan.options)
         try:
             assert store._core is not None
-            plan.load(store._core)
+            plan.load(store._core, progress)
             from .durable import read_policy, resume
 
             if generation is None and (durability is not None or read_policy(plan.root) is not None):
-                store._writes = resume(plan.root, plan.manifest, durability, store._parts())
+                store._writes = resume(plan.root, plan.manifest, durability, store._parts(), progress)
         except BaseException:
             store.close()
             raise
@@ -830,14 +859,15 @@ class ExperienceStore:
 
     @classmethod
     def from_dataset(cls, path: Any, capacity: int | None = None, *, schema: Any = None,
-                     **kwargs: Any) -> ExperienceStore:
+                     progress: ProgressSink | None = None, **kwargs: Any) -> ExperienceStore:
         """A new store filled from a dataset directory: an arrowbuf export or checkpoint, Parquet with arrowbuf's
         schema, or a Minari dataset with the Arrow backend (the newest `capacity` rows when there are more; default:
-        all). `schema=` checks the dataset against a schema (SchemaError naming the fields); other keyword
-        arguments go to the constructor (sampler, seed, tier, ...)."""
+        all). `schema=` checks the dataset against a schema (SchemaError naming the fields); `progress` hears the
+        rows loaded (as `restore`'s); other keyword arguments go to the constructor (sampler, seed, tier, ...)."""
         from ..persist import from_dataset
 
-        return cast("ExperienceStore", from_dataset(path, capacity, store_cls=cls, schema=schema, **kwargs))
+        return cast("ExperienceStore", from_dataset(path, capacity, store_cls=cls, schema=schema, progress=progress,
+                                                    **kwargs))
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -25,8 +25,10 @@ from ..engine.consume import ConsumeTracker
 from ..engine.core import StoreCore
 from ..engine.episodes import EpisodeTracker
 from ..engine.reader import RowSnapshot, StoreReader
+from ..engine.sizes import ragged_placement, store_sizes
 from ..engine.writer import StoreWriter
-from ..errors import SchemaError
+from ..errors import InvalidArgument, SchemaError
+from ..observe.meter import ProgressSink
 from ..observe.timings import Timings
 from ..placement import placement_table
 from ..schema import ExperienceSchema
@@ -94,9 +96,7 @@ class StoreViews:
     def snapshot(self, columns: Iterable[str] | None = None) -> RowSnapshot:
         return self.parts.reader.snapshot(columns)
 
-    def to_cudf(self, columns: Iterable[str] | None = None) -> Any:
-        from ..tiers.gpu import to_cudf
-
+    def to_cudf(self, columns: Iterable[str] | None = None, device: bool = False) -> Any:
         fields = self.schema.fields
         scalar = [n for n, f in fields.items() if not f.shape and not f.ragged and f.plain]
         names = list(columns) if columns is not None else [*scalar, "episode_id", "step", "seq"]
@@ -104,6 +104,18 @@ class StoreViews:
         if tensors:
             raise SchemaError(f"to_cudf() takes scalar and metadata columns; {tensors} are tensor or list columns "
                               "(cuDF has no fixed-shape tensor type): read them with sample(...).to_torch('cuda')")
+        if device:
+            self.parts.core.check_open()
+            ring = self.parts.reader.device
+            if ring is None:
+                raise InvalidArgument("to_cudf(device=True) views the store's device ring, and this store has none: "
+                                      "make it with tiers={'gpu': GpuTier(budget, ring=True), 'host': ...} (a "
+                                      "uniform or prioritized sampler), or call to_cudf() for a copy of the rows")
+            from ..tiers.gpu import cudf_views
+
+            return cudf_views(ring.views(names))
+        from ..tiers.gpu import to_cudf
+
         return to_cudf(self.to_table(names))
 
     # ------------------------------------------------------------------ observability (arrowbuf.observe)
@@ -159,6 +171,9 @@ class StoreViews:
             counters = core.cols.placement_counters()
             if counters is not None:
                 out["placement"] = counters
+            if p.reader.device is not None:  # the device ring's sample path (arrowbuf.engine.device_sample)
+                out["device"] = p.reader.device.describe()
+            out.update(store_sizes(core, self._placement_table(False), out["bytes"]))
         if journal is not None:
             out["journal"] = journal
         return out
@@ -167,7 +182,17 @@ class StoreViews:
         core = self.parts.core
         core.check_open()
         with core.lock:
-            return placement_table(core, self.parts.placement_policy, explain)
+            return self._placement_table(explain)
+
+    def _placement_table(self, explain: bool) -> pa.Table:
+        """`placement()` under the state lock: the placed columns, then the ragged ones (in their arena's tier)."""
+        core = self.parts.core
+        table = placement_table(core, self.parts.placement_policy, explain)
+        ragged = ragged_placement(core)
+        if not ragged:
+            return table
+        extra = pa.Table.from_pylist([{c: r.get(c) for c in table.column_names} for r in ragged])
+        return pa.concat_tables([table, extra], promote_options="permissive")
 
     def chunks(self) -> pa.Table:
         core = self.parts.core
@@ -175,15 +200,18 @@ class StoreViews:
             return core.directory.table(core.index.lo, core.index.hi)
 
     # ------------------------------------------------------------------ persistence
-    def export(self, path: Any, format: str, partition_by: Any, compression: str | None) -> dict[str, Any]:
+    def export(self, path: Any, format: str, partition_by: Any, compression: str | None,
+               progress: ProgressSink | None = None) -> dict[str, Any]:
         from ..persist import export
+        from ..persist.datasets import lineage_path
 
         core = self.parts.core
         core.check_open()
-        out = export(core, self.to_table, path, format=format, partition_by=partition_by, compression=compression)
-        if core.lineage is not None:  # beside the rows, ignored by dataset readers (`_` prefix)
+        out = export(core, self.to_table, path, format=format, partition_by=partition_by, compression=compression,
+                     progress=progress)
+        if core.lineage is not None:  # in the metadata folder: out of reach of a glob of the data files
             from ..observe.lineage import write_table
 
-            out["lineage"] = write_table(self.lineage_table(), path, format)
+            out["lineage"] = write_table(self.lineage_table(), lineage_path(path, format), format)
         return out
 

@@ -118,6 +118,7 @@ class DirectWrites:
             raise InvalidArgument("checkpoint(path): a store without durable= needs a directory")
         from ..persist.checkpoint import checkpoint
 
+        self.parts.reader.settle()  # the device path's queued priority updates: in the sampler state copied
         out: dict[str, Any] | CheckpointHandle = checkpoint(self.parts.core, path, keep=keep, background=background,
                                                             compression=compression)
         return out

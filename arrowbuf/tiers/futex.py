@@ -11,6 +11,8 @@ import ctypes.util
 import platform
 import sys
 
+from .libc import libc
+
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
@@ -25,8 +27,7 @@ class _Futex:
     WAIT, WAKE = 0, 1
 
     def __init__(self, number: int) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)  # drops the GIL
-        self._syscall = libc.syscall
+        self._syscall = libc().syscall  # (a CDLL: drops the GIL)
         self._syscall.restype = ctypes.c_long
         self._number = number
 

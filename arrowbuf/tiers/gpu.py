@@ -1,21 +1,29 @@
-"""The GPU tier: a column's GPU-resident chunks as slots of one torch CUDA tensor per column.
+"""The GPU tier: a store's columns in device memory, as a device ring (the whole ring mirrored) or as chunk slots.
 
 Usage::
 
     store = ExperienceStore(schema, capacity, tiers={"gpu": "8GiB", "host": "16GiB", "disk": "spill/"})
     batch = store.sample(4096, columns=["obs", "action", "reward"])
-    batch["obs"]            # a torch CUDA tensor when obs has GPU-resident chunks: gathered on the device
-    store.to_cudf()         # scalar and metadata columns as a cuDF DataFrame
+    batch["obs"]            # a torch CUDA tensor: gathered on the device
+    store.to_cudf()         # scalar and metadata columns as a cuDF DataFrame (a copy); device=True: views
 
 Needs the optional extra ``pip install 'arrowbuf[gpu]'`` (a CUDA build of torch, cupy, cudf) and a CUDA device;
-torch, cupy and cudf are imported only when a GPU tier is made. Device memory cannot be over-committed like host
-memory, so this tier is *slotted*: each column's arena holds a fixed number of chunk slots, and the store's slot table
-maps a ring chunk to its local slot. A gather over the tier is one `index_select` on the device; data reaches the
-device by copies of whole sealed chunks (migrations), never on the append path. Tensors cross to other libraries
-through DLPack (`torch.utils.dlpack`, `cupy.from_dlpack`, `cudf.from_dlpack`); cuDF has no fixed-shape tensor type,
-so tensor columns stay torch tensors and cuDF gets the scalar and metadata columns.
+torch, cupy and cudf are imported only when a GPU tier is made. Two uses of the tier (`GpuTier(ring=...)`):
 
-`device="cpu"` runs the same code on torch CPU tensors: the tests use it to exercise the slotted path without a GPU.
+- the device ring (`arrowbuf.ring.device_ring`, docs/tiers.md): every mirrorable column's whole ring on the device,
+  pulled from the host arenas at each sample; sampling, gathers and priority updates then run on the device with no
+  host sync. The default on a CUDA device when the columns fit the budget.
+- chunk slots: device memory cannot be over-committed like host memory, so each column's arena holds a fixed number
+  of chunk slots, and the store's slot table maps a ring chunk to its local slot; data reaches the device by copies
+  of whole sealed chunks (migrations, decided by the placement policy), never on the append path. A gather over the
+  tier is one `index_select` on the device.
+
+Tensors cross to other libraries through DLPack (`torch.utils.dlpack`, `cupy.from_dlpack`, `cudf.from_dlpack`) or
+`__cuda_array_interface__` (`cudf_views`); cuDF has no fixed-shape tensor type, so tensor columns stay torch tensors
+and cuDF gets the scalar and metadata columns. `Staging` feeds host-to-device copies through pinned memory without
+waiting; `use_rmm_pool` puts torch and cuDF on one RMM pool.
+
+`device="cpu"` runs the same code on torch CPU tensors: the tests use it to exercise both paths without a GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MissingDependency, OutOfSpace
+from ..errors import InvalidArgument, MissingDependency, OutOfSpace
 from .base import Tier, format_bytes, parse_bytes
 
 # numpy dtypes torch has no (full) support for: stored as the signed type of the same width, delivered widened.
@@ -84,12 +92,21 @@ class GpuTier(Tier):
     name = "gpu"
     slotted = True
 
-    def __init__(self, budget: Any = None, device: str = "cuda") -> None:
+    def __init__(self, budget: Any = None, device: str = "cuda", ring: bool | list[str] | None = None) -> None:
         self.torch = require_torch_device(device)
         self.device = self.torch.device(device)
         self.budget = parse_bytes(budget)
+        if not (ring is None or isinstance(ring, bool) or (isinstance(ring, (list, tuple))
+                                                            and all(isinstance(c, str) for c in ring))):
+            raise InvalidArgument(f"GpuTier(ring=...) takes None (auto), True, False or a list of column names; "
+                                  f"got {ring!r}")
+        #: the device ring (`arrowbuf.ring.device_ring`): None: on a CUDA device when the columns fit the budget;
+        #: True: always (`OutOfSpace` when the columns do not fit); False: never (chunk slots placed by the policy);
+        #: a list: those columns.
+        self.ring = list(ring) if isinstance(ring, (list, tuple)) else ring
         self._arenas: dict[str, Any] = {}
         self._dtypes: dict[str, np.dtype] = {}
+        self._staging: Staging | None = None
 
     # ------------------------------------------------------------------ Tier
     def allocate(self, key: str, dtype: np.dtype, rows: int, shape: tuple[int, ...] = ()) -> Any:
@@ -108,8 +125,26 @@ class GpuTier(Tier):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._arenas.values())
 
+    def free(self, key: str) -> None:
+        """Give arena `key` back (its bytes leave `nbytes()`; tensors still referenced elsewhere stay valid)."""
+        self._arenas.pop(key, None)
+        self._dtypes.pop(key, None)
+
     def close(self) -> None:
         self._arenas.clear()
+        self._staging = None
+
+    @property
+    def cuda(self) -> bool:
+        """Whether the device is a CUDA device (streams, events, pinned memory and graphs apply)."""
+        return bool(self.device.type == "cuda")
+
+    @property
+    def staging(self) -> Staging:
+        """Host buffers that feed this tier's uploads without waiting (`Staging`), made on first use."""
+        if self._staging is None:
+            self._staging = Staging(self.torch, self.device)
+        return self._staging
 
     # ------------------------------------------------------------------ data movement (used by the column store)
     def put(self, arena: Any, start: int, values: np.ndarray) -> None:
@@ -170,11 +205,179 @@ def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
     return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
 
 
-def to_cudf(table: Any) -> Any:
-    """A cuDF DataFrame of a table's scalar columns (cuDF has no fixed-shape tensor type)."""
+def torch_dtype(torch: Any, dtype: np.dtype) -> Any:
+    """The torch dtype this tier stores numpy `dtype` as (unsigned 16/32/64-bit as the signed type of the width)."""
+    return _torch_dtype(torch, _SIGNED.get(np.dtype(dtype), np.dtype(dtype)))
+
+
+def as_signed(values: np.ndarray) -> np.ndarray:
+    """`values` as this tier stores them (unsigned 16/32/64-bit viewed as signed), no copy."""
+    return _as_signed(values)
+
+
+def widen(torch: Any, t: Any, dtype: np.dtype) -> Any:
+    """A gathered tensor as this tier delivers numpy `dtype` (uint16/uint32 widened to int64 values)."""
+    return _widen(torch, t, np.dtype(dtype))
+
+
+def host_view(t: Any) -> np.ndarray:
+    """A uint8 numpy view of a host (CPU, pinned or not) tensor's bytes, made from its address: the caller keeps `t`
+    alive as long as the view. (Not `t.numpy()`: a view of host memory reads nothing from a device, and this keeps
+    the sync-freedom tests' ban on `.numpy()` simple.)"""
+    import ctypes
+
+    nbytes = int(t.numel()) * int(t.element_size())
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(t.data_ptr())))
+
+
+class Staging:
+    """Host memory that feeds host-to-device copies without making the host wait.
+
+    A copy from pageable host memory makes the host wait for the device (the driver stages it); from pinned memory it
+    is queued and returns at once. So an upload goes through a pinned buffer: the host rows are copied into it (a
+    memcpy), the device copy is queued on the current stream, and an event marks when the buffer may be reused.
+    Buffers are kept and reused (a free one is one whose event has passed); past `limit` bytes of buffers, or for an
+    upload larger than `big`, the copy is made the plain way (it waits), which only a bulk rebuild of the device ring
+    does. On the CPU (`device="cpu"`, the tests) an upload is a plain copy.
+
+    Attributes:
+        waits: uploads that had to wait (a bulk copy, or every buffer still in flight).
+        uploads: copies queued; bytes: bytes uploaded.
+    """
+
+    def __init__(self, torch: Any, device: Any, limit: int = 512 << 20, big: int = 64 << 20) -> None:
+        self.torch = torch
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.limit = int(limit)
+        self.big = int(big)
+        self._bufs: list[list[Any]] = []  # [pinned uint8 tensor, its numpy view, event or None]
+        self.waits = 0
+        self.uploads = 0
+        self.bytes = 0
+
+    def copy_into(self, dst: Any, values: np.ndarray) -> None:
+        """`dst.copy_(values)` (shapes alike; `values` in the tier's storage dtype, see `as_signed`)."""
+        values = np.ascontiguousarray(values)
+        self.uploads += 1
+        self.bytes += values.nbytes
+        if not self.cuda:
+            dst.copy_(self.torch.from_numpy(values))
+            return
+        if values.nbytes > self.big:  # a bulk rebuild: a blocking copy in pieces (no pinned buffer that large)
+            self.waits += 1
+            rows = max(1, self.big // max(1, values.nbytes // max(1, len(values))))
+            flat_dst = dst.reshape(len(values), -1) if values.ndim > 1 else dst
+            flat_src = values.reshape(len(values), -1) if values.ndim > 1 else values
+            for i in range(0, len(values), rows):
+                flat_dst[i:i + rows].copy_(self.torch.from_numpy(flat_src[i:i + rows]))
+            return
+        buf = self._take(values.nbytes)
+        host = buf[1][:values.nbytes].view(values.dtype).reshape(values.shape)
+        np.copyto(host, values)
+        src = buf[0][:values.nbytes].view(torch_dtype(self.torch, values.dtype)).view(values.shape)
+        dst.copy_(src, non_blocking=True)
+        event = self.torch.cuda.Event()
+        event.record(self.torch.cuda.current_stream(self.device))
+        buf[2] = event
+
+    def to_device(self, values: np.ndarray) -> Any:
+        """A new device tensor holding `values` (queued, as `copy_into`)."""
+        values = np.ascontiguousarray(values)
+        out = self.torch.empty(values.shape, dtype=torch_dtype(self.torch, values.dtype), device=self.device)
+        self.copy_into(out, _as_signed(values))
+        return out
+
+    def _take(self, nbytes: int) -> list[Any]:
+        fits = sorted((b for b in self._bufs if b[0].shape[0] >= nbytes), key=lambda b: int(b[0].shape[0]))
+        for buf in fits:
+            if buf[2] is None or buf[2].query():
+                buf[2] = None
+                return buf
+        if self._bufs and self.nbytes() + nbytes > self.limit:  # every buffer in flight, no room for more: wait
+            self.waits += 1
+            if fits:
+                fits[0][2].synchronize()
+                fits[0][2] = None
+                return fits[0]
+            for buf in self._bufs:
+                if buf[2] is not None:
+                    buf[2].synchronize()
+            self._bufs.clear()
+        size = 1 << max(16, (int(nbytes) - 1).bit_length())
+        t = self.torch.empty(size, dtype=self.torch.uint8, pin_memory=True)
+        buf = [t, host_view(t), None]
+        self._bufs.append(buf)
+        return buf
+
+    def nbytes(self) -> int:
+        """Bytes of pinned host memory held."""
+        return sum(int(b[0].shape[0]) for b in self._bufs)
+
+
+def use_rmm_pool(budget: Any = None, device: int = 0) -> Any:
+    """Make torch allocate device memory from an RMM pool, the pool cuDF uses too (one pool for both, at most `budget`
+    bytes: a GPU tier's budget then bounds what torch and cuDF hold together). Call it once, before anything allocates
+    CUDA memory in the process (torch cannot switch allocators afterwards). Returns the RMM memory resource.
+
+    Raises:
+        MissingDependency: RMM (or a CUDA build of torch, or a GPU) is missing: `pip install 'arrowbuf[gpu]'`.
+        InvalidArgument: torch already allocated CUDA memory in this process.
+    """
+    torch = require_torch_device("cuda")
     try:
-        cudf = importlib.import_module("cudf")
+        rmm = importlib.import_module("rmm")
+        rmm_torch = importlib.import_module("rmm.allocators.torch")
     except Exception as exc:
-        raise MissingDependency("store.to_cudf() needs cuDF: pip install 'arrowbuf[gpu]' on a machine with a GPU; "
-                                f"found: {gpu_environment()}") from exc
-    return cudf.DataFrame.from_arrow(table)
+        raise MissingDependency("use_rmm_pool() needs RMM (it comes with cuDF): pip install 'arrowbuf[gpu]' on a "
+                                f"machine with a GPU; found: {gpu_environment()}") from exc
+    limit = parse_bytes(budget)
+    pool = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), maximum_pool_size=limit)
+    rmm.mr.set_per_device_resource(device, pool)
+    try:
+        torch.cuda.memory.change_current_allocator(rmm_torch.rmm_torch_allocator)
+    except RuntimeError as exc:
+        raise InvalidArgument("use_rmm_pool() must run before torch allocates CUDA memory in this process (torch "
+                              f"cannot switch allocators afterwards): call it first thing; torch said: {exc}") from exc
+    return pool
+
+
+def _cudf() -> Any:
+    try:
+        return importlib.import_module("cudf")
+    except Exception as exc:  # cuDF raises more than ImportError when CUDA is absent
+        raise MissingDependency("store.to_cudf() needs cuDF: pip install 'arrowbuf[gpu]' (cudf-cu13) on a machine "
+                                f"with a GPU; found: {gpu_environment()}") from exc
+
+
+def to_cudf(table: Any) -> Any:
+    """A cuDF DataFrame of a table's scalar columns (cuDF has no fixed-shape tensor type): a copy to the device."""
+    return _cudf().DataFrame.from_arrow(table)
+
+
+def cudf_views(columns: dict[str, Any]) -> Any:
+    """A cuDF DataFrame whose columns are views of 1-D device tensors (read through `__cuda_array_interface__`, no
+    copy): what `store.to_cudf(device=True)` returns.
+
+    Raises:
+        MissingDependency: cuDF is not installed (or no GPU).
+        InvalidArgument: a column is not a CUDA tensor.
+    """
+    cudf = _cudf()
+    data = {}
+    for name, t in columns.items():
+        if not getattr(t, "is_cuda", False):
+            raise InvalidArgument(f"to_cudf(device=True): column {name!r} is not in CUDA memory (a store whose device "
+                                  "ring is on the CPU, as in tests, has nothing cuDF can view)")
+        data[name] = _cudf_column(cudf, t)
+    return cudf.DataFrame._from_data(data) if hasattr(cudf.DataFrame, "_from_data") else cudf.DataFrame(data)
+
+
+def _cudf_column(cudf: Any, t: Any) -> Any:
+    """A cuDF column over tensor `t`'s memory (zero-copy through `__cuda_array_interface__`)."""
+    try:
+        from cudf.core.column import as_column
+
+        return as_column(t)
+    except Exception:  # an older or newer cuDF without that entry point: a Series over the interface
+        return cudf.Series(t)._column

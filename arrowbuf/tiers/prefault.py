@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from .libc import libc
+
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python < 3.12 lacks the constant
 #: Bytes prepared ahead of the write head (summed over a store's arenas).
@@ -67,7 +69,7 @@ _libc: Any = None
 def _lib() -> Any:
     global _libc
     if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib = libc()
         # (a CDLL releases the GIL during these calls: the writer copies meanwhile)
         lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         lib.mlock.argtypes = lib.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

@@ -143,7 +143,7 @@ def test_remote_writers_and_consumers_are_named_by_their_connection_and_observe_
     off.close()
 
 
-def test_export_writes_the_lineage_beside_the_rows_and_dataset_readers_skip_it(tmp_path):
+def test_export_writes_the_lineage_into_its_metadata_folder_and_dataset_readers_skip_it(tmp_path):
     import pyarrow.parquet as pq
 
     store = ab.ExperienceStore(SCHEMA, capacity=100, tasks=["t"], seed=0)
@@ -152,7 +152,7 @@ def test_export_writes_the_lineage_beside_the_rows_and_dataset_readers_skip_it(t
     store.consume("t", 5)
     out = store.export(tmp_path / "data")
     lineage = pq.read_table(out["lineage"])
-    assert out["lineage"].endswith("_lineage.parquet")
+    assert out["lineage"] == str(tmp_path / "data" / "_arrowbuf" / "lineage.parquet")
     assert lineage.equals(store.lineage_table())
     assert set(lineage.column("writer").to_pylist()) == {"exporter-test"}
     assert lineage.filter(lineage.column("consumed_at").is_valid()).num_rows == 5

@@ -50,7 +50,9 @@ def number(page, selector: str) -> int:
 
 def shot(page, tmp_path, name: str) -> None:
     path = tmp_path / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
+    # the bytes, written here: Playwright writes a `path=` through its event loop's executor, whose thread outlives
+    # the test
+    path.write_bytes(page.screenshot(full_page=True))
     out = os.environ.get("ARROWBUF_UI_SCREENSHOTS")
     if out:
         os.makedirs(out, exist_ok=True)
@@ -195,6 +197,47 @@ def test_the_inspector_in_a_real_browser(live, browser, tmp_path):
         urllib.request.urlopen(req, timeout=5)
     assert refused.value.code == 401
     assert (tmp_path / "inspector.png").stat().st_size > 10_000
+
+
+def test_the_page_labels_both_sizes_lists_ragged_columns_and_says_no_tasks(browser, tmp_path):
+    """Issue 44: the page shows the rows' bytes and the reserved bytes of `stats()`, each labelled; its placement
+    table lists ragged columns; an empty Tasks table says "no tasks"; the rates box ends under its chart."""
+    store = ab.ExperienceStore("grpo", capacity=1000, seed=0)  # ragged fields, no tasks
+    n = 40
+    store.extend({"prompt_id": np.arange(n) // 4, "prompt_tokens": [[1, 2, 3]] * n, "response_tokens": [[4, 5]] * n,
+                  "logprobs": [[-0.1, -0.2]] * n, "policy_version": [0] * n, "done": [True] * n})
+    inspector = Inspector(store, "127.0.0.1:0", interval=0.2)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000}, bypass_csp=True)
+        page.goto(inspector.url + "?refresh=250")
+        page.wait_for_function("document.getElementById('size').textContent === '40'", timeout=15_000)
+        page.wait_for_selector("#columns tbody tr")
+        st = store.stats()
+        # the same numbers as stats(), in the page's units, under labels that say which size they are
+        def kib(b: float) -> str:  # the page's bytes()
+            units, i = ["B", "KiB", "MiB", "GiB", "TiB"], 0
+            while b >= 1024 and i < 4:
+                b, i = b / 1024, i + 1
+            return f"{b:.1f} {units[i]}" if i else f"{b:.0f} B"
+
+        assert page.inner_text("#rows-bytes") == kib(st["rows_bytes"])
+        assert page.inner_text("#reserved-bytes") == kib(st["reserved_bytes"])
+        assert "rows' bytes" in page.inner_text("#overview") and "reserved bytes" in page.inner_text("#overview")
+        shown = {r.split("\t")[0]: r.split("\t")[1:] for r in page.inner_text("#columns tbody").splitlines()}
+        assert shown["response_tokens"] == [kib(st["columns"]["response_tokens"]["rows_bytes"]),
+                                            kib(st["columns"]["response_tokens"]["reserved_bytes"])]
+        placed = page.inner_text("#placement tbody")
+        for name in ("prompt_tokens", "response_tokens", "logprobs", "ref_logprobs"):  # the ragged columns
+            assert name in placed
+        assert "no tasks" in page.inner_text("#tasks tbody")
+        rates = page.locator("section", has=page.locator("#rates-chart")).bounding_box()
+        chart = page.locator("#rates-chart").bounding_box()
+        assert rates is not None and chart is not None
+        assert rates["y"] + rates["height"] - (chart["y"] + chart["height"]) < 40, (rates, chart)  # no empty area
+        shot(page, tmp_path, "inspector-grpo-no-tasks")
+    finally:
+        inspector.close()
+        store.close()
 
 
 def test_the_inspector_binds_loopback_unless_given_a_token():

@@ -136,3 +136,53 @@ def test_open_dataset_errors(tmp_path):
         ab.open_dataset(tmp_path / "missing")
     with _store() as store, pytest.raises(ab.InvalidArgument, match="partition_by"):
         store.export(tmp_path / "x", partition_by="nope")
+
+
+# ------------------------------------------------------------------ issue 44: what a new user's tools read
+def test_parquet_export_reads_with_duckdb_and_polars_globs(tmp_path):
+    """`read_parquet('DIR/*.parquet')` in DuckDB and Polars reads the rows: the export's metadata (its schema file,
+    the lineage) lies where a glob of the data files does not reach it, and arrowbuf still reads it."""
+    duckdb = pytest.importorskip("duckdb")
+    pl = pytest.importorskip("polars")
+    with _store() as store:
+        info = store.export(tmp_path / "d", format="parquet")
+        assert "lineage" in info  # a store records its lineage by default: the export writes it too
+        n = len(store)
+    pattern = str(tmp_path / "d" / "*.parquet")
+    con = duckdb.connect()
+    try:
+        assert con.execute(f"SELECT count(*) FROM read_parquet('{pattern}')").fetchone()[0] == n
+    finally:
+        con.close()
+    assert pl.read_parquet(pattern).height == n
+    assert ab.open_dataset(tmp_path / "d").num_rows == n
+    assert "next_obs" in ab.open_dataset(tmp_path / "d").schema.derived  # the schema file was found
+    assert pa.parquet.read_table(info["lineage"]).num_rows == n
+    with ab.ExperienceStore.from_dataset(tmp_path / "d") as offline:
+        assert len(offline) == n
+
+
+def test_an_export_made_the_old_way_still_opens(tmp_path):
+    """Exports written before the metadata moved into `_arrowbuf/` (schema in `_arrowbuf.json`, lineage in
+    `_lineage.parquet` beside the rows) open as before."""
+    import os
+    import shutil
+
+    with _store() as store:
+        store.export(tmp_path / "d", format="parquet")
+        n = len(store)
+    meta = tmp_path / "d" / "_arrowbuf"
+    shutil.move(str(meta / "dataset.json"), str(tmp_path / "d" / "_arrowbuf.json"))
+    shutil.move(str(meta / "lineage.parquet"), str(tmp_path / "d" / "_lineage.parquet"))
+    os.rmdir(meta)
+    ds = ab.open_dataset(tmp_path / "d")
+    assert ds.num_rows == n and "next_obs" in ds.schema.derived
+
+
+def test_restore_of_an_exported_dataset_says_to_use_from_dataset(tmp_path):
+    with _store() as store:
+        store.export(tmp_path / "d", format="parquet")
+    with pytest.raises(FileNotFoundError) as exc:
+        ab.ExperienceStore.restore(tmp_path / "d")
+    msg = str(exc.value)
+    assert "dataset" in msg and "ExperienceStore.from_dataset" in msg and str(tmp_path / "d") in msg

@@ -26,7 +26,6 @@ import threading
 from collections.abc import Callable
 
 from ...errors import ArrowbufError, InvalidArgument
-from ...tiers.shm.locks import pthread_lib
 
 _MAX_MESSAGE = 16 << 20
 
@@ -59,10 +58,6 @@ class StoreHome:
     """The home process's side (see the module doc): a daemon thread that creates the store on request."""
 
     def __init__(self, create: Callable[[str], None]) -> None:
-        # Creating a shared store finds libc with ctypes.util.find_library, which runs `ldconfig` in a subprocess the
-        # first time; forked from the helper thread below while torch is loaded, that child can hang in an at-fork
-        # handler. Do the lookup here, in the thread that makes the storage.
-        pthread_lib()
         self._create = create
         self._dir = tempfile.mkdtemp(prefix="arrowbuf-torchrl-")  # 0700: only this user connects
         self.address = os.path.join(self._dir, "home.sock")

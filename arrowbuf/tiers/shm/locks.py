@@ -16,6 +16,7 @@ import numpy as np
 
 from ...errors import ArrowbufError, StoreClosed, StoreCorrupt
 from ..futex import FUTEX
+from ..libc import libc
 
 
 class _Pthread:
@@ -25,9 +26,8 @@ class _Pthread:
     ROBUST = 1
 
     def __init__(self) -> None:
-        name = ctypes.util.find_library("c") or "libc.so.6"
-        blocking = ctypes.CDLL(name, use_errno=True)  # releases the GIL while it waits
-        quick = ctypes.PyDLL(name, use_errno=True)    # keeps the GIL: cheaper for calls that never wait
+        blocking = libc()  # releases the GIL while it waits
+        quick = libc(keep_gil=True)  # keeps the GIL: cheaper for calls that never wait
         vp = ctypes.c_void_p
         self.timedlock = _fn(blocking.pthread_mutex_timedlock, vp, vp)
         self.trylock = _fn(quick.pthread_mutex_trylock, vp)
