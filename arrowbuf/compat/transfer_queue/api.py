@@ -18,12 +18,17 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidArgument
 from .client import DEFAULT_CAPACITY, TransferQueueClient, conf_get
+from .columns import Batch, PutFields
 from .meta import BatchMeta, KVBatchMeta
+from .samplers import SamplerArg
 from .state import TQState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .server import TQServer
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +150,7 @@ def get_metrics_endpoint() -> str | None:
     return conf_get(_CONF, "metrics", "endpoint")
 
 
-def serve(location: str = "grpc://127.0.0.1:0", token: str | None = None) -> Any:
+def serve(location: str = "grpc://127.0.0.1:0", token: str | None = None) -> TQServer:
     """Serve this process's system (started with `init`) over Flight; other processes join with
     `init({"arrowbuf": {"location": server.location}})`. Returns the running server (a context manager)."""
     from .server import TQServer
@@ -166,7 +171,7 @@ def stores(partition_id: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- the KV API
-def _kv_fields(fields: Any) -> Any:
+def _kv_fields(fields: PutFields) -> PutFields:
     """kv_put's fields: a dict gets a batch dimension (tensors unsqueezed, anything else one value per sample)."""
     from .columns import tensordict_module, torch_module
 
@@ -187,7 +192,7 @@ def _kv_fields(fields: Any) -> Any:
     return td.TensorDict(batch, batch_size=[1]) if td is not None else batch
 
 
-def kv_put(key: str, partition_id: str, fields: Any = None, tag: dict[str, Any] | None = None,
+def kv_put(key: str, partition_id: str, fields: PutFields | None = None, tag: dict[str, Any] | None = None,
            data_parser: Callable[[Any], Any] | None = None) -> KVBatchMeta:
     """Put one sample's fields and/or tag under `key` (a dict's tensors get a batch dimension, its other values are
     one value of the sample); an existing key's fields are added or replaced, its tag merged. Returns every field
@@ -198,14 +203,15 @@ def kv_put(key: str, partition_id: str, fields: Any = None, tag: dict[str, Any] 
                                      None if tag is None else [tag], data_parser)
 
 
-def kv_batch_put(keys: list[str], partition_id: str, fields: Any = None, tags: list[dict[str, Any]] | None = None,
+def kv_batch_put(keys: list[str], partition_id: str, fields: PutFields | None = None,
+                 tags: list[dict[str, Any] | None] | None = None,
                  data_parser: Callable[[Any], Any] | None = None) -> KVBatchMeta:
     """Put the fields (batch == len(keys)) and/or tags of many keys, atomically; returns every field stored for
     all of them."""
     return get_client().kv_batch_put(keys, partition_id, fields, tags, data_parser)
 
 
-def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> Any:
+def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> Batch:
     """The fields (those every key has, or `select_fields`) of `keys`, in their order; unknown keys are left out.
 
     Raises:
@@ -222,7 +228,7 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[s
     return client.get_data(meta)
 
 
-def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> Any:
+def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> Batch:
     """`kv_batch_get` of a KV put's result (`select_fields` must be among its fields)."""
     if meta.partition_id is None:
         raise ValueError("Must provide partition_id in the input KVBatchMeta.")
@@ -250,23 +256,23 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
         client.clear_samples(meta)
 
 
-async def async_kv_put(key: str, partition_id: str, fields: Any = None, tag: dict[str, Any] | None = None,
+async def async_kv_put(key: str, partition_id: str, fields: PutFields | None = None, tag: dict[str, Any] | None = None,
                        data_parser: Callable[[Any], Any] | None = None) -> KVBatchMeta:
     return await asyncio.to_thread(kv_put, key, partition_id, fields, tag, data_parser)
 
 
-async def async_kv_batch_put(keys: list[str], partition_id: str, fields: Any = None,
-                             tags: list[dict[str, Any]] | None = None,
+async def async_kv_batch_put(keys: list[str], partition_id: str, fields: PutFields | None = None,
+                             tags: list[dict[str, Any] | None] | None = None,
                              data_parser: Callable[[Any], Any] | None = None) -> KVBatchMeta:
     return await asyncio.to_thread(kv_batch_put, keys, partition_id, fields, tags, data_parser)
 
 
 async def async_kv_batch_get(keys: list[str] | str, partition_id: str,
-                             select_fields: list[str] | str | None = None) -> Any:
+                             select_fields: list[str] | str | None = None) -> Batch:
     return await asyncio.to_thread(kv_batch_get, keys, partition_id, select_fields)
 
 
-async def async_kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> Any:
+async def async_kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> Batch:
     return await asyncio.to_thread(kv_batch_get_by_meta, meta, select_fields)
 
 
@@ -345,17 +351,18 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
 
 # ---------------------------------------------------------------------- the client's metadata path, as functions
 def get_meta(data_fields: list[str], batch_size: int, partition_id: str, task_name: str | None = None,
-             sampler: Any = None, mode: str = "fetch", sampling_config: dict[str, Any] | None = None) -> BatchMeta:
+             sampler: SamplerArg = None, mode: str = "fetch",
+             sampling_config: dict[str, Any] | None = None) -> BatchMeta:
     """See `TransferQueueClient.get_meta`."""
     return get_client().get_meta(data_fields, batch_size, partition_id, mode, task_name, sampling_config, sampler)
 
 
-def put(data: Any, metadata: BatchMeta | None = None, partition_id: str | None = None) -> BatchMeta:
+def put(data: PutFields, metadata: BatchMeta | None = None, partition_id: str | None = None) -> BatchMeta:
     """See `TransferQueueClient.put`."""
     return get_client().put(data, metadata, partition_id)
 
 
-def get_data(metadata: BatchMeta) -> Any:
+def get_data(metadata: BatchMeta) -> Batch:
     """See `TransferQueueClient.get_data`."""
     return get_client().get_data(metadata)
 

@@ -30,7 +30,7 @@ from .partition import FieldGroup, FieldInfo, FieldState, IndexManager, Partitio
 FORMAT = "arrowbuf.tq.v1"
 
 
-def write(path: str, partitions: dict[str, Partition], index: IndexManager, sampler_state: Any,
+def write(path: str, partitions: dict[str, Partition], index: IndexManager, sampler_state: object,
           capacity: int) -> None:
     """Write a system's state (held still by the caller) to directory `path` (created; must not exist)."""
     root = pathlib.Path(path)
@@ -111,7 +111,7 @@ def read(path: str, capacity: int) -> tuple[dict[str, Partition], IndexManager, 
     return loaded, IndexManager.from_json(doc["index"]), _from_json(doc["sampler"])
 
 
-def _jsonable(obj: Any, what: str) -> Any:
+def _jsonable(obj: object, what: str) -> object:
     """A sampler's state as JSON: dicts as [key, value] pairs (their keys may be ints or tuples), tuples marked."""
     if isinstance(obj, dict):
         return {"__pairs__": [[_jsonable(k, what), _jsonable(v, what)] for k, v in obj.items()]}

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
 from ...errors import ArrowbufError, InvalidArgument, SchemaError
 from .columns import (
+    Batch,
     FieldValues,
+    PutFields,
     batch_items,
     batch_size_of,
     put_fields,
@@ -28,8 +30,15 @@ from .columns import (
     torch_module,
 )
 from .meta import BatchMeta, KVBatchMeta, PartitionSnapshot, apply_put, torch_schema
-from .samplers import sampler_spec
+from .partition import Status
+from .samplers import SamplerArg, sampler_spec
 from .state import GetMetaTimeout, StorageKeyNotFoundError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tensordict import TensorDict
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 DEFAULT_CAPACITY = 65_536
 
@@ -48,19 +57,19 @@ class Backend(Protocol):
     in_process: bool
 
     def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int | None, mode: str = "fetch",
-                 task_name: str | None = None, sampler: Any = None,
+                 task_name: str | None = None, sampler: SamplerArg = None,
                  sampling_config: dict[str, Any] | None = None) -> dict[str, Any]: ...
     def kv_retrieve_meta(self, partition_id: str, keys: list[str], create: bool = False) -> dict[str, Any]: ...
     def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
-               nested: list[str], tags: list[dict[str, Any]] | None) -> dict[str, Any]: ...
+               nested: list[str], tags: list[dict[str, Any] | None] | None) -> dict[str, Any]: ...
     def kv_retrieve_keys(self, partition_id: str, gidx: list[int]) -> list[str | None]: ...
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]: ...
     def set_custom_meta(self, custom_meta: dict[str, dict[int, dict[str, Any]]]) -> None: ...
     def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
             nested: list[str]) -> None: ...
     def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]: ...
-    def production_status(self, partition_id: str, data_fields: list[str]) -> Any: ...
-    def consumption_status(self, partition_id: str, task_name: str) -> Any: ...
+    def production_status(self, partition_id: str, data_fields: list[str]) -> Status: ...
+    def consumption_status(self, partition_id: str, task_name: str) -> Status: ...
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool: ...
     def clear_samples(self, partition_ids: list[str], gidx: list[int]) -> None: ...
     def clear_partition(self, partition_id: str) -> None: ...
@@ -70,9 +79,17 @@ class Backend(Protocol):
     def load_checkpoint(self, path: str) -> None: ...
 
 
-def conf_get(conf: Any, *path: str, default: Any = None) -> Any:
+class ConfNode(Protocol):
+    """A node of TransferQueue's configuration: a dict or an OmegaConf DictConfig (an object's attributes are read
+    too)."""
+
+    def __contains__(self, key: object, /) -> bool: ...
+    def __getitem__(self, key: str, /) -> Any: ...
+
+
+def conf_get(conf: ConfNode | None, *path: str, default: object = None) -> Any:
     """`conf[path[0]][path[1]]...` of a dict, OmegaConf or object (`default` where a step is missing)."""
-    node = conf
+    node: ConfNode | None = conf
     for p in path:
         if node is None:
             return default
@@ -92,7 +109,7 @@ def to_batch_meta(record: dict[str, Any]) -> BatchMeta:
                      np.asarray(record["production_status"], dtype=np.int8), custom_meta=record["custom_meta"])
 
 
-def _controller(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _controller(call: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
     try:
         return call(*args, **kwargs)
     except (ControllerError, GetMetaTimeout, StorageKeyNotFoundError):
@@ -105,7 +122,8 @@ class TransferQueueClient:
     """TransferQueue's client over a `Backend` (see the module docstring). `output` is how tensor fields come back
     ("jagged", TransferQueue's; "dense": fields of one shape as `[B, *S]`)."""
 
-    def __init__(self, backend: Backend, conf: Any = None, owned: Any = None, output: str = "jagged") -> None:
+    def __init__(self, backend: Backend, conf: ConfNode | None = None, owned: Any = None,
+                 output: str = "jagged") -> None:
         if output not in ("jagged", "dense"):
             raise InvalidArgument(f"output must be 'jagged' or 'dense', got {output!r}")
         self.backend = backend
@@ -116,7 +134,7 @@ class TransferQueueClient:
     # ------------------------------------------------------------------ metadata path
     def get_meta(self, data_fields: list[str], batch_size: int, partition_id: str, mode: str = "fetch",
                  task_name: str | None = None, sampling_config: dict[str, Any] | None = None,
-                 sampler: Any = None) -> BatchMeta:
+                 sampler: SamplerArg = None) -> BatchMeta:
         """Samples of `partition_id` (TransferQueue's modes): `fetch` picks `batch_size` ready samples that
         `task_name` has not consumed, through the system's sampler (or `sampler`, an arrowbuf extension), and marks
         them consumed (an empty BatchMeta in polling_mode when not enough are ready); `force_fetch` returns every
@@ -137,7 +155,7 @@ class TransferQueueClient:
             per.setdefault(pid, {})[int(g)] = m
         _controller(self.backend.set_custom_meta, per)
 
-    def put(self, data: Any, metadata: BatchMeta | None = None, partition_id: str | None = None,
+    def put(self, data: PutFields, metadata: BatchMeta | None = None, partition_id: str | None = None,
             data_parser: Callable[[Any], Any] | None = None) -> BatchMeta:
         """Write `data` into the samples of `metadata` (batch == metadata.size), or into new samples of
         `partition_id` (allocated as get_meta(mode="insert") does). The written fields are added to `metadata`
@@ -162,7 +180,7 @@ class TransferQueueClient:
         schema = {f: schema_entry(v, f in nested) for f, v in values.items()}
         return apply_put(metadata, torch_schema(schema, local=True))
 
-    def get_data(self, metadata: BatchMeta) -> Any:
+    def get_data(self, metadata: BatchMeta) -> Batch:
         """The fields of `metadata`'s samples, in its order (an empty TensorDict for an empty metadata).
 
         Raises:
@@ -235,8 +253,8 @@ class TransferQueueClient:
         return None if record is None else PartitionSnapshot(record)
 
     # ------------------------------------------------------------------ KV path
-    def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
-                     tags: list[dict[str, Any]] | None = None,
+    def kv_batch_put(self, keys: list[str], partition_id: str, fields: PutFields | None = None,
+                     tags: list[dict[str, Any] | None] | None = None,
                      data_parser: Callable[[Any], Any] | None = None) -> KVBatchMeta:
         """TransferQueue's `kv_batch_put` in one atomic call to the system (it makes three: create the keys, put,
         store the tags): refused input changes nothing, not even the keys."""
@@ -287,7 +305,7 @@ class TransferQueueClient:
         keys = _controller(self.backend.kv_retrieve_keys, partition_id, global_indexes)
         if len(keys) != len(global_indexes) or any(k is None for k in keys):
             raise ControllerError("Some global_indexes have no corresponding keys!")
-        return list(keys)
+        return [k for k in keys if k is not None]  # every one (checked above)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
         """{partition_id: {key: custom metadata}} of one partition (an unknown one: {}) or all."""
@@ -320,18 +338,18 @@ class TransferQueueClient:
     # ------------------------------------------------------------------ async twins (run in a worker thread)
     async def async_get_meta(self, data_fields: list[str], batch_size: int, partition_id: str, mode: str = "fetch",
                              task_name: str | None = None, sampling_config: dict[str, Any] | None = None,
-                             sampler: Any = None) -> BatchMeta:
+                             sampler: SamplerArg = None) -> BatchMeta:
         return await asyncio.to_thread(self.get_meta, data_fields, batch_size, partition_id, mode, task_name,
                                        sampling_config, sampler)
 
     async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
         await asyncio.to_thread(self.set_custom_meta, metadata)
 
-    async def async_put(self, data: Any, metadata: BatchMeta | None = None, partition_id: str | None = None,
+    async def async_put(self, data: PutFields, metadata: BatchMeta | None = None, partition_id: str | None = None,
                         data_parser: Callable[[Any], Any] | None = None) -> BatchMeta:
         return await asyncio.to_thread(self.put, data, metadata, partition_id, data_parser)
 
-    async def async_get_data(self, metadata: BatchMeta) -> Any:
+    async def async_get_data(self, metadata: BatchMeta) -> Batch:
         return await asyncio.to_thread(self.get_data, metadata)
 
     async def async_clear_partition(self, partition_id: str) -> None:
@@ -384,7 +402,7 @@ class TransferQueueClient:
             self._owned = None
 
 
-def _parsed(data: Any, parser: Callable[[Any], Any]) -> Any:
+def _parsed(data: PutFields, parser: Callable[[Any], Any]) -> PutFields:
     """`data` after TransferQueue's `data_parser` contract: the parser gets {field: batched tensor, or a list of
     per-sample values for nested and non-tensor fields}, changes values in place (same keys, same counts, same
     order) and returns the dict."""
@@ -410,7 +428,7 @@ def _parsed(data: Any, parser: Callable[[Any], Any]) -> Any:
     return out if size is None else _as_tensordict(out, size)
 
 
-def _as_tensordict(data: dict[str, Any], size: int) -> Any:
+def _as_tensordict(data: dict[str, Any], size: int) -> TensorDict:
     from .columns import tensordict_module
 
     td = tensordict_module()

@@ -38,8 +38,9 @@ in and come out (non-tensor fields as lists).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -48,6 +49,20 @@ from ...errors import SchemaError
 from ...schema import dtypes as _logical
 from ...schema.spec import DTYPES
 
+if TYPE_CHECKING:  # pragma: no cover
+    from types import ModuleType
+
+    import torch
+    from tensordict import NonTensorStack, TensorDict
+
+#: The fields of a put: a TensorDict, or a dict of field name -> tensor, nested tensor or list of values.
+PutFields: TypeAlias = "TensorDict | Mapping[str, Any]"
+#: One field as TransferQueue returns it: a tensor (dense, or a jagged/strided nested one), a NonTensorStack, or
+#: the list of values where tensordict is not installed.
+FieldOut: TypeAlias = "torch.Tensor | NonTensorStack | list[Any]"
+#: What a get returns: a TensorDict, or a dict of fields (tensordict not installed, or asked for).
+Batch: TypeAlias = "TensorDict | dict[str, Any]"
+
 #: What one sample of a field is.
 KINDS = ("tensor", "str", "bytes", "npstr", "npbytes", "json")
 TEXT_KINDS = ("str", "bytes", "npstr", "npbytes")
@@ -55,7 +70,7 @@ TEXT_KINDS = ("str", "bytes", "npstr", "npbytes")
 OUTPUTS = ("jagged", "dense")
 
 
-def torch_module() -> Any:
+def torch_module() -> ModuleType:
     try:
         import torch
     except ImportError as e:  # pragma: no cover - the compat extra installs it
@@ -63,7 +78,7 @@ def torch_module() -> Any:
     return torch
 
 
-def tensordict_module() -> Any | None:
+def tensordict_module() -> ModuleType | None:
     """tensordict, or None when it is not installed (plain dicts then)."""
     try:
         import tensordict
@@ -83,7 +98,7 @@ class FieldKind:
         return [self.kind, self.dtype]
 
     @classmethod
-    def from_json(cls, value: Any) -> FieldKind:
+    def from_json(cls, value: object) -> FieldKind:
         """Parse `to_json`'s output; raises SchemaError on anything else (remote input)."""
         if (not isinstance(value, list) or len(value) != 2 or value[0] not in KINDS
                 or not isinstance(value[1], str) or (value[0] == "tensor" and value[1] not in TENSOR_DTYPES)):
@@ -100,7 +115,7 @@ class FieldKind:
 TENSOR_DTYPES = frozenset(DTYPES) | frozenset(_logical.BITS)
 
 
-def storage_dtype(where: str, dtype: Any) -> str:
+def storage_dtype(where: str, dtype: torch.dtype | np.dtype | str) -> str:
     """The dtype name a tensor field of `dtype` (torch or numpy) is stored under, or SchemaError (a dtype arrowbuf
     cannot keep exactly: float4, complex32, quantized types; nothing is ever stored as another dtype)."""
     name = str(dtype).replace("torch.", "")
@@ -122,7 +137,7 @@ def json_values(where: str, values: list[Any]) -> FieldValues:
     return FieldValues(FieldKind("json", "json"), len(values), flat=flat, offsets=offsets)
 
 
-def to_numpy(where: str, tensor: Any) -> np.ndarray:
+def to_numpy(where: str, tensor: torch.Tensor) -> np.ndarray:
     """A CPU torch tensor's values as numpy (zero-copy when contiguous on the CPU): a dtype numpy lacks as its
     bits (`arrowbuf.schema.dtypes`), its dtype checked."""
     name = storage_dtype(where, tensor.dtype)
@@ -131,7 +146,7 @@ def to_numpy(where: str, tensor: Any) -> np.ndarray:
     return tensor.detach().cpu().contiguous().numpy()
 
 
-def tensor_of(arr: np.ndarray, dtype: str = "") -> Any:
+def tensor_of(arr: np.ndarray, dtype: str = "") -> torch.Tensor:
     """A torch tensor of `dtype` over `arr` (its physical values, which the caller may hand out writable)."""
     if dtype in _logical.BITS:
         return _logical.torch_view(arr, dtype)
@@ -206,7 +221,7 @@ class FieldValues:
         return pa.LargeListArray.from_arrays(pa.array(self.offsets), child)
 
     @classmethod
-    def from_arrow(cls, kind: FieldKind, col: Any, shapes: list[tuple[int, ...]] | None,
+    def from_arrow(cls, kind: FieldKind, col: pa.Array | pa.ChunkedArray, shapes: list[tuple[int, ...]] | None,
                    writable: bool = False) -> FieldValues:
         """Values from an Arrow column (`to_arrow`'s forms, or a store's: JSON as `arrow.json`); `writable`: the
         column's memory is this caller's alone (a gather's output, a received message), so the arrays may be
@@ -391,7 +406,7 @@ def tensors_values(where: str, parts: list[Any]) -> FieldValues:
                        shapes=shapes)
 
 
-def _nested(where: str, value: Any) -> FieldValues:
+def _nested(where: str, value: Any) -> FieldValues:  # a nested tensor (torch types it as Tensor, without offsets)
     torch = torch_module()
     if value.layout == torch.jagged and getattr(value, "_ragged_idx", 1) == 1:
         storage_dtype(where, value.dtype)
@@ -410,7 +425,7 @@ def _nested(where: str, value: Any) -> FieldValues:
     return tensors_values(where, list(value.unbind(0)))
 
 
-def field_values(where: str, value: Any, non_tensor: Any = None) -> FieldValues:
+def field_values(where: str, value: object, non_tensor: list[Any] | None = None) -> FieldValues:
     """One field of a put as `FieldValues`. `value` is what a TensorDict holds (`td.get(name)`) or a dict value;
     `non_tensor` the per-sample values of a non-tensor field (`td[name]`), when the caller has them."""
     torch = torch_module()
@@ -448,7 +463,7 @@ def field_values(where: str, value: Any, non_tensor: Any = None) -> FieldValues:
     return json_values(where, values)
 
 
-def batch_items(fields: Any) -> tuple[list[tuple[str, Any, Any]], int | None]:
+def batch_items(fields: PutFields) -> tuple[list[tuple[str, Any, Any]], int | None]:
     """(name, value, per-sample values of a non-tensor field or None) of a TensorDict or dict, and the
     TensorDict's batch size (None for a dict)."""
     td = tensordict_module()
@@ -489,7 +504,7 @@ def schema_entry(value: FieldValues | ValuesSpec, nested: bool) -> dict[str, Any
     return entry
 
 
-def put_fields(fields: Any, batch: int) -> tuple[dict[str, FieldValues], list[str]]:
+def put_fields(fields: PutFields, batch: int) -> tuple[dict[str, FieldValues], list[str]]:
     """Every field of a put (all or nothing): its values, and the fields given as nested tensors (TransferQueue
     reports those nested whatever their shapes; `schema_entry`)."""
     torch = torch_module()
@@ -511,7 +526,7 @@ def put_fields(fields: Any, batch: int) -> tuple[dict[str, FieldValues], list[st
     return values, nested
 
 
-def batch_size_of(fields: Any) -> int:
+def batch_size_of(fields: PutFields) -> int:
     """The batch size of a put's fields: a TensorDict's, else the length of the first field."""
     items, size = batch_items(fields)
     if size is not None:
@@ -543,7 +558,7 @@ def dense_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- output
-def _pack_tensors(parts: list[Any]) -> Any:
+def _pack_tensors(parts: list[torch.Tensor]) -> FieldOut:
     """B tensors as TransferQueue packs them: all 0-dim -> stacked; else a jagged nested tensor, else a strided
     one, else a NonTensorStack."""
     torch = torch_module()
@@ -558,12 +573,12 @@ def _pack_tensors(parts: list[Any]) -> Any:
             return _non_tensor_stack(parts)
 
 
-def _non_tensor_stack(values: list[Any]) -> Any:
+def _non_tensor_stack(values: list[Any]) -> NonTensorStack | list[Any]:
     td = tensordict_module()
     return values if td is None else td.NonTensorStack(*values)
 
 
-def to_torch_field(values: FieldValues, output: str = "jagged") -> Any:
+def to_torch_field(values: FieldValues, output: str = "jagged") -> FieldOut:
     """A field read back, as TransferQueue 0.1.11 returns it (see the module docstring); `output="dense"` gives a
     field of one shape as `[B, *S]`. Tensors are over the values' memory (no copy)."""
     torch = torch_module()
@@ -594,7 +609,7 @@ def to_torch_field(values: FieldValues, output: str = "jagged") -> Any:
     return _pack_tensors([tensor_of(c, name) for c in values.components()])
 
 
-def to_output(data: dict[str, Any], batch: int, as_tensordict: bool = True) -> Any:
+def to_output(data: dict[str, Any], batch: int, as_tensordict: bool = True) -> Batch:
     """A TensorDict of `data` when tensordict is installed, else the dict."""
     td = tensordict_module()
     if td is None or not as_tensordict:

@@ -21,13 +21,18 @@ Usage loop (what a handler does)::
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from ...errors import InvalidArgument, ResourceExhausted
 from ...serving.limits import NetLimits, check_bytes, check_json_depth
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .state import TQState
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ class TQLimits(NetLimits):
             raise InvalidArgument(f"{what}: the request names a sample more than once; a reply holds each sample once "
                                   "(ask for the distinct ids and repeat them on the client)")
 
-    def check_task(self, task: Any) -> None:
+    def check_task(self, task: object) -> None:
         if task is not None and (not isinstance(task, str) or not 0 < len(task) <= self.max_task_chars):
             raise InvalidArgument(f"task_name must be a non-empty str of at most {self.max_task_chars} characters")
 
@@ -90,12 +95,12 @@ class TQLimits(NetLimits):
                                     f"({self.max_reply_bytes}); ask for fewer samples or fields at a time")
 
     # ------------------------------------------------------------------ what a request may create (under state.lock)
-    def check_new_partition(self, state: Any, partition_id: str) -> None:
+    def check_new_partition(self, state: TQState, partition_id: str) -> None:
         if partition_id not in state.partitions and len(state.partitions) >= self.max_partitions:
             raise ResourceExhausted(f"this server holds {len(state.partitions)} partitions, its max_partitions; "
                                     "clear one (clear_partition) before creating another")
 
-    def check_new_group(self, state: Any, partition_id: str, fields: Any) -> None:
+    def check_new_group(self, state: TQState, partition_id: str, fields: Collection[str]) -> None:
         """A put of `fields` into a partition at `max_groups` goes into a group of the same fields or not at all."""
         p = state.partitions.get(partition_id)
         if p is None or not fields or len(p.groups) < self.max_groups:
@@ -104,7 +109,7 @@ class TQLimits(NetLimits):
             raise ResourceExhausted(f"partition {partition_id!r} has {len(p.groups)} field groups, this server's "
                                     "max_groups; write fields together with ones written before")
 
-    def check_new_task(self, state: Any, partition_id: str, task: str | None) -> None:
+    def check_new_task(self, state: TQState, partition_id: str, task: str | None) -> None:
         p = state.partitions.get(partition_id)
         if p is not None and task is not None and task not in p.consumed and len(p.consumed) >= self.max_tasks:
             raise ResourceExhausted(f"partition {partition_id!r} has {len(p.consumed)} consuming tasks, this "
@@ -116,7 +121,7 @@ class TQLimits(NetLimits):
                                     f"({self.max_put_rows}); split it")
 
     # ------------------------------------------------------------------ a put's data, message by message
-    def check_put_message(self, data: Any, got: dict[str, int], started: float, now: float) -> None:
+    def check_put_message(self, data: pa.RecordBatch, got: dict[str, int], started: float, now: float) -> None:
         """One record batch of a put (`got`: bytes and rows so far, updated): bounded before the next is read."""
         data.validate()  # buffers as long as the batch's length says: no length field without its bytes
         got["bytes"] += int(data.nbytes)

@@ -16,9 +16,13 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tensordict import TensorDict
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ def merge_extra_info(infos: list[dict[str, Any]], what: str) -> dict[str, Any]:
     return out
 
 
-def extract_field_schema(data: Any) -> dict[str, dict[str, Any]]:
+def extract_field_schema(data: TensorDict) -> dict[str, dict[str, Any]]:
     """The `field_schema` of a TensorDict's fields, as TransferQueue records it on put: a tensor's per-sample dtype
     and shape (a `[B]` tensor counts as `[B, 1]`), nested tensors with their per-sample shapes, anything else
     (`NonTensorStack`, lists) as non-tensor with dtype and shape None."""
@@ -183,7 +187,7 @@ class BatchMeta:
                  "custom_meta", "_custom_backend_meta", "_size", "_field_names", "_is_ready")
 
     def __init__(self, global_indexes: list[int], partition_ids: list[str],
-                 field_schema: dict[str, dict[str, Any]] | None = None, production_status: Any = None,
+                 field_schema: dict[str, dict[str, Any]] | None = None, production_status: npt.ArrayLike | None = None,
                  extra_info: dict[str, Any] | None = None, custom_meta: list[dict[str, Any]] | None = None,
                  _custom_backend_meta: list[dict[str, Any]] | None = None) -> None:
         self.global_indexes = list(global_indexes)
@@ -275,10 +279,10 @@ class BatchMeta:
         return [meta.get("shape")] * self.size
 
     # ------------------------------------------------------------------ extra info (batch level)
-    def get_extra_info(self, key: str, default: Any = None) -> Any:
+    def get_extra_info(self, key: str, default: object = None) -> Any:
         return self.extra_info.get(key, default)
 
-    def set_extra_info(self, key: str, value: Any) -> None:
+    def set_extra_info(self, key: str, value: object) -> None:
         self.extra_info[key] = value
 
     def get_all_extra_info(self) -> dict[str, Any]:
@@ -317,7 +321,7 @@ class BatchMeta:
         self.custom_meta = [{} for _ in range(self.size)]
 
     # ------------------------------------------------------------------ batch operations
-    def add_fields(self, tensor_dict: Any, set_all_ready: bool = True) -> BatchMeta:
+    def add_fields(self, tensor_dict: TensorDict, set_all_ready: bool = True) -> BatchMeta:
         """Add the fields of a TensorDict (batch == size) to this batch's schema, in place; with `set_all_ready`
         every sample becomes produced. Returns self."""
         n = int(tensor_dict.batch_size[0])
@@ -362,7 +366,7 @@ class BatchMeta:
                          self.production_status.copy(), copy.deepcopy(self.extra_info),
                          copy.deepcopy(self.custom_meta), copy.deepcopy(self._custom_backend_meta))
 
-    def __getitem__(self, item: Any) -> BatchMeta:
+    def __getitem__(self, item: int | np.integer | slice) -> BatchMeta:
         if isinstance(item, (int, np.integer)):
             i = int(item) + (self.size if item < 0 else 0)
             if not 0 <= i < self.size:

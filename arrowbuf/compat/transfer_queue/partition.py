@@ -6,6 +6,7 @@ that hold the values (`FieldGroup`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +18,12 @@ from ...schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
 from ...store.facade import ExperienceStore
 from .columns import FieldKind, FieldValues
 
+#: A status reply (`production_status`, `consumption_status`): (the partition's sorted global indexes, per index its
+#: 0/1 per field or 0/1 consumed), a two-element JSON list over the wire; None: unknown partition or field.
+Status = Sequence[list[Any]] | None
 
-def grow(arr: np.ndarray, n: int, fill: Any) -> np.ndarray:
+
+def grow(arr: np.ndarray, n: int, fill: float) -> np.ndarray:
     if len(arr) >= n:
         return arr
     out = np.full(max(n, 2 * len(arr), 16), fill, dtype=arr.dtype)
@@ -154,7 +159,7 @@ class FieldInfo:
                    obj["is_non_tensor"], {int(g): tuple(s) for g, s in obj["shapes"]})
 
 
-def _shape(value: Any) -> tuple[int, ...] | None:
+def _shape(value: Sequence[int] | None) -> tuple[int, ...] | None:
     return None if value is None else tuple(int(d) for d in value)
 
 
@@ -292,7 +297,7 @@ class FieldState:
     "ragged" once its shape changed), and per global index which group and row hold its value (-1: none)."""
 
     kind: FieldKind
-    mode: Any
+    mode: tuple[int, ...] | str  # a shape, or "ragged"
     group: np.ndarray = field(default_factory=lambda: np.full(16, -1, dtype=np.int64))
     seq: np.ndarray = field(default_factory=lambda: np.full(16, -1, dtype=np.int64))
 

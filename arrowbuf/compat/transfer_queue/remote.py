@@ -15,7 +15,8 @@ import pyarrow.flight as flight
 from ...errors import InvalidArgument, SchemaError
 from ...ring.outpool import OutputPool
 from .columns import FieldKind, FieldValues
-from .samplers import sampler_spec
+from .partition import Status
+from .samplers import SamplerArg, sampler_spec
 from .wire import ERROR_RE, ERRORS, VERSION, chunk_rows
 
 
@@ -52,7 +53,7 @@ class RemoteBackend:
 
     # ------------------------------------------------------------------ metadata
     def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int | None, mode: str = "fetch",
-                 task_name: str | None = None, sampler: Any = None,
+                 task_name: str | None = None, sampler: SamplerArg = None,
                  sampling_config: dict[str, Any] | None = None) -> dict[str, Any]:
         spec = sampler_spec(sampler)  # a sampler travels as its class and parameters, never only its name
         return dict(self._act("get_meta", partition_id=partition_id, data_fields=data_fields, batch_size=batch_size,
@@ -71,10 +72,10 @@ class RemoteBackend:
         self._act("set_custom_meta", custom_meta={p: [[int(g), m] for g, m in per.items()]
                                                   for p, per in custom_meta.items()})
 
-    def production_status(self, partition_id: str, data_fields: list[str]) -> Any:
+    def production_status(self, partition_id: str, data_fields: list[str]) -> Status:
         return self._act("production_status", partition_id=partition_id, data_fields=data_fields)
 
-    def consumption_status(self, partition_id: str, task_name: str) -> Any:
+    def consumption_status(self, partition_id: str, task_name: str) -> Status:
         return self._act("consumption_status", partition_id=partition_id, task_name=task_name)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
@@ -119,7 +120,7 @@ class RemoteBackend:
                    "nested": list(nested)}, values)
 
     def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
-               nested: list[str], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
+               nested: list[str], tags: list[dict[str, Any] | None] | None) -> dict[str, Any]:
         try:
             tags_json = json.loads(json.dumps(tags))
         except TypeError as e:

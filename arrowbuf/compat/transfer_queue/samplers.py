@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import logging
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -298,6 +298,16 @@ def get_seqlen_balanced_partitions(seqlen_list: list[int], k_partitions: int, eq
 
 
 # ---------------------------------------------------------------------- names and specs
+class SampleFn(Protocol):
+    """A sampler of another library with TransferQueue's call signature (used in process only)."""
+
+    def sample(self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any) -> Pick: ...
+
+
+#: What `init`, `get_meta` and the streaming dataset take as a sampler: an instance, a class, a name of `SAMPLERS`, a
+#: `sampler_spec` dict, or None (the system's default).
+SamplerArg = BaseSampler | SampleFn | type[BaseSampler] | str | dict[str, Any] | None
+
 SAMPLERS: dict[str, type[BaseSampler]] = {
     "SequentialSampler": SequentialSampler, "RankAwareSampler": RankAwareSampler,
     "GRPOGroupNSampler": GRPOGroupNSampler, "SeqlenBalancedSampler": SeqlenBalancedSampler,
@@ -309,7 +319,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 
-def sampler_spec(sampler: Any) -> dict[str, Any] | None:
+def sampler_spec(sampler: SamplerArg) -> dict[str, Any] | None:
     """A JSON spec (`{"name", "args"}`) of a sampler instance, class or name, with every constructor parameter
     (None stays None: the system's default). Raises ValueError for a sampler that is not one of `SAMPLERS`: it
     cannot be rebuilt in another process."""
@@ -334,7 +344,7 @@ def sampler_spec(sampler: Any) -> dict[str, Any] | None:
     return {"name": cls_name, "args": args}
 
 
-def make_sampler(spec: Any) -> BaseSampler:
+def make_sampler(spec: SamplerArg) -> BaseSampler:
     """A sampler from an instance (kept as is), a class, a name or a `sampler_spec` dict."""
     if isinstance(spec, BaseSampler):
         return spec
@@ -353,5 +363,5 @@ def make_sampler(spec: Any) -> BaseSampler:
                              "[1, 2**20)")
         return SAMPLERS[spec["name"]](**args)
     if callable(getattr(spec, "sample", None)):
-        return spec  # a sampler of another library with the same call signature
+        return cast(BaseSampler, spec)  # a sampler of another library with the same call signature
     raise ValueError(f"Could not find sampler {spec!r}; expected one of {sorted(SAMPLERS)} or a BaseSampler")

@@ -30,7 +30,7 @@ from ...schema.dtypes import is_logical
 from ...serving.limits import CallGate, check_bind, check_bytes, error_code, public_error
 from .columns import FieldKind, FieldValues, ValuesSpec
 from .limits import TQLimits
-from .state import TQState
+from .state import PutPlan, TQState
 from .wire import ACTIONS, ERRORS, MAX_FIELDS, VERSION, arrow_type, chunk_rows
 
 #: The Flight error that carries each status code (the rest travel as FlightServerError).
@@ -44,13 +44,15 @@ _STREAM_SLOT_WAIT = 5.0
 log = logging.getLogger("arrowbuf.compat")
 
 
-def _str(obj: dict[str, Any], name: str, optional: bool = False) -> Any:
+def _str(obj: dict[str, Any], name: str) -> str:
     v = obj.get(name)
-    if v is None and optional:
-        return None
     if not isinstance(v, str) or not v or len(v) > 1024:
         raise InvalidArgument(f"{name} must be a non-empty str of at most 1024 characters")
     return v
+
+
+def _opt_str(obj: dict[str, Any], name: str) -> str | None:
+    return None if obj.get(name) is None else _str(obj, name)
 
 
 def _ids(obj: dict[str, Any], name: str, limits: TQLimits) -> np.ndarray:
@@ -61,26 +63,26 @@ def _ids(obj: dict[str, Any], name: str, limits: TQLimits) -> np.ndarray:
     return np.asarray(v, dtype=np.int64)
 
 
-def _strs(obj: dict[str, Any], name: str, limits: TQLimits, optional: bool = False) -> Any:
+def _strs(obj: dict[str, Any], name: str, limits: TQLimits) -> list[str]:
     v = obj.get(name)
-    if v is None and optional:
-        return None
     if (not isinstance(v, list) or len(v) > limits.max_ids
             or not all(isinstance(s, str) and 0 < len(s) <= 1024 for s in v)):
         raise InvalidArgument(f"{name} must be a list of at most {limits.max_ids} non-empty str")
     return v
 
 
-def _json_dict(obj: dict[str, Any], name: str, optional: bool = True) -> Any:
+def _json_dict(obj: dict[str, Any], name: str) -> dict[str, Any]:
     v = obj.get(name)
-    if v is None and optional:
-        return None
     if not isinstance(v, dict):
         raise InvalidArgument(f"{name} must be a JSON object")
     return v
 
 
-def _tags(obj: dict[str, Any], limits: TQLimits) -> Any:
+def _opt_json_dict(obj: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return None if obj.get(name) is None else _json_dict(obj, name)
+
+
+def _tags(obj: dict[str, Any], limits: TQLimits) -> list[dict[str, Any] | None] | None:
     v = obj.get("tags")
     if v is None:
         return None
@@ -123,7 +125,7 @@ class _AuthFactory(flight.ServerMiddlewareFactory):
         super().__init__()
         self._expected = f"Bearer {token}".encode()
 
-    def start_call(self, info: Any, headers: dict[str, list[str]]) -> Any:
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> flight.ServerMiddleware | None:
         got = (headers.get("authorization") or [""])[0]
         raw = got if isinstance(got, bytes) else str(got).encode()
         if not hmac.compare_digest(raw, self._expected):
@@ -161,7 +163,7 @@ class TQServer(flight.FlightServerBase):
     """
 
     def __init__(self, state: TQState, location: str = "grpc://127.0.0.1:0", token: str | None = None, *,
-                 limits: TQLimits | None = None, allow_unauthenticated: bool = False, **overrides: Any) -> None:
+                 limits: TQLimits | None = None, allow_unauthenticated: bool = False, **overrides: float) -> None:
         if limits is not None and not isinstance(limits, TQLimits):
             raise InvalidArgument(f"limits must be a TQLimits, got {type(limits).__name__}")
         self.limits: TQLimits = (limits or TQLimits()).with_overrides(**overrides)
@@ -201,7 +203,7 @@ class TQServer(flight.FlightServerBase):
 
     # ------------------------------------------------------------------ calls
     @contextlib.contextmanager
-    def _call(self, context: Any, stream: bool = False) -> Iterator[None]:
+    def _call(self, context: flight.ServerCallContext, stream: bool = False) -> Iterator[None]:
         """A call's slot (and a put's stream slot); every error leaves as `_fail` says."""
         try:
             with contextlib.ExitStack() as slots:
@@ -215,7 +217,7 @@ class TQServer(flight.FlightServerBase):
             raise _fail(e) from None
 
     @contextlib.contextmanager
-    def _stream_slot(self, context: Any) -> Iterator[None]:
+    def _stream_slot(self, context: flight.ServerCallContext) -> Iterator[None]:
         """A put's slot; when every one is taken, the connections of puts idle for `idle_timeout` are cut first."""
         try:
             self.calls.acquire("stream")
@@ -233,7 +235,7 @@ class TQServer(flight.FlightServerBase):
         finally:
             self.calls.release("stream")
 
-    def do_action(self, context: Any, action: Any) -> Any:
+    def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> list[flight.Result]:
         with self._call(context):
             kind = action.type
             if not isinstance(kind, str) or not kind.startswith(VERSION + ".") or kind[len(VERSION) + 1:] not in (
@@ -247,16 +249,16 @@ class TQServer(flight.FlightServerBase):
             self.limits.check_reply(len(raw), kind[:80])
         return [flight.Result(raw)]
 
-    def _act(self, op: str, b: dict[str, Any]) -> Any:
+    def _act(self, op: str, b: dict[str, Any]) -> object:
         s, lim = self.state, self.limits
         if op == "limits":
             return lim.describe()
         if op == "list_partitions":
             return s.list_partitions()
         if op == "kv_list":
-            return s.kv_list(_str(b, "partition_id", optional=True))
+            return s.kv_list(_opt_str(b, "partition_id"))
         if op == "set_custom_meta":
-            per = _json_dict(b, "custom_meta", optional=False)
+            per = _json_dict(b, "custom_meta")
             out: dict[str, dict[int, dict[str, Any]]] = {}
             for pid, pairs in per.items():
                 if not isinstance(pairs, list) or len(pairs) > lim.max_ids or not all(
@@ -268,13 +270,14 @@ class TQServer(flight.FlightServerBase):
             return None
         if op == "clear_samples":
             gidx = _ids(b, "gidx", lim)
-            return s.clear_samples(_strs(b, "partition_ids", lim), gidx.tolist())
+            s.clear_samples(_strs(b, "partition_ids", lim), gidx.tolist())
+            return None
         pid = _str(b, "partition_id")
         if op == "get_meta":
             n = b.get("batch_size")
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= lim.max_ids):
                 raise InvalidArgument(f"batch_size must be an int in [0, {lim.max_ids}]")
-            task = _str(b, "task_name", optional=True)
+            task = _opt_str(b, "task_name")
             lim.check_task(task)
             mode = b.get("mode", "fetch")
             with s.lock:
@@ -283,7 +286,7 @@ class TQServer(flight.FlightServerBase):
                     lim.check_put_rows(n or 0)
                 lim.check_new_task(s, pid, task)
             return s.get_meta(pid, _strs(b, "data_fields", lim), n, mode, task, b.get("sampler"),
-                              _json_dict(b, "sampling_config"))
+                              _opt_json_dict(b, "sampling_config"))
         if op == "kv_retrieve_meta":
             keys = _strs(b, "keys", lim)
             if len(set(keys)) != len(keys):  # the reply repeats each key's custom metadata: a key once per request
@@ -305,18 +308,20 @@ class TQServer(flight.FlightServerBase):
             lim.check_task(task)
             return s.consumption_status(pid, task)
         if op == "reset_consumption":
-            task = _str(b, "task_name", optional=True)
+            task = _opt_str(b, "task_name")
             lim.check_task(task)
             return s.reset_consumption(pid, task)
         if op == "clear_partition":
-            return s.clear_partition(pid)
+            s.clear_partition(pid)
+            return None
         if op == "snapshot":
             return s.snapshot(pid)
         if op == "field_kinds":
             return s.field_kinds(pid)
         raise InvalidArgument(f"unknown action {VERSION}.{op[:80]}")
 
-    def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+    def do_put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
+               reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter) -> None:
         with self._call(context, stream=True):
             lim = self.limits
             raw = descriptor.command
@@ -332,7 +337,7 @@ class TQServer(flight.FlightServerBase):
             lim.check_put_rows(rows)
             kinds = _kinds(b)
             shapes = _shapes(b, kinds, rows)
-            nested = _strs(b, "nested", lim, optional=True) or []
+            nested = (_strs(b, "nested", lim) if b.get("nested") is not None else [])
             got = reader.schema
             for f, k in kinds.items():
                 if f not in got.names:
@@ -392,7 +397,7 @@ class TQServer(flight.FlightServerBase):
 
     def _plan(self, op: str, pid: str, values: dict[str, FieldValues], kinds: dict[str, FieldKind],
               shapes: dict[str, list[tuple[int, ...]]], nested: list[str], rows: int, gidx: list[int],
-              keys: list[str] | None, tags: Any) -> Any:
+              keys: list[str] | None, tags: list[dict[str, Any] | None] | None) -> PutPlan:
         """The state's plan of a put whose first message gave `values` (the whole put's specs: `rows` samples, the
         shapes the command sent)."""
         dense = {f: v.dense for f, v in values.items()}
@@ -405,7 +410,7 @@ class TQServer(flight.FlightServerBase):
                 return self.state.plan_put(pid, specs, nested, rows, gidx=gidx)
             return self.state.plan_put(pid, specs, nested, rows, keys=keys, tags=tags)
 
-    def do_get(self, context: Any, ticket: Any) -> Any:
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
         with self._call(context):
             lim = self.limits
             b = lim.loads(ticket.ticket, "get")
@@ -427,17 +432,19 @@ class TQServer(flight.FlightServerBase):
         return flight.RecordBatchStream(table.replace_schema_metadata(meta))
 
     # the verbs tq.v2 does not speak: a clean refusal, never a traceback
-    def list_flights(self, context: Any, criteria: Any) -> Any:
+    def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
         with self._call(context):
             raise InvalidArgument(f"this server speaks {VERSION} (DoAction, DoPut, DoGet); it lists no flights")
 
-    def get_flight_info(self, context: Any, descriptor: Any) -> Any:
+    def get_flight_info(self, context: flight.ServerCallContext,
+                        descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
         with self._call(context):
             raise InvalidArgument(f"this server speaks {VERSION} (DoAction, DoPut, DoGet); it has no flight info")
 
-    def do_exchange(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+    def do_exchange(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
+                    reader: flight.MetadataRecordBatchReader, writer: flight.MetadataRecordBatchWriter) -> None:
         with self._call(context):
             raise InvalidArgument(f"this server speaks {VERSION} (DoAction, DoPut, DoGet); no DoExchange")
 
-    def list_actions(self, context: Any) -> Any:
+    def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
         return [(f"{VERSION}.{op}", "") for op in (*ACTIONS, "limits")]

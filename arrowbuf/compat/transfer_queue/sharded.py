@@ -31,9 +31,12 @@ import zlib
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ...errors import InvalidArgument, SchemaError
 from .columns import FieldValues
+from .partition import Status
+from .samplers import SamplerArg
 from .state import GetMetaTimeout, StorageKeyNotFoundError
 
 SHARD_SHIFT = 40
@@ -41,12 +44,12 @@ MAX_SHARDS = 1 << 12
 _LOCAL_MASK = (1 << SHARD_SHIFT) - 1
 
 
-def encode(shard: int, local: Any) -> np.ndarray:
+def encode(shard: int, local: npt.ArrayLike) -> np.ndarray:
     """Global indexes of shard-local ones: `shard << 40 | local`."""
     return (np.int64(shard) << SHARD_SHIFT) | np.asarray(local, dtype=np.int64)
 
 
-def decode(gidx: Any) -> tuple[np.ndarray, np.ndarray]:
+def decode(gidx: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """(shard, local index) of global indexes."""
     g = np.asarray(gidx, dtype=np.int64)
     return g >> SHARD_SHIFT, g & _LOCAL_MASK
@@ -109,7 +112,7 @@ class ShardedBackend:
         self.wait = wait
         self._next = 0  # the shard of this client's next insert
 
-    def _by_shard(self, gidx: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def _by_shard(self, gidx: npt.ArrayLike) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """{shard: (positions in gidx, local indexes)}; refuses indexes of shards that do not exist."""
         shard, local = decode(gidx)
         bad = (shard < 0) | (shard >= self.n)
@@ -123,7 +126,7 @@ class ShardedBackend:
 
     # ------------------------------------------------------------------ metadata
     def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int | None, mode: str = "fetch",
-                 task_name: str | None = None, sampler: Any = None,
+                 task_name: str | None = None, sampler: SamplerArg = None,
                  sampling_config: dict[str, Any] | None = None) -> dict[str, Any]:
         if mode == "insert":
             k = self._next
@@ -212,7 +215,7 @@ class ShardedBackend:
             self.backends[k].put(partition_id, local.tolist(), {f: v.take(pos) for f, v in values.items()}, nested)
 
     def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
-               nested: list[str], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
+               nested: list[str], tags: list[dict[str, Any] | None] | None) -> dict[str, Any]:
         if len(set(keys)) != len(keys):
             raise ValueError("Got duplicated keys.")
         if self.n > 1 and values:
@@ -239,7 +242,7 @@ class ShardedBackend:
         return {f: FieldValues.join(p, len(gidx)) for f, p in pieces.items()}
 
     # ------------------------------------------------------------------ status
-    def _status(self, call: str, partition_id: str, arg: Any) -> Any:
+    def _status(self, call: str, partition_id: str, arg: list[str] | str) -> Status:
         idx: list[np.ndarray] = []
         st: list[np.ndarray] = []
         for k, b in enumerate(self.backends):
@@ -253,10 +256,10 @@ class ShardedBackend:
         order = np.argsort(all_idx, kind="stable")
         return all_idx[order].tolist(), np.concatenate(st)[order].tolist()
 
-    def production_status(self, partition_id: str, data_fields: list[str]) -> Any:
+    def production_status(self, partition_id: str, data_fields: list[str]) -> Status:
         return self._status("production_status", partition_id, data_fields)
 
-    def consumption_status(self, partition_id: str, task_name: str) -> Any:
+    def consumption_status(self, partition_id: str, task_name: str) -> Status:
         return self._status("consumption_status", partition_id, task_name)
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:

@@ -36,8 +36,8 @@ from ...errors import ArrowbufError, InvalidArgument, SchemaError
 from ...store.facade import ExperienceStore
 from .checkpoint import read, write
 from .columns import FieldKind, FieldValues, ValuesSpec, schema_entry
-from .partition import FieldGroup, FieldInfo, FieldState, IndexManager, Partition, PartitionView, grow
-from .samplers import BaseSampler, SequentialSampler, make_sampler, sampler_spec
+from .partition import FieldGroup, FieldInfo, FieldState, IndexManager, Partition, PartitionView, Status, grow
+from .samplers import BaseSampler, SamplerArg, SequentialSampler, make_sampler, sampler_spec
 
 MODES = ("insert", "fetch", "force_fetch")
 
@@ -67,7 +67,7 @@ class PutPlan:
     n: int
     gidx: list[int] | None
     keys: list[str] | None
-    tags: list[dict[str, Any]] | None
+    tags: list[dict[str, Any] | None] | None
     new_partition: bool
     created_group: bool
     started: float
@@ -76,7 +76,7 @@ class PutPlan:
 class TQState:
     """Every partition of one TransferQueue-compatible system, behind one lock (see the module docstring)."""
 
-    def __init__(self, capacity: int = 65_536, sampler: Any = None, polling_mode: bool = False,
+    def __init__(self, capacity: int = 65_536, sampler: SamplerArg = None, polling_mode: bool = False,
                  wait: float = 5.0) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
@@ -94,7 +94,7 @@ class TQState:
         self.plan_ttl = 600.0   # seconds a plan stays open (a writer that died between plan and commit)
 
     # ------------------------------------------------------------------ partitions
-    def _partition(self, partition_id: Any, create: bool = False) -> Partition | None:
+    def _partition(self, partition_id: object, create: bool = False) -> Partition | None:
         if not isinstance(partition_id, str) or not partition_id:
             raise InvalidArgument(f"partition_id must be a non-empty str, got {partition_id!r}")
         p = self.partitions.get(partition_id)
@@ -125,7 +125,7 @@ class TQState:
         return {"global_indexes": list(gidx), "partition_id": p.partition_id, "field_schema": schema,
                 "production_status": status.tolist(), "custom_meta": [p.custom_meta.get(g, {}) for g in gidx]}
 
-    def _sampler(self, spec: Any) -> BaseSampler:
+    def _sampler(self, spec: SamplerArg) -> BaseSampler:
         if spec is None:
             return self.sampler
         if isinstance(spec, BaseSampler):
@@ -136,7 +136,7 @@ class TQState:
         return self._samplers[key]
 
     def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int | None, mode: str = "fetch",
-                 task_name: str | None = None, sampler: Any = None,
+                 task_name: str | None = None, sampler: SamplerArg = None,
                  sampling_config: dict[str, Any] | None = None) -> dict[str, Any]:
         """TransferQueue's `get_metadata`: `insert` allocates `batch_size` new samples; `fetch` waits (without
         `polling_mode`) for `batch_size` samples with every field of `data_fields` produced and not consumed by
@@ -219,7 +219,7 @@ class TQState:
             return self._meta(p, found, fields, "force_fetch")
 
     def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
-               nested: list[str], tags: list[dict[str, Any]] | None) -> dict[str, Any]:
+               nested: list[str], tags: list[dict[str, Any] | None] | None) -> dict[str, Any]:
         """TransferQueue's KV put (retrieve-or-create the keys, put the values, merge the tags) as one atomic step:
         refused input changes nothing, not even the keys. Returns {"fields": the fields every key has afterwards
         as TransferQueue's returned BatchMeta lists them, "tags": the keys' merged tags}."""
@@ -295,7 +295,7 @@ class TQState:
     # written for a plan never committed are dead rows, overwritten in place).
     def plan_put(self, partition_id: str, specs: dict[str, ValuesSpec], nested: list[str] | tuple[str, ...],
                  n: int, gidx: list[int] | None = None, keys: list[str] | None = None,
-                 tags: list[dict[str, Any]] | None = None) -> PutPlan:
+                 tags: list[dict[str, Any] | None] | None = None) -> PutPlan:
         """A put of `n` samples with values described by `specs`, for samples `gidx` or (a KV put) `keys` with
         `tags`, checked whole (nothing is written or registered if it raises)."""
         if keys is not None:
@@ -502,7 +502,7 @@ class TQState:
             return out
 
     # ------------------------------------------------------------------ status
-    def production_status(self, partition_id: str, data_fields: list[str]) -> Any:
+    def production_status(self, partition_id: str, data_fields: list[str]) -> Status:
         """(sorted global indexes, [n, fields] 0/1, the fields in the partition's registration order) of the
         partition, or None (unknown partition or field, no fields)."""
         with self.lock:
@@ -513,7 +513,7 @@ class TQState:
             columns = [f for f in p.field_order if f in data_fields]  # TransferQueue's order: the partition's
             return idx.tolist(), p.produced(columns, idx).tolist()
 
-    def consumption_status(self, partition_id: str, task_name: str) -> Any:
+    def consumption_status(self, partition_id: str, task_name: str) -> Status:
         """(sorted global indexes, 0/1 consumed by `task_name`), or None for an unknown partition."""
         with self.lock:
             p = self._partition(partition_id)

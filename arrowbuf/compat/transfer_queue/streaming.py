@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING, Any
 
 from . import api
-from .client import TransferQueueClient, conf_get
+from .client import ConfNode, TransferQueueClient, conf_get
 from .columns import tensordict_module, torch_module
 from .meta import BatchMeta
+from .samplers import SamplerArg
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tensordict import TensorDict
 
 
-def _dataset_base() -> Any:
+def _dataset_base() -> type:
     return torch_module().utils.data.IterableDataset
 
 
@@ -28,10 +33,10 @@ class StreamingDataset(_dataset_base()):  # type: ignore[misc]
     `max_wait` seconds pass without any (None: forever, as TransferQueue's). `sampler` (an arrowbuf extension)
     overrides the system's sampler for this stream."""
 
-    def __init__(self, config: Any, batch_size: int, micro_batch_size: int, data_fields: list[str],
+    def __init__(self, config: ConfNode | None, batch_size: int, micro_batch_size: int, data_fields: list[str],
                  partition_id: str, task_name: str, dp_rank: int, should_check_consumption_status: bool = False,
                  fetch_batch_fn: Callable[..., Any] | None = None, process_batch_fn: Callable[..., Any] | None = None,
-                 sampler: Any = None, poll_interval: float = 1.0, max_wait: float | None = None) -> None:
+                 sampler: SamplerArg = None, poll_interval: float = 1.0, max_wait: float | None = None) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if len(data_fields) < 1:
@@ -91,7 +96,7 @@ class StreamingDataset(_dataset_base()):  # type: ignore[misc]
 
 def default_fetch_batch_fn(tq_client: TransferQueueClient, data_fields: list[str], batch_size: int,
                            partition_id: str, task_name: str, sampling_config: dict[str, Any], batch_index: int,
-                           sampler: Any = None) -> tuple[Any, BatchMeta]:
+                           sampler: SamplerArg = None) -> tuple[Any, BatchMeta]:
     """`get_meta` (sampling_config plus batch_index and partition_id) then `get_data`; (None, the empty meta) when
     nothing is ready."""
     config = {**sampling_config, "batch_index": batch_index, "partition_id": partition_id}
@@ -102,7 +107,7 @@ def default_fetch_batch_fn(tq_client: TransferQueueClient, data_fields: list[str
     return tq_client.get_data(meta), meta
 
 
-def chunk_batch_fn(td: Any, batch_meta: BatchMeta, micro_batch_size: int = 1) -> list[tuple[Any, BatchMeta]]:
+def chunk_batch_fn(td: TensorDict, batch_meta: BatchMeta, micro_batch_size: int = 1) -> list[tuple[Any, BatchMeta]]:
     """A TensorDict and its BatchMeta in micro-batches of `micro_batch_size` samples (the last may be smaller);
     nested tensor fields keep their layout."""
     tdm = tensordict_module()
@@ -139,8 +144,9 @@ def chunk_batch_fn(td: Any, batch_meta: BatchMeta, micro_batch_size: int = 1) ->
 class StreamingDataLoader(torch_module().utils.data.DataLoader):  # type: ignore[misc]
     """A `torch.utils.data.DataLoader` over a `StreamingDataset` that passes `(batch, BatchMeta)` through."""
 
-    def __init__(self, dataset: StreamingDataset, num_workers: int = 0, collate_fn: Any = None,
-                 pin_memory: bool = False, worker_init_fn: Any = None, multiprocessing_context: Any = None,
+    def __init__(self, dataset: StreamingDataset, num_workers: int = 0, collate_fn: Callable[[Any], Any] | None = None,
+                 pin_memory: bool = False, worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: str | BaseContext | None = None,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "") -> None:
         self.dataset_ = dataset
