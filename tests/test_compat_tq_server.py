@@ -355,3 +355,42 @@ def test_key_lookups_name_each_sample_once(served):
     assert backend.kv_retrieve_keys("p", [0]) == ["k" * 1024]
     assert backend.kv_retrieve_meta("p", ["k" * 1024])["custom_meta"] == [{"a": 1}]
     backend.close_client()
+
+
+def test_a_put_in_flight_keeps_its_rows_when_another_put_needs_its_group_to_grow():
+    """A Flight put's rows are written after its plan, with the state lock released (the streamed put): a second
+    put that needs the field group to grow meanwhile goes into a new group instead of copying the store under the
+    first one's writer; both read back whole."""
+    from arrowbuf.compat.transfer_queue import partition
+
+    state = TQState(capacity=1024)
+    n0 = partition.INITIAL_ROWS
+    first = state.get_meta("p", ["x"], n0, "insert")["global_indexes"]
+    state.put("p", first, {"x": FieldValues(F32, n0, dense=np.arange(n0, dtype=np.float32))})
+    a_idx = state.get_meta("p", ["x"], 8, "insert")["global_indexes"]
+    b_idx = state.get_meta("p", ["x"], 16, "insert")["global_indexes"]
+    a_vals = FieldValues(F32, 8, dense=np.full(8, 100.0, dtype=np.float32))
+    b_vals = FieldValues(F32, 16, dense=np.full(16, 200.0, dtype=np.float32))
+    a = state.plan_put("p", {"x": a_vals.spec()}, [], 8, gidx=a_idx)  # the group grows for it now (16 -> 32 rows)
+    b = state.plan_put("p", {"x": b_vals.spec()}, [], 16, gidx=b_idx)  # 40 rows > 32, a's in flight: a new group
+    assert b.group != a.group and b.created_group
+    state.commit_put(b, state.write_plan(b, {"x": b_vals}))
+    state.commit_put(a, state.write_plan(a, {"x": a_vals}))
+    got = state.read("p", first + a_idx + b_idx, ["x"])["x"].dense
+    assert got.tolist() == list(range(n0)) + [100.0] * 8 + [200.0] * 16
+    state.close()
+
+
+def test_a_put_and_a_read_of_many_messages_round_trip(served):
+    """Puts and read replies over `wire.CHUNK_BYTES` travel as several record batches (written, and copied on the
+    client, one at a time): the values come back whole and in order."""
+    from arrowbuf.compat.transfer_queue.wire import CHUNK_BYTES
+
+    state, server, _ = served
+    backend = RemoteBackend(server.location)
+    rows = 40
+    dense = np.random.default_rng(0).random((rows, CHUNK_BYTES // 4 // 8), dtype=np.float32)  # 2.5 chunks
+    gidx = _insert(backend, "big", dense)
+    got = backend.read("big", gidx, ["x"])["x"].dense
+    np.testing.assert_array_equal(got, dense)
+    assert len(state.partitions["big"].stores) == 1
