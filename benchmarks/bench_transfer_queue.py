@@ -11,7 +11,7 @@ inside the host):
   transferqueue   `import transfer_queue as tq` is TransferQueue 0.1.11 (SimpleStorage, 2 storage units)
   arrowbuf        the same script with the name `transfer_queue` bound to `arrowbuf.compat.transfer_queue` (in the
                   driver and, by a Ray worker setup hook, in every worker): the import is the only change. The
-                  system lives in one Ray actor serving it over Arrow Flight (arrowbuf.compat.tq_ray)
+                  system lives in one Ray actor serving it over Arrow Flight (arrowbuf.compat.transfer_queue.ray)
 
 and, as the ceiling measured in the same run, one numpy copy of the same bytes in one process (`memcpy`).
 

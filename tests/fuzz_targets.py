@@ -66,10 +66,10 @@ def flight_target() -> None:
 
 
 def tq_target() -> None:
-    from arrowbuf.compat.tq_flight import TQServer
-    from arrowbuf.compat.tq_state import TQState
+    from arrowbuf.compat.transfer_queue.server import TQServer
+    from arrowbuf.compat.transfer_queue.state import TQState
 
-    state = TQState(capacity=512)
+    state = TQState(capacity=512, polling_mode=True)
     with TQServer(state, max_partitions=16, max_tasks=8, max_groups=8, max_upload_bytes=1 << 20,
                   max_reply_bytes=1 << 20) as server:
         announce(location=server.location)

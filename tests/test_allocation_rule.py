@@ -123,16 +123,16 @@ def test_an_inspector_request_allocates_a_bounded_multiple_of_its_bytes_plus_its
 
 
 def test_a_tq_request_of_junk_allocates_a_bounded_multiple_of_its_bytes():
-    from arrowbuf.compat.tq_flight import TQServer
-    from arrowbuf.compat.tq_state import TQState
+    from arrowbuf.compat.transfer_queue.server import TQServer
+    from arrowbuf.compat.transfer_queue.state import TQState
 
-    rule = SERVERS["tq.v1"].allocation
-    state = TQState(capacity=64)
+    rule = SERVERS["tq.v2"].allocation
+    state = TQState(capacity=64, polling_mode=True)
     with TQServer(state) as server:
         client = flight.FlightClient(server.location)
         for raw in (b'{"partition_id": "p", "gidx": [' + b"0, " * 100_000 + b"0]}", b"[" * 500_000,
                     b'{"partition_id": "' + b"p" * 500_000 + b'"}'):
-            for call in (lambda raw=raw: list(client.do_action(flight.Action("tq.v1.tags_of", raw), CALL)),
+            for call in (lambda raw=raw: list(client.do_action(flight.Action("tq.v2.kv_retrieve_keys", raw), CALL)),
                          lambda raw=raw: client.do_get(flight.Ticket(raw), CALL).read_all()):
                 used, _ = allocated(_refused(call))
                 assert used <= rule.bound(len(raw)), (used, len(raw))

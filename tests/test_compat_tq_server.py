@@ -1,8 +1,9 @@
-"""The tq.v1 server (`arrowbuf.compat.tq_flight.TQServer`) under hostile clients: every request is bounded before
-bulk data is read, allocation follows the bytes a client sent (docs/security.md, "What a request may make a server
-allocate"), and errors carry a code, never a traceback or a server path. Real servers on 127.0.0.1:0.
+"""The tq.v2 server (`arrowbuf.compat.transfer_queue.server.TQServer`) under hostile clients: every request is
+bounded before bulk data is read, allocation follows the bytes a client sent (docs/security.md, "What a request may
+make a server allocate"), and errors carry a code, never a traceback or a server path. Real servers on 127.0.0.1:0.
 
-Each test here failed on the server before issue 42 (the finding it checks is in its docstring)."""
+Each test here failed on the server before issue 42 (the finding it checks is in its docstring; the protocol was
+tq.v1 then, the same rules hold for tq.v2)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,25 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from arrowbuf.compat.tq_columns import FieldKind
-from arrowbuf.compat.tq_flight import RemoteBackend, TQServer, arrow_type
-from arrowbuf.compat.tq_limits import TQLimits
-from arrowbuf.compat.tq_state import TQState
+from arrowbuf.compat.transfer_queue.columns import FieldKind, FieldValues
+from arrowbuf.compat.transfer_queue.limits import TQLimits
+from arrowbuf.compat.transfer_queue.remote import RemoteBackend
+from arrowbuf.compat.transfer_queue.server import TQServer
+from arrowbuf.compat.transfer_queue.state import StorageKeyNotFoundError, TQState
+from arrowbuf.compat.transfer_queue.wire import arrow_type
 from arrowbuf.errors import InvalidArgument
 from arrowbuf.serving.limits import SERVERS, InsecureServerWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL = flight.FlightCallOptions(timeout=60)
-F32 = FieldKind("dense", "float32")
+F32 = FieldKind("tensor", "float32")
+
+
+def _insert(backend: Any, pid: str, dense: np.ndarray, field: str = "x") -> list[int]:
+    """New samples of `pid` with `dense` as `field` (TransferQueue's put without metadata: insert, then put)."""
+    gidx = backend.get_meta(pid, [field], len(dense), "insert")["global_indexes"]
+    backend.put(pid, gidx, {field: FieldValues(FieldKind("tensor", dense.dtype.name), len(dense), dense=dense)}, [])
+    return gidx
 
 
 @pytest.fixture
@@ -43,13 +53,13 @@ def served():
         state.close()
 
 
-def _put_command(pid: str, kinds: dict[str, FieldKind], **extra: Any) -> bytes:
-    return json.dumps({"op": "put_indexes", "partition_id": pid, "gidx": None, "tags": None,
+def _put_command(pid: str, kinds: dict[str, FieldKind], rows: int = 0, **extra: Any) -> bytes:
+    return json.dumps({"op": "put", "partition_id": pid, "gidx": list(range(rows)), "nested": [],
                        "kinds": {f: k.to_json() for f, k in kinds.items()}, **extra}).encode()
 
 
 def _refusal(exc: BaseException) -> dict[str, Any]:
-    """The status detail of a tq.v1 error (and: no traceback, no server path in anything the client sees)."""
+    """The status detail of a tq.v2 error (and: no traceback, no server path in anything the client sees)."""
     text = str(exc)
     assert "Traceback" not in text and str(ROOT) not in text and "File \"" not in text, text[:600]
     assert isinstance(exc, flight.FlightError), text[:300]
@@ -67,16 +77,14 @@ def test_a_read_naming_one_sample_many_times_is_refused_not_amplified(served):
     """Finding: a 945-byte read ticket repeating one id 300 times got a 300x reply."""
     state, server, client = served
     backend = RemoteBackend(server.location)
-    kind = FieldKind("dense", "float32", (256,))
-    col = pa.FixedShapeTensorArray.from_numpy_ndarray(np.ones((1, 256), np.float32))
-    backend.put_indexes("p", None, 1, {"x": kind}, {"x": col})
-    ticket = json.dumps({"op": "read", "partition_id": "p", "gidx": [0] * 300, "fields": None}).encode()
+    _insert(backend, "p", np.ones((1, 256), np.float32))
+    ticket = json.dumps({"op": "read", "partition_id": "p", "gidx": [0] * 300, "fields": ["x"]}).encode()
     with pytest.raises(flight.FlightError) as err:
         client.do_get(flight.Ticket(ticket), CALL).read_all()
     detail = _refusal(err.value)
     assert detail["code"] == "INVALID_ARGUMENT" and "more than once" in detail["message"]
-    ok = client.do_get(flight.Ticket(json.dumps({"op": "read", "partition_id": "p", "gidx": [0]}).encode()),
-                       CALL).read_all()
+    ok = client.do_get(flight.Ticket(json.dumps({"op": "read", "partition_id": "p", "gidx": [0],
+                                                 "fields": ["x"]}).encode()), CALL).read_all()
     assert ok.num_rows == 1  # each sample once is served
     backend.close_client()
 
@@ -100,12 +108,13 @@ def test_a_sample_of_zero_bytes_is_refused(served):
     """Same finding, with a column: a field of shape [0] carries no bytes per sample, so its rows are free to
     send; the server refuses it rather than keep bookkeeping for millions of samples."""
     state, server, client = served
-    kind = FieldKind("dense", "float32", (0,))
+    kind = F32
+    typ = arrow_type(kind, False, (0,))
     storage = pa.array([[]] * 50_000, pa.list_(pa.float32(), 0))
-    table = pa.table({"x": pa.ExtensionArray.from_storage(arrow_type(kind), storage)})
+    table = pa.table({"x": pa.ExtensionArray.from_storage(typ, storage)})
     with pytest.raises(flight.FlightError) as err:
-        writer, reader = client.do_put(flight.FlightDescriptor.for_command(_put_command("z", {"x": kind})),
-                                       pa.schema([pa.field("x", arrow_type(kind))]), CALL)
+        writer, reader = client.do_put(flight.FlightDescriptor.for_command(_put_command("z", {"x": kind}, 50_000)),
+                                       pa.schema([pa.field("x", typ)]), CALL)
         with writer:
             writer.write_table(table)
             writer.done_writing()
@@ -130,14 +139,16 @@ def _traced(fn: Any) -> int:
 def test_a_one_float_put_into_a_new_partition_allocates_a_bounded_multiple_of_its_bytes(served):
     """Finding: each new partition was a new store of 65,536 rows (120 one-float puts: +256 MiB of RSS)."""
     state, server, client = served
-    rule = SERVERS["tq.v1"].allocation
+    rule = SERVERS["tq.v2"].allocation
     backend = RemoteBackend(server.location)
-    one = {"x": pa.array(np.ones(1, np.float32))}
-    backend.put_indexes("warm", None, 1, {"x": F32}, dict(one))  # the server's first call: its own set-up
-    table = pa.table(one)
+    one = np.ones(1, np.float32)
+    _insert(backend, "warm", one)  # the server's first calls: its own set-up
+    table = pa.table({"x": pa.array(one)})
     for k in range(3):
-        used = _traced(lambda k=k: backend.put_indexes(f"new-{k}", None, 1, {"x": F32}, dict(one)))
-        sent = _wire_bytes(_put_command(f"new-{k}", {"x": F32}), table)
+        used = _traced(lambda k=k: _insert(backend, f"new-{k}", one))
+        insert = json.dumps({"partition_id": f"new-{k}", "data_fields": ["x"], "batch_size": 1,
+                             "mode": "insert", "task_name": None, "sampler": None, "sampling_config": {}})
+        sent = len(insert) + _wire_bytes(_put_command(f"new-{k}", {"x": F32}, 1), table)
         assert used <= rule.bound(sent, rows=1), (used, sent, rule)
     backend.close_client()
 
@@ -146,11 +157,11 @@ def test_task_names_are_bounded_in_length_and_number(served):
     """Finding: any task name (up to 1,024 characters, as many as a client likes) allocated a per-task array."""
     state, server, client = served
     backend = RemoteBackend(server.location)
-    backend.put_indexes("p", None, 4, {"x": F32}, {"x": pa.array(np.ones(4, np.float32))})
+    _insert(backend, "p", np.ones(4, np.float32))
 
     def get_meta(task: str) -> None:
         body = {"partition_id": "p", "data_fields": ["x"], "batch_size": 1, "mode": "fetch", "task_name": task}
-        list(client.do_action(flight.Action("tq.v1.get_meta", json.dumps(body).encode()), CALL))
+        list(client.do_action(flight.Action("tq.v2.get_meta", json.dumps(body).encode()), CALL))
 
     with pytest.raises(flight.FlightError) as err:
         get_meta("t" * (server.limits.max_task_chars + 1))
@@ -162,7 +173,7 @@ def test_task_names_are_bounded_in_length_and_number(served):
     assert _refusal(err.value)["code"] == "RESOURCE_EXHAUSTED"
     # asking for the status of a task that does not exist creates nothing
     body = {"partition_id": "p", "task_name": "never-consumed"}
-    list(client.do_action(flight.Action("tq.v1.consumption_status", json.dumps(body).encode()), CALL))
+    list(client.do_action(flight.Action("tq.v2.consumption_status", json.dumps(body).encode()), CALL))
     get_meta("task-0")  # an existing task still consumes
     backend.close_client()
 
@@ -173,23 +184,27 @@ def test_partitions_are_capped():
     with TQServer(state, max_partitions=3) as server:
         backend = RemoteBackend(server.location)
         for k in range(3):
-            backend.put_indexes(f"p{k}", None, 1, {"x": F32}, {"x": pa.array(np.ones(1, np.float32))})
+            _insert(backend, f"p{k}", np.ones(1, np.float32))
         with pytest.raises(Exception, match="max_partitions"):
-            backend.put_indexes("p3", None, 1, {"x": F32}, {"x": pa.array(np.ones(1, np.float32))})
+            _insert(backend, "p3", np.ones(1, np.float32))
+        with pytest.raises(Exception, match="max_partitions"):
+            backend.kv_put("p4", ["k"], {}, [], [{"a": 1}])
         assert sorted(state.partitions) == ["p0", "p1", "p2"]
         backend.close_client()
     state.close()
 
 
 def test_a_put_over_the_upload_cap_is_refused_before_the_next_message_and_writes_nothing():
-    """Finding: puts were buffered up to 16 GiB per stream."""
+    """Finding: puts were buffered up to 16 GiB per stream. (The values of a put are written as they arrive: the
+    rows written before the refusal are dead, never registered.)"""
     state = TQState(capacity=64)
+    state.get_meta("big", ["x"], 800, "insert")
     with TQServer(state, max_upload_bytes=1 << 20) as server:
         client = flight.FlightClient(server.location)
-        kind = FieldKind("dense", "float32", (1024,))
+        kind = F32
         batch = pa.record_batch({"x": pa.FixedShapeTensorArray.from_numpy_ndarray(np.ones((200, 1024), np.float32))})
         with pytest.raises(flight.FlightError) as err:
-            writer, reader = client.do_put(flight.FlightDescriptor.for_command(_put_command("big", {"x": kind})),
+            writer, reader = client.do_put(flight.FlightDescriptor.for_command(_put_command("big", {"x": kind}, 800)),
                                            batch.schema, CALL)
             with writer:
                 for _ in range(4):  # 800 KiB each
@@ -197,14 +212,15 @@ def test_a_put_over_the_upload_cap_is_refused_before_the_next_message_and_writes
                 writer.done_writing()
                 reader.read()
         assert _refusal(err.value)["code"] == "RESOURCE_EXHAUSTED"
-        assert "big" not in state.partitions
+        assert not state.partitions["big"].fields and not state.partitions["big"].info
+        assert state.production_status("big", ["x"]) is None  # the field was never registered
         client.close()
     state.close()
 
 
 def _open_put(client: flight.FlightClient, pid: str) -> Any:
     kind = {"x": F32}
-    writer, reader = client.do_put(flight.FlightDescriptor.for_command(_put_command(pid, kind)),
+    writer, reader = client.do_put(flight.FlightDescriptor.for_command(_put_command(pid, kind, 1)),
                                    pa.schema([pa.field("x", pa.float32())]), CALL)
     return writer, reader
 
@@ -214,6 +230,7 @@ def test_open_put_streams_are_capped_and_an_idle_one_gives_its_slot_to_a_new_put
     state = TQState(capacity=64)
     with TQServer(state, max_concurrent_streams=2, idle_timeout=0.5) as server:
         a, b, c = (flight.FlightClient(server.location) for _ in range(3))
+        state.get_meta("p", ["x"], 1, "insert")
         held = [_open_put(a, "p"), _open_put(b, "p")]
         assert server.calls.wait_for(lambda r: r["stream"] == 2, timeout=30)
         threading.Event().wait(1.0)  # both now idle for longer than idle_timeout
@@ -221,7 +238,8 @@ def test_open_put_streams_are_capped_and_an_idle_one_gives_its_slot_to_a_new_put
         with writer:
             writer.write_batch(pa.record_batch({"x": pa.array([1.0], pa.float32())}))
             writer.done_writing()
-            assert json.loads(reader.read().to_pybytes())["gidx"] == [0]
+            assert json.loads(reader.read().to_pybytes()) == {"result": None}
+        assert state.read("p", [0], ["x"])["x"].dense.tolist() == [1.0]
         for w, _ in held:
             try:
                 w.close()
@@ -237,9 +255,9 @@ def test_deeply_nested_json_is_an_invalid_argument_with_a_code_and_no_traceback(
     with a traceback and server paths."""
     state, server, client = served
     deep = b"[" * 200_000 + b"]" * 200_000
-    for call in (lambda: list(client.do_action(flight.Action("tq.v1.get_meta", deep), CALL)),
+    for call in (lambda: list(client.do_action(flight.Action("tq.v2.get_meta", deep), CALL)),
                  lambda: client.do_get(flight.Ticket(deep), CALL).read_all(),
-                 lambda: list(client.do_action(flight.Action("tq.v1.put_tags", b'{"partition_id": "p", "tags": '
+                 lambda: list(client.do_action(flight.Action("tq.v2.set_custom_meta", b'{"custom_meta": '
                                                              + b"[" * 5000 + b"]" * 5000 + b"}"), CALL))):
         with pytest.raises(flight.FlightError) as err:
             call()
@@ -251,11 +269,11 @@ def test_an_unexpected_error_is_internal_without_details(served, monkeypatch):
     state, server, client = served
 
     def boom(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"secret detail at {ROOT}/arrowbuf/compat/tq_state.py")
+        raise RuntimeError(f"secret detail at {ROOT}/arrowbuf/compat/transfer_queue/state.py")
 
     monkeypatch.setattr(state, "kv_list", boom)
     with pytest.raises(flight.FlightError) as err:
-        list(client.do_action(flight.Action("tq.v1.kv_list", b"{}"), CALL))
+        list(client.do_action(flight.Action("tq.v2.kv_list", b"{}"), CALL))
     detail = _refusal(err.value)
     assert detail["code"] == "INTERNAL" and "secret" not in str(err.value)
 
@@ -276,7 +294,7 @@ def test_a_token_guards_every_call_when_set():
     with TQServer(state, token="s3cret") as server:
         client = flight.FlightClient(server.location)
         with pytest.raises(flight.FlightUnauthenticatedError):
-            list(client.do_action(flight.Action("tq.v1.kv_list", b"{}"), CALL))
+            list(client.do_action(flight.Action("tq.v2.kv_list", b"{}"), CALL))
         ok = RemoteBackend(server.location, token="s3cret")
         assert ok.kv_list(None) == {}
         ok.close_client()
@@ -292,8 +310,8 @@ def test_the_limits_are_validated_and_stated():
     state = TQState(capacity=16)
     with TQServer(state, max_tasks=5) as server:
         client = flight.FlightClient(server.location)
-        described = json.loads(list(client.do_action(flight.Action("tq.v1.limits", b"{}"), CALL))[0].body.to_pybytes())
-        assert described["max_tasks"] == 5 and set(SERVERS["tq.v1"].limits) <= set(described)
+        described = json.loads(list(client.do_action(flight.Action("tq.v2.limits", b"{}"), CALL))[0].body.to_pybytes())
+        assert described["result"]["max_tasks"] == 5 and set(SERVERS["tq.v2"].limits) <= set(described["result"])
         client.close()
     state.close()
 
@@ -301,39 +319,78 @@ def test_the_limits_are_validated_and_stated():
 def test_a_field_group_grows_from_a_few_rows_and_reads_back_across_growth_and_eviction():
     """The small first store (issue 42) grows by copying its rows; ids stay valid across each growth, and past the
     partition's capacity the oldest values are evicted as before."""
-    from arrowbuf.compat import tq_state
-    from arrowbuf.errors import SchemaError
+    from arrowbuf.compat.transfer_queue import partition
 
     state = TQState(capacity=100)
     written: list[tuple[int, float]] = []
     n = 0
     for size in [1, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37]:
         vals = np.arange(n, n + size, dtype=np.float32)
-        gidx = state.put_indexes("p", None, size, {"x": F32}, {"x": pa.array(vals)})
-        written += list(zip(gidx.tolist(), vals.tolist()))
+        gidx = state.get_meta("p", ["x"], size, "insert")["global_indexes"]
+        state.put("p", gidx, {"x": FieldValues(F32, size, dense=vals)})
+        written += list(zip(gidx, vals.tolist(), strict=True))
         n += size
         group = state.partitions["p"].stores[0]
-        assert group.store.capacity <= max(tq_state.INITIAL_ROWS, 2 * n)  # grows with what it holds
+        assert group.store.capacity <= max(partition.INITIAL_ROWS, 2 * n)  # grows with what it holds
         live = written[-100:]
-        cols, _ = state.read("p", np.array([g for g, _ in live]), ["x"])
-        assert cols["x"].to_pylist() == [v for _, v in live]
+        got = state.read("p", [g for g, _ in live], ["x"])
+        assert got["x"].dense.tolist() == [v for _, v in live]
     assert state.partitions["p"].stores[0].store.capacity == 100
-    with pytest.raises(SchemaError, match="evicted"):
-        state.read("p", np.array([written[0][0]]), ["x"])
+    with pytest.raises(StorageKeyNotFoundError, match="evicted"):
+        state.read("p", [written[0][0]], ["x"])
     state.close()
 
 
-def test_key_and_tag_lookups_name_each_sample_once(served):
+def test_key_lookups_name_each_sample_once(served):
     """The read's rule for the lookups whose replies repeat stored values (a 1,024-character key named 500,000 times
     by a 1 MiB request would be a 500 MB reply)."""
     state, server, client = served
     backend = RemoteBackend(server.location)
-    backend.put_keys("p", ["k" * 1024], {"x": F32}, {"x": pa.array(np.ones(1, np.float32))}, [{"a": 1}])
-    for op in ("keys_of", "tags_of"):
-        body = json.dumps({"partition_id": "p", "gidx": [0] * 1000}).encode()
+    backend.kv_put("p", ["k" * 1024], {"x": FieldValues(F32, 1, dense=np.ones(1, np.float32))}, [], [{"a": 1}])
+    for op, body in (("kv_retrieve_keys", {"partition_id": "p", "gidx": [0] * 1000}),
+                     ("kv_retrieve_meta", {"partition_id": "p", "keys": ["k" * 1024] * 1000})):
         with pytest.raises(flight.FlightError) as err:
-            list(client.do_action(flight.Action(f"tq.v1.{op}", body), CALL))
+            list(client.do_action(flight.Action(f"tq.v2.{op}", json.dumps(body).encode()), CALL))
         assert "more than once" in _refusal(err.value)["message"]
-    assert backend.keys_of("p", np.array([0])) == ["k" * 1024]
-    assert backend.tags_of("p", np.array([0])) == [{"a": 1}]
+    assert backend.kv_retrieve_keys("p", [0]) == ["k" * 1024]
+    assert backend.kv_retrieve_meta("p", ["k" * 1024])["custom_meta"] == [{"a": 1}]
     backend.close_client()
+
+
+def test_a_put_in_flight_keeps_its_rows_when_another_put_needs_its_group_to_grow():
+    """A Flight put's rows are written after its plan, with the state lock released (the streamed put): a second
+    put that needs the field group to grow meanwhile goes into a new group instead of copying the store under the
+    first one's writer; both read back whole."""
+    from arrowbuf.compat.transfer_queue import partition
+
+    state = TQState(capacity=1024)
+    n0 = partition.INITIAL_ROWS
+    first = state.get_meta("p", ["x"], n0, "insert")["global_indexes"]
+    state.put("p", first, {"x": FieldValues(F32, n0, dense=np.arange(n0, dtype=np.float32))})
+    a_idx = state.get_meta("p", ["x"], 8, "insert")["global_indexes"]
+    b_idx = state.get_meta("p", ["x"], 16, "insert")["global_indexes"]
+    a_vals = FieldValues(F32, 8, dense=np.full(8, 100.0, dtype=np.float32))
+    b_vals = FieldValues(F32, 16, dense=np.full(16, 200.0, dtype=np.float32))
+    a = state.plan_put("p", {"x": a_vals.spec()}, [], 8, gidx=a_idx)  # the group grows for it now (16 -> 32 rows)
+    b = state.plan_put("p", {"x": b_vals.spec()}, [], 16, gidx=b_idx)  # 40 rows > 32, a's in flight: a new group
+    assert b.group != a.group and b.created_group
+    state.commit_put(b, state.write_plan(b, {"x": b_vals}))
+    state.commit_put(a, state.write_plan(a, {"x": a_vals}))
+    got = state.read("p", first + a_idx + b_idx, ["x"])["x"].dense
+    assert got.tolist() == list(range(n0)) + [100.0] * 8 + [200.0] * 16
+    state.close()
+
+
+def test_a_put_and_a_read_of_many_messages_round_trip(served):
+    """Puts and read replies over `wire.CHUNK_BYTES` travel as several record batches (written, and copied on the
+    client, one at a time): the values come back whole and in order."""
+    from arrowbuf.compat.transfer_queue.wire import CHUNK_BYTES
+
+    state, server, _ = served
+    backend = RemoteBackend(server.location)
+    rows = 40
+    dense = np.random.default_rng(0).random((rows, CHUNK_BYTES // 4 // 8), dtype=np.float32)  # 2.5 chunks
+    gidx = _insert(backend, "big", dense)
+    got = backend.read("big", gidx, ["x"])["x"].dense
+    np.testing.assert_array_equal(got, dense)
+    assert len(state.partitions["big"].stores) == 1

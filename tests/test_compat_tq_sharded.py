@@ -1,6 +1,6 @@
-"""arrowbuf.compat.transfer_queue on a sharded system (`tq_sharded`): `init({"arrowbuf": {"shards": 2}})` inside a
-Ray job starts one named Ray actor per shard, each serving a `TQState` over Flight; keys are routed by hash, the
-new samples of a put go whole to one shard. The in-process tests of test_compat_tq.py run again here on that
+"""arrowbuf.compat.transfer_queue on a sharded system (its `sharded` module): `init({"arrowbuf": {"shards": 2}})`
+inside a Ray job starts one named Ray actor per shard, each serving a `TQState` over Flight; keys are routed by hash,
+the new samples of a put go whole to one shard. The in-process tests of test_compat_tq.py run again here on that
 system (their `system` fixture is this module's), plus checks that only hold or matter with several shards."""
 
 from __future__ import annotations
@@ -16,26 +16,30 @@ pytest.importorskip("ray")
 TensorDict = tensordict.TensorDict
 
 import arrowbuf.compat.transfer_queue as tq  # noqa: E402
-from arrowbuf.compat.tq_flight import RemoteBackend, TQServer  # noqa: E402
-from arrowbuf.compat.tq_ray import ACTOR_NAME, NAMESPACE  # noqa: E402
-from arrowbuf.compat.tq_sharded import decode, key_shard  # noqa: E402
-from arrowbuf.compat.tq_state import TQState  # noqa: E402
+from arrowbuf.compat.transfer_queue.ray import ACTOR_NAME, NAMESPACE  # noqa: E402
+from arrowbuf.compat.transfer_queue.remote import RemoteBackend  # noqa: E402
+from arrowbuf.compat.transfer_queue.server import TQServer  # noqa: E402
+from arrowbuf.compat.transfer_queue.sharded import decode, key_shard  # noqa: E402
+from arrowbuf.compat.transfer_queue.state import TQState  # noqa: E402
 from arrowbuf.errors import SchemaError  # noqa: E402
 
 # the same checks as in one process, on 2 shards (imported: pytest runs them again with this module's fixture)
 from tests.test_compat_tq import (  # noqa: E402, F401
+    rows,
+    test_a_field_whose_shape_changes_becomes_ragged,
     test_async_twins,
-    test_fields_added_to_existing_keys,
+    test_every_dtype_and_json_values_round_trip_exactly,
+    test_fields_added_to_existing_keys_and_gets_return_the_common_fields,
     test_grpo_sampler_gives_whole_groups,
-    test_kv_put_single_key_adds_batch_dim_and_plain_dicts_work,
+    test_kv_put_of_a_plain_dict_adds_the_batch_dimension,
     test_kv_put_then_get_by_key_every_kind,
-    test_partitions_are_isolated,
     test_per_task_consumption_and_production_status,
     test_rank_aware_same_dp_rank_gets_same_samples,
     test_seqlen_balanced_sampler_splits_tokens_over_ranks,
     test_streaming_loader_gives_each_rank_a_disjoint_share,
     test_tags_updated_without_fields,
     test_the_client_calls_verl_makes,
+    test_unknown_keys_and_partitions_as_transfer_queue_treats_them,
 )
 
 SHARDS = 2
@@ -48,11 +52,11 @@ def system(request: Any) -> Any:
     tq.close()
     if request.param == "ray":
         request.getfixturevalue("ray_cluster")
-        tq.init({"arrowbuf": {"shards": SHARDS, "capacity": 4096}})
+        tq.init({"controller": {"polling_mode": True}, "arrowbuf": {"shards": SHARDS, "capacity": 4096}})
         yield "ray"
         tq.close()
         return
-    states = [TQState(capacity=4096) for _ in range(SHARDS)]
+    states = [TQState(capacity=4096, polling_mode=True) for _ in range(SHARDS)]
     servers = [TQServer(s) for s in states]
     tq.init({"arrowbuf": {"locations": [str(s.location) for s in servers], "ray": False}})
     yield "flight"
@@ -79,7 +83,7 @@ def test_keys_live_on_their_hash_shard_and_read_back_in_order(system: str) -> No
         assert sorted(listed) == sorted(key for key in KEYS if key_shard(key, SHARDS) == k) and listed
     order = KEYS[::-1]
     got = tq.kv_batch_get(keys=order, partition_id="p")
-    assert got["x"].tolist() == x.flip(0).tolist()
+    assert rows(got["x"]) == x.flip(0).tolist()
     assert tq.kv_list("p")["p"] == {k: {"i": i} for i, k in enumerate(KEYS)}
     meta = tq.get_meta(["x"], 16, "p", mode="force_fetch")
     assert sorted(set(decode(np.asarray(meta.global_indexes))[0].tolist())) == [0, 1]
@@ -89,14 +93,11 @@ def test_keys_live_on_their_hash_shard_and_read_back_in_order(system: str) -> No
 def test_clear_keys_on_every_shard(system: str) -> None:
     tq.kv_batch_put(keys=KEYS, partition_id="p", fields={"x": torch.arange(16)})
     gone = [k for i, k in enumerate(KEYS) if i % 3]
-    with pytest.raises(KeyError, match="nope"):  # an unknown key: nothing cleared on any shard
-        tq.kv_clear(keys=[*gone, "nope"], partition_id="p")
-    assert len(tq.kv_list("p")["p"]) == 16
-    tq.kv_clear(keys=gone, partition_id="p")
+    tq.kv_clear(keys=[*gone, "nope"], partition_id="p")  # an unknown key is ignored, as TransferQueue does
     kept = [k for k in KEYS if k not in gone]
     assert sorted(tq.kv_list("p")["p"]) == sorted(kept)
     assert tq.kv_batch_get(keys=kept, partition_id="p")["x"].tolist() == [KEYS.index(k) for k in kept]
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="not found"):
         tq.kv_batch_get(keys=gone[:1], partition_id="p")
     meta = tq.get_meta(["x"], 16, "p", mode="force_fetch")
     assert meta.size == len(kept)  # cleared samples are never offered
@@ -110,20 +111,18 @@ def test_bad_input_is_a_clear_error_and_nothing_is_written_on_any_shard(system: 
 
     def unchanged() -> None:
         assert [b.kv_list(None) for b in shard_backends()] == before
-        assert tq.kv_batch_get(keys=KEYS, partition_id="p")["x"].tolist() == [[0.0, 0.0]] * 16
+        assert rows(tq.kv_batch_get(keys=KEYS, partition_id="p")["x"]) == [[0.0, 0.0]] * 16
 
-    with pytest.raises(KeyError, match="nope"):
-        tq.kv_batch_get(keys=[*KEYS, "nope"], partition_id="p")
     with pytest.raises(ValueError, match="batch_size 2"):
         tq.kv_batch_put(keys=["n1", "n2", "n3"], partition_id="p", fields=TensorDict({"x": torch.zeros(2, 2)}, [2]))
     unchanged()
     with pytest.raises(SchemaError, match="mixed dtypes"):
         tq.kv_batch_put(keys=["n1", "n2"], partition_id="p",
-                        fields={"x": torch.zeros(2, 2), "y": [torch.zeros(3), torch.zeros(3, dtype=torch.int32)]})
+                        fields={"y": [torch.zeros(3), torch.zeros(3, dtype=torch.int32)]})
     unchanged()
-    # x's dtype differs from every shard's first put of it: each shard refuses its part
-    with pytest.raises(SchemaError, match="first put"):
-        tq.kv_batch_put(keys=KEYS, partition_id="p", fields={"x": torch.ones(16, 3)})
+    # x's dtype differs from every shard's: refused before any shard writes, new keys not created either
+    with pytest.raises(SchemaError, match="keeps its kind"):
+        tq.kv_batch_put(keys=[*KEYS, "n1"], partition_id="p", fields={"x": torch.ones(17, 2, dtype=torch.int64)})
     unchanged()
     with pytest.raises(SchemaError, match="batch"):
         meta = tq.get_meta(["x"], 1, "p", mode="force_fetch")
@@ -155,7 +154,8 @@ def test_puts_rotate_over_shards_groups_stay_whole_and_ranks_get_disjoint_shares
     shares: list[list[int]] = [[], []]
     its = [iter(tq.StreamingDataLoader(tq.StreamingDataset(
         None, batch_size=2, micro_batch_size=2, data_fields=["prompt_id"], partition_id="grpo",
-        task_name="loader", dp_rank=r, should_check_consumption_status=True, sampler=sampler2)))
+        task_name="loader", dp_rank=r, should_check_consumption_status=True, sampler=sampler2,
+        poll_interval=0.01)))
         for r in range(2)]
     live = [0, 1]
     while live:
@@ -182,22 +182,22 @@ def test_put_then_get_by_key_across_processes_and_close_stops_the_shards(ray_clu
         def run(self, keys: list[str]) -> Any:
             import arrowbuf.compat.transfer_queue as tq
 
-            tq.init({"arrowbuf": {"shards": SHARDS}})
+            tq.init({"controller": {"polling_mode": True}, "arrowbuf": {"shards": SHARDS}})
             got = tq.kv_batch_get(keys=keys, partition_id="train")
             tq.kv_batch_put(keys=[k + "'" for k in keys], partition_id="train", fields={"x": got["x"] * 10})
             meta = tq.get_meta(["x"], 8, "train", task_name="learner")
             tq.close()
-            return got["x"].tolist(), meta.size
+            return [t.tolist() for t in got["x"].unbind(0)], meta.size
 
     tq.close()
-    tq.init({"arrowbuf": {"shards": SHARDS}})
+    tq.init({"controller": {"polling_mode": True}, "arrowbuf": {"shards": SHARDS}})
     try:
         x = torch.arange(16).reshape(8, 2)
         tq.kv_batch_put(keys=KEYS[:8], partition_id="train", fields={"x": x})
         worker = Worker.remote()
         got, taken = ray.get(worker.run.remote(KEYS[:8]), timeout=120)
         assert got == x.tolist() and taken > 0
-        assert tq.kv_batch_get(keys=[k + "'" for k in KEYS[:8]], partition_id="train")["x"].tolist() == (
+        assert rows(tq.kv_batch_get(keys=[k + "'" for k in KEYS[:8]], partition_id="train")["x"]) == (
             (x * 10).tolist())
         _, consumed = tq.get_consumption_status("learner", "train")
         assert int(consumed.sum()) == taken  # consumption recorded where the worker consumed
@@ -214,11 +214,11 @@ def test_a_field_keeps_its_kind_across_shards(system: str) -> None:
     and the later one land on different shards, and nothing is written."""
     on = {k: [key for key in KEYS if key_shard(key, SHARDS) == k] for k in range(SHARDS)}
     tq.kv_batch_put(keys=on[0][:2], partition_id="p", fields={"x": torch.zeros(2, 2)})
-    with pytest.raises(SchemaError, match="first put"):
+    with pytest.raises(SchemaError, match="keeps its kind"):
         tq.kv_batch_put(keys=on[1][:2], partition_id="p", fields={"x": torch.zeros(2, 2, dtype=torch.int64)})
     assert sorted(tq.kv_list("p")["p"]) == sorted(on[0][:2])
-    with pytest.raises(SchemaError, match="first put"):  # the metadata path too, wherever the put lands
+    with pytest.raises(SchemaError, match="keeps its kind"):  # the metadata path too, wherever the put lands
         for _ in range(SHARDS):
-            tq.put({"x": torch.zeros(1, 3)}, partition_id="p")
+            tq.put({"x": torch.zeros(1, 3, dtype=torch.int64)}, partition_id="p")
     tq.kv_batch_put(keys=on[1][:2], partition_id="p", fields={"x": torch.ones(2, 2)})  # the same kind: fine
-    assert tq.kv_batch_get(keys=[on[1][0], on[0][0]], partition_id="p")["x"].tolist() == [[1.0, 1.0], [0.0, 0.0]]
+    assert rows(tq.kv_batch_get(keys=[on[1][0], on[0][0]], partition_id="p")["x"]) == [[1.0, 1.0], [0.0, 0.0]]

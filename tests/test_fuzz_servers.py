@@ -1,5 +1,5 @@
 """Bounded fuzzing of every protocol arrowbuf serves (issue 42): Flight (tickets, actions, DoPut and DoExchange
-metadata), tq.v1 (actions, read tickets, put descriptors and batches), the inspector's and the metrics endpoint's
+metadata), tq.v2 (actions, read tickets, put descriptors and batches), the inspector's and the metrics endpoint's
 HTTP, the broadcast's relay wire and its payload.
 
 Each request is a well-formed one with a few parts replaced, deleted or added, or raw junk (bounded: at most a few
@@ -268,10 +268,10 @@ def flight_still_serves(location: str) -> None:
         assert remote.sql("SELECT count(*) AS n FROM experience").column("n")[0].as_py() == len(remote)
 
 
-# ---------------------------------------------------------------------------------------------------- tq.v1
-TQ_OPS = ["get_meta", "production_status", "consumption_status", "reset_consumption", "clear_keys", "clear_samples",
-          "kv_list", "tags_of", "key_indexes", "keys_of", "field_names", "field_kinds", "put_tags", "limits",
-          "clear_partition", "nope"]
+# ---------------------------------------------------------------------------------------------------- tq.v2
+TQ_OPS = ["get_meta", "kv_retrieve_meta", "kv_retrieve_keys", "kv_list", "set_custom_meta", "production_status",
+          "consumption_status", "reset_consumption", "clear_samples", "list_partitions", "snapshot", "field_kinds",
+          "limits", "clear_partition", "nope"]
 
 
 def tq_request(rng: random.Random, client: flight.FlightClient) -> Callable[[], Any]:
@@ -281,35 +281,40 @@ def tq_request(rng: random.Random, client: flight.FlightClient) -> Callable[[], 
         op = rng.choice(TQ_OPS)
         op = op if op != "clear_partition" or rng.random() < 0.1 else "kv_list"
         body = {"partition_id": pid, "data_fields": ["x"], "batch_size": rng.choice([0, 1, 4]),
-                "mode": rng.choice(["fetch", "force_fetch"]),
+                "mode": rng.choice(["fetch", "force_fetch", "insert"]),
                 "task_name": rng.choice(["t0", "t1", f"t{rng.randint(0, 20)}"]),
-                "keys": [f"k{rng.randint(0, 50)}"], "gidx": [rng.randint(0, 60)],
-                "tags": [{"s": rng.random()}], "sampler": rng.choice([None, {"name": "SequentialSampler", "args": {}}])}
+                "keys": [f"k{rng.randint(0, 50)}"], "gidx": [rng.randint(0, 60)], "create": rng.random() < 0.3,
+                "partition_ids": [pid], "custom_meta": {pid: [[rng.randint(0, 60), {"s": rng.random()}]]},
+                "sampler": rng.choice([None, {"name": "SequentialSampler", "args": {}}])}
         raw = mutate(rng, body)
-        return lambda: list(client.do_action(flight.Action(f"tq.v1.{op}", raw), CALL))
+        return lambda: list(client.do_action(flight.Action(f"tq.v2.{op}", raw), CALL))
     if verb < 0.7:
         ids = [rng.randint(0, 60) for _ in range(rng.randint(1, 4))]
-        ticket = mutate(rng, {"op": "read", "partition_id": pid, "gidx": ids, "fields": rng.choice([None, ["x"]])}
-                        if rng.random() < 0.8 else {"op": "read", "partition_id": pid, "keys": ["k1", "k2"]})
+        ticket = mutate(rng, {"op": "read", "partition_id": pid, "gidx": ids, "fields": rng.choice([["y"], ["x"]])})
         return lambda: client.do_get(flight.Ticket(ticket), CALL).read_all()
     rows = rng.choice([1, 2, 4])
     keyed = rng.random() < 0.5
-    kind = rng.choice([["dense", "float32", []], ["dense", "int64", [3]], ["jagged", "int32", []]])
-    command = mutate(rng, {"op": "put_keys" if keyed else "put_indexes", "partition_id": pid,
-                           "keys": [f"k{rng.randint(0, 50)}" for _ in range(rows)] if keyed else None,
-                           "gidx": None, "tags": None, "kinds": {"x": kind}})
-    if kind[0] == "jagged":
-        col = pa.array([list(range(i % 3)) for i in range(rows)], pa.list_(pa.int32()))
-    elif kind[2]:
-        col = pa.FixedShapeTensorArray.from_numpy_ndarray(np.ones((rows, 3), np.int64))
+    kind = rng.choice([["tensor", "float32"], ["tensor", "int64"], ["tensor", "int32"], ["str", "uint8"]])
+    shape = rng.choice([(), (3,), None])  # None: ragged
+    command = {"op": "kv_put" if keyed else "put", "partition_id": pid,
+               "keys": [f"k{rng.randint(0, 50)}" for _ in range(rows)] if keyed else None,
+               "gidx": [rng.randint(0, 60) for _ in range(rows)], "tags": None, "kinds": {"x": kind}, "nested": []}
+    if kind[0] == "str" or shape is None:
+        dtype = {"float32": pa.float32(), "int64": pa.int64(), "int32": pa.int32(), "uint8": pa.uint8()}[kind[1]]
+        col = pa.array([list(range(i % 3)) for i in range(rows)], pa.list_(dtype))
+        if kind[0] == "tensor":
+            command["shapes"] = {"x": [[i % 3] for i in range(rows)]}
+    elif shape:
+        col = pa.FixedShapeTensorArray.from_numpy_ndarray(np.ones((rows, 3), np.dtype(kind[1])))
     else:
-        col = pa.array(np.ones(rows, np.float32))
+        col = pa.array(np.ones(rows, np.dtype(kind[1])))
     if rng.random() < 0.1:
         col = pa.array(np.ones(rows + 1, np.float64))
+    raw_command = mutate(rng, command)
     batch = pa.record_batch({"x": col})
 
     def put() -> None:
-        writer, reader = client.do_put(flight.FlightDescriptor.for_command(command), batch.schema, CALL)
+        writer, reader = client.do_put(flight.FlightDescriptor.for_command(raw_command), batch.schema, CALL)
         try:
             writer.write_batch(batch)
             writer.done_writing()
@@ -322,7 +327,7 @@ def tq_request(rng: random.Random, client: flight.FlightClient) -> Callable[[], 
 
 def check_tq_error(exc: BaseException) -> str:
     code = check_flight_error(exc)
-    assert "tq.v1 error" in str(exc) or code == "UNAUTHENTICATED", str(exc)[:300]
+    assert "tq.v2 error" in str(exc) or code == "UNAUTHENTICATED", str(exc)[:300]
     return code
 
 
@@ -350,17 +355,17 @@ def run_tq(location: str, n: int, seed: int, on_each: Callable[[int], None] | No
 
 
 def tq_still_serves(location: str) -> None:
-    from arrowbuf.compat.tq_columns import FieldKind
-    from arrowbuf.compat.tq_flight import RemoteBackend
+    from arrowbuf.compat.transfer_queue.columns import FieldKind, FieldValues
+    from arrowbuf.compat.transfer_queue.remote import RemoteBackend
 
     backend = RemoteBackend(location)
     try:
-        for pid in backend.kv_list(None):  # (the fuzzing may have filled every partition slot)
+        for pid in backend.list_partitions():  # (the fuzzing may have filled every partition slot)
             backend.clear_partition(pid)
-        gidx = backend.put_indexes("final", None, 3, {"y": FieldKind("dense", "float32")},
-                                   {"y": pa.array(np.arange(3, dtype=np.float32))})
-        cols, _ = backend.read("final", gidx, ["y"])
-        assert cols["y"].to_pylist() == [0.0, 1.0, 2.0]
+        gidx = backend.get_meta("final", ["y"], 3, "insert")["global_indexes"]
+        backend.put("final", gidx, {"y": FieldValues(FieldKind("tensor", "float32"), 3,
+                                                     dense=np.arange(3, dtype=np.float32))}, [])
+        assert backend.read("final", gidx, ["y"])["y"].dense.tolist() == [0.0, 1.0, 2.0]
     finally:
         backend.close_client()
 
@@ -672,7 +677,7 @@ def test_tq_10k_fuzzed_requests(target):
     assert sum(outcomes.values()) == SLOW_N and outcomes.get("ok", 0) > 0, outcomes
     assert target.alive()
     tq_still_serves(target.info["location"])
-    mem.check("tq.v1")
+    mem.check("tq.v2")
     target.close()
 
 
@@ -744,10 +749,10 @@ def test_flight_quick_fuzz():
 
 
 def test_tq_quick_fuzz():
-    from arrowbuf.compat.tq_flight import TQServer
-    from arrowbuf.compat.tq_state import TQState
+    from arrowbuf.compat.transfer_queue.server import TQServer
+    from arrowbuf.compat.transfer_queue.state import TQState
 
-    state = TQState(capacity=512)
+    state = TQState(capacity=512, polling_mode=True)
     with TQServer(state, max_partitions=16, max_tasks=8, max_groups=8) as server:
         outcomes = run_tq(server.location, QUICK_N, seed=7)
         assert outcomes.get("ok", 0) > 0, outcomes

@@ -107,7 +107,7 @@ def test_docs_list_every_server_and_every_limit_it_declares():
 
 
 def test_allocation_bound_arithmetic():
-    rule = SERVERS["tq.v1"].allocation
+    rule = SERVERS["tq.v2"].allocation
     assert rule.bound(100) == rule.multiple * 100
     assert rule.bound(100, named_bytes=7, rows=2) == rule.multiple * 100 + 7 + 2 * rule.per_row
     assert np.isfinite(rule.bound(1 << 40))

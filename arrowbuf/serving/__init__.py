@@ -2,9 +2,9 @@
 bounded HTTP server.
 
 arrowbuf starts four kinds of server: the Flight server (`arrowbuf.flight.server`), the TransferQueue-compatible
-`tq.v1` server (`arrowbuf.compat.tq_flight`), the web inspector (`arrowbuf.observe.ui`) and the Prometheus endpoint
-(`arrowbuf.observe.metrics`). Each declares, in `limits.SERVERS`, which of the limits here it uses; docs/security.md
-lists them with their defaults and the threat model.
+`tq.v2` server (`arrowbuf.compat.transfer_queue.server`), the web inspector (`arrowbuf.observe.ui`) and the
+Prometheus endpoint (`arrowbuf.observe.metrics`). Each declares, in `limits.SERVERS`, which of the limits here it
+uses; docs/security.md lists them with their defaults and the threat model.
 
 - `limits`: `NetLimits` (the common bounds and their defaults), `check_bind` (a token by default beyond loopback),
   `CallGate` (calls, streams, queries and connections running at once), `public_error` (the code and message a

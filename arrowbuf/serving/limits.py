@@ -23,9 +23,9 @@ Every server (`SERVERS`) declares which of these it uses; docs/security.md lists
 Usage loop (what a handler does)::
 
     gate = CallGate({"call": limits.max_concurrent_calls, "stream": limits.max_concurrent_streams})
-    check_bind("tq.v1", host, token, allow_unauthenticated=False)       # once, before binding
+    check_bind("tq.v2", host, token, allow_unauthenticated=False)       # once, before binding
     with gate.enter("call"):
-        check_bytes(len(body), limits.max_request_bytes, "tq.v1 action body")
+        check_bytes(len(body), limits.max_request_bytes, "tq.v2 action body")
         ...                                                            # the work
     # on failure: public_error(exc) -> PublicError(name, code, message) to send
 """
@@ -87,7 +87,7 @@ def check_bind(server: str, host: str, token: str | None, *, allow_unauthenticat
     """The bind policy, before a server binds `host` (module docstring).
 
     Args:
-        server: the server's name in messages ("Flight", "tq.v1", "inspector", "metrics").
+        server: the server's name in messages ("Flight", "tq.v2", "inspector", "metrics").
         host: the address it binds.
         token: its token (None: none).
         allow_unauthenticated: bind beyond loopback without a token anyway (a warning; a trusted network only).
@@ -121,7 +121,7 @@ def check_bind(server: str, host: str, token: str | None, *, allow_unauthenticat
 # ---------------------------------------------------------------------------------------------------- the limits
 @dataclass(frozen=True)
 class NetLimits:
-    """The bounds shared by the tq.v1 server, the inspector and the metrics endpoint (the Flight server's own
+    """The bounds shared by the tq.v2 server, the inspector and the metrics endpoint (the Flight server's own
     `arrowbuf.flight.limits.ServerLimits` names the same bounds after its verbs). `SERVERS` says which one uses which.
 
     Attributes:
@@ -228,7 +228,7 @@ SERVERS: dict[str, ServerSpec] = {
         "max_prefetch_bytes", "max_concurrent_sql", "max_table_streams", "stream_idle_timeout", "max_timeout",
         "shutdown_timeout", "max_leases_per_client", "sql_limits", "max_json_bytes"),
         AllocationRule(multiple=4, per_row=160)),
-    "tq.v1": ServerSpec("tq.v1", "gRPC (Arrow Flight)", True, (
+    "tq.v2": ServerSpec("tq.v2", "gRPC (Arrow Flight)", True, (
         "max_concurrent_calls", "max_concurrent_streams", "max_request_bytes", "max_json_depth",
         "max_upload_bytes", "max_reply_bytes", "idle_timeout", "request_timeout", "shutdown_timeout",
         "max_partitions", "max_groups", "max_tasks", "max_task_chars", "max_ids", "max_put_rows"),

@@ -16,7 +16,7 @@ import pyarrow as pa
 from ...errors import InvalidArgument
 from ...store.facade import ExperienceStore
 from ...surface import StoreSurface
-from ..tq_columns import dense_numpy
+from ..transfer_queue.columns import dense_numpy
 
 
 def live_range(store: StoreSurface) -> tuple[int, int]:

@@ -1,17 +1,17 @@
-"""The limits of the tq.v1 server (`tq_flight.TQServer`) and the checks its handlers make at their entry, before
+"""The limits of the tq.v2 server (`server.TQServer`) and the checks its handlers make at their entry, before
 the state is touched or bulk data is read.
 
 The bounds shared with every arrowbuf server (calls and streams at once, request, upload and reply bytes, JSON
-depth, idle and total timeouts) are `arrowbuf.serving.limits.NetLimits`; `TQLimits` adds what is the tq.v1
+depth, idle and total timeouts) are `arrowbuf.serving.limits.NetLimits`; `TQLimits` adds what is the tq.v2
 server's own: partitions, field groups (each an arrowbuf store), consuming tasks, task names, ids per request and
 samples per put. docs/security.md lists them with their defaults, and what a request may make the server allocate:
-at most `SERVERS["tq.v1"].allocation` (128 x its bytes, plus the stored samples it names, each once, plus 160 bytes
+at most `SERVERS["tq.v2"].allocation` (128 x its bytes, plus the stored samples it names, each once, plus 160 bytes
 of bookkeeping per sample it stores), which is why a read may not name a sample twice, a put's sample count comes
 from the data it carries (never from a length field alone), and a new partition starts with a small store.
 
 Usage loop (what a handler does)::
 
-    body = loads(raw, "tq.v1.get_meta", limits)             # size and depth checked before parsing
+    body = loads(raw, "tq.v2.get_meta", limits)             # size and depth checked before parsing
     limits.check_task(task)                                 # a bounded name
     with state.lock:
         limits.check_new_task(state, pid, task)             # a cap on what a request may create
@@ -21,18 +21,23 @@ Usage loop (what a handler does)::
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
-from ..errors import InvalidArgument, ResourceExhausted
-from ..serving.limits import NetLimits, check_bytes, check_json_depth
+from ...errors import InvalidArgument, ResourceExhausted
+from ...serving.limits import NetLimits, check_bytes, check_json_depth
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .state import TQState
 
 
 @dataclass(frozen=True)
 class TQLimits(NetLimits):
-    """Bounds of every request the tq.v1 server accepts (`TQServer(state, ..., limits=TQLimits(...))`, or single
+    """Bounds of every request the tq.v2 server accepts (`TQServer(state, ..., limits=TQLimits(...))`, or single
     limits as keywords). Besides `NetLimits`:
 
     Attributes:
@@ -80,7 +85,7 @@ class TQLimits(NetLimits):
             raise InvalidArgument(f"{what}: the request names a sample more than once; a reply holds each sample once "
                                   "(ask for the distinct ids and repeat them on the client)")
 
-    def check_task(self, task: Any) -> None:
+    def check_task(self, task: object) -> None:
         if task is not None and (not isinstance(task, str) or not 0 < len(task) <= self.max_task_chars):
             raise InvalidArgument(f"task_name must be a non-empty str of at most {self.max_task_chars} characters")
 
@@ -90,25 +95,33 @@ class TQLimits(NetLimits):
                                     f"({self.max_reply_bytes}); ask for fewer samples or fields at a time")
 
     # ------------------------------------------------------------------ what a request may create (under state.lock)
-    def check_new_partition(self, state: Any, partition_id: str) -> None:
+    def check_new_partition(self, state: TQState, partition_id: str) -> None:
         if partition_id not in state.partitions and len(state.partitions) >= self.max_partitions:
             raise ResourceExhausted(f"this server holds {len(state.partitions)} partitions, its max_partitions; "
                                     "clear one (clear_partition) before creating another")
 
-    def check_new_group(self, state: Any, partition_id: str, fields: list[str]) -> None:
+    def check_new_group(self, state: TQState, partition_id: str, fields: Collection[str]) -> None:
+        """A put of `fields` into a partition at `max_groups` goes into a group of the same fields or not at all."""
         p = state.partitions.get(partition_id)
-        if p is not None and fields and tuple(sorted(fields)) not in p.groups and len(p.groups) >= self.max_groups:
+        if p is None or not fields or len(p.groups) < self.max_groups:
+            return
+        if set(fields) not in [{entry[0] for entry in key} for key in p.groups]:
             raise ResourceExhausted(f"partition {partition_id!r} has {len(p.groups)} field groups, this server's "
                                     "max_groups; write fields together with ones written before")
 
-    def check_new_task(self, state: Any, partition_id: str, task: str | None) -> None:
+    def check_new_task(self, state: TQState, partition_id: str, task: str | None) -> None:
         p = state.partitions.get(partition_id)
         if p is not None and task is not None and task not in p.consumed and len(p.consumed) >= self.max_tasks:
             raise ResourceExhausted(f"partition {partition_id!r} has {len(p.consumed)} consuming tasks, this "
                                     "server's max_tasks; reuse a task name")
 
+    def check_put_rows(self, n: int) -> None:
+        if n > self.max_put_rows:
+            raise ResourceExhausted(f"put: {n} samples in one put, over this server's max_put_rows "
+                                    f"({self.max_put_rows}); split it")
+
     # ------------------------------------------------------------------ a put's data, message by message
-    def check_put_message(self, data: Any, got: dict[str, int], started: float, now: float) -> None:
+    def check_put_message(self, data: pa.RecordBatch, got: dict[str, int], started: float, now: float) -> None:
         """One record batch of a put (`got`: bytes and rows so far, updated): bounded before the next is read."""
         data.validate()  # buffers as long as the batch's length says: no length field without its bytes
         got["bytes"] += int(data.nbytes)

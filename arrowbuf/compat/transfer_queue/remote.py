@@ -1,0 +1,194 @@
+"""The client side of `tq.v2` (`wire`): the calls `TransferQueueClient` makes (`client.Backend`), over Arrow Flight.
+
+Inside a Ray job the system's actor is known too (`actor`): checkpoints go to it as Ray calls (the actor writes and
+reads the files; the Flight server takes no paths)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from ...errors import InvalidArgument, SchemaError
+from ...ring.outpool import OutputPool
+from .columns import FieldKind, FieldValues
+from .partition import Status
+from .samplers import SamplerArg, sampler_spec
+from .wire import ERROR_RE, ERRORS, VERSION, chunk_rows
+
+
+class RemoteBackend:
+    """`client.Backend` over Flight (see the module docstring)."""
+
+    in_process = False
+
+    def __init__(self, location: str, token: str | None = None, actor: Any = None) -> None:
+        self.location = location
+        self.actor = actor
+        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._client = flight.FlightClient(location)
+        self._options = flight.FlightCallOptions(headers=headers)
+        self._pool = OutputPool()  # read replies' dense fields (an array is reused only once nothing holds it)
+
+    def _raise(self, e: Exception) -> None:
+        m = ERROR_RE.search(str(e))
+        if m is None:
+            raise e
+        msg = m.group(2).split("\n")[0].split(". Detail:")[0]
+        raise ERRORS[m.group(1)](msg) from None
+
+    def _act(self, op: str, **body: Any) -> Any:
+        try:
+            payload = json.dumps(body).encode()
+        except TypeError as e:
+            raise InvalidArgument(f"{op}: arguments must be JSON values over Flight ({e})") from None
+        try:
+            out = list(self._client.do_action(flight.Action(f"{VERSION}.{op}", payload), self._options))
+        except flight.FlightError as e:
+            self._raise(e)
+        return json.loads(out[0].body.to_pybytes())["result"]
+
+    # ------------------------------------------------------------------ metadata
+    def get_meta(self, partition_id: str, data_fields: list[str], batch_size: int | None, mode: str = "fetch",
+                 task_name: str | None = None, sampler: SamplerArg = None,
+                 sampling_config: dict[str, Any] | None = None) -> dict[str, Any]:
+        spec = sampler_spec(sampler)  # a sampler travels as its class and parameters, never only its name
+        return dict(self._act("get_meta", partition_id=partition_id, data_fields=data_fields, batch_size=batch_size,
+                              mode=mode, task_name=task_name, sampler=spec, sampling_config=sampling_config or {}))
+
+    def kv_retrieve_meta(self, partition_id: str, keys: list[str], create: bool = False) -> dict[str, Any]:
+        return dict(self._act("kv_retrieve_meta", partition_id=partition_id, keys=keys, create=create))
+
+    def kv_retrieve_keys(self, partition_id: str, gidx: list[int]) -> list[str | None]:
+        return list(self._act("kv_retrieve_keys", partition_id=partition_id, gidx=list(gidx)))
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+        return dict(self._act("kv_list", partition_id=partition_id))
+
+    def set_custom_meta(self, custom_meta: dict[str, dict[int, dict[str, Any]]]) -> None:
+        self._act("set_custom_meta", custom_meta={p: [[int(g), m] for g, m in per.items()]
+                                                  for p, per in custom_meta.items()})
+
+    def production_status(self, partition_id: str, data_fields: list[str]) -> Status:
+        return self._act("production_status", partition_id=partition_id, data_fields=data_fields)
+
+    def consumption_status(self, partition_id: str, task_name: str) -> Status:
+        return self._act("consumption_status", partition_id=partition_id, task_name=task_name)
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        return bool(self._act("reset_consumption", partition_id=partition_id, task_name=task_name))
+
+    def clear_samples(self, partition_ids: list[str], gidx: list[int]) -> None:
+        self._act("clear_samples", partition_ids=list(partition_ids), gidx=[int(g) for g in gidx])
+
+    def clear_partition(self, partition_id: str) -> None:
+        self._act("clear_partition", partition_id=partition_id)
+
+    def list_partitions(self) -> list[str]:
+        return list(self._act("list_partitions"))
+
+    def snapshot(self, partition_id: str) -> dict[str, Any] | None:
+        return self._act("snapshot", partition_id=partition_id)
+
+    def field_kinds(self, partition_id: str) -> dict[str, list[str]]:
+        return dict(self._act("field_kinds", partition_id=partition_id))
+
+    # ------------------------------------------------------------------ values
+    def _put(self, command: dict[str, Any], values: dict[str, FieldValues]) -> Any:
+        names = list(values)
+        command["kinds"] = {f: values[f].kind.to_json() for f in names}
+        command["shapes"] = {f: [list(s) for s in v.sample_shapes()] for f, v in values.items() if v.ragged}
+        table = pa.table([values[f].to_arrow() for f in names], names=names) if names else pa.table({})
+        try:
+            writer, reader = self._client.do_put(flight.FlightDescriptor.for_command(json.dumps(command).encode()),
+                                                 table.schema, self._options)
+            with writer:
+                if table.num_columns:
+                    writer.write_table(table, max_chunksize=chunk_rows(table))
+                writer.done_writing()
+                buf = reader.read()
+        except flight.FlightError as e:
+            self._raise(e)
+        return json.loads(buf.to_pybytes())["result"]
+
+    def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
+            nested: list[str]) -> None:
+        self._put({"op": "put", "partition_id": partition_id, "gidx": [int(g) for g in gidx],
+                   "nested": list(nested)}, values)
+
+    def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
+               nested: list[str], tags: list[dict[str, Any] | None] | None) -> dict[str, Any]:
+        try:
+            tags_json = json.loads(json.dumps(tags))
+        except TypeError as e:
+            raise InvalidArgument(f"tags must be JSON values over Flight ({e})") from None
+        return dict(self._put({"op": "kv_put", "partition_id": partition_id, "keys": list(keys), "tags": tags_json,
+                               "nested": list(nested)}, values))
+
+    def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]:
+        ticket = {"op": "read", "partition_id": partition_id, "gidx": [int(g) for g in gidx], "fields": fields}
+        n = len(gidx)
+        dense: dict[str, np.ndarray] = {}
+        pieces: dict[str, list[FieldValues]] = {f: [] for f in fields}
+        try:
+            stream = self._client.do_get(flight.Ticket(json.dumps(ticket).encode()), self._options)
+            meta = stream.schema.metadata or {}
+            kinds = {f: FieldKind.from_json(k) for f, k in json.loads(meta.get(b"tq.kinds", b"{}")).items()}
+            shapes = json.loads(meta.get(b"tq.shapes", b"{}"))
+            if set(kinds) != set(fields):
+                raise SchemaError(f"read: the server sent fields {sorted(kinds)} for {sorted(fields)}")
+            at = 0
+            for chunk in stream:  # each message copied into place while the next arrives
+                batch = chunk.data
+                if batch is None or batch.num_rows == 0:
+                    continue
+                end = at + batch.num_rows
+                if end > n:
+                    raise SchemaError(f"read: the server sent more than {n} rows")
+                for f in fields:
+                    v = FieldValues.from_arrow(kinds[f], batch.column(f), None if f not in shapes else
+                                               [tuple(s) for s in shapes[f][at:end]], writable=True)
+                    if v.dense is None:
+                        pieces[f].append(v)
+                        continue
+                    if f not in dense:  # a dense field: into an array of the whole reply (reused once dropped)
+                        dense[f] = self._pool.empty((n, *v.dense.shape[1:]), v.dense.dtype, tag=f)
+                    dense[f][at:end] = v.dense
+                at = end
+        except flight.FlightError as e:
+            self._raise(e)
+        if at != n:
+            raise SchemaError(f"read: the server sent {at} rows for {n} samples")
+        out: dict[str, FieldValues] = {}
+        for f in fields:
+            if f in dense:
+                out[f] = FieldValues(kinds[f], n, dense=dense[f])
+            elif pieces[f]:
+                out[f] = FieldValues.concat(pieces[f])
+            else:  # no samples
+                empty = pa.table({f: pa.array([], type=stream.schema.field(f).type)})
+                out[f] = FieldValues.from_arrow(kinds[f], empty.column(f), [] if f in shapes else None)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints (Ray actor only)
+    def _actor(self, what: str) -> Any:
+        if self.actor is None:
+            raise InvalidArgument(f"{what} of a system joined over Flight is not offered (the server takes no "
+                                  "paths); checkpoint it in the process that serves it, or inside Ray")
+        import ray
+
+        return ray
+
+    def save_checkpoint(self, path: str) -> None:
+        ray = self._actor("save_checkpoint")
+        ray.get(self.actor.save_checkpoint.remote(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        ray = self._actor("load_checkpoint")
+        ray.get(self.actor.load_checkpoint.remote(path))
+
+    def close_client(self) -> None:
+        self._client.close()
