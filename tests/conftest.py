@@ -148,6 +148,11 @@ def _no_sys_path_change():
 
 
 os.environ.setdefault("ARROWBUF_TEST", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one thread per native pool in each worker and what it starts (read when torch, OpenMP and BLAS load): two
+    # workers on two cores each spinning a pool of two made a torch test 10x slower (285 s for DQN on CartPole)
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
 
 
 # ------------------------------------------------------------------------------------------ local Ray clusters
@@ -299,11 +304,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests on the session's Ray cluster run last, together (in their order): the cluster starts once, late, and
     its idle processes do not share the CPUs with the other tests. A test that asks for the cluster through
     `request.getfixturevalue` carries the `ray` marker instead. Under pytest-xdist (`--dist loadgroup`, as
-    scripts/test.sh runs the suite) they are one group: one worker starts the cluster and runs them all."""
+    scripts/test.sh runs the suite) they are one group: one worker starts the cluster and runs them all, first, while
+    the others run the slow tests and then the rest."""
     for item in items:
         if _on_ray(item):
             item.add_marker(pytest.mark.xdist_group("ray"))
-    items.sort(key=_on_ray)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # longest first: the Ray group (one worker, minutes), then the slow tests, so that no long test starts last
+        items.sort(key=lambda item: (not _on_ray(item), item.get_closest_marker("slow") is None))
+    else:
+        items.sort(key=_on_ray)
 
 
 @pytest.fixture

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import socket
 import sys
 import time
+import uuid
 
 import numpy as np
 import pyarrow as pa
@@ -263,14 +265,24 @@ def test_a_state_dict_round_trips_bit_exact_on_every_node_and_loads_in_place(bca
         bc.publish(src, 7)  # versions grow
 
 
-def test_planted_links_and_foreign_files_at_every_path_are_refused(bcast, tmp_path):
-    bc = bcast(block_size=256 << 10)
+@pytest.fixture
+def own_root():
+    """A shared-memory root of the test's own: `arrowbuf shm gc` or a broadcast's start in another test running at the
+    same time (pytest-xdist) sweeps the default root, planted links included, by design."""
+    root = f"/dev/shm/pt-bcplant-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.mkdir(root, 0o700)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_planted_links_and_foreign_files_at_every_path_are_refused(bcast, tmp_path, own_root):
+    bc = bcast(block_size=256 << 10, root=own_root)
     sd = _model(3).state_dict()
     here = ray.get_runtime_context().get_node_id()
     others = [n for n in _nodes() if n != here]
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep me")
-    d = private.user_dir()
+    d = private.user_dir(own_root)
     # 1. the producer's file of the next version: a symlink, then a foreign file
     for plant in ("symlink", "foreign"):
         p = os.path.join(d, file_name(bc.uid, "~src", 1))

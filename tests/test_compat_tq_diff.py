@@ -221,17 +221,44 @@ def same(theirs: list[Any], ours: list[Any], ops: list[tuple[str, dict[str, Any]
 SEEDS = range(6)
 
 
+#: seconds TransferQueue's own system gets to start and to run one program (its storage start waits on Ray with no
+#: limit of its own: once it hung for more than 6 minutes)
+PEER_TIMEOUT_S = 300
+
+
+def _bounded(call: Any, what: str) -> Any:
+    """`call()` in a daemon thread, failing the test (not hanging the run) when it takes over PEER_TIMEOUT_S."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as e:  # handed to the test's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True, name=f"tq-peer-{what}")
+    t.start()
+    t.join(PEER_TIMEOUT_S)
+    if t.is_alive():
+        pytest.fail(f"TransferQueue 0.1.11's {what} did not return within {PEER_TIMEOUT_S} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 @pytest.fixture(scope="module")
 def traces(ray_cluster: Any) -> dict[int, list[Any]]:
     """TransferQueue's results for every seed (its system on the session's Ray cluster)."""
     tq = pytest.importorskip("transfer_queue")
     out = {}
     for seed in SEEDS:
-        tq.init(CONF)
+        _bounded(lambda: tq.init(CONF), "init")
         try:
-            out[seed] = run(tq, program(seed))
+            out[seed] = _bounded(lambda: run(tq, program(seed)), f"program {seed}")  # noqa: B023 (called at once)
         finally:
-            tq.close()
+            _bounded(tq.close, "close")
     return out
 
 
