@@ -331,8 +331,8 @@ class CallGate:
 
 
 # ---------------------------------------------------------------------------------------------------- errors
-#: Status code per error class, most specific first (the Flight error table, `arrowbuf.flight.protocol.errors`,
-#: carries the same codes; tests/test_serving_limits.py checks they agree).
+#: Status code per error class, most specific first: every server's table (the Flight protocol's,
+#: `arrowbuf.flight.protocol.errors.ERRORS`, is built from it).
 CODES: tuple[tuple[type[BaseException], str], ...] = (
     (Unauthenticated, "UNAUTHENTICATED"),
     (SchemaError, "INVALID_ARGUMENT"),
@@ -377,6 +377,13 @@ class PublicError:
         return {"error": self.name, "code": self.code, "message": self.message}
 
 
+def bounded_message(text: str) -> str:
+    """An error message as a client gets it: at most `MAX_MESSAGE_CHARS` (messages may quote client values)."""
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return text[:MAX_MESSAGE_CHARS] + f"... ({len(text) - MAX_MESSAGE_CHARS} more characters)"
+
+
 def error_code(exc: BaseException) -> str | None:
     """The status code of an error raised on purpose or by bad input, or None for anything else."""
     if isinstance(exc, RecursionError):  # a RuntimeError that bad input may provoke deep inside a library
@@ -393,8 +400,7 @@ def public_error(exc: BaseException) -> PublicError:
     if code is None:
         return PublicError("Internal", "INTERNAL", INTERNAL_MESSAGE)
     text = exc.args[0] if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], str) else str(exc)
-    if len(text) > MAX_MESSAGE_CHARS:
-        text = text[:MAX_MESSAGE_CHARS] + f"... ({len(text) - MAX_MESSAGE_CHARS} more characters)"
+    text = bounded_message(text)
     name = next(c.__name__ for c in type(exc).__mro__ if c.__module__ in ("arrowbuf.errors", "builtins"))
     return PublicError(name, code, text)
 

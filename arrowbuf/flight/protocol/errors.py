@@ -14,26 +14,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ...errors import (
-    ArrowbufError,
-    InsertTimeout,
-    InvalidArgument,
-    LeaseError,
-    MissingDependency,
-    OutOfSpace,
-    QueryTimeout,
-    ResourceExhausted,
-    SampleTimeout,
-    SchemaError,
-    ShardsLost,
-    StoreClosed,
-    StoreNotFound,
-    Unauthenticated,
-    Unavailable,
-)
-
-#: Longest error message sent to a client (messages may quote client values; the rest is cut).
-MAX_MESSAGE_CHARS = 1000
+from ...errors import ArrowbufError, Unauthenticated
+from ...serving.limits import CODES, bounded_message
+from ...serving.limits import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
 
 
 @dataclass(frozen=True)
@@ -45,29 +28,19 @@ class ErrorMapping:
     code: str
 
 
-#: The one error table, most specific class first. The server raises `flight_error` with extra_info naming `cls`;
-#: the client re-raises `cls`. `code` names the status for clients in other languages (pyarrow cannot send gRPC
-#: INVALID_ARGUMENT with a status detail, so invalid input travels as Flight "Failed" (gRPC UNKNOWN) + this code).
-ERRORS: tuple[ErrorMapping, ...] = (
-    ErrorMapping(Unauthenticated, flight.FlightUnauthenticatedError, "UNAUTHENTICATED"),
-    ErrorMapping(SchemaError, flight.FlightServerError, "INVALID_ARGUMENT"),
-    ErrorMapping(LeaseError, flight.FlightServerError, "FAILED_PRECONDITION"),
-    ErrorMapping(InvalidArgument, flight.FlightServerError, "INVALID_ARGUMENT"),
-    ErrorMapping(SampleTimeout, flight.FlightTimedOutError, "TIMED_OUT"),
-    ErrorMapping(InsertTimeout, flight.FlightTimedOutError, "TIMED_OUT"),
-    ErrorMapping(QueryTimeout, flight.FlightTimedOutError, "DEADLINE_EXCEEDED"),
-    ErrorMapping(ResourceExhausted, flight.FlightServerError, "RESOURCE_EXHAUSTED"),
-    ErrorMapping(StoreNotFound, flight.FlightServerError, "NOT_FOUND"),
-    ErrorMapping(ShardsLost, flight.FlightUnavailableError, "UNAVAILABLE"),
-    ErrorMapping(StoreClosed, flight.FlightUnavailableError, "UNAVAILABLE"),
-    ErrorMapping(Unavailable, flight.FlightUnavailableError, "UNAVAILABLE"),
-    ErrorMapping(OutOfSpace, flight.FlightServerError, "RESOURCE_EXHAUSTED"),
-    ErrorMapping(MissingDependency, flight.FlightServerError, "UNIMPLEMENTED"),
-    ErrorMapping(ArrowbufError, flight.FlightServerError, "FAILED"),  # raised on purpose, no finer class
-    # builtins the store raises for bad arguments (n < 1, unequal lengths, unknown sampler options)
-    ErrorMapping(ValueError, flight.FlightServerError, "INVALID_ARGUMENT"),
-    ErrorMapping(TypeError, flight.FlightServerError, "INVALID_ARGUMENT"),
-)
+#: The Flight error each status travels as (any other: FlightServerError). pyarrow cannot send gRPC INVALID_ARGUMENT
+#: with a status detail, so invalid input travels as Flight "Failed" (gRPC UNKNOWN) + the code in the detail.
+_FLIGHT_ERROR: dict[str, type[flight.FlightError]] = {
+    "UNAUTHENTICATED": flight.FlightUnauthenticatedError, "TIMED_OUT": flight.FlightTimedOutError,
+    "DEADLINE_EXCEEDED": flight.FlightTimedOutError, "UNAVAILABLE": flight.FlightUnavailableError}
+
+#: The one error table, most specific class first: the classes and codes of every server's table
+#: (`arrowbuf.serving.limits.CODES`) less KeyError, which the Flight protocol does not carry (a store raises
+#: StoreNotFound or InvalidArgument). The server raises `flight_error` with extra_info naming `cls`; the client
+#: re-raises `cls`. `code` names the status for clients in other languages.
+ERRORS: tuple[ErrorMapping, ...] = tuple(
+    ErrorMapping(cls, _FLIGHT_ERROR.get(code, flight.FlightServerError), code) for cls, code in CODES
+    if cls is not KeyError)
 _BY_NAME = {m.cls.__name__: m for m in ERRORS}
 
 
@@ -81,10 +54,7 @@ def error_mapping(exc: BaseException) -> ErrorMapping | None:
 
 def error_message(exc: BaseException) -> str:
     """The message of an error as sent to a client: at most `MAX_MESSAGE_CHARS` (messages may quote client values)."""
-    text = str(exc)
-    if len(text) <= MAX_MESSAGE_CHARS:
-        return text
-    return text[:MAX_MESSAGE_CHARS] + f"... ({len(text) - MAX_MESSAGE_CHARS} more characters)"
+    return bounded_message(str(exc))
 
 
 def decode_error(info: bytes | pa.Buffer | None) -> BaseException | None:
