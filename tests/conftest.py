@@ -300,6 +300,7 @@ def _on_ray(item: pytest.Item) -> bool:
     return "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray") is not None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group markers into the node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests on the session's Ray cluster run last, together (in their order): the cluster starts once, late, and
     its idle processes do not share the CPUs with the other tests. A test that asks for the cluster through
