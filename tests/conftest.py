@@ -308,14 +308,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests on the session's Ray cluster run last, together (in their order): the cluster starts once, late, and
     its idle processes do not share the CPUs with the other tests. A test that asks for the cluster through
     `request.getfixturevalue` carries the `ray` marker instead. Under pytest-xdist (`--dist loadgroup`, as
-    scripts/test.sh runs the suite) they are one group: one worker starts the cluster and runs them all, first, while
-    the others run the slow tests and then the rest."""
+    scripts/test.sh runs the suite) they are one group: one worker starts the cluster and runs them all, last, after
+    the slow tests and beside the quick ones."""
     for item in items:
         if _on_ray(item):
             item.add_marker(pytest.mark.xdist_group("ray"))
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # longest first: the Ray group (one worker, minutes), then the slow tests, so that no long test starts last
-        items.sort(key=lambda item: (not _on_ray(item), item.get_closest_marker("slow") is None))
+        # the long tests first, spread over the workers; the Ray group last, beside nothing heavier than the quick
+        # tests (a Ray cluster of 3 nodes beside the venv installs and demo runs overloads 2 cores: timeouts)
+        items.sort(key=lambda item: (_on_ray(item), item.get_closest_marker("slow") is None))
     else:
         items.sort(key=_on_ray)
 

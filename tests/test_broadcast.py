@@ -283,6 +283,7 @@ def test_planted_links_and_foreign_files_at_every_path_are_refused(bcast, tmp_pa
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep me")
     d = private.user_dir(own_root)
+    os.makedirs(d, mode=0o700, exist_ok=True)  # as any earlier broadcast on the root leaves it
     # 1. the producer's file of the next version: a symlink, then a foreign file
     for plant in ("symlink", "foreign"):
         p = os.path.join(d, file_name(bc.uid, "~src", 1))
