@@ -103,7 +103,9 @@ def test_wheel_with_the_ray_extra_runs_the_ray_blocks(wheel_venv, arrowbuf_wheel
     listed = subprocess.run([py, str(ROOT / "scripts" / "docs_blocks.py"), "--list", *map(str, RAY_DOCS)],
                             env=env, check=True, capture_output=True, text=True).stdout
     assert listed.count(" ray: ") >= 4, listed
-    env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}  # a cluster of its own, never the test session's
+    # a cluster of its own, never the test session's: a bare ray.init() joins any cluster running on the machine (the
+    # session's, on another pytest-xdist worker); RAY_ADDRESS=local makes it start one
+    env = {**env, "RAY_ADDRESS": "local"}
     r = subprocess.run([py, str(ROOT / "scripts" / "docs_blocks.py"), "--ray", *map(str, RAY_DOCS)], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
