@@ -552,7 +552,12 @@ def test_threads_reserve_copy_and_commit_in_order_and_a_failed_copy_is_skipped()
         assert not (t.column("obs").combine_chunks().to_numpy_ndarray()[:, 0] == 3).any()
 
 
-def test_janitor_reclaims_stores_of_dead_owners(names, capsys):
+def test_janitor_reclaims_stores_of_dead_owners(names, capsys, tmp_path, monkeypatch):
+    # a shared-memory root of its own: any other process's janitor (another pytest-xdist worker's store opening)
+    # reclaims dead owners' stores in the default root before this test can list them
+    root = tmp_path / "shm"
+    root.mkdir(mode=0o700)
+    monkeypatch.setenv("ARROWBUF_SHM_DIR", str(root))
     a, b, c = names(), names(), names()
     ready = CTX.Event()
     p = start(names, _create_and_wait, [a, b, c], ready)
