@@ -17,12 +17,22 @@ Each handler runs in its own gRPC thread for the whole call, so a stream is keye
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import unquote
+
+from ..errors import ResourceExhausted
+from ..serving.limits import CallGate
+from .sockets import cut_server_connections
+
+log = logging.getLogger(__name__)
+
+#: seconds a new stream waits for a slot freed by cutting idle streams' connections
+SLOT_WAIT_S = 5.0
 
 
 @dataclass
@@ -85,3 +95,21 @@ class OpenStreams:
 
 
 __all__ = ["OpenStreams", "parse_peer"]
+
+
+def acquire_stream_slot(calls: CallGate, streams: OpenStreams, port: int, idle_timeout: float, where: str) -> None:
+    """Take one of `calls`' "stream" slots. When every one is taken, first cut the connections of the streams idle for
+    `idle_timeout` seconds or more, then wait up to `SLOT_WAIT_S` for a slot (`ResourceExhausted` when none is idle
+    or none frees). `where` names the server in the warning. The Flight server and the TransferQueue-compatible one
+    share it."""
+    try:
+        calls.acquire("stream")
+        return
+    except ResourceExhausted:
+        idle = streams.idle_peers(idle_timeout)
+        if not idle:
+            raise
+    cut = cut_server_connections(port, idle)
+    log.warning("%s: every stream slot taken; cut %d connection(s) whose streams were idle for %gs or more", where,
+                cut, idle_timeout)
+    calls.acquire("stream", wait=SLOT_WAIT_S)

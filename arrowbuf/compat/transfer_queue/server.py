@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ...errors import InvalidArgument, ResourceExhausted, SchemaError
-from ...flight.idle import OpenStreams
+from ...errors import InvalidArgument, SchemaError
+from ...flight.idle import OpenStreams, acquire_stream_slot
 from ...flight.sockets import cut_server_connections
 from ...schema.dtypes import is_logical
 from ...serving.limits import CallGate, check_bind, check_bytes, error_code, public_error
@@ -39,7 +39,6 @@ _FLIGHT_ERRORS: dict[str, type[flight.FlightError]] = {
     "TIMED_OUT": flight.FlightTimedOutError, "DEADLINE_EXCEEDED": flight.FlightTimedOutError,
     "INTERNAL": flight.FlightInternalError}
 #: Seconds a new put waits for the slot of an idle put whose connection it cut.
-_STREAM_SLOT_WAIT = 5.0
 
 log = logging.getLogger("arrowbuf.compat")
 
@@ -219,16 +218,7 @@ class TQServer(flight.FlightServerBase):
     @contextlib.contextmanager
     def _stream_slot(self, context: flight.ServerCallContext) -> Iterator[None]:
         """A put's slot; when every one is taken, the connections of puts idle for `idle_timeout` are cut first."""
-        try:
-            self.calls.acquire("stream")
-        except ResourceExhausted:
-            idle = self.streams.idle_peers(self.limits.idle_timeout)
-            if not idle:
-                raise
-            cut = cut_server_connections(self.port, idle)
-            log.warning("%s %s: every put slot taken; cut %d connection(s) idle for %gs or more", VERSION,
-                        self.location, cut, self.limits.idle_timeout)
-            self.calls.acquire("stream", wait=_STREAM_SLOT_WAIT)
+        acquire_stream_slot(self.calls, self.streams, self.port, self.limits.idle_timeout, f"{VERSION} {self.location}")
         try:
             with self.streams.open(context.peer()):
                 yield

@@ -36,7 +36,6 @@ import pyarrow.flight as flight
 from ...errors import (
     ArrowbufError,
     InvalidArgument,
-    ResourceExhausted,
     SchemaError,
     StoreClosed,
     StoreNotFound,
@@ -50,7 +49,7 @@ from ...serving.limits import check_bind, client_cap
 from ...surface import Bounded, PieceSink, StoreSurface, TableStream
 from .. import protocol as P
 from ..heap import release_after
-from ..idle import OpenStreams
+from ..idle import OpenStreams, acquire_stream_slot
 from ..limits import CallGate, ServerLimits
 from ..parts import parts_stream, pieces_stream
 from ..parts import receive as receive_parts
@@ -71,7 +70,6 @@ log = logging.getLogger("arrowbuf.flight")
 DEFAULT_MAX_BATCH_ROWS = ServerLimits.max_batch_rows
 DEFAULT_PREFETCH_BYTES = ServerLimits.max_prefetch_bytes
 #: Seconds a new upload or session waits for the slot of an idle stream whose connection it had cut.
-_STREAM_SLOT_WAIT = 5.0
 
 
 def serve(store_or_stores: Stores, location: str = "grpc://127.0.0.1:0", token: str | None = None,
@@ -266,16 +264,7 @@ class StoreServer:
     def stream_slot(self, context: flight.ServerCallContext) -> Iterator[None]:
         """Hold a stream slot (and record the stream in `streams`) while an upload or session runs; when every
         slot is taken, cut the connections of idle streams first (`arrowbuf.flight.idle`)."""
-        try:
-            self.calls.acquire("stream")
-        except ResourceExhausted:
-            idle = self.streams.idle_peers(self.limits.stream_idle_timeout)
-            if not idle:
-                raise
-            cut = cut_server_connections(self.port, idle)
-            log.warning("%s: every stream slot taken; cut %d connection(s) whose streams were idle for %gs or more",
-                        self.location, cut, self.limits.stream_idle_timeout)
-            self.calls.acquire("stream", wait=_STREAM_SLOT_WAIT)
+        acquire_stream_slot(self.calls, self.streams, self.port, self.limits.stream_idle_timeout, self.location)
         try:
             with self.streams.open(context.peer()):
                 yield
