@@ -471,6 +471,56 @@ def test_tiered_sample_and_update_progress_while_every_read_races_a_migration(tm
         assert tab["reward"] == [float(s) for s in tab["seq"]]
 
 
+def test_tiered_sample_regathers_rows_whose_nulls_differ_from_the_batch(tmp_path):
+    """A chunk moves while a sample reads it, so its items are read again: the batch has null rows (an Arrow array)
+    while the re-read rows have none (numpy), or both have nulls in a tensor field. The re-read rows merge into the
+    batch whatever kinds the two reads came back as."""
+    pytest.importorskip("torch")
+    from arrowbuf.tiers import GpuTier
+
+    class RacingTier(GpuTier):
+        """A (CPU-backed) device tier that runs `race` before each read: a migration landing mid-gather."""
+
+        race = None
+
+        def take(self, *args, **kwargs):
+            if self.race is not None:
+                self.race()
+            return super().take(*args, **kwargs)
+
+    cap, cr = 64, 32
+    schema = {"name": "t", "fields": {"a": "int64", "reward": {"dtype": "float64", "later": True},
+                                      "emb": {"dtype": "float32", "shape": [2], "later": True}, "done": "bool"}}
+    gpu = RacingTier(budget=2 * cr * 8, device="cpu")
+    store = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=cr,
+                               tiers={"gpu": gpu, "host": "64KiB", "disk": tmp_path}, placement="static")
+    with store:
+        ids = store.extend({"a": np.arange(cap), "done": np.ones(cap, bool)})
+        cols, idx = store._cols, store.index
+        assert cols.ensure_arena(0, "a", 2)
+        for s in range(2):  # column a wholly on the device: every gather reads it there, after the later fields
+            assert cols.migrate("a", s, 0, int(idx.seq[s * cr]), idx, store._lock)
+        first, evens = ids[:cr], ids[::2]
+        assert store.update(first, {"reward": first.astype(np.float64)}) == cr  # chunk 0 whole, chunk 1 null
+        assert store.update(evens, {"emb": np.stack([evens, -evens], axis=1).astype(np.float32)}) == len(evens)
+
+        def race():  # once: chunk 0 of both later fields moves between host and disk
+            gpu.race = None
+            for name in ("reward", "emb"):
+                ci = cols.ci[name]
+                assert cols.migrate(name, 0, 1 if cols.res[ci, 0] == 2 else 2, int(idx.seq[0]), idx, store._lock)
+
+        before = cols.counters["regathers"]
+        gpu.race = race
+        b = store.sample(64, columns=["a", "reward", "emb"])
+        assert gpu.race is None and cols.counters["regathers"] > before  # the race ran; some items were read again
+        rew, emb = b["reward"].to_pylist(), b["emb"].to_pylist()
+        for seq, a, r, e in zip(b.indices.tolist(), b["a"].tolist(), rew, emb):
+            assert a == seq
+            assert r == (float(seq) if seq < cr else None)
+            assert e == ([float(seq), float(-seq)] if seq % 2 == 0 else None)
+
+
 # ---------------------------------------------------------------- ragged fields in shared memory
 RAGGED_SHM = {"name": "rs", "fields": {
     "p": "int64", "tok": {"dtype": "int32", "ragged": True, "mean_length": 8},

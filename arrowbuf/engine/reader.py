@@ -693,21 +693,42 @@ def _host(values: IdsLike) -> npt.ArrayLike:
 
 
 def _assign_rows(arr: Gathered, rows: np.ndarray, values: Gathered) -> Gathered:
-    """`arr` with `arr[rows] = values`: in place for numpy arrays and torch tensors, a new array for Arrow."""
-    if isinstance(arr, np.ndarray):
-        arr[rows] = values
-        return arr
-    if not isinstance(arr, (pa.Array, pa.ChunkedArray)):  # a torch tensor (GPU tier)
+    """`arr` with `arr[rows] = values` (items read again after a chunk moved or a row was recycled).
+
+    The two reads may come back as different kinds: a later field is an Arrow array where some row is null and numpy
+    (or a device tensor) where none is, and rows read on a device tier come back as a tensor. The merge takes the
+    wider kind: Arrow (nulls) over a tensor over numpy. In place for numpy arrays and tensors."""
+    if isinstance(arr, (pa.Array, pa.ChunkedArray)) or isinstance(values, (pa.Array, pa.ChunkedArray)):
+        return _replace_rows(arr, rows, values)
+    if _is_tensor(arr) or _is_tensor(values):
         import torch
 
-        arr[torch.from_numpy(np.asarray(rows)).to(arr.device)] = values.to(arr.device) if hasattr(values, "to") \
-            else torch.from_numpy(np.asarray(values)).to(arr.device)
-        return arr
-    return _replace_rows(arr, rows, values)
+        device = arr.device if _is_tensor(arr) else values.device
+        out = arr if _is_tensor(arr) else torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+        out[torch.from_numpy(np.asarray(rows)).to(device)] = (
+            values.to(device) if _is_tensor(values) else torch.from_numpy(np.asarray(values)).to(device))
+        return out
+    arr[rows] = values
+    return arr
 
 
-def _replace_rows(arr: pa.Array, rows: np.ndarray, values: pa.Array) -> pa.Array:
-    pylist = arr.to_pylist()
-    for i, v in zip(rows.tolist(), values.to_pylist()):
+def _replace_rows(arr: Gathered, rows: np.ndarray, values: Gathered) -> pa.Array:
+    """A new Arrow array: `arr` with `values` at `rows`, of the Arrow type of whichever of the two is Arrow."""
+    like = arr if isinstance(arr, (pa.Array, pa.ChunkedArray)) else values
+    typ = like.type
+    pylist = _pylist(arr, typ)
+    for i, v in zip(rows.tolist(), _pylist(values, typ)):
         pylist[i] = v
-    return pa.array(pylist, type=arr.type)
+    if isinstance(typ, pa.ExtensionType):  # e.g. fixed_shape_tensor: pyarrow builds these from their storage only
+        return pa.ExtensionArray.from_storage(typ, pa.array(pylist, type=typ.storage_type))
+    return pa.array(pylist, type=typ)
+
+
+def _pylist(values: Gathered, typ: pa.DataType) -> list:
+    """Rows of `values` (Arrow, numpy or a tensor) as Python values in the layout of Arrow type `typ`."""
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        return values.to_pylist()
+    host = np.asarray(_host(values))
+    if isinstance(typ, pa.ExtensionType) or pa.types.is_fixed_size_list(typ):  # a tensor row is one flat list
+        host = host.reshape(len(host), -1)
+    return host.tolist()
