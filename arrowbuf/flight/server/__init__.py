@@ -69,6 +69,8 @@ log = logging.getLogger("arrowbuf.flight")
 
 DEFAULT_MAX_BATCH_ROWS = ServerLimits.max_batch_rows
 DEFAULT_PREFETCH_BYTES = ServerLimits.max_prefetch_bytes
+#: Longest single sleep of `StoreServer.wait` (how late a signal handler that another thread received may run).
+_WAIT_SLICE = 0.2
 #: Seconds a new upload or session waits for the slot of an idle stream whose connection it had cut.
 
 
@@ -178,8 +180,19 @@ class StoreServer:
         return self._closing.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the server is closed (by `close()` from another thread or a signal handler)."""
-        return self._closed.wait(timeout)
+        """Block until the server is closed (by `close()` from another thread or a signal handler); False if
+        `timeout` seconds passed first.
+
+        It wakes every `_WAIT_SLICE` seconds. The kernel may hand a process's SIGTERM to any of its threads (gRPC's,
+        Arrow's); Python then only flags it and runs the handler in the main thread at its next bytecode, and a main
+        thread blocked in one long lock wait never gets there: the handler that would call `close()` never ran."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _WAIT_SLICE if deadline is None else min(_WAIT_SLICE, deadline - time.monotonic())
+            if self._closed.wait(max(left, 0.0)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no call runs in a handler (streams already handed to gRPC do not count); False on timeout."""
