@@ -714,8 +714,7 @@ def _assign_rows(arr: Gathered, rows: np.ndarray, values: Gathered) -> Gathered:
 
 def _replace_rows(arr: Gathered, rows: np.ndarray, values: Gathered) -> pa.Array:
     """A new Arrow array: `arr` with `values` at `rows`, of the Arrow type of whichever of the two is Arrow."""
-    like = arr if isinstance(arr, (pa.Array, pa.ChunkedArray)) else values
-    typ = like.type
+    typ = arr.type if isinstance(arr, (pa.Array, pa.ChunkedArray)) else cast(pa.Array, values).type
     pylist = _pylist(arr, typ)
     for i, v in zip(rows.tolist(), _pylist(values, typ)):
         pylist[i] = v
