@@ -11,7 +11,11 @@ inside the host):
   transferqueue   `import transfer_queue as tq` is TransferQueue 0.1.11 (SimpleStorage, 2 storage units)
   arrowbuf        the same script with the name `transfer_queue` bound to `arrowbuf.compat.transfer_queue` (in the
                   driver and, by a Ray worker setup hook, in every worker): the import is the only change. The
-                  system lives in one Ray actor serving it over Arrow Flight (arrowbuf.compat.transfer_queue.ray)
+                  system lives in one Ray actor (arrowbuf.compat.transfer_queue.ray), its field groups in /dev/shm:
+                  the writer and reader actors put and read the values themselves, plans and locations go over
+                  Arrow Flight
+  arrowbuf-flight the same with `arrowbuf: {shared_memory: false}` in the config: values over Flight too, as
+                  between nodes
 
 and, as the ceiling measured in the same run, one numpy copy of the same bytes in one process (`memcpy`).
 
@@ -47,7 +51,9 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
-BACKENDS = ("transferqueue", "arrowbuf")
+BACKENDS = ("transferqueue", "arrowbuf", "arrowbuf-flight")
+#: arrowbuf.compat's own settings per backend (TransferQueue's config is the same for all)
+ARROWBUF_CONFIG = {"arrowbuf": "", "arrowbuf-flight": "arrowbuf:\n  shared_memory: false\n"}
 CONFIG = """\
 controller:
   sampler: SequentialSampler
@@ -83,7 +89,7 @@ def child(backend: str, script: str, argv: list[str], ray_tmp: str | None = None
     import ray
 
     runtime_env: dict[str, Any] = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
-    if backend == "arrowbuf":
+    if backend.startswith("arrowbuf"):
         swap_import()
         runtime_env["worker_process_setup_hook"] = "benchmarks.bench_transfer_queue.swap_import"
     # a private temp dir: this run's own local cluster, never another job's (RAY_ADDRESS is unset by the parent)
@@ -141,8 +147,8 @@ def run_backend(backend: str, script: pathlib.Path, args: argparse.Namespace, tm
 
     import psutil
 
-    cfg = tmp / "config.yaml"
-    cfg.write_text(CONFIG)
+    cfg = tmp / f"config-{backend}.yaml"
+    cfg.write_text(CONFIG + ARROWBUF_CONFIG.get(backend, ""))
     out_csv = tmp / f"{backend}{tag}.csv"
     ray_tmp = tempfile.mkdtemp(prefix="rtq-", dir="/tmp")
     argv = ["--backend_config", str(cfg), "--head_node_ip", "HEAD", "--global_batch_size", str(args.batch),
@@ -288,10 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{backend:<15}{s['put_s']:>10.4f}{s['get_s']:>10.4f}{s['put_GBps']:>10.3f}{s['get_GBps']:>10.3f}"
               f"{s['put_GBps'] / ceiling:>10.3f}{s['get_GBps'] / ceiling:>10.3f}{s['peak_rss_tree_MiB']:>10.0f}")
     print(f"{'memcpy':<15}{'':>10}{'':>10}{ceiling:>10.3f}{ceiling:>10.3f}")
-    if "transferqueue" in summary and "arrowbuf" in summary:
-        a, t = summary["arrowbuf"], summary["transferqueue"]
-        print(f"arrowbuf / TransferQueue throughput: put {a['put_GBps'] / t['put_GBps']:.2f}x, "
-              f"get {a['get_GBps'] / t['get_GBps']:.2f}x")
+    for mine in ("arrowbuf", "arrowbuf-flight"):
+        if "transferqueue" in summary and mine in summary:
+            a, t = summary[mine], summary["transferqueue"]
+            print(f"{mine} / TransferQueue throughput: put {a['put_GBps'] / t['put_GBps']:.2f}x, "
+                  f"get {a['get_GBps'] / t['get_GBps']:.2f}x, peak RSS of the tree "
+                  f"{a['peak_rss_tree_MiB'] / t['peak_rss_tree_MiB']:.2f}x")
     OUT.mkdir(parents=True, exist_ok=True)
     name = "transfer_queue_complex.json" if args.complex else "transfer_queue.json"
     (OUT / name).write_text(json.dumps({

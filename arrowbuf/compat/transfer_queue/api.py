@@ -56,6 +56,10 @@ def _settings(conf: Any) -> dict[str, Any]:
         "ray": bool(conf_get(conf, "arrowbuf", "ray", default=True)),
         "host": str(conf_get(conf, "arrowbuf", "host", default="127.0.0.1")),
         "limits": conf_get(conf, "arrowbuf", "limits"),
+        # field groups in /dev/shm, written and read by the processes of the node themselves: on by default for a
+        # system in a Ray actor (and its clients), off for one in this process (unless True: then `serve`d, its
+        # clients on this node use it); False turns it off everywhere (as between nodes)
+        "shared_memory": conf_get(conf, "arrowbuf", "shared_memory"),
     }
 
 
@@ -70,7 +74,10 @@ def init(conf: Any = None) -> Any:
     over Flight), `token`, `ray` (default True: inside a Ray job the system lives in a Ray actor named
     "TransferQueueController" (namespace "transfer_queue"), as TransferQueue's controller, that every process's
     `init` finds; see `ray`), `host` (the address that actor binds), `shards` (inside a Ray job: N > 1 starts or
-    joins N shards routed by `sharded`), `locations` (join N systems served over Flight as one sharded system). A
+    joins N shards routed by `sharded`), `locations` (join N systems served over Flight as one sharded system),
+    `shared_memory` (the field groups in /dev/shm, so that the processes of the system's node put and read values
+    themselves, not over Flight: on by default for a system in a Ray actor, off by default for one in this process;
+    False turns it off in the system and its clients). A
     second `init` in the same process keeps the first system. Returns `conf`."""
     global _CLIENT, _RAY_ACTOR, _CONF, _PID
     _forget_if_forked()
@@ -93,17 +100,19 @@ def init(conf: Any = None) -> Any:
         from .remote import RemoteBackend
         from .sharded import ShardedBackend
 
-        shards = ShardedBackend([RemoteBackend(str(loc), s["token"]) for loc in locations],
+        shm = s["shared_memory"] is not False
+        shards = ShardedBackend([RemoteBackend(str(loc), s["token"], shared_memory=shm) for loc in locations],
                                 polling_mode=s["polling_mode"] or not s["shards"] > 1, wait=s["wait"])
         _CLIENT = TransferQueueClient(shards, conf, output=s["output"])
     elif location:
         from .remote import RemoteBackend
 
-        _CLIENT = TransferQueueClient(RemoteBackend(str(location), s["token"], actor=actors), conf,
+        _CLIENT = TransferQueueClient(RemoteBackend(str(location), s["token"], actor=actors,
+                                                    shared_memory=s["shared_memory"] is not False), conf,
                                       output=s["output"])
     else:
         state = TQState(capacity=s["capacity"], sampler=s["sampler"], polling_mode=s["polling_mode"],
-                        wait=s["wait"])
+                        wait=s["wait"], shared_memory=s["shared_memory"] is True)
         _CLIENT = TransferQueueClient(state, conf, owned=state, output=s["output"])
     _CONF = conf
     return conf

@@ -99,8 +99,7 @@ def read(path: str, capacity: int) -> tuple[dict[str, Partition], IndexManager, 
             p.key_of = {g: k for k, g in p.keys.items()}
             p.groups = {tuple(tuple(x) for x in k): int(g) for k, g in obj["groups"]}
             for s in obj["stores"]:
-                forms = {f: (FieldKind.from_json(k), "ragged" if m == "ragged" else tuple(m))
-                         for f, (k, m) in s["forms"].items()}
+                forms = FieldGroup.forms_of(s)
                 store = ExperienceStore.restore(str(root / s["dir"]))
                 p.stores.append(FieldGroup(s["name"], forms, capacity, store=store, base=int(s.get("base", 0))))
             loaded[p.partition_id] = p

@@ -5,19 +5,21 @@ that hold the values (`FieldGroup`)."""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from ...errors import InvalidArgument, SchemaError
+from ...errors import ArrowbufError, InvalidArgument, SchemaError
 from ...schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
 from ...store.facade import ExperienceStore
 from .columns import FieldKind, FieldValues
 
+log = logging.getLogger("arrowbuf.compat")
 #: A status reply (`production_status`, `consumption_status`): (the partition's sorted global indexes, per index its
 #: 0/1 per field or 0/1 consumed), a two-element JSON list over the wire; None: unknown partition or field.
 Status = Sequence[list[Any]] | None
@@ -177,15 +179,26 @@ class FieldGroup:
     """One arrowbuf store holding fields written together, each in one storage form. A ragged tensor field has a
     companion column `__shape__.<field>` with each row's shape. Rows are addressed by a row id: the store's seq less
     `base` (a store that grows is replaced by a larger one, whose seqs start elsewhere). `pending` counts the rows
-    planned into it whose writes are in flight (`make_room`)."""
+    planned into it whose writes are in flight (`make_room`).
+
+    `shm_name` given and every field a dense tensor: the store is in shared memory under a fresh name from it (a
+    grown store is another), so that the processes of the node write and read its rows themselves (`shm`: that name;
+    None where /dev/shm had no room, or the store is this process's). `attached` opens such a group in another
+    process."""
 
     def __init__(self, name: str, forms: dict[str, tuple[FieldKind, Any]], capacity: int,
-                 store: ExperienceStore | None = None, base: int = 0, rows: int = INITIAL_ROWS) -> None:
+                 store: ExperienceStore | None = None, base: int = 0, rows: int = INITIAL_ROWS,
+                 shm_name: Callable[[], str] | None = None) -> None:
         self.name = name
         self.capacity = capacity
         self.forms = dict(forms)
         self.fields = tuple(sorted(forms))
         self.pending = 0
+        # shared memory for dense tensor fields only: a ragged arena in /dev/shm cannot grow (`ring.ragged_arena`),
+        # and a put's text or nested values could need more than any size fixed now
+        dense = all(k.kind == "tensor" and m != "ragged" for k, m in self.forms.values())
+        self._shm_name = shm_name if dense else None
+        self.shm: str | None = None
         # a field is the store column of its name (SQL sees it), or `<name>__tq` where a store column has the name
         self.column = {f: f"{f}__tq" if f in RESERVED or f.startswith(SHAPE_PREFIX) else f for f in self.fields}
         cols: dict[str, Any] = {}
@@ -204,7 +217,39 @@ class FieldGroup:
         self.base = base
 
     def _new_store(self, rows: int) -> ExperienceStore:
+        """A store of `rows` rows: in shared memory when the group has `shm_name` (in this process's memory where
+        /dev/shm has no room for it or its forms: then its rows go over Flight); `shm` says which."""
+        if self._shm_name is not None:
+            try:
+                store = ExperienceStore(self._schema, capacity=rows, sampler="fifo", name=self._shm_name(),
+                                        tier="shm")
+            except (ArrowbufError, OSError) as e:
+                log.warning("%s: no shared-memory store of %d rows (%s); its rows go over Flight", self.name, rows, e)
+            else:
+                self.shm = store.name
+                return store
+        self.shm = None
         return ExperienceStore(self._schema, capacity=rows, sampler="fifo", name=self.name)
+
+    @classmethod
+    def attached(cls, shm: str, forms: dict[str, tuple[FieldKind, Any]], base: int) -> FieldGroup:
+        """The group whose store is the shared store `shm`, opened in this process (a client of the node writes and
+        reads its rows; the system's process owns it). Raises what `ExperienceStore.attach` raises."""
+        store = ExperienceStore.attach(shm)
+        group = cls(shm, forms, store.capacity, store=store, base=base)
+        group.shm = shm
+        return group
+
+    def describe(self) -> dict[str, Any]:
+        """What a client of the node needs to open the group (`attached`): its shared store, base and forms."""
+        return {"shm": self.shm, "base": self.base,
+                "forms": {f: [k.to_json(), m if m == "ragged" else list(m)] for f, (k, m) in self.forms.items()}}
+
+    @staticmethod
+    def forms_of(obj: dict[str, Any]) -> dict[str, tuple[FieldKind, Any]]:
+        """The forms `describe` (or `to_json`) wrote."""
+        return {str(f): (FieldKind.from_json(k), m if m == "ragged" else tuple(int(d) for d in m))
+                for f, (k, m) in obj["forms"].items()}
 
     def make_room(self, n: int, oldest_live: int | None) -> bool:
         """Make room for `n` more rows after the `pending` ones before they are written: grow the store (double it,

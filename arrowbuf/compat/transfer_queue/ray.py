@@ -9,6 +9,9 @@ address, and then a token: `{"arrowbuf": {"token": ...}}`). The sampler travels 
 `samplers.sampler_spec`), so `GRPOGroupNSampler(4)` is a 4-sampler in the actor too. Besides `location`, the actor
 answers TransferQueue's controller calls that tests and tools make: `list_partitions`, `clear_partition`,
 `get_partition_snapshot`, `get_config`, and `save_checkpoint`/`load_checkpoint` (paths on the actor's node).
+
+Its field groups are in /dev/shm unless `{"arrowbuf": {"shared_memory": False}}`: the processes of its node write
+and read their rows themselves (`remote`), only plans, commits and locations go over Flight.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ class TransferQueueController:
 
         self.settings = settings
         self.state = TQState(capacity=settings["capacity"], sampler=settings["sampler"],
-                             polling_mode=settings["polling_mode"], wait=settings["wait"])
+                             polling_mode=settings["polling_mode"], wait=settings["wait"],
+                             shared_memory=settings.get("shared_memory") is not False)
         limits = TQLimits(**{**JOB_LIMITS, **(settings.get("limits") or {})})
         self.server = TQServer(self.state, f"grpc://{host}:0", token=token, limits=limits)
 
@@ -82,7 +86,8 @@ def ray_running() -> bool:
 def _spec(settings: dict[str, Any]) -> dict[str, Any]:
     """What the actor needs of `api._settings` (no token: `get_config` hands this out)."""
     return {"capacity": settings["capacity"], "polling_mode": settings["polling_mode"], "wait": settings["wait"],
-            "sampler": sampler_spec(settings["sampler"]), "limits": settings.get("limits")}
+            "sampler": sampler_spec(settings["sampler"]), "limits": settings.get("limits"),
+            "shared_memory": settings.get("shared_memory")}
 
 
 def _start(name: str, settings: dict[str, Any], host: str, token: str | None, **options: Any) -> tuple[Any, bool]:

@@ -5,19 +5,30 @@ reads the files; the Flight server takes no paths)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import logging
+import os
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ...errors import InvalidArgument, SchemaError
+from ...errors import ArrowbufError, InvalidArgument, SchemaError
 from ...ring.outpool import OutputPool
+from ...tiers.shm import store_path
 from .columns import FieldKind, FieldValues
-from .partition import Status
+from .partition import FieldGroup, Status
 from .samplers import SamplerArg, sampler_spec
+from .state import read_located
 from .wire import ERROR_RE, ERRORS, VERSION, chunk_rows
+
+log = logging.getLogger("arrowbuf.compat")
+#: Shared stores a client keeps open at once (the oldest closes first).
+_MAX_ATTACHED = 64
 
 
 class RemoteBackend:
@@ -25,9 +36,14 @@ class RemoteBackend:
 
     in_process = False
 
-    def __init__(self, location: str, token: str | None = None, actor: Any = None) -> None:
+    def __init__(self, location: str, token: str | None = None, actor: Any = None,
+                 shared_memory: bool = True) -> None:
         self.location = location
         self.actor = actor
+        # a system whose field groups are in /dev/shm, on this node: puts and reads go through shared memory
+        # (`shm_*` actions; None: not known yet, False: off, or the system's stores cannot be opened here)
+        self._shm_ok: bool | None = None if shared_memory else False
+        self._groups: OrderedDict[str, FieldGroup] = OrderedDict()  # attached shared stores, least recent first
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._client = flight.FlightClient(location)
         self._options = flight.FlightCallOptions(headers=headers)
@@ -40,7 +56,7 @@ class RemoteBackend:
         msg = m.group(2).split("\n")[0].split(". Detail:")[0]
         raise ERRORS[m.group(1)](msg) from None
 
-    def _act(self, op: str, **body: Any) -> Any:
+    def _act(self, op: str, /, **body: Any) -> Any:
         try:
             payload = json.dumps(body).encode()
         except TypeError as e:
@@ -114,10 +130,88 @@ class RemoteBackend:
             self._raise(e)
         return json.loads(buf.to_pybytes())["result"]
 
+    @property
+    def through_shared_memory(self) -> bool | None:
+        """True once a put or read went through shared memory; False when it is off or the system's stores cannot
+        be opened here (puts and reads go over Flight); None before the first put or read."""
+        return self._shm_ok
+
+    def _group(self, described: dict[str, Any]) -> FieldGroup | None:
+        """The field group a `shm_*` reply describes, attached in this process (cached); None where its store cannot
+        be opened here (another node, another user's /dev/shm): then this client goes over Flight from now on."""
+        name = str(described["shm"])
+        group = self._groups.get(name)
+        if group is None:
+            try:
+                group = FieldGroup.attached(name, FieldGroup.forms_of(described), int(described["base"]))
+            except (ArrowbufError, OSError) as e:
+                log.info("%s: the system's shared store %s cannot be opened here (%s); puts and reads go over "
+                         "Flight", self.location, name, e)
+                self._shm_ok = False
+                return None
+            # the stores the system removed since (a grown group's old store, a cleared partition's): their memory
+            # stays allocated while a process maps them, and a closed store's arrays (its mappings) go with the
+            # store object, which reference cycles keep until a collection
+            removed = [n for n in self._groups if not os.path.isdir(store_path(n))]
+            for old in removed:
+                self._groups.pop(old).close()
+            if removed:
+                gc.collect()
+            self._groups[name] = group
+            while len(self._groups) > _MAX_ATTACHED:
+                self._groups.popitem(last=False)[1].close()
+        self._groups.move_to_end(name)
+        return group
+
+    def _put_shm(self, command: dict[str, Any], values: dict[str, FieldValues]) -> tuple[bool, Any]:
+        """A put through shared memory: plan, write the rows into the group's store here, commit. (False, None)
+        where the system answers no shared store (then DoPut)."""
+        body = {**command, "kinds": {f: v.kind.to_json() for f, v in values.items()},
+                "shapes": {f: [list(s) for s in v.sample_shapes()] for f, v in values.items() if v.ragged},
+                "dense": {f: list(v.dense.shape[1:]) for f, v in values.items() if v.dense is not None}}
+        reply = self._act("shm_plan", **body)
+        if reply["shm"] is None:
+            self._shm_ok = self._shm_ok or False
+            return False, None
+        handle = reply["plan"]
+        try:
+            group = self._group(reply["shm"])
+            if group is None:
+                self._act("shm_abort", plan=handle)
+                return False, None
+            rows = group.write(values)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._act("shm_abort", plan=handle)
+            raise
+        self._shm_ok = True
+        return True, self._act("shm_commit", plan=handle, rows=rows.tolist())
+
+    def _read_shm(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues] | None:
+        """A read through shared memory: locate, then read the rows from the groups' stores here; None where the
+        system answers no shared store (then DoGet)."""
+        reply = self._act("shm_locate", partition_id=partition_id, gidx=[int(g) for g in gidx], fields=fields)
+        if reply["shm"] is None:
+            self._shm_ok = self._shm_ok or False
+            return None
+        groups: dict[int, FieldGroup] = {}
+        for k, described in reply["shm"].items():
+            group = self._group(described)
+            if group is None:
+                return None
+            groups[int(k)] = group
+        located = {f: [(int(k), np.asarray(pos, dtype=np.int64), np.asarray(rows, dtype=np.int64))
+                       for k, pos, rows in where] for f, where in reply["fields"].items()}
+        got = read_located(located, len(gidx), groups.__getitem__)
+        self._shm_ok = True
+        return got
+
     def put(self, partition_id: str, gidx: list[int], values: dict[str, FieldValues],
             nested: list[str]) -> None:
-        self._put({"op": "put", "partition_id": partition_id, "gidx": [int(g) for g in gidx],
-                   "nested": list(nested)}, values)
+        command = {"op": "put", "partition_id": partition_id, "gidx": [int(g) for g in gidx], "nested": list(nested)}
+        if values and self._shm_ok is not False and self._put_shm(command, values)[0]:
+            return
+        self._put(command, values)
 
     def kv_put(self, partition_id: str, keys: list[str], values: dict[str, FieldValues],
                nested: list[str], tags: list[dict[str, Any] | None] | None) -> dict[str, Any]:
@@ -125,10 +219,22 @@ class RemoteBackend:
             tags_json = json.loads(json.dumps(tags))
         except TypeError as e:
             raise InvalidArgument(f"tags must be JSON values over Flight ({e})") from None
-        return dict(self._put({"op": "kv_put", "partition_id": partition_id, "keys": list(keys), "tags": tags_json,
-                               "nested": list(nested)}, values))
+        command = {"op": "kv_put", "partition_id": partition_id, "keys": list(keys), "tags": tags_json,
+                   "nested": list(nested)}
+        if values and self._shm_ok is not False:
+            done, result = self._put_shm(command, values)
+            if done:
+                return dict(result)
+        return dict(self._put(command, values))
 
     def read(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]:
+        if fields and self._shm_ok is not False:
+            got = self._read_shm(partition_id, gidx, fields)
+            if got is not None:
+                return got
+        return self._read_flight(partition_id, gidx, fields)
+
+    def _read_flight(self, partition_id: str, gidx: list[int], fields: list[str]) -> dict[str, FieldValues]:
         ticket = {"op": "read", "partition_id": partition_id, "gidx": [int(g) for g in gidx], "fields": fields}
         n = len(gidx)
         dense: dict[str, np.ndarray] = {}
@@ -191,4 +297,6 @@ class RemoteBackend:
         ray.get(self.actor.load_checkpoint.remote(path))
 
     def close_client(self) -> None:
+        while self._groups:
+            self._groups.popitem()[1].close()
         self._client.close()

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ...errors import InvalidArgument, SchemaError
+from ...errors import InvalidArgument, ResourceExhausted, SchemaError
 from ...flight.idle import OpenStreams, acquire_stream_slot
 from ...flight.sockets import cut_server_connections
 from ...schema.dtypes import is_logical
@@ -119,6 +120,22 @@ def _shapes(obj: dict[str, Any], kinds: dict[str, FieldKind], rows: int) -> dict
     return out
 
 
+def _dense(obj: dict[str, Any], kinds: dict[str, FieldKind]) -> dict[str, tuple[int, ...]]:
+    """The one sample shape of each dense tensor field of a shared-memory put's plan."""
+    v = obj.get("dense") or {}
+    if not isinstance(v, dict):
+        raise InvalidArgument("dense must be an object")
+    out = {}
+    for name, shape in v.items():
+        if name not in kinds or kinds[name].kind != "tensor":
+            raise InvalidArgument(f"dense shape given for {str(name)[:80]!r}, which is no tensor field of this put")
+        if not isinstance(shape, list) or len(shape) > 16 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape):
+            raise InvalidArgument(f"dense shape of {str(name)[:80]!r} must be a list of at most 16 non-negative ints")
+        out[name] = tuple(shape)
+    return out
+
+
 class _AuthFactory(flight.ServerMiddlewareFactory):
     def __init__(self, token: str) -> None:
         super().__init__()
@@ -179,6 +196,7 @@ class TQServer(flight.FlightServerBase):
         self.location = f"grpc://{shown}:{self.port}"
         self.calls = CallGate({"call": self.limits.max_concurrent_calls, "stream": self.limits.max_concurrent_streams})
         self.streams = OpenStreams()
+        self._shm_plans: dict[str, PutPlan] = {}  # open shared-memory puts by their handle (`_shm`)
         self._closed = False
         self._thread = threading.Thread(target=self.serve, name="arrowbuf-tq-flight", daemon=True)
         self._thread.start()
@@ -243,6 +261,8 @@ class TQServer(flight.FlightServerBase):
         s, lim = self.state, self.limits
         if op == "limits":
             return lim.describe()
+        if op.startswith("shm_"):
+            return self._shm(op, b)
         if op == "list_partitions":
             return s.list_partitions()
         if op == "kv_list":
@@ -310,6 +330,94 @@ class TQServer(flight.FlightServerBase):
             return s.field_kinds(pid)
         raise InvalidArgument(f"unknown action {VERSION}.{op[:80]}")
 
+    # ------------------------------------------------------------------ shared memory (clients of the node)
+    def _shm(self, op: str, b: dict[str, Any]) -> object:
+        """The shared-memory put and read of a client on this node (`remote`): the client writes or reads the rows
+        of a field group's shared store itself; the server plans, commits and locates. A state without shared
+        memory (or a group that got none) answers `{"shm": None}` and the client goes over DoPut/DoGet."""
+        s, lim = self.state, self.limits
+        if op == "shm_abort":
+            plan = self._shm_plans.pop(_str(b, "plan"), None)
+            if plan is not None:
+                s.abort_put(plan)
+            return None
+        if op == "shm_commit":
+            plan = self._shm_plans.pop(_str(b, "plan"), None)
+            if plan is None:
+                raise InvalidArgument("shm_commit: no such put plan open (committed, aborted or expired); nothing "
+                                      "was registered")
+            with s.lock:
+                try:
+                    rows = _ids(b, "rows", lim)
+                    stores = plan.partition.stores
+                    if s.partitions.get(plan.partition_id) is not plan.partition or plan.group >= len(stores):
+                        raise ValueError(f"partition {plan.partition_id!r} was cleared while the put was written; "
+                                         "nothing was registered")
+                    group = stores[plan.group]
+                    lo, hi = group.store.index.lo - group.base, group.store.index.hi - group.base
+                    if len(rows) != plan.n or (len(rows) and (int(rows.min()) < lo or int(rows.max()) >= hi)):
+                        raise InvalidArgument(f"shm_commit: {len(rows)} rows for {plan.n} samples, or rows outside "
+                                              f"the group's [{lo}, {hi}); nothing was registered")
+                except BaseException:
+                    s.abort_put(plan)
+                    raise
+                result = s.commit_put(plan, rows)
+            return result if plan.keys is not None else None
+        if not s.shared_memory:
+            return {"shm": None}
+        pid = _str(b, "partition_id")
+        if op == "shm_locate":
+            fields = _strs(b, "fields", lim)
+            gidx = _ids(b, "gidx", lim)
+            lim.check_read(gidx)
+            located = s.locate(pid, gidx.tolist(), fields)
+            groups = s.groups_of(pid, located)
+            if any(g.shm is None for g in groups.values()):
+                return {"shm": None}
+            return {"shm": {str(k): g.describe() for k, g in groups.items()},
+                    "fields": {f: [[k, pos.tolist(), rows.tolist()] for k, pos, rows in where]
+                               for f, where in located.items()}}
+        # shm_plan
+        op_ = b.get("op")
+        if op_ not in ("put", "kv_put"):
+            raise InvalidArgument(f"shm_plan: unknown op {str(op_)[:80]!r}")
+        keys = _strs(b, "keys", lim) if op_ == "kv_put" else None
+        gidx_ = _ids(b, "gidx", lim).tolist() if keys is None else []
+        tags = _tags(b, lim) if keys is not None else None
+        rows_n = len(gidx_) if keys is None else len(keys)
+        lim.check_put_rows(rows_n)
+        kinds = _kinds(b)
+        if not kinds:
+            raise InvalidArgument("shm_plan: a put without fields goes over DoPut")
+        shapes = _shapes(b, kinds, rows_n)
+        dense = _dense(b, kinds)
+        for f, k in kinds.items():
+            if k.kind == "tensor" and (f in dense) == (f in shapes):
+                raise SchemaError(f"shm_plan: tensor field {f[:80]!r} needs one shape (dense) or per-sample shapes "
+                                  "(ragged), not both or neither")
+        nested = _strs(b, "nested", lim) if b.get("nested") is not None else []
+        specs = {f: ValuesSpec(k, rows_n, dense.get(f), shapes.get(f)) for f, k in kinds.items()}
+        with s.lock:
+            if len(self._shm_plans) >= lim.max_concurrent_streams:
+                self._expire_shm_plans()
+            if len(self._shm_plans) >= lim.max_concurrent_streams:
+                raise ResourceExhausted(f"shm_plan: {len(self._shm_plans)} shared-memory puts open "
+                                        f"(max_concurrent_streams); retry when one ends")
+            plan = self._plan(op_, pid, specs, nested, rows_n, gidx_, keys, tags)
+            group = plan.partition.stores[plan.group]
+            if group.shm is None:  # /dev/shm had no room for it: its rows go over DoPut
+                s.abort_put(plan)
+                return {"shm": None}
+            handle = f"{plan.id}.{secrets.token_hex(8)}"
+            self._shm_plans[handle] = plan
+            return {"shm": group.describe(), "plan": handle}
+
+    def _expire_shm_plans(self) -> None:
+        """Forget the handles of plans the state expired (a client that died between plan and commit)."""
+        for handle, plan in list(self._shm_plans.items()):
+            if not self.state.is_open(plan):
+                self._shm_plans.pop(handle, None)
+
     def do_put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
                reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter) -> None:
         with self._call(context, stream=True):
@@ -366,7 +474,8 @@ class TQServer(flight.FlightServerBase):
                                                         None if f not in shapes else shapes[f][at:seen["rows"]])
                               for f in names}
                     if plan is None:
-                        plan = self._plan(op, pid, values, kinds, shapes, nested, rows, gidx, keys, tags)
+                        plan = self._plan(op, pid, self._specs(values, kinds, shapes, rows), nested, rows, gidx,
+                                          keys, tags)
                     if chunk.data.num_rows:
                         rows_written.append(self.state.write_plan(plan, values))
                 if kinds:
@@ -375,8 +484,9 @@ class TQServer(flight.FlightServerBase):
                     raise SchemaError(f"put: {seen['rows']} rows for {rows} samples; nothing was written")
                 if plan is None:  # no record batch: a put of no fields (keys and tags) or of no samples
                     empty = got.empty_table()
-                    plan = self._plan(op, pid, {f: FieldValues.from_arrow(kinds[f], empty.column(f), [])
-                                                for f in names}, kinds, shapes, nested, rows, gidx, keys, tags)
+                    plan = self._plan(op, pid, self._specs({f: FieldValues.from_arrow(kinds[f], empty.column(f), [])
+                                                            for f in names}, kinds, shapes, rows),
+                                      nested, rows, gidx, keys, tags)
             except BaseException:
                 if plan is not None:
                     self.state.abort_put(plan)
@@ -385,14 +495,17 @@ class TQServer(flight.FlightServerBase):
                                            else np.empty(0, dtype=np.int64))
             writer.write(pa.py_buffer(json.dumps({"result": result if keys is not None else None}).encode()))
 
-    def _plan(self, op: str, pid: str, values: dict[str, FieldValues], kinds: dict[str, FieldKind],
-              shapes: dict[str, list[tuple[int, ...]]], nested: list[str], rows: int, gidx: list[int],
-              keys: list[str] | None, tags: list[dict[str, Any] | None] | None) -> PutPlan:
-        """The state's plan of a put whose first message gave `values` (the whole put's specs: `rows` samples, the
-        shapes the command sent)."""
+    @staticmethod
+    def _specs(values: dict[str, FieldValues], kinds: dict[str, FieldKind], shapes: dict[str, list[tuple[int, ...]]],
+               rows: int) -> dict[str, ValuesSpec]:
+        """The whole put's specs from its first message's `values`: `rows` samples, the shapes the command sent."""
         dense = {f: v.dense for f, v in values.items()}
-        specs = {f: ValuesSpec(k, rows, None if (d := dense[f]) is None else tuple(d.shape[1:]), shapes.get(f))
-                 for f, k in kinds.items()}
+        return {f: ValuesSpec(k, rows, None if (d := dense[f]) is None else tuple(d.shape[1:]), shapes.get(f))
+                for f, k in kinds.items()}
+
+    def _plan(self, op: str, pid: str, specs: dict[str, ValuesSpec], nested: list[str], rows: int, gidx: list[int],
+              keys: list[str] | None, tags: list[dict[str, Any] | None] | None) -> PutPlan:
+        """The state's plan of a put of `specs`, checked against the limits on partitions and groups."""
         with self.state.lock:
             self.limits.check_new_partition(self.state, pid)
             self.limits.check_new_group(self.state, pid, specs)

@@ -25,8 +25,11 @@ checkpoints in `checkpoint`.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,10 +80,14 @@ class TQState:
     """Every partition of one TransferQueue-compatible system, behind one lock (see the module docstring)."""
 
     def __init__(self, capacity: int = 65_536, sampler: SamplerArg = None, polling_mode: bool = False,
-                 wait: float = 5.0) -> None:
+                 wait: float = 5.0, shared_memory: bool = False) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
         self.capacity = capacity
+        # field groups in /dev/shm, so that clients of the node write and read their rows themselves (`server`)
+        self.shared_memory = bool(shared_memory)
+        self._shm_prefix = f"tq-{os.getpid()}-{secrets.token_hex(4)}"
+        self._shm_count = 0
         self.sampler: BaseSampler = make_sampler(sampler) if sampler is not None else SequentialSampler()
         self.polling_mode = bool(polling_mode)
         self.wait = float(wait)
@@ -353,10 +360,16 @@ class TQState:
             if group.make_room(n, p.oldest_live_row(g)):
                 return g, False
             rows = max(n, 2 * group.store.capacity)
-        group = FieldGroup(f"{p.partition_id}.g{len(p.stores)}", forms, self.capacity, rows=rows)
+        group = FieldGroup(f"{p.partition_id}.g{len(p.stores)}", forms, self.capacity, rows=rows,
+                           shm_name=self._shm_name if self.shared_memory else None)
         p.stores.append(group)
         p.groups[key] = len(p.stores) - 1
         return len(p.stores) - 1, True
+
+    def _shm_name(self) -> str:
+        """A fresh shared-memory store name (the system's process and a random tag: two systems never collide)."""
+        self._shm_count += 1
+        return f"{self._shm_prefix}-{self._shm_count}"
 
     def write_plan(self, plan: PutPlan, values: dict[str, FieldValues]) -> np.ndarray:
         """Append the rows of `values` (some or all of a plan's samples) to its group; their row ids."""
@@ -372,11 +385,17 @@ class TQState:
                                   f"{self.plan_ttl:g} s); nothing was registered")
         return plan
 
+    def is_open(self, plan: PutPlan) -> bool:
+        """Whether `plan` is still open (neither committed, aborted nor expired)."""
+        with self.lock:
+            self._expire_plans()
+            return plan.id in self._plans
+
     def _close_plan(self, plan: PutPlan) -> None:
         if self._plans.pop(plan.id, None) is None:
             raise InvalidArgument(f"put plan {plan.id} is not open (committed, aborted, or expired after "
                                   f"{self.plan_ttl:g} s); nothing was registered")
-        if plan.group >= 0:
+        if 0 <= plan.group < len(plan.partition.stores):  # (a partition cleared meanwhile closed its groups)
             plan.partition.stores[plan.group].pending -= plan.n
 
     def _expire_plans(self) -> None:
@@ -469,10 +488,21 @@ class TQState:
         Raises:
             StorageKeyNotFoundError: a sample without a value for a field (never written, cleared or evicted).
         """
+        with self.lock:  # a group's store is replaced when it grows: read it before it can be
+            located = self.locate(partition_id, gidx, fields)
+            return read_located(located, len(gidx), lambda g: self.partitions[partition_id].stores[g])
+
+    def locate(self, partition_id: str, gidx: list[int], fields: list[str]) -> Located:
+        """Where the values of `fields` for samples `gidx` are: per field, (field group index, the positions in
+        `gidx` it holds, their row ids) for each group holding some (`read_located` reads them).
+
+        Raises:
+            StorageKeyNotFoundError: a sample without a value for a field (never written or cleared).
+        """
         arr = np.asarray(gidx, dtype=np.int64)
         with self.lock:
             p = self._partition(partition_id)
-            out: dict[str, FieldValues] = {}
+            out: Located = {}
             for f in fields:
                 st = p.fields.get(f) if p is not None else None
                 has = st.has(arr) if st is not None else np.zeros(len(arr), dtype=bool)
@@ -484,22 +514,20 @@ class TQState:
                     raise StorageKeyNotFoundError(f"field {f!r} has no values in partition {partition_id!r}")
                 if not len(arr):  # no samples: the field's values of none, from the group it was last put into
                     g = max(i for i, s in enumerate(p.stores) if f in s.forms)
-                    got = p.stores[g].read([f], arr)
-                    assert got is not None
-                    out[f] = got[f]
+                    out[f] = [(g, arr, arr)]
                     continue
                 groups = st.group[arr]
-                pieces: list[tuple[np.ndarray, FieldValues]] = []
-                for g in np.unique(groups).tolist():
-                    pos = np.flatnonzero(groups == g)
-                    got = p.stores[g].read([f], st.seq[arr[pos]])
-                    if got is None:
-                        raise StorageKeyNotFoundError(f"field {f!r} of some of the samples {arr[pos][:8].tolist()} "
-                                                      f"was evicted from the ring (capacity {self.capacity} rows); "
-                                                      "raise arrowbuf.capacity in init's conf")
-                    pieces.append((pos, got[f]))
-                out[f] = FieldValues.join(pieces, len(arr))
+                out[f] = [(g, pos, st.seq[arr[pos]]) for g in np.unique(groups).tolist()
+                          for pos in [np.flatnonzero(groups == g)]]
             return out
+
+    def groups_of(self, partition_id: str, located: Located) -> dict[int, FieldGroup]:
+        """The field groups `located` names (of partition `partition_id`)."""
+        with self.lock:
+            p = self._partition(partition_id)
+            if p is None:
+                raise StorageKeyNotFoundError(f"partition {partition_id!r} not found")
+            return {g: p.stores[g] for g in {g for pieces in located.values() for g, _, _ in pieces}}
 
     # ------------------------------------------------------------------ status
     def production_status(self, partition_id: str, data_fields: list[str]) -> Status:
@@ -619,6 +647,34 @@ class TQState:
             parts, self.partitions = list(self.partitions.values()), {}
         for p in parts:
             p.close()
+
+
+#: Where values are (`TQState.locate`): per field, (field group index, positions in the request, row ids).
+Located = dict[str, list[tuple[int, np.ndarray, np.ndarray]]]
+
+
+def read_located(located: Located, n: int, group: Callable[[int], FieldGroup]) -> dict[str, FieldValues]:
+    """The values `located` names, `n` samples per field in request order, read from the groups `group` gives (the
+    system's own, or a client's attached ones).
+
+    Raises:
+        StorageKeyNotFoundError: some rows were evicted (or overwritten after a clear) meanwhile."""
+    out: dict[str, FieldValues] = {}
+    for f, where in located.items():
+        pieces: list[tuple[np.ndarray, FieldValues]] = []
+        for g, pos, rows in where:
+            got = group(g).read([f], rows)
+            if got is None:
+                raise StorageKeyNotFoundError(f"field {f!r} of some of the samples at positions {pos[:8].tolist()} "
+                                              "was evicted from the ring or overwritten after a clear (raise "
+                                              "arrowbuf.capacity in init's conf)")
+            if not n:
+                out[f] = got[f]
+                break
+            pieces.append((pos, got[f]))
+        else:
+            out[f] = FieldValues.join(pieces, n)
+    return out
 
 
 def _empty_meta() -> dict[str, Any]:

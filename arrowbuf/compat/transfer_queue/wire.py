@@ -12,6 +12,12 @@ Wire format, version `tq.v2` (everything a remote client sends is bounded and va
   checked against `kinds` before any value is read into the state).
 - DoGet with a JSON ticket `{"op": "read", "partition_id", "gidx", "fields"}`: one table of the fields, with the
   field kinds and the shapes of ragged tensor fields as JSON under the schema metadata keys `tq.kinds`, `tq.shapes`.
+- Shared memory, for clients on the system's node (`remote`, a system whose field groups live in /dev/shm): DoAction
+  `shm_plan` (a put's command, with `dense` sample shapes instead of the values) answers the field group's shared
+  store (`FieldGroup.describe`) and a plan handle; the client writes the rows into that store itself, then
+  `shm_commit` (the handle and the row ids written) registers them or `shm_abort` forgets them. `shm_locate` (a read's
+  ticket) answers the groups and, per field, `[group, positions, row ids]`; the client reads them itself. Either
+  answers `{"shm": None}` where a group has no shared store: then DoPut / DoGet.
 Errors cross as `FlightServerError("tq.v2 error <Type>: <message>")` and are raised again on the client as the
 types in `ERRORS`. Custom metadata (tags) and sampling configs must be JSON values.
 """
@@ -35,7 +41,7 @@ MAX_PUT_BYTES = 16 << 30
 MAX_FIELDS = 4096
 ACTIONS = ("get_meta", "kv_retrieve_meta", "kv_retrieve_keys", "kv_list", "set_custom_meta", "production_status",
            "consumption_status", "reset_consumption", "clear_samples", "clear_partition", "list_partitions",
-           "snapshot", "field_kinds")
+           "snapshot", "field_kinds", "shm_plan", "shm_commit", "shm_abort", "shm_locate")
 ERRORS: dict[str, type[Exception]] = {
     "KeyError": KeyError, "SchemaError": SchemaError, "InvalidArgument": InvalidArgument, "ValueError": ValueError,
     "TypeError": TypeError, "AssertionError": AssertionError, "RuntimeError": RuntimeError,
