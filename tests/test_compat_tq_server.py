@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from arrowbuf.compat.transfer_queue.columns import FieldKind, FieldValues
+from arrowbuf.compat.transfer_queue.columns import FieldKind, FieldValues, field_values
 from arrowbuf.compat.transfer_queue.limits import TQLimits
 from arrowbuf.compat.transfer_queue.remote import RemoteBackend
 from arrowbuf.compat.transfer_queue.server import TQServer
@@ -394,3 +394,19 @@ def test_a_put_and_a_read_of_many_messages_round_trip(served):
     got = backend.read("big", gidx, ["x"])["x"].dense
     np.testing.assert_array_equal(got, dense)
     assert len(state.partitions["big"].stores) == 1
+    # the group takes the messages after the first as they arrive; a put of another shape makes the field ragged:
+    # its messages (dense on the wire) are converted into the ragged group's form, never written as they are
+    wider = np.random.default_rng(1).random((rows, CHUNK_BYTES // 4 // 8 + 3), dtype=np.float32)
+    more = _insert(backend, "big", wider)
+    assert len(state.partitions["big"].stores) == 2
+    old, new = backend.read("big", gidx, ["x"])["x"], backend.read("big", more, ["x"])["x"]
+    np.testing.assert_array_equal(np.stack(old.components()), dense)
+    np.testing.assert_array_equal(np.stack(new.components()), wider)
+    # ragged on the wire (nested values: a column of lists, the shapes in the command) over several messages: the
+    # group's rows carry a column of shapes beside the values, so no message is written as it is
+    rng = np.random.default_rng(2)
+    parts = [rng.random(CHUNK_BYTES // 4 // 8 + int(n), dtype=np.float32) for n in rng.integers(0, 99, rows)]
+    gidx = backend.get_meta("nested", ["y"], rows, "insert")["global_indexes"]
+    backend.put("nested", gidx, {"y": field_values("y", parts)}, ["y"])
+    got = backend.read("nested", gidx, ["y"])["y"].components()
+    assert len(got) == rows and all(np.array_equal(a, b) for a, b in zip(got, parts, strict=True))

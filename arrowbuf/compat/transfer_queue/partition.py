@@ -199,6 +199,9 @@ class FieldGroup:
         dense = all(k.kind == "tensor" and m != "ragged" for k, m in self.forms.values())
         self._shm_name = shm_name if dense else None
         self.shm: str | None = None
+        self._arrow_types: dict[str, pa.DataType] | None = None  # each field's Arrow type in `batch` (`takes_as_is`)
+        # a ragged tensor field has a companion column of shapes, which a put's record batch does not carry
+        self._no_companions = not any(k.kind == "tensor" and m == "ragged" for k, m in self.forms.values())
         # a field is the store column of its name (SQL sees it), or `<name>__tq` where a store column has the name
         self.column = {f: f"{f}__tq" if f in RESERVED or f.startswith(SHAPE_PREFIX) else f for f in self.fields}
         cols: dict[str, Any] = {}
@@ -299,7 +302,24 @@ class FieldGroup:
 
     def write(self, values: dict[str, FieldValues]) -> np.ndarray:
         """Append one row per sample (room made beforehand: `make_room`); returns their row ids."""
-        return np.asarray(self.store.extend(self.batch(values)), dtype=np.int64) - self.base
+        batch = self.batch(values)
+        if self._arrow_types is None:
+            self._arrow_types = {f: batch.schema.field(self.column[f]).type for f in self.fields}
+        return np.asarray(self.store.extend(batch), dtype=np.int64) - self.base
+
+    def takes_as_is(self, schema: pa.Schema) -> bool:
+        """Whether a put's record batch of `schema` (a column per field, by name) holds every field of this group in
+        the Arrow type `batch` gives it (known once one write went through `write`): `write_batch` takes it without
+        converting the values to and from `FieldValues`."""
+        types = self._arrow_types
+        return types is not None and self._no_companions and set(schema.names) == set(self.fields) and all(
+            schema.field(f).type.equals(t) for f, t in types.items())
+
+    def write_batch(self, batch: pa.RecordBatch) -> np.ndarray:
+        """`write` of a record batch that `takes_as_is` accepted; returns the row ids."""
+        arrays = [batch.column(f) for f in self.fields]
+        return np.asarray(self.store.extend(pa.record_batch(arrays, names=[self.column[f] for f in self.fields])),
+                          dtype=np.int64) - self.base
 
     def read(self, fields: list[str], rows: np.ndarray) -> dict[str, FieldValues] | None:
         """The fields of rows `rows` (row ids; None when a row was evicted)."""

@@ -469,6 +469,11 @@ class TQServer(flight.FlightServerBase):
                     lim.check_put_message(chunk.data, seen, started, time.monotonic())
                     if seen["rows"] > rows:
                         raise SchemaError(f"put: more than {rows} rows for {rows} samples; nothing was written")
+                    if plan is not None and chunk.data.num_rows:  # (the types were checked against kinds above)
+                        written = self.state.write_batch(plan, chunk.data)
+                        if written is not None:  # the group takes the message as it is: no conversion
+                            rows_written.append(written)
+                            continue
                     at = seen["rows"] - chunk.data.num_rows
                     values = {f: FieldValues.from_arrow(kinds[f], chunk.data.column(f),
                                                         None if f not in shapes else shapes[f][at:seen["rows"]])

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from ...errors import ArrowbufError, InvalidArgument, SchemaError
 from ...store.facade import ExperienceStore
@@ -370,6 +371,14 @@ class TQState:
         """A fresh shared-memory store name (the system's process and a random tag: two systems never collide)."""
         self._shm_count += 1
         return f"{self._shm_prefix}-{self._shm_count}"
+
+    def write_batch(self, plan: PutPlan, batch: pa.RecordBatch) -> np.ndarray | None:
+        """`write_plan` of a put's record batch (a column per field) its group takes as it is; None: it does not
+        (then `write_plan` of its values)."""
+        if plan.group < 0:
+            return None
+        group = plan.partition.stores[plan.group]
+        return group.write_batch(batch) if group.takes_as_is(batch.schema) else None
 
     def write_plan(self, plan: PutPlan, values: dict[str, FieldValues]) -> np.ndarray:
         """Append the rows of `values` (some or all of a plan's samples) to its group; their row ids."""
