@@ -313,6 +313,62 @@ def test_a_tampered_consume_entry_is_store_corrupt_naming_the_manifest(names):
         store.close()
 
 
+def _die_in_lease_bookkeeping(name: str, where: str, lease: str | None) -> None:
+    """SIGKILL ourselves inside the shared lease table, holding the state lock: as a consume records its lease
+    (`open`), or right after a lease's slot is freed, as an expired lease ends (`expire`: the next consume ends it)
+    or a nack ends it (`nack`)."""
+    from arrowbuf.engine.shared_leases import SharedLeaseTable
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "open":
+        SharedLeaseTable.open = die  # type: ignore[method-assign]
+    else:
+        freed = SharedLeaseTable.free
+
+        def free_then_die(self, s):
+            freed(self, s)
+            die()
+
+        SharedLeaseTable.free = free_then_die  # type: ignore[method-assign]
+    store = ab.ExperienceStore.attach(name, timeout=30)
+    if where == "nack":
+        store.nack(lease)
+    else:
+        store.consume("t", 8, lease=30.0)
+
+
+@pytest.mark.parametrize("where", ["open", "expire", "nack"])
+def test_a_consumer_killed_inside_the_lease_bookkeeping_loses_no_row(names, where):
+    """A process SIGKILLed between marking rows consumed for a task and recording their lease (or between ending a
+    lease and putting its rows back) held rows that no lease would ever return: the task never got them again (the
+    shared-memory soak saw 62 rows of one consume never delivered, with no lease open). The lease is recorded before
+    the rows are marked, and rows go back before their lease ends: whatever prefix of those steps ran, every row
+    comes back to the task."""
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=16, tier="shm", name=name, tasks=["t"])
+    try:
+        ids = store.extend(groups(0, 2))
+        lease = None
+        if where in ("expire", "nack"):
+            held = store.consume("t", 8, lease=0.3 if where == "expire" else 60.0)
+            np.testing.assert_array_equal(held.indices, ids)
+            lease = held.lease
+            if where == "expire":
+                time.sleep(0.5)
+        p = start(names, _die_in_lease_bookkeeping, name, where, lease)
+        p.join(JOIN_S)
+        assert p.exitcode == -signal.SIGKILL
+        back = store.consume("t", 8, lease=60.0, timeout=5)
+        np.testing.assert_array_equal(np.sort(back.indices), ids)  # every row comes back to the task
+        assert store.ack(back.lease) == 8
+        st = store.stats()
+        assert st["consumed"] == {"t": 8} and st["leases"] == 0 and st["in_flight"] == {"t": 0}
+    finally:
+        store.close()
+
+
 @pytest.mark.slow
 def test_leases_across_processes_ack_elsewhere_and_expire_after_their_consumer_died(names):
     """A lease taken in one process is acked in another; the rows of a consumer SIGKILLed under its lease hold

@@ -323,14 +323,20 @@ class ConsumeTracker:
             pin = next(self._pin_ids)
             if len(seqs):
                 self._pins[pin] = int(seqs.min())  # first: a shared store's pin table may be full (then: nothing done)
+                opened = None
                 try:
+                    # the lease before the consumed marks: a process killed between the two (a shared store) leaves
+                    # a lease that finds its rows and returns them at expiry, never rows consumed that no lease holds
+                    if seconds is not None:  # a shared store's lease table may be full: nothing was taken
+                        opened = self.leases.open(task, seqs, seconds)
+                        lease_id = opened.id
                     self._consumed[task][seqs % c.arena_rows] = seqs
                     if plan["admission"] is not None:
                         self._admitted[task] += len(seqs)
-                    if seconds is not None:  # a shared store's lease table may be full: the rows go back
-                        lease_id = self.leases.open(task, seqs, seconds).id
                 except BaseException:
                     self._return(task, seqs)
+                    if opened is not None:
+                        self.leases.remove(opened)
                     self._pins.pop(pin, None)
                     raise
                 if seconds is None:
@@ -380,8 +386,9 @@ class ConsumeTracker:
         """
         with self.core.cond:
             self.expire()
-            held = self.leases.take(lease, "nack")
-            self._return(held.task, held.seqs)
+            held = self.leases.find(lease, "nack")
+            self._return(held.task, held.seqs)  # before the lease ends (`LeaseTable.remove`)
+            self.leases.remove(held)
             self.leases.ended(held, "nacked")
             self.core.cond.notify_all()
         return len(held.seqs)
@@ -389,9 +396,10 @@ class ConsumeTracker:
     def expire(self) -> int:
         """Under the state lock: put the rows of leases past their deadline back in their tasks' queues; returns
         how many leases expired."""
-        due = self.leases.due()
+        due = self.leases.expiring()
         for held in due:
-            self._return(held.task, held.seqs)
+            self._return(held.task, held.seqs)  # before the lease ends (`LeaseTable.remove`)
+            self.leases.remove(held)
             self.leases.ended(held, "expired")
         if due:
             self.core.cond.notify_all()

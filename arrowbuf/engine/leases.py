@@ -134,15 +134,31 @@ class LeaseTable:
         self._rows[lease.task] = self._rows.get(lease.task, 0) - len(lease.seqs)
 
     def take(self, lease_id: object, verb: str) -> Lease:
-        """Remove and return the open lease `lease_id` (to ack or nack it).
+        """Remove and return the open lease `lease_id` (to ack it: `find`, then `remove`).
+
+        Raises:
+            LeaseError: not an id, or no open lease has it (already acked or nacked, expired, unknown).
+        """
+        lease = self.find(lease_id, verb)
+        self.remove(lease)
+        return lease
+
+    def remove(self, lease: Lease) -> None:
+        """Close `lease` (its rows are no longer in flight under it); nothing if it is not open. A caller that puts
+        the rows back does so first: a process killed in between (a shared table) leaves a lease whose rows are
+        back already, never rows marked consumed that no lease returns."""
+        if self._open.pop(lease.id, None) is not None:
+            self._closed(lease)
+
+    def find(self, lease_id: object, verb: str) -> Lease:
+        """The open lease `lease_id`, left open (to nack it: its rows go back before `remove`).
 
         Raises:
             LeaseError: not an id, or no open lease has it (already acked or nacked, expired, unknown).
         """
         lid = check_lease_id(lease_id, verb)
-        lease = self._open.pop(lid, None)
+        lease = self._open.get(lid)
         if lease is not None:
-            self._closed(lease)
             return lease
         how = self._ended.get(lid)
         if how == "expired":
@@ -164,16 +180,12 @@ class LeaseTable:
         if how == "expired":
             self.expired[lease.task] = self.expired.get(lease.task, 0) + 1
 
-    def due(self, now: float | None = None) -> list[Lease]:
-        """Remove and return the leases whose deadline passed."""
+    def expiring(self, now: float | None = None) -> list[Lease]:
+        """The open leases whose deadline passed, left open (their rows go back before each is `remove`d)."""
         if not self._open:
             return []
         now = time.monotonic() if now is None else now
-        gone = [lease for lease in self._open.values() if lease.deadline <= now]
-        for lease in gone:
-            del self._open[lease.id]
-            self._closed(lease)
-        return gone
+        return [lease for lease in self._open.values() if lease.deadline <= now]
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of an open lease (monotonic), or None."""

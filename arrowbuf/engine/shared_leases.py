@@ -210,7 +210,13 @@ class SharedLeaseTable(LeaseTable):
         return Lease(self.lease_id(n), task, self._seqs(task, n, lo, hi), deadline_ns / 1e9, owner)
 
     def store(self, n: int, lease: Lease) -> None:
-        """Record open lease number `n` (its rows are marked consumed for its task by the caller)."""
+        """Record open lease number `n` (its rows are marked consumed for its task by the caller, afterwards).
+
+        The order makes any prefix of these writes safe for a process killed in the middle (the state lock then
+        passes on, `tiers.shm.locks`): the slot first, then the rows' lease marks, then (the caller) the rows'
+        consumed marks. A slot without marks is a lease of no rows; marks without consumed marks find no rows
+        (`_seqs`); at the lease's expiry its slot and marks are cleared and the rows it found go back. Never a row
+        marked consumed that no lease returns."""
         free = np.flatnonzero(self.slots[:, 0] == 0)
         if not len(free):  # (expired ones were ended by the consume that opens this one: `ConsumeTracker.expire`)
             raise InvalidArgument(f"this shared store has {len(self.slots)} open leases; ack or nack some before "
@@ -228,11 +234,11 @@ class SharedLeaseTable(LeaseTable):
                 raise cap_refusal(held, cap)
         seqs = np.asarray(lease.seqs, dtype=np.int64)
         ti = list(self.consumed).index(lease.task)
-        self.marks[lease.task][seqs % len(self.marks[lease.task])] = n
         lo, hi = (int(seqs.min()), int(seqs.max())) if len(seqs) else (0, -1)
         s = int(free[0])
         self.slots[s, 1:] = (ti, int(lease.deadline * 1e9), len(seqs), lo, hi, lease.owner)
         self.slots[s, 0] = n
+        self.marks[lease.task][seqs % len(self.marks[lease.task])] = n
 
     def free(self, s: int) -> None:
         """Close slot `s`: its rows' lease marks are cleared (their consumed marks are the tracker's)."""
@@ -252,8 +258,10 @@ class SharedLeaseTable(LeaseTable):
                                "holds; its memory was overwritten. Recreate the store")
         owner = (os.getpid() << 32) | identity.current_code()
         lease = Lease(self.lease_id(n), task, seqs, time.monotonic() + seconds, owner)
-        self.store(n, lease)  # refused (full, over a share): the counter stays, nothing was taken
+        # the counter first: a process killed after `store` must not leave the next lease the number of an open one
+        # (a refused `store` skips a number, nothing else)
         self.header[NEXT_LEASE] = n + 1
+        self.store(n, lease)  # refused (full, over a share): nothing was taken
         return lease
 
     def task_seqs(self, task: str) -> np.ndarray:
@@ -263,7 +271,7 @@ class SharedLeaseTable(LeaseTable):
             return np.zeros(0, dtype=np.int64)
         return np.asarray(self.consumed[task][marks != 0], dtype=np.int64)
 
-    def due(self, now: float | None = None) -> list[Lease]:
+    def expiring(self, now: float | None = None) -> list[Lease]:
         used = self.used()
         if not len(used):
             return []
@@ -275,7 +283,6 @@ class SharedLeaseTable(LeaseTable):
             except StoreCorrupt:
                 self.slots[s] = 0  # said once; its rows stay consumed for the task
                 raise
-            self.free(s)
         return gone
 
     def held(self) -> np.ndarray:
