@@ -246,6 +246,10 @@ def test_each_extra_alone_runs_what_the_readme_says_it_covers(extra, arrowbuf_wh
             assert r.returncode != 0 and f"arrowbuf[{missing[0]}]" in r.stderr, (what, r.stderr[-3000:])
             assert "MissingDependency" in r.stderr and r.stdout == "", (what, r.stdout[-2000:])
             continue
-        assert r.returncode == 0, f"[{extra}] {what}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+        # the script's own stderr first: Ray forwards its workers' logs ("(ShardActor pid=...)") into the same
+        # stream, and a worker's crash dump can push the script's traceback out of the tail
+        own = "\n".join(line for line in r.stderr.splitlines() if not re.search(r"\(\w+ pid=\d+", line))
+        assert r.returncode == 0, (f"[{extra}] {what}: exit {r.returncode}\n{r.stdout[-2000:]}\n"
+                                   f"the script's stderr:\n{own[-3000:]}\nall of stderr:\n{r.stderr[-3000:]}")
     print(f"[{extra or 'none'}] install {installed:.0f} s, checks {time.monotonic() - t0 - installed:.0f} s")
 
