@@ -421,16 +421,12 @@ def test_tiered_store_updates_are_never_lost_to_migrations(tmp_path):
         assert tab["emb"] == [[float(s), float(-s)] for s in tab["seq"]]
 
 
-def test_tiered_sample_and_update_progress_while_every_read_races_a_migration(tmp_path):
-    """A placement so busy that a chunk of every gather moves while it is read: the sample's optimistic seqlock can
-    never win, so it must hold migrations off (bounded) rather than give up; updates still land and read back.
-    Deterministic: the moves happen inside the gather itself (a device tier that migrates on each read)."""
+def racing_tier(budget: int):
+    """A (CPU-backed) device tier that runs its `race` (when set) before each read: a migration landing mid-gather."""
     pytest.importorskip("torch")
     from arrowbuf.tiers import GpuTier
 
     class RacingTier(GpuTier):
-        """A (CPU-backed) device tier that runs `race` before each read: a migration landing mid-gather."""
-
         race = None
 
         def take(self, *args, **kwargs):
@@ -438,9 +434,16 @@ def test_tiered_sample_and_update_progress_while_every_read_races_a_migration(tm
                 self.race()
             return super().take(*args, **kwargs)
 
+    return RacingTier(budget=budget, device="cpu")
+
+
+def test_tiered_sample_and_update_progress_while_every_read_races_a_migration(tmp_path):
+    """A placement so busy that a chunk of every gather moves while it is read: the sample's optimistic seqlock can
+    never win, so it must hold migrations off (bounded) rather than give up; updates still land and read back.
+    Deterministic: the moves happen inside the gather itself (a device tier that migrates on each read)."""
     cap, cr = 64, 32
     schema = {"name": "t", "fields": {"a": "int64", "reward": {"dtype": "float64", "later": True}, "done": "bool"}}
-    gpu = RacingTier(budget=2 * cr * 8, device="cpu")
+    gpu = racing_tier(budget=2 * cr * 8)
     store = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=cr,
                                tiers={"gpu": gpu, "host": "64KiB", "disk": tmp_path}, placement="static")
     with store:
@@ -475,23 +478,10 @@ def test_tiered_sample_regathers_rows_whose_nulls_differ_from_the_batch(tmp_path
     """A chunk moves while a sample reads it, so its items are read again: the batch has null rows (an Arrow array)
     while the re-read rows have none (numpy), or both have nulls in a tensor field. The re-read rows merge into the
     batch whatever kinds the two reads came back as."""
-    pytest.importorskip("torch")
-    from arrowbuf.tiers import GpuTier
-
-    class RacingTier(GpuTier):
-        """A (CPU-backed) device tier that runs `race` before each read: a migration landing mid-gather."""
-
-        race = None
-
-        def take(self, *args, **kwargs):
-            if self.race is not None:
-                self.race()
-            return super().take(*args, **kwargs)
-
     cap, cr = 64, 32
     schema = {"name": "t", "fields": {"a": "int64", "reward": {"dtype": "float64", "later": True},
                                       "emb": {"dtype": "float32", "shape": [2], "later": True}, "done": "bool"}}
-    gpu = RacingTier(budget=2 * cr * 8, device="cpu")
+    gpu = racing_tier(budget=2 * cr * 8)
     store = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=cr,
                                tiers={"gpu": gpu, "host": "64KiB", "disk": tmp_path}, placement="static")
     with store:
