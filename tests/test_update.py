@@ -421,8 +421,10 @@ def test_tiered_store_updates_are_never_lost_to_migrations(tmp_path):
         assert tab["emb"] == [[float(s), float(-s)] for s in tab["seq"]]
 
 
-def racing_tier(budget: int):
-    """A (CPU-backed) device tier that runs its `race` (when set) before each read: a migration landing mid-gather."""
+def racing_store(fields: dict, tmp_path, cap: int = 64, cr: int = 32):
+    """A tiered store of `cap` rows `a` = 0..cap-1 (chunks of `cr`) whose column `a` lives wholly on a (CPU-backed)
+    device tier, so every gather reads it there; the tier runs its `race` (when set) before each read: a migration
+    landing mid-gather. Returns (store, tier, ids)."""
     pytest.importorskip("torch")
     from arrowbuf.tiers import GpuTier
 
@@ -434,24 +436,26 @@ def racing_tier(budget: int):
                 self.race()
             return super().take(*args, **kwargs)
 
-    return RacingTier(budget=budget, device="cpu")
+    gpu = RacingTier(budget=2 * cr * 8, device="cpu")
+    store = ab.ExperienceStore({"name": "t", "fields": {"a": "int64", **fields, "done": "bool"}}, cap, seed=0,
+                               chunk_rows=cr, tiers={"gpu": gpu, "host": "64KiB", "disk": tmp_path},
+                               placement="static")
+    ids = store.extend({"a": np.arange(cap), "done": np.ones(cap, bool)})
+    cols, idx = store._cols, store.index
+    assert cols.ensure_arena(0, "a", 2)
+    for s in range(cap // cr):
+        assert cols.migrate("a", s, 0, int(idx.seq[s * cr]), idx, store._lock)
+    return store, gpu, ids
 
 
 def test_tiered_sample_and_update_progress_while_every_read_races_a_migration(tmp_path):
     """A placement so busy that a chunk of every gather moves while it is read: the sample's optimistic seqlock can
     never win, so it must hold migrations off (bounded) rather than give up; updates still land and read back.
     Deterministic: the moves happen inside the gather itself (a device tier that migrates on each read)."""
-    cap, cr = 64, 32
-    schema = {"name": "t", "fields": {"a": "int64", "reward": {"dtype": "float64", "later": True}, "done": "bool"}}
-    gpu = racing_tier(budget=2 * cr * 8)
-    store = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=cr,
-                               tiers={"gpu": gpu, "host": "64KiB", "disk": tmp_path}, placement="static")
+    cr = 32
+    store, gpu, ids = racing_store({"reward": {"dtype": "float64", "later": True}}, tmp_path, cr=cr)
     with store:
-        ids = store.extend({"a": np.arange(cap), "done": np.ones(cap, bool)})
         cols, idx = store._cols, store.index
-        assert cols.ensure_arena(0, "a", 2)
-        for s in range(2):  # column a wholly on the device, so every gather reads it there
-            assert cols.migrate("a", s, 0, int(idx.seq[s * cr]), idx, store._lock)
         ri = cols.ci["reward"]
 
         def race():  # move both chunks of reward between host and disk: every item of the batch read a moved chunk
@@ -478,18 +482,11 @@ def test_tiered_sample_regathers_rows_whose_nulls_differ_from_the_batch(tmp_path
     """A chunk moves while a sample reads it, so its items are read again: the batch has null rows (an Arrow array)
     while the re-read rows have none (numpy), or both have nulls in a tensor field. The re-read rows merge into the
     batch whatever kinds the two reads came back as."""
-    cap, cr = 64, 32
-    schema = {"name": "t", "fields": {"a": "int64", "reward": {"dtype": "float64", "later": True},
-                                      "emb": {"dtype": "float32", "shape": [2], "later": True}, "done": "bool"}}
-    gpu = racing_tier(budget=2 * cr * 8)
-    store = ab.ExperienceStore(schema, cap, seed=0, chunk_rows=cr,
-                               tiers={"gpu": gpu, "host": "64KiB", "disk": tmp_path}, placement="static")
-    with store:
-        ids = store.extend({"a": np.arange(cap), "done": np.ones(cap, bool)})
+    cr = 32
+    store, gpu, ids = racing_store({"reward": {"dtype": "float64", "later": True},
+                                    "emb": {"dtype": "float32", "shape": [2], "later": True}}, tmp_path, cr=cr)
+    with store:  # column a is read on the device, after the later fields
         cols, idx = store._cols, store.index
-        assert cols.ensure_arena(0, "a", 2)
-        for s in range(2):  # column a wholly on the device: every gather reads it there, after the later fields
-            assert cols.migrate("a", s, 0, int(idx.seq[s * cr]), idx, store._lock)
         first, evens = ids[:cr], ids[::2]
         assert store.update(first, {"reward": first.astype(np.float64)}) == cr  # chunk 0 whole, chunk 1 null
         assert store.update(evens, {"emb": np.stack([evens, -evens], axis=1).astype(np.float32)}) == len(evens)
