@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.flight as flight
 import pytest
 
-from arrowbuf.compat.transfer_queue.columns import FieldKind, FieldValues, field_values
+from arrowbuf.compat.transfer_queue.columns import FieldValues, field_values
 from arrowbuf.compat.transfer_queue.remote import RemoteBackend
 from arrowbuf.compat.transfer_queue.server import TQServer
 from arrowbuf.compat.transfer_queue.state import TQState

@@ -103,18 +103,28 @@ def _kinds(obj: dict[str, Any]) -> dict[str, FieldKind]:
     return out
 
 
-def _shapes(obj: dict[str, Any], kinds: dict[str, FieldKind], rows: int) -> dict[str, list[tuple[int, ...]]]:
-    v = obj.get("shapes") or {}
+def _per_tensor_field(obj: dict[str, Any], key: str, kinds: dict[str, FieldKind]) -> dict[str, Any]:
+    """`obj[key]`: an object keyed by tensor fields of the put (`kinds`), or empty."""
+    v = obj.get(key) or {}
     if not isinstance(v, dict):
-        raise InvalidArgument("shapes must be an object")
-    out = {}
-    for name, shapes in v.items():
+        raise InvalidArgument(f"{key} must be an object")
+    for name in v:
         if name not in kinds or kinds[name].kind != "tensor":
-            raise InvalidArgument(f"shapes given for {str(name)[:80]!r}, which is no tensor field of this put")
-        if (not isinstance(shapes, list) or len(shapes) != rows
-                or not all(isinstance(s, list) and len(s) <= 16
-                           and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in s)
-                           for s in shapes)):
+            raise InvalidArgument(f"{key} given for {str(name)[:80]!r}, which is no tensor field of this put")
+    return v
+
+
+def _is_shape(s: object) -> bool:
+    """A sample shape as JSON: a list of at most 16 non-negative ints."""
+    return isinstance(s, list) and len(s) <= 16 and all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in s)
+
+
+def _shapes(obj: dict[str, Any], kinds: dict[str, FieldKind], rows: int) -> dict[str, list[tuple[int, ...]]]:
+    """Each sample's shape of the ragged tensor fields of a put."""
+    out = {}
+    for name, shapes in _per_tensor_field(obj, "shapes", kinds).items():
+        if not isinstance(shapes, list) or len(shapes) != rows or not all(_is_shape(s) for s in shapes):
             raise InvalidArgument(f"shapes of {str(name)[:80]!r} must be {rows} lists of at most 16 non-negative ints")
         out[name] = [tuple(s) for s in shapes]
     return out
@@ -122,15 +132,9 @@ def _shapes(obj: dict[str, Any], kinds: dict[str, FieldKind], rows: int) -> dict
 
 def _dense(obj: dict[str, Any], kinds: dict[str, FieldKind]) -> dict[str, tuple[int, ...]]:
     """The one sample shape of each dense tensor field of a shared-memory put's plan."""
-    v = obj.get("dense") or {}
-    if not isinstance(v, dict):
-        raise InvalidArgument("dense must be an object")
     out = {}
-    for name, shape in v.items():
-        if name not in kinds or kinds[name].kind != "tensor":
-            raise InvalidArgument(f"dense shape given for {str(name)[:80]!r}, which is no tensor field of this put")
-        if not isinstance(shape, list) or len(shape) > 16 or not all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape):
+    for name, shape in _per_tensor_field(obj, "dense", kinds).items():
+        if not _is_shape(shape):
             raise InvalidArgument(f"dense shape of {str(name)[:80]!r} must be a list of at most 16 non-negative ints")
         out[name] = tuple(shape)
     return out
