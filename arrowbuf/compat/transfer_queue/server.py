@@ -18,6 +18,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -138,6 +139,38 @@ def _dense(obj: dict[str, Any], kinds: dict[str, FieldKind]) -> dict[str, tuple[
             raise InvalidArgument(f"dense shape of {str(name)[:80]!r} must be a list of at most 16 non-negative ints")
         out[name] = tuple(shape)
     return out
+
+
+@dataclass
+class _PutCommand:
+    """A put's command (a DoPut's descriptor, a shared-memory plan's body), checked: for samples `gidx` (a put) or
+    `keys` with `tags` (a KV put), `rows` of them; the fields' kinds, each ragged tensor field's per-sample shapes,
+    and the fields the writer gave as nested tensors."""
+
+    op: str
+    partition_id: str
+    keys: list[str] | None
+    gidx: list[int]
+    tags: list[dict[str, Any] | None] | None
+    rows: int
+    kinds: dict[str, FieldKind]
+    shapes: dict[str, list[tuple[int, ...]]]
+    nested: list[str]
+
+    @classmethod
+    def parse(cls, b: dict[str, Any], lim: TQLimits, what: str) -> _PutCommand:
+        op = b.get("op")
+        if op not in ("put", "kv_put"):
+            raise InvalidArgument(f"{what}: unknown op {str(op)[:80]!r}")
+        pid = _str(b, "partition_id")
+        keys = _strs(b, "keys", lim) if op == "kv_put" else None
+        gidx = _ids(b, "gidx", lim).tolist() if keys is None else []
+        tags = _tags(b, lim) if keys is not None else None
+        rows = len(gidx) if keys is None else len(keys)
+        lim.check_put_rows(rows)
+        kinds = _kinds(b)
+        return cls(op, pid, keys, gidx, tags, rows, kinds, _shapes(b, kinds, rows),
+                   _strs(b, "nested", lim) if b.get("nested") is not None else [])
 
 
 class _AuthFactory(flight.ServerMiddlewareFactory):
@@ -382,24 +415,15 @@ class TQServer(flight.FlightServerBase):
                     "fields": {f: [[k, pos.tolist(), rows.tolist()] for k, pos, rows in where]
                                for f, where in located.items()}}
         # shm_plan
-        op_ = b.get("op")
-        if op_ not in ("put", "kv_put"):
-            raise InvalidArgument(f"shm_plan: unknown op {str(op_)[:80]!r}")
-        keys = _strs(b, "keys", lim) if op_ == "kv_put" else None
-        gidx_ = _ids(b, "gidx", lim).tolist() if keys is None else []
-        tags = _tags(b, lim) if keys is not None else None
-        rows_n = len(gidx_) if keys is None else len(keys)
-        lim.check_put_rows(rows_n)
-        kinds = _kinds(b)
+        c = _PutCommand.parse(b, lim, "shm_plan")
+        kinds, shapes, rows_n = c.kinds, c.shapes, c.rows
         if not kinds:
             raise InvalidArgument("shm_plan: a put without fields goes over DoPut")
-        shapes = _shapes(b, kinds, rows_n)
         dense = _dense(b, kinds)
         for f, k in kinds.items():
             if k.kind == "tensor" and (f in dense) == (f in shapes):
                 raise SchemaError(f"shm_plan: tensor field {f[:80]!r} needs one shape (dense) or per-sample shapes "
                                   "(ragged), not both or neither")
-        nested = _strs(b, "nested", lim) if b.get("nested") is not None else []
         specs = {f: ValuesSpec(k, rows_n, dense.get(f), shapes.get(f)) for f, k in kinds.items()}
         with s.lock:
             if len(self._shm_plans) >= lim.max_concurrent_streams:
@@ -407,7 +431,7 @@ class TQServer(flight.FlightServerBase):
             if len(self._shm_plans) >= lim.max_concurrent_streams:
                 raise ResourceExhausted(f"shm_plan: {len(self._shm_plans)} shared-memory puts open "
                                         f"(max_concurrent_streams); retry when one ends")
-            plan = self._plan(op_, pid, specs, nested, rows_n, gidx_, keys, tags)
+            plan = self._plan(c.op, c.partition_id, specs, c.nested, rows_n, c.gidx, c.keys, c.tags)
             group = plan.partition.stores[plan.group]
             if group.shm is None:  # /dev/shm had no room for it: its rows go over DoPut
                 s.abort_put(plan)
@@ -428,18 +452,9 @@ class TQServer(flight.FlightServerBase):
             lim = self.limits
             raw = descriptor.command
             b = lim.loads(raw if isinstance(raw, bytes) else b"", "put")
-            op = b.get("op")
-            if op not in ("put", "kv_put"):
-                raise InvalidArgument(f"put: unknown op {str(op)[:80]!r}")
-            pid = _str(b, "partition_id")
-            keys = _strs(b, "keys", lim) if op == "kv_put" else None
-            gidx = _ids(b, "gidx", lim).tolist() if keys is None else []
-            tags = _tags(b, lim) if keys is not None else None
-            rows = len(gidx) if keys is None else len(keys)
-            lim.check_put_rows(rows)
-            kinds = _kinds(b)
-            shapes = _shapes(b, kinds, rows)
-            nested = (_strs(b, "nested", lim) if b.get("nested") is not None else [])
+            c = _PutCommand.parse(b, lim, "put")
+            op, pid, keys, gidx, tags, rows = c.op, c.partition_id, c.keys, c.gidx, c.tags, c.rows
+            kinds, shapes, nested = c.kinds, c.shapes, c.nested
             got = reader.schema
             for f, k in kinds.items():
                 if f not in got.names:
