@@ -288,6 +288,8 @@ def tq_request(rng: random.Random, client: flight.FlightClient) -> Callable[[], 
                 "sampler": rng.choice([None, {"name": "SequentialSampler", "args": {}}])}
         raw = mutate(rng, body)
         return lambda: list(client.do_action(flight.Action(f"tq.v2.{op}", raw), CALL))
+    if verb < 0.55:  # the shared-memory actions: a plan and its commit (or abort), a locate, stray handles
+        return tq_shm_request(rng, client, pid)
     if verb < 0.7:
         ids = [rng.randint(0, 60) for _ in range(rng.randint(1, 4))]
         ticket = mutate(rng, {"op": "read", "partition_id": pid, "gidx": ids, "fields": rng.choice([["y"], ["x"]])})
@@ -323,6 +325,42 @@ def tq_request(rng: random.Random, client: flight.FlightClient) -> Callable[[], 
             writer.close()
 
     return put
+
+
+def tq_shm_request(rng: random.Random, client: flight.FlightClient, pid: str) -> Callable[[], Any]:
+    """A fuzzed `shm_plan` followed by a fuzzed `shm_commit` or `shm_abort` of what it answered, a `shm_locate`, or a
+    commit or abort of a made-up handle."""
+    def act(op: str, raw: bytes) -> Any:
+        out = list(client.do_action(flight.Action(f"tq.v2.{op}", raw), CALL))
+        return json.loads(out[0].body.to_pybytes())["result"]
+
+    pick = rng.random()
+    if pick < 0.5:
+        rows = rng.choice([1, 2, 4])
+        keyed = rng.random() < 0.5
+        plan = mutate(rng, {"op": "kv_put" if keyed else "put", "partition_id": pid,
+                            "keys": [f"k{rng.randint(0, 50)}" for _ in range(rows)] if keyed else None,
+                            "gidx": [rng.randint(0, 60) for _ in range(rows)], "tags": None,
+                            "kinds": {"x": rng.choice([["tensor", "float32"], ["tensor", "int64"]])},
+                            "dense": {"x": rng.choice([[3], [], [2, 2]])}, "nested": []})
+        commit = rng.random() < 0.7
+        made = [rng.randint(-2, 70) for _ in range(rng.choice([rows, rows, rows + 1, 0]))]
+
+        def plan_then_end() -> None:
+            got = act("shm_plan", plan)
+            if isinstance(got, dict) and got.get("plan"):
+                body = {"plan": got["plan"], "rows": made} if commit else {"plan": got["plan"]}
+                act("shm_commit" if commit else "shm_abort", mutate(rng, body))
+
+        return plan_then_end
+    if pick < 0.8:
+        ids = [rng.randint(0, 60) for _ in range(rng.randint(0, 4))]
+        raw = mutate(rng, {"partition_id": pid, "gidx": ids, "fields": rng.choice([["y"], ["x"], []])})
+        return lambda: act("shm_locate", raw)
+    raw = mutate(rng, {"plan": rng.choice([f"{rng.randint(0, 99)}.{rng.getrandbits(64):016x}", "", "1"]),
+                       "rows": [rng.randint(0, 60)]})
+    op = rng.choice(["shm_commit", "shm_abort"])
+    return lambda: act(op, raw)
 
 
 def check_tq_error(exc: BaseException) -> str:
@@ -752,7 +790,7 @@ def test_tq_quick_fuzz():
     from arrowbuf.compat.transfer_queue.server import TQServer
     from arrowbuf.compat.transfer_queue.state import TQState
 
-    state = TQState(capacity=512, polling_mode=True)
+    state = TQState(capacity=512, polling_mode=True, shared_memory=True)
     with TQServer(state, max_partitions=16, max_tasks=8, max_groups=8) as server:
         outcomes = run_tq(server.location, QUICK_N, seed=7)
         assert outcomes.get("ok", 0) > 0, outcomes
