@@ -301,13 +301,22 @@ def ray_cluster() -> Iterator[Any]:
 
 
 def _on_ray(item: pytest.Item) -> bool:
-    return "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray") is not None
+    return ("ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray") is not None
+            or _own_cluster(item))
+
+
+def _own_cluster(item: pytest.Item) -> bool:
+    """A test that starts a Ray cluster of its own (a wheel's venv, TransferQueue's suite): never beside the
+    session's cluster. Two clusters on this machine at once lost a node of the session's (its Ray tests then failed,
+    TransferQueue's system start waited out its 300 s) or aborted a worker of the other."""
+    return item.get_closest_marker("own_ray_cluster") is not None
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group markers into the node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests on the session's Ray cluster run last, together (in their order): the cluster starts once, late, and
-    its idle processes do not share the CPUs with the other tests. A test that asks for the cluster through
+    its idle processes do not share the CPUs with the other tests. The tests that start a Ray cluster of their own
+    (`own_ray_cluster`) run with them, first, so that two clusters never run at once. A test that asks for the cluster through
     `request.getfixturevalue` carries the `ray` marker instead. Under pytest-xdist (`--dist loadgroup`, as
     scripts/test.sh runs the suite) they are one group: one worker starts the cluster and runs them all, last, after
     the slow tests and beside the quick ones."""
@@ -317,9 +326,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # the long tests first, spread over the workers; the Ray group last, beside nothing heavier than the quick
         # tests (a Ray cluster of 3 nodes beside the venv installs and demo runs overloads 2 cores: timeouts)
-        items.sort(key=lambda item: (_on_ray(item), item.get_closest_marker("slow") is None))
-    else:
-        items.sort(key=_on_ray)
+        items.sort(key=lambda item: (_on_ray(item), not _own_cluster(item), item.get_closest_marker("slow") is None))
+    else:  # the tests with a cluster of their own first among the Ray tests: before the session's cluster starts
+        items.sort(key=lambda item: (_on_ray(item), not _own_cluster(item)))
 
 
 @pytest.fixture

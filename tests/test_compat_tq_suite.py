@@ -30,6 +30,7 @@ EXPECTED_FAILURES = {
 
 
 @pytest.mark.slow
+@pytest.mark.own_ray_cluster  # its e2e tests start Ray clusters of their own
 def test_transfer_queues_own_suite_passes_with_the_import_swapped() -> None:
     result = tq_suite.run("arrowbuf")
     expected = set(EXPECTED_FAILURES)

@@ -93,6 +93,7 @@ RAY_DOCS = [ROOT / "README.md", *(ROOT / "docs" / f for f in ("ray.md", "rllib.m
 
 
 @pytest.mark.slow
+@pytest.mark.own_ray_cluster
 def test_wheel_with_the_ray_extra_runs_the_ray_blocks(wheel_venv, arrowbuf_wheel, tmp_path):
     """The blocks marked `ray` (a ShardedStore, the Ray actors example, RLlib's DQN with the arrowbuf buffer) run
     against the wheel with its [ray] extra, each file's local Ray cluster shut down after it."""

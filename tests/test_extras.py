@@ -219,7 +219,8 @@ def test_the_readme_table_lists_exactly_these_extras():
     assert listed == set(EXTRAS), listed
 
 
-@pytest.mark.parametrize("extra", list(EXTRAS), ids=lambda e: e or "none")
+@pytest.mark.parametrize("extra", [pytest.param(e, marks=[pytest.mark.own_ray_cluster] if e == "ray" else [])
+                                   for e in EXTRAS], ids=lambda e: e or "none")
 def test_each_extra_alone_runs_what_the_readme_says_it_covers(extra, arrowbuf_wheel, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "RAY_ADDRESS", "VIRTUAL_ENV")}
