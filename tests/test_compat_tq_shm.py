@@ -134,6 +134,15 @@ def test_a_process_of_the_node_puts_and_reads_through_shared_memory_what_flight_
         put_written = _plain(_values(5, 2))
         assert _plain(flight_only.read("q", got["gidx"][::-1], fields)) == _sub(put_written, [4, 3, 2, 1, 0])
         assert _plain(shm_client.read("q", got["gidx"], ["obs"])) == {"obs": put_written["obs"]}
+        # a group of ragged values goes over Flight without turning the client's shared memory off
+        fresh = RemoteBackend(server.location)
+        try:
+            fresh.kv_put("m2", ["a"], _mixed(1, 4), ["tokens"], None)
+            assert fresh.through_shared_memory is None
+            assert _plain(fresh.read("p", order, ["obs"])) == {"obs": _sub(kv_written, [2, 4, 1])["obs"]}
+            assert fresh.through_shared_memory is True
+        finally:
+            fresh.close_client()
         # a Flight client's put reads back through shared memory
         flight_only.kv_put("p", ["z"], _values(1, 7), [], None)
         assert _plain(shm_client.read("p", [state.partitions["p"].keys["z"]], fields)) == _plain(_values(1, 7))
@@ -173,7 +182,7 @@ def test_a_system_without_shared_memory_answers_none_and_its_clients_use_flight(
             body = {"op": "kv_put", "partition_id": "p", "keys": ["a"], "kinds": {"x": ["tensor", "float32"]},
                     "dense": {"x": [2]}}
             reply = list(client.do_action(flight.Action("tq.v2.shm_plan", json.dumps(body).encode())))
-            assert json.loads(reply[0].body.to_pybytes())["result"] == {"shm": None}
+            assert json.loads(reply[0].body.to_pybytes())["result"] == {"shm": None, "off": True}
             backend.kv_put("p", ["a"], {"x": field_values("x", np.ones((1, 2), np.float32))}, [], None)
             assert backend.through_shared_memory is False
             assert backend.read("p", [0], ["x"])["x"].dense.tolist() == [[1.0, 1.0]]

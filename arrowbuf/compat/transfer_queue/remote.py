@@ -133,7 +133,8 @@ class RemoteBackend:
     @property
     def through_shared_memory(self) -> bool | None:
         """True once a put or read went through shared memory; False when it is off or the system's stores cannot
-        be opened here (puts and reads go over Flight); None before the first put or read."""
+        be opened here (puts and reads go over Flight); None before the first put or read through it (groups of
+        ragged, string or JSON values go over Flight either way)."""
         return self._shm_ok
 
     def _group(self, described: dict[str, Any]) -> FieldGroup | None:
@@ -170,8 +171,8 @@ class RemoteBackend:
                 "shapes": {f: [list(s) for s in v.sample_shapes()] for f, v in values.items() if v.ragged},
                 "dense": {f: list(v.dense.shape[1:]) for f, v in values.items() if v.dense is not None}}
         reply = self._act("shm_plan", **body)
-        if reply["shm"] is None:
-            self._shm_ok = self._shm_ok or False
+        if reply["shm"] is None:  # the system has none (then never again), or this group has none
+            self._shm_ok = False if reply.get("off") else self._shm_ok
             return False, None
         handle = reply["plan"]
         try:
@@ -192,7 +193,7 @@ class RemoteBackend:
         system answers no shared store (then DoGet)."""
         reply = self._act("shm_locate", partition_id=partition_id, gidx=[int(g) for g in gidx], fields=fields)
         if reply["shm"] is None:
-            self._shm_ok = self._shm_ok or False
+            self._shm_ok = False if reply.get("off") else self._shm_ok
             return None
         groups: dict[int, FieldGroup] = {}
         for k, described in reply["shm"].items():

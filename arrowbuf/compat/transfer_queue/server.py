@@ -400,8 +400,8 @@ class TQServer(flight.FlightServerBase):
                     raise
                 result = s.commit_put(plan, rows)
             return result if plan.keys is not None else None
-        if not s.shared_memory:
-            return {"shm": None}
+        if not s.shared_memory:  # "off": the client stops asking (a group without a shared store is only this one)
+            return {"shm": None, "off": True}
         pid = _str(b, "partition_id")
         if op == "shm_locate":
             fields = _strs(b, "fields", lim)
