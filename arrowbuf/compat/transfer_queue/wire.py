@@ -17,7 +17,8 @@ Wire format, version `tq.v2` (everything a remote client sends is bounded and va
   store (`FieldGroup.describe`) and a plan handle; the client writes the rows into that store itself, then
   `shm_commit` (the handle and the row ids written) registers them or `shm_abort` forgets them. `shm_locate` (a read's
   ticket) answers the groups and, per field, `[group, positions, row ids]`; the client reads them itself. Either
-  answers `{"shm": None}` where a group has no shared store: then DoPut / DoGet.
+  answers `{"shm": None}` where a group has no shared store (`"off": true` too where the system has no shared memory at
+  all): then DoPut / DoGet.
 Errors cross as `FlightServerError("tq.v2 error <Type>: <message>")` and are raised again on the client as the
 types in `ERRORS`. Custom metadata (tags) and sampling configs must be JSON values.
 """
