@@ -701,20 +701,23 @@ class ConsumeTracker:
                 f"not yet consumed by every task (oldest id {oldest} waits for {waiting or 'a consume in progress'})")
 
     # ------------------------------------------------------------------ checkpoints (arrowbuf.persist)
-    def state(self, seqs: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    def state(self, seqs: np.ndarray, journaled: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """What a checkpoint keeps of this tracker, for the live rows `seqs` (call under the store's state lock,
         as the checkpoint's snapshot does): per task a bool per row (consumed by it), and JSON-able metadata (tasks,
         `policy_version`, `max_staleness`, `token_field`, counters, rows delivered per task).
 
         A batch marked consumed but still being gathered (not handed out yet) is recorded as not consumed, so a
         store restored from this checkpoint delivers it again rather than never (at least once over a restart).
+        `journaled` (a durable store's own checkpoint): recorded as consumed instead. Its consumption record is
+        in the journal already (`final_hooks` run when the rows are marked) and the checkpoint cuts the journal
+        below it: the snapshot must say what the record says, or a consume that returned would be delivered again.
         """
         pos = seqs % self.core.arena_rows
         delivered = dict(self._delivered)
         arrays: dict[str, np.ndarray] = {}
         for task, arr in self._consumed.items():
             done = arr[pos] == seqs
-            out = [inflight for t, inflight in self._gathering.values() if t == task]
+            out = [] if journaled else [inflight for t, inflight in self._gathering.values() if t == task]
             delivered[task] -= sum(len(inflight) for inflight in out)
             out.append(self.leases.task_seqs(task))  # in flight, not acked: delivered again after a restore
             back = np.concatenate(out)

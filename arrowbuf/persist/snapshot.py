@@ -67,9 +67,10 @@ def capture(core: StoreCore) -> Snapshot:
         return capture_held(core)
 
 
-def capture_held(core: StoreCore) -> Snapshot:
+def capture_held(core: StoreCore, journaled: bool = False) -> Snapshot:
     """`capture` by a caller that holds the store's write lock already (a durable store cuts its journal under it,
-    at the same point)."""
+    at the same point; `journaled`: the consumption of a batch still being gathered is in that journal, before the
+    cut, so the snapshot records it as consumed: `ConsumeRecord.state`)."""
     with core.lock:
         idx = core.index
         lo, hi = idx.lo, idx.hi
@@ -88,7 +89,7 @@ def capture_held(core: StoreCore) -> Snapshot:
                         episode_id=idx.episode_id[pos], step=idx.step[pos])
         snap.ragged = core.cols.ragged_snapshot()
         if core.consume is not None:  # under the state lock: what consumers marked at the snapshot point
-            snap.consume_meta, snap.consume_arrays = core.consume.state(np.arange(lo, hi, dtype=np.int64))
+            snap.consume_meta, snap.consume_arrays = core.consume.state(np.arange(lo, hi, dtype=np.int64), journaled)
         if core.lineage is not None:  # who wrote and consumed the rows (arrowbuf.observe.lineage)
             snap.lineage_meta, snap.lineage_arrays = core.lineage.state(np.arange(lo, hi, dtype=np.int64))
         # fields filled later change in sealed chunks too (`store.update`): copied now, with their presence

@@ -323,7 +323,7 @@ class _Cut:
         with log._mutate, core.write_lock:
             log.parts.writer.wait_reserved()
             self.lsn = log.journal.cut()
-            snap = capture_held(core)
+            snap = capture_held(core, journaled=True)
         log.journal.flush(self.lsn - 1)
         return snap, {"from_lsn": self.lsn}
 

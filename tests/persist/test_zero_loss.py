@@ -82,6 +82,35 @@ def test_checkpoint_while_a_batch_is_copied_keeps_it(tmp_path, policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_checkpoint_while_a_consume_gathers_keeps_its_rows_consumed(tmp_path, policy):
+    """A consume without a lease journals its rows' consumption when it marks them, then gathers them (64 MiB here:
+    tens of milliseconds outside the store's lock). A checkpoint taken during that gather recorded the rows as not
+    consumed (at least once, for a plain checkpoint) and cut the journal below their record: the consume returned
+    them, and a restore delivered them again (the crash harness's "consumed row delivered again")."""
+    d = str(tmp_path / "run")
+    n = 4096  # 4096 rows x 16 KiB
+    store = ab.ExperienceStore(FIXED, capacity=2 * n, durable=d, durability=policy, tasks=["train"])
+    store.extend(fixed_rows(0, n))
+    store.checkpoint()
+    lsn0 = store.stats()["journal"]["next_lsn"]
+    got: dict[str, list[int]] = {}
+    consumer = threading.Thread(target=lambda: got.update(ids=store.consume("train", n).indices.tolist()))
+    consumer.start()
+    while store.stats()["journal"]["next_lsn"] == lsn0 and consumer.is_alive():
+        pass  # its record is appended when it marks the rows: the gather is under way now
+    store.checkpoint()
+    consumer.join()
+    assert got["ids"] == list(range(n))
+    store.close()
+    again = ab.ExperienceStore.restore(d)
+    try:
+        assert again.consume("train", n, timeout=0).indices.tolist() == [], \
+            "rows a returned consume delivered came back after the checkpoint and restore"
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_checkpoint_keeps_the_live_rows_of_a_chunk_whose_head_was_evicted(tmp_path, policy, monkeypatch):
     """A writer evicts the first rows of a sealed chunk while a checkpoint copies the store: the chunk's other rows
     (here rows no task has consumed yet, held back from eviction) are live and acknowledged; they used to be left
