@@ -258,14 +258,16 @@ def local_ray_cluster(nodes: int) -> Iterator[Any]:
         yield c
     finally:
         raylets.update(_raylets_below())
-        started = _ray_pids(raylets) - before
+        # multiprocessing's resource tracker lives as long as this process, whichever test started it first: not
+        # waited for (the wait below used to run out its 60 s on it at every session's end)
+        started = {p for p in _ray_pids(raylets) - before
+                   if "multiprocessing.resource_tracker" not in _describe(p)}
         ray.shutdown()
         c.shutdown()
         end = time.monotonic() + 60  # a bounded wait for shutdown on a loaded machine, not a timing assert
         while time.monotonic() < end and any(_alive(p) for p in started):
             time.sleep(0.1)  # teardown only: waiting for the OS to reap Ray's processes
-        # multiprocessing's resource tracker lives as long as this process, whichever test started it first
-        left = [d for d in (_describe(p) for p in started if _alive(p)) if "multiprocessing.resource_tracker" not in d]
+        left = [_describe(p) for p in started if _alive(p)]
         assert not left, f"processes left behind by the Ray cluster: {left}"
 
 

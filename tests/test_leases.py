@@ -152,6 +152,24 @@ def test_a_writer_held_by_a_lease_is_released_when_the_rows_are_consumed_after_e
         assert done["ids"].tolist() == [4, 5]
 
 
+def test_a_writer_never_evicts_the_rows_of_a_lease_that_expires_as_it_checks():
+    """The writer's eviction check read the rows' consumed marks, then expired the leases past their deadline (their
+    rows went back, unconsumed), then left out only the rows of leases still open: the rows of a lease that expired
+    right then counted as consumed and were evicted unconsumed (the crash harness's "evicted before every task
+    consumed it"; a lease abandoned by a consumer that died)."""
+    with store(capacity=4, tasks=["t"]) as s:
+        s.extend(rows(4))
+        assert s.consume("t", 4, lease=0.05).indices.tolist() == [0, 1, 2, 3]  # the consumer dies
+        time.sleep(0.2)  # past its deadline; nothing has expired it yet
+        # the writer's last check, under its write lock (`StoreWriter.hold.ready`), is the one that expires it: a
+        # writer whose earlier check (`hold.wait`) ran just before the deadline goes straight to it
+        cols, n = s.schema.validate_batch(rows(2, 4))
+        assert not s._consume.ready(cols, n), "the rows of the lease that just expired would be evicted"
+        with pytest.raises(ab.InsertTimeout):
+            s.extend(rows(2, 4), timeout=0.05)  # rows 0 and 1 are back, unconsumed: they stay
+        assert s.consume("t", 4, timeout=0).indices.tolist() == [0, 1, 2, 3]
+
+
 def test_in_flight_counts_are_per_task():
     with store(tasks=["ref", "train"]) as s:
         s.extend(rows(8))

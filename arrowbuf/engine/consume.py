@@ -673,6 +673,8 @@ class ConsumeTracker:
             return None
         seqs = np.arange(lo, stop, dtype=np.int64)
         pos = seqs % c.arena_rows
+        if len(self.leases):  # first: an expiry puts rows back, unconsumed, and ends their lease (then not held)
+            self.expire()
         done = np.ones(len(seqs), dtype=bool)
         for arr in self._consumed.values():
             done &= arr[pos] == seqs
@@ -683,7 +685,6 @@ class ConsumeTracker:
             stale &= seqs < pinned
             done |= stale
         if len(self.leases):
-            self.expire()
             done &= ~np.isin(seqs, self.leases.held())  # in flight: it may come back, so it stays
         return seqs[~done]
 
