@@ -316,18 +316,18 @@ def _own_cluster(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group markers into the node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests on the session's Ray cluster run last, together (in their order): the cluster starts once, late, and
-    its idle processes do not share the CPUs with the other tests. The tests that start a Ray cluster of their own
-    (`own_ray_cluster`) run with them, first, so that two clusters never run at once. A test that asks for the cluster through
-    `request.getfixturevalue` carries the `ray` marker instead. Under pytest-xdist (`--dist loadgroup`, as
-    scripts/test.sh runs the suite) they are one group: one worker starts the cluster and runs them all, last, after
-    the slow tests and beside the quick ones."""
+    """The tests on the session's Ray cluster run together (in their order): the cluster starts once. The tests that
+    start a Ray cluster of their own (`own_ray_cluster`) run with them, first, so that two clusters never run at once.
+    A test that asks for the cluster through `request.getfixturevalue` carries the `ray` marker instead. Without
+    xdist they run last. Under pytest-xdist (`--dist loadgroup`, as scripts/test.sh runs the suite) they are one
+    group, and xdist hands out the largest group first: one worker runs the whole Ray group from the start while the
+    other takes the slow tests, then the quick ones (the order below), and the first to finish takes the rest."""
     for item in items:
         if _on_ray(item):
             item.add_marker(pytest.mark.xdist_group("ray"))
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # the long tests first, spread over the workers; the Ray group last, beside nothing heavier than the quick
-        # tests (a Ray cluster of 3 nodes beside the venv installs and demo runs overloads 2 cores: timeouts)
+        # the long tests first, then the quick ones; the Ray group is one unit of work, handed out first (the
+        # largest), whatever its place here
         items.sort(key=lambda item: (_on_ray(item), not _own_cluster(item), item.get_closest_marker("slow") is None))
     else:  # the tests with a cluster of their own first among the Ray tests: before the session's cluster starts
         items.sort(key=lambda item: (_on_ray(item), not _own_cluster(item)))
