@@ -26,6 +26,7 @@ import pyarrow as pa
 from ..errors import InvalidArgument, require
 from ..schema import dtypes as _dtypes
 from ..schema import jsonvalues as _jsonvalues
+from ..schema.convert import arrow_to_numpy, numpy_to_arrow
 from ..schema.inputs import DeviceLike, Gathered, JsonValue
 from . import balance as _balance
 from . import ragged as _ragged
@@ -64,7 +65,7 @@ def _to_arrow(values: Gathered) -> pa.Array:
                                     _dtypes.tensor_numpy(values, name))
     values = _host(values)
     if values.ndim == 1:
-        return pa.array(values)
+        return numpy_to_arrow(values)
     return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(values))
 
 
@@ -296,7 +297,7 @@ class SampleBatch:
             if _ragged.is_ragged(v):
                 arrays[k] = _ragged.take(v, rows)  # ranged copies (or a zero-copy slice), not Arrow's list take
             elif isinstance(v, (pa.Array, pa.ChunkedArray)):
-                arrays[k] = v.take(pa.array(rows))
+                arrays[k] = v.take(numpy_to_arrow(rows))
             elif _is_tensor(v):
                 arrays[k] = v[require("torch", "torch").from_numpy(rows).to(v.device)]
             else:
@@ -356,7 +357,7 @@ class SampleBatch:
                 raise InvalidArgument(f"split: group={group!r} is not a column of this batch ({self.columns})")
             keys = _host(self._arrays[group])
             if isinstance(keys, (pa.Array, pa.ChunkedArray)):
-                keys = keys.to_numpy(zero_copy_only=False)
+                keys = arrow_to_numpy(keys)
         n = len(self)
         if balance is None:
             if keys is not None:

@@ -60,6 +60,7 @@ import pyarrow as pa
 
 from ..errors import InvalidArgument, SampleTimeout, SchemaError, StoreClosed, Unavailable, require
 from ..samplers import validate_priorities
+from ..schema.convert import numpy_to_arrow
 from ..schema.inputs import DeviceLike, Gathered, IdsLike, ValuesLike
 from .batch import SampleBatch
 
@@ -195,7 +196,7 @@ class LoaderMetrics:
         """The kept iterations as a `pa.Table`, one row per batch taken (columns as in the class docstring)."""
         cols: list[Any] = list(zip(*self._rows)) if self._rows else [[] for _ in _METRIC_COLUMNS]
         types = [pa.int64()] + [pa.float64()] * 9 + [pa.int64(), pa.int64()]
-        return pa.table([pa.array(c, type=t) for c, t in zip(cols, types)], names=list(_METRIC_COLUMNS))
+        return pa.table([numpy_to_arrow(c, t) for c, t in zip(cols, types)], names=list(_METRIC_COLUMNS))
 
     def summary(self) -> str:
         """One line: iterations, mean exposed latency vs mean path time, hidden fraction, p50/p99 wait."""
@@ -813,7 +814,7 @@ def _to_numpy(x: IdsLike) -> npt.ArrayLike:
 
 def _take(values: Gathered, rows: np.ndarray) -> Gathered:
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
-        return values.take(pa.array(rows))
+        return values.take(numpy_to_arrow(rows))
     return values[rows]
 
 

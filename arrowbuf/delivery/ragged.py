@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 
 from ..errors import InvalidArgument
 from ..ring.ragged_gather import one_array, private_values, take, take_chunked
+from ..schema.convert import arrow_to_numpy, numpy_to_arrow
 
 
 def is_ragged(values: object) -> bool:
@@ -44,12 +45,12 @@ def flat(values: pa.Array | pa.ChunkedArray, writable: bool = False) -> tuple[np
     if writable:
         private = private_values(values)
         if private is not None:
-            offs = np.asarray(values.offsets, dtype=np.int64)
+            offs = arrow_to_numpy(values.offsets).astype(np.int64)
             return private, offs - offs[0]
     arr = one_array(values)
     if not is_ragged(arr):
         raise InvalidArgument(f"expected a ragged (list) column, got {arr.type}")
-    offs = np.asarray(arr.offsets, dtype=np.int64)  # respects a slice; nulls may hold garbage-free equal offsets
+    offs = arrow_to_numpy(arr.offsets).astype(np.int64)  # respects a slice; nulls may hold garbage-free equal offsets
     if arr.null_count:
         # Arrow allows a null list to span values; count nulls as empty rows by rebuilding the lengths
         lens = np.diff(offs)
@@ -60,7 +61,7 @@ def flat(values: pa.Array | pa.ChunkedArray, writable: bool = False) -> tuple[np
     else:
         vals = arr.values.slice(int(offs[0]), int(offs[-1] - offs[0])) if len(arr) else arr.values.slice(0, 0)
         offs = offs - offs[0]
-    return vals.to_numpy(zero_copy_only=False), offs
+    return arrow_to_numpy(vals), offs
 
 
 def lengths(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
@@ -82,16 +83,17 @@ def position_ids(offsets: np.ndarray) -> np.ndarray:
     if not total:
         return np.zeros(0, dtype=np.int64)
     longest = int(lens.max())
-    ramp = pa.array(np.arange(longest, dtype=np.int64))
+    ramp = numpy_to_arrow(np.arange(longest, dtype=np.int64))
     if longest < 2**31 and lens.size < 2**31:
-        view: pa.Array = pa.ListViewArray.from_arrays(pa.array(np.zeros(lens.size, np.int32)),
-                                                      pa.array(lens.astype(np.int32)), ramp)
+        view: pa.Array = pa.ListViewArray.from_arrays(numpy_to_arrow(np.zeros(lens.size, np.int32)),
+                                                      numpy_to_arrow(lens.astype(np.int32)), ramp)
     else:
-        view = pa.LargeListViewArray.from_arrays(pa.array(np.zeros(lens.size, np.int64)), pa.array(lens), ramp)
+        view = pa.LargeListViewArray.from_arrays(numpy_to_arrow(np.zeros(lens.size, np.int64)), numpy_to_arrow(lens),
+                                                 ramp)
     flat_ids = pc.list_flatten(view)
     buf = flat_ids.buffers()[1]
     if buf is None or not buf.is_mutable:  # not expected: list_flatten allocates its output
-        return np.array(flat_ids.to_numpy(zero_copy_only=False), dtype=np.int64)
+        return np.array(arrow_to_numpy(flat_ids), dtype=np.int64)
     return np.frombuffer(buf, dtype=np.int64, count=total, offset=flat_ids.offset * 8)
 
 

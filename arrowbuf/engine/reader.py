@@ -41,6 +41,7 @@ from ..samplers import Sampler, validate_priorities
 from ..samplers.device import device_kind
 from ..schema import FieldSpec
 from ..schema import logical as _logical
+from ..schema.convert import numpy_to_arrow
 from ..schema.inputs import Gathered, IdsLike, ValuesLike
 from .core import StoreCore
 from .nstep import n_step_returns
@@ -630,9 +631,9 @@ class _SnapshotIter:
                         arrays.append(_logical.to_arrow(c.schema.fields[n],
                                                         self.ragged[n][slot].slice(p0 - slot * chunk_rows, p1 - p0)))
                     elif n == "seq":
-                        arrays.append(pa.array(np.arange(s0, s0 + p1 - p0, dtype=np.int64)))
+                        arrays.append(numpy_to_arrow(np.arange(s0, s0 + p1 - p0, dtype=np.int64)))
                     else:
-                        arrays.append(pa.array(np.array(getattr(idx, n)[p0:p1])))
+                        arrays.append(numpy_to_arrow(np.array(getattr(idx, n)[p0:p1])))
                 now = idx.seq[p0:p1]
                 intact = now == np.arange(s0, s0 + p1 - p0, dtype=np.int64)  # after the copy: seqlock
                 batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
@@ -643,7 +644,7 @@ class _SnapshotIter:
                         cut = int(np.flatnonzero(gone)[-1]) + 1
                         intact[:cut] = False
                         start = s0 + cut
-                    batch = batch.filter(pa.array(intact))
+                    batch = batch.filter(numpy_to_arrow(intact))
                 seq = s0 + (p1 - p0)
                 if batch.num_rows or start < seq:  # a piece of holes only still continues the range
                     yield batch, start, seq
@@ -673,7 +674,7 @@ def _column_copy(values: np.ndarray, spec: FieldSpec) -> pa.Array:
         return _logical.to_arrow(spec, values)
     if spec.shape:
         return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
-    return pa.array(values)
+    return numpy_to_arrow(values)
 
 
 def _is_tensor(values: object) -> TypeIs[torch.Tensor]:
@@ -719,8 +720,8 @@ def _replace_rows(arr: Gathered, rows: np.ndarray, values: Gathered) -> pa.Array
     for i, v in zip(rows.tolist(), _pylist(values, typ)):
         pylist[i] = v
     if isinstance(typ, pa.ExtensionType):  # e.g. fixed_shape_tensor: pyarrow builds these from their storage only
-        return pa.ExtensionArray.from_storage(typ, pa.array(pylist, type=typ.storage_type))
-    return pa.array(pylist, type=typ)
+        return pa.ExtensionArray.from_storage(typ, numpy_to_arrow(pylist, typ.storage_type))
+    return numpy_to_arrow(pylist, typ)
 
 
 def _pylist(values: Gathered, typ: pa.DataType) -> list:

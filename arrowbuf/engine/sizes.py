@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..schema import SYSTEM_COLUMNS, FieldSpec  # SYSTEM_COLUMNS: int64 columns the store adds, kept in the index
+from ..schema.convert import arrow_to_numpy
 from .core import StoreCore
 
 
@@ -107,7 +108,7 @@ def _ragged_rows_bytes(core: StoreCore, spec: FieldSpec, live: list[slice] | np.
     total = 0
     for s in np.unique(positions // chunk_rows):
         arr = slots[int(s)]
-        lengths = np.asarray(pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False))
+        lengths = arrow_to_numpy(pc.list_value_length(arr).fill_null(0))
         rows = positions[positions // chunk_rows == s] % chunk_rows
         total += int(lengths[rows[rows < len(lengths)]].sum())
     return total * int(spec.dtype.itemsize)

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ..errors import InvalidArgument, SchemaError
+from ..schema.convert import arrow_to_numpy
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..schema import ExperienceSchema
@@ -66,7 +67,7 @@ def token_counts(core: StoreCore, field: str, seqs: np.ndarray) -> np.ndarray:
     out = np.zeros(len(seqs), dtype=np.int64)
     per_slot = core.cols.ragged[field]
     for s in np.unique(slots):
-        lens = pc.fill_null(pc.list_value_length(per_slot[int(s)]), 0).to_numpy(zero_copy_only=False)
+        lens = arrow_to_numpy(pc.fill_null(pc.list_value_length(per_slot[int(s)]), 0))
         m = slots == s
         out[m] = lens[offs[m]]
     return out

@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgument
+from ..schema.convert import numpy_to_arrow
 from ..schema.inputs import IdsLike
 from ..schema.update import update_ids, validate_update
 from .core import StoreCore
@@ -91,7 +92,8 @@ class StoreUpdater:
             pos = seqs[keep] % c.arena_rows
             if len(keep):
                 parts = {name: col if len(keep) == len(seqs) else (
-                    col.take(pa.array(keep)) if isinstance(col, pa.Array) else col[keep]) for name, col in cols.items()}
+                    col.take(numpy_to_arrow(keep)) if isinstance(col, pa.Array) else col[keep])
+                    for name, col in cols.items()}
                 c.cols.update_fields(pos, parts)  # one bracket: readers see all of a row's update or none
             with c.cond:
                 skipped = len(seqs) - len(keep)

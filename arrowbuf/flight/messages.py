@@ -17,10 +17,11 @@ from ..errors import SchemaError
 from ..ring.ragged_gather import own
 from ..schema import ExperienceSchema
 from ..schema import logical as _logical
-from ..schema.convert import tensor_to_numpy
+from ..schema.convert import arrow_to_numpy, numpy_to_arrow, tensor_to_numpy
 from ..schema.dtypes import LogicalType, to_arrow, to_physical
 from . import protocol as P
 from .heap import release_after
+from .wire import wire_array
 
 
 def ack_ids(ack: dict[str, int], rows: int) -> np.ndarray:
@@ -83,7 +84,7 @@ def sample_batch(data: pa.RecordBatch, meta: pa.Buffer | None, form: str = "json
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
             arrays[name] = _own_received(col)
         else:
-            arrays[name] = received(col.to_numpy(zero_copy_only=False))
+            arrays[name] = received(arrow_to_numpy(col))
     release_after(data.nbytes)  # the receive's freed gRPC pieces: back to the OS, not kept for the next peak
     return SampleBatch(arrays, indices, weights)
 
@@ -95,7 +96,7 @@ def _own_received(col: pa.Array) -> pa.Array:
     child = col.values
     if not (pa.types.is_integer(child.type) or pa.types.is_floating(child.type)) or child.null_count:
         return col
-    view = child.to_numpy(zero_copy_only=True)
+    view = arrow_to_numpy(child)
     mine = received(view)
     if view.size and mine.ctypes.data == view.ctypes.data:
         own(col, mine)
@@ -158,15 +159,15 @@ def record_batch(schema: ExperienceSchema, cols: dict[str, Any]) -> pa.RecordBat
                                          else present))
         elif value.ndim > 1 and len(value) == 0:  # from_numpy_ndarray refuses an empty array
             typ = pa.fixed_shape_tensor(pa.from_numpy_dtype(value.dtype), value.shape[1:])
-            storage = pa.FixedSizeListArray.from_arrays(pa.array([], pa.from_numpy_dtype(value.dtype)),
+            storage = pa.FixedSizeListArray.from_arrays(numpy_to_arrow([], pa.from_numpy_dtype(value.dtype)),
                                                         int(np.prod(value.shape[1:])))
             arrays.append(pa.ExtensionArray.from_storage(typ, storage))
         elif value.ndim > 1:
             if not value.flags.c_contiguous or len(value) < 2:  # one row may carry a zero leading stride
                 value = value.copy(order="C")
-            arrays.append(pa.FixedShapeTensorArray.from_numpy_ndarray(value))
+            arrays.append(wire_array(value))
         else:
-            arrays.append(pa.array(value))
+            arrays.append(numpy_to_arrow(value))
     return pa.RecordBatch.from_arrays(arrays, names=names)
 
 

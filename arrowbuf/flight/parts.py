@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ..errors import SchemaError
+from ..schema.convert import arrow_to_numpy, numpy_to_arrow
 from .heap import release_after
 from .streams import bounded_batches
 
@@ -146,10 +147,11 @@ def _from_dense(values: np.ndarray, type_: pa.DataType) -> pa.Array:
     """The inverse of `_dense` (zero-copy)."""
     storage_type = type_.storage_type if isinstance(type_, pa.BaseExtensionType) else type_
     if pa.types.is_fixed_size_list(storage_type):
-        storage: pa.Array = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), storage_type.list_size)
+        storage: pa.Array = pa.FixedSizeListArray.from_arrays(numpy_to_arrow(values.reshape(-1)),
+                                                              storage_type.list_size)
         storage = storage.cast(storage_type) if storage.type != storage_type else storage
     else:
-        storage = pa.array(values.reshape(-1), type=storage_type)
+        storage = numpy_to_arrow(values.reshape(-1), storage_type)
     return pa.ExtensionArray.from_storage(type_, storage) if isinstance(type_, pa.BaseExtensionType) else storage
 
 
@@ -184,7 +186,7 @@ def _list_view(col: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
     vt = t.value_type
     if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)):
         return None
-    offs = np.asarray(col.offsets, dtype=np.int64)  # respects a slice
+    offs = arrow_to_numpy(col.offsets).astype(np.int64)  # respects a slice
     first, last = int(offs[0]), int(offs[-1])
     if first < 0 or last > len(col.values) or (len(offs) > 1 and bool((np.diff(offs) < 0).any())):
         raise SchemaError("a sample in parts: a list column's offsets run backwards or past its values")
@@ -244,7 +246,7 @@ class _RaggedColumn:
         """The first `rows` rows as one list array over these arrays (zero-copy)."""
         vt = self.type.value_type
         if self.values is None:  # no row yet
-            values = pa.array(np.empty(0, vt.to_pandas_dtype()), type=vt)
+            values = numpy_to_arrow(np.empty(0, vt.to_pandas_dtype()), vt)
         else:
             values = pa.Array.from_buffers(vt, self.used, [None, pa.py_buffer(self.values[:self.used])])
         return pa.Array.from_buffers(self.type, rows, [None, pa.py_buffer(self.offsets[:rows + 1])],

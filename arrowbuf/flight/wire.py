@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from ..schema.convert import numpy_to_arrow
 from . import protocol as P
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -19,8 +20,6 @@ _TENSOR_TYPES: dict[tuple[Any, tuple[int, ...]], tuple[pa.DataType, pa.DataType,
 #: The IPC options of every stream this server writes: pyarrow's default, built once (given none, pyarrow builds
 #: them per stream from two environment variables).
 WIRE_OPTIONS = pa.ipc.IpcWriteOptions()
-#: numpy dtype -> Arrow type of 1-D numeric columns.
-_SCALAR_TYPES: dict[Any, pa.DataType] = {}
 
 
 def wire_batch(batch: SampleBatch, meta: str = "json") -> tuple[pa.RecordBatch, pa.Buffer | None]:
@@ -61,13 +60,7 @@ def wire_array(value: np.ndarray | pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
         return value
     if value.ndim == 1:
-        if type(value) is np.ndarray and value.dtype.kind in "iuf" and value.dtype.isnative \
-                and value.flags.c_contiguous:  # wrapped as it is (pa.array checks for pandas objects first)
-            typ = _SCALAR_TYPES.get(value.dtype)
-            if typ is None:
-                typ = _SCALAR_TYPES.setdefault(value.dtype, pa.from_numpy_dtype(value.dtype))
-            return pa.Array.from_buffers(typ, len(value), [None, pa.py_buffer(value)])
-        return pa.array(value)
+        return numpy_to_arrow(value)
     shape = tuple(value.shape[1:])
     key = (value.dtype, shape)
     cached = _TENSOR_TYPES.get(key)
@@ -79,8 +72,8 @@ def wire_array(value: np.ndarray | pa.Array | pa.ChunkedArray) -> pa.Array:
     flat = np.ascontiguousarray(value)
     if flat.dtype.kind in "iuf" and flat.dtype.isnative:
         values = pa.Array.from_buffers(value_type, flat.size, [None, pa.py_buffer(flat)])
-    else:  # bool (bit-packed in Arrow), a byte-swapped dtype, ...: let Arrow convert
-        values = pa.array(flat.reshape(-1))
+    else:  # bool (bit-packed in Arrow), a byte-swapped dtype, ...: converted
+        values = numpy_to_arrow(flat.reshape(-1))
     return typ.wrap_array(pa.FixedSizeListArray.from_arrays(values, size))
 
 

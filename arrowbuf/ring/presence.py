@@ -35,7 +35,7 @@ import pyarrow as pa
 from ..errors import ArrowbufError, SchemaError
 from ..schema import ExperienceSchema, FieldSpec
 from ..schema import logical as _logical
-from ..schema.convert import later_mask
+from ..schema.convert import later_mask, numpy_to_arrow
 from ..schema.inputs import Converted, Gathered
 from ..tiers.base import Tier
 
@@ -174,7 +174,7 @@ def nullable_array(spec: FieldSpec, values: np.ndarray, present: np.ndarray) -> 
         return _logical.to_arrow(spec, values, mask)
     if not spec.shape:
         return pa.array(values, type=pa.from_numpy_dtype(spec.dtype), mask=mask)
-    flat = pa.array(np.ascontiguousarray(values).reshape(-1), type=pa.from_numpy_dtype(spec.dtype))
+    flat = numpy_to_arrow(np.ascontiguousarray(values).reshape(-1), pa.from_numpy_dtype(spec.dtype))
     size = int(np.prod(spec.shape))
-    storage = pa.FixedSizeListArray.from_arrays(flat, size, mask=pa.array(mask))
+    storage = pa.FixedSizeListArray.from_arrays(flat, size, mask=numpy_to_arrow(mask))
     return pa.ExtensionArray.from_storage(spec.arrow_type(), storage)

@@ -54,6 +54,7 @@ import pyarrow.compute as pc
 
 from ..errors import OutOfSpace
 from ..schema import FieldSpec
+from ..schema.convert import arrow_to_numpy, numpy_to_arrow
 from ..tiers.base import Tier
 from .outpool import OutputPool
 from .ragged_gather import own as _own
@@ -124,7 +125,7 @@ class RaggedArena:
             self.meta[_FIRST] = -1
         # the elements as one Arrow array over the mapped memory (zero-copy for numbers; bools are bit-packed in
         # Arrow, so they are gathered with numpy instead)
-        self._flat = None if spec.dtype == np.bool_ else pa.array(self.values, type=self.type.value_type)
+        self._flat = None if spec.dtype == np.bool_ else numpy_to_arrow(self.values, self.type.value_type)
         self._view = (self.values, self._flat, self.start, self.length)  # what a reader reads, taken once
 
     @property
@@ -146,7 +147,7 @@ class RaggedArena:
         n = len(values)
         if not n:
             return
-        offs = np.asarray(values.offsets, dtype=np.int64)
+        offs = arrow_to_numpy(values.offsets).astype(np.int64)
         lens = np.diff(offs)
         nxt = (int(first_pos) + n) % self.arena_rows
         tail = self._tail(nxt)
@@ -169,7 +170,7 @@ class RaggedArena:
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         if not pos.size:
             return
-        offs = np.asarray(values.offsets, dtype=np.int64)
+        offs = arrow_to_numpy(values.offsets).astype(np.int64)
         lens = np.diff(offs)
         starts = self._place(lens, self._tail(int(self.meta[_NEXT])), f"an update of {pos.size} rows")
         self._copy(starts, values, offs)
@@ -214,7 +215,7 @@ class RaggedArena:
         first, last = int(offs[0]), int(offs[-1])
         if last <= first:
             return
-        flat = values.values.slice(first, last - first).to_numpy(zero_copy_only=False)
+        flat = arrow_to_numpy(values.values.slice(first, last - first))
         rel = offs - first
         cap, base = self.capacity, int(self.meta[_BASE])
         phys = (starts - base) % cap
@@ -253,7 +254,7 @@ class RaggedArena:
         kept = self.lstart >= tail  # every row still in the ring (rows below are being rewritten now)
         start[:] = np.where(kept, self.lstart - tail, 0)
         length[:] = np.where(kept, self.length, -1)
-        flat = None if self.spec.dtype == np.bool_ else pa.array(values, type=self.type.value_type)
+        flat = None if self.spec.dtype == np.bool_ else numpy_to_arrow(values, self.type.value_type)
         self.values, self.start, self.length, self._flat = values, start, length, flat
         self.meta[_BASE], self.meta[_CAP] = tail, new_cap
         self._view = (values, flat, start, length)
@@ -287,21 +288,22 @@ class RaggedArena:
             lo = starts[np.concatenate(([0], cut))].tolist()
             hi = ends[np.concatenate((cut - 1, [len(ends) - 1]))].tolist()
             np.concatenate([values[a:b] for a, b in zip(lo, hi)], out=out)
-            mask = None if valid.all() else pa.array(~valid)
-            res = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(out, type=self.type.value_type),
-                                           type=self.type, mask=mask)
+            mask = None if valid.all() else numpy_to_arrow(~valid)
+            res = pa.ListArray.from_arrays(numpy_to_arrow(offsets.astype(np.int32)),
+                                           numpy_to_arrow(out, self.type.value_type), type=self.type, mask=mask)
             return _own(res, out)
         if flat_values is not None and total < 2**31:
-            view = pa.ListViewArray.from_arrays(pa.array(starts.astype(np.int32)), pa.array(lens.astype(np.int32)),
-                                                flat_values)
+            view = pa.ListViewArray.from_arrays(numpy_to_arrow(starts.astype(np.int32)),
+                                                numpy_to_arrow(lens.astype(np.int32)), flat_values)
             flat = pc.list_flatten(view)
         elif flat_values is not None:
-            flat = pc.list_flatten(pa.LargeListViewArray.from_arrays(pa.array(starts), pa.array(lens), flat_values))
+            flat = pc.list_flatten(pa.LargeListViewArray.from_arrays(numpy_to_arrow(starts), numpy_to_arrow(lens),
+                                                                     flat_values))
         else:
             idx = np.repeat(starts - offsets[:-1], lens) + np.arange(int(offsets[-1]), dtype=np.int64)
-            flat = pa.array(values[idx], type=self.type.value_type)
-        mask = None if valid.all() else pa.array(~valid)
-        out = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), flat, type=self.type, mask=mask)
+            flat = numpy_to_arrow(values[idx], self.type.value_type)
+        mask = None if valid.all() else numpy_to_arrow(~valid)
+        out = pa.ListArray.from_arrays(numpy_to_arrow(offsets.astype(np.int32)), flat, type=self.type, mask=mask)
         return _own(out) if _outside(flat, values) else out
 
     def slot(self, s: int) -> pa.Array:

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import InvalidArgument
+from ..schema.convert import arrow_to_numpy, numpy_to_arrow
 
 
 def one_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
@@ -32,7 +33,7 @@ def _consecutive(rows: np.ndarray) -> bool:
 
 def _ranges(arr: pa.Array, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(starts into arr.values, lengths, validity or None) of `rows` of one list array; null rows get length 0."""
-    offs = np.asarray(arr.offsets)  # length len(arr)+1, already shifted by a slice's offset
+    offs = arrow_to_numpy(arr.offsets)  # length len(arr)+1, already shifted by a slice's offset
     starts = offs[rows].astype(np.int64)
     lens = offs[rows + 1].astype(np.int64) - starts
     valid = None
@@ -47,10 +48,10 @@ def _gather_values(values: pa.Array, starts: np.ndarray, lens: np.ndarray) -> pa
     if not starts.size:
         return values.slice(0, 0)
     if int(starts.max(initial=0)) + int(lens.max(initial=0)) < 2**31:
-        view = pa.ListViewArray.from_arrays(pa.array(starts.astype(np.int32)), pa.array(lens.astype(np.int32)),
-                                            values)
+        view = pa.ListViewArray.from_arrays(numpy_to_arrow(starts.astype(np.int32)),
+                                            numpy_to_arrow(lens.astype(np.int32)), values)
     else:
-        view = pa.LargeListViewArray.from_arrays(pa.array(starts), pa.array(lens), values)
+        view = pa.LargeListViewArray.from_arrays(numpy_to_arrow(starts), numpy_to_arrow(lens), values)
     return pc.list_flatten(view)
 
 
@@ -62,8 +63,8 @@ def _assemble(list_type: pa.DataType, values: pa.Array, lens: np.ndarray, valid:
         raise InvalidArgument(f"a gathered ragged column holds {int(offs[-1])} values, more than a list column's "
                               "int32 offsets address; gather fewer rows per batch")
     cls = pa.LargeListArray if large else pa.ListArray
-    offsets = pa.array(offs if large else offs.astype(np.int32))
-    mask = None if valid is None or valid.all() else pa.array(~valid)
+    offsets = numpy_to_arrow(offs if large else offs.astype(np.int32))
+    mask = None if valid is None or valid.all() else numpy_to_arrow(~valid)
     out = cls.from_arrays(offsets, values, type=list_type, mask=mask)
     return out
 
@@ -180,7 +181,7 @@ def private_values(arr: pa.Array | None) -> np.ndarray | None:
         child = child.storage
     if not (pa.types.is_integer(child.type) or pa.types.is_floating(child.type)):
         return None
-    offs = np.asarray(arr.offsets)
+    offs = arrow_to_numpy(arr.offsets)
     dtype = np.dtype(child.type.to_pandas_dtype())
     first = int(offs[0]) if len(offs) else 0
     count = int(offs[-1]) - first if len(offs) else 0

@@ -36,7 +36,7 @@ def later_mask(values: Converted) -> np.ndarray | None:
         present = np.asarray(~mask.reshape(len(mask), -1).any(axis=1) if mask.ndim > 1 else ~mask, dtype=bool)
         return None if present.all() else present
     if isinstance(values, pa.Array) and values.null_count:
-        return np.asarray(values.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+        return arrow_to_numpy(values.is_valid())
     return None
 
 
@@ -55,8 +55,8 @@ def convert_later(spec: FieldSpec, value: object, single: bool = False) -> Conve
         value = value.combine_chunks() if value.num_chunks != 1 else value.chunk(0)
     if isinstance(value, pa.Array):
         if value.null_count:
-            mask = np.asarray(value.is_null().to_numpy(zero_copy_only=False), dtype=bool)
-            value = value.filter(pa.array(~mask))
+            mask = arrow_to_numpy(value.is_null())
+            value = value.filter(numpy_to_arrow(~mask))
     elif isinstance(value, np.ma.MaskedArray):
         m = np.asarray(np.ma.getmaskarray(value), dtype=bool)
         if m.any():
@@ -159,7 +159,7 @@ def arrow_type_fits(spec: FieldSpec, t: pa.DataType) -> bool:
 
 def stream_column(name: str, value: object, single: bool) -> np.ndarray:
     if isinstance(value, (pa.Array, pa.ChunkedArray)):
-        value = value.to_numpy(zero_copy_only=False)
+        value = arrow_to_numpy(value)
     arr = np.asarray(value)
     if single:
         arr = arr.reshape(1) if arr.ndim == 0 else arr
@@ -184,12 +184,65 @@ def stream_column(name: str, value: object, single: bool) -> np.ndarray:
     return arr
 
 
+#: numpy's dtype of each Arrow number type `arrow_to_numpy` reads from its buffer.
+_NUMBERS: dict[pa.DataType, np.dtype[Any]] = {
+    pa.from_numpy_dtype(np.dtype(c)): np.dtype(c)
+    for c in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+              "float64")}
+
+_ARROW_OF = {dt: t for t, dt in _NUMBERS.items()}
+
+
+def numpy_to_arrow(value: Any, typ: pa.DataType | None = None) -> pa.Array:
+    """`pa.array(value, type=typ)`; a 1-D numpy array of numbers or bools is wrapped from its buffer (zero-copy for
+    contiguous numbers in native order). `pa.array` looks for pandas objects first, and the first such look in a
+    process imports pandas: 1-2 s that a cold process's first put, get or sample paid."""
+    if not isinstance(value, np.ndarray):
+        return pa.array(value, type=typ)
+    if typ is None or value.dtype == _NUMBERS.get(typ) or (value.dtype == np.bool_ and typ == pa.bool_()):
+        if value.ndim == 1 and value.dtype.isnative and value.flags.c_contiguous:
+            if value.dtype == np.bool_:
+                bits = np.packbits(value, bitorder="little")
+                return pa.Array.from_buffers(pa.bool_(), len(value), [None, pa.py_buffer(bits)])
+            t = _ARROW_OF.get(value.dtype)
+            if t is not None:
+                return pa.Array.from_buffers(t, len(value), [None, pa.py_buffer(value)])
+    return pa.array(value, type=typ)
+
+
+def arrow_to_numpy(value: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """`value.to_numpy(zero_copy_only=False)` (numbers zero-copy and read-only, bools unpacked), read from the
+    buffers for numbers and bools without nulls. pyarrow's `to_numpy` looks for pandas first, and the first such look
+    in a process imports pandas: 1-2 s that a cold process's first put, get or sample paid."""
+    if isinstance(value, pa.ChunkedArray):
+        value = value.combine_chunks() if value.num_chunks != 1 else value.chunk(0)
+    if value.null_count == 0:
+        n, off = len(value), value.offset
+        dt = _NUMBERS.get(value.type)
+        if dt is not None:
+            buf = value.buffers()[1]
+            if buf is None:  # (an empty array may have no data buffer)
+                return np.zeros(0, dtype=dt)
+            out = np.frombuffer(buf, dtype=dt, count=n, offset=off * dt.itemsize)
+            out.flags.writeable = False
+            return out
+        if pa.types.is_boolean(value.type):
+            buf = value.buffers()[1]
+            if buf is None or n == 0:
+                return np.zeros(0, dtype=np.bool_)
+            first, last = off // 8, (off + n + 7) // 8
+            bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8, count=last - first, offset=first),
+                                 bitorder="little")
+            return bits[off - 8 * first:off - 8 * first + n].astype(np.bool_)
+    return value.to_numpy(zero_copy_only=False)
+
+
 def tensor_to_numpy(value: pa.FixedShapeTensorArray) -> np.ndarray:
     """A `fixed_shape_tensor` array as an ndarray `[rows, *shape]`, bool tensors included (pyarrow's
     `to_numpy_ndarray` refuses them: "bool is not valid data type for a tensor")."""
     t = value.type
     if pa.types.is_boolean(t.value_type):
-        flat = value.storage.flatten().to_numpy(zero_copy_only=False)
+        flat = arrow_to_numpy(value.storage.flatten())
         return flat.reshape((len(value), *t.shape))
     return value.to_numpy_ndarray()
 
@@ -212,7 +265,7 @@ def _arrow_to_numpy(spec: FieldSpec, value: pa.Array | pa.ChunkedArray) -> Conve
         return inner.reshape(len(value), -1)
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return value
-    return value.to_numpy(zero_copy_only=False)
+    return arrow_to_numpy(value)
 
 
 def _inner_nulls(value: pa.Array) -> int:
@@ -456,7 +509,7 @@ def _check_offsets(spec: FieldSpec, arr: pa.Array) -> None:
     offsets = getattr(arr, "offsets", None)
     if offsets is None or len(offsets) < 2:
         return
-    offs = offsets.to_numpy(zero_copy_only=False)
+    offs = arrow_to_numpy(offsets)
     if offs[0] < 0 or (np.diff(offs) < 0).any():
         raise SchemaError(f"field {spec.name!r}: a ragged column whose list offsets decrease (or start below 0) is "
                           "not a valid Arrow list array; build it with pyarrow (pa.array, ListArray.from_arrays)")
@@ -476,12 +529,12 @@ def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:  # a
             arr = _dtypes.unwrap_list(arr)  # its bits, zero-copy
             vt = arr.type.value_type
         if vt != value_type:
-            inner = cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
-            arr = pa.ListArray.from_arrays(arr.offsets, pa.array(inner, type=value_type))
+            inner = cast(spec, arrow_to_numpy(arr.flatten()))
+            arr = pa.ListArray.from_arrays(arr.offsets, numpy_to_arrow(inner, value_type))
         elif isinstance(arr, pa.LargeListArray):
             arr = arr.cast(pa.list_(value_type))
         if not spec.allow_nan:
-            cast(spec, arr.flatten().to_numpy(zero_copy_only=False))
+            cast(spec, arrow_to_numpy(arr.flatten()))
         return arr
     rows = [value] if single else value
     if isinstance(rows, np.ndarray) and rows.dtype != object and rows.ndim == 2:
@@ -504,4 +557,5 @@ def _convert_ragged(spec: FieldSpec, value: Any, single: bool) -> pa.Array:  # a
     offsets = np.zeros(len(parts) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     flat = np.concatenate(parts) if parts else np.zeros(0, spec.dtype)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(spec.dtype, copy=False), type=value_type))
+    return pa.ListArray.from_arrays(numpy_to_arrow(offsets),
+                                    numpy_to_arrow(flat.astype(spec.dtype, copy=False), value_type))

@@ -46,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from ...errors import SchemaError
+from ...flight.wire import wire_array
 from ...schema import dtypes as _logical
 from ...schema.spec import DTYPES
 
@@ -205,20 +206,20 @@ class FieldValues:
         if self.dense is not None:
             if logical:
                 return _logical.to_arrow(_logical.arrow_type(name, tuple(self.dense.shape[1:])), self.dense)
-            if self.dense.ndim == 1:
-                return pa.array(self.dense)
             if self.n == 0 or 0 in self.dense.shape[1:]:
                 typ = pa.fixed_shape_tensor(pa.from_numpy_dtype(self.dense.dtype), list(self.dense.shape[1:]))
-                storage = pa.FixedSizeListArray.from_arrays(pa.array(self.dense.reshape(-1)),
+                storage = pa.FixedSizeListArray.from_arrays(wire_array(self.dense.reshape(-1)),
                                                             int(np.prod(self.dense.shape[1:])))
                 return pa.ExtensionArray.from_storage(typ, storage)
-            return pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(self.dense))
+            # wrapped from the buffer: `pa.array` and `from_numpy_ndarray` look for pandas objects first, and the
+            # first such look in a process imports pandas (1-2 s: a cold system's first put and get paid it)
+            return wire_array(self.dense)
         assert self.flat is not None and self.offsets is not None
         child = (_logical.to_arrow(_logical.arrow_type(name, ()), self.flat) if logical
-                 else pa.array(self.flat))
+                 else wire_array(self.flat))
         if self.offsets[-1] < 2**31:
-            return pa.ListArray.from_arrays(pa.array(self.offsets.astype(np.int32)), child)
-        return pa.LargeListArray.from_arrays(pa.array(self.offsets), child)
+            return pa.ListArray.from_arrays(wire_array(self.offsets.astype(np.int32)), child)
+        return pa.LargeListArray.from_arrays(wire_array(self.offsets), child)
 
     @classmethod
     def from_arrow(cls, kind: FieldKind, col: pa.Array | pa.ChunkedArray, shapes: list[tuple[int, ...]] | None,
@@ -229,7 +230,7 @@ class FieldValues:
         from ...delivery import ragged as _ragged
         from ...flight.messages import received
         from ...schema import jsonvalues
-        from ...schema.convert import tensor_to_numpy
+        from ...schema.convert import arrow_to_numpy, tensor_to_numpy
 
         col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         n = len(col)
@@ -252,7 +253,7 @@ class FieldValues:
         elif isinstance(col.type, pa.FixedShapeTensorType):
             dense = tensor_to_numpy(col).reshape((n, *col.type.shape))
         else:
-            dense = col.to_numpy(zero_copy_only=False)
+            dense = arrow_to_numpy(col)
         return cls(kind, n, dense=received(dense) if writable else dense)
 
     def take(self, rows: np.ndarray) -> FieldValues:
@@ -548,13 +549,13 @@ def batch_size_of(fields: PutFields) -> int:
 def dense_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A scalar or `fixed_shape_tensor` column as an ndarray `[B, *shape]` (bool tensors included, which
     pyarrow's `to_numpy_ndarray` refuses)."""
-    from ...schema.convert import tensor_to_numpy
+    from ...schema.convert import arrow_to_numpy, tensor_to_numpy
 
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if isinstance(col.type, pa.FixedShapeTensorType):
         return tensor_to_numpy(col)
-    return col.to_numpy(zero_copy_only=False)
+    return arrow_to_numpy(col)
 
 
 # ---------------------------------------------------------------------- output

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from ...errors import ArrowbufError, InvalidArgument, SchemaError
+from ...flight.wire import wire_array
 from ...schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
 from ...store.facade import ExperienceStore
 from .columns import FieldKind, FieldValues
@@ -296,7 +297,7 @@ class FieldGroup:
                 offsets = np.zeros(len(shapes) + 1, dtype=np.int32)
                 np.cumsum([len(s) for s in shapes], out=offsets[1:])
                 dims = np.asarray([d for s in shapes for d in s], dtype=np.int64)
-                arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims)))
+                arrays.append(pa.ListArray.from_arrays(wire_array(offsets), wire_array(dims)))
                 names.append(SHAPE_PREFIX + self.column[f])
         return pa.record_batch(arrays, names=names)
 

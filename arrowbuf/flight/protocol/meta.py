@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from ...errors import SchemaError
+from ...schema.convert import arrow_to_numpy
 
 #: How a sampled batch names its items: the request key "meta" (DoGet sample tickets, DoExchange session commands).
 #: "json" (the default): the batch's app_metadata `{"v":1,"indices":[...],"weights":[...]}`. "columns": two more
@@ -60,11 +61,11 @@ def split_sample_columns(data: pa.RecordBatch) -> tuple[int, np.ndarray, np.ndar
         col = data.column(k - 1)
         if col.type != pa.float32() or col.null_count:
             raise SchemaError(f"sample: column {WEIGHT_COLUMN!r} must be float32 without nulls, got {col.type}")
-        weights = col.to_numpy()
+        weights = arrow_to_numpy(col)
         k -= 1
     if k < 1 or names[k - 1] != ID_COLUMN:
         raise SchemaError(f"sample: expected the trailing column {ID_COLUMN!r} (meta \"columns\"), got {names[-2:]}")
     ids = data.column(k - 1)
     if ids.type != pa.int64() or ids.null_count:
         raise SchemaError(f"sample: column {ID_COLUMN!r} must be int64 without nulls, got {ids.type}")
-    return k - 1, ids.to_numpy(), weights
+    return k - 1, arrow_to_numpy(ids), weights
