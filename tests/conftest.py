@@ -335,9 +335,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _last(item: pytest.Item) -> bool:
-    """`ray_last`: after a driver on the session's cluster was SIGKILLed, TransferQueue 0.1.11's `init` on the same
-    cluster sometimes waited forever for its storage unit's address (`process_zmq_server_info`): 2 of 4 runs of the
-    pair alone, on the code before and after this marker. So the killing test runs after every other Ray test."""
+    """`ray_last` (tests/test_broadcast.py): after the broadcast tests (relays and a driver SIGKILLed on the session's
+    cluster), TransferQueue 0.1.11's `init` on the same cluster sometimes waited forever for its storage unit's
+    address (`process_zmq_server_info`): in 2 of 3 full runs, and in 2 of 4 runs of the killed-driver test and the
+    differential test alone (one on the code before this marker). So they run after every other Ray test."""
     return item.get_closest_marker("ray_last") is not None
 
 

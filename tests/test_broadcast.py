@@ -28,7 +28,8 @@ ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 # Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
-pytestmark = pytest.mark.slow
+# ray_last: after every other Ray test (tests/conftest.py: after these, TransferQueue's next init could wait forever)
+pytestmark = [pytest.mark.slow, pytest.mark.ray_last]
 
 
 @pytest.fixture(scope="module")
@@ -497,7 +498,6 @@ def test_the_version_fence_follows_delivery_and_loads(bcast):
 GC = "import sys; from arrowbuf.cli import main; sys.exit(main(['shm', 'gc']))"  # `arrowbuf shm gc`
 
 
-@pytest.mark.ray_last  # (tests/conftest.py: a killed driver can leave TransferQueue's next init waiting)
 def test_close_and_a_killed_driver_plus_shm_gc_leave_nothing_in_dev_shm(cluster, procs):
     import signal
     import subprocess
