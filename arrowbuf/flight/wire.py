@@ -68,12 +68,8 @@ def wire_array(value: np.ndarray | pa.Array | pa.ChunkedArray) -> pa.Array:
         value_type = pa.from_numpy_dtype(value.dtype)
         cached = _TENSOR_TYPES.setdefault(key, (pa.fixed_shape_tensor(value_type, shape), value_type,
                                                 int(np.prod(shape))))
-    typ, value_type, size = cached
-    flat = np.ascontiguousarray(value)
-    if flat.dtype.kind in "iuf" and flat.dtype.isnative:
-        values = pa.Array.from_buffers(value_type, flat.size, [None, pa.py_buffer(flat)])
-    else:  # bool (bit-packed in Arrow), a byte-swapped dtype, ...: converted
-        values = numpy_to_arrow(flat.reshape(-1))
+    typ, _, size = cached
+    values = numpy_to_arrow(np.ascontiguousarray(value).reshape(-1))  # (numbers wrapped, bools bit-packed)
     return typ.wrap_array(pa.FixedSizeListArray.from_arrays(values, size))
 
 
