@@ -328,18 +328,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # the long tests first, then the quick ones; the Ray group is one unit of work, handed out first (the
         # largest), whatever its place here
-        items.sort(key=lambda item: (_on_ray(item), not _own_cluster(item), _last(item),
-                                     item.get_closest_marker("slow") is None))
+        items.sort(key=lambda item: (_on_ray(item), not _own_cluster(item), item.get_closest_marker("slow") is None))
     else:  # the tests with a cluster of their own first among the Ray tests: before the session's cluster starts
-        items.sort(key=lambda item: (_on_ray(item), not _own_cluster(item), _last(item)))
-
-
-def _last(item: pytest.Item) -> bool:
-    """`ray_last` (tests/test_broadcast.py): after the broadcast tests (relays and a driver SIGKILLed on the session's
-    cluster), TransferQueue 0.1.11's `init` on the same cluster sometimes waited forever for its storage unit's
-    address (`process_zmq_server_info`): in 2 of 3 full runs, and in 2 of 4 runs of the killed-driver test and the
-    differential test alone (one on the code before this marker). So they run after every other Ray test."""
-    return item.get_closest_marker("ray_last") is not None
+        items.sort(key=lambda item: (_on_ray(item), not _own_cluster(item)))
 
 
 @pytest.fixture

@@ -28,8 +28,7 @@ ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 # Ray clusters, demo runs and processes: the developer loop (-m 'not slow') leaves these to CI
-# ray_last: after every other Ray test (tests/conftest.py: after these, TransferQueue's next init could wait forever)
-pytestmark = [pytest.mark.slow, pytest.mark.ray_last]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,9 @@ Skips only when transferqueue is not installed (scripts/setup.sh installs it).""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -222,8 +224,8 @@ SEEDS = range(6)
 
 
 #: seconds TransferQueue's own system gets to start and to run one program (its storage start waits on Ray with no
-#: limit of its own: once it hung for more than 6 minutes)
-PEER_TIMEOUT_S = 300
+#: limit of its own: `peer_node`)
+PEER_TIMEOUT_S = 120
 
 
 def _bounded(call: Any, what: str) -> Any:
@@ -248,18 +250,82 @@ def _bounded(call: Any, what: str) -> Any:
     return box.get("value")
 
 
+#: the custom resource of the node that TransferQueue's storage unit is placed on (`peer_node`)
+PEER_RESOURCE = "tq_peer_storage"
+#: TransferQueue's own side: CONF, with its storage unit on `peer_node`
+PEER_CONF = {**CONF, "backend": {**CONF["backend"], "SimpleStorage": {
+    **CONF["backend"]["SimpleStorage"], "required_node_resource": PEER_RESOURCE}}}
+
+
+@contextlib.contextmanager
+def peer_node(ray_cluster: Any) -> Iterator[None]:
+    """A node for TransferQueue's system (3 CPUs, `PEER_RESOURCE`) while the block runs; afterwards its actors are
+    gone, also when its init or close hung.
+
+    TransferQueue 0.1.11 pins each storage unit (1 CPU) to a node, round-robin over the alive nodes sorted by node
+    id, and places its controller (1 CPU) where Ray likes, the driver's node first. On the session's nodes of 1 CPU,
+    when the driver's node sorts first both want its one CPU and the storage unit waits forever in init: 1 of 3
+    fresh clusters (the head's id is random). On this node there is room for both and one CPU more."""
+    import ray
+
+    node = ray_cluster.add_node(num_cpus=3, resources={PEER_RESOURCE: 1}, object_store_memory=80 << 20)
+    ray_cluster.wait_for_nodes()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # a controller left by an init or close that did not return
+            ray.kill(ray.get_actor("TransferQueueController", namespace="transfer_queue"))
+        ray_cluster.remove_node(node)  # and its storage unit with it
+
+
+def peer_init(tq: Any) -> None:
+    _bounded(lambda: tq.init(PEER_CONF), "init")
+
+
 @pytest.fixture(scope="module")
 def traces(ray_cluster: Any) -> dict[int, list[Any]]:
-    """TransferQueue's results for every seed (its system on the session's Ray cluster)."""
+    """TransferQueue's results for every seed (its system on the session's Ray cluster, on `peer_node`)."""
     tq = pytest.importorskip("transfer_queue")
     out = {}
-    for seed in SEEDS:
-        _bounded(lambda: tq.init(CONF), "init")
-        try:
-            out[seed] = _bounded(lambda: run(tq, program(seed)), f"program {seed}")  # noqa: B023 (called at once)
-        finally:
-            _bounded(tq.close, "close")
+    with peer_node(ray_cluster):
+        for seed in SEEDS:
+            peer_init(tq)
+            try:
+                out[seed] = _bounded(lambda: run(tq, program(seed)), f"program {seed}")  # noqa: B023 (called at once)
+            finally:
+                _bounded(tq.close, "close")
     return out
+
+
+@pytest.mark.slow
+def test_the_peer_starts_when_the_node_that_sorts_first_is_full(ray_cluster: Any) -> None:
+    """TransferQueue's storage unit goes to the first node by id; with that node's CPU taken (as by its controller
+    on the driver's node when the driver's node sorts first) its init on CONF waits forever. Through `peer_node` it
+    starts. (Failed in 2 of 3 full runs and in CI, erroring the 8 differential tests before `peer_node`.)"""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    tq = pytest.importorskip("transfer_queue")
+
+    @ray.remote(num_cpus=1)
+    class Holder:
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    with peer_node(ray_cluster):
+        first = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])[0]
+        holder = Holder.options(scheduling_strategy=NodeAffinitySchedulingStrategy(first, soft=False)).remote()
+        try:
+            assert ray.get(holder.node.remote(), timeout=60) == first
+            peer_init(tq)
+            try:
+                tq.kv_put(key="k", partition_id="p", fields=TensorDict({"x": torch.arange(3)[None]}, batch_size=1))
+                got = tq.kv_batch_get(keys=["k"], partition_id="p")["x"]
+                assert [t.tolist() for t in got.unbind()] == [[0, 1, 2]]
+            finally:
+                _bounded(tq.close, "close")
+        finally:
+            ray.kill(holder)
 
 
 @pytest.mark.slow
