@@ -10,6 +10,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -545,6 +546,40 @@ def test_put_then_get_by_key_across_processes() -> None:
         got = tq.kv_batch_get(keys="c", partition_id="train")
         assert rows(got["x"]) == [[5.0, 6.0]] and tq.kv_list("train")["train"]["c"] == {"from": "child"}
         assert tq.check_consumption_status("learner", "train")
+    finally:
+        tq.close()
+
+
+def test_init_in_a_ray_job_beside_transfer_queues_own_controller_raises_a_clear_error(ray_cluster: Any) -> None:
+    """TransferQueue's own controller has the actor name this system uses: an init that finds it says so (it raised
+    "'ActorHandle' object has no attribute 'location'" in CI, and the next test failed the same way), and an init
+    after that system is gone starts this one."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Foreign:
+        def list_partitions(self) -> list[str]:
+            return []
+
+    tq.close()
+    foreign = Foreign.options(name="TransferQueueController", namespace="transfer_queue").remote()
+    try:
+        assert ray.get(foreign.list_partitions.remote(), timeout=60) == []
+        with pytest.raises(RuntimeError, match="not arrowbuf's TransferQueue system"):
+            tq.init(POLLING)
+    finally:
+        ray.kill(foreign)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:  # the name is freed once the actor is dead (ray.kill does not wait for that)
+        try:
+            ray.get_actor("TransferQueueController", namespace="transfer_queue")
+        except ValueError:
+            break
+        time.sleep(0.1)
+    tq.init(POLLING)
+    try:
+        tq.kv_batch_put(keys=["a"], partition_id="p", fields={"x": torch.tensor([7])})
+        assert tq.kv_batch_get(keys="a", partition_id="p")["x"].tolist() == [7]
     finally:
         tq.close()
 

@@ -108,17 +108,30 @@ def _start(name: str, settings: dict[str, Any], host: str, token: str | None, **
 
 def join_or_start(settings: dict[str, Any], host: str, token: str | None) -> tuple[str, Any, Any]:
     """(the Flight location of the job's system, its actor, the actor when this call started it else None)."""
-    import ray
 
     actor, started = _start(ACTOR_NAME, settings, host, token)
-    return str(ray.get(actor.location.remote())), actor, actor if started else None
+    return _location(actor, ACTOR_NAME), actor, actor if started else None
+
+
+def _location(actor: Any, name: str) -> str:
+    """The Flight location of the system in the actor `name`; a clear error when that actor is not this system
+    (TransferQueue's own controller has the same name: both cannot run in one Ray job)."""
+    import ray
+
+    try:
+        method = actor.location
+    except AttributeError:
+        raise RuntimeError(
+            f"the Ray actor {name!r} in namespace {NAMESPACE!r} is not arrowbuf's TransferQueue system "
+            "(TransferQueue's own controller runs under that name?): close that system first; one job runs one of "
+            "them") from None
+    return str(ray.get(method.remote()))
 
 
 def join_or_start_shards(n: int, settings: dict[str, Any], host: str, token: str | None
                          ) -> tuple[list[str], list[Any]]:
     """The Flight locations of the job's `n`-shard system (`sharded`): one named actor per shard, found by every
     later `init` with the same `n`; and the actors this call started (stopped by its `close`)."""
-    import ray
 
     locations: list[str] = []
     owned: list[Any] = []
@@ -126,7 +139,7 @@ def join_or_start_shards(n: int, settings: dict[str, Any], host: str, token: str
         actor, started = _start(f"{ACTOR_NAME}-{k}-of-{n}", settings, host, token, scheduling_strategy="SPREAD")
         if started:
             owned.append(actor)
-        locations.append(str(ray.get(actor.location.remote())))
+        locations.append(_location(actor, f"{ACTOR_NAME}-{k}-of-{n}"))
     return locations, owned
 
 
