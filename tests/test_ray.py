@@ -314,6 +314,24 @@ def test_no_shard_left_raises(cluster):
         s.shutdown()
 
 
+def test_shards_marked_down_whose_actors_answer_are_not_lost(cluster):
+    """A call that outlasts failure_timeout marks a healthy shard down (CI's loaded run: every shard's stats call
+    took over 0.5 s in `refresh`). Its actor still answers, so it comes back; with every shard so marked, sample
+    raised ShardsLost ("0 up") half a second later, because a shard whose old incarnation answered stays down for
+    a second before it is used again."""
+    s = ShardedStore.create(SMALL, NODES, 1000, seed=6, failure_timeout=0.5)
+    try:
+        for k in range(NODES):
+            with s.writer(k) as w:
+                w.extend(_episodes(k, 5))
+        for st in s.members.shards:
+            s.members.mark_down(st, TimeoutError("a slow stats call"))
+        assert len(s.sample(10, timeout=10.0)) == 10
+        assert s.wait_for_shards(60) == NODES
+    finally:
+        s.shutdown()
+
+
 def test_a_shard_restarting_longer_than_failure_timeout_is_not_lost(cluster):
     """While Ray restarts a shard, asking its actor fails with ActorUnavailableError. The handle must keep asking: a
     restart that outlasts failure_timeout (here 0.5 s; starting a shard process takes longer) is not "dead for good".

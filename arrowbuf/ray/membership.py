@@ -55,6 +55,7 @@ class ShardState:
         self.refreshing: cf.Future | None = None  # an asynchronous stats call for a shard reported empty
         self.probe: ObjectRef | None = None  # an outstanding actor.get_info() while down
         self.probe_at = 0.0          # when it was sent
+        self.answered_at = 0.0       # when its actor last answered a probe (a down shard that answers is reachable)
 
     def connected(self) -> RemoteStore:
         """The Flight client of a shard `ShardMembership.live` returned.
@@ -170,6 +171,7 @@ class ShardMembership:
                 if not restarting and s.probe_at - s.down_since > self.failure_timeout:
                     s.lost = True
                 return
+            s.answered_at = time.monotonic()
             old = s.info
             if old is not None and info["generation"] == old["generation"] and info["pid"] == old["pid"]:
                 if time.monotonic() - s.down_since < 1.0:  # the old incarnation answered; retry its endpoint later
@@ -183,9 +185,11 @@ class ShardMembership:
         return [s for s in self.shards if self.client(s) is not None]
 
     def all_lost(self) -> bool:
-        """Whether no shard can serve any more: each is lost, or down for longer than `failure_timeout`."""
+        """Whether no shard can serve any more: each is lost, or down and unheard of for longer than
+        `failure_timeout` (an actor that answered since is reachable: its shard comes back, `poll_revival`)."""
         now = time.monotonic()
-        return all(s.lost or (s.down and now - s.down_since > self.failure_timeout) for s in self.shards)
+        return all(s.lost or (s.down and now - max(s.down_since, s.answered_at) > self.failure_timeout)
+                   for s in self.shards)
 
     def wait_for_shards(self, timeout: float = 60.0) -> int:
         """Block until every shard is reachable (e.g. after a restart) or `timeout`; returns how many are up."""
