@@ -410,3 +410,32 @@ def test_a_put_and_a_read_of_many_messages_round_trip(served):
     backend.put("nested", gidx, {"y": field_values("y", parts)}, ["y"])
     got = backend.read("nested", gidx, ["y"])["y"].components()
     assert len(got) == rows and all(np.array_equal(a, b) for a, b in zip(got, parts, strict=True))
+
+
+def test_a_put_whose_later_message_fails_while_it_is_written_registers_nothing(served):
+    """From a put's second message on, each message is written on the put's own thread while the next arrives: an
+    error in such a write (here a message whose values disagree with the shapes the command gave) refuses the whole
+    put, nothing of it is registered, and the same samples can be put again."""
+    state, server, client = served
+    backend = RemoteBackend(server.location)
+    rows, per = 12, 4
+    rng = np.random.default_rng(3)
+    parts = [rng.random(int(n), dtype=np.float32) for n in rng.integers(1, 9, rows)]
+    gidx = backend.get_meta("p", ["y"], rows, "insert")["global_indexes"]
+    shapes = [[len(p)] for p in parts]
+    shapes[-1] = [len(parts[-1]) + 1]  # the third message's last sample: one value short of its shape
+    column = pa.array([p.tolist() for p in parts], type=pa.list_(pa.float32()))
+    table = pa.table({"y": column})
+    command = json.dumps({"op": "put", "partition_id": "p", "gidx": gidx, "nested": ["y"],
+                          "kinds": {"y": F32.to_json()}, "shapes": {"y": shapes}}).encode()
+    with pytest.raises(flight.FlightError) as err:
+        writer, reader = client.do_put(flight.FlightDescriptor.for_command(command), table.schema, CALL)
+        with writer:
+            writer.write_table(table, max_chunksize=per)
+            writer.done_writing()
+            reader.read()
+    assert _refusal(err.value)["code"] == "INVALID_ARGUMENT"
+    assert state.production_status("p", ["y"]) is None  # the field was never registered
+    backend.put("p", gidx, {"y": field_values("y", parts)}, ["y"])
+    got = backend.read("p", gidx, ["y"])["y"].components()
+    assert all(np.array_equal(a, b) for a, b in zip(got, parts, strict=True))

@@ -154,6 +154,20 @@ def tensor_of(arr: np.ndarray, dtype: str = "") -> torch.Tensor:
     return torch_module().from_numpy(arr)
 
 
+def _check_shapes(shapes: list[tuple[int, ...]] | None, offsets: np.ndarray) -> None:
+    """Each sample's shape holds exactly its values (a shape that says more or fewer would be read back as another
+    tensor, or fail every later read of the sample)."""
+    if shapes is None:
+        return
+    n = len(offsets) - 1
+    sizes = np.fromiter((math.prod(s) for s in shapes), dtype=np.int64, count=len(shapes))
+    if len(shapes) != n or not np.array_equal(sizes, np.diff(offsets)):
+        m = min(n, len(shapes))
+        bad = next((i for i in range(m) if sizes[i] != offsets[i + 1] - offsets[i]), m)
+        raise SchemaError(f"{len(shapes)} per-sample shapes for {n} samples, or a shape that does not hold its "
+                          f"sample's values (sample {bad}); nothing was written")
+
+
 # ---------------------------------------------------------------------- values of one field
 @dataclass
 class FieldValues:
@@ -243,8 +257,11 @@ class FieldValues:
                 offsets = np.asarray(col.offsets, dtype=np.int64)
                 pairs, _ = _logical.storage_values(col.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0])))
                 flat = np.ascontiguousarray(pairs).view(np.dtype(kind.dtype))
-                return cls(kind, n, flat=flat, offsets=offsets - offsets[0], shapes=shapes)
+                offsets = offsets - offsets[0]
+                _check_shapes(shapes, offsets)
+                return cls(kind, n, flat=flat, offsets=offsets, shapes=shapes)
             flat, offsets = _ragged.flat(col, writable=writable)
+            _check_shapes(shapes, offsets)
             if writable:
                 flat = received(flat)
             return cls(kind, n, flat=flat, offsets=offsets, shapes=shapes)

@@ -10,6 +10,7 @@ logged here).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import hmac
 import json
@@ -476,9 +477,27 @@ class TQServer(flight.FlightServerBase):
             started = time.monotonic()
             plan = None
             rows_written: list[np.ndarray] = []
+
+            def values_of(data: pa.RecordBatch, at: int) -> dict[str, FieldValues]:
+                return {f: FieldValues.from_arrow(kinds[f], data.column(f),
+                                                  None if f not in shapes else shapes[f][at:at + data.num_rows])
+                        for f in names}
+
+            def write(data: pa.RecordBatch, at: int) -> np.ndarray:
+                """Message `data` (its first row the put's `at`) into the plan's group."""
+                assert plan is not None
+                written = self.state.write_batch(plan, data)  # (the types were checked against kinds above)
+                if written is not None:  # the group takes the message as it is: no conversion
+                    return written
+                return self.state.write_plan(plan, values_of(data, at))
+
+            # each message is checked, then written into the plan's field group (the state lock is held only to
+            # plan and to commit): a put's values are never all held at once. From the second message on, one
+            # message is written on a thread of the put's own while the next one is received and decoded: the two
+            # copies of each byte (gRPC's into Arrow, ours into the group) no longer take turns
+            writer_pool: cf.ThreadPoolExecutor | None = None
+            in_flight: cf.Future[np.ndarray] | None = None
             try:
-                # each message is checked, then written into the plan's field group at once (the state lock is
-                # held only to plan and to commit): a put's values are never all held at once
                 for chunk in reader:
                     self.streams.touch()
                     if chunk.data is None:
@@ -488,20 +507,24 @@ class TQServer(flight.FlightServerBase):
                     lim.check_put_message(chunk.data, seen, started, time.monotonic())
                     if seen["rows"] > rows:
                         raise SchemaError(f"put: more than {rows} rows for {rows} samples; nothing was written")
-                    if plan is not None and chunk.data.num_rows:  # (the types were checked against kinds above)
-                        written = self.state.write_batch(plan, chunk.data)
-                        if written is not None:  # the group takes the message as it is: no conversion
-                            rows_written.append(written)
-                            continue
                     at = seen["rows"] - chunk.data.num_rows
-                    values = {f: FieldValues.from_arrow(kinds[f], chunk.data.column(f),
-                                                        None if f not in shapes else shapes[f][at:seen["rows"]])
-                              for f in names}
                     if plan is None:
+                        values = values_of(chunk.data, at)
                         plan = self._plan(op, pid, self._specs(values, kinds, shapes, rows), nested, rows, gidx,
                                           keys, tags)
-                    if chunk.data.num_rows:
-                        rows_written.append(self.state.write_plan(plan, values))
+                        if chunk.data.num_rows:
+                            rows_written.append(self.state.write_plan(plan, values))
+                        continue
+                    if not chunk.data.num_rows:
+                        continue
+                    if in_flight is not None:
+                        rows_written.append(in_flight.result())
+                    if writer_pool is None:
+                        writer_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="arrowbuf-tq-put")
+                    in_flight = writer_pool.submit(write, chunk.data, at)
+                if in_flight is not None:
+                    rows_written.append(in_flight.result())
+                    in_flight = None
                 if kinds:
                     lim.check_put_total(seen)
                 if kinds and seen["rows"] != rows:
@@ -512,9 +535,14 @@ class TQServer(flight.FlightServerBase):
                                                             for f in names}, kinds, shapes, rows),
                                       nested, rows, gidx, keys, tags)
             except BaseException:
+                if in_flight is not None:  # no write runs into the group once the plan is aborted
+                    cf.wait([in_flight])
                 if plan is not None:
                     self.state.abort_put(plan)
                 raise
+            finally:
+                if writer_pool is not None:
+                    writer_pool.shutdown(wait=True)
             result = self.state.commit_put(plan, np.concatenate(rows_written) if rows_written
                                            else np.empty(0, dtype=np.int64))
             writer.write(pa.py_buffer(json.dumps({"result": result if keys is not None else None}).encode()))
