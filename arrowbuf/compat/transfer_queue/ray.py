@@ -108,7 +108,6 @@ def _start(name: str, settings: dict[str, Any], host: str, token: str | None, **
 
 def join_or_start(settings: dict[str, Any], host: str, token: str | None) -> tuple[str, Any, Any]:
     """(the Flight location of the job's system, its actor, the actor when this call started it else None)."""
-
     actor, started = _start(ACTOR_NAME, settings, host, token)
     return _location(actor, ACTOR_NAME), actor, actor if started else None
 
@@ -132,7 +131,6 @@ def join_or_start_shards(n: int, settings: dict[str, Any], host: str, token: str
                          ) -> tuple[list[str], list[Any]]:
     """The Flight locations of the job's `n`-shard system (`sharded`): one named actor per shard, found by every
     later `init` with the same `n`; and the actors this call started (stopped by its `close`)."""
-
     locations: list[str] = []
     owned: list[Any] = []
     for k in range(n):
