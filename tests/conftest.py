@@ -292,6 +292,28 @@ def arrowbuf_wheel(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return next((tmp / "dist").glob("arrowbuf-*.whl"))
 
 
+def install_into_fresh_venv(venv: pathlib.Path, requirements: list[str], env: dict[str, str],
+                            timeout: float) -> subprocess.CompletedProcess[str]:
+    """A fresh venv at `venv` with `requirements` installed (and their dependencies, from PyPI where they are not
+    cached), for tests that check what an install of the wheel alone gives (test_extras).
+
+    uv when the test venv has it (the dev extra does): it resolves as pip does, but links each package's files from
+    its cache instead of unpacking it again, so the second venv with torch costs about a second, not 20-45 s of CPU.
+    It does not read pip's configuration, so pip's find-links (this machine's CPU build of torch) is passed on.
+    Without uv: `python -m venv` and pip. Returns the install's completed process (the caller checks it)."""
+    uv = pathlib.Path(sys.executable).parent / "uv"
+    if not uv.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        return subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
+                               *requirements], env=env, capture_output=True, text=True, timeout=timeout)
+    subprocess.run([str(uv), "venv", "-q", "--python", sys.executable, str(venv)], check=True, env=env,
+                   timeout=120)
+    links = [a for d in env.get("PIP_FIND_LINKS", "").split() for a in ("--find-links", d)]
+    return subprocess.run([str(uv), "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
+                           "--link-mode", "hardlink", *links, *requirements], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
     """One local Ray cluster (`RAY_NODES` nodes of 1 CPU, no dashboard) for every Ray test of the session, started

@@ -1,10 +1,12 @@
 """Each extra alone does what the README's extras table says it covers (issue 44): the session's wheel of this tree
 (conftest.arrowbuf_wheel) is installed with one extra (none, query, demo, torch, metrics, compat, ray, datasets,
-fast) into a fresh venv outside the repository, then what the table promises runs from a folder outside it too.
+fast) into a fresh venv outside the repository (by uv where the dev extra brought it: `install_into_fresh_venv`;
+tests/test_docs_blocks.py installs with pip, as the README says), then what the table promises runs from a folder
+outside it too.
 What the extra does not cover fails at once with `ab.MissingDependency` naming the extra that does.
 
-pip may reach PyPI; torch is always `torch==2.13.0` on the same command line (pip takes the CPU wheel this machine
-keeps). Bounded: every install and every check has a timeout, and the wheel is built once per session.
+The installer may reach PyPI; torch is always `torch==2.13.0` on the same command line (pip, or uv given pip's
+find-links, takes the CPU wheel this machine keeps). Bounded: every install and every check has a timeout, and the wheel is built once per session.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, install_into_fresh_venv
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import docs_blocks  # noqa: E402
@@ -226,11 +228,9 @@ def test_each_extra_alone_runs_what_the_readme_says_it_covers(extra, arrowbuf_wh
            if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "RAY_ADDRESS", "VIRTUAL_ENV")}
     venv = tmp_path / "venv"
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     more, checks = EXTRAS[extra]
     target = f"{arrowbuf_wheel}[{extra}]" if extra else str(arrowbuf_wheel)
-    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", target, *more],
-                       env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+    r = install_into_fresh_venv(venv, [target, *more], env, INSTALL_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:]
     installed = time.monotonic() - t0
     run = tmp_path / "run"  # outside the repository: nothing there can help
