@@ -2,8 +2,9 @@
 
     python tests/compat/torchrl_suite/run.py [--out DIR] [--timeout 60] [--file test_storages.py ...]
 
-Each test file runs in its own pytest process (one at a time), under report_plugin's per-phase time limit and a
-whole-file limit; a file killed by the latter reports its unfinished tests as "timeout". Only the tests whose
+The files run in one pytest process (torch, TorchRL and the collection are paid once: about 8 s a process here),
+under report_plugin's per-phase time limit and a whole-run limit; a run killed by the latter reports its unfinished
+tests as "timeout". Only the tests whose
 parametrization names one of the two storages run (`-k`). Nothing is fetched: the suite is upstream/ plus the
 mechanical edit of generate.py. Prints passed/failed/skipped/timeout per storage and, with --compare, every
 ArrowbufStorage test that fails where its LazyTensorStorage twin passes.
@@ -47,35 +48,33 @@ def run(out: pathlib.Path, files: list[str] | None = None, timeout: float = 60.0
         file_timeout: float = 3600.0, root: pathlib.Path = ROOT, sum_trees: bool = False,
         shard: tuple[int, int] | None = None) -> list[dict]:
     """Generate the suite into `out`, run it with arrowbuf imported from `root`, and return the report's records
-    (one per test); `shard=(i, n)`: only shard i of n of each file (report_plugin's --ab-shard)."""
+    (one per test); `shard=(i, n)`: only shard i of n of the tests (report_plugin's --ab-shard); `file_timeout`:
+    the whole run's limit."""
     added = generate(out)
     shutil.copy(HERE / "report_plugin.py", out / "report_plugin.py")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(out), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    records: list[dict] = []
     sharding = [f"--ab-shard={shard[0]}/{shard[1]}"] if shard else []
-    for name in files or sorted(added):
-        report = out / f"{name}.jsonl"
-        cmd = [sys.executable, "-m", "pytest", "-p", "report_plugin", f"--ab-report={report}",
-               f"--ab-timeout={timeout}", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-               "-k", f"{OURS} or {PEER}", f"rb/{name}", *(["--ab-sum-trees"] if sum_trees else []), *sharding]
-        try:
-            subprocess.run(cmd, cwd=out, env=env, timeout=file_timeout, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
-            killed = False
-        except subprocess.TimeoutExpired:
-            killed = True
-        got = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
-        if killed:  # the tests it never finished: collect them and report them as timeouts
-            done = {r["nodeid"] for r in got}
-            listed = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "report_plugin",
-                                     "-k", f"{OURS} or {PEER}", f"rb/{name}", *sharding], cwd=out, env=env,
-                                    capture_output=True, text=True).stdout.splitlines()
-            for nid in (x for x in listed if "::" in x and x not in done):
-                st = OURS if OURS in nid else PEER if PEER in nid else None
-                got.append({"nodeid": nid, "twin": nid.replace(OURS, PEER), "storage": st, "outcome": "timeout",
-                            "message": "the file's run was killed"})
-        records.extend(got)
+    paths = [f"rb/{name}" for name in (files or sorted(added))]
+    report = out / "report.jsonl"
+    select = ["-k", f"{OURS} or {PEER}", *paths, *sharding]
+    cmd = [sys.executable, "-m", "pytest", "-p", "report_plugin", f"--ab-report={report}", f"--ab-timeout={timeout}",
+           "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *(["--ab-sum-trees"] if sum_trees else []), *select]
+    try:
+        subprocess.run(cmd, cwd=out, env=env, timeout=file_timeout, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, start_new_session=True)
+        killed = False
+    except subprocess.TimeoutExpired:
+        killed = True
+    records = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+    if killed:  # the tests it never finished: collect them and report them as timeouts
+        done = {r["nodeid"] for r in records}
+        listed = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "report_plugin", *select],
+                                cwd=out, env=env, capture_output=True, text=True).stdout.splitlines()
+        for nid in (x for x in listed if "::" in x and x not in done):
+            st = OURS if OURS in nid else PEER if PEER in nid else None
+            records.append({"nodeid": nid, "twin": nid.replace(OURS, PEER), "storage": st, "outcome": "timeout",
+                            "message": "the run was killed"})
     return records
 
 
