@@ -292,26 +292,40 @@ def arrowbuf_wheel(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return next((tmp / "dist").glob("arrowbuf-*.whl"))
 
 
-def install_into_fresh_venv(venv: pathlib.Path, requirements: list[str], env: dict[str, str],
-                            timeout: float) -> subprocess.CompletedProcess[str]:
-    """A fresh venv at `venv` with `requirements` installed (and their dependencies, from PyPI where they are not
-    cached), for tests that check what an install of the wheel alone gives (test_extras).
+def _uv() -> pathlib.Path | None:
+    uv = pathlib.Path(sys.executable).parent / "uv"
+    return uv if uv.exists() else None
+
+
+def install_into(python: pathlib.Path, requirements: list[str], env: dict[str, str],
+                 timeout: float) -> subprocess.CompletedProcess[str]:
+    """`requirements` (and their dependencies, from PyPI where they are not cached) installed into the venv of
+    `python`, for tests that check what an install of the wheel gives (test_extras, test_docs_blocks' [ray] blocks).
 
     uv when the test venv has it (the dev extra does): it resolves as pip does, but links each package's files from
-    its cache instead of unpacking it again, so the second venv with torch costs about a second, not 20-45 s of CPU.
-    It does not read pip's configuration, so pip's find-links (this machine's CPU build of torch) is passed on.
-    Without uv: `python -m venv` and pip. Returns the install's completed process (the caller checks it)."""
-    uv = pathlib.Path(sys.executable).parent / "uv"
-    if not uv.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-        return subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
-                               *requirements], env=env, capture_output=True, text=True, timeout=timeout)
-    subprocess.run([str(uv), "venv", "-q", "--python", sys.executable, str(venv)], check=True, env=env,
-                   timeout=120)
+    its cache instead of unpacking it again, so the second venv with torch or Ray costs about a second, not 20-60 s
+    of CPU. It does not read pip's configuration, so pip's find-links (this machine's CPU build of torch) is passed
+    on. Without uv: pip. Returns the install's completed process (the caller checks it)."""
+    uv = _uv()
+    if uv is None:
+        return subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *requirements], env=env,
+                              capture_output=True, text=True, timeout=timeout)
     links = [a for d in env.get("PIP_FIND_LINKS", "").split() for a in ("--find-links", d)]
-    return subprocess.run([str(uv), "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
-                           "--link-mode", "hardlink", *links, *requirements], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([str(uv), "pip", "install", "-q", "--python", str(python), "--link-mode", "hardlink",
+                           *links, *requirements], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def install_into_fresh_venv(venv: pathlib.Path, requirements: list[str], env: dict[str, str],
+                            timeout: float) -> subprocess.CompletedProcess[str]:
+    """A fresh venv at `venv` (by uv where the test venv has it, else `python -m venv`) with `requirements`
+    installed (`install_into`)."""
+    uv = _uv()
+    if uv is None:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    else:
+        subprocess.run([str(uv), "venv", "-q", "--python", sys.executable, str(venv)], check=True, env=env,
+                       timeout=120)
+    return install_into(venv / "bin" / "python", requirements, env, timeout)
 
 
 @pytest.fixture(scope="session")

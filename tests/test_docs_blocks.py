@@ -3,6 +3,7 @@ docstring examples run, and (slow) a wheel installed into a fresh venv outside t
 docs blocks, every example and every demo's --help from a temporary directory, as a new user would (issue 30)."""
 
 import doctest
+import fcntl
 import importlib
 import os
 import shutil
@@ -10,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, install_into_fresh_venv
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import docs_blocks  # noqa: E402
@@ -59,22 +60,36 @@ def test_docstring_examples_run(module):
 
 
 # ---------------------------------------------------------------------------------------------- from a wheel
-@pytest.fixture(scope="module")
+WHEEL_EXTRAS = "query,demo,compat,metrics"
+#: the tests of `wheel_venv` run on one pytest-xdist worker: the venv is built once and no worker waits for it
+WHEEL_GROUP = pytest.mark.xdist_group("wheel_venv")
+
+
+@pytest.fixture(scope="session")
 def wheel_venv(tmp_path_factory, arrowbuf_wheel):
-    """The session's wheel of this tree (conftest.arrowbuf_wheel) installed with [query,demo,compat,metrics] (torch
-    pinned) into a fresh venv outside the repository."""
-    tmp = tmp_path_factory.mktemp("wheel")
+    """The session's wheel of this tree (conftest.arrowbuf_wheel) installed by pip, as the README says, with
+    [query,demo,compat,metrics] (torch pinned) into a fresh venv outside the repository. One venv for the whole
+    session: the pytest-xdist workers share it (the first to need it builds it under a lock in the session's shared
+    temporary root; a second pip install was 45 s of CPU in a loaded run), and the tests only read it."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    tmp = shared / "wheel-venv"
     # pip installs without byte-compiling (`--no-compile`: compiling every module of torch, ray, pandas, ... was about
     # 3/4 of the install's CPU time); what the tests import is compiled on first import instead, and its .pyc written
     # into the venv (PYTHONDONTWRITEBYTECODE dropped) for the later processes. The installed files are the same
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
-    subprocess.run([sys.executable, "-m", "venv", str(tmp / "venv")], check=True)
     py = tmp / "venv" / "bin" / "python"
-    wheel = arrowbuf_wheel
-    subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile", f"{wheel}[query,demo,compat,metrics]",
-                    "torch==2.13.0"], check=True, env=env, timeout=1200)
+    with open(shared / "wheel-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also if this worker dies)
+        if not (tmp / "ready").exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # a build a dead worker left half done
+            tmp.mkdir()
+            subprocess.run([sys.executable, "-m", "venv", str(tmp / "venv")], check=True, timeout=120)
+            subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile", f"{arrowbuf_wheel}[{WHEEL_EXTRAS}]",
+                            "torch==2.13.0"], check=True, env=env, timeout=1200)
+            (tmp / "run").mkdir()
+            (tmp / "ready").touch()
     run_dir = tmp / "run"
-    run_dir.mkdir()
     where = subprocess.run([py, "-c", "import arrowbuf; print(arrowbuf.__file__)"], cwd=run_dir, env=env,
                            check=True, capture_output=True, text=True).stdout
     assert where.startswith(str(tmp / "venv")), where
@@ -82,6 +97,7 @@ def wheel_venv(tmp_path_factory, arrowbuf_wheel):
 
 
 @pytest.mark.slow
+@WHEEL_GROUP
 def test_wheel_runs_every_readme_and_docs_block(wheel_venv, tmp_path):
     py, _, env = wheel_venv
     r = subprocess.run([py, str(ROOT / "scripts" / "docs_blocks.py"), *map(str, DOCS)], cwd=tmp_path, env=env,
@@ -94,13 +110,16 @@ RAY_DOCS = [ROOT / "README.md", *(ROOT / "docs" / f for f in ("ray.md", "rllib.m
 
 @pytest.mark.slow
 @pytest.mark.own_ray_cluster
-def test_wheel_with_the_ray_extra_runs_the_ray_blocks(wheel_venv, arrowbuf_wheel, tmp_path):
+def test_wheel_with_the_ray_extra_runs_the_ray_blocks(arrowbuf_wheel, tmp_path):
     """The blocks marked `ray` (a ShardedStore, the Ray actors example, RLlib's DQN with the arrowbuf buffer) run
     against the wheel with its [ray] extra, each file's local Ray cluster shut down after it."""
-    py, _, env = wheel_venv
-    wheel = arrowbuf_wheel
-    subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile", f"{wheel}[ray]", "torch==2.13.0"], check=True,
-                   env=env, timeout=1200)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV")}
+    # a venv of its own (wheel_venv is shared and only read), installed by uv (`install_into`): Ray and RLlib
+    # unpacked again by pip cost 30-60 s of CPU in a loaded run
+    r = install_into_fresh_venv(tmp_path / "venv", [f"{arrowbuf_wheel}[{WHEEL_EXTRAS},ray]", "torch==2.13.0"], env,
+                                1200)
+    assert r.returncode == 0, r.stderr[-4000:]
+    py = tmp_path / "venv" / "bin" / "python"
     listed = subprocess.run([py, str(ROOT / "scripts" / "docs_blocks.py"), "--list", *map(str, RAY_DOCS)],
                             env=env, check=True, capture_output=True, text=True).stdout
     assert listed.count(" ray: ") >= 4, listed
@@ -113,6 +132,7 @@ def test_wheel_with_the_ray_extra_runs_the_ray_blocks(wheel_venv, arrowbuf_wheel
 
 
 @pytest.mark.slow
+@WHEEL_GROUP
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_wheel_runs_every_example_from_anywhere(wheel_venv, tmp_path, name):
     py, _, env = wheel_venv
@@ -124,6 +144,7 @@ def test_wheel_runs_every_example_from_anywhere(wheel_venv, tmp_path, name):
 
 
 @pytest.mark.slow
+@WHEEL_GROUP
 def test_wheel_demos_help_lists_every_demo(wheel_venv):
     py, run_dir, env = wheel_venv
     for cmd in ([py, "-m", "arrowbuf.demo", "--help"], [str(py.parent / "arrowbuf"), "demo", "--help"]):

@@ -6,7 +6,8 @@ outside it too.
 What the extra does not cover fails at once with `ab.MissingDependency` naming the extra that does.
 
 The installer may reach PyPI; torch is always `torch==2.13.0` on the same command line (pip, or uv given pip's
-find-links, takes the CPU wheel this machine keeps). Bounded: every install and every check has a timeout, and the wheel is built once per session.
+find-links, takes the CPU wheel this machine keeps). Bounded: every install and every check has a timeout, and the
+wheel is built once per session.
 """
 
 from __future__ import annotations
