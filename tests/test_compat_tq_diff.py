@@ -52,7 +52,7 @@ def _fields(rng: random.Random, n: int, names: list[str] | None = None) -> Any:
     return TensorDict({f: _field(f, n, rng) for f in names}, batch_size=n)
 
 
-def program(seed: int, steps: int = 40) -> list[tuple[str, dict[str, Any]]]:
+def program(seed: int, steps: int = 80) -> list[tuple[str, dict[str, Any]]]:
     """A seeded sequence of calls (name, kwargs); values are generated here, so both sides get the same."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -220,7 +220,9 @@ def same(theirs: list[Any], ours: list[Any], ops: list[tuple[str, dict[str, Any]
         assert a == b, f"step {i} {name}({kw}):\n TransferQueue {a}\n arrowbuf      {b}"
 
 
-SEEDS = range(6)
+#: few programs of many steps: each program costs TransferQueue's system a fresh start (17 s in a loaded run), the
+#: steps cost little
+SEEDS = range(3)
 
 
 #: seconds TransferQueue's own system gets to start and to run one program (its storage start waits on Ray with no
