@@ -27,6 +27,8 @@ as a TensorDict when tensordict is installed (`pip install 'arrowbuf[compat]'`),
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .api import (
     async_kv_batch_get,
     async_kv_batch_get_by_meta,
@@ -65,7 +67,20 @@ from .client import ControllerError, TransferQueueClient
 from .meta import BatchMeta, KVBatchMeta, PartitionSnapshot
 from .samplers import BaseSampler, GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler, SequentialSampler
 from .state import GetMetaTimeout, StorageKeyNotFoundError
-from .streaming import StreamingDataLoader, StreamingDataset
+
+if TYPE_CHECKING:
+    from .streaming import StreamingDataLoader, StreamingDataset
+
+
+def __getattr__(name: str) -> Any:
+    # the streaming classes subclass torch's at definition: imported when first asked for, so that a process that
+    # only serves a system (the Ray actors: `ray`, `sharded`) does not import torch (1.5 s quiet, more per actor
+    # started in a loaded cluster)
+    if name in ("StreamingDataLoader", "StreamingDataset"):
+        from . import streaming
+
+        return getattr(streaming, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "BaseSampler", "BatchMeta", "ControllerError", "GRPOGroupNSampler", "GetMetaTimeout", "KVBatchMeta",
