@@ -684,3 +684,16 @@ def test_a_partition_that_clears_after_use_reuses_its_store() -> None:
         assert state.read("p", meta["global_indexes"], ["x"])["x"].dense.tolist() == [[1.0] * 8] * 32
     finally:
         state.close()
+
+
+def test_a_process_that_only_serves_a_system_does_not_import_torch() -> None:
+    """The system's Ray actors (`ray`, `sharded`) and a standalone server import the package, not torch: torch's
+    import was most of an actor's start (the 20 Ray-system tests of test_compat_tq_sharded.py: 126 s -> 66 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import arrowbuf.compat.transfer_queue as tq, arrowbuf.compat.transfer_queue.ray, "
+            "arrowbuf.compat.transfer_queue.sharded, arrowbuf.compat.transfer_queue.server; "
+            "print('torch' in sys.modules); tq.StreamingDataLoader; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr[-2000:]
