@@ -311,8 +311,10 @@ def install_into(python: pathlib.Path, requirements: list[str], env: dict[str, s
         return subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *requirements], env=env,
                               capture_output=True, text=True, timeout=timeout)
     links = [a for d in env.get("PIP_FIND_LINKS", "").split() for a in ("--find-links", d)]
-    return subprocess.run([str(uv), "pip", "install", "-q", "--python", str(python), "--link-mode", "hardlink",
-                           *links, *requirements], env=env, capture_output=True, text=True, timeout=timeout)
+    # --native-tls: the system's certificates, as pip's (a machine whose proxy re-signs PyPI's certificate: uv's own
+    # roots refuse it, "invalid peer certificate: UnknownIssuer", where SSL_CERT_FILE is not set)
+    return subprocess.run([str(uv), "pip", "install", "-q", "--native-tls", "--python", str(python), "--link-mode",
+                           "hardlink", *links, *requirements], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def install_into_fresh_venv(venv: pathlib.Path, requirements: list[str], env: dict[str, str],
