@@ -43,9 +43,9 @@ class TransferQueueController:
                              shared_memory=settings.get("shared_memory") is not False)
         limits = TQLimits(**{**JOB_LIMITS, **(settings.get("limits") or {})})
         self.server = TQServer(self.state, f"grpc://{host}:0", token=token, limits=limits)
-        # this process is the system's own: what it imported (Ray, torch, pyarrow: most of its objects) stays for
-        # its life, so the cyclic collector need not walk it again. Without this a full collection walks it in the
-        # middle of a put (0.15-0.2 s of a 0.2 s 320 MiB put, seen in TransferQueue's perftest)
+        # this process is the system's own: what it imported (Ray, pyarrow, numpy: most of its objects) stays for
+        # its life, so the cyclic collector need not walk it again. Without this a full collection walked it in the
+        # middle of a put (0.15-0.2 s of a 0.25 s 320 MiB put over Flight, in a two-process put loop)
         gc.collect()
         gc.freeze()
 
