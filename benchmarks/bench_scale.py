@@ -22,8 +22,8 @@ bound, rows held back hold eviction for good and, over minutes, fill the ring: e
 
 Checks (the run fails, exit status 1, when one does not hold):
 - progress: every writer wrote rows;
-- sustained writing: the writers wrote at least a third as many rows in the last third of the write phase as in the
-  first (a ring blocked by rows nobody will take stops the writers: this check fails then);
+- sustained writing: no stretch of the write phase longer than half of `--seconds` went by without a writer writing
+  a group (a ring blocked by rows nobody will take stops the writers: this check fails then);
 - exactly once per task: for each task, the ids consumed by all its processes have no duplicate, are ids written,
   and together with the rows the store counted as dropped (stale, evicted unconsumed) account for every row written
   (nothing lost uncounted, nothing twice), and every batch held whole groups with their fields written;
@@ -391,6 +391,15 @@ def run(seconds: float = 30.0, writers: int = 8, updaters: int = 8, trainers: in
     return res
 
 
+def _longest_silence(times: np.ndarray, end: float) -> float:
+    """The longest time between two groups written (by any writer), or from the last one to `end`; 0 without
+    groups (the progress check covers a run that wrote nothing)."""
+    if not len(times):
+        return 0.0
+    t = np.sort(times)
+    return float(max(np.diff(t).max(initial=0.0), end - t[-1]))
+
+
 def _report(seconds: float, wres: list[dict[str, Any]], cres: list[tuple[str, dict[str, Any]]], written: np.ndarray,
             series: list[tuple[float, list[int]]], shard_peaks: list[int], stats: dict[str, Any], nodes: int,
             max_rss_mb: float, max_growth_mb: float) -> dict[str, Any]:
@@ -403,8 +412,13 @@ def _report(seconds: float, wres: list[dict[str, Any]], cres: list[tuple[str, di
     span = min(write_s, seconds)  # writers that went on for `min_groups` are judged on the nominal phase
     times = np.concatenate([r["times"] for r in wres]) if wres else np.zeros(0)
     thirds = [int(((times >= span * k / 3) & (times < span * (k + 1) / 3)).sum()) for k in range(3)]
-    if thirds[2] * 3 < thirds[0]:
-        checks["sustained"].append(f"groups written per third of the write phase {thirds}: the writers stalled")
+    # stalled = a stretch of the write phase in which no writer wrote, longer than half the nominal phase (a ring
+    # blocked for good by rows nobody takes stops every writer until the end); a loaded machine writes unevenly
+    # (CI: [21, 53, 4] groups per third, then 13 more past the phase) and is not stalled
+    silence = _longest_silence(times, write_s)
+    if silence > seconds / 2:
+        checks["sustained"].append(f"no writer wrote for {silence:.1f} s of the {write_s:.1f} s write phase (groups "
+                                   f"per third {thirds}): the writers stalled")
     dropped = stats.get("stale_dropped_by_task", {})
     roles: dict[str, Any] = {"writers": {"processes": len(wres), "rows": len(written),
                                          "bytes": sum(r["bytes"] for r in wres),

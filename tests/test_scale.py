@@ -70,9 +70,19 @@ def test_the_scale_checks_catch_writers_that_stall_and_rows_lost_uncounted():
     bad = bench_scale._report(30.0, stalled, consumers, written, [], [], stats, 3, 2048.0, 256.0)
     assert not bad["ok"] and bad["checks"]["sustained"] and not bad["checks"]["exactly_once"]
     # a writer that went on past the 30 s for its `min_groups` (a loaded machine) is judged on the 30 s, not stalled
-    late = [steady[0], dict(_writer([2.0, 15.0, 21.0, 58.0], [4, 5, 6, 7]), elapsed=58.5)]
+    late = [steady[0], dict(_writer([2.0, 15.0, 36.0, 44.0], [4, 5, 6, 7]), elapsed=44.5)]
     ok = bench_scale._report(30.0, late, consumers, written, [], [], stats, 3, 2048.0, 256.0)
     assert ok["ok"], ok["checks"]
+    # ... and one that wrote unevenly but never stopped is not stalled either (CI's loaded run: [21, 53, 4] groups per
+    # third, then more past the phase; the old third-vs-third ratio failed it)
+    uneven = [dict(_writer([1.0, 2.0, 3.0, 4.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0, 19.0, 25.0, 33.0,
+                            38.0], list(range(16))), elapsed=38.5)]
+    ok = bench_scale._report(30.0, uneven, consumers, written, [], [], stats, 3, 2048.0, 256.0)
+    assert ok["roles"]["writers"]["groups_per_third"] == [4, 9, 1] and not ok["checks"]["sustained"], ok["checks"]
+    # a writer blocked for good after its first groups, going on (short of min_groups) until 3 x the phase: stalled
+    blocked = [dict(_writer([1.0, 2.0, 3.0, 20.0], [0, 1, 2, 3]), elapsed=90.0), steady[1]]
+    bad = bench_scale._report(30.0, blocked, consumers, written, [], [], stats, 3, 2048.0, 256.0)
+    assert bad["checks"]["sustained"], bad["checks"]
     # train delivered rows 0-5 only: 6 and 7 are lost unless the store counted them as dropped for train
     short = [(t, dict(r, ids=written[:6]) if t == "train" else r) for t, r in consumers]
     lost = bench_scale._report(30.0, steady, short, written, [], [], stats, 3, 2048.0, 256.0)
