@@ -11,6 +11,8 @@ With --ab-sum-trees, TorchRL's `PrioritizedSampler` runs on arrowbuf's sum trees
 every storage, so the prioritized tests that need TorchRL's C++ extension (which does not load against torch 2.13)
 run too.
 
+With --ab-only=FILE, only the tests whose node ids FILE lists (one per line) run.
+
 With --ab-shard=I/N, only shard I of N runs: the tests whose twin id hashes to I (a test and its twin always share a
 shard, so each shard's report compares them on its own); the project's suite runs the shards side by side.
 
@@ -42,6 +44,7 @@ def pytest_addoption(parser: Any) -> None:
     parser.addoption("--ab-sum-trees", action="store_true",
                      help="give TorchRL's PrioritizedSampler arrowbuf's sum trees (its C++ ones do not load here)")
     parser.addoption("--ab-shard", default=None, help="I/N: run shard I (0-based) of N (by the twin id's hash)")
+    parser.addoption("--ab-only", default=None, help="a file of node ids, one per line: run only these")
 
 
 def pytest_make_parametrize_id(config: Any, val: Any, argname: str) -> str | None:
@@ -98,12 +101,17 @@ def shard_of(nodeid: str, shards: int) -> int:
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    shard = config.getoption("--ab-shard")
-    if not shard:
+    shard, only = config.getoption("--ab-shard"), config.getoption("--ab-only")
+    if not shard and not only:
         return
-    i, n = (int(x) for x in shard.split("/"))
-    keep = [it for it in items if shard_of(it.nodeid, n) == i]
-    dropped = [it for it in items if shard_of(it.nodeid, n) != i]
+    wanted = set(open(only).read().splitlines()) if only else None  # noqa: SIM115 (read at once)
+    i, n = (int(x) for x in shard.split("/")) if shard else (0, 1)
+
+    def kept(item: Any) -> bool:
+        return shard_of(item.nodeid, n) == i and (wanted is None or item.nodeid in wanted)
+
+    keep = [it for it in items if kept(it)]
+    dropped = [it for it in items if not kept(it)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = keep

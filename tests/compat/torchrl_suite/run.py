@@ -2,7 +2,8 @@
 
     python tests/compat/torchrl_suite/run.py [--out DIR] [--timeout 60] [--file test_storages.py ...]
 
-The files run in one pytest process (torch, TorchRL and the collection are paid once: about 8 s a process here),
+The files run in one pytest process (torch, TorchRL and the collection are paid once: about 8 s a process here;
+with --twins failed, a second one runs the LazyTensorStorage twins of ArrowbufStorage's failures only),
 under report_plugin's per-phase time limit and a whole-run limit; a run killed by the latter reports its unfinished
 tests as "timeout". Only the tests whose
 parametrization names one of the two storages run (`-k`). Nothing is fetched: the suite is upstream/ plus the
@@ -46,10 +47,15 @@ OURS, PEER = "ArrowbufStorage", "LazyTensorStorage"
 
 def run(out: pathlib.Path, files: list[str] | None = None, timeout: float = 60.0,
         file_timeout: float = 3600.0, root: pathlib.Path = ROOT, sum_trees: bool = False,
-        shard: tuple[int, int] | None = None) -> list[dict]:
+        shard: tuple[int, int] | None = None, twins: str = "all") -> list[dict]:
     """Generate the suite into `out`, run it with arrowbuf imported from `root`, and return the report's records
     (one per test); `shard=(i, n)`: only shard i of n of the tests (report_plugin's --ab-shard); `file_timeout`:
-    the whole run's limit."""
+    each pytest run's limit. `twins="all"` runs every test of both storages in one pytest process;
+    `twins="failed"` runs the ArrowbufStorage tests, then only the LazyTensorStorage twins of those that failed or
+    timed out (a regression is an ArrowbufStorage failure whose twin passes: `regressions` finds the same ones, for
+    about half the work)."""
+    if twins not in ("all", "failed"):
+        raise ValueError(f"twins must be 'all' or 'failed', not {twins!r}")
     added = generate(out)
     shutil.copy(HERE / "report_plugin.py", out / "report_plugin.py")
     env = dict(os.environ)
@@ -57,16 +63,34 @@ def run(out: pathlib.Path, files: list[str] | None = None, timeout: float = 60.0
     sharding = [f"--ab-shard={shard[0]}/{shard[1]}"] if shard else []
     paths = [f"rb/{name}" for name in (files or sorted(added))]
     report = out / "report.jsonl"
-    select = ["-k", f"{OURS} or {PEER}", *paths, *sharding]
-    cmd = [sys.executable, "-m", "pytest", "-p", "report_plugin", f"--ab-report={report}", f"--ab-timeout={timeout}",
-           "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *(["--ab-sum-trees"] if sum_trees else []), *select]
+    base = ["-p", "report_plugin", f"--ab-report={report}", f"--ab-timeout={timeout}", "-q", "-p",
+            "no:cacheprovider", "-p", "no:randomly", *(["--ab-sum-trees"] if sum_trees else [])]
+    if twins == "all":
+        return _pytest(out, env, base, ["-k", f"{OURS} or {PEER}", *paths, *sharding], report, file_timeout)
+    records = _pytest(out, env, base, ["-k", OURS, *paths, *sharding], report, file_timeout)
+    failed = sorted({r["twin"] for r in records if r["storage"] == OURS and r["outcome"] in ("failed", "timeout")})
+    if failed:
+        only = out / "twins.txt"
+        only.write_text("\n".join(failed) + "\n")
+        written = len(report.read_text().splitlines()) if report.exists() else 0
+        records += _pytest(out, env, base, ["-k", PEER, f"--ab-only={only}", *paths], report, file_timeout,
+                           skip=written)
+    return records
+
+
+def _pytest(out: pathlib.Path, env: dict[str, str], base: list[str], select: list[str], report: pathlib.Path,
+            file_timeout: float, skip: int = 0) -> list[dict]:
+    """One pytest process over the suite; the records it added to `report` (past its first `skip` lines), with
+    the tests it never finished (killed at `file_timeout`) as "timeout"."""
+    cmd = [sys.executable, "-m", "pytest", *base, *select]
     try:
         subprocess.run(cmd, cwd=out, env=env, timeout=file_timeout, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, start_new_session=True)
         killed = False
     except subprocess.TimeoutExpired:
         killed = True
-    records = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+    lines = report.read_text().splitlines()[skip:] if report.exists() else []
+    records = [json.loads(line) for line in lines]
     if killed:  # the tests it never finished: collect them and report them as timeouts
         done = {r["nodeid"] for r in records}
         listed = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "report_plugin", *select],
@@ -104,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=pathlib.Path, default=None, help="write every record here")
     p.add_argument("--root", type=pathlib.Path, default=ROOT, help="import arrowbuf from here (default: this checkout)")
     p.add_argument("--sum-trees", action="store_true", help="TorchRL's PrioritizedSampler on arrowbuf's sum trees")
+    p.add_argument("--twins", choices=("all", "failed"), default="all",
+                   help="run every LazyTensorStorage twin (all) or only those of ArrowbufStorage's failures")
     args = p.parse_args(argv)
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="torchrl_suite_"))
-    records = run(out, args.file, args.timeout, root=args.root, sum_trees=args.sum_trees)
+    records = run(out, args.file, args.timeout, root=args.root, sum_trees=args.sum_trees, twins=args.twins)
     if args.json:
         args.json.write_text(json.dumps(records, indent=0))
     for storage, c in counts(records).items():
