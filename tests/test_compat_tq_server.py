@@ -412,6 +412,45 @@ def test_a_put_and_a_read_of_many_messages_round_trip(served):
     assert len(got) == rows and all(np.array_equal(a, b) for a, b in zip(got, parts, strict=True))
 
 
+def test_ragged_and_dense_reads_kept_by_the_caller_are_never_overwritten_by_later_reads(served):
+    """A reply's fields are copied into arrays of the client's pool (their pages already mapped, reused from read to
+    read): a read that the caller still holds, or a tensor over it, is never the memory of the next read. The values
+    come back writable and aligned whether the reply was one message or several."""
+    import torch
+
+    from arrowbuf.compat.transfer_queue.columns import to_torch_field
+    from arrowbuf.compat.transfer_queue.wire import CHUNK_BYTES
+
+    _, server, _ = served
+    backend = RemoteBackend(server.location)
+    rng = np.random.default_rng(3)
+    rows = 24
+    for width, name in ((CHUNK_BYTES // 4 // 8, "many"), (64, "one")):  # several messages, then one
+        first = [rng.random(width + int(n), dtype=np.float32) for n in rng.integers(0, 99, rows)]
+        second = [rng.random(len(a), dtype=np.float32) for a in first]  # the same sizes: the pool's array fits
+        dense = rng.random((rows, width), dtype=np.float32)
+        ids = []
+        for parts in (first, second):
+            gidx = backend.get_meta(name, ["y", "d"], rows, "insert")["global_indexes"]
+            backend.put(name, gidx, {"y": field_values("y", parts),
+                                     "d": FieldValues(FieldKind("tensor", "float32"), rows, dense=dense + len(ids))},
+                        ["y"])
+            ids.append(gidx)
+        kept = backend.read(name, ids[0], ["y", "d"])
+        nested = to_torch_field(kept["y"])
+        del kept["d"]  # dropped: its array may serve the next read
+        for _ in range(3):
+            later = backend.read(name, ids[1], ["y", "d"])
+            assert all(np.array_equal(a, b) for a, b in zip(later["y"].components(), second, strict=True))
+            np.testing.assert_array_equal(later["d"].dense, dense + 1)
+            del later
+        assert all(np.array_equal(a, b) for a, b in zip(kept["y"].components(), first, strict=True)), name
+        assert all(torch.equal(t, torch.from_numpy(a)) for t, a in zip(nested.unbind(), first, strict=True)), name
+        flat = kept["y"].flat
+        assert flat.flags.writeable and flat.flags.aligned, name
+        flat[0] += 1  # the caller's own memory
+
+
 def test_a_put_whose_later_message_fails_while_it_is_written_registers_nothing(served):
     """From a put's second message on, each message is written on the put's own thread while the next arrives: an
     error in such a write (here a message whose values disagree with the shapes the command gave) refuses the whole

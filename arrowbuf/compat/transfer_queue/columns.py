@@ -38,7 +38,7 @@ in and come out (non-tensor fields as lists).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -308,10 +308,13 @@ class FieldValues:
         return joined.take(order)
 
     @classmethod
-    def concat(cls, chunks: list[FieldValues], out: np.ndarray | None = None) -> FieldValues:
+    def concat(cls, chunks: list[FieldValues], out: np.ndarray | None = None,
+               flat_out: Callable[[int, np.dtype], np.ndarray] | None = None) -> FieldValues:
         """The values of consecutive chunks of samples as one (dense chunks of one shape into `out` when given: an
-        array of the whole shape, e.g. a reused one)."""
-        if len(chunks) == 1 and out is None:
+        array of the whole shape, e.g. a reused one; ragged ones' values into `flat_out(count, dtype)` when given,
+        also from one chunk: a 1-D array of `count` items, e.g. `OutputPool.at_least`, whose pages are already
+        mapped)."""
+        if len(chunks) == 1 and out is None and (flat_out is None or chunks[0].dense is not None):
             return chunks[0]
         kind = chunks[0].kind
         n = sum(c.n for c in chunks)
@@ -328,8 +331,11 @@ class FieldValues:
         parts = [c.as_ragged() for c in chunks]
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.concatenate([np.diff(np.asarray(c.offsets)) for c in parts]), out=offsets[1:])
-        flat = np.concatenate([np.asarray(c.flat)[int(c.offsets[0]):int(c.offsets[-1])] for c in parts  # type: ignore[index]
-                               ])
+        pieces = [np.asarray(c.flat)[int(c.offsets[0]):int(c.offsets[-1])] for c in parts]  # type: ignore[index]
+        into = None
+        if flat_out is not None and all(x.ndim == 1 for x in pieces) and len({x.dtype for x in pieces}) == 1:
+            into = flat_out(sum(len(x) for x in pieces), pieces[0].dtype)
+        flat = np.concatenate(pieces, out=into)
         shapes = None if kind.kind != "tensor" else [s for c in parts for s in c.sample_shapes()]
         return cls(kind, n, flat=flat, offsets=offsets, shapes=shapes)
 

@@ -6,6 +6,7 @@ reads the files; the Flight server takes no paths)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -248,7 +249,9 @@ class RemoteBackend:
             if set(kinds) != set(fields):
                 raise SchemaError(f"read: the server sent fields {sorted(kinds)} for {sorted(fields)}")
             at = 0
-            for chunk in stream:  # each message copied into place while the next arrives
+            # each message copied into place (arrays of the pool, their pages mapped) while the next arrives: the
+            # message's own memory is never handed out, so it need not be made writable or aligned first
+            for chunk in stream:
                 batch = chunk.data
                 if batch is None or batch.num_rows == 0:
                     continue
@@ -257,7 +260,7 @@ class RemoteBackend:
                     raise SchemaError(f"read: the server sent more than {n} rows")
                 for f in fields:
                     v = FieldValues.from_arrow(kinds[f], batch.column(f), None if f not in shapes else
-                                               [tuple(s) for s in shapes[f][at:end]], writable=True)
+                                               [tuple(s) for s in shapes[f][at:end]])
                     if v.dense is None:
                         pieces[f].append(v)
                         continue
@@ -273,8 +276,8 @@ class RemoteBackend:
         for f in fields:
             if f in dense:
                 out[f] = FieldValues(kinds[f], n, dense=dense[f])
-            elif pieces[f]:
-                out[f] = FieldValues.concat(pieces[f])
+            elif pieces[f]:  # ragged: the values of every message into an array of the pool (its pages mapped)
+                out[f] = FieldValues.concat(pieces[f], flat_out=functools.partial(self._pool.at_least, tag=f))
             else:  # no samples
                 empty = pa.table({f: pa.array([], type=stream.schema.field(f).type)})
                 out[f] = FieldValues.from_arrow(kinds[f], empty.column(f), [] if f in shapes else None)
