@@ -370,6 +370,11 @@ def test_bad_input_is_a_clear_error_and_nothing_is_written(system: str) -> None:
     unchanged()
     with pytest.raises(ValueError, match="at least one"):
         tq.kv_batch_put(keys=["b"], partition_id="p")
+    # checked before samples are allocated for it (a put without metadata inserts them first)
+    with pytest.raises(SchemaError, match="nested TensorDict"):
+        tq.put(TensorDict({"x": torch.zeros(1, 2), "sub": TensorDict({"y": torch.zeros(1)}, [1])}, [1]),
+               partition_id="p")
+    unchanged()
     with pytest.raises(RuntimeError, match="Invalid mode"):
         tq.get_meta(["x"], 1, "p", task_name="t", mode="sideways")
     assert tq.get_meta(["x"], 1, "p", task_name="t").global_indexes == [0]  # only a is there

@@ -166,7 +166,7 @@ class TransferQueueClient:
         if metadata is None:
             if partition_id is None:
                 raise ValueError("partition_id must be provided if metadata is not given")
-            names = [name for name, _, _ in batch_items(data)[0]]
+            names = [name for name, _, _ in batch_items(data, samples=False)[0]]
             metadata = self.get_meta(names, n, partition_id, mode="insert")
         if not metadata or metadata.size == 0:
             raise ValueError("metadata cannot be none or empty")
