@@ -79,9 +79,8 @@ def test_torchrl_replay_buffer_suite_passes_where_lazy_tensor_storage_passes(
         tmp_path: pathlib.Path, files: list[str], shard: tuple[int, int] | None) -> None:
     run = _run_module()
     # with arrowbuf's sum trees standing in for TorchRL's C++ ones (which do not load against torch 2.13), the
-    # prioritized tests run too: LazyTensorStorage then passes every test it does not skip
-    # every ArrowbufStorage test runs; of the LazyTensorStorage twins only those of its failures (a regression is a
-    # failure whose twin passes: the twins of passing tests decide nothing)
+    # prioritized tests run too. Every ArrowbufStorage test runs; of the LazyTensorStorage twins only those of its
+    # failures (a regression is a failure whose twin passes: the twins of passing tests decide nothing)
     records = run.run(tmp_path / "suite", files=files, timeout=120.0, file_timeout=3000.0, sum_trees=True,
                       shard=shard, twins="failed")
     counts = run.counts(records)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import pathlib
 import signal
 import zlib
 from collections.abc import Iterator
@@ -104,7 +105,7 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     shard, only = config.getoption("--ab-shard"), config.getoption("--ab-only")
     if not shard and not only:
         return
-    wanted = set(open(only).read().splitlines()) if only else None  # noqa: SIM115 (read at once)
+    wanted = set(pathlib.Path(only).read_text().splitlines()) if only else None
     i, n = (int(x) for x in shard.split("/")) if shard else (0, 1)
 
     def kept(item: Any) -> bool:
