@@ -332,6 +332,34 @@ def test_shards_marked_down_whose_actors_answer_are_not_lost(cluster):
         s.shutdown()
 
 
+def test_every_shard_slower_than_failure_timeout_still_answers_within_the_callers_timeout(cluster):
+    """A sample call slower than failure_timeout on every shard (a loaded machine; here a 1 s delay against 0.5 s) is
+    an answer late, not a failure: with timeout=10 the caller waits for it. CI's failure at a95b7c2: each call was set
+    late after 0.5 s and sample raised at once, "every live shard is still busy with a late call after 0.5s", because
+    the wait for late calls was counted from the start of the call (which had already waited for the shards to come
+    back). Without a timeout it still gives up, after about failure_timeout once every shard is late."""
+    s = ShardedStore.create(SMALL, NODES, 1000, seed=7, failure_timeout=0.5, _test_hooks=True)
+    try:
+        for k in range(NODES):
+            with s.writer(k) as w:
+                w.extend(_episodes(k, 5))
+        assert s.wait_for_shards(60) == NODES
+        assert len(s.sample(10, timeout=10.0)) == 10  # connected, masses known
+        ray.get([a.set_delay.remote(1.0) for a in s.actors])
+        t = time.monotonic()
+        assert len(s.sample(10, timeout=10.0)) == 10
+        assert time.monotonic() - t < 9.0
+        for st in s.members.shards:
+            if st.late is not None:  # let the previous call's late parts end before the next one
+                st.late.result(timeout=30)
+        t = time.monotonic()
+        with pytest.raises(ab.SampleTimeout):
+            s.sample(10)
+        assert time.monotonic() - t < 5.0  # bounded: no endless rounds of late calls
+    finally:
+        s.shutdown()
+
+
 def test_a_shard_restarting_longer_than_failure_timeout_is_not_lost(cluster):
     """While Ray restarts a shard, asking its actor fails with ActorUnavailableError. The handle must keep asking: a
     restart that outlasts failure_timeout (here 0.5 s; starting a shard process takes longer) is not "dead for good".

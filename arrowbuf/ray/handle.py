@@ -349,9 +349,10 @@ class ShardedStore:
         cols = [columns] if isinstance(columns, str) else (list(columns) if columns is not None else None)
         t0 = time.monotonic()
         self._refresh_empty()
-        live = self._wait_for_data(t0, timeout)
+        live = self._wait_for_data(t0, timeout, None)
         remaining = int(n)
         first = True
+        late_since: float | None = None  # when this call first left every part it asked for late
         while remaining > 0:
             masses = np.array([s.mass for s in live])
             if first and fanout is not None and fanout < len(live):
@@ -362,7 +363,8 @@ class ShardedStore:
                     for s, c in zip(live, counts) if c > 0}
             answered: list[ShardState] = []
             end = t0 + deadline if (first and deadline is not None) else None
-            for s, part in self._collect(futs, end):
+            patience = None if not timeout else t0 + timeout
+            for s, part in self._collect(futs, end, patience):
                 if part is None:
                     continue
                 answered.append(s)
@@ -372,11 +374,16 @@ class ShardedStore:
             if remaining <= 0:
                 break
             self.counters["topups"] += 1
-            live = [s for s in answered if s.mass > 0] or self._wait_for_data(t0, timeout)
+            if late_since is None and not answered:
+                late_since = time.monotonic()
+            live = [s for s in answered if s.mass > 0] or self._wait_for_data(t0, timeout, late_since)
 
-    def _wait_for_data(self, t0: float, timeout: float | None) -> list[ShardState]:
-        """Live shards with data (refreshing their mass when none is known), waiting up to `timeout`; shards whose
-        previous call is late count once it ends (waiting for that up to `failure_timeout`)."""
+    def _wait_for_data(self, t0: float, timeout: float | None, late_since: float | None) -> list[ShardState]:
+        """Live shards with data (refreshing their mass when none is known), waiting up to `timeout` from `t0`;
+        shards whose previous call is late count once it ends. For that this waits up to the caller's `timeout`, or
+        if longer `failure_timeout` from `late_since` (when this call's own parts all became late; else `t0`): a
+        bound that does not restart with each round of late calls, so a call never loops on shards that are always
+        slower than `failure_timeout`."""
         pause = 0.002
         while True:
             up = self.members.live()
@@ -392,7 +399,9 @@ class ShardedStore:
                 raise ShardsLost(f"no shard of {self!r} is left: every shard is dead or unreachable for more than "
                                  f"{self.failure_timeout}s")
             late_only = bool(up) and not live
-            left = (self.failure_timeout if late_only else (timeout or 0.0)) - waited
+            left = (timeout or 0.0) - waited
+            if late_only:
+                left = max(left, (late_since or t0) + self.failure_timeout - time.monotonic())
             if left <= 0:
                 if late_only:
                     why = f"every live shard is still busy with a late call after {self.failure_timeout}s"
@@ -408,8 +417,12 @@ class ShardedStore:
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 0.05)
 
-    def _collect(self, futs: dict[cf.Future, ShardState], end: float | None) -> Iterator[tuple[ShardState, Any]]:
-        """(shard, part or None) as each call finishes; calls still running at `end` become late."""
+    def _collect(self, futs: dict[cf.Future, ShardState], end: float | None,
+                 patience: float | None) -> Iterator[tuple[ShardState, Any]]:
+        """(shard, part or None) as each call finishes; calls still running at `end` become late. Until a first
+        part arrives it waits `failure_timeout` past `end` (or past its start without a deadline) or, if later, until
+        `patience` (the caller's timeout): a call slower than failure_timeout on every shard is late, not lost."""
+        start = time.monotonic()
         pending = set(futs)
         got_any = False
         while pending:
@@ -420,8 +433,10 @@ class ShardedStore:
                 wait = self.failure_timeout
             done, pending = cf.wait(pending, timeout=wait, return_when=cf.FIRST_COMPLETED)
             if not done:
-                if not got_any and end is not None and time.monotonic() < end + self.failure_timeout:
-                    continue  # the deadline passed with nothing here: wait for the first part instead
+                now = time.monotonic()
+                if not got_any and (now < (start if end is None else end) + self.failure_timeout
+                                    or (patience is not None and now < patience)):
+                    continue  # nothing here yet: wait for the first part instead
                 for fut in pending:
                     self._set_late(futs[fut], fut)
                 return
