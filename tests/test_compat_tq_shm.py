@@ -275,3 +275,60 @@ def test_a_client_lets_go_of_the_stores_the_system_removed(shm_system):
         assert _mapped(state.partitions["step1"].stores[0].shm)
     finally:
         backend.close_client()
+
+
+def _shm_files(state: TQState) -> int:
+    """Bytes of /dev/shm files of the system's stores (by their name prefix)."""
+    from arrowbuf.tiers.shm import store_path
+
+    root = os.path.dirname(store_path("x"))
+    return sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(root) for f in fs
+               if state.shm_budget.prefix in dp or state.shm_budget.prefix in f)
+
+
+def test_a_plan_reserves_no_more_shared_memory_than_a_put_could_carry_and_all_plans_stay_in_a_budget():
+    """A plan carries no values, yet its group's store is reserved in /dev/shm at once (posix_fallocate): a 200-byte
+    `shm_plan` of one sample of shape [2**26] float32 made the system reserve 4 GiB (16 rows of 256 MiB), a few more
+    would fill /dev/shm. A plan's samples may take at most `max_upload_bytes` (what a DoPut of them could carry), and
+    the stores of every group together at most the system's `shm_budget`: past it a new store is made in the
+    system's memory and its puts and reads go over Flight (the values still arrive); clearing gives the bytes back."""
+    state = TQState(capacity=64, shared_memory=True)
+    with TQServer(state, max_upload_bytes=16 << 20) as server:
+        client = flight.FlightClient(server.location)
+        try:
+            huge = {"op": "kv_put", "partition_id": "big", "keys": ["a"], "kinds": {"x": ["tensor", "float32"]},
+                    "dense": {"x": [1 << 26]}}
+            with pytest.raises(flight.FlightError, match="max_upload_bytes"):
+                _act(client, "shm_plan", **huge)
+            assert _act(client, "list_partitions") == [] and _shm_files(state) == 0  # nothing reserved
+            # one sample of 4 MiB: a store of its rows (2 here), not of 16 (a new group's first size for small samples)
+            one = _act(client, "shm_plan", op="kv_put", partition_id="one", keys=["a"],
+                       kinds={"x": ["tensor", "float32"]}, dense={"x": [1 << 20]})
+            assert one["shm"] is not None and _shm_files(state) <= 10 << 20
+            _act(client, "shm_abort", plan=one["plan"])
+            assert _shm_files(state) == 0 and state.shm_budget.used == 0
+            row = {"kinds": {"x": ["tensor", "float32"]}, "dense": {"x": [1 << 16]}}  # 256 KiB a sample
+            plans = [_act(client, "shm_plan", op="kv_put", partition_id="p0", keys=["a"], **row)]
+            one_store = state.shm_budget.used  # what the store of one such plan reserves (its index and flags too)
+            assert plans[0]["shm"] is not None and 0 < one_store <= _shm_files(state) + 4096
+            state.shm_budget.limit = 2 * one_store + one_store // 2  # room for two
+            plans += [_act(client, "shm_plan", op="kv_put", partition_id=f"p{i}", keys=["a"], **row) for i in (1, 2)]
+            assert [p["shm"] is not None for p in plans] == [True, True, False]  # the third in the system's memory
+            assert _shm_files(state) <= state.shm_budget.limit
+            backend = RemoteBackend(server.location)
+            try:  # a put past the budget goes over Flight and reads back the same
+                backend.kv_put("p2", ["a"], {"x": field_values("x", np.arange(1 << 16, dtype=np.float32)[None])}, [],
+                               None)
+                got = backend.read("p2", [state.partitions["p2"].keys["a"]], ["x"])["x"].dense
+                assert got.shape == (1, 1 << 16) and got[0, -1] == (1 << 16) - 1
+            finally:
+                backend.close_client()
+            for p in plans[:2]:
+                _act(client, "shm_abort", plan=p["plan"])  # the partitions they made, left empty, go
+            plan = _act(client, "shm_plan", op="kv_put", partition_id="p9", keys=["a"], **row)
+            assert plan["shm"] is not None  # the bytes came back
+            _act(client, "shm_abort", plan=plan["plan"])
+        finally:
+            client.close()
+    state.close()
+    assert _shm_files(state) == 0

@@ -6,8 +6,10 @@ that hold the values (`FieldGroup`)."""
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,7 @@ import pyarrow as pa
 
 from ...errors import ArrowbufError, InvalidArgument, SchemaError
 from ...flight.wire import wire_array
+from ...schema.dtypes import physical_dtype
 from ...schema.spec import STREAM_KEYS, SYSTEM_COLUMNS
 from ...store.facade import ExperienceStore
 from .columns import FieldKind, FieldValues
@@ -170,6 +173,51 @@ SHAPE_PREFIX = "__shape__."
 RESERVED = frozenset(SYSTEM_COLUMNS) | frozenset(STREAM_KEYS)
 
 
+class SharedMemoryBudget:
+    """The /dev/shm of one system's field groups: fresh store names (`name`: the system's prefix and a count, so two
+    systems never collide) and the bytes their stores reserve. A store is reserved whole when it is made
+    (`posix_fallocate`: real memory, whether or not rows are ever written, and a plan carries no values), so every
+    store of every group together stays within `limit` bytes: `take` refuses what would pass it (the group's store
+    is then made in the system's memory and its rows go over Flight), `give` returns a closed store's bytes.
+    Thread-safe."""
+
+    def __init__(self, prefix: str, limit: int) -> None:
+        self.prefix = prefix
+        self.limit = int(limit)
+        self.used = 0
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def default_limit(root: str = "/dev/shm") -> int:
+        """Half of the size of the file system under `root` (0 where there is none)."""
+        try:
+            st = os.statvfs(root)
+        except OSError:
+            return 0
+        return st.f_frsize * st.f_blocks // 2
+
+    def name(self) -> str:
+        with self._lock:
+            self._count += 1
+            return f"{self.prefix}-{self._count}"
+
+    def take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used = max(0, self.used - nbytes)
+
+
+#: A field group's store in shared memory starts with `INITIAL_ROWS` rows only while they take at most this many
+#: bytes (else with the first put's rows): /dev/shm is reserved when the store is made, and a plan carries no values.
+SMALL_STORE_BYTES = 1 << 20
+
 #: Rows a field group's store starts with (or the first put's rows, if more): it doubles (its rows copied into a
 #: store twice its size) until it holds the partition's `capacity`, so that a partition written a few samples
 #: holds a few rows, not a whole ring.
@@ -182,14 +230,14 @@ class FieldGroup:
     `base` (a store that grows is replaced by a larger one, whose seqs start elsewhere). `pending` counts the rows
     planned into it whose writes are in flight (`make_room`).
 
-    `shm_name` given and every field a dense tensor: the store is in shared memory under a fresh name from it (a
-    grown store is another), so that the processes of the node write and read its rows themselves (`shm`: that name;
-    None where /dev/shm had no room, or the store is this process's). `attached` opens such a group in another
-    process."""
+    `shm` given and every field a dense tensor: the store is in shared memory under a fresh name from it (a grown
+    store is another), so that the processes of the node write and read its rows themselves (`shm`: that name; None
+    where /dev/shm had no room, the budget had none left, or the store is this process's). `attached` opens such a
+    group in another process."""
 
     def __init__(self, name: str, forms: dict[str, tuple[FieldKind, Any]], capacity: int,
                  store: ExperienceStore | None = None, base: int = 0, rows: int = INITIAL_ROWS,
-                 shm_name: Callable[[], str] | None = None) -> None:
+                 shm: SharedMemoryBudget | None = None) -> None:
         self.name = name
         self.capacity = capacity
         self.forms = dict(forms)
@@ -198,7 +246,8 @@ class FieldGroup:
         # shared memory for dense tensor fields only: a ragged arena in /dev/shm cannot grow (`ring.ragged_arena`),
         # and a put's text or nested values could need more than any size fixed now
         dense = all(k.kind == "tensor" and m != "ragged" for k, m in self.forms.values())
-        self._shm_name = shm_name if dense else None
+        self._budget = shm if dense else None
+        self._shm_bytes = 0  # what the current store took of the budget
         self.shm: str | None = None
         self._arrow_types: dict[str, pa.DataType] | None = None  # each field's Arrow type in `batch` (`takes_as_is`)
         # a ragged tensor field has a companion column of shapes, which a put's record batch does not carry
@@ -217,23 +266,55 @@ class FieldGroup:
             if kind.kind == "tensor" and mode == "ragged":
                 cols[SHAPE_PREFIX + self.column[f]] = {"dtype": "int64", "ragged": True}
         self._schema = {"name": name, "fields": cols, "episode_end": [], "truncation": []}  # a sample is a row
-        self.store = store if store is not None else self._new_store(min(capacity, max(rows, INITIAL_ROWS)))
+        first = max(rows, INITIAL_ROWS)
+        if self._budget is not None:  # reserved at once: no more rows of large samples than the first put's
+            first = max(rows, min(INITIAL_ROWS, SMALL_STORE_BYTES // self._row_bytes()))
+        self.store = store if store is not None else self._new_store(min(capacity, max(first, 1)))
         self.base = base
 
     def _new_store(self, rows: int) -> ExperienceStore:
         """A store of `rows` rows: in shared memory when the group has `shm_name` (in this process's memory where
         /dev/shm has no room for it or its forms: then its rows go over Flight); `shm` says which."""
-        if self._shm_name is not None:
-            try:
-                store = ExperienceStore(self._schema, capacity=rows, sampler="fifo", name=self._shm_name(),
-                                        tier="shm")
-            except (ArrowbufError, OSError) as e:
-                log.warning("%s: no shared-memory store of %d rows (%s); its rows go over Flight", self.name, rows, e)
+        budget = self._budget
+        if budget is not None:
+            need = rows * self._row_bytes()
+            if not budget.take(need):
+                log.warning("%s: a shared-memory store of %d rows (%d bytes) would pass the system's shm_budget "
+                            "(%d of %d bytes taken); its rows go over Flight", self.name, rows, need, budget.used,
+                            budget.limit)
             else:
-                self.shm = store.name
-                return store
-        self.shm = None
+                try:
+                    store = ExperienceStore(self._schema, capacity=rows, sampler="fifo", name=budget.name(),
+                                            tier="shm")
+                except (ArrowbufError, OSError) as e:
+                    budget.give(need)
+                    log.warning("%s: no shared-memory store of %d rows (%s); its rows go over Flight", self.name,
+                                rows, e)
+                else:
+                    # what it really reserved (its index, flags and chunks too): taken as well, or not kept
+                    extra = int(store.stats().get("reserved_bytes", need)) - need
+                    if extra <= 0 or budget.take(extra):
+                        self.shm, self._shm_bytes = store.name, need + max(extra, 0)
+                        return store
+                    store.close()
+                    budget.give(need)
+                    log.warning("%s: a shared-memory store of %d rows would pass the system's shm_budget; its rows "
+                                "go over Flight", self.name, rows)
+        self.shm, self._shm_bytes = None, 0
         return ExperienceStore(self._schema, capacity=rows, sampler="fifo", name=self.name)
+
+    def _row_bytes(self) -> int:
+        """Bytes a row of this group's store reserves in shared memory, about (its dense fields, and the store's
+        own columns: seq, flags); the store's real reservation is taken once it exists."""
+        total = 64
+        for kind, mode in self.forms.values():
+            total += int(np.prod(mode, dtype=np.int64)) * physical_dtype(kind.dtype).itemsize
+        return total
+
+    def _release(self, store: ExperienceStore, shm_bytes: int) -> None:
+        store.close()
+        if shm_bytes and self._budget is not None:
+            self._budget.give(shm_bytes)
 
     @classmethod
     def attached(cls, shm: str, forms: dict[str, tuple[FieldKind, Any]], base: int) -> FieldGroup:
@@ -272,15 +353,17 @@ class FieldGroup:
             return True  # the rows the ring overwrites are dead
         if self.pending:
             return False
+        old_bytes = self._shm_bytes
         bigger = self._new_store(min(self.capacity, max(2 * size, hi - lo + n)))
         try:
             new_first = int(bigger.extend(self.store.to_table(list(self._schema["fields"])))[0]) if hi > lo else 0
         except BaseException:
-            bigger.close()
+            self._release(bigger, self._shm_bytes)
+            self._shm_bytes = old_bytes
             raise
         old, self.store = self.store, bigger
         self.base += (new_first - lo) if hi > lo else (int(bigger.index.hi) - hi)
-        old.close()
+        self._release(old, old_bytes)
         return True
 
     def batch(self, values: dict[str, FieldValues]) -> pa.RecordBatch:
@@ -354,7 +437,8 @@ class FieldGroup:
                 "forms": {f: [k.to_json(), m if m == "ragged" else list(m)] for f, (k, m) in self.forms.items()}}
 
     def close(self) -> None:
-        self.store.close()
+        bytes_, self._shm_bytes = self._shm_bytes, 0
+        self._release(self.store, bytes_)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -29,7 +30,7 @@ import pyarrow.flight as flight
 from ...errors import InvalidArgument, ResourceExhausted, SchemaError
 from ...flight.idle import OpenStreams, acquire_stream_slot
 from ...flight.sockets import cut_server_connections
-from ...schema.dtypes import is_logical
+from ...schema.dtypes import is_logical, physical_dtype
 from ...serving.limits import CallGate, check_bind, check_bytes, error_code, public_error
 from .columns import FieldKind, FieldValues, ValuesSpec
 from .limits import TQLimits
@@ -426,6 +427,14 @@ class TQServer(flight.FlightServerBase):
                 raise SchemaError(f"shm_plan: tensor field {f[:80]!r} needs one shape (dense) or per-sample shapes "
                                   "(ragged), not both or neither")
         specs = {f: ValuesSpec(k, rows_n, dense.get(f), shapes.get(f)) for f, k in kinds.items()}
+        # a plan carries no values, but its group's store is reserved in /dev/shm at once: its samples may take what
+        # a DoPut could carry (the state's shm_budget bounds every group's store together)
+        planned = sum(physical_dtype(k.dtype).itemsize * (rows_n * math.prod(dense[f]) if f in dense
+                                                         else sum(math.prod(x) for x in shapes.get(f, ())))
+                      for f, k in kinds.items() if k.kind == "tensor")
+        if planned > lim.max_upload_bytes:
+            raise ResourceExhausted(f"shm_plan: its samples take {planned} bytes, over this server's max_upload_bytes "
+                                    f"({lim.max_upload_bytes}), what one put may carry; split the put")
         with s.lock:
             if len(self._shm_plans) >= lim.max_concurrent_streams:
                 self._expire_shm_plans()

@@ -40,7 +40,17 @@ from ...errors import ArrowbufError, InvalidArgument, SchemaError
 from ...store.facade import ExperienceStore
 from .checkpoint import read, write
 from .columns import FieldKind, FieldValues, ValuesSpec, schema_entry
-from .partition import FieldGroup, FieldInfo, FieldState, IndexManager, Partition, PartitionView, Status, grow
+from .partition import (
+    FieldGroup,
+    FieldInfo,
+    FieldState,
+    IndexManager,
+    Partition,
+    PartitionView,
+    SharedMemoryBudget,
+    Status,
+    grow,
+)
 from .samplers import BaseSampler, SamplerArg, SequentialSampler, make_sampler, sampler_spec
 
 MODES = ("insert", "fetch", "force_fetch")
@@ -78,17 +88,24 @@ class PutPlan:
 
 
 class TQState:
-    """Every partition of one TransferQueue-compatible system, behind one lock (see the module docstring)."""
+    """Every partition of one TransferQueue-compatible system, behind one lock (see the module docstring).
+
+    `shared_memory`: field groups of dense tensors in /dev/shm (`server`: clients of the node write and read their
+    rows themselves); their stores together reserve at most `shm_budget` bytes there (default: half of /dev/shm's
+    size); past it a group's store is made in this process's memory and its rows go over Flight."""
 
     def __init__(self, capacity: int = 65_536, sampler: SamplerArg = None, polling_mode: bool = False,
-                 wait: float = 5.0, shared_memory: bool = False) -> None:
+                 wait: float = 5.0, shared_memory: bool = False, shm_budget: int | None = None) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise InvalidArgument(f"capacity must be a positive number of rows, got {capacity!r}")
         self.capacity = capacity
         # field groups in /dev/shm, so that clients of the node write and read their rows themselves (`server`)
         self.shared_memory = bool(shared_memory)
-        self._shm_prefix = f"tq-{os.getpid()}-{secrets.token_hex(4)}"
-        self._shm_count = 0
+        if shm_budget is not None and (not isinstance(shm_budget, int) or isinstance(shm_budget, bool)
+                                       or shm_budget < 0):
+            raise InvalidArgument(f"shm_budget must be a number of bytes >= 0 or None, got {shm_budget!r}")
+        self.shm_budget = SharedMemoryBudget(f"tq-{os.getpid()}-{secrets.token_hex(4)}",
+                                             SharedMemoryBudget.default_limit() if shm_budget is None else shm_budget)
         self.sampler: BaseSampler = make_sampler(sampler) if sampler is not None else SequentialSampler()
         self.polling_mode = bool(polling_mode)
         self.wait = float(wait)
@@ -362,15 +379,10 @@ class TQState:
                 return g, False
             rows = max(n, 2 * group.store.capacity)
         group = FieldGroup(f"{p.partition_id}.g{len(p.stores)}", forms, self.capacity, rows=rows,
-                           shm_name=self._shm_name if self.shared_memory else None)
+                           shm=self.shm_budget if self.shared_memory else None)
         p.stores.append(group)
         p.groups[key] = len(p.stores) - 1
         return len(p.stores) - 1, True
-
-    def _shm_name(self) -> str:
-        """A fresh shared-memory store name (the system's process and a random tag: two systems never collide)."""
-        self._shm_count += 1
-        return f"{self._shm_prefix}-{self._shm_count}"
 
     def write_batch(self, plan: PutPlan, batch: pa.RecordBatch) -> np.ndarray | None:
         """`write_plan` of a put's record batch (a column per field) its group takes as it is; None: it does not
