@@ -69,7 +69,8 @@ def tq_target() -> None:
     from arrowbuf.compat.transfer_queue.server import TQServer
     from arrowbuf.compat.transfer_queue.state import TQState
 
-    state = TQState(capacity=512, polling_mode=True, shared_memory=True)  # the shm_* actions too
+    # the shm_* actions too; its shared stores within 32 MiB (under the fuzz tests' bound on growth)
+    state = TQState(capacity=512, polling_mode=True, shared_memory=True, shm_budget=32 << 20)
     with TQServer(state, max_partitions=16, max_tasks=8, max_groups=8, max_upload_bytes=1 << 20,
                   max_reply_bytes=1 << 20) as server:
         announce(location=server.location)

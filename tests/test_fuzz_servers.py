@@ -15,6 +15,7 @@ this process. All on 127.0.0.1, seeded (a failure names its seed and request num
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -342,7 +343,10 @@ def tq_shm_request(rng: random.Random, client: flight.FlightClient, pid: str) ->
                             "keys": [f"k{rng.randint(0, 50)}" for _ in range(rows)] if keyed else None,
                             "gidx": [rng.randint(0, 60) for _ in range(rows)], "tags": None,
                             "kinds": {"x": rng.choice([["tensor", "float32"], ["tensor", "int64"]])},
-                            "dense": {"x": rng.choice([[3], [], [2, 2]])}, "nested": []})
+                            # large samples too: a plan reserves its group's store in /dev/shm (a one-sample plan
+                            # of [2**26] floats reserved 4 GiB), which `Target.rss` counts
+                            "dense": {"x": rng.choice([[3], [], [2, 2], [3], [], [2, 2], [1 << 16], [1 << 26],
+                                                       [1 << 39]])}, "nested": []})
         commit = rng.random() < 0.7
         made = [rng.randint(-2, 70) for _ in range(rng.choice([rows, rows, rows + 1, 0]))]
 
@@ -644,11 +648,20 @@ class Target:
         self.info = json.loads(line)
 
     def rss(self) -> int:
+        """Its resident memory, plus the /dev/shm it reserved (a tq.v2 system's shared stores, `tq-<pid>-*`:
+        reserved when made, resident or not)."""
         with open(f"/proc/{self.proc.pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
+            rss = next((int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:")), None)
+        assert rss is not None, "no VmRSS"
+        from arrowbuf.tiers.shm import store_path
+
+        root, tag = os.path.dirname(store_path("x")), f"tq-{self.proc.pid}-"
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                if tag in dirpath or tag in f:
+                    with contextlib.suppress(OSError):  # a store closed meanwhile
+                        rss += os.stat(os.path.join(dirpath, f)).st_blocks * 512
+        return rss
 
     def alive(self) -> bool:
         return self.proc.poll() is None
