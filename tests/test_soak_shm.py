@@ -319,6 +319,8 @@ def test_shm_soak_with_random_kills(names, tmp_path):
                 break
             time.sleep(0.5)
         t_done = time.monotonic()
+        # what the consumers of the drain were doing (exit code or None, the end of their logs): for a failed drain
+        drainers = [(w.kind, w.proc.poll(), w.text()[-400:]) for kind in TASKS for w in running[kind]]
         for kind in TASKS:
             for w in running[kind]:
                 reap(w, killed=False)
@@ -355,8 +357,13 @@ def test_shm_soak_with_random_kills(names, tmp_path):
           f"kills {t_drain - t_up:.0f}, drain {t_done - t_drain:.0f}")
 
     assert not crashed, crashed
-    assert all(st["consumed"][t] == len(ids) for t in TASKS) and st["leases"] == 0, \
-        f"the consumers did not drain the store: {st['consumed']} of {len(ids)}, in flight {st['in_flight']}"
+    if not (all(st["consumed"][t] == len(ids) for t in TASKS) and st["leases"] == 0):
+        stuck = {t: [(int(i), int(marks[t][0][i % len(marks[t][0])]), int(marks[t][1][i % len(marks[t][1])]))
+                     for i in ids if marks[t][0][i % len(marks[t][0])] != i][:10] for t in TASKS}
+        raise AssertionError(
+            f"the consumers did not drain the store: {st['consumed']} of {len(ids)}, in flight {st['in_flight']}, "
+            f"leases {st['leases']}; a consume after the drain got {left}; rows not marked consumed (id, mark, "
+            f"lease): {stuck}; the drain's consumers (kind, exit code, log tail): {drainers}")
     assert not [x for w in workers for x in w.lines if "bad" in x]  # every row a trainer saw was as written
     assert written and set(written) <= set(ids.tolist())  # every acknowledged row is there ...
     assert ids.max() < CAPACITY  # (nothing evicted)
