@@ -39,8 +39,8 @@ def _values(n: int, seed: int) -> dict[str, FieldValues]:
 
 
 def _mixed(n: int, seed: int) -> dict[str, FieldValues]:
-    """A dense field with ragged int64 tensors (nested), strings and JSON values: a group of these stays in the
-    system's memory (a ragged arena in /dev/shm cannot grow), its values go over Flight."""
+    """A dense field with ragged int64 tensors (nested), strings and JSON values: a group with a JSON field stays in
+    the system's memory, its values go over Flight."""
     return {
         "obs": field_values("obs", np.full((n, 2), seed, np.float32)),
         "tokens": field_values("tokens", [np.arange(i % 5 + 1, dtype=np.int64) + seed for i in range(n)]),
@@ -332,3 +332,92 @@ def test_a_plan_reserves_no_more_shared_memory_than_a_put_could_carry_and_all_pl
             client.close()
     state.close()
     assert _shm_files(state) == 0
+
+
+def _nested_and_text(n: int, seed: int, longest: int) -> dict[str, FieldValues]:
+    """Dense floats, nested int64 tensors of 1..`longest` values (2-d ones too) and strings of up to `longest`
+    characters (UTF-8 of more bytes among them): a group of these is in shared memory."""
+    return {
+        "obs": field_values("obs", np.full((n, 2), seed, np.float32)),
+        "tokens": field_values("tokens", [np.arange(1 + (i * 7 + seed) % longest, dtype=np.int64) + seed
+                                          for i in range(n)]),
+        "grid": field_values("grid", [np.full((1 + i % 3, 2), i + seed, np.float32) for i in range(n)]),
+        "text": field_values("text", [("é" if i % 2 else "a") * (1 + (i * 5 + seed) % longest) for i in range(n)]),
+    }
+
+
+def test_nested_tensors_and_strings_go_through_shared_memory_and_a_larger_sample_gets_a_new_group(shm_system):
+    """Nested tensors and strings are in the shared stores too (TransferQueue's complex case): each ragged arena is
+    sized for the largest sample the plan announced (a store in /dev/shm cannot grow), a later put with a larger one
+    goes to a new group (and the old rows stay readable), and a text put over Flight, whose lengths the system cannot
+    know when it plans, goes to a group in the system's memory. Every read, through shared memory or Flight, returns
+    what was written; a JSON field keeps its group in the system's memory (`_mixed`, test above)."""
+    state, server = shm_system
+    shm_client = RemoteBackend(server.location)
+    flight_only = RemoteBackend(server.location, shared_memory=False)
+    try:
+        first = _nested_and_text(12, 1, 6)
+        shm_client.kv_put("n", [f"a{i}" for i in range(12)], first, ["tokens", "grid"], None)
+        assert shm_client.through_shared_memory is True
+        groups = state.partitions["n"].stores
+        longest = int(np.diff(first["text"].offsets).max())  # bytes (UTF-8): "é" takes two
+        assert len(groups) == 1 and groups[0].shm is not None and groups[0].need["text"] == (longest, 0)
+        assert groups[0].need["tokens"] == (6, 1) and groups[0].need["grid"] == (6, 2)
+        # wrap the ring of the shared store a few times with samples as large as the first put's largest
+        for r in range(3):
+            shm_client.kv_put("n", [f"w{r}.{i}" for i in range(12)], _nested_and_text(12, 2 + r, 5),
+                              ["tokens", "grid"], None)
+            shm_client.clear_samples(["n"] * 12, [state.partitions["n"].keys[f"w{r}.{i}"] for i in range(12)])
+        longer = _nested_and_text(3, 9, 40)
+        shm_client.kv_put("n", ["b0", "b1", "b2"], longer, ["tokens", "grid"], None)
+        assert len(groups) == 2 and groups[1].shm is not None
+        assert groups[1].need["text"][0] == int(np.diff(longer["text"].offsets).max()) > longest
+        keys = state.partitions["n"].keys
+        fields = list(first)
+        want = _sub(_plain(first), [11, 0, 5])
+        for client in (shm_client, flight_only):
+            assert _plain(client.read("n", [keys["a11"], keys["a0"], keys["a5"]], fields)) == want
+            assert _plain(client.read("n", [keys["b2"], keys["b0"]], fields)) == _sub(_plain(longer), [2, 0])
+        # strings put over Flight: their lengths are not known at the plan, their group is in the system's memory
+        flight_only.kv_put("n", ["c0", "c1"], _nested_and_text(2, 11, 60), ["tokens", "grid"], None)
+        assert groups[-1].shm is None
+        assert _plain(shm_client.read("n", [keys["c1"]], fields)) == _sub(_plain(_nested_and_text(2, 11, 60)), [1])
+        assert shm_client.through_shared_memory is True
+    finally:
+        shm_client.close_client()
+        flight_only.close_client()
+
+
+def test_a_shared_groups_arenas_hold_any_rows_of_the_largest_sample_as_the_ring_wraps():
+    """The sizing rule: a ragged arena in /dev/shm cannot grow, so it holds (rows + 1) of the largest sample (the
+    rows in the ring plus the padding where a sample does not fit before the arena's end). Writes of samples of
+    every length up to the largest, the ring wrapping many times, never run out of space, and read back."""
+    from arrowbuf.compat.transfer_queue.columns import FieldKind
+    from arrowbuf.compat.transfer_queue.partition import FieldGroup, SharedMemoryBudget
+
+    budget = SharedMemoryBudget(f"tq-{os.getpid()}-sizing", 1 << 30)
+    forms = {"tokens": (FieldKind("tensor", "int64"), "ragged"), "text": (FieldKind("str", "uint8"), "ragged")}
+    group = FieldGroup("sizing", forms, 16, rows=16, shm=budget, need={"tokens": (50, 2), "text": (37, 0)})
+    try:
+        assert group.shm is not None and group.store.capacity == 16
+        rng = np.random.default_rng(0)
+        # the worst case first: one short sample, then the largest ones one at a time: the ring full of them, each
+        # next one does not fit before the arena's end and starts at 0 (padding) while the oldest is still there
+        sizes = [1] + [None] * 40 + [int(k) for k in rng.integers(1, 9, size=30)]
+        for step, n in enumerate(sizes):
+            worst = n is None or n == 1 and step == 0
+            n = 1 if n is None else n
+            lens = [(1 if step == 0 else 50) if worst else int(rng.integers(0, 51)) for _ in range(n)]
+            tl = [(1 if step == 0 else 37) if worst else int(rng.integers(0, 38)) for _ in range(n)]
+            values = {"tokens": field_values("tokens", [np.arange(k, dtype=np.int64).reshape(-1, 1 if k % 2 else
+                                                                                            (2 if k else 1))
+                                                        for k in lens]),
+                      "text": field_values("text", ["x" * k for k in tl])}
+            assert group.make_room(n, None)  # every earlier row is dead: overwritten in place
+            rows = group.write(values)
+            got = group.read(["tokens", "text"], rows)
+            assert got is not None and _plain(got) == _plain(values)
+        assert group.store.capacity == 16  # it never had to grow: the ring wrapped
+    finally:
+        group.close()
+    assert budget.used == 0

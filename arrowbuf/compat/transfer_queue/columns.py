@@ -200,9 +200,13 @@ class FieldValues:
         return shapes.pop() if len(shapes) == 1 else None
 
     def spec(self) -> ValuesSpec:
-        """What a put's plan needs of these values (kind, count, shapes), without the values."""
+        """What a put's plan needs of these values (kind, count, shapes; a text field's longest sample), without
+        the values."""
+        longest = None
+        if self.kind.kind in TEXT_KINDS and self.offsets is not None:
+            longest = int(np.diff(self.offsets).max()) if self.n else 0
         return ValuesSpec(self.kind, self.n, None if self.dense is None else tuple(self.dense.shape[1:]),
-                          None if self.dense is not None else self.shapes)
+                          None if self.dense is not None else self.shapes, longest)
 
     def as_ragged(self) -> FieldValues:
         """Tensors of one shape flattened (the form of a field that became ragged)."""
@@ -368,12 +372,24 @@ class FieldValues:
 class ValuesSpec:
     """What a put's plan and the schema it records need of one field's values, without them: the kind, the
     number of samples, and the one shape of a dense batch (`dense_shape`) or each sample's shape (`shapes`, ragged
-    tensors; None for text kinds)."""
+    tensors; None for text kinds); for text kinds the bytes of the longest sample where known (`max_len`: a field
+    group in shared memory is sized by it)."""
 
     kind: FieldKind
     n: int
     dense_shape: tuple[int, ...] | None = None
     shapes: list[tuple[int, ...]] | None = None
+    max_len: int | None = None
+
+    def longest(self) -> tuple[int, int] | None:
+        """(elements, dimensions) of the largest sample: a tensor's values and ndim, a text sample's bytes and 0;
+        None for text whose lengths are not known."""
+        if self.kind.kind != "tensor":
+            return None if self.max_len is None else (self.max_len, 0)
+        if self.dense_shape is not None:
+            return math.prod(self.dense_shape), len(self.dense_shape)
+        shapes = self.shapes or []
+        return (max((math.prod(x) for x in shapes), default=0), max((len(x) for x in shapes), default=0))
 
     def sample_shapes(self) -> list[tuple[int, ...]]:
         if self.dense_shape is not None:
@@ -402,6 +418,13 @@ def _text(where: str, values: list[Any]) -> FieldValues | None:
     kind = names.get(t)
     if kind is None:
         return None
+    if t is str or t is bytes:
+        # Arrow copies each value's UTF-8 (which CPython keeps for an ASCII str) once into one buffer: about 3x
+        # faster than encoding each and joining them (a lone surrogate raises UnicodeEncodeError either way)
+        arr = pa.array(values, type=pa.large_string() if t is str else pa.large_binary())
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[:len(values) + 1]
+        return FieldValues(FieldKind(kind, "uint8"), len(values), offsets=offsets,
+                           flat=np.frombuffer(arr.buffers()[2] or b"", dtype=np.uint8)[:int(offsets[-1])])
     raw = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
     offsets = np.zeros(len(raw) + 1, dtype=np.int64)
     np.cumsum([len(r) for r in raw], out=offsets[1:])

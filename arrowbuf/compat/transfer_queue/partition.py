@@ -230,23 +230,28 @@ class FieldGroup:
     `base` (a store that grows is replaced by a larger one, whose seqs start elsewhere). `pending` counts the rows
     planned into it whose writes are in flight (`make_room`).
 
-    `shm` given and every field a dense tensor: the store is in shared memory under a fresh name from it (a grown
-    store is another), so that the processes of the node write and read its rows themselves (`shm`: that name; None
-    where /dev/shm had no room, the budget had none left, or the store is this process's). `attached` opens such a
-    group in another process."""
+    `shm` given, no JSON field, and the largest sample of each ragged field (nested tensors, text) known (`need`:
+    field -> (elements, dimensions)): the store is in shared memory under a fresh name from it (a grown store is
+    another), so that the processes of the node write and read its rows themselves (`shm`: that name; None where
+    /dev/shm had no room, the budget had none left, or the store is this process's). A ragged arena in /dev/shm cannot
+    grow, so each is sized for (rows + 1) samples of the largest (`ragged_arena`: any rows in the ring, plus the
+    padding where a sample wraps), and a put with a larger sample goes to a new group (`make_room`). `attached` opens
+    such a group in another process."""
 
     def __init__(self, name: str, forms: dict[str, tuple[FieldKind, Any]], capacity: int,
                  store: ExperienceStore | None = None, base: int = 0, rows: int = INITIAL_ROWS,
-                 shm: SharedMemoryBudget | None = None) -> None:
+                 shm: SharedMemoryBudget | None = None, need: dict[str, tuple[int, int]] | None = None) -> None:
         self.name = name
         self.capacity = capacity
         self.forms = dict(forms)
         self.fields = tuple(sorted(forms))
         self.pending = 0
-        # shared memory for dense tensor fields only: a ragged arena in /dev/shm cannot grow (`ring.ragged_arena`),
-        # and a put's text or nested values could need more than any size fixed now
-        dense = all(k.kind == "tensor" and m != "ragged" for k, m in self.forms.values())
-        self._budget = shm if dense else None
+        ragged = [f for f, (_, m) in self.forms.items() if m == "ragged"]
+        sized = all(k.kind != "json" for k, _ in self.forms.values()) and (
+            not ragged or (need is not None and all(f in need for f in ragged)))
+        self._budget = shm if sized else None
+        # the largest sample each ragged field's arena is sized for (shared memory only)
+        self.need: dict[str, tuple[int, int]] = {f: need[f] for f in ragged} if shm and sized and need else {}
         self._shm_bytes = 0  # what the current store took of the budget
         self.shm: str | None = None
         self._arrow_types: dict[str, pa.DataType] | None = None  # each field's Arrow type in `batch` (`takes_as_is`)
@@ -254,6 +259,15 @@ class FieldGroup:
         self._no_companions = not any(k.kind == "tensor" and m == "ragged" for k, m in self.forms.values())
         # a field is the store column of its name (SQL sees it), or `<name>__tq` where a store column has the name
         self.column = {f: f"{f}__tq" if f in RESERVED or f.startswith(SHAPE_PREFIX) else f for f in self.fields}
+        first = max(rows, INITIAL_ROWS)
+        if self._budget is not None:  # reserved at once: no more rows of large samples than the first put's
+            first = max(rows, min(INITIAL_ROWS, SMALL_STORE_BYTES // self._row_bytes()))
+        first = min(capacity, max(first, 1))
+
+        def sized_for(elements: int) -> dict[str, int]:
+            # per ring row: (rows + 1) of the largest over `first` rows (a grown store has more rows: more room)
+            return {"mean_length": max(1, elements + -(-elements // first) + 1)}
+
         cols: dict[str, Any] = {}
         for f in self.fields:
             kind, mode = forms[f]
@@ -261,15 +275,16 @@ class FieldGroup:
                 cols[self.column[f]] = {"dtype": "json"}
             elif mode == "ragged" or kind.kind != "tensor":
                 cols[self.column[f]] = {"dtype": kind.dtype, "ragged": True}
+                if f in self.need:
+                    cols[self.column[f]].update(sized_for(self.need[f][0]))
             else:
                 cols[self.column[f]] = {"dtype": kind.dtype, "shape": list(mode)}
             if kind.kind == "tensor" and mode == "ragged":
                 cols[SHAPE_PREFIX + self.column[f]] = {"dtype": "int64", "ragged": True}
+                if f in self.need:
+                    cols[SHAPE_PREFIX + self.column[f]].update(sized_for(self.need[f][1]))
         self._schema = {"name": name, "fields": cols, "episode_end": [], "truncation": []}  # a sample is a row
-        first = max(rows, INITIAL_ROWS)
-        if self._budget is not None:  # reserved at once: no more rows of large samples than the first put's
-            first = max(rows, min(INITIAL_ROWS, SMALL_STORE_BYTES // self._row_bytes()))
-        self.store = store if store is not None else self._new_store(min(capacity, max(first, 1)))
+        self.store = store if store is not None else self._new_store(first)
         self.base = base
 
     def _new_store(self, rows: int) -> ExperienceStore:
@@ -307,8 +322,13 @@ class FieldGroup:
         """Bytes a row of this group's store reserves in shared memory, about (its dense fields, and the store's
         own columns: seq, flags); the store's real reservation is taken once it exists."""
         total = 64
-        for kind, mode in self.forms.values():
-            total += int(np.prod(mode, dtype=np.int64)) * physical_dtype(kind.dtype).itemsize
+        for f, (kind, mode) in self.forms.items():
+            size = physical_dtype(kind.dtype).itemsize
+            if mode == "ragged":
+                elements, dims = self.need.get(f, (0, 0))
+                total += elements * size + dims * 8 + 48  # and each arena's per-row bookkeeping
+            else:
+                total += int(np.prod(mode, dtype=np.int64)) * size
         return total
 
     def _release(self, store: ExperienceStore, shm_bytes: int) -> None:
@@ -335,6 +355,14 @@ class FieldGroup:
         """The forms `describe` (or `to_json`) wrote."""
         return {str(f): (FieldKind.from_json(k), m if m == "ragged" else tuple(int(d) for d in m))
                 for f, (k, m) in obj["forms"].items()}
+
+    def fits(self, need: dict[str, tuple[int, int]] | None) -> bool:
+        """Whether samples whose largest are `need` (None: not known) fit the arenas of this group's store: always
+        where they can grow (the process's memory), in shared memory only within the sizes they were made for."""
+        if not self.need or self.shm is None:
+            return True
+        return need is not None and all(
+            f in need and need[f][0] <= e and need[f][1] <= d for f, (e, d) in self.need.items())
 
     def make_room(self, n: int, oldest_live: int | None) -> bool:
         """Make room for `n` more rows after the `pending` ones before they are written: grow the store (double it,

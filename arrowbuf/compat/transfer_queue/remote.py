@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ...errors import ArrowbufError, InvalidArgument, SchemaError
+from ...errors import ArrowbufError, InvalidArgument, OutOfSpace, SchemaError
 from ...ring.outpool import OutputPool
 from ...tiers.shm import store_path
 from .columns import FieldKind, FieldValues
@@ -170,7 +170,8 @@ class RemoteBackend:
         where the system answers no shared store (then DoPut)."""
         body = {**command, "kinds": {f: v.kind.to_json() for f, v in values.items()},
                 "shapes": {f: [list(s) for s in v.sample_shapes()] for f, v in values.items() if v.ragged},
-                "dense": {f: list(v.dense.shape[1:]) for f, v in values.items() if v.dense is not None}}
+                "dense": {f: list(v.dense.shape[1:]) for f, v in values.items() if v.dense is not None},
+                "max_len": {f: m for f, v in values.items() if (m := v.spec().max_len) is not None}}
         reply = self._act("shm_plan", **body)
         if reply["shm"] is None:  # the system has none (then never again), or this group has none
             self._shm_ok = False if reply.get("off") else self._shm_ok
@@ -182,6 +183,10 @@ class RemoteBackend:
                 self._act("shm_abort", plan=handle)
                 return False, None
             rows = group.write(values)
+        except OutOfSpace:  # its shared arenas are smaller than the system planned (checked before any write)
+            with contextlib.suppress(Exception):
+                self._act("shm_abort", plan=handle)
+            return False, None
         except BaseException:
             with contextlib.suppress(Exception):
                 self._act("shm_abort", plan=handle)

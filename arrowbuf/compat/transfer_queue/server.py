@@ -32,7 +32,7 @@ from ...flight.idle import OpenStreams, acquire_stream_slot
 from ...flight.sockets import cut_server_connections
 from ...schema.dtypes import is_logical, physical_dtype
 from ...serving.limits import CallGate, check_bind, check_bytes, error_code, public_error
-from .columns import FieldKind, FieldValues, ValuesSpec
+from .columns import TEXT_KINDS, FieldKind, FieldValues, ValuesSpec
 from .limits import TQLimits
 from .state import PutPlan, TQState
 from .wire import ACTIONS, ERRORS, MAX_FIELDS, VERSION, arrow_type, chunk_rows
@@ -130,6 +130,26 @@ def _shapes(obj: dict[str, Any], kinds: dict[str, FieldKind], rows: int) -> dict
         if not isinstance(shapes, list) or len(shapes) != rows or not all(_is_shape(s) for s in shapes):
             raise InvalidArgument(f"shapes of {str(name)[:80]!r} must be {rows} lists of at most 16 non-negative ints")
         out[name] = [tuple(s) for s in shapes]
+    return out
+
+
+def _text_lengths(obj: dict[str, Any], kinds: dict[str, FieldKind]) -> dict[str, int]:
+    """The bytes of the longest sample of each text field of a shared-memory put's plan (`max_len`): its arena in
+    shared memory is sized by it (a sample longer than it said fails the writer's own write, before anything is
+    written)."""
+    raw = obj.get("max_len")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidArgument("max_len must be an object: text field -> bytes of its longest sample")
+    out = {}
+    for name, v in raw.items():
+        k = kinds.get(name)
+        if k is None or k.kind not in TEXT_KINDS:
+            raise InvalidArgument(f"max_len names {str(name)[:80]!r}, not a text field of the put")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**40:
+            raise InvalidArgument(f"max_len of {str(name)[:80]!r} must be an int of bytes in [0, 2**40)")
+        out[name] = v
     return out
 
 
@@ -426,12 +446,13 @@ class TQServer(flight.FlightServerBase):
             if k.kind == "tensor" and (f in dense) == (f in shapes):
                 raise SchemaError(f"shm_plan: tensor field {f[:80]!r} needs one shape (dense) or per-sample shapes "
                                   "(ragged), not both or neither")
-        specs = {f: ValuesSpec(k, rows_n, dense.get(f), shapes.get(f)) for f, k in kinds.items()}
+        lengths = _text_lengths(b, kinds)
+        specs = {f: ValuesSpec(k, rows_n, dense.get(f), shapes.get(f), lengths.get(f)) for f, k in kinds.items()}
         # a plan carries no values, but its group's store is reserved in /dev/shm at once: its samples may take what
         # a DoPut could carry (the state's shm_budget bounds every group's store together)
         planned = sum(physical_dtype(k.dtype).itemsize * (rows_n * math.prod(dense[f]) if f in dense
                                                          else sum(math.prod(x) for x in shapes.get(f, ())))
-                      for f, k in kinds.items() if k.kind == "tensor")
+                      for f, k in kinds.items() if k.kind == "tensor") + rows_n * sum(lengths.values())
         if planned > lim.max_upload_bytes:
             raise ResourceExhausted(f"shm_plan: its samples take {planned} bytes, over this server's max_upload_bytes "
                                     f"({lim.max_upload_bytes}), what one put may carry; split the put")

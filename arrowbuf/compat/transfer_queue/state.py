@@ -87,10 +87,24 @@ class PutPlan:
     started: float
 
 
+def _largest(specs: dict[str, ValuesSpec],
+             forms: dict[str, tuple[FieldKind, Any]]) -> dict[str, tuple[int, int]] | None:
+    """(elements, dimensions) of the largest sample of each ragged field of a put, or None where one is not known
+    (text put over DoPut: its lengths arrive with its messages)."""
+    out = {}
+    for f, (_, mode) in forms.items():
+        if mode == "ragged":
+            largest = specs[f].longest()
+            if largest is None:
+                return None
+            out[f] = largest
+    return out
+
+
 class TQState:
     """Every partition of one TransferQueue-compatible system, behind one lock (see the module docstring).
 
-    `shared_memory`: field groups of dense tensors in /dev/shm (`server`: clients of the node write and read their
+    `shared_memory`: field groups without JSON fields in /dev/shm (`server`: clients of the node write and read their
     rows themselves); their stores together reserve at most `shm_budget` bytes there (default: half of /dev/shm's
     size); past it a group's store is made in this process's memory and its rows go over Flight."""
 
@@ -354,7 +368,7 @@ class TQState:
                         forms[f] = (v.kind, "ragged" if v.kind.kind == "tensor" else st.mode)
                     else:
                         forms[f] = (v.kind, st.mode)
-                g, created = self._target(p, forms, n) if forms else (-1, False)
+                g, created = self._target(p, forms, n, _largest(specs, forms)) if forms else (-1, False)
             except BaseException:
                 if new_partition:
                     self.partitions.pop(partition_id, None)
@@ -367,19 +381,24 @@ class TQState:
             self._plans[plan.id] = plan
             return plan
 
-    def _target(self, p: Partition, forms: dict[str, tuple[FieldKind, Any]], n: int) -> tuple[int, bool]:
+    def _target(self, p: Partition, forms: dict[str, tuple[FieldKind, Any]], n: int,
+                need: dict[str, tuple[int, int]] | None) -> tuple[int, bool]:
         """The field group the rows of `forms` go to, with room made for `n` more (a new group when there is none,
-        or when its store must grow while writes into it are in flight); and whether it is new."""
+        when its store must grow while writes into it are in flight, or when its shared arenas were made for smaller
+        samples than `need`'s); and whether it is new."""
         key = tuple(sorted((f, k.to_json()[0], k.dtype, str(m)) for f, (k, m) in forms.items()))
         g = p.groups.get(key)
         rows = n
         if g is not None:
             group = p.stores[g]
-            if group.make_room(n, p.oldest_live_row(g)):
+            if group.fits(need) and group.make_room(n, p.oldest_live_row(g)):
                 return g, False
             rows = max(n, 2 * group.store.capacity)
+            if need is not None and group.need:  # the next arenas hold the largest samples of both
+                need = {f: (max(e, group.need.get(f, (0, 0))[0]), max(d, group.need.get(f, (0, 0))[1]))
+                        for f, (e, d) in need.items()}
         group = FieldGroup(f"{p.partition_id}.g{len(p.stores)}", forms, self.capacity, rows=rows,
-                           shm=self.shm_budget if self.shared_memory else None)
+                           shm=self.shm_budget if self.shared_memory else None, need=need)
         p.stores.append(group)
         p.groups[key] = len(p.stores) - 1
         return len(p.stores) - 1, True

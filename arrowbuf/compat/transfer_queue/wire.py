@@ -13,7 +13,8 @@ Wire format, version `tq.v2` (everything a remote client sends is bounded and va
 - DoGet with a JSON ticket `{"op": "read", "partition_id", "gidx", "fields"}`: one table of the fields, with the
   field kinds and the shapes of ragged tensor fields as JSON under the schema metadata keys `tq.kinds`, `tq.shapes`.
 - Shared memory, for clients on the system's node (`remote`, a system whose field groups live in /dev/shm): DoAction
-  `shm_plan` (a put's command, with `dense` sample shapes instead of the values) answers the field group's shared
+  `shm_plan` (a put's command, with `dense` sample shapes instead of the values, and `max_len`: {text field: bytes of
+  its longest sample}, by which the group's arenas are sized) answers the field group's shared
   store (`FieldGroup.describe`) and a plan handle; the client writes the rows into that store itself, then
   `shm_commit` (the handle and the row ids written) registers them or `shm_abort` forgets them. `shm_locate` (a read's
   ticket) answers the groups and, per field, `[group, positions, row ids]`; the client reads them itself. Either
