@@ -460,8 +460,9 @@ class TQServer(flight.FlightServerBase):
             if len(self._shm_plans) >= lim.max_concurrent_streams:
                 self._expire_shm_plans()
             if len(self._shm_plans) >= lim.max_concurrent_streams:
-                raise ResourceExhausted(f"shm_plan: {len(self._shm_plans)} shared-memory puts open "
-                                        f"(max_concurrent_streams); retry when one ends")
+                # every slot held (writers mid-put, or plans a client abandoned until they expire): this put goes
+                # over DoPut, which has slots of its own, rather than fail
+                return {"shm": None, "busy": len(self._shm_plans)}
             plan = self._plan(c.op, c.partition_id, specs, c.nested, rows_n, c.gidx, c.keys, c.tags)
             group = plan.partition.stores[plan.group]
             if group.shm is None:  # /dev/shm had no room for it: its rows go over DoPut
