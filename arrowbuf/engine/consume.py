@@ -73,6 +73,7 @@ from .consume_state import ConsumeState
 from .core import StoreCore
 from .leases import LeaseTable, check_lease_seconds
 from .reader import StoreReader
+from .shared_leases import SharedLeaseTable
 from .tokens import check_token_field, token_counts, token_field_of
 
 #: Seconds between checks that a server's caller is still there, while a consume waits for rows.
@@ -370,9 +371,19 @@ class ConsumeTracker:
         durable: list[Callable[[], None]] = []
         with self.core.cond:
             self.expire()
-            held = self.leases.take(lease, "ack")
+            held = self.leases.find(lease, "ack")
+            # counted, then ended: in a shared store the intent is recorded first, so that a process killed
+            # between the writes leaves an ack the next holder of the state lock finishes (`_finish_acks`)
+            number = self.leases.number_of(held) if isinstance(self.leases, SharedLeaseTable) else 1
+            self._state.begin_ack(held.task, number, len(held.seqs))
+            try:
+                self._final(held.task, held.seqs, "acked", durable)
+            except BaseException:  # a final hook refused it (the lease stays open): no ack to finish
+                self._state.end_ack(held.task)
+                raise
+            self.leases.remove(held)
             self.leases.ended(held, "acked")
-            self._final(held.task, held.seqs, "acked", durable)
+            self._state.end_ack(held.task)
             self.core.cond.notify_all()  # held writers: the rows may be evicted now
         for until_durable in durable:  # e.g. the journal's commit of this ack
             until_durable()
@@ -394,8 +405,9 @@ class ConsumeTracker:
         return len(held.seqs)
 
     def expire(self) -> int:
-        """Under the state lock: put the rows of leases past their deadline back in their tasks' queues; returns
-        how many leases expired."""
+        """Under the state lock: finish an ack a killed process left half done; put the rows of leases past their
+        deadline back in their tasks' queues; returns how many leases expired."""
+        self._finish_acks()
         due = self.leases.expiring()
         for held in due:
             self._return(held.task, held.seqs)  # before the lease ends (`LeaseTable.remove`)
@@ -404,6 +416,21 @@ class ConsumeTracker:
         if due:
             self.core.cond.notify_all()
         return len(due)
+
+    def _finish_acks(self) -> None:
+        """Under the state lock: an ack that began and did not end (its process was killed holding the lock: a live
+        one ends it before it lets go) is finished: its rows counted if they were not, its lease closed."""
+        if not isinstance(self.leases, SharedLeaseTable):
+            return  # in this process's memory an ack runs whole or the process is gone with the store
+        for task in self._consumed:
+            cut = self._state.ack_in_progress(task)
+            if cut is None:
+                continue
+            number, rows, base = cut
+            if self._delivered[task] == base:
+                self._delivered[task] = base + rows
+            self.leases.close_number(task, number)
+            self._state.end_ack(task)
 
     def _return(self, task: str, seqs: np.ndarray) -> None:
         """Rows of `task` in flight become unconsumed again (the row's seq check: a row is never recycled while in

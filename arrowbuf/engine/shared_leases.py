@@ -250,6 +250,18 @@ class SharedLeaseTable(LeaseTable):
         mine = self.marks[task][pos] == n
         self.marks[task][pos[mine]] = 0
 
+    def number_of(self, lease: Lease) -> int:
+        """The number of an open lease (its slot's key)."""
+        return _number(lease.id, self)
+
+    def close_number(self, task: str, n: int) -> None:
+        """Close lease number `n` of `task` whatever of its closing already ran (an ack cut short): its slot if it is
+        still open, and every lease mark of it."""
+        for s in np.flatnonzero(self.slots[:, 0] == n):
+            self.free(int(s))
+        marks = self.marks[task]
+        marks[marks == n] = 0
+
     # ------------------------------------------------------------------ LeaseTable, shared
     def open(self, task: str, seqs: np.ndarray, seconds: float) -> Lease:
         n = int(self.header[NEXT_LEASE])
