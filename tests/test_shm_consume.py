@@ -313,25 +313,34 @@ def test_a_tampered_consume_entry_is_store_corrupt_naming_the_manifest(names):
         store.close()
 
 
+def _die(*args, **kwargs) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_after_a_lease_slot_is_freed() -> None:
+    """From now on this process SIGKILLs itself right after the shared lease table frees a slot (holding the state
+    lock)."""
+    from arrowbuf.engine.shared_leases import SharedLeaseTable
+
+    freed = SharedLeaseTable.free
+
+    def free_then_die(self, s):
+        freed(self, s)
+        _die()
+
+    SharedLeaseTable.free = free_then_die  # type: ignore[method-assign]
+
+
 def _die_in_lease_bookkeeping(name: str, where: str, lease: str | None) -> None:
     """SIGKILL ourselves inside the shared lease table, holding the state lock: as a consume records its lease
     (`open`), or right after a lease's slot is freed, as an expired lease ends (`expire`: the next consume ends it)
     or a nack ends it (`nack`)."""
     from arrowbuf.engine.shared_leases import SharedLeaseTable
 
-    def die(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGKILL)
-
     if where == "open":
-        SharedLeaseTable.open = die  # type: ignore[method-assign]
+        SharedLeaseTable.open = _die  # type: ignore[method-assign]
     else:
-        freed = SharedLeaseTable.free
-
-        def free_then_die(self, s):
-            freed(self, s)
-            die()
-
-        SharedLeaseTable.free = free_then_die  # type: ignore[method-assign]
+        _die_after_a_lease_slot_is_freed()
     store = ab.ExperienceStore.attach(name, timeout=30)
     if where == "nack":
         store.nack(lease)
@@ -591,21 +600,11 @@ def _die_in_ack(name: str, where: str, lease: str) -> None:
     """SIGKILL ourselves inside an ack, holding the state lock: before its rows are counted as consumed (`count`),
     or right after its lease's slot is freed (`free`)."""
     from arrowbuf.engine.consume import ConsumeTracker
-    from arrowbuf.engine.shared_leases import SharedLeaseTable
-
-    def die(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGKILL)
 
     if where == "count":
-        ConsumeTracker._final = die  # type: ignore[method-assign]
+        ConsumeTracker._final = _die  # type: ignore[method-assign]
     else:
-        freed = SharedLeaseTable.free
-
-        def free_then_die(self, s):
-            freed(self, s)
-            die()
-
-        SharedLeaseTable.free = free_then_die  # type: ignore[method-assign]
+        _die_after_a_lease_slot_is_freed()
     ab.ExperienceStore.attach(name, timeout=30).ack(lease)
 
 
