@@ -631,3 +631,27 @@ def test_a_consumer_killed_inside_its_ack_leaves_the_rows_consumed_and_counted(n
         assert store.stats()["consumed"] == {"t": 8}  # counted once
     finally:
         store.close()
+
+
+def _die_counting_a_consume(name: str) -> None:
+    """SIGKILL ourselves inside a consume without a lease, holding the state lock: its rows marked, not yet counted."""
+    from arrowbuf.engine.consume import ConsumeTracker
+
+    ConsumeTracker._final = _die  # type: ignore[method-assign]
+    ab.ExperienceStore.attach(name, timeout=30).consume("t", 8)
+
+
+def test_a_consumer_killed_between_marking_and_counting_a_consume_leaves_the_count_right(names):
+    """A consume without a lease is final at once: its rows are marked, then counted. A process killed in between
+    left them consumed but uncounted for good (as an ack did); the next holder of the state lock counts them."""
+    name = names()
+    store = ab.ExperienceStore(GRPO, capacity=16, tier="shm", name=name, tasks=["t"])
+    try:
+        store.extend(groups(0, 2))
+        p = start(names, _die_counting_a_consume, name)
+        p.join(JOIN_S)
+        assert p.exitcode == -signal.SIGKILL
+        assert len(store.consume("t", 8, timeout=0.3)) == 0  # consumed (without a lease: at most once)
+        assert store.stats()["consumed"] == {"t": 8}
+    finally:
+        store.close()

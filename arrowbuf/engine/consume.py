@@ -331,6 +331,8 @@ class ConsumeTracker:
                     if seconds is not None:  # a shared store's lease table may be full: nothing was taken
                         opened = self.leases.open(task, seqs, seconds)
                         lease_id = opened.id
+                    else:  # final at once: marked, then counted (`_finish_finals` if a process dies in between)
+                        self._state.begin_final(task, -(int(seqs[0]) + 1), len(seqs))
                     self._consumed[task][seqs % c.arena_rows] = seqs
                     if plan["admission"] is not None:
                         self._admitted[task] += len(seqs)
@@ -338,10 +340,15 @@ class ConsumeTracker:
                     self._return(task, seqs)
                     if opened is not None:
                         self.leases.remove(opened)
+                    else:
+                        self._state.end_final(task)
                     self._pins.pop(pin, None)
                     raise
                 if seconds is None:
-                    self._final(task, seqs, "consumed", durable)
+                    try:
+                        self._final(task, seqs, "consumed", durable)
+                    finally:
+                        self._state.end_final(task)
                     self._gathering[pin] = (task, seqs)  # a leased batch is in the lease table (not final) already
         try:
             arrays = self.reader.gather(seqs, None)
@@ -375,15 +382,15 @@ class ConsumeTracker:
             # counted, then ended: in a shared store the intent is recorded first, so that a process killed
             # between the writes leaves an ack the next holder of the state lock finishes (`_finish_acks`)
             number = self.leases.number_of(held) if isinstance(self.leases, SharedLeaseTable) else 1
-            self._state.begin_ack(held.task, number, len(held.seqs))
+            self._state.begin_final(held.task, number, len(held.seqs))
             try:
                 self._final(held.task, held.seqs, "acked", durable)
             except BaseException:  # a final hook refused it (the lease stays open): no ack to finish
-                self._state.end_ack(held.task)
+                self._state.end_final(held.task)
                 raise
             self.leases.remove(held)
             self.leases.ended(held, "acked")
-            self._state.end_ack(held.task)
+            self._state.end_final(held.task)
             self.core.cond.notify_all()  # held writers: the rows may be evicted now
         for until_durable in durable:  # e.g. the journal's commit of this ack
             until_durable()
@@ -407,7 +414,7 @@ class ConsumeTracker:
     def expire(self) -> int:
         """Under the state lock: finish an ack a killed process left half done; put the rows of leases past their
         deadline back in their tasks' queues; returns how many leases expired."""
-        self._finish_acks()
+        self._finish_finals()
         due = self.leases.expiring()
         for held in due:
             self._return(held.task, held.seqs)  # before the lease ends (`LeaseTable.remove`)
@@ -417,20 +424,24 @@ class ConsumeTracker:
             self.core.cond.notify_all()
         return len(due)
 
-    def _finish_acks(self) -> None:
-        """Under the state lock: an ack that began and did not end (its process was killed holding the lock: a live
-        one ends it before it lets go) is finished: its rows counted if they were not, its lease closed."""
+    def _finish_finals(self) -> None:
+        """Under the state lock: a consumption that began to be made final and did not end (its process was killed
+        holding the lock: a live one ends it before it lets go) is finished: an ack's rows counted if they were not
+        and its lease closed; a consume without a lease counted if it had marked its rows (else it never happened)."""
         if not isinstance(self.leases, SharedLeaseTable):
-            return  # in this process's memory an ack runs whole or the process is gone with the store
+            return  # in this process's memory it runs whole or the process is gone with the store
         for task in self._consumed:
-            cut = self._state.ack_in_progress(task)
+            cut = self._state.final_in_progress(task)
             if cut is None:
                 continue
-            number, rows, base = cut
+            key, rows, base = cut
             if self._delivered[task] == base:
-                self._delivered[task] = base + rows
-            self.leases.close_number(task, number)
-            self._state.end_ack(task)
+                first = -key - 1
+                if key > 0 or self._consumed[task][first % self.core.arena_rows] == first:
+                    self._delivered[task] = base + rows
+            if key > 0:
+                self.leases.close_number(task, key)
+            self._state.end_final(task)
 
     def _return(self, task: str, seqs: np.ndarray) -> None:
         """Rows of `task` in flight become unconsumed again (the row's seq check: a row is never recycled while in

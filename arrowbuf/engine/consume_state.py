@@ -12,8 +12,9 @@ Layout in a shared tier (arenas of the store's directory, recorded in its manife
     arena.consume.task.<i>   int64 [arena_rows]: per ring position, the seq of the row task i consumed there (-1: none)
     arena.consume.task.<i>.ints  int64 [10]: task i's cursor, rows delivered, rows dropped as stale, rows
                              redelivered, leases expired, rows admitted oldest-first, the window of its last
-                             oldest-first consume (`arrowbuf.samplers.admission.encode_window`), and the ack in
-                             progress: its lease number (0: none), rows, and rows delivered before it (`begin_ack`)
+                             oldest-first consume (`arrowbuf.samplers.admission.encode_window`), and the consumption
+                             being made final: its lease number or -(its first seq + 1) (0: none), rows, and rows
+                             delivered before it (`begin_final`)
     arena.consume.task.<i>.lease  int64 [arena_rows]: the lease holding task i's row there (`shared_leases`)
     arena.consume.pins       int64 [PIN_SLOTS, 4]: gathers in progress: pid, its start time, pin id, oldest seq
     arena.consume.leases, arena.consume.ended: the open and recently ended leases (`arrowbuf.engine.shared_leases`)
@@ -48,7 +49,7 @@ HEADER_LEN = 8
 #: Per-task ints of `consume.task.<i>.ints`.
 TASK_INTS = {"cursor": 0, "delivered": 1, "stale": 2, "redelivered": 3, "leases_expired": 4, "admitted": 5,
              "window": 6,
-             "acking": 7, "acking_rows": 8, "acking_base": 9}
+             "final": 7, "final_rows": 8, "final_base": 9}
 #: Concurrent gathers a shared store tracks (consumers in all processes together, one each while gathering).
 PIN_SLOTS = 256
 #: Seconds a liveness check of another process's pin is trusted.
@@ -259,25 +260,28 @@ class ConsumeState:
                     "ExperienceStore(..., tier='shm', tasks=[...]) (its other processes see them on attach)")
         return ""
 
-    # an ack in progress, so that one cut short by a SIGKILL is finished by the next holder of the state lock: the
-    # lease's end and its rows' count are two writes, and a count lost between them never comes back
-    def begin_ack(self, task: str, number: int, rows: int) -> None:
-        """Record, before they start, the writes of an ack of lease `number` (`rows` rows) of `task`."""
+    # a consumption being made final (an ack, a consume without a lease), so that one cut short by a SIGKILL is
+    # finished by the next holder of the state lock: its rows' marks or lease and their count are separate writes,
+    # and a count lost between them never comes back
+    def begin_final(self, task: str, key: int, rows: int) -> None:
+        """Record, before they start, the writes that make `rows` rows of `task` final: `key` is the acked lease's
+        number (> 0) or -(the first seq a consume without a lease marks + 1)."""
         ints = self._ints[task]
-        ints[TASK_INTS["acking_rows"]] = rows
-        ints[TASK_INTS["acking_base"]] = ints[TASK_INTS["delivered"]]
-        ints[TASK_INTS["acking"]] = number  # last: a record without its number is none
+        ints[TASK_INTS["final_rows"]] = rows
+        ints[TASK_INTS["final_base"]] = ints[TASK_INTS["delivered"]]
+        ints[TASK_INTS["final"]] = key  # last: a record without its key is none
 
-    def end_ack(self, task: str) -> None:
-        self._ints[task][TASK_INTS["acking"]] = 0
+    def end_final(self, task: str) -> None:
+        self._ints[task][TASK_INTS["final"]] = 0
 
-    def ack_in_progress(self, task: str) -> tuple[int, int, int] | None:
-        """(lease number, rows, rows delivered before it) of an ack of `task` that began and did not end, or None."""
+    def final_in_progress(self, task: str) -> tuple[int, int, int] | None:
+        """(key, rows, rows delivered before it) of a consumption of `task` that began to be made final and did not
+        end (`begin_final`), or None."""
         ints = self._ints[task]
-        n = int(ints[TASK_INTS["acking"]])
-        if n == 0:
+        key = int(ints[TASK_INTS["final"]])
+        if key == 0:
             return None
-        return n, int(ints[TASK_INTS["acking_rows"]]), int(ints[TASK_INTS["acking_base"]])
+        return key, int(ints[TASK_INTS["final_rows"]]), int(ints[TASK_INTS["final_base"]])
 
     def add(self, task: str) -> None:
         """Make (or, attaching, map) task `task`'s arrays; the next task number is its position."""
