@@ -288,8 +288,8 @@ class FieldGroup:
         self.base = base
 
     def _new_store(self, rows: int) -> ExperienceStore:
-        """A store of `rows` rows: in shared memory when the group has `shm_name` (in this process's memory where
-        /dev/shm has no room for it or its forms: then its rows go over Flight); `shm` says which."""
+        """A store of `rows` rows: in shared memory when the group has a budget (in this process's memory where the
+        budget or /dev/shm has no room for it: then its rows go over Flight); `shm` says which."""
         budget = self._budget
         if budget is not None:
             need = rows * self._row_bytes()
