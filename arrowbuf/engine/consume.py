@@ -380,7 +380,7 @@ class ConsumeTracker:
             self.expire()
             held = self.leases.find(lease, "ack")
             # counted, then ended: in a shared store the intent is recorded first, so that a process killed
-            # between the writes leaves an ack the next holder of the state lock finishes (`_finish_acks`)
+            # between the writes leaves an ack the next holder of the state lock finishes (`_finish_finals`)
             number = self.leases.number_of(held) if isinstance(self.leases, SharedLeaseTable) else 1
             self._state.begin_final(held.task, number, len(held.seqs))
             try:
@@ -412,8 +412,8 @@ class ConsumeTracker:
         return len(held.seqs)
 
     def expire(self) -> int:
-        """Under the state lock: finish an ack a killed process left half done; put the rows of leases past their
-        deadline back in their tasks' queues; returns how many leases expired."""
+        """Under the state lock: finish what a killed process left half made final (`_finish_finals`); put the
+        rows of leases past their deadline back in their tasks' queues; returns how many leases expired."""
         self._finish_finals()
         due = self.leases.expiring()
         for held in due:

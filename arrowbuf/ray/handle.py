@@ -353,6 +353,7 @@ class ShardedStore:
         remaining = int(n)
         first = True
         late_since: float | None = None  # when this call first left every part it asked for late
+        patience = None if not timeout else t0 + timeout  # how long a round waits for its first part
         while remaining > 0:
             masses = np.array([s.mass for s in live])
             if first and fanout is not None and fanout < len(live):
@@ -363,7 +364,6 @@ class ShardedStore:
                     for s, c in zip(live, counts) if c > 0}
             answered: list[ShardState] = []
             end = t0 + deadline if (first and deadline is not None) else None
-            patience = None if not timeout else t0 + timeout
             for s, part in self._collect(futs, end, patience):
                 if part is None:
                     continue
