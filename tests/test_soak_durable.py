@@ -21,7 +21,7 @@ starts, so the journal holds every final consumption of the run):
 - the rows a killed consumer held (and had not begun to ack) were delivered again to another consumer.
 Redeliveries (rows delivered more than once per task: at-least-once before the ack) are counted and printed.
 
-Bounded for CI (`ARROWBUF_SOAK_S`, default 15 s of kills per test; the kill loop goes on past that, up to 60 s more,
+Bounded for CI (`ARROWBUF_SOAK_S`, default 6 s of kills per test; the kill loop goes on past that, up to 60 s more,
 until it made the kills the assertions need); the long variant: `ARROWBUF_SOAK_S=600 pytest
 tests/test_soak_durable.py -m slow -s` (docs/durability.md).
 """
@@ -46,7 +46,7 @@ from arrowbuf.persist import journal as jr
 
 pytestmark = pytest.mark.slow
 
-SOAK_S = float(os.environ.get("ARROWBUF_SOAK_S", "15"))
+SOAK_S = float(os.environ.get("ARROWBUF_SOAK_S", "6"))
 TASKS = ("ref", "train")
 SCHEMA = {"name": "soak", "fields": {
     "prompt_id": {"dtype": "int64"},
