@@ -96,7 +96,8 @@ def test_every_dtype_and_json_values_round_trip_exactly(system: str) -> None:
     ragged = torch.nested.as_nested_tensor([torch.randn(n).to(torch.bfloat16) for n in (1, 4, 2)],
                                            layout=torch.jagged)
     fields = TensorDict({"bf16": bf16, "f8": f8, "c": cplx, "msgs": NonTensorStack(*msgs), "rag": ragged,
-                         "b": tensordict.NonTensorData(np.array([b"x", b"yy", b"z"], dtype="|S3"), batch_size=[3])},
+                         "b": tensordict.NonTensorData(np.array([b"x", b"yy", b"z"], dtype="|S3"), batch_size=[3]),
+                         "s": tensordict.NonTensorData(np.array(["é€", "", "yz"]), batch_size=[3])},
                         batch_size=3)
     tq.kv_batch_put(keys=["a", "b", "c"], partition_id="p", fields=fields)
     got = tq.kv_batch_get(keys=["c", "a", "b"], partition_id="p")
@@ -111,6 +112,8 @@ def test_every_dtype_and_json_values_round_trip_exactly(system: str) -> None:
     assert [x.tolist() for x in got["rag"].unbind(0)] == [ragged.unbind(0)[i].tolist() for i in order]
     raw = got.get("b").tolist()
     assert raw == [b"z", b"x", b"yy"] and all(type(v) is np.bytes_ for v in raw)
+    text = got.get("s").tolist()
+    assert text == ["yz", "é€", ""] and all(type(v) is np.str_ for v in text)
 
 
 def test_dense_output_is_an_opt_in() -> None:
