@@ -15,4 +15,9 @@ trap 'rm -rf "$base"' EXIT
 # tests that must share one worker says so with xdist_group (the Ray tests: tests/conftest.py). ARROWBUF_TEST_WORKERS
 # overrides the count ("0": in this process, as plain pytest)
 workers=${ARROWBUF_TEST_WORKERS:-$(nproc)}
+# bytecode caches written (gitignored __pycache__): the suite starts hundreds of Python processes that import
+# arrowbuf (servers, writers, crash and soak workers, Ray actors), and where PYTHONDONTWRITEBYTECODE is set (as on
+# this project's machines) each compiled every module it imported from source again (0.56 against 0.33 CPU-s for
+# arrowbuf, its Ray and TransferQueue parts), and each pytest worker rewrote the asserts of every test module again
+unset PYTHONDONTWRITEBYTECODE
 .venv/bin/python -m pytest -q --durations=25 --basetemp="$base" -n "$workers" --dist loadgroup "$@"
