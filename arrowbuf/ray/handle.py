@@ -389,7 +389,8 @@ class ShardedStore:
             up = self.members.live()
             live = [s for s in up if s.late is None]
             if live and not any(s.mass > 0 for s in live):
-                self.refresh()
+                self.refresh()  # a shard whose stats call outlasts failure_timeout is down now
+                up = [s for s in up if not s.down]
                 live = [s for s in live if not s.down]
             with_data = [s for s in live if s.mass > 0]
             if with_data:
@@ -407,7 +408,8 @@ class ShardedStore:
                     why = f"every live shard is still busy with a late call after {self.failure_timeout}s"
                 else:
                     why = ("every live shard is empty" if up
-                           else "every shard is down (restarting: they come back empty)")
+                           else f"every shard is down (no answer within failure_timeout={self.failure_timeout}s, "
+                                "or restarting: they come back empty)")
                 wait = "did not wait (timeout=None)" if not timeout else f"waited {timeout}s"
                 raise SampleTimeout(f"sharded sample: {why}; {wait}. Add data or pass timeout= to wait")
             late = [f for f in (s.late for s in up) if f is not None]
