@@ -74,18 +74,6 @@ def _nodes() -> list[str]:
     return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
 
 
-@ray.remote(num_cpus=0)
-class Consumer:
-    def read(self, bc, version):
-        obj = bc.get(version, timeout=120)
-        arrays = obj["weights"]
-        table = obj["table"]
-        h = digest_of(b"".join(np.ascontiguousarray(arrays[k]).tobytes() for k in sorted(arrays))
-                      + table.column("x").to_numpy().tobytes())
-        return {"node": ray.get_runtime_context().get_node_id(), "digest": h, "version": obj["version"],
-                "writeable": any(a.flags.writeable for a in arrays.values())}
-
-
 def _on(node_id: str) -> dict:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -105,11 +93,11 @@ def _expected(obj: dict) -> str:
     return digest_of(b"".join(a[k].tobytes() for k in sorted(a)) + obj["table"].column("x").to_numpy().tobytes())
 
 
-def test_every_consumer_on_every_node_reads_identical_bytes_zero_copy(bcast):
+def test_every_consumer_on_every_node_reads_identical_bytes_zero_copy(bcast, receivers):
     bc = bcast(block_size=256 << 10)
     obj = _weights(1)
     v = bc.publish(obj)
-    consumers = [Consumer.options(**_on(n)).remote() for n in _nodes() for _ in range(2)]
+    consumers = [receivers(n, i) for n in _nodes() for i in range(2)]
     got = ray.get([c.read.remote(bc, v) for c in consumers], timeout=180)
     assert {g["node"] for g in got} == set(_nodes())
     assert {g["digest"] for g in got} == {_expected(obj)}
@@ -118,8 +106,6 @@ def test_every_consumer_on_every_node_reads_identical_bytes_zero_copy(bcast):
     assert {bc.digest(v, key=n, timeout=60) for n in _nodes()} == {meta["digest"]}
     st = bc.state()
     assert set(st["count"]) == set(_nodes()) and set(st["count"].values()) == {meta["nblocks"]}
-    for c in consumers:
-        ray.kill(c)
 
 
 def test_a_newer_version_supersedes_one_in_flight(bcast):
@@ -133,7 +119,7 @@ def test_a_newer_version_supersedes_one_in_flight(bcast):
     assert _expected(bc.get(v2, timeout=60)) == _expected(obj)
 
 
-def test_a_killed_relay_mid_broadcast_does_not_stop_the_others(bcast):
+def test_a_killed_relay_mid_broadcast_does_not_stop_the_others(bcast, receivers):
     # a chain (one upload slot each) at 4 MB/s per node: each hop takes ~1 s for the 4 MB object
     bc = bcast(block_size=128 << 10, upload_slots=1, egress_bytes_per_s=4 << 20)
     obj = _weights(3)
@@ -153,9 +139,7 @@ def test_a_killed_relay_mid_broadcast_does_not_stop_the_others(bcast):
     assert bc.digest(v, key=tail, timeout=60) == meta["digest"]
     assert middle in bc.state()["dead"]
     # a consumer on the killed relay's node gets a new relay, which joins the running broadcast
-    c = Consumer.options(**_on(middle)).remote()
-    assert ray.get(c.read.remote(bc, v), timeout=120)["digest"] == _expected(obj)
-    ray.kill(c)
+    assert ray.get(receivers(middle).read.remote(bc, v), timeout=120)["digest"] == _expected(obj)
 
 
 def test_a_late_joining_node_completes(extra_node, bcast):
@@ -165,7 +149,7 @@ def test_a_late_joining_node_completes(extra_node, bcast):
     node = extra_node()
     late = node.node_id
     bc.relay(late, late)  # its relay joins the running broadcast
-    c = Consumer.options(**_on(late)).remote()
+    c = Receiver.options(**_on(late)).remote()
     got = ray.get(c.read.remote(bc, v), timeout=120)
     assert got["node"] == late and got["digest"] == _expected(obj)
     ray.kill(c)
@@ -222,7 +206,20 @@ def _status_kb(field: str) -> int:
 
 
 @ray.remote(num_cpus=0)
-class TorchReceiver:
+class Receiver:
+    """A consumer process on a node. The module's tests share them (`receivers`): starting an actor's process and
+    importing torch in it was most of this module's CPU time. It keeps nothing between calls (each call unpickles
+    a Broadcast handle of its own and drops what it mapped when it returns)."""
+
+    def read(self, bc, version):
+        obj = bc.get(version, timeout=120)
+        arrays = obj["weights"]
+        table = obj["table"]
+        h = digest_of(b"".join(np.ascontiguousarray(arrays[k]).tobytes() for k in sorted(arrays))
+                      + table.column("x").to_numpy().tobytes())
+        return {"node": ray.get_runtime_context().get_node_id(), "digest": h, "version": obj["version"],
+                "writeable": any(a.flags.writeable for a in arrays.values())}
+
     def views(self, bc, version):
         v, tree = bc.tensors(version, timeout=120)
         return {"node": ray.get_runtime_context().get_node_id(), "version": v, "digest": _sd_digest(tree)}
@@ -243,15 +240,31 @@ class TorchReceiver:
                 "same_storage": all(sd[k].data_ptr() == p for k, p in ptrs.items()), "size": size, "grew": grew}
 
 
-def test_a_state_dict_round_trips_bit_exact_on_every_node_and_loads_in_place(bcast):
+@pytest.fixture(scope="module")
+def receivers(cluster):
+    """`on(node, i=0)`: the module's `i`-th receiver on `node` (started on first use, killed after the module's
+    last test). Nodes a test adds get receivers of their own (`Receiver.options(**_on(node)).remote()`)."""
+    made: dict[tuple[str, int], object] = {}
+
+    def on(node: str, i: int = 0):
+        if (node, i) not in made:
+            made[node, i] = Receiver.options(**_on(node)).remote()
+        return made[node, i]
+
+    yield on
+    for a in made.values():
+        ray.kill(a)
+
+
+def test_a_state_dict_round_trips_bit_exact_on_every_node_and_loads_in_place(bcast, receivers):
     bc = bcast(bucket_size=256 << 10)
     src = _model(1).state_dict()
     v = bc.publish(src, 7)
     assert v == 7
     want = _sd_digest(src)
-    views = ray.get([TorchReceiver.options(**_on(n)).remote().views.remote(bc, v) for n in _nodes()], timeout=180)
+    views = ray.get([receivers(n).views.remote(bc, v) for n in _nodes()], timeout=180)
     assert {g["node"] for g in views} == set(_nodes()) and {g["digest"] for g in views} == {want}
-    loaders = [TorchReceiver.options(**_on(n)).remote() for n in _nodes()]
+    loaders = [receivers(n) for n in _nodes()]
     got = ray.get([a.load.remote(bc, v, 2) for a in loaders], timeout=180)
     for g in got:
         assert g["version"] == 7 and g["digest"] == want and g["same_storage"], g
@@ -275,7 +288,7 @@ def own_root():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_planted_links_and_foreign_files_at_every_path_are_refused(bcast, tmp_path, own_root):
+def test_planted_links_and_foreign_files_at_every_path_are_refused(bcast, receivers, tmp_path, own_root):
     bc = bcast(block_size=256 << 10, root=own_root)
     sd = _model(3).state_dict()
     here = ray.get_runtime_context().get_node_id()
@@ -301,10 +314,8 @@ def test_planted_links_and_foreign_files_at_every_path_are_refused(bcast, tmp_pa
     for n in others:
         with pytest.raises(BroadcastRefused, match="exists"):
             bc.wait(v, key=n, timeout=60)
-        c = TorchReceiver.options(**_on(n)).remote()
         with pytest.raises(BroadcastRefused):
-            ray.get(c.views.remote(bc, v), timeout=60)
-        ray.kill(c)
+            ray.get(receivers(n).views.remote(bc, v), timeout=60)
     assert victim.read_bytes() == b"keep me"
     for p in planted.values():
         os.unlink(p)
@@ -324,16 +335,12 @@ def test_planted_links_and_foreign_files_at_every_path_are_refused(bcast, tmp_pa
                 os.chmod(path, 0o600)
             else:
                 _plant(path, path + ".moved" if plant == "symlink" else victim, plant)
-            c = TorchReceiver.options(**_on(n)).remote()
             with pytest.raises(BroadcastRefused):
-                ray.get(c.views.remote(bc, v), timeout=60)
-            ray.kill(c)
+                ray.get(receivers(n).views.remote(bc, v), timeout=60)
             os.unlink(path)
     finally:
         os.rename(path + ".moved", path)
-    c = TorchReceiver.options(**_on(n)).remote()
-    assert ray.get(c.views.remote(bc, v), timeout=60)["digest"] == _sd_digest(sd)
-    ray.kill(c)
+    assert ray.get(receivers(n).views.remote(bc, v), timeout=60)["digest"] == _sd_digest(sd)
 
 
 def test_a_planted_private_directory_is_refused_before_anything_starts(cluster, tmp_path):
@@ -369,7 +376,7 @@ def _plant(path: str, victim, how: str) -> None:
         os.chown(path, 65534, 65534)
 
 
-def test_a_tampered_bucket_is_refused_before_any_consumer_sees_it(bcast):
+def test_a_tampered_bucket_is_refused_before_any_consumer_sees_it(bcast, receivers):
     # a chain at 4 MB/s: the 4 MB model takes about a second per hop, so the last buckets are still at the root
     bc = bcast(block_size=128 << 10, upload_slots=1, egress_bytes_per_s=4 << 20)
     sd = _model(4).state_dict()
@@ -385,15 +392,13 @@ def test_a_tampered_bucket_is_refused_before_any_consumer_sees_it(bcast):
         with pytest.raises(BroadcastRefused, match=f"bucket {bad} .*digest mismatch"):
             bc.wait(v, key=n, timeout=120)
         assert bc.state()["count"].get(n, 0) <= bad  # the bad bucket never counted as held, so never forwarded
-        c = TorchReceiver.options(**_on(n)).remote()
         with pytest.raises(BroadcastRefused):
-            ray.get(c.views.remote(bc, v), timeout=60)
-        ray.kill(c)
+            ray.get(receivers(n).views.remote(bc, v), timeout=60)
     v2 = bc.publish(sd, 2)  # the next version goes through
     assert {bc.wait(v2, key=n, timeout=120)["version"] for n in _nodes()} == {2}
 
 
-def test_a_relay_killed_mid_bucket_still_delivers_the_state_dict(bcast):
+def test_a_relay_killed_mid_bucket_still_delivers_the_state_dict(bcast, receivers):
     bc = bcast(block_size=512 << 10, upload_slots=1, egress_bytes_per_s=2 << 20, window=2)  # 0.25 s per bucket
     sd = _model(5).state_dict()
     v = bc.publish(sd, 1)
@@ -405,11 +410,11 @@ def test_a_relay_killed_mid_bucket_still_delivers_the_state_dict(bcast):
     middle = next(n for n in others if up[n] == root)
     ray.get(bc.directory.wait_count.remote(middle, bc.wait(0, key=root)["nblocks"] // 2), timeout=60)
     bc.kill_relay(middle)  # with buckets in flight to the tail and from the root
-    got = ray.get([TorchReceiver.options(**_on(n)).remote().views.remote(bc, v) for n in others], timeout=180)
+    got = ray.get([receivers(n).views.remote(bc, v) for n in others], timeout=180)
     assert {g["digest"] for g in got} == {_sd_digest(sd)}
 
 
-def test_the_orphan_of_a_killed_relay_switches_to_its_backup_at_once_and_resumes_the_cut_bucket(bcast):
+def test_the_orphan_of_a_killed_relay_switches_to_its_backup_at_once_and_resumes_the_cut_bucket(bcast, receivers):
     """Failover without a directory round trip: the receiver the killed relay fed sees the connection close, connects
     straight to the backup the directory named with its upstream (here the producer's node, whose slot the death
     freed), keeps the bytes of the bucket in flight that had landed and asks only for the rest; the result is
@@ -432,7 +437,7 @@ def test_the_orphan_of_a_killed_relay_switches_to_its_backup_at_once_and_resumes
     ray.get(bc.directory.wait_count.remote(middle, half), timeout=60)
     time.sleep(0.1)  # into the stream of the next bucket to the tail (a kill mid-bucket)
     bc.kill_relay(middle)
-    got = ray.get([TorchReceiver.options(**_on(n)).remote().views.remote(bc, v) for n in others], timeout=180)
+    got = ray.get([receivers(n).views.remote(bc, v) for n in others], timeout=180)
     assert {g["digest"] for g in got} == {_sd_digest(sd)}
     log = [f for f in ray.get(bc.relay(tail).failover_log.remote()) if f["version"] == v]
     assert len(log) == 1, log  # one loss, one switch: the backup worked the first time
@@ -472,7 +477,7 @@ def test_an_orphan_mid_chain_switches_to_the_dead_relays_upstream_not_the_source
     assert [(f["upstream"], f["via"], f.get("to")) for f in log] == [(y, "backup", x)]
 
 
-def test_the_version_fence_follows_delivery_and_loads(bcast):
+def test_the_version_fence_follows_delivery_and_loads(bcast, receivers):
     store = ab.ExperienceStore(SCHEMAS / "cartpole.yaml", capacity=100)
     try:
         bc = bcast(block_size=256 << 10)
@@ -482,14 +487,12 @@ def test_the_version_fence_follows_delivery_and_loads(bcast):
         assert bc.fence(store, wait=v, timeout=120) == 4 and store.policy_version == 4  # every node holds v4
         assert bc.fence(receivers=len(_nodes()) + 1) == 0  # more nodes than there are: nothing
         assert bc.fence(loads=True, receivers=1) == 0  # delivered, but nobody loaded it yet
-        loaders = [TorchReceiver.options(**_on(n)).remote() for n in _nodes()[:2]]
+        loaders = [receivers(n) for n in _nodes()[:2]]
         ray.get([a.load.remote(bc, v, 0) for a in loaders], timeout=180)
         assert bc.fence(loads=True, receivers=2, wait=4, timeout=60) == 4
         assert bc.fence(loads=True, receivers=3) == 0
         store.policy_version = 9
         assert bc.fence(store) == 4 and store.policy_version == 9  # never lowers it
-        for a in loaders:
-            ray.kill(a)
     finally:
         store.close()
 
