@@ -67,26 +67,26 @@ WHEEL_GROUP = pytest.mark.xdist_group("wheel_venv")
 
 @pytest.fixture(scope="session")
 def wheel_venv(tmp_path_factory, arrowbuf_wheel):
-    """The session's wheel of this tree (conftest.arrowbuf_wheel) installed by pip, as the README says, with
-    [query,demo,compat,metrics] (torch pinned) into a fresh venv outside the repository. One venv for the whole
-    session: the pytest-xdist workers share it (the first to need it builds it under a lock in the session's shared
-    temporary root; a second pip install was 45 s of CPU in a loaded run), and the tests only read it."""
+    """The session's wheel of this tree (conftest.arrowbuf_wheel) with [query,demo,compat,metrics] (torch pinned)
+    installed into a fresh venv outside the repository (`install_into_fresh_venv`: by uv where the dev extra brought
+    it, which resolves as pip does and links the packages' files from its cache: pip unpacking torch, pandas, ... again
+    was 25-45 s of CPU in a loaded run; else pip). One venv for the whole session: the pytest-xdist workers share it
+    (the first to need it builds it under a lock in the session's shared temporary root), and the tests only read it."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     tmp = shared / "wheel-venv"
-    # pip installs without byte-compiling (`--no-compile`: compiling every module of torch, ray, pandas, ... was about
-    # 3/4 of the install's CPU time); what the tests import is compiled on first import instead, and its .pyc written
-    # into the venv (PYTHONDONTWRITEBYTECODE dropped) for the later processes. The installed files are the same
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+    # what the tests import is compiled on first import, and its .pyc written into the venv (PYTHONDONTWRITEBYTECODE
+    # dropped) for the later processes
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV")}
     py = tmp / "venv" / "bin" / "python"
     with open(shared / "wheel-venv.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also if this worker dies)
         if not (tmp / "ready").exists():
             shutil.rmtree(tmp, ignore_errors=True)  # a build a dead worker left half done
             tmp.mkdir()
-            subprocess.run([sys.executable, "-m", "venv", str(tmp / "venv")], check=True, timeout=120)
-            subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile", f"{arrowbuf_wheel}[{WHEEL_EXTRAS}]",
-                            "torch==2.13.0"], check=True, env=env, timeout=1200)
+            r = install_into_fresh_venv(tmp / "venv", [f"{arrowbuf_wheel}[{WHEEL_EXTRAS}]", "torch==2.13.0"], env,
+                                        1200)
+            assert r.returncode == 0, r.stderr[-4000:]
             (tmp / "run").mkdir()
             (tmp / "ready").touch()
     run_dir = tmp / "run"
