@@ -17,7 +17,12 @@ inside the host):
   arrowbuf-flight the same with `arrowbuf: {shared_memory: false}` in the config: values over Flight too, as
                   between nodes
 
-and, as the ceiling measured in the same run, one numpy copy of the same bytes in one process (`memcpy`).
+and, as the ceilings measured in the same run, one numpy copy of the same bytes in one process (`memcpy`: warm,
+best of 5) and the same copy after the buffers sat idle as long as perftest sleeps before each phase (`memcpy after
+idle`: 10 s before a put, which follows the previous iteration's `time.sleep(10)`, 2 s before a get; median of 3).
+On a VM whose host takes back memory its guest leaves idle (this project's machines: a 320 MiB copy takes 27 ms warm,
+40-56 ms after 2 s idle, 119-138 ms after 10 s), a put that copies its bytes once cannot be faster than the second,
+so the table also gives the most any such put or get could be against TransferQueue's (`bound`).
 
     python -m benchmarks.bench_transfer_queue [--quick] [--complex] [--batch 1024 --seq-len 8192 --fields 10]
                                               [--iterations 4] [--rounds 2]
@@ -235,6 +240,26 @@ def memcpy_ceiling(nbytes: int, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
+#: seconds perftest's loop sleeps before each phase it times: `time.sleep(10)` ends each iteration (before the next
+#: put), `time.sleep(2)` comes before the get
+IDLE_BEFORE = {"put": 10.0, "get": 2.0}
+
+
+def memcpy_after_idle(nbytes: int, idle_s: float, repeats: int = 3) -> float:
+    """Seconds of one numpy copy of `nbytes` between buffers both left untouched for `idle_s` seconds (median of
+    `repeats`): the first pass over memory idle that long, as perftest's put and get make it."""
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(repeats):
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="batch 256, seq_len 1024, 4 fields, 3 iterations")
@@ -246,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs per backend, interleaved (round i runs the backends in order, i+1 reversed)")
     ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--ceilings", action="store_true",
+                    help="only measure the memcpy ceilings (warm and after perftest's idle) at the run's size")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
     ap.add_argument("--script", help=argparse.SUPPRESS)
@@ -258,6 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.batch, args.seq_len, args.fields, args.iterations = 256, 1024, 4, 3
         args.timeout = min(args.timeout, 600)
+    if args.ceilings:
+        nbytes = args.batch * args.seq_len * args.fields * 4
+        warm = nbytes / memcpy_ceiling(nbytes) / 1e9
+        idle = {phase: memcpy_after_idle(nbytes, s) for phase, s in IDLE_BEFORE.items()}
+        print(f"{nbytes / 2**20:.0f} MiB copy: warm {warm * 1e3:.1f} ms; after {IDLE_BEFORE['put']:.0f} s idle "
+              f"(before a put) {idle['put'] * 1e3:.1f} ms; after {IDLE_BEFORE['get']:.0f} s idle (before a get) "
+              f"{idle['get'] * 1e3:.1f} ms; load {os.getloadavg()[0]:.2f}")
+        return 0
     script = perftest_path()
     if script is None:
         print("transferqueue==0.1.11 is not installed (pip install 'arrowbuf[bench-tq]'): nothing to run")
@@ -274,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({**r, "storage": r.get("backend"), "backend": backend, "round": rnd})
     size_gb = float(rows[0]["total_data_size_gb"])
     ceiling = memcpy_ceiling(int(size_gb * 1024**3))
+    idle = {phase: memcpy_after_idle(int(size_gb * 1024**3), s) for phase, s in IDLE_BEFORE.items()}
     summary: dict[str, dict[str, float]] = {}
     for backend in {r["backend"] for r in rows}:
         mine = [r for r in rows if r["backend"] == backend]
@@ -294,6 +330,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{backend:<15}{s['put_s']:>10.4f}{s['get_s']:>10.4f}{s['put_GBps']:>10.3f}{s['get_GBps']:>10.3f}"
               f"{s['put_GBps'] / ceiling:>10.3f}{s['get_GBps'] / ceiling:>10.3f}{s['peak_rss_tree_MiB']:>10.0f}")
     print(f"{'memcpy':<15}{'':>10}{'':>10}{ceiling:>10.3f}{ceiling:>10.3f}")
+    print(f"{'memcpy idle':<15}{idle['put']:>10.4f}{idle['get']:>10.4f}"
+          f"{size_gb * 1.073741824 / idle['put']:>10.3f}{size_gb * 1.073741824 / idle['get']:>10.3f}"
+          f"   (after {IDLE_BEFORE['put']:.0f} s / {IDLE_BEFORE['get']:.0f} s idle, as perftest's put / get)")
+    if "transferqueue" in summary:
+        t = summary["transferqueue"]
+        print(f"bound: a put or get that copies its bytes once at most {t['put_s'] / idle['put']:.2f}x / "
+              f"{t['get_s'] / idle['get']:.2f}x TransferQueue's here")
     for mine in ("arrowbuf", "arrowbuf-flight"):
         if "transferqueue" in summary and mine in summary:
             a, t = summary[mine], summary["transferqueue"]
@@ -305,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     (OUT / name).write_text(json.dumps({
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "load": os.getloadavg(),
         "args": {k: v for k, v in vars(args).items() if k not in ("child", "script", "rest")},
-        "memcpy_GBps": ceiling, "summary": summary, "runs": runs, "rows": rows}, indent=1))
+        "memcpy_GBps": ceiling, "memcpy_after_idle_s": idle, "idle_before_s": IDLE_BEFORE, "summary": summary,
+        "runs": runs, "rows": rows}, indent=1))
     print(f"wrote {OUT / name}")
     return 0
 
