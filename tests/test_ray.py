@@ -377,6 +377,41 @@ def test_every_shard_slower_than_failure_timeout_still_answers_within_the_caller
         s.shutdown()
 
 
+def test_shards_late_in_turn_do_not_keep_a_sample_without_timeout_going(cluster):
+    """Every sample call slower than failure_timeout, each shard's by a different amount (a loaded machine): the
+    late calls end one after another, so whenever the handle looked, one shard had just come back; it asked that one
+    again (late again) and never raised. CI's full run at 17:49 took 61 s for the test above, whose last sample is
+    this case with equal delays made unequal by the load. Without a timeout the sample gives up about failure_timeout
+    after its first round with no part, however its shards take turns."""
+    import threading
+
+    s = ShardedStore.create(SMALL, NODES, 1000, seed=8, failure_timeout=0.5, _test_hooks=True)
+    try:
+        for k in range(NODES):
+            with s.writer(k) as w:
+                w.extend(_episodes(k, 5))
+        assert s.wait_for_shards(60) == NODES
+        assert len(s.sample(10, timeout=10.0)) == 10  # connected, masses known
+        # shard 0 back 0.6 s after a call, the others 0.8 s: each round goes late after 0.5 s, when the shards of
+        # the round before have just come back (0.6 and 0.8 < 2 x 0.5), so the old code asked them in turn forever
+        ray.get([a.set_delay.remote(0.6 if k == 0 else 0.8) for k, a in enumerate(s.actors)])
+        raised: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                s.sample(10)
+            except BaseException as exc:  # noqa: BLE001 - the thread reports what ended the call
+                raised.append(exc)
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        t.join(30)  # a bound for a call that would go on forever, not a timing assert: it should end in seconds
+        assert not t.is_alive(), "a sample without timeout on shards late in turn never gave up"
+        assert len(raised) == 1 and isinstance(raised[0], ab.SampleTimeout), raised
+    finally:
+        s.shutdown()
+
+
 def test_a_shard_restarting_longer_than_failure_timeout_is_not_lost(cluster):
     """While Ray restarts a shard, asking its actor fails with ActorUnavailableError. The handle must keep asking: a
     restart that outlasts failure_timeout (here 0.5 s; starting a shard process takes longer) is not "dead for good".

@@ -374,7 +374,9 @@ class ShardedStore:
             if remaining <= 0:
                 break
             self.counters["topups"] += 1
-            if late_since is None and not answered:
+            if answered:
+                late_since = None  # progress: the bound on rounds of late calls starts again at the next such round
+            elif late_since is None:
                 late_since = time.monotonic()
             live = [s for s in answered if s.mass > 0] or self._wait_for_data(t0, timeout, late_since)
 
@@ -383,7 +385,8 @@ class ShardedStore:
         shards whose previous call is late count once it ends. For that this waits up to the caller's `timeout`, or
         if longer `failure_timeout` from `late_since` (when this call's own parts all became late; else `t0`): a
         bound that does not restart with each round of late calls, so a call never loops on shards that are always
-        slower than `failure_timeout`."""
+        slower than `failure_timeout`, also when they come back from their late calls in turn (then one has data
+        whenever this looks, and past the bound this raises anyway)."""
         pause = 0.002
         while True:
             up = self.members.live()
@@ -393,6 +396,13 @@ class ShardedStore:
                 up = [s for s in up if not s.down]
                 live = [s for s in live if not s.down]
             with_data = [s for s in live if s.mass > 0]
+            if with_data and late_since is not None and time.monotonic() >= max(
+                    late_since + self.failure_timeout, t0 + (timeout or 0.0)):
+                # every round since late_since went late: shards coming back in turn from their late calls would
+                # otherwise be asked again in turn, each round late again, and the call would never end
+                raise SampleTimeout(f"sharded sample: no shard answered within failure_timeout={self.failure_timeout}s "
+                                    f"in any round since {time.monotonic() - late_since:.1f}s ago (every call late)"
+                                    + ("; did not wait (timeout=None)" if not timeout else f"; waited {timeout}s"))
             if with_data:
                 return with_data
             waited = time.monotonic() - t0
