@@ -350,19 +350,30 @@ def test_shards_marked_down_whose_actors_answer_are_not_lost(cluster):
         s.shutdown()
 
 
+def _slow_shards_to_be(seed: int) -> ShardedStore:
+    """A store of NODES shards with test hooks (to slow them) and failure_timeout 0.5 s, rows on every shard, every
+    shard connected and its mass known."""
+    s = ShardedStore.create(SMALL, NODES, 1000, seed=seed, failure_timeout=0.5, _test_hooks=True)
+    try:
+        for k in range(NODES):
+            with s.writer(k) as w:
+                w.extend(_episodes(k, 5))
+        assert s.wait_for_shards(60) == NODES
+        assert len(s.sample(10, timeout=10.0)) == 10
+    except BaseException:
+        s.shutdown()
+        raise
+    return s
+
+
 def test_every_shard_slower_than_failure_timeout_still_answers_within_the_callers_timeout(cluster):
     """A sample call slower than failure_timeout on every shard (a loaded machine; here a 1 s delay against 0.5 s) is
     an answer late, not a failure: with timeout=10 the caller waits for it. CI's failure at a95b7c2: each call was set
     late after 0.5 s and sample raised at once, "every live shard is still busy with a late call after 0.5s", because
     the wait for late calls was counted from the start of the call (which had already waited for the shards to come
     back). Without a timeout it still gives up, after about failure_timeout once every shard is late."""
-    s = ShardedStore.create(SMALL, NODES, 1000, seed=7, failure_timeout=0.5, _test_hooks=True)
+    s = _slow_shards_to_be(seed=7)
     try:
-        for k in range(NODES):
-            with s.writer(k) as w:
-                w.extend(_episodes(k, 5))
-        assert s.wait_for_shards(60) == NODES
-        assert len(s.sample(10, timeout=10.0)) == 10  # connected, masses known
         ray.get([a.set_delay.remote(1.0) for a in s.actors])
         assert len(s.sample(10, timeout=10.0)) == 10  # the old code raised SampleTimeout here
         for st in s.members.shards:
@@ -385,13 +396,8 @@ def test_shards_late_in_turn_do_not_keep_a_sample_without_timeout_going(cluster)
     after its first round with no part, however its shards take turns."""
     import threading
 
-    s = ShardedStore.create(SMALL, NODES, 1000, seed=8, failure_timeout=0.5, _test_hooks=True)
+    s = _slow_shards_to_be(seed=8)
     try:
-        for k in range(NODES):
-            with s.writer(k) as w:
-                w.extend(_episodes(k, 5))
-        assert s.wait_for_shards(60) == NODES
-        assert len(s.sample(10, timeout=10.0)) == 10  # connected, masses known
         # shard 0 back 0.6 s after a call, the others 0.8 s: each round goes late after 0.5 s, when the shards of
         # the round before have just come back (0.6 and 0.8 < 2 x 0.5), so the old code asked them in turn forever
         ray.get([a.set_delay.remote(0.6 if k == 0 else 0.8) for k, a in enumerate(s.actors)])
