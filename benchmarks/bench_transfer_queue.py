@@ -22,7 +22,10 @@ best of 5) and the same copy after the buffers sat idle as long as perftest slee
 idle`: 10 s before a put, which follows the previous iteration's `time.sleep(10)`, 2 s before a get; median of 3).
 On a VM whose host takes back memory its guest leaves idle (this project's machines: a 320 MiB copy takes 27 ms warm,
 40-56 ms after 2 s idle, 119-138 ms after 10 s), a put that copies its bytes once cannot be faster than the second,
-so the table also gives the most any such put or get could be against TransferQueue's (`bound`).
+so the table also gives the most any such put or get could be against TransferQueue's (`bound`). With the
+arrowbuf-flight backend, a third ceiling: a raw Arrow Flight put and get of the simple case's bytes between two
+processes after the same idle (`raw Flight`: the server keeps the record batches as received and streams them back
+from memory, no checks, no store), and the most any put or get over Flight could be against TransferQueue's.
 
     python -m benchmarks.bench_transfer_queue [--quick] [--complex] [--batch 1024 --seq-len 8192 --fields 10]
                                               [--iterations 4] [--rounds 2]
@@ -260,6 +263,74 @@ def memcpy_after_idle(nbytes: int, idle_s: float, repeats: int = 3) -> float:
     return float(np.median(times))
 
 
+class _RawFlight:
+    """What any put or get over Arrow Flight must at least do (`raw Flight`): the server keeps the record batches
+    it received as they came (no check, no copy into a store) and streams them back from memory as they are."""
+
+    @staticmethod
+    def serve() -> None:
+        import pyarrow as pa
+        import pyarrow.flight as flight
+
+        class Server(flight.FlightServerBase):  # type: ignore[misc]
+            table: pa.Table | None = None
+
+            def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+                self.table = None
+                self.table = pa.Table.from_batches([c.data for c in reader if c.data is not None])
+
+            def do_get(self, context: Any, ticket: Any) -> Any:
+                assert self.table is not None
+                return flight.RecordBatchStream(self.table)
+
+        server = Server("grpc://127.0.0.1:0")
+        print(server.port, flush=True)
+        sys.stdin.read()  # serves until the parent closes its end
+        server.shutdown()
+
+
+def flight_after_idle(batch: int, fields: int, seq_len: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds of a raw Arrow Flight put and get (`_RawFlight`) of perftest's bytes between two processes on this
+    host, in messages of the size arrowbuf's compat layer sends (`wire.CHUNK_BYTES`), each after perftest's idle
+    before that phase (`IDLE_BEFORE`); median of `repeats`."""
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
+    from arrowbuf.compat.transfer_queue.wire import chunk_rows
+
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_transfer_queue", "--raw-flight-server"],
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        client = flight.FlightClient(f"grpc://127.0.0.1:{port}")
+        cols = [pa.FixedSizeListArray.from_arrays(pa.array(np.full(batch * seq_len, i, dtype=np.float32)), seq_len)
+                for i in range(fields)]
+        table = pa.table(cols, names=[f"f{i}" for i in range(fields)])
+        times: dict[str, list[float]] = {"put": [], "get": []}
+        for _ in range(repeats):
+            time.sleep(IDLE_BEFORE["put"])
+            t0 = time.perf_counter()
+            writer, reader = client.do_put(flight.FlightDescriptor.for_command(b"put"), table.schema)
+            with writer:
+                writer.write_table(table, max_chunksize=chunk_rows(table))
+                writer.done_writing()
+            times["put"].append(time.perf_counter() - t0)
+            time.sleep(IDLE_BEFORE["get"])
+            t0 = time.perf_counter()
+            got = client.do_get(flight.Ticket(b"get")).read_all()
+            times["get"].append(time.perf_counter() - t0)
+            assert got.num_rows == batch
+            del got
+        client.close()
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(timeout=30)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="batch 256, seq_len 1024, 4 fields, 3 iterations")
@@ -274,11 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ceilings", action="store_true",
                     help="only measure the memcpy ceilings (warm and after perftest's idle) at the run's size")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--raw-flight-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
     ap.add_argument("--script", help=argparse.SUPPRESS)
     ap.add_argument("--ray-tmp", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.raw_flight_server:
+        _RawFlight.serve()
+        return 0
     if args.child:
         child(args.child, args.script, [a for a in args.rest if a != "--"], args.ray_tmp)
         return 0
@@ -292,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{nbytes / 2**20:.0f} MiB copy: warm {warm * 1e3:.1f} ms; after {IDLE_BEFORE['put']:.0f} s idle "
               f"(before a put) {idle['put'] * 1e3:.1f} ms; after {IDLE_BEFORE['get']:.0f} s idle (before a get) "
               f"{idle['get'] * 1e3:.1f} ms; load {os.getloadavg()[0]:.2f}")
+        raw = flight_after_idle(args.batch, args.fields, args.seq_len)
+        print(f"raw Flight between two processes, same idle: put {raw['put'] * 1e3:.1f} ms, get "
+              f"{raw['get'] * 1e3:.1f} ms; load {os.getloadavg()[0]:.2f}")
         return 0
     script = perftest_path()
     if script is None:
@@ -310,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     size_gb = float(rows[0]["total_data_size_gb"])
     ceiling = memcpy_ceiling(int(size_gb * 1024**3))
     idle = {phase: memcpy_after_idle(int(size_gb * 1024**3), s) for phase, s in IDLE_BEFORE.items()}
+    # (the simple case's layout: in the complex case a third of the fields are ragged and a third strings)
+    raw = flight_after_idle(args.batch, args.fields, args.seq_len) if "arrowbuf-flight" in backends else None
     summary: dict[str, dict[str, float]] = {}
     for backend in {r["backend"] for r in rows}:
         mine = [r for r in rows if r["backend"] == backend]
@@ -333,10 +413,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'memcpy idle':<15}{idle['put']:>10.4f}{idle['get']:>10.4f}"
           f"{size_gb * 1.073741824 / idle['put']:>10.3f}{size_gb * 1.073741824 / idle['get']:>10.3f}"
           f"   (after {IDLE_BEFORE['put']:.0f} s / {IDLE_BEFORE['get']:.0f} s idle, as perftest's put / get)")
+    if raw is not None:
+        print(f"{'raw Flight':<15}{raw['put']:>10.4f}{raw['get']:>10.4f}"
+              f"{size_gb * 1.073741824 / raw['put']:>10.3f}{size_gb * 1.073741824 / raw['get']:>10.3f}"
+              f"   (two processes, the same idle; the simple case's layout)")
     if "transferqueue" in summary:
         t = summary["transferqueue"]
         print(f"bound: a put or get that copies its bytes once at most {t['put_s'] / idle['put']:.2f}x / "
               f"{t['get_s'] / idle['get']:.2f}x TransferQueue's here")
+        if raw is not None:
+            print(f"bound: a put or get over Flight at most {t['put_s'] / raw['put']:.2f}x / "
+                  f"{t['get_s'] / raw['get']:.2f}x TransferQueue's here")
     for mine in ("arrowbuf", "arrowbuf-flight"):
         if "transferqueue" in summary and mine in summary:
             a, t = summary[mine], summary["transferqueue"]
@@ -348,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     (OUT / name).write_text(json.dumps({
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "load": os.getloadavg(),
         "args": {k: v for k, v in vars(args).items() if k not in ("child", "script", "rest")},
-        "memcpy_GBps": ceiling, "memcpy_after_idle_s": idle, "idle_before_s": IDLE_BEFORE, "summary": summary,
+        "memcpy_GBps": ceiling, "memcpy_after_idle_s": idle, "raw_flight_after_idle_s": raw,
+        "idle_before_s": IDLE_BEFORE, "summary": summary,
         "runs": runs, "rows": rows}, indent=1))
     print(f"wrote {OUT / name}")
     return 0
