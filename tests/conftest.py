@@ -239,12 +239,18 @@ def local_ray_cluster(nodes: int) -> Iterator[Any]:
 
     before = _ray_pids()
     raylets: set[int] = set()  # every raylet of this cluster, also of nodes added and removed by a test
+    # what no test reads, not started or made rarer (each cost CPU all through a run, beside the tests: the log
+    # monitor ~10 CPU-s, the three nodes' dashboard agents ~18 CPU-s, mostly their stats every 5 s): worker logs are
+    # not sent to the driver (log_to_driver=False), the autoscaler's monitor has nothing to scale
+    quiet = {"include_log_monitor": False, "no_monitor": True}
+    reporter = os.environ.get("REPORTER_UPDATE_INTERVAL_MS")
+    os.environ["REPORTER_UPDATE_INTERVAL_MS"] = "60000"  # read by each dashboard agent as it starts
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20,
-                                                      "include_dashboard": False})
+                                                      "include_dashboard": False, **quiet})
     add_node = c.add_node
 
     def add_and_note(*args: Any, **kw: Any) -> Any:
-        node = add_node(*args, **kw)
+        node = add_node(*args, **{"include_log_monitor": False, **kw})
         raylets.update(_raylets_below())
         return node
 
@@ -257,6 +263,10 @@ def local_ray_cluster(nodes: int) -> Iterator[Any]:
         ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
         yield c
     finally:
+        if reporter is None:
+            os.environ.pop("REPORTER_UPDATE_INTERVAL_MS", None)
+        else:
+            os.environ["REPORTER_UPDATE_INTERVAL_MS"] = reporter
         raylets.update(_raylets_below())
         # multiprocessing's resource tracker lives as long as this process, whichever test started it first: not
         # waited for (the wait below used to run out its 60 s on it at every session's end)
