@@ -18,7 +18,6 @@ import pytest
 import arrowbuf as ab
 from arrowbuf.tiers import shm
 
-
 #: TorchRL's vendored replay-buffer suite (tests/compat/torchrl_suite/) has a conftest of its own and is run by
 #: tests/test_compat_torchrl_suite.py in a process of its own, never collected with this suite.
 collect_ignore = ["compat"]
@@ -38,6 +37,22 @@ SMALL = {
     },
     "derived": {"next_obs": {"next_of": "obs"}},
 }
+
+
+#: What the server of `process_context()` imports once, before it forks any process a test starts.
+_FORKSERVER_PRELOAD = ["numpy", "pyarrow", "arrowbuf", "pytest", "hypothesis", "conftest"]
+
+
+def process_context() -> Any:
+    """multiprocessing's context for the processes a test starts (writers, consumers, holders to kill): forkserver,
+    its server having imported numpy, pyarrow, arrowbuf, pytest and hypothesis once. Each process is forked from
+    that server, so it is as fresh as a spawned one (not a fork of the test's process, its threads and locks) but does
+    not import them again: a spawned child took 0.5-0.8 CPU-s to start, on two cores where the suite is CPU-bound.
+    Unlike spawn, a child sees the environment the server started with, not `os.environ` at its start: a test that
+    sets variables for its children (ARROWBUF_SHM_DIR, say) uses `mp.get_context("spawn")`."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # (read when the server starts: at the first process)
+    return ctx
 
 
 #: Rows that `rows()` writes: each row's columns encode (writer, step), so a torn or partial row shows on its own

@@ -8,7 +8,6 @@ checked before anything is registered."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -17,13 +16,14 @@ from typing import Any
 import numpy as np
 import pyarrow.flight as flight
 import pytest
+from conftest import process_context
 
 from arrowbuf.compat.transfer_queue.columns import FieldValues, field_values
 from arrowbuf.compat.transfer_queue.remote import RemoteBackend
 from arrowbuf.compat.transfer_queue.server import TQServer
 from arrowbuf.compat.transfer_queue.state import TQState
 
-CTX = mp.get_context("spawn")
+CTX = process_context()
 
 
 def _values(n: int, seed: int) -> dict[str, FieldValues]:

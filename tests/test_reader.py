@@ -4,7 +4,6 @@ another row's data, or a torn row, shows."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 import uuid
@@ -12,12 +11,12 @@ import uuid
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import SMALL, process_context
 
 import arrowbuf as ab
 from arrowbuf.tiers import shm
-from conftest import SMALL
 
-CTX = mp.get_context("spawn")
+CTX = process_context()
 JOIN_S = 60
 
 

@@ -12,16 +12,19 @@ import os
 import pickle
 import signal
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
+from conftest import EPISODE, ROWS_SCHEMA, process_context, rows
 
 import arrowbuf as ab
 from arrowbuf.tiers import shm
-from conftest import EPISODE, ROWS_SCHEMA, rows
 
 SCHEMA = {**ROWS_SCHEMA, "name": "shmtest"}
-CTX = mp.get_context("spawn")
+CTX = process_context()
+#: for the tests that set variables their children read (a forkserver child sees the server's environment)
+SPAWN = mp.get_context("spawn")
 JOIN_S = 60
 
 
@@ -34,8 +37,8 @@ def check_rows(obs: np.ndarray, next_obs: np.ndarray | None = None, reward: np.n
         np.testing.assert_array_equal(next_obs[:, :2], np.stack([obs[:, 0], obs[:, 1] + 1], 1))
 
 
-def start(names, target, *args) -> mp.Process:
-    p = CTX.Process(target=target, args=args, daemon=True)
+def start(names, target, *args, ctx: Any = CTX) -> mp.Process:
+    p = ctx.Process(target=target, args=args, daemon=True)
     p.start()
     names.procs.append(p)
     return p
@@ -284,8 +287,9 @@ def test_writer_killed_anywhere_in_the_protocol_blocks_nobody(names, where, lock
         store.extend(rows(0, 0, 500))
         assert store._tier.manifest["locks"]["kind"] == locks
         batch = 4 * store.directory.spare_rows
-        ready = CTX.Event()
-        p = start(names, _stuck_writer, name, where, ready)
+        ctx = SPAWN if locks == "flock" else CTX
+        ready = ctx.Event()
+        p = start(names, _stuck_writer, name, where, ready, ctx=ctx)
         assert ready.wait(JOIN_S), f"the writer never reached {where!r}"
         done = threading.Event()
         ids: list[np.ndarray] = []
@@ -559,8 +563,8 @@ def test_janitor_reclaims_stores_of_dead_owners(names, capsys, tmp_path, monkeyp
     root.mkdir(mode=0o700)
     monkeypatch.setenv("ARROWBUF_SHM_DIR", str(root))
     a, b, c = names(), names(), names()
-    ready = CTX.Event()
-    p = start(names, _create_and_wait, [a, b, c], ready)
+    ready = SPAWN.Event()
+    p = start(names, _create_and_wait, [a, b, c], ready, ctx=SPAWN)
     assert ready.wait(JOIN_S)
     with pytest.raises(ab.StoreExists, match="attach"):
         ab.ExperienceStore(SCHEMA, 100, tier="shm", name=a)
@@ -575,8 +579,8 @@ def test_janitor_reclaims_stores_of_dead_owners(names, capsys, tmp_path, monkeyp
     for n in (a, b, c):
         assert not os.path.exists(shm.store_path(n))
     # and from the command line, for a store of a dead owner made again
-    ready2 = CTX.Event()
-    p2 = start(names, _create_and_wait, [b], ready2)
+    ready2 = SPAWN.Event()
+    p2 = start(names, _create_and_wait, [b], ready2, ctx=SPAWN)
     assert ready2.wait(JOIN_S)
     os.kill(p2.pid, signal.SIGKILL)
     p2.join(JOIN_S)

@@ -18,12 +18,13 @@ import time
 
 import numpy as np
 import pytest
+from conftest import process_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arrowbuf as ab
 
-CTX = mp.get_context("spawn")
+CTX = process_context()
 JOIN_S = 90
 G = 4  # rows per group
 GRPO = {"name": "grpo", "fields": {

@@ -14,6 +14,7 @@ import uuid
 
 import numpy as np
 import pytest
+from conftest import process_context
 
 import arrowbuf as ab
 from arrowbuf.tiers import shm
@@ -22,7 +23,7 @@ from arrowbuf.tiers.shm.locks import pthread_lib
 SCHEMA = {"name": "trust", "fields": {"obs": {"dtype": "float32", "shape": [3]}, "reward": {"dtype": "float32"},
                                       "terminated": {"dtype": "bool"}}}
 OTHER_UID = 4242  # a uid without an account: "another local user"
-CTX = mp.get_context("spawn")
+CTX = process_context()
 JOIN_S = 60
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another uid needs root")
 

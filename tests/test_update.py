@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import uuid
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import process_context, store_snapshot
 
 import arrowbuf as ab
-from conftest import store_snapshot
 
 GRPO = {"name": "g", "fields": {
     "prompt_id": {"dtype": "int64"},
@@ -195,7 +194,7 @@ def test_shared_memory_update_from_another_process():
     name = f"upd-{uuid.uuid4().hex[:8]}"
     with ab.ExperienceStore(SCALAR, capacity=32, tier="shm", name=name) as s:
         ids = s.extend({"prompt_id": np.arange(6), "done": np.ones(6, bool)})
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         q = ctx.Queue()
         p = ctx.Process(target=_shm_updater, args=(name, ids[::2], q))
         p.start()
@@ -303,7 +302,7 @@ def test_field_by_field_completion_across_processes(served):
     """A writer process extends, two other processes fill reward and ref_logprobs over Flight; a consumer requiring
     both gets each row once, only once complete."""
     store, server, _ = served
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     ids = _run(ctx, _remote_writer, server.location)
     assert isinstance(ids, list) and len(ids) == 8, ids
     assert len(store.consume("train", 8, require=["reward", "ref_logprobs"], timeout=0.0)) == 0
@@ -578,7 +577,7 @@ def test_ragged_rows_written_and_updated_by_another_process():
     name = f"rg-{uuid.uuid4().hex[:8]}"
     with ab.ExperienceStore(RAGGED_SHM, capacity=32, chunk_rows=4, tier="shm", name=name) as s:
         s.extend(ragged_rows(0, 5))
-        ids = _run(mp.get_context("spawn"), _shm_ragged_worker, name)
+        ids = _run(process_context(), _shm_ragged_worker, name)
         assert ids == list(range(5, 11)), ids
         t = s.to_table(["seq", "p", "tok", "ref"]).to_pydict()
         assert t["p"] == [0, 1, 2, 3, 4, 100, 101, 102, 103, 104, 105]
@@ -625,7 +624,7 @@ def test_samples_never_mix_two_updates_of_a_row():
     name = f"wide-{uuid.uuid4().hex[:8]}"
     with ab.ExperienceStore(WIDE, capacity=64, chunk_rows=16, tier="shm", name=name) as s:
         ids = s.extend({"p": np.arange(64), "done": np.ones(64, bool)})
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         q = ctx.Queue()
         p = ctx.Process(target=_wide_updater, args=(name, ids, 300, q))
         p.start()

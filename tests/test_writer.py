@@ -16,12 +16,12 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import SMALL, make_episodes, process_context
 
 import arrowbuf as ab
 from arrowbuf.tiers import shm
-from conftest import SMALL, make_episodes
 
-CTX = mp.get_context("spawn")
+CTX = process_context()
 JOIN_S = 60
 BATCH = 100
 

@@ -5,7 +5,6 @@ Real processes (subprocess / spawn), real /dev/shm segments, real files; cleaned
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -15,15 +14,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
+from conftest import ROWS_SCHEMA, process_context, rows
 
 import arrowbuf as ab
 from arrowbuf.persist import checkpoint as persist_checkpoint
 from arrowbuf.persist import manifest as mf
-from conftest import ROWS_SCHEMA, rows
-
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CTX = mp.get_context("spawn")
+CTX = process_context()
 SCHEMA = {**ROWS_SCHEMA, "name": "persistproc"}
 
 
