@@ -283,10 +283,12 @@ def local_ray_cluster(nodes: int) -> Iterator[Any]:
         else:
             os.environ["REPORTER_UPDATE_INTERVAL_MS"] = reporter
         raylets.update(_raylets_below())
-        # multiprocessing's resource tracker lives as long as this process, whichever test started it first: not
-        # waited for (the wait below used to run out its 60 s on it at every session's end)
+        # multiprocessing's resource tracker and the forkserver of `process_context` live as long as this process,
+        # whichever test started them first: not waited for (the wait below used to run out its 60 s on them at the
+        # session's end)
         started = {p for p in _ray_pids(raylets) - before
-                   if "multiprocessing.resource_tracker" not in _describe(p)}
+                   if not any(m in _describe(p) for m in ("multiprocessing.resource_tracker",
+                                                           "multiprocessing.forkserver"))}
         ray.shutdown()
         c.shutdown()
         end = time.monotonic() + 60  # a bounded wait for shutdown on a loaded machine, not a timing assert
