@@ -13,7 +13,9 @@ base=$(mktemp -d "${TMPDIR:-/tmp}/arrowbuf-pytest.XXXXXX")
 trap 'rm -rf "$base"' EXIT
 # the suite runs in pytest-xdist workers, one per core (most tests wait on processes, servers and disks): a group of
 # tests that must share one worker says so with xdist_group (the Ray tests: tests/conftest.py). ARROWBUF_TEST_WORKERS
-# overrides the count ("0": in this process, as plain pytest)
+# overrides the count ("0": in this process, as plain pytest). Not more than the cores: with 3 workers on 2 cores the
+# other tests were done in 465 s but the Ray group, slowed by the third worker, took 664 s (678 s in all, against 620
+# s with 2)
 workers=${ARROWBUF_TEST_WORKERS:-$(nproc)}
 # bytecode caches written (gitignored __pycache__): the suite starts hundreds of Python processes that import
 # arrowbuf (servers, writers, crash and soak workers, Ray actors), and where PYTHONDONTWRITEBYTECODE is set (as on
