@@ -263,34 +263,31 @@ def memcpy_after_idle(nbytes: int, idle_s: float, repeats: int = 3) -> float:
     return float(np.median(times))
 
 
-class _RawFlight:
+def serve_raw_flight() -> None:
     """What any put or get over Arrow Flight must at least do (`raw Flight`): the server keeps the record batches
     it received as they came (no check, no copy into a store) and streams them back from memory as they are."""
+    import pyarrow as pa
+    import pyarrow.flight as flight
 
-    @staticmethod
-    def serve() -> None:
-        import pyarrow as pa
-        import pyarrow.flight as flight
+    class Server(flight.FlightServerBase):  # type: ignore[misc]
+        table: pa.Table | None = None
 
-        class Server(flight.FlightServerBase):  # type: ignore[misc]
-            table: pa.Table | None = None
+        def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+            self.table = None
+            self.table = pa.Table.from_batches([c.data for c in reader if c.data is not None])
 
-            def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
-                self.table = None
-                self.table = pa.Table.from_batches([c.data for c in reader if c.data is not None])
+        def do_get(self, context: Any, ticket: Any) -> Any:
+            assert self.table is not None
+            return flight.RecordBatchStream(self.table)
 
-            def do_get(self, context: Any, ticket: Any) -> Any:
-                assert self.table is not None
-                return flight.RecordBatchStream(self.table)
-
-        server = Server("grpc://127.0.0.1:0")
-        print(server.port, flush=True)
-        sys.stdin.read()  # serves until the parent closes its end
-        server.shutdown()
+    server = Server("grpc://127.0.0.1:0")
+    print(server.port, flush=True)
+    sys.stdin.read()  # serves until the parent closes its end
+    server.shutdown()
 
 
 def flight_after_idle(batch: int, fields: int, seq_len: int, repeats: int = 3) -> dict[str, float]:
-    """Seconds of a raw Arrow Flight put and get (`_RawFlight`) of perftest's bytes between two processes on this
+    """Seconds of a raw Arrow Flight put and get (`serve_raw_flight`) of perftest's bytes between two processes on this
     host, in messages of the size arrowbuf's compat layer sends (`wire.CHUNK_BYTES`), each after perftest's idle
     before that phase (`IDLE_BEFORE`); median of `repeats`."""
     import pyarrow as pa
@@ -352,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.raw_flight_server:
-        _RawFlight.serve()
+        serve_raw_flight()
         return 0
     if args.child:
         child(args.child, args.script, [a for a in args.rest if a != "--"], args.ray_tmp)
